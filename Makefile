@@ -10,19 +10,31 @@ PYTEST_ARGS ?=
 
 .PHONY: install run test lint format bench clean
 
-$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned in the same command as transformers (requirements.txt) to avoid a CUDA download
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
 install: $(STAMP)
 
+PORT ?= 8033
+
 run: $(STAMP)
-	$(PY) -m orchestrator run-default --config $(CONFIG)
+	$(PY) -m generation prepare smollm2-135m
+	@echo
+	@echo "guardstream starts on port $(PORT). In another terminal, try:"
+	@echo
+	@echo "  curl -N http://127.0.0.1:$(PORT)/api/v1/task/server-streaming-classification-with-text-generation \\"
+	@echo "    -H 'content-type: application/json' \\"
+	@echo "    -d '{\"model_id\": \"smollm2-135m\", \"inputs\": \"Tell me about cats.\", \"guardrail_config\": {\"output\": {\"models\": {\"pii\": {}, \"hap\": {}}}}}'"
+	@echo
+	@echo "  or: $(PY) -m orchestrator stream --output-detector pii --output-detector hap 'Tell me about cats.'"
+	@echo
+	$(PY) -m orchestrator serve --config $(CONFIG) --port $(PORT)
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,0 +1,3 @@
+"""guardstream orchestrator."""
+
+__version__ = "0.1.0"

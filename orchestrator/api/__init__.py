@@ -1,0 +1,1 @@
+"""Every wire shape of the orchestrator API, defined once (pydantic)."""

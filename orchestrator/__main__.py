@@ -1,0 +1,102 @@
+"""CLI: `serve`, `check-config`, `stream` (DESIGN section 2)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from .config import ConfigError, load_config
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.path)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(line, file=sys.stderr)
+        print(f"{args.path}: {len(exc.errors)} error(s)", file=sys.stderr)
+        return 1
+    print(
+        f"{args.path}: OK ({len(config.models)} model(s), {len(config.detectors)} detector(s), "
+        f"{len(config.chunkers)} chunker(s))"
+    )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import run_server
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(line, file=sys.stderr)
+        return 1
+    host = args.host or config.server.host
+    port = config.server.port if args.port is None else args.port
+    with _sigterm_as_interrupt():
+        return asyncio.run(run_server(config, host, port, device=args.device))
+
+
+class _sigterm_as_interrupt:
+    """SIGTERM (what Kubernetes and docker send) drains like Ctrl-C."""
+
+    def __enter__(self) -> None:
+        self._old = signal.getsignal(signal.SIGTERM)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._old)
+
+
+def _stream(args: argparse.Namespace) -> int:
+    from .terminal_client import run_terminal_client
+
+    return asyncio.run(run_terminal_client(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator", description="guardstream orchestrator"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the service")
+    serve.add_argument("--config", required=True)
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="for in-process detectors"
+    )
+    serve.set_defaults(func=_serve)
+
+    check = sub.add_parser("check-config", help="validate a config; exit 1 on error")
+    check.add_argument("path")
+    check.set_defaults(func=_check_config)
+
+    stream = sub.add_parser("stream", help="stream a generation in the terminal")
+    stream.add_argument("prompt")
+    stream.add_argument("--url", default="http://127.0.0.1:8033")
+    stream.add_argument(
+        "--model", default=None, help="model_id (default: the server's first model)"
+    )
+    stream.add_argument("--input-detector", action="append", default=[], metavar="ID")
+    stream.add_argument("--output-detector", action="append", default=[], metavar="ID")
+    stream.add_argument("--max-new-tokens", type=int, default=None)
+    stream.add_argument("--api-key", default=None)
+    stream.add_argument("--no-color", action="store_true")
+    stream.set_defaults(func=_stream)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Request bodies of the orchestrator API (DESIGN section 4.2): unknown fields are 422."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DetectorParams(BaseModel):
+    """One detector's entry in a request. `threshold` and `on_detection` are the orchestrator's;
+    every other key is forwarded to the detector as `detector_params`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    threshold: float | None = None
+    on_detection: Literal["annotate", "block"] | None = None
+
+    @field_validator("threshold", mode="before")
+    @classmethod
+    def _numeric_threshold(cls, v: Any) -> Any:
+        # "0.5" or true must not slip through pydantic's lax coercion: a threshold is a number.
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+            raise ValueError("threshold must be a number")
+        return v
+
+    def detector_params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+DetectorMap = dict[str, DetectorParams]
+
+
+class InputGuardrail(Strict):
+    models: DetectorMap = Field(default_factory=dict)
+    masks: list[tuple[int, int]] | None = None
+
+    @field_validator("masks")
+    @classmethod
+    def _ordered_masks(cls, v: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
+        for start, end in v or []:
+            if start < 0 or end < start:
+                raise ValueError(f"mask [{start}, {end}] must satisfy 0 <= start <= end")
+        return v
+
+
+class OutputGuardrail(Strict):
+    models: DetectorMap = Field(default_factory=dict)
+
+
+class GuardrailConfig(Strict):
+    input: InputGuardrail | None = None
+    output: OutputGuardrail | None = None
+
+
+class TextGenParameters(Strict):
+    max_new_tokens: int | None = Field(None, ge=1)
+    min_new_tokens: int = Field(0, ge=0)
+    decoding_method: Literal["GREEDY", "SAMPLING"] = "GREEDY"
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    stop_sequences: list[str] = Field(default_factory=list, max_length=16)
+    max_time: float = Field(0.0, ge=0)
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _nonempty_stops(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> TextGenParameters:
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError("min_new_tokens must not exceed max_new_tokens")
+        return self
+
+
+class GuardrailsHttpRequest(Strict):
+    """Body of both task endpoints."""
+
+    model_id: str
+    inputs: str
+    guardrail_config: GuardrailConfig = Field(default_factory=GuardrailConfig)
+    text_gen_parameters: TextGenParameters = Field(default_factory=TextGenParameters)
+
+
+class ContentDetectionRequest(Strict):
+    """POST /api/v2/text/detection/content."""
+
+    content: str
+    detectors: DetectorMap = Field(min_length=1)
+
+
+class StreamContentLine(Strict):
+    """One NDJSON line of POST /api/v2/text/detection/stream-content; detectors on the first."""
+
+    content: str
+    detectors: DetectorMap | None = None

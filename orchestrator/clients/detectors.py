@@ -1,0 +1,170 @@
+"""Detector clients: in-process built-ins and remote services speaking the detector API (DESIGN 6).
+
+Both answer `detect(contents, params) -> list[list[Detection]]` and fail with DetectorCallError,
+which names the detector, for every way a detector can let a request down: HTTP error, timeout,
+malformed reply, or a reply whose count differs from the contents sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from abc import ABC, abstractmethod
+from typing import Any
+
+import aiohttp
+from detectors.api import ContentsRequest, Detection
+from pydantic import TypeAdapter, ValidationError
+
+import detectors
+
+from ..config import DetectorConfig
+
+_REPLY = TypeAdapter(list[list[Detection]])
+
+
+class DetectorCallError(Exception):
+    """A detector call failed; `message` is safe to show to the client."""
+
+    def __init__(self, detector_id: str, message: str, *, invalid_params: bool = False) -> None:
+        super().__init__(f"detector `{detector_id}`: {message}")
+        self.detector_id = detector_id
+        self.message = message
+        self.invalid_params = invalid_params
+
+
+class DetectorClient(ABC):
+    def __init__(self, detector_id: str, config: DetectorConfig) -> None:
+        self.detector_id = detector_id
+        self.config = config
+
+    @abstractmethod
+    async def detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
+        """`params` are the request's detector_params (config params are merged under them)."""
+
+    async def health(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+    def _check_count(self, contents: list[str], reply: list[list[Detection]]) -> None:
+        if len(reply) != len(contents):
+            raise DetectorCallError(
+                self.detector_id,
+                f"returned {len(reply)} results for {len(contents)} contents",
+            )
+
+
+class InProcessDetectorClient(DetectorClient):
+    """A built-in detector running inside the orchestrator (its models in worker threads)."""
+
+    def __init__(
+        self, detector_id: str, config: DetectorConfig, detector: detectors.Detector
+    ) -> None:
+        super().__init__(detector_id, config)
+        self._detector = detector
+
+    async def detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
+        try:
+            reply = await asyncio.wait_for(
+                self._detector.detect(contents, params or None), self.config.timeout_s
+            )
+        except TimeoutError:
+            raise DetectorCallError(
+                self.detector_id, f"timed out after {self.config.timeout_s:g} s"
+            ) from None
+        except detectors.InvalidParams as exc:
+            raise DetectorCallError(self.detector_id, str(exc), invalid_params=True) from None
+        except detectors.DetectorError as exc:
+            raise DetectorCallError(self.detector_id, str(exc) or type(exc).__name__) from None
+        self._check_count(contents, reply)
+        return reply
+
+    async def close(self) -> None:
+        await self._detector.close()
+
+
+class HttpDetectorClient(DetectorClient):
+    """A remote detector; one pooled session for all of them, a timeout per detector."""
+
+    def __init__(
+        self,
+        detector_id: str,
+        config: DetectorConfig,
+        session: aiohttp.ClientSession,
+        *,
+        ssl_context: ssl.SSLContext | bool | None = None,
+        forward_headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(detector_id, config)
+        assert config.url is not None
+        self._url = config.url.rstrip("/") + "/api/v1/text/contents"
+        self._health_url = config.url.rstrip("/") + "/health"
+        self._session = session
+        self._ssl = ssl_context
+        self._forward = forward_headers or {}
+
+    async def detect(
+        self,
+        contents: list[str],
+        params: dict[str, Any],
+        headers: dict[str, str] | None = None,
+    ) -> list[list[Detection]]:
+        merged = {**self.config.params, **(params or {})}
+        for key in ("threshold", "on_detection"):
+            merged.pop(key, None)
+        body = ContentsRequest(contents=contents, detector_params=merged).model_dump(mode="json")
+        hdrs = {"detector-id": self.detector_id, "content-type": "application/json"}
+        hdrs.update(self._forward)
+        hdrs.update(headers or {})
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        try:
+            async with self._session.post(
+                self._url, json=body, headers=hdrs, timeout=timeout, ssl=self._ssl
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    # 422 is the detector rejecting the detector_params the client sent
+                    raise DetectorCallError(
+                        self.detector_id,
+                        f"HTTP {resp.status}: {_error_message(raw)}",
+                        invalid_params=resp.status == 422,
+                    )
+        except TimeoutError:
+            raise DetectorCallError(
+                self.detector_id, f"timed out after {self.config.timeout_s:g} s"
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise DetectorCallError(self.detector_id, f"request failed: {exc}") from None
+        try:
+            reply = _REPLY.validate_json(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "reply"
+            raise DetectorCallError(
+                self.detector_id, f"malformed reply ({where}: {first['msg']})"
+            ) from None
+        self._check_count(contents, reply)
+        return reply
+
+    async def health(self) -> bool:
+        try:
+            async with self._session.get(
+                self._health_url, timeout=aiohttp.ClientTimeout(total=2), ssl=self._ssl
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+
+def _error_message(raw: bytes) -> str:
+    """The detector's `message` when it sent the API's error body, else a short raw excerpt."""
+    try:
+        data = json.loads(raw)
+        if isinstance(data, dict) and isinstance(data.get("message"), str):
+            return data["message"][:500]
+    except ValueError:
+        pass
+    return raw[:200].decode("utf-8", "replace") or "(empty body)"

@@ -1,0 +1,125 @@
+"""What the config declares, built once at start-up: chunkers and detector clients by id, and the
+resolution of a request's `{detector_id: params}` map against them (404/422 before any byte)."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+import chunkers
+import detectors
+
+from ..api.errors import invalid, not_found
+from ..api.requests import DetectorMap
+from ..config import ORCHESTRATOR_PARAM_KEYS, WHOLE_DOC_CHUNKER, Config, DetectorConfig
+from .detectors import DetectorClient, HttpDetectorClient, InProcessDetectorClient
+from .tls import client_ssl_context
+
+
+@dataclass(frozen=True, slots=True)
+class RequestedDetector:
+    """A detector as one request uses it: effective threshold, action and forwarded params."""
+
+    detector_id: str
+    client: DetectorClient
+    chunker_id: str
+    threshold: float
+    on_detection: Literal["annotate", "block"]
+    params: dict[str, Any]
+
+    @property
+    def whole_doc(self) -> bool:
+        return self.chunker_id == WHOLE_DOC_CHUNKER
+
+    @property
+    def blocking(self) -> bool:
+        return self.on_detection == "block"
+
+
+class ChunkerRegistry:
+    """Configured chunkers by id, plus the reserved `whole_doc_chunker`."""
+
+    def __init__(self, settings: dict[str, dict[str, Any]]) -> None:
+        self._chunkers: dict[str, Any] = {cid: chunkers.build(s) for cid, s in settings.items()}
+        self._chunkers[WHOLE_DOC_CHUNKER] = chunkers.build({"type": "whole_doc"})
+
+    def get(self, chunker_id: str) -> Any:
+        return self._chunkers[chunker_id]
+
+    def ids(self) -> list[str]:
+        return list(self._chunkers)
+
+
+class DetectorRegistry:
+    """Detector clients by configured id; in-process built-ins share model loads."""
+
+    def __init__(
+        self,
+        config: Config,
+        session: aiohttp.ClientSession,
+        *,
+        device: str = "auto",
+        forward_headers: dict[str, str] | None = None,
+    ) -> None:
+        self._configs: dict[str, DetectorConfig] = dict(config.detectors)
+        self._clients: dict[str, DetectorClient] = {}
+        for detector_id, det in self._configs.items():
+            if det.builtin is not None:
+                params = {k: v for k, v in det.params.items() if k not in ORCHESTRATOR_PARAM_KEYS}
+                built = detectors.build(det.builtin, params, device=device)
+                self._clients[detector_id] = InProcessDetectorClient(detector_id, det, built)
+            else:
+                ctx: ssl.SSLContext | bool | None = client_ssl_context(det.tls)
+                self._clients[detector_id] = HttpDetectorClient(
+                    detector_id, det, session, ssl_context=ctx, forward_headers=forward_headers
+                )
+
+    def clients(self) -> dict[str, DetectorClient]:
+        return dict(self._clients)
+
+    def resolve(self, requested: DetectorMap, direction: str) -> list[RequestedDetector]:
+        """Turns a request's detector map into RequestedDetectors, sorted by id; raises the API's
+        404 for an unknown id and 422 for a detector type that cannot judge text contents."""
+        out: list[RequestedDetector] = []
+        for detector_id in sorted(requested):
+            params = requested[detector_id]
+            det = self._configs.get(detector_id)
+            if det is None:
+                raise not_found(f"detector `{detector_id}` not found")
+            if det.type != "text_contents":
+                raise invalid(
+                    f"detector `{detector_id}` is of type `{det.type}` and cannot be used "
+                    f"for {direction} detection (only `text_contents` detectors can)"
+                )
+            threshold = params.threshold
+            if threshold is None:
+                threshold = float(det.params.get("threshold", det.default_threshold))
+            forwarded = params.detector_params()
+            for key in ORCHESTRATOR_PARAM_KEYS:
+                forwarded.pop(key, None)
+            if det.builtin is not None and forwarded:
+                merged = {**det.params, **forwarded}
+                for key in ORCHESTRATOR_PARAM_KEYS:
+                    merged.pop(key, None)
+                try:
+                    detectors.validate_params(det.builtin, merged)
+                except ValueError as exc:
+                    raise invalid(f"{direction}.models.{detector_id}: {exc}") from None
+            out.append(
+                RequestedDetector(
+                    detector_id=detector_id,
+                    client=self._clients[detector_id],
+                    chunker_id=det.chunker_id,
+                    threshold=threshold,
+                    on_detection=params.on_detection or det.on_detection,
+                    params=forwarded,
+                )
+            )
+        return out
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()

@@ -1,0 +1,246 @@
+"""The schema of config.yaml (DESIGN section 3), its loader and its cross-reference checks.
+
+Every error is reported with its YAML path (`detectors.hap.chunker_id: unknown chunker 'x'`) and
+all errors are collected at once, so an operator fixes a config in one pass.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+import chunkers
+import detectors
+
+WHOLE_DOC_CHUNKER = "whole_doc_chunker"
+DETECTOR_TYPES = ("text_contents", "text_generation", "text_chat", "text_context_doc")
+
+
+class Strict(BaseModel):
+    """Base for config sections: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TlsConfig(Strict):
+    cert_path: str
+    key_path: str
+    client_ca_path: str | None = None
+
+
+class ClientTlsConfig(Strict):
+    """TLS options for calls to a remote engine or detector."""
+
+    ca_path: str | None = None
+    cert_path: str | None = None
+    key_path: str | None = None
+    insecure_skip_verify: bool = False
+
+
+class ServerConfig(Strict):
+    host: str = "0.0.0.0"
+    port: int = Field(8033, ge=0, le=65535)
+    api_keys_env: str | None = None
+    max_request_bytes: int = Field(1_048_576, ge=1024)
+    request_timeout_s: float = Field(600, gt=0)
+    max_concurrent_streams: int = Field(1024, ge=1)
+    drain_timeout_s: float = Field(30, ge=0)
+    tls: TlsConfig | None = None
+    forward_headers: list[str] = Field(default_factory=list)
+
+
+class ManagedBackend(Strict):
+    """Engine processes the orchestrator starts and supervises on this machine."""
+
+    type: Literal["managed"]
+    model: str
+    replicas: int = Field(1, ge=1, le=64)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    enable_fault_injection: bool = False
+    start_timeout_s: float = Field(300, gt=0)
+
+
+class NativeBackend(Strict):
+    """An engine already running, speaking the native protocol (DESIGN section 7)."""
+
+    type: Literal["native"]
+    url: str
+    tls: ClientTlsConfig | None = None
+
+
+class OpenAIBackend(Strict):
+    """An OpenAI-compatible completions server (vLLM, a Dynamo frontend)."""
+
+    type: Literal["openai"]
+    url: str
+    model: str
+    api_key_env: str | None = None
+    tls: ClientTlsConfig | None = None
+
+
+Backend = Annotated[ManagedBackend | NativeBackend | OpenAIBackend, Field(discriminator="type")]
+
+
+class MigrationConfig(Strict):
+    limit: int = Field(3, ge=0)
+    max_seq_len: int = Field(8192, ge=1)
+    stall_timeout_s: float = Field(30, gt=0)
+    quarantine_s: float = Field(5, ge=0)
+
+
+class ModelLimits(Strict):
+    """Per-model caps that protect the service from oversized requests (422 beyond them)."""
+
+    max_new_tokens: int = Field(2048, ge=1)
+    default_max_new_tokens: int = Field(256, ge=1)
+    max_input_chars: int = Field(100_000, ge=1)
+
+
+class ModelConfig(Strict):
+    backends: list[Backend] = Field(min_length=1)
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
+    limits: ModelLimits = Field(default_factory=ModelLimits)
+    # Apply the model's chat template to `inputs` (instruct models answer a raw prompt poorly).
+    chat: bool = False
+
+
+class DetectorConfig(Strict):
+    type: Literal["text_contents", "text_generation", "text_chat", "text_context_doc"] = (
+        "text_contents"
+    )
+    builtin: str | None = None
+    url: str | None = None
+    chunker_id: str = WHOLE_DOC_CHUNKER
+    default_threshold: float = 0.5
+    params: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float = Field(10, gt=0)
+    on_detection: Literal["annotate", "block"] = "annotate"
+    tls: ClientTlsConfig | None = None
+
+
+class Config(Strict):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    chunkers: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    detectors: dict[str, DetectorConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Config:
+        errors = cross_reference_errors(self)
+        if errors:
+            raise ConfigError(errors)
+        return self
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; `errors` holds one `yaml.path: message` line per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def cross_reference_errors(config: Config) -> list[str]:
+    """Checks that the schema alone cannot express: references between sections, settings of
+    chunkers and built-in detectors (validated by their own libraries, without loading models)."""
+    errors: list[str] = []
+    for chunker_id, settings in config.chunkers.items():
+        path = f"chunkers.{chunker_id}"
+        if chunker_id == WHOLE_DOC_CHUNKER:
+            errors.append(f"{path}: '{WHOLE_DOC_CHUNKER}' is reserved and built in")
+            continue
+        try:
+            chunkers.build(settings)
+        except ValueError as exc:
+            errors.append(f"{path}.{exc}" if _names_field(exc) else f"{path}: {exc}")
+    for detector_id, det in config.detectors.items():
+        path = f"detectors.{detector_id}"
+        if (det.builtin is None) == (det.url is None):
+            errors.append(f"{path}: exactly one of 'builtin' and 'url' is required")
+        if det.builtin is not None:
+            if det.builtin not in detectors.BUILTINS:
+                errors.append(
+                    f"{path}.builtin: unknown built-in detector '{det.builtin}' "
+                    f"(expected one of {', '.join(detectors.BUILTINS)})"
+                )
+            else:
+                try:
+                    detectors.validate_params(det.builtin, _detector_params(det.params))
+                except ValueError as exc:
+                    errors.append(f"{path}.params: {exc}")
+        if det.url is not None and not det.url.startswith(("http://", "https://")):
+            errors.append(f"{path}.url: must start with http:// or https://")
+        if det.chunker_id != WHOLE_DOC_CHUNKER and det.chunker_id not in config.chunkers:
+            errors.append(f"{path}.chunker_id: unknown chunker '{det.chunker_id}'")
+    for model_id, model in config.models.items():
+        for i, backend in enumerate(model.backends):
+            path = f"models.{model_id}.backends.{i}"
+            url = getattr(backend, "url", None)
+            if url is not None and not url.startswith(("http://", "https://")):
+                errors.append(f"{path}.url: must start with http:// or https://")
+    return errors
+
+
+def _names_field(exc: ValueError) -> bool:
+    """Chunker errors start with the field name (`max_words: must be >= 1`)."""
+    head = str(exc).split(":", 1)[0]
+    return bool(head) and " " not in head
+
+
+def _detector_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Params minus the keys the orchestrator consumes itself."""
+    return {k: v for k, v in params.items() if k not in ORCHESTRATOR_PARAM_KEYS}
+
+
+ORCHESTRATOR_PARAM_KEYS = frozenset({"threshold", "on_detection"})
+
+
+def _format_validation_error(exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        # Discriminated unions insert the tag into the location; it is not a YAML key.
+        loc = [p for p in loc if p not in ("managed", "native", "openai")]
+        if err["type"] == "value_error" and isinstance(
+            err.get("ctx", {}).get("error"), ConfigError
+        ):
+            lines.extend(err["ctx"]["error"].errors)
+            continue
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        path = ".".join(loc) if loc else "(root)"
+        lines.append(f"{path}: {msg}")
+    return lines
+
+
+def parse_config(data: Any) -> Config:
+    """Validates an already-parsed YAML document; raises ConfigError with every problem."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(["(root): the config must be a mapping"])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Reads and validates a config file; raises ConfigError (never a bare traceback)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{p}: cannot read: {exc.strerror or exc}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{p}: invalid YAML: {exc}"]) from None
+    return parse_config(data)

@@ -1,0 +1,55 @@
+"""Reading a JSON body into a pydantic model, with the API's 4xx errors for every way it can be
+wrong (DESIGN section 4: a client mistake is never a 5xx)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from ..api.errors import ApiError, ErrorType, invalid
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:10]:
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def require_json_content_type(request: web.Request) -> None:
+    ctype = request.content_type
+    if ctype not in ("application/json", "") and not ctype.endswith("+json"):
+        raise ApiError(
+            415, ErrorType.INVALID_REQUEST, f"expected content-type application/json, got {ctype}"
+        )
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ApiError(400, ErrorType.INVALID_REQUEST, f"invalid JSON body: {exc}") from None
+
+
+def validate(model: type[M], data: Any) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid(describe_validation_error(exc)) from None
+
+
+async def read_model(request: web.Request, model: type[M]) -> M:
+    require_json_content_type(request)
+    raw = await request.read()  # bounded by the app's client_max_size (413 beyond it)
+    return validate(model, parse_json(raw))

@@ -1,0 +1,22 @@
+"""POST /api/v2/text/detection/content: detectors on a given text, spans relative to all of it."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..api.requests import ContentDetectionRequest
+from ..api.responses import ContentDetectionResponse
+from ..state import STATE
+from ..streaming.text_judgement import judge_text
+from .body import read_model
+
+
+async def handle(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_model(request, ContentDetectionRequest)
+    assert state.detectors is not None
+    dets = state.detectors.resolve(body.detectors, "content")
+    findings = await judge_text(body.content, dets, state.chunkers)
+    state.metrics.observer().on_findings(findings)
+    response = ContentDetectionResponse(detections=[f.to_content() for f in findings])
+    return web.json_response(response.dump())

@@ -1,0 +1,33 @@
+"""What every handler needs, built once per app at start-up."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .clients.generation import ModelBackend
+from .clients.registry import ChunkerRegistry, DetectorRegistry
+from .config import Config
+from .metrics import OrchestratorMetrics
+
+
+@dataclass
+class AppState:
+    config: Config
+    metrics: OrchestratorMetrics
+    chunkers: ChunkerRegistry
+    session: aiohttp.ClientSession | None = None
+    detectors: DetectorRegistry | None = None
+    backends: dict[str, ModelBackend] = field(default_factory=dict)
+    active_streams: int = 0
+    # running GuardedGeneration pipelines, so a drain can end each with a terminal event
+    streams: set[Any] = field(default_factory=set)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no stream runs
+    draining: bool = False
+
+
+STATE = web.AppKey("state", AppState)

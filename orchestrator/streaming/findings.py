@@ -1,0 +1,86 @@
+"""A detection kept by the orchestrator: thresholded, stream-relative, tagged with its detector.
+Both wire forms (token classification results, content detections) are projections of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from detectors.api import Detection
+
+from chunkers import Span
+
+from ..api.responses import ContentDetection, TokenClassificationResult
+from ..clients.detectors import DetectorCallError
+from ..clients.registry import RequestedDetector
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    start: int
+    end: int
+    text: str
+    detection: str
+    detection_type: str
+    detector_id: str
+    score: float
+    evidence: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] | None = None
+
+    def to_tcr(self) -> TokenClassificationResult:
+        return TokenClassificationResult(
+            start=self.start,
+            end=self.end,
+            word=self.text,
+            entity=self.detection,
+            entity_group=self.detection_type,
+            detector_id=self.detector_id,
+            score=self.score,
+        )
+
+    def to_content(self) -> ContentDetection:
+        return ContentDetection(
+            start=self.start,
+            end=self.end,
+            text=self.text,
+            detection=self.detection,
+            detection_type=self.detection_type,
+            detector_id=self.detector_id,
+            score=self.score,
+            evidence=self.evidence,
+            metadata=self.metadata,
+        )
+
+
+def sort_findings(findings: list[Finding]) -> list[Finding]:
+    """The order clients see (DESIGN 4.3): by start, then detector id."""
+    return sorted(findings, key=lambda f: (f.start, f.detector_id, f.end))
+
+
+def keep(
+    detector: RequestedDetector, span: Span, detections: list[Detection]
+) -> tuple[Finding, ...]:
+    """Detections with `score >= threshold`, shifted from chunk-relative to stream-relative."""
+    kept: list[Finding] = []
+    size = len(span.text)
+    for d in detections:
+        if not (0 <= d.start <= d.end <= size):
+            raise DetectorCallError(
+                detector.detector_id,
+                f"detection span [{d.start}, {d.end}) lies outside its content of {size} characters",
+            )
+        if d.score >= detector.threshold:
+            kept.append(
+                Finding(
+                    start=span.start + d.start,
+                    end=span.start + d.end,
+                    text=d.text,
+                    detection=d.detection,
+                    detection_type=d.detection_type,
+                    detector_id=detector.detector_id,
+                    score=d.score,
+                    evidence=d.evidence,
+                    metadata=d.metadata,
+                )
+            )
+    return tuple(kept)

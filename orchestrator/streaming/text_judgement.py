@@ -1,0 +1,52 @@
+"""Detectors on a text that is whole from the start: task inputs (after masks) and the
+detection/content endpoint. Each detector chunks the text with its own chunker and judges all
+chunks in one call; the detectors run concurrently."""
+
+from __future__ import annotations
+
+import asyncio
+
+from chunkers import Span
+
+from ..clients.registry import ChunkerRegistry, RequestedDetector
+from .fanout import ChunkerFailure
+from .findings import Finding, keep, sort_findings
+
+
+async def judge_text(
+    text: str,
+    detectors: list[RequestedDetector],
+    chunkers: ChunkerRegistry,
+    regions: list[tuple[int, int]] | None = None,
+) -> list[Finding]:
+    """Findings over `text` (spans relative to all of it), sorted; `regions` restricts detection
+    to those `[start, end)` slices, as input masks do."""
+    if regions is None:
+        regions = [(0, len(text))]
+
+    async def one(detector: RequestedDetector) -> list[Finding]:
+        spans = _chunk_regions(text, regions, detector.chunker_id, chunkers)
+        if not spans:
+            return []
+        replies = await detector.client.detect([s.text for s in spans], detector.params)
+        return [
+            f for span, dets in zip(spans, replies, strict=True) for f in keep(detector, span, dets)
+        ]
+
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(one(d)) for d in detectors]
+    return sort_findings([f for t in tasks for f in t.result()])
+
+
+def _chunk_regions(
+    text: str, regions: list[tuple[int, int]], chunker_id: str, chunkers: ChunkerRegistry
+) -> list[Span]:
+    chunker = chunkers.get(chunker_id)
+    spans: list[Span] = []
+    for start, end in regions:
+        try:
+            chunks = chunker.chunk(text[start:end])
+        except Exception as exc:
+            raise ChunkerFailure(chunker_id, f"{type(exc).__name__}: {exc}") from exc
+        spans.extend(Span(c.start + start, c.end + start, c.text) for c in chunks)
+    return spans

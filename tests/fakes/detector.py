@@ -1,0 +1,103 @@
+"""A remote detector speaking the detector API (DESIGN 6) over a real socket, for orchestrator
+tests. It flags every occurrence of configured words, and can fail on cue: HTTP error, slow
+reply, malformed reply, wrong reply count. It records every call and notices cancelled ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class DetectorBehaviour:
+    words: dict[str, float] = field(default_factory=dict)  # word -> score
+    detection: str = "flagged"
+    detection_type: str = "test"
+    fail_status: int | None = None  # answer every call with this HTTP status
+    fail_on: str | None = None  # fail (fail_status or 500) only for contents containing this
+    delay_s: float = 0.0
+    malformed: bool = False
+    drop_one: bool = False  # reply with one list fewer than contents
+
+
+class FakeDetectorServer:
+    def __init__(self) -> None:
+        self.detectors: dict[str, DetectorBehaviour] = {}
+        self.calls: list[tuple[str, list[str], dict[str, Any]]] = []
+        self.cancelled = 0
+        self.in_flight = 0
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    def add(self, detector_id: str, behaviour: DetectorBehaviour) -> None:
+        self.detectors[detector_id] = behaviour
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/api/v1/text/contents", self._contents)
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _contents(self, request: web.Request) -> web.Response:
+        detector_id = request.headers.get("detector-id", "")
+        behaviour = self.detectors.get(detector_id)
+        if behaviour is None:
+            return web.json_response({"code": 404, "message": f"no detector {detector_id}"}, status=404)
+        body = await request.json()
+        contents: list[str] = body["contents"]
+        self.calls.append((detector_id, contents, body.get("detector_params", {})))
+        self.in_flight += 1
+        try:
+            if behaviour.delay_s:
+                await asyncio.sleep(behaviour.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+        failing = behaviour.fail_status is not None and (
+            behaviour.fail_on is None or any(behaviour.fail_on in c for c in contents)
+        )
+        if failing:
+            return web.json_response(
+                {"code": behaviour.fail_status, "message": "detector exploded"}, status=behaviour.fail_status or 500
+            )
+        if behaviour.malformed:
+            return web.Response(text='[{"start": "zero"}]', content_type="application/json")
+        reply = [self._detect(behaviour, c) for c in contents]
+        if behaviour.drop_one:
+            reply = reply[:-1]
+        return web.Response(text=json.dumps(reply), content_type="application/json")
+
+    @staticmethod
+    def _detect(behaviour: DetectorBehaviour, content: str) -> list[dict[str, Any]]:
+        found = []
+        for word, score in behaviour.words.items():
+            start = content.find(word)
+            while start != -1:
+                found.append(
+                    {
+                        "start": start,
+                        "end": start + len(word),
+                        "text": word,
+                        "detection": behaviour.detection,
+                        "detection_type": behaviour.detection_type,
+                        "score": score,
+                    }
+                )
+                start = content.find(word, start + 1)
+        return sorted(found, key=lambda d: d["start"])

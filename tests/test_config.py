@@ -1,0 +1,126 @@
+"""config.yaml schema: the shipped default is valid; every error names its YAML path; the CLI
+prints them all and exits 1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def minimal(**extra: object) -> dict:
+    base: dict = {
+        "models": {"m": {"backends": [{"type": "native", "url": "http://127.0.0.1:1"}]}},
+        "chunkers": {"sentence": {"type": "sentence"}},
+        "detectors": {"pii": {"builtin": "regex", "chunker_id": "sentence"}},
+    }
+    base.update(extra)
+    return base
+
+
+def errors_of(data: object) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return info.value.errors
+
+
+def test_default_config_is_valid() -> None:
+    config = load_config(ROOT / "config.yaml")
+    assert config.server.port == 8033
+    backend = config.models["smollm2-135m"].backends[0]
+    assert backend.type == "managed" and backend.replicas == 2
+    assert config.detectors["pii"].builtin == "regex"
+
+
+def test_defaults_fill_in() -> None:
+    config = parse_config(minimal())
+    assert config.models["m"].migration.limit == 3
+    assert config.models["m"].migration.stall_timeout_s == 30
+    assert config.detectors["pii"].default_threshold == 0.5
+    assert config.detectors["pii"].on_detection == "annotate"
+    assert config.server.max_request_bytes == 1048576
+
+
+def test_unknown_chunker_names_its_path() -> None:
+    data = minimal()
+    data["detectors"]["hap"] = {"builtin": "profanity", "chunker_id": "sentense"}
+    assert errors_of(data) == ["detectors.hap.chunker_id: unknown chunker 'sentense'"]
+
+
+def test_unknown_keys_are_errors_with_their_path() -> None:
+    data = minimal()
+    data["server"] = {"prot": 8033}
+    data["models"]["m"]["migration"] = {"limt": 3}
+    errs = errors_of(data)
+    assert "server.prot: unknown key" in errs
+    assert "models.m.migration.limt: unknown key" in errs
+
+
+def test_every_error_is_reported_at_once() -> None:
+    data = minimal()
+    data["detectors"]["a"] = {"builtin": "regex", "url": "http://x", "chunker_id": "sentence"}
+    data["detectors"]["b"] = {"chunker_id": "sentence"}
+    data["detectors"]["c"] = {"builtin": "nope", "chunker_id": "sentence"}
+    data["chunkers"]["w"] = {"type": "words", "max_words": 0}
+    errs = errors_of(data)
+    assert "detectors.a: exactly one of 'builtin' and 'url' is required" in errs
+    assert "detectors.b: exactly one of 'builtin' and 'url' is required" in errs
+    assert any(e.startswith("detectors.c.builtin: unknown built-in detector 'nope'") for e in errs)
+    assert any(e.startswith("chunkers.w.max_words") for e in errs), errs
+
+
+def test_backend_type_and_fields_are_checked() -> None:
+    data = minimal()
+    data["models"]["m"]["backends"] = [{"type": "native"}, {"type": "grpc", "url": "http://x"}]
+    errs = errors_of(data)
+    assert any(e.startswith("models.m.backends.0.url: Field required") for e in errs), errs
+    assert any(e.startswith("models.m.backends.1") for e in errs), errs
+
+
+def test_reserved_chunker_id_and_bad_values() -> None:
+    data = minimal()
+    data["chunkers"]["whole_doc_chunker"] = {"type": "sentence"}
+    data["server"] = {"port": 70000}
+    errs = errors_of(data)
+    assert "chunkers.whole_doc_chunker: 'whole_doc_chunker' is reserved and built in" in errs
+    assert any(e.startswith("server.port:") for e in errs)
+
+
+def test_not_a_mapping() -> None:
+    assert errors_of([1, 2]) == ["(root): the config must be a mapping"]
+
+
+def _check_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_check_config_cli(tmp_path: Path) -> None:
+    ok = _check_config(ROOT / "config.yaml")
+    assert ok.returncode == 0, ok.stderr
+    assert "OK" in ok.stdout
+    bad = minimal()
+    bad["detectors"]["hap"] = {"builtin": "profanity", "chunker_id": "sentense", "colour": 1}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    out = _check_config(path)
+    assert out.returncode == 1
+    assert "detectors.hap.colour: unknown key" in out.stderr
+    # cross-reference checks run only once the schema passes; the schema error is named
+    (tmp_path / "broken.yaml").write_text("models: [\n")
+    broken = _check_config(tmp_path / "broken.yaml")
+    assert broken.returncode == 1 and "invalid YAML" in broken.stderr
+    missing = _check_config(tmp_path / "nope.yaml")
+    assert missing.returncode == 1 and "cannot read" in missing.stderr
