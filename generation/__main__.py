@@ -1,0 +1,111 @@
+"""`python -m generation serve|prepare`: one engine replica, or materialise a model and exit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+LISTENING_PREFIX = "guardstream-engine listening on "
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m generation", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run one engine replica")
+    serve.add_argument(
+        "--model", default="smollm2-135m", help="smollm2-135m, tiny-random, or a folder"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8090, help="0 picks a free port (printed)")
+    serve.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
+    serve.add_argument(
+        "--dtype", default="auto", help="auto (fp32 CPU, bf16 CUDA, fp64 tiny-random), float32, ..."
+    )
+    serve.add_argument("--max-batch-size", type=int, default=64)
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU intra-op threads (default: torch's; 1 for tiny-random)",
+    )
+    serve.add_argument(
+        "--enable-fault-injection", action="store_true", help="adds POST /admin/faults"
+    )
+    serve.add_argument("--log-level", default="info")
+    prepare = sub.add_parser("prepare", help="build or convert a model into the cache, then exit")
+    prepare.add_argument("model")
+    prepare.add_argument("--log-level", default="info")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from .models import ModelSpecError, prepare
+
+    if args.command == "prepare":
+        try:
+            path = prepare(args.model)
+        except ModelSpecError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{args.model} ready at {path}", flush=True)
+        return 0
+    try:
+        return asyncio.run(_serve(args))
+    except ModelSpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .models import load
+    from .server import create_app
+
+    loop = asyncio.get_running_loop()
+    loaded = await loop.run_in_executor(None, load, args.model, args.device, args.dtype)
+    logging.getLogger("guardstream.engine").info(
+        "loaded %s on %s (%s) in %.1f s",
+        loaded.name,
+        loaded.device,
+        loaded.dtype,
+        loaded.load_seconds,
+    )
+    app = create_app(
+        loaded,
+        fault_injection=args.enable_fault_injection,
+        max_batch_size=args.max_batch_size,
+        threads=args.threads if args.threads is not None else loaded.threads,
+    )
+    # handler_cancellation: a client disconnect cancels its handler at once (and so its request).
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10.0)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        await runner.cleanup()
+        return 2
+    port = runner.addresses[0][1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"{LISTENING_PREFIX}http://{host}:{port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,568 @@
+"""Continuous batching: one worker thread runs every forward pass of the engine.
+
+Why not transformers' own continuous-batching manager: its sampling draws from one global torch
+generator (no per-request, per-position seeds, so no exact resume of seeded streams), and its
+paged-attention path targets GPUs. This loop is small and exact instead.
+
+Design. Requests join between steps: joiners are prefilled (together when their token counts are
+equal, so no padding is ever computed) and their KV caches are merged into the running batch's
+cache, left-padded with zeros to a common length and masked out by the attention mask. Each decode
+step feeds every running row its last token in ONE forward pass, with per-row `position_ids`
+(real positions, independent of padding). Finished or cancelled rows are dropped with
+`index_select`, and columns that became padding for every row are trimmed. Results go to each
+request's asyncio queue through `loop.call_soon_threadsafe`, once per step.
+
+Scheduling: each iteration admits queued requests up to `max_batch_size` rows and a prefill
+token budget (so running rows wait at most about one budget's prefill), then runs one decode step.
+Limits, stated plainly: prompts are prefilled whole (no chunked prefill); memory is bounded by
+`max_batch_size` rows, not by a KV-cache byte budget; a model whose cache layers are not plain
+`DynamicLayer`s (sliding-window or recurrent layers) is served one request at a time.
+
+Exactness: a row's arithmetic differs from running alone only by masked (zero-weight) padding
+columns and batch-size-dependent kernel choices, i.e. in the last bits. `tiny-random` runs in
+float64 with peaked logits, so its greedy and seeded outputs are identical alone, batched, and
+resumed; the tests pin that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from .detokenizer import IncrementalDetokenizer, TextGate, make_decoder
+from .models import LoadedModel
+from .sampling import SamplingParams, apply_repetition_penalty, sample
+
+log = logging.getLogger("guardstream.engine")
+
+
+class FinishReason(StrEnum):
+    EOS_TOKEN = "EOS_TOKEN"
+    STOP_SEQUENCE = "STOP_SEQUENCE"
+    MAX_TOKENS = "MAX_TOKENS"
+    TIME_LIMIT = "TIME_LIMIT"
+
+
+@dataclass
+class StreamItem:
+    """One NDJSON data item: the token generated in one step and the text released by it.
+
+    Token ids are reported as soon as they are generated; text may lag behind them: an incomplete
+    UTF-8 character, or text that may be the start of a stop sequence, is held back until
+    resolved. So at any point the delivered text is a prefix of decode(delivered token ids), and a
+    client resuming elsewhere sends both (`resume.token_ids`, `resume.text`); the new replica
+    replays the tokens through the same detokenizer and stop-sequence state and releases the
+    text of resumed tokens that `resume.text` lacks first. When a stop sequence ends the stream,
+    the final item carries the token that completed it, while the text stops before the stop
+    sequence (it and anything after it are never emitted).
+    """
+
+    token_ids: list[int]
+    text: str
+    generated_token_count: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class StreamError:
+    """An in-band error; `type` is `generation_unavailable` when another replica could succeed."""
+
+    code: int
+    type: str
+    message: str
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is shutting down (or its worker died) and takes no new requests."""
+
+
+@dataclass(eq=False)
+class Job:
+    """A generation request as the worker sees it. Created on the event loop, then owned by the
+    worker except for `cancelled`, which the loop may set at any time."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[StreamItem | StreamError]
+    resume_ids: list[int] = field(default_factory=list)
+    resume_text_len: int = 0  # characters of the resumed tokens' text the client already has
+    min_new_tokens: int = 0
+    stop_sequences: list[str] = field(default_factory=list)
+    deadline: float | None = None  # time.monotonic() value; None = no time limit
+    cancelled: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Counters the server exposes in /health and /metrics."""
+
+    forward_passes: int = 0
+    prefill_passes: int = 0
+    decode_steps: int = 0
+    tokens_generated: int = 0
+    requests_started: int = 0
+    requests_cancelled: int = 0  # dropped because their client left (or a fault cut them)
+    max_batch_size_seen: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+
+
+class _Row:
+    """Per-request state inside the worker."""
+
+    __slots__ = (
+        "detok",
+        "gate",
+        "generated",
+        "job",
+        "kv_len",
+        "next_input",
+        "seen",
+        "seen_tensor",
+    )
+
+    def __init__(self, job: Job, decode_fn: Callable[[Sequence[int]], str]) -> None:
+        self.job = job
+        self.generated: list[int] = []
+        self.detok = IncrementalDetokenizer(decode_fn)
+        self.gate = TextGate(job.stop_sequences, already_delivered=job.resume_text_len)
+        self.seen: set[int] = set(job.prompt_ids)
+        self.seen_tensor: torch.Tensor | None = None
+        self.kv_len = 0  # real (unpadded) tokens of this row in the batch KV cache
+        self.next_input = -1  # sampled token not yet fed to the model
+
+
+class Engine:
+    """Owns the model and the worker thread; the server submits `Job`s and reads their queues."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_batch_size: int = 64,
+        prefill_token_budget: int = 4096,
+        threads: int | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.threads = threads  # CPU intra-op threads to set at start (process-wide); None: leave
+        self.model = loaded.model
+        self.device = loaded.device
+        self.max_batch_size = max(1, max_batch_size)
+        self.prefill_token_budget = max(1, prefill_token_budget)
+        self.stats = EngineStats()
+        self._decode = make_decoder(loaded.tokenizer)
+        self._eos = sorted(loaded.eos_token_ids)
+        self._eos_set = frozenset(self._eos)
+        self._eos_tensor = torch.tensor(self._eos, dtype=torch.long, device=self.device)
+        self._cond = threading.Condition()
+        self._inbox: deque[Job] = deque()
+        self._active: set[Job] = set()
+        self._stopping = False
+        self._held = 0
+        self._thread: threading.Thread | None = None
+        self._fatal: BaseException | None = None
+        # Batch state (worker thread only).
+        self._rows: list[_Row] = []
+        self._cache: DynamicCache | None = None
+        self._cache_len = 0
+        self._batchable: bool | None = None  # learnt from the first prefill's cache layout
+        self._outbox: list[tuple[Job, StreamItem | StreamError]] = []
+        # Prefill computes logits for the last position only when the model supports it.
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    # ----- event-loop side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        if self.threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(self.threads)  # process-wide: one engine per process
+        self._thread = threading.Thread(
+            target=self._run, name="guardstream-engine-worker", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the worker; every unfinished request gets a `generation_unavailable` error."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def active_requests(self) -> int:
+        with self._cond:
+            return len(self._active)
+
+    @property
+    def running_batch_size(self) -> int:
+        return len(self._rows)
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping or self._thread is None or not self._thread.is_alive():
+                raise EngineUnavailable("the engine is shutting down")
+            self._active.add(job)
+            self._inbox.append(job)
+            self._cond.notify()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """While held, the worker starts no new step: requests queue up and then join together.
+
+        For tests and benchmarks that need a known batch composition, not for serving."""
+        with self._cond:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """Abort a request; the worker drops it before its next forward pass."""
+        job.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    # ----- worker side -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    joiners = self._wait_for_work()
+                    if joiners is None:
+                        break
+                    self._drop_cancelled()
+                    if joiners:
+                        self._admit(joiners)
+                    if self._rows:
+                        self._decode_step()
+                    self._flush_outbox()
+        except BaseException as exc:  # a bug: fail every request loudly rather than hang them
+            log.exception("engine worker crashed")
+            self._fatal = exc
+        finally:
+            self._fail_everything(
+                StreamError(503, "generation_unavailable", "the engine is shutting down")
+            )
+
+    def _wait_for_work(self) -> list[Job] | None:
+        with self._cond:
+            while not self._stopping and (self._held or (not self._inbox and not self._rows)):
+                self._cond.wait()
+            if self._stopping:
+                return None
+            free = self.max_batch_size - len(self._rows)
+            if self._batchable is False:  # a cache we cannot merge: one request at a time
+                free = 0 if self._rows else 1
+            joiners: list[Job] = []
+            budget = self.prefill_token_budget
+            while self._inbox and len(joiners) < free:
+                job = self._inbox[0]
+                cost = len(job.prompt_ids) + len(job.resume_ids)
+                if joiners and cost > budget:
+                    break
+                joiners.append(self._inbox.popleft())
+                budget -= cost
+                if self._batchable is None:  # learn the cache layout from one request first
+                    break
+            return joiners
+
+    def _fail_everything(self, error: StreamError) -> None:
+        with self._cond:
+            self._stopping = True
+            pending = list(self._inbox)
+            self._inbox.clear()
+        jobs = [row.job for row in self._rows] + pending
+        self._rows = []
+        self._cache = None
+        for job in jobs:
+            if not job.cancelled:
+                self._emit(job, error)
+            self._retire(job)
+        self._flush_outbox()
+
+    def _emit(self, job: Job, event: StreamItem | StreamError) -> None:
+        self._outbox.append((job, event))
+
+    def _retire(self, job: Job) -> None:
+        with self._cond:
+            self._active.discard(job)
+
+    def _flush_outbox(self) -> None:
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, StreamItem | StreamError]]] = {}
+        for job, event in self._outbox:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        self._outbox = []
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                for job, _ in events:
+                    job.cancelled = True
+
+    def _drop_cancelled(self) -> None:
+        keep = [i for i, row in enumerate(self._rows) if not row.job.cancelled]
+        if len(keep) != len(self._rows):
+            for row in self._rows:
+                if row.job.cancelled:
+                    self.stats.requests_cancelled += 1
+                    self._retire(row.job)
+            self._keep_rows(keep)
+
+    # ----- admission and prefill ---------------------------------------------------------------
+
+    def _admit(self, joiners: list[Job]) -> None:
+        ready: list[_Row] = []
+        for job in joiners:
+            if job.cancelled:
+                self.stats.requests_cancelled += 1
+                self._retire(job)
+                continue
+            self.stats.requests_started += 1
+            row = _Row(job, self._decode)
+            finish = None
+            for token in job.resume_ids:  # replay: the same detokenizer and stop state as before
+                finish = self._accept(row, token, live=False)
+                if finish is not None:
+                    break
+            if finish is None and len(row.generated) >= job.max_new_tokens:
+                finish = FinishReason.MAX_TOKENS
+            if (
+                finish is None
+                and len(job.prompt_ids) + len(row.generated) >= self.loaded.max_context
+            ):
+                finish = FinishReason.MAX_TOKENS
+            if finish is not None:
+                self._finish(row, [], finish)
+                continue
+            ready.append(row)
+        # Rows with equal lengths prefill in one forward pass: no padding, identical arithmetic.
+        groups: dict[int, list[_Row]] = {}
+        for row in ready:
+            groups.setdefault(len(row.job.prompt_ids) + len(row.generated), []).append(row)
+        for length, rows in groups.items():
+            self._prefill(rows, length)
+            self._flush_outbox()  # first tokens leave now, not after the other joiners' prefill
+
+    def _prefill(self, rows: list[_Row], length: int) -> None:
+        ids = torch.tensor(
+            [row.job.prompt_ids + row.generated for row in rows],
+            dtype=torch.long,
+            device=self.device,
+        )
+        try:
+            extra = {"logits_to_keep": 1} if self._logits_to_keep else {}
+            out = self.model(input_ids=ids, use_cache=True, **extra)
+            self.stats.forward_passes += 1
+            self.stats.prefill_passes += 1
+            cache = out.past_key_values
+            if self._batchable is None:
+                self._batchable = isinstance(cache, DynamicCache) and all(
+                    type(layer) is DynamicLayer for layer in cache.layers
+                )
+                if not self._batchable:
+                    log.warning(
+                        "this model's KV cache cannot be merged; requests run one at a time"
+                    )
+            tokens = self._select(out.logits[:, -1, :], rows)
+        except Exception as exc:
+            self._fail_rows(rows, exc)
+            return
+        for row in rows:
+            row.kv_len = length
+        survivors: list[int] = []
+        for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+            finish = self._accept(row, token, live=True)
+            if finish is None:
+                row.next_input = token
+                self._emit(row.job, StreamItem([token], row.gate.release(), len(row.generated)))
+                survivors.append(i)
+            else:
+                self._finish(row, [token], finish)
+        if survivors:
+            if len(survivors) != len(rows):
+                index = torch.tensor(survivors, dtype=torch.long, device=self.device)
+                for layer in cache.layers:
+                    layer.keys = layer.keys.index_select(0, index)
+                    layer.values = layer.values.index_select(0, index)
+            self._merge(cache, [rows[i] for i in survivors], length)
+
+    def _merge(self, cache: DynamicCache, rows: list[_Row], length: int) -> None:
+        """Append prefilled rows to the running batch, left-padding whichever side is shorter."""
+        if self._cache is None or not self._rows:
+            self._cache, self._cache_len, self._rows = cache, length, list(rows)
+        else:
+            total = max(self._cache_len, length)
+            pad_old, pad_new = total - self._cache_len, total - length
+            for old, new in zip(self._cache.layers, cache.layers, strict=True):
+                old.keys = torch.cat(
+                    [_pad_left(old.keys, pad_old), _pad_left(new.keys, pad_new)], dim=0
+                )
+                old.values = torch.cat(
+                    [_pad_left(old.values, pad_old), _pad_left(new.values, pad_new)], dim=0
+                )
+            self._cache_len = total
+            self._rows.extend(rows)
+        self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, len(self._rows))
+
+    # ----- decoding --------------------------------------------------------------------------
+
+    def _decode_step(self) -> None:
+        rows = self._rows
+        assert self._cache is not None
+        width = self._cache_len
+        device = self.device
+        input_ids = torch.tensor(
+            [[row.next_input] for row in rows], dtype=torch.long, device=device
+        )
+        positions = torch.tensor([[row.kv_len] for row in rows], dtype=torch.long, device=device)
+        pads = torch.tensor([width - row.kv_len for row in rows], dtype=torch.long, device=device)
+        mask = (torch.arange(width + 1, device=device)[None, :] >= pads[:, None]).long()
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self._cache,
+                use_cache=True,
+            )
+            self.stats.forward_passes += 1
+            self.stats.decode_steps += 1
+            size = len(rows)
+            self.stats.batch_sizes[size] = self.stats.batch_sizes.get(size, 0) + 1
+            tokens = self._select(out.logits[:, -1, :], rows)
+        except Exception as exc:
+            # The cache may be half-updated: the whole batch is lost.
+            self._cache, self._cache_len, self._rows = None, 0, []
+            self._fail_rows(rows, exc)
+            return
+        self._cache_len = width + 1
+        keep: list[int] = []
+        for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+            row.kv_len += 1
+            finish = self._accept(row, token, live=True)
+            if finish is None:
+                row.next_input = token
+                self._emit(row.job, StreamItem([token], row.gate.release(), len(row.generated)))
+                keep.append(i)
+            else:
+                self._finish(row, [token], finish)
+        if len(keep) != len(rows):
+            self._keep_rows(keep)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Drop rows not in `keep`, then trim columns that are padding for every kept row."""
+        if not keep:
+            self._rows, self._cache, self._cache_len = [], None, 0
+            return
+        assert self._cache is not None
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._rows = [self._rows[i] for i in keep]
+        trim = self._cache_len - max(row.kv_len for row in self._rows)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, trim:, :]
+            layer.values = layer.values.index_select(0, index)[:, :, trim:, :]
+        self._cache_len -= trim
+
+    def _select(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+        """Next token per row: greedy rows by one batched argmax, sampling rows one by one."""
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        vocab = self.loaded.vocab_size
+        if logits.shape[-1] > vocab:  # padding rows of the output layer are not tokens
+            logits[:, vocab:] = float("-inf")
+        suppress = [i for i, row in enumerate(rows) if len(row.generated) < row.job.min_new_tokens]
+        if suppress and self._eos:
+            index = torch.tensor(suppress, dtype=torch.long, device=logits.device)
+            logits[index[:, None], self._eos_tensor[None, :]] = float("-inf")
+        for i, row in enumerate(rows):
+            penalty = row.job.sampling.repetition_penalty
+            if penalty != 1.0:
+                if row.seen_tensor is None or row.seen_tensor.numel() != len(row.seen):
+                    row.seen_tensor = torch.tensor(
+                        sorted(row.seen), dtype=torch.long, device=logits.device
+                    )
+                apply_repetition_penalty(logits[i], row.seen_tensor, penalty)
+        chosen: list[int] = logits.argmax(dim=-1).tolist()
+        for i, row in enumerate(rows):
+            params = row.job.sampling
+            if not params.greedy:
+                chosen[i] = sample(logits[i], params, len(row.generated))
+        return chosen
+
+    def _accept(self, row: _Row, token: int, live: bool) -> FinishReason | None:
+        """Append one token to a row (generated or replayed) and say whether the row is done."""
+        job = row.job
+        row.generated.append(token)
+        row.seen.add(token)
+        if live:
+            self.stats.tokens_generated += 1
+        row.gate.push(row.detok.push(token))
+        if row.gate.stop_at is not None:
+            return FinishReason.STOP_SEQUENCE
+        if token in self._eos_set:
+            return FinishReason.EOS_TOKEN
+        if len(row.generated) >= job.max_new_tokens:
+            return FinishReason.MAX_TOKENS
+        if len(job.prompt_ids) + len(row.generated) >= self.loaded.max_context:
+            return FinishReason.MAX_TOKENS
+        if live and job.deadline is not None and time.monotonic() >= job.deadline:
+            return FinishReason.TIME_LIMIT
+        return None
+
+    def _finish(self, row: _Row, token_ids: list[int], reason: FinishReason) -> None:
+        if reason is not FinishReason.STOP_SEQUENCE:
+            row.gate.push(row.detok.flush())
+            if row.gate.stop_at is not None:  # the held-back tail completed a stop sequence
+                reason = FinishReason.STOP_SEQUENCE
+            row.gate.finish()
+        self._emit(row.job, StreamItem(token_ids, row.gate.release(), len(row.generated), reason))
+        self._retire(row.job)
+
+    def _fail_rows(self, rows: Iterable[_Row], exc: BaseException) -> None:
+        if _is_oom(exc):
+            error = StreamError(503, "generation_unavailable", f"out of memory: {exc}"[:500])
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        else:
+            log.exception("forward pass failed", exc_info=exc)
+            error = StreamError(500, "generation_error", f"{type(exc).__name__}: {exc}"[:500])
+        for row in rows:
+            self._emit(row.job, error)
+            self._retire(row.job)
+
+
+def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    return F.pad(x, (0, 0, n, 0)) if n else x
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _deliver(events: list[tuple[Job, StreamItem | StreamError]]) -> None:
+    for job, event in events:
+        job.queue.put_nowait(event)

@@ -1,0 +1,495 @@
+"""The engine's aiohttp application (DESIGN section 7).
+
+Handlers validate everything before the first response byte (4xx with the JSON error shape), then
+stream NDJSON items from the request's queue, fed by the worker thread. Model work never runs on
+the event loop; tokenization runs on one dedicated thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ValidationError
+
+from . import models
+from .detokenizer import make_decoder
+from .faults import Fault, FaultInjector
+from .models import LoadedModel
+from .protocol import (
+    FaultRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    describe_validation_error,
+    error_body,
+)
+from .sampling import SamplingParams, random_seed
+from .scheduler import Engine, EngineUnavailable, Job, StreamError, StreamItem
+
+log = logging.getLogger("guardstream.engine")
+
+NDJSON = "application/x-ndjson"
+CLIENT_MAX_SIZE = 4 * 1024 * 1024
+DISCONNECT_POLL_S = 0.1  # how often a quiet stream checks whether its client left
+
+
+class ClientError(Exception):
+    """A request problem reported before any response byte, as `{"code", "details", "type"}`."""
+
+    def __init__(self, status: int, details: str, type_: str = "invalid_request") -> None:
+        super().__init__(details)
+        self.status = status
+        self.details = details
+        self.type = type_
+
+
+@dataclass
+class EngineState:
+    """Everything the handlers share, stored on the app."""
+
+    loaded: LoadedModel
+    engine: Engine
+    faults: FaultInjector | None
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="guardstream-tokenizer")
+    )
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    async def run_tokenizer(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+
+STATE = web.AppKey("guardstream_engine_state", EngineState)
+
+
+def create_app(
+    loaded: LoadedModel | None = None,
+    *,
+    model: str = "tiny-random",
+    device: str = "auto",
+    dtype: str = "auto",
+    fault_injection: bool = False,
+    max_batch_size: int = 64,
+    threads: int | None = None,
+    client_max_size: int = CLIENT_MAX_SIZE,
+) -> web.Application:
+    """The engine app. Pass a `LoadedModel` to share one model between apps (tests), or a spec."""
+    if loaded is None:
+        loaded = models.load(model, device=device, dtype=dtype)
+    app = web.Application(client_max_size=client_max_size, middlewares=[_error_middleware])
+    state = EngineState(
+        loaded=loaded,
+        engine=Engine(loaded, max_batch_size=max_batch_size, threads=threads),
+        faults=FaultInjector() if fault_injection else None,
+    )
+    state.registry.register(_EngineCollector(state))
+    app[STATE] = state
+    app.router.add_post("/v1/generate", handle_generate)
+    app.router.add_post("/v1/tokenize", handle_tokenize)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", handle_metrics)
+    if fault_injection:
+        app.router.add_post("/admin/faults", handle_faults)
+        app.router.add_delete("/admin/faults", handle_clear_faults)
+    app.on_startup.append(_on_startup)
+    app.on_shutdown.append(_on_shutdown)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+async def _on_startup(app: web.Application) -> None:
+    app[STATE].engine.start()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    """Unfinished streams end with an in-band `generation_unavailable` error (migratable)."""
+    state = app[STATE]
+    state.closing.set()
+    await asyncio.to_thread(state.engine.stop)
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    state = app[STATE]
+    await asyncio.to_thread(state.engine.stop)
+    state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ----- errors and bodies ------------------------------------------------------------------------
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ClientError as exc:
+        return web.json_response(error_body(exc.status, exc.details, exc.type), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found" if exc.status == 404 else "invalid_request"
+        if exc.status >= 500:
+            kind = "server_error"
+        details = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow",)}
+        return web.json_response(
+            error_body(exc.status, details, kind), status=exc.status, headers=headers
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return web.json_response(error_body(500, "internal error", "server_error"), status=500)
+
+
+async def _read_model(request: web.Request, schema: type[BaseModel]) -> Any:
+    content_type = request.headers.get("Content-Type")
+    if content_type is not None:
+        mime = request.content_type.lower()
+        if not (mime == "application/json" or mime.endswith("+json")):
+            raise ClientError(415, f"Content-Type must be application/json, not {mime!r}")
+    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ClientError(400, f"request body is not valid JSON: {exc}") from None
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        raise ClientError(422, describe_validation_error(exc.errors())) from None
+
+
+def _encode_prompt(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
+    tokenizer: Any = loaded.frontend_tokenizer
+    if chat:
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # a template that rejects a lone user message, say
+            raise ClientError(422, f"chat: the model's chat template failed: {exc}") from None
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def _check_vocab(name: str, ids: list[int], vocab: int) -> None:
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            raise ClientError(
+                422, f"{name}[{i}] = {token} is out of vocabulary (valid ids are 0..{vocab - 1})"
+            )
+
+
+# ----- handlers ---------------------------------------------------------------------------------
+
+
+async def handle_tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req: TokenizeRequest = await _read_model(request, TokenizeRequest)
+    if req.chat and not state.loaded.has_chat_template:
+        raise ClientError(422, "chat: this model has no chat template")
+    ids = await state.run_tokenizer(_encode_prompt, state.loaded, req.prompt, req.chat)
+    return web.json_response({"token_ids": ids, "count": len(ids)})
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    loaded = request.app[STATE].loaded
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": loaded.name,
+                    "object": "model",
+                    "owned_by": "guardstream",
+                    "max_context": loaded.max_context,
+                }
+            ],
+        }
+    )
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.engine
+    body = {
+        "status": "ok" if engine.healthy else "unavailable",
+        "model": state.loaded.name,
+        "device": str(state.loaded.device),
+        "dtype": str(state.loaded.dtype).removeprefix("torch."),
+        "active_requests": engine.active_requests,
+        "running_batch_size": engine.running_batch_size,
+        "max_batch_size_seen": engine.stats.max_batch_size_seen,
+        "forward_passes": engine.stats.forward_passes,
+        "tokens_generated": engine.stats.tokens_generated,
+        "requests_cancelled": engine.stats.requests_cancelled,
+        "max_context": state.loaded.max_context,
+    }
+    return web.json_response(body, status=200 if engine.healthy else 503)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[STATE].registry)
+    return web.Response(
+        body=data, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
+
+
+async def handle_faults(request: web.Request) -> web.Response:
+    faults = request.app[STATE].faults
+    assert faults is not None
+    req: FaultRequest = await _read_model(request, FaultRequest)
+    faults.arm(req.after_tokens, req.mode, req.times)
+    return web.json_response({"armed": faults.pending})
+
+
+async def handle_clear_faults(request: web.Request) -> web.Response:
+    faults = request.app[STATE].faults
+    assert faults is not None
+    faults.clear()
+    return web.json_response({"armed": 0})
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    """Validate (4xx before any byte), then stream NDJSON items ending with complete_final."""
+    state = request.app[STATE]
+    loaded = state.loaded
+    req: GenerateRequest = await _read_model(request, GenerateRequest)
+    received = time.monotonic()
+    if req.prompt is not None:
+        if req.chat and not loaded.has_chat_template:
+            raise ClientError(422, "chat: this model has no chat template")
+        prompt_ids = await state.run_tokenizer(_encode_prompt, loaded, req.prompt, req.chat)
+    else:
+        prompt_ids = list(req.input_ids or [])
+        _check_vocab("input_ids", prompt_ids, loaded.vocab_size)
+    if not prompt_ids:
+        raise ClientError(422, "the prompt is empty: it has no tokens")
+    resume_ids = list(req.resume.token_ids) if req.resume else []
+    resume_text = req.resume.text if req.resume else ""
+    _check_vocab("resume.token_ids", resume_ids, loaded.vocab_size)
+    total = len(prompt_ids) + len(resume_ids)
+    if total >= loaded.max_context:
+        raise ClientError(
+            422,
+            f"the prompt has {len(prompt_ids)} tokens (+{len(resume_ids)} resumed): it must be "
+            f"shorter than the model's context of {loaded.max_context} tokens",
+        )
+    if resume_text:
+        full = await state.run_tokenizer(make_decoder(loaded.frontend_tokenizer), resume_ids)
+        if not full.startswith(resume_text):
+            raise ClientError(422, "resume.text is not a prefix of the text of resume.token_ids")
+    decoding = req.decoding
+    greedy = decoding.method == "greedy" or decoding.temperature == 0.0
+    seed = decoding.seed if decoding.seed is not None else random_seed()
+    job = Job(
+        prompt_ids=prompt_ids,
+        max_new_tokens=req.max_new_tokens,
+        sampling=SamplingParams(
+            greedy=greedy,
+            temperature=decoding.temperature if not greedy else 1.0,
+            top_k=decoding.top_k,
+            top_p=decoding.top_p,
+            seed=seed,
+            repetition_penalty=decoding.repetition_penalty,
+        ),
+        loop=asyncio.get_running_loop(),
+        queue=asyncio.Queue(),
+        resume_ids=resume_ids,
+        resume_text_len=len(resume_text),
+        min_new_tokens=req.min_new_tokens,
+        stop_sequences=list(req.stop_sequences),
+        deadline=received + req.max_time if req.max_time > 0 else None,
+    )
+    fault = state.faults.take() if state.faults is not None else None
+    try:
+        state.engine.submit(job)
+    except EngineUnavailable as exc:
+        raise ClientError(503, str(exc), "generation_unavailable") from None
+    first_extra: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+    if not greedy:
+        first_extra["seed"] = seed
+    stream = _Stream(request, state, job, fault, len(prompt_ids), first_extra)
+    return await stream.run()
+
+
+class _Stream:
+    """One generate response: items from the worker to the socket, faults, disconnects."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        state: EngineState,
+        job: Job,
+        fault: Fault | None,
+        input_token_count: int,
+        first_extra: dict[str, Any],
+    ) -> None:
+        self.request = request
+        self.state = state
+        self.job = job
+        self.fault = fault
+        self.input_token_count = input_token_count
+        self.first_extra: dict[str, Any] | None = first_extra
+        self.delivered = 0
+        self.response = web.StreamResponse(
+            headers={"Content-Type": NDJSON, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self._getter: asyncio.Task[StreamItem | StreamError] | None = None
+
+    async def run(self) -> web.StreamResponse:
+        try:
+            await self.response.prepare(self.request)
+            if self.fault is not None and self.fault.after_tokens == 0:
+                await self._inject()
+                return self.response
+            while True:
+                event = await self._next_event()
+                if event is None:  # the client left
+                    return self.response
+                if isinstance(event, StreamError):
+                    await self._write({"error": _error_dict(event), "complete_final": False})
+                    return self.response
+                await self._write({"data": self._data(event), "complete_final": False})
+                self.delivered += len(event.token_ids)
+                if self.fault is not None and self.delivered >= self.fault.after_tokens:
+                    await self._inject()
+                    return self.response
+                if event.finish_reason is not None:
+                    await self._write({"complete_final": True})
+                    return self.response
+        except ConnectionError:  # the client left while we wrote
+            return self.response
+        except Exception as exc:  # a bug: end the stream in-band rather than with a broken socket
+            log.exception("generate stream failed")
+            with contextlib.suppress(Exception):
+                await self._write(
+                    {
+                        "error": {
+                            "code": 500,
+                            "type": "generation_error",
+                            "message": str(exc)[:500],
+                        },
+                        "complete_final": False,
+                    }
+                )
+            return self.response
+        finally:
+            self.state.engine.cancel(self.job)  # no-op for a finished job
+            if self._getter is not None and not self._getter.done():
+                self._getter.cancel()
+
+    def _data(self, item: StreamItem) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "token_ids": item.token_ids,
+            "text": item.text,
+            "generated_token_count": item.generated_token_count,
+            "input_token_count": self.input_token_count,
+            "finish_reason": item.finish_reason.value if item.finish_reason else None,
+        }
+        if self.first_extra is not None:
+            data.update(self.first_extra)
+            self.first_extra = None
+        return data
+
+    async def _write(self, obj: dict[str, Any]) -> None:
+        line = json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
+        await self.response.write(line.encode("utf-8"))
+
+    def _client_gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    async def _next_event(self) -> StreamItem | StreamError | None:
+        """The next worker event, or None once the client has disconnected."""
+        while True:
+            if self._getter is None:
+                if not self.job.queue.empty():
+                    return self.job.queue.get_nowait()
+                self._getter = asyncio.ensure_future(self.job.queue.get())
+            done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
+            if done:
+                event = self._getter.result()
+                self._getter = None
+                return event
+            if self._client_gone():
+                return None
+
+    async def _inject(self) -> None:
+        assert self.fault is not None
+        mode = self.fault.mode
+        log.warning("fault injection: %s after %d tokens", mode, self.delivered)
+        self.state.engine.cancel(self.job)
+        if mode == "error":
+            await self._write(
+                {
+                    "error": {
+                        "code": 503,
+                        "type": "generation_unavailable",
+                        "message": f"injected fault after {self.delivered} tokens",
+                    },
+                    "complete_final": False,
+                }
+            )
+        elif mode == "close":
+            transport = self.request.transport
+            if transport is not None:
+                transport.close()  # flushes what was written, then drops the connection
+        else:  # stall: say nothing more, keep the connection until the client gives up
+            while not self._client_gone() and not self.state.closing.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.state.closing.wait(), DISCONNECT_POLL_S)
+
+
+def _error_dict(error: StreamError) -> dict[str, Any]:
+    return {"code": error.code, "type": error.type, "message": error.message}
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters at scrape time (no locking in the hot loop)."""
+
+    def __init__(self, state: EngineState) -> None:
+        self.state = state
+
+    def collect(self) -> Any:
+        stats = self.state.engine.stats
+        yield CounterMetricFamily(
+            "guardstream_engine_tokens_generated", "Tokens generated", value=stats.tokens_generated
+        )
+        yield CounterMetricFamily(
+            "guardstream_engine_forward_passes", "Model forward passes", value=stats.forward_passes
+        )
+        yield CounterMetricFamily(
+            "guardstream_engine_requests_started", "Requests admitted", value=stats.requests_started
+        )
+        yield CounterMetricFamily(
+            "guardstream_engine_requests_cancelled",
+            "Requests aborted because their client left",
+            value=stats.requests_cancelled,
+        )
+        yield GaugeMetricFamily(
+            "guardstream_engine_active_requests",
+            "Requests queued or running",
+            value=self.state.engine.active_requests,
+        )
+        buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+        sizes = dict(stats.batch_sizes)
+        cumulative = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in buckets]
+        cumulative.append(("+Inf", sum(sizes.values())))
+        yield HistogramMetricFamily(
+            "guardstream_engine_decode_batch_size",
+            "Rows per decode step",
+            buckets=cumulative,
+            sum_value=sum(s * n for s, n in sizes.items()),
+        )

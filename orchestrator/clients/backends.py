@@ -1,0 +1,188 @@
+"""One ModelBackend per configured model_id: its replicas (any mix of managed, native and openai
+backends), their pool, and a MigratingStream per request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from ..config import ManagedBackend, ModelConfig, NativeBackend, OpenAIBackend
+from .generation import GenerationError, GenerationRequest, ModelBackend
+from .managed import CommandFactory, EngineProcess, engine_command
+from .migration import MigratingStream, MigrationMetrics
+from .native import NativeClient
+from .openai import OpenAIClient
+from .replicas import HEALTHY, Replica, ReplicaPool
+from .tls import client_ssl_context
+
+log = logging.getLogger("guardstream.backends")
+
+__all__ = ["ModelBackend", "ReplicatedModelBackend", "build_model_backends"]
+
+
+def default_command(cfg: ManagedBackend) -> CommandFactory:
+    return engine_command(cfg.model, cfg.device, cfg.enable_fault_injection)
+
+
+class ReplicatedModelBackend(ModelBackend):
+    def __init__(
+        self,
+        model_id: str,
+        config: ModelConfig,
+        session: aiohttp.ClientSession,
+        *,
+        metrics: MigrationMetrics | None = None,
+        health_interval_s: float = 2.0,
+        command_factory: Callable[[ManagedBackend], CommandFactory] = default_command,
+        engine_output: TextIO | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.config = config
+        self.metrics = metrics
+        self.processes: list[EngineProcess] = []
+        replicas: list[Replica] = []
+        for backend in config.backends:
+            if isinstance(backend, ManagedBackend):
+                for _ in range(backend.replicas):
+                    name = f"managed-{len(replicas)}"
+                    process = EngineProcess(
+                        f"{model_id}/{name}",
+                        command_factory(backend),
+                        session,
+                        start_timeout_s=backend.start_timeout_s,
+                        output=engine_output,
+                    )
+                    client = NativeClient(name, process.url, session)
+                    replica = Replica(name=name, client=client, process=process)
+                    process.on_status = self._status_hook(replica, process)
+                    self.processes.append(process)
+                    replicas.append(replica)
+            elif isinstance(backend, NativeBackend):
+                name = f"native-{len(replicas)}"
+                client = NativeClient(
+                    name, backend.url, session, ssl_context=client_ssl_context(backend.tls)
+                )
+                replicas.append(Replica(name=name, client=client))
+            elif isinstance(backend, OpenAIBackend):
+                name = f"openai-{len(replicas)}"
+                api_key = None
+                if backend.api_key_env:
+                    api_key = os.environ.get(backend.api_key_env)
+                    if not api_key:
+                        log.warning(
+                            "model %s: %s is not set; calling %s without a key",
+                            model_id,
+                            backend.api_key_env,
+                            backend.url,
+                        )
+                oa_client = OpenAIClient(
+                    name,
+                    backend.url,
+                    backend.model,
+                    session,
+                    api_key=api_key,
+                    ssl_context=client_ssl_context(backend.tls),
+                )
+                replicas.append(Replica(name=name, client=oa_client))
+        self.pool = ReplicaPool(
+            model_id,
+            replicas,
+            quarantine_s=config.migration.quarantine_s,
+            health_interval_s=health_interval_s,
+        )
+
+    @staticmethod
+    def _status_hook(replica: Replica, process: EngineProcess) -> Callable[[str], None]:
+        """The supervisor knows first when its process is up or gone; a fresh process owes
+        nothing to its predecessor's quarantine."""
+
+        def hook(status: str) -> None:
+            replica.status = status
+            replica.client.url = process.url
+            if status == HEALTHY:
+                replica.quarantined_until = 0.0
+
+        return hook
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.pool.replicas
+
+    def stream(self, request: GenerationRequest) -> MigratingStream:
+        return MigratingStream(
+            model_id=self.model_id,
+            pool=self.pool,
+            request=request,
+            migration=self.config.migration,
+            metrics=self.metrics,
+        )
+
+    async def tokenize(self, prompt: str, chat: bool) -> int:
+        last: GenerationError | None = None
+        for replica in self.pool.candidates():
+            try:
+                return await replica.client.tokenize(prompt, chat)
+            except GenerationError as exc:
+                if not exc.migratable:
+                    raise
+                last = exc
+        detail = f": {last.message}" if last is not None else ""
+        raise GenerationError(
+            f"no healthy replica of model `{self.model_id}` could tokenize{detail}",
+            error_type="generation_unavailable",
+            code=503,
+        )
+
+    async def start(self) -> None:
+        if self.processes:
+            results = await asyncio.gather(*(p.start() for p in self.processes))
+            others = len(self.pool.replicas) - len(self.processes)
+            if not any(results) and not others:
+                codes = ", ".join(str(p.last_exit) for p in self.processes)
+                await self.close()
+                raise RuntimeError(
+                    f"model `{self.model_id}`: no managed engine became healthy "
+                    f"(exit codes: {codes}); see the [engine ...] lines above"
+                )
+        self.pool.start_polling()
+
+    async def close(self) -> None:
+        await self.pool.stop_polling()
+        await asyncio.gather(*(p.stop() for p in self.processes))
+
+    def info(self) -> list[dict[str, Any]]:
+        return self.pool.info()
+
+
+def build_model_backends(
+    models: dict[str, ModelConfig],
+    session: aiohttp.ClientSession,
+    *,
+    metrics: MigrationMetrics | None = None,
+    registry: CollectorRegistry | None = None,
+    health_interval_s: float = 2.0,
+    command_factory: Callable[[ManagedBackend], CommandFactory] = default_command,
+    engine_output: TextIO | None = None,
+) -> dict[str, ModelBackend]:
+    """Backends for every configured model; migration counters go on `metrics`, or on new ones
+    registered on `registry`."""
+    if metrics is None:
+        metrics = MigrationMetrics(registry)
+    return {
+        model_id: ReplicatedModelBackend(
+            model_id,
+            config,
+            session,
+            metrics=metrics,
+            health_interval_s=health_interval_s,
+            command_factory=command_factory,
+            engine_output=engine_output,
+        )
+        for model_id, config in models.items()
+    }

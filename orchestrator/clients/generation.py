@@ -1,0 +1,182 @@
+"""Types shared by the generation backends and the streaming pipeline (DESIGN section 7).
+
+The pipeline sees only these: a `ModelBackend` per model_id whose `stream()` yields
+`GenerationChunk`s and raises `GenerationError` when generation cannot go on. Which replica serves
+a request, and how many times it migrated, stays behind this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .migration import MigratingStream
+
+FINISH_REASONS = ("EOS_TOKEN", "STOP_SEQUENCE", "MAX_TOKENS", "TIME_LIMIT")
+ERROR_TYPES = ("generation_error", "generation_unavailable", "timeout")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """The request's text_gen_parameters, already validated by the handler."""
+
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    decoding_method: Literal["GREEDY", "SAMPLING"] = "GREEDY"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    stop_sequences: tuple[str, ...] = ()
+    max_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    params: GenerationParams
+    chat: bool = False
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One engine item as the pipeline sees it: a text delta and cumulative counters.
+
+    `generated_token_count` counts every token delivered so far, across migrations; the `text`
+    deltas of a stream concatenate to the whole generated text."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    generated_token_count: int
+    input_token_count: int
+    finish_reason: str | None  # EOS_TOKEN | STOP_SEQUENCE | MAX_TOKENS | TIME_LIMIT | None
+
+
+class GenerationError(Exception):
+    """Generation cannot go on; what reaches the client (`code`, `error_type`, message).
+
+    `migratable` marks failures of one replica (another replica may continue the request); the
+    pipeline only ever sees errors that migration could not absorb."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        error_type: str = "generation_error",
+        code: int = 502,
+        migratable: bool = False,
+    ) -> None:
+        super().__init__(message)
+        if error_type not in ERROR_TYPES:
+            error_type = "generation_error"
+        self.message = message
+        self.error_type = error_type
+        self.code = code
+        self.migratable = migratable
+
+    def __repr__(self) -> str:
+        return (
+            f"GenerationError({self.message!r}, error_type={self.error_type!r}, "
+            f"code={self.code}, migratable={self.migratable})"
+        )
+
+
+class ModelBackend(ABC):
+    """Every replica of one configured model_id, behind one interface (see backends.py)."""
+
+    model_id: str
+
+    @abstractmethod
+    def stream(self, request: GenerationRequest) -> MigratingStream:
+        """An async iterator of GenerationChunk; call `aclose()` (or use `async with`) after."""
+
+    @abstractmethod
+    async def tokenize(self, prompt: str, chat: bool) -> int:
+        """Token count of a prompt on any healthy replica; GenerationError when none answers."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start managed engine processes and background health polling."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop polling and managed processes (graceful, then killed)."""
+
+    @abstractmethod
+    def info(self) -> list[dict[str, Any]]:
+        """Per replica, from cached health only (never blocks)."""
+
+
+# -- the contract between MigratingStream and one replica's client --------------------------------
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What a replacement dispatch must continue from: the prompt as the first replica tokenized
+    it, and every token and character already delivered to the client."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    # the seed the first replica drew for an unseeded sampling request: resumes stay exact
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineItem:
+    """One item of one replica's stream, before MigratingStream merges attempts."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    input_token_count: int | None = None
+    seed: int | None = None  # the engine's seed, reported on the first item of a sampling stream
+
+
+class EngineStream(ABC):
+    """One dispatch to one replica. Iteration ends only after the backend's end-of-stream marker
+    was seen (and nothing after it); every other end raises GenerationError."""
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    @abstractmethod
+    async def __anext__(self) -> EngineItem: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop the connection now (the engine notices its client left and stops)."""
+
+
+class ReplicaClient(ABC):
+    """Talks to one replica of one backend type."""
+
+    type: str
+    url: str
+
+    @abstractmethod
+    def generate(
+        self,
+        request: GenerationRequest,
+        continuation: Continuation | None,
+        *,
+        stall_timeout_s: float,
+        max_time: float,
+    ) -> EngineStream:
+        """Start a dispatch; the connection is made on the first `__anext__`."""
+
+    @abstractmethod
+    async def tokenize(self, prompt: str, chat: bool) -> int: ...
+
+    @abstractmethod
+    async def health(self, timeout_s: float) -> bool: ...
+
+
+def unavailable(message: str) -> GenerationError:
+    """A replica-level failure another replica may absorb."""
+    return GenerationError(message, error_type="generation_unavailable", code=503, migratable=True)

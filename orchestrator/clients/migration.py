@@ -1,0 +1,355 @@
+"""Seamless request migration (DESIGN section 7): one client-visible stream over as many replica
+dispatches as it takes.
+
+MigratingStream remembers the prompt's token ids and every token and character it delivered.
+When a replica fails in a way another replica can absorb, it quarantines the failed one and
+resumes on another with the same budget, so the client sees one stream whose text deltas
+concatenate to exactly what an uninterrupted run would have produced (exact for the native engine
+with greedy or seeded decoding). It never re-dispatches a request that finished or was cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator
+from types import TracebackType
+
+from prometheus_client import CollectorRegistry, Counter
+
+from ..config import MigrationConfig
+from .generation import (
+    Continuation,
+    EngineItem,
+    EngineStream,
+    GenerationChunk,
+    GenerationError,
+    GenerationRequest,
+)
+from .replicas import Replica, ReplicaPool
+
+log = logging.getLogger("guardstream.migration")
+
+
+class MigrationMetrics:
+    """Counters of migrations and of the failures migration could not absorb."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # a private registry by default: tests build many, and the global one rejects duplicates
+        r = registry if registry is not None else CollectorRegistry()
+        self.registry = r
+        self.migrations = Counter(
+            "guardstream_migrations",
+            "Replacement dispatches of a request to another replica",
+            ["model_id", "kind"],  # kind: before_first_token | mid_stream
+            registry=r,
+        )
+        self.exhausted = Counter(
+            "guardstream_migrations_exhausted",
+            "Requests that failed because the migration limit or the replicas ran out",
+            ["model_id"],
+            registry=r,
+        )
+        self.unmigratable = Counter(
+            "guardstream_generation_unmigratable",
+            "Generation failures that could not be migrated",
+            ["model_id", "reason"],  # engine_error | max_seq_len | no_prompt_ids
+            registry=r,
+        )
+        self.replica_failures = Counter(
+            "guardstream_replica_failures",
+            "Failed dispatches by replica",
+            ["model_id", "replica"],
+            registry=r,
+        )
+        self.completed_locally = Counter(
+            "guardstream_generation_completed_after_failure",
+            "Streams whose replica failed after the model had finished (no re-dispatch)",
+            ["model_id"],
+            registry=r,
+        )
+
+
+class MigratingStream:
+    """AsyncIterator[GenerationChunk] over one or more replica dispatches.
+
+    Raises GenerationError when generation cannot go on; `aclose()` (or leaving `async with`)
+    drops the engine connection and never re-dispatches."""
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        pool: ReplicaPool,
+        request: GenerationRequest,
+        migration: MigrationConfig,
+        metrics: MigrationMetrics | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.request = request
+        self.migrations = 0
+        self.finish_reason: str | None = None
+        self.generated_token_count = 0
+        self.input_token_count: int | None = None
+        # the request's seed, or the one the engine drew and reported for a sampling request
+        self.seed: int | None = request.params.seed
+        self.replicas_used: list[str] = []
+        self._pool = pool
+        self._cfg = migration
+        self._metrics = metrics
+        self._prompt_ids: tuple[int, ...] | None = None
+        self._ids: list[int] = []
+        self._text: list[str] = []
+        self._closed = False
+        self._current: EngineStream | None = None
+        self._started = time.monotonic()
+        self._gen: AsyncGenerator[GenerationChunk, None] = self._run()
+
+    # -- public ---------------------------------------------------------------------------------
+
+    @property
+    def text(self) -> str:
+        """Everything delivered so far."""
+        return "".join(self._text)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
+    def __aiter__(self) -> MigratingStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._closed:
+            raise StopAsyncIteration
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        """Cancel: drop the engine connection now; nothing is dispatched after this."""
+        self._closed = True
+        if self._current is not None:
+            self._current.close()
+        try:
+            await self._gen.aclose()
+        except RuntimeError:
+            pass  # being iterated by another task; its read fails on the closed connection
+
+    async def __aenter__(self) -> MigratingStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- the work -------------------------------------------------------------------------------
+
+    async def _run(self) -> AsyncGenerator[GenerationChunk, None]:
+        rid = self.request.request_id or "-"
+        original: GenerationError | None = None
+        attempt = 0
+        while True:
+            replica = self._pool.acquire()
+            if replica is None:
+                if original is None:
+                    raise GenerationError(
+                        f"no healthy replica of model `{self.model_id}` is available",
+                        error_type="generation_unavailable",
+                        code=503,
+                    )
+                self._count_exhausted()
+                raise self._give_up(original, "no other healthy replica")
+            attempt += 1
+            self.replicas_used.append(replica.name)
+            continuation = self._continuation()
+            if attempt > 1:
+                log.info(
+                    "request %s: attempt %d on replica %s after %d delivered tokens",
+                    rid,
+                    attempt,
+                    replica.name,
+                    len(self._ids),
+                )
+            stream = replica.client.generate(
+                self.request,
+                continuation,
+                stall_timeout_s=self._cfg.stall_timeout_s,
+                max_time=self._remaining_time(),
+            )
+            self._current = stream
+            try:
+                async for item in stream:
+                    chunk = self._accept(item)
+                    if chunk is not None:
+                        yield chunk
+                if self.finish_reason is None:
+                    if self._budget_spent():
+                        yield self._local_finish()
+                        return
+                    raise GenerationError(
+                        f"replica {replica.name} ended the stream without a finish_reason",
+                        error_type="generation_unavailable",
+                        code=503,
+                        migratable=True,
+                    )
+                return
+            except GenerationError as exc:
+                if self._closed:
+                    return  # aclose() dropped the connection under a running read
+                if exc.migratable:
+                    self._pool.quarantine(replica, exc.message)
+                    if self._metrics is not None:
+                        self._metrics.replica_failures.labels(self.model_id, replica.name).inc()
+                if self.finish_reason is not None or self._budget_spent():
+                    # the model had finished: nothing to re-dispatch
+                    log.warning(
+                        "request %s: replica %s failed after the model finished (%d tokens): "
+                        "%s; completing without re-dispatch",
+                        rid,
+                        replica.name,
+                        len(self._ids),
+                        exc.message,
+                    )
+                    if self._metrics is not None:
+                        self._metrics.completed_locally.labels(self.model_id).inc()
+                    if self.finish_reason is None:
+                        yield self._local_finish()
+                    return
+                if not exc.migratable:
+                    self._count_unmigratable("engine_error")
+                    log.warning(
+                        "request %s: replica %s failed (attempt %d, %d tokens delivered), "
+                        "not migratable: %s",
+                        rid,
+                        replica.name,
+                        attempt,
+                        len(self._ids),
+                        exc.message,
+                    )
+                    raise
+                original = original or exc
+                self._check_migratable(original, replica, attempt)
+                kind = "mid_stream" if self._ids else "before_first_token"
+                self.migrations += 1
+                if self._metrics is not None:
+                    self._metrics.migrations.labels(self.model_id, kind).inc()
+                log.warning(
+                    "request %s: replica %s failed (attempt %d, %d tokens delivered): %s; "
+                    "migrating (%s, migration %d of at most %d)",
+                    rid,
+                    replica.name,
+                    attempt,
+                    len(self._ids),
+                    exc.message,
+                    kind,
+                    self.migrations,
+                    self._cfg.limit,
+                )
+            finally:
+                stream.close()
+                self._current = None
+                self._pool.release(replica)
+
+    def _check_migratable(self, original: GenerationError, replica: Replica, attempt: int) -> None:
+        """Raise the give-up error when this request may not move to another replica."""
+        rid = self.request.request_id or "-"
+        if self.migrations >= self._cfg.limit:
+            self._count_exhausted()
+            log.warning(
+                "request %s: migration limit %d reached (replica %s, attempt %d, %d tokens)",
+                rid,
+                self._cfg.limit,
+                replica.name,
+                attempt,
+                len(self._ids),
+            )
+            raise self._give_up(original, f"migration limit {self._cfg.limit} reached")
+        prompt_len = (
+            len(self._prompt_ids) if self._prompt_ids is not None else self.input_token_count or 0
+        )
+        if prompt_len + len(self._ids) > self._cfg.max_seq_len:
+            self._count_unmigratable("max_seq_len")
+            raise self._give_up(
+                original,
+                f"{prompt_len} prompt + {len(self._ids)} generated tokens exceed "
+                f"max_seq_len {self._cfg.max_seq_len}",
+            )
+        if self._ids and self._prompt_ids is None:
+            self._count_unmigratable("no_prompt_ids")
+            raise self._give_up(original, "the replica never sent the prompt's token ids")
+
+    def _give_up(self, original: GenerationError, why: str) -> GenerationError:
+        return GenerationError(
+            f"{original.message} (not migrated: {why})",
+            error_type="generation_unavailable",
+            code=503,
+        )
+
+    def _count_exhausted(self) -> None:
+        if self._metrics is not None:
+            self._metrics.exhausted.labels(self.model_id).inc()
+
+    def _count_unmigratable(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.unmigratable.labels(self.model_id, reason).inc()
+
+    def _continuation(self) -> Continuation | None:
+        """None before the first token: a failure then re-sends the request as it came."""
+        if not self._ids or self._prompt_ids is None:
+            return None
+        return Continuation(
+            prompt_token_ids=self._prompt_ids,
+            token_ids=tuple(self._ids),
+            text=self.text,
+            seed=self.seed,
+        )
+
+    def _remaining_time(self) -> float:
+        max_time = self.request.params.max_time
+        if max_time <= 0:
+            return 0.0
+        return max(0.001, max_time - (time.monotonic() - self._started))
+
+    def _budget_spent(self) -> bool:
+        p = self.request.params
+        if len(self._ids) >= p.max_new_tokens:
+            return True
+        return p.max_time > 0 and time.monotonic() - self._started >= p.max_time
+
+    def _local_finish(self) -> GenerationChunk:
+        """The final chunk of a stream whose model finished but whose replica never said so."""
+        p = self.request.params
+        self.finish_reason = "MAX_TOKENS" if len(self._ids) >= p.max_new_tokens else "TIME_LIMIT"
+        return self._chunk((), "")
+
+    def _accept(self, item: EngineItem) -> GenerationChunk | None:
+        if not self._ids and item.prompt_token_ids is not None:
+            self._prompt_ids = item.prompt_token_ids
+        if not self._ids and item.seed is not None and self.request.params.seed is None:
+            self.seed = item.seed
+        if self.input_token_count is None:
+            if item.input_token_count is not None:
+                self.input_token_count = item.input_token_count
+            elif item.prompt_token_ids is not None:
+                self.input_token_count = len(item.prompt_token_ids)
+        self._ids.extend(item.token_ids)
+        if item.text:
+            self._text.append(item.text)
+        self.generated_token_count = len(self._ids)
+        if item.finish_reason is not None:
+            self.finish_reason = item.finish_reason
+        if not item.token_ids and not item.text and item.finish_reason is None:
+            return None
+        return self._chunk(item.token_ids, item.text)
+
+    def _chunk(self, token_ids: tuple[int, ...], text: str) -> GenerationChunk:
+        return GenerationChunk(
+            token_ids=token_ids,
+            text=text,
+            generated_token_count=len(self._ids),
+            input_token_count=self.input_token_count or 0,
+            finish_reason=self.finish_reason,
+        )

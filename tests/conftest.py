@@ -1,0 +1,30 @@
+"""Shared fixtures. Engine: models loaded once per session, and one real tiny-random server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from generation import models
+from generation.server import create_app
+from generation.testing import ThreadedServer
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> models.LoadedModel:
+    """The tiny random GPT-2 (float64 on CPU: exact across batching and resume)."""
+    return models.load("tiny-random", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> models.LoadedModel:
+    """SmolLM2-135M-Instruct; the first run converts the GGUF into the cache (~20-45 s)."""
+    return models.load("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model: models.LoadedModel) -> Iterator[ThreadedServer]:
+    """A real engine server on 127.0.0.1 for synchronous (hypothesis) tests."""
+    with ThreadedServer(lambda: create_app(tiny_model)) as server:
+        yield server

@@ -1,0 +1,363 @@
+"""A fake generation engine speaking the native protocol (DESIGN section 7) over a real socket.
+
+Its "model" is a script: the token at position i is `script[i]` with id `1000 + i`, so any
+replica running the same script continues a resumed stream exactly, like the real engine does
+for greedy decoding. Faults are served on cue (a reset, a stall, an in-band error, a blank or
+undecodable line, a missing `complete_final`, data after it, an HTTP error); every request body is
+recorded, and so is every client that went away before its stream ended.
+
+    engine = FakeEngine(script=["Hello", ",", " world", "!"], fail=Fault("close", after_tokens=2))
+    url = await engine.start()
+    ...
+    await engine.close()
+
+Also runnable as a process (for the managed-engine supervisor tests):
+`python tests/fakes/engine.py --port P [--script "a b c"] [--token-delay 0.01]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+TOKEN_BASE = 1000
+DRAWN_SEED = 4242  # the seed the fake "draws" for a sampling request without one
+
+FAULT_MODES = (
+    "close",  # reset the connection after `after_tokens` tokens
+    "eof",  # end the body cleanly after `after_tokens` tokens, without complete_final
+    "stall",  # stop sending after `after_tokens` tokens, keep the connection open
+    "error",  # an in-band error item (type `error_type`) after `after_tokens` tokens
+    "blank",  # a blank line after `after_tokens` tokens
+    "garbage",  # an undecodable line after `after_tokens` tokens
+    "no_data",  # an item with neither data nor error after `after_tokens` tokens
+    "after_final",  # a normal stream, then a data item after complete_final
+    "http",  # answer with HTTP `status` instead of a stream
+    "hang",  # never answer (no headers)
+)
+
+
+@dataclass
+class Fault:
+    mode: str
+    after_tokens: int = 0
+    times: int = 1  # how many requests it applies to; -1: all
+    error_type: str = "generation_unavailable"
+    status: int = 503
+    message: str = "injected fault"
+
+    def __post_init__(self) -> None:
+        if self.mode not in FAULT_MODES:
+            raise ValueError(f"unknown fault mode {self.mode!r}")
+
+
+@dataclass
+class Recorded:
+    body: dict[str, Any]
+    headers: dict[str, str]
+    tokens_sent: int = 0
+    disconnected: bool = False  # the client went away before the stream ended
+    completed: bool = False  # complete_final was written
+
+
+def prompt_ids(prompt: str) -> list[int]:
+    """The fake tokenizer: one id below TOKEN_BASE per character."""
+    return [min(ord(c), TOKEN_BASE - 1) for c in prompt]
+
+
+@dataclass
+class FakeEngine:
+    script: list[str] = field(default_factory=lambda: ["Hello", ",", " world", "!"])
+    fail: Fault | list[Fault] | None = None
+    token_delay_s: float = 0.0
+    finish_reason: str = "EOS_TOKEN"  # at the end of the script
+    healthy: bool = True
+    port: int = 0
+    omit_finish_reason: bool = False  # a broken engine that never says why it stopped
+
+    def __post_init__(self) -> None:
+        self.faults: list[Fault] = (
+            [] if self.fail is None else [self.fail] if isinstance(self.fail, Fault) else self.fail
+        )
+        self.requests: list[Recorded] = []
+        self.resume_mismatches: list[str] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._transports: set[asyncio.BaseTransport] = set()
+        self.first_token = asyncio.Event()
+
+    # -- control --------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/generate", self._generate)
+        app.router.add_post("/v1/tokenize", self._tokenize)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "fake"}]}))
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await self._runner.setup()
+        if not self.port:
+            self.port = _free_port()
+        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        await self._site.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self.url
+
+    async def kill(self) -> None:
+        """Like SIGKILL: every open stream is reset and new connections are refused."""
+        for t in list(self._transports):
+            t.abort()
+        await self.close()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def inject(self, fault: Fault) -> None:
+        self.faults.append(fault)
+
+    @property
+    def disconnects(self) -> int:
+        return sum(r.disconnected for r in self.requests)
+
+    @property
+    def active(self) -> int:
+        return sum(not (r.completed or r.disconnected) for r in self.requests)
+
+    def text(self, n: int | None = None) -> str:
+        """The text of the first n script tokens (all by default)."""
+        return "".join(self.script if n is None else self.script[:n])
+
+    async def wait_requests(self, n: int, timeout_s: float = 5.0) -> None:
+        await until(lambda: len(self.requests) >= n, timeout_s)
+
+    async def wait_disconnects(self, n: int = 1, timeout_s: float = 5.0) -> None:
+        await until(lambda: self.disconnects >= n, timeout_s)
+
+    # -- handlers -------------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if not self.healthy:
+            return web.json_response({"status": "unhealthy"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        ids = prompt_ids(body.get("prompt", ""))
+        return web.json_response({"token_ids": ids, "count": len(ids)})
+
+    def _next_fault(self) -> Fault | None:
+        for fault in self.faults:
+            if fault.times != 0:
+                if fault.times > 0:
+                    fault.times -= 1
+                return fault
+        return None
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rec = Recorded(body=body, headers=dict(request.headers))
+        self.requests.append(rec)
+        fault = self._next_fault()
+        if fault is not None and fault.mode == "http":
+            return web.json_response(
+                {"code": fault.status, "type": fault.error_type, "message": fault.message},
+                status=fault.status,
+            )
+        if fault is not None and fault.mode == "hang":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                rec.disconnected = True
+                raise
+        resp = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
+        await resp.prepare(request)
+        transport = request.transport
+        if transport is not None:
+            self._transports.add(transport)
+        try:
+            await self._stream(request, resp, body, rec, fault)
+        except (asyncio.CancelledError, ConnectionResetError):
+            rec.disconnected = True
+            raise
+        finally:
+            if transport is not None:
+                self._transports.discard(transport)
+        return resp
+
+    async def _stream(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        body: dict[str, Any],
+        rec: Recorded,
+        fault: Fault | None,
+    ) -> None:
+        if "input_ids" in body:
+            p_ids = list(body["input_ids"])
+        else:
+            p_ids = prompt_ids(body.get("prompt", ""))
+        resume = body.get("resume") or {}
+        r_ids = list(resume.get("token_ids", []))
+        r_text = resume.get("text", "")
+        pos = len(r_ids)
+        expected_ids = [TOKEN_BASE + i for i in range(pos)]
+        if r_ids != expected_ids:
+            self.resume_mismatches.append(f"resume ids {r_ids} != {expected_ids}")
+        pending = ""  # resumed text not yet delivered
+        full = self.text(pos)
+        if full.startswith(r_text):
+            pending = full[len(r_text) :]
+        else:
+            self.resume_mismatches.append(f"resume text {r_text!r} is not a prefix of {full!r}")
+        max_new = int(body.get("max_new_tokens", 20))
+        stops = body.get("stop_sequences") or []
+        generated = full
+        first = True
+
+        async def send(obj: Any) -> None:
+            await resp.write((json.dumps(obj) + "\n").encode())
+
+        async def fault_now() -> bool:
+            """Serve the fault due now; True when the stream must end here."""
+            assert fault is not None
+            if fault.mode == "close":
+                assert request.transport is not None
+                request.transport.abort()
+                return True
+            if fault.mode == "eof":
+                await resp.write_eof()
+                return True
+            if fault.mode == "stall":
+                await asyncio.Event().wait()
+            if fault.mode == "error":
+                await send(
+                    {
+                        "error": {"code": 503, "type": fault.error_type, "message": fault.message},
+                        "complete_final": False,
+                    }
+                )
+                await resp.write_eof()
+                return True
+            if fault.mode == "blank":
+                await resp.write(b"\n")
+            elif fault.mode == "garbage":
+                await resp.write(b"{not json\n")
+            elif fault.mode == "no_data":
+                await send({"complete_final": False})
+            return False
+
+        sent = 0
+        while True:
+            if (
+                fault is not None
+                and fault.mode not in ("after_final",)
+                and sent == fault.after_tokens
+            ):
+                if await fault_now():
+                    return
+                fault = None
+            if pos >= len(self.script) or pos >= max_new:
+                break
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            tok = self.script[pos]
+            text = pending + tok
+            pending = ""
+            generated += tok
+            pos += 1
+            sent += 1
+            finish = None
+            if any(s and s in generated for s in stops):
+                finish = "STOP_SEQUENCE"
+            elif pos >= len(self.script):
+                finish = self.finish_reason
+            elif pos >= max_new:
+                finish = "MAX_TOKENS"
+            if self.omit_finish_reason:
+                finish = None
+            data: dict[str, Any] = {
+                "token_ids": [TOKEN_BASE + pos - 1],
+                "text": text,
+                "generated_token_count": pos,
+                "input_token_count": len(p_ids),
+                "finish_reason": finish,
+            }
+            if first:
+                data["prompt_token_ids"] = p_ids
+                decoding = body.get("decoding") or {}
+                if decoding.get("method") == "sampling":
+                    data["seed"] = decoding.get("seed", DRAWN_SEED)  # like the engine reports it
+                first = False
+            await send({"data": data, "complete_final": False})
+            rec.tokens_sent = sent
+            self.first_token.set()
+            if finish is not None:
+                break
+            if pos >= max_new:
+                break
+        if fault is not None and fault.mode != "after_final" and sent == fault.after_tokens:
+            if await fault_now():
+                return
+        await send({"complete_final": True})
+        rec.completed = True
+        if fault is not None and fault.mode == "after_final":
+            await send({"data": {"token_ids": [], "text": "x"}, "complete_final": False})
+        await resp.write_eof()
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.01) -> None:
+    """Wait for a condition (a deadline loop: tests assert outcomes, never timings)."""
+    deadline = time.monotonic() + timeout_s
+    for _ in itertools.count():
+        if cond():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met in {timeout_s} s")
+        await asyncio.sleep(poll_s)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="fake native engine")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--script", default="Hello , world !")
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--exit-after", type=float, default=0.0, help="exit with code 3 after S s")
+    args = parser.parse_args()
+
+    async def serve() -> None:
+        engine = FakeEngine(
+            script=[(" " if i else "") + w for i, w in enumerate(args.script.split())],
+            token_delay_s=args.token_delay,
+            port=args.port,
+        )
+        await engine.start()
+        print(f"fake engine listening on {engine.url}", flush=True)
+        if args.exit_after:
+            await asyncio.sleep(args.exit_after)
+            raise SystemExit(3)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

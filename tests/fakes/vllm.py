@@ -1,0 +1,228 @@
+"""A fake OpenAI-compatible completions server speaking vLLM's streaming protocol over a real
+socket: `POST /v1/completions` with `stream: true` and `return_token_ids: true` answers SSE
+events whose choice carries `text`, `token_ids`, `finish_reason`, `stop_reason`, and on the first
+event `prompt_token_ids`; then `data: [DONE]`. Also `POST /tokenize` and `GET /health`.
+
+The "model" is a script, as in tests/fakes/engine.py: the token at position i is `script[i]`
+with id `1000 + i`. A prompt given as token ids continues from the script position given by the
+ids >= 1000 at its end, so a resumed request continues exactly. Faults on cue: an in-band error
+event then `[DONE]`, `finish_reason: "abort"`, the end of the body without `[DONE]`, `[DONE]`
+without a finish reason, a reset, a stall, an HTTP error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from .engine import TOKEN_BASE, _free_port, prompt_ids
+
+VLLM_FAULTS = ("error", "abort", "eof", "done_early", "close", "stall", "http")
+
+
+@dataclass
+class VllmFault:
+    mode: str
+    after_tokens: int = 0
+    times: int = 1
+    status: int = 503
+
+    def __post_init__(self) -> None:
+        if self.mode not in VLLM_FAULTS:
+            raise ValueError(f"unknown fault mode {self.mode!r}")
+
+
+@dataclass
+class FakeVllm:
+    script: list[str] = field(default_factory=lambda: ["Hello", ",", " world", "!"])
+    fail: VllmFault | list[VllmFault] | None = None
+    token_delay_s: float = 0.0
+    model: str = "fake-model"
+    api_key: str | None = None  # when set, `Authorization: Bearer <key>` is required
+
+    def __post_init__(self) -> None:
+        self.faults: list[VllmFault] = (
+            []
+            if self.fail is None
+            else [self.fail]
+            if isinstance(self.fail, VllmFault)
+            else self.fail
+        )
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.disconnects = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._transports: set[asyncio.BaseTransport] = set()
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/health", lambda r: web.Response(status=200))
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await self._runner.setup()
+        port = _free_port()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def kill(self) -> None:
+        for t in list(self._transports):
+            t.abort()
+        await self.close()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def text(self, n: int | None = None) -> str:
+        return "".join(self.script if n is None else self.script[:n])
+
+    def _next_fault(self) -> VllmFault | None:
+        for fault in self.faults:
+            if fault.times != 0:
+                if fault.times > 0:
+                    fault.times -= 1
+                return fault
+        return None
+
+    def _authorized(self, request: web.Request) -> bool:
+        return self.api_key is None or request.headers.get("Authorization") == (
+            f"Bearer {self.api_key}"
+        )
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.json_response({"error": {"message": "unauthorized"}}, status=401)
+        body = await request.json()
+        if "messages" in body:
+            text = "<user>" + "".join(m["content"] for m in body["messages"]) + "<assistant>"
+        else:
+            text = body["prompt"]
+        ids = prompt_ids(text)
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 4096})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if not self._authorized(request):
+            return web.json_response(
+                {"error": {"message": "unauthorized", "type": "auth", "code": 401}}, status=401
+            )
+        fault = self._next_fault()
+        if fault is not None and fault.mode == "http":
+            return web.json_response(
+                {"error": {"message": "injected", "type": "x", "code": fault.status}},
+                status=fault.status,
+            )
+        prompt = body["prompt"]
+        p_ids = list(prompt) if isinstance(prompt, list) else prompt_ids(prompt)
+        pos = 0
+        while pos < len(p_ids) and p_ids[len(p_ids) - 1 - pos] >= TOKEN_BASE:
+            pos += 1
+        max_tokens = int(body.get("max_tokens", 16))
+        stops = body.get("stop") or []
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        transport = request.transport
+        if transport is not None:
+            self._transports.add(transport)
+        rid = f"cmpl-{len(self.requests)}"
+
+        async def event(choice: dict[str, Any] | None, **extra: Any) -> None:
+            obj: dict[str, Any] = {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [] if choice is None else [{"index": 0, "logprobs": None, **choice}],
+                **extra,
+            }
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        try:
+            sent = 0
+            generated = ""
+            while True:
+                if fault is not None and sent == fault.after_tokens:
+                    m = fault.mode
+                    if m == "error":
+                        err = {
+                            "error": {"message": "injected error", "type": "Internal", "code": 500}
+                        }
+                        await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+                        await resp.write(b"data: [DONE]\n\n")
+                        await resp.write_eof()
+                        return resp
+                    if m == "abort":
+                        await event(
+                            {
+                                "text": "",
+                                "token_ids": [],
+                                "finish_reason": "abort",
+                                "stop_reason": None,
+                            }
+                        )
+                        await resp.write(b"data: [DONE]\n\n")
+                        await resp.write_eof()
+                        return resp
+                    if m == "eof":
+                        await resp.write_eof()
+                        return resp
+                    if m == "done_early":
+                        await resp.write(b"data: [DONE]\n\n")
+                        await resp.write_eof()
+                        return resp
+                    if m == "close":
+                        assert request.transport is not None
+                        request.transport.abort()
+                        return resp
+                    if m == "stall":
+                        await asyncio.Event().wait()
+                    fault = None
+                if pos >= len(self.script) or sent >= max_tokens:
+                    break
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                tok = self.script[pos]
+                generated += tok
+                pos += 1
+                sent += 1
+                finish, stop_reason = None, None
+                hit = next((s for s in stops if s and s in generated), None)
+                if hit is not None:
+                    finish, stop_reason = "stop", hit
+                elif pos >= len(self.script):
+                    finish = "stop"
+                elif sent >= max_tokens:
+                    finish = "length"
+                choice = {
+                    "text": tok,
+                    "token_ids": [TOKEN_BASE + pos - 1],
+                    "finish_reason": finish,
+                    "stop_reason": stop_reason,
+                }
+                if sent == 1:
+                    choice["prompt_token_ids"] = p_ids
+                await event(choice)
+                if finish is not None:
+                    break
+            await event(None, usage={"prompt_tokens": len(p_ids), "completion_tokens": sent})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            raise
+        finally:
+            if transport is not None:
+                self._transports.discard(transport)

@@ -1,0 +1,203 @@
+"""The openai backend against a fake server speaking vLLM's streaming completions protocol over a
+real socket, and migration between two such servers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from orchestrator.clients.backends import build_model_backends
+from orchestrator.clients.generation import (
+    Continuation,
+    EngineItem,
+    GenerationError,
+    GenerationParams,
+    GenerationRequest,
+    ModelBackend,
+)
+from orchestrator.clients.openai import OpenAIClient
+from orchestrator.config import ModelConfig
+from tests.fakes.engine import TOKEN_BASE, prompt_ids
+from tests.fakes.vllm import FakeVllm, VllmFault
+
+SCRIPT = ["Once", " upon", " a", " time", "."]
+FULL = "".join(SCRIPT)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[FakeVllm]]:
+    made: list[FakeVllm] = []
+    yield made
+    for s in made:
+        await s.close()
+
+
+async def start(servers: list[FakeVllm], n: int = 1, **kwargs: Any) -> list[FakeVllm]:
+    for _ in range(n):
+        s = FakeVllm(script=list(SCRIPT), **kwargs)
+        await s.start()
+        servers.append(s)
+    return servers
+
+
+def request(prompt: str = "Hi", chat: bool = False, **params: Any) -> GenerationRequest:
+    params.setdefault("max_new_tokens", 20)
+    return GenerationRequest(prompt=prompt, params=GenerationParams(**params), chat=chat)
+
+
+async def collect(
+    client: OpenAIClient, req: GenerationRequest, cont: Continuation | None = None
+) -> list[EngineItem]:
+    stream = client.generate(req, cont, stall_timeout_s=2, max_time=0)
+    try:
+        return [item async for item in stream]
+    finally:
+        stream.close()
+
+
+async def test_normal_stream(session: aiohttp.ClientSession, servers: list[FakeVllm]) -> None:
+    (s,) = await start(servers, api_key="sekret")
+    client = OpenAIClient("o0", s.url, "fake-model", session, api_key="sekret")
+    items = await collect(client, request(max_new_tokens=20))
+    assert "".join(i.text for i in items) == FULL
+    assert [t for i in items for t in i.token_ids] == [TOKEN_BASE + i for i in range(5)]
+    assert items[0].prompt_token_ids == tuple(prompt_ids("Hi"))
+    assert items[0].input_token_count == 2
+    assert items[-1].finish_reason == "EOS_TOKEN"
+    body = s.requests[0]
+    assert body["stream"] is True and body["return_token_ids"] is True
+    assert body["model"] == "fake-model" and body["prompt"] == "Hi"
+    assert body["max_tokens"] == 20 and body["temperature"] == 0.0
+    assert s.headers[0]["Authorization"] == "Bearer sekret"
+
+
+async def test_sampling_params_and_finish_mapping(
+    session: aiohttp.ClientSession, servers: list[FakeVllm]
+) -> None:
+    (s,) = await start(servers)
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    req = request(
+        max_new_tokens=3,
+        min_new_tokens=2,
+        decoding_method="SAMPLING",
+        temperature=0.8,
+        top_k=10,
+        top_p=0.9,
+        seed=3,
+        repetition_penalty=1.2,
+    )
+    items = await collect(client, req)
+    assert items[-1].finish_reason == "MAX_TOKENS"
+    body = s.requests[0]
+    assert {k: body[k] for k in ("temperature", "top_k", "top_p", "seed")} == {
+        "temperature": 0.8,
+        "top_k": 10,
+        "top_p": 0.9,
+        "seed": 3,
+    }
+    assert body["repetition_penalty"] == 1.2 and body["min_tokens"] == 2
+    items = await collect(client, request(stop_sequences=(" a",)))
+    assert items[-1].finish_reason == "STOP_SEQUENCE"
+    assert s.requests[1]["stop"] == [" a"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        (VllmFault("error", after_tokens=2), "injected error"),
+        (VllmFault("abort", after_tokens=2), "abort"),
+        (VllmFault("eof", after_tokens=2), "without [DONE]"),
+        (VllmFault("done_early", after_tokens=2), "[DONE] without a finish_reason"),
+        (VllmFault("close", after_tokens=2), "connection failed"),
+        (VllmFault("http", status=503), "HTTP 503"),
+    ],
+)
+async def test_failures_are_migratable(
+    session: aiohttp.ClientSession, servers: list[FakeVllm], fault: VllmFault, message: str
+) -> None:
+    (s,) = await start(servers, fail=fault)
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    items: list[EngineItem] = []
+    stream = client.generate(request(), None, stall_timeout_s=2, max_time=0)
+    with pytest.raises(GenerationError) as info:
+        async for item in stream:
+            items.append(item)
+    assert info.value.migratable and info.value.code == 503
+    assert message in info.value.message
+    assert len(items) == fault.after_tokens
+
+
+async def test_stall(session: aiohttp.ClientSession, servers: list[FakeVllm]) -> None:
+    (s,) = await start(servers, fail=VllmFault("stall", after_tokens=1))
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    stream = client.generate(request(), None, stall_timeout_s=0.3, max_time=0)
+    with pytest.raises(GenerationError, match="stalled"):
+        async for _ in stream:
+            pass
+
+
+async def test_http_400_is_not_migratable(
+    session: aiohttp.ClientSession, servers: list[FakeVllm]
+) -> None:
+    (s,) = await start(servers, fail=VllmFault("http", status=400))
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    with pytest.raises(GenerationError) as info:
+        await collect(client, request())
+    assert not info.value.migratable and info.value.error_type == "generation_error"
+
+
+async def test_chat_prompt_goes_through_tokenize(
+    session: aiohttp.ClientSession, servers: list[FakeVllm]
+) -> None:
+    (s,) = await start(servers)
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    items = await collect(client, request(prompt="Hi", chat=True))
+    assert "".join(i.text for i in items) == FULL
+    assert s.requests[0]["prompt"] == prompt_ids("<user>Hi<assistant>")
+    assert await client.tokenize("Hi", True) == len("<user>Hi<assistant>")
+    assert await client.tokenize("Hi", False) == 2
+
+
+async def test_migration_between_two_servers(
+    session: aiohttp.ClientSession, servers: list[FakeVllm], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_KEY", "k1")
+    a, b = await start(servers, 2, api_key="k1")
+    a.faults.append(VllmFault("close", after_tokens=2))
+    config = ModelConfig.model_validate(
+        {
+            "backends": [
+                {
+                    "type": "openai",
+                    "url": s.url,
+                    "model": "fake-model",
+                    "api_key_env": "FAKE_VLLM_KEY",
+                }
+                for s in (a, b)
+            ],
+            "migration": {"quarantine_s": 30},
+        }
+    )
+    backends = build_model_backends({"m": config}, session, registry=CollectorRegistry())
+    backend: ModelBackend = backends["m"]
+    stream = backend.stream(request(max_new_tokens=10, min_new_tokens=4))
+    chunks = [c async for c in stream]
+    await stream.aclose()
+    assert "".join(c.text for c in chunks) == FULL
+    assert [c.generated_token_count for c in chunks] == [1, 2, 3, 4, 5]
+    assert stream.migrations == 1 and stream.finish_reason == "EOS_TOKEN"
+    resumed = b.requests[0]
+    assert resumed["prompt"] == [*prompt_ids("Hi"), TOKEN_BASE, TOKEN_BASE + 1]
+    assert resumed["max_tokens"] == 8 and resumed["min_tokens"] == 2
+    assert b.headers[0]["Authorization"] == "Bearer k1"
+    assert [r["type"] for r in backend.info()] == ["openai", "openai"]

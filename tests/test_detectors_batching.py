@@ -1,0 +1,283 @@
+"""Micro-batching: the MicroBatcher on a fake batch function (merging, size cap, bounded queue,
+failure isolation, cancellation, worker thread), then on the real models: 32 concurrent requests
+reach the model in a few forward passes with results identical to one-at-a-time calls, a request
+with bad params fails alone, and a full queue answers Overloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from detectors_support import ANCHORS, shared_anchor_classifier
+
+import detectors
+from detectors import DetectorError, InvalidParams, Overloaded
+from detectors.batching import MicroBatcher
+
+
+class Recorder:
+    """A batch function that doubles numbers, records its batches and threads, and can block
+    or fail on cue."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.threads: set[str] = set()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, items: list[int]) -> list[int]:
+        self.gate.wait(5)
+        self.batches.append(list(items))
+        self.threads.add(threading.current_thread().name)
+        if -1 in items:
+            raise RuntimeError("poisoned input")
+        return [2 * i for i in items]
+
+
+async def test_concurrent_submits_become_one_call_in_a_worker_thread() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_wait_ms=50)
+    results = await asyncio.gather(*(batcher.submit([i]) for i in range(10)))
+    assert results == [[2 * i] for i in range(10)]
+    assert fn.batches == [list(range(10))]
+    assert batcher.forward_passes == 1 and batcher.largest_batch == 10
+    assert threading.main_thread().name not in fn.threads
+
+
+async def test_batches_are_capped_at_max_batch_size() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_batch_size=32, max_wait_ms=20)
+    results = await asyncio.gather(*(batcher.submit([i]) for i in range(70)))
+    assert [r[0] for r in results] == [2 * i for i in range(70)]
+    assert [len(b) for b in fn.batches] == [32, 32, 6]
+
+
+async def test_a_big_request_is_split_and_reassembled_in_order() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_batch_size=8, max_wait_ms=1)
+    assert await batcher.submit(list(range(20))) == [2 * i for i in range(20)]
+    assert [len(b) for b in fn.batches] == [8, 8, 4]
+
+
+async def test_a_lone_request_waits_at_most_max_wait() -> None:
+    batcher = MicroBatcher(Recorder(), max_wait_ms=20)
+    t0 = time.perf_counter()
+    assert await batcher.submit([1]) == [2]
+    assert time.perf_counter() - t0 < 0.5
+
+
+async def test_requests_within_max_wait_share_a_batch() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_wait_ms=100)
+    first = asyncio.create_task(batcher.submit([1]))
+    await asyncio.sleep(0.02)
+    second = asyncio.create_task(batcher.submit([2]))
+    assert await first == [2] and await second == [4]
+    assert fn.batches == [[1, 2]]
+
+
+async def test_full_queue_is_overloaded_until_it_drains() -> None:
+    fn = Recorder()
+    fn.gate.clear()  # the model is busy
+    batcher = MicroBatcher(fn, max_queue=4, max_wait_ms=0)
+    busy = asyncio.create_task(batcher.submit([1, 2, 3]))
+    await asyncio.sleep(0.01)
+    waiting = asyncio.create_task(batcher.submit([4]))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded, match="queue full"):
+        await batcher.submit([5])
+    assert batcher.outstanding == 4
+    fn.gate.set()
+    assert await busy == [2, 4, 6] and await waiting == [8]
+    assert await batcher.submit([5]) == [10]
+    assert batcher.outstanding == 0
+
+
+async def test_a_request_larger_than_the_queue_runs_when_the_queue_is_empty() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_queue=4, max_batch_size=4, max_wait_ms=0)
+    assert await batcher.submit(list(range(6))) == [2 * i for i in range(6)]
+    fn.gate.clear()
+    busy = asyncio.create_task(batcher.submit([1]))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded):
+        await batcher.submit(list(range(6)))
+    fn.gate.set()
+    assert await busy == [2]
+
+
+async def test_a_failing_input_fails_only_its_own_request() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_wait_ms=30)
+    results = await asyncio.gather(
+        batcher.submit([1]), batcher.submit([-1]), batcher.submit([3]), return_exceptions=True
+    )
+    assert results[0] == [2] and results[2] == [6]
+    assert isinstance(results[1], DetectorError) and "poisoned input" in str(results[1])
+    # one batch failed; each request then ran alone to find the culprit
+    assert fn.batches == [[1, -1, 3], [1], [-1], [3]]
+    assert await batcher.submit([4]) == [8]  # the batcher still works
+
+
+async def test_a_cancelled_request_never_reaches_the_model() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_wait_ms=50)
+    gone = asyncio.create_task(batcher.submit([7]))
+    kept = asyncio.create_task(batcher.submit([8]))
+    await asyncio.sleep(0)
+    gone.cancel()
+    assert await kept == [16]
+    assert fn.batches == [[8]]
+    assert batcher.outstanding == 0
+
+
+async def test_disabled_batching_runs_each_request_alone() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, enabled=False, max_batch_size=4)
+    results = await asyncio.gather(*(batcher.submit([i]) for i in range(5)))
+    assert results == [[2 * i] for i in range(5)]
+    assert sorted(map(tuple, fn.batches)) == [(i,) for i in range(5)]
+    assert await batcher.submit(list(range(6))) == [2 * i for i in range(6)]
+    assert batcher.forward_passes == 7
+
+
+async def test_wrong_result_count_is_a_detector_error() -> None:
+    batcher = MicroBatcher(lambda items: items[:-1], max_wait_ms=0)
+    with pytest.raises(DetectorError, match="returned 1 results for 2 items"):
+        await batcher.submit([1, 2])
+
+
+async def test_close_fails_waiting_callers_and_later_submits() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_wait_ms=1000)
+    waiting = asyncio.create_task(batcher.submit([1]))
+    await asyncio.sleep(0.01)
+    await batcher.close()
+    with pytest.raises(DetectorError, match="closed"):
+        await waiting
+    with pytest.raises(DetectorError, match="closed"):
+        await batcher.submit([1])
+
+
+def test_a_batcher_moves_to_a_new_event_loop() -> None:
+    fn = Recorder()
+    batcher = MicroBatcher(fn, max_wait_ms=1)
+    assert asyncio.run(batcher.submit([1])) == [2]
+    assert asyncio.run(batcher.submit([2])) == [4]
+
+
+# --- real models ------------------------------------------------------------------------------
+
+SENTENCES = [
+    ANCHORS["safe"],
+    ANCHORS["sports"],
+    ANCHORS["finance"],
+    "The striker scored twice in the second half.",
+    "Interest rates are expected to rise again next quarter, analysts said on Monday.",
+    "Preheat the oven and bake the bread for forty minutes.",
+    "ok",
+    "A much longer sentence about nothing in particular that goes on for a while, with commas, "
+    "clauses and more words than the others so that padding inside a batch really matters.",
+]
+TOPICS = {
+    "sports": ["football match", "the team won the championship"],
+    "finance": ["stock market", "interest rates"],
+    "cooking": ["bake a cake", "recipe for bread"],
+}
+
+
+@pytest.fixture(scope="session")
+def anchor_dir() -> Path:
+    return shared_anchor_classifier()
+
+
+def flat(result: list[list[detectors.Detection]]) -> list[tuple]:
+    return [(d.start, d.end, d.detection, d.score) for per in result for d in per]
+
+
+def assert_same(batched: list, alone: list) -> None:
+    assert len(batched) == len(alone)
+    for got, want in zip(batched, alone, strict=True):
+        assert [g[:3] for g in flat(got)] == [w[:3] for w in flat(want)]
+        np.testing.assert_allclose(
+            [g[3] for g in flat(got)], [w[3] for w in flat(want)], rtol=1e-4, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("builtin", ["hf_classifier", "topic", "prompt_injection", "profanity"])
+async def test_32_concurrent_requests_take_a_few_forward_passes_with_identical_results(
+    builtin: str, anchor_dir: Path
+) -> None:
+    params: dict = {"min_score": 0.0}
+    if builtin == "hf_classifier":
+        params["model_path"] = str(anchor_dir)
+    elif builtin == "topic":
+        params["topics"] = TOPICS
+    det = detectors.build(builtin, params)
+    texts = [SENTENCES[i % len(SENTENCES)] + f" #{i}" * (i % 3) for i in range(32)]
+    alone = [await det.detect([t]) for t in texts]  # also warms the model and the topic cache
+    before = det.forward_passes
+    assert before >= 32
+    batched = await asyncio.gather(*(det.detect([t]) for t in texts))
+    passes = det.forward_passes - before
+    assert 1 <= passes <= 3, passes
+    assert det.batcher.largest_batch >= 16
+    assert_same(batched, alone)
+
+
+async def test_nanoguard_batches_too() -> None:
+    det = detectors.build("prompt_injection", {"model": "nanoguard", "min_score": 0.0})
+    texts = [SENTENCES[i % len(SENTENCES)] for i in range(8)]
+    alone = [await det.detect([t]) for t in texts]
+    before = det.forward_passes
+    batched = await asyncio.gather(*(det.detect([t]) for t in texts))
+    assert det.forward_passes - before <= 2
+    assert_same(batched, alone)
+
+
+async def test_bad_params_in_the_middle_fail_alone(anchor_dir: Path) -> None:
+    det = detectors.build("hf_classifier", {"model_path": str(anchor_dir), "min_score": 0.0})
+    await det.warmup()
+    texts = [SENTENCES[i % len(SENTENCES)] for i in range(32)]
+    params = [None] * 32
+    params[16] = {"min_score": 7}
+    params[20] = {"safe_labels": ["nonsense"]}
+    before = det.forward_passes
+    results = await asyncio.gather(
+        *(det.detect([t], p) for t, p in zip(texts, params, strict=True)), return_exceptions=True
+    )
+    assert isinstance(results[16], InvalidParams) and "min_score" in str(results[16])
+    assert isinstance(results[20], InvalidParams) and "nonsense" in str(results[20])
+    good = [r for i, r in enumerate(results) if i not in (16, 20)]
+    assert all(isinstance(r, list) and len(r) == 1 and r[0] for r in good)
+    assert det.forward_passes - before <= 3
+
+
+async def test_real_detector_overloads_when_its_queue_is_full(anchor_dir: Path) -> None:
+    det = detectors.build(
+        "hf_classifier", {"model_path": str(anchor_dir), "max_queue": 8, "max_wait_ms": 100}
+    )
+    await det.warmup()
+    first = asyncio.create_task(det.detect([ANCHORS["sports"]] * 8))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded):
+        await det.detect([ANCHORS["finance"]])
+    assert len(await first) == 8
+    assert len(await det.detect([ANCHORS["finance"]])) == 1
+
+
+async def test_batching_off_gives_the_same_results_one_pass_per_request(anchor_dir: Path) -> None:
+    on = detectors.build("hf_classifier", {"model_path": str(anchor_dir), "min_score": 0.0})
+    off = detectors.build(
+        "hf_classifier", {"model_path": str(anchor_dir), "min_score": 0.0, "batching": False}
+    )
+    texts = SENTENCES * 2
+    a = await asyncio.gather(*(on.detect([t]) for t in texts))
+    before = off.forward_passes
+    b = await asyncio.gather(*(off.detect([t]) for t in texts))
+    assert off.forward_passes - before == len(texts)
+    assert_same(a, b)

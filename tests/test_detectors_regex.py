@@ -1,0 +1,205 @@
+"""The regex PII detector: exact spans for every kind, near misses that must not match (a
+Luhn-invalid card, an out-of-range IPv4, times and C++ scopes that look like IPv6), kinds
+selection, custom patterns, and a custom pattern that does not compile (InvalidParams → 422)."""
+
+from __future__ import annotations
+
+import pytest
+
+import detectors
+from detectors import InvalidParams
+from detectors.regex_pii import find_pii, luhn_ok
+
+
+def spans(text: str, **params: object) -> list[tuple[str, int, int, str]]:
+    p = detectors.detector_class("regex").parse_params(params)
+    from detectors.regex_pii import compile_pattern
+
+    compiled = {n: compile_pattern(rx) for n, rx in p.patterns.items()}
+    return [(d.detection, d.start, d.end, d.text) for d in find_pii(text, p.kinds, compiled)]
+
+
+def at(text: str, needle: str) -> tuple[int, int]:
+    start = text.index(needle)
+    return start, start + len(needle)
+
+
+@pytest.mark.parametrize(
+    ("kind", "value"),
+    [
+        ("email", "john.doe+tag@mail.example.co.uk"),
+        ("email", "a@b.io"),
+        ("phone", "(555) 123-4567"),
+        ("phone", "555-123-4567"),
+        ("phone", "555.123.4567"),
+        ("phone", "+1 415 555 2671"),
+        ("phone", "+14155552671"),
+        ("phone", "+44 20 7946 0958"),
+        ("phone", "+33 1 42 68 53 00"),
+        ("phone", "+1 (555) 123-4567"),
+        ("ssn", "123-45-6789"),
+        ("ssn", "123 45 6789"),
+        ("credit_card", "4111 1111 1111 1111"),
+        ("credit_card", "4111-1111-1111-1111"),
+        ("credit_card", "4111111111111111"),
+        ("credit_card", "3782 822463 10005"),
+        ("credit_card", "5500 0000 0000 0004"),
+        ("ipv4", "192.168.1.1"),
+        ("ipv4", "8.8.8.8"),
+        ("ipv6", "2001:db8::1"),
+        ("ipv6", "2001:0db8:85a3:0000:0000:8a2e:0370:7334"),
+        ("ipv6", "fe80::1ff:fe23:4567:890a"),
+        ("ipv6", "::1"),
+        ("ipv6", "::ffff:192.0.2.1"),
+    ],
+)
+def test_each_kind_found_with_its_exact_span(kind: str, value: str) -> None:
+    text = f"Contact: {value}. Thanks"
+    start, end = at(text, value)
+    assert spans(text) == [(kind, start, end, value)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "card 4111 1111 1111 1112 declined",  # Luhn-invalid
+        "card 4111111111111112 declined",  # Luhn-invalid, contiguous
+        "order 1234 5678 9012 3456",  # Luhn-invalid
+        "invoice 2024-01-15 at 10:30:00",  # a date and a time
+        "version 1.2.3.4.5 and 999.1.1.1 and 192.168.01.1",  # not IPv4 addresses
+        "std::vector and Foo::Bar::baz",  # C++ scopes
+        "MAC 00:1A:2B:3C:4D:5E",  # not IPv6
+        "SSN 000-12-3456 or 666-12-3456 or 123-00-4567",  # never issued
+        "short 555-1234 and 12345",  # too short for a phone number
+        "user at example dot com",
+        "the ratio is 3.14159265358979323846",
+        "",
+    ],
+)
+def test_near_misses_do_not_match(text: str) -> None:
+    assert spans(text) == []
+
+
+def test_several_kinds_in_one_text_sorted_by_start() -> None:
+    text = (
+        "Mail jane@corp.com, call (555) 123-4567 or +44 20 7946 0958; SSN 078-05-1121; "
+        "card 4111-1111-1111-1111 (not 4111-1111-1111-1112); host 10.0.0.1 / 2001:db8::42."
+    )
+    expected = [
+        ("email", "jane@corp.com"),
+        ("phone", "(555) 123-4567"),
+        ("phone", "+44 20 7946 0958"),
+        ("ssn", "078-05-1121"),
+        ("credit_card", "4111-1111-1111-1111"),
+        ("ipv4", "10.0.0.1"),
+        ("ipv6", "2001:db8::42"),
+    ]
+    assert spans(text) == [(k, *at(text, v), v) for k, v in expected]
+
+
+def test_contained_builtin_match_is_reported_once_as_the_longer() -> None:
+    text = "call +1 555-123-4567 now, or ::ffff:10.1.2.3"
+    assert spans(text) == [
+        ("phone", *at(text, "+1 555-123-4567"), "+1 555-123-4567"),
+        ("ipv6", *at(text, "::ffff:10.1.2.3"), "::ffff:10.1.2.3"),
+    ]
+
+
+def test_card_inside_a_longer_run_of_digit_groups() -> None:
+    text = "ref 12 4111 1111 1111 1111 ok"
+    assert spans(text) == [("credit_card", *at(text, "4111 1111 1111 1111"), "4111 1111 1111 1111")]
+
+
+def test_luhn() -> None:
+    assert luhn_ok("4111111111111111")
+    assert luhn_ok("378282246310005")
+    assert not luhn_ok("4111111111111112")
+
+
+def test_kinds_select_what_runs() -> None:
+    text = "a@b.com 192.168.0.1"
+    assert spans(text, kinds=["ipv4"]) == [("ipv4", 8, 19, "192.168.0.1")]
+    assert spans(text, kinds=[]) == []
+
+
+def test_custom_patterns_with_exact_spans_alongside_builtins() -> None:
+    text = "Employee EMP-004211 mailed x@y.org about ticket JIRA-77."
+    found = spans(text, patterns={"employee_id": r"EMP-\d{6}", "ticket": r"\b[A-Z]+-\d+\b"})
+    assert found == [
+        ("employee_id", *at(text, "EMP-004211"), "EMP-004211"),
+        ("ticket", *at(text, "EMP-004211"), "EMP-004211"),
+        ("email", *at(text, "x@y.org"), "x@y.org"),
+        ("ticket", *at(text, "JIRA-77"), "JIRA-77"),
+    ]
+
+
+def test_custom_pattern_that_matches_empty_strings_yields_only_real_matches() -> None:
+    assert spans("ab", kinds=[], patterns={"opt_b": "b*"}) == [("opt_b", 1, 2, "b")]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"patterns": {"broken": "(unclosed"}}, "patterns: pattern 'broken' does not compile"),
+        ({"patterns": {"x": "a" * 600}}, "patterns: pattern 'x' must be 1-512 characters"),
+        ({"patterns": {f"p{i}": "a" for i in range(40)}}, "patterns: at most 32 patterns"),
+        ({"patterns": {"email": "x"}}, "is a built-in kind"),
+        ({"patterns": {"bad name": "x"}}, "pattern name 'bad name'"),
+        ({"patterns": {"n": 5}}, "patterns.n: Input should be a valid string"),
+        ({"kinds": ["emial"]}, "kinds.0: Input should be"),
+        ({"kinds": "email"}, "kinds: Input should be a valid list"),
+        (
+            {"kind": ["email"]},
+            "kind: unknown parameter (expected one of: kinds, patterns, threshold)",
+        ),
+    ],
+)
+def test_bad_params_are_invalid_params_naming_the_param(params: dict, message: str) -> None:
+    with pytest.raises(InvalidParams) as info:
+        detectors.validate_params("regex", params)
+    assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(InvalidParams):
+        detectors.build("regex", params)
+
+
+async def test_detect_one_list_per_content_and_request_params_merge_over_built() -> None:
+    det = detectors.build("regex", {"kinds": ["email"], "patterns": {"order": r"ORD\d+"}})
+    contents = ["x@y.com ORD12", "nothing here", "10.0.0.1"]
+    out = await det.detect(contents)
+    assert [[(d.detection, d.text) for d in per] for per in out] == [
+        [("email", "x@y.com"), ("order", "ORD12")],
+        [],
+        [],
+    ]
+    out = await det.detect(contents, {"kinds": ["ipv4"]})  # patterns still come from the build
+    assert [[d.detection for d in per] for per in out] == [["order"], [], ["ipv4"]]
+    with pytest.raises(InvalidParams, match="does not compile"):
+        await det.detect(contents, {"patterns": {"bad": "[a-"}})
+    assert all(d.score == 1.0 and d.detection_type == "pii" for d in out[0] + out[2])
+
+
+async def test_large_contents_are_scanned_off_the_loop_with_the_same_result() -> None:
+    det = detectors.build("regex")
+    filler = "lorem ipsum dolor sit amet " * 4000
+    text = filler + "card 4111 1111 1111 1111"
+    (found,) = await det.detect([text])
+    assert [(d.detection, d.start, d.end) for d in found] == [
+        ("credit_card", len(filler) + 5, len(text))
+    ]
+
+
+def test_describe_lists_params_and_defaults() -> None:
+    info = detectors.build("regex").describe()
+    assert info["builtin"] == "regex"
+    assert info["defaults"]["kinds"] == ["email", "phone", "ssn", "credit_card", "ipv4", "ipv6"]
+    assert "patterns" in info["schema"]["properties"]
+
+
+def test_unknown_builtin_and_device() -> None:
+    with pytest.raises(ValueError, match="unknown built-in detector 'nope'"):
+        detectors.build("nope")
+    with pytest.raises(ValueError, match="unknown built-in detector"):
+        detectors.validate_params("nope", {})
+    with pytest.raises(ValueError, match="device"):
+        detectors.build("regex", device="tpu")

@@ -1,0 +1,403 @@
+"""The detector service over real HTTP on 127.0.0.1: replies (one list per content, in order),
+every error case with its status and `{"code", "message"}` body, /health, /registry, /metrics,
+and `python -m detectors serve --config ... --port 0` as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from detectors_support import ANCHORS, shared_anchor_classifier
+
+import detectors
+from detectors import Detection, Detector, DetectorError, Overloaded
+from detectors.service import ConfigError, Limits, create_app, detectors_from_config
+
+ROOT = Path(__file__).resolve().parents[1]
+URL = "/api/v1/text/contents"
+LIMITS = Limits(max_contents=4, max_content_chars=200, max_total_chars=300, max_body_bytes=4000)
+
+
+class Scripted(Detector):
+    """A detector that fails the way it is told to."""
+
+    name = "scripted"
+
+    def __init__(self, failure: BaseException | None = None, drop_one: bool = False) -> None:
+        super().__init__({})
+        self.failure = failure
+        self.drop_one = drop_one
+
+    async def detect(
+        self, contents: list[str], params: dict[str, Any] | None = None
+    ) -> list[list[Detection]]:
+        if self.failure is not None:
+            raise self.failure
+        return [[] for _ in contents][: -1 if self.drop_one else None]
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any) -> Any:
+    dets: dict[str, Detector] = {
+        "pii": detectors.build("regex"),
+        "hap": detectors.build("profanity"),
+        "crash": Scripted(RuntimeError("boom")),
+        "failing": Scripted(DetectorError("model exploded")),
+        "busy": Scripted(Overloaded("queue full")),
+        "short": Scripted(drop_one=True),
+    }
+    app = create_app(dets, limits=LIMITS)
+    return await aiohttp_client(app)
+
+
+async def post(client: Any, body: Any, detector_id: str | None = "pii", raw: bytes | None = None):
+    headers = {"content-type": "application/json"}
+    if detector_id is not None:
+        headers["detector-id"] = detector_id
+    data = raw if raw is not None else json.dumps(body).encode()
+    resp = await client.post(URL, data=data, headers=headers)
+    return resp.status, await resp.json()
+
+
+async def test_reply_has_one_list_per_content_in_order(client: Any) -> None:
+    contents = ["mail a@b.com", "nothing here", "", "ip 10.0.0.1 then c@d.org"]
+    status, body = await post(client, {"contents": contents})
+    assert status == 200
+    assert body == [
+        [
+            {
+                "start": 5,
+                "end": 12,
+                "text": "a@b.com",
+                "detection": "email",
+                "detection_type": "pii",
+                "score": 1.0,
+            }
+        ],
+        [],
+        [],
+        [
+            {
+                "start": 3,
+                "end": 11,
+                "text": "10.0.0.1",
+                "detection": "ipv4",
+                "detection_type": "pii",
+                "score": 1.0,
+            },
+            {
+                "start": 17,
+                "end": 24,
+                "text": "c@d.org",
+                "detection": "email",
+                "detection_type": "pii",
+                "score": 1.0,
+            },
+        ],
+    ]
+    status, body = await post(client, {"contents": []})
+    assert (status, body) == (200, [])
+
+
+async def test_detector_params_reach_the_detector(client: Any) -> None:
+    status, body = await post(
+        client,
+        {
+            "contents": ["ticket T-42 a@b.com"],
+            "detector_params": {"kinds": [], "patterns": {"ticket": r"T-\d+"}},
+        },
+    )
+    assert status == 200
+    assert [(d["detection"], d["start"], d["end"]) for d in body[0]] == [("ticket", 7, 11)]
+
+
+async def test_model_detector_over_http(client: Any) -> None:
+    status, body = await post(
+        client, {"contents": ["You are a fucking idiot.", "Lovely weather."]}, "hap"
+    )
+    assert status == 200
+    assert body[0][0]["detection"] == "profanity" and body[0][0]["score"] > 0.9
+    assert body[1] == []
+    assert "evidence" not in body[0][0] and "metadata" not in body[0][0]
+
+
+@pytest.mark.parametrize(
+    ("detector_id", "message"),
+    [
+        (None, "missing detector-id header"),
+        ("nope", "detector `nope` not found"),
+        ("", "missing detector-id header"),
+    ],
+)
+async def test_unknown_or_missing_detector_id_is_404(
+    client: Any, detector_id: str | None, message: str
+) -> None:
+    status, body = await post(client, {"contents": ["x"]}, detector_id)
+    assert (status, body) == (404, {"code": 404, "message": message})
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"{not json", "malformed JSON body"),
+        (b"\xff\xfe", "malformed JSON body"),
+        (b"", "malformed JSON body"),
+        (b'["a"]', "Input should be a valid dictionary"),
+        (b"{}", "contents: Field required"),
+        (b'{"contents": "a b c"}', "contents: Input should be a valid list"),
+        (b'{"contents": ["ok", 5]}', "contents.1: Input should be a valid string"),
+        (b'{"contents": [null]}', "contents.0: Input should be a valid string"),
+        (b'{"contents": ["x"], "extra": 1}', "extra: unknown field"),
+        (
+            b'{"contents": ["x"], "detector_params": [1]}',
+            "detector_params: Input should be a valid dictionary",
+        ),
+        (
+            b'{"contents": ["x"], "detector_params": {"patterns": {"p": "(("}}}',
+            "detector_params: patterns: pattern 'p' does not compile",
+        ),
+        (
+            b'{"contents": ["x"], "detector_params": {"kindz": []}}',
+            "detector_params: kindz: unknown parameter",
+        ),
+    ],
+)
+async def test_bad_bodies_are_422_naming_the_problem(client: Any, raw: bytes, message: str) -> None:
+    status, body = await post(client, None, raw=raw)
+    assert status == 422 and body["code"] == 422
+    assert message in body["message"], body
+
+
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [
+        (["a"] * 5, "too many contents: 5 (at most 4)"),
+        (["x" * 201], "contents.0: 201 characters (at most 200)"),
+        (["x" * 150, "y" * 160], "contents: 310 characters in total (at most 300)"),
+    ],
+)
+async def test_too_many_or_too_long_contents_are_413(
+    client: Any, contents: list[str], message: str
+) -> None:
+    status, body = await post(client, {"contents": contents})
+    assert (status, body) == (413, {"code": 413, "message": message})
+
+
+async def test_oversized_body_is_413(client: Any) -> None:
+    status, body = await post(client, None, raw=json.dumps({"contents": ["x" * 5000]}).encode())
+    assert status == 413 and body["code"] == 413
+    assert "4000 bytes" in body["message"]
+
+
+async def test_overloaded_is_503_with_retry_after(client: Any) -> None:
+    resp = await client.post(URL, json={"contents": ["x"]}, headers={"detector-id": "busy"})
+    assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+    assert await resp.json() == {"code": 503, "message": "detector `busy` overloaded: queue full"}
+
+
+@pytest.mark.parametrize(
+    ("detector_id", "message"),
+    [
+        ("crash", "internal error: RuntimeError: boom"),
+        ("failing", "detector `failing` failed: model exploded"),
+        ("short", "detector `short` returned 1 results for 2 contents"),
+    ],
+)
+async def test_detector_failures_are_500_with_a_message(
+    client: Any, detector_id: str, message: str
+) -> None:
+    status, body = await post(client, {"contents": ["a", "b"]}, detector_id)
+    assert (status, body) == (500, {"code": 500, "message": message})
+
+
+async def test_wrong_method_and_unknown_route_are_json(client: Any) -> None:
+    resp = await client.get(URL)
+    assert resp.status == 405
+    assert await resp.json() == {"code": 405, "message": f"Method Not Allowed: GET {URL}"}
+    resp = await client.get("/nope")
+    assert resp.status == 404 and (await resp.json())["code"] == 404
+
+
+async def test_health_registry_metrics(client: Any) -> None:
+    resp = await client.get("/health")
+    assert (resp.status, await resp.json()) == (200, {"status": "ok"})
+
+    resp = await client.get("/registry")
+    listing = (await resp.json())["detectors"]
+    by_id = {d["detector_id"]: d for d in listing}
+    assert set(by_id) == {"pii", "hap", "crash", "failing", "busy", "short"}
+    assert by_id["pii"]["builtin"] == "regex" and "kinds" in by_id["pii"]["params"]
+    assert by_id["hap"]["builtin"] == "profanity" and by_id["hap"]["defaults"]["min_score"] == 0.1
+
+    await post(client, {"contents": ["a", "b"]}, "hap")
+    await post(client, {"contents": ["x"]}, "nope")
+    resp = await client.get("/metrics")
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+    text = await resp.text()
+    assert 'detector_requests_total{detector_id="hap",status="200"} 1.0' in text
+    assert 'detector_requests_total{detector_id="_unknown",status="404"} 1.0' in text
+    assert 'detector_request_seconds_count{detector_id="hap"} 1.0' in text
+    assert 'detector_batch_size_count{detector_id="hap"} 1.0' in text
+    assert 'detector_batch_size_sum{detector_id="hap"} 2.0' in text
+
+
+async def test_a_full_micro_batch_queue_answers_503(aiohttp_client: Any) -> None:
+    det = detectors.build(
+        "hf_classifier",
+        {"model_path": str(shared_anchor_classifier()), "max_queue": 2, "max_wait_ms": 200},
+    )
+    client = await aiohttp_client(create_app({"clf": det}, limits=LIMITS))
+    first = asyncio.create_task(post(client, {"contents": [ANCHORS["sports"]] * 2}, "clf"))
+    await asyncio.sleep(0.1)
+    status, body = await post(client, {"contents": [ANCHORS["finance"]]}, "clf")
+    assert status == 503 and "queue full" in body["message"]
+    status, body = await first
+    assert status == 200 and [d[0]["detection"] for d in body] == ["sports", "sports"]
+    await det.close()
+
+
+def test_config_section_is_read_leniently(tmp_path: Path) -> None:
+    config = {
+        "server": {"port": 1, "whatever": True},  # other sections are not ours to judge
+        "models": "ignored",
+        "detectors": {
+            "pii": {
+                "type": "text_contents",
+                "builtin": "regex",
+                "chunker_id": "sentence",
+                "params": {"kinds": ["email"], "threshold": 0.5, "on_detection": "block"},
+            },
+            "remote": {"url": "http://elsewhere:8080"},
+            "hap": {"builtin": "profanity", "default_threshold": 0.7, "timeout_s": 3},
+        },
+    }
+    built = detectors_from_config(config)
+    assert sorted(built) == ["hap", "pii"]
+    assert built["pii"].params.kinds == ["email"]
+    with pytest.raises(ConfigError) as info:
+        detectors_from_config(
+            {
+                "detectors": {
+                    "a": {"builtin": "regex", "params": {"patterns": {"x": "("}}},
+                    "b": {"builtin": "nope"},
+                    "c": 3,
+                }
+            }
+        )
+    assert info.value.errors[0].startswith(
+        "detectors.a.params: patterns: pattern 'x' does not compile"
+    )
+    assert info.value.errors[1].startswith("detectors.b.builtin: unknown built-in detector 'nope'")
+    assert info.value.errors[2] == "detectors.c: must be a mapping"
+
+
+async def test_app_from_a_config_dict(aiohttp_client: Any) -> None:
+    client = await aiohttp_client(create_app({"detectors": {"pii": {"builtin": "regex"}}}))
+    status, body = await post(client, {"contents": ["x@y.com"]})
+    assert status == 200 and body[0][0]["detection"] == "email"
+
+
+def test_cli_serves_the_config_on_a_free_port(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "server": {"port": 8033},
+                "chunkers": {"sentence": {"type": "sentence"}},
+                "detectors": {
+                    "pii": {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"},
+                    "hap": {"builtin": "profanity", "params": {"min_score": 0.5}},
+                    "remote": {"url": "http://127.0.0.1:1"},
+                },
+            }
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "detectors",
+            "serve",
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        match = re.search(r"serving hap, pii on http://127\.0\.0\.1:(\d+)", line)
+        assert match, line + (proc.stderr.read() if proc.poll() is not None else "")
+        port = int(match.group(1))
+        assert port > 0
+
+        async def call() -> tuple[int, Any]:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(
+                    f"http://127.0.0.1:{port}{URL}",
+                    json={"contents": ["a@b.com", "fuck off"]},
+                    headers={"detector-id": "pii"},
+                ) as resp:
+                    first = await resp.json()
+                async with session.post(
+                    f"http://127.0.0.1:{port}{URL}",
+                    json={"contents": ["fuck off"]},
+                    headers={"detector-id": "hap"},
+                ) as resp:
+                    return resp.status, (first, await resp.json())
+
+        status, (pii, hap) = asyncio.run(call())
+        assert status == 200
+        assert pii == [
+            [
+                {
+                    "start": 0,
+                    "end": 7,
+                    "text": "a@b.com",
+                    "detection": "email",
+                    "detection_type": "pii",
+                    "score": 1.0,
+                }
+            ],
+            [],
+        ]
+        assert hap[0][0]["detection"] == "profanity"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert proc.stderr is not None
+        assert "InconsistentVersionWarning" not in proc.stderr.read()
+
+
+def test_cli_reports_config_errors_with_their_path(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("detectors:\n  pii:\n    builtin: regex\n    params: {kinds: [emial]}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "detectors", "serve", "--config", str(config), "--port", "0"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "error: detectors.pii.params: kinds.0: Input should be" in proc.stderr
