@@ -34,7 +34,9 @@ class Style:
         return self.wrap(text, "2")
 
 
-async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[str | None, dict[str, Any]]]:
+async def sse_events(
+    response: aiohttp.ClientResponse,
+) -> AsyncIterator[tuple[str | None, dict[str, Any]]]:
     """(event name or None for frames, data) for each SSE message."""
     name: str | None = None
     data: list[str] = []
@@ -87,7 +89,9 @@ async def run_terminal_client(args: argparse.Namespace, out: TextIO | None = Non
     if key:
         headers["Authorization"] = f"Bearer {key}"
     url = args.url.rstrip("/")
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
+    ) as session:
         model = args.model
         if model is None:
             async with session.get(f"{url}/info") as resp:
@@ -114,7 +118,9 @@ async def run_terminal_client(args: argparse.Namespace, out: TextIO | None = Non
                     if name is None:
                         out.write(render_frame(data, style))
                         out.flush()
-                        notes += describe_detections(data, "input") + describe_detections(data, "output")
+                        notes += describe_detections(data, "input") + describe_detections(
+                            data, "output"
+                        )
                         continue
                     if name == "refusal.delta":
                         continue

@@ -3,6 +3,8 @@ under random chunk boundaries per detector and random arrival orders."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,7 +40,12 @@ def test_waits_for_every_detector_then_releases_up_to_the_largest_head() -> None
     agg.push(R("a", 20, 30))
     [frame] = agg.pop_ready()
     assert (frame.start, frame.end) == (0, 30)
-    assert frame.results == (R("a", 0, 10), R("a", 10, 20, "hit"), R("a", 20, 30), R("b", 0, 30, "para"))
+    assert frame.results == (
+        R("a", 0, 10),
+        R("a", 10, 20, "hit"),
+        R("a", 20, 30),
+        R("b", 0, 30, "para"),
+    )
     assert agg.released == 30
 
 
@@ -83,7 +90,7 @@ def scenario(draw: st.DrawFn) -> tuple[int, dict[str, list[tuple[int, int]]], li
     for i in range(k):
         cuts = sorted(draw(st.sets(st.integers(1, max(1, n - 1)), max_size=12))) if n > 1 else []
         bounds = [0, *[c for c in cuts if 0 < c < n], n] if n else []
-        partitions[f"d{i}"] = [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+        partitions[f"d{i}"] = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
     # a random interleaving of every detector's pushes, each followed at some point by finish
     events = [d for d, spans in partitions.items() for _ in range(len(spans) + 1)]
     order = draw(st.permutations(events))

@@ -14,10 +14,10 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import aiohttp
-from detectors.api import ContentsRequest, Detection
 from pydantic import TypeAdapter, ValidationError
 
 import detectors
+from detectors.api import ContentsRequest, Detection
 
 from ..config import DetectorConfig
 

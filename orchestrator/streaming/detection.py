@@ -130,6 +130,11 @@ class StreamingDetection:
 
     def _check_block(self, result: Result) -> None:
         if result.detections and result.detector_id in self._blocking:
+            # text judged clean before the offending chunk still goes out, even when it was
+            # held back for the end of the stream
+            held, self._held = self._held, []
+            for frame in held:
+                self._emit(frame)
             raise Blocked(list(result.detections))
 
     def _on_gating_result(self, result: Result) -> None:

@@ -10,9 +10,8 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from detectors.api import Detection
-
 from chunkers import Span
+from detectors.api import Detection
 
 from ..clients.registry import RequestedDetector
 from .aggregation import DetectorResult

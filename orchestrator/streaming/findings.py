@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from detectors.api import Detection
-
 from chunkers import Span
+from detectors.api import Detection
 
 from ..api.responses import ContentDetection, TokenClassificationResult
 from ..clients.detectors import DetectorCallError

@@ -56,7 +56,9 @@ class FakeDetectorServer:
         detector_id = request.headers.get("detector-id", "")
         behaviour = self.detectors.get(detector_id)
         if behaviour is None:
-            return web.json_response({"code": 404, "message": f"no detector {detector_id}"}, status=404)
+            return web.json_response(
+                {"code": 404, "message": f"no detector {detector_id}"}, status=404
+            )
         body = await request.json()
         contents: list[str] = body["contents"]
         self.calls.append((detector_id, contents, body.get("detector_params", {})))
@@ -74,7 +76,8 @@ class FakeDetectorServer:
         )
         if failing:
             return web.json_response(
-                {"code": behaviour.fail_status, "message": "detector exploded"}, status=behaviour.fail_status or 500
+                {"code": behaviour.fail_status, "message": "detector exploded"},
+                status=behaviour.fail_status or 500,
             )
         if behaviour.malformed:
             return web.Response(text='[{"start": "zero"}]', content_type="application/json")

@@ -82,6 +82,8 @@ class FakeEngine:
     healthy: bool = True
     port: int = 0
     omit_finish_reason: bool = False  # a broken engine that never says why it stopped
+    # Answer each prompt with its own script (e.g. echo it) instead of the fixed one.
+    script_for: Callable[[str], list[str]] | None = None
 
     def __post_init__(self) -> None:
         self.faults: list[Fault] = (
@@ -215,7 +217,8 @@ class FakeEngine:
         if r_ids != expected_ids:
             self.resume_mismatches.append(f"resume ids {r_ids} != {expected_ids}")
         pending = ""  # resumed text not yet delivered
-        full = self.text(pos)
+        script = self.script_for(body.get("prompt", "")) if self.script_for else self.script
+        full = "".join(script[:pos])
         if full.startswith(r_text):
             pending = full[len(r_text) :]
         else:
@@ -267,11 +270,11 @@ class FakeEngine:
                 if await fault_now():
                     return
                 fault = None
-            if pos >= len(self.script) or pos >= max_new:
+            if pos >= len(script) or pos >= max_new:
                 break
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-            tok = self.script[pos]
+            tok = script[pos]
             text = pending + tok
             pending = ""
             generated += tok
@@ -280,7 +283,7 @@ class FakeEngine:
             finish = None
             if any(s and s in generated for s in stops):
                 finish = "STOP_SEQUENCE"
-            elif pos >= len(self.script):
+            elif pos >= len(script):
                 finish = self.finish_reason
             elif pos >= max_new:
                 finish = "MAX_TOKENS"

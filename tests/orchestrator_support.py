@@ -1,0 +1,171 @@
+"""Black-box helpers for orchestrator tests: a real server on 127.0.0.1 built from a config dict,
+an SSE reader, and the request bodies the tests send."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from orchestrator.app import STREAMING_PATH
+from orchestrator.config import parse_config
+from orchestrator.server import start_server
+
+MODEL = "fake-model"
+
+
+@dataclass(frozen=True)
+class SseEvent:
+    name: str | None  # None: a classified frame
+    data: dict[str, Any]
+
+
+def sse_events(body: str) -> list[SseEvent]:
+    """Parses a whole SSE body; fails on anything that is not `event:`/`data:` lines."""
+    events: list[SseEvent] = []
+    for block in body.split("\n\n"):
+        if not block.strip():
+            continue
+        name: str | None = None
+        data: list[str] = []
+        for line in block.split("\n"):
+            field, _, value = line.partition(": ")
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+            else:
+                raise AssertionError(f"unexpected SSE line {line!r}")
+        events.append(SseEvent(name, json.loads("\n".join(data))))
+    return events
+
+
+def frames(events: list[SseEvent]) -> list[dict[str, Any]]:
+    return [e.data for e in events if e.name is None]
+
+
+def terminal(events: list[SseEvent]) -> SseEvent:
+    """The last event, after checking it is the only terminal one."""
+    names = [e.name for e in events if e.name in ("completed", "incomplete", "failed", "error")]
+    assert len(names) == 1, f"expected exactly one terminal event, got {names}"
+    assert events[-1].name == names[0], "nothing may follow the terminal event"
+    return events[-1]
+
+
+def assert_contiguous(frame_list: list[dict[str, Any]]) -> str:
+    """Frames tile the generated text; returns it."""
+    at = 0
+    text = ""
+    for f in frame_list:
+        assert f["start_index"] == at, f"frame starts at {f['start_index']}, expected {at}"
+        piece = f.get("generated_text", "")
+        assert f["processed_index"] == at + len(piece)
+        at = f["processed_index"]
+        text += piece
+    return text
+
+
+def native_config(
+    engine_url: str,
+    *,
+    detectors: dict[str, dict[str, Any]] | None = None,
+    chunkers: dict[str, dict[str, Any]] | None = None,
+    server: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A config with one native backend (migration off) and the given detectors."""
+    model_cfg: dict[str, Any] = {
+        "backends": [{"type": "native", "url": engine_url}],
+        "migration": {"limit": 0, "quarantine_s": 0},
+    }
+    model_cfg.update(model or {})
+    return {
+        "server": {"host": "127.0.0.1", "port": 0, **(server or {})},
+        "models": {MODEL: model_cfg},
+        "chunkers": chunkers
+        if chunkers is not None
+        else {
+            "sentence": {"type": "sentence"},
+            "paragraph": {"type": "paragraph"},
+        },
+        "detectors": detectors or {},
+    }
+
+
+def remote(url: str, chunker: str = "sentence", **extra: Any) -> dict[str, Any]:
+    return {"type": "text_contents", "url": url, "chunker_id": chunker, **extra}
+
+
+def generation_body(
+    inputs: str = "Hi there",
+    *,
+    output: dict[str, Any] | None = None,
+    input: dict[str, Any] | None = None,
+    params: dict[str, Any] | None = None,
+    model_id: str = MODEL,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"model_id": model_id, "inputs": inputs}
+    guardrails: dict[str, Any] = {}
+    if input is not None:
+        guardrails["input"] = {"models": input}
+    if output is not None:
+        guardrails["output"] = {"models": output}
+    if guardrails:
+        body["guardrail_config"] = guardrails
+    if params:
+        body["text_gen_parameters"] = params
+    return body
+
+
+class Orchestrator:
+    """The real service on a free port: `async with Orchestrator(cfg) as orch: orch.url`."""
+
+    def __init__(self, config: dict[str, Any], *, device: str = "cpu") -> None:
+        self.config = parse_config(config)
+        self.device = device
+        self.url = ""
+        self.runner: web.AppRunner | None = None
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Orchestrator:
+        self.runner, port = await start_server(self.config, "127.0.0.1", 0, device=self.device)
+        self.url = f"http://127.0.0.1:{port}"
+        self.session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.session is not None:
+            await self.session.close()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def stream(
+        self, body: dict[str, Any], *, headers: dict[str, str] | None = None
+    ) -> list[SseEvent]:
+        """POSTs to the streaming endpoint; asserts a 200 event stream and returns its events."""
+        assert self.session is not None
+        async with self.session.post(self.url + STREAMING_PATH, json=body, headers=headers) as r:
+            text = await r.text()
+            assert r.status == 200, f"{r.status}: {text}"
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+        return sse_events(text)
+
+    async def post(
+        self, path: str, body: Any, *, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
+        """POSTs JSON (or raw bytes/str) and returns (status, parsed JSON or text)."""
+        assert self.session is not None
+        kwargs: dict[str, Any] = {"headers": headers}
+        if isinstance(body, bytes | str):
+            kwargs["data"] = body
+        else:
+            kwargs["json"] = body
+        async with self.session.post(self.url + path, **kwargs) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text
