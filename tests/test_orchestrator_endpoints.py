@@ -45,7 +45,7 @@ async def setup() -> AsyncIterator[tuple[FakeEngine, FakeDetectorServer, dict]]:
 
 
 async def test_unary_generation_folds_the_stream(setup) -> None:
-    engine, dets, cfg = setup
+    cfg = setup[2]
     async with Orchestrator(cfg) as orch:
         status, body = await orch.post(UNARY_PATH, generation_body(output={"you": {}}))
     assert status == 200
@@ -74,7 +74,7 @@ async def test_unary_generation_folds_the_stream(setup) -> None:
 
 
 async def test_unary_generation_errors_are_http_errors(setup) -> None:
-    engine, dets, cfg = setup
+    cfg = setup[2]
     async with Orchestrator(cfg) as orch:
         status, body = await orch.post(UNARY_PATH, generation_body(output={"broken": {}}))
         status_404, body_404 = await orch.post(UNARY_PATH, generation_body(model_id="nope"))
@@ -84,7 +84,7 @@ async def test_unary_generation_errors_are_http_errors(setup) -> None:
 
 
 async def test_unary_blocking_returns_the_refusal_without_text(setup) -> None:
-    engine, dets, cfg = setup
+    cfg = setup[2]
     async with Orchestrator(cfg) as orch:
         status, body = await orch.post(
             UNARY_PATH, generation_body(output={"great": {"on_detection": "block"}})
@@ -97,7 +97,7 @@ async def test_unary_blocking_returns_the_refusal_without_text(setup) -> None:
 
 
 async def test_content_detection_spans_are_relative_to_the_whole_content(setup) -> None:
-    engine, dets, cfg = setup
+    cfg = setup[2]
     content = "Mail me at jo@example.com. Or call you know who at 555-123-4567."
     async with Orchestrator(cfg) as orch:
         status, body = await orch.post(
@@ -125,7 +125,7 @@ async def test_content_detection_spans_are_relative_to_the_whole_content(setup) 
     ],
 )
 async def test_content_detection_rejects_bad_bodies(setup, body, status) -> None:
-    engine, dets, cfg = setup
+    cfg = setup[2]
     async with Orchestrator(cfg) as orch:
         got, err = await orch.post(CONTENT_PATH, body)
     assert got == status, err
@@ -134,7 +134,7 @@ async def test_content_detection_rejects_bad_bodies(setup, body, status) -> None
 
 
 async def test_stream_content_ndjson_in_and_out(setup) -> None:
-    engine, dets, cfg = setup
+    cfg = setup[2]
     lines = [
         {"detectors": {"you": {}, "great_para": {}}, "content": "Are you "},
         {"content": "sure? It is great.\n\nAnd you"},
@@ -157,7 +157,7 @@ async def test_stream_content_ndjson_in_and_out(setup) -> None:
 
 
 async def test_stream_content_first_line_errors_are_http_4xx(setup) -> None:
-    engine, dets, cfg = setup
+    cfg = setup[2]
     async with Orchestrator(cfg) as orch:
         no_detectors = await orch.post(STREAM_CONTENT_PATH, '{"content": "hi"}\n')
         unknown = await orch.post(
@@ -172,7 +172,7 @@ async def test_stream_content_first_line_errors_are_http_4xx(setup) -> None:
 
 
 async def test_stream_content_bad_later_line_ends_with_an_error_line(setup) -> None:
-    engine, dets, cfg = setup
+    cfg = setup[2]
     payload = '{"detectors": {"you": {}}, "content": "Hi you. "}\n{"content": 3}\n'
     async with Orchestrator(cfg) as orch:
         assert orch.session is not None
@@ -183,7 +183,7 @@ async def test_stream_content_bad_later_line_ends_with_an_error_line(setup) -> N
 
 
 async def test_health_info_and_openapi(setup) -> None:
-    engine, dets, cfg = setup
+    cfg = setup[2]
     async with Orchestrator(cfg) as orch:
         assert orch.session is not None
         async with orch.session.get(orch.url + "/health") as r:
