@@ -1,6 +1,17 @@
-"""Prometheus metrics of the orchestrator, on a registry of its own per app (tests build many)."""
+"""Prometheus metrics of the orchestrator, on a registry of its own per app (tests build many).
+
+Everything `GET /metrics` serves lives on `OrchestratorMetrics.registry`: the request, stream,
+frame, detection and terminal-event series defined here, the detector-call series recorded by
+`instrument_detectors`, and the migration counters (`MigrationMetrics`), which `create_app`
+registers on the same registry through `build_model_backends(registry=...)`.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -8,47 +19,73 @@ from .api.responses import ClassifiedFrame
 from .streaming.findings import Finding
 from .streaming.guarded_generation import StreamObserver
 
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_TIMED = "_guardstream_timed"  # marks a detector client whose calls are already recorded
+
 
 class OrchestratorMetrics:
+    """The orchestrator's series. `observer()` feeds the streaming pipeline's hooks into them."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "guardstream_requests",
-            "HTTP requests by endpoint and status",
+            "HTTP requests by route and status (streams are counted when they end)",
             ["endpoint", "status"],
             registry=r,
         )
-        self.active_streams = Gauge("guardstream_active_streams", "Streams in progress", registry=r)
-        self.frames = Counter("guardstream_frames", "Classified frames sent", registry=r)
+        self.active_streams = Gauge(
+            "guardstream_active_streams",
+            "Streams in progress (task endpoints and stream-content)",
+            registry=r,
+        )
+        self.frames = Counter(
+            "guardstream_frames",
+            "Classified frames produced by the task pipeline (the unary endpoint folds them)",
+            registry=r,
+        )
         self.detections = Counter(
             "guardstream_detections",
-            "Detections sent to clients by detector",
+            "Detections returned to clients, by detector",
             ["detector_id"],
             registry=r,
         )
         self.detector_latency = Histogram(
             "guardstream_detector_latency_seconds",
-            "Detector call latency",
+            "Duration of detector calls that returned or failed (cancelled calls excluded)",
             ["detector_id"],
             registry=r,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            buckets=LATENCY_BUCKETS,
+        )
+        self.detector_calls = Counter(
+            "guardstream_detector_calls",
+            "Detector calls by detector and outcome (ok | error | cancelled)",
+            ["detector_id", "outcome"],
+            registry=r,
         )
         self.hold_back = Histogram(
             "guardstream_frame_hold_back_seconds",
-            "Time from a frame's text being generated to the frame being sent",
+            "Time from a frame's last character being generated to the frame being sent",
             registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
         )
         self.terminal_events = Counter(
-            "guardstream_terminal_events", "Terminal events by name", ["event"], registry=r
+            "guardstream_terminal_events",
+            "Terminal events by name (completed | incomplete | failed | error)",
+            ["event"],
+            registry=r,
         )
 
     def observer(self) -> StreamObserver:
+        """Hooks for one request's pipeline (which itself knows nothing of prometheus)."""
+
         def on_frame(frame: ClassifiedFrame, hold_s: float) -> None:
             self.frames.inc()
-            if hold_s > 0:
-                self.hold_back.observe(hold_s)
+            # every frame with text has been held back for some time, however short; frames
+            # without text (an input refusal, an empty final frame) have nothing to hold
+            if frame.generated_text:
+                self.hold_back.observe(max(hold_s, 0.0))
 
         def on_findings(findings: list[Finding]) -> None:
             for f in findings:
@@ -58,3 +95,35 @@ class OrchestratorMetrics:
             self.terminal_events.labels(name).inc()
 
         return StreamObserver(on_frame=on_frame, on_findings=on_findings, on_terminal=on_terminal)
+
+    def instrument_detectors(self, clients: Mapping[str, Any]) -> None:
+        """Times every call of each detector client (`{detector_id: DetectorClient}`), in-process
+        and remote alike, by wrapping the instance's `detect`. Idempotent per client."""
+        for detector_id, client in clients.items():
+            if getattr(client, _TIMED, False):
+                continue
+            client.detect = self._timed(detector_id, client.detect)
+            setattr(client, _TIMED, True)
+
+    def _timed(
+        self, detector_id: str, detect: Callable[..., Awaitable[Any]]
+    ) -> Callable[..., Awaitable[Any]]:
+        latency = self.detector_latency.labels(detector_id)
+        calls = {o: self.detector_calls.labels(detector_id, o) for o in ("ok", "error", "cancelled")}
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                result = await detect(*args, **kwargs)
+            except asyncio.CancelledError:
+                calls["cancelled"].inc()
+                raise
+            except BaseException:
+                latency.observe(time.perf_counter() - started)
+                calls["error"].inc()
+                raise
+            latency.observe(time.perf_counter() - started)
+            calls["ok"].inc()
+            return result
+
+        return timed

@@ -121,8 +121,10 @@ async def test_builtin_detectors_refuse_unsuitable_input(orch: Orchestrator) -> 
         )
     )
     found = events[0].data["token_classification_results"]["input"]
-    assert [(d["start"], d["end"], d["detector_id"]) for d in found][0] == (0, 46, "hap")
-    assert (5, 19, "pii") in [(d["start"], d["end"], d["detector_id"]) for d in found]
+    assert [(d["start"], d["end"], d["detector_id"], d["entity"]) for d in found] == [
+        (0, 46, "hap", "profanity"),
+        (5, 19, "pii", "email"),
+    ]
     assert found[0]["score"] > 0.5
     assert terminal(events).name == "incomplete"
 
