@@ -9,7 +9,20 @@ import logging
 import signal
 import sys
 
+from aiohttp.web import BaseRequest, StreamResponse
+from aiohttp.web_log import AccessLogger
+
 LISTENING_PREFIX = "guardstream-engine listening on "
+
+
+class ProbeQuietAccessLogger(AccessLogger):
+    """The access log without health probes and metric scrapes, which the orchestrator and
+    Prometheus send every few seconds and would otherwise drown the log."""
+
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        if request.path in ("/health", "/metrics"):
+            return
+        super().log(request, response, time)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,7 +99,12 @@ async def _serve(args: argparse.Namespace) -> int:
         threads=args.threads if args.threads is not None else loaded.threads,
     )
     # handler_cancellation: a client disconnect cancels its handler at once (and so its request).
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10.0)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=10.0,
+        access_log_class=ProbeQuietAccessLogger,
+    )
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     try:
