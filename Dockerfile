@@ -2,7 +2,10 @@
 #   docker build -t guardstream .                               # CPU torch (default)
 #   docker build --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
 #                --build-arg TORCH_VARIANT=cu128 -t guardstream:cuda .
+# (torch's CUDA wheels carry the CUDA runtime, so TORCH_VARIANT=cu128 on the default base also
+# runs on a GPU; the NVIDIA container runtime mounts the driver either way.)
 # The command picks the role: python -m orchestrator serve | python -m generation serve | python -m detectors serve
+# The build needs PyPI and download.pytorch.org; nothing is downloaded at run time.
 ARG BASE_IMAGE=python:3.11-slim
 ARG BUILD_IMAGE=python:3.11-slim
 
@@ -27,8 +30,21 @@ ENV GUARDSTREAM_CACHE=/opt/guardstream-cache HF_HUB_OFFLINE=1
 RUN /opt/venv/bin/python -m generation prepare smollm2-135m
 
 FROM ${BASE_IMAGE} AS runtime
-RUN (command -v python3.11 >/dev/null || (apt-get update && apt-get install -y --no-install-recommends python3.11 && rm -rf /var/lib/apt/lists/*)) \
- && useradd --create-home --uid 10001 guardstream
+# /opt/venv/bin/python is the build stage's /usr/local/bin/python3.11: bring that interpreter along
+# (identical files on python:3.11-slim), so any glibc base works, CUDA images included (Ubuntu
+# 24.04 has no python3.11 package). On such a base, add the shared libraries it links against.
+COPY --from=build /usr/local /usr/local
+RUN set -eux; ldconfig; \
+    check='import ssl, ctypes, sqlite3, bz2, lzma, zlib, uuid, pyexpat'; \
+    if ! /usr/local/bin/python3.11 -c "$check" 2>/dev/null; then \
+      apt-get update; \
+      ssl=libssl3; if apt-cache show libssl3t64 >/dev/null 2>&1; then ssl=libssl3t64; fi; \
+      apt-get install -y --no-install-recommends ca-certificates "$ssl" libffi8 libsqlite3-0 \
+        libbz2-1.0 liblzma5 zlib1g libexpat1 libuuid1; \
+      rm -rf /var/lib/apt/lists/*; \
+      /usr/local/bin/python3.11 -c "$check"; \
+    fi; \
+    useradd --create-home --uid 10001 guardstream
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=guardstream:guardstream /opt/guardstream-cache /opt/guardstream-cache
 COPY config.yaml /etc/guardstream/config.yaml

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 from .config import ConfigError, load_config
@@ -27,8 +26,10 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .logs import configure_logging
     from .server import run_server
 
+    configure_logging(args.log_format, args.log_level.upper())
     try:
         config = load_config(args.config)
     except ConfigError as exc:
@@ -37,18 +38,16 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
-    with _sigterm_as_interrupt():
+    try:
+        # SIGTERM (what Kubernetes and docker send) and SIGINT both drain: see run_server
         return asyncio.run(run_server(config, host, port, device=args.device))
-
-
-class _sigterm_as_interrupt:
-    """SIGTERM (what Kubernetes and docker send) drains like Ctrl-C."""
-
-    def __enter__(self) -> None:
-        self._old = signal.getsignal(signal.SIGTERM)
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGTERM, self._old)
+    except ConfigError as exc:  # found at start-up: API keys, TLS files
+        for line in exc.errors:
+            print(line, file=sys.stderr)
+        return 1
+    except OSError as exc:  # the port is taken, the host is not ours
+        print(f"cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 def _stream(args: argparse.Namespace) -> int:
@@ -70,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="for in-process detectors"
     )
+    serve.add_argument(
+        "--log-format",
+        default="json",
+        choices=["json", "text"],
+        help="json: one object per line, for log collectors (default); text: for people",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser("check-config", help="validate a config; exit 1 on error")
@@ -90,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     stream.set_defaults(func=_stream)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    if args.command != "serve":  # serve configures its own (structured) logging
+        logging.basicConfig(
+            level=logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s %(message)s",
+            stream=sys.stderr,
+        )
     return int(args.func(args))
 
 

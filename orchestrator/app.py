@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import os
 import re
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextvars import ContextVar
+from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from .api.errors import ApiError, ErrorBody, ErrorType
 from .clients.backends import build_model_backends
 from .clients.detectors import DetectorCallError
 from .clients.generation import GenerationError
 from .clients.registry import ChunkerRegistry, DetectorRegistry
-from .config import Config
+from .config import Config, ConfigError
 from .handlers import (
     content_detection,
     health,
@@ -30,14 +35,17 @@ from .handlers import (
     unary_generation,
 )
 from .handlers.stream_slots import TooManyStreams
+from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
 from .state import STATE, AppState
 from .streaming.fanout import ChunkerFailure
 from .streaming.guarded_generation import first_error
 
 log = logging.getLogger("guardstream")
+access_log = logging.getLogger("guardstream.access")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 STREAMING_PATH = "/api/v1/task/server-streaming-classification-with-text-generation"
@@ -75,11 +83,97 @@ def error_for(exc: BaseException) -> ErrorBody:
     return ErrorBody(code=500, details="internal error", type=ErrorType.SERVER_ERROR)
 
 
-@web.middleware
-async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    incoming = request.headers.get("x-request-id", "")
-    request["request_id"] = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
-    return await handler(request)
+# Headers for every call made downstream (engines, remote detectors) on behalf of the current
+# request: its x-request-id and the client headers `server.forward_headers` allows. Set by the
+# request-id middleware; asyncio copies it into every task the handler starts.
+DOWNSTREAM_HEADERS: ContextVar[Mapping[str, str] | None] = ContextVar(
+    "guardstream_downstream_headers", default=None
+)
+# Never forwarded even when allowlisted: they describe the hop, not the request, and would
+# corrupt the downstream call (wrong length, host, framing) or its routing (detector-id).
+_HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "content-encoding",
+        "content-length",
+        "content-type",
+        "detector-id",
+        "expect",
+        "host",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "x-request-id",
+    }
+)
+
+
+def forwardable(names: list[str]) -> frozenset[str]:
+    """The allowlist of `server.forward_headers`, lower-cased, minus hop-by-hop headers."""
+    allowed = {n.strip().lower() for n in names if n.strip()}
+    dropped = sorted(allowed & _HOP_HEADERS - {"x-request-id"})
+    if dropped:
+        log.warning("server.forward_headers: never forwarded: %s", ", ".join(dropped))
+    return frozenset(allowed - _HOP_HEADERS)
+
+
+def request_id_middleware(forward: frozenset[str] = frozenset()) -> Middleware:
+    """Gives every request an id (the client's `x-request-id` when it is a sane token, else a
+    fresh one), returns it in the response, puts it on every log line of the request and on
+    every downstream call, together with the allowlisted client headers; writes the access line."""
+
+    @web.middleware
+    async def request_id(request: web.Request, handler: Handler) -> web.StreamResponse:
+        incoming = request.headers.get("x-request-id", "")
+        rid = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        request["request_id"] = rid
+        downstream = {"x-request-id": rid}
+        for name, value in request.headers.items():
+            if name.lower() in forward:
+                downstream.setdefault(name.lower(), value)
+        rid_token = REQUEST_ID.set(rid)
+        hdr_token = DOWNSTREAM_HEADERS.set(downstream)
+        started = time.monotonic()
+        status = 499  # nginx's "client closed request": the handler was cancelled
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            access_log.info(
+                "%s %s %d",
+                request.method,
+                request.path,
+                status,
+                extra={
+                    "method": request.method,
+                    "path": request.path,
+                    "status": status,
+                    "duration_ms": round((time.monotonic() - started) * 1000, 1),
+                },
+            )
+            DOWNSTREAM_HEADERS.reset(hdr_token)
+            REQUEST_ID.reset(rid_token)
+
+    return request_id
+
+
+async def _inject_downstream_headers(
+    session: aiohttp.ClientSession,
+    ctx: SimpleNamespace,
+    params: aiohttp.TraceRequestStartParams,
+) -> None:
+    """Adds the current request's downstream headers to an outgoing call. A header the client
+    code set itself (detector-id, an engine's Authorization) is never overridden. Runs for every
+    backend and detector client on the shared session, so none of them has to pass it along."""
+    headers: CIMultiDict[str] = params.headers
+    for name, value in (DOWNSTREAM_HEADERS.get() or {}).items():
+        if name not in headers:
+            headers[name] = value
 
 
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -99,25 +193,46 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         body = error_for(exc)
         if body.code >= 500 and body.type == ErrorType.SERVER_ERROR:
             log.error("request %s failed", request.get("request_id"), exc_info=exc)
-        headers = {"Retry-After": "1"} if isinstance(first_error(exc), TooManyStreams) else None
-        if body.code == 401:
-            headers = {"WWW-Authenticate": "Bearer"}
-        return _error_response(body, headers)
+        return _error_response(body, _error_headers(first_error(exc), body))
 
 
-def auth_middleware(keys: list[str]) -> Callable[..., Awaitable[web.StreamResponse]]:
-    encoded = [k.encode() for k in keys]
+def _error_headers(exc: BaseException, body: ErrorBody) -> dict[str, str] | None:
+    if isinstance(exc, TooManyStreams):
+        return {"Retry-After": str(exc.retry_after_s)}
+    if body.type == ErrorType.SERVER_SHUTDOWN:
+        # the client should retry elsewhere, and not on this connection
+        return {"Retry-After": "1", "Connection": "close"}
+    if body.code == 401:
+        return {"WWW-Authenticate": "Bearer"}
+    return None
+
+
+# Open without a key: liveness and readiness probes (kubelet, load balancers) and Prometheus
+# scrapers carry no API key, and none of these reveal a prompt or a generation. Every other
+# path requires one (deny by default: the /api/ endpoints spend model time and see user text,
+# and a path that routes nowhere answers 401 rather than telling what exists).
+OPEN_PATHS = frozenset({"/health", "/info", "/metrics", "/openapi.json"})
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def auth_middleware(keys: list[str]) -> Middleware:
+    """Bearer API keys on /api/*. A missing header, another scheme and a wrong key all get the
+    same 401, so a caller learns nothing about which part failed."""
+    # Comparing fixed-length digests: compare_digest on the raw keys would return early on a
+    # length mismatch and tell a caller how long the keys are.
+    digests = [_digest(k.encode()) for k in keys]
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/api/"):
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.partition(" ")
-            given = token.strip().encode()
-            # compare against every key so timing does not tell which one came close
+        if request.path not in OPEN_PATHS:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            given = _digest(token.strip().encode("utf-8", "surrogateescape"))
             ok = False
-            for key in encoded:
-                ok |= hmac.compare_digest(given, key)
+            for digest in digests:  # every key, so timing does not tell which one came close
+                ok |= hmac.compare_digest(given, digest)
             if scheme.lower() != "bearer" or not ok:
                 raise ApiError(401, ErrorType.UNAUTHORIZED, "missing or invalid API key")
         return await handler(request)
@@ -138,20 +253,25 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         request.app[STATE].metrics.requests.labels(endpoint, str(status)).inc()
 
 
-def _api_keys(config: Config) -> list[str] | None:
+def api_keys(config: Config, environ: Mapping[str, str] = os.environ) -> list[str] | None:
+    """The accepted API keys, or None when auth is off. A named variable that is unset or holds
+    no key is a config error: starting without auth by accident must be impossible."""
     env = config.server.api_keys_env
     if not env:
         return None
-    keys = [k.strip() for k in os.environ.get(env, "").split(",") if k.strip()]
+    raw = environ.get(env)
+    if raw is None:
+        raise ConfigError([f"server.api_keys_env: environment variable {env} is not set"])
+    keys = [k.strip() for k in raw.split(",") if k.strip()]
     if not keys:
-        raise ValueError(f"server.api_keys_env: environment variable {env} holds no key")
+        raise ConfigError([f"server.api_keys_env: environment variable {env} holds no key"])
     return keys
 
 
 def create_app(config: Config, *, device: str = "auto") -> web.Application:
-    keys = _api_keys(config)
-    middlewares: list[Callable[..., Awaitable[web.StreamResponse]]] = [
-        request_id_middleware,
+    keys = api_keys(config)
+    middlewares: list[Middleware] = [
+        request_id_middleware(forwardable(config.server.forward_headers)),
         metrics_middleware,
         error_middleware,
     ]
@@ -166,9 +286,12 @@ def create_app(config: Config, *, device: str = "auto") -> web.Application:
     app.on_response_prepare.append(_add_request_id)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        tracing = aiohttp.TraceConfig()
+        tracing.on_request_start.append(_inject_downstream_headers)
         state.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            trace_configs=[tracing],
         )
         state.detectors = DetectorRegistry(config, state.session, device=device)
         state.backends = build_model_backends(

@@ -109,7 +109,9 @@ class OrchestratorMetrics:
         self, detector_id: str, detect: Callable[..., Awaitable[Any]]
     ) -> Callable[..., Awaitable[Any]]:
         latency = self.detector_latency.labels(detector_id)
-        calls = {o: self.detector_calls.labels(detector_id, o) for o in ("ok", "error", "cancelled")}
+        calls = {
+            o: self.detector_calls.labels(detector_id, o) for o in ("ok", "error", "cancelled")
+        }
 
         async def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()

@@ -1,12 +1,26 @@
 """`python -m orchestrator stream "prompt"`: a terminal client for the streaming endpoint.
 
-Renders frames as they arrive, detected spans highlighted, then the terminal event. Exit status:
-0 completed, 2 incomplete (cut short or refused), 1 failed/error or no terminal event.
+Frames are written as they arrive, with detected spans highlighted: ANSI colour when stdout is a
+terminal (unless `--no-color` or `NO_COLOR`), `[[...]]` markers otherwise, so piped output still
+shows what was flagged. After the stream, every detection is listed, then the terminal event as
+one line `[<event>] <json data>`. Errors and their details also go to stderr.
+
+`--api-key` (or the environment variable GUARDSTREAM_API_KEY) is sent as `Authorization: Bearer`.
+
+Exit status, so scripts can tell outcomes apart without parsing the output:
+
+    0  completed     the model finished and every frame was delivered
+    1  failed/error  the stream broke (a `failed` or `error` terminal event)
+    2  incomplete    cut short: token or time budget, or a guardrail (refusal included)
+    3  rejected      the server answered with an HTTP error (bad request, unknown model, 401, ...)
+    4  unreachable   cannot connect, or the connection ended without a terminal event
+    130 interrupted  Ctrl-C
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -16,11 +30,26 @@ from typing import Any, TextIO
 import aiohttp
 
 STREAM_PATH = "/api/v1/task/server-streaming-classification-with-text-generation"
+API_KEY_ENV = "GUARDSTREAM_API_KEY"
 
-EXIT = {"completed": 0, "incomplete": 2, "failed": 1, "error": 1}
+EXIT_COMPLETED = 0
+EXIT_FAILED = 1
+EXIT_INCOMPLETE = 2
+EXIT_REJECTED = 3
+EXIT_UNREACHABLE = 4
+EXIT_INTERRUPTED = 130
+EXIT = {
+    "completed": EXIT_COMPLETED,
+    "incomplete": EXIT_INCOMPLETE,
+    "failed": EXIT_FAILED,
+    "error": EXIT_FAILED,
+}
+TERMINAL_EVENTS = frozenset(EXIT)
 
 
 class Style:
+    """ANSI styling, or plain-text markers when colour is off (pipes, files, NO_COLOR)."""
+
     def __init__(self, color: bool) -> None:
         self.color = color
 
@@ -28,32 +57,50 @@ class Style:
         return f"\x1b[{code}m{text}\x1b[0m" if self.color and text else text
 
     def flagged(self, text: str) -> str:
-        return self.wrap(text, "1;31;4") if self.color else f"[{text}]"
+        if not text:
+            return text
+        return self.wrap(text, "1;31;4") if self.color else f"[[{text}]]"
 
     def dim(self, text: str) -> str:
         return self.wrap(text, "2")
+
+    def bold(self, text: str) -> str:
+        return self.wrap(text, "1")
 
 
 async def sse_events(
     response: aiohttp.ClientResponse,
 ) -> AsyncIterator[tuple[str | None, dict[str, Any]]]:
-    """(event name or None for frames, data) for each SSE message."""
+    """(event name, or None for a frame; data) for each SSE message. Lines are split here
+    rather than with `readline`, which rejects lines over 128 KiB (a long final frame)."""
     name: str | None = None
     data: list[str] = []
-    async for raw in response.content:
-        line = raw.decode("utf-8").rstrip("\r\n")
-        if not line:
-            if data:
-                yield name, json.loads("\n".join(data))
-            name, data = None, []
-        elif line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip())
+    buf = b""
+
+    def lines(chunk: bytes) -> list[bytes]:
+        nonlocal buf
+        buf += chunk
+        *complete, buf = buf.split(b"\n")
+        return complete
+
+    async for chunk in response.content.iter_any():
+        for raw in lines(chunk):
+            line = raw.decode("utf-8").rstrip("\r")
+            if not line:
+                if data:
+                    yield name, json.loads("\n".join(data))
+                name, data = None, []
+            elif line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+    if data:  # a last message without its blank line
+        yield name, json.loads("\n".join(data))
 
 
 def render_frame(frame: dict[str, Any], style: Style) -> str:
-    """The frame's text with every output detection inside it highlighted."""
+    """The frame's text with every output detection inside it highlighted. Spans are
+    stream-relative; a whole-document detection on text already printed is only listed."""
     text: str = frame.get("generated_text") or ""
     base = frame.get("start_index") or 0
     spans = sorted(
@@ -72,68 +119,128 @@ def render_frame(frame: dict[str, Any], style: Style) -> str:
     return "".join(out)
 
 
-def describe_detections(frame: dict[str, Any], kind: str) -> list[str]:
-    found = (frame.get("token_classification_results") or {}).get(kind) or []
-    return [
-        f"{kind} detection: {d['detector_id']} {d['entity_group']}/{d['entity']} "
-        f"[{d['start']}:{d['end']}] {d['word']!r} score={d['score']:.2f}"
-        for d in found
-    ]
+def describe(detection: dict[str, Any], kind: str) -> str:
+    return (
+        f"{kind} detection: {detection['detector_id']} "
+        f"{detection['entity_group']}/{detection['entity']} "
+        f"[{detection['start']}:{detection['end']}] {detection['word']!r} "
+        f"score={detection['score']:.2f}"
+    )
 
 
-async def run_terminal_client(args: argparse.Namespace, out: TextIO | None = None) -> int:
+def describe_frame(frame: dict[str, Any]) -> list[str]:
+    results = frame.get("token_classification_results") or {}
+    return [describe(d, kind) for kind in ("input", "output") for d in results.get(kind) or []]
+
+
+def request_body(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model_id": model, "inputs": args.prompt}
+    guardrails: dict[str, Any] = {}
+    if args.input_detector:
+        guardrails["input"] = {"models": {d: {} for d in args.input_detector}}
+    if args.output_detector:
+        guardrails["output"] = {"models": {d: {} for d in args.output_detector}}
+    if guardrails:
+        body["guardrail_config"] = guardrails
+    if getattr(args, "max_new_tokens", None):
+        body["text_gen_parameters"] = {"max_new_tokens": args.max_new_tokens}
+    return body
+
+
+async def _default_model(session: aiohttp.ClientSession, url: str) -> str | None:
+    """The server's first model, from GET /info (which answers 503 with the same body)."""
+    async with session.get(f"{url}/info") as resp:
+        try:
+            info = await resp.json(content_type=None)
+        except ValueError:
+            return None
+    models = list(info.get("models") or {}) if isinstance(info, dict) else []
+    return models[0] if models else None
+
+
+async def run_terminal_client(
+    args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    """Streams one generation to `out`; returns the exit status (module docstring)."""
     out = out or sys.stdout
-    style = Style(color=not args.no_color and out.isatty() and "NO_COLOR" not in os.environ)
-    headers = {}
-    key = args.api_key or os.environ.get("GUARDSTREAM_API_KEY")
+    err = err or sys.stderr
+    color = not getattr(args, "no_color", False) and out.isatty() and "NO_COLOR" not in os.environ
+    style = Style(color)
+    url = args.url.rstrip("/")
+    headers: dict[str, str] = {}
+    key = args.api_key or os.environ.get(API_KEY_ENV)
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    url = args.url.rstrip("/")
-    async with aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
-    ) as session:
-        model = args.model
-        if model is None:
-            async with session.get(f"{url}/info") as resp:
-                models = list((await resp.json()).get("models", {}))
-            if not models:
-                print("error: the server serves no model", file=sys.stderr)
-                return 1
-            model = models[0]
-        body: dict[str, Any] = {"model_id": model, "inputs": args.prompt, "guardrail_config": {}}
-        if args.input_detector:
-            body["guardrail_config"]["input"] = {"models": {d: {} for d in args.input_detector}}
-        if args.output_detector:
-            body["guardrail_config"]["output"] = {"models": {d: {} for d in args.output_detector}}
-        if args.max_new_tokens:
-            body["text_gen_parameters"] = {"max_new_tokens": args.max_new_tokens}
-        try:
-            async with session.post(f"{url}{STREAM_PATH}", json=body, headers=headers) as resp:
+    try:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
+        ) as session:
+            model = args.model or await _default_model(session, url)
+            if model is None:
+                print(f"error: {url} serves no model (pass --model)", file=err)
+                return EXIT_REJECTED
+            async with session.post(
+                f"{url}{STREAM_PATH}", json=request_body(args, model), headers=headers
+            ) as resp:
                 if resp.status != 200:
-                    text = await resp.text()
-                    print(f"error: HTTP {resp.status}: {text}", file=sys.stderr)
-                    return 1
-                notes: list[str] = []
-                async for name, data in sse_events(resp):
-                    if name is None:
-                        out.write(render_frame(data, style))
-                        out.flush()
-                        notes += describe_detections(data, "input") + describe_detections(
-                            data, "output"
-                        )
-                        continue
-                    if name == "refusal.delta":
-                        continue
-                    if name == "refusal.done":
-                        out.write("\n" + style.flagged(data["refusal"]) + "\n")
-                        continue
-                    out.write("\n")
-                    for note in notes:
-                        out.write(style.dim(note) + "\n")
-                    out.write(style.dim(f"[{name}] {json.dumps(data)}") + "\n")
-                    return EXIT.get(name, 1)
-        except aiohttp.ClientError as exc:
-            print(f"\nerror: {exc}", file=sys.stderr)
-            return 1
-    print("\nerror: the stream ended without a terminal event", file=sys.stderr)
-    return 1
+                    body = (await resp.text()).strip() or "(empty body)"
+                    print(f"error: HTTP {resp.status}: {body}", file=err)
+                    return EXIT_REJECTED
+                return await _render(sse_events(resp), out, err, style)
+    except aiohttp.ClientConnectorError as exc:
+        print(f"error: cannot connect to {url}: {exc.os_error or exc}", file=err)
+        return EXIT_UNREACHABLE
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        print(f"\nerror: the connection to {url} failed: {exc or type(exc).__name__}", file=err)
+        return EXIT_UNREACHABLE
+    except asyncio.CancelledError:  # Ctrl-C under asyncio.run: end quietly
+        print("\ninterrupted", file=err)
+        return EXIT_INTERRUPTED
+
+
+async def _render(
+    events: AsyncIterator[tuple[str | None, dict[str, Any]]],
+    out: TextIO,
+    err: TextIO,
+    style: Style,
+) -> int:
+    notes: list[str] = []
+    at_line_start = True
+
+    def write(text: str) -> None:
+        nonlocal at_line_start
+        if text:
+            out.write(text)
+            out.flush()
+            at_line_start = text.endswith("\n")
+
+    def newline() -> None:
+        if not at_line_start:
+            write("\n")
+
+    async for name, data in events:
+        if name is None:
+            write(render_frame(data, style))
+            notes += describe_frame(data)
+        elif name == "refusal.delta":
+            newline()
+            write(style.flagged(data.get("delta", "")))
+        elif name == "refusal.done":
+            notes += [describe(d, "blocking") for d in data.get("detections") or []]
+        elif name in TERMINAL_EVENTS:
+            newline()
+            for note in notes:
+                write(style.dim(note) + "\n")
+            write(style.bold(f"[{name}]") + " " + json.dumps(data, ensure_ascii=False) + "\n")
+            if name == "failed":
+                e = data.get("error") or {}
+                print(f"error: {e.get('type')} ({e.get('code')}): {e.get('message')}", file=err)
+            elif name == "error":
+                print(
+                    f"error: {data.get('type')} ({data.get('code')}): {data.get('details')}",
+                    file=err,
+                )
+            return EXIT[name]
+    newline()
+    print("error: the stream ended without a terminal event (connection cut)", file=err)
+    return EXIT_UNREACHABLE

@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+
+def _json_integer(v: Any) -> Any:
+    # pydantic's lax mode would take `true` or "5" for an integer; the published schema (and so
+    # every client generated from it) says those are errors. 5.0 stays valid, as in JSON Schema.
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError("must be an integer")
+    return v
+
+
+def _json_number(v: Any) -> Any:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError("must be a number")
+    if not math.isfinite(v):  # NaN and Infinity are not JSON numbers (Python's parser takes them)
+        raise ValueError("must be a finite number")
+    return v
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+StopSequence = Annotated[str, Field(min_length=1)]
 
 
 class Strict(BaseModel):
@@ -26,6 +54,8 @@ class DetectorParams(BaseModel):
         # "0.5" or true must not slip through pydantic's lax coercion: a threshold is a number.
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
             raise ValueError("threshold must be a number")
+        if v is not None and not math.isfinite(v):  # NaN would silently drop every detection
+            raise ValueError("threshold must be a finite number")
         return v
 
     def detector_params(self) -> dict[str, Any]:
@@ -37,7 +67,7 @@ DetectorMap = dict[str, DetectorParams]
 
 class InputGuardrail(Strict):
     models: DetectorMap = Field(default_factory=dict)
-    masks: list[tuple[int, int]] | None = None
+    masks: list[tuple[JsonInt, JsonInt]] | None = None
 
     @field_validator("masks")
     @classmethod
@@ -66,15 +96,20 @@ class TextGenParameters(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     repetition_penalty: float = Field(1.0, gt=0)
-    stop_sequences: list[str] = Field(default_factory=list, max_length=16)
+    stop_sequences: list[StopSequence] = Field(default_factory=list, max_length=16)
     max_time: float = Field(0.0, ge=0)
 
-    @field_validator("stop_sequences")
+    # (validators on the fields rather than annotated types: those would hide the bounds from
+    # the JSON schema of the optional fields)
+    @field_validator("max_new_tokens", "min_new_tokens", "top_k", "seed", mode="before")
     @classmethod
-    def _nonempty_stops(cls, v: list[str]) -> list[str]:
-        if any(s == "" for s in v):
-            raise ValueError("stop sequences must not be empty")
-        return v
+    def _integers(cls, v: Any) -> Any:
+        return v if v is None else _json_integer(v)
+
+    @field_validator("temperature", "top_p", "repetition_penalty", "max_time", mode="before")
+    @classmethod
+    def _numbers(cls, v: Any) -> Any:
+        return _json_number(v)
 
     @model_validator(mode="after")
     def _min_below_max(self) -> TextGenParameters:

@@ -49,7 +49,15 @@ def validate(model: type[M], data: Any) -> M:
         raise invalid(describe_validation_error(exc)) from None
 
 
+def too_large(limit: int) -> ApiError:
+    """413 naming the limit, so a client knows how far to cut its request."""
+    return ApiError(413, ErrorType.INVALID_REQUEST, f"request body too large (limit {limit} bytes)")
+
+
 async def read_model(request: web.Request, model: type[M]) -> M:
     require_json_content_type(request)
-    raw = await request.read()  # bounded by the app's client_max_size (413 beyond it)
+    try:
+        raw = await request.read()  # bounded by the app's client_max_size
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(request.client_max_size) from None
     return validate(model, parse_json(raw))

@@ -11,7 +11,12 @@ from pydantic.json_schema import models_json_schema
 
 from .. import __version__
 from ..api.errors import ErrorBody
-from ..api.requests import ContentDetectionRequest, GuardrailsHttpRequest, StreamContentLine
+from ..api.requests import (
+    ContentDetectionRequest,
+    DetectorParams,
+    GuardrailsHttpRequest,
+    StreamContentLine,
+)
 from ..api.responses import (
     ClassifiedFrame,
     ClassifiedGeneratedTextResult,
@@ -23,6 +28,7 @@ from ..api.responses import (
     StreamContentResult,
     TerminalSummary,
 )
+from ..state import STATE
 
 _REF = "#/components/schemas/{model}"
 
@@ -39,8 +45,72 @@ def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): {"description": "error", "content": _json(ErrorBody)} for c in codes}
 
 
+# Errors any /api/* request can get before its work starts (validation, auth, size, overload).
+CLIENT_ERRORS = (400, 401, 404, 413, 415, 422, 429)
+# Errors of the service or of what it depends on; draining answers 503 on every /api/* route.
+SERVER_ERRORS = (500, 502, 503, 504)
+
+
+def _sse_event() -> dict[str, Any]:
+    """One event of the streaming endpoint (OpenAPI 3.1: the schema of a `text/event-stream`
+    describes each event). A frame has no `event:` line, which SSE readers report as `message`;
+    every `data:` is JSON of the model its event names."""
+
+    def event(names: list[str], model: type[BaseModel]) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "event": {"enum": names},
+                "data": {
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "contentSchema": _ref(model),
+                },
+            },
+        }
+
+    return {
+        "oneOf": [
+            event(["message"], ClassifiedFrame),
+            event(["completed", "incomplete", "failed"], TerminalSummary),
+            event(["error"], ErrorBody),
+            event(["refusal.delta"], RefusalDelta),
+            event(["refusal.done"], RefusalDone),
+        ]
+    }
+
+
+def _name_deployment(
+    schemas: dict[str, Any], model_ids: tuple[str, ...], detector_ids: tuple[str, ...]
+) -> None:
+    """Narrows `model_id` and every detector map's keys to what this deployment serves, so
+    clients and fuzzers see the ids that exist (anything else is a 404 with the error body)."""
+    if model_ids:
+        schemas["GuardrailsHttpRequest"]["properties"]["model_id"]["enum"] = list(model_ids)
+    if not detector_ids:
+        return
+    params_ref = _ref(DetectorParams)
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "object" and node.get("additionalProperties") == params_ref:
+                node["propertyNames"] = {"enum": list(detector_ids)}
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(schemas)
+
+
 @cache
-def build_openapi() -> dict[str, Any]:
+def build_openapi(
+    auth: bool = False, model_ids: tuple[str, ...] = (), detector_ids: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The document. `auth` adds the bearer requirement to /api/* (server.api_keys_env set);
+    `model_ids` and `detector_ids` name what the deployment serves."""
     models: list[type[BaseModel]] = [
         GuardrailsHttpRequest,
         ContentDetectionRequest,
@@ -57,100 +127,153 @@ def build_openapi() -> dict[str, Any]:
         InfoResponse,
     ]
     _, schema = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
-    client_errors = _errors(400, 401, 404, 413, 415, 422, 429)
+    schemas: dict[str, Any] = schema.get("$defs", {})
+    _name_deployment(schemas, model_ids, detector_ids)
+    errors = _errors(*CLIENT_ERRORS, *SERVER_ERRORS)
     task_body = {"required": True, "content": _json(GuardrailsHttpRequest)}
+    ndjson = "application/x-ndjson"
     paths: dict[str, Any] = {
         "/api/v1/task/server-streaming-classification-with-text-generation": {
             "post": {
-                "summary": "Generation streamed through detectors: SSE of classified frames and one terminal event",
+                "operationId": "streamingClassificationWithGeneration",
+                "summary": "Generation streamed through detectors: SSE of classified frames and "
+                "one terminal event",
+                "description": "Validation errors are real HTTP errors sent before any byte of "
+                "the stream. After them the reply is `text/event-stream`: `data:` messages "
+                "without an `event:` line are ClassifiedFrame objects; then exactly one terminal "
+                "event: `completed` or `incomplete` (TerminalSummary), `failed` (TerminalSummary "
+                "with `error`), or `error` (ErrorBody). A blocking detection sends "
+                "`refusal.delta` (RefusalDelta) and `refusal.done` (RefusalDone) before "
+                "`incomplete`.",
                 "requestBody": task_body,
                 "responses": {
                     "200": {
-                        "description": "SSE: `data:` frames (ClassifiedFrame), then one of the events completed|incomplete|failed (TerminalSummary), error (ErrorBody), refusal.delta/refusal.done",
-                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                        "description": "SSE of classified frames and one terminal event",
+                        "content": {"text/event-stream": {"schema": _sse_event()}},
                     },
-                    **client_errors,
+                    **errors,
                 },
             }
         },
         "/api/v1/task/classification-with-text-generation": {
             "post": {
-                "summary": "The same, as one JSON object",
+                "operationId": "classificationWithGeneration",
+                "summary": "The same, folded into one JSON object",
                 "requestBody": task_body,
                 "responses": {
                     "200": {
                         "description": "result",
                         "content": _json(ClassifiedGeneratedTextResult),
                     },
-                    **client_errors,
-                    **_errors(502, 503, 504),
+                    **errors,
                 },
             }
         },
         "/api/v2/text/detection/content": {
             "post": {
-                "summary": "Detectors on a given text",
+                "operationId": "detectContent",
+                "summary": "Detectors on a given text; spans relative to the whole content",
                 "requestBody": {"required": True, "content": _json(ContentDetectionRequest)},
                 "responses": {
                     "200": {
                         "description": "detections",
                         "content": _json(ContentDetectionResponse),
                     },
-                    **client_errors,
-                    **_errors(502),
+                    **errors,
                 },
             }
         },
         "/api/v2/text/detection/stream-content": {
             "post": {
-                "summary": "NDJSON lines (StreamContentLine) in, NDJSON StreamContentResult out",
+                "operationId": "detectStreamContent",
+                "summary": "NDJSON text in, NDJSON detections out",
+                "description": "The body is NDJSON: each array item below is one line. The "
+                "first line names the detectors, later lines must not. The reply is NDJSON, one "
+                "StreamContentResult per judged chunk; an error after the reply started is one "
+                "last ErrorBody line.",
                 "requestBody": {
                     "required": True,
-                    "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+                    "content": {
+                        ndjson: {
+                            "schema": {
+                                "type": "array",
+                                "minItems": 1,
+                                "items": _ref(StreamContentLine),
+                            }
+                        }
+                    },
                 },
                 "responses": {
                     "200": {
-                        "description": "NDJSON of StreamContentResult",
-                        "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+                        "description": "NDJSON of StreamContentResult (and at most one final "
+                        "ErrorBody line)",
+                        "content": {ndjson: {"schema": {"type": "string"}}},
                     },
-                    **client_errors,
+                    **errors,
                 },
             }
         },
         "/health": {
             "get": {
-                "responses": {"200": {"description": "alive", "content": _json(HealthResponse)}}
+                "operationId": "health",
+                "summary": "Liveness",
+                "responses": {"200": {"description": "alive", "content": _json(HealthResponse)}},
             }
         },
         "/info": {
             "get": {
+                "operationId": "info",
+                "summary": "Readiness: every replica, detector and chunker",
                 "responses": {
                     "200": {"description": "ready", "content": _json(InfoResponse)},
                     "503": {"description": "not ready", "content": _json(InfoResponse)},
-                }
+                },
             }
         },
         "/metrics": {
             "get": {
+                "operationId": "metrics",
+                "summary": "Prometheus metrics",
                 "responses": {
                     "200": {
-                        "description": "Prometheus text",
+                        "description": "Prometheus text format",
                         "content": {"text/plain": {"schema": {"type": "string"}}},
                     }
-                }
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "operationId": "openapi",
+                "summary": "This document",
+                "responses": {
+                    "200": {
+                        "description": "OpenAPI 3.1",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    }
+                },
             }
         },
     }
+    if auth:
+        for path, item in paths.items():
+            if path.startswith("/api/"):
+                for operation in item.values():
+                    operation["security"] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
         "info": {"title": "guardstream orchestrator", "version": __version__},
         "paths": paths,
         "components": {
-            "schemas": schema.get("$defs", {}),
+            "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
 
 
 async def handle(request: web.Request) -> web.Response:
-    return web.json_response(build_openapi())
+    config = request.app[STATE].config
+    document = build_openapi(
+        bool(config.server.api_keys_env), tuple(config.models), tuple(config.detectors)
+    )
+    return web.json_response(document)

@@ -1,0 +1,220 @@
+"""The chunk type, the chunker protocols, and the machinery every chunker shares: an append-only
+text buffer and the emitter that turns a stream of cut positions into spans (applying the
+`max_chars` safety cut).
+
+Model: a chunker decides *cut positions* in the text. Chunks are the pieces between consecutive
+cuts, so they are contiguous and cover the text by construction; a cut always sits right after a
+chunk's last character, so whitespace between two chunks belongs to the following one. Each
+chunker's batch form is its incremental form fed the whole text at once, so the two agree by
+construction as long as the incremental form only ever commits a cut that no continuation of the
+text could change (each stage below argues that for itself).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+#: "No limit" / "not yet" for positions and thresholds.
+INF = sys.maxsize
+
+#: Text a buffer may hold before the consumed part is dropped (tests lower it to exercise trims).
+TRIM_MIN = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A chunk: code-point offsets `[start, end)` into the whole text, and that text."""
+
+    start: int
+    end: int
+    text: str
+
+
+class IncrementalChunker(Protocol):
+    """Per-stream state: `feed` returns the chunks that the text so far proves complete
+    (offsets relative to the whole stream), `flush` the rest at end of stream."""
+
+    def feed(self, delta: str) -> list[Span]: ...
+
+    def flush(self) -> list[Span]: ...
+
+
+class Chunker(Protocol):
+    """Immutable and shareable across threads and streams; `incremental()` gives a fresh state."""
+
+    def chunk(self, text: str) -> list[Span]: ...
+
+    def incremental(self) -> IncrementalChunker: ...
+
+
+class TextBuffer:
+    """The stream's text from absolute offset `base` on. Deltas are queued in `parts` and joined
+    only when some stage has work to do (`sync`), so a stage that waits for a rare character
+    (the end of a very long token, say) costs O(delta) per feed rather than O(buffer)."""
+
+    __slots__ = ("base", "n", "parts", "text")
+
+    def __init__(self) -> None:
+        self.text = ""  # text[base:base + len(text)] once synced
+        self.base = 0
+        self.n = 0  # total length of the stream so far, synced or not
+        self.parts: list[str] = []
+
+    def sync(self) -> None:
+        if self.parts:
+            self.text = self.text + "".join(self.parts)
+            self.parts.clear()
+
+    def trim(self, keep: int) -> None:
+        """Forget text before absolute offset `keep`, once that is at least `TRIM_MIN`
+        characters and half the buffer, so the copying stays amortised O(1) per character."""
+        drop = keep - self.base
+        if drop >= TRIM_MIN and drop * 2 >= len(self.text):
+            self.text = self.text[drop:]
+            self.base = keep
+
+
+class CutStage(Protocol):
+    """A producer of cut positions. `cuts` holds confirmed cuts not yet consumed (increasing);
+    `frontier()` is a position F such that every cut below F is already known (INF at the end).
+
+    Wake-up contract, which keeps a feed that cannot change anything down to a few checks: the
+    pipeline calls `advance` only once a delta matched `wake_rx` (then `dirty` is set) or the
+    stream reached `wake_len` characters, or some other stage woke. Both are hints: a stage must
+    give the same cuts whenever it is advanced, only possibly later."""
+
+    cuts: deque[int]
+    dirty: bool
+    wake_rx: re.Pattern[str] | None
+    wake_len: int
+
+    def advance(self, final: bool) -> None: ...
+
+    def frontier(self) -> int: ...
+
+    def keep_from(self) -> int: ...
+
+
+def max_cut(text: str, base: int, start: int, max_chars: int) -> int:
+    """Where the safety cut splits an over-long chunk starting at `start`: at the last whitespace
+    run that starts after a non-space character within the first `max_chars` characters (the
+    whitespace goes to the next piece, like whitespace between sentences), else hard at
+    `start + max_chars`. Needs text up to `start + max_chars` inclusive."""
+    lo = start - base
+    q = lo + max_chars
+    while q > lo:
+        if text[q].isspace() and not text[q - 1].isspace():
+            return q + base
+        q -= 1
+    return start + max_chars
+
+
+class Emitter:
+    """Turns a stage's cuts into spans, splitting chunks longer than `max_chars`.
+
+    Sequential definition (identical in batch and incremental use): from the current start `a`,
+    let `b` be the next cut (or the end of text). If `b - a <= max_chars` the chunk is `[a, b)`;
+    otherwise it is `[a, max_cut(a))`, and the same rule continues from there. Incrementally, an
+    over-long piece is emitted as soon as the stage's frontier shows there is no cut in
+    `(a, a + max_chars]` and the text extends past `a + max_chars`, which is exactly the batch
+    condition, so the result does not depend on how the text was split into deltas."""
+
+    __slots__ = ("_buf", "_max", "_stage", "a", "wake_len")
+
+    def __init__(self, buf: TextBuffer, stage: CutStage, max_chars: int | None) -> None:
+        self._buf = buf
+        self._stage = stage
+        self._max = INF if max_chars is None else max_chars
+        self.a = 0  # start of the next chunk to emit
+        self.wake_len = INF  # stream length at which a safety cut could become possible
+
+    def emit(self, final: bool) -> list[Span]:
+        buf = self._buf
+        text, base, n = buf.text, buf.base, buf.n
+        cuts = self._stage.cuts
+        mx = self._max
+        a = self.a
+        out: list[Span] = []
+        while True:
+            if cuts:
+                b = cuts[0]
+                if b - a <= mx:
+                    out.append(Span(a, b, text[a - base : b - base]))
+                    a = b
+                    cuts.popleft()
+                    continue
+            elif final:
+                if a >= n:
+                    break
+                if n - a <= mx:
+                    out.append(Span(a, n, text[a - base :]))
+                    a = n
+                    break
+            elif n <= a + mx or self._stage.frontier() <= a + mx:
+                break
+            p = max_cut(text, base, a, mx)
+            out.append(Span(a, p, text[a - base : p - base]))
+            a = p
+        self.a = a
+        # Only worth waking for a safety cut when the stage has caught up with the text (its
+        # frontier then moves with the text); otherwise the stage's own wake-up comes first.
+        open_ended = not final and mx != INF and self._stage.frontier() >= n
+        self.wake_len = a + mx + 1 if open_ended else INF
+        return out
+
+
+class Pipeline:
+    """The incremental state shared by all chunkers: a buffer, a chain of cut stages (each
+    consuming the previous one's cuts) and the emitter over the last stage."""
+
+    __slots__ = ("_buf", "_closed", "_emitter", "_rx_stages", "_stages", "_wake_len")
+
+    def __init__(self, buf: TextBuffer, stages: list[CutStage], emitter: Emitter) -> None:
+        self._buf = buf
+        self._stages = stages
+        self._rx_stages = [stage for stage in stages if stage.wake_rx is not None]
+        self._emitter = emitter
+        self._closed = False
+        self._wake_len = 0
+
+    def feed(self, delta: str) -> list[Span]:
+        if self._closed:
+            raise RuntimeError("feed() after flush(): an incremental chunker serves one stream")
+        if not delta:
+            return []
+        buf = self._buf
+        buf.parts.append(delta)
+        n = buf.n = buf.n + len(delta)
+        wake = n >= self._wake_len
+        for stage in self._rx_stages:
+            if not stage.dirty and stage.wake_rx.search(delta) is not None:  # type: ignore[union-attr]
+                stage.dirty = wake = True
+        if not wake:
+            return []
+        buf.sync()
+        wake_len = INF
+        for stage in self._stages:
+            stage.advance(False)
+            wake_len = min(wake_len, stage.wake_len)
+        emitter = self._emitter
+        out = emitter.emit(False)
+        self._wake_len = min(wake_len, emitter.wake_len)
+        if len(buf.text) >= 2 * TRIM_MIN:
+            keep = emitter.a
+            for stage in self._stages:
+                keep = min(keep, stage.keep_from())
+            buf.trim(keep)
+        return out
+
+    def flush(self) -> list[Span]:
+        if self._closed:
+            return []
+        self._closed = True
+        self._buf.sync()
+        for stage in self._stages:
+            stage.advance(True)
+        return self._emitter.emit(True)

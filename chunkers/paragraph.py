@@ -1,0 +1,89 @@
+"""`paragraph`: split at blank lines."""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+
+from .base import INF, Emitter, Pipeline, Span, TextBuffer
+
+# A whitespace run containing a line break (leftmost-longest from a non-space position, so
+# it is the whole run).
+_RE_BREAK_RUN = re.compile(r"\s*[\r\n]\s*")
+_RE_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+_RE_LINE = re.compile(r"[\r\n]")
+_RE_LINE_OR_NONSPACE = re.compile(r"[\r\n]|\S")
+_RE_NONSPACE = re.compile(r"\S")
+
+
+class ParagraphCutter:
+    """Cuts at the start of every whitespace run that holds two or more line breaks (`\\r\\n`,
+    `\\r` or `\\n`; `\\r\\n` counts once), so the blank line and the indentation after it belong
+    to the following paragraph. A run at the very start or end of the text is not a cut (leading
+    whitespace belongs to the first paragraph, trailing whitespace to the last).
+
+    Incrementally a cut is committed once its run is complete (a non-space character follows)."""
+
+    __slots__ = ("_buf", "_final", "_pos", "cuts", "dirty", "wake_len", "wake_rx")
+
+    def __init__(self, buf: TextBuffer) -> None:
+        self._buf = buf
+        self.cuts: deque[int] = deque()
+        self.dirty = False
+        self._final = False
+        self._pos = 0  # never inside a whitespace run
+        self.wake_rx: re.Pattern[str] | None = _RE_LINE
+        self.wake_len = INF
+
+    def frontier(self) -> int:
+        return INF if self._final else self._pos
+
+    def keep_from(self) -> int:
+        return self._pos
+
+    def advance(self, final: bool) -> None:
+        if not (final or self.dirty):
+            return
+        self.dirty = False
+        buf = self._buf
+        t, base, n = buf.text, buf.base, buf.n
+        while True:
+            m = _RE_BREAK_RUN.search(t, self._pos - base)
+            if m is None:
+                # Stop before a trailing whitespace run: it may still grow a line break.
+                end = n
+                while end > self._pos and t[end - 1 - base].isspace():
+                    end -= 1
+                self._pos = end
+                break
+            s, e = m.start() + base, m.end() + base
+            if e == n and not final:  # the run may go on
+                self._pos = s
+                many = len(_RE_LINE_BREAK.findall(m.group())) >= 2
+                self.wake_rx = _RE_NONSPACE if many else _RE_LINE_OR_NONSPACE
+                return
+            if 0 < s and e < n and len(_RE_LINE_BREAK.findall(m.group())) >= 2:
+                self.cuts.append(s)
+            self._pos = e
+        if final:
+            self._final = True
+        self.wake_rx = _RE_LINE  # only a line break can start a new separator
+
+
+class ParagraphChunker:
+    """Paragraphs separated by blank lines (see `ParagraphCutter`)."""
+
+    __slots__ = ()
+
+    def incremental(self) -> Pipeline:
+        buf = TextBuffer()
+        cutter = ParagraphCutter(buf)
+        return Pipeline(buf, [cutter], Emitter(buf, cutter, None))
+
+    def chunk(self, text: str) -> list[Span]:
+        """The incremental form fed everything at once, so the two cannot disagree."""
+        state = self.incremental()
+        return state.feed(text) + state.flush()
+
+    def __repr__(self) -> str:
+        return "ParagraphChunker()"

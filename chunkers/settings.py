@@ -1,0 +1,94 @@
+"""Validation of one entry of the config's `chunkers:` section, and `build`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from .base import Chunker
+from .paragraph import ParagraphChunker
+from .sentence import SentenceChunker
+from .whole_doc import WholeDocChunker
+from .words import WordsChunker
+
+
+class _Settings(BaseModel):
+    # strict: YAML `max_words: "5"` or `true` is a mistake worth reporting, not coercing.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class SentenceSettings(_Settings):
+    type: Literal["sentence"]
+    max_chars: int = Field(2000, ge=1)
+    language: Literal["english"] = "english"  # the only Punkt model shipped
+
+
+class ParagraphSettings(_Settings):
+    type: Literal["paragraph"]
+
+
+class WordsSettings(_Settings):
+    type: Literal["words"]
+    max_words: int = Field(50, ge=1)
+    max_chars: int = Field(2000, ge=1)
+
+
+class WholeDocSettings(_Settings):
+    type: Literal["whole_doc"]
+
+
+ChunkerSettings = Annotated[
+    SentenceSettings | ParagraphSettings | WordsSettings | WholeDocSettings,
+    Field(discriminator="type"),
+]
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(ChunkerSettings)
+TYPES = ("paragraph", "sentence", "whole_doc", "words")
+
+
+def parse_settings(settings: Any) -> Any:
+    """The validated settings model; `ValueError` with a one-line message that starts with the
+    offending field name (`max_words: must be >= 1`), which the config loader prefixes with the
+    YAML path."""
+    if not isinstance(settings, dict):
+        raise ValueError(f"chunker settings must be a mapping, got {type(settings).__name__}")
+    try:
+        return _ADAPTER.validate_python(settings)
+    except ValidationError as exc:
+        raise ValueError(_message(exc.errors()[0])) from None
+
+
+def _message(error: Any) -> str:
+    kind = error["type"]
+    ctx = error.get("ctx") or {}
+    loc = error["loc"]
+    field = ".".join(str(part) for part in loc[1:]) or "type"  # loc[0] is the union tag
+    if kind == "union_tag_not_found":
+        return "type: field required"
+    if kind == "union_tag_invalid":
+        return (
+            f"type: unknown chunker type {ctx.get('tag')!r} (expected one of: {', '.join(TYPES)})"
+        )
+    if kind == "missing":
+        return f"{field}: field required"
+    if kind == "extra_forbidden":
+        return f"{field}: unknown field"
+    if kind == "greater_than_equal":
+        return f"{field}: must be >= {ctx.get('ge')}"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"{field}: must be an integer, got {error.get('input')!r}"
+    if kind == "literal_error":
+        return f"{field}: must be one of: {ctx.get('expected')}, got {error.get('input')!r}"
+    return f"{field}: {error['msg']}"
+
+
+def build(settings: dict[str, Any]) -> Chunker:
+    """A chunker from one `chunkers:` entry, e.g. `{"type": "words", "max_words": 50}`."""
+    parsed = parse_settings(settings)
+    if isinstance(parsed, SentenceSettings):
+        return SentenceChunker(max_chars=parsed.max_chars)
+    if isinstance(parsed, WordsSettings):
+        return WordsChunker(max_words=parsed.max_words, max_chars=parsed.max_chars)
+    if isinstance(parsed, ParagraphSettings):
+        return ParagraphChunker()
+    return WholeDocChunker()

@@ -1,0 +1,159 @@
+"""`words`: windows of at most `max_words` whitespace-separated words, also cut at sentence ends."""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+
+from .base import INF, CutStage, Emitter, Pipeline, Span, TextBuffer
+from .punkt_stream import PunktCutter
+
+_RE_SPACE = re.compile(r"\s")
+_RE_NONSPACE = re.compile(r"\S")
+_RE_WORD = re.compile(r"\S+")
+
+
+class WordCutter:
+    """Cuts inside each sentence (the upstream cuts) after every `max_words`-th word, when
+    another word follows in the same sentence. A word is a maximal run of non-whitespace
+    characters (str.isspace) within the sentence chunk; the whitespace before a word belongs to
+    that word's window, like whitespace before a sentence.
+
+    Incrementally the scan is resumable (each character is looked at once), and a window is
+    committed when the word after it has started and the upstream frontier shows no sentence
+    end before it: nothing later can move the cut."""
+
+    __slots__ = (
+        "_a",
+        "_buf",
+        "_count",
+        "_e",
+        "_final",
+        "_in_word",
+        "_max_words",
+        "_pos",
+        "_up",
+        "cuts",
+        "dirty",
+        "wake_len",
+        "wake_rx",
+    )
+
+    def __init__(self, buf: TextBuffer, upstream: CutStage, max_words: int) -> None:
+        self._buf = buf
+        self._up = upstream
+        self._max_words = max_words
+        self.cuts: deque[int] = deque()
+        self.dirty = False
+        self._final = False
+        self._a = 0  # start of the current window
+        self._count = 0  # complete words in [a, pos)
+        self._pos = 0  # scanned up to here
+        self._in_word = False  # the character before pos is part of an unfinished word
+        self._e = -1  # end of the max_words-th word, once known
+        self.wake_rx: re.Pattern[str] | None = None
+        self.wake_len = 0
+
+    def frontier(self) -> int:
+        if self._final:
+            return INF
+        own = self._e if self._e >= 0 else self._pos
+        upc = self._up.cuts
+        return min(own, upc[0] if upc else self._up.frontier())
+
+    def keep_from(self) -> int:
+        return self._a
+
+    def advance(self, final: bool) -> None:
+        buf = self._buf
+        t, base, n = buf.text, buf.base, buf.n
+        up = self._up
+        upc = up.cuts
+        while True:
+            if upc:
+                b = limit = upc[0]
+            else:
+                b = -1
+                limit = n if final else min(n, up.frontier())
+            lo, hi = self._pos - base, limit - base
+            if self._e >= 0:  # window full: does another word follow in this sentence?
+                if _RE_NONSPACE.search(t, lo, hi) is not None:
+                    self._cut(self._e)
+                    continue
+            else:
+                if self._in_word:  # finish the word in progress
+                    m = _RE_SPACE.search(t, lo, hi)
+                    if m is None:
+                        lo = hi
+                    else:
+                        lo = m.start()
+                        self._in_word = False
+                        self._count += 1
+                if not self._in_word and self._count < self._max_words:
+                    for m in _RE_WORD.finditer(t, lo, hi):
+                        if m.end() == hi:  # reaches the limit: maybe unfinished
+                            self._in_word = True
+                            lo = hi
+                            break
+                        self._count += 1
+                        if self._count == self._max_words:
+                            lo = m.end()
+                            break
+                    else:
+                        lo = hi
+                if self._count == self._max_words:
+                    self._e = self._pos = lo + base
+                    continue
+                self._pos = lo + base
+                if lo < hi:
+                    continue
+            # Nothing more before `limit`.
+            self._pos = limit
+            if b >= 0:
+                self._cut(b)
+                continue
+            if final:
+                self._final = True
+                return
+            if limit < n:  # held back by the sentence stage, which wakes us when it moves
+                self.wake_len = INF
+            else:
+                # Fewest characters that could complete the window and start the next word.
+                k = self._max_words - self._count
+                self.wake_len = limit + (1 if self._e >= 0 else 2 * k - int(self._in_word))
+            return
+
+    def _cut(self, x: int) -> None:
+        self.cuts.append(x)
+        upc = self._up.cuts
+        while upc and upc[0] <= x:
+            upc.popleft()
+        self._a = self._pos = x
+        self._count = 0
+        self._in_word = False
+        self._e = -1
+
+
+class WordsChunker:
+    """Windows of at most `max_words` words that never span a sentence end (NLTK Punkt), with the
+    same `max_chars` safety cut as the sentence chunker applied to each window."""
+
+    __slots__ = ("max_chars", "max_words")
+
+    def __init__(self, max_words: int = 50, max_chars: int = 2000) -> None:
+        self.max_words = max_words
+        self.max_chars = max_chars
+
+    def incremental(self) -> Pipeline:
+        buf = TextBuffer()
+        sentences = PunktCutter(buf)
+        windows = WordCutter(buf, sentences, self.max_words)
+        return Pipeline(buf, [sentences, windows], Emitter(buf, windows, self.max_chars))
+
+    def chunk(self, text: str) -> list[Span]:
+        """The incremental form fed everything at once, so the two cannot disagree."""
+        state = self.incremental()
+        return state.feed(text) + state.flush()
+
+    def __repr__(self) -> str:
+        return f"WordsChunker(max_words={self.max_words}, max_chars={self.max_chars})"

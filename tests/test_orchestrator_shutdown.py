@@ -1,0 +1,206 @@
+"""Graceful shutdown of `python -m orchestrator serve`, as Kubernetes does it: SIGTERM while
+streams run. Every stream gets a terminal event (the ones that finish within
+`server.drain_timeout_s` complete, the rest end with `server_shutdown`), new requests get 503
+during the drain, and the process exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from orchestrator.app import STREAMING_PATH
+from tests.fakes.engine import FakeEngine, until
+from tests.orchestrator_support import (
+    SseEvent,
+    assert_contiguous,
+    frames,
+    generation_body,
+    native_config,
+    sse_events,
+    terminal,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+STREAMS = 20
+
+
+class GatedEngine(FakeEngine):
+    """Holds every generate request until `gate` opens, so all streams are running when the
+    signal comes, however slow the machine."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.gate = asyncio.Event()
+        self.held = 0
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        self.held += 1
+        await self.gate.wait()
+        return await super()._generate(request)
+
+
+class Served:
+    """A `serve` subprocess and the JSON log lines it wrote so far."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str, stderr: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.stderr = stderr
+
+    def messages(self) -> list[str]:
+        out = []
+        for line in self.stderr.read_text().splitlines():
+            try:
+                out.append(json.loads(line)["message"])
+            except (ValueError, KeyError):
+                out.append(line)
+        return out
+
+    async def wait_logged(self, prefix: str, timeout_s: float = 20.0) -> None:
+        await until(lambda: any(m.startswith(prefix) for m in self.messages()), timeout_s, 0.02)
+
+
+@asynccontextmanager
+async def serve(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[Served]:
+    """Starts `python -m orchestrator serve` on a free port and waits for its "listening on"
+    line; the child gets this interpreter's PYTHONPATH plus the repository root."""
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    stderr = tmp_path / "stderr.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    with stderr.open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *("-m", "orchestrator", "serve", "--config", str(path), "--port", "0"),
+            cwd=ROOT,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+        )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line.startswith(b"guardstream listening on http://"), (line, stderr.read_text())
+        yield Served(proc, line.decode().split()[-1], stderr)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def read_stream(session: aiohttp.ClientSession, url: str, i: int) -> list[SseEvent]:
+    body = generation_body(f"stream {i}")
+    async with session.post(url + STREAMING_PATH, json=body) as r:
+        assert r.status == 200
+        return sse_events(await r.text())
+
+
+async def start_streams(served: Served, session: aiohttp.ClientSession) -> list[asyncio.Task]:
+    return [
+        asyncio.create_task(read_stream(session, served.url, i), name=f"client-{i}")
+        for i in range(STREAMS)
+    ]
+
+
+def config_for(engine: FakeEngine, drain_timeout_s: float) -> dict[str, Any]:
+    return native_config(
+        engine.url,
+        server={"drain_timeout_s": drain_timeout_s, "max_concurrent_streams": STREAMS + 5},
+    )
+
+
+async def test_streams_that_finish_within_the_drain_complete(tmp_path: Path) -> None:
+    engine = GatedEngine(script=[f" w{i}" for i in range(30)])
+    await engine.start()
+    try:
+        async with (
+            serve(tmp_path, config_for(engine, drain_timeout_s=60)) as served,
+            aiohttp.ClientSession() as session,
+        ):
+            clients = await start_streams(served, session)
+            await until(lambda: engine.held == STREAMS, 20)
+            served.proc.send_signal(signal.SIGTERM)
+            await served.wait_logged(f"draining {STREAMS} stream(s)")
+            # a new request during the drain: 503 before any streaming, retryable
+            async with session.post(served.url + STREAMING_PATH, json=generation_body()) as r:
+                assert r.status == 503
+                assert r.headers["Retry-After"] == "1"
+                assert await r.json() == {
+                    "code": 503,
+                    "details": "the server is shutting down",
+                    "type": "server_shutdown",
+                }
+            assert engine.held == STREAMS  # it never reached the engine
+            engine.gate.set()
+            results = await asyncio.wait_for(asyncio.gather(*clients), 30)
+            assert await asyncio.wait_for(served.proc.wait(), 30) == 0
+    finally:
+        await engine.close()
+    assert len(results) == STREAMS
+    for events in results:
+        end = terminal(events)
+        assert end.name == "completed"
+        assert assert_contiguous(frames(events)) == engine.text()
+        assert end.data["processed_index"] == len(engine.text())
+    assert sum(r.completed for r in engine.requests) == STREAMS
+    assert served.messages()[-1] == "stopped"
+
+
+async def test_streams_cut_by_a_short_drain_end_with_server_shutdown(tmp_path: Path) -> None:
+    engine = FakeEngine(script=[f" w{i}" for i in range(100_000)], token_delay_s=0.02)
+    await engine.start()
+    try:
+        async with (
+            serve(tmp_path, config_for(engine, drain_timeout_s=0.2)) as served,
+            aiohttp.ClientSession() as session,
+        ):
+            clients = await start_streams(served, session)
+            await until(
+                lambda: (
+                    len(engine.requests) == STREAMS
+                    and all(r.tokens_sent >= 1 for r in engine.requests)
+                ),
+                20,
+            )
+            served.proc.send_signal(signal.SIGTERM)
+            results = await asyncio.wait_for(asyncio.gather(*clients), 30)
+            assert await asyncio.wait_for(served.proc.wait(), 30) == 0
+        await engine.wait_disconnects(STREAMS)  # generation was cancelled, not left running
+    finally:
+        await engine.close()
+    assert len(results) == STREAMS
+    for events in results:
+        end = terminal(events)
+        text = assert_contiguous(frames(events))
+        if frames(events):
+            assert end.name == "failed"
+            assert end.data["error"] == {
+                "code": 503,
+                "type": "server_shutdown",
+                "message": "the server is shutting down",
+            }
+            assert end.data["finish_reason"] == "CANCELLED"
+            assert end.data["processed_index"] == len(text)
+            assert engine.text().startswith(text)
+        else:  # nothing had been sent: the error event
+            assert end.name == "error"
+            assert end.data == {
+                "code": 503,
+                "details": "the server is shutting down",
+                "type": "server_shutdown",
+            }
+    assert any(frames(events) for events in results)
+    messages = served.messages()
+    assert f"ending {STREAMS} stream(s) with server_shutdown" in messages
+    assert messages[-1] == "stopped"
