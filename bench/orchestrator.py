@@ -369,6 +369,7 @@ class StreamResult:
         default_factory=list
     )  # recv, start, end, text
     terminal: str | None = None
+    failure: dict[str, Any] | None = None  # the data of an `error`/`failed` terminal event
 
 
 def stream_body(key: str, sentences: int, per_sentence: int, rate: float) -> dict[str, Any]:
@@ -404,6 +405,8 @@ async def read_stream(
                     )
                 else:
                     result.terminal = name
+                    if name in ("error", "failed"):
+                        result.failure = json.loads(line[6:])
             elif line.startswith(b"event: "):
                 name = line[7:].strip().decode()
             elif line in (b"\n", b"\r\n"):
@@ -495,6 +498,7 @@ class Figures:
     engine_lag_p99_ms: float
     detector_calls: int
     wall_s: float
+    first_failure: dict[str, Any] | None
 
 
 def analyse(level: Level, args: argparse.Namespace, baseline_rss: int) -> Figures:
@@ -551,6 +555,7 @@ def analyse(level: Level, args: argparse.Namespace, baseline_rss: int) -> Figure
         engine_lag_p99_ms=pct(lag, 0.99) * 1000 if lag else math.nan,
         detector_calls=log["detector_calls"],
         wall_s=level.wall_s,
+        first_failure=next((r.failure for r in level.results if r.failure), None),
     )
 
 
@@ -709,6 +714,9 @@ def print_table(figures: list[Figures], args: argparse.Namespace) -> None:
     print()
     for r in [header, *rows]:
         print(" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    for f in figures:
+        if f.first_failure:
+            print(f"{f.concurrency} streams, first error/failed event: {f.first_failure}")
     print(
         "(added = client receive - max(last token sent, detector replies); orch CPU % = the "
         "orchestrator's CPU time / wall time, 100 = one core; load CPU % = upstream + client)"

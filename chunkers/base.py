@@ -83,14 +83,18 @@ class CutStage(Protocol):
     `frontier()` is a position F such that every cut below F is already known (INF at the end).
 
     Wake-up contract, which keeps a feed that cannot change anything down to a few checks: the
-    pipeline calls `advance` only once a delta matched `wake_rx` (then `dirty` is set) or the
-    stream reached `wake_len` characters, or some other stage woke. Both are hints: a stage must
+    pipeline calls `advance` only once a delta matched `wake_rx` and `ready` agreed (then `dirty`
+    is set), or the stream reached `wake_len` characters, or some other stage woke. Both are hints: a stage must
     give the same cuts whenever it is advanced, only possibly later."""
 
     cuts: deque[int]
     dirty: bool
     wake_rx: re.Pattern[str] | None
     wake_len: int
+
+    def ready(self, parts: list[str]) -> bool:
+        """After `wake_rx` matched: wake up now? (`parts`: the deltas not yet synced.)"""
+        ...
 
     def advance(self, final: bool) -> None: ...
 
@@ -191,7 +195,8 @@ class Pipeline:
         n = buf.n = buf.n + len(delta)
         wake = n >= self._wake_len
         for stage in self._rx_stages:
-            if not stage.dirty and stage.wake_rx.search(delta) is not None:  # type: ignore[union-attr]
+            rx = stage.wake_rx
+            if not stage.dirty and rx is not None and rx.search(delta) and stage.ready(buf.parts):
                 stage.dirty = wake = True
         if not wake:
             return []

@@ -35,6 +35,9 @@ class ParagraphCutter:
         self.wake_rx: re.Pattern[str] | None = _RE_LINE
         self.wake_len = INF
 
+    def ready(self, parts: list[str]) -> bool:
+        return True
+
     def frontier(self) -> int:
         return INF if self._final else self._pos
 

@@ -54,6 +54,9 @@ class WordCutter:
         self.wake_rx: re.Pattern[str] | None = None
         self.wake_len = 0
 
+    def ready(self, parts: list[str]) -> bool:
+        return True
+
     def frontier(self) -> int:
         if self._final:
             return INF

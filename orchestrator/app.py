@@ -144,7 +144,11 @@ def request_id_middleware(forward: frozenset[str] = frozenset()) -> Middleware:
             status = response.status
             return response
         finally:
-            access_log.info(
+            # probes and scrapes come every few seconds: kept out of the access log unless
+            # they fail or debug logging is on
+            quiet = request.path in OPEN_PATHS and status < 400
+            access_log.log(
+                logging.DEBUG if quiet else logging.INFO,
                 "%s %s %d",
                 request.method,
                 request.path,

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
 
 from aiohttp import web
 
@@ -69,19 +68,11 @@ async def _wait_idle(state: AppState, timeout_s: float, force: asyncio.Event | N
 
 async def _shut_down_streams(state: AppState, grace_s: float) -> None:
     """Ends every running stream with a `server_shutdown` terminal event and waits (up to
-    `grace_s`) until they have written it. A stream whose pipeline has not started yet ignores
-    shut_down(), so it is asked again until it has started or finished."""
-    asked: set[int] = set()
-    deadline = time.monotonic() + grace_s
-    while state.active_streams and time.monotonic() < deadline:
-        for stream in list(state.streams):
-            if id(stream) not in asked:
-                stream.shut_down()
-                # `_shutting_down` stays False while the pipeline's task does not exist yet
-                if getattr(stream, "_shutting_down", True):
-                    asked.add(id(stream))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(state.idle.wait(), 0.05)
+    `grace_s`) until they have written it."""
+    for stream in list(state.streams):
+        stream.shut_down()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(state.idle.wait(), grace_s)
 
 
 async def drain(

@@ -108,6 +108,9 @@ async def test_lines_written_during_a_request_carry_its_id(captured, failing_eng
     async with Orchestrator(native_config(failing_engine.url)) as orch:
         events = await orch.stream(generation_body(), headers={"x-request-id": "log-test-1"})
         await orch.stream(generation_body(), headers={"x-request-id": "log-test-2"})
+        assert orch.session is not None
+        async with orch.session.get(orch.url + "/health") as r:  # probes: not access-logged
+            assert r.status == 200
     assert terminal(events).name == "error"
     entries = lines(captured)
     # the engine failure is logged by the migration layer, inside the stream's own task

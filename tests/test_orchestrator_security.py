@@ -519,11 +519,6 @@ async def test_stream_content_line_over_max_request_bytes_is_413(engine, dets) -
         }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stream_content._lines checks the length only of the unterminated tail: a line "
-    "that arrives with its newline in one read is never measured",
-)
 async def test_stream_content_newline_terminated_line_over_the_limit_is_413(engine, dets) -> None:
     config = native_config(
         engine.url,

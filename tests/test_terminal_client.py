@@ -5,8 +5,10 @@ outcome, connection errors and API keys."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import pty
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -239,6 +241,50 @@ async def test_a_frame_longer_than_a_readline_buffer_is_shown_whole(
         await engine.close()
     assert code == EXIT_COMPLETED, err
     assert out.split("\n")[0] == "a " + long_token + " b"
+
+
+async def tty_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Runs the client with stdout on a pseudo-terminal; returns (exit status, what it showed)."""
+    master, slave = pty.openpty()
+    child_env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
+    child_env.update(env or {})
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "stream",
+        *args,
+        stdout=slave,
+        stderr=asyncio.subprocess.DEVNULL,
+        cwd=ROOT,
+        env=child_env,
+    )
+    os.close(slave)
+    code = await asyncio.wait_for(proc.wait(), 60)
+    shown = b""
+    with contextlib.suppress(OSError):  # EIO once the terminal has been drained
+        while chunk := os.read(master, 65536):
+            shown += chunk
+    os.close(master)
+    return code, shown.decode().replace("\r\n", "\n")
+
+
+async def test_a_terminal_gets_colour_unless_told_otherwise(
+    engine: FakeEngine, dets: FakeDetectorServer
+) -> None:
+    args = ("--output-detector", "you", "Hi")
+    async with Orchestrator(config(engine, dets)) as orch:
+        coloured = await tty_cli("--url", orch.url, *args)
+        no_color_env = await tty_cli("--url", orch.url, *args, env={"NO_COLOR": "1"})
+        no_color_flag = await tty_cli("--url", orch.url, "--no-color", *args)
+    code, shown = coloured
+    assert code == EXIT_COMPLETED
+    assert shown.startswith("I am great. What about \x1b[1;31;4myou\x1b[0m?\n")
+    assert "\x1b[1m[completed]\x1b[0m {" in shown
+    for code, shown in (no_color_env, no_color_flag):
+        assert code == EXIT_COMPLETED
+        assert shown.startswith("I am great. What about [[you]]?\n")
+        assert "\x1b[" not in shown
 
 
 def test_colour_highlight_and_overlapping_spans() -> None:

@@ -47,7 +47,7 @@ class ReplicatedModelBackend(ModelBackend):
         self.metrics = metrics
         self.processes: list[EngineProcess] = []
         replicas: list[Replica] = []
-        for backend in config.backends:
+        for index, backend in enumerate(config.backends):
             if isinstance(backend, ManagedBackend):
                 for _ in range(backend.replicas):
                     name = f"managed-{len(replicas)}"
@@ -66,7 +66,12 @@ class ReplicatedModelBackend(ModelBackend):
             elif isinstance(backend, NativeBackend):
                 name = f"native-{len(replicas)}"
                 client = NativeClient(
-                    name, backend.url, session, ssl_context=client_ssl_context(backend.tls)
+                    name,
+                    backend.url,
+                    session,
+                    ssl_context=client_ssl_context(
+                        backend.tls, where=f"models.{model_id}.backends.{index}.tls"
+                    ),
                 )
                 replicas.append(Replica(name=name, client=client))
             elif isinstance(backend, OpenAIBackend):
@@ -87,7 +92,9 @@ class ReplicatedModelBackend(ModelBackend):
                     backend.model,
                     session,
                     api_key=api_key,
-                    ssl_context=client_ssl_context(backend.tls),
+                    ssl_context=client_ssl_context(
+                        backend.tls, where=f"models.{model_id}.backends.{index}.tls"
+                    ),
                 )
                 replicas.append(Replica(name=name, client=oa_client))
         self.pool = ReplicaPool(

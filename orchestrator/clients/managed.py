@@ -4,7 +4,7 @@ Each slot runs `python -m generation serve` on a free local port, is ready once 
 answers 200, and is restarted with exponential backoff when it exits; the slot (its replica
 name and, when possible, its port) survives restarts. Children run in their own session, so a
 Ctrl-C at the orchestrator's terminal does not kill them under in-flight streams, and on Linux
-they die with the orchestrator. Their output goes to the orchestrator's stderr, prefixed.
+they die with the orchestrator. Their output goes to the orchestrator's log, one prefixed record per line.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import aiohttp
 
 log = logging.getLogger("guardstream.managed")
+engine_log = logging.getLogger("guardstream.engine")
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -227,7 +228,7 @@ class EngineProcess:
         return proc
 
     async def _forward_output(self, proc: asyncio.subprocess.Process) -> None:
-        """Child output to our stderr, one prefixed line at a time."""
+        """Child output, one line at a time: to `output` when given (tests), else to the log."""
         assert proc.stdout is not None
         prefix = f"[engine {self.name} pid {proc.pid}] "
         while True:
@@ -240,8 +241,13 @@ class EngineProcess:
             if not line:
                 return
             text = line.decode("utf-8", "replace")
-            out = self._output or sys.stderr
-            out.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
+            if self._output is not None:
+                self._output.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
+            else:
+                # through logging, so the orchestrator's JSON log format covers engine lines too
+                engine_log.info(
+                    "%s%s", prefix, text.rstrip("\n"), extra={"engine": self.name, "pid": proc.pid}
+                )
 
     async def _wait_healthy(self, proc: asyncio.subprocess.Process) -> bool:
         deadline = time.monotonic() + self.start_timeout_s

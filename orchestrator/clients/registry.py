@@ -72,7 +72,9 @@ class DetectorRegistry:
                 built = detectors.build(det.builtin, params, device=device)
                 self._clients[detector_id] = InProcessDetectorClient(detector_id, det, built)
             else:
-                ctx: ssl.SSLContext | bool | None = client_ssl_context(det.tls)
+                ctx: ssl.SSLContext | bool | None = client_ssl_context(
+                    det.tls, where=f"detectors.{detector_id}.tls"
+                )
                 self._clients[detector_id] = HttpDetectorClient(
                     detector_id, det, session, ssl_context=ctx, forward_headers=forward_headers
                 )

@@ -33,6 +33,8 @@ async def _lines(request: web.Request, max_line: int) -> AsyncIterator[bytes]:
         buf += chunk
         *lines, buf = buf.split(b"\n")
         for line in lines:
+            if len(line) > max_line:
+                raise ApiError(413, ErrorType.INVALID_REQUEST, f"a line exceeds {max_line} bytes")
             if line.strip():
                 yield line
         if len(buf) > max_line:

@@ -126,6 +126,8 @@ class GuardedGeneration:
     async def _run(self) -> None:
         timeout = asyncio.timeout(self._timeout_s)
         try:
+            if self._shutting_down:  # shut down before the task ran: end it the same way
+                raise asyncio.CancelledError
             async with timeout:
                 await self._guarded()
         except TimeoutError:
@@ -153,9 +155,10 @@ class GuardedGeneration:
             self._fail(first_error(group))
 
     def shut_down(self) -> None:
-        """Ends the stream now with `failed`/`error` of type server_shutdown (a drain ran out)."""
+        """Ends the stream now with `failed`/`error` of type server_shutdown (a drain ran out).
+        A pipeline whose task has not started yet remembers it and ends as soon as it starts."""
+        self._shutting_down = True
         if self._task is not None and not self._task.done():
-            self._shutting_down = True
             self._task.cancel()
 
     def _fail(self, exc: BaseException) -> None:
