@@ -119,10 +119,11 @@ class PunktCutter:
     sentence but the last; chunks are the text between cuts."""
 
     __slots__ = (
+        "_armed_at",
         "_brk",
         "_buf",
-        "_cs",
         "_ce",
+        "_cs",
         "_cut_if_found",
         "_final",
         "_lazy",
@@ -157,6 +158,7 @@ class PunktCutter:
         self.wake_rx: re.Pattern[str] | None = _RE_MAYBE_CANDIDATE
         self.wake_len = INF
         self._lazy = True  # _SCAN with everything synced scanned: wake-ups may be deferred
+        self._armed_at = 0  # index in the unsynced deltas of the one with the deferred [.?!]
 
     # -- CutStage -------------------------------------------------------------------------
 
@@ -167,9 +169,12 @@ class PunktCutter:
         prose). The cuts are the same either way; only internal progress is deferred."""
         if not self._lazy:
             return True
-        if len(parts) <= 4:
-            pending = "".join(parts)
-            if len(pending) <= _LAZY_MAX and _RE_DECIDABLE.search(pending) is None:
+        if self.wake_rx is _RE_MAYBE_CANDIDATE:
+            self._armed_at = len(parts) - 1  # the [.?!] is in this delta
+        pending = parts[self._armed_at :]
+        if len(pending) <= 8:
+            text = "".join(pending)
+            if len(text) <= _LAZY_MAX and _RE_DECIDABLE.search(text) is None:
                 self.wake_rx = _RE_ANY  # look again at the next delta
                 return False
         return True

@@ -72,69 +72,61 @@ class WordCutter:
         t, base, n = buf.text, buf.base, buf.n
         up = self._up
         upc = up.cuts
+        max_words = self._max_words
+        # Hot path on every wake-up: state in locals, written back on exit.
+        count, pos, in_word, e = self._count, self._pos, self._in_word, self._e
         while True:
             if upc:
                 b = limit = upc[0]
             else:
                 b = -1
                 limit = n if final else min(n, up.frontier())
-            lo, hi = self._pos - base, limit - base
-            if self._e >= 0:  # window full: does another word follow in this sentence?
+            lo, hi = pos - base, limit - base
+            if e >= 0:  # window full: does another word follow in this sentence?
                 if _RE_NONSPACE.search(t, lo, hi) is not None:
-                    self._cut(self._e)
-                    continue
+                    b = e  # cut there
             else:
-                if self._in_word:  # finish the word in progress
+                if in_word:  # finish the word in progress
                     m = _RE_SPACE.search(t, lo, hi)
                     if m is None:
                         lo = hi
                     else:
                         lo = m.start()
-                        self._in_word = False
-                        self._count += 1
-                if not self._in_word and self._count < self._max_words:
+                        in_word = False
+                        count += 1
+                if not in_word and count < max_words:
                     for m in _RE_WORD.finditer(t, lo, hi):
                         if m.end() == hi:  # reaches the limit: maybe unfinished
-                            self._in_word = True
+                            in_word = True
                             lo = hi
                             break
-                        self._count += 1
-                        if self._count == self._max_words:
+                        count += 1
+                        if count == max_words:
                             lo = m.end()
                             break
                     else:
                         lo = hi
-                if self._count == self._max_words:
-                    self._e = self._pos = lo + base
+                if count == max_words:
+                    e = pos = lo + base
                     continue
-                self._pos = lo + base
-                if lo < hi:
-                    continue
-            # Nothing more before `limit`.
-            self._pos = limit
-            if b >= 0:
-                self._cut(b)
+            if b >= 0:  # a cut: the next window starts there
+                self.cuts.append(b)
+                while upc and upc[0] <= b:
+                    upc.popleft()
+                self._a = pos = b
+                count, in_word, e = 0, False, -1
                 continue
+            pos = limit
             if final:
                 self._final = True
-                return
-            if limit < n:  # held back by the sentence stage, which wakes us when it moves
+            elif limit < n:  # held back by the sentence stage, which wakes us when it moves
                 self.wake_len = INF
             else:
                 # Fewest characters that could complete the window and start the next word.
-                k = self._max_words - self._count
-                self.wake_len = limit + (1 if self._e >= 0 else 2 * k - int(self._in_word))
+                k = max_words - count
+                self.wake_len = limit + (1 if e >= 0 else 2 * k - int(in_word))
+            self._count, self._pos, self._in_word, self._e = count, pos, in_word, e
             return
-
-    def _cut(self, x: int) -> None:
-        self.cuts.append(x)
-        upc = self._up.cuts
-        while upc and upc[0] <= x:
-            upc.popleft()
-        self._a = self._pos = x
-        self._count = 0
-        self._in_word = False
-        self._e = -1
 
 
 class WordsChunker:

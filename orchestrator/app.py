@@ -203,6 +203,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 def _error_headers(exc: BaseException, body: ErrorBody) -> dict[str, str] | None:
     if isinstance(exc, TooManyStreams):
         return {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return {"Allow": ", ".join(sorted(exc.allowed_methods))}
     if body.type == ErrorType.SERVER_SHUTDOWN:
         # the client should retry elsewhere, and not on this connection
         return {"Retry-After": "1", "Connection": "close"}
@@ -298,6 +300,7 @@ def create_app(config: Config, *, device: str = "auto") -> web.Application:
             trace_configs=[tracing],
         )
         state.detectors = DetectorRegistry(config, state.session, device=device)
+        state.metrics.instrument_detectors(state.detectors.clients())
         state.backends = build_model_backends(
             config.models, state.session, registry=state.metrics.registry
         )

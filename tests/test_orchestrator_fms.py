@@ -175,7 +175,7 @@ async def test_generation_error_before_first_token_is_an_error_event(engine, det
 
 
 async def test_generation_error_mid_stream_is_failed_after_frames(engine, dets) -> None:
-    engine.inject(Fault("error", after_tokens=6, error_type="generation_error", message="boom"))
+    engine.inject(Fault("error", after_tokens=7, error_type="generation_error", message="boom"))
     engine.token_delay_s = 0.05  # the first sentence is judged before the failure arrives
     async with Orchestrator(config(engine, dets)) as orch:
         events = await orch.stream(generation_body(output={"clean": {}}))

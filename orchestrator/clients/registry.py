@@ -82,7 +82,7 @@ class DetectorRegistry:
     def clients(self) -> dict[str, DetectorClient]:
         return dict(self._clients)
 
-    def resolve(self, requested: DetectorMap, direction: str) -> list[RequestedDetector]:
+    def resolve(self, requested: DetectorMap, direction: str, path: str) -> list[RequestedDetector]:
         """Turns a request's detector map into RequestedDetectors, sorted by id; raises the API's
         404 for an unknown id and 422 for a detector type that cannot judge text contents."""
         out: list[RequestedDetector] = []
@@ -109,14 +109,17 @@ class DetectorRegistry:
                 try:
                     detectors.validate_params(det.builtin, merged)
                 except ValueError as exc:
-                    raise invalid(f"{direction}.models.{detector_id}: {exc}") from None
+                    raise invalid(f"{path}.{detector_id}: {exc}") from None
             out.append(
                 RequestedDetector(
                     detector_id=detector_id,
                     client=self._clients[detector_id],
                     chunker_id=det.chunker_id,
                     threshold=threshold,
-                    on_detection=params.on_detection or det.on_detection,
+                    # the content endpoints judge text the client already has: nothing to withhold
+                    on_detection="annotate"
+                    if direction == "content"
+                    else (params.on_detection or det.on_detection),
                     params=forwarded,
                 )
             )

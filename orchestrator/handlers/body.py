@@ -35,9 +35,14 @@ def require_json_content_type(request: web.Request) -> None:
         )
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def parse_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
+        # NaN and Infinity are not JSON; Python's parser accepts them unless told not to
+        return json.loads(raw, parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(400, ErrorType.INVALID_REQUEST, f"invalid JSON body: {exc}") from None
 

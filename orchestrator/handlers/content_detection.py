@@ -15,7 +15,7 @@ async def handle(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_model(request, ContentDetectionRequest)
     assert state.detectors is not None
-    dets = state.detectors.resolve(body.detectors, "content")
+    dets = state.detectors.resolve(body.detectors, "content", "detectors")
     findings = await judge_text(body.content, dets, state.chunkers)
     state.metrics.observer().on_findings(findings)
     response = ContentDetectionResponse(detections=[f.to_content() for f in findings])

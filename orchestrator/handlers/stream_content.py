@@ -69,7 +69,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         raise invalid("the body holds no line")
     first = _parse_line(first_raw, first=True)
     assert state.detectors is not None and first.detectors
-    dets = state.detectors.resolve(first.detectors, "content")
+    dets = state.detectors.resolve(first.detectors, "content", "detectors")
     out: asyncio.Queue[object] = asyncio.Queue()
     detection = StreamingDetection(dets, state.chunkers, lambda f: out.put_nowait(_result(f)))
 

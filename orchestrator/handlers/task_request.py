@@ -45,10 +45,16 @@ async def prepare_generation(request: web.Request) -> GuardedGeneration:
             )
     assert state.detectors is not None
     input_dets = (
-        state.detectors.resolve(guardrails.input.models, "input") if guardrails.input else []
+        state.detectors.resolve(guardrails.input.models, "input", "guardrail_config.input.models")
+        if guardrails.input
+        else []
     )
     output_dets = (
-        state.detectors.resolve(guardrails.output.models, "output") if guardrails.output else []
+        state.detectors.resolve(
+            guardrails.output.models, "output", "guardrail_config.output.models"
+        )
+        if guardrails.output
+        else []
     )
     gen_request = GenerationRequest(
         prompt=body.inputs,
