@@ -79,6 +79,7 @@ _RE_NONWORD = re.compile(_NONWORD)
 _RE_NON_CLOSER = re.compile("[^\"')\\]}\u2018\u2019\u201c\u201d\xab\xbb]")
 # NLTK ends the last sentence at len(text.rstrip()), i.e. str.isspace(), which `re` follows.
 _RE_NONSPACE = re.compile(r"\S")
+_RE_SPACE = re.compile(r"\s")
 # While looking for a candidate, only a [.?!] that may be one needs a wake-up: one followed by
 # whitespace, a non-word character, or nothing yet. (One followed by a letter is not a
 # candidate; the next wake-up steps over it.)
@@ -175,7 +176,7 @@ class PunktCutter:
         if len(pending) <= 8:
             text = "".join(pending)
             if len(text) <= _LAZY_MAX and _RE_DECIDABLE.search(text) is None:
-                self.wake_rx = _RE_ANY  # look again at the next delta
+                self.wake_rx = _RE_SPACE  # what ends the token (a heuristic, exact is not needed)
                 return False
         return True
 

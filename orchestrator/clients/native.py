@@ -37,37 +37,86 @@ class LineReader:
     """Lines of a streamed HTTP body, with a deadline per line (the stall timeout).
 
     aiohttp's own readline() caps the line length; an engine's first item carries the prompt's
-    token ids and may be long, so lines are assembled here without a cap."""
+    token ids and may be long, so lines are assembled here without a cap.
+
+    The deadline is enforced by one lazily re-armed timer per stream rather than an
+    `asyncio.timeout` per line: with hundreds of streams at tens of tokens per second, creating
+    and cancelling a timer for every token was a sizeable share of the event loop's time. The
+    timer fires at most once per stall period; when the reader made progress meanwhile it is
+    simply re-armed at the new deadline."""
 
     def __init__(self, content: aiohttp.StreamReader) -> None:
         self._content = content
         self._buf = bytearray()
         self._scanned = 0
         self._eof = False
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting: asyncio.Task[Any] | None = None
+        self._expired = False
 
     async def readline(self, timeout_s: float) -> bytes | None:
-        """The next line without its end of line; None at the end of the body."""
-        async with asyncio.timeout(timeout_s):
-            while True:
-                i = self._buf.find(b"\n", self._scanned)
-                if i >= 0:
-                    line = bytes(self._buf[:i])
-                    del self._buf[: i + 1]
-                    self._scanned = 0
-                    return line[:-1] if line.endswith(b"\r") else line
-                self._scanned = len(self._buf)
-                if self._eof:
-                    if not self._buf:
-                        return None
-                    line = bytes(self._buf)
-                    self._buf.clear()
-                    self._scanned = 0
-                    return line
-                chunk = await self._content.readany()
-                if chunk:
-                    self._buf += chunk
-                else:
-                    self._eof = True
+        """The next line without its end of line; None at the end of the body. Raises
+        TimeoutError when the line is not complete within `timeout_s`."""
+        deadline: float | None = None
+        while True:
+            i = self._buf.find(b"\n", self._scanned)
+            if i >= 0:
+                line = bytes(self._buf[:i])
+                del self._buf[: i + 1]
+                self._scanned = 0
+                return line[:-1] if line.endswith(b"\r") else line
+            self._scanned = len(self._buf)
+            if self._eof:
+                if not self._buf:
+                    return None
+                line = bytes(self._buf)
+                self._buf.clear()
+                self._scanned = 0
+                return line
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + timeout_s
+            chunk = await self._read_chunk(deadline)
+            if chunk:
+                self._buf += chunk
+            else:
+                self._eof = True
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def _read_chunk(self, deadline: float) -> bytes:
+        loop = asyncio.get_running_loop()
+        self._deadline = deadline
+        if self._timer is None or self._timer.when() > deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(deadline, self._on_timer)
+        task = asyncio.current_task()
+        self._waiting = task
+        try:
+            return await self._content.readany()
+        except asyncio.CancelledError:
+            if self._expired:
+                self._expired = False
+                if task is not None and task.uncancel() == 0:
+                    raise TimeoutError from None
+            raise
+        finally:
+            self._waiting = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._waiting is None:
+            return  # not waiting now: the next wait arms a new timer
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._deadline:
+            self._expired = True
+            self._waiting.cancel()
+        else:
+            self._timer = loop.call_at(self._deadline, self._on_timer)
 
 
 def transport_error(name: str, exc: BaseException) -> GenerationError:
@@ -236,6 +285,7 @@ class NativeStream(EngineStream):
                 self._done = True
                 assert self._resp is not None
                 self._resp.release()
+                self._reader.close()
                 raise StopAsyncIteration
             if self._finished:
                 raise unavailable(f"replica {name}: data after the final item")
@@ -297,6 +347,8 @@ class NativeStream(EngineStream):
 
     def close(self) -> None:
         self._done = True
+        if self._reader is not None:
+            self._reader.close()
         if self._resp is not None and not self._resp.closed:
             self._resp.close()
 

@@ -128,6 +128,7 @@ class OpenAIStream(EngineStream):
                     self._done = True
                     assert self._resp is not None
                     self._resp.release()
+                    self._reader.close()
                     raise StopAsyncIteration
                 item = self._parse(payload)
                 if item is not None:
@@ -261,6 +262,8 @@ class OpenAIStream(EngineStream):
 
     def close(self) -> None:
         self._done = True
+        if self._reader is not None:
+            self._reader.close()
         if self._resp is not None and not self._resp.closed:
             self._resp.close()
 
