@@ -62,10 +62,10 @@ class TextBuffer:
         self.text = ""  # text[base:base + len(text)] once synced
         self.base = 0
         self.n = 0  # total length of the stream so far, synced or not
-        self.parts: list[str] = []
+        self.parts: list[str] | None = []  # None once the stream has ended
 
     def sync(self) -> None:
-        if self.parts:
+        if self.parts:  # type: ignore[truthy-bool]
             self.text = self.text + "".join(self.parts)
             self.parts.clear()
 
@@ -173,38 +173,40 @@ class Emitter:
 
 class Pipeline:
     """The incremental state shared by all chunkers: a buffer, a chain of cut stages (each
-    consuming the previous one's cuts) and the emitter over the last stage."""
+    consuming the previous one's cuts; the first one reads the text and is the one with a
+    `wake_rx`) and the emitter over the last stage."""
 
-    __slots__ = ("_buf", "_closed", "_emitter", "_rx_stages", "_stages", "_wake_len")
+    __slots__ = ("_buf", "_emitter", "_source", "_stages", "_wake_len")
 
     def __init__(self, buf: TextBuffer, stages: list[CutStage], emitter: Emitter) -> None:
         self._buf = buf
         self._stages = stages
-        self._rx_stages = [stage for stage in stages if stage.wake_rx is not None]
+        self._source = stages[0]
         self._emitter = emitter
-        self._closed = False
         self._wake_len = 0
 
     def feed(self, delta: str) -> list[Span]:
-        if self._closed:
+        buf = self._buf
+        parts = buf.parts
+        if parts is None:
             raise RuntimeError("feed() after flush(): an incremental chunker serves one stream")
         if not delta:
             return []
-        buf = self._buf
-        buf.parts.append(delta)
+        # The hot path: most deltas only get queued.
+        parts.append(delta)
         n = buf.n = buf.n + len(delta)
-        wake = n >= self._wake_len
-        for stage in self._rx_stages:
-            rx = stage.wake_rx
-            if not stage.dirty and rx is not None and rx.search(delta) and stage.ready(buf.parts):
-                stage.dirty = wake = True
-        if not wake:
+        source = self._source
+        rx = source.wake_rx
+        if rx is not None and rx.search(delta) is not None and source.ready(parts):
+            source.dirty = True
+        elif n < self._wake_len:
             return []
         buf.sync()
         wake_len = INF
         for stage in self._stages:
             stage.advance(False)
-            wake_len = min(wake_len, stage.wake_len)
+            if stage.wake_len < wake_len:
+                wake_len = stage.wake_len
         emitter = self._emitter
         out = emitter.emit(False)
         self._wake_len = min(wake_len, emitter.wake_len)
@@ -216,10 +218,11 @@ class Pipeline:
         return out
 
     def flush(self) -> list[Span]:
-        if self._closed:
+        buf = self._buf
+        if buf.parts is None:
             return []
-        self._closed = True
-        self._buf.sync()
+        buf.sync()
+        buf.parts = None
         for stage in self._stages:
             stage.advance(True)
         return self._emitter.emit(True)

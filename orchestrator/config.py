@@ -148,15 +148,7 @@ def cross_reference_errors(config: Config) -> list[str]:
     """Checks that the schema alone cannot express: references between sections, settings of
     chunkers and built-in detectors (validated by their own libraries, without loading models)."""
     errors: list[str] = []
-    for chunker_id, settings in config.chunkers.items():
-        path = f"chunkers.{chunker_id}"
-        if chunker_id == WHOLE_DOC_CHUNKER:
-            errors.append(f"{path}: '{WHOLE_DOC_CHUNKER}' is reserved and built in")
-            continue
-        try:
-            chunkers.build(settings)
-        except ValueError as exc:
-            errors.append(f"{path}.{exc}" if _names_field(exc) else f"{path}: {exc}")
+    errors.extend(chunker_errors(config.chunkers))
     for detector_id, det in config.detectors.items():
         path = f"detectors.{detector_id}"
         if (det.builtin is None) == (det.url is None):
@@ -182,6 +174,26 @@ def cross_reference_errors(config: Config) -> list[str]:
             url = getattr(backend, "url", None)
             if url is not None and not url.startswith(("http://", "https://")):
                 errors.append(f"{path}.url: must start with http:// or https://")
+    return errors
+
+
+def chunker_errors(section: Any) -> list[str]:
+    """Problems in the `chunkers:` section; also run on the raw YAML when other sections fail
+    schema validation, so one pass reports everything."""
+    if not isinstance(section, dict):
+        return []
+    errors: list[str] = []
+    for chunker_id, settings in section.items():
+        path = f"chunkers.{chunker_id}"
+        if chunker_id == WHOLE_DOC_CHUNKER:
+            errors.append(f"{path}: '{WHOLE_DOC_CHUNKER}' is reserved and built in")
+            continue
+        if not isinstance(settings, dict):
+            continue  # the schema reports it
+        try:
+            chunkers.build(settings)
+        except ValueError as exc:
+            errors.append(f"{path}.{exc}" if _names_field(exc) else f"{path}: {exc}")
     return errors
 
 
@@ -229,7 +241,9 @@ def parse_config(data: Any) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        errors = _format_validation_error(exc)
+        errors += [e for e in chunker_errors(data.get("chunkers")) if e not in errors]
+        raise ConfigError(errors) from None
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
