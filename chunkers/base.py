@@ -22,7 +22,7 @@ from typing import Protocol
 INF = sys.maxsize
 
 #: Text a buffer may hold before the consumed part is dropped (tests lower it to exercise trims).
-TRIM_MIN = 2048
+TRIM_MIN = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +65,11 @@ class TextBuffer:
         self.parts: list[str] | None = []  # None once the stream has ended
 
     def sync(self) -> None:
-        if self.parts:  # type: ignore[truthy-bool]
-            self.text = self.text + "".join(self.parts)
-            self.parts.clear()
+        parts = self.parts
+        if parts:
+            parts.insert(0, self.text)
+            self.text = "".join(parts)
+            parts.clear()
 
     def trim(self, keep: int) -> None:
         """Forget text before absolute offset `keep`, once that is at least `TRIM_MIN`

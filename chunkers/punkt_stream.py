@@ -289,7 +289,11 @@ class PunktCutter:
                 k = n if m is None else m.start() + base
                 c1 = self._pc + 1
                 if k == lb:  # no closers: the cut is right after the candidate
-                    self._trail(c1, c1)
+                    if k < n and not t[k - base].isspace():
+                        self.cuts.append(c1)  # text follows: the usual case, committed now
+                        self._phase = _SCAN
+                    else:
+                        self._trail(c1, c1)
                 elif k < n and _RE_WS.match(t, k - base):
                     self._trail(k, k)
                 elif k < n and t[k - base] == "-" and (k + 1 < n or not final):
