@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 
@@ -250,20 +250,29 @@ def inband_error(name: str, err: Any) -> GenerationError:
     return GenerationError(f"replica {name}: {message}", error_type="generation_error", code=502)
 
 
-class NativeStream(EngineStream):
-    def __init__(
-        self,
-        client: NativeClient,
-        body: dict[str, Any],
-        stall_timeout_s: float,
-    ) -> None:
-        self._client = client
-        self._body = body
+class HttpLineStream(EngineStream):
+    """What both streaming HTTP protocols (native NDJSON, OpenAI SSE) share: the request, the
+    stall timeout, transport failures as migratable errors, and the rule that nothing but the
+    end of the body may follow the end marker. Subclasses parse their own items."""
+
+    unit = "item"  # what the protocol calls one streamed message, for error messages
+    end_marker = "complete_final"
+
+    def __init__(self, client: ReplicaClient, stall_timeout_s: float) -> None:
+        self._client: Any = client
         self._stall = stall_timeout_s
         self._resp: aiohttp.ClientResponse | None = None
         self._reader: LineReader | None = None
         self._finished = False  # a finish_reason was seen
         self._done = False
+
+    async def _request(self) -> tuple[str, dict[str, Any]]:
+        """The path and JSON body of the request."""
+        raise NotImplementedError
+
+    async def _next_item(self) -> EngineItem:
+        """The next item; raises StopAsyncIteration after the end marker."""
+        raise NotImplementedError
 
     async def __anext__(self) -> EngineItem:
         if self._done:
@@ -272,26 +281,7 @@ class NativeStream(EngineStream):
         try:
             if self._reader is None:
                 await self._connect()
-            assert self._reader is not None
-            grace = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
-            line = await self._reader.readline(grace)
-            if line is None:
-                raise unavailable(f"replica {name}: stream ended without complete_final")
-            item = self._parse(line)
-            if item is None:  # complete_final: only the end of the body may follow
-                extra = await self._reader.readline(min(self._stall, FINAL_GRACE_S))
-                if extra is not None:
-                    raise unavailable(f"replica {name}: data after complete_final")
-                self._done = True
-                assert self._resp is not None
-                self._resp.release()
-                self._reader.close()
-                raise StopAsyncIteration
-            if self._finished:
-                raise unavailable(f"replica {name}: data after the final item")
-            if item.finish_reason is not None:
-                self._finished = True
-            return item
+            return await self._next_item()
         except StopAsyncIteration:
             raise
         except GenerationError:
@@ -300,9 +290,9 @@ class NativeStream(EngineStream):
         except TimeoutError:
             self.close()
             raise unavailable(
-                f"replica {name}: no item for {self._stall:g} s (stalled)"
+                f"replica {name}: no {self.unit} for {self._stall:g} s (stalled)"
                 if not self._finished
-                else f"replica {name}: no complete_final after the final item"
+                else f"replica {name}: no {self.end_marker} after the final {self.unit}"
             ) from None
         except (aiohttp.ClientError, OSError) as exc:
             self.close()
@@ -313,16 +303,59 @@ class NativeStream(EngineStream):
 
     async def _connect(self) -> None:
         c = self._client
+        path, body = await self._request()
         async with asyncio.timeout(self._stall):
-            resp = await c.session.post(
-                c.url + "/v1/generate", json=self._body, ssl=c.ssl, headers=c.headers
-            )
+            resp = await c.session.post(c.url + path, json=body, ssl=c.ssl, headers=c.headers)
         self._resp = resp
         if resp.status != 200:
             async with asyncio.timeout(FINAL_GRACE_S):
                 raw = await resp.content.read(4096)
             raise http_error(c.name, resp.status, raw)
         self._reader = LineReader(resp.content)
+
+    async def _end_of_body(self, *, blank_ok: bool = False) -> NoReturn:
+        """After the end marker: the body must end (a blank line allowed where the framing
+        uses them); then the stream is done."""
+        assert self._reader is not None and self._resp is not None
+        rest = await self._reader.readline(min(self._stall, FINAL_GRACE_S))
+        if rest is not None and not (blank_ok and rest == b""):
+            raise unavailable(f"replica {self._client.name}: data after {self.end_marker}")
+        self._done = True
+        self._resp.release()
+        self._reader.close()
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        self._done = True
+        if self._reader is not None:
+            self._reader.close()
+        if self._resp is not None and not self._resp.closed:
+            self._resp.close()
+
+
+class NativeStream(HttpLineStream):
+    def __init__(self, client: NativeClient, body: dict[str, Any], stall_timeout_s: float) -> None:
+        super().__init__(client, stall_timeout_s)
+        self._body = body
+
+    async def _request(self) -> tuple[str, dict[str, Any]]:
+        return "/v1/generate", self._body
+
+    async def _next_item(self) -> EngineItem:
+        assert self._reader is not None
+        name = self._client.name
+        grace = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
+        line = await self._reader.readline(grace)
+        if line is None:
+            raise unavailable(f"replica {name}: stream ended without complete_final")
+        item = self._parse(line)
+        if item is None:  # complete_final: only the end of the body may follow
+            await self._end_of_body()
+        if self._finished:
+            raise unavailable(f"replica {name}: data after the final item")
+        if item.finish_reason is not None:
+            self._finished = True
+        return item
 
     def _parse(self, line: bytes) -> EngineItem | None:
         """An item, or None for the end marker."""
@@ -344,13 +377,6 @@ class NativeStream(EngineStream):
         if obj.get("complete_final") is True:
             raise unavailable(f"replica {name} sent data in its complete_final item")
         return parse_data(name, obj["data"])
-
-    def close(self) -> None:
-        self._done = True
-        if self._reader is not None:
-            self._reader.close()
-        if self._resp is not None and not self._resp.closed:
-            self._resp.close()
 
 
 class NativeClient(ReplicaClient):

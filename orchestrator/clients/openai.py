@@ -13,7 +13,6 @@ strings only in newly generated text.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import ssl
@@ -25,13 +24,19 @@ import aiohttp
 from .generation import (
     Continuation,
     EngineItem,
-    EngineStream,
     GenerationError,
     GenerationRequest,
     ReplicaClient,
     unavailable,
 )
-from .native import FINAL_GRACE_S, LineReader, _int_list, error_message, http_error, transport_error
+from .native import (
+    FINAL_GRACE_S,
+    HttpLineStream,
+    _int_list,
+    error_message,
+    http_error,
+    transport_error,
+)
 
 log = logging.getLogger("guardstream.openai")
 _DEADLINE = "\x00deadline"  # sentinel: max_time ran out while waiting
@@ -81,7 +86,10 @@ def completions_body(
     return body
 
 
-class OpenAIStream(EngineStream):
+class OpenAIStream(HttpLineStream):
+    unit = "event"
+    end_marker = "[DONE]"
+
     def __init__(
         self,
         client: OpenAIClient,
@@ -90,91 +98,46 @@ class OpenAIStream(EngineStream):
         stall_timeout_s: float,
         max_time: float,
     ) -> None:
-        self._client = client
-        self._request = request
+        super().__init__(client, stall_timeout_s)
+        self._request_ = request
         self._continuation = continuation
-        self._stall = stall_timeout_s
         self._deadline = time.monotonic() + max_time if max_time > 0 else None
-        self._resp: aiohttp.ClientResponse | None = None
-        self._reader: LineReader | None = None
-        self._finished = False
-        self._done = False
         self._data: list[str] = []  # data lines of the SSE event being read
 
-    async def __anext__(self) -> EngineItem:
-        if self._done:
-            raise StopAsyncIteration
+    async def _next_item(self) -> EngineItem:
         name = self._client.name
-        try:
-            if self._reader is None:
-                await self._connect()
-            while True:
-                if self._deadline_passed():
-                    # the server has no time budget of its own: max_time is enforced here
-                    self.close()
-                    return EngineItem(token_ids=(), text="", finish_reason="TIME_LIMIT")
-                payload = await self._next_event()
-                if payload is _DEADLINE:
-                    continue
-                if payload is None:
-                    raise unavailable(f"replica {name}: stream ended without [DONE]")
-                if payload == "[DONE]":
-                    if not self._finished:
-                        raise unavailable(f"replica {name}: [DONE] without a finish_reason")
-                    assert self._reader is not None
-                    rest = await self._reader.readline(min(self._stall, FINAL_GRACE_S))
-                    if rest not in (None, b""):
-                        raise unavailable(f"replica {name}: data after [DONE]")
-                    self._done = True
-                    assert self._resp is not None
-                    self._resp.release()
-                    self._reader.close()
-                    raise StopAsyncIteration
-                item = self._parse(payload)
-                if item is not None:
-                    return item
-        except StopAsyncIteration:
-            raise
-        except GenerationError:
-            self.close()
-            raise
-        except TimeoutError:
-            self.close()
-            raise unavailable(
-                f"replica {name}: no event for {self._stall:g} s (stalled)"
-                if not self._finished
-                else f"replica {name}: no [DONE] after the final event"
-            ) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            self.close()
-            raise transport_error(name, exc) from None
-        except BaseException:
-            self.close()
-            raise
+        while True:
+            if self._deadline_passed():
+                # the server has no time budget of its own: max_time is enforced here
+                self.close()
+                return EngineItem(token_ids=(), text="", finish_reason="TIME_LIMIT")
+            payload = await self._next_event()
+            if payload is _DEADLINE:
+                continue
+            if payload is None:
+                raise unavailable(f"replica {name}: stream ended without [DONE]")
+            if payload == "[DONE]":
+                if not self._finished:
+                    raise unavailable(f"replica {name}: [DONE] without a finish_reason")
+                await self._end_of_body(blank_ok=True)
+            item = self._parse(payload)
+            if item is not None:
+                return item
 
-    async def _connect(self) -> None:
+    async def _request(self) -> tuple[str, dict[str, Any]]:
         c = self._client
         cont = self._continuation
+        request = self._request_
         if cont is not None:
             prompt: str | list[int] = [*cont.prompt_token_ids, *cont.token_ids]
             delivered = len(cont.token_ids)
-        elif self._request.chat:
+        elif request.chat:
             # completions take no messages: the server's chat template is applied by /tokenize
-            prompt = await c.tokenize_ids(self._request.prompt, True)
+            prompt = await c.tokenize_ids(request.prompt, True)
             delivered = 0
         else:
-            prompt, delivered = self._request.prompt, 0
-        body = completions_body(c.model, self._request, prompt, delivered)
-        async with asyncio.timeout(self._stall):
-            resp = await c.session.post(
-                c.url + "/v1/completions", json=body, ssl=c.ssl, headers=c.headers
-            )
-        self._resp = resp
-        if resp.status != 200:
-            async with asyncio.timeout(FINAL_GRACE_S):
-                raw = await resp.content.read(4096)
-            raise http_error(c.name, resp.status, raw)
-        self._reader = LineReader(resp.content)
+            prompt, delivered = request.prompt, 0
+        return "/v1/completions", completions_body(c.model, request, prompt, delivered)
 
     def _deadline_passed(self) -> bool:
         return (
@@ -259,13 +222,6 @@ class OpenAIStream(EngineStream):
             prompt_token_ids=prompt_ids,
             input_token_count=len(prompt_ids) if prompt_ids is not None else None,
         )
-
-    def close(self) -> None:
-        self._done = True
-        if self._reader is not None:
-            self._reader.close()
-        if self._resp is not None and not self._resp.closed:
-            self._resp.close()
 
 
 class OpenAIClient(ReplicaClient):
