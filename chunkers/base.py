@@ -140,11 +140,15 @@ class Emitter:
 
     def emit(self, final: bool) -> list[Span]:
         buf = self._buf
-        text, base, n = buf.text, buf.base, buf.n
+        n = buf.n
         cuts = self._stage.cuts
         mx = self._max
         a = self.a
         out: list[Span] = []
+        if not cuts and not final and n <= a + mx:  # the usual wake-up: nothing to emit
+            self.wake_len = a + mx + 1 if mx != INF and self._stage.frontier() >= n else INF
+            return out
+        text, base = buf.text, buf.base
         while True:
             if cuts:
                 b = cuts[0]

@@ -7,9 +7,7 @@ from collections import deque
 
 from .base import INF, Emitter, Pipeline, Span, TextBuffer
 
-# A whitespace run containing a line break (leftmost-longest from a non-space position, so
-# it is the whole run).
-_RE_BREAK_RUN = re.compile(r"\s*[\r\n]\s*")
+_RE_SPACES = re.compile(r"\s*")
 _RE_LINE_BREAK = re.compile(r"\r\n|\r|\n")
 _RE_LINE = re.compile(r"[\r\n]")
 _RE_LINE_OR_NONSPACE = re.compile(r"[\r\n]|\S")
@@ -51,21 +49,23 @@ class ParagraphCutter:
         buf = self._buf
         t, base, n = buf.text, buf.base, buf.n
         while True:
-            m = _RE_BREAK_RUN.search(t, self._pos - base)
+            lo = self._pos - base
+            m = _RE_LINE.search(t, lo)
             if m is None:
                 # Stop before a trailing whitespace run: it may still grow a line break.
-                end = n
-                while end > self._pos and t[end - 1 - base].isspace():
-                    end -= 1
-                self._pos = end
+                self._pos += len(t[lo:].rstrip())
                 break
-            s, e = m.start() + base, m.end() + base
+            # The whitespace run around this line break (found from the break, not with one
+            # regex, which would backtrack quadratically over a long run of spaces).
+            s = self._pos + len(t[lo : m.start()].rstrip())
+            e = _RE_SPACES.match(t, m.start()).end() + base
+            run = t[s - base : e - base]
             if e == n and not final:  # the run may go on
                 self._pos = s
-                many = len(_RE_LINE_BREAK.findall(m.group())) >= 2
+                many = len(_RE_LINE_BREAK.findall(run)) >= 2
                 self.wake_rx = _RE_NONSPACE if many else _RE_LINE_OR_NONSPACE
                 return
-            if 0 < s and e < n and len(_RE_LINE_BREAK.findall(m.group())) >= 2:
+            if 0 < s and e < n and len(_RE_LINE_BREAK.findall(run)) >= 2:
                 self.cuts.append(s)
             self._pos = e
         if final:

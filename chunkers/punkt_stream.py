@@ -87,7 +87,13 @@ _RE_MAYBE_CANDIDATE = re.compile(r"[.?!](?:\s|\Z|" + _NONWORD + ")")
 # ...and it is worth waking up only once one of them can be decided: a non-word character
 # follows, or whitespace and a whole token (Punkt looks at the token after the period).
 _RE_DECIDABLE = re.compile(r"[.?!](?:\s+\S+\s|" + _NONWORD + ")")
-_LAZY_MAX = 64  # pending text beyond which `ready` stops deferring (keeps it O(delta))
+_LAZY_MAX = 64
+#: NLTK's "previous word" runs back to the last ASCII whitespace before a candidate (or before
+#: the chain of candidates with no ASCII whitespace between them). Only text without any ASCII
+#: whitespace makes that long, and following it would mean keeping all such text; beyond this
+#: many characters the context starts after the first other whitespace in the last
+#: MAX_CONTEXT characters (or exactly MAX_CONTEXT back). A deliberate, documented deviation.
+MAX_CONTEXT = 1000  # pending text beyond which `ready` stops deferring (keeps it O(delta))
 _RE_ANY = re.compile(r"(?s).")
 _ASCII_WS = " \n\t\r\x0b\x0c"
 
@@ -193,15 +199,17 @@ class PunktCutter:
 
         Once such a space `q` exists, the previous candidate no longer matters: `_found` gives
         the same answer with NLTK's `previous_slice` replaced by (q + 1, q), so the chain is
-        moved there and only text from `q` on is needed."""
+        moved there and only text from `q` on is needed. Without one, text more than
+        MAX_CONTEXT before a candidate is never read (and had no ASCII space to find)."""
         if self._phase == _SCAN:
             base = self._buf.base
-            j = _last_ascii_space(self._buf.text, self._ce - base, self._pos - base)
+            j = _last_ascii_space(self._buf.text, max(self._ce, base) - base, self._pos - base)
             q = j + base if j >= 0 else -1
             if q > self._ce:
                 self._cs, self._ce = q + 1, q
                 return q
-        return self._cs
+            return max(self._cs, self._pos - MAX_CONTEXT)
+        return max(self._cs, self._pc - MAX_CONTEXT)
 
     def advance(self, final: bool) -> None:
         # Outside _SCAN a wake-up is only useful once the awaited character arrived: skipping
@@ -273,7 +281,11 @@ class PunktCutter:
                     else:
                         self.wake_rx = _RE_WS
                         return
-                if self._brk(t[self._cs - base : after_end - base]):
+                start = self._cs
+                if c - start > MAX_CONTEXT:  # see MAX_CONTEXT
+                    m = _RE_WS.search(t, c - MAX_CONTEXT - base, c - base)
+                    start = c - MAX_CONTEXT if m is None else m.end() + base
+                if self._brk(t[start - base : after_end - base]):
                     self._lb = self._ptok if self._ptok >= 0 else c + 1
                     self._phase = _REALIGN
                 else:
@@ -343,7 +355,7 @@ class PunktCutter:
     def _found(self, t: str, base: int, i: int, tok: int) -> None:
         """A candidate at `i`: its previous word per NLTK (after the last ASCII whitespace since
         the previous candidate, else the previous candidate's own start)."""
-        j = _last_ascii_space(t, self._ce - base, i - base)
+        j = _last_ascii_space(t, max(self._ce, base) - base, i - base)
         q = j + base if j >= 0 else -1
         self._cs = q + 1 if q > self._ce else self._cs
         self._ce = i

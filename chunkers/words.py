@@ -65,7 +65,7 @@ class WordCutter:
         return min(own, upc[0] if upc else self._up.frontier())
 
     def keep_from(self) -> int:
-        return self._a
+        return self._pos  # nothing before the scan position is read again
 
     def advance(self, final: bool) -> None:
         buf = self._buf

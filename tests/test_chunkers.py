@@ -1,0 +1,327 @@
+"""Chunkers: spans cover the text, incremental == batch for any split into deltas, settings
+validation, and the paragraph / words / whole_doc semantics (sentence specifics are in
+test_chunkers_sentence.py)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import chunkers
+from chunkers import Span, base
+from chunkers.punkt_stream import TOKENIZER
+
+# Pieces that exercise every rule: sentence punctuation and abbreviations, quotes and brackets
+# (Punkt's realignment), line breaks of every kind, exotic whitespace (NBSP, ideographic space,
+# U+001C which NLTK's regex engine does not count as whitespace but str.isspace does),
+# multi-code-point emoji, CJK and right-to-left text.
+ATOMS = [
+    "Hello", "there", "the", "cat", "Dr.", "Mr.", "e.g.", "U.S.", "p.m.", "3.14", "He", "It",
+    "However", "I", "J.", "and", "Stop.", "St.", "vs.", "No.",
+    ".", ". ", "? ", "! ", "...", "!", "?", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\r",
+    " \n \n ", "\u00a0", "\u3000", "\x1c", '"', "'", "(", ")", "[", "]", "{", "}", "\u201c",
+    "\u201d", "\u2019", "\xab", "\xbb", "--", "-", ",", ";", ":",
+    "👩‍👩‍👧", "🇫🇷", "你好。世界！", "שלום. مرحبا.", "x = a.b(c); y.z()", "1. First\n2. Second",
+]  # fmt: skip
+
+texts = st.lists(
+    st.one_of(st.sampled_from(ATOMS), st.text(max_size=3)), max_size=40
+).map("".join)
+
+
+@st.composite
+def text_and_deltas(draw: st.DrawFn) -> tuple[str, list[str]]:
+    """A text and a split of it at arbitrary code points (inside words and emoji sequences,
+    between \\r and \\n), with empty deltas allowed."""
+    text = draw(texts)
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=15)))
+    bounds = [0, *cuts, len(text)]
+    return text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+CONFIGS: list[dict[str, Any]] = [
+    {"type": "sentence"},
+    {"type": "sentence", "max_chars": 7},
+    {"type": "sentence", "max_chars": 1},
+    {"type": "paragraph"},
+    {"type": "words", "max_words": 1},
+    {"type": "words", "max_words": 3, "max_chars": 10},
+    {"type": "whole_doc"},
+]
+IDS = [",".join(f"{v}" for v in c.values()) for c in CONFIGS]
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def feed_all(chunker: chunkers.Chunker, deltas: list[str]) -> list[Span]:
+    state = chunker.incremental()
+    spans: list[Span] = []
+    for delta in deltas:
+        spans += state.feed(delta)
+    return spans + state.flush()
+
+
+@contextmanager
+def trim_min(value: int) -> Iterator[None]:
+    """Make buffers drop consumed text as early as possible, to exercise every offset shift."""
+    old = base.TRIM_MIN
+    base.TRIM_MIN = value
+    try:
+        yield
+    finally:
+        base.TRIM_MIN = old
+
+
+def assert_covers(text: str, spans: list[Span]) -> None:
+    assert "".join(s.text for s in spans) == text
+    pos = 0
+    for s in spans:
+        assert s.start == pos < s.end
+        assert s.text == text[s.start : s.end]
+        pos = s.end
+    assert pos == len(text)
+
+
+# -- properties of every chunker -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@FAST
+@given(text=texts)
+def test_spans_are_contiguous_and_cover_the_text(config: dict[str, Any], text: str) -> None:
+    assert_covers(text, chunkers.build(config).chunk(text))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@FAST
+@given(case=text_and_deltas())
+def test_incremental_equals_batch_for_any_split(
+    config: dict[str, Any], case: tuple[str, list[str]]
+) -> None:
+    text, deltas = case
+    chunker = chunkers.build(config)
+    expected = chunker.chunk(text)
+    assert feed_all(chunker, deltas) == expected
+    with trim_min(1):
+        assert feed_all(chunker, deltas) == expected
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@settings(max_examples=8, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from([*ATOMS, "x" * 300, "\u00a0y." * 40]), max_size=120),
+    step=st.integers(1, 9),
+)
+def test_incremental_equals_batch_on_long_text(
+    config: dict[str, Any], pieces: list[str], step: int
+) -> None:
+    """Texts of a few thousand characters, so buffers are trimmed many times over."""
+    text = "".join(pieces)
+    chunker = chunkers.build(config)
+    deltas = [text[i : i + step] for i in range(0, len(text), step)]
+    with trim_min(1):
+        assert feed_all(chunker, deltas) == chunker.chunk(text)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_empty_and_whitespace_only_text(config: dict[str, Any]) -> None:
+    """Empty text: no chunk. Whitespace only: one chunk, the whitespace (when it fits)."""
+    chunker = chunkers.build(config)
+    assert chunker.chunk("") == []
+    assert feed_all(chunker, ["", ""]) == []
+    if config.get("max_chars", 2000) >= 4:
+        assert chunker.chunk(" \n\n ") == [Span(0, 4, " \n\n ")]
+    else:  # the safety cut applies to whitespace too
+        assert [s.text for s in chunker.chunk(" \n\n ")] == [" ", "\n", "\n", " "]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_states_are_independent_and_chunkers_reusable(config: dict[str, Any]) -> None:
+    chunker = chunkers.build(config)
+    a_text = "Hello there. How are you?\n\nFine, thanks. And you? Good."
+    b_text = "Dr. Smith went home. He was tired.\n\nThe U.S. is large."
+    a, b = chunker.incremental(), chunker.incremental()
+    got_a: list[Span] = []
+    got_b: list[Span] = []
+    for i in range(0, max(len(a_text), len(b_text)), 3):
+        got_a += a.feed(a_text[i : i + 3])
+        got_b += b.feed(b_text[i : i + 3])
+    got_a += a.flush()
+    got_b += b.flush()
+    assert got_a == chunker.chunk(a_text)
+    assert got_b == chunker.chunk(b_text)
+    assert chunker.chunk(a_text) == chunkers.build(config).chunk(a_text)
+
+
+def test_state_lifecycle() -> None:
+    state = chunkers.build({"type": "sentence"}).incremental()
+    assert state.feed("One. Two") == []
+    assert [s.text for s in state.flush()] == ["One.", " Two"]
+    assert state.flush() == []
+    with pytest.raises(RuntimeError):
+        state.feed("more")
+    whole = chunkers.build({"type": "whole_doc"}).incremental()
+    whole.flush()
+    with pytest.raises(RuntimeError):
+        whole.feed("more")
+
+
+def test_span_is_a_frozen_slotted_value() -> None:
+    span = Span(0, 2, "hi")
+    assert span == Span(0, 2, "hi")
+    assert not hasattr(span, "__dict__")
+    with pytest.raises(AttributeError):
+        span.start = 1  # type: ignore[misc]
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"type": "foo"}, "type: unknown chunker type 'foo' (expected one of: paragraph, "
+                          "sentence, whole_doc, words)"),
+        ({}, "type: field required"),
+        ({"max_words": 3}, "type: field required"),
+        ({"type": "words", "max_words": 0}, "max_words: must be >= 1"),
+        ({"type": "words", "colour": "red"}, "colour: unknown field"),
+        ({"type": "paragraph", "max_chars": 5}, "max_chars: unknown field"),
+        ({"type": "words", "max_words": "x"}, "max_words: must be an integer, got 'x'"),
+        ({"type": "words", "max_words": True}, "max_words: must be an integer, got True"),
+        ({"type": "words", "max_words": 2.5}, "max_words: must be an integer, got 2.5"),
+        ({"type": "sentence", "max_chars": 0}, "max_chars: must be >= 1"),
+        ({"type": "sentence", "language": "french"},
+         "language: must be one of: 'english', got 'french'"),
+    ],
+)  # fmt: skip
+def test_invalid_settings_name_the_field(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        chunkers.build(config)
+    assert str(info.value) == message
+    assert "\n" not in str(info.value)
+
+
+def test_valid_settings_and_defaults() -> None:
+    sentence = chunkers.build({"type": "sentence", "language": "english"})
+    assert isinstance(sentence, chunkers.SentenceChunker) and sentence.max_chars == 2000
+    words = chunkers.build({"type": "words"})
+    assert isinstance(words, chunkers.WordsChunker)
+    assert (words.max_words, words.max_chars) == (50, 2000)
+    assert isinstance(chunkers.build({"type": "paragraph"}), chunkers.ParagraphChunker)
+    assert isinstance(chunkers.build({"type": "whole_doc"}), chunkers.WholeDocChunker)
+    with pytest.raises(ValueError, match="must be a mapping"):
+        chunkers.build(["sentence"])  # type: ignore[arg-type]
+
+
+# -- paragraph -----------------------------------------------------------------------------
+
+
+def paragraph_reference(text: str) -> list[str]:
+    """Split before each whitespace run holding two or more line breaks (not at the ends)."""
+    cuts = [
+        m.start()
+        for m in re.finditer(r"\s+", text)
+        if len(re.findall(r"\r\n|\r|\n", m.group())) >= 2 and 0 < m.start() and m.end() < len(text)
+    ]
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+@FAST
+@given(text=texts)
+def test_paragraph_matches_reference(text: str) -> None:
+    assert [s.text for s in chunkers.build({"type": "paragraph"}).chunk(text)] == (
+        paragraph_reference(text)
+    )
+
+
+def test_paragraph_examples() -> None:
+    chunker = chunkers.build({"type": "paragraph"})
+    text = "\n\nOne line\nstill one.  \n \t\n  Two\r\n\r\nThree\r\rFour\n\n"
+    assert [s.text for s in chunker.chunk(text)] == [
+        "\n\nOne line\nstill one.",
+        "  \n \t\n  Two",
+        "\r\n\r\nThree",
+        "\r\rFour\n\n",
+    ]
+    # \r\n is one line break, even split across deltas
+    assert [s.text for s in feed_all(chunker, ["a\r", "\nb"])] == ["a\r\nb"]
+    assert [s.text for s in feed_all(chunker, ["a\r", "\n\r", "\nb"])] == ["a", "\r\n\r\nb"]
+
+
+def test_paragraph_emitted_when_the_next_one_starts() -> None:
+    state = chunkers.build({"type": "paragraph"}).incremental()
+    assert state.feed("First.\n") == []
+    assert state.feed("\n  ") == []  # the blank-line run could still end the text
+    assert state.feed("S") == [Span(0, 6, "First.")]
+    assert state.flush() == [Span(6, 11, "\n\n  S")]
+
+
+# -- words ---------------------------------------------------------------------------------
+
+
+def punkt_cuts(text: str) -> list[int]:
+    """Sentence ends as NLTK's span_tokenize reports them, but the last."""
+    end = len(text.rstrip())
+    return [e for _, e in TOKENIZER.span_tokenize(text) if e < end]
+
+
+def words_reference(text: str, max_words: int) -> list[str]:
+    cuts: list[int] = []
+    start = 0
+    for end in [*punkt_cuts(text), len(text)]:
+        words = list(re.finditer(r"\S+", text[start:end]))
+        cuts += [start + words[k - 1].end() for k in range(max_words, len(words), max_words)]
+        cuts.append(end)
+        start = end
+    bounds = [0, *cuts]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+@FAST
+@given(text=texts, max_words=st.integers(1, 5))
+def test_words_match_reference(text: str, max_words: int) -> None:
+    chunker = chunkers.build({"type": "words", "max_words": max_words})
+    assert [s.text for s in chunker.chunk(text)] == words_reference(text, max_words)
+
+
+def test_words_examples() -> None:
+    chunker = chunkers.build({"type": "words", "max_words": 3})
+    text = "  one two three four five. Six seven\n eight nine ten eleven  "
+    assert [s.text for s in chunker.chunk(text)] == [
+        "  one two three",
+        " four five.",
+        " Six seven\n eight",
+        " nine ten eleven  ",
+    ]
+    small = chunkers.build({"type": "words", "max_words": 2, "max_chars": 5})
+    assert [s.text for s in small.chunk("abcdefgh ij")] == ["abcde", "fgh", " ij"]
+
+
+def test_words_window_emitted_when_the_next_word_starts() -> None:
+    state = chunkers.build({"type": "words", "max_words": 2}).incremental()
+    assert state.feed("one two") == []
+    assert state.feed(" ") == []
+    assert state.feed("t") == [Span(0, 7, "one two")]
+    assert state.feed("hree. Four") == []
+    assert state.feed(" ") == [Span(7, 14, " three.")]
+    assert state.flush() == [Span(14, 20, " Four ")]
+
+
+# -- whole_doc -----------------------------------------------------------------------------
+
+
+def test_whole_doc_only_at_flush() -> None:
+    chunker = chunkers.build({"type": "whole_doc"})
+    state = chunker.incremental()
+    assert state.feed("Hello. ") == []
+    assert state.feed("World.\n\n") == []
+    assert state.flush() == [Span(0, 15, "Hello. World.\n\n")]
+    assert chunker.chunk("abc") == [Span(0, 3, "abc")]
+    assert chunker.chunk("") == []
