@@ -85,9 +85,10 @@ class CutStage(Protocol):
     `frontier()` is a position F such that every cut below F is already known (INF at the end).
 
     Wake-up contract, which keeps a feed that cannot change anything down to a few checks: the
-    pipeline calls `advance` only once a delta matched `wake_rx` and `ready` agreed (then `dirty`
-    is set), or the stream reached `wake_len` characters, or some other stage woke. Both are hints: a stage must
-    give the same cuts whenever it is advanced, only possibly later."""
+    pipeline calls `advance` only once a delta matched the first stage's `wake_rx` and its
+    `ready` agreed (then `dirty` is set), or the stream reached some stage's `wake_len`
+    characters. These only decide *when* work happens: a stage must commit the same cuts
+    whenever it is advanced, so a late wake-up delays chunks but never changes them."""
 
     cuts: deque[int]
     dirty: bool
@@ -146,7 +147,7 @@ class Emitter:
         a = self.a
         out: list[Span] = []
         if not cuts and not final and n <= a + mx:  # the usual wake-up: nothing to emit
-            self.wake_len = a + mx + 1 if mx != INF and self._stage.frontier() >= n else INF
+            self.wake_len = a + mx + 1 if mx != INF else INF  # checked when reached (below)
             return out
         text, base = buf.text, buf.base
         while True:
@@ -207,18 +208,22 @@ class Pipeline:
             source.dirty = True
         elif n < self._wake_len:
             return []
-        buf.sync()
-        wake_len = INF
-        for stage in self._stages:
+        parts.insert(0, buf.text)  # buf.sync(), inlined: this runs on every wake-up
+        text = buf.text = "".join(parts)
+        parts.clear()
+        stages = self._stages
+        for stage in stages:
             stage.advance(False)
-            if stage.wake_len < wake_len:
-                wake_len = stage.wake_len
         emitter = self._emitter
         out = emitter.emit(False)
-        self._wake_len = min(wake_len, emitter.wake_len)
-        if len(buf.text) >= 2 * TRIM_MIN:
+        wake_len = emitter.wake_len
+        for stage in stages:
+            if stage.wake_len < wake_len:
+                wake_len = stage.wake_len
+        self._wake_len = wake_len
+        if len(text) >= 2 * TRIM_MIN:
             keep = emitter.a
-            for stage in self._stages:
+            for stage in stages:
                 keep = min(keep, stage.keep_from())
             buf.trim(keep)
         return out

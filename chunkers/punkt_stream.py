@@ -18,13 +18,15 @@ closers. The cutter commits a cut only once those facts are present in the strea
 stream), so no continuation can change it; until then it reports a frontier (the position below
 which all cuts are known) so that the safety cut and the word windows can still proceed.
 
-The hypothesis tests check the cuts against `span_tokenize` on random text.
+The hypothesis tests check the cuts against `span_tokenize` on random text. One deliberate
+deviation keeps the cutter local: NLTK's "previous word" reaches back to the last ASCII
+whitespace, which in text without any (CJK, NBSP-separated words) can be arbitrarily far; the
+cutter caps that context at MAX_CONTEXT characters. Batch and incremental forms share the cap.
 
 Cost: O(1) regex searches per candidate plus one `text_contains_sentbreak` call per decided
 candidate, the same work as NLTK's batch call. Memory: the text from the start of the current
-candidate's context, normally a word or two; NLTK's context is unbounded only for a text with no
-ASCII whitespace at all (where its "previous word" reaches back to the last such character), and
-the cutter follows it there.
+candidate's context (normally a word or two, at most MAX_CONTEXT characters) plus the token after
+it, which Punkt needs whole.
 """
 
 from __future__ import annotations

@@ -21,14 +21,16 @@ class WordCutter:
 
     Incrementally the scan is resumable (each character is looked at once), and a window is
     committed when the word after it has started and the upstream frontier shows no sentence
-    end before it: nothing later can move the cut."""
+    end before it: nothing later can move the cut. The scan runs only when a sentence cut
+    arrived, the sentence frontier moved, or enough text arrived to finish a window (two
+    characters per missing word), which keeps the per-delta cost low."""
 
     __slots__ = (
-        "_a",
         "_buf",
         "_count",
         "_e",
         "_final",
+        "_held_at",
         "_in_word",
         "_max_words",
         "_pos",
@@ -46,11 +48,11 @@ class WordCutter:
         self.cuts: deque[int] = deque()
         self.dirty = False
         self._final = False
-        self._a = 0  # start of the current window
-        self._count = 0  # complete words in [a, pos)
+        self._count = 0  # complete words in the current window, before pos
         self._pos = 0  # scanned up to here
         self._in_word = False  # the character before pos is part of an unfinished word
         self._e = -1  # end of the max_words-th word, once known
+        self._held_at = -1  # the sentence frontier that stopped the scan, if one did
         self.wake_rx: re.Pattern[str] | None = None
         self.wake_len = 0
 
@@ -62,7 +64,8 @@ class WordCutter:
             return INF
         own = self._e if self._e >= 0 else self._pos
         upc = self._up.cuts
-        return min(own, upc[0] if upc else self._up.frontier())
+        up = upc[0] if upc else self._up.frontier()
+        return own if own < up else up
 
     def keep_from(self) -> int:
         return self._pos  # nothing before the scan position is read again
@@ -72,6 +75,12 @@ class WordCutter:
         t, base, n = buf.text, buf.base, buf.n
         up = self._up
         upc = up.cuts
+        if not (final or upc):  # skip wake-ups that cannot move a window (most of them)
+            if self._held_at >= 0:
+                if up.frontier() == self._held_at:
+                    return
+            elif n < self.wake_len:
+                return
         max_words = self._max_words
         # Hot path on every wake-up: state in locals, written back on exit.
         count, pos, in_word, e = self._count, self._pos, self._in_word, self._e
@@ -94,6 +103,14 @@ class WordCutter:
                         lo = m.start()
                         in_word = False
                         count += 1
+                if not in_word and count < max_words and lo < hi:
+                    # Count in C first; walk word by word only where a window ends.
+                    touches = not t[hi - 1].isspace()  # the last word may go on
+                    done = len(_RE_WORD.findall(t, lo, hi)) - touches
+                    if count + done < max_words:
+                        count += done
+                        in_word = touches
+                        lo = hi
                 if not in_word and count < max_words:
                     for m in _RE_WORD.finditer(t, lo, hi):
                         if m.end() == hi:  # reaches the limit: maybe unfinished
@@ -113,13 +130,15 @@ class WordCutter:
                 self.cuts.append(b)
                 while upc and upc[0] <= b:
                     upc.popleft()
-                self._a = pos = b
+                pos = b
                 count, in_word, e = 0, False, -1
                 continue
             pos = limit
+            self._held_at = -1
             if final:
                 self._final = True
-            elif limit < n:  # held back by the sentence stage, which wakes us when it moves
+            elif limit < n:  # held back by the sentence stage: run again once it moves
+                self._held_at = limit
                 self.wake_len = INF
             else:
                 # Fewest characters that could complete the window and start the next word.

@@ -4,8 +4,10 @@ test_chunkers_sentence.py)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,9 +32,7 @@ ATOMS = [
     "👩‍👩‍👧", "🇫🇷", "你好。世界！", "שלום. مرحبا.", "x = a.b(c); y.z()", "1. First\n2. Second",
 ]  # fmt: skip
 
-texts = st.lists(
-    st.one_of(st.sampled_from(ATOMS), st.text(max_size=3)), max_size=40
-).map("".join)
+texts = st.lists(st.one_of(st.sampled_from(ATOMS), st.text(max_size=3)), max_size=40).map("".join)
 
 
 @st.composite
@@ -42,7 +42,7 @@ def text_and_deltas(draw: st.DrawFn) -> tuple[str, list[str]]:
     text = draw(texts)
     cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=15)))
     bounds = [0, *cuts, len(text)]
-    return text, [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return text, [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 CONFIGS: list[dict[str, Any]] = [
@@ -230,7 +230,7 @@ def paragraph_reference(text: str) -> list[str]:
         if len(re.findall(r"\r\n|\r|\n", m.group())) >= 2 and 0 < m.start() and m.end() < len(text)
     ]
     bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 @FAST
@@ -281,7 +281,7 @@ def words_reference(text: str, max_words: int) -> list[str]:
         cuts.append(end)
         start = end
     bounds = [0, *cuts]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 @FAST
@@ -325,3 +325,16 @@ def test_whole_doc_only_at_flush() -> None:
     assert state.flush() == [Span(0, 15, "Hello. World.\n\n")]
     assert chunker.chunk("abc") == [Span(0, 3, "abc")]
     assert chunker.chunk("") == []
+
+
+def test_one_chunker_shared_by_threads() -> None:
+    """Chunkers (and the Punkt tables behind them) are read-only: threads can share one."""
+    chunker = chunkers.build({"type": "words", "max_words": 4})
+    text = "Dr. Smith went home. He was tired, e.g. after 3 p.m. on most days.\n\n" * 30
+    expected = chunker.chunk(text)
+
+    def run(step: int) -> list[Span]:
+        return feed_all(chunker, [text[i : i + step] for i in range(0, len(text), step)])
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(run, [1, 2, 3, 5, 7, 11, 13, 64])) == [expected] * 8

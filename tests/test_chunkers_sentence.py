@@ -51,7 +51,7 @@ PROSE = [
     "involved in anything strange or mysterious, because they just didn't hold with such "
     "nonsense. Mr. Dursley was the director of a firm called Grunnings, which made drills.",
     "The meeting is at 3 p.m. on Jan. 5 in Washington, D.C. and Dr. Jones will attend. "
-    "She said: \"We expect a 2.5% rise.\" Nobody disagreed. Is that surprising? Not really! "
+    'She said: "We expect a 2.5% rise." Nobody disagreed. Is that surprising? Not really! '
     "The U.S. economy grew, e.g. in manufacturing, by 3.1 percent (see p. 4). Prices rose...",
     "It was late. The streets were empty.\nA dog barked somewhere far away.\n\n"
     "In the morning, everything looked different. Prof. Smith arrived early; St. Mary's bells "
