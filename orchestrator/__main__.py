@@ -7,10 +7,13 @@ import asyncio
 import logging
 import sys
 
-from .config import ConfigError, load_config
+# Imports live in the subcommands: the config pulls in NLTK (about 2 s), which the terminal
+# client does not need.
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config
+
     try:
         config = load_config(args.path)
     except ConfigError as exc:
@@ -26,6 +29,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config
     from .logs import configure_logging
     from .server import run_server
 
