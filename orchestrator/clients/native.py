@@ -119,6 +119,26 @@ class LineReader:
             self._timer = loop.call_at(self._deadline, self._on_timer)
 
 
+async def http_health(
+    session: aiohttp.ClientSession,
+    url: str,
+    ssl_context: ssl.SSLContext | bool | None,
+    headers: dict[str, str],
+    timeout_s: float,
+) -> bool:
+    """`GET /health` answers 200: what both the native engine and vLLM serve."""
+    try:
+        async with session.get(
+            url + "/health",
+            ssl=ssl_context,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return False
+
+
 def transport_error(name: str, exc: BaseException) -> GenerationError:
     """A connection-level failure: refused, reset, truncated body."""
     if isinstance(exc, aiohttp.ClientPayloadError):
@@ -433,13 +453,4 @@ class NativeClient(ReplicaClient):
             raise unavailable(f"replica {self.name}: malformed tokenize reply") from None
 
     async def health(self, timeout_s: float) -> bool:
-        try:
-            async with self.session.get(
-                self.url + "/health",
-                ssl=self.ssl,
-                headers=self.headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
+        return await http_health(self.session, self.url, self.ssl, self.headers, timeout_s)

@@ -35,6 +35,7 @@ from .native import (
     _int_list,
     error_message,
     http_error,
+    http_health,
     transport_error,
 )
 
@@ -289,13 +290,4 @@ class OpenAIClient(ReplicaClient):
         return len(await self.tokenize_ids(prompt, chat))
 
     async def health(self, timeout_s: float) -> bool:
-        try:
-            async with self.session.get(
-                self.url + "/health",
-                ssl=self.ssl,
-                headers=self.headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
+        return await http_health(self.session, self.url, self.ssl, self.headers, timeout_s)
