@@ -7,7 +7,6 @@ import asyncio
 import io
 import json
 import logging
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +19,13 @@ import pytest
 from orchestrator.app import STREAMING_PATH
 from orchestrator.logs import REQUEST_ID, JsonFormatter, make_handler
 from tests.fakes.engine import FakeEngine, Fault
-from tests.orchestrator_support import Orchestrator, generation_body, native_config, terminal
+from tests.orchestrator_support import (
+    Orchestrator,
+    generation_body,
+    native_config,
+    serve,
+    terminal,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,37 +139,20 @@ async def test_serve_writes_json_lines(tmp_path: Path) -> None:
     nothing running exits 0 at once."""
     engine = FakeEngine()
     await engine.start()
-    config = tmp_path / "config.yaml"
-    config.write_text(json.dumps(native_config(engine.url)))
-    stderr = tmp_path / "stderr.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    with stderr.open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *("-m", "orchestrator", "serve", "--config", str(config), "--port", "0"),
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-        )
     try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
-        assert line.startswith(b"guardstream listening on http://"), line
-        url = line.decode().split()[-1]
-        async with aiohttp.ClientSession() as session:
-            async with session.post(
-                url + STREAMING_PATH, json=generation_body(), headers={"x-request-id": "cli-1"}
-            ) as r:
-                assert r.status == 200
-                await r.read()
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        async with serve(tmp_path, native_config(engine.url)) as served:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(
+                    served.url + STREAMING_PATH,
+                    json=generation_body(),
+                    headers={"x-request-id": "cli-1"},
+                ) as r:
+                    assert r.status == 200
+                    await r.read()
+            served.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(served.proc.wait(), 30) == 0
+            stderr = served.stderr
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
         await engine.close()
     text = stderr.read_text()
     entries = [json.loads(line) for line in text.splitlines()]  # every line is JSON

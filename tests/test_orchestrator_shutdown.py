@@ -6,12 +6,7 @@ during the drain, and the process exits 0."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +16,13 @@ from aiohttp import web
 from orchestrator.app import STREAMING_PATH
 from tests.fakes.engine import FakeEngine, until
 from tests.orchestrator_support import (
+    Served,
     SseEvent,
     assert_contiguous,
     frames,
     generation_body,
     native_config,
+    serve,
     sse_events,
     terminal,
 )
@@ -47,56 +44,6 @@ class GatedEngine(FakeEngine):
         self.held += 1
         await self.gate.wait()
         return await super()._generate(request)
-
-
-class Served:
-    """A `serve` subprocess and the JSON log lines it wrote so far."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, url: str, stderr: Path) -> None:
-        self.proc = proc
-        self.url = url
-        self.stderr = stderr
-
-    def messages(self) -> list[str]:
-        out = []
-        for line in self.stderr.read_text().splitlines():
-            try:
-                out.append(json.loads(line)["message"])
-            except (ValueError, KeyError):
-                out.append(line)
-        return out
-
-    async def wait_logged(self, prefix: str, timeout_s: float = 20.0) -> None:
-        await until(lambda: any(m.startswith(prefix) for m in self.messages()), timeout_s, 0.02)
-
-
-@asynccontextmanager
-async def serve(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[Served]:
-    """Starts `python -m orchestrator serve` on a free port and waits for its "listening on"
-    line; the child gets this interpreter's PYTHONPATH plus the repository root."""
-    path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    stderr = tmp_path / "stderr.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    with stderr.open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *("-m", "orchestrator", "serve", "--config", str(path), "--port", "0"),
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-        )
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
-        assert line.startswith(b"guardstream listening on http://"), (line, stderr.read_text())
-        yield Served(proc, line.decode().split()[-1], stderr)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def read_stream(session: aiohttp.ClientSession, url: str, i: int) -> list[SseEvent]:
