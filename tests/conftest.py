@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
+import aiohttp
 import pytest
 
 from generation import models
@@ -28,3 +29,10 @@ def tiny_server(tiny_model: models.LoadedModel) -> Iterator[ThreadedServer]:
     """A real engine server on 127.0.0.1 for synchronous (hypothesis) tests."""
     with ThreadedServer(lambda: create_app(tiny_model)) as server:
         yield server
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session for tests that call servers directly."""
+    async with aiohttp.ClientSession() as s:
+        yield s

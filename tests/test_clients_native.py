@@ -3,8 +3,6 @@ end-of-stream contract it enforces (DESIGN section 7)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import aiohttp
 import pytest
 
@@ -19,12 +17,6 @@ from orchestrator.clients.native import NativeClient
 from tests.fakes.engine import TOKEN_BASE, FakeEngine, Fault, prompt_ids
 
 SCRIPT = ["Hello", ",", " wor", "ld", "!"]
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def engine(**kwargs: object) -> FakeEngine:

@@ -29,12 +29,6 @@ FULL = "".join(SCRIPT)
 
 
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
-@pytest.fixture
 async def servers() -> AsyncIterator[list[FakeVllm]]:
     made: list[FakeVllm] = []
     yield made

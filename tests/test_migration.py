@@ -27,12 +27,6 @@ FULL = "".join(SCRIPT)
 
 
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
-@pytest.fixture
 async def engines() -> AsyncIterator[list[FakeEngine]]:
     made: list[FakeEngine] = []
     yield made

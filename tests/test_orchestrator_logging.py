@@ -27,8 +27,6 @@ from tests.orchestrator_support import (
     terminal,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def record(msg: str, *args: object, **extra: Any) -> logging.LogRecord:
     rec = logging.LogRecord("guardstream.test", logging.WARNING, __file__, 1, msg, args, None)

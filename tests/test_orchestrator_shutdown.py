@@ -27,7 +27,6 @@ from tests.orchestrator_support import (
     terminal,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 STREAMS = 20
 
 
