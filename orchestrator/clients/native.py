@@ -119,26 +119,6 @@ class LineReader:
             self._timer = loop.call_at(self._deadline, self._on_timer)
 
 
-async def http_health(
-    session: aiohttp.ClientSession,
-    url: str,
-    ssl_context: ssl.SSLContext | bool | None,
-    headers: dict[str, str],
-    timeout_s: float,
-) -> bool:
-    """`GET /health` answers 200: what both the native engine and vLLM serve."""
-    try:
-        async with session.get(
-            url + "/health",
-            ssl=ssl_context,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-        ) as resp:
-            return resp.status == 200
-    except (aiohttp.ClientError, OSError, TimeoutError):
-        return False
-
-
 def transport_error(name: str, exc: BaseException) -> GenerationError:
     """A connection-level failure: refused, reset, truncated body."""
     if isinstance(exc, aiohttp.ClientPayloadError):
@@ -399,10 +379,9 @@ class NativeStream(HttpLineStream):
         return parse_data(name, obj["data"])
 
 
-class NativeClient(ReplicaClient):
-    """One engine replica speaking the native protocol."""
-
-    type = "native"
+class HttpReplicaClient(ReplicaClient):
+    """What a replica reached over HTTP needs whatever its protocol: the pooled session, TLS,
+    headers, short JSON calls and `GET /health`."""
 
     def __init__(
         self,
@@ -419,6 +398,43 @@ class NativeClient(ReplicaClient):
         self.ssl = ssl_context
         self.headers = headers or {}
 
+    async def post_json(self, path: str, body: dict[str, Any], timeout_s: float = 10) -> bytes:
+        """The raw reply of a short JSON call; an HTTP or transport failure is a
+        GenerationError like any other failure of the replica."""
+        try:
+            async with self.session.post(
+                self.url + path,
+                json=body,
+                ssl=self.ssl,
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise http_error(self.name, resp.status, raw)
+                return raw
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise transport_error(self.name, exc) from None
+
+    async def health(self, timeout_s: float) -> bool:
+        """`GET /health` answers 200: what both the native engine and vLLM serve."""
+        try:
+            async with self.session.get(
+                self.url + "/health",
+                ssl=self.ssl,
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+
+class NativeClient(HttpReplicaClient):
+    """One engine replica speaking the native protocol."""
+
+    type = "native"
+
     def generate(
         self,
         request: GenerationRequest,
@@ -430,19 +446,7 @@ class NativeClient(ReplicaClient):
         return NativeStream(self, native_body(request, continuation, max_time), stall_timeout_s)
 
     async def tokenize(self, prompt: str, chat: bool) -> int:
-        try:
-            async with self.session.post(
-                self.url + "/v1/tokenize",
-                json={"prompt": prompt, "chat": chat},
-                ssl=self.ssl,
-                headers=self.headers,
-                timeout=aiohttp.ClientTimeout(total=10),
-            ) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise http_error(self.name, resp.status, raw)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise transport_error(self.name, exc) from None
+        raw = await self.post_json("/v1/tokenize", {"prompt": prompt, "chat": chat})
         try:
             data = json.loads(raw)
             count = data.get("count")
@@ -451,6 +455,3 @@ class NativeClient(ReplicaClient):
             return int(count)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise unavailable(f"replica {self.name}: malformed tokenize reply") from None
-
-    async def health(self, timeout_s: float) -> bool:
-        return await http_health(self.session, self.url, self.ssl, self.headers, timeout_s)

@@ -26,17 +26,14 @@ from .generation import (
     EngineItem,
     GenerationError,
     GenerationRequest,
-    ReplicaClient,
     unavailable,
 )
 from .native import (
     FINAL_GRACE_S,
     HttpLineStream,
+    HttpReplicaClient,
     _int_list,
     error_message,
-    http_error,
-    http_health,
-    transport_error,
 )
 
 log = logging.getLogger("guardstream.openai")
@@ -225,7 +222,7 @@ class OpenAIStream(HttpLineStream):
         )
 
 
-class OpenAIClient(ReplicaClient):
+class OpenAIClient(HttpReplicaClient):
     """One OpenAI-compatible server."""
 
     type = "openai"
@@ -240,12 +237,9 @@ class OpenAIClient(ReplicaClient):
         api_key: str | None = None,
         ssl_context: ssl.SSLContext | bool | None = None,
     ) -> None:
-        self.name = name
-        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        super().__init__(name, url, session, ssl_context=ssl_context, headers=headers)
         self.model = model
-        self.session = session
-        self.ssl = ssl_context
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def generate(
         self,
@@ -265,19 +259,7 @@ class OpenAIClient(ReplicaClient):
             body["add_generation_prompt"] = True
         else:
             body["prompt"] = prompt
-        try:
-            async with self.session.post(
-                self.url + "/tokenize",
-                json=body,
-                ssl=self.ssl,
-                headers=self.headers,
-                timeout=aiohttp.ClientTimeout(total=10),
-            ) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise http_error(self.name, resp.status, raw)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise transport_error(self.name, exc) from None
+        raw = await self.post_json("/tokenize", body)
         try:
             tokens = _int_list(json.loads(raw)["tokens"])
         except (ValueError, KeyError, TypeError):
@@ -288,6 +270,3 @@ class OpenAIClient(ReplicaClient):
 
     async def tokenize(self, prompt: str, chat: bool) -> int:
         return len(await self.tokenize_ids(prompt, chat))
-
-    async def health(self, timeout_s: float) -> bool:
-        return await http_health(self.session, self.url, self.ssl, self.headers, timeout_s)
