@@ -10,6 +10,8 @@ import pytest
 from generation import models
 from generation.server import create_app
 from generation.testing import ThreadedServer
+from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import SCRIPT
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +38,12 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
     """A client session for tests that call servers directly."""
     async with aiohttp.ClientSession() as s:
         yield s
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    """A fake native engine on a free port, answering every prompt with SCRIPT."""
+    fake = FakeEngine(script=list(SCRIPT))
+    await fake.start()
+    yield fake
+    await fake.close()

@@ -22,6 +22,8 @@ from orchestrator.server import start_server
 from tests.fakes.engine import until
 
 MODEL = "fake-model"
+# "I am great. What about you?" in eight tokens: two sentences, [0, 11) and [11, 27)
+SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
 ROOT = Path(__file__).resolve().parent.parent
 
 

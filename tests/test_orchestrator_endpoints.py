@@ -13,13 +13,12 @@ from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     MODEL,
+    SCRIPT,
     Orchestrator,
     generation_body,
     native_config,
     remote,
 )
-
-SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from orchestrator.app import STREAMING_PATH
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
+    SCRIPT,
     Orchestrator,
     assert_contiguous,
     frames,
@@ -23,21 +24,12 @@ from tests.orchestrator_support import (
 )
 
 # "I am great. What about you?" in eight tokens; two sentences: [0, 11) and [11, 27).
-SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
 TEXT = "I am great. What about you?"
 UNSUITABLE_OUTPUT = {"id": "UNSUITABLE_OUTPUT", "message": "Unsuitable output detected."}
 UNSUITABLE_INPUT = {
     "id": "UNSUITABLE_INPUT",
     "message": "Unsuitable input detected. Please check the detected entities on your input.",
 }
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    eng = FakeEngine(script=list(SCRIPT))
-    await eng.start()
-    yield eng
-    await eng.close()
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault, until
 from tests.orchestrator_support import (
     MODEL,
+    SCRIPT,
     Orchestrator,
     frames,
     generation_body,
@@ -30,7 +31,6 @@ from tests.orchestrator_support import (
     terminal,
 )
 
-SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
 TEXT = "I am great. What about you?"
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -70,14 +70,6 @@ async def dets() -> AsyncIterator[FakeDetectorServer]:
     await server.start()
     yield server
     await server.close()
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    e = FakeEngine(script=list(SCRIPT))
-    await e.start()
-    yield e
-    await e.close()
 
 
 def config(engine_url: str, dets: FakeDetectorServer, **kwargs: Any) -> dict[str, Any]:

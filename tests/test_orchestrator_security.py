@@ -36,6 +36,7 @@ from orchestrator.state import STATE
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, until
 from tests.orchestrator_support import (
+    SCRIPT,
     Orchestrator,
     assert_contiguous,
     frames,
@@ -47,7 +48,6 @@ from tests.orchestrator_support import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
 TEXT = "I am great. What about you?"
 KEYS_ENV = "GUARDSTREAM_TEST_API_KEYS"
 UNAUTHORIZED = {"code": 401, "details": "missing or invalid API key", "type": "unauthorized"}
@@ -114,14 +114,6 @@ class RecordingDetectorServer(FakeDetectorServer):
     async def _contents(self, request: web.Request) -> web.Response:
         self.headers.append(CIMultiDict(request.headers))
         return await super()._contents(request)
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    fake = FakeEngine(script=list(SCRIPT))
-    await fake.start()
-    yield fake
-    await fake.close()
 
 
 @pytest.fixture

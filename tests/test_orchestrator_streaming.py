@@ -15,6 +15,7 @@ from orchestrator.state import STATE
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, until
 from tests.orchestrator_support import (
+    SCRIPT,
     Orchestrator,
     assert_contiguous,
     frames,
@@ -25,7 +26,6 @@ from tests.orchestrator_support import (
     terminal,
 )
 
-SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
 TEXT = "I am great. What about you?"
 PARAGRAPHS = ["First", " one", ".", " Second", " great", ".", "\n\n", "Third", " you", "?"]
 PARAGRAPH_TEXT = "First one. Second great.\n\nThird you?"

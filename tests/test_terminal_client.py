@@ -27,10 +27,9 @@ from orchestrator.terminal_client import (
 )
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault, _free_port
-from tests.orchestrator_support import MODEL, Orchestrator, native_config, remote
+from tests.orchestrator_support import MODEL, SCRIPT, Orchestrator, native_config, remote
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
 TEXT = "I am great. What about you?"
 KEYS_ENV = "GUARDSTREAM_TEST_TERMINAL_KEYS"
 
@@ -72,14 +71,6 @@ async def dets() -> AsyncIterator[FakeDetectorServer]:
     await server.start()
     yield server
     await server.close()
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    e = FakeEngine(script=list(SCRIPT))
-    await e.start()
-    yield e
-    await e.close()
 
 
 def config(engine: FakeEngine, dets: FakeDetectorServer, **kwargs: Any) -> dict[str, Any]:
