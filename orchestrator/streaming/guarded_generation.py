@@ -125,9 +125,10 @@ class GuardedGeneration:
 
     async def _run(self) -> None:
         timeout = asyncio.timeout(self._timeout_s)
+        if self._shutting_down:  # shut down before the task ran
+            self._end_for_shutdown()
+            return
         try:
-            if self._shutting_down:  # shut down before the task ran: end it the same way
-                raise asyncio.CancelledError
             async with timeout:
                 await self._guarded()
         except TimeoutError:
@@ -141,18 +142,21 @@ class GuardedGeneration:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-            self._progress.finish_reason = "CANCELLED"
-            self._terminal(
-                failure_event(
-                    self._summary(),
-                    self._progress.frames_sent,
-                    503,
-                    ErrorType.SERVER_SHUTDOWN,
-                    "the server is shutting down",
-                )
-            )
+            self._end_for_shutdown()
         except BaseException as group:
             self._fail(first_error(group))
+
+    def _end_for_shutdown(self) -> None:
+        self._progress.finish_reason = "CANCELLED"
+        self._terminal(
+            failure_event(
+                self._summary(),
+                self._progress.frames_sent,
+                503,
+                ErrorType.SERVER_SHUTDOWN,
+                "the server is shutting down",
+            )
+        )
 
     def shut_down(self) -> None:
         """Ends the stream now with `failed`/`error` of type server_shutdown (a drain ran out).
