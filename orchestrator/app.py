@@ -299,8 +299,9 @@ def create_app(config: Config, *, device: str = "auto") -> web.Application:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             trace_configs=[tracing],
         )
-        state.detectors = DetectorRegistry(config, state.session, device=device)
-        state.metrics.instrument_detectors(state.detectors.clients())
+        state.detectors = DetectorRegistry(
+            config, state.session, device=device, on_call=state.metrics.record_detector_call
+        )
         state.backends = build_model_backends(
             config.models, state.session, registry=state.metrics.registry
         )

@@ -2,16 +2,11 @@
 
 Everything `GET /metrics` serves lives on `OrchestratorMetrics.registry`: the request, stream,
 frame, detection and terminal-event series defined here, the detector-call series recorded by
-`instrument_detectors`, and the migration counters (`MigrationMetrics`), which `create_app`
+`record_detector_call` (the detector registry's `on_call`), and the migration counters (`MigrationMetrics`), which `create_app`
 registers on the same registry through `build_model_backends(registry=...)`.
 """
 
 from __future__ import annotations
-
-import asyncio
-import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -20,7 +15,6 @@ from .streaming.findings import Finding
 from .streaming.guarded_generation import StreamObserver
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-_TIMED = "_guardstream_timed"  # marks a detector client whose calls are already recorded
 
 
 class OrchestratorMetrics:
@@ -96,36 +90,9 @@ class OrchestratorMetrics:
 
         return StreamObserver(on_frame=on_frame, on_findings=on_findings, on_terminal=on_terminal)
 
-    def instrument_detectors(self, clients: Mapping[str, Any]) -> None:
-        """Times every call of each detector client (`{detector_id: DetectorClient}`), in-process
-        and remote alike, by wrapping the instance's `detect`. Idempotent per client."""
-        for detector_id, client in clients.items():
-            if getattr(client, _TIMED, False):
-                continue
-            client.detect = self._timed(detector_id, client.detect)
-            setattr(client, _TIMED, True)
-
-    def _timed(
-        self, detector_id: str, detect: Callable[..., Awaitable[Any]]
-    ) -> Callable[..., Awaitable[Any]]:
-        latency = self.detector_latency.labels(detector_id)
-        calls = {
-            o: self.detector_calls.labels(detector_id, o) for o in ("ok", "error", "cancelled")
-        }
-
-        async def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                result = await detect(*args, **kwargs)
-            except asyncio.CancelledError:
-                calls["cancelled"].inc()
-                raise
-            except BaseException:
-                latency.observe(time.perf_counter() - started)
-                calls["error"].inc()
-                raise
-            latency.observe(time.perf_counter() - started)
-            calls["ok"].inc()
-            return result
-
-        return timed
+    def record_detector_call(self, detector_id: str, outcome: str, seconds: float) -> None:
+        """A detector call ended (`ok`, `error` or `cancelled`); a cancelled call's time says
+        nothing about the detector, so only the finished ones enter the latency histogram."""
+        self.detector_calls.labels(detector_id, outcome).inc()
+        if outcome != "cancelled":
+            self.detector_latency.labels(detector_id).observe(seconds)

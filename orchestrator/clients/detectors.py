@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -34,14 +36,41 @@ class DetectorCallError(Exception):
         self.invalid_params = invalid_params
 
 
+# (detector_id, outcome "ok" | "error" | "cancelled", seconds): how metrics learn of each call
+CallRecorder = Callable[[str, str, float], None]
+
+
+def _ignore_call(detector_id: str, outcome: str, seconds: float) -> None:
+    return None
+
+
 class DetectorClient(ABC):
-    def __init__(self, detector_id: str, config: DetectorConfig) -> None:
+    def __init__(
+        self, detector_id: str, config: DetectorConfig, *, on_call: CallRecorder = _ignore_call
+    ) -> None:
         self.detector_id = detector_id
         self.config = config
+        self.on_call = on_call
+
+    async def detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
+        """`params` are the request's detector_params (config params are merged under them).
+        Every call, in-process or remote, is reported to `on_call` with its outcome and time."""
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            reply = await self._detect(contents, params)
+            outcome = "ok"
+            return reply
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.on_call(self.detector_id, outcome, time.perf_counter() - started)
 
     @abstractmethod
-    async def detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
-        """`params` are the request's detector_params (config params are merged under them)."""
+    async def _detect(
+        self, contents: list[str], params: dict[str, Any]
+    ) -> list[list[Detection]]: ...
 
     async def health(self) -> bool:
         return True
@@ -61,12 +90,17 @@ class InProcessDetectorClient(DetectorClient):
     """A built-in detector running inside the orchestrator (its models in worker threads)."""
 
     def __init__(
-        self, detector_id: str, config: DetectorConfig, detector: detectors.Detector
+        self,
+        detector_id: str,
+        config: DetectorConfig,
+        detector: detectors.Detector,
+        *,
+        on_call: CallRecorder = _ignore_call,
     ) -> None:
-        super().__init__(detector_id, config)
+        super().__init__(detector_id, config, on_call=on_call)
         self._detector = detector
 
-    async def detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
+    async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         try:
             reply = await asyncio.wait_for(
                 self._detector.detect(contents, params or None), self.config.timeout_s
@@ -96,29 +130,22 @@ class HttpDetectorClient(DetectorClient):
         session: aiohttp.ClientSession,
         *,
         ssl_context: ssl.SSLContext | bool | None = None,
-        forward_headers: dict[str, str] | None = None,
+        on_call: CallRecorder = _ignore_call,
     ) -> None:
-        super().__init__(detector_id, config)
+        super().__init__(detector_id, config, on_call=on_call)
         assert config.url is not None
         self._url = config.url.rstrip("/") + "/api/v1/text/contents"
         self._health_url = config.url.rstrip("/") + "/health"
         self._session = session
         self._ssl = ssl_context
-        self._forward = forward_headers or {}
 
-    async def detect(
-        self,
-        contents: list[str],
-        params: dict[str, Any],
-        headers: dict[str, str] | None = None,
-    ) -> list[list[Detection]]:
+    async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         merged = {**self.config.params, **(params or {})}
         for key in ("threshold", "on_detection"):
             merged.pop(key, None)
         body = ContentsRequest(contents=contents, detector_params=merged).model_dump(mode="json")
+        # x-request-id and allowlisted client headers are added by the session's request hook
         hdrs = {"detector-id": self.detector_id, "content-type": "application/json"}
-        hdrs.update(self._forward)
-        hdrs.update(headers or {})
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         try:
             async with self._session.post(

@@ -15,7 +15,12 @@ import detectors
 from ..api.errors import invalid, not_found
 from ..api.requests import DetectorMap
 from ..config import ORCHESTRATOR_PARAM_KEYS, WHOLE_DOC_CHUNKER, Config, DetectorConfig
-from .detectors import DetectorClient, HttpDetectorClient, InProcessDetectorClient
+from .detectors import (
+    CallRecorder,
+    DetectorClient,
+    HttpDetectorClient,
+    InProcessDetectorClient,
+)
 from .tls import client_ssl_context
 
 
@@ -62,21 +67,25 @@ class DetectorRegistry:
         session: aiohttp.ClientSession,
         *,
         device: str = "auto",
-        forward_headers: dict[str, str] | None = None,
+        on_call: CallRecorder | None = None,
     ) -> None:
+        """`on_call` hears of every detector call (the metrics)."""
+        extra: dict[str, CallRecorder] = {"on_call": on_call} if on_call is not None else {}
         self._configs: dict[str, DetectorConfig] = dict(config.detectors)
         self._clients: dict[str, DetectorClient] = {}
         for detector_id, det in self._configs.items():
             if det.builtin is not None:
                 params = {k: v for k, v in det.params.items() if k not in ORCHESTRATOR_PARAM_KEYS}
                 built = detectors.build(det.builtin, params, device=device)
-                self._clients[detector_id] = InProcessDetectorClient(detector_id, det, built)
+                self._clients[detector_id] = InProcessDetectorClient(
+                    detector_id, det, built, **extra
+                )
             else:
                 ctx: ssl.SSLContext | bool | None = client_ssl_context(
                     det.tls, where=f"detectors.{detector_id}.tls"
                 )
                 self._clients[detector_id] = HttpDetectorClient(
-                    detector_id, det, session, ssl_context=ctx, forward_headers=forward_headers
+                    detector_id, det, session, ssl_context=ctx, **extra
                 )
 
     def clients(self) -> dict[str, DetectorClient]:
