@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from generation.testing import free_port
 from orchestrator.terminal_client import (
     EXIT_COMPLETED,
     EXIT_FAILED,
@@ -26,7 +27,7 @@ from orchestrator.terminal_client import (
     render_frame,
 )
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine, Fault, _free_port
+from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import MODEL, SCRIPT, Orchestrator, native_config, remote
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +190,7 @@ async def test_rejected_request_shows_the_error_body_and_exits_3(
 
 
 async def test_connection_refused_is_a_clear_message() -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     # with --model, and when the model would come from /info
     for code, out, err in await asyncio.gather(
         cli("--url", url, "--model", MODEL, "Hi"), cli("--url", url, "Hi")

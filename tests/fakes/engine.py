@@ -20,13 +20,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+if __package__:
+    from .upstream import FakeUpstream, next_fault
+else:  # run as a script (`python tests/fakes/engine.py`) by the managed-backend tests
+    from upstream import FakeUpstream, next_fault  # type: ignore[no-redef]
 
 TOKEN_BASE = 1000
 DRAWN_SEED = 4242  # the seed the fake "draws" for a sampling request without one
@@ -74,7 +78,7 @@ def prompt_ids(prompt: str) -> list[int]:
 
 
 @dataclass
-class FakeEngine:
+class FakeEngine(FakeUpstream):
     script: list[str] = field(default_factory=lambda: ["Hello", ",", " world", "!"])
     fail: Fault | list[Fault] | None = None
     token_delay_s: float = 0.0
@@ -91,10 +95,7 @@ class FakeEngine:
         )
         self.requests: list[Recorded] = []
         self.resume_mismatches: list[str] = []
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
-        self._transports: set[asyncio.BaseTransport] = set()
+        self._init_upstream()
         self.first_token = asyncio.Event()
 
     # -- control --------------------------------------------------------------------------------
@@ -105,25 +106,8 @@ class FakeEngine:
         app.router.add_post("/v1/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "fake"}]}))
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await self._runner.setup()
-        if not self.port:
-            self.port = _free_port()
-        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
-        await self._site.start()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = await self._serve(app, self.port)
         return self.url
-
-    async def kill(self) -> None:
-        """Like SIGKILL: every open stream is reset and new connections are refused."""
-        for t in list(self._transports):
-            t.abort()
-        await self.close()
-
-    async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     def inject(self, fault: Fault) -> None:
         self.faults.append(fault)
@@ -158,19 +142,11 @@ class FakeEngine:
         ids = prompt_ids(body.get("prompt", ""))
         return web.json_response({"token_ids": ids, "count": len(ids)})
 
-    def _next_fault(self) -> Fault | None:
-        for fault in self.faults:
-            if fault.times != 0:
-                if fault.times > 0:
-                    fault.times -= 1
-                return fault
-        return None
-
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         rec = Recorded(body=body, headers=dict(request.headers))
         self.requests.append(rec)
-        fault = self._next_fault()
+        fault = next_fault(self.faults)
         if fault is not None and fault.mode == "http":
             return web.json_response(
                 {"code": fault.status, "type": fault.error_type, "message": fault.message},
@@ -328,12 +304,6 @@ async def until(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met in {timeout_s} s")
         await asyncio.sleep(poll_s)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

@@ -20,7 +20,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine import TOKEN_BASE, _free_port, prompt_ids
+from .engine import TOKEN_BASE, prompt_ids
+from .upstream import FakeUpstream, next_fault
 
 VLLM_FAULTS = ("error", "abort", "eof", "done_early", "close", "stall", "http")
 
@@ -38,7 +39,7 @@ class VllmFault:
 
 
 @dataclass
-class FakeVllm:
+class FakeVllm(FakeUpstream):
     script: list[str] = field(default_factory=lambda: ["Hello", ",", " world", "!"])
     fail: VllmFault | list[VllmFault] | None = None
     token_delay_s: float = 0.0
@@ -56,43 +57,18 @@ class FakeVllm:
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.disconnects = 0
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-        self._transports: set[asyncio.BaseTransport] = set()
+        self._init_upstream()
 
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", lambda r: web.Response(status=200))
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await self._runner.setup()
-        port = _free_port()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
-        await site.start()
-        self.url = f"http://127.0.0.1:{port}"
+        await self._serve(app)
         return self.url
-
-    async def kill(self) -> None:
-        for t in list(self._transports):
-            t.abort()
-        await self.close()
-
-    async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     def text(self, n: int | None = None) -> str:
         return "".join(self.script if n is None else self.script[:n])
-
-    def _next_fault(self) -> VllmFault | None:
-        for fault in self.faults:
-            if fault.times != 0:
-                if fault.times > 0:
-                    fault.times -= 1
-                return fault
-        return None
 
     def _authorized(self, request: web.Request) -> bool:
         return self.api_key is None or request.headers.get("Authorization") == (
@@ -118,7 +94,7 @@ class FakeVllm:
             return web.json_response(
                 {"error": {"message": "unauthorized", "type": "auth", "code": 401}}, status=401
             )
-        fault = self._next_fault()
+        fault = next_fault(self.faults)
         if fault is not None and fault.mode == "http":
             return web.json_response(
                 {"error": {"message": "injected", "type": "x", "code": fault.status}},

@@ -1,0 +1,62 @@
+"""What the fake engines share: serving an aiohttp app on 127.0.0.1, stopping politely or like
+SIGKILL, and handing out armed faults in order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+from aiohttp import web
+
+from generation.testing import free_port
+
+
+class _Armed(Protocol):
+    times: int  # requests it still applies to; -1: all
+
+
+F = TypeVar("F", bound=_Armed)
+
+
+def next_fault(faults: Sequence[F]) -> F | None:
+    """The first fault with uses left, one use spent."""
+    for fault in faults:
+        if fault.times != 0:
+            if fault.times > 0:
+                fault.times -= 1
+            return fault
+    return None
+
+
+class FakeUpstream:
+    """Mixed into the fakes' dataclasses; call `_init_upstream()` from `__post_init__`. Handlers
+    register the transports of open streams in `_transports` so that `kill()` can reset them."""
+
+    url: str
+    _runner: web.AppRunner | None
+    _transports: set[asyncio.BaseTransport]
+
+    def _init_upstream(self) -> None:
+        self.url = ""
+        self._runner = None
+        self._transports = set()
+
+    async def _serve(self, app: web.Application, port: int = 0) -> int:
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await self._runner.setup()
+        port = port or free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port, reuse_address=True).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return port
+
+    async def kill(self) -> None:
+        """Like SIGKILL: every open stream is reset and new connections are refused."""
+        for t in list(self._transports):
+            t.abort()
+        await self.close()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
