@@ -11,12 +11,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 import chunkers
 import detectors
 
 WHOLE_DOC_CHUNKER = "whole_doc_chunker"
+CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
 DETECTOR_TYPES = ("text_contents", "text_generation", "text_chat", "text_context_doc")
 
 
@@ -51,6 +59,22 @@ class ServerConfig(Strict):
     drain_timeout_s: float = Field(30, ge=0)
     tls: TlsConfig | None = None
     forward_headers: list[str] = Field(default_factory=list)
+    # an SSE comment line after this many seconds of silence on every streaming endpoint, so
+    # proxies with idle timeouts do not cut a stream whose text is held back (DESIGN 4.3)
+    sse_keepalive_s: float = Field(15, gt=0)
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _no_credentials(cls, v: list[str]) -> list[str]:
+        # a client's credentials are for guardstream; forwarding them would hand them to every
+        # engine and detector service (and an engine key must come from api_key_env)
+        bad = sorted({h.strip().lower() for h in v} & CREDENTIAL_HEADERS)
+        if bad:
+            raise ValueError(
+                f"{', '.join(bad)} must never be forwarded (credentials stay with guardstream; "
+                "downstream keys come from api_key_env)"
+            )
+        return v
 
 
 class ManagedBackend(Strict):
@@ -69,15 +93,19 @@ class NativeBackend(Strict):
 
     type: Literal["native"]
     url: str
+    api_key_env: str | None = None  # the engine's --api-keys-env key, sent as a Bearer token
     tls: ClientTlsConfig | None = None
 
 
 class OpenAIBackend(Strict):
-    """An OpenAI-compatible completions server (vLLM, a Dynamo frontend)."""
+    """An OpenAI-compatible server (vLLM, SGLang, TGI, Ollama, a Dynamo frontend, LiteLLM).
+    `completions` resumes token-exactly; `chat` resumes by continuing the partial assistant
+    message (DESIGN section 7)."""
 
     type: Literal["openai"]
     url: str
     model: str
+    api: Literal["completions", "chat"] = "completions"
     api_key_env: str | None = None
     tls: ClientTlsConfig | None = None
 
@@ -100,12 +128,21 @@ class ModelLimits(Strict):
     max_input_chars: int = Field(100_000, ge=1)
 
 
+class ModelGuardrails(Strict):
+    """Detectors enforced on every request to a model, on every endpoint: `{detector_id: params}`
+    with the same params a request may give (threshold, on_detection, detector params)."""
+
+    input: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    output: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
 class ModelConfig(Strict):
     backends: list[Backend] = Field(min_length=1)
     migration: MigrationConfig = Field(default_factory=MigrationConfig)
     limits: ModelLimits = Field(default_factory=ModelLimits)
     # Apply the model's chat template to `inputs` (instruct models answer a raw prompt poorly).
     chat: bool = False
+    guardrails: ModelGuardrails = Field(default_factory=ModelGuardrails)
 
 
 class DetectorConfig(Strict):
@@ -119,6 +156,7 @@ class DetectorConfig(Strict):
     params: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float = Field(10, gt=0)
     on_detection: Literal["annotate", "block"] = "annotate"
+    api_key_env: str | None = None  # a remote detector service's key, sent as a Bearer token
     tls: ClientTlsConfig | None = None
 
 
@@ -169,6 +207,23 @@ def cross_reference_errors(config: Config) -> list[str]:
         if det.chunker_id != WHOLE_DOC_CHUNKER and det.chunker_id not in config.chunkers:
             errors.append(f"{path}.chunker_id: unknown chunker '{det.chunker_id}'")
     for model_id, model in config.models.items():
+        for direction in ("input", "output"):
+            enforced: dict[str, dict[str, Any]] = getattr(model.guardrails, direction)
+            for detector_id, params in enforced.items():
+                path = f"models.{model_id}.guardrails.{direction}.{detector_id}"
+                det = config.detectors.get(detector_id)
+                if det is None:
+                    errors.append(f"{path}: unknown detector '{detector_id}'")
+                elif det.type != "text_contents":
+                    errors.append(f"{path}: detector type '{det.type}' cannot judge text")
+                if not isinstance(params, dict):
+                    errors.append(f"{path}: must be a mapping of detector params")
+                    continue
+                if params.get("on_detection") not in (None, "annotate", "block"):
+                    errors.append(f"{path}.on_detection: must be annotate or block")
+                t = params.get("threshold")
+                if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
+                    errors.append(f"{path}.threshold: must be a number")
         for i, backend in enumerate(model.backends):
             path = f"models.{model_id}.backends.{i}"
             url = getattr(backend, "url", None)

@@ -8,7 +8,7 @@ a request, and how many times it migrated, stays behind this interface.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -35,11 +35,29 @@ class GenerationParams:
 
 
 @dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat conversation (OpenAI surfaces); content is plain text."""
+
+    role: str
+    content: str
+
+    def wire(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
+    """What to generate. Exactly one of a prompt (FMS endpoints; `chat` applies the template to
+    it as one user message) or `messages` (OpenAI surfaces; the template always applies).
+    `extra` holds fields of an OpenAI request that guardstream does not interpret: only an
+    `openai` backend with `api: chat` forwards them, untouched."""
+
     prompt: str
     params: GenerationParams
     chat: bool = False
     request_id: str = ""
+    messages: tuple[ChatMessage, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -95,8 +113,16 @@ class ModelBackend(ABC):
         """An async iterator of GenerationChunk; call `aclose()` (or use `async with`) after."""
 
     @abstractmethod
-    async def tokenize(self, prompt: str, chat: bool) -> int:
-        """Token count of a prompt on any healthy replica; GenerationError when none answers."""
+    async def tokenize(
+        self, prompt: str, chat: bool, messages: tuple[ChatMessage, ...] | None = None
+    ) -> int:
+        """Token count of a prompt (or of `messages` under the chat template) on any healthy
+        replica; GenerationError when none answers."""
+
+    async def validate(self, request: GenerationRequest) -> None:
+        """Checks a request against what the replicas advertise (context length, parameter
+        bounds) before any response byte; raises the API's 422. The default checks nothing."""
+        return None
 
     @abstractmethod
     async def start(self) -> None:
@@ -171,7 +197,9 @@ class ReplicaClient(ABC):
         """Start a dispatch; the connection is made on the first `__anext__`."""
 
     @abstractmethod
-    async def tokenize(self, prompt: str, chat: bool) -> int: ...
+    async def tokenize(
+        self, prompt: str, chat: bool, messages: tuple[ChatMessage, ...] | None = None
+    ) -> int: ...
 
     @abstractmethod
     async def health(self, timeout_s: float) -> bool: ...
