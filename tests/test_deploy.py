@@ -1,6 +1,12 @@
 """The deploy files parse and agree with the code (issue 7): Dockerfile, .dockerignore,
 deploy/docker-compose.yaml, deploy/k8s/*.yaml and the configs they mount. Commands go through the
-real CLI parsers, configs through the real loaders, ports and paths are compared across files."""
+real CLI parsers, configs through the real loaders, ports and paths are compared across files.
+
+Security: every engine and detector service requires a key, which comes from a Secret (k8s) or a
+git-ignored env file (compose), and the orchestrator sends that same key; the NetworkPolicies are
+evaluated with Kubernetes' rules for who may connect to whom. Monitoring: the Prometheus scrape
+targets, the ServiceMonitor and the Grafana provisioning point at what the deployment runs (the
+dashboard's queries are checked against real /metrics in tests/test_dashboard.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,9 @@ import fnmatch
 import json
 import re
 import shlex
+import stat
+import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,6 +43,15 @@ K8S: dict[tuple[str, str], dict[str, Any]] = {
     for doc in yaml.safe_load_all(path.read_text())
     if doc
 }
+MONITORING_FILES = sorted((DEPLOY / "k8s" / "monitoring").glob("*.yaml"))
+MONITORING: dict[tuple[str, str], dict[str, Any]] = {
+    (doc["kind"], doc["metadata"]["name"]): doc
+    for path in MONITORING_FILES
+    for doc in yaml.safe_load_all(path.read_text())
+    if doc
+}
+PROMETHEUS: dict[str, Any] = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+GRAFANA_PROVISIONING = DEPLOY / "grafana" / "provisioning"
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 MAKEFILE = (ROOT / "Makefile").read_text()
 
@@ -42,6 +60,12 @@ ENGINE_PORT = 8090
 DETECTORS_PORT = 8080
 CONFIG_PATH = "/etc/guardstream/config.yaml"
 DETECTORS_CONFIG_PATH = "/etc/guardstream/detectors.yaml"
+CLIENT_KEYS_ENV = "GUARDSTREAM_API_KEYS"
+ENGINE_KEY_ENV = "GUARDSTREAM_ENGINE_KEY"
+DETECTORS_KEY_ENV = "GUARDSTREAM_DETECTORS_KEY"
+# compose services that run the guardstream image (the others are the monitoring profile's)
+GUARDSTREAM_SERVICES = ("orchestrator", "engine-0", "engine-1", "detectors")
+MONITORING_SERVICES = ("prometheus", "grafana")
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -117,8 +141,23 @@ def requirement_pins(name: str) -> dict[str, str]:
 # -- every file parses; the configs validate -----------------------------------------------------
 
 
+API_VERSIONS = {
+    "ConfigMap": "v1",
+    "Service": "v1",
+    "Deployment": "apps/v1",
+    "StatefulSet": "apps/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
+    "ServiceMonitor": "monitoring.coreos.com/v1",
+}
+
+
 def test_k8s_manifests_parse_into_the_expected_objects() -> None:
-    assert [p.name for p in K8S_FILES] == ["detectors.yaml", "engine.yaml", "orchestrator.yaml"]
+    assert [p.name for p in K8S_FILES] == [
+        "detectors.yaml",
+        "engine.yaml",
+        "network-policy.yaml",
+        "orchestrator.yaml",
+    ]
     assert set(K8S) == {
         ("ConfigMap", "guardstream-config"),
         ("Deployment", "guardstream-orchestrator"),
@@ -128,13 +167,23 @@ def test_k8s_manifests_parse_into_the_expected_objects() -> None:
         ("ConfigMap", "guardstream-detectors-config"),
         ("Deployment", "guardstream-detectors"),
         ("Service", "guardstream-detectors"),
+        ("NetworkPolicy", "guardstream-engine"),
+        ("NetworkPolicy", "guardstream-detectors"),
     }
-    for doc in K8S.values():
-        assert doc["apiVersion"] in ("v1", "apps/v1")
+    # the ServiceMonitor needs the Prometheus Operator's CRDs: a folder of its own, applied apart
+    assert [p.name for p in MONITORING_FILES] == ["servicemonitor.yaml"]
+    assert set(MONITORING) == {("ServiceMonitor", "guardstream")}
+    for (kind, _), doc in [*K8S.items(), *MONITORING.items()]:
+        assert doc["apiVersion"] == API_VERSIONS[kind]
+        # one namespace for everything: `kubectl apply -n NS` puts it where the operator wants
+        assert "namespace" not in doc["metadata"]
 
 
 def test_compose_services() -> None:
-    assert set(COMPOSE["services"]) == {"orchestrator", "engine-0", "engine-1", "detectors"}
+    assert set(COMPOSE["services"]) == {*GUARDSTREAM_SERVICES, *MONITORING_SERVICES}
+    # `up` starts guardstream; `--profile monitoring up` adds Prometheus and Grafana
+    profiles = {n: s["profiles"] for n, s in COMPOSE["services"].items() if "profiles" in s}
+    assert profiles == {name: ["monitoring"] for name in MONITORING_SERVICES}
     assert COMPOSE["services"]["orchestrator"]["build"] == {
         "context": "..",
         "dockerfile": "Dockerfile",
@@ -165,6 +214,7 @@ def test_detector_service_configs_validate() -> None:
     # the same format as config.yaml: the orchestrator's loader accepts it as well
     assert sorted(load_config(DEPLOY / "detectors.yaml").detectors) == ["hap", "injection", "pii"]
     assert k8s_config("guardstream-detectors-config", "detectors.yaml") == config
+    assert detector_service_key_env(config) == DETECTORS_KEY_ENV
 
 
 def test_probe_paths_are_routes_of_the_apps() -> None:
@@ -180,7 +230,9 @@ def test_probe_paths_are_routes_of_the_apps() -> None:
 
 
 def all_commands() -> list[tuple[str, list[str]]]:
-    out = [(f"compose:{name}", svc["command"]) for name, svc in COMPOSE["services"].items()]
+    out = [
+        (f"compose:{name}", COMPOSE["services"][name]["command"]) for name in GUARDSTREAM_SERVICES
+    ]
     for kind, name in K8S:
         if kind in ("Deployment", "StatefulSet"):
             out.append((f"k8s:{name}", k8s_container(kind, name)["command"]))
@@ -208,6 +260,7 @@ def test_commands_are_accepted_by_the_cli(
     elif module == "generation":
         assert args.command == "serve"
         assert (args.model, args.host, args.device) == ("smollm2-135m", "0.0.0.0", "auto")
+        assert args.api_keys_env == ENGINE_KEY_ENV  # never an open engine
     else:
         assert args.command == "serve"
         assert (args.config, args.host) == (DETECTORS_CONFIG_PATH, "0.0.0.0")
@@ -350,45 +403,422 @@ def test_k8s_pods_run_as_the_image_user() -> None:
         assert ctx == {"runAsNonRoot": True, "runAsUser": uid}, name
 
 
-# -- environment variables -----------------------------------------------------------------------
+# -- keys: required by every engine and detector service, from Secrets / env files only -----------
 
 
-def container_envs() -> dict[str, dict[str, Any]]:
-    """{where: {env name: value or valueFrom}} for every compose service and k8s container."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, svc in COMPOSE["services"].items():
-        out[f"compose:{name}"] = dict(svc.get("environment") or {})
-    for kind, name in K8S:
-        if kind in ("Deployment", "StatefulSet"):
-            env = k8s_container(kind, name).get("env") or []
-            out[f"k8s:{name}"] = {e["name"]: e.get("value", e.get("valueFrom")) for e in env}
+def compose_key_envs(service: str, secrets: Path) -> dict[str, str]:
+    """{variable: env file} of a compose service, with the files make-secrets.sh wrote."""
+    out: dict[str, str] = {}
+    for entry in COMPOSE["services"][service].get("env_file", []):
+        assert isinstance(entry, str) and entry.startswith("secrets/"), (service, entry)
+        for line in (secrets / Path(entry).name).read_text().splitlines():
+            name, _, _ = line.partition("=")
+            assert name not in out, (service, name)
+            out[name] = entry
     return out
 
 
-def test_env_vars_named_by_configs_are_set_and_every_set_one_is_used() -> None:
-    envs = container_envs()
-    compose_cfg = load_config(DEPLOY / "config.compose.yaml")
-    k8s_cfg = parse_config(k8s_config("guardstream-config", "config.yaml"))
-    for where, config in [
-        ("compose:orchestrator", compose_cfg),
-        ("k8s:guardstream-orchestrator", k8s_cfg),
-    ]:
-        named = {config.server.api_keys_env} - {None}
-        named |= {
-            b.api_key_env
-            for m in config.models.values()
-            for b in m.backends
-            if getattr(b, "api_key_env", None)
-        }
-        assert set(envs[where]) == named, where
-    assert envs["k8s:guardstream-orchestrator"] == {
-        "GUARDSTREAM_API_KEYS": {"secretKeyRef": {"name": "guardstream-api-keys", "key": "keys"}}
+def k8s_env(kind: str, name: str) -> dict[str, Any]:
+    return {e["name"]: e for e in k8s_container(kind, name).get("env", [])}
+
+
+def detector_service_key_env(config: dict[str, Any]) -> str | None:
+    return (config.get("server") or {}).get("api_keys_env")
+
+
+def orchestrator_sends(config: Config) -> dict[str, str | None]:
+    """{downstream host: the api_key_env the orchestrator sends it} for every engine and remote
+    detector the config names."""
+    out: dict[str, str | None] = {}
+    for model in config.models.values():
+        for b in model.backends:
+            assert b.type == "native"
+            out[host_port(b.url)[0]] = b.api_key_env
+    for det in config.detectors.values():
+        if det.url is not None:
+            out[host_port(det.url)[0]] = det.api_key_env
+    return out
+
+
+def orchestrator_key_envs(config: Config) -> set[str]:
+    """Every variable the orchestrator reads a key from: its clients' and the downstream ones."""
+    names = {config.server.api_keys_env, *orchestrator_sends(config).values()}
+    return {n for n in names if n is not None}
+
+
+@pytest.fixture(scope="module")
+def secrets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What `sh deploy/make-secrets.sh DIR` writes, as an operator would run it."""
+    out = tmp_path_factory.mktemp("secrets") / "secrets"
+    subprocess.run(["sh", str(DEPLOY / "make-secrets.sh"), str(out)], check=True, timeout=30)
+    return out
+
+
+def test_make_secrets_writes_one_random_key_per_file_and_never_replaces_one(
+    secrets: Path, tmp_path: Path
+) -> None:
+    files = {p.name: p.read_text() for p in sorted(secrets.iterdir())}
+    assert {n: t.partition("=")[0] for n, t in files.items()} == {
+        "orchestrator.env": CLIENT_KEYS_ENV,
+        "engine.env": ENGINE_KEY_ENV,
+        "detectors.env": DETECTORS_KEY_ENV,
+        "grafana.env": "GF_SECURITY_ADMIN_PASSWORD",
     }
-    # an empty key list makes the orchestrator refuse to start
-    for where, env in envs.items():
-        assert all(v != "" for v in env.values()), where
-    # the engines and the detector service read no deployment-specific variables
-    assert {w: e for w, e in envs.items() if "orchestrator" not in w and e} == {}
+    keys = [t.partition("=")[2] for t in files.values()]
+    assert all(re.fullmatch(r"[0-9a-f]{64}\n", k) for k in keys), keys  # 32 bytes, one line
+    assert len(set(keys)) == len(keys)
+    for path in secrets.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path  # the owner's only
+    # a second run keeps every key (a running deployment's keys never change under it) ...
+    again = subprocess.run(
+        ["sh", str(DEPLOY / "make-secrets.sh"), str(secrets)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert {p.name: p.read_text() for p in secrets.iterdir()} == files
+    assert again.stdout.count("kept ") == 4
+    # ... and a deleted file gets a new key, the others stay
+    (secrets / "engine.env").unlink()
+    subprocess.run(["sh", str(DEPLOY / "make-secrets.sh"), str(secrets)], check=True, timeout=30)
+    assert (secrets / "engine.env").read_text() != files["engine.env"]
+    assert (secrets / "detectors.env").read_text() == files["detectors.env"]
+    # the default folder is deploy/secrets, where git ignores everything the script writes
+    for name in files:
+        rel = f"deploy/secrets/{name}"
+        assert subprocess.run(["git", "check-ignore", "-q", rel], cwd=ROOT).returncode == 0, rel
+    kept = subprocess.run(["git", "check-ignore", "-q", "deploy/secrets/.gitignore"], cwd=ROOT)
+    assert kept.returncode == 1
+
+
+def test_compose_engines_and_detector_service_require_the_key_the_orchestrator_sends(
+    secrets: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load_config(DEPLOY / "config.compose.yaml")
+    assert config.server.api_keys_env == CLIENT_KEYS_ENV  # clients need a key too
+    required = {}
+    for name in ("engine-0", "engine-1"):
+        _, args = parse_command(COMPOSE["services"][name]["command"], monkeypatch)
+        required[name] = args.api_keys_env
+    detectors_cfg = detector_service.load_config(DEPLOY / "detectors.yaml")
+    required["detectors"] = detector_service_key_env(detectors_cfg)
+    assert required == {
+        "engine-0": ENGINE_KEY_ENV,
+        "engine-1": ENGINE_KEY_ENV,
+        "detectors": DETECTORS_KEY_ENV,
+    }
+    # the orchestrator sends each service the key that service requires
+    assert orchestrator_sends(config) == required
+    # every service gets exactly the variables it reads, from the git-ignored env files; and the
+    # orchestrator reads the engine's and the detector service's from the very same files
+    orchestrator_envs = compose_key_envs("orchestrator", secrets)
+    assert orchestrator_envs == {
+        CLIENT_KEYS_ENV: "secrets/orchestrator.env",
+        ENGINE_KEY_ENV: "secrets/engine.env",
+        DETECTORS_KEY_ENV: "secrets/detectors.env",
+    }
+    assert set(orchestrator_envs) == orchestrator_key_envs(config)
+    for name, env in required.items():
+        assert compose_key_envs(name, secrets) == {env: orchestrator_envs[env]}, name
+    assert compose_key_envs("grafana", secrets) == {
+        "GF_SECURITY_ADMIN_PASSWORD": "secrets/grafana.env"
+    }
+    # no key, nor any other variable, is written into the compose file itself
+    for name, svc in COMPOSE["services"].items():
+        assert "environment" not in svc, name
+
+
+def test_k8s_engines_and_detector_service_require_the_key_the_orchestrator_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = parse_config(k8s_config("guardstream-config", "config.yaml"))
+    assert config.server.api_keys_env == CLIENT_KEYS_ENV
+    _, engine_args = parse_command(
+        k8s_container("StatefulSet", "guardstream-engine")["command"], monkeypatch
+    )
+    detectors_cfg = k8s_config("guardstream-detectors-config", "detectors.yaml")
+    sts = K8S[("StatefulSet", "guardstream-engine")]["spec"]
+    required = {
+        f"guardstream-engine-{i}.guardstream-engine": engine_args.api_keys_env
+        for i in range(sts["replicas"])
+    }
+    required["guardstream-detectors"] = detector_service_key_env(detectors_cfg)
+    assert set(required.values()) == {ENGINE_KEY_ENV, DETECTORS_KEY_ENV}
+    assert orchestrator_sends(config) == required
+    secret_refs = {
+        ("Deployment", "guardstream-orchestrator"): orchestrator_key_envs(config),
+        ("StatefulSet", "guardstream-engine"): {ENGINE_KEY_ENV},
+        ("Deployment", "guardstream-detectors"): {DETECTORS_KEY_ENV},
+    }
+    seen: dict[str, Any] = {}
+    for (kind, name), names in secret_refs.items():
+        env = k8s_env(kind, name)
+        assert set(env) == names, name  # exactly the variables the process reads
+        for var, entry in env.items():
+            # from a Secret, never a literal value
+            assert set(entry) == {"name", "valueFrom"}, (name, var)
+            assert set(entry["valueFrom"]) == {"secretKeyRef"}, (name, var)
+            ref = entry["valueFrom"]["secretKeyRef"]
+            assert set(ref) == {"name", "key"} and "optional" not in ref
+            # the side that requires a key and the side that sends it read the same entry
+            assert seen.setdefault(var, ref) == ref, var
+    assert seen == {
+        CLIENT_KEYS_ENV: {"name": "guardstream-api-keys", "key": "keys"},
+        ENGINE_KEY_ENV: {"name": "guardstream-internal-keys", "key": "engine"},
+        DETECTORS_KEY_ENV: {"name": "guardstream-internal-keys", "key": "detectors"},
+    }
+    # no Secret ships with the manifests: the operator creates them (orchestrator.yaml says how),
+    # and until then the pods do not start, rather than start with a published key
+    assert not [k for k in K8S if k[0] == "Secret"]
+    header = (DEPLOY / "k8s" / "orchestrator.yaml").read_text()
+    for ref in seen.values():
+        assert f"kubectl create secret generic {ref['name']}" in header
+        assert f"--from-literal={ref['key']}=" in header
+
+
+# -- NetworkPolicy: evaluated with Kubernetes' ingress rules ------------------------------------
+
+APP_NAMESPACE = "guardstream"  # wherever the manifests are applied; the policies name no namespace
+MONITORING_NAMESPACE = "monitoring"
+PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}  # the Prometheus Operator's pods
+
+
+@dataclass(frozen=True)
+class Pod:
+    labels: dict[str, str]
+    namespace: str = APP_NAMESPACE
+    ports: dict[str, int] = field(default_factory=dict)  # named container ports
+
+    @property
+    def namespace_labels(self) -> dict[str, str]:
+        # every namespace carries this label (Kubernetes >= 1.21)
+        return {"kubernetes.io/metadata.name": self.namespace}
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions) against labels; {} selects all."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def peer_matches(peer: dict[str, Any], src: Pod) -> bool:
+    """One `from` entry: podSelector alone means the policy's namespace; with a
+    namespaceSelector, pods of the selected namespaces; a namespaceSelector alone, all of them."""
+    assert "ipBlock" not in peer, "pods are selected by labels, never by address"
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], src.namespace_labels):
+            return False
+    elif src.namespace != APP_NAMESPACE:
+        return False
+    return selects(peer.get("podSelector") or {}, src.labels)
+
+
+def port_matches(rule: dict[str, Any], dst: Pod, port: int) -> bool:
+    if not rule.get("ports"):
+        return True  # no ports: every port
+    for p in rule["ports"]:
+        assert p.get("protocol", "TCP") == "TCP"
+        number = dst.ports[p["port"]] if isinstance(p["port"], str) else p["port"]
+        if number <= port <= p.get("endPort", number):
+            return True
+    return False
+
+
+def may_connect(src: Pod, dst: Pod, port: int) -> bool:
+    """Whether the NetworkPolicies of the manifests let `src` open a TCP connection to `dst`:port
+    (a pod selected by no Ingress policy accepts everything; otherwise some rule of a policy that
+    selects it must match both the peer and the port)."""
+    policies = [doc for (kind, _), doc in K8S.items() if kind == "NetworkPolicy"]
+    if dst.namespace != APP_NAMESPACE:
+        return True
+    isolating = [
+        p
+        for p in policies
+        if selects(p["spec"]["podSelector"], dst.labels)
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]
+    if not isolating:
+        return True
+    return any(
+        port_matches(rule, dst, port)
+        and (not rule.get("from") or any(peer_matches(peer, src) for peer in rule["from"]))
+        for p in isolating
+        for rule in p["spec"].get("ingress") or []
+    )
+
+
+def workload_pod(kind: str, name: str) -> Pod:
+    template = K8S[(kind, name)]["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    return Pod(dict(template["metadata"]["labels"]), ports=ports)
+
+
+def test_only_the_orchestrator_and_prometheus_reach_the_engines_and_detector_service() -> None:
+    orchestrator = workload_pod("Deployment", "guardstream-orchestrator")
+    engine = workload_pod("StatefulSet", "guardstream-engine")
+    detectors = workload_pod("Deployment", "guardstream-detectors")
+    prometheus = Pod(PROMETHEUS_LABELS, MONITORING_NAMESPACE)
+    stranger = Pod({"app": "something-else"})
+    for dst, port in [(engine, ENGINE_PORT), (detectors, DETECTORS_PORT)]:
+        assert may_connect(orchestrator, dst, port)
+        assert may_connect(prometheus, dst, port)  # the /metrics scrape
+        # no one else: not the other backends, not another replica, not a pod in the namespace
+        assert not may_connect(engine, dst, port)
+        assert not may_connect(detectors, dst, port)
+        assert not may_connect(stranger, dst, port)
+        assert not may_connect(Pod({}), dst, port)
+        # labels alone do not do it: Prometheus' label outside `monitoring`, the orchestrator's
+        # label in another namespace, any other pod in `monitoring`
+        assert not may_connect(Pod(PROMETHEUS_LABELS), dst, port)
+        assert not may_connect(Pod(orchestrator.labels, "elsewhere"), dst, port)
+        assert not may_connect(Pod({"app": "grafana"}, MONITORING_NAMESPACE), dst, port)
+        # and only on the service's port
+        assert not may_connect(orchestrator, dst, port + 1)
+        assert not may_connect(prometheus, dst, port + 1)
+    # the orchestrator's own port stays open to clients, wherever they are
+    for src in [stranger, prometheus, Pod({}, "elsewhere"), engine]:
+        assert may_connect(src, orchestrator, ORCHESTRATOR_PORT)
+
+
+def test_network_policies_select_the_backend_pods_by_their_workloads_labels() -> None:
+    orchestrator_labels = K8S[("Deployment", "guardstream-orchestrator")]["spec"]["template"][
+        "metadata"
+    ]["labels"]
+    for kind, name, port in [
+        ("StatefulSet", "guardstream-engine", ENGINE_PORT),
+        ("Deployment", "guardstream-detectors", DETECTORS_PORT),
+    ]:
+        spec = K8S[("NetworkPolicy", name)]["spec"]
+        # the workload's own selector, so a new replica is covered the moment it exists
+        assert spec["podSelector"] == K8S[(kind, name)]["spec"]["selector"]
+        assert spec["policyTypes"] == ["Ingress"]
+        rules = spec["ingress"]
+        assert [r["ports"] for r in rules] == [[{"protocol": "TCP", "port": port}]] * 2
+        assert rules[0]["from"] == [{"podSelector": {"matchLabels": orchestrator_labels}}]
+        assert rules[1]["from"] == [
+            {
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": MONITORING_NAMESPACE}
+                },
+                "podSelector": {"matchLabels": PROMETHEUS_LABELS},
+            }
+        ]
+
+
+# -- monitoring: Prometheus scrape targets, ServiceMonitor, Grafana provisioning ----------------
+
+METRICS_PORTS = {
+    "orchestrator": ORCHESTRATOR_PORT,
+    "engine-0": ENGINE_PORT,
+    "engine-1": ENGINE_PORT,
+    "detectors": DETECTORS_PORT,
+}
+
+
+def test_metrics_is_a_route_of_every_app() -> None:
+    app = orchestrator_app(parse_config({}))
+    assert "/metrics" in {r.resource.canonical for r in app.router.routes() if r.resource}
+    det_app = detector_service.create_app({})
+    assert "/metrics" in {r.resource.canonical for r in det_app.router.routes() if r.resource}
+    assert 'add_get("/metrics"' in (ROOT / "generation" / "server.py").read_text()
+
+
+def test_compose_prometheus_scrapes_every_guardstream_process() -> None:
+    jobs = {job["job_name"]: job for job in PROMETHEUS["scrape_configs"]}
+    targets = {
+        target
+        for job in jobs.values()
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    assert targets == {f"{name}:{port}" for name, port in METRICS_PORTS.items()}
+    for job in jobs.values():
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+        assert job.get("scheme", "http") == "http"
+        assert "authorization" not in job  # /metrics needs no key (tests/test_dashboard.py)
+    prom = COMPOSE["services"]["prometheus"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    assert "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+    assert (DEPLOY / "prometheus" / "prometheus.yml").is_file()
+
+
+def test_compose_networks_keep_the_backends_private() -> None:
+    services = COMPOSE["services"]
+    assert COMPOSE["networks"] == {"backend": {"internal": True}}
+    for name in ("engine-0", "engine-1", "detectors"):
+        # only on the internal network, nothing published: the orchestrator and Prometheus
+        # reach them, the host and the outside world do not, and they reach nothing outside
+        assert services[name]["networks"] == ["backend"], name
+        assert "ports" not in services[name], name
+    assert services["orchestrator"]["networks"] == ["default", "backend"]
+    assert services["prometheus"]["networks"] == ["default", "backend"]
+    assert services["grafana"]["networks"] == ["default"]
+    # the monitoring UIs are published on the host's loopback only
+    assert services["prometheus"]["ports"] == ["127.0.0.1:9090:9090"]
+    assert services["grafana"]["ports"] == ["127.0.0.1:3000:3000"]
+
+
+def test_compose_grafana_provisions_the_dashboard_on_the_compose_prometheus() -> None:
+    grafana = COMPOSE["services"]["grafana"]
+    mounts = {}
+    for volume in grafana["volumes"]:
+        host, container, *_ = volume.split(":")
+        mounts[container] = host
+    assert mounts["/etc/grafana/provisioning"] == "./grafana/provisioning"
+    (datasource,) = yaml.safe_load(
+        (GRAFANA_PROVISIONING / "datasources" / "prometheus.yaml").read_text()
+    )["datasources"]
+    assert (datasource["type"], datasource["url"]) == ("prometheus", "http://prometheus:9090")
+    assert datasource["isDefault"] is True
+    (provider,) = yaml.safe_load(
+        (GRAFANA_PROVISIONING / "dashboards" / "guardstream.yaml").read_text()
+    )["providers"]
+    assert provider["type"] == "file"
+    dashboards = {
+        c: h for c, h in mounts.items() if c.startswith(provider["options"]["path"] + "/")
+    }
+    assert dashboards == {"/etc/grafana/dashboards/guardstream.json": "./grafana/guardstream.json"}
+    dashboard = json.loads((DEPLOY / "grafana" / "guardstream.json").read_text())
+    # the dashboard's data source is a variable of type prometheus: the provisioned default here,
+    # whichever Prometheus a Kubernetes Grafana has
+    (variable,) = dashboard["templating"]["list"]
+    assert (variable["type"], variable["query"]) == ("datasource", "prometheus")
+
+
+def test_service_monitor_scrapes_every_service_that_the_network_policies_let_it_reach() -> None:
+    monitor = MONITORING[("ServiceMonitor", "guardstream")]["spec"]
+    services = {
+        name: doc
+        for (kind, name), doc in K8S.items()
+        if kind == "Service" and selects(monitor["selector"], doc["metadata"].get("labels", {}))
+    }
+    assert sorted(services) == ["guardstream", "guardstream-detectors", "guardstream-engine"]
+    (endpoint,) = monitor["endpoints"]
+    assert endpoint["path"] == "/metrics" and "bearerTokenSecret" not in endpoint
+    prometheus = Pod(PROMETHEUS_LABELS, MONITORING_NAMESPACE)
+    workloads = {
+        "guardstream": ("Deployment", "guardstream-orchestrator"),
+        "guardstream-engine": ("StatefulSet", "guardstream-engine"),
+        "guardstream-detectors": ("Deployment", "guardstream-detectors"),
+    }
+    for name, svc in services.items():
+        (port,) = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
+        pod = workload_pod(*workloads[name])
+        assert selects({"matchLabels": svc["spec"]["selector"]}, pod.labels)
+        assert may_connect(prometheus, pod, port["targetPort"]), name
 
 
 def test_guardstream_cache_is_where_the_image_prepared_the_model(
