@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
+from collections.abc import Mapping
 
 from aiohttp.web import BaseRequest, StreamResponse
 from aiohttp.web_log import AccessLogger
@@ -46,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         help="CPU intra-op threads (default: torch's; 1 for tiny-random)",
     )
     serve.add_argument(
+        "--api-keys-env",
+        default=None,
+        metavar="NAME",
+        help="require `Authorization: Bearer <key>` (except on /health and /metrics); the "
+        "accepted keys are read, comma-separated, from the environment variable NAME",
+    )
+    serve.add_argument(
         "--enable-fault-injection", action="store_true", help="adds POST /admin/faults"
     )
     serve.add_argument("--log-level", default="info")
@@ -53,6 +62,26 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("model")
     prepare.add_argument("--log-level", default="info")
     return parser
+
+
+class ApiKeysError(ValueError):
+    """--api-keys-env names a variable that is unset or holds no key."""
+
+
+def api_keys_from_env(
+    name: str | None, environ: Mapping[str, str] = os.environ
+) -> list[str] | None:
+    """The accepted keys, or None without --api-keys-env. A named variable that is unset or
+    empty is an error: an engine must never start open by accident."""
+    if name is None:
+        return None
+    raw = environ.get(name)
+    if raw is None:
+        raise ApiKeysError(f"--api-keys-env: environment variable {name} is not set")
+    keys = [k.strip() for k in raw.split(",") if k.strip()]
+    if not keys:
+        raise ApiKeysError(f"--api-keys-env: environment variable {name} holds no key")
+    return keys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,13 +100,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} ready at {path}", flush=True)
         return 0
     try:
-        return asyncio.run(_serve(args))
+        keys = api_keys_from_env(args.api_keys_env)
+    except ApiKeysError as exc:  # before loading the model: fail fast
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(args, keys))
     except ModelSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
     from aiohttp import web
 
     from .models import load
@@ -97,6 +131,7 @@ async def _serve(args: argparse.Namespace) -> int:
         fault_injection=args.enable_fault_injection,
         max_batch_size=args.max_batch_size,
         threads=args.threads if args.threads is not None else loaded.threads,
+        api_keys=api_keys,
     )
     # handler_cancellation: a client disconnect cancels its handler at once (and so its request).
     runner = web.AppRunner(

@@ -3,8 +3,9 @@ wrong types are client errors (422), never guesses."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
+import annotated_types
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -31,6 +32,10 @@ Utf8Str = Annotated[str, AfterValidator(_utf8)]
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
 MAX_SEED = 2**63 - 1
+# A conversation's size is bounded by the body limit (server.CLIENT_MAX_SIZE); the count bound
+# keeps a body of thousands of empty messages from making the template loop long.
+MAX_MESSAGES = 1024
+ChatRole = Literal["system", "user", "assistant"]
 
 
 class Decoding(BaseModel):
@@ -67,14 +72,31 @@ StopSequence = Annotated[
 ]
 
 
+class Message(BaseModel):
+    """One chat message. Plain-text content only; tool calls and content parts are not part of
+    the engine protocol (the orchestrator flattens what it accepts)."""
+
+    model_config = _STRICT
+
+    role: ChatRole
+    content: Utf8Str
+
+
+Messages = Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+
+
 class GenerateRequest(BaseModel):
-    """POST /v1/generate. `max_new_tokens` is the budget of the whole generation, resumed tokens
-    included; `max_time` (seconds, 0 = none) ends the stream with TIME_LIMIT."""
+    """POST /v1/generate. Exactly one of `prompt`, `input_ids` and `messages` (which always goes
+    through the chat template with the generation prompt). `max_new_tokens` is the budget of the
+    whole generation, resumed tokens included, and must fit in the context with the prompt (a
+    larger value is a 422, as vLLM rejects it, rather than silently clamped); `max_time`
+    (seconds, 0 = none) ends the stream with TIME_LIMIT."""
 
     model_config = _STRICT
 
     prompt: Utf8Str | None = None
     input_ids: list[StrictInt] | None = None
+    messages: Messages | None = None
     chat: bool = False
     resume: Resume | None = None
     max_new_tokens: int = Field(128, ge=1, le=1_000_000)
@@ -85,9 +107,10 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
-        if (self.prompt is None) == (self.input_ids is None):
-            raise ValueError("exactly one of prompt and input_ids is required")
-        if self.chat and self.prompt is None:
+        given = [self.prompt is not None, self.input_ids is not None, self.messages is not None]
+        if sum(given) != 1:
+            raise ValueError("exactly one of prompt, input_ids and messages is required")
+        if self.chat and self.input_ids is not None:
             raise ValueError(
                 "chat applies the chat template to prompt; it cannot be used with input_ids"
             )
@@ -95,12 +118,20 @@ class GenerateRequest(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    """POST /v1/tokenize."""
+    """POST /v1/tokenize: `prompt` (with `chat`: as one user message under the template) or
+    `messages` (always under the template, with the generation prompt)."""
 
     model_config = _STRICT
 
-    prompt: Utf8Str
+    prompt: Utf8Str | None = None
+    messages: Messages | None = None
     chat: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages is required")
+        return self
 
 
 class FaultRequest(BaseModel):
@@ -111,6 +142,64 @@ class FaultRequest(BaseModel):
     after_tokens: int = Field(0, ge=0)
     mode: Literal["close", "stall", "error"]
     times: int = Field(1, ge=1, le=1_000_000)
+
+
+# ----- what GET /v1/models advertises, read off the schema above (one source of truth) ---------
+
+_BOUND_KEYS: tuple[tuple[type, str, str], ...] = (
+    (annotated_types.Ge, "ge", "minimum"),
+    (annotated_types.Gt, "gt", "exclusiveMinimum"),
+    (annotated_types.Le, "le", "maximum"),
+    (annotated_types.Lt, "lt", "exclusiveMaximum"),
+    (annotated_types.MinLen, "min_length", "minItems"),
+    (annotated_types.MaxLen, "max_length", "maxItems"),
+)
+
+
+def _bounds(metadata: Any) -> dict[str, Any]:
+    """JSON-Schema keywords (`minimum`, `exclusiveMinimum`, `maxItems`, ...) of pydantic
+    constraint metadata."""
+    out: dict[str, Any] = {}
+    for item in metadata:
+        for kind, attr, keyword in _BOUND_KEYS:
+            if isinstance(item, kind):
+                out[keyword] = getattr(item, attr)
+    return out
+
+
+def _field_bounds(model: type[BaseModel], name: str) -> dict[str, Any]:
+    return _bounds(model.model_fields[name].metadata)
+
+
+def _stop_sequence_bounds() -> dict[str, Any]:
+    for item in get_args(StopSequence)[1:]:
+        if isinstance(item, StringConstraints):
+            return {"minLength": item.min_length, "maxLength": item.max_length}
+    return {}
+
+
+def advertised_parameters() -> dict[str, dict[str, Any]]:
+    """The accepted range of every generation parameter, as `GET /v1/models` advertises it, so a
+    client (the orchestrator) can reject a request before it dispatches it."""
+    messages_bounds: dict[str, Any] = {}
+    for item in get_args(Messages)[1:]:  # the Field(...) inside Annotated carries the bounds
+        messages_bounds.update(_bounds(getattr(item, "metadata", ())))
+    return {
+        "max_new_tokens": _field_bounds(GenerateRequest, "max_new_tokens"),
+        "min_new_tokens": _field_bounds(GenerateRequest, "min_new_tokens"),
+        "max_time": _field_bounds(GenerateRequest, "max_time"),
+        "decoding_method": {"enum": list(get_args(Decoding.model_fields["method"].annotation))},
+        "temperature": _field_bounds(Decoding, "temperature"),
+        "top_k": _field_bounds(Decoding, "top_k"),
+        "top_p": _field_bounds(Decoding, "top_p"),
+        "seed": _field_bounds(Decoding, "seed"),
+        "repetition_penalty": _field_bounds(Decoding, "repetition_penalty"),
+        "stop_sequences": {
+            **_field_bounds(GenerateRequest, "stop_sequences"),
+            "items": _stop_sequence_bounds(),
+        },
+        "messages": {**messages_bounds, "roles": list(get_args(ChatRole))},
+    }
 
 
 def error_body(status: int, details: str, type_: str = "invalid_request") -> dict[str, Any]:

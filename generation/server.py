@@ -2,16 +2,32 @@
 
 Handlers validate everything before the first response byte (4xx with the JSON error shape), then
 stream NDJSON items from the request's queue, fed by the worker thread. Model work never runs on
-the event loop; tokenization runs on one dedicated thread.
+the event loop; tokenization (chat templates included) runs on one dedicated thread.
+
+Limits: `GET /v1/models` advertises the context (`max_model_len`) and the accepted range of every
+parameter, read off protocol.py's schema. A prompt of `max_model_len` tokens or more, and a prompt
+whose tokens plus `max_new_tokens` exceed the context, are rejected with 422 before any byte, as
+vLLM rejects them (it answers 400); the budget is never silently clamped, so a client learns that
+it asked for more than the model can give.
+
+Auth (`api_keys`, from `--api-keys-env`): every path needs `Authorization: Bearer <key>` except
+`/health` (liveness probes, the orchestrator's supervisor) and `/metrics` (Prometheus scrapers;
+counters only, never text), the same open set as the orchestrator's. An unknown path without a
+key is a 401, not a 404, so a caller without a key learns nothing about the routes. With
+`--enable-fault-injection` (tests only, never a deployment), `/admin/faults` is open too: a test
+arms faults on managed engines whose key only their orchestrator knows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +45,9 @@ from .models import LoadedModel
 from .protocol import (
     FaultRequest,
     GenerateRequest,
+    Message,
     TokenizeRequest,
+    advertised_parameters,
     describe_validation_error,
     error_body,
 )
@@ -41,16 +59,25 @@ log = logging.getLogger("guardstream.engine")
 NDJSON = "application/x-ndjson"
 CLIENT_MAX_SIZE = 4 * 1024 * 1024
 DISCONNECT_POLL_S = 0.1  # how often a quiet stream checks whether its client left
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without a key (see the docstring)
+FAULTS_PATH = "/admin/faults"
 
 
 class ClientError(Exception):
     """A request problem reported before any response byte, as `{"code", "details", "type"}`."""
 
-    def __init__(self, status: int, details: str, type_: str = "invalid_request") -> None:
+    def __init__(
+        self,
+        status: int,
+        details: str,
+        type_: str = "invalid_request",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(details)
         self.status = status
         self.details = details
         self.type = type_
+        self.headers = headers
 
 
 @dataclass
@@ -83,11 +110,20 @@ def create_app(
     max_batch_size: int = 64,
     threads: int | None = None,
     client_max_size: int = CLIENT_MAX_SIZE,
+    api_keys: Sequence[str] | None = None,
 ) -> web.Application:
-    """The engine app. Pass a `LoadedModel` to share one model between apps (tests), or a spec."""
+    """The engine app. Pass a `LoadedModel` to share one model between apps (tests), or a spec.
+    With `api_keys` (non-empty), every path but OPEN_PATHS (and the fault route of a test
+    engine) needs one of them as a Bearer key."""
     if loaded is None:
         loaded = models.load(model, device=device, dtype=dtype)
-    app = web.Application(client_max_size=client_max_size, middlewares=[_error_middleware])
+    middlewares: list[Any] = [_error_middleware]
+    if api_keys is not None:
+        if not api_keys:
+            raise ValueError("api_keys is empty: no client could ever authenticate")
+        open_paths = OPEN_PATHS | ({FAULTS_PATH} if fault_injection else set())
+        middlewares.append(_auth_middleware(api_keys, open_paths))
+    app = web.Application(client_max_size=client_max_size, middlewares=middlewares)
     state = EngineState(
         loaded=loaded,
         engine=Engine(loaded, max_batch_size=max_batch_size, threads=threads),
@@ -101,8 +137,8 @@ def create_app(
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
     if fault_injection:
-        app.router.add_post("/admin/faults", handle_faults)
-        app.router.add_delete("/admin/faults", handle_clear_faults)
+        app.router.add_post(FAULTS_PATH, handle_faults)
+        app.router.add_delete(FAULTS_PATH, handle_clear_faults)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     app.on_cleanup.append(_on_cleanup)
@@ -134,7 +170,9 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     try:
         return await handler(request)
     except ClientError as exc:
-        return web.json_response(error_body(exc.status, exc.details, exc.type), status=exc.status)
+        return web.json_response(
+            error_body(exc.status, exc.details, exc.type), status=exc.status, headers=exc.headers
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -151,6 +189,36 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return web.json_response(error_body(500, "internal error", "server_error"), status=500)
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def _auth_middleware(keys: Sequence[str], open_paths: frozenset[str]) -> Any:
+    """Bearer keys on every path but `open_paths`. A missing header, another scheme and a wrong key
+    get the same 401. Fixed-length digests are compared (compare_digest on raw keys returns early
+    on a length mismatch), against every key (timing does not tell which one came close)."""
+    digests = [_digest(k.encode("utf-8")) for k in keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path not in open_paths:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            given = _digest(token.strip().encode("utf-8", "surrogateescape"))
+            ok = False
+            for digest in digests:
+                ok |= hmac.compare_digest(given, digest)
+            if scheme.lower() != "bearer" or not ok:
+                raise ClientError(
+                    401,
+                    "missing or invalid API key",
+                    "unauthorized",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await handler(request)
+
+    return check
 
 
 async def _read_model(request: web.Request, schema: type[BaseModel]) -> Any:
@@ -170,17 +238,34 @@ async def _read_model(request: web.Request, schema: type[BaseModel]) -> Any:
         raise ClientError(422, describe_validation_error(exc.errors())) from None
 
 
-def _encode_prompt(loaded: LoadedModel, prompt: str, chat: bool) -> list[int]:
+def _encode_prompt(
+    loaded: LoadedModel, prompt: str | None, chat: bool, messages: list[Message] | None = None
+) -> list[int]:
+    """Token ids of a prompt, of a prompt as one user message (`chat`), or of `messages`, both
+    under the chat template with the generation prompt. Runs on the tokenizer thread."""
     tokenizer: Any = loaded.frontend_tokenizer
-    if chat:
+    if messages is not None or chat:
+        field = "messages" if messages is not None else "chat"
+        conversation = (
+            [m.model_dump() for m in messages]
+            if messages is not None
+            else [{"role": "user", "content": prompt}]
+        )
         try:
             text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+                conversation, add_generation_prompt=True, tokenize=False
             )
-        except Exception as exc:  # a template that rejects a lone user message, say
-            raise ClientError(422, f"chat: the model's chat template failed: {exc}") from None
+        except Exception as exc:  # e.g. a template that insists on alternating roles
+            raise ClientError(422, f"{field}: the model's chat template failed: {exc}") from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def _check_template(loaded: LoadedModel, prompt: str | None, chat: bool, messages: Any) -> None:
+    if messages is not None and not loaded.has_chat_template:
+        raise ClientError(422, "messages: this model has no chat template")
+    if chat and prompt is not None and not loaded.has_chat_template:
+        raise ClientError(422, "chat: this model has no chat template")
 
 
 def _check_vocab(name: str, ids: list[int], vocab: int) -> None:
@@ -197,13 +282,17 @@ def _check_vocab(name: str, ids: list[int], vocab: int) -> None:
 async def handle_tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: TokenizeRequest = await _read_model(request, TokenizeRequest)
-    if req.chat and not state.loaded.has_chat_template:
-        raise ClientError(422, "chat: this model has no chat template")
-    ids = await state.run_tokenizer(_encode_prompt, state.loaded, req.prompt, req.chat)
+    _check_template(state.loaded, req.prompt, req.chat, req.messages)
+    ids = await state.run_tokenizer(
+        _encode_prompt, state.loaded, req.prompt, req.chat, req.messages
+    )
     return web.json_response({"token_ids": ids, "count": len(ids)})
 
 
 async def handle_models(request: web.Request) -> web.Response:
+    """The model, its context and the accepted parameter ranges (JSON-Schema keywords:
+    `minimum`, `exclusiveMinimum`, `maximum`, `maxItems`, ...). `max_context` is the older
+    name of `max_model_len` (vLLM's), kept for existing readers."""
     loaded = request.app[STATE].loaded
     return web.json_response(
         {
@@ -213,7 +302,10 @@ async def handle_models(request: web.Request) -> web.Response:
                     "id": loaded.name,
                     "object": "model",
                     "owned_by": "guardstream",
+                    "max_model_len": loaded.max_context,
                     "max_context": loaded.max_context,
+                    "chat_template": loaded.has_chat_template,
+                    "parameters": advertised_parameters(),
                 }
             ],
         }
@@ -267,10 +359,11 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     loaded = state.loaded
     req: GenerateRequest = await _read_model(request, GenerateRequest)
     received = time.monotonic()
-    if req.prompt is not None:
-        if req.chat and not loaded.has_chat_template:
-            raise ClientError(422, "chat: this model has no chat template")
-        prompt_ids = await state.run_tokenizer(_encode_prompt, loaded, req.prompt, req.chat)
+    if req.prompt is not None or req.messages is not None:
+        _check_template(loaded, req.prompt, req.chat, req.messages)
+        prompt_ids = await state.run_tokenizer(
+            _encode_prompt, loaded, req.prompt, req.chat, req.messages
+        )
     else:
         prompt_ids = list(req.input_ids or [])
         _check_vocab("input_ids", prompt_ids, loaded.vocab_size)
@@ -285,6 +378,13 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             422,
             f"the prompt has {len(prompt_ids)} tokens (+{len(resume_ids)} resumed): it must be "
             f"shorter than the model's context of {loaded.max_context} tokens",
+        )
+    if len(prompt_ids) + req.max_new_tokens > loaded.max_context:
+        raise ClientError(
+            422,
+            f"max_new_tokens is {req.max_new_tokens} but the prompt has {len(prompt_ids)} "
+            f"tokens: together they exceed the model's context of {loaded.max_context} tokens "
+            f"(at most {loaded.max_context - len(prompt_ids)} new tokens fit)",
         )
     if resume_text:
         full = await state.run_tokenizer(make_decoder(loaded.frontend_tokenizer), resume_ids)
