@@ -13,7 +13,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from ..config import ManagedBackend, ModelConfig, NativeBackend, OpenAIBackend
-from .generation import GenerationError, GenerationRequest, ModelBackend
+from .generation import ChatMessage, GenerationError, GenerationRequest, ModelBackend
 from .managed import CommandFactory, EngineProcess, engine_command
 from .migration import MigratingStream, MigrationMetrics
 from .native import NativeClient
@@ -91,6 +91,7 @@ class ReplicatedModelBackend(ModelBackend):
                     backend.url,
                     backend.model,
                     session,
+                    api=backend.api,
                     api_key=api_key,
                     ssl_context=client_ssl_context(
                         backend.tls, where=f"models.{model_id}.backends.{index}.tls"
@@ -130,11 +131,13 @@ class ReplicatedModelBackend(ModelBackend):
             metrics=self.metrics,
         )
 
-    async def tokenize(self, prompt: str, chat: bool) -> int:
+    async def tokenize(
+        self, prompt: str, chat: bool, messages: tuple[ChatMessage, ...] | None = None
+    ) -> int:
         last: GenerationError | None = None
         for replica in self.pool.candidates():
             try:
-                return await replica.client.tokenize(prompt, chat)
+                return await replica.client.tokenize(prompt, chat, messages)
             except GenerationError as exc:
                 if not exc.migratable:
                     raise

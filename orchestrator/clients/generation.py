@@ -150,6 +150,9 @@ class Continuation:
     text: str
     # the seed the first replica drew for an unseeded sampling request: resumes stay exact
     seed: int | None = None
+    # tokens delivered so far: len(token_ids), or MigratingStream's count where the backend sends
+    # no token ids (`openai` with `api: chat`), which is what the remaining budget is taken from
+    generated_token_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,9 @@ class EngineItem:
     prompt_token_ids: tuple[int, ...] | None = None
     input_token_count: int | None = None
     seed: int | None = None  # the engine's seed, reported on the first item of a sampling stream
+    # generated tokens this item stands for when the backend sends no token ids (`api: chat`);
+    # None: len(token_ids)
+    token_count: int | None = None
 
 
 class EngineStream(ABC):

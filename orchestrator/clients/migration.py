@@ -6,6 +6,10 @@ When a replica fails in a way another replica can absorb, it quarantines the fai
 resumes on another with the same budget, so the client sees one stream whose text deltas
 concatenate to exactly what an uninterrupted run would have produced (exact for the native engine
 with greedy or seeded decoding). It never re-dispatches a request that finished or was cancelled.
+
+A backend without token ids (`openai` with `api: chat`) resumes from the delivered text alone: its
+items say how many tokens they stand for (`EngineItem.token_count`), and where the prompt's token
+count is not known yet, the max_seq_len check estimates it as a quarter of the prompt's characters.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class MigratingStream:
         self._metrics = metrics
         self._prompt_ids: tuple[int, ...] | None = None
         self._ids: list[int] = []
+        self._generated = 0  # len(self._ids), or the items' token_count where they carry no ids
         self._text: list[str] = []
         self._closed = False
         self._current: EngineStream | None = None
@@ -171,7 +176,7 @@ class MigratingStream:
                     rid,
                     attempt,
                     replica.name,
-                    len(self._ids),
+                    self._generated,
                 )
             stream = replica.client.generate(
                 self.request,
@@ -210,7 +215,7 @@ class MigratingStream:
                         "%s; completing without re-dispatch",
                         rid,
                         replica.name,
-                        len(self._ids),
+                        self._generated,
                         exc.message,
                     )
                     if self._metrics is not None:
@@ -226,13 +231,13 @@ class MigratingStream:
                         rid,
                         replica.name,
                         attempt,
-                        len(self._ids),
+                        self._generated,
                         exc.message,
                     )
                     raise
                 original = original or exc
                 self._check_migratable(original, replica, attempt)
-                kind = "mid_stream" if self._ids else "before_first_token"
+                kind = "mid_stream" if self._generated or self._text else "before_first_token"
                 self.migrations += 1
                 if self._metrics is not None:
                     self._metrics.migrations.labels(self.model_id, kind).inc()
@@ -242,7 +247,7 @@ class MigratingStream:
                     rid,
                     replica.name,
                     attempt,
-                    len(self._ids),
+                    self._generated,
                     exc.message,
                     kind,
                     self.migrations,
@@ -264,22 +269,31 @@ class MigratingStream:
                 self._cfg.limit,
                 replica.name,
                 attempt,
-                len(self._ids),
+                self._generated,
             )
             raise self._give_up(original, f"migration limit {self._cfg.limit} reached")
         prompt_len = (
-            len(self._prompt_ids) if self._prompt_ids is not None else self.input_token_count or 0
+            len(self._prompt_ids)
+            if self._prompt_ids is not None
+            else self.input_token_count or self._estimated_prompt_len()
         )
-        if prompt_len + len(self._ids) > self._cfg.max_seq_len:
+        if prompt_len + self._generated > self._cfg.max_seq_len:
             self._count_unmigratable("max_seq_len")
             raise self._give_up(
                 original,
-                f"{prompt_len} prompt + {len(self._ids)} generated tokens exceed "
+                f"{prompt_len} prompt + {self._generated} generated tokens exceed "
                 f"max_seq_len {self._cfg.max_seq_len}",
             )
         if self._ids and self._prompt_ids is None:
             self._count_unmigratable("no_prompt_ids")
             raise self._give_up(original, "the replica never sent the prompt's token ids")
+
+    def _estimated_prompt_len(self) -> int:
+        """A prompt whose token count no replica reported yet (`api: chat` fails before its usage
+        chunk): about four characters a token."""
+        r = self.request
+        chars = sum(len(m.content) for m in r.messages) if r.messages is not None else len(r.prompt)
+        return chars // 4
 
     def _give_up(self, original: GenerationError, why: str) -> GenerationError:
         return GenerationError(
@@ -297,14 +311,20 @@ class MigratingStream:
             self._metrics.unmigratable.labels(self.model_id, reason).inc()
 
     def _continuation(self) -> Continuation | None:
-        """None before the first token: a failure then re-sends the request as it came."""
-        if not self._ids or self._prompt_ids is None:
+        """None before the first token: a failure then re-sends the request as it came. Without
+        token ids (`api: chat`) the continuation is the delivered text and its token count."""
+        if self._ids and self._prompt_ids is not None:
+            prompt_ids = self._prompt_ids
+        elif not self._ids and self._text:
+            prompt_ids = ()
+        else:
             return None
         return Continuation(
-            prompt_token_ids=self._prompt_ids,
+            prompt_token_ids=prompt_ids,
             token_ids=tuple(self._ids),
             text=self.text,
             seed=self.seed,
+            generated_token_count=self._generated,
         )
 
     def _remaining_time(self) -> float:
@@ -315,14 +335,14 @@ class MigratingStream:
 
     def _budget_spent(self) -> bool:
         p = self.request.params
-        if len(self._ids) >= p.max_new_tokens:
+        if self._generated >= p.max_new_tokens:
             return True
         return p.max_time > 0 and time.monotonic() - self._started >= p.max_time
 
     def _local_finish(self) -> GenerationChunk:
         """The final chunk of a stream whose model finished but whose replica never said so."""
         p = self.request.params
-        self.finish_reason = "MAX_TOKENS" if len(self._ids) >= p.max_new_tokens else "TIME_LIMIT"
+        self.finish_reason = "MAX_TOKENS" if self._generated >= p.max_new_tokens else "TIME_LIMIT"
         return self._chunk((), "")
 
     def _accept(self, item: EngineItem) -> GenerationChunk | None:
@@ -336,9 +356,10 @@ class MigratingStream:
             elif item.prompt_token_ids is not None:
                 self.input_token_count = len(item.prompt_token_ids)
         self._ids.extend(item.token_ids)
+        self._generated += len(item.token_ids) if item.token_count is None else item.token_count
         if item.text:
             self._text.append(item.text)
-        self.generated_token_count = len(self._ids)
+        self.generated_token_count = self._generated
         if item.finish_reason is not None:
             self.finish_reason = item.finish_reason
         if not item.token_ids and not item.text and item.finish_reason is None:
@@ -349,7 +370,7 @@ class MigratingStream:
         return GenerationChunk(
             token_ids=token_ids,
             text=text,
-            generated_token_count=len(self._ids),
+            generated_token_count=self._generated,
             input_token_count=self.input_token_count or 0,
             finish_reason=self.finish_reason,
         )

@@ -1,14 +1,25 @@
-"""Client of an OpenAI-compatible completions server (vLLM, a Dynamo frontend; DESIGN section 7).
+"""Client of an OpenAI-compatible server (vLLM, SGLang, TGI, Ollama, a Dynamo frontend, LiteLLM,
+OpenAI itself; DESIGN section 7). Two modes, the backend's `api`:
 
-`POST /v1/completions` with `stream: true` and vLLM's `return_token_ids: true`: every streamed
-choice carries the delta's `token_ids` and the first one the `prompt_token_ids`, which is what a
-resume needs. A resume sends `prompt` as token ids (prompt ids + delivered ids) and the remaining
-budget. An in-band `{"error": ...}` event, `finish_reason: "abort"`, `[DONE]` without a finish
-reason, or the end of the body without `[DONE]` is a migratable failure.
+`completions`: `POST /v1/completions` with `stream: true` and vLLM's `return_token_ids: true`:
+every streamed choice carries the delta's `token_ids` and the first one the `prompt_token_ids`,
+which is what a resume needs. A resume sends `prompt` as token ids (prompt ids + delivered ids)
+and the remaining budget. A chat request (`messages`, or an FMS prompt with `chat`) is turned into
+token ids by the server's `/tokenize`, which applies the chat template.
+
+`chat`: `POST /v1/chat/completions` with `stream: true` and `stream_options.include_usage`. There
+are no token ids: a resume sends the conversation plus the delivered text as a final assistant
+message with `continue_final_message: true, add_generation_prompt: false` (vLLM and SGLang honour
+these; a server that ignores them starts a fresh answer). See ChatStream for what is counted how.
+
+In both modes an in-band error event (`{"error": ...}` or `{"object": "error", ...}`),
+`finish_reason: "abort"`, `[DONE]` without a finish reason, or the end of the body without
+`[DONE]` is a migratable failure; events without choices or without a delta, and SSE comments
+(keep-alives), are skipped. Keep-alives do not reset the stall timer: only events do.
 
 Resumes on such servers are seamless in text but, unlike the native engine, not guaranteed to be
 token-identical to an uninterrupted run: the server reseeds sampling per request and checks stop
-strings only in newly generated text.
+strings only in newly generated text (a chat template may also retokenize the partial message).
 """
 
 from __future__ import annotations
@@ -17,11 +28,12 @@ import json
 import logging
 import ssl
 import time
-from typing import Any
+from typing import Any, Literal, NoReturn
 
 import aiohttp
 
 from .generation import (
+    ChatMessage,
     Continuation,
     EngineItem,
     GenerationError,
@@ -38,16 +50,28 @@ from .native import (
 
 log = logging.getLogger("guardstream.openai")
 _DEADLINE = "\x00deadline"  # sentinel: max_time ran out while waiting
+# fields of a chat request that only guardstream sets: `extra` never overrides them
+_OWN_FIELDS = ("model", "messages", "stream")
 
 
 def map_finish(name: str, finish: str, stop_reason: Any) -> str:
-    """vLLM's finish reasons in the native vocabulary; a failed request is migratable."""
+    """OpenAI finish reasons in the native vocabulary. A stop string matched when the server
+    names it (vLLM's `stop_reason`, SGLang's `matched_stop` is a string). A failed request is
+    migratable; an upstream content filter is not (see ChatStream)."""
     if finish == "stop":
         return "STOP_SEQUENCE" if isinstance(stop_reason, str) else "EOS_TOKEN"
     if finish == "length":
         return "MAX_TOKENS"
     if finish in ("abort", "error"):
         raise unavailable(f"replica {name}: the server ended the request ({finish})")
+    if finish == "content_filter":
+        raise GenerationError(
+            f"replica {name}: the upstream's content filter stopped the generation",
+            error_type="generation_error",
+            code=502,
+        )
+    if finish in ("tool_calls", "function_call"):
+        return "EOS_TOKEN"  # the model ended its turn (with a call guardstream passes over)
     log.warning("replica %s: unknown finish_reason %r, treated as EOS_TOKEN", name, finish)
     return "EOS_TOKEN"
 
@@ -68,6 +92,13 @@ def completions_body(
         "max_tokens": max(1, p.max_new_tokens - delivered),
         "temperature": p.temperature if p.decoding_method == "SAMPLING" else 0.0,
     }
+    _sampling(body, request, delivered)
+    return body
+
+
+def _sampling(body: dict[str, Any], request: GenerationRequest, delivered: int) -> None:
+    """The knobs beyond the OpenAI basics, sent only when set (vLLM and SGLang take them)."""
+    p = request.params
     if p.decoding_method == "SAMPLING":
         if p.top_p != 1.0:
             body["top_p"] = p.top_p
@@ -81,10 +112,54 @@ def completions_body(
         body["stop"] = list(p.stop_sequences)
     if p.min_new_tokens > delivered:
         body["min_tokens"] = p.min_new_tokens - delivered
+
+
+def chat_messages(request: GenerationRequest) -> list[dict[str, str]]:
+    """The conversation: the request's messages, or its prompt as one user message. An FMS prompt
+    goes as a user message even when `chat` is false: a chat endpoint has no raw-prompt mode."""
+    if request.messages is not None:
+        return [m.wire() for m in request.messages]
+    return [{"role": "user", "content": request.prompt}]
+
+
+def chat_body(
+    model: str, request: GenerationRequest, continuation: Continuation | None
+) -> dict[str, Any]:
+    """The chat request. `request.extra` goes first, untouched, so that everything guardstream
+    sets wins (and `model`, `messages`, `stream` are always its own); `stream_options` is merged
+    so that usage is always asked for. A resume appends the delivered text as the final assistant
+    message (or extends the client's own prefill) and asks the server to continue it."""
+    p = request.params
+    body: dict[str, Any] = {k: v for k, v in request.extra.items() if k not in _OWN_FIELDS}
+    messages = chat_messages(request)
+    delivered = 0
+    if continuation is not None:
+        delivered = continuation.generated_token_count or len(continuation.token_ids)
+        prefill = request.extra.get("continue_final_message") is True
+        if prefill and messages and messages[-1]["role"] == "assistant":
+            last = messages[-1]
+            messages[-1] = {**last, "content": last["content"] + continuation.text}
+        else:
+            messages.append({"role": "assistant", "content": continuation.text})
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    options = body.get("stream_options")
+    body.update(
+        model=model,
+        messages=messages,
+        stream=True,
+        stream_options={**(options if isinstance(options, dict) else {}), "include_usage": True},
+        max_tokens=max(1, p.max_new_tokens - delivered),
+        temperature=p.temperature if p.decoding_method == "SAMPLING" else 0.0,
+    )
+    _sampling(body, request, delivered)
     return body
 
 
-class OpenAIStream(HttpLineStream):
+class _SseStream(HttpLineStream):
+    """Server-sent events of an OpenAI stream, with the max_time budget enforced here (these
+    servers have none of their own)."""
+
     unit = "event"
     end_marker = "[DONE]"
 
@@ -102,55 +177,24 @@ class OpenAIStream(HttpLineStream):
         self._deadline = time.monotonic() + max_time if max_time > 0 else None
         self._data: list[str] = []  # data lines of the SSE event being read
 
-    async def _next_item(self) -> EngineItem:
-        name = self._client.name
-        while True:
-            if self._deadline_passed():
-                # the server has no time budget of its own: max_time is enforced here
-                self.close()
-                return EngineItem(token_ids=(), text="", finish_reason="TIME_LIMIT")
-            payload = await self._next_event()
-            if payload is _DEADLINE:
-                continue
-            if payload is None:
-                raise unavailable(f"replica {name}: stream ended without [DONE]")
-            if payload == "[DONE]":
-                if not self._finished:
-                    raise unavailable(f"replica {name}: [DONE] without a finish_reason")
-                await self._end_of_body(blank_ok=True)
-            item = self._parse(payload)
-            if item is not None:
-                return item
-
-    async def _request(self) -> tuple[str, dict[str, Any]]:
-        c = self._client
-        cont = self._continuation
-        request = self._request_
-        if cont is not None:
-            prompt: str | list[int] = [*cont.prompt_token_ids, *cont.token_ids]
-            delivered = len(cont.token_ids)
-        elif request.chat:
-            # completions take no messages: the server's chat template is applied by /tokenize
-            prompt = await c.tokenize_ids(request.prompt, True)
-            delivered = 0
-        else:
-            prompt, delivered = request.prompt, 0
-        return "/v1/completions", completions_body(c.model, request, prompt, delivered)
-
     def _deadline_passed(self) -> bool:
         return (
             not self._finished and self._deadline is not None and time.monotonic() >= self._deadline
         )
 
     async def _next_event(self) -> str | None:
-        """The data of the next SSE event; None at the end of the body."""
+        """The data of the next SSE event; None at the end of the body. The stall timer runs per
+        event: comment lines (keep-alives) do not reset it."""
         assert self._reader is not None
+        wait = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
+        stall_at = time.monotonic() + wait
         while True:
-            timeout = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
+            now = time.monotonic()
+            timeout = stall_at - now
             if self._deadline is not None and not self._finished:
-                timeout = max(0.0, min(timeout, self._deadline - time.monotonic()))
+                timeout = min(timeout, self._deadline - now)
             try:
-                line = await self._reader.readline(timeout)
+                line = await self._reader.readline(max(0.0, timeout))
             except TimeoutError:
                 if self._deadline_passed():
                     return _DEADLINE
@@ -170,7 +214,24 @@ class OpenAIStream(HttpLineStream):
             if field == "data":
                 self._data.append(value[1:] if value.startswith(" ") else value)
 
-    def _parse(self, payload: str) -> EngineItem | None:
+    async def _end_of_sse(self) -> NoReturn:
+        """After [DONE]: the body must end; blank lines and comments (a keep-alive that raced
+        the end) may come first."""
+        assert self._reader is not None and self._resp is not None
+        stall_at = time.monotonic() + min(self._stall, FINAL_GRACE_S)
+        while True:
+            line = await self._reader.readline(max(0.0, stall_at - time.monotonic()))
+            if line is None:
+                break
+            if line and not line.startswith(b":"):
+                raise unavailable(f"replica {self._client.name}: data after [DONE]")
+        self._done = True
+        self._resp.release()
+        self._reader.close()
+        raise StopAsyncIteration
+
+    def _decode(self, payload: str) -> dict[str, Any]:
+        """The event's object; an in-band error in any of its shapes fails the replica."""
         name = self._client.name
         try:
             obj = json.loads(payload)
@@ -181,6 +242,60 @@ class OpenAIStream(HttpLineStream):
         if "error" in obj or obj.get("object") == "error":
             message = error_message(payload.encode())
             raise unavailable(f"replica {name}: {message}")
+        return obj
+
+    def _time_limit(self) -> EngineItem:
+        self.close()
+        return EngineItem(token_ids=(), text="", finish_reason="TIME_LIMIT", token_count=0)
+
+
+class OpenAIStream(_SseStream):
+    """`api: completions`."""
+
+    async def _next_item(self) -> EngineItem:
+        name = self._client.name
+        while True:
+            if self._deadline_passed():
+                return self._time_limit()
+            payload = await self._next_event()
+            if payload is _DEADLINE:
+                continue
+            if payload is None:
+                raise unavailable(f"replica {name}: stream ended without [DONE]")
+            if payload.strip() == "[DONE]":
+                if not self._finished:
+                    raise unavailable(f"replica {name}: [DONE] without a finish_reason")
+                await self._end_of_sse()
+            item = self._parse(payload)
+            if item is not None:
+                return item
+
+    async def _request(self) -> tuple[str, dict[str, Any]]:
+        c: OpenAIClient = self._client
+        cont = self._continuation
+        request = self._request_
+        if cont is not None and cont.prompt_token_ids:
+            prompt: str | list[int] = [*cont.prompt_token_ids, *cont.token_ids]
+            delivered = len(cont.token_ids)
+        elif cont is not None:
+            # a continuation without ids (the request began on an `api: chat` replica): the
+            # prompt as the server tokenizes it, then the delivered text's own tokens
+            prompt = [
+                *await c.tokenize_ids(request.prompt, request.chat, request.messages),
+                *await c.tokenize_ids(cont.text, False, add_special_tokens=False),
+            ]
+            delivered = cont.generated_token_count
+        elif request.chat or request.messages is not None:
+            # completions take no messages: the server's chat template is applied by /tokenize
+            prompt = await c.tokenize_ids(request.prompt, True, request.messages)
+            delivered = 0
+        else:
+            prompt, delivered = request.prompt, 0
+        return "/v1/completions", completions_body(c.model, request, prompt, delivered)
+
+    def _parse(self, payload: str) -> EngineItem | None:
+        name = self._client.name
+        obj = self._decode(payload)
         choices = obj.get("choices")
         if not isinstance(choices, list):
             raise unavailable(f"replica {name} sent an event without choices")
@@ -222,6 +337,161 @@ class OpenAIStream(HttpLineStream):
         )
 
 
+class ChatStream(_SseStream):
+    """`api: chat`. Items carry text and no token ids; what they count:
+
+    - `token_count` is 1 per content event (servers stream about one token an event) unless the
+      event carries `usage` (vLLM's `continuous_usage_stats`), whose `completion_tokens` then
+      counts exactly; the final item is corrected to the server's `usage.completion_tokens`, so a
+      stream that is not migrated ends with the server's exact count.
+    - `input_token_count` is `usage.prompt_tokens`; on a resume that includes the partial
+      assistant message, so the delivered token count is taken off it (an approximation).
+
+    The event with the finish reason is held until the usage event (or `[DONE]`) so that the
+    final item carries those counts; a failure after it still delivers it first, and the failure
+    after (MigratingStream then completes without re-dispatch).
+
+    `finish_reason: "content_filter"` (an upstream such as Azure refused to go on) is a
+    GenerationError that is not migratable: another replica of the same upstream would refuse too,
+    and ending with EOS_TOKEN would pass off a cut answer as a finished one. `delta.refusal` text
+    (OpenAI's refusal channel) is delivered like content: it is what the model said."""
+
+    def __init__(
+        self,
+        client: OpenAIClient,
+        request: GenerationRequest,
+        continuation: Continuation | None,
+        stall_timeout_s: float,
+        max_time: float,
+    ) -> None:
+        super().__init__(client, request, continuation, stall_timeout_s, max_time)
+        self._counted = 0  # tokens this dispatch's items stood for so far
+        self._prompt_tokens: int | None = None
+        self._completion_tokens: int | None = None
+        self._held: tuple[str, str] | None = None  # (text, finish) of the final event
+        self._failure: BaseException | None = None  # raised after the held item went out
+        self._after_done = False
+
+    async def _request(self) -> tuple[str, dict[str, Any]]:
+        c: OpenAIClient = self._client
+        return "/v1/chat/completions", chat_body(c.model, self._request_, self._continuation)
+
+    async def _next_item(self) -> EngineItem:
+        if self._failure is not None:
+            exc, self._failure = self._failure, None
+            raise exc
+        if self._after_done:
+            await self._end_of_sse()
+        try:
+            return await self._read()
+        except (GenerationError, TimeoutError, aiohttp.ClientError, OSError) as exc:
+            if self._held is None:
+                raise
+            self._failure = exc
+            return self._release()
+
+    async def _read(self) -> EngineItem:
+        name = self._client.name
+        while True:
+            if self._deadline_passed():
+                return self._time_limit()
+            payload = await self._next_event()
+            if payload is _DEADLINE:
+                continue
+            if payload is None:
+                raise unavailable(f"replica {name}: stream ended without [DONE]")
+            if payload.strip() == "[DONE]":
+                if not self._finished:
+                    raise unavailable(f"replica {name}: [DONE] without a finish_reason")
+                if self._held is not None:
+                    self._after_done = True
+                    return self._release()
+                await self._end_of_sse()
+            obj = self._decode(payload)
+            has_usage = self._usage(obj.get("usage"))
+            text, finish, stop_reason = self._choice(obj)
+            if self._finished:
+                if text:
+                    raise unavailable(f"replica {name}: data after the final event")
+                if has_usage and self._held is not None:
+                    return self._release()
+                continue
+            if finish is not None:
+                self._held = (text, map_finish(name, finish, stop_reason))
+                self._finished = True
+                continue
+            if text:
+                n = 1
+                if has_usage and self._completion_tokens is not None:
+                    n = max(0, self._completion_tokens - self._counted)
+                return self._item(text, None, n)
+
+    def _usage(self, usage: Any) -> bool:
+        """Remember an event's usage; whether it had one."""
+        if not isinstance(usage, dict):
+            return False
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= 0:
+            self._prompt_tokens = prompt
+        if not isinstance(completion, int) or isinstance(completion, bool) or completion < 0:
+            return False
+        self._completion_tokens = completion
+        return True
+
+    def _choice(self, obj: dict[str, Any]) -> tuple[str, str | None, Any]:
+        """Text, finish reason and stop reason of the event's first choice; an event with no
+        choices or without a delta (usage, Azure's filter annotations) has none of them."""
+        name = self._client.name
+        choices = obj.get("choices")
+        if choices is None or choices == []:
+            return "", None, None
+        if not isinstance(choices, list) or not isinstance(choices[0], dict):
+            raise unavailable(f"replica {name} sent malformed choices")
+        choice = choices[0]
+        delta = choice.get("delta")
+        text = ""
+        if isinstance(delta, dict):
+            for key in ("content", "refusal"):
+                part = delta.get(key)
+                if part is None:
+                    continue
+                if not isinstance(part, str):
+                    raise unavailable(f"replica {name} sent a malformed delta.{key}")
+                text += part
+        elif delta is not None:
+            raise unavailable(f"replica {name} sent a malformed delta")
+        finish = choice.get("finish_reason")
+        stop_reason = choice.get("stop_reason")
+        if stop_reason is None:
+            stop_reason = choice.get("matched_stop")  # SGLang
+        return text, None if finish is None else str(finish), stop_reason
+
+    def _release(self) -> EngineItem:
+        """The held final item, with the server's counts where it sent them."""
+        assert self._held is not None
+        text, finish = self._held
+        self._held = None
+        own = 1 if text else 0
+        if self._completion_tokens is not None:
+            own = max(own, self._completion_tokens - self._counted)
+        return self._item(text, finish, own)
+
+    def _item(self, text: str, finish: str | None, count: int) -> EngineItem:
+        self._counted += count
+        input_count = None
+        if self._prompt_tokens is not None:
+            cont = self._continuation
+            taken = cont.generated_token_count if cont is not None else 0
+            input_count = max(0, self._prompt_tokens - taken)
+        return EngineItem(
+            token_ids=(),
+            text=text,
+            finish_reason=finish,
+            input_token_count=input_count,
+            token_count=count,
+        )
+
+
 class OpenAIClient(HttpReplicaClient):
     """One OpenAI-compatible server."""
 
@@ -234,12 +504,14 @@ class OpenAIClient(HttpReplicaClient):
         model: str,
         session: aiohttp.ClientSession,
         *,
+        api: Literal["completions", "chat"] = "completions",
         api_key: str | None = None,
         ssl_context: ssl.SSLContext | bool | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         super().__init__(name, url, session, ssl_context=ssl_context, headers=headers)
         self.model = model
+        self.api = api
 
     def generate(
         self,
@@ -248,17 +520,29 @@ class OpenAIClient(HttpReplicaClient):
         *,
         stall_timeout_s: float,
         max_time: float,
-    ) -> OpenAIStream:
-        return OpenAIStream(self, request, continuation, stall_timeout_s, max_time)
+    ) -> _SseStream:
+        cls = ChatStream if self.api == "chat" else OpenAIStream
+        return cls(self, request, continuation, stall_timeout_s, max_time)
 
-    async def tokenize_ids(self, prompt: str, chat: bool) -> list[int]:
-        """vLLM's `/tokenize`; with `chat`, the prompt as one user message under the template."""
+    async def tokenize_ids(
+        self,
+        prompt: str,
+        chat: bool,
+        messages: tuple[ChatMessage, ...] | None = None,
+        *,
+        add_special_tokens: bool | None = None,
+    ) -> list[int]:
+        """vLLM's (and SGLang's) `/tokenize`: `messages`, or with `chat` the prompt as one user
+        message, under the chat template with the generation prompt; else the raw prompt."""
         body: dict[str, Any] = {"model": self.model}
-        if chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
+        if messages is not None or chat:
+            wire = [m.wire() for m in messages] if messages is not None else None
+            body["messages"] = wire or [{"role": "user", "content": prompt}]
             body["add_generation_prompt"] = True
         else:
             body["prompt"] = prompt
+            if add_special_tokens is not None:
+                body["add_special_tokens"] = add_special_tokens
         raw = await self.post_json("/tokenize", body)
         try:
             tokens = _int_list(json.loads(raw)["tokens"])
@@ -268,5 +552,9 @@ class OpenAIClient(HttpReplicaClient):
             raise unavailable(f"replica {self.name}: malformed tokenize reply")
         return list(tokens)
 
-    async def tokenize(self, prompt: str, chat: bool) -> int:
-        return len(await self.tokenize_ids(prompt, chat))
+    async def tokenize(
+        self, prompt: str, chat: bool, messages: tuple[ChatMessage, ...] | None = None
+    ) -> int:
+        """`api: chat` counts an FMS prompt as the one user message it sends (chat or not)."""
+        chat = chat or self.api == "chat"
+        return len(await self.tokenize_ids(prompt, chat, messages))

@@ -56,6 +56,7 @@ class FakeVllm(FakeUpstream):
         )
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.tokenize_requests: list[dict[str, Any]] = []
         self.disconnects = 0
         self._init_upstream()
 
@@ -79,6 +80,7 @@ class FakeVllm(FakeUpstream):
         if not self._authorized(request):
             return web.json_response({"error": {"message": "unauthorized"}}, status=401)
         body = await request.json()
+        self.tokenize_requests.append(body)
         if "messages" in body:
             text = "<user>" + "".join(m["content"] for m in body["messages"]) + "<assistant>"
         else:

@@ -1,0 +1,590 @@
+"""The openai backend with `api: chat` against a fake OpenAI chat server over real sockets: the
+streaming protocol and its tolerated quirks, in-band errors, migration by continuing the partial
+assistant message; and `api: completions` with chat messages (through `/tokenize`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
+from orchestrator.clients.generation import (
+    ChatMessage,
+    Continuation,
+    EngineItem,
+    GenerationChunk,
+    GenerationError,
+    GenerationParams,
+    GenerationRequest,
+)
+from orchestrator.clients.migration import MigratingStream
+from orchestrator.clients.openai import OpenAIClient
+from orchestrator.config import ModelConfig
+from tests.fakes.engine import prompt_ids
+from tests.fakes.openai_chat import DEFAULT_SCRIPT, ChatFault, FakeOpenAIChat
+from tests.fakes.vllm import FakeVllm
+
+SCRIPT = DEFAULT_SCRIPT  # "The cat sat on the mat."
+FULL = "".join(SCRIPT)
+CONVERSATION = (
+    ChatMessage("system", "You are terse."),
+    ChatMessage("user", "Where did the cat sit?"),
+)
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for s in made:
+        await s.close()
+
+
+async def start(servers: list[Any], n: int = 1, **kwargs: Any) -> list[FakeOpenAIChat]:
+    out = []
+    for _ in range(n):
+        s = FakeOpenAIChat(**kwargs)
+        await s.start()
+        servers.append(s)
+        out.append(s)
+    return out
+
+
+def request(
+    prompt: str = "Hi",
+    *,
+    messages: tuple[ChatMessage, ...] | None = None,
+    chat: bool = True,
+    extra: dict[str, Any] | None = None,
+    **params: Any,
+) -> GenerationRequest:
+    params.setdefault("max_new_tokens", 20)
+    return GenerationRequest(
+        prompt=prompt,
+        params=GenerationParams(**params),
+        chat=chat,
+        request_id="r-1",
+        messages=messages,
+        extra=extra or {},
+    )
+
+
+def client(session: aiohttp.ClientSession, s: Any, **kwargs: Any) -> OpenAIClient:
+    return OpenAIClient("c0", s.url, "fake-chat", session, api="chat", **kwargs)
+
+
+async def collect(
+    c: OpenAIClient, req: GenerationRequest, cont: Continuation | None = None
+) -> list[EngineItem]:
+    stream = c.generate(req, cont, stall_timeout_s=5, max_time=0)
+    try:
+        return [item async for item in stream]
+    finally:
+        stream.close()
+
+
+def backend(
+    session: aiohttp.ClientSession,
+    servers: list[Any],
+    *,
+    api: str = "chat",
+    registry: CollectorRegistry | None = None,
+    **migration: Any,
+) -> ReplicatedModelBackend:
+    config = ModelConfig.model_validate(
+        {
+            "backends": [
+                {
+                    "type": "openai",
+                    "url": s.url,
+                    "model": "fake-chat",
+                    "api": "chat" if isinstance(s, FakeOpenAIChat) else "completions",
+                }
+                for s in servers
+            ],
+            "migration": {"stall_timeout_s": 5, "quarantine_s": 30, **migration},
+        }
+    )
+    built = build_model_backends({"m": config}, session, registry=registry or CollectorRegistry())
+    b = built["m"]
+    assert isinstance(b, ReplicatedModelBackend)
+    return b
+
+
+async def run(stream: MigratingStream) -> list[GenerationChunk]:
+    async with stream:
+        return [chunk async for chunk in stream]
+
+
+# -- the protocol -----------------------------------------------------------------------------
+
+
+async def test_plain_stream(session: aiohttp.ClientSession, servers: list[Any]) -> None:
+    (s,) = await start(servers, api_key="sekret")
+    items = await collect(client(session, s, api_key="sekret"), request())
+    assert [(i.text, i.token_count, i.finish_reason) for i in items] == [
+        *((piece, 1, None) for piece in SCRIPT),
+        ("", 0, "EOS_TOKEN"),  # usage: 7 completion tokens, 7 already counted
+    ]
+    assert all(i.token_ids == () and i.prompt_token_ids is None for i in items)
+    assert items[-1].input_token_count == 1  # usage.prompt_tokens of "Hi"
+    body = s.requests[0]
+    assert body == {
+        "model": "fake-chat",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 20,
+        "temperature": 0.0,
+    }
+    assert s.headers[0]["Authorization"] == "Bearer sekret"
+
+
+async def test_messages_sampling_params_and_extra(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    (s,) = await start(servers, scripts={"Where did the cat sit?": SCRIPT})
+    extra = {
+        "user": "u-1",
+        "logit_bias": {"42": -100},
+        "response_format": {"type": "text"},
+        "stream_options": {"continuous_usage_stats": False},
+        # never taken from extra:
+        "model": "other",
+        "messages": [],
+        "stream": False,
+    }
+    req = request(
+        messages=CONVERSATION,
+        extra=extra,
+        max_new_tokens=9,
+        min_new_tokens=2,
+        decoding_method="SAMPLING",
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        seed=11,
+        repetition_penalty=1.1,
+        stop_sequences=(" on",),
+    )
+    items = await collect(client(session, s), req)
+    assert "".join(i.text for i in items) == "The cat sat"  # the stop string is not sent
+    assert items[-1].finish_reason == "STOP_SEQUENCE"
+    assert s.requests[0] == {
+        "user": "u-1",
+        "logit_bias": {"42": -100},
+        "response_format": {"type": "text"},
+        "stream_options": {"continuous_usage_stats": False, "include_usage": True},
+        "model": "fake-chat",
+        "messages": [m.wire() for m in CONVERSATION],
+        "stream": True,
+        "max_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "seed": 11,
+        "repetition_penalty": 1.1,
+        "stop": [" on"],
+        "min_tokens": 2,
+    }
+
+
+@pytest.mark.parametrize("chat", [True, False])
+async def test_fms_prompt_goes_as_one_user_message(
+    session: aiohttp.ClientSession, servers: list[Any], chat: bool
+) -> None:
+    """A chat endpoint has no raw-prompt mode: an FMS prompt is a user message either way."""
+    (s,) = await start(servers)
+    c = client(session, s)
+    items = await collect(c, request("Tell me", chat=chat))
+    assert "".join(i.text for i in items) == FULL
+    assert s.requests[0]["messages"] == [{"role": "user", "content": "Tell me"}]
+    assert await c.tokenize("Tell me", chat) == 2
+    assert s.tokenize_requests[-1] == {
+        "model": "fake-chat",
+        "messages": [{"role": "user", "content": "Tell me"}],
+        "add_generation_prompt": True,
+    }
+
+
+async def test_max_tokens_finish(session: aiohttp.ClientSession, servers: list[Any]) -> None:
+    (s,) = await start(servers)
+    items = await collect(client(session, s), request(max_new_tokens=3))
+    assert "".join(i.text for i in items) == "The cat sat"
+    assert items[-1].finish_reason == "MAX_TOKENS"
+
+
+@pytest.mark.parametrize(
+    "quirk",
+    [
+        {"annotations": True},  # Azure: prompt_filter_results, choices without a delta
+        {"empty_choices": True},
+        {"null_content": True},
+        {"keepalive": True},
+        {"finish_with_content": True},
+        {"stop_reason_field": "matched_stop"},  # SGLang
+        {"annotations": True, "empty_choices": True, "null_content": True, "keepalive": True},
+    ],
+    ids=lambda q: "+".join(q),
+)
+async def test_tolerated_quirks(
+    session: aiohttp.ClientSession, servers: list[Any], quirk: dict[str, Any]
+) -> None:
+    (s,) = await start(servers, **quirk)
+    items = await collect(client(session, s), request())
+    assert [i.text for i in items if i.text] == SCRIPT
+    assert [i.finish_reason for i in items].count("EOS_TOKEN") == 1
+    assert items[-1].finish_reason == "EOS_TOKEN"
+    assert sum(i.token_count or 0 for i in items) == len(SCRIPT)
+    assert items[-1].input_token_count == 1
+
+
+async def test_stop_string_named_by_sglang(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    (s,) = await start(servers, stop_reason_field="matched_stop")
+    items = await collect(client(session, s), request(stop_sequences=(" the",)))
+    assert "".join(i.text for i in items) == "The cat sat on"
+    assert items[-1].finish_reason == "STOP_SEQUENCE"
+
+
+async def test_counts_from_usage_with_several_words_a_chunk(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    """Content events count one each; the final item takes the server's exact count."""
+    a, b = await start(servers, 2, words_per_chunk=3)
+    b.send_usage = False
+    be = backend(session, [a])
+    chunks = await run(be.stream(request()))
+    assert [c.text for c in chunks] == ["The cat sat", " on the mat", ".", ""]
+    assert [c.generated_token_count for c in chunks] == [1, 2, 3, 7]
+    assert [c.input_token_count for c in chunks] == [0, 0, 0, 1]
+    # without usage (a server that ignores include_usage): one token a content event
+    be = backend(session, [b])
+    stream = be.stream(request())
+    chunks = await run(stream)
+    assert [c.generated_token_count for c in chunks] == [1, 2, 3, 3]
+    assert stream.finish_reason == "EOS_TOKEN" and stream.input_token_count is None
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        (ChatFault("error", after_chunks=2), "replica c0: injected error"),
+        (ChatFault("object_error", after_chunks=2), "replica c0: injected object error"),
+        (ChatFault("string_error", after_chunks=2), "replica c0: injected string error"),
+        (ChatFault("done_early", after_chunks=2), "replica c0: [DONE] without a finish_reason"),
+        (ChatFault("eof", after_chunks=2), "replica c0: stream ended without [DONE]"),
+        (ChatFault("close", after_chunks=2), "replica c0: connection failed"),
+        (ChatFault("abort", after_chunks=2), "the server ended the request (abort)"),
+        (ChatFault("error", after_chunks=7), "replica c0: injected error"),  # before the finish
+        (ChatFault("http", status=503), "replica c0 answered HTTP 503: injected"),
+        (ChatFault("http", status=429), "replica c0 answered HTTP 429: injected"),
+    ],
+    ids=lambda v: v.mode + str(v.after_chunks) if isinstance(v, ChatFault) else "",
+)
+async def test_failures_are_migratable(
+    session: aiohttp.ClientSession, servers: list[Any], fault: ChatFault, message: str
+) -> None:
+    (s,) = await start(servers, fail=fault)
+    items: list[EngineItem] = []
+    stream = client(session, s).generate(request(), None, stall_timeout_s=5, max_time=0)
+    with pytest.raises(GenerationError) as info:
+        async for item in stream:
+            items.append(item)
+    err = info.value
+    assert (err.migratable, err.code, err.error_type) == (True, 503, "generation_unavailable")
+    assert message in err.message
+    assert [i.text for i in items] == SCRIPT[: fault.after_chunks]
+
+
+async def test_http_400_is_not_migratable(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    (s,) = await start(servers, fail=ChatFault("http", status=400))
+    with pytest.raises(GenerationError) as info:
+        await collect(client(session, s), request())
+    assert not info.value.migratable and "HTTP 400" in info.value.message
+
+
+async def test_content_filter_is_a_refusal_not_migrated(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    a, b = await start(servers, 2)
+    a.faults.append(ChatFault("content_filter", after_chunks=2))
+    be = backend(session, [a, b])
+    got: list[str] = []
+    with pytest.raises(GenerationError) as info:
+        async with be.stream(request()) as stream:
+            async for chunk in stream:
+                got.append(chunk.text)
+    err = info.value
+    assert (err.migratable, err.code, err.error_type) == (False, 502, "generation_error")
+    assert err.message == "replica openai-0: the upstream's content filter stopped the generation"
+    assert got == ["The", " cat"] and b.requests == []
+
+
+async def test_stall(session: aiohttp.ClientSession, servers: list[Any]) -> None:
+    (s,) = await start(servers, fail=ChatFault("stall", after_chunks=1))
+    stream = client(session, s).generate(request(), None, stall_timeout_s=0.3, max_time=0)
+    with pytest.raises(GenerationError, match=r"no event for 0.3 s \(stalled\)"):
+        async for _ in stream:
+            pass
+
+
+async def test_keepalives_do_not_hide_a_stall(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    """A server that only sends keep-alive comments is stalled all the same."""
+    (s,) = await start(servers, fail=ChatFault("stall_keepalive", after_chunks=1))
+    stream = client(session, s).generate(request(), None, stall_timeout_s=1, max_time=0)
+    texts = []
+    with pytest.raises(GenerationError, match="stalled"):
+        async for item in stream:
+            texts.append(item.text)
+    assert texts == ["The"]
+
+
+@pytest.mark.parametrize("mode", ["close", "error", "eof", "stall"])
+async def test_failure_after_the_finish_chunk(
+    session: aiohttp.ClientSession, servers: list[Any], mode: str
+) -> None:
+    """The finish event came, the usage and [DONE] did not: the final item still goes out (then
+    the failure), and the request completes without re-dispatch."""
+    stall_s = 1 if mode == "stall" else 5  # a stall must be waited out; nothing else waits
+    (s,) = await start(servers, fail=ChatFault(mode, after_finish=True))
+    stream = client(session, s).generate(request(), None, stall_timeout_s=stall_s, max_time=0)
+    items: list[EngineItem] = []
+    with pytest.raises(GenerationError) as info:
+        async for item in stream:
+            items.append(item)
+    assert info.value.migratable
+    assert items[-1].finish_reason == "EOS_TOKEN" and items[-1].token_count == 0
+    assert "".join(i.text for i in items) == FULL
+
+    a, b = await start(servers, 2)
+    a.faults.append(ChatFault(mode, after_finish=True))
+    be = backend(session, [a, b], stall_timeout_s=stall_s)
+    stream2 = be.stream(request())
+    chunks = await run(stream2)
+    assert "".join(c.text for c in chunks) == FULL
+    assert stream2.finish_reason == "EOS_TOKEN" and stream2.migrations == 0
+    assert chunks[-1].generated_token_count == 7 and b.requests == []
+
+
+# -- migration ----------------------------------------------------------------------------------
+
+
+async def test_mid_stream_drop_migrates_by_continuing_the_assistant_message(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    a, b = await start(servers, 2, scripts={"Where did the cat sit?": SCRIPT})
+    extra = {"user": "u-1", "metadata": {"k": "v"}}
+    req = request(messages=CONVERSATION, extra=extra, max_new_tokens=20)
+    uninterrupted = await run(backend(session, [a]).stream(req))
+    a.faults.append(ChatFault("close", after_chunks=3))
+    registry = CollectorRegistry()
+    be = backend(session, [a, b], registry=registry)
+    stream = be.stream(req)
+    chunks = await run(stream)
+    assert [c.text for c in chunks] == [c.text for c in uninterrupted] == [*SCRIPT, ""]
+    assert "".join(c.text for c in chunks) == FULL
+    assert [c.generated_token_count for c in chunks] == [1, 2, 3, 4, 5, 6, 7, 7]
+    assert chunks[-1].input_token_count == uninterrupted[-1].input_token_count == 10
+    assert stream.migrations == 1 and stream.finish_reason == "EOS_TOKEN"
+    assert stream.replicas_used == ["openai-0", "openai-1"]
+    assert len(a.requests) == 2 and len(b.requests) == 1
+    resumed = b.requests[0]
+    assert resumed["messages"] == [
+        *(m.wire() for m in CONVERSATION),
+        {"role": "assistant", "content": "The cat sat"},
+    ]
+    assert resumed["continue_final_message"] is True
+    assert resumed["add_generation_prompt"] is False
+    assert resumed["max_tokens"] == 17  # the remaining budget
+    assert resumed["user"] == "u-1" and resumed["metadata"] == {"k": "v"}
+    assert b.resume_mismatches == []
+    assert (
+        registry.get_sample_value(
+            "guardstream_migrations_total", {"model_id": "m", "kind": "mid_stream"}
+        )
+        == 1
+    )
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        ChatFault("error", after_chunks=2),
+        ChatFault("object_error", after_chunks=2),
+        ChatFault("string_error", after_chunks=2),
+        ChatFault("done_early", after_chunks=2),
+        ChatFault("eof", after_chunks=2),
+        ChatFault("stall", after_chunks=2),
+        ChatFault("close", after_chunks=2),
+        ChatFault("http", status=503),
+    ],
+    ids=lambda f: f.mode,
+)
+async def test_every_migratable_failure_resumes_seamlessly(
+    session: aiohttp.ClientSession, servers: list[Any], fault: ChatFault
+) -> None:
+    a, b = await start(servers, 2, words_per_chunk=2)
+    a.faults.append(fault)
+    be = backend(session, [a, b], stall_timeout_s=1 if fault.mode == "stall" else 5)
+    stream = be.stream(request())
+    chunks = await run(stream)
+    assert "".join(c.text for c in chunks) == FULL
+    assert stream.migrations == 1 and stream.finish_reason == "EOS_TOKEN"
+    resumed = b.requests[0]
+    if fault.mode == "http":  # before the first token: the request as it came
+        assert resumed == a.requests[0]
+    else:
+        assert resumed["messages"][-1] == {"role": "assistant", "content": "The cat sat on"}
+        assert resumed["max_tokens"] == 18  # two content events delivered
+    assert b.resume_mismatches == []
+
+
+async def test_resume_extends_the_clients_own_prefill(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    """A client that prefilled the assistant message itself: the resume extends that message."""
+    prefill = (*CONVERSATION, ChatMessage("assistant", "The cat"))
+    a, b = await start(servers, 2, scripts={"Where did the cat sit?": SCRIPT})
+    a.faults.append(ChatFault("close", after_chunks=2))
+    req = request(
+        messages=prefill,
+        extra={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    chunks = await run(backend(session, [a, b]).stream(req))
+    assert "".join(c.text for c in chunks) == " sat on the mat."
+    assert b.requests[0]["messages"][-1] == {"role": "assistant", "content": "The cat sat on"}
+    assert len(b.requests[0]["messages"]) == 3
+    assert b.resume_mismatches == []
+
+
+async def test_budget_spent_when_the_replica_fails_completes_locally(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    a, b = await start(servers, 2)
+    a.faults.append(ChatFault("close", after_chunks=3))
+    stream = backend(session, [a, b]).stream(request(max_new_tokens=3))
+    chunks = await run(stream)
+    assert [c.text for c in chunks] == ["The", " cat", " sat", ""]
+    assert stream.finish_reason == "MAX_TOKENS" and stream.migrations == 0
+    assert b.requests == []
+
+
+async def test_max_seq_len_estimates_the_prompt_from_its_characters(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    """No usage before the failure: the prompt's tokens are estimated (4 characters a token)."""
+    a, b = await start(servers, 2)
+    a.faults.append(ChatFault("close", after_chunks=3))
+    be = backend(session, [a, b], max_seq_len=12)
+    with pytest.raises(GenerationError) as info:
+        await run(be.stream(request("x" * 40)))
+    assert info.value.message == (
+        "replica openai-0: connection failed: connection lost mid-stream (not migrated: "
+        "10 prompt + 3 generated tokens exceed max_seq_len 12)"
+    )
+    assert b.requests == []
+
+
+async def test_limit_exhausted_surfaces_the_first_error(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    a, b = await start(servers, 2)
+    a.faults.append(ChatFault("close", after_chunks=1))
+    b.faults.append(ChatFault("error", after_chunks=1))
+    with pytest.raises(GenerationError) as info:
+        await run(backend(session, [a, b], limit=1).stream(request()))
+    assert "replica openai-0: connection failed" in info.value.message
+    assert "migration limit 1 reached" in info.value.message
+    assert b.requests[0]["messages"][-1] == {"role": "assistant", "content": "The"}
+
+
+# -- completions with messages ------------------------------------------------------------------
+
+
+async def test_completions_mode_tokenizes_messages(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    v = FakeVllm(script=list(SCRIPT), model="fake-chat")
+    await v.start()
+    servers.append(v)
+    c = OpenAIClient("v0", v.url, "fake-chat", session)
+    req = request(messages=CONVERSATION, extra={"user": "not forwarded"})
+    stream = c.generate(req, None, stall_timeout_s=5, max_time=0)
+    try:
+        items = [item async for item in stream]
+    finally:
+        stream.close()
+    assert "".join(i.text for i in items) == FULL
+    assert v.tokenize_requests[0] == {
+        "model": "fake-chat",
+        "messages": [m.wire() for m in CONVERSATION],
+        "add_generation_prompt": True,
+    }
+    ids = prompt_ids("<user>You are terse.Where did the cat sit?<assistant>")
+    assert v.requests[0]["prompt"] == ids and "user" not in v.requests[0]
+    be = backend(session, [v])
+    assert await be.tokenize("", True, CONVERSATION) == len(ids)
+
+
+async def test_chat_continuation_resumed_on_a_completions_replica(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    """A pool mixing both modes: text delivered by a chat replica is resumed on a completions
+    replica as the templated conversation's ids plus the delivered text's own ids."""
+    (a,) = await start(servers, fail=ChatFault("close", after_chunks=2))
+    v = FakeVllm(script=list(SCRIPT), model="fake-chat")
+    await v.start()
+    servers.append(v)
+    stream = backend(session, [a, v]).stream(request(messages=CONVERSATION))
+    await run(stream)  # the fake vLLM's "model" cannot continue text: only its request counts
+    assert stream.migrations == 1
+    assert [b.get("prompt", b.get("messages")) for b in v.tokenize_requests] == [
+        [m.wire() for m in CONVERSATION],
+        "The cat",
+    ]
+    assert v.tokenize_requests[1]["add_special_tokens"] is False
+    assert v.requests[0]["prompt"] == [
+        *prompt_ids("<user>You are terse.Where did the cat sit?<assistant>"),
+        *prompt_ids("The cat"),
+    ]
+    assert v.requests[0]["max_tokens"] == 18
+
+
+# -- the fake itself ----------------------------------------------------------------------------
+
+
+async def test_fake_unary_and_continuation(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    (s,) = await start(servers)
+    body = {
+        "model": "fake-chat",
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "The cat s"},
+        ],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 2,
+    }
+    async with session.post(s.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        data = json.loads(await resp.read())
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": "at on"}
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
