@@ -21,8 +21,6 @@ from multidict import CIMultiDict
 
 from .api.errors import ApiError, ErrorBody, ErrorType
 from .clients.backends import build_model_backends
-from .clients.detectors import DetectorCallError
-from .clients.generation import GenerationError
 from .clients.registry import ChunkerRegistry, DetectorRegistry
 from .config import Config, ConfigError
 from .handlers import (
@@ -38,8 +36,7 @@ from .handlers.stream_slots import TooManyStreams
 from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
 from .state import STATE, AppState
-from .streaming.fanout import ChunkerFailure
-from .streaming.guarded_generation import first_error
+from .streaming.failures import describe, first_error
 
 log = logging.getLogger("guardstream")
 access_log = logging.getLogger("guardstream.access")
@@ -60,27 +57,8 @@ def _error_response(body: ErrorBody, headers: dict[str, str] | None = None) -> w
 
 def error_for(exc: BaseException) -> ErrorBody:
     """The API error body for anything a handler raised; client mistakes map to 4xx."""
-    exc = first_error(exc)
-    if isinstance(exc, ApiError):
-        return exc.body()
-    if isinstance(exc, DetectorCallError):
-        if exc.invalid_params:
-            return ErrorBody(code=422, details=str(exc), type=ErrorType.INVALID_REQUEST)
-        return ErrorBody(code=502, details=str(exc), type=ErrorType.DETECTOR_ERROR)
-    if isinstance(exc, ChunkerFailure):
-        return ErrorBody(code=500, details=str(exc), type=ErrorType.CHUNKER_ERROR)
-    if isinstance(exc, GenerationError):
-        return ErrorBody(code=exc.code, details=str(exc), type=ErrorType(exc.error_type))
-    if isinstance(exc, web.HTTPException):
-        if exc.status == 404:
-            return ErrorBody(code=404, details="no such endpoint", type=ErrorType.NOT_FOUND)
-        if exc.status == 413:
-            return ErrorBody(
-                code=413, details="request body too large", type=ErrorType.INVALID_REQUEST
-            )
-        if exc.status < 500:
-            return ErrorBody(code=exc.status, details=exc.reason, type=ErrorType.INVALID_REQUEST)
-    return ErrorBody(code=500, details="internal error", type=ErrorType.SERVER_ERROR)
+    failure = describe(exc)
+    return ErrorBody(code=failure.code, details=failure.message, type=failure.type)
 
 
 # Headers for every call made downstream (engines, remote detectors) on behalf of the current

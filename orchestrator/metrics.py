@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .api.responses import ClassifiedFrame
+from .streaming.events import Frame
 from .streaming.findings import Finding
 from .streaming.guarded_generation import StreamObserver
 
@@ -74,11 +74,11 @@ class OrchestratorMetrics:
     def observer(self) -> StreamObserver:
         """Hooks for one request's pipeline (which itself knows nothing of prometheus)."""
 
-        def on_frame(frame: ClassifiedFrame, hold_s: float) -> None:
+        def on_frame(frame: Frame, hold_s: float) -> None:
             self.frames.inc()
             # every frame with text has been held back for some time, however short; frames
-            # without text (an input refusal, an empty final frame) have nothing to hold
-            if frame.generated_text:
+            # without text (an empty final frame) have nothing to hold
+            if frame.text:
                 self.hold_back.observe(max(hold_s, 0.0))
 
         def on_findings(findings: list[Finding]) -> None:

@@ -16,11 +16,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from orchestrator.app import STREAMING_PATH
+from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from orchestrator.config import parse_config
 from orchestrator.server import start_server
 from tests.fakes.engine import until
 
+NDJSON = "application/x-ndjson"
 MODEL = "fake-model"
 # "I am great. What about you?" in eight tokens: two sentences, [0, 11) and [11, 27)
 SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
@@ -166,8 +167,11 @@ class Orchestrator:
     async def post(
         self, path: str, body: Any, *, headers: dict[str, str] | None = None
     ) -> tuple[int, Any]:
-        """POSTs JSON (or raw bytes/str) and returns (status, parsed JSON or text)."""
+        """POSTs JSON (or raw bytes/str) and returns (status, parsed JSON or text); raw bodies to
+        stream-content go as NDJSON unless the test sets a content type."""
         assert self.session is not None
+        if path == STREAM_CONTENT_PATH and isinstance(body, bytes | str):
+            headers = {"Content-Type": NDJSON, **(headers or {})}
         kwargs: dict[str, Any] = {"headers": headers}
         if isinstance(body, bytes | str):
             kwargs["data"] = body

@@ -13,6 +13,7 @@ from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     MODEL,
+    NDJSON,
     SCRIPT,
     Orchestrator,
     generation_body,
@@ -142,7 +143,9 @@ async def test_stream_content_ndjson_in_and_out(setup) -> None:
     payload = "".join(json.dumps(line) + "\n" for line in lines)
     async with Orchestrator(cfg) as orch:
         assert orch.session is not None
-        async with orch.session.post(orch.url + STREAM_CONTENT_PATH, data=payload) as r:
+        async with orch.session.post(
+            orch.url + STREAM_CONTENT_PATH, data=payload, headers={"Content-Type": NDJSON}
+        ) as r:
             assert r.status == 200
             assert r.headers["Content-Type"].startswith("application/x-ndjson")
             out = [json.loads(x) for x in (await r.text()).splitlines()]
@@ -175,7 +178,9 @@ async def test_stream_content_bad_later_line_ends_with_an_error_line(setup) -> N
     payload = '{"detectors": {"you": {}}, "content": "Hi you. "}\n{"content": 3}\n'
     async with Orchestrator(cfg) as orch:
         assert orch.session is not None
-        async with orch.session.post(orch.url + STREAM_CONTENT_PATH, data=payload) as r:
+        async with orch.session.post(
+            orch.url + STREAM_CONTENT_PATH, data=payload, headers={"Content-Type": NDJSON}
+        ) as r:
             assert r.status == 200
             out = [json.loads(x) for x in (await r.text()).splitlines()]
     assert out[-1]["code"] == 422 and out[-1]["type"] == "invalid_request"

@@ -36,6 +36,7 @@ from orchestrator.state import STATE
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, until
 from tests.orchestrator_support import (
+    NDJSON,
     SCRIPT,
     Orchestrator,
     assert_contiguous,
@@ -478,37 +479,48 @@ async def test_request_body_over_max_request_bytes_is_413(engine) -> None:
     assert len(engine.requests) == 1
 
 
-async def test_stream_content_line_over_max_request_bytes_is_413(engine, dets) -> None:
-    """stream-content bounds each line, not the whole body (it is a stream)."""
+async def test_stream_content_body_over_max_request_bytes_is_413(engine, dets) -> None:
+    """stream-content bounds the WHOLE body, not only each line: a stream is no excuse for
+    unbounded input (DESIGN section 4)."""
     config = native_config(
         engine.url,
         server={"max_request_bytes": LIMIT},
         detectors={"great": remote(dets.url)},
     )
+    too_large = {
+        "code": 413,
+        "details": f"request body too large (limit {LIMIT} bytes)",
+        "type": "invalid_request",
+    }
     first = json.dumps({"detectors": {"great": {}}, "content": "y" * LIMIT})
     async with Orchestrator(config) as orch:
-        assert await orch.post(STREAM_CONTENT_PATH, first) == (
-            413,
-            {"code": 413, "details": f"a line exceeds {LIMIT} bytes", "type": "invalid_request"},
-        )
-        # a body far longer than the limit, in short lines, is fine
+        # over the limit before the first line is complete: a real 413
+        assert await orch.post(STREAM_CONTENT_PATH, first) == (413, too_large)
+        # within the limit, in several lines: fine
         lines = [json.dumps({"detectors": {"great": {}}, "content": "great. "})]
-        lines += [json.dumps({"content": "So great. "})] * 200
+        lines += [json.dumps({"content": "So great. "})] * 10
         status, text = await orch.post(STREAM_CONTENT_PATH, "\n".join(lines) + "\n")
         assert status == 200
         results = [json.loads(line) for line in text.splitlines()]
-        assert results[-1]["processed_index"] == len("great. ") + 200 * len("So great. ")
-        # a later line over the limit ends the reply with an in-band error line
-        body = "\n".join([lines[0], json.dumps({"content": "z" * LIMIT})])
-        status, reply = await orch.post(STREAM_CONTENT_PATH, body)
-        assert status == 200
-        # the first line's own result, if it was judged in time, then the error line
-        last = reply if isinstance(reply, dict) else json.loads(reply.splitlines()[-1])
-        assert last == {
-            "code": 413,
-            "details": f"a line exceeds {LIMIT} bytes",
-            "type": "invalid_request",
-        }
+        assert results[-1]["processed_index"] == len("great. ") + 10 * len("So great. ")
+        # far over the limit in short lines, after the reply started (the rest of the body is
+        # gated on the reply's headers): the reply ends with an in-band 413 error line
+        started = asyncio.Event()
+
+        async def body() -> AsyncIterator[bytes]:
+            yield (lines[0] + "\n").encode()
+            await started.wait()
+            for _ in range(200):
+                yield (json.dumps({"content": "So great. "}) + "\n").encode()
+
+        assert orch.session is not None
+        async with orch.session.post(
+            orch.url + STREAM_CONTENT_PATH, data=body(), headers={"Content-Type": NDJSON}
+        ) as r:
+            assert r.status == 200
+            started.set()
+            reply = await r.text()
+        assert json.loads(reply.splitlines()[-1]) == too_large
 
 
 async def test_stream_content_newline_terminated_line_over_the_limit_is_413(engine, dets) -> None:

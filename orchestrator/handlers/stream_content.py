@@ -1,46 +1,75 @@
 """POST /api/v2/text/detection/stream-content: NDJSON lines of text in, one NDJSON result per
-judged chunk out (`{detections, start_index, processed_index}`). The first line names the
-detectors and is validated before any byte goes out; a bad later line ends the reply with an
-in-band error line."""
+judged chunk out (`{detections, start_index, processed_index}`).
+
+Hostile input is expected: anything but NDJSON is 415; a stream slot is taken before the body is
+read; the WHOLE body is bounded by `max_request_bytes` (a stream is no excuse for unbounded
+input) and the request by `request_timeout_s`. The first line names the detectors and is
+validated before any byte goes out; a bad later line, an oversized body or the deadline ends the
+reply with an in-band error line."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import suppress
+from contextlib import aclosing
 
+import orjson
 from aiohttp import web
 
 from ..api.errors import ApiError, ErrorType, invalid
 from ..api.requests import StreamContentLine
 from ..api.responses import StreamContentResult
-from ..clients.detectors import DetectorCallError
 from ..state import STATE
-from ..streaming.detection import JudgedFrame, StreamingDetection
-from ..streaming.events import ndjson
-from ..streaming.fanout import ChunkerFailure
-from ..streaming.guarded_generation import first_error
-from .body import parse_json, validate
+from ..streaming.content_stream import ContentStream
+from ..streaming.detection import JudgedFrame
+from ..streaming.events import Failure
+from .body import parse_json, too_large, validate
 from .stream_slots import stream_slot
 
-_DONE = object()
+NDJSON_TYPES = frozenset({"application/x-ndjson", "application/ndjson", "application/jsonl"})
 
 
-async def _lines(request: web.Request, max_line: int) -> AsyncIterator[bytes]:
-    """Non-blank lines of the body, each at most `max_line` bytes."""
-    buf = b""
-    async for chunk in request.content.iter_chunked(65536):
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            if len(line) > max_line:
-                raise ApiError(413, ErrorType.INVALID_REQUEST, f"a line exceeds {max_line} bytes")
-            if line.strip():
-                yield line
-        if len(buf) > max_line:
-            raise ApiError(413, ErrorType.INVALID_REQUEST, f"a line exceeds {max_line} bytes")
-    if buf.strip():
-        yield buf
+class BodyLines:
+    """Non-blank lines of the body; raises 413 once the body passes `limit` bytes in all, and
+    408 when no line completes before the request's deadline."""
+
+    def __init__(self, request: web.Request, limit: int, deadline: float) -> None:
+        self._content = request.content
+        self._limit = limit
+        self._deadline = deadline
+        self._seen = 0
+        self._buf = b""
+        self._lines: list[bytes] = []
+        self._eof = False
+
+    async def next(self) -> bytes | None:
+        while not self._lines:
+            if self._eof:
+                return None
+            await self._fill()
+        return self._lines.pop(0)
+
+    async def _fill(self) -> None:
+        remaining = self._deadline - asyncio.get_running_loop().time()
+        try:
+            async with asyncio.timeout(max(remaining, 0)):
+                chunk = await self._content.readany()
+        except TimeoutError:
+            raise ApiError(
+                408, ErrorType.TIMEOUT, "the request body did not arrive within request_timeout_s"
+            ) from None
+        if not chunk:
+            self._eof = True
+            if self._buf.strip():
+                self._lines.append(self._buf)
+            self._buf = b""
+            return
+        self._seen += len(chunk)
+        if self._seen > self._limit:
+            raise too_large(self._limit)
+        self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        self._lines.extend(line for line in lines if line.strip())
 
 
 def _parse_line(raw: bytes, first: bool) -> StreamContentLine:
@@ -52,69 +81,58 @@ def _parse_line(raw: bytes, first: bool) -> StreamContentLine:
     return line
 
 
-def _result(frame: JudgedFrame) -> StreamContentResult:
-    return StreamContentResult(
-        detections=[f.to_content() for f in frame.detections],
-        start_index=frame.start,
-        processed_index=frame.end,
+def _result(frame: JudgedFrame) -> bytes:
+    return (
+        StreamContentResult(
+            detections=[f.to_content() for f in frame.detections],
+            start_index=frame.start,
+            processed_index=frame.end,
+        )
+        .model_dump_json(exclude_none=True)
+        .encode()
+        + b"\n"
     )
+
+
+def _error_line(failure: Failure) -> bytes:
+    body = {"code": failure.code, "details": failure.message, "type": failure.type.value}
+    return orjson.dumps(body) + b"\n"
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    max_line = state.config.server.max_request_bytes
-    lines = _lines(request, max_line)
-    first_raw = await anext(lines, None)
-    if first_raw is None:
-        raise invalid("the body holds no line")
-    first = _parse_line(first_raw, first=True)
-    assert state.detectors is not None and first.detectors
-    dets = state.detectors.resolve(first.detectors, "content", "detectors")
-    out: asyncio.Queue[object] = asyncio.Queue()
-    detection = StreamingDetection(dets, state.chunkers, lambda f: out.put_nowait(_result(f)))
+    server = state.config.server
+    if request.content_type not in NDJSON_TYPES:
+        raise ApiError(
+            415,
+            ErrorType.INVALID_REQUEST,
+            f"expected content-type application/x-ndjson, got {request.content_type}",
+        )
+    if (request.content_length or 0) > server.max_request_bytes:
+        raise too_large(server.max_request_bytes)
+    with stream_slot(state):  # before reading: a slow body holds a slot, not free memory
+        deadline = asyncio.get_running_loop().time() + server.request_timeout_s
+        body = BodyLines(request, server.max_request_bytes, deadline)
+        first_raw = await body.next()
+        if first_raw is None:
+            raise invalid("the body holds no line")
+        first = _parse_line(first_raw, first=True)
+        assert state.detectors is not None and first.detectors
+        dets = state.detectors.resolve(first.detectors, "content", "detectors")
 
-    async def pump() -> None:
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(detection.run())
-                detection.feed(first.content)
-                async for raw in lines:
-                    detection.feed(_parse_line(raw, first=False).content)
-                detection.end()
-            for frame in detection.final_frames():
-                if frame.end > frame.start or frame.detections:
-                    out.put_nowait(_result(frame))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as group:
-            out.put_nowait(_error_line(first_error(group)))
-        out.put_nowait(_DONE)
+        async def contents() -> AsyncIterator[str]:
+            while (raw := await body.next()) is not None:
+                yield _parse_line(raw, first=False).content
 
-    with stream_slot(state):
+        remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
+        stream = ContentStream(dets, state.chunkers, first.content, contents(), timeout_s=remaining)
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
-        task = asyncio.create_task(pump())
-        try:
-            while (item := await out.get()) is not _DONE:
-                await response.write(ndjson(item))  # type: ignore[arg-type]
-        finally:
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
+        async with aclosing(stream.results()) as results:
+            async for item in results:
+                if isinstance(item, Failure):
+                    await response.write(_error_line(item))
+                    break
+                await response.write(_result(item))
         await response.write_eof()
     return response
-
-
-def _error_line(exc: BaseException) -> dict[str, object]:
-    if isinstance(exc, ApiError):
-        return exc.body().dump()
-    if isinstance(exc, DetectorCallError):
-        code, etype = (
-            (422, ErrorType.INVALID_REQUEST)
-            if exc.invalid_params
-            else (502, ErrorType.DETECTOR_ERROR)
-        )
-        return {"code": code, "details": str(exc), "type": etype.value}
-    if isinstance(exc, ChunkerFailure):
-        return {"code": 500, "details": str(exc), "type": ErrorType.CHUNKER_ERROR.value}
-    return {"code": 500, "details": "internal error", "type": ErrorType.SERVER_ERROR.value}

@@ -8,24 +8,25 @@ from contextlib import aclosing
 from aiohttp import web
 
 from ..state import STATE
+from ..streaming.fms_writer import sse_event
 from .stream_slots import stream_slot
-from .task_request import prepare_generation
+from .task_generation import prepare_task
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    pipeline = await prepare_generation(request)  # every 4xx happens here, before any byte
+    pipeline = await prepare_task(request, streaming=True)  # every 4xx happens here
     state = request.app[STATE]
     with stream_slot(state, pipeline):
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            }
-        )
+        response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         async with aclosing(pipeline.events()) as events:
             async for event in events:
-                await response.write(event.sse())
+                await response.write(sse_event(event))
         await response.write_eof()
     return response

@@ -1,17 +1,23 @@
-"""Text in, judged frames out: the per-request machinery shared by the generation stream and the
-stream-content endpoint (chunk fan-out, one DetectorQueue per detector, the FrameAggregator)."""
+"""Text in, judged frames out: the per-request machinery shared by the generation pipeline and the
+stream-content endpoint (chunk fan-out, one DetectorQueue per detector, the FrameAggregator).
+
+It is driven by its owner's consumer loop: `feed` and `end` take text, the detector queues post
+verdicts to the owner's inbox, and the owner hands each verdict back to `accept`, which returns
+what became releasable. Nothing here emits on its own, and a block is a returned verdict.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import FrameAggregator
-from .detector_queue import DetectorQueue, Result
+from .detector_queue import DetectorFinished, DetectorQueue, Result
 from .fanout import ChunkFanout
 from .findings import Finding, sort_findings
+from .inbox import Inbox
 
 
 @dataclass(slots=True)
@@ -24,12 +30,13 @@ class JudgedFrame:
     detections: list[Finding] = field(default_factory=list)
 
 
-class Blocked(Exception):
-    """A detector whose effective `on_detection` is `block` flagged text (DESIGN 4.6)."""
+@dataclass(slots=True)
+class Verdict:
+    """What one detector message made releasable; `blocked` holds the detections of a blocking
+    detector that flagged text (DESIGN 4.6): the owner must stop and refuse."""
 
-    def __init__(self, detections: list[Finding]) -> None:
-        super().__init__(f"blocked by {', '.join(sorted({d.detector_id for d in detections}))}")
-        self.detections = detections
+    frames: list[JudgedFrame] = field(default_factory=list)
+    blocked: list[Finding] | None = None
 
 
 class TextBuffer:
@@ -55,6 +62,9 @@ class TextBuffer:
         return out
 
 
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
 class StreamingDetection:
     """Runs a request's output detectors over a text that arrives in deltas.
 
@@ -64,31 +74,26 @@ class StreamingDetection:
     """
 
     def __init__(
-        self,
-        detectors: list[RequestedDetector],
-        chunkers: ChunkerRegistry,
-        emit: Callable[[JudgedFrame], None],
+        self, detectors: list[RequestedDetector], chunkers: ChunkerRegistry, inbox: Inbox
     ) -> None:
-        self._emit = emit
         gating = [d for d in detectors if not (d.whole_doc and not d.blocking)]
         self._aggregator: FrameAggregator[Finding] | None = (
             FrameAggregator(d.detector_id for d in gating) if gating else None
         )
-        gating_ids = {d.detector_id for d in gating}
-        self.queues = [
-            DetectorQueue(
-                d,
-                self._on_gating_result if d.detector_id in gating_ids else self._on_final_result,
-                self._on_finish,
-            )
-            for d in detectors
-        ]
+        self._gating = {d.detector_id for d in gating}
+        self.queues = [DetectorQueue(d, inbox) for d in detectors]
         self._blocking = {d.detector_id for d in detectors if d.blocking}
+        self._unfinished = {d.detector_id for d in detectors}
         self._fanout = ChunkFanout(chunkers, self.queues)
         self._text = TextBuffer()
         self._final: list[Finding] = []
         self._ended = False
         self._held: list[JudgedFrame] = []
+
+    def start(self, spawn: Spawn) -> None:
+        """Starts one task per detector queue through the owner's `spawn`."""
+        for q in self.queues:
+            spawn(q.run())
 
     @property
     def released(self) -> int:
@@ -98,19 +103,20 @@ class StreamingDetection:
     def length(self) -> int:
         return self._text.length
 
-    async def run(self) -> None:
-        """Judges until every queue is closed and drained; raises Blocked or DetectorCallError."""
-        async with asyncio.TaskGroup() as tg:
-            for q in self.queues:
-                tg.create_task(q.run())
+    @property
+    def done(self) -> bool:
+        """The text ended and every detector judged all of it."""
+        return self._ended and not self._unfinished
 
-    def feed(self, delta: str) -> None:
+    def feed(self, delta: str) -> list[JudgedFrame]:
+        """New text; frames only come back at once when no detector gates them."""
         if not delta:
-            return
+            return []
         self._text.append(delta)
         self._fanout.feed(delta)
         if self._aggregator is None:
-            self._release(self._text.length, [])
+            return self._release(self._text.length, [])
+        return []
 
     def end(self) -> None:
         """The text is complete. Frames released from now on are held back so that the last one
@@ -118,9 +124,28 @@ class StreamingDetection:
         self._ended = True
         self._fanout.flush()
 
+    def accept(self, message: Result | DetectorFinished) -> Verdict:
+        if isinstance(message, DetectorFinished):
+            self._unfinished.discard(message.detector_id)
+            if self._aggregator is not None and message.detector_id in self._gating:
+                self._aggregator.finish(message.detector_id)
+                return Verdict(self._drain())
+            return Verdict()
+        if message.detections and message.detector_id in self._blocking:
+            # text judged clean before the offending chunk still goes out, even when it was
+            # held back for the end of the stream
+            held, self._held = self._held, []
+            return Verdict(held, blocked=list(message.detections))
+        if message.detector_id in self._gating:
+            assert self._aggregator is not None
+            self._aggregator.push(message)
+            return Verdict(self._drain())
+        self._final.extend(message.detections)
+        return Verdict()
+
     def final_frames(self) -> list[JudgedFrame]:
-        """After `run()` returned: the held frames, the last one with the whole-document
-        detections merged in; an empty frame at the end of the text when none was held."""
+        """Once `done`: the held frames, the last one with the whole-document detections merged
+        in; an empty frame at the end of the text when none was held."""
         held, self._held = self._held, []
         if not held:
             end = self._text.released
@@ -128,42 +153,20 @@ class StreamingDetection:
         held[-1].detections = sort_findings(held[-1].detections + self._final)
         return held
 
-    def _check_block(self, result: Result) -> None:
-        if result.detections and result.detector_id in self._blocking:
-            # text judged clean before the offending chunk still goes out, even when it was
-            # held back for the end of the stream
-            held, self._held = self._held, []
-            for frame in held:
-                self._emit(frame)
-            raise Blocked(list(result.detections))
-
-    def _on_gating_result(self, result: Result) -> None:
-        self._check_block(result)
+    def _drain(self) -> list[JudgedFrame]:
         assert self._aggregator is not None
-        self._aggregator.push(result)
-        self._drain()
-
-    def _on_final_result(self, result: Result) -> None:
-        self._check_block(result)
-        self._final.extend(result.detections)
-
-    def _on_finish(self, detector_id: str) -> None:
-        if self._aggregator is not None and detector_id in self._aggregator:
-            self._aggregator.finish(detector_id)
-            self._drain()
-
-    def _drain(self) -> None:
-        assert self._aggregator is not None
+        out: list[JudgedFrame] = []
         for frame in self._aggregator.pop_ready():
             detections = [d for r in frame.results for d in r.detections]
-            self._release(frame.end, detections)
+            out.extend(self._release(frame.end, detections))
+        return out
 
-    def _release(self, end: int, detections: list[Finding]) -> None:
+    def _release(self, end: int, detections: list[Finding]) -> list[JudgedFrame]:
         start = self._text.released
         if end <= start and not detections:
-            return
+            return []
         frame = JudgedFrame(start, end, self._text.take(end), sort_findings(detections))
         if self._ended:
             self._held.append(frame)
-        else:
-            self._emit(frame)
+            return []
+        return [frame]

@@ -1,14 +1,15 @@
 """One detector's queue of chunks within one stream (DESIGN 4.4).
 
 Chunks are judged in stream order; whatever accumulated while a call was in flight goes out in the
-next call as one multi-content request, so a fast stream costs few detector round trips.
+next call as one multi-content request, so a fast stream costs few detector round trips. Verdicts
+are posted to the pipeline's inbox: the queue never calls back into the pipeline.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from chunkers import Span
 from detectors.api import Detection
@@ -16,25 +17,22 @@ from detectors.api import Detection
 from ..clients.registry import RequestedDetector
 from .aggregation import DetectorResult
 from .findings import Finding, keep
+from .inbox import Inbox
 
 Result = DetectorResult[Finding]
 
 
-class DetectorQueue:
-    """Feeds one detector its chunks and hands each verdict, thresholded and made
-    stream-relative, to `on_result` in stream order."""
+@dataclass(frozen=True, slots=True)
+class DetectorFinished:
+    """This detector judged every chunk it will ever get."""
 
-    def __init__(
-        self,
-        detector: RequestedDetector,
-        on_result: Callable[[Result], None],
-        on_finish: Callable[[str], None],
-        *,
-        max_batch: int = 32,
-    ) -> None:
+    detector_id: str
+
+
+class DetectorQueue:
+    def __init__(self, detector: RequestedDetector, inbox: Inbox, *, max_batch: int = 32) -> None:
         self.detector = detector
-        self._on_result = on_result
-        self._on_finish = on_finish
+        self._inbox = inbox
         self._max_batch = max_batch
         self._pending: deque[Span] = deque()
         self._closed = False
@@ -51,6 +49,8 @@ class DetectorQueue:
         self._wakeup.set()
 
     async def run(self) -> None:
+        """Judges until closed and drained; a failed call raises (the pipeline's task wrapper
+        turns it into a failure message)."""
         detector = self.detector
         while True:
             if not self._pending:
@@ -65,8 +65,8 @@ class DetectorQueue:
             self.calls += 1
             replies = await detector.client.detect([s.text for s in batch], detector.params)
             for span, detections in zip(batch, replies, strict=True):
-                self._on_result(to_result(detector, span, detections))
-        self._on_finish(detector.detector_id)
+                self._inbox.put(to_result(detector, span, detections))
+        self._inbox.put(DetectorFinished(detector.detector_id))
 
 
 def to_result(detector: RequestedDetector, span: Span, detections: list[Detection]) -> Result:

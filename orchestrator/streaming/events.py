@@ -1,88 +1,97 @@
-"""Stream events and their wire encodings (SSE for the task endpoint, NDJSON for stream-content)."""
+"""The typed events of one guarded generation (DESIGN section 1, "One pipeline, many writers").
+
+The pipeline yields these; each API surface is only a writer that renders them in its own wire
+format (FMS SSE, chat-completion chunks, Responses events, a unary object), so the surfaces
+cannot disagree on what was judged, blocked or cut off. They hold `Finding`s, not wire models:
+a writer projects them into its own shape.
+"""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Literal
 
-from ..api.errors import ErrorBody, ErrorType
-from ..api.responses import (
-    ClassifiedFrame,
-    IncompleteDetails,
-    RefusalDelta,
-    RefusalDone,
-    StreamError,
-    TerminalSummary,
-    Wire,
-)
+from ..api.errors import ErrorType
+from .findings import Finding
 
-# finish_reason -> (terminal event, incomplete reason)
-_BY_FINISH: dict[str | None, tuple[str, str | None]] = {
+UNSUITABLE_INPUT = "UNSUITABLE_INPUT"
+UNSUITABLE_OUTPUT = "UNSUITABLE_OUTPUT"
+
+TerminalKind = Literal["completed", "incomplete", "failed", "error"]
+IncompleteReason = Literal["max_output_tokens", "time_limit", "content_filter"]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What a client is told about an error: HTTP-style code, error type, message."""
+
+    code: int
+    type: ErrorType
+    message: str
+
+
+@dataclass(slots=True)
+class Frame:
+    """Released text `[start, end)` of the generated stream, judged by every gating detector,
+    with the detections on it (stream-relative). `final` marks the last frame, which carries the
+    finish reason and token count."""
+
+    start: int
+    end: int
+    text: str
+    detections: list[Finding] = field(default_factory=list)
+    final: bool = False
+    finish_reason: str | None = None
+    generated_token_count: int | None = None
+    input_token_count: int | None = None
+    seed: int | None = None
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.detections)
+
+
+@dataclass(slots=True)
+class Refusal:
+    """A guardrail stopped the request. `direction` "input": input detectors flagged the prompt
+    and the model was never called (spans relative to the judged input); "output": a blocking
+    detector flagged generated text, which is never released (spans stream-relative)."""
+
+    direction: Literal["input", "output"]
+    message: str
+    detections: list[Finding]
+    input_token_count: int | None = None
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class Terminal:
+    """Exactly one per stream, always last. `kind` is the FMS terminal event name; `reason` is
+    set for `incomplete`; `error` for `failed` (after a frame) and `error` (before any)."""
+
+    kind: TerminalKind
+    finish_reason: str | None = None
+    generated_token_count: int = 0
+    input_token_count: int | None = None
+    processed_index: int = 0
+    migrations: int = 0
+    reason: IncompleteReason | None = None
+    error: Failure | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """Nothing was yielded for `sse_keepalive_s`: streaming writers send a comment so idle
+    proxies do not cut the stream; others ignore it."""
+
+
+Event = Frame | Refusal | Terminal | KeepAlive
+KEEP_ALIVE = KeepAlive()
+
+# finish_reason -> (terminal kind, incomplete reason)
+BY_FINISH: dict[str | None, tuple[TerminalKind, IncompleteReason | None]] = {
     "EOS_TOKEN": ("completed", None),
     "STOP_SEQUENCE": ("completed", None),
     "MAX_TOKENS": ("incomplete", "max_output_tokens"),
     "TIME_LIMIT": ("incomplete", "time_limit"),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEvent:
-    """A frame (`name` None: an SSE message without an `event:` line) or a named event.
-    `terminal` marks the one event after which nothing follows."""
-
-    name: str | None
-    payload: Wire | ErrorBody
-    terminal: bool = False
-
-    def data(self) -> dict[str, Any]:
-        return self.payload.dump()
-
-    def sse(self) -> bytes:
-        head = f"event: {self.name}\n" if self.name else ""
-        return f"{head}data: {json.dumps(self.data(), ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
-
-
-def frame_event(frame: ClassifiedFrame) -> StreamEvent:
-    return StreamEvent(None, frame)
-
-
-def finish_event(summary: TerminalSummary) -> StreamEvent:
-    """`completed` or `incomplete`, from how generation finished."""
-    name, reason = _BY_FINISH.get(summary.finish_reason, ("completed", None))
-    if reason is not None:
-        summary = summary.model_copy(
-            update={"incomplete_details": IncompleteDetails(reason=reason)}
-        )  # type: ignore[arg-type]
-    return StreamEvent(name, summary, terminal=True)
-
-
-def incomplete_event(summary: TerminalSummary, reason: str) -> StreamEvent:
-    update = {"incomplete_details": IncompleteDetails(reason=reason)}  # type: ignore[arg-type]
-    return StreamEvent("incomplete", summary.model_copy(update=update), terminal=True)
-
-
-def refusal_events(message: str, done: RefusalDone) -> list[StreamEvent]:
-    return [
-        StreamEvent("refusal.delta", RefusalDelta(delta=message)),
-        StreamEvent("refusal.done", done),
-    ]
-
-
-def failure_event(
-    summary: TerminalSummary, frames_sent: int, code: int, error_type: ErrorType | str, message: str
-) -> StreamEvent:
-    """`failed` once a frame went out (the counters say how far it got), else `error`."""
-    if frames_sent:
-        err = StreamError(code=code, type=str(error_type), message=message)
-        return StreamEvent("failed", summary.model_copy(update={"error": err}), terminal=True)
-    return StreamEvent(
-        "error",
-        ErrorBody(code=code, details=message, type=ErrorType(str(error_type))),
-        terminal=True,
-    )
-
-
-def ndjson(payload: Wire | dict[str, Any]) -> bytes:
-    data = payload if isinstance(payload, dict) else payload.dump()
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"

@@ -1,9 +1,13 @@
-"""One request of the task endpoints: input detection, generation streamed through the output
-detectors, classified frames, and exactly one terminal event (DESIGN 4.3 to 4.7).
+"""One generation request, guarded: input detection, generation streamed through the output
+detectors, frames, and exactly one terminal event (DESIGN sections 1 and 4.3 to 4.7).
 
-The work runs in its own task and hands events to the consumer through a queue; when the
-consumer goes away (client disconnect) the task is cancelled, which closes the engine stream and
-every detector call of the request.
+`GuardedGeneration.events()` is an async iterator of typed events (`Frame`, `Refusal`,
+`Terminal`, `KeepAlive`) that the handler pulls. Background tasks (the engine reader, one per
+detector queue, input detection) only post messages to one `Inbox`; the single consumer loop in
+`events()` takes them, feeds the chunkers and the aggregator, and yields what became releasable.
+Nothing emits from callbacks, a block is a returned verdict, and because the handler pulls, a
+client that stops reading stops the consumer, which stops taking chunks, which stops the engine
+read. Closing the iterator (a disconnect) cancels every task of the request.
 """
 
 from __future__ import annotations
@@ -12,34 +16,31 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import suppress
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..api.errors import ErrorType
-from ..api.responses import (
-    UNSUITABLE_INPUT,
-    UNSUITABLE_OUTPUT,
-    ClassifiedFrame,
-    RefusalDone,
-    TerminalSummary,
-    TokenClassificationResults,
-)
-from ..clients.detectors import DetectorCallError
 from ..clients.generation import GenerationChunk, GenerationError, GenerationRequest, ModelBackend
+from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
-from .aggregation import AggregationError
-from .detection import Blocked, JudgedFrame, StreamingDetection
+from .aggregation import DetectorResult
+from .detection import JudgedFrame, StreamingDetection
+from .detector_queue import DetectorFinished
 from .events import (
-    StreamEvent,
-    failure_event,
-    finish_event,
-    frame_event,
-    incomplete_event,
-    refusal_events,
+    BY_FINISH,
+    KEEP_ALIVE,
+    Event,
+    Failure,
+    Frame,
+    IncompleteReason,
+    Refusal,
+    Terminal,
 )
-from .fanout import ChunkerFailure
-from .findings import Finding
+from .failures import describe, is_unexpected
+from .findings import Finding, sort_findings
+from .inbox import Inbox
 from .text_judgement import judge_text
 
 log = logging.getLogger("guardstream.stream")
@@ -49,9 +50,39 @@ log = logging.getLogger("guardstream.stream")
 class StreamObserver:
     """Hooks for metrics; the pipeline does not depend on prometheus."""
 
-    on_frame: Callable[[ClassifiedFrame, float], None] = lambda frame, hold_s: None
+    on_frame: Callable[[Frame, float], None] = lambda frame, hold_s: None
     on_findings: Callable[[list[Finding]], None] = lambda findings: None
     on_terminal: Callable[[str], None] = lambda name: None
+
+
+# -- inbox messages -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _InputJudged:
+    findings: list[Finding]
+
+
+@dataclass(frozen=True, slots=True)
+class _EngineEnded:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Crashed:
+    """A background task raised: the request fails with what `describe` makes of it."""
+
+    exc: BaseException
+
+
+class _Signal:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+_TIMED_OUT = _Signal("timed out")
+_SHUTDOWN = _Signal("shutdown")
+_KEEPALIVE_DUE = _Signal("keep-alive due")
 
 
 @dataclass
@@ -60,17 +91,10 @@ class _Progress:
     generated_token_count: int = 0
     input_token_count: int | None = None
     frames_sent: int = 0
+    released: int = 0
     # (text length, monotonic time it became available): for the hold-back metric
     arrivals: deque[tuple[int, float]] = field(default_factory=deque)
     generated_chars: int = 0
-
-
-def first_error(exc: BaseException) -> BaseException:
-    """The exception that explains a TaskGroup failure (the others are its cancellations)."""
-    while isinstance(exc, BaseExceptionGroup):
-        inner = [e for e in exc.exceptions if not isinstance(e, asyncio.CancelledError)]
-        exc = (inner or list(exc.exceptions))[0]
-    return exc
 
 
 class GuardedGeneration:
@@ -87,7 +111,11 @@ class GuardedGeneration:
         timeout_s: float,
         seed: int | None = None,
         observer: StreamObserver | None = None,
+        keepalive_s: float | None = None,
+        max_buffered_chunks: int = 64,
     ) -> None:
+        """`inputs` is the text input detectors judge (FMS `inputs`, or the last user message);
+        `keepalive_s` makes `events()` yield KeepAlive after that long without another event."""
         self._backend = backend
         self._request = request
         self._inputs = inputs
@@ -98,169 +126,245 @@ class GuardedGeneration:
         self._timeout_s = timeout_s
         self._seed = seed
         self._observer = observer or StreamObserver()
-        self._queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._keepalive_s = keepalive_s
+        self._inbox = Inbox(max_buffered_chunks)
         self._progress = _Progress()
-        self._released = 0
-        self._migrations = 0
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stream: MigratingStream | None = None
         self._shutting_down = False
+        self._last_event = 0.0
+        self._keepalive: asyncio.TimerHandle | None = None
+        self.terminal: Terminal | None = None
 
-    async def events(self) -> AsyncIterator[StreamEvent]:
-        """Every event of the stream; the last one is terminal."""
-        task = asyncio.create_task(self._run(), name=f"stream-{self._request.request_id}")
-        self._task = task
-        try:
-            while True:
-                event = await self._queue.get()
-                yield event
-                if event.terminal:
-                    return
-        finally:
-            if not task.done():
-                task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-
-    # -- the work -------------------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        timeout = asyncio.timeout(self._timeout_s)
-        if self._shutting_down:  # shut down before the task ran
-            self._end_for_shutdown()
-            return
-        try:
-            async with timeout:
-                await self._guarded()
-        except TimeoutError:
-            if not timeout.expired():
-                raise
-            self._progress.finish_reason = "TIME_LIMIT"
-            self._terminal(incomplete_event(self._summary(), "time_limit"))
-        except asyncio.CancelledError:
-            if not self._shutting_down:
-                raise
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
-            self._end_for_shutdown()
-        except BaseException as group:
-            self._fail(first_error(group))
-
-    def _end_for_shutdown(self) -> None:
-        self._progress.finish_reason = "CANCELLED"
-        self._terminal(
-            failure_event(
-                self._summary(),
-                self._progress.frames_sent,
-                503,
-                ErrorType.SERVER_SHUTDOWN,
-                "the server is shutting down",
-            )
-        )
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
 
     def shut_down(self) -> None:
-        """Ends the stream now with `failed`/`error` of type server_shutdown (a drain ran out).
-        A pipeline whose task has not started yet remembers it and ends as soon as it starts."""
+        """Ends the stream with `failed`/`error` of type server_shutdown (a drain ran out)."""
         self._shutting_down = True
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        self._inbox.put(_SHUTDOWN)
 
-    def _fail(self, exc: BaseException) -> None:
-        p = self._progress
-        if isinstance(exc, Blocked):
-            p.finish_reason = "CANCELLED"
-            self._refuse(exc.detections)
-            return
-        if isinstance(exc, TimeoutError):  # raised inside a task group by our own deadline
-            p.finish_reason = "TIME_LIMIT"
-            self._terminal(incomplete_event(self._summary(), "time_limit"))
-            return
-        p.finish_reason = "ERROR"
-        if isinstance(exc, DetectorCallError):
-            code, etype, msg = 502, ErrorType.DETECTOR_ERROR, str(exc)
-        elif isinstance(exc, GenerationError):
-            code, etype, msg = exc.code, ErrorType(exc.error_type), str(exc)
-        elif isinstance(exc, ChunkerFailure):
-            code, etype, msg = 500, ErrorType.CHUNKER_ERROR, str(exc)
-        else:
-            if not isinstance(exc, AggregationError):
-                log.error("stream %s failed", self._request.request_id, exc_info=exc)
-            code, etype, msg = 500, ErrorType.SERVER_ERROR, "internal error"
-        self._terminal(failure_event(self._summary(), p.frames_sent, code, etype, msg))
+    # -- the consumer loop ----------------------------------------------------------------------
 
-    async def _guarded(self) -> None:
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event of the stream; the last one is a Terminal."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.call_later(self._timeout_s, self._inbox.put, _TIMED_OUT)
+        self._last_event = loop.time()
+        self._arm_keepalive()
+        try:
+            if self._shutting_down:
+                yield self._finish(self._shutdown_terminal())
+                return
+            async with aclosing(self._run()) as run:
+                while True:
+                    try:
+                        event = await anext(run)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:  # a bug must still end the stream with a terminal
+                        event = self._failure(exc)
+                    self._last_event = loop.time()
+                    if isinstance(event, Terminal):
+                        yield self._finish(event)
+                        return
+                    yield event
+        finally:
+            deadline.cancel()
+            if self._keepalive is not None:
+                self._keepalive.cancel()
+            await self._stop()
+
+    async def _run(self) -> AsyncIterator[Event]:
         if self._input_detectors:
-            findings = await judge_text(
-                self._inputs, self._input_detectors, self._chunkers, regions=self._masks
-            )
-            if findings:
-                await self._input_refused(findings)
+            self._spawn(self._judge_input())
+            judged: list[Finding] | None = None
+            while judged is None:
+                for message in await self._inbox.take_all():
+                    if isinstance(message, _InputJudged):
+                        judged = message.findings
+                        continue
+                    event = self._control(message)
+                    if event is not None:
+                        yield event
+                        if isinstance(event, Terminal):
+                            return
+            if judged:
+                async for event in self._input_refused(judged):
+                    yield event
                 return
         stream = self._backend.stream(self._request)
-        try:
-            if self._output_detectors:
-                await self._with_detection(stream)
-            else:
-                await self._direct(stream)
-        finally:
-            self._migrations = stream.migrations
-            await stream.aclose()
-        self._terminal(finish_event(self._summary()))
+        self._stream = stream
+        detection: StreamingDetection | None = None
+        if self._output_detectors:
+            detection = StreamingDetection(self._output_detectors, self._chunkers, self._inbox)
+            detection.start(self._spawn)
+        self._spawn(self._read_engine(stream))
+        engine_ended = False
+        final_sent = False
+        while True:
+            messages = await self._inbox.take_all()
+            pending_text: list[str] = []
+            for message in messages:
+                if isinstance(message, GenerationChunk):
+                    self._track(message)
+                    if detection is None:
+                        if message.text or message.finish_reason is not None:
+                            final = message.finish_reason is not None
+                            final_sent = final
+                            yield self._direct_frame(message.text, final)
+                    elif message.text:
+                        pending_text.append(message.text)
+                    continue
+                if pending_text:  # consecutive chunks are chunked as one delta
+                    assert detection is not None
+                    for frame in detection.feed("".join(pending_text)):
+                        yield self._judged_frame(frame, final=False)
+                    pending_text = []
+                if isinstance(message, _EngineEnded):
+                    engine_ended = True
+                    p = self._progress
+                    p.finish_reason = p.finish_reason or stream.finish_reason
+                    if detection is None:
+                        if not final_sent:
+                            yield self._direct_frame("", True)
+                        yield self._finish_terminal()
+                        return
+                    detection.end()
+                elif isinstance(message, DetectorResult | DetectorFinished):
+                    assert detection is not None
+                    verdict = detection.accept(message)
+                    for frame in verdict.frames:
+                        yield self._judged_frame(frame, final=False)
+                    if verdict.blocked is not None:
+                        self._progress.finish_reason = "CANCELLED"
+                        await self._stop()  # generation and every detector call end now
+                        yield self._output_refusal(verdict.blocked)
+                        yield self._terminal("incomplete", "content_filter")
+                        return
+                else:
+                    event = self._control(message)
+                    if event is not None:
+                        yield event
+                        if isinstance(event, Terminal):
+                            return
+                if engine_ended and detection is not None and detection.done:
+                    frames = detection.final_frames()
+                    for frame in frames:
+                        yield self._judged_frame(frame, final=frame is frames[-1])
+                    yield self._finish_terminal()
+                    return
+            if pending_text:
+                assert detection is not None
+                for frame in detection.feed("".join(pending_text)):
+                    yield self._judged_frame(frame, final=False)
 
-    async def _input_refused(self, findings: list[Finding]) -> None:
+    def _control(self, message: object) -> Event | None:
+        """Messages every phase handles the same way."""
+        if message is _KEEPALIVE_DUE:
+            return self._keepalive_due()
+        if message is _TIMED_OUT:
+            self._progress.finish_reason = "TIME_LIMIT"
+            return self._terminal("incomplete", "time_limit")
+        if message is _SHUTDOWN:
+            return self._shutdown_terminal()
+        if isinstance(message, _Crashed):
+            return self._failure(message.exc)
+        return None  # a straggler of an earlier phase
+
+    # -- background tasks -----------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(self._guard(coro), name=f"stream-{self._request.request_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _guard(self, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._inbox.put(_Crashed(exc))
+
+    async def _judge_input(self) -> None:
+        findings = await judge_text(
+            self._inputs, self._input_detectors, self._chunkers, regions=self._masks
+        )
+        self._inbox.put(_InputJudged(findings))
+
+    async def _read_engine(self, stream: MigratingStream) -> None:
+        async for chunk in stream:
+            await self._inbox.put_chunk(chunk)
+        self._inbox.put(_EngineEnded())
+
+    async def _stop(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._stream is not None:
+            await self._stream.aclose()
+
+    # -- keep-alive -----------------------------------------------------------------------------
+
+    def _arm_keepalive(self) -> None:
+        """One lazily re-armed timer: it fires at most once per interval, and only a real
+        silence turns into a KeepAlive event."""
+        if self._keepalive_s is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._keepalive = loop.call_at(
+            self._last_event + self._keepalive_s, self._inbox.put, _KEEPALIVE_DUE
+        )
+
+    def _keepalive_due(self) -> Event | None:
+        assert self._keepalive_s is not None
+        now = asyncio.get_running_loop().time()
+        silent = now - self._last_event >= self._keepalive_s
+        if silent:
+            self._last_event = now
+        self._arm_keepalive()
+        return KEEP_ALIVE if silent else None
+
+    # -- events ---------------------------------------------------------------------------------
+
+    async def _input_refused(self, findings: list[Finding]) -> AsyncIterator[Event]:
         self._observer.on_findings(findings)
         count: int | None = None
-        with suppress(GenerationError):
-            count = await self._backend.tokenize(self._inputs, self._request.chat)
+        try:
+            r = self._request
+            count = await (
+                self._backend.tokenize(r.prompt, r.chat)
+                if r.messages is None
+                else self._backend.tokenize(r.prompt, r.chat, r.messages)
+            )
+        except GenerationError:
+            pass
         self._progress.input_token_count = count
-        frame = ClassifiedFrame(
-            token_classification_results=TokenClassificationResults(
-                input=[f.to_tcr() for f in findings]
-            ),
-            start_index=0,
-            processed_index=0,
+        ids = ", ".join(f"`{i}`" for i in sorted({f.detector_id for f in findings}))
+        yield Refusal(
+            direction="input",
+            message=f"The request was refused: detector {ids} flagged the input.",
+            detections=findings,
             input_token_count=count,
             seed=self._seed,
-            warnings=[UNSUITABLE_INPUT],
         )
-        self._send(frame)
-        self._terminal(incomplete_event(self._summary(), "content_filter"))
+        self._progress.frames_sent += 1
+        yield self._terminal("incomplete", "content_filter")
 
-    async def _direct(self, stream: AsyncIterator[GenerationChunk]) -> None:
-        """No output detectors: every generation item is a frame at once."""
-        final_sent = False
-        async for chunk in stream:
-            self._track(chunk)
-            if not chunk.text and chunk.finish_reason is None:
-                continue
-            start = self._released
-            self._released += len(chunk.text)
-            final = chunk.finish_reason is not None
-            self._send(self._frame(start, chunk.text, [], final=final))
-            final_sent = final
-        self._progress.finish_reason = self._progress.finish_reason or stream_finish(stream)
-        if not final_sent:
-            self._send(self._frame(self._released, "", [], final=True))
-
-    async def _with_detection(self, stream: AsyncIterator[GenerationChunk]) -> None:
-        detection = StreamingDetection(self._output_detectors, self._chunkers, self._on_judged)
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(detection.run())
-            async for chunk in stream:
-                self._track(chunk)
-                detection.feed(chunk.text)
-            self._progress.finish_reason = self._progress.finish_reason or stream_finish(stream)
-            detection.end()
-        frames = detection.final_frames()
-        for frame in frames:
-            self._observer.on_findings(frame.detections)
-            self._send(self._judged_frame(frame, final=frame is frames[-1]))
-
-    def _on_judged(self, frame: JudgedFrame) -> None:
-        self._observer.on_findings(frame.detections)
-        self._send(self._judged_frame(frame, final=False))
-
-    # -- frames and events ----------------------------------------------------------------------
+    def _output_refusal(self, detections: list[Finding]) -> Refusal:
+        self._observer.on_findings(detections)
+        ids = ", ".join(f"`{i}`" for i in sorted({d.detector_id for d in detections}))
+        return Refusal(
+            direction="output",
+            message=f"The response was withheld: detector {ids} flagged the generated text.",
+            detections=sort_findings(detections),
+            input_token_count=self._progress.input_token_count,
+            seed=self._seed,
+        )
 
     def _track(self, chunk: GenerationChunk) -> None:
         p = self._progress
@@ -273,38 +377,34 @@ class GuardedGeneration:
         if chunk.finish_reason is not None:
             p.finish_reason = chunk.finish_reason
 
-    def _judged_frame(self, frame: JudgedFrame, *, final: bool) -> ClassifiedFrame:
-        self._released = frame.end
-        return self._frame(frame.start, frame.text, frame.detections, final=final, detectors=True)
+    def _direct_frame(self, text: str, final: bool) -> Frame:
+        start = self._progress.released
+        return self._frame(start, text, [], final=final)
 
-    def _frame(
-        self,
-        start: int,
-        text: str,
-        findings: list[Finding],
-        *,
-        final: bool,
-        detectors: bool = False,
-    ) -> ClassifiedFrame:
+    def _judged_frame(self, judged: JudgedFrame, *, final: bool) -> Frame:
+        self._observer.on_findings(judged.detections)
+        return self._frame(judged.start, judged.text, judged.detections, final=final)
+
+    def _frame(self, start: int, text: str, findings: list[Finding], *, final: bool) -> Frame:
         p = self._progress
-        return ClassifiedFrame(
-            generated_text=text,
-            token_classification_results=TokenClassificationResults(
-                output=[f.to_tcr() for f in findings] if detectors else None
-            ),
-            start_index=start,
-            processed_index=start + len(text),
-            finish_reason=p.finish_reason if final else None,  # type: ignore[arg-type]
+        if final and p.finish_reason is None and self._stream is not None:
+            p.finish_reason = self._stream.finish_reason
+        end = start + len(text)
+        p.released = end
+        p.frames_sent += 1
+        frame = Frame(
+            start=start,
+            end=end,
+            text=text,
+            detections=findings,
+            final=final,
+            finish_reason=p.finish_reason if final else None,
             generated_token_count=p.generated_token_count if final else None,
             input_token_count=p.input_token_count,
             seed=self._seed,
-            warnings=[UNSUITABLE_OUTPUT] if findings else None,
         )
-
-    def _send(self, frame: ClassifiedFrame) -> None:
-        self._progress.frames_sent += 1
-        self._observer.on_frame(frame, self._hold_time(frame.processed_index or 0))
-        self._queue.put_nowait(frame_event(frame))
+        self._observer.on_frame(frame, self._hold_time(end))
+        return frame
 
     def _hold_time(self, end: int) -> float:
         """Seconds since the last character of a frame ending at `end` was generated."""
@@ -315,28 +415,44 @@ class GuardedGeneration:
             return 0.0
         return time.monotonic() - arrivals[0][1]
 
-    def _summary(self) -> TerminalSummary:
+    def _terminal(
+        self,
+        kind: str,
+        reason: IncompleteReason | None = None,
+        error: Failure | None = None,
+    ) -> Terminal:
         p = self._progress
-        return TerminalSummary(
-            finish_reason=p.finish_reason,  # type: ignore[arg-type]
+        return Terminal(
+            kind=kind,  # type: ignore[arg-type]
+            finish_reason=p.finish_reason,
             generated_token_count=p.generated_token_count,
             input_token_count=p.input_token_count,
-            processed_index=self._released,
-            migrations=self._migrations,
+            processed_index=p.released,
+            migrations=self._stream.migrations if self._stream is not None else 0,
+            reason=reason,
+            error=error,
         )
 
-    def _refuse(self, detections: list[Finding]) -> None:
-        ids = ", ".join(f"`{i}`" for i in sorted({d.detector_id for d in detections}))
-        message = f"The response was withheld: detector {ids} flagged the generated text."
-        done = RefusalDone(refusal=message, detections=[d.to_tcr() for d in detections])
-        for event in refusal_events(message, done):
-            self._queue.put_nowait(event)
-        self._terminal(incomplete_event(self._summary(), "content_filter"))
+    def _finish_terminal(self) -> Terminal:
+        kind, reason = BY_FINISH.get(self._progress.finish_reason, ("completed", None))
+        return self._terminal(kind, reason)
 
-    def _terminal(self, event: StreamEvent) -> None:
-        self._observer.on_terminal(event.name or "")
-        self._queue.put_nowait(event)
+    def _failure(self, exc: BaseException) -> Terminal:
+        failure = describe(exc)
+        if is_unexpected(failure):
+            log.error("stream %s failed", self._request.request_id, exc_info=exc)
+        if isinstance(exc, TimeoutError):  # a deadline inside a client: the time budget
+            self._progress.finish_reason = "TIME_LIMIT"
+            return self._terminal("incomplete", "time_limit")
+        self._progress.finish_reason = "ERROR"
+        return self._terminal("failed" if self._progress.frames_sent else "error", error=failure)
 
+    def _shutdown_terminal(self) -> Terminal:
+        self._progress.finish_reason = "CANCELLED"
+        failure = Failure(503, ErrorType.SERVER_SHUTDOWN, "the server is shutting down")
+        return self._terminal("failed" if self._progress.frames_sent else "error", error=failure)
 
-def stream_finish(stream: object) -> str | None:
-    return getattr(stream, "finish_reason", None)
+    def _finish(self, terminal: Terminal) -> Terminal:
+        self.terminal = terminal
+        self._observer.on_terminal(terminal.kind)
+        return terminal

@@ -1,0 +1,80 @@
+"""The FMS task request (DESIGN 4.2) turned into the guarded pipeline; shared by the streaming
+and the unary task endpoints."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..api.errors import invalid
+from ..api.requests import GuardrailsHttpRequest
+from ..clients.generation import GenerationParams, GenerationRequest
+from ..state import STATE
+from ..streaming.guarded_generation import GuardedGeneration
+from .body import read_model
+from .generation_request import (
+    budget,
+    build_pipeline,
+    check_input_size,
+    find_model,
+    resolve_detectors,
+)
+
+
+async def prepare_task(request: web.Request, *, streaming: bool) -> GuardedGeneration:
+    state = request.app[STATE]
+    body = await read_model(request, GuardrailsHttpRequest)
+    target = find_model(state, body.model_id)
+    params = body.text_gen_parameters
+    check_input_size(target, len(body.inputs), "inputs")
+    max_new = budget(target, params.max_new_tokens, "text_gen_parameters.max_new_tokens")
+    if params.min_new_tokens > max_new:
+        raise invalid("text_gen_parameters.min_new_tokens: must not exceed max_new_tokens")
+    guardrails = body.guardrail_config
+    masks = guardrails.input.masks if guardrails.input else None
+    for start, end in masks or []:
+        if end > len(body.inputs):
+            raise invalid(
+                f"guardrail_config.input.masks: [{start}, {end}] lies beyond the "
+                f"{len(body.inputs)} characters of inputs"
+            )
+    input_dets = resolve_detectors(
+        state,
+        target,
+        "input",
+        guardrails.input.models if guardrails.input else None,
+        "guardrail_config.input.models",
+    )
+    output_dets = resolve_detectors(
+        state,
+        target,
+        "output",
+        guardrails.output.models if guardrails.output else None,
+        "guardrail_config.output.models",
+    )
+    gen_request = GenerationRequest(
+        prompt=body.inputs,
+        params=GenerationParams(
+            max_new_tokens=max_new,
+            min_new_tokens=params.min_new_tokens,
+            decoding_method=params.decoding_method,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            repetition_penalty=params.repetition_penalty,
+            stop_sequences=tuple(params.stop_sequences),
+            max_time=params.max_time,
+        ),
+        chat=target.config.chat,
+        request_id=request.get("request_id", ""),
+    )
+    return await build_pipeline(
+        request,
+        target,
+        gen_request,
+        inputs=body.inputs,
+        masks=masks,
+        input_detectors=input_dets,
+        output_detectors=output_dets,
+        keepalive=streaming,
+    )

@@ -1,0 +1,196 @@
+"""The FMS task endpoints' wire format (DESIGN 4.3): pipeline events as SSE messages, or folded
+into the unary `ClassifiedGeneratedTextResult`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ..api.errors import ApiError, ErrorBody
+from ..api.responses import (
+    UNSUITABLE_INPUT,
+    UNSUITABLE_OUTPUT,
+    ClassifiedFrame,
+    ClassifiedGeneratedTextResult,
+    FrameWarning,
+    IncompleteDetails,
+    RefusalDelta,
+    RefusalDone,
+    StreamError,
+    TerminalSummary,
+    TokenClassificationResult,
+    TokenClassificationResults,
+    Wire,
+)
+from .events import Event, Frame, KeepAlive, Refusal, Terminal
+
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
+def sse(name: str | None, data: dict[str, Any]) -> bytes:
+    head = b"event: " + name.encode() + b"\n" if name else b""
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def classified_frame(frame: Frame) -> ClassifiedFrame:
+    return ClassifiedFrame(
+        generated_text=frame.text,
+        token_classification_results=TokenClassificationResults(
+            output=[f.to_tcr() for f in frame.detections]
+        ),
+        start_index=frame.start,
+        processed_index=frame.end,
+        finish_reason=frame.finish_reason if frame.final else None,  # type: ignore[arg-type]
+        generated_token_count=frame.generated_token_count if frame.final else None,
+        input_token_count=frame.input_token_count,
+        seed=frame.seed,
+        warnings=[UNSUITABLE_OUTPUT] if frame.detections else None,
+    )
+
+
+def frame_dict(frame: Frame) -> dict[str, Any]:
+    """The frame's wire dict without building pydantic objects (one per frame on the hot path);
+    equal to `classified_frame(frame).dump()`, which the tests check."""
+    out: dict[str, Any] = {
+        "generated_text": frame.text,
+        "token_classification_results": {
+            "output": [
+                {
+                    "start": f.start,
+                    "end": f.end,
+                    "word": f.text,
+                    "entity": f.detection,
+                    "entity_group": f.detection_type,
+                    "detector_id": f.detector_id,
+                    "score": f.score,
+                }
+                for f in frame.detections
+            ]
+        },
+        "start_index": frame.start,
+        "processed_index": frame.end,
+    }
+    if frame.final:
+        if frame.finish_reason is not None:
+            out["finish_reason"] = frame.finish_reason
+        if frame.generated_token_count is not None:
+            out["generated_token_count"] = frame.generated_token_count
+    if frame.input_token_count is not None:
+        out["input_token_count"] = frame.input_token_count
+    if frame.seed is not None:
+        out["seed"] = frame.seed
+    if frame.detections:
+        out["warnings"] = [UNSUITABLE_OUTPUT.dump()]
+    return out
+
+
+def input_refusal_frame(refusal: Refusal) -> ClassifiedFrame:
+    """An input hit is one frame with the input detections (DESIGN 4.5)."""
+    return ClassifiedFrame(
+        token_classification_results=TokenClassificationResults(
+            input=[f.to_tcr() for f in refusal.detections]
+        ),
+        start_index=0,
+        processed_index=0,
+        input_token_count=refusal.input_token_count,
+        seed=refusal.seed,
+        warnings=[UNSUITABLE_INPUT],
+    )
+
+
+def summary(terminal: Terminal) -> TerminalSummary:
+    return TerminalSummary(
+        finish_reason=terminal.finish_reason,  # type: ignore[arg-type]
+        generated_token_count=terminal.generated_token_count,
+        input_token_count=terminal.input_token_count,
+        processed_index=terminal.processed_index,
+        migrations=terminal.migrations,
+        incomplete_details=IncompleteDetails(reason=terminal.reason)
+        if terminal.reason is not None
+        else None,
+        error=StreamError(
+            code=terminal.error.code, type=str(terminal.error.type), message=terminal.error.message
+        )
+        if terminal.error is not None and terminal.kind == "failed"
+        else None,
+    )
+
+
+def terminal_payload(terminal: Terminal) -> Wire | ErrorBody:
+    if terminal.kind == "error":
+        assert terminal.error is not None
+        e = terminal.error
+        return ErrorBody(code=e.code, details=e.message, type=e.type)
+    return summary(terminal)
+
+
+def sse_event(event: Event) -> bytes:
+    """One pipeline event as SSE bytes."""
+    if isinstance(event, Frame):
+        return sse(None, frame_dict(event))
+    if isinstance(event, KeepAlive):
+        return KEEPALIVE_COMMENT
+    if isinstance(event, Refusal):
+        if event.direction == "input":
+            return sse(None, input_refusal_frame(event).dump())
+        done = RefusalDone(refusal=event.message, detections=[f.to_tcr() for f in event.detections])
+        return sse("refusal.delta", RefusalDelta(delta=event.message).dump()) + sse(
+            "refusal.done", done.dump()
+        )
+    return sse(event.kind, terminal_payload(event).dump())
+
+
+class UnaryFold:
+    """Folds the events of one stream into the unary result; an error ends it as a real HTTP
+    error (nothing was sent yet)."""
+
+    def __init__(self) -> None:
+        self._texts: list[str] = []
+        self._inputs: list[TokenClassificationResult] = []
+        self._outputs: list[TokenClassificationResult] = []
+        self._warnings: dict[str, FrameWarning] = {}
+        self.result = ClassifiedGeneratedTextResult()
+
+    def add(self, event: Event) -> None:
+        r = self.result
+        if isinstance(event, Frame):
+            if event.text:
+                self._texts.append(event.text)
+            self._outputs.extend(f.to_tcr() for f in event.detections)
+            if event.detections:
+                self._warnings.setdefault(UNSUITABLE_OUTPUT.id, UNSUITABLE_OUTPUT)
+            r.input_token_count = event.input_token_count
+            r.seed = event.seed
+        elif isinstance(event, Refusal):
+            if event.direction == "input":
+                self._inputs.extend(f.to_tcr() for f in event.detections)
+                self._warnings.setdefault(UNSUITABLE_INPUT.id, UNSUITABLE_INPUT)
+                r.input_token_count = event.input_token_count
+                r.seed = event.seed
+            else:
+                r.refusal = RefusalDone(
+                    refusal=event.message, detections=[f.to_tcr() for f in event.detections]
+                )
+        elif isinstance(event, Terminal):
+            if event.error is not None:
+                e = event.error
+                raise ApiError(e.code, e.type, e.message)
+            r.finish_reason = event.finish_reason  # type: ignore[assignment]
+            r.generated_token_count = event.generated_token_count
+            r.input_token_count = event.input_token_count
+            r.migrations = event.migrations
+            r.incomplete_details = (
+                IncompleteDetails(reason=event.reason) if event.reason is not None else None
+            )
+            r.status = "incomplete" if event.kind == "incomplete" else "completed"
+
+    def body(self) -> dict[str, Any]:
+        r = self.result
+        r.generated_text = "".join(self._texts) if self._texts or not self._inputs else None
+        r.token_classification_results = TokenClassificationResults(
+            input=self._inputs or None,
+            output=self._outputs if self._outputs or self._texts else None,
+        )
+        r.warnings = list(self._warnings.values()) or None
+        return r.dump()
