@@ -12,13 +12,21 @@ from typing import Any, TextIO
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from ..config import ManagedBackend, ModelConfig, NativeBackend, OpenAIBackend
+from ..api.errors import invalid
+from ..config import ConfigError, ManagedBackend, ModelConfig, NativeBackend, OpenAIBackend
 from .generation import ChatMessage, GenerationError, GenerationRequest, ModelBackend
-from .managed import CommandFactory, EngineProcess, engine_command
+from .managed import ENGINE_API_KEYS_ENV, CommandFactory, EngineProcess, engine_command
 from .migration import MigratingStream, MigrationMetrics
-from .native import NativeClient
+from .native import (
+    AdvertisedLimits,
+    NativeClient,
+    context_problem,
+    merge_limits,
+    request_problem,
+    token_upper_bound,
+)
 from .openai import OpenAIClient
-from .replicas import HEALTHY, Replica, ReplicaPool
+from .replicas import HEALTHY, UNHEALTHY, Replica, ReplicaPool
 from .tls import client_ssl_context
 
 log = logging.getLogger("guardstream.backends")
@@ -27,7 +35,9 @@ __all__ = ["ModelBackend", "ReplicatedModelBackend", "build_model_backends"]
 
 
 def default_command(cfg: ManagedBackend) -> CommandFactory:
-    return engine_command(cfg.model, cfg.device, cfg.enable_fault_injection)
+    return engine_command(
+        cfg.model, cfg.device, cfg.enable_fault_injection, api_keys_env=ENGINE_API_KEYS_ENV
+    )
 
 
 class ReplicatedModelBackend(ModelBackend):
@@ -46,6 +56,7 @@ class ReplicatedModelBackend(ModelBackend):
         self.config = config
         self.metrics = metrics
         self.processes: list[EngineProcess] = []
+        self.limits = AdvertisedLimits()
         replicas: list[Replica] = []
         for index, backend in enumerate(config.backends):
             if isinstance(backend, ManagedBackend):
@@ -58,7 +69,7 @@ class ReplicatedModelBackend(ModelBackend):
                         start_timeout_s=backend.start_timeout_s,
                         output=engine_output,
                     )
-                    client = NativeClient(name, process.url, session)
+                    client = NativeClient(name, process.url, session, api_key=process.api_key)
                     replica = Replica(name=name, client=client, process=process)
                     process.on_status = self._status_hook(replica, process)
                     self.processes.append(process)
@@ -72,6 +83,7 @@ class ReplicatedModelBackend(ModelBackend):
                     ssl_context=client_ssl_context(
                         backend.tls, where=f"models.{model_id}.backends.{index}.tls"
                     ),
+                    api_key=_native_key(backend, f"models.{model_id}.backends.{index}"),
                 )
                 replicas.append(Replica(name=name, client=client))
             elif isinstance(backend, OpenAIBackend):
@@ -149,6 +161,49 @@ class ReplicatedModelBackend(ModelBackend):
             code=503,
         )
 
+    async def validate(self, request: GenerationRequest) -> None:
+        """422 (`invalid_request`) for what the native replicas would reject: a parameter out
+        of the range they advertise in `GET /v1/models`, or a prompt that with max_new_tokens
+        does not fit their context (the smallest one: a request may migrate). The prompt is
+        tokenized only when its size could make it too long (native.token_upper_bound).
+        Replicas that advertise nothing (`openai` ones, unreachable ones) are not consulted;
+        with none advertising, nothing is checked here and the engines' own 4xx still come
+        back as invalid_request."""
+        natives = [
+            r.client
+            for r in self.pool.replicas
+            if isinstance(r.client, NativeClient) and r.status != UNHEALTHY
+        ]
+        advertised = await self.limits.gather(natives) if natives else []
+        if not advertised:
+            return
+        limits = merge_limits([lim for _, lim in advertised])
+        problem = request_problem(limits, request)
+        budget = request.params.max_new_tokens
+        if problem is None and token_upper_bound(request) + budget > limits.max_model_len:
+            count = await self._count_tokens(request, [c for c, _ in advertised])
+            if count is not None:
+                problem = context_problem(limits, count, budget)
+        if problem is not None:
+            raise invalid(f"model `{self.model_id}`: {problem}")
+
+    async def _count_tokens(
+        self, request: GenerationRequest, clients: list[NativeClient]
+    ) -> int | None:
+        """The prompt's token count on an advertising replica (best first), or None when none
+        answers (the engine's own check then applies at dispatch)."""
+        ranked = [r.client for r in self.pool.candidates() if r.client in clients]
+        for client in ranked:
+            try:
+                return await client.tokenize(request.prompt, request.chat, request.messages)
+            except GenerationError as exc:
+                if exc.error_type == "invalid_request":  # e.g. the template refuses the roles
+                    raise invalid(f"model `{self.model_id}`: {exc.message}") from None
+                if not exc.migratable:
+                    break  # a deployment problem (a wrong key): dispatch will report it
+        log.warning("model %s: no replica could count the prompt's tokens", self.model_id)
+        return None
+
     async def start(self) -> None:
         if self.processes:
             results = await asyncio.gather(*(p.start() for p in self.processes))
@@ -163,11 +218,25 @@ class ReplicatedModelBackend(ModelBackend):
         self.pool.start_polling()
 
     async def close(self) -> None:
+        await self.limits.close()
         await self.pool.stop_polling()
         await asyncio.gather(*(p.stop() for p in self.processes))
 
     def info(self) -> list[dict[str, Any]]:
         return self.pool.info()
+
+
+def _native_key(backend: NativeBackend, where: str) -> str | None:
+    """The key a `native` backend's engine requires; a named variable that is unset or empty
+    is a config error (calling a keyed engine without its key would fail every request)."""
+    if not backend.api_key_env:
+        return None
+    key = os.environ.get(backend.api_key_env, "").strip()
+    if not key:
+        state = "is not set" if backend.api_key_env not in os.environ else "holds no key"
+        name = backend.api_key_env
+        raise ConfigError([f"{where}.api_key_env: environment variable {name} {state}"])
+    return key
 
 
 def build_model_backends(

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from .migration import MigratingStream
 
 FINISH_REASONS = ("EOS_TOKEN", "STOP_SEQUENCE", "MAX_TOKENS", "TIME_LIMIT")
-ERROR_TYPES = ("generation_error", "generation_unavailable", "timeout")
+# invalid_request: an engine's 400/413/422, the client's mistake (422, never migrated)
+ERROR_TYPES = ("generation_error", "generation_unavailable", "timeout", "invalid_request")
 
 
 @dataclass(frozen=True)

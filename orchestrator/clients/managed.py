@@ -5,6 +5,10 @@ answers 200, and is restarted with exponential backoff when it exits; the slot (
 name and, when possible, its port) survives restarts. Children run in their own session, so a
 Ctrl-C at the orchestrator's terminal does not kill them under in-flight streams, and on Linux
 they die with the orchestrator. Their output goes to the orchestrator's log, one prefixed record per line.
+
+Every slot has its own random API key, generated at start-up and never written anywhere: the
+child reads it from its environment (`--api-keys-env`, so it is not on the command line that
+`ps` shows), and the slot's client sends it, so nothing else on the machine can use the engine.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -32,6 +37,8 @@ STABLE_AFTER_S = 30.0  # a process healthy this long resets the backoff
 STOP_GRACE_S = 10.0
 
 CommandFactory = Callable[[int], list[str]]
+# The variable a managed engine reads its key from (set in the child's environment only).
+ENGINE_API_KEYS_ENV = "GUARDSTREAM_ENGINE_API_KEYS"
 
 
 def free_port() -> int:
@@ -40,12 +47,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def engine_command(model: str, device: str, enable_fault_injection: bool = False) -> CommandFactory:
-    """The engine CLI of DESIGN section 2, for a given port."""
+def engine_command(
+    model: str,
+    device: str,
+    enable_fault_injection: bool = False,
+    api_keys_env: str | None = None,
+) -> CommandFactory:
+    """The engine CLI of DESIGN section 2, for a given port; with `api_keys_env`, the engine
+    requires the key that EngineProcess puts in that variable."""
 
     def command(port: int) -> list[str]:
         cmd = [sys.executable, "-m", "generation", "serve", "--model", model]
         cmd += ["--device", device, "--port", str(port)]
+        if api_keys_env:
+            cmd += ["--api-keys-env", api_keys_env]
         if enable_fault_injection:
             cmd.append("--enable-fault-injection")
         return cmd
@@ -69,7 +84,8 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 
 class EngineProcess:
-    """One supervised engine slot."""
+    """One supervised engine slot. `api_key` (a fresh random one unless given) is put in the
+    child's environment as ENGINE_API_KEYS_ENV; the command decides whether the engine uses it."""
 
     def __init__(
         self,
@@ -82,6 +98,7 @@ class EngineProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
         output: TextIO | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.name = name
         self._command = command
@@ -91,6 +108,7 @@ class EngineProcess:
         self.port = port or free_port()
         self._env = env
         self._output = output  # where child output goes; None: our stderr
+        self.api_key = api_key or secrets.token_urlsafe(32)
         self.restarts = 0
         self.ready = asyncio.Event()  # set while a started process is healthy
         self._proc: asyncio.subprocess.Process | None = None
@@ -210,6 +228,7 @@ class EngineProcess:
         cmd = self._command(self.port)
         env = dict(os.environ if self._env is None else self._env)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env[ENGINE_API_KEYS_ENV] = self.api_key
         proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.DEVNULL,
