@@ -156,13 +156,25 @@ async def test_input_detector_reply_count_mismatch_is_an_error(engine, dets) -> 
 
 
 async def test_generation_error_before_first_token_is_an_error_event(engine, dets) -> None:
-    engine.inject(Fault("http", status=400, message="prompt rejected"))
+    engine.inject(Fault("error", error_type="generation_error", message="engine broke"))
     async with Orchestrator(config(engine, dets)) as orch:
         events = await orch.stream(generation_body(output={"clean": {}}))
     assert len(events) == 1
     end = terminal(events)
     assert end.name == "error"
     assert end.data["type"] == "generation_error"
+    assert "engine broke" in end.data["details"]
+
+
+async def test_engine_4xx_that_slips_through_is_invalid_request_not_5xx(engine, dets) -> None:
+    """A client mistake only the engine caught is still the client's: 422, never a 502."""
+    engine.inject(Fault("http", status=400, message="prompt rejected"))
+    async with Orchestrator(config(engine, dets)) as orch:
+        events = await orch.stream(generation_body(output={"clean": {}}))
+    assert len(events) == 1
+    end = terminal(events)
+    assert end.name == "error"
+    assert end.data["code"] == 422 and end.data["type"] == "invalid_request"
     assert "prompt rejected" in end.data["details"]
 
 
