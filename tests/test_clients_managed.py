@@ -5,6 +5,7 @@ stop on shutdown. The same with real engine processes is in test_migration_engin
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import sys
@@ -75,7 +76,9 @@ async def test_sigkill_mid_stream_migrates_and_the_replica_restarts(
     session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(managed, "BACKOFF_BASE_S", 0.1)
-    b = build(session, 2, fake_command("--token-delay", "0.005"))
+    # a fresh stream goes silent after 20 tokens, so the kill lands mid-stream on a slow machine
+    # too; the replica that resumes it is not held
+    b = build(session, 2, fake_command("--hold-after", "20"))
     await b.start()
     try:
         info = b.info()
@@ -99,7 +102,10 @@ async def test_sigkill_mid_stream_migrates_and_the_replica_restarts(
 
         # the killed slot comes back with a new process, same name, and serves again
         proc = b.processes[index]
-        await until(lambda: proc.restarts == 1 and b.info()[index]["status"] == "HEALTHY")
+        # ready: its supervisor saw it healthy and lifted the quarantine (a health probe may
+        # call the new process HEALTHY a moment earlier)
+        await until(lambda: proc.restarts == 1 and proc.ready.is_set(), 60)
+        assert b.info()[index]["status"] == "HEALTHY" and not b.info()[index]["quarantined"]
         assert b.info()[index]["pid"] not in pids
         served = set()
         for _ in range(4):
@@ -120,10 +126,12 @@ async def test_crash_loop_backs_off_and_keeps_its_slot(
 ) -> None:
     monkeypatch.setattr(managed, "BACKOFF_BASE_S", 0.05)
     b = build(session, 1, fake_command("--exit-after", "0.3"))
-    await b.start()
+    proc = b.processes[0]
+    # the slot itself, not b.start(): whether a probe catches the process in its 0.3 s of life
+    # is up to the machine's speed, and the crash loop is the same either way
+    await proc.start()
     try:
-        proc = b.processes[0]
-        await until(lambda: proc.restarts >= 2)
+        await until(lambda: proc.restarts >= 2, 60)
         assert proc.last_exit == 3
         assert b.info()[0]["name"] == "managed-0"
     finally:
@@ -146,22 +154,28 @@ async def test_start_fails_when_no_engine_comes_up(
 
 
 async def test_stop_kills_an_engine_that_ignores_sigterm(
-    session: aiohttp.ClientSession,
+    session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
 ) -> None:
     script = (
         "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
         "print('stubborn', flush=True); time.sleep(60)"
     )
+    output = io.StringIO()
     proc = managed.EngineProcess(
-        "stubborn", lambda port: [sys.executable, "-c", script], session, start_timeout_s=60
+        "stubborn",
+        lambda port: [sys.executable, "-c", script],
+        session,
+        start_timeout_s=60,
+        output=output,
     )
     task = asyncio.create_task(proc.start())
-    await until(lambda: proc.running)
-    await asyncio.sleep(0.3)
+    await until(lambda: "stubborn" in output.getvalue(), 30)  # SIGTERM is ignored from now on
     pid = proc.pid
-    await proc.stop(grace_s=0.3)
+    with caplog.at_level("WARNING", logger="guardstream.managed"):
+        await proc.stop(grace_s=0.3)
     task.cancel()
     assert pid is not None and not alive(pid)
+    assert f"engine stubborn (pid {pid}) ignored SIGTERM; killing it" in caplog.messages
 
 
 def test_engine_command_matches_the_cli() -> None:

@@ -248,8 +248,7 @@ async def test_connection_refused(session: aiohttp.ClientSession) -> None:
 
 
 async def test_close_drops_the_connection(session: aiohttp.ClientSession) -> None:
-    e = await engine(token_delay_s=0.05)
-    e.script = SCRIPT * 20
+    e = await engine(fail=Fault("stall", after_tokens=1))  # still running when it is closed
     try:
         client = NativeClient("r0", e.url, session)
         stream = client.generate(request(max_new_tokens=100), None, stall_timeout_s=5, max_time=0)
@@ -267,12 +266,12 @@ async def test_tokenize_and_health(session: aiohttp.ClientSession) -> None:
     try:
         client = NativeClient("r0", e.url, session)
         assert await client.tokenize("Hello", False) == 5
-        assert await client.health(1.0)
+        assert await client.health(10.0)
         e.healthy = False
-        assert not await client.health(1.0)
+        assert not await client.health(10.0)
     finally:
         await e.close()
-    assert not await client.health(1.0)
+    assert not await client.health(10.0)
     with pytest.raises(GenerationError) as info:
         await client.tokenize("x", False)
     assert info.value.migratable

@@ -3,6 +3,7 @@ real socket, and migration between two such servers."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +22,8 @@ from orchestrator.clients.generation import (
 )
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
-from tests.fakes.engine import TOKEN_BASE, prompt_ids
+from tests.fakes.clock import expire_stalls, manual_stall_clock
+from tests.fakes.engine import TOKEN_BASE, prompt_ids, until
 from tests.fakes.vllm import FakeVllm, VllmFault
 
 SCRIPT = ["Once", " upon", " a", " time", "."]
@@ -52,7 +54,7 @@ def request(prompt: str = "Hi", chat: bool = False, **params: Any) -> Generation
 async def collect(
     client: OpenAIClient, req: GenerationRequest, cont: Continuation | None = None
 ) -> list[EngineItem]:
-    stream = client.generate(req, cont, stall_timeout_s=2, max_time=0)
+    stream = client.generate(req, cont, stall_timeout_s=30, max_time=0)
     try:
         return [item async for item in stream]
     finally:
@@ -122,7 +124,7 @@ async def test_failures_are_migratable(
     (s,) = await start(servers, fail=fault)
     client = OpenAIClient("o0", s.url, "fake-model", session)
     items: list[EngineItem] = []
-    stream = client.generate(request(), None, stall_timeout_s=2, max_time=0)
+    stream = client.generate(request(), None, stall_timeout_s=30, max_time=0)
     with pytest.raises(GenerationError) as info:
         async for item in stream:
             items.append(item)
@@ -131,13 +133,25 @@ async def test_failures_are_migratable(
     assert len(items) == fault.after_tokens
 
 
-async def test_stall(session: aiohttp.ClientSession, servers: list[FakeVllm]) -> None:
+async def test_stall(
+    session: aiohttp.ClientSession, servers: list[FakeVllm], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = manual_stall_clock(monkeypatch)
     (s,) = await start(servers, fail=VllmFault("stall", after_tokens=1))
     client = OpenAIClient("o0", s.url, "fake-model", session)
-    stream = client.generate(request(), None, stall_timeout_s=0.3, max_time=0)
-    with pytest.raises(GenerationError, match="stalled"):
-        async for _ in stream:
-            pass
+    stream = client.generate(request(), None, stall_timeout_s=30, max_time=0)
+    items: list[EngineItem] = []
+
+    async def read() -> None:
+        async for item in stream:
+            items.append(item)
+
+    task = asyncio.create_task(read())
+    await until(lambda: len(items) == 1)  # all the server sends before it goes silent
+    await expire_stalls(clock, task.done)
+    with pytest.raises(GenerationError, match="no event for 30 s \\(stalled\\)") as info:
+        await task
+    assert info.value.migratable and [i.text for i in items] == ["Once"]
 
 
 async def test_http_400_is_not_migratable(

@@ -20,6 +20,7 @@ from orchestrator.clients.generation import (
 )
 from orchestrator.clients.migration import MigratingStream, MigrationMetrics
 from orchestrator.config import MigrationConfig, ModelConfig
+from tests.fakes.clock import ManualClock, expire_stalls, manual_stall_clock
 from tests.fakes.engine import DRAWN_SEED, TOKEN_BASE, FakeEngine, Fault, prompt_ids, until
 
 SCRIPT = ["The", " cat", " sat", " on", " the", " m", "at", "."]
@@ -66,11 +67,16 @@ def req(prompt: str = "Hi", **params: Any) -> GenerationRequest:
 
 
 async def run(stream: MigratingStream) -> list[GenerationChunk]:
-    chunks = []
+    chunks: list[GenerationChunk] = []
+    await consume(stream, chunks)
+    return chunks
+
+
+async def consume(stream: MigratingStream, chunks: list[GenerationChunk]) -> None:
+    """Reads the stream into `chunks` (which a test watches from another task)."""
     async with stream:
         async for chunk in stream:
             chunks.append(chunk)
-    return chunks
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -133,12 +139,19 @@ async def test_unseeded_sampling_resumes_with_the_drawn_seed(
     assert stream.seed == DRAWN_SEED
 
 
-async def test_stall_migrates(session: aiohttp.ClientSession, engines: list[FakeEngine]) -> None:
+async def test_stall_migrates(
+    session: aiohttp.ClientSession, engines: list[FakeEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = manual_stall_clock(monkeypatch)
     a, b2 = await start_engines(engines, 2)
     a.inject(Fault("stall", after_tokens=2))
-    b = backend(session, engines, stall_timeout_s=0.3)
+    b = backend(session, engines)
     stream = b.stream(req())
-    chunks = await run(stream)
+    chunks: list[GenerationChunk] = []
+    task = asyncio.create_task(consume(stream, chunks))
+    await until(lambda: len(chunks) == 2)  # all that replica 0 sends before going silent
+    await expire_stalls(clock, lambda: stream.migrations == 1)
+    await task
     assert "".join(c.text for c in chunks) == FULL
     assert stream.migrations == 1
     await a.wait_disconnects(1)  # the stalled replica's connection was dropped
@@ -147,15 +160,24 @@ async def test_stall_migrates(session: aiohttp.ClientSession, engines: list[Fake
 
 @pytest.mark.parametrize("mode", ["eof", "close", "stall", "error", "garbage"])
 async def test_failure_after_finish_completes_without_redispatch(
-    session: aiohttp.ClientSession, engines: list[FakeEngine], mode: str
+    session: aiohttp.ClientSession,
+    engines: list[FakeEngine],
+    mode: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The last item (with its finish_reason) arrived, complete_final did not."""
+    clock = manual_stall_clock(monkeypatch)
     a, b2 = await start_engines(engines, 2)
     a.inject(Fault(mode, after_tokens=len(SCRIPT)))  # type: ignore[arg-type]
     registry = CollectorRegistry()
-    b = backend(session, engines, registry, stall_timeout_s=0.3)
+    b = backend(session, engines, registry)
     stream = b.stream(req())
-    chunks = await run(stream)
+    chunks: list[GenerationChunk] = []
+    task = asyncio.create_task(consume(stream, chunks))
+    if mode == "stall":  # the final item came and then nothing: the grace for the marker ends
+        await until(lambda: len(chunks) == len(SCRIPT))
+        await expire_stalls(clock, task.done)
+    await task
     assert "".join(c.text for c in chunks) == FULL
     assert stream.finish_reason == "EOS_TOKEN" and stream.migrations == 0
     assert len(b2.requests) == 0
@@ -304,7 +326,9 @@ async def test_quarantine_is_respected(
     a, b2, c = await start_engines(engines, 3)
     a.inject(Fault("close", after_tokens=1))
     b2.inject(Fault("close", after_tokens=2))
-    b = backend(session, engines, quarantine_s=0.5)
+    b = backend(session, engines, quarantine_s=30)
+    clock = ManualClock()
+    b.pool.clock = clock
     stream = b.stream(req())
     assert "".join(c.text for c in await run(stream)) == FULL
     assert stream.migrations == 2
@@ -313,8 +337,13 @@ async def test_quarantine_is_respected(
     for _ in range(2):
         await run(b.stream(req()))
     assert (len(a.requests), len(b2.requests), len(c.requests)) == (1, 1, 3)
-    # ... until the quarantine ends
-    await asyncio.sleep(0.6)
+    clock.advance(29.9)
+    await run(b.stream(req()))
+    assert (len(a.requests), len(b2.requests), len(c.requests)) == (1, 1, 4)
+    assert [r["quarantined"] for r in b.info()] == [True, True, False]
+    # ... until the quarantine ends, quarantine_s after the failure
+    clock.advance(0.1)
+    assert [r["quarantined"] for r in b.info()] == [False, False, False]
     await run(b.stream(req()))
     await run(b.stream(req()))
     assert len(a.requests) + len(b2.requests) == 4
@@ -323,16 +352,15 @@ async def test_quarantine_is_respected(
 async def test_least_active_then_round_robin(
     session: aiohttp.ClientSession, engines: list[FakeEngine]
 ) -> None:
-    await start_engines(engines, 3, token_delay_s=0.02)
+    await start_engines(engines, 3)
     b = backend(session, engines)
     # round-robin while idle
     for _ in range(3):
         await run(b.stream(req(max_new_tokens=1)))
     assert [len(e.requests) for e in engines] == [1, 1, 1]
-    # a long stream holds replica 0: the next two go elsewhere
-    engines[0].script = SCRIPT * 50
-    engines[0].token_delay_s = 0.05
-    long = b.stream(req(max_new_tokens=400))
+    # a long stream holds replica 0 (it goes silent after one token): the next ones go elsewhere
+    engines[0].inject(Fault("stall", after_tokens=1))
+    long = b.stream(req())
     await long.__anext__()
     assert b.info()[0]["active"] == 1
     for _ in range(4):
@@ -345,15 +373,14 @@ async def test_least_active_then_round_robin(
 async def test_aclose_drops_the_connection_and_never_redispatches(
     session: aiohttp.ClientSession, engines: list[FakeEngine]
 ) -> None:
-    a, b2 = await start_engines(engines, 2, token_delay_s=0.05)
-    a.script = SCRIPT * 20
+    a, b2 = await start_engines(engines, 2)
+    a.inject(Fault("stall", after_tokens=1))  # the stream is still running when it is closed
     b = backend(session, engines)
-    stream = b.stream(req(max_new_tokens=100))
+    stream = b.stream(req())
     first = await stream.__anext__()
     assert first.text == "The"
     await stream.aclose()
     await a.wait_disconnects(1)
-    await asyncio.sleep(0.1)
     assert len(b2.requests) == 0 and stream.migrations == 0
     with pytest.raises(StopAsyncIteration):
         await stream.__anext__()
@@ -363,10 +390,10 @@ async def test_aclose_drops_the_connection_and_never_redispatches(
 async def test_task_cancel_drops_the_connection_and_never_redispatches(
     session: aiohttp.ClientSession, engines: list[FakeEngine]
 ) -> None:
-    a, b2 = await start_engines(engines, 2, token_delay_s=0.05)
-    a.script = SCRIPT * 20
+    a, b2 = await start_engines(engines, 2)
+    a.inject(Fault("stall", after_tokens=1))  # the stream is still running when it is cancelled
     b = backend(session, engines)
-    stream = b.stream(req(max_new_tokens=100))
+    stream = b.stream(req())
     got: list[str] = []
 
     async def consume() -> None:
@@ -382,7 +409,6 @@ async def test_task_cancel_drops_the_connection_and_never_redispatches(
     with pytest.raises(asyncio.CancelledError):
         await task
     await a.wait_disconnects(1)
-    await asyncio.sleep(0.1)
     assert len(b2.requests) == 0 and stream.migrations == 0
     assert b.info()[0]["active"] == 0
 
@@ -395,15 +421,17 @@ async def test_aclose_from_another_task_while_reading(
     a.inject(Fault("stall", after_tokens=1))
     b = backend(session, engines)
     stream = b.stream(req())
+    got: list[str] = []
 
-    async def consume() -> list[str]:
-        return [c.text async for c in stream]
+    async def read() -> list[str]:
+        async for c in stream:
+            got.append(c.text)
+        return got
 
-    task = asyncio.create_task(consume())
-    await a.wait_requests(1)
-    await asyncio.sleep(0.1)
+    task = asyncio.create_task(read())
+    await until(lambda: got == ["The"])  # the reader now waits for a token that never comes
     await stream.aclose()
-    assert await asyncio.wait_for(task, 5) == ["The"]
+    assert await asyncio.wait_for(task, 10) == ["The"]
     await a.wait_disconnects(1)
     assert len(b2.requests) == 0
 

@@ -76,7 +76,7 @@ class ReplicaPool:
         self.quarantine_s = quarantine_s
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
-        self._clock = clock
+        self.clock = clock  # public: tests end a quarantine by moving a manual clock
         self._rr = 0
         self._poller: asyncio.Task[None] | None = None
 
@@ -85,7 +85,7 @@ class ReplicaPool:
     def candidates(self) -> list[Replica]:
         """Replicas a request may go to now, best first: healthy before unknown, then fewest
         active requests, then round-robin order."""
-        now = self._clock()
+        now = self.clock()
         n = len(self.replicas)
         usable = [
             (i, r)
@@ -110,7 +110,7 @@ class ReplicaPool:
 
     def quarantine(self, replica: Replica, reason: str) -> None:
         """Keep a failed replica out of selection for quarantine_s."""
-        replica.quarantined_until = self._clock() + self.quarantine_s
+        replica.quarantined_until = self.clock() + self.quarantine_s
         replica.last_error = reason
         replica.failures += 1
         log.warning(
@@ -155,5 +155,5 @@ class ReplicaPool:
             self._poller = None
 
     def info(self) -> list[dict[str, Any]]:
-        now = self._clock()
+        now = self.clock()
         return [r.info(now) for r in self.replicas]

@@ -6,13 +6,18 @@ for greedy decoding. Faults are served on cue (a reset, a stall, an in-band erro
 undecodable line, a missing `complete_final`, data after it, an HTTP error); every request body is
 recorded, and so is every client that went away before its stream ended.
 
+Ordering is set by gates, never by delays: with `hold_after=N` every fresh (not resumed) stream
+stops after N tokens until the test sets `release`, e.g. once it has seen a frame reach the client
+that must come before what the engine sends next. Run as a process, `--hold-after N` holds for
+good (the replica is about to be killed).
+
     engine = FakeEngine(script=["Hello", ",", " world", "!"], fail=Fault("close", after_tokens=2))
     url = await engine.start()
     ...
     await engine.close()
 
 Also runnable as a process (for the managed-engine supervisor tests):
-`python tests/fakes/engine.py --port P [--script "a b c"] [--token-delay 0.01]`.
+`python tests/fakes/engine.py --port P [--script "a b c"] [--hold-after N] [--exit-after S]`.
 """
 
 from __future__ import annotations
@@ -88,6 +93,9 @@ class FakeEngine(FakeUpstream):
     omit_finish_reason: bool = False  # a broken engine that never says why it stopped
     # Answer each prompt with its own script (e.g. echo it) instead of the fixed one.
     script_for: Callable[[str], list[str]] | None = None
+    # Fresh streams wait after this many tokens until `release` is set; resumes never wait, so a
+    # replica taking over a held stream finishes it.
+    hold_after: int | None = None
 
     def __post_init__(self) -> None:
         self.faults: list[Fault] = (
@@ -97,6 +105,8 @@ class FakeEngine(FakeUpstream):
         self.resume_mismatches: list[str] = []
         self._init_upstream()
         self.first_token = asyncio.Event()
+        self.release = asyncio.Event()
+        self.holding = 0  # streams waiting at `hold_after` now
 
     # -- control --------------------------------------------------------------------------------
 
@@ -124,10 +134,10 @@ class FakeEngine(FakeUpstream):
         """The text of the first n script tokens (all by default)."""
         return "".join(self.script if n is None else self.script[:n])
 
-    async def wait_requests(self, n: int, timeout_s: float = 5.0) -> None:
+    async def wait_requests(self, n: int, timeout_s: float = 10.0) -> None:
         await until(lambda: len(self.requests) >= n, timeout_s)
 
-    async def wait_disconnects(self, n: int = 1, timeout_s: float = 5.0) -> None:
+    async def wait_disconnects(self, n: int = 1, timeout_s: float = 10.0) -> None:
         await until(lambda: self.disconnects >= n, timeout_s)
 
     # -- handlers -------------------------------------------------------------------------------
@@ -237,7 +247,14 @@ class FakeEngine(FakeUpstream):
             return False
 
         sent = 0
+        hold = self.hold_after if not r_ids else None
         while True:
+            if hold is not None and sent == hold and not self.release.is_set():
+                self.holding += 1
+                try:
+                    await self.release.wait()
+                finally:
+                    self.holding -= 1
             if (
                 fault is not None
                 and fault.mode not in ("after_final",)
@@ -313,6 +330,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--script", default="Hello , world !")
     parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument(
+        "--hold-after", type=int, default=None, help="fresh streams go silent after N tokens"
+    )
     parser.add_argument("--exit-after", type=float, default=0.0, help="exit with code 3 after S s")
     args = parser.parse_args()
 
@@ -321,6 +341,7 @@ def main() -> None:
             script=[(" " if i else "") + w for i, w in enumerate(args.script.split())],
             token_delay_s=args.token_delay,
             port=args.port,
+            hold_after=args.hold_after,
         )
         await engine.start()
         print(f"fake engine listening on {engine.url}", flush=True)

@@ -1,0 +1,94 @@
+"""A clock that moves only when a test moves it, for the two places where time is the subject of
+the orchestrator's client code: the replica pool's quarantine (`ReplicaPool.clock`) and the stall
+timeout of engine streams (`orchestrator.clients.native.stall_clock`). With it a test declares a
+silent replica stalled, or a quarantine over, at the moment it chooses, and a slow machine can
+neither fire a stall early nor end a quarantine early.
+
+    clock = manual_stall_clock(monkeypatch)  # streams opened from now on use it
+    ...
+    await expire_stalls(clock, lambda: stream.migrations == 1)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from orchestrator.clients import native
+
+
+class ManualTimer:
+    """What `loop.call_at` returns, as far as the stall timer uses it."""
+
+    def __init__(self, when: float, callback: Callable[[], object]) -> None:
+        self._when = when
+        self.callback = callback
+        self.cancelled = False
+
+    def when(self) -> float:
+        return self._when
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ManualClock:
+    """Callable as a clock (`ReplicaPool(clock=...)`), and the `time()`/`call_at()` pair of the
+    stall timer. Timers fire only inside `advance()`."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self._timers: list[ManualTimer] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> ManualTimer:
+        timer = ManualTimer(when, callback)
+        self._timers.append(timer)
+        return timer
+
+    @property
+    def armed(self) -> int:
+        return sum(not t.cancelled for t in self._timers)
+
+    def advance(self, seconds: float) -> None:
+        """Move on by `seconds` and run the timers that are due, in order."""
+        self.now += seconds
+        self._timers = [t for t in self._timers if not t.cancelled]
+        due = sorted((t for t in self._timers if t.when() <= self.now), key=ManualTimer.when)
+        self._timers = [t for t in self._timers if t.when() > self.now]
+        for timer in due:
+            if not timer.cancelled:
+                timer.callback()
+
+
+def manual_stall_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    """Engine streams opened from now on (native and OpenAI protocol alike) time their stall
+    timeout on a manual clock: no stream stalls until the test says so."""
+    clock = ManualClock()
+    monkeypatch.setattr(native, "stall_clock", clock)
+    return clock
+
+
+async def expire_stalls(
+    clock: ManualClock, done: Callable[[], bool], *, deadline_s: float = 30.0
+) -> None:
+    """Declare every stream that waits for its replica stalled, again and again, until `done()`.
+
+    Call it only once every replica that must not stall has nothing left to send that the test
+    depends on (the faulty one went silent, the others have not been dispatched to): a stall is
+    declared whatever the replica is doing. `done()` is checked right before each step, so a
+    condition such as "the stream migrated" stops it before the next replica's stream exists."""
+    deadline = time.monotonic() + deadline_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no stall ended the wait in {deadline_s} s")
+        clock.advance(3600.0)
+        await asyncio.sleep(0.01)
