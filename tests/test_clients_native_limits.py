@@ -30,6 +30,7 @@ from orchestrator.clients.generation import (
 )
 from orchestrator.clients.managed import ENGINE_API_KEYS_ENV
 from orchestrator.clients.native import (
+    AdvertisedLimits,
     EngineLimits,
     NativeClient,
     ParamRange,
@@ -415,6 +416,21 @@ async def test_validate_skips_dead_and_silent_replicas(
         assert details == "model `tiny`: temperature is 150; it must be between 0 and 100"
     finally:
         await fake.close()
+
+
+async def test_a_failed_fetch_is_retried_only_after_retry_s(
+    session: aiohttp.ClientSession, serve: Any
+) -> None:
+    engine = await serve(api_keys=["right"])  # our key is wrong: every /v1/models is a 401
+    b = backend(session, native(engine.url))
+    now = [100.0]
+    b.limits = AdvertisedLimits(retry_s=10, clock=lambda: now[0])
+    await b.validate(req(temperature=150.0))
+    await b.validate(req(temperature=150.0))
+    assert engine.calls[("GET", "/v1/models")] == 1
+    now[0] += 10
+    await b.validate(req(temperature=150.0))
+    assert engine.calls[("GET", "/v1/models")] == 2
 
 
 async def test_validate_does_not_consult_openai_backends(session: aiohttp.ClientSession) -> None:

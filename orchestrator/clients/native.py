@@ -667,7 +667,7 @@ class NativeClient(HttpReplicaClient):
 
     async def advertised(self, timeout_s: float) -> EngineLimits | None:
         """`GET /v1/models` parsed; None when the engine advertises no context. A transport
-        failure or a non-200 reply is a (migratable) GenerationError: ask again later."""
+        failure or a non-200 reply is a GenerationError (as for any other call)."""
         try:
             async with self.session.get(
                 self.url + "/v1/models",
@@ -871,9 +871,10 @@ class AdvertisedLimits:
         url = client.url
         try:
             limits = await client.advertised(self.timeout_s)
-        except GenerationError as exc:
+        except Exception as exc:  # any failure: not known yet, ask again after retry_s
             self._retry_at[url] = self._clock() + self.retry_s
-            log.info("replica %s: no /v1/models yet (%s)", client.name, exc.message)
+            detail = exc.message if isinstance(exc, GenerationError) else repr(exc)
+            log.info("replica %s: no /v1/models yet (%s)", client.name, detail)
             return None
         else:
             self._known[url] = limits
