@@ -24,9 +24,11 @@ from .clients.backends import build_model_backends
 from .clients.registry import ChunkerRegistry, DetectorRegistry
 from .config import Config, ConfigError
 from .handlers import (
+    chat_completions,
     content_detection,
     health,
     metrics,
+    models,
     openapi,
     stream_content,
     streaming_generation,
@@ -36,6 +38,8 @@ from .handlers.stream_slots import TooManyStreams
 from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
 from .state import STATE, AppState
+from .streaming.chat_writer import openai_error
+from .streaming.events import Failure
 from .streaming.failures import describe, first_error
 
 log = logging.getLogger("guardstream")
@@ -49,10 +53,34 @@ STREAMING_PATH = "/api/v1/task/server-streaming-classification-with-text-generat
 UNARY_PATH = "/api/v1/task/classification-with-text-generation"
 CONTENT_PATH = "/api/v2/text/detection/content"
 STREAM_CONTENT_PATH = "/api/v2/text/detection/stream-content"
+CHAT_PATH = chat_completions.CHAT_PATH
+CHAT_DETECTION_PATH = chat_completions.CHAT_DETECTION_PATH
+RESPONSES_PATH = "/v1/responses"
+MODELS_PATH = "/v1/models"
+# The OpenAI surfaces answer errors with OpenAI's body, which their SDKs parse
+OPENAI_PATHS = frozenset({CHAT_PATH, CHAT_DETECTION_PATH, RESPONSES_PATH, MODELS_PATH})
 
 
-def _error_response(body: ErrorBody, headers: dict[str, str] | None = None) -> web.Response:
+def _error_response(
+    request: web.Request, body: ErrorBody, headers: dict[str, str] | None = None
+) -> web.Response:
+    """The FMS error body, or the OpenAI one on the OpenAI surfaces (SDKs parse `error`)."""
+    if request.path in OPENAI_PATHS:
+        failure = Failure(body.code, body.type, body.details)
+        return web.json_response(
+            openai_error(failure, param=error_param(body.details)),
+            status=body.code,
+            headers=headers,
+        )
     return web.json_response(body.dump(), status=body.code, headers=headers)
+
+
+def error_param(details: str) -> str | None:
+    """The request field an error names (`messages: ...` → `messages`), for OpenAI's `param`."""
+    head, sep, _ = details.partition(": ")
+    if sep and head and " " not in head and len(head) <= 128:
+        return head
+    return None
 
 
 def error_for(exc: BaseException) -> ErrorBody:
@@ -175,7 +203,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         body = error_for(exc)
         if body.code >= 500 and body.type == ErrorType.SERVER_ERROR:
             log.error("request %s failed", request.get("request_id"), exc_info=exc)
-        return _error_response(body, _error_headers(first_error(exc), body))
+        return _error_response(request, body, _error_headers(first_error(exc), body))
 
 
 def _error_headers(exc: BaseException, body: ErrorBody) -> dict[str, str] | None:
@@ -303,6 +331,9 @@ def create_app(config: Config, *, device: str = "auto") -> web.Application:
     app.router.add_post(UNARY_PATH, unary_generation.handle)
     app.router.add_post(CONTENT_PATH, content_detection.handle)
     app.router.add_post(STREAM_CONTENT_PATH, stream_content.handle)
+    app.router.add_post(CHAT_PATH, chat_completions.handle)
+    app.router.add_post(CHAT_DETECTION_PATH, chat_completions.handle)
+    app.router.add_get(MODELS_PATH, models.handle)
     app.router.add_get("/health", health.health)
     app.router.add_get("/info", health.info)
     app.router.add_get("/metrics", metrics.handle)

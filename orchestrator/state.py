@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ class AppState:
     streams: set[Any] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no stream runs
     draining: bool = False
+    started_at: int = field(default_factory=lambda: int(time.time()))
 
 
 STATE = web.AppKey("state", AppState)

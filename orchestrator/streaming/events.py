@@ -45,6 +45,7 @@ class Frame:
     generated_token_count: int | None = None
     input_token_count: int | None = None
     seed: int | None = None
+    judged: bool = False  # output detectors ran on it (False: forwarded as generated)
 
     @property
     def flagged(self) -> bool:

@@ -37,7 +37,7 @@ def classified_frame(frame: Frame) -> ClassifiedFrame:
     return ClassifiedFrame(
         generated_text=frame.text,
         token_classification_results=TokenClassificationResults(
-            output=[f.to_tcr() for f in frame.detections]
+            output=[f.to_tcr() for f in frame.detections] if frame.judged else None
         ),
         start_index=frame.start,
         processed_index=frame.end,
@@ -54,23 +54,23 @@ def frame_dict(frame: Frame) -> dict[str, Any]:
     equal to `classified_frame(frame).dump()`, which the tests check."""
     out: dict[str, Any] = {
         "generated_text": frame.text,
-        "token_classification_results": {
-            "output": [
-                {
-                    "start": f.start,
-                    "end": f.end,
-                    "word": f.text,
-                    "entity": f.detection,
-                    "entity_group": f.detection_type,
-                    "detector_id": f.detector_id,
-                    "score": f.score,
-                }
-                for f in frame.detections
-            ]
-        },
+        "token_classification_results": {},
         "start_index": frame.start,
         "processed_index": frame.end,
     }
+    if frame.judged:
+        out["token_classification_results"]["output"] = [
+            {
+                "start": f.start,
+                "end": f.end,
+                "word": f.text,
+                "entity": f.detection,
+                "entity_group": f.detection_type,
+                "detector_id": f.detector_id,
+                "score": f.score,
+            }
+            for f in frame.detections
+        ]
     if frame.final:
         if frame.finish_reason is not None:
             out["finish_reason"] = frame.finish_reason

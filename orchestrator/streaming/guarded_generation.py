@@ -383,7 +383,9 @@ class GuardedGeneration:
 
     def _judged_frame(self, judged: JudgedFrame, *, final: bool) -> Frame:
         self._observer.on_findings(judged.detections)
-        return self._frame(judged.start, judged.text, judged.detections, final=final)
+        frame = self._frame(judged.start, judged.text, judged.detections, final=final)
+        frame.judged = True
+        return frame
 
     def _frame(self, start: int, text: str, findings: list[Finding], *, final: bool) -> Frame:
         p = self._progress

@@ -22,6 +22,7 @@ class DetectorBehaviour:
     delay_s: float = 0.0
     malformed: bool = False
     drop_one: bool = False  # reply with one list fewer than contents
+    gate: asyncio.Event | None = None  # hold every reply until the test sets it
 
 
 class FakeDetectorServer:
@@ -66,6 +67,8 @@ class FakeDetectorServer:
         try:
             if behaviour.delay_s:
                 await asyncio.sleep(behaviour.delay_s)
+            if behaviour.gate is not None:
+                await behaviour.gate.wait()
         except asyncio.CancelledError:
             self.cancelled += 1
             raise

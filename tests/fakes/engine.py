@@ -77,6 +77,16 @@ class Recorded:
     completed: bool = False  # complete_final was written
 
 
+def prompt_text(body: dict[str, Any]) -> str:
+    """The prompt of a generate/tokenize body: `prompt`, or the last user message of
+    `messages` (the fake has no chat template; scripts key on what the user said)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        users = [m.get("content", "") for m in messages if m.get("role") == "user"]
+        return users[-1] if users else ""
+    return body.get("prompt", "")
+
+
 def prompt_ids(prompt: str) -> list[int]:
     """The fake tokenizer: one id below TOKEN_BASE per character."""
     return [min(ord(c), TOKEN_BASE - 1) for c in prompt]
@@ -149,7 +159,7 @@ class FakeEngine(FakeUpstream):
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
-        ids = prompt_ids(body.get("prompt", ""))
+        ids = prompt_ids(prompt_text(body))
         return web.json_response({"token_ids": ids, "count": len(ids)})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
@@ -194,7 +204,7 @@ class FakeEngine(FakeUpstream):
         if "input_ids" in body:
             p_ids = list(body["input_ids"])
         else:
-            p_ids = prompt_ids(body.get("prompt", ""))
+            p_ids = prompt_ids(prompt_text(body))
         resume = body.get("resume") or {}
         r_ids = list(resume.get("token_ids", []))
         r_text = resume.get("text", "")
@@ -203,7 +213,7 @@ class FakeEngine(FakeUpstream):
         if r_ids != expected_ids:
             self.resume_mismatches.append(f"resume ids {r_ids} != {expected_ids}")
         pending = ""  # resumed text not yet delivered
-        script = self.script_for(body.get("prompt", "")) if self.script_for else self.script
+        script = self.script_for(prompt_text(body)) if self.script_for else self.script
         full = "".join(script[:pos])
         if full.startswith(r_text):
             pending = full[len(r_text) :]

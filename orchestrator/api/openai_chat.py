@@ -1,0 +1,249 @@
+"""Wire shapes of the OpenAI Chat Completions surface (DESIGN 4.8), with guardstream's
+extensions (`detectors` in requests; `detections` and `warnings` in responses).
+
+The request keeps unknown fields (`extra="allow"`): an `openai` chat backend receives them
+untouched, every other backend ignores them. Fields guardstream cannot honour while guarding the
+output (several choices, tool calls) are rejected with a clear 422 instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .requests import DetectorMap
+from .responses import TokenClassificationResult, Wire
+
+ROLES = ("system", "developer", "user", "assistant")
+_UNSUPPORTED = {
+    "tools": "tool calls are not supported: their arguments cannot be guarded",
+    "functions": "function calls are not supported: their arguments cannot be guarded",
+    "tool_choice": "tool calls are not supported: their arguments cannot be guarded",
+    "function_call": "function calls are not supported: their arguments cannot be guarded",
+    "audio": "audio output is not supported: only text can be guarded",
+    "prediction": "predicted outputs are not supported",
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(BaseModel):
+    """A message of the conversation; content is text or text parts (images and audio cannot be
+    judged by text detectors, so they are refused rather than passed unguarded)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=256)
+    refusal: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class ChatDetectors(Strict):
+    input: DetectorMap = Field(default_factory=dict)
+    output: DetectorMap = Field(default_factory=dict)
+
+
+def _number(v: Any) -> Any:
+    if v is None:
+        return v
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ValueError("must be a finite number")
+    return v
+
+
+def _integer(v: Any) -> Any:
+    if v is None:
+        return v
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v):
+        raise ValueError("must be an integer")
+    return int(v)
+
+
+StopItem = Annotated[str, Field(min_length=1)]
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: StopItem | list[StopItem] | None = None
+    n: int | None = Field(None, ge=1)
+    detectors: ChatDetectors | None = None
+
+    @field_validator("max_tokens", "max_completion_tokens", "n", "seed", mode="before")
+    @classmethod
+    def _integers(cls, v: Any) -> Any:
+        return _integer(v)
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _numbers(cls, v: Any) -> Any:
+        return _number(v)
+
+    @model_validator(mode="after")
+    def _guardable(self) -> ChatCompletionRequest:
+        if self.n not in (None, 1):
+            raise ValueError("n: only n = 1 is supported (every choice would need its own guard)")
+        for name, why in _UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value not in (None, [], "none"):
+                raise ValueError(f"{name}: {why}")
+        if not any(m.role == "user" for m in self.messages):
+            raise ValueError("messages: at least one message must have the role `user`")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def forwarded(self) -> dict[str, Any]:
+        """Fields guardstream does not interpret, for an `openai` chat backend."""
+        return dict(self.model_extra or {})
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+class ChatWarning(Wire):
+    type: Literal["UNSUITABLE_INPUT", "UNSUITABLE_OUTPUT"]
+    message: str
+
+
+class OutputDetections(Wire):
+    choice_index: int = 0
+    results: list[TokenClassificationResult]
+
+
+class InputDetections(Wire):
+    message_index: int
+    results: list[TokenClassificationResult]
+
+
+class ChatDetections(Wire):
+    input: list[InputDetections] | None = None
+    output: list[OutputDetections] | None = None
+
+
+class Delta(Wire):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
+
+
+class Usage(Wire):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionChunk(Wire):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    detections: ChatDetections | None = None
+    warnings: list[ChatWarning] | None = None
+
+    def dump(self) -> dict[str, Any]:
+        # finish_reason and logprobs stay as explicit nulls (OpenAI sends them); the rest omit
+        data = self.model_dump(mode="json", exclude_none=True)
+        for choice, raw in zip(data["choices"], self.choices, strict=True):
+            choice["finish_reason"] = raw.finish_reason
+            choice["logprobs"] = None
+        return data
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "content_filter"]
+
+
+class ChatCompletion(Wire):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice] = Field(min_length=1)
+    usage: Usage
+    detections: ChatDetections | None = None
+    warnings: list[ChatWarning] | None = None
+
+    def dump(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json", exclude_none=True)
+        for choice, raw in zip(data["choices"], self.choices, strict=True):
+            choice["message"]["content"] = raw.message.content
+            choice["message"]["refusal"] = raw.message.refusal
+            choice["logprobs"] = None
+        return data
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    """`{"error": {...}}`: what OpenAI SDKs raise as an API error, before or inside a stream."""
+
+    error: OpenAIErrorDetail
+
+
+class ModelCard(Wire):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "guardstream"
+
+
+class ModelList(Wire):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

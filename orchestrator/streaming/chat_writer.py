@@ -1,0 +1,221 @@
+"""The Chat Completions wire format (DESIGN 4.8): pipeline events as `chat.completion.chunk`
+SSE messages ending in exactly one `[DONE]`, or folded into one `chat.completion`.
+
+Every stream has exactly one `finish_reason` or one in-band error object, and `[DONE]` last. A
+block never shows flagged text: the refusal rides on the finishing chunk.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from ..api.errors import ApiError
+from ..api.openai_chat import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDetections,
+    ChatWarning,
+    Choice,
+    ChunkChoice,
+    Delta,
+    InputDetections,
+    OpenAIErrorBody,
+    OpenAIErrorDetail,
+    OutputDetections,
+    Usage,
+)
+from ..api.responses import UNSUITABLE_INPUT, UNSUITABLE_OUTPUT
+from .events import Event, Failure, Frame, KeepAlive, Refusal, Terminal
+from .findings import Finding
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+INPUT_WARNING = ChatWarning(type="UNSUITABLE_INPUT", message=UNSUITABLE_INPUT.message)
+OUTPUT_WARNING = ChatWarning(type="UNSUITABLE_OUTPUT", message=UNSUITABLE_OUTPUT.message)
+
+
+def finish_reason(terminal: Terminal) -> str:
+    if terminal.reason == "content_filter":
+        return "content_filter"
+    if terminal.kind == "incomplete":
+        return "length"  # a token or time budget ran out
+    return "stop"
+
+
+def openai_error(failure: Failure, param: str | None = None) -> dict[str, Any]:
+    return OpenAIErrorBody(
+        error=OpenAIErrorDetail(
+            message=failure.message, type=failure.type.value, param=param, code=failure.code
+        )
+    ).model_dump(mode="json")
+
+
+def usage(terminal: Terminal) -> Usage:
+    prompt = terminal.input_token_count or 0
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=terminal.generated_token_count,
+        total_tokens=prompt + terminal.generated_token_count,
+    )
+
+
+def _output(findings: list[Finding]) -> ChatDetections:
+    return ChatDetections(
+        output=[OutputDetections(choice_index=0, results=[f.to_tcr() for f in findings])]
+    )
+
+
+def _input(findings: list[Finding], message_index: int) -> ChatDetections:
+    return ChatDetections(
+        input=[InputDetections(message_index=message_index, results=[f.to_tcr() for f in findings])]
+    )
+
+
+class ChatChunkWriter:
+    """Renders one stream's events as SSE bytes; `started` says whether any byte was due yet
+    (an error before it is a real HTTP error, not an in-band one)."""
+
+    def __init__(self, model: str, *, include_usage: bool, input_message_index: int) -> None:
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self._include_usage = include_usage
+        self._input_index = input_message_index
+        self._role_sent = False
+        self._finished = False
+
+    def _chunk(
+        self,
+        delta: Delta,
+        *,
+        finish: str | None = None,
+        detections: ChatDetections | None = None,
+        warnings: list[ChatWarning] | None = None,
+    ) -> bytes:
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[ChunkChoice(delta=delta, finish_reason=finish)],  # type: ignore[arg-type]
+            detections=detections,
+            warnings=warnings,
+        )
+        return b"data: " + orjson.dumps(chunk.dump()) + b"\n\n"
+
+    def _role(self) -> bytes:
+        if self._role_sent:
+            return b""
+        self._role_sent = True
+        return self._chunk(Delta(role="assistant", content=""))
+
+    def render(self, event: Event) -> bytes:
+        if isinstance(event, KeepAlive):
+            return KEEPALIVE_COMMENT
+        if isinstance(event, Frame):
+            if not event.text and not event.detections:
+                return b""
+            return self._role() + self._chunk(
+                Delta(content=event.text),
+                detections=_output(event.detections) if event.judged else None,
+                warnings=[OUTPUT_WARNING] if event.detections else None,
+            )
+        if isinstance(event, Refusal):
+            self._finished = True
+            if event.direction == "input":
+                self._role_sent = True
+                return self._chunk(
+                    Delta(role="assistant", refusal=event.message),
+                    finish="content_filter",
+                    detections=_input(event.detections, self._input_index),
+                    warnings=[INPUT_WARNING],
+                )
+            return self._role() + self._chunk(
+                Delta(refusal=event.message),
+                finish="content_filter",
+                detections=_output(event.detections),
+                warnings=[OUTPUT_WARNING],
+            )
+        return self._terminal(event)
+
+    def _terminal(self, terminal: Terminal) -> bytes:
+        if terminal.error is not None:
+            return b"data: " + orjson.dumps(openai_error(terminal.error)) + b"\n\n" + DONE
+        out = b""
+        if not self._finished:
+            out += self._role() + self._chunk(Delta(), finish=finish_reason(terminal))
+        if self._include_usage:
+            chunk = ChatCompletionChunk(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=[],
+                usage=usage(terminal),
+            )
+            out += b"data: " + orjson.dumps(chunk.dump()) + b"\n\n"
+        return out + DONE
+
+
+class ChatCompletionFold:
+    """The unary `chat.completion`; an error anywhere is a real HTTP error (nothing was sent)."""
+
+    def __init__(self, model: str, *, input_message_index: int) -> None:
+        self._model = model
+        self._input_index = input_message_index
+        self._texts: list[str] = []
+        self._output: list[Finding] = []
+        self._input: list[Finding] = []
+        self._refusal: str | None = None
+        self._terminal: Terminal | None = None
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, Frame):
+            self._texts.append(event.text)
+            self._output.extend(event.detections)
+        elif isinstance(event, Refusal):
+            self._refusal = event.message
+            if event.direction == "input":
+                self._input.extend(event.detections)
+            else:
+                self._output.extend(event.detections)
+        elif isinstance(event, Terminal):
+            if event.error is not None:
+                e = event.error
+                raise ApiError(e.code, e.type, e.message)
+            self._terminal = event
+
+    def body(self) -> dict[str, Any]:
+        terminal = self._terminal
+        assert terminal is not None
+        refused = self._refusal is not None
+        detections = None
+        if self._input or self._output:
+            detections = ChatDetections(
+                input=_input(self._input, self._input_index).input if self._input else None,
+                output=_output(self._output).output if self._output else None,
+            )
+        warnings = [INPUT_WARNING] if self._input else []
+        if self._output:
+            warnings.append(OUTPUT_WARNING)
+        completion = ChatCompletion(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self._model,
+            choices=[
+                Choice(
+                    message=AssistantMessage(
+                        content=None if refused else "".join(self._texts),
+                        refusal=self._refusal,
+                    ),
+                    finish_reason=finish_reason(terminal),  # type: ignore[arg-type]
+                )
+            ],
+            usage=usage(terminal),
+            detections=detections,
+            warnings=warnings or None,
+        )
+        return completion.dump()
