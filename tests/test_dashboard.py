@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-import detectors
 from detectors.service import create_app as create_detector_app
 from generation import models
 from generation.server import create_app as create_engine_app
+from orchestrator.app import STREAMING_PATH
 from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     MODEL,
@@ -231,13 +231,15 @@ async def scrape(session: aiohttp.ClientSession, base_url: str) -> str:
 
 
 @pytest.fixture
-async def detector_service(aiohttp_server: Any) -> AsyncIterator[str]:
-    """The real detector service: regex PII and the profanity (HAP) model, micro-batched."""
-    dets = {"pii": detectors.build("regex"), "hap": detectors.build("profanity")}
-    server: TestServer = await aiohttp_server(create_detector_app(dict(dets), warmup=False))
-    yield str(server.make_url("")).rstrip("/")
-    for det in dets.values():
-        await det.close()
+async def detector_service(keys: None, aiohttp_server: Any) -> str:
+    """The real detector service from a config like deploy/detectors.yaml: regex PII and the
+    profanity (HAP) model, micro-batched, behind the key `server.api_keys_env` names."""
+    config = {
+        "server": {"api_keys_env": "TEST_DETECTORS_KEY"},
+        "detectors": {"pii": {"builtin": "regex"}, "hap": {"builtin": "profanity"}},
+    }
+    server: TestServer = await aiohttp_server(create_detector_app(config, warmup=False))
+    return str(server.make_url("")).rstrip("/")
 
 
 @pytest.fixture
@@ -288,11 +290,11 @@ def orchestrator_config(engines: dict[str, list[FakeEngine]], detectors_url: str
 
 
 @pytest.fixture
-def keys(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variables the configs name, as the deployments' Secrets / env files set them."""
     monkeypatch.setenv("TEST_CLIENT_KEYS", CLIENT_KEY)
     monkeypatch.setenv("TEST_ENGINE_KEY", ENGINE_KEY)
     monkeypatch.setenv("TEST_DETECTORS_KEY", DETECTORS_KEY)
-    yield
 
 
 async def orchestrator_metrics(
@@ -327,6 +329,14 @@ async def orchestrator_metrics(
         }
         pages = {"orchestrator": await scrape(orch.session, orch.url)}
         pages["detector service"] = await scrape(orch.session, detectors_url)
+        # both require keys for everything else: /metrics is open, the services are not
+        async with orch.session.post(orch.url + STREAMING_PATH, json=body) as r:
+            assert r.status == 401
+        contents = {"contents": ["You idiot!"], "detector_params": {}}
+        async with orch.session.post(
+            detectors_url + "/api/v1/text/contents", json=contents, headers={"detector-id": "hap"}
+        ) as r:
+            assert r.status == 401
     # the deployment's wiring: the orchestrator sends each engine the key its config names
     for group in engines.values():
         for engine in group:
