@@ -161,7 +161,8 @@ async def test_http_400_is_not_migratable(
     client = OpenAIClient("o0", s.url, "fake-model", session)
     with pytest.raises(GenerationError) as info:
         await collect(client, request())
-    assert not info.value.migratable and info.value.error_type == "generation_error"
+    assert not info.value.migratable and info.value.error_type == "invalid_request"
+    assert info.value.code == 422
 
 
 async def test_chat_prompt_goes_through_tokenize(

@@ -72,8 +72,8 @@ BAD_INPUTS: list[tuple[str, bytes | dict[str, Any], int, str]] = [
     ("not an object", [1], 422, "body: Input should be a valid dictionary or instance of GenerateRequest"),
     ("unknown field", {"prompt": "a", "foo": 1}, 422, "foo: Extra inputs are not permitted"),
     ("unknown decoding field", {"prompt": "a", "decoding": {"beam": 2}}, 422, "decoding.beam: Extra inputs are not permitted"),
-    ("both inputs", {"prompt": "a", "input_ids": [1]}, 422, "body: exactly one of prompt and input_ids is required"),
-    ("neither input", {}, 422, "body: exactly one of prompt and input_ids is required"),
+    ("both inputs", {"prompt": "a", "input_ids": [1]}, 422, "body: exactly one of prompt, input_ids and messages is required"),
+    ("neither input", {}, 422, "body: exactly one of prompt, input_ids and messages is required"),
     ("max_new_tokens 0", {"prompt": "a", "max_new_tokens": 0}, 422, "max_new_tokens: Input should be greater than or equal to 1"),
     ("max_new_tokens string", {"prompt": "a", "max_new_tokens": "5"}, 422, "max_new_tokens: Input should be a valid integer"),
     ("min_new_tokens negative", {"prompt": "a", "min_new_tokens": -1}, 422, "min_new_tokens: Input should be greater than or equal to 0"),
@@ -309,9 +309,14 @@ async def test_max_time(client: Any) -> None:
     assert len(stream.token_ids) == 1
 
 
-async def test_max_tokens_clamped_by_context(client: Any) -> None:
-    stream = await generate(client, "", {"input_ids": _long(505), "max_new_tokens": 100})
-    assert stream.finish_reason == "MAX_TOKENS"
+async def test_prompt_plus_budget_over_the_context_is_422(client: Any) -> None:
+    """As vLLM: a budget the context cannot hold is the client's mistake, told before any byte."""
+    resp = await client.post("/v1/generate", json={"input_ids": _long(505), "max_new_tokens": 100})
+    assert resp.status == 422
+    body = await resp.json()
+    assert body["type"] == "invalid_request"
+    assert "at most 7 new tokens fit" in body["details"]
+    stream = await generate(client, "", {"input_ids": _long(505), "max_new_tokens": 7})
     assert len(stream.token_ids) == 7  # 505 + 7 = the 512-token context
 
 
