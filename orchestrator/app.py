@@ -224,6 +224,8 @@ def _error_headers(exc: BaseException, body: ErrorBody) -> dict[str, str] | None
 # path requires one (deny by default: the /api/ endpoints spend model time and see user text,
 # and a path that routes nowhere answers 401 rather than telling what exists).
 OPEN_PATHS = frozenset({"/health", "/info", "/metrics", "/openapi.json"})
+# set by the auth middleware: the request carried a valid key (absent when auth is off)
+AUTHENTICATED = health.AUTHENTICATED
 
 
 def _digest(value: bytes) -> bytes:
@@ -239,14 +241,16 @@ def auth_middleware(keys: list[str]) -> Middleware:
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            given = _digest(token.strip().encode("utf-8", "surrogateescape"))
-            ok = False
-            for digest in digests:  # every key, so timing does not tell which one came close
-                ok |= hmac.compare_digest(given, digest)
-            if scheme.lower() != "bearer" or not ok:
-                raise ApiError(401, ErrorType.UNAUTHORIZED, "missing or invalid API key")
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
+        ok = False
+        for digest in digests:  # every key, so timing does not tell which one came close
+            ok |= hmac.compare_digest(given, digest)
+        ok = ok and scheme.lower() == "bearer"
+        # open paths answer anyway; /info shows its details only to a caller with a key
+        request[AUTHENTICATED] = ok
+        if request.path not in OPEN_PATHS and not ok:
+            raise ApiError(401, ErrorType.UNAUTHORIZED, "missing or invalid API key")
         return await handler(request)
 
     return check
@@ -314,10 +318,16 @@ def create_app(config: Config, *, device: str = "auto") -> web.Application:
         for backend in state.backends.values():
             await backend.start()
         poller = asyncio.create_task(app[health.DETECTOR_HEALTH].run())
+        # in-process detectors load and judge once before /info says ready, so the first
+        # request neither pays the load nor fails on a model that cannot load
+        warmup = asyncio.create_task(app[health.DETECTOR_HEALTH].warm_up())
         try:
             yield
         finally:
             state.draining = True
+            warmup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await warmup
             poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -21,7 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 import detectors
 from detectors.api import ContentsRequest, Detection
 
-from ..config import DetectorConfig
+from ..config import ConfigError, DetectorConfig
 
 _REPLY = TypeAdapter(list[list[Detection]])
 
@@ -116,12 +117,36 @@ class InProcessDetectorClient(DetectorClient):
         self._check_count(contents, reply)
         return reply
 
+    async def warm_up(self, text: str) -> None:
+        """Loads the model and judges `text` once, in its worker threads (start-up only)."""
+        await self._detector.warmup()
+        await self._detector.detect([text], None)
+
     async def close(self) -> None:
         await self._detector.close()
 
 
+def detector_api_key(
+    detector_id: str, config: DetectorConfig, environ: Mapping[str, str] = os.environ
+) -> str | None:
+    """The key of a remote detector service (`api_key_env`), or None when it names none. A
+    named variable that is unset or empty is a ConfigError at start-up: calling a keyed
+    service without its key would fail every request with 401."""
+    name = config.api_key_env
+    if not name:
+        return None
+    key = environ.get(name, "").strip()
+    if not key:
+        state = "is not set" if name not in environ else "holds no key"
+        raise ConfigError(
+            [f"detectors.{detector_id}.api_key_env: environment variable {name} {state}"]
+        )
+    return key
+
+
 class HttpDetectorClient(DetectorClient):
-    """A remote detector; one pooled session for all of them, a timeout per detector."""
+    """A remote detector; one pooled session for all of them, a timeout per detector, and the
+    service's Bearer key (from the environment variable `api_key_env` names) on every call."""
 
     def __init__(
         self,
@@ -138,6 +163,8 @@ class HttpDetectorClient(DetectorClient):
         self._health_url = config.url.rstrip("/") + "/health"
         self._session = session
         self._ssl = ssl_context
+        key = detector_api_key(detector_id, config)
+        self._auth: dict[str, str] = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         merged = {**self.config.params, **(params or {})}
@@ -145,7 +172,7 @@ class HttpDetectorClient(DetectorClient):
             merged.pop(key, None)
         body = ContentsRequest(contents=contents, detector_params=merged).model_dump(mode="json")
         # x-request-id and allowlisted client headers are added by the session's request hook
-        hdrs = {"detector-id": self.detector_id, "content-type": "application/json"}
+        hdrs = {"detector-id": self.detector_id, "content-type": "application/json", **self._auth}
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         try:
             async with self._session.post(
@@ -154,9 +181,12 @@ class HttpDetectorClient(DetectorClient):
                 raw = await resp.read()
                 if resp.status != 200:
                     # 422 is the detector rejecting the detector_params the client sent
+                    hint = (
+                        " (check the detector's api_key_env)" if resp.status in (401, 403) else ""
+                    )
                     raise DetectorCallError(
                         self.detector_id,
-                        f"HTTP {resp.status}: {_error_message(raw)}",
+                        f"HTTP {resp.status}: {_error_message(raw)}{hint}",
                         invalid_params=resp.status == 422,
                     )
         except TimeoutError:
@@ -179,7 +209,10 @@ class HttpDetectorClient(DetectorClient):
     async def health(self) -> bool:
         try:
             async with self._session.get(
-                self._health_url, timeout=aiohttp.ClientTimeout(total=2), ssl=self._ssl
+                self._health_url,
+                headers=self._auth,
+                timeout=aiohttp.ClientTimeout(total=2),
+                ssl=self._ssl,
             ) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):

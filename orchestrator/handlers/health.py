@@ -7,27 +7,64 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 from aiohttp import web
 
 from .. import __version__
 from ..api.responses import ComponentStatus, HealthResponse, InfoResponse
+from ..clients.detectors import InProcessDetectorClient
 from ..state import STATE, AppState
+
+log = logging.getLogger("guardstream.health")
 
 
 async def health(request: web.Request) -> web.Response:
     return web.json_response(HealthResponse(version=__version__).dump())
 
 
+AUTHENTICATED = "guardstream.authenticated"
+WARMUP_TEXT = "Warm-up: is this text fine? Contact ops@example.com."
+
+
 class DetectorHealth:
-    """Cached health of remote detectors, refreshed every `interval_s`."""
+    """Cached health of remote detectors, refreshed every `interval_s`, and the start-up warm-up
+    of in-process ones: until each has loaded its model and judged a text once, /info is not
+    ready; one that fails is UNHEALTHY with the reason."""
 
     def __init__(self, state: AppState, interval_s: float = 5.0) -> None:
         self._state = state
         self._interval_s = interval_s
         self.status: dict[str, str] = {}
         self.checked_at = 0.0
+        self.warmed = asyncio.Event()
+        self.warmup_errors: dict[str, str] = {}
+
+    async def warm_up(self) -> None:
+        assert self._state.detectors is not None
+        clients = {
+            d: c
+            for d, c in self._state.detectors.clients().items()
+            if isinstance(c, InProcessDetectorClient)
+        }
+
+        async def one(detector_id: str, client: InProcessDetectorClient) -> None:
+            try:
+                await client.warm_up(WARMUP_TEXT)
+            except Exception as exc:  # reported on /info, never raised
+                log.error("detector %s failed its warm-up: %s", detector_id, exc)
+                self.warmup_errors[detector_id] = f"{type(exc).__name__}: {exc}"
+
+        started = time.monotonic()
+        await asyncio.gather(*(one(d, c) for d, c in clients.items()))
+        if clients:
+            log.info(
+                "in-process detectors warmed up in %.1f s: %s",
+                time.monotonic() - started,
+                ", ".join(clients),
+            )
+        self.warmed.set()
 
     async def refresh(self) -> None:
         assert self._state.detectors is not None
@@ -49,17 +86,35 @@ DETECTOR_HEALTH = web.AppKey("detector_health", DetectorHealth)
 
 
 async def info(request: web.Request) -> web.Response:
+    """Ready only when every model has a healthy replica, no detector is unhealthy, and the
+    in-process detectors finished their warm-up. With auth on, a caller without a key sees
+    statuses only: replica URLs, pids and last errors map the deployment for an attacker."""
     state = request.app[STATE]
+    checks = request.app[DETECTOR_HEALTH]
+    full = request.get(AUTHENTICATED, state.config.server.api_keys_env is None)
     models = {model_id: backend.info() for model_id, backend in state.backends.items()}
-    cached = request.app[DETECTOR_HEALTH].status
-    detectors = {
-        d: ComponentStatus(status=cached.get(d, "UNKNOWN"))  # type: ignore[arg-type]
-        for d in state.config.detectors
-    }
+    cached = checks.status
+    warmed = checks.warmed.is_set()
+    detectors: dict[str, ComponentStatus] = {}
+    for d in state.config.detectors:
+        if d in checks.warmup_errors:
+            detail = {"error": checks.warmup_errors[d]} if full else None
+            detectors[d] = ComponentStatus(status="UNHEALTHY", details=detail)
+        elif not warmed and state.config.detectors[d].builtin is not None:
+            detectors[d] = ComponentStatus(status="UNKNOWN", details={"warming_up": True})
+        else:
+            detectors[d] = ComponentStatus(status=cached.get(d, "UNKNOWN"))  # type: ignore[arg-type]
     chunkers = {c: ComponentStatus(status="HEALTHY") for c in state.chunkers.ids()}
-    ready = all(
-        any(r.get("status") == "HEALTHY" for r in replicas) for replicas in models.values()
-    ) and all(s.status != "UNHEALTHY" for s in detectors.values())
+    ready = (
+        warmed
+        and all(any(r.get("status") == "HEALTHY" for r in replicas) for replicas in models.values())
+        and all(s.status != "UNHEALTHY" for s in detectors.values())
+    )
+    if not full:
+        models = {
+            m: [{"name": r.get("name"), "status": r.get("status")} for r in replicas]
+            for m, replicas in models.items()
+        }
     body = InfoResponse(
         status="HEALTHY" if ready and not state.draining else "UNHEALTHY",
         models=models,

@@ -1,0 +1,92 @@
+"""/info tells the truth (DESIGN 4.1): not ready until in-process detectors loaded and judged once;
+a detector that cannot warm up is UNHEALTHY; without a key (auth on) it shows statuses only."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from orchestrator.clients.detectors import InProcessDetectorClient
+from tests.orchestrator_support import Orchestrator, native_config
+
+KEYS_ENV = "GUARDSTREAM_TEST_READINESS_KEYS"
+
+
+def builtin_config(engine_url: str, **server: Any) -> dict[str, Any]:
+    return native_config(
+        engine_url,
+        detectors={"pii": {"builtin": "regex", "chunker_id": "sentence"}},
+        server=server,
+    )
+
+
+async def info(orch: Orchestrator, key: str | None = None) -> tuple[int, dict[str, Any]]:
+    assert orch.session is not None
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with orch.session.get(orch.url + "/info", headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def test_not_ready_until_in_process_detectors_warmed_up(engine, monkeypatch) -> None:
+    gate = asyncio.Event()
+    judged: list[str] = []
+    real = InProcessDetectorClient.warm_up
+
+    async def gated(self: InProcessDetectorClient, text: str) -> None:
+        await gate.wait()
+        judged.append(self.detector_id)
+        await real(self, text)
+
+    monkeypatch.setattr(InProcessDetectorClient, "warm_up", gated)
+    async with Orchestrator(builtin_config(engine.url)) as orch:
+        status, body = await info(orch)
+        assert status == 503 and body["status"] == "UNHEALTHY"
+        assert body["detectors"]["pii"] == {"status": "UNKNOWN", "details": {"warming_up": True}}
+        gate.set()
+        deadline = asyncio.get_running_loop().time() + 20
+        while (await info(orch))[0] != 200:
+            assert asyncio.get_running_loop().time() < deadline, await info(orch)
+            await asyncio.sleep(0.05)
+    assert judged == ["pii"]
+
+
+async def test_a_detector_that_cannot_warm_up_is_unhealthy(engine, monkeypatch) -> None:
+    async def broken(self: InProcessDetectorClient, text: str) -> None:
+        raise RuntimeError("weights missing")
+
+    monkeypatch.setattr(InProcessDetectorClient, "warm_up", broken)
+    async with Orchestrator(builtin_config(engine.url)) as orch:
+        deadline = asyncio.get_running_loop().time() + 20
+        while (body := (await info(orch))[1])["detectors"]["pii"]["status"] == "UNKNOWN":
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        status, body = await info(orch)
+    assert status == 503
+    assert body["detectors"]["pii"] == {
+        "status": "UNHEALTHY",
+        "details": {"error": "RuntimeError: weights missing"},
+    }
+
+
+@pytest.fixture
+def key(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv(KEYS_ENV, "the-key")
+    return "the-key"
+
+
+async def test_without_a_key_info_shows_statuses_only(engine, key) -> None:
+    async with Orchestrator(builtin_config(engine.url, api_keys_env=KEYS_ENV)) as orch:
+        deadline = asyncio.get_running_loop().time() + 20
+        while (await info(orch, key))[0] != 200:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        _, anonymous = await info(orch)
+        _, detailed = await info(orch, key)
+        _, wrong = await info(orch, "not-the-key")
+    for body in (anonymous, wrong):
+        assert body["models"] == {"fake-model": [{"name": "native-0", "status": "HEALTHY"}]}
+        assert engine.url not in str(body)
+    replica = detailed["models"]["fake-model"][0]
+    assert replica["url"] == engine.url and replica["status"] == "HEALTHY"
