@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,11 +154,20 @@ class Orchestrator:
             await self.runner.cleanup()
 
     async def stream(
-        self, body: dict[str, Any], *, headers: dict[str, str] | None = None
+        self,
+        body: dict[str, Any],
+        *,
+        headers: dict[str, str] | None = None,
+        on_event: Callable[[list[SseEvent]], object] | None = None,
     ) -> list[SseEvent]:
-        """POSTs to the streaming endpoint; asserts a 200 event stream and returns its events."""
+        """POSTs to the streaming endpoint; asserts a 200 event stream and returns its events.
+        With `on_event`, it is called with the events so far as each one arrives (a test opens an
+        engine's gate once a frame has reached the client: ordering without timing)."""
         assert self.session is not None
         async with self.session.post(self.url + STREAMING_PATH, json=body, headers=headers) as r:
+            if on_event is not None and r.status == 200:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                return await read_sse(r, on_event)
             text = await r.text()
             assert r.status == 200, f"{r.status}: {text}"
             assert r.headers["Content-Type"].startswith("text/event-stream")
@@ -183,6 +192,25 @@ class Orchestrator:
                 return r.status, json.loads(text)
             except ValueError:
                 return r.status, text
+
+
+async def read_sse(
+    resp: aiohttp.ClientResponse, on_event: Callable[[list[SseEvent]], object]
+) -> list[SseEvent]:
+    """The events of an SSE response, parsed as they arrive; `on_event(events so far)` after
+    each one. Comments (keep-alives) are skipped."""
+    events: list[SseEvent] = []
+    buf = ""
+    async for raw in resp.content:
+        buf += raw.decode()
+        while "\n\n" in buf:
+            block, buf = buf.split("\n\n", 1)
+            lines = [line for line in block.split("\n") if not line.startswith(":")]
+            if lines:
+                events.extend(sse_events("\n".join(lines) + "\n\n"))
+                on_event(events)
+    assert not buf.strip(), f"unterminated SSE event {buf!r}"
+    return events
 
 
 class Served:

@@ -5,7 +5,7 @@ one terminal event per stream, real 4xx for validation errors."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -15,6 +15,7 @@ from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     SCRIPT,
     Orchestrator,
+    SseEvent,
     assert_contiguous,
     frames,
     generation_body,
@@ -55,6 +56,14 @@ def config(engine: FakeEngine, dets: FakeDetectorServer, **detectors: dict) -> d
     base["generation_type"] = remote(dets.url, type="text_generation")
     base.update(detectors)
     return native_config(engine.url, detectors=base)
+
+
+def release_after_first_frame(engine: FakeEngine) -> Callable[[list[SseEvent]], None]:
+    def on_event(events: list[SseEvent]) -> None:
+        if frames(events):
+            engine.release.set()
+
+    return on_event
 
 
 def tcr(start: int, end: int, word: str, entity: str, detector_id: str, score: float) -> dict:
@@ -180,9 +189,13 @@ async def test_engine_4xx_that_slips_through_is_invalid_request_not_5xx(engine, 
 
 async def test_generation_error_mid_stream_is_failed_after_frames(engine, dets) -> None:
     engine.inject(Fault("error", after_tokens=7, error_type="generation_error", message="boom"))
-    engine.token_delay_s = 0.05  # the first sentence is judged before the failure arrives
+    # the engine waits after "I am great. What about" (the chunker knows the first sentence ended
+    # once the next word is whole) until the first sentence's frame has reached the client: it is judged before the failure arrives
+    engine.hold_after = 6
     async with Orchestrator(config(engine, dets)) as orch:
-        events = await orch.stream(generation_body(output={"clean": {}}))
+        events = await orch.stream(
+            generation_body(output={"clean": {}}), on_event=release_after_first_frame(engine)
+        )
     assert [f["generated_text"] for f in frames(events)] == ["I am great."]
     end = terminal(events)
     assert end.name == "failed"
@@ -297,9 +310,13 @@ async def test_output_detection_two_detectors_sorted(engine, dets) -> None:
 async def test_output_detector_error_mid_stream_delivers_earlier_frames_then_failed(
     engine, dets
 ) -> None:
-    engine.token_delay_s = 0.05  # the two sentences reach the detector in separate calls
+    # the engine waits after "I am great. What about" (the chunker knows the first sentence ended
+    # once the next word is whole) until the first sentence's frame has reached the client: the two sentences reach the detector in separate calls
+    engine.hold_after = 6
     async with Orchestrator(config(engine, dets)) as orch:
-        events = await orch.stream(generation_body(output={"dies_later": {}}))
+        events = await orch.stream(
+            generation_body(output={"dies_later": {}}), on_event=release_after_first_frame(engine)
+        )
     assert [f["generated_text"] for f in frames(events)] == ["I am great."]
     end = terminal(events)
     assert end.name == "failed"

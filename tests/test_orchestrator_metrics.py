@@ -18,6 +18,7 @@ from generation.server import create_app as create_engine_app
 from orchestrator.app import CONTENT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.state import STATE
 from tests.engine_support import generate
+from tests.fakes.clock import expire_stalls, manual_stall_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault, until
 from tests.orchestrator_support import (
@@ -122,20 +123,27 @@ async def test_a_stream_moves_every_series_by_exactly_what_it_did(
 
 
 async def test_errors_failures_and_the_unary_and_content_endpoints_are_counted(
-    engine: FakeEngine, dets: FakeDetectorServer
+    engine: FakeEngine, dets: FakeDetectorServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the engine stalls after "I am great. What about": the first sentence is judged and sent, then
-    # the stall timeout (migration off) ends the stream with `failed`
+    # the stall timeout (migration off) ends the stream with `failed`, declared on a manual clock
+    # once that frame has reached the client
+    clock = manual_stall_clock(monkeypatch)
     engine.inject(Fault("stall", after_tokens=6))
-    cfg = config(
-        engine.url,
-        dets,
-        model={"migration": {"limit": 0, "stall_timeout_s": 0.3, "quarantine_s": 0}},
-    )
+    cfg = config(engine.url, dets, model={"migration": {"limit": 0, "quarantine_s": 0}})
     async with Orchestrator(cfg) as orch:
         assert orch.session is not None
         before = await scrape(orch.session, orch.url)
-        failed = await orch.stream(generation_body(output={"clean": {}}))
+        first_frame = asyncio.Event()
+        stalled = asyncio.create_task(
+            orch.stream(
+                generation_body(output={"clean": {}}),
+                on_event=lambda events: frames(events) and first_frame.set(),
+            )
+        )
+        await asyncio.wait_for(first_frame.wait(), 30)
+        await expire_stalls(clock, stalled.done)
+        failed = await stalled
         errored = await orch.stream(generation_body(output={"broken": {}}))
         status, _ = await orch.post(STREAMING_PATH, generation_body(model_id="nope"))
         assert status == 404

@@ -13,7 +13,7 @@ import pytest
 from orchestrator.app import STREAMING_PATH
 from orchestrator.state import STATE
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine, until
+from tests.fakes.engine import FakeEngine, Fault, until
 from tests.orchestrator_support import (
     SCRIPT,
     Orchestrator,
@@ -154,7 +154,10 @@ async def test_detector_params_are_forwarded_without_orchestrator_keys(dets) -> 
 
 
 async def test_blocking_detector_withholds_the_offending_text(dets) -> None:
-    engine = await start_engine(SCRIPT + [" Great", " again", "."] * 20, token_delay_s=0.01)
+    # the engine goes silent after the two sentences: only the block can end this stream
+    engine = await start_engine(
+        SCRIPT + [" Great", " again", "."] * 20, fail=Fault("stall", after_tokens=len(SCRIPT))
+    )
     try:
         async with Orchestrator(cfg(engine, dets)) as orch:
             events = await orch.stream(generation_body(output={"great_block": {}, "you": {}}))
@@ -239,7 +242,11 @@ async def test_engine_unreachable_is_an_error_event(dets) -> None:
 
 
 async def test_client_disconnect_cancels_engine_and_detector_calls(dets) -> None:
-    engine = await start_engine(["word."] + [" more"] * 10_000, token_delay_s=0.01)
+    # the engine goes silent after three tokens (the first sentence is complete once the next
+    # word is) and the detector takes 30 s: both are still busy when the client goes away
+    engine = await start_engine(
+        ["word.", " more", " text", " here"], fail=Fault("stall", after_tokens=3)
+    )
     try:
         async with Orchestrator(cfg(engine, dets)) as orch:
             assert orch.session is not None
@@ -272,14 +279,16 @@ async def test_bad_detector_reply_ends_the_stream_naming_the_detector(dets, dete
 
 
 async def test_request_timeout_ends_with_incomplete_time_limit(dets) -> None:
-    engine = await start_engine(["word."] + [" more"] * 10_000, token_delay_s=0.01)
+    # the engine goes silent after two tokens (for longer than the stall timeout of 30 s): only
+    # the request timeout ends the stream; 5 s leave the two frames time on a slow machine
+    engine = await start_engine(["word.", " more", " text"], fail=Fault("stall", after_tokens=2))
     try:
-        async with Orchestrator(cfg(engine, dets, server={"request_timeout_s": 0.5})) as orch:
+        async with Orchestrator(cfg(engine, dets, server={"request_timeout_s": 5})) as orch:
             events = await orch.stream(generation_body())
             await engine.wait_disconnects(1)
     finally:
         await engine.close()
-    assert len(frames(events)) > 0
+    assert [f["generated_text"] for f in frames(events)] == ["word.", " more"]
     end = terminal(events)
     assert end.name == "incomplete"
     assert end.data["incomplete_details"] == {"reason": "time_limit"}

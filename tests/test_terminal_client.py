@@ -26,6 +26,7 @@ from orchestrator.terminal_client import (
     Style,
     render_frame,
 )
+from tests.fakes.clock import expire_stalls, manual_stall_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import MODEL, SCRIPT, Orchestrator, native_config, remote
@@ -37,9 +38,13 @@ KEYS_ENV = "GUARDSTREAM_TEST_TERMINAL_KEYS"
 
 async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """Runs the client; returns (exit status, stdout, stderr). stdout is a pipe, not a TTY."""
+    return await finish(await spawn_cli(*args, env=env))
+
+
+async def spawn_cli(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
     child_env = {k: v for k, v in os.environ.items() if k != "GUARDSTREAM_API_KEY"}
     child_env.update(env or {})
-    proc = await asyncio.create_subprocess_exec(
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "orchestrator",
@@ -50,9 +55,13 @@ async def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, 
         cwd=ROOT,
         env=child_env,
     )
+
+
+async def finish(proc: asyncio.subprocess.Process, shown: bytes = b"") -> tuple[int, str, str]:
+    """(exit status, stdout with `shown` already read from it before, stderr)."""
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    return proc.returncode, (shown + out).decode(), err.decode()
 
 
 def terminal_line(stdout: str) -> tuple[str, dict[str, Any]]:
@@ -139,15 +148,23 @@ async def test_incomplete_refusal_and_input_detection_exit_2(
     assert len(engine.requests) == 2  # the refused input never reached the model
 
 
-async def test_failed_and_error_events_exit_1(dets: FakeDetectorServer) -> None:
+async def test_failed_and_error_events_exit_1(
+    dets: FakeDetectorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the engine stalls after "I am great. What about": the first sentence is judged and shown, then
-    # the stall timeout (migration off) breaks the stream
+    # the stall timeout (migration off) breaks the stream, declared on a manual clock once the
+    # client has shown that sentence
+    clock = manual_stall_clock(monkeypatch)
     engine = FakeEngine(script=list(SCRIPT), fail=Fault("stall", after_tokens=6))
     await engine.start()
     try:
-        model = {"migration": {"limit": 0, "stall_timeout_s": 1, "quarantine_s": 0}}
+        model = {"migration": {"limit": 0, "quarantine_s": 0}}
         async with Orchestrator(config(engine, dets, model=model)) as orch:
-            failed = await cli("--url", orch.url, "--output-detector", "you", "Hi")
+            proc = await spawn_cli("--url", orch.url, "--output-detector", "you", "Hi")
+            assert proc.stdout is not None
+            shown = await asyncio.wait_for(proc.stdout.readexactly(len("I am great.")), 60)
+            await expire_stalls(clock, lambda: engine.disconnects == 1)
+            failed = await finish(proc, shown)
             errored = await cli("--url", orch.url, "--output-detector", "broken", "Hi")
     finally:
         await engine.close()
