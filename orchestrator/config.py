@@ -200,8 +200,8 @@ def cross_reference_errors(config: Config) -> list[str]:
             else:
                 try:
                     detectors.validate_params(det.builtin, _detector_params(det.params))
-                except ValueError as exc:
-                    errors.append(f"{path}.params: {exc}")
+                except ValueError as exc:  # one line per problem: detectors.x.params.patterns.y
+                    errors.extend(detectors.param_error_lines(f"{path}.params", exc))
         if det.url is not None and not det.url.startswith(("http://", "https://")):
             errors.append(f"{path}.url: must start with http:// or https://")
         if det.chunker_id != WHOLE_DOC_CHUNKER and det.chunker_id not in config.chunkers:
@@ -224,6 +224,14 @@ def cross_reference_errors(config: Config) -> list[str]:
                 t = params.get("threshold")
                 if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
                     errors.append(f"{path}.threshold: must be a number")
+        chat_api = [b for b in model.backends if isinstance(b, OpenAIBackend) and b.api == "chat"]
+        if chat_api and any(isinstance(b, ManagedBackend | NativeBackend) for b in model.backends):
+            # a chat replica delivers text without token ids: a native engine could not resume
+            # its stream exactly, so the two cannot share one model's migrations
+            errors.append(
+                f"models.{model_id}.backends: `openai` backends with `api: chat` cannot be mixed "
+                "with `native` or `managed` ones (a migration between them cannot be exact)"
+            )
         for i, backend in enumerate(model.backends):
             path = f"models.{model_id}.backends.{i}"
             url = getattr(backend, "url", None)

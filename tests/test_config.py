@@ -124,3 +124,51 @@ def test_check_config_cli(tmp_path: Path) -> None:
     assert broken.returncode == 1 and "invalid YAML" in broken.stderr
     missing = _check_config(tmp_path / "nope.yaml")
     assert missing.returncode == 1 and "cannot read" in missing.stderr
+
+
+def test_chat_api_backends_cannot_mix_with_native_ones() -> None:
+
+    cfg = {
+        "models": {
+            "m": {
+                "backends": [
+                    {"type": "openai", "url": "http://a:8000", "model": "x", "api": "chat"},
+                    {"type": "native", "url": "http://b:8090"},
+                ]
+            }
+        }
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_config(cfg)
+    assert info.value.errors == [
+        "models.m.backends: `openai` backends with `api: chat` cannot be mixed with `native` or "
+        "`managed` ones (a migration between them cannot be exact)"
+    ]
+
+
+@pytest.mark.parametrize("header", ["Authorization", "cookie", "Proxy-Authorization"])
+def test_forward_headers_refuses_credentials(header: str) -> None:
+
+    with pytest.raises(ConfigError) as info:
+        parse_config({"server": {"forward_headers": ["x-tenant", header]}})
+    (error,) = info.value.errors
+    assert error.startswith(f"server.forward_headers: {header.lower()} must never be forwarded")
+
+
+def test_enforced_guardrails_name_configured_detectors() -> None:
+
+    cfg = {
+        "models": {
+            "m": {
+                "backends": [{"type": "native", "url": "http://b:8090"}],
+                "guardrails": {"output": {"nope": {}, "pii": {"on_detection": "drop"}}},
+            }
+        },
+        "detectors": {"pii": {"builtin": "regex"}},
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_config(cfg)
+    assert info.value.errors == [
+        "models.m.guardrails.output.nope: unknown detector 'nope'",
+        "models.m.guardrails.output.pii.on_detection: must be annotate or block",
+    ]
