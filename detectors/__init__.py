@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from .api import ContentsRequest, Detection, ErrorBody
-from .base import Detector, DetectorError, InvalidParams, Overloaded
+from .base import (
+    ORCHESTRATOR_PARAM_KEYS,
+    Detector,
+    DetectorError,
+    InvalidParams,
+    Overloaded,
+    param_error_lines,
+)
 from .runtime import check_device
 
 BUILTINS: tuple[str, ...] = ("regex", "profanity", "prompt_injection", "topic", "hf_classifier")
@@ -37,8 +44,24 @@ def detector_class(builtin: str) -> type[Detector]:
 
 
 def validate_params(builtin: str, params: Mapping[str, Any] | None) -> None:
-    """Checks params without loading a model; InvalidParams (a ValueError) names the bad one."""
+    """Checks a config's params without loading a model (it may read a model folder's
+    config.json, and compiles custom patterns); InvalidParams (a ValueError) names the bad one,
+    its `problems` give each location (see param_error_lines)."""
     detector_class(builtin).parse_params(params or {})
+
+
+def validate_request_params(
+    builtin: str, config_params: Mapping[str, Any] | None, request_params: Any
+) -> None:
+    """Checks a request's detector_params for a built-in configured with `config_params`:
+    only the params the built-in declares request-settable are accepted (checked first, before
+    anything is merged), so a request can never name a path (`model_path`), change batching, or
+    send regexes unless the config says `allow_request_patterns: true` (they then compile with
+    RE2). Never touches a path a request could influence. InvalidParams (a ValueError, the
+    orchestrator's 422) names the problem; ValueError for an unknown built-in.
+    `threshold`/`on_detection` in `config_params` are the orchestrator's and are ignored."""
+    config = {k: v for k, v in (config_params or {}).items() if k not in ORCHESTRATOR_PARAM_KEYS}
+    detector_class(builtin).validate_request(config, request_params)
 
 
 def build(
@@ -62,5 +85,7 @@ __all__ = [
     "Overloaded",
     "build",
     "detector_class",
+    "param_error_lines",
     "validate_params",
+    "validate_request_params",
 ]

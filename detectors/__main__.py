@@ -1,5 +1,7 @@
 """`python -m detectors serve --config PATH [--host H] [--port P] [--device D]`: the detector
-service for every `builtin:` entry of the config's `detectors:` section."""
+service for every `builtin:` entry of the config's `detectors:` section. With the config's
+`server.api_keys_env` naming an environment variable (comma-separated keys), every request but
+`GET /health` needs `Authorization: Bearer <key>`."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ import signal
 import sys
 
 from .runtime import check_device
-from .service import ConfigError, Limits, detectors_from_config, load_config, serve
+from .service import (
+    ConfigError,
+    Limits,
+    api_keys_from_config,
+    detectors_from_config,
+    load_config,
+    serve,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,7 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = load_config(args.config)
-        detectors_from_config(config, device=args.device)  # fail fast, every error listed
+        errors: list[str] = []
+        for check in (
+            lambda: api_keys_from_config(config),  # server.api_keys_env names a set variable
+            lambda: detectors_from_config(config, device=args.device),
+        ):
+            try:
+                check()
+            except ConfigError as exc:  # every error listed, in one pass
+                errors.extend(exc.errors)
+        if errors:
+            raise ConfigError(errors)
     except ConfigError as exc:
         for line in exc.errors:
             print(f"error: {line}", file=sys.stderr)

@@ -2,6 +2,11 @@
 
 Params are validated with pydantic models (strict types, unknown keys rejected) so that a typo in a
 config or a request is an error naming the parameter, never a silently ignored setting.
+
+Config params and request params are validated differently (DESIGN 4, 6): a request's
+detector_params may only set what the detector declares request-settable (`REQUEST_PARAMS`);
+everything else (model folders, batching, custom regexes unless the config allows them) is
+config-only, and a request naming it is refused before anything is merged, loaded or opened.
 """
 
 from __future__ import annotations
@@ -23,7 +28,27 @@ class DetectorError(Exception):
 
 
 class InvalidParams(DetectorError, ValueError):
-    """Bad params or a custom pattern that does not compile; the service answers 422."""
+    """Bad params or a custom pattern that does not compile; the service answers 422.
+
+    `problems` holds one (location, message) per problem, the location relative to the params
+    (`patterns.ssn`, `kinds.0`, or "" for the params as a whole), so a config loader can name
+    each one with its full YAML path; str() is the same problems joined with "; "."""
+
+    def __init__(self, message: str, problems: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.problems: list[tuple[str, str]] = problems or [("", message)]
+
+    @classmethod
+    def at(cls, loc: str, message: str) -> InvalidParams:
+        """One problem at one location: str() is `loc: message`."""
+        return cls(f"{loc}: {message}" if loc else message, [(loc, message)])
+
+
+def param_error_lines(prefix: str, exc: ValueError) -> list[str]:
+    """`prefix.loc: message` per problem (`detectors.pii.params.patterns.x: ...`); any other
+    ValueError is one `prefix: message` line."""
+    problems = exc.problems if isinstance(exc, InvalidParams) else [("", str(exc))]
+    return [f"{prefix}.{loc}: {msg}" if loc else f"{prefix}: {msg}" for loc, msg in problems]
 
 
 class Overloaded(DetectorError):
@@ -37,12 +62,14 @@ class DetectorParams(BaseModel):
 
 
 class BatchingParams(DetectorParams):
-    """Micro-batching settings of a model-backed detector. They take effect when the detector is
-    built (config params); the same keys in a request's detector_params are validated, ignored."""
+    """Micro-batching settings of a model-backed detector; config-only (they take effect when
+    the detector is built). `max_wait_ms` is accepted so existing configs still load, but has no
+    effect: an idle model is called at once, and batches form from the requests that queue
+    while it is busy (see batching.py)."""
 
     batching: bool = True
     max_batch_size: int = Field(32, ge=1, le=4096)
-    max_wait_ms: float = Field(5.0, ge=0, le=10_000)
+    max_wait_ms: float = Field(0.0, ge=0, le=10_000)
     max_queue: int = Field(1024, ge=1, le=10_000_000)
 
 
@@ -64,24 +91,31 @@ class ScoredParams(BatchingParams):
 
 
 BATCHING_KEYS = frozenset(BatchingParams.model_fields)
+# Request-settable params of every classifier-style detector (ScoredParams).
+SCORED_REQUEST_PARAMS = frozenset({"min_score", "threshold"})
 
 P = TypeVar("P", bound=BaseModel)
 
 
-def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
-    """`field.path: message` for each problem, in the order pydantic found them."""
-    parts: list[str] = []
+def validation_problems(exc: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
+    """(field.path, message) for each problem, in the order pydantic found them."""
+    problems: list[tuple[str, str]] = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "params"
         if err["type"] == "extra_forbidden":
             known = ", ".join(sorted(model.model_fields))
-            parts.append(f"{loc}: unknown parameter (expected one of: {known})")
+            problems.append((loc, f"unknown parameter (expected one of: {known})"))
         else:
             msg = err["msg"]
             if msg.startswith("Value error, "):
                 msg = msg[len("Value error, ") :]
-            parts.append(f"{loc}: {msg}")
-    return "; ".join(parts)
+            problems.append((loc, msg))
+    return problems
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
+    """`field.path: message` for each problem, joined with "; "."""
+    return "; ".join(f"{loc}: {msg}" for loc, msg in validation_problems(exc, model))
 
 
 def parse_params(model: type[P], params: Mapping[str, Any] | None) -> P:
@@ -93,34 +127,84 @@ def parse_params(model: type[P], params: Mapping[str, Any] | None) -> P:
     try:
         return model.model_validate(dict(params))
     except ValidationError as exc:
-        raise InvalidParams(format_validation_error(exc, model)) from None
+        problems = validation_problems(exc, model)
+        message = "; ".join(f"{loc}: {msg}" for loc, msg in problems)
+        raise InvalidParams(message, problems) from None
+
+
+# Keys of a config entry's params that the orchestrator consumes itself (DESIGN 3): they never
+# reach a detector built from that entry.
+ORCHESTRATOR_PARAM_KEYS = frozenset({"threshold", "on_detection"})
 
 
 class Detector(ABC):
     """A built-in detector. `detect` judges contents independently; spans are relative to each
-    content. Request params are merged (shallowly) over the params the detector was built with."""
+    content. A request's params (only the `REQUEST_PARAMS` ones) are merged shallowly over the
+    params the detector was built with."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Params: ClassVar[type[DetectorParams]] = DetectorParams
+    # What a request's detector_params may set; every other param is config-only.
+    REQUEST_PARAMS: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, params: Mapping[str, Any] | None = None, *, device: str = "auto") -> None:
         self._raw_params: dict[str, Any] = dict(params or {})
         self.params = self.parse_params(self._raw_params)
         self.device = device
 
+    @property
+    def config_params(self) -> dict[str, Any]:
+        """The params the detector was built with (its config's), as given."""
+        return dict(self._raw_params)
+
     @classmethod
     def parse_params(cls, params: Mapping[str, Any] | None) -> Any:
-        """Validated params; subclasses add checks that need more than types (no model load)."""
+        """Validated config params; subclasses add checks that need more than types (reading a
+        model's config.json, compiling patterns), never a model load."""
         return parse_params(cls.Params, params)
+
+    @classmethod
+    def request_param_names(cls, config: Mapping[str, Any]) -> frozenset[str]:
+        """The params a request may set on a detector built from `config`."""
+        return cls.REQUEST_PARAMS
+
+    @classmethod
+    def validate_request(cls, config: Mapping[str, Any], request: Any) -> Any:
+        """The params a request gets: `request` checked against the allowlist first (nothing
+        merged, nothing opened), then merged over `config` and validated by pydantic alone.
+        Subclasses add checks of request values (compiling request patterns, label names)
+        that never touch a path a request could influence. InvalidParams names the problem."""
+        if request is None:
+            request = {}
+        if not isinstance(request, Mapping):
+            raise InvalidParams(f"detector_params: must be an object, got {type(request).__name__}")
+        allowed = cls.request_param_names(config)
+        problems: list[tuple[str, str]] = []
+        for key in request:
+            if key in allowed:
+                continue
+            settable = ", ".join(sorted(allowed)) or "nothing"
+            if key in cls.Params.model_fields:
+                problems.append(
+                    (str(key), f"set in the detector's config only (a request may set: {settable})")
+                )
+            else:
+                problems.append((str(key), f"unknown parameter (a request may set: {settable})"))
+        if problems:
+            message = "; ".join(f"{loc}: {msg}" for loc, msg in problems)
+            raise InvalidParams(message, problems)
+        return parse_params(cls.Params, {**config, **request})
+
+    def check_request(self, params: Mapping[str, Any] | None) -> Any:
+        """`validate_request` against this detector's own config params."""
+        return self.validate_request(self._raw_params, params)
 
     def effective_params(self, params: Mapping[str, Any] | None) -> Any:
         """The built params with a request's params merged over them, validated."""
-        if not params:
+        if params is None or (isinstance(params, Mapping) and not params):
             return self.params
-        if not isinstance(params, Mapping):
-            raise InvalidParams("detector_params: must be an object")
-        return self.parse_params({**self._raw_params, **params})
+        return self.check_request(params)
 
     @abstractmethod
     async def detect(

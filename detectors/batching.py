@@ -1,11 +1,12 @@
 """Micro-batching: concurrent requests to one model become one forward pass.
 
 Every peer runs detector models one text at a time; under many concurrent streams that wastes most
-of a GPU and much of a CPU. A MicroBatcher collects the items of concurrent `submit` calls that
-arrive within `max_wait_ms` of the oldest waiting one (or until `max_batch_size` items are waiting),
-runs the batch function once in a worker thread (never on the event loop), and hands each caller
-its own slice of the results. While one batch runs the next one fills, so under load batches grow
-by themselves and an idle detector answers after at most `max_wait_ms`.
+of a GPU and much of a CPU. A MicroBatcher never waits for company: when the model is idle, a
+submitted item goes to it at once (with whatever else was submitted in the same turn of the event
+loop). The items that queue while a batch runs are taken together, up to `max_batch_size`, as the
+next forward pass. So an idle detector adds no latency, and under load batches grow by themselves
+to match the arrival rate. The batch function runs in a worker thread, never on the event loop,
+and each caller gets its own slice of the results.
 
 The queue is bounded (`max_queue` items accepted and not yet answered): past it, `submit` raises
 Overloaded at once instead of letting memory and latency grow without bound.
@@ -18,7 +19,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from .base import DetectorError, Overloaded
@@ -36,7 +37,6 @@ class _Piece(Generic[T, R]):
 
     items: list[T]
     future: asyncio.Future[list[R]]
-    enqueued: float = field(default=0.0)
 
 
 class MicroBatcher(Generic[T, R]):
@@ -53,17 +53,15 @@ class MicroBatcher(Generic[T, R]):
         fn: Callable[[list[T]], list[R]],
         *,
         max_batch_size: int = 32,
-        max_wait_ms: float = 5.0,
         max_queue: int = 1024,
         enabled: bool = True,
         executor: Executor | None = None,
         name: str = "batcher",
     ) -> None:
-        if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0:
-            raise ValueError("max_batch_size and max_queue must be >= 1, max_wait_ms >= 0")
+        if max_batch_size < 1 or max_queue < 1:
+            raise ValueError("max_batch_size and max_queue must be >= 1")
         self._fn = fn
         self.max_batch_size = max_batch_size
-        self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue = max_queue
         self.enabled = enabled
         self.name = name
@@ -76,7 +74,6 @@ class MicroBatcher(Generic[T, R]):
         self._pending: deque[_Piece[T, R]] = deque()
         self._pending_items = 0
         self._outstanding = 0
-        self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -111,17 +108,13 @@ class MicroBatcher(Generic[T, R]):
             if not self.enabled:
                 return await self._run_direct(loop, items)
             futures: list[asyncio.Future[list[R]]] = []
-            now = loop.time()
             for i in range(0, n, self.max_batch_size):
                 piece: _Piece[T, R] = _Piece(
                     items[i : i + self.max_batch_size], loop.create_future()
                 )
-                piece.enqueued = now
                 self._pending.append(piece)
                 self._pending_items += len(piece.items)
                 futures.append(piece.future)
-            assert self._wakeup is not None
-            self._wakeup.set()
             self._ensure_worker(loop)
             try:
                 parts = await asyncio.gather(*futures)
@@ -163,12 +156,12 @@ class MicroBatcher(Generic[T, R]):
             self._pending = deque()
             self._pending_items = 0
             self._outstanding = 0
-            self._wakeup = asyncio.Event()
             self._worker = None
 
     def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> None:
         """The worker runs while there is work and exits when the queue is empty, so an idle
-        or forgotten detector leaves no task behind."""
+        or forgotten detector leaves no task behind. A new worker takes its first batch on the
+        loop's next turn: no timer is involved."""
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._work(), name=f"microbatcher-{self.name}")
             _BACKGROUND.add(self._worker)
@@ -207,25 +200,13 @@ class MicroBatcher(Generic[T, R]):
                 log.exception("%s: batch observer failed", self.name)
 
     async def _work(self) -> None:
+        """Takes whatever waits (up to max_batch_size items) and runs it; repeats while items
+        queued during that pass; exits when nothing waits."""
         loop = asyncio.get_running_loop()
-        assert self._wakeup is not None
-        wakeup = self._wakeup
         while True:
             self._drop_cancelled()
             if not self._pending:
                 return
-            deadline = self._pending[0].enqueued + self.max_wait_s
-            while self._pending_items < self.max_batch_size:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                wakeup.clear()
-                try:
-                    async with asyncio.timeout(remaining):
-                        await wakeup.wait()
-                except TimeoutError:
-                    break
-                self._drop_cancelled()
             batch = self._take()
             if batch:
                 await self._dispatch(loop, batch)

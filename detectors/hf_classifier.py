@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .api import Detection
-from .base import InvalidParams, ScoredParams, parse_params
+from .base import SCORED_REQUEST_PARAMS, InvalidParams, ScoredParams, parse_params
 from .hf import labels_of, load_sequence_classifier, model_max_tokens, read_config
 from .model import BatchedDetector
 from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
@@ -66,6 +66,24 @@ def _model_config(model_path: str) -> dict[str, Any]:
     return _config(model_path, mtime)
 
 
+@functools.lru_cache(maxsize=256)
+def _labels_for(model_path: str) -> tuple[str, ...]:
+    """The labels of a configured model folder, read once per process: request validation
+    needs them on every request and must not touch the filesystem each time (the path is the
+    config's, never a request's)."""
+    return tuple(labels_of(_model_config(model_path)))
+
+
+def _check_labels(p: HFClassifierParams, labels: tuple[str, ...] | list[str]) -> None:
+    known = set(labels)
+    for field, names in (("safe_labels", p.safe_labels), ("thresholds", list(p.thresholds))):
+        for name in names:
+            if name not in known:
+                raise InvalidParams.at(
+                    field, f"unknown label {name!r} (the model's labels: {', '.join(labels)})"
+                )
+
+
 @dataclass(frozen=True)
 class _Window:
     start: int
@@ -101,6 +119,12 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
         "when the content needed several windows."
     )
     Params: ClassVar[type[ScoredParams]] = HFClassifierParams
+    # model_path (the only path-like param of any built-in), windowing and problem_type are
+    # config-only: a request naming them is refused before anything is read
+    REQUEST_PARAMS: ClassVar[frozenset[str]] = SCORED_REQUEST_PARAMS | {
+        "safe_labels",
+        "thresholds",
+    }
 
     def __init__(self, params: Mapping[str, Any] | None = None, *, device: str = "auto") -> None:
         super().__init__(params, device=device)
@@ -110,27 +134,31 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
 
     @classmethod
     def parse_params(cls, params: Mapping[str, Any] | None) -> HFClassifierParams:
+        """Config params: model_path must be a model folder (its config.json is read)."""
         p = parse_params(HFClassifierParams, params)
         try:
             labels = labels_of(_model_config(p.model_path))
         except (ValueError, TypeError) as exc:
-            raise InvalidParams(f"model_path: {exc}") from None
-        known = set(labels)
-        for field, names in (("safe_labels", p.safe_labels), ("thresholds", list(p.thresholds))):
-            for name in names:
-                if name not in known:
-                    raise InvalidParams(
-                        f"{field}: unknown label {name!r} (the model's labels: {', '.join(labels)})"
-                    )
+            raise InvalidParams.at("model_path", str(exc)) from None
+        _check_labels(p, labels)
         return p
 
-    def effective_params(self, params: Mapping[str, Any] | None) -> Any:
-        p = super().effective_params(params)
-        if os.path.realpath(p.model_path) != os.path.realpath(self.params.model_path):
-            raise InvalidParams(
-                "model_path: fixed when the detector is built; configure another detector "
-                "for another model"
-            )
+    @classmethod
+    def validate_request(cls, config: Mapping[str, Any], request: Any) -> HFClassifierParams:
+        """Label names are checked against the configured model's labels, read once."""
+        p: HFClassifierParams = super().validate_request(config, request)
+        try:
+            labels = _labels_for(p.model_path)
+        except (ValueError, TypeError) as exc:
+            raise InvalidParams.at("model_path", str(exc)) from None
+        _check_labels(p, labels)
+        return p
+
+    def check_request(self, params: Mapping[str, Any] | None) -> HFClassifierParams:
+        p: HFClassifierParams = super(HFClassifierDetector, type(self)).validate_request(
+            self._raw_params, params
+        )
+        _check_labels(p, self.labels)  # this detector's own labels: nothing to read
         return p
 
     def describe(self) -> dict[str, Any]:

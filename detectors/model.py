@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 from .api import Detection
-from .base import Detector, ScoredParams, whole_content
+from .base import SCORED_REQUEST_PARAMS, Detector, ScoredParams, whole_content
 from .batching import MicroBatcher
 from .runtime import ModelRuntime, check_device
 
@@ -29,7 +29,6 @@ class BatchedDetector(Detector, Generic[T, R]):
         self._batcher: MicroBatcher[T, R] = MicroBatcher(
             self._forward,
             max_batch_size=p.max_batch_size,
-            max_wait_ms=p.max_wait_ms,
             max_queue=p.max_queue,
             enabled=p.batching,
             executor=self._runtime.executor,
@@ -65,6 +64,7 @@ class ScoredTextDetector(BatchedDetector[str, float]):
     Blank contents are not sent to the model and never yield a detection."""
 
     Params: ClassVar[type[ScoredParams]] = ScoredParams
+    REQUEST_PARAMS: ClassVar[frozenset[str]] = SCORED_REQUEST_PARAMS
     label: ClassVar[str] = ""
     detection_type: ClassVar[str] = ""
 

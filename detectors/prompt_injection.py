@@ -15,10 +15,9 @@ Batching pays on a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from .base import InvalidParams, ScoredParams
+from .base import ScoredParams
 from .model import ScoredTextDetector
 from .runtime import (
     ModelRuntime,
@@ -32,7 +31,7 @@ NANOGUARD_OVERLAP = 64  # tokens shared by consecutive nanoguard windows
 
 
 class InjectionParams(ScoredParams):
-    """`model` is fixed when the detector is built; a request may only repeat it."""
+    """`model` is config-only: it is chosen when the detector is built."""
 
     model: Literal["guardify", "nanoguard"] = "guardify"
 
@@ -64,15 +63,6 @@ class PromptInjectionDetector(ScoredTextDetector):
     Params: ClassVar[type[ScoredParams]] = InjectionParams
     label = "injection"
     detection_type = "prompt_injection"
-
-    def effective_params(self, params: Mapping[str, Any] | None) -> Any:
-        p = super().effective_params(params)
-        if p.model != self.params.model:
-            raise InvalidParams(
-                f"model: this detector runs '{self.params.model}'; the model is chosen when "
-                f"the detector is built, not per request"
-            )
-        return p
 
     def _make_runtime(self) -> ModelRuntime:
         if self.params.model == "guardify":

@@ -1,18 +1,24 @@
 """The detector service: built-in detectors behind the detector API (DESIGN 6).
 
 `POST /api/v1/text/contents` (routed by the `detector-id` header), `GET /health`, `GET /registry`,
-`GET /metrics`. Every error is `{"code": <status>, "message": ...}`: 404 unknown or missing
-detector id, 422 malformed body or bad detector_params, 413 too many or too long contents,
-503 when the detector's micro-batch queue is full, 500 only for a failure of the service itself.
+`GET /metrics`. Every error is `{"code": <status>, "message": ...}`: 401 without a valid API key
+(when the config names `server.api_keys_env`; only `GET /health` is open then), 404 unknown or
+missing detector id, 422 malformed body or bad detector_params (including any param a request
+may not set: paths, batching, patterns unless the config allows them), 413 too many or too long
+contents, 503 when the detector's micro-batch queue is full, 500 only for a failure of the
+service itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +31,16 @@ from pydantic import ValidationError
 
 from . import build
 from .api import ContentsRequest, dump_reply
-from .base import Detector, DetectorError, InvalidParams, Overloaded
+from .base import (
+    ORCHESTRATOR_PARAM_KEYS,
+    Detector,
+    DetectorError,
+    InvalidParams,
+    Overloaded,
+    param_error_lines,
+)
 
 log = logging.getLogger(__name__)
-
-# Keys of a config entry's params that belong to the orchestrator, not to the detector.
-ORCHESTRATOR_PARAM_KEYS = frozenset({"threshold", "on_detection"})
 
 
 @dataclass(frozen=True)
@@ -93,12 +103,64 @@ def detectors_from_config(
         try:
             built[str(detector_id)] = build(str(builtin), params, device=device)
         except InvalidParams as exc:
-            errors.append(f"{path}.params: {exc}")
+            errors.extend(param_error_lines(f"{path}.params", exc))
         except ValueError as exc:
             errors.append(f"{path}.builtin: {exc}")
     if errors:
         raise ConfigError(errors)
     return built
+
+
+def api_keys_from_config(
+    config: Mapping[str, Any], environ: Mapping[str, str] = os.environ
+) -> list[str] | None:
+    """The keys named by the config's `server.api_keys_env` (comma-separated), or None when it
+    names none. A named variable that is unset or holds no key is a ConfigError: the service
+    must never start open by accident."""
+    server = config.get("server") or {}
+    env = server.get("api_keys_env") if isinstance(server, Mapping) else None
+    if not env:
+        return None
+    if not isinstance(env, str):
+        raise ConfigError(["server.api_keys_env: must be the name of an environment variable"])
+    raw = environ.get(env)
+    if raw is None:
+        raise ConfigError([f"server.api_keys_env: environment variable {env} is not set"])
+    keys = [k.strip() for k in raw.split(",") if k.strip()]
+    if not keys:
+        raise ConfigError([f"server.api_keys_env: environment variable {env} holds no key"])
+    return keys
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def _auth_middleware(keys: Sequence[str]) -> Any:
+    """Bearer keys on everything but `GET /health` (liveness probes carry no key). A missing
+    header, another scheme and a wrong key get the same 401. Fixed-length sha256 digests are
+    compared (compare_digest on raw keys returns early on a length mismatch), against every key
+    (timing does not tell which one came close)."""
+    digests = [_digest(k.encode("utf-8")) for k in keys]
+
+    @web.middleware
+    async def check(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if request.path == "/health" and request.method in ("GET", "HEAD"):
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
+        ok = False
+        for digest in digests:
+            ok |= hmac.compare_digest(given, digest)
+        if scheme.lower() != "bearer" or not ok:
+            return error_response(
+                401, "missing or invalid API key", **{"WWW-Authenticate": "Bearer"}
+            )
+        return await handler(request)
+
+    return check
 
 
 class ApiError(Exception):
@@ -169,13 +231,18 @@ def create_app(
     limits: Limits | None = None,
     device: str = "auto",
     warmup: bool = True,
+    api_keys: Sequence[str] | None = None,
 ) -> web.Application:
     """The service app for ready detectors (closed by their owner) or for a config dict (its
-    `detectors:` section is built here, and those detectors are closed with the app)."""
+    `detectors:` section is built here, and those detectors are closed with the app; its
+    `server.api_keys_env` turns auth on, see api_keys_from_config). `api_keys` turns Bearer
+    auth on explicitly."""
     if _is_detector_map(detectors):
         dets: dict[str, Detector] = dict(detectors)  # type: ignore[arg-type]
         owned = False
     else:
+        if api_keys is None:
+            api_keys = api_keys_from_config(detectors)
         dets = detectors_from_config(detectors, device=device)
         owned = True
     limits = limits or Limits()
@@ -184,7 +251,12 @@ def create_app(
         if det.batcher is not None:
             hist = metrics.batch_size.labels(detector_id)
             det.batcher.add_observer(hist.observe)
-    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_errors])
+    middlewares: list[Any] = [_errors]
+    if api_keys is not None:
+        if not api_keys:
+            raise ValueError("api_keys: at least one key (None turns auth off)")
+        middlewares.append(_auth_middleware(api_keys))
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=middlewares)
     app[STATE] = _State(dets, owned, limits, metrics, warmup)
     app.router.add_post("/api/v1/text/contents", _contents)
     app.router.add_get("/health", _health)
@@ -303,10 +375,18 @@ async def _contents(request: web.Request) -> web.Response:
             body = ContentsRequest.model_validate(data)
         except ValidationError as exc:
             raise ApiError(422, _first_error(exc)) from None
+        params = body.detector_params or None
+        if params:
+            try:
+                # the built-in's request allowlist (validate_request_params): no path, no
+                # batching setting, no regex unless the config allows it; nothing is opened
+                det.check_request(params)
+            except InvalidParams as exc:
+                raise ApiError(422, f"detector_params: {exc}") from None
         _check_limits(body.contents, state.limits)
         state.metrics.contents.labels(label).observe(len(body.contents))
         try:
-            reply = await det.detect(body.contents, body.detector_params or None)
+            reply = await det.detect(body.contents, params)
         except InvalidParams as exc:
             raise ApiError(422, f"detector_params: {exc}") from None
         except Overloaded as exc:

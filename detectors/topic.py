@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from .api import Detection
-from .base import InvalidParams, ScoredParams, whole_content
+from .base import SCORED_REQUEST_PARAMS, InvalidParams, ScoredParams, whole_content
 from .hf import load_embedder, minilm_path
 from .model import BatchedDetector
 from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
@@ -106,6 +106,9 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
         "detector's threshold accordingly (0.4 is a reasonable start; more examples help)."
     )
     Params: ClassVar[type[ScoredParams]] = TopicParams
+    # topics are bounded (64 topics of 64 phrases of 1,000 characters); max_length and batching
+    # settings are config-only
+    REQUEST_PARAMS: ClassVar[frozenset[str]] = SCORED_REQUEST_PARAMS | {"topics"}
 
     def __init__(self, params: dict[str, Any] | None = None, *, device: str = "auto") -> None:
         super().__init__(params, device=device)

@@ -1,12 +1,14 @@
-"""Micro-batching: the MicroBatcher on a fake batch function (merging, size cap, bounded queue,
-failure isolation, cancellation, worker thread), then on the real models: 32 concurrent requests
-reach the model in a few forward passes with results identical to one-at-a-time calls, a request
-with bad params fails alone, and a full queue answers Overloaded."""
+"""Micro-batching: the MicroBatcher on a fake batch function (an idle model is called at once,
+items queued while it is busy share the next pass, size cap, bounded queue, failure isolation,
+cancellation, worker thread), ordered with gates and never the clock; then on the real models:
+32 concurrent requests reach the model in a few forward passes with results identical to
+one-at-a-time calls, a request with bad params fails alone, and a full queue answers Overloaded."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,27 +21,45 @@ from detectors.batching import MicroBatcher
 
 
 class Recorder:
-    """A batch function that doubles numbers, records its batches and threads, and can block
-    or fail on cue."""
+    """A batch function that doubles numbers and records its batches and threads. It can hold
+    every call at `gate` (cleared = busy model) and tells when a call has started (`entered`),
+    so tests order events with gates, never with the clock."""
 
     def __init__(self) -> None:
         self.batches: list[list[int]] = []
         self.threads: set[str] = set()
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()
+        self.released: list[bool] = []
 
     def __call__(self, items: list[int]) -> list[int]:
-        self.gate.wait(5)
+        self.entered.set()
+        self.released.append(self.gate.wait(10))
         self.batches.append(list(items))
         self.threads.add(threading.current_thread().name)
         if -1 in items:
             raise RuntimeError("poisoned input")
         return [2 * i for i in items]
 
+    async def wait_entered(self) -> None:
+        """Until a call has started (a generous deadline, not a window)."""
+        assert await asyncio.to_thread(self.entered.wait, 10), "the model was never called"
+        self.entered.clear()
 
-async def test_concurrent_submits_become_one_call_in_a_worker_thread() -> None:
+
+async def settle(condition: Callable[[], bool]) -> None:
+    """Lets ready tasks run (no clock involved) until `condition` holds."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+async def test_submits_of_one_turn_become_one_call_in_a_worker_thread() -> None:
     fn = Recorder()
-    batcher = MicroBatcher(fn, max_wait_ms=50)
+    batcher = MicroBatcher(fn)
     results = await asyncio.gather(*(batcher.submit([i]) for i in range(10)))
     assert results == [[2 * i] for i in range(10)]
     assert fn.batches == [list(range(10))]
@@ -47,46 +67,67 @@ async def test_concurrent_submits_become_one_call_in_a_worker_thread() -> None:
     assert threading.main_thread().name not in fn.threads
 
 
+async def test_an_idle_model_is_called_at_once_with_the_loop_clock_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the event loop's clock frozen, any wait on a timer (max_wait_ms) would never end:
+    the lone request reaching the model proves no timer stands in its way."""
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(loop, "time", lambda: 0.0)
+    fn = Recorder()
+    fn.gate.clear()
+    batcher = MicroBatcher(fn)
+    task = asyncio.create_task(batcher.submit([1]))
+    await fn.wait_entered()
+    fn.gate.set()
+    assert await task == [2]
+    assert fn.batches == [[1]] and fn.released == [True]
+
+
+async def test_items_queued_while_the_model_is_busy_share_the_next_pass() -> None:
+    fn = Recorder()
+    fn.gate.clear()
+    batcher = MicroBatcher(fn)
+    first = asyncio.create_task(batcher.submit([1]))
+    await fn.wait_entered()  # dispatched alone, at once
+    rest = [asyncio.create_task(batcher.submit([i])) for i in (2, 3, 4, 5)]
+    await settle(lambda: batcher.outstanding == 5)
+    fn.gate.set()
+    assert await first == [2]
+    assert [await t for t in rest] == [[4], [6], [8], [10]]
+    assert fn.batches == [[1], [2, 3, 4, 5]]
+    assert batcher.forward_passes == 2 and batcher.largest_batch == 4
+
+
 async def test_batches_are_capped_at_max_batch_size() -> None:
     fn = Recorder()
-    batcher = MicroBatcher(fn, max_batch_size=32, max_wait_ms=20)
-    results = await asyncio.gather(*(batcher.submit([i]) for i in range(70)))
-    assert [r[0] for r in results] == [2 * i for i in range(70)]
-    assert [len(b) for b in fn.batches] == [32, 32, 6]
+    fn.gate.clear()
+    batcher = MicroBatcher(fn, max_batch_size=32)
+    busy = asyncio.create_task(batcher.submit([-2]))
+    await fn.wait_entered()
+    queued = [asyncio.create_task(batcher.submit([i])) for i in range(70)]
+    await settle(lambda: batcher.outstanding == 71)
+    fn.gate.set()
+    assert await busy == [-4]
+    assert [(await t)[0] for t in queued] == [2 * i for i in range(70)]
+    assert [len(b) for b in fn.batches] == [1, 32, 32, 6]
 
 
 async def test_a_big_request_is_split_and_reassembled_in_order() -> None:
     fn = Recorder()
-    batcher = MicroBatcher(fn, max_batch_size=8, max_wait_ms=1)
+    batcher = MicroBatcher(fn, max_batch_size=8)
     assert await batcher.submit(list(range(20))) == [2 * i for i in range(20)]
     assert [len(b) for b in fn.batches] == [8, 8, 4]
-
-
-async def test_a_lone_request_is_served_when_max_wait_runs_out() -> None:
-    fn = Recorder()
-    batcher = MicroBatcher(fn, max_wait_ms=20)
-    assert await asyncio.wait_for(batcher.submit([1]), timeout=30) == [2]
-    assert fn.batches == [[1]]
-
-
-async def test_requests_within_max_wait_share_a_batch() -> None:
-    fn = Recorder()
-    batcher = MicroBatcher(fn, max_wait_ms=100)
-    first = asyncio.create_task(batcher.submit([1]))
-    await asyncio.sleep(0.02)
-    second = asyncio.create_task(batcher.submit([2]))
-    assert await first == [2] and await second == [4]
-    assert fn.batches == [[1, 2]]
 
 
 async def test_full_queue_is_overloaded_until_it_drains() -> None:
     fn = Recorder()
     fn.gate.clear()  # the model is busy
-    batcher = MicroBatcher(fn, max_queue=4, max_wait_ms=0)
+    batcher = MicroBatcher(fn, max_queue=4)
     busy = asyncio.create_task(batcher.submit([1, 2, 3]))
-    await asyncio.sleep(0.01)
+    await fn.wait_entered()
     waiting = asyncio.create_task(batcher.submit([4]))
-    await asyncio.sleep(0)
+    await settle(lambda: batcher.outstanding == 4)
     with pytest.raises(Overloaded, match="queue full"):
         await batcher.submit([5])
     assert batcher.outstanding == 4
@@ -98,11 +139,11 @@ async def test_full_queue_is_overloaded_until_it_drains() -> None:
 
 async def test_a_request_larger_than_the_queue_runs_when_the_queue_is_empty() -> None:
     fn = Recorder()
-    batcher = MicroBatcher(fn, max_queue=4, max_batch_size=4, max_wait_ms=0)
+    batcher = MicroBatcher(fn, max_queue=4, max_batch_size=4)
     assert await batcher.submit(list(range(6))) == [2 * i for i in range(6)]
     fn.gate.clear()
     busy = asyncio.create_task(batcher.submit([1]))
-    await asyncio.sleep(0)
+    await fn.wait_entered()
     with pytest.raises(Overloaded):
         await batcher.submit(list(range(6)))
     fn.gate.set()
@@ -111,7 +152,7 @@ async def test_a_request_larger_than_the_queue_runs_when_the_queue_is_empty() ->
 
 async def test_a_failing_input_fails_only_its_own_request() -> None:
     fn = Recorder()
-    batcher = MicroBatcher(fn, max_wait_ms=30)
+    batcher = MicroBatcher(fn)
     results = await asyncio.gather(
         batcher.submit([1]), batcher.submit([-1]), batcher.submit([3]), return_exceptions=True
     )
@@ -124,13 +165,18 @@ async def test_a_failing_input_fails_only_its_own_request() -> None:
 
 async def test_a_cancelled_request_never_reaches_the_model() -> None:
     fn = Recorder()
-    batcher = MicroBatcher(fn, max_wait_ms=50)
+    fn.gate.clear()
+    batcher = MicroBatcher(fn)
+    busy = asyncio.create_task(batcher.submit([0]))
+    await fn.wait_entered()
     gone = asyncio.create_task(batcher.submit([7]))
     kept = asyncio.create_task(batcher.submit([8]))
-    await asyncio.sleep(0)
+    await settle(lambda: batcher.outstanding == 3)
     gone.cancel()
-    assert await kept == [16]
-    assert fn.batches == [[8]]
+    fn.gate.set()
+    assert await busy == [0] and await kept == [16]
+    assert gone.cancelled()
+    assert fn.batches == [[0], [8]]
     assert batcher.outstanding == 0
 
 
@@ -145,26 +191,32 @@ async def test_disabled_batching_runs_each_request_alone() -> None:
 
 
 async def test_wrong_result_count_is_a_detector_error() -> None:
-    batcher = MicroBatcher(lambda items: items[:-1], max_wait_ms=0)
+    batcher = MicroBatcher(lambda items: items[:-1])
     with pytest.raises(DetectorError, match="returned 1 results for 2 items"):
         await batcher.submit([1, 2])
 
 
 async def test_close_fails_waiting_callers_and_later_submits() -> None:
     fn = Recorder()
-    batcher = MicroBatcher(fn, max_wait_ms=1000)
-    waiting = asyncio.create_task(batcher.submit([1]))
-    await asyncio.sleep(0.01)
+    fn.gate.clear()
+    batcher = MicroBatcher(fn)
+    running = asyncio.create_task(batcher.submit([1]))
+    await fn.wait_entered()
+    waiting = asyncio.create_task(batcher.submit([2]))
+    await settle(lambda: batcher.outstanding == 2)
     await batcher.close()
-    with pytest.raises(DetectorError, match="closed"):
-        await waiting
+    for task in (running, waiting):
+        with pytest.raises(DetectorError, match="closed"):
+            await task
     with pytest.raises(DetectorError, match="closed"):
         await batcher.submit([1])
+    fn.gate.set()  # the abandoned call in the worker thread ends
+    assert fn.batches == [] or fn.batches == [[1]]
 
 
 def test_a_batcher_moves_to_a_new_event_loop() -> None:
     fn = Recorder()
-    batcher = MicroBatcher(fn, max_wait_ms=1)
+    batcher = MicroBatcher(fn)
     assert asyncio.run(batcher.submit([1])) == [2]
     assert asyncio.run(batcher.submit([2])) == [4]
 
@@ -257,9 +309,7 @@ async def test_bad_params_in_the_middle_fail_alone(anchor_dir: Path) -> None:
 
 
 async def test_real_detector_overloads_when_its_queue_is_full(anchor_dir: Path) -> None:
-    det = detectors.build(
-        "hf_classifier", {"model_path": str(anchor_dir), "max_queue": 8, "max_wait_ms": 100}
-    )
+    det = detectors.build("hf_classifier", {"model_path": str(anchor_dir), "max_queue": 8})
     await det.warmup()
     first = asyncio.create_task(det.detect([ANCHORS["sports"]] * 8))
     await asyncio.sleep(0)

@@ -98,7 +98,7 @@ async def test_nanoguard_reads_long_texts_in_windows_not_truncated() -> None:
 
 async def test_prompt_injection_model_is_fixed_at_build() -> None:
     det = detectors.build("prompt_injection")
-    with pytest.raises(InvalidParams, match="model: this detector runs 'guardify'"):
+    with pytest.raises(InvalidParams, match="model: set in the detector's config only"):
         await det.detect(["x"], {"model": "nanoguard"})
     with pytest.raises(InvalidParams, match="model: Input should be 'guardify' or 'nanoguard'"):
         detectors.validate_params("prompt_injection", {"model": "bert"})
@@ -193,11 +193,12 @@ async def test_hf_classifier_safe_labels_and_per_label_thresholds(anchor_dir: Pa
 
 
 async def test_hf_classifier_sliding_windows_locate_the_label(anchor_dir: Path) -> None:
-    det = detectors.build("hf_classifier", {"model_path": str(anchor_dir), "safe_labels": ["safe"]})
+    base = {"model_path": str(anchor_dir), "safe_labels": ["safe"]}
+    det = detectors.build("hf_classifier", {**base, "max_length": 12, "stride": 0})
     parts = [ANCHORS["safe"], ANCHORS["sports"], ANCHORS["safe"], ANCHORS["finance"]]
     text = " ".join(parts)
     # 10 word pieces per sentence + [CLS] + [SEP] = 12: every window is exactly one sentence
-    (found,) = await det.detect([text], {"max_length": 12, "stride": 0})
+    (found,) = await det.detect([text])
     assert [d.detection for d in found] == ["sports", "finance"]
     for d, name in zip(found, ["sports", "finance"], strict=True):
         start = text.index(ANCHORS[name])
@@ -205,10 +206,11 @@ async def test_hf_classifier_sliding_windows_locate_the_label(anchor_dir: Path) 
         assert d.score == pytest.approx(expected_probs(name)[name], abs=1e-4)
         assert d.metadata == {"windows": 4, "window": parts.index(ANCHORS[name])}
     # the same text in one window: one whole-content judgement, no window metadata
-    (whole,) = await det.detect([text])
+    (whole,) = await detectors.build("hf_classifier", base).detect([text])
     assert all((d.start, d.end, d.metadata) == (0, len(text), None) for d in whole)
     # overlapping windows: more of them, spans still inside the text and exact
-    (overlap,) = await det.detect([text], {"max_length": 12, "stride": 4, "min_score": 0.0})
+    overlapping = detectors.build("hf_classifier", {**base, "max_length": 12, "stride": 4})
+    (overlap,) = await overlapping.detect([text], {"min_score": 0.0})
     assert {d.metadata["windows"] for d in overlap} == {6}  # 40 pieces, 10 a window, step 6
     assert all(
         0 <= d.start < d.end <= len(text) and d.text == text[d.start : d.end] for d in overlap
@@ -216,8 +218,15 @@ async def test_hf_classifier_sliding_windows_locate_the_label(anchor_dir: Path) 
 
 
 async def test_hf_classifier_sigmoid_for_multi_label(anchor_dir: Path) -> None:
-    det = detectors.build("hf_classifier", {"model_path": str(anchor_dir), "safe_labels": ["safe"]})
-    (found,) = await det.detect([ANCHORS["sports"]], {"problem_type": "multi_label_classification"})
+    det = detectors.build(
+        "hf_classifier",
+        {
+            "model_path": str(anchor_dir),
+            "safe_labels": ["safe"],
+            "problem_type": "multi_label_classification",
+        },
+    )
+    (found,) = await det.detect([ANCHORS["sports"]])
     scores = {d.detection: d.score for d in found}
     assert scores["sports"] == pytest.approx(1 / (1 + np.exp(-3.0)), abs=1e-4)
     assert scores["finance"] == pytest.approx(0.5, abs=1e-4)
@@ -247,8 +256,10 @@ async def test_hf_classifier_model_path_is_fixed_at_build(anchor_dir: Path, tmp_
     other.mkdir()
     (other / "config.json").write_text((anchor_dir / "config.json").read_text())
     det = detectors.build("hf_classifier", {"model_path": str(anchor_dir)})
-    with pytest.raises(InvalidParams, match="model_path: fixed when the detector is built"):
+    with pytest.raises(InvalidParams, match="model_path: set in the detector's config only"):
         await det.detect(["x"], {"model_path": str(other)})
+    with pytest.raises(InvalidParams, match="thresholds: unknown label 'x'"):
+        await det.detect(["x"], {"thresholds": {"x": 0.5}})
 
 
 async def test_models_load_once_and_are_shared(anchor_dir: Path) -> None:

@@ -140,7 +140,14 @@ def test_custom_pattern_that_matches_empty_strings_yields_only_real_matches() ->
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"patterns": {"broken": "(unclosed"}}, "patterns: pattern 'broken' does not compile"),
+        (
+            {"patterns": {"broken": "(unclosed"}},
+            "patterns.broken: does not compile as an RE2 pattern: missing ): (unclosed",
+        ),
+        (
+            {"patterns": {"lookbehind": "(?<=x)y"}},
+            "patterns.lookbehind: does not compile as an RE2 pattern: invalid perl operator",
+        ),
         ({"patterns": {"x": "a" * 600}}, "patterns: pattern 'x' must be 1-512 characters"),
         ({"patterns": {f"p{i}": "a" for i in range(40)}}, "patterns: at most 32 patterns"),
         ({"patterns": {"email": "x"}}, "is a built-in kind"),
@@ -150,7 +157,8 @@ def test_custom_pattern_that_matches_empty_strings_yields_only_real_matches() ->
         ({"kinds": "email"}, "kinds: Input should be a valid list"),
         (
             {"kind": ["email"]},
-            "kind: unknown parameter (expected one of: kinds, patterns, threshold)",
+            "kind: unknown parameter "
+            "(expected one of: allow_request_patterns, kinds, patterns, threshold)",
         ),
     ],
 )
@@ -174,8 +182,13 @@ async def test_detect_one_list_per_content_and_request_params_merge_over_built()
     ]
     out = await det.detect(contents, {"kinds": ["ipv4"]})  # patterns still come from the build
     assert [[d.detection for d in per] for per in out] == [["order"], [], ["ipv4"]]
-    with pytest.raises(InvalidParams, match="does not compile"):
-        await det.detect(contents, {"patterns": {"bad": "[a-"}})
+    with pytest.raises(InvalidParams, match="patterns: custom patterns come from the detector's"):
+        await det.detect(contents, {"patterns": {"order": r"ORD\d+"}})
+    opened = detectors.build("regex", {"kinds": ["email"], "allow_request_patterns": True})
+    with pytest.raises(InvalidParams, match="patterns.bad: does not compile as an RE2 pattern"):
+        await opened.detect(contents, {"patterns": {"bad": "[a-"}})
+    out = await opened.detect(contents, {"patterns": {"order": r"ORD\d+"}})
+    assert [[d.detection for d in per] for per in out] == [["email", "order"], [], []]
     assert all(d.score == 1.0 and d.detection_type == "pii" for d in out[0] + out[2])
 
 

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ class Scripted(Detector):
 async def client(aiohttp_client: Any) -> Any:
     dets: dict[str, Detector] = {
         "pii": detectors.build("regex"),
+        "custom": detectors.build("regex", {"allow_request_patterns": True}),
         "hap": detectors.build("profanity"),
         "crash": Scripted(RuntimeError("boom")),
         "failing": Scripted(DetectorError("model exploded")),
@@ -116,9 +118,15 @@ async def test_detector_params_reach_the_detector(client: Any) -> None:
             "contents": ["ticket T-42 a@b.com"],
             "detector_params": {"kinds": [], "patterns": {"ticket": r"T-\d+"}},
         },
+        "custom",
     )
     assert status == 200
     assert [(d["detection"], d["start"], d["end"]) for d in body[0]] == [("ticket", 7, 11)]
+    status, body = await post(
+        client, {"contents": ["ticket T-42 a@b.com"], "detector_params": {"kinds": ["email"]}}
+    )
+    assert status == 200
+    assert [(d["detection"], d["start"], d["end"]) for d in body[0]] == [("email", 12, 19)]
 
 
 async def test_model_detector_over_http(client: Any) -> None:
@@ -163,8 +171,9 @@ async def test_unknown_or_missing_detector_id_is_404(
             "detector_params: Input should be a valid dictionary",
         ),
         (
-            b'{"contents": ["x"], "detector_params": {"patterns": {"p": "(("}}}',
-            "detector_params: patterns: pattern 'p' does not compile",
+            b'{"contents": ["x"], "detector_params": {"patterns": {"p": "x"}}}',
+            "detector_params: patterns: custom patterns come from the detector's config; a "
+            "request may send them only when the config sets allow_request_patterns: true",
         ),
         (
             b'{"contents": ["x"], "detector_params": {"kindz": []}}',
@@ -235,7 +244,7 @@ async def test_health_registry_metrics(client: Any) -> None:
     resp = await client.get("/registry")
     listing = (await resp.json())["detectors"]
     by_id = {d["detector_id"]: d for d in listing}
-    assert set(by_id) == {"pii", "hap", "crash", "failing", "busy", "short"}
+    assert set(by_id) == {"pii", "custom", "hap", "crash", "failing", "busy", "short"}
     assert by_id["pii"]["builtin"] == "regex" and "kinds" in by_id["pii"]["params"]
     assert by_id["hap"]["builtin"] == "profanity" and by_id["hap"]["defaults"]["min_score"] == 0.1
 
@@ -253,14 +262,23 @@ async def test_health_registry_metrics(client: Any) -> None:
 
 async def test_a_full_micro_batch_queue_answers_503(aiohttp_client: Any) -> None:
     det = detectors.build(
-        "hf_classifier",
-        {"model_path": str(shared_anchor_classifier()), "max_queue": 2, "max_wait_ms": 200},
+        "hf_classifier", {"model_path": str(shared_anchor_classifier()), "max_queue": 2}
     )
+    # the real model, held at a gate while the first request is in it
+    forward, entered, gate = det.batcher._fn, threading.Event(), threading.Event()
+
+    def gated(items: list) -> list:
+        entered.set()
+        assert gate.wait(30)
+        return forward(items)
+
+    det.batcher._fn = gated
     client = await aiohttp_client(create_app({"clf": det}, limits=LIMITS))
     first = asyncio.create_task(post(client, {"contents": [ANCHORS["sports"]] * 2}, "clf"))
-    await asyncio.sleep(0.1)
+    assert await asyncio.to_thread(entered.wait, 30)
     status, body = await post(client, {"contents": [ANCHORS["finance"]]}, "clf")
     assert status == 503 and "queue full" in body["message"]
+    gate.set()
     status, body = await first
     assert status == 200 and [d[0]["detection"] for d in body] == ["sports", "sports"]
     await det.close()
@@ -294,8 +312,8 @@ def test_config_section_is_read_leniently(tmp_path: Path) -> None:
                 }
             }
         )
-    assert info.value.errors[0].startswith(
-        "detectors.a.params: patterns: pattern 'x' does not compile"
+    assert info.value.errors[0] == (
+        "detectors.a.params.patterns.x: does not compile as an RE2 pattern: missing ): ("
     )
     assert info.value.errors[1].startswith("detectors.b.builtin: unknown built-in detector 'nope'")
     assert info.value.errors[2] == "detectors.c: must be a mapping"
@@ -400,4 +418,4 @@ def test_cli_reports_config_errors_with_their_path(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 1
-    assert "error: detectors.pii.params: kinds.0: Input should be" in proc.stderr
+    assert "error: detectors.pii.params.kinds.0: Input should be" in proc.stderr

@@ -112,11 +112,10 @@ class DetectorRegistry:
             for key in ORCHESTRATOR_PARAM_KEYS:
                 forwarded.pop(key, None)
             if det.builtin is not None and forwarded:
-                merged = {**det.params, **forwarded}
-                for key in ORCHESTRATOR_PARAM_KEYS:
-                    merged.pop(key, None)
+                # only what the built-in declares request-settable, checked before anything is
+                # merged: no path, no batching setting, no regex unless the config allows it
                 try:
-                    detectors.validate_params(det.builtin, merged)
+                    detectors.validate_request_params(det.builtin, det.params, forwarded)
                 except ValueError as exc:
                     raise invalid(f"{path}.{detector_id}: {exc}") from None
             out.append(
