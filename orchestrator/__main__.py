@@ -95,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     stream.add_argument("--input-detector", action="append", default=[], metavar="ID")
     stream.add_argument("--output-detector", action="append", default=[], metavar="ID")
     stream.add_argument("--max-new-tokens", type=int, default=None)
+    stream.add_argument(
+        "--api",
+        choices=("fms", "chat"),
+        default="fms",
+        help="fms: the FMS streaming endpoint; chat: OpenAI /v1/chat/completions",
+    )
     stream.add_argument("--api-key", default=None)
     stream.add_argument("--no-color", action="store_true")
     stream.set_defaults(func=_stream)

@@ -6,6 +6,8 @@ shows what was flagged. After the stream, every detection is listed, then the te
 one line `[<event>] <json data>`. Errors and their details also go to stderr.
 
 `--api-key` (or the environment variable GUARDSTREAM_API_KEY) is sent as `Authorization: Bearer`.
+`--api chat` talks to the OpenAI Chat Completions surface (`/v1/chat/completions`) instead of the
+FMS streaming endpoint; the output and exit status are the same.
 
 Exit status, so scripts can tell outcomes apart without parsing the output:
 
@@ -30,6 +32,7 @@ from typing import Any, TextIO
 import aiohttp
 
 STREAM_PATH = "/api/v1/task/server-streaming-classification-with-text-generation"
+CHAT_PATH = "/v1/chat/completions"
 API_KEY_ENV = "GUARDSTREAM_API_KEY"
 
 EXIT_COMPLETED = 0
@@ -69,10 +72,11 @@ class Style:
 
 
 async def sse_events(
-    response: aiohttp.ClientResponse,
+    response: aiohttp.ClientResponse, *, done_marker: bool = False
 ) -> AsyncIterator[tuple[str | None, dict[str, Any]]]:
     """(event name, or None for a frame; data) for each SSE message. Lines are split here
-    rather than with `readline`, which rejects lines over 128 KiB (a long final frame)."""
+    rather than with `readline`, which rejects lines over 128 KiB (a long final frame).
+    With `done_marker`, `data: [DONE]` (OpenAI's end of stream) ends the iteration."""
     name: str | None = None
     data: list[str] = []
     buf = b""
@@ -88,6 +92,8 @@ async def sse_events(
             line = raw.decode("utf-8").rstrip("\r")
             if not line:
                 if data:
+                    if done_marker and data == ["[DONE]"]:
+                        return
                     yield name, json.loads("\n".join(data))
                 name, data = None, []
             elif line.startswith("event:"):
@@ -147,6 +153,77 @@ def request_body(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return body
 
 
+def chat_request_body(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": args.prompt}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
+    detectors: dict[str, Any] = {}
+    if args.input_detector:
+        detectors["input"] = {d: {} for d in args.input_detector}
+    if args.output_detector:
+        detectors["output"] = {d: {} for d in args.output_detector}
+    if detectors:
+        body["detectors"] = detectors
+    if getattr(args, "max_new_tokens", None):
+        body["max_tokens"] = args.max_new_tokens
+    return body
+
+
+async def chat_events(
+    response: aiohttp.ClientResponse,
+) -> AsyncIterator[tuple[str | None, dict[str, Any]]]:
+    """Chat-completion chunks as the FMS events the renderer knows: content chunks as frames,
+    a refusal as refusal.delta/done, the finish reason (or an error object) as the terminal."""
+    at = 0
+    finish: str | None = None
+    usage: dict[str, Any] = {}
+    async for _, chunk in sse_events(response, done_marker=True):
+        if "error" in chunk:
+            e = chunk["error"]
+            name = "failed" if at else "error"
+            error = {"code": e.get("code"), "type": e.get("type"), "message": e.get("message")}
+            if name == "failed":
+                yield name, {"processed_index": at, "error": error}
+            else:
+                yield name, {"code": e.get("code"), "type": e.get("type"), "details": e["message"]}
+            return
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        detections = chunk.get("detections") or {}
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            outputs = [d for o in detections.get("output") or [] for d in o["results"]]
+            inputs = [d for i in detections.get("input") or [] for d in i["results"]]
+            if delta.get("refusal"):
+                yield "refusal.delta", {"delta": delta["refusal"]}
+                yield "refusal.done", {"refusal": delta["refusal"], "detections": inputs + outputs}
+            elif text or outputs:
+                frame = {
+                    "generated_text": text,
+                    "start_index": at,
+                    "token_classification_results": {"output": outputs},
+                }
+                at += len(text)
+                yield None, frame
+            finish = choice.get("finish_reason") or finish
+    counts = {
+        "finish_reason": finish,
+        "generated_token_count": usage.get("completion_tokens", 0),
+        "input_token_count": usage.get("prompt_tokens"),
+        "processed_index": at,
+    }
+    if finish == "stop":
+        yield "completed", counts
+    elif finish in ("length", "content_filter"):
+        reason = "max_output_tokens" if finish == "length" else "content_filter"
+        yield "incomplete", {**counts, "incomplete_details": {"reason": reason}}
+
+
 async def _default_model(session: aiohttp.ClientSession, url: str) -> str | None:
     """The server's first model, from GET /info (which answers 503 with the same body)."""
     async with session.get(f"{url}/info") as resp:
@@ -179,14 +256,19 @@ async def run_terminal_client(
             if model is None:
                 print(f"error: {url} serves no model (pass --model)", file=err)
                 return EXIT_REJECTED
-            async with session.post(
-                f"{url}{STREAM_PATH}", json=request_body(args, model), headers=headers
-            ) as resp:
+            chat = getattr(args, "api", "fms") == "chat"
+            path, body = (
+                (CHAT_PATH, chat_request_body(args, model))
+                if chat
+                else (STREAM_PATH, request_body(args, model))
+            )
+            async with session.post(f"{url}{path}", json=body, headers=headers) as resp:
                 if resp.status != 200:
-                    body = (await resp.text()).strip() or "(empty body)"
-                    print(f"error: HTTP {resp.status}: {body}", file=err)
+                    text = (await resp.text()).strip() or "(empty body)"
+                    print(f"error: HTTP {resp.status}: {text}", file=err)
                     return EXIT_REJECTED
-                return await _render(sse_events(resp), out, err, style)
+                events = chat_events(resp) if chat else sse_events(resp)
+                return await _render(events, out, err, style)
     except aiohttp.ClientConnectorError as exc:
         print(f"error: cannot connect to {url}: {exc.os_error or exc}", file=err)
         return EXIT_UNREACHABLE

@@ -113,6 +113,32 @@ async def test_completed_stream_shows_text_detections_and_the_event(
     assert body["prompt"] == "Hi there"
 
 
+async def test_chat_api_renders_the_same_and_exits_the_same(
+    engine: FakeEngine, dets: FakeDetectorServer
+) -> None:
+    """`--api chat` streams through /v1/chat/completions: same text, detections, exit codes."""
+    async with Orchestrator(config(engine, dets)) as orch:
+        done, refused = await asyncio.gather(
+            cli("--url", orch.url, "--api", "chat", "--output-detector", "you", "Hi there"),
+            cli("--url", orch.url, "--api", "chat", "--output-detector", "blocker", "Hi"),
+        )
+    code, out, err = done
+    assert code == EXIT_COMPLETED, err
+    lines = out.rstrip("\n").split("\n")
+    assert lines[0] == "I am great. What about [[you]]?"
+    assert lines[1] == "output detection: you test/pronoun [23:26] 'you' score=0.80"
+    name, data = terminal_line(out)
+    assert name == "completed"
+    assert data["processed_index"] == len(TEXT)
+    assert data["generated_token_count"] == len(SCRIPT)
+    asked = sorted(r.body["messages"][0]["content"] for r in engine.requests)
+    assert asked == ["Hi", "Hi there"]
+    code, out, _ = refused
+    assert code == EXIT_INCOMPLETE
+    assert "What" not in out.split("blocking detection:")[0]
+    assert terminal_line(out)[1]["incomplete_details"] == {"reason": "content_filter"}
+
+
 async def test_incomplete_refusal_and_input_detection_exit_2(
     engine: FakeEngine, dets: FakeDetectorServer
 ) -> None:
