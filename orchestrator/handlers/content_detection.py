@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
+from ..api.errors import ApiError, ErrorType
 from ..api.requests import ContentDetectionRequest
 from ..api.responses import ContentDetectionResponse
 from ..state import STATE
@@ -16,7 +19,13 @@ async def handle(request: web.Request) -> web.Response:
     body = await read_model(request, ContentDetectionRequest)
     assert state.detectors is not None
     dets = state.detectors.resolve(body.detectors, "content", "detectors")
-    findings = await judge_text(body.content, dets, state.chunkers)
+    try:
+        async with asyncio.timeout(state.config.server.request_timeout_s):
+            findings = await judge_text(body.content, dets, state.chunkers)
+    except TimeoutError:
+        raise ApiError(
+            504, ErrorType.TIMEOUT, "the detectors did not answer within request_timeout_s"
+        ) from None
     state.metrics.observer().on_findings(findings)
     response = ContentDetectionResponse(detections=[f.to_content() for f in findings])
     return web.json_response(response.dump())

@@ -83,8 +83,18 @@ class ContentStream:
                         yield describe(message.exc)
                         return
                     elif message is _TIMED_OUT:
-                        yield Failure(
-                            408, ErrorType.TIMEOUT, "the request exceeded request_timeout_s"
+                        # a body still arriving is the client's slowness; a complete one
+                        # waited on the detectors
+                        yield (
+                            Failure(
+                                504, ErrorType.TIMEOUT, "the request exceeded request_timeout_s"
+                            )
+                            if ended
+                            else Failure(
+                                408,
+                                ErrorType.TIMEOUT,
+                                "the request body did not arrive within request_timeout_s",
+                            )
                         )
                         return
                     if ended and detection.done:
