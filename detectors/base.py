@@ -231,7 +231,8 @@ class Detector(ABC):
         return self.batcher.forward_passes if self.batcher is not None else 0
 
     def describe(self) -> dict[str, Any]:
-        """For GET /registry: the builtin, what it does, its params and their schema/defaults."""
+        """For GET /registry: the builtin, what it does, its params and their schema/defaults,
+        and which params a request may set."""
         defaults = {
             name: field.get_default(call_default_factory=True)
             for name, field in self.Params.model_fields.items()
@@ -241,6 +242,7 @@ class Detector(ABC):
             "builtin": self.name,
             "description": self.description,
             "params": self.params.model_dump(mode="json"),
+            "request_params": sorted(self.request_param_names(self._raw_params)),
             "defaults": _jsonable(defaults),
             "schema": self.Params.model_json_schema(),
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar
@@ -10,6 +11,8 @@ from .api import Detection
 from .base import SCORED_REQUEST_PARAMS, Detector, ScoredParams, whole_content
 from .batching import MicroBatcher
 from .runtime import ModelRuntime, check_device
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -25,6 +28,12 @@ class BatchedDetector(Detector, Generic[T, R]):
     def __init__(self, params: Mapping[str, Any] | None = None, *, device: str = "auto") -> None:
         super().__init__(params, device=check_device(device))
         p = self.params
+        if p.max_wait_ms:
+            log.warning(
+                "%s: max_wait_ms is ignored: an idle model is called at once, and batches form "
+                "from the requests that queue while it is busy",
+                self.name,
+            )
         self._runtime = self._make_runtime()
         self._batcher: MicroBatcher[T, R] = MicroBatcher(
             self._forward,

@@ -71,6 +71,10 @@ def test_a_request_cannot_allow_patterns_itself() -> None:
         "allow_request_patterns: set in the detector's config only "
         "(a request may set: kinds, threshold)"
     )
+    # /registry tells clients what they may set
+    assert detectors.build("regex").describe()["request_params"] == ["kinds", "threshold"]
+    opened = detectors.build("regex", {"allow_request_patterns": True})
+    assert opened.describe()["request_params"] == ["kinds", "patterns", "threshold"]
 
 
 async def test_an_allowed_redos_pattern_runs_in_linear_time_with_exact_results() -> None:

@@ -185,7 +185,7 @@ async def test_detect_one_list_per_content_and_request_params_merge_over_built()
     with pytest.raises(InvalidParams, match="patterns: custom patterns come from the detector's"):
         await det.detect(contents, {"patterns": {"order": r"ORD\d+"}})
     opened = detectors.build("regex", {"kinds": ["email"], "allow_request_patterns": True})
-    with pytest.raises(InvalidParams, match="patterns.bad: does not compile as an RE2 pattern"):
+    with pytest.raises(InvalidParams, match=r"patterns\.bad: does not compile as an RE2 pattern"):
         await opened.detect(contents, {"patterns": {"bad": "[a-"}})
     out = await opened.detect(contents, {"patterns": {"order": r"ORD\d+"}})
     assert [[d.detection for d in per] for per in out] == [["email", "order"], [], []]
