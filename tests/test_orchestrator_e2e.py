@@ -72,15 +72,15 @@ async def orch() -> AsyncIterator[Orchestrator]:
         yield o
 
 
-async def replicas(orch: Orchestrator) -> list[dict[str, Any]]:
+async def replicas(orch: Orchestrator, model: str = MODEL) -> list[dict[str, Any]]:
     assert orch.session is not None
     async with orch.session.get(orch.url + "/info") as r:
-        return (await r.json())["models"][MODEL]
+        return (await r.json())["models"][model]
 
 
-async def all_healthy(orch: Orchestrator) -> None:
+async def all_healthy(orch: Orchestrator, model: str = MODEL) -> None:
     for _ in range(600):
-        reps = await replicas(orch)
+        reps = await replicas(orch, model)
         if all(r["status"] == "HEALTHY" and not r["quarantined"] for r in reps):
             return
         await asyncio.sleep(0.2)
