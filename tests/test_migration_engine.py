@@ -25,6 +25,7 @@ from orchestrator.clients.backends import ReplicatedModelBackend, build_model_ba
 from orchestrator.clients.generation import GenerationParams, GenerationRequest
 from orchestrator.clients.migration import MigratingStream
 from orchestrator.config import ModelConfig
+from tests.fakes.clock import ManualClock, expire_stalls, manual_stall_clock
 from tests.fakes.engine import until
 
 pytestmark = [
@@ -57,13 +58,14 @@ async def backend() -> AsyncIterator[ReplicatedModelBackend]:
                         "start_timeout_s": 120,
                     }
                 ],
-                "migration": {"limit": 3, "stall_timeout_s": 4.0, "quarantine_s": 0.5},
+                "migration": {"limit": 3, "stall_timeout_s": 30, "quarantine_s": 30},
             }
         )
         b = build_model_backends(
             {"tiny": config}, session, registry=CollectorRegistry(), health_interval_s=0.25
         )["tiny"]
         assert isinstance(b, ReplicatedModelBackend)
+        b.pool.clock = ManualClock()  # quarantines end when all_healthy() says so
         await b.start()
         try:
             yield b
@@ -85,9 +87,12 @@ async def oracle(backend: ReplicatedModelBackend) -> dict[str, tuple[str, int, s
     return out
 
 
-async def collect(stream: MigratingStream, kill_after: int | None = None) -> str:
-    """The stream's text; with `kill_after`, SIGKILL the serving replica after that many chunks."""
-    parts: list[str] = []
+async def collect(
+    stream: MigratingStream, kill_after: int | None = None, parts: list[str] | None = None
+) -> str:
+    """The stream's text; with `kill_after`, SIGKILL the serving replica after that many chunks;
+    the chunks' texts go to `parts` as they come."""
+    parts = [] if parts is None else parts
     async with stream:
         async for chunk in stream:
             parts.append(chunk.text)
@@ -103,7 +108,9 @@ async def kill_serving(stream: MigratingStream) -> None:
 
 
 async def all_healthy(backend: ReplicatedModelBackend) -> None:
-    """Wait until every slot runs and is out of quarantine (restarts take seconds)."""
+    """End every quarantine, then wait until every slot runs (restarts take seconds)."""
+    assert isinstance(backend.pool.clock, ManualClock)
+    backend.pool.clock.advance(backend.pool.quarantine_s)
     await until(
         lambda: all(r["status"] == "HEALTHY" and not r["quarantined"] for r in backend.info()),
         timeout_s=120,
@@ -126,11 +133,14 @@ async def arm(backend: ReplicatedModelBackend, **fault: Any) -> str:
 async def test_sigkill_mid_stream_is_seamless(
     backend: ReplicatedModelBackend, oracle: dict[str, tuple[str, int, str | None]], decoding: str
 ) -> None:
-    await all_healthy(backend)
+    # the replica goes silent after 8 tokens, so the kill lands mid-stream however far the
+    # engine could have run ahead of a slow client
+    target = await arm(backend, after_tokens=8, mode="stall", times=1)
     restarts = sum(p.restarts for p in backend.processes)
     params = GREEDY if decoding == "greedy" else SEEDED
     stream = backend.stream(GenerationRequest(PROMPT, params, request_id=f"kill-{decoding}"))
     text = await collect(stream, kill_after=5)
+    assert stream.replicas_used[0] == target
     expected_text, expected_count, expected_finish = oracle[decoding]
     assert text == expected_text
     assert stream.migrations == 1
@@ -147,12 +157,19 @@ async def test_fault_injection(
     oracle: dict[str, tuple[str, int, str | None]],
     mode: str,
     position: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    clock = manual_stall_clock(monkeypatch)  # no stream stalls but the one the test declares
     expected_text, count, finish = oracle["greedy"]
     after = {"first": 0, "middle": count // 2, "last": count}[position]
     target = await arm(backend, after_tokens=after, mode=mode, times=1)
     stream = backend.stream(GenerationRequest(PROMPT, GREEDY, request_id=f"{mode}-{position}"))
-    text = await collect(stream)
+    parts: list[str] = []
+    task = asyncio.create_task(collect(stream, parts=parts))
+    if mode == "stall":  # the replica went silent once the client has all it sent
+        await until(lambda: len(parts) == after, 60)
+        await expire_stalls(clock, lambda: stream.migrations == 1 or task.done())
+    text = await task
     assert text == expected_text
     assert stream.replicas_used[0] == target
     assert stream.generated_token_count == count and stream.finish_reason == finish
@@ -185,7 +202,9 @@ async def test_concurrent_streams_survive_a_kill(
     backend: ReplicatedModelBackend, oracle: dict[str, tuple[str, int, str | None]]
 ) -> None:
     """Both replicas busy; one dies: its streams move to the other, all stay exact."""
-    await all_healthy(backend)
+    # streams 0 and 2 go to the replica that the next request goes to (least active, then round
+    # robin); it goes silent after 8 tokens, so they are still running when it dies
+    target = await arm(backend, after_tokens=8, mode="stall", times=2)
     streams = [
         backend.stream(GenerationRequest(PROMPT, GREEDY if i % 2 else SEEDED, request_id=f"c{i}"))
         for i in range(4)
@@ -207,5 +226,6 @@ async def test_concurrent_streams_survive_a_kill(
     texts = await asyncio.gather(*tasks)
     for i, text in enumerate(texts):
         assert text == oracle["greedy" if i % 2 else "seeded"][0]
-    assert sum(s.migrations for s in streams) >= 1
+    assert [s.replicas_used[0] == target for s in streams] == [True, False, True, False]
+    assert [s.migrations for s in streams] == [1, 0, 1, 0]
     await all_healthy(backend)

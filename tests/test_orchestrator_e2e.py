@@ -55,7 +55,7 @@ def e2e_config() -> dict[str, Any]:
                         "start_timeout_s": 120,
                     }
                 ],
-                "migration": {"limit": 3, "stall_timeout_s": 10, "quarantine_s": 0.5},
+                "migration": {"limit": 3, "stall_timeout_s": 30, "quarantine_s": 30},
             }
         },
         "chunkers": {"sentence": {"type": "sentence"}},
