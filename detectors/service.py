@@ -2,7 +2,8 @@
 
 `POST /api/v1/text/contents` (routed by the `detector-id` header), `GET /health`, `GET /registry`,
 `GET /metrics`. Every error is `{"code": <status>, "message": ...}`: 401 without a valid API key
-(when the config names `server.api_keys_env`; only `GET /health` is open then), 404 unknown or
+(when the config names `server.api_keys_env`; only `GET /health` and `GET /metrics` are open
+then: probes and Prometheus carry no key, and metrics hold counters, never text), 404 unknown or
 missing detector id, 422 malformed body or bad detector_params (including any param a request
 may not set: paths, batching, patterns unless the config allows them), 413 too many or too long
 contents, 503 when the detector's micro-batch queue is full, 500 only for a failure of the
@@ -137,7 +138,8 @@ def _digest(value: bytes) -> bytes:
 
 
 def _auth_middleware(keys: Sequence[str]) -> Any:
-    """Bearer keys on everything but `GET /health` (liveness probes carry no key). A missing
+    """Bearer keys on everything but `GET /health` and `GET /metrics` (liveness probes and
+    Prometheus scrapers carry no key, as on the orchestrator and the engine). A missing
     header, another scheme and a wrong key get the same 401. Fixed-length sha256 digests are
     compared (compare_digest on raw keys returns early on a length mismatch), against every key
     (timing does not tell which one came close)."""
@@ -147,7 +149,7 @@ def _auth_middleware(keys: Sequence[str]) -> Any:
     async def check(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        if request.path == "/health" and request.method in ("GET", "HEAD"):
+        if request.path in ("/health", "/metrics") and request.method in ("GET", "HEAD"):
             return await handler(request)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         given = _digest(token.strip().encode("utf-8", "surrogateescape"))

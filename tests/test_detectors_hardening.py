@@ -434,7 +434,7 @@ SERVICE_CONFIG = {
 }
 
 
-def test_the_service_requires_its_bearer_key_except_on_health(tmp_path: Path) -> None:
+def test_the_service_requires_its_bearer_key_except_on_health_and_metrics(tmp_path: Path) -> None:
     async def calls(port: int) -> list[tuple[str, int, Any, str | None]]:
         base = f"http://127.0.0.1:{port}"
         body = {"contents": ["mail a@b.com"]}
@@ -481,7 +481,8 @@ def test_the_service_requires_its_bearer_key_except_on_health(tmp_path: Path) ->
         results = {name: tuple(rest) for name, *rest in asyncio.run(calls(port))}
     unauthorized = (401, {"code": 401, "message": "missing or invalid API key"}, "Bearer")
     assert results["health"] == (200, {"status": "ok"}, None)
-    for name in ("no key", "wrong key", "wrong scheme", "registry", "metrics", "unknown path"):
+    assert results["metrics"][0] == 200  # Prometheus scrapes without a key; counters only
+    for name in ("no key", "wrong key", "wrong scheme", "registry", "unknown path"):
         assert results[name] == unauthorized, name
     email = {
         "start": 5,
