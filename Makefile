@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run test test-stress lint format bench clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -39,6 +39,15 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The same suite while a CPU hog spins on every core: a test that depends on timing fails here,
+# not on a slow CI machine. The hog is stopped whatever pytest's outcome (and on Ctrl-C).
+test-stress: $(STAMP)
+	$(PY) -m ruff check .
+	@$(PY) tests/cpu_hog.py & hog=$$!; \
+	trap 'kill $$hog 2>/dev/null; wait $$hog 2>/dev/null' EXIT INT TERM; \
+	$(PY) -m pytest $(PYTEST_ARGS); status=$$?; \
+	exit $$status
 
 lint: $(STAMP)
 	$(PY) -m ruff format --check .
