@@ -6,6 +6,10 @@ or merge bytes see their context), and the difference to the previous window's t
 A delta whose text ends in U+FFFD is held back: the last token ended inside a multi-byte character
 that a later token completes. Work per token is bounded by the window, not by the stream length.
 
+`StreamDetokenizer` runs the same algorithm inside `tokenizers` (`DecodeStream`, Rust) for fast
+tokenizers: the same deltas (tested), about 2.5x cheaper per token, because the window slicing and
+the two decodes per released token stay in Rust. `make_detokenizer` picks it when it can.
+
 Invariant (tested): the concatenated deltas plus `flush()` equal
 `tokenizer.decode(all ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`.
 Special tokens (EOS, chat markers) are skipped: a generated EOS is reported in `token_ids` but
@@ -16,8 +20,44 @@ token boundaries (" ." → "."), which no incremental scheme can reproduce exact
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 REPLACEMENT = "\ufffd"
+
+
+class Detokenizer(Protocol):
+    """Token ids in, text deltas out; `flush` at the end of the stream."""
+
+    ids: list[int]
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+def make_detokenizer(tokenizer: object) -> Callable[[], Detokenizer]:
+    """A factory of per-stream detokenizers: `DecodeStream` for a fast tokenizer, else Python."""
+    decode = make_decoder(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and _has_decode_stream():
+
+        def stream() -> Detokenizer:
+            return StreamDetokenizer(backend, decode)
+
+        return stream
+
+    def python() -> Detokenizer:
+        return IncrementalDetokenizer(decode)
+
+    return python
+
+
+def _has_decode_stream() -> bool:
+    try:
+        from tokenizers.decoders import DecodeStream  # noqa: F401
+    except ImportError:  # tokenizers < 0.21
+        return False
+    return True
 
 
 def make_decoder(tokenizer: object) -> Callable[[Sequence[int]], str]:
@@ -53,6 +93,9 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the text that is now final (possibly "")."""
         self.ids.append(token_id)
+        return self._advance()
+
+    def _advance(self) -> str:
         new_text = self._decode(self.ids[self._prefix_offset :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT):
             # Incomplete character (or a skipped special token): wait for more tokens.
@@ -154,3 +197,63 @@ class TextGate:
             self._buffer = self._buffer[cut - self._buffer_start :]
             self._buffer_start = cut
         return out
+
+
+class StreamDetokenizer:
+    """`IncrementalDetokenizer`'s algorithm run by `tokenizers.decoders.DecodeStream`.
+
+    `DecodeStream` keeps its window in Rust; this class mirrors only the two offsets (integers)
+    so that `flush` (which `DecodeStream` lacks) can release the held-back tail, and so that a
+    decoder that rewrites earlier text (where `DecodeStream` raises instead of emitting) falls back
+    to the Python detokenizer from the same state, mid-stream.
+    """
+
+    __slots__ = (
+        "_backend",
+        "_decode",
+        "_fallback",
+        "_prefix_offset",
+        "_read_offset",
+        "_stream",
+        "ids",
+    )
+
+    def __init__(self, backend: object, decode: Callable[[Sequence[int]], str]) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._decode = decode
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._fallback: IncrementalDetokenizer | None = None
+        self.ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that is now final (possibly "")."""
+        if self._fallback is not None:
+            return self._fallback.push(token_id)
+        self.ids.append(token_id)
+        try:
+            chunk = self._stream.step(self._backend, token_id)
+        except Exception:  # DecodeStreamError::InvalidPrefix: continue in Python, same state
+            self._fallback = self._python_state()
+            return self._fallback._advance()
+        if chunk is None:
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        return chunk
+
+    def flush(self) -> str:
+        """End of stream: release held-back text, replacement characters included."""
+        if self._fallback is None:
+            self._fallback = self._python_state()
+        return self._fallback.flush()
+
+    def _python_state(self) -> IncrementalDetokenizer:
+        python = IncrementalDetokenizer(self._decode)
+        python.ids = self.ids  # shared: `ids` stays this stream's id list
+        python._prefix_offset = self._prefix_offset
+        python._read_offset = self._read_offset
+        python._prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        return python

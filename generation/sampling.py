@@ -1,19 +1,47 @@
-"""Token selection: greedy, and sampling whose randomness is a pure function of (seed, position).
+"""Token selection for a whole batch on the model's device; randomness is a pure function of
+(seed, position).
 
-Seeded sampling draws one uniform number for generated position i from `uniform(seed, i)`, a
-counter-based hash, and inverts the cumulative distribution with it. No generator state is carried
-between steps, so a stream resumed at position k on another replica draws exactly what the
-uninterrupted stream would have drawn, whatever else shared the batch.
+Semantics (per row, whatever else shares the batch). Greedy rows take the argmax. A sampling row
+with temperature T, top-k k, top-p p, at generated position i:
+
+1. order the tokens by logit, descending, equal logits by token id (a stable sort);
+2. weight token j by `w_j = exp((x_j - x_max) / T)` in float64 (T > 0; no overflow for tiny T);
+3. top-k keeps the tokens whose logit is >= the k-th largest (ties at the boundary are kept);
+   without top-k every token is kept; `S` = the kept tokens' total weight;
+4. top-p keeps the shortest prefix of that order whose cumulative weight reaches `p * S`;
+5. draw `u = uniform(seed, i)` (splitmix64 of seed and position: no generator state, so a stream
+   resumed at position i on another replica draws what the uninterrupted one drew) and pick the
+   first token whose cumulative weight exceeds `u * total`, total being the kept prefix's weight.
+
+This is inverse-CDF sampling over the descending-probability order, as before the batched
+version; only the arithmetic moved (weights relative to the max instead of softmax probabilities),
+which changes a draw only when `u` falls within rounding of a boundary.
+
+Cost. Every step is a handful of batched tensor ops for all sampling rows together; only `u`
+is computed per row (a few integer operations). A full sort of the vocabulary per row is what
+made per-row sampling slow on a CPU, so by default only the top `candidates` logits (`topk`) are
+ordered: the draw is resolved among them whenever the chosen token, the top-k boundary and the
+top-p boundary all fall within the part of that order the candidates determine exactly (tokens
+strictly above the smallest candidate). Rows that are not resolved are retried with 16x more
+candidates, then with a full sort. Cumulative weights are prefix sums (`cumsum`, sequential per
+row on a CPU), so every tier computes the same numbers and picks the same token: the candidate
+count never changes a result, and neither does the batch (every op works row by row; sums use
+`cumsum` because a plain `sum` of a row depends on how the batch is split across threads).
+On a GPU the default is a full sort at once (`candidates=None`): one tier, no device sync
+besides reading the tokens.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 _MASK64 = (1 << 64) - 1
+CPU_CANDIDATES = 256  # first-tier candidates on a CPU (a smollm2 step at T=1 resolves ~96%)
+_GROWTH = 16  # candidates multiply by this for rows a tier leaves unresolved
 
 
 def _splitmix64(x: int) -> int:
@@ -46,39 +74,148 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
 
-def apply_repetition_penalty(row: torch.Tensor, seen: torch.Tensor, penalty: float) -> None:
-    """In place, as in transformers/CTRL: divide positive logits of seen tokens, multiply negative."""
-    if penalty == 1.0 or seen.numel() == 0:
+def default_candidates(device: torch.device) -> int | None:
+    """First-tier candidate count for `device`: a partial order on CPUs, a full sort on GPUs."""
+    return CPU_CANDIDATES if device.type == "cpu" else None
+
+
+def apply_repetition_penalties(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    seen: Sequence[torch.Tensor],
+    penalties: Sequence[float],
+) -> None:
+    """In place, as in transformers/CTRL: for each row `rows[j]`, divide the positive logits of
+    the token ids `seen[j]` (unique) by `penalties[j]` and multiply the negative ones."""
+    if not rows:
         return
-    values = row.index_select(0, seen)
-    row.index_copy_(0, seen, torch.where(values > 0, values / penalty, values * penalty))
+    device = logits.device
+    counts = torch.tensor([t.numel() for t in seen], dtype=torch.long, device=device)
+    row_index = torch.repeat_interleave(
+        torch.tensor(list(rows), dtype=torch.long, device=device), counts
+    )
+    column_index = torch.cat([t.to(device) for t in seen])
+    penalty = torch.repeat_interleave(
+        torch.tensor(list(penalties), dtype=logits.dtype, device=device), counts
+    )
+    values = logits[row_index, column_index]
+    logits[row_index, column_index] = torch.where(values > 0, values / penalty, values * penalty)
 
 
-def sample(row: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """Draw a token from one row of (already penalised/masked) logits, on CPU in float64."""
-    logits = row.detach().to(device="cpu", dtype=torch.float64)
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    # A stable descending sort fixes the order of equal probabilities by token id.
-    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-    cumulative = torch.cumsum(sorted_probs, dim=-1)
-    if params.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (at least one token).
-        keep = (
-            int(
-                torch.searchsorted(
-                    cumulative, torch.tensor([params.top_p], dtype=torch.float64)
-                ).item()
-            )
-            + 1
-        )
-        keep = max(1, min(keep, cumulative.numel()))
-        cumulative = cumulative[:keep]
-    total = float(cumulative[-1].item())
-    target = torch.tensor([uniform(params.seed, position) * total], dtype=torch.float64)
-    index = int(torch.searchsorted(cumulative, target, right=True).item())
-    index = min(index, cumulative.numel() - 1)
-    return int(order[index].item())
+def select(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    candidates: int | None = CPU_CANDIDATES,
+) -> list[int]:
+    """The next token of every row of `logits` `[rows, vocab]` (already penalised and masked).
+
+    `positions[r]` is row r's generated-token count (the index of the token being drawn)."""
+    sampled = [i for i, p in enumerate(params) if not p.greedy and p.temperature > 0]
+    if not sampled:
+        return logits.argmax(dim=-1).tolist()
+    draws = [uniform(params[i].seed, positions[i]) for i in sampled]
+    if len(sampled) == len(params):
+        return sample_rows(logits, params, draws, candidates).tolist()
+    index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+    tokens = logits.argmax(dim=-1)
+    picked = sample_rows(
+        logits.index_select(0, index), [params[i] for i in sampled], draws, candidates
+    )
+    return tokens.index_copy(0, index, picked).tolist()
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    draws: Sequence[float],
+    candidates: int | None = CPU_CANDIDATES,
+) -> torch.Tensor:
+    """Sample one token per row of `logits` `[rows, vocab]` with uniforms `draws` (module
+    docstring); returns a long tensor `[rows]` on the logits' device."""
+    rows, vocab = logits.shape
+    device = logits.device
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    table = torch.tensor(
+        [[p.temperature, k, p.top_p, u] for p, k, u in zip(params, top_k, draws, strict=True)],
+        dtype=torch.float64,
+    ).to(device)
+    temperature, top_p, uniforms = table[:, 0:1], table[:, 2:3], table[:, 3:4]
+    kth_rank = table[:, 1:2].long()
+    x_max = logits.max(dim=-1, keepdim=True).values.to(torch.float64)
+    # Without top-k the kept weight is the whole row's: one pass, in token-id order.
+    total_weight = torch.zeros((rows, 1), dtype=torch.float64, device=device)
+    whole = [r for r in range(rows) if top_k[r] == vocab]
+    if whole:
+        index = torch.tensor(whole, dtype=torch.long, device=device)
+        sub = logits if len(whole) == rows else logits.index_select(0, index)
+        weights = torch.exp((sub.to(torch.float64) - x_max[index]) / temperature[index])
+        total_weight[index] = torch.cumsum(weights, dim=-1)[:, -1:]
+    out = torch.empty(rows, dtype=torch.long, device=device)
+    pending = list(range(rows))
+    count = vocab if candidates is None else max(1, candidates)
+    while pending:
+        count = max([count] + [top_k[r] for r in pending if top_k[r] < vocab])
+        if 4 * count >= vocab:
+            count = vocab
+        index = torch.tensor(pending, dtype=torch.long, device=device)
+        per_row = (logits, x_max, temperature, kth_rank, top_p, uniforms, total_weight)
+        if len(pending) != rows:
+            per_row = tuple(t.index_select(0, index) for t in per_row)
+        tokens, resolved = _resolve(*per_row, count)
+        if count == vocab:
+            out[index] = tokens
+            break
+        done = resolved.tolist()  # a device sync; only tiers below a full sort need it
+        hit = [j for j, ok in enumerate(done) if ok]
+        if hit:
+            sel = torch.tensor(hit, dtype=torch.long, device=device)
+            out[index.index_select(0, sel)] = tokens.index_select(0, sel)
+        pending = [r for r, ok in zip(pending, done, strict=True) if not ok]
+        count *= _GROWTH
+    return out
+
+
+def _resolve(
+    logits: torch.Tensor,
+    x_max: torch.Tensor,
+    temperature: torch.Tensor,
+    kth_rank: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    whole_weight: torch.Tensor,
+    count: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tier: the draw among the top `count` logits of each row, and whether it is exact."""
+    rows, vocab = logits.shape
+    if count >= vocab:
+        values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+        exact = torch.full((rows, 1), vocab, dtype=torch.long, device=logits.device)
+    else:
+        values, ids = torch.topk(logits, count, dim=-1, sorted=False)
+        ids, order = torch.sort(ids, dim=-1)  # equal logits: ascending token id ...
+        values = values.gather(-1, order)
+        values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+        ids = ids.gather(-1, order)
+        # ... known exactly for logits above the smallest candidate (ties there may be missing)
+        exact = (values > values[:, -1:]).sum(dim=-1, keepdim=True)
+    weights = torch.exp((values.to(torch.float64) - x_max) / temperature)
+    cumulative = torch.cumsum(weights, dim=-1)
+    last = count - 1
+    has_k = kth_rank < vocab
+    kth = values.gather(-1, kth_rank.clamp(max=count) - 1)
+    kept = torch.where(has_k, (values >= kth).sum(dim=-1, keepdim=True), vocab)
+    cut_exact = ~has_k | (kept <= exact)
+    total = torch.where(has_k, cumulative.gather(-1, kept.clamp(max=count) - 1), whole_weight)
+    has_p = top_p < 1.0
+    nucleus_end = torch.searchsorted(cumulative, top_p * total)  # first j: cumulative >= p*S
+    cut_exact &= ~has_p | (nucleus_end < exact)
+    kept = torch.where(has_p, nucleus_end + 1, kept)
+    total = torch.where(has_p, cumulative.gather(-1, nucleus_end.clamp(max=last)), total)
+    chosen = torch.searchsorted(cumulative, uniforms * total, right=True)
+    # rounding (u * total == total): the last kept token of positive weight
+    positive = (weights > 0).sum(dim=-1, keepdim=True)
+    chosen = torch.minimum(chosen, torch.minimum(kept, positive) - 1)
+    resolved = cut_exact & (chosen < exact)
+    tokens = ids.gather(-1, chosen.clamp(max=last))
+    return tokens.squeeze(-1), resolved.squeeze(-1)

@@ -5,18 +5,22 @@ generator (no per-request, per-position seeds, so no exact resume of seeded stre
 paged-attention path targets GPUs. This loop is small and exact instead.
 
 Design. Requests join between steps: joiners are prefilled (together when their token counts are
-equal, so no padding is ever computed) and their KV caches are merged into the running batch's
-cache, left-padded with zeros to a common length and masked out by the attention mask. Each decode
-step feeds every running row its last token in ONE forward pass, with per-row `position_ids`
-(real positions, independent of padding). Finished or cancelled rows are dropped with
-`index_select`, and columns that became padding for every row are trimmed. Results go to each
-request's asyncio queue through `loop.call_soon_threadsafe`, once per step.
+equal, so no padding is ever computed) and their KV entries are copied into free slots of the
+running batch's `SlotCache` (kv_cache.py): preallocated per-layer buffers where row r lives in slot
+r, right-padded, so neither joining nor leaving copies the other rows' cache, and a decode step
+writes one column per row instead of re-concatenating the cache as `DynamicCache` does. Each decode
+step feeds every running row its last token in ONE forward pass, with per-row `position_ids` (real
+positions, independent of padding) and a padding mask. Finished or cancelled rows leave by moving
+the last rows into their slots. Token selection for the whole batch is a few batched tensor ops on
+the model's device (sampling.py). Results go to each request's asyncio queue through
+`loop.call_soon_threadsafe`, once per step.
 
 Scheduling: each iteration admits queued requests up to `max_batch_size` rows and a prefill
 token budget (so running rows wait at most about one budget's prefill), then runs one decode step.
 Limits, stated plainly: prompts are prefilled whole (no chunked prefill); memory is bounded by
-`max_batch_size` rows, not by a KV-cache byte budget; a model whose cache layers are not plain
-`DynamicLayer`s (sliding-window or recurrent layers) is served one request at a time.
+`max_batch_size` rows times the longest running row (a rectangle, not pages), not by a KV-cache
+byte budget; a model whose cache layers are not plain `DynamicLayer`s (sliding-window or recurrent
+layers) is served one request at a time with its own cache.
 
 Exactness: a row's arithmetic differs from running alone only by masked (zero-weight) padding
 columns and batch-size-dependent kernel choices, i.e. in the last bits. `tiny-random` runs in
@@ -33,17 +37,17 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .detokenizer import IncrementalDetokenizer, TextGate, make_decoder
+from .detokenizer import Detokenizer, TextGate, make_detokenizer
+from .kv_cache import SlotCache
 from .models import LoadedModel
-from .sampling import SamplingParams, apply_repetition_penalty, sample
+from .sampling import SamplingParams, apply_repetition_penalties, default_candidates, select
 
 log = logging.getLogger("guardstream.engine")
 
@@ -131,18 +135,31 @@ class _Row:
         "kv_len",
         "next_input",
         "seen",
+        "seen_new",
         "seen_tensor",
     )
 
-    def __init__(self, job: Job, decode_fn: Callable[[Sequence[int]], str]) -> None:
+    def __init__(self, job: Job, detokenizer: Callable[[], Detokenizer]) -> None:
         self.job = job
         self.generated: list[int] = []
-        self.detok = IncrementalDetokenizer(decode_fn)
+        self.detok = detokenizer()
         self.gate = TextGate(job.stop_sequences, already_delivered=job.resume_text_len)
         self.seen: set[int] = set(job.prompt_ids)
-        self.seen_tensor: torch.Tensor | None = None
-        self.kv_len = 0  # real (unpadded) tokens of this row in the batch KV cache
+        self.seen_new: list[int] = []  # seen ids not yet in seen_tensor (penalised rows only)
+        self.seen_tensor: torch.Tensor | None = None  # unique seen ids on the model's device
+        self.kv_len = 0  # tokens of this row in the KV cache
         self.next_input = -1  # sampled token not yet fed to the model
+
+    def seen_ids(self, device: torch.device) -> torch.Tensor:
+        """The unique token ids this row has seen (prompt and generated), as a device tensor."""
+        if self.seen_tensor is None:
+            self.seen_tensor = torch.tensor(sorted(self.seen), dtype=torch.long, device=device)
+            self.seen_new = []
+        elif self.seen_new:
+            new = torch.tensor(self.seen_new, dtype=torch.long, device=device)
+            self.seen_tensor = torch.cat([self.seen_tensor, new])
+            self.seen_new = []
+        return self.seen_tensor
 
 
 class Engine:
@@ -162,7 +179,8 @@ class Engine:
         self.max_batch_size = max(1, max_batch_size)
         self.prefill_token_budget = max(1, prefill_token_budget)
         self.stats = EngineStats()
-        self._decode = make_decoder(loaded.tokenizer)
+        self._detokenizer = make_detokenizer(loaded.tokenizer)
+        self._candidates = default_candidates(self.device)
         self._eos = sorted(loaded.eos_token_ids)
         self._eos_set = frozenset(self._eos)
         self._eos_tensor = torch.tensor(self._eos, dtype=torch.long, device=self.device)
@@ -174,9 +192,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
         # Batch state (worker thread only).
-        self._rows: list[_Row] = []
-        self._cache: DynamicCache | None = None
-        self._cache_len = 0
+        self._rows: list[_Row] = []  # row r of the batch: slot r of the slot cache
+        self._kv: SlotCache | None = None  # batchable models: the running batch's cache
+        self._solo: DynamicCache | None = None  # other models: the one running row's own cache
         self._batchable: bool | None = None  # learnt from the first prefill's cache layout
         self._outbox: list[tuple[Job, StreamItem | StreamError]] = []
         # Prefill computes logits for the last position only when the model supports it.
@@ -294,8 +312,7 @@ class Engine:
             pending = list(self._inbox)
             self._inbox.clear()
         jobs = [row.job for row in self._rows] + pending
-        self._rows = []
-        self._cache = None
+        self._clear_batch()
         for job in jobs:
             if not job.cancelled:
                 self._emit(job, error)
@@ -342,7 +359,7 @@ class Engine:
                 self._retire(job)
                 continue
             self.stats.requests_started += 1
-            row = _Row(job, self._decode)
+            row = _Row(job, self._detokenizer)
             finish = None
             for token in job.resume_ids:  # replay: the same detokenizer and stop state as before
                 finish = self._accept(row, token, live=False)
@@ -403,52 +420,50 @@ class Engine:
             else:
                 self._finish(row, [token], finish)
         if survivors:
-            if len(survivors) != len(rows):
-                index = torch.tensor(survivors, dtype=torch.long, device=self.device)
-                for layer in cache.layers:
-                    layer.keys = layer.keys.index_select(0, index)
-                    layer.values = layer.values.index_select(0, index)
-            self._merge(cache, [rows[i] for i in survivors], length)
+            self._join(cache, [rows[i] for i in survivors], survivors, length)
 
-    def _merge(self, cache: DynamicCache, rows: list[_Row], length: int) -> None:
-        """Append prefilled rows to the running batch, left-padding whichever side is shorter."""
-        if self._cache is None or not self._rows:
-            self._cache, self._cache_len, self._rows = cache, length, list(rows)
-        else:
-            total = max(self._cache_len, length)
-            pad_old, pad_new = total - self._cache_len, total - length
-            for old, new in zip(self._cache.layers, cache.layers, strict=True):
-                old.keys = torch.cat(
-                    [_pad_left(old.keys, pad_old), _pad_left(new.keys, pad_new)], dim=0
+    def _join(self, cache: DynamicCache, rows: list[_Row], select: list[int], length: int) -> None:
+        """Append prefilled rows (rows `select` of `cache`) to the running batch."""
+        if self._batchable:
+            if self._kv is None:
+                self._kv = SlotCache(
+                    len(cache.layers), self.max_batch_size, self.loaded.max_context
                 )
-                old.values = torch.cat(
-                    [_pad_left(old.values, pad_old), _pad_left(new.values, pad_new)], dim=0
-                )
-            self._cache_len = total
-            self._rows.extend(rows)
+            self._kv.add_rows(cache, select, length)
+        else:  # one row at a time: it keeps the cache its model made
+            assert not self._rows and len(rows) == 1
+            self._solo = cache
+        self._rows.extend(rows)
         self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, len(self._rows))
 
     # ----- decoding --------------------------------------------------------------------------
 
     def _decode_step(self) -> None:
         rows = self._rows
-        assert self._cache is not None
-        width = self._cache_len
         device = self.device
         input_ids = torch.tensor(
             [[row.next_input] for row in rows], dtype=torch.long, device=device
         )
-        positions = torch.tensor([[row.kv_len] for row in rows], dtype=torch.long, device=device)
-        pads = torch.tensor([width - row.kv_len for row in rows], dtype=torch.long, device=device)
-        mask = (torch.arange(width + 1, device=device)[None, :] >= pads[:, None]).long()
         try:
+            past: SlotCache | DynamicCache
+            if self._kv is not None and self._kv.rows:
+                positions = self._kv.begin_step()
+                mask = self._kv.attention_mask()
+                past = self._kv
+            else:
+                assert self._solo is not None and len(rows) == 1
+                positions = torch.tensor([rows[0].kv_len], dtype=torch.long, device=device)
+                mask = torch.ones((1, rows[0].kv_len + 1), dtype=torch.long, device=device)
+                past = self._solo
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
-                position_ids=positions,
-                past_key_values=self._cache,
+                position_ids=positions[:, None],
+                past_key_values=past,
                 use_cache=True,
             )
+            if past is self._kv:
+                self._kv.end_step()
             self.stats.forward_passes += 1
             self.stats.decode_steps += 1
             size = len(rows)
@@ -456,10 +471,9 @@ class Engine:
             tokens = self._select(out.logits[:, -1, :], rows)
         except Exception as exc:
             # The cache may be half-updated: the whole batch is lost.
-            self._cache, self._cache_len, self._rows = None, 0, []
+            self._clear_batch()
             self._fail_rows(rows, exc)
             return
-        self._cache_len = width + 1
         keep: list[int] = []
         for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
             row.kv_len += 1
@@ -474,21 +488,24 @@ class Engine:
             self._keep_rows(keep)
 
     def _keep_rows(self, keep: list[int]) -> None:
-        """Drop rows not in `keep`, then trim columns that are padding for every kept row."""
+        """Drop rows not in `keep`; the slot cache moves the last rows into the freed slots."""
         if not keep:
-            self._rows, self._cache, self._cache_len = [], None, 0
+            self._clear_batch()
             return
-        assert self._cache is not None
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self._rows = [self._rows[i] for i in keep]
-        trim = self._cache_len - max(row.kv_len for row in self._rows)
-        for layer in self._cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, trim:, :]
-            layer.values = layer.values.index_select(0, index)[:, :, trim:, :]
-        self._cache_len -= trim
+        if self._kv is not None and self._kv.rows:
+            order = self._kv.keep(keep)
+            self._rows = [self._rows[i] for i in order]
+        else:
+            self._rows = [self._rows[i] for i in keep]
+
+    def _clear_batch(self) -> None:
+        self._rows = []
+        self._solo = None
+        if self._kv is not None:
+            self._kv.clear()
 
     def _select(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """Next token per row: greedy rows by one batched argmax, sampling rows one by one."""
+        """Next token per row: one batched selection on the logits' device (sampling.py)."""
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         vocab = self.loaded.vocab_size
@@ -498,26 +515,29 @@ class Engine:
         if suppress and self._eos:
             index = torch.tensor(suppress, dtype=torch.long, device=logits.device)
             logits[index[:, None], self._eos_tensor[None, :]] = float("-inf")
-        for i, row in enumerate(rows):
-            penalty = row.job.sampling.repetition_penalty
-            if penalty != 1.0:
-                if row.seen_tensor is None or row.seen_tensor.numel() != len(row.seen):
-                    row.seen_tensor = torch.tensor(
-                        sorted(row.seen), dtype=torch.long, device=logits.device
-                    )
-                apply_repetition_penalty(logits[i], row.seen_tensor, penalty)
-        chosen: list[int] = logits.argmax(dim=-1).tolist()
-        for i, row in enumerate(rows):
-            params = row.job.sampling
-            if not params.greedy:
-                chosen[i] = sample(logits[i], params, len(row.generated))
-        return chosen
+        penalised = [i for i, row in enumerate(rows) if row.job.sampling.repetition_penalty != 1.0]
+        if penalised:
+            apply_repetition_penalties(
+                logits,
+                penalised,
+                [rows[i].seen_ids(logits.device) for i in penalised],
+                [rows[i].job.sampling.repetition_penalty for i in penalised],
+            )
+        return select(
+            logits,
+            [row.job.sampling for row in rows],
+            [len(row.generated) for row in rows],
+            self._candidates,
+        )
 
     def _accept(self, row: _Row, token: int, live: bool) -> FinishReason | None:
         """Append one token to a row (generated or replayed) and say whether the row is done."""
         job = row.job
         row.generated.append(token)
-        row.seen.add(token)
+        if token not in row.seen:
+            row.seen.add(token)
+            if row.seen_tensor is not None:
+                row.seen_new.append(token)
         if live:
             self.stats.tokens_generated += 1
         row.gate.push(row.detok.push(token))
@@ -553,10 +573,6 @@ class Engine:
         for row in rows:
             self._emit(row.job, error)
             self._retire(row.job)
-
-
-def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    return F.pad(x, (0, 0, n, 0)) if n else x
 
 
 def _is_oom(exc: BaseException) -> bool:

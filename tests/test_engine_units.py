@@ -1,5 +1,6 @@
-"""Engine building blocks without HTTP: incremental detokenizer, stop-sequence gate, seeded
-sampling, the tiny-random build, and the transformers KV-cache layout the batcher relies on."""
+"""Engine building blocks without HTTP: incremental detokenizers (Python and DecodeStream),
+stop-sequence gate, the seeded uniform, the tiny-random build, the transformers KV-cache layout the
+batcher relies on, and the slot KV cache (sampling itself: test_engine_sampling.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,32 @@ from hypothesis import strategies as st
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from generation import models
-from generation.detokenizer import IncrementalDetokenizer, TextGate, make_decoder
-from generation.sampling import SamplingParams, sample, uniform
+from generation.detokenizer import (
+    Detokenizer,
+    IncrementalDetokenizer,
+    StreamDetokenizer,
+    TextGate,
+    make_decoder,
+    make_detokenizer,
+)
+from generation.kv_cache import SlotCache
+from generation.sampling import uniform
 
 TEXTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+DETOKENIZERS = ["python", "stream"]
 
 
-def stream_text(model: models.LoadedModel, ids: list[int]) -> tuple[list[str], str]:
-    detok = IncrementalDetokenizer(make_decoder(model.tokenizer))
+def new_detokenizer(model: models.LoadedModel, kind: str) -> Detokenizer:
+    decode = make_decoder(model.tokenizer)
+    if kind == "python":
+        return IncrementalDetokenizer(decode)
+    return StreamDetokenizer(model.tokenizer.backend_tokenizer, decode)  # type: ignore[attr-defined]
+
+
+def stream_text(
+    model: models.LoadedModel, ids: list[int], kind: str = "stream"
+) -> tuple[list[str], str]:
+    detok = new_detokenizer(model, kind)
     deltas = [detok.push(t) for t in ids]
     return deltas, "".join(deltas) + detok.flush()
 
@@ -30,21 +49,31 @@ def reference(model: models.LoadedModel, ids: list[int]) -> str:
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(ids=st.lists(st.integers(0, 685), max_size=60))
-def test_detokenizer_matches_full_decode_on_any_ids(
-    tiny_model: models.LoadedModel, ids: list[int]
+@given(ids=st.lists(st.integers(0, 685), max_size=60), cut=st.integers(0, 60))
+def test_detokenizers_match_full_decode_and_each_other_on_any_ids(
+    tiny_model: models.LoadedModel, ids: list[int], cut: int
 ) -> None:
-    """Arbitrary id sequences (invalid UTF-8 byte runs, special tokens) included."""
-    _, text = stream_text(tiny_model, ids)
-    assert text == reference(tiny_model, ids)
+    """Arbitrary id sequences (invalid UTF-8 byte runs, special tokens) included: the
+    DecodeStream detokenizer emits exactly the Python one's deltas, flush included, so a stream
+    resumed on a replica with the other implementation continues identically."""
+    python, stream = stream_text(tiny_model, ids, "python"), stream_text(tiny_model, ids, "stream")
+    assert python == stream
+    assert stream[1] == reference(tiny_model, ids)
+    # a flush in the middle (a stream that ends there) releases the same text too
+    a, b = new_detokenizer(tiny_model, "python"), new_detokenizer(tiny_model, "stream")
+    for token in ids[:cut]:
+        assert a.push(token) == b.push(token)
+    assert a.flush() == b.flush()
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(text=TEXTS)
-def test_detokenizer_never_splits_characters(tiny_model: models.LoadedModel, text: str) -> None:
+@given(text=TEXTS, kind=st.sampled_from(DETOKENIZERS))
+def test_detokenizer_never_splits_characters(
+    tiny_model: models.LoadedModel, text: str, kind: str
+) -> None:
     """Text that round-trips: no delta ever carries U+FFFD, whatever the byte split of tokens."""
     ids = tiny_model.tokenizer(text)["input_ids"]
-    deltas, joined = stream_text(tiny_model, ids)
+    deltas, joined = stream_text(tiny_model, ids, kind)
     assert joined == text == reference(tiny_model, ids)
     if "\ufffd" not in text:
         assert all("\ufffd" not in d for d in deltas)
@@ -55,16 +84,52 @@ def test_detokenizer_never_splits_characters(tiny_model: models.LoadedModel, tex
 def test_detokenizer_on_smollm2_tokenizer(smollm2_model: models.LoadedModel, text: str) -> None:
     ids = smollm2_model.tokenizer(text, add_special_tokens=False)["input_ids"] + [2]  # + EOS
     deltas, joined = stream_text(smollm2_model, ids)
+    assert (deltas, joined) == stream_text(smollm2_model, ids, "python")
     assert joined == reference(smollm2_model, ids)
     if joined == text and "\ufffd" not in text:  # (its GGUF vocabulary lacks a few rare bytes)
         assert all("\ufffd" not in d for d in deltas)
 
 
+def test_engine_uses_decode_stream_for_fast_tokenizers(tiny_model: models.LoadedModel) -> None:
+    assert isinstance(make_detokenizer(tiny_model.tokenizer)(), StreamDetokenizer)
+
+    class Slow:  # a tokenizer without a Rust backend
+        def decode(self, ids: list[int], **_: object) -> str:
+            return "".join(chr(97 + i) for i in ids)
+
+    detok = make_detokenizer(Slow())()
+    assert isinstance(detok, IncrementalDetokenizer)
+    assert [detok.push(t) for t in (0, 1, 2)] == ["a", "b", "c"]
+
+
+def test_decode_stream_error_falls_back_to_python_mid_stream(
+    tiny_model: models.LoadedModel,
+) -> None:
+    """`DecodeStream` raises when a decoder rewrites earlier text; the stream continues in Python
+    from the same offsets, with the Python detokenizer's output."""
+    ids = tiny_model.tokenizer("The quick brown fox 😀 東京")["input_ids"]
+    python = new_detokenizer(tiny_model, "python")
+    stream = new_detokenizer(tiny_model, "stream")
+    assert isinstance(stream, StreamDetokenizer)
+    half = len(ids) // 2
+    out = [stream.push(t) for t in ids[:half]]
+
+    class Broken:  # what DecodeStream.step does on DecodeStreamError::InvalidPrefix
+        def step(self, tokenizer: object, token: int) -> str:
+            raise Exception("Invalid prefix encountered")
+
+    stream._stream = Broken()  # type: ignore[assignment]
+    out += [stream.push(t) for t in ids[half:]]
+    assert out == [python.push(t) for t in ids]
+    assert stream.flush() == python.flush()
+
+
 def test_emoji_split_over_byte_tokens_is_held_back(tiny_model: models.LoadedModel) -> None:
     ids = tiny_model.tokenizer("😀")["input_ids"]
     assert len(ids) == 3  # the tiny vocabulary has no token for it: three byte tokens
-    deltas, joined = stream_text(tiny_model, ids)
-    assert deltas == ["", "", "😀"] and joined == "😀"
+    for kind in DETOKENIZERS:
+        deltas, joined = stream_text(tiny_model, ids, kind)
+        assert deltas == ["", "", "😀"] and joined == "😀"
 
 
 def test_detokenizer_window_stays_small(tiny_model: models.LoadedModel) -> None:
@@ -150,19 +215,6 @@ def test_uniform_is_a_pure_function_of_seed_and_position() -> None:
     assert len({uniform(s, 0) for s in range(1000)}) == 1000
 
 
-def test_sample_follows_the_distribution() -> None:
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64))
-    params = SamplingParams(greedy=False, seed=9)
-    counts = [0, 0, 0]
-    for position in range(6000):
-        counts[sample(logits, params, position)] += 1
-    assert [round(c / 6000, 1) for c in counts] == [0.5, 0.3, 0.2]
-    top1 = SamplingParams(greedy=False, seed=9, top_k=1)
-    assert {sample(logits, top1, p) for p in range(50)} == {0}
-    nucleus = SamplingParams(greedy=False, seed=9, top_p=0.6)
-    assert {sample(logits, nucleus, p) for p in range(200)} == {0, 1}
-
-
 def test_tiny_random_build_is_deterministic(
     tmp_path: pytest.TempPathFactory, tiny_model: models.LoadedModel
 ) -> None:
@@ -174,41 +226,91 @@ def test_tiny_random_build_is_deterministic(
 
 
 @pytest.mark.parametrize("which", ["tiny_model", "smollm2_model"])
-def test_kv_cache_layout_and_padded_merge(which: str, request: pytest.FixtureRequest) -> None:
-    """Pins what the batcher relies on in transformers' cache API: DynamicCache of DynamicLayers
-    with [batch, heads, seq, dim] `.keys/.values`, and a zero-left-padded, masked row decoding
-    like the same row unpadded."""
+def test_slot_cache_rows_join_and_leave_and_decode_like_alone(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """Pins what the batcher relies on: a prefill's DynamicCache of DynamicLayers with
+    [batch, heads, seq, dim] `.keys/.values`; rows copied into a SlotCache at different times,
+    right-padded and masked, decode like each row alone; a leave moves only the last row into
+    the freed slot (the order the scheduler follows), and decode steps never reallocate."""
     model: models.LoadedModel = request.getfixturevalue(which)
     rng = random.Random(0)
-    short = [rng.randrange(3, 600) for _ in range(5)]
-    long = [rng.randrange(3, 600) for _ in range(9)]
-    with torch.inference_mode():
-        a = model.model(input_ids=torch.tensor([short]), use_cache=True)
-        b = model.model(input_ids=torch.tensor([long]), use_cache=True)
-        cache = a.past_key_values
-        assert isinstance(cache, DynamicCache)
-        assert all(type(layer) is DynamicLayer for layer in cache.layers)
-        assert cache.layers[0].keys.shape[:3] == (1, cache.layers[0].keys.shape[1], 5)
-        next_a, next_b = int(a.logits[0, -1].argmax()), int(b.logits[0, -1].argmax())
-        solo = model.model(
-            input_ids=torch.tensor([[next_a]]),
-            position_ids=torch.tensor([[5]]),
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[0, -1]
-        # rebuild the batch: row 0 = short prompt padded to 9 columns, row 1 = long prompt
-        a2 = model.model(input_ids=torch.tensor([short]), use_cache=True).past_key_values
-        for la, lb in zip(a2.layers, b.past_key_values.layers, strict=True):
-            la.keys = torch.cat([torch.nn.functional.pad(la.keys, (0, 0, 4, 0)), lb.keys])
-            la.values = torch.cat([torch.nn.functional.pad(la.values, (0, 0, 4, 0)), lb.values])
-        mask = torch.tensor([[0] * 4 + [1] * 6, [1] * 10])
-        batched = model.model(
-            input_ids=torch.tensor([[next_a], [next_b]]),
-            attention_mask=mask,
-            position_ids=torch.tensor([[5], [9]]),
-            past_key_values=a2,
-            use_cache=True,
-        ).logits[:, -1]
+    prompts = [[rng.randrange(3, 600) for _ in range(n)] for n in (5, 9, 3)]
+    steps = 6
     tolerance = 1e-9 if model.dtype == torch.float64 else 1e-3
-    assert torch.allclose(batched[0], solo, atol=tolerance, rtol=0)
-    assert int(batched[0].argmax()) == int(solo.argmax())
+    with torch.inference_mode():
+        alone: list[list[torch.Tensor]] = []
+        for prompt in prompts:
+            out = model.model(input_ids=torch.tensor([prompt]), use_cache=True)
+            logits, cache, length = [out.logits[0, -1]], out.past_key_values, len(prompt)
+            for _ in range(steps):
+                token = int(logits[-1].argmax())
+                out = model.model(
+                    input_ids=torch.tensor([[token]]),
+                    position_ids=torch.tensor([[length]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits.append(out.logits[0, -1])
+                length += 1
+            alone.append(logits)
+
+        kv = SlotCache(model.model.config.num_hidden_layers, 8, model.max_context)
+        rows: list[list[int]] = []  # [prompt index, tokens generated]
+
+        def join(i: int) -> None:
+            out = model.model(input_ids=torch.tensor([prompts[i]]), use_cache=True)
+            cache = out.past_key_values
+            assert isinstance(cache, DynamicCache)
+            assert all(type(layer) is DynamicLayer for layer in cache.layers)
+            assert cache.layers[0].keys.shape[0] == 1 and cache.layers[0].keys.shape[2] == len(
+                prompts[i]
+            )
+            before = kv.copied_bytes
+            kv.add_rows(cache, [0], len(prompts[i]))
+            joined_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+            assert kv.copied_bytes - before == joined_bytes  # the joiner's tokens only
+            rows.append([i, 0])
+
+        join(0)
+        join(1)
+        moved_nothing = False
+        for step in range(steps + 2):
+            if step == 2:
+                join(2)
+            if step == 3:  # row 0 leaves: row 2 (the last) moves into slot 0
+                before = kv.copied_bytes
+                assert kv.keep([1, 2]) == [2, 1]
+                rows = [rows[2], rows[1]]
+                assert kv.copied_bytes - before == kv._row_bytes(kv.lengths[0])
+            if not rows:
+                break
+            pointer = kv.layers[0].keys.data_ptr()
+            positions = kv.begin_step()
+            inputs = [[int(alone[i][n].argmax())] for i, n in rows]
+            out = model.model(
+                input_ids=torch.tensor(inputs),
+                attention_mask=kv.attention_mask(),
+                position_ids=positions[:, None],
+                past_key_values=kv,
+                use_cache=True,
+            )
+            kv.end_step()
+            assert kv.layers[0].keys.data_ptr() == pointer  # written in place
+            for j, row in enumerate(rows):
+                i, n = row
+                expected = alone[i][n + 1]
+                assert torch.allclose(out.logits[j, -1], expected, atol=tolerance, rtol=0)
+                assert int(out.logits[j, -1].argmax()) == int(expected.argmax())
+                row[1] += 1
+            done = [j for j, (_, n) in enumerate(rows) if n >= steps]
+            if done:
+                before = kv.copied_bytes
+                keep = [j for j in range(len(rows)) if j not in done]
+                order = kv.keep(keep)
+                rows = [rows[j] for j in order]
+                if keep == list(range(len(keep))):  # the last rows left: nothing moves
+                    assert kv.copied_bytes == before
+                    moved_nothing = True
+        assert moved_nothing
+        assert not rows and kv.rows == 0 and kv.nbytes == 0
