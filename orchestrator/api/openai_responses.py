@@ -1,0 +1,496 @@
+"""Wire shapes of the OpenAI Responses surface (DESIGN 4.9): the request, the response object and
+every streaming event, with guardstream's extensions (`detectors` in requests; the
+`guardrail_detection` annotation and the `guardrails` lists in responses).
+
+The service is stateless and guards text only. What cannot be honoured is refused with a clear
+message instead of being silently dropped: stored state (`previous_response_id`, `store: true`,
+`background`, `conversation`, stored `prompt` templates) and tools are 400
+(`check_stateless`, before schema validation); other features it cannot deliver (structured
+output formats, logprobs, reasoning effort, non-text input) are 422. Fields that only label or
+route a request (`metadata`, `user`, `safety_identifier`, `prompt_cache_key`, `service_tier`,
+`parallel_tool_calls`, `truncation`, ...) are accepted; unknown fields are 422.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+from .errors import invalid
+from .openai_chat import ChatDetectors, OpenAIErrorBody
+
+ROLES = ("system", "developer", "user", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "refusal")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- request ------------------------------------------------------------------------------------
+
+# Fields of stored state or tools: 400 whenever they ask for something (DESIGN 4.9).
+_STATELESS: dict[str, str] = {
+    "previous_response_id": "responses are not stored (this service is stateless); send the "
+    "whole conversation in `input`",
+    "store": "responses are not stored (this service is stateless); leave `store` out or send "
+    "`store: false`",
+    "background": "background mode needs stored responses; this service is stateless",
+    "conversation": "conversations are not stored (this service is stateless); send the whole "
+    "conversation in `input`",
+    "prompt": "stored prompt templates are not supported; send the text in `instructions` and "
+    "`input`",
+    "tools": "tools are not supported: tool calls and their arguments cannot be guarded",
+}
+
+
+def check_stateless(data: Any) -> None:
+    """400 for a body that asks for stored state or tools; `false`, `null` and `[]` ask for
+    nothing and pass (SDKs and proxies send them as defaults)."""
+    if not isinstance(data, dict):
+        return
+    for name, why in _STATELESS.items():
+        value = data.get(name)
+        if value is None or value is False or value == []:
+            continue
+        raise invalid(f"{name}: {why}", 400)
+
+
+class InputText(Strict):
+    """A text part. `output_text` parts of an earlier response sent back as conversation keep
+    their `annotations` and `logprobs`, which are ignored."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputRefusal(Strict):
+    """An assistant's refusal sent back as conversation (a blocked or refused earlier turn)."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[InputText | InputRefusal, Field(discriminator="type")]
+
+
+class InputMessage(Strict):
+    """One message item. `id`, `status` and `phase` are accepted so that output items of an
+    earlier response can be sent back unchanged."""
+
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind not in _TEXT_PARTS:
+                    raise ValueError(
+                        f"content part type `{kind}` is not supported: only text can be guarded"
+                    )
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text if isinstance(p, InputText) else p.refusal for p in self.content)
+
+
+class ResponsesStreamOptions(Strict):
+    include_obfuscation: bool | None = None
+
+
+class TextFormat(Strict):
+    type: Literal["text"] = "text"
+
+
+class TextConfig(Strict):
+    """Only plain text: a JSON schema could not be enforced on guarded, possibly cut output."""
+
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(Strict):
+    """Accepted only when it asks for nothing: the served models do not reason."""
+
+    effort: None = None
+    summary: None = None
+    generate_summary: None = None
+
+
+def _number(v: Any) -> Any:
+    if v is None:
+        return v
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError("must be a finite number")
+    try:
+        v = float(v)  # an int beyond a float's range raises here (not a 500 in isfinite)
+    except OverflowError:
+        raise ValueError("must be a finite number") from None
+    if not math.isfinite(v):  # `1e400` is inf to Python's JSON parser
+        raise ValueError("must be a finite number")
+    return v
+
+
+def _integer(v: Any) -> Any:
+    if v is None:
+        return v
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError("must be an integer")
+    if isinstance(v, float) and not v.is_integer():  # inf and NaN included (int() raises)
+        raise ValueError("must be an integer")
+    return int(v)
+
+
+def _input_kind(v: Any) -> str | None:
+    if isinstance(v, str):
+        return "text"
+    return "messages" if isinstance(v, list) else None
+
+
+ConversationInput = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[InputMessage], Tag("messages")],
+    Discriminator(
+        _input_kind,
+        custom_error_type="input_type",
+        custom_error_message="must be a string or a list of message items",
+    ),
+]
+MetaKey = Annotated[str, Field(max_length=64)]
+MetaValue = Annotated[str, Field(max_length=512)]
+
+
+class ResponsesRequest(Strict):
+    model: str
+    input: ConversationInput
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    detectors: ChatDetectors | None = None
+    # accepted and echoed; they label or route a request and change nothing in generation
+    metadata: dict[MetaKey, MetaValue] | None = Field(None, max_length=16)
+    user: str | None = Field(None, max_length=256)
+    safety_identifier: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=256)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=0)
+    tool_choice: Literal["none", "auto"] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    include: list[str] | None = Field(None, max_length=0)
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+    # checked by check_stateless first (400); here only their harmless values remain
+    store: Literal[False] | None = None
+    background: Literal[False] | None = None
+    previous_response_id: None = None
+    conversation: None = None
+    prompt: None = None
+    tools: list[Any] | None = Field(None, max_length=0)
+
+    @field_validator("max_output_tokens", "max_tool_calls", "top_logprobs", mode="before")
+    @classmethod
+    def _integers(cls, v: Any) -> Any:
+        return _integer(v)
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _numbers(cls, v: Any) -> Any:
+        return _number(v)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _message_items(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for i, item in enumerate(v):
+                kind = item.get("type", "message") if isinstance(item, dict) else "message"
+                if kind != "message":
+                    raise ValueError(
+                        f"item {i}: item type `{kind}` is not supported: only message items "
+                        "with text can be guarded"
+                    )
+        return v
+
+    @model_validator(mode="after")
+    def _has_user_message(self) -> ResponsesRequest:
+        if isinstance(self.input, list) and not any(m.role == "user" for m in self.input):
+            raise ValueError("input: at least one message must have the role `user`")
+        return self
+
+    def conversation_messages(self) -> list[tuple[str, str]]:
+        """(role, text) of the whole conversation: `instructions` first, as a system message."""
+        out: list[tuple[str, str]] = []
+        if self.instructions:
+            out.append(("system", self.instructions))
+        if isinstance(self.input, str):
+            out.append(("user", self.input))
+        else:
+            out.extend((m.role, m.text()) for m in self.input)
+        return out
+
+
+# -- the response object ------------------------------------------------------------------------
+
+
+class GuardrailAnnotation(BaseModel):
+    """A detection on the output text (or, in `guardrails.input`, on the last user message):
+    `[start_index, end_index)` in code points into the whole text."""
+
+    type: Literal["guardrail_detection"] = "guardrail_detection"
+    start_index: int
+    end_index: int
+    text: str
+    detector_id: str
+    detection: str
+    detection_type: str
+    score: float
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str = ""
+    annotations: list[GuardrailAnnotation] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputRefusal(BaseModel):
+    type: Literal["refusal"] = "refusal"
+    refusal: str = ""
+
+
+OutputContent = Annotated[OutputText | OutputRefusal, Field(discriminator="type")]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: ItemStatus
+    content: list[OutputContent] = Field(default_factory=list)
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class ResponseErrorInfo(BaseModel):
+    """`code` is one of OpenAI's response error codes (`server_error`, or `invalid_prompt` for
+    the client's own mistake); `type` is guardstream's error type, naming what failed."""
+
+    code: Literal["server_error", "invalid_prompt"]
+    message: str
+    type: str
+    param: str | None = None
+
+
+class IncompleteInfo(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class Guardrails(BaseModel):
+    """Every detection of the request: `input` on the last user message, `output` on the
+    generated text (including what a blocking detector withheld)."""
+
+    input: list[GuardrailAnnotation] = Field(default_factory=list)
+    output: list[GuardrailAnnotation] = Field(default_factory=list)
+
+
+class TextConfigOut(BaseModel):
+    format: TextFormat = Field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] = "medium"
+
+
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    completed_at: int | None = None
+    status: ResponseStatus
+    model: str
+    output: list[OutputMessage] = Field(default_factory=list)
+    error: ResponseErrorInfo | None = None
+    incomplete_details: IncompleteInfo | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    parallel_tool_calls: bool = False
+    tool_choice: Literal["none", "auto"] = "none"
+    tools: list[Any] = Field(default_factory=list)
+    truncation: Literal["auto", "disabled"] = "disabled"
+    text: TextConfigOut = Field(default_factory=TextConfigOut)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    previous_response_id: None = None
+    background: bool = False
+    store: bool = False
+    user: str | None = None
+    safety_identifier: str | None = None
+    usage: ResponseUsage | None = None
+    guardrails: Guardrails = Field(default_factory=Guardrails)
+
+    def dump(self) -> dict[str, Any]:
+        # nulls stay: OpenAI sends `error: null`, `incomplete_details: null`, ...
+        return self.model_dump(mode="json")
+
+
+# -- streaming events ---------------------------------------------------------------------------
+
+
+class LifecycleEvent(BaseModel):
+    type: Literal[
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    ]
+    sequence_number: int
+    response: ResponseObject
+
+
+class OutputItemEvent(BaseModel):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    sequence_number: int
+    output_index: int
+    item: OutputMessage
+
+
+class ContentPartEvent(BaseModel):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputContent
+
+
+class OutputTextDeltaEvent(BaseModel):
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputTextDoneEvent(BaseModel):
+    type: Literal["response.output_text.done"] = "response.output_text.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class AnnotationAddedEvent(BaseModel):
+    type: Literal["response.output_text.annotation.added"] = "response.output_text.annotation.added"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    annotation_index: int
+    annotation: GuardrailAnnotation
+
+
+class RefusalDeltaEvent(BaseModel):
+    type: Literal["response.refusal.delta"] = "response.refusal.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class RefusalDoneEvent(BaseModel):
+    type: Literal["response.refusal.done"] = "response.refusal.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    refusal: str
+
+
+class ErrorEvent(BaseModel):
+    """An error before any response object exists; `code` is guardstream's error type."""
+
+    type: Literal["error"] = "error"
+    sequence_number: int
+    code: str
+    message: str
+    param: str | None = None
+
+
+StreamEvent = Annotated[
+    LifecycleEvent
+    | OutputItemEvent
+    | ContentPartEvent
+    | OutputTextDeltaEvent
+    | OutputTextDoneEvent
+    | AnnotationAddedEvent
+    | RefusalDeltaEvent
+    | RefusalDoneEvent
+    | ErrorEvent,
+    Field(discriminator="type"),
+]
+STREAM_EVENT_MODELS: tuple[type[BaseModel], ...] = (
+    LifecycleEvent,
+    OutputItemEvent,
+    ContentPartEvent,
+    OutputTextDeltaEvent,
+    OutputTextDoneEvent,
+    AnnotationAddedEvent,
+    RefusalDeltaEvent,
+    RefusalDoneEvent,
+    ErrorEvent,
+)
+# what /openapi.json documents for POST /v1/responses
+OPENAPI_MODELS: tuple[type[BaseModel], ...] = (
+    ResponsesRequest,
+    ResponseObject,
+    *STREAM_EVENT_MODELS,
+    OpenAIErrorBody,
+)

@@ -1,0 +1,320 @@
+"""The Responses wire format (DESIGN 4.9): pipeline events as OpenResponses SSE events (`event:
+<type>` and `data: <json>` with a `sequence_number` counting from 0), ending in exactly one
+terminal event, or folded into one response object.
+
+The response object is created lazily, on the first pipeline event that is not an error: an
+error before it is the `error` event (no response ever existed), an error after it is
+`response.failed`. Released text goes into one `output_text` part of one assistant message; a
+block or an input hit adds a `refusal` part (text released before a block keeps its own
+`output_text` part; flagged text is never in one). Every `*.added` has its `*.done` before the
+terminal event, so the object a client accumulates equals the one the terminal event carries.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+from pydantic import BaseModel
+
+from ..api.errors import ApiError
+from ..api.openai_responses import (
+    AnnotationAddedEvent,
+    ContentPartEvent,
+    ErrorEvent,
+    GuardrailAnnotation,
+    Guardrails,
+    IncompleteInfo,
+    LifecycleEvent,
+    OutputItemEvent,
+    OutputMessage,
+    OutputRefusal,
+    OutputText,
+    OutputTextDeltaEvent,
+    OutputTextDoneEvent,
+    RefusalDeltaEvent,
+    RefusalDoneEvent,
+    ResponseErrorInfo,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStatus,
+    ResponseUsage,
+    TextConfigOut,
+)
+from .events import Event, Failure, Frame, KeepAlive, Refusal, Terminal
+from .findings import Finding
+
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+OUTPUT_INDEX = 0  # one output item: the assistant message
+
+
+def annotation(finding: Finding, *, withheld: bool = False) -> GuardrailAnnotation:
+    """A detection as this surface shows it. `withheld`: the span lies in text a blocking
+    detector stopped, which never leaves the service, so neither does its `text`."""
+    return GuardrailAnnotation(
+        start_index=finding.start,
+        end_index=finding.end,
+        text="" if withheld else finding.text,
+        detector_id=finding.detector_id,
+        detection=finding.detection,
+        detection_type=finding.detection_type,
+        score=finding.score,
+    )
+
+
+def error_info(failure: Failure) -> ResponseErrorInfo:
+    return ResponseErrorInfo(
+        code="invalid_prompt" if failure.code < 500 else "server_error",
+        message=failure.message,
+        type=failure.type.value,
+    )
+
+
+def sse(event: BaseModel) -> bytes:
+    data = event.model_dump(mode="json")
+    return b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class ResponsesWriter:
+    """One response's state and its events. `events()` turns a pipeline event into the wire
+    events it causes (and updates the object); `render()` is the same as SSE bytes;
+    `response()` is the object as it stands."""
+
+    def __init__(self, body: ResponsesRequest) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.created = False  # response.created was emitted
+        self.finished = False  # the terminal event was emitted
+        self._body = body
+        self._seq = 0
+        self._status: ResponseStatus = "in_progress"
+        self._item: OutputMessage | None = None
+        self._text: OutputText | None = None  # the open output_text part
+        self._guardrails = Guardrails()
+        self._usage: ResponseUsage | None = None
+        self._error: ResponseErrorInfo | None = None
+        self._incomplete: IncompleteInfo | None = None
+        self._completed_at: int | None = None
+        self.text_seen = False  # some output text or a refusal exists
+
+    # -- the object -----------------------------------------------------------------------------
+
+    def response(self) -> ResponseObject:
+        b = self._body
+        return ResponseObject(
+            id=self.id,
+            created_at=self.created_at,
+            completed_at=self._completed_at,
+            status=self._status,
+            model=b.model,
+            output=[] if self._item is None else [self._item.model_copy(deep=True)],
+            error=self._error,
+            incomplete_details=self._incomplete,
+            instructions=b.instructions,
+            max_output_tokens=b.max_output_tokens,
+            temperature=1.0 if b.temperature is None else b.temperature,
+            top_p=1.0 if b.top_p is None else b.top_p,
+            parallel_tool_calls=bool(b.parallel_tool_calls),
+            tool_choice=b.tool_choice or "none",
+            truncation=b.truncation or "disabled",
+            text=TextConfigOut(verbosity=(b.text.verbosity if b.text else None) or "medium"),
+            metadata=b.metadata or {},
+            user=b.user,
+            safety_identifier=b.safety_identifier,
+            usage=self._usage,
+            guardrails=self._guardrails.model_copy(deep=True),
+        )
+
+    # -- rendering ------------------------------------------------------------------------------
+
+    def render(self, event: Event) -> bytes:
+        if isinstance(event, KeepAlive):
+            return KEEPALIVE_COMMENT
+        return b"".join(sse(e) for e in self.events(event))
+
+    def events(self, event: Event) -> list[BaseModel]:
+        if isinstance(event, KeepAlive) or self.finished:
+            return []
+        out: list[BaseModel] = []
+        if isinstance(event, Terminal) and event.error is not None and not self.created:
+            self.finished = True
+            e = event.error
+            return [ErrorEvent(sequence_number=self._next(), code=e.type.value, message=e.message)]
+        if not self.created:
+            self.created = True
+            for kind in ("response.created", "response.in_progress"):
+                out.append(
+                    LifecycleEvent(
+                        type=kind, sequence_number=self._next(), response=self.response()
+                    )
+                )
+        if isinstance(event, Frame):
+            self._frame(event, out)
+        elif isinstance(event, Refusal):
+            self._refusal(event, out)
+        else:
+            self._terminal(event, out)
+        return out
+
+    def _next(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _where(self) -> dict[str, Any]:
+        assert self._item is not None
+        return {
+            "sequence_number": self._next(),
+            "item_id": self.item_id,
+            "output_index": OUTPUT_INDEX,
+            "content_index": len(self._item.content) - 1,
+        }
+
+    def _open_item(self, out: list[BaseModel]) -> OutputMessage:
+        if self._item is None:
+            self._item = OutputMessage(id=self.item_id, status="in_progress")
+            out.append(
+                OutputItemEvent(
+                    type="response.output_item.added",
+                    sequence_number=self._next(),
+                    output_index=OUTPUT_INDEX,
+                    item=self._item.model_copy(deep=True),
+                )
+            )
+        return self._item
+
+    def _open_text(self, out: list[BaseModel]) -> OutputText:
+        item = self._open_item(out)
+        if self._text is None:
+            self._text = OutputText()
+            item.content.append(self._text)
+            out.append(
+                ContentPartEvent(
+                    type="response.content_part.added", **self._where(), part=OutputText()
+                )
+            )
+        return self._text
+
+    def _close_text(self, out: list[BaseModel]) -> None:
+        part = self._text
+        if part is None:
+            return
+        out.append(OutputTextDoneEvent(**self._where(), text=part.text))
+        out.append(
+            ContentPartEvent(
+                type="response.content_part.done", **self._where(), part=part.model_copy(deep=True)
+            )
+        )
+        self._text = None
+
+    def _close_item(self, status: str, out: list[BaseModel]) -> None:
+        self._close_text(out)
+        if self._item is None:
+            return
+        self._item.status = status  # type: ignore[assignment]
+        out.append(
+            OutputItemEvent(
+                type="response.output_item.done",
+                sequence_number=self._next(),
+                output_index=OUTPUT_INDEX,
+                item=self._item.model_copy(deep=True),
+            )
+        )
+
+    def _frame(self, frame: Frame, out: list[BaseModel]) -> None:
+        if not frame.text and not frame.detections:
+            return
+        part = self._open_text(out)
+        if frame.text:
+            self.text_seen = True
+            part.text += frame.text
+            out.append(OutputTextDeltaEvent(**self._where(), delta=frame.text))
+        for finding in frame.detections:
+            note = annotation(finding)
+            part.annotations.append(note)
+            self._guardrails.output.append(note)
+            out.append(
+                AnnotationAddedEvent(
+                    **self._where(),
+                    annotation_index=len(part.annotations) - 1,
+                    annotation=note.model_copy(),
+                )
+            )
+
+    def _refusal(self, refusal: Refusal, out: list[BaseModel]) -> None:
+        self.text_seen = True
+        if refusal.direction == "input":
+            self._guardrails.input.extend(annotation(f) for f in refusal.detections)
+        else:
+            self._guardrails.output.extend(annotation(f, withheld=True) for f in refusal.detections)
+        item = self._open_item(out)
+        self._close_text(out)
+        part = OutputRefusal()
+        item.content.append(part)
+        out.append(
+            ContentPartEvent(
+                type="response.content_part.added", **self._where(), part=OutputRefusal()
+            )
+        )
+        part.refusal = refusal.message
+        out.append(RefusalDeltaEvent(**self._where(), delta=refusal.message))
+        out.append(RefusalDoneEvent(**self._where(), refusal=refusal.message))
+        out.append(
+            ContentPartEvent(
+                type="response.content_part.done", **self._where(), part=part.model_copy()
+            )
+        )
+
+    def _terminal(self, terminal: Terminal, out: list[BaseModel]) -> None:
+        self.finished = True
+        prompt = terminal.input_token_count or 0
+        self._usage = ResponseUsage(
+            input_tokens=prompt,
+            output_tokens=terminal.generated_token_count,
+            total_tokens=prompt + terminal.generated_token_count,
+        )
+        if terminal.error is not None:
+            self._status = "failed"
+            self._error = error_info(terminal.error)
+            self._close_item("incomplete", out)
+            kind = "response.failed"
+        elif terminal.kind == "completed":
+            self._status = "completed"
+            self._completed_at = int(time.time())
+            if self._item is None:  # an empty answer is still a message with one text part
+                self._open_text(out)
+            self._close_item("completed", out)
+            kind = "response.completed"
+        else:
+            self._status = "incomplete"
+            reason = (
+                "content_filter" if terminal.reason == "content_filter" else "max_output_tokens"
+            )
+            self._incomplete = IncompleteInfo(reason=reason)
+            if self._item is None:
+                self._open_text(out)
+            self._close_item("incomplete", out)
+            kind = "response.incomplete"
+        out.append(
+            LifecycleEvent(type=kind, sequence_number=self._next(), response=self.response())
+        )
+
+
+class ResponsesFold:
+    """The unary reply: the object the stream would have ended with. An error before any output
+    is a real HTTP error (nothing was sent); after some, the object says `failed`."""
+
+    def __init__(self, body: ResponsesRequest) -> None:
+        self._writer = ResponsesWriter(body)
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, Terminal) and event.error is not None and not self._writer.text_seen:
+            e = event.error
+            raise ApiError(e.code, e.type, e.message)
+        self._writer.events(event)
+
+    def body(self) -> dict[str, Any]:
+        return self._writer.response().dump()
