@@ -30,6 +30,7 @@ from .handlers import (
     metrics,
     models,
     openapi,
+    responses,
     stream_content,
     streaming_generation,
     unary_generation,
@@ -343,6 +344,7 @@ def create_app(config: Config, *, device: str = "auto") -> web.Application:
     app.router.add_post(STREAM_CONTENT_PATH, stream_content.handle)
     app.router.add_post(CHAT_PATH, chat_completions.handle)
     app.router.add_post(CHAT_DETECTION_PATH, chat_completions.handle)
+    app.router.add_post(RESPONSES_PATH, responses.handle)
     app.router.add_get(MODELS_PATH, models.handle)
     app.router.add_get("/health", health.health)
     app.router.add_get("/info", health.info)

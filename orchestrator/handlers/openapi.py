@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from .. import __version__
+from ..api import openai_responses
 from ..api.errors import ErrorBody
 from ..api.requests import (
     ContentDetectionRequest,
@@ -81,6 +82,49 @@ def _sse_event() -> dict[str, Any]:
     }
 
 
+def _responses_operation(errors: tuple[int, ...]) -> dict[str, Any]:
+    """POST /v1/responses (DESIGN 4.9): one JSON object, or with `stream: true` SSE events whose
+    `event:` line names the `type` of their `data:` JSON; errors have OpenAI's body."""
+    r = openai_responses
+    events = [
+        {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {
+                "event": {"type": "string"},
+                "data": {
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "contentSchema": _ref(model),
+                },
+            },
+        }
+        for model in r.STREAM_EVENT_MODELS
+    ]
+    error = {"description": "error", "content": _json(r.OpenAIErrorBody)}
+    return {
+        "post": {
+            "operationId": "createResponse",
+            "summary": "OpenAI Responses API with guardrails and the OpenResponses events",
+            "description": "Stateless: `previous_response_id`, `store: true`, `background`, "
+            "`conversation`, `prompt` and tools are 400. Errors found before the reply starts "
+            "are real HTTP errors. A stream ends with exactly one of `response.completed`, "
+            "`response.incomplete`, `response.failed`, or `error` (no response was created).",
+            "requestBody": {"required": True, "content": _json(r.ResponsesRequest)},
+            "responses": {
+                "200": {
+                    "description": "the response object, or its SSE events with `stream: true`",
+                    "content": {
+                        **_json(r.ResponseObject),
+                        "text/event-stream": {"schema": {"oneOf": events}},
+                    },
+                },
+                **{str(c): error for c in errors},
+            },
+        }
+    }
+
+
 def _name_deployment(
     schemas: dict[str, Any], model_ids: tuple[str, ...], detector_ids: tuple[str, ...]
 ) -> None:
@@ -88,6 +132,7 @@ def _name_deployment(
     clients and fuzzers see the ids that exist (anything else is a 404 with the error body)."""
     if model_ids:
         schemas["GuardrailsHttpRequest"]["properties"]["model_id"]["enum"] = list(model_ids)
+        schemas["ResponsesRequest"]["properties"]["model"]["enum"] = list(model_ids)
     if not detector_ids:
         return
     params_ref = _ref(DetectorParams)
@@ -125,6 +170,7 @@ def build_openapi(
         ErrorBody,
         HealthResponse,
         InfoResponse,
+        *openai_responses.OPENAPI_MODELS,
     ]
     _, schema = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     schemas: dict[str, Any] = schema.get("$defs", {})
@@ -213,6 +259,7 @@ def build_openapi(
                 },
             }
         },
+        "/v1/responses": _responses_operation((*CLIENT_ERRORS, *SERVER_ERRORS)),
         "/health": {
             "get": {
                 "operationId": "health",
