@@ -159,7 +159,7 @@ async def test_incomplete_refusal_and_input_detection_exit_2(
     code, out, _ = refused
     assert code == EXIT_INCOMPLETE
     assert "[[The response was withheld: detector `blocker` flagged the generated text.]]" in out
-    assert "blocking detection: blocker test/question [12:16] 'What' score=0.90" in out
+    assert "blocking detection: blocker test/question [12:16] '' score=0.90" in out
     name, data = terminal_line(out)
     assert name == "incomplete"
     assert data["incomplete_details"] == {"reason": "content_filter"}

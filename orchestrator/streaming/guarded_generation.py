@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..api.errors import ErrorType
@@ -128,6 +128,7 @@ class GuardedGeneration:
         self._observer = observer or StreamObserver()
         self._keepalive_s = keepalive_s
         self._inbox = Inbox(max_buffered_chunks)
+        self._max_batch = max_buffered_chunks
         self._progress = _Progress()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stream: MigratingStream | None = None
@@ -207,15 +208,18 @@ class GuardedGeneration:
             messages = await self._inbox.take_all()
             pending_text: list[str] = []
             for message in messages:
-                if isinstance(message, GenerationChunk):
-                    self._track(message)
+                if type(message) is list:  # the GenerationChunks of one engine read
+                    now = time.monotonic()
                     if detection is None:
-                        if message.text or message.finish_reason is not None:
-                            final = message.finish_reason is not None
-                            final_sent = final
-                            yield self._direct_frame(message.text, final)
-                    elif message.text:
-                        pending_text.append(message.text)
+                        for chunk in message:
+                            self._track(chunk, now)
+                            if chunk.text or chunk.finish_reason is not None:
+                                final = chunk.finish_reason is not None
+                                final_sent = final
+                                yield self._direct_frame(chunk.text, final)
+                    else:
+                        self._track_batch(message, now)
+                        pending_text.extend(c.text for c in message if c.text)
                     continue
                 if pending_text:  # consecutive chunks are chunked as one delta
                     assert detection is not None
@@ -295,9 +299,15 @@ class GuardedGeneration:
         self._inbox.put(_InputJudged(findings))
 
     async def _read_engine(self, stream: MigratingStream) -> None:
-        async for chunk in stream:
-            await self._inbox.put_chunk(chunk)
-        self._inbox.put(_EngineEnded())
+        """Everything one read of the engine delivered goes to the inbox as one message."""
+        inbox, limit = self._inbox, self._max_batch
+        while True:
+            try:
+                batch = await stream.next_batch(limit)
+            except StopAsyncIteration:
+                break
+            await inbox.put_chunks(batch)
+        inbox.put(_EngineEnded())
 
     async def _stop(self) -> None:
         tasks = list(self._tasks)
@@ -358,24 +368,43 @@ class GuardedGeneration:
     def _output_refusal(self, detections: list[Finding]) -> Refusal:
         self._observer.on_findings(detections)
         ids = ", ".join(f"`{i}`" for i in sorted({d.detector_id for d in detections}))
+        # the flagged text itself never leaves the service (DESIGN 4.6): the detections keep
+        # their spans and labels, not the words (nor evidence that could quote them)
+        withheld = [replace(d, text="", evidence=None, metadata=None) for d in detections]
         return Refusal(
             direction="output",
             message=f"The response was withheld: detector {ids} flagged the generated text.",
-            detections=sort_findings(detections),
+            detections=sort_findings(withheld),
             input_token_count=self._progress.input_token_count,
             seed=self._seed,
         )
 
-    def _track(self, chunk: GenerationChunk) -> None:
+    def _track(self, chunk: GenerationChunk, now: float) -> None:
         p = self._progress
         p.generated_token_count = chunk.generated_token_count
         if chunk.text:
             p.generated_chars += len(chunk.text)
-            p.arrivals.append((p.generated_chars, time.monotonic()))
+            p.arrivals.append((p.generated_chars, now))
         if chunk.input_token_count is not None:
             p.input_token_count = chunk.input_token_count
         if chunk.finish_reason is not None:
             p.finish_reason = chunk.finish_reason
+
+    def _track_batch(self, batch: list[GenerationChunk], now: float) -> None:
+        """`_track` for chunks that arrived together: their text is chunked as one delta, so one
+        arrival entry and the last chunk's counters say all the pipeline needs."""
+        p = self._progress
+        last = batch[-1]
+        p.generated_token_count = last.generated_token_count
+        chars = sum(len(c.text) for c in batch)
+        if chars:
+            p.generated_chars += chars
+            p.arrivals.append((p.generated_chars, now))
+        # a chunk's counters and finish reason are the stream's so far: the last one's hold
+        if last.input_token_count is not None:
+            p.input_token_count = last.input_token_count
+        if last.finish_reason is not None:
+            p.finish_reason = last.finish_reason
 
     def _direct_frame(self, text: str, final: bool) -> Frame:
         start = self._progress.released
