@@ -4,6 +4,7 @@ assistant message; and `api: completions` with chat messages (through `/tokenize
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +26,7 @@ from orchestrator.clients.generation import (
 from orchestrator.clients.migration import MigratingStream
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
+from tests.fakes.clock import expire_stalls, manual_stall_clock
 from tests.fakes.engine import prompt_ids
 from tests.fakes.openai_chat import DEFAULT_SCRIPT, ChatFault, FakeOpenAIChat
 from tests.fakes.vllm import FakeVllm
@@ -332,24 +334,40 @@ async def test_content_filter_is_a_refusal_not_migrated(
     assert got == ["The", " cat"] and b.requests == []
 
 
-async def test_stall(session: aiohttp.ClientSession, servers: list[Any]) -> None:
+async def test_stall(
+    session: aiohttp.ClientSession, servers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     (s,) = await start(servers, fail=ChatFault("stall", after_chunks=1))
-    stream = client(session, s).generate(request(), None, stall_timeout_s=0.3, max_time=0)
-    with pytest.raises(GenerationError, match=r"no event for 0.3 s \(stalled\)"):
+    clock = manual_stall_clock(monkeypatch)
+    stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
+
+    async def drain() -> None:
         async for _ in stream:
             pass
 
+    task = asyncio.create_task(drain())
+    await expire_stalls(clock, task.done)
+    with pytest.raises(GenerationError, match=r"no event for 30 s \(stalled\)"):
+        await task
+
 
 async def test_keepalives_do_not_hide_a_stall(
-    session: aiohttp.ClientSession, servers: list[Any]
+    session: aiohttp.ClientSession, servers: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A server that only sends keep-alive comments is stalled all the same."""
     (s,) = await start(servers, fail=ChatFault("stall_keepalive", after_chunks=1))
-    stream = client(session, s).generate(request(), None, stall_timeout_s=1, max_time=0)
+    clock = manual_stall_clock(monkeypatch)
+    stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
     texts = []
-    with pytest.raises(GenerationError, match="stalled"):
+
+    async def drain() -> None:
         async for item in stream:
             texts.append(item.text)
+
+    task = asyncio.create_task(drain())
+    await expire_stalls(clock, task.done)
+    with pytest.raises(GenerationError, match="stalled"):
+        await task
     assert texts == ["The"]
 
 
@@ -435,13 +453,20 @@ async def test_mid_stream_drop_migrates_by_continuing_the_assistant_message(
     ids=lambda f: f.mode,
 )
 async def test_every_migratable_failure_resumes_seamlessly(
-    session: aiohttp.ClientSession, servers: list[Any], fault: ChatFault
+    session: aiohttp.ClientSession,
+    servers: list[Any],
+    fault: ChatFault,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     a, b = await start(servers, 2, words_per_chunk=2)
     a.faults.append(fault)
-    be = backend(session, [a, b], stall_timeout_s=1 if fault.mode == "stall" else 5)
+    clock = manual_stall_clock(monkeypatch)  # a stall happens when the test declares it
+    be = backend(session, [a, b], stall_timeout_s=30)
     stream = be.stream(request())
-    chunks = await run(stream)
+    task = asyncio.create_task(run(stream))
+    if fault.mode == "stall":
+        await expire_stalls(clock, lambda: stream.migrations == 1 or task.done())
+    chunks = await task
     assert "".join(c.text for c in chunks) == FULL
     assert stream.migrations == 1 and stream.finish_reason == "EOS_TOKEN"
     resumed = b.requests[0]
