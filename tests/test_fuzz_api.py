@@ -30,7 +30,13 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from orchestrator.app import CONTENT_PATH, STREAM_CONTENT_PATH, STREAMING_PATH, UNARY_PATH
+from orchestrator.app import (
+    CONTENT_PATH,
+    OPENAI_PATHS,
+    STREAM_CONTENT_PATH,
+    STREAMING_PATH,
+    UNARY_PATH,
+)
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import MODEL, Orchestrator, native_config, remote
@@ -159,13 +165,21 @@ def content_type(response: requests.Response | schemathesis.Response) -> str:
     return value[0] if isinstance(value, list) else value
 
 
-def check_error_body(response: requests.Response | schemathesis.Response) -> None:
-    """Every error is the API's error body, with `code` equal to the HTTP status."""
+def check_error_body(
+    response: requests.Response | schemathesis.Response, openai: bool = False
+) -> None:
+    """Every error is the API's error body, with `code` equal to the HTTP status (on the OpenAI
+    surfaces, inside OpenAI's `{"error": {message, type, param, code}}`)."""
     assert response.status_code < 500, f"{response.status_code}: {response.text[:500]}"
     if response.status_code < 400:
         return
     assert content_type(response).startswith("application/json")
     body = response.json()
+    if openai:
+        assert set(body) == {"error"}, body
+        body = body["error"]
+        assert set(body) == {"message", "type", "param", "code"}, body
+        body = {"code": body["code"], "details": body["message"], "type": body["type"]}
     assert set(body) == {"code", "details", "type"}, body
     assert body["code"] == response.status_code
     assert isinstance(body["details"], str) and body["details"]
@@ -215,7 +229,7 @@ def fuzz_operation(
     def fuzz(case: schemathesis.Case) -> None:
         response = case.call(base_url=url, session=http, timeout=30)
         case.validate_response(response, checks=checks)
-        check_error_body(response)
+        check_error_body(response, operation.path in OPENAI_PATHS)
         if response.status_code == 200 and operation.path == STREAMING_PATH:
             check_stream(response.text)
 
@@ -527,5 +541,6 @@ async def test_openapi_names_the_deployment_and_its_auth(monkeypatch: pytest.Mon
     assert schemas["OutputGuardrail"]["properties"]["models"]["propertyNames"] == {"enum": ["pii"]}
     for path, item in doc["paths"].items():
         for operation in item.values():
-            expected = [{"bearer": []}] if path.startswith("/api/") else None
+            public = ("/health", "/info", "/metrics", "/openapi.json")
+            expected = None if path in public else [{"bearer": []}]
             assert operation.get("security") == expected, path

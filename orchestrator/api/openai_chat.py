@@ -11,7 +11,14 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from .requests import DetectorMap
 from .responses import TokenClassificationResult, Wire
@@ -56,7 +63,7 @@ class ChatMessageIn(BaseModel):
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: StrictBool = False  # as the schema says: "yes" or 1 is a 422
 
 
 class ChatDetectors(Strict):
@@ -67,7 +74,13 @@ class ChatDetectors(Strict):
 def _number(v: Any) -> Any:
     if v is None:
         return v
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError("must be a finite number")
+    try:
+        v = float(v)  # an int beyond a float's range raises here, not in isfinite (a 500)
+    except OverflowError:
+        raise ValueError("must be a finite number") from None
+    if not math.isfinite(v):  # `1e400` is inf to Python's JSON parser
         raise ValueError("must be a finite number")
     return v
 
@@ -75,7 +88,9 @@ def _number(v: Any) -> Any:
 def _integer(v: Any) -> Any:
     if v is None:
         return v
-    if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v):
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError("must be an integer")
+    if isinstance(v, float) and not v.is_integer():  # inf and NaN included (int() raises)
         raise ValueError("must be an integer")
     return int(v)
 
@@ -88,7 +103,7 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[ChatMessageIn] = Field(min_length=1)
-    stream: bool = False
+    stream: StrictBool = False  # "false" or 1 is a 422, never a guess at what was meant
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

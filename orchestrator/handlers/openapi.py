@@ -12,6 +12,13 @@ from pydantic.json_schema import models_json_schema
 from .. import __version__
 from ..api import openai_responses
 from ..api.errors import ErrorBody
+from ..api.openai_chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ModelList,
+    OpenAIErrorBody,
+)
 from ..api.requests import (
     ContentDetectionRequest,
     DetectorParams,
@@ -46,6 +53,8 @@ def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): {"description": "error", "content": _json(ErrorBody)} for c in codes}
 
 
+# Paths answered without a key when server.api_keys_env is set (app.OPEN_PATHS)
+PUBLIC_PATHS = frozenset({"/health", "/info", "/metrics", "/openapi.json"})
 # Errors any /api/* request can get before its work starts (validation, auth, size, overload).
 CLIENT_ERRORS = (400, 401, 404, 413, 415, 422, 429)
 # Errors of the service or of what it depends on; draining answers 503 on every /api/* route.
@@ -125,6 +134,56 @@ def _responses_operation(errors: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
+def _chat_operation(operation_id: str, errors: tuple[int, ...]) -> dict[str, Any]:
+    """POST /v1/chat/completions and its FMS alias (DESIGN 4.8): one `chat.completion`, or with
+    `stream: true` SSE `data:` lines (chunks, at most one in-band error object, then `[DONE]`);
+    errors before the reply starts have OpenAI's body."""
+
+    def data(schema: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "object", "required": ["data"], "properties": {"data": schema}}
+
+    def json_of(model: type[BaseModel]) -> dict[str, Any]:
+        return {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": _ref(model),
+        }
+
+    error = {"description": "error", "content": _json(OpenAIErrorBody)}
+    return {
+        "post": {
+            "operationId": operation_id,
+            "summary": "OpenAI Chat Completions with guardrails",
+            "description": "`detectors: {input, output}` (through an SDK's `extra_body`) adds "
+            "detectors to the model's enforced guardrails; `n` must be 1; tools, functions and "
+            "audio are 422. Errors found before the reply starts are real HTTP errors. A stream "
+            "is `data:` lines of ChatCompletionChunk objects with exactly one `finish_reason` "
+            "(`stop`, `length`, `content_filter`) or one in-band OpenAIErrorBody, then "
+            "`data: [DONE]` last. A block or an input hit ends with a `refusal` and "
+            "`content_filter`; detections ride in the `detections` extension.",
+            "requestBody": {"required": True, "content": _json(ChatCompletionRequest)},
+            "responses": {
+                "200": {
+                    "description": "the completion, or its SSE chunks with `stream: true`",
+                    "content": {
+                        **_json(ChatCompletion),
+                        "text/event-stream": {
+                            "schema": {
+                                "oneOf": [
+                                    data(json_of(ChatCompletionChunk)),
+                                    data(json_of(OpenAIErrorBody)),
+                                    data({"const": "[DONE]"}),
+                                ]
+                            }
+                        },
+                    },
+                },
+                **{str(c): error for c in errors},
+            },
+        }
+    }
+
+
 def _name_deployment(
     schemas: dict[str, Any], model_ids: tuple[str, ...], detector_ids: tuple[str, ...]
 ) -> None:
@@ -133,6 +192,7 @@ def _name_deployment(
     if model_ids:
         schemas["GuardrailsHttpRequest"]["properties"]["model_id"]["enum"] = list(model_ids)
         schemas["ResponsesRequest"]["properties"]["model"]["enum"] = list(model_ids)
+        schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] = list(model_ids)
     if not detector_ids:
         return
     params_ref = _ref(DetectorParams)
@@ -154,8 +214,8 @@ def _name_deployment(
 def build_openapi(
     auth: bool = False, model_ids: tuple[str, ...] = (), detector_ids: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """The document. `auth` adds the bearer requirement to /api/* (server.api_keys_env set);
-    `model_ids` and `detector_ids` name what the deployment serves."""
+    """The document. `auth` adds the bearer requirement to every path but PUBLIC_PATHS
+    (server.api_keys_env set); `model_ids` and `detector_ids` name what the deployment serves."""
     models: list[type[BaseModel]] = [
         GuardrailsHttpRequest,
         ContentDetectionRequest,
@@ -171,6 +231,11 @@ def build_openapi(
         HealthResponse,
         InfoResponse,
         *openai_responses.OPENAPI_MODELS,
+        ChatCompletionRequest,
+        ChatCompletion,
+        ChatCompletionChunk,
+        OpenAIErrorBody,
+        ModelList,
     ]
     _, schema = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
     schemas: dict[str, Any] = schema.get("$defs", {})
@@ -260,6 +325,22 @@ def build_openapi(
             }
         },
         "/v1/responses": _responses_operation((*CLIENT_ERRORS, *SERVER_ERRORS)),
+        "/v1/chat/completions": _chat_operation(
+            "createChatCompletion", (*CLIENT_ERRORS, *SERVER_ERRORS)
+        ),
+        "/api/v2/chat/completions-detection": _chat_operation(
+            "createChatCompletionDetection", (*CLIENT_ERRORS, *SERVER_ERRORS)
+        ),
+        "/v1/models": {
+            "get": {
+                "operationId": "listModels",
+                "summary": "The configured model ids, in OpenAI's list shape",
+                "responses": {
+                    "200": {"description": "the models", "content": _json(ModelList)},
+                    "401": {"description": "error", "content": _json(OpenAIErrorBody)},
+                },
+            }
+        },
         "/health": {
             "get": {
                 "operationId": "health",
@@ -304,7 +385,7 @@ def build_openapi(
     }
     if auth:
         for path, item in paths.items():
-            if path.startswith("/api/"):
+            if path not in PUBLIC_PATHS:
                 for operation in item.values():
                     operation["security"] = [{"bearer": []}]
     return {

@@ -7,6 +7,7 @@ block never shows flagged text: the refusal rides on the finishing chunk.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -37,6 +38,15 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 INPUT_WARNING = ChatWarning(type="UNSUITABLE_INPUT", message=UNSUITABLE_INPUT.message)
 OUTPUT_WARNING = ChatWarning(type="UNSUITABLE_OUTPUT", message=UNSUITABLE_OUTPUT.message)
+
+
+def _dumps(data: dict[str, Any]) -> bytes:
+    """orjson, else json's `\\u` escapes: a client's text can carry a lone surrogate (JSON allows
+    `"\\ud800"`), a detection quotes it back, and orjson refuses such strings (a 500 mid-stream)."""
+    try:
+        return orjson.dumps(data)
+    except TypeError:
+        return json.dumps(data, separators=(",", ":")).encode()
 
 
 def finish_reason(terminal: Terminal) -> str:
@@ -105,7 +115,7 @@ class ChatChunkWriter:
             detections=detections,
             warnings=warnings,
         )
-        return b"data: " + orjson.dumps(chunk.dump()) + b"\n\n"
+        return b"data: " + _dumps(chunk.dump()) + b"\n\n"
 
     def _role(self) -> bytes:
         if self._role_sent:
@@ -144,7 +154,7 @@ class ChatChunkWriter:
 
     def _terminal(self, terminal: Terminal) -> bytes:
         if terminal.error is not None:
-            return b"data: " + orjson.dumps(openai_error(terminal.error)) + b"\n\n" + DONE
+            return b"data: " + _dumps(openai_error(terminal.error)) + b"\n\n" + DONE
         out = b""
         if not self._finished:
             out += self._role() + self._chunk(Delta(), finish=finish_reason(terminal))
@@ -156,7 +166,7 @@ class ChatChunkWriter:
                 choices=[],
                 usage=usage(terminal),
             )
-            out += b"data: " + orjson.dumps(chunk.dump()) + b"\n\n"
+            out += b"data: " + _dumps(chunk.dump()) + b"\n\n"
         return out + DONE
 
 

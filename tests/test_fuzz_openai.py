@@ -1,0 +1,548 @@
+"""Property tests of the Chat Completions surface (DESIGN 4, "Hostile input is expected"; 4.8)
+against real parts: the orchestrator in a background thread, the real `tiny-random` engine server
+(`tiny_server`) as a native backend, and the real built-in detectors (regex PII, profanity).
+
+Whatever the body (random or malformed messages, roles and content parts, numbers out of range or
+beyond a float, NaN as strings, unknown fields, detector maps with unknown ids, bad thresholds
+and params, any `stream` flag, raw bytes): never a 5xx; every 4xx is OpenAI's error body with
+`code` equal to the status; every 200 stream has `data: [DONE]` exactly once and last, and
+before it exactly one `finish_reason` or exactly one error object; every unary 200 is a valid
+`chat.completion`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from generation.testing import ThreadedServer
+from orchestrator.app import CHAT_DETECTION_PATH, CHAT_PATH, MODELS_PATH
+from tests.orchestrator_support import MODEL, Orchestrator, native_config
+
+T = TypeVar("T")
+
+ERROR_TYPES = {
+    "invalid_request",
+    "not_found",
+    "unauthorized",
+    "detector_error",
+    "chunker_error",
+    "generation_error",
+    "generation_unavailable",
+    "timeout",
+    "overloaded",
+    "server_shutdown",
+    "server_error",
+}
+DETECTOR_IDS = ("pii", "hap", "pii_block")
+FUZZ = settings(
+    max_examples=80,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+class Stack:
+    """The orchestrator in front of the real engine server, served from a loop in its own thread
+    (hypothesis is synchronous)."""
+
+    def __init__(self, engine_url: str) -> None:
+        self.engine_url = engine_url
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-chat", daemon=True)
+        self.url = ""
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def start(self) -> Stack:
+        self.thread.start()
+        self.orch = Orchestrator(
+            native_config(
+                self.engine_url,
+                detectors={
+                    "pii": {"builtin": "regex", "chunker_id": "sentence"},
+                    "hap": {"builtin": "profanity", "chunker_id": "sentence"},
+                    "pii_block": {
+                        "builtin": "regex",
+                        "chunker_id": "whole_doc_chunker",
+                        "on_detection": "block",
+                    },
+                },
+                server={"max_request_bytes": 65536, "request_timeout_s": 20},
+                model={
+                    "limits": {
+                        "max_new_tokens": 16,
+                        "default_max_new_tokens": 8,
+                        "max_input_chars": 2000,
+                    },
+                    "guardrails": {"output": {"hap": {}}},  # enforced on every request
+                },
+            )
+        )
+        self.run(self.orch.__aenter__())
+        self.url = self.orch.url
+        return self
+
+    def stop(self) -> None:
+        self.run(self.orch.__aexit__(None, None, None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_server: ThreadedServer) -> Iterator[Stack]:
+    s = Stack(tiny_server.url).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[requests.Session]:
+    with requests.Session() as session:
+        yield session
+
+
+# -- the properties ---------------------------------------------------------------------------
+
+
+Reply = requests.Response | schemathesis.Response
+
+
+def content_type(response: Reply) -> str:
+    value = response.headers.get("content-type") or response.headers.get("Content-Type") or ""
+    return value[0] if isinstance(value, list) else value
+
+
+def check_error(response: Reply) -> None:
+    """Never a 5xx; a 4xx is `{"error": {message, type, param, code}}` with code = status."""
+    assert response.status_code < 500, f"{response.status_code}: {response.text[:500]}"
+    if response.status_code < 400:
+        return
+    assert content_type(response).startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["code"] == response.status_code
+    assert error["type"] in ERROR_TYPES
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["param"] is None or isinstance(error["param"], str)
+
+
+def check_stream(text: str, include_usage: bool) -> None:
+    """`[DONE]` once and last; before it exactly one finish_reason or one error object (last)."""
+    data: list[str] = []
+    for block in text.split("\n\n"):
+        for line in block.split("\n"):
+            if not line or line.startswith(":"):  # keep-alive comments
+                continue
+            assert line.startswith("data: "), line
+            data.append(line[len("data: ") :])
+    assert data.count("[DONE]") == 1 and data[-1] == "[DONE]", data[-3:]
+    items = [json.loads(d) for d in data[:-1]]
+    errors = [i for i in items if "error" in i]
+    chunks = [i for i in items if "error" not in i]
+    finishes = [c["finish_reason"] for i in chunks for c in i["choices"] if c["finish_reason"]]
+    assert (len(finishes), len(errors)) in ((1, 0), (0, 1)), (finishes, errors)
+    assert len({c["id"] for c in chunks}) <= 1
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    if errors:
+        assert items[-1] is errors[0]
+        error = errors[0]["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] in ERROR_TYPES - {"server_error"}, error
+        return
+    assert finishes[0] in ("stop", "length", "content_filter")
+    with_choices = [c for c in chunks if c["choices"]]
+    assert with_choices[-1]["choices"][0]["finish_reason"] == finishes[0]
+    usage = [c for c in chunks if "usage" in c]
+    if include_usage:
+        assert usage == [chunks[-1]] and chunks[-1]["choices"] == []
+    else:
+        assert usage == []
+
+
+def check_completion(body: dict[str, Any]) -> None:
+    assert body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("stop", "length", "content_filter")
+    if choice["finish_reason"] == "content_filter":
+        assert choice["message"]["content"] is None and choice["message"]["refusal"]
+    else:
+        assert isinstance(choice["message"]["content"], str)
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def post(
+    http: requests.Session, url: str, data: bytes, ctype: str = "application/json"
+) -> requests.Response:
+    return http.post(url, data=data, headers={"Content-Type": ctype}, timeout=60)
+
+
+def check_reply(response: Reply, body: Any) -> None:
+    check_error(response)
+    if response.status_code != 200:
+        return
+    assert isinstance(body, dict)
+    if body.get("stream") is True:
+        assert content_type(response).startswith("text/event-stream")
+        options = body.get("stream_options") or {}
+        check_stream(response.text, options.get("include_usage") is True)
+    else:
+        assert content_type(response).startswith("application/json")
+        check_completion(response.json())
+
+
+# -- schemathesis: the documented operations ---------------------------------------------------
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
+OPERATIONS = {("POST", CHAT_PATH), ("POST", CHAT_DETECTION_PATH), ("GET", MODELS_PATH)}
+
+
+def fuzz_operation(
+    operation: schemathesis.APIOperation, mode: GenerationMode, url: str, http: requests.Session
+) -> None:
+    post_body = operation.method.upper() == "POST"
+
+    @settings(FUZZ, max_examples=25)
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def fuzz(case: schemathesis.Case) -> None:
+        response = case.call(base_url=url, session=http, timeout=60)
+        case.validate_response(response, checks=CHECKS)
+        check_error(response)
+        if response.status_code == 200 and post_body:
+            check_reply(response, case.body)
+
+    fuzz()
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_schemathesis_chat_operations(
+    stack: Stack, http: requests.Session, mode: GenerationMode
+) -> None:
+    """Bodies from the served document (its model and detector ids narrowed to this
+    deployment): replies as documented, and the properties above."""
+    schema = schemathesis.openapi.from_url(stack.url + "/openapi.json")
+    operations = [r.ok() for r in schema.get_all_operations()]
+    operations = [o for o in operations if (o.method.upper(), o.path) in OPERATIONS]
+    assert {(o.method.upper(), o.path) for o in operations} == OPERATIONS
+    for operation in operations:
+        if mode is GenerationMode.NEGATIVE and operation.method.upper() == "GET":
+            continue  # no parameters or body: nothing to negate
+        fuzz_operation(operation, mode, stack.url, http)
+
+
+def test_the_document_names_this_deployment(stack: Stack, http: requests.Session) -> None:
+    doc = http.get(stack.url + "/openapi.json", timeout=10).json()
+    schemas = doc["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
+    detectors = schemas["ChatDetectors"]["properties"]
+    for direction in ("input", "output"):
+        assert detectors[direction]["propertyNames"] == {"enum": list(DETECTOR_IDS)}
+    for path in (CHAT_PATH, CHAT_DETECTION_PATH):
+        operation = doc["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ChatCompletionRequest"
+        }
+        ok = operation["responses"]["200"]["content"]
+        assert set(ok) == {"application/json", "text/event-stream"}
+        assert operation["responses"]["422"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/OpenAIErrorBody"
+        }
+    models = doc["paths"][MODELS_PATH]["get"]["responses"]["200"]["content"]
+    assert models["application/json"]["schema"] == {"$ref": "#/components/schemas/ModelList"}
+
+
+# -- the bodies -------------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+texts = st.sampled_from(
+    [
+        "Hello there. How are you?",
+        "Mail jo@example.com, you stupid idiot.",
+        "My SSN is 123-45-6789.",
+        # JSON can carry lone surrogates; a detection quotes them back
+        "a lone \ud800 surrogate, mail jo@example.com\udfff",
+        "you stupid fucking idiot \ud800.",
+        "",
+    ]
+) | st.text(max_size=60)
+huge = st.sampled_from([10**20, -(10**20), 2**64, 10**400, -(10**400)])
+nan_strings = st.sampled_from(["NaN", "nan", "Infinity", "-inf", "1e400", "0.5", "1"])
+wild_numbers = st.integers(-2, 20) | st.floats(-1, 3) | huge | nan_strings | json_values
+
+roles = st.sampled_from(["system", "developer", "user", "assistant"])
+wild_roles = roles | st.sampled_from(["tool", "function", "USER", ""]) | json_values
+parts = st.fixed_dictionaries({"type": st.just("text"), "text": texts})
+wild_parts = (
+    parts
+    | st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.just({"url": "x"})})
+    | st.fixed_dictionaries({"type": st.just("text")}, optional={"text": json_values})
+    | json_values
+)
+
+
+@st.composite
+def good_messages(draw: st.DrawFn) -> list[dict[str, Any]]:
+    before = draw(st.lists(st.fixed_dictionaries({"role": roles, "content": texts}), max_size=3))
+    content = draw(texts | st.lists(parts, min_size=1, max_size=2))
+    return [*before, {"role": "user", "content": content}]
+
+
+wild_message = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": wild_roles,
+        "content": texts | st.lists(wild_parts, max_size=3) | json_values,
+        "name": st.text(max_size=8) | json_values,
+        "refusal": st.none() | st.text(max_size=8),
+        "tool_calls": json_values,
+        "extra": json_values,
+    },
+)
+wild_messages = st.lists(wild_message | json_values, max_size=4) | json_values
+
+good_params = st.fixed_dictionaries(
+    {},
+    optional={
+        "threshold": st.floats(0, 1),
+        "on_detection": st.sampled_from(["annotate", "block"]),
+    },
+)
+good_detectors = st.fixed_dictionaries(
+    {},
+    optional={
+        "input": st.dictionaries(st.sampled_from(DETECTOR_IDS), good_params, max_size=2),
+        "output": st.dictionaries(st.sampled_from(DETECTOR_IDS), good_params, max_size=3),
+    },
+)
+# thresholds stay within a float here: one beyond it is a separate case (see the module's end)
+wild_params = st.dictionaries(
+    st.sampled_from(["threshold", "on_detection", "patterns", "kinds", "model_path", "x"])
+    | st.text(max_size=6),
+    st.floats(-1, 2) | nan_strings | st.sampled_from(["block", "annotate", "email"]) | json_values,
+    max_size=3,
+)
+wild_maps = st.dictionaries(
+    st.sampled_from([*DETECTOR_IDS, "nope"]) | st.text(max_size=8), wild_params | json_values
+)
+wild_detectors = (
+    st.fixed_dictionaries(
+        {}, optional={"input": wild_maps, "output": wild_maps, "extra": json_values}
+    )
+    | json_values
+)
+
+
+@st.composite
+def good_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    """Near-valid: mostly accepted, so the pipeline behind validation runs too."""
+    body: dict[str, Any] = {"model": MODEL, "messages": draw(good_messages())}
+    optional = {
+        "stream": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "max_tokens": st.integers(1, 16),
+        "max_completion_tokens": st.integers(1, 16),
+        "temperature": st.sampled_from([0, 0.5, 1.0, 2]),
+        "top_p": st.floats(0.1, 1),
+        "seed": st.integers(0, 2**32),
+        "stop": st.sampled_from(["e", ".", "zz"]) | st.lists(st.sampled_from(["a", " t"])),
+        "n": st.just(1),
+        "user": st.text(max_size=8),
+        "detectors": good_detectors,
+    }
+    for key, values in optional.items():
+        if draw(st.booleans()):
+            body[key] = draw(values)
+    return body
+
+
+wild_bodies = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from([MODEL, "nope"]) | json_values,
+        "messages": good_messages() | wild_messages,
+    },
+    optional={
+        "stream": st.booleans() | json_values,
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | json_values})
+        | json_values,
+        "max_tokens": wild_numbers,
+        "max_completion_tokens": wild_numbers,
+        "temperature": wild_numbers | st.just(150),
+        "top_p": wild_numbers,
+        "seed": wild_numbers | st.integers(-1, 2**70),
+        "n": wild_numbers,
+        "stop": texts | st.lists(texts, max_size=20) | st.just("x" * 300) | json_values,
+        "tools": json_values,
+        "tool_choice": json_values,
+        "logprobs": json_values,
+        "response_format": json_values,
+        "detectors": good_detectors | wild_detectors,
+        "bogus": json_values,
+    },
+)
+
+
+def encode(body: Any) -> bytes:
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, CHAT_DETECTION_PATH])
+def test_chat_completions_never_5xx(stack: Stack, http: requests.Session, path: str) -> None:
+    @FUZZ
+    @given(body=good_bodies() | good_bodies().map(lambda b: {**b, "stream": True}) | wild_bodies)
+    def fuzz(body: Any) -> None:
+        check_reply(post(http, stack.url + path, encode(body)), body)
+
+    fuzz()
+
+
+@settings(FUZZ, max_examples=30)
+@given(
+    data=json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=64),
+    ctype=st.sampled_from(["application/json", "text/plain", ""]),
+)
+def test_any_document_or_bytes_is_a_4xx_with_the_openai_body(
+    stack: Stack, http: requests.Session, data: bytes, ctype: str
+) -> None:
+    response = post(http, stack.url + CHAT_PATH, data, ctype)
+    check_error(response)
+    if ctype == "text/plain":
+        assert response.status_code == 415
+
+
+# -- cases the strategies above reach only by chance -------------------------------------------
+
+USER = '"messages": [{"role": "user", "content": "Hello"}]'
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ('"temperature": 1e400', "temperature"),  # Python's parser makes it inf
+        ('"temperature": 1' + "0" * 400, "temperature"),  # an int no float can hold
+        ('"top_p": -1' + "0" * 400, "top_p"),
+        ('"max_tokens": 1e400', "max_tokens"),
+        ('"max_completion_tokens": -1e400', "max_completion_tokens"),
+        ('"seed": 1e400', "seed"),
+        ('"n": 1e400', "n"),
+        ('"max_tokens": 1' + "0" * 400, "max_tokens"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_numbers_beyond_a_float_are_422(
+    stack: Stack, http: requests.Session, fields: str, param: str, stream: bool
+) -> None:
+    raw = f'{{"model": "{MODEL}", {USER}, "stream": {json.dumps(stream)}, {fields}}}'
+    response = post(http, stack.url + CHAT_PATH, raw.encode())
+    check_error(response)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"stream": "true"}, "stream"),
+        ({"stream": 1}, "stream"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ],
+)
+def test_booleans_are_booleans(
+    stack: Stack, http: requests.Session, fields: dict[str, Any], param: str
+) -> None:
+    """The schema says boolean: a string or a number is a 422, never a guess (which would also
+    decide between an event stream and a JSON reply)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **fields}
+    response = post(http, stack.url + CHAT_PATH, json.dumps(body).encode())
+    check_error(response)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="orchestrator/api/requests.py DetectorParams._numeric_threshold calls "
+    "math.isfinite on an int no float can hold: OverflowError, a 500 on every surface",
+)
+def test_a_threshold_beyond_a_float_is_422(stack: Stack, http: requests.Session) -> None:
+    raw = (
+        f'{{"model": "{MODEL}", {USER}, '
+        '"detectors": {"output": {"pii": {"threshold": 1' + "0" * 400 + "}}}}"
+    )
+    response = post(http, stack.url + CHAT_PATH, raw.encode())
+    check_error(response)
+    assert response.status_code == 422
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_nan_and_infinity_literals_are_400(
+    stack: Stack, http: requests.Session, value: float
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": value}
+    response = post(http, stack.url + CHAT_PATH, json.dumps(body).encode())
+    check_error(response)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].endswith("is not valid JSON")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_flagged_input_with_a_lone_surrogate_is_quoted_back(
+    stack: Stack, http: requests.Session, stream: bool
+) -> None:
+    """The input refusal quotes the flagged sentence, surrogate and all, as a JSON escape."""
+    text = "you stupid fucking idiot \ud800."
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "stream": stream,
+        "detectors": {"input": {"hap": {}}},
+    }
+    response = post(http, stack.url + CHAT_PATH, json.dumps(body).encode())
+    check_reply(response, body)
+    assert response.status_code == 200
+    if stream:
+        assert "\\ud800" in response.text
+        first = json.loads(response.text.split("\n\n")[0][len("data: ") :])
+        detections = first["detections"]
+        assert first["choices"][0]["finish_reason"] == "content_filter"
+    else:
+        detections = response.json()["detections"]
+    (found,) = detections["input"][0]["results"]
+    assert (found["word"], found["detector_id"], found["start"]) == (text, "hap", 0)
