@@ -292,7 +292,7 @@ async def upstreams() -> AsyncIterator[list[FakeOpenAIChat]]:
         await s.close()
 
 
-def upstream_config(servers: list[FakeOpenAIChat]) -> dict[str, Any]:
+def upstream_config(servers: list[FakeOpenAIChat], quarantine_s: float = 600) -> dict[str, Any]:
     return {
         "server": {"host": "127.0.0.1", "port": 0},
         "models": {
@@ -301,8 +301,8 @@ def upstream_config(servers: list[FakeOpenAIChat]) -> dict[str, Any]:
                     {"type": "openai", "url": s.url, "model": "fake-chat", "api": "chat"}
                     for s in servers
                 ],
-                # a failed replica stays out for the rest of the test
-                "migration": {"limit": 3, "stall_timeout_s": 10, "quarantine_s": 600},
+                # 600: a failed replica stays out for the rest of the test
+                "migration": {"limit": 3, "stall_timeout_s": 10, "quarantine_s": quarantine_s},
             }
         },
         "chunkers": {"sentence": {"type": "sentence"}},
@@ -375,7 +375,10 @@ async def test_in_band_errors_on_every_upstream_after_text_make_the_sdk_raise(
         "param": None,
         "code": 503,
     }
-    assert "injected error" in error.message
+    # the original error (the first replica's), surfaced once no replica is left
+    assert (
+        error.message == "replica openai-0: injected error (not migrated: no other healthy replica)"
+    )
     # the first replica's two pieces and the second's two after it, then the error
     assert "".join(pieces(seen)) == "The cat sat on"
     assert finishes(seen) == []
@@ -385,12 +388,13 @@ async def test_in_band_errors_on_every_upstream_after_text_make_the_sdk_raise(
 async def test_in_band_errors_on_every_upstream_before_text_are_an_http_error(
     upstreams: list[FakeOpenAIChat],
 ) -> None:
-    """Every replica failed before any text: nothing was sent, so a real HTTP 503."""
+    """Every replica failed before any text: nothing was sent, so a real HTTP 503. Failed
+    replicas are not quarantined here: each request makes 1 + `limit` attempts."""
     for s in upstreams:
         s.faults.append(ChatFault("error", after_chunks=0, times=-1))
-    async with Orchestrator(upstream_config(upstreams)) as orch:
+    async with Orchestrator(upstream_config(upstreams, quarantine_s=0)) as orch:
         await all_healthy(orch, UPSTREAM)
-        for stream in (True, False):
+        for attempt, stream in enumerate((True, False), start=1):
             with pytest.raises(openai.InternalServerError) as info:
                 await sdk(orch).chat.completions.create(
                     model=UPSTREAM,
@@ -398,9 +402,15 @@ async def test_in_band_errors_on_every_upstream_before_text_are_an_http_error(
                     stream=stream,
                 )
             assert info.value.status_code == 503
-            assert isinstance(info.value.body, dict)
-            assert info.value.body["type"] == "generation_unavailable"
-            assert info.value.body["code"] == 503
+            assert info.value.body == {
+                "message": "replica openai-0: injected error (not migrated: migration limit 3 "
+                "reached)",
+                "type": "generation_unavailable",
+                "param": None,
+                "code": 503,
+            }
+            # alternating: openai-0, openai-1, openai-0, openai-1
+            assert [len(s.requests) for s in upstreams] == [2 * attempt, 2 * attempt]
 
 
 # -- b. the real default model, once -------------------------------------------------------------
