@@ -31,7 +31,7 @@ def _check_config(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_config
     from .logs import configure_logging
-    from .server import run_server
+    from .server import run_event_loop, run_server
 
     configure_logging(args.log_format, args.log_level.upper())
     try:
@@ -44,7 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
     port = config.server.port if args.port is None else args.port
     try:
         # SIGTERM (what Kubernetes and docker send) and SIGINT both drain: see run_server
-        return asyncio.run(run_server(config, host, port, device=args.device))
+        return run_event_loop(run_server(config, host, port, device=args.device))
     except ConfigError as exc:  # found at start-up: API keys, TLS files
         for line in exc.errors:
             print(line, file=sys.stderr)

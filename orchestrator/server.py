@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -15,6 +17,20 @@ from .config import Config
 from .state import STATE, AppState
 
 log = logging.getLogger("guardstream")
+
+T = TypeVar("T")
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Runs `main` on uvloop where it is installed (Linux, macOS): its event loop, transports
+    and timers are implemented in C, which cuts the orchestrator's CPU per streamed token (a
+    wake-up per token at real generation speeds); else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
 
 # After the drain: how long streams ended with `server_shutdown` get to write their terminal
 # event, and then how long aiohttp waits for any other handler before cancelling it.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from types import TracebackType
 
@@ -74,8 +75,13 @@ class MigrationMetrics:
         )
 
 
+# Items one reader wake-up takes from a replica's buffered stream at most (next_batch).
+BATCH_ITEMS = 256
+
+
 class MigratingStream:
-    """AsyncIterator[GenerationChunk] over one or more replica dispatches.
+    """AsyncIterator[GenerationChunk] over one or more replica dispatches; `next_batch()` gives
+    the chunks of every item already buffered at once (the pipeline's reader uses it).
 
     Raises GenerationError when generation cannot go on; `aclose()` (or leaving `async with`)
     drops the engine connection and never re-dispatches."""
@@ -108,7 +114,9 @@ class MigratingStream:
         self._closed = False
         self._current: EngineStream | None = None
         self._started = time.monotonic()
-        self._gen: AsyncGenerator[GenerationChunk, None] = self._run()
+        self._gen: AsyncGenerator[list[GenerationChunk], None] = self._run()
+        self._pending: deque[GenerationChunk] = deque()  # of a batch, for `__anext__`
+        self._batch_items = BATCH_ITEMS
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -127,6 +135,21 @@ class MigratingStream:
     async def __anext__(self) -> GenerationChunk:
         if self._closed:
             raise StopAsyncIteration
+        if not self._pending:
+            self._pending.extend(await self._gen.__anext__())
+        return self._pending.popleft()
+
+    async def next_batch(self, max_items: int = BATCH_ITEMS) -> list[GenerationChunk]:
+        """The next chunk and every further one whose item the replica had already sent, up to
+        `max_items` (one wake-up of the reader for a burst, not one per token);
+        StopAsyncIteration at the end."""
+        if self._closed:
+            raise StopAsyncIteration
+        if self._pending:
+            batch = list(self._pending)
+            self._pending.clear()
+            return batch
+        self._batch_items = max_items
         return await self._gen.__anext__()
 
     async def aclose(self) -> None:
@@ -152,7 +175,7 @@ class MigratingStream:
 
     # -- the work -------------------------------------------------------------------------------
 
-    async def _run(self) -> AsyncGenerator[GenerationChunk, None]:
+    async def _run(self) -> AsyncGenerator[list[GenerationChunk], None]:
         rid = self.request.request_id or "-"
         original: GenerationError | None = None
         attempt = 0
@@ -185,14 +208,23 @@ class MigratingStream:
                 max_time=self._remaining_time(),
             )
             self._current = stream
+            next_batch = getattr(stream, "next_batch", None)
             try:
-                async for item in stream:
-                    chunk = self._accept(item)
-                    if chunk is not None:
-                        yield chunk
+                while True:
+                    try:
+                        items = (
+                            await next_batch(self._batch_items)
+                            if next_batch is not None
+                            else [await anext(stream)]
+                        )
+                    except StopAsyncIteration:
+                        break
+                    chunks = [c for c in map(self._accept, items) if c is not None]
+                    if chunks:
+                        yield chunks
                 if self.finish_reason is None:
                     if self._budget_spent():
-                        yield self._local_finish()
+                        yield [self._local_finish()]
                         return
                     raise GenerationError(
                         f"replica {replica.name} ended the stream without a finish_reason",
@@ -221,7 +253,7 @@ class MigratingStream:
                     if self._metrics is not None:
                         self._metrics.completed_locally.labels(self.model_id).inc()
                     if self.finish_reason is None:
-                        yield self._local_finish()
+                        yield [self._local_finish()]
                     return
                 if not exc.migratable:
                     self._count_unmigratable("engine_error")

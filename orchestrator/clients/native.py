@@ -67,6 +67,10 @@ class StallClock:
 stall_clock = StallClock()
 
 
+class WouldBlock(Exception):
+    """A LineReader in no-wait mode had to wait for more bytes: what was buffered is used up."""
+
+
 class LineReader:
     """Lines of a streamed HTTP body, with a deadline per line (the stall timeout).
 
@@ -77,7 +81,10 @@ class LineReader:
     `asyncio.timeout` per line: with hundreds of streams at tens of tokens per second, creating
     and cancelling a timer for every token was a sizeable share of the event loop's time. The
     timer fires at most once per stall period; when the reader made progress meanwhile it is
-    simply re-armed at the new deadline."""
+    simply re-armed at the new deadline.
+
+    With `nowait` set, a read that would have to wait raises WouldBlock instead (nothing is
+    consumed): a stream parses every item already buffered in one go (`next_batch`)."""
 
     def __init__(self, content: aiohttp.StreamReader) -> None:
         self._content = content
@@ -89,6 +96,7 @@ class LineReader:
         self._timer: asyncio.TimerHandle | None = None
         self._waiting: asyncio.Task[Any] | None = None
         self._expired = False
+        self.nowait = False
 
     async def readline(self, timeout_s: float) -> bytes | None:
         """The next line without its end of line; None at the end of the body. Raises
@@ -117,12 +125,29 @@ class LineReader:
             else:
                 self._eof = True
 
+    def take_sse_data(self) -> bytes | None:
+        """The payload of a `data: <payload>\n\n` event at the head of the buffer, consumed: the
+        shape nearly every event of an OpenAI stream has, taken without splitting it into lines.
+        None (nothing consumed) for any other head, or one not complete yet."""
+        buf = self._buf
+        if not buf.startswith(b"data: "):
+            return None
+        i = buf.find(b"\n", 6)
+        if i < 0 or buf[i + 1 : i + 2] != b"\n" or buf[i - 1] == 13:  # 13: a CRLF line
+            return None
+        payload = bytes(buf[6:i])
+        del buf[: i + 2]
+        self._scanned = 0
+        return payload
+
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     async def _read_chunk(self, deadline: float) -> bytes:
+        if self.nowait:
+            raise WouldBlock
         self._deadline = deadline
         if self._timer is None or self._timer.when() > deadline:
             if self._timer is not None:
@@ -310,6 +335,7 @@ class HttpLineStream(EngineStream):
         self._reader: LineReader | None = None
         self._finished = False  # a finish_reason was seen
         self._done = False
+        self._pending_error: Exception | None = None  # met by next_batch after some items
 
     async def _request(self) -> tuple[str, dict[str, Any]]:
         """The path and JSON body of the request."""
@@ -320,6 +346,9 @@ class HttpLineStream(EngineStream):
         raise NotImplementedError
 
     async def __anext__(self) -> EngineItem:
+        if self._pending_error is not None:
+            exc, self._pending_error = self._pending_error, None
+            raise exc
         if self._done:
             raise StopAsyncIteration
         name = self._client.name
@@ -327,7 +356,7 @@ class HttpLineStream(EngineStream):
             if self._reader is None:
                 await self._connect()
             return await self._next_item()
-        except StopAsyncIteration:
+        except (StopAsyncIteration, WouldBlock):
             raise
         except GenerationError:
             self.close()
@@ -345,6 +374,27 @@ class HttpLineStream(EngineStream):
         except BaseException:
             self.close()
             raise
+
+    async def next_batch(self, limit: int) -> list[EngineItem]:
+        """The next item (waiting for it as `__anext__` does), then every further item whose
+        bytes are already buffered, up to `limit`: one wake-up of the reader takes what a burst
+        delivered. Stops after the item that finishes the model, so the wait for the end marker
+        is never spent holding items back. StopAsyncIteration at the end."""
+        items = [await self.__anext__()]
+        reader = self._reader
+        if reader is None:
+            return items
+        reader.nowait = True
+        try:
+            while len(items) < limit and not self._finished and not self._done:
+                items.append(await self.__anext__())
+        except (WouldBlock, StopAsyncIteration):
+            pass
+        except Exception as exc:  # the items before it still count (migration resumes after
+            self._pending_error = exc  # them): it is raised by the next call
+        finally:
+            reader.nowait = False
+        return items
 
     async def _connect(self) -> None:
         c = self._client

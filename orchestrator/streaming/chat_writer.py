@@ -40,13 +40,31 @@ INPUT_WARNING = ChatWarning(type="UNSUITABLE_INPUT", message=UNSUITABLE_INPUT.me
 OUTPUT_WARNING = ChatWarning(type="UNSUITABLE_OUTPUT", message=UNSUITABLE_OUTPUT.message)
 
 
-def _dumps(data: dict[str, Any]) -> bytes:
+def _dumps(data: Any) -> bytes:
     """orjson, else json's `\\u` escapes: a client's text can carry a lone surrogate (JSON allows
     `"\\ud800"`), a detection quotes it back, and orjson refuses such strings (a 500 mid-stream)."""
     try:
         return orjson.dumps(data)
     except TypeError:
         return json.dumps(data, separators=(",", ":")).encode()
+
+
+def _tcr(f: Finding) -> dict[str, Any]:
+    """`f.to_tcr().dump()` without pydantic."""
+    return {
+        "start": f.start,
+        "end": f.end,
+        "word": f.text,
+        "entity": f.detection,
+        "entity_group": f.detection_type,
+        "detector_id": f.detector_id,
+        "score": float(f.score),
+    }
+
+
+# what follows a frame chunk's content in `ChatCompletionChunk.dump()` order
+_FRAME_TAIL = b'},"finish_reason":null,"logprobs":null}]'
+_WARNINGS_TAIL = b',"warnings":[' + orjson.dumps(OUTPUT_WARNING.dump()) + b"]"
 
 
 def finish_reason(terminal: Terminal) -> str:
@@ -88,7 +106,12 @@ def _input(findings: list[Finding], message_index: int) -> ChatDetections:
 
 class ChatChunkWriter:
     """Renders one stream's events as SSE bytes; `started` says whether any byte was due yet
-    (an error before it is a real HTTP error, not an in-band one)."""
+    (an error before it is a real HTTP error, not an in-band one).
+
+    A frame's chunk is rendered from bytes prepared once per stream (no pydantic object per
+    frame: without output detectors that is one per token), equal to what `_chunk` renders.
+    A frame marked `more` renders as b"": its bytes go out with the next event's, so a burst of
+    frames costs one write."""
 
     def __init__(self, model: str, *, include_usage: bool, input_message_index: int) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -98,6 +121,16 @@ class ChatChunkWriter:
         self._input_index = input_message_index
         self._role_sent = False
         self._finished = False
+        self._pending = b""  # frames marked `more`, not returned yet
+        self._head = (
+            b'data: {"id":'
+            + _dumps(self.id)
+            + b',"object":"chat.completion.chunk","created":'
+            + str(self.created).encode()
+            + b',"model":'
+            + _dumps(model)
+            + b',"choices":[{"index":0,"delta":{"content":'
+        )
 
     def _chunk(
         self,
@@ -124,16 +157,30 @@ class ChatChunkWriter:
         return self._chunk(Delta(role="assistant", content=""))
 
     def render(self, event: Event) -> bytes:
+        data = self._render(event)
+        if self._pending:
+            data, self._pending = self._pending + data, b""
+        if isinstance(event, Frame) and event.more:
+            data, self._pending = b"", data
+        return data
+
+    def _frame(self, frame: Frame) -> bytes:
+        """`_chunk(Delta(content=text), detections=..., warnings=...)` without pydantic."""
+        tail = _FRAME_TAIL
+        if frame.judged:
+            results = b",".join(_dumps(_tcr(f)) for f in frame.detections)
+            tail += b',"detections":{"output":[{"choice_index":0,"results":[' + results + b"]}]}"
+        if frame.detections:
+            tail += _WARNINGS_TAIL
+        return self._head + _dumps(frame.text) + tail + b"}\n\n"
+
+    def _render(self, event: Event) -> bytes:
         if isinstance(event, KeepAlive):
             return KEEPALIVE_COMMENT
         if isinstance(event, Frame):
             if not event.text and not event.detections:
                 return b""
-            return self._role() + self._chunk(
-                Delta(content=event.text),
-                detections=_output(event.detections) if event.judged else None,
-                warnings=[OUTPUT_WARNING] if event.detections else None,
-            )
+            return self._role() + self._frame(event)
         if isinstance(event, Refusal):
             self._finished = True
             if event.direction == "input":

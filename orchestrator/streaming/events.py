@@ -46,6 +46,9 @@ class Frame:
     input_token_count: int | None = None
     seed: int | None = None
     judged: bool = False  # output detectors ran on it (False: forwarded as generated)
+    # Another event follows at once (the pipeline already has it): a streaming writer may hold
+    # this frame's bytes and send them with the next event's, one write for a burst of frames.
+    more: bool = False
 
     @property
     def flagged(self) -> bool:

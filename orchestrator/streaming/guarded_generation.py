@@ -83,6 +83,9 @@ class _Signal:
 _TIMED_OUT = _Signal("timed out")
 _SHUTDOWN = _Signal("shutdown")
 _KEEPALIVE_DUE = _Signal("keep-alive due")
+# yielded by `_run` (never to the handler) before it waits for the inbox: what it produced from
+# the messages it had is complete, so a frame held back to learn whether more follow goes out
+_IDLE = _Signal("idle")
 
 
 @dataclass
@@ -159,14 +162,32 @@ class GuardedGeneration:
                 yield self._finish(self._shutdown_terminal())
                 return
             async with aclosing(self._run()) as run:
+                # Each frame is held until the next event (or _IDLE) shows whether another one
+                # follows at once: then it goes out with `more` set (writers send a burst of
+                # frames in one write). Nothing is held across a wait for the inbox.
+                held: Frame | None = None
                 while True:
                     try:
                         event = await anext(run)
                     except StopAsyncIteration:
+                        if held is not None:
+                            yield held
                         return
                     except Exception as exc:  # a bug must still end the stream with a terminal
                         event = self._failure(exc)
+                    if event is _IDLE:
+                        if held is not None:
+                            frame, held = held, None
+                            yield frame
+                        continue
                     self._last_event = loop.time()
+                    if held is not None:
+                        held.more = True
+                        frame, held = held, None
+                        yield frame
+                    if isinstance(event, Frame):
+                        held = event
+                        continue
                     if isinstance(event, Terminal):
                         yield self._finish(event)
                         return
@@ -177,11 +198,12 @@ class GuardedGeneration:
                 self._keepalive.cancel()
             await self._stop()
 
-    async def _run(self) -> AsyncIterator[Event]:
+    async def _run(self) -> AsyncIterator[Event | _Signal]:
         if self._input_detectors:
             self._spawn(self._judge_input())
             judged: list[Finding] | None = None
             while judged is None:
+                yield _IDLE
                 for message in await self._inbox.take_all():
                     if isinstance(message, _InputJudged):
                         judged = message.findings
@@ -205,6 +227,7 @@ class GuardedGeneration:
         engine_ended = False
         final_sent = False
         while True:
+            yield _IDLE
             messages = await self._inbox.take_all()
             pending_text: list[str] = []
             for message in messages:

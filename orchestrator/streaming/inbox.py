@@ -8,6 +8,8 @@ never deadlock against a full mailbox.
 
 `take_all` hands over everything that arrived since the last call: under a burst the consumer
 wakes once per batch, not once per token, and can join consecutive chunks before chunking them.
+The engine reader posts what one read delivered as one list (`put_chunks`), so a burst costs a
+message per read, not per token.
 """
 
 from __future__ import annotations
@@ -33,12 +35,23 @@ class Inbox:
 
     async def put_chunk(self, item: Any) -> None:
         """A generation chunk: waits while the consumer is `max_chunks` behind."""
-        while self._chunks >= self._max_chunks:
-            self._space.clear()
-            await self._space.wait()
+        await self._wait_space()
         self._chunks += 1
         self._items.append(item)
         self._ready.set()
+
+    async def put_chunks(self, batch: list[Any]) -> None:
+        """Generation chunks that arrived together, as ONE message (the list itself): waits
+        while the consumer is `max_chunks` behind, then counts every chunk of the batch."""
+        await self._wait_space()
+        self._chunks += len(batch)
+        self._items.append(batch)
+        self._ready.set()
+
+    async def _wait_space(self) -> None:
+        while self._chunks >= self._max_chunks:
+            self._space.clear()
+            await self._space.wait()
 
     async def take_all(self) -> list[Any]:
         """Everything that arrived, oldest first; waits until there is something."""

@@ -1,0 +1,636 @@
+"""Chat Completions overhead benchmark: what guardstream's `/v1/chat/completions` costs in front of
+an OpenAI-compatible chat upstream (backend `type: openai, api: chat`).
+
+    .venv/bin/python bench/openai_overhead.py [--answers 24] [--words 2000] [--itl10]
+        [--scenarios direct,sentence,none] [--workers-compare] [--sdk] [--json out.json]
+
+Three processes share this machine's cores:
+  - the fake upstream (`bench/openai_overhead.py _fake`): streams a 2,000-word answer one word per
+    chunk, each chunk serialized with json.dumps as an OpenAI server would; the inter-token
+    latency comes with each request (`bench_itl_ms`, forwarded untouched by guardstream), token i
+    due at t0 + (i + 1) * itl so that pacing never drifts;
+  - the orchestrator under test: `python -m orchestrator serve --config <tmp>.yaml --port 0`,
+    two model ids on the same upstream: `guarded` (the built-in `regex` detector, in-process, on
+    the `sentence` chunker, as an enforced output guardrail) and `raw` (no detector: every chunk
+    is forwarded as its own frame);
+  - the client (this process): raw SSE over aiohttp (or the OpenAI SDK with --sdk), parsing every
+    chunk (orjson) and collecting the content.
+
+Scenarios: `direct` (the client talks to the fake), `sentence` (guardstream, model `guarded`),
+`none` (guardstream, model `raw`). For each: answers/s and CPU per answer at ITL 0 with
+concurrency 1 and 8, and with --itl10 at 10 ms per token (concurrency 1 and 8: 20 s per round).
+CPU is utime + stime from /proc of each process (the orchestrator's whole process tree, so
+`server.workers` > 1 is counted whole), divided by the answers of the level.
+
+Burst (ITL 0, concurrency 8): for each answer, t=0 when the request was sent and t=1 when its
+`[DONE]` arrived; printed are the time of the first content chunk on that scale (p50 and max over
+answers) and the times by which 25/50/75 % of the answer's characters had arrived (means): a
+pipeline that reads the whole engine stream before it releases anything shows values near 1.
+
+--workers-compare: guardstream with `server.workers: 1` and then 2, answers/s at ITL 0 and
+concurrency 8 (model `guarded`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psutil
+from aiohttp import web
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+sys.path.insert(0, str(ROOT))
+
+# the process helpers of bench/orchestrator.py (a file that cannot be imported by its name: it
+# would shadow the `orchestrator` package)
+_spec = importlib.util.spec_from_file_location("bench_orchestrator", BENCH / "orchestrator.py")
+assert _spec is not None and _spec.loader is not None
+_orch_bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_orchestrator"] = _orch_bench
+_spec.loader.exec_module(_orch_bench)
+Proc = _orch_bench.Proc
+wait_ready = _orch_bench.wait_ready
+
+UPSTREAM_MODEL = "fake-chat"
+GUARDED = "guarded"
+RAW = "raw"
+CHAT_PATH = "/v1/chat/completions"
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
+
+
+def use_uvloop() -> None:
+    """uvloop for this process's event loop, as `serve` uses it."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def answer_pieces(words: int) -> list[str]:
+    """`words` pieces, one word each: sentences of 8 to 21 words, an e-mail address (which the
+    regex detector flags) in every tenth sentence."""
+    pieces: list[str] = []
+    sentence = 0
+    while len(pieces) < words:
+        n = 8 + (sentence * 7) % 14
+        for i in range(n):
+            if i == 0:
+                word = f"Sentence{sentence}"
+            elif i == 3 and sentence % 10 == 0:
+                word = f"user{sentence}@example.com"
+            else:
+                word = WORDS[(sentence + i) % len(WORDS)]
+            pieces.append(word if not pieces else " " + word)
+            if len(pieces) == words:
+                break
+        else:
+            pieces[-1] += "."
+        sentence += 1
+    return pieces
+
+
+# -- the fake upstream ---------------------------------------------------------------------------
+
+
+class FakeChat:
+    """`POST /v1/chat/completions` streaming the scripted answer, one word a chunk."""
+
+    def __init__(self, words: int) -> None:
+        self.pieces = answer_pieces(words)
+        self.requests = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post(CHAT_PATH, self.chat)
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get(
+            "/v1/models", lambda r: web.json_response({"data": [{"id": UPSTREAM_MODEL}]})
+        )
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests += 1
+        itl = float(body.get("bench_itl_ms", 0)) / 1000
+        pieces = self.pieces[: int(body.get("max_tokens") or len(self.pieces))]
+        usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
+        rid = f"chatcmpl-{self.requests}"
+        created = int(time.time())
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            obj: dict[str, Any] = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": UPSTREAM_MODEL,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            }
+            if usage_wanted:
+                obj["usage"] = None
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        await resp.write(chunk({"role": "assistant", "content": ""}))
+        t0 = time.monotonic()
+        for i, piece in enumerate(pieces):
+            if itl > 0:
+                delay = t0 + (i + 1) * itl - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            await resp.write(chunk({"content": piece}))
+        await resp.write(chunk({}, "stop"))
+        if usage_wanted:
+            usage = {"prompt_tokens": 5, "completion_tokens": len(pieces)}
+            usage["total_tokens"] = 5 + len(pieces)
+            tail = {"id": rid, "object": "chat.completion.chunk", "created": created}
+            tail.update(model=UPSTREAM_MODEL, choices=[], usage=usage)
+            await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def serve_fake(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench/openai_overhead.py _fake")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--words", type=int, default=2000)
+    args = parser.parse_args(argv)
+    use_uvloop()
+
+    async def serve() -> None:
+        runner = web.AppRunner(FakeChat(args.words).app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", args.port, backlog=1024).start()
+        print(f"fake listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+        await asyncio.Event().wait()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def tree_cpu_s(pid: int, *, children: bool = True) -> float:
+    """utime + stime of a process and its live descendants (the workers of `server.workers`)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)] if children else [root]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def orchestrator_config(fake_url: str, workers: int = 1) -> dict[str, Any]:
+    backend = {"type": "openai", "url": fake_url, "model": UPSTREAM_MODEL, "api": "chat"}
+    model = {
+        "backends": [backend],
+        "migration": {"limit": 0},
+        "limits": {"max_new_tokens": 8192, "max_input_chars": 100_000},
+    }
+    return {
+        "server": {
+            "host": "127.0.0.1",
+            "port": 0,
+            "max_concurrent_streams": 4096,
+            "workers": workers,
+        },
+        "models": {
+            GUARDED: {**model, "guardrails": {"output": {"pii": {}}}},
+            RAW: model,
+        },
+        "chunkers": {"sentence": {"type": "sentence"}},
+        "detectors": {"pii": {"builtin": "regex", "chunker_id": "sentence"}},
+    }
+
+
+def start_orchestrator(tmp: Path, fake_url: str, workers: int, profile: str | None = None) -> Any:
+    import yaml
+
+    cfg = orchestrator_config(fake_url, workers)
+    if workers == 1:
+        cfg["server"].pop("workers")  # also runs against a tree without `server.workers`
+    path = tmp / f"config-{workers}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    prof = [str(Path(__file__).resolve()), "_profiled", profile] if profile else ["-m"]
+    cmd = [sys.executable, *prof, "orchestrator", "serve", "--config", str(path)]
+    cmd += ["--port", "0"]
+    cmd += ["--log-level", "warning"]
+    return Proc(cmd, tmp / f"orchestrator-{workers}.log")
+
+
+# -- the client ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    started: float
+    done: float = 0.0
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # receive time, characters
+    text_len: int = 0
+    finish: str | None = None
+
+    def fraction(self, t: float) -> float:
+        total = self.done - self.started
+        return (t - self.started) / total if total > 0 else math.nan
+
+    def share_at(self, q: float) -> float:
+        """The time (0..1 of the answer) by which a share `q` of its characters had arrived."""
+        need = q * self.text_len
+        got = 0
+        for t, n in self.chunks:
+            got += n
+            if got >= need:
+                return self.fraction(t)
+        return math.nan
+
+
+def request_body(model: str, words: int, itl_ms: float) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "stream": True,
+        "max_tokens": words + 16,
+        "temperature": 0,
+        "bench_itl_ms": itl_ms,
+    }
+
+
+async def raw_answer(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Answer:
+    """One streamed answer over raw SSE: every chunk parsed, its content collected."""
+    answer = Answer(time.monotonic())
+    buf = b""
+    async with session.post(url + CHAT_PATH, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for data in resp.content.iter_any():
+            now = time.monotonic()
+            buf += data
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: "):
+                    continue
+                payload = event[6:]
+                if payload == b"[DONE]":
+                    answer.done = now
+                    continue
+                obj = orjson.loads(payload)
+                if "error" in obj:
+                    raise RuntimeError(f"in-band error: {obj['error']}")
+                choices = obj.get("choices")
+                if not choices:
+                    continue
+                choice = choices[0]
+                text = (choice.get("delta") or {}).get("content") or ""
+                if text:
+                    answer.chunks.append((now, len(text)))
+                    answer.text_len += len(text)
+                if choice.get("finish_reason"):
+                    answer.finish = choice["finish_reason"]
+    if not answer.done:
+        raise RuntimeError("the stream ended without [DONE]")
+    return answer
+
+
+def sdk_client(url: str) -> Callable[[dict[str, Any]], Any]:
+    """The OpenAI SDK, for --sdk (its parsing costs the client far more CPU than raw SSE)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+    async def run(body: dict[str, Any]) -> Answer:
+        body = dict(body)
+        extra = {"bench_itl_ms": body.pop("bench_itl_ms")}
+        answer = Answer(time.monotonic())
+        stream = await client.chat.completions.create(**body, extra_body=extra)
+        async for chunk in stream:
+            now = time.monotonic()
+            if not chunk.choices:
+                continue
+            text = chunk.choices[0].delta.content or ""
+            if text:
+                answer.chunks.append((now, len(text)))
+                answer.text_len += len(text)
+            if chunk.choices[0].finish_reason:
+                answer.finish = chunk.choices[0].finish_reason
+        answer.done = time.monotonic()
+        return answer
+
+    return run
+
+
+@dataclass
+class Level:
+    scenario: str
+    itl_ms: float
+    concurrency: int
+    answers: int
+    wall_s: float
+    server_cpu_ms: float  # per answer: the orchestrator's tree (0 for direct)
+    fake_cpu_ms: float
+    client_cpu_ms: float
+    chars: int
+    first_frac_p50: float = math.nan
+    first_frac_max: float = math.nan
+    share25: float = math.nan
+    share50: float = math.nan
+    share75: float = math.nan
+
+    @property
+    def per_s(self) -> float:
+        return self.answers / self.wall_s
+
+
+async def run_level(
+    scenario: str,
+    url: str,
+    model: str,
+    server_pid: int | None,
+    fake_pid: int,
+    *,
+    itl_ms: float,
+    concurrency: int,
+    answers: int,
+    words: int,
+    sdk: bool,
+) -> Level:
+    body = request_body(model, words, itl_ms)
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        one = sdk_client(url) if sdk else (lambda b: raw_answer(session, url, b))
+        await one(body if itl_ms == 0 else request_body(model, words, 0))  # warm-up
+        results: list[Answer] = []
+        left = answers
+
+        async def slot() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                results.append(await one(body))
+
+        me = os.getpid()
+        cpu0 = (tree_cpu_s(server_pid) if server_pid else 0.0, tree_cpu_s(fake_pid))
+        client0 = tree_cpu_s(me, children=False)
+        t0 = time.monotonic()
+        await asyncio.gather(*(slot() for _ in range(concurrency)))
+        wall = time.monotonic() - t0
+        server = (tree_cpu_s(server_pid) - cpu0[0]) if server_pid else 0.0
+        fake = tree_cpu_s(fake_pid) - cpu0[1]
+        client = tree_cpu_s(me, children=False) - client0
+    n = len(results)
+    level = Level(
+        scenario,
+        itl_ms,
+        concurrency,
+        n,
+        wall,
+        server / n * 1000,
+        fake / n * 1000,
+        client / n * 1000,
+        results[0].text_len,
+    )
+    bad = [a for a in results if a.finish != "stop" or a.text_len != level.chars]
+    if bad:
+        raise RuntimeError(f"{scenario}: {len(bad)} answers ended wrong ({bad[0].finish})")
+    firsts = sorted(a.fraction(a.chunks[0][0]) for a in results)
+    level.first_frac_p50 = statistics.median(firsts)
+    level.first_frac_max = firsts[-1]
+    level.share25 = statistics.fmean(a.share_at(0.25) for a in results)
+    level.share50 = statistics.fmean(a.share_at(0.5) for a in results)
+    level.share75 = statistics.fmean(a.share_at(0.75) for a in results)
+    return level
+
+
+def print_level(lv: Level) -> None:
+    print(
+        f"  {lv.scenario:>8} itl {lv.itl_ms:>4g} ms c{lv.concurrency:<2}: {lv.answers:>3} answers, "
+        f"{lv.per_s:6.2f} answers/s; CPU ms/answer: server {lv.server_cpu_ms:7.1f}, "
+        f"fake {lv.fake_cpu_ms:6.1f}, client {lv.client_cpu_ms:6.1f}; first chunk at "
+        f"{lv.first_frac_p50:.3f} (max {lv.first_frac_max:.3f}) of the answer, 25/50/75% of "
+        f"text by {lv.share25:.2f}/{lv.share50:.2f}/{lv.share75:.2f}",
+        flush=True,
+    )
+
+
+async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    fake = Proc(
+        [sys.executable, str(Path(__file__).resolve()), "_fake", "--words", str(args.words)],
+        tmp / "fake.log",
+    )
+    orch = None
+    levels: list[Level] = []
+    workers: dict[int, float] = {}
+    try:
+        scenarios = [s for s in args.scenarios.split(",") if s]
+        if any(s != "direct" for s in scenarios):
+            orch = start_orchestrator(tmp, fake.url, args.workers, args.profile)
+            await wait_ready(orch.url)
+        print(
+            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
+            f"{args.words}-word answers, one word a chunk; client: "
+            f"{'OpenAI SDK' if args.sdk else 'raw SSE'}; orchestrator workers: {args.workers}",
+            flush=True,
+        )
+        plan = [(0.0, 1, args.answers), (0.0, 8, args.answers * 2)]
+        if args.itl10:
+            plan += [(10.0, 1, 1), (10.0, 8, 8)]
+        if args.plan:
+            plan = [
+                (float(itl), int(c), int(n))
+                for itl, c, n in (step.split(":") for step in args.plan.split(","))
+            ]
+        for itl, c, n in plan:
+            for scenario in scenarios:
+                if scenario == "direct":
+                    url, model, pid = fake.url, UPSTREAM_MODEL, None
+                else:
+                    assert orch is not None
+                    url, pid = orch.url, orch.pid
+                    model = GUARDED if scenario == "sentence" else RAW
+                lv = await run_level(
+                    scenario,
+                    url,
+                    model,
+                    pid,
+                    fake.pid,
+                    itl_ms=itl,
+                    concurrency=c,
+                    answers=n,
+                    words=args.words,
+                    sdk=args.sdk,
+                )
+                levels.append(lv)
+                print_level(lv)
+        if orch is not None:
+            orch.stop()
+            orch = None
+        if args.workers_compare:
+            for w in (1, 2):
+                proc = start_orchestrator(tmp, fake.url, w)
+                try:
+                    await wait_ready(proc.url)
+                    lv = await run_level(
+                        f"workers{w}",
+                        proc.url,
+                        GUARDED,
+                        proc.pid,
+                        fake.pid,
+                        itl_ms=0,
+                        concurrency=8,
+                        answers=args.answers * 2,
+                        words=args.words,
+                        sdk=args.sdk,
+                    )
+                finally:
+                    proc.stop()
+                workers[w] = lv.per_s
+                print_level(lv)
+    finally:
+        if orch is not None:
+            orch.stop()
+        fake.stop()
+    summary(levels, workers)
+    return {
+        "cpus": os.cpu_count(),
+        "words": args.words,
+        "levels": [{**lv.__dict__, "per_s": lv.per_s} for lv in levels],
+        "workers_answers_per_s": workers,
+    }
+
+
+def summary(levels: list[Level], workers: dict[int, float]) -> None:
+    by = {(lv.scenario, lv.itl_ms, lv.concurrency): lv for lv in levels}
+    print()
+
+    def check(name: str, ok: bool | None, detail: str) -> None:
+        status = "not measured" if ok is None else "MET" if ok else "NOT MET"
+        print(f"target: {name}: {status} ({detail})")
+
+    s = by.get(("sentence", 0.0, 1))
+    check(
+        "server CPU per answer at ITL 0 with a sentence detector <= 30 ms",
+        None if s is None else s.server_cpu_ms <= 30,
+        "-" if s is None else f"{s.server_cpu_ms:.1f} ms",
+    )
+    r = by.get(("none", 0.0, 1))
+    check(
+        "server CPU per answer at ITL 0 without detectors <= 60 ms",
+        None if r is None else r.server_cpu_ms <= 60,
+        "-" if r is None else f"{r.server_cpu_ms:.1f} ms",
+    )
+    d, s8 = by.get(("direct", 0.0, 8)), by.get(("sentence", 0.0, 8))
+    check(
+        "answers/s at ITL 0, c8 >= 80% of the direct fake's",
+        None if d is None or s8 is None else s8.per_s >= 0.8 * d.per_s,
+        "-"
+        if d is None or s8 is None
+        else f"{s8.per_s:.1f} vs {d.per_s:.1f}/s, {s8.per_s / d.per_s * 100:.0f}%",
+    )
+    i8 = by.get(("sentence", 10.0, 8))
+    check(
+        "server CPU per answer at ITL 10 ms, c8 <= 250 ms",
+        None if i8 is None else i8.server_cpu_ms <= 250,
+        "-" if i8 is None else f"{i8.server_cpu_ms:.1f} ms",
+    )
+    check(
+        "under a burst (ITL 0, c8) the first frame comes within the first quarter",
+        None if s8 is None else s8.first_frac_max <= 0.25,
+        "-"
+        if s8 is None
+        else f"p50 {s8.first_frac_p50:.3f}, max {s8.first_frac_max:.3f}; "
+        f"25/50/75% of text by {s8.share25:.2f}/{s8.share50:.2f}/{s8.share75:.2f}",
+    )
+    if workers:
+        check(
+            "workers: 2 serves more answers/s than workers: 1",
+            workers.get(2, 0) > workers.get(1, math.inf),
+            ", ".join(f"{w} worker(s): {v:.2f}/s" for w, v in sorted(workers.items())),
+        )
+
+
+def serve_profiled(out: str, argv: list[str]) -> int:
+    """`python -m <argv>` under cProfile with a CPU-time clock: a wall-clock profile charges the
+    time a process waits to be scheduled (2 busy cores) to whatever call it was in, such as
+    socket.send."""
+    import cProfile
+    import runpy
+
+    prof = cProfile.Profile(time.process_time)
+    sys.argv = argv
+    prof.enable()
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit:
+        pass
+    finally:
+        prof.disable()
+        prof.dump_stats(out)
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_fake":
+        return serve_fake(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "_profiled":
+        return serve_profiled(sys.argv[2], sys.argv[3:])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--answers", type=int, default=24, help="answers at ITL 0, c1 (c8: x2)")
+    parser.add_argument("--words", type=int, default=2000)
+    parser.add_argument("--scenarios", default="direct,sentence,none")
+    parser.add_argument("--itl10", action="store_true", help="also 10 ms per token (c1 and c8)")
+    parser.add_argument(
+        "--plan", default=None, help="levels as itl_ms:concurrency:answers,... (overrides)"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="server.workers of the scenarios")
+    parser.add_argument("--workers-compare", action="store_true")
+    parser.add_argument("--sdk", action="store_true", help="the OpenAI SDK as the client")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", default=None, help="run the orchestrator under cProfile")
+    args = parser.parse_args()
+    use_uvloop()
+    with tempfile.TemporaryDirectory(prefix="bench-openai-") as tmp:
+        out = asyncio.run(bench(args, Path(tmp)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
