@@ -47,3 +47,16 @@ def test_frame_dict_equals_the_wire_model(
         judged=judged,
     )
     assert frame_dict(frame) == classified_frame(frame).dump()
+
+
+def test_a_lone_surrogate_quoted_back_does_not_break_the_stream() -> None:
+    """JSON allows "\\ud800"; a detection can quote it back; the frame still serialises."""
+    import json
+
+    from orchestrator.streaming.fms_writer import sse_event
+
+    text = "mail \ud800 me"
+    finding = Finding(0, 4, text, "x", "y", "d", 1.0)
+    frame = Frame(start=0, end=len(text), text=text, detections=[finding], judged=True)
+    data = sse_event(frame).decode("utf-8", "surrogatepass")
+    assert json.loads(data.removeprefix("data: "))["generated_text"] == text

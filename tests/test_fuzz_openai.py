@@ -496,11 +496,6 @@ def test_booleans_are_booleans(
     assert response.json()["error"]["param"] == param
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="orchestrator/api/requests.py DetectorParams._numeric_threshold calls "
-    "math.isfinite on an int no float can hold: OverflowError, a 500 on every surface",
-)
 def test_a_threshold_beyond_a_float_is_422(stack: Stack, http: requests.Session) -> None:
     raw = (
         f'{{"model": "{MODEL}", {USER}, '

@@ -93,7 +93,9 @@ async def test_unary_blocking_returns_the_refusal_without_text(setup) -> None:
     assert body["status"] == "incomplete"
     assert body["incomplete_details"] == {"reason": "content_filter"}
     assert "great" not in json.dumps(body.get("generated_text"))
-    assert [d["word"] for d in body["refusal"]["detections"]] == ["great"]
+    # the refusal says where and what kind, never quotes the withheld text
+    assert [(d["word"], d["detector_id"]) for d in body["refusal"]["detections"]] == [("", "great")]
+    assert "great." not in json.dumps(body)
 
 
 async def test_content_detection_spans_are_relative_to_the_whole_content(setup) -> None:

@@ -23,10 +23,17 @@ def _json_integer(v: Any) -> Any:
     return v
 
 
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer beyond any float (10**400): not a usable number either
+        return False
+
+
 def _json_number(v: Any) -> Any:
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise ValueError("must be a number")
-    if not math.isfinite(v):  # NaN and Infinity are not JSON numbers (Python's parser takes them)
+    if not _finite(v):  # NaN and Infinity are not JSON numbers (Python's parser takes them)
         raise ValueError("must be a finite number")
     return v
 
@@ -54,7 +61,7 @@ class DetectorParams(BaseModel):
         # "0.5" or true must not slip through pydantic's lax coercion: a threshold is a number.
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
             raise ValueError("threshold must be a number")
-        if v is not None and not math.isfinite(v):  # NaN would silently drop every detection
+        if v is not None and not _finite(v):  # NaN would silently drop every detection
             raise ValueError("threshold must be a finite number")
         return v
 

@@ -13,7 +13,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-import orjson
 from aiohttp import web
 
 from ..api.errors import ApiError, ErrorType, invalid
@@ -23,6 +22,7 @@ from ..state import STATE
 from ..streaming.content_stream import ContentStream
 from ..streaming.detection import JudgedFrame
 from ..streaming.events import Failure
+from ..streaming.wire_json import dumps
 from .body import parse_json, too_large, validate
 from .stream_slots import stream_slot
 
@@ -96,7 +96,7 @@ def _result(frame: JudgedFrame) -> bytes:
 
 def _error_line(failure: Failure) -> bytes:
     body = {"code": failure.code, "details": failure.message, "type": failure.type.value}
-    return orjson.dumps(body) + b"\n"
+    return dumps(body) + b"\n"
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from ..api.errors import ApiError, ErrorBody
 from ..api.responses import (
     UNSUITABLE_INPUT,
@@ -24,13 +22,14 @@ from ..api.responses import (
     Wire,
 )
 from .events import Event, Frame, KeepAlive, Refusal, Terminal
+from .wire_json import dumps
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 
 def sse(name: str | None, data: dict[str, Any]) -> bytes:
     head = b"event: " + name.encode() + b"\n" if name else b""
-    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+    return head + b"data: " + dumps(data) + b"\n\n"
 
 
 def classified_frame(frame: Frame) -> ClassifiedFrame:

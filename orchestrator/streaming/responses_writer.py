@@ -16,7 +16,6 @@ import time
 import uuid
 from typing import Any
 
-import orjson
 from pydantic import BaseModel
 
 from ..api.errors import ApiError
@@ -45,6 +44,7 @@ from ..api.openai_responses import (
 )
 from .events import Event, Failure, Frame, KeepAlive, Refusal, Terminal
 from .findings import Finding
+from .wire_json import dumps
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
 OUTPUT_INDEX = 0  # one output item: the assistant message
@@ -74,7 +74,7 @@ def error_info(failure: Failure) -> ResponseErrorInfo:
 
 def sse(event: BaseModel) -> bytes:
     data = event.model_dump(mode="json")
-    return b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+    return b"event: " + data["type"].encode() + b"\ndata: " + dumps(data) + b"\n\n"
 
 
 class ResponsesWriter:
