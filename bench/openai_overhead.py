@@ -8,7 +8,8 @@ Three processes share this machine's cores:
   - the fake upstream (`bench/openai_overhead.py _fake`): streams a 2,000-word answer one word per
     chunk, each chunk serialized with json.dumps as an OpenAI server would; the inter-token
     latency comes with each request (`bench_itl_ms`, forwarded untouched by guardstream), token i
-    due at t0 + (i + 1) * itl so that pacing never drifts;
+    due at t0 + (i + 1) * itl so that pacing never drifts; at ITL 0 concurrent answers advance
+    together (8 chunks each in turn), as a batched engine's do;
   - the orchestrator under test: `python -m orchestrator serve --config <tmp>.yaml --port 0`,
     two model ids on the same upstream: `guarded` (the built-in `regex` detector, in-process, on
     the `sentence` chunker, as an enforced output guardrail) and `raw` (no detector: every chunk
@@ -53,7 +54,8 @@ import orjson
 import psutil
 from aiohttp import web
 
-BENCH = Path(__file__).resolve().parent
+SELF = Path(__file__).resolve()
+BENCH = SELF.parent
 ROOT = BENCH.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 sys.path.insert(0, str(ROOT))
@@ -69,6 +71,9 @@ Proc = _orch_bench.Proc
 wait_ready = _orch_bench.wait_ready
 
 UPSTREAM_MODEL = "fake-chat"
+# At ITL 0 the fake lets the other answers go on after this many chunks: a batched engine
+# advances every running sequence in each step, it never finishes one answer before the next.
+YIELD_EVERY = 8
 GUARDED = "guarded"
 RAW = "raw"
 CHAT_PATH = "/v1/chat/completions"
@@ -161,6 +166,8 @@ class FakeChat:
                 delay = t0 + (i + 1) * itl - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+            elif i % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)  # concurrent answers progress together, as in a batch
             await resp.write(chunk({"content": piece}))
         await resp.write(chunk({}, "stop"))
         if usage_wanted:
@@ -246,7 +253,7 @@ def start_orchestrator(tmp: Path, fake_url: str, workers: int, profile: str | No
         cfg["server"].pop("workers")  # also runs against a tree without `server.workers`
     path = tmp / f"config-{workers}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    prof = [str(Path(__file__).resolve()), "_profiled", profile] if profile else ["-m"]
+    prof = [str(SELF), "_profiled", profile] if profile else ["-m"]
     cmd = [sys.executable, *prof, "orchestrator", "serve", "--config", str(path)]
     cmd += ["--port", "0"]
     cmd += ["--log-level", "warning"]
@@ -449,7 +456,7 @@ def print_level(lv: Level) -> None:
 
 async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     fake = Proc(
-        [sys.executable, str(Path(__file__).resolve()), "_fake", "--words", str(args.words)],
+        [sys.executable, str(SELF), "_fake", "--words", str(args.words)],
         tmp / "fake.log",
     )
     orch = None

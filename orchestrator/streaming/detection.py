@@ -104,6 +104,11 @@ class StreamingDetection:
         return self._text.length
 
     @property
+    def unjudged(self) -> int:
+        """Characters handed to the slowest detector and not answered yet."""
+        return max(q.unjudged for q in self.queues)
+
+    @property
     def done(self) -> bool:
         """The text ended and every detector judged all of it."""
         return self._ended and not self._unfinished

@@ -38,9 +38,13 @@ class DetectorQueue:
         self._closed = False
         self._wakeup = asyncio.Event()
         self.calls = 0
+        # characters put and not answered yet: the pipeline reads the engine no further ahead
+        # of this detector than a bound (a burst must not starve judging and release)
+        self.unjudged = 0
 
     def put(self, span: Span) -> None:
         self._pending.append(span)
+        self.unjudged += len(span.text)
         self._wakeup.set()
 
     def close(self) -> None:
@@ -64,6 +68,7 @@ class DetectorQueue:
             ]
             self.calls += 1
             replies = await detector.client.detect([s.text for s in batch], detector.params)
+            self.unjudged -= sum(len(s.text) for s in batch)
             for span, detections in zip(batch, replies, strict=True):
                 self._inbox.put(to_result(detector, span, detections))
         self._inbox.put(DetectorFinished(detector.detector_id))

@@ -45,6 +45,11 @@ from .text_judgement import judge_text
 
 log = logging.getLogger("guardstream.stream")
 
+# The engine is read no further ahead of the slowest output detector than this many characters
+# of chunked text it has not answered yet: under a burst (a fast engine, a resumed stream) the
+# pipeline alternates reading, judging and releasing instead of reading everything first.
+MAX_UNJUDGED_CHARS = 1024
+
 
 @dataclass
 class StreamObserver:
@@ -132,6 +137,8 @@ class GuardedGeneration:
         self._keepalive_s = keepalive_s
         self._inbox = Inbox(max_buffered_chunks)
         self._max_batch = max_buffered_chunks
+        self._detection: StreamingDetection | None = None
+        self._judged = asyncio.Event()  # the detectors caught up (see MAX_UNJUDGED_CHARS)
         self._progress = _Progress()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stream: MigratingStream | None = None
@@ -223,6 +230,7 @@ class GuardedGeneration:
         if self._output_detectors:
             detection = StreamingDetection(self._output_detectors, self._chunkers, self._inbox)
             detection.start(self._spawn)
+            self._detection = detection
         self._spawn(self._read_engine(stream))
         engine_ended = False
         final_sent = False
@@ -262,6 +270,8 @@ class GuardedGeneration:
                 elif isinstance(message, DetectorResult | DetectorFinished):
                     assert detection is not None
                     verdict = detection.accept(message)
+                    if detection.unjudged <= MAX_UNJUDGED_CHARS:
+                        self._judged.set()
                     for frame in verdict.frames:
                         yield self._judged_frame(frame, final=False)
                     if verdict.blocked is not None:
@@ -323,8 +333,11 @@ class GuardedGeneration:
 
     async def _read_engine(self, stream: MigratingStream) -> None:
         """Everything one read of the engine delivered goes to the inbox as one message."""
-        inbox, limit = self._inbox, self._max_batch
+        inbox, limit, detection = self._inbox, self._max_batch, self._detection
         while True:
+            while detection is not None and detection.unjudged > MAX_UNJUDGED_CHARS:
+                self._judged.clear()
+                await self._judged.wait()
             try:
                 batch = await stream.next_batch(limit)
             except StopAsyncIteration:
