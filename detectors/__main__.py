@@ -38,6 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--no-warmup", action="store_true", help="load models on first use, not at start"
     )
+    s.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces to this OTLP/HTTP collector (http://host:4318); "
+        "the standard OTEL_* variables turn tracing on too (README: Tracing)",
+    )
     s.add_argument("--log-level", default="INFO")
     return parser
 
@@ -111,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {line}", file=sys.stderr)
         return 1
     _quiet_transformers()
-    asyncio.run(_serve(args, config))
+    from . import tracing
+
+    tracing.configure(args.otlp_endpoint)  # off unless asked for
+    try:
+        asyncio.run(_serve(args, config))
+    finally:
+        tracing.shutdown()  # exports the last spans
     return 0
 
 

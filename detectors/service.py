@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.exposition import generate_latest
 from pydantic import ValidationError
 
-from . import build
+from . import build, tracing
 from .api import ContentsRequest, dump_reply
 from .base import (
     ORCHESTRATOR_PARAM_KEYS,
@@ -254,6 +254,8 @@ def create_app(
             hist = metrics.batch_size.labels(detector_id)
             det.batcher.add_observer(hist.observe)
     middlewares: list[Any] = [_errors]
+    if tracing.TRACER is not None:  # outermost: error answers belong to the span too
+        middlewares.insert(0, tracing.middleware())
     if api_keys is not None:
         if not api_keys:
             raise ValueError("api_keys: at least one key (None turns auth off)")
@@ -387,6 +389,15 @@ async def _contents(request: web.Request) -> web.Response:
                 raise ApiError(422, f"detector_params: {exc}") from None
         _check_limits(body.contents, state.limits)
         state.metrics.contents.labels(label).observe(len(body.contents))
+        if tracing.TRACER is not None:
+            tracing.annotate(
+                request,
+                {
+                    "guardstream.detector.id": detector_id,
+                    "guardstream.detector.contents": len(body.contents),
+                    "guardstream.detector.chars": sum(len(c) for c in body.contents),
+                },
+            )
         try:
             reply = await det.detect(body.contents, params)
         except InvalidParams as exc:
@@ -403,6 +414,9 @@ async def _contents(request: web.Request) -> web.Response:
                 f"{len(body.contents)} contents",
             )
         status = 200
+        if tracing.TRACER is not None:
+            detections = sum(len(r) for r in reply)
+            tracing.annotate(request, {"guardstream.detector.detections": detections})
         return web.Response(text=json.dumps(dump_reply(reply)), content_type="application/json")
     except ApiError as exc:
         status = exc.status

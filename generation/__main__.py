@@ -57,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--enable-fault-injection", action="store_true", help="adds POST /admin/faults"
     )
+    serve.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces to this OTLP/HTTP collector (http://host:4318); "
+        "the standard OTEL_* variables turn tracing on too (README: Tracing)",
+    )
     serve.add_argument("--log-level", default="info")
     prepare = sub.add_parser("prepare", help="build or convert a model into the cache, then exit")
     prepare.add_argument("model")
@@ -104,11 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     except ApiKeysError as exc:  # before loading the model: fail fast
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from . import tracing
+
+    tracing.configure(args.otlp_endpoint)  # off unless asked for
     try:
         return asyncio.run(_serve(args, keys))
     except ModelSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        tracing.shutdown()  # exports the last spans
 
 
 async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
-from . import models
+from . import models, tracing
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
 from .models import LoadedModel
@@ -118,6 +118,8 @@ def create_app(
     if loaded is None:
         loaded = models.load(model, device=device, dtype=dtype)
     middlewares: list[Any] = [_error_middleware]
+    if tracing.TRACER is not None:  # outermost: error answers belong to the span too
+        middlewares.insert(0, tracing.middleware())
     if api_keys is not None:
         if not api_keys:
             raise ValueError("api_keys is empty: no client could ever authenticate")
@@ -420,6 +422,16 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     first_extra: dict[str, Any] = {"prompt_token_ids": prompt_ids}
     if not greedy:
         first_extra["seed"] = seed
+    if tracing.TRACER is not None:
+        tracing.annotate(
+            request,
+            {
+                "guardstream.prompt_tokens": len(prompt_ids),
+                "guardstream.resumed_tokens": len(resume_ids),
+                "guardstream.max_new_tokens": req.max_new_tokens,
+                "guardstream.decoding": "greedy" if greedy else "sampling",
+            },
+        )
     stream = _Stream(request, state, job, fault, len(prompt_ids), first_extra)
     return await stream.run()
 
@@ -467,6 +479,9 @@ class _Stream:
                     await self._inject()
                     return self.response
                 if event.finish_reason is not None:
+                    if tracing.TRACER is not None:
+                        reason = event.finish_reason.value
+                        tracing.annotate(self.request, {"guardstream.finish_reason": reason})
                     await self._write({"complete_final": True})
                     return self.response
         except ConnectionError:  # the client left while we wrote
@@ -486,6 +501,8 @@ class _Stream:
                 )
             return self.response
         finally:
+            if tracing.TRACER is not None:
+                tracing.annotate(self.request, {"guardstream.generated_tokens": self.delivered})
             self.state.engine.cancel(self.job)  # no-op for a finished job
             if self._getter is not None and not self._getter.done():
                 self._getter.cancel()
@@ -530,6 +547,8 @@ class _Stream:
         assert self.fault is not None
         mode = self.fault.mode
         log.warning("fault injection: %s after %d tokens", mode, self.delivered)
+        if tracing.TRACER is not None:
+            tracing.event(self.request, "fault", {"mode": mode, "after_tokens": self.delivered})
         self.state.engine.cancel(self.job)
         if mode == "error":
             await self._write(

@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from . import tracing as traces
 from .api.errors import ApiError, ErrorBody, ErrorType
 from .clients.backends import build_model_backends
 from .clients.registry import ChunkerRegistry, DetectorRegistry
@@ -60,6 +61,17 @@ RESPONSES_PATH = "/v1/responses"
 MODELS_PATH = "/v1/models"
 # The OpenAI surfaces answer errors with OpenAI's body, which their SDKs parse
 OPENAI_PATHS = frozenset({CHAT_PATH, CHAT_DETECTION_PATH, RESPONSES_PATH, MODELS_PATH})
+# the `guardstream.surface` of each endpoint's request span (tracing)
+SURFACES = {
+    STREAMING_PATH: "fms_stream",
+    UNARY_PATH: "fms_unary",
+    CONTENT_PATH: "detection_content",
+    STREAM_CONTENT_PATH: "detection_stream_content",
+    CHAT_PATH: "chat_completions",
+    CHAT_DETECTION_PATH: "chat_completions",
+    RESPONSES_PATH: "responses",
+    MODELS_PATH: "models",
+}
 
 
 def _error_response(
@@ -182,6 +194,8 @@ async def _inject_downstream_headers(
     code set itself (detector-id, an engine's Authorization) is never overridden. Runs for every
     backend and detector client on the shared session, so none of them has to pass it along."""
     headers: CIMultiDict[str] = params.headers
+    if traces.TRACER is not None:
+        traces.inject(headers)  # traceparent of the attempt or detector call
     for name, value in (DOWNSTREAM_HEADERS.get() or {}).items():
         if name not in headers:
             headers[name] = value
@@ -285,13 +299,19 @@ def api_keys(config: Config, environ: Mapping[str, str] = os.environ) -> list[st
     return keys
 
 
-def create_app(config: Config, *, device: str = "auto") -> web.Application:
+def create_app(
+    config: Config, *, device: str = "auto", span_exporter: traces.SpanExporter | None = None
+) -> web.Application:
+    """`span_exporter` turns tracing on with that exporter (tests: an InMemorySpanExporter)."""
     keys = api_keys(config)
     middlewares: list[Middleware] = [
         request_id_middleware(forwardable(config.server.forward_headers)),
         metrics_middleware,
         error_middleware,
     ]
+    if traces.configure(config.server.tracing, exporter=span_exporter):
+        # outermost: the access log line and every error response belong to the request span
+        middlewares.insert(0, traces.middleware(SURFACES, OPEN_PATHS))
     if keys is not None:
         middlewares.append(auth_middleware(keys))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_bytes)
@@ -336,6 +356,7 @@ def create_app(config: Config, *, device: str = "auto") -> web.Application:
                 await backend.close()
             await state.detectors.close()
             await state.session.close()
+            traces.shutdown()  # flushes the last spans
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post(STREAMING_PATH, streaming_generation.handle)

@@ -49,6 +49,25 @@ class ClientTlsConfig(Strict):
     insecure_skip_verify: bool = False
 
 
+class TracingConfig(Strict):
+    """OpenTelemetry traces over OTLP/HTTP (README "Tracing"). Without this section tracing is
+    off unless the standard OTEL_* environment variables turn it on."""
+
+    # the collector's base URL (spans go to <url>/v1/traces); None: OTEL_EXPORTER_OTLP_* or
+    # http://localhost:4318
+    otlp_endpoint: str | None = None
+    service_name: str | None = None  # None: OTEL_SERVICE_NAME, else "guardstream"
+    # parent-based: a client's sampled traceparent is followed; None: OTEL_TRACES_SAMPLER
+    sample_ratio: float | None = Field(None, ge=0, le=1)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v
+
+
 class ServerConfig(Strict):
     host: str = "0.0.0.0"
     port: int = Field(8033, ge=0, le=65535)
@@ -62,6 +81,7 @@ class ServerConfig(Strict):
     # an SSE comment line after this many seconds of silence on every streaming endpoint, so
     # proxies with idle timeouts do not cut a stream whose text is held back (DESIGN 4.3)
     sse_keepalive_s: float = Field(15, gt=0)
+    tracing: TracingConfig | None = None
 
     @field_validator("forward_headers")
     @classmethod

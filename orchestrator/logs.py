@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import traceback
+from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
@@ -19,6 +20,9 @@ from typing import Any, Literal, TextIO
 LogFormat = Literal["json", "text"]
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("guardstream_request_id", default=None)
+# Set by orchestrator.tracing while tracing is on: the current (trace_id, span_id) in hex, or
+# None outside a span; stamped on each record next to its request id (None: tracing is off).
+TRACE_IDS: Callable[[], tuple[str, str] | None] | None = None
 
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is emitted.
 _RECORD_ATTRS = frozenset(
@@ -35,6 +39,10 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
             record.request_id = REQUEST_ID.get()
+        if TRACE_IDS is not None and getattr(record, "trace_id", None) is None:
+            ids = TRACE_IDS()
+            if ids is not None:
+                record.trace_id, record.span_id = ids
         return True
 
 

@@ -22,6 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 import detectors
 from detectors.api import ContentsRequest, Detection
 
+from .. import tracing
 from ..config import ConfigError, DetectorConfig
 
 _REPLY = TypeAdapter(list[list[Detection]])
@@ -58,6 +59,8 @@ class DetectorClient(ABC):
         Every call, in-process or remote, is reported to `on_call` with its outcome and time."""
         started = time.perf_counter()
         outcome = "error"
+        # the call's span, named by a remote call's traceparent (None: tracing is off)
+        traced = tracing.start_detector_call(self.detector_id, contents)
         try:
             reply = await self._detect(contents, params)
             outcome = "ok"
@@ -66,7 +69,10 @@ class DetectorClient(ABC):
             outcome = "cancelled"
             raise
         finally:
-            self.on_call(self.detector_id, outcome, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.on_call(self.detector_id, outcome, seconds)
+            if traced is not None:
+                traced.end(outcome, reply if outcome == "ok" else None, seconds)
 
     @abstractmethod
     async def _detect(

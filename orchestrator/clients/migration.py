@@ -22,6 +22,7 @@ from types import TracebackType
 
 from prometheus_client import CollectorRegistry, Counter
 
+from .. import tracing
 from ..config import MigrationConfig
 from .generation import (
     Continuation,
@@ -201,6 +202,8 @@ class MigratingStream:
                     replica.name,
                     self._generated,
                 )
+            # the attempt's span, named by the engine call's traceparent (None: tracing is off)
+            traced = tracing.start_attempt(attempt, replica.name, self._generated)
             stream = replica.client.generate(
                 self.request,
                 continuation,
@@ -236,6 +239,8 @@ class MigratingStream:
             except GenerationError as exc:
                 if self._closed:
                     return  # aclose() dropped the connection under a running read
+                if traced is not None:
+                    traced.failed(exc.message, exc.error_type, exc.migratable)
                 if exc.migratable:
                     self._pool.quarantine(replica, exc.message)
                     if self._metrics is not None:
@@ -271,6 +276,8 @@ class MigratingStream:
                 self._check_migratable(original, replica, attempt)
                 kind = "mid_stream" if self._generated or self._text else "before_first_token"
                 self.migrations += 1
+                if traced is not None:
+                    traced.migrating(kind, self.migrations)
                 if self._metrics is not None:
                     self._metrics.migrations.labels(self.model_id, kind).inc()
                 log.warning(
@@ -289,6 +296,8 @@ class MigratingStream:
                 stream.close()
                 self._current = None
                 self._pool.release(replica)
+                if traced is not None:
+                    traced.end(self._generated)
 
     def _check_migratable(self, original: GenerationError, replica: Replica, attempt: int) -> None:
         """Raise the give-up error when this request may not move to another replica."""

@@ -21,6 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .. import tracing
 from ..api.errors import ErrorType
 from ..clients.generation import GenerationChunk, GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
@@ -146,6 +147,7 @@ class GuardedGeneration:
         self._last_event = 0.0
         self._keepalive: asyncio.TimerHandle | None = None
         self.terminal: Terminal | None = None
+        self._span = tracing.request_span(backend.model_id)  # None unless tracing is on
 
     @property
     def request_id(self) -> str:
@@ -326,9 +328,12 @@ class GuardedGeneration:
             self._inbox.put(_Crashed(exc))
 
     async def _judge_input(self) -> None:
-        findings = await judge_text(
-            self._inputs, self._input_detectors, self._chunkers, regions=self._masks
-        )
+        with tracing.input_detection(self._input_detectors) as span:
+            findings = await judge_text(
+                self._inputs, self._input_detectors, self._chunkers, regions=self._masks
+            )
+            if span is not None:
+                span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))
 
     async def _read_engine(self, stream: MigratingStream) -> None:
@@ -470,7 +475,10 @@ class GuardedGeneration:
             input_token_count=p.input_token_count,
             seed=self._seed,
         )
-        self._observer.on_frame(frame, self._hold_time(end))
+        hold_s = self._hold_time(end)
+        self._observer.on_frame(frame, hold_s)
+        if self._span is not None:
+            tracing.frame_event(self._span, frame, hold_s)
         return frame
 
     def _hold_time(self, end: int) -> float:
@@ -522,4 +530,6 @@ class GuardedGeneration:
     def _finish(self, terminal: Terminal) -> Terminal:
         self.terminal = terminal
         self._observer.on_terminal(terminal.kind)
+        if self._span is not None:
+            tracing.record_terminal(self._span, terminal)
         return terminal

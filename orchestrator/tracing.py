@@ -1,0 +1,397 @@
+"""OpenTelemetry traces of the orchestrator (README "Tracing"): off unless configured.
+
+Tracing is on when `server.tracing` is set in config.yaml, or when the standard environment asks
+for it (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, or
+`OTEL_TRACES_EXPORTER=otlp|console`); `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`
+keep it off. Off, nothing of OpenTelemetry is imported or created and every hook below is one
+`TRACER is None` check (by its caller or at its top): no span, no event, no header.
+
+On, one trace per request (the client's W3C `traceparent` is its parent when it sends one):
+
+- a SERVER span per request: surface, model, HTTP status, request id, and at the end the
+  terminal event, finish reason, token counts and migrations; one `frame` event per released
+  frame with its hold-back (how long its last character waited for the detectors);
+- `input_detection` around the input detectors;
+- `generate.attempt` per dispatch to a replica (replica, attempt number, resumed and new tokens,
+  failure reason) and a `migration` event on the request span between two attempts;
+- `detector <id>` per detector call (contents count and characters, detections, duration).
+
+Spans carry counts, ids and error messages, never prompt or generated text. `traceparent` goes
+on every call to an engine or a detector service, naming the attempt or detector span, so an
+engine or detector service with tracing on parents its own spans there. Spans leave through a
+BatchSpanProcessor (a background thread), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping
+from contextvars import ContextVar, Token
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from detectors.tracing import build_provider, env_wants_tracing, traces_url
+
+from . import logs
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Span, Tracer
+
+    from .config import TracingConfig
+    from .streaming.events import Frame, Terminal
+
+log = logging.getLogger("guardstream.tracing")
+
+DEFAULT_SERVICE_NAME = "guardstream"
+# The tracer of this process, or None: tracing is off and every hook is a no-op.
+TRACER: Tracer | None = None
+_PROVIDER: TracerProvider | None = None
+_PROPAGATOR: Any = None
+# the span of the request being handled (set by the middleware, copied into every task)
+_REQUEST_SPAN: ContextVar[Span | None] = ContextVar("guardstream_request_span", default=None)
+# the span an outgoing call belongs to (a generation attempt, a detector call): its context is
+# what `traceparent` names. Kept apart from OpenTelemetry's current context because an attempt
+# spans the yields of an async generator, where attaching a context is not safe.
+_CALL_SPAN: ContextVar[Span | None] = ContextVar("guardstream_call_span", default=None)
+# environment variables set for managed engines (they inherit the tracing settings) and their
+# previous values, restored by shutdown()
+_CHILD_ENV: dict[str, str | None] = {}
+_CHILD_ENVIRON: MutableMapping[str, str] = os.environ
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def configure(
+    settings: TracingConfig | None,
+    *,
+    exporter: SpanExporter | None = None,
+    environ: MutableMapping[str, str] = os.environ,
+) -> bool:
+    """Turns tracing on for this process when `settings` (config.yaml's `server.tracing`), the
+    environment or an explicit `exporter` ask for it; else makes sure it is off. Returns whether
+    it is on. Managed engines inherit the settings through `environ` (see _export_to_children)."""
+    global TRACER, _PROVIDER, _PROPAGATOR
+    shutdown()
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" and exporter is None:
+        if settings is not None:
+            log.warning("server.tracing is ignored: OTEL_SDK_DISABLED=true")
+        return False
+    if settings is None and exporter is None and not env_wants_tracing(environ):
+        return False
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    endpoint = settings.otlp_endpoint if settings is not None else None
+    ratio = settings.sample_ratio if settings is not None else None
+    name = (
+        (settings.service_name if settings is not None and settings.service_name else None)
+        or environ.get("OTEL_SERVICE_NAME", "").strip()
+        or DEFAULT_SERVICE_NAME
+    )
+    _PROVIDER = build_provider(
+        service_name=name,
+        endpoint=endpoint,
+        sample_ratio=ratio,
+        exporter=exporter,
+        environ=environ,
+    )
+    TRACER = _PROVIDER.get_tracer("guardstream.orchestrator")
+    _PROPAGATOR = TraceContextTextMapPropagator()
+    logs.TRACE_IDS = current_ids
+    if settings is not None or env_wants_tracing(environ):
+        _export_to_children(environ, name, endpoint, ratio)
+    log.info("tracing on: service %s", name)
+    return True
+
+
+def _export_to_children(
+    environ: MutableMapping[str, str], name: str, endpoint: str | None, ratio: float | None
+) -> None:
+    """Managed engines are started with this process's environment: they trace when it says
+    so, to the same collector, with the same sampling, as `<service name>-engine`."""
+    wanted = {"OTEL_SERVICE_NAME": f"{name}-engine"}
+    if endpoint:
+        wanted["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = traces_url(endpoint)
+    if not env_wants_tracing(environ):
+        wanted["OTEL_TRACES_EXPORTER"] = "otlp"
+    if ratio is not None:
+        wanted["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
+        wanted["OTEL_TRACES_SAMPLER_ARG"] = repr(ratio)
+    global _CHILD_ENVIRON
+    _CHILD_ENVIRON = environ
+    for key, value in wanted.items():
+        _CHILD_ENV.setdefault(key, environ.get(key))
+        environ[key] = value
+
+
+def force_flush(timeout_ms: int = 30_000) -> bool:
+    """Exports every finished span now (tests call it before asserting)."""
+    return _PROVIDER.force_flush(timeout_ms) if _PROVIDER is not None else True
+
+
+def shutdown() -> None:
+    """Flushes and turns tracing off; restores the environment configure() set for children."""
+    global TRACER, _PROVIDER, _PROPAGATOR
+    provider, _PROVIDER = _PROVIDER, None
+    TRACER = None
+    _PROPAGATOR = None
+    logs.TRACE_IDS = None
+    if provider is not None:
+        provider.shutdown()
+    for key, old in _CHILD_ENV.items():
+        if old is None:
+            _CHILD_ENVIRON.pop(key, None)
+        else:
+            _CHILD_ENVIRON[key] = old
+    _CHILD_ENV.clear()
+
+
+# -- helpers the pipeline calls (each only when TRACER is not None) ------------------------------
+
+
+def current_ids() -> tuple[str, str] | None:
+    """The current (trace id, span id) in hex, for log lines; None outside a span."""
+    from opentelemetry import trace
+
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return None
+    return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
+
+
+def inject(headers: MutableMapping[str, str]) -> None:
+    """Puts `traceparent` (and `tracestate`) for the current call on an outgoing request; it
+    replaces one a client sent (ours is its descendant)."""
+    if _PROPAGATOR is None:
+        return
+    from opentelemetry import trace
+
+    span = _CALL_SPAN.get()
+    context = trace.set_span_in_context(span) if span is not None else None
+    _PROPAGATOR.inject(headers, context=context)
+
+
+def middleware(surfaces: Mapping[str, str], untraced: frozenset[str]) -> Any:
+    """The request span: a SERVER span per request (but probes and scrapes), the child of the
+    client's `traceparent` when it sent one, current for the whole handling (the access log
+    line included), so every task and log line of the request belongs to it."""
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    @web.middleware
+    async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
+        tracer = TRACER
+        if tracer is None or request.path in untraced:
+            return await handler(request)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        attributes = {
+            "http.request.method": request.method,
+            "url.path": request.path,
+            "http.route": route,
+            "guardstream.surface": surfaces.get(request.path, "other"),
+        }
+        parent = _PROPAGATOR.extract(request.headers)
+        status = 499  # nginx's "client closed request": the handler was cancelled
+        with tracer.start_as_current_span(
+            f"{request.method} {route}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            token = _REQUEST_SPAN.set(span)
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            finally:
+                _REQUEST_SPAN.reset(token)
+                span.set_attribute("http.response.status_code", status)
+                request_id = request.get("request_id")
+                if request_id:
+                    span.set_attribute("guardstream.request_id", request_id)
+                if status >= 500:
+                    span.set_status(StatusCode.ERROR)
+
+    return traced
+
+
+def request_span(model_id: str) -> Span | None:
+    """The current request's span (None when tracing is off or outside a request), labelled
+    with the model the request's pipeline runs on."""
+    if TRACER is None:
+        return None
+    span = _REQUEST_SPAN.get()
+    if span is not None:
+        span.set_attribute("guardstream.model", model_id)
+    return span
+
+
+def frame_event(span: Span, frame: Frame, hold_s: float) -> None:
+    """One `frame` event per released frame: its span of text, detections and hold-back."""
+    span.add_event(
+        "frame",
+        {
+            "guardstream.frame.start": frame.start,
+            "guardstream.frame.end": frame.end,
+            "guardstream.frame.detections": len(frame.detections),
+            "guardstream.frame.hold_ms": round(hold_s * 1000, 3),
+            "guardstream.frame.final": frame.final,
+        },
+    )
+
+
+def record_terminal(span: Span, terminal: Terminal) -> None:
+    """How the stream ended, on the request span; `failed` and `error` mark it as an error."""
+    from opentelemetry.trace import StatusCode
+
+    attributes: dict[str, Any] = {
+        "guardstream.terminal": terminal.kind,
+        "guardstream.generated_tokens": terminal.generated_token_count,
+        "guardstream.processed_index": terminal.processed_index,
+        "guardstream.migrations": terminal.migrations,
+    }
+    if terminal.finish_reason is not None:
+        attributes["guardstream.finish_reason"] = terminal.finish_reason
+    if terminal.input_token_count is not None:
+        attributes["guardstream.input_tokens"] = terminal.input_token_count
+    if terminal.reason is not None:
+        attributes["guardstream.incomplete_reason"] = terminal.reason
+    if terminal.error is not None:
+        attributes["guardstream.error.type"] = str(terminal.error.type)
+        attributes["guardstream.error.code"] = terminal.error.code
+        span.set_status(StatusCode.ERROR, terminal.error.message[:500])
+    span.set_attributes(attributes)
+
+
+@contextlib.contextmanager
+def input_detection(detectors: Iterable[Any]) -> Iterator[Span | None]:
+    """The `input_detection` span over these RequestedDetectors (current inside, so detector
+    calls are its children); yields None when tracing is off."""
+    if TRACER is None:
+        yield None
+        return
+    ids = [d.detector_id for d in detectors]
+    with TRACER.start_as_current_span(
+        "input_detection", attributes={"guardstream.detectors": ids}
+    ) as span:
+        yield span
+
+
+class _CallSpan:
+    """A client span that outgoing calls made meanwhile (in this task) name in `traceparent`."""
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+        self._token: Token[Span | None] | None = _CALL_SPAN.set(span)
+
+    def _close(self) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            try:
+                _CALL_SPAN.reset(token)
+            except ValueError:  # ended from another task (a generator closed by its owner)
+                pass
+        self.span.end()
+
+
+class DetectorCall(_CallSpan):
+    def end(self, outcome: str, reply: list[list[Any]] | None, seconds: float) -> None:
+        from opentelemetry.trace import StatusCode
+
+        span = self.span
+        span.set_attribute("guardstream.detector.outcome", outcome)
+        span.set_attribute("guardstream.detector.duration_ms", round(seconds * 1000, 3))
+        if reply is not None:
+            span.set_attribute("guardstream.detector.detections", sum(len(r) for r in reply))
+        elif outcome == "error":
+            import sys
+
+            exc = sys.exc_info()[1]  # ended in the `finally` of the failed call
+            span.set_status(StatusCode.ERROR, str(exc)[:500] if exc is not None else None)
+        self._close()
+
+
+def start_detector_call(detector_id: str, contents: list[str]) -> DetectorCall | None:
+    """The span of one detector call (a child of the current span), or None when off."""
+    if TRACER is None:
+        return None
+    from opentelemetry.trace import SpanKind
+
+    span = TRACER.start_span(
+        f"detector {detector_id}",
+        kind=SpanKind.CLIENT,
+        attributes={
+            "guardstream.detector.id": detector_id,
+            "guardstream.detector.contents": len(contents),
+            "guardstream.detector.chars": sum(len(c) for c in contents),
+        },
+    )
+    return DetectorCall(span)
+
+
+class Attempt(_CallSpan):
+    """One dispatch of a generation to a replica (`generate.attempt`)."""
+
+    def __init__(self, span: Span, replica: str, attempt: int, delivered: int) -> None:
+        super().__init__(span)
+        self.replica = replica
+        self.attempt = attempt
+        self.delivered = delivered  # tokens delivered before this attempt
+        self._migration: dict[str, Any] | None = None
+        # the request span, current in the task reading the engine: it gets the migration event
+        from opentelemetry import trace
+
+        self._parent = trace.get_current_span()
+
+    def failed(self, message: str, error_type: str, migratable: bool) -> None:
+        from opentelemetry.trace import StatusCode
+
+        self.span.set_attributes(
+            {
+                "guardstream.attempt.failure": message[:500],
+                "guardstream.attempt.error_type": error_type,
+                "guardstream.attempt.migratable": migratable,
+            }
+        )
+        self.span.set_status(StatusCode.ERROR, message[:500])
+
+    def migrating(self, kind: str, migration: int) -> None:
+        """The request moves on to another replica: a `migration` event once this attempt
+        has ended."""
+        self._migration = {
+            "guardstream.migration.number": migration,
+            "guardstream.migration.kind": kind,
+            "guardstream.migration.from_replica": self.replica,
+            "guardstream.migration.after_attempt": self.attempt,
+        }
+
+    def end(self, delivered: int) -> None:
+        self.span.set_attribute("guardstream.attempt.tokens", delivered - self.delivered)
+        self._close()
+        if self._migration is not None:
+            self._migration["guardstream.migration.delivered_tokens"] = delivered
+            self._parent.add_event("migration", self._migration)
+
+
+def start_attempt(attempt: int, replica: str, delivered: int) -> Attempt | None:
+    """The span of one generation attempt (a child of the request span), or None when off."""
+    if TRACER is None:
+        return None
+    from opentelemetry.trace import SpanKind
+
+    span = TRACER.start_span(
+        "generate.attempt",
+        kind=SpanKind.CLIENT,
+        attributes={
+            "guardstream.attempt": attempt,
+            "guardstream.replica": replica,
+            "guardstream.attempt.resumed_tokens": delivered,
+        },
+    )
+    return Attempt(span, replica, attempt, delivered)
