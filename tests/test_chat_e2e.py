@@ -262,6 +262,15 @@ async def test_a_prompt_longer_than_the_context_is_422_on_every_surface(
         )
     assert info.value.status_code == 422
     assert isinstance(info.value.body, dict) and info.value.body["type"] == "invalid_request"
+    # the Responses surface: the same check, before any event
+    for stream in (True, False):
+        responses = {"model": MODEL, "input": LONG, "max_output_tokens": 8, "stream": stream}
+        status, reply = await orch.post("/v1/responses", responses)
+        assert status == 422, reply
+        assert reply["error"]["type"] == "invalid_request"
+        assert (
+            "it must be shorter than the model's context of 512 tokens" in reply["error"]["message"]
+        )
 
 
 async def test_a_stop_sequence_longer_than_the_engines_limit_is_422(orch: Orchestrator) -> None:

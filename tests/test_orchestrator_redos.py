@@ -83,3 +83,44 @@ async def test_allowed_patterns_run_in_linear_time_while_a_stream_flows(engine) 
         assert long_text[d["start"] : d["end"]] == d["text"] == "a" * (d["end"] - d["start"])
     assert terminal(events).name == "completed"
     assert "".join(f["generated_text"] for f in frames(events)) == "I am great. What about you?"
+
+
+@pytest.mark.parametrize("path_param", ["model_path", "path"])
+async def test_a_request_naming_a_path_is_422_and_touches_no_file(
+    engine, monkeypatch, tmp_path, path_param
+) -> None:
+    """Paths come from the config only: a request's `model_path` is refused before anything could
+    open it (every file access under the bait directory would raise)."""
+    import builtins
+    import os
+
+    bait = tmp_path / "bait"
+    real_open, real_stat = builtins.open, os.stat
+
+    def guarded_open(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        assert str(bait) not in str(file), f"opened {file}"
+        return real_open(file, *args, **kwargs)
+
+    def guarded_stat(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        assert str(bait) not in str(path), f"stat {path}"
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(os, "stat", guarded_stat)
+    params = {"pii": {path_param: str(bait)}}
+    async with Orchestrator(config(engine.url)) as orch:
+        for path, body in [
+            (CONTENT_PATH, {"content": "hi", "detectors": params}),
+            (STREAMING_PATH, generation_body(output=params)),
+            (
+                "/v1/chat/completions",
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "detectors": {"output": params},
+                },
+            ),
+        ]:
+            status, reply = await orch.post(path, body)
+            assert status == 422, (path, reply)
+    assert engine.requests == []

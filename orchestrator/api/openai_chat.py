@@ -8,7 +8,6 @@ output (several choices, tool calls) are rejected with a clear 422 instead of be
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from .json_numbers import json_integer, json_number
 from .requests import DetectorMap
 from .responses import TokenClassificationResult, Wire
 
@@ -71,30 +71,6 @@ class ChatDetectors(Strict):
     output: DetectorMap = Field(default_factory=dict)
 
 
-def _number(v: Any) -> Any:
-    if v is None:
-        return v
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError("must be a finite number")
-    try:
-        v = float(v)  # an int beyond a float's range raises here, not in isfinite (a 500)
-    except OverflowError:
-        raise ValueError("must be a finite number") from None
-    if not math.isfinite(v):  # `1e400` is inf to Python's JSON parser
-        raise ValueError("must be a finite number")
-    return v
-
-
-def _integer(v: Any) -> Any:
-    if v is None:
-        return v
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError("must be an integer")
-    if isinstance(v, float) and not v.is_integer():  # inf and NaN included (int() raises)
-        raise ValueError("must be an integer")
-    return int(v)
-
-
 StopItem = Annotated[str, Field(min_length=1)]
 
 
@@ -117,12 +93,12 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("max_tokens", "max_completion_tokens", "n", "seed", mode="before")
     @classmethod
     def _integers(cls, v: Any) -> Any:
-        return _integer(v)
+        return json_integer(v)
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
     def _numbers(cls, v: Any) -> Any:
-        return _number(v)
+        return json_number(v)
 
     @model_validator(mode="after")
     def _guardable(self) -> ChatCompletionRequest:

@@ -13,7 +13,6 @@ route a request (`metadata`, `user`, `safety_identifier`, `prompt_cache_key`, `s
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -27,6 +26,7 @@ from pydantic import (
 )
 
 from .errors import invalid
+from .json_numbers import json_integer, json_number
 from .openai_chat import ChatDetectors, OpenAIErrorBody
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -138,30 +138,6 @@ class ReasoningConfig(Strict):
     generate_summary: None = None
 
 
-def _number(v: Any) -> Any:
-    if v is None:
-        return v
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError("must be a finite number")
-    try:
-        v = float(v)  # an int beyond a float's range raises here (not a 500 in isfinite)
-    except OverflowError:
-        raise ValueError("must be a finite number") from None
-    if not math.isfinite(v):  # `1e400` is inf to Python's JSON parser
-        raise ValueError("must be a finite number")
-    return v
-
-
-def _integer(v: Any) -> Any:
-    if v is None:
-        return v
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError("must be an integer")
-    if isinstance(v, float) and not v.is_integer():  # inf and NaN included (int() raises)
-        raise ValueError("must be an integer")
-    return int(v)
-
-
 def _input_kind(v: Any) -> str | None:
     if isinstance(v, str):
         return "text"
@@ -216,12 +192,12 @@ class ResponsesRequest(Strict):
     @field_validator("max_output_tokens", "max_tool_calls", "top_logprobs", mode="before")
     @classmethod
     def _integers(cls, v: Any) -> Any:
-        return _integer(v)
+        return json_integer(v)
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
     def _numbers(cls, v: Any) -> Any:
-        return _number(v)
+        return json_number(v)
 
     @field_validator("input", mode="before")
     @classmethod

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -14,31 +13,9 @@ from pydantic import (
     model_validator,
 )
 
+from .json_numbers import json_integer, json_number
 
-def _json_integer(v: Any) -> Any:
-    # pydantic's lax mode would take `true` or "5" for an integer; the published schema (and so
-    # every client generated from it) says those are errors. 5.0 stays valid, as in JSON Schema.
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError("must be an integer")
-    return v
-
-
-def _finite(v: int | float) -> bool:
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # an integer beyond any float (10**400): not a usable number either
-        return False
-
-
-def _json_number(v: Any) -> Any:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError("must be a number")
-    if not _finite(v):  # NaN and Infinity are not JSON numbers (Python's parser takes them)
-        raise ValueError("must be a finite number")
-    return v
-
-
-JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+JsonInt = Annotated[int, BeforeValidator(json_integer)]
 StopSequence = Annotated[str, Field(min_length=1)]
 
 
@@ -61,9 +38,10 @@ class DetectorParams(BaseModel):
         # "0.5" or true must not slip through pydantic's lax coercion: a threshold is a number.
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
             raise ValueError("threshold must be a number")
-        if v is not None and not _finite(v):  # NaN would silently drop every detection
-            raise ValueError("threshold must be a finite number")
-        return v
+        try:
+            return json_number(v)  # NaN would silently drop every detection
+        except ValueError:
+            raise ValueError("threshold must be a finite number") from None
 
     def detector_params(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -111,12 +89,14 @@ class TextGenParameters(Strict):
     @field_validator("max_new_tokens", "min_new_tokens", "top_k", "seed", mode="before")
     @classmethod
     def _integers(cls, v: Any) -> Any:
-        return v if v is None else _json_integer(v)
+        return json_integer(v)
 
     @field_validator("temperature", "top_p", "repetition_penalty", "max_time", mode="before")
     @classmethod
     def _numbers(cls, v: Any) -> Any:
-        return _json_number(v)
+        if v is None:
+            raise ValueError("must be a finite number")
+        return json_number(v)
 
     @model_validator(mode="after")
     def _min_below_max(self) -> TextGenParameters:
