@@ -5,13 +5,14 @@ guarded pipeline. Every 4xx of a generation request is raised here (DESIGN secti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
 from ..api.errors import invalid, not_found
 from ..api.requests import DetectorMap, DetectorParams
-from ..clients.generation import GenerationRequest, ModelBackend
+from ..clients.generation import ChatMessage, GenerationParams, GenerationRequest, ModelBackend
 from ..clients.registry import RequestedDetector
 from ..config import ModelConfig
 from ..state import STATE, AppState
@@ -113,3 +114,72 @@ async def build_pipeline(
         observer=state.metrics.observer(),
         keepalive_s=server.sse_keepalive_s if keepalive else None,
     )
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What the OpenAI surfaces (Chat Completions, Responses) ask for, in one shape: their
+    requests differ on the wire, not in what the pipeline needs."""
+
+    model: str
+    messages: list[tuple[str, str]]  # (role, text)
+    input_field: str  # the request field the messages came from (for size errors)
+    max_tokens: int | None
+    max_tokens_field: str
+    temperature: float | None
+    top_p: float | None
+    input_detectors: DetectorMap | None
+    output_detectors: DetectorMap | None
+    stream: bool
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def prepare_conversation(
+    request: web.Request, conversation: Conversation
+) -> tuple[GuardedGeneration, int]:
+    """The guarded pipeline of an OpenAI-surface request, and the index of the last user message
+    (input detectors judge it; their spans are relative to it)."""
+    state = request.app[STATE]
+    c = conversation
+    target = find_model(state, c.model)
+    check_input_size(target, sum(len(text) for _, text in c.messages), c.input_field)
+    max_new = budget(target, c.max_tokens, c.max_tokens_field)
+    last_user = max(i for i, (role, _) in enumerate(c.messages) if role == "user")
+    inputs = c.messages[last_user][1]
+    input_dets = resolve_detectors(state, target, "input", c.input_detectors, "detectors.input")
+    output_dets = resolve_detectors(state, target, "output", c.output_detectors, "detectors.output")
+    # OpenAI's default temperature is 1 (sampling); 0 asks for greedy decoding
+    temperature = 1.0 if c.temperature is None else c.temperature
+    gen_request = GenerationRequest(
+        prompt=inputs,
+        params=GenerationParams(
+            max_new_tokens=max_new,
+            decoding_method="GREEDY" if temperature == 0 else "SAMPLING",
+            temperature=temperature if temperature > 0 else 1.0,
+            top_p=1.0 if c.top_p is None else c.top_p,
+            seed=c.seed,
+            stop_sequences=c.stop,
+        ),
+        chat=True,
+        request_id=request.get("request_id", ""),
+        # chat templates know system, user and assistant; `developer` is OpenAI's newer name
+        # for the system role
+        messages=tuple(
+            ChatMessage("system" if role == "developer" else role, text)
+            for role, text in c.messages
+        ),
+        extra=c.extra,
+    )
+    pipeline = await build_pipeline(
+        request,
+        target,
+        gen_request,
+        inputs=inputs,
+        masks=None,
+        input_detectors=input_dets,
+        output_detectors=output_dets,
+        keepalive=c.stream,
+    )
+    return pipeline, last_user

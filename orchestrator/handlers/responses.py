@@ -12,19 +12,12 @@ from aiohttp import web
 
 from ..api.errors import ApiError
 from ..api.openai_responses import ResponsesRequest, check_stateless
-from ..clients.generation import ChatMessage, GenerationParams, GenerationRequest
 from ..state import STATE
 from ..streaming.events import Terminal
 from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.responses_writer import ResponsesFold, ResponsesWriter
 from .body import parse_json, require_json_content_type, too_large, validate
-from .generation_request import (
-    budget,
-    build_pipeline,
-    check_input_size,
-    find_model,
-    resolve_detectors,
-)
+from .generation_request import Conversation, prepare_conversation
 from .stream_slots import stream_slot
 from .streaming_generation import SSE_HEADERS
 
@@ -44,50 +37,23 @@ async def read_request(request: web.Request) -> ResponsesRequest:
 
 
 async def prepare_response(request: web.Request, body: ResponsesRequest) -> GuardedGeneration:
-    state = request.app[STATE]
-    target = find_model(state, body.model)
-    conversation = body.conversation_messages()
-    check_input_size(target, sum(len(text) for _, text in conversation), "input")
-    max_new = budget(target, body.max_output_tokens, "max_output_tokens")
-    # input detectors judge the last user message (spans relative to it)
-    last_user = max(i for i, (role, _) in enumerate(conversation) if role == "user")
-    inputs = conversation[last_user][1]
     detectors = body.detectors
-    input_dets = resolve_detectors(
-        state, target, "input", detectors.input if detectors else None, "detectors.input"
-    )
-    output_dets = resolve_detectors(
-        state, target, "output", detectors.output if detectors else None, "detectors.output"
-    )
-    # OpenAI's default temperature is 1 (sampling); 0 asks for greedy decoding
-    temperature = 1.0 if body.temperature is None else body.temperature
-    gen_request = GenerationRequest(
-        prompt=inputs,
-        params=GenerationParams(
-            max_new_tokens=max_new,
-            decoding_method="GREEDY" if temperature == 0 else "SAMPLING",
-            temperature=temperature if temperature > 0 else 1.0,
-            top_p=1.0 if body.top_p is None else body.top_p,
-        ),
-        chat=True,
-        request_id=request.get("request_id", ""),
-        # chat templates know system, user and assistant; `developer` is OpenAI's newer name
-        # for the system role
-        messages=tuple(
-            ChatMessage("system" if role == "developer" else role, text)
-            for role, text in conversation
-        ),
-    )
-    return await build_pipeline(
+    pipeline, _ = await prepare_conversation(
         request,
-        target,
-        gen_request,
-        inputs=inputs,
-        masks=None,
-        input_detectors=input_dets,
-        output_detectors=output_dets,
-        keepalive=body.stream,
+        Conversation(
+            model=body.model,
+            messages=body.conversation_messages(),
+            input_field="input",
+            max_tokens=body.max_output_tokens,
+            max_tokens_field="max_output_tokens",
+            temperature=body.temperature,
+            top_p=body.top_p,
+            input_detectors=detectors.input if detectors else None,
+            output_detectors=detectors.output if detectors else None,
+            stream=body.stream,
+        ),
     )
+    return pipeline
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
