@@ -468,3 +468,43 @@ async def test_keepalive_comments_while_text_is_held_back(engine, dets, surface)
                 rest = await r.content.read()
     assert not any(line.startswith(b"data:") for line in lines)  # nothing judged yet
     assert TEXT.split(".")[0].encode() in rest
+
+
+# -- the FMS alias with a plain HTTP client -------------------------------------------------------
+
+
+async def test_alias_block_and_input_hit_with_a_plain_client(engine, dets) -> None:
+    block = {
+        "model": MODEL,
+        "messages": USER,
+        "stream": True,
+        "detectors": {"output": {"you": {"on_detection": "block"}}},
+    }
+    hit = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "my email"}],
+        "stream": True,
+        "detectors": {"input": {"email": {}}},
+    }
+    async with Orchestrator(config(engine, dets)) as orch:
+        blocked = await raw_chunks(orch, block)
+        refused = await raw_chunks(orch, hit)
+        status, unary = await orch.post(ALIAS, {**hit, "stream": False})
+    assert blocked[-1] == "[DONE]" and blocked.count("[DONE]") == 1
+    *chunks, last = blocked[:-1]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "I am great."
+    assert last["choices"][0]["finish_reason"] == "content_filter"
+    assert last["choices"][0]["delta"]["refusal"].startswith("The response was withheld")
+    assert "you?" not in json.dumps(blocked)
+    assert len(engine.requests) == 1  # the input hit never reached the engine
+    assert refused[-1] == "[DONE]" and len(refused) == 2
+    only = refused[0]
+    assert only["choices"][0]["delta"]["role"] == "assistant"
+    assert only["choices"][0]["finish_reason"] == "content_filter"
+    assert only["detections"]["input"] == [
+        {"message_index": 0, "results": [tcr(3, 8, "email", "EmailAddress", "email", 0.95)]}
+    ]
+    assert status == 200
+    assert unary["choices"][0]["message"]["content"] is None
+    assert unary["choices"][0]["finish_reason"] == "content_filter"
+    assert unary["detections"]["input"] == only["detections"]["input"]
