@@ -44,7 +44,16 @@ def _serve(args: argparse.Namespace) -> int:
     port = config.server.port if args.port is None else args.port
     try:
         # SIGTERM (what Kubernetes and docker send) and SIGINT both drain: see run_server
-        return run_event_loop(run_server(config, host, port, device=args.device))
+        return run_event_loop(
+            run_server(
+                config,
+                host,
+                port,
+                device=args.device,
+                log_format=args.log_format,
+                log_level=args.log_level.upper(),
+            )
+        )
     except ConfigError as exc:  # found at start-up: API keys, TLS files
         for line in exc.errors:
             print(line, file=sys.stderr)

@@ -281,7 +281,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     finally:
         route = request.match_info.route.resource
         endpoint = route.canonical if route is not None else "unmatched"
-        request.app[STATE].metrics.requests.labels(endpoint, str(status)).inc()
+        request.app[STATE].metrics.count_request(endpoint, status)
 
 
 def api_keys(config: Config, environ: Mapping[str, str] = os.environ) -> list[str] | None:

@@ -81,7 +81,17 @@ class ServerConfig(Strict):
     # an SSE comment line after this many seconds of silence on every streaming endpoint, so
     # proxies with idle timeouts do not cut a stream whose text is held back (DESIGN 4.3)
     sse_keepalive_s: float = Field(15, gt=0)
+    # orchestrator processes sharing the port (SO_REUSEPORT); "auto": one per usable CPU. The
+    # first process supervises them and starts managed engines once for all of them.
+    workers: int | Literal["auto"] = 1
     tracing: TracingConfig | None = None
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 256):
+            return v
+        raise ValueError('must be an integer from 1 to 256, or "auto"')
 
     @field_validator("forward_headers")
     @classmethod

@@ -2,13 +2,25 @@
 
 Everything `GET /metrics` serves lives on `OrchestratorMetrics.registry`: the request, stream,
 frame, detection and terminal-event series defined here, the detector-call series recorded by
-`record_detector_call` (the detector registry's `on_call`), and the migration counters (`MigrationMetrics`), which `create_app`
-registers on the same registry through `build_model_backends(registry=...)`.
+`record_detector_call` (the detector registry's `on_call`), and the migration counters
+(`MigrationMetrics`), which `create_app` registers on the same registry through
+`build_model_backends(registry=...)`.
+
+Under `server.workers` > 1 every worker runs with PROMETHEUS_MULTIPROC_DIR set (before
+prometheus_client is imported): each value lives in that directory, and the registry `/metrics`
+serializes reads all of it, so every worker answers with the sum over all workers (counters and
+histograms add up, `guardstream_active_streams` adds the live workers' streams), and
+`guardstream_worker_requests` (only then) shows each live worker's requests by `pid`.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from .streaming.events import Frame
 from .streaming.findings import Finding
@@ -17,11 +29,30 @@ from .streaming.guarded_generation import StreamObserver
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
+class AllWorkersRegistry(CollectorRegistry):
+    """A registry whose exposition is every worker's values (the multiprocess directory), not
+    the collectors registered on it: those write their values into that directory. Registering
+    still checks names, as in a plain registry."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._workers = MultiProcessCollector(None, path=path)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._workers.collect()
+
+
+def metrics_registry() -> CollectorRegistry:
+    """The registry of one app: for all workers when PROMETHEUS_MULTIPROC_DIR is set."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    return AllWorkersRegistry(path) if path else CollectorRegistry()
+
+
 class OrchestratorMetrics:
     """The orchestrator's series. `observer()` feeds the streaming pipeline's hooks into them."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = metrics_registry()
         r = self.registry
         self.requests = Counter(
             "guardstream_requests",
@@ -33,7 +64,18 @@ class OrchestratorMetrics:
             "guardstream_active_streams",
             "Streams in progress (task endpoints and stream-content)",
             registry=r,
+            multiprocess_mode="livesum",
         )
+        # only under server.workers > 1: one series per live worker, by pid
+        self.worker_requests: Gauge | None = None
+        if isinstance(r, AllWorkersRegistry):
+            self.worker_requests = Gauge(
+                "guardstream_worker_requests",
+                "HTTP requests each live worker served (by pid: how evenly the kernel spreads "
+                "connections over the workers)",
+                registry=r,
+                multiprocess_mode="liveall",
+            )
         self.frames = Counter(
             "guardstream_frames",
             "Classified frames produced by the task pipeline (the unary endpoint folds them)",
@@ -70,6 +112,12 @@ class OrchestratorMetrics:
             ["event"],
             registry=r,
         )
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        """One HTTP request ended (streams when they end)."""
+        self.requests.labels(endpoint, str(status)).inc()
+        if self.worker_requests is not None:
+            self.worker_requests.inc()
 
     def observer(self) -> StreamObserver:
         """Hooks for one request's pipeline (which itself knows nothing of prometheus)."""

@@ -1,0 +1,268 @@
+"""`server.workers`: `python -m orchestrator serve` as a supervisor of N worker processes on one
+port (SO_REUSEPORT). Requests are served by every worker, any worker's `/metrics` is the sum over
+all of them, managed engines are started once (by the supervisor) for all workers, and SIGTERM
+drains every worker: a running stream completes, then everything exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.app import STREAMING_PATH
+from tests.fakes.engine import FakeEngine, until
+from tests.orchestrator_support import (
+    MODEL,
+    ROOT,
+    SCRIPT,
+    SseEvent,
+    assert_contiguous,
+    frames,
+    generation_body,
+    native_config,
+    read_sse,
+    sse_events,
+    terminal,
+)
+
+START_S = 120  # generous: two workers import the service at once on a busy machine
+TEXT = "".join(SCRIPT)
+PII = {"pii": {"builtin": "regex", "chunker_id": "sentence"}}
+
+
+class Supervised:
+    """The `serve` process, its URL, and what its children are."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children()
+
+    def workers(self) -> list[psutil.Process]:
+        return [c for c in self.children() if "worker_main" in " ".join(c.cmdline())]
+
+    def engines(self) -> list[psutil.Process]:
+        return [c for c in self.children() if "generation" in c.cmdline()]
+
+
+@asynccontextmanager
+async def supervised(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[Supervised]:
+    """`python -m orchestrator serve` on a free port, once it printed its "listening on" line."""
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    with (tmp_path / "stderr.log").open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *("-m", "orchestrator", "serve", "--config", str(path), "--port", "0"),
+            cwd=ROOT,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+        )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), START_S)
+        log = (tmp_path / "stderr.log").read_text()
+        assert line.startswith(b"guardstream listening on http://"), (line, log)
+        yield Supervised(proc, line.decode().split()[-1])
+    finally:
+        if proc.returncode is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            await proc.wait()
+
+
+async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """`/metrics` as {(sample name, sorted labels): value}."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def by_pid(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[int, float]:
+    """`guardstream_worker_requests` of each live worker."""
+    return {
+        int(dict(labels)["pid"]): value
+        for (name, labels), value in metrics.items()
+        if name == "guardstream_worker_requests"
+    }
+
+
+async def one_stream(url: str, body: dict[str, Any]) -> list[SseEvent]:
+    """A streaming request on a connection of its own: each is a new pick of a worker."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        async with s.post(url + STREAMING_PATH, json=body) as r:
+            assert r.status == 200, await r.text()
+            return sse_events(await r.text())
+
+
+def exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def check_completed(events: list[SseEvent]) -> None:
+    assert terminal(events).name == "completed"
+    assert assert_contiguous(frames(events)) == TEXT
+
+
+async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    engine = FakeEngine(script=list(SCRIPT))
+    await engine.start()
+    config = native_config(engine.url, detectors=PII, server={"workers": 2})
+    try:
+        async with supervised(tmp_path, config) as served:
+            workers = {w.pid for w in served.workers()}
+            assert len(workers) == 2 and served.engines() == []
+            metrics_dir = psutil.Process(min(workers)).environ()["PROMETHEUS_MULTIPROC_DIR"]
+            assert exists(metrics_dir)
+
+            # rounds of requests on fresh connections until both workers have served some (the
+            # kernel picks a worker per connection: 20 in a row to one of two is 1 in 500,000)
+            streams = scrapes = 0
+            served_by: dict[int, float] = {}
+            for _ in range(10):
+                body = generation_body(output={"pii": {}})
+                results = await asyncio.gather(*(one_stream(served.url, body) for _ in range(20)))
+                for events in results:
+                    check_completed(events)
+                streams += len(results)
+                metrics = await scrape(served.url)
+                scrapes += 1
+                served_by = by_pid(metrics)
+                if len([v for v in served_by.values() if v > 0]) == 2:
+                    break
+            assert set(served_by) == workers
+            assert all(v > 0 for v in served_by.values())
+            # one page for all workers: every request of both is counted on it (a scrape
+            # counts itself once its page is written, so the earlier scrapes are on it)
+            assert sum(served_by.values()) == streams + scrapes - 1
+            stream_key = ("endpoint", STREAMING_PATH), ("status", "200")
+            assert metrics[("guardstream_requests_total", stream_key)] == streams
+            assert metrics[("guardstream_terminal_events_total", (("event", "completed"),))] == (
+                streams
+            )
+            calls = (
+                "guardstream_detector_calls_total",
+                (("detector_id", "pii"), ("outcome", "ok")),
+            )
+            assert metrics[calls] >= streams  # each stream judged both sentences
+            assert metrics[("guardstream_active_streams", ())] == 0
+
+            # SIGTERM while a stream waits at the engine: every worker drains, the stream
+            # completes once the engine goes on, then the supervisor and its workers exit 0
+            engine.hold_after = 6  # " What about" completes the first sentence; the rest waits
+            seen: list[SseEvent] = []
+
+            async def held() -> list[SseEvent]:
+                async with aiohttp.ClientSession() as s:
+                    body = generation_body(output={"pii": {}})
+                    async with s.post(served.url + STREAMING_PATH, json=body) as r:
+                        assert r.status == 200
+                        return await read_sse(
+                            r, lambda events: seen.__setitem__(slice(None), events)
+                        )
+
+            client = asyncio.create_task(held())
+            await until(lambda: engine.holding == 1 and len(seen) == 1, 30)
+            served.proc.send_signal(signal.SIGTERM)
+            # the worker with the stream stays up, draining: a new stream gets 503 there (the
+            # idle worker exits; a connection it was about to take may be refused meanwhile)
+            refused = await until_draining(served.url)
+            assert refused == {
+                "code": 503,
+                "details": "the server is shutting down",
+                "type": "server_shutdown",
+            }
+            assert engine.holding == 1 and not client.done()
+            engine.release.set()
+            events = await asyncio.wait_for(client, 30)
+            check_completed(events)
+            assert await asyncio.wait_for(served.proc.wait(), 60) == 0
+            assert not any(psutil.pid_exists(pid) for pid in workers)
+            assert not exists(metrics_dir)  # the supervisor removed it
+    finally:
+        await engine.close()
+
+
+async def until_draining(url: str) -> Any:
+    """Fresh requests until one is refused with 503; its body."""
+    body = generation_body()
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        try:
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with (
+                aiohttp.ClientSession(connector=connector) as s,
+                s.post(url + STREAMING_PATH, json=body) as r,
+            ):
+                if r.status == 503:
+                    return await r.json()
+                r.close()  # a worker that had not begun to drain: the stream is dropped
+        except aiohttp.ClientConnectionError:
+            pass
+        assert asyncio.get_running_loop().time() < deadline, "no worker started draining"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(600)
+async def test_managed_engines_are_started_once_for_all_workers(tmp_path: Path) -> None:
+    config = {
+        "server": {"host": "127.0.0.1", "port": 0, "workers": 2},
+        "models": {
+            MODEL: {
+                "backends": [
+                    {
+                        "type": "managed",
+                        "model": "tiny-random",
+                        "device": "cpu",
+                        "replicas": 1,
+                        "start_timeout_s": 300,
+                    }
+                ],
+                "migration": {"limit": 0},
+            }
+        },
+        "chunkers": {"sentence": {"type": "sentence"}},
+        "detectors": PII,
+    }
+    async with supervised(tmp_path, config) as served:
+        workers = {w.pid for w in served.workers()}
+        (engine,) = served.engines()  # one engine process, not one per worker
+        assert len(workers) == 2
+        body = generation_body(output={"pii": {}}, params={"max_new_tokens": 8})
+        for events in await asyncio.gather(*(one_stream(served.url, body) for _ in range(6))):
+            end = terminal(events)
+            assert end.name in ("completed", "incomplete"), end
+            assert end.data["generated_token_count"] > 0
+            assert end.data["processed_index"] == len(assert_contiguous(frames(events)))
+        metrics = await scrape(served.url)
+        assert set(by_pid(metrics)) == workers
+        stream_key = ("endpoint", STREAMING_PATH), ("status", "200")
+        assert metrics[("guardstream_requests_total", stream_key)] == 6
+        served.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(served.proc.wait(), 120) == 0
+        assert not any(psutil.pid_exists(pid) for pid in {*workers, engine.pid})
