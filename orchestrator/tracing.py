@@ -9,8 +9,9 @@ keep it off. Off, nothing of OpenTelemetry is imported or created and every hook
 On, one trace per request (the client's W3C `traceparent` is its parent when it sends one):
 
 - a SERVER span per request: surface, model, HTTP status, request id, and at the end the
-  terminal event, finish reason, token counts and migrations; one `frame` event per released
-  frame with its hold-back (how long its last character waited for the detectors);
+  terminal event, finish reason, token and frame counts and migrations; one `frame` event per
+  frame the output detectors released, with its hold-back (how long its last character waited
+  for the detectors);
 - `input_detection` around the input detectors;
 - `generate.attempt` per dispatch to a replica (replica, attempt number, resumed and new tokens,
   failure reason) and a `migration` event on the request span between two attempts;
@@ -233,7 +234,9 @@ def request_span(model_id: str) -> Span | None:
 
 
 def frame_event(span: Span, frame: Frame, hold_s: float) -> None:
-    """One `frame` event per released frame: its span of text, detections and hold-back."""
+    """One `frame` event per frame the output detectors released (one per judged chunk, never
+    per token: a stream without output detectors holds nothing back and records no events):
+    its span of text, its detections, and how long its last character was held back."""
     span.add_event(
         "frame",
         {
@@ -241,17 +244,17 @@ def frame_event(span: Span, frame: Frame, hold_s: float) -> None:
             "guardstream.frame.end": frame.end,
             "guardstream.frame.detections": len(frame.detections),
             "guardstream.frame.hold_ms": round(hold_s * 1000, 3),
-            "guardstream.frame.final": frame.final,
         },
     )
 
 
-def record_terminal(span: Span, terminal: Terminal) -> None:
+def record_terminal(span: Span, terminal: Terminal, frames: int) -> None:
     """How the stream ended, on the request span; `failed` and `error` mark it as an error."""
     from opentelemetry.trace import StatusCode
 
     attributes: dict[str, Any] = {
         "guardstream.terminal": terminal.kind,
+        "guardstream.frames": frames,
         "guardstream.generated_tokens": terminal.generated_token_count,
         "guardstream.processed_index": terminal.processed_index,
         "guardstream.migrations": terminal.migrations,

@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+import yaml
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -344,9 +345,7 @@ async def test_one_trace_across_orchestrator_engines_and_detector_service(
     assert [e["guardstream.frame.detections"] for e in frame_events] == [
         len(f["token_classification_results"].get("output", [])) for f in sent
     ]
-    assert [e["guardstream.frame.final"] for e in frame_events] == [False] * (len(sent) - 1) + [
-        True
-    ]
+    assert attrs["guardstream.frames"] == len(sent)
     assert all(e["guardstream.frame.hold_ms"] >= 0 for e in frame_events)
 
     # input detection, and its detector call under it
@@ -620,3 +619,47 @@ def test_config_tracing_is_exported_to_managed_engines_and_restored() -> None:
     tracing.shutdown()
     assert environ == {"OTEL_SERVICE_NAME": "mine"}
     assert tracing.TRACER is None
+
+
+async def test_frames_without_output_detectors_record_no_events(
+    fakes: tuple[FakeEngine, RecordingDetector],
+) -> None:
+    """Without output detectors every engine item is a frame (per token): nothing per frame."""
+    engine, _ = fakes
+    exporter = InMemorySpanExporter()
+    async with orchestrator(native_config(engine.url), exporter) as url:
+        async with aiohttp.ClientSession() as session:
+            body = generation_body("Hi")
+            async with session.post(url + STREAMING_PATH, json=body) as r:
+                events = sse_events(await r.text())
+        assert tracing.force_flush()
+    (root,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
+    assert root.events == ()
+    assert root.attributes["guardstream.frames"] == len(frames(events)) == 4
+    assert root.attributes["guardstream.terminal"] == "completed"
+
+
+def test_compose_tracing_profile_points_every_process_at_its_collector() -> None:
+    deploy = ROOT / "deploy"
+    main = yaml.safe_load((deploy / "docker-compose.yaml").read_text())
+    overlay = yaml.safe_load((deploy / "docker-compose.tracing.yaml").read_text())
+    services = overlay["services"]
+    collector = services.pop("jaeger")
+    assert collector["profiles"] == ["tracing"]
+    # on the internal network the engines and the detector service are confined to
+    assert collector["networks"] == ["default", "backend"]
+    assert collector["ports"] == ["127.0.0.1:16686:16686"]
+    # every guardstream process of the main file, and only those, traces to the collector
+    assert (
+        set(services)
+        == {"orchestrator", "engine-0", "engine-1", "detectors"}
+        <= set(main["services"])
+    )
+    names = set()
+    for name, service in services.items():
+        assert set(service) == {"environment"}, name
+        env = service["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
+        assert env_wants_tracing(env) and engine_tracing.env_wants_tracing(env), name
+        names.add(env["OTEL_SERVICE_NAME"])
+    assert len(names) == len(services)

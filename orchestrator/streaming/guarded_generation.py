@@ -477,7 +477,7 @@ class GuardedGeneration:
         )
         hold_s = self._hold_time(end)
         self._observer.on_frame(frame, hold_s)
-        if self._span is not None:
+        if self._span is not None and self._output_detectors:  # judged frames: per chunk
             tracing.frame_event(self._span, frame, hold_s)
         return frame
 
@@ -531,5 +531,5 @@ class GuardedGeneration:
         self.terminal = terminal
         self._observer.on_terminal(terminal.kind)
         if self._span is not None:
-            tracing.record_terminal(self._span, terminal)
+            tracing.record_terminal(self._span, terminal, self._progress.frames_sent)
         return terminal
