@@ -75,7 +75,7 @@ def configure(
 ) -> bool:
     """Turns tracing on for this process when `settings` (config.yaml's `server.tracing`), the
     environment or an explicit `exporter` ask for it; else makes sure it is off. Returns whether
-    it is on. Managed engines inherit the settings through `environ` (see _export_to_children)."""
+    it is on. Managed engines inherit the settings through `environ` (see engine_env)."""
     global TRACER, _PROVIDER, _PROPAGATOR
     shutdown()
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" and exporter is None:
@@ -88,11 +88,7 @@ def configure(
 
     endpoint = settings.otlp_endpoint if settings is not None else None
     ratio = settings.sample_ratio if settings is not None else None
-    name = (
-        (settings.service_name if settings is not None and settings.service_name else None)
-        or environ.get("OTEL_SERVICE_NAME", "").strip()
-        or DEFAULT_SERVICE_NAME
-    )
+    name = _service_name(settings, environ)
     _PROVIDER = build_provider(
         service_name=name,
         endpoint=endpoint,
@@ -103,30 +99,41 @@ def configure(
     TRACER = _PROVIDER.get_tracer("guardstream.orchestrator")
     _PROPAGATOR = TraceContextTextMapPropagator()
     logs.TRACE_IDS = current_ids
-    if settings is not None or env_wants_tracing(environ):
-        _export_to_children(environ, name, endpoint, ratio)
+    # managed engines are started with this process's environment: they inherit the settings
+    global _CHILD_ENVIRON
+    _CHILD_ENVIRON = environ
+    for key, value in engine_env(settings, environ).items():
+        _CHILD_ENV.setdefault(key, environ.get(key))
+        environ[key] = value
     log.info("tracing on: service %s", name)
     return True
 
 
-def _export_to_children(
-    environ: MutableMapping[str, str], name: str, endpoint: str | None, ratio: float | None
-) -> None:
-    """Managed engines are started with this process's environment: they trace when it says
-    so, to the same collector, with the same sampling, as `<service name>-engine`."""
-    wanted = {"OTEL_SERVICE_NAME": f"{name}-engine"}
-    if endpoint:
-        wanted["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = traces_url(endpoint)
+def _service_name(settings: TracingConfig | None, environ: Mapping[str, str]) -> str:
+    configured = settings.service_name if settings is not None else None
+    return configured or environ.get("OTEL_SERVICE_NAME", "").strip() or DEFAULT_SERVICE_NAME
+
+
+def engine_env(
+    settings: TracingConfig | None, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The variables that make a managed engine trace like this orchestrator (the same collector
+    and sampling, as `<service name>-engine`) on top of `environ`; {} when tracing is off.
+    configure() sets them in this process's environment for the engines the app starts; a
+    process that starts engines without the app adds them to those engines' environment."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return {}
+    if settings is None and not env_wants_tracing(environ):
+        return {}
+    wanted = {"OTEL_SERVICE_NAME": f"{_service_name(settings, environ)}-engine"}
+    if settings is not None and settings.otlp_endpoint:
+        wanted["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = traces_url(settings.otlp_endpoint)
     if not env_wants_tracing(environ):
         wanted["OTEL_TRACES_EXPORTER"] = "otlp"
-    if ratio is not None:
+    if settings is not None and settings.sample_ratio is not None:
         wanted["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
-        wanted["OTEL_TRACES_SAMPLER_ARG"] = repr(ratio)
-    global _CHILD_ENVIRON
-    _CHILD_ENVIRON = environ
-    for key, value in wanted.items():
-        _CHILD_ENV.setdefault(key, environ.get(key))
-        environ[key] = value
+        wanted["OTEL_TRACES_SAMPLER_ARG"] = repr(settings.sample_ratio)
+    return wanted
 
 
 def force_flush(timeout_ms: int = 30_000) -> bool:

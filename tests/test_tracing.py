@@ -44,6 +44,7 @@ from orchestrator.app import STREAMING_PATH, create_app
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.logs import make_handler
 from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import MODEL as MODEL_ID
 from tests.orchestrator_support import (
     assert_contiguous,
     frames,
@@ -608,14 +609,20 @@ def test_config_tracing_is_exported_to_managed_engines_and_restored() -> None:
     settings = parse_config(
         {"server": {"tracing": {"otlp_endpoint": "http://c:4318", "sample_ratio": 0.25}}}
     ).server.tracing
-    assert tracing.configure(settings, exporter=InMemorySpanExporter(), environ=environ)
-    assert environ == {
+    for_engines = {
         "OTEL_SERVICE_NAME": "mine-engine",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces",
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
         "OTEL_TRACES_SAMPLER_ARG": "0.25",
     }
+    assert tracing.engine_env(settings, environ) == for_engines
+    assert tracing.engine_env(None, environ) == {}  # tracing off: engines get nothing
+    assert tracing.engine_env(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}) == {
+        "OTEL_SERVICE_NAME": "guardstream-engine"  # the endpoint itself is inherited
+    }
+    assert tracing.configure(settings, exporter=InMemorySpanExporter(), environ=environ)
+    assert environ == for_engines
     tracing.shutdown()
     assert environ == {"OTEL_SERVICE_NAME": "mine"}
     assert tracing.TRACER is None
@@ -663,3 +670,35 @@ def test_compose_tracing_profile_points_every_process_at_its_collector() -> None
         assert env_wants_tracing(env) and engine_tracing.env_wants_tracing(env), name
         names.add(env["OTEL_SERVICE_NAME"])
     assert len(names) == len(services)
+
+
+async def test_every_surface_gets_its_request_span_errors_included(
+    fakes: tuple[FakeEngine, RecordingDetector],
+) -> None:
+    engine, _ = fakes
+    exporter = InMemorySpanExporter()
+    async with orchestrator(native_config(engine.url), exporter) as url:
+        async with aiohttp.ClientSession() as session:
+            chat = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}]}
+            async with session.post(url + "/v1/chat/completions", json=chat) as r:
+                assert r.status == 200
+                answer = await r.json()
+            async with session.post(
+                url + "/v1/responses", json={"model": "nope", "input": "Hi"}
+            ) as r:
+                assert r.status == 404, await r.text()
+        assert tracing.force_flush()
+    by_surface = {
+        s.attributes["guardstream.surface"]: s
+        for s in exporter.get_finished_spans()
+        if s.kind == SpanKind.SERVER
+    }
+    assert set(by_surface) == {"chat_completions", "responses"}
+    ok = by_surface["chat_completions"].attributes
+    assert ok["guardstream.terminal"] == "completed"
+    assert ok["guardstream.model"] == MODEL_ID
+    assert ok["http.response.status_code"] == 200
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    bad = by_surface["responses"]
+    assert bad.attributes["http.response.status_code"] == 404
+    assert "guardstream.terminal" not in bad.attributes  # refused before any pipeline existed
