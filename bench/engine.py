@@ -1,33 +1,57 @@
-"""Engine benchmark: aggregate tokens/s and time to first token for 1, 4 and 16 concurrent streams.
+"""Engine benchmark: the hot loop's parts in-process, then aggregate throughput over HTTP.
 
-    python bench/engine.py [--model smollm2-135m] [--device auto|cpu|cuda] [--tokens 64]
-                           [--concurrency 1,4,16] [--url http://HOST:PORT] [--json out.json]
+    python bench/engine.py [--model smollm2-135m] [--device cpu|cuda|auto] [--tokens 64]
+                           [--concurrency 1,16] [--decoding greedy,sampling] [--repeat 1]
+                           [--rounds 2] [--threads N]
+                           [--skip-micro] [--skip-http] [--url http://HOST:PORT] [--json out.json]
 
-Starts `python -m generation serve` as a subprocess (unless --url names a running engine) and
-drives it over HTTP with aiohttp, like the orchestrator does. Each stream is a different chat
-prompt (different lengths, so prefills are not trivially shared) and generates exactly --tokens
-tokens (greedy, min_new_tokens = max_new_tokens). Aggregate throughput = all tokens / wall time
-from the first request to the last `complete_final`. The headline is the ratio of 16-stream
-aggregate throughput to 1-stream throughput, which continuous batching should make >= 4x.
+1. Sampling cost per step for 1, 4, 16 (and 64 on a GPU) sampled rows, on real logits of the
+   model (chat prompts' last positions): the batched `sampling.select` next to the previous
+   per-row implementation (kept below, verbatim, as the baseline). Target: 16 rows cost within 2x
+   of 1 row.
+2. KV cache: joining one request to a running batch, one leaving, and one decode step, with the
+   previous scheme (left-padded `DynamicCache`: `cat` on join, `index_select` on leave, `cat`
+   every step) next to `SlotCache`; time and bytes copied. Then the detokenizers' cost per token
+   (Python window vs `tokenizers`' DecodeStream; identical text is asserted).
+3. HTTP: starts `python -m generation serve` (unless --url) and drives it like the orchestrator
+   does. Each stream is a different chat prompt and generates exactly --tokens tokens
+   (min_new_tokens = max_new_tokens), greedy or seeded sampling (T=0.8, top_p=0.95). Aggregate
+   throughput = all tokens / wall time from the first request to the last `complete_final`;
+   time to first token per stream. The headline is the ratio of 16-stream to 1-stream aggregate
+   throughput (target >= 6x on CPU), per round (--rounds, interleaved) and its median.
+   `--device cuda` defaults to 1 and 64 streams.
+
+The CPU may be shared: in-process timings are the best of several calls, HTTP figures are what
+one run got; compare numbers within one run, and repeat (--repeat) for ranges. `--threads 1`
+makes a busy 2-core machine far less noisy (intra-op thread barriers stall under contention).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from generation import models
+from generation.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_decoder
+from generation.kv_cache import SlotCache
+from generation.sampling import SamplingParams, default_candidates, select, uniform
 from generation.testing import start_engine_subprocess
 
 QUESTIONS = [
@@ -48,17 +72,335 @@ QUESTIONS = [
     "What makes a good friend?",
     "Summarise the plot of a detective novel you would like to read.",
 ]
+SAMPLING = {"method": "sampling", "seed": 7, "temperature": 0.8, "top_p": 0.95}
+
+
+# ----- 1. sampling ------------------------------------------------------------------------------
+
+
+def previous_select(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+) -> list[int]:
+    """The per-row implementation this engine used before batched sampling (the baseline)."""
+    chosen: list[int] = logits.argmax(dim=-1).tolist()
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        row = logits[i].detach().to(device="cpu", dtype=torch.float64) / p.temperature
+        if 0 < p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        if p.top_p < 1.0:
+            target_p = torch.tensor([p.top_p], dtype=torch.float64)
+            keep = int(torch.searchsorted(cumulative, target_p).item()) + 1
+            cumulative = cumulative[: max(1, min(keep, cumulative.numel()))]
+        total = float(cumulative[-1].item())
+        target = torch.tensor([uniform(p.seed, positions[i]) * total], dtype=torch.float64)
+        index = int(torch.searchsorted(cumulative, target, right=True).item())
+        chosen[i] = int(order[min(index, cumulative.numel() - 1)].item())
+    return chosen
+
+
+def chat_ids(loaded: models.LoadedModel, question: str) -> list[int]:
+    ids = loaded.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(
+    fn: Callable[..., object],
+    device: torch.device,
+    repeat: int = 15,
+    setup: Callable[[], object] | None = None,
+) -> float:
+    """Best seconds of `fn` over `repeat` calls after two warm-ups (the minimum: on a shared CPU
+    the other processes only ever add time); `setup()` (untimed) makes each call's argument."""
+    times = []
+    for i in range(repeat + 2):
+        args = () if setup is None else (setup(),)
+        _sync(device)
+        start = time.perf_counter()
+        fn(*args)
+        _sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bench_sampling(loaded: models.LoadedModel, sizes: list[int]) -> dict[str, Any]:
+    """Per-step selection cost for `sizes` sampled rows on real next-token logits."""
+    device = loaded.device
+    with torch.inference_mode():
+        rows = []
+        for question in QUESTIONS:
+            out = loaded.model(input_ids=torch.tensor([chat_ids(loaded, question)], device=device))
+            rows.append(out.logits[0, -1].float())
+        real = torch.stack(rows)
+    settings = {
+        "T=0.8 top_p=0.95": SamplingParams(greedy=False, temperature=0.8, top_p=0.95),
+        "T=1.0": SamplingParams(greedy=False, temperature=1.0),
+        "T=0.7 top_k=50 top_p=0.9": SamplingParams(
+            greedy=False, temperature=0.7, top_k=50, top_p=0.9
+        ),
+    }
+    candidates = default_candidates(device)
+    results: dict[str, Any] = {"candidates": candidates, "settings": {}}
+    for name, base in settings.items():
+        line: dict[str, Any] = {}
+        for size in sizes:
+            logits = real[torch.arange(size, device=device) % real.shape[0]].contiguous()
+            params = [
+                SamplingParams(False, base.temperature, base.top_k, base.top_p, seed=1000 + r)
+                for r in range(size)
+            ]
+            line[size] = {
+                "batched_ms": 1e3 * _time_positions(select, logits, params, device, 30, candidates),
+                "previous_ms": 1e3 * _time_positions(previous_select, logits, params, device, 5),
+            }
+        first, last = line[sizes[0]], line[sizes[-1]]
+        print(
+            f"sampling {name:<25}"
+            + "".join(
+                f" | {s:>2} rows {v['batched_ms']:6.2f} ms (was {v['previous_ms']:6.1f})"
+                for s, v in line.items()
+            )
+            + f" | {sizes[-1]}/{sizes[0]} rows: {last['batched_ms'] / first['batched_ms']:.1f}x"
+            f" (was {last['previous_ms'] / first['previous_ms']:.1f}x; target <= 2x)",
+            flush=True,
+        )
+        greedy = [SamplingParams()] * sizes[-1]
+        logits = real[torch.arange(sizes[-1], device=device) % real.shape[0]].contiguous()
+        line["greedy_argmax_ms"] = 1e3 * _time_positions(select, logits, greedy, device, 15)
+        results["settings"][name] = line
+    print(
+        f"  (floor: a greedy argmax over {sizes[-1]} rows costs "
+        f"{line['greedy_argmax_ms']:.2f} ms; first tier orders {candidates or 'all'} candidates)",
+        flush=True,
+    )
+    return results
+
+
+def _time_positions(
+    fn: Callable[..., list[int]],
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    device: torch.device,
+    repeat: int,
+    *extra: object,
+) -> float:
+    """Median seconds of `fn(logits, params, positions, *extra)`, a new position per call
+    (which tier resolves a row depends on its draw)."""
+    step = iter(range(10**9))
+    return timed(lambda: fn(logits, params, [next(step)] * len(params), *extra), device, repeat)
+
+
+# ----- 2. KV cache ------------------------------------------------------------------------------
+
+
+def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    return F.pad(x, (0, 0, n, 0)) if n else x
+
+
+def previous_merge(cache: Any, width: int, new: Any, length: int) -> int:
+    """The previous scheduler's join: left-pad both sides, `cat` every layer. Returns width."""
+    total = max(width, length)
+    for old, add in zip(cache.layers, new.layers, strict=True):
+        old.keys = torch.cat(
+            [_pad_left(old.keys, total - width), _pad_left(add.keys, total - length)]
+        )
+        old.values = torch.cat(
+            [_pad_left(old.values, total - width), _pad_left(add.values, total - length)]
+        )
+    return total
+
+
+def previous_keep(cache: Any, keep: list[int], lengths: list[int], width: int) -> int:
+    """The previous scheduler's leave: `index_select` every layer, trim all-padding columns."""
+    index = torch.tensor(keep, device=cache.layers[0].keys.device)
+    trim = width - max(lengths[i] for i in keep)
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, index)[:, :, trim:, :]
+        layer.values = layer.values.index_select(0, index)[:, :, trim:, :]
+    return width - trim
+
+
+def bench_kv(loaded: models.LoadedModel, rows: int, generated: int) -> dict[str, Any]:
+    """Join one row to `rows - 1` running rows, drop a middle row, and one decode step."""
+    device = loaded.device
+    model = loaded.model
+    prompts = [chat_ids(loaded, QUESTIONS[i % len(QUESTIONS)]) for i in range(rows)]
+    prompts = [p + [p[-1]] * (generated + 7 * i) for i, p in enumerate(prompts)]  # mid-stream rows
+
+    def prefill(prompt: list[int]) -> Any:
+        return model(
+            input_ids=torch.tensor([prompt], device=device), use_cache=True
+        ).past_key_values
+
+    out: dict[str, Any] = {"rows": rows}
+    with torch.inference_mode():
+        singles = [prefill(p) for p in prompts]
+        lengths = [len(p) for p in prompts]
+        bytes_per_token = sum(
+            layer.keys[0, :, 0].nbytes + layer.values[0, :, 0].nbytes for layer in singles[0].layers
+        )
+
+        # previous scheme: a left-padded DynamicCache of rows - 1 rows, then the last joins
+        def build_previous(count: int) -> tuple[Any, int]:
+            cache, width = prefill(prompts[0]), lengths[0]
+            for i in range(1, count):
+                width = previous_merge(cache, width, singles[i], lengths[i])
+            return cache, width
+
+        def clone(cache: Any) -> Any:
+            copy = DynamicCache()
+            for layer in cache.layers:
+                twin = DynamicLayer()
+                twin.keys, twin.values = layer.keys.clone(), layer.values.clone()
+                twin.is_initialized = True
+                copy.layers.append(twin)
+            return copy
+
+        base, width = build_previous(rows - 1)
+        out["previous_join_ms"] = 1e3 * timed(
+            lambda c: previous_merge(c, width, singles[-1], lengths[-1]),
+            device,
+            5,
+            setup=lambda: clone(base),
+        )
+        full, full_width = build_previous(rows)
+        out["previous_join_mb"] = full_width * rows * bytes_per_token / 1e6
+        keep = [i for i in range(rows) if i != rows // 2]
+        out["previous_leave_ms"] = 1e3 * timed(
+            lambda c: previous_keep(c, keep, lengths, full_width),
+            device,
+            5,
+            setup=lambda: clone(full),
+        )
+        out["previous_leave_mb"] = full_width * (rows - 1) * bytes_per_token / 1e6
+
+        def previous_step(full: Any) -> None:
+            pads = torch.tensor([full_width - n for n in lengths], device=device)
+            mask = (torch.arange(full_width + 1, device=device)[None, :] >= pads[:, None]).long()
+            model(
+                input_ids=torch.full((rows, 1), 42, device=device),
+                attention_mask=mask,
+                position_ids=torch.tensor(lengths, device=device)[:, None],
+                past_key_values=full,
+                use_cache=True,
+            )
+            _trim_last(full)  # keep the width fixed across repeats
+
+        out["previous_step_ms"] = 1e3 * timed(previous_step, device, 5, setup=lambda: full)
+        out["previous_step_mb"] = (full_width + 1) * rows * bytes_per_token / 1e6  # `cat` per step
+        full = base = None
+        gc.collect()
+
+        # slot cache
+        kv = SlotCache(len(singles[0].layers), max(64, rows), loaded.max_context)
+        for i in range(rows - 1):
+            kv.add_rows(singles[i], [0], lengths[i])
+
+        def slot_join() -> None:
+            kv.add_rows(singles[-1], [0], lengths[-1])
+            kv.keep(list(range(rows - 1)))  # undo: the last row leaving moves nothing
+
+        out["slot_join_ms"] = timed(slot_join, device, 5) * 1e3
+        out["slot_join_mb"] = lengths[-1] * bytes_per_token / 1e6
+        kv.add_rows(singles[-1], [0], lengths[-1])
+        order_lengths = list(kv.lengths)
+
+        def slot_leave() -> None:
+            moved = kv.lengths[-1]
+            kv.keep(keep)  # the last row moves into the freed middle slot
+            kv.lengths.append(moved)  # undo (the moved row's data is still in its old slot)
+            kv._refresh_index()
+
+        out["slot_leave_ms"] = timed(slot_leave, device, 5) * 1e3
+        out["slot_leave_mb"] = lengths[-1] * bytes_per_token / 1e6
+        kv.lengths = order_lengths
+
+        def slot_step() -> None:
+            positions = kv.begin_step()
+            model(
+                input_ids=torch.full((rows, 1), 42, device=device),
+                attention_mask=kv.attention_mask(),
+                position_ids=positions[:, None],
+                past_key_values=kv,
+                use_cache=True,
+            )
+            kv.step_positions = None  # lengths unchanged: the same width on every repeat
+
+        out["slot_step_ms"] = timed(slot_step, device, 5) * 1e3
+        out["slot_step_mb"] = rows * bytes_per_token / 1e6
+    print(
+        f"kv cache, {rows} rows of {min(lengths)}-{max(lengths)} tokens ({bytes_per_token / 1e3:.0f} kB/token):\n"
+        f"  join one row:  previous {out['previous_join_ms']:7.2f} ms ({out['previous_join_mb']:6.1f} MB copied)"
+        f"  slot {out['slot_join_ms']:6.2f} ms ({out['slot_join_mb']:5.2f} MB)\n"
+        f"  leave one row: previous {out['previous_leave_ms']:7.2f} ms ({out['previous_leave_mb']:6.1f} MB copied)"
+        f"  slot {out['slot_leave_ms']:6.2f} ms ({out['slot_leave_mb']:5.2f} MB)\n"
+        f"  decode step:   previous {out['previous_step_ms']:7.2f} ms ({out['previous_step_mb']:6.1f} MB `cat`)"
+        f"  slot {out['slot_step_ms']:6.2f} ms ({out['slot_step_mb']:5.2f} MB written)",
+        flush=True,
+    )
+    return out
+
+
+def _trim_last(cache: Any) -> Any:
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, :-1], layer.values[:, :, :-1]
+    return cache
+
+
+def bench_detokenizer(loaded: models.LoadedModel) -> dict[str, float]:
+    """Microseconds per token of the Python and the DecodeStream detokenizers (same text)."""
+    text = " ".join(QUESTIONS) + " 😀 東京 naïve — " * 20
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    decode = make_decoder(loaded.tokenizer)
+    backend = loaded.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    out: dict[str, float] = {}
+    texts = {}
+    for name, factory in (
+        ("python", lambda: IncrementalDetokenizer(decode)),
+        ("decode_stream", lambda: StreamDetokenizer(backend, decode)),
+    ):
+
+        def run(factory: Callable[[], Any] = factory, name: str = name) -> None:
+            detok = factory()
+            texts[name] = "".join(detok.push(t) for t in ids) + detok.flush()
+
+        out[name + "_us_per_token"] = timed(run, torch.device("cpu"), 10) / len(ids) * 1e6
+    assert texts["python"] == texts["decode_stream"]
+    print(
+        f"detokenizer: python {out['python_us_per_token']:.1f} us/token, DecodeStream "
+        f"{out['decode_stream_us_per_token']:.1f} us/token (identical text, {len(ids)} tokens)",
+        flush=True,
+    )
+    return out
+
+
+# ----- 3. HTTP ----------------------------------------------------------------------------------
 
 
 async def one_stream(
-    session: aiohttp.ClientSession, url: str, prompt: str, tokens: int
+    session: aiohttp.ClientSession, url: str, prompt: str, tokens: int, decoding: str
 ) -> dict[str, float]:
-    body = {
+    body: dict[str, Any] = {
         "prompt": prompt,
         "chat": True,
         "max_new_tokens": tokens,
         "min_new_tokens": tokens,
     }
+    if decoding == "sampling":
+        body["decoding"] = SAMPLING
     start = time.perf_counter()
     first: float | None = None
     generated = 0
@@ -77,12 +419,15 @@ async def one_stream(
     return {"start": start, "first": first, "end": end, "tokens": generated}
 
 
-async def run_level(url: str, concurrency: int, tokens: int) -> dict[str, Any]:
+async def run_level(url: str, concurrency: int, tokens: int, decoding: str) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(concurrency)]
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(session, url, p, tokens) for p in prompts))
+        results = await asyncio.gather(
+            *(one_stream(session, url, p, tokens, decoding) for p in prompts)
+        )
         wall = time.perf_counter() - t0
     total = sum(r["tokens"] for r in results)
     ttfts = [r["first"] - r["start"] for r in results]
@@ -90,31 +435,67 @@ async def run_level(url: str, concurrency: int, tokens: int) -> dict[str, Any]:
         (r["tokens"] - 1) / (r["end"] - r["first"]) for r in results if r["end"] > r["first"]
     ]
     return {
+        "decoding": decoding,
         "concurrency": concurrency,
         "tokens_total": total,
         "wall_s": wall,
         "aggregate_tokens_per_s": total / wall,
         "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p50_s": statistics.median(ttfts),
         "ttft_max_s": max(ttfts),
         "per_stream_tokens_per_s": statistics.fmean(per_stream) if per_stream else 0.0,
     }
 
 
-async def bench(url: str, levels: list[int], tokens: int) -> list[dict[str, Any]]:
+async def bench_http(
+    url: str,
+    levels: list[int],
+    tokens: int,
+    decodings: list[str],
+    target: float | None,
+    rounds: int,
+) -> list[dict[str, Any]]:
+    """Every level once per round, rounds interleaved: each round's ratio compares runs made
+    minutes apart at most, so a busy neighbour skews one round, not the comparison."""
     async with aiohttp.ClientSession() as session:  # warm-up: first-call allocations, caches
-        await one_stream(session, url, "Hello!", 4)
+        await one_stream(session, url, "Hello!", 4, "greedy")
     out = []
-    for level in levels:
-        result = await run_level(url, level, tokens)
-        print(
-            f"{level:>3} streams: {result['aggregate_tokens_per_s']:8.1f} tok/s aggregate, "
-            f"{result['per_stream_tokens_per_s']:6.1f} tok/s per stream, "
-            f"TTFT mean {result['ttft_mean_s'] * 1000:7.0f} ms (max {result['ttft_max_s'] * 1000:.0f} ms), "
-            f"wall {result['wall_s']:.1f} s",
-            flush=True,
-        )
-        out.append(result)
+    for decoding in decodings:
+        ratios = []
+        for _ in range(rounds):
+            by_level = {}
+            for level in levels:
+                r = await run_level(url, level, tokens, decoding)
+                print(
+                    f"{decoding:>8} {level:>3} streams: {r['aggregate_tokens_per_s']:8.1f} tok/s "
+                    f"aggregate, {r['per_stream_tokens_per_s']:6.1f} tok/s per stream, TTFT mean "
+                    f"{r['ttft_mean_s'] * 1000:6.0f} ms (p50 {r['ttft_p50_s'] * 1000:.0f}, max "
+                    f"{r['ttft_max_s'] * 1000:.0f}), wall {r['wall_s']:.1f} s",
+                    flush=True,
+                )
+                by_level[level] = r
+                out.append(r)
+            if 1 in by_level and max(by_level) > 1:
+                top = max(by_level)
+                ratio = (
+                    by_level[top]["aggregate_tokens_per_s"] / by_level[1]["aggregate_tokens_per_s"]
+                )
+                by_level[top]["ratio_to_1"] = ratio
+                ratios.append(ratio)
+        if ratios:
+            goal = f" (target >= {target:g}x)" if target else ""
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else ""
+            print(
+                f"{decoding:>8} aggregate {max(levels)} streams / 1 stream: "
+                f"{statistics.median(ratios):.2f}x{goal} {spread}".rstrip(),
+                flush=True,
+            )
     return out
+
+
+async def _health(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url + "/health") as resp:
+        return await resp.json()
 
 
 def main() -> int:
@@ -122,52 +503,94 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per stream")
-    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--concurrency", default=None, help="default 1,16 (CPU) or 1,64 (GPU)")
+    parser.add_argument("--decoding", default="greedy,sampling")
+    parser.add_argument("--repeat", type=int, default=1, help="run everything this many times")
+    parser.add_argument("--rounds", type=int, default=2, help="HTTP: rounds of every level")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads, here and in the engine (default: torch's)",
+    )
+    parser.add_argument("--skip-micro", action="store_true", help="only the HTTP benchmark")
+    parser.add_argument("--skip-http", action="store_true", help="only the in-process parts")
     parser.add_argument("--url", default=None, help="benchmark an engine that is already running")
     parser.add_argument("--extra-args", default="", help="extra `generation serve` arguments")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
-    levels = [int(x) for x in args.concurrency.split(",") if x]
+    device = models.resolve_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        args.extra_args = f"{args.extra_args} --threads {args.threads}"
+    gpu = device.type == "cuda"
+    levels = [int(x) for x in (args.concurrency or ("1,64" if gpu else "1,16")).split(",") if x]
+    top = max(levels)
+    decodings = [d for d in args.decoding.split(",") if d]
+    sizes = [1, 4, 16, 64] if gpu else [1, 4, 16]
+    print(
+        f"{args.model} on {device}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+        + (f", {torch.cuda.get_device_name(device)}" if gpu else ""),
+        flush=True,
+    )
+    summary: dict[str, Any] = {"model": args.model, "device": str(device), "runs": []}
+    for run in range(args.repeat):
+        if args.repeat > 1:
+            print(f"--- run {run + 1} of {args.repeat}", flush=True)
+        result: dict[str, Any] = {}
+        if not args.skip_micro:
+            loaded = models.load(args.model, device=str(device))
+            result["sampling"] = bench_sampling(loaded, sizes)
+            result["kv"] = bench_kv(loaded, top, args.tokens // 2)
+            result["detokenizer"] = bench_detokenizer(loaded)
+            del loaded
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()
+        if not args.skip_http:
+            result["http"] = _run_http(args, str(device), levels, decodings, None if gpu else 6.0)
+        summary["runs"].append(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _run_http(
+    args: argparse.Namespace,
+    device: str,
+    levels: list[int],
+    decodings: list[str],
+    target: float | None,
+) -> dict[str, Any]:
     engine = None
     url = args.url
     if url is None:
         engine = start_engine_subprocess(
-            args.model, port=0, device=args.device, extra_args=tuple(args.extra_args.split())
+            args.model, port=0, device=device, extra_args=tuple(args.extra_args.split())
         )
         url = engine.url
     try:
         info = asyncio.run(_health(url))
         print(
-            f"engine {info['model']} on {info['device']} ({info['dtype']}), {args.tokens} tokens per stream, "
-            f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-            f"load average {os.getloadavg()[0]:.2f}",
+            f"engine {info['model']} on {info['device']} ({info['dtype']}), {args.tokens} tokens "
+            f"per stream, load average {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-        results = asyncio.run(bench(url, levels, args.tokens))
-        by_level = {r["concurrency"]: r for r in results}
-        summary: dict[str, Any] = {"engine": info, "tokens": args.tokens, "results": results}
-        if 1 in by_level and max(by_level) > 1:
-            top = max(by_level)
-            ratio = by_level[top]["aggregate_tokens_per_s"] / by_level[1]["aggregate_tokens_per_s"]
-            summary[f"ratio_{top}_to_1"] = ratio
-            print(f"aggregate throughput {top} streams / 1 stream: {ratio:.2f}x (target >= 4x)")
+        results = asyncio.run(bench_http(url, levels, args.tokens, decodings, target, args.rounds))
         after = asyncio.run(_health(url))
         print(
-            f"max batch size seen: {after['max_batch_size_seen']}, forward passes: {after['forward_passes']}"
+            f"max batch size seen: {after['max_batch_size_seen']}, "
+            f"forward passes: {after['forward_passes']}",
+            flush=True,
         )
-        if args.json:
-            Path(args.json).write_text(json.dumps(summary, indent=2))
+        return {"engine": info, "results": results}
     finally:
         if engine is not None:
             engine.stop()
-    return 0
-
-
-async def _health(url: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session, session.get(url + "/health") as resp:
-        return await resp.json()
 
 
 if __name__ == "__main__":

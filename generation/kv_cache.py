@@ -147,15 +147,12 @@ class SlotCache(Cache):
         order = list(range(count))
         for hole, mover in zip(holes, movers, strict=True):
             order[hole] = mover
-        if movers:
-            width = max(self.lengths[i] for i in movers)
-            dst = torch.tensor(holes, dtype=torch.long, device=self._device)
-            src = torch.tensor(movers, dtype=torch.long, device=self._device)
+            width = self.lengths[mover]  # slice copies: no index tensors, no temporaries
             for layer in self._slot_layers:
                 assert layer.keys is not None and layer.values is not None
-                layer.keys[dst, :, :width] = layer.keys[src, :, :width]
-                layer.values[dst, :, :width] = layer.values[src, :, :width]
-            self.copied_bytes += self._row_bytes(width) * len(movers)
+                layer.keys[hole, :, :width].copy_(layer.keys[mover, :, :width])
+                layer.values[hole, :, :width].copy_(layer.values[mover, :, :width])
+            self.copied_bytes += self._row_bytes(width)
         self.lengths = [self.lengths[i] for i in order]
         if not self.lengths:
             self.clear()

@@ -7,7 +7,9 @@ with temperature T, top-k k, top-p p, at generated position i:
 1. order the tokens by logit, descending, equal logits by token id (a stable sort);
 2. weight token j by `w_j = exp((x_j - x_max) / T)` in float64 (T > 0; no overflow for tiny T);
 3. top-k keeps the tokens whose logit is >= the k-th largest (ties at the boundary are kept);
-   without top-k every token is kept; `S` = the kept tokens' total weight;
+   `S` = their total weight (float64, in that order); without top-k every token is kept and `S`
+   is the whole row's weight, computed in the logits' precision and summed in float64 in token-id
+   order (the only full-vocabulary pass besides the candidates, so kept cheap);
 4. top-p keeps the shortest prefix of that order whose cumulative weight reaches `p * S`;
 5. draw `u = uniform(seed, i)` (splitmix64 of seed and position: no generator state, so a stream
    resumed at position i on another replica draws what the uninterrupted one drew) and pick the
@@ -140,17 +142,12 @@ def sample_rows(
         [[p.temperature, k, p.top_p, u] for p, k, u in zip(params, top_k, draws, strict=True)],
         dtype=torch.float64,
     ).to(device)
-    temperature, top_p, uniforms = table[:, 0:1], table[:, 2:3], table[:, 3:4]
-    kth_rank = table[:, 1:2].long()
-    x_max = logits.max(dim=-1, keepdim=True).values.to(torch.float64)
-    # Without top-k the kept weight is the whole row's: one pass, in token-id order.
-    total_weight = torch.zeros((rows, 1), dtype=torch.float64, device=device)
-    whole = [r for r in range(rows) if top_k[r] == vocab]
-    if whole:
-        index = torch.tensor(whole, dtype=torch.long, device=device)
-        sub = logits if len(whole) == rows else logits.index_select(0, index)
-        weights = torch.exp((sub.to(torch.float64) - x_max[index]) / temperature[index])
-        total_weight[index] = torch.cumsum(weights, dim=-1)[:, -1:]
+    per_row = {
+        "temperature": table[:, 0:1],
+        "kth_rank": table[:, 1:2].long(),
+        "top_p": table[:, 2:3],
+        "uniforms": table[:, 3:4],
+    }
     out = torch.empty(rows, dtype=torch.long, device=device)
     pending = list(range(rows))
     count = vocab if candidates is None else max(1, candidates)
@@ -159,10 +156,14 @@ def sample_rows(
         if 4 * count >= vocab:
             count = vocab
         index = torch.tensor(pending, dtype=torch.long, device=device)
-        per_row = (logits, x_max, temperature, kth_rank, top_p, uniforms, total_weight)
-        if len(pending) != rows:
-            per_row = tuple(t.index_select(0, index) for t in per_row)
-        tokens, resolved = _resolve(*per_row, count)
+        everything = len(pending) == rows
+        sub = logits if everything else logits.index_select(0, index)
+        values, ids, exact = _candidates(sub, count)
+        if everything:  # the first tier: the max, and the weight of rows without top-k
+            per_row["x_max"] = values[:, :1].to(torch.float64)
+            per_row["whole_weight"] = _whole_weight(logits, per_row, top_k, vocab)
+        args = {k: v if everything else v.index_select(0, index) for k, v in per_row.items()}
+        tokens, resolved = _resolve(values, ids, exact, vocab=vocab, **args)
         if count == vocab:
             out[index] = tokens
             break
@@ -176,32 +177,65 @@ def sample_rows(
     return out
 
 
+def _candidates(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
+    """The top `count` logits of each row in the documented order (logit descending, then token
+    id), their ids, and how many of them are known to be in that order exactly."""
+    rows, vocab = logits.shape
+    if count >= vocab:
+        values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+        exact = torch.full((rows, 1), vocab, dtype=torch.long, device=logits.device)
+        return values, ids, exact
+    values, ids = torch.topk(logits, count, dim=-1, sorted=False)
+    ids, order = torch.sort(ids, dim=-1)  # equal logits: ascending token id ...
+    values = values.gather(-1, order)
+    values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)
+    # ... known exactly for logits above the smallest candidate (ties there may be missing)
+    exact = (values > values[:, -1:]).sum(dim=-1, keepdim=True)
+    return values, ids, exact
+
+
+def _whole_weight(
+    logits: torch.Tensor, per_row: dict[str, torch.Tensor], top_k: list[int], vocab: int
+) -> torch.Tensor:
+    """`S` of rows without top-k: the weight of the whole row, summed in token-id order.
+
+    The one pass over the whole vocabulary besides the candidates, so it runs in the logits'
+    precision (float32: half the memory traffic of float64) and accumulates in float64 by
+    `cumsum`, whose per-row result does not depend on the batch."""
+    rows = logits.shape[0]
+    total = torch.zeros((rows, 1), dtype=torch.float64, device=logits.device)
+    whole = [r for r in range(rows) if top_k[r] == vocab]
+    if not whole:
+        return total
+    index = torch.tensor(whole, dtype=torch.long, device=logits.device)
+    everything = len(whole) == rows
+    pick = (lambda t: t) if everything else (lambda t: t.index_select(0, index))
+    x_max, temperature = pick(per_row["x_max"]), pick(per_row["temperature"])
+    scaled = torch.sub(pick(logits), x_max.to(logits.dtype))
+    scaled.div_(temperature.clamp(min=1e-30).to(logits.dtype))  # (T below 1e-30 is argmax)
+    total[index] = torch.cumsum(scaled.exp_(), dim=-1, dtype=torch.float64)[:, -1:]
+    return total
+
+
 def _resolve(
-    logits: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    exact: torch.Tensor,
+    *,
+    vocab: int,
     x_max: torch.Tensor,
     temperature: torch.Tensor,
     kth_rank: torch.Tensor,
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
     whole_weight: torch.Tensor,
-    count: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tier: the draw among the top `count` logits of each row, and whether it is exact."""
-    rows, vocab = logits.shape
-    if count >= vocab:
-        values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
-        exact = torch.full((rows, 1), vocab, dtype=torch.long, device=logits.device)
-    else:
-        values, ids = torch.topk(logits, count, dim=-1, sorted=False)
-        ids, order = torch.sort(ids, dim=-1)  # equal logits: ascending token id ...
-        values = values.gather(-1, order)
-        values, order = torch.sort(values, dim=-1, descending=True, stable=True)
-        ids = ids.gather(-1, order)
-        # ... known exactly for logits above the smallest candidate (ties there may be missing)
-        exact = (values > values[:, -1:]).sum(dim=-1, keepdim=True)
+    """One tier: the draw among the ordered candidates of each row, and whether it is exact."""
+    count = values.shape[-1]
+    last = count - 1
     weights = torch.exp((values.to(torch.float64) - x_max) / temperature)
     cumulative = torch.cumsum(weights, dim=-1)
-    last = count - 1
     has_k = kth_rank < vocab
     kth = values.gather(-1, kth_rank.clamp(max=count) - 1)
     kept = torch.where(has_k, (values >= kth).sum(dim=-1, keepdim=True), vocab)

@@ -40,9 +40,10 @@ def oracle(row: torch.Tensor, params: SamplingParams, position: int) -> int:
         kept = sum(1 for v in values.tolist() if v >= kth)
         total = cumulative[kept - 1]
     else:
-        kept = vocab
-        whole = torch.exp((row.to(torch.float64) - x_max) / params.temperature)
-        total = float(torch.cumsum(whole, 0)[-1])
+        kept = vocab  # the whole row, in the logits' precision, summed in float64
+        divisor = torch.tensor(max(params.temperature, 1e-30), dtype=torch.float64)
+        whole = torch.exp((row - values[0]) / divisor.to(row.dtype))
+        total = float(torch.cumsum(whole, 0, dtype=torch.float64)[-1])
     if params.top_p < 1.0:
         bound = params.top_p * total
         end = next((j for j, c in enumerate(cumulative) if c >= bound), vocab - 1)
