@@ -139,6 +139,7 @@ class GuardedGeneration:
         self._inbox = Inbox(max_buffered_chunks)
         self._max_batch = max_buffered_chunks
         self._detection: StreamingDetection | None = None
+        self._holding = False  # events() holds a frame: `_run` yields _IDLE before it waits
         self._judged = asyncio.Event()  # the detectors caught up (see MAX_UNJUDGED_CHARS)
         self._progress = _Progress()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -175,6 +176,7 @@ class GuardedGeneration:
                 # follows at once: then it goes out with `more` set (writers send a burst of
                 # frames in one write). Nothing is held across a wait for the inbox.
                 held: Frame | None = None
+                self._holding = False
                 while True:
                     try:
                         event = await anext(run)
@@ -187,6 +189,7 @@ class GuardedGeneration:
                     if event is _IDLE:
                         if held is not None:
                             frame, held = held, None
+                            self._holding = False
                             yield frame
                         continue
                     self._last_event = loop.time()
@@ -196,6 +199,7 @@ class GuardedGeneration:
                         yield frame
                     if isinstance(event, Frame):
                         held = event
+                        self._holding = True
                         continue
                     if isinstance(event, Terminal):
                         yield self._finish(event)
@@ -212,7 +216,8 @@ class GuardedGeneration:
             self._spawn(self._judge_input())
             judged: list[Finding] | None = None
             while judged is None:
-                yield _IDLE
+                if self._holding:
+                    yield _IDLE
                 for message in await self._inbox.take_all():
                     if isinstance(message, _InputJudged):
                         judged = message.findings
@@ -237,7 +242,8 @@ class GuardedGeneration:
         engine_ended = False
         final_sent = False
         while True:
-            yield _IDLE
+            if self._holding:
+                yield _IDLE
             messages = await self._inbox.take_all()
             pending_text: list[str] = []
             for message in messages:
@@ -337,7 +343,8 @@ class GuardedGeneration:
         self._inbox.put(_InputJudged(findings))
 
     async def _read_engine(self, stream: MigratingStream) -> None:
-        """Everything one read of the engine delivered goes to the inbox as one message."""
+        """Everything one read of the engine delivered goes to the inbox as one message; the
+        read waits while the detectors are behind (see MAX_UNJUDGED_CHARS)."""
         inbox, limit, detection = self._inbox, self._max_batch, self._detection
         while True:
             while detection is not None and detection.unjudged > MAX_UNJUDGED_CHARS:
