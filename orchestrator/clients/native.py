@@ -129,16 +129,26 @@ class LineReader:
         """The payload of a `data: <payload>\n\n` event at the head of the buffer, consumed: the
         shape nearly every event of an OpenAI stream has, taken without splitting it into lines.
         None (nothing consumed) for any other head, or one not complete yet."""
+        peeked = self.peek_sse_data()
+        if peeked is None:
+            return None
+        self.consume(peeked[1])
+        return peeked[0]
+
+    def peek_sse_data(self) -> tuple[bytes, int] | None:
+        """`take_sse_data` without consuming: the payload and the bytes its event takes."""
         buf = self._buf
         if not buf.startswith(b"data: "):
             return None
         i = buf.find(b"\n", 6)
         if i < 0 or buf[i + 1 : i + 2] != b"\n" or buf[i - 1] == 13:  # 13: a CRLF line
             return None
-        payload = bytes(buf[6:i])
-        del buf[: i + 2]
+        return bytes(buf[6:i]), i + 2
+
+    def consume(self, n: int) -> None:
+        """Drops the first `n` buffered bytes (an event `peek_sse_data` returned)."""
+        del self._buf[:n]
         self._scanned = 0
-        return payload
 
     def close(self) -> None:
         if self._timer is not None:
@@ -387,6 +397,8 @@ class HttpLineStream(EngineStream):
         reader.nowait = True
         try:
             while len(items) < limit and not self._finished and not self._done:
+                if self._take_buffered(items, limit):
+                    continue
                 items.append(await self.__anext__())
         except (WouldBlock, StopAsyncIteration):
             pass
@@ -395,6 +407,11 @@ class HttpLineStream(EngineStream):
         finally:
             reader.nowait = False
         return items
+
+    def _take_buffered(self, items: list[EngineItem], limit: int) -> int:
+        """A protocol's fast path for `next_batch`: appends the items of buffered events of its
+        most common shape, parsed in one loop; how many. The general path reads the rest."""
+        return 0
 
     async def _connect(self) -> None:
         c = self._client

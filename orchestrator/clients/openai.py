@@ -491,6 +491,41 @@ class ChatStream(_SseStream):
             own = max(own, self._completion_tokens - self._counted)
         return self._item(text, finish, own)
 
+    def _take_buffered(self, items: list[EngineItem], limit: int) -> int:
+        """Buffered events that are plain content deltas (one choice, `delta.content` text, no
+        finish reason, no usage, no error) become items here; anything else stops the loop
+        unconsumed, for `_read`."""
+        reader = self._reader
+        assert reader is not None
+        taken = 0
+        while len(items) < limit and (self._deadline is None or not self._deadline_passed()):
+            peeked = reader.peek_sse_data()
+            if peeked is None:
+                break
+            try:
+                obj = orjson.loads(peeked[0])
+            except orjson.JSONDecodeError:
+                break
+            if type(obj) is not dict or "error" in obj or obj.get("usage") is not None:
+                break
+            choices = obj.get("choices")
+            if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
+                break
+            choice = choices[0]
+            delta = choice.get("delta")
+            if choice.get("finish_reason") is not None or type(delta) is not dict:
+                break
+            text = delta.get("content")
+            if type(text) is not str or delta.get("refusal") is not None:
+                break
+            if obj.get("object") == "error":
+                break
+            reader.consume(peeked[1])
+            if text:
+                items.append(self._item(text, None, 1))
+                taken += 1
+        return taken
+
     def _item(self, text: str, finish: str | None, count: int) -> EngineItem:
         self._counted += count
         input_count = None
