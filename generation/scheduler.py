@@ -420,7 +420,13 @@ class Engine:
             else:
                 self._finish(row, [token], finish)
         if survivors:
-            self._join(cache, [rows[i] for i in survivors], survivors, length)
+            joining = [rows[i] for i in survivors]
+            try:
+                self._join(cache, joining, survivors, length)
+            except Exception as exc:  # e.g. out of memory growing the slot cache mid-way
+                running = self._rows + [row for row in joining if row not in self._rows]
+                self._clear_batch()
+                self._fail_rows(running, exc)
 
     def _join(self, cache: DynamicCache, rows: list[_Row], select: list[int], length: int) -> None:
         """Append prefilled rows (rows `select` of `cache`) to the running batch."""

@@ -1,5 +1,7 @@
 """Continuous batching: 16 concurrent requests share decode steps (one forward pass for all rows),
-and each gets exactly the tokens it gets alone (greedy and seeded sampling, tiny-random float64)."""
+and each gets exactly the tokens it gets alone (greedy and seeded sampling, tiny-random float64);
+rows join a running batch; a model whose cache cannot be slotted (sliding window) runs one
+request at a time, exactly; running out of memory while the batch grows fails it migratably."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import pytest
+import torch
 
+from generation import models
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from generation.testing import ThreadedServer
@@ -113,3 +118,116 @@ def test_requests_join_a_running_batch(tiny_server: ThreadedServer) -> None:
             assert b.token_ids == a.token_ids
 
     run(scenario())
+
+
+@pytest.fixture(scope="module")
+def sliding_window_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny random Mistral with a sliding window of 8: its cache layers are
+    `DynamicSlidingWindowLayer`s, which the slot cache cannot hold, so the engine serves it one
+    request at a time with the model's own cache."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-mistral-sliding")
+    tokenizer = AutoTokenizer.from_pretrained(models.prepare("tiny-random"))
+    eos = tokenizer.eos_token_id
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        sliding_window=8,
+        initializer_range=0.25,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(5)
+        MistralForCausalLM(config).save_pretrained(folder)
+    finally:
+        torch.random.set_rng_state(state)
+    tokenizer.save_pretrained(folder)
+    return models.load(str(folder), device="cpu", dtype="float64")
+
+
+def test_unbatchable_cache_is_served_one_at_a_time_exactly(
+    sliding_window_model: LoadedModel,
+) -> None:
+    """Requests queued together on a sliding-window model run one after another (never
+    batched) and each gets exactly its solo tokens, past the window's length."""
+    bodies = [
+        {"prompt": "The quick brown fox jumps over the lazy dog.", "max_new_tokens": 20},
+        {"prompt": "東京 😀", "max_new_tokens": 16, "decoding": {"method": "sampling", "seed": 3}},
+        {"prompt": "Hello", "max_new_tokens": 12, "stop_sequences": ["\u2603"]},
+    ]
+    with ThreadedServer(lambda: create_app(sliding_window_model)) as server:
+        assert server.app is not None
+        engine = server.app[STATE].engine
+
+        async def scenario() -> tuple[list[Stream], list[Stream]]:
+            async with aiohttp.ClientSession() as session:
+                alone = [await generate(session, server.url, body) for body in bodies]
+                with engine.hold():
+                    tasks = [
+                        asyncio.ensure_future(generate(session, server.url, b)) for b in bodies
+                    ]
+
+                    async def queued() -> bool:
+                        return engine.active_requests == len(tasks)
+
+                    await wait_until(queued, what="3 requests queued")
+                together = await asyncio.gather(*tasks)
+            return alone, list(together)
+
+        alone, together = run(scenario())
+        assert engine.stats.max_batch_size_seen == 1
+    for a, b in zip(alone, together, strict=True):
+        assert a.completed and b.completed
+        assert len(a.token_ids) > 8  # beyond the sliding window
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+
+
+def test_out_of_memory_growing_the_cache_fails_the_batch_migratably(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Running out of accelerator memory while a joiner's rows are added (a real OOM cannot be
+    had on a CPU: `_reserve` raises torch's OutOfMemoryError for a second row) ends the running
+    row and the joiner with an in-band 503 `generation_unavailable` (the orchestrator migrates
+    them), and the engine serves the next request normally."""
+    from generation.kv_cache import SlotCache
+
+    real_reserve = SlotCache._reserve
+
+    def reserve(self: SlotCache, rows: int, columns: int, template: object = None) -> None:
+        if rows > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        real_reserve(self, rows, columns, template)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SlotCache, "_reserve", reserve)
+    with ThreadedServer(lambda: create_app(tiny_model)) as server:
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as session:
+                long_body = {
+                    "prompt": "The quick brown fox",
+                    "max_new_tokens": 200,
+                    "min_new_tokens": 200,
+                }
+                async with session.post(server.url + "/v1/generate", json=long_body) as resp:
+                    lines = [await resp.content.readline() for _ in range(3)]  # it is running
+                    joiner = await generate(session, server.url, {"prompt": "Hi"})
+                    running = parse(200, b"".join(lines) + await resp.read())
+                for stream in (running, joiner):
+                    stream.check_framing()
+                    assert stream.error is not None
+                    assert stream.error["code"] == 503
+                    assert stream.error["type"] == "generation_unavailable"
+                    assert "out of memory" in stream.error["message"]
+                after = await generate(session, server.url, {"prompt": "Hello"})
+                assert after.completed and after.token_ids
+
+        run(scenario())
