@@ -293,9 +293,14 @@ def start_upstream(tmp: Path, *, log: bool = True) -> Proc:
     return Proc(argv if log else [*argv, "--no-log"], tmp / "upstream.log")
 
 
-def orchestrator_config(upstream_url: str, *, max_new_tokens: int) -> dict[str, Any]:
+def orchestrator_config(
+    upstream_url: str, *, max_new_tokens: int, workers: int = 1
+) -> dict[str, Any]:
+    server: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "max_concurrent_streams": 4096}
+    if workers != 1:
+        server["workers"] = workers
     return {
-        "server": {"host": "127.0.0.1", "port": 0, "max_concurrent_streams": 4096},
+        "server": server,
         "models": {
             MODEL: {
                 "backends": [{"type": "native", "url": upstream_url}],
@@ -335,18 +340,44 @@ async def wait_ready(url: str, timeout_s: float = 60) -> None:
             await asyncio.sleep(0.1)
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (fields 14 and 15 of /proc/<pid>/stat)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def tree(pid: int) -> list[int]:
+    """A process and its live descendants (the workers under `server.workers`)."""
+    pids = [pid]
+    for p in pids:
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                children = Path(f"/proc/{p}/task/{task}/children").read_text().split()
+                pids.extend(int(c) for c in children)
+        except OSError:
+            continue
+    return pids
+
+
+def cpu_seconds(pid: int, *, children: bool = True) -> float:
+    """utime + stime of a process and its descendants (fields 14 and 15 of /proc/<pid>/stat)."""
+    total = 0.0
+    for p in tree(pid) if children else [pid]:
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    """RSS of a process and its descendants."""
+    total = 0
+    for p in tree(pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def open_fds(pid: int) -> int:
@@ -462,14 +493,14 @@ async def run_level(
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         cpu0 = cpu_seconds(pid)
-        load0 = cpu_seconds(upstream.pid) + cpu_seconds(os.getpid())
+        load0 = cpu_seconds(upstream.pid) + cpu_seconds(os.getpid(), children=False)
         t0 = time.monotonic()
         sampler = asyncio.create_task(sample())
         deadline = t0 + args.duration
         await asyncio.gather(*(slot(session, j, deadline) for j in range(concurrency)))
         level.wall_s = time.monotonic() - t0
         level.cpu_s = cpu_seconds(pid) - cpu0
-        level.load_cpu_s = cpu_seconds(upstream.pid) + cpu_seconds(os.getpid()) - load0
+        level.load_cpu_s = cpu_seconds(upstream.pid) + cpu_seconds(os.getpid(), children=False) - load0
         done.set()
         await sampler
         async with session.get(upstream.url + "/bench/log") as r:
@@ -584,7 +615,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         prof = [sys.executable, "-m", "cProfile", "-o", args.profile, "-m", "orchestrator"]
         orch = start_orchestrator(
             tmp,
-            orchestrator_config(upstream.url, max_new_tokens=max_tokens),
+            orchestrator_config(upstream.url, max_new_tokens=max_tokens, workers=args.workers),
             [*prof, "serve"] if args.profile else None,
         )
         await wait_ready(orch.url)
@@ -616,7 +647,8 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         baseline_rss = rss_bytes(orch.pid)
         print(
             f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-            f"load average {os.getloadavg()[0]:.2f}; orchestrator pid {orch.pid}, RSS after "
+            f"load average {os.getloadavg()[0]:.2f}; orchestrator pid {orch.pid} "
+            f"(workers: {args.workers}), RSS after "
             f"warm-up {baseline_rss / 2**20:.1f} MiB; streams of {args.sentences} sentences x "
             f"{args.sentence_tokens} tokens at {args.rate:g} tokens/s; {args.duration:g} s per "
             f"level; regex detector in-process: {regex_us:.1f} us per sentence"
@@ -750,6 +782,9 @@ def main() -> int:
         "--idle", type=float, default=0, help="first measure the idle CPU use for this many s"
     )
     parser.add_argument("--profile", default=None, help="run the orchestrator under cProfile")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="server.workers (CPU and RSS: all processes)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-orch-") as tmp:
         summary = asyncio.run(bench(args, Path(tmp)))
