@@ -136,6 +136,11 @@ class LineReader:
         self.consume(peeked[1])
         return peeked[0]
 
+    @property
+    def buffered(self) -> bool:
+        """Bytes are waiting here (what the body delivered is moved here whole by each read)."""
+        return bool(self._buf) or self._eof
+
     def peek_sse_data(self) -> tuple[bytes, int] | None:
         """`take_sse_data` without consuming: the payload and the bytes its event takes."""
         buf = self._buf
@@ -407,6 +412,8 @@ class HttpLineStream(EngineStream):
         reader.nowait = True
         try:
             while len(items) < limit and not self._finished and not self._done:
+                if not reader.buffered:
+                    break  # the usual end of a batch, without raising WouldBlock through it
                 if self._take_buffered(items, limit):
                     continue
                 items.append(await self.__anext__())
