@@ -526,6 +526,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 finally:
                     proc.stop()
                 workers[w] = lv.per_s
+                levels.append(lv)
                 print_level(lv)
     finally:
         if orch is not None:
@@ -560,28 +561,34 @@ def summary(levels: list[Level], workers: dict[int, float]) -> None:
         None if r is None else r.server_cpu_ms <= 60,
         "-" if r is None else f"{r.server_cpu_ms:.1f} ms",
     )
-    d, s8 = by.get(("direct", 0.0, 8)), by.get(("sentence", 0.0, 8))
-    check(
-        "answers/s at ITL 0, c8 >= 80% of the direct fake's",
-        None if d is None or s8 is None else s8.per_s >= 0.8 * d.per_s,
-        "-"
-        if d is None or s8 is None
-        else f"{s8.per_s:.1f} vs {d.per_s:.1f}/s, {s8.per_s / d.per_s * 100:.0f}%",
-    )
+    d = by.get(("direct", 0.0, 8))
+    guarded = [
+        by[k] for k in by if k[0] in ("sentence", "workers1", "workers2") and k[1:] == (0.0, 8)
+    ]
+    for g in guarded or [None]:
+        check(
+            f"answers/s at ITL 0, c8 >= 80% of the direct fake's ({g and g.scenario})",
+            None if d is None or g is None else g.per_s >= 0.8 * d.per_s,
+            "-"
+            if d is None or g is None
+            else f"{g.per_s:.1f} vs {d.per_s:.1f}/s, {g.per_s / d.per_s * 100:.0f}%",
+        )
     i8 = by.get(("sentence", 10.0, 8))
     check(
         "server CPU per answer at ITL 10 ms, c8 <= 250 ms",
         None if i8 is None else i8.server_cpu_ms <= 250,
         "-" if i8 is None else f"{i8.server_cpu_ms:.1f} ms",
     )
-    check(
-        "under a burst (ITL 0, c8) the first frame comes within the first quarter",
-        None if s8 is None else s8.first_frac_max <= 0.25,
-        "-"
-        if s8 is None
-        else f"p50 {s8.first_frac_p50:.3f}, max {s8.first_frac_max:.3f}; "
-        f"25/50/75% of text by {s8.share25:.2f}/{s8.share50:.2f}/{s8.share75:.2f}",
-    )
+    for g in guarded or [None]:
+        check(
+            "under a burst (ITL 0, c8) the first frame comes within the first quarter "
+            f"({g and g.scenario})",
+            None if g is None else g.first_frac_max <= 0.25,
+            "-"
+            if g is None
+            else f"p50 {g.first_frac_p50:.3f}, max {g.first_frac_max:.3f}; "
+            f"25/50/75% of text by {g.share25:.2f}/{g.share50:.2f}/{g.share75:.2f}",
+        )
     if workers:
         check(
             "workers: 2 serves more answers/s than workers: 1",
