@@ -110,9 +110,9 @@ def select(
     positions: Sequence[int],
     candidates: int | None = CPU_CANDIDATES,
 ) -> list[int]:
-    """The next token of every row of `logits` `[rows, vocab]` (already penalised and masked).
-
-    `positions[r]` is row r's generated-token count (the index of the token being drawn)."""
+    """The next token of every row of `logits` `[rows, vocab]` (already penalised and masked):
+    one argmax for greedy rows (and temperature 0), `sample_rows` for the others, one read of
+    the tokens. `positions[r]` is row r's generated-token count (the index being drawn)."""
     sampled = [i for i, p in enumerate(params) if not p.greedy and p.temperature > 0]
     if not sampled:
         return logits.argmax(dim=-1).tolist()
