@@ -121,8 +121,9 @@ def answer_pieces(words: int) -> list[str]:
 class FakeChat:
     """`POST /v1/chat/completions` streaming the scripted answer, one word a chunk."""
 
-    def __init__(self, words: int) -> None:
+    def __init__(self, words: int, yield_every: int = YIELD_EVERY) -> None:
         self.pieces = answer_pieces(words)
+        self.yield_every = yield_every
         self.requests = 0
 
     def app(self) -> web.Application:
@@ -166,7 +167,7 @@ class FakeChat:
                 delay = t0 + (i + 1) * itl - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            elif i % YIELD_EVERY == YIELD_EVERY - 1:
+            elif self.yield_every and i % self.yield_every == self.yield_every - 1:
                 await asyncio.sleep(0)  # concurrent answers progress together, as in a batch
             await resp.write(chunk({"content": piece}))
         await resp.write(chunk({}, "stop"))
@@ -185,11 +186,12 @@ def serve_fake(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bench/openai_overhead.py _fake")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--words", type=int, default=2000)
+    parser.add_argument("--yield-every", type=int, default=YIELD_EVERY)
     args = parser.parse_args(argv)
     use_uvloop()
 
     async def serve() -> None:
-        runner = web.AppRunner(FakeChat(args.words).app(), access_log=None)
+        runner = web.AppRunner(FakeChat(args.words, args.yield_every).app(), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", args.port, backlog=1024).start()
         print(f"fake listening on http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
@@ -245,19 +247,23 @@ def orchestrator_config(fake_url: str, workers: int = 1) -> dict[str, Any]:
     }
 
 
-def start_orchestrator(tmp: Path, fake_url: str, workers: int, profile: str | None = None) -> Any:
+def start_orchestrator(
+    tmp: Path, fake_url: str, workers: int, profile: str | None = None, root: Path = ROOT
+) -> Any:
+    """`python -m orchestrator serve` from the checkout at `root` (--before: another one)."""
     import yaml
 
     cfg = orchestrator_config(fake_url, workers)
     if workers == 1:
         cfg["server"].pop("workers")  # also runs against a tree without `server.workers`
-    path = tmp / f"config-{workers}.yaml"
+    tag = "" if root == ROOT else "-before"
+    path = tmp / f"config-{workers}{tag}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     prof = [str(SELF), "_profiled", profile] if profile else ["-m"]
     cmd = [sys.executable, *prof, "orchestrator", "serve", "--config", str(path)]
     cmd += ["--port", "0"]
     cmd += ["--log-level", "warning"]
-    return Proc(cmd, tmp / f"orchestrator-{workers}.log")
+    return Proc(cmd, tmp / f"orchestrator-{workers}{tag}.log", cwd=root)
 
 
 # -- the client ----------------------------------------------------------------------------------
@@ -445,7 +451,7 @@ async def run_level(
 
 def print_level(lv: Level) -> None:
     print(
-        f"  {lv.scenario:>8} itl {lv.itl_ms:>4g} ms c{lv.concurrency:<2}: {lv.answers:>3} answers, "
+        f"  {lv.scenario:>15} itl {lv.itl_ms:>4g} ms c{lv.concurrency:<2}: {lv.answers:>3} answers, "
         f"{lv.per_s:6.2f} answers/s; CPU ms/answer: server {lv.server_cpu_ms:7.1f}, "
         f"fake {lv.fake_cpu_ms:6.1f}, client {lv.client_cpu_ms:6.1f}; first chunk at "
         f"{lv.first_frac_p50:.3f} (max {lv.first_frac_max:.3f}) of the answer, 25/50/75% of "
@@ -456,10 +462,13 @@ def print_level(lv: Level) -> None:
 
 async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     fake = Proc(
-        [sys.executable, str(SELF), "_fake", "--words", str(args.words)],
+        [
+            *(sys.executable, str(SELF), "_fake", "--words", str(args.words)),
+            *("--yield-every", str(args.fake_yield_every)),
+        ],
         tmp / "fake.log",
     )
-    orch = None
+    orch = before = None
     levels: list[Level] = []
     workers: dict[int, float] = {}
     try:
@@ -467,6 +476,12 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         if any(s != "direct" for s in scenarios):
             orch = start_orchestrator(tmp, fake.url, args.workers, args.profile)
             await wait_ready(orch.url)
+        if args.before:
+            # the same guarded scenarios on another checkout, level by level, interleaved with
+            # these: a busy shared machine changes every cost over minutes, not within a level
+            before = start_orchestrator(tmp, fake.url, 1, root=args.before)
+            await wait_ready(before.url)
+            scenarios += [f"{s}@before" for s in scenarios if s != "direct"]
         print(
             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
             f"{args.words}-word answers, one word a chunk; client: "
@@ -486,9 +501,10 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 if scenario == "direct":
                     url, model, pid = fake.url, UPSTREAM_MODEL, None
                 else:
-                    assert orch is not None
-                    url, pid = orch.url, orch.pid
-                    model = GUARDED if scenario == "sentence" else RAW
+                    server = before if scenario.endswith("@before") else orch
+                    assert server is not None
+                    url, pid = server.url, server.pid
+                    model = GUARDED if scenario.startswith("sentence") else RAW
                 lv = await run_level(
                     scenario,
                     url,
@@ -503,9 +519,10 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 )
                 levels.append(lv)
                 print_level(lv)
-        if orch is not None:
-            orch.stop()
-            orch = None
+        for server in (orch, before):
+            if server is not None:
+                server.stop()
+        orch = before = None
         if args.workers_compare:
             for w in (1, 2):
                 proc = start_orchestrator(tmp, fake.url, w)
@@ -529,8 +546,9 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 levels.append(lv)
                 print_level(lv)
     finally:
-        if orch is not None:
-            orch.stop()
+        for server in (orch, before):
+            if server is not None:
+                server.stop()
         fake.stop()
     summary(levels, workers)
     return {
@@ -627,6 +645,13 @@ def main() -> int:
     )
     parser.add_argument("--answers", type=int, default=24, help="answers at ITL 0, c1 (c8: x2)")
     parser.add_argument("--words", type=int, default=2000)
+    parser.add_argument(
+        "--fake-yield-every",
+        type=int,
+        default=YIELD_EVERY,
+        help="at ITL 0 the fake lets other answers go on after this many chunks; 0: it writes "
+        "each answer whole before the next (answers then queue at the fake)",
+    )
     parser.add_argument("--scenarios", default="direct,sentence,none")
     parser.add_argument("--itl10", action="store_true", help="also 10 ms per token (c1 and c8)")
     parser.add_argument(
@@ -635,9 +660,18 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1, help="server.workers of the scenarios")
     parser.add_argument("--workers-compare", action="store_true")
     parser.add_argument("--sdk", action="store_true", help="the OpenAI SDK as the client")
+    parser.add_argument(
+        "--before",
+        default=None,
+        metavar="PATH",
+        help="another checkout (e.g. `git archive <commit>` unpacked): its orchestrator runs "
+        "the same guarded levels, interleaved, as `<scenario>@before`",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", default=None, help="run the orchestrator under cProfile")
     args = parser.parse_args()
+    if args.before:
+        args.before = Path(args.before).resolve()
     use_uvloop()
     with tempfile.TemporaryDirectory(prefix="bench-openai-") as tmp:
         out = asyncio.run(bench(args, Path(tmp)))

@@ -241,12 +241,14 @@ def serve_upstream(argv: list[str]) -> int:
 class Proc:
     """A child process that prints `... listening on <url>` on stdout once it is ready."""
 
-    def __init__(self, argv: list[str], log_path: Path, *, timeout_s: float = 60) -> None:
+    def __init__(
+        self, argv: list[str], log_path: Path, *, timeout_s: float = 60, cwd: Path = ROOT
+    ) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")  # closed in stop()
         self.popen = subprocess.Popen(
             argv,
-            cwd=ROOT,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
@@ -500,7 +502,9 @@ async def run_level(
         await asyncio.gather(*(slot(session, j, deadline) for j in range(concurrency)))
         level.wall_s = time.monotonic() - t0
         level.cpu_s = cpu_seconds(pid) - cpu0
-        level.load_cpu_s = cpu_seconds(upstream.pid) + cpu_seconds(os.getpid(), children=False) - load0
+        level.load_cpu_s = (
+            cpu_seconds(upstream.pid) + cpu_seconds(os.getpid(), children=False) - load0
+        )
         done.set()
         await sampler
         async with session.get(upstream.url + "/bench/log") as r:
