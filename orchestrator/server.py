@@ -35,6 +35,7 @@ from .clients.managed import EngineProcess, _die_with_parent
 from .clients.tls import server_ssl_context
 from .config import Config, ManagedBackend, parse_config
 from .state import STATE, AppState
+from .tracing import engine_env
 
 log = logging.getLogger("guardstream")
 
@@ -384,6 +385,8 @@ class Supervisor:
                         default_command(backend),
                         session,
                         start_timeout_s=backend.start_timeout_s,
+                        # engines trace like the workers (config's server.tracing included)
+                        env={**os.environ, **engine_env(self.config.server.tracing)},
                     )
                     replicas += 1
                     processes.append(process)

@@ -171,7 +171,7 @@ async def test_blocking_detector_withholds_the_offending_text(dets) -> None:
         {
             "start": 5,
             "end": 10,
-            "word": "great",
+            "word": "",  # the flagged text never leaves the service, not even in the refusal
             "entity": "positive",
             "entity_group": "test",
             "detector_id": "great_block",

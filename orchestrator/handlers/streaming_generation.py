@@ -8,6 +8,7 @@ from contextlib import aclosing
 from aiohttp import web
 
 from ..state import STATE
+from ..streaming.events import Frame
 from ..streaming.fms_writer import sse_event
 from .stream_slots import stream_slot
 from .task_generation import prepare_task
@@ -25,8 +26,15 @@ async def handle(request: web.Request) -> web.StreamResponse:
     with stream_slot(state, pipeline):
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
+        pending = b""  # frames of one burst (`more`) go out in one write
         async with aclosing(pipeline.events()) as events:
             async for event in events:
-                await response.write(sse_event(event))
+                pending += sse_event(event)
+                if isinstance(event, Frame) and event.more:
+                    continue
+                await response.write(pending)
+                pending = b""
+        if pending:
+            await response.write(pending)
         await response.write_eof()
     return response
