@@ -10,6 +10,7 @@ reply with an in-band error line."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -22,10 +23,12 @@ from ..state import STATE
 from ..streaming.content_stream import ContentStream
 from ..streaming.detection import JudgedFrame
 from ..streaming.events import Failure
+from ..streaming.failures import describe, is_unexpected
 from ..streaming.wire_json import dumps
 from .body import parse_json, too_large, validate
 from .stream_slots import stream_slot
 
+log = logging.getLogger("guardstream.stream_content")
 NDJSON_TYPES = frozenset({"application/x-ndjson", "application/ndjson", "application/jsonl"})
 
 
@@ -82,14 +85,16 @@ def _parse_line(raw: bytes, first: bool) -> StreamContentLine:
 
 
 def _result(frame: JudgedFrame) -> bytes:
+    # dumps, not model_dump_json: a detection can quote a lone surrogate the client sent, which
+    # pydantic's serializer refuses (an exception after the reply started would leave it hanging)
     return (
-        StreamContentResult(
-            detections=[f.to_content() for f in frame.detections],
-            start_index=frame.start,
-            processed_index=frame.end,
+        dumps(
+            StreamContentResult(
+                detections=[f.to_content() for f in frame.detections],
+                start_index=frame.start,
+                processed_index=frame.end,
+            ).dump()
         )
-        .model_dump_json(exclude_none=True)
-        .encode()
         + b"\n"
     )
 
@@ -128,11 +133,17 @@ async def handle(request: web.Request) -> web.StreamResponse:
         stream = ContentStream(dets, state.chunkers, first.content, contents(), timeout_s=remaining)
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
-        async with aclosing(stream.results()) as results:
-            async for item in results:
-                if isinstance(item, Failure):
-                    await response.write(_error_line(item))
-                    break
-                await response.write(_result(item))
+        try:
+            async with aclosing(stream.results()) as results:
+                async for item in results:
+                    if isinstance(item, Failure):
+                        await response.write(_error_line(item))
+                        break
+                    await response.write(_result(item))
+        except Exception as exc:  # the reply started: end it with an error line, never hang
+            failure = describe(exc)
+            if is_unexpected(failure):
+                log.error("stream-content failed after the reply started", exc_info=exc)
+            await response.write(_error_line(failure))
         await response.write_eof()
     return response
