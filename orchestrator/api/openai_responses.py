@@ -83,7 +83,10 @@ class InputRefusal(Strict):
     refusal: str
 
 
-ContentPart = Annotated[InputText | InputRefusal, Field(discriminator="type")]
+# A plain union (the `type` literals are disjoint anyway): a discriminator mapping two tags to
+# one schema made OpenAPI tools (schemathesis) derive a wrong per-tag enum and call valid
+# bodies invalid
+ContentPart = InputText | InputRefusal
 
 
 class InputMessage(Strict):
