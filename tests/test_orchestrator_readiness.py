@@ -22,6 +22,18 @@ def builtin_config(engine_url: str, **server: Any) -> dict[str, Any]:
     )
 
 
+async def info_until(
+    orch: Orchestrator, done: Any, key: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    """Polls /info until `done(status, body)`; a generous deadline only guards against a hang."""
+    async with asyncio.timeout(30):
+        while True:
+            reply = await info(orch, key)
+            if done(*reply):
+                return reply
+            await asyncio.sleep(0.05)
+
+
 async def info(orch: Orchestrator, key: str | None = None) -> tuple[int, dict[str, Any]]:
     assert orch.session is not None
     headers = {"Authorization": f"Bearer {key}"} if key else None
@@ -45,10 +57,7 @@ async def test_not_ready_until_in_process_detectors_warmed_up(engine, monkeypatc
         assert status == 503 and body["status"] == "UNHEALTHY"
         assert body["detectors"]["pii"] == {"status": "UNKNOWN", "details": {"warming_up": True}}
         gate.set()
-        deadline = asyncio.get_running_loop().time() + 20
-        while (await info(orch))[0] != 200:
-            assert asyncio.get_running_loop().time() < deadline, await info(orch)
-            await asyncio.sleep(0.05)
+        await info_until(orch, lambda status, body: status == 200)
     assert judged == ["pii"]
 
 
@@ -58,11 +67,9 @@ async def test_a_detector_that_cannot_warm_up_is_unhealthy(engine, monkeypatch) 
 
     monkeypatch.setattr(InProcessDetectorClient, "warm_up", broken)
     async with Orchestrator(builtin_config(engine.url)) as orch:
-        deadline = asyncio.get_running_loop().time() + 20
-        while (body := (await info(orch))[1])["detectors"]["pii"]["status"] == "UNKNOWN":
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.05)
-        status, body = await info(orch)
+        status, body = await info_until(
+            orch, lambda status, body: body["detectors"]["pii"]["status"] != "UNKNOWN"
+        )
     assert status == 503
     assert body["detectors"]["pii"] == {
         "status": "UNHEALTHY",
@@ -78,10 +85,7 @@ def key(monkeypatch: pytest.MonkeyPatch) -> str:
 
 async def test_without_a_key_info_shows_statuses_only(engine, key) -> None:
     async with Orchestrator(builtin_config(engine.url, api_keys_env=KEYS_ENV)) as orch:
-        deadline = asyncio.get_running_loop().time() + 20
-        while (await info(orch, key))[0] != 200:
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.05)
+        await info_until(orch, lambda status, body: status == 200, key)
         _, anonymous = await info(orch)
         _, detailed = await info(orch, key)
         _, wrong = await info(orch, "not-the-key")
