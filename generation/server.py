@@ -568,7 +568,8 @@ class _Stream:
         else:  # stall: say nothing more, keep the connection until the client gives up
             while not self._client_gone() and not self.state.closing.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.state.closing.wait(), DISCONNECT_POLL_S)
+                    async with asyncio.timeout(DISCONNECT_POLL_S):
+                        await self.state.closing.wait()
 
 
 def _error_dict(error: StreamError) -> dict[str, Any]:

@@ -112,7 +112,8 @@ async def _shut_down_streams(state: AppState, grace_s: float) -> None:
     for stream in list(state.streams):
         stream.shut_down()
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(state.idle.wait(), grace_s)
+        async with asyncio.timeout(grace_s):
+            await state.idle.wait()
 
 
 async def drain(
@@ -511,7 +512,8 @@ class Supervisor:
                         delay,
                     )
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(stopped), delay)
+                        async with asyncio.timeout(delay):
+                            await asyncio.shield(stopped)
                     if stop.is_set():
                         return
                     try:

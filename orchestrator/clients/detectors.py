@@ -108,10 +108,12 @@ class InProcessDetectorClient(DetectorClient):
         self._detector = detector
 
     async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a call that
+        # finished just as the caller was cancelled, and so swallows the cancellation (a
+        # synchronous regex detector made a cancelled DetectorQueue wait for ever; bpo-42130)
         try:
-            reply = await asyncio.wait_for(
-                self._detector.detect(contents, params or None), self.config.timeout_s
-            )
+            async with asyncio.timeout(self.config.timeout_s):
+                reply = await self._detector.detect(contents, params or None)
         except TimeoutError:
             raise DetectorCallError(
                 self.detector_id, f"timed out after {self.config.timeout_s:g} s"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 
 from aiohttp import web
 
@@ -140,10 +140,14 @@ async def handle(request: web.Request) -> web.StreamResponse:
                         await response.write(_error_line(item))
                         break
                     await response.write(_result(item))
+            await response.write_eof()
+        except ConnectionError:  # the client went away: nobody is left to tell
+            log.info("stream-content client disconnected")
         except Exception as exc:  # the reply started: end it with an error line, never hang
             failure = describe(exc)
             if is_unexpected(failure):
                 log.error("stream-content failed after the reply started", exc_info=exc)
-            await response.write(_error_line(failure))
-        await response.write_eof()
+            with suppress(ConnectionError):
+                await response.write(_error_line(failure))
+                await response.write_eof()
     return response

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import suppress
 from dataclasses import dataclass
 
 from ..api.errors import ErrorType
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import DetectorResult
+from .cancellation import cancel_and_wait
 from .detection import JudgedFrame, StreamingDetection
 from .detector_queue import DetectorFinished
 from .events import Failure
@@ -104,11 +104,7 @@ class ContentStream:
                         return
         finally:
             deadline.cancel()
-            for task in list(self._tasks):
-                task.cancel()
-            for task in list(self._tasks):
-                with suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(list(self._tasks))
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.create_task(self._guard(coro))  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ from ..clients.generation import GenerationChunk, GenerationError, GenerationReq
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import DetectorResult
+from .cancellation import cancel_and_wait
 from .detection import JudgedFrame, StreamingDetection
 from .detector_queue import DetectorFinished
 from .events import (
@@ -358,11 +359,7 @@ class GuardedGeneration:
         inbox.put(_EngineEnded())
 
     async def _stop(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
         if self._stream is not None:
             await self._stream.aclose()
 
