@@ -247,6 +247,10 @@ def orchestrator_config(fake_url: str, workers: int = 1) -> dict[str, Any]:
     }
 
 
+#: `--server KEY=VALUE`: server settings of the orchestrator under test (e.g. read_coalesce_tokens)
+SERVER_OVERRIDES: dict[str, Any] = {}
+
+
 def start_orchestrator(
     tmp: Path, fake_url: str, workers: int, profile: str | None = None, root: Path = ROOT
 ) -> Any:
@@ -254,6 +258,7 @@ def start_orchestrator(
     import yaml
 
     cfg = orchestrator_config(fake_url, workers)
+    cfg["server"].update(SERVER_OVERRIDES)
     if workers == 1:
         cfg["server"].pop("workers")  # also runs against a tree without `server.workers`
     tag = "" if root == ROOT else "-before"
@@ -668,8 +673,20 @@ def main() -> int:
         "the same guarded levels, interleaved, as `<scenario>@before`",
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a `server:` setting of the orchestrator under test (YAML value); repeatable",
+    )
     parser.add_argument("--profile", default=None, help="run the orchestrator under cProfile")
     args = parser.parse_args()
+    import yaml
+
+    for item in args.server:
+        key, _, value = item.partition("=")
+        SERVER_OVERRIDES[key] = yaml.safe_load(value)
     if args.before:
         args.before = Path(args.before).resolve()
     use_uvloop()

@@ -113,6 +113,7 @@ async def build_pipeline(
         seed=gen_request.params.seed,
         observer=state.metrics.observer(),
         keepalive_s=server.sse_keepalive_s if keepalive else None,
+        read_coalesce_tokens=server.read_coalesce_tokens,
     )
 
 

@@ -43,6 +43,7 @@ from .events import (
 from .failures import describe, is_unexpected
 from .findings import Finding, sort_findings
 from .inbox import Inbox
+from .read_pacing import ReadPacer
 from .text_judgement import judge_text
 
 log = logging.getLogger("guardstream.stream")
@@ -123,9 +124,11 @@ class GuardedGeneration:
         observer: StreamObserver | None = None,
         keepalive_s: float | None = None,
         max_buffered_chunks: int = 64,
+        read_coalesce_tokens: float = 0.0,
     ) -> None:
         """`inputs` is the text input detectors judge (FMS `inputs`, or the last user message);
-        `keepalive_s` makes `events()` yield KeepAlive after that long without another event."""
+        `keepalive_s` makes `events()` yield KeepAlive after that long without another event;
+        `read_coalesce_tokens` paces the engine reads of a slow stream (see ReadPacer)."""
         self._backend = backend
         self._request = request
         self._inputs = inputs
@@ -137,6 +140,7 @@ class GuardedGeneration:
         self._seed = seed
         self._observer = observer or StreamObserver()
         self._keepalive_s = keepalive_s
+        self._read_coalesce_tokens = read_coalesce_tokens
         self._inbox = Inbox(max_buffered_chunks)
         self._max_batch = max_buffered_chunks
         self._detection: StreamingDetection | None = None
@@ -347,15 +351,23 @@ class GuardedGeneration:
         """Everything one read of the engine delivered goes to the inbox as one message; the
         read waits while the detectors are behind (see MAX_UNJUDGED_CHARS)."""
         inbox, limit, detection = self._inbox, self._max_batch, self._detection
+        pacer = ReadPacer(asyncio.get_running_loop().time, tokens=self._read_coalesce_tokens)
         while True:
-            while detection is not None and detection.unjudged > MAX_UNJUDGED_CHARS:
-                self._judged.clear()
-                await self._judged.wait()
+            if detection is not None and detection.unjudged > MAX_UNJUDGED_CHARS:
+                pacer.held_back()
+                while detection.unjudged > MAX_UNJUDGED_CHARS:
+                    self._judged.clear()
+                    await self._judged.wait()
             try:
                 batch = await stream.next_batch(limit)
             except StopAsyncIteration:
                 break
+            if not inbox.has_space():
+                pacer.held_back()
             await inbox.put_chunks(batch)
+            delay = pacer.after_read(len(batch))
+            if delay:
+                await asyncio.sleep(delay)
         inbox.put(_EngineEnded())
 
     async def _stop(self) -> None:

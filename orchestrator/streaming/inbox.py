@@ -48,6 +48,10 @@ class Inbox:
         self._items.append(batch)
         self._ready.set()
 
+    def has_space(self) -> bool:
+        """Whether a chunk put now goes in without waiting."""
+        return self._chunks < self._max_chunks
+
     async def _wait_space(self) -> None:
         while self._chunks >= self._max_chunks:
             self._space.clear()
