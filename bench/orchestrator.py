@@ -295,10 +295,15 @@ def start_upstream(tmp: Path, *, log: bool = True) -> Proc:
     return Proc(argv if log else [*argv, "--no-log"], tmp / "upstream.log")
 
 
+#: `--server KEY=VALUE`: server settings of the orchestrator under test (e.g. read_coalesce_tokens)
+SERVER_OVERRIDES: dict[str, Any] = {}
+
+
 def orchestrator_config(
     upstream_url: str, *, max_new_tokens: int, workers: int = 1
 ) -> dict[str, Any]:
     server: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "max_concurrent_streams": 4096}
+    server.update(SERVER_OVERRIDES)
     if workers != 1:
         server["workers"] = workers
     return {
@@ -789,7 +794,19 @@ def main() -> int:
     parser.add_argument(
         "--workers", type=int, default=1, help="server.workers (CPU and RSS: all processes)"
     )
+    parser.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a `server:` setting of the orchestrator under test (YAML value); repeatable",
+    )
     args = parser.parse_args()
+    import yaml
+
+    for item in args.server:
+        key, _, value = item.partition("=")
+        SERVER_OVERRIDES[key] = yaml.safe_load(value)
     with tempfile.TemporaryDirectory(prefix="bench-orch-") as tmp:
         summary = asyncio.run(bench(args, Path(tmp)))
     if args.json:
