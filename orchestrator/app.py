@@ -215,6 +215,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         raise
     except BaseException as exc:  # ExceptionGroups from task groups included
+        if request.writer is not None and request.writer.output_size > 0:
+            # the reply already started: an error response cannot follow it. aiohttp logs the
+            # exception and closes the connection, so the client sees a cut stream, not a
+            # hang and not a second status line inside the body
+            raise
         body = error_for(exc)
         if body.code >= 500 and body.type == ErrorType.SERVER_ERROR:
             log.error("request %s failed", request.get("request_id"), exc_info=exc)

@@ -13,20 +13,22 @@ import asyncio
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 
 import detectors
 from chunkers import Span
 from detectors import regex_pii
-from orchestrator.app import STREAM_CONTENT_PATH
+from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from orchestrator.clients.detectors import InProcessDetectorClient
 from orchestrator.clients.registry import RequestedDetector
 from orchestrator.config import DetectorConfig
+from orchestrator.handlers import streaming_generation
 from orchestrator.streaming.cancellation import cancel_and_wait
 from orchestrator.streaming.detector_queue import DetectorQueue
 from orchestrator.streaming.inbox import Inbox
 from tests.fakes.engine import FakeEngine
-from tests.orchestrator_support import Orchestrator, native_config
+from tests.orchestrator_support import Orchestrator, generation_body, native_config
 
 
 def pii_detector() -> RequestedDetector:
@@ -102,3 +104,30 @@ async def test_teardown_names_a_task_that_swallows_its_cancellation(
     assert "swallower" in record.getMessage() and "swallows" in record.getMessage()
     forever.set()
     await stuck
+
+
+async def test_a_failure_after_the_reply_started_cuts_the_connection(
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in a writer after the first byte: no error response can follow a started reply (it
+    would land inside the chunked body), so the connection is closed and the client's read ends
+    with a payload error instead of waiting."""
+    calls = 0
+    real = streaming_generation.sse_event
+
+    def failing(event: Any) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("a writer bug")
+        return real(event)
+
+    monkeypatch.setattr(streaming_generation, "sse_event", failing)
+    async with Orchestrator(native_config(engine.url)) as orch:
+        assert orch.session is not None
+        async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
+            assert r.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(r.read(), 30)
+        status, _ = await orch.post(STREAMING_PATH, generation_body())
+        assert status == 200  # the server goes on serving
