@@ -673,20 +673,10 @@ def main() -> int:
         "the same guarded levels, interleaved, as `<scenario>@before`",
     )
     parser.add_argument("--json", default=None)
-    parser.add_argument(
-        "--server",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a `server:` setting of the orchestrator under test (YAML value); repeatable",
-    )
+    _orch_bench.add_server_option(parser)
     parser.add_argument("--profile", default=None, help="run the orchestrator under cProfile")
     args = parser.parse_args()
-    import yaml
-
-    for item in args.server:
-        key, _, value = item.partition("=")
-        SERVER_OVERRIDES[key] = yaml.safe_load(value)
+    SERVER_OVERRIDES.update(_orch_bench.server_overrides(args.server))
     if args.before:
         args.before = Path(args.before).resolve()
     use_uvloop()

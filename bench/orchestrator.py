@@ -299,6 +299,23 @@ def start_upstream(tmp: Path, *, log: bool = True) -> Proc:
 SERVER_OVERRIDES: dict[str, Any] = {}
 
 
+def add_server_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a `server:` setting of the orchestrator under test (YAML value); repeatable",
+    )
+
+
+def server_overrides(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    pairs = (item.partition("=") for item in items)
+    return {key: yaml.safe_load(value) for key, _, value in pairs}
+
+
 def orchestrator_config(
     upstream_url: str, *, max_new_tokens: int, workers: int = 1
 ) -> dict[str, Any]:
@@ -794,19 +811,9 @@ def main() -> int:
     parser.add_argument(
         "--workers", type=int, default=1, help="server.workers (CPU and RSS: all processes)"
     )
-    parser.add_argument(
-        "--server",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a `server:` setting of the orchestrator under test (YAML value); repeatable",
-    )
+    add_server_option(parser)
     args = parser.parse_args()
-    import yaml
-
-    for item in args.server:
-        key, _, value = item.partition("=")
-        SERVER_OVERRIDES[key] = yaml.safe_load(value)
+    SERVER_OVERRIDES.update(server_overrides(args.server))
     with tempfile.TemporaryDirectory(prefix="bench-orch-") as tmp:
         summary = asyncio.run(bench(args, Path(tmp)))
     if args.json:
