@@ -273,6 +273,44 @@ async def test_a_prompt_longer_than_the_context_is_422_on_every_surface(
         )
 
 
+async def test_an_unset_budget_shrinks_to_what_the_context_leaves(orch: Orchestrator) -> None:
+    """As vLLM does for an unset max_tokens: a prompt too long for the model's default budget
+    (256) gets the rest of the context, on every surface; a budget the client set is still its
+    own, and too much of it is a 422. Greedy tiny-random never emits EOS, so every answer fills
+    the context exactly."""
+    await all_healthy(orch)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 35
+    messages = [{"role": "user", "content": prompt}]
+    templated = await token_count(orch, MODEL, {"messages": messages})
+    assert templated < 512 < templated + 256
+    status, reply = await orch.post(UNARY_PATH, generation_body(prompt, model_id=MODEL))
+    assert status == 200, reply
+    assert reply["finish_reason"] == "MAX_TOKENS"
+    assert reply["input_token_count"] + reply["generated_token_count"] == 512
+    completion = await sdk(orch).chat.completions.create(
+        model=MODEL, messages=messages, temperature=0
+    )
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (
+        templated,
+        512 - templated,
+    )
+    chunks = [
+        c
+        async for c in await sdk(orch).chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, stream=True
+        )
+    ]
+    assert "".join(pieces(chunks)) == completion.choices[0].message.content
+    explicit = {"model": MODEL, "messages": messages, "max_tokens": 256, "temperature": 0}
+    assert chat_error(*await orch.post(CHAT_PATH, explicit)) == (
+        f"model `{MODEL}`: the prompt has {templated} tokens and max_new_tokens is 256: "
+        f"{templated + 256} tokens exceed the model's context of 512 tokens "
+        f"(at most {512 - templated} new tokens fit)"
+    )
+
+
 async def test_a_stop_sequence_longer_than_the_engines_limit_is_422(orch: Orchestrator) -> None:
     await all_healthy(orch)
     stop = "x" * 300

@@ -357,6 +357,22 @@ async def test_validate_prompt_length_against_the_context(
         f"exceed the model's context of 512 tokens (at most {512 - n} new tokens fit)"
     )
     await b.validate(req(prompt, max_new_tokens=512 - n))
+    # a budget the client did not set shrinks to what fits (vLLM's unset max_tokens)...
+    fitted = await b.validate(req(prompt, max_new_tokens=300, budget_is_default=True))
+    assert fitted.params.max_new_tokens == 512 - n and fitted.prompt == prompt
+    # ...but never below min_new_tokens, and a prompt that fills the context is still refused
+    assert (
+        await invalid(
+            b, req(prompt, max_new_tokens=300, min_new_tokens=300, budget_is_default=True)
+        )
+        == details
+    )
+    assert (await invalid(b, req("a " * 2000, budget_is_default=True))).startswith(
+        "model `tiny`: the prompt has 2001 tokens: it must be shorter"
+    )
+    # a request that fits is returned as it came
+    same = req("a " * 150, max_new_tokens=20, budget_is_default=True)
+    assert await b.validate(same) is same
     # messages go through the template when counted
     long_chat = (ChatMessage("system", "Be brief."), ChatMessage("user", "a " * 400))
     rendered = (

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TextIO
 
 import aiohttp
@@ -161,11 +162,12 @@ class ReplicatedModelBackend(ModelBackend):
             code=503,
         )
 
-    async def validate(self, request: GenerationRequest) -> None:
+    async def validate(self, request: GenerationRequest) -> GenerationRequest:
         """422 (`invalid_request`) for what the native replicas would reject: a parameter out
         of the range they advertise in `GET /v1/models`, or a prompt that with max_new_tokens
-        does not fit their context (the smallest one: a request may migrate). The prompt is
-        tokenized only when its size could make it too long (native.token_upper_bound).
+        does not fit their context (the smallest one: a request may migrate). A budget the
+        client did not set shrinks to what fits instead (returned in the request). The prompt
+        is tokenized only when its size could make it too long (native.token_upper_bound).
         Replicas that advertise nothing (`openai` ones, unreachable ones) are not consulted;
         with none advertising, nothing is checked here and the engines' own 4xx still come
         back as invalid_request."""
@@ -176,16 +178,21 @@ class ReplicatedModelBackend(ModelBackend):
         ]
         advertised = await self.limits.gather(natives) if natives else []
         if not advertised:
-            return
+            return request
         limits = merge_limits([lim for _, lim in advertised])
         problem = request_problem(limits, request)
-        budget = request.params.max_new_tokens
+        params = request.params
+        budget = params.max_new_tokens
         if problem is None and token_upper_bound(request) + budget > limits.max_model_len:
             count = await self._count_tokens(request, [c for c, _ in advertised])
             if count is not None:
                 problem = context_problem(limits, count, budget)
+                fits = limits.max_model_len - count
+                if problem and params.budget_is_default and fits >= max(1, params.min_new_tokens):
+                    return replace(request, params=replace(params, max_new_tokens=fits))
         if problem is not None:
             raise invalid(f"model `{self.model_id}`: {problem}")
+        return request
 
     async def _count_tokens(
         self, request: GenerationRequest, clients: list[NativeClient]

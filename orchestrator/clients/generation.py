@@ -33,6 +33,9 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     stop_sequences: tuple[str, ...] = ()
     max_time: float = 0.0
+    # max_new_tokens is the model's default, not the client's: a prompt too long for it gets
+    # what fits in the context instead (vLLM's behaviour for an unset max_tokens)
+    budget_is_default: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,10 +123,11 @@ class ModelBackend(ABC):
         """Token count of a prompt (or of `messages` under the chat template) on any healthy
         replica; GenerationError when none answers."""
 
-    async def validate(self, request: GenerationRequest) -> None:
+    async def validate(self, request: GenerationRequest) -> GenerationRequest:
         """Checks a request against what the replicas advertise (context length, parameter
-        bounds) before any response byte; raises the API's 422. The default checks nothing."""
-        return None
+        bounds) before any response byte; raises the API's 422. Returns the request to run (a
+        default budget may shrink to fit the context). The default checks nothing."""
+        return request
 
     @abstractmethod
     async def start(self) -> None:

@@ -99,7 +99,7 @@ async def build_pipeline(
     """Validates against the replicas' advertised bounds (the engine must never be the first to
     say no: its 4xx would come after the response started) and builds the pipeline."""
     state = request.app[STATE]
-    await target.backend.validate(gen_request)
+    gen_request = await target.backend.validate(gen_request)
     server = state.config.server
     return GuardedGeneration(
         backend=target.backend,
@@ -157,6 +157,7 @@ async def prepare_conversation(
         prompt=inputs,
         params=GenerationParams(
             max_new_tokens=max_new,
+            budget_is_default=c.max_tokens is None,
             decoding_method="GREEDY" if temperature == 0 else "SAMPLING",
             temperature=temperature if temperature > 0 else 1.0,
             top_p=1.0 if c.top_p is None else c.top_p,

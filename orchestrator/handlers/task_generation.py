@@ -55,6 +55,7 @@ async def prepare_task(request: web.Request, *, streaming: bool) -> GuardedGener
         prompt=body.inputs,
         params=GenerationParams(
             max_new_tokens=max_new,
+            budget_is_default=params.max_new_tokens is None,
             min_new_tokens=params.min_new_tokens,
             decoding_method=params.decoding_method,
             temperature=params.temperature,
