@@ -125,20 +125,29 @@ class FakeChat:
         self.pieces = answer_pieces(words)
         self.yield_every = yield_every
         self.requests = 0
+        self.sent: dict[str, list[float]] = {}  # bench_tag -> monotonic send time of each piece
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post(CHAT_PATH, self.chat)
+        app.router.add_get("/bench/sent", self.take_sent)
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         app.router.add_get(
             "/v1/models", lambda r: web.json_response({"data": [{"id": UPSTREAM_MODEL}]})
         )
         return app
 
+    async def take_sent(self, request: web.Request) -> web.Response:
+        sent, self.sent = self.sent, {}
+        return web.json_response(sent)
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests += 1
         itl = float(body.get("bench_itl_ms", 0)) / 1000
+        sent: list[float] | None = None
+        if itl > 0 and body.get("bench_tag"):
+            sent = self.sent[str(body["bench_tag"])] = []
         pieces = self.pieces[: int(body.get("max_tokens") or len(self.pieces))]
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
         rid = f"chatcmpl-{self.requests}"
@@ -170,6 +179,8 @@ class FakeChat:
             elif self.yield_every and i % self.yield_every == self.yield_every - 1:
                 await asyncio.sleep(0)  # concurrent answers progress together, as in a batch
             await resp.write(chunk({"content": piece}))
+            if sent is not None:
+                sent.append(time.monotonic())
         await resp.write(chunk({}, "stop"))
         if usage_wanted:
             usage = {"prompt_tokens": 5, "completion_tokens": len(pieces)}
@@ -281,6 +292,7 @@ class Answer:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # receive time, characters
     text_len: int = 0
     finish: str | None = None
+    tag: str = ""
 
     def fraction(self, t: float) -> float:
         total = self.done - self.started
@@ -352,7 +364,7 @@ def sdk_client(url: str) -> Callable[[dict[str, Any]], Any]:
 
     async def run(body: dict[str, Any]) -> Answer:
         body = dict(body)
-        extra = {"bench_itl_ms": body.pop("bench_itl_ms")}
+        extra = {key: body.pop(key) for key in ("bench_itl_ms", "bench_tag") if key in body}
         answer = Answer(time.monotonic())
         stream = await client.chat.completions.create(**body, extra_body=extra)
         async for chunk in stream:
@@ -387,6 +399,9 @@ class Level:
     share25: float = math.nan
     share50: float = math.nan
     share75: float = math.nan
+    release_p50_ms: float = math.nan  # paced levels: frame received - its text judgeable
+    release_p99_ms: float = math.nan
+    release_max_ms: float = math.nan
 
     @property
     def per_s(self) -> float:
@@ -405,6 +420,7 @@ async def run_level(
     answers: int,
     words: int,
     sdk: bool,
+    fake_url: str,
 ) -> Level:
     body = request_body(model, words, itl_ms)
     connector = aiohttp.TCPConnector(limit=0)
@@ -419,7 +435,10 @@ async def run_level(
             nonlocal left
             while left > 0:
                 left -= 1
-                results.append(await one(body))
+                tag = f"{scenario}-{left}-{time.monotonic_ns()}"
+                answer = await one({**body, "bench_tag": tag})
+                answer.tag = tag
+                results.append(answer)
 
         me = os.getpid()
         cpu0 = (tree_cpu_s(server_pid) if server_pid else 0.0, tree_cpu_s(fake_pid))
@@ -451,7 +470,42 @@ async def run_level(
     level.share25 = statistics.fmean(a.share_at(0.25) for a in results)
     level.share50 = statistics.fmean(a.share_at(0.5) for a in results)
     level.share75 = statistics.fmean(a.share_at(0.75) for a in results)
+    if itl_ms > 0:
+        async with aiohttp.ClientSession() as session, session.get(fake_url + "/bench/sent") as r:
+            sent = await r.json()
+        delays = sorted(release_delays(results, sent, words, wait_next_word=scenario != "none"))
+        if delays:
+            level.release_p50_ms = delays[len(delays) // 2] * 1000
+            level.release_p99_ms = delays[min(len(delays) - 1, len(delays) * 99 // 100)] * 1000
+            level.release_max_ms = delays[-1] * 1000
     return level
+
+
+def release_delays(
+    answers: list[Answer], sent: dict[str, list[float]], words: int, *, wait_next_word: bool
+) -> list[float]:
+    """For each frame of a paced answer: the time the client got it minus the time its text
+    became judgeable, from the fake's send time of each piece. A sentence frame ending at piece k
+    is judgeable once piece k + 2 was sent: Punkt decides a break from the next word whole, and
+    that word's end is known from the space that starts piece k + 2 (or at the end of the
+    answer). A per-token frame (`none`) is judgeable when its piece was sent."""
+    import bisect
+    import itertools
+
+    ends = list(itertools.accumulate(len(p) for p in answer_pieces(words)))
+    out: list[float] = []
+    for answer in answers:
+        times = sent.get(answer.tag)
+        if not times:
+            continue
+        last = len(times) - 1
+        upto = 0
+        for received, n in answer.chunks:
+            upto += n
+            k = bisect.bisect_left(ends, upto)
+            ready = times[min(k + 2, last) if wait_next_word else min(k, last)]
+            out.append(received - ready)
+    return out
 
 
 def print_level(lv: Level) -> None:
@@ -460,7 +514,13 @@ def print_level(lv: Level) -> None:
         f"{lv.per_s:6.2f} answers/s; CPU ms/answer: server {lv.server_cpu_ms:7.1f}, "
         f"fake {lv.fake_cpu_ms:6.1f}, client {lv.client_cpu_ms:6.1f}; first chunk at "
         f"{lv.first_frac_p50:.3f} (max {lv.first_frac_max:.3f}) of the answer, 25/50/75% of "
-        f"text by {lv.share25:.2f}/{lv.share50:.2f}/{lv.share75:.2f}",
+        f"text by {lv.share25:.2f}/{lv.share50:.2f}/{lv.share75:.2f}"
+        + (
+            f"; release after judgeable p50 {lv.release_p50_ms:.1f} / p99 "
+            f"{lv.release_p99_ms:.1f} / max {lv.release_max_ms:.1f} ms"
+            if not math.isnan(lv.release_p50_ms)
+            else ""
+        ),
         flush=True,
     )
 
@@ -521,6 +581,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     answers=n,
                     words=args.words,
                     sdk=args.sdk,
+                    fake_url=fake.url,
                 )
                 levels.append(lv)
                 print_level(lv)
@@ -544,6 +605,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                         answers=args.answers * 2,
                         words=args.words,
                         sdk=args.sdk,
+                        fake_url=fake.url,
                     )
                 finally:
                     proc.stop()

@@ -347,9 +347,11 @@ def create_app(
         # in-process detectors load and judge once before /info says ready, so the first
         # request neither pays the load nor fails on a model that cannot load
         warmup = asyncio.create_task(app[health.DETECTOR_HEALTH].warm_up())
+        state.loop_lag.start()
         try:
             yield
         finally:
+            state.loop_lag.stop()
             state.draining = True
             warmup.cancel()
             with contextlib.suppress(asyncio.CancelledError):

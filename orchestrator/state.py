@@ -14,6 +14,7 @@ from .clients.generation import ModelBackend
 from .clients.registry import ChunkerRegistry, DetectorRegistry
 from .config import Config
 from .metrics import OrchestratorMetrics
+from .streaming.loop_lag import LoopLag
 
 
 @dataclass
@@ -30,6 +31,7 @@ class AppState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no stream runs
     draining: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
+    loop_lag: LoopLag = field(default_factory=LoopLag)  # read pacing applies while it is busy
 
 
 STATE = web.AppKey("state", AppState)

@@ -1,9 +1,14 @@
-"""ReadPacer: how long the engine reader waits before its next read, on a clock the test moves."""
+"""ReadPacer: how long the engine reader waits before its next read, on a clock the test moves;
+LoopLag: whether the loop is busy enough for pacing."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
+from orchestrator.streaming.loop_lag import LoopLag
 from orchestrator.streaming.read_pacing import MIN_DELAY_S, ReadPacer
 
 
@@ -85,3 +90,55 @@ def test_zero_tokens_turns_pacing_off() -> None:
     for _ in range(3):
         clock.now += 0.5
         assert pacer.after_read(1) == 0.0
+
+
+def test_an_inactive_pacer_reads_at_once_and_keeps_its_estimate() -> None:
+    """The orchestrator paces only while its loop is busy: when it becomes busy, the estimate of
+    the stream's pace is already there."""
+    clock, busy = Clock(), [False]
+    pacer = ReadPacer(clock, tokens=3, max_delay_s=0.05, active=lambda: busy[0])
+    pacer.after_read(1)
+    for _ in range(3):
+        clock.now += 0.010
+        assert pacer.after_read(1) == 0.0
+    busy[0] = True
+    clock.now += 0.010
+    assert pacer.after_read(1) == pytest.approx(0.030)
+
+
+def test_loop_lag_is_busy_once_the_smoothed_lag_passes_the_threshold() -> None:
+    lag = LoopLag(busy_lag_s=0.002)
+    assert not lag.busy()
+    lag.record(0.0015)
+    assert not lag.busy()
+    for _ in range(5):
+        lag.record(0.010)
+    assert lag.busy()
+    for _ in range(30):
+        lag.record(0.0)
+    assert not lag.busy()
+
+
+async def test_loop_lag_sees_a_blocked_loop() -> None:
+    """The loop is blocked (time.sleep) far past the probe's due time, so the first probe runs
+    late by at least the difference, whatever the machine's speed."""
+    samples: list[tuple[float, bool]] = []  # (lateness, busy after it)
+    probed = asyncio.Event()
+
+    class Recording(LoopLag):
+        def record(self, lag_s: float) -> None:
+            super().record(lag_s)
+            samples.append((lag_s, self.busy()))
+            probed.set()
+
+    lag = Recording(busy_lag_s=0.002, interval_s=0.01)
+    lag.start()
+    try:
+        time.sleep(0.3)  # noqa: ASYNC251 -- blocks the loop on purpose: the probe is due at 0.01 s
+        async with asyncio.timeout(10):  # a guard, not a window
+            await probed.wait()
+        late, busy = samples[0]
+        assert late >= 0.29
+        assert busy  # one smoothed sample: 0.3 x 0.29 s, far above 2 ms
+    finally:
+        lag.stop()

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictBool,
     Tag,
     field_validator,
     model_validator,
@@ -119,7 +120,7 @@ class InputMessage(Strict):
 
 
 class ResponsesStreamOptions(Strict):
-    include_obfuscation: bool | None = None
+    include_obfuscation: StrictBool | None = None
 
 
 class TextFormat(Strict):
@@ -166,7 +167,7 @@ class ResponsesRequest(Strict):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stream: bool = False
+    stream: StrictBool = False  # "false", 0 or 0.0 are a 422, never a guess
     stream_options: ResponsesStreamOptions | None = None
     detectors: ChatDetectors | None = None
     # accepted and echoed; they label or route a request and change nothing in generation
@@ -176,7 +177,7 @@ class ResponsesRequest(Strict):
     prompt_cache_key: str | None = Field(None, max_length=256)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_tool_calls: int | None = Field(None, ge=0)
     tool_choice: Literal["none", "auto"] | None = None
     truncation: Literal["auto", "disabled"] | None = None

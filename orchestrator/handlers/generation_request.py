@@ -114,6 +114,7 @@ async def build_pipeline(
         observer=state.metrics.observer(),
         keepalive_s=server.sse_keepalive_s if keepalive else None,
         read_coalesce_tokens=server.read_coalesce_tokens,
+        read_coalesce_when=state.loop_lag.busy,
     )
 
 

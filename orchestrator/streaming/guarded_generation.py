@@ -125,10 +125,13 @@ class GuardedGeneration:
         keepalive_s: float | None = None,
         max_buffered_chunks: int = 64,
         read_coalesce_tokens: float = 0.0,
+        read_coalesce_when: Callable[[], bool] | None = None,
     ) -> None:
         """`inputs` is the text input detectors judge (FMS `inputs`, or the last user message);
         `keepalive_s` makes `events()` yield KeepAlive after that long without another event;
-        `read_coalesce_tokens` paces the engine reads of a slow stream (see ReadPacer)."""
+        `read_coalesce_tokens` paces the engine reads of a slow stream, while
+        `read_coalesce_when()` says so (the orchestrator: while its loop is busy; see
+        ReadPacer)."""
         self._backend = backend
         self._request = request
         self._inputs = inputs
@@ -141,6 +144,7 @@ class GuardedGeneration:
         self._observer = observer or StreamObserver()
         self._keepalive_s = keepalive_s
         self._read_coalesce_tokens = read_coalesce_tokens
+        self._read_coalesce_when = read_coalesce_when or (lambda: True)
         self._inbox = Inbox(max_buffered_chunks)
         self._max_batch = max_buffered_chunks
         self._detection: StreamingDetection | None = None
@@ -351,7 +355,11 @@ class GuardedGeneration:
         """Everything one read of the engine delivered goes to the inbox as one message; the
         read waits while the detectors are behind (see MAX_UNJUDGED_CHARS)."""
         inbox, limit, detection = self._inbox, self._max_batch, self._detection
-        pacer = ReadPacer(asyncio.get_running_loop().time, tokens=self._read_coalesce_tokens)
+        pacer = ReadPacer(
+            asyncio.get_running_loop().time,
+            tokens=self._read_coalesce_tokens,
+            active=self._read_coalesce_when,
+        )
         while True:
             if detection is not None and detection.unjudged > MAX_UNJUDGED_CHARS:
                 pacer.held_back()
