@@ -550,6 +550,11 @@ async def test_every_replica_unreachable_is_an_error_event_and_no_response(dets)
         ({"reasoning": {"effort": "high"}}, 422, "reasoning.effort"),
         ({"top_logprobs": 5}, 422, "top_logprobs"),
         ({"frequency_penalty": 1}, 422, "frequency_penalty"),
+        # booleans are booleans: 0.0 or "false" is a 422, never a guess (the negative fuzz
+        # found 0.0 accepted as false)
+        ({"parallel_tool_calls": 0.0}, 422, "parallel_tool_calls"),
+        ({"parallel_tool_calls": "false"}, 422, "parallel_tool_calls"),
+        ({"stream_options": {"include_obfuscation": 1}}, 422, "stream_options.include_obfuscation"),
     ],
 )
 async def test_bad_requests_get_openai_error_bodies(engine, dets, extra, status, param) -> None:
