@@ -43,6 +43,7 @@ from .state import STATE, AppState
 from .streaming.chat_writer import openai_error
 from .streaming.events import Failure
 from .streaming.failures import describe, first_error
+from .streaming.loop_lag import LoopLag
 
 log = logging.getLogger("guardstream")
 access_log = logging.getLogger("guardstream.access")
@@ -321,7 +322,10 @@ def create_app(
         middlewares.append(auth_middleware(keys))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_bytes)
     state = AppState(
-        config=config, metrics=OrchestratorMetrics(), chunkers=ChunkerRegistry(config.chunkers)
+        config=config,
+        metrics=OrchestratorMetrics(),
+        chunkers=ChunkerRegistry(config.chunkers),
+        loop_lag=LoopLag(busy_lag_s=config.server.read_coalesce_min_lag_ms / 1000),
     )
     app[STATE] = state
     app[health.DETECTOR_HEALTH] = health.DetectorHealth(state)

@@ -81,10 +81,12 @@ class ServerConfig(Strict):
     # an SSE comment line after this many seconds of silence on every streaming endpoint, so
     # proxies with idle timeouts do not cut a stream whose text is held back (DESIGN 4.3)
     sse_keepalive_s: float = Field(15, gt=0)
-    # while an engine streams at its own pace, read it once per this many tokens' time (at most
-    # 50 ms) rather than once per token: fewer wake-ups, a frame released at most that much
-    # later; bursts are read at once. 0: read every token as it arrives (see ReadPacer)
+    # while the event loop lags by at least read_coalesce_min_lag_ms (it is busy), an engine that
+    # streams at its own pace is read once per read_coalesce_tokens tokens' time (at most 50 ms)
+    # rather than once per token: fewer wake-ups, a frame released up to that much later; bursts
+    # are read at once. tokens 0: never; min_lag 0: always (see ReadPacer, LoopLag)
     read_coalesce_tokens: float = Field(5, ge=0, le=16)
+    read_coalesce_min_lag_ms: float = Field(2, ge=0)
     # orchestrator processes sharing the port (SO_REUSEPORT); "auto": one per usable CPU. The
     # first process supervises them and starts managed engines once for all of them.
     workers: int | Literal["auto"] = 1

@@ -117,6 +117,7 @@ def test_loop_lag_is_busy_once_the_smoothed_lag_passes_the_threshold() -> None:
     for _ in range(30):
         lag.record(0.0)
     assert not lag.busy()
+    assert LoopLag(busy_lag_s=0).busy()  # read_coalesce_min_lag_ms 0: pace always
 
 
 async def test_loop_lag_sees_a_blocked_loop() -> None:
