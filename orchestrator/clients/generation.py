@@ -64,7 +64,10 @@ class GenerationRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+# Per-token objects are plain slotted dataclasses, not frozen ones: a frozen __init__ sets each
+# field through object.__setattr__ (about 0.9 us against 0.26 us here), and the pipeline makes
+# two of them per token. Nothing mutates them.
+@dataclass(slots=True)
 class GenerationChunk:
     """One engine item as the pipeline sees it: a text delta and cumulative counters.
 
@@ -160,7 +163,7 @@ class Continuation:
     generated_token_count: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # per token: see GenerationChunk
 class EngineItem:
     """One item of one replica's stream, before MigratingStream merges attempts."""
 
