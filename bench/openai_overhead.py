@@ -473,7 +473,9 @@ async def run_level(
     if itl_ms > 0:
         async with aiohttp.ClientSession() as session, session.get(fake_url + "/bench/sent") as r:
             sent = await r.json()
-        delays = sorted(release_delays(results, sent, words, wait_next_word=scenario.startswith("sentence")))
+        delays = sorted(
+            release_delays(results, sent, words, wait_next_word=scenario.startswith("sentence"))
+        )
         if delays:
             level.release_p50_ms = delays[len(delays) // 2] * 1000
             level.release_p99_ms = delays[min(len(delays) - 1, len(delays) * 99 // 100)] * 1000
