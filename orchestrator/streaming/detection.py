@@ -8,6 +8,7 @@ what became releasable. Nothing here emits on its own, and a block is a returned
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,7 +82,8 @@ class StreamingDetection:
             FrameAggregator(d.detector_id for d in gating) if gating else None
         )
         self._gating = {d.detector_id for d in gating}
-        self.queues = [DetectorQueue(d, inbox) for d in detectors]
+        self.answered = asyncio.Event()  # a detector call returned (see `unjudged`)
+        self.queues = [DetectorQueue(d, inbox, answered=self.answered) for d in detectors]
         self._blocking = {d.detector_id for d in detectors if d.blocking}
         self._unfinished = {d.detector_id for d in detectors}
         self._fanout = ChunkFanout(chunkers, self.queues)
@@ -94,6 +96,11 @@ class StreamingDetection:
         """Starts one task per detector queue through the owner's `spawn`."""
         for q in self.queues:
             spawn(q.run())
+
+    @property
+    def gated(self) -> bool:
+        """Some detector gates the frames: `feed` never returns one (only `accept` does)."""
+        return self._aggregator is not None
 
     @property
     def released(self) -> int:

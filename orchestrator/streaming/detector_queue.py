@@ -30,7 +30,16 @@ class DetectorFinished:
 
 
 class DetectorQueue:
-    def __init__(self, detector: RequestedDetector, inbox: Inbox, *, max_batch: int = 32) -> None:
+    def __init__(
+        self,
+        detector: RequestedDetector,
+        inbox: Inbox,
+        *,
+        max_batch: int = 32,
+        answered: asyncio.Event | None = None,
+    ) -> None:
+        """`answered` is set after every call: the engine reader, held while the detectors are
+        behind, learns that they caught up without waiting for the consumer."""
         self.detector = detector
         self._inbox = inbox
         self._max_batch = max_batch
@@ -41,6 +50,7 @@ class DetectorQueue:
         # characters put and not answered yet: the pipeline reads the engine no further ahead
         # of this detector than a bound (a burst must not starve judging and release)
         self.unjudged = 0
+        self._answered = answered
 
     def put(self, span: Span) -> None:
         self._pending.append(span)
@@ -69,6 +79,8 @@ class DetectorQueue:
             self.calls += 1
             replies = await detector.client.detect([s.text for s in batch], detector.params)
             self.unjudged -= sum(len(s.text) for s in batch)
+            if self._answered is not None:
+                self._answered.set()
             for span, detections in zip(batch, replies, strict=True):
                 self._inbox.put(to_result(detector, span, detections))
         self._inbox.put(DetectorFinished(detector.detector_id))
