@@ -126,6 +126,28 @@ class LineReader:
             else:
                 self._eof = True
 
+    async def fill(self, timeout_s: float) -> bool:
+        """Waits for more bytes and buffers them; False at the end of the body. Raises
+        TimeoutError when none come within `timeout_s`."""
+        if self._eof:
+            return False
+        chunk = await self._read_chunk(self._clock.time() + timeout_s)
+        if chunk:
+            self._buf += chunk
+            return True
+        self._eof = True
+        return False
+
+    def awaits_sse_data(self) -> bool:
+        """The buffer is empty or holds only the start of a `data: <payload>\n\n` event: more
+        bytes may complete the common shape, so the reader waits for them (`fill`) instead of
+        splitting the event into lines."""
+        if self._eof:
+            return False
+        buf = self._buf
+        head = min(len(buf), 6)
+        return buf[:head] == b"data: "[:head] and buf.find(b"\n") in (-1, len(buf) - 1)
+
     def take_sse_data(self) -> bytes | None:
         """The payload of a `data: <payload>\n\n` event at the head of the buffer, consumed: the
         shape nearly every event of an OpenAI stream has, taken without splitting it into lines.

@@ -197,9 +197,10 @@ class _SseStream(HttpLineStream):
     async def _next_event(self) -> bytes | None:
         """The data of the next SSE event; None at the end of the body. The stall timer runs per
         event: comment lines (keep-alives) do not reset it."""
-        assert self._reader is not None
+        reader = self._reader
+        assert reader is not None
         if not self._data:  # the usual `data: {...}\n\n`, without splitting it into lines
-            payload = self._reader.take_sse_data()
+            payload = reader.take_sse_data()
             if payload is not None:
                 return payload
         wait = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
@@ -210,7 +211,15 @@ class _SseStream(HttpLineStream):
             if self._deadline is not None and not self._finished:
                 timeout = min(timeout, self._deadline - now)
             try:
-                line = await self._reader.readline(max(0.0, timeout))
+                if not self._data and reader.awaits_sse_data():
+                    # the next event is still on its way: wait for it whole, then take it
+                    # without splitting it into lines (one wake-up per token on a paced stream)
+                    if await reader.fill(max(0.0, timeout)):
+                        payload = reader.take_sse_data()
+                        if payload is not None:
+                            return payload
+                    continue
+                line = await reader.readline(max(0.0, timeout))
             except TimeoutError:
                 if self._deadline_passed():
                     return _DEADLINE

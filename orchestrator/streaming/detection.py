@@ -113,7 +113,10 @@ class StreamingDetection:
     @property
     def unjudged(self) -> int:
         """Characters handed to the slowest detector and not answered yet."""
-        return max(q.unjudged for q in self.queues)
+        queues = self.queues
+        if len(queues) == 1:  # the common case, asked once per engine read
+            return queues[0].unjudged
+        return max(q.unjudged for q in queues)
 
     @property
     def done(self) -> bool:
