@@ -9,10 +9,10 @@ from callbacks, a block is a returned verdict, and because the handler pulls, a 
 reading stops the consumer, which stops emptying the inbox, which stops the engine read.
 Closing the iterator (a disconnect) cancels every task of the request.
 
-Where output detectors gate the frames, the engine reader feeds the chunkers itself (`_read_engine`):
-chunking is synchronous and cheap, and it only hands chunks to the detector queues, so a token
-that completes no chunk wakes the reader alone, not the consumer too. A paced stream (10 ms a
-token) spent about a tenth of its CPU on that second wake-up per token.
+Where output detectors gate the frames, the engine reader feeds the chunkers itself
+(`_read_engine`): chunking is synchronous and cheap, and it only hands chunks to the detector
+queues, so a token that completes no chunk wakes the reader alone, not the consumer too. A paced
+stream (10 ms a token) spent about a tenth of its CPU on that second wake-up per token.
 """
 
 from __future__ import annotations
