@@ -20,17 +20,21 @@ class Clock:
         return self.now
 
 
+def paced(tokens: float = 5) -> tuple[Clock, ReadPacer]:
+    """A pacer on a clock the test moves (a 50 ms cap)."""
+    clock = Clock()
+    return clock, ReadPacer(clock, tokens=tokens, max_delay_s=0.05)
+
+
 def test_the_first_read_never_waits() -> None:
     """Time to first token is not a per-token time."""
-    clock = Clock()
-    pacer = ReadPacer(clock, tokens=5, max_delay_s=0.05)
+    clock, pacer = paced()
     clock.now += 2.0  # a long prefill
     assert pacer.after_read(1) == 0.0
 
 
 def test_a_paced_stream_is_read_once_per_tokens_time() -> None:
-    clock = Clock()
-    pacer = ReadPacer(clock, tokens=3, max_delay_s=0.05)
+    clock, pacer = paced(tokens=3)
     pacer.after_read(1)
     clock.now += 0.010  # one token in 10 ms
     assert pacer.after_read(1) == pytest.approx(0.030)
@@ -39,8 +43,7 @@ def test_a_paced_stream_is_read_once_per_tokens_time() -> None:
 
 
 def test_the_wait_never_exceeds_the_cap() -> None:
-    clock = Clock()
-    pacer = ReadPacer(clock, tokens=5, max_delay_s=0.05)
+    clock, pacer = paced()
     pacer.after_read(1)
     clock.now += 0.100
     assert pacer.after_read(1) == 0.05
@@ -49,8 +52,7 @@ def test_the_wait_never_exceeds_the_cap() -> None:
 def test_a_burst_is_read_without_waiting() -> None:
     """Tokens already buffered (a fast engine, a backlog after a migration) come 64 to a read
     with no time between reads: release must never wait on a timer."""
-    clock = Clock()
-    pacer = ReadPacer(clock, tokens=5, max_delay_s=0.05)
+    clock, pacer = paced()
     pacer.after_read(64)
     for _ in range(10):
         clock.now += 0.0001
@@ -58,8 +60,7 @@ def test_a_burst_is_read_without_waiting() -> None:
 
 
 def test_a_stream_that_speeds_up_stops_waiting() -> None:
-    clock = Clock()
-    pacer = ReadPacer(clock, tokens=5, max_delay_s=0.05)
+    clock, pacer = paced()
     pacer.after_read(1)
     clock.now += 0.010
     assert pacer.after_read(1) > 0
@@ -72,8 +73,7 @@ def test_a_stream_that_speeds_up_stops_waiting() -> None:
 
 
 def test_time_held_back_by_the_detectors_is_not_the_engines_pace() -> None:
-    clock = Clock()
-    pacer = ReadPacer(clock, tokens=5, max_delay_s=0.05)
+    clock, pacer = paced()
     pacer.after_read(64)
     clock.now += 0.0001
     assert pacer.after_read(64) == 0.0
