@@ -326,15 +326,15 @@ def bench_kv(loaded: models.LoadedModel, rows: int, generated: int) -> dict[str,
         # slot cache
         kv = SlotCache(len(singles[0].layers), max(64, rows), loaded.max_context)
         for i in range(rows - 1):
-            kv.add_rows(singles[i], [0], lengths[i])
+            kv.add_rows(singles[i], [0], [lengths[i]])
 
         def slot_join() -> None:
-            kv.add_rows(singles[-1], [0], lengths[-1])
+            kv.add_rows(singles[-1], [0], [lengths[-1]])
             kv.keep(list(range(rows - 1)))  # undo: the last row leaving moves nothing
 
         out["slot_join_ms"] = timed(slot_join, device, 5) * 1e3
         out["slot_join_mb"] = lengths[-1] * bytes_per_token / 1e6
-        kv.add_rows(singles[-1], [0], lengths[-1])
+        kv.add_rows(singles[-1], [0], [lengths[-1]])
         order_lengths = list(kv.lengths)
 
         def slot_leave() -> None:

@@ -120,9 +120,15 @@ class SlotCache(Cache):
 
     # ----- joining and leaving -----------------------------------------------------------------
 
-    def add_rows(self, prefill: DynamicCache, select: Sequence[int], length: int) -> None:
-        """Append rows `select` of a prefill cache (each `length` tokens) as the last rows."""
+    def add_rows(
+        self, prefill: DynamicCache, select: Sequence[int], lengths: Sequence[int]
+    ) -> None:
+        """Append rows `select` of a prefill cache as the last rows, `lengths[j]` tokens for
+        row `select[j]` (a right-padded prefill: columns past a row's length are padding, masked
+        until its own tokens overwrite them)."""
         first = self.rows
+        length = prefill.layers[0].keys.shape[2]  # the prefill's width: every row's columns
+        assert len(lengths) == len(select) and max(lengths) <= length
         self._reserve(first + len(select), length + 1, template=prefill)
         index = torch.tensor(list(select), dtype=torch.long, device=self._device)
         everything = len(select) == prefill.layers[0].keys.shape[0]
@@ -132,7 +138,7 @@ class SlotCache(Cache):
             layer.keys[first : first + len(select), :, :length] = keys
             layer.values[first : first + len(select), :, :length] = values
             self.copied_bytes += keys.nbytes + values.nbytes
-        self.lengths.extend([length] * len(select))
+        self.lengths.extend(lengths)
         self._refresh_index()
 
     def keep(self, keep: Sequence[int]) -> list[int]:

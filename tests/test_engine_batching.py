@@ -14,6 +14,7 @@ import torch
 
 from generation import models
 from generation.models import LoadedModel
+from generation.scheduler import prefill_groups
 from generation.server import STATE, create_app
 from generation.testing import ThreadedServer
 from tests.engine_support import Stream, generate, parse, run, wait_until
@@ -74,12 +75,17 @@ def test_sixteen_concurrent_equal_alone(tiny_model: LoadedModel) -> None:
 
                     await wait_until(queued, what="16 requests queued")
                 passes_before = engine.stats.forward_passes
+                prefills_before = engine.stats.prefill_passes
                 together = await asyncio.gather(*tasks)
                 passes = engine.stats.forward_passes - passes_before
+                prefills = engine.stats.prefill_passes - prefills_before
             tokens = sum(len(s.token_ids) for s in together)
             assert engine.stats.max_batch_size_seen == 16
             assert passes < tokens / 8, (passes, tokens)  # one forward pass serves many rows
             assert engine.active_requests == 0
+            # joiners of different lengths prefill right-padded, in groups (PREFILL_PADDING)
+            lengths = [len(s.prompt_token_ids) for s in together]
+            assert prefills == len(prefill_groups(lengths)) < len(set(lengths)), lengths
             return alone, list(together)
 
         alone, together = run(scenario())

@@ -24,6 +24,7 @@ from generation.detokenizer import (
 )
 from generation.kv_cache import SlotCache
 from generation.sampling import uniform
+from generation.scheduler import PREFILL_PADDING, prefill_groups
 
 TEXTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
 DETOKENIZERS = ["python", "stream"]
@@ -267,7 +268,7 @@ def test_slot_cache_rows_join_and_leave_and_decode_like_alone(
                 prompts[i]
             )
             before = kv.copied_bytes
-            kv.add_rows(cache, [0], len(prompts[i]))
+            kv.add_rows(cache, [0], [len(prompts[i])])
             joined_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
             assert kv.copied_bytes - before == joined_bytes  # the joiner's tokens only
             rows.append([i, 0])
@@ -314,3 +315,22 @@ def test_slot_cache_rows_join_and_leave_and_decode_like_alone(
                     moved_nothing = True
         assert moved_nothing
         assert not rows and kv.rows == 0 and kv.nbytes == 0
+
+
+@given(st.lists(st.integers(min_value=1, max_value=4096), max_size=64))
+def test_prefill_groups_partition_and_bound_the_padding(lengths: list[int]) -> None:
+    groups = prefill_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        tokens = sum(lengths[i] for i in group)
+        rectangle = len(group) * max(lengths[i] for i in group)
+        assert rectangle <= (1 + PREFILL_PADDING) * tokens
+    # greedy by ascending length: groups cover consecutive ranges of the sorted lengths
+    spans = [(min(lengths[i] for i in g), max(lengths[i] for i in g)) for g in groups]
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_prefill_groups_join_similar_lengths() -> None:
+    assert prefill_groups([40, 34, 49, 36, 38]) == [[1, 3, 4, 0, 2]]
+    assert prefill_groups([10, 100, 11]) == [[0, 2], [1]]
+    assert prefill_groups([]) == []
