@@ -311,10 +311,14 @@ def _loads(raw: bytes) -> Any:
         return json.loads(raw)
 
 
+_INTS_ONLY = frozenset({int})
+
+
 def _int_list(value: Any) -> tuple[int, ...] | None:
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
+    """A JSON list of integers (not booleans) as a tuple, else None. The type check runs in C
+    (`map(type, ...)` into a set): a first item carries the whole prompt's ids, and a generator
+    over them was a visible share of the orchestrator's time at 256 streams."""
+    if type(value) is not list or not _INTS_ONLY.issuperset(map(type, value)):
         return None
     return tuple(value)
 
