@@ -158,7 +158,14 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
             assert set(served_by) == workers
             assert all(v > 0 for v in served_by.values())
             # one page for all workers: every request of both is counted on it (a scrape
-            # counts itself once its page is written, so the earlier scrapes are on it)
+            # counts itself once its page is written, so the earlier scrapes are on it). A
+            # stream is counted when its handler returns, just after the client read its last
+            # byte, so a scrape may come first: scrape again until all are there (a deadline)
+            async with asyncio.timeout(30):
+                while sum(served_by.values()) < streams + scrapes - 1:
+                    metrics = await scrape(served.url)
+                    scrapes += 1
+                    served_by = by_pid(metrics)
             assert sum(served_by.values()) == streams + scrapes - 1
             stream_key = ("endpoint", STREAMING_PATH), ("status", "200")
             assert metrics[("guardstream_requests_total", stream_key)] == streams
