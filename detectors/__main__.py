@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -67,6 +68,11 @@ async def _serve(args: argparse.Namespace, config: dict) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     def ready(host: str, port: int, ids: list[str]) -> None:
+        # the models, torch and transformers live as long as the process: frozen, Python's
+        # full collections stop walking them with the GIL held (see the orchestrator's
+        # `freeze_startup_heap`)
+        gc.collect()
+        gc.freeze()
         print(
             f"detectors: serving {', '.join(ids) or 'no detectors'} on http://{host}:{port}",
             flush=True,

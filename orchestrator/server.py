@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -51,6 +52,20 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+def freeze_startup_heap() -> int:
+    """Moves every object alive after start-up (modules, compiled patterns, the sentence
+    model, pydantic's validators: ~150k objects) out of the collector's reach, and returns how
+    many. Python's full collections otherwise walk them all, while the event loop stands still:
+    measured at 256 streams (bench/orchestrator.py), each full collection took ~145 ms and made
+    the p99 added latency 160-250 ms; frozen, they take ~35 ms (the streams' own objects) and
+    the p99 is 47-67 ms. Garbage made at start-up is collected first; what is frozen is never
+    freed, which is what objects that live as long as the process need. In forked workers it
+    also spares the copy-on-write of the collector's bookkeeping."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 # After the drain: how long streams ended with `server_shutdown` get to write their terminal
@@ -178,6 +193,7 @@ async def _serve(
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         runner, bound = await start_server(config, host, port, device=device, reuse_port=worker)
+        log.info("start-up heap frozen: %d objects", freeze_startup_heap())
         scheme = "https" if config.server.tls else "http"
         if worker:
             log.info("worker %d listening on %s://%s:%d", os.getpid(), scheme, host, bound)

@@ -159,5 +159,9 @@ async def test_serve_writes_json_lines(tmp_path: Path) -> None:
     assert [(e["request_id"], e["status"]) for e in access] == [("cli-1", 200)]
     messages = [e["message"] for e in entries]
     assert any(m.startswith("guardstream listening on http://") for m in messages)
+    # the objects made at start-up are out of the collector's reach (its full passes stall
+    # the loop for as long as they take to walk): over 10,000 of them, in practice ~150,000
+    frozen = [m for m in messages if m.startswith("start-up heap frozen: ")]
+    assert len(frozen) == 1 and int(frozen[0].split()[3]) > 10_000, frozen
     assert "SIGTERM: shutting down" in messages
     assert messages[-1] == "stopped"
