@@ -415,6 +415,7 @@ class Level:
     release_p99_ms: float = math.nan
     release_max_ms: float = math.nan
     step_clock: bool = False  # paced levels: every answer's tokens fall due at the same times
+    worker_share: list[float] = field(default_factory=list)  # workers > 1: each one's requests
 
     @property
     def per_s(self) -> float:
@@ -538,8 +539,29 @@ def print_level(lv: Level) -> None:
             f"{lv.release_p99_ms:.1f} / max {lv.release_max_ms:.1f} ms"
             if not math.isnan(lv.release_p50_ms)
             else ""
+        )
+        + (
+            "; requests per worker " + "/".join(f"{n:g}" for n in lv.worker_share)
+            if lv.worker_share
+            else ""
         ),
         flush=True,
+    )
+
+
+async def worker_shares(url: str) -> list[float]:
+    """How many requests each live worker served (`guardstream_worker_requests`, by pid): the
+    kernel, not load, spreads connections over SO_REUSEPORT workers."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/metrics") as r:
+            page = await r.text()
+    return sorted(
+        (
+            float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            if line.startswith("guardstream_worker_requests{")
+        ),
+        reverse=True,
     )
 
 
@@ -626,6 +648,8 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                         sdk=args.sdk,
                         fake_url=fake.url,
                     )
+                    if w > 1:
+                        lv.worker_share = await worker_shares(proc.url)
                 finally:
                     proc.stop()
                 workers[w] = lv.per_s

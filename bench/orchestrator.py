@@ -344,7 +344,7 @@ def start_orchestrator(tmp: Path, config: dict[str, Any], argv: list[str] | None
     """`python -m orchestrator serve --config <tmp>/config.yaml --port 0` (or `argv` + config)."""
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    cmd = argv or ([sys.executable, "/tmp/exp/gcwrap.py", "serve"] if os.environ.get("GCWRAP") else [sys.executable, "-m", "orchestrator", "serve"])
+    cmd = argv or [sys.executable, "-m", "orchestrator", "serve"]
     return Proc([*cmd, "--config", str(path), "--port", "0"], tmp / "orchestrator.log")
 
 
