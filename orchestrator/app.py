@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import hmac
 import logging
@@ -321,11 +322,15 @@ def create_app(
     if keys is not None:
         middlewares.append(auth_middleware(keys))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_bytes)
+    series = OrchestratorMetrics()
     state = AppState(
         config=config,
-        metrics=OrchestratorMetrics(),
+        metrics=series,
         chunkers=ChunkerRegistry(config.chunkers),
-        loop_lag=LoopLag(busy_lag_s=config.server.read_coalesce_min_lag_ms / 1000),
+        loop_lag=LoopLag(
+            busy_lag_s=config.server.read_coalesce_min_lag_ms / 1000,
+            on_probe=series.loop_lag.observe,
+        ),
     )
     app[STATE] = state
     app[health.DETECTOR_HEALTH] = health.DetectorHealth(state)
@@ -352,9 +357,12 @@ def create_app(
         # request neither pays the load nor fails on a model that cannot load
         warmup = asyncio.create_task(app[health.DETECTOR_HEALTH].warm_up())
         state.loop_lag.start()
+        gc_timer = state.metrics.gc_pause_timer()
+        gc.callbacks.append(gc_timer)
         try:
             yield
         finally:
+            gc.callbacks.remove(gc_timer)
             state.loop_lag.stop()
             state.draining = True
             warmup.cancel()

@@ -16,7 +16,9 @@ histograms add up, `guardstream_active_streams` adds the live workers' streams),
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
@@ -27,6 +29,8 @@ from .streaming.findings import Finding
 from .streaming.guarded_generation import StreamObserver
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# stalls of the event loop: sub-millisecond when healthy, a GC pass or a CPU-bound burst above
+STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class AllWorkersRegistry(CollectorRegistry):
@@ -112,6 +116,21 @@ class OrchestratorMetrics:
             ["event"],
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "guardstream_event_loop_lag_seconds",
+            "How late the event loop ran a probe due every 100 ms: what every stream's tokens "
+            "and frames wait for at that moment",
+            registry=r,
+            buckets=STALL_BUCKETS,
+        )
+        self.gc_pauses = Histogram(
+            "guardstream_gc_pause_seconds",
+            "Python's garbage collections by generation: each one stops the event loop, and so "
+            "every stream, for its duration",
+            ["generation"],
+            registry=r,
+            buckets=STALL_BUCKETS,
+        )
 
     def count_request(self, endpoint: str, status: int) -> None:
         """One HTTP request ended (streams when they end)."""
@@ -138,9 +157,29 @@ class OrchestratorMetrics:
 
         return StreamObserver(on_frame=on_frame, on_findings=on_findings, on_terminal=on_terminal)
 
+    def gc_pause_timer(self) -> GcPauseTimer:
+        """A `gc.callbacks` entry that times each collection into `gc_pauses`."""
+        return GcPauseTimer(self.gc_pauses)
+
     def record_detector_call(self, detector_id: str, outcome: str, seconds: float) -> None:
         """A detector call ended (`ok`, `error` or `cancelled`); a cancelled call's time says
         nothing about the detector, so only the finished ones enter the latency histogram."""
         self.detector_calls.labels(detector_id, outcome).inc()
         if outcome != "cancelled":
             self.detector_latency.labels(detector_id).observe(seconds)
+
+
+class GcPauseTimer:
+    """Times each of Python's garbage collections (a `gc.callbacks` entry): a full collection
+    walks every live object with the loop stopped, which made the p99 latency at 256 streams
+    before the start-up heap was frozen (see `server.freeze_startup_heap`)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._by_generation = {g: histogram.labels(str(g)) for g in range(3)}
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._by_generation[info["generation"]].observe(time.perf_counter() - self._started)

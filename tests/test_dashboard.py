@@ -57,6 +57,8 @@ REQUIRED_PANELS = {
     "Detections by detector": "guardstream_detections_total",
     "Detector call latency": "guardstream_detector_latency_seconds_bucket",
     "Hold-back time": "guardstream_frame_hold_back_seconds_bucket",
+    "Event loop lag": "guardstream_event_loop_lag_seconds_bucket",
+    "Time in garbage collection": "guardstream_gc_pause_seconds_sum",
     "Migrations": "guardstream_migrations_total",
     "Engine tokens/s": "guardstream_engine_tokens_generated_total",
     "Engine decode batch size": "guardstream_engine_decode_batch_size_bucket",

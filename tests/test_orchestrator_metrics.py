@@ -4,6 +4,8 @@ and every series moves by exactly what a request did (counters as deltas between
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -222,6 +224,33 @@ async def test_the_active_streams_gauge_counts_streams_in_flight(
     # a client that went away gets no terminal event, and none is counted
     events = ("completed", "incomplete", "failed", "error")
     assert [value(after, "guardstream_terminal_events_total", event=e) for e in events] == [0] * 4
+
+
+async def test_event_loop_stalls_and_collections_are_on_the_page(
+    engine: FakeEngine, dets: FakeDetectorServer
+) -> None:
+    """What stops every stream at once is visible: each garbage collection's time, by
+    generation, and how late the loop ran its 100 ms probe."""
+    async with Orchestrator(config(engine.url, dets)) as orch:
+        assert orch.session is not None
+        before = await scrape(orch.session, orch.url)
+        gc.collect()  # a full collection, timed by the app's gc callback
+        # blocks the loop on purpose: the probe, due within 100 ms, runs >= 0.2 s late
+        time.sleep(0.3)  # noqa: ASYNC251
+        async with asyncio.timeout(10):  # a guard, not a window: the probe runs next
+            while True:
+                after = await scrape(orch.session, orch.url)
+                late = delta(before, after, "guardstream_event_loop_lag_seconds_count") - delta(
+                    before, after, "guardstream_event_loop_lag_seconds_bucket", le="0.1"
+                )
+                if late:
+                    break
+    assert late >= 1  # the probe due during the stall (a loaded machine may add others)
+    assert delta(before, after, "guardstream_event_loop_lag_seconds_sum") >= 0.2
+    assert delta(before, after, "guardstream_gc_pause_seconds_count", generation="2") >= 1
+    assert delta(before, after, "guardstream_gc_pause_seconds_sum", generation="2") > 0
+    # every generation's series exists from the start, before it first runs
+    assert ("guardstream_gc_pause_seconds_count", frozenset({("generation", "1")})) in before
 
 
 async def test_migrations_are_served_on_the_same_registry(dets: FakeDetectorServer) -> None:

@@ -8,6 +8,7 @@ tokens' wait for far fewer wake-ups, which is also what brings its queueing dela
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 #: The loop counts as busy while its smoothed lag is at least this.
 BUSY_LAG_S = 0.002
@@ -16,8 +17,16 @@ SMOOTHING = 0.3
 
 
 class LoopLag:
-    def __init__(self, *, busy_lag_s: float = BUSY_LAG_S, interval_s: float = PROBE_INTERVAL_S):
+    def __init__(
+        self,
+        *,
+        busy_lag_s: float = BUSY_LAG_S,
+        interval_s: float = PROBE_INTERVAL_S,
+        on_probe: Callable[[float], None] | None = None,
+    ):
+        """`on_probe` gets each probe's lateness in seconds (the orchestrator's metrics)."""
         self._busy_lag_s = busy_lag_s
+        self._on_probe = on_probe
         self._interval_s = interval_s
         self._lag_s = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -51,5 +60,8 @@ class LoopLag:
 
     def _probe(self) -> None:
         assert self._loop is not None
-        self.record(self._loop.time() - self._due)
+        lag_s = self._loop.time() - self._due
+        self.record(lag_s)
+        if self._on_probe is not None:
+            self._on_probe(max(lag_s, 0.0))
         self._schedule()
