@@ -48,11 +48,15 @@ MAX_REQUEST_PATTERNS = 8  # custom patterns in one request (when the config allo
 MAX_PATTERN_CHARS = 512
 CONFIG_MAX_MEM = 8 << 20  # RE2's default memory budget per pattern (program + DFA cache)
 REQUEST_MAX_MEM = 1 << 20  # a pattern too big for this fails to compile in ~7 ms at worst
-# Contents up to this many characters in total are scanned on the event loop; longer ones, and
-# every request that brings its own patterns, in a worker thread. Measured on 2 cores: the six
-# kinds take about 50 us on 100 characters dense with PII (0.35 us a character), a hand-off to
-# a thread about 55 us, so a sentence is cheaper inline and nothing inline takes over ~0.1 ms.
-INLINE_CHARS = 256
+# A content up to this many characters is scanned on the event loop, which yields to other tasks
+# after every this many characters; a longer one, and every content of a request that brings its
+# own patterns, in a worker thread. Measured on 2 cores: the six kinds take 0.06-0.07 us a
+# character of prose and 0.4 us of text dense with PII; a hand-off to the thread costs about
+# 60 us. So a sentence is far cheaper inline, and the loop never stands still for more than
+# ~0.4 ms (prose: ~70 us). Sending a whole call to the thread once its contents passed 256
+# characters in total (a burst's sentences come in one call) cost 8% of the orchestrator's CPU
+# per answer (bench/openai_overhead.py, ITL 0, c8).
+INLINE_CHARS = 1024
 MAX_IPV6_CHARS = 45  # ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-")
 
@@ -487,15 +491,35 @@ class RegexDetector(Detector):
         else:
             compiled = self._compiled
         kinds = list(p.kinds)
-        if not from_request and sum(len(c) for c in contents) <= INLINE_CHARS:
-            return [_find(_Text(c), kinds, compiled, None) for c in contents]
+        # Long contents (and every content, with a request's own patterns) go to the thread in
+        # one hand-off, and RE2 releases the GIL while it matches, so they run while the loop
+        # scans the short ones itself, yielding to other tasks after every INLINE_CHARS.
+        threaded = [i for i, c in enumerate(contents) if from_request or len(c) > INLINE_CHARS]
+        found: list[list[Detection]] = [[] for _ in contents]
         cancelled = threading.Event()
+        in_thread: asyncio.Future[list[list[Detection]]] | None = None
+        if threaded:
 
-        def run() -> list[list[Detection]]:
-            return [_find(_Text(c), kinds, compiled, cancelled) for c in contents]
+            def run() -> list[list[Detection]]:
+                return [_find(_Text(contents[i]), kinds, compiled, cancelled) for i in threaded]
 
+            in_thread = asyncio.get_running_loop().run_in_executor(scan_executor(), run)
         try:
-            return await asyncio.get_running_loop().run_in_executor(scan_executor(), run)
-        except asyncio.CancelledError:
+            skip, since_yield = set(threaded), 0
+            for i, content in enumerate(contents):
+                if i in skip:
+                    continue
+                if since_yield + len(content) > INLINE_CHARS:
+                    await asyncio.sleep(0)
+                    since_yield = 0
+                found[i] = _find(_Text(content), kinds, compiled, None)
+                since_yield += len(content)
+            if in_thread is not None:
+                for i, detections in zip(threaded, await in_thread, strict=True):
+                    found[i] = detections
+        except BaseException:
             cancelled.set()  # the thread stops at its next pattern or content
+            if in_thread is not None:
+                in_thread.cancel()
             raise
+        return found

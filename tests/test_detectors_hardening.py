@@ -168,6 +168,50 @@ async def test_a_long_scan_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPat
     assert [(d.detection, d.text) for d in found] == [("credit_card", "4111 1111 1111 1111")]
 
 
+async def test_short_contents_are_scanned_on_the_loop_which_they_yield_every_inline_chars(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sentences cost less to scan than a thread hand-off, so they are scanned on the event
+    loop, in the caller's thread; a call with many of them lets other tasks run after every
+    INLINE_CHARS characters, and a long content among them goes to the thread."""
+    real_find = regex_pii._find
+    log: list[tuple[str, int]] = []
+
+    def recording(t: Any, *args: Any) -> Any:
+        log.append((t.text[:2], threading.get_ident()))
+        return real_find(t, *args)
+
+    monkeypatch.setattr(regex_pii, "_find", recording)
+    sentence = "mail a@b.com " + "x" * (regex_pii.INLINE_CHARS // 4 - 13)  # a quarter each
+    long_text = "zz " + "lorem ipsum " * (regex_pii.INLINE_CHARS // 10)
+    assert len(sentence) == regex_pii.INLINE_CHARS // 4 and len(long_text) > regex_pii.INLINE_CHARS
+    contents = [f"{i:02d}{sentence[2:]}" for i in range(10)]
+    contents.insert(5, long_text)
+
+    async def other_task() -> None:
+        log.append(("other", threading.get_ident()))
+
+    other = asyncio.create_task(other_task())
+    results = await detectors.build("regex").detect(contents)
+    await other
+    loop_thread = threading.get_ident()
+    inline = [(tag, ident) for tag, ident in log if tag != "zz"]
+    # four quarters fit before the first yield; the other task runs there, then four more
+    assert [tag for tag, _ in inline] == [
+        *("00", "01", "02", "03"),
+        "other",
+        *("04", "05", "06", "07"),
+        *("08", "09"),
+    ]
+    assert {ident for _, ident in inline} == {loop_thread}
+    assert [ident for tag, ident in log if tag == "zz"] != [loop_thread]  # the thread's
+    assert [[(d.detection, d.start, d.end) for d in r] for r in results] == [
+        *([[("email", 5, 12)]] * 5),
+        [],  # the long one: no PII
+        *([[("email", 5, 12)]] * 5),
+    ]
+
+
 async def test_a_cancelled_scan_stops_at_its_next_pattern(monkeypatch: pytest.MonkeyPatch) -> None:
     real_spans = regex_pii._pattern_spans
     entered, gate, calls = threading.Event(), threading.Event(), []
