@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import os
 import platform
@@ -52,6 +53,7 @@ from generation import models
 from generation.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_decoder
 from generation.kv_cache import SlotCache
 from generation.sampling import SamplingParams, default_candidates, select, uniform
+from generation.scheduler import PREFILL_CHUNK_TOKENS, Engine, Job, StreamItem
 from generation.testing import start_engine_subprocess
 
 QUESTIONS = [
@@ -409,6 +411,87 @@ def bench_detokenizer(loaded: models.LoadedModel) -> dict[str, float]:
 # ----- 3. HTTP ----------------------------------------------------------------------------------
 
 
+async def _long_prompt_joins(
+    loaded: models.LoadedModel, chunk: int, running: int, prompt_tokens: int, tokens: int
+) -> dict[str, float]:
+    """`running` streams decode; once each has 4 tokens a `prompt_tokens` prompt joins. Returns
+    the longest gap between two tokens of a running stream, and the long prompt's TTFT."""
+    engine = Engine(loaded, prefill_chunk_tokens=chunk)
+    engine.start()
+    loop = asyncio.get_running_loop()
+
+    def job(prompt: list[int], n: int) -> Job:
+        return Job(
+            prompt_ids=prompt,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            sampling=SamplingParams(),
+            loop=loop,
+            queue=asyncio.Queue(),
+        )
+
+    async def read(j: Job, times: list[float], fourth: asyncio.Event | None = None) -> None:
+        while True:
+            item = await j.queue.get()
+            assert isinstance(item, StreamItem), item
+            times.append(time.perf_counter())
+            if fourth is not None and len(times) == 4:
+                fourth.set()
+            if item.finish_reason is not None:
+                return
+
+    try:
+        warm = job(chat_ids(loaded, QUESTIONS[0]), 2)  # the engine learns its cache layout
+        engine.submit(warm)
+        await read(warm, [])
+        streams = [
+            job(chat_ids(loaded, QUESTIONS[i % len(QUESTIONS)]), tokens) for i in range(running)
+        ]
+        times: list[list[float]] = [[] for _ in streams]
+        fourth = [asyncio.Event() for _ in streams]
+        for j in streams:
+            engine.submit(j)
+        readers = [
+            asyncio.ensure_future(read(j, t, e))
+            for j, t, e in zip(streams, times, fourth, strict=True)
+        ]
+        await asyncio.gather(*(e.wait() for e in fourth))
+        long_job = job([(7 * i) % 20000 + 100 for i in range(prompt_tokens)], 4)
+        long_times: list[float] = []
+        submitted = time.perf_counter()
+        engine.submit(long_job)
+        await read(long_job, long_times)
+        await asyncio.gather(*readers)
+        # the gaps that overlap the long prompt's prefill
+        gaps = [
+            b - a
+            for t in times
+            for a, b in itertools.pairwise(t)
+            if b > submitted and a < long_times[0]
+        ]
+        return {"max_gap_s": max(gaps), "long_ttft_s": long_times[0] - submitted}
+    finally:
+        engine.stop()
+
+
+def bench_chunked_prefill(
+    loaded: models.LoadedModel, running: int = 4, prompt_tokens: int = 2048, tokens: int = 48
+) -> dict[str, Any]:
+    """Running streams while a long prompt joins: prefilled whole against in chunks."""
+    default = PREFILL_CHUNK_TOKENS.get(loaded.device.type, 2048)
+    out: dict[str, Any] = {}
+    for name, chunk in (("whole", prompt_tokens + 1), (f"chunks of {default}", default)):
+        r = asyncio.run(_long_prompt_joins(loaded, chunk, running, prompt_tokens, tokens))
+        out[name] = r
+        print(
+            f"  a {prompt_tokens}-token prompt joins {running} running streams, prefilled "
+            f"{name:>14}: running streams' longest gap between tokens {r['max_gap_s']:.2f} s, "
+            f"the long prompt's first token after {r['long_ttft_s']:.2f} s",
+            flush=True,
+        )
+    return out
+
+
 async def one_stream(
     session: aiohttp.ClientSession, url: str, prompt: str, tokens: int, decoding: str
 ) -> dict[str, float]:
@@ -566,6 +649,8 @@ def main() -> int:
             result["sampling"] = bench_sampling(loaded, sizes)
             result["kv"] = bench_kv(loaded, top, args.tokens // 2)
             result["detokenizer"] = bench_detokenizer(loaded)
+            print("chunked prefill (in-process engine, greedy):", flush=True)
+            result["chunked_prefill"] = bench_chunked_prefill(loaded)
             del loaded
             gc.collect()
             if gpu:

@@ -109,6 +109,7 @@ def create_app(
     fault_injection: bool = False,
     max_batch_size: int = 64,
     threads: int | None = None,
+    prefill_chunk_tokens: int | None = None,
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
 ) -> web.Application:
@@ -128,7 +129,12 @@ def create_app(
     app = web.Application(client_max_size=client_max_size, middlewares=middlewares)
     state = EngineState(
         loaded=loaded,
-        engine=Engine(loaded, max_batch_size=max_batch_size, threads=threads),
+        engine=Engine(
+            loaded,
+            max_batch_size=max_batch_size,
+            threads=threads,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+        ),
         faults=FaultInjector() if fault_injection else None,
     )
     state.registry.register(_EngineCollector(state))
@@ -324,6 +330,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "dtype": str(state.loaded.dtype).removeprefix("torch."),
         "active_requests": engine.active_requests,
         "running_batch_size": engine.running_batch_size,
+        "prefilling_requests": engine.prefilling_requests,
         "max_batch_size_seen": engine.stats.max_batch_size_seen,
         "forward_passes": engine.stats.forward_passes,
         "tokens_generated": engine.stats.tokens_generated,
@@ -597,6 +604,16 @@ class _EngineCollector(Collector):
             "guardstream_engine_requests_cancelled",
             "Requests aborted because their client left",
             value=stats.requests_cancelled,
+        )
+        yield CounterMetricFamily(
+            "guardstream_engine_prefill_chunks",
+            "Forward passes over one chunk of a long context (chunked prefill)",
+            value=stats.prefill_chunks,
+        )
+        yield GaugeMetricFamily(
+            "guardstream_engine_prefilling_requests",
+            "Requests whose long context is being prefilled chunk by chunk",
+            value=self.state.engine.prefilling_requests,
         )
         yield GaugeMetricFamily(
             "guardstream_engine_active_requests",

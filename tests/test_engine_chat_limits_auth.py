@@ -332,3 +332,16 @@ def test_serve_refuses_to_start_without_keys(
     assert capsys.readouterr().err == (
         f"error: --api-keys-env: environment variable GS_TEST_ENGINE_KEYS {message}\n"
     )
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--prefill-chunk-tokens", "0"), ("--max-batch-size", "-1")]
+)
+def test_serve_refuses_sizes_below_one(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    """Before loading any model: a zero chunk would never prefill anything."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "/nonexistent", flag, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: {flag} must be at least 1, not {value}\n")

@@ -1,0 +1,169 @@
+"""Chunked prefill: a context longer than `prefill_chunk_tokens` is prefilled one chunk per worker
+iteration, between the running rows' decode steps, into a cache of its own; after its last chunk
+the row takes its first token and joins the batch. Its tokens are exactly those of a whole
+prefill, greedy, seeded and resumed (tiny-random, float64), and a request cancelled mid-prefill
+leaves without a token."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from generation.models import LoadedModel
+from generation.sampling import SamplingParams
+from generation.scheduler import Engine, Job, StreamError, StreamItem
+
+CHUNK = 16
+Event = StreamItem | StreamError
+
+
+class RecordingQueue(asyncio.Queue[Event]):
+    """A job's queue that also notes every delivery in one log shared by all jobs: the order in
+    which the worker emitted them."""
+
+    def __init__(self, name: str, log: list[tuple[str, Event]]) -> None:
+        super().__init__()
+        self.name = name
+        self.log = log
+
+    def put_nowait(self, item: Event) -> None:
+        self.log.append((self.name, item))
+        super().put_nowait(item)
+
+
+def long_prompt(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + offset) % 600 + 20 for i in range(n)]
+
+
+def make_job(
+    prompt_ids: list[int],
+    n: int,
+    queue: asyncio.Queue[Event],
+    *,
+    sampling: SamplingParams | None = None,
+    resume_ids: list[int] | None = None,
+) -> Job:
+    return Job(
+        prompt_ids=prompt_ids,
+        max_new_tokens=n,
+        min_new_tokens=n,  # no early EOS: every run has the same length
+        sampling=sampling or SamplingParams(),
+        loop=asyncio.get_running_loop(),
+        queue=queue,
+        resume_ids=resume_ids or [],
+    )
+
+
+async def tokens_of(queue: asyncio.Queue[Event]) -> list[int]:
+    out: list[int] = []
+    async with asyncio.timeout(60):  # a guard, not a window
+        while True:
+            item = await queue.get()
+            assert isinstance(item, StreamItem), item
+            out.extend(item.token_ids)
+            if item.finish_reason is not None:
+                return out
+
+
+async def run_alone(engine: Engine, job: Job) -> list[int]:
+    engine.submit(job)
+    return await tokens_of(job.queue)
+
+
+async def warm(engine: Engine) -> None:
+    """The first request teaches the engine its cache layout (until then nothing is chunked)."""
+    await run_alone(engine, make_job([5, 6, 7], 2, asyncio.Queue()))
+
+
+@pytest.fixture
+async def chunked(tiny_model: LoadedModel) -> Engine:
+    engine = Engine(tiny_model, prefill_chunk_tokens=CHUNK)
+    engine.start()
+    await warm(engine)
+    yield engine  # type: ignore[misc]
+    engine.stop()
+
+
+@pytest.fixture
+async def whole(tiny_model: LoadedModel) -> Engine:
+    engine = Engine(tiny_model, prefill_chunk_tokens=10_000)
+    engine.start()
+    await warm(engine)
+    yield engine  # type: ignore[misc]
+    engine.stop()
+
+
+async def test_running_rows_decode_between_the_chunks_of_a_long_prompt(chunked: Engine) -> None:
+    """A (short) and B (200 tokens) arrive together. Each iteration runs one of B's 13 chunks,
+    then a decode step of A: A has exactly 13 tokens when B's first token comes."""
+    log: list[tuple[str, Event]] = []
+    a = make_job([11, 12, 13, 14, 15], 40, RecordingQueue("A", log))
+    b = make_job(long_prompt(200), 8, RecordingQueue("B", log))
+    chunks_before = chunked.stats.prefill_chunks
+    prefills_before = chunked.stats.prefill_passes
+    with chunked.hold():
+        chunked.submit(a)
+        chunked.submit(b)
+    a_tokens, b_tokens = await asyncio.gather(tokens_of(a.queue), tokens_of(b.queue))
+    assert len(a_tokens) == 40 and len(b_tokens) == 8
+    first_b = next(i for i, (name, _) in enumerate(log) if name == "B")
+    a_before = sum(
+        len(item.token_ids)
+        for name, item in log[:first_b]
+        if name == "A" and isinstance(item, StreamItem)
+    )
+    chunks = math.ceil(200 / CHUNK)
+    assert a_before == chunks  # A's prefill token, then one decode step per earlier chunk
+    assert chunked.stats.prefill_chunks - chunks_before == chunks
+    assert chunked.stats.prefill_passes - prefills_before == 2  # A whole, B's last chunk
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(),
+        SamplingParams(greedy=False, temperature=1.3, top_k=20, seed=77),
+        SamplingParams(greedy=False, temperature=0.9, top_p=0.8, seed=5),
+    ],
+    ids=["greedy", "top_k", "top_p"],
+)
+async def test_a_chunked_prefill_gives_the_tokens_of_a_whole_one(
+    chunked: Engine, whole: Engine, sampling: SamplingParams
+) -> None:
+    """Also for a resumed stream, whose context (prompt and resumed tokens) is chunked whole."""
+    prompt = long_prompt(150, offset=3)
+    expected = await run_alone(whole, make_job(prompt, 30, asyncio.Queue(), sampling=sampling))
+    got = await run_alone(chunked, make_job(prompt, 30, asyncio.Queue(), sampling=sampling))
+    assert got == expected
+    resumed = make_job(prompt, 30, asyncio.Queue(), sampling=sampling, resume_ids=expected[:12])
+    chunks_before = chunked.stats.prefill_chunks
+    assert await run_alone(chunked, resumed) == expected[12:]
+    assert chunked.stats.prefill_chunks - chunks_before == math.ceil((150 + 12) / CHUNK)
+
+
+async def test_a_request_cancelled_mid_prefill_leaves_without_a_token(
+    tiny_model: LoadedModel,
+) -> None:
+    """The worker's iterations driven by hand (no thread), so the cancel lands mid-prefill."""
+    engine = Engine(tiny_model, prefill_chunk_tokens=CHUNK)
+    first, a, b = (asyncio.Queue[Event]() for _ in range(3))
+    with torch.inference_mode():
+        engine._admit([make_job([5, 6, 7], 2, first)])  # learns the cache layout
+        engine._admit([make_job([11, 12, 13], 20, a), job_b := make_job(long_prompt(200), 8, b)])
+        for _ in range(3):
+            engine._prefill_chunk()
+            engine._decode_step()
+        assert engine.prefilling_requests == 1
+        engine.cancel(job_b)
+        engine._drop_cancelled()
+        assert engine.prefilling_requests == 0
+        while engine._rows:
+            engine._decode_step()
+        engine._flush_outbox()
+    assert len(await tokens_of(a)) == 20
+    assert b.empty()
+    assert engine.stats.requests_cancelled == 1
+    assert engine.stats.prefill_chunks == 3
