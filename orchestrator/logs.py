@@ -29,7 +29,7 @@ _RECORD_ATTRS = frozenset(
     logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys()
     | {"message", "asctime", "request_id", "taskName"}
 )
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s%(trace)s] %(message)s"
 
 
 class RequestIdFilter(logging.Filter):
@@ -73,9 +73,14 @@ class JsonFormatter(logging.Formatter):
 
 
 class _TextFormatter(logging.Formatter):
+    """`... [request-id trace=<trace id>] message`: the trace id (with tracing on, inside a span)
+    finds the line's trace in the tracing backend, as the JSON lines' `trace_id` does."""
+
     def format(self, record: logging.LogRecord) -> str:
         if getattr(record, "request_id", None) is None:
             record.request_id = REQUEST_ID.get() or "-"
+        trace_id = getattr(record, "trace_id", None)
+        record.trace = f" trace={trace_id}" if trace_id else ""
         return super().format(record)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from orchestrator import logs
 from orchestrator.app import STREAMING_PATH
 from orchestrator.logs import REQUEST_ID, JsonFormatter, make_handler
 from tests.fakes.engine import FakeEngine, Fault
@@ -79,6 +80,27 @@ def test_text_format_shows_the_request_id(rid: str | None, shown: str) -> None:
     finally:
         REQUEST_ID.reset(token)
     assert out.getvalue().rstrip().endswith(f"WARNING guardstream.test {shown} hello")
+
+
+def test_text_format_shows_the_trace_id_inside_a_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tracing on, the current span's trace id follows the request id (outside any span
+    the line is as without tracing)."""
+    ids: list[tuple[str, str] | None] = [("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")]
+    monkeypatch.setattr(logs, "TRACE_IDS", lambda: ids[0])
+    out = io.StringIO()
+    handler = make_handler("text", out)
+    token = REQUEST_ID.set("rid-3")
+    try:
+        handler.handle(record("in a span"))
+        ids[0] = None
+        handler.handle(record("outside"))
+    finally:
+        REQUEST_ID.reset(token)
+    first, second = out.getvalue().splitlines()
+    assert first.endswith(
+        "WARNING guardstream.test [rid-3 trace=4bf92f3577b34da6a3ce929d0e0e4736] in a span"
+    )
+    assert second.endswith("WARNING guardstream.test [rid-3] outside")
 
 
 @pytest.fixture
