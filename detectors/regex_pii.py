@@ -264,6 +264,28 @@ def _ipv6s(t: _Text) -> Iterator[Span]:
             yield start, start + n
 
 
+_DIGITS = b"0123456789"
+
+
+def could_match(kind: str, data: bytes, digits: int) -> bool:
+    """Whether `data` (with `digits` ASCII digits) holds the characters that every match of
+    `kind`'s regexes needs: an email its `@`; a phone at least 7 digits (+ and 1 digit, then 6
+    more; a US number has 10); an SSN 9; a card 13 (its run of digit groups); an IPv4 address 4
+    digits and 3 dots; an IPv6 candidate 2 colons. Counted in C, it spares most sentences every
+    scan: 7 RE2 searches, each with its Python wrapper and generators, were 23 us of prose."""
+    if kind == "email":
+        return b"@" in data
+    if kind == "phone":
+        return digits >= 7
+    if kind == "ssn":
+        return digits >= 9
+    if kind == "credit_card":
+        return digits >= 13
+    if kind == "ipv4":
+        return digits >= 4 and data.count(b".") >= 3
+    return data.count(b":") >= 2  # ipv6
+
+
 _FINDERS: dict[str, Callable[[_Text], Iterator[Span]]] = {
     "email": _simple(_EMAIL),
     "phone": _phones,
@@ -389,8 +411,10 @@ def _find(
     t: _Text, kinds: list[str], patterns: Mapping[str, Any], cancelled: threading.Event | None
 ) -> list[Detection]:
     builtin: list[tuple[int, int, str]] = []
+    data = t.data
+    digits = len(data) - len(data.translate(None, _DIGITS))
     for kind in KINDS:
-        if kind in kinds:
+        if kind in kinds and could_match(kind, data, digits):
             _check_cancelled(cancelled)
             builtin.extend((s, e, kind) for s, e in _FINDERS[kind](t))
     builtin.sort(key=lambda m: (m[0], -m[1], KINDS.index(m[2])))

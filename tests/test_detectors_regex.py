@@ -4,10 +4,14 @@ selection, custom patterns, and a custom pattern that does not compile (InvalidP
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import detectors
-from detectors import InvalidParams
+from detectors import InvalidParams, regex_pii
 from detectors.regex_pii import find_pii, luhn_ok
 
 
@@ -24,35 +28,35 @@ def at(text: str, needle: str) -> tuple[int, int]:
     return start, start + len(needle)
 
 
-@pytest.mark.parametrize(
-    ("kind", "value"),
-    [
-        ("email", "john.doe+tag@mail.example.co.uk"),
-        ("email", "a@b.io"),
-        ("phone", "(555) 123-4567"),
-        ("phone", "555-123-4567"),
-        ("phone", "555.123.4567"),
-        ("phone", "+1 415 555 2671"),
-        ("phone", "+14155552671"),
-        ("phone", "+44 20 7946 0958"),
-        ("phone", "+33 1 42 68 53 00"),
-        ("phone", "+1 (555) 123-4567"),
-        ("ssn", "123-45-6789"),
-        ("ssn", "123 45 6789"),
-        ("credit_card", "4111 1111 1111 1111"),
-        ("credit_card", "4111-1111-1111-1111"),
-        ("credit_card", "4111111111111111"),
-        ("credit_card", "3782 822463 10005"),
-        ("credit_card", "5500 0000 0000 0004"),
-        ("ipv4", "192.168.1.1"),
-        ("ipv4", "8.8.8.8"),
-        ("ipv6", "2001:db8::1"),
-        ("ipv6", "2001:0db8:85a3:0000:0000:8a2e:0370:7334"),
-        ("ipv6", "fe80::1ff:fe23:4567:890a"),
-        ("ipv6", "::1"),
-        ("ipv6", "::ffff:192.0.2.1"),
-    ],
-)
+FOUND = [
+    ("email", "john.doe+tag@mail.example.co.uk"),
+    ("email", "a@b.io"),
+    ("phone", "(555) 123-4567"),
+    ("phone", "555-123-4567"),
+    ("phone", "555.123.4567"),
+    ("phone", "+1 415 555 2671"),
+    ("phone", "+14155552671"),
+    ("phone", "+44 20 7946 0958"),
+    ("phone", "+33 1 42 68 53 00"),
+    ("phone", "+1 (555) 123-4567"),
+    ("ssn", "123-45-6789"),
+    ("ssn", "123 45 6789"),
+    ("credit_card", "4111 1111 1111 1111"),
+    ("credit_card", "4111-1111-1111-1111"),
+    ("credit_card", "4111111111111111"),
+    ("credit_card", "3782 822463 10005"),
+    ("credit_card", "5500 0000 0000 0004"),
+    ("ipv4", "192.168.1.1"),
+    ("ipv4", "8.8.8.8"),
+    ("ipv6", "2001:db8::1"),
+    ("ipv6", "2001:0db8:85a3:0000:0000:8a2e:0370:7334"),
+    ("ipv6", "fe80::1ff:fe23:4567:890a"),
+    ("ipv6", "::1"),
+    ("ipv6", "::ffff:192.0.2.1"),
+]
+
+
+@pytest.mark.parametrize(("kind", "value"), FOUND)
 def test_each_kind_found_with_its_exact_span(kind: str, value: str) -> None:
     text = f"Contact: {value}. Thanks"
     start, end = at(text, value)
@@ -216,3 +220,45 @@ def test_unknown_builtin_and_device() -> None:
         detectors.validate_params("nope", {})
     with pytest.raises(ValueError, match="device"):
         detectors.build("regex", device="tpu")
+
+
+# Texts dense in what the built-in kinds look for: digits, separators, @, dots, colons, hex.
+_PII_ALPHABET = "0123456789" * 4 + " .-:@+()_/abcdefxyzABCF" + "é€😀"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=_PII_ALPHABET, max_size=80))
+def test_the_character_gates_never_skip_a_match(text: str) -> None:
+    """`could_match` only skips a kind whose every match needs characters the text lacks: with
+    the gates, every text gives exactly what scanning every kind gives."""
+    kinds = list(regex_pii.KINDS)
+    gated = find_pii(text, kinds, {})
+    with patch.object(regex_pii, "could_match", lambda *_: True):
+        assert find_pii(text, kinds, {}) == gated
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(FOUND),
+    st.text(alphabet="abcXYZ ,;!?'é", max_size=30),
+    st.text(alphabet="abcXYZ ,;!?'é", max_size=30),
+)
+def test_each_kind_is_found_with_the_fewest_characters_its_gate_needs(
+    found: tuple[str, str], before: str, after: str
+) -> None:
+    """The known values (some exactly at a gate: `8.8.8.8`, `::1`, a 9-digit SSN) amid text
+    without digits, `@`, dots or colons: the gates let each through."""
+    kind, value = found
+    text = f"{before} {value} {after}"
+    gated = find_pii(text, list(regex_pii.KINDS), {})
+    assert (kind, value) in [(d.detection, d.text) for d in gated]
+    with patch.object(regex_pii, "could_match", lambda *_: True):
+        assert find_pii(text, list(regex_pii.KINDS), {}) == gated
+
+
+def test_the_character_gates_skip_prose() -> None:
+    """A sentence with no @, colon, or enough digits for any kind costs no scan at all."""
+    text = " Sentence12 talks about delta echo and the fox, then 3.4 of them."
+    data = text.encode()
+    digits = sum(ch.isdigit() for ch in text)
+    assert [k for k in regex_pii.KINDS if regex_pii.could_match(k, data, digits)] == []
