@@ -60,9 +60,9 @@ def freeze_startup_heap() -> int:
     many. Python's full collections otherwise walk them all, while the event loop stands still:
     measured at 256 streams (bench/orchestrator.py), each full collection took ~145 ms and made
     the p99 added latency 160-250 ms; frozen, they take ~35 ms (the streams' own objects) and
-    the p99 is 47-67 ms. Garbage made at start-up is collected first; what is frozen is never
-    freed, which is what objects that live as long as the process need. In forked workers it
-    also spares the copy-on-write of the collector's bookkeeping."""
+    the p99 is 38-67 ms. Garbage made at start-up is collected first; what is frozen is never
+    freed, which is what objects that live as long as the process need. Each `server.workers`
+    worker is a process of its own and freezes its own heap."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
