@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -127,6 +128,48 @@ async def arm(backend: ReplicatedModelBackend, **fault: Any) -> str:
     ):
         assert r.status == 200, await r.text()
     return target.name
+
+
+async def engine_metric(backend: ReplicatedModelBackend, name: str) -> float:
+    """A counter summed over every replica's /metrics."""
+    total = 0.0
+    async with aiohttp.ClientSession() as s:
+        for replica in backend.pool.replicas:
+            async with s.get(replica.client.url + "/metrics") as r:
+                page = await r.text()
+            total += sum(float(x.split()[-1]) for x in page.splitlines() if x.startswith(name))
+    return total
+
+
+async def test_a_long_prompt_prefilled_in_chunks_resumes_exactly(
+    backend: ReplicatedModelBackend,
+) -> None:
+    """A prompt over the engine's chunk (256 tokens on a CPU) is prefilled in chunks, and so is
+    the resumed context (prompt and delivered tokens) on the other replica: the migrated stream
+    equals the uninterrupted one."""
+    prompt = " ".join(f"w{i}" for i in range(76))  # ~300 tiny-random tokens
+    async with aiohttp.ClientSession() as s:
+        for replica in backend.pool.replicas:  # a replica learns its cache layout first
+            body = {"prompt": "Hi", "max_new_tokens": 1}
+            headers = replica.client.headers
+            async with s.post(replica.client.url + "/v1/generate", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+    chunks = "guardstream_engine_prefill_chunks_total"
+    before = await engine_metric(backend, chunks)
+    stream = backend.stream(GenerationRequest(prompt, GREEDY, request_id="long-whole"))
+    expected = await collect(stream)
+    length = stream.input_token_count
+    assert length is not None and 256 < length < 512 - 48
+    assert stream.migrations == 0 and stream.generated_token_count == 48
+    after = 20
+    target = await arm(backend, after_tokens=after, mode="error", times=1)
+    stream = backend.stream(GenerationRequest(prompt, GREEDY, request_id="long-migrated"))
+    assert await collect(stream) == expected
+    assert stream.replicas_used[0] == target and stream.migrations == 1
+    per_prompt = math.ceil(length / 256)
+    resumed = math.ceil((length + after) / 256)
+    assert await engine_metric(backend, chunks) - before == 2 * per_prompt + resumed
 
 
 @pytest.mark.parametrize("decoding", ["greedy", "seeded"])
