@@ -35,6 +35,7 @@ from .clients.backends import default_command
 from .clients.managed import EngineProcess, _die_with_parent
 from .clients.tls import server_ssl_context
 from .config import Config, ManagedBackend, parse_config
+from .handlers.health import DETECTOR_HEALTH
 from .state import STATE, AppState
 from .tracing import engine_env
 
@@ -66,6 +67,15 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+async def freeze_after_warm_up(warmed: asyncio.Event) -> None:
+    """In-process detectors load their models in the warm-up that /info waits for, after
+    start-up: once it is over, what they loaded is frozen too. No collection first: traffic may
+    already flow, and the garbage frozen with them is a one-off."""
+    await warmed.wait()
+    gc.freeze()
+    log.info("heap frozen after the detectors' warm-up: %d objects", gc.get_freeze_count())
 
 
 # After the drain: how long streams ended with `server_shutdown` get to write their terminal
@@ -194,6 +204,7 @@ async def _serve(
     try:
         runner, bound = await start_server(config, host, port, device=device, reuse_port=worker)
         log.info("start-up heap frozen: %d objects", freeze_startup_heap())
+        refreeze = asyncio.ensure_future(freeze_after_warm_up(runner.app[DETECTOR_HEALTH].warmed))
         scheme = "https" if config.server.tls else "http"
         if worker:
             log.info("worker %d listening on %s://%s:%d", os.getpid(), scheme, host, bound)
@@ -202,6 +213,7 @@ async def _serve(
             log.info("guardstream listening on %s://%s:%d", scheme, host, bound)
             print(f"guardstream listening on {scheme}://{host}:{bound}", flush=True)
         await stop.wait()
+        refreeze.cancel()
         log.info("draining streams for up to %g s", config.server.drain_timeout_s)
         await drain(runner, config.server.drain_timeout_s, force=force)
         log.info("stopped")

@@ -185,5 +185,8 @@ async def test_serve_writes_json_lines(tmp_path: Path) -> None:
     # the loop for as long as they take to walk): over 10,000 of them, in practice ~150,000
     frozen = [m for m in messages if m.startswith("start-up heap frozen: ")]
     assert len(frozen) == 1 and int(frozen[0].split()[3]) > 10_000, frozen
+    # and again once the in-process detectors' warm-up (their models) is over
+    (again,) = [m for m in messages if m.startswith("heap frozen after the detectors' warm-up: ")]
+    assert int(again.split()[-2]) >= int(frozen[0].split()[3])
     assert "SIGTERM: shutting down" in messages
     assert messages[-1] == "stopped"
