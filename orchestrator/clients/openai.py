@@ -507,6 +507,7 @@ class ChatStream(_SseStream):
         reader = self._reader
         assert reader is not None
         taken = 0
+        input_count = self._input_count()  # one value for every item this loop takes
         while len(items) < limit and (self._deadline is None or not self._deadline_passed()):
             peeked = reader.peek_sse_data()
             if peeked is None:
@@ -530,25 +531,30 @@ class ChatStream(_SseStream):
             if obj.get("object") == "error":
                 break
             reader.consume(peeked[1])
-            if text:
-                items.append(self._item(text, None, 1))
+            if text:  # an EngineItem per token: built positionally (half the time of keywords)
+                items.append(EngineItem((), text, None, None, input_count, None, 1))
+                self._counted += 1
                 taken += 1
         return taken
 
     def _item(self, text: str, finish: str | None, count: int) -> EngineItem:
         self._counted += count
-        input_count = None
-        if self._prompt_tokens is not None:
-            cont = self._continuation
-            taken = cont.generated_token_count if cont is not None else 0
-            input_count = max(0, self._prompt_tokens - taken)
         return EngineItem(
             token_ids=(),
             text=text,
             finish_reason=finish,
-            input_token_count=input_count,
+            input_token_count=self._input_count(),
             token_count=count,
         )
+
+    def _input_count(self) -> int | None:
+        """The prompt's tokens as the usage reports them, less the resumed ones (which the
+        continuation put in the prompt); None until the usage came."""
+        if self._prompt_tokens is None:
+            return None
+        cont = self._continuation
+        taken = cont.generated_token_count if cont is not None else 0
+        return max(0, self._prompt_tokens - taken)
 
 
 class OpenAIClient(HttpReplicaClient):
