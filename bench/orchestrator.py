@@ -478,6 +478,46 @@ class Level:
     load_cpu_s: float = 0.0  # the upstream's and this client's, together
     wall_s: float = 0.0
     log: dict[str, Any] = field(default_factory=dict)
+    stalls: dict[str, float] = field(default_factory=dict)  # /metrics deltas over the level
+
+
+STALL_SERIES = {
+    **{
+        f"gc{g} {part}": (f"guardstream_gc_pause_seconds_{part}", f'generation="{g}"')
+        for g in range(3)
+        for part in ("count", "sum")
+    },
+    "lag probes": ("guardstream_event_loop_lag_seconds_count", ""),
+    "lag <= 10 ms": ("guardstream_event_loop_lag_seconds_bucket", 'le="0.01"'),
+    "lag <= 50 ms": ("guardstream_event_loop_lag_seconds_bucket", 'le="0.05"'),
+}
+
+
+async def stall_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The orchestrator's garbage-collection and event-loop-lag counters (/metrics): what
+    stops every stream at once, to read next to the latency percentiles."""
+    async with session.get(url + "/metrics") as r:
+        page = await r.text()
+    out = dict.fromkeys(STALL_SERIES, 0.0)
+    for line in page.splitlines():
+        for key, (name, label) in STALL_SERIES.items():
+            if line.startswith(name + ("{" if label else " ")) and label in line:
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def stall_line(stalls: dict[str, float]) -> str:
+    gen = "; ".join(
+        f"gen{g} {stalls[f'gc{g} count']:.0f} x {1000 * stalls[f'gc{g} sum'] / n:.1f} ms"
+        for g in range(3)
+        if (n := stalls[f"gc{g} count"])
+    )
+    probes = stalls["lag probes"]
+    late = (
+        f"{probes - stalls['lag <= 10 ms']:.0f} over 10 ms, {probes - stalls['lag <= 50 ms']:.0f} "
+        f"over 50 ms of {probes:.0f}"
+    )
+    return f"garbage collections: {gen or 'none'}; event-loop probes (every 100 ms): {late}"
 
 
 async def run_level(
@@ -516,6 +556,7 @@ async def run_level(
             n += 1
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        stalls0 = await stall_counters(session, url)
         cpu0 = cpu_seconds(pid)
         load0 = cpu_seconds(upstream.pid) + cpu_seconds(os.getpid(), children=False)
         t0 = time.monotonic()
@@ -531,6 +572,8 @@ async def run_level(
         await sampler
         async with session.get(upstream.url + "/bench/log") as r:
             level.log = await r.json()
+        stalls1 = await stall_counters(session, url)
+        level.stalls = {k: stalls1[k] - stalls0[k] for k in stalls0}
     return level
 
 
@@ -692,6 +735,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 f"{f.rate_per_stream:.1f} tok/s per stream, wall {f.wall_s:.1f} s",
                 flush=True,
             )
+            print(f"         {stall_line(level.stalls)}", flush=True)
             if orch.popen.poll() is not None:
                 raise RuntimeError(f"orchestrator exited:\n{orch.log_tail()}")
         load_after = os.getloadavg()[0]
