@@ -275,3 +275,55 @@ async def test_managed_engines_are_started_once_for_all_workers(tmp_path: Path) 
         served.proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(served.proc.wait(), 120) == 0
         assert not any(psutil.pid_exists(pid) for pid in {*workers, engine.pid})
+
+
+def gone(pid: int) -> bool:
+    """Exited (a zombie that its new parent has not reaped yet counts as gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def test_workers_drain_and_exit_when_the_supervisor_is_killed(tmp_path: Path) -> None:
+    """SIGKILL gives the supervisor no chance to stop its workers: each gets SIGTERM from the
+    kernel (PR_SET_PDEATHSIG) and drains as on a SIGTERM of its own. A stream held at the engine
+    ends with a `server_shutdown` terminal event once the drain's deadline passed, and no worker
+    is left behind holding the port."""
+    engine = FakeEngine(script=list(SCRIPT))
+    engine.hold_after = 6
+    await engine.start()
+    config = native_config(engine.url, detectors=PII, server={"workers": 2, "drain_timeout_s": 1})
+    try:
+        async with supervised(tmp_path, config) as served:
+            workers = [w.pid for w in served.workers()]
+            assert len(workers) == 2
+            seen: list[SseEvent] = []
+
+            async def held() -> list[SseEvent]:
+                async with aiohttp.ClientSession() as s:
+                    body = generation_body(output={"pii": {}})
+                    async with s.post(served.url + STREAMING_PATH, json=body) as r:
+                        assert r.status == 200
+                        return await read_sse(
+                            r, lambda events: seen.__setitem__(slice(None), events)
+                        )
+
+            client = asyncio.create_task(held())
+            await until(lambda: engine.holding == 1 and len(seen) == 1, 30)
+            served.proc.kill()
+            await served.proc.wait()
+            events = await asyncio.wait_for(client, 30)  # a guard, not a window
+            end = terminal(events)  # a frame had been sent: `failed`, with the frames' end
+            assert end.name == "failed"
+            assert end.data["error"] == {
+                "code": 503,
+                "type": "server_shutdown",
+                "message": "the server is shutting down",
+            }
+            released = frames(events)
+            assert released and end.data["processed_index"] == released[-1]["processed_index"]
+            await until(lambda: all(gone(pid) for pid in workers), 30)
+    finally:
+        engine.release.set()
+        await engine.close()
