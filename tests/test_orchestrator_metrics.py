@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -230,23 +229,19 @@ async def test_event_loop_stalls_and_collections_are_on_the_page(
     engine: FakeEngine, dets: FakeDetectorServer
 ) -> None:
     """What stops every stream at once is visible: each garbage collection's time, by
-    generation, and how late the loop ran its 100 ms probe."""
+    generation, and how late the loop ran its 100 ms probe. (That a blocked loop makes the
+    probe late is test_read_pacing's; here a lateness reaches the page.)"""
     async with Orchestrator(config(engine.url, dets)) as orch:
-        assert orch.session is not None
+        assert orch.session is not None and orch.runner is not None
         before = await scrape(orch.session, orch.url)
         gc.collect()  # a full collection, timed by the app's gc callback
-        # blocks the loop on purpose: the probe, due within 100 ms, runs >= 0.2 s late
-        time.sleep(0.3)  # noqa: ASYNC251
-        async with asyncio.timeout(10):  # a guard, not a window: the probe runs next
-            while True:
-                after = await scrape(orch.session, orch.url)
-                late = delta(before, after, "guardstream_event_loop_lag_seconds_count") - delta(
-                    before, after, "guardstream_event_loop_lag_seconds_bucket", le="0.1"
-                )
-                if late:
-                    break
-    assert late >= 1  # the probe due during the stall (a loaded machine may add others)
-    assert delta(before, after, "guardstream_event_loop_lag_seconds_sum") >= 0.2
+        orch.runner.app[STATE].loop_lag.record(0.3)  # as the probe records a 0.3 s stall
+        after = await scrape(orch.session, orch.url)
+    late = delta(before, after, "guardstream_event_loop_lag_seconds_count") - delta(
+        before, after, "guardstream_event_loop_lag_seconds_bucket", le="0.25"
+    )
+    assert late >= 1  # the stall (a loaded machine may add late probes of its own)
+    assert delta(before, after, "guardstream_event_loop_lag_seconds_sum") >= 0.3
     assert delta(before, after, "guardstream_gc_pause_seconds_count", generation="2") >= 1
     assert delta(before, after, "guardstream_gc_pause_seconds_sum", generation="2") > 0
     # every generation's series exists from the start, before it first runs

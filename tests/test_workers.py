@@ -118,6 +118,15 @@ async def one_stream(url: str, body: dict[str, Any]) -> list[SseEvent]:
             return sse_events(await r.text())
 
 
+async def held_stream(url: str, seen: list[SseEvent]) -> list[SseEvent]:
+    """A stream with the pii detector; `seen` holds its events so far while it runs."""
+    async with aiohttp.ClientSession() as s:
+        body = generation_body(output={"pii": {}})
+        async with s.post(url + STREAMING_PATH, json=body) as r:
+            assert r.status == 200
+            return await read_sse(r, lambda events: seen.__setitem__(slice(None), events))
+
+
 def exists(path: str) -> bool:
     return os.path.exists(path)
 
@@ -183,17 +192,7 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
             # completes once the engine goes on, then the supervisor and its workers exit 0
             engine.hold_after = 6  # " What about" completes the first sentence; the rest waits
             seen: list[SseEvent] = []
-
-            async def held() -> list[SseEvent]:
-                async with aiohttp.ClientSession() as s:
-                    body = generation_body(output={"pii": {}})
-                    async with s.post(served.url + STREAMING_PATH, json=body) as r:
-                        assert r.status == 200
-                        return await read_sse(
-                            r, lambda events: seen.__setitem__(slice(None), events)
-                        )
-
-            client = asyncio.create_task(held())
+            client = asyncio.create_task(held_stream(served.url, seen))
             await until(lambda: engine.holding == 1 and len(seen) == 1, 30)
             served.proc.send_signal(signal.SIGTERM)
             # the worker with the stream stays up, draining: a new stream gets 503 there (the
@@ -299,17 +298,7 @@ async def test_workers_drain_and_exit_when_the_supervisor_is_killed(tmp_path: Pa
             workers = [w.pid for w in served.workers()]
             assert len(workers) == 2
             seen: list[SseEvent] = []
-
-            async def held() -> list[SseEvent]:
-                async with aiohttp.ClientSession() as s:
-                    body = generation_body(output={"pii": {}})
-                    async with s.post(served.url + STREAMING_PATH, json=body) as r:
-                        assert r.status == 200
-                        return await read_sse(
-                            r, lambda events: seen.__setitem__(slice(None), events)
-                        )
-
-            client = asyncio.create_task(held())
+            client = asyncio.create_task(held_stream(served.url, seen))
             await until(lambda: engine.holding == 1 and len(seen) == 1, 30)
             served.proc.kill()
             await served.proc.wait()

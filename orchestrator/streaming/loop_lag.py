@@ -41,8 +41,12 @@ class LoopLag:
         return self._lag_s >= self._busy_lag_s
 
     def record(self, lag_s: float) -> None:
-        """One probe's lateness (the probe calls it; tests call it directly)."""
-        self._lag_s += SMOOTHING * (max(lag_s, 0.0) - self._lag_s)
+        """One probe's lateness (the probe calls it; tests call it directly), also handed to
+        `on_probe`."""
+        lag_s = max(lag_s, 0.0)
+        self._lag_s += SMOOTHING * (lag_s - self._lag_s)
+        if self._on_probe is not None:
+            self._on_probe(lag_s)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -60,8 +64,5 @@ class LoopLag:
 
     def _probe(self) -> None:
         assert self._loop is not None
-        lag_s = self._loop.time() - self._due
-        self.record(lag_s)
-        if self._on_probe is not None:
-            self._on_probe(max(lag_s, 0.0))
+        self.record(self._loop.time() - self._due)
         self._schedule()
