@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from .specs import BUILTIN_FOLDERS, spec_problem
+
 log = logging.getLogger("guardstream.engine")
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Folder names carry a version: a change to a builder gets a fresh folder instead of a stale one.
-_FOLDERS = {"smollm2-135m": "smollm2-135m-instruct-v1", "tiny-random": "tiny-random-v1"}
-BUILTIN_MODELS = tuple(_FOLDERS)
+_FOLDERS = BUILTIN_FOLDERS
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -53,11 +53,9 @@ def prepare(spec: str) -> Path:
     if spec in _FOLDERS:
         return _materialise(spec)
     path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelSpecError(
-            f"model spec {spec!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) "
-            "nor a folder with a config.json"
-        )
+    problem = spec_problem(spec)
+    if problem is not None:
+        raise ModelSpecError(problem)
     return path.resolve()
 
 

@@ -15,7 +15,7 @@ def _check_config(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_config
 
     try:
-        config = load_config(args.path)
+        config = load_config(args.path, require_models=True)
     except ConfigError as exc:
         for line in exc.errors:
             print(line, file=sys.stderr)
@@ -40,6 +40,10 @@ def _serve(args: argparse.Namespace) -> int:
         for line in exc.errors:
             print(line, file=sys.stderr)
         return 1
+    if not config.models:
+        logging.getLogger("guardstream").warning(
+            "no models configured: only the detection endpoints will serve"
+        )
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
     try:

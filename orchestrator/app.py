@@ -285,6 +285,11 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         response = await handler(request)
         status = response.status
         return response
+    except (asyncio.CancelledError, ConnectionResetError, aiohttp.ClientConnectionResetError):
+        # the client went away (nginx's "client closed request", as the access log says): not a
+        # server error, or alerts on 5xx would fire on every impatient user
+        status = 499
+        raise
     finally:
         route = request.match_info.route.resource
         endpoint = route.canonical if route is not None else "unmatched"

@@ -22,8 +22,10 @@ from pydantic import (
 
 import chunkers
 import detectors
+from generation.specs import spec_problem
 
 WHOLE_DOC_CHUNKER = "whole_doc_chunker"
+NO_MODELS = "models: at least one model is required (clients name it as model_id)"
 CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
 DETECTOR_TYPES = ("text_contents", "text_generation", "text_chat", "text_context_doc")
 
@@ -188,7 +190,7 @@ class DetectorConfig(Strict):
     builtin: str | None = None
     url: str | None = None
     chunker_id: str = WHOLE_DOC_CHUNKER
-    default_threshold: float = 0.5
+    default_threshold: float = Field(0.5, ge=0, le=1)  # scores are in [0, 1]
     params: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float = Field(10, gt=0)
     on_detection: Literal["annotate", "block"] = "annotate"
@@ -218,13 +220,22 @@ class ConfigError(ValueError):
         self.errors = errors
 
 
-def cross_reference_errors(config: Config) -> list[str]:
+def cross_reference_errors(
+    config: Config, present_detectors: set[str] | None = None, require_models: bool = False
+) -> list[str]:
     """Checks that the schema alone cannot express: references between sections, settings of
-    chunkers and built-in detectors (validated by their own libraries, without loading models)."""
+    chunkers and built-in detectors (validated by their own libraries, without loading models),
+    managed model specs. `present_detectors`: ids of detectors whose own entry failed the schema
+    (reported there), so a reference to them is not also reported as unknown. `require_models`
+    (check-config): a config without models is an error there; `serve` accepts it, for a
+    detection-only deployment (the content endpoints), and logs a warning."""
     errors: list[str] = []
+    if require_models and not config.models:
+        errors.append(NO_MODELS)
     errors.extend(chunker_errors(config.chunkers))
     for detector_id, det in config.detectors.items():
         path = f"detectors.{detector_id}"
+        errors.extend(_threshold_errors(f"{path}.params.threshold", det.params.get("threshold")))
         if (det.builtin is None) == (det.url is None):
             errors.append(f"{path}: exactly one of 'builtin' and 'url' is required")
         if det.builtin is not None:
@@ -249,7 +260,8 @@ def cross_reference_errors(config: Config) -> list[str]:
                 path = f"models.{model_id}.guardrails.{direction}.{detector_id}"
                 det = config.detectors.get(detector_id)
                 if det is None:
-                    errors.append(f"{path}: unknown detector '{detector_id}'")
+                    if detector_id not in (present_detectors or set()):
+                        errors.append(f"{path}: unknown detector '{detector_id}'")
                 elif det.type != "text_contents":
                     errors.append(f"{path}: detector type '{det.type}' cannot judge text")
                 if not isinstance(params, dict):
@@ -257,9 +269,7 @@ def cross_reference_errors(config: Config) -> list[str]:
                     continue
                 if params.get("on_detection") not in (None, "annotate", "block"):
                     errors.append(f"{path}.on_detection: must be annotate or block")
-                t = params.get("threshold")
-                if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
-                    errors.append(f"{path}.threshold: must be a number")
+                errors.extend(_threshold_errors(f"{path}.threshold", params.get("threshold")))
         chat_api = [b for b in model.backends if isinstance(b, OpenAIBackend) and b.api == "chat"]
         if chat_api and any(isinstance(b, ManagedBackend | NativeBackend) for b in model.backends):
             # a chat replica delivers text without token ids: a native engine could not resume
@@ -270,10 +280,25 @@ def cross_reference_errors(config: Config) -> list[str]:
             )
         for i, backend in enumerate(model.backends):
             path = f"models.{model_id}.backends.{i}"
+            if isinstance(backend, ManagedBackend):
+                problem = spec_problem(backend.model)
+                if problem is not None:
+                    errors.append(f"{path}.model: {problem}")
             url = getattr(backend, "url", None)
             if url is not None and not url.startswith(("http://", "https://")):
                 errors.append(f"{path}.url: must start with http:// or https://")
     return errors
+
+
+def _threshold_errors(path: str, t: Any) -> list[str]:
+    """A threshold outside [0, 1] silently turns a detector off (above 1) or flags everything."""
+    if t is None:
+        return []
+    if isinstance(t, bool) or not isinstance(t, int | float) or t != t:
+        return [f"{path}: must be a number"]
+    if not 0 <= t <= 1:
+        return [f"{path}: must be between 0 and 1, got {t}"]
+    return []
 
 
 def chunker_errors(section: Any) -> list[str]:
@@ -331,21 +356,50 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
     return lines
 
 
-def parse_config(data: Any) -> Config:
+def parse_config(data: Any, require_models: bool = False) -> Config:
     """Validates an already-parsed YAML document; raises ConfigError with every problem."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(["(root): the config must be a mapping"])
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         errors = _format_validation_error(exc)
-        errors += [e for e in chunker_errors(data.get("chunkers")) if e not in errors]
+        errors += [e for e in _salvaged_errors(data, require_models) if e not in errors]
         raise ConfigError(errors) from None
+    if require_models and not config.models:
+        raise ConfigError([NO_MODELS])
+    return config
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
+def _salvaged_errors(data: dict[str, Any], require_models: bool) -> list[str]:
+    """Cross-reference errors among the entries that pass the schema on their own. Without this,
+    a schema error anywhere hid every reference error, and a broken file needed several passes."""
+
+    def section(name: str) -> dict[str, Any]:
+        value = data.get(name)
+        return value if isinstance(value, dict) else {}
+
+    def valid(model: type[BaseModel], value: Any) -> Any:
+        try:
+            return model.model_validate(value)
+        except (ValidationError, ConfigError):
+            return None
+
+    models = {k: m for k, v in section("models").items() if (m := valid(ModelConfig, v))}
+    dets = {k: valid(DetectorConfig, v) for k, v in section("detectors").items()}
+    salvaged = Config.model_construct(
+        server=ServerConfig.model_construct(),
+        models=models,
+        chunkers=section("chunkers"),
+        detectors={k: d for k, d in dets.items() if d is not None},
+    )
+    # models that are there but failed the schema are reported by it, not as missing
+    return cross_reference_errors(salvaged, set(dets), require_models and not section("models"))
+
+
+def load_config(path: str | os.PathLike[str], require_models: bool = False) -> Config:
     """Reads and validates a config file; raises ConfigError (never a bare traceback)."""
     p = Path(path)
     try:
@@ -356,4 +410,4 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([f"{p}: invalid YAML: {exc}"]) from None
-    return parse_config(data)
+    return parse_config(data, require_models)

@@ -410,7 +410,7 @@ async def test_sdk_raises_typed_errors(engine, dets) -> None:
         with pytest.raises(openai.UnprocessableEntityError):
             await client.chat.completions.create(model=MODEL, messages=USER, n=2)
     assert missing.value.body == {
-        "message": "model `nope` not found",
+        "message": "model `nope` not found (available: fake-model)",
         "type": "not_found",
         "param": None,
         "code": 404,

@@ -225,7 +225,11 @@ async def test_rejected_request_shows_the_error_body_and_exits_3(
     assert code == EXIT_REJECTED and out == ""
     assert "error: HTTP 404: " in err
     body = json.loads(err.split("error: HTTP 404: ", 1)[1].split("\n")[0])
-    assert body == {"code": 404, "details": "model `nope` not found", "type": "not_found"}
+    assert body == {
+        "code": 404,
+        "details": "model `nope` not found (available: fake-model)",
+        "type": "not_found",
+    }
     code, _, err = unknown_detector
     assert code == EXIT_REJECTED
     assert "detector `ghost` not found" in err

@@ -29,7 +29,7 @@ class DetectorParams(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    threshold: float | None = None
+    threshold: float | None = Field(None, ge=0, le=1)
     on_detection: Literal["annotate", "block"] | None = None
 
     @field_validator("threshold", mode="before")
@@ -39,9 +39,13 @@ class DetectorParams(BaseModel):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
             raise ValueError("threshold must be a number")
         try:
-            return json_number(v)  # NaN would silently drop every detection
+            v = json_number(v)  # NaN would silently drop every detection
         except ValueError:
             raise ValueError("threshold must be a finite number") from None
+        if not 0 <= v <= 1:
+            # scores are in [0, 1]: 5 would silently turn the detector off, -1 flag everything
+            raise ValueError(f"threshold must be between 0 and 1, got {v}")
+        return v
 
     def detector_params(self) -> dict[str, Any]:
         return dict(self.model_extra or {})

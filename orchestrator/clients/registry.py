@@ -99,7 +99,10 @@ class DetectorRegistry:
             params = requested[detector_id]
             det = self._configs.get(detector_id)
             if det is None:
-                raise not_found(f"detector `{detector_id}` not found")
+                raise not_found(
+                    f"detector `{detector_id}` not found "
+                    f"(available: {', '.join(sorted(self._configs)) or 'none'})"
+                )
             if det.type != "text_contents":
                 raise invalid(
                     f"detector `{detector_id}` is of type `{det.type}` and cannot be used "

@@ -30,7 +30,10 @@ def find_model(state: AppState, model_id: str) -> ModelTarget:
     model = state.config.models.get(model_id)
     backend = state.backends.get(model_id)
     if model is None or backend is None:
-        raise not_found(f"model `{model_id}` not found")
+        raise not_found(
+            f"model `{model_id}` not found "
+            f"(available: {', '.join(sorted(state.config.models)) or 'none'})"
+        )
     return ModelTarget(model_id, model, backend)
 
 
