@@ -402,6 +402,29 @@ async def test_bad_requests_get_openai_error_bodies(engine, dets, body, status, 
     assert engine.requests == []
 
 
+async def test_a_non_text_part_gets_a_one_line_422(engine, dets) -> None:
+    """Not pydantic's dump of both union branches (`messages.0.content.str: ...;
+    messages.0.content.list[TextPart].0.type: ...`): one line naming the part."""
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    content = [{"type": "text", "text": "What is this?"}, image]
+    async with Orchestrator(config(engine, dets)) as orch:
+        got, reply = await orch.post(
+            ALIAS, {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+        )
+    assert (got, reply) == (
+        422,
+        {
+            "error": {
+                "message": "messages.0.content: part 1 has type `image_url`: only text parts "
+                "are accepted (images and audio cannot be judged by text detectors)",
+                "type": "invalid_request",
+                "param": "messages.0.content",
+                "code": 422,
+            }
+        },
+    )
+
+
 async def test_sdk_raises_typed_errors(engine, dets) -> None:
     async with Orchestrator(config(engine, dets)) as orch:
         client = sdk(orch)

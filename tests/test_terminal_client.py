@@ -248,6 +248,23 @@ async def test_connection_refused_is_a_clear_message() -> None:
         assert "Traceback" not in err
 
 
+async def test_url_without_a_scheme_means_http(
+    engine: FakeEngine, dets: FakeDetectorServer
+) -> None:
+    """`--url localhost:8033` failed with `localhost:8033/info`; it now means http://."""
+    async with Orchestrator(config(engine, dets)) as orch:
+        bare = orch.url.removeprefix("http://")
+        code, out, err = await cli("--url", bare, "Hi")
+        bad = await cli("--url", "ftp://" + bare, "Hi")
+    assert code == EXIT_COMPLETED, err
+    assert out.startswith(TEXT + "\n")
+    assert bad == (
+        EXIT_REJECTED,
+        "",
+        f"error: --url ftp://{bare}: only http:// and https:// are supported\n",
+    )
+
+
 async def test_api_key_from_flag_or_environment(
     engine: FakeEngine, dets: FakeDetectorServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -54,6 +54,23 @@ class ChatMessageIn(BaseModel):
     name: str | None = Field(None, max_length=256)
     refusal: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        # one line naming the part, instead of pydantic's dump of both union branches
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    shown = f"type `{kind}`" if isinstance(kind, str) else "no text type"
+                    raise ValueError(
+                        f"part {i} has {shown}: only text parts are accepted "
+                        "(images and audio cannot be judged by text detectors)"
+                    )
+        elif v is not None and not isinstance(v, str):
+            raise ValueError("must be a string or a list of text parts")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
