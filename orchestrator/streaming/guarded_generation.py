@@ -294,7 +294,8 @@ class GuardedGeneration:
                     for frame in verdict.frames:
                         yield self._judged_frame(frame, final=False)
                     if verdict.blocked is not None:
-                        self._progress.finish_reason = "CANCELLED"
+                        if not engine_ended:  # a model that had finished keeps its reason
+                            self._progress.finish_reason = "CANCELLED"
                         await self._stop()  # generation and every detector call end now
                         yield self._output_refusal(verdict.blocked)
                         yield self._terminal("incomplete", "content_filter")
