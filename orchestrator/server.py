@@ -90,24 +90,37 @@ async def start_server(
     """Starts the service and returns its runner and bound port (port 0 picks a free one);
     `reuse_port`: share the port with other workers (SO_REUSEPORT)."""
     ssl_context = server_ssl_context(config.server.tls)  # a bad certificate fails before startup
-    app = create_app(config, device=device)
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels the
-    # engine request and every detector call of that stream (DESIGN 4.7).
-    # shutdown_timeout: runner.cleanup() runs after drain(), which already gave streams their
-    # time; what is left then is only waited on briefly.
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        shutdown_timeout=min(config.server.drain_timeout_s, CLEANUP_GRACE_S),
-        access_log=None,  # the request-id middleware writes the access line, with the id
-    )
-    await runner.setup()
+    # The port is bound before start-up, which starts managed engines (seconds to minutes): a
+    # busy port fails at once, not after the engines have loaded. Workers share a port their
+    # supervisor reserved, so they bind with SO_REUSEPORT as they listen.
+    sock = None if reuse_port else bind_socket(host, port)
     try:
-        site = web.TCPSite(
-            runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None
+        app = create_app(config, device=device)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels the
+        # engine request and every detector call of that stream (DESIGN 4.7).
+        # shutdown_timeout: runner.cleanup() runs after drain(), which already gave streams their
+        # time; what is left then is only waited on briefly.
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            shutdown_timeout=min(config.server.drain_timeout_s, CLEANUP_GRACE_S),
+            access_log=None,  # the request-id middleware writes the access line, with the id
         )
+        await runner.setup()
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    try:
+        site: web.BaseSite
+        if sock is not None:
+            site = web.SockSite(runner, sock, ssl_context=ssl_context)
+        else:
+            site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=True)
         await site.start()
     except BaseException:
+        if sock is not None:
+            sock.close()
         await runner.cleanup()  # stops managed engines started by setup()
         raise
     bound = port
@@ -263,13 +276,22 @@ def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound (not listening) to the port the workers will share, with SO_REUSEPORT:
     it turns port 0 into a real number, fails early when the port is taken, and holds the port
     until the workers listen. A socket that does not listen gets no connections."""
+    return bind_socket(host, port, reuse_port=True)
+
+
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening (OSError when the port is taken)."""
     info = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
         0
     ]
     sock = socket.socket(info[0], info[1], info[2])
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if info[0] == socket.AF_INET6:
+            # "::" serves IPv4 too, as TCPSite did
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(info[4])
     except BaseException:
         sock.close()

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import ssl
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -684,3 +685,32 @@ def test_forward_allowlist_drops_hop_by_hop_headers() -> None:
         "traceparent",
     }
     assert forwardable([]) == frozenset()
+
+
+def test_a_busy_port_fails_before_any_engine_starts(tmp_path: Path) -> None:
+    """The port is bound before start-up: a second server on a taken port used to fail only after
+    loading its managed engines (~10 s)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = {
+            "models": {"m": {"backends": [{"type": "managed", "model": "tiny-random"}]}},
+        }
+        path = tmp_path / "config.yaml"
+        path.write_text(json.dumps(config))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "serve", "--config", str(path)]
+            + ["--host", "127.0.0.1", "--port", str(port), "--log-format", "text"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert "engine managed-0 started" not in proc.stderr
+    assert "Traceback" not in proc.stderr
