@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -180,21 +180,36 @@ async def run_server(
     device: str = "auto",
     log_format: str = "json",
     log_level: str = "INFO",
+    ready_hint: Callable[[int], str] | None = None,
 ) -> int:
     """Serves until SIGTERM or SIGINT, then drains; a second signal cuts the drain short. With
     `server.workers` > 1 this process supervises that many workers (the logging settings are
-    theirs)."""
+    theirs). `ready_hint(port)`: text printed once the service is ready (`make run`'s examples:
+    printed earlier, they failed while the engines were still loading)."""
     workers = worker_count(config.server.workers)
     if workers > 1:
         supervisor = Supervisor(
             config, host, port, workers, device=device, log_format=log_format, log_level=log_level
         )
+        supervisor.ready_hint = ready_hint
         return await supervisor.run()
-    return await _serve(config, host, port, device=device)
+    return await _serve(config, host, port, device=device, ready_hint=ready_hint)
+
+
+async def _print_when_warm(warmed: asyncio.Event, text: str) -> None:
+    """Prints `text` once in-process detectors are warm (models and engines are up by then)."""
+    await warmed.wait()
+    print(text, flush=True)
 
 
 async def _serve(
-    config: Config, host: str, port: int, *, device: str = "auto", worker: bool = False
+    config: Config,
+    host: str,
+    port: int,
+    *,
+    device: str = "auto",
+    worker: bool = False,
+    ready_hint: Callable[[int], str] | None = None,
 ) -> int:
     """One process serving the app; a worker shares the port and tells its supervisor on
     stdout when it listens."""
@@ -225,8 +240,14 @@ async def _serve(
         else:
             log.info("guardstream listening on %s://%s:%d", scheme, host, bound)
             print(f"guardstream listening on {scheme}://{host}:{bound}", flush=True)
+        hint = None
+        if ready_hint is not None:
+            warmed = runner.app[DETECTOR_HEALTH].warmed
+            hint = asyncio.ensure_future(_print_when_warm(warmed, ready_hint(bound)))
         await stop.wait()
         refreeze.cancel()
+        if hint is not None:
+            hint.cancel()
         log.info("draining streams for up to %g s", config.server.drain_timeout_s)
         await drain(runner, config.server.drain_timeout_s, force=force)
         log.info("stopped")
@@ -364,6 +385,7 @@ class Supervisor:
         self._env: dict[str, str] = {}
         self._told: set[int] = set()  # pids of workers sent SIGTERM
         self._readers: set[asyncio.Task[bytes]] = set()
+        self.ready_hint: Callable[[int], str] | None = None
 
     def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM: a worker drains on the first and cuts its drain short on a second."""
@@ -405,6 +427,8 @@ class Supervisor:
                 url = f"{scheme}://{self.host}:{port}"
                 log.info("guardstream listening on %s with %d workers", url, self.workers)
                 print(f"guardstream listening on {url}", flush=True)
+                if self.ready_hint is not None:  # workers are ready when they say they listen
+                    print(self.ready_hint(self.port), flush=True)
                 await self._supervise(stop)
             return 0 if started or stop.is_set() else 1
         finally:

@@ -9,8 +9,8 @@ import asyncio
 import json
 import os
 import re
-import ssl
 import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -702,8 +702,20 @@ def test_a_busy_port_fails_before_any_engine_starts(tmp_path: Path) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         proc = subprocess.run(
-            [sys.executable, "-m", "orchestrator", "serve", "--config", str(path)]
-            + ["--host", "127.0.0.1", "--port", str(port), "--log-format", "text"],
+            [
+                sys.executable,
+                "-m",
+                "orchestrator",
+                "serve",
+                "--config",
+                str(path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-format",
+                "text",
+            ],
             cwd=ROOT,
             env=env,
             capture_output=True,
