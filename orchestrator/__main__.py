@@ -77,7 +77,7 @@ def try_it(config: Any, port: int) -> str:
     body = json.dumps(
         {
             "model_id": model,
-            "inputs": "Tell me about cats.",
+            "inputs": "Tell me about cats in one sentence.",
             "guardrail_config": {"output": {"models": {"pii": {}, "hap": {}}}},
             "text_gen_parameters": {"max_new_tokens": 60},
         }
@@ -93,7 +93,7 @@ def try_it(config: Any, port: int) -> str:
             f"    -d '{body}'",
             "",
             f"  or: {sys.executable} -m orchestrator stream --url {url} --max-new-tokens 60 "
-            "--output-detector pii --output-detector hap 'Tell me about cats.'",
+            "--output-detector pii --output-detector hap 'Tell me about cats in one sentence.'",
             "",
         ]
     )

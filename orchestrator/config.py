@@ -166,6 +166,16 @@ class ModelLimits(Strict):
     max_input_chars: int = Field(100_000, ge=1)
 
 
+class DecodingDefaults(Strict):
+    """Decoding settings for requests that leave them unset: a small model answers a chat request
+    at OpenAI's default temperature (1) with garbled text, and greedy text loops without a
+    repetition penalty. A request that sets a field always wins."""
+
+    temperature: float | None = Field(None, gt=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+
+
 class ModelGuardrails(Strict):
     """Detectors enforced on every request to a model, on every endpoint: `{detector_id: params}`
     with the same params a request may give (threshold, on_detection, detector params)."""
@@ -181,6 +191,7 @@ class ModelConfig(Strict):
     # Apply the model's chat template to `inputs` (instruct models answer a raw prompt poorly).
     chat: bool = False
     guardrails: ModelGuardrails = Field(default_factory=ModelGuardrails)
+    decoding_defaults: DecodingDefaults = Field(default_factory=DecodingDefaults)
 
 
 class DetectorConfig(Strict):

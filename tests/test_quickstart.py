@@ -57,5 +57,5 @@ async def test_serve_hint_prints_working_commands_once_ready(tmp_path: Path) -> 
     assert re.search(r"event: completed\ndata: \{.*\"finish_reason\":\"EOS_TOKEN\"", stream)
     assert hint[5].endswith(
         f"-m orchestrator stream --url {served.url} --max-new-tokens 60 "
-        "--output-detector pii --output-detector hap 'Tell me about cats.'"
+        "--output-detector pii --output-detector hap 'Tell me about cats in one sentence.'"
     )

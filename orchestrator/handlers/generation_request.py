@@ -155,8 +155,13 @@ async def prepare_conversation(
     inputs = c.messages[last_user][1]
     input_dets = resolve_detectors(state, target, "input", c.input_detectors, "detectors.input")
     output_dets = resolve_detectors(state, target, "output", c.output_detectors, "detectors.output")
-    # OpenAI's default temperature is 1 (sampling); 0 asks for greedy decoding
-    temperature = 1.0 if c.temperature is None else c.temperature
+    # OpenAI's default temperature is 1 (sampling), unless the model's config has its own
+    # defaults; 0 asks for greedy decoding
+    defaults = target.config.decoding_defaults
+    temperature = c.temperature
+    if temperature is None:
+        temperature = 1.0 if defaults.temperature is None else defaults.temperature
+    top_p = c.top_p if c.top_p is not None else defaults.top_p
     gen_request = GenerationRequest(
         prompt=inputs,
         params=GenerationParams(
@@ -164,7 +169,8 @@ async def prepare_conversation(
             budget_is_default=c.max_tokens is None,
             decoding_method="GREEDY" if temperature == 0 else "SAMPLING",
             temperature=temperature if temperature > 0 else 1.0,
-            top_p=1.0 if c.top_p is None else c.top_p,
+            top_p=1.0 if top_p is None else top_p,
+            repetition_penalty=defaults.repetition_penalty or 1.0,
             seed=c.seed,
             stop_sequences=c.stop,
         ),
