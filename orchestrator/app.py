@@ -231,6 +231,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 def _error_headers(exc: BaseException, body: ErrorBody) -> dict[str, str] | None:
     if isinstance(exc, TooManyStreams):
         return {"Retry-After": str(exc.retry_after_s)}
+    if body.type == ErrorType.OVERLOADED:
+        return {"Retry-After": "1"}
     if isinstance(exc, web.HTTPMethodNotAllowed):
         return {"Allow": ", ".join(sorted(exc.allowed_methods))}
     if body.type == ErrorType.SERVER_SHUTDOWN:

@@ -29,13 +29,23 @@ _REPLY = TypeAdapter(list[list[Detection]])
 
 
 class DetectorCallError(Exception):
-    """A detector call failed; `message` is safe to show to the client."""
+    """A detector call failed; `message` is safe to show to the client. `overloaded`: the
+    detector refused this call because it is full (its micro-batch queue, or a remote service's
+    429/503); the client is told `overloaded` with Retry-After, not that the detector failed."""
 
-    def __init__(self, detector_id: str, message: str, *, invalid_params: bool = False) -> None:
+    def __init__(
+        self,
+        detector_id: str,
+        message: str,
+        *,
+        invalid_params: bool = False,
+        overloaded: bool = False,
+    ) -> None:
         super().__init__(f"detector `{detector_id}`: {message}")
         self.detector_id = detector_id
         self.message = message
         self.invalid_params = invalid_params
+        self.overloaded = overloaded
 
 
 # (detector_id, outcome "ok" | "error" | "cancelled", seconds): how metrics learn of each call
@@ -120,6 +130,8 @@ class InProcessDetectorClient(DetectorClient):
             ) from None
         except detectors.InvalidParams as exc:
             raise DetectorCallError(self.detector_id, str(exc), invalid_params=True) from None
+        except detectors.Overloaded as exc:
+            raise DetectorCallError(self.detector_id, str(exc), overloaded=True) from None
         except detectors.DetectorError as exc:
             raise DetectorCallError(self.detector_id, str(exc) or type(exc).__name__) from None
         self._check_count(contents, reply)
@@ -196,6 +208,9 @@ class HttpDetectorClient(DetectorClient):
                         self.detector_id,
                         f"HTTP {resp.status}: {_error_message(raw)}{hint}",
                         invalid_params=resp.status == 422,
+                        # the detector service's queue-full answer is 503 with Retry-After
+                        overloaded=resp.status == 429
+                        or (resp.status == 503 and "Retry-After" in resp.headers),
                     )
         except TimeoutError:
             raise DetectorCallError(
