@@ -531,7 +531,14 @@ async def test_openapi_names_the_deployment_and_its_auth(monkeypatch: pytest.Mon
     async with Orchestrator(config) as orch:
         assert orch.session is not None
         async with orch.session.get(orch.url + "/openapi.json") as r:  # open without a key
+            anonymous_status, anonymous = r.status, await r.json()
+        headers = {"Authorization": "Bearer secret"}
+        async with orch.session.get(orch.url + "/openapi.json", headers=headers) as r:
             status, doc = r.status, await r.json()
+    assert anonymous_status == 200
+    # without a key, the generic API: no model or detector id
+    assert MODEL not in json.dumps(anonymous) and '"pii"' not in json.dumps(anonymous)
+    assert anonymous["paths"] == doc["paths"]
     assert status == 200
     schemas = doc["components"]["schemas"]
     assert schemas["GuardrailsHttpRequest"]["properties"]["model_id"]["enum"] == [MODEL]
@@ -541,6 +548,6 @@ async def test_openapi_names_the_deployment_and_its_auth(monkeypatch: pytest.Mon
     assert schemas["OutputGuardrail"]["properties"]["models"]["propertyNames"] == {"enum": ["pii"]}
     for path, item in doc["paths"].items():
         for operation in item.values():
-            public = ("/health", "/info", "/metrics", "/openapi.json")
+            public = ("/health", "/info", "/openapi.json")  # /metrics: server.public_metrics
             expected = None if path in public else [{"bearer": []}]
             assert operation.get("security") == expected, path

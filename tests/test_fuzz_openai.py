@@ -518,26 +518,23 @@ def test_nan_and_infinity_literals_are_400(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_flagged_input_with_a_lone_surrogate_is_quoted_back(
+def test_a_lone_surrogate_is_422_before_any_byte(
     stack: Stack, http: requests.Session, stream: bool
 ) -> None:
-    """The input refusal quotes the flagged sentence, surrogate and all, as a JSON escape."""
-    text = "you stupid fucking idiot \ud800."
+    """JSON can spell a lone surrogate (`"\\ud800"`), which is not Unicode: refused with the
+    field it is in, before the reply starts (it used to be quoted back in a detection)."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
+        "messages": [{"role": "user", "content": "you stupid fucking idiot \ud800."}],
         "stream": stream,
         "detectors": {"input": {"hap": {}}},
     }
     response = post(http, stack.url + CHAT_PATH, json.dumps(body).encode())
-    check_reply(response, body)
-    assert response.status_code == 200
-    if stream:
-        assert "\\ud800" in response.text
-        first = json.loads(response.text.split("\n\n")[0][len("data: ") :])
-        detections = first["detections"]
-        assert first["choices"][0]["finish_reason"] == "content_filter"
-    else:
-        detections = response.json()["detections"]
-    (found,) = detections["input"][0]["results"]
-    assert (found["word"], found["detector_id"], found["start"]) == (text, "hap", 0)
+    check_error(response)
+    assert response.status_code == 422
+    assert response.json()["error"] == {
+        "message": "messages.0.content: text must be valid Unicode (it contains a lone surrogate)",
+        "type": "invalid_request",
+        "param": "messages.0.content",
+        "code": 422,
+    }
