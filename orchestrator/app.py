@@ -451,9 +451,12 @@ def create_app(
         (RESPONSES_PATH, responses.handle),
     ]:
         app.router.add_post(path, handle, expect_handler=expect)
-    app.router.add_get(MODELS_PATH, models.handle)
-    app.router.add_get("/health", health.health)
-    app.router.add_get("/info", health.info)
-    app.router.add_get("/metrics", metrics.handle)
-    app.router.add_get("/openapi.json", openapi.handle)
+    for path, get in [
+        (MODELS_PATH, models.handle),
+        ("/health", health.health),
+        ("/info", health.info),
+        ("/metrics", metrics.handle),
+        ("/openapi.json", openapi.handle),
+    ]:
+        app.router.add_get(path, get, expect_handler=expect)
     return app

@@ -23,13 +23,11 @@ M = TypeVar("M", bound=BaseModel)
 # 1000-deep `[[[...]]]` (2 KB) made Python's parser raise RecursionError (a 500 with a
 # traceback), and depth under that limit still reaches pydantic and the detectors' encoders.
 MAX_JSON_DEPTH = 64
-# Every JSON escape sequence, removed before depth is measured so that each `"` left delimits
-# a string (a valid body's backslashes all sit inside strings).
-_ESCAPE = re.compile(rb"\\.", re.DOTALL)
 # What may stand for a surrogate in a UTF-8 body: a `\uD800`-`\uDFFF` escape, or the UTF-8 form
 # of a surrogate, which Python's JSON decoder lets through (it decodes with "surrogatepass").
-_SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-_OPEN, _CLOSE, _QUOTE = (np.frombuffer(b, dtype=np.uint8) for b in (b"[{", b"]}", b'"'))
+# (Two patterns, each with a literal prefix that the regex engine scans for quickly.)
+_SURROGATE_HINTS = (re.compile(rb"\\u[dD][89a-fA-F]"), re.compile(rb"\xed[\xa0-\xbf]"))
+_QUOTE, _BACKSLASH, _LIST, _LIST_END, _OBJECT, _OBJECT_END = (ord(c) for c in '"\\[]{}')
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -66,15 +64,34 @@ def too_deep() -> ApiError:
 
 
 def json_depth(text: bytes) -> int:
-    """How deep the valid UTF-8 JSON `text` nests, in C speed (numpy) rather than a Python
+    """How deep the UTF-8 JSON `text` nests (exact for valid JSON; for invalid JSON, at least as
+    deep as a parser gets before the first error), at C speed (numpy) rather than in a Python
     loop over up to `max_request_bytes` characters."""
     if text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH:
         return 0  # cannot be deeper: the common case costs two scans
-    if b"\\" in text:
-        text = _ESCAPE.sub(b"", text)
     chars = np.frombuffer(text, dtype=np.uint8)
-    in_string = (np.cumsum(chars == _QUOTE[0], dtype=np.int64) & 1).astype(bool)
-    step = np.isin(chars, _OPEN).astype(np.int32) - np.isin(chars, _CLOSE).astype(np.int32)
+    # only brackets, quotes and backslashes matter: the rest of the work is on their positions
+    marks = (chars == _QUOTE) | (chars == _LIST) | (chars == _LIST_END)
+    marks |= (chars == _OBJECT) | (chars == _OBJECT_END)
+    escapes = b'\\"' in text  # no backslash right before a quote: no quote is escaped
+    if escapes:
+        marks |= chars == _BACKSLASH
+    where = np.flatnonzero(marks)
+    kind = chars[where]
+    quotes = kind == _QUOTE
+    if escapes:
+        # a quote after an odd run of backslashes (adjacent in the text) is escaped: it is
+        # part of a string, not its end
+        index = np.arange(len(where))
+        joins_next = np.zeros(len(where), dtype=bool)  # a backslash right before the next mark
+        joins_next[:-1] = (kind[:-1] == _BACKSLASH) & (where[1:] - where[:-1] == 1)
+        last_break = np.maximum.accumulate(np.where(joins_next, -1, index))
+        run_before = np.zeros(len(where), dtype=np.int64)
+        run_before[1:] = index[:-1] - last_break[:-1]
+        quotes &= (run_before & 1) == 0
+    in_string = (np.cumsum(quotes, dtype=np.int32) & 1).astype(bool)
+    step = (kind == _LIST).astype(np.int32) + (kind == _OBJECT)
+    step -= (kind == _LIST_END).astype(np.int32) + (kind == _OBJECT_END)
     step[in_string] = 0
     return int(np.cumsum(step).max(initial=0))
 
@@ -111,7 +128,7 @@ def check_unicode(raw: bytes, data: Any, encoding: str) -> None:
     """Text must be Unicode: JSON lets `"\\ud800"` through, and a lone surrogate then broke
     things after the reply started (an engine's 422 as an in-stream `event: error`). Refused
     here, for every endpoint, before the first byte. Only bodies that may hold one are walked."""
-    if encoding == "utf-8" and not _SURROGATE_HINT.search(raw):
+    if encoding == "utf-8" and not any(hint.search(raw) for hint in _SURROGATE_HINTS):
         return
     try:
         json.dumps(data, ensure_ascii=False).encode("utf-8")  # C speed; the walk only on failure
@@ -124,18 +141,27 @@ def check_unicode(raw: bytes, data: Any, encoding: str) -> None:
 
 
 def parse_json(raw: bytes) -> Any:
-    """A JSON value, nested at most MAX_JSON_DEPTH deep, whose strings are valid Unicode."""
+    """A JSON value, nested at most MAX_JSON_DEPTH deep, whose strings are valid Unicode.
+
+    Depth is measured on the bytes BEFORE parsing: Python's parser recurses once per level, and
+    near the recursion limit whatever runs meanwhile (a finalizer the garbage collector calls
+    from there) fails too. Up to the first syntax error the scan and the parser agree on what
+    is a string, so a body the scan passes never takes the parser deeper than the bound."""
+    try:
+        encoding = json.detect_encoding(raw)
+        # the scan reads UTF-8: another encoding (JSON allows UTF-16/32) is converted first
+        text = raw if encoding == "utf-8" else raw.decode(encoding).encode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, ErrorType.INVALID_REQUEST, f"invalid JSON body: {exc}") from None
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise too_deep()
     try:
         # NaN and Infinity are not JSON; Python's parser accepts them unless told not to
         data = json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError:
+    except RecursionError:  # not reachable past the scan; kept so it can never be a 500
         raise too_deep() from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(400, ErrorType.INVALID_REQUEST, f"invalid JSON body: {exc}") from None
-    encoding = json.detect_encoding(raw)
-    text = raw if encoding == "utf-8" else json.dumps(data).encode()
-    if json_depth(text) > MAX_JSON_DEPTH:
-        raise too_deep()
     check_unicode(raw, data, encoding)
     return data
 
