@@ -76,6 +76,16 @@ class ServerConfig(Strict):
     api_keys_env: str | None = None
     max_request_bytes: int = Field(1_048_576, ge=1024)
     request_timeout_s: float = Field(600, gt=0)
+    # a connection must complete a request's headers within this long of opening, or of its
+    # previous response (idle keep-alive included); else it is closed. Above common load
+    # balancers' idle timeouts (60 s), so they close first and never reuse a closing connection
+    header_timeout_s: float = Field(75, gt=0)
+    # a request body that sends nothing for this long: 408 (in-band on stream-content, which
+    # then frees its stream slot), and the connection is closed
+    body_idle_timeout_s: float = Field(30, gt=0)
+    # with api_keys_env set, /metrics needs a key unless this is true (its series name
+    # replicas and detectors)
+    public_metrics: bool = False
     max_concurrent_streams: int = Field(1024, ge=1)
     drain_timeout_s: float = Field(30, ge=0)
     tls: TlsConfig | None = None
@@ -422,3 +432,14 @@ def load_config(path: str | os.PathLike[str], require_models: bool = False) -> C
     except yaml.YAMLError as exc:
         raise ConfigError([f"{p}: invalid YAML: {exc}"]) from None
     return parse_config(data, require_models)
+
+
+def secret_env_names(config: Config) -> frozenset[str]:
+    """Every environment variable the config names as holding a key (the server's API keys,
+    engines' and detector services' keys): what a child process (a managed engine) must not
+    inherit, since it needs none of them and a compromised engine would get them all."""
+    names = {config.server.api_keys_env}
+    for model in config.models.values():
+        names.update(getattr(backend, "api_key_env", None) for backend in model.backends)
+    names.update(detector.api_key_env for detector in config.detectors.values())
+    return frozenset(n for n in names if n)

@@ -34,8 +34,9 @@ from .app import api_keys, create_app
 from .clients.backends import default_command
 from .clients.managed import EngineProcess, _die_with_parent
 from .clients.tls import server_ssl_context
-from .config import Config, ManagedBackend, parse_config
+from .config import Config, ManagedBackend, parse_config, secret_env_names
 from .handlers.health import DETECTOR_HEALTH
+from .http_protocol import GuardedAppRunner
 from .state import STATE, AppState
 from .tracing import engine_env
 
@@ -100,8 +101,10 @@ async def start_server(
         # engine request and every detector call of that stream (DESIGN 4.7).
         # shutdown_timeout: runner.cleanup() runs after drain(), which already gave streams their
         # time; what is left then is only waited on briefly.
-        runner = web.AppRunner(
+        # GuardedAppRunner: parser errors in the API's error body, header_timeout_s (http_protocol)
+        runner = GuardedAppRunner(
             app,
+            header_timeout_s=config.server.header_timeout_s,
             handler_cancellation=True,
             shutdown_timeout=min(config.server.drain_timeout_s, CLEANUP_GRACE_S),
             access_log=None,  # the request-id middleware writes the access line, with the id
@@ -462,6 +465,7 @@ class Supervisor:
                         start_timeout_s=backend.start_timeout_s,
                         # engines trace like the workers (config's server.tracing included)
                         env={**os.environ, **engine_env(self.config.server.tracing)},
+                        hidden_env=secret_env_names(self.config),
                     )
                     replicas += 1
                     processes.append(process)

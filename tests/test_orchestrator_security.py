@@ -198,16 +198,20 @@ async def test_rejections_look_the_same_whatever_failed(engine, keys, authorizat
     assert engine.requests == []  # nothing reached the model
 
 
-async def test_probes_and_metrics_stay_open(engine, keys) -> None:
-    """Kubelet probes and Prometheus scrapers carry no key; everything else needs one."""
+async def test_probes_stay_open(engine, keys) -> None:
+    """Kubelet probes carry no key; everything else needs one, /metrics included (it names
+    replicas and detectors) unless `server.public_metrics` opens it."""
     async with Orchestrator(auth_config(engine)) as orch:
         assert orch.session is not None
-        for path in ["/health", "/metrics", "/openapi.json"]:
+        for path in ["/health", "/openapi.json"]:
             async with orch.session.get(orch.url + path) as r:
                 assert r.status == 200, path
         async with orch.session.get(orch.url + "/info") as r:
             assert r.status in (200, 503)  # readiness, not an auth failure
             assert "status" in await r.json()
+        async with orch.session.get(orch.url + "/metrics") as r:
+            assert r.status == 401
+            assert await r.json() == UNAUTHORIZED
         async with orch.session.get(orch.url + "/no-such-page") as r:
             assert r.status == 401  # deny by default: unknown paths do not answer 404
             assert await r.json() == UNAUTHORIZED

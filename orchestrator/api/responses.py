@@ -153,10 +153,13 @@ class ComponentStatus(Wire):
 
 
 class InfoResponse(Wire):
-    status: Literal["HEALTHY", "UNHEALTHY", "UNKNOWN"]
-    models: dict[str, list[dict[str, Any]]]
-    detectors: dict[str, ComponentStatus]
-    chunkers: dict[str, ComponentStatus]
+    """GET /info. `DEGRADED`: ready (200), but a replica or a detector that no enforced
+    guardrail uses is unhealthy. Without a key (auth on) only `status`: ids map the deployment."""
+
+    status: Literal["HEALTHY", "DEGRADED", "UNHEALTHY", "UNKNOWN"]
+    models: dict[str, list[dict[str, Any]]] | None = None
+    detectors: dict[str, ComponentStatus] | None = None
+    chunkers: dict[str, ComponentStatus] | None = None
 
 
 __all__ = ["ErrorBody"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import ssl
 import time
@@ -24,8 +25,12 @@ from detectors.api import ContentsRequest, Detection
 
 from .. import tracing
 from ..config import ConfigError, DetectorConfig
+from .reasons import connection_failure
 
 _REPLY = TypeAdapter(list[list[Detection]])
+
+
+log = logging.getLogger("guardstream.detectors")
 
 
 class DetectorCallError(Exception):
@@ -217,7 +222,10 @@ class HttpDetectorClient(DetectorClient):
                 self.detector_id, f"timed out after {self.config.timeout_s:g} s"
             ) from None
         except aiohttp.ClientError as exc:
-            raise DetectorCallError(self.detector_id, f"request failed: {exc}") from None
+            # the address stays in the log: a client is told the kind of failure only
+            log.warning("detector %s: call to %s failed: %s", self.detector_id, self._url, exc)
+            reason = connection_failure(exc)
+            raise DetectorCallError(self.detector_id, f"request failed: {reason}") from None
         try:
             reply = _REPLY.validate_json(raw)
         except ValidationError as exc:

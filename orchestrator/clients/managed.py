@@ -68,6 +68,16 @@ def engine_command(
     return command
 
 
+def engine_environment(
+    hidden: frozenset[str] = frozenset(), base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment a managed engine starts with: this process's (or `base`), minus the
+    variables that hold the orchestrator's keys (`hidden`: config.secret_env_names). The
+    engine's own key is added by EngineProcess."""
+    source = os.environ if base is None else base
+    return {k: v for k, v in source.items() if k not in hidden}
+
+
 def _die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn asking Linux to SIGTERM the child when the orchestrator dies (no orphans)."""
     if not sys.platform.startswith("linux"):
@@ -85,7 +95,8 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 class EngineProcess:
     """One supervised engine slot. `api_key` (a fresh random one unless given) is put in the
-    child's environment as ENGINE_API_KEYS_ENV; the command decides whether the engine uses it."""
+    child's environment as ENGINE_API_KEYS_ENV; the command decides whether the engine uses it.
+    The child's environment is `env` (default: this process's) without `hidden_env`."""
 
     def __init__(
         self,
@@ -99,6 +110,7 @@ class EngineProcess:
         env: dict[str, str] | None = None,
         output: TextIO | None = None,
         api_key: str | None = None,
+        hidden_env: frozenset[str] = frozenset(),
     ) -> None:
         self.name = name
         self._command = command
@@ -107,6 +119,7 @@ class EngineProcess:
         self.on_status = on_status
         self.port = port or free_port()
         self._env = env
+        self._hidden_env = hidden_env  # variables never passed on (the orchestrator's keys)
         self._output = output  # where child output goes; None: our stderr
         self.api_key = api_key or secrets.token_urlsafe(32)
         self.restarts = 0
@@ -226,7 +239,7 @@ class EngineProcess:
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         cmd = self._command(self.port)
-        env = dict(os.environ if self._env is None else self._env)
+        env = engine_environment(self._hidden_env, self._env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env[ENGINE_API_KEYS_ENV] = self.api_key
         proc = await asyncio.create_subprocess_exec(
