@@ -40,6 +40,7 @@ from orchestrator.server import (
     WORKER_EXIT_GRACE_S,
     worker_count,
 )
+from orchestrator.state import STATE
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -1346,3 +1347,71 @@ def test_make_image_says_what_is_missing_and_takes_a_chosen_builder(tmp_path: Pa
         "podman build --build-arg TORCH_VARIANT=cu128 --build-arg "
         "BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 -t guardstream:cuda -f Dockerfile .\n"
     )
+
+
+# -- issue 26: scaling out on Kubernetes ---------------------------------------------------------
+
+ADAPTER_VALUES: dict[str, Any] = yaml.safe_load(
+    (DEPLOY / "k8s" / "monitoring" / "prometheus-adapter" / "values.yaml").read_text()
+)
+
+
+def test_hpa_scales_the_orchestrator_on_active_streams_per_pod() -> None:
+    hpa = MONITORING[("HorizontalPodAutoscaler", "guardstream-orchestrator")]["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "guardstream-orchestrator",
+    }
+    assert ("Deployment", "guardstream-orchestrator") in K8S
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "Pods"
+    name = metric["pods"]["metric"]["name"]
+    assert name == "guardstream_active_streams"
+    # a gauge the orchestrator exports (per pod: the sum over its workers, livesum)
+    app = orchestrator_app(parse_config({}))
+    exported = {m.name: m.type for m in app[STATE].metrics.registry.collect()}
+    assert exported[name] == "gauge"
+    target = metric["pods"]["target"]
+    assert target["type"] == "AverageValue"
+    # below the per-pod cap, so pods are added before any pod turns streams away
+    config = parse_config(k8s_config("guardstream-config", "config.yaml"))
+    assert int(target["averageValue"]) * 2 < config.server.max_concurrent_streams
+    assert 2 <= hpa["minReplicas"] < hpa["maxReplicas"]
+    # never more than one pod a minute goes, each draining its streams
+    assert hpa["behavior"]["scaleDown"]["policies"] == [
+        {"type": "Pods", "value": 1, "periodSeconds": 60}
+    ]
+
+
+def test_prometheus_adapter_rule_serves_the_metric_the_hpa_reads() -> None:
+    hpa = MONITORING[("HorizontalPodAutoscaler", "guardstream-orchestrator")]["spec"]
+    wanted = hpa["metrics"][0]["pods"]["metric"]["name"]
+    assert ADAPTER_VALUES["rules"]["default"] is False
+    (rule,) = ADAPTER_VALUES["rules"]["custom"]
+    series = re.fullmatch(r"(\w+)\{(.*)\}", rule["seriesQuery"])
+    assert series is not None and series[1] == wanted
+    assert set(series[2].split(",")) == {'namespace!=""', 'pod!=""'}
+    assert re.fullmatch(rule["name"]["matches"], series[1])
+    assert rule["name"]["as"] == wanted
+    # the ServiceMonitor's namespace and pod labels tie each series to its pod
+    assert rule["resources"]["overrides"] == {
+        "namespace": {"resource": "namespace"},
+        "pod": {"resource": "pod"},
+    }
+    assert rule["metricsQuery"] == "max(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"
+    # the values file is not applied by `kubectl apply -f deploy/k8s/monitoring/` (no
+    # recursion), and it is no Kubernetes object
+    assert "kind" not in ADAPTER_VALUES and "apiVersion" not in ADAPTER_VALUES
+    monitor = MONITORING[("ServiceMonitor", "guardstream")]["spec"]
+    svc = K8S[("Service", "guardstream")]
+    assert selects(monitor["selector"], svc["metadata"]["labels"])
+
+
+def test_k8s_orchestrator_config_sets_the_capacity_knobs() -> None:
+    config = parse_config(k8s_config("guardstream-config", "config.yaml"))
+    assert config.server.max_concurrent_streams == 384
+    assert config.server.listen_backlog >= config.server.max_concurrent_streams
+    assert config.server.workers == 1  # the pod requests one core
+    c = k8s_container("Deployment", "guardstream-orchestrator")
+    assert c["resources"]["requests"]["cpu"] == "1"

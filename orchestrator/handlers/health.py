@@ -86,8 +86,9 @@ DETECTOR_HEALTH = web.AppKey("detector_health", DetectorHealth)
 
 
 async def info(request: web.Request) -> web.Response:
-    """Ready only when every model has a healthy replica, no detector is unhealthy, and the
-    in-process detectors finished their warm-up. With auth on, a caller without a key sees
+    """Ready only when every model has a healthy replica, no detector is unhealthy, the
+    in-process detectors finished their warm-up, and the process is neither draining nor
+    saturated (server.max_concurrent_streams streams running). With auth on, a caller without a key sees
     statuses only: replica URLs, pids and last errors map the deployment for an attacker."""
     state = request.app[STATE]
     checks = request.app[DETECTOR_HEALTH]
@@ -105,8 +106,11 @@ async def info(request: web.Request) -> web.Response:
         else:
             detectors[d] = ComponentStatus(status=cached.get(d, "UNKNOWN"))  # type: ignore[arg-type]
     chunkers = {c: ComponentStatus(status="HEALTHY") for c in state.chunkers.ids()}
+    # saturated: another stream would get 429, so the load balancer should pick another pod
+    saturated = state.active_streams >= state.config.server.max_concurrent_streams
     ready = (
-        warmed
+        not saturated
+        and warmed
         and all(any(r.get("status") == "HEALTHY" for r in replicas) for replicas in models.values())
         and all(s.status != "UNHEALTHY" for s in detectors.values())
     )
