@@ -624,6 +624,11 @@ async def run_slots(
                 active[0] += 1
             try:
                 results.append(await read_stream(session, url, body, key))
+            except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
+                # a reset, a timeout or an HTTP error is a result of the level, not a crash
+                failed = StreamResult(key, terminal=f"client {type(exc).__name__}")
+                failed.failure = {"client_error": f"{type(exc).__name__}: {exc}"[:300]}
+                results.append(failed)
             finally:
                 if active is not None:
                     active[0] -= 1
