@@ -87,6 +87,9 @@ class ServerConfig(Strict):
     # replicas and detectors)
     public_metrics: bool = False
     max_concurrent_streams: int = Field(1024, ge=1)
+    # connections the kernel queues for accept() while the event loop is busy (a burst of
+    # clients connecting at once); capped by net.core.somaxconn (aiohttp's default is 128)
+    listen_backlog: int = Field(2048, ge=1, le=65535)
     drain_timeout_s: float = Field(30, ge=0)
     tls: TlsConfig | None = None
     forward_headers: list[str] = Field(default_factory=list)

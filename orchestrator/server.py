@@ -31,6 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from .app import api_keys, create_app
+from .capacity import fit_to_process_limits
 from .clients.backends import default_command
 from .clients.managed import EngineProcess, _die_with_parent
 from .clients.tls import server_ssl_context
@@ -117,9 +118,18 @@ async def start_server(
     try:
         site: web.BaseSite
         if sock is not None:
-            site = web.SockSite(runner, sock, ssl_context=ssl_context)
+            site = web.SockSite(
+                runner, sock, ssl_context=ssl_context, backlog=config.server.listen_backlog
+            )
         else:
-            site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=True)
+            site = web.TCPSite(
+                runner,
+                host,
+                port,
+                ssl_context=ssl_context,
+                reuse_port=True,
+                backlog=config.server.listen_backlog,
+            )
         await site.start()
     except BaseException:
         if sock is not None:
@@ -233,6 +243,7 @@ async def _serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     try:
+        config = fit_to_process_limits(config)  # open files: see orchestrator/capacity.py
         runner, bound = await start_server(config, host, port, device=device, reuse_port=worker)
         log.info("start-up heap frozen: %d objects", freeze_startup_heap())
         refreeze = asyncio.ensure_future(freeze_after_warm_up(runner.app[DETECTOR_HEALTH].warmed))

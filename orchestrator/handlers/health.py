@@ -98,9 +98,10 @@ def required_detectors(state: AppState) -> set[str]:
 
 async def info(request: web.Request) -> web.Response:
     """Ready when every model has a healthy replica, no detector an enforced guardrail uses is
-    unhealthy, and the in-process detectors finished their warm-up. With auth on, a caller
-    without a key sees the overall status only: model, detector and replica ids, URLs, pids
-    and last errors map the deployment for an attacker."""
+    unhealthy, the in-process detectors finished their warm-up, and the process is neither
+    draining nor saturated (server.max_concurrent_streams streams running). With auth on, a
+    caller without a key sees the overall status only: model, detector and replica ids, URLs,
+    pids and last errors map the deployment for an attacker."""
     state = request.app[STATE]
     checks = request.app[DETECTOR_HEALTH]
     full = request.get(AUTHENTICATED, state.config.server.api_keys_env is None)
@@ -118,8 +119,11 @@ async def info(request: web.Request) -> web.Response:
             detectors[d] = ComponentStatus(status=cached.get(d, "UNKNOWN"))  # type: ignore[arg-type]
     chunkers = {c: ComponentStatus(status="HEALTHY") for c in state.chunkers.ids()}
     required = required_detectors(state)
+    # saturated: another stream would get 429, so the load balancer should pick another pod
+    saturated = state.active_streams >= state.config.server.max_concurrent_streams
     ready = (
-        warmed
+        not saturated
+        and warmed
         and all(any(r.get("status") == "HEALTHY" for r in replicas) for replicas in models.values())
         and all(s.status != "UNHEALTHY" for d, s in detectors.items() if d in required)
     )
