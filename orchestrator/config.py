@@ -135,6 +135,11 @@ class ManagedBackend(Strict):
     model: str
     replicas: int = Field(1, ge=1, le=64)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # the engine's --dtype: auto is bf16 on CUDA, fp32 on a CPU (fp64 for tiny-random)
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    # the engine's --batch-invariant: logits independent of the batch, so a migrated stream is
+    # token-exact at the engine's dtype (DESIGN section 7), at a throughput cost
+    batch_invariant: bool = False
     enable_fault_injection: bool = False
     start_timeout_s: float = Field(300, gt=0)
 

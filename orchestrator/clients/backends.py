@@ -37,7 +37,12 @@ __all__ = ["ModelBackend", "ReplicatedModelBackend", "build_model_backends"]
 
 def default_command(cfg: ManagedBackend) -> CommandFactory:
     return engine_command(
-        cfg.model, cfg.device, cfg.enable_fault_injection, api_keys_env=ENGINE_API_KEYS_ENV
+        cfg.model,
+        cfg.device,
+        cfg.enable_fault_injection,
+        api_keys_env=ENGINE_API_KEYS_ENV,
+        dtype=cfg.dtype,
+        batch_invariant=cfg.batch_invariant,
     )
 
 

@@ -52,6 +52,9 @@ def engine_command(
     device: str,
     enable_fault_injection: bool = False,
     api_keys_env: str | None = None,
+    *,
+    dtype: str = "auto",
+    batch_invariant: bool = False,
 ) -> CommandFactory:
     """The engine CLI of DESIGN section 2, for a given port; with `api_keys_env`, the engine
     requires the key that EngineProcess puts in that variable."""
@@ -59,6 +62,10 @@ def engine_command(
     def command(port: int) -> list[str]:
         cmd = [sys.executable, "-m", "generation", "serve", "--model", model]
         cmd += ["--device", device, "--port", str(port)]
+        if dtype != "auto":
+            cmd += ["--dtype", dtype]
+        if batch_invariant:
+            cmd.append("--batch-invariant")
         if api_keys_env:
             cmd += ["--api-keys-env", api_keys_env]
         if enable_fault_injection:
