@@ -106,6 +106,7 @@ class ReplicatedModelBackend(ModelBackend):
                     session,
                     api=backend.api,
                     api_key=api_key,
+                    tokenizer=backend.tokenizer,
                     ssl_context=client_ssl_context(
                         backend.tls, where=f"models.{model_id}.backends.{index}.tls"
                     ),
