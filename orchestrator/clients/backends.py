@@ -172,6 +172,13 @@ class ReplicatedModelBackend(ModelBackend):
         Replicas that advertise nothing (`openai` ones, unreachable ones) are not consulted;
         with none advertising, nothing is checked here and the engines' own 4xx still come
         back as invalid_request."""
+        for replica in self.pool.replicas:
+            client = replica.client
+            if isinstance(client, OpenAIClient) and (refused := client.unhonoured(request)):
+                raise invalid(
+                    f"{refused[0]}: model `{self.model_id}` cannot honour it (the server of "
+                    f"its replica {replica.name} refuses it)"
+                )
         natives = [
             r.client
             for r in self.pool.replicas

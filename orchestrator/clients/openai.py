@@ -835,6 +835,13 @@ class OpenAIClient(HttpReplicaClient):
                 code=422,
             )
 
+    def unhonoured(self, request: GenerationRequest) -> list[str]:
+        """The request's sampling fields (the client's names) this server was found to refuse:
+        the backend's validate makes them a 422 before the response starts."""
+        body: dict[str, Any] = {}
+        _sampling(body, request, 0)
+        return [EXTENSION_FIELDS[f] for f in sorted(self.traits.refused & body.keys())]
+
     def cannot_continue(self) -> GenerationError:
         """A resume on a chat server that cannot continue a partial assistant message: a fresh
         answer would repeat or contradict what the client has, so the stream ends here."""
