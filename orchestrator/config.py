@@ -164,6 +164,10 @@ class OpenAIBackend(Strict):
     api: Literal["completions", "chat"] = "completions"
     api_key_env: str | None = None
     tls: ClientTlsConfig | None = None
+    # the served model's Hugging Face folder (tokenizer.json + chat template), for servers
+    # without `/tokenize` (transformers serve): `api: completions` templates chat requests with
+    # it, and prompts are counted with it
+    tokenizer: str | None = None
 
 
 Backend = Annotated[ManagedBackend | NativeBackend | OpenAIBackend, Field(discriminator="type")]

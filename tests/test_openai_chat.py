@@ -531,3 +531,93 @@ async def test_alias_block_and_input_hit_with_a_plain_client(engine, dets) -> No
     assert unary["choices"][0]["message"]["content"] is None
     assert unary["choices"][0]["finish_reason"] == "content_filter"
     assert unary["detections"]["input"] == only["detections"]["input"]
+
+
+# -- options a native engine cannot honour: 422, never a silent drop (issue 20 item 10) ---------
+
+_TAIL = (
+    " (model `fake-model`; only an `openai` backend with `api: chat` receives fields guardstream "
+    "does not interpret)"
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "response_format",
+            {"type": "json_object"},
+            "response_format: structured output cannot be honoured by this model's backend" + _TAIL,
+        ),
+        (
+            "logprobs",
+            True,
+            "logprobs: log probabilities are not returned by this model's backend" + _TAIL,
+        ),
+        (
+            "logit_bias",
+            {"50256": -100},
+            "logit_bias: logit biases cannot be applied by this model's backend" + _TAIL,
+        ),
+        (
+            "modalities",
+            ["text", "audio"],
+            "modalities: only text output is supported: only text can be guarded",
+        ),
+        ("store", True, "store: completions are not stored (this service is stateless)" + _TAIL),
+        ("frobnicate", 1, "frobnicate: this model's backend cannot honour it" + _TAIL),
+    ],
+)
+async def test_options_a_native_backend_cannot_honour_are_422(
+    engine, dets, field: str, value: Any, message: str
+) -> None:
+    """The repro: each of these got 200 and was silently dropped on a native engine. Now a 422
+    with the exact OpenAI error body, before any byte and without calling the model, streamed or
+    not, on both paths; the SDK raises UnprocessableEntityError with that body."""
+    async with Orchestrator(config(engine, dets)) as orch:
+        for path in ("/v1/chat/completions", ALIAS):
+            for stream in (False, True):
+                body = {"model": MODEL, "messages": USER, "stream": stream, field: value}
+                got, reply = await orch.post(path, body)
+                assert (got, reply) == (
+                    422,
+                    {
+                        "error": {
+                            "message": message,
+                            "type": "invalid_request",
+                            "param": field,
+                            "code": 422,
+                        }
+                    },
+                )
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            await sdk(orch).chat.completions.create(
+                model=MODEL, messages=USER, extra_body={field: value}
+            )
+        assert info.value.body == {
+            "message": message,
+            "type": "invalid_request",
+            "param": field,
+            "code": 422,
+        }
+    assert engine.requests == []
+
+
+async def test_options_that_ask_for_nothing_pass_on_a_native_backend(engine, dets) -> None:
+    """What SDKs and proxies send as defaults asks for nothing: accepted, and labels (`user`,
+    `metadata`) are accepted whatever their value."""
+    inert = {
+        "response_format": {"type": "text"},
+        "logprobs": False,
+        "top_logprobs": 0,
+        "logit_bias": {},
+        "modalities": ["text"],
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "store": False,
+        "user": "u-1",
+        "metadata": {"k": "v"},
+    }
+    async with Orchestrator(config(engine, dets)) as orch:
+        done = await sdk(orch).chat.completions.create(model=MODEL, messages=USER, extra_body=inert)
+    assert done.choices[0].message.content == TEXT

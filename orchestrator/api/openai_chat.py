@@ -34,6 +34,50 @@ _UNSUPPORTED = {
 }
 
 
+# Extra fields that only label or route a request: accepted whatever the backend.
+_LABELS = frozenset(
+    {"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"}
+)
+# Extra fields a backend that does not receive them cannot honour, at a value that asks for
+# something; the value that asks for nothing (SDKs and proxies send defaults) passes.
+_EXTRA_WHY = {
+    "response_format": "structured output cannot be honoured by this model's backend",
+    "logprobs": "log probabilities are not returned by this model's backend",
+    "top_logprobs": "log probabilities are not returned by this model's backend",
+    "logit_bias": "logit biases cannot be applied by this model's backend",
+    "frequency_penalty": "frequency penalties cannot be applied by this model's backend",
+    "presence_penalty": "presence penalties cannot be applied by this model's backend",
+    "reasoning_effort": "this model's backend does not reason",
+    "verbosity": "this model's backend has no verbosity setting",
+    "web_search_options": "web search is not supported",
+    "store": "completions are not stored (this service is stateless)",
+}
+_INERT: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "store": (False,),
+    "modalities": (["text"],),  # any other value is refused by the request model
+}
+
+
+def check_extra_honoured(extra: dict[str, Any], model: str) -> None:
+    """422 for a field the model's backend would silently drop (DESIGN 4.8): only an `openai`
+    backend with `api: chat` receives the fields guardstream does not interpret; for any other
+    a field that asks for something is refused, naming it (OpenAI's `param`)."""
+    for name, value in extra.items():
+        if name in _LABELS or value is None or value in _INERT.get(name, ()):
+            continue
+        why = _EXTRA_WHY.get(name, "this model's backend cannot honour it")
+        raise ValueError(
+            f"{name}: {why} (model `{model}`; only an `openai` backend with `api: chat` "
+            "receives fields guardstream does not interpret)"
+        )
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -121,6 +165,9 @@ class ChatCompletionRequest(BaseModel):
     def _guardable(self) -> ChatCompletionRequest:
         if self.n not in (None, 1):
             raise ValueError("n: only n = 1 is supported (every choice would need its own guard)")
+        modalities = (self.model_extra or {}).get("modalities")
+        if modalities not in (None, ["text"]):
+            raise ValueError("modalities: only text output is supported: only text can be guarded")
         for name, why in _UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             if value not in (None, [], "none"):

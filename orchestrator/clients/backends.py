@@ -113,6 +113,7 @@ class ReplicatedModelBackend(ModelBackend):
                     session,
                     api=backend.api,
                     api_key=api_key,
+                    tokenizer=backend.tokenizer,
                     ssl_context=client_ssl_context(
                         backend.tls, where=f"models.{model_id}.backends.{index}.tls"
                     ),
@@ -178,6 +179,13 @@ class ReplicatedModelBackend(ModelBackend):
         Replicas that advertise nothing (`openai` ones, unreachable ones) are not consulted;
         with none advertising, nothing is checked here and the engines' own 4xx still come
         back as invalid_request."""
+        for replica in self.pool.replicas:
+            client = replica.client
+            if isinstance(client, OpenAIClient) and (refused := client.unhonoured(request)):
+                raise invalid(
+                    f"{refused[0]}: model `{self.model_id}` cannot honour it (the server of "
+                    f"its replica {replica.name} refuses it)"
+                )
         natives = [
             r.client
             for r in self.pool.replicas

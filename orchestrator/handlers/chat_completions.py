@@ -8,14 +8,15 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from ..api.errors import ApiError
-from ..api.openai_chat import ChatCompletionRequest
+from ..api.errors import ApiError, invalid
+from ..api.openai_chat import ChatCompletionRequest, check_extra_honoured
+from ..config import OpenAIBackend
 from ..state import STATE
 from ..streaming.chat_writer import ChatChunkWriter, ChatCompletionFold
 from ..streaming.events import Terminal
 from ..streaming.guarded_generation import GuardedGeneration
 from .body import read_model
-from .generation_request import Conversation, prepare_conversation
+from .generation_request import Conversation, find_model, prepare_conversation
 from .stream_slots import stream_slot
 from .streaming_generation import SSE_HEADERS
 
@@ -26,6 +27,13 @@ CHAT_DETECTION_PATH = "/api/v2/chat/completions-detection"
 async def prepare_chat(
     request: web.Request, body: ChatCompletionRequest
 ) -> tuple[GuardedGeneration, int]:
+    target = find_model(request.app[STATE], body.model)
+    forwards = all(isinstance(b, OpenAIBackend) and b.api == "chat" for b in target.config.backends)
+    if not forwards:
+        try:
+            check_extra_honoured(body.forwarded(), body.model)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
     detectors = body.detectors
     return await prepare_conversation(
         request,
