@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..streaming.text_judgement import InputPiece
 from .json_numbers import json_integer, json_number
 from .requests import DetectorMap
 from .responses import TokenClassificationResult, Wire
@@ -60,6 +61,16 @@ class ChatMessageIn(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def pieces(self, index: int) -> list[InputPiece]:
+        """Every text of this message for the input detectors: the content (its parts joined,
+        as the engine receives them), and `name` and `refusal`, each on its own."""
+        out = [InputPiece(self.text(), index)]
+        if self.name:
+            out.append(InputPiece(self.name, index, "name"))
+        if self.refusal:
+            out.append(InputPiece(self.refusal, index, "refusal"))
+        return out
 
 
 class StreamOptions(Strict):
@@ -112,6 +123,10 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("messages: at least one message must have the role `user`")
         return self
 
+    def input_pieces(self) -> list[InputPiece]:
+        """What input detectors judge: every message, whatever its role (DESIGN 4.8)."""
+        return [p for i, m in enumerate(self.messages) for p in m.pieces(i)]
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -136,7 +151,11 @@ class OutputDetections(Wire):
 
 
 class InputDetections(Wire):
+    """Detections on one message's content (spans relative to its text parts joined), or, with
+    `field`, on its `name` or `refusal`."""
+
     message_index: int
+    field: Literal["name", "refusal"] | None = None
     results: list[TokenClassificationResult]
 
 

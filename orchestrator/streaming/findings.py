@@ -25,6 +25,10 @@ class Finding:
     score: float
     evidence: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
+    # input findings of a conversation: which piece of the request the span is relative to
+    # (the message's index, and "name"/"refusal"/"instructions" for text beside the content)
+    message_index: int | None = None
+    field: str | None = None
 
     def to_tcr(self) -> TokenClassificationResult:
         return TokenClassificationResult(
@@ -52,8 +56,18 @@ class Finding:
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:
-    """The order clients see (DESIGN 4.3): by start, then detector id."""
-    return sorted(findings, key=lambda f: (f.start, f.detector_id, f.end))
+    """The order clients see (DESIGN 4.3): by start, then detector id (input findings of a
+    conversation: by message first, `instructions` before every message)."""
+    return sorted(
+        findings,
+        key=lambda f: (
+            -1 if f.message_index is None else f.message_index,
+            f.field or "",
+            f.start,
+            f.detector_id,
+            f.end,
+        ),
+    )
 
 
 def keep(

@@ -49,7 +49,7 @@ from .failures import describe, is_unexpected
 from .findings import Finding, sort_findings
 from .inbox import Inbox
 from .read_pacing import ReadPacer
-from .text_judgement import judge_text
+from .text_judgement import InputPiece, judge_pieces, judge_text
 
 log = logging.getLogger("guardstream.stream")
 
@@ -119,7 +119,7 @@ class GuardedGeneration:
         *,
         backend: ModelBackend,
         request: GenerationRequest,
-        inputs: str,
+        inputs: str | list[InputPiece],
         masks: list[tuple[int, int]] | None,
         input_detectors: list[RequestedDetector],
         output_detectors: list[RequestedDetector],
@@ -132,7 +132,8 @@ class GuardedGeneration:
         read_coalesce_tokens: float = 0.0,
         read_coalesce_when: Callable[[], bool] | None = None,
     ) -> None:
-        """`inputs` is the text input detectors judge (FMS `inputs`, or the last user message);
+        """`inputs` is what input detectors judge: FMS `inputs` (with `masks`), or every piece
+        of a conversation, each on its own;
         `keepalive_s` makes `events()` yield KeepAlive after that long without another event;
         `read_coalesce_tokens` paces the engine reads of a slow stream, while
         `read_coalesce_when()` says so (the orchestrator: while its loop is busy; see
@@ -346,9 +347,12 @@ class GuardedGeneration:
 
     async def _judge_input(self) -> None:
         with tracing.input_detection(self._input_detectors) as span:
-            findings = await judge_text(
-                self._inputs, self._input_detectors, self._chunkers, regions=self._masks
-            )
+            if isinstance(self._inputs, str):
+                findings = await judge_text(
+                    self._inputs, self._input_detectors, self._chunkers, regions=self._masks
+                )
+            else:
+                findings = await judge_pieces(self._inputs, self._input_detectors, self._chunkers)
             if span is not None:
                 span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))
