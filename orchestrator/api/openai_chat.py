@@ -65,7 +65,7 @@ class ChatMessageIn(BaseModel):
     def pieces(self, index: int) -> list[InputPiece]:
         """Every text of this message for the input detectors: the content (its parts joined,
         as the engine receives them), and `name` and `refusal`, each on its own."""
-        out = [InputPiece(self.text(), index)]
+        out = [InputPiece(self.text(), index, target=index)]
         if self.name:
             out.append(InputPiece(self.name, index, "name"))
         if self.refusal:

@@ -23,6 +23,7 @@ from pydantic import (
     StrictBool,
     Tag,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -227,12 +228,14 @@ class ResponsesRequest(Strict):
         """What input detectors judge: `instructions` and every input item, each on its own
         (DESIGN 4.9); `message_index` is the item's index in `input` (0 for a string)."""
         out: list[InputPiece] = []
+        shift = 0  # `instructions` is the first message the engine receives
         if self.instructions:
-            out.append(InputPiece(self.instructions, None, "instructions"))
+            out.append(InputPiece(self.instructions, None, "instructions", target=0))
+            shift = 1
         if isinstance(self.input, str):
-            out.append(InputPiece(self.input, 0))
+            out.append(InputPiece(self.input, 0, target=shift))
         else:
-            out.extend(InputPiece(m.text(), i) for i, m in enumerate(self.input))
+            out.extend(InputPiece(m.text(), i, target=i + shift) for i, m in enumerate(self.input))
         return out
 
     def conversation_messages(self) -> list[tuple[str, str]]:
@@ -262,6 +265,15 @@ class GuardrailAnnotation(BaseModel):
     detection: str
     detection_type: str
     score: float
+    # DESIGN 4.6a: the span was replaced and `text` is the replacement (omitted otherwise)
+    redacted: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unredacted(self, handler: Any) -> Any:
+        data = handler(self)
+        if data.get("redacted") is None:
+            data.pop("redacted", None)
+        return data
 
 
 class InputAnnotation(GuardrailAnnotation):

@@ -51,7 +51,7 @@ def _dumps(data: Any) -> bytes:
 
 def _tcr(f: Finding) -> dict[str, Any]:
     """`f.to_tcr().dump()` without pydantic."""
-    return {
+    out = {
         "start": f.start,
         "end": f.end,
         "word": f.text,
@@ -60,6 +60,9 @@ def _tcr(f: Finding) -> dict[str, Any]:
         "detector_id": f.detector_id,
         "score": float(f.score),
     }
+    if f.redacted:
+        out["redacted"] = True
+    return out
 
 
 # what follows a frame chunk's content in `ChatCompletionChunk.dump()` order
@@ -189,6 +192,15 @@ class ChatChunkWriter:
         if isinstance(event, KeepAlive):
             return KEEPALIVE_COMMENT
         if isinstance(event, Frame):
+            if event.input_detections:  # the input was redacted: said once, on this chunk
+                output = _output(event.detections).output if event.judged else None
+                return self._role() + self._chunk(
+                    Delta(content=event.text),
+                    detections=ChatDetections(
+                        input=_input(event.input_detections).input, output=output
+                    ),
+                    warnings=[OUTPUT_WARNING] if event.detections else None,
+                )
             if not event.text and not event.detections:
                 return b""
             return self._role() + self._frame(event)
@@ -243,6 +255,8 @@ class ChatCompletionFold:
         if isinstance(event, Frame):
             self._texts.append(event.text)
             self._output.extend(event.detections)
+            if event.input_detections:
+                self._input.extend(event.input_detections)
         elif isinstance(event, Refusal):
             self._refusal = event.message
             if event.direction == "input":
@@ -265,7 +279,7 @@ class ChatCompletionFold:
                 input=_input(sort_findings(self._input)).input if self._input else None,
                 output=_output(self._output).output if self._output else None,
             )
-        warnings = [INPUT_WARNING] if self._input else []
+        warnings = [INPUT_WARNING] if refused and self._input else []
         if self._output:
             warnings.append(OUTPUT_WARNING)
         completion = ChatCompletion(

@@ -29,6 +29,8 @@ class Finding:
     # (the message's index, and "name"/"refusal"/"instructions" for text beside the content)
     message_index: int | None = None
     field: str | None = None
+    # the span was replaced (DESIGN 4.6a): `text` is the replacement, the span is where it is
+    redacted: bool = False
 
     def to_tcr(self) -> TokenClassificationResult:
         return TokenClassificationResult(
@@ -39,6 +41,7 @@ class Finding:
             entity_group=self.detection_type,
             detector_id=self.detector_id,
             score=self.score,
+            redacted=True if self.redacted else None,
         )
 
     def to_content(self) -> ContentDetection:
@@ -52,6 +55,7 @@ class Finding:
             score=self.score,
             evidence=self.evidence,
             metadata=self.metadata,
+            redacted=True if self.redacted else None,
         )
 
 

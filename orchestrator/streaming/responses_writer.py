@@ -62,6 +62,7 @@ def annotation(finding: Finding, *, withheld: bool = False) -> GuardrailAnnotati
         detection=finding.detection,
         detection_type=finding.detection_type,
         score=finding.score,
+        redacted=True if finding.redacted else None,
     )
 
 
@@ -236,6 +237,8 @@ class ResponsesWriter:
         )
 
     def _frame(self, frame: Frame, out: list[BaseModel]) -> None:
+        if frame.input_detections:  # the input was redacted (DESIGN 4.6a)
+            self._guardrails.input.extend(input_annotation(f) for f in frame.input_detections)
         if not frame.text and not frame.detections:
             return
         part = self._open_text(out)

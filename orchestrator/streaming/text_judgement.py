@@ -10,8 +10,15 @@ from dataclasses import dataclass, replace
 from chunkers import Span
 
 from ..clients.registry import ChunkerRegistry, RequestedDetector
+from ..config import WHOLE_DOC_CHUNKER
 from .fanout import ChunkerFailure
 from .findings import Finding, keep, sort_findings
+
+
+def _chunker_of(detector: RequestedDetector, whole: bool) -> str:
+    """A redacting detector judges each whole text in one piece: a chunk boundary could split
+    an entity (a card number cut at a `max_chars` whitespace) and both halves would pass."""
+    return WHOLE_DOC_CHUNKER if whole or detector.redacting else detector.chunker_id
 
 
 async def judge_text(
@@ -19,14 +26,17 @@ async def judge_text(
     detectors: list[RequestedDetector],
     chunkers: ChunkerRegistry,
     regions: list[tuple[int, int]] | None = None,
+    *,
+    whole: bool = False,
 ) -> list[Finding]:
     """Findings over `text` (spans relative to all of it), sorted; `regions` restricts detection
-    to those `[start, end)` slices, as input masks do."""
+    to those `[start, end)` slices, as input masks do; `whole`: every detector judges each
+    region in one piece (the text is to be redacted)."""
     if regions is None:
         regions = [(0, len(text))]
 
     async def one(detector: RequestedDetector) -> list[Finding]:
-        spans = _chunk_regions(text, regions, detector.chunker_id, chunkers)
+        spans = _chunk_regions(text, regions, _chunker_of(detector, whole), chunkers)
         if not spans:
             return []
         replies = await detector.client.detect([s.text for s in spans], detector.params)
@@ -49,6 +59,9 @@ class InputPiece:
     text: str
     message_index: int | None = None
     field: str | None = None
+    # the index of the message this text is in the generation request (None: it never reaches
+    # the engine, like a `name`): where an input redaction goes
+    target: int | None = None
 
 
 async def judge_pieces(
@@ -65,7 +78,7 @@ async def judge_pieces(
         spans: list[Span] = []
         for piece in pieces:
             chunks = _chunk_regions(
-                piece.text, [(0, len(piece.text))], detector.chunker_id, chunkers
+                piece.text, [(0, len(piece.text))], _chunker_of(detector, False), chunkers
             )
             spans.extend(chunks)
             owners.extend([piece] * len(chunks))
