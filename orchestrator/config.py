@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -26,6 +27,8 @@ from generation.specs import spec_problem
 
 WHOLE_DOC_CHUNKER = "whole_doc_chunker"
 NO_MODELS = "models: at least one model is required (clients name it as model_id)"
+DEFAULT_REDACT_WITH = "[{entity}]"
+MAX_REDACT_WITH = 256
 CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
 DETECTOR_TYPES = ("text_contents", "text_generation", "text_chat", "text_context_doc")
 
@@ -226,7 +229,10 @@ class DetectorConfig(Strict):
     default_threshold: float = Field(0.5, ge=0, le=1)  # scores are in [0, 1]
     params: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float = Field(10, gt=0)
-    on_detection: Literal["annotate", "block"] = "annotate"
+    on_detection: Literal["annotate", "block", "redact"] = "annotate"
+    # redact (DESIGN 4.6a): the replacement of each flagged span, a fixed string or a template
+    # with {entity} (the detection's name: `[{entity}]` gives `[email]`)
+    redact_with: StrictStr = Field(DEFAULT_REDACT_WITH, max_length=MAX_REDACT_WITH)
     api_key_env: str | None = None  # a remote detector service's key, sent as a Bearer token
     tls: ClientTlsConfig | None = None
 
@@ -284,6 +290,7 @@ def cross_reference_errors(
                     errors.extend(detectors.param_error_lines(f"{path}.params", exc))
         if det.url is not None and not det.url.startswith(("http://", "https://")):
             errors.append(f"{path}.url: must start with http:// or https://")
+        errors.extend(_redact_with_errors(det.params, f"{path}.params"))
         if det.chunker_id != WHOLE_DOC_CHUNKER and det.chunker_id not in config.chunkers:
             errors.append(f"{path}.chunker_id: unknown chunker '{det.chunker_id}'")
     for model_id, model in config.models.items():
@@ -300,8 +307,9 @@ def cross_reference_errors(
                 if not isinstance(params, dict):
                     errors.append(f"{path}: must be a mapping of detector params")
                     continue
-                if params.get("on_detection") not in (None, "annotate", "block"):
-                    errors.append(f"{path}.on_detection: must be annotate or block")
+                if params.get("on_detection") not in (None, "annotate", "block", "redact"):
+                    errors.append(f"{path}.on_detection: must be annotate, block or redact")
+                errors.extend(_redact_with_errors(params, path))
                 errors.extend(_threshold_errors(f"{path}.threshold", params.get("threshold")))
         chat_api = [b for b in model.backends if isinstance(b, OpenAIBackend) and b.api == "chat"]
         if chat_api and any(isinstance(b, ManagedBackend | NativeBackend) for b in model.backends):
@@ -331,6 +339,17 @@ def _threshold_errors(path: str, t: Any) -> list[str]:
         return [f"{path}: must be a number"]
     if not 0 <= t <= 1:
         return [f"{path}: must be between 0 and 1, got {t}"]
+    return []
+
+
+def _redact_with_errors(params: dict[str, Any], path: str) -> list[str]:
+    if "redact_with" not in params:
+        return []
+    value = params["redact_with"]
+    if not isinstance(value, str):
+        return [f"{path}.redact_with: must be a string"]
+    if len(value) > MAX_REDACT_WITH:
+        return [f"{path}.redact_with: at most {MAX_REDACT_WITH} characters"]
     return []
 
 
@@ -365,7 +384,7 @@ def _detector_params(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k not in ORCHESTRATOR_PARAM_KEYS}
 
 
-ORCHESTRATOR_PARAM_KEYS = frozenset({"threshold", "on_detection"})
+ORCHESTRATOR_PARAM_KEYS = frozenset({"threshold", "on_detection", "redact_with"})
 
 
 def _format_validation_error(exc: ValidationError) -> list[str]:

@@ -170,7 +170,7 @@ def test_enforced_guardrails_name_configured_detectors() -> None:
         parse_config(cfg)
     assert info.value.errors == [
         "models.m.guardrails.output.nope: unknown detector 'nope'",
-        "models.m.guardrails.output.pii.on_detection: must be annotate or block",
+        "models.m.guardrails.output.pii.on_detection: must be annotate, block or redact",
     ]
 
 

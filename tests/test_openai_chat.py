@@ -219,10 +219,11 @@ async def test_input_hit_never_calls_the_engine(engine, dets) -> None:
     assert only.choices[0].delta.refusal
     assert only.choices[0].finish_reason == "content_filter"
     extra = only.model_extra or {}
-    # the last user message is judged; spans are relative to it
+    # every message is judged on its own; spans are relative to the message
     assert extra["detections"] == {
         "input": [
-            {"message_index": 3, "results": [tcr(11, 16, "email", "EmailAddress", "email", 0.95)]}
+            {"message_index": 1, "results": [tcr(21, 26, "email", "EmailAddress", "email", 0.95)]},
+            {"message_index": 3, "results": [tcr(11, 16, "email", "EmailAddress", "email", 0.95)]},
         ]
     }
     assert extra["warnings"][0]["type"] == "UNSUITABLE_INPUT"

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..streaming.text_judgement import InputPiece
 from .json_numbers import json_integer, json_number
 from .requests import DetectorMap
 from .responses import TokenClassificationResult, Wire
@@ -35,9 +36,7 @@ _UNSUPPORTED = {
 
 
 # Extra fields that only label or route a request: accepted whatever the backend.
-_LABELS = frozenset(
-    {"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"}
-)
+_LABELS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"})
 # Extra fields a backend that does not receive them cannot honour, at a value that asks for
 # something; the value that asks for nothing (SDKs and proxies send defaults) passes.
 _EXTRA_WHY = {
@@ -122,6 +121,16 @@ class ChatMessageIn(BaseModel):
             return self.content
         return "".join(p.text for p in self.content)
 
+    def pieces(self, index: int) -> list[InputPiece]:
+        """Every text of this message for the input detectors: the content (its parts joined,
+        as the engine receives them), and `name` and `refusal`, each on its own."""
+        out = [InputPiece(self.text(), index, target=index)]
+        if self.name:
+            out.append(InputPiece(self.name, index, "name"))
+        if self.refusal:
+            out.append(InputPiece(self.refusal, index, "refusal"))
+        return out
+
 
 class StreamOptions(Strict):
     include_usage: StrictBool = False  # as the schema says: "yes" or 1 is a 422
@@ -176,6 +185,10 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("messages: at least one message must have the role `user`")
         return self
 
+    def input_pieces(self) -> list[InputPiece]:
+        """What input detectors judge: every message, whatever its role (DESIGN 4.8)."""
+        return [p for i, m in enumerate(self.messages) for p in m.pieces(i)]
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -200,7 +213,11 @@ class OutputDetections(Wire):
 
 
 class InputDetections(Wire):
+    """Detections on one message's content (spans relative to its text parts joined), or, with
+    `field`, on its `name` or `refusal`."""
+
     message_index: int
+    field: Literal["name", "refusal"] | None = None
     results: list[TokenClassificationResult]
 
 

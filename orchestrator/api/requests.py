@@ -9,6 +9,8 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictStr,
     field_validator,
     model_validator,
 )
@@ -23,14 +25,22 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+OnDetection = Literal["annotate", "block", "redact"]
+# the longest replacement: a template is the operator's or the client's, and every flagged span
+# of a stream becomes one copy of it
+MAX_REDACT_WITH = 256
+
+
 class DetectorParams(BaseModel):
-    """One detector's entry in a request. `threshold` and `on_detection` are the orchestrator's;
-    every other key is forwarded to the detector as `detector_params`."""
+    """One detector's entry in a request. `threshold`, `on_detection` and `redact_with` are the
+    orchestrator's; every other key is forwarded to the detector as `detector_params`."""
 
     model_config = ConfigDict(extra="allow")
 
     threshold: float | None = Field(None, ge=0, le=1)
-    on_detection: Literal["annotate", "block"] | None = None
+    on_detection: OnDetection | None = None
+    # redact: what replaces each flagged span, a fixed string or a template with {entity}
+    redact_with: StrictStr | None = Field(None, max_length=MAX_REDACT_WITH)
 
     @field_validator("threshold", mode="before")
     @classmethod
@@ -119,10 +129,12 @@ class GuardrailsHttpRequest(Strict):
 
 
 class ContentDetectionRequest(Strict):
-    """POST /api/v2/text/detection/content."""
+    """POST /api/v2/text/detection/content. `redact: true` also returns the content with every
+    detection replaced by its detector's `redact_with` (DESIGN 4.6a)."""
 
     content: str
     detectors: DetectorMap = Field(min_length=1)
+    redact: StrictBool = False
 
 
 class StreamContentLine(Strict):

@@ -25,6 +25,8 @@ class TokenClassificationResult(Wire):
     entity_group: str
     detector_id: str
     score: float
+    # DESIGN 4.6a: the span was replaced; `word` is the replacement the client received
+    redacted: bool | None = None
 
 
 class TokenClassificationResults(Wire):
@@ -128,10 +130,15 @@ class ContentDetection(Wire):
     score: float
     evidence: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
+    redacted: bool | None = None  # with `redact: true`: `text` is the replacement
 
 
 class ContentDetectionResponse(Wire):
+    """With `redact: true`, `redacted_content` is the content with every detection replaced, and
+    the spans are relative to it."""
+
     detections: list[ContentDetection]
+    redacted_content: str | None = None
 
 
 class StreamContentResult(Wire):

@@ -17,6 +17,7 @@ from ..clients.registry import RequestedDetector
 from ..config import ModelConfig
 from ..state import STATE, AppState
 from ..streaming.guarded_generation import GuardedGeneration
+from ..streaming.text_judgement import InputPiece
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ async def build_pipeline(
     target: ModelTarget,
     gen_request: GenerationRequest,
     *,
-    inputs: str,
+    inputs: str | list[InputPiece],
     masks: list[tuple[int, int]] | None,
     input_detectors: list[RequestedDetector],
     output_detectors: list[RequestedDetector],
@@ -127,7 +128,8 @@ class Conversation:
     requests differ on the wire, not in what the pipeline needs."""
 
     model: str
-    messages: list[tuple[str, str]]  # (role, text)
+    messages: list[tuple[str, str]]  # (role, text): what the engine receives
+    pieces: list[InputPiece]  # every text the client sent: what input detectors judge
     input_field: str  # the request field the messages came from (for size errors)
     max_tokens: int | None
     max_tokens_field: str
@@ -143,16 +145,15 @@ class Conversation:
 
 async def prepare_conversation(
     request: web.Request, conversation: Conversation
-) -> tuple[GuardedGeneration, int]:
-    """The guarded pipeline of an OpenAI-surface request, and the index of the last user message
-    (input detectors judge it; their spans are relative to it)."""
+) -> GuardedGeneration:
+    """The guarded pipeline of an OpenAI-surface request. Input detectors judge every piece of
+    the conversation, each on its own (DESIGN 4.8)."""
     state = request.app[STATE]
     c = conversation
     target = find_model(state, c.model)
     check_input_size(target, sum(len(text) for _, text in c.messages), c.input_field)
     max_new = budget(target, c.max_tokens, c.max_tokens_field)
     last_user = max(i for i, (role, _) in enumerate(c.messages) if role == "user")
-    inputs = c.messages[last_user][1]
     input_dets = resolve_detectors(state, target, "input", c.input_detectors, "detectors.input")
     output_dets = resolve_detectors(state, target, "output", c.output_detectors, "detectors.output")
     # OpenAI's default temperature is 1 (sampling), unless the model's config has its own
@@ -163,7 +164,7 @@ async def prepare_conversation(
         temperature = 1.0 if defaults.temperature is None else defaults.temperature
     top_p = c.top_p if c.top_p is not None else defaults.top_p
     gen_request = GenerationRequest(
-        prompt=inputs,
+        prompt=c.messages[last_user][1],
         params=GenerationParams(
             max_new_tokens=max_new,
             budget_is_default=c.max_tokens is None,
@@ -184,14 +185,13 @@ async def prepare_conversation(
         ),
         extra=c.extra,
     )
-    pipeline = await build_pipeline(
+    return await build_pipeline(
         request,
         target,
         gen_request,
-        inputs=inputs,
+        inputs=c.pieces,
         masks=None,
         input_detectors=input_dets,
         output_detectors=output_dets,
         keepalive=c.stream,
     )
-    return pipeline, last_user

@@ -34,11 +34,12 @@ async def read_request(request: web.Request) -> ResponsesRequest:
 
 async def prepare_response(request: web.Request, body: ResponsesRequest) -> GuardedGeneration:
     detectors = body.detectors
-    pipeline, _ = await prepare_conversation(
+    return await prepare_conversation(
         request,
         Conversation(
             model=body.model,
             messages=body.conversation_messages(),
+            pieces=body.input_pieces(),
             input_field="input",
             max_tokens=body.max_output_tokens,
             max_tokens_field="max_output_tokens",
@@ -49,7 +50,6 @@ async def prepare_response(request: web.Request, body: ResponsesRequest) -> Guar
             stream=body.stream,
         ),
     )
-    return pipeline
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
