@@ -10,7 +10,6 @@ import re
 import typing
 from typing import Any, TypeVar
 
-import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ValidationError
@@ -108,6 +107,8 @@ def json_depth(text: bytes) -> int:
     loop over up to `max_request_bytes` characters."""
     if text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH:
         return 0  # cannot be deeper: the common case costs two scans
+    # imported here: the orchestrator's workers import no numpy at rest (tests/test_capacity.py)
+    import numpy as np
     chars = np.frombuffer(text, dtype=np.uint8)
     # only brackets, quotes and backslashes matter: the rest of the work is on their positions
     marks = (chars == _QUOTE) | (chars == _LIST) | (chars == _LIST_END)
