@@ -224,15 +224,23 @@ async def chat_events(
         yield "incomplete", {**counts, "incomplete_details": {"reason": reason}}
 
 
-async def _default_model(session: aiohttp.ClientSession, url: str) -> str | None:
-    """The server's first model, from GET /info (which answers 503 with the same body)."""
-    async with session.get(f"{url}/info") as resp:
-        try:
-            info = await resp.json(content_type=None)
-        except ValueError:
-            return None
-    models = list(info.get("models") or {}) if isinstance(info, dict) else []
-    return models[0] if models else None
+async def _default_model(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str]
+) -> tuple[str | None, str | None]:
+    """The server's first model from GET /v1/models, or the HTTP error to show. The key goes
+    along: with auth on, model ids are shown only to a caller with one (/info, which answers
+    anyone, names none then)."""
+    async with session.get(f"{url}/v1/models", headers=headers) as resp:
+        text = await resp.text()
+        if resp.status != 200:
+            return None, f"HTTP {resp.status}: {text.strip() or '(empty body)'}"
+    try:
+        listing = json.loads(text)
+    except ValueError:
+        return None, None
+    data = listing.get("data") if isinstance(listing, dict) else None
+    ids = [m["id"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    return (ids[0] if ids else None), None
 
 
 async def run_terminal_client(
@@ -252,7 +260,12 @@ async def run_terminal_client(
         async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
         ) as session:
-            model = args.model or await _default_model(session, url)
+            model, problem = args.model, None
+            if model is None:
+                model, problem = await _default_model(session, url, headers)
+            if problem is not None:
+                print(f"error: {problem}", file=err)
+                return EXIT_REJECTED
             if model is None:
                 print(f"error: {url} serves no model (pass --model)", file=err)
                 return EXIT_REJECTED
