@@ -231,6 +231,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = _error_response(request, body, _error_headers(first_error(exc), body))
         if isinstance(first_error(exc), BodyTimeout):
             await close_after(request, response)
+        elif body.code == 413:
+            # the body is not read: the connection cannot carry another request after it
+            response.force_close()
         return response
 
 

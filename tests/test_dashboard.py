@@ -275,7 +275,8 @@ def orchestrator_config(engines: dict[str, list[FakeEngine]], detectors_url: str
     """Shaped like deploy/'s: client keys, a key per engine and detector service."""
     cfg = native_config(
         engines[MODEL][0].url,
-        server={"api_keys_env": "TEST_CLIENT_KEYS"},
+        # the deployments open /metrics to their Prometheus (public_metrics), nothing else
+        server={"api_keys_env": "TEST_CLIENT_KEYS", "public_metrics": True},
         chunkers={"sentence": {"type": "sentence"}},
         detectors={
             name: remote(detectors_url, api_key_env="TEST_DETECTORS_KEY") for name in ("pii", "hap")

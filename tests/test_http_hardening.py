@@ -420,6 +420,7 @@ async def test_expect_100_continue_over_the_limit_is_413_without_continue(engine
             body = await reader.readexactly(int(reply.headers["content-length"]))
         writer.close()
     assert reply.status_line.startswith("HTTP/1.1 413")
+    assert reply.headers["connection"] == "close"  # the unread body cannot be skipped
     assert json.loads(body) == error(413, "request body too large (limit 1048576 bytes)")
 
 

@@ -238,7 +238,7 @@ async def test_rejected_request_shows_the_error_body_and_exits_3(
 
 async def test_connection_refused_is_a_clear_message() -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    # with --model, and when the model would come from /info
+    # with --model, and when the model would come from /v1/models
     for code, out, err in await asyncio.gather(
         cli("--url", url, "--model", MODEL, "Hi"), cli("--url", url, "Hi")
     ):
