@@ -252,7 +252,7 @@ async def test_chat_usage_in_the_finish_chunk_and_no_done(
 
 
 async def test_chat_request_on_completions_uses_the_tokenizer_folder(
-    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+    session: aiohttp.ClientSession, servers: list[FakeUpstream], tiny_model: models.LoadedModel
 ) -> None:
     """No /tokenize: with the backend's `tokenizer` folder the conversation is templated here
     (the model's own template) and sent as text; counted with its tokenizer. Without one: a
@@ -268,8 +268,11 @@ async def test_chat_request_on_completions_uses_the_tokenizer_folder(
     assert "".join(i.text for i in items) == FULL
     templated = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
     assert s.requests[-1]["prompt"] == templated + "<|im_start|>assistant\n"
-    loaded = models.load("tiny-random", device="cpu")
-    expected = loaded.tokenizer.apply_chat_template(
+    wire = [m.wire() for m in conversation]  # rendered as transformers renders it
+    assert s.requests[-1]["prompt"] == tiny_model.tokenizer.apply_chat_template(
+        wire, add_generation_prompt=True, tokenize=False
+    )
+    expected = tiny_model.tokenizer.apply_chat_template(
         [m.wire() for m in conversation], add_generation_prompt=True, return_dict=True
     )["input_ids"]
     assert await client.tokenize("Hi", True, conversation) == len(expected)

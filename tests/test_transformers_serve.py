@@ -390,12 +390,17 @@ async def test_parameter_mapping(pair: list[Server], folder: Path) -> None:
     guardstream releases equals the server's output for the same parameters; a stop string
     (which transformers serve sends) is cut here, as OpenAI's contract says. min_tokens, which
     the server refuses by name, is the client's 422, never silently dropped."""
-    sampled = {"temperature": 0.7, "top_p": 0.9, "seed": 7}
+    sampled = {"temperature": 1.5, "top_p": 0.95, "seed": 7}
+    direct = {"model": str(folder), "prompt": PROMPT, "stream": True, "max_tokens": 12}
+    # transformers serve samples only with `do_sample` (guardstream sends it as
+    # `generation_config`); without it this model would decode greedily at any temperature
     expected, _ = await server_text(
         pair[0].url,
         "/v1/completions",
-        {"model": str(folder), "prompt": PROMPT, "stream": True, "max_tokens": 12, **sampled},
+        {**direct, **sampled, "generation_config": '{"do_sample": true}'},
     )
+    greedy, _ = await server_text(pair[0].url, "/v1/completions", {**direct, "temperature": 0})
+    assert expected != greedy
     async with Orchestrator(config([backend(pair[0], folder, "completions")])) as orch:
         events = await orch.stream(
             {
@@ -404,8 +409,8 @@ async def test_parameter_mapping(pair: list[Server], folder: Path) -> None:
                 "text_gen_parameters": {
                     "max_new_tokens": 12,
                     "decoding_method": "SAMPLING",
-                    "temperature": 0.7,
-                    "top_p": 0.9,
+                    "temperature": 1.5,
+                    "top_p": 0.95,
                     "seed": 7,
                 },
             }

@@ -35,9 +35,7 @@ _UNSUPPORTED = {
 
 
 # Extra fields that only label or route a request: accepted whatever the backend.
-_LABELS = frozenset(
-    {"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"}
-)
+_LABELS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"})
 # Extra fields a backend that does not receive them cannot honour, at a value that asks for
 # something; the value that asks for nothing (SDKs and proxies send defaults) passes.
 _EXTRA_WHY = {
