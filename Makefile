@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-stress lint format bench clean
+.PHONY: install run test test-stress lint format bench clean image
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -26,15 +26,9 @@ PORT ?= 8033
 run: $(STAMP)
 	$(PY) -m generation prepare smollm2-135m
 	@echo
-	@echo "guardstream starts on port $(PORT). In another terminal, try:"
+	@echo "guardstream starts on port $(PORT); it prints commands to try once it is ready."
 	@echo
-	@echo "  curl -N http://127.0.0.1:$(PORT)/api/v1/task/server-streaming-classification-with-text-generation \\"
-	@echo "    -H 'content-type: application/json' \\"
-	@echo "    -d '{\"model_id\": \"smollm2-135m\", \"inputs\": \"Tell me about cats.\", \"guardrail_config\": {\"output\": {\"models\": {\"pii\": {}, \"hap\": {}}}}}'"
-	@echo
-	@echo "  or: $(PY) -m orchestrator stream --output-detector pii --output-detector hap 'Tell me about cats.'"
-	@echo
-	$(PY) -m orchestrator serve --config $(CONFIG) --port $(PORT)
+	$(PY) -m orchestrator serve --config $(CONFIG) --port $(PORT) --hint
 
 test: $(STAMP)
 	$(PY) -m ruff check .
@@ -56,6 +50,28 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+# The container image (Dockerfile), with whichever builder this machine has: docker (when its
+# daemon answers), else podman, else buildah; CONTAINER_TOOL=podman (say) picks one.
+#   make image                                   # guardstream:cpu
+#   make image IMAGE=guardstream:cuda TORCH_VARIANT=cu128 \
+#        BUILD_ARGS='--build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04'
+IMAGE ?= guardstream:cpu
+TORCH_VARIANT ?= cpu
+BUILD_ARGS ?=
+CONTAINER_TOOL ?=
+
+image:
+	@tool='$(CONTAINER_TOOL)'; \
+	if [ -z "$$tool" ]; then \
+	  if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then tool=docker; \
+	  elif command -v podman >/dev/null 2>&1; then tool=podman; \
+	  elif command -v buildah >/dev/null 2>&1; then tool=buildah; \
+	  else echo "make image: no container builder: install docker, podman or buildah" >&2; exit 1; fi; \
+	fi; \
+	case "$$tool" in buildah) build="buildah bud --layers";; *) build="$$tool build";; esac; \
+	echo "make image: building $(IMAGE) with $$tool"; \
+	$$build --build-arg TORCH_VARIANT=$(TORCH_VARIANT) $(BUILD_ARGS) -t $(IMAGE) -f Dockerfile .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -80,6 +80,25 @@ class OrchestratorMetrics:
                 registry=r,
                 multiprocess_mode="liveall",
             )
+        self.rejected_streams = Counter(
+            "guardstream_rejected_streams",
+            "Requests turned away before they started: overloaded (server.max_concurrent_streams "
+            "streams running: 429 with Retry-After) or draining (503 while shutting down)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("overloaded", "draining"):  # at 0 from the start: rate() sees the first
+            self.rejected_streams.labels(reason)
+        # the kernel's count for the whole network namespace (a pod's own, in Kubernetes):
+        # connections dropped because a listen queue was full; a client sees a timeout or reset
+        self.listen_overflows = Gauge(
+            "guardstream_tcp_listen_overflows",
+            "Connections the kernel dropped since boot because a listen queue was full "
+            "(/proc/net/netstat ListenOverflows, this network namespace; see "
+            "server.listen_backlog)",
+            registry=r,
+            multiprocess_mode="max",
+        )
         self.frames = Counter(
             "guardstream_frames",
             "Classified frames produced by the task pipeline (the unary endpoint folds them)",

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import os
 import re
 import shlex
+import shutil
 import stat
 import subprocess
 from dataclasses import dataclass, field
@@ -32,11 +34,19 @@ from detectors import service as detector_service
 from generation import models
 from orchestrator.app import create_app as orchestrator_app
 from orchestrator.config import Config, ServerConfig, load_config, parse_config
+from orchestrator.server import (
+    CLEANUP_GRACE_S,
+    SHUTDOWN_GRACE_S,
+    WORKER_EXIT_GRACE_S,
+    worker_count,
+)
+from orchestrator.state import STATE
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 COMPOSE: dict[str, Any] = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
-K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
+K8S_FILES = sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
+KUSTOMIZATION: dict[str, Any] = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
 K8S: dict[tuple[str, str], dict[str, Any]] = {
     (doc["kind"], doc["metadata"]["name"]): doc
     for path in K8S_FILES
@@ -148,6 +158,8 @@ API_VERSIONS = {
     "StatefulSet": "apps/v1",
     "NetworkPolicy": "networking.k8s.io/v1",
     "ServiceMonitor": "monitoring.coreos.com/v1",
+    "PodDisruptionBudget": "policy/v1",
+    "HorizontalPodAutoscaler": "autoscaling/v2",
 }
 
 
@@ -169,10 +181,15 @@ def test_k8s_manifests_parse_into_the_expected_objects() -> None:
         ("Service", "guardstream-detectors"),
         ("NetworkPolicy", "guardstream-engine"),
         ("NetworkPolicy", "guardstream-detectors"),
+        ("PodDisruptionBudget", "guardstream-orchestrator"),
     }
-    # the ServiceMonitor needs the Prometheus Operator's CRDs: a folder of its own, applied apart
-    assert [p.name for p in MONITORING_FILES] == ["servicemonitor.yaml"]
-    assert set(MONITORING) == {("ServiceMonitor", "guardstream")}
+    # the ServiceMonitor needs the Prometheus Operator's CRDs and the autoscaler the Prometheus
+    # Adapter's metric: a folder of their own, applied apart
+    assert [p.name for p in MONITORING_FILES] == ["hpa.yaml", "servicemonitor.yaml"]
+    assert set(MONITORING) == {
+        ("ServiceMonitor", "guardstream"),
+        ("HorizontalPodAutoscaler", "guardstream-orchestrator"),
+    }
     for (kind, _), doc in [*K8S.items(), *MONITORING.items()]:
         assert doc["apiVersion"] == API_VERSIONS[kind]
         # one namespace for everything: `kubectl apply -n NS` puts it where the operator wants
@@ -339,9 +356,6 @@ def test_k8s_orchestrator_wiring() -> None:
         {"name": "http", "port": ORCHESTRATOR_PORT, "targetPort": ORCHESTRATOR_PORT}
     ]
     assert svc["selector"] == {"app": "guardstream-orchestrator"}
-    # SIGTERM drains streams for drain_timeout_s; the pod must be given longer than that
-    config = parse_config(k8s_config("guardstream-config", "config.yaml"))
-    assert spec["terminationGracePeriodSeconds"] > config.server.drain_timeout_s
 
 
 def test_k8s_config_points_at_the_k8s_services() -> None:
@@ -393,7 +407,7 @@ def test_k8s_detectors_wiring() -> None:
 
 
 def test_k8s_pods_run_as_the_image_user() -> None:
-    uid = int(re.search(r"useradd .*--uid (\d+) guardstream", DOCKERFILE)[1])  # type: ignore[index]
+    uid = int(re.search(r"useradd .*--uid (\d+) .*guardstream", DOCKERFILE)[1])  # type: ignore[index]
     for kind, name in [
         ("Deployment", "guardstream-orchestrator"),
         ("Deployment", "guardstream-detectors"),
@@ -830,9 +844,8 @@ def test_guardstream_cache_is_where_the_image_prepared_the_model(
     monkeypatch.setenv("GUARDSTREAM_CACHE", caches[0])
     assert models.cache_root() == Path(caches[0])
     assert "RUN /opt/venv/bin/python -m generation prepare smollm2-135m" in DOCKERFILE
-    assert (
-        f"COPY --from=build --chown=guardstream:guardstream {caches[0]} {caches[0]}" in DOCKERFILE
-    )
+    # owned by the image's user, group 0: see test_model_cache_is_readable_by_any_uid_in_group_0
+    assert f"COPY --from=build --chown=10001:0 {caches[0]} {caches[0]}" in DOCKERFILE
 
 
 # -- the Dockerfile ------------------------------------------------------------------------------
@@ -841,19 +854,27 @@ def test_guardstream_cache_is_where_the_image_prepared_the_model(
 def test_dockerfile_is_multi_stage_with_a_cuda_base_arg_and_a_non_root_user() -> None:
     instructions = dockerfile_instructions()
     froms = [args for instr, args in instructions if instr == "FROM"]
-    assert froms == ["${BUILD_IMAGE} AS build", "${BASE_IMAGE} AS runtime"]
+    assert froms == [
+        "${BUILD_IMAGE} AS build",
+        "${BASE_IMAGE} AS python-for-base",
+        "${BASE_IMAGE} AS runtime",
+    ]
     assert "ARG BASE_IMAGE=python:3.11-slim" in DOCKERFILE
     assert "--build-arg BASE_IMAGE=nvidia/cuda:" in DOCKERFILE  # the documented CUDA build
     assert "--build-arg TORCH_VARIANT=cu" in DOCKERFILE
     assert "download.pytorch.org/whl/${TORCH_VARIANT}" in DOCKERFILE
+    # numeric, so that Kubernetes' runAsNonRoot can tell it is not root
     users = [args for instr, args in instructions if instr == "USER"]
-    assert users == ["guardstream"]
-    runtime = instructions[instructions.index(("FROM", froms[1])) :]
-    assert ("USER", "guardstream") in runtime
+    assert users == ["10001"]
+    runtime = instructions[instructions.index(("FROM", froms[2])) :]
+    assert ("USER", "10001") in runtime
     assert [i for i, _ in runtime].index("USER") < [i for i, _ in runtime].index("CMD")
     assert any(i == "COPY" and a.startswith("--from=build /opt/venv") for i, a in runtime)
-    # the venv's interpreter comes along: a CUDA base (Ubuntu 24.04) has no python3.11 package
-    assert ("COPY", "--from=build /usr/local /usr/local") in runtime
+    # the venv's interpreter comes along where the base lacks it (a CUDA base, Ubuntu 24.04,
+    # has no python3.11 package), and only the files it lacks: no second /usr/local on the
+    # default base (test_runtime_gets_only_the_python_files_its_base_lacks)
+    assert ("COPY", "--from=python-for-base /opt/python-extra /usr/local") in runtime
+    assert not any(i == "COPY" and a.startswith("--from=build /usr/local") for i, a in runtime)
 
 
 def test_dockerfile_installs_the_makefile_requirements() -> None:
@@ -932,3 +953,465 @@ def test_dockerfile_default_command_serves_the_bundled_config() -> None:
         "--port",
         str(ORCHESTRATOR_PORT),
     ]
+
+
+# -- issue 28: what the first real build and run found -------------------------------------------
+
+
+def dockerfile_run(marker: str) -> str:
+    """The one RUN instruction whose command contains `marker`."""
+    (run,) = [a for i, a in dockerfile_instructions() if i == "RUN" and marker in a]
+    return run
+
+
+def shutdown_budget_s(config: Config) -> float:
+    """The longest a SIGTERM'd orchestrator runs: the drain, then the streams that are left end
+    with server_shutdown (SHUTDOWN_GRACE_S), then aiohttp's cleanup (CLEANUP_GRACE_S). With
+    server.workers > 1 the supervisor waits up to drain + WORKER_EXIT_GRACE_S for its workers."""
+    drain = config.server.drain_timeout_s
+    if worker_count(config.server.workers) > 1:
+        return drain + WORKER_EXIT_GRACE_S
+    return drain + SHUTDOWN_GRACE_S + CLEANUP_GRACE_S
+
+
+def duration_s(text: str) -> float:
+    """A compose duration (`45s`, `1m30s`)."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, text
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_compose_gives_the_orchestrator_longer_than_its_drain_to_stop() -> None:
+    # compose's default is 10 s: `stop` SIGKILLed a draining orchestrator, exit 137, and its
+    # streams ended without a terminal event (issue 28)
+    config = load_config(DEPLOY / "config.compose.yaml")
+    assert config.server.drain_timeout_s == 30
+    grace = duration_s(COMPOSE["services"]["orchestrator"]["stop_grace_period"])
+    assert grace > shutdown_budget_s(config)
+    assert grace == 45
+    # nothing else holds streams; the others stop after the orchestrator (depends_on)
+    assert set(COMPOSE["services"]["orchestrator"]["depends_on"]) == {
+        "engine-0",
+        "engine-1",
+        "detectors",
+    }
+    # the stop signal is the one the orchestrator drains on
+    assert ("STOPSIGNAL", "SIGTERM") in dockerfile_instructions()
+
+
+def test_k8s_gives_the_orchestrator_its_prestop_wait_and_drain_before_the_kill() -> None:
+    spec = K8S[("Deployment", "guardstream-orchestrator")]["spec"]["template"]["spec"]
+    container = k8s_container("Deployment", "guardstream-orchestrator")
+    config = parse_config(k8s_config("guardstream-config", "config.yaml"))
+    # preStop runs first (the endpoints controller takes the pod out of the Service meanwhile),
+    # then SIGTERM; terminationGracePeriodSeconds counts from the start of preStop
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    pre_stop_s = float(command[1])
+    assert pre_stop_s >= 5
+    grace = spec["terminationGracePeriodSeconds"]
+    assert grace > pre_stop_s + shutdown_budget_s(config)
+    assert (pre_stop_s, config.server.drain_timeout_s, grace) == (5, 25, 45)
+    # and while it drains, readiness is false (/info answers 503): tests/test_capacity.py
+    assert container["readinessProbe"]["httpGet"]["path"] == "/info"
+
+
+def test_k8s_orchestrator_has_a_disruption_budget_over_its_own_pods() -> None:
+    pdb = K8S[("PodDisruptionBudget", "guardstream-orchestrator")]["spec"]
+    deployment = K8S[("Deployment", "guardstream-orchestrator")]["spec"]
+    assert pdb["selector"] == deployment["selector"]
+    # maxUnavailable, not minAvailable: a budget of minAvailable 1 on a single replica would
+    # block every node drain; one pod at a time drains its streams
+    assert pdb == {"maxUnavailable": 1, "selector": deployment["selector"]}
+
+
+def test_model_cache_is_readable_by_any_uid_in_group_0(tmp_path: Path) -> None:
+    """OpenShift runs containers as an arbitrary UID in group 0: `--user 12345:0` failed to load
+    model.safetensors, created 0600 for uid 10001 (issue 28). The Dockerfile's permission step,
+    run here on a tree made the way `generation prepare` makes it."""
+    run = dockerfile_run("chmod -R g=u")
+    assert run == ("chgrp -R 0 /opt/guardstream-cache && chmod -R g=u /opt/guardstream-cache")
+    # it runs after the model was prepared, in the build stage, and the COPY keeps group 0
+    runs = [a for i, a in dockerfile_instructions() if i == "RUN"]
+    assert (
+        runs.index(run) == runs.index("/opt/venv/bin/python -m generation prepare smollm2-135m") + 1
+    )
+    cache = tmp_path / "opt" / "guardstream-cache"
+    folder = cache / "models" / "smollm2-135m-instruct-v1"
+    folder.mkdir(parents=True, mode=0o700)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"weights")
+    weights.chmod(0o600)
+    (cache / "models").chmod(0o700)
+    if os.geteuid() != 0:
+        pytest.skip("chgrp 0 needs root")
+    os.chown(weights, 10001, 10001)
+    subprocess.run(
+        ["sh", "-c", run.replace("/opt/guardstream-cache", str(cache))], check=True, timeout=30
+    )
+    for path in [cache, cache / "models", folder, weights]:
+        st = path.stat()
+        assert st.st_gid == 0, path
+        mode = stat.S_IMODE(st.st_mode)
+        assert (mode >> 3) & 0o7 == (mode >> 6) & 0o7, (path, oct(mode))  # group = owner
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o660
+    assert stat.S_IMODE(folder.stat().st_mode) & 0o050 == 0o050  # group may list and enter
+    # the image's user is in group 0 too, and its home is group 0's as well
+    assert re.search(r"useradd --create-home --uid 10001 --gid 0 guardstream", DOCKERFILE)
+    assert "chmod g=u /home/guardstream" in DOCKERFILE
+
+
+@pytest.fixture
+def fake_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A bin folder whose `python` prints $FAKE_TORCH for `import torch; print(version)` and
+    whose `pip list --format=freeze` prints the file $FAKE_PIP_LIST; and that file."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text('#!/bin/sh\necho "$FAKE_TORCH"\n')
+    (bin_dir / "pip").write_text('#!/bin/sh\ncat "$FAKE_PIP_LIST"\n')
+    for exe in bin_dir.iterdir():
+        exe.chmod(0o755)
+    return bin_dir, tmp_path / "pip-list.txt"
+
+
+@pytest.mark.parametrize(
+    ("variant", "torch", "packages", "ok"),
+    [
+        ("cpu", "2.13.0+cpu", ["torch==2.13.0+cpu", "numpy==2.4.6"], True),
+        # download.pytorch.org unreachable: pip fell back to PyPI's CUDA build (issue 28)
+        ("cpu", "2.13.0", ["torch==2.13.0", "nvidia-cudnn-cu13==9.1", "cuda-toolkit==13.0"], False),
+        ("cpu", "2.13.0+cu128", ["torch==2.13.0+cu128"], False),
+        # the right version string, but CUDA packages came along anyway
+        ("cpu", "2.13.0+cpu", ["torch==2.13.0+cpu", "triton==3.5.0"], False),
+        ("cu128", "2.13.0+cu128", ["torch==2.13.0+cu128", "nvidia-cudnn-cu12==9.1"], True),
+        ("cu128", "2.13.0+cpu", ["torch==2.13.0+cpu"], False),
+        ("cu128", "2.13.0", ["torch==2.13.0"], False),
+    ],
+)
+def test_build_fails_loudly_when_torch_is_not_the_requested_variant(
+    fake_venv: tuple[Path, Path], variant: str, torch: str, packages: list[str], ok: bool
+) -> None:
+    """The Dockerfile's check, run as the build runs it (sh, TORCH_VARIANT from the ARG)."""
+    run = dockerfile_run("torch.__version__")
+    bin_dir, pip_list = fake_venv
+    pip_list.write_text("".join(p + "\n" for p in packages))
+    result = subprocess.run(
+        ["sh", "-c", run.replace("/opt/venv/bin/", f"{bin_dir}/")],
+        env={
+            "PATH": os.environ["PATH"],
+            "TORCH_VARIANT": variant,
+            "FAKE_TORCH": torch,
+            "FAKE_PIP_LIST": str(pip_list),
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (result.returncode == 0) == ok, result.stderr
+    if ok:
+        assert result.stdout == f"torch {torch} ({variant})\n"
+    else:
+        assert result.stderr.startswith("ERROR: ")
+    # the check comes right after the install, before anything else uses torch
+    runs = [a for i, a in dockerfile_instructions() if i == "RUN"]
+    assert "-r requirements.txt" in runs[runs.index(run) - 1]
+    assert "ARG TORCH_VARIANT=cpu" in DOCKERFILE
+
+
+def test_runtime_gets_only_the_python_files_its_base_lacks(tmp_path: Path) -> None:
+    """`COPY --from=build /usr/local /usr/local` duplicated 51 MB of python:3.11-slim (issue
+    28). The python-for-base stage's diff, run on two trees: a base with the same Python gets
+    nothing; a base without one (CUDA) gets all of it; files that differ come along."""
+    run = dockerfile_run("/opt/python-extra")
+
+    def tree(root: Path, files: dict[str, str], links: dict[str, str]) -> None:
+        for rel, text in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        for rel, target in links.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).symlink_to(target)
+
+    python_files = {
+        "bin/python3.11": "ELF python",
+        "lib/libpython3.11.so.1.0": "ELF lib",
+        "lib/python3.11/os.py": "import abc",
+        "lib/python3.11/__pycache__/os.cpython-311.pyc": "bytecode",
+    }
+    python_links = {"bin/python3": "python3.11", "bin/python": "python3"}
+
+    def diff(base_files: dict[str, str], base_links: dict[str, str]) -> dict[str, str]:
+        work = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        src, base, out = work / "build-usrlocal", work / "usrlocal", work / "python-extra"
+        tree(src, python_files, python_links)
+        base.mkdir(parents=True)
+        tree(base, base_files, base_links)
+        script = (
+            run.replace("/opt/build-usrlocal", str(src))
+            .replace("/usr/local", str(base))
+            .replace("/opt/python-extra", str(out))
+        )
+        subprocess.run(["sh", "-c", script], check=True, capture_output=True, timeout=30)
+        found = {}
+        for path in sorted(out.rglob("*")):
+            if path.is_symlink():
+                found[str(path.relative_to(out))] = "-> " + os.readlink(path)
+            elif path.is_file():
+                found[str(path.relative_to(out))] = path.read_text()
+        return found
+
+    # python:3.11-slim on both sides: only the bytecode the build wrote (the official images
+    # ship without .pyc files) comes along
+    same = {k: v for k, v in python_files.items() if "__pycache__" not in k}
+    assert diff(same, python_links) == {"lib/python3.11/__pycache__/os.cpython-311.pyc": "bytecode"}
+    # a base without Python (nvidia/cuda on Ubuntu 24.04): everything, links as links
+    assert diff({"bin/other-tool": "x"}, {}) == {
+        **python_files,
+        **{k: "-> " + v for k, v in python_links.items()},
+    }
+    # a different python3.11 in the base, a link pointing elsewhere: replaced
+    changed = {**same, "bin/python3.11": "ELF another python"}
+    assert diff(changed, {"bin/python3": "python3.11", "bin/python": "python3.12"}) == {
+        "bin/python": "-> python3",
+        "bin/python3.11": "ELF python",
+        "lib/python3.11/__pycache__/os.cpython-311.pyc": "bytecode",
+    }
+
+
+def test_image_leaves_out_what_nothing_imports() -> None:
+    run = dockerfile_run("torch/test")
+    site = "/opt/venv/lib/python3.11/site-packages/torch"
+    assert run.split() == ["rm", "-rf", f"{site}/test", f"{site}/include"]
+    # torch's headers serve C++ extensions and torch.compile's C++ code: guardstream uses neither
+    for package in ("orchestrator", "generation", "detectors", "chunkers"):
+        for path in (ROOT / package).rglob("*.py"):
+            text = path.read_text()
+            assert "torch.compile" not in text and "cpp_extension" not in text, path
+    # no test tools in the image (requirements-dev.txt is not installed), no pip cache
+    assert "requirements-dev.txt" not in DOCKERFILE
+    assert "PIP_NO_CACHE_DIR=1" in DOCKERFILE
+
+
+def kustomized_images() -> dict[str, tuple[str, str | None]]:
+    """{workload: (image, imagePullPolicy)} after kustomization.yaml's `images:`, applied with
+    kustomize's rule (an entry matches the image's name without its tag; newName replaces the
+    name, newTag the tag)."""
+    rules = {entry["name"]: entry for entry in KUSTOMIZATION["images"]}
+    out = {}
+    for (kind, name), doc in K8S.items():
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        (container,) = doc["spec"]["template"]["spec"]["containers"]
+        image_name, _, tag = container["image"].partition(":")
+        rule = rules.get(image_name, {})
+        image = rule.get("newName", image_name) + ":" + rule.get("newTag", tag)
+        out[name] = (image, container.get("imagePullPolicy"))
+    return out
+
+
+def registry_qualified(image: str) -> bool:
+    """Docker's rule: the first path component names a registry when it has a dot or a port, or
+    is localhost; otherwise the image is docker.io/library/... (which is where the kubelet went
+    for `guardstream:latest`, issue 28)."""
+    first, sep, _ = image.partition("/")
+    return bool(sep) and ("." in first or ":" in first or first == "localhost")
+
+
+def test_k8s_images_are_registry_qualified_in_one_place() -> None:
+    assert KUSTOMIZATION["kind"] == "Kustomization"
+    # the kustomization applies every manifest of the folder
+    assert sorted(KUSTOMIZATION["resources"]) == [p.name for p in K8S_FILES]
+    assert [e["name"] for e in KUSTOMIZATION["images"]] == ["guardstream"]
+    images = kustomized_images()
+    assert images == {
+        "guardstream-orchestrator": ("registry.example.com/guardstream:cpu", "IfNotPresent"),
+        "guardstream-detectors": ("registry.example.com/guardstream:cpu", "IfNotPresent"),
+        "guardstream-engine": ("registry.example.com/guardstream:cuda", "IfNotPresent"),
+    }
+    for image, _ in images.values():
+        assert registry_qualified(image) and not image.endswith(":latest"), image
+    # the bare names are what `make image` tags (and the CUDA build the Dockerfile documents)
+    assert "IMAGE ?= guardstream:cpu" in MAKEFILE
+    assert "-t guardstream:cuda" in DOCKERFILE
+    assert not registry_qualified("guardstream:cpu")
+    assert registry_qualified("localhost:5000/guardstream:cpu")
+    assert registry_qualified("ghcr.io/acme/guardstream:cpu")
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kubectl_kustomize_renders_the_same_images() -> None:
+    """kubectl's own kustomize agrees with kustomized_images() (it runs offline)."""
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / "k8s")],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    rendered = {}
+    for doc in yaml.safe_load_all(out):
+        if doc and doc["kind"] in ("Deployment", "StatefulSet"):
+            (container,) = doc["spec"]["template"]["spec"]["containers"]
+            rendered[doc["metadata"]["name"]] = (
+                container["image"],
+                container.get("imagePullPolicy"),
+            )
+    assert rendered == kustomized_images()
+
+
+def test_readme_and_compose_header_name_the_compose_file() -> None:
+    """From the repository root `docker compose --profile monitoring up` found no compose file
+    (issue 28): every compose command names it."""
+    texts = {
+        "README.md": (ROOT / "README.md").read_text(),
+        "deploy/docker-compose.yaml": (DEPLOY / "docker-compose.yaml").read_text(),
+        "Dockerfile": DOCKERFILE,
+    }
+    commands = [
+        (where, m.group(0))
+        for where, text in texts.items()
+        for m in re.finditer(r"docker compose\b[^`\n]*", text)
+    ]
+    assert len(commands) >= 5, commands
+    for where, command in commands:
+        assert re.match(r"docker compose -f deploy/docker-compose\.yaml\b", command), (
+            where,
+            command,
+        )
+    readme = texts["README.md"]
+    assert "docker compose -f deploy/docker-compose.yaml --profile monitoring up" in readme
+    assert "make image" in readme
+
+
+def run_make_image(tmp_path: Path, tools: dict[str, int], **variables: str) -> tuple[int, str]:
+    """`make image` with only `tools` on PATH, each a stub that exits with its code and records
+    its argv; returns (make's exit code, the recorded calls)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    for tool, code in tools.items():
+        exe = bin_dir / tool
+        exe.write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\nexit {code}\n')
+        exe.chmod(0o755)
+    make = shutil.which("make")
+    assert make is not None
+    result = subprocess.run(
+        [make, "-s", "-C", str(ROOT), "image", *(f"{k}={v}" for k, v in variables.items())],
+        env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return result.returncode, calls.read_text() if calls.exists() else ""
+
+
+BUILD = "--build-arg TORCH_VARIANT=cpu -t guardstream:cpu -f Dockerfile ."
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+@pytest.mark.parametrize(
+    ("tools", "expected"),
+    [
+        ({"docker": 0, "podman": 0, "buildah": 0}, f"docker info\ndocker build {BUILD}\n"),
+        # a docker CLI without a daemon (this machine): podman, else buildah
+        ({"docker": 1, "podman": 0, "buildah": 0}, f"docker info\npodman build {BUILD}\n"),
+        ({"docker": 1, "buildah": 0}, f"docker info\nbuildah bud --layers {BUILD}\n"),
+        ({"buildah": 0}, f"buildah bud --layers {BUILD}\n"),
+    ],
+)
+def test_make_image_builds_with_the_builder_that_is_installed(
+    tmp_path: Path, tools: dict[str, int], expected: str
+) -> None:
+    code, calls = run_make_image(tmp_path, tools)
+    assert code == 0
+    assert calls == expected
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_image_says_what_is_missing_and_takes_a_chosen_builder(tmp_path: Path) -> None:
+    (tmp_path / "none").mkdir()
+    (tmp_path / "chosen").mkdir()
+    code, calls = run_make_image(tmp_path / "none", {})
+    assert code != 0 and calls == ""
+    code, calls = run_make_image(
+        tmp_path / "chosen",
+        {"docker": 0, "podman": 0},
+        CONTAINER_TOOL="podman",
+        IMAGE="guardstream:cuda",
+        TORCH_VARIANT="cu128",
+        BUILD_ARGS="--build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04",
+    )
+    assert code == 0
+    assert calls == (
+        "podman build --build-arg TORCH_VARIANT=cu128 --build-arg "
+        "BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 -t guardstream:cuda -f Dockerfile .\n"
+    )
+
+
+# -- issue 26: scaling out on Kubernetes ---------------------------------------------------------
+
+ADAPTER_VALUES: dict[str, Any] = yaml.safe_load(
+    (DEPLOY / "k8s" / "monitoring" / "prometheus-adapter" / "values.yaml").read_text()
+)
+
+
+def test_hpa_scales_the_orchestrator_on_active_streams_per_pod() -> None:
+    hpa = MONITORING[("HorizontalPodAutoscaler", "guardstream-orchestrator")]["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "guardstream-orchestrator",
+    }
+    assert ("Deployment", "guardstream-orchestrator") in K8S
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "Pods"
+    name = metric["pods"]["metric"]["name"]
+    assert name == "guardstream_active_streams"
+    # a gauge the orchestrator exports (per pod: the sum over its workers, livesum)
+    app = orchestrator_app(parse_config({}))
+    exported = {m.name: m.type for m in app[STATE].metrics.registry.collect()}
+    assert exported[name] == "gauge"
+    target = metric["pods"]["target"]
+    assert target["type"] == "AverageValue"
+    # below the per-pod cap, so pods are added before any pod turns streams away
+    config = parse_config(k8s_config("guardstream-config", "config.yaml"))
+    assert int(target["averageValue"]) * 2 < config.server.max_concurrent_streams
+    assert 2 <= hpa["minReplicas"] < hpa["maxReplicas"]
+    # never more than one pod a minute goes, each draining its streams
+    assert hpa["behavior"]["scaleDown"]["policies"] == [
+        {"type": "Pods", "value": 1, "periodSeconds": 60}
+    ]
+
+
+def test_prometheus_adapter_rule_serves_the_metric_the_hpa_reads() -> None:
+    hpa = MONITORING[("HorizontalPodAutoscaler", "guardstream-orchestrator")]["spec"]
+    wanted = hpa["metrics"][0]["pods"]["metric"]["name"]
+    assert ADAPTER_VALUES["rules"]["default"] is False
+    (rule,) = ADAPTER_VALUES["rules"]["custom"]
+    series = re.fullmatch(r"(\w+)\{(.*)\}", rule["seriesQuery"])
+    assert series is not None and series[1] == wanted
+    assert set(series[2].split(",")) == {'namespace!=""', 'pod!=""'}
+    assert re.fullmatch(rule["name"]["matches"], series[1])
+    assert rule["name"]["as"] == wanted
+    # the ServiceMonitor's namespace and pod labels tie each series to its pod
+    assert rule["resources"]["overrides"] == {
+        "namespace": {"resource": "namespace"},
+        "pod": {"resource": "pod"},
+    }
+    assert rule["metricsQuery"] == "max(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"
+    # the values file is not applied by `kubectl apply -f deploy/k8s/monitoring/` (no
+    # recursion), and it is no Kubernetes object
+    assert "kind" not in ADAPTER_VALUES and "apiVersion" not in ADAPTER_VALUES
+    monitor = MONITORING[("ServiceMonitor", "guardstream")]["spec"]
+    svc = K8S[("Service", "guardstream")]
+    assert selects(monitor["selector"], svc["metadata"]["labels"])
+
+
+def test_k8s_orchestrator_config_sets_the_capacity_knobs() -> None:
+    config = parse_config(k8s_config("guardstream-config", "config.yaml"))
+    assert config.server.max_concurrent_streams == 384
+    assert config.server.listen_backlog >= config.server.max_concurrent_streams
+    assert config.server.workers == 1  # the pod requests one core
+    c = k8s_container("Deployment", "guardstream-orchestrator")
+    assert c["resources"]["requests"]["cpu"] == "1"

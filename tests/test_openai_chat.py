@@ -219,10 +219,11 @@ async def test_input_hit_never_calls_the_engine(engine, dets) -> None:
     assert only.choices[0].delta.refusal
     assert only.choices[0].finish_reason == "content_filter"
     extra = only.model_extra or {}
-    # the last user message is judged; spans are relative to it
+    # every message is judged on its own; spans are relative to the message
     assert extra["detections"] == {
         "input": [
-            {"message_index": 3, "results": [tcr(11, 16, "email", "EmailAddress", "email", 0.95)]}
+            {"message_index": 1, "results": [tcr(21, 26, "email", "EmailAddress", "email", 0.95)]},
+            {"message_index": 3, "results": [tcr(11, 16, "email", "EmailAddress", "email", 0.95)]},
         ]
     }
     assert extra["warnings"][0]["type"] == "UNSUITABLE_INPUT"
@@ -402,6 +403,29 @@ async def test_bad_requests_get_openai_error_bodies(engine, dets, body, status, 
     assert engine.requests == []
 
 
+async def test_a_non_text_part_gets_a_one_line_422(engine, dets) -> None:
+    """Not pydantic's dump of both union branches (`messages.0.content.str: ...;
+    messages.0.content.list[TextPart].0.type: ...`): one line naming the part."""
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    content = [{"type": "text", "text": "What is this?"}, image]
+    async with Orchestrator(config(engine, dets)) as orch:
+        got, reply = await orch.post(
+            ALIAS, {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+        )
+    assert (got, reply) == (
+        422,
+        {
+            "error": {
+                "message": "messages.0.content: part 1 has type `image_url`: only text parts "
+                "are accepted (images and audio cannot be judged by text detectors)",
+                "type": "invalid_request",
+                "param": "messages.0.content",
+                "code": 422,
+            }
+        },
+    )
+
+
 async def test_sdk_raises_typed_errors(engine, dets) -> None:
     async with Orchestrator(config(engine, dets)) as orch:
         client = sdk(orch)
@@ -410,7 +434,7 @@ async def test_sdk_raises_typed_errors(engine, dets) -> None:
         with pytest.raises(openai.UnprocessableEntityError):
             await client.chat.completions.create(model=MODEL, messages=USER, n=2)
     assert missing.value.body == {
-        "message": "model `nope` not found",
+        "message": "model `nope` not found (available: fake-model)",
         "type": "not_found",
         "param": None,
         "code": 404,

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..streaming.text_judgement import InputPiece
 from .json_numbers import json_integer, json_number
 from .requests import DetectorMap
 from .responses import TokenClassificationResult, Wire
@@ -96,12 +97,39 @@ class ChatMessageIn(BaseModel):
     name: str | None = Field(None, max_length=256)
     refusal: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        # one line naming the part, instead of pydantic's dump of both union branches
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    shown = f"type `{kind}`" if isinstance(kind, str) else "no text type"
+                    raise ValueError(
+                        f"part {i} has {shown}: only text parts are accepted "
+                        "(images and audio cannot be judged by text detectors)"
+                    )
+        elif v is not None and not isinstance(v, str):
+            raise ValueError("must be a string or a list of text parts")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def pieces(self, index: int) -> list[InputPiece]:
+        """Every text of this message for the input detectors: the content (its parts joined,
+        as the engine receives them), and `name` and `refusal`, each on its own."""
+        out = [InputPiece(self.text(), index, target=index)]
+        if self.name:
+            out.append(InputPiece(self.name, index, "name"))
+        if self.refusal:
+            out.append(InputPiece(self.refusal, index, "refusal"))
+        return out
 
 
 class StreamOptions(Strict):
@@ -157,6 +185,10 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("messages: at least one message must have the role `user`")
         return self
 
+    def input_pieces(self) -> list[InputPiece]:
+        """What input detectors judge: every message, whatever its role (DESIGN 4.8)."""
+        return [p for i, m in enumerate(self.messages) for p in m.pieces(i)]
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -181,7 +213,11 @@ class OutputDetections(Wire):
 
 
 class InputDetections(Wire):
+    """Detections on one message's content (spans relative to its text parts joined), or, with
+    `field`, on its `name` or `refusal`."""
+
     message_index: int
+    field: Literal["name", "refusal"] | None = None
     results: list[TokenClassificationResult]
 
 

@@ -37,7 +37,12 @@ __all__ = ["ModelBackend", "ReplicatedModelBackend", "build_model_backends"]
 
 def default_command(cfg: ManagedBackend) -> CommandFactory:
     return engine_command(
-        cfg.model, cfg.device, cfg.enable_fault_injection, api_keys_env=ENGINE_API_KEYS_ENV
+        cfg.model,
+        cfg.device,
+        cfg.enable_fault_injection,
+        api_keys_env=ENGINE_API_KEYS_ENV,
+        dtype=cfg.dtype,
+        batch_invariant=cfg.batch_invariant,
     )
 
 
@@ -52,6 +57,7 @@ class ReplicatedModelBackend(ModelBackend):
         health_interval_s: float = 2.0,
         command_factory: Callable[[ManagedBackend], CommandFactory] = default_command,
         engine_output: TextIO | None = None,
+        hidden_env: frozenset[str] = frozenset(),
     ) -> None:
         self.model_id = model_id
         self.config = config
@@ -69,6 +75,7 @@ class ReplicatedModelBackend(ModelBackend):
                         session,
                         start_timeout_s=backend.start_timeout_s,
                         output=engine_output,
+                        hidden_env=hidden_env,
                     )
                     client = NativeClient(name, process.url, session, api_key=process.api_key)
                     replica = Replica(name=name, client=client, process=process)
@@ -263,9 +270,10 @@ def build_model_backends(
     health_interval_s: float = 2.0,
     command_factory: Callable[[ManagedBackend], CommandFactory] = default_command,
     engine_output: TextIO | None = None,
+    hidden_env: frozenset[str] = frozenset(),
 ) -> dict[str, ModelBackend]:
     """Backends for every configured model; migration counters go on `metrics`, or on new ones
-    registered on `registry`."""
+    registered on `registry`; managed engines start without the variables in `hidden_env`."""
     if metrics is None:
         metrics = MigrationMetrics(registry)
     return {
@@ -277,6 +285,7 @@ def build_model_backends(
             health_interval_s=health_interval_s,
             command_factory=command_factory,
             engine_output=engine_output,
+            hidden_env=hidden_env,
         )
         for model_id, config in models.items()
     }

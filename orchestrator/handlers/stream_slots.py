@@ -21,8 +21,10 @@ class TooManyStreams(ApiError):
 def stream_slot(state: AppState, stream: Any = None) -> Iterator[None]:
     limit = state.config.server.max_concurrent_streams
     if state.draining:
+        state.metrics.rejected_streams.labels("draining").inc()
         raise ApiError(503, ErrorType.SERVER_SHUTDOWN, "the server is shutting down")
     if state.active_streams >= limit:
+        state.metrics.rejected_streams.labels("overloaded").inc()
         raise TooManyStreams(limit)
     state.active_streams += 1
     state.idle.clear()
