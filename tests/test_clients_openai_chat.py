@@ -187,6 +187,7 @@ async def test_messages_sampling_params_and_extra(
         "stream": True,
         "max_tokens": 9,
         "temperature": 0.7,
+        "generation_config": '{"do_sample": true}',
         "top_p": 0.9,
         "top_k": 5,
         "seed": 11,

@@ -252,7 +252,7 @@ async def test_chat_usage_in_the_finish_chunk_and_no_done(
 
 
 async def test_chat_request_on_completions_uses_the_tokenizer_folder(
-    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+    session: aiohttp.ClientSession, servers: list[FakeUpstream], tiny_model: models.LoadedModel
 ) -> None:
     """No /tokenize: with the backend's `tokenizer` folder the conversation is templated here
     (the model's own template) and sent as text; counted with its tokenizer. Without one: a
@@ -268,8 +268,11 @@ async def test_chat_request_on_completions_uses_the_tokenizer_folder(
     assert "".join(i.text for i in items) == FULL
     templated = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
     assert s.requests[-1]["prompt"] == templated + "<|im_start|>assistant\n"
-    loaded = models.load("tiny-random", device="cpu")
-    expected = loaded.tokenizer.apply_chat_template(
+    wire = [m.wire() for m in conversation]  # rendered as transformers renders it
+    assert s.requests[-1]["prompt"] == tiny_model.tokenizer.apply_chat_template(
+        wire, add_generation_prompt=True, tokenize=False
+    )
+    expected = tiny_model.tokenizer.apply_chat_template(
         [m.wire() for m in conversation], add_generation_prompt=True, return_dict=True
     )["input_ids"]
     assert await client.tokenize("Hi", True, conversation) == len(expected)
@@ -278,3 +281,28 @@ async def test_chat_request_on_completions_uses_the_tokenizer_folder(
     with pytest.raises(GenerationError) as info:
         [i async for i in bare.generate(req, None, stall_timeout_s=30, max_time=0)]
     assert info.value.code == 502 and "`tokenizer`" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("error", "replica o0: injected error"),  # `{"error": "<message>"}`, then the end
+        ("eof", "replica o0: stream ended without [DONE]"),  # the end before a finish reason
+        ("close", "replica o0: connection failed"),
+    ],
+)
+async def test_failures_before_the_finish_are_migratable(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream], mode: str, message: str
+) -> None:
+    """Without `[DONE]` the end of the body is a normal end only after the finish chunk; an
+    in-band error (transformers serve's is a bare string) or an earlier end is a failure."""
+    (s,) = await vllm(servers)
+    s.faults.append(VllmFault(mode, after_tokens=2))
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    got: list[str] = []
+    with pytest.raises(GenerationError) as info:
+        async for item in client.generate(request(), None, stall_timeout_s=30, max_time=0):
+            got.append(item.text)
+    assert info.value.migratable and info.value.code == 503
+    assert info.value.message.startswith(message)
+    assert got == SCRIPT[:2]

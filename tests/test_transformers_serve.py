@@ -278,7 +278,12 @@ async def test_chat_sdk_on_completions_and_chat_apis_equal_the_servers_chat(
             assert chunks[-1].usage.prompt_tokens == 12  # the templated conversation
 
 
-async def test_responses_sdk_streams_the_servers_text(pair: list[Server], folder: Path) -> None:
+@pytest.mark.parametrize("api", ["completions", "chat"])
+async def test_responses_sdk_streams_the_servers_text(
+    pair: list[Server], folder: Path, api: str
+) -> None:
+    """Responses through the SDK, on both APIs: the output_text deltas are the server's own
+    chat answer (on `api: completions` templated by guardstream)."""
     expected, _ = await server_text(
         pair[0].url,
         "/v1/chat/completions",
@@ -290,7 +295,7 @@ async def test_responses_sdk_streams_the_servers_text(pair: list[Server], folder
             "temperature": 0,
         },
     )
-    async with Orchestrator(config([backend(pair[0], folder, "chat")])) as orch:
+    async with Orchestrator(config([backend(pair[0], folder, api)])) as orch:
         stream = await sdk(orch).responses.create(
             model=MODEL, input=PROMPT, max_output_tokens=TOKENS, temperature=0, stream=True
         )
@@ -299,6 +304,27 @@ async def test_responses_sdk_streams_the_servers_text(pair: list[Server], folder
         assert deltas == expected
         assert events[-1].type == "response.incomplete"
         assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+        assert events[-1].response.usage.output_tokens == TOKENS
+
+
+async def test_fms_on_api_chat_sends_the_prompt_as_one_user_message(
+    pair: list[Server], folder: Path
+) -> None:
+    """FMS on `api: chat`: the prompt goes as one user message; the released text is the
+    server's chat answer to it, and the counts are the server's usage."""
+    expected, _ = await server_text(
+        pair[1].url,
+        "/v1/chat/completions",
+        {"model": str(folder), "messages": USER, "stream": True, "max_tokens": TOKENS,
+         "temperature": 0},
+    )  # fmt: skip
+    async with Orchestrator(config([backend(pair[1], folder, "chat")])) as orch:
+        events = await orch.stream(fms_body())
+        assert assert_contiguous(frames(events)) == expected
+        end = terminal(events)
+        assert end.data["generated_token_count"] == TOKENS
+        assert end.data["input_token_count"] == 12
+        assert end.data["finish_reason"] == "MAX_TOKENS"
 
 
 # -- detectors ------------------------------------------------------------------------------------
@@ -390,12 +416,17 @@ async def test_parameter_mapping(pair: list[Server], folder: Path) -> None:
     guardstream releases equals the server's output for the same parameters; a stop string
     (which transformers serve sends) is cut here, as OpenAI's contract says. min_tokens, which
     the server refuses by name, is the client's 422, never silently dropped."""
-    sampled = {"temperature": 0.7, "top_p": 0.9, "seed": 7}
+    sampled = {"temperature": 1.5, "top_p": 0.95, "seed": 7}
+    direct = {"model": str(folder), "prompt": PROMPT, "stream": True, "max_tokens": 12}
+    # transformers serve samples only with `do_sample` (guardstream sends it as
+    # `generation_config`); without it this model would decode greedily at any temperature
     expected, _ = await server_text(
         pair[0].url,
         "/v1/completions",
-        {"model": str(folder), "prompt": PROMPT, "stream": True, "max_tokens": 12, **sampled},
+        {**direct, **sampled, "generation_config": '{"do_sample": true}'},
     )
+    greedy, _ = await server_text(pair[0].url, "/v1/completions", {**direct, "temperature": 0})
+    assert expected != greedy
     async with Orchestrator(config([backend(pair[0], folder, "completions")])) as orch:
         events = await orch.stream(
             {
@@ -404,8 +435,8 @@ async def test_parameter_mapping(pair: list[Server], folder: Path) -> None:
                 "text_gen_parameters": {
                     "max_new_tokens": 12,
                     "decoding_method": "SAMPLING",
-                    "temperature": 0.7,
-                    "top_p": 0.9,
+                    "temperature": 1.5,
+                    "top_p": 0.95,
                     "seed": 7,
                 },
             }
@@ -459,14 +490,25 @@ async def test_parameter_mapping(pair: list[Server], folder: Path) -> None:
 
 
 @dataclass
-class HoldingProxy:
-    """A TCP proxy in front of one server that forwards the response until `hold_after` SSE
-    events went through, then holds the rest; when the server's side closes (it was killed), the
-    client's side is reset. The cut point is a count of events."""
+class Cut:
+    """Where the first generation stream through any of the proxies is held: after `after`
+    text events; `holder` is the proxy that holds it."""
 
-    upstream: tuple[str, int]
-    hold_after: int
+    after: int
     held: asyncio.Event = field(default_factory=asyncio.Event)
+    holder: HoldingProxy | None = None
+
+
+@dataclass
+class HoldingProxy:
+    """A TCP proxy in front of one server. The first response stream (of any proxy sharing the
+    `cut`) that carries `cut.after` text events is held there: the rest is read and dropped,
+    nothing more is forwarded; when the server's side closes (it was killed), the client's side
+    is reset. Every other connection (health checks, the resumed stream) passes through. The cut
+    point is a count of events, not a moment."""
+
+    upstream: str
+    cut: Cut
     url: str = ""
 
     async def start(self) -> None:
@@ -478,7 +520,8 @@ class HoldingProxy:
         self._server.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        host, port = self.upstream.removeprefix("http://").split(":")
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
 
         async def pump_up() -> None:
             with contextlib.suppress(OSError):
@@ -488,80 +531,76 @@ class HoldingProxy:
 
         task = asyncio.create_task(pump_up())
         events = 0
+        holding = False
         try:
             while data := await up_reader.read(65536):
-                if self.held.is_set():
-                    continue  # held: read on (to see the close), forward nothing
-                out = b""
-                for piece in data.split(b"\n\n")[:-1] if b"\n\n" in data else []:
-                    out += piece + b"\n\n"
-                    if b"data: " in piece and b'"text"' in piece:
-                        events += 1
-                        if events >= self.hold_after:
-                            self.held.set()
-                            break
-                if not self.held.is_set():
-                    out = data
+                if holding:
+                    continue  # read on (to see the close), forward nothing
+                out = data
+                if not self.cut.held.is_set():
+                    at = 0
+                    while (end := data.find(b"\n\n", at)) != -1:
+                        if b'"text"' in data[at:end]:
+                            events += 1
+                            if events == self.cut.after:
+                                holding = True
+                                self.cut.holder = self
+                                self.cut.held.set()
+                                out = data[: end + 2]
+                                break
+                        at = end + 2
                 writer.write(out)
                 await writer.drain()
         except OSError:
             pass
         finally:
             task.cancel()
-            transport = writer.transport
-            transport.abort()  # a reset, as a killed server's connection
+            writer.transport.abort()  # a reset, as a killed server's connection
             up_writer.transport.abort()
 
 
 async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Path) -> None:
     """api: completions on a server without token ids: the serving process gets SIGKILL after
-    the proxy let `cut` events through; the stream resumes on the other server from the prompt
+    its proxy let `cut` events through; the stream resumes on the other server from the prompt
     text plus the delivered text, with the rest of the budget. The client sees one stream
-    without gap or repeat: its text is the delivered part plus exactly what the second server
-    produces for prompt + delivered part, and `migrations: 1`; here it is also the
-    uninterrupted text (exact while the delivered text has no U+FFFD, DESIGN section 7)."""
-    victim, survivor = pair
-    cut = 3  # after '首', ' quick', '首': no U+FFFD yet, so the resume is also exact
+    without gap or repeat: its text is the delivered part plus exactly what a server produces
+    for prompt + delivered part, and `migrations: 1`; here it is also the uninterrupted text
+    (exact while the delivered text has no U+FFFD, DESIGN section 7). Both servers sit behind
+    proxies: whichever the orchestrator picks is the one killed."""
+    cut = Cut(after=3)  # after '首', ' quick', '首': no U+FFFD yet, so the resume is also exact
+    body = {"model": str(folder), "stream": True, "temperature": 0}
     pieces, _ = await server_pieces(
-        survivor.url,
-        "/v1/completions",
-        {
-            "model": str(folder),
-            "prompt": PROMPT,
-            "stream": True,
-            "max_tokens": TOKENS,
-            "temperature": 0,
-        },
+        pair[1].url, "/v1/completions", {**body, "prompt": PROMPT, "max_tokens": TOKENS}
     )
-    delivered = "".join(pieces[:cut])
+    delivered = "".join(pieces[: cut.after])
     rest, _ = await server_text(
-        survivor.url,
+        pair[1].url,
         "/v1/completions",
-        {
-            "model": str(folder),
-            "prompt": PROMPT + delivered,
-            "stream": True,
-            "max_tokens": TOKENS - cut,
-            "temperature": 0,
-        },
+        {**body, "prompt": PROMPT + delivered, "max_tokens": TOKENS - cut.after},
     )
-    host, port = victim.url.removeprefix("http://").split(":")
-    proxy = HoldingProxy((host, int(port)), hold_after=cut)
-    await proxy.start()
-    proxied = {**backend(victim, folder, "completions"), "url": proxy.url}
+    proxies = [HoldingProxy(s.url, cut) for s in pair]
+    for proxy in proxies:
+        await proxy.start()
+    backends = [
+        {**backend(s, folder, "completions"), "url": p.url}
+        for s, p in zip(pair, proxies, strict=True)
+    ]
     try:
-        async with Orchestrator(
-            config([proxied, backend(survivor, folder, "completions")])
-        ) as orch:
+        async with Orchestrator(config(backends)) as orch:
 
             async def killer() -> None:
-                await proxy.held.wait()
+                await cut.held.wait()
+                victim = pair[proxies.index(cut.holder)]  # type: ignore[arg-type]
                 victim.kill()
 
             task = asyncio.create_task(killer())
-            async with asyncio.timeout(60):
-                events = await orch.stream(fms_body())
-            await task
+            try:
+                async with asyncio.timeout(60):
+                    events = await orch.stream(fms_body())
+                assert cut.held.is_set(), "the stream was never held"
+                await task
+            finally:
+                task.cancel()
             text = assert_contiguous(frames(events))
             end = terminal(events)
             assert end.data["migrations"] == 1
@@ -570,4 +609,5 @@ async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Pa
             assert text == delivered + rest
             assert "\ufffd" not in delivered and text == "".join(pieces)
     finally:
-        await proxy.close()
+        for proxy in proxies:
+            await proxy.close()

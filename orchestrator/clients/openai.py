@@ -80,7 +80,11 @@ _OWN_FIELDS = ("model", "messages", "stream")
 # protocol fields only some servers take: left out (and the dispatch retried) once a server
 # refuses them by name. The chat resume fields are not among them: without them a server would
 # start a fresh answer, so refusing them makes the resume itself fail (ChatStream).
-OPTIONAL_FIELDS = frozenset({"return_token_ids", "stream_options"})
+OPTIONAL_FIELDS = frozenset({"return_token_ids", "stream_options", "generation_config"})
+# transformers serve samples only when the model's generation_config.json says `do_sample: true`
+# (it sets do_sample only to false, for temperature 0): without this, `temperature` > 0 would be
+# silently greedy there. vLLM ignores the field; a server that refuses it by name gets it no more.
+SAMPLE = '{"do_sample": true}'
 RESUME_FIELDS = frozenset({"add_generation_prompt", "continue_final_message"})
 # sampling fields beyond OpenAI's, sent only when the client set them: a server that refuses one
 # cannot honour the request, which is then the client's 422 (the name is the client's)
@@ -170,6 +174,7 @@ def _sampling(body: dict[str, Any], request: GenerationRequest, delivered: int) 
     """The knobs beyond the OpenAI basics, sent only when set (vLLM and SGLang take them)."""
     p = request.params
     if p.decoding_method == "SAMPLING":
+        body["generation_config"] = SAMPLE
         if p.top_p != 1.0:
             body["top_p"] = p.top_p
         if p.top_k > 0:
