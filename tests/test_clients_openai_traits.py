@@ -205,6 +205,35 @@ async def test_a_refused_sampling_field_is_the_clients_422(
     await be.validate(request())  # without it: fine
 
 
+async def test_a_refused_model_default_is_dropped_not_the_clients_422(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """The operator's decoding_defaults (repetition_penalty 1.1 in the shipped config) set a
+    field transformers serve refuses: the request goes again without it, and later ones never
+    send it; a client that sets the same field itself still gets the 422."""
+    (s,) = await vllm(servers)
+    be = backend(session, [s.url])
+    client = be.replicas[0].client
+    assert isinstance(client, OpenAIClient)
+    defaulted = request(repetition_penalty=1.1, defaulted=frozenset({"repetition_penalty"}))
+    for _ in range(2):
+        stream = client.generate(defaulted, None, stall_timeout_s=30, max_time=0)
+        assert "".join([i.text async for i in stream]) == FULL
+    sent = list(s.requests)
+    assert [("repetition_penalty" in b, "return_token_ids" in b) for b in sent] == [
+        (True, True),  # refused both by name
+        (False, False),
+        (False, False),
+    ]
+    await be.validate(defaulted)  # no 422 up front either
+    with pytest.raises(GenerationError) as info:
+        stream = client.generate(
+            request(repetition_penalty=1.1), None, stall_timeout_s=30, max_time=0
+        )
+        [i async for i in stream]
+    assert info.value.code == 422
+
+
 async def test_chat_server_without_continuation_migrates_only_before_the_first_token(
     session: aiohttp.ClientSession, servers: list[FakeUpstream]
 ) -> None:

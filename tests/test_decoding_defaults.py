@@ -69,3 +69,36 @@ async def test_without_defaults_openai_surfaces_sample_at_temperature_one(
     assert fms["method"] == "greedy" and fms["repetition_penalty"] == 1.0
     assert (chat["method"], chat["temperature"], chat["top_p"]) == ("sampling", 1.0, 1.0)
     assert chat["repetition_penalty"] == 1.0
+
+
+async def test_a_default_the_server_refuses_is_dropped_on_every_surface() -> None:
+    """transformers serve refuses `repetition_penalty`: a model with that default behind it
+    still answers requests that never named it (the request is sent again without it)."""
+    from tests.fakes.openai_chat import FakeOpenAIChat
+
+    server = FakeOpenAIChat(script=["Hello", "."], transformers=True)
+    await server.start()
+    backend = {"type": "openai", "url": server.url, "model": "fake-model", "api": "chat"}
+    cfg = native_config(server.url, model={"decoding_defaults": DEFAULTS, "backends": [backend]})
+    try:
+        async with Orchestrator(cfg) as orch:
+            status, body = await orch.post(CHAT_PATH, {"model": MODEL, "messages": USER})
+            events = await orch.stream(generation_body())
+            refused = await orch.post(
+                STREAMING_PATH, generation_body(params={"repetition_penalty": 1.3})
+            )
+    finally:
+        await server.close()
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == "Hello."
+    assert events[-1].name == "completed"
+    # the client's own value is never silently dropped
+    assert refused == (
+        422,
+        {
+            "code": 422,
+            "details": "repetition_penalty: model `fake-model` cannot honour it (the server of "
+            "its replica openai-0 refuses it)",
+            "type": "invalid_request",
+        },
+    )

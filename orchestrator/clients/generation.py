@@ -36,6 +36,9 @@ class GenerationParams:
     # max_new_tokens is the model's default, not the client's: a prompt too long for it gets
     # what fits in the context instead (vLLM's behaviour for an unset max_tokens)
     budget_is_default: bool = False
+    # fields the model's decoding_defaults set, not the client: a server that refuses one gets
+    # the request without it (the operator's preference), never a 422 the client cannot explain
+    defaulted: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ def completions_body(
         "temperature": p.temperature if p.decoding_method == "SAMPLING" else 0.0,
     }
     _sampling(body, request, delivered)
-    for name in refused & OPTIONAL_FIELDS:
+    for name in refused & (OPTIONAL_FIELDS | p.defaulted):
         body.pop(name, None)
     return body
 
@@ -231,7 +231,7 @@ def chat_body(
         temperature=p.temperature if p.decoding_method == "SAMPLING" else 0.0,
     )
     _sampling(body, request, delivered)
-    for name in refused & OPTIONAL_FIELDS:
+    for name in refused & (OPTIONAL_FIELDS | p.defaulted):
         body.pop(name, None)
     return body
 
@@ -275,7 +275,8 @@ class _SseStream(HttpLineStream):
             async with asyncio.timeout(FINAL_GRACE_S):
                 raw = await resp.content.read(4096)
             resp.release()
-            if not (resp.status in (400, 422) and c.learn(body, raw)):
+            soft = self._request_.params.defaulted
+            if not (resp.status in (400, 422) and c.learn(body, raw, soft)):
                 raise http_error(c.name, resp.status, raw)
         raise http_error(c.name, resp.status, raw)
 
@@ -797,12 +798,24 @@ class OpenAIClient(HttpReplicaClient):
         cls = ChatStream if self.api == "chat" else OpenAIStream
         return cls(self, request, continuation, stall_timeout_s, max_time)
 
-    def learn(self, body: dict[str, Any], raw: bytes) -> bool:
+    def learn(self, body: dict[str, Any], raw: bytes, soft: frozenset[str] = frozenset()) -> bool:
         """A 400/422 answer to `body`: remember what it refused; True when the request can be
-        sent again without it. Raises when the refusal makes the request impossible here."""
+        sent again without it. Raises when the refusal makes the request impossible here.
+        `soft`: fields the operator's defaults set (dropped, never the client's 422)."""
         message = error_message(raw)
         named = named_fields(message, body.keys())
         traits = self.traits
+        dropped = named & soft
+        if dropped:
+            traits.refused |= dropped
+            named -= dropped
+            log.warning(
+                "replica %s: the server refuses %s (a model default); sending without",
+                self.name,
+                sorted(dropped),
+            )
+            if not named:
+                return True
         if named & RESUME_FIELDS:
             traits.refused |= named & RESUME_FIELDS
             log.warning("replica %s: the server refuses %s", self.name, sorted(named))
@@ -810,7 +823,7 @@ class OpenAIClient(HttpReplicaClient):
         extension = named & EXTENSION_FIELDS.keys()
         if extension:
             traits.refused |= extension
-            self.check_honoured(body)
+            self.check_honoured(body, soft)
         optional = named & OPTIONAL_FIELDS - traits.refused
         if optional:
             traits.refused |= optional
@@ -828,9 +841,9 @@ class OpenAIClient(HttpReplicaClient):
             return True
         return False
 
-    def check_honoured(self, body: dict[str, Any]) -> None:
+    def check_honoured(self, body: dict[str, Any], soft: frozenset[str] = frozenset()) -> None:
         """422 for a sampling field this server refused before: it would be ignored or refused."""
-        refused = sorted(self.traits.refused & EXTENSION_FIELDS.keys() & body.keys())
+        refused = sorted(self.traits.refused & EXTENSION_FIELDS.keys() & body.keys() - soft)
         if refused:
             names = ", ".join(f"`{EXTENSION_FIELDS[f]}`" for f in refused)
             raise GenerationError(
@@ -845,7 +858,8 @@ class OpenAIClient(HttpReplicaClient):
         the backend's validate makes them a 422 before the response starts."""
         body: dict[str, Any] = {}
         _sampling(body, request, 0)
-        return [EXTENSION_FIELDS[f] for f in sorted(self.traits.refused & body.keys())]
+        refused = self.traits.refused & body.keys() - request.params.defaulted
+        return [EXTENSION_FIELDS[f] for f in sorted(refused & EXTENSION_FIELDS.keys())]
 
     def cannot_continue(self) -> GenerationError:
         """A resume on a chat server that cannot continue a partial assistant message: a fresh

@@ -109,6 +109,7 @@ def json_depth(text: bytes) -> int:
         return 0  # cannot be deeper: the common case costs two scans
     # imported here: the orchestrator's workers import no numpy at rest (tests/test_capacity.py)
     import numpy as np
+
     chars = np.frombuffer(text, dtype=np.uint8)
     # only brackets, quotes and backslashes matter: the rest of the work is on their positions
     marks = (chars == _QUOTE) | (chars == _LIST) | (chars == _LIST_END)

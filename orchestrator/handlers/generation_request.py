@@ -172,6 +172,12 @@ async def prepare_conversation(
             temperature=temperature if temperature > 0 else 1.0,
             top_p=1.0 if top_p is None else top_p,
             repetition_penalty=defaults.repetition_penalty or 1.0,
+            defaulted=frozenset(
+                name
+                for name, given in (("temperature", c.temperature), ("top_p", c.top_p))
+                if given is None and getattr(defaults, name) is not None
+            )
+            | ({"repetition_penalty"} if defaults.repetition_penalty is not None else set()),
             seed=c.seed,
             stop_sequences=c.stop,
         ),

@@ -68,6 +68,11 @@ async def prepare_task(request: web.Request, *, streaming: bool) -> GuardedGener
             ),
             stop_sequences=tuple(params.stop_sequences),
             max_time=params.max_time,
+            defaulted=frozenset(
+                name
+                for name in ("temperature", "top_p", "repetition_penalty")
+                if name not in params.model_fields_set and getattr(defaults, name) is not None
+            ),
         ),
         chat=target.config.chat,
         request_id=request.get("request_id", ""),
