@@ -317,7 +317,7 @@ async def orchestrator_metrics(
             for f in frames(events)
             for t in f.get("token_classification_results", {}).get("output", [])
         }
-        assert found == {"pii": "bob@example.com", "hap": " You idiot!"}
+        assert found == {"pii": "bob@example.com", "hap": "You idiot!"}
         # the failures: an `error` event (no frame had been sent), or `completed` for the model
         # that had finished before its replica failed
         outcomes = {}

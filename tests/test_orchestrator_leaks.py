@@ -194,7 +194,7 @@ async def test_managed_engines_do_not_inherit_the_orchestrators_keys(monkeypatch
             "models": {
                 "m": {
                     "backends": [
-                        {"type": "managed", "model": "fake", "replicas": 1},
+                        {"type": "managed", "model": "tiny-random", "replicas": 1},
                         {
                             "type": "openai",
                             "url": "http://127.0.0.1:9",

@@ -52,7 +52,7 @@ class DetectorParams(BaseModel):
             v = json_number(v)  # NaN would silently drop every detection
         except ValueError:
             raise ValueError("threshold must be a finite number") from None
-        if not 0 <= v <= 1:
+        if v is not None and not 0 <= v <= 1:
             # scores are in [0, 1]: 5 would silently turn the detector off, -1 flag everything
             raise ValueError(f"threshold must be between 0 and 1, got {v}")
         return v
