@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -510,3 +511,15 @@ def test_bad_redaction_config_names_the_field(mutate, message: str) -> None:
     with pytest.raises((ConfigError, ValueError)) as info:
         parse_config(cfg)
     assert message in str(info.value)
+
+
+async def test_no_entity_in_info_logs(pii_engine, caplog: pytest.LogCaptureFixture) -> None:
+    """Output and input redaction, the content endpoint: nothing logged at INFO quotes them."""
+    caplog.set_level(logging.INFO)
+    async with Orchestrator(config(pii_engine)) as orch:
+        await raw_post(orch, STREAMING, generation_body(ANSWER, input=REDACT, output=REDACT))
+        await raw_post(orch, UNARY, generation_body(output=REDACT))
+        await orch.post(CONTENT, {"content": ANSWER, "detectors": {"pii": {}}, "redact": True})
+    assert caplog.records  # the service did log (start-up, requests)
+    for record in caplog.records:
+        no_entity(record.getMessage())
