@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from orchestrator.config import ConfigError, parse_config
-from tests.fakes.engine import FakeEngine
+from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     MODEL,
     Orchestrator,
@@ -523,3 +523,33 @@ async def test_no_entity_in_info_logs(pii_engine, caplog: pytest.LogCaptureFixtu
     assert caplog.records  # the service did log (start-up, requests)
     for record in caplog.records:
         no_entity(record.getMessage())
+
+
+async def test_migration_mid_entity_resumes_from_the_original_tokens() -> None:
+    """A replica dies in the middle of an e-mail; the other one resumes from the original
+    tokens (the engine never sees a replacement) and the client gets the redacted answer."""
+    script = tokens(ANSWER)
+    cut = script.index("@")  # the first replica sends "Write to jo" and dies
+    first, second = FakeEngine(script=script), FakeEngine(script=script)
+    for e in (first, second):
+        await e.start()
+    first.inject(Fault("close", after_tokens=cut))
+    cfg = config(first)
+    cfg["models"][MODEL]["backends"] = [
+        {"type": "native", "url": first.url},
+        {"type": "native", "url": second.url},
+    ]
+    cfg["models"][MODEL]["migration"] = {"limit": 2, "quarantine_s": 30}
+    try:
+        async with Orchestrator(cfg) as orch:
+            raw = await raw_post(orch, STREAMING, generation_body(output=REDACT))
+    finally:
+        for e in (first, second):
+            await e.close()
+    no_entity(raw)
+    events = sse_events(raw)
+    assert assert_contiguous(frames(events)) == REDACTED
+    assert terminal(events).data["migrations"] == 1
+    [resumed] = second.requests
+    assert resumed.body["resume"]["text"] == "".join(script[:cut])  # the original text
+    assert second.resume_mismatches == []
