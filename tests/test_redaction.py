@@ -410,6 +410,30 @@ async def test_input_block_beats_redact(engine) -> None:
     assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
 
 
+async def test_an_entity_cut_by_max_chars_still_trips_a_blocking_input_guardrail(engine) -> None:
+    """max_chars 16 cuts each entity of the prompt in two (at a whitespace or, in an e-mail,
+    anywhere): the windows across the cuts still find them, on every surface."""
+    for entity, prompt in [
+        ("credit_card", "Card 4111 1111 1111 1111 ok"),
+        ("phone", "Please call 555 123 4567 now"),
+        ("email", "abcdefghij klmnojo@example.com"),
+    ]:
+        async with Orchestrator(config(engine)) as orch:
+            events = await orch.stream(
+                generation_body(prompt, input={"pii": {"on_detection": "block"}})
+            )
+            status, chat = await orch.post(
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "system", "content": prompt},
+                 {"role": "user", "content": "ok"}], "detectors": {"input": {"pii": {}}}},
+            )  # fmt: skip
+        assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
+        [frame] = frames(events)
+        assert [d["entity"] for d in frame["token_classification_results"]["input"]] == [entity]
+        assert status == 200 and chat["choices"][0]["finish_reason"] == "content_filter"
+    assert engine.requests == []
+
+
 # -- the content endpoint ---------------------------------------------------------------------
 
 
@@ -437,8 +461,9 @@ async def test_content_endpoint_returns_the_redacted_text(engine) -> None:
         for s, e, text, entity in EXPECTED
     ]
     assert status_plain == 200 and "redacted_content" not in plain
-    # without `redact`, the original texts (the client sent them) and no `redacted`
-    assert [d["text"] for d in plain["detections"]][:2] == ENTITIES[:2]
+    # without `redact`, the original texts (the client sent them) and no `redacted`; the card
+    # number, which max_chars 16 cuts in two, is found in the window across that cut
+    assert [d["text"] for d in plain["detections"]] == ENTITIES
     assert all("redacted" not in d for d in plain["detections"])
 
 
