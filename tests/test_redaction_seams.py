@@ -53,7 +53,10 @@ def registry(max_chars: int) -> ChunkerRegistry:
 
 
 async def run_stream(
-    deltas: list[str], dets: list[RequestedDetector], chunkers: ChunkerRegistry
+    deltas: list[str],
+    dets: list[RequestedDetector],
+    chunkers: ChunkerRegistry,
+    blocked: list[list[Finding]] | None = None,
 ) -> list[JudgedFrame]:
     """The pipeline's consumer loop in miniature: feed each delta, take whatever verdicts
     arrived meanwhile, and at the end wait for every detector."""
@@ -65,9 +68,13 @@ async def run_stream(
 
     def take(messages: list[Any]) -> None:
         for m in messages:
+            if blocked:
+                return  # the pipeline stops at a block
             verdict = detection.accept(m)
-            assert verdict.blocked is None
             frames.extend(verdict.frames)
+            if verdict.blocked is not None:
+                assert blocked is not None, verdict.blocked
+                blocked.append(verdict.blocked)
 
     try:
         for delta in deltas:
@@ -76,9 +83,10 @@ async def run_stream(
             if inbox._items:
                 take(await inbox.take_all())
         detection.end()
-        while not detection.done:
+        while not detection.done and not blocked:
             take(await inbox.take_all())
-        frames.extend(detection.final_frames())
+        if not blocked:
+            frames.extend(detection.final_frames())
     finally:
         for t in tasks:
             t.cancel()
@@ -189,6 +197,49 @@ def test_released_text_equals_the_redacted_whole(
         await check(text, await run_stream(deltas, dets, registry(max_chars)), redact_with)
 
     asyncio.run(one())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=split_text(),
+    max_chars=st.sampled_from([1, 5, 9, 16, 40, 500]),
+    chunker=st.sampled_from(["s", "p", "w"]),
+)
+def test_a_blocking_detector_blocks_entities_split_across_chunks(
+    case: tuple[str, list[str]], max_chars: int, chunker: str
+) -> None:
+    """Block: the stream stops before any character of the first entity leaves, wherever the
+    chunk boundaries fall."""
+    text, deltas = case
+
+    async def one() -> None:
+        [hits] = await REGEX.detect([text], {})
+        blocked: list[list[Finding]] = []
+        frames = await run_stream(deltas, [pii("block", chunker)], registry(max_chars), blocked)
+        released = "".join(f.text for f in frames)
+        assert text.startswith(released)
+        if hits:
+            assert blocked, (text, deltas)
+            assert len(released) <= min(h.start for h in hits)
+        elif not blocked:  # (a chunk can cut an entity loose from what hid it in the whole)
+            assert released == text
+
+    asyncio.run(one())
+
+
+@pytest.mark.parametrize("max_chars", [7, 12, 30])
+def test_a_blocking_detector_at_every_split(max_chars: int) -> None:
+    text = "Fine words here. Then call 555-123-4567, or 4111 1111 1111 1111."
+    first = text.index("555")
+
+    async def all_splits() -> None:
+        for deltas in [[text[:k], text[k:]] for k in range(len(text) + 1)] + [list(text)]:
+            blocked: list[list[Finding]] = []
+            frames = await run_stream(deltas, [pii("block", "s")], registry(max_chars), blocked)
+            released = "".join(f.text for f in frames)
+            assert blocked and len(released) <= first and text.startswith(released)
+
+    asyncio.run(all_splits())
 
 
 def test_annotating_detector_beside_a_redacting_one_quotes_the_released_text() -> None:

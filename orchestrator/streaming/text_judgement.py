@@ -5,9 +5,11 @@ its own chunker and judges all chunks in one call; the detectors run concurrentl
 No seam leaks: besides its chunks, a detector judges a window across every chunk boundary
 (SEAM_CHARS each side, widened to whole whitespace-free runs) and keeps from it what straddles
 the boundary: an e-mail or a card number cut by a `max_chars` safety cut is found like any other,
-so a blocking input guardrail cannot be walked around by placing it there. A detection that
-covers a whole window is a verdict on the window (a classifier's), not an entity in it, and is
-dropped. A redacting detector judges each text whole instead (nothing to split)."""
+so a blocking input guardrail cannot be walked around by placing it there. On the content
+endpoint (annotations of the client's own text) a detection covering a whole window is dropped
+as a classifier's verdict on the window rather than an entity in it; on inputs, where any
+detection refuses, it counts (an entity may fill the window). A redacting detector judges each
+text whole instead (nothing to split)."""
 
 from __future__ import annotations
 
@@ -37,10 +39,12 @@ async def judge_text(
     regions: list[tuple[int, int]] | None = None,
     *,
     whole: bool = False,
+    window_verdicts: bool = True,
 ) -> list[Finding]:
     """Findings over `text` (spans relative to all of it), sorted; `regions` restricts detection
     to those `[start, end)` slices, as input masks do; `whole`: every detector judges each
-    region in one piece (the text is to be redacted)."""
+    region in one piece (the text is to be redacted); `window_verdicts`: keep detections that
+    cover a whole boundary window (see the module's docstring)."""
     if regions is None:
         regions = [(0, len(text))]
 
@@ -50,6 +54,7 @@ async def judge_text(
             [(text, s, e, None) for s, e in regions],
             _chunker_of(detector, whole),
             chunkers,
+            window_verdicts,
         )
         return [f for _, f in found]
 
@@ -88,6 +93,7 @@ async def judge_pieces(
             [(p.text, 0, len(p.text), p) for p in pieces],
             _chunker_of(detector, False),
             chunkers,
+            True,
         )
         return [
             replace(f, message_index=piece.message_index, field=piece.field) for piece, f in found
@@ -103,6 +109,7 @@ async def _judge(
     regions: list[tuple[str, int, int, Any]],
     chunker_id: str,
     chunkers: ChunkerRegistry,
+    window_verdicts: bool,
 ) -> list[tuple[Any, Finding]]:
     """(owner, finding) over `[start, end)` of each `(text, start, end, owner)`, in one call:
     the chunks, then one window per chunk boundary (see the module's docstring)."""
@@ -128,7 +135,7 @@ async def _judge(
     for (window, boundary, owner), dets in zip(seams, replies[n:], strict=True):
         for f in keep(detector, window, dets):
             whole_window = f.start == window.start and f.end == window.end
-            if f.start < boundary < f.end and not whole_window:
+            if f.start < boundary < f.end and (window_verdicts or not whole_window):
                 out.append((owner, f))
     return out
 
