@@ -18,7 +18,8 @@ Three processes share this machine's cores:
     chunk (orjson) and collecting the content.
 
 Scenarios: `direct` (the client talks to the fake), `sentence` (guardstream, model `guarded`),
-`none` (guardstream, model `raw`). For each: answers/s and CPU per answer at ITL 0 with
+`redact` (the same detector with `on_detection: redact`: every e-mail is replaced in the answer,
+model `redacting`), `none` (guardstream, model `raw`). For each: answers/s and CPU per answer at ITL 0 with
 concurrency 1 and 8, and with --itl10 at 10 ms per token (concurrency 1 and 8: 20 s per round).
 At ITL 10 with 8 streams, each answer first keeps its own clock (token i due at its own t0 +
 (i + 1) * itl: arrivals staggered at random), then all share one step clock (t0 rounded up to a
@@ -81,6 +82,7 @@ UPSTREAM_MODEL = "fake-chat"
 YIELD_EVERY = 8
 GUARDED = "guarded"
 RAW = "raw"
+REDACTING = "redacting"  # scenario `redact`: the same detector with on_detection: redact
 CHAT_PATH = "/v1/chat/completions"
 WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -243,7 +245,7 @@ def tree_cpu_s(pid: int, *, children: bool = True) -> float:
     return total
 
 
-def orchestrator_config(fake_url: str, workers: int = 1) -> dict[str, Any]:
+def orchestrator_config(fake_url: str, workers: int = 1, redact: bool = False) -> dict[str, Any]:
     backend = {"type": "openai", "url": fake_url, "model": UPSTREAM_MODEL, "api": "chat"}
     model = {
         "backends": [backend],
@@ -260,6 +262,16 @@ def orchestrator_config(fake_url: str, workers: int = 1) -> dict[str, Any]:
         "models": {
             GUARDED: {**model, "guardrails": {"output": {"pii": {}}}},
             RAW: model,
+            **(
+                {
+                    REDACTING: {
+                        **model,
+                        "guardrails": {"output": {"pii": {"on_detection": "redact"}}},
+                    }
+                }
+                if redact
+                else {}
+            ),
         },
         "chunkers": {"sentence": {"type": "sentence"}},
         "detectors": {"pii": {"builtin": "regex", "chunker_id": "sentence"}},
@@ -276,7 +288,8 @@ def start_orchestrator(
     """`python -m orchestrator serve` from the checkout at `root` (--before: another one)."""
     import yaml
 
-    cfg = orchestrator_config(fake_url, workers)
+    # (a checkout given with --before may predate on_detection: redact)
+    cfg = orchestrator_config(fake_url, workers, redact=root == ROOT)
     cfg["server"].update(SERVER_OVERRIDES)
     if workers == 1:
         cfg["server"].pop("workers")  # also runs against a tree without `server.workers`
@@ -599,7 +612,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             # these: a busy shared machine changes every cost over minutes, not within a level
             before = start_orchestrator(tmp, fake.url, 1, root=args.before)
             await wait_ready(before.url)
-            scenarios += [f"{s}@before" for s in scenarios if s != "direct"]
+            scenarios += [f"{s}@before" for s in scenarios if s not in ("direct", "redact")]
         print(
             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
             f"{args.words}-word answers, one word a chunk; client: "
@@ -622,7 +635,13 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     server = before if scenario.endswith("@before") else orch
                     assert server is not None
                     url, pid = server.url, server.pid
-                    model = GUARDED if scenario.startswith("sentence") else RAW
+                    model = (
+                        GUARDED
+                        if scenario.startswith("sentence")
+                        else REDACTING
+                        if scenario.startswith("redact")
+                        else RAW
+                    )
                 lv = await run_level(
                     scenario,
                     url,

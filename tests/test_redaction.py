@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,7 +18,7 @@ import openai
 import pytest
 
 from orchestrator.config import ConfigError, parse_config
-from tests.fakes.engine import FakeEngine
+from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     MODEL,
     Orchestrator,
@@ -409,6 +410,30 @@ async def test_input_block_beats_redact(engine) -> None:
     assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
 
 
+async def test_an_entity_cut_by_max_chars_still_trips_a_blocking_input_guardrail(engine) -> None:
+    """max_chars 16 cuts each entity of the prompt in two (at a whitespace or, in an e-mail,
+    anywhere): the windows across the cuts still find them, on every surface."""
+    for entity, prompt in [
+        ("credit_card", "Card 4111 1111 1111 1111 ok"),
+        ("phone", "Please call 555 123 4567 now"),
+        ("email", "abcdefghij klmnojo@example.com"),
+    ]:
+        async with Orchestrator(config(engine)) as orch:
+            events = await orch.stream(
+                generation_body(prompt, input={"pii": {"on_detection": "block"}})
+            )
+            status, chat = await orch.post(
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "system", "content": prompt},
+                 {"role": "user", "content": "ok"}], "detectors": {"input": {"pii": {}}}},
+            )  # fmt: skip
+        assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
+        [frame] = frames(events)
+        assert [d["entity"] for d in frame["token_classification_results"]["input"]] == [entity]
+        assert status == 200 and chat["choices"][0]["finish_reason"] == "content_filter"
+    assert engine.requests == []
+
+
 # -- the content endpoint ---------------------------------------------------------------------
 
 
@@ -436,8 +461,9 @@ async def test_content_endpoint_returns_the_redacted_text(engine) -> None:
         for s, e, text, entity in EXPECTED
     ]
     assert status_plain == 200 and "redacted_content" not in plain
-    # without `redact`, the original texts (the client sent them) and no `redacted`
-    assert [d["text"] for d in plain["detections"]][:2] == ENTITIES[:2]
+    # without `redact`, the original texts (the client sent them) and no `redacted`; the card
+    # number, which max_chars 16 cuts in two, is found in the window across that cut
+    assert [d["text"] for d in plain["detections"]] == ENTITIES
     assert all("redacted" not in d for d in plain["detections"])
 
 
@@ -510,3 +536,45 @@ def test_bad_redaction_config_names_the_field(mutate, message: str) -> None:
     with pytest.raises((ConfigError, ValueError)) as info:
         parse_config(cfg)
     assert message in str(info.value)
+
+
+async def test_no_entity_in_info_logs(pii_engine, caplog: pytest.LogCaptureFixture) -> None:
+    """Output and input redaction, the content endpoint: nothing logged at INFO quotes them."""
+    caplog.set_level(logging.INFO)
+    async with Orchestrator(config(pii_engine)) as orch:
+        await raw_post(orch, STREAMING, generation_body(ANSWER, input=REDACT, output=REDACT))
+        await raw_post(orch, UNARY, generation_body(output=REDACT))
+        await orch.post(CONTENT, {"content": ANSWER, "detectors": {"pii": {}}, "redact": True})
+    assert caplog.records  # the service did log (start-up, requests)
+    for record in caplog.records:
+        no_entity(record.getMessage())
+
+
+async def test_migration_mid_entity_resumes_from_the_original_tokens() -> None:
+    """A replica dies in the middle of an e-mail; the other one resumes from the original
+    tokens (the engine never sees a replacement) and the client gets the redacted answer."""
+    script = tokens(ANSWER)
+    cut = script.index("@")  # the first replica sends "Write to jo" and dies
+    first, second = FakeEngine(script=script), FakeEngine(script=script)
+    for e in (first, second):
+        await e.start()
+    first.inject(Fault("close", after_tokens=cut))
+    cfg = config(first)
+    cfg["models"][MODEL]["backends"] = [
+        {"type": "native", "url": first.url},
+        {"type": "native", "url": second.url},
+    ]
+    cfg["models"][MODEL]["migration"] = {"limit": 2, "quarantine_s": 30}
+    try:
+        async with Orchestrator(cfg) as orch:
+            raw = await raw_post(orch, STREAMING, generation_body(output=REDACT))
+    finally:
+        for e in (first, second):
+            await e.close()
+    no_entity(raw)
+    events = sse_events(raw)
+    assert assert_contiguous(frames(events)) == REDACTED
+    assert terminal(events).data["migrations"] == 1
+    [resumed] = second.requests
+    assert resumed.body["resume"]["text"] == "".join(script[:cut])  # the original text
+    assert second.resume_mismatches == []

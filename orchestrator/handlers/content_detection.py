@@ -22,7 +22,9 @@ async def handle(request: web.Request) -> web.Response:
     dets = state.detectors.resolve(body.detectors, "content", "detectors")
     try:
         async with asyncio.timeout(state.config.server.request_timeout_s):
-            findings = await judge_text(body.content, dets, state.chunkers, whole=body.redact)
+            findings = await judge_text(
+                body.content, dets, state.chunkers, whole=body.redact, window_verdicts=False
+            )
     except TimeoutError:
         raise ApiError(
             504, ErrorType.TIMEOUT, "the detectors did not answer within request_timeout_s"

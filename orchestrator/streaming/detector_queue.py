@@ -63,6 +63,7 @@ class DetectorQueue:
         self.unjudged = 0
         self._answered = answered
         self._windowed = detector.redacting and not detector.whole_doc
+        self._seamed = detector.blocking and not detector.whole_doc
         self._carry = ""  # windowed: text from `_carry_start` to the next chunk, not reported
         self._carry_start = 0
 
@@ -81,6 +82,9 @@ class DetectorQueue:
         turns it into a failure message)."""
         if self._windowed:
             await self._run_windowed()
+            return
+        if self._seamed:
+            await self._run_seamed()
             return
         detector = self.detector
         while True:
@@ -131,6 +135,94 @@ class DetectorQueue:
             reported = tuple(f for f in found if f.end <= safe)
             self._inbox.put(DetectorResult(detector.detector_id, start, safe, reported))
         self._inbox.put(DetectorFinished(detector.detector_id))
+
+    async def _run_seamed(self) -> None:
+        """A blocking detector judges each chunk alone (as any detector does) and also a window
+        across each chunk boundary, keeping what straddles it: an entity cut in two by the
+        boundary blocks like any other. A clean chunk is posted only once the window across
+        its end had SEAM_CHARS (and the rest of the whitespace-free run there) after the
+        boundary, or the text ended, so no part of an entity is released before it is seen
+        whole. A flagged one is posted at once, after the clean chunks held before it (judged
+        with the text there was: only a straddling entity's head could be among them)."""
+        detector = self.detector
+        held: list[tuple[Span, tuple[Finding, ...]]] = []
+        while True:
+            if not self._pending:
+                if self._closed:
+                    break
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = list(self._pending)
+            self._pending.clear()
+            chain = [span for span, _ in held] + batch
+            text = "".join([s.text for s in chain])
+            base = chain[0].start
+            seams = [seam_window(text, base, nxt.start) for nxt in chain[1:]]
+            self.calls += 1
+            replies = await detector.client.detect(
+                [s.text for s in batch] + [w.text for w, _ in seams], detector.params
+            )
+            self.unjudged -= sum(len(s.text) for s in batch)
+            if self._answered is not None:
+                self._answered.set()
+            own = [keep(detector, span, dets) for span, dets in zip(batch, replies, strict=False)]
+            judged = held + list(zip(batch, own, strict=True))
+            straddling = [
+                tuple(
+                    f
+                    for f in keep(detector, window, dets)
+                    # (a detection of the whole window counts too: it may be an entity that
+                    # fills it, and for a block any detection is reason enough)
+                    if f.start < nxt.start < f.end
+                )
+                for (window, _), nxt, dets in zip(
+                    seams, chain[1:], replies[len(batch) :], strict=True
+                )
+            ]
+            final = self._closed and not self._pending
+            posted = 0
+            for i, (span, found) in enumerate(judged):
+                flags = found + (straddling[i] if i < len(straddling) else ())
+                if flags:  # the block: everything before it goes out first
+                    for span0, found0 in judged[posted:i]:
+                        self._post(span0, found0)
+                    self._post(span, flags)
+                    posted = len(judged)
+                    break
+            else:
+                for i, (span, found) in enumerate(judged):
+                    complete = i < len(seams) and seams[i][1]
+                    if not (final or complete):
+                        break
+                    self._post(span, found)
+                    posted = i + 1
+            held = judged[posted:]
+        for span, found in held:  # the text ended: nothing follows the held chunks
+            self._post(span, found)
+        self._inbox.put(DetectorFinished(detector.detector_id))
+
+    def _post(self, span: Span, found: tuple[Finding, ...]) -> None:
+        self._inbox.put(DetectorResult(self.detector.detector_id, span.start, span.end, found))
+
+
+def seam_window(text: str, base: int, boundary: int) -> tuple[Span, bool]:
+    """The text around a chunk boundary: SEAM_CHARS each side, widened to the ends of the
+    whitespace-free runs there (at most SEAM_RUN_CHARS more), within `text` (which starts at
+    stream index `base`); and whether the text after the boundary was long enough for all of
+    it (more text could not change the window)."""
+    b = boundary - base
+    lo = max(0, b - SEAM_CHARS)
+    floor = max(0, lo - SEAM_RUN_CHARS)
+    while lo > floor and not text[lo - 1].isspace():
+        lo -= 1
+    want = b + SEAM_CHARS
+    hi = min(len(text), want)
+    ceiling = min(len(text), want + SEAM_RUN_CHARS)
+    while hi < ceiling and not text[hi].isspace():
+        hi += 1
+    complete = want <= len(text) and (hi < len(text) or hi == want + SEAM_RUN_CHARS)
+    return Span(base + lo, base + hi, text[lo:hi]), complete
 
 
 def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
