@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiohttp import web
 
 from ..api.errors import ApiError, ErrorType
 from ..api.requests import ContentDetectionRequest
-from ..api.responses import ContentDetectionResponse
 from ..state import STATE
-from ..streaming.text_judgement import judge_text
+from ..streaming import wire_json
+from ..streaming.findings import Finding
+from ..streaming.text_judgement import judge_text, off_loop
 from .body import read_model
 
 
@@ -27,5 +29,29 @@ async def handle(request: web.Request) -> web.Response:
             504, ErrorType.TIMEOUT, "the detectors did not answer within request_timeout_s"
         ) from None
     state.metrics.observer().on_findings(findings)
-    response = ContentDetectionResponse(detections=[f.to_content() for f in findings])
-    return web.json_response(response.dump())
+
+    def body() -> bytes:
+        return wire_json.dumps({"detections": [content_dict(f) for f in findings]})
+
+    # tens of thousands of detections take a second to build and encode: not on the loop
+    data = await off_loop(body) if len(findings) > 256 else body()
+    return web.Response(body=data, content_type="application/json", charset="utf-8")
+
+
+def content_dict(f: Finding) -> dict[str, Any]:
+    """`ContentDetection(...).dump()` of a finding without building the pydantic model (a 1 MB
+    request can bring 40,000): the same keys in the same order, None left out."""
+    out: dict[str, Any] = {
+        "start": f.start,
+        "end": f.end,
+        "text": f.text,
+        "detection": f.detection,
+        "detection_type": f.detection_type,
+        "detector_id": f.detector_id,
+        "score": f.score,
+    }
+    if f.evidence is not None:
+        out["evidence"] = f.evidence
+    if f.metadata is not None:
+        out["metadata"] = f.metadata
+    return out
