@@ -4,11 +4,11 @@ The attack: `"Hello there friend. " x N` (N well past the detector's max_queue o
 the content endpoint, or as FMS `inputs` with input detection, with the in-process `hap`
 (profanity) detector. It used to fill the detector's global queue, so that every other request
 using `hap` failed with detector_error "queue full". Here the big request is held in its first
-forward pass (a gate in the real model's batch function) while small requests on the content
-endpoint and a generation stream arrive behind it; they must all succeed with exact results, and
-the small content request must ride in the very next forward pass. Real server on 127.0.0.1, the
-real profanity model, a fake engine speaking the native protocol; ordering by gates, never the
-clock.
+forward pass (a gate in the real model's batch function) while a small request on the content
+endpoint, an FMS generation stream and a chat completion stream (the official openai SDK) arrive
+behind it; they must all succeed with exact results, and the small content request must ride in
+the very next forward pass. Real server on 127.0.0.1, the real profanity model, a fake engine
+speaking the native protocol; ordering by gates, never the clock.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import openai
 import pytest
 
 from orchestrator.app import CONTENT_PATH
@@ -25,6 +26,7 @@ from orchestrator.handlers.health import DETECTOR_HEALTH
 from orchestrator.state import STATE
 from tests.fakes.engine import FakeEngine, until
 from tests.orchestrator_support import (
+    MODEL,
     SCRIPT,
     Orchestrator,
     assert_contiguous,
@@ -75,6 +77,22 @@ async def gate_hap(orch: Orchestrator) -> tuple[Any, GatedModel]:
     return batcher, model
 
 
+async def chat_stream(orch: Orchestrator) -> tuple[str, list[str]]:
+    """A streamed chat completion through the official SDK with `hap` on its output."""
+    client = openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi there"}],
+        stream=True,
+        extra_body={"detectors": {"output": {"hap": {}}}},
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+
+
 async def big_request(orch: Orchestrator, surface: str) -> tuple[int, Any]:
     if surface == "content":
         return await orch.post(CONTENT_PATH, {"content": BIG, "detectors": {"hap": {}}})
@@ -98,7 +116,9 @@ async def test_a_big_request_does_not_take_hap_away_from_small_ones(
         orch.post(CONTENT_PATH, {"content": RUDE, "detectors": {"hap": {}}})
     )
     stream = asyncio.create_task(orch.stream(generation_body(output={"hap": {}})))
-    await until(lambda: batcher.outstanding >= 5002, 30)  # both queued behind the big one
+    chat = asyncio.create_task(chat_stream(orch))
+    # all three queued behind the big one: the sentence, and each stream's first sentence
+    await until(lambda: batcher.outstanding == 5003, 30)
     model.gate.set()
 
     assert await small == (200, alone)
@@ -107,6 +127,7 @@ async def test_a_big_request_does_not_take_hap_away_from_small_ones(
     assert assert_contiguous(frames(events)) == "I am great. What about you?"
     assert [f["start_index"] for f in frames(events)] == [0, 11]
     assert [f["token_classification_results"] for f in frames(events)] == [{"output": []}] * 2
+    assert await chat == ("I am great. What about you?", ["stop"])
     # the small content request rode in the pass right after the big request's first one
     assert model.batches[0] == ["Hello there friend."] + [" Hello there friend."] * 31
     assert RUDE in model.batches[1]
@@ -117,7 +138,7 @@ async def test_a_big_request_does_not_take_hap_away_from_small_ones(
         assert body == {"detections": []}  # "Hello there friend." is clean
     else:
         assert terminal(body).name == "completed"
-    assert sum(len(b) for b in model.batches) == 5000 + 1 + 2
+    assert sum(len(b) for b in model.batches) == 5000 + 1 + 2 + 2
     assert batcher.outstanding == 0
 
 
