@@ -61,7 +61,10 @@ class GatedModel:
 async def orch() -> AsyncIterator[Orchestrator]:
     engine = FakeEngine(script=list(SCRIPT))
     await engine.start()
-    detectors = {"hap": {"builtin": "profanity", "chunker_id": "sentence"}}
+    # a generous detector timeout: 5000 sentences take many seconds on a loaded machine, and
+    # this test is about fairness, not deadlines (the default is 10 s)
+    hap = {"builtin": "profanity", "chunker_id": "sentence", "timeout_s": 300}
+    detectors = {"hap": hap}
     async with Orchestrator(native_config(engine.url, detectors=detectors)) as o:
         yield o
     await engine.close()
@@ -75,6 +78,11 @@ async def gate_hap(orch: Orchestrator) -> tuple[Any, GatedModel]:
     model = GatedModel(batcher._fn)
     batcher._fn = model
     return batcher, model
+
+
+def queued(batcher: Any, text: str) -> bool:
+    """`text` waits in the batcher (its caller is admitted, its items not yet in a batch)."""
+    return any(text in caller.items for caller in batcher._ring)
 
 
 async def chat_stream(orch: Orchestrator) -> tuple[str, list[str]]:
@@ -117,8 +125,9 @@ async def test_a_big_request_does_not_take_hap_away_from_small_ones(
     )
     stream = asyncio.create_task(orch.stream(generation_body(output={"hap": {}})))
     chat = asyncio.create_task(chat_stream(orch))
-    # all three queued behind the big one: the sentence, and each stream's first sentence
-    await until(lambda: batcher.outstanding == 5003, 30)
+    # all three queued behind the big one: the sentence, and each stream's first sentence (or
+    # both of its sentences in one call, when the engine was faster than the chunker's reader)
+    await until(lambda: queued(batcher, RUDE) and batcher.outstanding >= 5003, 60)
     model.gate.set()
 
     assert await small == (200, alone)
@@ -148,7 +157,12 @@ async def test_a_request_arriving_into_a_full_detector_gets_429_overloaded() -> 
     two single-sentence requests wait is refused, and both waiting ones succeed."""
     engine = FakeEngine(script=list(SCRIPT))
     await engine.start()
-    hap = {"builtin": "profanity", "chunker_id": "sentence", "params": {"max_queue": 2}}
+    hap = {
+        "builtin": "profanity",
+        "chunker_id": "sentence",
+        "timeout_s": 300,
+        "params": {"max_queue": 2},
+    }
     try:
         async with Orchestrator(native_config(engine.url, detectors={"hap": hap})) as orch:
             batcher, model = await gate_hap(orch)
