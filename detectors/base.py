@@ -65,7 +65,9 @@ class BatchingParams(DetectorParams):
     """Micro-batching settings of a model-backed detector; config-only (they take effect when
     the detector is built). `max_wait_ms` is accepted so existing configs still load, but has no
     effect: an idle model is called at once, and batches form from the requests that queue
-    while it is busy (see batching.py)."""
+    while it is busy (see batching.py). Batches are filled round-robin across requests;
+    `max_queue` counts each waiting request's share of the next batch (at most
+    `max_batch_size`), not its whole backlog, so one huge request only waits for itself."""
 
     batching: bool = True
     max_batch_size: int = Field(32, ge=1, le=4096)

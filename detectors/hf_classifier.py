@@ -32,6 +32,7 @@ from .base import (
 )
 from .hf import labels_of, load_sequence_classifier, model_max_tokens, read_config
 from .model import BatchedDetector
+from .normalise import normalise
 from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
 
 Score = Annotated[float, Field(ge=0, le=1)]
@@ -178,6 +179,18 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
         return get_runtime(
             ("seqcls", path, device), lambda: _load(path, device), thread=torch_thread(device)
         )
+
+    def _judge(self, items: list[tuple[str, int | None, int]]) -> list[list[_Window]]:
+        """The model reads the normalised view (DESIGN 4.6b), in the worker thread; each
+        window's span is mapped back to the original characters."""
+        views = [normalise(text) for text, _, _ in items]
+        results = self._forward(
+            [(view.text, ml, st) for view, (_, ml, st) in zip(views, items, strict=True)]
+        )
+        for view, windows in zip(views, results, strict=True):
+            if not view.identity:
+                windows[:] = [_Window(*view.span(w.start, w.end), logits=w.logits) for w in windows]
+        return results
 
     def _forward(self, items: list[tuple[str, int | None, int]]) -> list[list[_Window]]:
         """Tokenises every item into windows, runs them in sub-batches of at most

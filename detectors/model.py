@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from abc import abstractmethod
 from collections.abc import Mapping
@@ -95,7 +96,9 @@ class ScoredTextDetector(BatchedDetector[str, float]):
         todo = [i for i, c in enumerate(contents) if c.strip()]
         scores = await self._batcher.submit([contents[i] for i in todo])
         out: list[list[Detection]] = [[] for _ in contents]
-        for i, score in zip(todo, scores, strict=True):
+        for n, (i, score) in enumerate(zip(todo, scores, strict=True)):
+            if n % 512 == 511:  # thousands of detections: let other requests run in between
+                await asyncio.sleep(0)
             if score >= p.floor:
                 out[i] = [
                     whole_content(

@@ -63,6 +63,11 @@ REQUEST_MAX_MEM = 1 << 20  # a pattern too big for this fails to compile in ~7 m
 # characters in total (a burst's sentences come in one call) cost 8% of the orchestrator's CPU
 # per answer (bench/openai_overhead.py, ITL 0, c8).
 INLINE_CHARS = 1024
+# A call whose contents total more than this (a whole document chunked into thousands of
+# sentences) goes to the thread in one hand-off, short contents included: scanning 1 MB of
+# PII-dense text takes seconds of CPU, and even sliced into INLINE_CHARS turns it took the loop
+# from every other request (issue 20). A burst of a stream's sentences stays far below it.
+BULK_CHARS = 16 * 1024
 MAX_IPV6_CHARS = 45  # ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-")
 
@@ -457,10 +462,26 @@ def _find(
         kept = [(*view.span(s, e), name) for s, e, name in kept]
     elif view is not None:
         text = view.original  # same positions; the text reported is what the client sent
+    # model_construct: these values are ours and well-typed, and validating each of the tens of
+    # thousands a large document can hold cost more than the scan that found them. They share
+    # one fields-set (what pydantic would record: these six): a set per detection was 40,000
+    # more objects for the garbage collector to walk, with the event loop stopped, per 1 MB
+    make = Detection.model_construct
     return [
-        Detection(start=s, end=e, text=text[s:e], detection=name, detection_type="pii", score=1.0)
+        make(
+            _PII_FIELDS,
+            start=s,
+            end=e,
+            text=text[s:e],
+            detection=name,
+            detection_type="pii",
+            score=1.0,
+        )
         for s, e, name in kept
     ]
+
+
+_PII_FIELDS = {"start", "end", "text", "detection", "detection_type", "score"}
 
 
 def _check_cancelled(cancelled: threading.Event | None) -> None:
@@ -545,7 +566,10 @@ class RegexDetector(Detector):
         # Long contents (and every content, with a request's own patterns) go to the thread in
         # one hand-off, and RE2 releases the GIL while it matches, so they run while the loop
         # scans the short ones itself, yielding to other tasks after every INLINE_CHARS.
-        threaded = [i for i, c in enumerate(contents) if from_request or len(c) > INLINE_CHARS]
+        bulk = sum(map(len, contents)) > BULK_CHARS
+        threaded = [
+            i for i, c in enumerate(contents) if from_request or bulk or len(c) > INLINE_CHARS
+        ]
         found: list[list[Detection]] = [[] for _ in contents]
         cancelled = threading.Event()
         in_thread: asyncio.Future[list[list[Detection]]] | None = None

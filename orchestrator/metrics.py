@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter as Tally
 from collections.abc import Iterable
 from typing import Any
 
@@ -168,8 +169,9 @@ class OrchestratorMetrics:
                 self.hold_back.observe(max(hold_s, 0.0))
 
         def on_findings(findings: list[Finding]) -> None:
-            for f in findings:
-                self.detections.labels(f.detector_id).inc()
+            # one inc per detector, not per finding: a 1 MB request can bring 40,000
+            for detector_id, n in Tally(f.detector_id for f in findings).items():
+                self.detections.labels(detector_id).inc(n)
 
         def on_terminal(name: str) -> None:
             self.terminal_events.labels(name).inc()

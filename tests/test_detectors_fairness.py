@@ -4,11 +4,11 @@ The attack: `"Hello there friend. " x N` (N well past the detector's max_queue o
 the content endpoint, or as FMS `inputs` with input detection, with the in-process `hap`
 (profanity) detector. It used to fill the detector's global queue, so that every other request
 using `hap` failed with detector_error "queue full". Here the big request is held in its first
-forward pass (a gate in the real model's batch function) while small requests on the content
-endpoint and a generation stream arrive behind it; they must all succeed with exact results, and
-the small content request must ride in the very next forward pass. Real server on 127.0.0.1, the
-real profanity model, a fake engine speaking the native protocol; ordering by gates, never the
-clock.
+forward pass (a gate in the real model's batch function) while a small request on the content
+endpoint, an FMS generation stream and a chat completion stream (the official openai SDK) arrive
+behind it; they must all succeed with exact results, and the small content request must ride in
+the very next forward pass. Real server on 127.0.0.1, the real profanity model, a fake engine
+speaking the native protocol; ordering by gates, never the clock.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import openai
 import pytest
 
 from orchestrator.app import CONTENT_PATH
@@ -25,6 +26,7 @@ from orchestrator.handlers.health import DETECTOR_HEALTH
 from orchestrator.state import STATE
 from tests.fakes.engine import FakeEngine, until
 from tests.orchestrator_support import (
+    MODEL,
     SCRIPT,
     Orchestrator,
     assert_contiguous,
@@ -59,7 +61,10 @@ class GatedModel:
 async def orch() -> AsyncIterator[Orchestrator]:
     engine = FakeEngine(script=list(SCRIPT))
     await engine.start()
-    detectors = {"hap": {"builtin": "profanity", "chunker_id": "sentence"}}
+    # a generous detector timeout: 5000 sentences take many seconds on a loaded machine, and
+    # this test is about fairness, not deadlines (the default is 10 s)
+    hap = {"builtin": "profanity", "chunker_id": "sentence", "timeout_s": 300}
+    detectors = {"hap": hap}
     async with Orchestrator(native_config(engine.url, detectors=detectors)) as o:
         yield o
     await engine.close()
@@ -73,6 +78,27 @@ async def gate_hap(orch: Orchestrator) -> tuple[Any, GatedModel]:
     model = GatedModel(batcher._fn)
     batcher._fn = model
     return batcher, model
+
+
+def queued(batcher: Any, text: str) -> bool:
+    """`text` waits in the batcher (its caller is admitted, its items not yet in a batch)."""
+    return any(text in caller.items for caller in batcher._ring)
+
+
+async def chat_stream(orch: Orchestrator) -> tuple[str, list[str]]:
+    """A streamed chat completion through the official SDK with `hap` on its output."""
+    client = openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi there"}],
+        stream=True,
+        extra_body={"detectors": {"output": {"hap": {}}}},
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
 
 
 async def big_request(orch: Orchestrator, surface: str) -> tuple[int, Any]:
@@ -93,12 +119,17 @@ async def test_a_big_request_does_not_take_hap_away_from_small_ones(
 
     big = asyncio.create_task(big_request(orch, surface))
     assert await asyncio.to_thread(model.entered.wait, 30), "the big request never reached hap"
-    assert batcher.outstanding == 5000  # all of it accepted, 32 of it in the model
+    # all of it accepted, 32 of it in the model: 5,000 sentences and the 4,999 windows across
+    # their boundaries (no seam leaks, DESIGN 4.5)
+    assert batcher.outstanding == 9999
     small = asyncio.create_task(
         orch.post(CONTENT_PATH, {"content": RUDE, "detectors": {"hap": {}}})
     )
     stream = asyncio.create_task(orch.stream(generation_body(output={"hap": {}})))
-    await until(lambda: batcher.outstanding >= 5002, 30)  # both queued behind the big one
+    chat = asyncio.create_task(chat_stream(orch))
+    # all three queued behind the big one: the sentence, and each stream's first sentence (or
+    # both of its sentences in one call, when the engine was faster than the chunker's reader)
+    await until(lambda: queued(batcher, RUDE) and batcher.outstanding >= 10002, 60)
     model.gate.set()
 
     assert await small == (200, alone)
@@ -107,6 +138,7 @@ async def test_a_big_request_does_not_take_hap_away_from_small_ones(
     assert assert_contiguous(frames(events)) == "I am great. What about you?"
     assert [f["start_index"] for f in frames(events)] == [0, 11]
     assert [f["token_classification_results"] for f in frames(events)] == [{"output": []}] * 2
+    assert await chat == ("I am great. What about you?", ["stop"])
     # the small content request rode in the pass right after the big request's first one
     assert model.batches[0] == ["Hello there friend."] + [" Hello there friend."] * 31
     assert RUDE in model.batches[1]
@@ -117,7 +149,7 @@ async def test_a_big_request_does_not_take_hap_away_from_small_ones(
         assert body == {"detections": []}  # "Hello there friend." is clean
     else:
         assert terminal(body).name == "completed"
-    assert sum(len(b) for b in model.batches) == 5000 + 1 + 2
+    assert sum(len(b) for b in model.batches) == 9999 + 1 + 2 + 2
     assert batcher.outstanding == 0
 
 
@@ -127,7 +159,12 @@ async def test_a_request_arriving_into_a_full_detector_gets_429_overloaded() -> 
     two single-sentence requests wait is refused, and both waiting ones succeed."""
     engine = FakeEngine(script=list(SCRIPT))
     await engine.start()
-    hap = {"builtin": "profanity", "chunker_id": "sentence", "params": {"max_queue": 2}}
+    hap = {
+        "builtin": "profanity",
+        "chunker_id": "sentence",
+        "timeout_s": 300,
+        "params": {"max_queue": 2},
+    }
     try:
         async with Orchestrator(native_config(engine.url, detectors={"hap": hap})) as orch:
             batcher, model = await gate_hap(orch)

@@ -212,6 +212,34 @@ async def test_short_contents_are_scanned_on_the_loop_which_they_yield_every_inl
     ]
 
 
+async def test_a_call_past_bulk_chars_is_scanned_in_the_thread_all_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A whole document chunked into sentences (issue 20: 1 MB, 20,000 sentences) would hold
+    the loop for seconds even in INLINE_CHARS slices: past BULK_CHARS in one call, every
+    content goes to the scan thread in one hand-off, with the same results."""
+    real_find = regex_pii._find
+    threads: list[int] = []
+
+    def recording(t: Any, *args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real_find(t, *args)
+
+    monkeypatch.setattr(regex_pii, "_find", recording)
+    sentence = "Mail jo@example.com or call 555-123-4567 today. "
+    contents = [sentence] * (regex_pii.BULK_CHARS // len(sentence) + 1)
+    results = await detectors.build("regex").detect(contents)
+    assert len(threads) == len(contents)
+    assert threading.get_ident() not in threads
+    assert all(
+        [(d.detection, d.start, d.end) for d in r] == [("email", 5, 19), ("phone", 28, 40)]
+        for r in results
+    )
+    threads.clear()
+    await detectors.build("regex").detect(contents[:3])  # a stream's burst: on the loop
+    assert threads == [threading.get_ident()] * 3
+
+
 async def test_a_cancelled_scan_stops_at_its_next_pattern(monkeypatch: pytest.MonkeyPatch) -> None:
     real_spans = regex_pii._pattern_spans
     entered, gate, calls = threading.Event(), threading.Event(), []

@@ -16,6 +16,7 @@ import unicodedata
 from typing import Any
 
 import pytest
+from detectors_support import ANCHORS, expected_probs, shared_anchor_classifier
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -159,6 +160,29 @@ async def test_profanity_scores_the_view_not_the_disguise() -> None:
     )
     assert hidden[0].score == pytest.approx(plain[0].score)
     assert (hidden[0].start, hidden[0].end) == (0, 26)  # the whole original content
+
+
+async def test_hf_classifier_windows_read_the_view_and_map_back() -> None:
+    """Zero-width spaces inside a sentence would change its word pieces (and its window): the
+    model reads the view, and the window's span covers the original characters."""
+    det = detectors.build(
+        "hf_classifier",
+        {
+            "model_path": str(shared_anchor_classifier()),
+            "safe_labels": ["safe"],
+            "max_length": 12,
+            "stride": 0,
+        },
+    )
+    sports = ANCHORS["sports"].replace("football", "foot\u200bball").replace("won", "w\u00adon")
+    text = " ".join([ANCHORS["safe"], sports, ANCHORS["safe"]])
+    (found,) = await det.detect([text])
+    start = text.index(sports)
+    assert [(d.detection, d.start, d.end, d.text) for d in found] == [
+        ("sports", start, start + len(sports), sports)
+    ]
+    assert found[0].score == pytest.approx(expected_probs("sports")["sports"], abs=1e-4)
+    assert found[0].metadata == {"windows": 3, "window": 1}
 
 
 # --- the property ---------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from ..config import ConfigError, DetectorConfig
 from .reasons import connection_failure
 
 _REPLY = TypeAdapter(list[list[Detection]])
+# bodies and replies past this many characters/bytes are encoded and parsed off the event loop
+_LARGE_CHARS = 256 * 1024
 
 
 log = logging.getLogger("guardstream.detectors")
@@ -195,13 +197,17 @@ class HttpDetectorClient(DetectorClient):
         merged = {**self.config.params, **(params or {})}
         for key in ("threshold", "on_detection"):
             merged.pop(key, None)
-        body = ContentsRequest(contents=contents, detector_params=merged).model_dump(mode="json")
+        request = ContentsRequest(contents=contents, detector_params=merged)
+        # a large body is encoded, and a large reply parsed, in a thread: not on the event loop
+        large = sum(map(len, contents)) > _LARGE_CHARS
+        data = await asyncio.to_thread(_encode, request) if large else None
         # x-request-id and allowlisted client headers are added by the session's request hook
         hdrs = {"detector-id": self.detector_id, "content-type": "application/json", **self._auth}
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        body = None if large else request.model_dump(mode="json")
         try:
             async with self._session.post(
-                self._url, json=body, headers=hdrs, timeout=timeout, ssl=self._ssl
+                self._url, json=body, data=data, headers=hdrs, timeout=timeout, ssl=self._ssl
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
@@ -227,7 +233,10 @@ class HttpDetectorClient(DetectorClient):
             reason = connection_failure(exc)
             raise DetectorCallError(self.detector_id, f"request failed: {reason}") from None
         try:
-            reply = _REPLY.validate_json(raw)
+            if len(raw) > _LARGE_CHARS:
+                reply = await asyncio.to_thread(_REPLY.validate_json, raw)
+            else:
+                reply = _REPLY.validate_json(raw)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "reply"
@@ -248,6 +257,11 @@ class HttpDetectorClient(DetectorClient):
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
+
+
+def _encode(request: ContentsRequest) -> str:
+    """What `json=` would send (json.dumps escapes what UTF-8 cannot carry)."""
+    return json.dumps(request.model_dump(mode="json"))
 
 
 def _error_message(raw: bytes) -> str:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiohttp import web
 
 from ..api.errors import ApiError, ErrorType
 from ..api.requests import ContentDetectionRequest
-from ..api.responses import ContentDetectionResponse
 from ..state import STATE
+from ..streaming import wire_json
+from ..streaming.findings import Finding
 from ..streaming.redaction import redact_text
-from ..streaming.text_judgement import judge_text
+from ..streaming.text_judgement import judge_text, off_loop
 from .body import read_model
 
 
@@ -30,13 +32,45 @@ async def handle(request: web.Request) -> web.Response:
             504, ErrorType.TIMEOUT, "the detectors did not answer within request_timeout_s"
         ) from None
     state.metrics.observer().on_findings(findings)
-    if not body.redact:
-        response = ContentDetectionResponse(detections=[f.to_content() for f in findings])
-        return web.json_response(response.dump())
-    # DESIGN 4.6a: every detection replaced by its detector's `redact_with`; spans relative to
-    # the redacted text the reply carries
-    redacted, mapped = redact_text(body.content, findings, {d.detector_id: d for d in dets})
-    response = ContentDetectionResponse(
-        detections=[f.to_content() for f in mapped], redacted_content=redacted
-    )
-    return web.json_response(response.dump())
+    redacted: str | None = None
+    if body.redact:
+        # DESIGN 4.6a: every detection replaced by its detector's `redact_with`; spans relative
+        # to the redacted text the reply carries
+        redacted, findings = redact_text(body.content, findings, {d.detector_id: d for d in dets})
+
+    def reply() -> bytes:
+        # encoded a slice at a time: 40,000 dicts alive at once were as many objects for the
+        # garbage collector to walk (with the loop stopped) before the first was freed
+        parts = (
+            wire_json.dumps([content_dict(f) for f in findings[i : i + 512]])[1:-1]
+            for i in range(0, len(findings), 512)
+        )
+        out = b'{"detections":[' + b",".join(parts) + b"]"
+        if redacted is not None:
+            out += b',"redacted_content":' + wire_json.dumps(redacted)
+        return out + b"}"
+
+    # tens of thousands of detections take a second to build and encode: not on the loop
+    data = await off_loop(reply) if len(findings) > 256 else reply()
+    return web.Response(body=data, content_type="application/json", charset="utf-8")
+
+
+def content_dict(f: Finding) -> dict[str, Any]:
+    """`ContentDetection(...).dump()` of a finding without building the pydantic model (a 1 MB
+    request can bring 40,000): the same keys in the same order, None left out."""
+    out: dict[str, Any] = {
+        "start": f.start,
+        "end": f.end,
+        "text": f.text,
+        "detection": f.detection,
+        "detection_type": f.detection_type,
+        "detector_id": f.detector_id,
+        "score": f.score,
+    }
+    if f.evidence is not None:
+        out["evidence"] = f.evidence
+    if f.metadata is not None:
+        out["metadata"] = f.metadata
+    if f.redacted:
+        out["redacted"] = True
+    return out

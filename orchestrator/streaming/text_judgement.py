@@ -9,21 +9,62 @@ so a blocking input guardrail cannot be walked around by placing it there. On th
 endpoint (annotations of the client's own text) a detection covering a whole window is dropped
 as a classifier's verdict on the window rather than an entity in it; on inputs, where any
 detection refuses, it counts (an entity may fill the window). A redacting detector judges each
-text whole instead (nothing to split)."""
+text whole instead (nothing to split).
+
+Nothing CPU-heavy on the event loop (DESIGN 4): chunking a megabyte of text takes about a second
+of CPU, and turning tens of thousands of detections into findings about as much; on the loop
+that froze every other request (issue 20: four 1 MB requests stalled /health for 3 s). Past
+BULK_CHARS, chunking and finding-building run in `bulk_executor()`'s threads, and the loop only
+waits for them (a Python thread holds the GIL for at most the switch interval at a time, so the
+loop keeps answering). Below it, a sentence or a prompt, they stay inline: a hand-off costs more
+than the work.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from chunkers import Span
+from detectors.api import Detection
 
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from ..config import WHOLE_DOC_CHUNKER
 from .detector_queue import SEAM_CHARS, SEAM_RUN_CHARS
 from .fanout import ChunkerFailure
 from .findings import Finding, keep, sort_findings
+
+# A text longer than this is chunked, and its findings built, off the event loop. Sentence
+# chunking cost ~3.5 us a character here (2 busy cores): 4 Ki characters is ~15 ms on the loop,
+# the most one request may take from it in one go; a hand-off to a thread costs ~0.1 ms.
+BULK_CHARS = 4 * 1024
+
+T = TypeVar("T")
+
+_EXECUTOR: ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def bulk_executor() -> ThreadPoolExecutor:
+    """Threads of their own for the CPU work of large requests: a flood of them never occupies
+    the default executor (aiohttp's DNS lookups), and a few big requests queue here instead of
+    all competing with the loop for the GIL at once."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            workers = max(1, min(2, os.cpu_count() or 1))
+            _EXECUTOR = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bulk-judge")
+        return _EXECUTOR
+
+
+async def off_loop(fn: Callable[[], T]) -> T:
+    """`fn()` in a bulk thread."""
+    return await asyncio.get_running_loop().run_in_executor(bulk_executor(), fn)
 
 
 def _chunker_of(detector: RequestedDetector, whole: bool) -> str:
@@ -60,7 +101,7 @@ async def judge_text(
 
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(one(d)) for d in detectors]
-    return sort_findings([f for t in tasks for f in t.result()])
+    return await _sorted([f for t in tasks for f in t.result()])
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +142,7 @@ async def judge_pieces(
 
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(one(d)) for d in detectors]
-    return sort_findings([f for t in tasks for f in t.result()])
+    return await _sorted([f for t in tasks for f in t.result()])
 
 
 async def _judge(
@@ -112,20 +153,43 @@ async def _judge(
     window_verdicts: bool,
 ) -> list[tuple[Any, Finding]]:
     """(owner, finding) over `[start, end)` of each `(text, start, end, owner)`, in one call:
-    the chunks, then one window per chunk boundary (see the module's docstring)."""
+    the chunks, then one window per chunk boundary (see the module's docstring). Past
+    BULK_CHARS, chunking and building findings run off the loop."""
+    bulk = sum(end - start for _, start, end, _ in regions) > BULK_CHARS
     spans: list[Span] = []
     owners: list[Any] = []
     seams: list[tuple[Span, int, Any]] = []  # (window, the boundary it spans, owner)
-    for text, start, end, owner in regions:
-        chunks = _chunk_regions(text, [(start, end)], chunker_id, chunkers)
-        spans.extend(chunks)
-        owners.extend([owner] * len(chunks))
-        for nxt in chunks[1:]:
-            seams.append((_seam(text, start, end, nxt.start), nxt.start, owner))
+
+    def chunk() -> None:
+        for text, start, end, owner in regions:
+            chunks = _chunk_regions(text, [(start, end)], chunker_id, chunkers)
+            spans.extend(chunks)
+            owners.extend([owner] * len(chunks))
+            for nxt in chunks[1:]:
+                seams.append((_seam(text, start, end, nxt.start), nxt.start, owner))
+
+    await off_loop(chunk) if bulk else chunk()
     if not spans:
         return []
     contents = [s.text for s in spans] + [w.text for w, _, _ in seams]
     replies = await detector.client.detect(contents, detector.params)
+
+    def build() -> list[tuple[Any, Finding]]:
+        return _findings(detector, owners, spans, seams, replies, window_verdicts)
+
+    return await off_loop(build) if bulk else build()
+
+
+def _findings(
+    detector: RequestedDetector,
+    owners: list[Any],
+    spans: list[Span],
+    seams: list[tuple[Span, int, Any]],
+    replies: list[list[Detection]],
+    window_verdicts: bool,
+) -> list[tuple[Any, Finding]]:
+    """(owner, finding) of every chunk's reply, then what each boundary window's reply found
+    straddling its boundary."""
     n = len(spans)
     out = [
         (owner, f)
@@ -138,6 +202,13 @@ async def _judge(
             if f.start < boundary < f.end and (window_verdicts or not whole_window):
                 out.append((owner, f))
     return out
+
+
+async def _sorted(found: list[Finding]) -> list[Finding]:
+    """sort_findings, off the loop when there are many."""
+    if len(found) > 1024:
+        return await off_loop(lambda: sort_findings(found))
+    return sort_findings(found)
 
 
 def _seam(text: str, start: int, end: int, boundary: int) -> Span:

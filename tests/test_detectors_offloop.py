@@ -1,0 +1,103 @@
+"""Issue 20, item 4: nothing CPU-heavy on the event loop for large inputs. Four concurrent 1 MB
+PII-dense /content requests used to stall /health for 3 s: chunking, scanning and the building
+of tens of thousands of findings and of the reply all ran on the loop. Past BULK_CHARS they run
+in worker threads; below it (a sentence, a prompt) they stay inline. Checked by where the work
+runs (thread identities), never by the clock; the figures are bench/loop_lag.py's."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from orchestrator.app import CONTENT_PATH
+from orchestrator.handlers.content_detection import content_dict
+from orchestrator.streaming import text_judgement
+from orchestrator.streaming.findings import Finding
+from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import SCRIPT, Orchestrator, generation_body, native_config
+
+SENTENCE = "Mail jo@example.com or call 555-123-4567 today. "
+
+
+@pytest.fixture
+async def orch() -> AsyncIterator[Orchestrator]:
+    engine = FakeEngine(script=list(SCRIPT))
+    await engine.start()
+    dets = {"pii": {"builtin": "regex", "chunker_id": "sentence"}}
+    async with Orchestrator(native_config(engine.url, detectors=dets)) as o:
+        yield o
+    await engine.close()
+
+
+@pytest.fixture
+def where(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """The threads that chunked texts and built findings, by step."""
+    seen: dict[str, list[int]] = {"chunk": [], "findings": []}
+    real_chunk, real_findings = text_judgement._chunk_regions, text_judgement._findings
+
+    def chunk(*args: Any) -> Any:
+        seen["chunk"].append(threading.get_ident())
+        return real_chunk(*args)
+
+    def findings(*args: Any) -> Any:
+        seen["findings"].append(threading.get_ident())
+        return real_findings(*args)
+
+    monkeypatch.setattr(text_judgement, "_chunk_regions", chunk)
+    monkeypatch.setattr(text_judgement, "_findings", findings)
+    return seen
+
+
+async def test_a_large_content_is_chunked_and_judged_off_the_loop_with_exact_results(
+    orch: Orchestrator, where: dict[str, list[int]]
+) -> None:
+    n = text_judgement.BULK_CHARS // len(SENTENCE) + 10
+    text = SENTENCE * n
+    status, body = await orch.post(CONTENT_PATH, {"content": text, "detectors": {"pii": {}}})
+    assert status == 200
+    loop_thread = threading.get_ident()
+    assert where["chunk"] and loop_thread not in where["chunk"]
+    assert where["findings"] and loop_thread not in where["findings"]
+    found = body["detections"]
+    assert len(found) == 2 * n  # more than 256: the reply is built off the loop too
+    want = []
+    for i in range(n):
+        at = i * len(SENTENCE)
+        want.append((at + 5, at + 19, "jo@example.com", "email"))
+        want.append((at + 28, at + 40, "555-123-4567", "phone"))
+    assert [(d["start"], d["end"], d["text"], d["detection"]) for d in found] == want
+    assert found[0] == {
+        "start": 5,
+        "end": 19,
+        "text": "jo@example.com",
+        "detection": "email",
+        "detection_type": "pii",
+        "detector_id": "pii",
+        "score": 1.0,
+    }
+
+
+async def test_a_small_content_and_a_prompt_stay_on_the_loop(
+    orch: Orchestrator, where: dict[str, list[int]]
+) -> None:
+    status, body = await orch.post(CONTENT_PATH, {"content": SENTENCE, "detectors": {"pii": {}}})
+    assert status == 200 and len(body["detections"]) == 2
+    events = await orch.stream(generation_body("Hi there", input={"pii": {}}))
+    assert events[-1].name == "completed"
+    loop_thread = threading.get_ident()
+    assert where["chunk"] == [loop_thread] * 2 and where["findings"] == [loop_thread] * 2
+
+
+@pytest.mark.parametrize(
+    "finding",
+    [
+        Finding(1, 5, "text", "email", "pii", "pii", 1.0),
+        Finding(0, 9, "whole one", "sports", "topic", "t", 0.25, [{"k": 1}], {"m": [1, 2]}),
+    ],
+)
+def test_the_reply_dict_is_the_wire_model_dump(finding: Finding) -> None:
+    assert content_dict(finding) == finding.to_content().dump()
+    assert list(content_dict(finding)) == list(finding.to_content().dump())
