@@ -26,15 +26,9 @@ PORT ?= 8033
 run: $(STAMP)
 	$(PY) -m generation prepare smollm2-135m
 	@echo
-	@echo "guardstream starts on port $(PORT). In another terminal, try:"
+	@echo "guardstream starts on port $(PORT); it prints commands to try once it is ready."
 	@echo
-	@echo "  curl -N http://127.0.0.1:$(PORT)/api/v1/task/server-streaming-classification-with-text-generation \\"
-	@echo "    -H 'content-type: application/json' \\"
-	@echo "    -d '{\"model_id\": \"smollm2-135m\", \"inputs\": \"Tell me about cats.\", \"guardrail_config\": {\"output\": {\"models\": {\"pii\": {}, \"hap\": {}}}}}'"
-	@echo
-	@echo "  or: $(PY) -m orchestrator stream --output-detector pii --output-detector hap 'Tell me about cats.'"
-	@echo
-	$(PY) -m orchestrator serve --config $(CONFIG) --port $(PORT)
+	$(PY) -m orchestrator serve --config $(CONFIG) --port $(PORT) --hint
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -130,11 +130,16 @@ class Emitter:
     `(a, a + max_chars]` and the text extends past `a + max_chars`, which is exactly the batch
     condition, so the result does not depend on how the text was split into deltas."""
 
-    __slots__ = ("_buf", "_max", "_stage", "a", "wake_len")
+    __slots__ = ("_buf", "_eager", "_max", "_stage", "a", "wake_len")
 
-    def __init__(self, buf: TextBuffer, stage: CutStage, max_chars: int | None) -> None:
+    def __init__(
+        self, buf: TextBuffer, stage: CutStage, max_chars: int | None, *, eager: bool = False
+    ) -> None:
+        """`eager`: the stage advances on any wake-up (it has no wake-up of its own for text
+        that holds no boundary), so waking it at the safety cut's length is what moves it."""
         self._buf = buf
         self._stage = stage
+        self._eager = eager
         self._max = INF if max_chars is None else max_chars
         self.a = 0  # start of the next chunk to emit
         self.wake_len = INF  # stream length at which a safety cut could become possible
@@ -173,7 +178,11 @@ class Emitter:
         self.a = a
         # Only worth waking for a safety cut when the stage has caught up with the text (its
         # frontier then moves with the text); otherwise the stage's own wake-up comes first.
-        open_ended = not final and mx != INF and self._stage.frontier() >= n
+        if self._eager:
+            # past a + mx and still here: the stage's frontier waits for its own wake-up
+            open_ended = not final and mx != INF and n <= a + mx
+        else:
+            open_ended = not final and mx != INF and self._stage.frontier() >= n
         self.wake_len = a + mx + 1 if open_ended else INF
         return out
 

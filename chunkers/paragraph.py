@@ -20,7 +20,10 @@ class ParagraphCutter:
     to the following paragraph. A run at the very start or end of the text is not a cut (leading
     whitespace belongs to the first paragraph, trailing whitespace to the last).
 
-    Incrementally a cut is committed once its run is complete (a non-space character follows)."""
+    Incrementally a cut is committed once its run is complete (a non-space character follows).
+    It advances on every wake-up (a line break, or the `max_chars` safety cut's length), not
+    only after a line break: text without any still moves the frontier, so the safety cut can
+    close an over-long paragraph."""
 
     __slots__ = ("_buf", "_final", "_pos", "cuts", "dirty", "wake_len", "wake_rx")
 
@@ -43,8 +46,6 @@ class ParagraphCutter:
         return self._pos
 
     def advance(self, final: bool) -> None:
-        if not (final or self.dirty):
-            return
         self.dirty = False
         buf = self._buf
         t, base, n = buf.text, buf.base, buf.n
@@ -52,8 +53,14 @@ class ParagraphCutter:
             lo = self._pos - base
             m = _RE_LINE.search(t, lo)
             if m is None:
-                # Stop before a trailing whitespace run: it may still grow a line break.
-                self._pos += len(t[lo:].rstrip())
+                # Stop before a trailing whitespace run: it may still grow a line break (its
+                # first non-space character settles it, so that wakes the cutter too).
+                rest = t[lo:]
+                kept = len(rest.rstrip())
+                self._pos += kept
+                if kept < len(rest) and not final:
+                    self.wake_rx = _RE_LINE_OR_NONSPACE
+                    return
                 break
             # The whitespace run around this line break (found from the break, not with one
             # regex, which would backtrack quadratically over a long run of spaces).
@@ -74,14 +81,19 @@ class ParagraphCutter:
 
 
 class ParagraphChunker:
-    """Paragraphs separated by blank lines (see `ParagraphCutter`)."""
+    """Paragraphs separated by blank lines (see `ParagraphCutter`); a paragraph longer than
+    `max_chars` is split at the last whitespace within the limit (hard cut if there is none),
+    so text without blank lines is still judged and released every `max_chars` characters."""
 
-    __slots__ = ()
+    __slots__ = ("max_chars",)
+
+    def __init__(self, max_chars: int = 2000) -> None:
+        self.max_chars = max_chars
 
     def incremental(self) -> Pipeline:
         buf = TextBuffer()
         cutter = ParagraphCutter(buf)
-        return Pipeline(buf, [cutter], Emitter(buf, cutter, None))
+        return Pipeline(buf, [cutter], Emitter(buf, cutter, self.max_chars, eager=True))
 
     def chunk(self, text: str) -> list[Span]:
         """The incremental form fed everything at once, so the two cannot disagree."""
@@ -89,4 +101,4 @@ class ParagraphChunker:
         return state.feed(text) + state.flush()
 
     def __repr__(self) -> str:
-        return "ParagraphChunker()"
+        return f"ParagraphChunker(max_chars={self.max_chars})"

@@ -19,7 +19,7 @@ class SentenceChunker:
 
     __slots__ = ("max_chars",)
 
-    def __init__(self, max_chars: int = 2000) -> None:
+    def __init__(self, max_chars: int = 500) -> None:
         self.max_chars = max_chars
 
     def incremental(self) -> Pipeline:

@@ -258,6 +258,15 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def text_bounds(content: str) -> tuple[int, int]:
+    """[start, end) of `content` without leading and trailing whitespace; the whole content when
+    it is only whitespace."""
+    end = len(content.rstrip())
+    if end == 0:
+        return 0, len(content)
+    return len(content) - len(content.lstrip()), end
+
+
 def whole_content(
     content: str,
     *,
@@ -266,11 +275,13 @@ def whole_content(
     score: float,
     metadata: dict[str, Any] | None = None,
 ) -> Detection:
-    """A classifier detection: the whole content is the span (models judge it as one text)."""
+    """A classifier detection: the whole content is the span (models judge it as one text),
+    without the whitespace around it (a sentence chunk starts with the space before it)."""
+    start, end = text_bounds(content)
     return Detection(
-        start=0,
-        end=len(content),
-        text=content,
+        start=start,
+        end=end,
+        text=content[start:end],
         detection=label,
         detection_type=detection_type,
         score=float(score),

@@ -1,4 +1,4 @@
-"""Micro-batching: concurrent requests to one model become one forward pass.
+"""Micro-batching: concurrent requests to one model become one forward pass, served fairly.
 
 Every peer runs detector models one text at a time; under many concurrent streams that wastes most
 of a GPU and much of a CPU. A MicroBatcher never waits for company: when the model is idle, a
@@ -8,8 +8,18 @@ next forward pass. So an idle detector adds no latency, and under load batches g
 to match the arrival rate. The batch function runs in a worker thread, never on the event loop,
 and each caller gets its own slice of the results.
 
-The queue is bounded (`max_queue` items accepted and not yet answered): past it, `submit` raises
-Overloaded at once instead of letting memory and latency grow without bound.
+Fair across callers (DESIGN 4.6b): each `submit` is a caller with its own sub-queue, and every
+forward pass is filled round-robin from the callers that wait, one item each in turn, starting
+after the caller the previous pass ended with. A caller with 50,000 items therefore gets its share
+of each pass (all of it when alone) and waits for the rest, while a one-sentence caller arriving
+behind it is in the very next pass: one request cannot take a detector away from the others.
+
+Bounded: `max_queue` counts, per waiting caller, the items it can have in the next pass (at most
+`max_batch_size`), not all the items it brought: a big caller's backlog is its own (the texts it
+already holds) and only makes that caller wait. A new caller that would push the count past
+`max_queue` (about max_queue concurrent single-item callers, or max_queue / max_batch_size big
+ones) is refused at once with Overloaded: the refusal falls on the request that arrived into a
+full detector, never on those already waiting.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from .base import DetectorError, Overloaded
@@ -32,11 +42,32 @@ R = TypeVar("R")
 
 
 @dataclass(eq=False)
-class _Piece(Generic[T, R]):
-    """At most `max_batch_size` items of one caller, answered through `future`."""
+class _Caller(Generic[T, R]):
+    """One `submit`: its items, how far the batches have taken them, and its answers."""
 
     items: list[T]
     future: asyncio.Future[list[R]]
+    share: int  # what it counts against max_queue
+    taken: int = 0  # items handed to a batch so far (a prefix of `items`)
+    answered: int = 0
+    results: list[R | None] = field(default_factory=list)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.items) - self.taken
+
+
+@dataclass(eq=False)
+class _Slice(Generic[T, R]):
+    """A contiguous run of one caller's items inside a batch."""
+
+    caller: _Caller[T, R]
+    start: int
+    end: int
+
+    @property
+    def items(self) -> list[T]:
+        return self.caller.items[self.start : self.end]
 
 
 class MicroBatcher(Generic[T, R]):
@@ -71,9 +102,10 @@ class MicroBatcher(Generic[T, R]):
         self.largest_batch = 0
         self._observers: list[Callable[[int], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: deque[_Piece[T, R]] = deque()
-        self._pending_items = 0
+        self._ring: deque[_Caller[T, R]] = deque()  # callers with items not yet in a batch
         self._outstanding = 0
+        self._admitted = 0
+        self._callers = 0
         self._worker: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -81,8 +113,13 @@ class MicroBatcher(Generic[T, R]):
 
     @property
     def outstanding(self) -> int:
-        """Items accepted and not yet answered (what `max_queue` bounds)."""
+        """Items accepted and not yet answered, every caller's backlog included."""
         return self._outstanding
+
+    @property
+    def admitted(self) -> int:
+        """What `max_queue` bounds: per waiting caller, min(its items, max_batch_size)."""
+        return self._admitted
 
     def add_observer(self, callback: Callable[[int], None]) -> None:
         """`callback(batch_size)` after each batched call is dispatched (metrics)."""
@@ -97,44 +134,38 @@ class MicroBatcher(Generic[T, R]):
         loop = asyncio.get_running_loop()
         self._bind(loop)
         n = len(items)
-        # A request larger than the whole queue is admitted only when nothing else waits, so it
-        # can make progress instead of being refused forever.
-        if self._outstanding + n > self.max_queue and self._outstanding > 0:
+        share = min(n, self.max_batch_size)
+        # the first caller is always admitted, so a max_queue below max_batch_size still serves
+        if self._admitted + share > self.max_queue and self._admitted > 0:
             raise Overloaded(
-                f"{self.name}: queue full ({self._outstanding} of {self.max_queue} items waiting)"
+                f"{self.name}: queue full ({self._callers} requests waiting, "
+                f"{self._admitted} of {self.max_queue} queue slots in use)"
             )
         self._outstanding += n
+        self._admitted += share
+        self._callers += 1
         try:
             if not self.enabled:
                 return await self._run_direct(loop, items)
-            futures: list[asyncio.Future[list[R]]] = []
-            for i in range(0, n, self.max_batch_size):
-                piece: _Piece[T, R] = _Piece(
-                    items[i : i + self.max_batch_size], loop.create_future()
-                )
-                self._pending.append(piece)
-                self._pending_items += len(piece.items)
-                futures.append(piece.future)
+            caller: _Caller[T, R] = _Caller(list(items), loop.create_future(), share)
+            caller.results = [None] * n
+            self._ring.append(caller)
             self._ensure_worker(loop)
-            try:
-                parts = await asyncio.gather(*futures)
-            except BaseException:
-                for fut in futures:  # pieces not dispatched yet are dropped by the worker
-                    fut.cancel()
-                raise
-            return [r for part in parts for r in part]
+            # a cancelled caller's future is cancelled too: the worker drops its items
+            return await caller.future
         finally:
             self._outstanding -= n
+            self._admitted -= share
+            self._callers -= 1
 
     async def close(self) -> None:
         """Fails waiting callers and stops the worker; further submits fail."""
         self._closed = True
         worker, self._worker = self._worker, None
-        for piece in self._pending:
-            if not piece.future.done():
-                piece.future.set_exception(DetectorError(f"{self.name}: closed"))
-        self._pending.clear()
-        self._pending_items = 0
+        for caller in self._ring:
+            if not caller.future.done():
+                caller.future.set_exception(DetectorError(f"{self.name}: closed"))
+        self._ring.clear()
         if worker is None or worker.done():
             return
         worker_loop = worker.get_loop()
@@ -153,9 +184,10 @@ class MicroBatcher(Generic[T, R]):
         """Loop-bound state is created on first use from a loop (and again on a new loop)."""
         if self._loop is not loop:
             self._loop = loop
-            self._pending = deque()
-            self._pending_items = 0
+            self._ring = deque()
             self._outstanding = 0
+            self._admitted = 0
+            self._callers = 0
             self._worker = None
 
     def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -200,72 +232,94 @@ class MicroBatcher(Generic[T, R]):
                 log.exception("%s: batch observer failed", self.name)
 
     async def _work(self) -> None:
-        """Takes whatever waits (up to max_batch_size items) and runs it; repeats while items
-        queued during that pass; exits when nothing waits."""
+        """Takes a fair batch of what waits and runs it; repeats while callers wait; exits when
+        nothing does."""
         loop = asyncio.get_running_loop()
         while True:
-            self._drop_cancelled()
-            if not self._pending:
-                return
             batch = self._take()
-            if batch:
-                await self._dispatch(loop, batch)
+            if not batch:
+                return
+            await self._dispatch(loop, batch)
 
-    def _drop_cancelled(self) -> None:
-        while self._pending and self._pending[0].future.done():
-            self._pending_items -= len(self._pending.popleft().items)
-
-    def _take(self) -> list[_Piece[T, R]]:
-        """Whole pieces, oldest first, up to max_batch_size items (a first piece always fits)."""
-        batch: list[_Piece[T, R]] = []
-        size = 0
-        while self._pending:
-            piece = self._pending[0]
-            if piece.future.done():  # its caller went away before we got to it
-                self._pending.popleft()
-                self._pending_items -= len(piece.items)
-                continue
-            if batch and size + len(piece.items) > self.max_batch_size:
+    def _take(self) -> list[_Slice[T, R]]:
+        """Up to max_batch_size items, one per waiting caller in ring order, round after round
+        (water-filling: a lone caller fills the pass, N callers get ~1/N each). Callers served
+        move to the back of the ring, so the next pass starts with those this one did not
+        reach; callers whose items are all taken leave the ring."""
+        ring = self._ring
+        live = [c for c in ring if not c.future.done() and c.waiting > 0]
+        if not live:
+            ring.clear()
+            return []
+        counts = [0] * len(live)
+        room = self.max_batch_size
+        # whole rounds at once: every caller still waiting gets min(its rest, the round's size)
+        while room > 0:
+            wanting = [i for i, c in enumerate(live) if c.waiting > counts[i]]
+            if not wanting:
                 break
-            self._pending.popleft()
-            self._pending_items -= len(piece.items)
-            batch.append(piece)
-            size += len(piece.items)
+            each = max(1, room // len(wanting))
+            for i in wanting:
+                if room == 0:
+                    break
+                got = min(each, live[i].waiting - counts[i], room)
+                counts[i] += got
+                room -= got
+        batch: list[_Slice[T, R]] = []
+        served: list[_Caller[T, R]] = []
+        for caller, count in zip(live, counts, strict=True):
+            if count:
+                batch.append(_Slice(caller, caller.taken, caller.taken + count))
+                caller.taken += count
+                served.append(caller)
+        served_ids = {id(c) for c in served}
+        unserved = [c for c in live if id(c) not in served_ids]
+        ring.clear()
+        ring.extend(unserved)
+        ring.extend(c for c in served if c.waiting > 0)
         return batch
 
-    async def _dispatch(self, loop: asyncio.AbstractEventLoop, batch: list[_Piece[T, R]]) -> None:
+    def _fail(self, caller: _Caller[T, R], exc: BaseException) -> None:
+        if not caller.future.done():
+            caller.future.set_exception(exc)
+
+    def _answer(self, piece: _Slice[T, R], results: list[R]) -> None:
+        caller = piece.caller
+        if caller.future.done():
+            return
+        caller.results[piece.start : piece.end] = results
+        caller.answered += len(results)
+        if caller.answered == len(caller.items):
+            caller.future.set_result(caller.results)  # type: ignore[arg-type]
+
+    async def _dispatch(self, loop: asyncio.AbstractEventLoop, batch: list[_Slice[T, R]]) -> None:
         items = [item for piece in batch for item in piece.items]
         self._count(len(items))
         try:
             results = await self._call(loop, items)
         except asyncio.CancelledError:
             for piece in batch:
-                if not piece.future.done():
-                    piece.future.set_exception(DetectorError(f"{self.name}: closed"))
+                self._fail(piece.caller, DetectorError(f"{self.name}: closed"))
             raise
         except DetectorError as exc:
             if len(batch) == 1:
-                if not batch[0].future.done():
-                    batch[0].future.set_exception(exc)
+                self._fail(batch[0].caller, exc)
                 return
             # Isolate the culprit: run each caller's items on their own, so one poisonous input
             # (or a batch too big for the device) fails only the requests it belongs to.
             for piece in batch:
-                if piece.future.done():
+                if piece.caller.future.done():
                     continue
                 self._count(len(piece.items))
                 try:
                     part = await self._call(loop, piece.items)
                 except DetectorError as one_exc:
-                    if not piece.future.done():
-                        piece.future.set_exception(one_exc)
+                    self._fail(piece.caller, one_exc)
                 else:
-                    if not piece.future.done():
-                        piece.future.set_result(part)
+                    self._answer(piece, part)
             return
         offset = 0
         for piece in batch:
-            part = results[offset : offset + len(piece.items)]
-            offset += len(piece.items)
-            if not piece.future.done():
-                piece.future.set_result(part)
+            size = piece.end - piece.start
+            self._answer(piece, results[offset : offset + size])
+            offset += size

@@ -23,7 +23,13 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .api import Detection
-from .base import SCORED_REQUEST_PARAMS, InvalidParams, ScoredParams, parse_params
+from .base import (
+    SCORED_REQUEST_PARAMS,
+    InvalidParams,
+    ScoredParams,
+    parse_params,
+    text_bounds,
+)
 from .hf import labels_of, load_sequence_classifier, model_max_tokens, read_config
 from .model import BatchedDetector
 from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
@@ -251,7 +257,7 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
                 if score < p.thresholds.get(label, p.floor):
                     continue
                 if len(windows) == 1:
-                    start, end, meta = 0, len(content), None
+                    (start, end), meta = text_bounds(content), None
                 else:
                     start, end = windows[best].start, windows[best].end
                     meta = {"windows": len(windows), "window": best}

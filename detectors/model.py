@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from .api import Detection
 from .base import SCORED_REQUEST_PARAMS, Detector, ScoredParams, whole_content
 from .batching import MicroBatcher
+from .normalise import view_text
 from .runtime import ModelRuntime, check_device
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class BatchedDetector(Detector, Generic[T, R]):
             )
         self._runtime = self._make_runtime()
         self._batcher: MicroBatcher[T, R] = MicroBatcher(
-            self._forward,
+            self._judge,
             max_batch_size=p.max_batch_size,
             max_queue=p.max_queue,
             enabled=p.batching,
@@ -51,6 +52,11 @@ class BatchedDetector(Detector, Generic[T, R]):
     @abstractmethod
     def _forward(self, items: list[T]) -> list[R]:
         """One batched model call; runs in the runtime's worker thread."""
+
+    def _judge(self, items: list[T]) -> list[R]:
+        """What the batcher calls, in the worker thread: `_forward` on what the model should
+        see (subclasses hand it the normalised view of DESIGN 4.6b, computed off the loop)."""
+        return self._forward(items)
 
     @property
     def runtime(self) -> ModelRuntime:
@@ -76,6 +82,11 @@ class ScoredTextDetector(BatchedDetector[str, float]):
     REQUEST_PARAMS: ClassVar[frozenset[str]] = SCORED_REQUEST_PARAMS
     label: ClassVar[str] = ""
     detection_type: ClassVar[str] = ""
+
+    def _judge(self, items: list[str]) -> list[float]:
+        """The model scores the normalised view (invisible characters removed, look-alikes
+        folded), so `f\u200buck` or a Cyrillic homoglyph does not lower the score."""
+        return self._forward([view_text(text) for text in items])
 
     async def detect(
         self, contents: list[str], params: dict[str, Any] | None = None

@@ -20,6 +20,11 @@ request may send them only to a detector whose config says `allow_request_patter
 then fewer and with a smaller RE2 memory budget (so compiling one stays cheap). Digits in the
 built-in kinds are ASCII `0-9`; the "not inside a word" checks use Unicode letters and numbers,
 as Python's `\\w` does. Scans of long texts run in worker threads, never on the event loop.
+
+Every kind and pattern runs on the normalised view of the content (normalise.py, DESIGN 4.6b):
+`jo\\u200b@example.com`, full-width digits, Cyrillic look-alikes and U+2011 hyphens match like
+their plain forms, and each span is mapped back to the characters the client sent (the invisible
+ones inside a match included), so block and redact cover them. Pure ASCII skips the view.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
+from .normalise import View, normalise
 
 Kind = Literal["email", "phone", "ssn", "credit_card", "ipv4", "ipv6"]
 KINDS: tuple[str, ...] = ("email", "phone", "ssn", "credit_card", "ipv4", "ipv6")
@@ -402,13 +408,29 @@ class RegexParams(DetectorParams):
 
 
 def find_pii(text: str, kinds: list[str], patterns: Mapping[str, Any]) -> list[Detection]:
-    """Every match in `text`, sorted by (start, end); `patterns` are compiled custom patterns
-    (compile_pattern / compile_request_pattern)."""
-    return _find(_Text(text), kinds, patterns, None)
+    """Every match in `text`'s normalised view (DESIGN 4.6b), spans in `text`, sorted by
+    (start, end); `patterns` are compiled custom patterns (compile_pattern /
+    compile_request_pattern)."""
+    return _scan(text, kinds, patterns, None)
+
+
+def _scan(
+    text: str, kinds: list[str], patterns: Mapping[str, Any], cancelled: threading.Event | None
+) -> list[Detection]:
+    """Matches in the normalised view of `text`, mapped back to `text`. Pure ASCII cannot hold
+    an invisible or look-alike character: it is scanned as it is, with no view and no map."""
+    if text.isascii():
+        return _find(_Text(text), kinds, patterns, cancelled, None)
+    view = normalise(text)
+    return _find(_Text(view.text), kinds, patterns, cancelled, view)
 
 
 def _find(
-    t: _Text, kinds: list[str], patterns: Mapping[str, Any], cancelled: threading.Event | None
+    t: _Text,
+    kinds: list[str],
+    patterns: Mapping[str, Any],
+    cancelled: threading.Event | None,
+    view: View | None,
 ) -> list[Detection]:
     builtin: list[tuple[int, int, str]] = []
     data = t.data
@@ -430,6 +452,11 @@ def _find(
         kept.extend((s, e, name) for s, e in t.spans(_pattern_spans(rx, t.data)))
     kept.sort(key=lambda m: (m[0], m[1], m[2]))
     text = t.text
+    if view is not None and not view.identity:
+        text = view.original  # each span covers the original characters of what matched
+        kept = [(*view.span(s, e), name) for s, e, name in kept]
+    elif view is not None:
+        text = view.original  # same positions; the text reported is what the client sent
     return [
         Detection(start=s, end=e, text=text[s:e], detection=name, detection_type="pii", score=1.0)
         for s, e, name in kept
@@ -525,7 +552,7 @@ class RegexDetector(Detector):
         if threaded:
 
             def run() -> list[list[Detection]]:
-                return [_find(_Text(contents[i]), kinds, compiled, cancelled) for i in threaded]
+                return [_scan(contents[i], kinds, compiled, cancelled) for i in threaded]
 
             in_thread = asyncio.get_running_loop().run_in_executor(scan_executor(), run)
         try:
@@ -536,7 +563,7 @@ class RegexDetector(Detector):
                 if since_yield + len(content) > INLINE_CHARS:
                     await asyncio.sleep(0)
                     since_yield = 0
-                found[i] = _find(_Text(content), kinds, compiled, None)
+                found[i] = _scan(content, kinds, compiled, None)
                 since_yield += len(content)
             if in_thread is not None:
                 for i, detections in zip(threaded, await in_thread, strict=True):

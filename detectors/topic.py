@@ -20,6 +20,7 @@ from .api import Detection
 from .base import SCORED_REQUEST_PARAMS, InvalidParams, ScoredParams, whole_content
 from .hf import load_embedder, minilm_path
 from .model import BatchedDetector
+from .normalise import view_text
 from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
 
 MAX_TOPICS = 64
@@ -127,6 +128,11 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
     def _forward(self, items: list[tuple[str, int]]) -> list[np.ndarray]:
         tokenizer, model = self._runtime.get()
         return mean_pooled(tokenizer, model, items)
+
+    def _judge(self, items: list[tuple[str, int]]) -> list[np.ndarray]:
+        """Contents are embedded as their normalised view (DESIGN 4.6b), in the worker thread;
+        the topics' example phrases come from the config or the request and stay as given."""
+        return self._forward([(view_text(text), limit) for text, limit in items])
 
     def _embed_examples(self, items: list[tuple[str, int]], rows: int) -> np.ndarray:
         tokenizer, model = self._runtime.get()

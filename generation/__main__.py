@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--dtype", default="auto", help="auto (fp32 CPU, bf16 CUDA, fp64 tiny-random), float32, ..."
     )
+    serve.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every row's logits bitwise independent of its batch (exact migration in bf16; "
+        "slower, see README)",
+    )
     serve.add_argument("--max-batch-size", type=int, default=64)
     serve.add_argument(
         "--prefill-chunk-tokens",
@@ -144,12 +150,15 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
     from .server import create_app
 
     loop = asyncio.get_running_loop()
-    loaded = await loop.run_in_executor(None, load, args.model, args.device, args.dtype)
+    loaded = await loop.run_in_executor(
+        None, load, args.model, args.device, args.dtype, args.batch_invariant
+    )
     logging.getLogger("guardstream.engine").info(
-        "loaded %s on %s (%s) in %.1f s",
+        "loaded %s on %s (%s%s) in %.1f s",
         loaded.name,
         loaded.device,
         loaded.dtype,
+        ", batch-invariant" if loaded.batch_invariant else "",
         loaded.load_seconds,
     )
     app = create_app(

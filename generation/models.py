@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from .specs import BUILTIN_FOLDERS, spec_problem
+
 log = logging.getLogger("guardstream.engine")
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Folder names carry a version: a change to a builder gets a fresh folder instead of a stale one.
-_FOLDERS = {"smollm2-135m": "smollm2-135m-instruct-v1", "tiny-random": "tiny-random-v1"}
-BUILTIN_MODELS = tuple(_FOLDERS)
+_FOLDERS = BUILTIN_FOLDERS
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -53,11 +53,9 @@ def prepare(spec: str) -> Path:
     if spec in _FOLDERS:
         return _materialise(spec)
     path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelSpecError(
-            f"model spec {spec!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) "
-            "nor a folder with a config.json"
-        )
+    problem = spec_problem(spec)
+    if problem is not None:
+        raise ModelSpecError(problem)
     return path.resolve()
 
 
@@ -171,11 +169,16 @@ class LoadedModel:
     # nothing from parallel kernels and loses to thread barriers when the CPU is shared. Applied
     # by `python -m generation serve` (its own process), not by in-process apps (tests).
     threads: int | None = None
+    # `--batch-invariant` (batch_invariant.py): a row's logits do not depend on its batch.
+    batch_invariant: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
 
-def load(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Prepare `spec` and load it for inference on `device`."""
+def load(
+    spec: str, device: str = "auto", dtype: str = "auto", batch_invariant: bool = False
+) -> LoadedModel:
+    """Prepare `spec` and load it for inference on `device`; `batch_invariant` wraps the model
+    so that a row's logits are bitwise independent of its batch (batch_invariant.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -190,6 +193,10 @@ def load(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     model.to(torch_device)
     model.eval()
+    if batch_invariant:
+        from .batch_invariant import make_batch_invariant
+
+        make_batch_invariant(model)
     config = model.config
     eos: set[int] = set()
     for source in (getattr(model.generation_config, "eos_token_id", None), config.eos_token_id):
@@ -216,6 +223,7 @@ def load(spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         load_seconds=time.monotonic() - started,
         threads=1 if spec == "tiny-random" else None,
+        batch_invariant=batch_invariant,
     )
 
 

@@ -106,6 +106,7 @@ def create_app(
     model: str = "tiny-random",
     device: str = "auto",
     dtype: str = "auto",
+    batch_invariant: bool = False,
     fault_injection: bool = False,
     max_batch_size: int = 64,
     threads: int | None = None,
@@ -117,7 +118,7 @@ def create_app(
     With `api_keys` (non-empty), every path but OPEN_PATHS (and the fault route of a test
     engine) needs one of them as a Bearer key."""
     if loaded is None:
-        loaded = models.load(model, device=device, dtype=dtype)
+        loaded = models.load(model, device=device, dtype=dtype, batch_invariant=batch_invariant)
     middlewares: list[Any] = [_error_middleware]
     if tracing.TRACER is not None:  # outermost: error answers belong to the span too
         middlewares.insert(0, tracing.middleware())
@@ -313,6 +314,8 @@ async def handle_models(request: web.Request) -> web.Response:
                     "max_model_len": loaded.max_context,
                     "max_context": loaded.max_context,
                     "chat_template": loaded.has_chat_template,
+                    "dtype": str(loaded.dtype).removeprefix("torch."),
+                    "batch_invariant": loaded.batch_invariant,
                     "parameters": advertised_parameters(),
                 }
             ],
@@ -328,6 +331,7 @@ async def handle_health(request: web.Request) -> web.Response:
         "model": state.loaded.name,
         "device": str(state.loaded.device),
         "dtype": str(state.loaded.dtype).removeprefix("torch."),
+        "batch_invariant": state.loaded.batch_invariant,
         "active_requests": engine.active_requests,
         "running_batch_size": engine.running_batch_size,
         "prefilling_requests": engine.prefilling_requests,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
+from typing import Any
 
 # Imports live in the subcommands: the config pulls in NLTK (about 2 s), which the terminal
 # client does not need.
@@ -15,7 +17,7 @@ def _check_config(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_config
 
     try:
-        config = load_config(args.path)
+        config = load_config(args.path, require_models=True)
     except ConfigError as exc:
         for line in exc.errors:
             print(line, file=sys.stderr)
@@ -40,6 +42,10 @@ def _serve(args: argparse.Namespace) -> int:
         for line in exc.errors:
             print(line, file=sys.stderr)
         return 1
+    if not config.models:
+        logging.getLogger("guardstream").warning(
+            "no models configured: only the detection endpoints will serve"
+        )
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
     try:
@@ -52,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
                 device=args.device,
                 log_format=args.log_format,
                 log_level=args.log_level.upper(),
+                ready_hint=(lambda bound: try_it(config, bound)) if args.hint else None,
             )
         )
     except ConfigError as exc:  # found at start-up: API keys, TLS files
@@ -61,6 +68,35 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # the port is taken, the host is not ours
         print(f"cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+
+
+def try_it(config: Any, port: int) -> str:
+    """Commands to paste once the service is ready (`serve --hint`, which `make run` uses): for
+    the config's first model, with a bounded answer so a small model ends cleanly."""
+    model = next(iter(config.models), "MODEL")
+    body = json.dumps(
+        {
+            "model_id": model,
+            "inputs": "Tell me about cats in one sentence.",
+            "guardrail_config": {"output": {"models": {"pii": {}, "hap": {}}}},
+            "text_gen_parameters": {"max_new_tokens": 60},
+        }
+    )
+    url = f"http://127.0.0.1:{port}"
+    return "\n".join(
+        [
+            "",
+            "guardstream is ready. In another terminal, try:",
+            "",
+            f"  curl -N {url}/api/v1/task/server-streaming-classification-with-text-generation \\",
+            "    -H 'content-type: application/json' \\",
+            f"    -d '{body}'",
+            "",
+            f"  or: {sys.executable} -m orchestrator stream --url {url} --max-new-tokens 60 "
+            "--output-detector pii --output-detector hap 'Tell me about cats in one sentence.'",
+            "",
+        ]
+    )
 
 
 def _stream(args: argparse.Namespace) -> int:
@@ -89,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         help="json: one object per line, for log collectors (default); text: for people",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--hint",
+        action="store_true",
+        help="print example commands once the service is ready (make run uses it)",
+    )
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser("check-config", help="validate a config; exit 1 on error")

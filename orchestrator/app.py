@@ -24,7 +24,7 @@ from . import tracing as traces
 from .api.errors import ApiError, ErrorBody, ErrorType
 from .clients.backends import build_model_backends
 from .clients.registry import ChunkerRegistry, DetectorRegistry
-from .config import Config, ConfigError
+from .config import Config, ConfigError, secret_env_names
 from .handlers import (
     chat_completions,
     content_detection,
@@ -37,7 +37,9 @@ from .handlers import (
     streaming_generation,
     unary_generation,
 )
+from .handlers.body import BodyTimeout
 from .handlers.stream_slots import TooManyStreams
+from .http_protocol import SERVER_NAME
 from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
 from .state import STATE, AppState
@@ -204,6 +206,7 @@ async def _inject_downstream_headers(
 
 
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_NAME  # aiohttp's default names its and Python's versions
     if "request_id" in request:
         response.headers["x-request-id"] = request["request_id"]
 
@@ -225,12 +228,27 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         body = error_for(exc)
         if body.code >= 500 and body.type == ErrorType.SERVER_ERROR:
             log.error("request %s failed", request.get("request_id"), exc_info=exc)
-        return _error_response(request, body, _error_headers(first_error(exc), body))
+        response = _error_response(request, body, _error_headers(first_error(exc), body))
+        if isinstance(first_error(exc), BodyTimeout):
+            await close_after(request, response)
+        return response
+
+
+async def close_after(request: web.Request, response: web.StreamResponse) -> None:
+    """Sends `response` and closes the connection at once: the client stalled its body, so
+    aiohttp's lingering read of the rest (up to 10 s) would only wait on it longer."""
+    response.force_close()
+    if not response.prepared:
+        await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()  # the transport flushes the reply before it closes
 
 
 def _error_headers(exc: BaseException, body: ErrorBody) -> dict[str, str] | None:
     if isinstance(exc, TooManyStreams):
         return {"Retry-After": str(exc.retry_after_s)}
+    if body.type == ErrorType.OVERLOADED:
+        return {"Retry-After": "1"}
     if isinstance(exc, web.HTTPMethodNotAllowed):
         return {"Allow": ", ".join(sorted(exc.allowed_methods))}
     if body.type == ErrorType.SERVER_SHUTDOWN:
@@ -241,11 +259,13 @@ def _error_headers(exc: BaseException, body: ErrorBody) -> dict[str, str] | None
     return None
 
 
-# Open without a key: liveness and readiness probes (kubelet, load balancers) and Prometheus
-# scrapers carry no API key, and none of these reveal a prompt or a generation. Every other
+# Open without a key: liveness and readiness probes (kubelet, load balancers) carry no API key,
+# and none of these reveal a prompt or a generation (/info shows statuses only without a key).
+# /metrics names replicas and detectors: open only with `server.public_metrics`. Every other
 # path requires one (deny by default: the /api/ endpoints spend model time and see user text,
 # and a path that routes nowhere answers 401 rather than telling what exists).
 OPEN_PATHS = frozenset({"/health", "/info", "/metrics", "/openapi.json"})
+PROBE_PATHS = frozenset({"/health", "/info", "/openapi.json"})
 # set by the auth middleware: the request carried a valid key (absent when auth is off)
 AUTHENTICATED = health.AUTHENTICATED
 
@@ -254,28 +274,66 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
-def auth_middleware(keys: list[str]) -> Middleware:
-    """Bearer API keys on /api/*. A missing header, another scheme and a wrong key all get the
-    same 401, so a caller learns nothing about which part failed."""
+def key_checker(keys: list[str]) -> Callable[[web.BaseRequest], bool]:
+    """Whether a request carries one of `keys` as a Bearer token."""
     # Comparing fixed-length digests: compare_digest on the raw keys would return early on a
     # length mismatch and tell a caller how long the keys are.
     digests = [_digest(k.encode()) for k in keys]
 
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+    def authorized(request: web.BaseRequest) -> bool:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         given = _digest(token.strip().encode("utf-8", "surrogateescape"))
         ok = False
         for digest in digests:  # every key, so timing does not tell which one came close
             ok |= hmac.compare_digest(given, digest)
-        ok = ok and scheme.lower() == "bearer"
+        return ok and scheme.lower() == "bearer"
+
+    return authorized
+
+
+def auth_middleware(keys: list[str], open_paths: frozenset[str] = PROBE_PATHS) -> Middleware:
+    """Bearer API keys on every path but `open_paths`. A missing header, another scheme and a
+    wrong key all get the same 401, so a caller learns nothing about which part failed."""
+    authorized = key_checker(keys)
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        ok = authorized(request)
         # open paths answer anyway; /info shows its details only to a caller with a key
         request[AUTHENTICATED] = ok
-        if request.path not in OPEN_PATHS and not ok:
+        if request.path not in open_paths and not ok:
             raise ApiError(401, ErrorType.UNAUTHORIZED, "missing or invalid API key")
         return await handler(request)
 
     return check
+
+
+def expect_handler(
+    max_request_bytes: int, authorized: Callable[[web.BaseRequest], bool] | None
+) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+    """`Expect: 100-continue`: the client waits for `100 Continue` before it sends the body.
+    It is sent only to a request that will read it: not when the Content-Length is over
+    `max_request_bytes` or the key is missing (the handler then answers 413 or 401 before
+    reading, and the body is never sent). aiohttp's default says `100 Continue` to anything,
+    and answers another Expect in plain text, echoing it."""
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        if request.version != aiohttp.HttpVersion11:
+            return None  # HTTP/1.0 has no 100 Continue
+        if request.headers.get("Expect", "").strip().lower() != "100-continue":
+            body = ErrorBody(
+                code=417, details="unsupported Expect header", type=ErrorType.INVALID_REQUEST
+            )
+            return _error_response(request, body)
+        if (request.content_length or 0) > max_request_bytes:
+            return None
+        if authorized is not None and not authorized(request):
+            return None
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the reply itself has not started
+        return None
+
+    return expect
 
 
 @web.middleware
@@ -285,6 +343,11 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         response = await handler(request)
         status = response.status
         return response
+    except (asyncio.CancelledError, ConnectionResetError, aiohttp.ClientConnectionResetError):
+        # the client went away (nginx's "client closed request", as the access log says): not a
+        # server error, or alerts on 5xx would fire on every impatient user
+        status = 499
+        raise
     finally:
         route = request.match_info.route.resource
         endpoint = route.canonical if route is not None else "unmatched"
@@ -320,7 +383,8 @@ def create_app(
         # outermost: the access log line and every error response belong to the request span
         middlewares.insert(0, traces.middleware(SURFACES, OPEN_PATHS))
     if keys is not None:
-        middlewares.append(auth_middleware(keys))
+        open_paths = OPEN_PATHS if config.server.public_metrics else PROBE_PATHS
+        middlewares.append(auth_middleware(keys, open_paths))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_bytes)
     series = OrchestratorMetrics()
     state = AppState(
@@ -348,7 +412,10 @@ def create_app(
             config, state.session, device=device, on_call=state.metrics.record_detector_call
         )
         state.backends = build_model_backends(
-            config.models, state.session, registry=state.metrics.registry
+            config.models,
+            state.session,
+            registry=state.metrics.registry,
+            hidden_env=secret_env_names(config),
         )
         for backend in state.backends.values():
             await backend.start()
@@ -378,16 +445,25 @@ def create_app(
             traces.shutdown()  # flushes the last spans
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post(STREAMING_PATH, streaming_generation.handle)
-    app.router.add_post(UNARY_PATH, unary_generation.handle)
-    app.router.add_post(CONTENT_PATH, content_detection.handle)
-    app.router.add_post(STREAM_CONTENT_PATH, stream_content.handle)
-    app.router.add_post(CHAT_PATH, chat_completions.handle)
-    app.router.add_post(CHAT_DETECTION_PATH, chat_completions.handle)
-    app.router.add_post(RESPONSES_PATH, responses.handle)
-    app.router.add_get(MODELS_PATH, models.handle)
-    app.router.add_get("/health", health.health)
-    app.router.add_get("/info", health.info)
-    app.router.add_get("/metrics", metrics.handle)
-    app.router.add_get("/openapi.json", openapi.handle)
+    expect = expect_handler(
+        config.server.max_request_bytes, key_checker(keys) if keys is not None else None
+    )
+    for path, handle in [
+        (STREAMING_PATH, streaming_generation.handle),
+        (UNARY_PATH, unary_generation.handle),
+        (CONTENT_PATH, content_detection.handle),
+        (STREAM_CONTENT_PATH, stream_content.handle),
+        (CHAT_PATH, chat_completions.handle),
+        (CHAT_DETECTION_PATH, chat_completions.handle),
+        (RESPONSES_PATH, responses.handle),
+    ]:
+        app.router.add_post(path, handle, expect_handler=expect)
+    for path, get in [
+        (MODELS_PATH, models.handle),
+        ("/health", health.health),
+        ("/info", health.info),
+        ("/metrics", metrics.handle),
+        ("/openapi.json", openapi.handle),
+    ]:
+        app.router.add_get(path, get, expect_handler=expect)
     return app

@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictStr,
     ValidationError,
     field_validator,
     model_validator,
@@ -22,8 +23,12 @@ from pydantic import (
 
 import chunkers
 import detectors
+from generation.specs import spec_problem
 
 WHOLE_DOC_CHUNKER = "whole_doc_chunker"
+NO_MODELS = "models: at least one model is required (clients name it as model_id)"
+DEFAULT_REDACT_WITH = "[{entity}]"
+MAX_REDACT_WITH = 256
 CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
 DETECTOR_TYPES = ("text_contents", "text_generation", "text_chat", "text_context_doc")
 
@@ -74,6 +79,16 @@ class ServerConfig(Strict):
     api_keys_env: str | None = None
     max_request_bytes: int = Field(1_048_576, ge=1024)
     request_timeout_s: float = Field(600, gt=0)
+    # a connection must complete a request's headers within this long of opening, or of its
+    # previous response (idle keep-alive included); else it is closed. Above common load
+    # balancers' idle timeouts (60 s), so they close first and never reuse a closing connection
+    header_timeout_s: float = Field(75, gt=0)
+    # a request body that sends nothing for this long: 408 (in-band on stream-content, which
+    # then frees its stream slot), and the connection is closed
+    body_idle_timeout_s: float = Field(30, gt=0)
+    # with api_keys_env set, /metrics needs a key unless this is true (its series name
+    # replicas and detectors)
+    public_metrics: bool = False
     max_concurrent_streams: int = Field(1024, ge=1)
     # connections the kernel queues for accept() while the event loop is busy (a burst of
     # clients connecting at once); capped by net.core.somaxconn (aiohttp's default is 128)
@@ -123,6 +138,11 @@ class ManagedBackend(Strict):
     model: str
     replicas: int = Field(1, ge=1, le=64)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # the engine's --dtype: auto is bf16 on CUDA, fp32 on a CPU (fp64 for tiny-random)
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    # the engine's --batch-invariant: logits independent of the batch, so a migrated stream is
+    # token-exact at the engine's dtype (DESIGN section 7), at a throughput cost
+    batch_invariant: bool = False
     enable_fault_injection: bool = False
     start_timeout_s: float = Field(300, gt=0)
 
@@ -147,6 +167,10 @@ class OpenAIBackend(Strict):
     api: Literal["completions", "chat"] = "completions"
     api_key_env: str | None = None
     tls: ClientTlsConfig | None = None
+    # the served model's Hugging Face folder (tokenizer.json + chat template), for servers
+    # without `/tokenize` (transformers serve): `api: completions` templates chat requests with
+    # it, and prompts are counted with it
+    tokenizer: str | None = None
 
 
 Backend = Annotated[ManagedBackend | NativeBackend | OpenAIBackend, Field(discriminator="type")]
@@ -167,6 +191,16 @@ class ModelLimits(Strict):
     max_input_chars: int = Field(100_000, ge=1)
 
 
+class DecodingDefaults(Strict):
+    """Decoding settings for requests that leave them unset: a small model answers a chat request
+    at OpenAI's default temperature (1) with garbled text, and greedy text loops without a
+    repetition penalty. A request that sets a field always wins."""
+
+    temperature: float | None = Field(None, gt=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+
+
 class ModelGuardrails(Strict):
     """Detectors enforced on every request to a model, on every endpoint: `{detector_id: params}`
     with the same params a request may give (threshold, on_detection, detector params)."""
@@ -182,6 +216,7 @@ class ModelConfig(Strict):
     # Apply the model's chat template to `inputs` (instruct models answer a raw prompt poorly).
     chat: bool = False
     guardrails: ModelGuardrails = Field(default_factory=ModelGuardrails)
+    decoding_defaults: DecodingDefaults = Field(default_factory=DecodingDefaults)
 
 
 class DetectorConfig(Strict):
@@ -191,10 +226,13 @@ class DetectorConfig(Strict):
     builtin: str | None = None
     url: str | None = None
     chunker_id: str = WHOLE_DOC_CHUNKER
-    default_threshold: float = 0.5
+    default_threshold: float = Field(0.5, ge=0, le=1)  # scores are in [0, 1]
     params: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float = Field(10, gt=0)
-    on_detection: Literal["annotate", "block"] = "annotate"
+    on_detection: Literal["annotate", "block", "redact"] = "annotate"
+    # redact (DESIGN 4.6a): the replacement of each flagged span, a fixed string or a template
+    # with {entity} (the detection's name: `[{entity}]` gives `[email]`)
+    redact_with: StrictStr = Field(DEFAULT_REDACT_WITH, max_length=MAX_REDACT_WITH)
     api_key_env: str | None = None  # a remote detector service's key, sent as a Bearer token
     tls: ClientTlsConfig | None = None
 
@@ -221,13 +259,22 @@ class ConfigError(ValueError):
         self.errors = errors
 
 
-def cross_reference_errors(config: Config) -> list[str]:
+def cross_reference_errors(
+    config: Config, present_detectors: set[str] | None = None, require_models: bool = False
+) -> list[str]:
     """Checks that the schema alone cannot express: references between sections, settings of
-    chunkers and built-in detectors (validated by their own libraries, without loading models)."""
+    chunkers and built-in detectors (validated by their own libraries, without loading models),
+    managed model specs. `present_detectors`: ids of detectors whose own entry failed the schema
+    (reported there), so a reference to them is not also reported as unknown. `require_models`
+    (check-config): a config without models is an error there; `serve` accepts it, for a
+    detection-only deployment (the content endpoints), and logs a warning."""
     errors: list[str] = []
+    if require_models and not config.models:
+        errors.append(NO_MODELS)
     errors.extend(chunker_errors(config.chunkers))
     for detector_id, det in config.detectors.items():
         path = f"detectors.{detector_id}"
+        errors.extend(_threshold_errors(f"{path}.params.threshold", det.params.get("threshold")))
         if (det.builtin is None) == (det.url is None):
             errors.append(f"{path}: exactly one of 'builtin' and 'url' is required")
         if det.builtin is not None:
@@ -243,6 +290,7 @@ def cross_reference_errors(config: Config) -> list[str]:
                     errors.extend(detectors.param_error_lines(f"{path}.params", exc))
         if det.url is not None and not det.url.startswith(("http://", "https://")):
             errors.append(f"{path}.url: must start with http:// or https://")
+        errors.extend(_redact_with_errors(det.params, f"{path}.params"))
         if det.chunker_id != WHOLE_DOC_CHUNKER and det.chunker_id not in config.chunkers:
             errors.append(f"{path}.chunker_id: unknown chunker '{det.chunker_id}'")
     for model_id, model in config.models.items():
@@ -252,17 +300,17 @@ def cross_reference_errors(config: Config) -> list[str]:
                 path = f"models.{model_id}.guardrails.{direction}.{detector_id}"
                 det = config.detectors.get(detector_id)
                 if det is None:
-                    errors.append(f"{path}: unknown detector '{detector_id}'")
+                    if detector_id not in (present_detectors or set()):
+                        errors.append(f"{path}: unknown detector '{detector_id}'")
                 elif det.type != "text_contents":
                     errors.append(f"{path}: detector type '{det.type}' cannot judge text")
                 if not isinstance(params, dict):
                     errors.append(f"{path}: must be a mapping of detector params")
                     continue
-                if params.get("on_detection") not in (None, "annotate", "block"):
-                    errors.append(f"{path}.on_detection: must be annotate or block")
-                t = params.get("threshold")
-                if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
-                    errors.append(f"{path}.threshold: must be a number")
+                if params.get("on_detection") not in (None, "annotate", "block", "redact"):
+                    errors.append(f"{path}.on_detection: must be annotate, block or redact")
+                errors.extend(_redact_with_errors(params, path))
+                errors.extend(_threshold_errors(f"{path}.threshold", params.get("threshold")))
         chat_api = [b for b in model.backends if isinstance(b, OpenAIBackend) and b.api == "chat"]
         if chat_api and any(isinstance(b, ManagedBackend | NativeBackend) for b in model.backends):
             # a chat replica delivers text without token ids: a native engine could not resume
@@ -273,10 +321,36 @@ def cross_reference_errors(config: Config) -> list[str]:
             )
         for i, backend in enumerate(model.backends):
             path = f"models.{model_id}.backends.{i}"
+            if isinstance(backend, ManagedBackend):
+                problem = spec_problem(backend.model)
+                if problem is not None:
+                    errors.append(f"{path}.model: {problem}")
             url = getattr(backend, "url", None)
             if url is not None and not url.startswith(("http://", "https://")):
                 errors.append(f"{path}.url: must start with http:// or https://")
     return errors
+
+
+def _threshold_errors(path: str, t: Any) -> list[str]:
+    """A threshold outside [0, 1] silently turns a detector off (above 1) or flags everything."""
+    if t is None:
+        return []
+    if isinstance(t, bool) or not isinstance(t, int | float) or t != t:
+        return [f"{path}: must be a number"]
+    if not 0 <= t <= 1:
+        return [f"{path}: must be between 0 and 1, got {t}"]
+    return []
+
+
+def _redact_with_errors(params: dict[str, Any], path: str) -> list[str]:
+    if "redact_with" not in params:
+        return []
+    value = params["redact_with"]
+    if not isinstance(value, str):
+        return [f"{path}.redact_with: must be a string"]
+    if len(value) > MAX_REDACT_WITH:
+        return [f"{path}.redact_with: at most {MAX_REDACT_WITH} characters"]
+    return []
 
 
 def chunker_errors(section: Any) -> list[str]:
@@ -310,7 +384,7 @@ def _detector_params(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k not in ORCHESTRATOR_PARAM_KEYS}
 
 
-ORCHESTRATOR_PARAM_KEYS = frozenset({"threshold", "on_detection"})
+ORCHESTRATOR_PARAM_KEYS = frozenset({"threshold", "on_detection", "redact_with"})
 
 
 def _format_validation_error(exc: ValidationError) -> list[str]:
@@ -334,21 +408,50 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
     return lines
 
 
-def parse_config(data: Any) -> Config:
+def parse_config(data: Any, require_models: bool = False) -> Config:
     """Validates an already-parsed YAML document; raises ConfigError with every problem."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(["(root): the config must be a mapping"])
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         errors = _format_validation_error(exc)
-        errors += [e for e in chunker_errors(data.get("chunkers")) if e not in errors]
+        errors += [e for e in _salvaged_errors(data, require_models) if e not in errors]
         raise ConfigError(errors) from None
+    if require_models and not config.models:
+        raise ConfigError([NO_MODELS])
+    return config
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
+def _salvaged_errors(data: dict[str, Any], require_models: bool) -> list[str]:
+    """Cross-reference errors among the entries that pass the schema on their own. Without this,
+    a schema error anywhere hid every reference error, and a broken file needed several passes."""
+
+    def section(name: str) -> dict[str, Any]:
+        value = data.get(name)
+        return value if isinstance(value, dict) else {}
+
+    def valid(model: type[BaseModel], value: Any) -> Any:
+        try:
+            return model.model_validate(value)
+        except (ValidationError, ConfigError):
+            return None
+
+    models = {k: m for k, v in section("models").items() if (m := valid(ModelConfig, v))}
+    dets = {k: valid(DetectorConfig, v) for k, v in section("detectors").items()}
+    salvaged = Config.model_construct(
+        server=ServerConfig.model_construct(),
+        models=models,
+        chunkers=section("chunkers"),
+        detectors={k: d for k, d in dets.items() if d is not None},
+    )
+    # models that are there but failed the schema are reported by it, not as missing
+    return cross_reference_errors(salvaged, set(dets), require_models and not section("models"))
+
+
+def load_config(path: str | os.PathLike[str], require_models: bool = False) -> Config:
     """Reads and validates a config file; raises ConfigError (never a bare traceback)."""
     p = Path(path)
     try:
@@ -359,4 +462,15 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([f"{p}: invalid YAML: {exc}"]) from None
-    return parse_config(data)
+    return parse_config(data, require_models)
+
+
+def secret_env_names(config: Config) -> frozenset[str]:
+    """Every environment variable the config names as holding a key (the server's API keys,
+    engines' and detector services' keys): what a child process (a managed engine) must not
+    inherit, since it needs none of them and a compromised engine would get them all."""
+    names = {config.server.api_keys_env}
+    for model in config.models.values():
+        names.update(getattr(backend, "api_key_env", None) for backend in model.backends)
+    names.update(detector.api_key_env for detector in config.detectors.values())
+    return frozenset(n for n in names if n)

@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,8 +35,9 @@ from .capacity import fit_to_process_limits
 from .clients.backends import default_command
 from .clients.managed import EngineProcess, _die_with_parent
 from .clients.tls import server_ssl_context
-from .config import Config, ManagedBackend, parse_config
+from .config import Config, ManagedBackend, parse_config, secret_env_names
 from .handlers.health import DETECTOR_HEALTH
+from .http_protocol import GuardedAppRunner
 from .state import STATE, AppState
 from .tracing import engine_env
 
@@ -91,29 +92,48 @@ async def start_server(
     """Starts the service and returns its runner and bound port (port 0 picks a free one);
     `reuse_port`: share the port with other workers (SO_REUSEPORT)."""
     ssl_context = server_ssl_context(config.server.tls)  # a bad certificate fails before startup
-    app = create_app(config, device=device)
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels the
-    # engine request and every detector call of that stream (DESIGN 4.7).
-    # shutdown_timeout: runner.cleanup() runs after drain(), which already gave streams their
-    # time; what is left then is only waited on briefly.
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        shutdown_timeout=min(config.server.drain_timeout_s, CLEANUP_GRACE_S),
-        access_log=None,  # the request-id middleware writes the access line, with the id
-    )
-    await runner.setup()
+    # The port is bound before start-up, which starts managed engines (seconds to minutes): a
+    # busy port fails at once, not after the engines have loaded. Workers share a port their
+    # supervisor reserved, so they bind with SO_REUSEPORT as they listen.
+    sock = None if reuse_port else bind_socket(host, port)
     try:
-        site = web.TCPSite(
-            runner,
-            host,
-            port,
-            ssl_context=ssl_context,
-            reuse_port=reuse_port or None,
-            backlog=config.server.listen_backlog,
+        app = create_app(config, device=device)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels the
+        # engine request and every detector call of that stream (DESIGN 4.7).
+        # shutdown_timeout: runner.cleanup() runs after drain(), which already gave streams their
+        # time; what is left then is only waited on briefly.
+        # GuardedAppRunner: parser errors in the API's error body, header_timeout_s (http_protocol)
+        runner = GuardedAppRunner(
+            app,
+            header_timeout_s=config.server.header_timeout_s,
+            handler_cancellation=True,
+            shutdown_timeout=min(config.server.drain_timeout_s, CLEANUP_GRACE_S),
+            access_log=None,  # the request-id middleware writes the access line, with the id
         )
+        await runner.setup()
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    try:
+        site: web.BaseSite
+        if sock is not None:
+            site = web.SockSite(
+                runner, sock, ssl_context=ssl_context, backlog=config.server.listen_backlog
+            )
+        else:
+            site = web.TCPSite(
+                runner,
+                host,
+                port,
+                ssl_context=ssl_context,
+                reuse_port=True,
+                backlog=config.server.listen_backlog,
+            )
         await site.start()
     except BaseException:
+        if sock is not None:
+            sock.close()
         await runner.cleanup()  # stops managed engines started by setup()
         raise
     bound = port
@@ -173,21 +193,36 @@ async def run_server(
     device: str = "auto",
     log_format: str = "json",
     log_level: str = "INFO",
+    ready_hint: Callable[[int], str] | None = None,
 ) -> int:
     """Serves until SIGTERM or SIGINT, then drains; a second signal cuts the drain short. With
     `server.workers` > 1 this process supervises that many workers (the logging settings are
-    theirs)."""
+    theirs). `ready_hint(port)`: text printed once the service is ready (`make run`'s examples:
+    printed earlier, they failed while the engines were still loading)."""
     workers = worker_count(config.server.workers)
     if workers > 1:
         supervisor = Supervisor(
             config, host, port, workers, device=device, log_format=log_format, log_level=log_level
         )
+        supervisor.ready_hint = ready_hint
         return await supervisor.run()
-    return await _serve(config, host, port, device=device)
+    return await _serve(config, host, port, device=device, ready_hint=ready_hint)
+
+
+async def _print_when_warm(warmed: asyncio.Event, text: str) -> None:
+    """Prints `text` once in-process detectors are warm (models and engines are up by then)."""
+    await warmed.wait()
+    print(text, flush=True)
 
 
 async def _serve(
-    config: Config, host: str, port: int, *, device: str = "auto", worker: bool = False
+    config: Config,
+    host: str,
+    port: int,
+    *,
+    device: str = "auto",
+    worker: bool = False,
+    ready_hint: Callable[[int], str] | None = None,
 ) -> int:
     """One process serving the app; a worker shares the port and tells its supervisor on
     stdout when it listens."""
@@ -219,8 +254,14 @@ async def _serve(
         else:
             log.info("guardstream listening on %s://%s:%d", scheme, host, bound)
             print(f"guardstream listening on {scheme}://{host}:{bound}", flush=True)
+        hint = None
+        if ready_hint is not None:
+            warmed = runner.app[DETECTOR_HEALTH].warmed
+            hint = asyncio.ensure_future(_print_when_warm(warmed, ready_hint(bound)))
         await stop.wait()
         refreeze.cancel()
+        if hint is not None:
+            hint.cancel()
         log.info("draining streams for up to %g s", config.server.drain_timeout_s)
         await drain(runner, config.server.drain_timeout_s, force=force)
         log.info("stopped")
@@ -270,13 +311,22 @@ def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound (not listening) to the port the workers will share, with SO_REUSEPORT:
     it turns port 0 into a real number, fails early when the port is taken, and holds the port
     until the workers listen. A socket that does not listen gets no connections."""
+    return bind_socket(host, port, reuse_port=True)
+
+
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening (OSError when the port is taken)."""
     info = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
         0
     ]
     sock = socket.socket(info[0], info[1], info[2])
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if info[0] == socket.AF_INET6:
+            # "::" serves IPv4 too, as TCPSite did
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(info[4])
     except BaseException:
         sock.close()
@@ -349,6 +399,7 @@ class Supervisor:
         self._env: dict[str, str] = {}
         self._told: set[int] = set()  # pids of workers sent SIGTERM
         self._readers: set[asyncio.Task[bytes]] = set()
+        self.ready_hint: Callable[[int], str] | None = None
 
     def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM: a worker drains on the first and cuts its drain short on a second."""
@@ -390,6 +441,8 @@ class Supervisor:
                 url = f"{scheme}://{self.host}:{port}"
                 log.info("guardstream listening on %s with %d workers", url, self.workers)
                 print(f"guardstream listening on {url}", flush=True)
+                if self.ready_hint is not None:  # workers are ready when they say they listen
+                    print(self.ready_hint(self.port), flush=True)
                 await self._supervise(stop)
             return 0 if started or stop.is_set() else 1
         finally:
@@ -423,6 +476,7 @@ class Supervisor:
                         start_timeout_s=backend.start_timeout_s,
                         # engines trace like the workers (config's server.tracing included)
                         env={**os.environ, **engine_env(self.config.server.tracing)},
+                        hidden_env=secret_env_names(self.config),
                     )
                     replicas += 1
                     processes.append(process)

@@ -224,15 +224,37 @@ async def chat_events(
         yield "incomplete", {**counts, "incomplete_details": {"reason": reason}}
 
 
-async def _default_model(session: aiohttp.ClientSession, url: str) -> str | None:
-    """The server's first model, from GET /info (which answers 503 with the same body)."""
-    async with session.get(f"{url}/info") as resp:
+async def _default_model(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str]
+) -> str | None:
+    """The server's first model, from GET /v1/models (with the key: /info shows no ids to a
+    caller without one)."""
+    async with session.get(f"{url}/v1/models", headers=headers) as resp:
+        if resp.status != 200:
+            raise Rejected(resp.status, (await resp.text()).strip() or "(empty body)")
         try:
-            info = await resp.json(content_type=None)
+            listing = await resp.json(content_type=None)
         except ValueError:
             return None
-    models = list(info.get("models") or {}) if isinstance(info, dict) else []
-    return models[0] if models else None
+    data = listing.get("data") if isinstance(listing, dict) else None
+    ids = [m.get("id") for m in data or [] if isinstance(m, dict)]
+    return ids[0] if ids and isinstance(ids[0], str) else None
+
+
+class Rejected(Exception):
+    """The server answered with an HTTP error before any stream started."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body}")
+
+
+def server_url(given: str) -> str:
+    """`localhost:8033` (no scheme) means http: aiohttp would otherwise fail on
+    `localhost:8033/info` with a message that does not say what is wrong."""
+    url = given.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url
 
 
 async def run_terminal_client(
@@ -243,7 +265,10 @@ async def run_terminal_client(
     err = err or sys.stderr
     color = not getattr(args, "no_color", False) and out.isatty() and "NO_COLOR" not in os.environ
     style = Style(color)
-    url = args.url.rstrip("/")
+    url = server_url(args.url)
+    if not url.startswith(("http://", "https://")):
+        print(f"error: --url {args.url}: only http:// and https:// are supported", file=err)
+        return EXIT_REJECTED
     headers: dict[str, str] = {}
     key = args.api_key or os.environ.get(API_KEY_ENV)
     if key:
@@ -252,7 +277,7 @@ async def run_terminal_client(
         async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
         ) as session:
-            model = args.model or await _default_model(session, url)
+            model = args.model or await _default_model(session, url, headers)
             if model is None:
                 print(f"error: {url} serves no model (pass --model)", file=err)
                 return EXIT_REJECTED
@@ -264,11 +289,12 @@ async def run_terminal_client(
             )
             async with session.post(f"{url}{path}", json=body, headers=headers) as resp:
                 if resp.status != 200:
-                    text = (await resp.text()).strip() or "(empty body)"
-                    print(f"error: HTTP {resp.status}: {text}", file=err)
-                    return EXIT_REJECTED
+                    raise Rejected(resp.status, (await resp.text()).strip() or "(empty body)")
                 events = chat_events(resp) if chat else sse_events(resp)
                 return await _render(events, out, err, style)
+    except Rejected as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_REJECTED
     except aiohttp.ClientConnectorError as exc:
         print(f"error: cannot connect to {url}: {exc.os_error or exc}", file=err)
         return EXIT_UNREACHABLE

@@ -235,7 +235,7 @@ class Served:
 
 
 @asynccontextmanager
-async def serve(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[Served]:
+async def serve(tmp_path: Path, config: dict[str, Any], *args: str) -> AsyncIterator[Served]:
     """Starts `python -m orchestrator serve` on a free port and waits for its "listening on"
     line; the child gets this interpreter's PYTHONPATH plus the repository root."""
     path = tmp_path / "config.yaml"
@@ -246,7 +246,7 @@ async def serve(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[Served]
     with stderr.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
-            *("-m", "orchestrator", "serve", "--config", str(path), "--port", "0"),
+            *("-m", "orchestrator", "serve", "--config", str(path), "--port", "0", *args),
             cwd=ROOT,
             env=env,
             stdout=asyncio.subprocess.PIPE,

@@ -50,6 +50,8 @@ CONFIGS: list[dict[str, Any]] = [
     {"type": "sentence", "max_chars": 7},
     {"type": "sentence", "max_chars": 1},
     {"type": "paragraph"},
+    {"type": "paragraph", "max_chars": 7},
+    {"type": "paragraph", "max_chars": 1},
     {"type": "words", "max_words": 1},
     {"type": "words", "max_words": 3, "max_chars": 10},
     {"type": "whole_doc"},
@@ -134,7 +136,7 @@ def test_empty_and_whitespace_only_text(config: dict[str, Any]) -> None:
     chunker = chunkers.build(config)
     assert chunker.chunk("") == []
     assert feed_all(chunker, ["", ""]) == []
-    if config.get("max_chars", 2000) >= 4:
+    if config.get("max_chars", 500) >= 4:
         assert chunker.chunk(" \n\n ") == [Span(0, 4, " \n\n ")]
     else:  # the safety cut applies to whitespace too
         assert [s.text for s in chunker.chunk(" \n\n ")] == [" ", "\n", "\n", " "]
@@ -191,7 +193,9 @@ def test_span_is_a_frozen_slotted_value() -> None:
         ({"max_words": 3}, "type: field required"),
         ({"type": "words", "max_words": 0}, "max_words: must be >= 1"),
         ({"type": "words", "colour": "red"}, "colour: unknown field"),
-        ({"type": "paragraph", "max_chars": 5}, "max_chars: unknown field"),
+        ({"type": "paragraph", "max_words": 5}, "max_words: unknown field"),
+        ({"type": "paragraph", "max_chars": 0}, "max_chars: must be >= 1"),
+        ({"type": "paragraph", "max_chars": "9"}, "max_chars: must be an integer, got '9'"),
         ({"type": "words", "max_words": "x"}, "max_words: must be an integer, got 'x'"),
         ({"type": "words", "max_words": True}, "max_words: must be an integer, got True"),
         ({"type": "words", "max_words": 2.5}, "max_words: must be an integer, got 2.5"),
@@ -209,11 +213,12 @@ def test_invalid_settings_name_the_field(config: dict[str, Any], message: str) -
 
 def test_valid_settings_and_defaults() -> None:
     sentence = chunkers.build({"type": "sentence", "language": "english"})
-    assert isinstance(sentence, chunkers.SentenceChunker) and sentence.max_chars == 2000
+    assert isinstance(sentence, chunkers.SentenceChunker) and sentence.max_chars == 500
     words = chunkers.build({"type": "words"})
     assert isinstance(words, chunkers.WordsChunker)
     assert (words.max_words, words.max_chars) == (50, 2000)
-    assert isinstance(chunkers.build({"type": "paragraph"}), chunkers.ParagraphChunker)
+    paragraph = chunkers.build({"type": "paragraph"})
+    assert isinstance(paragraph, chunkers.ParagraphChunker) and paragraph.max_chars == 2000
     assert isinstance(chunkers.build({"type": "whole_doc"}), chunkers.WholeDocChunker)
     with pytest.raises(ValueError, match="must be a mapping"):
         chunkers.build(["sentence"])  # type: ignore[arg-type]
@@ -261,6 +266,53 @@ def test_paragraph_emitted_when_the_next_one_starts() -> None:
     assert state.feed("\n  ") == []  # the blank-line run could still end the text
     assert state.feed("S") == [Span(0, 6, "First.")]
     assert state.flush() == [Span(6, 11, "\n\n  S")]
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if "max_chars" in c], ids=str)
+@FAST
+@given(case=text_and_deltas())
+def test_no_chunk_exceeds_max_chars(config: dict[str, Any], case: tuple[str, list[str]]) -> None:
+    """The hold-back bound (DESIGN 5): whatever the text, incrementally too."""
+    _text, deltas = case
+    spans = feed_all(chunkers.build(config), deltas)
+    assert all(len(s.text) <= config["max_chars"] for s in spans)
+
+
+def test_paragraph_max_chars_examples() -> None:
+    small = chunkers.build({"type": "paragraph", "max_chars": 10})
+    texts_of = lambda t: [s.text for s in small.chunk(t)]  # noqa: E731
+    assert texts_of("aaaa bbbb cccc dddd\n\nEe") == ["aaaa bbbb", " cccc dddd", "\n\nEe"]
+    assert texts_of("abcdefghijklmnopqrstuvwxyz") == ["abcdefghij", "klmnopqrst", "uvwxyz"]
+    # a paragraph of exactly max_chars is not cut
+    assert texts_of("Abc defghi\n\nJ") == ["Abc defghi", "\n\nJ"]
+
+
+def test_paragraph_max_chars_piece_emitted_before_the_paragraph_ends() -> None:
+    """Text without a blank line (code, a table, a run-on) still flows, every max_chars."""
+    state = chunkers.build({"type": "paragraph", "max_chars": 10}).incremental()
+    assert state.feed("aaaa bbbb") == []
+    assert state.feed(" c") == [Span(0, 9, "aaaa bbbb")]
+    # " cccc dddd" fits: a trailing whitespace run could still turn into a paragraph break
+    # there, so the safety cut waits for the run's end
+    assert state.feed("ccc dddd ") == []
+    assert state.feed("   ") == []
+    assert state.feed("e") == [Span(9, 19, " cccc dddd")]
+    assert state.flush() == [Span(19, 24, "    e")]
+
+
+@pytest.mark.parametrize("text", ["x" * 100_000, "word " * 20_000, "a,b;c\n" * 15_000])
+def test_paragraph_buffer_stays_bounded_without_blank_lines(text: str) -> None:
+    chunker = chunkers.build({"type": "paragraph"})
+    state = chunker.incremental()
+    spans: list[Span] = []
+    peak = 0
+    for i in range(0, len(text), 4):
+        spans += state.feed(text[i : i + 4])
+        peak = max(peak, len(state._buf.text))  # type: ignore[attr-defined]
+    spans += state.flush()
+    assert peak < 6000
+    assert spans == chunker.chunk(text)
+    assert all(len(s.text) <= 2000 for s in spans)
 
 
 # -- words ---------------------------------------------------------------------------------

@@ -166,8 +166,8 @@ def test_long_sentence_cut_at_whitespace() -> None:
     assert len(text) > 10_000
     spans = SENTENCE.chunk(text)
     assert "".join(s.text for s in spans) == text
-    assert all(len(s.text) <= 2000 for s in spans)
-    assert [len(s.text) for s in spans] == [1997, 1998, 1998, 1998, 1998, 1998, 12]
+    assert all(len(s.text) <= 500 for s in spans)  # the default max_chars
+    assert [len(s.text) for s in spans] == [497] + [498] * 23 + [48]
     assert all(not s.text.endswith(" ") for s in spans)
     assert all(s.text.startswith(" ") for s in spans[1:])
     assert feed_all(SENTENCE, [text[i : i + 4] for i in range(0, len(text), 4)]) == spans

@@ -193,3 +193,16 @@ def test_engine_command_matches_the_cli() -> None:
         "8123",
         "--enable-fault-injection",
     ]
+    cmd = managed.engine_command("smollm2-135m", "cpu", dtype="bfloat16", batch_invariant=True)(
+        8123
+    )
+    assert cmd[5:] == [
+        "smollm2-135m",
+        "--device",
+        "cpu",
+        "--port",
+        "8123",
+        "--dtype",
+        "bfloat16",
+        "--batch-invariant",
+    ]

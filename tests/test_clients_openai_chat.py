@@ -371,7 +371,19 @@ async def test_keepalives_do_not_hide_a_stall(
     assert texts == ["The"]
 
 
-@pytest.mark.parametrize("mode", ["close", "error", "eof", "stall"])
+async def test_end_of_body_after_the_finish_chunk_is_a_normal_end(
+    session: aiohttp.ClientSession, servers: list[Any]
+) -> None:
+    """transformers serve ends the body right after the finish chunk (its usage inside it),
+    without `[DONE]`: a normal end, not a failure (nothing quarantined, nothing re-dispatched)."""
+    (s,) = await start(servers, fail=ChatFault("eof", after_finish=True))
+    stream = client(session, s).generate(request(), None, stall_timeout_s=5, max_time=0)
+    items = [item async for item in stream]
+    assert "".join(i.text for i in items) == FULL
+    assert items[-1].finish_reason == "EOS_TOKEN" and items[-1].token_count == 0
+
+
+@pytest.mark.parametrize("mode", ["close", "error", "stall"])
 async def test_failure_after_the_finish_chunk(
     session: aiohttp.ClientSession, servers: list[Any], mode: str
 ) -> None:

@@ -170,5 +170,87 @@ def test_enforced_guardrails_name_configured_detectors() -> None:
         parse_config(cfg)
     assert info.value.errors == [
         "models.m.guardrails.output.nope: unknown detector 'nope'",
-        "models.m.guardrails.output.pii.on_detection: must be annotate or block",
+        "models.m.guardrails.output.pii.on_detection: must be annotate, block or redact",
+    ]
+
+
+@pytest.mark.parametrize("value", [5, -1, 1.5, -0.01])
+def test_thresholds_outside_zero_to_one_are_errors(value: float) -> None:
+    """A threshold above 1 silently turned a detector off (scores are in [0, 1]); below 0 it
+    flagged everything. Config defaults, detector params and enforced guardrails all say so."""
+    data = minimal()
+    data["detectors"]["pii"]["default_threshold"] = value
+    data["detectors"]["hap"] = {
+        "builtin": "profanity",
+        "chunker_id": "sentence",
+        "params": {"threshold": value},
+    }
+    data["models"]["m"]["guardrails"] = {"output": {"pii": {"threshold": value}}}
+    errs = errors_of(data)
+    assert any(e.startswith("detectors.pii.default_threshold: Input should be") for e in errs)
+    assert f"detectors.hap.params.threshold: must be between 0 and 1, got {value}" in errs
+    assert f"models.m.guardrails.output.pii.threshold: must be between 0 and 1, got {value}" in errs
+
+
+def test_a_broken_file_reports_every_section_in_one_pass() -> None:
+    """Schema errors in server, models and chunkers used to hide every detector reference error:
+    a second run found three more. Now one pass names them all."""
+    data = minimal()
+    data["server"] = {"port": "eighty"}
+    data["models"]["m"]["migration"] = {"limt": 3}
+    data["chunkers"]["w"] = {"type": "words", "max_words": 0}
+    data["detectors"]["hap"] = {"builtin": "profanity", "chunker_id": "sentense"}
+    data["detectors"]["x"] = {"builtin": "nope", "chunker_id": "sentence"}
+    data["detectors"]["y"] = {"chunker_id": "sentence"}
+    data["detectors"]["z"] = {"builtin": "regex", "colour": 1}
+    data["models"]["n"] = {
+        "backends": [{"type": "managed", "model": "smollm3-999m"}],
+        "guardrails": {"input": {"ghost": {}, "z": {}}},
+    }
+    errs = errors_of(data)
+    assert any(e.startswith("server.port:") for e in errs), errs
+    assert "models.m.migration.limt: unknown key" in errs
+    assert any(e.startswith("chunkers.w.max_words") for e in errs), errs
+    assert "detectors.z.colour: unknown key" in errs
+    assert "detectors.hap.chunker_id: unknown chunker 'sentense'" in errs
+    assert any(e.startswith("detectors.x.builtin: unknown built-in detector 'nope'") for e in errs)
+    assert "detectors.y: exactly one of 'builtin' and 'url' is required" in errs
+    assert (
+        "models.n.backends.0.model: model spec 'smollm3-999m' is neither a built-in "
+        "(smollm2-135m, tiny-random) nor a folder with a config.json"
+    ) in errs
+    assert "models.n.guardrails.input.ghost: unknown detector 'ghost'" in errs
+    # z exists but its own entry is broken: reported once, under detectors.z, not as unknown
+    assert not any(e.startswith("models.n.guardrails.input.z") for e in errs), errs
+    assert len(errs) == len(set(errs)), errs
+
+
+def test_managed_model_spec_must_name_a_model(tmp_path: Path) -> None:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    data = minimal()
+    data["models"]["m"]["backends"] = [{"type": "managed", "model": str(folder)}]
+    assert errors_of(data) == [
+        f"models.m.backends.0.model: model spec '{folder}' is neither a built-in "
+        "(smollm2-135m, tiny-random) nor a folder with a config.json"
+    ]
+    (folder / "config.json").write_text("{}")
+    assert parse_config(data).models["m"].backends[0].model == str(folder)
+    data["models"]["m"]["backends"] = [{"type": "managed", "model": "tiny-random"}]
+    parse_config(data)
+
+
+def test_check_config_requires_a_model(tmp_path: Path) -> None:
+    """serve accepts a detection-only config (content endpoints); check-config says it has no
+    model, which is almost always a mistake."""
+    data = minimal()
+    del data["models"]
+    assert parse_config(data).models == {}
+    path = tmp_path / "nomodels.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = _check_config(path)
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == [
+        "models: at least one model is required (clients name it as model_id)",
+        f"{path}: 1 error(s)",
     ]

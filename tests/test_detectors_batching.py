@@ -1,6 +1,7 @@
 """Micro-batching: the MicroBatcher on a fake batch function (an idle model is called at once,
 items queued while it is busy share the next pass, size cap, bounded queue, failure isolation,
-cancellation, worker thread), ordered with gates and never the clock; then on the real models:
+cancellation, worker thread, fairness: a big request takes its share of each pass and a small one
+behind it goes in the next), ordered with gates and never the clock; then on the real models:
 32 concurrent requests reach the model in a few forward passes with results identical to
 one-at-a-time calls, a request with bad params fails alone, and a full queue answers Overloaded."""
 
@@ -148,6 +149,69 @@ async def test_a_request_larger_than_the_queue_runs_when_the_queue_is_empty() ->
         await batcher.submit(list(range(6)))
     fn.gate.set()
     assert await busy == [2]
+
+
+async def test_a_big_request_gets_its_share_and_a_small_one_is_in_the_next_pass() -> None:
+    """The attack of issue 20: one caller with far more items than max_queue. Its backlog is its
+    own: callers arriving behind it are admitted and served in the very next forward pass,
+    round-robin with it, and every caller gets exactly its own results."""
+    fn = Recorder()
+    fn.gate.clear()
+    batcher = MicroBatcher(fn, max_batch_size=8, max_queue=16)
+    big = asyncio.create_task(batcher.submit(list(range(100, 2100))))  # 2000 items > max_queue
+    await fn.wait_entered()  # its first pass (8 items) is in the model
+    small = [asyncio.create_task(batcher.submit([i])) for i in (1, 2)]
+    pair = asyncio.create_task(batcher.submit([3, 4]))
+    await settle(lambda: batcher.outstanding == 2004)
+    assert batcher.admitted == 8 + 1 + 1 + 2  # the big caller counts one pass, not 2000 items
+    fn.gate.set()
+    assert [await t for t in small] == [[2], [4]] and await pair == [6, 8]
+    assert await big == [2 * i for i in range(100, 2100)]
+    assert fn.batches[0] == list(range(100, 108))
+    # the next pass: an equal share (8 // 4 callers = 2) each, and what the small ones cannot
+    # use goes to the big one; each caller's slice stays contiguous, in ring order
+    assert fn.batches[1] == [108, 109, 110, 111, 1, 2, 3, 4]
+    assert fn.batches[2] == list(range(112, 120))
+    assert [len(b) for b in fn.batches] == [8] * 250 + [4]  # every pass full
+    assert batcher.outstanding == 0 and batcher.admitted == 0
+
+
+async def test_round_robin_alternates_between_two_big_requests() -> None:
+    fn = Recorder()
+    fn.gate.clear()
+    batcher = MicroBatcher(fn, max_batch_size=4)
+    first = asyncio.create_task(batcher.submit(list(range(0, 12))))
+    await fn.wait_entered()
+    second = asyncio.create_task(batcher.submit(list(range(100, 112))))
+    await settle(lambda: batcher.outstanding == 24)
+    fn.gate.set()
+    assert await first == [2 * i for i in range(12)]
+    assert await second == [2 * i for i in range(100, 112)]
+    assert fn.batches == [
+        [0, 1, 2, 3],
+        [4, 5, 100, 101],
+        [6, 7, 102, 103],
+        [8, 9, 104, 105],
+        [10, 11, 106, 107],
+        [108, 109, 110, 111],
+    ]
+
+
+async def test_only_the_caller_that_arrives_into_a_full_detector_is_refused() -> None:
+    """max_queue counts each waiting caller's next pass: behind a 1000-item caller (8 slots),
+    eight single-item callers fit in max_queue=16; the ninth is refused, the others finish."""
+    fn = Recorder()
+    fn.gate.clear()
+    batcher = MicroBatcher(fn, max_batch_size=8, max_queue=16)
+    big = asyncio.create_task(batcher.submit(list(range(1000))))
+    await fn.wait_entered()
+    singles = [asyncio.create_task(batcher.submit([i])) for i in range(8)]
+    await settle(lambda: batcher.admitted == 16)
+    with pytest.raises(Overloaded, match=r"queue full \(9 requests waiting, 16 of 16 queue slots"):
+        await batcher.submit([99])
+    fn.gate.set()
+    assert [await t for t in singles] == [[2 * i] for i in range(8)]
+    assert len(await big) == 1000
 
 
 async def test_a_failing_input_fails_only_its_own_request() -> None:

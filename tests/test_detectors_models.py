@@ -70,6 +70,14 @@ async def test_profanity_default_floor_drops_clean_sentences_and_blank_contents(
     assert await det.detect([OFFENSIVE[0]], {"threshold": 1.0}) == [[]]
 
 
+async def test_a_whole_chunk_detection_spans_the_text_without_surrounding_whitespace() -> None:
+    """A sentence chunk starts with the space before it; the detection covers the sentence."""
+    det = detectors.build("profanity")
+    chunk = " " + OFFENSIVE[0] + "\n"
+    (found,) = (await det.detect([chunk]))[0]
+    assert (found.start, found.end, found.text) == (1, 1 + len(OFFENSIVE[0]), OFFENSIVE[0])
+
+
 # --- prompt injection -------------------------------------------------------------------------
 
 

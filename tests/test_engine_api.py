@@ -214,6 +214,7 @@ async def test_models_health_metrics(client: Any) -> None:
     assert health["status"] == "ok"
     assert health["model"] == "tiny-random"
     assert health["device"] == "cpu" and health["dtype"] == "float64"
+    assert health["batch_invariant"] is False and models_body["data"][0]["batch_invariant"] is False
     assert health["active_requests"] == 0 and health["max_context"] == 512
     await generate(client, "", {"prompt": "a", "max_new_tokens": 3})
     metrics = await (await client.get("/metrics")).text()

@@ -163,6 +163,8 @@ async def test_models_advertises_context_and_ranges(client: Any) -> None:
                 "max_model_len": 512,
                 "max_context": 512,
                 "chat_template": True,
+                "dtype": "float64",
+                "batch_invariant": False,
                 "parameters": {
                     "max_new_tokens": {"minimum": 1, "maximum": 1_000_000},
                     "min_new_tokens": {"minimum": 0, "maximum": 1_000_000},

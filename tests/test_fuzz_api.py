@@ -531,7 +531,14 @@ async def test_openapi_names_the_deployment_and_its_auth(monkeypatch: pytest.Mon
     async with Orchestrator(config) as orch:
         assert orch.session is not None
         async with orch.session.get(orch.url + "/openapi.json") as r:  # open without a key
+            anonymous_status, anonymous = r.status, await r.json()
+        headers = {"Authorization": "Bearer secret"}
+        async with orch.session.get(orch.url + "/openapi.json", headers=headers) as r:
             status, doc = r.status, await r.json()
+    assert anonymous_status == 200
+    # without a key, the generic API: no model or detector id
+    assert MODEL not in json.dumps(anonymous) and '"pii"' not in json.dumps(anonymous)
+    assert anonymous["paths"] == doc["paths"]
     assert status == 200
     schemas = doc["components"]["schemas"]
     assert schemas["GuardrailsHttpRequest"]["properties"]["model_id"]["enum"] == [MODEL]
@@ -541,6 +548,192 @@ async def test_openapi_names_the_deployment_and_its_auth(monkeypatch: pytest.Mon
     assert schemas["OutputGuardrail"]["properties"]["models"]["propertyNames"] == {"enum": ["pii"]}
     for path, item in doc["paths"].items():
         for operation in item.values():
-            public = ("/health", "/info", "/metrics", "/openapi.json")
+            public = ("/health", "/info", "/openapi.json")  # /metrics: server.public_metrics
             expected = None if path in public else [{"bearer": []}]
             assert operation.get("security") == expected, path
+
+
+# -- nesting, lone surrogates and Unicode tricks (issue 20) ------------------------------------
+
+TOO_DEEP = "invalid JSON body: nested deeper than 64 levels"
+LONE_SURROGATE = "text must be valid Unicode (it contains a lone surrogate)"
+NEST = '"__NEST__"'  # where a nested value goes in a body
+
+
+def nested(depth: int, kind: str) -> str:
+    """`depth` levels of lists or objects, as text (json.dumps would recurse that deep)."""
+    if kind == "list":
+        return "[" * depth + "1" + "]" * depth
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+def body_for(path: str, text: str, params: Any = None) -> dict[str, Any]:
+    """A valid body for `path` carrying `text` where the endpoint takes text, and `params` as
+    a detector's params."""
+    detector = {"you": {} if params is None else {"p": params}}
+    if path in (STREAMING_PATH, UNARY_PATH):
+        return {
+            "model_id": MODEL,
+            "inputs": text,
+            "guardrail_config": {"output": {"models": detector}},
+        }
+    return {"content": text, "detectors": detector}
+
+
+def text_field(path: str) -> str:
+    return "inputs" if path in (STREAMING_PATH, UNARY_PATH) else "content"
+
+
+def post_json(http: requests.Session, url: str, path: str, raw: str | bytes) -> requests.Response:
+    data = raw.encode() if isinstance(raw, str) else raw
+    if path == STREAM_CONTENT_PATH:
+        return _post(http, url + path, data + b"\n", NDJSON)
+    return _post(http, url + path, data, "application/json")
+
+
+def error_line(response: requests.Response) -> dict[str, Any]:
+    """The in-band error that ends a stream-content reply."""
+    assert response.status_code == 200, response.text
+    last = json.loads(ndjson_lines(response.text)[-1])
+    assert set(last) == {"code", "details", "type"}, last
+    return last
+
+
+@pytest.mark.parametrize("path", POST_PATHS)
+def test_nesting_past_the_bound_is_400_on_every_endpoint(
+    stack: Stack, http: requests.Session, path: str
+) -> None:
+    """A body nested past 64 levels, at the top or deep inside detector params, is a 400 with
+    the error body (a 1000-deep one used to be a 500 with a traceback); on stream-content a
+    later line ends the stream with that error line."""
+
+    @FUZZ
+    @given(
+        depth=st.integers(65, 3000) | st.sampled_from([65, 1000, 1024, 2000]),
+        kind=st.sampled_from(["list", "dict"]),
+        inside=st.booleans(),
+    )
+    def fuzz(depth: int, kind: str, inside: bool) -> None:
+        if inside:
+            raw = json.dumps(body_for(path, "Hi", "__NEST__")).replace(NEST, nested(depth, kind))
+        else:
+            raw = nested(depth, kind)
+        response = post_json(http, stack.url, path, raw)
+        check_error_body(response)
+        assert response.status_code == 400
+        assert response.json() == {"code": 400, "details": TOO_DEEP, "type": "invalid_request"}
+        if path == STREAM_CONTENT_PATH:
+            first = json.dumps(body_for(path, "You are here. "))
+            later = _post(http, stack.url + path, f"{first}\n{raw}\n".encode(), NDJSON)
+            assert error_line(later) == {
+                "code": 400,
+                "details": TOO_DEEP,
+                "type": "invalid_request",
+            }
+
+    fuzz()
+
+
+lone_surrogates = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+texts_with_a_lone_surrogate = st.builds(
+    lambda before, surrogate, after: before + surrogate + after,
+    st.text(max_size=12),  # hypothesis never puts surrogates in text()
+    lone_surrogates,
+    st.text(max_size=12),
+)
+
+
+@pytest.mark.parametrize("path", POST_PATHS)
+def test_a_lone_surrogate_is_422_on_every_endpoint(
+    stack: Stack, http: requests.Session, path: str
+) -> None:
+    """Anywhere in the text, escaped (`\\ud800`) or as raw UTF-8-encoded surrogate bytes: a 422
+    naming the field, before the first byte (FMS streaming used to answer 200, then an
+    `event: error`)."""
+
+    @FUZZ
+    @given(text=texts_with_a_lone_surrogate, raw_bytes=st.booleans())
+    def fuzz(text: str, raw_bytes: bool) -> None:
+        body = json.dumps(body_for(path, text), ensure_ascii=not raw_bytes)
+        data = body.encode("utf-8", "surrogatepass")
+        response = post_json(http, stack.url, path, data)
+        check_error_body(response)
+        expected = {
+            "code": 422,
+            "details": f"{text_field(path)}: {LONE_SURROGATE}",
+            "type": "invalid_request",
+        }
+        assert response.json() == expected
+        if path == STREAM_CONTENT_PATH:
+            first = json.dumps(body_for(path, "You are here. "))
+            line = json.dumps({"content": text}).encode()
+            later = _post(http, stack.url + path, first.encode() + b"\n" + line + b"\n", NDJSON)
+            assert error_line(later) == expected
+
+    fuzz()
+
+
+# Characters that change how text looks or is cut without changing what it says: format and
+# bidi controls, zero-width ones, combining marks, full-width and mathematical letters,
+# line/paragraph separators, private use, a BOM, NUL, and astral characters.
+TRICKS = [
+    "\ufeff",
+    "\u200b",
+    "\u200d",
+    "\u2060",
+    "\u00ad",
+    "\u202e",
+    "\u2066",
+    "\u0301",
+    "\uff39\uff4f\uff55",
+    "\U0001d418\U0001d428\U0001d42e",
+    "\u2028",
+    "\u2029",
+    "\ue000",
+    "\x00",
+    "\U0001f600",
+    "\U000e0041",
+    "You",
+    ". ",
+    "\n\n",
+]
+tricky_texts = st.lists(st.sampled_from(TRICKS) | st.text(max_size=4), max_size=12).map("".join)
+
+
+def test_unicode_tricks_are_judged_with_spans_into_the_text(
+    stack: Stack, http: requests.Session
+) -> None:
+    """Valid Unicode of any kind is accepted, and every detection's span indexes the text the
+    client sent (code points), quoting exactly what is there."""
+
+    @FUZZ
+    @given(text=tricky_texts)
+    def fuzz(text: str) -> None:
+        body = {"content": text, "detectors": {"you": {}, "pii": {}}}
+        raw = json.dumps(body, ensure_ascii=False).encode()
+        response = _post(http, stack.url + CONTENT_PATH, raw, "application/json")
+        check_error_body(response)
+        if not text.strip():
+            return  # an empty text may be refused; it is never a 5xx
+        assert response.status_code == 200, response.text
+        for found in response.json()["detections"]:
+            assert 0 <= found["start"] <= found["end"] <= len(text)
+            assert text[found["start"] : found["end"]] == found["text"]
+
+    fuzz()
+
+
+@pytest.mark.parametrize("path", POST_PATHS)
+@pytest.mark.parametrize(
+    "bad",
+    [b"\xff", b"\xc0\xaf", b"\xe0\x80\xaf", b"\xf4\x90\x80\x80", b"\xed\xb0\x80", b"\x80"],
+    ids=["ff", "overlong-slash", "overlong-3", "beyond-10ffff", "cesu-low", "continuation"],
+)
+def test_bytes_that_are_not_utf8_are_4xx(
+    stack: Stack, http: requests.Session, path: str, bad: bytes
+) -> None:
+    """Invalid or overlong UTF-8 inside a string: the error body, never a 5xx or a 200."""
+    raw = json.dumps(body_for(path, "Hi __BAD__")).encode().replace(b"__BAD__", bad)
+    response = post_json(http, stack.url, path, raw)
+    check_error_body(response)
+    assert response.status_code in (400, 422), response.text

@@ -518,26 +518,152 @@ def test_nan_and_infinity_literals_are_400(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_flagged_input_with_a_lone_surrogate_is_quoted_back(
+def test_a_lone_surrogate_is_422_before_any_byte(
     stack: Stack, http: requests.Session, stream: bool
 ) -> None:
-    """The input refusal quotes the flagged sentence, surrogate and all, as a JSON escape."""
-    text = "you stupid fucking idiot \ud800."
+    """JSON can spell a lone surrogate (`"\\ud800"`), which is not Unicode: refused with the
+    field it is in, before the reply starts (it used to be quoted back in a detection)."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
+        "messages": [{"role": "user", "content": "you stupid fucking idiot \ud800."}],
         "stream": stream,
         "detectors": {"input": {"hap": {}}},
     }
     response = post(http, stack.url + CHAT_PATH, json.dumps(body).encode())
-    check_reply(response, body)
-    assert response.status_code == 200
-    if stream:
-        assert "\\ud800" in response.text
-        first = json.loads(response.text.split("\n\n")[0][len("data: ") :])
-        detections = first["detections"]
-        assert first["choices"][0]["finish_reason"] == "content_filter"
-    else:
-        detections = response.json()["detections"]
-    (found,) = detections["input"][0]["results"]
-    assert (found["word"], found["detector_id"], found["start"]) == (text, "hap", 0)
+    check_error(response)
+    assert response.status_code == 422
+    assert response.json()["error"] == {
+        "message": "messages.0.content: text must be valid Unicode (it contains a lone surrogate)",
+        "type": "invalid_request",
+        "param": "messages.0.content",
+        "code": 422,
+    }
+
+
+# -- nesting, lone surrogates and Unicode tricks (issue 20) ------------------------------------
+
+TOO_DEEP = "invalid JSON body: nested deeper than 64 levels"
+LONE_SURROGATE = "text must be valid Unicode (it contains a lone surrogate)"
+
+
+def nested(depth: int, kind: str) -> str:
+    """`depth` levels of lists or objects, as text (json.dumps would recurse that deep)."""
+    if kind == "list":
+        return "[" * depth + "1" + "]" * depth
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+def test_nesting_past_the_bound_is_400(stack: Stack, http: requests.Session) -> None:
+    """At the top, in a message's content parts or in detector params: a 400 in OpenAI's error
+    shape (a 1000-deep body used to be a 500 with a traceback)."""
+
+    @settings(FUZZ, max_examples=20)
+    @given(
+        depth=st.integers(65, 3000) | st.just(1000),
+        kind=st.sampled_from(["list", "dict"]),
+        where=st.sampled_from(["top", "content", "params"]),
+        stream=st.booleans(),
+    )
+    def fuzz(depth: int, kind: str, where: str, stream: bool) -> None:
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": stream,
+        }
+        if where == "content":
+            body["messages"][0]["content"] = "__NEST__"
+        elif where == "params":
+            body["detectors"] = {"output": {"pii": {"p": "__NEST__"}}}
+        raw = nested(depth, kind) if where == "top" else json.dumps(body)
+        response = post(
+            http, stack.url + CHAT_PATH, raw.replace('"__NEST__"', nested(depth, kind)).encode()
+        )
+        check_error(response)
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == TOO_DEEP
+
+    fuzz()
+
+
+def test_a_lone_surrogate_anywhere_in_a_message_is_422(
+    stack: Stack, http: requests.Session
+) -> None:
+    """In any role's content, a text part, a `name`, or a stop sequence: 422 with the field as
+    OpenAI's `param`, before the first byte, streaming or not."""
+
+    @settings(FUZZ, max_examples=30)
+    @given(
+        before=st.text(max_size=8),
+        surrogate=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
+        after=st.text(max_size=8),
+        role=roles,
+        where=st.sampled_from(["content", "part", "name", "stop"]),
+        stream=st.booleans(),
+    )
+    def fuzz(before: str, surrogate: str, after: str, role: str, where: str, stream: bool) -> None:
+        text = before + surrogate + after
+        message: dict[str, Any] = {"role": role, "content": "Hi"}
+        body: dict[str, Any] = {"model": MODEL, "messages": [message], "stream": stream}
+        if where == "content":
+            message["content"], field = text, "messages.0.content"
+        elif where == "part":
+            message["content"] = [{"type": "text", "text": text}]
+            field = "messages.0.content.0.text"
+        elif where == "name":
+            message["name"], field = text, "messages.0.name"
+        else:
+            body["stop"], field = [text], "stop.0"
+        response = post(http, stack.url + CHAT_PATH, json.dumps(body).encode())
+        check_error(response)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["message"] == f"{field}: {LONE_SURROGATE}"
+        assert response.json()["error"]["param"] == field
+
+    fuzz()
+
+
+# format and bidi controls, zero-width characters, combining marks, full-width and mathematical
+# letters, line separators, private use, a BOM, NUL and astral characters
+TRICKS = [
+    "\ufeff",
+    "\u200b",
+    "\u2060",
+    "\u00ad",
+    "\u202e",
+    "\u0301",
+    "\uff39\uff4f\uff55",
+    "\U0001d418\U0001d428\U0001d42e",
+    "\u2028",
+    "\ue000",
+    "\x00",
+    "\U0001f600",
+    "stupid idiot",
+    ". ",
+]
+
+
+def test_unicode_tricks_are_never_a_server_error(stack: Stack, http: requests.Session) -> None:
+    """Valid Unicode of any kind in any message gets a well-formed reply (the enforced `hap`
+    guardrail judges it), never a 5xx or a broken stream."""
+
+    @settings(FUZZ, max_examples=25)
+    @given(
+        text=st.lists(st.sampled_from(TRICKS) | st.text(max_size=3), min_size=1, max_size=10).map(
+            "".join
+        ),
+        role=roles,
+        stream=st.booleans(),
+    )
+    def fuzz(text: str, role: str, stream: bool) -> None:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": role, "content": text}, {"role": "user", "content": "Hi"}],
+            "stream": stream,
+            "max_tokens": 4,
+            "detectors": {"input": {"pii": {}}},
+        }
+        response = post(http, stack.url + CHAT_PATH, json.dumps(body, ensure_ascii=False).encode())
+        check_reply(response, body)
+        assert response.status_code == 200, response.text
+
+    fuzz()

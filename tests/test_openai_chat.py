@@ -219,10 +219,11 @@ async def test_input_hit_never_calls_the_engine(engine, dets) -> None:
     assert only.choices[0].delta.refusal
     assert only.choices[0].finish_reason == "content_filter"
     extra = only.model_extra or {}
-    # the last user message is judged; spans are relative to it
+    # every message is judged on its own; spans are relative to the message
     assert extra["detections"] == {
         "input": [
-            {"message_index": 3, "results": [tcr(11, 16, "email", "EmailAddress", "email", 0.95)]}
+            {"message_index": 1, "results": [tcr(21, 26, "email", "EmailAddress", "email", 0.95)]},
+            {"message_index": 3, "results": [tcr(11, 16, "email", "EmailAddress", "email", 0.95)]},
         ]
     }
     assert extra["warnings"][0]["type"] == "UNSUITABLE_INPUT"
@@ -402,6 +403,29 @@ async def test_bad_requests_get_openai_error_bodies(engine, dets, body, status, 
     assert engine.requests == []
 
 
+async def test_a_non_text_part_gets_a_one_line_422(engine, dets) -> None:
+    """Not pydantic's dump of both union branches (`messages.0.content.str: ...;
+    messages.0.content.list[TextPart].0.type: ...`): one line naming the part."""
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    content = [{"type": "text", "text": "What is this?"}, image]
+    async with Orchestrator(config(engine, dets)) as orch:
+        got, reply = await orch.post(
+            ALIAS, {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+        )
+    assert (got, reply) == (
+        422,
+        {
+            "error": {
+                "message": "messages.0.content: part 1 has type `image_url`: only text parts "
+                "are accepted (images and audio cannot be judged by text detectors)",
+                "type": "invalid_request",
+                "param": "messages.0.content",
+                "code": 422,
+            }
+        },
+    )
+
+
 async def test_sdk_raises_typed_errors(engine, dets) -> None:
     async with Orchestrator(config(engine, dets)) as orch:
         client = sdk(orch)
@@ -410,7 +434,7 @@ async def test_sdk_raises_typed_errors(engine, dets) -> None:
         with pytest.raises(openai.UnprocessableEntityError):
             await client.chat.completions.create(model=MODEL, messages=USER, n=2)
     assert missing.value.body == {
-        "message": "model `nope` not found",
+        "message": "model `nope` not found (available: fake-model)",
         "type": "not_found",
         "param": None,
         "code": 404,
@@ -508,3 +532,93 @@ async def test_alias_block_and_input_hit_with_a_plain_client(engine, dets) -> No
     assert unary["choices"][0]["message"]["content"] is None
     assert unary["choices"][0]["finish_reason"] == "content_filter"
     assert unary["detections"]["input"] == only["detections"]["input"]
+
+
+# -- options a native engine cannot honour: 422, never a silent drop (issue 20 item 10) ---------
+
+_TAIL = (
+    " (model `fake-model`; only an `openai` backend with `api: chat` receives fields guardstream "
+    "does not interpret)"
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "response_format",
+            {"type": "json_object"},
+            "response_format: structured output cannot be honoured by this model's backend" + _TAIL,
+        ),
+        (
+            "logprobs",
+            True,
+            "logprobs: log probabilities are not returned by this model's backend" + _TAIL,
+        ),
+        (
+            "logit_bias",
+            {"50256": -100},
+            "logit_bias: logit biases cannot be applied by this model's backend" + _TAIL,
+        ),
+        (
+            "modalities",
+            ["text", "audio"],
+            "modalities: only text output is supported: only text can be guarded",
+        ),
+        ("store", True, "store: completions are not stored (this service is stateless)" + _TAIL),
+        ("frobnicate", 1, "frobnicate: this model's backend cannot honour it" + _TAIL),
+    ],
+)
+async def test_options_a_native_backend_cannot_honour_are_422(
+    engine, dets, field: str, value: Any, message: str
+) -> None:
+    """The repro: each of these got 200 and was silently dropped on a native engine. Now a 422
+    with the exact OpenAI error body, before any byte and without calling the model, streamed or
+    not, on both paths; the SDK raises UnprocessableEntityError with that body."""
+    async with Orchestrator(config(engine, dets)) as orch:
+        for path in ("/v1/chat/completions", ALIAS):
+            for stream in (False, True):
+                body = {"model": MODEL, "messages": USER, "stream": stream, field: value}
+                got, reply = await orch.post(path, body)
+                assert (got, reply) == (
+                    422,
+                    {
+                        "error": {
+                            "message": message,
+                            "type": "invalid_request",
+                            "param": field,
+                            "code": 422,
+                        }
+                    },
+                )
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            await sdk(orch).chat.completions.create(
+                model=MODEL, messages=USER, extra_body={field: value}
+            )
+        assert info.value.body == {
+            "message": message,
+            "type": "invalid_request",
+            "param": field,
+            "code": 422,
+        }
+    assert engine.requests == []
+
+
+async def test_options_that_ask_for_nothing_pass_on_a_native_backend(engine, dets) -> None:
+    """What SDKs and proxies send as defaults asks for nothing: accepted, and labels (`user`,
+    `metadata`) are accepted whatever their value."""
+    inert = {
+        "response_format": {"type": "text"},
+        "logprobs": False,
+        "top_logprobs": 0,
+        "logit_bias": {},
+        "modalities": ["text"],
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "store": False,
+        "user": "u-1",
+        "metadata": {"k": "v"},
+    }
+    async with Orchestrator(config(engine, dets)) as orch:
+        done = await sdk(orch).chat.completions.create(model=MODEL, messages=USER, extra_body=inert)
+    assert done.choices[0].message.content == TEXT

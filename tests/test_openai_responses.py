@@ -429,8 +429,22 @@ async def test_input_hit_refuses_and_never_calls_the_engine(engine, dets) -> Non
     final = events[-1]["response"]
     assert final["incomplete_details"] == {"reason": "content_filter"}
     assert [c["type"] for c in final["output"][0]["content"]] == ["refusal"]
-    # the last user message was judged; spans are relative to it
-    expected = {"input": [annotation(11, 16, "email", "EmailAddress", "email", 0.95)], "output": []}
+    # every input item was judged on its own; spans are relative to the item
+    expected = {
+        "input": [
+            {
+                **annotation(21, 26, "email", "EmailAddress", "email", 0.95),
+                "field": "input",
+                "message_index": 0,
+            },
+            {
+                **annotation(11, 16, "email", "EmailAddress", "email", 0.95),
+                "field": "input",
+                "message_index": 2,
+            },
+        ],
+        "output": [],
+    }
     assert final["guardrails"] == expected
     assert final["usage"]["output_tokens"] == 0
     assert unary.status == "incomplete" and unary.output_text == ""

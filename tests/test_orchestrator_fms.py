@@ -232,13 +232,63 @@ async def test_invalid_bodies_are_422_before_streaming(engine, dets, body, detai
     assert engine.requests == []
 
 
+def _with_threshold(value: object) -> dict:
+    return {
+        "model_id": "fake-model",
+        "inputs": "x",
+        "guardrail_config": {"output": {"models": {"clean": {"threshold": value}}}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "details"),
+    [
+        (
+            {"model_id": "fake-model", "inputs": "x", "parameters": {"max_new_tokens": 3}},
+            "parameters: unknown field (did you mean `text_gen_parameters`?)",
+        ),
+        (
+            {"model_id": "fake-model", "inputs": "x", "text_gen_parameters": {"max_tokens": 3}},
+            "text_gen_parameters.max_tokens: unknown field (did you mean `max_new_tokens`?)",
+        ),
+        (
+            {"model_id": "fake-model", "inputs": "x", "colour": "red"},
+            "colour: unknown field (expected one of: guardrail_config, inputs, model_id, "
+            "text_gen_parameters)",
+        ),
+        (
+            _with_threshold(5),
+            "guardrail_config.output.models.clean.threshold: "
+            "threshold must be between 0 and 1, got 5",
+        ),
+        (
+            _with_threshold(-1),
+            "guardrail_config.output.models.clean.threshold: "
+            "threshold must be between 0 and 1, got -1",
+        ),
+    ],
+)
+async def test_bad_bodies_get_exact_helpful_422s(engine, dets, body, details) -> None:
+    """A guessed field gets a hint; a threshold outside [0, 1] (5 silently turned a detector
+    off) is refused naming the field."""
+    async with Orchestrator(config(engine, dets)) as orch:
+        status, err = await orch.post(STREAMING_PATH, body)
+    assert (status, err) == (422, {"code": 422, "details": details, "type": "invalid_request"})
+    assert engine.requests == []
+
+
 async def test_unknown_detector_is_404_naming_it(engine, dets) -> None:
     async with Orchestrator(config(engine, dets)) as orch:
         status, err = await orch.post(STREAMING_PATH, generation_body(output={"nope": {}}))
         status_in, err_in = await orch.post(STREAMING_PATH, generation_body(input={"nope": {}}))
     assert (status, err) == (
         404,
-        {"code": 404, "details": "detector `nope` not found", "type": "not_found"},
+        {
+            "code": 404,
+            "details": "detector `nope` not found (available: broken, clean, dies_later, email, "
+            "email_whole, generation_type, great, miscount, you)",
+            "type": "not_found",
+        },
     )
     assert (status_in, err_in) == (status, err)
 
@@ -257,7 +307,11 @@ async def test_unknown_model_is_404(engine, dets) -> None:
     async with Orchestrator(config(engine, dets)) as orch:
         status, err = await orch.post(STREAMING_PATH, generation_body(model_id="gpt-9"))
     assert status == 404
-    assert err == {"code": 404, "details": "model `gpt-9` not found", "type": "not_found"}
+    assert err == {
+        "code": 404,
+        "details": "model `gpt-9` not found (available: fake-model)",
+        "type": "not_found",
+    }
 
 
 async def test_output_detection_one_detector_without_detections(engine, dets) -> None:

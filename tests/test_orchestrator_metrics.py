@@ -215,11 +215,28 @@ async def test_the_active_streams_gauge_counts_streams_in_flight(
             assert orch.runner is not None
             state = orch.runner.app[STATE]
             await until(lambda: state.active_streams == 0)
+            registry = state.metrics.registry
+            # counted as nginx's 499 "client closed request", as the access log says: a 5xx here
+            # would fire every alert on server errors each time a user gives up
+            await until(
+                lambda: (
+                    registry.get_sample_value(
+                        "guardstream_requests_total",
+                        {"endpoint": STREAMING_PATH, "status": "499"},
+                    )
+                    == 1
+                )
+            )
             after = await scrape(orch.session, orch.url)
     finally:
         await engine.close()
     assert value(during, "guardstream_active_streams") == 1
     assert value(after, "guardstream_active_streams") == 0
+    assert (
+        delta(during, after, "guardstream_requests_total", endpoint=STREAMING_PATH, status="499")
+        == 1
+    )
+    assert value(after, "guardstream_requests_total", endpoint=STREAMING_PATH, status="500") == 0
     # a client that went away gets no terminal event, and none is counted
     events = ("completed", "incomplete", "failed", "error")
     assert [value(after, "guardstream_terminal_events_total", event=e) for e in events] == [0] * 4

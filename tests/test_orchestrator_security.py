@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import ssl
 import subprocess
 import sys
@@ -197,16 +198,20 @@ async def test_rejections_look_the_same_whatever_failed(engine, keys, authorizat
     assert engine.requests == []  # nothing reached the model
 
 
-async def test_probes_and_metrics_stay_open(engine, keys) -> None:
-    """Kubelet probes and Prometheus scrapers carry no key; everything else needs one."""
+async def test_probes_stay_open(engine, keys) -> None:
+    """Kubelet probes carry no key; everything else needs one, /metrics included (it names
+    replicas and detectors) unless `server.public_metrics` opens it."""
     async with Orchestrator(auth_config(engine)) as orch:
         assert orch.session is not None
-        for path in ["/health", "/metrics", "/openapi.json"]:
+        for path in ["/health", "/openapi.json"]:
             async with orch.session.get(orch.url + path) as r:
                 assert r.status == 200, path
         async with orch.session.get(orch.url + "/info") as r:
             assert r.status in (200, 503)  # readiness, not an auth failure
             assert "status" in await r.json()
+        async with orch.session.get(orch.url + "/metrics") as r:
+            assert r.status == 401
+            assert await r.json() == UNAUTHORIZED
         async with orch.session.get(orch.url + "/no-such-page") as r:
             assert r.status == 401  # deny by default: unknown paths do not answer 404
             assert await r.json() == UNAUTHORIZED
@@ -684,3 +689,44 @@ def test_forward_allowlist_drops_hop_by_hop_headers() -> None:
         "traceparent",
     }
     assert forwardable([]) == frozenset()
+
+
+def test_a_busy_port_fails_before_any_engine_starts(tmp_path: Path) -> None:
+    """The port is bound before start-up: a second server on a taken port used to fail only after
+    loading its managed engines (~10 s)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = {
+            "models": {"m": {"backends": [{"type": "managed", "model": "tiny-random"}]}},
+        }
+        path = tmp_path / "config.yaml"
+        path.write_text(json.dumps(config))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator",
+                "serve",
+                "--config",
+                str(path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-format",
+                "text",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert "engine managed-0 started" not in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -182,6 +182,29 @@ async def test_blocking_detector_withholds_the_offending_text(dets) -> None:
     assert events[2].data["finish_reason"] == "CANCELLED"
 
 
+async def test_a_block_after_the_model_finished_keeps_its_finish_reason(dets) -> None:
+    """A whole-document block judges after the end: the model ended with EOS, and the terminal
+    event says so (it said CANCELLED, as if generation had been cut)."""
+    engine = await start_engine(["First", " things", " first", "."])
+    try:
+        async with Orchestrator(cfg(engine, dets)) as orch:
+            events = await orch.stream(
+                generation_body(output={"first_whole": {"on_detection": "block"}})
+            )
+    finally:
+        await engine.close()
+    assert frames(events) == []
+    assert [e.name for e in events] == ["refusal.delta", "refusal.done", "incomplete"]
+    assert events[2].data == {
+        "finish_reason": "EOS_TOKEN",
+        "generated_token_count": 4,
+        "input_token_count": events[2].data["input_token_count"],
+        "processed_index": 0,
+        "migrations": 0,
+        "incomplete_details": {"reason": "content_filter"},
+    }
+
+
 async def test_blocking_later_in_the_stream_keeps_earlier_frames(dets) -> None:
     script = ["All", " fine", ".", " Truly", " great", ".", " More", " text", "."]
     engine = await start_engine(script)

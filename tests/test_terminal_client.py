@@ -225,7 +225,11 @@ async def test_rejected_request_shows_the_error_body_and_exits_3(
     assert code == EXIT_REJECTED and out == ""
     assert "error: HTTP 404: " in err
     body = json.loads(err.split("error: HTTP 404: ", 1)[1].split("\n")[0])
-    assert body == {"code": 404, "details": "model `nope` not found", "type": "not_found"}
+    assert body == {
+        "code": 404,
+        "details": "model `nope` not found (available: fake-model)",
+        "type": "not_found",
+    }
     code, _, err = unknown_detector
     assert code == EXIT_REJECTED
     assert "detector `ghost` not found" in err
@@ -242,6 +246,23 @@ async def test_connection_refused_is_a_clear_message() -> None:
         assert out == ""
         assert f"error: cannot connect to {url}" in err
         assert "Traceback" not in err
+
+
+async def test_url_without_a_scheme_means_http(
+    engine: FakeEngine, dets: FakeDetectorServer
+) -> None:
+    """`--url localhost:8033` failed with `localhost:8033/info`; it now means http://."""
+    async with Orchestrator(config(engine, dets)) as orch:
+        bare = orch.url.removeprefix("http://")
+        code, out, err = await cli("--url", bare, "Hi")
+        bad = await cli("--url", "ftp://" + bare, "Hi")
+    assert code == EXIT_COMPLETED, err
+    assert out.startswith(TEXT + "\n")
+    assert bad == (
+        EXIT_REJECTED,
+        "",
+        f"error: --url ftp://{bare}: only http:// and https:// are supported\n",
+    )
 
 
 async def test_api_key_from_flag_or_environment(

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..streaming.text_judgement import InputPiece
 from .json_numbers import json_integer, json_number
 from .requests import DetectorMap
 from .responses import TokenClassificationResult, Wire
@@ -32,6 +33,48 @@ _UNSUPPORTED = {
     "audio": "audio output is not supported: only text can be guarded",
     "prediction": "predicted outputs are not supported",
 }
+
+
+# Extra fields that only label or route a request: accepted whatever the backend.
+_LABELS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"})
+# Extra fields a backend that does not receive them cannot honour, at a value that asks for
+# something; the value that asks for nothing (SDKs and proxies send defaults) passes.
+_EXTRA_WHY = {
+    "response_format": "structured output cannot be honoured by this model's backend",
+    "logprobs": "log probabilities are not returned by this model's backend",
+    "top_logprobs": "log probabilities are not returned by this model's backend",
+    "logit_bias": "logit biases cannot be applied by this model's backend",
+    "frequency_penalty": "frequency penalties cannot be applied by this model's backend",
+    "presence_penalty": "presence penalties cannot be applied by this model's backend",
+    "reasoning_effort": "this model's backend does not reason",
+    "verbosity": "this model's backend has no verbosity setting",
+    "web_search_options": "web search is not supported",
+    "store": "completions are not stored (this service is stateless)",
+}
+_INERT: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "store": (False,),
+    "modalities": (["text"],),  # any other value is refused by the request model
+}
+
+
+def check_extra_honoured(extra: dict[str, Any], model: str) -> None:
+    """422 for a field the model's backend would silently drop (DESIGN 4.8): only an `openai`
+    backend with `api: chat` receives the fields guardstream does not interpret; for any other
+    a field that asks for something is refused, naming it (OpenAI's `param`)."""
+    for name, value in extra.items():
+        if name in _LABELS or value is None or value in _INERT.get(name, ()):
+            continue
+        why = _EXTRA_WHY.get(name, "this model's backend cannot honour it")
+        raise ValueError(
+            f"{name}: {why} (model `{model}`; only an `openai` backend with `api: chat` "
+            "receives fields guardstream does not interpret)"
+        )
 
 
 class Strict(BaseModel):
@@ -54,12 +97,39 @@ class ChatMessageIn(BaseModel):
     name: str | None = Field(None, max_length=256)
     refusal: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        # one line naming the part, instead of pydantic's dump of both union branches
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    shown = f"type `{kind}`" if isinstance(kind, str) else "no text type"
+                    raise ValueError(
+                        f"part {i} has {shown}: only text parts are accepted "
+                        "(images and audio cannot be judged by text detectors)"
+                    )
+        elif v is not None and not isinstance(v, str):
+            raise ValueError("must be a string or a list of text parts")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def pieces(self, index: int) -> list[InputPiece]:
+        """Every text of this message for the input detectors: the content (its parts joined,
+        as the engine receives them), and `name` and `refusal`, each on its own."""
+        out = [InputPiece(self.text(), index, target=index)]
+        if self.name:
+            out.append(InputPiece(self.name, index, "name"))
+        if self.refusal:
+            out.append(InputPiece(self.refusal, index, "refusal"))
+        return out
 
 
 class StreamOptions(Strict):
@@ -104,6 +174,9 @@ class ChatCompletionRequest(BaseModel):
     def _guardable(self) -> ChatCompletionRequest:
         if self.n not in (None, 1):
             raise ValueError("n: only n = 1 is supported (every choice would need its own guard)")
+        modalities = (self.model_extra or {}).get("modalities")
+        if modalities not in (None, ["text"]):
+            raise ValueError("modalities: only text output is supported: only text can be guarded")
         for name, why in _UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             if value not in (None, [], "none"):
@@ -111,6 +184,10 @@ class ChatCompletionRequest(BaseModel):
         if not any(m.role == "user" for m in self.messages):
             raise ValueError("messages: at least one message must have the role `user`")
         return self
+
+    def input_pieces(self) -> list[InputPiece]:
+        """What input detectors judge: every message, whatever its role (DESIGN 4.8)."""
+        return [p for i, m in enumerate(self.messages) for p in m.pieces(i)]
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -136,7 +213,11 @@ class OutputDetections(Wire):
 
 
 class InputDetections(Wire):
+    """Detections on one message's content (spans relative to its text parts joined), or, with
+    `field`, on its `name` or `refusal`."""
+
     message_index: int
+    field: Literal["name", "refusal"] | None = None
     results: list[TokenClassificationResult]
 
 

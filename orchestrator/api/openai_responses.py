@@ -23,9 +23,11 @@ from pydantic import (
     StrictBool,
     Tag,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
+from ..streaming.text_judgement import InputPiece
 from .errors import invalid
 from .json_numbers import json_integer, json_number
 from .openai_chat import ChatDetectors, OpenAIErrorBody
@@ -222,6 +224,20 @@ class ResponsesRequest(Strict):
             raise ValueError("input: at least one message must have the role `user`")
         return self
 
+    def input_pieces(self) -> list[InputPiece]:
+        """What input detectors judge: `instructions` and every input item, each on its own
+        (DESIGN 4.9); `message_index` is the item's index in `input` (0 for a string)."""
+        out: list[InputPiece] = []
+        shift = 0  # `instructions` is the first message the engine receives
+        if self.instructions:
+            out.append(InputPiece(self.instructions, None, "instructions", target=0))
+            shift = 1
+        if isinstance(self.input, str):
+            out.append(InputPiece(self.input, 0, target=shift))
+        else:
+            out.extend(InputPiece(m.text(), i, target=i + shift) for i, m in enumerate(self.input))
+        return out
+
     def conversation_messages(self) -> list[tuple[str, str]]:
         """(role, text) of the whole conversation: `instructions` first, as a system message."""
         out: list[tuple[str, str]] = []
@@ -238,7 +254,7 @@ class ResponsesRequest(Strict):
 
 
 class GuardrailAnnotation(BaseModel):
-    """A detection on the output text (or, in `guardrails.input`, on the last user message):
+    """A detection on the output text (or, in `guardrails.input`, on one piece of the request):
     `[start_index, end_index)` in code points into the whole text."""
 
     type: Literal["guardrail_detection"] = "guardrail_detection"
@@ -249,6 +265,24 @@ class GuardrailAnnotation(BaseModel):
     detection: str
     detection_type: str
     score: float
+    # DESIGN 4.6a: the span was replaced and `text` is the replacement (omitted otherwise)
+    redacted: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unredacted(self, handler: Any) -> Any:
+        data = handler(self)
+        if data.get("redacted") is None:
+            data.pop("redacted", None)
+        return data
+
+
+class InputAnnotation(GuardrailAnnotation):
+    """A detection on the request (`guardrails.input`): spans relative to `instructions`
+    (`field: "instructions"`) or to the text of input item `message_index` (0 for a string
+    `input`)."""
+
+    field: Literal["input", "instructions"] = "input"
+    message_index: int | None = None
 
 
 class OutputText(BaseModel):
@@ -307,10 +341,10 @@ class IncompleteInfo(BaseModel):
 
 
 class Guardrails(BaseModel):
-    """Every detection of the request: `input` on the last user message, `output` on the
-    generated text (including what a blocking detector withheld)."""
+    """Every detection of the request: `input` on `instructions` and the input items, `output`
+    on the generated text (including what a blocking detector withheld)."""
 
-    input: list[GuardrailAnnotation] = Field(default_factory=list)
+    input: list[InputAnnotation] = Field(default_factory=list)
     output: list[GuardrailAnnotation] = Field(default_factory=list)
 
 

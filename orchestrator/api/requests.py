@@ -9,6 +9,8 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictStr,
     field_validator,
     model_validator,
 )
@@ -23,14 +25,22 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+OnDetection = Literal["annotate", "block", "redact"]
+# the longest replacement: a template is the operator's or the client's, and every flagged span
+# of a stream becomes one copy of it
+MAX_REDACT_WITH = 256
+
+
 class DetectorParams(BaseModel):
-    """One detector's entry in a request. `threshold` and `on_detection` are the orchestrator's;
-    every other key is forwarded to the detector as `detector_params`."""
+    """One detector's entry in a request. `threshold`, `on_detection` and `redact_with` are the
+    orchestrator's; every other key is forwarded to the detector as `detector_params`."""
 
     model_config = ConfigDict(extra="allow")
 
-    threshold: float | None = None
-    on_detection: Literal["annotate", "block"] | None = None
+    threshold: float | None = Field(None, ge=0, le=1)
+    on_detection: OnDetection | None = None
+    # redact: what replaces each flagged span, a fixed string or a template with {entity}
+    redact_with: StrictStr | None = Field(None, max_length=MAX_REDACT_WITH)
 
     @field_validator("threshold", mode="before")
     @classmethod
@@ -39,9 +49,13 @@ class DetectorParams(BaseModel):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
             raise ValueError("threshold must be a number")
         try:
-            return json_number(v)  # NaN would silently drop every detection
+            v = json_number(v)  # NaN would silently drop every detection
         except ValueError:
             raise ValueError("threshold must be a finite number") from None
+        if not 0 <= v <= 1:
+            # scores are in [0, 1]: 5 would silently turn the detector off, -1 flag everything
+            raise ValueError(f"threshold must be between 0 and 1, got {v}")
+        return v
 
     def detector_params(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -115,10 +129,12 @@ class GuardrailsHttpRequest(Strict):
 
 
 class ContentDetectionRequest(Strict):
-    """POST /api/v2/text/detection/content."""
+    """POST /api/v2/text/detection/content. `redact: true` also returns the content with every
+    detection replaced by its detector's `redact_with` (DESIGN 4.6a)."""
 
     content: str
     detectors: DetectorMap = Field(min_length=1)
+    redact: StrictBool = False
 
 
 class StreamContentLine(Strict):

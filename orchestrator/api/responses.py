@@ -25,6 +25,8 @@ class TokenClassificationResult(Wire):
     entity_group: str
     detector_id: str
     score: float
+    # DESIGN 4.6a: the span was replaced; `word` is the replacement the client received
+    redacted: bool | None = None
 
 
 class TokenClassificationResults(Wire):
@@ -128,10 +130,15 @@ class ContentDetection(Wire):
     score: float
     evidence: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
+    redacted: bool | None = None  # with `redact: true`: `text` is the replacement
 
 
 class ContentDetectionResponse(Wire):
+    """With `redact: true`, `redacted_content` is the content with every detection replaced, and
+    the spans are relative to it."""
+
     detections: list[ContentDetection]
+    redacted_content: str | None = None
 
 
 class StreamContentResult(Wire):
@@ -153,10 +160,13 @@ class ComponentStatus(Wire):
 
 
 class InfoResponse(Wire):
-    status: Literal["HEALTHY", "UNHEALTHY", "UNKNOWN"]
-    models: dict[str, list[dict[str, Any]]]
-    detectors: dict[str, ComponentStatus]
-    chunkers: dict[str, ComponentStatus]
+    """GET /info. `DEGRADED`: ready (200), but a replica or a detector that no enforced
+    guardrail uses is unhealthy. Without a key (auth on) only `status`: ids map the deployment."""
+
+    status: Literal["HEALTHY", "DEGRADED", "UNHEALTHY", "UNKNOWN"]
+    models: dict[str, list[dict[str, Any]]] | None = None
+    detectors: dict[str, ComponentStatus] | None = None
+    chunkers: dict[str, ComponentStatus] | None = None
 
 
 __all__ = ["ErrorBody"]

@@ -37,7 +37,12 @@ __all__ = ["ModelBackend", "ReplicatedModelBackend", "build_model_backends"]
 
 def default_command(cfg: ManagedBackend) -> CommandFactory:
     return engine_command(
-        cfg.model, cfg.device, cfg.enable_fault_injection, api_keys_env=ENGINE_API_KEYS_ENV
+        cfg.model,
+        cfg.device,
+        cfg.enable_fault_injection,
+        api_keys_env=ENGINE_API_KEYS_ENV,
+        dtype=cfg.dtype,
+        batch_invariant=cfg.batch_invariant,
     )
 
 
@@ -52,6 +57,7 @@ class ReplicatedModelBackend(ModelBackend):
         health_interval_s: float = 2.0,
         command_factory: Callable[[ManagedBackend], CommandFactory] = default_command,
         engine_output: TextIO | None = None,
+        hidden_env: frozenset[str] = frozenset(),
     ) -> None:
         self.model_id = model_id
         self.config = config
@@ -69,6 +75,7 @@ class ReplicatedModelBackend(ModelBackend):
                         session,
                         start_timeout_s=backend.start_timeout_s,
                         output=engine_output,
+                        hidden_env=hidden_env,
                     )
                     client = NativeClient(name, process.url, session, api_key=process.api_key)
                     replica = Replica(name=name, client=client, process=process)
@@ -106,6 +113,7 @@ class ReplicatedModelBackend(ModelBackend):
                     session,
                     api=backend.api,
                     api_key=api_key,
+                    tokenizer=backend.tokenizer,
                     ssl_context=client_ssl_context(
                         backend.tls, where=f"models.{model_id}.backends.{index}.tls"
                     ),
@@ -171,6 +179,13 @@ class ReplicatedModelBackend(ModelBackend):
         Replicas that advertise nothing (`openai` ones, unreachable ones) are not consulted;
         with none advertising, nothing is checked here and the engines' own 4xx still come
         back as invalid_request."""
+        for replica in self.pool.replicas:
+            client = replica.client
+            if isinstance(client, OpenAIClient) and (refused := client.unhonoured(request)):
+                raise invalid(
+                    f"{refused[0]}: model `{self.model_id}` cannot honour it (the server of "
+                    f"its replica {replica.name} refuses it)"
+                )
         natives = [
             r.client
             for r in self.pool.replicas
@@ -255,9 +270,10 @@ def build_model_backends(
     health_interval_s: float = 2.0,
     command_factory: Callable[[ManagedBackend], CommandFactory] = default_command,
     engine_output: TextIO | None = None,
+    hidden_env: frozenset[str] = frozenset(),
 ) -> dict[str, ModelBackend]:
     """Backends for every configured model; migration counters go on `metrics`, or on new ones
-    registered on `registry`."""
+    registered on `registry`; managed engines start without the variables in `hidden_env`."""
     if metrics is None:
         metrics = MigrationMetrics(registry)
     return {
@@ -269,6 +285,7 @@ def build_model_backends(
             health_interval_s=health_interval_s,
             command_factory=command_factory,
             engine_output=engine_output,
+            hidden_env=hidden_env,
         )
         for model_id, config in models.items()
     }

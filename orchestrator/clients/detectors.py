@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import ssl
 import time
@@ -24,18 +25,32 @@ from detectors.api import ContentsRequest, Detection
 
 from .. import tracing
 from ..config import ConfigError, DetectorConfig
+from .reasons import connection_failure
 
 _REPLY = TypeAdapter(list[list[Detection]])
 
 
-class DetectorCallError(Exception):
-    """A detector call failed; `message` is safe to show to the client."""
+log = logging.getLogger("guardstream.detectors")
 
-    def __init__(self, detector_id: str, message: str, *, invalid_params: bool = False) -> None:
+
+class DetectorCallError(Exception):
+    """A detector call failed; `message` is safe to show to the client. `overloaded`: the
+    detector refused this call because it is full (its micro-batch queue, or a remote service's
+    429/503); the client is told `overloaded` with Retry-After, not that the detector failed."""
+
+    def __init__(
+        self,
+        detector_id: str,
+        message: str,
+        *,
+        invalid_params: bool = False,
+        overloaded: bool = False,
+    ) -> None:
         super().__init__(f"detector `{detector_id}`: {message}")
         self.detector_id = detector_id
         self.message = message
         self.invalid_params = invalid_params
+        self.overloaded = overloaded
 
 
 # (detector_id, outcome "ok" | "error" | "cancelled", seconds): how metrics learn of each call
@@ -120,6 +135,8 @@ class InProcessDetectorClient(DetectorClient):
             ) from None
         except detectors.InvalidParams as exc:
             raise DetectorCallError(self.detector_id, str(exc), invalid_params=True) from None
+        except detectors.Overloaded as exc:
+            raise DetectorCallError(self.detector_id, str(exc), overloaded=True) from None
         except detectors.DetectorError as exc:
             raise DetectorCallError(self.detector_id, str(exc) or type(exc).__name__) from None
         self._check_count(contents, reply)
@@ -196,13 +213,19 @@ class HttpDetectorClient(DetectorClient):
                         self.detector_id,
                         f"HTTP {resp.status}: {_error_message(raw)}{hint}",
                         invalid_params=resp.status == 422,
+                        # the detector service's queue-full answer is 503 with Retry-After
+                        overloaded=resp.status == 429
+                        or (resp.status == 503 and "Retry-After" in resp.headers),
                     )
         except TimeoutError:
             raise DetectorCallError(
                 self.detector_id, f"timed out after {self.config.timeout_s:g} s"
             ) from None
         except aiohttp.ClientError as exc:
-            raise DetectorCallError(self.detector_id, f"request failed: {exc}") from None
+            # the address stays in the log: a client is told the kind of failure only
+            log.warning("detector %s: call to %s failed: %s", self.detector_id, self._url, exc)
+            reason = connection_failure(exc)
+            raise DetectorCallError(self.detector_id, f"request failed: {reason}") from None
         try:
             reply = _REPLY.validate_json(raw)
         except ValidationError as exc:

@@ -52,6 +52,9 @@ def engine_command(
     device: str,
     enable_fault_injection: bool = False,
     api_keys_env: str | None = None,
+    *,
+    dtype: str = "auto",
+    batch_invariant: bool = False,
 ) -> CommandFactory:
     """The engine CLI of DESIGN section 2, for a given port; with `api_keys_env`, the engine
     requires the key that EngineProcess puts in that variable."""
@@ -59,6 +62,10 @@ def engine_command(
     def command(port: int) -> list[str]:
         cmd = [sys.executable, "-m", "generation", "serve", "--model", model]
         cmd += ["--device", device, "--port", str(port)]
+        if dtype != "auto":
+            cmd += ["--dtype", dtype]
+        if batch_invariant:
+            cmd.append("--batch-invariant")
         if api_keys_env:
             cmd += ["--api-keys-env", api_keys_env]
         if enable_fault_injection:
@@ -66,6 +73,16 @@ def engine_command(
         return cmd
 
     return command
+
+
+def engine_environment(
+    hidden: frozenset[str] = frozenset(), base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment a managed engine starts with: this process's (or `base`), minus the
+    variables that hold the orchestrator's keys (`hidden`: config.secret_env_names). The
+    engine's own key is added by EngineProcess."""
+    source = os.environ if base is None else base
+    return {k: v for k, v in source.items() if k not in hidden}
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -85,7 +102,8 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 class EngineProcess:
     """One supervised engine slot. `api_key` (a fresh random one unless given) is put in the
-    child's environment as ENGINE_API_KEYS_ENV; the command decides whether the engine uses it."""
+    child's environment as ENGINE_API_KEYS_ENV; the command decides whether the engine uses it.
+    The child's environment is `env` (default: this process's) without `hidden_env`."""
 
     def __init__(
         self,
@@ -99,6 +117,7 @@ class EngineProcess:
         env: dict[str, str] | None = None,
         output: TextIO | None = None,
         api_key: str | None = None,
+        hidden_env: frozenset[str] = frozenset(),
     ) -> None:
         self.name = name
         self._command = command
@@ -107,6 +126,7 @@ class EngineProcess:
         self.on_status = on_status
         self.port = port or free_port()
         self._env = env
+        self._hidden_env = hidden_env  # variables never passed on (the orchestrator's keys)
         self._output = output  # where child output goes; None: our stderr
         self.api_key = api_key or secrets.token_urlsafe(32)
         self.restarts = 0
@@ -226,7 +246,7 @@ class EngineProcess:
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         cmd = self._command(self.port)
-        env = dict(os.environ if self._env is None else self._env)
+        env = engine_environment(self._hidden_env, self._env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env[ENGINE_API_KEYS_ENV] = self.api_key
         proc = await asyncio.create_subprocess_exec(

@@ -39,6 +39,7 @@ from .generation import (
     ReplicaClient,
     unavailable,
 )
+from .reasons import connection_failure
 
 log = logging.getLogger("guardstream.native")
 
@@ -217,15 +218,9 @@ class LineReader:
 
 def transport_error(name: str, exc: BaseException) -> GenerationError:
     """A connection-level failure: refused, reset, truncated body."""
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        detail = "connection lost mid-stream"
-    elif isinstance(exc, aiohttp.ClientConnectorError):
-        detail = f"cannot connect ({exc.os_error.strerror or exc.os_error})"
-    elif isinstance(exc, aiohttp.ServerDisconnectedError):
-        detail = "server disconnected"
-    else:
-        detail = str(exc) or type(exc).__name__
-    return unavailable(f"replica {name}: connection failed: {detail}")
+    # the address stays in the log: a client is told the kind of failure only
+    log.warning("replica %s: connection failed: %r", name, exc)
+    return unavailable(f"replica {name}: connection failed: {connection_failure(exc)}")
 
 
 def http_error(name: str, status: int, raw: bytes) -> GenerationError:

@@ -14,7 +14,13 @@ import detectors
 
 from ..api.errors import invalid, not_found
 from ..api.requests import DetectorMap
-from ..config import ORCHESTRATOR_PARAM_KEYS, WHOLE_DOC_CHUNKER, Config, DetectorConfig
+from ..config import (
+    DEFAULT_REDACT_WITH,
+    ORCHESTRATOR_PARAM_KEYS,
+    WHOLE_DOC_CHUNKER,
+    Config,
+    DetectorConfig,
+)
 from .detectors import (
     CallRecorder,
     DetectorClient,
@@ -32,8 +38,9 @@ class RequestedDetector:
     client: DetectorClient
     chunker_id: str
     threshold: float
-    on_detection: Literal["annotate", "block"]
+    on_detection: Literal["annotate", "block", "redact"]
     params: dict[str, Any]
+    redact_with: str = DEFAULT_REDACT_WITH
 
     @property
     def whole_doc(self) -> bool:
@@ -42,6 +49,15 @@ class RequestedDetector:
     @property
     def blocking(self) -> bool:
         return self.on_detection == "block"
+
+    @property
+    def redacting(self) -> bool:
+        return self.on_detection == "redact"
+
+    def replacement(self, entity: str) -> str:
+        """What replaces a span this detector flagged as `entity`. A plain substitution, not
+        `str.format`: a template is text, and braces in it are not an attack surface."""
+        return self.redact_with.replace("{entity}", entity)
 
 
 class ChunkerRegistry:
@@ -99,7 +115,10 @@ class DetectorRegistry:
             params = requested[detector_id]
             det = self._configs.get(detector_id)
             if det is None:
-                raise not_found(f"detector `{detector_id}` not found")
+                raise not_found(
+                    f"detector `{detector_id}` not found "
+                    f"(available: {', '.join(sorted(self._configs)) or 'none'})"
+                )
             if det.type != "text_contents":
                 raise invalid(
                     f"detector `{detector_id}` is of type `{det.type}` and cannot be used "
@@ -129,6 +148,9 @@ class DetectorRegistry:
                     if direction == "content"
                     else (params.on_detection or det.on_detection),
                     params=forwarded,
+                    redact_with=params.redact_with
+                    if params.redact_with is not None
+                    else str(det.params.get("redact_with", det.redact_with)),
                 )
             )
         return out

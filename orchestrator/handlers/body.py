@@ -3,28 +3,82 @@ wrong (DESIGN section 4: a client mistake is never a 5xx)."""
 
 from __future__ import annotations
 
+import asyncio
+import difflib
 import json
+import re
+import typing
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ValidationError
 
 from ..api.errors import ApiError, ErrorType, invalid
+from ..state import STATE
 
 M = TypeVar("M", bound=BaseModel)
 
+# How deep a request's JSON may nest. No request shape needs more than ~6 levels; detector
+# params are free-form, so some room is left. Deeper bodies are refused before validation: a
+# 1000-deep `[[[...]]]` (2 KB) made Python's parser raise RecursionError (a 500 with a
+# traceback), and depth under that limit still reaches pydantic and the detectors' encoders.
+MAX_JSON_DEPTH = 64
+# What may stand for a surrogate in a UTF-8 body: a `\uD800`-`\uDFFF` escape, or the UTF-8 form
+# of a surrogate, which Python's JSON decoder lets through (it decodes with "surrogatepass").
+# (Two patterns, each with a literal prefix that the regex engine scans for quickly.)
+_SURROGATE_HINTS = (re.compile(rb"\\u[dD][89a-fA-F]"), re.compile(rb"\xed[\xa0-\xbf]"))
+_QUOTE, _BACKSLASH, _LIST, _LIST_END, _OBJECT, _OBJECT_END = (ord(c) for c in '"\\[]{}')
 
-def describe_validation_error(exc: ValidationError) -> str:
+
+def describe_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
     parts = []
     for err in exc.errors()[:10]:
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown field"
+            msg = "unknown field" + _did_you_mean(model, err["loc"])
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
+
+
+def _did_you_mean(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:
+    """A hint for a misspelt or guessed field (`parameters` -> `text_gen_parameters`), from the
+    fields of the model the unknown key sits in."""
+    fields = _fields_at(model, loc[:-1])
+    if not fields or not isinstance(loc[-1], str):
+        return ""
+    close = difflib.get_close_matches(loc[-1], fields, n=1, cutoff=0.6)
+    if not close:
+        return f" (expected one of: {', '.join(sorted(fields))})"
+    return f" (did you mean `{close[0]}`?)"
+
+
+def _fields_at(model: type[BaseModel] | None, path: tuple[Any, ...]) -> list[str]:
+    """Field names of the (nested) model at `path`; [] when the path leaves pydantic models."""
+    current: Any = model
+    for part in path:
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return []
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return []
+        current = _model_in(field.annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return [name for name, f in current.model_fields.items() if not f.exclude]
+    return []
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model inside `X | None` (the only wrapping request models use for submodels)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
 
 
 def require_json_content_type(request: web.Request) -> None:
@@ -39,19 +93,124 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def too_deep() -> ApiError:
+    return ApiError(
+        400,
+        ErrorType.INVALID_REQUEST,
+        f"invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels",
+    )
+
+
+def json_depth(text: bytes) -> int:
+    """How deep the UTF-8 JSON `text` nests (exact for valid JSON; for invalid JSON, at least as
+    deep as a parser gets before the first error), at C speed (numpy) rather than in a Python
+    loop over up to `max_request_bytes` characters."""
+    if text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # cannot be deeper: the common case costs two scans
+    # imported here: the orchestrator's workers import no numpy at rest (tests/test_capacity.py)
+    import numpy as np
+    chars = np.frombuffer(text, dtype=np.uint8)
+    # only brackets, quotes and backslashes matter: the rest of the work is on their positions
+    marks = (chars == _QUOTE) | (chars == _LIST) | (chars == _LIST_END)
+    marks |= (chars == _OBJECT) | (chars == _OBJECT_END)
+    escapes = b'\\"' in text  # no backslash right before a quote: no quote is escaped
+    if escapes:
+        marks |= chars == _BACKSLASH
+    where = np.flatnonzero(marks)
+    kind = chars[where]
+    quotes = kind == _QUOTE
+    if escapes:
+        # a quote after an odd run of backslashes (adjacent in the text) is escaped: it is
+        # part of a string, not its end
+        index = np.arange(len(where))
+        joins_next = np.zeros(len(where), dtype=bool)  # a backslash right before the next mark
+        joins_next[:-1] = (kind[:-1] == _BACKSLASH) & (where[1:] - where[:-1] == 1)
+        last_break = np.maximum.accumulate(np.where(joins_next, -1, index))
+        run_before = np.zeros(len(where), dtype=np.int64)
+        run_before[1:] = index[:-1] - last_break[:-1]
+        quotes &= (run_before & 1) == 0
+    in_string = (np.cumsum(quotes, dtype=np.int32) & 1).astype(bool)
+    step = (kind == _LIST).astype(np.int32) + (kind == _OBJECT)
+    step -= (kind == _LIST_END).astype(np.int32) + (kind == _OBJECT_END)
+    step[in_string] = 0
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _lone_surrogate_at(data: Any) -> str | None:
+    """The path (`messages.0.content`) of the first string or key holding a lone surrogate,
+    "" for the top level, None when there is none."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                sub = f"{path}.{key}" if path else str(key)
+                if not key.isascii():
+                    try:
+                        key.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return path or "(key)"
+                stack.append((sub, item))
+        elif isinstance(value, list):
+            stack.extend(
+                (f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(value)))
+            )
+    return None
+
+
+def check_unicode(raw: bytes, data: Any, encoding: str) -> None:
+    """Text must be Unicode: JSON lets `"\\ud800"` through, and a lone surrogate then broke
+    things after the reply started (an engine's 422 as an in-stream `event: error`). Refused
+    here, for every endpoint, before the first byte. Only bodies that may hold one are walked."""
+    if encoding == "utf-8" and not any(hint.search(raw) for hint in _SURROGATE_HINTS):
+        return
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")  # C speed; the walk only on failure
+    except UnicodeEncodeError:
+        path = _lone_surrogate_at(data)
+        prefix = f"{path}: " if path else ""
+        raise invalid(
+            f"{prefix}text must be valid Unicode (it contains a lone surrogate)"
+        ) from None
+
+
 def parse_json(raw: bytes) -> Any:
+    """A JSON value, nested at most MAX_JSON_DEPTH deep, whose strings are valid Unicode.
+
+    Depth is measured on the bytes BEFORE parsing: Python's parser recurses once per level, and
+    near the recursion limit whatever runs meanwhile (a finalizer the garbage collector calls
+    from there) fails too. Up to the first syntax error the scan and the parser agree on what
+    is a string, so a body the scan passes never takes the parser deeper than the bound."""
+    try:
+        encoding = json.detect_encoding(raw)
+        # the scan reads UTF-8: another encoding (JSON allows UTF-16/32) is converted first
+        text = raw if encoding == "utf-8" else raw.decode(encoding).encode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, ErrorType.INVALID_REQUEST, f"invalid JSON body: {exc}") from None
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise too_deep()
     try:
         # NaN and Infinity are not JSON; Python's parser accepts them unless told not to
-        return json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:  # not reachable past the scan; kept so it can never be a 500
+        raise too_deep() from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(400, ErrorType.INVALID_REQUEST, f"invalid JSON body: {exc}") from None
+    check_unicode(raw, data, encoding)
+    return data
 
 
 def validate(model: type[M], data: Any) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise invalid(describe_validation_error(exc)) from None
+        raise invalid(describe_validation_error(exc, model)) from None
 
 
 def too_large(limit: int) -> ApiError:
@@ -59,10 +218,66 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, ErrorType.INVALID_REQUEST, f"request body too large (limit {limit} bytes)")
 
 
+class BodyTimeout(ApiError):
+    """408: the body stalled or came too slowly. The connection is closed after the reply
+    (the error middleware sees this type), so a stalled client holds nothing afterwards."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(408, ErrorType.TIMEOUT, details)
+
+
+def body_stalled() -> BodyTimeout:
+    return BodyTimeout("the request body stalled for longer than body_idle_timeout_s")
+
+
+def body_too_slow() -> BodyTimeout:
+    return BodyTimeout("the request body did not arrive within request_timeout_s")
+
+
+def malformed_body() -> ApiError:
+    """A body the HTTP parser refused (a bad chunk size, a short Content-Length body): the
+    parser's own message may quote the input, so it is not repeated."""
+    return ApiError(400, ErrorType.INVALID_REQUEST, "malformed request body")
+
+
+async def read_chunk(content: Any, timeout_s: float, *, idle: bool) -> bytes:
+    """One `readany()` of the body within `timeout_s`; BodyTimeout (`idle`: the idle bound
+    expired, else the request's) or a 400 for a body the HTTP parser refused."""
+    try:
+        async with asyncio.timeout(max(timeout_s, 0)):
+            return await content.readany()
+    except TimeoutError:
+        raise (body_stalled() if idle else body_too_slow()) from None
+    except HttpProcessingError:
+        raise malformed_body() from None
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, bounded in size (413: by Content-Length before a byte is read, so an
+    `Expect: 100-continue` client never sends it), in idle time (`body_idle_timeout_s`: a
+    client that stops sending) and in total (`request_timeout_s`)."""
+    server = request.app[STATE].config.server
+    limit = request.client_max_size
+    if (request.content_length or 0) > limit:
+        raise too_large(limit)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + server.request_timeout_s
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        remaining = deadline - loop.time()
+        idle = server.body_idle_timeout_s < remaining
+        chunk = await read_chunk(
+            request.content, min(server.body_idle_timeout_s, remaining), idle=idle
+        )
+        if not chunk:
+            return b"".join(parts)
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        parts.append(chunk)
+
+
 async def read_model(request: web.Request, model: type[M]) -> M:
     require_json_content_type(request)
-    try:
-        raw = await request.read()  # bounded by the app's client_max_size
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large(request.client_max_size) from None
-    return validate(model, parse_json(raw))
+    return validate(model, parse_json(await read_body(request)))

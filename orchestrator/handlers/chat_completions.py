@@ -8,14 +8,15 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from ..api.errors import ApiError
-from ..api.openai_chat import ChatCompletionRequest
+from ..api.errors import ApiError, invalid
+from ..api.openai_chat import ChatCompletionRequest, check_extra_honoured
+from ..config import OpenAIBackend
 from ..state import STATE
 from ..streaming.chat_writer import ChatChunkWriter, ChatCompletionFold
 from ..streaming.events import Terminal
 from ..streaming.guarded_generation import GuardedGeneration
 from .body import read_model
-from .generation_request import Conversation, prepare_conversation
+from .generation_request import Conversation, find_model, prepare_conversation
 from .stream_slots import stream_slot
 from .streaming_generation import SSE_HEADERS
 
@@ -23,15 +24,21 @@ CHAT_PATH = "/v1/chat/completions"
 CHAT_DETECTION_PATH = "/api/v2/chat/completions-detection"
 
 
-async def prepare_chat(
-    request: web.Request, body: ChatCompletionRequest
-) -> tuple[GuardedGeneration, int]:
+async def prepare_chat(request: web.Request, body: ChatCompletionRequest) -> GuardedGeneration:
+    target = find_model(request.app[STATE], body.model)
+    forwards = all(isinstance(b, OpenAIBackend) and b.api == "chat" for b in target.config.backends)
+    if not forwards:
+        try:
+            check_extra_honoured(body.forwarded(), body.model)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
     detectors = body.detectors
     return await prepare_conversation(
         request,
         Conversation(
             model=body.model,
             messages=[(m.role, m.text()) for m in body.messages],
+            pieces=body.input_pieces(),
             input_field="messages",
             max_tokens=body.max_completion_tokens or body.max_tokens,
             max_tokens_field="max_completion_tokens"
@@ -51,17 +58,17 @@ async def prepare_chat(
 
 async def handle(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, ChatCompletionRequest)
-    pipeline, index = await prepare_chat(request, body)
+    pipeline = await prepare_chat(request, body)
     state = request.app[STATE]
     with stream_slot(state, pipeline):
         if not body.stream:
-            fold = ChatCompletionFold(body.model, input_message_index=index)
+            fold = ChatCompletionFold(body.model)
             async with aclosing(pipeline.events()) as events:
                 async for event in events:
                     fold.add(event)
             return web.json_response(fold.body())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = ChatChunkWriter(body.model, include_usage=include_usage, input_message_index=index)
+        writer = ChatChunkWriter(body.model, include_usage=include_usage)
         response: web.StreamResponse | None = None
         async with aclosing(pipeline.events()) as events:
             async for event in events:

@@ -17,6 +17,7 @@ from ..clients.registry import RequestedDetector
 from ..config import ModelConfig
 from ..state import STATE, AppState
 from ..streaming.guarded_generation import GuardedGeneration
+from ..streaming.text_judgement import InputPiece
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,10 @@ def find_model(state: AppState, model_id: str) -> ModelTarget:
     model = state.config.models.get(model_id)
     backend = state.backends.get(model_id)
     if model is None or backend is None:
-        raise not_found(f"model `{model_id}` not found")
+        raise not_found(
+            f"model `{model_id}` not found "
+            f"(available: {', '.join(sorted(state.config.models)) or 'none'})"
+        )
     return ModelTarget(model_id, model, backend)
 
 
@@ -90,7 +94,7 @@ async def build_pipeline(
     target: ModelTarget,
     gen_request: GenerationRequest,
     *,
-    inputs: str,
+    inputs: str | list[InputPiece],
     masks: list[tuple[int, int]] | None,
     input_detectors: list[RequestedDetector],
     output_detectors: list[RequestedDetector],
@@ -124,7 +128,8 @@ class Conversation:
     requests differ on the wire, not in what the pipeline needs."""
 
     model: str
-    messages: list[tuple[str, str]]  # (role, text)
+    messages: list[tuple[str, str]]  # (role, text): what the engine receives
+    pieces: list[InputPiece]  # every text the client sent: what input detectors judge
     input_field: str  # the request field the messages came from (for size errors)
     max_tokens: int | None
     max_tokens_field: str
@@ -140,28 +145,33 @@ class Conversation:
 
 async def prepare_conversation(
     request: web.Request, conversation: Conversation
-) -> tuple[GuardedGeneration, int]:
-    """The guarded pipeline of an OpenAI-surface request, and the index of the last user message
-    (input detectors judge it; their spans are relative to it)."""
+) -> GuardedGeneration:
+    """The guarded pipeline of an OpenAI-surface request. Input detectors judge every piece of
+    the conversation, each on its own (DESIGN 4.8)."""
     state = request.app[STATE]
     c = conversation
     target = find_model(state, c.model)
     check_input_size(target, sum(len(text) for _, text in c.messages), c.input_field)
     max_new = budget(target, c.max_tokens, c.max_tokens_field)
     last_user = max(i for i, (role, _) in enumerate(c.messages) if role == "user")
-    inputs = c.messages[last_user][1]
     input_dets = resolve_detectors(state, target, "input", c.input_detectors, "detectors.input")
     output_dets = resolve_detectors(state, target, "output", c.output_detectors, "detectors.output")
-    # OpenAI's default temperature is 1 (sampling); 0 asks for greedy decoding
-    temperature = 1.0 if c.temperature is None else c.temperature
+    # OpenAI's default temperature is 1 (sampling), unless the model's config has its own
+    # defaults; 0 asks for greedy decoding
+    defaults = target.config.decoding_defaults
+    temperature = c.temperature
+    if temperature is None:
+        temperature = 1.0 if defaults.temperature is None else defaults.temperature
+    top_p = c.top_p if c.top_p is not None else defaults.top_p
     gen_request = GenerationRequest(
-        prompt=inputs,
+        prompt=c.messages[last_user][1],
         params=GenerationParams(
             max_new_tokens=max_new,
             budget_is_default=c.max_tokens is None,
             decoding_method="GREEDY" if temperature == 0 else "SAMPLING",
             temperature=temperature if temperature > 0 else 1.0,
-            top_p=1.0 if c.top_p is None else c.top_p,
+            top_p=1.0 if top_p is None else top_p,
+            repetition_penalty=defaults.repetition_penalty or 1.0,
             seed=c.seed,
             stop_sequences=c.stop,
         ),
@@ -175,14 +185,13 @@ async def prepare_conversation(
         ),
         extra=c.extra,
     )
-    pipeline = await build_pipeline(
+    return await build_pipeline(
         request,
         target,
         gen_request,
-        inputs=inputs,
+        inputs=c.pieces,
         masks=None,
         input_detectors=input_dets,
         output_detectors=output_dets,
         keepalive=c.stream,
     )
-    return pipeline, last_user

@@ -85,11 +85,23 @@ class DetectorHealth:
 DETECTOR_HEALTH = web.AppKey("detector_health", DetectorHealth)
 
 
+def required_detectors(state: AppState) -> set[str]:
+    """The detectors readiness depends on: those some model's enforced guardrails use (every
+    request to that model needs them). A detector only clients name is their choice: when it
+    is down, requests naming it fail, and the service is DEGRADED, not unready."""
+    return {
+        detector_id
+        for model in state.config.models.values()
+        for detector_id in (*model.guardrails.input, *model.guardrails.output)
+    }
+
+
 async def info(request: web.Request) -> web.Response:
-    """Ready only when every model has a healthy replica, no detector is unhealthy, the
-    in-process detectors finished their warm-up, and the process is neither draining nor
-    saturated (server.max_concurrent_streams streams running). With auth on, a caller without a key sees
-    statuses only: replica URLs, pids and last errors map the deployment for an attacker."""
+    """Ready when every model has a healthy replica, no detector an enforced guardrail uses is
+    unhealthy, the in-process detectors finished their warm-up, and the process is neither
+    draining nor saturated (server.max_concurrent_streams streams running). With auth on, a
+    caller without a key sees the overall status only: model, detector and replica ids, URLs,
+    pids and last errors map the deployment for an attacker."""
     state = request.app[STATE]
     checks = request.app[DETECTOR_HEALTH]
     full = request.get(AUTHENTICATED, state.config.server.api_keys_env is None)
@@ -106,23 +118,24 @@ async def info(request: web.Request) -> web.Response:
         else:
             detectors[d] = ComponentStatus(status=cached.get(d, "UNKNOWN"))  # type: ignore[arg-type]
     chunkers = {c: ComponentStatus(status="HEALTHY") for c in state.chunkers.ids()}
+    required = required_detectors(state)
     # saturated: another stream would get 429, so the load balancer should pick another pod
     saturated = state.active_streams >= state.config.server.max_concurrent_streams
     ready = (
         not saturated
         and warmed
         and all(any(r.get("status") == "HEALTHY" for r in replicas) for replicas in models.values())
-        and all(s.status != "UNHEALTHY" for s in detectors.values())
+        and all(s.status != "UNHEALTHY" for d, s in detectors.items() if d in required)
     )
+    degraded = any(s.status == "UNHEALTHY" for s in detectors.values()) or any(
+        r.get("status") != "HEALTHY" for replicas in models.values() for r in replicas
+    )
+    if not ready or state.draining:
+        status = "UNHEALTHY"
+    else:
+        status = "DEGRADED" if degraded else "HEALTHY"
+    code = 503 if status == "UNHEALTHY" else 200
     if not full:
-        models = {
-            m: [{"name": r.get("name"), "status": r.get("status")} for r in replicas]
-            for m, replicas in models.items()
-        }
-    body = InfoResponse(
-        status="HEALTHY" if ready and not state.draining else "UNHEALTHY",
-        models=models,
-        detectors=detectors,
-        chunkers=chunkers,
-    )
-    return web.json_response(body.dump(), status=200 if body.status == "HEALTHY" else 503)
+        return web.json_response(InfoResponse(status=status).dump(), status=code)
+    body = InfoResponse(status=status, models=models, detectors=detectors, chunkers=chunkers)
+    return web.json_response(body.dump(), status=code)

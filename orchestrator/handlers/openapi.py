@@ -37,6 +37,7 @@ from ..api.responses import (
     TerminalSummary,
 )
 from ..state import STATE
+from .health import AUTHENTICATED
 
 _REF = "#/components/schemas/{model}"
 
@@ -53,8 +54,9 @@ def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): {"description": "error", "content": _json(ErrorBody)} for c in codes}
 
 
-# Paths answered without a key when server.api_keys_env is set (app.OPEN_PATHS)
-PUBLIC_PATHS = frozenset({"/health", "/info", "/metrics", "/openapi.json"})
+# Paths answered without a key when server.api_keys_env is set (app.PROBE_PATHS), and /metrics
+# with server.public_metrics
+PUBLIC_PATHS = frozenset({"/health", "/info", "/openapi.json"})
 # Errors any /api/* request can get before its work starts (validation, auth, size, overload).
 CLIENT_ERRORS = (400, 401, 404, 413, 415, 422, 429)
 # Errors of the service or of what it depends on; draining answers 503 on every /api/* route.
@@ -212,10 +214,14 @@ def _name_deployment(
 
 @cache
 def build_openapi(
-    auth: bool = False, model_ids: tuple[str, ...] = (), detector_ids: tuple[str, ...] = ()
+    auth: bool = False,
+    model_ids: tuple[str, ...] = (),
+    detector_ids: tuple[str, ...] = (),
+    public_metrics: bool = False,
 ) -> dict[str, Any]:
     """The document. `auth` adds the bearer requirement to every path but PUBLIC_PATHS
-    (server.api_keys_env set); `model_ids` and `detector_ids` name what the deployment serves."""
+    (server.api_keys_env set; /metrics too unless `public_metrics`); `model_ids` and
+    `detector_ids` name what the deployment serves."""
     models: list[type[BaseModel]] = [
         GuardrailsHttpRequest,
         ContentDetectionRequest,
@@ -384,8 +390,9 @@ def build_openapi(
         },
     }
     if auth:
+        public = PUBLIC_PATHS | {"/metrics"} if public_metrics else PUBLIC_PATHS
         for path, item in paths.items():
-            if path not in PUBLIC_PATHS:
+            if path not in public:
                 for operation in item.values():
                     operation["security"] = [{"bearer": []}]
     return {
@@ -400,8 +407,16 @@ def build_openapi(
 
 
 async def handle(request: web.Request) -> web.Response:
+    """With auth on, the model and detector ids are named only to a caller with a key (as on
+    /v1/models and /info): without one, the document is the generic API."""
+    server = request.app[STATE].config.server
     config = request.app[STATE].config
+    auth = bool(server.api_keys_env)
+    named = not auth or request.get(AUTHENTICATED, False)
     document = build_openapi(
-        bool(config.server.api_keys_env), tuple(config.models), tuple(config.detectors)
+        auth,
+        tuple(config.models) if named else (),
+        tuple(config.detectors) if named else (),
+        server.public_metrics,
     )
     return web.json_response(document)

@@ -16,7 +16,7 @@ from ..state import STATE
 from ..streaming.events import Terminal
 from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.responses_writer import ResponsesFold, ResponsesWriter
-from .body import parse_json, require_json_content_type, too_large, validate
+from .body import parse_json, read_body, require_json_content_type, validate
 from .generation_request import Conversation, prepare_conversation
 from .stream_slots import stream_slot
 from .streaming_generation import SSE_HEADERS
@@ -27,22 +27,19 @@ RESPONSES_PATH = "/v1/responses"
 async def read_request(request: web.Request) -> ResponsesRequest:
     """The body, with stored-state and tool requests refused (400) before schema errors (422)."""
     require_json_content_type(request)
-    try:
-        raw = await request.read()  # bounded by the app's client_max_size
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large(request.client_max_size) from None
-    data = parse_json(raw)
+    data = parse_json(await read_body(request))
     check_stateless(data)
     return validate(ResponsesRequest, data)
 
 
 async def prepare_response(request: web.Request, body: ResponsesRequest) -> GuardedGeneration:
     detectors = body.detectors
-    pipeline, _ = await prepare_conversation(
+    return await prepare_conversation(
         request,
         Conversation(
             model=body.model,
             messages=body.conversation_messages(),
+            pieces=body.input_pieces(),
             input_field="input",
             max_tokens=body.max_output_tokens,
             max_tokens_field="max_output_tokens",
@@ -53,7 +50,6 @@ async def prepare_response(request: web.Request, body: ResponsesRequest) -> Guar
             stream=body.stream,
         ),
     )
-    return pipeline
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

@@ -25,7 +25,7 @@ from ..streaming.detection import JudgedFrame
 from ..streaming.events import Failure
 from ..streaming.failures import describe, is_unexpected
 from ..streaming.wire_json import dumps
-from .body import parse_json, too_large, validate
+from .body import parse_json, read_chunk, too_large, validate
 from .stream_slots import stream_slot
 
 log = logging.getLogger("guardstream.stream_content")
@@ -34,12 +34,15 @@ NDJSON_TYPES = frozenset({"application/x-ndjson", "application/ndjson", "applica
 
 class BodyLines:
     """Non-blank lines of the body; raises 413 once the body passes `limit` bytes in all, and
-    408 when no line completes before the request's deadline."""
+    408 when no byte arrives for `idle_s` or no line completes before the request's deadline
+    (the stream then ends with an error line and frees its slot: a stalled body must not hold
+    one until request_timeout_s)."""
 
-    def __init__(self, request: web.Request, limit: int, deadline: float) -> None:
+    def __init__(self, request: web.Request, limit: int, deadline: float, idle_s: float) -> None:
         self._content = request.content
         self._limit = limit
         self._deadline = deadline
+        self._idle_s = idle_s
         self._seen = 0
         self._buf = b""
         self._lines: list[bytes] = []
@@ -54,13 +57,8 @@ class BodyLines:
 
     async def _fill(self) -> None:
         remaining = self._deadline - asyncio.get_running_loop().time()
-        try:
-            async with asyncio.timeout(max(remaining, 0)):
-                chunk = await self._content.readany()
-        except TimeoutError:
-            raise ApiError(
-                408, ErrorType.TIMEOUT, "the request body did not arrive within request_timeout_s"
-            ) from None
+        idle = self._idle_s < remaining
+        chunk = await read_chunk(self._content, min(self._idle_s, remaining), idle=idle)
         if not chunk:
             self._eof = True
             if self._buf.strip():
@@ -117,7 +115,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         raise too_large(server.max_request_bytes)
     with stream_slot(state):  # before reading: a slow body holds a slot, not free memory
         deadline = asyncio.get_running_loop().time() + server.request_timeout_s
-        body = BodyLines(request, server.max_request_bytes, deadline)
+        body = BodyLines(request, server.max_request_bytes, deadline, server.body_idle_timeout_s)
         first_raw = await body.next()
         if first_raw is None:
             raise invalid("the body holds no line")
@@ -133,14 +131,18 @@ async def handle(request: web.Request) -> web.StreamResponse:
         stream = ContentStream(dets, state.chunkers, first.content, contents(), timeout_s=remaining)
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
+        stalled = False
         try:
             async with aclosing(stream.results()) as results:
                 async for item in results:
                     if isinstance(item, Failure):
                         await response.write(_error_line(item))
+                        stalled = item.code == 408
                         break
                     await response.write(_result(item))
             await response.write_eof()
+            if stalled:  # the client stopped sending: nothing more is read from it
+                request.protocol.force_close()
         except ConnectionError:  # the client went away: nobody is left to tell
             log.info("stream-content client disconnected")
         except Exception as exc:  # the reply started: end it with an error line, never hang

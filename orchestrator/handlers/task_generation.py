@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..api.errors import invalid
-from ..api.requests import GuardrailsHttpRequest
+from ..api.requests import GuardrailsHttpRequest, TextGenParameters
 from ..clients.generation import GenerationParams, GenerationRequest
 from ..state import STATE
 from ..streaming.guarded_generation import GuardedGeneration
@@ -51,6 +51,7 @@ async def prepare_task(request: web.Request, *, streaming: bool) -> GuardedGener
         guardrails.output.models if guardrails.output else None,
         "guardrail_config.output.models",
     )
+    defaults = target.config.decoding_defaults
     gen_request = GenerationRequest(
         prompt=body.inputs,
         params=GenerationParams(
@@ -58,11 +59,13 @@ async def prepare_task(request: web.Request, *, streaming: bool) -> GuardedGener
             budget_is_default=params.max_new_tokens is None,
             min_new_tokens=params.min_new_tokens,
             decoding_method=params.decoding_method,
-            temperature=params.temperature,
+            temperature=_or_default(params, "temperature", defaults.temperature),
             top_k=params.top_k,
-            top_p=params.top_p,
+            top_p=_or_default(params, "top_p", defaults.top_p),
             seed=params.seed,
-            repetition_penalty=params.repetition_penalty,
+            repetition_penalty=_or_default(
+                params, "repetition_penalty", defaults.repetition_penalty
+            ),
             stop_sequences=tuple(params.stop_sequences),
             max_time=params.max_time,
         ),
@@ -79,3 +82,11 @@ async def prepare_task(request: web.Request, *, streaming: bool) -> GuardedGener
         output_detectors=output_dets,
         keepalive=streaming,
     )
+
+
+def _or_default(params: TextGenParameters, name: str, default: float | None) -> float:
+    """The request's value when it set one, else the model's configured default, else ours."""
+    value: float = getattr(params, name)
+    if name in params.model_fields_set or default is None:
+        return value
+    return default

@@ -32,7 +32,7 @@ from ..api.openai_chat import (
 )
 from ..api.responses import UNSUITABLE_INPUT, UNSUITABLE_OUTPUT
 from .events import Event, Failure, Frame, KeepAlive, Refusal, Terminal
-from .findings import Finding
+from .findings import Finding, sort_findings
 
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
@@ -51,7 +51,7 @@ def _dumps(data: Any) -> bytes:
 
 def _tcr(f: Finding) -> dict[str, Any]:
     """`f.to_tcr().dump()` without pydantic."""
-    return {
+    out = {
         "start": f.start,
         "end": f.end,
         "word": f.text,
@@ -60,6 +60,9 @@ def _tcr(f: Finding) -> dict[str, Any]:
         "detector_id": f.detector_id,
         "score": float(f.score),
     }
+    if f.redacted:
+        out["redacted"] = True
+    return out
 
 
 # what follows a frame chunk's content in `ChatCompletionChunk.dump()` order
@@ -98,9 +101,21 @@ def _output(findings: list[Finding]) -> ChatDetections:
     )
 
 
-def _input(findings: list[Finding], message_index: int) -> ChatDetections:
+def _input(findings: list[Finding]) -> ChatDetections:
+    """One entry per judged piece (a message's content, its name or refusal), in message order;
+    spans relative to that piece."""
+    groups: dict[tuple[int, str | None], list[Finding]] = {}
+    for f in findings:
+        groups.setdefault((f.message_index or 0, f.field), []).append(f)
     return ChatDetections(
-        input=[InputDetections(message_index=message_index, results=[f.to_tcr() for f in findings])]
+        input=[
+            InputDetections(
+                message_index=index,
+                field=field,  # type: ignore[arg-type]
+                results=[f.to_tcr() for f in group],
+            )
+            for (index, field), group in groups.items()
+        ]
     )
 
 
@@ -113,12 +128,11 @@ class ChatChunkWriter:
     A frame marked `more` renders as b"": its bytes go out with the next event's, so a burst of
     frames costs one write."""
 
-    def __init__(self, model: str, *, include_usage: bool, input_message_index: int) -> None:
+    def __init__(self, model: str, *, include_usage: bool) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self._include_usage = include_usage
-        self._input_index = input_message_index
         self._role_sent = False
         self._finished = False
         self._pending = b""  # frames marked `more`, not returned yet
@@ -178,6 +192,15 @@ class ChatChunkWriter:
         if isinstance(event, KeepAlive):
             return KEEPALIVE_COMMENT
         if isinstance(event, Frame):
+            if event.input_detections:  # the input was redacted: said once, on this chunk
+                output = _output(event.detections).output if event.judged else None
+                return self._role() + self._chunk(
+                    Delta(content=event.text),
+                    detections=ChatDetections(
+                        input=_input(event.input_detections).input, output=output
+                    ),
+                    warnings=[OUTPUT_WARNING] if event.detections else None,
+                )
             if not event.text and not event.detections:
                 return b""
             return self._role() + self._frame(event)
@@ -188,7 +211,7 @@ class ChatChunkWriter:
                 return self._chunk(
                     Delta(role="assistant", refusal=event.message),
                     finish="content_filter",
-                    detections=_input(event.detections, self._input_index),
+                    detections=_input(event.detections),
                     warnings=[INPUT_WARNING],
                 )
             return self._role() + self._chunk(
@@ -220,9 +243,8 @@ class ChatChunkWriter:
 class ChatCompletionFold:
     """The unary `chat.completion`; an error anywhere is a real HTTP error (nothing was sent)."""
 
-    def __init__(self, model: str, *, input_message_index: int) -> None:
+    def __init__(self, model: str) -> None:
         self._model = model
-        self._input_index = input_message_index
         self._texts: list[str] = []
         self._output: list[Finding] = []
         self._input: list[Finding] = []
@@ -233,6 +255,8 @@ class ChatCompletionFold:
         if isinstance(event, Frame):
             self._texts.append(event.text)
             self._output.extend(event.detections)
+            if event.input_detections:
+                self._input.extend(event.input_detections)
         elif isinstance(event, Refusal):
             self._refusal = event.message
             if event.direction == "input":
@@ -252,10 +276,10 @@ class ChatCompletionFold:
         detections = None
         if self._input or self._output:
             detections = ChatDetections(
-                input=_input(self._input, self._input_index).input if self._input else None,
+                input=_input(sort_findings(self._input)).input if self._input else None,
                 output=_output(self._output).output if self._output else None,
             )
-        warnings = [INPUT_WARNING] if self._input else []
+        warnings = [INPUT_WARNING] if refused and self._input else []
         if self._output:
             warnings.append(OUTPUT_WARNING)
         completion = ChatCompletion(

@@ -19,16 +19,20 @@ from .detector_queue import DetectorFinished, DetectorQueue, Result
 from .fanout import ChunkFanout
 from .findings import Finding, sort_findings
 from .inbox import Inbox
+from .redaction import StreamRedactor
 
 
 @dataclass(slots=True)
 class JudgedFrame:
-    """Text every gating detector has judged, with its detections (stream-relative)."""
+    """Text every gating detector has judged, with its detections. Indices refer to the text
+    the client receives (redacted, when a detector redacts); `source_end` is the frame's end in
+    the generated text."""
 
     start: int
     end: int
     text: str
     detections: list[Finding] = field(default_factory=list)
+    source_end: int | None = None
 
 
 @dataclass(slots=True)
@@ -70,14 +74,18 @@ class StreamingDetection:
     """Runs a request's output detectors over a text that arrives in deltas.
 
     Detectors on `whole_doc_chunker` that only annotate do not gate frames: they judge the whole
-    text once it is complete and their detections ride on the final frame. A blocking whole-doc
-    detector does gate, so no text leaves before it has judged all of it.
+    text once it is complete and their detections ride on the final frame. A blocking or
+    redacting whole-doc detector does gate, so no text leaves before it has judged all of it.
+
+    Redacting detectors (DESIGN 4.6a): their spans are replaced as frames are released
+    (`StreamRedactor`), and every detection is moved onto the released text. Without one, the
+    frames are the generated text and nothing is mapped.
     """
 
     def __init__(
         self, detectors: list[RequestedDetector], chunkers: ChunkerRegistry, inbox: Inbox
     ) -> None:
-        gating = [d for d in detectors if not (d.whole_doc and not d.blocking)]
+        gating = [d for d in detectors if not (d.whole_doc and d.on_detection == "annotate")]
         self._aggregator: FrameAggregator[Finding] | None = (
             FrameAggregator(d.detector_id for d in gating) if gating else None
         )
@@ -85,6 +93,8 @@ class StreamingDetection:
         self.answered = asyncio.Event()  # a detector call returned (see `unjudged`)
         self.queues = [DetectorQueue(d, inbox, answered=self.answered) for d in detectors]
         self._blocking = {d.detector_id for d in detectors if d.blocking}
+        self._redactors = {d.detector_id: d for d in detectors if d.redacting}
+        self._redactor = StreamRedactor() if self._redactors else None
         self._unfinished = {d.detector_id for d in detectors}
         self._fanout = ChunkFanout(chunkers, self.queues)
         self._text = TextBuffer()
@@ -150,7 +160,9 @@ class StreamingDetection:
             # text judged clean before the offending chunk still goes out, even when it was
             # held back for the end of the stream
             held, self._held = self._held, []
-            return Verdict(held, blocked=list(message.detections))
+            return Verdict(held, blocked=self._map(list(message.detections)))
+        if self._redactor is not None and message.detections:
+            self._redactor.add(list(message.detections), self._redactors)
         if message.detector_id in self._gating:
             assert self._aggregator is not None
             self._aggregator.push(message)
@@ -164,8 +176,10 @@ class StreamingDetection:
         held, self._held = self._held, []
         if not held:
             end = self._text.released
+            if self._redactor is not None:
+                end = self._redactor.out_released
             held = [JudgedFrame(end, end, "", [])]
-        held[-1].detections = sort_findings(held[-1].detections + self._final)
+        held[-1].detections = sort_findings(held[-1].detections + self._map(self._final))
         return held
 
     def _drain(self) -> list[JudgedFrame]:
@@ -176,11 +190,30 @@ class StreamingDetection:
             out.extend(self._release(frame.end, detections))
         return out
 
+    def _map(self, findings: list[Finding]) -> list[Finding]:
+        """Findings on the text the client receives."""
+        if self._redactor is None:
+            return findings
+        return self._redactor.map_findings(findings, self._redactors)
+
     def _release(self, end: int, detections: list[Finding]) -> list[JudgedFrame]:
         start = self._text.released
         if end <= start and not detections:
             return []
-        frame = JudgedFrame(start, end, self._text.take(end), sort_findings(detections))
+        text = self._text.take(end)
+        redactor = self._redactor
+        if redactor is None:
+            frame = JudgedFrame(start, end, text, sort_findings(detections))
+        else:
+            out_start = redactor.out_released
+            text = redactor.release(text, start, max(end, start))
+            frame = JudgedFrame(
+                out_start,
+                out_start + len(text),
+                text,
+                sort_findings(self._map(detections)),
+                source_end=end,
+            )
         if self._ended:
             self._held.append(frame)
             return []

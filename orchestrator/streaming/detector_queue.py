@@ -21,6 +21,17 @@ from .inbox import Inbox
 
 Result = DetectorResult[Finding]
 
+# A redacting detector judges overlapping windows, so that no entity escapes by straddling a
+# chunk boundary (or arriving one character per token): each call judges the new chunks plus the
+# unreleased tail of the previous window, and reports only up to a "safe" end at least
+# SEAM_CHARS before the window's end, moved back to the start of the whitespace-free run there
+# (at most SEAM_RUN_CHARS back) and never inside a detection. What lies after it is judged again,
+# whole, by the next window. An entity up to SEAM_CHARS long (phone and card numbers with
+# spaces), or without whitespace up to SEAM_RUN_CHARS long (e-mails, URLs, keys), is therefore
+# always seen whole by one call before any of it is released.
+SEAM_CHARS = 64
+SEAM_RUN_CHARS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class DetectorFinished:
@@ -51,6 +62,9 @@ class DetectorQueue:
         # of this detector than a bound (a burst must not starve judging and release)
         self.unjudged = 0
         self._answered = answered
+        self._windowed = detector.redacting and not detector.whole_doc
+        self._carry = ""  # windowed: text from `_carry_start` to the next chunk, not reported
+        self._carry_start = 0
 
     def put(self, span: Span) -> None:
         self._pending.append(span)
@@ -65,6 +79,9 @@ class DetectorQueue:
     async def run(self) -> None:
         """Judges until closed and drained; a failed call raises (the pipeline's task wrapper
         turns it into a failure message)."""
+        if self._windowed:
+            await self._run_windowed()
+            return
         detector = self.detector
         while True:
             if not self._pending:
@@ -84,6 +101,57 @@ class DetectorQueue:
             for span, detections in zip(batch, replies, strict=True):
                 self._inbox.put(to_result(detector, span, detections))
         self._inbox.put(DetectorFinished(detector.detector_id))
+
+    async def _run_windowed(self) -> None:
+        """Every pending chunk in one window with the carried tail (see SEAM_CHARS)."""
+        detector = self.detector
+        while True:
+            if not self._pending and not (self._closed and self._carry):
+                if self._closed:
+                    break
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = list(self._pending)
+            self._pending.clear()
+            start = self._carry_start
+            text = self._carry + "".join([s.text for s in batch])
+            end = start + len(text)
+            final = self._closed and not self._pending
+            self.calls += 1
+            [detections] = await detector.client.detect([text], detector.params)
+            self.unjudged -= sum(len(s.text) for s in batch)
+            if self._answered is not None:
+                self._answered.set()
+            found = keep(detector, Span(start, end, text), detections)
+            final = final or (self._closed and not self._pending)
+            safe = end if final else safe_end(text, start, found)
+            self._carry = text[safe - start :]
+            self._carry_start = safe
+            reported = tuple(f for f in found if f.end <= safe)
+            self._inbox.put(DetectorResult(detector.detector_id, start, safe, reported))
+        self._inbox.put(DetectorFinished(detector.detector_id))
+
+
+def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
+    """How far a window `[start, start + len(text))` may be reported (see SEAM_CHARS)."""
+    p = start + len(text) - SEAM_CHARS
+    if p <= start:
+        return start
+    q = p
+    lo = max(start, p - SEAM_RUN_CHARS)
+    while q > lo and not text[q - 1 - start].isspace():
+        q -= 1
+    if q == lo and lo > start and not text[q - 1 - start].isspace():
+        q = p  # a whitespace-free run longer than SEAM_RUN_CHARS: cut it where the bound is
+    moved = True
+    while moved:  # never inside a detection: it is reported whole, now or by the next window
+        moved = False
+        for f in found:
+            if f.start < q < f.end:
+                q = f.start
+                moved = True
+    return max(q, start)
 
 
 def to_result(detector: RequestedDetector, span: Span, detections: list[Detection]) -> Result:

@@ -46,6 +46,9 @@ class Frame:
     input_token_count: int | None = None
     seed: int | None = None
     judged: bool = False  # output detectors ran on it (False: forwarded as generated)
+    # the first frame of a request whose input was redacted (DESIGN 4.6a): those detections,
+    # spans relative to the text the client sent, each `redacted` with its replacement
+    input_detections: list[Finding] | None = None
     # Another event follows at once (the pipeline already has it): a streaming writer may hold
     # this frame's bytes and send them with the next event's, one write for a burst of frames.
     more: bool = False

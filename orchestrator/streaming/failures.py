@@ -36,6 +36,9 @@ def describe(exc: BaseException) -> Failure:
     if isinstance(exc, DetectorCallError):
         if exc.invalid_params:
             return Failure(422, ErrorType.INVALID_REQUEST, str(exc))
+        if exc.overloaded:
+            # this request arrived into a full detector: it may retry; others are unaffected
+            return Failure(429, ErrorType.OVERLOADED, str(exc))
         return Failure(502, ErrorType.DETECTOR_ERROR, str(exc))
     if isinstance(exc, ChunkerFailure):
         return Failure(500, ErrorType.CHUNKER_ERROR, str(exc))

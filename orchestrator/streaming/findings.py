@@ -25,6 +25,12 @@ class Finding:
     score: float
     evidence: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] | None = None
+    # input findings of a conversation: which piece of the request the span is relative to
+    # (the message's index, and "name"/"refusal"/"instructions" for text beside the content)
+    message_index: int | None = None
+    field: str | None = None
+    # the span was replaced (DESIGN 4.6a): `text` is the replacement, the span is where it is
+    redacted: bool = False
 
     def to_tcr(self) -> TokenClassificationResult:
         return TokenClassificationResult(
@@ -35,6 +41,7 @@ class Finding:
             entity_group=self.detection_type,
             detector_id=self.detector_id,
             score=self.score,
+            redacted=True if self.redacted else None,
         )
 
     def to_content(self) -> ContentDetection:
@@ -48,12 +55,23 @@ class Finding:
             score=self.score,
             evidence=self.evidence,
             metadata=self.metadata,
+            redacted=True if self.redacted else None,
         )
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:
-    """The order clients see (DESIGN 4.3): by start, then detector id."""
-    return sorted(findings, key=lambda f: (f.start, f.detector_id, f.end))
+    """The order clients see (DESIGN 4.3): by start, then detector id (input findings of a
+    conversation: by message first, `instructions` before every message)."""
+    return sorted(
+        findings,
+        key=lambda f: (
+            -1 if f.message_index is None else f.message_index,
+            f.field or "",
+            f.start,
+            f.detector_id,
+            f.end,
+        ),
+    )
 
 
 def keep(

@@ -22,6 +22,7 @@ from ..api.responses import (
     Wire,
 )
 from .events import Event, Frame, KeepAlive, Refusal, Terminal
+from .findings import Finding
 from .wire_json import dumps
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
@@ -36,7 +37,8 @@ def classified_frame(frame: Frame) -> ClassifiedFrame:
     return ClassifiedFrame(
         generated_text=frame.text,
         token_classification_results=TokenClassificationResults(
-            output=[f.to_tcr() for f in frame.detections] if frame.judged else None
+            input=[f.to_tcr() for f in frame.input_detections] if frame.input_detections else None,
+            output=[f.to_tcr() for f in frame.detections] if frame.judged else None,
         ),
         start_index=frame.start,
         processed_index=frame.end,
@@ -48,6 +50,19 @@ def classified_frame(frame: Frame) -> ClassifiedFrame:
     )
 
 
+def _tcr(f: Finding) -> dict[str, Any]:
+    """`f.to_tcr().dump()` without pydantic (for an unredacted finding)."""
+    return {
+        "start": f.start,
+        "end": f.end,
+        "word": f.text,
+        "entity": f.detection,
+        "entity_group": f.detection_type,
+        "detector_id": f.detector_id,
+        "score": f.score,
+    }
+
+
 def frame_dict(frame: Frame) -> dict[str, Any]:
     """The frame's wire dict without building pydantic objects (one per frame on the hot path);
     equal to `classified_frame(frame).dump()`, which the tests check."""
@@ -57,18 +72,13 @@ def frame_dict(frame: Frame) -> dict[str, Any]:
         "start_index": frame.start,
         "processed_index": frame.end,
     }
+    if frame.input_detections:
+        out["token_classification_results"]["input"] = [
+            f.to_tcr().dump() for f in frame.input_detections
+        ]
     if frame.judged:
         out["token_classification_results"]["output"] = [
-            {
-                "start": f.start,
-                "end": f.end,
-                "word": f.text,
-                "entity": f.detection,
-                "entity_group": f.detection_type,
-                "detector_id": f.detector_id,
-                "score": f.score,
-            }
-            for f in frame.detections
+            _tcr(f) if not f.redacted else f.to_tcr().dump() for f in frame.detections
         ]
     if frame.final:
         if frame.finish_reason is not None:
@@ -146,7 +156,8 @@ class UnaryFold:
 
     def __init__(self) -> None:
         self._texts: list[str] = []
-        self._inputs: list[TokenClassificationResult] = []
+        self._inputs: list[TokenClassificationResult] = []  # of a refused input
+        self._redacted_inputs: list[TokenClassificationResult] = []
         self._outputs: list[TokenClassificationResult] = []
         self._warnings: dict[str, FrameWarning] = {}
         self.result = ClassifiedGeneratedTextResult()
@@ -154,6 +165,8 @@ class UnaryFold:
     def add(self, event: Event) -> None:
         r = self.result
         if isinstance(event, Frame):
+            if event.input_detections:
+                self._redacted_inputs.extend(f.to_tcr() for f in event.input_detections)
             if event.text:
                 self._texts.append(event.text)
             self._outputs.extend(f.to_tcr() for f in event.detections)
@@ -188,7 +201,7 @@ class UnaryFold:
         r = self.result
         r.generated_text = "".join(self._texts) if self._texts or not self._inputs else None
         r.token_classification_results = TokenClassificationResults(
-            input=self._inputs or None,
+            input=self._inputs + self._redacted_inputs or None,
             output=self._outputs if self._outputs or self._texts else None,
         )
         r.warnings = list(self._warnings.values()) or None

@@ -49,7 +49,8 @@ from .failures import describe, is_unexpected
 from .findings import Finding, sort_findings
 from .inbox import Inbox
 from .read_pacing import ReadPacer
-from .text_judgement import judge_text
+from .redaction import redact_text, redacted_finding
+from .text_judgement import InputPiece, judge_pieces, judge_text
 
 log = logging.getLogger("guardstream.stream")
 
@@ -119,7 +120,7 @@ class GuardedGeneration:
         *,
         backend: ModelBackend,
         request: GenerationRequest,
-        inputs: str,
+        inputs: str | list[InputPiece],
         masks: list[tuple[int, int]] | None,
         input_detectors: list[RequestedDetector],
         output_detectors: list[RequestedDetector],
@@ -132,7 +133,8 @@ class GuardedGeneration:
         read_coalesce_tokens: float = 0.0,
         read_coalesce_when: Callable[[], bool] | None = None,
     ) -> None:
-        """`inputs` is the text input detectors judge (FMS `inputs`, or the last user message);
+        """`inputs` is what input detectors judge: FMS `inputs` (with `masks`), or every piece
+        of a conversation, each on its own;
         `keepalive_s` makes `events()` yield KeepAlive after that long without another event;
         `read_coalesce_tokens` paces the engine reads of a slow stream, while
         `read_coalesce_when()` says so (the orchestrator: while its loop is busy; see
@@ -161,6 +163,7 @@ class GuardedGeneration:
         self._last_event = 0.0
         self._keepalive: asyncio.TimerHandle | None = None
         self.terminal: Terminal | None = None
+        self._input_findings: list[Finding] | None = None  # redacted input, for the 1st frame
         self._span = tracing.request_span(backend.model_id)  # None unless tracing is on
 
     @property
@@ -240,10 +243,13 @@ class GuardedGeneration:
                         yield event
                         if isinstance(event, Terminal):
                             return
-            if judged:
+            redactors = {d.detector_id: d for d in self._input_detectors if d.redacting}
+            if any(f.detector_id not in redactors for f in judged):  # block beats redact
                 async for event in self._input_refused(judged):
                     yield event
                 return
+            if judged:
+                self._redact_input(judged, redactors)
         stream = self._backend.stream(self._request)
         self._stream = stream
         detection: StreamingDetection | None = None
@@ -294,7 +300,8 @@ class GuardedGeneration:
                     for frame in verdict.frames:
                         yield self._judged_frame(frame, final=False)
                     if verdict.blocked is not None:
-                        self._progress.finish_reason = "CANCELLED"
+                        if not engine_ended:  # a model that had finished keeps its reason
+                            self._progress.finish_reason = "CANCELLED"
                         await self._stop()  # generation and every detector call end now
                         yield self._output_refusal(verdict.blocked)
                         yield self._terminal("incomplete", "content_filter")
@@ -346,12 +353,45 @@ class GuardedGeneration:
 
     async def _judge_input(self) -> None:
         with tracing.input_detection(self._input_detectors) as span:
-            findings = await judge_text(
-                self._inputs, self._input_detectors, self._chunkers, regions=self._masks
-            )
+            if isinstance(self._inputs, str):
+                findings = await judge_text(
+                    self._inputs, self._input_detectors, self._chunkers, regions=self._masks
+                )
+            else:
+                findings = await judge_pieces(self._inputs, self._input_detectors, self._chunkers)
             if span is not None:
                 span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))
+
+    def _redact_input(
+        self, findings: list[Finding], redactors: dict[str, RequestedDetector]
+    ) -> None:
+        """DESIGN 4.6a: the engine receives the prompt with every flagged span replaced; the
+        client hears of it on the first frame (spans relative to the text it sent)."""
+        r = self._request
+        if isinstance(self._inputs, str):
+            text, _ = redact_text(self._inputs, findings, redactors)
+            self._request = replace(r, prompt=text)
+        else:
+            assert r.messages is not None
+            messages = list(r.messages)
+            for piece in self._inputs:
+                if piece.target is None:
+                    continue
+                mine = [
+                    f
+                    for f in findings
+                    if f.message_index == piece.message_index and f.field == piece.field
+                ]
+                if mine:
+                    text, _ = redact_text(piece.text, mine, redactors)
+                    messages[piece.target] = replace(messages[piece.target], content=text)
+            last_user = max(i for i, m in enumerate(messages) if m.role == "user")
+            self._request = replace(r, prompt=messages[last_user].content, messages=tuple(messages))
+        self._input_findings = [
+            redacted_finding(f, redactors[f.detector_id].replacement(f.detection), f.start, f.end)
+            for f in findings
+        ]
 
     async def _read_engine(self, stream: MigratingStream) -> None:
         """What one read of the engine delivered is chunked here when output detectors gate
@@ -490,11 +530,21 @@ class GuardedGeneration:
 
     def _judged_frame(self, judged: JudgedFrame, *, final: bool) -> Frame:
         self._observer.on_findings(judged.detections)
-        frame = self._frame(judged.start, judged.text, judged.detections, final=final)
+        frame = self._frame(
+            judged.start, judged.text, judged.detections, final=final, source_end=judged.source_end
+        )
         frame.judged = True
         return frame
 
-    def _frame(self, start: int, text: str, findings: list[Finding], *, final: bool) -> Frame:
+    def _frame(
+        self,
+        start: int,
+        text: str,
+        findings: list[Finding],
+        *,
+        final: bool,
+        source_end: int | None = None,
+    ) -> Frame:
         p = self._progress
         if final and p.finish_reason is None and self._stream is not None:
             p.finish_reason = self._stream.finish_reason
@@ -512,7 +562,9 @@ class GuardedGeneration:
             input_token_count=p.input_token_count,
             seed=self._seed,
         )
-        hold_s = self._hold_time(end)
+        if self._input_findings is not None:
+            frame.input_detections, self._input_findings = self._input_findings, None
+        hold_s = self._hold_time(end if source_end is None else source_end)
         self._observer.on_frame(frame, hold_s)
         if self._span is not None and self._output_detectors:  # judged frames: per chunk
             tracing.frame_event(self._span, frame, hold_s)

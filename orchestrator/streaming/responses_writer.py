@@ -26,6 +26,7 @@ from ..api.openai_responses import (
     GuardrailAnnotation,
     Guardrails,
     IncompleteInfo,
+    InputAnnotation,
     LifecycleEvent,
     OutputItemEvent,
     OutputMessage,
@@ -61,6 +62,17 @@ def annotation(finding: Finding, *, withheld: bool = False) -> GuardrailAnnotati
         detection=finding.detection,
         detection_type=finding.detection_type,
         score=finding.score,
+        redacted=True if finding.redacted else None,
+    )
+
+
+def input_annotation(finding: Finding) -> InputAnnotation:
+    """A detection on the request, with the piece it is relative to."""
+    note = annotation(finding)
+    return InputAnnotation(
+        **note.model_dump(exclude={"type"}),
+        field="instructions" if finding.field == "instructions" else "input",
+        message_index=finding.message_index,
     )
 
 
@@ -225,6 +237,8 @@ class ResponsesWriter:
         )
 
     def _frame(self, frame: Frame, out: list[BaseModel]) -> None:
+        if frame.input_detections:  # the input was redacted (DESIGN 4.6a)
+            self._guardrails.input.extend(input_annotation(f) for f in frame.input_detections)
         if not frame.text and not frame.detections:
             return
         part = self._open_text(out)
@@ -247,7 +261,7 @@ class ResponsesWriter:
     def _refusal(self, refusal: Refusal, out: list[BaseModel]) -> None:
         self.text_seen = True
         if refusal.direction == "input":
-            self._guardrails.input.extend(annotation(f) for f in refusal.detections)
+            self._guardrails.input.extend(input_annotation(f) for f in refusal.detections)
         else:
             self._guardrails.output.extend(annotation(f, withheld=True) for f in refusal.detections)
         item = self._open_item(out)

@@ -16,6 +16,16 @@ Quirks a correct client must tolerate (flags): Azure's annotation chunks (`promp
 with `choices: []`, and choices with `content_filter_results` and no `delta`), bare
 `choices: []` chunks, `delta.content: null`, keep-alive comments, the last piece in the finish
 chunk. Faults on cue (`ChatFault`), after N content chunks or after the finish chunk.
+
+`transformers=True` speaks as `transformers serve` (5.23) does, checked against the real server
+(tests/test_transformers_serve.py): fields outside OpenAI's schema (`add_generation_prompt`,
+`continue_final_message`, `min_tokens`, `top_k`, `repetition_penalty`) are `422 {"detail":
+"Unexpected fields in the request: {...}"}` (so a partial assistant message is never continued),
+`stream_options` is accepted and ignored; the role chunk is `delta: {"role": "assistant"}`, no
+chunk has `logprobs` or a `finish_reason` key before the end, a stop string is sent and ends the
+answer with `stop`, the finish chunk has `delta: {}`, the finish reason and the usage, and the
+body ends there without `[DONE]`; an in-band error is `{"error": "<message>"}` and ends the body;
+no `/tokenize`.
 """
 
 from __future__ import annotations
@@ -46,6 +56,18 @@ CHAT_FAULTS = (
 )
 
 DEFAULT_SCRIPT = ["The", " cat", " sat", " on", " the", " mat", "."]
+# what transformers serve takes on /v1/chat/completions: OpenAI's params + its own
+TRANSFORMERS_CHAT_FIELDS = frozenset(
+    {
+        "messages", "model", "audio", "frequency_penalty", "function_call", "functions",
+        "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "metadata",
+        "modalities", "n", "parallel_tool_calls", "prediction", "presence_penalty",
+        "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier", "seed",
+        "service_tier", "stop", "store", "stream", "stream_options", "temperature",
+        "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+        "web_search_options", "generation_config", "chat_template_kwargs",
+    }
+)  # fmt: skip
 
 
 def count_tokens(text: str) -> int:
@@ -83,6 +105,7 @@ class FakeOpenAIChat(FakeUpstream):
     keepalive: bool = False
     finish_with_content: bool = False
     send_usage: bool = True  # False: ignore `stream_options.include_usage` (older servers)
+    transformers: bool = False  # speak as transformers serve does (module docstring)
 
     def __post_init__(self) -> None:
         self.faults: list[ChatFault] = (
@@ -102,8 +125,9 @@ class FakeOpenAIChat(FakeUpstream):
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/tokenize", self._tokenize)
-        app.router.add_get("/health", lambda r: web.Response(status=200))
+        if not self.transformers:
+            app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         app.router.add_get(
             "/v1/models", lambda r: web.json_response({"data": [{"id": self.model}]})
         )
@@ -163,6 +187,11 @@ class FakeOpenAIChat(FakeUpstream):
                 {"error": {"message": "unauthorized", "type": "auth", "param": None, "code": 401}},
                 status=401,
             )
+        if self.transformers:
+            unexpected = set(body) - TRANSFORMERS_CHAT_FIELDS
+            if unexpected:
+                detail = f"Unexpected fields in the request: {unexpected}"
+                return web.json_response({"detail": detail}, status=422)
         fault = next_fault(self.faults)
         if fault is not None and fault.mode == "http":
             return web.json_response(
@@ -190,6 +219,9 @@ class FakeOpenAIChat(FakeUpstream):
                 finish = "length"
                 break
             hit = next((s for s in stops if s and s in text + piece), None)
+            if hit is not None and self.transformers:
+                out.append(piece)  # transformers serve sends the stop string, then stops
+                break
             if hit is not None:
                 cut = (text + piece).index(hit) - len(text)
                 if cut > 0:
@@ -204,6 +236,8 @@ class FakeOpenAIChat(FakeUpstream):
             "total_tokens": prompt_tokens + len(out),
         }
         rid = f"chatcmpl-{len(self.requests)}"
+        if self.transformers and body.get("stream"):
+            return await self._transformers_stream(request, rid, out, finish, usage, fault)
         if not body.get("stream"):
             return web.json_response(
                 {
@@ -371,6 +405,61 @@ class FakeOpenAIChat(FakeUpstream):
             if include_usage:
                 await send(chunk([], usage=usage))
             await send("[DONE]")
+            await resp.write_eof()
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            raise
+        finally:
+            if transport is not None:
+                self._transports.discard(transport)
+
+    async def _transformers_stream(
+        self,
+        request: web.Request,
+        rid: str,
+        out: list[str],
+        finish: str,
+        usage: dict[str, int],
+        fault: ChatFault | None,
+    ) -> web.StreamResponse:
+        """transformers serve's stream (module docstring)."""
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        transport = request.transport
+        if transport is not None:
+            self._transports.add(transport)
+
+        async def send(choice: dict[str, Any], **extra: Any) -> None:
+            obj = {
+                "id": rid,
+                "choices": [choice],
+                "created": int(time.time()),
+                "model": f"{self.model}@main",
+                "object": "chat.completion.chunk",
+                "system_fingerprint": "",
+                **extra,
+            }
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        try:
+            await send({"delta": {"role": "assistant"}, "index": 0})
+            for sent, piece in enumerate(out):
+                if fault is not None and not fault.after_finish and fault.after_chunks == sent:
+                    if fault.mode == "close":
+                        assert request.transport is not None
+                        request.transport.abort()
+                        return resp
+                    if fault.mode == "stall":
+                        await asyncio.Event().wait()
+                    if fault.mode == "error":
+                        await resp.write(b'data: {"error": "injected error"}\n\n')
+                    await resp.write_eof()  # error, eof
+                    return resp
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                await send({"delta": {"content": piece}, "index": 0})
+            await send({"delta": {}, "index": 0, "finish_reason": finish}, usage=usage)
             await resp.write_eof()
             return resp
         except (asyncio.CancelledError, ConnectionResetError):

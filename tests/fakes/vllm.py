@@ -8,6 +8,17 @@ with id `1000 + i`. A prompt given as token ids continues from the script positi
 ids >= 1000 at its end, so a resumed request continues exactly. Faults on cue: an in-band error
 event then `[DONE]`, `finish_reason: "abort"`, the end of the body without `[DONE]`, `[DONE]`
 without a finish reason, a reset, a stall, an HTTP error.
+
+`transformers=True` speaks `/v1/completions` as `transformers serve` (5.23) does, checked against
+the real server (tests/test_transformers_serve.py): fields outside OpenAI's schema (vLLM's
+`return_token_ids`, `min_tokens`, `top_k`, `repetition_penalty`) are `422 {"detail":
+"Unexpected fields in the request: {...}"}`, a token-id prompt is `400 {"detail": "prompt must
+be a string."}`, there is no `/tokenize` (404); events carry only `text` (no ids, no `logprobs`,
+no `finish_reason` key until the end), a stop string is sent and ends the text with `stop` and
+no `stop_reason`, the final event has `text: ""`, the finish reason and the usage, and the body
+ends there without `[DONE]`; an in-band error is `{"error": "<message>"}` and ends the body. A
+text prompt that ends with a prefix of the script continues the script after it (a resume by
+text).
 """
 
 from __future__ import annotations
@@ -24,6 +35,14 @@ from .engine import TOKEN_BASE, prompt_ids
 from .upstream import FakeUpstream, next_fault
 
 VLLM_FAULTS = ("error", "abort", "eof", "done_early", "close", "stall", "http")
+# what transformers serve takes on /v1/completions: OpenAI's CompletionCreateParams + its own
+TRANSFORMERS_COMPLETION_FIELDS = frozenset(
+    {
+        "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+        "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options",
+        "suffix", "temperature", "top_p", "user", "generation_config",
+    }
+)  # fmt: skip
 
 
 @dataclass
@@ -45,6 +64,7 @@ class FakeVllm(FakeUpstream):
     token_delay_s: float = 0.0
     model: str = "fake-model"
     api_key: str | None = None  # when set, `Authorization: Bearer <key>` is required
+    transformers: bool = False  # speak as transformers serve does (module docstring)
 
     def __post_init__(self) -> None:
         self.faults: list[VllmFault] = (
@@ -63,8 +83,9 @@ class FakeVllm(FakeUpstream):
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/tokenize", self._tokenize)
-        app.router.add_get("/health", lambda r: web.Response(status=200))
+        if not self.transformers:
+            app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         await self._serve(app)
         return self.url
 
@@ -96,12 +117,21 @@ class FakeVllm(FakeUpstream):
             return web.json_response(
                 {"error": {"message": "unauthorized", "type": "auth", "code": 401}}, status=401
             )
+        if self.transformers:  # refused before anything else (no fault is used up)
+            unexpected = set(body) - TRANSFORMERS_COMPLETION_FIELDS
+            if unexpected:
+                detail = f"Unexpected fields in the request: {unexpected}"
+                return web.json_response({"detail": detail}, status=422)
+            if not isinstance(body.get("prompt", ""), str):
+                return web.json_response({"detail": "prompt must be a string."}, status=400)
         fault = next_fault(self.faults)
         if fault is not None and fault.mode == "http":
             return web.json_response(
                 {"error": {"message": "injected", "type": "x", "code": fault.status}},
                 status=fault.status,
             )
+        if self.transformers:
+            return await self._transformers_stream(request, body, fault)
         prompt = body["prompt"]
         p_ids = list(prompt) if isinstance(prompt, list) else prompt_ids(prompt)
         pos = 0
@@ -196,6 +226,89 @@ class FakeVllm(FakeUpstream):
                     break
             await event(None, usage={"prompt_tokens": len(p_ids), "completion_tokens": sent})
             await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            raise
+        finally:
+            if transport is not None:
+                self._transports.discard(transport)
+
+    async def _transformers_stream(
+        self, request: web.Request, body: dict[str, Any], fault: VllmFault | None
+    ) -> web.StreamResponse:
+        """transformers serve's stream (module docstring)."""
+        prompt: str = body["prompt"]
+        pos = max(
+            (k for k in range(1, len(self.script) + 1) if prompt.endswith(self.text(k))),
+            default=0,
+        )
+        max_tokens = int(body.get("max_tokens") or 1024)
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        transport = request.transport
+        if transport is not None:
+            self._transports.add(transport)
+        rid = f"{len(self.requests):08x}-0000-4000-8000-000000000000"
+
+        async def event(text: str, **extra: Any) -> None:
+            choice: dict[str, Any] = {"index": 0, "text": text}
+            if "finish_reason" in extra:
+                choice = {"finish_reason": extra.pop("finish_reason"), **choice}
+            obj = {
+                "id": rid,
+                "choices": [choice],
+                "created": int(time.time()),
+                "model": f"{self.model}@main",
+                "object": "text_completion",
+                **extra,
+            }
+            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        try:
+            sent = 0
+            generated = ""
+            finish = "stop"
+            while pos < len(self.script):
+                if fault is not None and sent == fault.after_tokens:
+                    if fault.mode == "error":
+                        await resp.write(b'data: {"error": "injected error"}\n\n')
+                        await resp.write_eof()
+                        return resp
+                    if fault.mode == "close":
+                        assert request.transport is not None
+                        request.transport.abort()
+                        return resp
+                    if fault.mode == "stall":
+                        await asyncio.Event().wait()
+                    if fault.mode == "eof":
+                        await resp.write_eof()
+                        return resp
+                    fault = None
+                if sent >= max_tokens:
+                    finish = "length"
+                    break
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                tok = self.script[pos]
+                pos += 1
+                sent += 1
+                generated += tok
+                await event(tok)
+                if any(stop and stop in generated for stop in stops):
+                    break  # stopped after the token with the stop string, which was sent
+                if sent >= max_tokens:
+                    finish = "length"
+                    break
+            usage = {
+                "completion_tokens": sent,
+                "prompt_tokens": len(prompt),
+                "total_tokens": len(prompt) + sent,
+            }
+            await event("", finish_reason=finish, usage=usage)
             await resp.write_eof()
             return resp
         except (asyncio.CancelledError, ConnectionResetError):

@@ -1,0 +1,280 @@
+"""The openai backend learns what a server takes instead of assuming vLLM (DESIGN section 7),
+against the fakes speaking as `transformers serve` does (`transformers=True`, the shapes checked
+against the real server in tests/test_transformers_serve.py): no `return_token_ids`, no token-id
+prompts, no `/tokenize`, no chat continuation, no `[DONE]`, usage in the finish chunk, the stop
+string sent, vLLM-only sampling fields refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from generation import models
+from orchestrator.clients.backends import build_model_backends
+from orchestrator.clients.generation import (
+    ChatMessage,
+    GenerationError,
+    GenerationParams,
+    GenerationRequest,
+    ModelBackend,
+)
+from orchestrator.clients.openai import OpenAIClient
+from orchestrator.config import ModelConfig
+from tests.fakes.openai_chat import ChatFault, FakeOpenAIChat
+from tests.fakes.upstream import FakeUpstream
+from tests.fakes.vllm import FakeVllm, VllmFault
+
+SCRIPT = ["Once", " upon", " a", " time", "."]
+FULL = "".join(SCRIPT)
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[FakeUpstream]]:
+    made: list[FakeUpstream] = []
+    yield made
+    for s in made:
+        await s.close()
+
+
+async def vllm(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeVllm]:
+    out = []
+    for _ in range(n):
+        s = FakeVllm(script=list(SCRIPT), transformers=True, **kw)
+        await s.start()
+        servers.append(s)
+        out.append(s)
+    return out
+
+
+async def chat_servers(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAIChat]:
+    out = []
+    for _ in range(n):
+        s = FakeOpenAIChat(script=list(SCRIPT), transformers=True, **kw)
+        await s.start()
+        servers.append(s)
+        out.append(s)
+    return out
+
+
+def request(prompt: str = "Hi", **params: Any) -> GenerationRequest:
+    params.setdefault("max_new_tokens", 20)
+    return GenerationRequest(prompt=prompt, params=GenerationParams(**params))
+
+
+def backend(
+    session: aiohttp.ClientSession, urls: list[str], api: str = "completions", **extra: Any
+) -> ModelBackend:
+    config = ModelConfig.model_validate(
+        {
+            "backends": [
+                {"type": "openai", "url": u, "model": "fake-model", "api": api, **extra}
+                for u in urls
+            ],
+            "migration": {"quarantine_s": 30},
+        }
+    )
+    return build_model_backends({"m": config}, session, registry=CollectorRegistry())["m"]
+
+
+async def test_completions_learns_the_server_and_streams_text(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """The first request carries `return_token_ids`: the 422 names it, the client sends the same
+    request again at once without it and remembers (the second request never carries it).
+    Items are text, one token an event; the final one takes the usage's count; the end of the
+    body after the finish chunk is a normal end."""
+    (s,) = await vllm(servers)
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    for _ in range(2):
+        stream = client.generate(request(), None, stall_timeout_s=30, max_time=0)
+        items = [i async for i in stream]
+        assert [(i.text, i.token_ids, i.token_count) for i in items] == [
+            *((t, (), 1) for t in SCRIPT),
+            ("", (), 0),
+        ]
+        assert items[-1].finish_reason == "EOS_TOKEN"
+        assert items[-1].input_token_count == len("Hi")
+    assert ["return_token_ids" in r for r in s.requests] == [True, False, False]
+    assert client.traits.refused == {"return_token_ids"}
+    assert client.traits.token_ids is False
+
+
+async def test_resume_by_text_without_token_ids(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """A replica dies after two tokens: the other gets the prompt text plus the delivered text
+    (a token-id prompt would be refused) and the rest of the budget; the client's text is
+    seamless."""
+    a, b = await vllm(servers, 2)
+    a.faults.append(VllmFault("close", after_tokens=2))
+    be = backend(session, [a.url, b.url])
+    stream = be.stream(request(max_new_tokens=10))
+    chunks = [c async for c in stream]
+    await stream.aclose()
+    assert "".join(c.text for c in chunks) == FULL
+    assert stream.migrations == 1 and stream.finish_reason == "EOS_TOKEN"
+    resumed = [r for r in b.requests if "return_token_ids" not in r]
+    assert resumed[0]["prompt"] == "Hi" + "Once upon"
+    assert resumed[0]["max_tokens"] == 8
+    assert chunks[-1].generated_token_count == 5
+
+
+async def test_token_id_prompt_refused_falls_back_to_text(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """A continuation with token ids (begun on a vLLM replica) on a server that takes no
+    token-id prompt: the 400 turns the resume into a resume by text, remembered."""
+    from orchestrator.clients.generation import Continuation
+
+    (s,) = await vllm(servers)
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    client.traits.refused.add("return_token_ids")
+    cont = Continuation(prompt_token_ids=(72, 105), token_ids=(1000, 1001), text="Once upon")
+    stream = client.generate(request(max_new_tokens=5), cont, stall_timeout_s=30, max_time=0)
+    items = [i async for i in stream]
+    assert "".join(i.text for i in items) == " a time."
+    assert [r["prompt"] for r in s.requests] == [[72, 105, 1000, 1001], "HiOnce upon"]
+    assert s.requests[1]["max_tokens"] == 3
+    assert client.traits.token_prompt is False
+
+
+async def test_stop_string_the_server_sends_is_cut_here(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """transformers serve sends the token that completes a stop string; OpenAI's contract (and
+    the native engine's) leaves the stop string out: guardstream cuts it, STOP_SEQUENCE."""
+    (s,) = await vllm(servers)
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    stream = client.generate(
+        request(stop_sequences=(" a t",)), None, stall_timeout_s=30, max_time=0
+    )
+    items = [i async for i in stream]
+    assert "".join(i.text for i in items) == "Once upon"
+    assert items[-1].finish_reason == "STOP_SEQUENCE"
+
+
+@pytest.mark.parametrize(
+    ("params", "name", "field"),
+    [
+        ({"min_new_tokens": 2}, "min_new_tokens", "min_tokens"),
+        ({"decoding_method": "SAMPLING", "top_k": 5}, "top_k", "top_k"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty", "repetition_penalty"),
+    ],
+)
+async def test_a_refused_sampling_field_is_the_clients_422(
+    session: aiohttp.ClientSession,
+    servers: list[FakeUpstream],
+    params: dict[str, Any],
+    name: str,
+    field: str,
+) -> None:
+    """Never silently dropped: the server's refusal becomes an invalid_request 422, the next
+    request is refused without calling the server, and validate() refuses it up front."""
+    (s,) = await vllm(servers)
+    be = backend(session, [s.url])
+    client = be.replicas[0].client
+    assert isinstance(client, OpenAIClient)
+    message = (
+        f"replica openai-0 cannot honour `{name}` (its server refuses `{field}`); "
+        "leave it unset for this model"
+    )
+    for _ in range(2):
+        stream = client.generate(request(**params), None, stall_timeout_s=30, max_time=0)
+        with pytest.raises(GenerationError) as info:
+            [i async for i in stream]
+        assert (info.value.code, info.value.error_type, info.value.message) == (
+            422,
+            "invalid_request",
+            message,
+        )
+        assert not info.value.migratable
+    # one request: its 422 named both `return_token_ids` and the sampling field; none after
+    assert len(s.requests) == 1
+    from orchestrator.api.errors import ApiError
+
+    with pytest.raises(ApiError) as up_front:
+        await be.validate(request(**params))
+    assert up_front.value.details == (
+        f"{name}: model `m` cannot honour it (the server of its replica openai-0 refuses it)"
+    )
+    await be.validate(request())  # without it: fine
+
+
+async def test_chat_server_without_continuation_migrates_only_before_the_first_token(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """`api: chat` resumes by continuing the partial assistant message; a server that refuses
+    `continue_final_message` would start a fresh answer, so the resume fails with a clear error
+    (the text already delivered stays; nothing repeated). Before the first token, a failed
+    replica's request simply goes to the other one."""
+    a, b = await chat_servers(servers, 2)
+    a.faults.append(ChatFault("close", after_chunks=2))
+    be = backend(session, [a.url, b.url], api="chat")
+    stream = be.stream(request(max_new_tokens=10))
+    got: list[str] = []
+    with pytest.raises(GenerationError) as info:
+        async for c in stream:
+            got.append(c.text)
+    await stream.aclose()
+    assert "".join(got) == "Once upon"
+    assert info.value.message == (
+        "replica openai-1 cannot continue a partial answer (its server refuses "
+        "`continue_final_message`): the stream could not be resumed"
+    )
+    assert b.requests[0]["continue_final_message"] is True
+
+    a.faults.append(ChatFault("close", after_chunks=0))
+    be2 = backend(session, [a.url, b.url], api="chat")
+    stream = be2.stream(request(max_new_tokens=10))
+    chunks = [c async for c in stream]
+    await stream.aclose()
+    assert "".join(c.text for c in chunks) == FULL and stream.migrations == 1
+    assert chunks[-1].generated_token_count == 5 and chunks[-1].input_token_count == 1
+
+
+async def test_chat_usage_in_the_finish_chunk_and_no_done(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    (s,) = await chat_servers(servers)
+    client = OpenAIClient("c0", s.url, "fake-model", session, api="chat")
+    stream = client.generate(
+        request(stop_sequences=("time",)), None, stall_timeout_s=30, max_time=0
+    )
+    items = [i async for i in stream]
+    assert "".join(i.text for i in items) == "Once upon a "
+    assert items[-1].finish_reason == "STOP_SEQUENCE"
+    assert sum(i.token_count or 0 for i in items) == 4  # the server's count: 4 pieces sent
+
+
+async def test_chat_request_on_completions_uses_the_tokenizer_folder(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """No /tokenize: with the backend's `tokenizer` folder the conversation is templated here
+    (the model's own template) and sent as text; counted with its tokenizer. Without one: a
+    clear 502 naming the setting."""
+    folder: Path = models.prepare("tiny-random")
+    (s,) = await vllm(servers)
+    conversation = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"))
+    req = GenerationRequest(
+        prompt="Hi", params=GenerationParams(max_new_tokens=5), chat=True, messages=conversation
+    )
+    client = OpenAIClient("o0", s.url, "fake-model", session, tokenizer=str(folder))
+    items = [i async for i in client.generate(req, None, stall_timeout_s=30, max_time=0)]
+    assert "".join(i.text for i in items) == FULL
+    templated = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    assert s.requests[-1]["prompt"] == templated + "<|im_start|>assistant\n"
+    loaded = models.load("tiny-random", device="cpu")
+    expected = loaded.tokenizer.apply_chat_template(
+        [m.wire() for m in conversation], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert await client.tokenize("Hi", True, conversation) == len(expected)
+
+    bare = OpenAIClient("o1", s.url, "fake-model", session)
+    with pytest.raises(GenerationError) as info:
+        [i async for i in bare.generate(req, None, stall_timeout_s=30, max_time=0)]
+    assert info.value.code == 502 and "`tokenizer`" in info.value.message

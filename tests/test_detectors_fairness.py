@@ -1,0 +1,154 @@
+"""Issue 20, item 1: one request cannot take a detector away from the others (DESIGN 4.6b).
+
+The attack: `"Hello there friend. " x N` (N well past the detector's max_queue of 1024 items) to
+the content endpoint, or as FMS `inputs` with input detection, with the in-process `hap`
+(profanity) detector. It used to fill the detector's global queue, so that every other request
+using `hap` failed with detector_error "queue full". Here the big request is held in its first
+forward pass (a gate in the real model's batch function) while small requests on the content
+endpoint and a generation stream arrive behind it; they must all succeed with exact results, and
+the small content request must ride in the very next forward pass. Real server on 127.0.0.1, the
+real profanity model, a fake engine speaking the native protocol; ordering by gates, never the
+clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from orchestrator.app import CONTENT_PATH
+from orchestrator.handlers.health import DETECTOR_HEALTH
+from orchestrator.state import STATE
+from tests.fakes.engine import FakeEngine, until
+from tests.orchestrator_support import (
+    SCRIPT,
+    Orchestrator,
+    assert_contiguous,
+    frames,
+    generation_body,
+    native_config,
+    terminal,
+)
+
+BIG = "Hello there friend. " * 5000  # 5000 sentences, 100,000 characters
+RUDE = "You are a stupid fucking idiot."
+
+
+class GatedModel:
+    """Wraps the detector's real batch function: the first call waits at `gate` (a busy model)
+    and every batch is recorded, so a test knows which items shared which forward pass."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.batches: list[list[str]] = []
+
+    def __call__(self, items: list[str]) -> list[float]:
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        self.batches.append(list(items))
+        return self.forward(items)
+
+
+@pytest.fixture
+async def orch() -> AsyncIterator[Orchestrator]:
+    engine = FakeEngine(script=list(SCRIPT))
+    await engine.start()
+    detectors = {"hap": {"builtin": "profanity", "chunker_id": "sentence"}}
+    async with Orchestrator(native_config(engine.url, detectors=detectors)) as o:
+        yield o
+    await engine.close()
+
+
+async def gate_hap(orch: Orchestrator) -> tuple[Any, GatedModel]:
+    """The hap detector's batcher, its model gated, once the start-up warm-up call is done."""
+    assert orch.runner is not None
+    await asyncio.wait_for(orch.runner.app[DETECTOR_HEALTH].warmed.wait(), 60)
+    batcher = orch.runner.app[STATE].detectors.clients()["hap"]._detector.batcher
+    model = GatedModel(batcher._fn)
+    batcher._fn = model
+    return batcher, model
+
+
+async def big_request(orch: Orchestrator, surface: str) -> tuple[int, Any]:
+    if surface == "content":
+        return await orch.post(CONTENT_PATH, {"content": BIG, "detectors": {"hap": {}}})
+    events = await orch.stream(generation_body(BIG, input={"hap": {}}))
+    return 200, events
+
+
+@pytest.mark.parametrize("surface", ["content", "fms_input"])
+async def test_a_big_request_does_not_take_hap_away_from_small_ones(
+    orch: Orchestrator, surface: str
+) -> None:
+    # the small requests' exact answers, from an idle detector
+    status, alone = await orch.post(CONTENT_PATH, {"content": RUDE, "detectors": {"hap": {}}})
+    assert status == 200 and len(alone["detections"]) == 1
+    batcher, model = await gate_hap(orch)
+
+    big = asyncio.create_task(big_request(orch, surface))
+    assert await asyncio.to_thread(model.entered.wait, 30), "the big request never reached hap"
+    assert batcher.outstanding == 5000  # all of it accepted, 32 of it in the model
+    small = asyncio.create_task(
+        orch.post(CONTENT_PATH, {"content": RUDE, "detectors": {"hap": {}}})
+    )
+    stream = asyncio.create_task(orch.stream(generation_body(output={"hap": {}})))
+    await until(lambda: batcher.outstanding >= 5002, 30)  # both queued behind the big one
+    model.gate.set()
+
+    assert await small == (200, alone)
+    events = await stream
+    assert terminal(events).name == "completed", terminal(events).data
+    assert assert_contiguous(frames(events)) == "I am great. What about you?"
+    assert [f["start_index"] for f in frames(events)] == [0, 11]
+    assert [f["token_classification_results"] for f in frames(events)] == [{"output": []}] * 2
+    # the small content request rode in the pass right after the big request's first one
+    assert model.batches[0] == ["Hello there friend."] + [" Hello there friend."] * 31
+    assert RUDE in model.batches[1]
+
+    status, body = await big
+    assert status == 200
+    if surface == "content":
+        assert body == {"detections": []}  # "Hello there friend." is clean
+    else:
+        assert terminal(body).name == "completed"
+    assert sum(len(b) for b in model.batches) == 5000 + 1 + 2
+    assert batcher.outstanding == 0
+
+
+async def test_a_request_arriving_into_a_full_detector_gets_429_overloaded() -> None:
+    """Overload falls on the request that arrives into a full detector (DESIGN 4: `overloaded`,
+    429 with Retry-After), never on the ones already waiting: with max_queue 2, a request while
+    two single-sentence requests wait is refused, and both waiting ones succeed."""
+    engine = FakeEngine(script=list(SCRIPT))
+    await engine.start()
+    hap = {"builtin": "profanity", "chunker_id": "sentence", "params": {"max_queue": 2}}
+    try:
+        async with Orchestrator(native_config(engine.url, detectors={"hap": hap})) as orch:
+            batcher, model = await gate_hap(orch)
+            body = {"content": RUDE, "detectors": {"hap": {}}}
+            first = asyncio.create_task(orch.post(CONTENT_PATH, body))
+            assert await asyncio.to_thread(model.entered.wait, 30)
+            second = asyncio.create_task(orch.post(CONTENT_PATH, body))
+            await until(lambda: batcher.admitted == 2, 30)
+            assert orch.session is not None
+            async with orch.session.post(orch.url + CONTENT_PATH, json=body) as resp:
+                assert resp.status == 429, await resp.text()
+                assert resp.headers["Retry-After"] == "1"
+                assert await resp.json() == {
+                    "code": 429,
+                    "details": "detector `hap`: profanity: queue full (2 requests waiting, "
+                    "2 of 2 queue slots in use)",
+                    "type": "overloaded",
+                }
+            model.gate.set()
+            (s1, b1), (s2, b2) = await first, await second
+            assert (s1, s2) == (200, 200), (b1, b2)
+            assert b1 == b2 and len(b1["detections"]) == 1
+    finally:
+        await engine.close()

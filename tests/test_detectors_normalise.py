@@ -1,0 +1,268 @@
+"""Issue 20, item 3: built-in detectors judge the normalised view (DESIGN 4.6b) and report spans
+in the original text.
+
+First the attacks that passed a blocking `pii` (each must now be found, its span covering exactly
+the characters the client sent, invisible ones inside it included), then the view itself (what
+is removed, folded, expanded; the map back), a hypothesis property (inserting default-ignorable
+characters inside a PII value, or writing its characters in full-width or confusable forms,
+never hides it, and the span is exactly the value), the classifiers judging the view, and the
+attack end to end: FMS input detection with a blocking `pii` refuses `jo\\u200b@example.com`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import unicodedata
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import detectors
+from detectors.normalise import CONFUSABLES, fold, normalise, view_text
+from detectors.regex_pii import find_pii
+from orchestrator.app import CONTENT_PATH
+from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import (
+    SCRIPT,
+    Orchestrator,
+    frames,
+    generation_body,
+    native_config,
+    terminal,
+)
+
+KINDS = ["email", "phone", "ssn", "credit_card", "ipv4", "ipv6"]
+
+
+def pii(text: str) -> list[tuple[int, int, str, str]]:
+    return [(d.start, d.end, d.detection, d.text) for d in find_pii(text, KINDS, {})]
+
+
+# (text, [(start, end, kind)]): the attacks of issue 20 and their relatives
+ATTACKS = [
+    ("jo\u200b@example.com", [(0, 15, "email")]),  # zero-width space
+    ("jo@exam\u00adple.com", [(0, 15, "email")]),  # soft hyphen
+    ("Call \uff15\uff15\uff15-\uff11\uff12\uff13-\uff14\uff15\uff16\uff17", [(5, 17, "phone")]),
+    ("jo\uff20example.com", [(0, 14, "email")]),  # full-width @
+    ("jo\u2060@example.com", [(0, 15, "email")]),  # word joiner
+    ("j\u043e@\u0435\u0445\u0430mple.com", [(0, 14, "email")]),  # Cyrillic о, е, х, а
+    ("card 4111\u200b1111\u200b1111\u200b1111 ok", [(5, 24, "credit_card")]),
+    ("ssn 123\u201145\u20116789.", [(4, 15, "ssn")]),  # non-breaking hyphens
+    ("jo\u200c@exa\u200dmple.com", [(0, 16, "email")]),  # ZWNJ, ZWJ
+    ("jo\u202e@example.com\u202c", [(0, 15, "email")]),  # bidi override: inside, then outside
+    ("\u200bjo@example.com\u200b", [(1, 15, "email")]),  # invisible edges are not the value
+    ("ip 192\uff0e168\uff0e0\uff0e1", [(3, 14, "ipv4")]),  # full-width full stops
+    ("tel \u0665\u0665\u0665-\u0661\u0662\u0663-\u0664\u0665\u0666\u0667", [(4, 16, "phone")]),
+]
+
+
+@pytest.mark.parametrize(("text", "want"), ATTACKS)
+def test_invisible_and_look_alike_characters_do_not_hide_pii(
+    text: str, want: list[tuple[int, int, str]]
+) -> None:
+    assert pii(text) == [(s, e, kind, text[s:e]) for s, e, kind in want]
+
+
+async def test_the_regex_detector_reports_original_spans_inline_and_in_its_thread() -> None:
+    """Short contents are scanned on the loop, long ones in the scan thread: both map back."""
+    det = detectors.build("regex", {})
+    short = "Mail jo\u200b@example.com now."
+    long = "x" * 2000 + " " + short
+    got = await det.detect([short, long])
+    assert [(d.start, d.end, d.text) for d in got[0]] == [(5, 20, "jo\u200b@example.com")]
+    assert [(d.start, d.end, d.text) for d in got[1]] == [(2006, 2021, "jo\u200b@example.com")]
+
+
+def test_custom_patterns_judge_the_view_too() -> None:
+    det = detectors.build("regex", {"kinds": [], "patterns": {"order": r"ORD-[0-9]{4}"}})
+    got = asyncio.run(det.detect(["ref \uff2f\uff32\uff24-12\u200b34"]))[0]
+    assert [(d.start, d.end, d.detection) for d in got] == [(4, 13, "order")]
+
+
+# --- the view -------------------------------------------------------------------------------
+
+
+def test_ascii_is_its_own_view_with_no_map() -> None:
+    view = normalise("plain jo@example.com")
+    assert view.text == "plain jo@example.com" and view.identity
+
+
+def test_text_that_folds_to_itself_is_its_own_view() -> None:
+    text = "caf\u00e9 \u201cquoted\u201d \u4f60\u597d \U0001f600"
+    view = normalise(text)
+    assert view.text == text and view.identity
+
+
+@pytest.mark.parametrize(
+    ("char", "folded"),
+    [
+        ("\u200b", ""),
+        ("\u200c", ""),
+        ("\u200d", ""),
+        ("\u2060", ""),
+        ("\u00ad", ""),
+        ("\ufeff", ""),
+        ("\u202e", ""),
+        ("\u2066", ""),
+        ("\u034f", ""),
+        ("\ufe0f", ""),
+        ("\U000e0041", ""),  # tag latin capital a
+        ("\u3164", ""),  # Hangul filler
+        ("\uff20", "@"),
+        ("\uff15", "5"),
+        ("\u0665", "5"),  # Arabic-Indic five
+        ("\u2011", "-"),
+        ("\u2212", "-"),
+        ("\u0430", "a"),
+        ("\u0435", "e"),
+        ("\u043e", "o"),
+        ("\u0440", "p"),
+        ("\u0455", "s"),
+        ("\u03bf", "o"),  # Greek omicron
+        ("\u00a0", " "),
+        ("\u2122", "TM"),
+        ("\u00e9", "\u00e9"),
+        ("\u4f60", "\u4f60"),
+    ],
+)
+def test_fold(char: str, folded: str) -> None:
+    assert fold(char) == folded
+
+
+def test_removals_and_expansions_map_back_character_by_character() -> None:
+    text = "a\u2122b\u200b\u200bc\u00add"
+    view = normalise(text)
+    assert view.text == "aTMbcd"
+    assert [view.position(v) for v in range(len(view.text))] == [0, 1, 1, 2, 5, 7]
+    assert view.span(1, 2) == (1, 2)  # "T" is the whole ™
+    assert view.span(2, 4) == (1, 3)  # "Mb": from the ™ through b
+    assert view.span(3, 6) == (2, 8)  # "bcd": the invisible characters inside, included
+    assert view.span(6, 6) == (8, 8)
+
+
+def test_a_lone_surrogate_passes_through() -> None:
+    assert normalise("jo@example.com \ud800").text == "jo@example.com \ud800"
+    assert pii("jo@example.com \ud800") == [(0, 14, "email", "jo@example.com")]
+
+
+def test_classifiers_see_the_view() -> None:
+    assert view_text("f\u200buck y\u043eu") == "fuck you"
+    assert view_text("plain") == "plain"
+
+
+async def test_profanity_scores_the_view_not_the_disguise() -> None:
+    det = detectors.build("profanity", {"min_score": 0.0})
+    plain, hidden = await det.detect(
+        ["you stupid fucking idiot", "you st\u200bupid f\u200bucking \u0456diot"]
+    )
+    assert hidden[0].score == pytest.approx(plain[0].score)
+    assert (hidden[0].start, hidden[0].end) == (0, 26)  # the whole original content
+
+
+# --- the property ---------------------------------------------------------------------------
+
+IGNORABLES = [
+    "\u200b",
+    "\u200c",
+    "\u200d",
+    "\u2060",
+    "\u00ad",
+    "\ufeff",
+    "\u202a",
+    "\u202c",
+    "\u202e",
+    "\u2066",
+    "\u2069",
+    "\u180e",
+    "\u034f",
+    "\ufe0f",
+    "\U000e0020",
+]
+# every non-ASCII form the view folds back to each ASCII character: full-width (NFKC), the
+# confusables data, other scripts' decimal digits
+LOOK_ALIKES: dict[str, list[str]] = {}
+for _source, _target in CONFUSABLES.items():
+    if fold(_source) == _target:
+        LOOK_ALIKES.setdefault(_target, []).append(_source)
+for _cp in range(0x21, 0x7F):
+    LOOK_ALIKES.setdefault(chr(_cp), []).append(chr(_cp + 0xFEE0))
+for _cp in range(0x80, 0x10000):
+    _digit = unicodedata.decimal(chr(_cp), None)
+    if _digit is not None and fold(chr(_cp)) == str(_digit):
+        LOOK_ALIKES.setdefault(str(_digit), []).append(chr(_cp))
+
+VALUES = st.one_of(
+    st.tuples(
+        st.from_regex(r"[a-z][a-z0-9]{0,8}@[a-z]{1,8}\.(com|org|net)", fullmatch=True),
+        st.just("email"),
+    ),
+    st.tuples(st.from_regex(r"[2-9][0-9]{2}-[0-9]{3}-[0-9]{4}", fullmatch=True), st.just("phone")),
+    st.tuples(st.sampled_from(["123-45-6789", "078 05 1120", "219-09-9999"]), st.just("ssn")),
+    st.tuples(
+        st.sampled_from(["4111 1111 1111 1111", "5500-0000-0000-0004", "378282246310005"]),
+        st.just("credit_card"),
+    ),
+    st.tuples(st.sampled_from(["192.168.0.1", "10.20.30.40", "8.8.4.4"]), st.just("ipv4")),
+)
+
+
+@st.composite
+def disguised(draw: Any) -> tuple[str, str, str]:
+    """(plain value, its disguise, kind): some characters replaced by look-alikes, then
+    default-ignorable characters inserted between characters (never before the first or after
+    the last: those are outside the value, and outside its span)."""
+    plain, kind = draw(VALUES)
+    chars = list(plain)
+    for i in draw(st.sets(st.integers(0, len(chars) - 1), max_size=len(chars))):
+        forms = LOOK_ALIKES.get(chars[i])
+        if forms:
+            chars[i] = draw(st.sampled_from(forms))
+    gaps = draw(st.lists(st.integers(1, len(chars) - 1), max_size=6))
+    for gap in sorted(gaps, reverse=True):
+        chars.insert(gap, "".join(draw(st.lists(st.sampled_from(IGNORABLES), min_size=1))))
+    return plain, "".join(chars), kind
+
+
+@settings(max_examples=300, deadline=None)
+@given(disguised(), st.sampled_from(["", "Contact: ", "\u00e9t\u00e9 \u200b"]))
+def test_no_disguise_hides_pii_and_the_span_is_exactly_the_value(
+    case: tuple[str, str, str], prefix: str
+) -> None:
+    plain, value, kind = case
+    text = f"{prefix}{value} thanks."
+    start = len(prefix)
+    want = (start, start + len(value), kind, value)
+    assert want in pii(text), (plain, value)
+    assert normalise(value).text == plain
+
+
+# --- end to end -----------------------------------------------------------------------------
+
+
+async def test_a_blocking_pii_refuses_a_disguised_email_and_reports_its_original_span() -> None:
+    engine = FakeEngine(script=list(SCRIPT))
+    await engine.start()
+    dets = {"pii": {"builtin": "regex", "chunker_id": "sentence"}}
+    inputs = "Write to jo\u200b@exam\u00adple.com or call \uff15\uff15\uff15-\uff11\uff12\uff13-\uff14\uff15\uff16\uff17."
+    try:
+        async with Orchestrator(native_config(engine.url, detectors=dets)) as orch:
+            events = await orch.stream(generation_body(inputs, input={"pii": {}}))
+            found = frames(events)[0]["token_classification_results"]["input"]
+            assert [(d["start"], d["end"], d["word"], d["entity"]) for d in found] == [
+                (9, 25, "jo\u200b@exam\u00adple.com", "email"),
+                (34, 46, inputs[34:46], "phone"),
+            ]
+            assert terminal(events).name == "incomplete"
+            assert engine.requests == []  # the model was never called
+            status, body = await orch.post(
+                CONTENT_PATH, {"content": inputs, "detectors": {"pii": {}}}
+            )
+            assert status == 200
+            assert [(d["start"], d["end"], d["text"]) for d in body["detections"]] == [
+                (9, 25, "jo\u200b@exam\u00adple.com"),
+                (34, 46, inputs[34:46]),
+            ]
+    finally:
+        await engine.close()

@@ -1,0 +1,450 @@
+"""Attacks on the HTTP layer (issue 20, items 5-8), each reproduced over a raw socket against the
+real service: connections that never finish a request, stalled bodies, deeply nested JSON, lone
+surrogates, requests aiohttp's parser refuses, and `Expect: 100-continue` over the size limit.
+Timeouts are configured small; the tests wait on them only with generous deadlines and never
+assert how long anything took."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.app import (
+    CHAT_PATH,
+    CONTENT_PATH,
+    RESPONSES_PATH,
+    STREAM_CONTENT_PATH,
+    STREAMING_PATH,
+    UNARY_PATH,
+)
+from orchestrator.handlers.body import MAX_JSON_DEPTH, json_depth
+from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
+from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import MODEL, NDJSON, Orchestrator, native_config, remote
+
+DEADLINE_S = 10.0  # generous: the bounds under test are well under a second
+DEEP = "[" * 1000 + "]" * 1000
+
+
+@asynccontextmanager
+async def service(engine: FakeEngine, **server: Any) -> AsyncIterator[Orchestrator]:
+    dets = FakeDetectorServer()
+    dets.add("words", DetectorBehaviour(words={"bad": 0.9}))
+    await dets.start()
+    config = native_config(
+        engine.url, detectors={"words": remote(dets.url)}, server={"host": "127.0.0.1", **server}
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            yield orch
+    finally:
+        await dets.close()
+
+
+def port_of(orch: Orchestrator) -> int:
+    return int(orch.url.rsplit(":", 1)[1])
+
+
+class Reply:
+    """A raw HTTP reply: status line, headers (lower-cased names), body."""
+
+    def __init__(self, raw: bytes) -> None:
+        head, _, self.body = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        self.status_line = lines[0]
+        self.status = int(lines[0].split()[1])
+        self.headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def exchange(orch: Orchestrator, data: bytes) -> bytes:
+    """Sends `data` and reads until the server closes the connection (within DEADLINE_S)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(orch))
+    try:
+        writer.write(data)
+        async with asyncio.timeout(DEADLINE_S):
+            return await reader.read()  # to EOF: the server must close
+    finally:
+        writer.close()
+
+
+def post_head(path: str, length: int, ctype: str = "application/json", extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
+        f"Content-Length: {length}\r\n{extra}\r\n"
+    ).encode()
+
+
+def error(code: int, details: str, etype: str = "invalid_request") -> dict[str, Any]:
+    return {"code": code, "details": details, "type": etype}
+
+
+# -- 5. every phase of a request is bounded ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"",  # connects and says nothing
+        b"GET /hea",  # half a request line
+        b"GET /health HTTP/1.1\r\nHost: x\r\n",  # headers never finished
+    ],
+    ids=["idle", "half-request-line", "unfinished-headers"],
+)
+async def test_a_connection_without_a_complete_request_head_is_closed(engine, sent) -> None:
+    """Repro: with request_timeout_s 20 these were all still open after 150 s (aiohttp's
+    keep-alive timeout is 3630 s). Closed after header_timeout_s, with nothing sent."""
+    async with service(engine, header_timeout_s=0.3, request_timeout_s=60) as orch:
+        assert await exchange(orch, sent) == b""
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_its_response(engine) -> None:
+    async with service(engine, header_timeout_s=0.3) as orch:
+        raw = await exchange(orch, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    reply = Reply(raw)
+    assert reply.status == 200 and reply.headers.get("connection") != "close"
+    assert json.loads(reply.body)["status"] == "ok"  # answered, then closed while idle
+
+
+@pytest.mark.parametrize("path", [CONTENT_PATH, UNARY_PATH, STREAMING_PATH, CHAT_PATH])
+async def test_a_stalled_body_is_408_and_the_connection_closes(engine, path) -> None:
+    """Repro: a Content-Length body that stops after one byte held the connection (and the
+    handler) until the client gave up."""
+    async with service(engine, body_idle_timeout_s=0.3, request_timeout_s=60) as orch:
+        raw = await exchange(orch, post_head(path, 200) + b"{")
+    reply = Reply(raw)
+    assert reply.status == 408
+    assert reply.headers["connection"] == "close"
+    body = reply.json()
+    stalled = "the request body stalled for longer than body_idle_timeout_s"
+    if path == CHAT_PATH:
+        assert body["error"]["message"] == stalled and body["error"]["type"] == "timeout"
+    else:
+        assert body == error(408, stalled, "timeout")
+
+
+async def test_a_body_dripping_past_request_timeout_s_is_408(engine) -> None:
+    """Each byte comes well within the idle bound; the whole body does not come in time."""
+    async with service(engine, body_idle_timeout_s=30, request_timeout_s=0.5) as orch:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(orch))
+        writer.write(post_head(CONTENT_PATH, 10_000))
+        read = asyncio.ensure_future(reader.read())
+        async with asyncio.timeout(DEADLINE_S):
+            while not read.done():
+                writer.write(b" ")
+                await asyncio.wait([read], timeout=0.05)
+        writer.close()
+    reply = Reply(read.result())
+    assert reply.status == 408
+    assert reply.json() == error(
+        408, "the request body did not arrive within request_timeout_s", "timeout"
+    )
+
+
+async def test_stalled_stream_content_bodies_end_their_streams_and_free_their_slots(
+    engine,
+) -> None:
+    """Repro: 100 stalled stream-content bodies held all 100 stream slots (every other stream
+    got 429 until request_timeout_s, 600 s by default). Each now ends with a 408 error line
+    after body_idle_timeout_s, and its slot serves the next stream."""
+    first = json.dumps({"detectors": {"words": {}}, "content": "Hi there. "}) + "\n"
+    async with service(
+        engine, body_idle_timeout_s=0.3, request_timeout_s=60, max_concurrent_streams=2
+    ) as orch:
+        stalled = []
+        for _ in range(2):  # every slot, each body stalled after its first line
+            head = (
+                f"POST {STREAM_CONTENT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: {NDJSON}\r\n"
+                "Transfer-Encoding: chunked\r\n\r\n"
+            ).encode()
+            chunk = f"{len(first.encode()):x}\r\n{first}\r\n".encode()
+            stalled.append(asyncio.ensure_future(exchange(orch, head + chunk)))
+        replies = await asyncio.gather(*stalled)
+        status, body = await orch.post(STREAM_CONTENT_PATH, first)
+    for raw in replies:
+        reply = Reply(raw)
+        assert reply.status == 200
+        lines = [json.loads(x) for x in _dechunk(reply.body).splitlines()]
+        assert lines[-1] == error(
+            408, "the request body stalled for longer than body_idle_timeout_s", "timeout"
+        )
+    assert status == 200, body  # a slot was free again
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += body[:size]
+        body = body[size + 2 :]
+    return out
+
+
+# -- 6. nesting depth ---------------------------------------------------------------------------
+
+TOO_DEEP = error(400, f"invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+@pytest.mark.parametrize(
+    "path", [CONTENT_PATH, UNARY_PATH, STREAMING_PATH, CHAT_PATH, RESPONSES_PATH]
+)
+@pytest.mark.parametrize(
+    "body",
+    [
+        DEEP,
+        json.dumps({"model_id": MODEL, "inputs": "x", "n": json.loads("[" * 65 + "]" * 65)}),
+        json.dumps(
+            {"content": "x", "detectors": {"words": {"p": json.loads("[" * 70 + "]" * 70)}}}
+        ),
+    ],
+    ids=["1000-deep", "65-deep-field", "70-deep-params"],
+)
+async def test_deeply_nested_json_is_400_everywhere(engine, path, body, caplog) -> None:
+    """Repro: 500 and an ERROR traceback (Python's parser raised RecursionError)."""
+    async with service(engine) as orch:
+        with caplog.at_level(logging.INFO):
+            status, reply = await orch.post(
+                path, body, headers={"Content-Type": "application/json"}
+            )
+    assert status == 400
+    if path in (CHAT_PATH, RESPONSES_PATH):
+        assert reply["error"]["message"] == TOO_DEEP["details"]
+        assert reply["error"]["type"] == "invalid_request"
+    else:
+        assert reply == TOO_DEEP
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_deeply_nested_stream_content_lines(engine, caplog) -> None:
+    """Repro: as line 2, an in-stream 500 after a 200. The first line gets a real 400; a later
+    one ends the stream with the 400 error line."""
+    first = json.dumps({"detectors": {"words": {}}, "content": "Hi there. "})
+    async with service(engine) as orch:
+        with caplog.at_level(logging.INFO):
+            status_first, reply_first = await orch.post(STREAM_CONTENT_PATH, DEEP + "\n")
+            status, reply = await orch.post(STREAM_CONTENT_PATH, f"{first}\n{DEEP}\n")
+    assert (status_first, reply_first) == (400, TOO_DEEP)
+    assert status == 200
+    lines = [json.loads(x) for x in reply.splitlines()] if isinstance(reply, str) else [reply]
+    assert lines[-1] == TOO_DEEP
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_nesting_up_to_the_bound_is_accepted(engine) -> None:
+    params = {"p": json.loads("[" * (MAX_JSON_DEPTH - 3) + "]" * (MAX_JSON_DEPTH - 3))}
+    body = {"content": "Hi [there] {ok}.", "detectors": {"words": params}}
+    async with service(engine) as orch:
+        status, reply = await orch.post(CONTENT_PATH, body)
+    assert status == 200, reply
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab,:\u00e9'),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(alphabet='[]{}"\\a', max_size=3), inner, max_size=3)
+    ),
+    max_leaves=40,
+)
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values, st.integers(min_value=0, max_value=70), st.booleans())
+def test_json_depth_measures_nesting_whatever_the_strings_hold(value, wrap, ascii_only) -> None:
+    """Brackets, quotes and backslashes inside strings never count; `wrap` extra levels push
+    the depth past the shortcut (64 openers) so the numpy path runs too."""
+    for _ in range(wrap):
+        value = [value, "]]}{"]
+    text = json.dumps(value, ensure_ascii=ascii_only).encode()
+    expected = _depth(value)
+    measured = json_depth(text)
+    if text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH:
+        assert measured == 0 and expected <= MAX_JSON_DEPTH
+    else:
+        assert measured == expected
+
+
+# -- 7. lone surrogates -------------------------------------------------------------------------
+
+SURROGATE = "text must be valid Unicode (it contains a lone surrogate)"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        (STREAMING_PATH, {"model_id": MODEL, "inputs": "a\ud800b"}, "inputs"),
+        (UNARY_PATH, {"model_id": MODEL, "inputs": "a\udfffb"}, "inputs"),
+        (CONTENT_PATH, {"content": "x\ud800", "detectors": {"words": {}}}, "content"),
+        (
+            CHAT_PATH,
+            {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800"}]},
+            "messages.0.content",
+        ),
+        (
+            CHAT_PATH,
+            {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "\udc00"}]},
+            "messages.0.content",
+        ),
+        (RESPONSES_PATH, {"model": MODEL, "input": "a\ud800", "stream": True}, "input"),
+        (
+            CONTENT_PATH,
+            {"content": "x", "detectors": {"words": {"k\ud800": 1}}},
+            "detectors.words",
+        ),
+    ],
+)
+async def test_a_lone_surrogate_is_422_before_the_first_byte(engine, path, body, field) -> None:
+    """Repro: FMS streaming answered 200 and then `event: error` 422."""
+    raw = json.dumps(body)  # ensure_ascii: the surrogate travels as a `\\udXXX` escape
+    async with service(engine) as orch:
+        status, reply = await orch.post(path, raw, headers={"Content-Type": "application/json"})
+        utf8 = raw.encode().replace(b"\\ud800", "\ud800".encode("utf-8", "surrogatepass"))
+        status_utf8, _ = await orch.post(path, utf8, headers={"Content-Type": "application/json"})
+    assert status == 422, reply
+    assert status_utf8 in (400, 422)  # raw surrogate bytes: not UTF-8, or the same 422
+    if path in (CHAT_PATH, RESPONSES_PATH):
+        assert reply["error"]["message"] == f"{field}: {SURROGATE}"
+        assert reply["error"]["param"] == field
+    else:
+        assert reply == error(422, f"{field}: {SURROGATE}")
+    assert engine.requests == []
+
+
+async def test_a_lone_surrogate_in_stream_content(engine) -> None:
+    first = json.dumps({"detectors": {"words": {}}, "content": "Hi\ud800"})
+    later = json.dumps({"content": "a\udbff"})
+    ok = json.dumps({"detectors": {"words": {}}, "content": "Hi there. "})
+    async with service(engine) as orch:
+        first_reply = await orch.post(STREAM_CONTENT_PATH, first + "\n")
+        status, reply = await orch.post(STREAM_CONTENT_PATH, f"{ok}\n{later}\n")
+    assert first_reply == (422, error(422, f"content: {SURROGATE}"))
+    assert status == 200
+    lines = [json.loads(x) for x in reply.splitlines()] if isinstance(reply, str) else [reply]
+    assert lines[-1] == error(422, f"content: {SURROGATE}")
+
+
+async def test_surrogate_pairs_and_astral_text_pass(engine) -> None:
+    body = json.dumps(
+        {"content": "smile \U0001f600 and \U00010348 bad.", "detectors": {"words": {}}}
+    )
+    assert "\\ud83d\\ude00" in body  # a valid pair, escaped
+    async with service(engine) as orch:
+        status, reply = await orch.post(
+            CONTENT_PATH, body, headers={"Content-Type": "application/json"}
+        )
+    assert status == 200, reply
+    assert [d["text"] for d in reply["detections"]] == ["bad"]
+
+
+# -- 8. requests aiohttp's parser refuses -------------------------------------------------------
+
+ECHO = b"ECHOME"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "details"),
+    [
+        (
+            b"GET /" + ECHO * 1500 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+            "request line or header too long (limit 8190 bytes)",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + ECHO * 1500 + b"\r\n\r\n",
+            "request line or header too long (limit 8190 bytes)",
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost: x\r\n"
+            + b"".join(b"X-%d: ECHOME\r\n" % i for i in range(500))
+            + b"\r\n",
+            "too many headers (limit 128)",
+        ),
+        (
+            post_head(CONTENT_PATH, 0).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+            + b"ECHOME\r\nhello\r\n0\r\n\r\n",
+            "malformed chunked body",
+        ),
+        (
+            post_head(CONTENT_PATH, 5, extra="Transfer-Encoding: chunked\r\n") + b"0\r\n\r\nECHOME",
+            "Content-Length and Transfer-Encoding together",
+        ),
+        (b"ECHO\x01ME / HTTP/1.1\r\n\r\n", "malformed request line"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nECHO ME: v\r\n\r\n", "malformed header"),
+    ],
+    ids=["long-url", "long-header", "500-headers", "bad-chunk-size", "cl-and-te", "method", "name"],
+)
+async def test_parser_rejections_get_the_error_body_without_echo(
+    engine, request_bytes, details, caplog
+) -> None:
+    """Repro: `HTTP/1.0 400` in plain text quoting part of the input, and an ERROR traceback."""
+    async with service(engine) as orch:
+        with caplog.at_level(logging.INFO):
+            raw = await exchange(orch, request_bytes)
+    reply = Reply(raw)
+    assert reply.status == 400
+    assert reply.headers["content-type"].startswith("application/json")
+    assert reply.headers["server"] == "guardstream"
+    assert reply.json() == error(400, details)
+    assert b"ECHO" not in raw
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_expect_100_continue_over_the_limit_is_413_without_continue(engine) -> None:
+    """Repro: `100 Continue` for a 2 MB Content-Length (limit 1 MB), inviting the body."""
+    async with service(engine) as orch:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(orch))
+        writer.write(post_head(CONTENT_PATH, 2_000_000, extra="Expect: 100-continue\r\n"))
+        async with asyncio.timeout(DEADLINE_S):
+            head = await reader.readuntil(b"\r\n\r\n")
+            reply = Reply(head)
+            body = await reader.readexactly(int(reply.headers["content-length"]))
+        writer.close()
+    assert reply.status_line.startswith("HTTP/1.1 413")
+    assert json.loads(body) == error(413, "request body too large (limit 1048576 bytes)")
+
+
+async def test_expect_100_continue_within_the_limit_continues(engine) -> None:
+    payload = json.dumps({"content": "bad.", "detectors": {"words": {}}}).encode()
+    async with service(engine) as orch:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(orch))
+        writer.write(post_head(CONTENT_PATH, len(payload), extra="Expect: 100-continue\r\n"))
+        async with asyncio.timeout(DEADLINE_S):
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(payload)
+            reply = Reply(await reader.readuntil(b"\r\n\r\n"))
+            body = await reader.readexactly(int(reply.headers["content-length"]))
+        writer.close()
+    assert reply.status == 200
+    assert [d["text"] for d in json.loads(body)["detections"]] == ["bad"]
+
+
+async def test_an_unknown_expectation_is_417_with_the_error_body(engine) -> None:
+    async with service(engine) as orch:
+        raw = await exchange(
+            orch,
+            post_head(CONTENT_PATH, 2, extra="Expect: ECHOME\r\nConnection: close\r\n") + b"{}",
+        )
+    reply = Reply(raw)
+    assert reply.status == 417
+    assert reply.json() == error(417, "unsupported Expect header")
+    assert b"ECHO" not in raw

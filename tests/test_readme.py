@@ -1,0 +1,92 @@
+"""The README's commands work as shown: every `curl` body it prints is accepted by the service
+running the shipped config.yaml (its detectors, a fake engine in place of the managed smollm2),
+and its terminal-client command runs with the flags it shows. (The outputs shown are real output
+of `make run`; the model's words cannot be asserted here, the protocol can.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import Orchestrator
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def shell_blocks() -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", README, flags=re.S)
+
+
+def commands(program: str) -> list[list[str]]:
+    """The README's shell blocks that run `program`, each split as a shell would (quotes may
+    span lines)."""
+    out = []
+    for block in shell_blocks():
+        argv = shlex.split(block.replace("\\\n", " "), comments=True)
+        if argv and argv[0] == program:
+            out.append(argv)
+    return out
+
+
+def shipped_config(engine_url: str) -> dict[str, Any]:
+    data = yaml.safe_load((ROOT / "config.yaml").read_text())
+    data["server"].update(host="127.0.0.1", port=0)
+    for model in data["models"].values():
+        model["backends"] = [{"type": "native", "url": engine_url}]
+    return data
+
+
+async def test_every_readme_curl_body_is_accepted_by_the_shipped_config() -> None:
+    curls = commands("curl")
+    urls = [next(a for a in c if a.startswith("http://127.0.0.1:8033")) for c in curls]
+    assert {u.removeprefix("http://127.0.0.1:8033") for u in urls} == {
+        "/api/v1/task/server-streaming-classification-with-text-generation",
+        "/api/v2/text/detection/content",
+    }
+    engine = FakeEngine(script=["Cats", " purr", "."])
+    await engine.start()
+    try:
+        async with Orchestrator(shipped_config(engine.url)) as orch:
+            for command, url in zip(curls, urls, strict=True):
+                body = json.loads(command[command.index("-d") + 1])
+                status, reply = await orch.post(url.removeprefix("http://127.0.0.1:8033"), body)
+                assert status == 200, (command, reply)
+    finally:
+        await engine.close()
+
+
+async def test_the_readme_terminal_client_command_runs_as_shown() -> None:
+    # the quickstart's (the migration demo's is a background job that needs a real model)
+    argv = next(c for c in commands(".venv/bin/python") if c[2:4] == ["orchestrator", "stream"])
+    assert argv[:3] == [".venv/bin/python", "-m", "orchestrator"]
+    engine = FakeEngine(script=["Cats", " purr", "."])
+    await engine.start()
+    try:
+        async with Orchestrator(shipped_config(engine.url)) as orch:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                *argv[1:],
+                "--url",
+                orch.url,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=ROOT,
+            )
+            async with asyncio.timeout(60):
+                out, err = await proc.communicate()
+    finally:
+        await engine.close()
+    assert proc.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    assert lines[0] == "Cats purr."
+    assert lines[1].startswith('[completed] {"finish_reason": "EOS_TOKEN"')
+    assert engine.requests[0].body["max_new_tokens"] == 60

@@ -1,0 +1,512 @@
+"""Redaction end to end (DESIGN 4.6a, issue 23) over real sockets: the orchestrator on 127.0.0.1
+with the built-in `regex` detector, a fake native engine streaming e-mails, phone and card
+numbers one character per token across sentence and `max_chars` boundaries, and the official
+`openai` SDK or raw HTTP as the client. The client's raw bytes never hold an entity; the released
+text equals the redacted whole answer; every index points into the text the client received;
+the engine receives a redacted prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+
+from orchestrator.config import ConfigError, parse_config
+from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import (
+    MODEL,
+    Orchestrator,
+    assert_contiguous,
+    frames,
+    generation_body,
+    native_config,
+    sse_events,
+    terminal,
+)
+from tests.test_openai_chat import raw_chunks
+from tests.test_openai_responses import raw_events
+
+ENTITIES = ["jo@example.com", "555-123-4567", "4111 1111 1111 1111"]
+ANSWER = (
+    "Write to jo@example.com today. Or call 555-123-4567, please. Card 4111 1111 1111 1111 works."
+)
+REDACTED = "Write to [email] today. Or call [phone], please. Card [credit_card] works."
+STREAMING = "/api/v1/task/server-streaming-classification-with-text-generation"
+UNARY = "/api/v1/task/classification-with-text-generation"
+CONTENT = "/api/v2/text/detection/content"
+REDACT = {"pii": {"on_detection": "redact"}}
+
+
+def tokens(text: str) -> list[str]:
+    """Words as tokens, every entity one character per token."""
+    out: list[str] = []
+    pos = 0
+    for m in re.finditer("|".join(re.escape(e) for e in ENTITIES), text):
+        out += re.findall(r"\s*\S+|\s+", text[pos : m.start()])
+        out += list(m.group())
+        pos = m.end()
+    return out + re.findall(r"\s*\S+|\s+", text[pos:])
+
+
+def spans(entities: list[tuple[str, str]], text: str = REDACTED) -> list[tuple[int, int, str, str]]:
+    """(start, end, replacement, entity) of each replacement in `text`, in order."""
+    out = []
+    pos = 0
+    for replacement, entity in entities:
+        start = text.index(replacement, pos)
+        out.append((start, start + len(replacement), replacement, entity))
+        pos = start + len(replacement)
+    return out
+
+
+EXPECTED = spans([("[email]", "email"), ("[phone]", "phone"), ("[credit_card]", "credit_card")])
+
+
+def tcr(start: int, end: int, word: str, entity: str) -> dict[str, Any]:
+    return {
+        "start": start,
+        "end": end,
+        "word": word,
+        "entity": entity,
+        "entity_group": "pii",
+        "detector_id": "pii",
+        "score": 1.0,
+        "redacted": True,
+    }
+
+
+EXPECTED_TCRS = [tcr(*s) for s in EXPECTED]
+
+
+def config(engine: FakeEngine, *, max_chars: int = 16, **model: Any) -> dict[str, Any]:
+    """`max_chars` 16 puts chunk boundaries inside the entities."""
+    return native_config(
+        engine.url,
+        detectors={"pii": {"builtin": "regex", "chunker_id": "sentence"}},
+        chunkers={"sentence": {"type": "sentence", "max_chars": max_chars}},
+        model=model or None,
+    )
+
+
+@pytest.fixture
+async def pii_engine() -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine(script=tokens(ANSWER))
+    await fake.start()
+    yield fake
+    await fake.close()
+
+
+def no_entity(raw: str) -> None:
+    for entity in ENTITIES:
+        assert entity not in raw
+        assert json.dumps(entity)[1:-1] not in raw
+
+
+async def raw_post(orch: Orchestrator, path: str, body: dict[str, Any]) -> str:
+    assert orch.session is not None
+    async with orch.session.post(orch.url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.text()
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+async def test_fms_stream_redacts_entities_split_across_tokens_and_chunks(pii_engine) -> None:
+    assert "".join(tokens(ANSWER)) == ANSWER and len(tokens(ANSWER)) > 50
+    async with Orchestrator(config(pii_engine)) as orch:
+        raw = await raw_post(orch, STREAMING, generation_body(output=REDACT))
+    no_entity(raw)
+    events = sse_events(raw)
+    got = frames(events)
+    assert assert_contiguous(got) == REDACTED  # start/processed_index on the released text
+    detections = [d for f in got for d in f["token_classification_results"]["output"]]
+    assert detections == EXPECTED_TCRS
+    for f in got:  # each detection rides on the frame holding its replacement
+        for d in f["token_classification_results"]["output"]:
+            assert f["start_index"] <= d["start"] < d["end"] <= f["processed_index"]
+    end = terminal(events)
+    assert end.name == "completed"
+    assert end.data["processed_index"] == len(REDACTED)
+
+
+async def test_fms_unary_redacts(pii_engine) -> None:
+    async with Orchestrator(config(pii_engine)) as orch:
+        raw = await raw_post(orch, UNARY, generation_body(output=REDACT))
+    no_entity(raw)
+    body = json.loads(raw)
+    assert body["generated_text"] == REDACTED
+    assert body["token_classification_results"]["output"] == EXPECTED_TCRS
+
+
+async def test_chat_sdk_stream_and_unary_redact(pii_engine) -> None:
+    async with Orchestrator(config(pii_engine)) as orch:
+        client = openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="x", max_retries=0)
+        extra = {"detectors": {"output": REDACT}}
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True, extra_body=extra
+        )
+        chunks = [c async for c in stream]
+        unary = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body=extra
+        )
+        raw = await raw_chunks(
+            orch,
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+             "detectors": {"output": REDACT}},
+            path="/v1/chat/completions",
+        )  # fmt: skip
+    no_entity(json.dumps(raw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == REDACTED
+    results = [
+        r
+        for c in chunks
+        for group in ((c.model_extra or {}).get("detections") or {}).get("output", [])
+        for r in group["results"]
+    ]
+    assert results == EXPECTED_TCRS
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert unary.choices[0].message.content == REDACTED
+    assert (unary.model_extra or {})["detections"]["output"] == [
+        {"choice_index": 0, "results": EXPECTED_TCRS}
+    ]
+
+
+def annotation(start: int, end: int, text: str, entity: str) -> dict[str, Any]:
+    return {
+        "type": "guardrail_detection",
+        "start_index": start,
+        "end_index": end,
+        "text": text,
+        "detector_id": "pii",
+        "detection": entity,
+        "detection_type": "pii",
+        "score": 1.0,
+        "redacted": True,
+    }
+
+
+async def test_responses_stream_and_unary_redact(pii_engine) -> None:
+    request = {"model": MODEL, "input": "hi", "detectors": {"output": REDACT}}
+    async with Orchestrator(config(pii_engine)) as orch:
+        events = await raw_events(orch, request)
+        client = openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="x", max_retries=0)
+        unary = await client.responses.create(
+            model=MODEL, input="hi", extra_body={"detectors": {"output": REDACT}}
+        )
+    no_entity(json.dumps(events))
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == REDACTED
+    notes = [
+        e["annotation"] for e in events if e["type"] == "response.output_text.annotation.added"
+    ]
+    assert notes == [annotation(*s) for s in EXPECTED]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    assert final["output"][0]["content"][0]["text"] == REDACTED
+    assert final["guardrails"]["output"] == notes
+    assert unary.output_text == REDACTED
+    assert (unary.model_extra or {})["guardrails"]["output"] == notes
+
+
+async def test_enforced_redact_cannot_be_weakened_by_a_client(pii_engine) -> None:
+    cfg = config(pii_engine, guardrails={"output": {"pii": {"on_detection": "redact"}}})
+    async with Orchestrator(cfg) as orch:
+        raw = await raw_post(
+            orch, UNARY, generation_body(output={"pii": {"on_detection": "annotate"}})
+        )
+        plain = await raw_post(orch, UNARY, generation_body())
+    for body in (raw, plain):
+        no_entity(body)
+        assert json.loads(body)["generated_text"] == REDACTED
+
+
+async def test_redact_with_template_and_fixed_string(pii_engine) -> None:
+    async with Orchestrator(config(pii_engine)) as orch:
+        templated = await raw_post(
+            orch,
+            UNARY,
+            generation_body(
+                output={"pii": {"on_detection": "redact", "redact_with": "<{entity}>"}}
+            ),
+        )
+        fixed = await raw_post(
+            orch,
+            UNARY,
+            generation_body(output={"pii": {"on_detection": "redact", "redact_with": "***"}}),
+        )
+    assert json.loads(templated)["generated_text"] == (
+        "Write to <email> today. Or call <phone>, please. Card <credit_card> works."
+    )
+    assert (
+        json.loads(fixed)["generated_text"]
+        == "Write to *** today. Or call ***, please. Card *** works."
+    )
+
+
+async def test_block_beats_redact(pii_engine) -> None:
+    cfg = config(pii_engine)
+    cfg["chunkers"]["big"] = {"type": "sentence", "max_chars": 500}
+    cfg["detectors"]["cards"] = {
+        "builtin": "regex",
+        "chunker_id": "big",
+        "params": {"kinds": ["credit_card"]},
+        "on_detection": "block",
+    }
+    async with Orchestrator(cfg) as orch:
+        raw = await raw_post(orch, STREAMING, generation_body(output={**REDACT, "cards": {}}))
+    no_entity(raw)
+    events = sse_events(raw)
+    text = "".join(f["generated_text"] for f in frames(events))
+    assert REDACTED.startswith(text) and "[credit_card]" not in text
+    assert [e.name for e in events if e.name][-3:] == [
+        "refusal.delta",
+        "refusal.done",
+        "incomplete",
+    ]
+
+
+async def test_text_without_a_boundary_flows_in_max_chars_frames() -> None:
+    """5,000 characters of code without a period: several frames of at most max_chars (the
+    default 500), the first one while the engine still holds the rest back."""
+    line = "x_value = compute(x_value, 42) + other_thing\n"
+    code = line * (5000 // len(line) + 1)
+    script = re.findall(r"\s*\S+", code)
+    engine = FakeEngine(script=script, hold_after=len(script) // 2)
+    await engine.start()
+    try:
+        cfg = native_config(
+            engine.url,
+            detectors={"pii": {"builtin": "regex", "chunker_id": "sentence"}},
+            chunkers={"sentence": {"type": "sentence"}},
+        )
+        seen_while_held: list[int] = []
+
+        def on_event(events: list[Any]) -> None:
+            got = [e for e in events if e.name is None]
+            if got and not engine.release.is_set():
+                seen_while_held.append(len(got))
+                engine.release.set()
+
+        async with Orchestrator(cfg) as orch:
+            events = await asyncio.wait_for(
+                orch.stream(
+                    generation_body(output={"pii": {}}, params={"max_new_tokens": len(script)}),
+                    on_event=on_event,
+                ),
+                60,
+            )
+    finally:
+        await engine.close()
+    got = frames(events)
+    assert assert_contiguous(got) == "".join(script)
+    sizes = [len(f["generated_text"]) for f in got]
+    assert len([s for s in sizes if s]) >= 10
+    assert max(sizes) <= 500
+    assert seen_while_held  # a frame reached the client before the engine sent the second half
+
+
+# -- input ------------------------------------------------------------------------------------
+
+
+async def test_fms_input_is_redacted_before_the_engine(engine) -> None:
+    inputs = "Mail jo@example.com or call 555-123-4567."
+    cfg = config(engine)
+    async with Orchestrator(cfg) as orch:
+        raw = await raw_post(orch, STREAMING, generation_body(inputs, input=REDACT))
+    [request] = engine.requests
+    assert request.body["prompt"] == "Mail [email] or call [phone]."
+    got = frames(sse_events(raw))
+    assert got[0]["token_classification_results"]["input"] == [
+        {**tcr(5, 19, "[email]", "email")},
+        {**tcr(28, 40, "[phone]", "phone")},
+    ]
+    assert terminal(sse_events(raw)).name == "completed"
+
+
+async def test_chat_input_messages_are_redacted_before_the_engine(engine) -> None:
+    messages = [
+        {"role": "system", "content": "The user is jo@example.com."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Call 555-123-4567 then."},
+        {"role": "user", "content": [{"type": "text", "text": "Card 4111 1111 1111 1111"}]},
+    ]
+    async with Orchestrator(config(engine)) as orch:
+        client = openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="x", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            stream=True,
+            extra_body={"detectors": {"input": REDACT}},
+        )
+        chunks = [c async for c in stream]
+        unary = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            extra_body={"detectors": {"input": REDACT}},
+        )
+    for request in engine.requests:
+        assert request.body["messages"] == [
+            {"role": "system", "content": "The user is [email]."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Call [phone] then."},
+            {"role": "user", "content": "Card [credit_card]"},
+        ]
+    expected = [
+        {"message_index": 0, "results": [tcr(12, 26, "[email]", "email")]},
+        {"message_index": 2, "results": [tcr(5, 17, "[phone]", "phone")]},
+        {"message_index": 3, "results": [tcr(5, 24, "[credit_card]", "credit_card")]},
+    ]
+    with_input = [c for c in chunks if ((c.model_extra or {}).get("detections") or {}).get("input")]
+    assert len(with_input) == 1
+    assert (with_input[0].model_extra or {})["detections"]["input"] == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert (unary.model_extra or {})["detections"]["input"] == expected
+    assert unary.choices[0].message.content  # generated, not refused
+    assert "warnings" not in (unary.model_extra or {})
+
+
+async def test_responses_instructions_and_items_are_redacted_before_the_engine(engine) -> None:
+    request = {
+        "model": MODEL,
+        "instructions": "Reply to jo@example.com.",
+        "input": [{"role": "user", "content": "My number is 555-123-4567"}],
+        "detectors": {"input": REDACT},
+    }
+    async with Orchestrator(config(engine)) as orch:
+        events = await raw_events(orch, request)
+    [sent] = engine.requests
+    assert sent.body["messages"] == [
+        {"role": "system", "content": "Reply to [email]."},
+        {"role": "user", "content": "My number is [phone]"},
+    ]
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    assert final["response"]["guardrails"]["input"] == [
+        {**annotation(9, 23, "[email]", "email"), "field": "instructions", "message_index": None},
+        {**annotation(13, 25, "[phone]", "phone"), "field": "input", "message_index": 0},
+    ]
+
+
+async def test_input_block_beats_redact(engine) -> None:
+    cfg = config(engine)
+    cfg["detectors"]["mail_block"] = {
+        "builtin": "regex",
+        "chunker_id": "sentence",
+        "params": {"kinds": ["email"]},
+    }
+    body = generation_body(
+        "Mail jo@example.com", input={**REDACT, "mail_block": {"on_detection": "block"}}
+    )
+    async with Orchestrator(cfg) as orch:
+        events = await orch.stream(body)
+    assert engine.requests == []
+    assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
+
+
+# -- the content endpoint ---------------------------------------------------------------------
+
+
+async def test_content_endpoint_returns_the_redacted_text(engine) -> None:
+    async with Orchestrator(config(engine)) as orch:
+        status, body = await orch.post(
+            CONTENT, {"content": ANSWER, "detectors": {"pii": {}}, "redact": True}
+        )
+        status_plain, plain = await orch.post(
+            CONTENT, {"content": ANSWER, "detectors": {"pii": {}}}
+        )
+    assert status == 200, body
+    assert body["redacted_content"] == REDACTED
+    assert body["detections"] == [
+        {
+            "start": s,
+            "end": e,
+            "text": text,
+            "detection": entity,
+            "detection_type": "pii",
+            "detector_id": "pii",
+            "score": 1.0,
+            "redacted": True,
+        }
+        for s, e, text, entity in EXPECTED
+    ]
+    assert status_plain == 200 and "redacted_content" not in plain
+    # without `redact`, the original texts (the client sent them) and no `redacted`
+    assert [d["text"] for d in plain["detections"]][:2] == ENTITIES[:2]
+    assert all("redacted" not in d for d in plain["detections"])
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"on_detection": "redact", "redact_with": 5}, "redact_with"),
+        ({"on_detection": "redact", "redact_with": ["x"]}, "redact_with"),
+        ({"on_detection": "mask"}, "on_detection"),
+    ],
+)
+async def test_bad_redaction_params_are_422_naming_the_field(engine, params, field) -> None:
+    async with Orchestrator(config(engine)) as orch:
+        status, body = await orch.post(UNARY, generation_body(output={"pii": params}))
+        chat_status, chat = await orch.post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+             "detectors": {"output": {"pii": params}}},
+        )  # fmt: skip
+        content_status, content = await orch.post(
+            CONTENT, {"content": "x", "detectors": {"pii": {}}, "redact": "yes"}
+        )
+    assert status == 422 and body["type"] == "invalid_request" and field in body["details"]
+    assert chat_status == 422 and field in chat["error"]["message"]
+    assert content_status == 422 and "redact" in content["details"]
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda c: c["detectors"]["pii"].update(redact_with=5), "detectors.pii.redact_with"),
+        (lambda c: c["detectors"]["pii"].update(on_detection="mask"), "detectors.pii.on_detection"),
+        (
+            lambda c: c["detectors"]["pii"].update(params={"redact_with": 1}),
+            "detectors.pii.params.redact_with: must be a string",
+        ),
+        (
+            lambda c: c["models"][MODEL].update(
+                guardrails={"output": {"pii": {"on_detection": "mask"}}}
+            ),
+            f"models.{MODEL}.guardrails.output.pii.on_detection: must be annotate, block or redact",
+        ),
+        (
+            lambda c: c["models"][MODEL].update(
+                guardrails={"input": {"pii": {"on_detection": "redact", "redact_with": 3}}}
+            ),
+            f"models.{MODEL}.guardrails.input.pii.redact_with: must be a string",
+        ),
+        (
+            lambda c: c["chunkers"]["sentence"].update(max_chars=0),
+            "chunkers.sentence.max_chars: must be >= 1",
+        ),
+        (
+            lambda c: c["chunkers"].update(p={"type": "paragraph", "max_chars": 0}),
+            "chunkers.p.max_chars: must be >= 1",
+        ),
+    ],
+)
+def test_bad_redaction_config_names_the_field(mutate, message: str) -> None:
+    cfg = native_config(
+        "http://127.0.0.1:9",
+        detectors={"pii": {"builtin": "regex", "chunker_id": "sentence"}},
+        chunkers={"sentence": {"type": "sentence"}},
+    )
+    mutate(cfg)
+    with pytest.raises((ConfigError, ValueError)) as info:
+        parse_config(cfg)
+    assert message in str(info.value)

@@ -1,0 +1,573 @@
+"""Real OpenAI-compatible servers behind guardstream: two `transformers serve` processes
+(transformers' own FastAPI server, tiny-random on CPU, free ports) as `type: openai` backends,
+with `api: completions` and `api: chat`, through every surface (FMS, Chat Completions and
+Responses via the official openai SDK), output and input detectors, and a kill -9 mid-stream.
+
+What guardstream releases is compared with what the same server produced for the same request
+(greedy decoding is deterministic), asked directly. transformers serve differs from vLLM (our
+fakes' model) in ways the client must learn, not assume: no `return_token_ids`, no token-id
+prompts, no `/tokenize`, no `[DONE]`, usage inside the finish chunk, unknown fields refused with
+`422 {"detail": "Unexpected fields in the request: {...}"}`, stop strings sent (see
+orchestrator/clients/openai.py).
+
+The migration test kills a server with SIGKILL while a proxy holds the rest of its stream: the
+cut point is an exact count of events, not a moment on the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from generation import models
+from orchestrator.app import STREAMING_PATH
+from tests.orchestrator_support import Orchestrator, assert_contiguous, frames, terminal
+
+MODEL = "tiny-serve"
+PROMPT = "The quick brown fox"
+USER = [{"role": "user", "content": PROMPT}]
+TOKENS = 30
+START_DEADLINE_S = 120  # generous: two servers import torch and transformers on a loaded CPU
+
+
+@dataclass
+class Server:
+    """One `transformers serve` process and its log."""
+
+    pid: int
+    url: str
+    log: Path
+
+    def requests_received(self) -> int:
+        """Generation requests the server logged (`[Request received]`, one per request)."""
+        return self.log.read_text(errors="replace").count("[Request received]")
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    with contextlib.suppress(OSError):
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    return False
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return models.prepare("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def pair(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """Two servers forked from one launcher (tests/transformers_serve_pair.py: the CLI's
+    imports are paid once), each its own process on its own free port."""
+    root = tmp_path_factory.mktemp("tfserve")
+    ports = [str(_free_port()) for _ in range(2)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "transformers_serve_pair.py"),
+            str(folder),
+            str(root),
+            *ports,
+        ],
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert launcher.stdout is not None
+        servers = []
+        for _ in ports:
+            port, pid = launcher.stdout.readline().split()
+            servers.append(
+                Server(int(pid), f"http://127.0.0.1:{int(port)}", root / f"serve-{int(port)}.log")
+            )
+        deadline = time.monotonic() + START_DEADLINE_S
+        for s in servers:
+            while not _healthy(s.url):
+                logs = s.log.read_text(errors="replace") if s.log.exists() else ""
+                assert launcher.poll() is None and time.monotonic() < deadline, logs[-2000:]
+                time.sleep(0.2)
+        yield servers
+    finally:
+        launcher.terminate()
+        launcher.wait()
+
+
+def config(
+    backends: list[dict[str, Any]],
+    *,
+    detectors: dict[str, dict[str, Any]] | None = None,
+    chat: bool = False,
+    limit: int = 3,
+) -> dict[str, Any]:
+    return {
+        "server": {"host": "127.0.0.1", "port": 0},
+        "models": {
+            MODEL: {
+                "backends": backends,
+                "chat": chat,
+                "migration": {"limit": limit, "quarantine_s": 60, "stall_timeout_s": 30},
+            }
+        },
+        "chunkers": {"sentence": {"type": "sentence"}},
+        "detectors": detectors or {},
+    }
+
+
+def backend(server: Server, folder: Path, api: str) -> dict[str, Any]:
+    return {
+        "type": "openai",
+        "url": server.url,
+        "model": str(folder),
+        "api": api,
+        "tokenizer": str(folder),
+    }
+
+
+def regex(pattern: str, chunker: str = "whole_doc_chunker", **extra: Any) -> dict[str, Any]:
+    """A built-in regex detector that flags one custom pattern (tiny-random writes gibberish:
+    the pattern is a piece of what it writes)."""
+    return {
+        "builtin": "regex",
+        "chunker_id": chunker,
+        "params": {"kinds": [], "patterns": {"word": pattern}},
+        **extra,
+    }
+
+
+async def server_pieces(url: str, path: str, body: dict[str, Any]) -> tuple[list[str], str | None]:
+    """The text of each event and the finish_reason the server itself streams for `body` (no
+    [DONE] to wait for: transformers serve ends the body after the finish chunk)."""
+    pieces: list[str] = []
+    finish = None
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if text:
+                pieces.append(text)
+            finish = choice.get("finish_reason") or finish
+    return pieces, finish
+
+
+async def server_text(url: str, path: str, body: dict[str, Any]) -> tuple[str, str | None]:
+    pieces, finish = await server_pieces(url, path, body)
+    return "".join(pieces), finish
+
+
+def sdk(orch: Orchestrator) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
+
+
+def fms_body(**params: Any) -> dict[str, Any]:
+    return {
+        "model_id": MODEL,
+        "inputs": PROMPT,
+        "text_gen_parameters": {"max_new_tokens": TOKENS, **params},
+    }
+
+
+# -- completions ----------------------------------------------------------------------------------
+
+
+async def test_fms_completions_releases_what_the_server_produced(
+    pair: list[Server], folder: Path
+) -> None:
+    """FMS on `api: completions`: the released text is the server's own output for the prompt,
+    byte for byte (replacement characters and control characters included); the client learns
+    on the first request that the server takes no `return_token_ids` and sends it no more."""
+    expected, finish = await server_text(
+        pair[0].url,
+        "/v1/completions",
+        {
+            "model": str(folder),
+            "prompt": PROMPT,
+            "stream": True,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+        },
+    )
+    assert finish == "length" and expected
+    async with Orchestrator(config([backend(pair[0], folder, "completions")])) as orch:
+        for _ in range(2):
+            events = await orch.stream(fms_body())
+            assert assert_contiguous(frames(events)) == expected
+            end = terminal(events)
+            assert (end.name, end.data) == (
+                "incomplete",
+                {
+                    "finish_reason": "MAX_TOKENS",
+                    "generated_token_count": TOKENS,
+                    "input_token_count": 4,
+                    "processed_index": len(expected),
+                    "migrations": 0,
+                    "incomplete_details": {"reason": "max_output_tokens"},
+                },
+            )
+
+
+async def test_chat_sdk_on_completions_and_chat_apis_equal_the_servers_chat(
+    pair: list[Server], folder: Path
+) -> None:
+    """The same conversation through the official SDK, streamed, with `api: completions` (the
+    chat template applied from the backend's `tokenizer` folder, the prompt sent as text) and
+    with `api: chat`: both release exactly what the server's own chat endpoint produces."""
+    expected, finish = await server_text(
+        pair[1].url,
+        "/v1/chat/completions",
+        {
+            "model": str(folder),
+            "messages": USER,
+            "stream": True,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+        },
+    )
+    assert finish == "length"
+    for api in ("completions", "chat"):
+        async with Orchestrator(config([backend(pair[1], folder, api)])) as orch:
+            stream = await sdk(orch).chat.completions.create(
+                model=MODEL,
+                messages=USER,  # type: ignore[arg-type]
+                max_tokens=TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = [c async for c in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == expected, api
+            finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+            assert [f for f in finishes if f] == ["length"]
+            assert chunks[-1].choices == [] and chunks[-1].usage is not None
+            assert chunks[-1].usage.completion_tokens == TOKENS
+            assert chunks[-1].usage.prompt_tokens == 12  # the templated conversation
+
+
+async def test_responses_sdk_streams_the_servers_text(pair: list[Server], folder: Path) -> None:
+    expected, _ = await server_text(
+        pair[0].url,
+        "/v1/chat/completions",
+        {
+            "model": str(folder),
+            "messages": USER,
+            "stream": True,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+        },
+    )
+    async with Orchestrator(config([backend(pair[0], folder, "chat")])) as orch:
+        stream = await sdk(orch).responses.create(
+            model=MODEL, input=PROMPT, max_output_tokens=TOKENS, temperature=0, stream=True
+        )
+        events = [e async for e in stream]
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == expected
+        assert events[-1].type == "response.incomplete"
+        assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+# -- detectors ------------------------------------------------------------------------------------
+
+
+async def test_output_detectors_annotate_and_block(pair: list[Server], folder: Path) -> None:
+    """Annotate: the whole text is released with the detections at the spans where the server's
+    text has the pattern. Block (whole document): nothing of it is released, a refusal is."""
+    expected, _ = await server_text(
+        pair[0].url,
+        "/v1/chat/completions",
+        {
+            "model": str(folder),
+            "messages": USER,
+            "stream": True,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+        },
+    )
+    word = "東京"
+    assert word in expected
+    detectors = {"mark": regex(word, "sentence"), "stop": regex(word, on_detection="block")}
+    async with Orchestrator(
+        config([backend(pair[0], folder, "chat")], detectors=detectors)
+    ) as orch:
+        stream = await sdk(orch).chat.completions.create(
+            model=MODEL,
+            messages=USER,  # type: ignore[arg-type]
+            max_tokens=TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"detectors": {"output": {"mark": {}}}},
+        )
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == expected
+        spans = [
+            (r["start"], r["end"])
+            for c in chunks
+            for d in (c.model_extra or {}).get("detections", {}).get("output", [])
+            for r in d["results"]
+        ]
+        at = expected.index(word)
+        assert spans == [(at, at + len(word))]
+
+        stream = await sdk(orch).chat.completions.create(
+            model=MODEL,
+            messages=USER,  # type: ignore[arg-type]
+            max_tokens=TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"detectors": {"output": {"stop": {}}}},
+        )
+        chunks = [c async for c in stream]
+        assert all(not c.choices or not c.choices[0].delta.content for c in chunks)
+        final = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert [c.finish_reason for c in final] == ["content_filter"]
+        assert final[0].delta.refusal
+
+
+async def test_input_detector_refuses_before_the_server_is_called(
+    pair: list[Server], folder: Path
+) -> None:
+    detectors = {"secret": regex("secret")}
+    async with Orchestrator(
+        config([backend(pair[1], folder, "completions")], detectors=detectors, chat=True)
+    ) as orch:
+        before = pair[1].requests_received()
+        body = {
+            "model_id": MODEL,
+            "inputs": "tell me the secret",
+            "guardrail_config": {"input": {"models": {"secret": {}}}},
+        }
+        events = await orch.stream(body)
+        assert pair[1].requests_received() == before  # the model was never called
+        frame = events[0].data
+        assert [r["start"] for r in frame["token_classification_results"]["input"]] == [12]
+        assert [w["id"] for w in frame["warnings"]] == ["UNSUITABLE_INPUT"]
+        end = terminal(events)
+        assert end.name == "incomplete"
+        assert end.data["incomplete_details"] == {"reason": "content_filter"}
+
+
+# -- parameters -----------------------------------------------------------------------------------
+
+
+async def test_parameter_mapping(pair: list[Server], folder: Path) -> None:
+    """max_tokens, temperature, top_p, seed and stop reach the server as it reads them, and what
+    guardstream releases equals the server's output for the same parameters; a stop string
+    (which transformers serve sends) is cut here, as OpenAI's contract says. min_tokens, which
+    the server refuses by name, is the client's 422, never silently dropped."""
+    sampled = {"temperature": 0.7, "top_p": 0.9, "seed": 7}
+    expected, _ = await server_text(
+        pair[0].url,
+        "/v1/completions",
+        {"model": str(folder), "prompt": PROMPT, "stream": True, "max_tokens": 12, **sampled},
+    )
+    async with Orchestrator(config([backend(pair[0], folder, "completions")])) as orch:
+        events = await orch.stream(
+            {
+                "model_id": MODEL,
+                "inputs": PROMPT,
+                "text_gen_parameters": {
+                    "max_new_tokens": 12,
+                    "decoding_method": "SAMPLING",
+                    "temperature": 0.7,
+                    "top_p": 0.9,
+                    "seed": 7,
+                },
+            }
+        )
+        assert assert_contiguous(frames(events)) == expected
+
+        full, _ = await server_text(
+            pair[0].url,
+            "/v1/completions",
+            {
+                "model": str(folder),
+                "prompt": PROMPT,
+                "stream": True,
+                "max_tokens": TOKENS,
+                "temperature": 0,
+            },
+        )
+        stop = "首都"
+        events = await orch.stream(fms_body(stop_sequences=[stop]))
+        assert assert_contiguous(frames(events)) == full[: full.index(stop)]
+        assert frames(events)[-1]["finish_reason"] == "STOP_SEQUENCE"
+
+        # the first request learns that the server refuses `min_tokens` (its 422 names it):
+        # the stream had started, so the 422 is its error event; nothing was generated
+        events = await orch.stream(fms_body(min_new_tokens=3))
+        end = terminal(events)
+        assert (end.name, end.data, frames(events)) == (
+            "error",
+            {
+                "code": 422,
+                "details": "replica openai-0 cannot honour `min_new_tokens` (its server "
+                "refuses `min_tokens`); leave it unset for this model",
+                "type": "invalid_request",
+            },
+            [],
+        )
+        # from then on it is a 422 before the first byte
+        status, body = await orch.post(STREAMING_PATH, fms_body(min_new_tokens=3))
+        assert (status, body) == (
+            422,
+            {
+                "code": 422,
+                "details": "min_new_tokens: model `tiny-serve` cannot honour it (the server "
+                "of its replica openai-0 refuses it)",
+                "type": "invalid_request",
+            },
+        )
+
+
+# -- migration (last: it kills a server) ------------------------------------------------------------
+
+
+@dataclass
+class HoldingProxy:
+    """A TCP proxy in front of one server that forwards the response until `hold_after` SSE
+    events went through, then holds the rest; when the server's side closes (it was killed), the
+    client's side is reset. The cut point is a count of events."""
+
+    upstream: tuple[str, int]
+    hold_after: int
+    held: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+
+        async def pump_up() -> None:
+            with contextlib.suppress(OSError):
+                while data := await reader.read(65536):
+                    up_writer.write(data)
+                    await up_writer.drain()
+
+        task = asyncio.create_task(pump_up())
+        events = 0
+        try:
+            while data := await up_reader.read(65536):
+                if self.held.is_set():
+                    continue  # held: read on (to see the close), forward nothing
+                out = b""
+                for piece in data.split(b"\n\n")[:-1] if b"\n\n" in data else []:
+                    out += piece + b"\n\n"
+                    if b"data: " in piece and b'"text"' in piece:
+                        events += 1
+                        if events >= self.hold_after:
+                            self.held.set()
+                            break
+                if not self.held.is_set():
+                    out = data
+                writer.write(out)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            task.cancel()
+            transport = writer.transport
+            transport.abort()  # a reset, as a killed server's connection
+            up_writer.transport.abort()
+
+
+async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Path) -> None:
+    """api: completions on a server without token ids: the serving process gets SIGKILL after
+    the proxy let `cut` events through; the stream resumes on the other server from the prompt
+    text plus the delivered text, with the rest of the budget. The client sees one stream
+    without gap or repeat: its text is the delivered part plus exactly what the second server
+    produces for prompt + delivered part, and `migrations: 1`; here it is also the
+    uninterrupted text (exact while the delivered text has no U+FFFD, DESIGN section 7)."""
+    victim, survivor = pair
+    cut = 3  # after '首', ' quick', '首': no U+FFFD yet, so the resume is also exact
+    pieces, _ = await server_pieces(
+        survivor.url,
+        "/v1/completions",
+        {
+            "model": str(folder),
+            "prompt": PROMPT,
+            "stream": True,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+        },
+    )
+    delivered = "".join(pieces[:cut])
+    rest, _ = await server_text(
+        survivor.url,
+        "/v1/completions",
+        {
+            "model": str(folder),
+            "prompt": PROMPT + delivered,
+            "stream": True,
+            "max_tokens": TOKENS - cut,
+            "temperature": 0,
+        },
+    )
+    host, port = victim.url.removeprefix("http://").split(":")
+    proxy = HoldingProxy((host, int(port)), hold_after=cut)
+    await proxy.start()
+    proxied = {**backend(victim, folder, "completions"), "url": proxy.url}
+    try:
+        async with Orchestrator(
+            config([proxied, backend(survivor, folder, "completions")])
+        ) as orch:
+
+            async def killer() -> None:
+                await proxy.held.wait()
+                victim.kill()
+
+            task = asyncio.create_task(killer())
+            async with asyncio.timeout(60):
+                events = await orch.stream(fms_body())
+            await task
+            text = assert_contiguous(frames(events))
+            end = terminal(events)
+            assert end.data["migrations"] == 1
+            assert end.data["finish_reason"] == "MAX_TOKENS"
+            assert end.data["generated_token_count"] == TOKENS
+            assert text == delivered + rest
+            assert "\ufffd" not in delivered and text == "".join(pieces)
+    finally:
+        await proxy.close()
