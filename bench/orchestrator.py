@@ -476,6 +476,21 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def listen_overflows() -> int:
+    """The kernel's TcpExt ListenOverflows (this network namespace, every listener in it):
+    connections dropped because an accept queue was full, which a client sees as a stall or a
+    reset. 0 where /proc/net/netstat does not exist."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return 0
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            row = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return int(row.get("ListenOverflows", 0))
+    return 0
+
+
 def pct(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..1)."""
     s = sorted(values)
@@ -549,6 +564,7 @@ class Level:
     stalls: dict[str, float] = field(default_factory=dict)  # /metrics deltas over the level
     client_lag: list[float] = field(default_factory=list)  # the clients' loop-lag probes, s
     load_procs: int = 1
+    listen_overflows: int = 0  # the kernel's count over the level (whole network namespace)
 
 
 STALL_SERIES = {
@@ -692,6 +708,7 @@ async def run_level(
     }
     async with aiohttp.ClientSession() as session:
         stalls0 = await stall_counters(session, url)
+        overflows0 = listen_overflows()
         cpu0 = cpu_seconds(pid)
         load0 = sum(cpu_seconds(p) for p in upstream.pids) + cpu_seconds(
             os.getpid(), children=False
@@ -742,6 +759,7 @@ async def run_level(
             + client_cpu
             - load0
         )
+        level.listen_overflows = listen_overflows() - overflows0
         done.set()
         await sampler
         level.log = await upstream.collect_log(session)
@@ -933,7 +951,11 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 f"wall {f.wall_s:.1f} s",
                 flush=True,
             )
-            print(f"         {stall_line(level.stalls)}", flush=True)
+            print(
+                f"         {stall_line(level.stalls)}; listen-queue overflows on this machine: "
+                f"{level.listen_overflows}",
+                flush=True,
+            )
             if orch.popen.poll() is not None:
                 raise RuntimeError(f"orchestrator exited:\n{orch.log_tail()}")
         load_after = os.getloadavg()[0]
