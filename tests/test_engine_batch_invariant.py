@@ -227,9 +227,11 @@ def test_smollm2_bf16_alone_together_among_64_and_resumed(smollm2_bf16: LoadedMo
     # rows join padded and leave at other steps; cheap, the 64-row batch is what matters
     others: list[dict[str, Any]] = []
     for i in range(48):
+        budget = 2 + i % (TOKENS - 1)  # >= 2 tokens: every row joins the decode batch
         other: dict[str, Any] = {
             "prompt": " ".join(OTHERS[i % len(OTHERS)].split()[: 1 + i % 7]),
-            "max_new_tokens": 2 + i % (TOKENS - 1),  # >= 2: every row joins the decode batch
+            "max_new_tokens": budget,
+            "min_new_tokens": budget,
         }
         if i % 3 == 0:
             other["decoding"] = {"method": "sampling", "seed": i, "temperature": 0.7}
