@@ -19,14 +19,49 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from generation import models
+from generation.batch_invariant import ATTENTION
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from generation.testing import ThreadedServer, start_engine_subprocess
 from tests.engine_support import Stream, generate, run, wait_until
+
+# ----- the wrapped forward pass, bit for bit --------------------------------------------------
+
+
+def _logits_checks(model: torch.nn.Module) -> tuple[bool, bool]:
+    """(each row alone == in a right-padded batch of 6, decoding tokens one by one == their
+    prefill), bitwise, through transformers' forward with a DynamicCache."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 500, (6, 20), generator=generator)
+    lengths = [20, 7, 13, 1, 20, 16]
+    mask = (torch.arange(20)[None, :] < torch.tensor(lengths)[:, None]).long()
+    with torch.inference_mode():
+        batched = model(input_ids=ids, attention_mask=mask).logits
+        alone = [model(input_ids=ids[i : i + 1, :n]).logits[0] for i, n in enumerate(lengths)]
+        batch_ok = all(torch.equal(batched[i, :n], alone[i]) for i, n in enumerate(lengths))
+        out = model(input_ids=ids[:1, :8], use_cache=True)
+        cache, decode_ok = out.past_key_values, True
+        for p in range(8, 20):
+            step = model(input_ids=ids[:1, p : p + 1], past_key_values=cache, use_cache=True)
+            decode_ok &= torch.equal(step.logits[0, -1], alone[0][p])
+    return batch_ok, decode_ok
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_are_bitwise_batch_and_prefill_invariant(dtype: str) -> None:
+    """The default model already differs between prefill and decode in its last bits (the
+    control); the wrapped one equals itself alone, padded in a batch, and decoded."""
+    default = models.load("tiny-random", device="cpu", dtype=dtype)
+    assert _logits_checks(default.model)[1] is False
+    wrapped = models.load("tiny-random", device="cpu", dtype=dtype, batch_invariant=True)
+    assert wrapped.batch_invariant and wrapped.model.config._attn_implementation == ATTENTION
+    assert _logits_checks(wrapped.model) == (True, True)
+
 
 # ----- tiny-random in float32: a property over batch compositions and join/leave orders --------
 
@@ -88,8 +123,9 @@ request_strategy = st.tuples(
 )
 
 
+@pytest.mark.timeout(600)
 @settings(
-    max_examples=12,
+    max_examples=10,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
