@@ -4,6 +4,7 @@
                            [--concurrency 1,16] [--decoding greedy,sampling] [--repeat 1]
                            [--rounds 2] [--threads N]
                            [--skip-micro] [--skip-http] [--url http://HOST:PORT] [--json out.json]
+                           [--batch-invariant] [--extra-args "--dtype bfloat16"]
 
 1. Sampling cost per step for 1, 4, 16 (and 64 on a GPU) sampled rows, on real logits of the
    model (chat prompts' last positions): the batched `sampling.select` next to the previous
@@ -19,7 +20,9 @@
    throughput = all tokens / wall time from the first request to the last `complete_final`;
    time to first token per stream. The headline is the ratio of 16-stream to 1-stream aggregate
    throughput (target >= 6x on CPU), per round (--rounds, interleaved) and its median.
-   `--device cuda` defaults to 1 and 64 streams.
+   `--device cuda` defaults to 1 and 64 streams. `--batch-invariant`: the same levels on an
+   engine started with `--batch-invariant` right after the default one, and each level's
+   throughput as a ratio of the default's (the mode's cost, generation/batch_invariant.py).
 
 The CPU may be shared: in-process timings are the best of several calls, HTTP figures are what
 one run got; compare numbers within one run, and repeat (--repeat) for ranges. `--threads 1`
@@ -643,6 +646,11 @@ def main() -> int:
     parser.add_argument("--url", default=None, help="benchmark an engine that is already running")
     parser.add_argument("--extra-args", default="", help="extra `generation serve` arguments")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="HTTP: also run an engine in --batch-invariant mode and print its cost",
+    )
     args = parser.parse_args()
     held = hold_freed_memory()
     device = models.resolve_device(args.device)
@@ -680,10 +688,37 @@ def main() -> int:
                 torch.cuda.empty_cache()
         if not args.skip_http:
             result["http"] = _run_http(args, str(device), levels, decodings, None if gpu else 6.0)
+            if args.batch_invariant and args.url is None:
+                print("--- the same engine with --batch-invariant", flush=True)
+                result["http_batch_invariant"] = _run_http(
+                    args, str(device), levels, decodings, None, ("--batch-invariant",)
+                )
+                _print_cost(result["http"]["results"], result["http_batch_invariant"]["results"])
         summary["runs"].append(result)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
     return 0
+
+
+def _print_cost(default: list[dict[str, Any]], invariant: list[dict[str, Any]]) -> None:
+    """Per decoding and level: the batch-invariant engine's throughput over the default's
+    (medians over rounds)."""
+    for decoding in dict.fromkeys(r["decoding"] for r in default):
+        for level in dict.fromkeys(r["concurrency"] for r in default):
+
+            def median(rs: list[dict[str, Any]], d: str = decoding, n: int = level) -> float:
+                return statistics.median(
+                    r["aggregate_tokens_per_s"]
+                    for r in rs
+                    if r["decoding"] == d and r["concurrency"] == n
+                )
+
+            a, b = median(default), median(invariant)
+            print(
+                f"{decoding:>8} {level:>3} streams: default {a:8.1f} tok/s, batch-invariant "
+                f"{b:8.1f} tok/s = {b / a:.2f}x",
+                flush=True,
+            )
 
 
 def _run_http(
@@ -692,18 +727,23 @@ def _run_http(
     levels: list[int],
     decodings: list[str],
     target: float | None,
+    more_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     engine = None
     url = args.url
     if url is None:
         engine = start_engine_subprocess(
-            args.model, port=0, device=device, extra_args=tuple(args.extra_args.split())
+            args.model,
+            port=0,
+            device=device,
+            extra_args=(*args.extra_args.split(), *more_args),
         )
         url = engine.url
     try:
         info = asyncio.run(_health(url))
         print(
-            f"engine {info['model']} on {info['device']} ({info['dtype']}), {args.tokens} tokens "
+            f"engine {info['model']} on {info['device']} ({info['dtype']}"
+            f"{', batch-invariant' if info.get('batch_invariant') else ''}), {args.tokens} tokens "
             f"per stream, load average {os.getloadavg()[0]:.2f}",
             flush=True,
         )

@@ -277,6 +277,12 @@ class Engine:
             return len(self._active)
 
     @property
+    def queued_requests(self) -> int:
+        """Requests submitted and not yet admitted by the worker."""
+        with self._cond:
+            return len(self._inbox)
+
+    @property
     def running_batch_size(self) -> int:
         return len(self._rows)
 
