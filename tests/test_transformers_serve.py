@@ -38,7 +38,14 @@ import pytest
 
 from generation import models
 from orchestrator.app import STREAMING_PATH
-from tests.orchestrator_support import Orchestrator, assert_contiguous, frames, terminal
+from tests.fakes.clock import expire_stalls, manual_stall_clock
+from tests.orchestrator_support import (
+    Orchestrator,
+    SseEvent,
+    assert_contiguous,
+    frames,
+    terminal,
+)
 
 MODEL = "tiny-serve"
 PROMPT = "The quick brown fox"
@@ -532,6 +539,9 @@ class Cut:
     text events; `holder` is the proxy that holds it."""
 
     after: int
+    # the held stream's client side stays open even when the server's side closes: the replica
+    # goes silent instead of failing (a proxy or a network that holds a dead connection)
+    keep_open: bool = False
     held: asyncio.Event = field(default_factory=asyncio.Event)
     holder: HoldingProxy | None = None
 
@@ -547,6 +557,8 @@ class HoldingProxy:
     upstream: str
     cut: Cut
     url: str = ""
+    posts: int = 0  # requests other than GET (generation, /tokenize) that went through
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # close(): let go of all
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -554,6 +566,7 @@ class HoldingProxy:
         self.url = f"http://127.0.0.1:{port}"
 
     async def close(self) -> None:
+        self.released.set()
         self._server.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -563,6 +576,8 @@ class HoldingProxy:
         async def pump_up() -> None:
             with contextlib.suppress(OSError):
                 while data := await reader.read(65536):
+                    if data.startswith(b"POST "):
+                        self.posts += 1
                     up_writer.write(data)
                     await up_writer.drain()
 
@@ -590,12 +605,67 @@ class HoldingProxy:
                     tail = seen[at:]
                 writer.write(out)
                 await writer.drain()
+            if holding and self.cut.keep_open:
+                await self.released.wait()
         except OSError:
             pass
         finally:
             task.cancel()
             writer.transport.abort()  # a reset, as a killed server's connection
             up_writer.transport.abort()
+
+
+async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_timeout(
+    pair: list[Server], folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica's connection stays open but nothing more comes through it (a proxy or a
+    network holds it): guardstream declares the stream stalled (stall_timeout_s; on a manual
+    clock, so the test says when) and resumes it on the other server, as after a kill. Nothing
+    is killed: the silent server is healthy, only its stream is lost."""
+    clock = manual_stall_clock(monkeypatch)  # no stream stalls but when the test declares it
+    cut = Cut(after=3, keep_open=True)
+    body = {"model": str(folder), "stream": True, "temperature": 0}
+    pieces, _ = await server_pieces(
+        pair[1].url, "/v1/completions", {**body, "prompt": PROMPT, "max_tokens": TOKENS}
+    )
+    delivered = "".join(pieces[: cut.after])
+    proxies = [HoldingProxy(s.url, cut) for s in pair]
+    for proxy in proxies:
+        await proxy.start()
+    backends = [
+        {**backend(s, folder, "completions"), "url": p.url}
+        for s, p in zip(pair, proxies, strict=True)
+    ]
+    reached = asyncio.Event()  # the client has every event the proxy let through
+
+    def on_event(events: list[SseEvent]) -> None:
+        if assert_contiguous(frames(events)) == delivered:
+            reached.set()
+
+    try:
+        async with Orchestrator(config(backends)) as orch:
+            stream = asyncio.create_task(orch.stream(fms_body(), on_event=on_event))
+            try:
+                async with deadline(STREAM_DEADLINE_S, "the stream reaching the cut"):
+                    await reached.wait()
+                assert cut.held.is_set() and cut.holder is not None
+                other = next(p for p in proxies if p is not cut.holder)
+                posts = other.posts
+                # the held replica is silent now, the other one not dispatched to: a stall
+                # declared until the stream moves there can only be the held one's
+                await expire_stalls(clock, lambda: other.posts > posts or stream.done())
+                async with deadline(STREAM_DEADLINE_S, "the resumed stream"):
+                    events = await stream
+            finally:
+                stream.cancel()
+            text = assert_contiguous(frames(events))
+            end = terminal(events)
+            assert (end.data["migrations"], end.data["finish_reason"]) == (1, "MAX_TOKENS")
+            assert end.data["generated_token_count"] == TOKENS
+            assert text == "".join(pieces)  # exact: the delivered text has no U+FFFD
+    finally:
+        for proxy in proxies:
+            await proxy.close()
 
 
 async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Path) -> None:
