@@ -20,13 +20,14 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,34 @@ import pytest
 
 from generation import models
 from orchestrator.app import STREAMING_PATH
-from tests.orchestrator_support import Orchestrator, assert_contiguous, frames, terminal
+from tests.fakes.clock import expire_stalls, manual_stall_clock
+from tests.orchestrator_support import (
+    Orchestrator,
+    SseEvent,
+    assert_contiguous,
+    frames,
+    terminal,
+)
 
 MODEL = "tiny-serve"
 PROMPT = "The quick brown fox"
 USER = [{"role": "user", "content": PROMPT}]
 TOKENS = 30
 START_DEADLINE_S = 120  # generous: two servers import torch and transformers on a loaded CPU
+# Every wait in this module is bounded and fails with what it waited for (never pytest-timeout's
+# bare hang): a direct request to a server, the stream through guardstream, the launcher.
+CALL_DEADLINE_S = 120  # one direct streamed request to a server, on 2 loaded cores
+STREAM_DEADLINE_S = 120  # the migrating stream: 30 tokens, a kill, a resume; stall_timeout_s is 30
+
+
+@contextlib.asynccontextmanager
+async def deadline(seconds: float, what: str) -> AsyncIterator[None]:
+    """`asyncio.timeout` that fails the test saying what did not finish."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        pytest.fail(f"{what} did not finish within {seconds:g} s")
 
 
 @dataclass
@@ -66,6 +88,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _lines(proc: subprocess.Popen[bytes], count: int, until: float) -> list[bytes]:
+    """The first `count` lines the launcher prints, waiting at most until `until` (monotonic):
+    a launcher that hangs in its imports fails the fixture instead of blocking it."""
+    assert proc.stdout is not None
+    fd, buf = proc.stdout.fileno(), b""
+    while buf.count(b"\n") < count:
+        left = until - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(0.0, left))
+        assert ready, f"the launcher printed {buf!r} of {count} lines in {START_DEADLINE_S} s"
+        chunk = os.read(fd, 4096)
+        assert chunk, f"the launcher exited ({proc.poll()}) after printing {buf!r}"
+        buf += chunk
+    return buf.splitlines()[:count]
 
 
 def _healthy(url: str) -> bool:
@@ -105,23 +142,26 @@ def pair(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[lis
         env=env,
     )
     try:
-        assert launcher.stdout is not None
+        deadline_at = time.monotonic() + START_DEADLINE_S
         servers = []
-        for _ in ports:
-            port, pid = launcher.stdout.readline().split()
+        for line in _lines(launcher, len(ports), deadline_at):
+            port, pid = line.split()
             servers.append(
                 Server(int(pid), f"http://127.0.0.1:{int(port)}", root / f"serve-{int(port)}.log")
             )
-        deadline = time.monotonic() + START_DEADLINE_S
         for s in servers:
             while not _healthy(s.url):
                 logs = s.log.read_text(errors="replace") if s.log.exists() else ""
-                assert launcher.poll() is None and time.monotonic() < deadline, logs[-2000:]
+                assert launcher.poll() is None and time.monotonic() < deadline_at, logs[-2000:]
                 time.sleep(0.2)
         yield servers
     finally:
         launcher.terminate()
-        launcher.wait()
+        try:
+            launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # its SIGTERM handler kills the children first
+            launcher.kill()
+            launcher.wait()
 
 
 def config(
@@ -171,7 +211,11 @@ async def server_pieces(url: str, path: str, body: dict[str, Any]) -> tuple[list
     [DONE] to wait for: transformers serve ends the body after the finish chunk)."""
     pieces: list[str] = []
     finish = None
-    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+    async with (
+        deadline(CALL_DEADLINE_S, f"POST {url}{path} (the server directly)"),
+        aiohttp.ClientSession() as s,
+        s.post(url + path, json=body) as r,
+    ):
         assert r.status == 200, await r.text()
         async for line in r.content:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -495,6 +539,9 @@ class Cut:
     text events; `holder` is the proxy that holds it."""
 
     after: int
+    # the held stream's client side stays open even when the server's side closes: the replica
+    # goes silent instead of failing (a proxy or a network that holds a dead connection)
+    keep_open: bool = False
     held: asyncio.Event = field(default_factory=asyncio.Event)
     holder: HoldingProxy | None = None
 
@@ -510,6 +557,8 @@ class HoldingProxy:
     upstream: str
     cut: Cut
     url: str = ""
+    posts: int = 0  # requests other than GET (generation, /tokenize) that went through
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # close(): let go of all
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -517,6 +566,7 @@ class HoldingProxy:
         self.url = f"http://127.0.0.1:{port}"
 
     async def close(self) -> None:
+        self.released.set()
         self._server.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -526,37 +576,96 @@ class HoldingProxy:
         async def pump_up() -> None:
             with contextlib.suppress(OSError):
                 while data := await reader.read(65536):
+                    if data.startswith(b"POST "):
+                        self.posts += 1
                     up_writer.write(data)
                     await up_writer.drain()
 
         task = asyncio.create_task(pump_up())
         events = 0
         holding = False
+        tail = b""  # the start of an event the last read cut off: counted when it is whole
         try:
             while data := await up_reader.read(65536):
                 if holding:
                     continue  # read on (to see the close), forward nothing
                 out = data
                 if not self.cut.held.is_set():
-                    at = 0
-                    while (end := data.find(b"\n\n", at)) != -1:
-                        if b'"text"' in data[at:end]:
+                    seen, at = tail + data, 0
+                    while (end := seen.find(b"\n\n", at)) != -1:
+                        if b'"text"' in seen[at:end]:
                             events += 1
                             if events == self.cut.after:
                                 holding = True
                                 self.cut.holder = self
                                 self.cut.held.set()
-                                out = data[: end + 2]
+                                out = data[: end + 2 - len(tail)]  # through this event
                                 break
                         at = end + 2
+                    tail = seen[at:]
                 writer.write(out)
                 await writer.drain()
+            if holding and self.cut.keep_open:
+                await self.released.wait()
         except OSError:
             pass
         finally:
             task.cancel()
             writer.transport.abort()  # a reset, as a killed server's connection
             up_writer.transport.abort()
+
+
+async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_timeout(
+    pair: list[Server], folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica's connection stays open but nothing more comes through it (a proxy or a
+    network holds it): guardstream declares the stream stalled (stall_timeout_s; on a manual
+    clock, so the test says when) and resumes it on the other server, as after a kill. Nothing
+    is killed: the silent server is healthy, only its stream is lost."""
+    clock = manual_stall_clock(monkeypatch)  # no stream stalls but when the test declares it
+    cut = Cut(after=3, keep_open=True)
+    body = {"model": str(folder), "stream": True, "temperature": 0}
+    pieces, _ = await server_pieces(
+        pair[1].url, "/v1/completions", {**body, "prompt": PROMPT, "max_tokens": TOKENS}
+    )
+    delivered = "".join(pieces[: cut.after])
+    proxies = [HoldingProxy(s.url, cut) for s in pair]
+    for proxy in proxies:
+        await proxy.start()
+    backends = [
+        {**backend(s, folder, "completions"), "url": p.url}
+        for s, p in zip(pair, proxies, strict=True)
+    ]
+    reached = asyncio.Event()  # the client has every event the proxy let through
+
+    def on_event(events: list[SseEvent]) -> None:
+        if assert_contiguous(frames(events)) == delivered:
+            reached.set()
+
+    try:
+        async with Orchestrator(config(backends)) as orch:
+            stream = asyncio.create_task(orch.stream(fms_body(), on_event=on_event))
+            try:
+                async with deadline(STREAM_DEADLINE_S, "the stream reaching the cut"):
+                    await reached.wait()
+                assert cut.held.is_set() and cut.holder is not None
+                other = next(p for p in proxies if p is not cut.holder)
+                posts = other.posts
+                # the held replica is silent now, the other one not dispatched to: a stall
+                # declared until the stream moves there can only be the held one's
+                await expire_stalls(clock, lambda: other.posts > posts or stream.done())
+                async with deadline(STREAM_DEADLINE_S, "the resumed stream"):
+                    events = await stream
+            finally:
+                stream.cancel()
+            text = assert_contiguous(frames(events))
+            end = terminal(events)
+            assert (end.data["migrations"], end.data["finish_reason"]) == (1, "MAX_TOKENS")
+            assert end.data["generated_token_count"] == TOKENS
+            assert text == "".join(pieces)  # exact: the delivered text has no U+FFFD
+    finally:
+        for proxy in proxies:
+            await proxy.close()
 
 
 async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Path) -> None:
@@ -595,9 +704,11 @@ async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Pa
 
             task = asyncio.create_task(killer())
             try:
-                async with asyncio.timeout(60):
+                async with deadline(STREAM_DEADLINE_S, "the stream through guardstream"):
                     events = await orch.stream(fms_body())
-                assert cut.held.is_set(), "the stream was never held"
+                # never `await task` before this: a stream that was not held leaves the killer
+                # waiting for ever (the pool may pick either replica; both are held alike)
+                assert cut.held.is_set(), "no stream reached the cut: nothing was held or killed"
                 await task
             finally:
                 task.cancel()
