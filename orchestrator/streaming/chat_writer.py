@@ -7,7 +7,6 @@ block never shows flagged text: the refusal rides on the finishing chunk.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -33,20 +32,11 @@ from ..api.openai_chat import (
 from ..api.responses import UNSUITABLE_INPUT, UNSUITABLE_OUTPUT
 from .events import Event, Failure, Frame, KeepAlive, Refusal, Terminal
 from .findings import Finding, sort_findings
+from .wire_json import KEEPALIVE_COMMENT, dumps
 
 DONE = b"data: [DONE]\n\n"
-KEEPALIVE_COMMENT = b": keep-alive\n\n"
 INPUT_WARNING = ChatWarning(type="UNSUITABLE_INPUT", message=UNSUITABLE_INPUT.message)
 OUTPUT_WARNING = ChatWarning(type="UNSUITABLE_OUTPUT", message=UNSUITABLE_OUTPUT.message)
-
-
-def _dumps(data: Any) -> bytes:
-    """orjson, else json's `\\u` escapes: a client's text can carry a lone surrogate (JSON allows
-    `"\\ud800"`), a detection quotes it back, and orjson refuses such strings (a 500 mid-stream)."""
-    try:
-        return orjson.dumps(data)
-    except TypeError:
-        return json.dumps(data, separators=(",", ":")).encode()
 
 
 def _tcr(f: Finding) -> dict[str, Any]:
@@ -138,11 +128,11 @@ class ChatChunkWriter:
         self._pending = b""  # frames marked `more`, not returned yet
         self._head = (
             b'data: {"id":'
-            + _dumps(self.id)
+            + dumps(self.id)
             + b',"object":"chat.completion.chunk","created":'
             + str(self.created).encode()
             + b',"model":'
-            + _dumps(model)
+            + dumps(model)
             + b',"choices":[{"index":0,"delta":{"content":'
         )
 
@@ -162,7 +152,7 @@ class ChatChunkWriter:
             detections=detections,
             warnings=warnings,
         )
-        return b"data: " + _dumps(chunk.dump()) + b"\n\n"
+        return b"data: " + dumps(chunk.dump()) + b"\n\n"
 
     def _role(self) -> bytes:
         if self._role_sent:
@@ -182,11 +172,11 @@ class ChatChunkWriter:
         """`_chunk(Delta(content=text), detections=..., warnings=...)` without pydantic."""
         tail = _FRAME_TAIL
         if frame.judged:
-            results = b",".join(_dumps(_tcr(f)) for f in frame.detections)
+            results = b",".join(dumps(_tcr(f)) for f in frame.detections)
             tail += b',"detections":{"output":[{"choice_index":0,"results":[' + results + b"]}]}"
         if frame.detections:
             tail += _WARNINGS_TAIL
-        return self._head + _dumps(frame.text) + tail + b"}\n\n"
+        return self._head + dumps(frame.text) + tail + b"}\n\n"
 
     def _render(self, event: Event) -> bytes:
         if isinstance(event, KeepAlive):
@@ -224,7 +214,7 @@ class ChatChunkWriter:
 
     def _terminal(self, terminal: Terminal) -> bytes:
         if terminal.error is not None:
-            return b"data: " + _dumps(openai_error(terminal.error)) + b"\n\n" + DONE
+            return b"data: " + dumps(openai_error(terminal.error)) + b"\n\n" + DONE
         out = b""
         if not self._finished:
             out += self._role() + self._chunk(Delta(), finish=finish_reason(terminal))
@@ -236,7 +226,7 @@ class ChatChunkWriter:
                 choices=[],
                 usage=usage(terminal),
             )
-            out += b"data: " + _dumps(chunk.dump()) + b"\n\n"
+            out += b"data: " + dumps(chunk.dump()) + b"\n\n"
         return out + DONE
 
 

@@ -14,9 +14,6 @@ from typing import Literal
 from ..api.errors import ErrorType
 from .findings import Finding
 
-UNSUITABLE_INPUT = "UNSUITABLE_INPUT"
-UNSUITABLE_OUTPUT = "UNSUITABLE_OUTPUT"
-
 TerminalKind = Literal["completed", "incomplete", "failed", "error"]
 IncompleteReason = Literal["max_output_tokens", "time_limit", "content_filter"]
 
@@ -52,10 +49,6 @@ class Frame:
     # Another event follows at once (the pipeline already has it): a streaming writer may hold
     # this frame's bytes and send them with the next event's, one write for a burst of frames.
     more: bool = False
-
-    @property
-    def flagged(self) -> bool:
-        return bool(self.detections)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,6 @@ from aiohttp import web
 from ..api.errors import ApiError, ErrorType
 from ..clients.detectors import DetectorCallError
 from ..clients.generation import GenerationError
-from .aggregation import AggregationError
 from .events import Failure
 from .fanout import ChunkerFailure
 
@@ -60,8 +59,6 @@ def describe(exc: BaseException) -> Failure:
             return Failure(413, ErrorType.INVALID_REQUEST, "request body too large")
         if exc.status < 500:
             return Failure(exc.status, ErrorType.INVALID_REQUEST, exc.reason)
-    if isinstance(exc, AggregationError):
-        return Failure(500, ErrorType.SERVER_ERROR, "internal error")
     return Failure(500, ErrorType.SERVER_ERROR, "internal error")
 
 

@@ -23,9 +23,7 @@ from ..api.responses import (
 )
 from .events import Event, Frame, KeepAlive, Refusal, Terminal
 from .findings import Finding
-from .wire_json import dumps
-
-KEEPALIVE_COMMENT = b": keep-alive\n\n"
+from .wire_json import KEEPALIVE_COMMENT, dumps
 
 
 def sse(name: str | None, data: dict[str, Any]) -> bytes:

@@ -45,9 +45,8 @@ from ..api.openai_responses import (
 )
 from .events import Event, Failure, Frame, KeepAlive, Refusal, Terminal
 from .findings import Finding
-from .wire_json import dumps
+from .wire_json import KEEPALIVE_COMMENT, dumps
 
-KEEPALIVE_COMMENT = b": keep-alive\n\n"
 OUTPUT_INDEX = 0  # one output item: the assistant message
 
 

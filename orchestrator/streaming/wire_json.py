@@ -9,6 +9,9 @@ from typing import Any
 
 import orjson
 
+# The SSE comment every streaming surface sends after sse_keepalive_s of silence (DESIGN 4.3)
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
 
 def dumps(data: Any) -> bytes:
     try:
