@@ -33,6 +33,7 @@ from orchestrator.config import parse_config
 from orchestrator.handlers.metrics import listen_overflows
 from orchestrator.server import start_server
 from orchestrator.state import STATE
+from tests.engine_support import wait_until
 from tests.fakes.engine import FakeEngine, until
 from tests.orchestrator_support import (
     ROOT,
@@ -48,6 +49,9 @@ from tests.orchestrator_support import (
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_NOFILE and /proc: Linux")
 
 SCRIPT = ["One", " two", " three", "."]
+
+# the longest any wait in these tests may take: a deadline, never a measured window
+DEADLINE_S = 30.0
 
 
 class GatedEngine(FakeEngine):
@@ -158,12 +162,7 @@ async def overload(
             async with session.get(url + "/info") as r:
                 return r.status == 200
 
-        for _ in range(500):
-            if await ready():
-                break
-            await asyncio.sleep(0.02)
-        else:
-            raise AssertionError("/info never became ready again")
+        await wait_until(ready, DEADLINE_S, "/info ready again")
     assert completed == ["completed"] * admitted
     assert rejected == [(429, "1", overloaded)] * (clients - admitted)
     return {"completed": completed, "rejected": rejected}
@@ -324,10 +323,11 @@ async def test_info_is_not_ready_while_draining_or_saturated() -> None:
                     return r.status, (await r.json())["status"]
 
             await until(lambda: bool(state.backends))
-            for _ in range(500):  # the replica's first health check
-                if await info() == (200, "HEALTHY"):
-                    break
-                await asyncio.sleep(0.02)
+
+            async def healthy() -> bool:  # the replica's first health check
+                return await info() == (200, "HEALTHY")
+
+            await wait_until(healthy, DEADLINE_S, "/info healthy")
             held = await orch.session.post(orch.url + STREAMING_PATH, json=generation_body())
             await until(lambda: engine.held == 1 and state.active_streams == 1)
             assert await info() == (503, "UNHEALTHY")  # saturated
