@@ -30,7 +30,7 @@ import detectors
 from detectors import InvalidParams, regex_pii
 from detectors.service import create_app
 from orchestrator.api.errors import ApiError
-from orchestrator.api.requests import DetectorParams
+from orchestrator.api.fms_requests import DetectorParams
 from orchestrator.clients.detectors import (
     DetectorCallError,
     HttpDetectorClient,

@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from ..api.errors import ApiError, ErrorType
-from ..api.requests import ContentDetectionRequest
+from ..api.fms_requests import ContentDetectionRequest
 from ..state import STATE
 from ..streaming import wire_json
 from ..streaming.findings import Finding

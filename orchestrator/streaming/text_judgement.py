@@ -37,7 +37,7 @@ from ..clients.registry import ChunkerRegistry, RequestedDetector
 from ..config import WHOLE_DOC_CHUNKER
 from .detector_queue import SEAM_CHARS, SEAM_RUN_CHARS
 from .fanout import ChunkerFailure
-from .findings import Finding, keep, sort_findings
+from .findings import Finding, kept_findings, sort_findings
 
 # A text longer than this is chunked, and its findings built, off the event loop. Sentence
 # chunking cost ~3.5 us a character here (2 busy cores): 4 Ki characters is ~15 ms on the loop,
@@ -77,22 +77,21 @@ async def judge_text(
     text: str,
     detectors: list[RequestedDetector],
     chunkers: ChunkerRegistry,
-    regions: list[tuple[int, int]] | None = None,
+    masks: list[tuple[int, int]] | None = None,
     *,
     whole: bool = False,
     window_verdicts: bool = True,
 ) -> list[Finding]:
-    """Findings over `text` (spans relative to all of it), sorted; `regions` restricts detection
-    to those `[start, end)` slices, as input masks do; `whole`: every detector judges each
-    region in one piece (the text is to be redacted); `window_verdicts`: keep detections that
+    """Findings over `text` (spans relative to all of it), sorted; `masks` (the task's input
+    masks) restrict detection to those `[start, end)` slices; `whole`: every detector judges each
+    slice in one piece (the text is to be redacted); `window_verdicts`: keep detections that
     cover a whole boundary window (see the module's docstring)."""
-    if regions is None:
-        regions = [(0, len(text))]
+    slices = [(0, len(text))] if masks is None else masks
 
     async def one(detector: RequestedDetector) -> list[Finding]:
         found = await _judge(
             detector,
-            [(text, s, e, None) for s, e in regions],
+            [(text, s, e, None) for s, e in slices],
             _chunker_of(detector, whole),
             chunkers,
             window_verdicts,
@@ -194,10 +193,10 @@ def _findings(
     out = [
         (owner, f)
         for owner, span, dets in zip(owners, spans, replies[:n], strict=True)
-        for f in keep(detector, span, dets)
+        for f in kept_findings(detector, span, dets)
     ]
     for (window, boundary, owner), dets in zip(seams, replies[n:], strict=True):
-        for f in keep(detector, window, dets):
+        for f in kept_findings(detector, window, dets):
             whole_window = f.start == window.start and f.end == window.end
             if f.start < boundary < f.end and (window_verdicts or not whole_window):
                 out.append((owner, f))
