@@ -1,6 +1,6 @@
 """The openai backend learns what a server takes instead of assuming vLLM (DESIGN section 7),
 against the fakes speaking as `transformers serve` does (`transformers=True`, the shapes checked
-against the real server in tests/test_transformers_serve.py): no `return_token_ids`, no token-id
+against the real server in tests/test_clients_transformers_serve.py): no `return_token_ids`, no token-id
 prompts, no `/tokenize`, no chat continuation, no `[DONE]`, usage in the finish chunk, the stop
 string sent, vLLM-only sampling fields refused by name."""
 

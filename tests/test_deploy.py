@@ -6,7 +6,7 @@ Security: every engine and detector service requires a key, which comes from a S
 git-ignored env file (compose), and the orchestrator sends that same key; the NetworkPolicies are
 evaluated with Kubernetes' rules for who may connect to whom. Monitoring: the Prometheus scrape
 targets, the ServiceMonitor and the Grafana provisioning point at what the deployment runs (the
-dashboard's queries are checked against real /metrics in tests/test_dashboard.py)."""
+dashboard's queries are checked against real /metrics in tests/test_deploy_dashboard.py)."""
 
 from __future__ import annotations
 
@@ -762,7 +762,7 @@ def test_compose_prometheus_scrapes_every_guardstream_process() -> None:
     for job in jobs.values():
         assert job.get("metrics_path", "/metrics") == "/metrics"
         assert job.get("scheme", "http") == "http"
-        assert "authorization" not in job  # /metrics needs no key (tests/test_dashboard.py)
+        assert "authorization" not in job  # /metrics needs no key (tests/test_deploy_dashboard.py)
     prom = COMPOSE["services"]["prometheus"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
     assert "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
@@ -1013,7 +1013,7 @@ def test_k8s_gives_the_orchestrator_its_prestop_wait_and_drain_before_the_kill()
     grace = spec["terminationGracePeriodSeconds"]
     assert grace > pre_stop_s + shutdown_budget_s(config)
     assert (pre_stop_s, config.server.drain_timeout_s, grace) == (5, 25, 45)
-    # and while it drains, readiness is false (/info answers 503): tests/test_capacity.py
+    # and while it drains, readiness is false (/info answers 503): tests/test_orchestrator_capacity.py
     assert container["readinessProbe"]["httpGet"]["path"] == "/info"
 
 

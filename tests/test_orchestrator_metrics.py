@@ -247,7 +247,7 @@ async def test_event_loop_stalls_and_collections_are_on_the_page(
 ) -> None:
     """What stops every stream at once is visible: each garbage collection's time, by
     generation, and how late the loop ran its 100 ms probe. (That a blocked loop makes the
-    probe late is test_read_pacing's; here a lateness reaches the page.)"""
+    probe late is test_pipeline_read_pacing's; here a lateness reaches the page.)"""
     async with Orchestrator(config(engine.url, dets)) as orch:
         assert orch.session is not None and orch.runner is not None
         before = await scrape(orch.session, orch.url)

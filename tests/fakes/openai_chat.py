@@ -18,7 +18,7 @@ with `choices: []`, and choices with `content_filter_results` and no `delta`), b
 chunk. Faults on cue (`ChatFault`), after N content chunks or after the finish chunk.
 
 `transformers=True` speaks as `transformers serve` (5.23) does, checked against the real server
-(tests/test_transformers_serve.py): fields outside OpenAI's schema (`add_generation_prompt`,
+(tests/test_clients_transformers_serve.py): fields outside OpenAI's schema (`add_generation_prompt`,
 `continue_final_message`, `min_tokens`, `top_k`, `repetition_penalty`) are `422 {"detail":
 "Unexpected fields in the request: {...}"}` (so a partial assistant message is never continued),
 `stream_options` is accepted and ignored; the role chunk is `delta: {"role": "assistant"}`, no

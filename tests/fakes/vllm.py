@@ -10,7 +10,7 @@ event then `[DONE]`, `finish_reason: "abort"`, the end of the body without `[DON
 without a finish reason, a reset, a stall, an HTTP error.
 
 `transformers=True` speaks `/v1/completions` as `transformers serve` (5.23) does, checked against
-the real server (tests/test_transformers_serve.py): fields outside OpenAI's schema (vLLM's
+the real server (tests/test_clients_transformers_serve.py): fields outside OpenAI's schema (vLLM's
 `return_token_ids`, `min_tokens`, `top_k`, `repetition_penalty`) are `422 {"detail":
 "Unexpected fields in the request: {...}"}`, a token-id prompt is `400 {"detail": "prompt must
 be a string."}`, there is no `/tokenize` (404); events carry only `text` (no ids, no `logprobs`,
