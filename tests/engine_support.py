@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,17 +122,6 @@ async def generate(
     if check:
         stream.check_framing()
     return stream
-
-
-async def wait_until(
-    predicate: Callable[[], Awaitable[bool]], deadline_s: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll with a deadline (no timing assertions: it only fails if it never happens)."""
-    deadline = time.monotonic() + deadline_s
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {deadline_s} s")
-        await asyncio.sleep(0.02)
 
 
 def run(coro: Awaitable[Any]) -> Any:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from resource import RLIMIT_NOFILE, setrlimit
 from typing import Any
 
 import aiohttp
@@ -19,7 +20,7 @@ from aiohttp import web
 from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from orchestrator.config import parse_config
 from orchestrator.server import start_server
-from tests.fakes.engine import until
+from tests.wait_support import until
 
 NDJSON = "application/x-ndjson"
 MODEL = "fake-model"
@@ -173,6 +174,23 @@ class Orchestrator:
             assert r.headers["Content-Type"].startswith("text/event-stream")
         return sse_events(text)
 
+    async def info(self, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        """GET /info: (status, body)."""
+        assert self.session is not None
+        async with self.session.get(self.url + "/info", headers=headers) as r:
+            return r.status, await r.json()
+
+    async def info_until(
+        self, done: Callable[[int, dict[str, Any]], bool], headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """Polls /info until `done(status, body)`; that reply."""
+
+        async def poll() -> tuple[int, dict[str, Any]] | None:
+            reply = await self.info(headers)
+            return reply if done(*reply) else None
+
+        return await until(poll, what="/info answering as awaited", poll_s=0.05)
+
     async def post(
         self, path: str, body: Any, *, headers: dict[str, str] | None = None
     ) -> tuple[int, Any]:
@@ -231,13 +249,20 @@ class Served:
         return out
 
     async def wait_logged(self, prefix: str, timeout_s: float = 20.0) -> None:
-        await until(lambda: any(m.startswith(prefix) for m in self.messages()), timeout_s, 0.02)
+        await until(
+            lambda: any(m.startswith(prefix) for m in self.messages()),
+            timeout_s,
+            f"the log line {prefix!r}",
+        )
 
 
 @asynccontextmanager
-async def serve(tmp_path: Path, config: dict[str, Any], *args: str) -> AsyncIterator[Served]:
+async def serve(
+    tmp_path: Path, config: dict[str, Any], *args: str, nofile: tuple[int, int] | None = None
+) -> AsyncIterator[Served]:
     """Starts `python -m orchestrator serve` on a free port and waits for its "listening on"
-    line; the child gets this interpreter's PYTHONPATH plus the repository root."""
+    line; the child gets this interpreter's PYTHONPATH plus the repository root, and with
+    `nofile` the open-file limits (soft, hard) a container or systemd would give it."""
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     stderr = tmp_path / "stderr.log"
@@ -251,6 +276,7 @@ async def serve(tmp_path: Path, config: dict[str, Any], *args: str) -> AsyncIter
             env=env,
             stdout=asyncio.subprocess.PIPE,
             stderr=err,
+            preexec_fn=None if nofile is None else lambda: setrlimit(RLIMIT_NOFILE, nofile),
         )
     try:
         assert proc.stdout is not None

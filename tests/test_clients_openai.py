@@ -23,8 +23,9 @@ from orchestrator.clients.backends import build_model_backends
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
 from tests.fakes.clock import expire_stalls, manual_stall_clock
-from tests.fakes.engine import TOKEN_BASE, prompt_ids, until
+from tests.fakes.engine import TOKEN_BASE, prompt_ids
 from tests.fakes.vllm import FakeVllm, VllmFault
+from tests.wait_support import until
 
 SCRIPT = ["Once", " upon", " a", " time", "."]
 FULL = "".join(SCRIPT)

@@ -24,7 +24,7 @@ import pytest
 from orchestrator.app import CONTENT_PATH
 from orchestrator.handlers.health import DETECTOR_HEALTH
 from orchestrator.state import STATE
-from tests.fakes.engine import FakeEngine, until
+from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     MODEL,
     SCRIPT,
@@ -35,6 +35,7 @@ from tests.orchestrator_support import (
     native_config,
     terminal,
 )
+from tests.wait_support import until
 
 BIG = "Hello there friend. " * 5000  # 5000 sentences, 100,000 characters
 RUDE = "You are a stupid fucking idiot."

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from generation import models
 from generation.server import create_app
-from tests.engine_support import generate, parse, wait_until
+from tests.engine_support import generate, parse
+from tests.wait_support import until
 
 TINY_VOCAB = 686  # pinned: the tiny-random build is deterministic
 
@@ -395,7 +396,7 @@ async def test_fault_error(faulty: Any) -> None:
     assert not stream.completed
     normal = await generate(faulty, "", {"prompt": "Hello", "max_new_tokens": 10})
     assert normal.completed and normal.token_ids[:3] == stream.token_ids
-    await wait_until(lambda: _zero(faulty), what="active requests back to 0")
+    await until(lambda: _zero(faulty), what="active requests back to 0")
 
 
 async def _zero(client: Any) -> bool:
@@ -414,7 +415,7 @@ async def test_fault_close_drops_connection(faulty: Any) -> None:
         assert [len(line["data"]["token_ids"]) for line in lines] == [1, 1, 1, 1]
         assert all(not line["complete_final"] for line in lines)
     assert (await generate(faulty, "", {"prompt": "Hello", "max_new_tokens": 10})).completed
-    await wait_until(lambda: _zero(faulty), what="active requests back to 0")
+    await until(lambda: _zero(faulty), what="active requests back to 0")
 
 
 async def test_fault_after_last_token_hits_before_complete_final(faulty: Any) -> None:
@@ -449,11 +450,11 @@ async def test_fault_stall_then_client_leaves(faulty: Any) -> None:
     async def cut() -> bool:
         return await _health(faulty, "requests_cancelled") == cancelled + 1
 
-    await wait_until(cut, what="the stalled request's job cancelled")
+    await until(cut, what="the stalled request's job cancelled")
     assert not resp.content.at_eof()
     assert resp.content.total_bytes == sum(len(line) for line in raw)
     resp.close()
-    await wait_until(lambda: _zero(faulty), what="active requests back to 0")
+    await until(lambda: _zero(faulty), what="active requests back to 0")
 
 
 async def test_fault_request_validation(faulty: Any) -> None:
@@ -484,7 +485,7 @@ async def test_disconnect_aborts_request(
         assert json.loads(await resp.content.readline())["complete_final"] is False
     assert await _active(client) == 1
     resp.close()
-    await wait_until(lambda: _zero(client), what="active requests back to 0")
+    await until(lambda: _zero(client), what="active requests back to 0")
     health = await (await client.get("/health")).json()
     assert health["requests_cancelled"] == 1
     assert health["running_batch_size"] == 0

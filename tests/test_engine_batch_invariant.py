@@ -28,7 +28,8 @@ from generation.batch_invariant import ATTENTION
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer, start_engine_subprocess
-from tests.engine_support import Stream, generate, run, wait_until
+from tests.engine_support import Stream, generate, run
+from tests.wait_support import until
 
 # ----- the wrapped forward pass, bit for bit --------------------------------------------------
 
@@ -167,9 +168,7 @@ def test_any_batch_composition_equals_alone(
                     async def progressed(target: int = target) -> bool:
                         return engine.stats.tokens_generated >= target or not engine.active_requests
 
-                    await wait_until(
-                        progressed, deadline_s=120, what="the running rows to progress"
-                    )
+                    await until(progressed, deadline_s=120, what="the running rows to progress")
                 with engine.hold():
                     for req in wave:
                         tasks.append(
@@ -182,7 +181,7 @@ def test_any_batch_composition_equals_alone(
                             t.done() for _, t in tasks[-expected:]
                         )
 
-                    await wait_until(queued, deadline_s=120, what="the wave queued")
+                    await until(queued, deadline_s=120, what="the wave queued")
             for (prompt, seeded, tokens, resume), task in tasks:
                 stream = await task
                 ref = tiny_alone[prompt, seeded]
@@ -251,7 +250,7 @@ async def _together(
         async def queued() -> bool:
             return engine.active_requests == len(tasks)
 
-        await wait_until(queued, deadline_s=60, what="every request queued")
+        await until(queued, deadline_s=60, what="every request queued")
     return list(await asyncio.gather(*tasks))
 
 

@@ -17,7 +17,8 @@ from generation.models import LoadedModel
 from generation.scheduler import prefill_groups
 from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer
-from tests.engine_support import Stream, generate, parse, run, wait_until
+from tests.engine_support import Stream, generate, parse, run
+from tests.wait_support import until
 
 PROMPTS = [
     "Hello",
@@ -73,7 +74,7 @@ def test_sixteen_concurrent_equal_alone(tiny_model: LoadedModel) -> None:
                     async def queued() -> bool:
                         return engine.active_requests == len(tasks)
 
-                    await wait_until(queued, what="16 requests queued")
+                    await until(queued, what="16 requests queued")
                 passes_before = engine.stats.forward_passes
                 prefills_before = engine.stats.prefill_passes
                 together = await asyncio.gather(*tasks)
@@ -185,7 +186,7 @@ def test_unbatchable_cache_is_served_one_at_a_time_exactly(
                     async def queued() -> bool:
                         return engine.active_requests == len(tasks)
 
-                    await wait_until(queued, what="3 requests queued")
+                    await until(queued, what="3 requests queued")
                 together = await asyncio.gather(*tasks)
             return alone, list(together)
 

@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 
 from tests.engine_processes import EngineProcess, free_port, start_engine_subprocess
-from tests.engine_support import generate, wait_until
+from tests.engine_support import generate
+from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,7 @@ async def test_disconnect_in_production_server(tiny_process: EngineProcess) -> N
         async def idle() -> bool:
             return await active() == 0
 
-        await wait_until(idle, what="active requests back to 0")
+        await until(idle, what="active requests back to 0")
 
 
 async def test_chosen_port_and_graceful_sigterm() -> None:

@@ -21,7 +21,8 @@ from orchestrator.clients.backends import ReplicatedModelBackend, build_model_ba
 from orchestrator.clients.migration import MigratingStream, MigrationMetrics
 from orchestrator.config import MigrationConfig, ModelConfig
 from tests.fakes.clock import ManualClock, expire_stalls, manual_stall_clock
-from tests.fakes.engine import DRAWN_SEED, TOKEN_BASE, FakeEngine, Fault, prompt_ids, until
+from tests.fakes.engine import DRAWN_SEED, TOKEN_BASE, FakeEngine, Fault, prompt_ids
+from tests.wait_support import until
 
 SCRIPT = ["The", " cat", " sat", " on", " the", " m", "at", "."]
 FULL = "".join(SCRIPT)

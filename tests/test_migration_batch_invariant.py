@@ -15,14 +15,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 import pytest_asyncio
-from prometheus_client import CollectorRegistry
 
 from orchestrator.clients.backend import GenerationParams, GenerationRequest
-from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.config import ModelConfig
-from tests.fakes.clock import ManualClock
-from tests.fakes.engine import until
-from tests.test_migration_engine import arm, collect
+from orchestrator.clients.backends import ReplicatedModelBackend
+from tests.migration_support import arm, collect, managed_backend
+from tests.wait_support import until
 
 pytestmark = [
     pytest.mark.skipif(
@@ -40,34 +37,15 @@ SEEDED = GenerationParams(
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def backend() -> AsyncIterator[ReplicatedModelBackend]:
-    async with aiohttp.ClientSession() as session:
-        config = ModelConfig.model_validate(
-            {
-                "backends": [
-                    {
-                        "type": "managed",
-                        "model": "smollm2-135m",
-                        "device": "cpu",
-                        "dtype": "bfloat16",
-                        "batch_invariant": True,
-                        "replicas": 2,
-                        "enable_fault_injection": True,
-                        "start_timeout_s": 300,
-                    }
-                ],
-                "migration": {"limit": 3, "stall_timeout_s": 120, "quarantine_s": 30},
-            }
-        )
-        b = build_model_backends(
-            {"smol": config}, session, registry=CollectorRegistry(), health_interval_s=0.25
-        )["smol"]
-        assert isinstance(b, ReplicatedModelBackend)
-        b.pool.clock = ManualClock()
-        await b.start()
-        try:
-            yield b
-        finally:
-            await b.close()
+    async with managed_backend(
+        "smollm2-135m",
+        start_timeout_s=300,
+        stall_timeout_s=120,
+        dtype="bfloat16",
+        batch_invariant=True,
+        enable_fault_injection=True,
+    ) as b:
+        yield b
 
 
 async def test_replicas_report_the_mode(backend: ReplicatedModelBackend) -> None:

@@ -22,9 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from generation import models
 from orchestrator.app import CHAT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.state import STATE
+from tests.e2e_support import MODEL, all_healthy, e2e_config, faults, replicas
 from tests.fakes.openai_chat import ChatFault, FakeOpenAIChat
+from tests.openai_support import sdk
 from tests.orchestrator_support import Orchestrator, generation_body
-from tests.test_orchestrator_e2e import MODEL, all_healthy, e2e_config, faults, replicas
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -41,10 +42,6 @@ async def orch() -> AsyncIterator[Orchestrator]:
     """Two managed `tiny-random` replicas with fault injection; built-in pii and hap."""
     async with Orchestrator(e2e_config()) as o:
         yield o
-
-
-def sdk(orch: Orchestrator) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
 
 
 async def sdk_stream(orch: Orchestrator, on_chunk: Any = None, **kwargs: Any) -> list[Any]:

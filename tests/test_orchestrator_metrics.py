@@ -21,7 +21,7 @@ from orchestrator.state import STATE
 from tests.engine_support import generate
 from tests.fakes.clock import expire_stalls, manual_stall_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine, Fault, until
+from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     MODEL,
     SCRIPT,
@@ -32,6 +32,7 @@ from tests.orchestrator_support import (
     remote,
     terminal,
 )
+from tests.wait_support import until
 
 TEXT = "I am great. What about you?"
 

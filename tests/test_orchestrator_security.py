@@ -35,7 +35,7 @@ from orchestrator.config import ConfigError, parse_config
 from orchestrator.server import start_server
 from orchestrator.state import STATE
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine, until
+from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     NDJSON,
     SCRIPT,
@@ -48,6 +48,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "I am great. What about you?"

@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from orchestrator.app import STREAMING_PATH
-from tests.fakes.engine import FakeEngine, Fault, until
+from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     Served,
     SseEvent,
@@ -27,6 +27,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.wait_support import until
 
 STREAMS = 20
 

@@ -54,6 +54,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -221,13 +222,13 @@ async def orchestrator(
 
 
 async def healthy_replicas(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
-    for _ in range(600):  # a generous deadline: engines load torch
+    async def healthy() -> list[dict[str, Any]] | None:
         async with session.get(url + "/info") as r:
             replicas = (await r.json())["models"][MODEL]
-        if all(r["status"] == "HEALTHY" for r in replicas):
-            return replicas
-        await asyncio.sleep(0.2)
-    raise TimeoutError("the managed engines did not become healthy")
+        return replicas if all(r["status"] == "HEALTHY" for r in replicas) else None
+
+    # a generous deadline: engines load torch
+    return await until(healthy, 120, "the managed engines healthy", poll_s=0.2)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.app import STREAMING_PATH
-from tests.fakes.engine import FakeEngine, until
+from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     MODEL,
     ROOT,
@@ -35,6 +35,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.wait_support import until
 
 START_S = 120  # generous: two workers import the service at once on a busy machine
 TEXT = "".join(SCRIPT)
@@ -217,11 +218,8 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
 async def until_draining(url: str) -> Any:
     """Fresh requests until one is refused with 503; its body."""
     body = generation_body()
-    return await asyncio.wait_for(_first_refusal(url, body), 30)  # a guard, not a window
 
-
-async def _first_refusal(url: str, body: Any) -> Any:
-    while True:
+    async def refused() -> Any:
         try:
             connector = aiohttp.TCPConnector(force_close=True)
             async with (
@@ -233,7 +231,9 @@ async def _first_refusal(url: str, body: Any) -> Any:
                 r.close()  # a worker that had not begun to drain: the stream is dropped
         except aiohttp.ClientConnectionError:
             pass
-        await asyncio.sleep(0.05)
+        return None
+
+    return await until(refused, what="a request refused with 503", poll_s=0.05)
 
 
 @pytest.mark.timeout(600)

@@ -19,6 +19,7 @@ import pytest
 
 from orchestrator.config import ConfigError, parse_config
 from tests.fakes.engine import FakeEngine, Fault
+from tests.openai_support import raw_chunks, raw_events
 from tests.orchestrator_support import (
     MODEL,
     Orchestrator,
@@ -29,8 +30,6 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
-from tests.test_openai_chat import raw_chunks
-from tests.test_openai_responses import raw_events
 
 ENTITIES = ["jo@example.com", "555-123-4567", "4111 1111 1111 1111"]
 ANSWER = (

@@ -11,13 +11,12 @@ neither fire a stall early nor end a quarantine early.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
 
 from orchestrator.clients import native
+from tests.wait_support import until
 
 
 class ManualTimer:
@@ -86,9 +85,11 @@ async def expire_stalls(
     depends on (the faulty one went silent, the others have not been dispatched to): a stall is
     declared whatever the replica is doing. `done()` is checked right before each step, so a
     condition such as "the stream migrated" stops it before the next replica's stream exists."""
-    deadline = time.monotonic() + deadline_s
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no stall ended the wait in {deadline_s} s")
+
+    def step() -> bool:
+        if done():
+            return True
         clock.advance(3600.0)
-        await asyncio.sleep(0.01)
+        return False
+
+    await until(step, deadline_s, "a stall ending the wait")
