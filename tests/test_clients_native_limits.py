@@ -39,7 +39,7 @@ from orchestrator.clients.native import (
 from orchestrator.config import ConfigError, ModelConfig
 from tests.engine_processes import free_port
 from tests.fakes.engine import FakeEngine, Fault
-from tests.fakes.vllm import FakeVllm
+from tests.fakes.openai_server import FakeOpenAI
 
 KEY_ENV = "GS_TEST_NATIVE_KEY"
 KEY = "native-secret"
@@ -450,7 +450,7 @@ async def test_a_failed_fetch_is_retried_only_after_retry_s(
 
 
 async def test_validate_does_not_consult_openai_backends(session: aiohttp.ClientSession) -> None:
-    vllm = FakeVllm()
+    vllm = FakeOpenAI()
     await vllm.start()
     try:
         b = backend(session, {"type": "openai", "url": vllm.url, "model": "fake-model"})

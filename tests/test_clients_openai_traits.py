@@ -1,5 +1,5 @@
 """The openai backend learns what a server takes instead of assuming vLLM (DESIGN section 7),
-against the fakes speaking as `transformers serve` does (`transformers=True`, the shapes checked
+against the fakes speaking as `transformers serve` does (`flavour="transformers"`, the shapes checked
 against the real server in tests/test_clients_transformers_serve.py): no `return_token_ids`, no token-id
 prompts, no `/tokenize`, no chat continuation, no `[DONE]`, usage in the finish chunk, the stop
 string sent, vLLM-only sampling fields refused by name."""
@@ -25,9 +25,8 @@ from orchestrator.clients.backend import (
 from orchestrator.clients.backends import build_model_backends
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
-from tests.fakes.openai_chat import ChatFault, FakeOpenAIChat
+from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, count_tokens, templated
 from tests.fakes.upstream import FakeUpstream
-from tests.fakes.vllm import FakeVllm, VllmFault
 
 SCRIPT = ["Once", " upon", " a", " time", "."]
 FULL = "".join(SCRIPT)
@@ -41,20 +40,20 @@ async def servers() -> AsyncIterator[list[FakeUpstream]]:
         await s.close()
 
 
-async def vllm(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeVllm]:
+async def vllm(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAI]:
     out = []
     for _ in range(n):
-        s = FakeVllm(script=list(SCRIPT), transformers=True, **kw)
+        s = FakeOpenAI(script=list(SCRIPT), flavour="transformers", **kw)
         await s.start()
         servers.append(s)
         out.append(s)
     return out
 
 
-async def chat_servers(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAIChat]:
+async def chat_servers(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAI]:
     out = []
     for _ in range(n):
-        s = FakeOpenAIChat(script=list(SCRIPT), transformers=True, **kw)
+        s = FakeOpenAI(script=list(SCRIPT), flavour="transformers", **kw)
         await s.start()
         servers.append(s)
         out.append(s)
@@ -98,7 +97,7 @@ async def test_completions_learns_the_server_and_streams_text(
             ("", (), 0),
         ]
         assert items[-1].finish_reason == "EOS_TOKEN"
-        assert items[-1].input_token_count == len("Hi")
+        assert items[-1].input_token_count == count_tokens("Hi")
     assert ["return_token_ids" in r for r in s.requests] == [True, False, False]
     assert client.traits.refused == {"return_token_ids"}
     assert client.traits.token_ids is False
@@ -111,7 +110,7 @@ async def test_resume_by_text_without_token_ids(
     (a token-id prompt would be refused) and the rest of the budget; the client's text is
     seamless."""
     a, b = await vllm(servers, 2)
-    a.faults.append(VllmFault("close", after_tokens=2))
+    a.faults.append(OpenAIFault("close", after=2))
     be = backend(session, [a.url, b.url])
     stream = be.stream(request(max_new_tokens=10))
     chunks = [c async for c in stream]
@@ -242,7 +241,7 @@ async def test_chat_server_without_continuation_migrates_only_before_the_first_t
     (the text already delivered stays; nothing repeated). Before the first token, a failed
     replica's request simply goes to the other one."""
     a, b = await chat_servers(servers, 2)
-    a.faults.append(ChatFault("close", after_chunks=2))
+    a.faults.append(OpenAIFault("close", after=2))
     be = backend(session, [a.url, b.url], api="chat")
     stream = be.stream(request(max_new_tokens=10))
     got: list[str] = []
@@ -257,13 +256,14 @@ async def test_chat_server_without_continuation_migrates_only_before_the_first_t
     )
     assert b.requests[0]["continue_final_message"] is True
 
-    a.faults.append(ChatFault("close", after_chunks=0))
+    a.faults.append(OpenAIFault("close", after=0))
     be2 = backend(session, [a.url, b.url], api="chat")
     stream = be2.stream(request(max_new_tokens=10))
     chunks = [c async for c in stream]
     await stream.aclose()
     assert "".join(c.text for c in chunks) == FULL and stream.migrations == 1
-    assert chunks[-1].generated_token_count == 5 and chunks[-1].input_token_count == 1
+    hi = count_tokens(templated([{"role": "user", "content": "Hi"}]))
+    assert chunks[-1].generated_token_count == 5 and chunks[-1].input_token_count == hi
 
 
 async def test_chat_usage_in_the_finish_chunk_and_no_done(
@@ -326,7 +326,7 @@ async def test_failures_before_the_finish_are_migratable(
     """Without `[DONE]` the end of the body is a normal end only after the finish chunk; an
     in-band error (transformers serve's is a bare string) or an earlier end is a failure."""
     (s,) = await vllm(servers)
-    s.faults.append(VllmFault(mode, after_tokens=2))
+    s.faults.append(OpenAIFault(mode, after=2))
     client = OpenAIClient("o0", s.url, "fake-model", session)
     got: list[str] = []
     with pytest.raises(GenerationError) as info:

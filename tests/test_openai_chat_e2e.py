@@ -23,7 +23,7 @@ from generation import models
 from orchestrator.app import CHAT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.state import STATE
 from tests.e2e_support import MODEL, all_healthy, e2e_config, faults, replicas
-from tests.fakes.openai_chat import ChatFault, FakeOpenAIChat
+from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
 from tests.openai_support import sdk
 from tests.orchestrator_support import Orchestrator, generation_body
 
@@ -327,8 +327,8 @@ async def test_a_stop_sequence_longer_than_the_engines_limit_is_422(orch: Orches
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def upstreams() -> AsyncIterator[list[FakeOpenAIChat]]:
-    made = [FakeOpenAIChat(), FakeOpenAIChat()]
+async def upstreams() -> AsyncIterator[list[FakeOpenAI]]:
+    made = [FakeOpenAI(model="fake-chat"), FakeOpenAI(model="fake-chat")]
     for s in made:
         await s.start()
     yield made
@@ -336,7 +336,7 @@ async def upstreams() -> AsyncIterator[list[FakeOpenAIChat]]:
         await s.close()
 
 
-def upstream_config(servers: list[FakeOpenAIChat], quarantine_s: float = 600) -> dict[str, Any]:
+def upstream_config(servers: list[FakeOpenAI], quarantine_s: float = 600) -> dict[str, Any]:
     return {
         "server": {"host": "127.0.0.1", "port": 0},
         "models": {
@@ -361,10 +361,10 @@ UPSTREAM_QUESTION = [
 
 
 async def test_an_upstream_connection_drop_migrates_by_continuing_the_message(
-    upstreams: list[FakeOpenAIChat],
+    upstreams: list[FakeOpenAI],
 ) -> None:
     first, second = upstreams
-    first.faults.append(ChatFault("close", after_chunks=3))
+    first.faults.append(OpenAIFault("close", after=3))
     async with Orchestrator(upstream_config(upstreams)) as orch:
         await all_healthy(orch, UPSTREAM)  # both healthy: round-robin starts at the first
         chunks = await sdk_stream(
@@ -397,11 +397,11 @@ async def test_an_upstream_connection_drop_migrates_by_continuing_the_message(
 
 
 async def test_in_band_errors_on_every_upstream_after_text_make_the_sdk_raise(
-    upstreams: list[FakeOpenAIChat],
+    upstreams: list[FakeOpenAI],
 ) -> None:
     """Text reached the client before every replica failed: an in-stream error object."""
     for s in upstreams:
-        s.faults.append(ChatFault("error", after_chunks=2, times=-1))
+        s.faults.append(OpenAIFault("error", after=2, times=-1))
     async with Orchestrator(upstream_config(upstreams)) as orch:
         await all_healthy(orch, UPSTREAM)
         seen: list[Any] = []
@@ -430,12 +430,12 @@ async def test_in_band_errors_on_every_upstream_after_text_make_the_sdk_raise(
 
 
 async def test_in_band_errors_on_every_upstream_before_text_are_an_http_error(
-    upstreams: list[FakeOpenAIChat],
+    upstreams: list[FakeOpenAI],
 ) -> None:
     """Every replica failed before any text: nothing was sent, so a real HTTP 503. Failed
     replicas are not quarantined here: each request makes 1 + `limit` attempts."""
     for s in upstreams:
-        s.faults.append(ChatFault("error", after_chunks=0, times=-1))
+        s.faults.append(OpenAIFault("error", after=0, times=-1))
     async with Orchestrator(upstream_config(upstreams, quarantine_s=0)) as orch:
         await all_healthy(orch, UPSTREAM)
         for attempt, stream in enumerate((True, False), start=1):
