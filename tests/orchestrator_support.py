@@ -7,12 +7,13 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from resource import RLIMIT_NOFILE, setrlimit
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -22,11 +23,27 @@ from orchestrator.config import parse_config
 from orchestrator.server import start_server
 from tests.wait_support import until
 
+T = TypeVar("T")
+
 NDJSON = "application/x-ndjson"
 MODEL = "fake-model"
 # "I am great. What about you?" in eight tokens: two sentences, [0, 11) and [11, 27)
 SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
 ROOT = Path(__file__).resolve().parent.parent
+# every `type` an error body may carry (DESIGN's error body), the fuzz tests' oracle
+ERROR_TYPES = {
+    "invalid_request",
+    "not_found",
+    "unauthorized",
+    "detector_error",
+    "chunker_error",
+    "generation_error",
+    "generation_unavailable",
+    "timeout",
+    "overloaded",
+    "server_shutdown",
+    "server_error",
+}
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,26 @@ def generation_body(
     if params:
         body["text_gen_parameters"] = params
     return body
+
+
+class BackgroundLoop:
+    """An event loop in its own thread, for synchronous tests (hypothesis, schemathesis) that
+    talk to servers running on it; `run` waits for a coroutine under a generous deadline."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def start_loop(self) -> None:
+        self.thread.start()
+
+    def stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
 
 
 class Orchestrator:

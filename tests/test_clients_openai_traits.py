@@ -40,17 +40,8 @@ async def servers() -> AsyncIterator[list[FakeUpstream]]:
         await s.close()
 
 
-async def vllm(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAI]:
-    out = []
-    for _ in range(n):
-        s = FakeOpenAI(script=list(SCRIPT), flavour="transformers", **kw)
-        await s.start()
-        servers.append(s)
-        out.append(s)
-    return out
-
-
-async def chat_servers(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAI]:
+async def start(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAI]:
+    """`n` fake servers speaking as transformers serve does (chat and completions alike)."""
     out = []
     for _ in range(n):
         s = FakeOpenAI(script=list(SCRIPT), flavour="transformers", **kw)
@@ -87,7 +78,7 @@ async def test_completions_learns_the_server_and_streams_text(
     request again at once without it and remembers (the second request never carries it).
     Items are text, one token an event; the final one takes the usage's count; the end of the
     body after the finish chunk is a normal end."""
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     client = OpenAIClient("o0", s.url, "fake-model", session)
     for _ in range(2):
         stream = client.generate(request(), None, stall_timeout_s=30, max_time=0)
@@ -109,7 +100,7 @@ async def test_resume_by_text_without_token_ids(
     """A replica dies after two tokens: the other gets the prompt text plus the delivered text
     (a token-id prompt would be refused) and the rest of the budget; the client's text is
     seamless."""
-    a, b = await vllm(servers, 2)
+    a, b = await start(servers, 2)
     a.faults.append(OpenAIFault("close", after=2))
     be = backend(session, [a.url, b.url])
     stream = be.stream(request(max_new_tokens=10))
@@ -130,7 +121,7 @@ async def test_token_id_prompt_refused_falls_back_to_text(
     token-id prompt: the 400 turns the resume into a resume by text, remembered."""
     from orchestrator.clients.backend import Continuation
 
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     client = OpenAIClient("o0", s.url, "fake-model", session)
     client.traits.refused.add("return_token_ids")
     cont = Continuation(prompt_token_ids=(72, 105), token_ids=(1000, 1001), text="Once upon")
@@ -147,7 +138,7 @@ async def test_stop_string_the_server_sends_is_cut_here(
 ) -> None:
     """transformers serve sends the token that completes a stop string; OpenAI's contract (and
     the native engine's) leaves the stop string out: guardstream cuts it, STOP_SEQUENCE."""
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     client = OpenAIClient("o0", s.url, "fake-model", session)
     stream = client.generate(
         request(stop_sequences=(" a t",)), None, stall_timeout_s=30, max_time=0
@@ -174,7 +165,7 @@ async def test_a_refused_sampling_field_is_the_clients_422(
 ) -> None:
     """Never silently dropped: the server's refusal becomes an invalid_request 422, the next
     request is refused without calling the server, and validate() refuses it up front."""
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     be = backend(session, [s.url])
     client = be.replicas[0].client
     assert isinstance(client, OpenAIClient)
@@ -210,7 +201,7 @@ async def test_a_refused_model_default_is_dropped_not_the_clients_422(
     """The operator's decoding_defaults (repetition_penalty 1.1 in the shipped config) set a
     field transformers serve refuses: the request goes again without it, and later ones never
     send it; a client that sets the same field itself still gets the 422."""
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     be = backend(session, [s.url])
     client = be.replicas[0].client
     assert isinstance(client, OpenAIClient)
@@ -240,7 +231,7 @@ async def test_chat_server_without_continuation_migrates_only_before_the_first_t
     `continue_final_message` would start a fresh answer, so the resume fails with a clear error
     (the text already delivered stays; nothing repeated). Before the first token, a failed
     replica's request simply goes to the other one."""
-    a, b = await chat_servers(servers, 2)
+    a, b = await start(servers, 2)
     a.faults.append(OpenAIFault("close", after=2))
     be = backend(session, [a.url, b.url], api="chat")
     stream = be.stream(request(max_new_tokens=10))
@@ -269,7 +260,7 @@ async def test_chat_server_without_continuation_migrates_only_before_the_first_t
 async def test_chat_usage_in_the_finish_chunk_and_no_done(
     session: aiohttp.ClientSession, servers: list[FakeUpstream]
 ) -> None:
-    (s,) = await chat_servers(servers)
+    (s,) = await start(servers)
     client = OpenAIClient("c0", s.url, "fake-model", session, api="chat")
     stream = client.generate(
         request(stop_sequences=("time",)), None, stall_timeout_s=30, max_time=0
@@ -287,7 +278,7 @@ async def test_chat_request_on_completions_uses_the_tokenizer_folder(
     (the model's own template) and sent as text; counted with its tokenizer. Without one: a
     clear 502 naming the setting."""
     folder: Path = models.prepare("tiny-random")
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     conversation = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"))
     req = GenerationRequest(
         prompt="Hi", params=GenerationParams(max_new_tokens=5), chat=True, messages=conversation
@@ -325,7 +316,7 @@ async def test_failures_before_the_finish_are_migratable(
 ) -> None:
     """Without `[DONE]` the end of the body is a normal end only after the finish chunk; an
     in-band error (transformers serve's is a bare string) or an earlier end is a failure."""
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     s.faults.append(OpenAIFault(mode, after=2))
     client = OpenAIClient("o0", s.url, "fake-model", session)
     got: list[str] = []

@@ -22,7 +22,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from orchestrator import capacity
 from orchestrator.app import STREAMING_PATH
@@ -30,7 +29,7 @@ from orchestrator.config import parse_config
 from orchestrator.handlers.metrics import listen_overflows
 from orchestrator.server import start_server
 from orchestrator.state import STATE
-from tests.fakes.engine import FakeEngine
+from tests.fakes.engine import GatedEngine
 from tests.orchestrator_support import (
     ROOT,
     Orchestrator,
@@ -46,21 +45,6 @@ from tests.wait_support import DEADLINE_S, until
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_NOFILE and /proc: Linux")
 
 SCRIPT = ["One", " two", " three", "."]
-
-
-class GatedEngine(FakeEngine):
-    """Holds every generate request until `gate` opens: all admitted streams run at once,
-    however slow the machine."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.gate = asyncio.Event()
-        self.held = 0
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        self.held += 1
-        await self.gate.wait()
-        return await super()._generate(request)
 
 
 def nofile_of(pid: int) -> tuple[int, int]:

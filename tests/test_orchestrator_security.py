@@ -35,7 +35,7 @@ from orchestrator.config import ConfigError, parse_config
 from orchestrator.server import start_server
 from orchestrator.state import STATE
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine
+from tests.fakes.engine import FakeEngine, GatedEngine
 from tests.orchestrator_support import (
     NDJSON,
     SCRIPT,
@@ -57,21 +57,6 @@ UNAUTHORIZED = {"code": 401, "details": "missing or invalid API key", "type": "u
 
 
 # -- fakes that the shared ones lack: TLS, a gate, recorded headers ------------------------------
-
-
-class GatedEngine(FakeEngine):
-    """Holds every generate request until `gate` opens: streams stay open exactly as long as a
-    test needs, with no timing involved."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.gate = asyncio.Event()
-        self.held = 0
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        self.held += 1
-        await self.gate.wait()
-        return await super()._generate(request)
 
 
 class TlsEngine(FakeEngine):

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from orchestrator.app import STREAMING_PATH
-from tests.fakes.engine import FakeEngine, Fault
+from tests.fakes.engine import FakeEngine, Fault, GatedEngine
 from tests.orchestrator_support import (
     Served,
     SseEvent,
@@ -30,21 +29,6 @@ from tests.orchestrator_support import (
 from tests.wait_support import until
 
 STREAMS = 20
-
-
-class GatedEngine(FakeEngine):
-    """Holds every generate request until `gate` opens, so all streams are running when the
-    signal comes, however slow the machine."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.gate = asyncio.Event()
-        self.held = 0
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        self.held += 1
-        await self.gate.wait()
-        return await super()._generate(request)
 
 
 async def read_stream(

@@ -322,6 +322,22 @@ class FakeEngine(FakeUpstream):
         await resp.write_eof()
 
 
+class GatedEngine(FakeEngine):
+    """Holds every generate request until `gate` opens: streams stay open exactly as long as a
+    test needs (all admitted streams running when a signal or an overload comes), however slow
+    the machine, with no timing involved. `held`: generate requests that arrived."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.gate = asyncio.Event()
+        self.held = 0
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        self.held += 1
+        await self.gate.wait()
+        return await super()._generate(request)
+
+
 def main() -> None:
     import argparse
 
