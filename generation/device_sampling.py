@@ -149,6 +149,20 @@ class DeviceSampler:
             self._ints[dst] = self._ints[src]
             self._seen[dst] = self._seen[src]
 
+    def reorder(self, order: Sequence[int], previous_rows: int) -> None:
+        """Slot i takes the state slot `order[i]` had (the order `SlotCache.keep` returns, or
+        any permutation), and slots `len(order)..previous_rows-1` are cleared: one gather per
+        buffer instead of a `move_row` per moved row."""
+        count = len(order)
+        for slot in order:
+            self._check_slot(slot)
+        if list(order) != list(range(count)):
+            index = torch.tensor(list(order), dtype=torch.long).to(self.device)
+            for buffer in (self._floats, self._ints, self._seen):
+                buffer[:count] = buffer.index_select(0, index)  # a copy: any permutation is safe
+        for slot in range(count, min(previous_rows, self.slots)):
+            self.clear_row(slot)
+
     def clear_row(self, slot: int) -> None:
         """Reset `slot` to a greedy row with nothing seen (what padding rows of a bucket hold)."""
         self._check_slot(slot)
