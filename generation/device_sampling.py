@@ -73,7 +73,11 @@ def device_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
 
 
 class DeviceSampler:
-    """Per-slot sampling state in static device buffers; `sample` is capturable in a CUDA graph."""
+    """Per-slot sampling state in static device buffers; `sample` is capturable in a CUDA graph.
+
+    `sample` advances the state of every slot it covers, padding slots included (harmless: a
+    slot is fully rewritten by `set_row` before a request uses it). Warm-up runs before a
+    capture advance it too, so call `reset` once the graphs are captured."""
 
     def __init__(
         self,
@@ -106,8 +110,7 @@ class DeviceSampler:
         eos_columns[eos] = True
         self._eos_columns = eos_columns.to(self.device)
         self._has_eos = bool(eos)
-        for slot in range(slots):
-            self.clear_row(slot)
+        self.reset()
 
     def set_row(
         self,
@@ -162,6 +165,12 @@ class DeviceSampler:
                 buffer[:count] = buffer.index_select(0, index)  # a copy: any permutation is safe
         for slot in range(count, min(previous_rows, self.slots)):
             self.clear_row(slot)
+
+    def reset(self) -> None:
+        """Clear every slot (after warm-up and capture, or when the batch empties)."""
+        self._floats.copy_(torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64).to(self.device))
+        self._ints.zero_()
+        self._seen.zero_()
 
     def clear_row(self, slot: int) -> None:
         """Reset `slot` to a greedy row with nothing seen (what padding rows of a bucket hold)."""

@@ -30,7 +30,9 @@ row on a CPU), so every tier computes the same numbers and picks the same token:
 count never changes a result, and neither does the batch (every op works row by row; sums use
 `cumsum` because a plain `sum` of a row depends on how the batch is split across threads).
 On a GPU the default is a full sort at once (`candidates=None`): one tier, no device sync
-besides reading the tokens.
+besides reading the tokens. The CUDA-graph decode step uses device_sampling.py instead: the same
+arithmetic (`_candidates`, `row_weight`, `_resolve`) with per-row settings and the uniforms on
+the device.
 """
 
 from __future__ import annotations

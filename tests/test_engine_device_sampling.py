@@ -401,3 +401,30 @@ def test_a_sampled_row_with_no_finite_logit_still_gets_a_token() -> None:
         sampler.set_row(slot, params, min_new_tokens=0, generated=0, seen_ids=[])
     assert sampler.sample(logits).tolist() == expected
     assert expected[0] == 0
+
+
+def test_reset_clears_what_warm_up_advanced() -> None:
+    """Warm-up and capture runs advance every slot; `reset` returns them all to cleared."""
+    sampler = DeviceSampler(3, 10, 12, [1], DEVICE)
+    cleared = state_of(sampler, range(3))
+    sampler.set_row(
+        1,
+        SamplingParams(greedy=False, seed=4, top_k=3),
+        min_new_tokens=2,
+        generated=5,
+        seen_ids=[2],
+    )
+    sampler.sample(make_logits("wide", 0, 3, 12, 0.0, torch.float32))
+    assert state_of(sampler, range(3)) != cleared
+    sampler.reset()
+    assert state_of(sampler, range(3)) == cleared
+    assert cleared[0] == {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "repetition_penalty": 1.0,
+        "top_k": 0,
+        "seed": 0,
+        "generated": 0,
+        "min_new_tokens": 0,
+        "seen_ids": [],
+    }
