@@ -428,3 +428,43 @@ def test_reset_clears_what_warm_up_advanced() -> None:
         "min_new_tokens": 0,
         "seen_ids": [],
     }
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need GUARDSTREAM_TEST_DEVICE=cuda")
+def test_sample_replays_from_a_cuda_graph() -> None:
+    """Captured once over static logits (warm-up advances state, `reset` clears it), then rows
+    set, moved and cleared between replays: every replay picks what the eager sampler picks."""
+    slots, width = 8, 1000
+    eager, graphed = (DeviceSampler(slots, 990, width, [3, 7], DEVICE) for _ in range(2))
+    static_logits = torch.zeros(slots, width, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            graphed.sample(static_logits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_tokens = graphed.sample(static_logits)
+    graphed.reset()
+    for slot in range(6):
+        params = SamplingParams(
+            greedy=slot == 0,
+            temperature=0.7 + slot / 3,
+            top_k=slot * 7,
+            top_p=0.9 if slot % 2 else 1.0,
+            seed=2**63 - 1 - slot,
+            repetition_penalty=1.0 if slot % 3 else 1.5,
+        )
+        for sampler in (eager, graphed):
+            sampler.set_row(slot, params, min_new_tokens=2, generated=slot, seen_ids=[slot, 9])
+    for step in range(6):
+        if step == 3:  # row 1 leaves: the last row moves into its slot
+            for sampler in (eager, graphed):
+                sampler.move_row(5, 1)
+                sampler.clear_row(5)
+        logits = make_logits("peaked", step, slots, width, 0.2, torch.bfloat16)
+        static_logits.copy_(logits.float())
+        graph.replay()
+        assert static_tokens.tolist()[:5] == eager.sample(logits.float()).tolist()[:5]
+    assert state_of(graphed, range(5)) == state_of(eager, range(5))
