@@ -26,7 +26,7 @@ draws after the same masks, whatever shares the batch, including padding rows of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -119,10 +119,10 @@ class DeviceSampler:
         *,
         min_new_tokens: int,
         generated: int,
-        seen_ids: Sequence[int],
+        seen_ids: Iterable[int],
     ) -> None:
         """Give `slot` a request's settings, its generated-token count (the position of its
-        next draw) and the ids it has seen (prompt and generated). Host->device writes, between
+        next draw) and the ids it has seen (prompt and generated; a set will do). Host->device writes, between
         steps (never inside a captured graph)."""
         self._check_slot(slot)
         greedy = params.greedy or params.temperature <= 0
