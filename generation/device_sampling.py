@@ -122,8 +122,8 @@ class DeviceSampler:
         seen_ids: Iterable[int],
     ) -> None:
         """Give `slot` a request's settings, its generated-token count (the position of its
-        next draw) and the ids it has seen (prompt and generated; a set will do). Host->device writes, between
-        steps (never inside a captured graph)."""
+        next draw) and the ids it has seen (prompt and generated; a set will do).
+        Host->device writes, between steps (never inside a captured graph)."""
         self._check_slot(slot)
         greedy = params.greedy or params.temperature <= 0
         floats = [0.0 if greedy else params.temperature, params.top_p, params.repetition_penalty]
