@@ -69,12 +69,7 @@ class TlsEngine(FakeEngine):
         app.router.add_post("/v1/generate", self._generate)
         app.router.add_post("/v1/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"https://127.0.0.1:{self.port}"
+        self.port = await self._serve(app, ssl_context=self.ssl_context)
         return self.url
 
 
@@ -82,22 +77,8 @@ class RecordingDetectorServer(FakeDetectorServer):
     """The fake detector service, optionally over HTTPS, recording each call's headers."""
 
     def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
-        super().__init__()
-        self.ssl_context = ssl_context
+        super().__init__(ssl_context)
         self.headers: list[CIMultiDict[str]] = []
-
-    async def start(self) -> str:
-        app = web.Application()
-        app.router.add_post("/api/v1/text/contents", self._contents)
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
-        self._runner = web.AppRunner(app, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        scheme = "https" if self.ssl_context else "http"
-        self.url = f"{scheme}://127.0.0.1:{port}"
-        return self.url
 
     async def _contents(self, request: web.Request) -> web.Response:
         self.headers.append(CIMultiDict(request.headers))

@@ -44,6 +44,7 @@ from orchestrator.app import STREAMING_PATH, create_app
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.logs import make_handler
 from tests.fakes.engine import FakeEngine
+from tests.fakes.upstream import start_site
 from tests.orchestrator_support import MODEL as MODEL_ID
 from tests.orchestrator_support import (
     assert_contiguous,
@@ -105,10 +106,7 @@ class FakeCollector:
         app.router.add_post("/v1/traces", self._traces)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = await start_site(self._runner)
         return self.url
 
     async def close(self) -> None:
@@ -213,10 +211,7 @@ async def orchestrator(
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        yield f"http://127.0.0.1:{port}"
+        yield await start_site(runner)
     finally:
         await runner.cleanup()
 
@@ -476,10 +471,7 @@ class RecordingDetector:
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = await start_site(self._runner)
         return self.url
 
     async def close(self) -> None:
