@@ -16,6 +16,7 @@ from resource import RLIMIT_NOFILE, setrlimit
 from typing import Any, TypeVar
 
 import aiohttp
+import psutil
 from aiohttp import web
 
 from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
@@ -292,14 +293,30 @@ class Served:
             f"the log line {prefix!r}",
         )
 
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children()
+
+    def workers(self) -> list[psutil.Process]:
+        """The worker processes of a `server.workers` supervisor."""
+        return [c for c in self.children() if "worker_main" in " ".join(c.cmdline())]
+
+    def engines(self) -> list[psutil.Process]:
+        """The managed engine processes it started."""
+        return [c for c in self.children() if "generation" in c.cmdline()]
+
 
 @asynccontextmanager
 async def serve(
-    tmp_path: Path, config: dict[str, Any], *args: str, nofile: tuple[int, int] | None = None
+    tmp_path: Path,
+    config: dict[str, Any],
+    *args: str,
+    nofile: tuple[int, int] | None = None,
+    start_s: float = 30.0,
 ) -> AsyncIterator[Served]:
-    """Starts `python -m orchestrator serve` on a free port and waits for its "listening on"
-    line; the child gets this interpreter's PYTHONPATH plus the repository root, and with
-    `nofile` the open-file limits (soft, hard) a container or systemd would give it."""
+    """Starts `python -m orchestrator serve` on a free port and waits (up to `start_s`) for its
+    "listening on" line; the child gets this interpreter's PYTHONPATH plus the repository root,
+    and with `nofile` the open-file limits (soft, hard) a container or systemd would give it.
+    Whatever is left of it at the end (workers, engines included) is killed."""
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     stderr = tmp_path / "stderr.log"
@@ -317,10 +334,12 @@ async def serve(
         )
     try:
         assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        line = await asyncio.wait_for(proc.stdout.readline(), start_s)
         assert line.startswith(b"guardstream listening on http://"), (line, stderr.read_text())
         yield Served(proc, line.decode().split()[-1], stderr)
     finally:
         if proc.returncode is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
             proc.kill()
             await proc.wait()

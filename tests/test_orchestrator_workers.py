@@ -6,12 +6,8 @@ drains every worker: a running stream completes, then everything exits 0."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +20,6 @@ from orchestrator.app import STREAMING_PATH
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     MODEL,
-    ROOT,
     SCRIPT,
     SseEvent,
     assert_contiguous,
@@ -32,6 +27,7 @@ from tests.orchestrator_support import (
     generation_body,
     native_config,
     read_sse,
+    serve,
     sse_events,
     terminal,
 )
@@ -40,53 +36,6 @@ from tests.wait_support import until
 START_S = 120  # generous: two workers import the service at once on a busy machine
 TEXT = "".join(SCRIPT)
 PII = {"pii": {"builtin": "regex", "chunker_id": "sentence"}}
-
-
-class Supervised:
-    """The `serve` process, its URL, and what its children are."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
-        self.proc = proc
-        self.url = url
-
-    def children(self) -> list[psutil.Process]:
-        return psutil.Process(self.proc.pid).children()
-
-    def workers(self) -> list[psutil.Process]:
-        return [c for c in self.children() if "worker_main" in " ".join(c.cmdline())]
-
-    def engines(self) -> list[psutil.Process]:
-        return [c for c in self.children() if "generation" in c.cmdline()]
-
-
-@asynccontextmanager
-async def supervised(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[Supervised]:
-    """`python -m orchestrator serve` on a free port, once it printed its "listening on" line."""
-    path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    with (tmp_path / "stderr.log").open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *("-m", "orchestrator", "serve", "--config", str(path), "--port", "0"),
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-        )
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), START_S)
-        log = (tmp_path / "stderr.log").read_text()
-        assert line.startswith(b"guardstream listening on http://"), (line, log)
-        yield Supervised(proc, line.decode().split()[-1])
-    finally:
-        if proc.returncode is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            await proc.wait()
 
 
 async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -144,7 +93,7 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
     await engine.start()
     config = native_config(engine.url, detectors=PII, server={"workers": 2})
     try:
-        async with supervised(tmp_path, config) as served:
+        async with serve(tmp_path, config, start_s=START_S) as served:
             workers = {w.pid for w in served.workers()}
             assert len(workers) == 2 and served.engines() == []
             metrics_dir = psutil.Process(min(workers)).environ()["PROMETHEUS_MULTIPROC_DIR"]
@@ -257,7 +206,7 @@ async def test_managed_engines_are_started_once_for_all_workers(tmp_path: Path) 
         "chunkers": {"sentence": {"type": "sentence"}},
         "detectors": PII,
     }
-    async with supervised(tmp_path, config) as served:
+    async with serve(tmp_path, config, start_s=START_S) as served:
         workers = {w.pid for w in served.workers()}
         (engine,) = served.engines()  # one engine process, not one per worker
         assert len(workers) == 2
@@ -294,7 +243,7 @@ async def test_workers_drain_and_exit_when_the_supervisor_is_killed(tmp_path: Pa
     await engine.start()
     config = native_config(engine.url, detectors=PII, server={"workers": 2, "drain_timeout_s": 1})
     try:
-        async with supervised(tmp_path, config) as served:
+        async with serve(tmp_path, config, start_s=START_S) as served:
             workers = [w.pid for w in served.workers()]
             assert len(workers) == 2
             seen: list[SseEvent] = []
