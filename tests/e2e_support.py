@@ -13,24 +13,32 @@ from tests.wait_support import until
 MODEL = "tiny"
 
 
+def managed_model(
+    replicas: int = 2,
+    *,
+    fault_injection: bool = True,
+    start_timeout_s: float = 120,
+    migration: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A model served by `replicas` managed `tiny-random` engine processes on CPU."""
+    backend: dict[str, Any] = {
+        "type": "managed",
+        "model": "tiny-random",
+        "device": "cpu",
+        "replicas": replicas,
+        "start_timeout_s": start_timeout_s,
+    }
+    if fault_injection:
+        backend["enable_fault_injection"] = True
+    if migration is None:
+        migration = {"limit": 3, "stall_timeout_s": 30, "quarantine_s": 30}
+    return {"backends": [backend], "migration": migration}
+
+
 def e2e_config() -> dict[str, Any]:
     return {
         "server": {"host": "127.0.0.1", "port": 0},
-        "models": {
-            MODEL: {
-                "backends": [
-                    {
-                        "type": "managed",
-                        "model": "tiny-random",
-                        "device": "cpu",
-                        "replicas": 2,
-                        "enable_fault_injection": True,
-                        "start_timeout_s": 120,
-                    }
-                ],
-                "migration": {"limit": 3, "stall_timeout_s": 30, "quarantine_s": 30},
-            }
-        },
+        "models": {MODEL: managed_model()},
         "chunkers": {"sentence": {"type": "sentence"}},
         "detectors": {
             "pii": {"builtin": "regex", "chunker_id": "sentence"},

@@ -43,6 +43,7 @@ from orchestrator import tracing
 from orchestrator.app import STREAMING_PATH, create_app
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.logs import make_handler
+from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine
 from tests.fakes.upstream import start_site
 from tests.orchestrator_support import MODEL as MODEL_ID
@@ -261,21 +262,7 @@ async def test_one_trace_across_orchestrator_engines_and_detector_service(
                     # managed engines inherit it through their environment
                     "tracing": {"otlp_endpoint": collector_url, "service_name": "guardstream"},
                 },
-                "models": {
-                    MODEL: {
-                        "backends": [
-                            {
-                                "type": "managed",
-                                "model": "tiny-random",
-                                "device": "cpu",
-                                "replicas": 2,
-                                "enable_fault_injection": True,
-                                "start_timeout_s": 120,
-                            }
-                        ],
-                        "migration": {"limit": 3, "stall_timeout_s": 30, "quarantine_s": 30},
-                    }
-                },
+                "models": {MODEL: managed_model()},
                 "chunkers": {"sentence": {"type": "sentence"}},
                 "detectors": {"pii": remote(detectors_url), "hap": remote(detectors_url)},
             }

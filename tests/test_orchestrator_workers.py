@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.app import STREAMING_PATH
+from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     MODEL,
@@ -190,18 +191,9 @@ async def test_managed_engines_are_started_once_for_all_workers(tmp_path: Path) 
     config = {
         "server": {"host": "127.0.0.1", "port": 0, "workers": 2},
         "models": {
-            MODEL: {
-                "backends": [
-                    {
-                        "type": "managed",
-                        "model": "tiny-random",
-                        "device": "cpu",
-                        "replicas": 1,
-                        "start_timeout_s": 300,
-                    }
-                ],
-                "migration": {"limit": 0},
-            }
+            MODEL: managed_model(
+                1, fault_injection=False, start_timeout_s=300, migration={"limit": 0}
+            )
         },
         "chunkers": {"sentence": {"type": "sentence"}},
         "detectors": PII,
