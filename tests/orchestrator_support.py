@@ -22,7 +22,7 @@ from aiohttp import web
 from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from orchestrator.config import parse_config
 from orchestrator.server import start_server
-from tests.wait_support import until
+from tests.wait_support import finished, until
 
 T = TypeVar("T")
 
@@ -334,7 +334,7 @@ async def serve(
         )
     try:
         assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), start_s)
+        line = await finished(proc.stdout.readline(), start_s, "proc.stdout.readline()")
         assert line.startswith(b"guardstream listening on http://"), (line, stderr.read_text())
         yield Served(proc, line.decode().split()[-1], stderr)
     finally:

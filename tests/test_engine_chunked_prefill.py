@@ -15,6 +15,7 @@ import torch
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine, Job, StreamError, StreamItem
+from tests.wait_support import within
 
 CHUNK = 16
 Event = StreamItem | StreamError
@@ -59,7 +60,7 @@ def make_job(
 
 async def tokens_of(queue: asyncio.Queue[Event]) -> list[int]:
     out: list[int] = []
-    async with asyncio.timeout(60):  # a guard, not a window
+    async with within(60):  # a guard, not a window
         while True:
             item = await queue.get()
             assert isinstance(item, StreamItem), item

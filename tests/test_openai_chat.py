@@ -25,6 +25,7 @@ from tests.orchestrator_support import (
     remote,
     terminal,
 )
+from tests.wait_support import within
 
 TEXT = "I am great. What about you?"
 ALIAS = CHAT_ALIAS
@@ -445,7 +446,7 @@ async def test_keepalive_comments_while_text_is_held_back(engine, dets, surface)
         async with orch.session.post(orch.url + path, json=body) as r:
             assert r.status == 200
             lines: list[bytes] = []
-            async with asyncio.timeout(30):
+            async with within(30):
                 while (line := await r.content.readline()) != b": keep-alive\n":
                     lines.append(line)
                 gate.set()

@@ -32,6 +32,7 @@ from tests.openai_support import (
     without_guardrail_annotations,
 )
 from tests.orchestrator_support import MODEL, SCRIPT, Orchestrator, native_config, remote
+from tests.wait_support import within
 
 TEXT = "I am great. What about you?"
 PATH = RESPONSES_PATH
@@ -622,7 +623,7 @@ async def test_keepalive_comments_while_text_is_held_back(engine, dets) -> None:
         async with orch.session.post(orch.url + PATH, json=request) as r:
             assert r.status == 200
             lines: list[bytes] = []
-            async with asyncio.timeout(30):
+            async with within(30):
                 while (line := await r.content.readline()) != b": keep-alive\n":
                     lines.append(line)
                 gate.set()

@@ -32,7 +32,7 @@ from tests.orchestrator_support import (
     remote,
     terminal,
 )
-from tests.wait_support import until
+from tests.wait_support import finished, until
 
 TEXT = "I am great. What about you?"
 
@@ -143,7 +143,7 @@ async def test_errors_failures_and_the_unary_and_content_endpoints_are_counted(
                 on_event=lambda events: frames(events) and first_frame.set(),
             )
         )
-        await asyncio.wait_for(first_frame.wait(), 30)
+        await finished(first_frame.wait(), 30, "first_frame.wait()")
         await expire_stalls(clock, stalled.done)
         failed = await stalled
         errored = await orch.stream(generation_body(output={"broken": {}}))
@@ -207,7 +207,7 @@ async def test_the_active_streams_gauge_counts_streams_in_flight(
                     await r.read()
 
             task = asyncio.create_task(read_stream())
-            await asyncio.wait_for(engine.first_token.wait(), 10)
+            await finished(engine.first_token.wait(), 10, "engine.first_token.wait()")
             during = await scrape(orch.session, orch.url)
             task.cancel()  # the client goes away: the stream ends without a terminal event
             with pytest.raises(asyncio.CancelledError):

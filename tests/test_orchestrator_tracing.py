@@ -56,7 +56,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
-from tests.wait_support import until
+from tests.wait_support import finished, until
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -191,11 +191,11 @@ async def detector_service(tmp_path: Path, collector: str) -> AsyncIterator[str]
         )
     try:
         assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        line = (await finished(proc.stdout.readline(), 120, "proc.stdout.readline()")).decode()
         assert "serving hap, pii on http://127.0.0.1:" in line, (line, stderr.read_text())
         yield line.split()[-1]
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 60) == 0, stderr.read_text()
+        assert await finished(proc.wait(), 60, "proc.wait()") == 0, stderr.read_text()
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -32,7 +32,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
-from tests.wait_support import until
+from tests.wait_support import finished, until, within
 
 START_S = 120  # generous: two workers import the service at once on a busy machine
 TEXT = "".join(SCRIPT)
@@ -121,7 +121,7 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
             # counts itself once its page is written, so the earlier scrapes are on it). A
             # stream is counted when its handler returns, just after the client read its last
             # byte, so a scrape may come first: scrape again until all are there (a deadline)
-            async with asyncio.timeout(30):
+            async with within(30):
                 while sum(served_by.values()) < streams + scrapes - 1:
                     metrics = await scrape(served.url)
                     scrapes += 1
@@ -156,9 +156,9 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
             }
             assert engine.holding == 1 and not client.done()
             engine.release.set()
-            events = await asyncio.wait_for(client, 30)
+            events = await finished(client, 30, "client")
             check_completed(events)
-            assert await asyncio.wait_for(served.proc.wait(), 60) == 0
+            assert await finished(served.proc.wait(), 60, "served.proc.wait()") == 0
             assert not any(psutil.pid_exists(pid) for pid in workers)
             assert not exists(metrics_dir)  # the supervisor removed it
     finally:
@@ -213,7 +213,7 @@ async def test_managed_engines_are_started_once_for_all_workers(tmp_path: Path) 
         stream_key = ("endpoint", STREAMING_PATH), ("status", "200")
         assert metrics[("guardstream_requests_total", stream_key)] == 6
         served.proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(served.proc.wait(), 120) == 0
+        assert await finished(served.proc.wait(), 120, "served.proc.wait()") == 0
         assert not any(psutil.pid_exists(pid) for pid in {*workers, engine.pid})
 
 
@@ -243,7 +243,7 @@ async def test_workers_drain_and_exit_when_the_supervisor_is_killed(tmp_path: Pa
             await until(lambda: engine.holding == 1 and len(seen) == 1, 30)
             served.proc.kill()
             await served.proc.wait()
-            events = await asyncio.wait_for(client, 30)  # a guard, not a window
+            events = await finished(client, 30, "client")  # a guard, not a window
             end = terminal(events)  # a frame had been sent: `failed`, with the frames' end
             assert end.name == "failed"
             assert end.data["error"] == {

@@ -29,6 +29,7 @@ from orchestrator.streaming.detector_queue import DetectorQueue
 from orchestrator.streaming.inbox import Inbox
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import Orchestrator, generation_body, native_config
+from tests.wait_support import finished
 
 
 def pii_detector() -> RequestedDetector:
@@ -69,7 +70,9 @@ async def test_stream_content_ends_after_a_bad_last_line(engine: FakeEngine) -> 
     body = json.dumps({"content": "mail a@b.com now. You too", "detectors": {"pii": {}}}) + "\n\x00"
     async with Orchestrator(config) as orch:
         for _ in range(20):  # the race was lost most of the time; every reply must end
-            status, text = await asyncio.wait_for(orch.post(STREAM_CONTENT_PATH, body), 30)
+            status, text = await finished(
+                orch.post(STREAM_CONTENT_PATH, body), 30, "orch.post(STREAM_CONTENT_PATH, body)"
+            )
             assert status == 200
             lines = [json.loads(x) for x in text.splitlines()]
             assert lines[-1] == {
@@ -128,6 +131,6 @@ async def test_a_failure_after_the_reply_started_cuts_the_connection(
         async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
             assert r.status == 200
             with pytest.raises(aiohttp.ClientPayloadError):
-                await asyncio.wait_for(r.read(), 30)
+                await finished(r.read(), 30, "r.read()")
         status, _ = await orch.post(STREAMING_PATH, generation_body())
         assert status == 200  # the server goes on serving
