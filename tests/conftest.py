@@ -11,6 +11,7 @@ from generation import models
 from generation.server import create_app
 from tests.engine_processes import ThreadedServer
 from tests.fakes.engine import FakeEngine
+from tests.fakes.upstream import FakeUpstream
 from tests.orchestrator_support import SCRIPT
 
 
@@ -47,3 +48,12 @@ async def engine() -> AsyncIterator[FakeEngine]:
     await fake.start()
     yield fake
     await fake.close()
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[FakeUpstream]]:
+    """Fake upstream servers a test started (appended here); closed at its end."""
+    made: list[FakeUpstream] = []
+    yield made
+    for s in made:
+        await s.close()

@@ -4,7 +4,6 @@ real socket, and migration between two such servers."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -28,9 +27,11 @@ from tests.fakes.openai_server import (
     FakeOpenAI,
     OpenAIFault,
     count_tokens,
+    start_fakes,
     templated,
     token_ids,
 )
+from tests.fakes.upstream import FakeUpstream
 from tests.wait_support import until
 
 SCRIPT = ["Once", " upon", " a", " time", "."]
@@ -38,20 +39,8 @@ HI = {"role": "user", "content": "Hi"}
 FULL = "".join(SCRIPT)
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[list[FakeOpenAI]]:
-    made: list[FakeOpenAI] = []
-    yield made
-    for s in made:
-        await s.close()
-
-
-async def start(servers: list[FakeOpenAI], n: int = 1, **kwargs: Any) -> list[FakeOpenAI]:
-    for _ in range(n):
-        s = FakeOpenAI(script=list(SCRIPT), **kwargs)
-        await s.start()
-        servers.append(s)
-    return servers
+async def start(servers: list[FakeUpstream], n: int = 1, **kwargs: Any) -> list[FakeOpenAI]:
+    return await start_fakes(servers, n, script=list(SCRIPT), **kwargs)
 
 
 def request(prompt: str = "Hi", chat: bool = False, **params: Any) -> GenerationRequest:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -32,6 +31,7 @@ from tests.fakes.openai_server import (
     FakeOpenAI,
     OpenAIFault,
     count_tokens,
+    start_fakes,
     templated,
     token_ids,
 )
@@ -46,22 +46,8 @@ CONVERSATION = (
 )
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[list[Any]]:
-    made: list[Any] = []
-    yield made
-    for s in made:
-        await s.close()
-
-
 async def start(servers: list[Any], n: int = 1, **kwargs: Any) -> list[FakeOpenAI]:
-    out = []
-    for _ in range(n):
-        s = FakeOpenAI(**{"model": "fake-chat", **kwargs})
-        await s.start()
-        servers.append(s)
-        out.append(s)
-    return out
+    return await start_fakes(servers, n, **{"model": "fake-chat", **kwargs})
 
 
 def request(

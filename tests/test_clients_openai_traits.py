@@ -6,7 +6,6 @@ string sent, vLLM-only sampling fields refused by name."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,30 +24,16 @@ from orchestrator.clients.backend import (
 from orchestrator.clients.backends import build_model_backends
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
-from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, count_tokens, templated
+from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, count_tokens, start_fakes, templated
 from tests.fakes.upstream import FakeUpstream
 
 SCRIPT = ["Once", " upon", " a", " time", "."]
 FULL = "".join(SCRIPT)
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[list[FakeUpstream]]:
-    made: list[FakeUpstream] = []
-    yield made
-    for s in made:
-        await s.close()
-
-
 async def start(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAI]:
     """`n` fake servers speaking as transformers serve does (chat and completions alike)."""
-    out = []
-    for _ in range(n):
-        s = FakeOpenAI(script=list(SCRIPT), flavour="transformers", **kw)
-        await s.start()
-        servers.append(s)
-        out.append(s)
-    return out
+    return await start_fakes(servers, n, script=list(SCRIPT), flavour="transformers", **kw)
 
 
 def request(prompt: str = "Hi", **params: Any) -> GenerationRequest:

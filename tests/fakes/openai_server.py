@@ -689,3 +689,15 @@ class FakeOpenAI(FakeUpstream):
             await event("", finish_reason=finish, usage=usage)
             await resp.write_eof()
             return resp
+
+
+async def start_fakes(into: list[Any], n: int = 1, **options: Any) -> list[FakeOpenAI]:
+    """Start `n` fakes with these options; each is also appended to `into` (the `servers`
+    fixture closes them at the end of the test). The ones started."""
+    out = []
+    for _ in range(n):
+        server = FakeOpenAI(**options)
+        await server.start()
+        into.append(server)
+        out.append(server)
+    return out
