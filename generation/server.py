@@ -52,7 +52,14 @@ from .protocol import (
     error_body,
 )
 from .sampling import SamplingParams, random_seed
-from .scheduler import Engine, EngineUnavailable, Job, StreamError, StreamItem
+from .scheduler import (
+    GPU_MEMORY_FRACTION,
+    Engine,
+    EngineUnavailable,
+    Job,
+    StreamError,
+    StreamItem,
+)
 
 log = logging.getLogger("guardstream.engine")
 
@@ -108,9 +115,12 @@ def create_app(
     dtype: str = "auto",
     batch_invariant: bool = False,
     fault_injection: bool = False,
-    max_batch_size: int = 64,
+    max_batch_size: int | None = None,
     threads: int | None = None,
     prefill_chunk_tokens: int | None = None,
+    static_decode: bool | None = None,
+    static_buckets: bool | None = None,
+    gpu_memory_fraction: float = GPU_MEMORY_FRACTION,
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
 ) -> web.Application:
@@ -135,6 +145,9 @@ def create_app(
             max_batch_size=max_batch_size,
             threads=threads,
             prefill_chunk_tokens=prefill_chunk_tokens,
+            static_decode=static_decode,
+            static_buckets=static_buckets,
+            gpu_memory_fraction=gpu_memory_fraction,
         ),
         faults=FaultInjector() if fault_injection else None,
     )
@@ -155,7 +168,11 @@ def create_app(
 
 
 async def _on_startup(app: web.Application) -> None:
-    app[STATE].engine.start()
+    state = app[STATE]
+    # Off the loop: on CUDA the start allocates the static KV cache and captures the graphs.
+    await asyncio.to_thread(state.engine.start)
+    # The engine may hold less context than the model (a KV cache sized from GPU memory).
+    state.loaded = state.engine.loaded
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -340,6 +357,10 @@ async def handle_health(request: web.Request) -> web.Response:
         "tokens_generated": engine.stats.tokens_generated,
         "requests_cancelled": engine.stats.requests_cancelled,
         "max_context": state.loaded.max_context,
+        "max_batch_size": engine.max_batch_size,
+        # rows x capacity the KV cache holds, what it uses now, and how decode steps run
+        # (cuda_graphs: replayed; static: the static step run eagerly; eager: the slot cache)
+        "kv_cache": engine.cache_info(),
     }
     return web.json_response(body, status=200 if engine.healthy else 503)
 
@@ -624,7 +645,17 @@ class _EngineCollector(Collector):
             "Requests queued or running",
             value=self.state.engine.active_requests,
         )
-        buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+        cache = self.state.engine.cache_info()
+        for name, key, help_text in (
+            ("kv_cache_rows", "rows", "Rows the KV cache holds (the largest decode batch)"),
+            ("kv_cache_capacity_tokens", "capacity", "Tokens per row the KV cache holds"),
+            ("kv_cache_rows_used", "rows_used", "Rows of the KV cache in use"),
+            ("kv_cache_tokens_used", "tokens_used", "Tokens held by the running rows"),
+            ("kv_cache_bytes", "bytes", "Bytes allocated by the KV cache"),
+            ("decode_graphs", "graphs", "CUDA graphs captured for the decode step"),
+        ):
+            yield GaugeMetricFamily(f"guardstream_engine_{name}", help_text, value=cache[key])
+        buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
         sizes = dict(stats.batch_sizes)
         cumulative = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in buckets]
         cumulative.append(("+Inf", sum(sizes.values())))
