@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None and value < 1:
                 parser.error(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
         if not 0 < args.gpu_memory_fraction <= 1:
-            parser.error(
-                f"--gpu-memory-fraction must be in (0, 1], not {args.gpu_memory_fraction}"
-            )
+            parser.error(f"--gpu-memory-fraction must be in (0, 1], not {args.gpu_memory_fraction}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

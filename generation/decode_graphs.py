@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
+from .device_sampling import DeviceSampler
+
 log = logging.getLogger("guardstream.engine")
 
 #: Batch-size buckets a step pads its rows up to (one graph per bucket and width).
@@ -72,10 +74,9 @@ def bucket(n: int, buckets: Sequence[int] | None) -> int:
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
-    """`ROW_BUCKETS` up to the first one that holds `max_rows` (the slot count)."""
-    out = [b for b in ROW_BUCKETS if b < max_rows]
-    out.append(bucket(max_rows, ROW_BUCKETS))
-    return tuple(out)
+    """`ROW_BUCKETS` below `max_rows`, then `max_rows` itself (the slot count: a plan's 83 rows
+    get a last bucket of 83, not 128 rows of which 45 have no memory)."""
+    return (*(b for b in ROW_BUCKETS if b < max_rows), max_rows)
 
 
 def width_buckets(capacity: int, smallest: int = MIN_WIDTH_BUCKET) -> tuple[int, ...]:
@@ -301,9 +302,11 @@ class StaticDecoder:
         rows: Sequence[int] | None = None,
         widths: Sequence[int] | None = None,
         logits_to_keep: bool = True,
+        sampler: DeviceSampler | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
+        self.sampler = sampler
         self.row_buckets = tuple(rows) if rows else None
         self.width_buckets = tuple(widths) if widths else None
         self._logits_to_keep = logits_to_keep
@@ -327,19 +330,22 @@ class StaticDecoder:
         width = bucket(max(lengths) + 1, self.width_buckets)
         return min(rows, self.cache.slots), min(width, self.cache.capacity)
 
+    @property
+    def samples(self) -> bool:
+        """Whether `step` returns chosen tokens (a `DeviceSampler` runs inside the step)."""
+        return self.sampler is not None
+
     def step(self, tokens: Sequence[int]) -> torch.Tensor:
-        """One decode step: row r of the cache takes `tokens[r]`; returns the real rows' logits
-        `[rows, vocab]` (a view of a static buffer, valid until the next step). The caller
-        advances `cache.lengths` once it has used them (`advance`)."""
+        """One decode step: row r of the cache takes `tokens[r]`; returns the real rows' next
+        tokens `[rows]` with a sampler (`samples`), else their logits `[rows, vocab]` (a view of
+        a static buffer, valid until the next step). `advance` then counts the fed tokens."""
         cache = self.cache
         n = len(tokens)
         assert n == cache.rows and n > 0
         rows, width = self.shape(cache.lengths)
         pad = rows - n
         # One host-to-device copy of the step's inputs; padding rows: token 0 at position 0.
-        host = torch.tensor(
-            [list(tokens) + [0] * pad, cache.lengths + [0] * pad], dtype=torch.long
-        )
+        host = torch.tensor([list(tokens) + [0] * pad, cache.lengths + [0] * pad], dtype=torch.long)
         if cache.device.type == "cuda":
             staging = self._pinned(cache.slots)[:, :rows]
             staging.copy_(host)
@@ -364,7 +370,8 @@ class StaticDecoder:
         self.cache.lengths = [n + 1 for n in self.cache.lengths]
 
     def _forward(self, rows: int, width: int) -> torch.Tensor:
-        """The step itself: device ops over the static buffers only (what a graph captures)."""
+        """The step itself: device ops over the static buffers only (what a graph captures):
+        the forward pass, then (with a sampler) the selection of every row's next token."""
         cache = self.cache
         cache.step_rows, cache.step_width = rows, width
         positions = cache.positions[:rows]
@@ -384,7 +391,10 @@ class StaticDecoder:
             use_cache=True,
             **extra,
         )
-        return out.logits[:, -1, :]
+        logits = out.logits[:, -1, :]
+        if self.sampler is not None:
+            return self.sampler.sample(logits)
+        return logits
 
     def _pinned(self, slots: int) -> torch.Tensor:
         if self._staging is None:
@@ -399,7 +409,8 @@ class StaticDecoder:
 
         As PyTorch's CUDA-graph notes ask: a few eager runs on a side stream first (lazy
         initialisation, autotuning, allocator warm-up), then the capture. The captured steps
-        write padding rows and masked columns only; the cache holds no rows yet."""
+        write padding rows and masked columns only; the cache holds no rows yet (and the
+        sampler's slots, advanced by these runs, are set afresh when rows join)."""
         cache = self.cache
         assert cache.device.type == "cuda" and cache.rows == 0
         rows_list = self.row_buckets or (cache.slots,)
@@ -425,6 +436,4 @@ class StaticDecoder:
                 self._outputs[key] = self._forward(*key)
             self._graphs[key] = graph
         torch.cuda.synchronize()
-        log.info(
-            "captured %d decode graphs (rows %s x widths %s)", len(keys), rows_list, widths
-        )
+        log.info("captured %d decode graphs (rows %s x widths %s)", len(keys), rows_list, widths)

@@ -62,6 +62,7 @@ from .decode_graphs import (
     width_buckets,
 )
 from .detokenizer import Detokenizer, TextGate, make_detokenizer
+from .device_sampling import DeviceSampler
 from .kv_cache import SlotCache
 from .models import LoadedModel
 from .sampling import SamplingParams, apply_repetition_penalties, default_candidates, select
@@ -427,12 +428,20 @@ class Engine:
             capacity = self.static_capacity or min(context, CPU_CAPACITY)
         self.max_batch_size = slots
         cache = StaticSlotCache(template, slots, capacity)
+        sampler = DeviceSampler(
+            slots,
+            vocab_size=self.loaded.vocab_size,
+            logits_width=self.loaded.model_vocab_size,
+            eos_ids=self._eos,
+            device=self.device,
+        )
         self._static = StaticDecoder(
             self.model,
             cache,
             rows=row_buckets(slots) if self.static_buckets else None,
             widths=width_buckets(capacity) if self.static_buckets else None,
             logits_to_keep=self._logits_to_keep,
+            sampler=sampler,
         )
         if capacity < context:  # the context this engine can hold, advertised by the server
             self.loaded = dataclasses.replace(self.loaded, max_context=capacity)
@@ -702,7 +711,18 @@ class Engine:
         """Append prefilled rows (rows `select` of `cache`, `lengths` tokens each) to the running
         batch."""
         if self._static is not None:
+            first = self._static.cache.rows
             self._static.cache.add_rows(cache, select, lengths)
+            sampler = self._static.sampler
+            if sampler is not None:  # the rows' settings, between steps (never in a graph)
+                for slot, row in enumerate(rows, start=first):
+                    sampler.set_row(
+                        slot,
+                        row.job.sampling,
+                        min_new_tokens=row.job.min_new_tokens,
+                        generated=len(row.generated),
+                        seen_ids=sorted(row.seen),
+                    )
         elif self._batchable:
             if self._kv is None:
                 self._kv = SlotCache(
@@ -720,16 +740,18 @@ class Engine:
     def _decode_step(self) -> None:
         rows = self._rows
         try:
-            if self._static is not None and self._static.cache.rows:
-                logits = self._static.step([row.next_input for row in rows])
-                self._static.advance()
+            static = self._static
+            if static is not None and static.cache.rows:
+                out = static.step([row.next_input for row in rows])
+                static.advance()
+                # the step's one device-to-host read: the chosen tokens (or the logits)
+                tokens = out.tolist() if static.samples else self._select(out, rows)
             else:
-                logits = self._eager_step(rows)
+                tokens = self._select(self._eager_step(rows), rows)
             self.stats.forward_passes += 1
             self.stats.decode_steps += 1
             size = len(rows)
             self.stats.batch_sizes[size] = self.stats.batch_sizes.get(size, 0) + 1
-            tokens = self._select(logits, rows)
         except Exception as exc:
             # The cache may be half-updated: the whole batch is lost.
             self._clear_batch()
@@ -786,6 +808,11 @@ class Engine:
             return
         if self._static is not None and self._static.cache.rows:
             order = self._static.cache.keep(keep)
+            sampler = self._static.sampler
+            if sampler is not None:  # the moved rows' settings follow their cache
+                for slot, old in enumerate(order):
+                    if old != slot:
+                        sampler.move_row(old, slot)
             self._rows = [self._rows[i] for i in order]
         elif self._kv is not None and self._kv.rows:
             order = self._kv.keep(keep)
