@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from orchestrator.api.errors import ErrorType, Failure
-from orchestrator.app import CHAT_PATH, RESPONSES_PATH, STREAMING_PATH
-from orchestrator.handlers import fms_stream, openai_chat, openai_responses
+from orchestrator.app import CHAT_PATH, RESPONSES_PATH, STREAMING_PATH, UNARY_PATH
+from orchestrator.handlers import fms_stream, fms_unary, openai_chat, openai_responses
 from orchestrator.streaming.events import KEEP_ALIVE, Event, Frame, Refusal, Terminal
 from orchestrator.streaming.findings import Finding
 from tests.fakes.engine import FakeEngine
@@ -76,6 +76,9 @@ class Case:
     outcome: Outcome
     writes: int  # HTTP chunks of each 200 reply (the FMS reply's headers go out at once)
     status: dict[str, int] = field(default_factory=lambda: {"fms": 200, "chat": 200, "resp": 200})
+    # the unary replies' statuses: an error there is an HTTP error, unless the Responses object
+    # already holds text (it then says `failed`)
+    unary: dict[str, int] = field(default_factory=lambda: {"fms": 200, "chat": 200, "resp": 200})
 
 
 def frame(start: int, text: str, **kw: Any) -> Frame:
@@ -164,6 +167,7 @@ CASES = [
         ],
         Outcome([(0, 11, S1)], [], None, "failed", "generation_unavailable"),
         writes=2,
+        unary={"fms": 503, "chat": 503, "resp": 200},
     ),
     Case(
         "error before any frame, the server's",
@@ -171,6 +175,7 @@ CASES = [
         Outcome([], [], None, "error", "detector_error"),
         writes=1,
         status={"fms": 200, "chat": 502, "resp": 200},
+        unary={"fms": 502, "chat": 502, "resp": 502},
     ),
     Case(
         "error before any frame, the client's",
@@ -178,6 +183,7 @@ CASES = [
         Outcome([], [], None, "error", "invalid_request"),
         writes=1,
         status={"fms": 200, "chat": 422, "resp": 422},
+        unary={"fms": 422, "chat": 422, "resp": 422},
     ),
 ]
 
@@ -339,19 +345,26 @@ async def post(orch: Orchestrator, path: str, body: dict[str, Any]) -> tuple[int
         return r.status, writes
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-async def test_the_surfaces_agree(
-    case: Case, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def script(monkeypatch: pytest.MonkeyPatch, events: list[Event]) -> None:
+    """Every generation handler gets a pipeline that yields `events`."""
+
     async def prepared(*args: Any, **kwargs: Any) -> ScriptedPipeline:
-        return ScriptedPipeline(case.events)
+        return ScriptedPipeline(events)
 
     for module, name in (
         (fms_stream, "prepare_task"),
+        (fms_unary, "prepare_task"),
         (openai_chat, "prepare_chat"),
         (openai_responses, "prepare_response"),
     ):
         monkeypatch.setattr(module, name, prepared)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+async def test_the_surfaces_agree(
+    case: Case, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script(monkeypatch, case.events)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
     resp = {"model": MODEL, "input": "Hi", "stream": True}
     async with Orchestrator(native_config(engine.url)) as orch:
@@ -373,3 +386,98 @@ async def test_the_surfaces_agree(
         "resp": responses_outcome(raw["resp"], replies["resp"][0]),
     }
     assert outcomes == {"fms": case.outcome, "chat": case.outcome, "resp": case.outcome}
+
+
+# -- the unary replies: the same events folded ---------------------------------------------------
+
+
+def folded(outcome: Outcome) -> tuple[Any, ...]:
+    """What a unary reply can say: the text whole, not frame by frame."""
+    text = "".join(t for _, _, t in outcome.pieces)
+    return (text, outcome.detections, outcome.refused, outcome.ending, outcome.error_type)
+
+
+def fms_unary_outcome(body: dict[str, Any]) -> tuple[Any, ...]:
+    tcr = body["token_classification_results"]
+    output = [
+        (d["start"], d["end"], d["detector_id"], d["entity"]) for d in tcr.get("output") or []
+    ]
+    refused = None
+    if body.get("refusal"):
+        refused = "output"
+        output += [
+            (d["start"], d["end"], d["detector_id"], d["entity"])
+            for d in body["refusal"]["detections"]
+        ]
+    if any(w["id"] == "UNSUITABLE_INPUT" for w in body.get("warnings") or []):
+        refused = "input"
+    ending = (
+        body["status"] if body["status"] == "completed" else body["incomplete_details"]["reason"]
+    )
+    return (body.get("generated_text") or "", output, refused, ending, None)
+
+
+def chat_unary_outcome(body: dict[str, Any]) -> tuple[Any, ...]:
+    [choice] = body["choices"]
+    dets = body.get("detections") or {}
+    output = [
+        (d["start"], d["end"], d["detector_id"], d["entity"])
+        for group in dets.get("output") or []
+        for d in group["results"]
+    ]
+    refused = None
+    if choice["message"]["refusal"]:
+        refused = "input" if dets.get("input") else "output"
+    ending = {"stop": "completed", "length": "max_output_tokens"}.get(
+        choice["finish_reason"], choice["finish_reason"]
+    )
+    return (choice["message"]["content"], output, refused, ending, None)
+
+
+def responses_unary_outcome(body: dict[str, Any]) -> tuple[Any, ...]:
+    events = (
+        "event: response.completed\ndata: "
+        + json.dumps({"type": "response.completed", "sequence_number": 0, "response": body})
+        + "\n\n"
+    )
+    outcome = responses_outcome(events, 200)
+    [item] = body["output"]
+    text = "".join(part["text"] for part in item["content"] if part["type"] == "output_text")
+    refused = None
+    if any(part["type"] == "refusal" for part in item["content"]):
+        refused = "input" if body["guardrails"]["input"] else "output"
+    return (text, outcome.detections, refused, outcome.ending, outcome.error_type)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+async def test_the_unary_surfaces_agree(
+    case: Case, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folds of the same events: every 200 reply says what the stream said; an HTTP error
+    carries the stream's error type."""
+    script(monkeypatch, case.events)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    async with Orchestrator(native_config(engine.url)) as orch:
+        replies = {
+            "fms": await orch.post(UNARY_PATH, generation_body()),
+            "chat": await orch.post(CHAT_PATH, chat),
+            "resp": await orch.post(RESPONSES_PATH, {"model": MODEL, "input": "Hi"}),
+        }
+    assert {k: status for k, (status, _) in replies.items()} == case.unary
+    project = {
+        "fms": fms_unary_outcome,
+        "chat": chat_unary_outcome,
+        "resp": responses_unary_outcome,
+    }
+    for surface, (status, body) in replies.items():
+        if status == 200:
+            expected = folded(case.outcome)
+            if surface == "chat":
+                # a refused chat.completion's message has `content: null` (DESIGN 4.8)
+                expected = (None if case.outcome.refused else expected[0], *expected[1:])
+            assert project[surface](body) == expected, surface
+        else:
+            error = (
+                body["error"] if surface != "fms" else {"type": body["type"], "code": body["code"]}
+            )
+            assert (error["type"], error["code"]) == (case.outcome.error_type, status), surface
