@@ -116,7 +116,7 @@ ROUTES = (
 )
 _SURFACE_OF = {route.path: route.surface for route in ROUTES}
 # the `guardstream.surface` of each endpoint's request span (tracing)
-SURFACES = {route.path: route.span for route in ROUTES if route.span is not None}
+SPAN_SURFACES = {route.path: route.span for route in ROUTES if route.span is not None}
 
 
 def surface_of(path: str) -> Surface:
@@ -409,7 +409,7 @@ def create_app(
     ]
     if traces.configure(config.server.tracing, exporter=span_exporter):
         # outermost: the access log line and every error response belong to the request span
-        middlewares.insert(0, traces.middleware(SURFACES, OPEN_PATHS))
+        middlewares.insert(0, traces.middleware(SPAN_SURFACES, OPEN_PATHS))
     if keys is not None:
         open_paths = OPEN_PATHS if config.server.public_metrics else PROBE_PATHS
         middlewares.append(auth_middleware(keys, open_paths))
