@@ -26,7 +26,7 @@ draws after the same masks, whatever shares the batch, including padding rows of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -73,7 +73,11 @@ def device_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
 
 
 class DeviceSampler:
-    """Per-slot sampling state in static device buffers; `sample` is capturable in a CUDA graph."""
+    """Per-slot sampling state in static device buffers; `sample` is capturable in a CUDA graph.
+
+    `sample` advances the state of every slot it covers, padding slots included (harmless: a
+    slot is fully rewritten by `set_row` before a request uses it). Warm-up runs before a
+    capture advance it too, so call `reset` once the graphs are captured."""
 
     def __init__(
         self,
@@ -106,8 +110,7 @@ class DeviceSampler:
         eos_columns[eos] = True
         self._eos_columns = eos_columns.to(self.device)
         self._has_eos = bool(eos)
-        for slot in range(slots):
-            self.clear_row(slot)
+        self.reset()
 
     def set_row(
         self,
@@ -116,11 +119,11 @@ class DeviceSampler:
         *,
         min_new_tokens: int,
         generated: int,
-        seen_ids: Sequence[int],
+        seen_ids: Iterable[int],
     ) -> None:
         """Give `slot` a request's settings, its generated-token count (the position of its
-        next draw) and the ids it has seen (prompt and generated). Host->device writes, between
-        steps (never inside a captured graph)."""
+        next draw) and the ids it has seen (prompt and generated; a set will do).
+        Host->device writes, between steps (never inside a captured graph)."""
         self._check_slot(slot)
         greedy = params.greedy or params.temperature <= 0
         floats = [0.0 if greedy else params.temperature, params.top_p, params.repetition_penalty]
@@ -148,6 +151,26 @@ class DeviceSampler:
             self._floats[dst] = self._floats[src]
             self._ints[dst] = self._ints[src]
             self._seen[dst] = self._seen[src]
+
+    def reorder(self, order: Sequence[int], previous_rows: int) -> None:
+        """Slot i takes the state slot `order[i]` had (the order `SlotCache.keep` returns, or
+        any permutation), and slots `len(order)..previous_rows-1` are cleared: one gather per
+        buffer instead of a `move_row` per moved row."""
+        count = len(order)
+        for slot in order:
+            self._check_slot(slot)
+        if list(order) != list(range(count)):
+            index = torch.tensor(list(order), dtype=torch.long).to(self.device)
+            for buffer in (self._floats, self._ints, self._seen):
+                buffer[:count] = buffer.index_select(0, index)  # a copy: any permutation is safe
+        for slot in range(count, min(previous_rows, self.slots)):
+            self.clear_row(slot)
+
+    def reset(self) -> None:
+        """Clear every slot (after warm-up and capture, or when the batch empties)."""
+        self._floats.copy_(torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64).to(self.device))
+        self._ints.zero_()
+        self._seen.zero_()
 
     def clear_row(self, slot: int) -> None:
         """Reset `slot` to a greedy row with nothing seen (what padding rows of a bucket hold)."""

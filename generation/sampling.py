@@ -30,7 +30,9 @@ row on a CPU), so every tier computes the same numbers and picks the same token:
 count never changes a result, and neither does the batch (every op works row by row; sums use
 `cumsum` because a plain `sum` of a row depends on how the batch is split across threads).
 On a GPU the default is a full sort at once (`candidates=None`): one tier, no device sync
-besides reading the tokens.
+besides reading the tokens. The CUDA-graph decode step uses device_sampling.py instead: the same
+arithmetic (`_candidates`, `row_weight`, `_resolve`) with per-row settings and the uniforms on
+the device.
 """
 
 from __future__ import annotations
@@ -255,7 +257,7 @@ def _resolve(
     kth = values.gather(-1, kth_rank.clamp(max=count) - 1)
     kept = torch.where(has_k, (values >= kth).sum(dim=-1, keepdim=True), vocab)
     cut_exact = ~has_k | (kept <= exact)
-    total = torch.where(has_k, cumulative.gather(-1, kept.clamp(max=count) - 1), whole_weight)
+    total = torch.where(has_k, cumulative.gather(-1, kept.clamp(1, count) - 1), whole_weight)
     has_p = top_p < 1.0
     nucleus_end = torch.searchsorted(cumulative, top_p * total)  # first j: cumulative >= p*S
     cut_exact &= ~has_p | (nucleus_end < exact)
@@ -266,5 +268,6 @@ def _resolve(
     positive = (weights > 0).sum(dim=-1, keepdim=True)
     chosen = torch.minimum(chosen, torch.minimum(kept, positive) - 1)
     resolved = cut_exact & (chosen < exact)
-    tokens = ids.gather(-1, chosen.clamp(max=last))
+    # a row with no finite logit (all -inf, NaN) has no positive weight: its first in order
+    tokens = ids.gather(-1, chosen.clamp(0, last))
     return tokens.squeeze(-1), resolved.squeeze(-1)

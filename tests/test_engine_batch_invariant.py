@@ -27,7 +27,7 @@ from generation import models
 from generation.batch_invariant import ATTENTION
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
-from generation.testing import ThreadedServer, start_engine_subprocess
+from tests.engine_processes import ThreadedServer, start_engine_subprocess
 from tests.engine_support import Stream, generate, run, wait_until
 
 # ----- the wrapped forward pass, bit for bit --------------------------------------------------

@@ -1,17 +1,17 @@
 """The FMS task request (DESIGN 4.2) turned into the guarded pipeline; shared by the streaming
-and the unary task endpoints."""
+and the unary task endpoints, which read the body and hand this to the serving loop (it runs
+once the request holds a stream slot)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 from ..api.errors import invalid
-from ..api.requests import GuardrailsHttpRequest, TextGenParameters
-from ..clients.generation import GenerationParams, GenerationRequest
+from ..api.fms_requests import GuardrailsHttpRequest, TextGenParameters
+from ..clients.backend import GenerationParams, GenerationRequest
 from ..state import STATE
 from ..streaming.guarded_generation import GuardedGeneration
-from .body import read_model
-from .generation_request import (
+from .admission import (
     budget,
     build_pipeline,
     check_input_size,
@@ -20,9 +20,10 @@ from .generation_request import (
 )
 
 
-async def prepare_task(request: web.Request, *, streaming: bool) -> GuardedGeneration:
+async def prepare_task(
+    request: web.Request, body: GuardrailsHttpRequest, *, streaming: bool
+) -> GuardedGeneration:
     state = request.app[STATE]
-    body = await read_model(request, GuardrailsHttpRequest)
     target = find_model(state, body.model_id)
     params = body.text_gen_parameters
     check_input_size(target, len(body.inputs), "inputs")
