@@ -37,7 +37,7 @@ from generation.models import LoadedModel
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine, Job, StreamError, StreamItem
 from generation.server import STATE, create_app
-from generation.testing import ThreadedServer
+from tests.engine_processes import ThreadedServer
 from tests.engine_support import Stream, generate, run, wait_until
 from tests.test_engine_batching import bodies
 from tests.test_engine_chunked_prefill import long_prompt, make_job, run_alone, warm
@@ -139,7 +139,7 @@ def test_plan_invariants(
 
 
 def _prefill(model: LoadedModel, prompt: list[int]) -> Any:
-    return model.model(input_ids=torch.tensor([prompt]), use_cache=True)
+    return model.model(input_ids=torch.tensor([prompt], device=model.device), use_cache=True)
 
 
 def _decoder(
@@ -154,7 +154,7 @@ def _decoder(
             vocab_size=model.vocab_size,
             logits_width=model.model_vocab_size,
             eos_ids=sorted(model.eos_token_ids),
-            device=torch.device("cpu"),
+            device=model.device,
         )
     return StaticDecoder(
         model.model,
@@ -172,8 +172,8 @@ def _alone(model: LoadedModel, prompt: list[int], steps: int) -> list[torch.Tens
     for _ in range(steps):
         token = int(logits[-1].argmax())
         out = model.model(
-            input_ids=torch.tensor([[token]]),
-            position_ids=torch.tensor([[length]]),
+            input_ids=torch.tensor([[token]], device=model.device),
+            position_ids=torch.tensor([[length]], device=model.device),
             past_key_values=cache,
             use_cache=True,
         )
@@ -268,7 +268,8 @@ def test_padding_and_stale_slots_never_change_a_real_row(
                 generator = torch.Generator().manual_seed(3)
                 for layer in cache.layers:
                     for buffer in (layer.keys, layer.values):
-                        buffer.copy_(torch.randn(buffer.shape, generator=generator) * 100)
+                        noise = torch.randn(buffer.shape, generator=generator, dtype=buffer.dtype)
+                        buffer.copy_(noise * 100)
             tokens = []
             for slot, prompt in enumerate(prompts):
                 out = _prefill(model, prompt)
@@ -524,19 +525,25 @@ def test_health_and_metrics_report_the_kv_cache(
         return health, metrics
 
     health, metrics = run(scenario())
-    rows, capacity = 64, 512  # a CPU's default rows; tiny-random's whole context
+    rows, capacity, graphs = 64, 512, 0  # a CPU's default rows; tiny-random's whole context
+    mode = "static"
+    if tiny_model.device.type == "cuda":  # rows from free memory; a graph per bucket pair
+        assert static_server.app is not None
+        rows = static_server.app[STATE].engine.max_batch_size
+        graphs = len(row_buckets(rows)) * len(width_buckets(capacity))
+        mode = "cuda_graphs"
     with torch.inference_mode():
         template = _prefill(tiny_model, [1]).past_key_values
     nbytes = rows * capacity * cache_bytes_per_token(template)
     assert health["max_batch_size"] == rows
     assert health["kv_cache"] == {
-        "mode": "static",
+        "mode": mode,
         "rows": rows,
         "capacity": capacity,
         "rows_used": 0,
         "tokens_used": 0,
         "bytes": nbytes,
-        "graphs": 0,
+        "graphs": graphs,
     }
     values = {
         name: float(value)
@@ -558,7 +565,7 @@ def test_health_and_metrics_report_the_kv_cache(
         "kv_cache_rows_used": 0,
         "kv_cache_tokens_used": 0,
         "kv_cache_bytes": nbytes,
-        "decode_graphs": 0,
+        "decode_graphs": graphs,
     }
 
 
@@ -568,6 +575,8 @@ def test_a_cache_shorter_than_the_context_lowers_the_advertised_context(
     """A static cache of 128 columns (on CUDA: what free memory holds) makes the engine's
     context 128: /v1/models says so, a longer request is a 422 before any byte, and a request
     that fits runs to its budget."""
+    if tiny_model.device.type != "cpu":
+        pytest.skip("static_capacity sizes a CPU's cache; on CUDA free memory does")
 
     def app() -> Any:
         application = create_app(tiny_model, static_decode=True)
