@@ -423,10 +423,9 @@ class StaticDecoder:
         cache.positions.zero_()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(*keys[0])
-                self._forward(*keys[-1])
+        with torch.cuda.stream(side):  # every shape once eagerly (kernel choice, workspaces)
+            for key in [keys[0], *keys]:
+                self._forward(*key)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         self._pool = torch.cuda.graph_pool_handle()

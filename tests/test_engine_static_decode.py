@@ -299,6 +299,53 @@ def test_padding_and_stale_slots_never_change_a_real_row(
         assert tokens_a == tokens_b
 
 
+def test_graph_replay_equals_the_eager_step(tiny_model: LoadedModel) -> None:
+    """CUDA only: a decoder whose steps replay captured graphs gives, step for step, the tokens
+    of the same decoder run eagerly, as rows join and leave between replays."""
+    if tiny_model.device.type != "cuda":
+        pytest.skip("CUDA graphs need GUARDSTREAM_TEST_DEVICE=cuda")
+    params = [
+        SamplingParams(),
+        SamplingParams(greedy=False, temperature=1.3, top_k=20, seed=7),
+        SamplingParams(greedy=False, temperature=0.9, top_p=0.8, seed=11),
+    ]
+    prompts = [[5, 6, 7], long_prompt(20), [42]]
+    with torch.inference_mode():
+        replayed = _decoder(tiny_model, slots=8, capacity=64, buckets=True, sampler=True)
+        replayed.capture()
+        eager = _decoder(tiny_model, slots=8, capacity=64, buckets=True, sampler=True)
+        traces: list[list[list[int]]] = [[], []]
+        for decoder, trace in zip((replayed, eager), traces, strict=True):
+            sampler = decoder.sampler
+            assert sampler is not None
+            tokens: list[int] = []
+
+            def join(i: int, decoder: StaticDecoder = decoder, tokens: list[int] = tokens) -> None:
+                out = _prefill(tiny_model, prompts[i])
+                slot = decoder.cache.rows
+                decoder.cache.add_rows(out.past_key_values, [0], [len(prompts[i])])
+                decoder.sampler.set_row(  # type: ignore[union-attr]
+                    slot, params[i], min_new_tokens=0, generated=1, seen_ids=prompts[i]
+                )
+                tokens.append(int(out.logits[0, -1].argmax()))
+
+            join(0)
+            join(1)
+            for step in range(30):
+                if step == 5:
+                    join(2)
+                if step == 12:  # row 0 leaves; row 2 moves into slot 0
+                    order = decoder.cache.keep([1, 2])
+                    sampler.move_row(order[0], 0)
+                    tokens[:] = [tokens[i] for i in order]
+                chosen = decoder.step(tokens).tolist()
+                decoder.advance()
+                trace.append(chosen)
+                tokens[:] = chosen
+    assert traces[0] == traces[1]
+    assert replayed.replays == 30 and eager.replays == 0 and replayed.graphs == 12
+
+
 class _Ops(TorchDispatchMode):
     """Every aten op a region runs."""
 
@@ -425,7 +472,11 @@ async def test_static_engine_equals_the_eager_engine_and_each_row_alone(
     assert [len(tokens) for tokens in got] == [n for _, n, _ in JOBS]
     assert static.stats.max_batch_size_seen == len(JOBS)
     info = static.cache_info()
-    assert info["mode"] == "static" and info["rows_used"] == 0
+    assert info["rows_used"] == 0
+    if tiny_model.device.type == "cuda":
+        assert info["mode"] == "cuda_graphs" and info["graphs"] > 0
+    else:
+        assert info["mode"] == "static" and info["graphs"] == 0
 
 
 async def test_chunked_prefill_with_the_static_step_gives_a_whole_prefills_tokens(
