@@ -39,7 +39,6 @@ where the tokenizer's canonical split of that text is the one the model produced
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -62,14 +61,12 @@ from .backend import (
     unavailable,
 )
 from .chat_template import ChatTemplateError, LocalTokenizer
-from .native import (
+from .line_transport import (
     FINAL_GRACE_S,
     HttpLineStream,
     HttpReplicaClient,
-    LineReader,
-    _int_list,
     error_message,
-    http_error,
+    int_list,
 )
 
 log = logging.getLogger("guardstream.openai")
@@ -258,27 +255,14 @@ class _SseStream(HttpLineStream):
         self._data: list[bytes] = []  # data lines of the SSE event being read
         self._gate: TextGate | None = None  # stop sequences enforced here (text-only streams)
 
-    async def _connect(self) -> None:
-        """The request, again at once without what the server refused by name (a protocol field,
-        a token-id prompt); a refused sampling field is the client's 422. Other non-200s are
-        errors as for every replica (http_error)."""
-        c: OpenAIClient = self._client
-        for _ in range(4):
-            path, body = await self._request()
-            c.check_honoured(body)
-            async with asyncio.timeout(self._stall):
-                resp = await c.session.post(c.url + path, json=body, ssl=c.ssl, headers=c.headers)
-            self._resp = resp
-            if resp.status == 200:
-                self._reader = LineReader(resp.content)
-                return
-            async with asyncio.timeout(FINAL_GRACE_S):
-                raw = await resp.content.read(4096)
-            resp.release()
-            soft = self._request_.params.defaulted
-            if not (resp.status in (400, 422) and c.learn(body, raw, soft)):
-                raise http_error(c.name, resp.status, raw)
-        raise http_error(c.name, resp.status, raw)
+    def _check_body(self, body: dict[str, Any]) -> None:
+        self._client.check_honoured(body)
+
+    def _resend_without(self, status: int, body: dict[str, Any], raw: bytes) -> bool:
+        """Sent again at once without what the server refused by name (a protocol field, a
+        token-id prompt); a refused sampling field is the client's 422 (`learn` raises)."""
+        soft = self._request_.params.defaulted
+        return status in (400, 422) and self._client.learn(body, raw, soft)
 
     def _start_gate(self) -> None:
         """Enforce the request's stop sequences on the text read here (a server that sends no
@@ -493,12 +477,12 @@ class OpenAIStream(_SseStream):
             self._finished = True
         if not self._with_ids:
             return self._text_item(text, finish, obj.get("usage"))
-        token_ids = _int_list(raw_ids)
+        token_ids = int_list(raw_ids)
         if token_ids is None:
             raise unavailable(f"replica {name} sent malformed token_ids")
         prompt_ids = None
         if choice.get("prompt_token_ids") is not None:
-            prompt_ids = _int_list(choice["prompt_token_ids"])
+            prompt_ids = int_list(choice["prompt_token_ids"])
             if prompt_ids is None:
                 raise unavailable(f"replica {name} sent malformed prompt_token_ids")
         return EngineItem(
@@ -919,7 +903,7 @@ class OpenAIClient(HttpReplicaClient):
             self.traits.tokenize = False
             raise _NoTokenize(f"replica {self.name} has no /tokenize") from None
         try:
-            tokens = _int_list(json.loads(raw)["tokens"])
+            tokens = int_list(json.loads(raw)["tokens"])
         except (ValueError, KeyError, TypeError):
             tokens = None
         if tokens is None:
