@@ -13,8 +13,6 @@ service itself.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -29,6 +27,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
 from pydantic import ValidationError
+
+from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
 
 from . import build, tracing
 from .api import ContentsRequest, dump_reply
@@ -133,17 +133,12 @@ def api_keys_from_config(
     return keys
 
 
-def _digest(value: bytes) -> bytes:
-    return hashlib.sha256(value).digest()
-
-
 def _auth_middleware(keys: Sequence[str]) -> Any:
-    """Bearer keys on everything but `GET /health` and `GET /metrics` (liveness probes and
-    Prometheus scrapers carry no key, as on the orchestrator and the engine). A missing
-    header, another scheme and a wrong key get the same 401. Fixed-length sha256 digests are
-    compared (compare_digest on raw keys returns early on a length mismatch), against every key
-    (timing does not tell which one came close)."""
-    digests = [_digest(k.encode("utf-8")) for k in keys]
+    """Bearer keys (servicekit.auth) on everything but `GET /health` and `GET /metrics` (liveness
+    probes and Prometheus scrapers carry no key, as on the orchestrator and the engine). A
+    missing header, another scheme and a wrong key get the same 401, in this service's error
+    shape (DESIGN section 6: `{code, message}`)."""
+    accepted = BearerKeys(keys)
 
     @web.middleware
     async def check(
@@ -151,15 +146,8 @@ def _auth_middleware(keys: Sequence[str]) -> Any:
     ) -> web.StreamResponse:
         if request.path in ("/health", "/metrics") and request.method in ("GET", "HEAD"):
             return await handler(request)
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
-        ok = False
-        for digest in digests:
-            ok |= hmac.compare_digest(given, digest)
-        if scheme.lower() != "bearer" or not ok:
-            return error_response(
-                401, "missing or invalid API key", **{"WWW-Authenticate": "Bearer"}
-            )
+        if not accepted.accepts(request.headers):
+            return error_response(401, UNAUTHORIZED_MESSAGE, **CHALLENGE)
         return await handler(request)
 
     return check

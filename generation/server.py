@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 import time
@@ -37,6 +35,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
+
+from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
 
 from . import models, tracing
 from .detokenizer import make_decoder
@@ -200,31 +200,15 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return web.json_response(error_body(500, "internal error", "server_error"), status=500)
 
 
-def _digest(value: bytes) -> bytes:
-    return hashlib.sha256(value).digest()
-
-
 def _auth_middleware(keys: Sequence[str], open_paths: frozenset[str]) -> Any:
-    """Bearer keys on every path but `open_paths`. A missing header, another scheme and a wrong key
-    get the same 401. Fixed-length digests are compared (compare_digest on raw keys returns early
-    on a length mismatch), against every key (timing does not tell which one came close)."""
-    digests = [_digest(k.encode("utf-8")) for k in keys]
+    """Bearer keys (servicekit.auth) on every path but `open_paths`. A missing header, another
+    scheme and a wrong key get the same 401, in the engine's error shape `{code, details, type}`."""
+    accepted = BearerKeys(keys)
 
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path not in open_paths:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            given = _digest(token.strip().encode("utf-8", "surrogateescape"))
-            ok = False
-            for digest in digests:
-                ok |= hmac.compare_digest(given, digest)
-            if scheme.lower() != "bearer" or not ok:
-                raise ClientError(
-                    401,
-                    "missing or invalid API key",
-                    "unauthorized",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        if request.path not in open_paths and not accepted.accepts(request.headers):
+            raise ClientError(401, UNAUTHORIZED_MESSAGE, "unauthorized", headers=dict(CHALLENGE))
         return await handler(request)
 
     return check

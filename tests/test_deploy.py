@@ -927,6 +927,7 @@ def test_dockerfile_copies_files_that_exist_and_are_not_dockerignored() -> None:
         "chunkers",
         "detectors",
         "generation",
+        "servicekit",
         "config.yaml",
     ]
     for src in sources:
