@@ -29,8 +29,9 @@ from prometheus_client.exposition import generate_latest
 from pydantic import ValidationError
 
 from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.tracing import annotate
 
-from . import build, tracing
+from . import build
 from .api import ContentsRequest, dump_reply
 from .base import (
     ORCHESTRATOR_PARAM_KEYS,
@@ -40,6 +41,7 @@ from .base import (
     Overloaded,
     param_error_lines,
 )
+from .tracing import TRACING
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +244,8 @@ def create_app(
             hist = metrics.batch_size.labels(detector_id)
             det.batcher.add_observer(hist.observe)
     middlewares: list[Any] = [_errors]
-    if tracing.TRACER is not None:  # outermost: error answers belong to the span too
-        middlewares.insert(0, tracing.middleware())
+    if TRACING.tracer is not None:  # outermost: error answers belong to the span too
+        middlewares.insert(0, TRACING.middleware())
     if api_keys is not None:
         if not api_keys:
             raise ValueError("api_keys: at least one key (None turns auth off)")
@@ -402,8 +404,8 @@ async def _contents(request: web.Request) -> web.Response:
                 raise ApiError(422, f"detector_params: {exc}") from None
         _check_limits(body.contents, state.limits)
         state.metrics.contents.labels(label).observe(len(body.contents))
-        if tracing.TRACER is not None:
-            tracing.annotate(
+        if TRACING.tracer is not None:
+            annotate(
                 request,
                 {
                     "guardstream.detector.id": detector_id,
@@ -427,9 +429,9 @@ async def _contents(request: web.Request) -> web.Response:
                 f"{len(body.contents)} contents",
             )
         status = 200
-        if tracing.TRACER is not None:
+        if TRACING.tracer is not None:
             detections = sum(len(r) for r in reply)
-            tracing.annotate(request, {"guardstream.detector.detections": detections})
+            annotate(request, {"guardstream.detector.detections": detections})
         big = sum(len(r) for r in reply) > BULK_DETECTIONS
         text = await _off_loop_if(big, lambda: json.dumps(dump_reply(reply)))
         return web.Response(text=text, content_type="application/json")

@@ -37,8 +37,9 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
 from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.tracing import annotate, event
 
-from . import models, tracing
+from . import models
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
 from .models import LoadedModel
@@ -53,6 +54,7 @@ from .protocol import (
 )
 from .sampling import SamplingParams, random_seed
 from .scheduler import Engine, EngineUnavailable, Job, StreamError, StreamItem
+from .tracing import TRACING
 
 log = logging.getLogger("guardstream.engine")
 
@@ -120,8 +122,8 @@ def create_app(
     if loaded is None:
         loaded = models.load(model, device=device, dtype=dtype, batch_invariant=batch_invariant)
     middlewares: list[Any] = [_error_middleware]
-    if tracing.TRACER is not None:  # outermost: error answers belong to the span too
-        middlewares.insert(0, tracing.middleware())
+    if TRACING.tracer is not None:  # outermost: error answers belong to the span too
+        middlewares.insert(0, TRACING.middleware())
     if api_keys is not None:
         if not api_keys:
             raise ValueError("api_keys is empty: no client could ever authenticate")
@@ -419,8 +421,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     first_extra: dict[str, Any] = {"prompt_token_ids": prompt_ids}
     if not greedy:
         first_extra["seed"] = seed
-    if tracing.TRACER is not None:
-        tracing.annotate(
+    if TRACING.tracer is not None:
+        annotate(
             request,
             {
                 "guardstream.prompt_tokens": len(prompt_ids),
@@ -476,9 +478,9 @@ class _Stream:
                     await self._inject()
                     return self.response
                 if event.finish_reason is not None:
-                    if tracing.TRACER is not None:
+                    if TRACING.tracer is not None:
                         reason = event.finish_reason.value
-                        tracing.annotate(self.request, {"guardstream.finish_reason": reason})
+                        annotate(self.request, {"guardstream.finish_reason": reason})
                     await self._write({"complete_final": True})
                     return self.response
         except ConnectionError:  # the client left while we wrote
@@ -498,8 +500,8 @@ class _Stream:
                 )
             return self.response
         finally:
-            if tracing.TRACER is not None:
-                tracing.annotate(self.request, {"guardstream.generated_tokens": self.delivered})
+            if TRACING.tracer is not None:
+                annotate(self.request, {"guardstream.generated_tokens": self.delivered})
             self.state.engine.cancel(self.job)  # no-op for a finished job
             if self._getter is not None and not self._getter.done():
                 self._getter.cancel()
@@ -544,8 +546,8 @@ class _Stream:
         assert self.fault is not None
         mode = self.fault.mode
         log.warning("fault injection: %s after %d tokens", mode, self.delivered)
-        if tracing.TRACER is not None:
-            tracing.event(self.request, "fault", {"mode": mode, "after_tokens": self.delivered})
+        if TRACING.tracer is not None:
+            event(self.request, "fault", {"mode": mode, "after_tokens": self.delivered})
         self.state.engine.cancel(self.job)
         if mode == "error":
             await self._write(

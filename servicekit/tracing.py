@@ -90,18 +90,44 @@ def build_provider(
     return provider
 
 
-def service_provider(
-    default_service_name: str, otlp_endpoint: str | None, environ: Mapping[str, str] = os.environ
-) -> TracerProvider | None:
-    """The provider of a service (the engine, the detector service) given `--otlp-endpoint`
-    (a collector's base URL) or None, named by OTEL_SERVICE_NAME or `default_service_name`;
-    None when neither the option nor the environment asks for traces."""
-    if sdk_disabled(environ):
-        return None
-    if otlp_endpoint is None and not env_wants_tracing(environ):
-        return None
-    name = environ.get("OTEL_SERVICE_NAME", "").strip() or default_service_name
-    return build_provider(service_name=name, endpoint=otlp_endpoint, environ=environ)
+class ServiceTracing:
+    """The tracing of one service process (the engine, the detector service): off until
+    `configure()` turns it on; `tracer` is None while off, which is all a hook checks."""
+
+    def __init__(self, *, default_service_name: str, tracer_name: str, untraced: frozenset[str]):
+        self.default_service_name = default_service_name
+        self.tracer_name = tracer_name
+        self.untraced = untraced
+        self.tracer: Tracer | None = None
+        self._provider: TracerProvider | None = None
+
+    def configure(
+        self, otlp_endpoint: str | None = None, environ: Mapping[str, str] = os.environ
+    ) -> bool:
+        """Turns tracing on when `otlp_endpoint` (a collector's base URL, `--otlp-endpoint`)
+        or the environment asks for it, named by OTEL_SERVICE_NAME or the default; returns
+        whether it is on. Call before the app is created (it adds the middleware only then)."""
+        self.shutdown()
+        if sdk_disabled(environ):
+            return False
+        if otlp_endpoint is None and not env_wants_tracing(environ):
+            return False
+        name = environ.get("OTEL_SERVICE_NAME", "").strip() or self.default_service_name
+        self._provider = build_provider(service_name=name, endpoint=otlp_endpoint, environ=environ)
+        self.tracer = self._provider.get_tracer(self.tracer_name)
+        return True
+
+    def shutdown(self) -> None:
+        """Exports what is left and turns tracing off (at exit)."""
+        provider, self._provider, self.tracer = self._provider, None, None
+        if provider is not None:
+            provider.shutdown()
+
+    def middleware(self) -> Any:
+        """The SERVER span of each request, with the caller's `x-request-id`."""
+        return server_spans(
+            lambda: self.tracer, untraced=self.untraced, attributes=header_request_id
+        )
 
 
 def _no_attributes(request: web.Request) -> Mapping[str, Any]:
