@@ -399,8 +399,16 @@ class HttpReplicaClient(ReplicaClient):
     async def post_json(self, path: str, body: dict[str, Any], timeout_s: float = 10) -> bytes:
         """The raw reply of a short JSON call; an HTTP or transport failure is a
         GenerationError like any other failure of the replica."""
+        return await self.call("POST", path, body, timeout_s)
+
+    async def call(
+        self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
+    ) -> bytes:
+        """The raw 200 reply of a short call (`body` as JSON, if any); a non-200 reply or a
+        transport failure is a GenerationError like any other failure of the replica."""
         try:
-            async with self.session.post(
+            async with self.session.request(
+                method,
                 self.url + path,
                 json=body,
                 ssl=self.ssl,

@@ -34,9 +34,7 @@ from .line_transport import (
     FINAL_GRACE_S,
     HttpLineStream,
     HttpReplicaClient,
-    http_error,
     int_list,
-    transport_error,
 )
 
 
@@ -227,18 +225,7 @@ class NativeClient(HttpReplicaClient):
     async def advertised(self, timeout_s: float) -> EngineLimits | None:
         """`GET /v1/models` parsed; None when the engine advertises no context. A transport
         failure or a non-200 reply is a GenerationError (as for any other call)."""
-        try:
-            async with self.session.get(
-                self.url + "/v1/models",
-                ssl=self.ssl,
-                headers=self.headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise http_error(self.name, resp.status, raw)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise transport_error(self.name, exc) from None
+        raw = await self.call("GET", "/v1/models", None, timeout_s)
         try:
             return EngineLimits.parse(json.loads(raw))
         except ValueError:
