@@ -200,17 +200,10 @@ class OpenAIStream(SseStream):
     each text event counts one token, the final item is corrected to the server's
     `usage.completion_tokens` where the event carries it, and stop sequences are enforced here."""
 
-    def __init__(
-        self,
-        client: OpenAIServer,
-        request: GenerationRequest,
-        continuation: Continuation | None,
-        stall_timeout_s: float,
-        max_time: float,
-    ) -> None:
-        super().__init__(client, request, continuation, stall_timeout_s, max_time)
-        self._with_ids: bool | None = None  # whether this stream's events carry token ids
-        self._counted = 0  # tokens the items of a stream without ids stood for so far
+    # per-stream state (immutable defaults: the first assignment makes them the instance's;
+    # SseStream.__init__ is the one constructor of both modes)
+    _with_ids: bool | None = None  # whether this stream's events carry token ids
+    _counted = 0  # tokens the items of a stream without ids stood for so far
 
     async def _next_item(self) -> EngineItem:
         name = self._client.name
@@ -364,22 +357,14 @@ class ChatStream(SseStream):
     and ending with EOS_TOKEN would pass off a cut answer as a finished one. `delta.refusal` text
     (OpenAI's refusal channel) is delivered like content: it is what the model said."""
 
-    def __init__(
-        self,
-        client: OpenAIServer,
-        request: GenerationRequest,
-        continuation: Continuation | None,
-        stall_timeout_s: float,
-        max_time: float,
-    ) -> None:
-        super().__init__(client, request, continuation, stall_timeout_s, max_time)
-        self._counted = 0  # tokens this dispatch's items stood for so far
-        self._prompt_tokens: int | None = None
-        self._completion_tokens: int | None = None
-        # (released text, finish, whether the event had text) of the final event
-        self._held: tuple[str, str, bool] | None = None
-        self._failure: BaseException | None = None  # raised after the held item went out
-        self._after_done = False
+    # per-stream state, as in OpenAIStream
+    _counted = 0  # tokens this dispatch's items stood for so far
+    _prompt_tokens: int | None = None
+    _completion_tokens: int | None = None
+    # (released text, finish, whether the event had text) of the final event
+    _held: tuple[str, str, bool] | None = None
+    _failure: BaseException | None = None  # raised after the held item went out
+    _after_done = False
 
     async def _request(self) -> tuple[str, dict[str, Any]]:
         c: OpenAIServer = self._client
