@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.auth import UNAUTHORIZED_MESSAGE, BearerKeys
 
 from . import tracing as traces
 from .api.errors import ApiError, ErrorBody, ErrorType
@@ -258,7 +258,7 @@ def _error_headers(exc: BaseException, body: ErrorBody) -> dict[str, str] | None
         # the client should retry elsewhere, and not on this connection
         return {"Retry-After": "1", "Connection": "close"}
     if body.code == 401:
-        return dict(CHALLENGE)
+        return {"WWW-Authenticate": "Bearer"}
     return None
 
 
