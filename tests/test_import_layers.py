@@ -6,7 +6,8 @@ backend`) must not know the pipeline above it. grimp (import-linter's graph libr
 import graph from the source: every `import`, at module level, inside functions and under
 `TYPE_CHECKING`; for every direct import a → b the test asks for a chain b → … → a.
 
-The second test pins DESIGN section 1's one-way dependencies between packages.
+The other tests pin DESIGN section 1's one-way dependencies between packages, and the layers
+inside the orchestrator.
 """
 
 from __future__ import annotations
@@ -67,3 +68,17 @@ def test_the_check_sees_type_only_imports() -> None:
 )
 def test_packages_depend_one_way(graph: grimp.ImportGraph, importer: str, imported: str) -> None:
     assert graph.find_shortest_chains(importer=importer, imported=imported) == set()
+
+
+def test_the_orchestrator_layers_import_downwards_only(graph: grimp.ImportGraph) -> None:
+    """handlers → streaming → clients → api (issue 25): a lower layer never reaches up, not even
+    for a type (the API models and the clients know nothing of the pipeline)."""
+    illegal = graph.find_illegal_dependencies_for_layers(
+        layers=(
+            "orchestrator.handlers",
+            "orchestrator.streaming",
+            "orchestrator.clients",
+            "orchestrator.api",
+        )
+    )
+    assert sorted((d.importer, d.imported) for d in illegal) == []

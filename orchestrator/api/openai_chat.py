@@ -19,9 +19,9 @@ from pydantic import (
     model_validator,
 )
 
-from ..streaming.text_judgement import InputPiece
 from .fms_requests import DetectorMap
 from .fms_responses import TokenClassificationResult, Wire
+from .input_pieces import InputPiece
 from .json_numbers import json_integer, json_number
 
 ROLES = ("system", "developer", "user", "assistant")
