@@ -153,16 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     except ApiKeysError as exc:  # before loading the model: fail fast
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from . import tracing
+    from .tracing import TRACING
 
-    tracing.configure(args.otlp_endpoint)  # off unless asked for
+    TRACING.configure(args.otlp_endpoint)  # off unless asked for
     try:
         return asyncio.run(_serve(args, keys))
     except ModelSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        tracing.shutdown()  # exports the last spans
+        TRACING.shutdown()  # exports the last spans
 
 
 async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
-import hmac
 import logging
 import os
 import re
@@ -27,6 +25,8 @@ from types import SimpleNamespace
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+
+from servicekit.auth import UNAUTHORIZED_MESSAGE, BearerKeys
 
 from . import tracing as traces
 from .api.errors import ApiError, ErrorBody, ErrorType, Failure
@@ -300,23 +300,13 @@ PROBE_PATHS = frozenset({"/health", "/info", "/openapi.json"})
 AUTHENTICATED = health.AUTHENTICATED
 
 
-def _digest(value: bytes) -> bytes:
-    return hashlib.sha256(value).digest()
-
-
 def key_checker(keys: list[str]) -> Callable[[web.BaseRequest], bool]:
-    """Whether a request carries one of `keys` as a Bearer token."""
-    # Comparing fixed-length digests: compare_digest on the raw keys would return early on a
-    # length mismatch and tell a caller how long the keys are.
-    digests = [_digest(k.encode()) for k in keys]
+    """Whether a request carries one of `keys` as a Bearer token (servicekit.auth: the check
+    every service makes)."""
+    accepted = BearerKeys(keys)
 
     def authorized(request: web.BaseRequest) -> bool:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
-        ok = False
-        for digest in digests:  # every key, so timing does not tell which one came close
-            ok |= hmac.compare_digest(given, digest)
-        return ok and scheme.lower() == "bearer"
+        return accepted.accepts(request.headers)
 
     return authorized
 
@@ -332,7 +322,7 @@ def auth_middleware(keys: list[str], open_paths: frozenset[str] = PROBE_PATHS) -
         # open paths answer anyway; /info shows its details only to a caller with a key
         request[AUTHENTICATED] = ok
         if request.path not in open_paths and not ok:
-            raise ApiError(401, ErrorType.UNAUTHORIZED, "missing or invalid API key")
+            raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
         return await handler(request)
 
     return check

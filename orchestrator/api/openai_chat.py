@@ -19,10 +19,10 @@ from pydantic import (
     model_validator,
 )
 
-from ..streaming.text_judgement import InputPiece
 from .errors import Failure
 from .fms_requests import DetectorMap
 from .fms_responses import TokenClassificationResult, Wire
+from .input_pieces import InputPiece
 from .json_numbers import json_integer, json_number
 
 ROLES = ("system", "developer", "user", "assistant")

@@ -27,8 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from ..streaming.text_judgement import InputPiece
 from .errors import Failure, invalid
+from .input_pieces import InputPiece
 from .json_numbers import json_integer, json_number
 from .openai_chat import ChatDetectors, OpenAIErrorBody
 
