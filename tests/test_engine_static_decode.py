@@ -38,10 +38,19 @@ from generation.sampling import SamplingParams
 from generation.scheduler import Engine, Job, StreamError, StreamItem
 from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer
-from tests.engine_support import Stream, generate, run
-from tests.test_engine_batching import bodies
-from tests.test_engine_chunked_prefill import long_prompt, make_job, run_alone, warm
-from tests.test_engine_resume import DECODINGS, PROMPTS, check_every_split
+from tests.engine_support import (
+    DECODINGS,
+    RESUME_PROMPTS,
+    Stream,
+    batch_bodies,
+    check_every_split,
+    generate,
+    long_prompt,
+    make_job,
+    run,
+    run_alone,
+    warm,
+)
 from tests.wait_support import until, within
 
 Event = StreamItem | StreamError
@@ -527,10 +536,11 @@ def test_sixteen_concurrent_equal_alone_with_the_static_step(
 
     async def scenario() -> tuple[list[Stream], list[Stream]]:
         async with aiohttp.ClientSession() as session:
-            alone = [await generate(session, tiny_server.url, body) for body in bodies()]
+            alone = [await generate(session, tiny_server.url, body) for body in batch_bodies()]
             with engine.hold():
                 tasks = [
-                    asyncio.ensure_future(generate(session, static_server.url, b)) for b in bodies()
+                    asyncio.ensure_future(generate(session, static_server.url, b))
+                    for b in batch_bodies()
                 ]
 
                 async def queued() -> bool:
@@ -542,7 +552,7 @@ def test_sixteen_concurrent_equal_alone_with_the_static_step(
 
     alone, together = run(scenario())
     assert engine.stats.max_batch_size_seen == 16
-    for body, a, b in zip(bodies(), alone, together, strict=True):
+    for body, a, b in zip(batch_bodies(), alone, together, strict=True):
         assert a.completed and b.completed
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), (
             body
@@ -555,7 +565,7 @@ def test_sixteen_concurrent_equal_alone_with_the_static_step(
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(prompt=PROMPTS, n=st.integers(1, 16), decoding=DECODINGS)
+@given(prompt=RESUME_PROMPTS, n=st.integers(1, 16), decoding=DECODINGS)
 def test_resume_is_exact_with_the_static_step(
     static_server: ThreadedServer, prompt: str, n: int, decoding: dict[str, Any]
 ) -> None:
