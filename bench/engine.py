@@ -70,7 +70,7 @@ from generation.detokenizer import IncrementalDetokenizer, StreamDetokenizer, ma
 from generation.kv_cache import SlotCache
 from generation.sampling import SamplingParams, default_candidates, select, uniform
 from generation.scheduler import PREFILL_CHUNK_TOKENS, Engine, Job, StreamItem
-from generation.testing import start_engine_subprocess
+from tests.engine_processes import start_engine_subprocess
 
 QUESTIONS = [
     "Write a short story about a dragon who learns to bake bread.",

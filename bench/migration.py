@@ -32,8 +32,8 @@ from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from orchestrator.clients.backend import GenerationParams, GenerationRequest
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.clients.generation import GenerationParams, GenerationRequest
 from orchestrator.config import ModelConfig
 
 PROMPT = "Once upon a time, in a land far away,"

@@ -26,16 +26,16 @@ from .clients.backends import build_model_backends
 from .clients.registry import ChunkerRegistry, DetectorRegistry
 from .config import Config, ConfigError, secret_env_names
 from .handlers import (
-    chat_completions,
     content_detection,
+    fms_stream,
+    fms_unary,
     health,
     metrics,
     models,
+    openai_chat,
+    openai_responses,
     openapi,
-    responses,
     stream_content,
-    streaming_generation,
-    unary_generation,
 )
 from .handlers.body import BodyTimeout
 from .handlers.stream_slots import TooManyStreams
@@ -59,8 +59,8 @@ STREAMING_PATH = "/api/v1/task/server-streaming-classification-with-text-generat
 UNARY_PATH = "/api/v1/task/classification-with-text-generation"
 CONTENT_PATH = "/api/v2/text/detection/content"
 STREAM_CONTENT_PATH = "/api/v2/text/detection/stream-content"
-CHAT_PATH = chat_completions.CHAT_PATH
-CHAT_DETECTION_PATH = chat_completions.CHAT_DETECTION_PATH
+CHAT_PATH = openai_chat.CHAT_PATH
+CHAT_DETECTION_PATH = openai_chat.CHAT_DETECTION_PATH
 RESPONSES_PATH = "/v1/responses"
 MODELS_PATH = "/v1/models"
 # The OpenAI surfaces answer errors with OpenAI's body, which their SDKs parse
@@ -452,13 +452,13 @@ def create_app(
         config.server.max_request_bytes, key_checker(keys) if keys is not None else None
     )
     for path, handle in [
-        (STREAMING_PATH, streaming_generation.handle),
-        (UNARY_PATH, unary_generation.handle),
+        (STREAMING_PATH, fms_stream.handle),
+        (UNARY_PATH, fms_unary.handle),
         (CONTENT_PATH, content_detection.handle),
         (STREAM_CONTENT_PATH, stream_content.handle),
-        (CHAT_PATH, chat_completions.handle),
-        (CHAT_DETECTION_PATH, chat_completions.handle),
-        (RESPONSES_PATH, responses.handle),
+        (CHAT_PATH, openai_chat.handle),
+        (CHAT_DETECTION_PATH, openai_chat.handle),
+        (RESPONSES_PATH, openai_responses.handle),
     ]:
         app.router.add_post(path, handle, expect_handler=expect)
     for path, get in [

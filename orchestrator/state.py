@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .clients.generation import ModelBackend
+from .clients.backend import ModelBackend
 from .clients.registry import ChunkerRegistry, DetectorRegistry
 from .config import Config
 from .metrics import OrchestratorMetrics

@@ -9,7 +9,7 @@ import pytest
 
 from generation import models
 from generation.server import create_app
-from generation.testing import ThreadedServer
+from tests.engine_processes import ThreadedServer
 from tests.engine_support import SMOLLM2_DTYPE, load_test_model
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import SCRIPT

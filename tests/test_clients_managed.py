@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orchestrator.clients import managed
+from orchestrator.clients.backend import GenerationParams, GenerationRequest
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.clients.generation import GenerationParams, GenerationRequest
 from orchestrator.config import ManagedBackend, ModelConfig
 from tests.fakes.engine import until
 

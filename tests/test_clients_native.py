@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from orchestrator.clients.generation import (
+from orchestrator.clients.backend import (
     Continuation,
     EngineItem,
     GenerationError,

@@ -18,16 +18,15 @@ from prometheus_client import CollectorRegistry
 
 from generation import models
 from generation.server import create_app
-from generation.testing import free_port
 from orchestrator.api.errors import ApiError, ErrorType
-from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.clients.generation import (
+from orchestrator.clients.backend import (
     ChatMessage,
     Continuation,
     GenerationError,
     GenerationParams,
     GenerationRequest,
 )
+from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
 from orchestrator.clients.managed import ENGINE_API_KEYS_ENV
 from orchestrator.clients.native import (
     AdvertisedLimits,
@@ -38,6 +37,7 @@ from orchestrator.clients.native import (
     native_body,
 )
 from orchestrator.config import ConfigError, ModelConfig
+from tests.engine_processes import free_port
 from tests.fakes.engine import FakeEngine, Fault
 from tests.fakes.vllm import FakeVllm
 

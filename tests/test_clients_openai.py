@@ -11,8 +11,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orchestrator.clients.backends import build_model_backends
-from orchestrator.clients.generation import (
+from orchestrator.clients.backend import (
     Continuation,
     EngineItem,
     GenerationError,
@@ -20,6 +19,7 @@ from orchestrator.clients.generation import (
     GenerationRequest,
     ModelBackend,
 )
+from orchestrator.clients.backends import build_model_backends
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
 from tests.fakes.clock import expire_stalls, manual_stall_clock

@@ -13,8 +13,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.clients.generation import (
+from orchestrator.clients.backend import (
     ChatMessage,
     Continuation,
     EngineItem,
@@ -23,6 +22,7 @@ from orchestrator.clients.generation import (
     GenerationParams,
     GenerationRequest,
 )
+from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
 from orchestrator.clients.migration import MigratingStream
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig

@@ -15,14 +15,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from generation import models
-from orchestrator.clients.backends import build_model_backends
-from orchestrator.clients.generation import (
+from orchestrator.clients.backend import (
     ChatMessage,
     GenerationError,
     GenerationParams,
     GenerationRequest,
     ModelBackend,
 )
+from orchestrator.clients.backends import build_model_backends
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
 from tests.fakes.openai_chat import ChatFault, FakeOpenAIChat
@@ -129,7 +129,7 @@ async def test_token_id_prompt_refused_falls_back_to_text(
 ) -> None:
     """A continuation with token ids (begun on a vLLM replica) on a server that takes no
     token-id prompt: the 400 turns the resume into a resume by text, remembered."""
-    from orchestrator.clients.generation import Continuation
+    from orchestrator.clients.backend import Continuation
 
     (s,) = await vllm(servers)
     client = OpenAIClient("o0", s.url, "fake-model", session)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from generation.batch_invariant import ATTENTION
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
-from generation.testing import ThreadedServer, start_engine_subprocess
+from tests.engine_processes import ThreadedServer, start_engine_subprocess
 from tests.engine_support import (
     TEST_DEVICE,
     TORCH_DEVICE,

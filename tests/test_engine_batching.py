@@ -16,7 +16,7 @@ from generation import models
 from generation.models import LoadedModel
 from generation.scheduler import prefill_groups
 from generation.server import STATE, create_app
-from generation.testing import ThreadedServer
+from tests.engine_processes import ThreadedServer
 from tests.engine_support import Stream, generate, load_test_model, parse, run, wait_until
 
 PROMPTS = [

@@ -11,7 +11,7 @@ import aiohttp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from generation.testing import ThreadedServer
+from tests.engine_processes import ThreadedServer
 from tests.engine_support import Stream, generate, run
 
 PROPERTY = settings(

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from generation.testing import EngineProcess, free_port, start_engine_subprocess
+from tests.engine_processes import EngineProcess, free_port, start_engine_subprocess
 from tests.engine_support import TEST_DEVICE, generate, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,8 +32,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from generation.testing import ThreadedServer
 from orchestrator.app import CHAT_DETECTION_PATH, CHAT_PATH, MODELS_PATH
+from tests.engine_processes import ThreadedServer
 from tests.orchestrator_support import MODEL, Orchestrator, native_config
 
 T = TypeVar("T")

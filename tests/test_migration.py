@@ -11,13 +11,13 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.clients.generation import (
+from orchestrator.clients.backend import (
     GenerationChunk,
     GenerationError,
     GenerationParams,
     GenerationRequest,
 )
+from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
 from orchestrator.clients.migration import MigratingStream, MigrationMetrics
 from orchestrator.config import MigrationConfig, ModelConfig
 from tests.fakes.clock import ManualClock, expire_stalls, manual_stall_clock

@@ -22,8 +22,8 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
+from orchestrator.clients.backend import GenerationParams, GenerationRequest
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.clients.generation import GenerationParams, GenerationRequest
 from orchestrator.clients.migration import MigratingStream
 from orchestrator.config import ModelConfig
 from tests.engine_support import TEST_DEVICE

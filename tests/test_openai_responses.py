@@ -19,7 +19,7 @@ from openai._models import construct_type
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from generation.testing import free_port
+from tests.engine_processes import free_port
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import MODEL, SCRIPT, Orchestrator, native_config, remote

@@ -14,9 +14,9 @@ import pytest
 
 import detectors
 from chunkers.base import Pipeline
+from orchestrator.clients.backend import GenerationParams, GenerationRequest
 from orchestrator.clients.backends import ReplicatedModelBackend
 from orchestrator.clients.detectors import InProcessDetectorClient
-from orchestrator.clients.generation import GenerationParams, GenerationRequest
 from orchestrator.clients.registry import ChunkerRegistry, RequestedDetector
 from orchestrator.config import DetectorConfig, parse_config
 from orchestrator.streaming.events import Event, Frame, Terminal

@@ -20,10 +20,10 @@ import detectors
 from orchestrator.clients.detectors import InProcessDetectorClient
 from orchestrator.clients.registry import ChunkerRegistry, RequestedDetector
 from orchestrator.config import DetectorConfig
-from orchestrator.streaming.detection import JudgedFrame, StreamingDetection
 from orchestrator.streaming.findings import Finding
 from orchestrator.streaming.inbox import Inbox
 from orchestrator.streaming.redaction import StreamRedactor, redact_text
+from orchestrator.streaming.stream_judgement import JudgedFrame, StreamJudge
 
 REGEX = detectors.build("regex")
 ENTITIES = [
@@ -61,7 +61,7 @@ async def run_stream(
     """The pipeline's consumer loop in miniature: feed each delta, take whatever verdicts
     arrived meanwhile, and at the end wait for every detector."""
     inbox = Inbox(10_000)
-    detection = StreamingDetection(dets, chunkers, inbox)
+    detection = StreamJudge(dets, chunkers, inbox)
     tasks: list[asyncio.Task[None]] = []
     detection.start(lambda coro: tasks.append(asyncio.create_task(coro)))
     frames: list[JudgedFrame] = []

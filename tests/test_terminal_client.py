@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from generation.testing import free_port
 from orchestrator.terminal_client import (
     EXIT_COMPLETED,
     EXIT_FAILED,
@@ -26,6 +25,7 @@ from orchestrator.terminal_client import (
     Style,
     render_frame,
 )
+from tests.engine_processes import free_port
 from tests.fakes.clock import expire_stalls, manual_stall_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault

@@ -20,9 +20,9 @@ from pydantic import (
 )
 
 from ..streaming.text_judgement import InputPiece
+from .fms_requests import DetectorMap
+from .fms_responses import TokenClassificationResult, Wire
 from .json_numbers import json_integer, json_number
-from .requests import DetectorMap
-from .responses import TokenClassificationResult, Wire
 
 ROLES = ("system", "developer", "user", "assistant")
 _UNSUPPORTED = {

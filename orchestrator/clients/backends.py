@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from ..api.errors import invalid
 from ..config import ConfigError, ManagedBackend, ModelConfig, NativeBackend, OpenAIBackend
-from .generation import ChatMessage, GenerationError, GenerationRequest, ModelBackend
+from .backend import ChatMessage, GenerationError, GenerationRequest, ModelBackend
 from .managed import ENGINE_API_KEYS_ENV, CommandFactory, EngineProcess, engine_command
 from .migration import MigratingStream, MigrationMetrics
 from .native import (

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from .. import tracing
 from ..config import MigrationConfig
-from .generation import (
+from .backend import (
     Continuation,
     EngineItem,
     EngineStream,

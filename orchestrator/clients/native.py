@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 import aiohttp
 import orjson
 
-from .generation import (
+from .backend import (
     FINISH_REASONS,
     ChatMessage,
     Continuation,

@@ -53,8 +53,7 @@ import orjson
 
 from generation.detokenizer import TextGate
 
-from .chat_template import ChatTemplateError, LocalTokenizer
-from .generation import (
+from .backend import (
     ChatMessage,
     Continuation,
     EngineItem,
@@ -62,6 +61,7 @@ from .generation import (
     GenerationRequest,
     unavailable,
 )
+from .chat_template import ChatTemplateError, LocalTokenizer
 from .native import (
     FINAL_GRACE_S,
     HttpLineStream,

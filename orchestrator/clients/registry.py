@@ -13,7 +13,7 @@ import chunkers
 import detectors
 
 from ..api.errors import invalid, not_found
-from ..api.requests import DetectorMap
+from ..api.fms_requests import DetectorMap
 from ..config import (
     DEFAULT_REDACT_WITH,
     ORCHESTRATOR_PARAM_KEYS,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .generation import ReplicaClient
+from .backend import ReplicaClient
 
 if TYPE_CHECKING:
     from .managed import EngineProcess

@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from ..api.errors import ApiError, ErrorType
-from ..api.requests import ContentDetectionRequest
+from ..api.fms_requests import ContentDetectionRequest
 from ..state import STATE
 from ..streaming import wire_json
 from ..streaming.findings import Finding
@@ -25,7 +25,7 @@ async def handle(request: web.Request) -> web.Response:
     try:
         async with asyncio.timeout(state.config.server.request_timeout_s):
             findings = await judge_text(
-                body.content, dets, state.chunkers, whole=body.redact, window_verdicts=False
+                body.content, dets, state.chunkers, whole=body.redact, annotating=True
             )
     except TimeoutError:
         raise ApiError(

@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 
 from .. import __version__
-from ..api.responses import ComponentStatus, HealthResponse, InfoResponse
+from ..api.fms_responses import ComponentStatus, HealthResponse, InfoResponse
 from ..clients.detectors import InProcessDetectorClient
 from ..state import STATE, AppState
 

@@ -12,20 +12,13 @@ from pydantic.json_schema import models_json_schema
 from .. import __version__
 from ..api import openai_responses
 from ..api.errors import ErrorBody
-from ..api.openai_chat import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ModelList,
-    OpenAIErrorBody,
-)
-from ..api.requests import (
+from ..api.fms_requests import (
     ContentDetectionRequest,
     DetectorParams,
     GuardrailsHttpRequest,
     StreamContentLine,
 )
-from ..api.responses import (
+from ..api.fms_responses import (
     ClassifiedFrame,
     ClassifiedGeneratedTextResult,
     ContentDetectionResponse,
@@ -35,6 +28,13 @@ from ..api.responses import (
     RefusalDone,
     StreamContentResult,
     TerminalSummary,
+)
+from ..api.openai_chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ModelList,
+    OpenAIErrorBody,
 )
 from ..state import STATE
 from .health import AUTHENTICATED

@@ -17,13 +17,13 @@ from contextlib import aclosing, suppress
 from aiohttp import web
 
 from ..api.errors import ApiError, ErrorType, invalid
-from ..api.requests import StreamContentLine
-from ..api.responses import StreamContentResult
+from ..api.fms_requests import StreamContentLine
+from ..api.fms_responses import StreamContentResult
 from ..state import STATE
 from ..streaming.content_stream import ContentStream
-from ..streaming.detection import JudgedFrame
 from ..streaming.events import Failure
 from ..streaming.failures import describe, is_unexpected
+from ..streaming.stream_judgement import JudgedFrame
 from ..streaming.wire_json import dumps
 from .body import parse_json, read_chunk, too_large, validate
 from .stream_slots import stream_slot

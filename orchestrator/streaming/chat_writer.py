@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from ..api.errors import ApiError
+from ..api.fms_responses import UNSUITABLE_INPUT, UNSUITABLE_OUTPUT
 from ..api.openai_chat import (
     AssistantMessage,
     ChatCompletion,
@@ -29,7 +30,6 @@ from ..api.openai_chat import (
     OutputDetections,
     Usage,
 )
-from ..api.responses import UNSUITABLE_INPUT, UNSUITABLE_OUTPUT
 from .events import Event, Failure, Frame, KeepAlive, Refusal, Terminal
 from .findings import Finding, sort_findings
 from .wire_json import KEEPALIVE_COMMENT, dumps

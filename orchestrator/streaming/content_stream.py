@@ -14,11 +14,11 @@ from ..api.errors import ErrorType
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import DetectorResult
 from .cancellation import cancel_and_wait
-from .detection import JudgedFrame, StreamingDetection
 from .detector_queue import DetectorFinished
 from .events import Failure
 from .failures import describe
 from .inbox import Inbox
+from .stream_judgement import JudgedFrame, StreamJudge
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class ContentStream:
         max_buffered_lines: int = 64,
     ) -> None:
         self._inbox = Inbox(max_buffered_lines)
-        self._detection = StreamingDetection(detectors, chunkers, self._inbox)
+        self._detection = StreamJudge(detectors, chunkers, self._inbox)
         self._first = first
         self._lines = lines
         self._timeout_s = timeout_s

@@ -16,7 +16,7 @@ from detectors.api import Detection
 
 from ..clients.registry import RequestedDetector
 from .aggregation import DetectorResult
-from .findings import Finding, keep
+from .findings import Finding, kept_findings
 from .inbox import Inbox
 
 Result = DetectorResult[Finding]
@@ -127,7 +127,7 @@ class DetectorQueue:
             self.unjudged -= sum(len(s.text) for s in batch)
             if self._answered is not None:
                 self._answered.set()
-            found = keep(detector, Span(start, end, text), detections)
+            found = kept_findings(detector, Span(start, end, text), detections)
             final = final or (self._closed and not self._pending)
             safe = end if final else safe_end(text, start, found)
             self._carry = text[safe - start :]
@@ -166,12 +166,15 @@ class DetectorQueue:
             self.unjudged -= sum(len(s.text) for s in batch)
             if self._answered is not None:
                 self._answered.set()
-            own = [keep(detector, span, dets) for span, dets in zip(batch, replies, strict=False)]
+            own = [
+                kept_findings(detector, span, dets)
+                for span, dets in zip(batch, replies, strict=False)
+            ]
             judged = held + list(zip(batch, own, strict=True))
             straddling = [
                 tuple(
                     f
-                    for f in keep(detector, window, dets)
+                    for f in kept_findings(detector, window, dets)
                     # (a detection of the whole window counts too: it may be an entity that
                     # fills it, and for a block any detection is reason enough)
                     if f.start < nxt.start < f.end
@@ -248,5 +251,5 @@ def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
 
 def to_result(detector: RequestedDetector, span: Span, detections: list[Detection]) -> Result:
     return DetectorResult(
-        detector.detector_id, span.start, span.end, keep(detector, span, detections)
+        detector.detector_id, span.start, span.end, kept_findings(detector, span, detections)
     )

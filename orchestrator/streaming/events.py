@@ -89,7 +89,7 @@ Event = Frame | Refusal | Terminal | KeepAlive
 KEEP_ALIVE = KeepAlive()
 
 # finish_reason -> (terminal kind, incomplete reason)
-BY_FINISH: dict[str | None, tuple[TerminalKind, IncompleteReason | None]] = {
+TERMINAL_BY_FINISH: dict[str | None, tuple[TerminalKind, IncompleteReason | None]] = {
     "EOS_TOKEN": ("completed", None),
     "STOP_SEQUENCE": ("completed", None),
     "MAX_TOKENS": ("incomplete", "max_output_tokens"),

@@ -10,8 +10,8 @@ import logging
 from aiohttp import web
 
 from ..api.errors import ApiError, ErrorType
+from ..clients.backend import GenerationError
 from ..clients.detectors import DetectorCallError
-from ..clients.generation import GenerationError
 from .events import Failure
 from .fanout import ChunkerFailure
 

@@ -9,7 +9,7 @@ from typing import Any
 from chunkers import Span
 from detectors.api import Detection
 
-from ..api.responses import ContentDetection, TokenClassificationResult
+from ..api.fms_responses import ContentDetection, TokenClassificationResult
 from ..clients.detectors import DetectorCallError
 from ..clients.registry import RequestedDetector
 
@@ -74,7 +74,7 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
     )
 
 
-def keep(
+def kept_findings(
     detector: RequestedDetector, span: Span, detections: list[Detection]
 ) -> tuple[Finding, ...]:
     """Detections with `score >= threshold`, shifted from chunk-relative to stream-relative."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..api.errors import ApiError, ErrorBody
-from ..api.responses import (
+from ..api.fms_responses import (
     UNSUITABLE_INPUT,
     UNSUITABLE_OUTPUT,
     ClassifiedFrame,

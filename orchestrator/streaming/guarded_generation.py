@@ -28,16 +28,15 @@ from typing import Any
 
 from .. import tracing
 from ..api.errors import ErrorType
-from ..clients.generation import GenerationChunk, GenerationError, GenerationRequest, ModelBackend
+from ..clients.backend import GenerationChunk, GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import DetectorResult
 from .cancellation import cancel_and_wait
-from .detection import JudgedFrame, StreamingDetection
 from .detector_queue import DetectorFinished
 from .events import (
-    BY_FINISH,
     KEEP_ALIVE,
+    TERMINAL_BY_FINISH,
     Event,
     Failure,
     Frame,
@@ -50,6 +49,7 @@ from .findings import Finding, sort_findings
 from .inbox import Inbox
 from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
+from .stream_judgement import JudgedFrame, StreamJudge
 from .text_judgement import InputPiece, judge_pieces, judge_text
 
 log = logging.getLogger("guardstream.stream")
@@ -154,7 +154,7 @@ class GuardedGeneration:
         self._read_coalesce_when = read_coalesce_when or (lambda: True)
         self._inbox = Inbox(max_buffered_chunks)
         self._max_batch = max_buffered_chunks
-        self._detection: StreamingDetection | None = None
+        self._detection: StreamJudge | None = None
         self._holding = False  # events() holds a frame: `_run` yields _IDLE before it waits
         self._progress = _Progress()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -252,9 +252,9 @@ class GuardedGeneration:
                 self._redact_input(judged, redactors)
         stream = self._backend.stream(self._request)
         self._stream = stream
-        detection: StreamingDetection | None = None
+        detection: StreamJudge | None = None
         if self._output_detectors:
-            detection = StreamingDetection(self._output_detectors, self._chunkers, self._inbox)
+            detection = StreamJudge(self._output_detectors, self._chunkers, self._inbox)
             detection.start(self._spawn)
             self._detection = detection
         self._spawn(self._read_engine(stream))
@@ -355,7 +355,7 @@ class GuardedGeneration:
         with tracing.input_detection(self._input_detectors) as span:
             if isinstance(self._inputs, str):
                 findings = await judge_text(
-                    self._inputs, self._input_detectors, self._chunkers, regions=self._masks
+                    self._inputs, self._input_detectors, self._chunkers, masks=self._masks
                 )
             else:
                 findings = await judge_pieces(self._inputs, self._input_detectors, self._chunkers)
@@ -598,7 +598,7 @@ class GuardedGeneration:
         )
 
     def _finish_terminal(self) -> Terminal:
-        kind, reason = BY_FINISH.get(self._progress.finish_reason, ("completed", None))
+        kind, reason = TERMINAL_BY_FINISH.get(self._progress.finish_reason, ("completed", None))
         return self._terminal(kind, reason)
 
     def _failure(self, exc: BaseException) -> Terminal:

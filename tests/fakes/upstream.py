@@ -9,7 +9,7 @@ from typing import Protocol, TypeVar
 
 from aiohttp import web
 
-from generation.testing import free_port
+from tests.engine_processes import free_port
 
 
 class _Armed(Protocol):

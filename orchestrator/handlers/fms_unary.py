@@ -9,8 +9,8 @@ from aiohttp import web
 
 from ..state import STATE
 from ..streaming.fms_writer import UnaryFold
+from .fms_task import prepare_task
 from .stream_slots import stream_slot
-from .task_generation import prepare_task
 
 
 async def handle(request: web.Request) -> web.Response:

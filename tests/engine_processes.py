@@ -21,7 +21,7 @@ from types import TracebackType
 
 from aiohttp import web
 
-from .__main__ import LISTENING_PREFIX
+from generation.__main__ import LISTENING_PREFIX
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -70,7 +70,7 @@ class TextBuffer:
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
-class StreamingDetection:
+class StreamJudge:
     """Runs a request's output detectors over a text that arrives in deltas.
 
     Detectors on `whole_doc_chunker` that only annotate do not gate frames: they judge the whole

@@ -10,8 +10,8 @@ from aiohttp import web
 from ..state import STATE
 from ..streaming.events import Frame
 from ..streaming.fms_writer import sse_event
+from .fms_task import prepare_task
 from .stream_slots import stream_slot
-from .task_generation import prepare_task
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",

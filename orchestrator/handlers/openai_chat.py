@@ -15,10 +15,10 @@ from ..state import STATE
 from ..streaming.chat_writer import ChatChunkWriter, ChatCompletionFold
 from ..streaming.events import Terminal
 from ..streaming.guarded_generation import GuardedGeneration
+from .admission import Conversation, find_model, prepare_conversation
 from .body import read_model
-from .generation_request import Conversation, find_model, prepare_conversation
+from .fms_stream import SSE_HEADERS
 from .stream_slots import stream_slot
-from .streaming_generation import SSE_HEADERS
 
 CHAT_PATH = "/v1/chat/completions"
 CHAT_DETECTION_PATH = "/api/v2/chat/completions-detection"

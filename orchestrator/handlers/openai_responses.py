@@ -16,10 +16,10 @@ from ..state import STATE
 from ..streaming.events import Terminal
 from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.responses_writer import ResponsesFold, ResponsesWriter
+from .admission import Conversation, prepare_conversation
 from .body import parse_json, read_body, require_json_content_type, validate
-from .generation_request import Conversation, prepare_conversation
+from .fms_stream import SSE_HEADERS
 from .stream_slots import stream_slot
-from .streaming_generation import SSE_HEADERS
 
 RESPONSES_PATH = "/v1/responses"
 

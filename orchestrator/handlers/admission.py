@@ -11,8 +11,8 @@ from typing import Any
 from aiohttp import web
 
 from ..api.errors import invalid, not_found
-from ..api.requests import DetectorMap, DetectorParams
-from ..clients.generation import ChatMessage, GenerationParams, GenerationRequest, ModelBackend
+from ..api.fms_requests import DetectorMap, DetectorParams
+from ..clients.backend import ChatMessage, GenerationParams, GenerationRequest, ModelBackend
 from ..clients.registry import RequestedDetector
 from ..config import ModelConfig
 from ..state import STATE, AppState

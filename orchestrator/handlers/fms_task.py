@@ -6,18 +6,18 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..api.errors import invalid
-from ..api.requests import GuardrailsHttpRequest, TextGenParameters
-from ..clients.generation import GenerationParams, GenerationRequest
+from ..api.fms_requests import GuardrailsHttpRequest, TextGenParameters
+from ..clients.backend import GenerationParams, GenerationRequest
 from ..state import STATE
 from ..streaming.guarded_generation import GuardedGeneration
-from .body import read_model
-from .generation_request import (
+from .admission import (
     budget,
     build_pipeline,
     check_input_size,
     find_model,
     resolve_detectors,
 )
+from .body import read_model
 
 
 async def prepare_task(request: web.Request, *, streaming: bool) -> GuardedGeneration:
