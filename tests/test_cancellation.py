@@ -23,7 +23,7 @@ from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from orchestrator.clients.detectors import InProcessDetectorClient
 from orchestrator.clients.registry import RequestedDetector
 from orchestrator.config import DetectorConfig
-from orchestrator.handlers import fms_stream
+from orchestrator.streaming import fms_writer
 from orchestrator.streaming.cancellation import cancel_and_wait
 from orchestrator.streaming.detector_queue import DetectorQueue
 from orchestrator.streaming.inbox import Inbox
@@ -113,7 +113,7 @@ async def test_a_failure_after_the_reply_started_cuts_the_connection(
     would land inside the chunked body), so the connection is closed and the client's read ends
     with a payload error instead of waiting."""
     calls = 0
-    real = fms_stream.sse_event
+    real = fms_writer.sse_event
 
     def failing(event: Any) -> bytes:
         nonlocal calls
@@ -122,7 +122,7 @@ async def test_a_failure_after_the_reply_started_cuts_the_connection(
             raise RuntimeError("a writer bug")
         return real(event)
 
-    monkeypatch.setattr(fms_stream, "sse_event", failing)
+    monkeypatch.setattr(fms_writer, "sse_event", failing)
     async with Orchestrator(native_config(engine.url)) as orch:
         assert orch.session is not None
         async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:

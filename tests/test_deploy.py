@@ -34,13 +34,9 @@ from detectors import service as detector_service
 from generation import models
 from orchestrator.app import create_app as orchestrator_app
 from orchestrator.config import Config, ServerConfig, load_config, parse_config
-from orchestrator.server import (
-    CLEANUP_GRACE_S,
-    SHUTDOWN_GRACE_S,
-    WORKER_EXIT_GRACE_S,
-    worker_count,
-)
+from orchestrator.server import CLEANUP_GRACE_S, SHUTDOWN_GRACE_S
 from orchestrator.state import STATE
+from orchestrator.workers import WORKER_EXIT_GRACE_S, worker_count
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -931,6 +927,7 @@ def test_dockerfile_copies_files_that_exist_and_are_not_dockerignored() -> None:
         "chunkers",
         "detectors",
         "generation",
+        "servicekit",
         "config.yaml",
     ]
     for src in sources:

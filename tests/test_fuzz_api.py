@@ -32,10 +32,11 @@ from schemathesis.specs.openapi.checks import (
 
 from orchestrator.app import (
     CONTENT_PATH,
-    OPENAI_PATHS,
     STREAM_CONTENT_PATH,
     STREAMING_PATH,
     UNARY_PATH,
+    Surface,
+    surface_of,
 )
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
@@ -229,7 +230,7 @@ def fuzz_operation(
     def fuzz(case: schemathesis.Case) -> None:
         response = case.call(base_url=url, session=http, timeout=30)
         case.validate_response(response, checks=checks)
-        check_error_body(response, operation.path in OPENAI_PATHS)
+        check_error_body(response, surface_of(operation.path) is Surface.OPENAI)
         if response.status_code == 200 and operation.path == STREAMING_PATH:
             check_stream(response.text)
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator.app import CONTENT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.clients import managed
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.clients.native import transport_error
+from orchestrator.clients.line_transport import transport_error
 from orchestrator.config import ManagedBackend, parse_config, secret_env_names
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.orchestrator_support import (

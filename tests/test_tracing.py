@@ -37,12 +37,11 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from detectors.tracing import env_wants_tracing
-from generation import tracing as engine_tracing
 from orchestrator import tracing
 from orchestrator.app import STREAMING_PATH, create_app
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.logs import make_handler
+from servicekit.tracing import env_wants_tracing
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import MODEL as MODEL_ID
 from tests.orchestrator_support import (
@@ -601,7 +600,6 @@ def test_bad_tracing_settings_name_their_path(tracing_cfg: dict[str, Any], error
 )
 def test_the_standard_environment_turns_tracing_on(environ: dict[str, str], on: bool) -> None:
     assert env_wants_tracing(environ) is on
-    assert engine_tracing.env_wants_tracing(environ) is on
 
 
 def test_config_tracing_is_exported_to_managed_engines_and_restored() -> None:
@@ -667,7 +665,7 @@ def test_compose_tracing_profile_points_every_process_at_its_collector() -> None
         assert set(service) == {"environment"}, name
         env = service["environment"]
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
-        assert env_wants_tracing(env) and engine_tracing.env_wants_tracing(env), name
+        assert env_wants_tracing(env), name
         names.add(env["OTEL_SERVICE_NAME"])
     assert len(names) == len(services)
 

@@ -1,6 +1,6 @@
 """A clock that moves only when a test moves it, for the two places where time is the subject of
 the orchestrator's client code: the replica pool's quarantine (`ReplicaPool.clock`) and the stall
-timeout of engine streams (`orchestrator.clients.native.stall_clock`). With it a test declares a
+timeout of engine streams (`orchestrator.clients.stall_timeout.stall_clock`). With it a test declares a
 silent replica stalled, or a quarantine over, at the moment it chooses, and a slow machine can
 neither fire a stall early nor end a quarantine early.
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from orchestrator.clients import native
+from orchestrator.clients import stall_timeout
 
 
 class ManualTimer:
@@ -73,7 +73,7 @@ def manual_stall_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     """Engine streams opened from now on (native and OpenAI protocol alike) time their stall
     timeout on a manual clock: no stream stalls until the test says so."""
     clock = ManualClock()
-    monkeypatch.setattr(native, "stall_clock", clock)
+    monkeypatch.setattr(stall_timeout, "stall_clock", clock)
     return clock
 
 
