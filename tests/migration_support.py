@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
 from orchestrator.clients.migration import MigratingStream
 from orchestrator.config import ModelConfig
+from tests.engine_support import TEST_DEVICE
 from tests.fakes.clock import ManualClock
 from tests.wait_support import until
 
@@ -33,7 +34,7 @@ async def managed_backend(
                     {
                         "type": "managed",
                         "model": model,
-                        "device": "cpu",
+                        "device": TEST_DEVICE,
                         **backend,
                         "replicas": 2,
                         "start_timeout_s": start_timeout_s,

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from generation import models
 from generation.server import create_app
-from tests.engine_support import generate, parse
+from tests.engine_support import TORCH_DEVICE, generate, load_test_model, parse
 from tests.wait_support import until
 
 TINY_VOCAB = 686  # pinned: the tiny-random build is deterministic
@@ -215,7 +215,7 @@ async def test_models_health_metrics(client: Any) -> None:
     health = await (await client.get("/health")).json()
     assert health["status"] == "ok"
     assert health["model"] == "tiny-random"
-    assert health["device"] == "cpu" and health["dtype"] == "float64"
+    assert health["device"] == str(TORCH_DEVICE) and health["dtype"] == "float64"
     assert health["batch_invariant"] is False and models_body["data"][0]["batch_invariant"] is False
     assert health["active_requests"] == 0 and health["max_context"] == 512
     await generate(client, "", {"prompt": "a", "max_new_tokens": 3})
@@ -337,7 +337,7 @@ def eosy_model(
     weights[key] = weights[key].clone()
     weights[key][eos] *= 40.0
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    return models.load(str(folder), device="cpu", dtype="float64")
+    return load_test_model(str(folder), dtype="float64")
 
 
 async def test_eos_and_min_new_tokens(aiohttp_client: Any, eosy_model: models.LoadedModel) -> None:

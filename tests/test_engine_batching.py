@@ -16,7 +16,14 @@ from generation.models import LoadedModel
 from generation.scheduler import prefill_groups
 from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer
-from tests.engine_support import Stream, batch_bodies, generate, parse, run
+from tests.engine_support import (
+    Stream,
+    batch_bodies,
+    generate,
+    load_test_model,
+    parse,
+    run,
+)
 from tests.wait_support import until
 
 
@@ -122,7 +129,7 @@ def sliding_window_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedMode
     finally:
         torch.random.set_rng_state(state)
     tokenizer.save_pretrained(folder)
-    return models.load(str(folder), device="cpu", dtype="float64")
+    return load_test_model(str(folder), dtype="float64")
 
 
 def test_unbatchable_cache_is_served_one_at_a_time_exactly(

@@ -12,7 +12,6 @@ Runs on the CPU (exact); GUARDSTREAM_TEST_DEVICE=cuda runs the sampler and the r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -22,8 +21,8 @@ from hypothesis import strategies as st
 
 from generation.device_sampling import DeviceSampler, device_uniform
 from generation.sampling import SamplingParams, apply_repetition_penalties, select, uniform
+from tests.engine_support import TORCH_DEVICE as DEVICE  # the test device switch
 
-DEVICE = torch.device(os.environ.get("GUARDSTREAM_TEST_DEVICE", "cpu"))
 PROPERTY = settings(max_examples=120, deadline=None, derandomize=True)
 U64 = (1 << 64) - 1
 

