@@ -33,7 +33,12 @@ def enforced_config(engine: FakeEngine) -> dict[str, Any]:
     return native_config(
         engine.url,
         detectors={
-            "injection": {"builtin": "prompt_injection", "chunker_id": "whole_doc_chunker"},
+            # a generous timeout: the model runs on 2 busy cores in CI (the default is 10 s)
+            "injection": {
+                "builtin": "prompt_injection",
+                "chunker_id": "whole_doc_chunker",
+                "timeout_s": 120,
+            },
             "pii": {"builtin": "regex", "chunker_id": "sentence"},
         },
         model={"guardrails": {"input": {"injection": {}, "pii": {}}}},
