@@ -30,12 +30,14 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.wait_support import DEADLINE_S, until
+if not __package__:  # run as a script (`python tests/fakes/engine.py`) by the managed tests
+    import sys
+    from pathlib import Path
 
-if __package__:
-    from .upstream import FakeUpstream, next_fault
-else:  # run as a script (`python tests/fakes/engine.py`) by the managed-backend tests
-    from upstream import FakeUpstream, next_fault  # type: ignore[no-redef]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from tests.fakes.upstream import FakeUpstream, next_fault
+from tests.wait_support import DEADLINE_S, until
 
 TOKEN_BASE = 1000
 DRAWN_SEED = 4242  # the seed the fake "draws" for a sampling request without one
