@@ -384,7 +384,7 @@ class GuardedGeneration:
                 arrivals.append((generated, time.monotonic()))
             frames = stage.feed_deltas(deltas, finished=batch[-1].finish_reason is not None)
             if frames:
-                inbox.put_batch(frames)
+                inbox.put_batch(frames, len(batch))
             delay = pacer.after_read(len(batch))
             if delay:
                 await asyncio.sleep(delay)

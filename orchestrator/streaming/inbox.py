@@ -47,10 +47,11 @@ class Inbox:
         self._items.append(item)
         self._ready.set()
 
-    def put_batch(self, batch: list[Any]) -> None:
-        """Items that arrived together, as ONE message (the list itself), every one counted.
-        Never waits: the reader waited for space before the read that brought them."""
-        self._chunks += len(batch)
+    def put_batch(self, batch: list[Any], chunks: int) -> None:
+        """Items that one read brought, as ONE message (the list itself), counted as the
+        `chunks` it read (frames joined from several chunks weigh what they carry). Never
+        waits: the reader waited for space before that read."""
+        self._chunks += chunks
         self._items.append(batch)
         self._ready.set()
 
