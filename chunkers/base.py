@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 #: "No limit" / "not yet" for positions and thresholds.
@@ -27,11 +27,17 @@ TRIM_MIN = 512
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """A chunk: code-point offsets `[start, end)` into the whole text, and that text."""
+    """A chunk: code-point offsets `[start, end)` into the whole text, and that text.
+
+    `safety_cut`: the chunk ends where the `max_chars` safety cut split a longer piece, not at a
+    boundary of the chunker's own (a sentence or paragraph end): the only kind of boundary that
+    can fall inside a phone number or a phrase, so the only one a whole text's annotation needs
+    to look across (orchestrator/streaming/text_judgement.py). Not part of equality."""
 
     start: int
     end: int
     text: str
+    safety_cut: bool = field(default=False, compare=False)
 
 
 class IncrementalChunker(Protocol):
@@ -173,7 +179,7 @@ class Emitter:
             elif n <= a + mx or self._stage.frontier() <= a + mx:
                 break
             p = max_cut(text, base, a, mx)
-            out.append(Span(a, p, text[a - base : p - base]))
+            out.append(Span(a, p, text[a - base : p - base], safety_cut=True))
             a = p
         self.a = a
         # Only worth waking for a safety cut when the stage has caught up with the text (its

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from aiohttp import web
@@ -353,6 +353,38 @@ def _check_limits(contents: list[str], limits: Limits) -> None:
         )
 
 
+# Parsing and validating a 4 MiB body takes tens of milliseconds, and encoding a reply of tens
+# of thousands of detections as long; past these sizes that runs in a thread so the loop keeps
+# serving /health and the other requests (the orchestrator does the same: issue 20, item 4).
+BULK_BODY_BYTES = 64 * 1024
+BULK_DETECTIONS = 512
+
+T = TypeVar("T")
+
+
+async def _off_loop_if(bulk: bool, fn: Callable[[], T]) -> T:
+    """`fn()` in the default executor when `bulk`, inline otherwise (a hand-off costs more than
+    a small body's parse)."""
+    if not bulk:
+        return fn()
+    return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+def _parse_contents(raw: bytes) -> ContentsRequest:
+    """The request body, or a 422 for every way it can be wrong. A body nested deeper than the
+    interpreter's recursion limit is a client mistake like any other malformed body."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(422, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise ApiError(422, "malformed JSON body: nested too deeply") from None
+    try:
+        return ContentsRequest.model_validate(data)
+    except ValidationError as exc:
+        raise ApiError(422, _first_error(exc)) from None
+
+
 async def _contents(request: web.Request) -> web.Response:
     state = request.app[STATE]
     detector_id = request.headers.get("detector-id", "").strip()
@@ -371,14 +403,7 @@ async def _contents(request: web.Request) -> web.Response:
             raise ApiError(
                 413, f"request body larger than {state.limits.max_body_bytes} bytes"
             ) from None
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(422, f"malformed JSON body: {exc}") from None
-        try:
-            body = ContentsRequest.model_validate(data)
-        except ValidationError as exc:
-            raise ApiError(422, _first_error(exc)) from None
+        body = await _off_loop_if(len(raw) > BULK_BODY_BYTES, lambda: _parse_contents(raw))
         params = body.detector_params or None
         if params:
             try:
@@ -417,7 +442,9 @@ async def _contents(request: web.Request) -> web.Response:
         if tracing.TRACER is not None:
             detections = sum(len(r) for r in reply)
             tracing.annotate(request, {"guardstream.detector.detections": detections})
-        return web.Response(text=json.dumps(dump_reply(reply)), content_type="application/json")
+        big = sum(len(r) for r in reply) > BULK_DETECTIONS
+        text = await _off_loop_if(big, lambda: json.dumps(dump_reply(reply)))
+        return web.Response(text=text, content_type="application/json")
     except ApiError as exc:
         status = exc.status
         headers = {"Retry-After": "1"} if exc.status == 503 else {}

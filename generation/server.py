@@ -241,6 +241,8 @@ async def _read_model(request: web.Request, schema: type[BaseModel]) -> Any:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ClientError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # nesting past the interpreter's limit: bad input, not a 500
+        raise ClientError(400, "request body is not valid JSON: nested too deeply") from None
     try:
         return schema.model_validate(body)
     except ValidationError as exc:

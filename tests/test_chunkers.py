@@ -79,6 +79,11 @@ def trim_min(value: int) -> Iterator[None]:
         base.TRIM_MIN = old
 
 
+def with_cuts(spans: list[Span]) -> list[tuple[Span, bool]]:
+    """Spans with their `safety_cut` flag, which Span equality leaves out."""
+    return [(s, s.safety_cut) for s in spans]
+
+
 def assert_covers(text: str, spans: list[Span]) -> None:
     assert "".join(s.text for s in spans) == text
     pos = 0
@@ -108,9 +113,9 @@ def test_incremental_equals_batch_for_any_split(
     text, deltas = case
     chunker = chunkers.build(config)
     expected = chunker.chunk(text)
-    assert feed_all(chunker, deltas) == expected
+    assert with_cuts(feed_all(chunker, deltas)) == with_cuts(expected)
     with trim_min(1):
-        assert feed_all(chunker, deltas) == expected
+        assert with_cuts(feed_all(chunker, deltas)) == with_cuts(expected)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
@@ -285,6 +290,11 @@ def test_paragraph_max_chars_examples() -> None:
     assert texts_of("abcdefghijklmnopqrstuvwxyz") == ["abcdefghij", "klmnopqrst", "uvwxyz"]
     # a paragraph of exactly max_chars is not cut
     assert texts_of("Abc defghi\n\nJ") == ["Abc defghi", "\n\nJ"]
+    # a chunk that ends at a safety cut says so; one that ends at a paragraph break does not
+    cuts_of = lambda t: [s.safety_cut for s in small.chunk(t)]  # noqa: E731
+    assert cuts_of("aaaa bbbb cccc dddd\n\nEe") == [True, False, False]
+    assert cuts_of("abcdefghijklmnopqrstuvwxyz") == [True, True, False]
+    assert cuts_of("Abc defghi\n\nJ") == [False, False]
 
 
 def test_paragraph_max_chars_piece_emitted_before_the_paragraph_ends() -> None:

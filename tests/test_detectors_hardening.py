@@ -649,3 +649,48 @@ async def test_http_detector_client_sends_the_key_from_its_env(
         assert await keyless.health()  # /health is open
         with pytest.raises(DetectorCallError, match="HTTP 401"):
             await keyless.detect(["x"], {})
+
+
+async def test_the_service_answers_a_too_deeply_nested_body_with_422(aiohttp_client: Any) -> None:
+    """Nesting past the interpreter's recursion limit is a malformed body, not a 500."""
+    client = await aiohttp_client(create_app({"pii": detectors.build("regex")}, warmup=False))
+    for depth in (5_000, 100_000):  # parsed inline, and in a thread (past BULK_BODY_BYTES)
+        resp = await client.post(
+            URL, data="[" * depth + "]" * depth, headers={"detector-id": "pii"}
+        )
+        assert resp.status == 422
+        assert await resp.json() == {
+            "code": 422,
+            "message": "malformed JSON body: nested too deeply",
+        }
+
+
+async def test_the_service_parses_and_encodes_bulk_off_its_loop(
+    aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body past BULK_BODY_BYTES is parsed, and a reply past BULK_DETECTIONS encoded, in a
+    worker thread; a small one inline (where the work ran, never how long it took)."""
+    from detectors import service
+
+    seen: list[int] = []
+    real = service._parse_contents
+
+    def parse(raw: bytes) -> Any:
+        seen.append(threading.get_ident())
+        return real(raw)
+
+    monkeypatch.setattr(service, "_parse_contents", parse)
+    client = await aiohttp_client(create_app({"pii": detectors.build("regex")}, warmup=False))
+    loop_thread = threading.get_ident()
+    small = {"contents": ["Mail jo@example.com today."]}
+    resp = await client.post(URL, json=small, headers={"detector-id": "pii"})
+    assert resp.status == 200
+    assert [[d["text"] for d in r] for r in await resp.json()] == [["jo@example.com"]]
+    sentence = "Mail jo@example.com today. "
+    big = {"contents": [sentence * 100] * 30}  # 81 KB, 3,000 detections
+    resp = await client.post(URL, json=big, headers={"detector-id": "pii"})
+    assert resp.status == 200
+    reply = await resp.json()
+    assert [len(r) for r in reply] == [100] * 30
+    assert reply[29][99]["start"] == 99 * len(sentence) + 5
+    assert seen[0] == loop_thread and seen[1] != loop_thread

@@ -101,3 +101,39 @@ async def test_a_small_content_and_a_prompt_stay_on_the_loop(
 def test_the_reply_dict_is_the_wire_model_dump(finding: Finding) -> None:
     assert content_dict(finding) == finding.to_content().dump()
     assert list(content_dict(finding)) == list(finding.to_content().dump())
+
+
+async def test_content_windows_only_at_safety_cuts_inputs_at_every_boundary(
+    orch: Orchestrator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The content endpoint's annotations look across a chunk boundary only where the
+    `max_chars` safety cut made it (a sentence end is no place for an entity); an input, where
+    any detection refuses, is looked across at every boundary. Counted, not timed: the windows
+    doubled the detector work of bulk content (bench/loop_lag.py)."""
+    windows: list[int] = []
+    real_seam = text_judgement._seam
+
+    def seam(text: str, start: int, end: int, boundary: int) -> Any:
+        windows.append(boundary)
+        return real_seam(text, start, end, boundary)
+
+    monkeypatch.setattr(text_judgement, "_seam", seam)
+    three = SENTENCE * 3  # three sentences, each far below the sentence chunker's max_chars
+    status, body = await orch.post(CONTENT_PATH, {"content": three, "detectors": {"pii": {}}})
+    assert status == 200 and len(body["detections"]) == 6
+    assert windows == []
+
+    # 600 characters without a sentence end: one safety cut (max_chars 500), at the last
+    # whitespace before it; the phone number after the cut is found whole
+    run_on = "word " * 99 + "call 555-123-4567 now " + "more " * 20
+    status, body = await orch.post(CONTENT_PATH, {"content": run_on, "detectors": {"pii": {}}})
+    assert status == 200
+    assert [d["text"] for d in body["detections"]] == ["555-123-4567"]
+    assert len(windows) == 1
+
+    windows.clear()
+    events = await orch.stream(generation_body(three, input={"pii": {}}))
+    assert events[-1].name == "incomplete"  # refused: the input holds PII
+    assert events[-1].data["incomplete_details"] == {"reason": "content_filter"}
+    # the boundaries before the spaces between the sentences (whitespace opens a chunk)
+    assert windows == [len(SENTENCE) - 1, 2 * len(SENTENCE) - 1]

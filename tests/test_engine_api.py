@@ -65,6 +65,7 @@ def _long(n: int) -> list[int]:
 BAD_INPUTS: list[tuple[str, bytes | dict[str, Any], int, str]] = [
     ("not json", b"not json", 400, "request body is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
     ("truncated json", b'{"prompt": "a"', 400, "request body is not valid JSON: Expecting ',' delimiter: line 1 column 15 (char 14)"),
+    ("nested too deeply", b"[" * 100_000 + b"]" * 100_000, 400, "request body is not valid JSON: nested too deeply"),
     ("not utf-8", b'{"prompt": "\xff"}', 400, "request body is not valid JSON: 'utf-8' codec can't decode byte 0xff in position 12: invalid start byte"),
     ("lone surrogate in prompt", b'{"prompt": "a\\ud800"}', 422, "prompt: text must be valid Unicode (it contains a lone surrogate)"),
     ("lone surrogate in stop sequence", b'{"prompt": "a", "stop_sequences": ["\\udfff"]}', 422, "stop_sequences.0: Input should be a valid string, unable to parse raw data as a unicode string"),

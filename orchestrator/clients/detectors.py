@@ -270,6 +270,6 @@ def _error_message(raw: bytes) -> str:
         data = json.loads(raw)
         if isinstance(data, dict) and isinstance(data.get("message"), str):
             return data["message"][:500]
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     return raw[:200].decode("utf-8", "replace") or "(empty body)"

@@ -25,7 +25,7 @@ async def handle(request: web.Request) -> web.Response:
     try:
         async with asyncio.timeout(state.config.server.request_timeout_s):
             findings = await judge_text(
-                body.content, dets, state.chunkers, whole=body.redact, window_verdicts=False
+                body.content, dets, state.chunkers, whole=body.redact, annotating=True
             )
     except TimeoutError:
         raise ApiError(

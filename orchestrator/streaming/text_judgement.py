@@ -2,14 +2,18 @@
 a conversation's input, and the detection/content endpoint. Each detector chunks the text with
 its own chunker and judges all chunks in one call; the detectors run concurrently.
 
-No seam leaks: besides its chunks, a detector judges a window across every chunk boundary
+No seam leaks: besides its chunks, a detector judges a window across chunk boundaries
 (SEAM_CHARS each side, widened to whole whitespace-free runs) and keeps from it what straddles
 the boundary: an e-mail or a card number cut by a `max_chars` safety cut is found like any other,
-so a blocking input guardrail cannot be walked around by placing it there. On the content
-endpoint (annotations of the client's own text) a detection covering a whole window is dropped
-as a classifier's verdict on the window rather than an entity in it; on inputs, where any
-detection refuses, it counts (an entity may fill the window). A redacting detector judges each
-text whole instead (nothing to split).
+so a blocking input guardrail cannot be walked around by placing it there. Inputs, where any
+detection refuses, get a window at every boundary, and a detection covering a whole window
+counts (an entity or a phrase may fill it). The content endpoint (annotations of the client's
+own text, `annotating`) gets windows only at safety cuts (`Span.safety_cut`): a sentence or
+paragraph end falls at whitespace after punctuation, which no entity pattern crosses, and a
+window at every one of them doubled the detector work of a megabyte of text (issue 20's
+`bench/loop_lag.py`: 15 s -> 50 s for four 1 MB requests); there a detection covering a whole
+window is dropped as a classifier's verdict on the window rather than an entity in it. A
+redacting detector judges each text whole instead (nothing to split).
 
 Nothing CPU-heavy on the event loop (DESIGN 4): chunking a megabyte of text takes about a second
 of CPU, and turning tens of thousands of detections into findings about as much; on the loop
@@ -23,6 +27,7 @@ than the work.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -80,12 +85,12 @@ async def judge_text(
     masks: list[tuple[int, int]] | None = None,
     *,
     whole: bool = False,
-    window_verdicts: bool = True,
+    annotating: bool = False,
 ) -> list[Finding]:
     """Findings over `text` (spans relative to all of it), sorted; `masks` (the task's input
     masks) restrict detection to those `[start, end)` slices; `whole`: every detector judges each
-    slice in one piece (the text is to be redacted); `window_verdicts`: keep detections that
-    cover a whole boundary window (see the module's docstring)."""
+    slice in one piece (the text is to be redacted); `annotating`: the content endpoint's
+    annotations, with windows only at safety cuts (see the module's docstring)."""
     slices = [(0, len(text))] if masks is None else masks
 
     async def one(detector: RequestedDetector) -> list[Finding]:
@@ -94,7 +99,7 @@ async def judge_text(
             [(text, s, e, None) for s, e in slices],
             _chunker_of(detector, whole),
             chunkers,
-            window_verdicts,
+            annotating,
         )
         return [f for _, f in found]
 
@@ -133,7 +138,7 @@ async def judge_pieces(
             [(p.text, 0, len(p.text), p) for p in pieces],
             _chunker_of(detector, False),
             chunkers,
-            True,
+            False,
         )
         return [
             replace(f, message_index=piece.message_index, field=piece.field) for piece, f in found
@@ -149,10 +154,11 @@ async def _judge(
     regions: list[tuple[str, int, int, Any]],
     chunker_id: str,
     chunkers: ChunkerRegistry,
-    window_verdicts: bool,
+    annotating: bool,
 ) -> list[tuple[Any, Finding]]:
     """(owner, finding) over `[start, end)` of each `(text, start, end, owner)`, in one call:
-    the chunks, then one window per chunk boundary (see the module's docstring). Past
+    the chunks, then one window per chunk boundary (per safety cut when `annotating`; see the
+    module's docstring). Past
     BULK_CHARS, chunking and building findings run off the loop."""
     bulk = sum(end - start for _, start, end, _ in regions) > BULK_CHARS
     spans: list[Span] = []
@@ -164,8 +170,9 @@ async def _judge(
             chunks = _chunk_regions(text, [(start, end)], chunker_id, chunkers)
             spans.extend(chunks)
             owners.extend([owner] * len(chunks))
-            for nxt in chunks[1:]:
-                seams.append((_seam(text, start, end, nxt.start), nxt.start, owner))
+            for prev, nxt in itertools.pairwise(chunks):
+                if prev.safety_cut or not annotating:
+                    seams.append((_seam(text, start, end, nxt.start), nxt.start, owner))
 
     await off_loop(chunk) if bulk else chunk()
     if not spans:
@@ -174,7 +181,7 @@ async def _judge(
     replies = await detector.client.detect(contents, detector.params)
 
     def build() -> list[tuple[Any, Finding]]:
-        return _findings(detector, owners, spans, seams, replies, window_verdicts)
+        return _findings(detector, owners, spans, seams, replies, annotating)
 
     return await off_loop(build) if bulk else build()
 
@@ -185,7 +192,7 @@ def _findings(
     spans: list[Span],
     seams: list[tuple[Span, int, Any]],
     replies: list[list[Detection]],
-    window_verdicts: bool,
+    annotating: bool,
 ) -> list[tuple[Any, Finding]]:
     """(owner, finding) of every chunk's reply, then what each boundary window's reply found
     straddling its boundary."""
@@ -198,7 +205,7 @@ def _findings(
     for (window, boundary, owner), dets in zip(seams, replies[n:], strict=True):
         for f in kept_findings(detector, window, dets):
             whole_window = f.start == window.start and f.end == window.end
-            if f.start < boundary < f.end and (window_verdicts or not whole_window):
+            if f.start < boundary < f.end and not (annotating and whole_window):
                 out.append((owner, f))
     return out
 
@@ -234,5 +241,5 @@ def _chunk_regions(
             chunks = chunker.chunk(text[start:end])
         except Exception as exc:
             raise ChunkerFailure(chunker_id, f"{type(exc).__name__}: {exc}") from exc
-        spans.extend(Span(c.start + start, c.end + start, c.text) for c in chunks)
+        spans.extend(replace(c, start=c.start + start, end=c.end + start) for c in chunks)
     return spans
