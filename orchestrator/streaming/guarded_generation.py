@@ -56,7 +56,7 @@ from .findings import Finding, sort_findings
 from .inbox import Inbox
 from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
-from .stream_judgement import JudgedFrame, StreamJudge
+from .stream_judgement import StreamJudge
 from .text_judgement import InputPiece, judge_pieces, judge_text
 
 log = logging.getLogger("guardstream.stream")
@@ -244,6 +244,7 @@ class GuardedGeneration:
             self._inbox.behind = lambda: stage.unjudged > MAX_UNJUDGED_CHARS
         self._spawn(self._read_engine(stream, stage))
         engine_ended = False
+        stage_frame = self._stage_frame
         while True:
             messages = await self._inbox.take_all()
             out = []
@@ -251,7 +252,8 @@ class GuardedGeneration:
             try:
                 for message in messages:
                     if type(message) is list:  # frames the stage released at an engine read
-                        out.extend([self._stage_frame(frame) for frame in message])
+                        for frame in message:
+                            out.append(stage_frame(frame))
                     elif isinstance(message, DetectorResult | DetectorFinished):
                         verdict = stage.accept(message)
                         out.extend([self._stage_frame(frame) for frame in verdict.frames])
@@ -369,6 +371,7 @@ class GuardedGeneration:
             active=self._read_coalesce_when,
         )
         generated = 0
+        feed, monotonic = stage.feed_deltas, time.monotonic
         while True:
             if not inbox.has_space():
                 pacer.held_back()
@@ -378,11 +381,11 @@ class GuardedGeneration:
             except StopAsyncIteration:
                 break
             deltas = [c.text for c in batch]
-            chars = sum(map(len, deltas))
+            chars = sum(map(len, deltas)) if len(deltas) > 1 else len(deltas[0])
             if chars:
                 generated += chars
-                arrivals.append((generated, time.monotonic()))
-            frames = stage.feed_deltas(deltas, finished=batch[-1].finish_reason is not None)
+                arrivals.append((generated, monotonic()))
+            frames = feed(deltas, batch[-1].finish_reason is not None)
             if frames:
                 inbox.put_batch(frames, len(batch))
             delay = pacer.after_read(len(batch))
@@ -456,32 +459,24 @@ class GuardedGeneration:
             seed=self._seed,
         )
 
-    def _stage_frame(self, judged: JudgedFrame) -> Frame:
-        """A frame of what the detection stage released (indices in the released text)."""
-        if judged.detections:
-            self._observer.on_findings(judged.detections)
-        final = judged.final
+    def _stage_frame(self, frame: Frame) -> Frame:
+        """A frame the detection stage released (indices in the released text), completed
+        with the stream's counters."""
+        if frame.detections:
+            self._observer.on_findings(frame.detections)
         stream = self._stream
         assert stream is not None
-        start, text = judged.start, judged.text
-        end = start + len(text)
-        self._released = end
+        if frame.final:
+            frame.finish_reason = self._finish_reason or stream.finish_reason
+            frame.generated_token_count = stream.generated_token_count
+        frame.input_token_count = stream.input_token_count
+        frame.seed = self._seed
+        frame.judged = self._judged
+        end = self._released = frame.end
         self._frames_sent += 1
-        frame = Frame(
-            start=start,
-            end=end,
-            text=text,
-            detections=judged.detections,
-            final=final,
-            finish_reason=(self._finish_reason or stream.finish_reason) if final else None,
-            generated_token_count=stream.generated_token_count if final else None,
-            input_token_count=stream.input_token_count,
-            seed=self._seed,
-            judged=self._judged,
-        )
         if self._input_findings is not None:
             frame.input_detections, self._input_findings = self._input_findings, None
-        hold_s = self._hold_time(end if judged.source_end is None else judged.source_end)
+        hold_s = self._hold_time(end if frame.source_end is None else frame.source_end)
         self._observer.on_frame(frame, hold_s)
         if self._span is not None and self._judged:  # judged frames: per chunk
             tracing.frame_event(self._span, frame, hold_s)

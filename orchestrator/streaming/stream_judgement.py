@@ -20,24 +20,18 @@ from typing import Any
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import FrameAggregator
 from .detector_queue import DetectorFinished, DetectorQueue, Result
+from .events import Frame
 from .fanout import ChunkFanout
 from .findings import Finding, sort_findings
 from .inbox import Inbox
 from .redaction import StreamRedactor
 
-
-@dataclass(slots=True)
-class JudgedFrame:
-    """Text every gating detector has judged, with its detections. Indices refer to the text
-    the client receives (redacted, when a detector redacts); `source_end` is the frame's end in
-    the generated text."""
-
-    start: int
-    end: int
-    text: str
-    detections: list[Finding] = field(default_factory=list)
-    source_end: int | None = None
-    final: bool = False  # the last frame of the text (set by `final_frames`, or pass-through)
+# Text every gating detector has judged, with its detections: the pipeline's own `Frame`, whose
+# stream counters (finish reason, token counts, seed) the generation pipeline fills in, so a
+# token costs one frame object, not two. Indices refer to the text the client receives
+# (redacted, when a detector redacts); `source_end` is the frame's end in the generated text;
+# `final` marks the last frame of the text (set by `final_frames`, or by the pass-through).
+JudgedFrame = Frame
 
 
 @dataclass(slots=True)
@@ -139,7 +133,7 @@ class StreamJudge:
         """The text ended and every detector judged all of it."""
         return self._ended and not self._unfinished
 
-    def feed_deltas(self, deltas: list[str], *, finished: bool = False) -> list[JudgedFrame]:
+    def feed_deltas(self, deltas: list[str], finished: bool = False) -> list[JudgedFrame]:
         """Deltas that arrived together (one engine read), chunked as one; `finished`: the
         last of them ends the text (the engine's finish). Without detectors each non-empty
         delta is its own frame, and the last one, when `finished`, is the final frame (an
