@@ -155,6 +155,7 @@ class GuardedGeneration:
         self._frames_sent = 0
         # (generated characters, monotonic time they arrived), per read: the hold-back metric
         self._arrivals: deque[tuple[int, float]] = deque()
+        self._engine_delivered = False  # the engine delivered a chunk
         self._tasks: set[asyncio.Task[None]] = set()
         self._stream: MigratingStream | None = None
         self._shutting_down = False
@@ -382,6 +383,7 @@ class GuardedGeneration:
                 break
             deltas = [c.text for c in batch]
             chars = sum(map(len, deltas)) if len(deltas) > 1 else len(deltas[0])
+            self._engine_delivered = True
             if chars:
                 generated += chars
                 arrivals.append((generated, monotonic()))
@@ -469,7 +471,7 @@ class GuardedGeneration:
         if frame.final:
             frame.finish_reason = self._finish_reason or stream.finish_reason
             frame.generated_token_count = stream.generated_token_count
-        frame.input_token_count = stream.input_token_count
+        frame.input_token_count = stream.input_token_count or 0  # (a chunk's: 0 until known)
         frame.seed = self._seed
         frame.judged = self._judged
         end = self._released = frame.end
@@ -492,8 +494,13 @@ class GuardedGeneration:
         return time.monotonic() - arrivals[0][1]
 
     def _input_token_count(self) -> int | None:
+        """The stream's count; 0 while it is unknown once the engine delivered something (as
+        every chunk says), None before."""
         stream = self._stream
-        return self._refused_input_tokens if stream is None else stream.input_token_count
+        if stream is None:
+            return self._refused_input_tokens
+        count = stream.input_token_count
+        return 0 if count is None and self._engine_delivered else count
 
     def _terminal(
         self,
