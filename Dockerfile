@@ -46,6 +46,7 @@ COPY orchestrator ./orchestrator
 COPY chunkers ./chunkers
 COPY detectors ./detectors
 COPY generation ./generation
+COPY servicekit ./servicekit
 RUN /opt/venv/bin/pip install --no-deps --no-build-isolation .
 # Convert the default model once, at build time, so replicas start in about a second.
 ENV GUARDSTREAM_CACHE=/opt/guardstream-cache HF_HUB_OFFLINE=1

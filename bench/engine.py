@@ -5,6 +5,7 @@
                            [--rounds 2] [--threads N]
                            [--skip-micro] [--skip-http] [--url http://HOST:PORT] [--json out.json]
                            [--batch-invariant] [--extra-args "--dtype bfloat16"]
+                           [--anchors generate,step,serve|none] [--also-model PATH]
 
 1. Sampling cost per step for 1, 4, 16 (and 64 on a GPU) sampled rows, on real logits of the
    model (chat prompts' last positions): the batched `sampling.select` next to the previous
@@ -23,6 +24,17 @@
    `--device cuda` defaults to 1 and 64 streams. `--batch-invariant`: the same levels on an
    engine started with `--batch-invariant` right after the default one, and each level's
    throughput as a ratio of the default's (the mode's cost, generation/batch_invariant.py).
+
+4. Side by side (after 3, for --model and each --also-model, e.g. the SmolLM2-1.7B shape from
+   bench/random_models.py): the same model under transformers' `generate` at the same batch
+   sizes, `transformers serve --continuous-batching` (`--cb-use-cuda-graph` on CUDA) at the same
+   concurrency, and one transformers `StaticCache` decode step (a CUDA graph replay on CUDA,
+   eager on a CPU; argmax and host read included) next to the engine's step (a client's time
+   between two tokens); then one line per decoding and concurrency with each ratio
+   engine/anchor (bench/anchors.py). Default anchors: all three on CUDA, generate,step on a CPU.
+
+Random-weight models repeat one token under greedy decoding; whichever decoding runs first on a
+fresh engine pays its first-use costs, so decodings alternate and swap order every round.
 
 The CPU may be shared: in-process timings are the best of several calls, HTTP figures are what
 one run got; compare numbers within one run, and repeat (--repeat) for ranges. `--threads 1`
@@ -52,6 +64,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.anchors import bench_generate, bench_serve, bench_static_step
 from generation import models
 from generation.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_decoder
 from generation.kv_cache import SlotCache
@@ -561,21 +574,26 @@ async def bench_http(
     rounds: int,
 ) -> list[dict[str, Any]]:
     """Every level once per round, rounds interleaved: each round's ratio compares runs made
-    minutes apart at most, so a busy neighbour skews one round, not the comparison."""
+    minutes apart at most, so a busy neighbour skews one round, not the comparison. Decodings
+    alternate within a round and swap order every round: whichever runs first on a fresh engine
+    pays its first-use costs (allocator growth, lazily loaded kernels), so with one order only a
+    greedy/sampling difference could be an order effect (issue 21's greedy/sampling gap)."""
     async with aiohttp.ClientSession() as session:  # warm-up: first-call allocations, caches
         await one_stream(session, url, "Hello!", 4, "greedy")
     out = []
-    for decoding in decodings:
-        ratios = []
-        for _ in range(rounds):
+    ratios: dict[str, list[float]] = {d: [] for d in decodings}
+    for round_ in range(rounds):
+        order = decodings if round_ % 2 == 0 else decodings[::-1]
+        for decoding in order:
             by_level = {}
             for level in levels:
                 r = await run_level(url, level, tokens, decoding)
+                r["round"] = round_
                 print(
                     f"{decoding:>8} {level:>3} streams: {r['aggregate_tokens_per_s']:8.1f} tok/s "
                     f"aggregate, {r['per_stream_tokens_per_s']:6.1f} tok/s per stream, TTFT mean "
                     f"{r['ttft_mean_s'] * 1000:6.0f} ms (p50 {r['ttft_p50_s'] * 1000:.0f}, max "
-                    f"{r['ttft_max_s'] * 1000:.0f}), wall {r['wall_s']:.1f} s",
+                    f"{r['ttft_max_s'] * 1000:.0f}), wall {r['wall_s']:.1f} s (round {round_ + 1})",
                     flush=True,
                 )
                 by_level[level] = r
@@ -586,13 +604,15 @@ async def bench_http(
                     by_level[top]["aggregate_tokens_per_s"] / by_level[1]["aggregate_tokens_per_s"]
                 )
                 by_level[top]["ratio_to_1"] = ratio
-                ratios.append(ratio)
-        if ratios:
+                ratios[decoding].append(ratio)
+    for decoding in decodings:
+        if ratios[decoding]:
+            got = ratios[decoding]
             goal = f" (target >= {target:g}x)" if target else ""
-            spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else ""
+            spread = f"{min(got):.2f}-{max(got):.2f}x" if len(got) > 1 else ""
             print(
                 f"{decoding:>8} aggregate {max(levels)} streams / 1 stream: "
-                f"{statistics.median(ratios):.2f}x{goal} {spread}".rstrip(),
+                f"{statistics.median(got):.2f}x{goal} {spread}".rstrip(),
                 flush=True,
             )
     return out
@@ -651,6 +671,19 @@ def main() -> int:
         action="store_true",
         help="HTTP: also run an engine in --batch-invariant mode and print its cost",
     )
+    parser.add_argument(
+        "--anchors",
+        default=None,
+        help="anchors run next to the engine: generate, step, serve or none (default: all three "
+        "on CUDA; generate,step on a CPU)",
+    )
+    parser.add_argument(
+        "--also-model",
+        action="append",
+        default=[],
+        help="another model (e.g. the 1.7B shape, bench/random_models.py): the engine and the "
+        "anchors again, after the first model's (repeatable)",
+    )
     args = parser.parse_args()
     held = hold_freed_memory()
     device = models.resolve_device(args.device)
@@ -694,10 +727,107 @@ def main() -> int:
                     args, str(device), levels, decodings, None, ("--batch-invariant",)
                 )
                 _print_cost(result["http"]["results"], result["http_batch_invariant"]["results"])
+        anchors = _anchor_names(args.anchors, gpu)
+        if not args.skip_http and args.url is None and (anchors or args.also_model):
+            side = [_side_by_side(args, args.model, device, levels, decodings, anchors, result)]
+            for extra in args.also_model:
+                print(f"--- {extra}", flush=True)
+                side.append(_side_by_side(args, extra, device, levels, decodings, anchors, None))
+            result["side_by_side"] = side
+            for entry in side:
+                _print_side_by_side(entry)
         summary["runs"].append(result)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
     return 0
+
+
+def _anchor_names(option: str | None, gpu: bool) -> list[str]:
+    names = (option or ("generate,step,serve" if gpu else "generate,step")).split(",")
+    names = [n.strip() for n in names if n.strip() and n.strip() != "none"]
+    unknown = set(names) - {"generate", "step", "serve"}
+    if unknown:
+        raise SystemExit(f"--anchors: unknown {sorted(unknown)} (generate, step, serve, none)")
+    return names
+
+
+def _median_by(results: list[dict[str, Any]], key: str) -> dict[tuple[str, int], float]:
+    """Median of `key` per (decoding, concurrency) over rounds."""
+    groups: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        groups.setdefault((r["decoding"], r["concurrency"]), []).append(r[key])
+    return {k: statistics.median(v) for k, v in groups.items()}
+
+
+def _side_by_side(
+    args: argparse.Namespace,
+    spec: str,
+    device: torch.device,
+    levels: list[int],
+    decodings: list[str],
+    anchors: list[str],
+    result: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The engine (over HTTP, already measured for the first model) and the anchors
+    (bench/anchors.py), one after the other so that each has the device to itself."""
+    gpu = device.type == "cuda"
+    if result is not None and "http" in result:
+        http = result["http"]
+    else:
+        http = _run_http(args, str(device), levels, decodings, None if gpu else 6.0, model=spec)
+    entry: dict[str, Any] = {"model": spec, "engine": http["results"]}
+    if "generate" in anchors or "step" in anchors:
+        loaded = models.load(spec, device=str(device))
+        prompts = [chat_ids(loaded, q) for q in QUESTIONS]
+        if "generate" in anchors:
+            print(f"transformers generate ({loaded.dtype}):", flush=True)
+            entry["generate"] = bench_generate(loaded, prompts, levels, args.tokens, decodings)
+        if "step" in anchors:
+            context = round(statistics.fmean(len(p) for p in prompts)) + args.tokens // 2
+            print(f"transformers StaticCache decode step ({loaded.dtype}):", flush=True)
+            entry["step"] = bench_static_step(loaded, levels, context)
+        del loaded
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+    if "serve" in anchors:
+        print("transformers serve:", flush=True)
+        try:
+            entry["serve"] = bench_serve(
+                models.prepare(spec), device, QUESTIONS, levels, args.tokens, decodings
+            )
+        except (RuntimeError, OSError) as exc:  # e.g. no fastapi/uvicorn: the rest stands
+            print(f"  transformers serve failed: {exc}", flush=True)
+            entry["serve_error"] = str(exc)[:2000]
+    return entry
+
+
+def _print_side_by_side(entry: dict[str, Any]) -> None:
+    """One line per decoding and concurrency: tok/s of each, the engine's ratio to each anchor,
+    and the engine's decode step (a client's time between tokens) against the StaticCache
+    step."""
+    engine = _median_by(entry["engine"], "aggregate_tokens_per_s")
+    per_stream = _median_by(entry["engine"], "per_stream_tokens_per_s")
+    generate = _median_by(entry.get("generate", []), "aggregate_tokens_per_s")
+    serve = _median_by(entry.get("serve", []), "aggregate_tokens_per_s")
+    step = entry.get("step", {})
+    print(f"side by side, {entry['model']} (aggregate tok/s; ratios engine/anchor):", flush=True)
+    for (decoding, level), tps in engine.items():
+        parts = [f"{decoding:>8} {level:>3} streams: engine {tps:8.1f}"]
+        if (decoding, level) in generate:
+            g = generate[(decoding, level)]
+            parts.append(f"generate {g:8.1f} ({tps / g:.2f}x)")
+        if (decoding, level) in serve:
+            v = serve[(decoding, level)]
+            parts.append(f"serve {v:8.1f} ({tps / v:.2f}x)")
+        if level in step and per_stream.get((decoding, level)):
+            engine_ms = 1e3 / per_stream[(decoding, level)]
+            anchor_ms = step[level]["step_ms"]
+            parts.append(
+                f"step {engine_ms:6.1f} ms vs {step[level]['kind']} {anchor_ms:6.2f} ms "
+                f"({engine_ms / anchor_ms:.1f}x)"
+            )
+        print(" | ".join(parts), flush=True)
 
 
 def _print_cost(default: list[dict[str, Any]], invariant: list[dict[str, Any]]) -> None:
@@ -728,12 +858,13 @@ def _run_http(
     decodings: list[str],
     target: float | None,
     more_args: tuple[str, ...] = (),
+    model: str | None = None,
 ) -> dict[str, Any]:
     engine = None
     url = args.url
     if url is None:
         engine = start_engine_subprocess(
-            args.model,
+            model or args.model,
             port=0,
             device=device,
             extra_args=(*args.extra_args.split(), *more_args),

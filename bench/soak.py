@@ -26,7 +26,7 @@ that was not hung up on ended with `completed` and its frames tile exactly the e
 
 Tasks: the orchestrator has no endpoint that lists its asyncio tasks, so by default the
 subprocess is started through this script (`bench/soak.py _serve --config C --port 0`), which
-runs `orchestrator.server.run_server` (what `python -m orchestrator serve` runs) plus a second
+runs `orchestrator.workers.run_server` (what `python -m orchestrator serve` runs) plus a second
 tiny aiohttp app on another port, in the same event loop, answering
 `GET /tasks` with the process's asyncio tasks by coroutine and its gc object count. No
 orchestrator code changes. `--plain` runs `python -m orchestrator serve` instead; the task check
@@ -85,7 +85,7 @@ def serve_with_census(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from orchestrator.config import load_config
-    from orchestrator.server import run_server
+    from orchestrator.workers import run_server
 
     async def census(request: web.Request) -> web.Response:
         gc.collect()

@@ -124,13 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {line}", file=sys.stderr)
         return 1
     _quiet_transformers()
-    from . import tracing
+    from .tracing import TRACING
 
-    tracing.configure(args.otlp_endpoint)  # off unless asked for
+    TRACING.configure(args.otlp_endpoint)  # off unless asked for
     try:
         asyncio.run(_serve(args, config))
     finally:
-        tracing.shutdown()  # exports the last spans
+        TRACING.shutdown()  # exports the last spans
     return 0
 
 

@@ -19,29 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .api import Detection
 
+# the errors live in errors.py (batching.py raises them too); imported from here as ever
+from .errors import DetectorError as DetectorError
+from .errors import InvalidParams as InvalidParams
+from .errors import Overloaded as Overloaded
+
 if TYPE_CHECKING:
     from .batching import MicroBatcher
-
-
-class DetectorError(Exception):
-    """A detector failed to judge its contents (model error, ...)."""
-
-
-class InvalidParams(DetectorError, ValueError):
-    """Bad params or a custom pattern that does not compile; the service answers 422.
-
-    `problems` holds one (location, message) per problem, the location relative to the params
-    (`patterns.ssn`, `kinds.0`, or "" for the params as a whole), so a config loader can name
-    each one with its full YAML path; str() is the same problems joined with "; "."""
-
-    def __init__(self, message: str, problems: list[tuple[str, str]] | None = None) -> None:
-        super().__init__(message)
-        self.problems: list[tuple[str, str]] = problems or [("", message)]
-
-    @classmethod
-    def at(cls, loc: str, message: str) -> InvalidParams:
-        """One problem at one location: str() is `loc: message`."""
-        return cls(f"{loc}: {message}" if loc else message, [(loc, message)])
 
 
 def param_error_lines(prefix: str, exc: ValueError) -> list[str]:
@@ -49,10 +33,6 @@ def param_error_lines(prefix: str, exc: ValueError) -> list[str]:
     ValueError is one `prefix: message` line."""
     problems = exc.problems if isinstance(exc, InvalidParams) else [("", str(exc))]
     return [f"{prefix}.{loc}: {msg}" if loc else f"{prefix}: {msg}" for loc, msg in problems]
-
-
-class Overloaded(DetectorError):
-    """The detector's micro-batch queue is full; the service answers 503."""
 
 
 class DetectorParams(BaseModel):

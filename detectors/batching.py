@@ -32,7 +32,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from .base import DetectorError, Overloaded
+from .errors import DetectorError, Overloaded
 
 log = logging.getLogger(__name__)
 

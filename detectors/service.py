@@ -13,8 +13,6 @@ service itself.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -30,7 +28,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.exposition import generate_latest
 from pydantic import ValidationError
 
-from . import build, tracing
+from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.tracing import annotate
+
+from . import build
 from .api import ContentsRequest, dump_reply
 from .base import (
     ORCHESTRATOR_PARAM_KEYS,
@@ -40,6 +41,7 @@ from .base import (
     Overloaded,
     param_error_lines,
 )
+from .tracing import TRACING
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +135,12 @@ def api_keys_from_config(
     return keys
 
 
-def _digest(value: bytes) -> bytes:
-    return hashlib.sha256(value).digest()
-
-
 def _auth_middleware(keys: Sequence[str]) -> Any:
-    """Bearer keys on everything but `GET /health` and `GET /metrics` (liveness probes and
-    Prometheus scrapers carry no key, as on the orchestrator and the engine). A missing
-    header, another scheme and a wrong key get the same 401. Fixed-length sha256 digests are
-    compared (compare_digest on raw keys returns early on a length mismatch), against every key
-    (timing does not tell which one came close)."""
-    digests = [_digest(k.encode("utf-8")) for k in keys]
+    """Bearer keys (servicekit.auth) on everything but `GET /health` and `GET /metrics` (liveness
+    probes and Prometheus scrapers carry no key, as on the orchestrator and the engine). A
+    missing header, another scheme and a wrong key get the same 401, in this service's error
+    shape (DESIGN section 6: `{code, message}`)."""
+    accepted = BearerKeys(keys)
 
     @web.middleware
     async def check(
@@ -151,15 +148,8 @@ def _auth_middleware(keys: Sequence[str]) -> Any:
     ) -> web.StreamResponse:
         if request.path in ("/health", "/metrics") and request.method in ("GET", "HEAD"):
             return await handler(request)
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
-        ok = False
-        for digest in digests:
-            ok |= hmac.compare_digest(given, digest)
-        if scheme.lower() != "bearer" or not ok:
-            return error_response(
-                401, "missing or invalid API key", **{"WWW-Authenticate": "Bearer"}
-            )
+        if not accepted.accepts(request.headers):
+            return error_response(401, UNAUTHORIZED_MESSAGE, **CHALLENGE)
         return await handler(request)
 
     return check
@@ -254,8 +244,8 @@ def create_app(
             hist = metrics.batch_size.labels(detector_id)
             det.batcher.add_observer(hist.observe)
     middlewares: list[Any] = [_errors]
-    if tracing.TRACER is not None:  # outermost: error answers belong to the span too
-        middlewares.insert(0, tracing.middleware())
+    if TRACING.tracer is not None:  # outermost: error answers belong to the span too
+        middlewares.insert(0, TRACING.middleware())
     if api_keys is not None:
         if not api_keys:
             raise ValueError("api_keys: at least one key (None turns auth off)")
@@ -414,8 +404,8 @@ async def _contents(request: web.Request) -> web.Response:
                 raise ApiError(422, f"detector_params: {exc}") from None
         _check_limits(body.contents, state.limits)
         state.metrics.contents.labels(label).observe(len(body.contents))
-        if tracing.TRACER is not None:
-            tracing.annotate(
+        if TRACING.tracer is not None:
+            annotate(
                 request,
                 {
                     "guardstream.detector.id": detector_id,
@@ -439,9 +429,9 @@ async def _contents(request: web.Request) -> web.Response:
                 f"{len(body.contents)} contents",
             )
         status = 200
-        if tracing.TRACER is not None:
+        if TRACING.tracer is not None:
             detections = sum(len(r) for r in reply)
-            tracing.annotate(request, {"guardstream.detector.detections": detections})
+            annotate(request, {"guardstream.detector.detections": detections})
         big = sum(len(r) for r in reply) > BULK_DETECTIONS
         text = await _off_loop_if(big, lambda: json.dumps(dump_reply(reply)))
         return web.Response(text=text, content_type="application/json")

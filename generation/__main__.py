@@ -47,7 +47,27 @@ def _parser() -> argparse.ArgumentParser:
         help="every row's logits bitwise independent of its batch (exact migration in bf16; "
         "slower, see README)",
     )
-    serve.add_argument("--max-batch-size", type=int, default=64)
+    serve.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="rows of the running batch (default: 64 on a CPU; on CUDA 256, or fewer when the "
+        "KV cache sized by --gpu-memory-fraction holds fewer)",
+    )
+    serve.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.8,
+        help="CUDA: share of the GPU memory free after loading the model that the KV cache "
+        "takes; rows and tokens per row are derived from it (GET /health: kv_cache)",
+    )
+    serve.add_argument(
+        "--static-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps over static buffers (default: on for CUDA, where they are replayed "
+        "from CUDA graphs; on a CPU they run eagerly and the slot cache is the default)",
+    )
     serve.add_argument(
         "--prefill-chunk-tokens",
         type=int,
@@ -113,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, flag)
             if value is not None and value < 1:
                 parser.error(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+        if not 0 < args.gpu_memory_fraction <= 1:
+            parser.error(f"--gpu-memory-fraction must be in (0, 1], not {args.gpu_memory_fraction}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -131,16 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     except ApiKeysError as exc:  # before loading the model: fail fast
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from . import tracing
+    from .tracing import TRACING
 
-    tracing.configure(args.otlp_endpoint)  # off unless asked for
+    TRACING.configure(args.otlp_endpoint)  # off unless asked for
     try:
         return asyncio.run(_serve(args, keys))
     except ModelSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        tracing.shutdown()  # exports the last spans
+        TRACING.shutdown()  # exports the last spans
 
 
 async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
@@ -166,6 +188,8 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
         fault_injection=args.enable_fault_injection,
         max_batch_size=args.max_batch_size,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        static_decode=args.static_decode,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         threads=args.threads if args.threads is not None else loaded.threads,
         api_keys=api_keys,
     )

@@ -30,7 +30,9 @@ row on a CPU), so every tier computes the same numbers and picks the same token:
 count never changes a result, and neither does the batch (every op works row by row; sums use
 `cumsum` because a plain `sum` of a row depends on how the batch is split across threads).
 On a GPU the default is a full sort at once (`candidates=None`): one tier, no device sync
-besides reading the tokens.
+besides reading the tokens. The CUDA-graph decode step uses device_sampling.py instead: the same
+arithmetic (`_candidates`, `row_weight`, `_resolve`) with per-row settings and the uniforms on
+the device.
 """
 
 from __future__ import annotations
@@ -46,17 +48,25 @@ CPU_CANDIDATES = 256  # first-tier candidates on a CPU (a smollm2 step at T=1 re
 _GROWTH = 16  # candidates multiply by this for rows a tier leaves unresolved
 
 
+# splitmix64 (Steele, Lea, Flood 2014): the increment, then (shift, multiplier) per mixing round
+# and the final shift. Shared with device_sampling.py, which computes the same bits on tensors.
+SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+SPLITMIX_ROUNDS = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB))
+SPLITMIX_FINAL_SHIFT = 31
+UNIFORM_BITS = 53  # the top 53 bits of the hash make the float64 in [0, 1)
+
+
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+    x = (x + SPLITMIX_GAMMA) & _MASK64
+    for shift, multiplier in SPLITMIX_ROUNDS:
+        x = ((x ^ (x >> shift)) * multiplier) & _MASK64
+    return x ^ (x >> SPLITMIX_FINAL_SHIFT)
 
 
 def uniform(seed: int, position: int) -> float:
     """A uniform number in [0, 1) determined by (seed, position) alone."""
     bits = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
-    return (bits >> 11) * (1.0 / (1 << 53))
+    return (bits >> (64 - UNIFORM_BITS)) * (1.0 / (1 << UNIFORM_BITS))
 
 
 def random_seed() -> int:
@@ -211,11 +221,18 @@ def _whole_weight(
     index = torch.tensor(whole, dtype=torch.long, device=logits.device)
     everything = len(whole) == rows
     pick = (lambda t: t) if everything else (lambda t: t.index_select(0, index))
-    x_max, temperature = pick(per_row["x_max"]), pick(per_row["temperature"])
-    scaled = torch.sub(pick(logits), x_max.to(logits.dtype))
-    scaled.div_(temperature.clamp(min=1e-30).to(logits.dtype))  # (T below 1e-30 is argmax)
-    total[index] = torch.cumsum(scaled.exp_(), dim=-1, dtype=torch.float64)[:, -1:]
+    total[index] = row_weight(pick(logits), pick(per_row["x_max"]), pick(per_row["temperature"]))
     return total
+
+
+def row_weight(
+    logits: torch.Tensor, x_max: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
+    """`S` of every row of `logits` `[rows, vocab]` as if it had no top-k (`_whole_weight`),
+    float64 `[rows, 1]`; shared with the device sampler so both compute the same bits."""
+    scaled = torch.sub(logits, x_max.to(logits.dtype))
+    scaled.div_(temperature.clamp(min=1e-30).to(logits.dtype))  # (T below 1e-30 is argmax)
+    return torch.cumsum(scaled.exp_(), dim=-1, dtype=torch.float64)[:, -1:]
 
 
 def _resolve(
@@ -240,7 +257,7 @@ def _resolve(
     kth = values.gather(-1, kth_rank.clamp(max=count) - 1)
     kept = torch.where(has_k, (values >= kth).sum(dim=-1, keepdim=True), vocab)
     cut_exact = ~has_k | (kept <= exact)
-    total = torch.where(has_k, cumulative.gather(-1, kept.clamp(max=count) - 1), whole_weight)
+    total = torch.where(has_k, cumulative.gather(-1, kept.clamp(1, count) - 1), whole_weight)
     has_p = top_p < 1.0
     nucleus_end = torch.searchsorted(cumulative, top_p * total)  # first j: cumulative >= p*S
     cut_exact &= ~has_p | (nucleus_end < exact)
@@ -251,5 +268,6 @@ def _resolve(
     positive = (weights > 0).sum(dim=-1, keepdim=True)
     chosen = torch.minimum(chosen, torch.minimum(kept, positive) - 1)
     resolved = cut_exact & (chosen < exact)
-    tokens = ids.gather(-1, chosen.clamp(max=last))
+    # a row with no finite logit (all -inf, NaN) has no positive weight: its first in order
+    tokens = ids.gather(-1, chosen.clamp(0, last))
     return tokens.squeeze(-1), resolved.squeeze(-1)

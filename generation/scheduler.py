@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import threading
@@ -50,7 +51,18 @@ from enum import StrEnum
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .decode_graphs import (
+    CPU_CAPACITY,
+    MAX_ROWS,
+    StaticDecoder,
+    StaticSlotCache,
+    cache_bytes_per_token,
+    plan_cache,
+    row_buckets,
+    width_buckets,
+)
 from .detokenizer import Detokenizer, TextGate, make_detokenizer
+from .device_sampling import DeviceSampler
 from .kv_cache import SlotCache
 from .models import LoadedModel
 from .sampling import SamplingParams, apply_repetition_penalties, default_candidates, select
@@ -63,6 +75,10 @@ log = logging.getLogger("guardstream.engine")
 PREFILL_PADDING = 0.25
 #: Tokens per prefill chunk by device: a chunk stalls the running rows for its forward pass.
 PREFILL_CHUNK_TOKENS = {"cpu": 256, "cuda": 2048}
+#: Rows of the running batch on a CPU by default (CUDA: from free memory, up to MAX_ROWS).
+CPU_MAX_BATCH_SIZE = 64
+#: Share of the GPU memory free after loading the model that the static KV cache may take.
+GPU_MEMORY_FRACTION = 0.8
 
 
 def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[list[int]]:
@@ -208,18 +224,41 @@ class Engine:
     def __init__(
         self,
         loaded: LoadedModel,
-        max_batch_size: int = 64,
+        max_batch_size: int | None = None,
         prefill_token_budget: int = 4096,
         threads: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        *,
+        static_decode: bool | None = None,
+        static_buckets: bool | None = None,
+        static_capacity: int | None = None,
+        cuda_graphs: bool | None = None,
+        gpu_memory_fraction: float = GPU_MEMORY_FRACTION,
     ) -> None:
         """`prefill_chunk_tokens`: longer contexts are prefilled in chunks of this many tokens
-        (None: PREFILL_CHUNK_TOKENS of the device)."""
+        (None: PREFILL_CHUNK_TOKENS of the device). `max_batch_size` None: MAX_ROWS on CUDA
+        (fewer when free GPU memory holds fewer), CPU_MAX_BATCH_SIZE on a CPU.
+
+        The static decode step (decode_graphs.py; default: on for CUDA): `static_buckets` pads
+        rows and attention width up to buckets (default: on for CUDA, where each bucket is a
+        graph), `static_capacity` columns per row on a CPU (default: the context, at most
+        CPU_CAPACITY), `cuda_graphs` captures and replays the steps (default: on for CUDA;
+        never on a CPU), `gpu_memory_fraction` of free GPU memory at start sizes the cache."""
         self.loaded = loaded
         self.threads = threads  # CPU intra-op threads to set at start (process-wide); None: leave
         self.model = loaded.model
         self.device = loaded.device
+        on_cuda = loaded.device.type == "cuda"
+        if max_batch_size is None:
+            max_batch_size = MAX_ROWS if on_cuda else CPU_MAX_BATCH_SIZE
         self.max_batch_size = max(1, max_batch_size)
+        self.static_decode = on_cuda if static_decode is None else static_decode
+        self.static_buckets = on_cuda if static_buckets is None else static_buckets
+        self.static_capacity = static_capacity
+        self.cuda_graphs = on_cuda and (cuda_graphs is None or cuda_graphs)
+        if not 0 < gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], not {gpu_memory_fraction}")
+        self.gpu_memory_fraction = gpu_memory_fraction
         self.prefill_token_budget = max(1, prefill_token_budget)
         if prefill_chunk_tokens is None:
             prefill_chunk_tokens = PREFILL_CHUNK_TOKENS.get(loaded.device.type, 2048)
@@ -241,6 +280,8 @@ class Engine:
         self._rows: list[_Row] = []  # row r of the batch: slot r of the slot cache
         self._prefilling: deque[_Row] = deque()  # long contexts, a chunk per iteration, in order
         self._kv: SlotCache | None = None  # batchable models: the running batch's cache
+        self._static: StaticDecoder | None = None  # the static step's decoder and cache
+        self._ready = threading.Event()  # the worker finished its start-up (static buffers)
         self._solo: DynamicCache | None = None  # other models: the one running row's own cache
         self._batchable: bool | None = None  # learnt from the first prefill's cache layout
         self._outbox: list[tuple[Job, StreamItem | StreamError]] = []
@@ -258,6 +299,11 @@ class Engine:
             target=self._run, name="guardstream-engine-worker", daemon=True
         )
         self._thread.start()
+        # Serve only once the static buffers exist (and the graphs are captured): the model's
+        # context and the batch size may shrink to what the device's memory holds.
+        self._ready.wait()
+        if self._fatal is not None:
+            raise RuntimeError("the engine failed to start") from self._fatal
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the worker; every unfinished request gets a `generation_unavailable` error."""
@@ -324,6 +370,14 @@ class Engine:
     def _run(self) -> None:
         try:
             with torch.inference_mode():
+                try:
+                    if self.static_decode:
+                        self._set_up_static()
+                except BaseException as exc:
+                    self._fatal = exc
+                    raise
+                finally:
+                    self._ready.set()
                 while True:
                     joiners = self._wait_for_work()
                     if joiners is None:
@@ -339,10 +393,94 @@ class Engine:
         except BaseException as exc:  # a bug: fail every request loudly rather than hang them
             log.exception("engine worker crashed")
             self._fatal = exc
+            self._ready.set()
         finally:
             self._fail_everything(
                 StreamError(503, "generation_unavailable", "the engine is shutting down")
             )
+
+    def _set_up_static(self) -> None:
+        """Allocate the static decode step's buffers (and capture its graphs on CUDA): a
+        one-token prefill shows the cache's layout; on CUDA, rows and capacity come from the
+        memory free now (decode_graphs.plan_cache)."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        template = self.model(input_ids=ids, use_cache=True).past_key_values
+        self._batchable = isinstance(template, DynamicCache) and all(
+            type(layer) is DynamicLayer for layer in template.layers
+        )
+        if not self._batchable:
+            log.warning("this model's KV cache cannot be merged; requests run one at a time")
+            self.static_decode = False
+            return
+        context = self.loaded.max_context
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            plan = plan_cache(
+                free_bytes=free,
+                fraction=self.gpu_memory_fraction,
+                bytes_per_token=cache_bytes_per_token(template),
+                max_context=context,
+                max_rows=self.max_batch_size,
+            )
+            slots, capacity = plan.rows, plan.capacity
+        else:
+            slots = self.max_batch_size
+            capacity = self.static_capacity or min(context, CPU_CAPACITY)
+        self.max_batch_size = slots
+        cache = StaticSlotCache(template, slots, capacity)
+        sampler = DeviceSampler(
+            slots,
+            vocab_size=self.loaded.vocab_size,
+            logits_width=self.loaded.model_vocab_size,
+            eos_ids=self._eos,
+            device=self.device,
+        )
+        self._static = StaticDecoder(
+            self.model,
+            cache,
+            rows=row_buckets(slots) if self.static_buckets else None,
+            widths=width_buckets(capacity) if self.static_buckets else None,
+            logits_to_keep=self._logits_to_keep,
+            sampler=sampler,
+        )
+        if capacity < context:  # the context this engine can hold, advertised by the server
+            self.loaded = dataclasses.replace(self.loaded, max_context=capacity)
+        log.info(
+            "static decode: %d rows x %d tokens, %.1f MiB of KV cache",
+            slots,
+            capacity,
+            cache.nbytes / 2**20,
+        )
+        if self.cuda_graphs:
+            self._static.capture()
+
+    def cache_info(self) -> dict[str, object]:
+        """The running batch's KV cache for /health and /metrics: `rows` x `capacity` it can
+        hold, what it uses now, the bytes it holds, and how decode steps run."""
+        static = self._static
+        if static is not None:
+            cache = static.cache
+            lengths = list(cache.lengths)
+            return {
+                "mode": "cuda_graphs" if static.graphs else "static",
+                "rows": cache.slots,
+                "capacity": cache.capacity,
+                "rows_used": len(lengths),
+                "tokens_used": sum(lengths),
+                "bytes": cache.nbytes,
+                "graphs": static.graphs,
+            }
+        kv = self._kv
+        lengths = list(kv.lengths) if kv is not None else []
+        return {
+            "mode": "eager",
+            "rows": self.max_batch_size,
+            "capacity": self.loaded.max_context,
+            "rows_used": len(lengths),
+            "tokens_used": sum(lengths),
+            "bytes": kv.nbytes if kv is not None else 0,
+            "graphs": 0,
+        }
 
     def _wait_for_work(self) -> list[Job] | None:
         with self._cond:
@@ -572,7 +710,20 @@ class Engine:
     ) -> None:
         """Append prefilled rows (rows `select` of `cache`, `lengths` tokens each) to the running
         batch."""
-        if self._batchable:
+        if self._static is not None:
+            first = self._static.cache.rows
+            self._static.cache.add_rows(cache, select, lengths)
+            sampler = self._static.sampler
+            if sampler is not None:  # the rows' settings, between steps (never in a graph)
+                for slot, row in enumerate(rows, start=first):
+                    sampler.set_row(
+                        slot,
+                        row.job.sampling,
+                        min_new_tokens=row.job.min_new_tokens,
+                        generated=len(row.generated),
+                        seen_ids=sorted(row.seen),
+                    )
+        elif self._batchable:
             if self._kv is None:
                 self._kv = SlotCache(
                     len(cache.layers), self.max_batch_size, self.loaded.max_context
@@ -588,40 +739,55 @@ class Engine:
 
     def _decode_step(self) -> None:
         rows = self._rows
-        device = self.device
-        input_ids = torch.tensor(
-            [[row.next_input] for row in rows], dtype=torch.long, device=device
-        )
         try:
-            past: SlotCache | DynamicCache
-            if self._kv is not None and self._kv.rows:
-                positions = self._kv.begin_step()
-                mask = self._kv.attention_mask()
-                past = self._kv
+            static = self._static
+            if static is not None and static.cache.rows:
+                out = static.step([row.next_input for row in rows])
+                static.advance()
+                # the step's one device-to-host read: the chosen tokens (or the logits)
+                tokens = out.tolist() if static.samples else self._select(out, rows)
             else:
-                assert self._solo is not None and len(rows) == 1
-                positions = torch.tensor([rows[0].kv_len], dtype=torch.long, device=device)
-                mask = torch.ones((1, rows[0].kv_len + 1), dtype=torch.long, device=device)
-                past = self._solo
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions[:, None],
-                past_key_values=past,
-                use_cache=True,
-            )
-            if past is self._kv:
-                self._kv.end_step()
+                tokens = self._select(self._eager_step(rows), rows)
             self.stats.forward_passes += 1
             self.stats.decode_steps += 1
             size = len(rows)
             self.stats.batch_sizes[size] = self.stats.batch_sizes.get(size, 0) + 1
-            tokens = self._select(out.logits[:, -1, :], rows)
         except Exception as exc:
             # The cache may be half-updated: the whole batch is lost.
             self._clear_batch()
             self._fail_rows(rows, exc)
             return
+        self._after_step(rows, tokens)
+
+    def _eager_step(self, rows: list[_Row]) -> torch.Tensor:
+        """A decode step over the slot cache (or a solo row's own cache); the last logits."""
+        device = self.device
+        input_ids = torch.tensor(
+            [[row.next_input] for row in rows], dtype=torch.long, device=device
+        )
+        past: SlotCache | DynamicCache
+        if self._kv is not None and self._kv.rows:
+            positions = self._kv.begin_step()
+            mask = self._kv.attention_mask()
+            past = self._kv
+        else:
+            assert self._solo is not None and len(rows) == 1
+            positions = torch.tensor([rows[0].kv_len], dtype=torch.long, device=device)
+            mask = torch.ones((1, rows[0].kv_len + 1), dtype=torch.long, device=device)
+            past = self._solo
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions[:, None],
+            past_key_values=past,
+            use_cache=True,
+        )
+        if past is self._kv:
+            self._kv.end_step()
+        return out.logits[:, -1, :]
+
+    def _after_step(self, rows: list[_Row], tokens: list[int]) -> None:
+        """Each row takes its token; finished rows leave the batch."""
         keep: list[int] = []
         for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
             row.kv_len += 1
@@ -640,7 +806,15 @@ class Engine:
         if not keep:
             self._clear_batch()
             return
-        if self._kv is not None and self._kv.rows:
+        if self._static is not None and self._static.cache.rows:
+            order = self._static.cache.keep(keep)
+            sampler = self._static.sampler
+            if sampler is not None:  # the moved rows' settings follow their cache
+                for slot, old in enumerate(order):
+                    if old != slot:
+                        sampler.move_row(old, slot)
+            self._rows = [self._rows[i] for i in order]
+        elif self._kv is not None and self._kv.rows:
             order = self._kv.keep(keep)
             self._rows = [self._rows[i] for i in order]
         else:
@@ -651,6 +825,8 @@ class Engine:
         self._solo = None
         if self._kv is not None:
             self._kv.clear()
+        if self._static is not None:
+            self._static.cache.clear()
 
     def _select(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
         """Next token per row: one batched selection on the logits' device (sampling.py)."""

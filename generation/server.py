@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 import time
@@ -38,7 +36,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
-from . import models, tracing
+from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.tracing import annotate, event
+
+from . import models
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
 from .models import LoadedModel
@@ -52,7 +53,15 @@ from .protocol import (
     error_body,
 )
 from .sampling import SamplingParams, random_seed
-from .scheduler import Engine, EngineUnavailable, Job, StreamError, StreamItem
+from .scheduler import (
+    GPU_MEMORY_FRACTION,
+    Engine,
+    EngineUnavailable,
+    Job,
+    StreamError,
+    StreamItem,
+)
+from .tracing import TRACING
 
 log = logging.getLogger("guardstream.engine")
 
@@ -108,9 +117,12 @@ def create_app(
     dtype: str = "auto",
     batch_invariant: bool = False,
     fault_injection: bool = False,
-    max_batch_size: int = 64,
+    max_batch_size: int | None = None,
     threads: int | None = None,
     prefill_chunk_tokens: int | None = None,
+    static_decode: bool | None = None,
+    static_buckets: bool | None = None,
+    gpu_memory_fraction: float = GPU_MEMORY_FRACTION,
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
 ) -> web.Application:
@@ -120,8 +132,8 @@ def create_app(
     if loaded is None:
         loaded = models.load(model, device=device, dtype=dtype, batch_invariant=batch_invariant)
     middlewares: list[Any] = [_error_middleware]
-    if tracing.TRACER is not None:  # outermost: error answers belong to the span too
-        middlewares.insert(0, tracing.middleware())
+    if TRACING.tracer is not None:  # outermost: error answers belong to the span too
+        middlewares.insert(0, TRACING.middleware())
     if api_keys is not None:
         if not api_keys:
             raise ValueError("api_keys is empty: no client could ever authenticate")
@@ -135,6 +147,9 @@ def create_app(
             max_batch_size=max_batch_size,
             threads=threads,
             prefill_chunk_tokens=prefill_chunk_tokens,
+            static_decode=static_decode,
+            static_buckets=static_buckets,
+            gpu_memory_fraction=gpu_memory_fraction,
         ),
         faults=FaultInjector() if fault_injection else None,
     )
@@ -155,7 +170,11 @@ def create_app(
 
 
 async def _on_startup(app: web.Application) -> None:
-    app[STATE].engine.start()
+    state = app[STATE]
+    # Off the loop: on CUDA the start allocates the static KV cache and captures the graphs.
+    await asyncio.to_thread(state.engine.start)
+    # The engine may hold less context than the model (a KV cache sized from GPU memory).
+    state.loaded = state.engine.loaded
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -200,31 +219,15 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return web.json_response(error_body(500, "internal error", "server_error"), status=500)
 
 
-def _digest(value: bytes) -> bytes:
-    return hashlib.sha256(value).digest()
-
-
 def _auth_middleware(keys: Sequence[str], open_paths: frozenset[str]) -> Any:
-    """Bearer keys on every path but `open_paths`. A missing header, another scheme and a wrong key
-    get the same 401. Fixed-length digests are compared (compare_digest on raw keys returns early
-    on a length mismatch), against every key (timing does not tell which one came close)."""
-    digests = [_digest(k.encode("utf-8")) for k in keys]
+    """Bearer keys (servicekit.auth) on every path but `open_paths`. A missing header, another
+    scheme and a wrong key get the same 401, in the engine's error shape `{code, details, type}`."""
+    accepted = BearerKeys(keys)
 
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path not in open_paths:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            given = _digest(token.strip().encode("utf-8", "surrogateescape"))
-            ok = False
-            for digest in digests:
-                ok |= hmac.compare_digest(given, digest)
-            if scheme.lower() != "bearer" or not ok:
-                raise ClientError(
-                    401,
-                    "missing or invalid API key",
-                    "unauthorized",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        if request.path not in open_paths and not accepted.accepts(request.headers):
+            raise ClientError(401, UNAUTHORIZED_MESSAGE, "unauthorized", headers=dict(CHALLENGE))
         return await handler(request)
 
     return check
@@ -342,6 +345,10 @@ async def handle_health(request: web.Request) -> web.Response:
         "tokens_generated": engine.stats.tokens_generated,
         "requests_cancelled": engine.stats.requests_cancelled,
         "max_context": state.loaded.max_context,
+        "max_batch_size": engine.max_batch_size,
+        # rows x capacity the KV cache holds, what it uses now, and how decode steps run
+        # (cuda_graphs: replayed; static: the static step run eagerly; eager: the slot cache)
+        "kv_cache": engine.cache_info(),
     }
     return web.json_response(body, status=200 if engine.healthy else 503)
 
@@ -435,8 +442,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     first_extra: dict[str, Any] = {"prompt_token_ids": prompt_ids}
     if not greedy:
         first_extra["seed"] = seed
-    if tracing.TRACER is not None:
-        tracing.annotate(
+    if TRACING.tracer is not None:
+        annotate(
             request,
             {
                 "guardstream.prompt_tokens": len(prompt_ids),
@@ -492,9 +499,9 @@ class _Stream:
                     await self._inject()
                     return self.response
                 if event.finish_reason is not None:
-                    if tracing.TRACER is not None:
+                    if TRACING.tracer is not None:
                         reason = event.finish_reason.value
-                        tracing.annotate(self.request, {"guardstream.finish_reason": reason})
+                        annotate(self.request, {"guardstream.finish_reason": reason})
                     await self._write({"complete_final": True})
                     return self.response
         except ConnectionError:  # the client left while we wrote
@@ -514,8 +521,8 @@ class _Stream:
                 )
             return self.response
         finally:
-            if tracing.TRACER is not None:
-                tracing.annotate(self.request, {"guardstream.generated_tokens": self.delivered})
+            if TRACING.tracer is not None:
+                annotate(self.request, {"guardstream.generated_tokens": self.delivered})
             self.state.engine.cancel(self.job)  # no-op for a finished job
             if self._getter is not None and not self._getter.done():
                 self._getter.cancel()
@@ -560,8 +567,8 @@ class _Stream:
         assert self.fault is not None
         mode = self.fault.mode
         log.warning("fault injection: %s after %d tokens", mode, self.delivered)
-        if tracing.TRACER is not None:
-            tracing.event(self.request, "fault", {"mode": mode, "after_tokens": self.delivered})
+        if TRACING.tracer is not None:
+            event(self.request, "fault", {"mode": mode, "after_tokens": self.delivered})
         self.state.engine.cancel(self.job)
         if mode == "error":
             await self._write(
@@ -626,7 +633,17 @@ class _EngineCollector(Collector):
             "Requests queued or running",
             value=self.state.engine.active_requests,
         )
-        buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+        cache = self.state.engine.cache_info()
+        for name, key, help_text in (
+            ("kv_cache_rows", "rows", "Rows the KV cache holds (the largest decode batch)"),
+            ("kv_cache_capacity_tokens", "capacity", "Tokens per row the KV cache holds"),
+            ("kv_cache_rows_used", "rows_used", "Rows of the KV cache in use"),
+            ("kv_cache_tokens_used", "tokens_used", "Tokens held by the running rows"),
+            ("kv_cache_bytes", "bytes", "Bytes allocated by the KV cache"),
+            ("decode_graphs", "graphs", "CUDA graphs captured for the decode step"),
+        ):
+            yield GaugeMetricFamily(f"guardstream_engine_{name}", help_text, value=cache[key])
+        buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
         sizes = dict(stats.batch_sizes)
         cumulative = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in buckets]
         cumulative.append(("+Inf", sum(sizes.values())))

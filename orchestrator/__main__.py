@@ -33,7 +33,8 @@ def _check_config(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_config
     from .logs import configure_logging
-    from .server import run_event_loop, run_server
+    from .server import run_event_loop
+    from .workers import run_server
 
     configure_logging(args.log_format, args.log_level.upper())
     try:

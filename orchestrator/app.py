@@ -1,12 +1,16 @@
-"""The aiohttp application: routes, middlewares, start-up and shutdown."""
+"""The aiohttp application: routes, middlewares, start-up and shutdown.
+
+Each route is one row of `ROUTES`: its path, its handler and its surface, which decides how an
+error before the first byte is rendered (the FMS `ErrorBody` or OpenAI's `{"error": ...}`, which
+the SDKs parse). The error middleware renders the `Failure` that `describe` made of the
+exception in the shape of the request's route; nothing is guessed from a list of paths kept
+elsewhere, and nothing converts one body into another."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import gc
-import hashlib
-import hmac
 import logging
 import os
 import re
@@ -14,14 +18,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextvars import ContextVar
+from dataclasses import dataclass
+from enum import Enum
 from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from servicekit.auth import UNAUTHORIZED_MESSAGE, BearerKeys
+
 from . import tracing as traces
-from .api.errors import ApiError, ErrorBody, ErrorType
+from .api.errors import ApiError, ErrorBody, ErrorType, Failure
+from .api.openai_chat import OpenAIErrorBody
 from .clients.backends import build_model_backends
 from .clients.registry import ChunkerRegistry, DetectorRegistry
 from .config import Config, ConfigError, secret_env_names
@@ -43,8 +52,6 @@ from .http_protocol import SERVER_NAME
 from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
 from .state import STATE, AppState
-from .streaming.chat_writer import openai_error
-from .streaming.events import Failure
 from .streaming.failures import describe, first_error
 from .streaming.loop_lag import LoopLag
 
@@ -61,49 +68,69 @@ CONTENT_PATH = "/api/v2/text/detection/content"
 STREAM_CONTENT_PATH = "/api/v2/text/detection/stream-content"
 CHAT_PATH = openai_chat.CHAT_PATH
 CHAT_DETECTION_PATH = openai_chat.CHAT_DETECTION_PATH
-RESPONSES_PATH = "/v1/responses"
+RESPONSES_PATH = openai_responses.RESPONSES_PATH
 MODELS_PATH = "/v1/models"
-# The OpenAI surfaces answer errors with OpenAI's body, which their SDKs parse
-OPENAI_PATHS = frozenset({CHAT_PATH, CHAT_DETECTION_PATH, RESPONSES_PATH, MODELS_PATH})
+
+
+class Surface(Enum):
+    """How a route's errors are rendered: the FMS `ErrorBody` (DESIGN section 4), or OpenAI's
+    `{"error": ...}`, which OpenAI SDKs parse (4.8, 4.9)."""
+
+    FMS = "fms"
+    OPENAI = "openai"
+
+    def error_body(self, failure: Failure) -> dict[str, object]:
+        if self is Surface.OPENAI:
+            return OpenAIErrorBody.for_request(failure).dump()
+        return ErrorBody.from_failure(failure).dump()
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handle: Handler
+    surface: Surface  # the shape of its error responses
+    span: str | None = None  # the `guardstream.surface` of its request span (tracing)
+
+
+ROUTES = (
+    Route("POST", STREAMING_PATH, fms_stream.handle, Surface.FMS, "fms_stream"),
+    Route("POST", UNARY_PATH, fms_unary.handle, Surface.FMS, "fms_unary"),
+    Route("POST", CONTENT_PATH, content_detection.handle, Surface.FMS, "detection_content"),
+    Route(
+        "POST",
+        STREAM_CONTENT_PATH,
+        stream_content.handle,
+        Surface.FMS,
+        "detection_stream_content",
+    ),
+    Route("POST", CHAT_PATH, openai_chat.handle, Surface.OPENAI, "chat_completions"),
+    Route("POST", CHAT_DETECTION_PATH, openai_chat.handle, Surface.OPENAI, "chat_completions"),
+    Route("POST", RESPONSES_PATH, openai_responses.handle, Surface.OPENAI, "responses"),
+    Route("GET", MODELS_PATH, models.handle, Surface.OPENAI, "models"),
+    Route("GET", "/health", health.health, Surface.FMS),
+    Route("GET", "/info", health.info, Surface.FMS),
+    Route("GET", "/metrics", metrics.handle, Surface.FMS),
+    Route("GET", "/openapi.json", openapi.handle, Surface.FMS),
+)
+_SURFACE_OF = {route.path: route.surface for route in ROUTES}
 # the `guardstream.surface` of each endpoint's request span (tracing)
-SURFACES = {
-    STREAMING_PATH: "fms_stream",
-    UNARY_PATH: "fms_unary",
-    CONTENT_PATH: "detection_content",
-    STREAM_CONTENT_PATH: "detection_stream_content",
-    CHAT_PATH: "chat_completions",
-    CHAT_DETECTION_PATH: "chat_completions",
-    RESPONSES_PATH: "responses",
-    MODELS_PATH: "models",
-}
+SPAN_SURFACES = {route.path: route.span for route in ROUTES if route.span is not None}
 
 
-def _error_response(
-    request: web.Request, body: ErrorBody, headers: dict[str, str] | None = None
+def surface_of(path: str) -> Surface:
+    """The surface of the route at `path`: any method, so a 405 there is in its shape too. A
+    path that routes nowhere gets the FMS body."""
+    return _SURFACE_OF.get(path, Surface.FMS)
+
+
+def error_response(
+    request: web.Request, failure: Failure, headers: dict[str, str] | None = None
 ) -> web.Response:
-    """The FMS error body, or the OpenAI one on the OpenAI surfaces (SDKs parse `error`)."""
-    if request.path in OPENAI_PATHS:
-        failure = Failure(body.code, body.type, body.details)
-        return web.json_response(
-            openai_error(failure, param=error_param(body.details)),
-            status=body.code,
-            headers=headers,
-        )
-    return web.json_response(body.dump(), status=body.code, headers=headers)
-
-
-def error_param(details: str) -> str | None:
-    """The request field an error names (`messages: ...` → `messages`), for OpenAI's `param`."""
-    head, sep, _ = details.partition(": ")
-    if sep and head and " " not in head and len(head) <= 128:
-        return head
-    return None
-
-
-def error_for(exc: BaseException) -> ErrorBody:
-    """The API error body for anything a handler raised; client mistakes map to 4xx."""
-    failure = describe(exc)
-    return ErrorBody(code=failure.code, details=failure.message, type=failure.type)
+    """`failure` in the shape of the request's route."""
+    body = surface_of(request.path).error_body(failure)
+    return web.json_response(body, status=failure.code, headers=headers)
 
 
 # Headers for every call made downstream (engines, remote detectors) on behalf of the current
@@ -225,13 +252,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             # exception and closes the connection, so the client sees a cut stream, not a
             # hang and not a second status line inside the body
             raise
-        body = error_for(exc)
-        if body.code >= 500 and body.type == ErrorType.SERVER_ERROR:
+        failure = describe(exc)
+        if failure.code >= 500 and failure.type == ErrorType.SERVER_ERROR:
             log.error("request %s failed", request.get("request_id"), exc_info=exc)
-        response = _error_response(request, body, _error_headers(first_error(exc), body))
+        response = error_response(request, failure, _error_headers(first_error(exc), failure))
         if isinstance(first_error(exc), BodyTimeout):
             await close_after(request, response)
-        elif body.code == 413:
+        elif failure.code == 413:
             # the body is not read: the connection cannot carry another request after it
             response.force_close()
         return response
@@ -247,17 +274,17 @@ async def close_after(request: web.Request, response: web.StreamResponse) -> Non
     request.protocol.force_close()  # the transport flushes the reply before it closes
 
 
-def _error_headers(exc: BaseException, body: ErrorBody) -> dict[str, str] | None:
+def _error_headers(exc: BaseException, failure: Failure) -> dict[str, str] | None:
     if isinstance(exc, TooManyStreams):
         return {"Retry-After": str(exc.retry_after_s)}
-    if body.type == ErrorType.OVERLOADED:
+    if failure.type == ErrorType.OVERLOADED:
         return {"Retry-After": "1"}
     if isinstance(exc, web.HTTPMethodNotAllowed):
         return {"Allow": ", ".join(sorted(exc.allowed_methods))}
-    if body.type == ErrorType.SERVER_SHUTDOWN:
+    if failure.type == ErrorType.SERVER_SHUTDOWN:
         # the client should retry elsewhere, and not on this connection
         return {"Retry-After": "1", "Connection": "close"}
-    if body.code == 401:
+    if failure.code == 401:
         return {"WWW-Authenticate": "Bearer"}
     return None
 
@@ -273,23 +300,13 @@ PROBE_PATHS = frozenset({"/health", "/info", "/openapi.json"})
 AUTHENTICATED = health.AUTHENTICATED
 
 
-def _digest(value: bytes) -> bytes:
-    return hashlib.sha256(value).digest()
-
-
 def key_checker(keys: list[str]) -> Callable[[web.BaseRequest], bool]:
-    """Whether a request carries one of `keys` as a Bearer token."""
-    # Comparing fixed-length digests: compare_digest on the raw keys would return early on a
-    # length mismatch and tell a caller how long the keys are.
-    digests = [_digest(k.encode()) for k in keys]
+    """Whether a request carries one of `keys` as a Bearer token (servicekit.auth: the check
+    every service makes)."""
+    accepted = BearerKeys(keys)
 
     def authorized(request: web.BaseRequest) -> bool:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
-        ok = False
-        for digest in digests:  # every key, so timing does not tell which one came close
-            ok |= hmac.compare_digest(given, digest)
-        return ok and scheme.lower() == "bearer"
+        return accepted.accepts(request.headers)
 
     return authorized
 
@@ -305,7 +322,7 @@ def auth_middleware(keys: list[str], open_paths: frozenset[str] = PROBE_PATHS) -
         # open paths answer anyway; /info shows its details only to a caller with a key
         request[AUTHENTICATED] = ok
         if request.path not in open_paths and not ok:
-            raise ApiError(401, ErrorType.UNAUTHORIZED, "missing or invalid API key")
+            raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
         return await handler(request)
 
     return check
@@ -324,10 +341,8 @@ def expect_handler(
         if request.version != aiohttp.HttpVersion11:
             return None  # HTTP/1.0 has no 100 Continue
         if request.headers.get("Expect", "").strip().lower() != "100-continue":
-            body = ErrorBody(
-                code=417, details="unsupported Expect header", type=ErrorType.INVALID_REQUEST
-            )
-            return _error_response(request, body)
+            failure = Failure(417, ErrorType.INVALID_REQUEST, "unsupported Expect header")
+            return error_response(request, failure)
         if (request.content_length or 0) > max_request_bytes:
             return None
         if authorized is not None and not authorized(request):
@@ -384,7 +399,7 @@ def create_app(
     ]
     if traces.configure(config.server.tracing, exporter=span_exporter):
         # outermost: the access log line and every error response belong to the request span
-        middlewares.insert(0, traces.middleware(SURFACES, OPEN_PATHS))
+        middlewares.insert(0, traces.middleware(SPAN_SURFACES, OPEN_PATHS))
     if keys is not None:
         open_paths = OPEN_PATHS if config.server.public_metrics else PROBE_PATHS
         middlewares.append(auth_middleware(keys, open_paths))
@@ -451,22 +466,9 @@ def create_app(
     expect = expect_handler(
         config.server.max_request_bytes, key_checker(keys) if keys is not None else None
     )
-    for path, handle in [
-        (STREAMING_PATH, fms_stream.handle),
-        (UNARY_PATH, fms_unary.handle),
-        (CONTENT_PATH, content_detection.handle),
-        (STREAM_CONTENT_PATH, stream_content.handle),
-        (CHAT_PATH, openai_chat.handle),
-        (CHAT_DETECTION_PATH, openai_chat.handle),
-        (RESPONSES_PATH, openai_responses.handle),
-    ]:
-        app.router.add_post(path, handle, expect_handler=expect)
-    for path, get in [
-        (MODELS_PATH, models.handle),
-        ("/health", health.health),
-        ("/info", health.info),
-        ("/metrics", metrics.handle),
-        ("/openapi.json", openapi.handle),
-    ]:
-        app.router.add_get(path, get, expect_handler=expect)
+    for route in ROUTES:
+        if route.method == "GET":  # and HEAD
+            app.router.add_get(route.path, route.handle, expect_handler=expect)
+        else:
+            app.router.add_route(route.method, route.path, route.handle, expect_handler=expect)
     return app

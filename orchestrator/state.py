@@ -26,7 +26,8 @@ class AppState:
     detectors: DetectorRegistry | None = None
     backends: dict[str, ModelBackend] = field(default_factory=dict)
     active_streams: int = 0
-    # running GuardedGeneration pipelines, so a drain can end each with a terminal event
+    # the taken stream slots (handlers/stream_slots.py), so a drain can end each pipeline with a
+    # terminal event
     streams: set[Any] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no stream runs
     draining: bool = False

@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from detectors.tracing import build_provider, env_wants_tracing, traces_url
+from servicekit.tracing import build_provider, env_wants_tracing, server_spans, traces_url
 
 from . import logs
 
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
     from .config import TracingConfig
-    from .streaming.events import Frame, Terminal
 
 log = logging.getLogger("guardstream.tracing")
 
@@ -64,7 +63,45 @@ _CALL_SPAN: ContextVar[Span | None] = ContextVar("guardstream_call_span", defaul
 _CHILD_ENV: dict[str, str | None] = {}
 _CHILD_ENVIRON: MutableMapping[str, str] = os.environ
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# What this module reads of the pipeline's events. Tracing is an observer the pipeline calls
+# (`frame_event`, `record_terminal`): it states what it reads (read-only) instead of importing
+# the pipeline's types, so `tracing` stays below `streaming/` (clients call it too).
+class TracedFailure(Protocol):
+    @property
+    def type(self) -> Any: ...
+    @property
+    def code(self) -> int: ...
+    @property
+    def message(self) -> str: ...
+
+
+class TracedFrame(Protocol):
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def detections(self) -> Sequence[Any]: ...
+
+
+class TracedTerminal(Protocol):
+    @property
+    def kind(self) -> str: ...
+    @property
+    def generated_token_count(self) -> int: ...
+    @property
+    def processed_index(self) -> int: ...
+    @property
+    def migrations(self) -> int: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def input_token_count(self) -> int | None: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def error(self) -> TracedFailure | None: ...
 
 
 def configure(
@@ -187,46 +224,22 @@ def middleware(surfaces: Mapping[str, str], untraced: frozenset[str]) -> Any:
     """The request span: a SERVER span per request (but probes and scrapes), the child of the
     client's `traceparent` when it sent one, current for the whole handling (the access log
     line included), so every task and log line of the request belongs to it."""
-    from opentelemetry.trace import SpanKind, StatusCode
 
-    @web.middleware
-    async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
-        tracer = TRACER
-        if tracer is None or request.path in untraced:
-            return await handler(request)
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "unmatched"
-        attributes = {
-            "http.request.method": request.method,
-            "url.path": request.path,
-            "http.route": route,
-            "guardstream.surface": surfaces.get(request.path, "other"),
-        }
-        parent = _PROPAGATOR.extract(request.headers)
-        status = 499  # nginx's "client closed request": the handler was cancelled
-        with tracer.start_as_current_span(
-            f"{request.method} {route}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            token = _REQUEST_SPAN.set(span)
-            try:
-                response = await handler(request)
-                status = response.status
-                return response
-            finally:
-                _REQUEST_SPAN.reset(token)
-                span.set_attribute("http.response.status_code", status)
-                request_id = request.get("request_id")
-                if request_id:
-                    span.set_attribute("guardstream.request_id", request_id)
-                if status >= 500:
-                    span.set_status(StatusCode.ERROR)
+    def surface(request: web.Request) -> Mapping[str, Any]:
+        return {"guardstream.surface": surfaces.get(request.path, "other")}
 
-    return traced
+    def bind(request: web.Request, span: Span) -> Callable[[], None]:
+        token = _REQUEST_SPAN.set(span)
+
+        def done() -> None:
+            _REQUEST_SPAN.reset(token)
+            request_id = request.get("request_id")  # set by the handler
+            if request_id:
+                span.set_attribute("guardstream.request_id", request_id)
+
+        return done
+
+    return server_spans(lambda: TRACER, untraced=untraced, attributes=surface, bind=bind)
 
 
 def request_span(model_id: str) -> Span | None:
@@ -240,7 +253,7 @@ def request_span(model_id: str) -> Span | None:
     return span
 
 
-def frame_event(span: Span, frame: Frame, hold_s: float) -> None:
+def frame_event(span: Span, frame: TracedFrame, hold_s: float) -> None:
     """One `frame` event per frame the output detectors released (one per judged chunk, never
     per token: a stream without output detectors holds nothing back and records no events):
     its span of text, its detections, and how long its last character was held back."""
@@ -255,7 +268,7 @@ def frame_event(span: Span, frame: Frame, hold_s: float) -> None:
     )
 
 
-def record_terminal(span: Span, terminal: Terminal, frames: int) -> None:
+def record_terminal(span: Span, terminal: TracedTerminal, frames: int) -> None:
     """How the stream ended, on the request span; `failed` and `error` mark it as an error."""
     from opentelemetry.trace import StatusCode
 

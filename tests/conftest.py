@@ -10,20 +10,23 @@ import pytest
 from generation import models
 from generation.server import create_app
 from tests.engine_processes import ThreadedServer
+from tests.engine_support import SMOLLM2_DTYPE, load_test_model
 from tests.fakes.engine import FakeEngine
+from tests.fakes.upstream import FakeUpstream
 from tests.orchestrator_support import SCRIPT
 
 
 @pytest.fixture(scope="session")
 def tiny_model() -> models.LoadedModel:
-    """The tiny random GPT-2 (float64 on CPU: exact across batching and resume)."""
-    return models.load("tiny-random", device="cpu")
+    """The tiny random GPT-2 (float64, on the test device: exact across batching and resume)."""
+    return load_test_model("tiny-random")
 
 
 @pytest.fixture(scope="session")
 def smollm2_model() -> models.LoadedModel:
-    """SmolLM2-135M-Instruct; the first run converts the GGUF into the cache (~20-45 s)."""
-    return models.load("smollm2-135m", device="cpu")
+    """SmolLM2-135M-Instruct on the test device; the first run converts the GGUF into the cache
+    (~20-45 s). Tests that use it skip, saying why, where the model cannot be had."""
+    return load_test_model("smollm2-135m", dtype=SMOLLM2_DTYPE)
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +50,12 @@ async def engine() -> AsyncIterator[FakeEngine]:
     await fake.start()
     yield fake
     await fake.close()
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[FakeUpstream]]:
+    """Fake upstream servers a test started (appended here); closed at its end."""
+    made: list[FakeUpstream] = []
+    yield made
+    for s in made:
+        await s.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -23,12 +22,8 @@ from aiohttp import web
 
 from generation.__main__ import LISTENING_PREFIX
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for code that must choose the port itself)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+# one implementation of "a port that was free a moment ago": the one managed engines use
+from orchestrator.clients.managed import free_port as free_port
 
 
 @dataclass

@@ -7,25 +7,44 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from resource import RLIMIT_NOFILE, setrlimit
+from typing import Any, TypeVar
 
 import aiohttp
+import psutil
 from aiohttp import web
 
 from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from orchestrator.config import parse_config
 from orchestrator.server import start_server
-from tests.fakes.engine import until
+from tests.wait_support import finished, until
+
+T = TypeVar("T")
 
 NDJSON = "application/x-ndjson"
 MODEL = "fake-model"
 # "I am great. What about you?" in eight tokens: two sentences, [0, 11) and [11, 27)
 SCRIPT = ["I", " am", " great", ".", " What", " about", " you", "?"]
 ROOT = Path(__file__).resolve().parent.parent
+# every `type` an error body may carry (DESIGN's error body), the fuzz tests' oracle
+ERROR_TYPES = {
+    "invalid_request",
+    "not_found",
+    "unauthorized",
+    "detector_error",
+    "chunker_error",
+    "generation_error",
+    "generation_unavailable",
+    "timeout",
+    "overloaded",
+    "server_shutdown",
+    "server_error",
+}
 
 
 @dataclass(frozen=True)
@@ -131,6 +150,26 @@ def generation_body(
     return body
 
 
+class BackgroundLoop:
+    """An event loop in its own thread, for synchronous tests (hypothesis, schemathesis) that
+    talk to servers running on it; `run` waits for a coroutine under a generous deadline."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def start_loop(self) -> None:
+        self.thread.start()
+
+    def stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
 class Orchestrator:
     """The real service on a free port: `async with Orchestrator(cfg) as orch: orch.url`."""
 
@@ -172,6 +211,23 @@ class Orchestrator:
             assert r.status == 200, f"{r.status}: {text}"
             assert r.headers["Content-Type"].startswith("text/event-stream")
         return sse_events(text)
+
+    async def info(self, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        """GET /info: (status, body)."""
+        assert self.session is not None
+        async with self.session.get(self.url + "/info", headers=headers) as r:
+            return r.status, await r.json()
+
+    async def info_until(
+        self, done: Callable[[int, dict[str, Any]], bool], headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """Polls /info until `done(status, body)`; that reply."""
+
+        async def poll() -> tuple[int, dict[str, Any]] | None:
+            reply = await self.info(headers)
+            return reply if done(*reply) else None
+
+        return await until(poll, what="/info answering as awaited", poll_s=0.05)
 
     async def post(
         self, path: str, body: Any, *, headers: dict[str, str] | None = None
@@ -231,13 +287,36 @@ class Served:
         return out
 
     async def wait_logged(self, prefix: str, timeout_s: float = 20.0) -> None:
-        await until(lambda: any(m.startswith(prefix) for m in self.messages()), timeout_s, 0.02)
+        await until(
+            lambda: any(m.startswith(prefix) for m in self.messages()),
+            timeout_s,
+            f"the log line {prefix!r}",
+        )
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children()
+
+    def workers(self) -> list[psutil.Process]:
+        """The worker processes of a `server.workers` supervisor."""
+        return [c for c in self.children() if "worker_main" in " ".join(c.cmdline())]
+
+    def engines(self) -> list[psutil.Process]:
+        """The managed engine processes it started."""
+        return [c for c in self.children() if "generation" in c.cmdline()]
 
 
 @asynccontextmanager
-async def serve(tmp_path: Path, config: dict[str, Any], *args: str) -> AsyncIterator[Served]:
-    """Starts `python -m orchestrator serve` on a free port and waits for its "listening on"
-    line; the child gets this interpreter's PYTHONPATH plus the repository root."""
+async def serve(
+    tmp_path: Path,
+    config: dict[str, Any],
+    *args: str,
+    nofile: tuple[int, int] | None = None,
+    start_s: float = 30.0,
+) -> AsyncIterator[Served]:
+    """Starts `python -m orchestrator serve` on a free port and waits (up to `start_s`) for its
+    "listening on" line; the child gets this interpreter's PYTHONPATH plus the repository root,
+    and with `nofile` the open-file limits (soft, hard) a container or systemd would give it.
+    Whatever is left of it at the end (workers, engines included) is killed."""
     path = tmp_path / "config.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     stderr = tmp_path / "stderr.log"
@@ -251,13 +330,16 @@ async def serve(tmp_path: Path, config: dict[str, Any], *args: str) -> AsyncIter
             env=env,
             stdout=asyncio.subprocess.PIPE,
             stderr=err,
+            preexec_fn=None if nofile is None else lambda: setrlimit(RLIMIT_NOFILE, nofile),
         )
     try:
         assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        line = await finished(proc.stdout.readline(), start_s, "proc.stdout.readline()")
         assert line.startswith(b"guardstream listening on http://"), (line, stderr.read_text())
         yield Served(proc, line.decode().split()[-1], stderr)
     finally:
         if proc.returncode is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
             proc.kill()
             await proc.wait()

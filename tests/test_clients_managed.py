@@ -20,7 +20,7 @@ from orchestrator.clients import managed
 from orchestrator.clients.backend import GenerationParams, GenerationRequest
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
 from orchestrator.config import ManagedBackend, ModelConfig
-from tests.fakes.engine import until
+from tests.wait_support import until
 
 FAKE = str(Path(__file__).parent / "fakes" / "engine.py")
 WORDS = [f"w{i}" for i in range(300)]

@@ -19,6 +19,12 @@ from prometheus_client import CollectorRegistry
 from generation import models
 from generation.server import create_app
 from orchestrator.api.errors import ApiError, ErrorType
+from orchestrator.clients.advertised_limits import (
+    AdvertisedLimits,
+    EngineLimits,
+    ParamRange,
+    merge_limits,
+)
 from orchestrator.clients.backend import (
     ChatMessage,
     Continuation,
@@ -28,18 +34,11 @@ from orchestrator.clients.backend import (
 )
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
 from orchestrator.clients.managed import ENGINE_API_KEYS_ENV
-from orchestrator.clients.native import (
-    AdvertisedLimits,
-    EngineLimits,
-    NativeClient,
-    ParamRange,
-    merge_limits,
-    native_body,
-)
+from orchestrator.clients.native import NativeClient, native_body
 from orchestrator.config import ConfigError, ModelConfig
 from tests.engine_processes import free_port
 from tests.fakes.engine import FakeEngine, Fault
-from tests.fakes.vllm import FakeVllm
+from tests.fakes.openai_server import FakeOpenAI
 
 KEY_ENV = "GS_TEST_NATIVE_KEY"
 KEY = "native-secret"
@@ -450,7 +449,7 @@ async def test_a_failed_fetch_is_retried_only_after_retry_s(
 
 
 async def test_validate_does_not_consult_openai_backends(session: aiohttp.ClientSession) -> None:
-    vllm = FakeVllm()
+    vllm = FakeOpenAI()
     await vllm.start()
     try:
         b = backend(session, {"type": "openai", "url": vllm.url, "model": "fake-model"})

@@ -4,7 +4,6 @@ real socket, and migration between two such servers."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -23,27 +22,25 @@ from orchestrator.clients.backends import build_model_backends
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
 from tests.fakes.clock import expire_stalls, manual_stall_clock
-from tests.fakes.engine import TOKEN_BASE, prompt_ids, until
-from tests.fakes.vllm import FakeVllm, VllmFault
+from tests.fakes.openai_server import (
+    TOKEN_BASE,
+    FakeOpenAI,
+    OpenAIFault,
+    count_tokens,
+    start_fakes,
+    templated,
+    token_ids,
+)
+from tests.fakes.upstream import FakeUpstream
+from tests.wait_support import until
 
 SCRIPT = ["Once", " upon", " a", " time", "."]
+HI = {"role": "user", "content": "Hi"}
 FULL = "".join(SCRIPT)
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[list[FakeVllm]]:
-    made: list[FakeVllm] = []
-    yield made
-    for s in made:
-        await s.close()
-
-
-async def start(servers: list[FakeVllm], n: int = 1, **kwargs: Any) -> list[FakeVllm]:
-    for _ in range(n):
-        s = FakeVllm(script=list(SCRIPT), **kwargs)
-        await s.start()
-        servers.append(s)
-    return servers
+async def start(servers: list[FakeUpstream], n: int = 1, **kwargs: Any) -> list[FakeOpenAI]:
+    return await start_fakes(servers, n, script=list(SCRIPT), **kwargs)
 
 
 def request(prompt: str = "Hi", chat: bool = False, **params: Any) -> GenerationRequest:
@@ -61,14 +58,14 @@ async def collect(
         stream.close()
 
 
-async def test_normal_stream(session: aiohttp.ClientSession, servers: list[FakeVllm]) -> None:
+async def test_normal_stream(session: aiohttp.ClientSession, servers: list[FakeOpenAI]) -> None:
     (s,) = await start(servers, api_key="sekret")
     client = OpenAIClient("o0", s.url, "fake-model", session, api_key="sekret")
     items = await collect(client, request(max_new_tokens=20))
     assert "".join(i.text for i in items) == FULL
     assert [t for i in items for t in i.token_ids] == [TOKEN_BASE + i for i in range(5)]
-    assert items[0].prompt_token_ids == tuple(prompt_ids("Hi"))
-    assert items[0].input_token_count == 2
+    assert items[0].prompt_token_ids == tuple(token_ids("Hi"))
+    assert items[0].input_token_count == count_tokens("Hi")
     assert items[-1].finish_reason == "EOS_TOKEN"
     body = s.requests[0]
     assert body["stream"] is True and body["return_token_ids"] is True
@@ -78,7 +75,7 @@ async def test_normal_stream(session: aiohttp.ClientSession, servers: list[FakeV
 
 
 async def test_sampling_params_and_finish_mapping(
-    session: aiohttp.ClientSession, servers: list[FakeVllm]
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI]
 ) -> None:
     (s,) = await start(servers)
     client = OpenAIClient("o0", s.url, "fake-model", session)
@@ -110,16 +107,16 @@ async def test_sampling_params_and_finish_mapping(
 @pytest.mark.parametrize(
     ("fault", "message"),
     [
-        (VllmFault("error", after_tokens=2), "injected error"),
-        (VllmFault("abort", after_tokens=2), "abort"),
-        (VllmFault("eof", after_tokens=2), "without [DONE]"),
-        (VllmFault("done_early", after_tokens=2), "[DONE] without a finish_reason"),
-        (VllmFault("close", after_tokens=2), "connection failed"),
-        (VllmFault("http", status=503), "HTTP 503"),
+        (OpenAIFault("error", after=2), "injected error"),
+        (OpenAIFault("abort", after=2), "abort"),
+        (OpenAIFault("eof", after=2), "without [DONE]"),
+        (OpenAIFault("done_early", after=2), "[DONE] without a finish_reason"),
+        (OpenAIFault("close", after=2), "connection failed"),
+        (OpenAIFault("http", status=503), "HTTP 503"),
     ],
 )
 async def test_failures_are_migratable(
-    session: aiohttp.ClientSession, servers: list[FakeVllm], fault: VllmFault, message: str
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI], fault: OpenAIFault, message: str
 ) -> None:
     (s,) = await start(servers, fail=fault)
     client = OpenAIClient("o0", s.url, "fake-model", session)
@@ -130,14 +127,14 @@ async def test_failures_are_migratable(
             items.append(item)
     assert info.value.migratable and info.value.code == 503
     assert message in info.value.message
-    assert len(items) == fault.after_tokens
+    assert len(items) == fault.after
 
 
 async def test_stall(
-    session: aiohttp.ClientSession, servers: list[FakeVllm], monkeypatch: pytest.MonkeyPatch
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = manual_stall_clock(monkeypatch)
-    (s,) = await start(servers, fail=VllmFault("stall", after_tokens=1))
+    (s,) = await start(servers, fail=OpenAIFault("stall", after=1))
     client = OpenAIClient("o0", s.url, "fake-model", session)
     stream = client.generate(request(), None, stall_timeout_s=30, max_time=0)
     items: list[EngineItem] = []
@@ -155,9 +152,9 @@ async def test_stall(
 
 
 async def test_http_400_is_not_migratable(
-    session: aiohttp.ClientSession, servers: list[FakeVllm]
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI]
 ) -> None:
-    (s,) = await start(servers, fail=VllmFault("http", status=400))
+    (s,) = await start(servers, fail=OpenAIFault("http", status=400))
     client = OpenAIClient("o0", s.url, "fake-model", session)
     with pytest.raises(GenerationError) as info:
         await collect(client, request())
@@ -166,23 +163,23 @@ async def test_http_400_is_not_migratable(
 
 
 async def test_chat_prompt_goes_through_tokenize(
-    session: aiohttp.ClientSession, servers: list[FakeVllm]
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI]
 ) -> None:
     (s,) = await start(servers)
     client = OpenAIClient("o0", s.url, "fake-model", session)
     items = await collect(client, request(prompt="Hi", chat=True))
     assert "".join(i.text for i in items) == FULL
-    assert s.requests[0]["prompt"] == prompt_ids("<user>Hi<assistant>")
-    assert await client.tokenize("Hi", True) == len("<user>Hi<assistant>")
-    assert await client.tokenize("Hi", False) == 2
+    assert s.requests[0]["prompt"] == token_ids(templated([HI]))
+    assert await client.tokenize("Hi", True) == count_tokens(templated([HI]))
+    assert await client.tokenize("Hi", False) == count_tokens("Hi")
 
 
 async def test_migration_between_two_servers(
-    session: aiohttp.ClientSession, servers: list[FakeVllm], monkeypatch: pytest.MonkeyPatch
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_VLLM_KEY", "k1")
     a, b = await start(servers, 2, api_key="k1")
-    a.faults.append(VllmFault("close", after_tokens=2))
+    a.faults.append(OpenAIFault("close", after=2))
     config = ModelConfig.model_validate(
         {
             "backends": [
@@ -206,7 +203,7 @@ async def test_migration_between_two_servers(
     assert [c.generated_token_count for c in chunks] == [1, 2, 3, 4, 5]
     assert stream.migrations == 1 and stream.finish_reason == "EOS_TOKEN"
     resumed = b.requests[0]
-    assert resumed["prompt"] == [*prompt_ids("Hi"), TOKEN_BASE, TOKEN_BASE + 1]
+    assert resumed["prompt"] == [*token_ids("Hi"), TOKEN_BASE, TOKEN_BASE + 1]
     assert resumed["max_tokens"] == 8 and resumed["min_tokens"] == 2
     assert b.headers[0]["Authorization"] == "Bearer k1"
     assert [r["type"] for r in backend.info()] == ["openai", "openai"]

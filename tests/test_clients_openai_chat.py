@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -27,34 +26,28 @@ from orchestrator.clients.migration import MigratingStream
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
 from tests.fakes.clock import expire_stalls, manual_stall_clock
-from tests.fakes.engine import prompt_ids
-from tests.fakes.openai_chat import DEFAULT_SCRIPT, ChatFault, FakeOpenAIChat
-from tests.fakes.vllm import FakeVllm
+from tests.fakes.openai_server import (
+    DEFAULT_SCRIPT,
+    FakeOpenAI,
+    OpenAIFault,
+    count_tokens,
+    start_fakes,
+    templated,
+    token_ids,
+)
 
 SCRIPT = DEFAULT_SCRIPT  # "The cat sat on the mat."
 FULL = "".join(SCRIPT)
+# usage.prompt_tokens of the default request: "Hi" as a user message
+HI_TOKENS = count_tokens(templated([{"role": "user", "content": "Hi"}]))
 CONVERSATION = (
     ChatMessage("system", "You are terse."),
     ChatMessage("user", "Where did the cat sit?"),
 )
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[list[Any]]:
-    made: list[Any] = []
-    yield made
-    for s in made:
-        await s.close()
-
-
-async def start(servers: list[Any], n: int = 1, **kwargs: Any) -> list[FakeOpenAIChat]:
-    out = []
-    for _ in range(n):
-        s = FakeOpenAIChat(**kwargs)
-        await s.start()
-        servers.append(s)
-        out.append(s)
-    return out
+async def start(servers: list[Any], n: int = 1, **kwargs: Any) -> list[FakeOpenAI]:
+    return await start_fakes(servers, n, **{"model": "fake-chat", **kwargs})
 
 
 def request(
@@ -94,7 +87,7 @@ def backend(
     session: aiohttp.ClientSession,
     servers: list[Any],
     *,
-    api: str = "chat",
+    api: str | list[str] = "chat",
     registry: CollectorRegistry | None = None,
     **migration: Any,
 ) -> ReplicatedModelBackend:
@@ -105,9 +98,11 @@ def backend(
                     "type": "openai",
                     "url": s.url,
                     "model": "fake-chat",
-                    "api": "chat" if isinstance(s, FakeOpenAIChat) else "completions",
+                    "api": a,
                 }
-                for s in servers
+                for s, a in zip(
+                    servers, [api] * len(servers) if isinstance(api, str) else api, strict=True
+                )
             ],
             "migration": {"stall_timeout_s": 5, "quarantine_s": 30, **migration},
         }
@@ -134,7 +129,7 @@ async def test_plain_stream(session: aiohttp.ClientSession, servers: list[Any]) 
         ("", 0, "EOS_TOKEN"),  # usage: 7 completion tokens, 7 already counted
     ]
     assert all(i.token_ids == () and i.prompt_token_ids is None for i in items)
-    assert items[-1].input_token_count == 1  # usage.prompt_tokens of "Hi"
+    assert items[-1].input_token_count == HI_TOKENS  # usage.prompt_tokens of "Hi"
     body = s.requests[0]
     assert body == {
         "model": "fake-chat",
@@ -207,7 +202,9 @@ async def test_fms_prompt_goes_as_one_user_message(
     items = await collect(c, request("Tell me", chat=chat))
     assert "".join(i.text for i in items) == FULL
     assert s.requests[0]["messages"] == [{"role": "user", "content": "Tell me"}]
-    assert await c.tokenize("Tell me", chat) == 2
+    assert await c.tokenize("Tell me", chat) == count_tokens(
+        templated([{"role": "user", "content": "Tell me"}])
+    )
     assert s.tokenize_requests[-1] == {
         "model": "fake-chat",
         "messages": [{"role": "user", "content": "Tell me"}],
@@ -244,7 +241,7 @@ async def test_tolerated_quirks(
     assert [i.finish_reason for i in items].count("EOS_TOKEN") == 1
     assert items[-1].finish_reason == "EOS_TOKEN"
     assert sum(i.token_count or 0 for i in items) == len(SCRIPT)
-    assert items[-1].input_token_count == 1
+    assert items[-1].input_token_count == HI_TOKENS
 
 
 async def test_stop_string_named_by_sglang(
@@ -266,7 +263,7 @@ async def test_counts_from_usage_with_several_words_a_chunk(
     chunks = await run(be.stream(request()))
     assert [c.text for c in chunks] == ["The cat sat", " on the mat", ".", ""]
     assert [c.generated_token_count for c in chunks] == [1, 2, 3, 7]
-    assert [c.input_token_count for c in chunks] == [0, 0, 0, 1]
+    assert [c.input_token_count for c in chunks] == [0, 0, 0, HI_TOKENS]
     # without usage (a server that ignores include_usage): one token a content event
     be = backend(session, [b])
     stream = be.stream(request())
@@ -281,21 +278,21 @@ async def test_counts_from_usage_with_several_words_a_chunk(
 @pytest.mark.parametrize(
     ("fault", "message"),
     [
-        (ChatFault("error", after_chunks=2), "replica c0: injected error"),
-        (ChatFault("object_error", after_chunks=2), "replica c0: injected object error"),
-        (ChatFault("string_error", after_chunks=2), "replica c0: injected string error"),
-        (ChatFault("done_early", after_chunks=2), "replica c0: [DONE] without a finish_reason"),
-        (ChatFault("eof", after_chunks=2), "replica c0: stream ended without [DONE]"),
-        (ChatFault("close", after_chunks=2), "replica c0: connection failed"),
-        (ChatFault("abort", after_chunks=2), "the server ended the request (abort)"),
-        (ChatFault("error", after_chunks=7), "replica c0: injected error"),  # before the finish
-        (ChatFault("http", status=503), "replica c0 answered HTTP 503: injected"),
-        (ChatFault("http", status=429), "replica c0 answered HTTP 429: injected"),
+        (OpenAIFault("error", after=2), "replica c0: injected error"),
+        (OpenAIFault("object_error", after=2), "replica c0: injected object error"),
+        (OpenAIFault("string_error", after=2), "replica c0: injected string error"),
+        (OpenAIFault("done_early", after=2), "replica c0: [DONE] without a finish_reason"),
+        (OpenAIFault("eof", after=2), "replica c0: stream ended without [DONE]"),
+        (OpenAIFault("close", after=2), "replica c0: connection failed"),
+        (OpenAIFault("abort", after=2), "the server ended the request (abort)"),
+        (OpenAIFault("error", after=7), "replica c0: injected error"),  # before the finish
+        (OpenAIFault("http", status=503), "replica c0 answered HTTP 503: injected"),
+        (OpenAIFault("http", status=429), "replica c0 answered HTTP 429: injected"),
     ],
-    ids=lambda v: v.mode + str(v.after_chunks) if isinstance(v, ChatFault) else "",
+    ids=lambda v: v.mode + str(v.after) if isinstance(v, OpenAIFault) else "",
 )
 async def test_failures_are_migratable(
-    session: aiohttp.ClientSession, servers: list[Any], fault: ChatFault, message: str
+    session: aiohttp.ClientSession, servers: list[Any], fault: OpenAIFault, message: str
 ) -> None:
     (s,) = await start(servers, fail=fault)
     items: list[EngineItem] = []
@@ -306,13 +303,13 @@ async def test_failures_are_migratable(
     err = info.value
     assert (err.migratable, err.code, err.error_type) == (True, 503, "generation_unavailable")
     assert message in err.message
-    assert [i.text for i in items] == SCRIPT[: fault.after_chunks]
+    assert [i.text for i in items] == SCRIPT[: fault.after]
 
 
 async def test_http_400_is_not_migratable(
     session: aiohttp.ClientSession, servers: list[Any]
 ) -> None:
-    (s,) = await start(servers, fail=ChatFault("http", status=400))
+    (s,) = await start(servers, fail=OpenAIFault("http", status=400))
     with pytest.raises(GenerationError) as info:
         await collect(client(session, s), request())
     assert not info.value.migratable and "HTTP 400" in info.value.message
@@ -322,7 +319,7 @@ async def test_content_filter_is_a_refusal_not_migrated(
     session: aiohttp.ClientSession, servers: list[Any]
 ) -> None:
     a, b = await start(servers, 2)
-    a.faults.append(ChatFault("content_filter", after_chunks=2))
+    a.faults.append(OpenAIFault("content_filter", after=2))
     be = backend(session, [a, b])
     got: list[str] = []
     with pytest.raises(GenerationError) as info:
@@ -338,7 +335,7 @@ async def test_content_filter_is_a_refusal_not_migrated(
 async def test_stall(
     session: aiohttp.ClientSession, servers: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (s,) = await start(servers, fail=ChatFault("stall", after_chunks=1))
+    (s,) = await start(servers, fail=OpenAIFault("stall", after=1))
     clock = manual_stall_clock(monkeypatch)
     stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
 
@@ -356,7 +353,7 @@ async def test_keepalives_do_not_hide_a_stall(
     session: aiohttp.ClientSession, servers: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A server that only sends keep-alive comments is stalled all the same."""
-    (s,) = await start(servers, fail=ChatFault("stall_keepalive", after_chunks=1))
+    (s,) = await start(servers, fail=OpenAIFault("stall_keepalive", after=1))
     clock = manual_stall_clock(monkeypatch)
     stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
     texts = []
@@ -377,7 +374,7 @@ async def test_end_of_body_after_the_finish_chunk_is_a_normal_end(
 ) -> None:
     """transformers serve ends the body right after the finish chunk (its usage inside it),
     without `[DONE]`: a normal end, not a failure (nothing quarantined, nothing re-dispatched)."""
-    (s,) = await start(servers, fail=ChatFault("eof", after_finish=True))
+    (s,) = await start(servers, fail=OpenAIFault("eof", after_finish=True))
     stream = client(session, s).generate(request(), None, stall_timeout_s=5, max_time=0)
     items = [item async for item in stream]
     assert "".join(i.text for i in items) == FULL
@@ -393,7 +390,7 @@ async def test_failure_after_the_finish_chunk(
     # after the finish event only the short final grace is waited out (FINAL_GRACE_S); the stall
     # timeout itself stays generous so a loaded machine cannot fire it before the finish
     stall_s = 5
-    (s,) = await start(servers, fail=ChatFault(mode, after_finish=True))
+    (s,) = await start(servers, fail=OpenAIFault(mode, after_finish=True))
     stream = client(session, s).generate(request(), None, stall_timeout_s=stall_s, max_time=0)
     items: list[EngineItem] = []
     with pytest.raises(GenerationError) as info:
@@ -404,7 +401,7 @@ async def test_failure_after_the_finish_chunk(
     assert "".join(i.text for i in items) == FULL
 
     a, b = await start(servers, 2)
-    a.faults.append(ChatFault(mode, after_finish=True))
+    a.faults.append(OpenAIFault(mode, after_finish=True))
     be = backend(session, [a, b], stall_timeout_s=stall_s)
     stream2 = be.stream(request())
     chunks = await run(stream2)
@@ -423,7 +420,7 @@ async def test_mid_stream_drop_migrates_by_continuing_the_assistant_message(
     extra = {"user": "u-1", "metadata": {"k": "v"}}
     req = request(messages=CONVERSATION, extra=extra, max_new_tokens=20)
     uninterrupted = await run(backend(session, [a]).stream(req))
-    a.faults.append(ChatFault("close", after_chunks=3))
+    a.faults.append(OpenAIFault("close", after=3))
     registry = CollectorRegistry()
     be = backend(session, [a, b], registry=registry)
     stream = be.stream(req)
@@ -431,7 +428,8 @@ async def test_mid_stream_drop_migrates_by_continuing_the_assistant_message(
     assert [c.text for c in chunks] == [c.text for c in uninterrupted] == [*SCRIPT, ""]
     assert "".join(c.text for c in chunks) == FULL
     assert [c.generated_token_count for c in chunks] == [1, 2, 3, 4, 5, 6, 7, 7]
-    assert chunks[-1].input_token_count == uninterrupted[-1].input_token_count == 10
+    prompt_tokens = count_tokens(templated([m.wire() for m in CONVERSATION]))
+    assert chunks[-1].input_token_count == uninterrupted[-1].input_token_count == prompt_tokens
     assert stream.migrations == 1 and stream.finish_reason == "EOS_TOKEN"
     assert stream.replicas_used == ["openai-0", "openai-1"]
     assert len(a.requests) == 2 and len(b.requests) == 1
@@ -456,21 +454,21 @@ async def test_mid_stream_drop_migrates_by_continuing_the_assistant_message(
 @pytest.mark.parametrize(
     "fault",
     [
-        ChatFault("error", after_chunks=2),
-        ChatFault("object_error", after_chunks=2),
-        ChatFault("string_error", after_chunks=2),
-        ChatFault("done_early", after_chunks=2),
-        ChatFault("eof", after_chunks=2),
-        ChatFault("stall", after_chunks=2),
-        ChatFault("close", after_chunks=2),
-        ChatFault("http", status=503),
+        OpenAIFault("error", after=2),
+        OpenAIFault("object_error", after=2),
+        OpenAIFault("string_error", after=2),
+        OpenAIFault("done_early", after=2),
+        OpenAIFault("eof", after=2),
+        OpenAIFault("stall", after=2),
+        OpenAIFault("close", after=2),
+        OpenAIFault("http", status=503),
     ],
     ids=lambda f: f.mode,
 )
 async def test_every_migratable_failure_resumes_seamlessly(
     session: aiohttp.ClientSession,
     servers: list[Any],
-    fault: ChatFault,
+    fault: OpenAIFault,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     a, b = await start(servers, 2, words_per_chunk=2)
@@ -499,7 +497,7 @@ async def test_resume_extends_the_clients_own_prefill(
     """A client that prefilled the assistant message itself: the resume extends that message."""
     prefill = (*CONVERSATION, ChatMessage("assistant", "The cat"))
     a, b = await start(servers, 2, scripts={"Where did the cat sit?": SCRIPT})
-    a.faults.append(ChatFault("close", after_chunks=2))
+    a.faults.append(OpenAIFault("close", after=2))
     req = request(
         messages=prefill,
         extra={"continue_final_message": True, "add_generation_prompt": False},
@@ -515,7 +513,7 @@ async def test_budget_spent_when_the_replica_fails_completes_locally(
     session: aiohttp.ClientSession, servers: list[Any]
 ) -> None:
     a, b = await start(servers, 2)
-    a.faults.append(ChatFault("close", after_chunks=3))
+    a.faults.append(OpenAIFault("close", after=3))
     stream = backend(session, [a, b]).stream(request(max_new_tokens=3))
     chunks = await run(stream)
     assert [c.text for c in chunks] == ["The", " cat", " sat", ""]
@@ -528,7 +526,7 @@ async def test_max_seq_len_estimates_the_prompt_from_its_characters(
 ) -> None:
     """No usage before the failure: the prompt's tokens are estimated (4 characters a token)."""
     a, b = await start(servers, 2)
-    a.faults.append(ChatFault("close", after_chunks=3))
+    a.faults.append(OpenAIFault("close", after=3))
     be = backend(session, [a, b], max_seq_len=12)
     with pytest.raises(GenerationError) as info:
         await run(be.stream(request("x" * 40)))
@@ -543,8 +541,8 @@ async def test_limit_exhausted_surfaces_the_first_error(
     session: aiohttp.ClientSession, servers: list[Any]
 ) -> None:
     a, b = await start(servers, 2)
-    a.faults.append(ChatFault("close", after_chunks=1))
-    b.faults.append(ChatFault("error", after_chunks=1))
+    a.faults.append(OpenAIFault("close", after=1))
+    b.faults.append(OpenAIFault("error", after=1))
     with pytest.raises(GenerationError) as info:
         await run(backend(session, [a, b], limit=1).stream(request()))
     assert "replica openai-0: connection failed" in info.value.message
@@ -558,7 +556,7 @@ async def test_limit_exhausted_surfaces_the_first_error(
 async def test_completions_mode_tokenizes_messages(
     session: aiohttp.ClientSession, servers: list[Any]
 ) -> None:
-    v = FakeVllm(script=list(SCRIPT), model="fake-chat")
+    v = FakeOpenAI(script=list(SCRIPT), model="fake-chat")
     await v.start()
     servers.append(v)
     c = OpenAIClient("v0", v.url, "fake-chat", session)
@@ -574,9 +572,9 @@ async def test_completions_mode_tokenizes_messages(
         "messages": [m.wire() for m in CONVERSATION],
         "add_generation_prompt": True,
     }
-    ids = prompt_ids("<user>You are terse.Where did the cat sit?<assistant>")
+    ids = token_ids(templated([m.wire() for m in CONVERSATION]))
     assert v.requests[0]["prompt"] == ids and "user" not in v.requests[0]
-    be = backend(session, [v])
+    be = backend(session, [v], api="completions")
     assert await be.tokenize("", True, CONVERSATION) == len(ids)
 
 
@@ -585,11 +583,13 @@ async def test_chat_continuation_resumed_on_a_completions_replica(
 ) -> None:
     """A pool mixing both modes: text delivered by a chat replica is resumed on a completions
     replica as the templated conversation's ids plus the delivered text's own ids."""
-    (a,) = await start(servers, fail=ChatFault("close", after_chunks=2))
-    v = FakeVllm(script=list(SCRIPT), model="fake-chat")
+    (a,) = await start(servers, fail=OpenAIFault("close", after=2))
+    v = FakeOpenAI(script=list(SCRIPT), model="fake-chat")
     await v.start()
     servers.append(v)
-    stream = backend(session, [a, v]).stream(request(messages=CONVERSATION))
+    stream = backend(session, [a, v], api=["chat", "completions"]).stream(
+        request(messages=CONVERSATION)
+    )
     await run(stream)  # the fake vLLM's "model" cannot continue text: only its request counts
     assert stream.migrations == 1
     assert [b.get("prompt", b.get("messages")) for b in v.tokenize_requests] == [
@@ -598,8 +598,8 @@ async def test_chat_continuation_resumed_on_a_completions_replica(
     ]
     assert v.tokenize_requests[1]["add_special_tokens"] is False
     assert v.requests[0]["prompt"] == [
-        *prompt_ids("<user>You are terse.Where did the cat sit?<assistant>"),
-        *prompt_ids("The cat"),
+        *token_ids(templated([m.wire() for m in CONVERSATION])),
+        *token_ids("The cat"),
     ]
     assert v.requests[0]["max_tokens"] == 18
 
@@ -627,4 +627,9 @@ async def test_fake_unary_and_continuation(
     assert data["object"] == "chat.completion"
     assert data["choices"][0]["message"] == {"role": "assistant", "content": "at on"}
     assert data["choices"][0]["finish_reason"] == "length"
-    assert data["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    prompt_tokens = count_tokens(templated(body["messages"], False))  # the partial answer counts
+    assert data["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 2,
+        "total_tokens": prompt_tokens + 2,
+    }

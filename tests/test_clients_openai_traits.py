@@ -1,12 +1,11 @@
 """The openai backend learns what a server takes instead of assuming vLLM (DESIGN section 7),
-against the fakes speaking as `transformers serve` does (`transformers=True`, the shapes checked
-against the real server in tests/test_transformers_serve.py): no `return_token_ids`, no token-id
+against the fakes speaking as `transformers serve` does (`flavour="transformers"`, the shapes checked
+against the real server in tests/test_clients_transformers_serve.py): no `return_token_ids`, no token-id
 prompts, no `/tokenize`, no chat continuation, no `[DONE]`, usage in the finish chunk, the stop
 string sent, vLLM-only sampling fields refused by name."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,40 +24,16 @@ from orchestrator.clients.backend import (
 from orchestrator.clients.backends import build_model_backends
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
-from tests.fakes.openai_chat import ChatFault, FakeOpenAIChat
+from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, count_tokens, start_fakes, templated
 from tests.fakes.upstream import FakeUpstream
-from tests.fakes.vllm import FakeVllm, VllmFault
 
 SCRIPT = ["Once", " upon", " a", " time", "."]
 FULL = "".join(SCRIPT)
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[list[FakeUpstream]]:
-    made: list[FakeUpstream] = []
-    yield made
-    for s in made:
-        await s.close()
-
-
-async def vllm(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeVllm]:
-    out = []
-    for _ in range(n):
-        s = FakeVllm(script=list(SCRIPT), transformers=True, **kw)
-        await s.start()
-        servers.append(s)
-        out.append(s)
-    return out
-
-
-async def chat_servers(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAIChat]:
-    out = []
-    for _ in range(n):
-        s = FakeOpenAIChat(script=list(SCRIPT), transformers=True, **kw)
-        await s.start()
-        servers.append(s)
-        out.append(s)
-    return out
+async def start(servers: list[FakeUpstream], n: int = 1, **kw: Any) -> list[FakeOpenAI]:
+    """`n` fake servers speaking as transformers serve does (chat and completions alike)."""
+    return await start_fakes(servers, n, script=list(SCRIPT), flavour="transformers", **kw)
 
 
 def request(prompt: str = "Hi", **params: Any) -> GenerationRequest:
@@ -88,7 +63,7 @@ async def test_completions_learns_the_server_and_streams_text(
     request again at once without it and remembers (the second request never carries it).
     Items are text, one token an event; the final one takes the usage's count; the end of the
     body after the finish chunk is a normal end."""
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     client = OpenAIClient("o0", s.url, "fake-model", session)
     for _ in range(2):
         stream = client.generate(request(), None, stall_timeout_s=30, max_time=0)
@@ -98,7 +73,7 @@ async def test_completions_learns_the_server_and_streams_text(
             ("", (), 0),
         ]
         assert items[-1].finish_reason == "EOS_TOKEN"
-        assert items[-1].input_token_count == len("Hi")
+        assert items[-1].input_token_count == count_tokens("Hi")
     assert ["return_token_ids" in r for r in s.requests] == [True, False, False]
     assert client.traits.refused == {"return_token_ids"}
     assert client.traits.token_ids is False
@@ -110,8 +85,8 @@ async def test_resume_by_text_without_token_ids(
     """A replica dies after two tokens: the other gets the prompt text plus the delivered text
     (a token-id prompt would be refused) and the rest of the budget; the client's text is
     seamless."""
-    a, b = await vllm(servers, 2)
-    a.faults.append(VllmFault("close", after_tokens=2))
+    a, b = await start(servers, 2)
+    a.faults.append(OpenAIFault("close", after=2))
     be = backend(session, [a.url, b.url])
     stream = be.stream(request(max_new_tokens=10))
     chunks = [c async for c in stream]
@@ -131,7 +106,7 @@ async def test_token_id_prompt_refused_falls_back_to_text(
     token-id prompt: the 400 turns the resume into a resume by text, remembered."""
     from orchestrator.clients.backend import Continuation
 
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     client = OpenAIClient("o0", s.url, "fake-model", session)
     client.traits.refused.add("return_token_ids")
     cont = Continuation(prompt_token_ids=(72, 105), token_ids=(1000, 1001), text="Once upon")
@@ -148,7 +123,7 @@ async def test_stop_string_the_server_sends_is_cut_here(
 ) -> None:
     """transformers serve sends the token that completes a stop string; OpenAI's contract (and
     the native engine's) leaves the stop string out: guardstream cuts it, STOP_SEQUENCE."""
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     client = OpenAIClient("o0", s.url, "fake-model", session)
     stream = client.generate(
         request(stop_sequences=(" a t",)), None, stall_timeout_s=30, max_time=0
@@ -175,7 +150,7 @@ async def test_a_refused_sampling_field_is_the_clients_422(
 ) -> None:
     """Never silently dropped: the server's refusal becomes an invalid_request 422, the next
     request is refused without calling the server, and validate() refuses it up front."""
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     be = backend(session, [s.url])
     client = be.replicas[0].client
     assert isinstance(client, OpenAIClient)
@@ -211,7 +186,7 @@ async def test_a_refused_model_default_is_dropped_not_the_clients_422(
     """The operator's decoding_defaults (repetition_penalty 1.1 in the shipped config) set a
     field transformers serve refuses: the request goes again without it, and later ones never
     send it; a client that sets the same field itself still gets the 422."""
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     be = backend(session, [s.url])
     client = be.replicas[0].client
     assert isinstance(client, OpenAIClient)
@@ -241,8 +216,8 @@ async def test_chat_server_without_continuation_migrates_only_before_the_first_t
     `continue_final_message` would start a fresh answer, so the resume fails with a clear error
     (the text already delivered stays; nothing repeated). Before the first token, a failed
     replica's request simply goes to the other one."""
-    a, b = await chat_servers(servers, 2)
-    a.faults.append(ChatFault("close", after_chunks=2))
+    a, b = await start(servers, 2)
+    a.faults.append(OpenAIFault("close", after=2))
     be = backend(session, [a.url, b.url], api="chat")
     stream = be.stream(request(max_new_tokens=10))
     got: list[str] = []
@@ -257,19 +232,20 @@ async def test_chat_server_without_continuation_migrates_only_before_the_first_t
     )
     assert b.requests[0]["continue_final_message"] is True
 
-    a.faults.append(ChatFault("close", after_chunks=0))
+    a.faults.append(OpenAIFault("close", after=0))
     be2 = backend(session, [a.url, b.url], api="chat")
     stream = be2.stream(request(max_new_tokens=10))
     chunks = [c async for c in stream]
     await stream.aclose()
     assert "".join(c.text for c in chunks) == FULL and stream.migrations == 1
-    assert chunks[-1].generated_token_count == 5 and chunks[-1].input_token_count == 1
+    hi = count_tokens(templated([{"role": "user", "content": "Hi"}]))
+    assert chunks[-1].generated_token_count == 5 and chunks[-1].input_token_count == hi
 
 
 async def test_chat_usage_in_the_finish_chunk_and_no_done(
     session: aiohttp.ClientSession, servers: list[FakeUpstream]
 ) -> None:
-    (s,) = await chat_servers(servers)
+    (s,) = await start(servers)
     client = OpenAIClient("c0", s.url, "fake-model", session, api="chat")
     stream = client.generate(
         request(stop_sequences=("time",)), None, stall_timeout_s=30, max_time=0
@@ -287,7 +263,7 @@ async def test_chat_request_on_completions_uses_the_tokenizer_folder(
     (the model's own template) and sent as text; counted with its tokenizer. Without one: a
     clear 502 naming the setting."""
     folder: Path = models.prepare("tiny-random")
-    (s,) = await vllm(servers)
+    (s,) = await start(servers)
     conversation = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"))
     req = GenerationRequest(
         prompt="Hi", params=GenerationParams(max_new_tokens=5), chat=True, messages=conversation
@@ -325,8 +301,8 @@ async def test_failures_before_the_finish_are_migratable(
 ) -> None:
     """Without `[DONE]` the end of the body is a normal end only after the finish chunk; an
     in-band error (transformers serve's is a bare string) or an earlier end is a failure."""
-    (s,) = await vllm(servers)
-    s.faults.append(VllmFault(mode, after_tokens=2))
+    (s,) = await start(servers)
+    s.faults.append(OpenAIFault(mode, after=2))
     client = OpenAIClient("o0", s.url, "fake-model", session)
     got: list[str] = []
     with pytest.raises(GenerationError) as info:

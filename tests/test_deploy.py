@@ -6,7 +6,7 @@ Security: every engine and detector service requires a key, which comes from a S
 git-ignored env file (compose), and the orchestrator sends that same key; the NetworkPolicies are
 evaluated with Kubernetes' rules for who may connect to whom. Monitoring: the Prometheus scrape
 targets, the ServiceMonitor and the Grafana provisioning point at what the deployment runs (the
-dashboard's queries are checked against real /metrics in tests/test_dashboard.py)."""
+dashboard's queries are checked against real /metrics in tests/test_deploy_dashboard.py)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,9 @@ from detectors import service as detector_service
 from generation import models
 from orchestrator.app import create_app as orchestrator_app
 from orchestrator.config import Config, ServerConfig, load_config, parse_config
-from orchestrator.server import (
-    CLEANUP_GRACE_S,
-    SHUTDOWN_GRACE_S,
-    WORKER_EXIT_GRACE_S,
-    worker_count,
-)
+from orchestrator.server import CLEANUP_GRACE_S, SHUTDOWN_GRACE_S
 from orchestrator.state import STATE
+from orchestrator.workers import WORKER_EXIT_GRACE_S, worker_count
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -762,7 +758,7 @@ def test_compose_prometheus_scrapes_every_guardstream_process() -> None:
     for job in jobs.values():
         assert job.get("metrics_path", "/metrics") == "/metrics"
         assert job.get("scheme", "http") == "http"
-        assert "authorization" not in job  # /metrics needs no key (tests/test_dashboard.py)
+        assert "authorization" not in job  # /metrics needs no key (tests/test_deploy_dashboard.py)
     prom = COMPOSE["services"]["prometheus"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
     assert "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
@@ -931,6 +927,7 @@ def test_dockerfile_copies_files_that_exist_and_are_not_dockerignored() -> None:
         "chunkers",
         "detectors",
         "generation",
+        "servicekit",
         "config.yaml",
     ]
     for src in sources:
@@ -1013,7 +1010,7 @@ def test_k8s_gives_the_orchestrator_its_prestop_wait_and_drain_before_the_kill()
     grace = spec["terminationGracePeriodSeconds"]
     assert grace > pre_stop_s + shutdown_budget_s(config)
     assert (pre_stop_s, config.server.drain_timeout_s, grace) == (5, 25, 45)
-    # and while it drains, readiness is false (/info answers 503): tests/test_capacity.py
+    # and while it drains, readiness is false (/info answers 503): tests/test_orchestrator_capacity.py
     assert container["readinessProbe"]["httpGet"]["path"] == "/info"
 
 

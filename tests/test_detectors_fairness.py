@@ -24,7 +24,7 @@ import pytest
 from orchestrator.app import CONTENT_PATH
 from orchestrator.handlers.health import DETECTOR_HEALTH
 from orchestrator.state import STATE
-from tests.fakes.engine import FakeEngine, until
+from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     MODEL,
     SCRIPT,
@@ -35,6 +35,7 @@ from tests.orchestrator_support import (
     native_config,
     terminal,
 )
+from tests.wait_support import finished, until
 
 BIG = "Hello there friend. " * 5000  # 5000 sentences, 100,000 characters
 RUDE = "You are a stupid fucking idiot."
@@ -73,7 +74,11 @@ async def orch() -> AsyncIterator[Orchestrator]:
 async def gate_hap(orch: Orchestrator) -> tuple[Any, GatedModel]:
     """The hap detector's batcher, its model gated, once the start-up warm-up call is done."""
     assert orch.runner is not None
-    await asyncio.wait_for(orch.runner.app[DETECTOR_HEALTH].warmed.wait(), 60)
+    await finished(
+        orch.runner.app[DETECTOR_HEALTH].warmed.wait(),
+        60,
+        "orch.runner.app[DETECTOR_HEALTH].warmed.wait()",
+    )
     batcher = orch.runner.app[STATE].detectors.clients()["hap"]._detector.batcher
     model = GatedModel(batcher._fn)
     batcher._fn = model

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from generation import models
 from generation.server import create_app
-from tests.engine_support import generate, parse, wait_until
+from tests.engine_support import TORCH_DEVICE, generate, load_test_model, parse
+from tests.wait_support import until
 
 TINY_VOCAB = 686  # pinned: the tiny-random build is deterministic
 
@@ -214,7 +215,7 @@ async def test_models_health_metrics(client: Any) -> None:
     health = await (await client.get("/health")).json()
     assert health["status"] == "ok"
     assert health["model"] == "tiny-random"
-    assert health["device"] == "cpu" and health["dtype"] == "float64"
+    assert health["device"] == str(TORCH_DEVICE) and health["dtype"] == "float64"
     assert health["batch_invariant"] is False and models_body["data"][0]["batch_invariant"] is False
     assert health["active_requests"] == 0 and health["max_context"] == 512
     await generate(client, "", {"prompt": "a", "max_new_tokens": 3})
@@ -336,7 +337,7 @@ def eosy_model(
     weights[key] = weights[key].clone()
     weights[key][eos] *= 40.0
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    return models.load(str(folder), device="cpu", dtype="float64")
+    return load_test_model(str(folder), dtype="float64")
 
 
 async def test_eos_and_min_new_tokens(aiohttp_client: Any, eosy_model: models.LoadedModel) -> None:
@@ -396,7 +397,7 @@ async def test_fault_error(faulty: Any) -> None:
     assert not stream.completed
     normal = await generate(faulty, "", {"prompt": "Hello", "max_new_tokens": 10})
     assert normal.completed and normal.token_ids[:3] == stream.token_ids
-    await wait_until(lambda: _zero(faulty), what="active requests back to 0")
+    await until(lambda: _zero(faulty), what="active requests back to 0")
 
 
 async def _zero(client: Any) -> bool:
@@ -415,7 +416,7 @@ async def test_fault_close_drops_connection(faulty: Any) -> None:
         assert [len(line["data"]["token_ids"]) for line in lines] == [1, 1, 1, 1]
         assert all(not line["complete_final"] for line in lines)
     assert (await generate(faulty, "", {"prompt": "Hello", "max_new_tokens": 10})).completed
-    await wait_until(lambda: _zero(faulty), what="active requests back to 0")
+    await until(lambda: _zero(faulty), what="active requests back to 0")
 
 
 async def test_fault_after_last_token_hits_before_complete_final(faulty: Any) -> None:
@@ -450,11 +451,11 @@ async def test_fault_stall_then_client_leaves(faulty: Any) -> None:
     async def cut() -> bool:
         return await _health(faulty, "requests_cancelled") == cancelled + 1
 
-    await wait_until(cut, what="the stalled request's job cancelled")
+    await until(cut, what="the stalled request's job cancelled")
     assert not resp.content.at_eof()
     assert resp.content.total_bytes == sum(len(line) for line in raw)
     resp.close()
-    await wait_until(lambda: _zero(faulty), what="active requests back to 0")
+    await until(lambda: _zero(faulty), what="active requests back to 0")
 
 
 async def test_fault_request_validation(faulty: Any) -> None:
@@ -485,7 +486,7 @@ async def test_disconnect_aborts_request(
         assert json.loads(await resp.content.readline())["complete_final"] is False
     assert await _active(client) == 1
     resp.close()
-    await wait_until(lambda: _zero(client), what="active requests back to 0")
+    await until(lambda: _zero(client), what="active requests back to 0")
     health = await (await client.get("/health")).json()
     assert health["requests_cancelled"] == 1
     assert health["running_batch_size"] == 0

@@ -6,7 +6,6 @@ request at a time, exactly; running out of memory while the batch grows fails it
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 import pytest
@@ -17,44 +16,15 @@ from generation.models import LoadedModel
 from generation.scheduler import prefill_groups
 from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer
-from tests.engine_support import Stream, generate, parse, run, wait_until
-
-PROMPTS = [
-    "Hello",
-    "The capital of France is",
-    "東京は日本の首都です。",
-    "a",
-    "Tell me about cats 😀",
-    "x" * 30,
-    "Numbers: 1 2 3",
-    "Émilie a mangé une crème brûlée",
-    "def hello(name):",
-    "서울은 한국의 수도입니다.",
-    "Contact me at jo@example.com",
-    "🚀🚀🚀",
-    "Dogs are loyal companions. Cats",
-    "The quick brown fox jumps over the lazy dog.",
-    "?",
-    "Streaming guardrails hold text back",
-]
-
-
-def bodies() -> list[dict[str, Any]]:
-    out = []
-    for i, prompt in enumerate(PROMPTS):
-        # different lengths and budgets: rows join with padding and leave at different steps
-        body: dict[str, Any] = {"prompt": prompt, "max_new_tokens": 24 + 3 * i}
-        if i % 4 == 3:
-            body["decoding"] = {
-                "method": "sampling",
-                "seed": 1000 + i,
-                "top_k": 20,
-                "temperature": 1.3,
-            }
-        if i % 5 == 2:
-            body["stop_sequences"] = ["\u2603"]
-        out.append(body)
-    return out
+from tests.engine_support import (
+    Stream,
+    batch_bodies,
+    generate,
+    load_test_model,
+    parse,
+    run,
+)
+from tests.wait_support import until
 
 
 def test_sixteen_concurrent_equal_alone(tiny_model: LoadedModel) -> None:
@@ -66,14 +36,16 @@ def test_sixteen_concurrent_equal_alone(tiny_model: LoadedModel) -> None:
 
         async def scenario() -> tuple[list[Stream], list[Stream]]:
             async with aiohttp.ClientSession() as session:
-                alone = [await generate(session, url, body) for body in bodies()]
+                alone = [await generate(session, url, body) for body in batch_bodies()]
                 with engine.hold():
-                    tasks = [asyncio.ensure_future(generate(session, url, b)) for b in bodies()]
+                    tasks = [
+                        asyncio.ensure_future(generate(session, url, b)) for b in batch_bodies()
+                    ]
 
                     async def queued() -> bool:
                         return engine.active_requests == len(tasks)
 
-                    await wait_until(queued, what="16 requests queued")
+                    await until(queued, what="16 requests queued")
                 passes_before = engine.stats.forward_passes
                 prefills_before = engine.stats.prefill_passes
                 together = await asyncio.gather(*tasks)
@@ -89,7 +61,7 @@ def test_sixteen_concurrent_equal_alone(tiny_model: LoadedModel) -> None:
             return alone, list(together)
 
         alone, together = run(scenario())
-    for body, a, b in zip(bodies(), alone, together, strict=True):
+    for body, a, b in zip(batch_bodies(), alone, together, strict=True):
         assert a.completed and b.completed
         assert b.token_ids == a.token_ids, body
         assert b.text == a.text, body
@@ -157,7 +129,7 @@ def sliding_window_model(tmp_path_factory: pytest.TempPathFactory) -> LoadedMode
     finally:
         torch.random.set_rng_state(state)
     tokenizer.save_pretrained(folder)
-    return models.load(str(folder), device="cpu", dtype="float64")
+    return load_test_model(str(folder), dtype="float64")
 
 
 def test_unbatchable_cache_is_served_one_at_a_time_exactly(
@@ -185,7 +157,7 @@ def test_unbatchable_cache_is_served_one_at_a_time_exactly(
                     async def queued() -> bool:
                         return engine.active_requests == len(tasks)
 
-                    await wait_until(queued, what="3 requests queued")
+                    await until(queued, what="3 requests queued")
                 together = await asyncio.gather(*tasks)
             return alone, list(together)
 

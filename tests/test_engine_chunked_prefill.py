@@ -14,68 +14,17 @@ import torch
 
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
-from generation.scheduler import Engine, Job, StreamError, StreamItem
-
-CHUNK = 16
-Event = StreamItem | StreamError
-
-
-class RecordingQueue(asyncio.Queue[Event]):
-    """A job's queue that also notes every delivery in one log shared by all jobs: the order in
-    which the worker emitted them."""
-
-    def __init__(self, name: str, log: list[tuple[str, Event]]) -> None:
-        super().__init__()
-        self.name = name
-        self.log = log
-
-    def put_nowait(self, item: Event) -> None:
-        self.log.append((self.name, item))
-        super().put_nowait(item)
-
-
-def long_prompt(n: int, offset: int = 0) -> list[int]:
-    return [(7 * i + offset) % 600 + 20 for i in range(n)]
-
-
-def make_job(
-    prompt_ids: list[int],
-    n: int,
-    queue: asyncio.Queue[Event],
-    *,
-    sampling: SamplingParams | None = None,
-    resume_ids: list[int] | None = None,
-) -> Job:
-    return Job(
-        prompt_ids=prompt_ids,
-        max_new_tokens=n,
-        min_new_tokens=n,  # no early EOS: every run has the same length
-        sampling=sampling or SamplingParams(),
-        loop=asyncio.get_running_loop(),
-        queue=queue,
-        resume_ids=resume_ids or [],
-    )
-
-
-async def tokens_of(queue: asyncio.Queue[Event]) -> list[int]:
-    out: list[int] = []
-    async with asyncio.timeout(60):  # a guard, not a window
-        while True:
-            item = await queue.get()
-            assert isinstance(item, StreamItem), item
-            out.extend(item.token_ids)
-            if item.finish_reason is not None:
-                return out
-
-
-async def run_alone(engine: Engine, job: Job) -> list[int]:
-    engine.submit(job)
-    return await tokens_of(job.queue)
-
-
-async def warm(engine: Engine) -> None:
-    """The first request teaches the engine its cache layout (until then nothing is chunked)."""
-    await run_alone(engine, make_job([5, 6, 7], 2, asyncio.Queue()))
+from generation.scheduler import Engine, StreamItem
+from tests.engine_support import (
+    CHUNK,
+    Event,
+    RecordingQueue,
+    long_prompt,
+    make_job,
+    run_alone,
+    tokens_of,
+    warm,
+)
 
 
 @pytest.fixture

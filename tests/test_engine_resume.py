@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.engine_processes import ThreadedServer
-from tests.engine_support import Stream, generate, run
+from tests.engine_support import DECODINGS, RESUME_PROMPTS, check_every_split, generate, run
 
 PROPERTY = settings(
     max_examples=60,
@@ -21,99 +21,9 @@ PROPERTY = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
-PROMPTS = st.one_of(
-    st.sampled_from(
-        [
-            "Hello",
-            "東京は",
-            "Emoji: 😀 🎉",
-            "Émilie a mangé",
-            "Tell me about cats.",
-            "x",
-            "서울 🐍 €",
-        ]
-    ),
-    st.text(
-        alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12
-    ),
-)
-DECODINGS = st.one_of(
-    st.just({"method": "greedy"}),
-    st.builds(
-        lambda seed, temperature, top_k, top_p, penalty: {
-            "method": "sampling",
-            "seed": seed,
-            "temperature": temperature,
-            "top_k": top_k,
-            "top_p": top_p,
-            "repetition_penalty": penalty,
-        },
-        st.integers(0, 2**63 - 1),
-        st.sampled_from([0.7, 1.0, 1.8]),
-        st.sampled_from([0, 5, 50]),
-        st.sampled_from([1.0, 0.9, 0.5]),
-        st.sampled_from([1.0, 1.2]),
-    ),
-)
-
-
-async def check_every_split(
-    url: str, body: dict[str, Any], forced: list[int] | None = None
-) -> Stream:
-    """Run `body` once, then resume it at every k; every resumed stream must complete it exactly.
-
-    With `forced`, the reference itself starts from resumed tokens the model did not choose
-    (to put known emoji/CJK text in the output); splits then start after them."""
-    async with aiohttp.ClientSession() as session:
-        ref_body = dict(body)
-        if forced:
-            ref_body["resume"] = {"token_ids": forced, "text": ""}
-        full = await generate(session, url, ref_body)
-        assert full.completed, full.lines
-        forced = forced or []
-        ids = forced + full.token_ids
-        text = full.text
-        prompt_ids = full.prompt_token_ids
-        base = {k: v for k, v in body.items() if k not in ("prompt", "chat")}
-        ks = list(range(len(forced), len(ids) + 1))
-
-        def delivered(k: int) -> str:
-            got = full.delivered_text(k - len(forced))
-            return got if k % 2 == 0 else got[: len(got) // 2]  # a client may hold less text
-
-        resumed = await _gather(
-            [
-                generate(
-                    session,
-                    url,
-                    {
-                        **base,
-                        "input_ids": prompt_ids,
-                        "resume": {"token_ids": ids[:k], "text": delivered(k)},
-                    },
-                )
-                for k in ks
-            ]
-        )
-    for k, stream in zip(ks, resumed, strict=True):
-        assert stream.completed, (k, stream.lines)
-        assert ids[:k] + stream.token_ids == ids, k
-        assert delivered(k) + stream.text == text, k
-        assert stream.finish_reason == full.finish_reason, k
-        assert stream.items[-1]["generated_token_count"] == len(ids), k
-        assert stream.items[0]["input_token_count"] == len(prompt_ids)
-        assert stream.prompt_token_ids == prompt_ids
-    return full
-
-
-async def _gather(coros: list[Any]) -> list[Stream]:
-    import asyncio
-
-    return list(await asyncio.gather(*coros))
-
 
 @PROPERTY
-@given(prompt=PROMPTS, n=st.integers(1, 20), decoding=DECODINGS, chat=st.booleans())
+@given(prompt=RESUME_PROMPTS, n=st.integers(1, 20), decoding=DECODINGS, chat=st.booleans())
 def test_resume_equals_uninterrupted(
     tiny_server: ThreadedServer, prompt: str, n: int, decoding: dict[str, Any], chat: bool
 ) -> None:
@@ -123,7 +33,7 @@ def test_resume_equals_uninterrupted(
 
 @PROPERTY
 @given(
-    prompt=PROMPTS,
+    prompt=RESUME_PROMPTS,
     decoding=DECODINGS,
     start=st.integers(0, 200),
     length=st.integers(1, 6),

@@ -22,6 +22,7 @@ from generation.sampling import (
     select,
     uniform,
 )
+from tests.engine_support import TORCH_DEVICE
 
 PROPERTY = settings(max_examples=150, deadline=None, derandomize=True)
 
@@ -90,7 +91,7 @@ def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[SamplingParams], list[i
     rows = [draw(logit_rows(vocab)) for _ in range(size)]
     params = [draw(PARAMS) for _ in range(size)]
     positions = [draw(st.integers(0, 10**6)) for _ in range(size)]
-    return torch.tensor(rows, dtype=dtype), params, positions
+    return torch.tensor(rows, dtype=dtype, device=TORCH_DEVICE), params, positions
 
 
 @PROPERTY
@@ -130,7 +131,7 @@ def test_seeded_draw_is_independent_of_batch_composition(
     extra_logits = [
         torch.randn(vocab, generator=torch.Generator().manual_seed(c)) for c in companions
     ]
-    rows = [logits[0]] + [x.to(logits.dtype) for x in extra_logits]
+    rows = [logits[0]] + [x.to(logits.device, logits.dtype) for x in extra_logits]
     row_params = [params[0]] + [
         SamplingParams(greedy=c % 3 == 0, temperature=0.5 + c % 7, top_k=c % 5, seed=c)
         for c in companions
@@ -148,7 +149,9 @@ def test_seeded_draw_is_independent_of_batch_composition(
 
 def test_seeded_draws_depend_on_seed_and_position_only() -> None:
     """The same (seed, position) gives the same token in any batch; other positions differ."""
-    logits = torch.zeros(4, 1000)  # uniform: the token is a direct function of u
+    logits = torch.zeros(
+        4, 1000, device=TORCH_DEVICE
+    )  # uniform: the token is a direct function of u
     params = [SamplingParams(greedy=False, seed=42)] * 4
     tokens = select(logits, params, [7, 7, 8, 9])
     assert tokens[0] == tokens[1] != tokens[2]
@@ -159,7 +162,7 @@ def test_seeded_draws_depend_on_seed_and_position_only() -> None:
 @pytest.mark.parametrize("candidates", [None, 1, 3])
 def test_top_k_keeps_the_k_largest_and_their_ties(candidates: int | None) -> None:
     logits = [0.0, 3.0, 1.0, 2.0, 2.0, -1.0]
-    row = torch.tensor([logits])
+    row = torch.tensor([logits], device=TORCH_DEVICE)
 
     def kept(top_k: int) -> set[int]:
         params = SamplingParams(greedy=False, top_k=top_k, seed=5)
@@ -175,7 +178,7 @@ def test_top_k_keeps_the_k_largest_and_their_ties(candidates: int | None) -> Non
 @pytest.mark.parametrize("candidates", [None, 1, 2])
 def test_top_p_keeps_the_smallest_prefix_reaching_p(candidates: int | None) -> None:
     logits = [math.log(p) for p in (0.1, 0.5, 0.05, 0.3, 0.05)]
-    row = torch.tensor([logits], dtype=torch.float64)
+    row = torch.tensor([logits], dtype=torch.float64, device=TORCH_DEVICE)
 
     def kept(top_p: float, top_k: int = 0, temperature: float = 1.0) -> set[int]:
         params = SamplingParams(
@@ -198,7 +201,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(candidates: int | None) -> N
 
 
 def test_sampling_follows_the_distribution() -> None:
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64))
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64, device=TORCH_DEVICE))
     params = [SamplingParams(greedy=False, seed=9)]
     counts = [0, 0, 0]
     for position in range(6000):
@@ -210,7 +213,7 @@ def test_tail_draws_resolve_through_every_tier() -> None:
     """A flat 5000-token row: most draws fall beyond the first 4 candidates, some beyond 64;
     with 1, 4 or all candidates first, every draw is the full sort's."""
     generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(16, 5000, generator=generator) * 0.1
+    logits = torch.randn(16, 5000, generator=generator).to(TORCH_DEVICE) * 0.1
     params = [SamplingParams(greedy=False, seed=s, top_p=0.99 if s % 2 else 1.0) for s in range(16)]
     for positions in ([0] * 16, list(range(100, 116))):
         reference = sample_rows(
@@ -230,7 +233,7 @@ def test_tail_draws_resolve_through_every_tier() -> None:
 
 
 def test_greedy_rows_take_the_argmax_and_temperature_zero_is_greedy() -> None:
-    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 1.0, 5.0], [0.0, 0.0, 9.0]])
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 1.0, 5.0], [0.0, 0.0, 9.0]], device=TORCH_DEVICE)
     params = [
         SamplingParams(),
         SamplingParams(),
@@ -257,9 +260,12 @@ def test_repetition_penalties_batched_equal_per_row(
 ) -> None:
     """CTRL rule per row: positive logits of seen ids / penalty, negative ones x penalty."""
     generator = torch.Generator().manual_seed(seed)
-    logits = torch.randn(len(rows), vocab, generator=generator)
+    logits = torch.randn(len(rows), vocab, generator=generator).to(TORCH_DEVICE)
     expected = logits.clone()
-    seen = [torch.tensor(sorted(i for i in ids if i < vocab), dtype=torch.long) for ids, _ in rows]
+    seen = [
+        torch.tensor(sorted(i for i in ids if i < vocab), dtype=torch.long, device=TORCH_DEVICE)
+        for ids, _ in rows
+    ]
     for r, ((_, penalty), ids) in enumerate(zip(rows, seen, strict=True)):
         values = expected[r].index_select(0, ids)  # the previous per-row implementation
         expected[r].index_copy_(0, ids, torch.where(values > 0, values / penalty, values * penalty))

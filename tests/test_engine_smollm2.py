@@ -8,7 +8,8 @@ from typing import Any
 
 from generation import models
 from generation.server import STATE, create_app
-from tests.engine_support import generate, wait_until
+from tests.engine_support import generate
+from tests.wait_support import until
 
 
 async def test_paris(aiohttp_client: Any, smollm2_model: models.LoadedModel) -> None:
@@ -69,7 +70,7 @@ async def test_smollm2_resume_and_batch(
         async def queued() -> bool:
             return engine.active_requests == 2
 
-        await wait_until(queued, what="both requests queued")
+        await until(queued, what="both requests queued")
     together = await asyncio.gather(*tasks)
     assert engine.stats.max_batch_size_seen == 2
     assert together[0].token_ids == full.token_ids

@@ -15,14 +15,17 @@ import aiohttp
 import pytest
 
 from tests.engine_processes import EngineProcess, free_port, start_engine_subprocess
-from tests.engine_support import generate, wait_until
+from tests.engine_support import TEST_DEVICE, generate
+from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny_process() -> Iterator[EngineProcess]:
-    with start_engine_subprocess("tiny-random", port=0, fault_injection=True) as engine:
+    with start_engine_subprocess(
+        "tiny-random", port=0, fault_injection=True, device=TEST_DEVICE
+    ) as engine:
         yield engine
 
 
@@ -73,12 +76,12 @@ async def test_disconnect_in_production_server(tiny_process: EngineProcess) -> N
         async def idle() -> bool:
             return await active() == 0
 
-        await wait_until(idle, what="active requests back to 0")
+        await until(idle, what="active requests back to 0")
 
 
 async def test_chosen_port_and_graceful_sigterm() -> None:
     port = free_port()
-    engine = start_engine_subprocess("tiny-random", port=port)
+    engine = start_engine_subprocess("tiny-random", port=port, device=TEST_DEVICE)
     try:
         assert engine.url == f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as session:

@@ -15,6 +15,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from generation import models
 from generation.detokenizer import (
+    HOLD_LIMIT,
+    REPLACEMENT,
     Detokenizer,
     IncrementalDetokenizer,
     StreamDetokenizer,
@@ -149,6 +151,61 @@ def test_detokenizer_window_stays_small(tiny_model: models.LoadedModel) -> None:
     assert len(ids) > 300 and max(sizes) <= 8
 
 
+def lone_byte_tokens(model: models.LoadedModel) -> list[int]:
+    """Ids whose text alone is U+FFFD: single bytes of multi-byte characters."""
+    backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    return [i for i in range(model.vocab_size) if backend.decode([i]) == REPLACEMENT]
+
+
+@pytest.mark.parametrize("kind", DETOKENIZERS)
+def test_a_run_of_lone_bytes_is_released_in_bounded_windows(
+    tiny_model: models.LoadedModel, kind: str
+) -> None:
+    """Greedy decoding of a random model can repeat one lone byte token for ever (issue 21's
+    random-weight benchmarks). Its text is U+FFFD after U+FFFD; every window ended in U+FFFD,
+    so nothing was released and each token re-decoded the whole run (O(n) per token, O(n^2)
+    per stream). Now the settled text leaves and the decoded windows stay small."""
+    decode = make_decoder(tiny_model.tokenizer)
+    sizes: list[int] = []
+
+    def spy(ids: list[int]) -> str:
+        sizes.append(len(ids))
+        return decode(ids)
+
+    lone = lone_byte_tokens(tiny_model)
+    assert len(lone) > 60
+    backend = tiny_model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    for token in (lone[0], lone[-1]):  # a lead byte and a continuation byte, say
+        detok = IncrementalDetokenizer(spy) if kind == "python" else StreamDetokenizer(backend, spy)
+        sizes.clear()
+        deltas = [detok.push(token) for _ in range(400)]
+        released = "".join(deltas)
+        assert released + detok.flush() == reference(tiny_model, [token] * 400)
+        assert len(released) >= 400 - HOLD_LIMIT - 1  # all but the last few tokens' text
+        assert sizes and max(sizes) <= 2 * HOLD_LIMIT  # characters re-decoded per token: bounded
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_settled_releases_match_full_decode_on_byte_runs(
+    tiny_model: models.LoadedModel, data: st.DataObject
+) -> None:
+    """Long runs of lone bytes mixed with characters split over byte tokens, whole words and
+    special tokens: both detokenizers (settled releases included) give the same deltas, and
+    together with flush the full decode."""
+    lone = lone_byte_tokens(tiny_model)
+    words = tiny_model.tokenizer(" the 😀 東京 é")["input_ids"]
+    special = sorted(tiny_model.eos_token_ids)
+    pool = st.one_of(st.sampled_from(lone), st.sampled_from(words), st.sampled_from(special))
+    runs = data.draw(
+        st.lists(st.tuples(pool, st.integers(1, 20)), max_size=12), label="runs of one token"
+    )
+    ids = [token for token, count in runs for _ in range(count)]
+    python, stream = stream_text(tiny_model, ids, "python"), stream_text(tiny_model, ids, "stream")
+    assert python == stream
+    assert stream[1] == reference(tiny_model, ids)
+
+
 def _gate(text_parts: list[str], stops: list[str], delivered: int = 0) -> tuple[str, TextGate]:
     gate = TextGate(stops, already_delivered=delivered)
     out = []
@@ -239,16 +296,17 @@ def test_slot_cache_rows_join_and_leave_and_decode_like_alone(
     prompts = [[rng.randrange(3, 600) for _ in range(n)] for n in (5, 9, 3)]
     steps = 6
     tolerance = 1e-9 if model.dtype == torch.float64 else 1e-3
+    device = model.device  # the test device (tests/engine_support.py)
     with torch.inference_mode():
         alone: list[list[torch.Tensor]] = []
         for prompt in prompts:
-            out = model.model(input_ids=torch.tensor([prompt]), use_cache=True)
+            out = model.model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
             logits, cache, length = [out.logits[0, -1]], out.past_key_values, len(prompt)
             for _ in range(steps):
                 token = int(logits[-1].argmax())
                 out = model.model(
-                    input_ids=torch.tensor([[token]]),
-                    position_ids=torch.tensor([[length]]),
+                    input_ids=torch.tensor([[token]], device=device),
+                    position_ids=torch.tensor([[length]], device=device),
                     past_key_values=cache,
                     use_cache=True,
                 )
@@ -260,7 +318,7 @@ def test_slot_cache_rows_join_and_leave_and_decode_like_alone(
         rows: list[list[int]] = []  # [prompt index, tokens generated]
 
         def join(i: int) -> None:
-            out = model.model(input_ids=torch.tensor([prompts[i]]), use_cache=True)
+            out = model.model(input_ids=torch.tensor([prompts[i]], device=device), use_cache=True)
             cache = out.past_key_values
             assert isinstance(cache, DynamicCache)
             assert all(type(layer) is DynamicLayer for layer in cache.layers)
@@ -290,7 +348,7 @@ def test_slot_cache_rows_join_and_leave_and_decode_like_alone(
             positions = kv.begin_step()
             inputs = [[int(alone[i][n].argmax())] for i, n in rows]
             out = model.model(
-                input_ids=torch.tensor(inputs),
+                input_ids=torch.tensor(inputs, device=device),
                 attention_mask=kv.attention_mask(),
                 position_ids=positions[:, None],
                 past_key_values=kv,

@@ -21,7 +21,8 @@ from orchestrator.clients.backends import ReplicatedModelBackend, build_model_ba
 from orchestrator.clients.migration import MigratingStream, MigrationMetrics
 from orchestrator.config import MigrationConfig, ModelConfig
 from tests.fakes.clock import ManualClock, expire_stalls, manual_stall_clock
-from tests.fakes.engine import DRAWN_SEED, TOKEN_BASE, FakeEngine, Fault, prompt_ids, until
+from tests.fakes.engine import DRAWN_SEED, TOKEN_BASE, FakeEngine, Fault, prompt_ids
+from tests.wait_support import finished, until
 
 SCRIPT = ["The", " cat", " sat", " on", " the", " m", "at", "."]
 FULL = "".join(SCRIPT)
@@ -431,7 +432,7 @@ async def test_aclose_from_another_task_while_reading(
     task = asyncio.create_task(read())
     await until(lambda: got == ["The"])  # the reader now waits for a token that never comes
     await stream.aclose()
-    assert await asyncio.wait_for(task, 10) == ["The"]
+    assert await finished(task, 10, "task") == ["The"]
     await a.wait_disconnects(1)
     assert len(b2.requests) == 0
 

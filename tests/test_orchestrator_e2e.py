@@ -5,7 +5,6 @@ client's frames must still concatenate to exactly the text of an uninterrupted r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from orchestrator.app import STREAMING_PATH
+from tests.e2e_support import MODEL, all_healthy, e2e_config, faults, replicas
 from tests.orchestrator_support import (
     Orchestrator,
     SseEvent,
@@ -29,7 +29,6 @@ from tests.orchestrator_support import (
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-MODEL = "tiny"
 GREEDY = {"max_new_tokens": 40}
 SEEDED = {
     "max_new_tokens": 40,
@@ -40,62 +39,10 @@ SEEDED = {
 }
 
 
-def e2e_config() -> dict[str, Any]:
-    return {
-        "server": {"host": "127.0.0.1", "port": 0},
-        "models": {
-            MODEL: {
-                "backends": [
-                    {
-                        "type": "managed",
-                        "model": "tiny-random",
-                        "device": "cpu",
-                        "replicas": 2,
-                        "enable_fault_injection": True,
-                        "start_timeout_s": 120,
-                    }
-                ],
-                "migration": {"limit": 3, "stall_timeout_s": 30, "quarantine_s": 30},
-            }
-        },
-        "chunkers": {"sentence": {"type": "sentence"}},
-        "detectors": {
-            "pii": {"builtin": "regex", "chunker_id": "sentence"},
-            "hap": {"builtin": "profanity", "chunker_id": "sentence"},
-        },
-    }
-
-
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def orch() -> AsyncIterator[Orchestrator]:
     async with Orchestrator(e2e_config()) as o:
         yield o
-
-
-async def replicas(orch: Orchestrator, model: str = MODEL) -> list[dict[str, Any]]:
-    assert orch.session is not None
-    async with orch.session.get(orch.url + "/info") as r:
-        return (await r.json())["models"][model]
-
-
-async def all_healthy(orch: Orchestrator, model: str = MODEL) -> None:
-    for _ in range(600):
-        reps = await replicas(orch, model)
-        if all(r["status"] == "HEALTHY" and not r["quarantined"] for r in reps):
-            return
-        await asyncio.sleep(0.2)
-    raise TimeoutError("replicas did not become healthy")
-
-
-async def faults(orch: Orchestrator, replica: dict[str, Any], arm: dict[str, Any] | None) -> None:
-    assert orch.session is not None
-    url = replica["url"] + "/admin/faults"
-    if arm is None:
-        async with orch.session.delete(url) as r:
-            assert r.status == 200, await r.text()
-    else:
-        async with orch.session.post(url, json=arm) as r:
-            assert r.status == 200, await r.text()
 
 
 async def read_events(resp: aiohttp.ClientResponse) -> AsyncIterator[SseEvent]:

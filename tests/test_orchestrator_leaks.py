@@ -6,7 +6,6 @@ unhealthy detector cannot fail."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator.app import CONTENT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.clients import managed
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
-from orchestrator.clients.native import transport_error
+from orchestrator.clients.line_transport import transport_error
 from orchestrator.config import ManagedBackend, parse_config, secret_env_names
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.orchestrator_support import (
@@ -57,18 +56,6 @@ async def get(orch: Orchestrator, path: str, headers: dict[str, str] | None = No
         return r.status, r.headers, text
 
 
-async def info_until(orch: Orchestrator, done: Any, headers: dict[str, str] | None = None) -> Any:
-    """Polls /info until `done(status, body)`; the deadline only guards against a hang."""
-    assert orch.session is not None
-    async with asyncio.timeout(30):
-        while True:
-            async with orch.session.get(orch.url + "/info", headers=headers) as r:
-                reply = r.status, await r.json()
-            if done(*reply):
-                return reply
-            await asyncio.sleep(0.05)
-
-
 # -- /info and /metrics without a key ---------------------------------------------------------
 
 
@@ -84,9 +71,9 @@ async def test_info_without_a_key_shows_the_status_only(engine, key) -> None:
     )
     try:
         async with Orchestrator(config) as orch:
-            _, detailed = await info_until(orch, lambda s, b: s == 200, AUTH)
-            anonymous = await info_until(orch, lambda s, b: True)
-            wrong = await info_until(orch, lambda s, b: True, {"Authorization": "Bearer no"})
+            _, detailed = await orch.info_until(lambda s, b: s == 200, AUTH)
+            anonymous = await orch.info_until(lambda s, b: True)
+            wrong = await orch.info_until(lambda s, b: True, {"Authorization": "Bearer no"})
     finally:
         await dets.close()
     assert anonymous == (200, {"status": "HEALTHY"})
@@ -252,8 +239,7 @@ async def test_an_unused_unhealthy_detector_degrades_without_failing_readiness(
     model = {"guardrails": {"output": {"dead": {}}}} if enforced else None
     config = native_config(engine.url, detectors={"dead": dead}, model=model)
     async with Orchestrator(config) as orch:
-        status, body = await info_until(
-            orch,
+        status, body = await orch.info_until(
             lambda s, b: (
                 b["detectors"]["dead"]["status"] == "UNHEALTHY"
                 and b["models"][MODEL][0]["status"] == "HEALTHY"

@@ -3,7 +3,6 @@ in whichever task, carries that request's id."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
@@ -27,6 +26,7 @@ from tests.orchestrator_support import (
     serve,
     terminal,
 )
+from tests.wait_support import finished
 
 
 def record(msg: str, *args: object, **extra: Any) -> logging.LogRecord:
@@ -170,7 +170,7 @@ async def test_serve_writes_json_lines(tmp_path: Path) -> None:
                     assert r.status == 200
                     await r.read()
             served.proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(served.proc.wait(), 30) == 0
+            assert await finished(served.proc.wait(), 30, "served.proc.wait()") == 0
             stderr = served.stderr
     finally:
         await engine.close()

@@ -21,7 +21,7 @@ from orchestrator.state import STATE
 from tests.engine_support import generate
 from tests.fakes.clock import expire_stalls, manual_stall_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine, Fault, until
+from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     MODEL,
     SCRIPT,
@@ -32,6 +32,7 @@ from tests.orchestrator_support import (
     remote,
     terminal,
 )
+from tests.wait_support import finished, until
 
 TEXT = "I am great. What about you?"
 
@@ -142,7 +143,7 @@ async def test_errors_failures_and_the_unary_and_content_endpoints_are_counted(
                 on_event=lambda events: frames(events) and first_frame.set(),
             )
         )
-        await asyncio.wait_for(first_frame.wait(), 30)
+        await finished(first_frame.wait(), 30, "first_frame.wait()")
         await expire_stalls(clock, stalled.done)
         failed = await stalled
         errored = await orch.stream(generation_body(output={"broken": {}}))
@@ -206,7 +207,7 @@ async def test_the_active_streams_gauge_counts_streams_in_flight(
                     await r.read()
 
             task = asyncio.create_task(read_stream())
-            await asyncio.wait_for(engine.first_token.wait(), 10)
+            await finished(engine.first_token.wait(), 10, "engine.first_token.wait()")
             during = await scrape(orch.session, orch.url)
             task.cancel()  # the client goes away: the stream ends without a terminal event
             with pytest.raises(asyncio.CancelledError):
@@ -247,7 +248,7 @@ async def test_event_loop_stalls_and_collections_are_on_the_page(
 ) -> None:
     """What stops every stream at once is visible: each garbage collection's time, by
     generation, and how late the loop ran its 100 ms probe. (That a blocked loop makes the
-    probe late is test_read_pacing's; here a lateness reaches the page.)"""
+    probe late is test_pipeline_read_pacing's; here a lateness reaches the page.)"""
     async with Orchestrator(config(engine.url, dets)) as orch:
         assert orch.session is not None and orch.runner is not None
         before = await scrape(orch.session, orch.url)

@@ -22,23 +22,8 @@ def builtin_config(engine_url: str, **server: Any) -> dict[str, Any]:
     )
 
 
-async def info_until(
-    orch: Orchestrator, done: Any, key: str | None = None
-) -> tuple[int, dict[str, Any]]:
-    """Polls /info until `done(status, body)`; a generous deadline only guards against a hang."""
-    async with asyncio.timeout(30):
-        while True:
-            reply = await info(orch, key)
-            if done(*reply):
-                return reply
-            await asyncio.sleep(0.05)
-
-
-async def info(orch: Orchestrator, key: str | None = None) -> tuple[int, dict[str, Any]]:
-    assert orch.session is not None
-    headers = {"Authorization": f"Bearer {key}"} if key else None
-    async with orch.session.get(orch.url + "/info", headers=headers) as r:
-        return r.status, await r.json()
+def bearer(key: str | None) -> dict[str, str] | None:
+    return {"Authorization": f"Bearer {key}"} if key else None
 
 
 async def test_not_ready_until_in_process_detectors_warmed_up(engine, monkeypatch) -> None:
@@ -53,11 +38,11 @@ async def test_not_ready_until_in_process_detectors_warmed_up(engine, monkeypatc
 
     monkeypatch.setattr(InProcessDetectorClient, "warm_up", gated)
     async with Orchestrator(builtin_config(engine.url)) as orch:
-        status, body = await info(orch)
+        status, body = await orch.info()
         assert status == 503 and body["status"] == "UNHEALTHY"
         assert body["detectors"]["pii"] == {"status": "UNKNOWN", "details": {"warming_up": True}}
         gate.set()
-        await info_until(orch, lambda status, body: status == 200)
+        await orch.info_until(lambda status, body: status == 200)
     assert judged == ["pii"]
 
 
@@ -73,8 +58,7 @@ async def test_a_detector_that_cannot_warm_up_is_unhealthy(engine, monkeypatch, 
     if enforced:
         config["models"]["fake-model"]["guardrails"] = {"input": {"pii": {}}}
     async with Orchestrator(config) as orch:
-        status, body = await info_until(
-            orch,
+        status, body = await orch.info_until(
             lambda status, body: (
                 body["detectors"]["pii"]["status"] != "UNKNOWN"
                 and body["models"]["fake-model"][0]["status"] == "HEALTHY"
@@ -95,10 +79,10 @@ def key(monkeypatch: pytest.MonkeyPatch) -> str:
 
 async def test_without_a_key_info_shows_statuses_only(engine, key) -> None:
     async with Orchestrator(builtin_config(engine.url, api_keys_env=KEYS_ENV)) as orch:
-        await info_until(orch, lambda status, body: status == 200, key)
-        _, anonymous = await info(orch)
-        _, detailed = await info(orch, key)
-        _, wrong = await info(orch, "not-the-key")
+        await orch.info_until(lambda status, body: status == 200, bearer(key))
+        _, anonymous = await orch.info()
+        _, detailed = await orch.info(bearer(key))
+        _, wrong = await orch.info(bearer("not-the-key"))
     for body in (anonymous, wrong):  # no model, replica or detector id (DESIGN 4.1)
         assert body == {"status": "HEALTHY"}
     replica = detailed["models"]["fake-model"][0]

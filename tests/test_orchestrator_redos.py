@@ -19,6 +19,7 @@ from tests.orchestrator_support import (
     native_config,
     terminal,
 )
+from tests.wait_support import finished
 
 REDOS = "(a+)+$"
 HOSTILE = "a" * 30 + "!"
@@ -74,7 +75,9 @@ async def test_allowed_patterns_run_in_linear_time_while_a_stream_flows(engine) 
             CONTENT_PATH, {"content": long_text, "detectors": {"open": {"patterns": {"r": REDOS}}}}
         )
         stream = orch.stream(generation_body(output={"pii": {}}))
-        (status, reply), events = await asyncio.wait_for(asyncio.gather(hostile, stream), 60)
+        (status, reply), events = await finished(
+            asyncio.gather(hostile, stream), 60, "asyncio.gather(hostile, stream)"
+        )
     assert status == 200
     # every match is a run of a's that the pattern really matches (RE2 semantics, per chunk)
     assert reply["detections"]

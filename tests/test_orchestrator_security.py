@@ -35,7 +35,7 @@ from orchestrator.config import ConfigError, parse_config
 from orchestrator.server import start_server
 from orchestrator.state import STATE
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine, until
+from tests.fakes.engine import FakeEngine, GatedEngine
 from tests.orchestrator_support import (
     NDJSON,
     SCRIPT,
@@ -48,6 +48,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "I am great. What about you?"
@@ -56,21 +57,6 @@ UNAUTHORIZED = {"code": 401, "details": "missing or invalid API key", "type": "u
 
 
 # -- fakes that the shared ones lack: TLS, a gate, recorded headers ------------------------------
-
-
-class GatedEngine(FakeEngine):
-    """Holds every generate request until `gate` opens: streams stay open exactly as long as a
-    test needs, with no timing involved."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.gate = asyncio.Event()
-        self.held = 0
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        self.held += 1
-        await self.gate.wait()
-        return await super()._generate(request)
 
 
 class TlsEngine(FakeEngine):
@@ -83,12 +69,7 @@ class TlsEngine(FakeEngine):
         app.router.add_post("/v1/generate", self._generate)
         app.router.add_post("/v1/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"https://127.0.0.1:{self.port}"
+        self.port = await self._serve(app, ssl_context=self.ssl_context)
         return self.url
 
 
@@ -96,22 +77,8 @@ class RecordingDetectorServer(FakeDetectorServer):
     """The fake detector service, optionally over HTTPS, recording each call's headers."""
 
     def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
-        super().__init__()
-        self.ssl_context = ssl_context
+        super().__init__(ssl_context)
         self.headers: list[CIMultiDict[str]] = []
-
-    async def start(self) -> str:
-        app = web.Application()
-        app.router.add_post("/api/v1/text/contents", self._contents)
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
-        self._runner = web.AppRunner(app, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        scheme = "https" if self.ssl_context else "http"
-        self.url = f"{scheme}://127.0.0.1:{port}"
-        return self.url
 
     async def _contents(self, request: web.Request) -> web.Response:
         self.headers.append(CIMultiDict(request.headers))

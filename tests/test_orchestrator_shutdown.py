@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from orchestrator.app import STREAMING_PATH
-from tests.fakes.engine import FakeEngine, Fault, until
+from tests.fakes.engine import FakeEngine, Fault, GatedEngine
 from tests.orchestrator_support import (
     Served,
     SseEvent,
@@ -27,23 +26,9 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.wait_support import finished, until
 
 STREAMS = 20
-
-
-class GatedEngine(FakeEngine):
-    """Holds every generate request until `gate` opens, so all streams are running when the
-    signal comes, however slow the machine."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.gate = asyncio.Event()
-        self.held = 0
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        self.held += 1
-        await self.gate.wait()
-        return await super()._generate(request)
 
 
 async def read_stream(
@@ -101,8 +86,8 @@ async def test_streams_that_finish_within_the_drain_complete(tmp_path: Path) -> 
                 }
             assert engine.held == STREAMS  # it never reached the engine
             engine.gate.set()
-            results = await asyncio.wait_for(asyncio.gather(*clients), 30)
-            assert await asyncio.wait_for(served.proc.wait(), 30) == 0
+            results = await finished(asyncio.gather(*clients), 30, "asyncio.gather(*clients)")
+            assert await finished(served.proc.wait(), 30, "served.proc.wait()") == 0
     finally:
         await engine.close()
     assert len(results) == STREAMS
@@ -139,8 +124,8 @@ async def test_streams_cut_by_a_short_drain_end_with_server_shutdown(tmp_path: P
                 30,
             )
             served.proc.send_signal(signal.SIGTERM)
-            results = await asyncio.wait_for(asyncio.gather(*clients), 30)
-            assert await asyncio.wait_for(served.proc.wait(), 30) == 0
+            results = await finished(asyncio.gather(*clients), 30, "asyncio.gather(*clients)")
+            assert await finished(served.proc.wait(), 30, "served.proc.wait()") == 0
         await engine.wait_disconnects(STREAMS)  # generation was cancelled, not left running
     finally:
         await engine.close()

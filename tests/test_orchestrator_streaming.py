@@ -13,7 +13,7 @@ import pytest
 from orchestrator.app import STREAMING_PATH
 from orchestrator.state import STATE
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine, Fault, until
+from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     SCRIPT,
     Orchestrator,
@@ -25,6 +25,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.wait_support import until
 
 TEXT = "I am great. What about you?"
 PARAGRAPHS = ["First", " one", ".", " Second", " great", ".", "\n\n", "Third", " you", "?"]

@@ -21,8 +21,9 @@ from orchestrator.clients.registry import ChunkerRegistry, RequestedDetector
 from orchestrator.config import DetectorConfig, parse_config
 from orchestrator.streaming.events import Event, Frame, Terminal
 from orchestrator.streaming.guarded_generation import MAX_UNJUDGED_CHARS, GuardedGeneration
-from tests.fakes.engine import FakeEngine, until
+from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import MODEL, native_config
+from tests.wait_support import until
 
 SENTENCES = 3000
 SCRIPT = [piece for i in range(SENTENCES) for piece in (f" Line {i}", " ends", ".")]
@@ -88,7 +89,7 @@ async def test_a_stalled_handler_stops_the_engine_read(guarded: GuardedGeneratio
     # detectors keep up, so their own bound, MAX_UNJUDGED_CHARS, is not what holds it)
     inbox, detection, stream = guarded._inbox, guarded._detection, guarded._stream
     assert detection is not None and stream is not None
-    await until(lambda: inbox.reader_held, timeout_s=30)
+    await until(lambda: inbox.reader_held, deadline_s=30)
     read = len(stream.token_ids)
     # a bounded distance: the verdicts the consumer has not taken, plus what was handed to
     # the detector before the reader stopped

@@ -1,4 +1,4 @@
-"""Starts several `transformers serve` processes for tests/test_transformers_serve.py, paying
+"""Starts several `transformers serve` processes for tests/test_clients_transformers_serve.py, paying
 for the import once: this process imports transformers' CLI (most of a server's start-up on a
 small CPU: ~12 s of a ~30 s start on 2 loaded cores), then forks one child per port, each
 running `transformers serve MODEL --port P` as the CLI would. Each child is a separate process

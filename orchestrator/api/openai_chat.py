@@ -19,9 +19,10 @@ from pydantic import (
     model_validator,
 )
 
-from ..streaming.text_judgement import InputPiece
+from .errors import Failure
 from .fms_requests import DetectorMap
 from .fms_responses import TokenClassificationResult, Wire
+from .input_pieces import InputPiece
 from .json_numbers import json_integer, json_number
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -304,9 +305,35 @@ class OpenAIErrorDetail(BaseModel):
 
 
 class OpenAIErrorBody(BaseModel):
-    """`{"error": {...}}`: what OpenAI SDKs raise as an API error, before or inside a stream."""
+    """`{"error": {...}}`: what OpenAI SDKs raise as an API error, before or inside a stream;
+    the OpenAI surfaces' rendering of the API's one `Failure`."""
 
     error: OpenAIErrorDetail
+
+    @classmethod
+    def from_failure(cls, failure: Failure, *, param: str | None = None) -> OpenAIErrorBody:
+        return cls(
+            error=OpenAIErrorDetail(
+                message=failure.message, type=failure.type.value, param=param, code=failure.code
+            )
+        )
+
+    @classmethod
+    def for_request(cls, failure: Failure) -> OpenAIErrorBody:
+        """An HTTP error response: `param` names the request field the message starts with
+        (`messages: ...` -> `messages`), as OpenAI's own errors do."""
+        return cls.from_failure(failure, param=error_param(failure.message))
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def error_param(details: str) -> str | None:
+    """The request field an error names (`messages: ...` → `messages`), for OpenAI's `param`."""
+    head, sep, _ = details.partition(": ")
+    if sep and head and " " not in head and len(head) <= 128:
+        return head
+    return None
 
 
 class ModelCard(Wire):

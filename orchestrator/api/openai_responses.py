@@ -27,8 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from ..streaming.text_judgement import InputPiece
-from .errors import invalid
+from .errors import Failure, invalid
+from .input_pieces import InputPiece
 from .json_numbers import json_integer, json_number
 from .openai_chat import ChatDetectors, OpenAIErrorBody
 
@@ -335,6 +335,14 @@ class ResponseErrorInfo(BaseModel):
     type: str
     param: str | None = None
 
+    @classmethod
+    def from_failure(cls, failure: Failure) -> ResponseErrorInfo:
+        return cls(
+            code="invalid_prompt" if failure.code < 500 else "server_error",
+            message=failure.message,
+            type=failure.type.value,
+        )
+
 
 class IncompleteInfo(BaseModel):
     reason: Literal["max_output_tokens", "content_filter"]
@@ -476,6 +484,12 @@ class ErrorEvent(BaseModel):
     code: str
     message: str
     param: str | None = None
+
+    @classmethod
+    def from_failure(cls, failure: Failure, sequence_number: int) -> ErrorEvent:
+        return cls(
+            sequence_number=sequence_number, code=failure.type.value, message=failure.message
+        )
 
 
 StreamEvent = Annotated[

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from .migration import MigratingStream
+from types import TracebackType
+from typing import Any, Literal, Protocol
 
 FINISH_REASONS = ("EOS_TOKEN", "STOP_SEQUENCE", "MAX_TOKENS", "TIME_LIMIT")
 # invalid_request: an engine's 400/413/422, the client's mistake (422, never migrated)
@@ -113,13 +111,49 @@ class GenerationError(Exception):
         )
 
 
+class GenerationStream(Protocol):
+    """What `ModelBackend.stream()` gives the pipeline (migration.MigratingStream is the one
+    implementation): GenerationChunks, in bursts with `next_batch`, and the counters of the
+    whole generation across replicas. Declared here, where the pipeline looks, so that neither
+    it nor this module depends on how migration works."""
+
+    @property
+    def migrations(self) -> int: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def generated_token_count(self) -> int: ...
+    @property
+    def input_token_count(self) -> int | None: ...
+    @property
+    def seed(self) -> int | None: ...
+
+    def __aiter__(self) -> GenerationStream: ...
+    async def __anext__(self) -> GenerationChunk: ...
+    async def next_batch(self, max_items: int = ...) -> list[GenerationChunk]:
+        """The next chunk and every further one already buffered, up to `max_items`."""
+        ...
+
+    async def aclose(self) -> None:
+        """Drop the engine connection now; nothing is dispatched after this."""
+        ...
+
+    async def __aenter__(self) -> GenerationStream: ...
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
 class ModelBackend(ABC):
     """Every replica of one configured model_id, behind one interface (see backends.py)."""
 
     model_id: str
 
     @abstractmethod
-    def stream(self, request: GenerationRequest) -> MigratingStream:
+    def stream(self, request: GenerationRequest) -> GenerationStream:
         """An async iterator of GenerationChunk; call `aclose()` (or use `async with`) after."""
 
     @abstractmethod

@@ -15,17 +15,17 @@ from prometheus_client import CollectorRegistry
 
 from ..api.errors import invalid
 from ..config import ConfigError, ManagedBackend, ModelConfig, NativeBackend, OpenAIBackend
-from .backend import ChatMessage, GenerationError, GenerationRequest, ModelBackend
-from .managed import ENGINE_API_KEYS_ENV, CommandFactory, EngineProcess, engine_command
-from .migration import MigratingStream, MigrationMetrics
-from .native import (
+from .advertised_limits import (
     AdvertisedLimits,
-    NativeClient,
     context_problem,
     merge_limits,
     request_problem,
     token_upper_bound,
 )
+from .backend import ChatMessage, GenerationError, GenerationRequest, ModelBackend
+from .managed import ENGINE_API_KEYS_ENV, CommandFactory, EngineProcess, engine_command
+from .migration import MigratingStream, MigrationMetrics
+from .native import NativeClient
 from .openai import OpenAIClient
 from .replicas import HEALTHY, UNHEALTHY, Replica, ReplicaPool
 from .tls import client_ssl_context
@@ -175,7 +175,7 @@ class ReplicatedModelBackend(ModelBackend):
         of the range they advertise in `GET /v1/models`, or a prompt that with max_new_tokens
         does not fit their context (the smallest one: a request may migrate). A budget the
         client did not set shrinks to what fits instead (returned in the request). The prompt
-        is tokenized only when its size could make it too long (native.token_upper_bound).
+        is tokenized only when its size could make it too long (advertised_limits.token_upper_bound).
         Replicas that advertise nothing (`openai` ones, unreachable ones) are not consulted;
         with none advertising, nothing is checked here and the engines' own 4xx still come
         back as invalid_request."""

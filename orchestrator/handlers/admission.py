@@ -1,7 +1,11 @@
 """What every generation endpoint (FMS task, Chat Completions, Responses) does before its first
 byte: find the model, check the request against its limits and its replicas' advertised bounds,
 resolve the requested detectors on top of the model's enforced guardrails, and build the one
-guarded pipeline. Every 4xx of a generation request is raised here (DESIGN section 4)."""
+guarded pipeline. Every 4xx of a generation request is raised here (DESIGN section 4).
+
+It runs inside the serving loop (handlers/serving.py), after the request took its stream slot:
+checking the advertised bounds may ask an engine, which a request refused with 429/503 must not
+cost."""
 
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def json_depth(text: bytes) -> int:
     loop over up to `max_request_bytes` characters."""
     if text.count(b"[") + text.count(b"{") <= MAX_JSON_DEPTH:
         return 0  # cannot be deeper: the common case costs two scans
-    # imported here: the orchestrator's workers import no numpy at rest (tests/test_capacity.py)
+    # imported here: the orchestrator's workers import no numpy at rest (tests/test_orchestrator_capacity.py)
     import numpy as np
 
     chars = np.frombuffer(text, dtype=np.uint8)

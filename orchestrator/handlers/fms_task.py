@@ -1,5 +1,6 @@
 """The FMS task request (DESIGN 4.2) turned into the guarded pipeline; shared by the streaming
-and the unary task endpoints."""
+and the unary task endpoints, which read the body and hand this to the serving loop (it runs
+once the request holds a stream slot)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from .admission import (
     find_model,
     resolve_detectors,
 )
-from .body import read_model
 
 
-async def prepare_task(request: web.Request, *, streaming: bool) -> GuardedGeneration:
+async def prepare_task(
+    request: web.Request, body: GuardrailsHttpRequest, *, streaming: bool
+) -> GuardedGeneration:
     state = request.app[STATE]
-    body = await read_model(request, GuardrailsHttpRequest)
     target = find_model(state, body.model_id)
     params = body.text_gen_parameters
     check_input_size(target, len(body.inputs), "inputs")

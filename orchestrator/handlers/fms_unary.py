@@ -3,22 +3,18 @@ endpoint, folded into one JSON object. Failures become real HTTP errors (nothing
 
 from __future__ import annotations
 
-from contextlib import aclosing
+from functools import partial
 
 from aiohttp import web
 
-from ..state import STATE
+from ..api.fms_requests import GuardrailsHttpRequest
 from ..streaming.fms_writer import UnaryFold
+from .body import read_model
 from .fms_task import prepare_task
-from .stream_slots import stream_slot
+from .serving import serve_unary
 
 
 async def handle(request: web.Request) -> web.Response:
-    pipeline = await prepare_task(request, streaming=False)
-    state = request.app[STATE]
-    fold = UnaryFold()
-    with stream_slot(state, pipeline):
-        async with aclosing(pipeline.events()) as events:
-            async for event in events:
-                fold.add(event)
-    return web.json_response(fold.body())
+    body = await read_model(request, GuardrailsHttpRequest)
+    prepare = partial(prepare_task, request, body, streaming=False)
+    return await serve_unary(request, prepare, UnaryFold())

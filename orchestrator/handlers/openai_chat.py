@@ -1,24 +1,23 @@
 """POST /v1/chat/completions (and its FMS alias /api/v2/chat/completions-detection): OpenAI Chat
-Completions over the guarded pipeline (DESIGN 4.8). Every 4xx is raised before the first byte;
+Completions over the guarded pipeline (DESIGN 4.8). Parse, prepare, then the serving loop
+(handlers/serving.py) with the chat writer or fold. Every 4xx is raised before the first byte;
 a generation that fails before anything was due to the client is a real HTTP error too."""
 
 from __future__ import annotations
 
-from contextlib import aclosing
+from functools import partial
 
 from aiohttp import web
 
-from ..api.errors import ApiError, invalid
+from ..api.errors import invalid
 from ..api.openai_chat import ChatCompletionRequest, check_extra_honoured
 from ..config import OpenAIBackend
 from ..state import STATE
 from ..streaming.chat_writer import ChatChunkWriter, ChatCompletionFold
-from ..streaming.events import Terminal
 from ..streaming.guarded_generation import GuardedGeneration
 from .admission import Conversation, find_model, prepare_conversation
 from .body import read_model
-from .fms_stream import SSE_HEADERS
-from .stream_slots import stream_slot
+from .serving import serve, serve_unary
 
 CHAT_PATH = "/v1/chat/completions"
 CHAT_DETECTION_PATH = "/api/v2/chat/completions-detection"
@@ -58,30 +57,8 @@ async def prepare_chat(request: web.Request, body: ChatCompletionRequest) -> Gua
 
 async def handle(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, ChatCompletionRequest)
-    pipeline = await prepare_chat(request, body)
-    state = request.app[STATE]
-    with stream_slot(state, pipeline):
-        if not body.stream:
-            fold = ChatCompletionFold(body.model)
-            async with aclosing(pipeline.events()) as events:
-                async for event in events:
-                    fold.add(event)
-            return web.json_response(fold.body())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = ChatChunkWriter(body.model, include_usage=include_usage)
-        response: web.StreamResponse | None = None
-        async with aclosing(pipeline.events()) as events:
-            async for event in events:
-                if response is None:
-                    if isinstance(event, Terminal) and event.error is not None:
-                        # nothing was sent: the client gets a real HTTP error
-                        e = event.error
-                        raise ApiError(e.code, e.type, e.message)
-                    response = web.StreamResponse(headers=SSE_HEADERS)
-                    await response.prepare(request)
-                data = writer.render(event)
-                if data:
-                    await response.write(data)
-        assert response is not None
-        await response.write_eof()
-        return response
+    prepare = partial(prepare_chat, request, body)
+    if not body.stream:
+        return await serve_unary(request, prepare, ChatCompletionFold(body.model))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await serve(request, prepare, ChatChunkWriter(body.model, include_usage=include_usage))

@@ -1,25 +1,22 @@
 """POST /v1/responses: the OpenAI Responses API over the guarded pipeline, with the
 OpenResponses streaming events (DESIGN 4.9). Stateless: the whole conversation comes in
-`input`. Every 4xx is raised before the first byte; after that, the stream itself says how it
+`input`. Parse, prepare, then the serving loop (handlers/serving.py) with the Responses writer
+or fold. Every 4xx is raised before the first byte; after that, the stream itself says how it
 ended (`response.completed`, `response.incomplete`, `response.failed`, or `error` when no
 response object was created yet)."""
 
 from __future__ import annotations
 
-from contextlib import aclosing
+from functools import partial
 
 from aiohttp import web
 
-from ..api.errors import ApiError
 from ..api.openai_responses import ResponsesRequest, check_stateless
-from ..state import STATE
-from ..streaming.events import Terminal
 from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.responses_writer import ResponsesFold, ResponsesWriter
 from .admission import Conversation, prepare_conversation
 from .body import parse_json, read_body, require_json_content_type, validate
-from .fms_stream import SSE_HEADERS
-from .stream_slots import stream_slot
+from .serving import serve, serve_unary
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -54,29 +51,7 @@ async def prepare_response(request: web.Request, body: ResponsesRequest) -> Guar
 
 async def handle(request: web.Request) -> web.StreamResponse:
     body = await read_request(request)
-    pipeline = await prepare_response(request, body)
-    state = request.app[STATE]
-    with stream_slot(state, pipeline):
-        if not body.stream:
-            fold = ResponsesFold(body)
-            async with aclosing(pipeline.events()) as events:
-                async for event in events:
-                    fold.add(event)
-            return web.json_response(fold.body())
-        writer = ResponsesWriter(body)
-        response: web.StreamResponse | None = None
-        async with aclosing(pipeline.events()) as events:
-            async for event in events:
-                if response is None:
-                    if isinstance(event, Terminal) and event.error and event.error.code < 500:
-                        # the client's own mistake, found before any byte: a real HTTP error
-                        e = event.error
-                        raise ApiError(e.code, e.type, e.message)
-                    response = web.StreamResponse(headers=SSE_HEADERS)
-                    await response.prepare(request)
-                data = writer.render(event)
-                if data:
-                    await response.write(data)
-        assert response is not None
-        await response.write_eof()
-        return response
+    prepare = partial(prepare_response, request, body)
+    if not body.stream:
+        return await serve_unary(request, prepare, ResponsesFold(body))
+    return await serve(request, prepare, ResponsesWriter(body))

@@ -16,12 +16,11 @@ from contextlib import aclosing, suppress
 
 from aiohttp import web
 
-from ..api.errors import ApiError, ErrorType, invalid
+from ..api.errors import ApiError, ErrorBody, ErrorType, Failure, invalid
 from ..api.fms_requests import StreamContentLine
 from ..api.fms_responses import StreamContentResult
 from ..state import STATE
 from ..streaming.content_stream import ContentStream
-from ..streaming.events import Failure
 from ..streaming.failures import describe, is_unexpected
 from ..streaming.stream_judgement import JudgedFrame
 from ..streaming.wire_json import dumps
@@ -98,8 +97,7 @@ def _result(frame: JudgedFrame) -> bytes:
 
 
 def _error_line(failure: Failure) -> bytes:
-    body = {"code": failure.code, "details": failure.message, "type": failure.type.value}
-    return dumps(body) + b"\n"
+    return dumps(ErrorBody.from_failure(failure).dump()) + b"\n"
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

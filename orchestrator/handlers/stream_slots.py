@@ -1,11 +1,15 @@
 """The cap on concurrent streams: beyond it a request gets 429 with Retry-After instead of
-degrading every stream already running."""
+degrading every stream already running, and while draining it gets 503.
+
+A slot is taken before any work for the request (handlers/serving.py): a refused request costs
+no engine round trip and no detector call. The pipeline is attached to its slot once built, so a
+drain that ends every running stream (server.py) reaches one that was still being prepared."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Protocol, TypeVar
 
 from ..api.errors import ApiError, ErrorType
 from ..state import AppState
@@ -17,8 +21,35 @@ class TooManyStreams(ApiError):
         self.retry_after_s = 1
 
 
+class Stoppable(Protocol):
+    def shut_down(self) -> None: ...
+
+
+S = TypeVar("S", bound=Stoppable)
+
+
+class StreamSlot:
+    """One taken slot, in `AppState.streams` while held; `shut_down()` (a drain that ran out)
+    reaches the attached pipeline, or the one attached later."""
+
+    def __init__(self) -> None:
+        self._stream: Stoppable | None = None
+        self._shut_down = False
+
+    def attach(self, stream: S) -> S:
+        self._stream = stream
+        if self._shut_down:
+            stream.shut_down()
+        return stream
+
+    def shut_down(self) -> None:
+        self._shut_down = True
+        if self._stream is not None:
+            self._stream.shut_down()
+
+
 @contextmanager
-def stream_slot(state: AppState, stream: Any = None) -> Iterator[None]:
+def stream_slot(state: AppState) -> Iterator[StreamSlot]:
     limit = state.config.server.max_concurrent_streams
     if state.draining:
         state.metrics.rejected_streams.labels("draining").inc()
@@ -26,15 +57,15 @@ def stream_slot(state: AppState, stream: Any = None) -> Iterator[None]:
     if state.active_streams >= limit:
         state.metrics.rejected_streams.labels("overloaded").inc()
         raise TooManyStreams(limit)
+    slot = StreamSlot()
     state.active_streams += 1
     state.idle.clear()
     state.metrics.active_streams.inc()
-    if stream is not None:
-        state.streams.add(stream)
+    state.streams.add(slot)
     try:
-        yield
+        yield slot
     finally:
-        state.streams.discard(stream)
+        state.streams.discard(slot)
         state.active_streams -= 1
         if state.active_streams == 0:
             state.idle.set()

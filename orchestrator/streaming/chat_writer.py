@@ -3,6 +3,10 @@ SSE messages ending in exactly one `[DONE]`, or folded into one `chat.completion
 
 Every stream has exactly one `finish_reason` or one in-band error object, and `[DONE]` last. A
 block never shows flagged text: the refusal rides on the finishing chunk.
+
+`ChatChunkWriter` is one of the three writers `handlers.serving.serve` drives: it renders events,
+and nothing else. Taking the stream slot, starting the response, keep-alives and sending a
+burst of frames in one write are the serving loop's, once for every surface.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from ..api.errors import ApiError
+from ..api.errors import ApiError, Failure
 from ..api.fms_responses import UNSUITABLE_INPUT, UNSUITABLE_OUTPUT
 from ..api.openai_chat import (
     AssistantMessage,
@@ -26,13 +30,12 @@ from ..api.openai_chat import (
     Delta,
     InputDetections,
     OpenAIErrorBody,
-    OpenAIErrorDetail,
     OutputDetections,
     Usage,
 )
-from .events import Event, Failure, Frame, KeepAlive, Refusal, Terminal
+from .events import Frame, Refusal, Rendered, Terminal
 from .findings import Finding, sort_findings
-from .wire_json import KEEPALIVE_COMMENT, dumps
+from .wire_json import dumps
 
 DONE = b"data: [DONE]\n\n"
 INPUT_WARNING = ChatWarning(type="UNSUITABLE_INPUT", message=UNSUITABLE_INPUT.message)
@@ -66,14 +69,6 @@ def finish_reason(terminal: Terminal) -> str:
     if terminal.kind == "incomplete":
         return "length"  # a token or time budget ran out
     return "stop"
-
-
-def openai_error(failure: Failure, param: str | None = None) -> dict[str, Any]:
-    return OpenAIErrorBody(
-        error=OpenAIErrorDetail(
-            message=failure.message, type=failure.type.value, param=param, code=failure.code
-        )
-    ).model_dump(mode="json")
 
 
 def usage(terminal: Terminal) -> Usage:
@@ -110,13 +105,12 @@ def _input(findings: list[Finding]) -> ChatDetections:
 
 
 class ChatChunkWriter:
-    """Renders one stream's events as SSE bytes; `started` says whether any byte was due yet
-    (an error before it is a real HTTP error, not an in-band one).
+    """Renders one stream's events as SSE bytes.
 
     A frame's chunk is rendered from bytes prepared once per stream (no pydantic object per
-    frame: without output detectors that is one per token), equal to what `_chunk` renders.
-    A frame marked `more` renders as b"": its bytes go out with the next event's, so a burst of
-    frames costs one write."""
+    frame: without output detectors that is one per token), equal to what `_chunk` renders."""
+
+    start_at_once = False  # an error before the first chunk is a real HTTP error
 
     def __init__(self, model: str, *, include_usage: bool) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -125,7 +119,6 @@ class ChatChunkWriter:
         self._include_usage = include_usage
         self._role_sent = False
         self._finished = False
-        self._pending = b""  # frames marked `more`, not returned yet
         self._head = (
             b'data: {"id":'
             + dumps(self.id)
@@ -160,13 +153,9 @@ class ChatChunkWriter:
         self._role_sent = True
         return self._chunk(Delta(role="assistant", content=""))
 
-    def render(self, event: Event) -> bytes:
-        data = self._render(event)
-        if self._pending:
-            data, self._pending = self._pending + data, b""
-        if isinstance(event, Frame) and event.more:
-            data, self._pending = b"", data
-        return data
+    def refuses(self, failure: Failure) -> bool:
+        """Any error before the first byte is an HTTP error: OpenAI SDKs raise it as one."""
+        return True
 
     def _frame(self, frame: Frame) -> bytes:
         """`_chunk(Delta(content=text), detections=..., warnings=...)` without pydantic."""
@@ -178,9 +167,7 @@ class ChatChunkWriter:
             tail += _WARNINGS_TAIL
         return self._head + dumps(frame.text) + tail + b"}\n\n"
 
-    def _render(self, event: Event) -> bytes:
-        if isinstance(event, KeepAlive):
-            return KEEPALIVE_COMMENT
+    def render(self, event: Rendered) -> bytes:
         if isinstance(event, Frame):
             if event.input_detections:  # the input was redacted: said once, on this chunk
                 output = _output(event.detections).output if event.judged else None
@@ -214,7 +201,8 @@ class ChatChunkWriter:
 
     def _terminal(self, terminal: Terminal) -> bytes:
         if terminal.error is not None:
-            return b"data: " + dumps(openai_error(terminal.error)) + b"\n\n" + DONE
+            error = OpenAIErrorBody.from_failure(terminal.error).dump()
+            return b"data: " + dumps(error) + b"\n\n" + DONE
         out = b""
         if not self._finished:
             out += self._role() + self._chunk(Delta(), finish=finish_reason(terminal))
@@ -241,7 +229,7 @@ class ChatCompletionFold:
         self._refusal: str | None = None
         self._terminal: Terminal | None = None
 
-    def add(self, event: Event) -> None:
+    def add(self, event: Rendered) -> None:
         if isinstance(event, Frame):
             self._texts.append(event.text)
             self._output.extend(event.detections)
@@ -255,8 +243,7 @@ class ChatCompletionFold:
                 self._output.extend(event.detections)
         elif isinstance(event, Terminal):
             if event.error is not None:
-                e = event.error
-                raise ApiError(e.code, e.type, e.message)
+                raise ApiError.of(event.error)
             self._terminal = event
 
     def body(self) -> dict[str, Any]:

@@ -10,12 +10,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ..api.errors import ErrorType
+from ..api.errors import ErrorType, Failure
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import DetectorResult
 from .cancellation import cancel_and_wait
 from .detector_queue import DetectorFinished
-from .events import Failure
 from .failures import describe
 from .inbox import Inbox
 from .stream_judgement import JudgedFrame, StreamJudge

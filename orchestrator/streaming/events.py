@@ -3,7 +3,8 @@
 The pipeline yields these; each API surface is only a writer that renders them in its own wire
 format (FMS SSE, chat-completion chunks, Responses events, a unary object), so the surfaces
 cannot disagree on what was judged, blocked or cut off. They hold `Finding`s, not wire models:
-a writer projects them into its own shape.
+a writer projects them into its own shape. A `Terminal`'s error is the API's one `Failure`
+(api/errors.py), which each surface renders itself.
 """
 
 from __future__ import annotations
@@ -11,20 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..api.errors import ErrorType
+from ..api.errors import Failure
 from .findings import Finding
 
 TerminalKind = Literal["completed", "incomplete", "failed", "error"]
 IncompleteReason = Literal["max_output_tokens", "time_limit", "content_filter"]
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """What a client is told about an error: HTTP-style code, error type, message."""
-
-    code: int
-    type: ErrorType
-    message: str
 
 
 @dataclass(slots=True)
@@ -89,6 +81,8 @@ class KeepAlive:
 
 
 Event = Frame | Refusal | Terminal | KeepAlive
+# What a surface's writer renders: keep-alives are the serving loop's (handlers/serving.py)
+Rendered = Frame | Refusal | Terminal
 KEEP_ALIVE = KeepAlive()
 
 # finish_reason -> (terminal kind, incomplete reason)

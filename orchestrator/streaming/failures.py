@@ -1,6 +1,7 @@
 """The one place that turns an exception into what a client is told (DESIGN section 4): the
 error middleware (before the first byte), the pipeline's `failed`/`error` terminal events and
-the stream-content error line all ask here, so they cannot disagree."""
+the stream-content error line all ask `describe` for the `Failure` triple, and each surface
+renders that triple as it is (never a body converted back), so they cannot disagree."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import logging
 
 from aiohttp import web
 
-from ..api.errors import ApiError, ErrorType
+from ..api.errors import ApiError, ErrorType, Failure
 from ..clients.backend import GenerationError
 from ..clients.detectors import DetectorCallError
-from .events import Failure
 from .fanout import ChunkerFailure
 
 log = logging.getLogger("guardstream.failures")
@@ -31,7 +31,7 @@ def describe(exc: BaseException) -> Failure:
     an opaque 500 (logged by the caller, never shown)."""
     exc = first_error(exc)
     if isinstance(exc, ApiError):
-        return Failure(exc.code, exc.error_type, exc.details)
+        return exc.failure
     if isinstance(exc, DetectorCallError):
         if exc.invalid_params:
             return Failure(422, ErrorType.INVALID_REQUEST, str(exc))

@@ -1,11 +1,14 @@
 """The FMS task endpoints' wire format (DESIGN 4.3): pipeline events as SSE messages, or folded
-into the unary `ClassifiedGeneratedTextResult`."""
+into the unary `ClassifiedGeneratedTextResult`.
+
+`FmsWriter` is one of the three writers `handlers.serving.serve` drives: it renders events, and
+nothing else (the slot, the response, keep-alives and bursts are the serving loop's)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..api.errors import ApiError, ErrorBody
+from ..api.errors import ApiError, ErrorBody, Failure
 from ..api.fms_responses import (
     UNSUITABLE_INPUT,
     UNSUITABLE_OUTPUT,
@@ -21,9 +24,9 @@ from ..api.fms_responses import (
     TokenClassificationResults,
     Wire,
 )
-from .events import Event, Frame, KeepAlive, Refusal, Terminal
+from .events import Frame, Refusal, Rendered, Terminal
 from .findings import Finding
-from .wire_json import KEEPALIVE_COMMENT, dumps
+from .wire_json import dumps
 
 
 def sse(name: str | None, data: dict[str, Any]) -> bytes:
@@ -127,17 +130,14 @@ def summary(terminal: Terminal) -> TerminalSummary:
 def terminal_payload(terminal: Terminal) -> Wire | ErrorBody:
     if terminal.kind == "error":
         assert terminal.error is not None
-        e = terminal.error
-        return ErrorBody(code=e.code, details=e.message, type=e.type)
+        return ErrorBody.from_failure(terminal.error)
     return summary(terminal)
 
 
-def sse_event(event: Event) -> bytes:
+def sse_event(event: Rendered) -> bytes:
     """One pipeline event as SSE bytes."""
     if isinstance(event, Frame):
         return sse(None, frame_dict(event))
-    if isinstance(event, KeepAlive):
-        return KEEPALIVE_COMMENT
     if isinstance(event, Refusal):
         if event.direction == "input":
             return sse(None, input_refusal_frame(event).dump())
@@ -146,6 +146,20 @@ def sse_event(event: Event) -> bytes:
             "refusal.done", done.dump()
         )
     return sse(event.kind, terminal_payload(event).dump())
+
+
+class FmsWriter:
+    """The streaming task endpoint's writer."""
+
+    # the 200 and the SSE headers go out at once, before the pipeline's first event: every
+    # error after that is in-band, the `error` or `failed` terminal event (DESIGN 4.3)
+    start_at_once = True
+
+    def refuses(self, failure: Failure) -> bool:
+        return False  # never asked: the response has started
+
+    def render(self, event: Rendered) -> bytes:
+        return sse_event(event)
 
 
 class UnaryFold:
@@ -160,7 +174,7 @@ class UnaryFold:
         self._warnings: dict[str, FrameWarning] = {}
         self.result = ClassifiedGeneratedTextResult()
 
-    def add(self, event: Event) -> None:
+    def add(self, event: Rendered) -> None:
         r = self.result
         if isinstance(event, Frame):
             if event.input_detections:
@@ -184,8 +198,7 @@ class UnaryFold:
                 )
         elif isinstance(event, Terminal):
             if event.error is not None:
-                e = event.error
-                raise ApiError(e.code, e.type, e.message)
+                raise ApiError.of(event.error)
             r.finish_reason = event.finish_reason  # type: ignore[assignment]
             r.generated_token_count = event.generated_token_count
             r.input_token_count = event.input_token_count

@@ -8,6 +8,9 @@ error before it is the `error` event (no response ever existed), an error after 
 block or an input hit adds a `refusal` part (text released before a block keeps its own
 `output_text` part; flagged text is never in one). Every `*.added` has its `*.done` before the
 terminal event, so the object a client accumulates equals the one the terminal event carries.
+
+`ResponsesWriter` is one of the three writers `handlers.serving.serve` drives: it renders events,
+and nothing else (the slot, the response, keep-alives and bursts are the serving loop's).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..api.errors import ApiError
+from ..api.errors import ApiError, Failure
 from ..api.openai_responses import (
     AnnotationAddedEvent,
     ContentPartEvent,
@@ -43,9 +46,9 @@ from ..api.openai_responses import (
     ResponseUsage,
     TextConfigOut,
 )
-from .events import Event, Failure, Frame, KeepAlive, Refusal, Terminal
+from .events import Frame, Refusal, Rendered, Terminal
 from .findings import Finding
-from .wire_json import KEEPALIVE_COMMENT, dumps
+from .wire_json import dumps
 
 OUTPUT_INDEX = 0  # one output item: the assistant message
 
@@ -75,14 +78,6 @@ def input_annotation(finding: Finding) -> InputAnnotation:
     )
 
 
-def error_info(failure: Failure) -> ResponseErrorInfo:
-    return ResponseErrorInfo(
-        code="invalid_prompt" if failure.code < 500 else "server_error",
-        message=failure.message,
-        type=failure.type.value,
-    )
-
-
 def sse(event: BaseModel) -> bytes:
     data = event.model_dump(mode="json")
     return b"event: " + data["type"].encode() + b"\ndata: " + dumps(data) + b"\n\n"
@@ -92,6 +87,8 @@ class ResponsesWriter:
     """One response's state and its events. `events()` turns a pipeline event into the wire
     events it causes (and updates the object); `render()` is the same as SSE bytes;
     `response()` is the object as it stands."""
+
+    start_at_once = False  # a client mistake found before the first byte is an HTTP error
 
     def __init__(self, body: ResponsesRequest) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
@@ -141,19 +138,21 @@ class ResponsesWriter:
 
     # -- rendering ------------------------------------------------------------------------------
 
-    def render(self, event: Event) -> bytes:
-        if isinstance(event, KeepAlive):
-            return KEEPALIVE_COMMENT
+    def refuses(self, failure: Failure) -> bool:
+        """Before the first byte, the client's own mistake is an HTTP error; a server-side one
+        is the `error` event (OpenResponses: no response object was created)."""
+        return failure.code < 500
+
+    def render(self, event: Rendered) -> bytes:
         return b"".join(sse(e) for e in self.events(event))
 
-    def events(self, event: Event) -> list[BaseModel]:
-        if isinstance(event, KeepAlive) or self.finished:
+    def events(self, event: Rendered) -> list[BaseModel]:
+        if self.finished:
             return []
         out: list[BaseModel] = []
         if isinstance(event, Terminal) and event.error is not None and not self.created:
             self.finished = True
-            e = event.error
-            return [ErrorEvent(sequence_number=self._next(), code=e.type.value, message=e.message)]
+            return [ErrorEvent.from_failure(event.error, self._next())]
         if not self.created:
             self.created = True
             for kind in ("response.created", "response.in_progress"):
@@ -291,7 +290,7 @@ class ResponsesWriter:
         )
         if terminal.error is not None:
             self._status = "failed"
-            self._error = error_info(terminal.error)
+            self._error = ResponseErrorInfo.from_failure(terminal.error)
             self._close_item("incomplete", out)
             kind = "response.failed"
         elif terminal.kind == "completed":
@@ -323,10 +322,9 @@ class ResponsesFold:
     def __init__(self, body: ResponsesRequest) -> None:
         self._writer = ResponsesWriter(body)
 
-    def add(self, event: Event) -> None:
+    def add(self, event: Rendered) -> None:
         if isinstance(event, Terminal) and event.error is not None and not self._writer.text_seen:
-            e = event.error
-            raise ApiError(e.code, e.type, e.message)
+            raise ApiError.of(event.error)
         self._writer.events(event)
 
     def body(self) -> dict[str, Any]:

@@ -32,12 +32,13 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from chunkers import Span
 from detectors.api import Detection
 
+from ..api.input_pieces import InputPiece
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from ..config import WHOLE_DOC_CHUNKER
 from .detector_queue import SEAM_CHARS, SEAM_RUN_CHARS
@@ -106,21 +107,6 @@ async def judge_text(
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(one(d)) for d in detectors]
     return await _sorted([f for t in tasks for f in t.result()])
-
-
-@dataclass(frozen=True, slots=True)
-class InputPiece:
-    """One piece of text a client sent in a conversation, judged on its own (DESIGN 4.8, 4.9):
-    a message's content (`field` None), its `name` or `refusal`, or Responses `instructions`
-    (`message_index` None). Every piece is judged, whatever its role: a guardrail that saw only
-    the last user message would let a system message or an earlier turn carry what it refuses."""
-
-    text: str
-    message_index: int | None = None
-    field: str | None = None
-    # the index of the message this text is in the generation request (None: it never reaches
-    # the engine, like a `name`): where an input redaction goes
-    target: int | None = None
 
 
 async def judge_pieces(

@@ -1,6 +1,6 @@
 """A clock that moves only when a test moves it, for the two places where time is the subject of
 the orchestrator's client code: the replica pool's quarantine (`ReplicaPool.clock`) and the stall
-timeout of engine streams (`orchestrator.clients.native.stall_clock`). With it a test declares a
+timeout of engine streams (`orchestrator.clients.stall_timeout.stall_clock`). With it a test declares a
 silent replica stalled, or a quarantine over, at the moment it chooses, and a slow machine can
 neither fire a stall early nor end a quarantine early.
 
@@ -11,13 +11,12 @@ neither fire a stall early nor end a quarantine early.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 
 import pytest
 
-from orchestrator.clients import native
+from orchestrator.clients import stall_timeout
+from tests.wait_support import until
 
 
 class ManualTimer:
@@ -73,7 +72,7 @@ def manual_stall_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     """Engine streams opened from now on (native and OpenAI protocol alike) time their stall
     timeout on a manual clock: no stream stalls until the test says so."""
     clock = ManualClock()
-    monkeypatch.setattr(native, "stall_clock", clock)
+    monkeypatch.setattr(stall_timeout, "stall_clock", clock)
     return clock
 
 
@@ -86,9 +85,11 @@ async def expire_stalls(
     depends on (the faulty one went silent, the others have not been dispatched to): a stall is
     declared whatever the replica is doing. `done()` is checked right before each step, so a
     condition such as "the stream migrated" stops it before the next replica's stream exists."""
-    deadline = time.monotonic() + deadline_s
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no stall ended the wait in {deadline_s} s")
+
+    def step() -> bool:
+        if done():
+            return True
         clock.advance(3600.0)
-        await asyncio.sleep(0.01)
+        return False
+
+    await until(step, deadline_s, "a stall ending the wait")

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from .upstream import start_site
 
 
 @dataclass
@@ -26,7 +29,8 @@ class DetectorBehaviour:
 
 
 class FakeDetectorServer:
-    def __init__(self) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.ssl_context = ssl_context  # HTTPS when set
         self.detectors: dict[str, DetectorBehaviour] = {}
         self.calls: list[tuple[str, list[str], dict[str, Any]]] = []
         self.cancelled = 0
@@ -43,10 +47,7 @@ class FakeDetectorServer:
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = await start_site(self._runner, ssl_context=self.ssl_context)
         return self.url
 
     async def close(self) -> None:

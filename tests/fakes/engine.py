@@ -23,14 +23,14 @@ Also runnable as a process (for the managed-engine supervisor tests):
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from tests.wait_support import DEADLINE_S, until
 
 if __package__:
     from .upstream import FakeUpstream, next_fault
@@ -144,11 +144,11 @@ class FakeEngine(FakeUpstream):
         """The text of the first n script tokens (all by default)."""
         return "".join(self.script if n is None else self.script[:n])
 
-    async def wait_requests(self, n: int, timeout_s: float = 10.0) -> None:
-        await until(lambda: len(self.requests) >= n, timeout_s)
+    async def wait_requests(self, n: int, deadline_s: float = DEADLINE_S) -> None:
+        await until(lambda: len(self.requests) >= n, deadline_s, f"{n} requests")
 
-    async def wait_disconnects(self, n: int = 1, timeout_s: float = 10.0) -> None:
-        await until(lambda: self.disconnects >= n, timeout_s)
+    async def wait_disconnects(self, n: int = 1, deadline_s: float = DEADLINE_S) -> None:
+        await until(lambda: self.disconnects >= n, deadline_s, f"{n} disconnects")
 
     # -- handlers -------------------------------------------------------------------------------
 
@@ -322,15 +322,20 @@ class FakeEngine(FakeUpstream):
         await resp.write_eof()
 
 
-async def until(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.01) -> None:
-    """Wait for a condition (a deadline loop: tests assert outcomes, never timings)."""
-    deadline = time.monotonic() + timeout_s
-    for _ in itertools.count():
-        if cond():
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met in {timeout_s} s")
-        await asyncio.sleep(poll_s)
+class GatedEngine(FakeEngine):
+    """Holds every generate request until `gate` opens: streams stay open exactly as long as a
+    test needs (all admitted streams running when a signal or an overload comes), however slow
+    the machine, with no timing involved. `held`: generate requests that arrived."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.gate = asyncio.Event()
+        self.held = 0
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        self.held += 1
+        await self.gate.wait()
+        return await super()._generate(request)
 
 
 def main() -> None:

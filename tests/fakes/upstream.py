@@ -4,12 +4,11 @@ SIGKILL, and handing out armed faults in order."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
 from aiohttp import web
-
-from tests.engine_processes import free_port
 
 
 class _Armed(Protocol):
@@ -29,6 +28,17 @@ def next_fault(faults: Sequence[F]) -> F | None:
     return None
 
 
+async def start_site(
+    runner: web.AppRunner, port: int = 0, ssl_context: ssl.SSLContext | None = None
+) -> str:
+    """Serve a set-up runner on 127.0.0.1 (port 0: one the OS picks as it binds, so no other
+    process can take it first); its URL, https with `ssl_context`."""
+    site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=ssl_context, reuse_address=True)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return f"{'https' if ssl_context else 'http'}://127.0.0.1:{bound}"
+
+
 class FakeUpstream:
     """Mixed into the fakes' dataclasses; call `_init_upstream()` from `__post_init__`. Handlers
     register the transports of open streams in `_transports` so that `kill()` can reset them."""
@@ -42,13 +52,13 @@ class FakeUpstream:
         self._runner = None
         self._transports = set()
 
-    async def _serve(self, app: web.Application, port: int = 0) -> int:
+    async def _serve(
+        self, app: web.Application, port: int = 0, ssl_context: ssl.SSLContext | None = None
+    ) -> int:
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await self._runner.setup()
-        port = port or free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", port, reuse_address=True).start()
-        self.url = f"http://127.0.0.1:{port}"
-        return port
+        self.url = await start_site(self._runner, port, ssl_context)
+        return int(self.url.rsplit(":", 1)[1])
 
     async def kill(self) -> None:
         """Like SIGKILL: every open stream is reset and new connections are refused."""

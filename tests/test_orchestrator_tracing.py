@@ -37,13 +37,14 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from detectors.tracing import env_wants_tracing
-from generation import tracing as engine_tracing
 from orchestrator import tracing
 from orchestrator.app import STREAMING_PATH, create_app
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.logs import make_handler
+from servicekit.tracing import env_wants_tracing
+from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine
+from tests.fakes.upstream import start_site
 from tests.orchestrator_support import MODEL as MODEL_ID
 from tests.orchestrator_support import (
     assert_contiguous,
@@ -54,6 +55,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.wait_support import finished, until
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -104,10 +106,7 @@ class FakeCollector:
         app.router.add_post("/v1/traces", self._traces)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = await start_site(self._runner)
         return self.url
 
     async def close(self) -> None:
@@ -191,11 +190,11 @@ async def detector_service(tmp_path: Path, collector: str) -> AsyncIterator[str]
         )
     try:
         assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        line = (await finished(proc.stdout.readline(), 120, "proc.stdout.readline()")).decode()
         assert "serving hap, pii on http://127.0.0.1:" in line, (line, stderr.read_text())
         yield line.split()[-1]
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 60) == 0, stderr.read_text()
+        assert await finished(proc.wait(), 60, "proc.wait()") == 0, stderr.read_text()
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -212,22 +211,19 @@ async def orchestrator(
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        yield f"http://127.0.0.1:{port}"
+        yield await start_site(runner)
     finally:
         await runner.cleanup()
 
 
 async def healthy_replicas(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
-    for _ in range(600):  # a generous deadline: engines load torch
+    async def healthy() -> list[dict[str, Any]] | None:
         async with session.get(url + "/info") as r:
             replicas = (await r.json())["models"][MODEL]
-        if all(r["status"] == "HEALTHY" for r in replicas):
-            return replicas
-        await asyncio.sleep(0.2)
-    raise TimeoutError("the managed engines did not become healthy")
+        return replicas if all(r["status"] == "HEALTHY" for r in replicas) else None
+
+    # a generous deadline: engines load torch
+    return await until(healthy, 120, "the managed engines healthy", poll_s=0.2)
 
 
 @contextmanager
@@ -265,21 +261,7 @@ async def test_one_trace_across_orchestrator_engines_and_detector_service(
                     # managed engines inherit it through their environment
                     "tracing": {"otlp_endpoint": collector_url, "service_name": "guardstream"},
                 },
-                "models": {
-                    MODEL: {
-                        "backends": [
-                            {
-                                "type": "managed",
-                                "model": "tiny-random",
-                                "device": "cpu",
-                                "replicas": 2,
-                                "enable_fault_injection": True,
-                                "start_timeout_s": 120,
-                            }
-                        ],
-                        "migration": {"limit": 3, "stall_timeout_s": 30, "quarantine_s": 30},
-                    }
-                },
+                "models": {MODEL: managed_model()},
                 "chunkers": {"sentence": {"type": "sentence"}},
                 "detectors": {"pii": remote(detectors_url), "hap": remote(detectors_url)},
             }
@@ -475,10 +457,7 @@ class RecordingDetector:
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = await start_site(self._runner)
         return self.url
 
     async def close(self) -> None:
@@ -601,7 +580,6 @@ def test_bad_tracing_settings_name_their_path(tracing_cfg: dict[str, Any], error
 )
 def test_the_standard_environment_turns_tracing_on(environ: dict[str, str], on: bool) -> None:
     assert env_wants_tracing(environ) is on
-    assert engine_tracing.env_wants_tracing(environ) is on
 
 
 def test_config_tracing_is_exported_to_managed_engines_and_restored() -> None:
@@ -667,7 +645,7 @@ def test_compose_tracing_profile_points_every_process_at_its_collector() -> None
         assert set(service) == {"environment"}, name
         env = service["environment"]
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
-        assert env_wants_tracing(env) and engine_tracing.env_wants_tracing(env), name
+        assert env_wants_tracing(env), name
         names.add(env["OTEL_SERVICE_NAME"])
     assert len(names) == len(services)
 

@@ -17,6 +17,7 @@ import yaml
 
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import Orchestrator
+from tests.wait_support import within
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -81,7 +82,7 @@ async def test_the_readme_terminal_client_command_runs_as_shown() -> None:
                 stderr=asyncio.subprocess.PIPE,
                 cwd=ROOT,
             )
-            async with asyncio.timeout(60):
+            async with within(60):
                 out, err = await proc.communicate()
     finally:
         await engine.close()

@@ -30,6 +30,7 @@ from tests.fakes.clock import expire_stalls, manual_stall_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import MODEL, SCRIPT, Orchestrator, native_config, remote
+from tests.wait_support import finished
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "I am great. What about you?"
@@ -59,7 +60,7 @@ async def spawn_cli(*args: str, env: dict[str, str] | None = None) -> asyncio.su
 
 async def finish(proc: asyncio.subprocess.Process, shown: bytes = b"") -> tuple[int, str, str]:
     """(exit status, stdout with `shown` already read from it before, stderr)."""
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    out, err = await finished(proc.communicate(), 60, "proc.communicate()")
     assert proc.returncode is not None
     return proc.returncode, (shown + out).decode(), err.decode()
 
@@ -188,7 +189,11 @@ async def test_failed_and_error_events_exit_1(
         async with Orchestrator(config(engine, dets, model=model)) as orch:
             proc = await spawn_cli("--url", orch.url, "--output-detector", "you", "Hi")
             assert proc.stdout is not None
-            shown = await asyncio.wait_for(proc.stdout.readexactly(len("I am great.")), 60)
+            shown = await finished(
+                proc.stdout.readexactly(len("I am great.")),
+                60,
+                "proc.stdout.readexactly(len('I am great.'))",
+            )
             await expire_stalls(clock, lambda: engine.disconnects == 1)
             failed = await finish(proc, shown)
             errored = await cli("--url", orch.url, "--output-detector", "broken", "Hi")
@@ -316,7 +321,7 @@ async def tty_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
         env=child_env,
     )
     os.close(slave)
-    code = await asyncio.wait_for(proc.wait(), 60)
+    code = await finished(proc.wait(), 60, "proc.wait()")
     shown = b""
     with contextlib.suppress(OSError):  # EIO once the terminal has been drained
         while chunk := os.read(master, 65536):

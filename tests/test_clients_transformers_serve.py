@@ -22,23 +22,23 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 
 from generation import models
 from orchestrator.app import STREAMING_PATH
+from tests.engine_processes import free_port
 from tests.fakes.clock import expire_stalls, manual_stall_clock
+from tests.openai_support import sdk
 from tests.orchestrator_support import (
     Orchestrator,
     SseEvent,
@@ -46,6 +46,7 @@ from tests.orchestrator_support import (
     frames,
     terminal,
 )
+from tests.wait_support import until_sync, within
 
 MODEL = "tiny-serve"
 PROMPT = "The quick brown fox"
@@ -56,16 +57,6 @@ START_DEADLINE_S = 120  # generous: two servers import torch and transformers on
 # bare hang): a direct request to a server, the stream through guardstream, the launcher.
 CALL_DEADLINE_S = 120  # one direct streamed request to a server, on 2 loaded cores
 STREAM_DEADLINE_S = 120  # the migrating stream: 30 tokens, a kill, a resume; stall_timeout_s is 30
-
-
-@contextlib.asynccontextmanager
-async def deadline(seconds: float, what: str) -> AsyncIterator[None]:
-    """`asyncio.timeout` that fails the test saying what did not finish."""
-    try:
-        async with asyncio.timeout(seconds):
-            yield
-    except TimeoutError:
-        pytest.fail(f"{what} did not finish within {seconds:g} s")
 
 
 @dataclass
@@ -82,12 +73,6 @@ class Server:
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _lines(proc: subprocess.Popen[bytes], count: int, until: float) -> list[bytes]:
@@ -122,7 +107,7 @@ def pair(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[lis
     """Two servers forked from one launcher (tests/transformers_serve_pair.py: the CLI's
     imports are paid once), each its own process on its own free port."""
     root = tmp_path_factory.mktemp("tfserve")
-    ports = [str(_free_port()) for _ in range(2)]
+    ports = [str(free_port()) for _ in range(2)]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -150,10 +135,13 @@ def pair(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[lis
                 Server(int(pid), f"http://127.0.0.1:{int(port)}", root / f"serve-{int(port)}.log")
             )
         for s in servers:
-            while not _healthy(s.url):
+
+            def healthy(s: Server = s) -> bool:
                 logs = s.log.read_text(errors="replace") if s.log.exists() else ""
-                assert launcher.poll() is None and time.monotonic() < deadline_at, logs[-2000:]
-                time.sleep(0.2)
+                assert launcher.poll() is None, logs[-2000:]
+                return _healthy(s.url)
+
+            until_sync(healthy, max(0.0, deadline_at - time.monotonic()), f"{s.url} healthy", 0.2)
         yield servers
     finally:
         launcher.terminate()
@@ -212,7 +200,7 @@ async def server_pieces(url: str, path: str, body: dict[str, Any]) -> tuple[list
     pieces: list[str] = []
     finish = None
     async with (
-        deadline(CALL_DEADLINE_S, f"POST {url}{path} (the server directly)"),
+        within(CALL_DEADLINE_S, f"POST {url}{path} (the server directly)"),
         aiohttp.ClientSession() as s,
         s.post(url + path, json=body) as r,
     ):
@@ -231,10 +219,6 @@ async def server_pieces(url: str, path: str, body: dict[str, Any]) -> tuple[list
 async def server_text(url: str, path: str, body: dict[str, Any]) -> tuple[str, str | None]:
     pieces, finish = await server_pieces(url, path, body)
     return "".join(pieces), finish
-
-
-def sdk(orch: Orchestrator) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
 
 
 def fms_body(**params: Any) -> dict[str, Any]:
@@ -646,7 +630,7 @@ async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_tim
         async with Orchestrator(config(backends)) as orch:
             stream = asyncio.create_task(orch.stream(fms_body(), on_event=on_event))
             try:
-                async with deadline(STREAM_DEADLINE_S, "the stream reaching the cut"):
+                async with within(STREAM_DEADLINE_S, "the stream reaching the cut"):
                     await reached.wait()
                 assert cut.held.is_set() and cut.holder is not None
                 other = next(p for p in proxies if p is not cut.holder)
@@ -654,7 +638,7 @@ async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_tim
                 # the held replica is silent now, the other one not dispatched to: a stall
                 # declared until the stream moves there can only be the held one's
                 await expire_stalls(clock, lambda: other.posts > posts or stream.done())
-                async with deadline(STREAM_DEADLINE_S, "the resumed stream"):
+                async with within(STREAM_DEADLINE_S, "the resumed stream"):
                     events = await stream
             finally:
                 stream.cancel()
@@ -704,7 +688,7 @@ async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Pa
 
             task = asyncio.create_task(killer())
             try:
-                async with deadline(STREAM_DEADLINE_S, "the stream through guardstream"):
+                async with within(STREAM_DEADLINE_S, "the stream through guardstream"):
                     events = await orch.stream(fms_body())
                 # never `await task` before this: a stream that was not held leaves the killer
                 # waiting for ever (the pool may pick either replica; both are held alike)

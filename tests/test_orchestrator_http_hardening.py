@@ -29,6 +29,7 @@ from orchestrator.handlers.body import MAX_JSON_DEPTH, json_depth
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import MODEL, NDJSON, Orchestrator, native_config, remote
+from tests.wait_support import within
 
 DEADLINE_S = 10.0  # generous: the bounds under test are well under a second
 DEEP = "[" * 1000 + "]" * 1000
@@ -72,7 +73,7 @@ async def exchange(orch: Orchestrator, data: bytes) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port_of(orch))
     try:
         writer.write(data)
-        async with asyncio.timeout(DEADLINE_S):
+        async with within(DEADLINE_S):
             return await reader.read()  # to EOF: the server must close
     finally:
         writer.close()
@@ -144,7 +145,7 @@ async def test_a_body_dripping_past_request_timeout_s_is_408(engine) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port_of(orch))
         writer.write(post_head(CONTENT_PATH, 10_000))
         read = asyncio.ensure_future(reader.read())
-        async with asyncio.timeout(DEADLINE_S):
+        async with within(DEADLINE_S):
             while not read.done():
                 writer.write(b" ")
                 await asyncio.wait([read], timeout=0.05)
@@ -426,7 +427,7 @@ async def test_expect_100_continue_over_the_limit_is_413_without_continue(engine
     async with service(engine) as orch:
         reader, writer = await asyncio.open_connection("127.0.0.1", port_of(orch))
         writer.write(post_head(CONTENT_PATH, 2_000_000, extra="Expect: 100-continue\r\n"))
-        async with asyncio.timeout(DEADLINE_S):
+        async with within(DEADLINE_S):
             head = await reader.readuntil(b"\r\n\r\n")
             reply = Reply(head)
             body = await reader.readexactly(int(reply.headers["content-length"]))
@@ -441,7 +442,7 @@ async def test_expect_100_continue_within_the_limit_continues(engine) -> None:
     async with service(engine) as orch:
         reader, writer = await asyncio.open_connection("127.0.0.1", port_of(orch))
         writer.write(post_head(CONTENT_PATH, len(payload), extra="Expect: 100-continue\r\n"))
-        async with asyncio.timeout(DEADLINE_S):
+        async with within(DEADLINE_S):
             assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
             writer.write(payload)
             reply = Reply(await reader.readuntil(b"\r\n\r\n"))

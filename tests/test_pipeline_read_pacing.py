@@ -10,6 +10,7 @@ import pytest
 
 from orchestrator.streaming.loop_lag import LoopLag
 from orchestrator.streaming.read_pacing import MIN_DELAY_S, ReadPacer
+from tests.wait_support import within
 
 
 class Clock:
@@ -136,7 +137,7 @@ async def test_loop_lag_sees_a_blocked_loop() -> None:
     lag.start()
     try:
         time.sleep(0.3)  # noqa: ASYNC251 -- blocks the loop on purpose: the probe is due at 0.01 s
-        async with asyncio.timeout(10):  # a guard, not a window
+        async with within(10):  # a guard, not a window
             await probed.wait()
         late, busy = samples[0]
         assert late >= 0.29

@@ -23,12 +23,13 @@ from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from orchestrator.clients.detectors import InProcessDetectorClient
 from orchestrator.clients.registry import RequestedDetector
 from orchestrator.config import DetectorConfig
-from orchestrator.handlers import fms_stream
+from orchestrator.streaming import fms_writer
 from orchestrator.streaming.cancellation import cancel_and_wait
 from orchestrator.streaming.detector_queue import DetectorQueue
 from orchestrator.streaming.inbox import Inbox
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import Orchestrator, generation_body, native_config
+from tests.wait_support import finished
 
 
 def pii_detector() -> RequestedDetector:
@@ -69,7 +70,9 @@ async def test_stream_content_ends_after_a_bad_last_line(engine: FakeEngine) -> 
     body = json.dumps({"content": "mail a@b.com now. You too", "detectors": {"pii": {}}}) + "\n\x00"
     async with Orchestrator(config) as orch:
         for _ in range(20):  # the race was lost most of the time; every reply must end
-            status, text = await asyncio.wait_for(orch.post(STREAM_CONTENT_PATH, body), 30)
+            status, text = await finished(
+                orch.post(STREAM_CONTENT_PATH, body), 30, "orch.post(STREAM_CONTENT_PATH, body)"
+            )
             assert status == 200
             lines = [json.loads(x) for x in text.splitlines()]
             assert lines[-1] == {
@@ -113,7 +116,7 @@ async def test_a_failure_after_the_reply_started_cuts_the_connection(
     would land inside the chunked body), so the connection is closed and the client's read ends
     with a payload error instead of waiting."""
     calls = 0
-    real = fms_stream.sse_event
+    real = fms_writer.sse_event
 
     def failing(event: Any) -> bytes:
         nonlocal calls
@@ -122,12 +125,12 @@ async def test_a_failure_after_the_reply_started_cuts_the_connection(
             raise RuntimeError("a writer bug")
         return real(event)
 
-    monkeypatch.setattr(fms_stream, "sse_event", failing)
+    monkeypatch.setattr(fms_writer, "sse_event", failing)
     async with Orchestrator(native_config(engine.url)) as orch:
         assert orch.session is not None
         async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
             assert r.status == 200
             with pytest.raises(aiohttp.ClientPayloadError):
-                await asyncio.wait_for(r.read(), 30)
+                await finished(r.read(), 30, "r.read()")
         status, _ = await orch.post(STREAMING_PATH, generation_body())
         assert status == 200  # the server goes on serving

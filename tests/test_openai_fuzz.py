@@ -11,12 +11,10 @@ before it exactly one `finish_reason` or exactly one error object; every unary 2
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import threading
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -34,23 +32,14 @@ from schemathesis.specs.openapi.checks import (
 
 from orchestrator.app import CHAT_DETECTION_PATH, CHAT_PATH, MODELS_PATH
 from tests.engine_processes import ThreadedServer
-from tests.orchestrator_support import MODEL, Orchestrator, native_config
+from tests.orchestrator_support import (
+    ERROR_TYPES,
+    MODEL,
+    BackgroundLoop,
+    Orchestrator,
+    native_config,
+)
 
-T = TypeVar("T")
-
-ERROR_TYPES = {
-    "invalid_request",
-    "not_found",
-    "unauthorized",
-    "detector_error",
-    "chunker_error",
-    "generation_error",
-    "generation_unavailable",
-    "timeout",
-    "overloaded",
-    "server_shutdown",
-    "server_error",
-}
 DETECTOR_IDS = ("pii", "hap", "pii_block")
 FUZZ = settings(
     max_examples=80,
@@ -60,21 +49,17 @@ FUZZ = settings(
 )
 
 
-class Stack:
+class Stack(BackgroundLoop):
     """The orchestrator in front of the real engine server, served from a loop in its own thread
     (hypothesis is synchronous)."""
 
     def __init__(self, engine_url: str) -> None:
+        super().__init__("fuzz-chat")
         self.engine_url = engine_url
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-chat", daemon=True)
         self.url = ""
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
     def start(self) -> Stack:
-        self.thread.start()
+        self.start_loop()
         self.orch = Orchestrator(
             native_config(
                 self.engine_url,
@@ -104,9 +89,7 @@ class Stack:
 
     def stop(self) -> None:
         self.run(self.orch.__aexit__(None, None, None))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        self.stop_loop()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 
 from orchestrator.app import CHAT_PATH, RESPONSES_PATH, STREAMING_PATH
 from tests.fakes.engine import FakeEngine
+from tests.fakes.openai_server import FakeOpenAI
 from tests.orchestrator_support import MODEL, Orchestrator, generation_body, native_config
 
 DEFAULTS = {"temperature": 0.3, "top_p": 0.9, "repetition_penalty": 1.1}
@@ -74,9 +75,8 @@ async def test_without_defaults_openai_surfaces_sample_at_temperature_one(
 async def test_a_default_the_server_refuses_is_dropped_on_every_surface() -> None:
     """transformers serve refuses `repetition_penalty`: a model with that default behind it
     still answers requests that never named it (the request is sent again without it)."""
-    from tests.fakes.openai_chat import FakeOpenAIChat
 
-    server = FakeOpenAIChat(script=["Hello", "."], transformers=True)
+    server = FakeOpenAI(script=["Hello", "."], flavour="transformers")
     await server.start()
     backend = {"type": "openai", "url": server.url, "model": "fake-model", "api": "chat"}
     cfg = native_config(server.url, model={"decoding_defaults": DEFAULTS, "backends": [backend]})

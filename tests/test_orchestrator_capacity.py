@@ -12,20 +12,16 @@ where even that cannot hold server.max_concurrent_streams streams it takes fewer
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import resource
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from orchestrator import capacity
 from orchestrator.app import STREAMING_PATH
@@ -33,71 +29,22 @@ from orchestrator.config import parse_config
 from orchestrator.handlers.metrics import listen_overflows
 from orchestrator.server import start_server
 from orchestrator.state import STATE
-from tests.engine_support import wait_until
-from tests.fakes.engine import FakeEngine, until
+from tests.fakes.engine import GatedEngine
 from tests.orchestrator_support import (
     ROOT,
     Orchestrator,
-    Served,
     generation_body,
     native_config,
     read_sse,
     remote,
+    serve,
     terminal,
 )
+from tests.wait_support import DEADLINE_S, until
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_NOFILE and /proc: Linux")
 
 SCRIPT = ["One", " two", " three", "."]
-
-# the longest any wait in these tests may take: a deadline, never a measured window
-DEADLINE_S = 30.0
-
-
-class GatedEngine(FakeEngine):
-    """Holds every generate request until `gate` opens: all admitted streams run at once,
-    however slow the machine."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.gate = asyncio.Event()
-        self.held = 0
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        self.held += 1
-        await self.gate.wait()
-        return await super()._generate(request)
-
-
-@asynccontextmanager
-async def serve_with_limit(
-    tmp_path: Path, config: dict[str, Any], nofile: tuple[int, int]
-) -> AsyncIterator[Served]:
-    """`python -m orchestrator serve` started with RLIMIT_NOFILE = `nofile` (soft, hard)."""
-    path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(config))
-    stderr = tmp_path / "stderr.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    with stderr.open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *("-m", "orchestrator", "serve", "--config", str(path), "--port", "0"),
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile),
-        )
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
-        assert line.startswith(b"guardstream listening on http://"), (line, stderr.read_text())
-        yield Served(proc, line.decode().split()[-1], stderr)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 def nofile_of(pid: int) -> tuple[int, int]:
@@ -162,7 +109,7 @@ async def overload(
             async with session.get(url + "/info") as r:
                 return r.status == 200
 
-        await wait_until(ready, DEADLINE_S, "/info ready again")
+        await until(ready, DEADLINE_S, "/info ready again")
     assert completed == ["completed"] * admitted
     assert rejected == [(429, "1", overloaded)] * (clients - admitted)
     return {"completed": completed, "rejected": rejected}
@@ -175,7 +122,7 @@ async def test_streams_beyond_the_cap_get_429_and_none_is_reset(tmp_path: Path) 
     await engine.start()
     config = native_config(engine.url, server={"max_concurrent_streams": 8})
     try:
-        async with serve_with_limit(tmp_path, config, (256, 4096)) as served:
+        async with serve(tmp_path, config, nofile=(256, 4096)) as served:
             assert nofile_of(served.proc.pid) == (4096, 4096)
             assert "open files: soft limit 4096 (was 256), hard limit 4096" in served.messages()
             await overload(served.url, engine, clients=40, admitted=8, limit=8)
@@ -195,7 +142,7 @@ async def test_too_few_open_files_for_the_cap_lower_it_instead_of_resetting(
     fits = (200 - capacity.RESERVED_FDS) // 2
     assert fits == 36
     try:
-        async with serve_with_limit(tmp_path, config, (200, 200)) as served:
+        async with serve(tmp_path, config, nofile=(200, 200)) as served:
             assert nofile_of(served.proc.pid) == (200, 200)
             assert any(
                 m.startswith(
@@ -327,7 +274,7 @@ async def test_info_is_not_ready_while_draining_or_saturated() -> None:
             async def healthy() -> bool:  # the replica's first health check
                 return await info() == (200, "HEALTHY")
 
-            await wait_until(healthy, DEADLINE_S, "/info healthy")
+            await until(healthy, DEADLINE_S, "/info healthy")
             held = await orch.session.post(orch.url + STREAMING_PATH, json=generation_body())
             await until(lambda: engine.held == 1 and state.active_streams == 1)
             assert await info() == (503, "UNHEALTHY")  # saturated

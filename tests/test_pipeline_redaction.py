@@ -7,7 +7,6 @@ the engine receives a redacted prompt."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -19,6 +18,7 @@ import pytest
 
 from orchestrator.config import ConfigError, parse_config
 from tests.fakes.engine import FakeEngine, Fault
+from tests.openai_support import raw_chunks, raw_events
 from tests.orchestrator_support import (
     MODEL,
     Orchestrator,
@@ -29,8 +29,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
-from tests.test_openai_chat import raw_chunks
-from tests.test_openai_responses import raw_events
+from tests.wait_support import finished
 
 ENTITIES = ["jo@example.com", "555-123-4567", "4111 1111 1111 1111"]
 ANSWER = (
@@ -295,12 +294,13 @@ async def test_text_without_a_boundary_flows_in_max_chars_frames() -> None:
                 engine.release.set()
 
         async with Orchestrator(cfg) as orch:
-            events = await asyncio.wait_for(
+            events = await finished(
                 orch.stream(
                     generation_body(output={"pii": {}}, params={"max_new_tokens": len(script)}),
                     on_event=on_event,
                 ),
                 60,
+                "orch.stream(generation_body(output={'pii': {}}, params={'...",
             )
     finally:
         await engine.close()

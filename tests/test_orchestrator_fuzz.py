@@ -9,12 +9,10 @@ run the whole pipeline quickly."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import threading
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -32,33 +30,26 @@ from schemathesis.specs.openapi.checks import (
 
 from orchestrator.app import (
     CONTENT_PATH,
-    OPENAI_PATHS,
     STREAM_CONTENT_PATH,
     STREAMING_PATH,
     UNARY_PATH,
+    Surface,
+    surface_of,
 )
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
-from tests.orchestrator_support import MODEL, Orchestrator, native_config, remote
-
-T = TypeVar("T")
+from tests.orchestrator_support import (
+    ERROR_TYPES,
+    MODEL,
+    BackgroundLoop,
+    Orchestrator,
+    native_config,
+    remote,
+)
 
 NDJSON = "application/x-ndjson"
 POST_PATHS = (STREAMING_PATH, UNARY_PATH, CONTENT_PATH, STREAM_CONTENT_PATH)
 DETECTOR_IDS = ("you", "pii", "para", "whole", "blocker")
-ERROR_TYPES = {
-    "invalid_request",
-    "not_found",
-    "unauthorized",
-    "detector_error",
-    "chunker_error",
-    "generation_error",
-    "generation_unavailable",
-    "timeout",
-    "overloaded",
-    "server_shutdown",
-    "server_error",
-}
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -86,20 +77,16 @@ def _ndjson(ctx: Any, value: Any) -> bytes:
 schemathesis.serializer(NDJSON)(_ndjson)
 
 
-class Stack:
+class Stack(BackgroundLoop):
     """Fake engine, fake detector and the orchestrator, served from a loop in its own thread
     (hypothesis and schemathesis are synchronous)."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-stack", daemon=True)
+        super().__init__("fuzz-stack")
         self.url = ""
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
     def start(self) -> Stack:
-        self.thread.start()
+        self.start_loop()
         self.run(self._start())
         return self
 
@@ -140,9 +127,7 @@ class Stack:
             await self.engine.close()
 
         self.run(stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        self.stop_loop()
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +214,7 @@ def fuzz_operation(
     def fuzz(case: schemathesis.Case) -> None:
         response = case.call(base_url=url, session=http, timeout=30)
         case.validate_response(response, checks=checks)
-        check_error_body(response, operation.path in OPENAI_PATHS)
+        check_error_body(response, surface_of(operation.path) is Surface.OPENAI)
         if response.status_code == 200 and operation.path == STREAMING_PATH:
             check_stream(response.text)
 

@@ -6,12 +6,8 @@ drains every worker: a running stream completes, then everything exits 0."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +17,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.app import STREAMING_PATH
-from tests.fakes.engine import FakeEngine, until
+from tests.e2e_support import managed_model
+from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     MODEL,
-    ROOT,
     SCRIPT,
     SseEvent,
     assert_contiguous,
@@ -32,60 +28,15 @@ from tests.orchestrator_support import (
     generation_body,
     native_config,
     read_sse,
+    serve,
     sse_events,
     terminal,
 )
+from tests.wait_support import finished, until, within
 
 START_S = 120  # generous: two workers import the service at once on a busy machine
 TEXT = "".join(SCRIPT)
 PII = {"pii": {"builtin": "regex", "chunker_id": "sentence"}}
-
-
-class Supervised:
-    """The `serve` process, its URL, and what its children are."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
-        self.proc = proc
-        self.url = url
-
-    def children(self) -> list[psutil.Process]:
-        return psutil.Process(self.proc.pid).children()
-
-    def workers(self) -> list[psutil.Process]:
-        return [c for c in self.children() if "worker_main" in " ".join(c.cmdline())]
-
-    def engines(self) -> list[psutil.Process]:
-        return [c for c in self.children() if "generation" in c.cmdline()]
-
-
-@asynccontextmanager
-async def supervised(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[Supervised]:
-    """`python -m orchestrator serve` on a free port, once it printed its "listening on" line."""
-    path = tmp_path / "config.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    with (tmp_path / "stderr.log").open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *("-m", "orchestrator", "serve", "--config", str(path), "--port", "0"),
-            cwd=ROOT,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-        )
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), START_S)
-        log = (tmp_path / "stderr.log").read_text()
-        assert line.startswith(b"guardstream listening on http://"), (line, log)
-        yield Supervised(proc, line.decode().split()[-1])
-    finally:
-        if proc.returncode is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            await proc.wait()
 
 
 async def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -143,7 +94,7 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
     await engine.start()
     config = native_config(engine.url, detectors=PII, server={"workers": 2})
     try:
-        async with supervised(tmp_path, config) as served:
+        async with serve(tmp_path, config, start_s=START_S) as served:
             workers = {w.pid for w in served.workers()}
             assert len(workers) == 2 and served.engines() == []
             metrics_dir = psutil.Process(min(workers)).environ()["PROMETHEUS_MULTIPROC_DIR"]
@@ -170,7 +121,7 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
             # counts itself once its page is written, so the earlier scrapes are on it). A
             # stream is counted when its handler returns, just after the client read its last
             # byte, so a scrape may come first: scrape again until all are there (a deadline)
-            async with asyncio.timeout(30):
+            async with within(30):
                 while sum(served_by.values()) < streams + scrapes - 1:
                     metrics = await scrape(served.url)
                     scrapes += 1
@@ -205,9 +156,9 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
             }
             assert engine.holding == 1 and not client.done()
             engine.release.set()
-            events = await asyncio.wait_for(client, 30)
+            events = await finished(client, 30, "client")
             check_completed(events)
-            assert await asyncio.wait_for(served.proc.wait(), 60) == 0
+            assert await finished(served.proc.wait(), 60, "served.proc.wait()") == 0
             assert not any(psutil.pid_exists(pid) for pid in workers)
             assert not exists(metrics_dir)  # the supervisor removed it
     finally:
@@ -217,11 +168,8 @@ async def test_workers_share_the_port_aggregate_metrics_and_drain_on_sigterm(
 async def until_draining(url: str) -> Any:
     """Fresh requests until one is refused with 503; its body."""
     body = generation_body()
-    return await asyncio.wait_for(_first_refusal(url, body), 30)  # a guard, not a window
 
-
-async def _first_refusal(url: str, body: Any) -> Any:
-    while True:
+    async def refused() -> Any:
         try:
             connector = aiohttp.TCPConnector(force_close=True)
             async with (
@@ -233,7 +181,9 @@ async def _first_refusal(url: str, body: Any) -> Any:
                 r.close()  # a worker that had not begun to drain: the stream is dropped
         except aiohttp.ClientConnectionError:
             pass
-        await asyncio.sleep(0.05)
+        return None
+
+    return await until(refused, what="a request refused with 503", poll_s=0.05)
 
 
 @pytest.mark.timeout(600)
@@ -241,23 +191,14 @@ async def test_managed_engines_are_started_once_for_all_workers(tmp_path: Path) 
     config = {
         "server": {"host": "127.0.0.1", "port": 0, "workers": 2},
         "models": {
-            MODEL: {
-                "backends": [
-                    {
-                        "type": "managed",
-                        "model": "tiny-random",
-                        "device": "cpu",
-                        "replicas": 1,
-                        "start_timeout_s": 300,
-                    }
-                ],
-                "migration": {"limit": 0},
-            }
+            MODEL: managed_model(
+                1, fault_injection=False, start_timeout_s=300, migration={"limit": 0}
+            )
         },
         "chunkers": {"sentence": {"type": "sentence"}},
         "detectors": PII,
     }
-    async with supervised(tmp_path, config) as served:
+    async with serve(tmp_path, config, start_s=START_S) as served:
         workers = {w.pid for w in served.workers()}
         (engine,) = served.engines()  # one engine process, not one per worker
         assert len(workers) == 2
@@ -272,7 +213,7 @@ async def test_managed_engines_are_started_once_for_all_workers(tmp_path: Path) 
         stream_key = ("endpoint", STREAMING_PATH), ("status", "200")
         assert metrics[("guardstream_requests_total", stream_key)] == 6
         served.proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(served.proc.wait(), 120) == 0
+        assert await finished(served.proc.wait(), 120, "served.proc.wait()") == 0
         assert not any(psutil.pid_exists(pid) for pid in {*workers, engine.pid})
 
 
@@ -294,7 +235,7 @@ async def test_workers_drain_and_exit_when_the_supervisor_is_killed(tmp_path: Pa
     await engine.start()
     config = native_config(engine.url, detectors=PII, server={"workers": 2, "drain_timeout_s": 1})
     try:
-        async with supervised(tmp_path, config) as served:
+        async with serve(tmp_path, config, start_s=START_S) as served:
             workers = [w.pid for w in served.workers()]
             assert len(workers) == 2
             seen: list[SseEvent] = []
@@ -302,7 +243,7 @@ async def test_workers_drain_and_exit_when_the_supervisor_is_killed(tmp_path: Pa
             await until(lambda: engine.holding == 1 and len(seen) == 1, 30)
             served.proc.kill()
             await served.proc.wait()
-            events = await asyncio.wait_for(client, 30)  # a guard, not a window
+            events = await finished(client, 30, "client")  # a guard, not a window
             end = terminal(events)  # a frame had been sent: `failed`, with the frames' end
             assert end.name == "failed"
             assert end.data["error"] == {

@@ -3,7 +3,6 @@ once the service is ready, and the printed request works as printed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shlex
@@ -14,6 +13,7 @@ import aiohttp
 from orchestrator.app import STREAMING_PATH
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import MODEL, native_config, serve
+from tests.wait_support import finished
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,11 +33,15 @@ async def test_serve_hint_prints_working_commands_once_ready(tmp_path: Path) -> 
             assert served.proc.stdout is not None
             lines: list[str] = []
             while not lines or lines[-1] != "guardstream is ready. In another terminal, try:":
-                raw = await asyncio.wait_for(served.proc.stdout.readline(), 60)
+                raw = await finished(
+                    served.proc.stdout.readline(), 60, "served.proc.stdout.readline()"
+                )
                 assert raw, served.stderr.read_text()
                 lines.append(raw.decode().rstrip("\n"))
             hint = [
-                (await asyncio.wait_for(served.proc.stdout.readline(), 10)).decode().rstrip("\n")
+                (await finished(served.proc.stdout.readline(), 10, "served.proc.stdout.readline()"))
+                .decode()
+                .rstrip("\n")
                 for _ in range(7)
             ]
             # the hint came after the in-process detectors warmed up: /info is ready now

@@ -22,9 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from generation import models
 from orchestrator.app import CHAT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.state import STATE
-from tests.fakes.openai_chat import ChatFault, FakeOpenAIChat
+from tests.e2e_support import MODEL, all_healthy, e2e_config, faults, replicas
+from tests.engine_support import skip_without_smollm2
+from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
+from tests.openai_support import sdk
 from tests.orchestrator_support import Orchestrator, generation_body
-from tests.test_orchestrator_e2e import MODEL, all_healthy, e2e_config, faults, replicas
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -41,10 +43,6 @@ async def orch() -> AsyncIterator[Orchestrator]:
     """Two managed `tiny-random` replicas with fault injection; built-in pii and hap."""
     async with Orchestrator(e2e_config()) as o:
         yield o
-
-
-def sdk(orch: Orchestrator) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
 
 
 async def sdk_stream(orch: Orchestrator, on_chunk: Any = None, **kwargs: Any) -> list[Any]:
@@ -330,8 +328,8 @@ async def test_a_stop_sequence_longer_than_the_engines_limit_is_422(orch: Orches
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def upstreams() -> AsyncIterator[list[FakeOpenAIChat]]:
-    made = [FakeOpenAIChat(), FakeOpenAIChat()]
+async def upstreams() -> AsyncIterator[list[FakeOpenAI]]:
+    made = [FakeOpenAI(model="fake-chat"), FakeOpenAI(model="fake-chat")]
     for s in made:
         await s.start()
     yield made
@@ -339,7 +337,7 @@ async def upstreams() -> AsyncIterator[list[FakeOpenAIChat]]:
         await s.close()
 
 
-def upstream_config(servers: list[FakeOpenAIChat], quarantine_s: float = 600) -> dict[str, Any]:
+def upstream_config(servers: list[FakeOpenAI], quarantine_s: float = 600) -> dict[str, Any]:
     return {
         "server": {"host": "127.0.0.1", "port": 0},
         "models": {
@@ -364,10 +362,10 @@ UPSTREAM_QUESTION = [
 
 
 async def test_an_upstream_connection_drop_migrates_by_continuing_the_message(
-    upstreams: list[FakeOpenAIChat],
+    upstreams: list[FakeOpenAI],
 ) -> None:
     first, second = upstreams
-    first.faults.append(ChatFault("close", after_chunks=3))
+    first.faults.append(OpenAIFault("close", after=3))
     async with Orchestrator(upstream_config(upstreams)) as orch:
         await all_healthy(orch, UPSTREAM)  # both healthy: round-robin starts at the first
         chunks = await sdk_stream(
@@ -400,11 +398,11 @@ async def test_an_upstream_connection_drop_migrates_by_continuing_the_message(
 
 
 async def test_in_band_errors_on_every_upstream_after_text_make_the_sdk_raise(
-    upstreams: list[FakeOpenAIChat],
+    upstreams: list[FakeOpenAI],
 ) -> None:
     """Text reached the client before every replica failed: an in-stream error object."""
     for s in upstreams:
-        s.faults.append(ChatFault("error", after_chunks=2, times=-1))
+        s.faults.append(OpenAIFault("error", after=2, times=-1))
     async with Orchestrator(upstream_config(upstreams)) as orch:
         await all_healthy(orch, UPSTREAM)
         seen: list[Any] = []
@@ -433,12 +431,12 @@ async def test_in_band_errors_on_every_upstream_after_text_make_the_sdk_raise(
 
 
 async def test_in_band_errors_on_every_upstream_before_text_are_an_http_error(
-    upstreams: list[FakeOpenAIChat],
+    upstreams: list[FakeOpenAI],
 ) -> None:
     """Every replica failed before any text: nothing was sent, so a real HTTP 503. Failed
     replicas are not quarantined here: each request makes 1 + `limit` attempts."""
     for s in upstreams:
-        s.faults.append(ChatFault("error", after_chunks=0, times=-1))
+        s.faults.append(OpenAIFault("error", after=0, times=-1))
     async with Orchestrator(upstream_config(upstreams, quarantine_s=0)) as orch:
         await all_healthy(orch, UPSTREAM)
         for attempt, stream in enumerate((True, False), start=1):
@@ -464,6 +462,7 @@ async def test_in_band_errors_on_every_upstream_before_text_are_an_http_error(
 
 
 async def test_smollm2_answers_through_its_chat_template() -> None:
+    skip_without_smollm2()
     await asyncio.to_thread(models.prepare, "smollm2-135m")  # the cache `make run` fills
     config = {
         "server": {"host": "127.0.0.1", "port": 0},

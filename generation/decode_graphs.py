@@ -1,0 +1,438 @@
+"""The static decode step: fixed device buffers, replayed from CUDA graphs on a GPU.
+
+Why. On a GPU an eager decode step is bound by the host: ~1,000 kernel launches from Python per
+forward pass (~35 ms for smollm2-135m on an H100 host, against ~2.5 ms of GPU work), plus the
+slot cache's host-side row index and a width that changes every step. A CUDA graph replays the
+whole step with one launch, but only over memory whose addresses and shapes never change. So
+everything a step reads lives in buffers allocated once, at start:
+
+- `input_ids` and `positions` `[slots]` (long): each row's last token and its token count, which is
+  also its position id and the cache column its new key is written to;
+- the KV cache, per layer `[slots, kv_heads, capacity, head_dim]` with a fixed capacity; row r lives
+  in slot r, right-padded (the same layout as kv_cache.SlotCache, so joins and leaves copy only
+  the rows that join or move);
+- the attention mask is built on the device inside the step, from `positions`: row r attends to
+  columns `0..positions[r]`; columns beyond are masked whatever they hold (stale keys of rows that
+  left, zeros), so a row's result never depends on them;
+- the logits are the graph's own output buffer.
+
+A step pads the running rows up to a batch-size bucket (`ROW_BUCKETS`) and the attention width
+(longest row + 1) up to a width bucket, and runs (CUDA: replays) the step captured for that
+(rows, width) pair. Padding rows read token 0 at position 0 and write column 0 of free slots
+only; padding columns are masked. Width buckets exist because attending over the whole capacity
+costs attention compute proportional to the capacity at every step (8,192 columns for a
+100-token stream); a grid of power-of-two widths keeps that within 2x of what is needed for a
+few dozen graphs (a paged kernel, as vLLM and SGLang use, would avoid even that; it needs custom
+attention kernels). The host writes the step's tokens and positions into the static buffers with
+one host-to-device copy and reads the chosen tokens back with one device-to-host read.
+
+On a CPU the same step runs eagerly (no capture), with exact rows and width by default: padding
+buys nothing there. Prefill stays eager (`DynamicCache`); its keys are copied into the static
+cache when rows join.
+
+Memory (CUDA): rows and capacity come from free GPU memory at start (`plan_cache`): the cache gets
+`gpu_memory_fraction` of what is free after loading the model, as many rows as fit up to
+`max_rows` with at least `MIN_CAPACITY` columns each (or the model's whole context when it is
+shorter); a capacity below the model's context lowers the context the engine advertises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+from .device_sampling import DeviceSampler
+
+log = logging.getLogger("guardstream.engine")
+
+#: Batch-size buckets a step pads its rows up to (one graph per bucket and width).
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: The narrowest attention width bucket; the next ones double up to the capacity.
+MIN_WIDTH_BUCKET = 128
+#: Capacity is a multiple of this.
+CAPACITY_QUANTUM = 64
+#: The fewest columns a row gets before rows are given up for them (or the whole context).
+MIN_CAPACITY = 4096
+#: Rows the cache holds at most by default (CUDA).
+MAX_ROWS = 256
+#: Columns per row of a static cache on a CPU (tests and `--static-decode` there), at most.
+CPU_CAPACITY = 2048
+
+
+def bucket(n: int, buckets: Sequence[int] | None) -> int:
+    """The smallest bucket >= n (n itself without buckets, or above the largest bucket)."""
+    if not buckets:
+        return n
+    for size in buckets:
+        if size >= n:
+            return size
+    return n
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """`ROW_BUCKETS` below `max_rows`, then `max_rows` itself (the slot count: a plan's 83 rows
+    get a last bucket of 83, not 128 rows of which 45 have no memory)."""
+    return (*(b for b in ROW_BUCKETS if b < max_rows), max_rows)
+
+
+def width_buckets(capacity: int, smallest: int = MIN_WIDTH_BUCKET) -> tuple[int, ...]:
+    """Doubling widths from `smallest` below `capacity`, then `capacity` itself."""
+    out: list[int] = []
+    width = smallest
+    while width < capacity:
+        out.append(width)
+        width *= 2
+    out.append(capacity)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """Rows x capacity of a static cache and the bytes it takes."""
+
+    rows: int
+    capacity: int
+    nbytes: int
+
+
+def plan_cache(
+    *,
+    free_bytes: int,
+    fraction: float,
+    bytes_per_token: int,
+    max_context: int,
+    max_rows: int = MAX_ROWS,
+    min_capacity: int = MIN_CAPACITY,
+    quantum: int = CAPACITY_QUANTUM,
+) -> CachePlan:
+    """Size a static KV cache from free device memory (a pure function: tested on a CPU).
+
+    The cache gets `fraction` of `free_bytes` (the rest is left for prefill activations, the
+    graphs' pool and the allocator). Rows come first: `max_rows` rows of the whole context when
+    they fit; else the capacity shrinks (a multiple of `quantum`) until `max_rows` fit, but not
+    below `min_capacity` (or the whole context, when shorter); past that, rows are given up.
+    At least one row of `quantum` columns, or an error when even that does not fit."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"gpu memory fraction must be in (0, 1], not {fraction}")
+    budget = int(free_bytes * fraction)
+    context = -(-max_context // quantum) * quantum
+    per_row_full = context * bytes_per_token
+    if budget >= max_rows * per_row_full:
+        return CachePlan(max_rows, context, max_rows * per_row_full)
+    floor = min(context, -(-min_capacity // quantum) * quantum)
+    capacity = (budget // (max_rows * bytes_per_token)) // quantum * quantum
+    if capacity >= floor:
+        return CachePlan(max_rows, capacity, max_rows * capacity * bytes_per_token)
+    capacity = floor
+    rows = budget // (capacity * bytes_per_token)
+    if rows < 1:
+        capacity = (budget // bytes_per_token) // quantum * quantum
+        rows = 1
+        if capacity < quantum:
+            raise MemoryError(
+                f"no room for a KV cache: {budget} bytes for {bytes_per_token} bytes per token"
+            )
+    return CachePlan(rows, capacity, rows * capacity * bytes_per_token)
+
+
+def cache_bytes_per_token(template: DynamicCache) -> int:
+    """Bytes one token takes in every layer's keys and values (from a prefill's cache)."""
+    total = 0
+    for layer in template.layers:
+        keys, values = layer.keys, layer.values
+        total += keys.shape[1] * keys.shape[3] * keys.element_size()
+        total += values.shape[1] * values.shape[3] * values.element_size()
+    return total
+
+
+class StaticLayer(CacheLayerMixin):
+    """One layer's fixed buffers; `update` is called by the model's attention in a step."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: StaticSlotCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self._owner = owner
+        self.keys, self.values = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("StaticLayer buffers are allocated by StaticSlotCache")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's new key/value at its own column (`positions`); return the step's
+        `[rows, :, :width]` window. Device ops only: no host sync, nothing sized by data."""
+        owner = self._owner
+        rows, width = owner.step_rows, owner.step_width
+        if key_states.shape[-2] != 1 or rows == 0:
+            raise RuntimeError("StaticSlotCache serves decode steps (one new token per row) only")
+        assert self.keys is not None and self.values is not None
+        columns = owner.positions[:rows].view(rows, 1, 1, 1)
+        self.keys[:rows].scatter_(2, columns.expand_as(key_states), key_states)
+        self.values[:rows].scatter_(2, columns.expand_as(value_states), value_states)
+        return self.keys[:rows, :, :width], self.values[:rows, :, :width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._owner.step_width - 1 + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return max(self._owner.step_width - 1, 0)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StaticSlotCache(Cache):
+    """Fixed `[slots, kv_heads, capacity, head_dim]` buffers per layer plus the step's static
+    inputs (worker thread only). Same join/leave protocol as kv_cache.SlotCache: `add_rows`,
+    `keep`, `clear`; `lengths` is each row's token count, row r in slot r."""
+
+    def __init__(self, template: DynamicCache, slots: int, capacity: int) -> None:
+        self.max_slots = slots  # interface of SlotCache (benchmarks read it)
+        self.max_length = capacity
+        layers = []
+        for source in template.layers:
+            k, v = source.keys, source.values
+            keys = k.new_zeros((slots, k.shape[1], capacity, k.shape[3]))
+            values = v.new_zeros((slots, v.shape[1], capacity, v.shape[3]))
+            layers.append(StaticLayer(self, keys, values))
+        self._static_layers = layers
+        super().__init__(layers=list(layers))
+        device = layers[0].keys.device
+        self.input_ids = torch.zeros(slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self.columns = torch.arange(capacity, dtype=torch.long, device=device)
+        self.lengths: list[int] = []
+        self.step_rows = 0  # the step's (padded) rows and width: read while capturing
+        self.step_width = 0
+        self.copied_bytes = 0
+
+    # ----- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def slots(self) -> int:
+        return self._static_layers[0].keys.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self._static_layers[0].keys.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self._static_layers[0].keys.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self._static_layers)
+
+    # ----- joining and leaving -----------------------------------------------------------------
+
+    def add_rows(
+        self, prefill: DynamicCache, select: Sequence[int], lengths: Sequence[int]
+    ) -> None:
+        """Copy rows `select` of a (right-padded) prefill cache into the next free slots."""
+        first = self.rows
+        count = len(select)
+        width = min(prefill.layers[0].keys.shape[2], self.capacity)
+        if first + count > self.slots or max(lengths) >= self.capacity:
+            raise RuntimeError(
+                f"static KV cache full: {first + count} rows of up to {max(lengths) + 1} "
+                f"tokens in {self.slots} x {self.capacity}"
+            )
+        index = torch.tensor(list(select), dtype=torch.long, device=self.device)
+        everything = count == prefill.layers[0].keys.shape[0]
+        for layer, source in zip(self._static_layers, prefill.layers, strict=True):
+            keys = source.keys[:, :, :width]
+            values = source.values[:, :, :width]
+            if not everything:
+                keys, values = keys.index_select(0, index), values.index_select(0, index)
+            layer.keys[first : first + count, :, :width] = keys
+            layer.values[first : first + count, :, :width] = values
+            self.copied_bytes += keys.nbytes + values.nbytes
+        self.lengths.extend(lengths)
+
+    def keep(self, keep: Sequence[int]) -> list[int]:
+        """Drop every row not in `keep`; return the new row order as old row indices (the rows
+        beyond the new count move into the freed slots, as in SlotCache.keep)."""
+        count = len(keep)
+        kept = set(keep)
+        holes = [i for i in range(count) if i not in kept]
+        movers = [i for i in range(count, self.rows) if i in kept]
+        order = list(range(count))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+            width = self.lengths[mover]
+            for layer in self._static_layers:
+                layer.keys[hole, :, :width].copy_(layer.keys[mover, :, :width])
+                layer.values[hole, :, :width].copy_(layer.values[mover, :, :width])
+                self.copied_bytes += 2 * layer.keys[0, :, :width].nbytes
+        self.lengths = [self.lengths[i] for i in order]
+        return order
+
+    def clear(self) -> None:
+        """Forget every row (the buffers stay: their addresses are baked into the graphs)."""
+        self.lengths = []
+
+
+class StaticDecoder:
+    """Runs decode steps over a `StaticSlotCache`: eagerly, or (CUDA) by replaying the graph
+    captured for the step's (rows bucket, width bucket) at `capture`.
+
+    `rows` / `widths`: the buckets a step is padded up to; None: exact (no padding, which is
+    what an eager step on a CPU wants)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: StaticSlotCache,
+        *,
+        rows: Sequence[int] | None = None,
+        widths: Sequence[int] | None = None,
+        logits_to_keep: bool = True,
+        sampler: DeviceSampler | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.row_buckets = tuple(rows) if rows else None
+        self.width_buckets = tuple(widths) if widths else None
+        self._logits_to_keep = logits_to_keep
+        config = getattr(model, "config", None)
+        # sdpa and flex read a boolean mask (True: attend); eager attention adds the mask.
+        self._additive = getattr(config, "_attn_implementation", "sdpa") == "eager"
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._pool: object | None = None
+        self._staging: torch.Tensor | None = None
+        self.steps = 0
+        self.replays = 0
+
+    @property
+    def graphs(self) -> int:
+        return len(self._graphs)
+
+    def shape(self, lengths: Sequence[int]) -> tuple[int, int]:
+        """The (rows, width) a step over rows of `lengths` tokens runs at."""
+        rows = bucket(len(lengths), self.row_buckets)
+        width = bucket(max(lengths) + 1, self.width_buckets)
+        return min(rows, self.cache.slots), min(width, self.cache.capacity)
+
+    @property
+    def samples(self) -> bool:
+        """Whether `step` returns chosen tokens (a `DeviceSampler` runs inside the step)."""
+        return self.sampler is not None
+
+    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step: row r of the cache takes `tokens[r]`; returns the real rows' next
+        tokens `[rows]` with a sampler (`samples`), else their logits `[rows, vocab]` (a view of
+        a static buffer, valid until the next step). `advance` then counts the fed tokens."""
+        cache = self.cache
+        n = len(tokens)
+        assert n == cache.rows and n > 0
+        rows, width = self.shape(cache.lengths)
+        pad = rows - n
+        # One host-to-device copy of the step's inputs; padding rows: token 0 at position 0.
+        host = torch.tensor([list(tokens) + [0] * pad, cache.lengths + [0] * pad], dtype=torch.long)
+        if cache.device.type == "cuda":
+            staging = self._pinned(cache.slots)[:, :rows]
+            staging.copy_(host)
+            cache.input_ids[:rows].copy_(staging[0], non_blocking=True)
+            cache.positions[:rows].copy_(staging[1], non_blocking=True)
+        else:
+            cache.input_ids[:rows].copy_(host[0])
+            cache.positions[:rows].copy_(host[1])
+        key = (rows, width)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            logits = self._outputs[key]
+            self.replays += 1
+        else:
+            logits = self._forward(rows, width)
+        self.steps += 1
+        return logits[:n]
+
+    def advance(self) -> None:
+        """Every row holds one more token (after a step's tokens were accepted)."""
+        self.cache.lengths = [n + 1 for n in self.cache.lengths]
+
+    def _forward(self, rows: int, width: int) -> torch.Tensor:
+        """The step itself: device ops over the static buffers only (what a graph captures):
+        the forward pass, then (with a sampler) the selection of every row's next token."""
+        cache = self.cache
+        cache.step_rows, cache.step_width = rows, width
+        positions = cache.positions[:rows]
+        visible = cache.columns[:width][None, :] <= positions[:, None]  # [rows, width]
+        mask = visible[:, None, None, :]
+        if self._additive:
+            dtype = cache.layers[0].keys.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(dtype).min
+            )
+        extra: dict[str, object] = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        out = self.model(
+            input_ids=cache.input_ids[:rows, None],
+            attention_mask=mask,
+            position_ids=positions[:, None],
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        )
+        logits = out.logits[:, -1, :]
+        if self.sampler is not None:
+            return self.sampler.sample(logits)
+        return logits
+
+    def _pinned(self, slots: int) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.zeros((2, slots), dtype=torch.long).pin_memory()
+        return self._staging
+
+    # ----- CUDA graphs -------------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """Capture one graph per (rows bucket, width bucket), largest first (the pool then has
+        room for the smaller ones), all sharing one private memory pool. CUDA only.
+
+        As PyTorch's CUDA-graph notes ask: a few eager runs on a side stream first (lazy
+        initialisation, autotuning, allocator warm-up), then the capture. The captured steps
+        write padding rows and masked columns only; the cache holds no rows yet (and the
+        sampler's slots, advanced by these runs, are set afresh when rows join)."""
+        cache = self.cache
+        assert cache.device.type == "cuda" and cache.rows == 0
+        rows_list = self.row_buckets or (cache.slots,)
+        widths = self.width_buckets or (cache.capacity,)
+        keys = sorted(
+            {(min(r, cache.slots), min(w, cache.capacity)) for r in rows_list for w in widths},
+            reverse=True,
+        )
+        cache.input_ids.zero_()
+        cache.positions.zero_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # every shape once eagerly (kernel choice, workspaces)
+            for key in [keys[0], *keys]:
+                self._forward(*key)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self._pool = torch.cuda.graph_pool_handle()
+        for key in keys:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._outputs[key] = self._forward(*key)
+            self._graphs[key] = graph
+        torch.cuda.synchronize()
+        log.info("captured %d decode graphs (rows %s x widths %s)", len(keys), rows_list, widths)

@@ -1,0 +1,38 @@
+"""Bearer API keys, checked one way by every service.
+
+A missing header, another scheme and a wrong key are the same failure, so a caller learns nothing
+about which part was wrong; each service answers it with its own 401 body (the orchestrator's and
+the engine's `{code, details, type}`, the detector service's `{code, message}`: DESIGN 4, 6, 7),
+with the same message and the same `WWW-Authenticate` challenge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping
+
+UNAUTHORIZED_MESSAGE = "missing or invalid API key"
+CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+class BearerKeys:
+    """The accepted keys, as sha256 digests. Fixed-length digests are compared: compare_digest on
+    the raw keys would return early on a length mismatch and tell a caller how long the keys are;
+    and every key is compared, so timing does not tell which one came close."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = [_digest(k.encode("utf-8")) for k in keys]
+
+    def accepts(self, headers: Mapping[str, str]) -> bool:
+        """Whether `Authorization: Bearer <one of the keys>` is among these request headers."""
+        scheme, _, token = headers.get("Authorization", "").partition(" ")
+        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
+        ok = False
+        for digest in self._digests:
+            ok |= hmac.compare_digest(given, digest)
+        return ok and scheme.lower() == "bearer"

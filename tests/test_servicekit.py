@@ -1,0 +1,53 @@
+"""servicekit.auth: the one Bearer-key check the orchestrator, the engine and the detector
+service make (each renders the 401 in its own wire shape; their tests pin those bodies:
+test_orchestrator_security, test_engine_chat_limits_auth, test_detectors_hardening)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+
+KEYS = BearerKeys(["alpha-key", "beta-key"])
+# what a key can be: printable text without the whitespace the header parsing strips
+key_text = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=40)
+
+
+@pytest.mark.parametrize(
+    ("header", "accepted"),
+    [
+        ("Bearer alpha-key", True),
+        ("Bearer beta-key", True),
+        ("bearer alpha-key", True),  # the scheme is case-insensitive (RFC 7235)
+        ("BEARER  alpha-key ", True),  # surrounding blanks of the token do not count
+        ("Bearer alpha-ke", False),
+        ("Bearer alpha-keyy", False),
+        ("Basic alpha-key", False),
+        ("alpha-key", False),
+        ("Bearer", False),
+        ("", False),
+        ("Bearer \udcff", False),  # undecodable bytes as aiohttp hands them over
+    ],
+)
+def test_only_a_bearer_header_with_a_known_key_is_accepted(header: str, accepted: bool) -> None:
+    assert KEYS.accepts({"Authorization": header}) is accepted
+
+
+def test_no_header_and_no_keys_accept_nothing() -> None:
+    assert KEYS.accepts({}) is False
+    assert BearerKeys([]).accepts({"Authorization": "Bearer "}) is False
+
+
+@given(keys=st.lists(key_text, min_size=1, max_size=4), given_key=key_text)
+def test_a_token_is_accepted_exactly_when_it_is_one_of_the_keys(
+    keys: list[str], given_key: str
+) -> None:
+    accepted = BearerKeys(keys).accepts({"Authorization": f"Bearer {given_key}"})
+    assert accepted is (given_key in keys)
+
+
+def test_the_services_share_one_message_and_challenge() -> None:
+    assert UNAUTHORIZED_MESSAGE == "missing or invalid API key"
+    assert CHALLENGE == {"WWW-Authenticate": "Bearer"}
