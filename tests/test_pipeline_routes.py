@@ -27,8 +27,9 @@ from orchestrator.clients.registry import ChunkerRegistry, RequestedDetector
 from orchestrator.config import WHOLE_DOC_CHUNKER, DetectorConfig, parse_config
 from orchestrator.streaming.events import Event, Frame, Terminal
 from orchestrator.streaming.guarded_generation import GuardedGeneration
-from tests.fakes.engine import FakeEngine, prompt_ids, until
+from tests.fakes.engine import FakeEngine, prompt_ids
 from tests.orchestrator_support import MODEL, native_config
+from tests.wait_support import until
 
 REGEX = detectors.build("regex")
 
@@ -226,7 +227,7 @@ async def test_a_stalled_handler_stops_the_engine_read_without_gating(
             assert isinstance(first, Frame) and first.start == 0
             inbox, stream = guarded._inbox, guarded._stream
             assert stream is not None
-            await until(lambda: inbox.reader_held, timeout_s=30)
+            await until(lambda: inbox.reader_held, what="the reader held")
             # the reader waits before a read once INBOX frames are untaken: at most one read
             # (INBOX chunks) past that, plus what the consumer took before the handler stopped
             assert len(stream.token_ids) <= 4 * INBOX
