@@ -47,10 +47,7 @@ class DetectorQueue:
         inbox: Inbox,
         *,
         max_batch: int = 32,
-        answered: asyncio.Event | None = None,
     ) -> None:
-        """`answered` is set after every call: the engine reader, held while the detectors are
-        behind, learns that they caught up without waiting for the consumer."""
         self.detector = detector
         self._inbox = inbox
         self._max_batch = max_batch
@@ -61,7 +58,6 @@ class DetectorQueue:
         # characters put and not answered yet: the pipeline reads the engine no further ahead
         # of this detector than a bound (a burst must not starve judging and release)
         self.unjudged = 0
-        self._answered = answered
         self._windowed = detector.redacting and not detector.whole_doc
         self._seamed = detector.blocking and not detector.whole_doc
         self._carry = ""  # windowed: text from `_carry_start` to the next chunk, not reported
@@ -100,8 +96,7 @@ class DetectorQueue:
             self.calls += 1
             replies = await detector.client.detect([s.text for s in batch], detector.params)
             self.unjudged -= sum(len(s.text) for s in batch)
-            if self._answered is not None:
-                self._answered.set()
+            self._inbox.answered()  # a reader held while detectors are behind looks again
             for span, detections in zip(batch, replies, strict=True):
                 self._inbox.put(to_result(detector, span, detections))
         self._inbox.put(DetectorFinished(detector.detector_id))
@@ -125,8 +120,7 @@ class DetectorQueue:
             self.calls += 1
             [detections] = await detector.client.detect([text], detector.params)
             self.unjudged -= sum(len(s.text) for s in batch)
-            if self._answered is not None:
-                self._answered.set()
+            self._inbox.answered()
             found = kept_findings(detector, Span(start, end, text), detections)
             final = final or (self._closed and not self._pending)
             safe = end if final else safe_end(text, start, found)
@@ -164,8 +158,7 @@ class DetectorQueue:
                 [s.text for s in batch] + [w.text for w, _ in seams], detector.params
             )
             self.unjudged -= sum(len(s.text) for s in batch)
-            if self._answered is not None:
-                self._answered.set()
+            self._inbox.answered()
             own = [
                 kept_findings(detector, span, dets)
                 for span, dets in zip(batch, replies, strict=False)

@@ -41,6 +41,9 @@ class Frame:
     # Another event follows at once (the pipeline already has it): a streaming writer may hold
     # this frame's bytes and send them with the next event's, one write for a burst of frames.
     more: bool = False
+    # where a detector redacts: the frame's end in the generated text (`end` is in the text the
+    # client receives); the pipeline's hold-back metric measures from there
+    source_end: int | None = None
 
 
 @dataclass(slots=True)

@@ -3,16 +3,23 @@ detectors, frames, and exactly one terminal event (DESIGN sections 1 and 4.3 to 
 
 `GuardedGeneration.events()` is an async iterator of typed events (`Frame`, `Refusal`,
 `Terminal`, `KeepAlive`) that the handler pulls. Background tasks (the engine reader, one per
-detector queue, input detection) only post messages to one `Inbox`; the single consumer loop in
-`events()` takes them, feeds the aggregator, and yields what became releasable. Nothing emits
-from callbacks, a block is a returned verdict, and because the handler pulls, a client that stops
-reading stops the consumer, which stops emptying the inbox, which stops the engine read.
-Closing the iterator (a disconnect) cancels every task of the request.
+detector queue, input detection) only post messages to one `Inbox`; the single consumer loop
+(`_run`) takes them, hands verdicts to the detection stage, and yields what became releasable.
+Nothing emits from callbacks, a block is a returned verdict, and because the handler pulls, a
+client that stops reading stops the consumer, which stops emptying the inbox, which stops the
+engine read. Closing the iterator (a disconnect) cancels every task of the request.
 
-Where output detectors gate the frames, the engine reader feeds the chunkers itself
-(`_read_engine`): chunking is synchronous and cheap, and it only hands chunks to the detector
-queues, so a token that completes no chunk wakes the reader alone, not the consumer too. A paced
-stream (10 ms a token) spent about a tenth of its CPU on that second wake-up per token.
+Engine text takes one route: the engine reader (`_read_engine`) feeds every read to the
+detection stage (`StreamJudge`) itself, and posts to the inbox only what the stage released at
+once: nothing where detectors gate the frames (their verdicts release them), the frames where
+none does (without detectors: each engine chunk as its own frame). Chunking is synchronous and
+cheap, so a token that completes no chunk wakes the reader alone, not the consumer too: a paced
+stream (10 ms a token) spent about a tenth of its CPU on that second wake-up per token. The
+reader waits in one place, `Inbox.wait_space`, for the consumer and for the detectors alike.
+
+The stream's counters (tokens, finish reason) are `MigratingStream`'s; the pipeline keeps only
+what is its own: what it released, the frames it sent, and a finish reason it imposes (a block,
+the time limit, a failure).
 """
 
 from __future__ import annotations
@@ -23,12 +30,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import tracing
 from ..api.errors import ErrorType
-from ..clients.backend import GenerationChunk, GenerationError, GenerationRequest, ModelBackend
+from ..clients.backend import GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import DetectorResult
@@ -49,7 +56,7 @@ from .findings import Finding, sort_findings
 from .inbox import Inbox
 from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
-from .stream_judgement import JudgedFrame, StreamJudge
+from .stream_judgement import StreamJudge
 from .text_judgement import InputPiece, judge_pieces, judge_text
 
 log = logging.getLogger("guardstream.stream")
@@ -97,21 +104,6 @@ class _Signal:
 _TIMED_OUT = _Signal("timed out")
 _SHUTDOWN = _Signal("shutdown")
 _KEEPALIVE_DUE = _Signal("keep-alive due")
-# yielded by `_run` (never to the handler) before it waits for the inbox: what it produced from
-# the messages it had is complete, so a frame held back to learn whether more follow goes out
-_IDLE = _Signal("idle")
-
-
-@dataclass
-class _Progress:
-    finish_reason: str | None = None
-    generated_token_count: int = 0
-    input_token_count: int | None = None
-    frames_sent: int = 0
-    released: int = 0
-    # (text length, monotonic time it became available): for the hold-back metric
-    arrivals: deque[tuple[int, float]] = field(default_factory=deque)
-    generated_chars: int = 0
 
 
 class GuardedGeneration:
@@ -155,8 +147,15 @@ class GuardedGeneration:
         self._inbox = Inbox(max_buffered_chunks)
         self._max_batch = max_buffered_chunks
         self._detection: StreamJudge | None = None
-        self._holding = False  # events() holds a frame: `_run` yields _IDLE before it waits
-        self._progress = _Progress()
+        self._judged = bool(output_detectors)  # frames went through detectors
+        # what the pipeline itself decided about the stream (the rest is `self._stream`'s)
+        self._finish_reason: str | None = None  # CANCELLED, TIME_LIMIT, ERROR
+        self._refused_input_tokens: int | None = None  # the input refusal's count
+        self._released = 0
+        self._frames_sent = 0
+        # (generated characters, monotonic time they arrived), per read: the hold-back metric
+        self._arrivals: deque[tuple[int, float]] = deque()
+        self._engine_delivered = False  # the engine delivered a chunk
         self._tasks: set[asyncio.Task[None]] = set()
         self._stream: MigratingStream | None = None
         self._shutting_down = False
@@ -178,7 +177,9 @@ class GuardedGeneration:
     # -- the consumer loop ----------------------------------------------------------------------
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every event of the stream; the last one is a Terminal."""
+        """Every event of the stream; the last one is a Terminal. A frame that another event
+        follows at once (the same wake-up of the consumer) has `more` set: writers send a
+        burst of frames in one write."""
         loop = asyncio.get_running_loop()
         deadline = loop.call_later(self._timeout_s, self._inbox.put, _TIMED_OUT)
         self._last_event = loop.time()
@@ -188,147 +189,114 @@ class GuardedGeneration:
                 yield self._finish(self._shutdown_terminal())
                 return
             async with aclosing(self._run()) as run:
-                # Each frame is held until the next event (or _IDLE) shows whether another one
-                # follows at once: then it goes out with `more` set (writers send a burst of
-                # frames in one write). Nothing is held across a wait for the inbox.
-                held: Frame | None = None
-                self._holding = False
                 while True:
                     try:
-                        event = await anext(run)
+                        batch = await anext(run)
                     except StopAsyncIteration:
-                        if held is not None:
-                            yield held
                         return
                     except Exception as exc:  # a bug must still end the stream with a terminal
-                        event = self._failure(exc)
-                    if event is _IDLE:
-                        if held is not None:
-                            frame, held = held, None
-                            self._holding = False
-                            yield frame
-                        continue
-                    self._last_event = loop.time()
-                    if held is not None:
-                        held.more = True
-                        frame, held = held, None
-                        yield frame
-                    if isinstance(event, Frame):
-                        held = event
-                        self._holding = True
-                        continue
-                    if isinstance(event, Terminal):
-                        yield self._finish(event)
-                        return
-                    yield event
+                        batch = [self._failure(exc)]
+                    last = len(batch) - 1
+                    for i, event in enumerate(batch):
+                        self._last_event = loop.time()
+                        if isinstance(event, Terminal):
+                            yield self._finish(event)
+                            return
+                        if i < last and isinstance(event, Frame):
+                            event.more = True
+                        yield event
         finally:
             deadline.cancel()
             if self._keepalive is not None:
                 self._keepalive.cancel()
             await self._stop()
 
-    async def _run(self) -> AsyncIterator[Event | _Signal]:
+    async def _run(self) -> AsyncIterator[list[Event]]:
+        """The events of each wake-up, together; a Terminal ends the last batch."""
         if self._input_detectors:
             self._spawn(self._judge_input())
             judged: list[Finding] | None = None
             while judged is None:
-                if self._holding:
-                    yield _IDLE
+                out: list[Event] = []
                 for message in await self._inbox.take_all():
                     if isinstance(message, _InputJudged):
                         judged = message.findings
                         continue
                     event = self._control(message)
                     if event is not None:
-                        yield event
+                        out.append(event)
                         if isinstance(event, Terminal):
+                            yield out
                             return
+                if out:
+                    yield out
             redactors = {d.detector_id: d for d in self._input_detectors if d.redacting}
             if any(f.detector_id not in redactors for f in judged):  # block beats redact
-                async for event in self._input_refused(judged):
-                    yield event
+                yield await self._input_refused(judged)
                 return
             if judged:
                 self._redact_input(judged, redactors)
         stream = self._backend.stream(self._request)
         self._stream = stream
-        detection: StreamJudge | None = None
-        if self._output_detectors:
-            detection = StreamJudge(self._output_detectors, self._chunkers, self._inbox)
-            detection.start(self._spawn)
-            self._detection = detection
-        self._spawn(self._read_engine(stream))
+        stage = StreamJudge(self._output_detectors, self._chunkers, self._inbox)
+        stage.start(self._spawn)
+        self._detection = stage
+        if self._output_detectors:  # the reader stays within MAX_UNJUDGED_CHARS of them
+            self._inbox.behind = lambda: stage.unjudged > MAX_UNJUDGED_CHARS
+        self._spawn(self._read_engine(stream, stage))
         engine_ended = False
-        final_sent = False
+        stage_frame = self._stage_frame
         while True:
-            if self._holding:
-                yield _IDLE
             messages = await self._inbox.take_all()
-            pending_text: list[str] = []
-            for message in messages:
-                if type(message) is list:  # the GenerationChunks of one engine read
-                    now = time.monotonic()
-                    if detection is None:
-                        for chunk in message:
-                            self._track(chunk, now)
-                            if chunk.text or chunk.finish_reason is not None:
-                                final = chunk.finish_reason is not None
-                                final_sent = final
-                                yield self._direct_frame(chunk.text, final)
+            out = []
+            blocked: list[Finding] | None = None
+            try:
+                for message in messages:
+                    if type(message) is list:  # frames the stage released at an engine read
+                        for frame in message:
+                            out.append(stage_frame(frame))
+                    elif isinstance(message, DetectorResult | DetectorFinished):
+                        verdict = stage.accept(message)
+                        out.extend([self._stage_frame(frame) for frame in verdict.frames])
+                        if verdict.blocked is not None:
+                            blocked = verdict.blocked
+                            break
+                    elif isinstance(message, _EngineEnded):
+                        engine_ended = True
+                        stage.end()
                     else:
-                        self._track_batch(message, now)
-                        pending_text.extend(c.text for c in message if c.text)
-                    continue
-                if pending_text:  # consecutive chunks are chunked as one delta
-                    assert detection is not None
-                    for frame in detection.feed("".join(pending_text)):
-                        yield self._judged_frame(frame, final=False)
-                    pending_text = []
-                if isinstance(message, _EngineEnded):
-                    engine_ended = True
-                    p = self._progress
-                    p.finish_reason = p.finish_reason or stream.finish_reason
-                    if detection is None:
-                        if not final_sent:
-                            yield self._direct_frame("", True)
-                        yield self._finish_terminal()
+                        event = self._control(message)
+                        if event is not None:
+                            out.append(event)
+                            if isinstance(event, Terminal):
+                                yield out
+                                return
+                    if engine_ended and stage.done:
+                        out.extend([self._stage_frame(f) for f in stage.final_frames()])
+                        out.append(self._finish_terminal())
+                        yield out
                         return
-                    detection.end()
-                elif isinstance(message, DetectorResult | DetectorFinished):
-                    assert detection is not None
-                    verdict = detection.accept(message)
-                    for frame in verdict.frames:
-                        yield self._judged_frame(frame, final=False)
-                    if verdict.blocked is not None:
-                        if not engine_ended:  # a model that had finished keeps its reason
-                            self._progress.finish_reason = "CANCELLED"
-                        await self._stop()  # generation and every detector call end now
-                        yield self._output_refusal(verdict.blocked)
-                        yield self._terminal("incomplete", "content_filter")
-                        return
-                else:
-                    event = self._control(message)
-                    if event is not None:
-                        yield event
-                        if isinstance(event, Terminal):
-                            return
-                if engine_ended and detection is not None and detection.done:
-                    frames = detection.final_frames()
-                    for frame in frames:
-                        yield self._judged_frame(frame, final=frame is frames[-1])
-                    yield self._finish_terminal()
-                    return
-            if pending_text:
-                assert detection is not None
-                for frame in detection.feed("".join(pending_text)):
-                    yield self._judged_frame(frame, final=False)
+            except Exception as exc:  # a bug: what was released goes out before the terminal
+                out.append(self._failure(exc))
+                yield out
+                return
+            if blocked is not None:
+                if not engine_ended:  # a model that had finished keeps its reason
+                    self._finish_reason = "CANCELLED"
+                await self._stop()  # generation and every detector call end now
+                out.append(self._output_refusal(blocked))
+                out.append(self._terminal("incomplete", "content_filter"))
+                yield out
+                return
+            if out:
+                yield out
 
     def _control(self, message: object) -> Event | None:
         """Messages every phase handles the same way."""
         if message is _KEEPALIVE_DUE:
             return self._keepalive_due()
         if message is _TIMED_OUT:
-            self._progress.finish_reason = "TIME_LIMIT"
+            self._finish_reason = "TIME_LIMIT"
             return self._terminal("incomplete", "time_limit")
         if message is _SHUTDOWN:
             return self._shutdown_terminal()
@@ -393,39 +361,35 @@ class GuardedGeneration:
             for f in findings
         ]
 
-    async def _read_engine(self, stream: MigratingStream) -> None:
-        """What one read of the engine delivered is chunked here when output detectors gate
-        the frames, and otherwise goes to the inbox as one message (its frames leave through
-        the consumer). The read waits while the detectors are behind (MAX_UNJUDGED_CHARS) and
-        while the consumer is: `Inbox.has_space` counts the verdicts it has not taken too."""
-        inbox, limit, detection = self._inbox, self._max_batch, self._detection
-        gated = detection is not None and detection.gated
+    async def _read_engine(self, stream: MigratingStream, stage: StreamJudge) -> None:
+        """Each read of the engine goes to the detection stage, and what it released at once
+        to the inbox as one message. Before each read the reader waits while the consumer is
+        behind (a client that stops reading) or the detectors are (MAX_UNJUDGED_CHARS)."""
+        inbox, limit, arrivals = self._inbox, self._max_batch, self._arrivals
         pacer = ReadPacer(
             asyncio.get_running_loop().time,
             tokens=self._read_coalesce_tokens,
             active=self._read_coalesce_when,
         )
+        generated = 0
+        feed, monotonic = stage.feed_deltas, time.monotonic
         while True:
-            if detection is not None and detection.unjudged > MAX_UNJUDGED_CHARS:
+            if not inbox.has_space():
                 pacer.held_back()
-                while detection.unjudged > MAX_UNJUDGED_CHARS:
-                    detection.answered.clear()
-                    await detection.answered.wait()
+                await inbox.wait_space()
             try:
                 batch = await stream.next_batch(limit)
             except StopAsyncIteration:
                 break
-            if not inbox.has_space():
-                pacer.held_back()
-            if gated:
-                assert detection is not None
-                await inbox.wait_space()
-                self._track_batch(batch, time.monotonic())
-                text = "".join([c.text for c in batch if c.text])
-                if text:
-                    detection.feed(text)  # gated: no frame comes back before a verdict
-            else:
-                await inbox.put_chunks(batch)
+            deltas = [c.text for c in batch]
+            chars = sum(map(len, deltas)) if len(deltas) > 1 else len(deltas[0])
+            self._engine_delivered = True
+            if chars:
+                generated += chars
+                arrivals.append((generated, monotonic()))
+            frames = feed(deltas, batch[-1].finish_reason is not None)
+            if frames:
+                inbox.put_batch(frames, len(batch))
             delay = pacer.after_read(len(batch))
             if delay:
                 await asyncio.sleep(delay)
@@ -459,7 +423,7 @@ class GuardedGeneration:
 
     # -- events ---------------------------------------------------------------------------------
 
-    async def _input_refused(self, findings: list[Finding]) -> AsyncIterator[Event]:
+    async def _input_refused(self, findings: list[Finding]) -> list[Event]:
         self._observer.on_findings(findings)
         count: int | None = None
         try:
@@ -471,17 +435,17 @@ class GuardedGeneration:
             )
         except GenerationError:
             pass
-        self._progress.input_token_count = count
+        self._refused_input_tokens = count
         ids = ", ".join(f"`{i}`" for i in sorted({f.detector_id for f in findings}))
-        yield Refusal(
+        refusal = Refusal(
             direction="input",
             message=f"The request was refused: detector {ids} flagged the input.",
             detections=findings,
             input_token_count=count,
             seed=self._seed,
         )
-        self._progress.frames_sent += 1
-        yield self._terminal("incomplete", "content_filter")
+        self._frames_sent += 1
+        return [refusal, self._terminal("incomplete", "content_filter")]
 
     def _output_refusal(self, detections: list[Finding]) -> Refusal:
         self._observer.on_findings(detections)
@@ -493,91 +457,50 @@ class GuardedGeneration:
             direction="output",
             message=f"The response was withheld: detector {ids} flagged the generated text.",
             detections=sort_findings(withheld),
-            input_token_count=self._progress.input_token_count,
+            input_token_count=self._input_token_count(),
             seed=self._seed,
         )
 
-    def _track(self, chunk: GenerationChunk, now: float) -> None:
-        p = self._progress
-        p.generated_token_count = chunk.generated_token_count
-        if chunk.text:
-            p.generated_chars += len(chunk.text)
-            p.arrivals.append((p.generated_chars, now))
-        if chunk.input_token_count is not None:
-            p.input_token_count = chunk.input_token_count
-        if chunk.finish_reason is not None:
-            p.finish_reason = chunk.finish_reason
-
-    def _track_batch(self, batch: list[GenerationChunk], now: float) -> None:
-        """`_track` for chunks that arrived together: their text is chunked as one delta, so one
-        arrival entry and the last chunk's counters say all the pipeline needs."""
-        p = self._progress
-        last = batch[-1]
-        p.generated_token_count = last.generated_token_count
-        chars = sum(len(c.text) for c in batch)
-        if chars:
-            p.generated_chars += chars
-            p.arrivals.append((p.generated_chars, now))
-        # a chunk's counters and finish reason are the stream's so far: the last one's hold
-        if last.input_token_count is not None:
-            p.input_token_count = last.input_token_count
-        if last.finish_reason is not None:
-            p.finish_reason = last.finish_reason
-
-    def _direct_frame(self, text: str, final: bool) -> Frame:
-        start = self._progress.released
-        return self._frame(start, text, [], final=final)
-
-    def _judged_frame(self, judged: JudgedFrame, *, final: bool) -> Frame:
-        self._observer.on_findings(judged.detections)
-        frame = self._frame(
-            judged.start, judged.text, judged.detections, final=final, source_end=judged.source_end
-        )
-        frame.judged = True
-        return frame
-
-    def _frame(
-        self,
-        start: int,
-        text: str,
-        findings: list[Finding],
-        *,
-        final: bool,
-        source_end: int | None = None,
-    ) -> Frame:
-        p = self._progress
-        if final and p.finish_reason is None and self._stream is not None:
-            p.finish_reason = self._stream.finish_reason
-        end = start + len(text)
-        p.released = end
-        p.frames_sent += 1
-        frame = Frame(
-            start=start,
-            end=end,
-            text=text,
-            detections=findings,
-            final=final,
-            finish_reason=p.finish_reason if final else None,
-            generated_token_count=p.generated_token_count if final else None,
-            input_token_count=p.input_token_count,
-            seed=self._seed,
-        )
+    def _stage_frame(self, frame: Frame) -> Frame:
+        """A frame the detection stage released (indices in the released text), completed
+        with the stream's counters."""
+        if frame.detections:
+            self._observer.on_findings(frame.detections)
+        stream = self._stream
+        assert stream is not None
+        if frame.final:
+            frame.finish_reason = self._finish_reason or stream.finish_reason
+            frame.generated_token_count = stream.generated_token_count
+        frame.input_token_count = stream.input_token_count or 0  # (a chunk's: 0 until known)
+        frame.seed = self._seed
+        frame.judged = self._judged
+        end = self._released = frame.end
+        self._frames_sent += 1
         if self._input_findings is not None:
             frame.input_detections, self._input_findings = self._input_findings, None
-        hold_s = self._hold_time(end if source_end is None else source_end)
+        hold_s = self._hold_time(end if frame.source_end is None else frame.source_end)
         self._observer.on_frame(frame, hold_s)
-        if self._span is not None and self._output_detectors:  # judged frames: per chunk
+        if self._span is not None and self._judged:  # judged frames: per chunk
             tracing.frame_event(self._span, frame, hold_s)
         return frame
 
     def _hold_time(self, end: int) -> float:
         """Seconds since the last character of a frame ending at `end` was generated."""
-        arrivals = self._progress.arrivals
+        arrivals = self._arrivals
         while arrivals and arrivals[0][0] < end:
             arrivals.popleft()
         if not arrivals:
             return 0.0
         return time.monotonic() - arrivals[0][1]
+
+    def _input_token_count(self) -> int | None:
+        """The stream's count; 0 while it is unknown once the engine delivered something (as
+        every chunk says), None before."""
+        stream = self._stream
+        if stream is None:
+            return self._refused_input_tokens
+        count = stream.input_token_count
+        return 0 if count is None and self._engine_delivered else count
 
     def _terminal(
         self,
@@ -585,20 +508,26 @@ class GuardedGeneration:
         reason: IncompleteReason | None = None,
         error: Failure | None = None,
     ) -> Terminal:
-        p = self._progress
+        stream = self._stream
         return Terminal(
             kind=kind,  # type: ignore[arg-type]
-            finish_reason=p.finish_reason,
-            generated_token_count=p.generated_token_count,
-            input_token_count=p.input_token_count,
-            processed_index=p.released,
-            migrations=self._stream.migrations if self._stream is not None else 0,
+            finish_reason=self._finish_reason_now(),
+            generated_token_count=stream.generated_token_count if stream is not None else 0,
+            input_token_count=self._input_token_count(),
+            processed_index=self._released,
+            migrations=stream.migrations if stream is not None else 0,
             reason=reason,
             error=error,
         )
 
+    def _finish_reason_now(self) -> str | None:
+        """The pipeline's own reason (a block, the time limit, a failure) or the model's."""
+        if self._finish_reason is not None or self._stream is None:
+            return self._finish_reason
+        return self._stream.finish_reason
+
     def _finish_terminal(self) -> Terminal:
-        kind, reason = TERMINAL_BY_FINISH.get(self._progress.finish_reason, ("completed", None))
+        kind, reason = TERMINAL_BY_FINISH.get(self._finish_reason_now(), ("completed", None))
         return self._terminal(kind, reason)
 
     def _failure(self, exc: BaseException) -> Terminal:
@@ -606,19 +535,19 @@ class GuardedGeneration:
         if is_unexpected(failure):
             log.error("stream %s failed", self._request.request_id, exc_info=exc)
         if isinstance(exc, TimeoutError):  # a deadline inside a client: the time budget
-            self._progress.finish_reason = "TIME_LIMIT"
+            self._finish_reason = "TIME_LIMIT"
             return self._terminal("incomplete", "time_limit")
-        self._progress.finish_reason = "ERROR"
-        return self._terminal("failed" if self._progress.frames_sent else "error", error=failure)
+        self._finish_reason = "ERROR"
+        return self._terminal("failed" if self._frames_sent else "error", error=failure)
 
     def _shutdown_terminal(self) -> Terminal:
-        self._progress.finish_reason = "CANCELLED"
+        self._finish_reason = "CANCELLED"
         failure = Failure(503, ErrorType.SERVER_SHUTDOWN, "the server is shutting down")
-        return self._terminal("failed" if self._progress.frames_sent else "error", error=failure)
+        return self._terminal("failed" if self._frames_sent else "error", error=failure)
 
     def _finish(self, terminal: Terminal) -> Terminal:
         self.terminal = terminal
         self._observer.on_terminal(terminal.kind)
         if self._span is not None:
-            tracing.record_terminal(self._span, terminal, self._progress.frames_sent)
+            tracing.record_terminal(self._span, terminal, self._frames_sent)
         return terminal

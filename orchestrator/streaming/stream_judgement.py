@@ -1,14 +1,18 @@
 """Text in, judged frames out: the per-request machinery shared by the generation pipeline and the
 stream-content endpoint (chunk fan-out, one DetectorQueue per detector, the FrameAggregator).
 
-It is driven by its owner's consumer loop: `feed` and `end` take text, the detector queues post
-verdicts to the owner's inbox, and the owner hands each verdict back to `accept`, which returns
-what became releasable. Nothing here emits on its own, and a block is a returned verdict.
+It is driven by its owner: `feed` (or `feed_deltas`) and `end` take text, the detector queues
+post verdicts to the owner's inbox, and the owner hands each verdict back to `accept`, which
+returns what became releasable. Nothing here emits on its own, and a block is a returned verdict.
+
+The generation pipeline sends all engine text through this stage, detectors or not: without a
+gating detector `feed_deltas` returns the frames at once, and without any detector it passes
+each engine chunk through as its own frame (the one that finishes the text is the final frame)
+without buffering, chunking or copying anything.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,23 +20,18 @@ from typing import Any
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import FrameAggregator
 from .detector_queue import DetectorFinished, DetectorQueue, Result
+from .events import Frame
 from .fanout import ChunkFanout
 from .findings import Finding, sort_findings
 from .inbox import Inbox
 from .redaction import StreamRedactor
 
-
-@dataclass(slots=True)
-class JudgedFrame:
-    """Text every gating detector has judged, with its detections. Indices refer to the text
-    the client receives (redacted, when a detector redacts); `source_end` is the frame's end in
-    the generated text."""
-
-    start: int
-    end: int
-    text: str
-    detections: list[Finding] = field(default_factory=list)
-    source_end: int | None = None
+# Text every gating detector has judged, with its detections: the pipeline's own `Frame`, whose
+# stream counters (finish reason, token counts, seed) the generation pipeline fills in, so a
+# token costs one frame object, not two. Indices refer to the text the client receives
+# (redacted, when a detector redacts); `source_end` is the frame's end in the generated text;
+# `final` marks the last frame of the text (set by `final_frames`, or by the pass-through).
+JudgedFrame = Frame
 
 
 @dataclass(slots=True)
@@ -90,8 +89,9 @@ class StreamJudge:
             FrameAggregator(d.detector_id for d in gating) if gating else None
         )
         self._gating = {d.detector_id for d in gating}
-        self.answered = asyncio.Event()  # a detector call returned (see `unjudged`)
-        self.queues = [DetectorQueue(d, inbox, answered=self.answered) for d in detectors]
+        self.queues = [DetectorQueue(d, inbox) for d in detectors]
+        self._passthrough = not detectors  # see `feed_deltas`
+        self._final_sent = False  # pass-through: the final frame went out with its chunk
         self._blocking = {d.detector_id for d in detectors if d.blocking}
         self._redactors = {d.detector_id: d for d in detectors if d.redacting}
         self._redactor = StreamRedactor() if self._redactors else None
@@ -133,6 +133,29 @@ class StreamJudge:
         """The text ended and every detector judged all of it."""
         return self._ended and not self._unfinished
 
+    def feed_deltas(self, deltas: list[str], finished: bool = False) -> list[JudgedFrame]:
+        """Deltas that arrived together (one engine read), chunked as one; `finished`: the
+        last of them ends the text (the engine's finish). Without detectors each non-empty
+        delta is its own frame, and the last one, when `finished`, is the final frame (an
+        empty one where the finishing delta is empty)."""
+        if not self._passthrough:
+            return self.feed("".join(deltas))
+        text = self._text
+        frames: list[JudgedFrame] = []
+        for delta in deltas:
+            if delta:
+                start = text.released
+                end = text.released = text.length = start + len(delta)
+                frames.append(JudgedFrame(start, end, delta))
+        if finished:
+            if deltas and deltas[-1]:
+                frames[-1].final = True
+            else:
+                end = text.released
+                frames.append(JudgedFrame(end, end, "", final=True))
+            self._final_sent = True
+        return frames
+
     def feed(self, delta: str) -> list[JudgedFrame]:
         """New text; frames only come back at once when no detector gates them."""
         if not delta:
@@ -171,15 +194,21 @@ class StreamJudge:
         return Verdict()
 
     def final_frames(self) -> list[JudgedFrame]:
-        """Once `done`: the held frames, the last one with the whole-document detections merged
-        in; an empty frame at the end of the text when none was held."""
+        """Once `done`: the held frames, the last one final, with the whole-document detections
+        merged in; an empty frame at the end of the text when none was held (none at all when
+        the pass-through released the final frame already)."""
         held, self._held = self._held, []
+        if self._final_sent:
+            return held
         if not held:
             end = self._text.released
             if self._redactor is not None:
                 end = self._redactor.out_released
             held = [JudgedFrame(end, end, "", [])]
-        held[-1].detections = sort_findings(held[-1].detections + self._map(self._final))
+        last = held[-1]
+        if self._final:
+            last.detections = sort_findings(last.detections + self._map(self._final))
+        last.final = True
         return held
 
     def _drain(self) -> list[JudgedFrame]:
