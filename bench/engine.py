@@ -67,9 +67,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.anchors import bench_generate, bench_serve, bench_static_step
 from generation import models
 from generation.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_decoder
+from generation.jobs import Job, StreamItem
 from generation.kv_cache import SlotCache
 from generation.sampling import SamplingParams, default_candidates, select, uniform
-from generation.scheduler import PREFILL_CHUNK_TOKENS, Engine, Job, StreamItem
+from generation.scheduler import PREFILL_CHUNK_TOKENS, Engine
 from tests.engine_processes import start_engine_subprocess
 
 QUESTIONS = [

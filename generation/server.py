@@ -32,8 +32,6 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
 from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
@@ -42,6 +40,8 @@ from servicekit.tracing import annotate, event
 from . import models
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
+from .jobs import EngineUnavailable, Job, StreamError, StreamItem
+from .metrics import EngineCollector
 from .models import LoadedModel
 from .protocol import (
     FaultRequest,
@@ -53,14 +53,7 @@ from .protocol import (
     error_body,
 )
 from .sampling import SamplingParams, random_seed
-from .scheduler import (
-    GPU_MEMORY_FRACTION,
-    Engine,
-    EngineUnavailable,
-    Job,
-    StreamError,
-    StreamItem,
-)
+from .scheduler import GPU_MEMORY_FRACTION, Engine
 from .tracing import TRACING
 
 log = logging.getLogger("guardstream.engine")
@@ -153,7 +146,7 @@ def create_app(
         ),
         faults=FaultInjector() if fault_injection else None,
     )
-    state.registry.register(_EngineCollector(state))
+    state.registry.register(EngineCollector(lambda: state.engine))
     app[STATE] = state
     app.router.add_post("/v1/generate", handle_generate)
     app.router.add_post("/v1/tokenize", handle_tokenize)
@@ -594,62 +587,3 @@ class _Stream:
 
 def _error_dict(error: StreamError) -> dict[str, Any]:
     return {"code": error.code, "type": error.type, "message": error.message}
-
-
-class _EngineCollector(Collector):
-    """Reads the engine's counters at scrape time (no locking in the hot loop)."""
-
-    def __init__(self, state: EngineState) -> None:
-        self.state = state
-
-    def collect(self) -> Any:
-        stats = self.state.engine.stats
-        yield CounterMetricFamily(
-            "guardstream_engine_tokens_generated", "Tokens generated", value=stats.tokens_generated
-        )
-        yield CounterMetricFamily(
-            "guardstream_engine_forward_passes", "Model forward passes", value=stats.forward_passes
-        )
-        yield CounterMetricFamily(
-            "guardstream_engine_requests_started", "Requests admitted", value=stats.requests_started
-        )
-        yield CounterMetricFamily(
-            "guardstream_engine_requests_cancelled",
-            "Requests aborted because their client left",
-            value=stats.requests_cancelled,
-        )
-        yield CounterMetricFamily(
-            "guardstream_engine_prefill_chunks",
-            "Forward passes over one chunk of a long context (chunked prefill)",
-            value=stats.prefill_chunks,
-        )
-        yield GaugeMetricFamily(
-            "guardstream_engine_prefilling_requests",
-            "Requests whose long context is being prefilled chunk by chunk",
-            value=self.state.engine.prefilling_requests,
-        )
-        yield GaugeMetricFamily(
-            "guardstream_engine_active_requests",
-            "Requests queued or running",
-            value=self.state.engine.active_requests,
-        )
-        cache = self.state.engine.cache_info()
-        for name, key, help_text in (
-            ("kv_cache_rows", "rows", "Rows the KV cache holds (the largest decode batch)"),
-            ("kv_cache_capacity_tokens", "capacity", "Tokens per row the KV cache holds"),
-            ("kv_cache_rows_used", "rows_used", "Rows of the KV cache in use"),
-            ("kv_cache_tokens_used", "tokens_used", "Tokens held by the running rows"),
-            ("kv_cache_bytes", "bytes", "Bytes allocated by the KV cache"),
-            ("decode_graphs", "graphs", "CUDA graphs captured for the decode step"),
-        ):
-            yield GaugeMetricFamily(f"guardstream_engine_{name}", help_text, value=cache[key])
-        buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-        sizes = dict(stats.batch_sizes)
-        cumulative = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in buckets]
-        cumulative.append(("+Inf", sum(sizes.values())))
-        yield HistogramMetricFamily(
-            "guardstream_engine_decode_batch_size",
-            "Rows per decode step",
-            buckets=cumulative,
-            sum_value=sum(s * n for s, n in sizes.items()),
-        )

@@ -23,8 +23,9 @@ import torch
 from hypothesis import strategies as st
 
 from generation import models
+from generation.jobs import Job, StreamError, StreamItem
 from generation.sampling import SamplingParams
-from generation.scheduler import Engine, Job, StreamError, StreamItem
+from generation.scheduler import Engine
 from generation.specs import BUILTIN_FOLDERS
 from tests.wait_support import within
 

@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 
+from generation.jobs import StreamItem
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
-from generation.scheduler import Engine, StreamItem
+from generation.scheduler import Engine
 from tests.engine_support import (
     CHUNK,
     Event,

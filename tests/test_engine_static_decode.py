@@ -33,9 +33,10 @@ from generation.decode_graphs import (
     width_buckets,
 )
 from generation.device_sampling import DeviceSampler
+from generation.jobs import Job, StreamError, StreamItem
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
-from generation.scheduler import Engine, Job, StreamError, StreamItem
+from generation.scheduler import Engine
 from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import (

@@ -1,0 +1,85 @@
+"""What goes into the engine and what comes out of it: a `Job` per request, the `StreamItem`s
+and `StreamError`s its queue receives, the finish reasons, and the counters the server reports.
+The worker loop (scheduler.py) and the HTTP server (server.py) both speak these; neither owns
+them."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from .sampling import SamplingParams
+
+
+class FinishReason(StrEnum):
+    EOS_TOKEN = "EOS_TOKEN"
+    STOP_SEQUENCE = "STOP_SEQUENCE"
+    MAX_TOKENS = "MAX_TOKENS"
+    TIME_LIMIT = "TIME_LIMIT"
+
+
+@dataclass
+class StreamItem:
+    """One NDJSON data item: the token generated in one step and the text released by it.
+
+    Token ids are reported as soon as they are generated; text may lag behind them: an incomplete
+    UTF-8 character, or text that may be the start of a stop sequence, is held back until
+    resolved. So at any point the delivered text is a prefix of decode(delivered token ids), and a
+    client resuming elsewhere sends both (`resume.token_ids`, `resume.text`); the new replica
+    replays the tokens through the same detokenizer and stop-sequence state and releases the
+    text of resumed tokens that `resume.text` lacks first. When a stop sequence ends the stream,
+    the final item carries the token that completed it, while the text stops before the stop
+    sequence (it and anything after it are never emitted).
+    """
+
+    token_ids: list[int]
+    text: str
+    generated_token_count: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class StreamError:
+    """An in-band error; `type` is `generation_unavailable` when another replica could succeed."""
+
+    code: int
+    type: str
+    message: str
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is shutting down (or its worker died) and takes no new requests."""
+
+
+@dataclass(eq=False)
+class Job:
+    """A generation request as the worker sees it. Created on the event loop, then owned by the
+    worker except for `cancelled`, which the loop may set at any time."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[StreamItem | StreamError]
+    resume_ids: list[int] = field(default_factory=list)
+    resume_text_len: int = 0  # characters of the resumed tokens' text the client already has
+    min_new_tokens: int = 0
+    stop_sequences: list[str] = field(default_factory=list)
+    deadline: float | None = None  # time.monotonic() value; None = no time limit
+    cancelled: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Counters the server exposes in /health and /metrics."""
+
+    forward_passes: int = 0
+    prefill_passes: int = 0
+    prefill_chunks: int = 0  # passes over part of a long prompt (the last one counts as a prefill)
+    decode_steps: int = 0
+    tokens_generated: int = 0
+    requests_started: int = 0
+    requests_cancelled: int = 0  # dropped because their client left (or a fault cut them)
+    max_batch_size_seen: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
