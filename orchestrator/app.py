@@ -26,7 +26,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from servicekit.auth import UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
 
 from . import tracing as traces
 from .api.errors import ApiError, ErrorBody, ErrorType, Failure
@@ -285,7 +285,7 @@ def _error_headers(exc: BaseException, failure: Failure) -> dict[str, str] | Non
         # the client should retry elsewhere, and not on this connection
         return {"Retry-After": "1", "Connection": "close"}
     if failure.code == 401:
-        return {"WWW-Authenticate": "Bearer"}
+        return dict(CHALLENGE)
     return None
 
 
