@@ -132,6 +132,7 @@ async def test_resume_body(session: aiohttp.ClientSession) -> None:
         (Fault("close", after_tokens=2), "connection"),
         (Fault("blank", after_tokens=1), "blank line"),
         (Fault("garbage", after_tokens=1), "undecodable"),
+        (Fault("nested", after_tokens=1), "undecodable"),
         (Fault("no_data", after_tokens=1), "neither data nor error"),
         (Fault("error", after_tokens=2), "injected fault"),
         (Fault("http", status=503), "HTTP 503"),

@@ -111,6 +111,7 @@ async def test_sampling_params_and_finish_mapping(
         (OpenAIFault("abort", after=2), "abort"),
         (OpenAIFault("eof", after=2), "without [DONE]"),
         (OpenAIFault("done_early", after=2), "[DONE] without a finish_reason"),
+        (OpenAIFault("nested", after=2), "undecodable event"),
         (OpenAIFault("close", after=2), "connection failed"),
         (OpenAIFault("http", status=503), "HTTP 503"),
     ],

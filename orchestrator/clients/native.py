@@ -79,7 +79,11 @@ def _loads(raw: bytes) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
+        pass
+    try:
         return json.loads(raw)
+    except RecursionError:  # nested past the interpreter's limit: undecodable, not a crash
+        raise ValueError("nested too deeply") from None
 
 
 def parse_data(name: str, data: Any) -> EngineItem:

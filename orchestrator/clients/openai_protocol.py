@@ -63,7 +63,11 @@ def loads(payload: bytes) -> Any:
     try:
         return orjson.loads(payload)
     except orjson.JSONDecodeError:
+        pass
+    try:
         return json.loads(payload.decode("utf-8", "replace"))
+    except RecursionError:  # nested past the interpreter's limit: undecodable, not a crash
+        raise ValueError("nested too deeply") from None
 
 
 def map_finish(name: str, finish: str, stop_reason: Any) -> str:

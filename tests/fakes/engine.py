@@ -49,6 +49,7 @@ FAULT_MODES = (
     "error",  # an in-band error item (type `error_type`) after `after_tokens` tokens
     "blank",  # a blank line after `after_tokens` tokens
     "garbage",  # an undecodable line after `after_tokens` tokens
+    "nested",  # a line nested 100,000 deep (past any parser's recursion limit)
     "no_data",  # an item with neither data nor error after `after_tokens` tokens
     "after_final",  # a normal stream, then a data item after complete_final
     "http",  # answer with HTTP `status` instead of a stream
@@ -254,6 +255,8 @@ class FakeEngine(FakeUpstream):
                 await resp.write(b"\n")
             elif fault.mode == "garbage":
                 await resp.write(b"{not json\n")
+            elif fault.mode == "nested":
+                await resp.write(b"[" * 100_000 + b"]" * 100_000 + b"\n")
             elif fault.mode == "no_data":
                 await send({"complete_final": False})
             return False

@@ -69,6 +69,7 @@ FAULT_MODES = (
     "object_error",  # vLLM's older `{"object": "error", "message", "type", ...}`, then [DONE]
     "string_error",  # `{"error": "<message>"}`, then [DONE]
     "done_early",  # [DONE] without a finish_reason
+    "nested",  # an event nested 100,000 deep (past any parser's recursion limit)
     "eof",  # the end of the body without [DONE]
     "stall",  # stop sending, keep the connection open
     "stall_keepalive",  # stop sending events, but send keep-alive comments forever
@@ -508,6 +509,8 @@ class FakeOpenAI(FakeUpstream):
             await send("[DONE]")
         elif m == "done_early":
             await send("[DONE]")
+        elif m == "nested":
+            await resp.write(b"data: " + b"[" * 100_000 + b"]" * 100_000 + b"\n\n")
         await resp.write_eof()  # and eof
         return True
 
