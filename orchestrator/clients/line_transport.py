@@ -379,7 +379,7 @@ class HttpLineStream(EngineStream):
 
 class HttpReplicaClient(ReplicaClient):
     """What a replica reached over HTTP needs whatever its protocol: the pooled session, TLS,
-    headers, short JSON calls and `GET /health`."""
+    its API key (a Bearer token on every call), short JSON calls and `GET /health`."""
 
     def __init__(
         self,
@@ -388,13 +388,13 @@ class HttpReplicaClient(ReplicaClient):
         session: aiohttp.ClientSession,
         *,
         ssl_context: ssl.SSLContext | bool | None = None,
-        headers: dict[str, str] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
         self.session = session
         self.ssl = ssl_context
-        self.headers = headers or {}
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def post_json(self, path: str, body: dict[str, Any], timeout_s: float = 10) -> bytes:
         """The raw reply of a short JSON call; an HTTP or transport failure is a

@@ -195,8 +195,7 @@ class NativeClient(HttpReplicaClient):
         ssl_context: ssl.SSLContext | bool | None = None,
         api_key: str | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        super().__init__(name, url, session, ssl_context=ssl_context, headers=headers)
+        super().__init__(name, url, session, ssl_context=ssl_context, api_key=api_key)
 
     def generate(
         self,

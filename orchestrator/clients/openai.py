@@ -81,8 +81,7 @@ class OpenAIClient(HttpReplicaClient):
         ssl_context: ssl.SSLContext | bool | None = None,
         tokenizer: str | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        super().__init__(name, url, session, ssl_context=ssl_context, headers=headers)
+        super().__init__(name, url, session, ssl_context=ssl_context, api_key=api_key)
         self.model = model
         self.api = api
         self.traits = ServerTraits()
