@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from typing import Any
 
 import aiohttp
 import torch
+
+from orchestrator.clients.managed import free_port
 
 SAMPLING_KWARGS = {"do_sample": True, "temperature": 0.8, "top_p": 0.95}
 
@@ -198,12 +199,6 @@ SERVE_LAUNCHER = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _healthy(url: str) -> bool:
     with contextlib.suppress(OSError):
         with urllib.request.urlopen(url + "/health", timeout=5) as r:
@@ -214,7 +209,7 @@ def _healthy(url: str) -> bool:
 @contextlib.contextmanager
 def serve_process(folder: Path, device: str, cuda_graph: bool, start_timeout_s: float = 600.0):
     """`transformers serve FOLDER --continuous-batching` on a free port; yields its URL."""
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-c", SERVE_LAUNCHER, "serve", str(folder), "--continuous-batching"]
     args += ["--host", "127.0.0.1", "--port", str(port), "--device", device]
     args += ["--log-level", "warning"]

@@ -352,7 +352,8 @@ async def test_stall(
 async def test_keepalives_do_not_hide_a_stall(
     session: aiohttp.ClientSession, servers: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A server that only sends keep-alive comments is stalled all the same."""
+    """A server that only sends keep-alive comments is stalled all the same: a keep-alive
+    arrives before every step of the stall clock, and the stall is still declared."""
     (s,) = await start(servers, fail=OpenAIFault("stall_keepalive", after=1))
     clock = manual_stall_clock(monkeypatch)
     stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
@@ -363,7 +364,12 @@ async def test_keepalives_do_not_hide_a_stall(
             texts.append(item.text)
 
     task = asyncio.create_task(drain())
-    await expire_stalls(clock, task.done)
+
+    def done() -> bool:
+        s.keepalive_tick.set()  # one more keep-alive before the clock moves again
+        return task.done()
+
+    await expire_stalls(clock, done)
     with pytest.raises(GenerationError, match="stalled"):
         await task
     assert texts == ["The"]

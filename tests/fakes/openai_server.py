@@ -72,7 +72,7 @@ FAULT_MODES = (
     "nested",  # an event nested 100,000 deep (past any parser's recursion limit)
     "eof",  # the end of the body without [DONE]
     "stall",  # stop sending, keep the connection open
-    "stall_keepalive",  # stop sending events, but send keep-alive comments forever
+    "stall_keepalive",  # stop sending events; a keep-alive comment now and at every `keepalive_tick`
     "abort",  # `finish_reason: "abort"`, then [DONE]
     "content_filter",  # `finish_reason: "content_filter"` (Azure), then usage and [DONE]
     "http",  # answer HTTP `status` with an OpenAI error body instead of a stream
@@ -166,6 +166,8 @@ class FakeOpenAI(FakeUpstream):
         self.tokenize_requests: list[dict[str, Any]] = []
         self.resume_mismatches: list[str] = []
         self.disconnects = 0
+        # stall_keepalive: set by the test to have one more keep-alive sent (a gate, not a pace)
+        self.keepalive_tick = asyncio.Event()
         self._init_upstream()
 
     @property
@@ -485,7 +487,8 @@ class FakeOpenAI(FakeUpstream):
         if m == "stall_keepalive":
             while True:
                 await resp.write(b": keep-alive\n\n")
-                await asyncio.sleep(0.05)
+                await self.keepalive_tick.wait()
+                self.keepalive_tick.clear()
         if m in ("error", "object_error", "string_error"):
             err: dict[str, Any] = {
                 "error": {
