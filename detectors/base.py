@@ -129,6 +129,10 @@ class Detector(ABC):
     Params: ClassVar[type[DetectorParams]] = DetectorParams
     # What a request's detector_params may set; every other param is config-only.
     REQUEST_PARAMS: ClassVar[frozenset[str]] = frozenset()
+    # A span detector finds entities inside a content (their spans are what redaction replaces,
+    # so it must see each entity whole); any other detector is a classifier that judges each
+    # content whole (DESIGN 4.6a: it redacts exactly the chunk it was given, judged alone).
+    finds_spans: ClassVar[bool] = False
 
     def __init__(self, params: Mapping[str, Any] | None = None, *, device: str = "auto") -> None:
         self._raw_params: dict[str, Any] = dict(params or {})

@@ -513,6 +513,7 @@ class RegexDetector(Detector):
         "kind or pattern name, exact spans, score 1.0."
     )
     Params: ClassVar[type[RegexParams]] = RegexParams
+    finds_spans: ClassVar[bool] = True
     REQUEST_PARAMS: ClassVar[frozenset[str]] = frozenset({"kinds", "threshold"})
 
     def __init__(self, params: Mapping[str, Any] | None = None, *, device: str = "auto") -> None:

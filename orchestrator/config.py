@@ -234,6 +234,11 @@ class DetectorConfig(Strict):
     # with {entity} (the detection's name: `[{entity}]` gives `[email]`)
     redact_with: StrictStr = Field(DEFAULT_REDACT_WITH, max_length=MAX_REDACT_WITH)
     api_key_env: str | None = None  # a remote detector service's key, sent as a Bearer token
+    # what a detector's detections are (DESIGN 4.6a): `spans`, entities inside the content
+    # (redaction needs each seen whole: judged over overlapping windows), or `chunks`, a
+    # classifier's verdict on the chunk it was given (it redacts that chunk, judged alone).
+    # Built-ins know their own; a remote detector is taken for a span detector unless it says.
+    judges: Literal["spans", "chunks"] | None = None
     tls: ClientTlsConfig | None = None
 
 

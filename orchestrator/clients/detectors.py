@@ -71,6 +71,11 @@ class DetectorClient(ABC):
         self.config = config
         self.on_call = on_call
 
+    @property
+    def judges_chunks(self) -> bool:
+        """A classifier (its verdict is on the chunk it was given), not a span detector."""
+        return self.config.judges == "chunks"
+
     async def detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         """`params` are the request's detector_params (config params are merged under them).
         Every call, in-process or remote, is reported to `on_call` with its outcome and time."""
@@ -123,6 +128,12 @@ class InProcessDetectorClient(DetectorClient):
     ) -> None:
         super().__init__(detector_id, config, on_call=on_call)
         self._detector = detector
+
+    @property
+    def judges_chunks(self) -> bool:
+        if self.config.judges is not None:
+            return self.config.judges == "chunks"
+        return not type(self._detector).finds_spans
 
     async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a call that

@@ -41,6 +41,11 @@ class RequestedDetector:
     on_detection: Literal["annotate", "block", "redact"]
     params: dict[str, Any]
     redact_with: str = DEFAULT_REDACT_WITH
+    # a model's guardrail (DESIGN 1, 3): it judges the whole input and output, whatever the
+    # request says (masks narrow only the request's own detectors)
+    enforced: bool = False
+    # a classifier, not a span detector (DetectorClient.judges_chunks)
+    judges_chunks: bool = False
 
     @property
     def whole_doc(self) -> bool:
@@ -151,6 +156,7 @@ class DetectorRegistry:
                     redact_with=params.redact_with
                     if params.redact_with is not None
                     else str(det.params.get("redact_with", det.redact_with)),
+                    judges_chunks=self._clients[detector_id].judges_chunks,
                 )
             )
         return out

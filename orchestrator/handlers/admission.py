@@ -9,7 +9,7 @@ cost."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -70,11 +70,14 @@ def resolve_detectors(
     assert state.detectors is not None
     enforced_cfg: dict[str, dict[str, object]] = getattr(target.config.guardrails, direction)
     enforced = (
-        state.detectors.resolve(
-            {k: DetectorParams.model_validate(v) for k, v in enforced_cfg.items()},
-            direction,
-            f"models.{target.model_id}.guardrails.{direction}",
-        )
+        [
+            replace(d, enforced=True)
+            for d in state.detectors.resolve(
+                {k: DetectorParams.model_validate(v) for k, v in enforced_cfg.items()},
+                direction,
+                f"models.{target.model_id}.guardrails.{direction}",
+            )
+        ]
         if enforced_cfg
         else []
     )

@@ -58,7 +58,10 @@ class DetectorQueue:
         # characters put and not answered yet: the pipeline reads the engine no further ahead
         # of this detector than a bound (a burst must not starve judging and release)
         self.unjudged = 0
-        self._windowed = detector.redacting and not detector.whole_doc
+        # a classifier redacts the chunk it was given, judged alone: no windows (DESIGN 4.6a)
+        self._windowed = (
+            detector.redacting and not detector.whole_doc and not detector.judges_chunks
+        )
         self._seamed = detector.blocking and not detector.whole_doc
         self._carry = ""  # windowed: text from `_carry_start` to the next chunk, not reported
         self._carry_start = 0

@@ -13,7 +13,8 @@ paragraph end falls at whitespace after punctuation, which no entity pattern cro
 window at every one of them doubled the detector work of a megabyte of text (issue 20's
 `bench/loop_lag.py`: 15 s -> 50 s for four 1 MB requests); there a detection covering a whole
 window is dropped as a classifier's verdict on the window rather than an entity in it. A
-redacting detector judges each text whole instead (nothing to split).
+redacting span detector judges each text whole instead (nothing to split); a redacting
+classifier judges each of its chunks alone, with no window (what it redacts is that chunk).
 
 Nothing CPU-heavy on the event loop (DESIGN 4): chunking a megabyte of text takes about a second
 of CPU, and turning tens of thousands of detections into findings about as much; on the loop
@@ -73,10 +74,18 @@ async def off_loop(fn: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(bulk_executor(), fn)
 
 
+def _redacts_whole(detector: RequestedDetector, whole: bool) -> bool:
+    """A redacting span detector judges each whole text in one piece: a chunk boundary could
+    split an entity (a card number cut at a `max_chars` whitespace) and both halves would pass.
+    A classifier judges the chunks its chunker gives it, each alone and with no seam window:
+    what it redacts is exactly a chunk, and a verdict on a whole text or on a mixture of two
+    chunks is diluted by the benign part (on de9ac67 `redact` on `hap` found nothing in a
+    six-sentence text where `annotate` found the profane sentence)."""
+    return (whole or detector.redacting) and not detector.judges_chunks
+
+
 def _chunker_of(detector: RequestedDetector, whole: bool) -> str:
-    """A redacting detector judges each whole text in one piece: a chunk boundary could split
-    an entity (a card number cut at a `max_chars` whitespace) and both halves would pass."""
-    return WHOLE_DOC_CHUNKER if whole or detector.redacting else detector.chunker_id
+    return WHOLE_DOC_CHUNKER if _redacts_whole(detector, whole) else detector.chunker_id
 
 
 async def judge_text(
@@ -89,18 +98,22 @@ async def judge_text(
     annotating: bool = False,
 ) -> list[Finding]:
     """Findings over `text` (spans relative to all of it), sorted; `masks` (the task's input
-    masks) restrict detection to those `[start, end)` slices; `whole`: every detector judges each
+    masks) restrict the request's own detectors to those `[start, end)` slices, never an
+    enforced one, which judges the whole text (DESIGN 1: a request cannot narrow what the
+    operator's guardrails see); `whole`: every detector judges each
     slice in one piece (the text is to be redacted); `annotating`: the content endpoint's
     annotations, with windows only at safety cuts (see the module's docstring)."""
-    slices = [(0, len(text))] if masks is None else masks
+    everything = [(0, len(text))]
 
     async def one(detector: RequestedDetector) -> list[Finding]:
+        slices = everything if masks is None or detector.enforced else masks
         found = await _judge(
             detector,
             [(text, s, e, None) for s, e in slices],
             _chunker_of(detector, whole),
             chunkers,
             annotating,
+            windows=not (detector.judges_chunks and (whole or detector.redacting)),
         )
         return [f for _, f in found]
 
@@ -125,6 +138,7 @@ async def judge_pieces(
             _chunker_of(detector, False),
             chunkers,
             False,
+            windows=not (detector.judges_chunks and detector.redacting),
         )
         return [
             replace(f, message_index=piece.message_index, field=piece.field) for piece, f in found
@@ -141,10 +155,12 @@ async def _judge(
     chunker_id: str,
     chunkers: ChunkerRegistry,
     annotating: bool,
+    *,
+    windows: bool = True,
 ) -> list[tuple[Any, Finding]]:
     """(owner, finding) over `[start, end)` of each `(text, start, end, owner)`, in one call:
-    the chunks, then one window per chunk boundary (per safety cut when `annotating`; see the
-    module's docstring). Past
+    the chunks, then (`windows`) one window per chunk boundary (per safety cut when `annotating`;
+    see the module's docstring). Past
     BULK_CHARS, chunking and building findings run off the loop."""
     bulk = sum(end - start for _, start, end, _ in regions) > BULK_CHARS
     spans: list[Span] = []
@@ -156,7 +172,7 @@ async def _judge(
             chunks = _chunk_regions(text, [(start, end)], chunker_id, chunkers)
             spans.extend(chunks)
             owners.extend([owner] * len(chunks))
-            for prev, nxt in itertools.pairwise(chunks):
+            for prev, nxt in itertools.pairwise(chunks if windows else ()):
                 if prev.safety_cut or not annotating:
                     seams.append((_seam(text, start, end, nxt.start), nxt.start, owner))
 
