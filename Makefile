@@ -22,13 +22,16 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt pyprojec
 install: $(STAMP)
 
 PORT ?= 8033
+# only this machine can reach `make run` unless HOST says otherwise (HOST=0.0.0.0: every
+# interface; set server.api_keys_env first): the default config has no API key
+HOST ?= 127.0.0.1
 
 run: $(STAMP)
 	$(PY) -m generation prepare smollm2-135m
 	@echo
-	@echo "guardstream starts on port $(PORT); it prints commands to try once it is ready."
+	@echo "guardstream starts on $(HOST):$(PORT); it prints commands to try once it is ready."
 	@echo
-	$(PY) -m orchestrator serve --config $(CONFIG) --port $(PORT) --hint
+	$(PY) -m orchestrator serve --config $(CONFIG) --host $(HOST) --port $(PORT) --hint
 
 test: $(STAMP)
 	$(PY) -m ruff check .

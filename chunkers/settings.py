@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -55,6 +56,12 @@ ChunkerSettings = Annotated[
 ]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(ChunkerSettings)
 TYPES = ("paragraph", "sentence", "whole_doc", "words")
+_BY_TYPE: dict[str, type[_Settings]] = {
+    "sentence": SentenceSettings,
+    "paragraph": ParagraphSettings,
+    "words": WordsSettings,
+    "whole_doc": WholeDocSettings,
+}
 
 
 def parse_settings(settings: Any) -> Any:
@@ -66,7 +73,24 @@ def parse_settings(settings: Any) -> Any:
     try:
         return _ADAPTER.validate_python(settings)
     except ValidationError as exc:
-        raise ValueError(_message(exc.errors()[0])) from None
+        raise SettingsError([_message(e) for e in exc.errors()]) from None
+
+
+class SettingsError(ValueError):
+    """Every problem of one chunker's settings, one message each (`str()` joins them)."""
+
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__("; ".join(messages))
+        self.messages = messages
+
+
+def _closest(word: Any, choices: list[str]) -> str:
+    """` (did you mean 'x'?)`, else ` (expected one of: ...)`: a typo is the common mistake.
+    (difflib, as the orchestrator's config errors do; this library imports nothing of theirs.)"""
+    close = difflib.get_close_matches(word, choices, n=1) if isinstance(word, str) else []
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (expected one of: {', '.join(choices)})"
 
 
 def _message(error: Any) -> str:
@@ -77,13 +101,13 @@ def _message(error: Any) -> str:
     if kind == "union_tag_not_found":
         return "type: field required"
     if kind == "union_tag_invalid":
-        return (
-            f"type: unknown chunker type {ctx.get('tag')!r} (expected one of: {', '.join(TYPES)})"
-        )
+        return f"type: unknown chunker type {ctx.get('tag')!r}" + _closest(ctx.get("tag"), TYPES)
     if kind == "missing":
         return f"{field}: field required"
     if kind == "extra_forbidden":
-        return f"{field}: unknown field"
+        model = _BY_TYPE.get(str(loc[0])) if loc else None
+        known = sorted(model.model_fields) if model else []
+        return f"{field}: unknown field" + (_closest(str(loc[-1]), known) if known else "")
     if kind == "greater_than_equal":
         return f"{field}: must be >= {ctx.get('ge')}"
     if kind in ("int_type", "int_parsing", "int_from_float"):

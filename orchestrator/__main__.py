@@ -14,15 +14,23 @@ from typing import Any
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config
+    """Every error of the file in one pass. The detector service's file (no `models:`, or
+    `--detectors`) is the same format without models."""
+    from .config import ConfigError, is_detector_service_config, parse_config, read_yaml
 
     try:
-        config = load_config(args.path, require_models=True)
+        data = read_yaml(args.path)
+        service = args.detectors or is_detector_service_config(data)
+        config = parse_config(data, require_models=not service)
     except ConfigError as exc:
         for line in exc.errors:
             print(line, file=sys.stderr)
         print(f"{args.path}: {len(exc.errors)} error(s)", file=sys.stderr)
         return 1
+    if service:
+        builtins = sum(1 for d in config.detectors.values() if d.builtin is not None)
+        print(f"{args.path}: OK (detector service config: {builtins} built-in detector(s))")
+        return 0
     print(
         f"{args.path}: OK ({len(config.models)} model(s), {len(config.detectors)} detector(s), "
         f"{len(config.chunkers)} chunker(s))"
@@ -72,32 +80,45 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def try_it(config: Any, port: int) -> str:
-    """Commands to paste once the service is ready (`serve --hint`, which `make run` uses): for
-    the config's first model, with a bounded answer so a small model ends cleanly."""
+    """Commands to paste once the service is ready (`serve --hint`, which `make run` uses), built
+    from the running config: its first model, output detectors it has (`pii` and `hap` when
+    there), a bounded answer so a small model ends cleanly, and, when keys are on, the
+    Authorization header read from the key variable in the shell (the key is never printed)."""
     model = next(iter(config.models), "MODEL")
+    judging = sorted(d for d, c in config.detectors.items() if c.type == "text_contents")
+    preferred = [d for d in ("pii", "hap") if d in judging]
+    chosen = preferred or judging[:2]
     body = json.dumps(
         {
             "model_id": model,
             "inputs": "Tell me about cats in one sentence.",
-            "guardrail_config": {"output": {"models": {"pii": {}, "hap": {}}}},
+            "guardrail_config": {"output": {"models": {d: {} for d in chosen}}},
             "text_gen_parameters": {"max_new_tokens": 60},
         }
     )
     url = f"http://127.0.0.1:{port}"
-    return "\n".join(
-        [
-            "",
-            "guardstream is ready. In another terminal, try:",
-            "",
-            f"  curl -N {url}/api/v1/task/server-streaming-classification-with-text-generation \\",
-            "    -H 'content-type: application/json' \\",
-            f"    -d '{body}'",
-            "",
-            f"  or: {sys.executable} -m orchestrator stream --url {url} --max-new-tokens 60 "
-            "--output-detector pii --output-detector hap 'Tell me about cats in one sentence.'",
-            "",
-        ]
-    )
+    env = config.server.api_keys_env
+    # the first key of the variable, expanded by the user's shell: `${VAR%%,*}`
+    key = f"${{{env}%%,*}}" if env else None
+    auth = [f'    -H "authorization: Bearer {key}" \\'] if key else []
+    client_env = f"GUARDSTREAM_API_KEY={key} " if key else ""
+    flags = "".join(f"--output-detector {d} " for d in chosen)
+    lines = [
+        "",
+        "guardstream is ready. In another terminal, try:",
+        "",
+        f"  curl -N {url}/api/v1/task/server-streaming-classification-with-text-generation \\",
+        *auth,
+        "    -H 'content-type: application/json' \\",
+        f"    -d '{body}'",
+        "",
+        f"  or: {client_env}{sys.executable} -m orchestrator stream --url {url} --max-new-tokens 60 "
+        f"{flags}'Tell me about cats in one sentence.'",
+        "",
+    ]
+    if env:
+        lines[3:3] = [f"  (API keys are on: the commands read one from ${env} in your shell)", ""]
+    return "\n".join(lines)
 
 
 def _stream(args: argparse.Namespace) -> int:
@@ -133,8 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.set_defaults(func=_serve)
 
-    check = sub.add_parser("check-config", help="validate a config; exit 1 on error")
+    check = sub.add_parser(
+        "check-config", help="validate a config, every error in one pass; exit 1 on error"
+    )
     check.add_argument("path")
+    check.add_argument(
+        "--detectors",
+        action="store_true",
+        help="the file is the detector service's (no models needed); "
+        "a file without a models section is taken for one",
+    )
     check.set_defaults(func=_check_config)
 
     stream = sub.add_parser("stream", help="stream a generation in the terminal")

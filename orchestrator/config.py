@@ -7,6 +7,7 @@ all errors are collected at once, so an operator fixes a config in one pass.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,6 +25,8 @@ from pydantic import (
 import chunkers
 import detectors
 from generation.specs import spec_problem
+
+from .suggestions import closest, did_you_mean, fields_at
 
 WHOLE_DOC_CHUNKER = "whole_doc_chunker"
 NO_MODELS = "models: at least one model is required (clients name it as model_id)"
@@ -285,8 +288,8 @@ def cross_reference_errors(
         if det.builtin is not None:
             if det.builtin not in detectors.BUILTINS:
                 errors.append(
-                    f"{path}.builtin: unknown built-in detector '{det.builtin}' "
-                    f"(expected one of {', '.join(detectors.BUILTINS)})"
+                    f"{path}.builtin: unknown built-in detector '{det.builtin}'"
+                    + did_you_mean(det.builtin, detectors.BUILTINS)
                 )
             else:
                 try:
@@ -297,7 +300,10 @@ def cross_reference_errors(
             errors.append(f"{path}.url: must start with http:// or https://")
         errors.extend(_redact_with_errors(det.params, f"{path}.params"))
         if det.chunker_id != WHOLE_DOC_CHUNKER and det.chunker_id not in config.chunkers:
-            errors.append(f"{path}.chunker_id: unknown chunker '{det.chunker_id}'")
+            errors.append(
+                f"{path}.chunker_id: unknown chunker '{det.chunker_id}'"
+                + did_you_mean(det.chunker_id, [*config.chunkers, WHOLE_DOC_CHUNKER])
+            )
     for model_id, model in config.models.items():
         for direction in ("input", "output"):
             enforced: dict[str, dict[str, Any]] = getattr(model.guardrails, direction)
@@ -306,14 +312,21 @@ def cross_reference_errors(
                 det = config.detectors.get(detector_id)
                 if det is None:
                     if detector_id not in (present_detectors or set()):
-                        errors.append(f"{path}: unknown detector '{detector_id}'")
+                        errors.append(
+                            f"{path}: unknown detector '{detector_id}'"
+                            + did_you_mean(detector_id, config.detectors)
+                        )
                 elif det.type != "text_contents":
                     errors.append(f"{path}: detector type '{det.type}' cannot judge text")
                 if not isinstance(params, dict):
                     errors.append(f"{path}: must be a mapping of detector params")
                     continue
-                if params.get("on_detection") not in (None, "annotate", "block", "redact"):
-                    errors.append(f"{path}.on_detection: must be annotate, block or redact")
+                action = params.get("on_detection")
+                if action not in (None, "annotate", "block", "redact"):
+                    errors.append(
+                        f"{path}.on_detection: must be annotate, block or redact"
+                        + closest(action, ("annotate", "block", "redact"))
+                    )
                 errors.extend(_redact_with_errors(params, path))
                 errors.extend(_threshold_errors(f"{path}.threshold", params.get("threshold")))
         chat_api = [b for b in model.backends if isinstance(b, OpenAIBackend) and b.api == "chat"]
@@ -374,13 +387,15 @@ def chunker_errors(section: Any) -> list[str]:
         try:
             chunkers.build(settings)
         except ValueError as exc:
-            errors.append(f"{path}.{exc}" if _names_field(exc) else f"{path}: {exc}")
+            for message in getattr(exc, "messages", None) or [str(exc)]:
+                named = _names_field(message)
+                errors.append(f"{path}.{message}" if named else f"{path}: {message}")
     return errors
 
 
-def _names_field(exc: ValueError) -> bool:
+def _names_field(message: str) -> bool:
     """Chunker errors start with the field name (`max_words: must be >= 1`)."""
-    head = str(exc).split(":", 1)[0]
+    head = message.split(":", 1)[0]
     return bool(head) and " " not in head
 
 
@@ -392,12 +407,16 @@ def _detector_params(params: dict[str, Any]) -> dict[str, Any]:
 ORCHESTRATOR_PARAM_KEYS = frozenset({"threshold", "on_detection", "redact_with"})
 
 
-def _format_validation_error(exc: ValidationError) -> list[str]:
+def _format_validation_error(
+    exc: ValidationError, root: type[BaseModel] = BaseModel, prefix: tuple[Any, ...] = ()
+) -> list[str]:
+    """One `yaml.path: message` line per problem; an unknown key or a value outside a fixed set
+    names the closest valid one, or lists them all. `prefix`: where `root` sits in the file."""
     lines = []
     for err in exc.errors():
-        loc = [str(part) for part in err["loc"]]
+        raw_loc = err["loc"]
         # Discriminated unions insert the tag into the location; it is not a YAML key.
-        loc = [p for p in loc if p not in ("managed", "native", "openai")]
+        loc = [str(p) for p in (*prefix, *raw_loc) if p not in ("managed", "native", "openai")]
         if err["type"] == "value_error" and isinstance(
             err.get("ctx", {}).get("error"), ConfigError
         ):
@@ -405,7 +424,10 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
             continue
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + did_you_mean(raw_loc[-1], fields_at(root, raw_loc[:-1]))
+        elif err["type"] == "literal_error":
+            expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+            msg += closest(err.get("input"), expected)
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         path = ".".join(loc) if loc else "(root)"
@@ -422,7 +444,7 @@ def parse_config(data: Any, require_models: bool = False) -> Config:
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        errors = _format_validation_error(exc)
+        errors = _format_validation_error(exc, Config)
         errors += [e for e in _salvaged_errors(data, require_models) if e not in errors]
         raise ConfigError(errors) from None
     if require_models and not config.models:
@@ -439,10 +461,21 @@ def _salvaged_errors(data: dict[str, Any], require_models: bool) -> list[str]:
         return value if isinstance(value, dict) else {}
 
     def valid(model: type[BaseModel], value: Any) -> Any:
+        """The entry, or what is left of it without the keys the schema rejected (their
+        defaults instead): `builtin: profanty` is still checked beside `on_detection: blok`."""
         try:
             return model.model_validate(value)
-        except (ValidationError, ConfigError):
+        except ConfigError:
             return None
+        except ValidationError as exc:
+            if not isinstance(value, dict):
+                return None
+            bad = {err["loc"][0] for err in exc.errors() if err["loc"]}
+            rest = {k: v for k, v in value.items() if k not in bad}
+            try:
+                return model.model_validate(rest)
+            except (ValidationError, ConfigError):
+                return None
 
     models = {k: m for k, v in section("models").items() if (m := valid(ModelConfig, v))}
     dets = {k: valid(DetectorConfig, v) for k, v in section("detectors").items()}
@@ -456,18 +489,29 @@ def _salvaged_errors(data: dict[str, Any], require_models: bool) -> list[str]:
     return cross_reference_errors(salvaged, set(dets), require_models and not section("models"))
 
 
-def load_config(path: str | os.PathLike[str], require_models: bool = False) -> Config:
-    """Reads and validates a config file; raises ConfigError (never a bare traceback)."""
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    """The parsed YAML document at `path`; ConfigError (never a bare traceback)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{p}: cannot read: {exc.strerror or exc}"]) from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([f"{p}: invalid YAML: {exc}"]) from None
-    return parse_config(data, require_models)
+
+
+def load_config(path: str | os.PathLike[str], require_models: bool = False) -> Config:
+    """Reads and validates a config file; raises ConfigError (never a bare traceback)."""
+    return parse_config(read_yaml(path), require_models)
+
+
+def is_detector_service_config(data: Any) -> bool:
+    """The detector service's file (`python -m detectors serve --config`, DESIGN 6): the same
+    format, with detectors and neither `models:` nor `chunkers:` (it serves no generation and
+    judges whole contents). An orchestrator file without models is still a mistake."""
+    return isinstance(data, dict) and "detectors" in data and not {"models", "chunkers"} & set(data)
 
 
 def secret_env_names(config: Config) -> frozenset[str]:

@@ -194,11 +194,14 @@ def test_span_is_a_frozen_slotted_value() -> None:
     [
         ({"type": "foo"}, "type: unknown chunker type 'foo' (expected one of: paragraph, "
                           "sentence, whole_doc, words)"),
+        ({"type": "sentense"}, "type: unknown chunker type 'sentense' (did you mean 'sentence'?)"),
         ({}, "type: field required"),
         ({"max_words": 3}, "type: field required"),
         ({"type": "words", "max_words": 0}, "max_words: must be >= 1"),
-        ({"type": "words", "colour": "red"}, "colour: unknown field"),
-        ({"type": "paragraph", "max_words": 5}, "max_words: unknown field"),
+        ({"type": "words", "colour": "red"},
+         "colour: unknown field (expected one of: max_chars, max_words, type)"),
+        ({"type": "paragraph", "max_words": 5},
+         "max_words: unknown field (did you mean 'max_chars'?)"),
         ({"type": "paragraph", "max_chars": 0}, "max_chars: must be >= 1"),
         ({"type": "paragraph", "max_chars": "9"}, "max_chars: must be an integer, got '9'"),
         ({"type": "words", "max_words": "x"}, "max_words: must be an integer, got 'x'"),
