@@ -16,7 +16,9 @@ from .words import WordsChunker
 
 class _Settings(BaseModel):
     # strict: YAML `max_words: "5"` or `true` is a mistake worth reporting, not coercing.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True
+    )
 
 
 # The hold-back bound (DESIGN 5): text without a boundary (code, tables, lists, run-ons, other
@@ -30,24 +32,44 @@ PARAGRAPH_MAX_CHARS = 2000
 
 
 class SentenceSettings(_Settings):
+    """Sentences (NLTK Punkt with shipped parameters); a sentence is complete once the text after
+    its end shows it cannot grow."""
+
     type: Literal["sentence"]
+    """`sentence`."""
     max_chars: int = Field(SENTENCE_MAX_CHARS, ge=1)
-    language: Literal["english"] = "english"  # the only Punkt model shipped
+    """An open chunk that reaches this many characters without a sentence end is closed at its
+    last whitespace (or here when it has none): held-back text stays bounded."""
+    language: Literal["english"] = "english"
+    """The Punkt parameters (English is the one shipped)."""
 
 
 class ParagraphSettings(_Settings):
+    """Paragraphs, split at blank lines."""
+
     type: Literal["paragraph"]
+    """`paragraph`."""
     max_chars: int = Field(PARAGRAPH_MAX_CHARS, ge=1)
+    """An open paragraph that reaches this many characters is closed at its last whitespace."""
 
 
 class WordsSettings(_Settings):
+    """Windows of at most max_words words, also cut at sentence ends."""
+
     type: Literal["words"]
+    """`words`."""
     max_words: int = Field(50, ge=1)
+    """Words per chunk at most."""
     max_chars: int = Field(2000, ge=1)
+    """Characters per chunk at most (a very long word is cut)."""
 
 
 class WholeDocSettings(_Settings):
+    """One chunk, the whole text, at the end of a stream (what the reserved
+    `whole_doc_chunker` is; detectors name it without configuring it)."""
+
     type: Literal["whole_doc"]
+    """`whole_doc`."""
 
 
 ChunkerSettings = Annotated[

@@ -37,36 +37,48 @@ DETECTOR_TYPES = ("text_contents", "text_generation", "text_chat", "text_context
 
 
 class Strict(BaseModel):
-    """Base for config sections: unknown keys are errors."""
+    """Base for config sections: unknown keys are errors. Each field's docstring is its entry in
+    the configuration reference (docs/configuration.md, generated from this schema)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class TlsConfig(Strict):
+    """HTTPS for the service itself."""
+
     cert_path: str
+    """PEM certificate chain the service presents."""
     key_path: str
+    """PEM private key of that certificate."""
     client_ca_path: str | None = None
+    """PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)."""
 
 
 class ClientTlsConfig(Strict):
     """TLS options for calls to a remote engine or detector."""
 
     ca_path: str | None = None
+    """PEM CA bundle that signs the peer's certificate (default: the system's)."""
     cert_path: str | None = None
+    """PEM client certificate, for a peer that requires mutual TLS."""
     key_path: str | None = None
+    """PEM private key of the client certificate."""
     insecure_skip_verify: bool = False
+    """Accept any certificate (testing only: anyone on the path can read the traffic)."""
 
 
 class TracingConfig(Strict):
     """OpenTelemetry traces over OTLP/HTTP (README "Tracing"). Without this section tracing is
     off unless the standard OTEL_* environment variables turn it on."""
 
-    # the collector's base URL (spans go to <url>/v1/traces); None: OTEL_EXPORTER_OTLP_* or
-    # http://localhost:4318
     otlp_endpoint: str | None = None
-    service_name: str | None = None  # None: OTEL_SERVICE_NAME, else "guardstream"
-    # parent-based: a client's sampled traceparent is followed; None: OTEL_TRACES_SAMPLER
+    """The collector's base URL (spans go to <url>/v1/traces); unset: OTEL_EXPORTER_OTLP_* or
+    http://localhost:4318."""
+    service_name: str | None = None
+    """The traces' service name; unset: OTEL_SERVICE_NAME, else `guardstream`."""
     sample_ratio: float | None = Field(None, ge=0, le=1)
+    """Share of new traces sampled (parent-based: a client's sampled traceparent is followed);
+    unset: OTEL_TRACES_SAMPLER."""
 
     @field_validator("otlp_endpoint")
     @classmethod
@@ -77,41 +89,54 @@ class TracingConfig(Strict):
 
 
 class ServerConfig(Strict):
+    """The HTTP service: where it listens, who may call it, and the bounds every request gets."""
+
     host: str = "0.0.0.0"
+    """Address to listen on (`serve --host` overrides it; `make run` passes 127.0.0.1)."""
     port: int = Field(8033, ge=0, le=65535)
+    """Port to listen on (`serve --port` overrides it; 0: any free port)."""
     api_keys_env: str | None = None
+    """Name of an environment variable holding comma-separated API keys; when set, Bearer auth is
+    required everywhere except /health, /info, /metrics (see public_metrics), /openapi.json."""
     max_request_bytes: int = Field(1_048_576, ge=1024)
+    """Largest request body, streaming bodies included (413 beyond)."""
     request_timeout_s: float = Field(600, gt=0)
-    # a connection must complete a request's headers within this long of opening, or of its
-    # previous response (idle keep-alive included); else it is closed. Above common load
-    # balancers' idle timeouts (60 s), so they close first and never reuse a closing connection
+    """Overall bound for one request on every endpoint, streaming included."""
     header_timeout_s: float = Field(75, gt=0)
-    # a request body that sends nothing for this long: 408 (in-band on stream-content, which
-    # then frees its stream slot), and the connection is closed
+    """A connection must complete a request's headers within this long of opening, or of its
+    previous response (idle keep-alive included), else it is closed. Keep it above a load
+    balancer's idle timeout (often 60 s), so the balancer closes first."""
     body_idle_timeout_s: float = Field(30, gt=0)
-    # with api_keys_env set, /metrics needs a key unless this is true (its series name
-    # replicas and detectors)
+    """A request body that sends nothing this long: 408 (in-band on stream-content, which then
+    frees its stream slot), and the connection is closed."""
     public_metrics: bool = False
+    """With api_keys_env set, /metrics needs a key unless this is true (its series name replicas
+    and detectors)."""
     max_concurrent_streams: int = Field(1024, ge=1)
-    # connections the kernel queues for accept() while the event loop is busy (a burst of
-    # clients connecting at once); capped by net.core.somaxconn (aiohttp's default is 128)
+    """Requests served at once; beyond it: 429 `overloaded` with Retry-After."""
     listen_backlog: int = Field(2048, ge=1, le=65535)
+    """Connections the kernel queues for accept() while the event loop is busy (a burst of
+    clients connecting at once); capped by net.core.somaxconn."""
     drain_timeout_s: float = Field(30, ge=0)
+    """On SIGTERM, running streams get this long, then end with `server_shutdown`."""
     tls: TlsConfig | None = None
+    """HTTPS for the service (unset: plain HTTP)."""
     forward_headers: list[str] = Field(default_factory=list)
-    # an SSE comment line after this many seconds of silence on every streaming endpoint, so
-    # proxies with idle timeouts do not cut a stream whose text is held back (DESIGN 4.3)
+    """Client headers forwarded to engines and detectors (never Authorization or cookies)."""
     sse_keepalive_s: float = Field(15, gt=0)
-    # while the event loop lags by at least read_coalesce_min_lag_ms (it is busy), an engine that
-    # streams at its own pace is read once per read_coalesce_tokens tokens' time (at most 50 ms)
-    # rather than once per token: fewer wake-ups, a frame released up to that much later; bursts
-    # are read at once. tokens 0: never; min_lag 0: always (see ReadPacer, LoopLag)
+    """An SSE comment line after this many seconds of silence on every streaming endpoint, so
+    proxies with idle timeouts do not cut a stream whose text is held back."""
     read_coalesce_tokens: float = Field(5, ge=0, le=16)
+    """While the event loop is busy (see read_coalesce_min_lag_ms), an engine that streams at its
+    own pace is read once per this many tokens' time (at most 50 ms) rather than once per token;
+    bursts are read at once. 0: never."""
     read_coalesce_min_lag_ms: float = Field(2, ge=0)
-    # orchestrator processes sharing the port (SO_REUSEPORT); "auto": one per usable CPU. The
-    # first process supervises them and starts managed engines once for all of them.
+    """"Busy" for read_coalesce_tokens: the event loop lags at least this much. 0: always."""
     workers: int | Literal["auto"] = 1
+    """Orchestrator processes sharing the port (SO_REUSEPORT), 1 to 256; `auto`: one per usable
+    CPU. The first process supervises them and starts managed engines once for all."""
     tracing: TracingConfig | None = None
+    """OpenTelemetry traces (unset: off unless OTEL_* variables turn them on)."""
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -138,25 +163,37 @@ class ManagedBackend(Strict):
     """Engine processes the orchestrator starts and supervises on this machine."""
 
     type: Literal["managed"]
+    """`managed`."""
     model: str
+    """The engine's model: a built-in name (`smollm2-135m`, `tiny-random`) or a path to a Hugging
+    Face model folder."""
     replicas: int = Field(1, ge=1, le=64)
+    """Engine processes of this model; a stream migrates between them."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # the engine's --dtype: auto is bf16 on CUDA, fp32 on a CPU (fp64 for tiny-random)
+    """Where the engines run; `auto`: CUDA when there is a GPU."""
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
-    # the engine's --batch-invariant: logits independent of the batch, so a migrated stream is
-    # token-exact at the engine's dtype (DESIGN section 7), at a throughput cost
+    """The engine's --dtype; `auto`: bf16 on CUDA, fp32 on a CPU (fp64 for tiny-random)."""
     batch_invariant: bool = False
+    """Logits independent of the batch, so a migrated stream is token-exact at the engine's dtype
+    (DESIGN section 7), at a throughput cost."""
     enable_fault_injection: bool = False
+    """Let tests inject faults into the engines (never in production)."""
     start_timeout_s: float = Field(300, gt=0)
+    """How long an engine may take to load its model and answer /health."""
 
 
 class NativeBackend(Strict):
     """An engine already running, speaking the native protocol (DESIGN section 7)."""
 
     type: Literal["native"]
+    """`native`."""
     url: str
-    api_key_env: str | None = None  # the engine's --api-keys-env key, sent as a Bearer token
+    """The engine's base URL (http:// or https://)."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding the engine's key (its --api-keys-env), sent as a
+    Bearer token."""
     tls: ClientTlsConfig | None = None
+    """TLS options for an https:// engine."""
 
 
 class OpenAIBackend(Strict):
@@ -165,33 +202,49 @@ class OpenAIBackend(Strict):
     message (DESIGN section 7)."""
 
     type: Literal["openai"]
+    """`openai`."""
     url: str
+    """The server's base URL (without /v1)."""
     model: str
+    """The model name the server knows (what it lists in /v1/models)."""
     api: Literal["completions", "chat"] = "completions"
+    """Which endpoint generates: `completions` (token-exact resume when the server returns token
+    ids) or `chat` (resume by continuing the partial assistant message)."""
     api_key_env: str | None = None
+    """Name of an environment variable holding the server's key, sent as a Bearer token."""
     tls: ClientTlsConfig | None = None
-    # the served model's Hugging Face folder (tokenizer.json + chat template), for servers
-    # without `/tokenize` (transformers serve): `api: completions` templates chat requests with
-    # it, and prompts are counted with it
+    """TLS options for an https:// server."""
     tokenizer: str | None = None
+    """The served model's Hugging Face folder (tokenizer.json + chat template), for servers
+    without /tokenize (transformers serve): `api: completions` templates chat requests with it,
+    and prompts are counted with it."""
 
 
 Backend = Annotated[ManagedBackend | NativeBackend | OpenAIBackend, Field(discriminator="type")]
 
 
 class MigrationConfig(Strict):
+    """What happens when a replica dies mid-stream (DESIGN section 7)."""
+
     limit: int = Field(3, ge=0)
+    """Replacement attempts per request; 0 disables migration."""
     max_seq_len: int = Field(8192, ge=1)
+    """Prompt + generated tokens above this: the request becomes unmigratable."""
     stall_timeout_s: float = Field(30, gt=0)
+    """No item from a replica for this long: it is treated as dead."""
     quarantine_s: float = Field(5, ge=0)
+    """A failed replica is not chosen again for this long."""
 
 
 class ModelLimits(Strict):
     """Per-model caps that protect the service from oversized requests (422 beyond them)."""
 
     max_new_tokens: int = Field(2048, ge=1)
+    """Largest token budget a request may ask for."""
     default_max_new_tokens: int = Field(256, ge=1)
+    """The budget of a request that names none."""
     max_input_chars: int = Field(100_000, ge=1)
+    """Largest prompt (all messages together), in characters."""
 
 
 class DecodingDefaults(Strict):
@@ -200,56 +253,94 @@ class DecodingDefaults(Strict):
     repetition penalty. A request that sets a field always wins."""
 
     temperature: float | None = Field(None, gt=0, le=2)
+    """Sampling temperature for requests without one."""
     top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus sampling for requests without one."""
     repetition_penalty: float | None = Field(None, gt=0, le=10)
+    """Repetition penalty for requests without one (dropped for a server that refuses it)."""
 
 
 class ModelGuardrails(Strict):
     """Detectors enforced on every request to a model, on every endpoint: `{detector_id: params}`
-    with the same params a request may give (threshold, on_detection, detector params)."""
+    with the same params a request may give (threshold, on_detection, redact_with, detector
+    params). A request can add detectors; it can never remove or weaken these."""
 
     input: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Judge every piece of text a client sends, before the model sees it."""
     output: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Judge the generated text before any of it is released."""
 
 
 class ModelConfig(Strict):
+    """A generation model, keyed by the model_id clients send."""
+
     backends: list[Backend] = Field(min_length=1)
+    """Replicas of the same model, any mix of types (`managed`, `native`, `openai`)."""
     migration: MigrationConfig = Field(default_factory=MigrationConfig)
+    """Migration between the replicas."""
     limits: ModelLimits = Field(default_factory=ModelLimits)
-    # Apply the model's chat template to `inputs` (instruct models answer a raw prompt poorly).
+    """Request bounds for this model."""
     chat: bool = False
+    """FMS endpoints: apply the model's chat template to `inputs` (instruct models answer a raw
+    prompt poorly)."""
     guardrails: ModelGuardrails = Field(default_factory=ModelGuardrails)
+    """Detectors enforced on every request to this model."""
     decoding_defaults: DecodingDefaults = Field(default_factory=DecodingDefaults)
+    """Decoding settings for requests that leave them unset."""
 
 
 class DetectorConfig(Strict):
+    """A detector, keyed by the detector_id clients name: a built-in running in the orchestrator,
+    or a remote service speaking the detector API (exactly one of `builtin` and `url`)."""
+
     type: Literal["text_contents", "text_generation", "text_chat", "text_context_doc"] = (
         "text_contents"
     )
+    """The detector API it speaks; only `text_contents` detectors judge input and output text."""
     builtin: str | None = None
+    """An in-process built-in: `regex`, `profanity`, `prompt_injection`, `topic`,
+    `hf_classifier` (its settings go in `params`)."""
     url: str | None = None
+    """A remote detector service's base URL (http:// or https://)."""
     chunker_id: str = WHOLE_DOC_CHUNKER
-    default_threshold: float = Field(0.5, ge=0, le=1)  # scores are in [0, 1]
+    """The chunker that cuts text for it: a configured chunker or the built-in
+    `whole_doc_chunker` (the whole text, at the end of a stream)."""
+    default_threshold: float = Field(0.5, ge=0, le=1)
+    """A detection is kept when score >= threshold (a request's `threshold`, else this)."""
     params: dict[str, Any] = Field(default_factory=dict)
+    """Built-in settings (e.g. `patterns`, `topics`, `model_path`), and default detector_params
+    merged under a request's."""
     timeout_s: float = Field(10, gt=0)
+    """How long one call may take before the request fails with `detector_error`."""
     on_detection: Literal["annotate", "block", "redact"] = "annotate"
-    # redact (DESIGN 4.6a): the replacement of each flagged span, a fixed string or a template
-    # with {entity} (the detection's name: `[{entity}]` gives `[email]`)
+    """What a detection does: `annotate` (reported), `block` (the stream stops, no flagged text
+    leaves), `redact` (the flagged text is replaced by redact_with and the stream goes on)."""
     redact_with: StrictStr = Field(DEFAULT_REDACT_WITH, max_length=MAX_REDACT_WITH)
-    api_key_env: str | None = None  # a remote detector service's key, sent as a Bearer token
-    # what a detector's detections are (DESIGN 4.6a): `spans`, entities inside the content
-    # (redaction needs each seen whole: judged over overlapping windows), or `chunks`, a
-    # classifier's verdict on the chunk it was given (it redacts that chunk, judged alone).
-    # Built-ins know their own; a remote detector is taken for a span detector unless it says.
+    """The replacement of each redacted span: a fixed string or a template with {entity} (the
+    detection's name: `[{entity}]` gives `[email]`)."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding a remote detector service's key, sent as a Bearer
+    token."""
     judges: Literal["spans", "chunks"] | None = None
+    """What its detections are: `spans`, entities inside the content (redaction must see each
+    whole: judged over overlapping windows), or `chunks`, a classifier's verdict on the chunk it
+    was given (it redacts that chunk, judged alone). Built-ins know their own; a remote detector
+    is taken for a span detector unless this says `chunks`."""
     tls: ClientTlsConfig | None = None
+    """TLS options for an https:// detector service."""
 
 
 class Config(Strict):
+    """config.yaml."""
+
     server: ServerConfig = Field(default_factory=ServerConfig)
+    """The HTTP service."""
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    """Generation models, keyed by the model_id clients send."""
     chunkers: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Chunkers, keyed by chunker_id (`whole_doc_chunker` is reserved and built in)."""
     detectors: dict[str, DetectorConfig] = Field(default_factory=dict)
+    """Detectors, keyed by the detector_id clients name."""
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
