@@ -25,11 +25,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from .streaming.events import Frame
+from .streaming.events import Frame, Terminal
 from .streaming.findings import Finding
 from .streaming.guarded_generation import StreamObserver
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# a first frame: a token, a detector round trip, a migration; a stream: up to request_timeout_s
+FIRST_FRAME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+STREAM_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # stalls of the event loop: sub-millisecond when healthy, a GC pass or a CPU-bound burst above
 STALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -130,6 +133,35 @@ class OrchestratorMetrics:
             registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
         )
+        # per model: model ids come from the config, so the label's values are bounded
+        self.first_frame = Histogram(
+            "guardstream_time_to_first_frame_seconds",
+            "Time to first token as a client sees it: from the pipeline's start (the request "
+            "validated and admitted) to the first frame with text, judged by every detector",
+            ["model"],
+            registry=r,
+            buckets=FIRST_FRAME_BUCKETS,
+        )
+        self.stream_duration = Histogram(
+            "guardstream_stream_duration_seconds",
+            "Generation requests from the pipeline's start to their terminal event, by how they "
+            "ended (completed | incomplete | failed | error)",
+            ["model", "event"],
+            registry=r,
+            buckets=STREAM_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "guardstream_prompt_tokens",
+            "Prompt tokens of generation requests (as the engine counted them)",
+            ["model"],
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "guardstream_generated_tokens",
+            "Tokens the model generated for clients (migrations do not count twice)",
+            ["model"],
+            registry=r,
+        )
         self.terminal_events = Counter(
             "guardstream_terminal_events",
             "Terminal events by name (completed | incomplete | failed | error)",
@@ -158,23 +190,35 @@ class OrchestratorMetrics:
         if self.worker_requests is not None:
             self.worker_requests.inc()
 
-    def observer(self) -> StreamObserver:
-        """Hooks for one request's pipeline (which itself knows nothing of prometheus)."""
+    def observer(self, model: str | None = None) -> StreamObserver:
+        """Hooks for one request's pipeline (which itself knows nothing of prometheus); with a
+        `model`, the generation series of that model, timed from now."""
+        started = time.monotonic()
+        first_frame = None if model is None else self.first_frame.labels(model)
 
         def on_frame(frame: Frame, hold_s: float) -> None:
+            nonlocal first_frame
             self.frames.inc()
             # every frame with text has been held back for some time, however short; frames
             # without text (an empty final frame) have nothing to hold
             if frame.text:
                 self.hold_back.observe(max(hold_s, 0.0))
+                if first_frame is not None:
+                    first_frame.observe(time.monotonic() - started)
+                    first_frame = None
 
         def on_findings(findings: list[Finding]) -> None:
             # one inc per detector, not per finding: a 1 MB request can bring 40,000
             for detector_id, n in Tally(f.detector_id for f in findings).items():
                 self.detections.labels(detector_id).inc(n)
 
-        def on_terminal(name: str) -> None:
-            self.terminal_events.labels(name).inc()
+        def on_terminal(terminal: Terminal) -> None:
+            self.terminal_events.labels(terminal.kind).inc()
+            if model is None:
+                return
+            self.stream_duration.labels(model, terminal.kind).observe(time.monotonic() - started)
+            self.prompt_tokens.labels(model).inc(terminal.input_token_count or 0)
+            self.generated_tokens.labels(model).inc(terminal.generated_token_count)
 
         return StreamObserver(on_frame=on_frame, on_findings=on_findings, on_terminal=on_terminal)
 

@@ -122,6 +122,15 @@ async def test_a_stream_moves_every_series_by_exactly_what_it_did(
     )
     # the first scrape is counted once it has been answered
     assert d("guardstream_requests_total", endpoint="/metrics", status="200") == 1
+    # per model: one first frame, one stream, the terminal's own token counts
+    end = terminal(events).data
+    assert d("guardstream_time_to_first_frame_seconds_count", model=MODEL) == 1
+    assert d("guardstream_time_to_first_frame_seconds_bucket", model=MODEL, le="+Inf") == 1
+    assert d("guardstream_stream_duration_seconds_count", model=MODEL, event="completed") == 1
+    assert d("guardstream_stream_duration_seconds_count", model=MODEL, event="failed") == 0
+    assert end["input_token_count"] > 0 and end["generated_token_count"] > 0
+    assert d("guardstream_prompt_tokens_total", model=MODEL) == end["input_token_count"]
+    assert d("guardstream_generated_tokens_total", model=MODEL) == end["generated_token_count"]
 
 
 async def test_errors_failures_and_the_unary_and_content_endpoints_are_counted(

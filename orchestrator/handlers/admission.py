@@ -122,7 +122,7 @@ async def build_pipeline(
         chunkers=state.chunkers,
         timeout_s=server.request_timeout_s,
         seed=gen_request.params.seed,
-        observer=state.metrics.observer(),
+        observer=state.metrics.observer(target.model_id),
         keepalive_s=server.sse_keepalive_s if keepalive else None,
         read_coalesce_tokens=server.read_coalesce_tokens,
         read_coalesce_when=state.loop_lag.busy,

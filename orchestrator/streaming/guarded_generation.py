@@ -73,7 +73,7 @@ class StreamObserver:
 
     on_frame: Callable[[Frame, float], None] = lambda frame, hold_s: None
     on_findings: Callable[[list[Finding]], None] = lambda findings: None
-    on_terminal: Callable[[str], None] = lambda name: None
+    on_terminal: Callable[[Terminal], None] = lambda terminal: None
 
 
 # -- inbox messages -------------------------------------------------------------------------------
@@ -547,7 +547,7 @@ class GuardedGeneration:
 
     def _finish(self, terminal: Terminal) -> Terminal:
         self.terminal = terminal
-        self._observer.on_terminal(terminal.kind)
+        self._observer.on_terminal(terminal)
         if self._span is not None:
             tracing.record_terminal(self._span, terminal, self._frames_sent)
         return terminal
