@@ -65,6 +65,32 @@ async def test_every_readme_curl_body_is_accepted_by_the_shipped_config() -> Non
         await engine.close()
 
 
+async def test_the_readme_content_sample_is_the_bytes_the_service_sends() -> None:
+    """The content endpoint's sample output, byte for byte (issue 41: the README showed spaced
+    JSON, the service sends compact JSON)."""
+    [(curl, shown)] = re.findall(
+        r"```sh\n(curl -s http://127.0.0.1:8033/api/v2/text/detection/content.*?)```\n\n"
+        r"```\n(.*?)\n```",
+        README,
+        flags=re.S,
+    )
+    argv = shlex.split(curl.replace("\\\n", " "))
+    engine = FakeEngine(script=["Cats"])
+    await engine.start()
+    try:
+        async with Orchestrator(shipped_config(engine.url)) as orch:
+            assert orch.session is not None
+            body = argv[argv.index("-d") + 1].encode()
+            headers = {"content-type": "application/json"}
+            url = orch.url + "/api/v2/text/detection/content"
+            async with orch.session.post(url, data=body, headers=headers) as r:
+                assert r.status == 200
+                sent = await r.text()
+    finally:
+        await engine.close()
+    assert sent == shown
+
+
 async def test_the_readme_terminal_client_command_runs_as_shown() -> None:
     # the quickstart's (the migration demo's is a background job that needs a real model)
     argv = next(c for c in commands(".venv/bin/python") if c[2:4] == ["orchestrator", "stream"])

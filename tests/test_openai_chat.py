@@ -347,6 +347,7 @@ async def test_enforced_block_cannot_be_downgraded_to_annotate(engine, dets) -> 
             None,
         ),
         ({"model": MODEL, "messages": [{"role": "system", "content": "x"}]}, 422, "messages"),
+        ({"model": MODEL, "messages": USER, "detector": {"output": {"x": {}}}}, 422, "detector"),
     ],
 )
 async def test_bad_requests_get_openai_error_bodies(engine, dets, body, status, param) -> None:
@@ -583,3 +584,20 @@ async def test_options_that_ask_for_nothing_pass_on_a_native_backend(engine, det
     async with Orchestrator(config(engine, dets)) as orch:
         done = await sdk(orch).chat.completions.create(model=MODEL, messages=USER, extra_body=inert)
     assert done.choices[0].message.content == TEXT
+
+
+def test_a_misspelt_detectors_field_is_refused_whatever_the_backend() -> None:
+    """Issue 41: `detector` for `detectors` (as `extra_body` makes easy) was forwarded to an
+    `openai` chat backend, and no detector the client asked for ran. It is refused in the
+    request model itself, before any backend is chosen, naming the field it meant."""
+    from pydantic import ValidationError
+
+    from orchestrator.api.openai_chat import ChatCompletionRequest
+
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate(
+            {"model": MODEL, "messages": USER, "detector": {"output": {"pii": {}}}}
+        )
+    assert "detector: unknown field (did you mean `detectors`?)" in str(caught.value)
+    # OpenAI's own fields still pass through
+    ChatCompletionRequest.model_validate({"model": MODEL, "messages": USER, "user": "u-1"})

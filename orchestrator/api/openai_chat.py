@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..suggestions import closest
 from .errors import Failure
 from .fms_requests import DetectorMap
 from .fms_responses import TokenClassificationResult, Wire
@@ -145,6 +146,10 @@ class ChatDetectors(Strict):
 StopItem = Annotated[str, Field(min_length=1)]
 
 
+# the extension fields guardstream reads in an OpenAI body (everything else is OpenAI's)
+GUARDSTREAM_FIELDS = ("detectors",)
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -184,6 +189,12 @@ class ChatCompletionRequest(BaseModel):
                 raise ValueError(f"{name}: {why}")
         if not any(m.role == "user" for m in self.messages):
             raise ValueError("messages: at least one message must have the role `user`")
+        for name in self.model_extra or {}:
+            # a misspelt `detectors` would be forwarded to an `openai` backend, and no detector
+            # the client asked for would run: refused on every backend, naming the field
+            hint = closest(name, GUARDSTREAM_FIELDS, quote="`")
+            if hint:
+                raise ValueError(f"{name}: unknown field{hint}")
         return self
 
     def input_pieces(self) -> list[InputPiece]:
