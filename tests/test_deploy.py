@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import importlib.util
 import json
 import os
 import re
@@ -316,7 +317,8 @@ def test_compose_config_points_at_the_compose_services() -> None:
     ]
     served = detector_service.load_config(DEPLOY / "detectors.yaml")["detectors"]
     remote = {d: c for d, c in config.detectors.items() if c.url is not None}
-    assert sorted(remote) == ["hap"]
+    assert sorted(remote) == ["hap", "injection"]
+    assert {c.judges for c in remote.values()} == {"chunks"}
     for detector_id, det in remote.items():
         assert det.url is not None
         assert host_port(det.url) == ("detectors", DETECTORS_PORT)
@@ -332,7 +334,10 @@ def test_compose_healthchecks_use_health_on_the_served_port() -> None:
     }
     for name, port in ports.items():
         test = " ".join(COMPOSE["services"][name]["healthcheck"]["test"])
-        assert f"http://127.0.0.1:{port}/health" in test, name
+        # the orchestrator's is readiness (/info): 503 until its detectors are warm, and
+        # while it drains (issue 41: compose checked liveness)
+        path = "/info" if name == "orchestrator" else "/health"
+        assert f"http://127.0.0.1:{port}{path}" in test, name
 
 
 # -- kubernetes wiring ---------------------------------------------------------------------------
@@ -343,9 +348,15 @@ def test_k8s_orchestrator_wiring() -> None:
     assert c["ports"] == [{"name": "http", "containerPort": ORCHESTRATOR_PORT}]
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": ORCHESTRATOR_PORT}
     assert c["readinessProbe"]["httpGet"] == {"path": "/info", "port": ORCHESTRATOR_PORT}
-    assert c["volumeMounts"] == [{"name": "config", "mountPath": str(Path(CONFIG_PATH).parent)}]
+    assert c["volumeMounts"] == [
+        {"name": "config", "mountPath": str(Path(CONFIG_PATH).parent)},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
     spec = K8S[("Deployment", "guardstream-orchestrator")]["spec"]["template"]["spec"]
-    assert spec["volumes"] == [{"name": "config", "configMap": {"name": "guardstream-config"}}]
+    assert spec["volumes"] == [
+        {"name": "config", "configMap": {"name": "guardstream-config"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
     assert Path(CONFIG_PATH).name in K8S[("ConfigMap", "guardstream-config")]["data"]
     svc = K8S[("Service", "guardstream")]["spec"]
     assert svc["ports"] == [
@@ -369,7 +380,8 @@ def test_k8s_config_points_at_the_k8s_services() -> None:
         {"name": "http", "port": DETECTORS_PORT, "targetPort": DETECTORS_PORT}
     ]
     remote = {d: c for d, c in config.detectors.items() if c.url is not None}
-    assert sorted(remote) == ["hap"]
+    assert sorted(remote) == ["hap", "injection"]
+    assert {c.judges for c in remote.values()} == {"chunks"}
     for detector_id, det in remote.items():
         assert det.url is not None
         assert host_port(det.url) == ("guardstream-detectors", DETECTORS_PORT)
@@ -391,11 +403,13 @@ def test_k8s_detectors_wiring() -> None:
     assert c["ports"] == [{"name": "http", "containerPort": DETECTORS_PORT}]
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": DETECTORS_PORT}
     assert c["volumeMounts"] == [
-        {"name": "config", "mountPath": str(Path(DETECTORS_CONFIG_PATH).parent)}
+        {"name": "config", "mountPath": str(Path(DETECTORS_CONFIG_PATH).parent)},
+        {"name": "tmp", "mountPath": "/tmp"},
     ]
     spec = K8S[("Deployment", "guardstream-detectors")]["spec"]["template"]["spec"]
     assert spec["volumes"] == [
-        {"name": "config", "configMap": {"name": "guardstream-detectors-config"}}
+        {"name": "config", "configMap": {"name": "guardstream-detectors-config"}},
+        {"name": "tmp", "emptyDir": {}},
     ]
     assert list(K8S[("ConfigMap", "guardstream-detectors-config")]["data"]) == [
         Path(DETECTORS_CONFIG_PATH).name
@@ -767,7 +781,7 @@ def test_compose_prometheus_scrapes_every_guardstream_process() -> None:
 
 def test_compose_networks_keep_the_backends_private() -> None:
     services = COMPOSE["services"]
-    assert COMPOSE["networks"] == {"backend": {"internal": True}}
+    assert COMPOSE["networks"] == {"default": {}, "backend": {"internal": True}}
     for name in ("engine-0", "engine-1", "detectors"):
         # only on the internal network, nothing published: the orchestrator and Prometheus
         # reach them, the host and the outside world do not, and they reach nothing outside
@@ -1412,3 +1426,102 @@ def test_k8s_orchestrator_config_sets_the_capacity_knobs() -> None:
     assert config.server.workers == 1  # the pod requests one core
     c = k8s_container("Deployment", "guardstream-orchestrator")
     assert c["resources"]["requests"]["cpu"] == "1"
+
+
+# -- one source of truth (issue 41 item 4) and the container as deployments run it (item 6) -----
+
+
+def _render_module() -> Any:
+    spec = importlib.util.spec_from_file_location("deploy_render", DEPLOY / "render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_deploy_configs_are_rendered_from_config_yaml() -> None:
+    """compose and k8s run what `make run` runs: deploy/render.py's output is what is checked
+    in, and it equals config.yaml but for the server, the backends (one per engine replica)
+    and where the model-backed detectors run."""
+    render = _render_module()
+    assert render.main(["--check"]) == 0, "stale: python deploy/render.py"
+    shipped = load_config(ROOT / "config.yaml")
+    for config in (
+        load_config(DEPLOY / "config.compose.yaml"),
+        parse_config(k8s_config("guardstream-config", "config.yaml")),
+    ):
+        for model_id, model in shipped.models.items():
+            deployed = config.models[model_id]
+            for key in ("limits", "decoding_defaults", "guardrails", "migration", "chat"):
+                assert getattr(deployed, key) == getattr(model, key), key
+        assert config.chunkers == shipped.chunkers
+        assert list(config.detectors) == list(shipped.detectors)
+        for detector_id, det in config.detectors.items():
+            mine = shipped.detectors[detector_id]
+            assert (det.chunker_id, det.on_detection, det.default_threshold) == (
+                mine.chunker_id,
+                mine.on_detection,
+                mine.default_threshold,
+            )
+            assert (det.builtin is not None) == (mine.builtin == "regex")
+    served = detector_service.load_config(DEPLOY / "detectors.yaml")["detectors"]
+    assert {d: e["builtin"] for d, e in served.items()} == {
+        d: c.builtin for d, c in shipped.detectors.items() if c.builtin is not None
+    }
+
+
+def test_a_new_engine_replica_gets_its_backend() -> None:
+    """Backends follow the replica count: the StatefulSet's replicas give one URL each."""
+    render = _render_module()
+    base = yaml.safe_load((ROOT / "config.yaml").read_text())
+    urls = [f"http://guardstream-engine-{i}.guardstream-engine:8090" for i in range(3)]
+    config = render.orchestrator_config(base, render.K8S_SERVER, urls, "http://d:8080")
+    [model] = config["models"].values()
+    assert [b["url"] for b in model["backends"]] == urls
+    assert (
+        len(render.k8s_engines()) == K8S[("StatefulSet", "guardstream-engine")]["spec"]["replicas"]
+    )
+
+
+def test_compose_declares_its_networks_and_runs_read_only() -> None:
+    assert "default" in COMPOSE["networks"]  # podman-compose: `missing networks: default`
+    for name in GUARDSTREAM_SERVICES:
+        service = COMPOSE["services"][name]
+        assert service["read_only"] is True, name
+        assert service["tmpfs"] == ["/tmp"], name
+
+
+def test_k8s_containers_run_with_a_read_only_root() -> None:
+    for kind, name in (
+        ("Deployment", "guardstream-orchestrator"),
+        ("Deployment", "guardstream-detectors"),
+        ("StatefulSet", "guardstream-engine"),
+    ):
+        c = k8s_container(kind, name)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, name
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"], name
+
+
+def test_the_cpu_overlay_runs_the_engines_without_a_gpu() -> None:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / "k8s-cpu")],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+    sts = docs[("StatefulSet", "guardstream-engine")]["spec"]["template"]["spec"]
+    (engine,) = sts["containers"]
+    base = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    registry = base["images"][0]["newName"]
+    assert engine["image"] == f"{registry}:cpu"
+    assert engine["command"][engine["command"].index("--device") + 1] == "cpu"
+    assert "nvidia.com/gpu" not in str(engine["resources"])
+    # the rest is the base as it is
+    assert (
+        docs[("Deployment", "guardstream-orchestrator")]["spec"]["template"]["spec"]["containers"][
+            0
+        ]["image"]
+        == f"{registry}:cpu"
+    )
