@@ -6,7 +6,9 @@
 # (torch's CUDA wheels carry the CUDA runtime, so TORCH_VARIANT=cu128 on the default base also
 # runs on a GPU; the NVIDIA container runtime mounts the driver either way.)
 # The command picks the role: python -m orchestrator serve | python -m generation serve | python -m detectors serve
-# The build needs PyPI and download.pytorch.org; nothing is downloaded at run time.
+# The build needs PyPI and a torch index for TORCH_VARIANT (download.pytorch.org by default;
+# --build-arg TORCH_INDEX_URL=... names a mirror or a local index where only the package
+# registries are reachable); nothing is downloaded at run time.
 # Stopping: the orchestrator drains for server.drain_timeout_s (default 30 s) plus 7 s to end
 # what is left with a terminal event; give it longer than that (`docker stop -t 45`,
 # `docker run --stop-timeout 45`, compose's stop_grace_period), or a stop cuts streams mid-way.
@@ -16,13 +18,14 @@ ARG BUILD_IMAGE=python:3.11-slim
 
 FROM ${BUILD_IMAGE} AS build
 ARG TORCH_VARIANT=cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 WORKDIR /src
 COPY requirements.txt requirements-nodeps.txt ./
 # Same pinned requirements as `make`; torch==2.13.0 is in the same command as transformers.
 # The extra index serves the torch build for TORCH_VARIANT (cpu, or e.g. cu128).
-RUN /opt/venv/bin/pip install --extra-index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" -r requirements.txt \
+RUN /opt/venv/bin/pip install --extra-index-url "${TORCH_INDEX_URL}" -r requirements.txt \
  && /opt/venv/bin/pip install --no-deps -r requirements-nodeps.txt
 # When download.pytorch.org cannot be reached pip only warns, and installs PyPI's torch of the
 # same version: a CUDA build with several GB of nvidia-* and cuda-* packages. Fail loudly instead.
@@ -30,7 +33,7 @@ RUN set -eu; \
     installed=$(/opt/venv/bin/python -c 'import torch; print(torch.__version__)'); \
     case "$installed" in \
       *"+${TORCH_VARIANT}") ;; \
-      *) echo "ERROR: torch $installed is installed, TORCH_VARIANT=${TORCH_VARIANT} wants +${TORCH_VARIANT} (was https://download.pytorch.org/whl/${TORCH_VARIANT} reachable?)" >&2; exit 1 ;; \
+      *) echo "ERROR: torch $installed is installed, TORCH_VARIANT=${TORCH_VARIANT} wants +${TORCH_VARIANT} (was ${TORCH_INDEX_URL} reachable?)" >&2; exit 1 ;; \
     esac; \
     if [ "${TORCH_VARIANT}" = cpu ]; then \
       cuda=$(/opt/venv/bin/pip list --format=freeze | grep -iE '^(nvidia-|cuda-|triton=)' || true); \

@@ -61,6 +61,9 @@ format: $(STAMP)
 #        BUILD_ARGS='--build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04'
 IMAGE ?= guardstream:cpu
 TORCH_VARIANT ?= cpu
+# where the torch build for TORCH_VARIANT comes from (a mirror or local index when only the
+# package registries are reachable); empty: download.pytorch.org/whl/$(TORCH_VARIANT)
+TORCH_INDEX_URL ?=
 BUILD_ARGS ?=
 CONTAINER_TOOL ?=
 
@@ -74,7 +77,9 @@ image:
 	fi; \
 	case "$$tool" in buildah) build="buildah bud --layers";; *) build="$$tool build";; esac; \
 	echo "make image: building $(IMAGE) with $$tool"; \
-	$$build --build-arg TORCH_VARIANT=$(TORCH_VARIANT) $(BUILD_ARGS) -t $(IMAGE) -f Dockerfile .
+	$$build --build-arg TORCH_VARIANT=$(TORCH_VARIANT) \
+	  $(if $(TORCH_INDEX_URL),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL)) \
+	  $(BUILD_ARGS) -t $(IMAGE) -f Dockerfile .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -1112,6 +1112,7 @@ def test_build_fails_loudly_when_torch_is_not_the_requested_variant(
         env={
             "PATH": os.environ["PATH"],
             "TORCH_VARIANT": variant,
+            "TORCH_INDEX_URL": f"https://download.pytorch.org/whl/{variant}",
             "FAKE_TORCH": torch,
             "FAKE_PIP_LIST": str(pip_list),
         },
@@ -1128,6 +1129,9 @@ def test_build_fails_loudly_when_torch_is_not_the_requested_variant(
     runs = [a for i, a in dockerfile_instructions() if i == "RUN"]
     assert "-r requirements.txt" in runs[runs.index(run) - 1]
     assert "ARG TORCH_VARIANT=cpu" in DOCKERFILE
+    # a mirror or local index can stand in for download.pytorch.org (issue 41 item 6)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}" in DOCKERFILE
+    assert '--extra-index-url "${TORCH_INDEX_URL}"' in runs[runs.index(run) - 1]
 
 
 def test_runtime_gets_only_the_python_files_its_base_lacks(tmp_path: Path) -> None:
