@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
+from hypothesis import HealthCheck, settings
 
 from generation import models
 from generation.server import create_app
@@ -14,6 +15,14 @@ from tests.engine_support import SMOLLM2_DTYPE, load_test_model
 from tests.fakes.engine import FakeEngine
 from tests.fakes.upstream import FakeUpstream
 from tests.orchestrator_support import SCRIPT
+
+# No property test may fail because a machine is slow: hypothesis' default 200 ms deadline per
+# example turns a loaded CI core into a flaky failure. Tests that set their own settings still
+# may; the profile covers the rest. (`make test-stress` runs the suite beside a CPU hog.)
+settings.register_profile(
+    "guardstream", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("guardstream")
 
 
 @pytest.fixture(scope="session")
