@@ -324,5 +324,11 @@ def display_order(text: str) -> tuple[str, list[int]] | None:
 
 
 def view_text(text: str) -> str:
-    """Only the view's text (what a classifier judges: its detection is the whole content)."""
-    return text if text.isascii() else normalise(text).text
+    """Only the view's text (what a classifier judges: its detection is the whole content).
+    Under a right-to-left override, the view in the order a reader sees follows it on a line
+    of its own: `\u202ekcuf` is judged as what it shows, and as what a program reads."""
+    if text.isascii():
+        return text
+    view = normalise(text).text
+    shown = display_order(text)
+    return view if shown is None else f"{view}\n{normalise(shown[0]).text}"

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import detectors
-from detectors.normalise import display_order, normalise, reversed_runs
+from detectors.normalise import display_order, normalise, reversed_runs, view_text
 from detectors.regex_pii import find_pii
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import SCRIPT, Orchestrator, native_config
@@ -171,6 +171,16 @@ async def test_profanity_scores_marked_letters_like_plain_ones() -> None:
     assert marked[0].score == pytest.approx(plain[0].score)
     assert underlined[0].score == pytest.approx(plain[0].score)
     assert (marked[0].start, marked[0].end) == (0, 8)  # the whole original content
+
+
+async def test_classifiers_judge_overridden_text_as_shown_too() -> None:
+    """`\u202etihs` shows "shit": the classifiers' text holds the view in both orders."""
+    assert view_text("\u202etihs\u202c!") == "tihs!\nshit!"
+    assert view_text("caf\u00e9") == "cafe"
+    det = detectors.build("profanity", {"min_score": 0.0})
+    plain, shown = await det.detect(["shit!", "\u202etihs\u202c!"])
+    assert plain[0].score > 0.5
+    assert shown[0].score == pytest.approx(plain[0].score)  # was 0.04: "tihs!" alone
 
 
 # --- the property -------------------------------------------------------------------------------
