@@ -19,7 +19,7 @@ Hostile text hides PII from an ASCII pattern without changing what a reader sees
   homoglyphs, dashes and hyphens, ...) becomes that ASCII character, and so do the full stops
   and middle dots of other scripts that UTS #39 does not map to `.` (`\u3002`, `\u00b7`, ...).
 
-Each view character comes from exactly one original character (an NFKC expansion such as
+Each view character comes from exactly one original character (an NFKD expansion such as
 `™` -> `TM` gives several view characters from one), so a view span `[s, e)` maps back to the
 original characters from the one view character `s` came from through the one `e - 1` came
 from: the invisible characters *inside* a value are in its original span (block and redact cover
@@ -33,8 +33,8 @@ for); `display_order` gives the order a reader sees, with its own map, for a det
 as well (regex_pii scans both: the value leaks either way).
 
 Folding is per character (the normal form of each character on its own, which is what the
-patterns need: they are ASCII). It is cached per distinct character, and ASCII text, which cannot hold any of
-these characters, is its own view at the cost of one `str.isascii()`.
+patterns need: they are ASCII). It is cached per distinct character, and ASCII text, which
+cannot hold any of these characters, is its own view at the cost of one `str.isascii()`.
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ class View:
         original, size, j = self.original, len(self.original), last
         while j < size and not original[j].isascii() and not fold(original[j]):
             j += 1
-            if not is_ignorable(original[j - 1]):
-                last = j  # a mark: the value's
+            if is_mark(original[j - 1]):
+                last = j  # drawn on the value's last character
         return self.position(start), last
 
 
@@ -213,10 +213,11 @@ _ASCII = frozenset(map(chr, range(0x80)))
 
 def normalise(text: str) -> View:
     """The view of `text` (DESIGN 4.6b). ASCII text is its own view (one C call); so is text
-    whose distinct characters all fold to themselves (accents, CJK, curly quotes, most emoji):
+    whose distinct characters all fold to themselves (CJK, curly quotes, most emoji):
     `set(text)` is one C pass, and only its distinct non-ASCII characters are looked at in
-    Python. Changed characters are replaced with C string calls; only removals and expansions
-    cost a scan for their positions."""
+    Python. Changed characters are replaced with C string calls (an accented letter becomes its
+    base letter in place: no map); only removals (invisible characters, combining marks) and
+    expansions cost a scan for their positions."""
     if text.isascii():
         return View(text, text)
     changed: dict[str, str] = {}
@@ -312,14 +313,17 @@ def display_order(text: str) -> tuple[str, list[int]] | None:
         return None
     order = list(range(len(text)))
     for start, end in runs:
-        clusters: list[list[int]] = []
-        for i in range(start, end):
-            ch = text[i]
-            if clusters and not ch.isascii() and not fold(ch):
-                clusters[-1].append(i)  # a mark or an invisible character: stays with its base
-            else:
-                clusters.append([i])
-        order[start:end] = [i for cluster in reversed(clusters) for i in cluster]
+        run = text[start:end]
+        attached = "".join(c for c in set(run).difference(_ASCII) if not fold(c))
+        if not attached:  # no marks: one C-speed reversal
+            order[start:end] = range(end - 1, start - 1, -1)
+            continue
+        # clusters: a character and the marks and invisible characters after it (or a run of
+        # those at the start), found by a regex rather than a Python loop per character
+        cls = re.escape(attached)
+        cluster = re.compile(f"[^{cls}][{cls}]*|[{cls}]+", re.DOTALL)
+        spans = [m.span() for m in cluster.finditer(run)]
+        order[start:end] = [start + i for s, e in reversed(spans) for i in range(s, e)]
     return "".join(text[i] for i in order), order
 
 

@@ -3,7 +3,7 @@
 Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, and US formats such as
 `(555) 123-4567`, `555-123-4567`, `+1 555.123.4567`), `ssn` (US, `123-45-6789` or with spaces,
 excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
-3+ digits separated by spaces or dashes, Luhn-checked), `ipv4` and `ipv6` (checked with
+3+ digits separated by spaces, dashes or dots, Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
 
 A built-in match inside another built-in match (an IPv4 inside an IPv4-mapped IPv6 address, a US
@@ -12,19 +12,27 @@ reported.
 
 Hostile input is expected (DESIGN 4, 6). Every regular expression here runs in RE2, whose
 matching time is linear in the text: the built-in kinds are written without lookarounds or
-backreferences (a match's neighbours are checked by consuming one character on each side, and
-the scan resumes where the match itself ended, so this finds exactly what the lookaround forms
-found), and custom patterns must be RE2 syntax (no lookarounds or backreferences; `\\d`, `\\w`,
+backreferences (a match's neighbours are checked by consuming one or two characters on each
+side, and the scan resumes where the match itself ended, so this finds exactly what the
+lookaround forms found), and custom patterns must be RE2 syntax (no lookarounds or backreferences; `\\d`, `\\w`,
 `\\s`, `\\b` are ASCII, `\\pL`/`\\pN` are Unicode). Custom patterns come from the config; a
 request may send them only to a detector whose config says `allow_request_patterns: true`, and
 then fewer and with a smaller RE2 memory budget (so compiling one stays cheap). Digits in the
-built-in kinds are ASCII `0-9`; the "not inside a word" checks use Unicode letters and numbers,
-as Python's `\\w` does. Scans of long texts run in worker threads, never on the event loop.
+built-in kinds are ASCII `0-9`. Punctuation is a boundary (DESIGN 4.6b): only Unicode letters
+and numbers next to a value make it part of a longer token (`id4111111111111111`), and for the
+numeric kinds the separator that continues a run of numbers (an SSN's `-`, an address's `.`,
+with a digit beyond it: 1.2.3.4.5 is no IPv4 address, 0.4111111111111111 no card); so
+`jo@example.com--he`, `(555-123-4567)`, `SSN 123-45-6789-` and `_4111111111111111_` hold their
+values, which a guardrail must find. Scans of long texts run in worker threads, never on the
+event loop.
 
 Every kind and pattern runs on the normalised view of the content (normalise.py, DESIGN 4.6b):
 `jo\\u200b@example.com`, full-width digits, Cyrillic look-alikes and U+2011 hyphens match like
-their plain forms, and each span is mapped back to the characters the client sent (the invisible
-ones inside a match included), so block and redact cover them. Pure ASCII skips the view.
+their plain forms, and so do letters and digits under combining marks (`4111\\u0301 1111 ...`)
+and dots of other scripts (`jo@example\\u3002com`); each span is mapped back to the characters
+the client sent (the invisible ones inside a match and the marks on its last character
+included), so block and redact cover them. Text under a right-to-left override is scanned in the
+order a reader sees too (`\\u202emoc.elpmaxe@oj`). Pure ASCII skips the view.
 """
 
 from __future__ import annotations
