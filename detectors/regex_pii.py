@@ -520,7 +520,7 @@ def _find(
     for name, rx in patterns.items():
         _check_cancelled(cancelled)
         custom.extend((s, e, name) for s, e in t.spans(_pattern_spans(rx, t.data)))
-    return _outermost(builtin), custom
+    return (_outermost(builtin) if builtin else builtin), custom
 
 
 def _detections(
@@ -528,7 +528,12 @@ def _detections(
 ) -> list[Detection]:
     """Detections of `text` from its matches (spans in `text`), sorted by (start, end, name)."""
     builtin, custom = found
-    kept = builtin + custom
+    if not custom:
+        if not builtin:
+            return []  # most sentences: no allocation, no sort
+        kept = builtin
+    else:
+        kept = builtin + custom
     kept.sort(key=lambda m: (m[0], m[1], m[2]))
     # model_construct: these values are ours and well-typed, and validating each of the tens of
     # thousands a large document can hold cost more than the scan that found them. They share
