@@ -14,8 +14,8 @@ Hostile input is expected (DESIGN 4, 6). Every regular expression here runs in R
 matching time is linear in the text: the built-in kinds are written without lookarounds or
 backreferences (a match's neighbours are checked by consuming one or two characters on each
 side, and the scan resumes where the match itself ended, so this finds exactly what the
-lookaround forms found), and custom patterns must be RE2 syntax (no lookarounds or backreferences; `\\d`, `\\w`,
-`\\s`, `\\b` are ASCII, `\\pL`/`\\pN` are Unicode). Custom patterns come from the config; a
+lookaround forms found), and custom patterns must be RE2 syntax (no lookarounds or
+backreferences; `\\d`, `\\w`, `\\s`, `\\b` are ASCII, `\\pL`/`\\pN` are Unicode). Custom patterns come from the config; a
 request may send them only to a detector whose config says `allow_request_patterns: true`, and
 then fewer and with a smaller RE2 memory budget (so compiling one stays cheap). Digits in the
 built-in kinds are ASCII `0-9`. Punctuation is a boundary (DESIGN 4.6b): only Unicode letters
@@ -477,8 +477,8 @@ def _scan(
 
         def back(s: int, e: int) -> Span:
             s, e = shown_view.span(s, e)
-            drawn = order[s:e]
-            return (min(drawn), max(drawn) + 1) if drawn else (order[s], order[s])
+            drawn = order[s:e]  # never empty: every match is
+            return min(drawn), max(drawn) + 1
 
         more_builtin, more_custom = _find(_Text(shown_view.text), kinds, patterns, cancelled)
         # each order's values (the same value seen in both is reported once): a value in one
