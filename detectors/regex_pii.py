@@ -15,15 +15,15 @@ matching time is linear in the text: the built-in kinds are written without look
 backreferences (a match's neighbours are checked by consuming one or two characters on each
 side, and the scan resumes where the match itself ended, so this finds exactly what the
 lookaround forms found), and custom patterns must be RE2 syntax (no lookarounds or
-backreferences; `\\d`, `\\w`, `\\s`, `\\b` are ASCII, `\\pL`/`\\pN` are Unicode). Custom patterns come from the config; a
-request may send them only to a detector whose config says `allow_request_patterns: true`, and
-then fewer and with a smaller RE2 memory budget (so compiling one stays cheap). Digits in the
-built-in kinds are ASCII `0-9`. Punctuation is a boundary (DESIGN 4.6b): only Unicode letters
-and numbers next to a value make it part of a longer token (`id4111111111111111`), and for the
-numeric kinds the separator that continues a run of numbers (an SSN's `-`, an address's `.`,
-with a digit beyond it: 1.2.3.4.5 is no IPv4 address, 0.4111111111111111 no card); so
-`jo@example.com--he`, `(555-123-4567)`, `SSN 123-45-6789-` and `_4111111111111111_` hold their
-values, which a guardrail must find. Scans of long texts run in worker threads, never on the
+backreferences; `\\d`, `\\w`, `\\s`, `\\b` are ASCII, `\\pL`/`\\pN` are Unicode). Custom
+patterns come from the config; a request may send them only to a detector whose config says
+`allow_request_patterns: true`, and then fewer and with a smaller RE2 memory budget (so
+compiling one stays cheap). Digits in the built-in kinds are ASCII `0-9`. Punctuation is a
+boundary (DESIGN 4.6b): only Unicode letters and numbers next to a value make it part of a
+longer token (`id4111111111111111`), and for the numeric kinds the separator that continues a
+run of numbers (an SSN's `-`, an address's `.`, with a digit beyond it: 1.2.3.4.5 is no IPv4
+address, 0.4111111111111111 no card); so `jo@example.com--he`, `(555-123-4567)`,
+`SSN 123-45-6789-` and `_4111111111111111_` hold their values, which a guardrail must find. Scans of long texts run in worker threads, never on the
 event loop.
 
 Every kind and pattern runs on the normalised view of the content (normalise.py, DESIGN 4.6b):
