@@ -23,8 +23,8 @@ boundary (DESIGN 4.6b): only Unicode letters and numbers next to a value make it
 longer token (`id4111111111111111`), and for the numeric kinds the separator that continues a
 run of numbers (an SSN's `-`, an address's `.`, with a digit beyond it: 1.2.3.4.5 is no IPv4
 address, 0.4111111111111111 no card); so `jo@example.com--he`, `(555-123-4567)`,
-`SSN 123-45-6789-` and `_4111111111111111_` hold their values, which a guardrail must find. Scans of long
-texts run in worker threads, never on the event loop.
+`SSN 123-45-6789-` and `_4111111111111111_` hold their values, which a guardrail must find.
+Scans of long texts run in worker threads, never on the event loop.
 
 Every kind and pattern runs on the normalised view of the content (normalise.py, DESIGN 4.6b):
 `jo\\u200b@example.com`, full-width digits, Cyrillic look-alikes and U+2011 hyphens match like
