@@ -8,21 +8,33 @@ Hostile text hides PII from an ASCII pattern without changing what a reader sees
 - default-ignorable code points (Unicode's Default_Ignorable_Code_Point: zero-width spaces and
   joiners, soft hyphen, word joiner, bidi controls, variation selectors, Hangul fillers, tags)
   and every other format character (category Cf) are removed;
-- the rest is NFKC-normalised (full-width and mathematical forms, ligatures, non-breaking
-  spaces); decimal digits of any script become ASCII digits;
+- the rest is NFKD-decomposed, its combining marks (categories Mn and Me: accents, U+0332
+  underlines, enclosing keycaps) dropped, and what is left recomposed (NFC, so Hangul and
+  other scripts' letters stay whole): `s\u0301h\u0301i\u0301t\u0301` and `jo@exa\u0301mple.com`
+  read as their plain forms, and so does precomposed `\u00e9` (e); compatibility forms
+  (full-width and mathematical forms, ligatures, non-breaking spaces) become their plain
+  characters; decimal digits of any script become ASCII digits;
 - what is still non-ASCII and is a confusable of an ASCII character in Unicode's confusables
   data (UTS #39, as shipped by the `confusable-homoglyphs` package: Cyrillic and Greek
-  homoglyphs, dashes and hyphens, ...) becomes that ASCII character.
+  homoglyphs, dashes and hyphens, ...) becomes that ASCII character, and so do the full stops
+  and middle dots of other scripts that UTS #39 does not map to `.` (`\u3002`, `\u00b7`, ...).
 
-Each view character comes from exactly one original character (an NFKC expansion such as
+Each view character comes from exactly one original character (an NFKD expansion such as
 `™` -> `TM` gives several view characters from one), so a view span `[s, e)` maps back to the
 original characters from the one view character `s` came from through the one `e - 1` came
 from: the invisible characters *inside* a value are in its original span (block and redact cover
-them), those before or after it are not.
+them), those before or after it are not, except the combining marks right after its last
+character: they are drawn on that character, so they belong to the value (`View.span`).
 
-Folding is per character (NFKC of each character on its own, which is what the patterns need:
-they are ASCII). It is cached per distinct character, and ASCII text, which cannot hold any of
-these characters, is its own view at the cost of one `str.isascii()`.
+Text under a right-to-left override (U+202E) is shown reversed: `\u202emoc.elpmaxe@oj` reads
+jo@example.com on screen while its characters are in the other order. The view keeps the
+characters' logical order (what a program reading the text gets, and what the map back is
+for); `display_order` gives the order a reader sees, with its own map, for a detector to judge
+as well (regex_pii scans both: the value leaks either way).
+
+Folding is per character (the normal form of each character on its own, which is what the
+patterns need: they are ASCII). It is cached per distinct character, and ASCII text, which
+cannot hold any of these characters, is its own view at the cost of one `str.isascii()`.
 """
 
 from __future__ import annotations
@@ -86,22 +98,53 @@ def _confusables() -> dict[str, str]:
 CONFUSABLES: dict[str, str] = _confusables()
 
 
+# Full stops and middle dots of other scripts that UTS #39 does not map to `.` (it maps few
+# dots: U+3002 is confusable with a small circle there), and that NFKD does not make one:
+# `jo@example\u3002com` and `10\u00b710\u00b70\u00b71` read as an address to a person.
+DOTS = frozenset(
+    "\u00b7"  # middle dot (and U+0387 Greek ano teleia, its NFKD)
+    "\u0701\u0702"  # Syriac full stops
+    "\u06d4"  # Arabic full stop
+    "\u16eb"  # runic single punctuation
+    "\u2027"  # hyphenation point
+    "\u2219\u22c5"  # bullet operator, dot operator
+    "\u2e31\u2e33\u2e3c"  # word separator middle dot, raised dot, stenographic full stop
+    "\u3002"  # ideographic full stop (and U+FF61, U+FE12: its NFKD)
+    "\u30fb"  # katakana middle dot (and U+FF65)
+    "\ua4f8\ua60e"  # Lisu tone mya ti, Vai full stop
+)
+# Combining marks: drawn on the character before them (Mc, spacing marks, take room of their
+# own and stay)
+_MARKS = frozenset(("Mn", "Me"))
+
+
 @lru_cache(maxsize=65536)
 def fold(ch: str) -> str:
-    """The view of one non-ASCII character: "" (removed), one character, or several (an NFKC
+    """The view of one non-ASCII character: "" (removed), one character, or several (an NFKD
     expansion). Cached: a text repeats few distinct characters."""
     if is_ignorable(ch):
         return ""
+    kept = [
+        c
+        for c in unicodedata.normalize("NFKD", ch)
+        if unicodedata.category(c) not in _MARKS and not is_ignorable(c)
+    ]
     out: list[str] = []
-    for c in unicodedata.normalize("NFKC", ch):
+    for c in unicodedata.normalize("NFC", "".join(kept)):
         if c.isascii():
             out.append(c)
-        elif is_ignorable(c):
-            continue
+        elif c in DOTS:
+            out.append(".")
         else:
             digit = unicodedata.decimal(c, None)
             out.append(str(digit) if digit is not None else CONFUSABLES.get(c, c))
     return "".join(out)
+
+
+def is_mark(ch: str) -> bool:
+    """A character the view drops that is not invisible: a combining mark (or a character made
+    of nothing else), drawn on the character before it."""
+    return not ch.isascii() and not fold(ch) and not is_ignorable(ch)
 
 
 class View:
@@ -146,7 +189,9 @@ class View:
 
     def span(self, start: int, end: int) -> tuple[int, int]:
         """The original span of view span `[start, end)`: from the character `start` came from
-        through the one `end - 1` came from (inner removed characters included)."""
+        through the one `end - 1` came from (inner removed characters included), and through
+        the combining marks drawn on that last character (invisible characters between them
+        included; those after the last mark are not)."""
         if not self._view_at:
             return start, end
         if end <= start:
@@ -154,7 +199,13 @@ class View:
                 return len(self.original), len(self.original)
             at = self.position(start)
             return at, at
-        return self.position(start), self.position(end - 1) + 1
+        last = self.position(end - 1) + 1
+        original, size, j = self.original, len(self.original), last
+        while j < size and not original[j].isascii() and not fold(original[j]):
+            j += 1
+            if is_mark(original[j - 1]):
+                last = j  # drawn on the value's last character
+        return self.position(start), last
 
 
 _ASCII = frozenset(map(chr, range(0x80)))
@@ -162,10 +213,11 @@ _ASCII = frozenset(map(chr, range(0x80)))
 
 def normalise(text: str) -> View:
     """The view of `text` (DESIGN 4.6b). ASCII text is its own view (one C call); so is text
-    whose distinct characters all fold to themselves (accents, CJK, curly quotes, most emoji):
+    whose distinct characters all fold to themselves (CJK, curly quotes, most emoji):
     `set(text)` is one C pass, and only its distinct non-ASCII characters are looked at in
-    Python. Changed characters are replaced with C string calls; only removals and expansions
-    cost a scan for their positions."""
+    Python. Changed characters are replaced with C string calls (an accented letter becomes its
+    base letter in place: no map); only removals (invisible characters, combining marks) and
+    expansions cost a scan for their positions."""
     if text.isascii():
         return View(text, text)
     changed: dict[str, str] = {}
@@ -207,6 +259,80 @@ def normalise(text: str) -> View:
     return View(text, view, view_at, orig_at, expanded)
 
 
+# Bidi controls (UAX #9): what opens an embedding, an override or an isolate, and what closes
+# them; paragraph separators end them all
+_RLO, _LRO, _LRE, _RLE, _PDF = "\u202e", "\u202d", "\u202a", "\u202b", "\u202c"
+_ISOLATES, _PDI = "\u2066\u2067\u2068", "\u2069"
+_PARAGRAPH = "\n\r\x1c\x1d\x1e\x85\u2029"
+_BIDI = re.compile("[" + _RLO + _LRO + _LRE + _RLE + _PDF + _ISOLATES + _PDI + _PARAGRAPH + "]")
+
+
+def reversed_runs(text: str) -> list[tuple[int, int]]:
+    """The stretches of `text` under a right-to-left override (`[start, end)`, controls left
+    out), which a reader sees in the reverse order. A small part of UAX #9: the stack of
+    explicit embeddings, overrides and isolates (their closing controls, paragraph ends); only
+    an override changes the order of Latin letters and digits, which are what PII is made of
+    (in right-to-left embeddings they keep their own order)."""
+    runs: list[tuple[int, int]] = []
+    stack: list[str] = []
+    start = -1
+    for m in _BIDI.finditer(text):
+        i, ch = m.start(), m.group()
+        if start >= 0:
+            if i > start:
+                runs.append((start, i))
+            start = -1
+        if ch in _PARAGRAPH:
+            stack.clear()
+        elif ch == _PDF:
+            if stack and stack[-1] not in _ISOLATES:
+                stack.pop()
+        elif ch == _PDI:
+            while stack and stack[-1] not in _ISOLATES:
+                stack.pop()
+            if stack:
+                stack.pop()
+        else:
+            stack.append(ch)
+        if stack and stack[-1] == _RLO:
+            start = i + 1
+    if start >= 0 and start < len(text):
+        runs.append((start, len(text)))
+    return runs
+
+
+def display_order(text: str) -> tuple[str, list[int]] | None:
+    """`text` in the order a reader sees it when it holds a right-to-left override, and the
+    original position of each of its characters; None when it holds none (one C scan). Each
+    overridden stretch is reversed in place, a character together with the combining marks and
+    invisible characters after it (they stay drawn on it)."""
+    if _RLO not in text:
+        return None
+    runs = reversed_runs(text)
+    if not runs:
+        return None
+    order = list(range(len(text)))
+    for start, end in runs:
+        run = text[start:end]
+        attached = "".join(c for c in set(run).difference(_ASCII) if not fold(c))
+        if not attached:  # no marks: one C-speed reversal
+            order[start:end] = range(end - 1, start - 1, -1)
+            continue
+        # clusters: a character and the marks and invisible characters after it (or a run of
+        # those at the start), found by a regex rather than a Python loop per character
+        cls = re.escape(attached)
+        cluster = re.compile(f"[^{cls}][{cls}]*|[{cls}]+", re.DOTALL)
+        spans = [m.span() for m in cluster.finditer(run)]
+        order[start:end] = [start + i for s, e in reversed(spans) for i in range(s, e)]
+    return "".join(text[i] for i in order), order
+
+
 def view_text(text: str) -> str:
-    """Only the view's text (what a classifier judges: its detection is the whole content)."""
-    return text if text.isascii() else normalise(text).text
+    """Only the view's text (what a classifier judges: its detection is the whole content).
+    Under a right-to-left override, the view in the order a reader sees follows it on a line
+    of its own: `\u202ekcuf` is judged as what it shows, and as what a program reads."""
+    if text.isascii():
+        return text
+    view = normalise(text).text
+    shown = display_order(text)
+    return view if shown is None else f"{view}\n{normalise(shown[0]).text}"

@@ -3,7 +3,7 @@
 Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, and US formats such as
 `(555) 123-4567`, `555-123-4567`, `+1 555.123.4567`), `ssn` (US, `123-45-6789` or with spaces,
 excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
-3+ digits separated by spaces or dashes, Luhn-checked), `ipv4` and `ipv6` (checked with
+3+ digits separated by spaces, dashes or dots, Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
 
 A built-in match inside another built-in match (an IPv4 inside an IPv4-mapped IPv6 address, a US
@@ -12,19 +12,27 @@ reported.
 
 Hostile input is expected (DESIGN 4, 6). Every regular expression here runs in RE2, whose
 matching time is linear in the text: the built-in kinds are written without lookarounds or
-backreferences (a match's neighbours are checked by consuming one character on each side, and
-the scan resumes where the match itself ended, so this finds exactly what the lookaround forms
-found), and custom patterns must be RE2 syntax (no lookarounds or backreferences; `\\d`, `\\w`,
-`\\s`, `\\b` are ASCII, `\\pL`/`\\pN` are Unicode). Custom patterns come from the config; a
-request may send them only to a detector whose config says `allow_request_patterns: true`, and
-then fewer and with a smaller RE2 memory budget (so compiling one stays cheap). Digits in the
-built-in kinds are ASCII `0-9`; the "not inside a word" checks use Unicode letters and numbers,
-as Python's `\\w` does. Scans of long texts run in worker threads, never on the event loop.
+backreferences (a match's neighbours are checked by consuming one or two characters on each
+side, and the scan resumes where the match itself ended, so this finds exactly what the
+lookaround forms found), and custom patterns must be RE2 syntax (no lookarounds or
+backreferences; `\\d`, `\\w`, `\\s`, `\\b` are ASCII, `\\pL`/`\\pN` are Unicode). Custom
+patterns come from the config; a request may send them only to a detector whose config says
+`allow_request_patterns: true`, and then fewer and with a smaller RE2 memory budget (so
+compiling one stays cheap). Digits in the built-in kinds are ASCII `0-9`. Punctuation is a
+boundary (DESIGN 4.6b): only Unicode letters and numbers next to a value make it part of a
+longer token (`id4111111111111111`), and for the numeric kinds the separator that continues a
+run of numbers (an SSN's `-`, an address's `.`, with a digit beyond it: 1.2.3.4.5 is no IPv4
+address, 0.4111111111111111 no card); so `jo@example.com--he`, `(555-123-4567)`,
+`SSN 123-45-6789-` and `_4111111111111111_` hold their values, which a guardrail must find.
+Scans of long texts run in worker threads, never on the event loop.
 
 Every kind and pattern runs on the normalised view of the content (normalise.py, DESIGN 4.6b):
 `jo\\u200b@example.com`, full-width digits, Cyrillic look-alikes and U+2011 hyphens match like
-their plain forms, and each span is mapped back to the characters the client sent (the invisible
-ones inside a match included), so block and redact cover them. Pure ASCII skips the view.
+their plain forms, and so do letters and digits under combining marks (`4111\\u0301 1111 ...`)
+and dots of other scripts (`jo@example\\u3002com`); each span is mapped back to the characters
+the client sent (the invisible ones inside a match and the marks on its last character
+included), so block and redact cover them. Text under a right-to-left override is scanned in the
+order a reader sees too (`\\u202emoc.elpmaxe@oj`). Pure ASCII skips the view.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
-from .normalise import View, normalise
+from .normalise import display_order, normalise
 
 Kind = Literal["email", "phone", "ssn", "credit_card", "ipv4", "ipv6"]
 KINDS: tuple[str, ...] = ("email", "phone", "ssn", "credit_card", "ipv4", "ipv6")
@@ -71,8 +79,12 @@ BULK_CHARS = 16 * 1024
 MAX_IPV6_CHARS = 45  # ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-")
 
-# Python's \w for str patterns: Unicode letters and numbers, and the underscore.
-_W = r"\p{L}\p{N}_"
+# What continues a token: Unicode letters and numbers. Everything else (spaces, punctuation,
+# symbols, the underscore) is a boundary: `jo@example.com--he`, `(555-123-4567)`,
+# `SSN 123-45-6789-`, `_4111111111111111_` hold their values. A digit kind adds its own
+# continuations (a digit run inside a longer run is not a different value): an SSN's `-` next
+# to a digit, an IPv4 address's `.` next to a digit (1.2.3.4.5 is no address).
+_AN = r"\p{L}\p{N}"
 
 
 def _options(max_mem: int) -> re2.Options:
@@ -84,42 +96,59 @@ def _options(max_mem: int) -> re2.Options:
 
 def _builtin(before: str, body: str, after: str) -> Any:
     """`(?<![before])body(?!after)` in RE2: the neighbours are consumed (or the text's start and
-    end), the body is group 1. `before` and `after` are the contents of a negated class, or
-    `after` a whole alternation when it starts with `(`."""
-    tail = after if after.startswith("(") else rf"(?:[^{after}]|$)"
-    pattern = rf"(?:^|[^{before}])({body}){tail}"
+    end), the body is group 1. `before` and `after` are the contents of a negated class, or a
+    whole alternation when they start with `(`, or "" for no check on that side."""
+    if not before:
+        head = ""
+    else:
+        head = before if before.startswith("(") else rf"(?:^|[^{before}])"
+    if not after:
+        tail = ""
+    else:
+        tail = after if after.startswith("(") else rf"(?:[^{after}]|$)"
+    pattern = rf"{head}({body}){tail}"
     return re2.compile(pattern.encode(), _options(CONFIG_MAX_MEM))
 
 
+# No neighbour checks: the local part starts at its first letter or digit (a leading `.`, `_`,
+# `+`, `-` is no part of what the pattern can match, so the search starts after it), and the
+# domain ends with the last letter of its top-level label, whatever follows (`--he`, `_`, a
+# digit): a guardrail finds the address in `xx.jo@example.com_1` rather than nothing.
 _EMAIL = _builtin(
-    _W + ".%+-",
+    "",
     r"[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@"
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}",
-    _W + "-",
+    "",
 )
-_PHONE_INTL = _builtin(_W + "+", r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", _W)
+_PHONE_INTL = _builtin(_AN, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", _AN)
 _PHONE_US = _builtin(
-    _W + "+(",
+    _AN,
     r"(?:\+?1[ .-]?)?(?:\([2-9][0-9]{2}\)[ .-]?|[2-9][0-9]{2}[ .-])[0-9]{3}[ .-][0-9]{4}",
-    _W,
+    _AN,
 )
-# area: not 000, 666 or 9xx; group: not 00; serial: not 0000; both separators the same
+# area: not 000, 666 or 9xx; group: not 00; serial: not 0000; both separators the same.
+# A `-` next to it continues it only with a digit on its other side (`1-123-45-6789`).
 _SSN = _builtin(
-    _W + "-",
+    rf"(?:^-?|[^{_AN}-]|[^\p{{N}}]-)",
     r"(?:00[1-9]|0[1-9][0-9]|[1-578][0-9]{2}|6[0-57-9][0-9]|66[0-57-9])"
     r"(?:-(?:0[1-9]|[1-9][0-9])-| (?:0[1-9]|[1-9][0-9]) )"
     r"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})",
-    _W + "-",
+    rf"(?:$|[^{_AN}-]|-(?:$|[^\p{{N}}]))",
 )
-# Runs of digit groups joined by single spaces or dashes ([0-9]+(?:[ -][0-9]+)*); only runs of
-# 13 digits or more can hold a card number, so shorter ones are not even reported as
-# candidates (a sub-run of a run has fewer digits, so this finds the same runs).
-_DIGIT_RUN = _builtin(_W + ".,-", r"(?:[0-9][ -]?){12,}[0-9]", _W)
-# not followed by a word character, nor by a dot and a digit (1.2.3.4.5 is no address)
-_IPV4 = _builtin(_W + ".", r"(?:[0-9]{1,3}\.){3}[0-9]{1,3}", rf"(?:$|[^{_W}.]|\.(?:$|\P{{Nd}}))")
+# Runs of digit groups joined by single spaces, dashes or dots ([0-9]+(?:[ .-][0-9]+)*); only
+# runs of 13 digits or more can hold a card number, so shorter ones are not even reported as
+# candidates (a sub-run of a run has fewer digits, so this finds the same runs). A `.` before
+# the run after a digit makes it a decimal fraction (`_cards` checks dots inside the run).
+_DIGIT_RUN = _builtin(rf"(?:^\.?|[^{_AN}.]|[^\p{{N}}]\.)", r"(?:[0-9][ .-]?){12,}[0-9]", _AN)
+# not inside a longer dotted run of numbers on either side (1.2.3.4.5 is no address)
+_IPV4 = _builtin(
+    rf"(?:^\.?|[^{_AN}.]|[^\p{{N}}]\.)",
+    r"(?:[0-9]{1,3}\.){3}[0-9]{1,3}",
+    rf"(?:$|[^{_AN}.]|\.(?:$|[^\p{{N}}]))",
+)
 # A run of [0-9A-Fa-f:.] (not starting with a dot) with at least two colons: runs with fewer
 # are no address, and not reporting them as candidates keeps a text of bare numbers cheap.
-_IPV6 = _builtin(_W + ":.", r"(?:[0-9A-Fa-f][0-9A-Fa-f.]*)?:[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*", _W)
+_IPV6 = _builtin(_AN + ":.", r"(?:[0-9A-Fa-f][0-9A-Fa-f.]*)?:[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*", _AN)
 
 Span = tuple[int, int]
 
@@ -154,9 +183,10 @@ class _Text:
 
 def _builtin_spans(rx: Any, data: bytes) -> Iterator[Span]:
     """Byte spans of group 1, the scan resuming where each body ended (its trailing neighbour
-    may be the leading neighbour of the next match). No body can start exactly where the
-    previous one ended: every built-in body ends with a character its own leading check
-    rejects, so nothing is lost by not looking back."""
+    may be the leading neighbour of the next match; RE2 sees the text before `pos`, so a
+    leading check still looks at it). A body with a leading check cannot start exactly where
+    the previous one ended (its neighbour would be before `pos`), and needs not: every such
+    body ends with a character its own leading check rejects. An e-mail has no check."""
     pos = 0
     while True:
         m = rx.search(data, pos)
@@ -216,12 +246,14 @@ def _phones(t: _Text) -> Iterator[Span]:
 def _cards(t: _Text) -> Iterator[Span]:
     """Within each run of digit groups, the longest stretches of consecutive groups that make
     13-19 digits and pass Luhn; groups shorter than 3 digits only stand alone (never part of a
-    grouped number), which keeps dates and phone fragments out."""
+    grouped number), which keeps dates and phone fragments out, and a group that stands alone
+    after `digits.` is a decimal fraction (0.4111111111111111), not a card."""
     text = t.text
     for run_start, run_end in t.spans(_builtin_spans(_DIGIT_RUN, t.data)):
         groups: list[Span] = []
         pos = run_start
-        for part in text[run_start:run_end].replace("-", " ").split(" "):  # one separator each
+        # one separator each
+        for part in text[run_start:run_end].replace("-", " ").replace(".", " ").split(" "):
             groups.append((pos, pos + len(part)))
             pos += len(part) + 1
         i = 0
@@ -237,6 +269,8 @@ def _cards(t: _Text) -> Iterator[Span]:
                     break
                 if len(digits) >= 13 and luhn_ok(digits):
                     best = j
+            if best == i and i > 0 and text[groups[i][0] - 1] == ".":
+                best = -1  # a decimal fraction
             if best >= 0:
                 yield groups[i][0], groups[best][1]
                 i = best + 1
@@ -423,11 +457,49 @@ def _scan(
     text: str, kinds: list[str], patterns: Mapping[str, Any], cancelled: threading.Event | None
 ) -> list[Detection]:
     """Matches in the normalised view of `text`, mapped back to `text`. Pure ASCII cannot hold
-    an invisible or look-alike character: it is scanned as it is, with no view and no map."""
+    an invisible or look-alike character: it is scanned as it is, with no view and no map.
+    Text under a right-to-left override is scanned a second time in the order a reader sees
+    it (`\u202emoc.elpmaxe@oj` shows jo@example.com): a value leaks in either order, so both
+    are judged, and a value seen in display order covers every character it was drawn from
+    (and those between: an override is reversed in place, so a value inside it is a stretch of
+    the text, and one that straddles its edge covers the text from the first to the last)."""
     if text.isascii():
-        return _find(_Text(text), kinds, patterns, cancelled, None)
+        return _detections(text, _find(_Text(text), kinds, patterns, cancelled))
     view = normalise(text)
-    return _find(_Text(view.text), kinds, patterns, cancelled, view)
+    builtin, custom = _find(_Text(view.text), kinds, patterns, cancelled)
+    if not view.identity:
+        builtin = [(*view.span(s, e), name) for s, e, name in builtin]
+        custom = [(*view.span(s, e), name) for s, e, name in custom]
+    shown = display_order(text)
+    if shown is not None:
+        shown_text, order = shown
+        shown_view = normalise(shown_text)
+
+        def back(s: int, e: int) -> Span:
+            s, e = shown_view.span(s, e)
+            drawn = order[s:e]  # never empty: every match is
+            return min(drawn), max(drawn) + 1
+
+        more_builtin, more_custom = _find(_Text(shown_view.text), kinds, patterns, cancelled)
+        # each order's values (the same value seen in both is reported once): a value in one
+        # order is not hidden by a longer one in the other, which may be an artifact of the
+        # reversal (`a@a\u202e.com thanks` shows a@a.sknaht moc.)
+        builtin = sorted(set(builtin + [(*back(s, e), name) for s, e, name in more_builtin]))
+        custom = sorted(set(custom + [(*back(s, e), name) for s, e, name in more_custom]))
+    return _detections(text, (builtin, custom))
+
+
+def _outermost(found: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """Built-in matches sorted, without those inside (or equal to) an earlier, longer one."""
+    found = sorted(found, key=lambda m: (m[0], -m[1], KINDS.index(m[2])))
+    kept: list[tuple[int, int, str]] = []
+    reach = -1
+    for start, end, kind in found:
+        if end <= reach:  # inside (or equal to) an earlier, longer match
+            continue
+        kept.append((start, end, kind))
+        reach = max(reach, end)
+    return kept
 
 
 def _find(
@@ -435,8 +507,8 @@ def _find(
     kinds: list[str],
     patterns: Mapping[str, Any],
     cancelled: threading.Event | None,
-    view: View | None,
-) -> list[Detection]:
+) -> tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]:
+    """The built-in matches (one per value: see `_outermost`) and the custom ones in `t`."""
     builtin: list[tuple[int, int, str]] = []
     data = t.data
     digits = len(data) - len(data.translate(None, _DIGITS))
@@ -444,24 +516,25 @@ def _find(
         if kind in kinds and could_match(kind, data, digits):
             _check_cancelled(cancelled)
             builtin.extend((s, e, kind) for s, e in _FINDERS[kind](t))
-    builtin.sort(key=lambda m: (m[0], -m[1], KINDS.index(m[2])))
-    kept: list[tuple[int, int, str]] = []
-    reach = -1
-    for start, end, kind in builtin:
-        if end <= reach:  # inside (or equal to) an earlier, longer match
-            continue
-        kept.append((start, end, kind))
-        reach = max(reach, end)
+    custom: list[tuple[int, int, str]] = []
     for name, rx in patterns.items():
         _check_cancelled(cancelled)
-        kept.extend((s, e, name) for s, e in t.spans(_pattern_spans(rx, t.data)))
+        custom.extend((s, e, name) for s, e in t.spans(_pattern_spans(rx, t.data)))
+    return (_outermost(builtin) if builtin else builtin), custom
+
+
+def _detections(
+    text: str, found: tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]
+) -> list[Detection]:
+    """Detections of `text` from its matches (spans in `text`), sorted by (start, end, name)."""
+    builtin, custom = found
+    if not custom:
+        if not builtin:
+            return []  # most sentences: no allocation, no sort
+        kept = builtin
+    else:
+        kept = builtin + custom
     kept.sort(key=lambda m: (m[0], m[1], m[2]))
-    text = t.text
-    if view is not None and not view.identity:
-        text = view.original  # each span covers the original characters of what matched
-        kept = [(*view.span(s, e), name) for s, e, name in kept]
-    elif view is not None:
-        text = view.original  # same positions; the text reported is what the client sent
     # model_construct: these values are ours and well-typed, and validating each of the tens of
     # thousands a large document can hold cost more than the scan that found them. They share
     # one fields-set (what pydantic would record: these six): a set per detection was 40,000

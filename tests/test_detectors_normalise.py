@@ -91,9 +91,16 @@ def test_ascii_is_its_own_view_with_no_map() -> None:
 
 
 def test_text_that_folds_to_itself_is_its_own_view() -> None:
-    text = "caf\u00e9 \u201cquoted\u201d \u4f60\u597d \U0001f600"
+    text = "\u201cquoted\u201d \u4f60\u597d \U0001f600 \uac00"
     view = normalise(text)
     assert view.text == text and view.identity
+
+
+def test_precomposed_accents_fold_in_place() -> None:
+    """An accented letter is its base letter plus a mark after NFKD (issue 32, item 6): one
+    character for one, so positions stay the same."""
+    view = normalise("caf\u00e9 \u00e0 la cr\u00e8me")
+    assert view.text == "cafe a la creme" and view.identity
 
 
 @pytest.mark.parametrize(
@@ -124,7 +131,16 @@ def test_text_that_folds_to_itself_is_its_own_view() -> None:
         ("\u03bf", "o"),  # Greek omicron
         ("\u00a0", " "),
         ("\u2122", "TM"),
-        ("\u00e9", "\u00e9"),
+        ("\u00e9", "e"),  # e and a combining acute after NFKD: the mark is dropped
+        ("\u0301", ""),  # combining acute
+        ("\u0332", ""),  # combining low line
+        ("\u20e3", ""),  # combining enclosing keycap (Me)
+        ("\u0451", "e"),  # Cyrillic yo: Cyrillic ie and a diaeresis, then the confusable
+        ("\uac00", "\uac00"),  # a Hangul syllable decomposes into letters, recomposed
+        ("\u3002", "."),  # ideographic full stop
+        ("\uff61", "."),  # half-width ideographic full stop
+        ("\u00b7", "."),  # middle dot
+        ("\u06d4", "."),  # Arabic full stop
         ("\u4f60", "\u4f60"),
     ],
 )
