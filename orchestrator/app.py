@@ -36,8 +36,10 @@ from .clients.registry import ChunkerRegistry, DetectorRegistry
 from .config import Config, ConfigError, secret_env_names
 from .handlers import (
     content_detection,
+    fms_detection,
     fms_stream,
     fms_unary,
+    generation_detection,
     health,
     metrics,
     models,
@@ -65,6 +67,10 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 STREAMING_PATH = "/api/v1/task/server-streaming-classification-with-text-generation"
 UNARY_PATH = "/api/v1/task/classification-with-text-generation"
 CONTENT_PATH = "/api/v2/text/detection/content"
+CHAT_DETECTION_ONLY_PATH = "/api/v2/text/detection/chat"
+CONTEXT_DETECTION_PATH = "/api/v2/text/detection/context"
+GENERATED_DETECTION_PATH = "/api/v2/text/detection/generated"
+GENERATION_DETECTION_PATH = "/api/v2/text/generation-detection"
 STREAM_CONTENT_PATH = "/api/v2/text/detection/stream-content"
 CHAT_PATH = openai_chat.CHAT_PATH
 CHAT_DETECTION_PATH = openai_chat.CHAT_DETECTION_PATH
@@ -98,6 +104,22 @@ ROUTES = (
     Route("POST", STREAMING_PATH, fms_stream.handle, Surface.FMS, "fms_stream"),
     Route("POST", UNARY_PATH, fms_unary.handle, Surface.FMS, "fms_unary"),
     Route("POST", CONTENT_PATH, content_detection.handle, Surface.FMS, "detection_content"),
+    Route("POST", CHAT_DETECTION_ONLY_PATH, fms_detection.chat, Surface.FMS, "detection_chat"),
+    Route("POST", CONTEXT_DETECTION_PATH, fms_detection.context, Surface.FMS, "detection_context"),
+    Route(
+        "POST",
+        GENERATED_DETECTION_PATH,
+        fms_detection.generated,
+        Surface.FMS,
+        "detection_generated",
+    ),
+    Route(
+        "POST",
+        GENERATION_DETECTION_PATH,
+        generation_detection.handle,
+        Surface.FMS,
+        "generation_detection",
+    ),
     Route(
         "POST",
         STREAM_CONTENT_PATH,

@@ -46,6 +46,9 @@ class RequestedDetector:
     enforced: bool = False
     # a classifier, not a span detector (DetectorClient.judges_chunks)
     judges_chunks: bool = False
+    # the detector API it speaks (config `type`): text_contents, or a kind of the FMS
+    # detection endpoints (text_chat, text_context_doc, text_generation)
+    kind: str = "text_contents"
 
     @property
     def whole_doc(self) -> bool:
@@ -112,19 +115,29 @@ class DetectorRegistry:
     def clients(self) -> dict[str, DetectorClient]:
         return dict(self._clients)
 
-    def resolve(self, requested: DetectorMap, direction: str, path: str) -> list[RequestedDetector]:
+    def resolve(
+        self,
+        requested: DetectorMap,
+        direction: str,
+        path: str,
+        *,
+        kinds: tuple[str, ...] = ("text_contents",),
+        fms_wording: bool = False,
+    ) -> list[RequestedDetector]:
         """Turns a request's detector map into RequestedDetectors, sorted by id; raises the API's
-        404 for an unknown id and 422 for a detector type that cannot judge text contents."""
+        404 for an unknown id and 422 for a detector whose type is not one of `kinds`.
+        `fms_wording`: the FMS orchestrator's exact texts (its detection endpoints), which
+        clients written against it may compare."""
         out: list[RequestedDetector] = []
         for detector_id in sorted(requested):
             params = requested[detector_id]
             det = self._configs.get(detector_id)
             if det is None:
-                raise not_found(
-                    f"detector `{detector_id}` not found "
-                    f"(available: {', '.join(sorted(self._configs)) or 'none'})"
-                )
-            if det.type != "text_contents":
+                hint = f" (available: {', '.join(sorted(self._configs)) or 'none'})"
+                raise not_found(f"detector `{detector_id}` not found{'' if fms_wording else hint}")
+            if det.type not in kinds:
+                if fms_wording:
+                    raise invalid(f"detector `{detector_id}` is not supported by this endpoint")
                 raise invalid(
                     f"detector `{detector_id}` is of type `{det.type}` and cannot be used "
                     f"for {direction} detection (only `text_contents` detectors can)"
@@ -157,6 +170,7 @@ class DetectorRegistry:
                     if params.redact_with is not None
                     else str(det.params.get("redact_with", det.redact_with)),
                     judges_chunks=self._clients[detector_id].judges_chunks,
+                    kind=det.type,
                 )
             )
         return out

@@ -12,6 +12,14 @@ from pydantic.json_schema import models_json_schema
 from .. import __version__
 from ..api import openai_responses
 from ..api.errors import ErrorBody
+from ..api.fms_detection import (
+    ChatDetectionRequest,
+    ContextDetectionRequest,
+    DetectionsResponse,
+    GeneratedDetectionRequest,
+    GenerationDetectionRequest,
+    GenerationDetectionResponse,
+)
 from ..api.fms_requests import (
     ContentDetectionRequest,
     DetectorParams,
@@ -193,6 +201,7 @@ def _name_deployment(
     clients and fuzzers see the ids that exist (anything else is a 404 with the error body)."""
     if model_ids:
         schemas["GuardrailsHttpRequest"]["properties"]["model_id"]["enum"] = list(model_ids)
+        schemas["GenerationDetectionRequest"]["properties"]["model_id"]["enum"] = list(model_ids)
         schemas["ResponsesRequest"]["properties"]["model"]["enum"] = list(model_ids)
         schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] = list(model_ids)
     if not detector_ids:
@@ -212,6 +221,50 @@ def _name_deployment(
     visit(schemas)
 
 
+def _fms_detection_paths(errors: dict[str, Any]) -> dict[str, Any]:
+    """The FMS orchestrator's detection endpoints beyond `content` (issue 40)."""
+
+    def op(op_id: str, summary: str, request: type[BaseModel], reply: type[BaseModel]) -> Any:
+        return {
+            "post": {
+                "operationId": op_id,
+                "summary": summary,
+                "requestBody": {"required": True, "content": _json(request)},
+                "responses": {"200": {"description": "result", "content": _json(reply)}, **errors},
+            }
+        }
+
+    return {
+        "/api/v2/text/detection/chat": op(
+            "detectChat",
+            "Detectors on a conversation: text_chat detectors judge it whole, text_contents "
+            "detectors each message",
+            ChatDetectionRequest,
+            DetectionsResponse,
+        ),
+        "/api/v2/text/detection/context": op(
+            "detectContext",
+            "text_context_doc detectors on a text against its context documents",
+            ContextDetectionRequest,
+            DetectionsResponse,
+        ),
+        "/api/v2/text/detection/generated": op(
+            "detectGenerated",
+            "Detectors on a prompt and its generated text: text_generation detectors judge "
+            "both, text_contents detectors the generated text",
+            GeneratedDetectionRequest,
+            DetectionsResponse,
+        ),
+        "/api/v2/text/generation-detection": op(
+            "generationWithDetection",
+            "Generate (the model's limits and enforced guardrails apply), then judge the prompt "
+            "and the generated text",
+            GenerationDetectionRequest,
+            GenerationDetectionResponse,
+        ),
+    }
+
+
 @cache
 def build_openapi(
     auth: bool = False,
@@ -225,6 +278,12 @@ def build_openapi(
     models: list[type[BaseModel]] = [
         GuardrailsHttpRequest,
         ContentDetectionRequest,
+        ChatDetectionRequest,
+        ContextDetectionRequest,
+        GeneratedDetectionRequest,
+        GenerationDetectionRequest,
+        DetectionsResponse,
+        GenerationDetectionResponse,
         StreamContentLine,
         ClassifiedFrame,
         ClassifiedGeneratedTextResult,
@@ -300,6 +359,7 @@ def build_openapi(
                 },
             }
         },
+        **_fms_detection_paths(errors),
         "/api/v2/text/detection/stream-content": {
             "post": {
                 "operationId": "detectStreamContent",

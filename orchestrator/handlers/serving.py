@@ -107,13 +107,19 @@ async def serve(request: web.Request, prepare: Prepare, writer: Writer) -> web.S
 
 async def serve_unary(request: web.Request, prepare: Prepare, fold: Fold) -> web.Response:
     """Folds the pipeline `prepare` builds into one JSON reply."""
+    return web.json_response(await fold_unary(request, prepare, fold))
+
+
+async def fold_unary(request: web.Request, prepare: Prepare, fold: Fold) -> dict[str, Any]:
+    """The folded reply, for a handler that adds to it (generation-detection); the stream slot
+    is held while the pipeline runs."""
     with stream_slot(request.app[STATE]) as slot:
         pipeline = slot.attach(await prepare())
         async with aclosing(pipeline.events()) as events:
             async for event in events:
                 if not isinstance(event, KeepAlive):
                     fold.add(event)
-    return web.json_response(fold.body())
+    return fold.body()
 
 
 async def _start(request: web.Request) -> web.StreamResponse:
