@@ -254,8 +254,7 @@ class HttpDetectorClient(DetectorClient):
             f"HTTP {resp.status}{hint}",
             invalid_params=resp.status == 422,
             # the detector service's queue-full answer is 503 with Retry-After
-            overloaded=resp.status == 429
-            or (resp.status == 503 and "Retry-After" in resp.headers),
+            overloaded=resp.status == 429 or (resp.status == 503 and "Retry-After" in resp.headers),
         )
 
     async def health(self) -> bool:
@@ -299,9 +298,7 @@ def _parse_reply(raw: bytes, contents: list[str]) -> list[list[Detection]] | str
         return f"returned {len(reply)} results for {len(contents)} contents"
     for i, (found, content) in enumerate(zip(reply, contents, strict=True)):
         if len(found) > MAX_DETECTIONS_PER_CONTENT:
-            return (
-                f"content {i} has {len(found)} detections (at most {MAX_DETECTIONS_PER_CONTENT})"
-            )
+            return f"content {i} has {len(found)} detections (at most {MAX_DETECTIONS_PER_CONTENT})"
         size = len(content)
         for j, d in enumerate(found):
             # `not 0 <= score <= 1` is also true of NaN

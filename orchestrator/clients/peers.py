@@ -59,3 +59,9 @@ def log_error_body(peer: str, status: int, raw: bytes) -> None:
     text keeps a body's newlines and control characters from forging log lines."""
     text = raw[:ERROR_BODY_BYTES].decode("utf-8", "replace")
     log.warning("%s answered HTTP %d: %r", peer, status, text)
+
+
+def log_inband_error(peer: str, error: object) -> None:
+    """An error a peer sent inside a stream (an engine's error item or event), for the operator;
+    the client is told that the replica reported an error, not what it said."""
+    log.warning("%s reported an error: %r", peer, error)
