@@ -258,17 +258,17 @@ class HttpDetectorClient(DetectorClient):
         )
 
     async def health(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        return None
-
-    def _check_count(self, contents: list[str], reply: list[list[Detection]]) -> None:
-        if len(reply) != len(contents):
-            raise DetectorCallError(
-                self.detector_id,
-                f"returned {len(reply)} results for {len(contents)} contents",
-            )
+        try:
+            async with self._session.get(
+                self._health_url,
+                headers=self._auth,
+                timeout=aiohttp.ClientTimeout(total=2),
+                ssl=self._ssl,
+                allow_redirects=False,  # a peer we do not trust (DESIGN 6)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
 
 def _encode(request: ContentsRequest) -> str:
