@@ -48,7 +48,7 @@ from .handlers import (
     openapi,
     stream_content,
 )
-from .handlers.body import BodyTimeout
+from .handlers.body import UnreadBody
 from .handlers.stream_slots import TooManyStreams
 from .http_protocol import SERVER_NAME
 from .logs import REQUEST_ID
@@ -278,7 +278,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if failure.code >= 500 and failure.type == ErrorType.SERVER_ERROR:
             log.error("request %s failed", request.get("request_id"), exc_info=exc)
         response = error_response(request, failure, _error_headers(first_error(exc), failure))
-        if isinstance(first_error(exc), BodyTimeout):
+        if isinstance(first_error(exc), UnreadBody):
             await close_after(request, response)
         elif failure.code == 413:
             # the body is not read: the connection cannot carry another request after it
@@ -287,8 +287,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 async def close_after(request: web.Request, response: web.StreamResponse) -> None:
-    """Sends `response` and closes the connection at once: the client stalled its body, so
-    aiohttp's lingering read of the rest (up to 10 s) would only wait on it longer."""
+    """Sends `response` and closes the connection at once: the body was refused unread (too
+    large, stalled, not in its encoding), so aiohttp's lingering read of the rest (up to 10 s)
+    would only hold the connection open for bytes that are thrown away."""
     response.force_close()
     if not response.prepared:
         await response.prepare(request)

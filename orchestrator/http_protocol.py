@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import (
     BadHttpMethod,
     BadStatusLine,
+    ContentEncodingError,
     ContentLengthError,
     HttpProcessingError,
     InvalidHeader,
@@ -26,6 +27,7 @@ from aiohttp.http_exceptions import (
 from aiohttp.web_protocol import RequestHandler
 
 from .api.errors import ErrorBody, ErrorType
+from .handlers.body import UNSUPPORTED_ENCODING
 
 log = logging.getLogger("guardstream.http")
 
@@ -84,6 +86,13 @@ class GuardedRequestHandler(RequestHandler):
                 code=status,
                 details="the request timed out" if status == 504 else "internal error",
                 type=ErrorType.TIMEOUT if status == 504 else ErrorType.SERVER_ERROR,
+            )
+        elif isinstance(exc, ContentEncodingError):
+            # br or zstd, whose decoders are not installed: refused before a route is known,
+            # so the answer has the service's error body on every path
+            status = 415
+            body = ErrorBody(
+                code=status, details=UNSUPPORTED_ENCODING, type=ErrorType.INVALID_REQUEST
             )
         else:
             # a client's mistake or a scanner: one line, no traceback, nothing it sent

@@ -107,7 +107,7 @@ async def test_sampling_params_and_finish_mapping(
 @pytest.mark.parametrize(
     ("fault", "message"),
     [
-        (OpenAIFault("error", after=2), "injected error"),
+        (OpenAIFault("error", after=2), "reported an error"),
         (OpenAIFault("abort", after=2), "abort"),
         (OpenAIFault("eof", after=2), "without [DONE]"),
         (OpenAIFault("done_early", after=2), "[DONE] without a finish_reason"),

@@ -278,16 +278,16 @@ async def test_counts_from_usage_with_several_words_a_chunk(
 @pytest.mark.parametrize(
     ("fault", "message"),
     [
-        (OpenAIFault("error", after=2), "replica c0: injected error"),
-        (OpenAIFault("object_error", after=2), "replica c0: injected object error"),
-        (OpenAIFault("string_error", after=2), "replica c0: injected string error"),
+        (OpenAIFault("error", after=2), "replica c0 reported an error"),
+        (OpenAIFault("object_error", after=2), "replica c0 reported an error"),
+        (OpenAIFault("string_error", after=2), "replica c0 reported an error"),
         (OpenAIFault("done_early", after=2), "replica c0: [DONE] without a finish_reason"),
         (OpenAIFault("eof", after=2), "replica c0: stream ended without [DONE]"),
         (OpenAIFault("close", after=2), "replica c0: connection failed"),
         (OpenAIFault("abort", after=2), "the server ended the request (abort)"),
-        (OpenAIFault("error", after=7), "replica c0: injected error"),  # before the finish
-        (OpenAIFault("http", status=503), "replica c0 answered HTTP 503: injected"),
-        (OpenAIFault("http", status=429), "replica c0 answered HTTP 429: injected"),
+        (OpenAIFault("error", after=7), "replica c0 reported an error"),  # before the finish
+        (OpenAIFault("http", status=503), "replica c0 answered HTTP 503"),
+        (OpenAIFault("http", status=429), "replica c0 answered HTTP 429"),
     ],
     ids=lambda v: v.mode + str(v.after) if isinstance(v, OpenAIFault) else "",
 )

@@ -291,7 +291,7 @@ async def test_chat_request_on_completions_uses_the_tokenizer_folder(
 @pytest.mark.parametrize(
     ("mode", "message"),
     [
-        ("error", "replica o0: injected error"),  # `{"error": "<message>"}`, then the end
+        ("error", "replica o0 reported an error"),  # `{"error": "<message>"}`, then the end
         ("eof", "replica o0: stream ended without [DONE]"),  # the end before a finish reason
         ("close", "replica o0: connection failed"),
     ],

@@ -422,7 +422,8 @@ async def test_in_band_errors_on_every_upstream_after_text_make_the_sdk_raise(
     }
     # the original error (the first replica's), surfaced once no replica is left
     assert (
-        error.message == "replica openai-0: injected error (not migrated: no other healthy replica)"
+        error.message
+        == "replica openai-0 reported an error (not migrated: no other healthy replica)"
     )
     # the first replica's two pieces and the second's two after it, then the error
     assert "".join(pieces(seen)) == "The cat sat on"
@@ -448,7 +449,7 @@ async def test_in_band_errors_on_every_upstream_before_text_are_an_http_error(
                 )
             assert info.value.status_code == 503
             assert info.value.body == {
-                "message": "replica openai-0: injected error (not migrated: migration limit 3 "
+                "message": "replica openai-0 reported an error (not migrated: migration limit 3 "
                 "reached)",
                 "type": "generation_unavailable",
                 "param": None,

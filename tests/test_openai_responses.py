@@ -419,7 +419,7 @@ async def test_detector_error_after_text_is_response_failed(engine, dets) -> Non
     assert final.error is not None
     assert final.error.code == "server_error"
     assert final.error.type == "detector_error"  # type: ignore[attr-defined]
-    assert final.error.message == "detector `dies_later`: HTTP 503: detector exploded"
+    assert final.error.message == "detector `dies_later`: HTTP 503"
     assert final.incomplete_details is None
 
 

@@ -172,7 +172,8 @@ async def test_generation_error_before_first_token_is_an_error_event(engine, det
     end = terminal(events)
     assert end.name == "error"
     assert end.data["type"] == "generation_error"
-    assert "engine broke" in end.data["details"]
+    # the engine's own words are logged, never quoted to a client (DESIGN 6)
+    assert end.data["details"] == "replica native-0 reported an error"
 
 
 async def test_engine_4xx_that_slips_through_is_invalid_request_not_5xx(engine, dets) -> None:
@@ -184,7 +185,7 @@ async def test_engine_4xx_that_slips_through_is_invalid_request_not_5xx(engine, 
     end = terminal(events)
     assert end.name == "error"
     assert end.data["code"] == 422 and end.data["type"] == "invalid_request"
-    assert "prompt rejected" in end.data["details"]
+    assert end.data["details"] == "replica native-0 rejected the request (HTTP 400)"
 
 
 async def test_generation_error_mid_stream_is_failed_after_frames(engine, dets) -> None:
@@ -200,7 +201,7 @@ async def test_generation_error_mid_stream_is_failed_after_frames(engine, dets) 
     end = terminal(events)
     assert end.name == "failed"
     assert end.data["error"]["type"] == "generation_error"
-    assert "boom" in end.data["error"]["message"]
+    assert end.data["error"]["message"] == "replica native-0 reported an error"
     assert end.data["processed_index"] == 11
 
 

@@ -394,6 +394,82 @@ async def test_responses_instructions_and_items_are_redacted_before_the_engine(e
     ]
 
 
+STOP_REDACTED = (
+    "stop sequence 1 holds text that input detector `pii` redacts (a redacted stop sequence "
+    "would change what the request asks for)"
+)
+
+
+async def test_a_stop_sequence_an_input_guardrail_redacts_is_refused_with_422(engine) -> None:
+    """Repro: `stop: ["jo@example.com"]` reached the engine raw while the prompt was redacted.
+    Stop sequences are input too (DESIGN 4.6a); replacing one would change when generation
+    stops, so the request is refused: before the response on Chat Completions and FMS unary, as
+    the in-band error of an FMS stream (its response starts at once)."""
+    stops = ["\n\n", "jo@example.com"]
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stop": stops,
+        "detectors": {"input": REDACT},
+    }
+    fms = generation_body("Hi", input=REDACT, params={"stop_sequences": stops})
+    async with Orchestrator(config(engine)) as orch:
+        unary_chat = await orch.post("/v1/chat/completions", chat)
+        stream_chat = await orch.post("/v1/chat/completions", {**chat, "stream": True})
+        unary = await orch.post(UNARY, fms)
+        events = await orch.stream(fms)
+    assert engine.requests == []
+    openai_error = {
+        "error": {"message": STOP_REDACTED, "type": "invalid_request", "param": None, "code": 422}
+    }
+    assert unary_chat == (422, openai_error)
+    assert stream_chat == (422, openai_error)
+    assert unary == (422, {"code": 422, "details": STOP_REDACTED, "type": "invalid_request"})
+    assert terminal(events).data == {
+        "code": 422,
+        "details": STOP_REDACTED,
+        "type": "invalid_request",
+    }
+
+
+async def test_a_stop_sequence_a_blocking_input_guardrail_flags_is_an_input_hit(engine) -> None:
+    """A blocking detector that flags a stop sequence refuses the request like any input hit
+    (content_filter); the spans of the refusal stay relative to the text they name, so a stop
+    sequence's own finding is not listed among them."""
+    block = {"pii": {"on_detection": "block"}}
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stop": "jo@example.com",
+        "detectors": {"input": block},
+    }
+    fms = generation_body("Hi", input=block, params={"stop_sequences": ["jo@example.com"]})
+    async with Orchestrator(config(engine)) as orch:
+        status, unary_chat = await orch.post("/v1/chat/completions", chat)
+        events = await orch.stream(fms)
+    assert engine.requests == []
+    assert status == 200
+    [choice] = unary_chat["choices"]
+    assert choice["finish_reason"] == "content_filter"
+    assert choice["message"]["refusal"] == (
+        "The request was refused: detector `pii` flagged a stop sequence."
+    )
+    assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
+    [frame] = frames(events)
+    assert frame["token_classification_results"]["input"] == []
+    assert [w["id"] for w in frame["warnings"]] == ["UNSUITABLE_INPUT"]
+
+
+async def test_clean_stop_sequences_reach_the_engine_as_sent(engine) -> None:
+    fms = generation_body("Mail jo@example.com", input=REDACT, params={"stop_sequences": ["."]})
+    async with Orchestrator(config(engine)) as orch:
+        events = await orch.stream(fms)
+    [request] = engine.requests
+    assert request.body["stop_sequences"] == ["."]
+    assert request.body["prompt"] == "Mail [email]"
+    assert terminal(events).name == "completed"
+
+
 async def test_input_block_beats_redact(engine) -> None:
     cfg = config(engine)
     cfg["detectors"]["mail_block"] = {

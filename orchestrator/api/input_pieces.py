@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# `field` of a stop sequence judged as input (DESIGN 4.6a), `message_index` its index: stop
+# sequences reach the engine, so the input guardrails judge them like the prompt
+STOP_SEQUENCE_FIELD = "stop"
+
 
 @dataclass(frozen=True, slots=True)
 class InputPiece:

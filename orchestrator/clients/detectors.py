@@ -25,11 +25,18 @@ from detectors.api import ContentsRequest, Detection
 
 from .. import tracing
 from ..config import ConfigError, DetectorConfig
+from .peers import BodyTooLarge, log_error_body, read_bounded, read_error_body
 from .reasons import connection_failure
 
 _REPLY = TypeAdapter(list[list[Detection]])
 # bodies and replies past this many characters/bytes are encoded and parsed off the event loop
 _LARGE_CHARS = 256 * 1024
+# A remote detector's reply is bounded (DESIGN 6): more detections than this for one content is
+# a detector_error, and a reply is read up to reply_limit(contents) bytes before it is parsed
+MAX_DETECTIONS_PER_CONTENT = 10_000
+REPLY_BASE_BYTES = 1 << 20
+# room for MAX_DETECTIONS_PER_CONTENT detections of ~200 bytes each
+REPLY_BYTES_PER_CONTENT = 2 << 20
 
 
 log = logging.getLogger("guardstream.detectors")
@@ -218,22 +225,19 @@ class HttpDetectorClient(DetectorClient):
         body = None if large else request.model_dump(mode="json")
         try:
             async with self._session.post(
-                self._url, json=body, data=data, headers=hdrs, timeout=timeout, ssl=self._ssl
+                self._url,
+                json=body,
+                data=data,
+                headers=hdrs,
+                timeout=timeout,
+                ssl=self._ssl,
+                allow_redirects=False,  # a peer we do not trust (DESIGN 6): see peers.py
             ) as resp:
-                raw = await resp.read()
                 if resp.status != 200:
-                    # 422 is the detector rejecting the detector_params the client sent
-                    hint = (
-                        " (check the detector's api_key_env)" if resp.status in (401, 403) else ""
-                    )
-                    raise DetectorCallError(
-                        self.detector_id,
-                        f"HTTP {resp.status}: {_error_message(raw)}{hint}",
-                        invalid_params=resp.status == 422,
-                        # the detector service's queue-full answer is 503 with Retry-After
-                        overloaded=resp.status == 429
-                        or (resp.status == 503 and "Retry-After" in resp.headers),
-                    )
+                    raise self._http_error(resp, await read_error_body(resp))
+                raw = await read_bounded(resp, reply_limit(contents))
+        except BodyTooLarge as exc:
+            raise DetectorCallError(self.detector_id, f"reply {exc}") from None
         except TimeoutError:
             raise DetectorCallError(
                 self.detector_id, f"timed out after {self.config.timeout_s:g} s"
@@ -243,19 +247,26 @@ class HttpDetectorClient(DetectorClient):
             log.warning("detector %s: call to %s failed: %s", self.detector_id, self._url, exc)
             reason = connection_failure(exc)
             raise DetectorCallError(self.detector_id, f"request failed: {reason}") from None
-        try:
-            if len(raw) > _LARGE_CHARS:
-                reply = await asyncio.to_thread(_REPLY.validate_json, raw)
-            else:
-                reply = _REPLY.validate_json(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "reply"
-            raise DetectorCallError(
-                self.detector_id, f"malformed reply ({where}: {first['msg']})"
-            ) from None
-        self._check_count(contents, reply)
+        if len(raw) > _LARGE_CHARS:
+            reply = await asyncio.to_thread(_parse_reply, raw, contents)
+        else:
+            reply = _parse_reply(raw, contents)
+        if isinstance(reply, str):
+            raise DetectorCallError(self.detector_id, reply)
         return reply
+
+    def _http_error(self, resp: aiohttp.ClientResponse, raw: bytes) -> DetectorCallError:
+        """A non-200 answer: its body goes to the log, the client is told the status only."""
+        log_error_body(f"detector {self.detector_id}", resp.status, raw)
+        # 422 is the detector rejecting the detector_params the client sent
+        hint = " (check the detector's api_key_env)" if resp.status in (401, 403) else ""
+        return DetectorCallError(
+            self.detector_id,
+            f"HTTP {resp.status}{hint}",
+            invalid_params=resp.status == 422,
+            # the detector service's queue-full answer is 503 with Retry-After
+            overloaded=resp.status == 429 or (resp.status == 503 and "Retry-After" in resp.headers),
+        )
 
     async def health(self) -> bool:
         try:
@@ -264,6 +275,7 @@ class HttpDetectorClient(DetectorClient):
                 headers=self._auth,
                 timeout=aiohttp.ClientTimeout(total=2),
                 ssl=self._ssl,
+                allow_redirects=False,  # a peer we do not trust (DESIGN 6)
             ) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
@@ -275,12 +287,37 @@ def _encode(request: ContentsRequest) -> str:
     return json.dumps(request.model_dump(mode="json"))
 
 
-def _error_message(raw: bytes) -> str:
-    """The detector's `message` when it sent the API's error body, else a short raw excerpt."""
+def reply_limit(contents: list[str]) -> int:
+    """The most bytes a sane reply to `contents` takes: a base, REPLY_BYTES_PER_CONTENT per
+    content (room for MAX_DETECTIONS_PER_CONTENT short detections) and the contents' own size
+    several times over (detections quote the text they found, JSON-escaped)."""
+    chars = sum(map(len, contents))
+    return REPLY_BASE_BYTES + REPLY_BYTES_PER_CONTENT * len(contents) + 8 * chars
+
+
+def _parse_reply(raw: bytes, contents: list[str]) -> list[list[Detection]] | str:
+    """The reply, checked against what was sent (DESIGN 6: a peer we do not trust); a string
+    saying what is wrong with it when it is not a sane reply. Parsing and checking a large
+    reply runs in a thread: this is the whole of that work."""
     try:
-        data = json.loads(raw)
-        if isinstance(data, dict) and isinstance(data.get("message"), str):
-            return data["message"][:500]
-    except (ValueError, RecursionError):
-        pass
-    return raw[:200].decode("utf-8", "replace") or "(empty body)"
+        reply = _REPLY.validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "reply"
+        return f"malformed reply ({where}: {first['msg']})"
+    if len(reply) != len(contents):
+        return f"returned {len(reply)} results for {len(contents)} contents"
+    for i, (found, content) in enumerate(zip(reply, contents, strict=True)):
+        if len(found) > MAX_DETECTIONS_PER_CONTENT:
+            return f"content {i} has {len(found)} detections (at most {MAX_DETECTIONS_PER_CONTENT})"
+        size = len(content)
+        for j, d in enumerate(found):
+            # `not 0 <= score <= 1` is also true of NaN
+            if not 0.0 <= d.score <= 1.0:
+                return f"detection {j} of content {i}: score {d.score} is not in [0, 1]"
+            if not 0 <= d.start <= d.end <= size:
+                return (
+                    f"detection {j} of content {i}: span [{d.start}, {d.end}) lies outside "
+                    f"its content of {size} characters"
+                )
+    return reply

@@ -21,6 +21,7 @@ import aiohttp
 
 from . import stall_timeout
 from .backend import EngineItem, EngineStream, GenerationError, ReplicaClient, unavailable
+from .peers import BodyTooLarge, log_error_body, read_bounded, read_error_body
 from .reasons import connection_failure
 
 log = logging.getLogger("guardstream.native")
@@ -33,6 +34,9 @@ RETRYABLE_STATUSES = frozenset({408, 425, 429})
 # Statuses that say "this request is wrong": the client's mistake, reported as invalid_request.
 # Other 4xx (401/403: our key; 404/405/415: our URL or our client) are a deployment problem.
 INVALID_REQUEST_STATUSES = frozenset({400, 413, 422})
+# the most a short call's reply (tokenize, models) may take: a tokenized prompt of the largest
+# context any model has, with room to spare
+CALL_REPLY_BYTES = 64 << 20
 
 
 class WouldBlock(Exception):
@@ -192,23 +196,24 @@ def transport_error(name: str, exc: BaseException) -> GenerationError:
 def http_error(name: str, status: int, raw: bytes) -> GenerationError:
     """A non-200 reply. A 4xx is about the request (another replica would say the same), so it
     is not migrated: 400/413/422 reach the client as its own mistake (invalid_request, 422);
-    other 4xx are the deployment's (a wrong key or URL: generation_error, 502). 408/425/429 and
-    5xx are the replica's problem (migratable)."""
-    message = error_message(raw)
+    other 4xx and every 3xx (redirects are never followed) are the deployment's (a wrong key or
+    URL: generation_error, 502). 408/425/429 and 5xx are the replica's problem (migratable).
+    The body goes to the log; a client is told the status only (DESIGN 6)."""
+    log_error_body(f"replica {name}", status, raw)
     if status in INVALID_REQUEST_STATUSES:
         return GenerationError(
-            f"replica {name} rejected the request (HTTP {status}): {message}",
+            f"replica {name} rejected the request (HTTP {status})",
             error_type="invalid_request",
             code=422,
         )
-    if 400 <= status < 500 and status not in RETRYABLE_STATUSES:
+    if 300 <= status < 500 and status not in RETRYABLE_STATUSES:
         hint = " (check the backend's api_key_env)" if status in (401, 403) else ""
         return GenerationError(
-            f"replica {name} rejected the request (HTTP {status}): {message}{hint}",
+            f"replica {name} rejected the request (HTTP {status}){hint}",
             error_type="generation_error",
             code=502,
         )
-    return unavailable(f"replica {name} answered HTTP {status}: {message}")
+    return unavailable(f"replica {name} answered HTTP {status}")
 
 
 def error_message(raw: bytes) -> str:
@@ -337,13 +342,15 @@ class HttpLineStream(EngineStream):
             path, body = await self._request()
             self._check_body(body)
             async with asyncio.timeout(self._stall):
-                resp = await c.session.post(c.url + path, json=body, ssl=c.ssl, headers=c.headers)
+                resp = await c.session.post(
+                    c.url + path, json=body, ssl=c.ssl, headers=c.headers, allow_redirects=False
+                )
             self._resp = resp
             if resp.status == 200:
                 self._reader = LineReader(resp.content)
                 return
             async with asyncio.timeout(FINAL_GRACE_S):
-                raw = await resp.content.read(4096)
+                raw = await read_error_body(resp)
             if not self._resend_without(resp.status, body, raw):
                 break
             resp.release()
@@ -414,11 +421,13 @@ class HttpReplicaClient(ReplicaClient):
                 ssl=self.ssl,
                 headers=self.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
+                allow_redirects=False,  # a peer we do not trust (DESIGN 6)
             ) as resp:
-                raw = await resp.read()
                 if resp.status != 200:
-                    raise http_error(self.name, resp.status, raw)
-                return raw
+                    raise http_error(self.name, resp.status, await read_error_body(resp))
+                return await read_bounded(resp, CALL_REPLY_BYTES)
+        except BodyTooLarge as exc:
+            raise unavailable(f"replica {self.name}: reply {exc}") from None
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise transport_error(self.name, exc) from None
 
@@ -430,6 +439,7 @@ class HttpReplicaClient(ReplicaClient):
                 ssl=self.ssl,
                 headers=self.headers,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
+                allow_redirects=False,
             ) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, OSError, TimeoutError):

@@ -295,7 +295,9 @@ class EngineProcess:
                 return False
             try:
                 async with self._session.get(
-                    self.url + "/health", timeout=aiohttp.ClientTimeout(total=2)
+                    self.url + "/health",
+                    timeout=aiohttp.ClientTimeout(total=2),
+                    allow_redirects=False,  # a peer we do not trust (DESIGN 6)
                 ) as resp:
                     if resp.status == 200:
                         return True

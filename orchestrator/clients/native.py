@@ -36,6 +36,7 @@ from .line_transport import (
     HttpReplicaClient,
     int_list,
 )
+from .peers import log_inband_error
 
 
 def native_body(
@@ -120,18 +121,20 @@ def parse_data(name: str, data: Any) -> EngineItem:
 
 
 def inband_error(name: str, err: Any) -> GenerationError:
-    """`{"error": {...}}`: `generation_unavailable` is the replica's trouble (migrate); any other
-    type is about this request and reaches the client as the engine stated it."""
+    """`{"error": {...}}`: `generation_unavailable` is the replica's trouble (migrate), `timeout`
+    a 504, any other type a 502 about this request. What the engine said goes to the log: a
+    client is told that the replica reported an error (DESIGN 6: a peer we do not trust)."""
     if not isinstance(err, dict):
         return unavailable(f"replica {name} sent a malformed error item")
+    log_inband_error(f"replica {name}", err)
     etype = err.get("type")
-    message = err.get("message")
-    message = message if isinstance(message, str) and message else "engine error"
     if etype == "generation_unavailable":
-        return unavailable(f"replica {name}: {message}")
+        return unavailable(f"replica {name} reported an error")
     if etype == "timeout":
-        return GenerationError(f"replica {name}: {message}", error_type="timeout", code=504)
-    return GenerationError(f"replica {name}: {message}", error_type="generation_error", code=502)
+        return GenerationError(f"replica {name} timed out", error_type="timeout", code=504)
+    return GenerationError(
+        f"replica {name} reported an error", error_type="generation_error", code=502
+    )
 
 
 class NativeStream(HttpLineStream):

@@ -24,6 +24,7 @@ from .openai_protocol import (
     loads,
     map_finish,
 )
+from .peers import log_inband_error
 
 _DEADLINE = b"\x00deadline"  # sentinel: max_time ran out while waiting
 _DONE = b"[DONE]"
@@ -186,8 +187,9 @@ class SseStream(HttpLineStream):
         if not isinstance(obj, dict):
             raise unavailable(f"replica {name} sent an event that is not an object")
         if "error" in obj or obj.get("object") == "error":
-            message = error_message(payload)
-            raise unavailable(f"replica {name}: {message}")
+            # what it said goes to the log, not to a client (DESIGN 6)
+            log_inband_error(f"replica {name}", error_message(payload))
+            raise unavailable(f"replica {name} reported an error")
         return obj
 
     def _time_limit(self) -> EngineItem:

@@ -11,7 +11,8 @@ import typing
 from typing import Any, TypeVar
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
 from ..api.errors import ApiError, ErrorType, invalid
@@ -214,12 +215,47 @@ def validate(model: type[M], data: Any) -> M:
         raise invalid(describe_validation_error(exc, model)) from None
 
 
-def too_large(limit: int) -> ApiError:
+# The Content-Encodings a body may come in: those aiohttp's parser decodes as it reads (bounded
+# by max_request_bytes after decoding). br and zstd need libraries this service does not install:
+# the parser refuses them before a route is known (http_protocol answers 415).
+ACCEPTED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate"})
+UNSUPPORTED_ENCODING = (
+    "unsupported Content-Encoding (this server accepts gzip, deflate or identity)"
+)
+
+
+class UnreadBody(ApiError):
+    """A refusal that leaves the rest of the body unread: the connection is closed right after
+    the answer (the error middleware sees this type), not kept while aiohttp reads and throws
+    away whatever the client still sends (its lingering read lasts up to 10 s)."""
+
+
+def too_large(limit: int) -> UnreadBody:
     """413 naming the limit, so a client knows how far to cut its request."""
-    return ApiError(413, ErrorType.INVALID_REQUEST, f"request body too large (limit {limit} bytes)")
+    return UnreadBody(
+        413, ErrorType.INVALID_REQUEST, f"request body too large (limit {limit} bytes)"
+    )
 
 
-class BodyTimeout(ApiError):
+def check_content_encoding(request: web.BaseRequest) -> None:
+    """415 for a Content-Encoding the parser does not decode: aiohttp passes any other value
+    through, and the body would be read as if it were plain (a list such as `gzip, identity`
+    included). The client's value is not repeated."""
+    encoding = ",".join(request.headers.getall("Content-Encoding", ())).strip().lower()
+    if encoding not in ACCEPTED_ENCODINGS:
+        raise UnreadBody(415, ErrorType.INVALID_REQUEST, UNSUPPORTED_ENCODING)
+
+
+def not_encoded() -> UnreadBody:
+    """400: the body is not in the Content-Encoding it names (plain text sent as gzip)."""
+    return UnreadBody(
+        400,
+        ErrorType.INVALID_REQUEST,
+        "the request body is not encoded as its Content-Encoding says",
+    )
+
+
+class BodyTimeout(UnreadBody):
     """408: the body stalled or came too slowly. The connection is closed after the reply
     (the error middleware sees this type), so a stalled client holds nothing afterwards."""
 
@@ -235,10 +271,10 @@ def body_too_slow() -> BodyTimeout:
     return BodyTimeout("the request body did not arrive within request_timeout_s")
 
 
-def malformed_body() -> ApiError:
+def malformed_body() -> UnreadBody:
     """A body the HTTP parser refused (a bad chunk size, a short Content-Length body): the
     parser's own message may quote the input, so it is not repeated."""
-    return ApiError(400, ErrorType.INVALID_REQUEST, "malformed request body")
+    return UnreadBody(400, ErrorType.INVALID_REQUEST, "malformed request body")
 
 
 async def read_chunk(content: Any, timeout_s: float, *, idle: bool) -> bytes:
@@ -249,6 +285,13 @@ async def read_chunk(content: Any, timeout_s: float, *, idle: bool) -> bytes:
             return await content.readany()
     except TimeoutError:
         raise (body_stalled() if idle else body_too_slow()) from None
+    except ContentEncodingError:
+        raise not_encoded() from None
+    except RequestPayloadError as exc:
+        # aiohttp wraps what its decoder raised (zlib's error as a ContentEncodingError)
+        raise (
+            not_encoded() if isinstance(exc.__cause__, ContentEncodingError) else malformed_body()
+        ) from None
     except HttpProcessingError:
         raise malformed_body() from None
 
@@ -259,6 +302,7 @@ async def read_body(request: web.Request) -> bytes:
     client that stops sending) and in total (`request_timeout_s`)."""
     server = request.app[STATE].config.server
     limit = request.client_max_size
+    check_content_encoding(request)
     if (request.content_length or 0) > limit:
         raise too_large(limit)
     loop = asyncio.get_running_loop()

@@ -24,7 +24,7 @@ from ..streaming.content_stream import ContentStream
 from ..streaming.failures import describe, is_unexpected
 from ..streaming.stream_judgement import JudgedFrame
 from ..streaming.wire_json import dumps
-from .body import parse_json, read_chunk, too_large, validate
+from .body import check_content_encoding, parse_json, read_chunk, too_large, validate
 from .stream_slots import stream_slot
 
 log = logging.getLogger("guardstream.stream_content")
@@ -109,6 +109,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             ErrorType.INVALID_REQUEST,
             f"expected content-type application/x-ndjson, got {request.content_type}",
         )
+    check_content_encoding(request)
     if (request.content_length or 0) > server.max_request_bytes:
         raise too_large(server.max_request_bytes)
     with stream_slot(state):  # before reading: a slow body holds a slot, not free memory

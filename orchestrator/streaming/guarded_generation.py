@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import tracing
-from ..api.errors import ErrorType
+from ..api.errors import ApiError, ErrorType
+from ..api.input_pieces import STOP_SEQUENCE_FIELD
 from ..clients.backend import GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
@@ -234,6 +235,11 @@ class GuardedGeneration:
             if any(f.detector_id not in redactors for f in judged):  # block beats redact
                 yield await self._input_refused(judged)
                 return
+            stops = [f for f in judged if f.field == STOP_SEQUENCE_FIELD]
+            if stops:
+                # a replaced stop sequence would stop generation somewhere else: refused
+                yield [self._failure(_stop_sequence_redacted(stops))]
+                return
             if judged:
                 self._redact_input(judged, redactors)
         stream = self._backend.stream(self._request)
@@ -320,13 +326,22 @@ class GuardedGeneration:
             self._inbox.put(_Crashed(exc))
 
     async def _judge_input(self) -> None:
+        """The prompt's findings and its stop sequences' (DESIGN 4.6a: they reach the engine
+        too), the latter tagged STOP_SEQUENCE_FIELD with the sequence's index."""
+        stops = [
+            InputPiece(text, message_index=i, field=STOP_SEQUENCE_FIELD)
+            for i, text in enumerate(self._request.params.stop_sequences)
+        ]
         with tracing.input_detection(self._input_detectors) as span:
             if isinstance(self._inputs, str):
                 findings = await judge_text(
                     self._inputs, self._input_detectors, self._chunkers, masks=self._masks
                 )
+                if stops:
+                    findings += await judge_pieces(stops, self._input_detectors, self._chunkers)
             else:
-                findings = await judge_pieces(self._inputs, self._input_detectors, self._chunkers)
+                pieces = [*self._inputs, *stops]
+                findings = await judge_pieces(pieces, self._input_detectors, self._chunkers)
             if span is not None:
                 span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))
@@ -437,10 +452,14 @@ class GuardedGeneration:
             pass
         self._refused_input_tokens = count
         ids = ", ".join(f"`{i}`" for i in sorted({f.detector_id for f in findings}))
+        # a stop sequence's finding is not listed: its span is relative to no text the
+        # surfaces report input spans against (the prompt, a message)
+        shown = [f for f in findings if f.field != STOP_SEQUENCE_FIELD]
+        what = "the input" if shown else "a stop sequence"
         refusal = Refusal(
             direction="input",
-            message=f"The request was refused: detector {ids} flagged the input.",
-            detections=findings,
+            message=f"The request was refused: detector {ids} flagged {what}.",
+            detections=shown,
             input_token_count=count,
             seed=self._seed,
         )
@@ -551,3 +570,17 @@ class GuardedGeneration:
         if self._span is not None:
             tracing.record_terminal(self._span, terminal, self._frames_sent)
         return terminal
+
+
+def _stop_sequence_redacted(findings: list[Finding]) -> ApiError:
+    """422 for a stop sequence a redacting input guardrail flagged (DESIGN 4.6a: the input
+    redaction must cover stop sequences, or they are refused; a replaced one would change what
+    the request asks for, so it is refused)."""
+    first = min(findings, key=lambda f: (f.message_index or 0, f.detector_id))
+    return ApiError(
+        422,
+        ErrorType.INVALID_REQUEST,
+        f"stop sequence {first.message_index} holds text that input detector "
+        f"`{first.detector_id}` redacts (a redacted stop sequence would change what the "
+        "request asks for)",
+    )

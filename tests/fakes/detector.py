@@ -1,6 +1,8 @@
 """A remote detector speaking the detector API (DESIGN 6) over a real socket, for orchestrator
 tests. It flags every occurrence of configured words, and can fail on cue: HTTP error, slow
-reply, malformed reply, wrong reply count. It records every call and notices cancelled ones."""
+reply, malformed reply, wrong reply count. It records every call and notices cancelled ones.
+It can also be hostile (DESIGN 6, a peer we do not trust): an error body holding secrets, a
+redirect, a reply of its choosing, or a reply that never ends."""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ class DetectorBehaviour:
     malformed: bool = False
     drop_one: bool = False  # reply with one list fewer than contents
     gate: asyncio.Event | None = None  # hold every reply until the test sets it
+    error_body: str | None = None  # the body of a failing reply (default: the API's error body)
+    redirect_to: str | None = None  # answer every call with `302 Location: redirect_to`
+    reply: Any = None  # a 200 reply of this JSON value (NaN/Infinity allowed) instead of detections
+    endless: bool = False  # a 200 reply that never ends: 64 MiB of detections, then it stalls
 
 
 class FakeDetectorServer:
@@ -78,6 +84,10 @@ class FakeDetectorServer:
         failing = behaviour.fail_status is not None and (
             behaviour.fail_on is None or any(behaviour.fail_on in c for c in contents)
         )
+        if behaviour.redirect_to is not None:
+            raise web.HTTPFound(behaviour.redirect_to)
+        if failing and behaviour.error_body is not None:
+            return web.Response(text=behaviour.error_body, status=behaviour.fail_status or 500)
         if failing:
             return web.json_response(
                 {"code": behaviour.fail_status, "message": "detector exploded"},
@@ -85,10 +95,33 @@ class FakeDetectorServer:
             )
         if behaviour.malformed:
             return web.Response(text='[{"start": "zero"}]', content_type="application/json")
+        if behaviour.reply is not None:
+            return web.Response(text=json.dumps(behaviour.reply), content_type="application/json")
+        if behaviour.endless:
+            return await self._endless(request)
         reply = [self._detect(behaviour, c) for c in contents]
         if behaviour.drop_one:
             reply = reply[:-1]
         return web.Response(text=json.dumps(reply), content_type="application/json")
+
+    async def _endless(self, request: web.Request) -> web.StreamResponse:
+        """`[[`, 64 MiB of detections, then nothing while the connection stays open: the client
+        must stop reading, not this (64 MiB, not for ever: a client that reads it all costs the
+        test machine that much memory, not all of it)."""
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b"[[")
+        item = json.dumps(
+            {"start": 0, "end": 1, "text": "x", "detection": "d", "detection_type": "t", "score": 1}
+        )
+        block = ((item + ",") * 1000).encode()
+        try:
+            for _ in range((64 << 20) // len(block)):
+                await resp.write(block)
+            await asyncio.Event().wait()
+        except (ConnectionError, asyncio.CancelledError):
+            self.cancelled += 1
+            raise
 
     @staticmethod
     def _detect(behaviour: DetectorBehaviour, content: str) -> list[dict[str, Any]]:

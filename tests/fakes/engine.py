@@ -54,6 +54,7 @@ FAULT_MODES = (
     "after_final",  # a normal stream, then a data item after complete_final
     "http",  # answer with HTTP `status` instead of a stream
     "hang",  # never answer (no headers)
+    "redirect",  # answer `302 Location: location` instead of a stream
 )
 
 
@@ -65,6 +66,7 @@ class Fault:
     error_type: str = "generation_unavailable"
     status: int = 503
     message: str = "injected fault"
+    location: str = "/health"  # where a `redirect` points
 
     def __post_init__(self) -> None:
         if self.mode not in FAULT_MODES:
@@ -175,6 +177,8 @@ class FakeEngine(FakeUpstream):
                 {"code": fault.status, "type": fault.error_type, "message": fault.message},
                 status=fault.status,
             )
+        if fault is not None and fault.mode == "redirect":
+            raise web.HTTPFound(fault.location)
         if fault is not None and fault.mode == "hang":
             try:
                 await asyncio.Event().wait()

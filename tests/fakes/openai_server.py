@@ -75,7 +75,8 @@ FAULT_MODES = (
     "stall_keepalive",  # stop sending events; a keep-alive comment now and at every `keepalive_tick`
     "abort",  # `finish_reason: "abort"`, then [DONE]
     "content_filter",  # `finish_reason: "content_filter"` (Azure), then usage and [DONE]
-    "http",  # answer HTTP `status` with an OpenAI error body instead of a stream
+    "http",  # answer HTTP `status` with an OpenAI error body (`message`) instead of a stream
+    "redirect",  # answer `302 Location: /health` instead of a stream
 )
 
 # what transformers serve takes: OpenAI's request params + its own
@@ -125,6 +126,7 @@ class OpenAIFault:
     after_finish: bool = False  # chat, instead: right after the finish chunk (before usage)
     times: int = 1  # requests it applies to; -1: all
     status: int = 503
+    message: str = "injected"  # the message of an `http` fault's error body
 
     def __post_init__(self) -> None:
         if self.mode not in FAULT_MODES:
@@ -214,9 +216,11 @@ class FakeOpenAI(FakeUpstream):
                 detail = f"Unexpected fields in the request: {unexpected}"
                 return body, web.json_response({"detail": detail}, status=422), None
         fault = next_fault(self.faults)
+        if fault is not None and fault.mode == "redirect":
+            raise web.HTTPFound("/health")
         if fault is not None and fault.mode == "http":
             error = {
-                "message": "injected",
+                "message": fault.message,
                 "type": "BadRequestError" if fault.status < 500 else "InternalError",
                 "param": None,
                 "code": fault.status,

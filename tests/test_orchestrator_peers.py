@@ -1,0 +1,276 @@
+"""A remote detector or engine is a peer we do not trust with our clients (DESIGN 6, last
+paragraph), black-box over real sockets: its redirects are never followed, its error bodies go
+to the operator's log and never to a client, and a detector reply with scores outside [0, 1],
+spans outside the content, too many detections or too many bytes is a `detector_error`."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from orchestrator.app import CONTENT_PATH, UNARY_PATH
+from orchestrator.clients.detectors import MAX_DETECTIONS_PER_CONTENT, reply_limit
+from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
+from tests.fakes.engine import FakeEngine, Fault
+from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
+from tests.openai_support import RESPONSES_PATH
+from tests.orchestrator_support import (
+    MODEL,
+    SCRIPT,
+    Orchestrator,
+    generation_body,
+    native_config,
+    remote,
+    terminal,
+)
+from tests.wait_support import until
+
+CHAT_PATH = "/v1/chat/completions"
+# what a careless service shows its clients: an internal address and a password
+SECRET = "db.internal:5432 auth failed for password=hunter2 at /srv/app.py line 3"
+CONTENT = "Hello there."
+
+
+def detector_error(detector_id: str, message: str) -> dict[str, Any]:
+    return {
+        "code": 502,
+        "details": f"detector `{detector_id}`: {message}",
+        "type": "detector_error",
+    }
+
+
+@pytest.fixture
+async def evil() -> AsyncIterator[FakeDetectorServer]:
+    server = FakeDetectorServer()
+    await server.start()
+    yield server
+    await server.close()
+
+
+def one_detector(engine: FakeEngine, evil: FakeDetectorServer, **extra: Any) -> dict[str, Any]:
+    return native_config(engine.url, detectors={"evil": remote(evil.url, **extra)})
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+# -- detectors: error bodies and redirects -------------------------------------------------------
+
+
+async def test_a_detectors_error_body_is_logged_never_quoted(engine, evil, caplog) -> None:
+    """Repro: `detector `evil`: HTTP 500: db.internal:5432 ... password=hunter2 ...` reached
+    the client word for word, on every surface."""
+    evil.add("evil", DetectorBehaviour(fail_status=500, error_body=SECRET))
+    caplog.set_level(logging.WARNING)
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+        events = await orch.stream(generation_body(output={"evil": {}}))
+        unary = await orch.post(UNARY_PATH, generation_body(input={"evil": {}}))
+        chat = await orch.post(
+            CHAT_PATH,
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "detectors": {"output": {"evil": {}}},
+            },
+        )
+        responses = await orch.post(
+            RESPONSES_PATH, {"model": MODEL, "input": "Hi", "detectors": {"input": {"evil": {}}}}
+        )
+    expected = detector_error("evil", "HTTP 500")
+    assert content == (502, expected)
+    assert terminal(events).data == expected
+    assert unary == (502, expected)
+    assert chat[0] == 502
+    assert chat[1]["error"]["message"] == expected["details"]
+    assert responses[0] == 502
+    assert responses[1]["error"]["message"] == expected["details"]
+    assert SECRET in warnings_of(caplog)  # the operator sees it
+
+
+async def test_a_detectors_redirect_is_not_followed(engine, evil) -> None:
+    """Repro: a 302 was followed with a GET to wherever it pointed, and what that answered was
+    judged (or shown) as the detector's reply."""
+    evil.add("evil", DetectorBehaviour(redirect_to="/health"))
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+    assert content == (502, detector_error("evil", "HTTP 302"))
+
+
+# -- detectors: replies out of range ----------------------------------------------------------
+
+
+def detection(**fields: Any) -> dict[str, Any]:
+    base = {"start": 0, "end": 5, "text": "Hello", "detection": "d", "detection_type": "t"}
+    return {**base, "score": 0.5, **fields}
+
+
+@pytest.mark.parametrize(
+    ("found", "message"),
+    [
+        (detection(score=math.nan), "detection 0 of content 0: score nan is not in [0, 1]"),
+        (detection(score=math.inf), "detection 0 of content 0: score inf is not in [0, 1]"),
+        (detection(score=5.0), "detection 0 of content 0: score 5.0 is not in [0, 1]"),
+        (detection(score=-1), "detection 0 of content 0: score -1.0 is not in [0, 1]"),
+        (
+            detection(start=-1),
+            "detection 0 of content 0: span [-1, 5) lies outside its content of 12 characters",
+        ),
+        (
+            detection(end=13),
+            "detection 0 of content 0: span [0, 13) lies outside its content of 12 characters",
+        ),
+        (
+            detection(start=6, end=5),
+            "detection 0 of content 0: span [6, 5) lies outside its content of 12 characters",
+        ),
+    ],
+    ids=["nan", "inf", "5.0", "-1", "start<0", "end>len", "start>end"],
+)
+async def test_an_out_of_range_detection_is_a_detector_error(engine, evil, found, message) -> None:
+    evil.add("evil", DetectorBehaviour(reply=[[found]]))
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+        events = await orch.stream(generation_body(output={"evil": {}}))
+    assert content == (502, detector_error("evil", message))
+    assert terminal(events).name == "error"
+
+
+async def test_too_many_detections_for_one_content_is_a_detector_error(engine, evil) -> None:
+    evil.add("evil", DetectorBehaviour(reply=[[detection()] * (MAX_DETECTIONS_PER_CONTENT + 1)]))
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+    message = f"content 0 has {MAX_DETECTIONS_PER_CONTENT + 1} detections (at most "
+    message += f"{MAX_DETECTIONS_PER_CONTENT})"
+    assert content == (502, detector_error("evil", message))
+
+
+async def test_exactly_the_bound_of_detections_is_accepted(engine, evil) -> None:
+    evil.add("evil", DetectorBehaviour(reply=[[detection()] * MAX_DETECTIONS_PER_CONTENT]))
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        status, body = await orch.post(
+            CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}}
+        )
+    assert status == 200
+    assert len(body["detections"]) == MAX_DETECTIONS_PER_CONTENT
+
+
+async def test_an_endless_reply_is_cut_at_its_bound(engine, evil) -> None:
+    """Repro: the reply was read whole before it was parsed (300 MB of RSS for a 300 MB
+    reply); it is read up to a bound proportional to what was sent, and the detector's
+    connection is dropped there, long before its timeout."""
+    evil.add("evil", DetectorBehaviour(endless=True))
+    async with Orchestrator(one_detector(engine, evil, timeout_s=600)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+        await until(lambda: evil.cancelled == 1, what="the detector's reply abandoned")
+    limit = reply_limit([CONTENT])
+    assert content == (502, detector_error("evil", f"reply larger than {limit} bytes"))
+
+
+def test_the_reply_bound_grows_with_the_contents() -> None:
+    one = reply_limit(["x"])
+    assert reply_limit(["x", "y"]) > one
+    assert reply_limit(["x" * 100_000]) > one + 100_000
+    assert one < 16 << 20
+
+
+# -- engines: error bodies and redirects ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "etype", "details"),
+    [
+        (
+            Fault("http", status=500, message=SECRET),
+            503,
+            "generation_unavailable",
+            "replica native-0 answered HTTP 500 (not migrated: migration limit 0 reached)",
+        ),
+        (
+            Fault("http", status=422, message=SECRET),
+            422,
+            "invalid_request",
+            "replica native-0 rejected the request (HTTP 422)",
+        ),
+        (
+            Fault("http", status=401, message=SECRET),
+            502,
+            "generation_error",
+            "replica native-0 rejected the request (HTTP 401) (check the backend's api_key_env)",
+        ),
+        (
+            Fault("redirect"),
+            502,
+            "generation_error",
+            "replica native-0 rejected the request (HTTP 302)",
+        ),
+        (
+            Fault("error", error_type="generation_error", message=SECRET),
+            502,
+            "generation_error",
+            "replica native-0 reported an error",
+        ),
+    ],
+    ids=["500", "422", "401", "redirect", "in-band"],
+)
+async def test_a_native_engines_error_is_named_never_quoted(
+    fault, code, etype, details, caplog
+) -> None:
+    engine = FakeEngine(script=list(SCRIPT), fail=fault)
+    await engine.start()
+    caplog.set_level(logging.WARNING)
+    try:
+        async with Orchestrator(native_config(engine.url)) as orch:
+            events = await orch.stream(generation_body())
+    finally:
+        await engine.close()
+    assert terminal(events).data == {"code": code, "details": details, "type": etype}
+    if fault.mode != "redirect":
+        assert SECRET in warnings_of(caplog)
+
+
+def openai_config(url: str) -> dict[str, Any]:
+    config = native_config(url)
+    config["models"][MODEL]["backends"] = [
+        {"type": "openai", "url": url, "model": "fake-model", "api": "chat"}
+    ]
+    return config
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "details"),
+    [
+        (
+            OpenAIFault("http", status=500, message=SECRET),
+            503,
+            "answered HTTP 500 (not migrated: migration limit 0 reached)",
+        ),
+        (
+            OpenAIFault("http", status=403, message=SECRET),
+            502,
+            "rejected the request (HTTP 403) (check the backend's api_key_env)",
+        ),
+        (OpenAIFault("redirect"), 502, "rejected the request (HTTP 302)"),
+    ],
+    ids=["500", "403", "redirect"],
+)
+async def test_an_openai_engines_error_is_named_never_quoted(fault, code, details, caplog) -> None:
+    server = FakeOpenAI(fail=fault)
+    await server.start()
+    caplog.set_level(logging.WARNING)
+    try:
+        async with Orchestrator(openai_config(server.url)) as orch:
+            status, body = await orch.post(
+                CHAT_PATH, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+            )
+    finally:
+        await server.close()
+    assert status == code
+    assert body["error"]["message"] == f"replica openai-0 {details}"
+    if fault.mode != "redirect":
+        assert SECRET in warnings_of(caplog)
