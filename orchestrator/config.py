@@ -296,7 +296,10 @@ class DetectorConfig(Strict):
     type: Literal["text_contents", "text_generation", "text_chat", "text_context_doc"] = (
         "text_contents"
     )
-    """The detector API it speaks; only `text_contents` detectors judge input and output text."""
+    """The detector API it speaks: `text_contents` (input and output text, the content
+    endpoints; every built-in), or a kind of the FMS detection endpoints, served by a remote
+    detector: `text_chat` (/api/v2/text/detection/chat), `text_context_doc` (.../context),
+    `text_generation` (.../generated and /api/v2/text/generation-detection)."""
     builtin: str | None = None
     """An in-process built-in: `regex`, `profanity`, `prompt_injection`, `topic`,
     `hf_classifier` (its settings go in `params`)."""
@@ -376,6 +379,11 @@ def cross_reference_errors(
         errors.extend(_threshold_errors(f"{path}.params.threshold", det.params.get("threshold")))
         if (det.builtin is None) == (det.url is None):
             errors.append(f"{path}: exactly one of 'builtin' and 'url' is required")
+        if det.builtin is not None and det.type != "text_contents":
+            errors.append(
+                f"{path}.type: a built-in detector speaks text_contents (the other kinds are "
+                "remote detectors'; a built-in serves chat and generated detection as it is)"
+            )
         if det.builtin is not None:
             if det.builtin not in detectors.BUILTINS:
                 errors.append(

@@ -146,3 +146,10 @@ def test_n_independent_mistakes_give_n_errors(chosen: set[int]) -> None:
     for i in chosen:
         expected = MISTAKES[i][1]
         assert [e for e in errors if e.startswith(expected)], (expected, errors)
+
+
+def test_a_builtin_speaks_text_contents_only() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"detectors": {"pii": {"builtin": "regex", "type": "text_chat"}}})
+    [line] = caught.value.errors
+    assert line.startswith("detectors.pii.type: a built-in detector speaks text_contents")

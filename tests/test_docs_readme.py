@@ -52,6 +52,9 @@ async def test_every_readme_curl_body_is_accepted_by_the_shipped_config() -> Non
     assert {u.removeprefix("http://127.0.0.1:8033") for u in urls} == {
         "/api/v1/task/server-streaming-classification-with-text-generation",
         "/api/v2/text/detection/content",
+        "/api/v2/text/detection/chat",
+        "/api/v2/text/detection/generated",
+        "/api/v2/text/generation-detection",
     }
     engine = FakeEngine(script=["Cats", " purr", "."])
     await engine.start()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 import detectors
 from detectors.api import ContentsRequest, Detection
@@ -107,6 +107,36 @@ class DetectorClient(ABC):
     async def _detect(
         self, contents: list[str], params: dict[str, Any]
     ) -> list[list[Detection]]: ...
+
+    async def judge(
+        self, path: str, body: dict[str, Any], params: dict[str, Any]
+    ) -> list[KindDetection]:
+        """One call of an FMS detection kind (`path`: /api/v1/text/chat, /context/doc,
+        /generation) with `body` and the merged `detector_params`; reported like `detect`."""
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            reply = await self._judge(path, body, params)
+            outcome = "ok"
+            return reply
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.on_call(self.detector_id, outcome, time.perf_counter() - started)
+
+    async def _judge(
+        self, path: str, body: dict[str, Any], params: dict[str, Any]
+    ) -> list[KindDetection]:
+        raise DetectorCallError(self.detector_id, "speaks only the text_contents detector API")
+
+    def _merged(self, params: dict[str, Any] | None) -> dict[str, Any]:
+        """The detector_params sent: config params under the request's, minus the
+        orchestrator's own keys."""
+        merged = {**self.config.params, **(params or {})}
+        for key in ("threshold", "on_detection", "redact_with"):
+            merged.pop(key, None)
+        return merged
 
     async def health(self) -> bool:
         return True
@@ -204,7 +234,8 @@ class HttpDetectorClient(DetectorClient):
     ) -> None:
         super().__init__(detector_id, config, on_call=on_call)
         assert config.url is not None
-        self._url = config.url.rstrip("/") + "/api/v1/text/contents"
+        self._base = config.url.rstrip("/")
+        self._url = self._base + "/api/v1/text/contents"
         self._health_url = config.url.rstrip("/") + "/health"
         self._session = session
         self._ssl = ssl_context
@@ -212,20 +243,45 @@ class HttpDetectorClient(DetectorClient):
         self._auth: dict[str, str] = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
-        merged = {**self.config.params, **(params or {})}
-        for key in ("threshold", "on_detection"):
-            merged.pop(key, None)
-        request = ContentsRequest(contents=contents, detector_params=merged)
+        request = ContentsRequest(contents=contents, detector_params=self._merged(params))
         # a large body is encoded, and a large reply parsed, in a thread: not on the event loop
         large = sum(map(len, contents)) > _LARGE_CHARS
         data = await asyncio.to_thread(_encode, request) if large else None
-        # x-request-id and allowlisted client headers are added by the session's request hook
-        hdrs = {"detector-id": self.detector_id, "content-type": "application/json", **self._auth}
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         body = None if large else request.model_dump(mode="json")
+        raw = await self._post(self._url, body, data, reply_limit(contents))
+        if len(raw) > _LARGE_CHARS:
+            reply = await asyncio.to_thread(_parse_reply, raw, contents)
+        else:
+            reply = _parse_reply(raw, contents)
+        if isinstance(reply, str):
+            raise DetectorCallError(self.detector_id, reply)
+        return reply
+
+    async def _judge(
+        self, path: str, body: dict[str, Any], params: dict[str, Any]
+    ) -> list[KindDetection]:
+        sent = {**body, "detector_params": self._merged(params)}
+        url = self._base + path
+        raw = await self._post(url, sent, None, REPLY_BASE_BYTES + REPLY_BYTES_PER_CONTENT)
+        reply = _parse_kind_reply(raw)
+        if isinstance(reply, str):
+            raise DetectorCallError(self.detector_id, reply)
+        return reply
+
+    async def _post(self, url: str, body: Any, data: str | None, limit: int) -> bytes:
+        """The reply body of one POST (JSON `body`, or `data` already encoded), read up to
+        `limit` bytes; any failure is a DetectorCallError naming this detector."""
+        # x-request-id and allowlisted client headers are added by the session's request hook
+        hdrs = {
+            "detector-id": self.detector_id,
+            "x-model-name": self.detector_id,  # as the FMS orchestrator sends it
+            "content-type": "application/json",
+            **self._auth,
+        }
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         try:
             async with self._session.post(
-                self._url,
+                url,
                 json=body,
                 data=data,
                 headers=hdrs,
@@ -235,7 +291,7 @@ class HttpDetectorClient(DetectorClient):
             ) as resp:
                 if resp.status != 200:
                     raise self._http_error(resp, await read_error_body(resp))
-                raw = await read_bounded(resp, reply_limit(contents))
+                return await read_bounded(resp, limit)
         except BodyTooLarge as exc:
             raise DetectorCallError(self.detector_id, f"reply {exc}") from None
         except TimeoutError:
@@ -244,16 +300,9 @@ class HttpDetectorClient(DetectorClient):
             ) from None
         except aiohttp.ClientError as exc:
             # the address stays in the log: a client is told the kind of failure only
-            log.warning("detector %s: call to %s failed: %s", self.detector_id, self._url, exc)
+            log.warning("detector %s: call to %s failed: %s", self.detector_id, url, exc)
             reason = connection_failure(exc)
             raise DetectorCallError(self.detector_id, f"request failed: {reason}") from None
-        if len(raw) > _LARGE_CHARS:
-            reply = await asyncio.to_thread(_parse_reply, raw, contents)
-        else:
-            reply = _parse_reply(raw, contents)
-        if isinstance(reply, str):
-            raise DetectorCallError(self.detector_id, reply)
-        return reply
 
     def _http_error(self, resp: aiohttp.ClientResponse, raw: bytes) -> DetectorCallError:
         """A non-200 answer: its body goes to the log, the client is told the status only."""
@@ -293,6 +342,39 @@ def reply_limit(contents: list[str]) -> int:
     several times over (detections quote the text they found, JSON-escaped)."""
     chars = sum(map(len, contents))
     return REPLY_BASE_BYTES + REPLY_BYTES_PER_CONTENT * len(contents) + 8 * chars
+
+
+class KindDetection(BaseModel):
+    """One detection in a reply of the FMS detection kinds (chat, context/doc, generation):
+    no span; the detector's own `detector_id`, if any, is replaced by the configured one."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    detection_type: str
+    detection: str
+    score: float
+    detector_id: str | None = None
+    evidence: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+_KIND_REPLY = TypeAdapter(list[KindDetection])
+
+
+def _parse_kind_reply(raw: bytes) -> list[KindDetection] | str:
+    """A kind's reply checked like a contents reply (DESIGN 6): bounded, scores in [0, 1]."""
+    try:
+        reply = _KIND_REPLY.validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "reply"
+        return f"malformed reply ({where}: {first['msg']})"
+    if len(reply) > MAX_DETECTIONS_PER_CONTENT:
+        return f"{len(reply)} detections (at most {MAX_DETECTIONS_PER_CONTENT})"
+    for j, d in enumerate(reply):
+        if not 0.0 <= d.score <= 1.0:  # also true of NaN
+            return f"detection {j}: score {d.score} is not in [0, 1]"
+    return reply
 
 
 def _parse_reply(raw: bytes, contents: list[str]) -> list[list[Detection]] | str:

@@ -82,7 +82,7 @@ async def _each(
 async def _remote(d: RequestedDetector, body: dict[str, Any]) -> list[DetectionResult]:
     """One call of the detector's kind; its detections at or above the threshold, each with
     the configured id (whatever the reply said)."""
-    replies = await d.client.judge(KIND_PATHS[d.kind], {**body, "detector_params": d.params})
+    replies = await d.client.judge(KIND_PATHS[d.kind], body, d.params)
     return [
         DetectionResult(
             detection_type=r.detection_type,

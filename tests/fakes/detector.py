@@ -39,6 +39,8 @@ class FakeDetectorServer:
         self.ssl_context = ssl_context  # HTTPS when set
         self.detectors: dict[str, DetectorBehaviour] = {}
         self.calls: list[tuple[str, list[str], dict[str, Any]]] = []
+        # calls of the FMS detection kinds: (path, headers, body), as received
+        self.kind_calls: list[tuple[str, dict[str, str], dict[str, Any]]] = []
         self.cancelled = 0
         self.in_flight = 0
         self._runner: web.AppRunner | None = None
@@ -50,6 +52,8 @@ class FakeDetectorServer:
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post("/api/v1/text/contents", self._contents)
+        for path in ("/api/v1/text/chat", "/api/v1/text/context/doc", "/api/v1/text/generation"):
+            app.router.add_post(path, self._kind)
         app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
@@ -103,6 +107,39 @@ class FakeDetectorServer:
         if behaviour.drop_one:
             reply = reply[:-1]
         return web.Response(text=json.dumps(reply), content_type="application/json")
+
+    async def _kind(self, request: web.Request) -> web.Response:
+        """The FMS detection kinds (chat, context/doc, generation): one reply for the whole
+        body, a detection per configured word found anywhere in its text (score: the word's),
+        or the behaviour's `reply`; failures as for contents."""
+        detector_id = request.headers.get("detector-id", "")
+        behaviour = self.detectors.get(detector_id)
+        if behaviour is None:
+            return web.json_response(
+                {"code": 404, "message": f"no detector {detector_id}"}, status=404
+            )
+        body = await request.json()
+        self.kind_calls.append((request.path, dict(request.headers), body))
+        if behaviour.fail_status is not None:
+            return web.json_response(
+                {"code": behaviour.fail_status, "message": "detector exploded"},
+                status=behaviour.fail_status,
+            )
+        if behaviour.reply is not None:
+            return web.Response(text=json.dumps(behaviour.reply), content_type="application/json")
+        text = json.dumps({k: v for k, v in body.items() if k != "detector_params"})
+        return web.json_response(
+            [
+                {
+                    "detection_type": behaviour.detection_type,
+                    "detection": behaviour.detection,
+                    "detector_id": "as-the-detector-calls-itself",
+                    "score": score,
+                }
+                for word, score in behaviour.words.items()
+                if word in text
+            ]
+        )
 
     async def _endless(self, request: web.Request) -> web.StreamResponse:
         """`[[`, 64 MiB of detections, then nothing while the connection stays open: the client
