@@ -44,6 +44,7 @@ from .handlers import (
     metrics,
     models,
     openai_chat,
+    openai_completions,
     openai_responses,
     openapi,
     stream_content,
@@ -71,6 +72,7 @@ CHAT_DETECTION_ONLY_PATH = "/api/v2/text/detection/chat"
 CONTEXT_DETECTION_PATH = "/api/v2/text/detection/context"
 GENERATED_DETECTION_PATH = "/api/v2/text/detection/generated"
 GENERATION_DETECTION_PATH = "/api/v2/text/generation-detection"
+COMPLETIONS_DETECTION_PATH = "/api/v2/text/completions-detection"
 STREAM_CONTENT_PATH = "/api/v2/text/detection/stream-content"
 CHAT_PATH = openai_chat.CHAT_PATH
 CHAT_DETECTION_PATH = openai_chat.CHAT_DETECTION_PATH
@@ -126,6 +128,13 @@ ROUTES = (
         stream_content.handle,
         Surface.FMS,
         "detection_stream_content",
+    ),
+    Route(
+        "POST",
+        COMPLETIONS_DETECTION_PATH,
+        openai_completions.handle,
+        Surface.FMS,  # the FMS orchestrator's error body, as its completions-detection
+        "completions_detection",
     ),
     Route("POST", CHAT_PATH, openai_chat.handle, Surface.OPENAI, "chat_completions"),
     Route("POST", CHAT_DETECTION_PATH, openai_chat.handle, Surface.OPENAI, "chat_completions"),

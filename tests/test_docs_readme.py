@@ -55,6 +55,7 @@ async def test_every_readme_curl_body_is_accepted_by_the_shipped_config() -> Non
         "/api/v2/text/detection/chat",
         "/api/v2/text/detection/generated",
         "/api/v2/text/generation-detection",
+        "/api/v2/text/completions-detection",
     }
     engine = FakeEngine(script=["Cats", " purr", "."])
     await engine.start()

@@ -44,6 +44,7 @@ from ..api.openai_chat import (
     ModelList,
     OpenAIErrorBody,
 )
+from ..api.openai_completions import Completion, CompletionRequest
 from ..state import STATE
 from .health import AUTHENTICATED
 
@@ -202,6 +203,7 @@ def _name_deployment(
     if model_ids:
         schemas["GuardrailsHttpRequest"]["properties"]["model_id"]["enum"] = list(model_ids)
         schemas["GenerationDetectionRequest"]["properties"]["model_id"]["enum"] = list(model_ids)
+        schemas["CompletionRequest"]["properties"]["model"]["enum"] = list(model_ids)
         schemas["ResponsesRequest"]["properties"]["model"]["enum"] = list(model_ids)
         schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] = list(model_ids)
     if not detector_ids:
@@ -262,6 +264,26 @@ def _fms_detection_paths(errors: dict[str, Any]) -> dict[str, Any]:
             GenerationDetectionRequest,
             GenerationDetectionResponse,
         ),
+        "/api/v2/text/completions-detection": {
+            "post": {
+                "operationId": "completionsWithDetection",
+                "summary": "OpenAI Completions with input and output detectors (FMS shape)",
+                "description": "Unary: one `text_completion` (Completion). With `stream: true`: "
+                "SSE of `data:` Completion chunks, `data: [DONE]` last; an error after the "
+                "first chunk is `event: error` with an ErrorBody, then `[DONE]`.",
+                "requestBody": {"required": True, "content": _json(CompletionRequest)},
+                "responses": {
+                    "200": {
+                        "description": "the completion, or its chunks",
+                        "content": {
+                            **_json(Completion),
+                            "text/event-stream": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **errors,
+                },
+            }
+        },
     }
 
 
@@ -284,6 +306,8 @@ def build_openapi(
         GenerationDetectionRequest,
         DetectionsResponse,
         GenerationDetectionResponse,
+        CompletionRequest,
+        Completion,
         StreamContentLine,
         ClassifiedFrame,
         ClassifiedGeneratedTextResult,
