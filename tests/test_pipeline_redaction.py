@@ -470,6 +470,43 @@ async def test_clean_stop_sequences_reach_the_engine_as_sent(engine) -> None:
     assert terminal(events).name == "completed"
 
 
+async def test_responses_echo_the_redacted_instructions_and_no_raw_metadata(engine) -> None:
+    """Repro: the response object (every lifecycle event and the unary reply) echoed the raw
+    `instructions` and `metadata` while the engine got `[email]`. It echoes what was judged,
+    redacted; `metadata` is never judged (it never reaches the engine), so while an input
+    guardrail redacts it is not echoed at all."""
+    request = {
+        "model": MODEL,
+        "instructions": "Reply to jo@example.com.",
+        "input": "Hi",
+        "metadata": {"contact": "jo@example.com"},
+        "detectors": {"input": REDACT},
+    }
+    async with Orchestrator(config(engine)) as orch:
+        stream_raw = await raw_post(orch, "/v1/responses", {**request, "stream": True})
+        unary_raw = await raw_post(orch, "/v1/responses", request)
+        plain = await raw_post(orch, "/v1/responses", {**request, "detectors": None})
+    assert [r.body["messages"][0]["content"] for r in engine.requests[:2]] == [
+        "Reply to [email].",
+        "Reply to [email].",
+    ]
+    no_entity(stream_raw)
+    no_entity(unary_raw)
+    objects = [
+        json.loads(line[len("data: ") :])["response"]
+        for line in stream_raw.splitlines()
+        if line.startswith("data: ") and '"response"' in line
+    ]
+    assert len(objects) == 3  # created, in_progress, completed
+    objects.append(json.loads(unary_raw))
+    for obj in objects:
+        assert obj["instructions"] == "Reply to [email]."
+        assert obj["metadata"] == {}
+    # without an input guardrail that redacts, both are echoed as sent
+    assert json.loads(plain)["instructions"] == "Reply to jo@example.com."
+    assert json.loads(plain)["metadata"] == {"contact": "jo@example.com"}
+
+
 async def test_input_block_beats_redact(engine) -> None:
     cfg = config(engine)
     cfg["detectors"]["mail_block"] = {
