@@ -330,3 +330,26 @@ async def test_too_many_streams_is_429_with_retry_after(path, body, stream) -> N
         "param": None,
         "code": 429,
     }
+
+
+async def test_an_unknown_finish_reason_is_named_never_quoted(caplog) -> None:
+    """The engine's `finish_reason` is its own words: an unknown one is a failure of the
+    replica, described without them."""
+    engine = FakeEngine(script=list(SCRIPT), finish_reason=SECRET)
+    await engine.start()
+    caplog.set_level(logging.WARNING)
+    try:
+        async with Orchestrator(native_config(engine.url)) as orch:
+            status, body = await orch.post(UNARY_PATH, generation_body())
+    finally:
+        await engine.close()
+    assert (status, body) == (
+        503,
+        {
+            "code": 503,
+            "details": "replica native-0 sent an unknown finish_reason (not migrated: migration "
+            "limit 0 reached)",
+            "type": "generation_unavailable",
+        },
+    )
+    assert SECRET in warnings_of(caplog)
