@@ -102,6 +102,16 @@ async def test_a_detectors_redirect_is_not_followed(engine, evil) -> None:
     assert content == (502, detector_error("evil", "HTTP 302"))
 
 
+async def test_a_detector_whose_health_redirects_is_unhealthy(engine, evil) -> None:
+    """A redirect is an answer, not a 200 somewhere else: the health check does not follow
+    it (to the engine's healthy `/health`, here)."""
+    evil.add("evil", DetectorBehaviour())
+    evil.health_redirect = engine.url + "/health"
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        _, body = await orch.info_until(lambda s, b: b["detectors"]["evil"]["status"] != "UNKNOWN")
+    assert body["detectors"]["evil"]["status"] == "UNHEALTHY"
+
+
 # -- detectors: replies out of range ----------------------------------------------------------
 
 

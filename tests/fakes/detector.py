@@ -41,6 +41,7 @@ class FakeDetectorServer:
         self.calls: list[tuple[str, list[str], dict[str, Any]]] = []
         self.cancelled = 0
         self.in_flight = 0
+        self.health_redirect: str | None = None  # `GET /health` answers 302 to this
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -50,7 +51,7 @@ class FakeDetectorServer:
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post("/api/v1/text/contents", self._contents)
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         self.url = await start_site(self._runner, ssl_context=self.ssl_context)
@@ -59,6 +60,11 @@ class FakeDetectorServer:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.health_redirect is not None:
+            raise web.HTTPFound(self.health_redirect)
+        return web.json_response({"status": "ok"})
 
     async def _contents(self, request: web.Request) -> web.Response:
         detector_id = request.headers.get("detector-id", "")
