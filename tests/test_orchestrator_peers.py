@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from orchestrator.app import CONTENT_PATH, UNARY_PATH
+from orchestrator.app import CONTENT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.clients.detectors import MAX_DETECTIONS_PER_CONTENT, reply_limit
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine, Fault
+from tests.fakes.engine import FakeEngine, Fault, GatedEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
 from tests.openai_support import RESPONSES_PATH
 from tests.orchestrator_support import (
@@ -100,6 +100,16 @@ async def test_a_detectors_redirect_is_not_followed(engine, evil) -> None:
     async with Orchestrator(one_detector(engine, evil)) as orch:
         content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
     assert content == (502, detector_error("evil", "HTTP 302"))
+
+
+async def test_a_detector_whose_health_redirects_is_unhealthy(engine, evil) -> None:
+    """A redirect is an answer, not a 200 somewhere else: the health check does not follow
+    it (to the engine's healthy `/health`, here)."""
+    evil.add("evil", DetectorBehaviour())
+    evil.health_redirect = engine.url + "/health"
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        _, body = await orch.info_until(lambda s, b: b["detectors"]["evil"]["status"] != "UNKNOWN")
+    assert body["detectors"]["evil"]["status"] == "UNHEALTHY"
 
 
 # -- detectors: replies out of range ----------------------------------------------------------
@@ -274,3 +284,82 @@ async def test_an_openai_engines_error_is_named_never_quoted(fault, code, detail
     assert body["error"]["message"] == f"replica openai-0 {details}"
     if fault.mode != "redirect":
         assert SECRET in warnings_of(caplog)
+
+
+# -- every 429 says when to retry (issue 32, extra e) --------------------------------------------
+
+OPENAI_SURFACES = [
+    (CHAT_PATH, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}),
+    (RESPONSES_PATH, {"model": MODEL, "input": "Hi"}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize(("path", "body"), OPENAI_SURFACES, ids=["chat", "responses"])
+@pytest.mark.parametrize("direction", ["input", "output"])
+async def test_a_detector_overload_is_429_with_retry_after(
+    engine, evil, path, body, stream, direction
+) -> None:
+    """A remote detector's 429 (its queue is full) before the first byte: the client is told
+    `overloaded` with Retry-After on Chat Completions and Responses, streaming or not."""
+    evil.add("evil", DetectorBehaviour(fail_status=429, error_body=SECRET))
+    request = {**body, "stream": stream, "detectors": {direction: {"evil": {}}}}
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        assert orch.session is not None
+        async with orch.session.post(orch.url + path, json=request) as r:
+            status, headers, reply = r.status, r.headers, await r.json()
+    assert status == 429
+    assert headers["Retry-After"] == "1"
+    assert reply["error"]["type"] == "overloaded"
+    assert reply["error"]["message"] == "detector `evil`: HTTP 429"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize(("path", "body"), OPENAI_SURFACES, ids=["chat", "responses"])
+async def test_too_many_streams_is_429_with_retry_after(path, body, stream) -> None:
+    engine = GatedEngine(script=list(SCRIPT))
+    await engine.start()
+    config = native_config(engine.url, server={"max_concurrent_streams": 1})
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            held = await orch.session.post(orch.url + STREAMING_PATH, json=generation_body())
+            await until(lambda: engine.held == 1)
+            async with orch.session.post(orch.url + path, json={**body, "stream": stream}) as r:
+                status, headers, reply = r.status, r.headers, await r.json()
+            engine.gate.set()
+            await held.read()
+            held.release()
+    finally:
+        await engine.close()
+    assert status == 429
+    assert headers["Retry-After"] == "1"
+    assert reply["error"] == {
+        "message": "too many concurrent streams (limit 1)",
+        "type": "overloaded",
+        "param": None,
+        "code": 429,
+    }
+
+
+async def test_an_unknown_finish_reason_is_named_never_quoted(caplog) -> None:
+    """The engine's `finish_reason` is its own words: an unknown one is a failure of the
+    replica, described without them."""
+    engine = FakeEngine(script=list(SCRIPT), finish_reason=SECRET)
+    await engine.start()
+    caplog.set_level(logging.WARNING)
+    try:
+        async with Orchestrator(native_config(engine.url)) as orch:
+            status, body = await orch.post(UNARY_PATH, generation_body())
+    finally:
+        await engine.close()
+    assert (status, body) == (
+        503,
+        {
+            "code": 503,
+            "details": "replica native-0 sent an unknown finish_reason (not migrated: migration "
+            "limit 0 reached)",
+            "type": "generation_unavailable",
+        },
+    )
+    assert SECRET in warnings_of(caplog)

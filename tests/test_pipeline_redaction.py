@@ -13,11 +13,16 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
+from aiohttp import web
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from orchestrator.app import create_app
 from orchestrator.config import ConfigError, parse_config
 from tests.fakes.engine import FakeEngine, Fault
+from tests.fakes.upstream import start_site
 from tests.openai_support import raw_chunks, raw_events
 from tests.orchestrator_support import (
     MODEL,
@@ -470,6 +475,43 @@ async def test_clean_stop_sequences_reach_the_engine_as_sent(engine) -> None:
     assert terminal(events).name == "completed"
 
 
+async def test_responses_echo_the_redacted_instructions_and_no_raw_metadata(engine) -> None:
+    """Repro: the response object (every lifecycle event and the unary reply) echoed the raw
+    `instructions` and `metadata` while the engine got `[email]`. It echoes what was judged,
+    redacted; `metadata` is never judged (it never reaches the engine), so while an input
+    guardrail redacts it is not echoed at all."""
+    request = {
+        "model": MODEL,
+        "instructions": "Reply to jo@example.com.",
+        "input": "Hi",
+        "metadata": {"contact": "jo@example.com"},
+        "detectors": {"input": REDACT},
+    }
+    async with Orchestrator(config(engine)) as orch:
+        stream_raw = await raw_post(orch, "/v1/responses", {**request, "stream": True})
+        unary_raw = await raw_post(orch, "/v1/responses", request)
+        plain = await raw_post(orch, "/v1/responses", {**request, "detectors": None})
+    assert [r.body["messages"][0]["content"] for r in engine.requests[:2]] == [
+        "Reply to [email].",
+        "Reply to [email].",
+    ]
+    no_entity(stream_raw)
+    no_entity(unary_raw)
+    objects = [
+        json.loads(line[len("data: ") :])["response"]
+        for line in stream_raw.splitlines()
+        if line.startswith("data: ") and '"response"' in line
+    ]
+    assert len(objects) == 3  # created, in_progress, completed
+    objects.append(json.loads(unary_raw))
+    for obj in objects:
+        assert obj["instructions"] == "Reply to [email]."
+        assert obj["metadata"] == {}
+    # without an input guardrail that redacts, both are echoed as sent
+    assert json.loads(plain)["instructions"] == "Reply to jo@example.com."
+    assert json.loads(plain)["metadata"] == {"contact": "jo@example.com"}
+
+
 async def test_input_block_beats_redact(engine) -> None:
     cfg = config(engine)
     cfg["detectors"]["mail_block"] = {
@@ -624,6 +666,50 @@ async def test_no_entity_in_info_logs(pii_engine, caplog: pytest.LogCaptureFixtu
     assert caplog.records  # the service did log (start-up, requests)
     for record in caplog.records:
         no_entity(record.getMessage())
+
+
+async def test_no_entity_in_debug_logs_or_traces(pii_engine, caplog) -> None:
+    """DESIGN 4.6a: flagged characters never leave the service, not in logs (DEBUG included,
+    every logger) and not in traces: every span's name, attributes, events and status, with
+    tracing on (an in-memory exporter), on every surface, input and output redacted."""
+    caplog.set_level(logging.DEBUG)
+    exporter = InMemorySpanExporter()
+    app = create_app(parse_config(config(pii_engine)), device="cpu", span_exporter=exporter)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    try:
+        url = await start_site(runner)
+        orch = Orchestrator(config(pii_engine))
+        orch.url = url
+        async with aiohttp.ClientSession() as orch.session:
+            await raw_post(orch, STREAMING, generation_body(ANSWER, input=REDACT, output=REDACT))
+            await raw_post(orch, UNARY, generation_body(ANSWER, input=REDACT, output=REDACT))
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": ANSWER}]}
+            both = {"input": REDACT, "output": REDACT}
+            await raw_post(orch, "/v1/chat/completions", {**chat, "detectors": both})
+            await raw_post(
+                orch, "/v1/chat/completions", {**chat, "detectors": both, "stream": True}
+            )
+            responses = {"model": MODEL, "input": ANSWER, "instructions": ANSWER, "detectors": both}
+            await raw_post(orch, "/v1/responses", responses)
+            await raw_post(orch, "/v1/responses", {**responses, "stream": True})
+            await orch.post(CONTENT, {"content": ANSWER, "detectors": {"pii": {}}, "redact": True})
+            async with orch.session.get(url + "/health") as r:  # its access line is DEBUG
+                assert r.status == 200
+    finally:
+        await runner.cleanup()
+    assert any(r.levelno == logging.DEBUG for r in caplog.records)  # DEBUG was captured
+    for record in caplog.records:
+        no_entity(record.getMessage())
+    spans = exporter.get_finished_spans()
+    assert any(s.name == "detector pii" for s in spans)
+    for span in spans:
+        no_entity(span.name)
+        no_entity(repr(dict(span.attributes or {})))
+        no_entity(span.status.description or "")
+        for event in span.events:
+            no_entity(event.name)
+            no_entity(repr(dict(event.attributes or {})))
 
 
 async def test_migration_mid_entity_resumes_from_the_original_tokens() -> None:

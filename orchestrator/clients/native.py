@@ -99,7 +99,9 @@ def parse_data(name: str, data: Any) -> EngineItem:
     if token_ids is None or not isinstance(text, str):
         raise unavailable(f"replica {name} sent a malformed item (token_ids/text)")
     if finish is not None and finish not in FINISH_REASONS:
-        raise unavailable(f"replica {name} sent an unknown finish_reason {finish!r}")
+        # its value is the replica's words: the log's, not the client's (DESIGN 6)
+        log_inband_error(f"replica {name}", {"finish_reason": finish})
+        raise unavailable(f"replica {name} sent an unknown finish_reason")
     parsed_prompt = None
     if prompt_ids is not None:
         parsed_prompt = int_list(prompt_ids)

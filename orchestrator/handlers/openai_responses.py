@@ -29,9 +29,13 @@ async def read_request(request: web.Request) -> ResponsesRequest:
     return validate(ResponsesRequest, data)
 
 
-async def prepare_response(request: web.Request, body: ResponsesRequest) -> GuardedGeneration:
+async def prepare_response(
+    request: web.Request, body: ResponsesRequest, writer: ResponsesWriter
+) -> GuardedGeneration:
+    """The pipeline; `writer` learns whether it redacts input (then `metadata`, which no
+    guardrail judges, is not echoed)."""
     detectors = body.detectors
-    return await prepare_conversation(
+    pipeline = await prepare_conversation(
         request,
         Conversation(
             model=body.model,
@@ -47,11 +51,16 @@ async def prepare_response(request: web.Request, body: ResponsesRequest) -> Guar
             stream=body.stream,
         ),
     )
+    writer.withhold_metadata = pipeline.redacts_input
+    return pipeline
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     body = await read_request(request)
-    prepare = partial(prepare_response, request, body)
     if not body.stream:
-        return await serve_unary(request, prepare, ResponsesFold(body))
-    return await serve(request, prepare, ResponsesWriter(body))
+        fold = ResponsesFold(body)
+        return await serve_unary(
+            request, partial(prepare_response, request, body, fold.writer), fold
+        )
+    writer = ResponsesWriter(body)
+    return await serve(request, partial(prepare_response, request, body, writer), writer)

@@ -170,6 +170,11 @@ class GuardedGeneration:
     def request_id(self) -> str:
         return self._request.request_id
 
+    @property
+    def redacts_input(self) -> bool:
+        """Whether an input guardrail of this request redacts (DESIGN 4.6a)."""
+        return any(d.redacting for d in self._input_detectors)
+
     def shut_down(self) -> None:
         """Ends the stream with `failed`/`error` of type server_shutdown (a drain ran out)."""
         self._shutting_down = True

@@ -78,6 +78,24 @@ def input_annotation(finding: Finding) -> InputAnnotation:
     )
 
 
+def redacted_piece(text: str, findings: list[Finding]) -> str:
+    """`text` with each redacted finding's span (relative to `text`) replaced by its
+    replacement (`Finding.text`); overlapping spans are merged and take the first one's
+    replacement, so no flagged character is left whatever the overlaps."""
+    spans = sorted((f.start, f.end, f.text) for f in findings if f.redacted)
+    out: list[str] = []
+    at = 0
+    for start, end, replacement in spans:
+        if start < at:  # overlaps the previous span: extend it
+            at = max(at, end)
+            continue
+        out.append(text[at:start])
+        out.append(replacement)
+        at = end
+    out.append(text[at:])
+    return "".join(out)
+
+
 def sse(event: BaseModel) -> bytes:
     data = event.model_dump(mode="json")
     return b"event: " + data["type"].encode() + b"\ndata: " + dumps(data) + b"\n\n"
@@ -107,6 +125,11 @@ class ResponsesWriter:
         self._incomplete: IncompleteInfo | None = None
         self._completed_at: int | None = None
         self.text_seen = False  # some output text or a refusal exists
+        # what the object echoes of the request: `instructions` as the engine got them
+        # (redacted, DESIGN 4.6a), and `metadata` unless an input guardrail redacts (it is
+        # never judged: it does not reach the engine)
+        self._instructions = body.instructions
+        self.withhold_metadata = False
 
     # -- the object -----------------------------------------------------------------------------
 
@@ -121,7 +144,7 @@ class ResponsesWriter:
             output=[] if self._item is None else [self._item.model_copy(deep=True)],
             error=self._error,
             incomplete_details=self._incomplete,
-            instructions=b.instructions,
+            instructions=self._instructions,
             max_output_tokens=b.max_output_tokens,
             temperature=1.0 if b.temperature is None else b.temperature,
             top_p=1.0 if b.top_p is None else b.top_p,
@@ -129,7 +152,7 @@ class ResponsesWriter:
             tool_choice=b.tool_choice or "none",
             truncation=b.truncation or "disabled",
             text=TextConfigOut(verbosity=(b.text.verbosity if b.text else None) or "medium"),
-            metadata=b.metadata or {},
+            metadata={} if self.withhold_metadata else b.metadata or {},
             user=b.user,
             safety_identifier=b.safety_identifier,
             usage=self._usage,
@@ -155,6 +178,11 @@ class ResponsesWriter:
             return [ErrorEvent.from_failure(event.error, self._next())]
         if not self.created:
             self.created = True
+            if isinstance(event, Frame) and event.input_detections and self._instructions:
+                self._instructions = redacted_piece(
+                    self._instructions,
+                    [f for f in event.input_detections if f.field == "instructions"],
+                )
             for kind in ("response.created", "response.in_progress"):
                 out.append(
                     LifecycleEvent(
@@ -321,6 +349,10 @@ class ResponsesFold:
 
     def __init__(self, body: ResponsesRequest) -> None:
         self._writer = ResponsesWriter(body)
+
+    @property
+    def writer(self) -> ResponsesWriter:
+        return self._writer
 
     def add(self, event: Rendered) -> None:
         if isinstance(event, Terminal) and event.error is not None and not self._writer.text_seen:

@@ -43,6 +43,7 @@ class FakeDetectorServer:
         self.kind_calls: list[tuple[str, dict[str, str], dict[str, Any]]] = []
         self.cancelled = 0
         self.in_flight = 0
+        self.health_redirect: str | None = None  # `GET /health` answers 302 to this
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -54,7 +55,7 @@ class FakeDetectorServer:
         app.router.add_post("/api/v1/text/contents", self._contents)
         for path in ("/api/v1/text/chat", "/api/v1/text/context/doc", "/api/v1/text/generation"):
             app.router.add_post(path, self._kind)
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         self.url = await start_site(self._runner, ssl_context=self.ssl_context)
@@ -63,6 +64,11 @@ class FakeDetectorServer:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.health_redirect is not None:
+            raise web.HTTPFound(self.health_redirect)
+        return web.json_response({"status": "ok"})
 
     async def _contents(self, request: web.Request) -> web.Response:
         detector_id = request.headers.get("detector-id", "")
