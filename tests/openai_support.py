@@ -24,11 +24,21 @@ STRICT_EVENT = TypeAdapter(ResponseStreamEvent)
 
 
 def sdk(orch: Orchestrator) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
+    """The official async SDK on `orch`, closed when `orch` closes."""
+    client = openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
+    orch.closers.append(client.close)
+    return client
 
 
 def sync_sdk(orch: Orchestrator) -> openai.OpenAI:
-    return openai.OpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
+    """The official sync SDK on `orch`, closed when `orch` closes."""
+    client = openai.OpenAI(base_url=orch.url + "/v1", api_key="unused", max_retries=0)
+
+    async def close() -> None:
+        client.close()
+
+    orch.closers.append(close)
+    return client
 
 
 async def fake_detectors(*extra: tuple[str, DetectorBehaviour]) -> FakeDetectorServer:

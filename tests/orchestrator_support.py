@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +179,9 @@ class Orchestrator:
         self.url = ""
         self.runner: web.AppRunner | None = None
         self.session: aiohttp.ClientSession | None = None
+        # clients a test made for this service (SDKs): closed with it, not left to the
+        # garbage collector, whose late close logs errors into whatever test runs then
+        self.closers: list[Callable[[], Awaitable[object]]] = []
 
     async def __aenter__(self) -> Orchestrator:
         self.runner, port = await start_server(self.config, "127.0.0.1", 0, device=self.device)
@@ -187,6 +190,8 @@ class Orchestrator:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        for close in self.closers:
+            await close()
         if self.session is not None:
             await self.session.close()
         if self.runner is not None:
