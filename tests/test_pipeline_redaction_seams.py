@@ -94,8 +94,18 @@ async def run_stream(
     return frames
 
 
-async def expected(text: str, redact_with: str = "[{entity}]") -> tuple[str, list[Finding]]:
+async def hits_and_tail(text: str) -> list[Any]:
+    """The detector's matches in the whole text, and the tail it ends in that could still grow
+    into one (a stream that ends there withholds it: DESIGN 4.6a), unless a match covers it."""
     [hits] = await REGEX.detect([text], {})
+    tail = REGEX.open_tail(text)
+    if tail is not None and not any(h.start <= tail.start and h.end >= len(text) for h in hits):
+        hits = sorted([*hits, tail], key=lambda h: (h.start, h.end))
+    return hits
+
+
+async def expected(text: str, redact_with: str = "[{entity}]") -> tuple[str, list[Finding]]:
+    hits = await hits_and_tail(text)
     det = pii(redact_with=redact_with)
     findings = [
         Finding(h.start, h.end, h.text, h.detection, h.detection_type, "pii", h.score) for h in hits
@@ -213,7 +223,7 @@ def test_a_blocking_detector_blocks_entities_split_across_chunks(
     text, deltas = case
 
     async def one() -> None:
-        [hits] = await REGEX.detect([text], {})
+        hits = await hits_and_tail(text)
         blocked: list[list[Finding]] = []
         frames = await run_stream(deltas, [pii("block", chunker)], registry(max_chars), blocked)
         released = "".join(f.text for f in frames)
@@ -275,3 +285,84 @@ def test_redactor_merges_overlapping_spans_and_maps_indices() -> None:
         9,
     )
     assert (r.map_start(9), r.map_start(12), r.map_end(14), r.map_start(15)) == (9, 12, 19, 20)
+
+
+# -- issue 32 (a): no matchable entity leaves, whatever hides it or cuts it -------------------
+
+INVISIBLE = ["\u200b", "\u00ad", "\u2060", "\ufeff", "\u202e", "\u200d"]
+# TODO(lead): add combining marks (e.g. "\u0301") to INVISIBLE once the view drops them (branch
+# `norm`, DESIGN 4.6b); until then a mark inside an entity hides it from the detector itself.
+
+
+@st.composite
+def hidden_entity(draw: st.DrawFn) -> str:
+    """An entity with invisible characters inside, or an e-mail longer than any max_chars."""
+    if draw(st.booleans()):
+        labels = draw(st.integers(20, 160))
+        return "jo@" + "x1." * labels + "com"
+    entity = draw(st.sampled_from(ENTITIES))
+    chars = list(entity)
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(1, len(chars) - 1))
+        chars.insert(at, draw(st.sampled_from(INVISIBLE)) * draw(st.integers(1, 300)))
+    return "".join(chars)
+
+
+hostile = st.lists(
+    st.one_of(
+        st.sampled_from(ENTITIES),
+        hidden_entity(),
+        st.sampled_from([" ", ". ", ", ", "--", "(", ")", "!", "?", ":", '"', "\n", "in 2023."]),
+        st.text(alphabet="ab 0123456789-.@", max_size=6),
+    ),
+    min_size=1,
+    max_size=8,
+).map("".join)
+
+
+@st.composite
+def cut_stream(draw: st.DrawFn) -> tuple[str, list[str]]:
+    """A text, cut short anywhere (a stop sequence, a token budget), split into tokens."""
+    text = draw(hostile)
+    text = text[: draw(st.integers(0, len(text)))]
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=20)))
+    bounds = [0, *cuts, len(text)]
+    return text, [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+async def leaks(released: str) -> list[Any]:
+    """What the detector would still flag in released text: a match, or a tail that could grow
+    into one."""
+    [hits] = await REGEX.detect([released], {})
+    tail = REGEX.open_tail(released)
+    return hits + ([tail] if tail is not None else [])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=cut_stream(),
+    max_chars=st.sampled_from([7, 16, 40, 500]),
+    chunker=st.sampled_from(["s", "w"]),
+    on_detection=st.sampled_from(["redact", "block"]),
+)
+def test_no_matchable_entity_is_released(
+    case: tuple[str, list[str]], max_chars: int, chunker: str, on_detection: str
+) -> None:
+    """For any text, cut anywhere and split into any tokens: an enforced redacting or blocking
+    regex detector releases nothing it could match (DESIGN 4.6a, 4.6b), and a redacting one
+    releases the redacted whole; a blocking one blocks exactly when the text holds one."""
+    text, deltas = case
+
+    async def one() -> None:
+        blocked: list[list[Finding]] = []
+        det = pii(on_detection, chunker)
+        frames = await run_stream(deltas, [det], registry(max_chars), blocked)
+        released = "".join(f.text for f in frames)
+        assert await leaks(released) == []
+        if on_detection == "redact":
+            assert released == (await expected(text))[0]
+        else:
+            assert bool(blocked) == bool(await hits_and_tail(text))
+            assert text.startswith(released)
+
+    asyncio.run(one())

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from detectors.regex_pii import open_tail
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     MODEL,
@@ -239,3 +240,40 @@ async def test_an_ordinary_ending_is_not_withheld(answer: str) -> None:
         await engine.close()
     assert chat_stream(redacted)[0] == answer
     assert chat_stream(blocked) == (answer, "stop")
+
+
+# -- the rule: what could still grow into a match ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "tail"),
+    [
+        ("Contact jo@example.c", (8, "email")),
+        ("Contact jo@", (8, "email")),
+        ("Contact jo" + ZWSP * 500 + "@exa", (8, "email")),  # on the view
+        ("Call 555-123-456", (5, "phone")),
+        ("Call 1 555-123-45", (5, "phone")),
+        ("Call +44 20 79", (5, "phone")),
+        ("SSN 123-45-67", (4, "ssn")),
+        ("Card 4111 1111 1", (5, "credit_card")),
+        ("Card 4111 1111 1111 111", (5, "credit_card")),  # 15 digits: no card yet
+        ("Host 192.168.1", (5, "ipv4")),
+        # a match already (the scan reports it), or no evidence of one
+        ("Contact jo@example.com", None),
+        ("Contact jo@example.com.", None),
+        ("Call 555-123-4567", None),
+        ("It happened in 2023.", None),
+        ("It happened in 2023", None),
+        ("That is the end", None),
+        ("Call me at 555 1", None),
+        ("Card 4111 1111", None),
+        ("Version 3.11.4", None),
+        ("Mail me @ home", None),
+        ("from 2020-2023", None),
+        ("population 8336817", None),
+        ("", None),
+    ],
+)
+def test_open_tail(text: str, tail: tuple[int, str] | None) -> None:
+    assert open_tail(text) == tail
+    assert open_tail(text, ["ipv4"]) == (tail if tail and tail[1] == "ipv4" else None)
