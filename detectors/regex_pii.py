@@ -706,6 +706,9 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
     candidates = [k for k in KINDS if k in kinds and k != "ipv6"]
     if "phone" in candidates:  # (a tie goes to the first: a phone before a card)
         candidates.insert(candidates.index("phone") + 1, "phone_us")
+    number_at = max(0, len(v) - NUMBER_TAIL_VIEW_CHARS)
+    if sum(ch.isdigit() for ch in v[number_at:]) < 3:  # no number has less evidence (ipv4)
+        candidates = [k for k in candidates if k == "email"]
     for kind in candidates:
         if kind == "email":
             at = v.rfind("@", max(0, len(v) - OPEN_TAIL_VIEW_CHARS))
@@ -713,7 +716,7 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
                 continue
             pos = max(0, at - 66)  # the local part is at most 64, and a neighbour
         else:
-            pos = max(0, len(v) - NUMBER_TAIL_VIEW_CHARS)
+            pos = number_at
         start = _partial_start(_partial(kind), v, pos)
         if start is None or not _evidence(kind, v[start:]):
             continue
