@@ -12,7 +12,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from chunkers import Span
-from detectors.api import Detection
 from detectors.normalise import fold
 
 from ..clients.registry import RequestedDetector
@@ -342,9 +341,3 @@ def open_tail(
     if any(f.start <= start + tail.start and f.end >= end for f in found):
         return found
     return found + kept_findings(detector, Span(start, end, text), [tail])
-
-
-def to_result(detector: RequestedDetector, span: Span, detections: list[Detection]) -> Result:
-    return DetectorResult(
-        detector.detector_id, span.start, span.end, kept_findings(detector, span, detections)
-    )
