@@ -94,10 +94,15 @@ def seam_bounds(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, b
     of it (more text could not change the window): a bound or whitespace, not `hi`, ended it."""
     start, _ = _back(text, boundary, SEAM_CHARS, lo, run=False)
     start, _ = _back(text, start, SEAM_RUN_CHARS, lo, run=True)
+    end, complete = _seam_end(text, boundary, hi)
+    return start, end, complete
+
+
+def _seam_end(text: str, boundary: int, hi: int) -> tuple[int, bool]:
+    """The end of a boundary's window within `text[:hi]`, and whether it is complete."""
     end, counted = _forward(text, boundary, SEAM_CHARS, hi, run=False)
     end, bounded = _forward(text, end, SEAM_RUN_CHARS, hi, run=True)
-    complete = counted and (end < hi or bounded)
-    return start, end, complete
+    return end, counted and (end < hi or bounded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,13 +209,20 @@ class DetectorQueue:
         self._inbox.put(DetectorFinished(detector.detector_id))
 
     async def _run_seamed(self) -> None:
-        """A blocking detector judges each chunk alone (as any detector does) and also a window
-        across each chunk boundary, keeping what straddles it: an entity cut in two by the
-        boundary blocks like any other. A clean chunk is posted only once the window across
-        its end had SEAM_CHARS (and the rest of the whitespace-free run there) after the
-        boundary, or the text ended, so no part of an entity is released before it is seen
-        whole. A flagged one is posted at once, after the clean chunks held before it (judged
-        with the text there was: only a straddling entity's head could be among them)."""
+        """A blocking detector judges each chunk alone (as any detector does) and also the
+        text across the chunk boundaries it has not released, keeping what straddles one of
+        them: an entity cut in two by a boundary blocks like any other. A clean chunk is posted
+        only once the text after its end reached past the boundary's window (SEAM_CHARS, and
+        the rest of the whitespace-free run there: `seam_bounds`), or the text ended, so no part
+        of an entity is released before it is seen whole. A flagged one is posted at once,
+        after the clean chunks held before it (judged with the text there was: only a
+        straddling entity's head could be among them).
+
+        The held chunks' boundaries are judged in one window, from the first one's window start
+        to the end of the text, not one window per boundary: the windows of neighbouring
+        boundaries overlap, and with the run bounds (SEAM_RUN_CHARS) and a small `max_chars`
+        that judged each held character hundreds of times a call. One window costs the held
+        text once, and the held text is bounded by the windows' own bounds."""
         detector = self.detector
         held: list[tuple[Span, tuple[Finding, ...]]] = []
         while True:
@@ -225,11 +237,13 @@ class DetectorQueue:
             chain = [span for span, _ in held] + batch
             text = "".join([s.text for s in chain])
             base = chain[0].start
-            seams = [seam_window(text, base, nxt.start) for nxt in chain[1:]]
+            window: Span | None = None
+            if len(chain) > 1:
+                lo, _, _ = seam_bounds(text, 0, len(text), chain[1].start - base)
+                window = Span(base + lo, base + len(text), text[lo:])
             self.calls += 1
-            replies = await detector.client.detect(
-                [s.text for s in batch] + [w.text for w, _ in seams], detector.params
-            )
+            contents = [s.text for s in batch] + ([window.text] if window is not None else [])
+            replies = await detector.client.detect(contents, detector.params)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
             own = [
@@ -237,17 +251,11 @@ class DetectorQueue:
                 for span, dets in zip(batch, replies, strict=False)
             ]
             judged = held + list(zip(batch, own, strict=True))
+            across = () if window is None else kept_findings(detector, window, replies[-1])
+            # (a detection of the whole window counts too: it may be an entity that fills it,
+            # and for a block any detection is reason enough)
             straddling = [
-                tuple(
-                    f
-                    for f in kept_findings(detector, window, dets)
-                    # (a detection of the whole window counts too: it may be an entity that
-                    # fills it, and for a block any detection is reason enough)
-                    if f.start < nxt.start < f.end
-                )
-                for (window, _), nxt, dets in zip(
-                    seams, chain[1:], replies[len(batch) :], strict=True
-                )
+                tuple(f for f in across if f.start < nxt.start < f.end) for nxt in chain[1:]
             ]
             final = self._closed and not self._pending
             if final:
@@ -263,8 +271,11 @@ class DetectorQueue:
                     break
             else:
                 for i, (span, found) in enumerate(judged):
-                    complete = i < len(seams) and seams[i][1]
-                    if not (final or complete):
+                    # (once one boundary's window is incomplete, every later one's is too)
+                    if not final and (
+                        i + 1 >= len(chain)
+                        or not _seam_end(text, chain[i + 1].start - base, len(text))[1]
+                    ):
                         break
                     self._post(span, found)
                     posted = i + 1
@@ -300,12 +311,6 @@ class DetectorQueue:
 
     def _post(self, span: Span, found: tuple[Finding, ...]) -> None:
         self._inbox.put(DetectorResult(self.detector.detector_id, span.start, span.end, found))
-
-
-def seam_window(text: str, base: int, boundary: int) -> tuple[Span, bool]:
-    """`seam_bounds` within `text`, which starts at stream index `base`."""
-    lo, hi, complete = seam_bounds(text, 0, len(text), boundary - base)
-    return Span(base + lo, base + hi, text[lo:hi]), complete
 
 
 def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
