@@ -672,6 +672,27 @@ def _partial_start(rx: Any, view: str, pos: int) -> int | None:
 _BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+(")
 
 
+# The most digits a match of each number kind holds: a longer run of digit groups can only still
+# grow into one in its last groups (a card is found within a run of groups, see `_cards`).
+_MOST_DIGITS = {"phone": 15, "phone_us": 11, "ssn": 9, "credit_card": 19, "ipv4": 12}
+
+
+def _last_digits(view: str, start: int, most: int) -> int:
+    """`start`, moved forward by whole digit groups until what follows holds at most `most`
+    digits (then at the start of a group)."""
+    digits = sum(ch.isdigit() for ch in view[start:])
+    i, end = start, len(view)
+    while digits > most:
+        while i < end and not view[i].isdigit():
+            i += 1
+        while i < end and view[i].isdigit():
+            i += 1
+            digits -= 1
+        while i < end and not view[i].isdigit():
+            i += 1
+    return i
+
+
 def _evidence(kind: str, tail: str) -> bool:
     """Enough of an entity that withholding the tail is worth it: an e-mail's `@`, six digits
     of a phone or SSN, nine of a card, an IPv4 address's third dot (or its second and six
@@ -718,6 +739,8 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
         else:
             pos = number_at
         start = _partial_start(_partial(kind), v, pos)
+        if start is not None and kind != "email":
+            start = _last_digits(v, start, _MOST_DIGITS[kind])
         if start is None or not _evidence(kind, v[start:]):
             continue
         name = "phone" if kind == "phone_us" else kind

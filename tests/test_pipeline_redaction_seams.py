@@ -330,14 +330,6 @@ def cut_stream(draw: st.DrawFn) -> tuple[str, list[str]]:
     return text, [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-async def leaks(released: str) -> list[Any]:
-    """What the detector would still flag in released text: a match, or a tail that could grow
-    into one."""
-    [hits] = await REGEX.detect([released], {})
-    tail = REGEX.open_tail(released)
-    return hits + ([tail] if tail is not None else [])
-
-
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     case=cut_stream(),
@@ -349,20 +341,30 @@ def test_no_matchable_entity_is_released(
     case: tuple[str, list[str]], max_chars: int, chunker: str, on_detection: str
 ) -> None:
     """For any text, cut anywhere and split into any tokens: an enforced redacting or blocking
-    regex detector releases nothing it could match (DESIGN 4.6a, 4.6b), and a redacting one
-    releases the redacted whole; a blocking one blocks exactly when the text holds one."""
+    regex detector releases nothing it could match, nor the start of one the cut left at the
+    end (DESIGN 4.6a, 4.6b). A redacting one releases the redacted whole (its matches and that
+    tail replaced); a blocking one blocks when the text holds either, before the first, and
+    what it released holds no match. (A scan of redacted text is no test: a replacement
+    next to text glued to an entity can make that text look like one, `[email](555) 123` from
+    `jo@example.com(555) 123`, which the detector never saw as a phone.)"""
     text, deltas = case
 
     async def one() -> None:
         blocked: list[list[Finding]] = []
         det = pii(on_detection, chunker)
         frames = await run_stream(deltas, [det], registry(max_chars), blocked)
-        released = "".join(f.text for f in frames)
-        assert await leaks(released) == []
         if on_detection == "redact":
-            assert released == (await expected(text))[0]
-        else:
-            assert bool(blocked) == bool(await hits_and_tail(text))
-            assert text.startswith(released)
+            await check(text, frames)
+            return
+        released = "".join(f.text for f in frames)
+        hits = await hits_and_tail(text)
+        assert text.startswith(released)
+        if hits:
+            assert blocked
+            assert len(released) <= min(h.start for h in hits)
+        elif not blocked:  # (a chunk can cut an entity loose from what hid it in the whole)
+            assert released == text
+        [leaked] = await REGEX.detect([released], {})
+        assert leaked == []
 
     asyncio.run(one())
