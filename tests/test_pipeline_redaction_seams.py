@@ -334,7 +334,7 @@ def cut_stream(draw: st.DrawFn) -> tuple[str, list[str]]:
 @given(
     case=cut_stream(),
     max_chars=st.sampled_from([7, 16, 40, 500]),
-    chunker=st.sampled_from(["s", "w"]),
+    chunker=st.sampled_from(["s", "w", "whole_doc_chunker"]),
     on_detection=st.sampled_from(["redact", "block"]),
 )
 def test_no_matchable_entity_is_released(
@@ -368,3 +368,34 @@ def test_no_matchable_entity_is_released(
         assert leaked == []
 
     asyncio.run(one())
+
+
+class CountingRegex(type(REGEX)):  # type: ignore[misc]
+    """The regex detector, counting the characters it is asked to judge."""
+
+    judged = 0
+
+    async def detect(self, contents: list[str], params: dict[str, Any] | None = None) -> Any:
+        self.judged += sum(map(len, contents))
+        return await super().detect(contents, params)
+
+
+@pytest.mark.parametrize("on_detection", ["redact", "block"])
+@pytest.mark.parametrize("filler", ["\u200b", "a"], ids=["invisible", "visible"])
+def test_a_long_run_costs_a_bounded_multiple_of_its_length(on_detection: str, filler: str) -> None:
+    """The windows carry a whitespace-free run forward, but only up to their bounds: 8,000
+    characters without whitespace, one per token, cut every 16, are judged a bounded number of
+    times each (one window per held boundary judged the held text hundreds of times)."""
+    text = "Mail jo" + filler * 8000 + "@example.com now. "
+    counting = CountingRegex()
+    det = RequestedDetector(
+        "pii",
+        InProcessDetectorClient("pii", DetectorConfig(builtin="regex"), counting),
+        "s",
+        0.5,
+        on_detection,  # type: ignore[arg-type]
+        {},
+    )
+    blocked: list[list[Finding]] = []
+    asyncio.run(run_stream(list(text), [det], registry(16), blocked))
+    assert counting.judged <= 120 * len(text), counting.judged / len(text)
