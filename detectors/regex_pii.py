@@ -631,23 +631,21 @@ NUMBER_TAIL_VIEW_CHARS = 48
 # The same patterns as the kinds' RE2 ones above, in the `regex` package, whose partial matching
 # says whether a text's end is the beginning of a match (RE2 cannot). They only ever run on a
 # bounded tail (the NUMBER_TAIL_VIEW_CHARS or OPEN_TAIL_VIEW_CHARS above), never on a whole text.
-_PARTIAL: dict[str, Any] = {}
+_PATTERNS = {
+    "email": _EMAIL,
+    "phone": _PHONE_INTL,
+    "phone_us": _PHONE_US,
+    "ssn": _SSN,
+    "credit_card": _DIGIT_RUN,
+    "ipv4": _IPV4,
+}
 
 
+@functools.cache
 def _partial(kind: str) -> Any:
-    if not _PARTIAL:
-        import regex  # the partial-match engine; nltk (the sentence chunker) needs it too
+    import regex  # the partial-match engine; nltk (the sentence chunker) needs it too
 
-        for name, rx in (
-            ("email", _EMAIL),
-            ("phone", _PHONE_INTL),
-            ("phone_us", _PHONE_US),
-            ("ssn", _SSN),
-            ("credit_card", _DIGIT_RUN),
-            ("ipv4", _IPV4),
-        ):
-            _PARTIAL[name] = regex.compile(rx.pattern.decode())
-    return _PARTIAL[kind]
+    return regex.compile(_PATTERNS[kind].pattern.decode())
 
 
 def _partial_start(rx: Any, view: str, pos: int) -> int | None:
@@ -693,10 +691,31 @@ def _last_digits(view: str, start: int, most: int) -> int:
     return i
 
 
+def _card_groups(view: str, start: int) -> int:
+    """`start`, moved forward by whole digit groups until every group but the last (which
+    may still grow) has 3 digits or more: shorter groups only stand alone in a card number
+    (see `_cards`), so `1 2 3 4 5 6 7 8 9` is none, and never grows into one."""
+    end = len(view)
+    groups: list[tuple[int, int]] = []  # (start, digits) of each group from `start`
+    i = start
+    while i < end:
+        while i < end and not view[i].isdigit():
+            i += 1
+        at = i
+        while i < end and view[i].isdigit():
+            i += 1
+        if i > at:
+            groups.append((at, i - at))
+    for k in range(len(groups)):
+        if all(n >= 3 for _, n in groups[k:-1]):
+            return start if k == 0 else groups[k][0]
+    return end
+
+
 def _evidence(kind: str, tail: str) -> bool:
     """Enough of an entity that withholding the tail is worth it: an e-mail's `@`, six digits
-    of a phone or SSN, nine of a card, an IPv4 address's third dot (or its second and six
-    digits). A year (`in 2023`), a page range, a version (`3.11.4`) or `555 1` are not."""
+    of a phone or SSN, nine of a card, two dots and seven digits of an IPv4 address. A year
+    (`in 2023`), a range (`2020-2023`), a version (`3.11.4.`) or `555 1` are not."""
     digits = sum(ch.isdigit() for ch in tail)
     if kind == "email":
         return "@" in tail
@@ -704,8 +723,7 @@ def _evidence(kind: str, tail: str) -> bool:
         return digits >= 6
     if kind == "credit_card":
         return digits >= 9
-    dots = tail.count(".")
-    return dots >= 3 or (dots >= 2 and digits >= 6)  # ipv4
+    return tail.count(".") >= 2 and digits >= 7  # ipv4 (not a version: 3.11.4, 10.15.7.)
 
 
 def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[int, str] | None:
@@ -741,6 +759,8 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
         start = _partial_start(_partial(kind), v, pos)
         if start is not None and kind != "email":
             start = _last_digits(v, start, _MOST_DIGITS[kind])
+        if start is not None and kind == "credit_card":
+            start = _card_groups(v, start)
         if start is None or not _evidence(kind, v[start:]):
             continue
         name = "phone" if kind == "phone_us" else kind

@@ -258,6 +258,9 @@ async def test_an_ordinary_ending_is_not_withheld(answer: str) -> None:
         ("Card 4111 1111 1", (5, "credit_card")),
         ("Card 4111 1111 1111 111", (5, "credit_card")),  # 15 digits: no card yet
         ("Host 192.168.1", (5, "ipv4")),
+        ("Host 192.168.1.", (5, "ipv4")),
+        ("x 1 2 3 4111 1111 1", (8, "credit_card")),  # groups under 3 digits stand alone
+        ("x 4111 1111 1111 11114111 1111 1111 1", (17, "credit_card")),  # its last 19 digits
         # a match already (the scan reports it), or no evidence of one
         ("Contact jo@example.com", None),
         ("Contact jo@example.com.", None),
@@ -268,6 +271,8 @@ async def test_an_ordinary_ending_is_not_withheld(answer: str) -> None:
         ("Call me at 555 1", None),
         ("Card 4111 1111", None),
         ("Version 3.11.4", None),
+        ("Upgrade to Python 3.11.4.", None),
+        ("Count: 1 2 3 4 5 6 7 8 9 10", None),
         ("Mail me @ home", None),
         ("from 2020-2023", None),
         ("population 8336817", None),
