@@ -198,6 +198,13 @@ class Detector(ABC):
     ) -> list[list[Detection]]:
         """One list of detections per content, in order ([] for none)."""
 
+    def open_tail(self, text: str, params: dict[str, Any] | None = None) -> Detection | None:
+        """A span detector's verdict on a text that ended early (a stream cut by a stop
+        sequence or a token budget, DESIGN 4.6a): the tail that could still grow into a match,
+        as a detection of what it would be; None for none. Cheap (a bounded tail, no model),
+        so callers may ask on the event loop. Classifiers judge what they got: None."""
+        return None
+
     async def warmup(self) -> None:
         """Loads models now rather than on the first request (the service calls it at start)."""
         return None

@@ -672,3 +672,178 @@ class RegexDetector(Detector):
                 in_thread.cancel()
             raise
         return found
+
+    def open_tail(self, text: str, params: dict[str, Any] | None = None) -> Detection | None:
+        """The tail of `text` that could still grow into a match of one of the built-in kinds
+        this request enables (see `open_tail`), as a detection of that kind; custom patterns
+        have no such test (RE2 cannot say whether a text is a prefix of a match)."""
+        p: RegexParams = self.effective_params(params)
+        tail = open_tail(text, p.kinds)
+        if tail is None:
+            return None
+        start, kind = tail
+        return Detection.model_construct(
+            _PII_FIELDS,
+            start=start,
+            end=len(text),
+            text=text[start:],
+            detection=kind,
+            detection_type="pii",
+            score=1.0,
+        )
+
+
+# -- tails: a stream that ends inside an entity (DESIGN 4.6a) ----------------------------------
+
+# Original characters of a text's end that `open_tail` looks at (invisible ones count here: a
+# longer run of them is judged as it is), and view characters a tail may span: an e-mail is at
+# most 64 + 1 + 255, a number (19 digits and their separators, a `+`, parentheses) far less.
+OPEN_TAIL_SOURCE_CHARS = 4096
+OPEN_TAIL_VIEW_CHARS = 64 + 1 + 255
+NUMBER_TAIL_VIEW_CHARS = 48
+
+# The same patterns as the kinds' RE2 ones above, in the `regex` package, whose partial matching
+# says whether a text's end is the beginning of a match (RE2 cannot). They only ever run on a
+# bounded tail (the NUMBER_TAIL_VIEW_CHARS or OPEN_TAIL_VIEW_CHARS above), never on a whole text.
+_PATTERNS = {
+    "email": _EMAIL,
+    "phone": _PHONE_INTL,
+    "phone_us": _PHONE_US,
+    "ssn": _SSN,
+    "credit_card": _DIGIT_RUN,
+    "ipv4": _IPV4,
+}
+
+
+@functools.cache
+def _partial(kind: str) -> Any:
+    import regex  # the partial-match engine; nltk (the sentence chunker) needs it too
+
+    return regex.compile(_PATTERNS[kind].pattern.decode())
+
+
+def _partial_start(rx: Any, view: str, pos: int) -> int | None:
+    """The start of the leftmost match body of `rx` (one of the `_builtin` forms: a neighbour,
+    the body, a neighbour) from `pos` that runs to the end of `view`, as a partial match (more
+    text could complete it) or a complete one; None when none does."""
+    end = len(view)
+    while pos <= end:
+        m = rx.search(view, pos, partial=True)
+        if m is None:
+            return None
+        if not m.partial and m.end(1) < end:
+            pos = m.end(1)  # a complete match before the end: look after it
+            continue
+        start = m.start()
+        if start < end and view[start] not in _BODY_FIRST:
+            start += 1  # the leading neighbour was consumed (no body starts with one)
+        return start if start < end else None
+    return None
+
+
+_BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+(")
+
+
+# The most digits a match of each number kind holds: a longer run of digit groups can only still
+# grow into one in its last groups (a card is found within a run of groups, see `_cards`).
+_MOST_DIGITS = {"phone": 15, "phone_us": 11, "ssn": 9, "credit_card": 19, "ipv4": 12}
+
+
+def _last_digits(view: str, start: int, most: int) -> int:
+    """`start`, moved forward by whole digit groups until what follows holds at most `most`
+    digits (then at the start of a group)."""
+    digits = sum(ch.isdigit() for ch in view[start:])
+    i, end = start, len(view)
+    while digits > most:
+        while i < end and not view[i].isdigit():
+            i += 1
+        while i < end and view[i].isdigit():
+            i += 1
+            digits -= 1
+        while i < end and not view[i].isdigit():
+            i += 1
+    return i
+
+
+def _card_groups(view: str, start: int) -> int:
+    """`start`, moved forward by whole digit groups until every group but the last (which
+    may still grow) has 3 digits or more: shorter groups only stand alone in a card number
+    (see `_cards`), so `1 2 3 4 5 6 7 8 9` is none, and never grows into one."""
+    end = len(view)
+    groups: list[tuple[int, int]] = []  # (start, digits) of each group from `start`
+    i = start
+    while i < end:
+        while i < end and not view[i].isdigit():
+            i += 1
+        at = i
+        while i < end and view[i].isdigit():
+            i += 1
+        if i > at:
+            groups.append((at, i - at))
+    for k in range(len(groups)):
+        if all(n >= 3 for _, n in groups[k:-1]):
+            return start if k == 0 else groups[k][0]
+    return end
+
+
+def _evidence(kind: str, tail: str) -> bool:
+    """Enough of an entity that withholding the tail is worth it: an e-mail's `@`, six digits
+    of a phone or SSN, nine of a card, two dots and seven digits of an IPv4 address. A year
+    (`in 2023`), a range (`2020-2023`), a version (`3.11.4.`) or `555 1` are not."""
+    digits = sum(ch.isdigit() for ch in tail)
+    if kind == "email":
+        return "@" in tail
+    if kind in ("phone", "phone_us", "ssn"):
+        return digits >= 6
+    if kind == "credit_card":
+        return digits >= 9
+    return tail.count(".") >= 2 and digits >= 7  # ipv4 (not a version: 3.11.4, 10.15.7.)
+
+
+def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[int, str] | None:
+    """(start, kind) of the longest suffix of `text` that could still grow into a match of one
+    of `kinds` and holds enough evidence of one (`_evidence`), judged on the normalised view
+    (DESIGN 4.6b); None when there is none, or when the suffix already is a match (a scan finds
+    it). A stream that ends there (stop sequence, token budget) must not release it raw.
+
+    The rule: the end of the view is the beginning of a match of the kind's own pattern (the
+    `regex` package's partial matching, on at most the last OPEN_TAIL_VIEW_CHARS view
+    characters for an e-mail and NUMBER_TAIL_VIEW_CHARS for the numbers), and what would be
+    matched so far has the evidence. IPv6 addresses are not tested (every run of hex digits and
+    a colon is the beginning of one); a cut one is released as it is."""
+    source_at = max(0, len(text) - OPEN_TAIL_SOURCE_CHARS)
+    source = text[source_at:]
+    view = normalise(source)
+    v = view.text
+    best: tuple[int, str] | None = None
+    candidates = [k for k in KINDS if k in kinds and k != "ipv6"]
+    if "phone" in candidates:  # (a tie goes to the first: a phone before a card)
+        candidates.insert(candidates.index("phone") + 1, "phone_us")
+    number_at = max(0, len(v) - NUMBER_TAIL_VIEW_CHARS)
+    if sum(ch.isdigit() for ch in v[number_at:]) < 3:  # no number has less evidence (ipv4)
+        candidates = [k for k in candidates if k == "email"]
+    for kind in candidates:
+        if kind == "email":
+            at = v.rfind("@", max(0, len(v) - OPEN_TAIL_VIEW_CHARS))
+            if at < 0:
+                continue
+            pos = max(0, at - 66)  # the local part is at most 64, and a neighbour
+        else:
+            pos = number_at
+        start = _partial_start(_partial(kind), v, pos)
+        if start is not None and kind != "email":
+            start = _last_digits(v, start, _MOST_DIGITS[kind])
+        if start is not None and kind == "credit_card":
+            start = _card_groups(v, start)
+        if start is None or not _evidence(kind, v[start:]):
+            continue
+        name = "phone" if kind == "phone_us" else kind
+        if best is None or start < best[0]:
+            best = (start, name)
+    if best is None:
+        return None
+    start = source_at + view.span(best[0], len(v))[0]
+    suffix = text[start:]
+    if any(d.end == len(suffix) for d in find_pii(suffix, [best[1]], {})):
+        return None  # a match already: the scan reports it
+    return start, best[1]

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from chunkers import Span
-from detectors.api import Detection
+from detectors.normalise import fold
 
 from ..clients.registry import RequestedDetector
 from .aggregation import DetectorResult
@@ -28,9 +28,81 @@ Result = DetectorResult[Finding]
 # (at most SEAM_RUN_CHARS back) and never inside a detection. What lies after it is judged again,
 # whole, by the next window. An entity up to SEAM_CHARS long (phone and card numbers with
 # spaces), or without whitespace up to SEAM_RUN_CHARS long (e-mails, URLs, keys), is therefore
-# always seen whole by one call before any of it is released.
+# always seen whole by one call before any of it is released, whatever the chunk size.
+#
+# Both count characters of the detectors' normalised view (DESIGN 4.6b): invisible ones (zero-
+# width spaces, soft hyphens, bidi controls) do not count, so padding an e-mail with them does
+# not push it past the window. SEAM_RUN_CHARS bounds what one entity may span: more than an
+# e-mail can (64 + 1 + 255) with room for the longer matches a pattern accepts (a 606-character
+# e-mail of many short labels). A walk steps over at most SEAM_RAW_CHARS original characters
+# (invisible ones included), so the carried text stays bounded however it is padded (each call
+# judges it again: an unbounded carry would make a long run cost quadratic time); a run past
+# either bound is cut there and judged as it is.
 SEAM_CHARS = 64
-SEAM_RUN_CHARS = 256
+SEAM_RUN_CHARS = 1024
+SEAM_RAW_CHARS = 4096
+
+
+def _visible(ch: str) -> bool:
+    """The character is in the normalised view (ASCII always is)."""
+    return ch < "\x80" or fold(ch) != ""
+
+
+def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int, bool]:
+    """Walking back from `i` (not below `floor`): the position after `count` visible
+    characters, or with `run`, also stopping after whitespace (the start of the whitespace-free
+    run); and whether a bound stopped it (the count or SEAM_RAW_CHARS, not whitespace or the
+    floor). ASCII is walked with arithmetic where no whitespace matters."""
+    if not run:
+        j = max(floor, i - count)
+        if text[j:i].isascii():
+            return j, i - count >= floor
+    limit = max(floor, i - SEAM_RAW_CHARS)
+    j, seen = i, 0
+    while j > limit and seen < count:
+        ch = text[j - 1]
+        if run and ch.isspace():
+            return j, False
+        j -= 1
+        if _visible(ch):
+            seen += 1
+    return j, seen >= count or (j == limit and limit > floor)
+
+
+def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple[int, bool]:
+    """`_back` walking forward from `i` (not past `ceiling`)."""
+    if not run:
+        j = min(ceiling, i + count)
+        if text[i:j].isascii():
+            return j, i + count <= ceiling
+    limit = min(ceiling, i + SEAM_RAW_CHARS)
+    j, seen = i, 0
+    while j < limit and seen < count:
+        ch = text[j]
+        if run and ch.isspace():
+            return j, False
+        j += 1
+        if _visible(ch):
+            seen += 1
+    return j, seen >= count or (j == limit and limit < ceiling)
+
+
+def seam_bounds(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, bool]:
+    """The window around a chunk boundary within `text[lo:hi]`: SEAM_CHARS visible characters
+    each side, widened to the ends of the whitespace-free runs there (at most SEAM_RUN_CHARS
+    visible characters more); and whether the text after the boundary was long enough for all
+    of it (more text could not change the window): a bound or whitespace, not `hi`, ended it."""
+    start, _ = _back(text, boundary, SEAM_CHARS, lo, run=False)
+    start, _ = _back(text, start, SEAM_RUN_CHARS, lo, run=True)
+    end, complete = _seam_end(text, boundary, hi)
+    return start, end, complete
+
+
+def _seam_end(text: str, boundary: int, hi: int) -> tuple[int, bool]:
+    """The end of a boundary's window within `text[:hi]`, and whether it is complete."""
+    end, counted = _forward(text, boundary, SEAM_CHARS, hi, run=False)
+    end, bounded = _forward(text, end, SEAM_RUN_CHARS, hi, run=True)
+    return end, counted and (end < hi or bounded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +172,12 @@ class DetectorQueue:
             replies = await detector.client.detect([s.text for s in batch], detector.params)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()  # a reader held while detectors are behind looks again
-            for span, detections in zip(batch, replies, strict=True):
-                self._inbox.put(to_result(detector, span, detections))
+            ends = self._closed and not self._pending and (detector.redacting or detector.blocking)
+            for i, (span, detections) in enumerate(zip(batch, replies, strict=True)):
+                found = kept_findings(detector, span, detections)
+                if ends and i == len(batch) - 1:  # (a whole-doc detector: its only chunk)
+                    found = open_tail(detector, span.text, span.start, found)
+                self._inbox.put(DetectorResult(detector.detector_id, span.start, span.end, found))
         self._inbox.put(DetectorFinished(detector.detector_id))
 
     async def _run_windowed(self) -> None:
@@ -126,6 +202,8 @@ class DetectorQueue:
             self._inbox.answered()
             found = kept_findings(detector, Span(start, end, text), detections)
             final = final or (self._closed and not self._pending)
+            if final:
+                found = open_tail(detector, text, start, found)
             safe = end if final else safe_end(text, start, found)
             self._carry = text[safe - start :]
             self._carry_start = safe
@@ -134,13 +212,20 @@ class DetectorQueue:
         self._inbox.put(DetectorFinished(detector.detector_id))
 
     async def _run_seamed(self) -> None:
-        """A blocking detector judges each chunk alone (as any detector does) and also a window
-        across each chunk boundary, keeping what straddles it: an entity cut in two by the
-        boundary blocks like any other. A clean chunk is posted only once the window across
-        its end had SEAM_CHARS (and the rest of the whitespace-free run there) after the
-        boundary, or the text ended, so no part of an entity is released before it is seen
-        whole. A flagged one is posted at once, after the clean chunks held before it (judged
-        with the text there was: only a straddling entity's head could be among them)."""
+        """A blocking detector judges each chunk alone (as any detector does) and also the
+        text across the chunk boundaries it has not released, keeping what straddles one of
+        them: an entity cut in two by a boundary blocks like any other. A clean chunk is posted
+        only once the text after its end reached past the boundary's window (SEAM_CHARS, and
+        the rest of the whitespace-free run there: `seam_bounds`), or the text ended, so no part
+        of an entity is released before it is seen whole. A flagged one is posted at once,
+        after the clean chunks held before it (judged with the text there was: only a
+        straddling entity's head could be among them).
+
+        The held chunks' boundaries are judged in one window, from the first one's window start
+        to the end of the text, not one window per boundary: the windows of neighbouring
+        boundaries overlap, and with the run bounds (SEAM_RUN_CHARS) and a small `max_chars`
+        that judged each held character hundreds of times a call. One window costs the held
+        text once, and the held text is bounded by the windows' own bounds."""
         detector = self.detector
         held: list[tuple[Span, tuple[Finding, ...]]] = []
         while True:
@@ -155,11 +240,13 @@ class DetectorQueue:
             chain = [span for span, _ in held] + batch
             text = "".join([s.text for s in chain])
             base = chain[0].start
-            seams = [seam_window(text, base, nxt.start) for nxt in chain[1:]]
+            window: Span | None = None
+            if len(chain) > 1:
+                lo, _, _ = seam_bounds(text, 0, len(text), chain[1].start - base)
+                window = Span(base + lo, base + len(text), text[lo:])
             self.calls += 1
-            replies = await detector.client.detect(
-                [s.text for s in batch] + [w.text for w, _ in seams], detector.params
-            )
+            contents = [s.text for s in batch] + ([window.text] if window is not None else [])
+            replies = await detector.client.detect(contents, detector.params)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
             own = [
@@ -167,19 +254,15 @@ class DetectorQueue:
                 for span, dets in zip(batch, replies, strict=False)
             ]
             judged = held + list(zip(batch, own, strict=True))
+            across = () if window is None else kept_findings(detector, window, replies[-1])
+            # (a detection of the whole window counts too: it may be an entity that fills it,
+            # and for a block any detection is reason enough)
             straddling = [
-                tuple(
-                    f
-                    for f in kept_findings(detector, window, dets)
-                    # (a detection of the whole window counts too: it may be an entity that
-                    # fills it, and for a block any detection is reason enough)
-                    if f.start < nxt.start < f.end
-                )
-                for (window, _), nxt, dets in zip(
-                    seams, chain[1:], replies[len(batch) :], strict=True
-                )
+                tuple(f for f in across if f.start < nxt.start < f.end) for nxt in chain[1:]
             ]
             final = self._closed and not self._pending
+            if final:
+                judged = self._flag_tail(judged)
             posted = 0
             for i, (span, found) in enumerate(judged):
                 flags = found + (straddling[i] if i < len(straddling) else ())
@@ -191,50 +274,57 @@ class DetectorQueue:
                     break
             else:
                 for i, (span, found) in enumerate(judged):
-                    complete = i < len(seams) and seams[i][1]
-                    if not (final or complete):
+                    # (once one boundary's window is incomplete, every later one's is too)
+                    if not final and (
+                        i + 1 >= len(chain)
+                        or not _seam_end(text, chain[i + 1].start - base, len(text))[1]
+                    ):
                         break
                     self._post(span, found)
                     posted = i + 1
             held = judged[posted:]
-        for span, found in held:  # the text ended: nothing follows the held chunks
+        # the text ended: nothing follows the held chunks (but the text may end inside an entity)
+        for span, found in self._flag_tail(held):
             self._post(span, found)
+            if found:
+                break
         self._inbox.put(DetectorFinished(detector.detector_id))
+
+    def _flag_tail(
+        self, judged: list[tuple[Span, tuple[Finding, ...]]]
+    ) -> list[tuple[Span, tuple[Finding, ...]]]:
+        """The held chunks of a text that ended, with a tail that could still grow into a match
+        flagged on the chunk where it starts (see `open_tail`). The chunks posted before these
+        had their boundary window complete: a tail cannot start in them (a run past the bounds
+        aside, which is judged as it is)."""
+        if not judged:
+            return judged
+        base = judged[0][0].start
+        text = "".join([span.text for span, _ in judged])
+        tail = open_tail(self.detector, text, base, ())
+        if not tail:
+            return judged
+        [flag] = tail
+        out = list(judged)
+        for i, (span, found) in enumerate(out):
+            if span.start <= flag.start < span.end or i == len(out) - 1:
+                out[i] = (span, (*found, flag))
+                break
+        return out
 
     def _post(self, span: Span, found: tuple[Finding, ...]) -> None:
         self._inbox.put(DetectorResult(self.detector.detector_id, span.start, span.end, found))
 
 
-def seam_window(text: str, base: int, boundary: int) -> tuple[Span, bool]:
-    """The text around a chunk boundary: SEAM_CHARS each side, widened to the ends of the
-    whitespace-free runs there (at most SEAM_RUN_CHARS more), within `text` (which starts at
-    stream index `base`); and whether the text after the boundary was long enough for all of
-    it (more text could not change the window)."""
-    b = boundary - base
-    lo = max(0, b - SEAM_CHARS)
-    floor = max(0, lo - SEAM_RUN_CHARS)
-    while lo > floor and not text[lo - 1].isspace():
-        lo -= 1
-    want = b + SEAM_CHARS
-    hi = min(len(text), want)
-    ceiling = min(len(text), want + SEAM_RUN_CHARS)
-    while hi < ceiling and not text[hi].isspace():
-        hi += 1
-    complete = want <= len(text) and (hi < len(text) or hi == want + SEAM_RUN_CHARS)
-    return Span(base + lo, base + hi, text[lo:hi]), complete
-
-
 def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
     """How far a window `[start, start + len(text))` may be reported (see SEAM_CHARS)."""
-    p = start + len(text) - SEAM_CHARS
-    if p <= start:
+    p, counted = _back(text, len(text), SEAM_CHARS, 0, run=False)
+    if not counted or p <= 0:
         return start
-    q = p
-    lo = max(start, p - SEAM_RUN_CHARS)
-    while q > lo and not text[q - 1 - start].isspace():
-        q -= 1
-    if q == lo and lo > start and not text[q - 1 - start].isspace():
-        q = p  # a whitespace-free run longer than SEAM_RUN_CHARS: cut it where the bound is
+    q, bounded = _back(text, p, SEAM_RUN_CHARS, 0, run=True)
+    if bounded:
+        q = p  # a whitespace-free run longer than the bounds: cut it where the count is
+    q += start
     moved = True
     while moved:  # never inside a detection: it is reported whole, now or by the next window
         moved = False
@@ -245,7 +335,17 @@ def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
     return max(q, start)
 
 
-def to_result(detector: RequestedDetector, span: Span, detections: list[Detection]) -> Result:
-    return DetectorResult(
-        detector.detector_id, span.start, span.end, kept_findings(detector, span, detections)
-    )
+def open_tail(
+    detector: RequestedDetector, text: str, start: int, found: tuple[Finding, ...]
+) -> tuple[Finding, ...]:
+    """What a redacting or blocking detector flags at the end of a text that ended (DESIGN
+    4.6a): beside `found` (its findings in `text`, which starts at stream index `start`), the
+    tail that could still grow into a match (the in-process regex detector knows; a remote one
+    says nothing), unless a finding already covers it."""
+    tail = detector.client.open_tail(text, detector.params)
+    if tail is None:
+        return found
+    end = start + len(text)
+    if any(f.start <= start + tail.start and f.end >= end for f in found):
+        return found
+    return found + kept_findings(detector, Span(start, end, text), [tail])

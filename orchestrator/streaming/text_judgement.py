@@ -42,7 +42,7 @@ from detectors.api import Detection
 from ..api.input_pieces import InputPiece
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from ..config import WHOLE_DOC_CHUNKER
-from .detector_queue import SEAM_CHARS, SEAM_RUN_CHARS
+from .detector_queue import seam_bounds
 from .fanout import ChunkerFailure
 from .findings import Finding, kept_findings, sort_findings
 
@@ -220,16 +220,9 @@ async def _sorted(found: list[Finding]) -> list[Finding]:
 
 
 def _seam(text: str, start: int, end: int, boundary: int) -> Span:
-    """The text around a chunk boundary: SEAM_CHARS each side, widened to the ends of the
-    whitespace-free runs there (at most SEAM_RUN_CHARS more), within `[start, end)`."""
-    lo = max(start, boundary - SEAM_CHARS)
-    floor = max(start, lo - SEAM_RUN_CHARS)
-    while lo > floor and not text[lo - 1].isspace():
-        lo -= 1
-    hi = min(end, boundary + SEAM_CHARS)
-    ceiling = min(end, hi + SEAM_RUN_CHARS)
-    while hi < ceiling and not text[hi].isspace():
-        hi += 1
+    """The text around a chunk boundary within `[start, end)` (`seam_bounds`: SEAM_CHARS visible
+    characters each side, widened to the whitespace-free runs there)."""
+    lo, hi, _ = seam_bounds(text, start, end, boundary)
     return Span(lo, hi, text[lo:hi])
 
 
