@@ -72,6 +72,13 @@ class PromptInjectionDetector(ScoredTextDetector):
             ("nanoguard", device), lambda: _load_nanoguard(device), thread=torch_thread(device)
         )
 
+    def span_window(self) -> tuple[int | None, int]:
+        """nanoguard reads a whole text in 512-token windows of its own (`_nanoguard_scores`):
+        its windows are the text's sentences and the text itself."""
+        if self.params.model == "nanoguard":
+            return None, 0
+        return super().span_window()
+
     def _forward(self, items: list[str]) -> list[float]:
         if self.params.model == "guardify":
             vectorizer, clf, col = self._runtime.get()
