@@ -23,14 +23,21 @@ _SENTENCES = chunkers.build({"type": "sentence"})  # immutable, shared across th
 _SPACE = re.compile(r"\s+")
 
 
-def sentences(text: str) -> list[str]:
-    """The sentences of `text`, without the whitespace around them; blank ones dropped."""
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """[start, end) of each sentence of `text`, without the whitespace around it; blank ones
+    dropped."""
     out = []
     for span in _SENTENCES.chunk(text):
-        s = span.text.strip()
-        if s:
-            out.append(s)
+        start = span.start + len(span.text) - len(span.text.lstrip())
+        end = span.start + len(span.text.rstrip())
+        if end > start:
+            out.append((start, end))
     return out
+
+
+def sentences(text: str) -> list[str]:
+    """The sentences of `text`, without the whitespace around them; blank ones dropped."""
+    return [text[s:e] for s, e in sentence_spans(text)]
 
 
 def spans(text: str, width: int, step: int) -> list[str]:

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 import pytest
+from detectors_support import ANCHORS, expected_probs, shared_anchor_classifier
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -214,3 +215,23 @@ async def test_benign_paragraphs_stay_benign(model: str) -> None:
     result = await det.detect(BENIGN)
     scores = [per[0].score if per else 0.0 for per in result]
     assert max(scores) < (0.25 if model == "guardify" else 0.5), scores
+
+
+async def test_hf_classifier_reads_each_sentence_of_a_padded_text() -> None:
+    """20 `safe` sentences and one `sports` sentence fit in one 512-token window: read whole,
+    the sports label was diluted; read sentence by sentence it keeps the sentence's own score,
+    and the detection is still the whole content (the model read it in one sliding window)."""
+    det = detectors.build(
+        "hf_classifier", {"model_path": str(shared_anchor_classifier()), "safe_labels": ["safe"]}
+    )
+    rows = spy_rows(det)
+    text = " ".join([ANCHORS["safe"]] * 20 + [ANCHORS["sports"]])
+    (found,) = await det.detect([text])
+    assert [d.detection for d in found] == ["sports"]
+    assert found[0].score == pytest.approx(expected_probs("sports")["sports"], abs=1e-4)
+    assert (found[0].start, found[0].end, found[0].metadata) == (0, len(text), None)
+    # one call: the text, and each distinct sentence once
+    assert [[t for t, _, _ in call] for call in rows] == [[text]]
+    rows.clear()
+    (alone,) = await det.detect([ANCHORS["sports"]])
+    assert alone[0].score == pytest.approx(found[0].score)
