@@ -235,3 +235,25 @@ async def test_hf_classifier_reads_each_sentence_of_a_padded_text() -> None:
     rows.clear()
     (alone,) = await det.detect([ANCHORS["sports"]])
     assert alone[0].score == pytest.approx(found[0].score)
+
+
+TOPICS = {
+    "sports": ["football match", "the team won the championship", "basketball game", "tennis"],
+    "finance": ["stock market", "interest rates", "investment portfolio", "bank loan"],
+    "cooking": ["recipe for pasta", "bake a cake", "chop the onions", "cooking dinner"],
+}
+FINANCE = "The stock market fell sharply after the central bank raised interest rates."
+
+
+async def test_topic_reads_each_sentence_and_the_whole_of_a_long_text() -> None:
+    """Before: the finance sentence scored 0.49 alone, 0.14 after 3 cat sentences (the best
+    topic became `cooking`), and after 60 it was past the 256-token truncation, unseen."""
+    det = detectors.build("topic", {"topics": TOPICS, "min_score": 0.0})
+    [[alone]] = await det.detect([FINANCE])
+    assert alone.detection == "finance" and alone.score > 0.4
+    for n in (3, 60):
+        text = PAD * n + FINANCE
+        [[found]] = await det.detect([text])
+        assert (found.detection, found.start, found.end) == ("finance", 0, len(text))
+        assert found.score == pytest.approx(alone.score, abs=1e-4), n
+        assert found.metadata["topic_scores"]["finance"] == pytest.approx(alone.score, abs=1e-4)
