@@ -44,7 +44,7 @@ def spans(text: str, width: int, step: int) -> list[str]:
     """Windows of at most `width` characters every `step` characters, covering `text`; each
     window's edges move inwards to whitespace so no word is cut in two (a cut word is another
     word to the model: "assistant" cut to "ass" is an insult), unless the window holds no
-    whitespace at all. The last window ends at the end of the text."""
+    whitespace at all. The last window ends at the end of the text. Never empty."""
     n = len(text)
     if n <= width:
         return [text]
@@ -67,7 +67,7 @@ def spans(text: str, width: int, step: int) -> list[str]:
         piece = text[s:e].strip()
         if piece:
             out.append(piece)
-    return out
+    return out or [text]  # blank throughout: judged as it is, like any text
 
 
 def windows(text: str, width: int | None, step: int) -> list[str]:

@@ -125,6 +125,27 @@ def test_spans_hold_every_word_whole_and_stay_within_width(
         assert any(whole.search(w) for w in got), f"{m.group()!r} is in no window: {got!r}"
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    st.text(alphabet=st.sampled_from("ab .!?\n\t\u200b\u00a0"), max_size=1200),
+    st.sampled_from([(512, 256), (24, 12), (None, 0)]),
+)
+def test_any_text_has_windows_and_each_is_a_piece_of_it(
+    text: str, shape: tuple[int | None, int]
+) -> None:
+    got = windows(text, *shape)
+    assert got and all(w in text for w in got)
+
+
+async def test_a_long_whitespace_view_is_judged_not_an_error() -> None:
+    """The content is not blank (a zero-width space is no whitespace to str.strip) but its
+    view is 600 spaces: every span is blank. It was sent to the model as no rows at all."""
+    for builtin in ("prompt_injection", "profanity"):
+        det = detectors.build(builtin, {"min_score": 0.0})
+        [found] = await det.detect(["\u200b" + " " * 600])
+        assert [d.score < 0.5 for d in found] == [True], builtin
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.sampled_from([PAD.strip(), INJECTION, SHORT, "Hi.", "What now?"]), max_size=30))
 def test_every_sentence_is_a_window(parts: list[str]) -> None:
