@@ -8,8 +8,9 @@ the same sitting to compare. Per model:
 - the injection (profanity: an insult) alone and after 3, 5 and 23 benign sentences: its score;
 - benign multi-sentence paragraphs (--limit of each --prose Markdown file, the README by
   default, plus a few general-English ones): how many score >= 0.5;
-- CPU cost: milliseconds of `detect` per 1,000 characters over those paragraphs and the padded
-  texts, one text per call (median of --repeat runs), and for one short sentence.
+- cost: CPU and wall milliseconds of `detect`, and rows handed to the model, per 1,000
+  characters over those paragraphs and the padded texts, one text per call (median of --repeat
+  runs), and for one short sentence.
 """
 
 from __future__ import annotations
@@ -78,15 +79,30 @@ async def score(det: Any, text: str) -> float:
     return found[0].score if found else 0.0
 
 
-async def ms_per_kchar(det: Any, texts: list[str], repeat: int) -> float:
-    runs = []
-    chars = sum(len(t) for t in texts)
+async def cost_per_kchar(det: Any, texts: list[str], repeat: int) -> tuple[float, float, float]:
+    """(CPU ms, wall ms, model rows) per 1,000 characters, medians of `repeat` runs. CPU time
+    is the whole process's (torch's intra-op threads included); rows are the texts handed to
+    the model (nanoguard turns each into one or more 512-position rows)."""
+    rows = 0
+    forward = det._forward
+
+    def counted(items: list[Any]) -> Any:
+        nonlocal rows
+        rows += len(items)
+        return forward(items)
+
+    det._forward = counted
+    cpu, wall = [], []
+    kchars = sum(len(t) for t in texts) / 1000
     for _ in range(repeat):
-        t0 = time.process_time()
+        rows = 0
+        c0, w0 = time.process_time(), time.perf_counter()
         for t in texts:
             await det.detect([t])
-        runs.append((time.process_time() - t0) * 1000 / (chars / 1000))
-    return statistics.median(runs)
+        cpu.append((time.process_time() - c0) * 1000 / kchars)
+        wall.append((time.perf_counter() - w0) * 1000 / kchars)
+    det._forward = forward
+    return statistics.median(cpu), statistics.median(wall), rows / kchars
 
 
 async def one_model(name: str, repeat: int, prose: list[Path], limit: int) -> dict[str, Any]:
@@ -94,19 +110,34 @@ async def one_model(name: str, repeat: int, prose: list[Path], limit: int) -> di
     det: Any = detectors.build(builtin, {**params, "batching": False}, device="cpu")
     await det.warmup()
     hit = INSULT if builtin == "profanity" else INJECTION
-    benign = [p for path in prose for p in prose_paragraphs(path, limit)] + GENERAL
+    sources = {path.name: prose_paragraphs(path, limit) for path in prose}
+    sources["general"] = GENERAL
+    benign = [p for paragraphs in sources.values() for p in paragraphs]
     entry: dict[str, Any] = {"padding": {}}
     for n in (0, 3, 5, 23):
         entry["padding"][n] = round(await score(det, PAD * n + hit), 3)
-    scores = [await score(det, p) for p in benign]
-    entry["benign"] = len(benign)
-    entry["benign_over_0.5"] = sum(s >= 0.5 for s in scores)
-    entry["benign_max"] = round(max(scores), 3)
+    entry["benign_over_0.5"] = {}
+    for source, paragraphs in sources.items():
+        scores = [await score(det, p) for p in paragraphs]
+        flagged = sum(s >= 0.5 for s in scores)
+        entry["benign_over_0.5"][source] = f"{flagged}/{len(paragraphs)}"
+        entry[f"benign_max_{source}"] = round(max(scores), 3)
     padded = [PAD * n + hit for n in (3, 5, 23)]
     for t in benign[:4]:  # warm
         await det.detect([t])
-    entry["ms_per_kchar"] = round(await ms_per_kchar(det, benign + padded, repeat), 2)
-    entry["short_ms"] = round(await ms_per_kchar(det, [SHORT] * 20, repeat) * len(SHORT) / 1000, 3)
+    cpu, wall, rows = await cost_per_kchar(det, benign + padded, repeat)
+    entry["per_kchar"] = {
+        "cpu_ms": round(cpu, 2),
+        "wall_ms": round(wall, 2),
+        "rows": round(rows, 2),
+    }
+    cpu, wall, rows = await cost_per_kchar(det, [SHORT] * 20, repeat)
+    k = len(SHORT) / 1000
+    entry["short_sentence"] = {
+        "cpu_ms": round(cpu * k, 3),
+        "wall_ms": round(wall * k, 3),
+        "rows": round(rows * k, 2),
+    }
     await det.close()
     return entry
 
