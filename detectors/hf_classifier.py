@@ -1,14 +1,17 @@
 """`hf_classifier`: any local Hugging Face sequence-classification folder (`model_path`).
 
 Long contents are read in sliding windows of `max_length` tokens that overlap by `stride` tokens,
-so nothing is truncated away; a label's score is its maximum over the windows. Probabilities are
+so nothing is truncated away, and a content of several sentences is also read sentence by sentence
+(DESIGN 4.6b: benign padding around a flagged sentence cannot dilute it); a label's score is its
+maximum over all these windows, which go to the model in one batch. Probabilities are
 softmax over the labels (single-label models) or a sigmoid per label (multi-label models, and
 one-logit models), following the model's `problem_type` unless `problem_type` says otherwise.
 
 Detections: one per label that is not in `safe_labels` and whose score reaches its entry in
 `thresholds`, else the `min_score`/`threshold` floor. The span is the whole content when it fits
-in one window; when it needed several, it is the character span of the window where the label
-scored highest (from the tokenizer's offset mapping), and `metadata` says how many windows.
+in one sliding window; when it needed several, it is the character span of the window (sliding
+or sentence) where the label scored highest (from the tokenizer's offset mapping), and
+`metadata` says how many windows (each distinct span once, in text order) and which one.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
@@ -34,6 +37,7 @@ from .hf import labels_of, load_sequence_classifier, model_max_tokens, read_conf
 from .model import BatchedDetector
 from .normalise import normalise
 from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
+from .windows import sentence_spans
 
 Score = Annotated[float, Field(ge=0, le=1)]
 ProblemType = Literal["auto", "single_label_classification", "multi_label_classification"]
@@ -93,9 +97,12 @@ def _check_labels(p: HFClassifierParams, labels: tuple[str, ...] | list[str]) ->
 
 @dataclass(frozen=True)
 class _Window:
+    """`sliding`: a window of the whole text (else one of its sentences)."""
+
     start: int
     end: int
     logits: np.ndarray
+    sliding: bool = True
 
 
 @dataclass(frozen=True)
@@ -121,9 +128,10 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
     description = (
         "Any local Hugging Face sequence-classification folder (params.model_path). One "
         "detection per label not in safe_labels whose score (max over sliding windows of "
-        "max_length tokens overlapping by stride) reaches thresholds[label], else min_score "
-        "(default 0.1) or threshold. Span: the whole content, or the best window's characters "
-        "when the content needed several windows."
+        "max_length tokens overlapping by stride, and over the content's sentences) reaches "
+        "thresholds[label], else min_score (default 0.1) or threshold. Span: the whole "
+        "content, or the best window's characters when the content needed several sliding "
+        "windows."
     )
     Params: ClassVar[type[ScoredParams]] = HFClassifierParams
     # model_path (the only path-like param of any built-in), windowing and problem_type are
@@ -189,11 +197,16 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
         )
         for view, windows in zip(views, results, strict=True):
             if not view.identity:
-                windows[:] = [_Window(*view.span(w.start, w.end), logits=w.logits) for w in windows]
+                windows[:] = [
+                    replace(w, start=a, end=b)
+                    for w in windows
+                    for a, b in [view.span(w.start, w.end)]
+                ]
         return results
 
     def _forward(self, items: list[tuple[str, int | None, int]]) -> list[list[_Window]]:
-        """Tokenises every item into windows, runs them in sub-batches of at most
+        """Tokenises every item, and each sentence of an item of several, into windows (a
+        window whose span another already has is dropped), runs them in sub-batches of at most
         max_batch_size windows (sorted by length to cut padding), returns logits per window."""
         import torch
 
@@ -206,10 +219,22 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
             groups.setdefault((ml, st), []).append(i)
         owners: list[int] = []
         spans: list[tuple[int, int]] = []
+        sliding: list[bool] = []
         features: list[dict[str, list[int]]] = []
+        seen: set[tuple[int, int, int]] = set()
         for (ml, st), idx in groups.items():
+            texts: list[str] = []
+            origins: list[tuple[int, int | None]] = []  # (item, sentence start or None)
+            for i in idx:
+                text = items[i][0]
+                texts.append(text)
+                origins.append((i, None))
+                parts = sentence_spans(text)
+                if len(parts) > 1:
+                    texts.extend(text[a:b] for a, b in parts)
+                    origins.extend((i, a) for a, _ in parts)
             enc = tokenizer(
-                [items[i][0] for i in idx],
+                texts,
                 truncation=True,
                 max_length=ml,
                 stride=st,
@@ -218,9 +243,16 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
             )
             keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
             for w, sample in enumerate(enc["overflow_to_sample_mapping"]):
+                i, shift = origins[sample]
+                at = shift or 0
                 offsets = [(a, b) for a, b in enc["offset_mapping"][w] if b > a]
-                spans.append((offsets[0][0], offsets[-1][1]) if offsets else (0, 0))
-                owners.append(idx[sample])
+                span = (offsets[0][0] + at, offsets[-1][1] + at) if offsets else (at, at)
+                if shift is not None and (i, *span) in seen:
+                    continue  # a sentence that a sliding window already read as it is
+                seen.add((i, *span))
+                spans.append(span)
+                sliding.append(shift is None)
+                owners.append(i)
                 features.append({k: enc[k][w] for k in keys})
         order = sorted(range(len(features)), key=lambda w: len(features[w]["input_ids"]))
         logits: list[np.ndarray | None] = [None] * len(features)
@@ -238,7 +270,9 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
         for w, i in enumerate(owners):
             row = logits[w]
             assert row is not None
-            windows[i].append(_Window(spans[w][0], spans[w][1], row))
+            windows[i].append(_Window(spans[w][0], spans[w][1], row, sliding[w]))
+        for per in windows:
+            per.sort(key=lambda w: (w.start, w.end))
         return windows
 
     def _probabilities(self, logits: np.ndarray, problem_type: str) -> np.ndarray:
@@ -269,7 +303,7 @@ class HFClassifierDetector(BatchedDetector[tuple[str, int | None, int], list[_Wi
                 score = float(probs[best, j])
                 if score < p.thresholds.get(label, p.floor):
                     continue
-                if len(windows) == 1:
+                if sum(w.sliding for w in windows) == 1:  # the model read it whole
                     (start, end), meta = text_bounds(content), None
                 else:
                     start, end = windows[best].start, windows[best].end

@@ -13,6 +13,7 @@ from .base import SCORED_REQUEST_PARAMS, Detector, ScoredParams, whole_content
 from .batching import MicroBatcher
 from .normalise import view_text
 from .runtime import ModelRuntime, check_device
+from .windows import judge_windows
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +78,35 @@ class BatchedDetector(Detector, Generic[T, R]):
 class ScoredTextDetector(BatchedDetector[str, float]):
     """A binary text classifier: one whole-content detection per content whose score (the
     model's probability of the flagged class) reaches the `min_score`/`threshold` floor.
+    The score is the maximum over the content's windows (its sentences and overlapping spans,
+    DESIGN 4.6b), so benign padding cannot dilute a hit; the span stays the whole content.
     Blank contents are not sent to the model and never yield a detection."""
 
     Params: ClassVar[type[ScoredParams]] = ScoredParams
     REQUEST_PARAMS: ClassVar[frozenset[str]] = SCORED_REQUEST_PARAMS
     label: ClassVar[str] = ""
     detection_type: ClassVar[str] = ""
+    # Span windows of the bag-of-words models: 512 characters (about 100 tokens, a paragraph)
+    # every 256, so any passage of up to 256 characters (an injection of a few sentences that
+    # each look benign alone) lies whole inside one window, with at most ~450 characters of
+    # padding beside it where the text has no sentence boundary. Text is read twice over, on
+    # top of its sentences: about 3x the characters of one whole-text call.
+    window_chars: ClassVar[int | None] = 512
+    window_step: ClassVar[int] = 256
+
+    def span_window(self) -> tuple[int | None, int]:
+        """(width, step) of the span windows in characters; width None: the model windows long
+        texts itself (to its own length), so the whole text is one of its windows."""
+        return self.window_chars, self.window_step
 
     def _judge(self, items: list[str]) -> list[float]:
         """The model scores the normalised view (invisible characters removed, look-alikes
-        folded), so `f\u200buck` or a Cyrillic homoglyph does not lower the score."""
-        return self._forward([view_text(text) for text in items])
+        folded), so `f\u200buck` or a Cyrillic homoglyph does not lower the score; every
+        window of every item goes into one `_forward` call, each distinct window once."""
+        width, step = self.span_window()
+        rows, owned = judge_windows([view_text(text) for text in items], width, step)
+        scores = self._forward(rows)
+        return [max(scores[r] for r in own) for own in owned]
 
     async def detect(
         self, contents: list[str], params: dict[str, Any] | None = None

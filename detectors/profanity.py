@@ -1,7 +1,9 @@
 """`profanity` (HAP): the scikit-learn model of `alt-profanity-check` (shipped in its wheel).
 
-Score: the model's probability that the content is profane. Vectorised, so a micro-batch of
-texts is one `predict_proba` call.
+Score: the model's probability that the content is profane, the maximum over the content's
+sentences and 512-character spans (DESIGN 4.6b; ScoredTextDetector), so an insult inside benign
+text is not diluted (1.0 alone, 0.13 after 23 benign sentences when read whole). Vectorised, so
+every window of a micro-batch of texts is one `predict_proba` call.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def _load() -> tuple[Any, Any, int]:
 class ProfanityDetector(ScoredTextDetector):
     name = "profanity"
     description = (
-        "HAP/profanity: alt-profanity-check (linear SVM on TF-IDF, calibrated). One whole-content "
+        "HAP/profanity: alt-profanity-check (linear SVM on TF-IDF, calibrated); the score is "
+        "the maximum over the content's sentences and 512-character spans. One whole-content "
         "detection 'profanity' (type 'hap') per content with score >= min_score (or threshold)."
     )
     Params: ClassVar[type[ScoredParams]] = ProfanityParams

@@ -2,10 +2,17 @@
 1 ms per text) by default; `model: nanoguard` selects `metatronnanoguard` (a 16.8M-parameter
 bidirectional transformer in plain torch).
 
-Score: the model's probability of the injection class. nanoguard reads at most 512 tokens at a
-time; longer contents are judged in overlapping 512-token windows and the score is the maximum,
-so an injection at the end of a long document is not truncated away (mean pooling over a
-512-token window still dilutes a short injection inside a long benign text).
+Score: the model's probability of the injection class, the maximum over the content's windows
+(DESIGN 4.6b): its sentences, and spans of the model's length. guardify reads 512-character spans
+every 256 characters (ScoredTextDetector). nanoguard reads at most 512 tokens at a time; the
+content itself is judged in overlapping 512-token windows, so an injection at the end of a long
+document is not truncated away, and each sentence in a window of its own, since mean pooling
+over a 512-token window dilutes a short injection inside a long benign text (0.77 after 23
+benign sentences, 1.0 alone).
+
+Each of nanoguard's windows costs a full 512-position forward pass, so a content of N distinct
+sentences costs N + 1 or more passes (a one-sentence content still costs one): on a CPU that is
+tens of milliseconds per sentence; on a GPU the windows are one batch.
 
 nanoguard pads every window to 512 positions, so a batch saves no padding; on a CPU its cost per
 text even grows with the batch (62 ms alone, 83 ms each in a batch of 32, on 2 cores) and
@@ -56,9 +63,10 @@ class PromptInjectionDetector(ScoredTextDetector):
     name = "prompt_injection"
     description = (
         "Prompt injection / jailbreak: guardify (default, TF-IDF + logistic regression) or "
-        "nanoguard (model: nanoguard; neural, 512-token windows, max over windows). One "
-        "whole-content detection 'injection' (type 'prompt_injection') per content with "
-        "score >= min_score (or threshold)."
+        "nanoguard (model: nanoguard; neural, 512-token windows). The score is the maximum "
+        "over the content's sentences and spans of the model's length, so benign padding "
+        "cannot dilute an injection. One whole-content detection 'injection' (type "
+        "'prompt_injection') per content with score >= min_score (or threshold)."
     )
     Params: ClassVar[type[ScoredParams]] = InjectionParams
     label = "injection"
@@ -71,6 +79,13 @@ class PromptInjectionDetector(ScoredTextDetector):
         return get_runtime(
             ("nanoguard", device), lambda: _load_nanoguard(device), thread=torch_thread(device)
         )
+
+    def span_window(self) -> tuple[int | None, int]:
+        """nanoguard reads a whole text in 512-token windows of its own (`_nanoguard_scores`):
+        its windows are the text's sentences and the text itself."""
+        if self.params.model == "nanoguard":
+            return None, 0
+        return super().span_window()
 
     def _forward(self, items: list[str]) -> list[float]:
         if self.params.model == "guardify":

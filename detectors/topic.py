@@ -3,8 +3,10 @@ through plain transformers: mean pooling over the attention mask, L2 normalisati
 
 Topics come from params: `{"topics": {"sports": ["football match", ...], ...}}`. The embeddings
 of a topic set's examples are computed once and cached. A content's score for a topic is its best
-cosine similarity with that topic's examples; the detection names the best topic and carries every
-topic's score in `metadata.topic_scores`.
+cosine similarity with that topic's examples over the content's windows: windows of `max_length`
+tokens overlapping by a quarter (nothing is truncated away) and, for a content of several
+sentences, each sentence (DESIGN 4.6b: a mean-pooled paragraph dilutes its one on-topic sentence).
+The detection names the best topic and carries every topic's score in `metadata.topic_scores`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .hf import load_embedder, minilm_path
 from .model import BatchedDetector
 from .normalise import view_text
 from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
+from .windows import sentences
 
 MAX_TOPICS = 64
 MAX_EXAMPLES = 64
@@ -57,10 +60,8 @@ class TopicParams(ScoredParams):
 
 
 def mean_pooled(tokenizer: Any, model: Any, items: list[tuple[str, int]]) -> list[np.ndarray]:
-    """L2-normalised mean-pooled embeddings of `(text, max_length)` items, one forward pass."""
-    import torch
-    import torch.nn.functional as F
-
+    """L2-normalised mean-pooled embeddings of `(text, max_length)` items (each truncated to
+    its max_length: the topics' example phrases), one forward pass."""
     features: list[dict[str, list[int]] | None] = [None] * len(items)
     by_length: dict[int, list[int]] = {}
     for i, (_, max_length) in enumerate(items):
@@ -69,16 +70,64 @@ def mean_pooled(tokenizer: Any, model: Any, items: list[tuple[str, int]]) -> lis
         enc = tokenizer([items[i][0] for i in idx], truncation=True, max_length=max_length)
         for row, i in enumerate(idx):
             features[i] = {k: enc[k][row] for k in enc}
-    batch = tokenizer.pad(features, return_tensors="pt")
+    return list(_pool(model, tokenizer.pad(features, return_tensors="pt")))
+
+
+def _pool(model: Any, batch: dict[str, Any]) -> np.ndarray:
+    """L2-normalised mean pooling over the attention mask of one padded batch."""
+    import torch
+    import torch.nn.functional as F
+
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
     with torch.inference_mode():
         hidden = model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        summed = (hidden * mask).sum(dim=1)
-        pooled = summed / mask.sum(dim=1).clamp(min=1e-9)
-        normed = F.normalize(pooled.float(), p=2, dim=1).cpu().numpy()
-    return list(normed)
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return F.normalize(pooled.float(), p=2, dim=1).cpu().numpy()
+
+
+def window_embeddings(
+    tokenizer: Any, model: Any, items: list[tuple[str, int]], rows: int
+) -> list[np.ndarray]:
+    """Per `(text, max_length)` item, the embeddings (windows x dim) of its windows: the text in
+    windows of max_length tokens overlapping by a quarter, and each of its sentences when it
+    has several (each distinct window once). All windows of all items are embedded together, in
+    sub-batches of at most `rows` sorted by length (little padding, bounded memory)."""
+    features: list[dict[str, list[int]]] = []
+    owners: list[int] = []
+    for i, (text, max_length) in enumerate(items):
+        parts = sentences(text)
+        texts = [text, *parts] if len(parts) > 1 else [text]
+        specials = tokenizer.num_special_tokens_to_add(pair=False)
+        enc = tokenizer(
+            texts,
+            truncation=True,
+            max_length=max_length,
+            stride=max(0, (max_length - specials) // 4),
+            return_overflowing_tokens=True,
+        )
+        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+        seen: set[tuple[int, ...]] = set()
+        for w in range(len(enc["input_ids"])):
+            ids = tuple(enc["input_ids"][w])
+            if ids not in seen:
+                seen.add(ids)
+                features.append({k: enc[k][w] for k in keys})
+                owners.append(i)
+    order = sorted(range(len(features)), key=lambda w: len(features[w]["input_ids"]))
+    pooled: list[np.ndarray | None] = [None] * len(features)
+    for b in range(0, len(order), rows):
+        chunk = order[b : b + rows]
+        out = _pool(model, tokenizer.pad([features[w] for w in chunk], return_tensors="pt"))
+        for r, w in enumerate(chunk):
+            pooled[w] = out[r]
+    per: list[list[np.ndarray]] = [[] for _ in items]
+    for w, i in enumerate(owners):
+        vec = pooled[w]
+        assert vec is not None
+        per[i].append(vec)
+    return [np.stack(vs) for vs in per]
 
 
 class _TopicSet:
@@ -90,7 +139,7 @@ class _TopicSet:
         self.starts = starts
 
     def scores(self, embeddings: np.ndarray) -> np.ndarray:
-        """(contents × topics): best cosine similarity with each topic's examples."""
+        """(windows × topics): best cosine similarity with each topic's examples."""
         sims = embeddings @ self.matrix.T
         return np.maximum.reduceat(sims, self.starts, axis=1)
 
@@ -102,7 +151,8 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
         "phrases. One whole-content detection per content naming the most similar topic "
         "(type 'topic'), score = best cosine similarity, returned when >= min_score "
         "(default 0.3) or threshold; metadata.topic_scores has every topic's score. "
-        "Contents longer than max_length tokens are truncated. MiniLM similarities of an "
+        "Scores are the best over windows of max_length tokens and over the content's "
+        "sentences, so nothing is truncated or diluted. MiniLM similarities of an "
         "on-topic sentence to short example phrases are typically 0.35-0.6: configure the "
         "detector's threshold accordingly (0.4 is a reasonable start; more examples help)."
     )
@@ -127,7 +177,7 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
 
     def _forward(self, items: list[tuple[str, int]]) -> list[np.ndarray]:
         tokenizer, model = self._runtime.get()
-        return mean_pooled(tokenizer, model, items)
+        return window_embeddings(tokenizer, model, items, self.params.max_batch_size)
 
     def _judge(self, items: list[tuple[str, int]]) -> list[np.ndarray]:
         """Contents are embedded as their normalised view (DESIGN 4.6b), in the worker thread;
@@ -191,7 +241,8 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
             return out
         topic_set = await self._topic_set(p)
         embeddings = await self._batcher.submit([(contents[i], p.max_length) for i in todo])
-        scores = topic_set.scores(np.stack(embeddings))
+        # each content's best window per topic
+        scores = np.stack([topic_set.scores(windows).max(axis=0) for windows in embeddings])
         for row, i in enumerate(todo):
             best = int(np.argmax(scores[row]))
             score = max(0.0, float(scores[row, best]))

@@ -59,11 +59,11 @@ def injection_score() -> float:
     return hit.score
 
 
-def injection(score: float) -> dict[str, Any]:
+def injection(score: float, text: str = ATTACK) -> dict[str, Any]:
     return {
         "start": 0,
-        "end": len(ATTACK),
-        "word": ATTACK,
+        "end": len(text),
+        "word": text,
         "entity": "injection",
         "entity_group": "prompt_injection",
         "detector_id": "injection",
@@ -361,3 +361,40 @@ async def test_fms_inputs_are_judged_as_before(engine: FakeEngine, orch: Orchest
     [frame] = frames(events)
     assert frame["token_classification_results"]["input"] == [email(17)]
     assert terminal(events).name == "incomplete"
+
+
+# -- benign padding (issue 32 item 3): the attack after 23 benign sentences is still refused -----
+
+# guardify read the 1,741 characters as one text and scored the attack 0.28 (0.999 alone): the
+# guardrail let it through to the engine. It judges the sentences and spans now (DESIGN 4.6b).
+PADDED = "Cats are small domesticated carnivorous mammals that live in many homes. " * 23 + ATTACK
+
+
+async def test_benign_padding_does_not_walk_an_attack_past_the_guardrail(
+    engine: FakeEngine, orch: Orchestrator, injection_score: float
+) -> None:
+    for stream in (True, False):  # Chat Completions: a user message
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PADDED}], "stream": stream}
+        if stream:
+            chunks = await raw_chunks(orch, body, path=CHAT)
+            assert chunks[-1] == "[DONE]" and len(chunks) == 2
+            assert chunks[0]["choices"][0]["finish_reason"] == "content_filter"
+            assert chunks[0]["detections"]["input"] == [
+                {"message_index": 0, "results": [injection(injection_score, PADDED)]}
+            ]
+        else:
+            status, reply = await orch.post(CHAT, body)
+            assert status == 200, reply
+            assert reply["choices"][0]["finish_reason"] == "content_filter"
+            assert reply["choices"][0]["message"]["content"] is None
+    request = {"model": MODEL, "instructions": PADDED, "input": "ok"}  # Responses instructions
+    events = await raw_events(orch, request)
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "content_filter"}
+    status, reply = await orch.post(RESPONSES, request)
+    assert status == 200, reply
+    assert reply["incomplete_details"] == {"reason": "content_filter"}
+    events = await orch.stream({"model_id": MODEL, "inputs": PADDED})  # FMS `inputs`
+    [frame] = frames(events)
+    assert frame["token_classification_results"]["input"] == [injection(injection_score, PADDED)]
+    assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
+    assert engine.requests == []
