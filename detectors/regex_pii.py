@@ -800,6 +800,10 @@ def _evidence(kind: str, tail: str) -> bool:
     return tail.count(".") >= 2 and digits >= 7  # ipv4 (not a version: 3.11.4, 10.15.7.)
 
 
+# what may follow a value at the end of a sentence
+_CLOSING = ".,;:!?)]}\"'\u2019\u201d "
+
+
 def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[int, str] | None:
     """(start, kind) of the longest suffix of `text` that could still grow into a match of one
     of `kinds` and holds enough evidence of one (`_evidence`), judged on the normalised view
@@ -813,6 +817,15 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
     a colon is the beginning of one); a cut one is released as it is."""
     source_at = max(0, len(text) - OPEN_TAIL_SOURCE_CHARS)
     source = text[source_at:]
+    # A match followed only by closing punctuation ends the text (`call 555-123-4567.`): the
+    # scan reports the match, and the `.` is the sentence's end, not a separator of a longer
+    # number (dots are card separators): read as an open card, an answer ending in a phone
+    # number lost its last sentence to `[credit_card]`
+    closed = source.rstrip(_CLOSING)
+    if closed != source and closed and any(
+        d.end == len(closed) for d in find_pii(closed, list(kinds), {})
+    ):
+        return None
     view = normalise(source)
     v = view.text
     best: tuple[int, str] | None = None

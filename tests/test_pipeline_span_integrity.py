@@ -268,6 +268,10 @@ async def test_an_ordinary_ending_is_not_withheld(answer: str) -> None:
         ("Contact jo@example.com", None),
         ("Contact jo@example.com.", None),
         ("Call 555-123-4567", None),
+        # a match, then the sentence's end: not an open card (dots separate card groups)
+        ("Call 555-123-4567.", None),
+        ("Call me on 555-123-4567!", None),
+        ("Card 4111 1111 1111 1111.", None),
         ("It happened in 2023.", None),
         ("It happened in 2023", None),
         ("That is the end", None),
