@@ -822,8 +822,10 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
     # number (dots are card separators): read as an open card, an answer ending in a phone
     # number lost its last sentence to `[credit_card]`
     closed = source.rstrip(_CLOSING)
-    if closed != source and closed and any(
-        d.end == len(closed) for d in find_pii(closed, list(kinds), {})
+    if (
+        closed != source
+        and closed
+        and any(d.end == len(closed) for d in find_pii(closed, list(kinds), {}))
     ):
         return None
     view = normalise(source)
