@@ -1,7 +1,8 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
-Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, and US formats such as
-`(555) 123-4567`, `555-123-4567`, `+1 555.123.4567`), `ssn` (US, `123-45-6789` or with spaces,
+Kinds: `email`, `phone` (every format libphonenumber reads, international and national, such
+as `+44 20 7946 0958`, `(555) 123-4567`, `123-456-7890`, `2125550100`, plus international
+`+CC ...` with 8-15 digits), `ssn` (US, `123-45-6789` or with spaces,
 excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
 3+ digits separated by spaces or dashes, Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
@@ -207,10 +208,41 @@ def _simple(rx: Any) -> Callable[[_Text], Iterator[Span]]:
 
 
 def _phones(t: _Text) -> Iterator[Span]:
+    """Phone numbers found by libphonenumber (`phonenumbers`) or by the two patterns, with
+    overlapping finds merged into one span. libphonenumber's matcher reads every international
+    and national format it knows (`123-456-7890`, `2125550100`, `+49 (0)30 1234 5678`,
+    extensions) at leniency POSSIBLE, a length check only: a guardrail is permissive, a
+    number-shaped string is a phone unless libphonenumber rules it out (dates, times, Luhn
+    cards, SSNs are not phones to it). A find needs PHONE_MIN_DIGITS digits, so a 7-digit local
+    number (`555-1234`) is not reported; the patterns keep the `+CC` forms libphonenumber does
+    not know."""
+    found: list[Span] = []
     for start, end in t.spans(_builtin_spans(_PHONE_INTL, t.data)):
         if 8 <= sum(ch.isdigit() for ch in t.text[start:end]) <= 15:
-            yield start, end
-    yield from t.spans(_builtin_spans(_PHONE_US, t.data))
+            found.append((start, end))
+    found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
+    found.extend(_libphonenumber_spans(t.text))
+    found.sort()
+    merged: list[Span] = []
+    for start, end in found:
+        if merged and start < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    yield from merged
+
+
+PHONE_REGION = "US"  # how libphonenumber reads a number written without `+CC`
+PHONE_MIN_DIGITS = 8
+
+
+def _libphonenumber_spans(text: str) -> Iterator[Span]:
+    """Character spans of libphonenumber's matches (Leniency.POSSIBLE, region PHONE_REGION)."""
+    from phonenumbers import Leniency, PhoneNumberMatcher  # imported on first phone-shaped text
+
+    for match in PhoneNumberMatcher(text, PHONE_REGION, leniency=Leniency.POSSIBLE):
+        if sum(ch.isdigit() for ch in match.raw_string) >= PHONE_MIN_DIGITS:
+            yield match.start, match.end
 
 
 def _cards(t: _Text) -> Iterator[Span]:

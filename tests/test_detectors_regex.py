@@ -64,6 +64,23 @@ def test_each_kind_found_with_its_exact_span(kind: str, value: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "value",
+    [
+        "123-456-7890",  # issue 34: a model wrote it into an answer, unredacted
+        "2125550100",
+        "1-800-555-0199",
+        "+49 (0)30 1234 5678",
+        "+44 (0) 20 7946 0958",
+        "+91-9876543210",
+        "(555) 123-4567 x123",
+    ],
+)
+def test_phone_numbers_libphonenumber_reads_are_found_whole(value: str) -> None:
+    text = f"Call {value} today"
+    assert spans(text) == [("phone", *at(text, value), value)]
+
+
+@pytest.mark.parametrize(
     "text",
     [
         "card 4111 1111 1111 1112 declined",  # Luhn-invalid
