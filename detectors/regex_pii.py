@@ -104,6 +104,14 @@ _PHONE_US = _builtin(
     r"(?:\+?1[ .-]?)?(?:\([2-9][0-9]{2}\)[ .-]?|[2-9][0-9]{2}[ .-])[0-9]{3}[ .-][0-9]{4}",
     _W,
 )
+# A number-shaped run: digit groups of 2-5 (the first may stand in parentheses) joined by single
+# spaces or dashes, or a contiguous national number with its trunk 0; kept as a phone when it
+# has PHONE_MIN_DIGITS-15 digits and is no date, SSN or card (_number_shaped).
+_PHONE_SHAPED = _builtin(
+    _W + "+(.,-",
+    r"(?:(?:\([0-9]{1,5}\) ?|[0-9]{2,8}[ -])(?:[0-9]{2,8}[ -]){0,4}[0-9]{2,8}|0[0-9]{9,10})",
+    _W + "-",
+)
 # area: not 000, 666 or 9xx; group: not 00; serial: not 0000; both separators the same
 _SSN = _builtin(
     _W + "-",
@@ -222,6 +230,7 @@ def _phones(t: _Text) -> Iterator[Span]:
             found.append((start, end))
     found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
     found.extend(_libphonenumber_spans(t.text))
+    found.extend(_number_shaped(t))
     found.sort()
     merged: list[Span] = []
     for start, end in found:
@@ -232,6 +241,23 @@ def _phones(t: _Text) -> Iterator[Span]:
     yield from merged
 
 
+def _number_shaped(t: _Text) -> Iterator[Span]:
+    """Phones in the national formats of any country (`070 4493 5104`, `(07700) 881 362`,
+    `67 501 36 56`): a number-shaped run is a phone unless it is proven to be something else,
+    here a date (groups of 4-2-2 or 2-2-4 digits), an SSN's 3-2-4 groups, or a card (13+
+    digits passing Luhn), which the other kinds report."""
+    for start, end in t.spans(_builtin_spans(_PHONE_SHAPED, t.data)):
+        groups = re2.findall(r"[0-9]+", t.text[start:end])
+        digits = "".join(groups)
+        shape = tuple(len(g) for g in groups)
+        if not PHONE_MIN_DIGITS <= len(digits) <= 15 or shape in _NOT_PHONES:
+            continue
+        if len(digits) >= 13 and luhn_ok(digits):
+            continue
+        yield start, end
+
+
+_NOT_PHONES = {(4, 2, 2), (2, 2, 4), (3, 2, 4)}  # dates, US SSNs
 PHONE_REGION = "US"  # how libphonenumber reads a number written without `+CC`
 PHONE_MIN_DIGITS = 8
 
