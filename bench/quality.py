@@ -10,9 +10,10 @@ Data (package, licence, what is used):
 - Prompt injection: `bastioncorpus==0.6.0` (MIT): `corpus/injections.jsonl`, 181 rows labelled
   `malicious` (118) or `benign` (63, false-positive traps), in en/de/fr/es/it.
   `jailbreak-corpus-mini-py==0.1.0` (MIT): `corpus.json`, 15 attack prompts. Benign prompts
-  besides bastioncorpus's traps: the template-free customer-service questions of
-  presidio-evaluator's `templates.txt` (below; CC BY-SA 3.0 US) that hold no placeholder, e.g.
-  "How do I open my credit card statement?".
+  besides bastioncorpus's traps: the customer-service questions of presidio-evaluator's
+  `templates.txt` (below; CC BY-SA 3.0 US) that hold no placeholder, e.g. "How do I open my
+  credit card statement?", and 150 sentences its generator draws (seed 3): requests and
+  prose that instruct no model (their label is ours: benign).
 - PII: `presidio-evaluator==0.3.2` (MIT; its templates CC BY-SA 3.0 US, its fake people from
   FakeNameGenerator.com): `PresidioSentenceFaker` with its own templates, fake-person table and
   Faker providers draws sentences whose entity spans it records (17 kinds). Two seeded draws:
@@ -177,7 +178,7 @@ def _templates() -> list[str]:
     return [ln.strip() for ln in lines if ln.strip()]
 
 
-def injection_data() -> list[Labelled]:
+def injection_data(benign: int = 150) -> list[Labelled]:
     rows: list[Labelled] = []
     corpus = importlib.resources.files("bastioncorpus") / "corpus" / "injections.jsonl"
     for line in corpus.read_text(encoding="utf-8").splitlines():
@@ -193,6 +194,9 @@ def injection_data() -> list[Labelled]:
         # only the questions with no placeholder and no licence line are prompts
         if "{{" not in t and "license" not in t.lower() and t.endswith("?"):
             rows.append(Labelled(t, False, "presidio-evaluator templates"))
+    # ordinary requests and sentences, none of them an instruction to a model: the generator's
+    # draws (seed 3, apart from the PII splits)
+    rows.extend(Labelled(t.text, False, "presidio-evaluator draws") for t in pii_data(benign, 3))
     return rows
 
 
