@@ -288,6 +288,18 @@ def score_of(detections: list[Any]) -> float:
     return max((d.score for d in detections), default=0.0)
 
 
+def _shipped_injection() -> tuple[str, float] | None:
+    """(model, threshold) of the shipped config.yaml's `injection` detector."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
+    det = (cfg.get("detectors") or {}).get("injection")
+    if not det or det.get("builtin") != "prompt_injection":
+        return None
+    model = (det.get("params") or {}).get("model", "guardify")
+    return model, float(det.get("default_threshold", 0.5))
+
+
 async def bench_injection(results: dict[str, Any]) -> None:
     data = injection_data()
     texts = [r.text for r in data]
@@ -311,11 +323,34 @@ async def bench_injection(results: dict[str, Any]) -> None:
     scores["max(guardify, nanoguard)"] = [
         max(a, b) for a, b in zip(scores["guardify"], scores["nanoguard"], strict=True)
     ]
+    g, n = costs["guardify"], costs["nanoguard"]  # both models judge every text
     costs["max(guardify, nanoguard)"] = {
-        k: round(costs["guardify"][k] + costs["nanoguard"][k], 2) if k.startswith("cpu") else 0
-        for k in costs["guardify"]
+        "cpu_ms_per_1k_chars": round(g["cpu_ms_per_1k_chars"] + n["cpu_ms_per_1k_chars"], 2),
+        "texts_per_s_c32": round(1 / (1 / g["texts_per_s_c32"] + 1 / n["texts_per_s_c32"]), 1),
     }
     out_rows: dict[str, Any] = {}
+    shipped = _shipped_injection()
+    if shipped is not None:  # what the shipped config.yaml's `injection` gives, as configured
+        model, threshold = shipped
+        name = model if model != "max" else "max(guardify, nanoguard)"
+        s = scores[name]
+        t_labels = [lb for lb, d in zip(labels, dev, strict=True) if not d]
+        t_scores = [x for x, d in zip(s, dev, strict=True) if not d]
+        at_cfg, test_cfg = (
+            classify_prf(labels, s, threshold),
+            classify_prf(t_labels, t_scores, threshold),
+        )
+        out_rows["config.yaml injection"] = {
+            "model": model,
+            "threshold": threshold,
+            "all": at_cfg.row(),
+            "test": test_cfg.row(),
+        }
+        print(
+            f"config.yaml injection (model {model}, threshold {threshold}): all P "
+            f"{at_cfg.precision:.3f} R {at_cfg.recall:.3f} F1 {at_cfg.f1:.3f} | test P "
+            f"{test_cfg.precision:.3f} R {test_cfg.recall:.3f} F1 {test_cfg.f1:.3f}"
+        )
     for name, s in scores.items():
         d_labels = [lb for lb, d in zip(labels, dev, strict=True) if d]
         d_scores = [x for x, d in zip(s, dev, strict=True) if d]
