@@ -244,20 +244,25 @@ def _phones(t: _Text) -> Iterator[Span]:
 def _number_shaped(t: _Text) -> Iterator[Span]:
     """Phones in the national formats of any country (`070 4493 5104`, `(07700) 881 362`,
     `67 501 36 56`): a number-shaped run is a phone unless it is proven to be something else,
-    here a date (groups of 4-2-2 or 2-2-4 digits), an SSN's 3-2-4 groups, or a card (13+
-    digits passing Luhn), which the other kinds report."""
+    here a date (groups of 4-2-2 or 2-2-4 digits), an SSN's 3-2-4 groups, a card (13+ digits
+    passing Luhn), which the other kinds report, or a piece of a card that a chunk boundary
+    cut off (groups of 4 only; an Amex number's 4-6 or 6-5): a blocking detector must name
+    the card its window finds, not a phone in each chunk."""
     for start, end in t.spans(_builtin_spans(_PHONE_SHAPED, t.data)):
         groups = re2.findall(r"[0-9]+", t.text[start:end])
         digits = "".join(groups)
         shape = tuple(len(g) for g in groups)
         if not PHONE_MIN_DIGITS <= len(digits) <= 15 or shape in _NOT_PHONES:
             continue
+        if all(n == 4 for n in shape):  # `4111 1111`: a card's groups, cut by a chunk
+            continue
         if len(digits) >= 13 and luhn_ok(digits):
             continue
         yield start, end
 
 
-_NOT_PHONES = {(4, 2, 2), (2, 2, 4), (3, 2, 4)}  # dates, US SSNs
+# dates, US SSNs, the first two groups of an Amex number (4-6-5) and its last two
+_NOT_PHONES = {(4, 2, 2), (2, 2, 4), (3, 2, 4), (4, 6), (6, 5)}
 PHONE_REGION = "US"  # how libphonenumber reads a number written without `+CC`
 PHONE_MIN_DIGITS = 8
 
