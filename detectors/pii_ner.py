@@ -12,8 +12,9 @@ a decision, as a pattern match is). A find that overlaps an earlier one (a `rege
 is dropped, so the spans never overlap; an IBAN, whose digit groups `regex` would report as a
 phone, is reported as the IBAN.
 
-Cost (bench/quality.py, 2 cores): about 30 ms of CPU per 1,000 characters, 400 times `regex`'s
-cost on prose, which is why `regex` stays the fast path and `pii_ner` is opt-in. The model runs
+Cost (bench/quality.py, 2 cores): about 40 ms of CPU per 1,000 characters, 100 times `regex`'s
+(and 20 times the orchestrator's CPU per answer as its output guardrail, bench/openai_overhead.py
+--pii-builtin pii_ner), which is why `regex` stays the fast path and `pii_ner` is opt-in. The model runs
 in its runtime's worker thread, micro-batched (`nlp.pipe` over a batch), never on the event
 loop. English only.
 """
