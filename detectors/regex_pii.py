@@ -104,7 +104,7 @@ _PHONE_US = _builtin(
     r"(?:\+?1[ .-]?)?(?:\([2-9][0-9]{2}\)[ .-]?|[2-9][0-9]{2}[ .-])[0-9]{3}[ .-][0-9]{4}",
     _W,
 )
-# A number-shaped run: digit groups of 2-5 (the first may stand in parentheses) joined by single
+# A number-shaped run: digit groups of 2-8 (the first may stand in parentheses) joined by single
 # spaces or dashes, or a contiguous national number with its trunk 0; kept as a phone when it
 # has PHONE_MIN_DIGITS-15 digits and is no date, SSN or card (_number_shaped).
 _PHONE_SHAPED = _builtin(
