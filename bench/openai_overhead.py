@@ -274,8 +274,12 @@ def orchestrator_config(fake_url: str, workers: int = 1, redact: bool = False) -
             ),
         },
         "chunkers": {"sentence": {"type": "sentence"}},
-        "detectors": {"pii": {"builtin": "regex", "chunker_id": "sentence"}},
+        "detectors": {"pii": {"builtin": PII_BUILTIN[0], "chunker_id": "sentence"}},
     }
+
+
+#: `--pii-builtin`: the built-in behind `pii` in the orchestrator under test (not --before's)
+PII_BUILTIN = ["regex"]
 
 
 #: `--server KEY=VALUE`: server settings of the orchestrator under test (e.g. read_coalesce_tokens)
@@ -290,6 +294,8 @@ def start_orchestrator(
 
     # (a checkout given with --before may predate on_detection: redact)
     cfg = orchestrator_config(fake_url, workers, redact=root == ROOT)
+    if root != ROOT:
+        cfg["detectors"]["pii"]["builtin"] = "regex"
     cfg["server"].update(SERVER_OVERRIDES)
     if workers == 1:
         cfg["server"].pop("workers")  # also runs against a tree without `server.workers`
@@ -815,11 +821,17 @@ def main() -> int:
         help="another checkout (e.g. `git archive <commit>` unpacked): its orchestrator runs "
         "the same guarded levels, interleaved, as `<scenario>@before`",
     )
+    parser.add_argument(
+        "--pii-builtin",
+        default="regex",
+        help="the built-in behind the `pii` guardrail (e.g. pii_ner); --before's stays regex",
+    )
     parser.add_argument("--json", default=None)
     _orch_bench.add_server_option(parser)
     parser.add_argument("--profile", default=None, help="run the orchestrator under cProfile")
     args = parser.parse_args()
     SERVER_OVERRIDES.update(_orch_bench.server_overrides(args.server))
+    PII_BUILTIN[0] = args.pii_builtin
     if args.before:
         args.before = Path(args.before).resolve()
     use_uvloop()

@@ -1,4 +1,4 @@
-"""guardstream detectors: built-in detectors (regex PII, profanity/HAP, prompt injection, topic,
+"""guardstream detectors: built-in detectors (regex PII, NER PII, profanity/HAP, prompt injection, topic,
 Hugging Face classifier), micro-batched model inference, and the detector service (DESIGN 6).
 
 Importing this package is cheap (no torch, no models): the orchestrator imports it to validate a
@@ -22,10 +22,18 @@ from .base import (
 )
 from .runtime import check_device
 
-BUILTINS: tuple[str, ...] = ("regex", "profanity", "prompt_injection", "topic", "hf_classifier")
+BUILTINS: tuple[str, ...] = (
+    "regex",
+    "pii_ner",
+    "profanity",
+    "prompt_injection",
+    "topic",
+    "hf_classifier",
+)
 
 _CLASSES: dict[str, tuple[str, str]] = {
     "regex": (".regex_pii", "RegexDetector"),
+    "pii_ner": (".pii_ner", "PiiNerDetector"),
     "profanity": (".profanity", "ProfanityDetector"),
     "prompt_injection": (".prompt_injection", "PromptInjectionDetector"),
     "topic": (".topic", "TopicDetector"),

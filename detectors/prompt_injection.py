@@ -1,6 +1,11 @@
 """`prompt_injection`: `prompt-guardrail` (import `guardify`, TF-IDF + logistic regression, about
 1 ms per text) by default; `model: nanoguard` selects `metatronnanoguard` (a 16.8M-parameter
-bidirectional transformer in plain torch).
+bidirectional transformer in plain torch); `model: max` runs both and scores the larger
+probability (the shipped config.yaml's choice: the best F1 of the three in bench/quality.py).
+
+guardify's probabilities are low even for clear injections (at 0.5 it finds about 9% of them),
+so with `max` a threshold near 0.05 is what separates (bench/quality.py chooses it on its dev
+split); nanoguard's are spread out (0.5 finds about 60%).
 
 Score: the model's probability of the injection class, the maximum over the content's windows
 (DESIGN 4.6b): its sentences, and spans of the model's length. guardify reads 512-character spans
@@ -40,7 +45,7 @@ NANOGUARD_OVERLAP = 64  # tokens shared by consecutive nanoguard windows
 class InjectionParams(ScoredParams):
     """`model` is config-only: it is chosen when the detector is built."""
 
-    model: Literal["guardify", "nanoguard"] = "guardify"
+    model: Literal["guardify", "nanoguard", "max"] = "guardify"
 
 
 def _load_guardify() -> tuple[Any, Any, int]:
@@ -62,11 +67,12 @@ def _load_nanoguard(device: str) -> Any:
 class PromptInjectionDetector(ScoredTextDetector):
     name = "prompt_injection"
     description = (
-        "Prompt injection / jailbreak: guardify (default, TF-IDF + logistic regression) or "
-        "nanoguard (model: nanoguard; neural, 512-token windows). The score is the maximum "
-        "over the content's sentences and spans of the model's length, so benign padding "
-        "cannot dilute an injection. One whole-content detection 'injection' (type "
-        "'prompt_injection') per content with score >= min_score (or threshold)."
+        "Prompt injection / jailbreak: guardify (default, TF-IDF + logistic regression), "
+        "nanoguard (model: nanoguard; neural, 512-token windows), or the larger score of both "
+        "(model: max). The score is the maximum over the content's sentences and spans of the "
+        "model's length, so benign padding cannot dilute an injection. One whole-content "
+        "detection 'injection' (type 'prompt_injection') per content with score >= min_score "
+        "(or threshold)."
     )
     Params: ClassVar[type[ScoredParams]] = InjectionParams
     label = "injection"
@@ -74,10 +80,16 @@ class PromptInjectionDetector(ScoredTextDetector):
 
     def _make_runtime(self) -> ModelRuntime:
         if self.params.model == "guardify":
-            return get_runtime(("guardify",), _load_guardify)
+            return _guardify_runtime()
         device = resolve_device(self.device)
+        if self.params.model == "nanoguard":
+            return _nanoguard_runtime(device)
+        # both models, loaded through their own runtimes (weights shared with other detectors),
+        # called from the torch thread
         return get_runtime(
-            ("nanoguard", device), lambda: _load_nanoguard(device), thread=torch_thread(device)
+            ("injection-max", device),
+            lambda: (_guardify_runtime().get(), _nanoguard_runtime(device).get()),
+            thread=torch_thread(device),
         )
 
     def span_window(self) -> tuple[int | None, int]:
@@ -89,10 +101,29 @@ class PromptInjectionDetector(ScoredTextDetector):
 
     def _forward(self, items: list[str]) -> list[float]:
         if self.params.model == "guardify":
-            vectorizer, clf, col = self._runtime.get()
-            probs = clf.predict_proba(vectorizer.transform(items))
-            return [float(x) for x in probs[:, col]]
-        return _nanoguard_scores(self._runtime.get(), items, self.params.max_batch_size)
+            return _guardify_scores(self._runtime.get(), items)
+        if self.params.model == "nanoguard":
+            return _nanoguard_scores(self._runtime.get(), items, self.params.max_batch_size)
+        guardify, nanoguard = self._runtime.get()
+        cheap = _guardify_scores(guardify, items)
+        neural = _nanoguard_scores(nanoguard, items, self.params.max_batch_size)
+        return [max(a, b) for a, b in zip(cheap, neural, strict=True)]
+
+
+def _guardify_runtime() -> ModelRuntime:
+    return get_runtime(("guardify",), _load_guardify)
+
+
+def _nanoguard_runtime(device: str) -> ModelRuntime:
+    return get_runtime(
+        ("nanoguard", device), lambda: _load_nanoguard(device), thread=torch_thread(device)
+    )
+
+
+def _guardify_scores(model: tuple[Any, Any, int], items: list[str]) -> list[float]:
+    vectorizer, clf, col = model
+    probs = clf.predict_proba(vectorizer.transform(items))
+    return [float(x) for x in probs[:, col]]
 
 
 def _nanoguard_scores(ng: Any, texts: list[str], max_rows: int) -> list[float]:

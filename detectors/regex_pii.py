@@ -1,7 +1,8 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
-Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, and US formats such as
-`(555) 123-4567`, `555-123-4567`, `+1 555.123.4567`), `ssn` (US, `123-45-6789` or with spaces,
+Kinds: `email`, `phone` (every format libphonenumber reads, international and national, such
+as `+44 20 7946 0958`, `(555) 123-4567`, `123-456-7890`, `2125550100`, plus international
+`+CC ...` with 8-15 digits), `ssn` (US, `123-45-6789` or with spaces,
 excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
 3+ digits separated by spaces, dashes or dots, Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
@@ -126,6 +127,16 @@ _PHONE_US = _builtin(
     r"(?:\+?1[ .-]?)?(?:\([2-9][0-9]{2}\)[ .-]?|[2-9][0-9]{2}[ .-])[0-9]{3}[ .-][0-9]{4}",
     _AN,
 )
+# A number-shaped run: digit groups of 2-8 (the first may stand in parentheses) joined by single
+# spaces or dashes, or a contiguous national number with its trunk 0; kept as a phone when it
+# has PHONE_MIN_DIGITS-15 digits and is no date, SSN or card (_number_shaped). A letter or digit
+# next to it joins it to a longer token; so does a `+`, `(`, `.`, `,` or `-` before it and a
+# `-` after it (a decimal, a continued run).
+_PHONE_SHAPED = _builtin(
+    _AN + "+(.,-",
+    r"(?:(?:\([0-9]{1,5}\) ?|[0-9]{2,8}[ -])(?:[0-9]{2,8}[ -]){0,4}[0-9]{2,8}|0[0-9]{9,10})",
+    _AN + "-",
+)
 # area: not 000, 666 or 9xx; group: not 00; serial: not 0000; both separators the same.
 # A `-` next to it continues it only with a digit on its other side (`1-123-45-6789`).
 _SSN = _builtin(
@@ -237,10 +248,64 @@ def _simple(rx: Any) -> Callable[[_Text], Iterator[Span]]:
 
 
 def _phones(t: _Text) -> Iterator[Span]:
+    """Phone numbers found by libphonenumber (`phonenumbers`) or by the two patterns, with
+    overlapping finds merged into one span. libphonenumber's matcher reads every international
+    and national format it knows (`123-456-7890`, `2125550100`, `+49 (0)30 1234 5678`,
+    extensions) at leniency POSSIBLE, a length check only: a guardrail is permissive, a
+    number-shaped string is a phone unless libphonenumber rules it out (dates, times, Luhn
+    cards, SSNs are not phones to it). A find needs PHONE_MIN_DIGITS digits, so a 7-digit local
+    number (`555-1234`) is not reported; the patterns keep the `+CC` forms libphonenumber does
+    not know."""
+    found: list[Span] = []
     for start, end in t.spans(_builtin_spans(_PHONE_INTL, t.data)):
         if 8 <= sum(ch.isdigit() for ch in t.text[start:end]) <= 15:
-            yield start, end
-    yield from t.spans(_builtin_spans(_PHONE_US, t.data))
+            found.append((start, end))
+    found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
+    found.extend(_libphonenumber_spans(t.text))
+    found.extend(_number_shaped(t))
+    found.sort()
+    merged: list[Span] = []
+    for start, end in found:
+        if merged and start < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    yield from merged
+
+
+def _number_shaped(t: _Text) -> Iterator[Span]:
+    """Phones in the national formats of any country (`070 4493 5104`, `(07700) 881 362`,
+    `67 501 36 56`): a number-shaped run is a phone unless it is proven to be something else,
+    here a date (groups of 4-2-2 or 2-2-4 digits), an SSN's 3-2-4 groups, a card (13+ digits
+    passing Luhn), which the other kinds report, or a piece of a card that a chunk boundary
+    cut off (groups of 4 only; an Amex number's 4-6 or 6-5): a blocking detector must name
+    the card its window finds, not a phone in each chunk."""
+    for start, end in t.spans(_builtin_spans(_PHONE_SHAPED, t.data)):
+        groups = re2.findall(r"[0-9]+", t.text[start:end])
+        digits = "".join(groups)
+        shape = tuple(len(g) for g in groups)
+        if not PHONE_MIN_DIGITS <= len(digits) <= 15 or shape in _NOT_PHONES:
+            continue
+        if all(n == 4 for n in shape):  # `4111 1111`: a card's groups, cut by a chunk
+            continue
+        if len(digits) >= 13 and luhn_ok(digits):
+            continue
+        yield start, end
+
+
+# dates, US SSNs, the first two groups of an Amex number (4-6-5) and its last two
+_NOT_PHONES = {(4, 2, 2), (2, 2, 4), (3, 2, 4), (4, 6), (6, 5)}
+PHONE_REGION = "US"  # how libphonenumber reads a number written without `+CC`
+PHONE_MIN_DIGITS = 8
+
+
+def _libphonenumber_spans(text: str) -> Iterator[Span]:
+    """Character spans of libphonenumber's matches (Leniency.POSSIBLE, region PHONE_REGION)."""
+    from phonenumbers import Leniency, PhoneNumberMatcher  # imported on first phone-shaped text
+
+    for match in PhoneNumberMatcher(text, PHONE_REGION, leniency=Leniency.POSSIBLE):
+        if sum(ch.isdigit() for ch in match.raw_string) >= PHONE_MIN_DIGITS:
+            yield match.start, match.end
 
 
 def _cards(t: _Text) -> Iterator[Span]:

@@ -93,6 +93,21 @@ async def test_prompt_injection_flags_injections_not_benign_prompts(model: str) 
     assert (top.start, top.end) == (0, len(INJECTIONS[0]))
 
 
+async def test_max_scores_the_larger_probability_of_both_models() -> None:
+    """`model: max` (the shipped config's injection detector, issue 34): each text's score is
+    the larger of guardify's and nanoguard's, both models loaded once and shared."""
+    texts = INJECTIONS + BENIGN
+    both = detectors.build("prompt_injection", {"model": "max", "min_score": 0.0})
+    alone = [
+        detectors.build("prompt_injection", {"model": m, "min_score": 0.0})
+        for m in ("guardify", "nanoguard")
+    ]
+    got = scores_of(await both.detect(texts))
+    cheap, neural = [scores_of(await d.detect(texts)) for d in alone]
+    assert got == [max(a, b) for a, b in zip(cheap, neural, strict=True)]
+    assert got != cheap and got != neural  # each model wins somewhere
+
+
 async def test_nanoguard_reads_long_texts_in_windows_not_truncated() -> None:
     """Truncated to its first 512 tokens, the text with an injection after about 720 tokens of
     filler would score exactly like the filler alone. (Mean pooling over a 512-token window
@@ -108,7 +123,9 @@ async def test_prompt_injection_model_is_fixed_at_build() -> None:
     det = detectors.build("prompt_injection")
     with pytest.raises(InvalidParams, match="model: set in the detector's config only"):
         await det.detect(["x"], {"model": "nanoguard"})
-    with pytest.raises(InvalidParams, match="model: Input should be 'guardify' or 'nanoguard'"):
+    with pytest.raises(
+        InvalidParams, match="model: Input should be 'guardify', 'nanoguard' or 'max'"
+    ):
         detectors.validate_params("prompt_injection", {"model": "bert"})
 
 

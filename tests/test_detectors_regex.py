@@ -64,6 +64,29 @@ def test_each_kind_found_with_its_exact_span(kind: str, value: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "value",
+    [
+        "123-456-7890",  # issue 34: a model wrote it into an answer, unredacted
+        "2125550100",
+        "1-800-555-0199",
+        "+49 (0)30 1234 5678",
+        "+44 (0) 20 7946 0958",
+        "+91-9876543210",
+        "(555) 123-4567 x123",
+        # national formats of other countries: number-shaped, so phones
+        "070 4493 5104",
+        "(07700) 881 362",
+        "67 501 36 56",
+        "0240-4160056",
+        "07700172271",
+    ],
+)
+def test_phone_numbers_libphonenumber_reads_are_found_whole(value: str) -> None:
+    text = f"Call {value} today"
+    assert spans(text) == [("phone", *at(text, value), value)]
+
+
+@pytest.mark.parametrize(
     "text",
     [
         "card 4111 1111 1111 1112 declined",  # Luhn-invalid
@@ -75,6 +98,7 @@ def test_each_kind_found_with_its_exact_span(kind: str, value: str) -> None:
         "MAC 00:1A:2B:3C:4D:5E",  # not IPv6
         "SSN 000-12-3456 or 666-12-3456 or 123-00-4567",  # never issued
         "short 555-1234 and 12345",  # too short for a phone number
+        "card 4111 1111 1111 and 4111 1111",  # pieces of a card cut by a chunk: no phones
         "user at example dot com",
         "the ratio is 3.14159265358979323846",
         "",

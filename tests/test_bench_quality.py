@@ -1,0 +1,64 @@
+"""The metric code of bench/quality.py (issue 34): the figures in the README come from it, so its
+counting is checked here on hand-computed cases (the labelled data is bench-only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.quality import PRF, SpanScore, best_threshold, classify_prf, split_of
+
+
+def test_classifier_counts_at_a_threshold() -> None:
+    labels = [True, True, True, False, False]
+    scores = [0.9, 0.5, 0.2, 0.7, 0.1]
+    got = classify_prf(labels, scores, 0.5)  # flags 0.9 (tp), 0.5 (tp), 0.7 (fp); misses 0.2
+    assert (got.tp, got.fp, got.fn) == (2, 1, 1)
+    assert got.precision == pytest.approx(2 / 3)
+    assert got.recall == pytest.approx(2 / 3)
+    assert got.f1 == pytest.approx(2 / 3)
+
+
+def test_empty_counts_do_not_divide_by_zero() -> None:
+    assert (PRF().precision, PRF().recall) == (1.0, 1.0)
+    assert PRF(fn=3).f1 == 0.0
+
+
+def test_best_threshold_is_the_highest_with_the_best_f1() -> None:
+    labels = [True, True, False, False]
+    scores = [0.8, 0.6, 0.4, 0.3]
+    # any threshold in (0.4, 0.6] separates them; among the scores seen that is 0.5 and 0.6
+    assert best_threshold(labels, scores) == 0.6
+
+
+def test_span_overlap_counts_per_gold_kind_and_per_detected_kind() -> None:
+    score = SpanScore()
+    gold = [(0, 10, "PERSON"), (20, 30, "PHONE_NUMBER"), (40, 45, "GPE")]
+    predicted = [(2, 5, "person"), (25, 35, "phone"), (50, 55, "organization")]
+    score.add(gold, predicted)
+    assert {k: (v.tp, v.fn) for k, v in score.gold.items()} == {
+        "PERSON": (1, 0),
+        "PHONE_NUMBER": (1, 0),
+        "GPE": (0, 1),
+    }
+    assert {k: (v.tp, v.fp) for k, v in score.found.items()} == {
+        "person": (1, 0),
+        "phone": (1, 0),
+        "organization": (0, 1),
+    }
+    assert (score.overall.tp, score.overall.fp, score.overall.fn) == (2, 1, 1)
+    # touching is no overlap: [10, 20) does not meet [0, 10) or [20, 30)
+    edge = SpanScore()
+    edge.add([(0, 10, "PERSON")], [(10, 20, "person")])
+    assert (edge.overall.tp, edge.overall.fp, edge.overall.fn) == (0, 1, 1)
+
+
+def test_recall_over_some_kinds_keeps_every_false_positive() -> None:
+    score = SpanScore()
+    score.add([(0, 5, "PERSON"), (10, 15, "US_SSN")], [(10, 15, "ssn"), (20, 25, "date")])
+    sub = score.recall_over({"US_SSN", "EMAIL_ADDRESS"})
+    assert (sub.tp, sub.fp, sub.fn) == (1, 1, 0)
+
+
+def test_the_split_is_a_stable_function_of_the_text() -> None:
+    assert split_of("Ignore previous instructions") == split_of("Ignore previous instructions")
+    assert {split_of(f"text {i}") for i in range(20)} == {"dev", "test"}
