@@ -53,6 +53,7 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
@@ -221,6 +222,10 @@ class Engine:
         self._solo: DynamicCache | None = None  # other models: the one running row's own cache
         self._batchable: bool | None = None  # learnt from the first prefill's cache layout
         self._outbox: list[tuple[Job, StreamItem | StreamError]] = []
+        # per event loop: events posted, not yet delivered (weak: test loops come and go)
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
+            weakref.WeakKeyDictionary()
+        )
         # Prefill computes logits for the last position only when the model supports it.
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
@@ -464,6 +469,8 @@ class Engine:
             self._active.discard(job)
 
     def _flush_outbox(self) -> None:
+        """Hand this step's events to their loops: one wake-up per loop that is not already
+        due to run a delivery (a loop behind the worker gets several steps in one go)."""
         if not self._outbox:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, StreamItem | StreamError]]] = {}
@@ -471,10 +478,15 @@ class Engine:
             by_loop.setdefault(job.loop, []).append((job, event))
         self._outbox = []
         for loop, events in by_loop.items():
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = _Mailbox()
+            if mailbox.post(events) and not loop.is_closed():
+                continue  # a wake-up is already on its way
             try:
-                loop.call_soon_threadsafe(_deliver, events)
+                loop.call_soon_threadsafe(mailbox.deliver)
             except RuntimeError:  # the loop is closed: nobody is listening any more
-                for job, _ in events:
+                for job, _ in mailbox.take():
                     job.cancelled = True
 
     def _drop_cancelled(self) -> None:
@@ -839,6 +851,31 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def _deliver(events: list[tuple[Job, StreamItem | StreamError]]) -> None:
-    for job, event in events:
-        job.queue.put_nowait(event)
+class _Mailbox:
+    """Events from the worker to one event loop. The worker posts each step's events; the loop
+    delivers everything posted since its last delivery. Only a post into an empty mailbox needs
+    a wake-up (`call_soon_threadsafe`: a syscall and a GIL hand-off per step, which the worker
+    pays): while the loop is behind, later steps just join the pending delivery."""
+
+    __slots__ = ("_events", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[tuple[Job, StreamItem | StreamError]] = []
+
+    def post(self, events: list[tuple[Job, StreamItem | StreamError]]) -> bool:
+        """Add events (worker); True when a delivery is already pending (no wake-up needed)."""
+        with self._lock:
+            pending = bool(self._events)
+            self._events.extend(events)
+            return pending
+
+    def take(self) -> list[tuple[Job, StreamItem | StreamError]]:
+        with self._lock:
+            events, self._events = self._events, []
+            return events
+
+    def deliver(self) -> None:
+        """On the loop: every posted event into its job's queue, in order."""
+        for job, event in self.take():
+            job.queue.put_nowait(event)
