@@ -187,14 +187,16 @@ class TextGate:
         """Add produced text; find a stop sequence or advance what is safe."""
         if self.stop_at is not None or not delta:
             return
+        if not self._stops:  # nothing to scan for: all text is safe (the common case)
+            self._length += len(delta)
+            self._buffer += delta
+            self._safe_upto = self._length
+            return
         combined = self._tail + delta
         base = self._length - len(self._tail)
         self._length += len(delta)
         self._buffer += delta
         self._tail = combined[-self._keep :] if self._keep else ""
-        if not self._stops:
-            self._safe_upto = self._length
-            return
         # Any match here is new: an older one would have ended the text at an earlier push.
         best = min((p for p in (combined.find(s) for s in self._stops) if p != -1), default=-1)
         if best != -1:

@@ -72,7 +72,15 @@ from .decode_graphs import (
 )
 from .detokenizer import Detokenizer, TextGate, make_detokenizer
 from .device_sampling import DeviceSampler
-from .jobs import EngineStats, EngineUnavailable, FinishReason, Job, StreamError, StreamItem
+from .jobs import (
+    EngineStats,
+    EngineUnavailable,
+    FinishReason,
+    Job,
+    StreamError,
+    StreamItem,
+    StreamQueue,
+)
 from .kv_cache import SlotCache
 from .models import LoadedModel
 from .sampling import apply_repetition_penalties, default_candidates, select
@@ -120,7 +128,9 @@ class _Row:
         "kv_len",
         "next_input",
         "partial",
+        "penalised",
         "prefilled",
+        "prompt_length",
         "seen",
         "seen_new",
         "seen_tensor",
@@ -131,7 +141,9 @@ class _Row:
         self.generated: list[int] = []
         self.detok = detokenizer()
         self.gate = TextGate(job.stop_sequences, already_delivered=job.resume_text_len)
-        self.seen: set[int] = set(job.prompt_ids)
+        self.seen: set[int] = set(job.prompt_ids)  # after joining: penalised rows only
+        self.penalised = job.sampling.repetition_penalty != 1.0
+        self.prompt_length = len(job.prompt_ids)
         self.seen_new: list[int] = []  # seen ids not yet in seen_tensor (penalised rows only)
         self.seen_tensor: torch.Tensor | None = None  # unique seen ids on the model's device
         self.kv_len = 0  # tokens of this row in the KV cache
@@ -735,17 +747,45 @@ class Engine:
         return out.logits[:, -1, :]
 
     def _after_step(self, rows: list[_Row], tokens: list[int]) -> None:
-        """Each row takes its token; finished rows leave the batch."""
+        """Each row takes its token; finished rows leave the batch.
+
+        `_accept` and `_emit` inlined, with what is per step hoisted out of the per-row loop
+        (the clock, the counters, the limits): this runs for every row of every step, on the
+        worker thread between forward passes. Seen ids are kept up to date only for rows with a
+        repetition penalty, the only readers once a row has joined (the device sampler keeps
+        its own); the stop gate scans only for rows with stop sequences (TextGate)."""
         keep: list[int] = []
+        eos = self._eos_set
+        max_context = self.loaded.max_context
+        outbox = self._outbox
+        now = time.monotonic()
+        self.stats.tokens_generated += len(rows)
         for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
             row.kv_len += 1
-            finish = self._accept(row, token, live=True)
-            if finish is None:
-                row.next_input = token
-                self._emit(row.job, StreamItem([token], row.gate.release(), len(row.generated)))
-                keep.append(i)
+            job = row.job
+            generated = row.generated
+            generated.append(token)
+            if row.penalised and token not in row.seen:
+                row.seen.add(token)
+                if row.seen_tensor is not None:
+                    row.seen_new.append(token)
+            gate = row.gate
+            gate.push(row.detok.push(token))
+            count = len(generated)
+            if gate.stop_at is not None:
+                finish = FinishReason.STOP_SEQUENCE
+            elif token in eos:
+                finish = FinishReason.EOS_TOKEN
+            elif count >= job.max_new_tokens or row.prompt_length + count >= max_context:
+                finish = FinishReason.MAX_TOKENS
+            elif job.deadline is not None and now >= job.deadline:
+                finish = FinishReason.TIME_LIMIT
             else:
-                self._finish(row, [token], finish)
+                row.next_input = token
+                outbox.append((job, StreamItem([token], gate.release(), count)))
+                keep.append(i)
+                continue
+            self._finish(row, [token], finish)
         if len(keep) != len(rows):
             self._keep_rows(keep)
 
@@ -876,6 +916,15 @@ class _Mailbox:
             return events
 
     def deliver(self) -> None:
-        """On the loop: every posted event into its job's queue, in order."""
+        """On the loop: every posted event into its job's queue, in order (a `StreamQueue`
+        takes each job's events in one call)."""
+        by_job: dict[Job, list[StreamItem | StreamError]] = {}
         for job, event in self.take():
-            job.queue.put_nowait(event)
+            by_job.setdefault(job, []).append(event)
+        for job, events in by_job.items():
+            queue = job.queue
+            if isinstance(queue, StreamQueue):
+                queue.put_many(events)
+            else:
+                for event in events:
+                    queue.put_nowait(event)

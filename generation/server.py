@@ -41,7 +41,7 @@ from servicekit.tracing import annotate, event
 from . import models
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
-from .jobs import EngineUnavailable, Job, StreamError, StreamItem
+from .jobs import EngineUnavailable, Job, StreamError, StreamItem, StreamQueue
 from .metrics import EngineCollector
 from .models import LoadedModel
 from .protocol import (
@@ -62,8 +62,6 @@ log = logging.getLogger("guardstream.engine")
 NDJSON = "application/x-ndjson"
 CLIENT_MAX_SIZE = 4 * 1024 * 1024
 DISCONNECT_POLL_S = 0.1  # how often the app checks whether quiet streams' clients left
-#: Put in a stream's queue by `_watch_disconnects` (never by the worker): its client left.
-CLIENT_GONE = StreamError(499, "client_gone", "the client disconnected")
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without a key (see the docstring)
 FAULTS_PATH = "/admin/faults"
 
@@ -430,7 +428,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             repetition_penalty=decoding.repetition_penalty,
         ),
         loop=asyncio.get_running_loop(),
-        queue=asyncio.Queue(),
+        queue=StreamQueue(),
         resume_ids=resume_ids,
         resume_text_len=len(resume_text),
         min_new_tokens=req.min_new_tokens,
@@ -485,6 +483,7 @@ class _Stream:
         self.first_extra: dict[str, Any] | None = first_extra
         self.delivered = 0
         self.waiting = False  # awaiting the queue: `_watch_disconnects` may wake it
+        self.gone = False  # `_watch_disconnects` saw the client leave
         self.response = web.StreamResponse(
             headers={"Content-Type": NDJSON, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
@@ -573,22 +572,16 @@ class _Stream:
         """Every worker event queued for this stream (at least one), or None once the client
         has disconnected."""
         queue = self.job.queue
-        if queue.empty():
+        assert isinstance(queue, StreamQueue)
+        while queue.empty():
             self.waiting = True
             try:
-                first = await queue.get()
+                await queue.wait()
             finally:
                 self.waiting = False
-            if first is CLIENT_GONE:
+            if self.gone:
                 return None
-            events = [first]
-        else:
-            events = []
-        while not queue.empty():
-            event = queue.get_nowait()
-            if event is not CLIENT_GONE:
-                events.append(event)
-        return events
+        return queue.take_all()
 
     async def _inject(self) -> None:
         assert self.fault is not None
@@ -630,12 +623,15 @@ def _encode(obj: dict[str, Any]) -> bytes:
 
 async def _watch_disconnects(state: EngineState) -> None:
     """The one timer for every quiet stream: each DISCONNECT_POLL_S, a stream waiting for the
-    worker whose client has left is woken with CLIENT_GONE (it then cancels its job)."""
+    worker whose client has left is woken and marked gone (it then cancels its job)."""
     while True:
         await asyncio.sleep(DISCONNECT_POLL_S)
         for stream in list(state.streams):
             if stream.waiting and stream.client_gone():
-                stream.job.queue.put_nowait(CLIENT_GONE)
+                stream.gone = True
+                queue = stream.job.queue
+                assert isinstance(queue, StreamQueue)
+                queue.interrupt()
 
 
 def _error_dict(error: StreamError) -> dict[str, Any]:

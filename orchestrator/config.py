@@ -143,6 +143,9 @@ class ManagedBackend(Strict):
     # the engine's --batch-invariant: logits independent of the batch, so a migrated stream is
     # token-exact at the engine's dtype (DESIGN section 7), at a throughput cost
     batch_invariant: bool = False
+    # the engine's --prefill-chunk-tokens: contexts longer than this prefill a chunk per pass
+    # between decode steps (null: the engine's default, 256 on a CPU, 2048 on CUDA)
+    prefill_chunk_tokens: int | None = Field(None, ge=1)
     enable_fault_injection: bool = False
     start_timeout_s: float = Field(300, gt=0)
 
