@@ -13,9 +13,11 @@
 #      again with --compile when bench/engine.py has that flag;
 #   4. bench/engine.py, 1.7B shape, 64 streams (generate and step anchors), and with --compile;
 #   5. the CUDA engine and migration tests, file by file (-rf --tb=short: a cut keeps every
-#      finished file's summary), until the overall deadline.
+#      finished file's summary) in three parallel lanes, until the overall deadline
+#      (CHECK_SECONDS after the start, default 520).
 # Everything lands in $OUT: one log per step and summary.txt (the lines that matter, read by a
-# person or a script). Budgets below add up to ~510 s, leaving room for the start itself.
+# person or a script). Expected on an H100/H200: set-up ~60 s, host ~40 s, 135M ~150 s, 1.7B ~50 s,
+# tests ~100 s in lanes (about 220 s one file after another, measured 2026-11-26).
 set -u
 bundle=${1:?usage: OUT=DIR bash bench/gpu/check.sh BUNDLE [MODELS_DIR]}
 models=${2:-/root}
@@ -84,7 +86,7 @@ grep -q -- '"--compile"' bench/engine.py && compile=yes
 side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph replay
   grep -E "streams: +[0-9.]+ tok/s aggregate|side by side|engine +[0-9.]+ \|" "$out/$1.log" >> "$summary"
 }
-run e135 150 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
+run e135 180 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
   --concurrency 1,64,256 --skip-micro --rounds 1 --json "$out/e135.json"
 side_by_side e135
 run e1p7 60 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
@@ -102,22 +104,45 @@ else
   say "--- compile: bench/engine.py has no --compile yet, skipped"
 fi
 
-# 5. the CUDA tests, file by file, until the deadline (slowest-to-matter last)
+# 5. the CUDA tests, file by file ("file:limit_s"), in three lanes at once (16 cores; after the
+# benchmarks, which they would disturb), each lane until the deadline. test_migration_engine
+# restarts killed replicas, each a fresh CUDA start: its lane has little else.
 export GUARDSTREAM_TEST_DEVICE=cuda
-for file in tests/test_engine_static_decode.py tests/test_engine_device_sampling.py \
-  tests/test_engine_batching.py tests/test_engine_batch_invariant.py \
-  tests/test_engine_sampling.py tests/test_engine_resume.py tests/test_engine_chunked_prefill.py \
-  tests/test_engine_units.py tests/test_engine_api.py tests/test_engine_chat_limits_auth.py \
-  tests/test_engine_subprocess.py tests/test_engine_smollm2.py \
-  tests/test_migration_engine.py tests/test_migration_batch_invariant.py tests/test_migration.py; do
-  [ -f "$file" ] || continue
-  name=tests_$(basename "$file" .py)
-  run "$name" 90 python3 -m pytest -q -p no:cacheprovider -rf --tb=short --timeout 60 "$file"
-  # the file's last summary line ("N passed, M failed in S s") and its failures
+lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
+  tests/test_engine_batching.py:90 tests/test_engine_batch_invariant.py:90
+  tests/test_engine_sampling.py:60)
+lane2=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
+  tests/test_engine_units.py:60 tests/test_engine_api.py:90
+  tests/test_engine_chat_limits_auth.py:60 tests/test_engine_smollm2.py:30)
+lane3=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:90
+  tests/test_migration_batch_invariant.py:90 tests/test_migration.py:90)
+files=("${lane1[@]}" "${lane2[@]}" "${lane3[@]}")
+test_lane() {
+  local entry file name
+  for entry in "$@"; do
+    file=${entry%%:*}
+    [ -f "$file" ] || continue
+    name=tests_$(basename "$file" .py)
+    # no pytest-timeout override: a hanging test is cut by its file's limit (a cut file keeps
+    # nothing of -rf, so hangs show as "cut at"; the log has the progress dots)
+    run "$name" "${entry##*:}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short "$file"
+  done
+}
+test_lane "${lane1[@]}" &
+test_lane "${lane2[@]}" &
+test_lane "${lane3[@]}" &
+wait
+for entry in "${files[@]}"; do  # each file's summary line ("N passed, M failed") and failures
+  name=tests_$(basename "${entry%%:*}" .py)
+  [ -f "$out/$name.log" ] || continue
+  say "--- $name:"
   grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|error)" "$out/$name.log" | tail -25 >> "$summary"
 done
 # every test file of the engine and migration suites, so none is forgotten by the list above
 for file in tests/test_engine_*.py tests/test_migration*.py; do
-  [ -f "$out/tests_$(basename "$file" .py).log" ] || say "--- $file: not in check.sh's list, not run"
+  case " ${files[*]} " in
+    *" $file:"*) ;;
+    *) say "--- $file: not in check.sh's list, not run" ;;
+  esac
 done
 say "=== done in $(elapsed) s"
