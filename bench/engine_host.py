@@ -33,6 +33,11 @@ same with a simulated device step of `--device-ms` (the null model sleeps, relea
 GPU sync does; on CUDA it spins the GPU with `torch.cuda._sleep`): the host time still exposed is
 step - device; the share hidden = 1 - exposed / host time without the device step.
 
+CPU time too (Linux /proc): the engine process's CPU seconds per row per step, all threads, and
+over http the worker thread's share; on a shared machine these are steadier than wall time, and
+they say how much of the host's work is the worker's own (accept, detokenize, stop checks, emit)
+and how much the server's delivery, which shares the worker's GIL in the same process.
+
 Last line, for scripts (http path, most rows): `host_us_per_row_256 greedy=X sampling=Y
 overlap_hidden=Z%` (Z the smaller of the two decodings' hidden shares).
 
@@ -163,7 +168,10 @@ def load_null(device: str, device_ms: float) -> models.LoadedModel:
 
 
 def greedy_token(tokenizer: Any) -> int:
-    return int(tokenizer(GREEDY_TEXT, add_special_tokens=False)["input_ids"][0])
+    """The first token of `GREEDY_TEXT` (env GUARDSTREAM_BENCH_GREEDY_TEXT overrides it, for the
+    server subprocess too: "<|im_start|>" repeats a special token, whose text is skipped)."""
+    text = os.environ.get("GUARDSTREAM_BENCH_GREEDY_TEXT", GREEDY_TEXT)
+    return int(tokenizer(text, add_special_tokens=False)["input_ids"][0])
 
 
 def prompts(rows: int) -> list[list[int]]:
@@ -228,6 +236,7 @@ class Level:
     step_ms: float
     steps: float
     cpu_s: float = 0.0  # CPU seconds the engine's process used (all threads) for the level
+    worker_cpu_s: float = 0.0  # of which the worker thread (http path)
 
     @property
     def host_us_per_row(self) -> float:
@@ -239,6 +248,10 @@ class Level:
         """The engine process's CPU time per row per step (prefill included; the clients'
         processes excluded): what the host spends, whatever else the machine runs."""
         return self.cpu_s * 1e6 / (self.rows * max(self.steps + 1, 1))
+
+    @property
+    def worker_us_per_row(self) -> float:
+        return self.worker_cpu_s * 1e6 / (self.rows * max(self.steps + 1, 1))
 
 
 def step_time(arrivals: list[list[tuple[float, int]]]) -> tuple[float, float]:
@@ -327,7 +340,12 @@ def serve(port: int, device: str, device_ms: float, rows: int, eager: bool) -> N
         releases.append(asyncio.ensure_future(release()))  # keeps the task referenced
         return web.json_response({"held": wanted})
 
+    async def worker(request: web.Request) -> web.Response:
+        thread = request.app[STATE].engine._thread  # the worker's OS thread id, for its CPU time
+        return web.json_response({"tid": thread.native_id if thread is not None else None})
+
     app.router.add_post("/bench/hold", hold)
+    app.router.add_get("/bench/worker", worker)
     print(f"listening on {port}", flush=True)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
 
@@ -387,6 +405,10 @@ class HttpBench:
             command.append("--eager")
         self.process = subprocess.Popen(command, env=_child_env())
         self._wait_ready()
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/bench/worker", timeout=10) as resp:
+            self.worker_tid: int | None = json.loads(resp.read())["tid"]
 
     def _wait_ready(self) -> None:
         import urllib.request
@@ -413,6 +435,7 @@ class HttpBench:
         )
         urllib.request.urlopen(request, timeout=10).read()
         cpu = _process_cpu(self.process.pid)
+        worker = _worker_cpu(self.process.pid, self.worker_tid)
         clients = max(1, min(self.args.clients, rows))
         share = [rows // clients + (1 if i < rows % clients else 0) for i in range(clients)]
         procs = []
@@ -432,8 +455,9 @@ class HttpBench:
                 raise RuntimeError(f"a bench client exited with {proc.returncode}")
             arrivals.extend([tuple(p) for p in stream] for stream in json.loads(out))  # type: ignore[misc]
         cpu = _process_cpu(self.process.pid) - cpu
+        worker = _worker_cpu(self.process.pid, self.worker_tid) - worker
         seconds, steps = step_time(arrivals)
-        return Level("http", decoding, rows, self.device_ms, seconds * 1000, steps, cpu)
+        return Level("http", decoding, rows, self.device_ms, seconds * 1000, steps, cpu, worker)
 
     def close(self) -> None:
         self.process.terminate()
@@ -446,6 +470,14 @@ class HttpBench:
 def _process_cpu(pid: int) -> float:
     """User + system CPU seconds of a process, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _worker_cpu(pid: int, tid: int | None) -> float:
+    """CPU seconds of one thread of a process (Linux /proc), 0 when unknown."""
+    if tid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -503,6 +535,7 @@ def best(runs: Iterable[Level]) -> Level:
     levels = list(runs)
     fastest = min(levels, key=lambda lv: lv.step_ms)
     fastest.cpu_s = min(lv.cpu_s for lv in levels)
+    fastest.worker_cpu_s = min(lv.worker_cpu_s for lv in levels)
     return fastest
 
 
@@ -510,7 +543,8 @@ def report(level: Level) -> None:
     print(
         f"{level.path:6} {level.decoding:8} rows {level.rows:4}  device {level.device_ms:4.1f} ms"
         f"  step {level.step_ms:8.3f} ms  host {level.host_us_per_row:8.2f} us/row/step"
-        f"  cpu {level.cpu_us_per_row:7.2f} us/row/step",
+        f"  cpu {level.cpu_us_per_row:7.2f} us/row/step"
+        + (f" (worker {level.worker_us_per_row:.2f})" if level.worker_cpu_s else ""),
         flush=True,
     )
 
@@ -559,6 +593,16 @@ def summary(levels: list[Level], args: argparse.Namespace) -> str:
         if share is not None:
             shares.append(share)
     hidden = f"{min(shares) * 100:.0f}" if shares else "na"
+    cpu = {
+        lv.decoding: f"{lv.cpu_us_per_row:.1f}"
+        for lv in levels
+        if (lv.path, lv.rows, lv.device_ms) == (path, rows, 0.0)
+    }
+    print(
+        f"cpu_us_per_row_{rows} greedy={cpu.get('greedy', 'na')} "
+        f"sampling={cpu.get('sampling', 'na')}  (the engine process's CPU time: on a shared "
+        "machine steadier than wall time)"
+    )
     return (
         f"host_us_per_row_{rows} greedy={figures['greedy']} sampling={figures['sampling']} "
         f"overlap_hidden={hidden}%"
@@ -576,6 +620,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1, help="runs per level; the best counts")
     parser.add_argument(
+        "--greedy-text", default=None, help=f"greedy repeats its first token ({GREEDY_TEXT!r})"
+    )
+    parser.add_argument(
         "--eager", action="store_true", help="the CPU's eager step and real sampler instead"
     )
     parser.add_argument("--json", default=None)
@@ -592,6 +639,8 @@ def main() -> None:
     if args.client is not None:
         asyncio.run(client(args.client, args.first, args.count, args.decoding, args.tokens))
         return
+    if args.greedy_text is not None:  # read by this process and the server subprocess
+        os.environ["GUARDSTREAM_BENCH_GREEDY_TEXT"] = args.greedy_text
     args.rows = [int(x) for x in args.rows.split(",")]
     args.paths = args.paths.split(",")
     args.decoding = args.decoding.split(",")
