@@ -70,6 +70,7 @@ from generation.device_sampling import DeviceSampler
 from generation.jobs import Job, StreamError
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
+from tests.engine_processes import child_environment
 
 SAMPLING = {"method": "sampling", "seed": 7, "temperature": 0.8, "top_p": 0.95}
 GREEDY_TEXT = " the"  # the token greedy repeats (its first token under tiny-random's tokenizer)
@@ -403,7 +404,7 @@ class HttpBench:
         command += ["--device-ms", str(device_ms), "--max-rows", str(max(args.rows))]
         if args.eager:
             command.append("--eager")
-        self.process = subprocess.Popen(command, env=_child_env())
+        self.process = subprocess.Popen(command, env=child_environment())
         self._wait_ready()
         import urllib.request
 
@@ -445,7 +446,9 @@ class HttpBench:
             command += ["--count", str(count), "--decoding", decoding]
             command += ["--tokens", str(self.args.tokens)]
             procs.append(
-                subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_child_env())
+                subprocess.Popen(
+                    command, stdout=subprocess.PIPE, text=True, env=child_environment()
+                )
             )
             first += count
         arrivals: list[list[tuple[float, int]]] = []
@@ -479,13 +482,6 @@ def _worker_cpu(pid: int, tid: int | None) -> float:
         return 0.0
     fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 # ----- the report -------------------------------------------------------------------------------
