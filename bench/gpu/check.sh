@@ -77,7 +77,7 @@ fi
 python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$summary"
 
 # 2. the host's share of a step (null model on the GPU)
-run engine_host 60 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
+run engine_host 90 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
 grep -E "^(inproc|http) |^host_us_per_row|^cpu_us_per_row" "$out/engine_host.log" >> "$summary"
 
 # 3. and 4. the engine next to its anchors
@@ -86,7 +86,7 @@ grep -q -- '"--compile"' bench/engine.py && compile=yes
 side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph replay
   grep -E "streams: +[0-9.]+ tok/s aggregate|side by side|engine +[0-9.]+ \|" "$out/$1.log" >> "$summary"
 }
-run e135 180 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
+run e135 170 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
   --concurrency 1,64,256 --skip-micro --rounds 1 --json "$out/e135.json"
 side_by_side e135
 run e1p7 60 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
