@@ -13,8 +13,9 @@ writes one column per row instead of re-concatenating the cache as `DynamicCache
 step feeds every running row its last token in ONE forward pass, with per-row `position_ids` (real
 positions, independent of padding) and a padding mask. Finished or cancelled rows leave by moving
 the last rows into their slots. Token selection for the whole batch is a few batched tensor ops on
-the model's device (sampling.py). Results go to each request's asyncio queue through
-`loop.call_soon_threadsafe`, once per step.
+the model's device (sampling.py). Results go to each request's queue through a per-loop
+mailbox (`_Mailbox`): one `loop.call_soon_threadsafe` per step, none while the loop has not yet
+taken the previous steps' results (it then takes them all at once).
 
 Scheduling: each iteration admits queued requests up to `max_batch_size` rows and a prefill
 token budget, runs one chunk of at most `prefill_chunk_tokens` of a long prompt, then one decode
