@@ -25,9 +25,10 @@ How. The model is not rewritten; its modules are wrapped in place (`make_batch_i
   operations, the same bits in any shape); sums over keys by the same tree inside fixed blocks
   of `KEY_BLOCK` keys and a sequential `cumsum` across blocks (masked keys weigh exactly 0, so a
   query sees the same sums whether the keys after it are padding, a longer prefill or absent).
-  In float32, whatever the model's dtype.
+  In float32, whatever the model's dtype. On CUDA, where `cumsum` is a parallel scan shaped by
+  the batch, the sequential sums are elementwise adds in index order (`_ordered_sum`).
 - Per-row reductions (RMSNorm, LayerNorm) sum with `cumsum` (sequential, float64 accumulator on
-  a CPU) instead of `mean`; activations (SiLU, tanh-GELU) are composed of operations that round
+  a CPU; on CUDA the pairwise tree, `_row_sum`) instead of `mean`; activations (SiLU, tanh-GELU) are composed of operations that round
   the same in vector and scalar code (exp and tanh through torch's vectorised math, + - * /).
 
 The rest of a decoder is elementwise (residuals, RoPE's cos/sin, embeddings), so the whole
@@ -75,8 +76,28 @@ def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of the last dimension, sequential (cumsum accumulates in order, float64 on a CPU)."""
-    return torch.cumsum(x, dim=-1)[..., -1:]
+    """Sum of the last dimension (a row of fixed length: the hidden size), dim kept.
+
+    CPU: sequential (cumsum accumulates in order, float64). CUDA: cumsum is a parallel scan
+    whose tree depends on the tensor's shape (one row goes to CUB's device-wide scan, several to
+    a block scan with a thread layout chosen from the number of rows as well as the row length),
+    so its bits depend on the batch; the pairwise tree of elementwise adds does not."""
+    if x.device.type == "cpu":
+        return torch.cumsum(x, dim=-1)[..., -1:]
+    return _tree_sum(x, -1)
+
+
+def _ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` (dim dropped) in index order, so trailing zeros (masked key blocks) never
+    change it: the same for a prefill, a padded batch and a decode step. CPU: cumsum (sequential,
+    float64). CUDA: one elementwise add per index (cumsum's scan tree there depends on the
+    shape: `_row_sum`); `dim` counts key blocks of `KEY_BLOCK` keys, so the adds are few."""
+    if x.device.type == "cpu":
+        return torch.cumsum(x, dim=dim).select(dim, -1)
+    total = x.select(dim, 0)
+    for i in range(1, x.shape[dim]):
+        total = total + x.select(dim, i)
+    return total
 
 
 # ----- matrix products ------------------------------------------------------------------------
@@ -219,10 +240,10 @@ def attention(
             weights = F.pad(weights, (0, padded - k_len))
         shape = weights.shape[:-1]
         blocked = weights.view(*shape, blocks, KEY_BLOCK)
-        total = torch.cumsum(_tree_sum(blocked, -1).squeeze(-1), dim=-1)[..., -1:]
+        total = _ordered_sum(_tree_sum(blocked, -1).squeeze(-1), -1)[..., None]
         weighted = weights[..., None] * values[:, :, None, :, :]  # [B, H, c, Lk, d]
         weighted = weighted.view(*shape, blocks, KEY_BLOCK, head_dim)
-        summed = torch.cumsum(_tree_sum(weighted, -2).squeeze(-2), dim=-2)[..., -1, :]
+        summed = _ordered_sum(_tree_sum(weighted, -2).squeeze(-2), -2)
         safe = torch.where(total > 0, total, torch.ones_like(total))
         out[:, :, start:stop] = summed / safe
     return out.to(query.dtype).transpose(1, 2).contiguous(), None

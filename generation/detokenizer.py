@@ -28,7 +28,7 @@ token boundaries (" ." → "."), which no incremental scheme can reproduce exact
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
@@ -49,18 +49,32 @@ class Detokenizer(Protocol):
 def make_detokenizer(tokenizer: object) -> Callable[[], Detokenizer]:
     """A factory of per-stream detokenizers: `DecodeStream` for a fast tokenizer, else Python."""
     decode = make_decoder(tokenizer)
+    skipped = skipped_ids(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _has_decode_stream():
 
         def stream() -> Detokenizer:
-            return StreamDetokenizer(backend, decode)
+            return StreamDetokenizer(backend, decode, skipped)
 
         return stream
 
     def python() -> Detokenizer:
-        return IncrementalDetokenizer(decode)
+        return IncrementalDetokenizer(decode, skipped)
 
     return python
+
+
+def skipped_ids(tokenizer: object) -> frozenset[int]:
+    """The ids `make_decoder`'s decode drops: the Rust backend's special added tokens (its
+    `skip_special_tokens`). A skipped id adds no text and changes no other token's text, so the
+    detokenizers leave it out of their windows: a model repeating one (greedy decoding of random
+    weights) would otherwise hold a window that grows with every token. Empty for a tokenizer
+    without a Rust backend (nothing is left out there)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    added = getattr(backend, "get_added_tokens_decoder", None)
+    if backend is None or not hasattr(backend, "decode") or added is None:
+        return frozenset()
+    return frozenset(int(i) for i, token in added().items() if getattr(token, "special", False))
 
 
 def _has_decode_stream() -> bool:
@@ -92,17 +106,22 @@ def make_decoder(tokenizer: object) -> Callable[[Sequence[int]], str]:
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never split a character."""
 
-    __slots__ = ("_decode", "_prefix_offset", "_prefix_text", "_read_offset", "ids")
+    __slots__ = ("_decode", "_prefix_offset", "_prefix_text", "_read_offset", "_skipped", "ids")
 
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], skipped: Collection[int] = frozenset()
+    ) -> None:
         self._decode = decode
-        self.ids: list[int] = []
+        self._skipped = skipped  # ids `decode` drops (skipped special tokens): never in `ids`
+        self.ids: list[int] = []  # the stream's ids less the skipped ones: what is decoded
         self._prefix_offset = 0  # window start: context for the next decode
         self._read_offset = 0  # ids before this have had their text emitted
         self._prefix_text = ""  # decode(ids[prefix_offset:read_offset]), cached
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that is now final (possibly "")."""
+        if token_id in self._skipped:  # no text, and decode drops it wherever it stands
+            return ""
         self.ids.append(token_id)
         return self._advance()
 
@@ -187,14 +206,16 @@ class TextGate:
         """Add produced text; find a stop sequence or advance what is safe."""
         if self.stop_at is not None or not delta:
             return
+        if not self._stops:  # nothing to scan for: all text is safe (the common case)
+            self._length += len(delta)
+            self._buffer += delta
+            self._safe_upto = self._length
+            return
         combined = self._tail + delta
         base = self._length - len(self._tail)
         self._length += len(delta)
         self._buffer += delta
         self._tail = combined[-self._keep :] if self._keep else ""
-        if not self._stops:
-            self._safe_upto = self._length
-            return
         # Any match here is new: an older one would have ended the text at an earlier push.
         best = min((p for p in (combined.find(s) for s in self._stops) if p != -1), default=-1)
         if best != -1:
@@ -243,15 +264,22 @@ class StreamDetokenizer:
         "_fallback",
         "_prefix_offset",
         "_read_offset",
+        "_skipped",
         "_stream",
         "ids",
     )
 
-    def __init__(self, backend: object, decode: Callable[[Sequence[int]], str]) -> None:
+    def __init__(
+        self,
+        backend: object,
+        decode: Callable[[Sequence[int]], str],
+        skipped: Collection[int] = frozenset(),
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._backend = backend
         self._decode = decode
+        self._skipped = skipped  # as in IncrementalDetokenizer: never stepped, never in `ids`
         self._stream = DecodeStream(skip_special_tokens=True)
         self._fallback: IncrementalDetokenizer | None = None
         self.ids: list[int] = []
@@ -262,6 +290,8 @@ class StreamDetokenizer:
         """Add one token; return the text that is now final (possibly "")."""
         if self._fallback is not None:
             return self._fallback.push(token_id)
+        if token_id in self._skipped:
+            return ""
         self.ids.append(token_id)
         try:
             chunk = self._stream.step(self._backend, token_id)
@@ -285,7 +315,7 @@ class StreamDetokenizer:
         return self._fallback.flush()
 
     def _python_state(self) -> IncrementalDetokenizer:
-        python = IncrementalDetokenizer(self._decode)
+        python = IncrementalDetokenizer(self._decode, self._skipped)
         python.ids = self.ids  # shared: `ids` stays this stream's id list
         python._prefix_offset = self._prefix_offset
         python._read_offset = self._read_offset

@@ -13,8 +13,9 @@ writes one column per row instead of re-concatenating the cache as `DynamicCache
 step feeds every running row its last token in ONE forward pass, with per-row `position_ids` (real
 positions, independent of padding) and a padding mask. Finished or cancelled rows leave by moving
 the last rows into their slots. Token selection for the whole batch is a few batched tensor ops on
-the model's device (sampling.py). Results go to each request's asyncio queue through
-`loop.call_soon_threadsafe`, once per step.
+the model's device (sampling.py). Results go to each request's queue through a per-loop
+mailbox (`_Mailbox`): one `loop.call_soon_threadsafe` per step, none while the loop has not yet
+taken the previous steps' results (it then takes them all at once).
 
 Scheduling: each iteration admits queued requests up to `max_batch_size` rows and a prefill
 token budget, runs one chunk of at most `prefill_chunk_tokens` of a long prompt, then one decode
@@ -53,6 +54,7 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
@@ -71,7 +73,15 @@ from .decode_graphs import (
 )
 from .detokenizer import Detokenizer, TextGate, make_detokenizer
 from .device_sampling import DeviceSampler
-from .jobs import EngineStats, EngineUnavailable, FinishReason, Job, StreamError, StreamItem
+from .jobs import (
+    EngineStats,
+    EngineUnavailable,
+    FinishReason,
+    Job,
+    StreamError,
+    StreamItem,
+    StreamQueue,
+)
 from .kv_cache import SlotCache
 from .models import LoadedModel
 from .sampling import apply_repetition_penalties, default_candidates, select
@@ -119,7 +129,9 @@ class _Row:
         "kv_len",
         "next_input",
         "partial",
+        "penalised",
         "prefilled",
+        "prompt_length",
         "seen",
         "seen_new",
         "seen_tensor",
@@ -130,7 +142,9 @@ class _Row:
         self.generated: list[int] = []
         self.detok = detokenizer()
         self.gate = TextGate(job.stop_sequences, already_delivered=job.resume_text_len)
-        self.seen: set[int] = set(job.prompt_ids)
+        self.seen: set[int] = set(job.prompt_ids)  # after joining: penalised rows only
+        self.penalised = job.sampling.repetition_penalty != 1.0
+        self.prompt_length = len(job.prompt_ids)
         self.seen_new: list[int] = []  # seen ids not yet in seen_tensor (penalised rows only)
         self.seen_tensor: torch.Tensor | None = None  # unique seen ids on the model's device
         self.kv_len = 0  # tokens of this row in the KV cache
@@ -221,6 +235,10 @@ class Engine:
         self._solo: DynamicCache | None = None  # other models: the one running row's own cache
         self._batchable: bool | None = None  # learnt from the first prefill's cache layout
         self._outbox: list[tuple[Job, StreamItem | StreamError]] = []
+        # per event loop: events posted, not yet delivered (weak: test loops come and go)
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
+            weakref.WeakKeyDictionary()
+        )
         # Prefill computes logits for the last position only when the model supports it.
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
@@ -464,6 +482,8 @@ class Engine:
             self._active.discard(job)
 
     def _flush_outbox(self) -> None:
+        """Hand this step's events to their loops: one wake-up per loop that is not already
+        due to run a delivery (a loop behind the worker gets several steps in one go)."""
         if not self._outbox:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, StreamItem | StreamError]]] = {}
@@ -471,10 +491,15 @@ class Engine:
             by_loop.setdefault(job.loop, []).append((job, event))
         self._outbox = []
         for loop, events in by_loop.items():
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = _Mailbox()
+            if mailbox.post(events) and not loop.is_closed():
+                continue  # a wake-up is already on its way
             try:
-                loop.call_soon_threadsafe(_deliver, events)
+                loop.call_soon_threadsafe(mailbox.deliver)
             except RuntimeError:  # the loop is closed: nobody is listening any more
-                for job, _ in events:
+                for job, _ in mailbox.take():
                     job.cancelled = True
 
     def _drop_cancelled(self) -> None:
@@ -723,17 +748,45 @@ class Engine:
         return out.logits[:, -1, :]
 
     def _after_step(self, rows: list[_Row], tokens: list[int]) -> None:
-        """Each row takes its token; finished rows leave the batch."""
+        """Each row takes its token; finished rows leave the batch.
+
+        `_accept` and `_emit` inlined, with what is per step hoisted out of the per-row loop
+        (the clock, the counters, the limits): this runs for every row of every step, on the
+        worker thread between forward passes. Seen ids are kept up to date only for rows with a
+        repetition penalty, the only readers once a row has joined (the device sampler keeps
+        its own); the stop gate scans only for rows with stop sequences (TextGate)."""
         keep: list[int] = []
+        eos = self._eos_set
+        max_context = self.loaded.max_context
+        outbox = self._outbox
+        now = time.monotonic()
+        self.stats.tokens_generated += len(rows)
         for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
             row.kv_len += 1
-            finish = self._accept(row, token, live=True)
-            if finish is None:
-                row.next_input = token
-                self._emit(row.job, StreamItem([token], row.gate.release(), len(row.generated)))
-                keep.append(i)
+            job = row.job
+            generated = row.generated
+            generated.append(token)
+            if row.penalised and token not in row.seen:
+                row.seen.add(token)
+                if row.seen_tensor is not None:
+                    row.seen_new.append(token)
+            gate = row.gate
+            gate.push(row.detok.push(token))
+            count = len(generated)
+            if gate.stop_at is not None:
+                finish = FinishReason.STOP_SEQUENCE
+            elif token in eos:
+                finish = FinishReason.EOS_TOKEN
+            elif count >= job.max_new_tokens or row.prompt_length + count >= max_context:
+                finish = FinishReason.MAX_TOKENS
+            elif job.deadline is not None and now >= job.deadline:
+                finish = FinishReason.TIME_LIMIT
             else:
-                self._finish(row, [token], finish)
+                row.next_input = token
+                outbox.append((job, StreamItem([token], gate.release(), count)))
+                keep.append(i)
+                continue
+            self._finish(row, [token], finish)
         if len(keep) != len(rows):
             self._keep_rows(keep)
 
@@ -839,6 +892,40 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def _deliver(events: list[tuple[Job, StreamItem | StreamError]]) -> None:
-    for job, event in events:
-        job.queue.put_nowait(event)
+class _Mailbox:
+    """Events from the worker to one event loop. The worker posts each step's events; the loop
+    delivers everything posted since its last delivery. Only a post into an empty mailbox needs
+    a wake-up (`call_soon_threadsafe`: a syscall and a GIL hand-off per step, which the worker
+    pays): while the loop is behind, later steps just join the pending delivery."""
+
+    __slots__ = ("_events", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[tuple[Job, StreamItem | StreamError]] = []
+
+    def post(self, events: list[tuple[Job, StreamItem | StreamError]]) -> bool:
+        """Add events (worker); True when a delivery is already pending (no wake-up needed)."""
+        with self._lock:
+            pending = bool(self._events)
+            self._events.extend(events)
+            return pending
+
+    def take(self) -> list[tuple[Job, StreamItem | StreamError]]:
+        with self._lock:
+            events, self._events = self._events, []
+            return events
+
+    def deliver(self) -> None:
+        """On the loop: every posted event into its job's queue, in order (a `StreamQueue`
+        takes each job's events in one call)."""
+        by_job: dict[Job, list[StreamItem | StreamError]] = {}
+        for job, event in self.take():
+            by_job.setdefault(job, []).append(event)
+        for job, events in by_job.items():
+            queue = job.queue
+            if isinstance(queue, StreamQueue):
+                queue.put_many(events)
+            else:
+                for event in events:
+                    queue.put_nowait(event)

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -40,7 +41,7 @@ from servicekit.tracing import annotate, event
 from . import models
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
-from .jobs import EngineUnavailable, Job, StreamError, StreamItem
+from .jobs import EngineUnavailable, Job, StreamError, StreamItem, StreamQueue
 from .metrics import EngineCollector
 from .models import LoadedModel
 from .protocol import (
@@ -60,7 +61,7 @@ log = logging.getLogger("guardstream.engine")
 
 NDJSON = "application/x-ndjson"
 CLIENT_MAX_SIZE = 4 * 1024 * 1024
-DISCONNECT_POLL_S = 0.1  # how often a quiet stream checks whether its client left
+DISCONNECT_POLL_S = 0.1  # how often the app checks whether quiet streams' clients left
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without a key (see the docstring)
 FAULTS_PATH = "/admin/faults"
 
@@ -94,6 +95,8 @@ class EngineState:
     )
     closing: asyncio.Event = field(default_factory=asyncio.Event)
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    streams: set[_Stream] = field(default_factory=set)  # open generate responses
+    watcher: asyncio.Task[None] | None = None  # `_watch_disconnects`
 
     async def run_tokenizer(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
@@ -166,6 +169,7 @@ async def _on_startup(app: web.Application) -> None:
     state = app[STATE]
     # Off the loop: on CUDA the start allocates the static KV cache and captures the graphs.
     await asyncio.to_thread(state.engine.start)
+    state.watcher = asyncio.get_running_loop().create_task(_watch_disconnects(state))
     # The engine may hold less context than the model (a KV cache sized from GPU memory).
     state.loaded = state.engine.loaded
 
@@ -179,6 +183,10 @@ async def _on_shutdown(app: web.Application) -> None:
 
 async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE]
+    if state.watcher is not None:
+        state.watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await state.watcher
     await asyncio.to_thread(state.engine.stop)
     state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -420,7 +428,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             repetition_penalty=decoding.repetition_penalty,
         ),
         loop=asyncio.get_running_loop(),
-        queue=asyncio.Queue(),
+        queue=StreamQueue(),
         resume_ids=resume_ids,
         resume_text_len=len(resume_text),
         min_new_tokens=req.min_new_tokens,
@@ -450,7 +458,13 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
 
 
 class _Stream:
-    """One generate response: items from the worker to the socket, faults, disconnects."""
+    """One generate response: items from the worker to the socket, faults, disconnects.
+
+    Cost per token (issue 35): the worker's items for a stream are drained together and leave in
+    one write (several NDJSON lines in one chunk when the client or this loop fell behind), and
+    encoded with orjson; waiting costs one queue future, with no timer: a quiet stream (queued,
+    prefilling, held) learns that its client left from the app's one `_watch_disconnects` task,
+    and a running one from its next write."""
 
     def __init__(
         self,
@@ -468,34 +482,30 @@ class _Stream:
         self.input_token_count = input_token_count
         self.first_extra: dict[str, Any] | None = first_extra
         self.delivered = 0
+        self.waiting = False  # awaiting the queue: `_watch_disconnects` may wake it
+        self.gone = False  # `_watch_disconnects` saw the client leave
         self.response = web.StreamResponse(
             headers={"Content-Type": NDJSON, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-        self._getter: asyncio.Task[StreamItem | StreamError] | None = None
 
     async def run(self) -> web.StreamResponse:
+        self.state.streams.add(self)
         try:
             await self.response.prepare(self.request)
             if self.fault is not None and self.fault.after_tokens == 0:
                 await self._inject()
                 return self.response
             while True:
-                event = await self._next_event()
-                if event is None:  # the client left
+                events = await self._next_events()
+                if events is None:  # the client left
                     return self.response
-                if isinstance(event, StreamError):
-                    await self._write({"error": _error_dict(event), "complete_final": False})
-                    return self.response
-                await self._write({"data": self._data(event), "complete_final": False})
-                self.delivered += len(event.token_ids)
-                if self.fault is not None and self.delivered >= self.fault.after_tokens:
-                    await self._inject()
-                    return self.response
-                if event.finish_reason is not None:
-                    if TRACING.tracer is not None:
-                        reason = event.finish_reason.value
-                        annotate(self.request, {"guardstream.finish_reason": reason})
-                    await self._write({"complete_final": True})
+                lines: list[bytes] = []
+                done = self._lines(events, lines)
+                if lines:
+                    await self.response.write(b"".join(lines))
+                if done is not None:
+                    if done == "fault":
+                        await self._inject()
                     return self.response
         except ConnectionError:  # the client left while we wrote
             return self.response
@@ -514,11 +524,29 @@ class _Stream:
                 )
             return self.response
         finally:
+            self.state.streams.discard(self)
             if TRACING.tracer is not None:
                 annotate(self.request, {"guardstream.generated_tokens": self.delivered})
             self.state.engine.cancel(self.job)  # no-op for a finished job
-            if self._getter is not None and not self._getter.done():
-                self._getter.cancel()
+
+    def _lines(self, events: list[StreamItem | StreamError], lines: list[bytes]) -> str | None:
+        """Encode `events` into `lines`, in order; "end" when the stream is over (an error, or
+        the final item and complete_final), "fault" when an armed fault cuts it here."""
+        for item in events:
+            if isinstance(item, StreamError):
+                lines.append(_encode({"error": _error_dict(item), "complete_final": False}))
+                return "end"
+            lines.append(_encode({"data": self._data(item), "complete_final": False}))
+            self.delivered += len(item.token_ids)
+            if self.fault is not None and self.delivered >= self.fault.after_tokens:
+                return "fault"
+            if item.finish_reason is not None:
+                if TRACING.tracer is not None:
+                    reason = item.finish_reason.value
+                    annotate(self.request, {"guardstream.finish_reason": reason})
+                lines.append(_encode({"complete_final": True}))
+                return "end"
+        return None
 
     def _data(self, item: StreamItem) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -534,27 +562,26 @@ class _Stream:
         return data
 
     async def _write(self, obj: dict[str, Any]) -> None:
-        line = json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
-        await self.response.write(line.encode("utf-8"))
+        await self.response.write(_encode(obj))
 
-    def _client_gone(self) -> bool:
+    def client_gone(self) -> bool:
         transport = self.request.transport
         return transport is None or transport.is_closing()
 
-    async def _next_event(self) -> StreamItem | StreamError | None:
-        """The next worker event, or None once the client has disconnected."""
-        while True:
-            if self._getter is None:
-                if not self.job.queue.empty():
-                    return self.job.queue.get_nowait()
-                self._getter = asyncio.ensure_future(self.job.queue.get())
-            done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
-            if done:
-                event = self._getter.result()
-                self._getter = None
-                return event
-            if self._client_gone():
+    async def _next_events(self) -> list[StreamItem | StreamError] | None:
+        """Every worker event queued for this stream (at least one), or None once the client
+        has disconnected."""
+        queue = self.job.queue
+        assert isinstance(queue, StreamQueue)
+        while queue.empty():
+            self.waiting = True
+            try:
+                await queue.wait()
+            finally:
+                self.waiting = False
+            if self.gone:
                 return None
+        return queue.take_all()
 
     async def _inject(self) -> None:
         assert self.fault is not None
@@ -579,10 +606,32 @@ class _Stream:
             if transport is not None:
                 transport.close()  # flushes what was written, then drops the connection
         else:  # stall: say nothing more, keep the connection until the client gives up
-            while not self._client_gone() and not self.state.closing.is_set():
+            while not self.client_gone() and not self.state.closing.is_set():
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(DISCONNECT_POLL_S):
                         await self.state.closing.wait()
+
+
+def _encode(obj: dict[str, Any]) -> bytes:
+    """One NDJSON line: orjson (UTF-8, compact, like json.dumps(ensure_ascii=False) with
+    compact separators), json for what orjson refuses (an integer past 64 bits)."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+async def _watch_disconnects(state: EngineState) -> None:
+    """The one timer for every quiet stream: each DISCONNECT_POLL_S, a stream waiting for the
+    worker whose client has left is woken and marked gone (it then cancels its job)."""
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        for stream in list(state.streams):
+            if stream.waiting and stream.client_gone():
+                stream.gone = True
+                queue = stream.job.queue
+                assert isinstance(queue, StreamQueue)
+                queue.interrupt()
 
 
 def _error_dict(error: StreamError) -> dict[str, Any]:

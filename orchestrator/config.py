@@ -176,6 +176,9 @@ class ManagedBackend(Strict):
     batch_invariant: bool = False
     """Logits independent of the batch, so a migrated stream is token-exact at the engine's dtype
     (DESIGN section 7), at a throughput cost."""
+    prefill_chunk_tokens: int | None = Field(None, ge=1)
+    """The engine's --prefill-chunk-tokens: a prompt longer than this is prefilled a chunk per
+    pass between decode steps (unset: the engine's default, 256 on a CPU, 2048 on CUDA)."""
     enable_fault_injection: bool = False
     """Let tests inject faults into the engines (never in production)."""
     start_timeout_s: float = Field(300, gt=0)

@@ -26,6 +26,16 @@ from generation.__main__ import LISTENING_PREFIX
 from orchestrator.clients.managed import free_port as free_port
 
 
+def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus `extra`, with the repository root put in front of
+    PYTHONPATH, not in place of it: where the dependencies come from PYTHONPATH (the GPU
+    machine's bundle under /tmp/site), a child without them fails to import."""
+    env = {**os.environ, **(extra or {})}
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 @dataclass
 class EngineProcess:
     """A running `python -m generation serve`; `output` keeps its last log lines."""
@@ -93,18 +103,14 @@ def start_engine_subprocess(
     ]
     if fault_injection:
         command.append("--enable-fault-injection")
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (repo_root, child_env.get("PYTHONPATH", "")) if p
-    )
+    child_env = child_environment({"PYTHONUNBUFFERED": "1", **(env or {})})
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=child_env,
-        cwd=repo_root,
+        cwd=str(Path(__file__).resolve().parent.parent),
     )
     output: collections.deque[str] = collections.deque(maxlen=200)
     ready = threading.Event()

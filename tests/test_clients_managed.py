@@ -206,3 +206,13 @@ def test_engine_command_matches_the_cli() -> None:
         "bfloat16",
         "--batch-invariant",
     ]
+    cmd = managed.engine_command("tiny-random", "cuda", prefill_chunk_tokens=256)(8123)
+    assert cmd[5:] == [
+        "tiny-random",
+        "--device",
+        "cuda",
+        "--port",
+        "8123",
+        "--prefill-chunk-tokens",
+        "256",
+    ]

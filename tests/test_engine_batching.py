@@ -6,6 +6,7 @@ request at a time, exactly; running out of memory while the batch grows fails it
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import pytest
@@ -169,24 +170,38 @@ def test_unbatchable_cache_is_served_one_at_a_time_exactly(
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_out_of_memory_growing_the_cache_fails_the_batch_migratably(
-    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch, static: bool
 ) -> None:
     """Running out of accelerator memory while a joiner's rows are added (a real OOM cannot be
-    had on a CPU: `_reserve` raises torch's OutOfMemoryError for a second row) ends the running
-    row and the joiner with an in-band 503 `generation_unavailable` (the orchestrator migrates
-    them), and the engine serves the next request normally."""
+    had on demand: the cache the engine runs raises torch's OutOfMemoryError for a second row:
+    the slot cache growing on a CPU, the static cache copying the joiner's keys on CUDA) ends
+    the running row and the joiner with an in-band 503 `generation_unavailable` (the
+    orchestrator migrates them), and the engine serves the next request normally."""
+    from generation.decode_graphs import StaticSlotCache
     from generation.kv_cache import SlotCache
 
-    real_reserve = SlotCache._reserve
+    message = "CUDA out of memory. Tried to allocate 2.00 GiB"
+    if not static:  # the eager step's slot cache grows as rows join
+        real_reserve = SlotCache._reserve
 
-    def reserve(self: SlotCache, rows: int, columns: int, template: object = None) -> None:
-        if rows > 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        real_reserve(self, rows, columns, template)  # type: ignore[arg-type]
+        def reserve(self: SlotCache, rows: int, columns: int, template: object = None) -> None:
+            if rows > 1:
+                raise torch.OutOfMemoryError(message)
+            real_reserve(self, rows, columns, template)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(SlotCache, "_reserve", reserve)
-    with ThreadedServer(lambda: create_app(tiny_model)) as server:
+        monkeypatch.setattr(SlotCache, "_reserve", reserve)
+    else:  # the static step (CUDA's): fixed buffers, the joiner's keys copied into them
+        real_add_rows = StaticSlotCache.add_rows
+
+        def add_rows(self: StaticSlotCache, prefill: Any, select: Any, lengths: Any) -> None:
+            if self.rows + len(select) > 1:
+                raise torch.OutOfMemoryError(message)
+            real_add_rows(self, prefill, select, lengths)
+
+        monkeypatch.setattr(StaticSlotCache, "add_rows", add_rows)
+    with ThreadedServer(lambda: create_app(tiny_model, static_decode=static)) as server:
 
         async def scenario() -> None:
             async with aiohttp.ClientSession() as session:

@@ -268,6 +268,9 @@ def test_repetition_penalties_batched_equal_per_row(
     ]
     for r, ((_, penalty), ids) in enumerate(zip(rows, seen, strict=True)):
         values = expected[r].index_select(0, ids)  # the previous per-row implementation
-        expected[r].index_copy_(0, ids, torch.where(values > 0, values / penalty, values * penalty))
+        # the penalty as a tensor: CUDA divides by a Python float as a product with its
+        # reciprocal (last bits differ), by a tensor truly, as a CPU does either way
+        factor = torch.tensor(penalty, dtype=logits.dtype, device=TORCH_DEVICE)
+        expected[r].index_copy_(0, ids, torch.where(values > 0, values / factor, values * factor))
     apply_repetition_penalties(logits, list(range(len(rows))), seen, [p for _, p in rows])
     assert torch.equal(logits, expected)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,7 +13,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.engine_processes import EngineProcess, free_port, start_engine_subprocess
+from tests.engine_processes import (
+    EngineProcess,
+    child_environment,
+    free_port,
+    start_engine_subprocess,
+)
 from tests.engine_support import TEST_DEVICE, generate
 from tests.wait_support import until
 
@@ -106,7 +110,7 @@ async def test_chosen_port_and_graceful_sigterm() -> None:
 
 
 def test_prepare_command_and_bad_spec(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_environment()
     done = subprocess.run(
         [sys.executable, "-m", "generation", "prepare", "tiny-random"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, check=False,
@@ -123,7 +127,7 @@ def test_prepare_command_and_bad_spec(tmp_path: Path) -> None:
 
 def test_build_is_locked_and_deterministic(tmp_path: Path) -> None:
     """Two processes preparing into an empty cache at once: one builds, both see the same folder."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GUARDSTREAM_CACHE": str(tmp_path)}
+    env = child_environment({"GUARDSTREAM_CACHE": str(tmp_path)})
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "generation", "prepare", "tiny-random"],

@@ -41,10 +41,18 @@ SEEDED = GenerationParams(
 )
 
 
+CHUNK = 256  # the replicas' prefill chunk (--prefill-chunk-tokens), tokens
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def backend() -> AsyncIterator[ReplicatedModelBackend]:
+    # chunks of 256 tokens on every device (CUDA's default, 2048, exceeds tiny-random's context)
     async with managed_backend(
-        "tiny-random", start_timeout_s=120, stall_timeout_s=30, enable_fault_injection=True
+        "tiny-random",
+        start_timeout_s=120,
+        stall_timeout_s=30,
+        enable_fault_injection=True,
+        prefill_chunk_tokens=CHUNK,
     ) as b:
         yield b
 
@@ -77,7 +85,7 @@ async def engine_metric(backend: ReplicatedModelBackend, name: str) -> float:
 async def test_a_long_prompt_prefilled_in_chunks_resumes_exactly(
     backend: ReplicatedModelBackend,
 ) -> None:
-    """A prompt over the engine's chunk (256 tokens on a CPU) is prefilled in chunks, and so is
+    """A prompt over the engine's chunk (CHUNK tokens) is prefilled in chunks, and so is
     the resumed context (prompt and delivered tokens) on the other replica: the migrated stream
     equals the uninterrupted one."""
     prompt = " ".join(f"w{i}" for i in range(76))  # ~300 tiny-random tokens
@@ -93,15 +101,15 @@ async def test_a_long_prompt_prefilled_in_chunks_resumes_exactly(
     stream = backend.stream(GenerationRequest(prompt, GREEDY, request_id="long-whole"))
     expected = await collect(stream)
     length = stream.input_token_count
-    assert length is not None and 256 < length < 512 - 48
+    assert length is not None and CHUNK < length < 512 - 48
     assert stream.migrations == 0 and stream.generated_token_count == 48
     after = 20
     target = await arm(backend, after_tokens=after, mode="error", times=1)
     stream = backend.stream(GenerationRequest(prompt, GREEDY, request_id="long-migrated"))
     assert await collect(stream) == expected
     assert stream.replicas_used[0] == target and stream.migrations == 1
-    per_prompt = math.ceil(length / 256)
-    resumed = math.ceil((length + after) / 256)
+    per_prompt = math.ceil(length / CHUNK)
+    resumed = math.ceil((length + after) / CHUNK)
     assert await engine_metric(backend, chunks) - before == 2 * per_prompt + resumed
 
 

@@ -43,6 +43,7 @@ def default_command(cfg: ManagedBackend) -> CommandFactory:
         api_keys_env=ENGINE_API_KEYS_ENV,
         dtype=cfg.dtype,
         batch_invariant=cfg.batch_invariant,
+        prefill_chunk_tokens=cfg.prefill_chunk_tokens,
     )
 
 

@@ -55,6 +55,7 @@ def engine_command(
     *,
     dtype: str = "auto",
     batch_invariant: bool = False,
+    prefill_chunk_tokens: int | None = None,
 ) -> CommandFactory:
     """The engine CLI of DESIGN section 2, for a given port; with `api_keys_env`, the engine
     requires the key that EngineProcess puts in that variable."""
@@ -66,6 +67,8 @@ def engine_command(
             cmd += ["--dtype", dtype]
         if batch_invariant:
             cmd.append("--batch-invariant")
+        if prefill_chunk_tokens is not None:
+            cmd += ["--prefill-chunk-tokens", str(prefill_chunk_tokens)]
         if api_keys_env:
             cmd += ["--api-keys-env", api_keys_env]
         if enable_fault_injection:
