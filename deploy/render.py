@@ -13,7 +13,8 @@ What a deployment changes, and only that:
   k8s/engine.yaml, then run this;
 - model-backed built-in detectors (everything but `regex`) run in the detector service, which
   this script configures with the same built-ins and params; the orchestrator calls it as a
-  remote detector under the same id (`judges: chunks`: they are classifiers).
+  remote detector under the same id (`judges` as the built-in says: `chunks` for a classifier,
+  `spans` for an entity finder such as `pii_ner`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+import detectors  # (the built-ins say what their detections are)
 
 DEPLOY = Path(__file__).resolve().parent
 ROOT = DEPLOY.parent
@@ -68,11 +72,13 @@ def orchestrator_config(
     for det in config.get("detectors", {}).values():
         if det.get("builtin") in IN_PROCESS or "builtin" not in det:
             continue
-        del det["builtin"]
+        builtin = det.pop("builtin")
         params = {k: v for k, v in det.pop("params", {}).items() if k in ORCHESTRATOR_PARAMS}
         if params:
             det["params"] = params
-        det.update(url=detectors_url, api_key_env="GUARDSTREAM_DETECTORS_KEY", judges="chunks")
+        # what its detections are, as the built-in itself says (a remote one cannot)
+        judges = "spans" if detectors.detector_class(builtin).finds_spans else "chunks"
+        det.update(url=detectors_url, api_key_env="GUARDSTREAM_DETECTORS_KEY", judges=judges)
     return config
 
 

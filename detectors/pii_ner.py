@@ -108,6 +108,7 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
         "score 1.0. English."
     )
     Params: ClassVar[type[PiiNerParams]] = PiiNerParams
+    finds_spans: ClassVar[bool] = True  # entities: redaction must see each whole
     REQUEST_PARAMS: ClassVar[frozenset[str]] = frozenset({"kinds", "regex_kinds", "threshold"})
 
     def __init__(self, params: Mapping[str, Any] | None = None, *, device: str = "auto") -> None:
@@ -130,6 +131,12 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
 
     def _forward(self, items: list[str]) -> list[list[Span]]:
         return ner_spans(self._runtime.get(), items)
+
+    def open_tail(self, text: str, params: dict[str, Any] | None = None) -> Detection | None:
+        """The regex kinds' open tail (a name has none: a cut name is a name's prefix, and a
+        prefix of any word could be one)."""
+        kinds = self.effective_params(params).regex_kinds
+        return self._regex.open_tail(text, {"kinds": list(kinds)})
 
     async def detect(
         self, contents: list[str], params: Mapping[str, Any] | None = None

@@ -127,16 +127,6 @@ _PHONE_US = _builtin(
     r"(?:\+?1[ .-]?)?(?:\([2-9][0-9]{2}\)[ .-]?|[2-9][0-9]{2}[ .-])[0-9]{3}[ .-][0-9]{4}",
     _AN,
 )
-# A number-shaped run: digit groups of 2-8 (the first may stand in parentheses) joined by single
-# spaces or dashes, or a contiguous national number with its trunk 0; kept as a phone when it
-# has PHONE_MIN_DIGITS-15 digits and is no date, SSN or card (_number_shaped). A letter or digit
-# next to it joins it to a longer token; so does a `+`, `(`, `.`, `,` or `-` before it and a
-# `-` after it (a decimal, a continued run).
-_PHONE_SHAPED = _builtin(
-    _AN + "+(.,-",
-    r"(?:(?:\([0-9]{1,5}\) ?|[0-9]{2,8}[ -])(?:[0-9]{2,8}[ -]){0,4}[0-9]{2,8}|0[0-9]{9,10})",
-    _AN + "-",
-)
 # area: not 000, 666 or 9xx; group: not 00; serial: not 0000; both separators the same.
 # A `-` next to it continues it only with a digit on its other side (`1-123-45-6789`).
 _SSN = _builtin(
@@ -261,8 +251,8 @@ def _phones(t: _Text) -> Iterator[Span]:
         if 8 <= sum(ch.isdigit() for ch in t.text[start:end]) <= 15:
             found.append((start, end))
     found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
-    found.extend(_libphonenumber_spans(t.text))
-    found.extend(_number_shaped(t))
+    found.extend(s for s in _libphonenumber_spans(t.text) if _phone_shaped_ok(t.text, *s))
+    found = [_unbracketed(t.text, start, end) for start, end in found]
     found.sort()
     merged: list[Span] = []
     for start, end in found:
@@ -273,28 +263,34 @@ def _phones(t: _Text) -> Iterator[Span]:
     yield from merged
 
 
-def _number_shaped(t: _Text) -> Iterator[Span]:
-    """Phones in the national formats of any country (`070 4493 5104`, `(07700) 881 362`,
-    `67 501 36 56`): a number-shaped run is a phone unless it is proven to be something else,
-    here a date (groups of 4-2-2 or 2-2-4 digits), an SSN's 3-2-4 groups, a card (13+ digits
-    passing Luhn), which the other kinds report, or a piece of a card that a chunk boundary
-    cut off (groups of 4 only; an Amex number's 4-6 or 6-5): a blocking detector must name
-    the card its window finds, not a phone in each chunk."""
-    for start, end in t.spans(_builtin_spans(_PHONE_SHAPED, t.data)):
-        groups = re2.findall(r"[0-9]+", t.text[start:end])
-        digits = "".join(groups)
-        shape = tuple(len(g) for g in groups)
-        if not PHONE_MIN_DIGITS <= len(digits) <= 15 or shape in _NOT_PHONES:
-            continue
-        if all(n == 4 for n in shape):  # `4111 1111`: a card's groups, cut by a chunk
-            continue
-        if len(digits) >= 13 and luhn_ok(digits):
-            continue
-        yield start, end
+_IPV4_SHAPED = re2.compile(r"[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}")
 
 
-# dates, US SSNs, the first two groups of an Amex number (4-6-5) and its last two
-_NOT_PHONES = {(4, 2, 2), (2, 2, 4), (3, 2, 4), (4, 6), (6, 5)}
+def _phone_shaped_ok(text: str, start: int, end: int) -> bool:
+    """libphonenumber's find, unless the other kinds or the boundary rules say otherwise: a
+    run of 4-digit groups only is a piece of a card a chunk cut (`1111 1111 1111`), a run
+    holding an IPv4 shape is addresses (`10.0.0.1-10.0.0.9`), and a letter or digit next to
+    it joins it to a longer token (as for every kind)."""
+    found = text[start:end]
+    groups = re2.findall(r"[0-9]+", found)
+    if len(groups) > 1 and all(len(g) == 4 for g in groups):
+        return False
+    if _IPV4_SHAPED.search(found):
+        return False
+    before = text[start - 1] if start > 0 else ""
+    after = text[end] if end < len(text) else ""
+    return not (before.isalnum() or after.isalnum())
+
+
+def _unbracketed(text: str, start: int, end: int) -> Span:
+    """A span without an unmatched bracket at either end (`(555-123-4567` of `(555-123-4567)`)."""
+    if text.startswith("(", start) and ")" not in text[start:end]:
+        start += 1
+    if end > start and text[end - 1] == ")" and "(" not in text[start:end]:
+        end -= 1
+    return start, end
+
+
 PHONE_REGION = "US"  # how libphonenumber reads a number written without `+CC`
 PHONE_MIN_DIGITS = 8
 

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+import detectors
 import detectors.__main__ as detectors_cli
 import generation.__main__ as generation_cli
 import orchestrator.__main__ as orchestrator_cli
@@ -41,6 +42,17 @@ from orchestrator.workers import WORKER_EXIT_GRACE_S, worker_count
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
+# the shipped config.yaml's built-in detectors: the detector service serves them all; the
+# deployments' orchestrators call the model-backed ones there (regex stays in-process)
+_SHIPPED_DETECTORS = yaml.safe_load((DEPLOY.parent / "config.yaml").read_text())["detectors"]
+SHIPPED_BUILTINS = sorted(d for d, c in _SHIPPED_DETECTORS.items() if "builtin" in c)
+REMOTE_BUILTINS = sorted(d for d in SHIPPED_BUILTINS if _SHIPPED_DETECTORS[d]["builtin"] != "regex")
+REMOTE_JUDGES = {
+    d: "spans"
+    if detectors.detector_class(_SHIPPED_DETECTORS[d]["builtin"]).finds_spans
+    else "chunks"
+    for d in REMOTE_BUILTINS
+}
 COMPOSE: dict[str, Any] = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
 K8S_FILES = sorted(p for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml")
 KUSTOMIZATION: dict[str, Any] = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
@@ -224,9 +236,9 @@ def test_orchestrator_configs_validate(name: str) -> None:
 def test_detector_service_configs_validate() -> None:
     config = detector_service.load_config(DEPLOY / "detectors.yaml")
     built = detector_service.detectors_from_config(config, device="cpu")
-    assert sorted(built) == ["hap", "injection", "pii"]
+    assert sorted(built) == SHIPPED_BUILTINS
     # the same format as config.yaml: the orchestrator's loader accepts it as well
-    assert sorted(load_config(DEPLOY / "detectors.yaml").detectors) == ["hap", "injection", "pii"]
+    assert sorted(load_config(DEPLOY / "detectors.yaml").detectors) == SHIPPED_BUILTINS
     assert k8s_config("guardstream-detectors-config", "detectors.yaml") == config
     assert detector_service_key_env(config) == DETECTORS_KEY_ENV
 
@@ -317,8 +329,8 @@ def test_compose_config_points_at_the_compose_services() -> None:
     ]
     served = detector_service.load_config(DEPLOY / "detectors.yaml")["detectors"]
     remote = {d: c for d, c in config.detectors.items() if c.url is not None}
-    assert sorted(remote) == ["hap", "injection"]
-    assert {c.judges for c in remote.values()} == {"chunks"}
+    assert sorted(remote) == REMOTE_BUILTINS
+    assert {d: c.judges for d, c in remote.items()} == REMOTE_JUDGES
     for detector_id, det in remote.items():
         assert det.url is not None
         assert host_port(det.url) == ("detectors", DETECTORS_PORT)
@@ -380,8 +392,8 @@ def test_k8s_config_points_at_the_k8s_services() -> None:
         {"name": "http", "port": DETECTORS_PORT, "targetPort": DETECTORS_PORT}
     ]
     remote = {d: c for d, c in config.detectors.items() if c.url is not None}
-    assert sorted(remote) == ["hap", "injection"]
-    assert {c.judges for c in remote.values()} == {"chunks"}
+    assert sorted(remote) == REMOTE_BUILTINS
+    assert {d: c.judges for d, c in remote.items()} == REMOTE_JUDGES
     for detector_id, det in remote.items():
         assert det.url is not None
         assert host_port(det.url) == ("guardstream-detectors", DETECTORS_PORT)

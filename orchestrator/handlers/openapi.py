@@ -277,7 +277,17 @@ def _fms_detection_paths(errors: dict[str, Any]) -> dict[str, Any]:
                         "description": "the completion, or its chunks",
                         "content": {
                             **_json(Completion),
-                            "text/event-stream": {"schema": {"type": "string"}},
+                            # each event: `data:` a Completion chunk or `[DONE]`; `error`
+                            "text/event-stream": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["data"],
+                                    "properties": {
+                                        "event": {"enum": ["message", "error"]},
+                                        "data": {"type": "string"},
+                                    },
+                                }
+                            },
                         },
                     },
                     **errors,
