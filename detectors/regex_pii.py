@@ -122,9 +122,17 @@ _EMAIL = _builtin(
     "",
 )
 _PHONE_INTL = _builtin(_AN, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", _AN)
+# North American numbers: 3-3-4 digits with one kind of separator (any area code: a model
+# writes `123-456-7890`, and a guardrail is permissive), or 10 contiguous digits with a real
+# area code (`2125550100`; 1xx/0xx contiguous runs are mostly other numbers), an optional
+# `+1`/`1` before either. Context-free, like every pattern here: a window of a stream finds
+# what the whole text finds (libphonenumber's matcher looks past its match, and streamed
+# windows and whole texts disagreed: the seam properties caught it).
 _PHONE_US = _builtin(
     _AN,
-    r"(?:\+?1[ .-]?)?(?:\([2-9][0-9]{2}\)[ .-]?|[2-9][0-9]{2}[ .-])[0-9]{3}[ .-][0-9]{4}",
+    r"(?:\+?1[ .-]?)?(?:\([0-9]{3}\)[ .-]?[0-9]{3}[ .-][0-9]{4}"
+    r"|[0-9]{3}-[0-9]{3}-[0-9]{4}|[0-9]{3}\.[0-9]{3}\.[0-9]{4}|[0-9]{3} [0-9]{3} [0-9]{4}"
+    r"|[2-9][0-9]{9})",
     _AN,
 )
 # area: not 000, 666 or 9xx; group: not 00; serial: not 0000; both separators the same.
@@ -238,20 +246,16 @@ def _simple(rx: Any) -> Callable[[_Text], Iterator[Span]]:
 
 
 def _phones(t: _Text) -> Iterator[Span]:
-    """Phone numbers found by libphonenumber (`phonenumbers`) or by the two patterns, with
-    overlapping finds merged into one span. libphonenumber's matcher reads every international
-    and national format it knows (`123-456-7890`, `2125550100`, `+49 (0)30 1234 5678`,
-    extensions) at leniency POSSIBLE, a length check only: a guardrail is permissive, a
-    number-shaped string is a phone unless libphonenumber rules it out (dates, times, Luhn
-    cards, SSNs are not phones to it). A find needs PHONE_MIN_DIGITS digits, so a 7-digit local
-    number (`555-1234`) is not reported; the patterns keep the `+CC` forms libphonenumber does
-    not know."""
+    """Phone numbers found by the two patterns (international `+CC ...` with 8-15 digits; North
+    American forms), overlapping finds merged into one span and an unmatched bracket left out.
+    National formats of other countries without `+CC` are `pii_ner`'s question, not this fast
+    path's (a context-free pattern for them found phones in card and e-mail fragments that a
+    stream's windows cut: see the seam properties)."""
     found: list[Span] = []
     for start, end in t.spans(_builtin_spans(_PHONE_INTL, t.data)):
         if 8 <= sum(ch.isdigit() for ch in t.text[start:end]) <= 15:
             found.append((start, end))
     found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
-    found.extend(s for s in _libphonenumber_spans(t.text) if _phone_shaped_ok(t.text, *s))
     found = [_unbracketed(t.text, start, end) for start, end in found]
     found.sort()
     merged: list[Span] = []
@@ -263,25 +267,6 @@ def _phones(t: _Text) -> Iterator[Span]:
     yield from merged
 
 
-_IPV4_SHAPED = re2.compile(r"[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}")
-
-
-def _phone_shaped_ok(text: str, start: int, end: int) -> bool:
-    """libphonenumber's find, unless the other kinds or the boundary rules say otherwise: a
-    run of 4-digit groups only is a piece of a card a chunk cut (`1111 1111 1111`), a run
-    holding an IPv4 shape is addresses (`10.0.0.1-10.0.0.9`), and a letter or digit next to
-    it joins it to a longer token (as for every kind)."""
-    found = text[start:end]
-    groups = re2.findall(r"[0-9]+", found)
-    if len(groups) > 1 and all(len(g) == 4 for g in groups):
-        return False
-    if _IPV4_SHAPED.search(found):
-        return False
-    before = text[start - 1] if start > 0 else ""
-    after = text[end] if end < len(text) else ""
-    return not (before.isalnum() or after.isalnum())
-
-
 def _unbracketed(text: str, start: int, end: int) -> Span:
     """A span without an unmatched bracket at either end (`(555-123-4567` of `(555-123-4567)`)."""
     if text.startswith("(", start) and ")" not in text[start:end]:
@@ -289,19 +274,6 @@ def _unbracketed(text: str, start: int, end: int) -> Span:
     if end > start and text[end - 1] == ")" and "(" not in text[start:end]:
         end -= 1
     return start, end
-
-
-PHONE_REGION = "US"  # how libphonenumber reads a number written without `+CC`
-PHONE_MIN_DIGITS = 8
-
-
-def _libphonenumber_spans(text: str) -> Iterator[Span]:
-    """Character spans of libphonenumber's matches (Leniency.POSSIBLE, region PHONE_REGION)."""
-    from phonenumbers import Leniency, PhoneNumberMatcher  # imported on first phone-shaped text
-
-    for match in PhoneNumberMatcher(text, PHONE_REGION, leniency=Leniency.POSSIBLE):
-        if sum(ch.isdigit() for ch in match.raw_string) >= PHONE_MIN_DIGITS:
-            yield match.start, match.end
 
 
 def _cards(t: _Text) -> Iterator[Span]:
@@ -849,13 +821,18 @@ def _card_groups(view: str, start: int) -> int:
 
 def _evidence(kind: str, tail: str) -> bool:
     """Enough of an entity that withholding the tail is worth it: an e-mail's `@`, six digits
-    of a phone or SSN, nine of a card, two dots and seven digits of an IPv4 address. A year
-    (`in 2023`), a range (`2020-2023`), a version (`3.11.4.`) or `555 1` are not."""
+    of a phone (with a separator, not a dot) or SSN, nine of a card, two dots and seven digits
+    of an IPv4 address. A year (`in 2023`), a range (`2020-2023`), a version (`3.11.4.`), a
+    bare number (`8336817`) or `555 1` are not."""
     digits = sum(ch.isdigit() for ch in tail)
     if kind == "email":
         return "@" in tail
-    if kind in ("phone", "phone_us", "ssn"):
+    if kind == "ssn":
         return digits >= 6
+    if kind in ("phone", "phone_us"):
+        # a bare run of digits (`population 8336817`) is a number that ended, and a dotted one
+        # (`192.168.1`) an address before a phone: neither is withheld as a cut phone
+        return digits >= 6 and not tail.isdigit() and "." not in tail
     if kind == "credit_card":
         return digits >= 9
     return tail.count(".") >= 2 and digits >= 7  # ipv4 (not a version: 3.11.4, 10.15.7.)

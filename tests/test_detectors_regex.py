@@ -72,10 +72,9 @@ def test_each_kind_found_with_its_exact_span(kind: str, value: str) -> None:
         "+49 (0)30 1234 5678",
         "+44 (0) 20 7946 0958",
         "+91-9876543210",
-        "(555) 123-4567 x123",
     ],
 )
-def test_phone_numbers_libphonenumber_reads_are_found_whole(value: str) -> None:
+def test_north_american_and_international_phone_numbers_are_found_whole(value: str) -> None:
     text = f"Call {value} today"
     assert spans(text) == [("phone", *at(text, value), value)]
 
