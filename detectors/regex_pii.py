@@ -1,9 +1,8 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
-Kinds: `email`, `phone` (every format libphonenumber reads, international and national, such
-as `+44 20 7946 0958`, `(555) 123-4567`, `123-456-7890`, `2125550100`, plus international
-`+CC ...` with 8-15 digits), `ssn` (US, `123-45-6789` or with spaces,
-excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
+Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, and North American forms:
+`123-456-7890`, `(555) 123-4567`, `555.123.4567`, `+1 555 123 4567`, `2125550100`), `ssn` (US,
+`123-45-6789` or with spaces, excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
 3+ digits separated by spaces, dashes or dots, Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
 
