@@ -14,8 +14,8 @@ import os
 import ssl
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -40,6 +40,7 @@ REPLY_BYTES_PER_CONTENT = 2 << 20
 
 
 log = logging.getLogger("guardstream.detectors")
+T = TypeVar("T")
 
 
 class DetectorCallError(Exception):
@@ -86,12 +87,17 @@ class DetectorClient(ABC):
     async def detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         """`params` are the request's detector_params (config params are merged under them).
         Every call, in-process or remote, is reported to `on_call` with its outcome and time."""
-        started = time.perf_counter()
-        outcome = "error"
         # the call's span, named by a remote call's traceparent (None: tracing is off)
         traced = tracing.start_detector_call(self.detector_id, contents)
+        return await self._recorded(self._detect(contents, params), traced)
+
+    async def _recorded(self, call: Awaitable[T], traced: Any = None) -> T:
+        """`call`'s result, its outcome and time reported to `on_call` (and its span ended)."""
+        started = time.perf_counter()
+        outcome = "error"
+        reply: T | None = None
         try:
-            reply = await self._detect(contents, params)
+            reply = await call
             outcome = "ok"
             return reply
         except asyncio.CancelledError:
@@ -113,17 +119,7 @@ class DetectorClient(ABC):
     ) -> list[KindDetection]:
         """One call of an FMS detection kind (`path`: /api/v1/text/chat, /context/doc,
         /generation) with `body` and the merged `detector_params`; reported like `detect`."""
-        started = time.perf_counter()
-        outcome = "error"
-        try:
-            reply = await self._judge(path, body, params)
-            outcome = "ok"
-            return reply
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        finally:
-            self.on_call(self.detector_id, outcome, time.perf_counter() - started)
+        return await self._recorded(self._judge(path, body, params))
 
     async def _judge(
         self, path: str, body: dict[str, Any], params: dict[str, Any]

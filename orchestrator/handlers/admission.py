@@ -150,6 +150,42 @@ class Conversation:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def openai_params(
+    target: ModelTarget,
+    max_new: int,
+    *,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: tuple[str, ...],
+) -> GenerationParams:
+    """The generation parameters of an OpenAI-surface request (chat, Responses, completions):
+    OpenAI's default temperature is 1 (sampling) unless the model's config has its own
+    defaults, 0 asks for greedy decoding; what the config filled in is `defaulted`."""
+    defaults = target.config.decoding_defaults
+    temp = temperature
+    if temp is None:
+        temp = 1.0 if defaults.temperature is None else defaults.temperature
+    nucleus = top_p if top_p is not None else defaults.top_p
+    return GenerationParams(
+        max_new_tokens=max_new,
+        budget_is_default=max_tokens is None,
+        decoding_method="GREEDY" if temp == 0 else "SAMPLING",
+        temperature=temp if temp > 0 else 1.0,
+        top_p=1.0 if nucleus is None else nucleus,
+        repetition_penalty=defaults.repetition_penalty or 1.0,
+        defaulted=frozenset(
+            name
+            for name, given in (("temperature", temperature), ("top_p", top_p))
+            if given is None and getattr(defaults, name) is not None
+        )
+        | ({"repetition_penalty"} if defaults.repetition_penalty is not None else set()),
+        seed=seed,
+        stop_sequences=stop,
+    )
+
+
 async def prepare_conversation(
     request: web.Request, conversation: Conversation
 ) -> GuardedGeneration:
@@ -163,30 +199,16 @@ async def prepare_conversation(
     last_user = max(i for i, (role, _) in enumerate(c.messages) if role == "user")
     input_dets = resolve_detectors(state, target, "input", c.input_detectors, "detectors.input")
     output_dets = resolve_detectors(state, target, "output", c.output_detectors, "detectors.output")
-    # OpenAI's default temperature is 1 (sampling), unless the model's config has its own
-    # defaults; 0 asks for greedy decoding
-    defaults = target.config.decoding_defaults
-    temperature = c.temperature
-    if temperature is None:
-        temperature = 1.0 if defaults.temperature is None else defaults.temperature
-    top_p = c.top_p if c.top_p is not None else defaults.top_p
     gen_request = GenerationRequest(
         prompt=c.messages[last_user][1],
-        params=GenerationParams(
-            max_new_tokens=max_new,
-            budget_is_default=c.max_tokens is None,
-            decoding_method="GREEDY" if temperature == 0 else "SAMPLING",
-            temperature=temperature if temperature > 0 else 1.0,
-            top_p=1.0 if top_p is None else top_p,
-            repetition_penalty=defaults.repetition_penalty or 1.0,
-            defaulted=frozenset(
-                name
-                for name, given in (("temperature", c.temperature), ("top_p", c.top_p))
-                if given is None and getattr(defaults, name) is not None
-            )
-            | ({"repetition_penalty"} if defaults.repetition_penalty is not None else set()),
+        params=openai_params(
+            target,
+            max_new,
+            max_tokens=c.max_tokens,
+            temperature=c.temperature,
+            top_p=c.top_p,
             seed=c.seed,
-            stop_sequences=c.stop,
+            stop=c.stop,
         ),
         chat=True,
         request_id=request.get("request_id", ""),

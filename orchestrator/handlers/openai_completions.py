@@ -10,11 +10,18 @@ from functools import partial
 from aiohttp import web
 
 from ..api.openai_completions import CompletionRequest
-from ..clients.backend import GenerationParams, GenerationRequest
+from ..clients.backend import GenerationRequest
 from ..state import STATE
 from ..streaming.completions_writer import CompletionChunkWriter, CompletionFold
 from ..streaming.guarded_generation import GuardedGeneration
-from .admission import budget, build_pipeline, check_input_size, find_model, resolve_detectors
+from .admission import (
+    budget,
+    build_pipeline,
+    check_input_size,
+    find_model,
+    openai_params,
+    resolve_detectors,
+)
 from .body import read_model
 from .serving import serve, serve_unary
 
@@ -31,28 +38,16 @@ async def prepare_completion(request: web.Request, body: CompletionRequest) -> G
     output_dets = resolve_detectors(
         state, target, "output", detectors.output if detectors else None, "detectors.output"
     )
-    defaults = target.config.decoding_defaults
-    temperature = body.temperature
-    if temperature is None:  # OpenAI's default is 1, unless the model's config has its own
-        temperature = 1.0 if defaults.temperature is None else defaults.temperature
-    top_p = body.top_p if body.top_p is not None else defaults.top_p
     gen_request = GenerationRequest(
         prompt=body.prompt,
-        params=GenerationParams(
-            max_new_tokens=max_new,
-            budget_is_default=body.max_tokens is None,
-            decoding_method="GREEDY" if temperature == 0 else "SAMPLING",
-            temperature=temperature if temperature > 0 else 1.0,
-            top_p=1.0 if top_p is None else top_p,
-            repetition_penalty=defaults.repetition_penalty or 1.0,
-            defaulted=frozenset(
-                name
-                for name, given in (("temperature", body.temperature), ("top_p", body.top_p))
-                if given is None and getattr(defaults, name) is not None
-            )
-            | ({"repetition_penalty"} if defaults.repetition_penalty is not None else set()),
+        params=openai_params(
+            target,
+            max_new,
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
             seed=body.seed,
-            stop_sequences=tuple(body.stop_list()),
+            stop=tuple(body.stop_list()),
         ),
         chat=False,
         request_id=request.get("request_id", ""),
