@@ -25,6 +25,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SPAN = web.RequestKey("guardstream_server_span", object)
 
 
+def one_line(span: Any) -> str:
+    """A finished span as compact JSON on one line (the console exporter's format)."""
+    return span.to_json(indent=None) + "\n"
+
+
 def sdk_disabled(environ: Mapping[str, str] = os.environ) -> bool:
     """`OTEL_SDK_DISABLED=true`: nothing traces, whatever else is configured."""
     return environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
@@ -80,7 +85,10 @@ def build_provider(
         if "console" in names:
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-            exporters.append(ConsoleSpanExporter())
+            # one span, one line: an engine's stdout is relayed line by line into the
+            # orchestrator's JSON log, and the exporter's default indented JSON became a
+            # dozen records per span there (issue 41)
+            exporters.append(ConsoleSpanExporter(formatter=one_line))
         if "otlp" in names or endpoint is not None or not exporters:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

@@ -51,3 +51,21 @@ def test_a_token_is_accepted_exactly_when_it_is_one_of_the_keys(
 def test_the_services_share_one_message_and_challenge() -> None:
     assert UNAUTHORIZED_MESSAGE == "missing or invalid API key"
     assert CHALLENGE == {"WWW-Authenticate": "Bearer"}
+
+
+def test_console_spans_are_one_json_object_per_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine's console spans reach the orchestrator's JSON log line by line (its stdout is
+    relayed that way): the console exporter writes each span as one line (issue 41; the
+    default indented JSON made a dozen records of one span)."""
+    import json
+
+    from servicekit.tracing import build_provider
+
+    provider = build_provider(service_name="t", environ={"OTEL_TRACES_EXPORTER": "console"})
+    with provider.get_tracer("t").start_as_current_span("one"):
+        pass
+    with provider.get_tracer("t").start_as_current_span("two"):
+        pass
+    provider.shutdown()  # flushes the batch processor
+    lines = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert [json.loads(line)["name"] for line in lines] == ["one", "two"]
