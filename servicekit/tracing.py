@@ -10,6 +10,7 @@ SERVER span, the child of the caller's W3C `traceparent`. Spans carry counts, ne
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +89,7 @@ def build_provider(
             # one span, one line: an engine's stdout is relayed line by line into the
             # orchestrator's JSON log, and the exporter's default indented JSON became a
             # dozen records per span there (issue 41)
-            exporters.append(ConsoleSpanExporter(formatter=one_line))
+            exporters.append(ConsoleSpanExporter(out=sys.stdout, formatter=one_line))
         if "otlp" in names or endpoint is not None or not exporters:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
