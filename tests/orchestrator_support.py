@@ -8,12 +8,12 @@ import json
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from resource import RLIMIT_NOFILE, setrlimit
-from typing import Any, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 import aiohttp
 import psutil
@@ -168,6 +168,49 @@ class BackgroundLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+class Upstream(Protocol):
+    """A fake server a stack starts before the orchestrator (engine, detector service)."""
+
+    async def start(self) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+class ServedStack(BackgroundLoop):
+    """Fake upstreams and the orchestrator, served from a loop in its own thread, for
+    synchronous tests (hypothesis, schemathesis): `config()` is called once the upstreams are
+    up, so it can read their URLs. Subclasses add the requests their tests make."""
+
+    def __init__(
+        self, name: str, config: Callable[[], dict[str, Any]], upstreams: Sequence[Upstream] = ()
+    ) -> None:
+        super().__init__(name)
+        self._config = config
+        self.upstreams = list(upstreams)
+        self.url = ""
+
+    def start(self) -> Self:
+        self.start_loop()
+        self.run(self._start())
+        return self
+
+    async def _start(self) -> None:
+        for upstream in self.upstreams:
+            await upstream.start()
+        self.orch = Orchestrator(self._config())
+        await self.orch.__aenter__()
+        self.url = self.orch.url
+
+    def stop(self) -> None:
+        async def stop() -> None:
+            await self.orch.__aexit__(None, None, None)
+            for upstream in reversed(self.upstreams):
+                await upstream.close()
+
+        self.run(stop())
+        self.stop_loop()
 
 
 class Orchestrator:

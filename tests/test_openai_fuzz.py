@@ -35,8 +35,7 @@ from tests.engine_processes import ThreadedServer
 from tests.orchestrator_support import (
     ERROR_TYPES,
     MODEL,
-    BackgroundLoop,
-    Orchestrator,
+    ServedStack,
     native_config,
 )
 
@@ -49,52 +48,38 @@ FUZZ = settings(
 )
 
 
-class Stack(BackgroundLoop):
-    """The orchestrator in front of the real engine server, served from a loop in its own thread
-    (hypothesis is synchronous)."""
+def chat_stack(engine_url: str) -> ServedStack:
+    """The orchestrator in front of the real engine server, served from a loop of its own."""
 
-    def __init__(self, engine_url: str) -> None:
-        super().__init__("fuzz-chat")
-        self.engine_url = engine_url
-        self.url = ""
-
-    def start(self) -> Stack:
-        self.start_loop()
-        self.orch = Orchestrator(
-            native_config(
-                self.engine_url,
-                detectors={
-                    "pii": {"builtin": "regex", "chunker_id": "sentence"},
-                    "hap": {"builtin": "profanity", "chunker_id": "sentence"},
-                    "pii_block": {
-                        "builtin": "regex",
-                        "chunker_id": "whole_doc_chunker",
-                        "on_detection": "block",
-                    },
+    def config() -> dict[str, Any]:
+        return native_config(
+            engine_url,
+            detectors={
+                "pii": {"builtin": "regex", "chunker_id": "sentence"},
+                "hap": {"builtin": "profanity", "chunker_id": "sentence"},
+                "pii_block": {
+                    "builtin": "regex",
+                    "chunker_id": "whole_doc_chunker",
+                    "on_detection": "block",
                 },
-                server={"max_request_bytes": 65536, "request_timeout_s": 20},
-                model={
-                    "limits": {
-                        "max_new_tokens": 16,
-                        "default_max_new_tokens": 8,
-                        "max_input_chars": 2000,
-                    },
-                    "guardrails": {"output": {"hap": {}}},  # enforced on every request
+            },
+            server={"max_request_bytes": 65536, "request_timeout_s": 20},
+            model={
+                "limits": {
+                    "max_new_tokens": 16,
+                    "default_max_new_tokens": 8,
+                    "max_input_chars": 2000,
                 },
-            )
+                "guardrails": {"output": {"hap": {}}},  # enforced on every request
+            },
         )
-        self.run(self.orch.__aenter__())
-        self.url = self.orch.url
-        return self
 
-    def stop(self) -> None:
-        self.run(self.orch.__aexit__(None, None, None))
-        self.stop_loop()
+    return ServedStack("fuzz-chat", config)
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_server: ThreadedServer) -> Iterator[Stack]:
-    s = Stack(tiny_server.url).start()
+def stack(tiny_server: ThreadedServer) -> Iterator[ServedStack]:
+    s = chat_stack(tiny_server.url).start()
     try:
         yield s
     finally:
@@ -231,7 +216,7 @@ def fuzz_operation(
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_schemathesis_chat_operations(
-    stack: Stack, http: requests.Session, mode: GenerationMode
+    stack: ServedStack, http: requests.Session, mode: GenerationMode
 ) -> None:
     """Bodies from the served document (its model and detector ids narrowed to this
     deployment): replies as documented, and the properties above."""
@@ -245,7 +230,7 @@ def test_schemathesis_chat_operations(
         fuzz_operation(operation, mode, stack.url, http)
 
 
-def test_the_document_names_this_deployment(stack: Stack, http: requests.Session) -> None:
+def test_the_document_names_this_deployment(stack: ServedStack, http: requests.Session) -> None:
     doc = http.get(stack.url + "/openapi.json", timeout=10).json()
     schemas = doc["components"]["schemas"]
     assert schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
@@ -407,7 +392,7 @@ def encode(body: Any) -> bytes:
 
 
 @pytest.mark.parametrize("path", [CHAT_PATH, CHAT_DETECTION_PATH])
-def test_chat_completions_never_5xx(stack: Stack, http: requests.Session, path: str) -> None:
+def test_chat_completions_never_5xx(stack: ServedStack, http: requests.Session, path: str) -> None:
     @FUZZ
     @given(body=good_bodies() | good_bodies().map(lambda b: {**b, "stream": True}) | wild_bodies)
     def fuzz(body: Any) -> None:
@@ -422,7 +407,7 @@ def test_chat_completions_never_5xx(stack: Stack, http: requests.Session, path: 
     ctype=st.sampled_from(["application/json", "text/plain", ""]),
 )
 def test_any_document_or_bytes_is_a_4xx_with_the_openai_body(
-    stack: Stack, http: requests.Session, data: bytes, ctype: str
+    stack: ServedStack, http: requests.Session, data: bytes, ctype: str
 ) -> None:
     response = post(http, stack.url + CHAT_PATH, data, ctype)
     check_error(response)
@@ -450,7 +435,7 @@ USER = '"messages": [{"role": "user", "content": "Hello"}]'
 )
 @pytest.mark.parametrize("stream", [False, True])
 def test_numbers_beyond_a_float_are_422(
-    stack: Stack, http: requests.Session, fields: str, param: str, stream: bool
+    stack: ServedStack, http: requests.Session, fields: str, param: str, stream: bool
 ) -> None:
     raw = f'{{"model": "{MODEL}", {USER}, "stream": {json.dumps(stream)}, {fields}}}'
     response = post(http, stack.url + CHAT_PATH, raw.encode())
@@ -468,7 +453,7 @@ def test_numbers_beyond_a_float_are_422(
     ],
 )
 def test_booleans_are_booleans(
-    stack: Stack, http: requests.Session, fields: dict[str, Any], param: str
+    stack: ServedStack, http: requests.Session, fields: dict[str, Any], param: str
 ) -> None:
     """The schema says boolean: a string or a number is a 422, never a guess (which would also
     decide between an event stream and a JSON reply)."""
@@ -479,7 +464,7 @@ def test_booleans_are_booleans(
     assert response.json()["error"]["param"] == param
 
 
-def test_a_threshold_beyond_a_float_is_422(stack: Stack, http: requests.Session) -> None:
+def test_a_threshold_beyond_a_float_is_422(stack: ServedStack, http: requests.Session) -> None:
     raw = (
         f'{{"model": "{MODEL}", {USER}, '
         '"detectors": {"output": {"pii": {"threshold": 1' + "0" * 400 + "}}}}"
@@ -491,7 +476,7 @@ def test_a_threshold_beyond_a_float_is_422(stack: Stack, http: requests.Session)
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_nan_and_infinity_literals_are_400(
-    stack: Stack, http: requests.Session, value: float
+    stack: ServedStack, http: requests.Session, value: float
 ) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": value}
     response = post(http, stack.url + CHAT_PATH, json.dumps(body).encode())
@@ -502,7 +487,7 @@ def test_nan_and_infinity_literals_are_400(
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_lone_surrogate_is_422_before_any_byte(
-    stack: Stack, http: requests.Session, stream: bool
+    stack: ServedStack, http: requests.Session, stream: bool
 ) -> None:
     """JSON can spell a lone surrogate (`"\\ud800"`), which is not Unicode: refused with the
     field it is in, before the reply starts (it used to be quoted back in a detection)."""
@@ -536,7 +521,7 @@ def nested(depth: int, kind: str) -> str:
     return '{"a":' * depth + "1" + "}" * depth
 
 
-def test_nesting_past_the_bound_is_400(stack: Stack, http: requests.Session) -> None:
+def test_nesting_past_the_bound_is_400(stack: ServedStack, http: requests.Session) -> None:
     """At the top, in a message's content parts or in detector params: a 400 in OpenAI's error
     shape (a 1000-deep body used to be a 500 with a traceback)."""
 
@@ -569,7 +554,7 @@ def test_nesting_past_the_bound_is_400(stack: Stack, http: requests.Session) -> 
 
 
 def test_a_lone_surrogate_anywhere_in_a_message_is_422(
-    stack: Stack, http: requests.Session
+    stack: ServedStack, http: requests.Session
 ) -> None:
     """In any role's content, a text part, a `name`, or a stop sequence: 422 with the field as
     OpenAI's `param`, before the first byte, streaming or not."""
@@ -625,7 +610,9 @@ TRICKS = [
 ]
 
 
-def test_unicode_tricks_are_never_a_server_error(stack: Stack, http: requests.Session) -> None:
+def test_unicode_tricks_are_never_a_server_error(
+    stack: ServedStack, http: requests.Session
+) -> None:
     """Valid Unicode of any kind in any message gets a well-formed reply (the enforced `hap`
     guardrail judges it), never a 5xx or a broken stream."""
 

@@ -41,8 +41,8 @@ from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     ERROR_TYPES,
     MODEL,
-    BackgroundLoop,
     Orchestrator,
+    ServedStack,
     native_config,
     remote,
 )
@@ -77,34 +77,22 @@ def _ndjson(ctx: Any, value: Any) -> bytes:
 schemathesis.serializer(NDJSON)(_ndjson)
 
 
-class Stack(BackgroundLoop):
-    """Fake engine, fake detector and the orchestrator, served from a loop in its own thread
-    (hypothesis and schemathesis are synchronous)."""
+def fuzz_stack() -> ServedStack:
+    """Fake engine, fake detector and the orchestrator, served from a loop of their own."""
+    engine = FakeEngine(script=["You", " are", " here", ".", " Mail", " me", "!"])
+    dets = FakeDetectorServer()
+    words = DetectorBehaviour(words={"You": 0.9, "me": 0.4}, detection="pronoun")
+    for detector_id in ("you", "para", "whole", "blocker"):
+        dets.add(detector_id, words)
 
-    def __init__(self) -> None:
-        super().__init__("fuzz-stack")
-        self.url = ""
-
-    def start(self) -> Stack:
-        self.start_loop()
-        self.run(self._start())
-        return self
-
-    async def _start(self) -> None:
-        self.engine = FakeEngine(script=["You", " are", " here", ".", " Mail", " me", "!"])
-        await self.engine.start()
-        self.dets = FakeDetectorServer()
-        words = DetectorBehaviour(words={"You": 0.9, "me": 0.4}, detection="pronoun")
-        for detector_id in ("you", "para", "whole", "blocker"):
-            self.dets.add(detector_id, words)
-        await self.dets.start()
-        config = native_config(
-            self.engine.url,
+    def config() -> dict[str, Any]:
+        return native_config(
+            engine.url,
             detectors={
-                "you": remote(self.dets.url),
-                "para": remote(self.dets.url, "paragraph"),
-                "whole": remote(self.dets.url, "whole_doc_chunker"),
-                "blocker": remote(self.dets.url, on_detection="block"),
+                "you": remote(dets.url),
+                "para": remote(dets.url, "paragraph"),
+                "whole": remote(dets.url, "whole_doc_chunker"),
+                "blocker": remote(dets.url, on_detection="block"),
                 "pii": {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"},
             },
             server={"max_request_bytes": 65536, "request_timeout_s": 20},
@@ -116,23 +104,13 @@ class Stack(BackgroundLoop):
                 }
             },
         )
-        self.orch = Orchestrator(config)
-        await self.orch.__aenter__()
-        self.url = self.orch.url
 
-    def stop(self) -> None:
-        async def stop() -> None:
-            await self.orch.__aexit__(None, None, None)
-            await self.dets.close()
-            await self.engine.close()
-
-        self.run(stop())
-        self.stop_loop()
+    return ServedStack("fuzz-stack", config, [engine, dets])
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    s = Stack().start()
+def stack() -> Iterator[ServedStack]:
+    s = fuzz_stack().start()
     try:
         yield s
     finally:
@@ -184,7 +162,7 @@ def check_stream(body: str) -> None:
 # -- schemathesis: every documented operation -------------------------------------------------
 
 
-def test_openapi_document_covers_every_route(stack: Stack, http: requests.Session) -> None:
+def test_openapi_document_covers_every_route(stack: ServedStack, http: requests.Session) -> None:
     doc = http.get(stack.url + "/openapi.json", timeout=10).json()
     documented = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
     assert stack.orch.runner is not None
@@ -223,7 +201,7 @@ def fuzz_operation(
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_schemathesis_every_operation(
-    stack: Stack, http: requests.Session, mode: GenerationMode
+    stack: ServedStack, http: requests.Session, mode: GenerationMode
 ) -> None:
     schema = schemathesis.openapi.from_url(stack.url + "/openapi.json")
     for result in schema.get_all_operations():
@@ -360,7 +338,7 @@ def _post(http: requests.Session, url: str, data: bytes, content_type: str) -> r
 
 
 @pytest.mark.parametrize("path", [STREAMING_PATH, UNARY_PATH])
-def test_task_endpoints_never_5xx(stack: Stack, http: requests.Session, path: str) -> None:
+def test_task_endpoints_never_5xx(stack: ServedStack, http: requests.Session, path: str) -> None:
     @FUZZ
     @given(body=task_payloads)
     def fuzz(body: Any) -> None:
@@ -373,7 +351,7 @@ def test_task_endpoints_never_5xx(stack: Stack, http: requests.Session, path: st
     fuzz()
 
 
-def test_content_endpoint_never_5xx(stack: Stack, http: requests.Session) -> None:
+def test_content_endpoint_never_5xx(stack: ServedStack, http: requests.Session) -> None:
     @FUZZ
     @given(
         body=content_payloads,
@@ -397,7 +375,7 @@ wild_line = (
 )
 
 
-def test_stream_content_endpoint_never_5xx(stack: Stack, http: requests.Session) -> None:
+def test_stream_content_endpoint_never_5xx(stack: ServedStack, http: requests.Session) -> None:
     @FUZZ
     @given(
         first=(good_first_line | wild_line).map(json.dumps) | st.text(max_size=20),
@@ -433,7 +411,7 @@ def test_stream_content_endpoint_never_5xx(stack: Stack, http: requests.Session)
     "detectors", [{"blocker": {}}, {"you": {"on_detection": "block"}}], ids=["config", "request"]
 )
 def test_stream_content_with_a_blocking_detector_is_no_server_error(
-    stack: Stack, http: requests.Session, detectors: dict[str, Any]
+    stack: ServedStack, http: requests.Session, detectors: dict[str, Any]
 ) -> None:
     line = json.dumps({"content": "You are here.", "detectors": detectors})
     response = _post(http, stack.url + STREAM_CONTENT_PATH, (line + "\n").encode(), NDJSON)
@@ -444,7 +422,7 @@ def test_stream_content_with_a_blocking_detector_is_no_server_error(
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
-def test_oversized_bodies_are_413(stack: Stack, http: requests.Session, path: str) -> None:
+def test_oversized_bodies_are_413(stack: ServedStack, http: requests.Session, path: str) -> None:
     big = json.dumps({"content": "x" * 70_000, "detectors": {"you": {}}}).encode()
     response = _post(
         http, stack.url + path, big, NDJSON if path == STREAM_CONTENT_PATH else "application/json"
@@ -463,7 +441,7 @@ def test_oversized_bodies_are_413(stack: Stack, http: requests.Session, path: st
     ],
 )
 def test_values_the_schema_rejects_are_422(
-    stack: Stack, http: requests.Session, params: dict[str, Any]
+    stack: ServedStack, http: requests.Session, params: dict[str, Any]
 ) -> None:
     body = json.dumps({"model_id": MODEL, "inputs": "You are here.", **params}).encode()
     response = _post(http, stack.url + UNARY_PATH, body, "application/json")
@@ -481,7 +459,7 @@ def test_values_the_schema_rejects_are_422(
     ],
 )
 def test_nan_and_infinity_are_not_json(
-    stack: Stack, http: requests.Session, params: dict[str, Any]
+    stack: ServedStack, http: requests.Session, params: dict[str, Any]
 ) -> None:
     body = json.dumps({"model_id": MODEL, "inputs": "You are here.", **params}).encode()
     response = _post(http, stack.url + UNARY_PATH, body, "application/json")
@@ -492,7 +470,7 @@ def test_nan_and_infinity_are_not_json(
 
 @pytest.mark.parametrize("path", [*POST_PATHS, "/health", "/metrics"])
 def test_wrong_methods_are_405_with_the_error_body(
-    stack: Stack, http: requests.Session, path: str
+    stack: ServedStack, http: requests.Session, path: str
 ) -> None:
     method = "GET" if path in POST_PATHS else "POST"
     response = http.request(method, stack.url + path, timeout=10)
@@ -500,7 +478,7 @@ def test_wrong_methods_are_405_with_the_error_body(
     check_error_body(response)
 
 
-def test_405_names_the_allowed_methods(stack: Stack, http: requests.Session) -> None:
+def test_405_names_the_allowed_methods(stack: ServedStack, http: requests.Session) -> None:
     response = http.get(stack.url + UNARY_PATH, timeout=10)
     assert response.status_code == 405
     assert response.headers.get("Allow") == "POST"
@@ -586,7 +564,7 @@ def error_line(response: requests.Response) -> dict[str, Any]:
 
 @pytest.mark.parametrize("path", POST_PATHS)
 def test_nesting_past_the_bound_is_400_on_every_endpoint(
-    stack: Stack, http: requests.Session, path: str
+    stack: ServedStack, http: requests.Session, path: str
 ) -> None:
     """A body nested past 64 levels, at the top or deep inside detector params, is a 400 with
     the error body (a 1000-deep one used to be a 500 with a traceback); on stream-content a
@@ -630,7 +608,7 @@ texts_with_a_lone_surrogate = st.builds(
 
 @pytest.mark.parametrize("path", POST_PATHS)
 def test_a_lone_surrogate_is_422_on_every_endpoint(
-    stack: Stack, http: requests.Session, path: str
+    stack: ServedStack, http: requests.Session, path: str
 ) -> None:
     """Anywhere in the text, escaped (`\\ud800`) or as raw UTF-8-encoded surrogate bytes: a 422
     naming the field, before the first byte (FMS streaming used to answer 200, then an
@@ -686,7 +664,7 @@ tricky_texts = st.lists(st.sampled_from(TRICKS) | st.text(max_size=4), max_size=
 
 
 def test_unicode_tricks_are_judged_with_spans_into_the_text(
-    stack: Stack, http: requests.Session
+    stack: ServedStack, http: requests.Session
 ) -> None:
     """Valid Unicode of any kind is accepted, and every detection's span indexes the text the
     client sent (code points), quoting exactly what is there."""
@@ -715,7 +693,7 @@ def test_unicode_tricks_are_judged_with_spans_into_the_text(
     ids=["ff", "overlong-slash", "overlong-3", "beyond-10ffff", "cesu-low", "continuation"],
 )
 def test_bytes_that_are_not_utf8_are_4xx(
-    stack: Stack, http: requests.Session, path: str, bad: bytes
+    stack: ServedStack, http: requests.Session, path: str, bad: bytes
 ) -> None:
     """Invalid or overlong UTF-8 inside a string: the error body, never a 5xx or a 200."""
     raw = json.dumps(body_for(path, "Hi __BAD__")).encode().replace(b"__BAD__", bad)

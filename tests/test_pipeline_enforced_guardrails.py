@@ -26,8 +26,8 @@ from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
     MODEL,
-    BackgroundLoop,
     Orchestrator,
+    ServedStack,
     frames,
     native_config,
     remote,
@@ -186,33 +186,17 @@ def guardrail_configs(draw: st.DrawFn, prompt_len: int) -> dict[str, Any]:
     return config
 
 
-class Stack(BackgroundLoop):
+class Stack(ServedStack):
     """Engine, word detectors and orchestrator on a loop of their own (hypothesis is sync)."""
 
     def __init__(self) -> None:
-        super().__init__("enforced-stack")
-
-    def start(self) -> Stack:
-        self.start_loop()
-        self.run(self._start())
-        return self
-
-    async def _start(self) -> None:
         self.engine = FakeEngine(script=SCRIPT)
-        await self.engine.start()
-        self.dets = word_detectors()
-        await self.dets.start()
-        self.orch = Orchestrator(enforced_config(self.engine.url, self.dets.url))
-        await self.orch.__aenter__()
-
-    def stop(self) -> None:
-        async def stop() -> None:
-            await self.orch.__aexit__(None, None, None)
-            await self.dets.close()
-            await self.engine.close()
-
-        self.run(stop())
-        self.stop_loop()
+        dets = word_detectors()
+        super().__init__(
+            "enforced-stack",
+            lambda: enforced_config(self.engine.url, dets.url),
+            [self.engine, dets],
+        )
 
     def outcome(self, inputs: str, guardrail_config: dict[str, Any] | None) -> dict[str, Any]:
         """What the enforced detectors decided: the engine's prompt, the released text, the

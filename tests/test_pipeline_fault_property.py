@@ -22,8 +22,7 @@ from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     MODEL,
-    BackgroundLoop,
-    Orchestrator,
+    ServedStack,
     assert_contiguous,
     frames,
     native_config,
@@ -39,41 +38,26 @@ MIGRATABLE = ("close", "eof", "error", "blank", "garbage", "nested", "no_data", 
 SURFACES = ("fms", "chat", "responses")
 
 
-class Stack(BackgroundLoop):
+class Stack(ServedStack):
+    """One fake engine (its fault re-armed per example), fake detectors, the orchestrator."""
+
     def __init__(self) -> None:
-        super().__init__("fault-property")
-
-    def start(self) -> Stack:
-        self.start_loop()
-        self.run(self._start())
-        return self
-
-    async def _start(self) -> None:
         self.engine = FakeEngine(script=SCRIPT)
-        await self.engine.start()
-        self.dets = FakeDetectorServer()
-        self.dets.add("cat", DetectorBehaviour(words={"cat": 0.9}, detection="animal"))
+        dets = FakeDetectorServer()
+        dets.add("cat", DetectorBehaviour(words={"cat": 0.9}, detection="animal"))
         for word in ("cat", "warm", "slept"):
-            self.dets.add(f"fails_on_{word}", DetectorBehaviour(fail_status=500, fail_on=word))
-        await self.dets.start()
-        detectors = {"cat": remote(self.dets.url)}
-        detectors.update({f"fails_on_{w}": remote(self.dets.url) for w in ("cat", "warm", "slept")})
-        config = native_config(
-            self.engine.url,
-            detectors=detectors,
-            model={"migration": {"limit": 3, "quarantine_s": 0, "stall_timeout_s": 30}},
-        )
-        self.orch = Orchestrator(config)
-        await self.orch.__aenter__()
+            dets.add(f"fails_on_{word}", DetectorBehaviour(fail_status=500, fail_on=word))
 
-    def stop(self) -> None:
-        async def stop() -> None:
-            await self.orch.__aexit__(None, None, None)
-            await self.dets.close()
-            await self.engine.close()
+        def config() -> dict[str, Any]:
+            detectors = {"cat": remote(dets.url)}
+            detectors.update({f"fails_on_{w}": remote(dets.url) for w in ("cat", "warm", "slept")})
+            return native_config(
+                self.engine.url,
+                detectors=detectors,
+                model={"migration": {"limit": 3, "quarantine_s": 0, "stall_timeout_s": 30}},
+            )
 
-        self.run(stop())
-        self.stop_loop()
+        super().__init__("fault-property", config, [self.engine, dets])
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, str]:
         """The raw reply of a streamed request: (status, body text)."""

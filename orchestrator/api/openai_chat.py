@@ -150,15 +150,18 @@ StopItem = Annotated[str, Field(min_length=1)]
 GUARDSTREAM_FIELDS = ("detectors",)
 
 
-class ChatCompletionRequest(BaseModel):
+class OpenAIGenerationFields(BaseModel):
+    """What the OpenAI generation requests guardstream serves (Chat Completions here, the
+    Completions twin in openai_completions.py) share: the sampling fields, one choice, and the
+    FMS `detectors` extension, whose misspelling is refused (forwarded to an `openai` backend,
+    it would leave the client's detectors unrun)."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[ChatMessageIn] = Field(min_length=1)
     stream: StrictBool = False  # "false" or 1 is a 422, never a guess at what was meant
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
@@ -166,7 +169,7 @@ class ChatCompletionRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     detectors: ChatDetectors | None = None
 
-    @field_validator("max_tokens", "max_completion_tokens", "n", "seed", mode="before")
+    @field_validator("max_tokens", "n", "seed", mode="before")
     @classmethod
     def _integers(cls, v: Any) -> Any:
         return json_integer(v)
@@ -177,9 +180,32 @@ class ChatCompletionRequest(BaseModel):
         return json_number(v)
 
     @model_validator(mode="after")
-    def _guardable(self) -> ChatCompletionRequest:
+    def _one_guarded_choice(self) -> OpenAIGenerationFields:
         if self.n not in (None, 1):
             raise ValueError("n: only n = 1 is supported (every choice would need its own guard)")
+        for name in self.model_extra or {}:
+            hint = closest(name, GUARDSTREAM_FIELDS, quote="`")
+            if hint:
+                raise ValueError(f"{name}: unknown field{hint}")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(OpenAIGenerationFields):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("max_completion_tokens", mode="before")
+    @classmethod
+    def _integer(cls, v: Any) -> Any:
+        return json_integer(v)
+
+    @model_validator(mode="after")
+    def _guardable(self) -> ChatCompletionRequest:
         modalities = (self.model_extra or {}).get("modalities")
         if modalities not in (None, ["text"]):
             raise ValueError("modalities: only text output is supported: only text can be guarded")
@@ -189,22 +215,11 @@ class ChatCompletionRequest(BaseModel):
                 raise ValueError(f"{name}: {why}")
         if not any(m.role == "user" for m in self.messages):
             raise ValueError("messages: at least one message must have the role `user`")
-        for name in self.model_extra or {}:
-            # a misspelt `detectors` would be forwarded to an `openai` backend, and no detector
-            # the client asked for would run: refused on every backend, naming the field
-            hint = closest(name, GUARDSTREAM_FIELDS, quote="`")
-            if hint:
-                raise ValueError(f"{name}: unknown field{hint}")
         return self
 
     def input_pieces(self) -> list[InputPiece]:
         """What input detectors judge: every message, whatever its role (DESIGN 4.8)."""
         return [p for i, m in enumerate(self.messages) for p in m.pieces(i)]
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def forwarded(self) -> dict[str, Any]:
         """Fields guardstream does not interpret, for an `openai` chat backend."""

@@ -6,58 +6,29 @@ is `{start, end, text, detector_id, detection_type, detection, score}`). The cha
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import BaseModel, model_validator
 
-from ..suggestions import closest
-from .json_numbers import json_integer, json_number
-from .openai_chat import GUARDSTREAM_FIELDS, ChatDetectors, StopItem, StreamOptions
+from .openai_chat import OpenAIGenerationFields
 
 COMPLETIONS_DETECTION_PATH = "/api/v2/text/completions-detection"
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(OpenAIGenerationFields):
     """The fields guardstream interprets; any other is refused (no backend receives fields it
     does not know on this endpoint, and a silently dropped one would change the answer)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str
     prompt: str
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: StopItem | list[StopItem] | None = None
-    n: int | None = Field(None, ge=1)
-    detectors: ChatDetectors | None = None
-
-    @field_validator("max_tokens", "n", "seed", mode="before")
-    @classmethod
-    def _integers(cls, v: Any) -> Any:
-        return json_integer(v)
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _numbers(cls, v: Any) -> Any:
-        return json_number(v)
 
     @model_validator(mode="after")
     def _checked(self) -> CompletionRequest:
-        # the FMS orchestrator's texts first (CompletionsRequest::validate)
+        # the FMS orchestrator's texts (CompletionsRequest::validate)
         if not self.model:
             raise ValueError("`model` must not be empty")
         if self.detectors is not None and self.detectors.input and not self.prompt:
             raise ValueError("`prompt` must not be empty when input detectors are provided")
-        if self.n not in (None, 1):
-            raise ValueError("n: only n = 1 is supported (every choice would need its own guard)")
         for name, value in (self.model_extra or {}).items():
-            hint = closest(name, GUARDSTREAM_FIELDS, quote="`")
-            if hint:
-                raise ValueError(f"{name}: unknown field{hint}")
             if value is not None:
                 raise ValueError(
                     f"{name}: not supported on this endpoint (guardstream reads model, prompt, "
@@ -65,11 +36,6 @@ class CompletionRequest(BaseModel):
                     "detectors)"
                 )
         return self
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class CompletionDetection(BaseModel):

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..api.errors import ApiError, ErrorBody, Failure
 from ..api.fms_responses import UNSUITABLE_OUTPUT
-from .chat_writer import finish_reason
+from .chat_writer import finish_reason, usage
 from .events import Frame, Refusal, Rendered, Terminal
 from .findings import Finding, sort_findings
 from .wire_json import dumps
@@ -51,16 +51,6 @@ def _input(findings: list[Finding]) -> dict[str, Any]:
 
 def _output(findings: list[Finding]) -> dict[str, Any]:
     return {"output": [{"choice_index": 0, "results": [detection(f) for f in findings]}]}
-
-
-def _usage(terminal: Terminal) -> dict[str, int]:
-    prompt = terminal.input_token_count or 0
-    generated = terminal.generated_token_count
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + generated,
-        "completion_tokens": generated,
-    }
 
 
 class CompletionChunkWriter:
@@ -122,10 +112,10 @@ class CompletionChunkWriter:
             self._finished = True
             if event.direction == "input":
                 self._input_refused = True
-                usage = {"prompt_tokens": event.input_token_count or 0}
+                prompt = event.input_token_count or 0
                 return self._chunk(
                     [],
-                    usage={**usage, "total_tokens": 0, "completion_tokens": 0},
+                    usage={"prompt_tokens": prompt, "total_tokens": 0, "completion_tokens": 0},
                     detections=_input(event.detections),
                     warnings=[INPUT_WARNING],
                 )
@@ -144,7 +134,7 @@ class CompletionChunkWriter:
         if not self._finished:
             out += self._chunk([self._choice("", finish_reason(terminal))])
         if self._include_usage and not self._input_refused:
-            out += self._chunk([], usage=_usage(terminal))
+            out += self._chunk([], usage=usage(terminal).dump())
         return out + DONE
 
 
@@ -190,7 +180,7 @@ class CompletionFold:
             warnings.append(OUTPUT_WARNING)
         if self._input_refused:  # as the FMS orchestrator: no choices, the prompt's count
             choices: list[dict[str, Any]] = []
-            usage = {
+            counts = {
                 "prompt_tokens": self._refused_tokens,
                 "total_tokens": 0,
                 "completion_tokens": 0,
@@ -204,14 +194,14 @@ class CompletionFold:
                     "finish_reason": finish_reason(terminal),
                 }
             ]
-            usage = _usage(terminal)
+            counts = usage(terminal).dump()
         out: dict[str, Any] = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": self._model,
             "choices": choices,
-            "usage": usage,
+            "usage": counts,
         }
         if detections:
             out["detections"] = detections
