@@ -13,9 +13,7 @@ from typing import Any
 import pytest
 
 from orchestrator.app import CONTENT_PATH
-from orchestrator.handlers.content_detection import content_dict
 from orchestrator.streaming import text_judgement
-from orchestrator.streaming.findings import Finding
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import SCRIPT, Orchestrator, generation_body, native_config
 
@@ -89,18 +87,6 @@ async def test_a_small_content_and_a_prompt_stay_on_the_loop(
     assert events[-1].name == "completed"
     loop_thread = threading.get_ident()
     assert where["chunk"] == [loop_thread] * 2 and where["findings"] == [loop_thread] * 2
-
-
-@pytest.mark.parametrize(
-    "finding",
-    [
-        Finding(1, 5, "text", "email", "pii", "pii", 1.0),
-        Finding(0, 9, "whole one", "sports", "topic", "t", 0.25, [{"k": 1}], {"m": [1, 2]}),
-    ],
-)
-def test_the_reply_dict_is_the_wire_model_dump(finding: Finding) -> None:
-    assert content_dict(finding) == finding.to_content().dump()
-    assert list(content_dict(finding)) == list(finding.to_content().dump())
 
 
 async def test_content_windows_only_at_safety_cuts_inputs_at_every_boundary(

@@ -18,6 +18,7 @@ findings = st.builds(
     detection_type=st.text(max_size=5),
     detector_id=st.text(min_size=1, max_size=5),
     score=st.floats(0, 1),
+    redacted=st.booleans(),
 )
 
 

@@ -22,6 +22,7 @@ from ..api.fms_responses import StreamContentResult
 from ..state import STATE
 from ..streaming.content_stream import ContentStream
 from ..streaming.failures import describe, is_unexpected
+from ..streaming.finding_wire import content_model
 from ..streaming.stream_judgement import JudgedFrame
 from ..streaming.wire_json import dumps
 from .body import check_content_encoding, parse_json, read_chunk, too_large, validate
@@ -87,7 +88,7 @@ def _result(frame: JudgedFrame) -> bytes:
     return (
         dumps(
             StreamContentResult(
-                detections=[f.to_content() for f in frame.detections],
+                detections=[content_model(f) for f in frame.detections],
                 start_index=frame.start,
                 processed_index=frame.end,
             ).dump()

@@ -34,28 +34,13 @@ from ..api.openai_chat import (
     Usage,
 )
 from .events import Frame, Refusal, Rendered, Terminal
+from .finding_wire import tcr, tcr_model
 from .findings import Finding, sort_findings
 from .wire_json import dumps
 
 DONE = b"data: [DONE]\n\n"
 INPUT_WARNING = ChatWarning(type="UNSUITABLE_INPUT", message=UNSUITABLE_INPUT.message)
 OUTPUT_WARNING = ChatWarning(type="UNSUITABLE_OUTPUT", message=UNSUITABLE_OUTPUT.message)
-
-
-def _tcr(f: Finding) -> dict[str, Any]:
-    """`f.to_tcr().dump()` without pydantic."""
-    out = {
-        "start": f.start,
-        "end": f.end,
-        "word": f.text,
-        "entity": f.detection,
-        "entity_group": f.detection_type,
-        "detector_id": f.detector_id,
-        "score": float(f.score),
-    }
-    if f.redacted:
-        out["redacted"] = True
-    return out
 
 
 # what follows a frame chunk's content in `ChatCompletionChunk.dump()` order
@@ -82,7 +67,7 @@ def usage(terminal: Terminal) -> Usage:
 
 def _output(findings: list[Finding]) -> ChatDetections:
     return ChatDetections(
-        output=[OutputDetections(choice_index=0, results=[f.to_tcr() for f in findings])]
+        output=[OutputDetections(choice_index=0, results=[tcr_model(f) for f in findings])]
     )
 
 
@@ -97,7 +82,7 @@ def _input(findings: list[Finding]) -> ChatDetections:
             InputDetections(
                 message_index=index,
                 field=field,  # type: ignore[arg-type]
-                results=[f.to_tcr() for f in group],
+                results=[tcr_model(f) for f in group],
             )
             for (index, field), group in groups.items()
         ]
@@ -161,7 +146,7 @@ class ChatChunkWriter:
         """`_chunk(Delta(content=text), detections=..., warnings=...)` without pydantic."""
         tail = _FRAME_TAIL
         if frame.judged:
-            results = b",".join(dumps(_tcr(f)) for f in frame.detections)
+            results = b",".join(dumps(tcr(f)) for f in frame.detections)
             tail += b',"detections":{"output":[{"choice_index":0,"results":[' + results + b"]}]}"
         if frame.detections:
             tail += _WARNINGS_TAIL

@@ -16,6 +16,7 @@ from ..api.errors import ApiError, ErrorBody, Failure
 from ..api.fms_responses import UNSUITABLE_OUTPUT
 from .chat_writer import finish_reason, usage
 from .events import Frame, Refusal, Rendered, Terminal
+from .finding_wire import completion_detection
 from .findings import Finding, sort_findings
 from .wire_json import dumps
 
@@ -29,28 +30,12 @@ INPUT_WARNING = {
 OUTPUT_WARNING = {"type": "UNSUITABLE_OUTPUT", "message": UNSUITABLE_OUTPUT.message}
 
 
-def detection(f: Finding) -> dict[str, Any]:
-    """The FMS orchestrator's `Detection` (its field order)."""
-    out: dict[str, Any] = {
-        "start": f.start,
-        "end": f.end,
-        "text": f.text,
-        "detector_id": f.detector_id,
-        "detection_type": f.detection_type,
-        "detection": f.detection,
-        "score": float(f.score),
-    }
-    if f.redacted:
-        out["redacted"] = True
-    return out
-
-
 def _input(findings: list[Finding]) -> dict[str, Any]:
-    return {"input": [{"message_index": 0, "results": [detection(f) for f in findings]}]}
+    return {"input": [{"message_index": 0, "results": [completion_detection(f) for f in findings]}]}
 
 
 def _output(findings: list[Finding]) -> dict[str, Any]:
-    return {"output": [{"choice_index": 0, "results": [detection(f) for f in findings]}]}
+    return {"output": [{"choice_index": 0, "results": [completion_detection(f) for f in findings]}]}
 
 
 class CompletionChunkWriter:

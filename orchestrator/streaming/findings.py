@@ -1,5 +1,5 @@
 """A detection kept by the orchestrator: thresholded, stream-relative, tagged with its detector.
-Both wire forms (token classification results, content detections) are projections of it."""
+Every surface's wire form of it is in `finding_wire` (this module knows no surface)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 from chunkers import Span
 from detectors.api import Detection
 
-from ..api.fms_responses import ContentDetection, TokenClassificationResult
 from ..clients.detectors import DetectorCallError
 from ..clients.registry import RequestedDetector
 
@@ -31,32 +30,6 @@ class Finding:
     field: str | None = None
     # the span was replaced (DESIGN 4.6a): `text` is the replacement, the span is where it is
     redacted: bool = False
-
-    def to_tcr(self) -> TokenClassificationResult:
-        return TokenClassificationResult(
-            start=self.start,
-            end=self.end,
-            word=self.text,
-            entity=self.detection,
-            entity_group=self.detection_type,
-            detector_id=self.detector_id,
-            score=self.score,
-            redacted=True if self.redacted else None,
-        )
-
-    def to_content(self) -> ContentDetection:
-        return ContentDetection(
-            start=self.start,
-            end=self.end,
-            text=self.text,
-            detection=self.detection,
-            detection_type=self.detection_type,
-            detector_id=self.detector_id,
-            score=self.score,
-            evidence=self.evidence,
-            metadata=self.metadata,
-            redacted=True if self.redacted else None,
-        )
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:

@@ -25,7 +25,7 @@ from ..api.fms_responses import (
     Wire,
 )
 from .events import Frame, Refusal, Rendered, Terminal
-from .findings import Finding
+from .finding_wire import tcr, tcr_model
 from .wire_json import dumps
 
 
@@ -38,8 +38,10 @@ def classified_frame(frame: Frame) -> ClassifiedFrame:
     return ClassifiedFrame(
         generated_text=frame.text,
         token_classification_results=TokenClassificationResults(
-            input=[f.to_tcr() for f in frame.input_detections] if frame.input_detections else None,
-            output=[f.to_tcr() for f in frame.detections] if frame.judged else None,
+            input=[tcr_model(f) for f in frame.input_detections]
+            if frame.input_detections
+            else None,
+            output=[tcr_model(f) for f in frame.detections] if frame.judged else None,
         ),
         start_index=frame.start,
         processed_index=frame.end,
@@ -49,19 +51,6 @@ def classified_frame(frame: Frame) -> ClassifiedFrame:
         seed=frame.seed,
         warnings=[UNSUITABLE_OUTPUT] if frame.detections else None,
     )
-
-
-def _tcr(f: Finding) -> dict[str, Any]:
-    """`f.to_tcr().dump()` without pydantic (for an unredacted finding)."""
-    return {
-        "start": f.start,
-        "end": f.end,
-        "word": f.text,
-        "entity": f.detection,
-        "entity_group": f.detection_type,
-        "detector_id": f.detector_id,
-        "score": f.score,
-    }
 
 
 def frame_dict(frame: Frame) -> dict[str, Any]:
@@ -74,13 +63,9 @@ def frame_dict(frame: Frame) -> dict[str, Any]:
         "processed_index": frame.end,
     }
     if frame.input_detections:
-        out["token_classification_results"]["input"] = [
-            f.to_tcr().dump() for f in frame.input_detections
-        ]
+        out["token_classification_results"]["input"] = [tcr(f) for f in frame.input_detections]
     if frame.judged:
-        out["token_classification_results"]["output"] = [
-            _tcr(f) if not f.redacted else f.to_tcr().dump() for f in frame.detections
-        ]
+        out["token_classification_results"]["output"] = [tcr(f) for f in frame.detections]
     if frame.final:
         if frame.finish_reason is not None:
             out["finish_reason"] = frame.finish_reason
@@ -99,7 +84,7 @@ def input_refusal_frame(refusal: Refusal) -> ClassifiedFrame:
     """An input hit is one frame with the input detections (DESIGN 4.5)."""
     return ClassifiedFrame(
         token_classification_results=TokenClassificationResults(
-            input=[f.to_tcr() for f in refusal.detections]
+            input=[tcr_model(f) for f in refusal.detections]
         ),
         start_index=0,
         processed_index=0,
@@ -141,7 +126,9 @@ def sse_event(event: Rendered) -> bytes:
     if isinstance(event, Refusal):
         if event.direction == "input":
             return sse(None, input_refusal_frame(event).dump())
-        done = RefusalDone(refusal=event.message, detections=[f.to_tcr() for f in event.detections])
+        done = RefusalDone(
+            refusal=event.message, detections=[tcr_model(f) for f in event.detections]
+        )
         return sse("refusal.delta", RefusalDelta(delta=event.message).dump()) + sse(
             "refusal.done", done.dump()
         )
@@ -178,23 +165,23 @@ class UnaryFold:
         r = self.result
         if isinstance(event, Frame):
             if event.input_detections:
-                self._redacted_inputs.extend(f.to_tcr() for f in event.input_detections)
+                self._redacted_inputs.extend(tcr_model(f) for f in event.input_detections)
             if event.text:
                 self._texts.append(event.text)
-            self._outputs.extend(f.to_tcr() for f in event.detections)
+            self._outputs.extend(tcr_model(f) for f in event.detections)
             if event.detections:
                 self._warnings.setdefault(UNSUITABLE_OUTPUT.id, UNSUITABLE_OUTPUT)
             r.input_token_count = event.input_token_count
             r.seed = event.seed
         elif isinstance(event, Refusal):
             if event.direction == "input":
-                self._inputs.extend(f.to_tcr() for f in event.detections)
+                self._inputs.extend(tcr_model(f) for f in event.detections)
                 self._warnings.setdefault(UNSUITABLE_INPUT.id, UNSUITABLE_INPUT)
                 r.input_token_count = event.input_token_count
                 r.seed = event.seed
             else:
                 r.refusal = RefusalDone(
-                    refusal=event.message, detections=[f.to_tcr() for f in event.detections]
+                    refusal=event.message, detections=[tcr_model(f) for f in event.detections]
                 )
         elif isinstance(event, Terminal):
             if event.error is not None:

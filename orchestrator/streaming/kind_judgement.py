@@ -18,7 +18,7 @@ from typing import Any
 from ..api.fms_detection import ChatMessage, DetectionResult
 from ..api.input_pieces import InputPiece
 from ..clients.registry import ChunkerRegistry, RequestedDetector
-from .findings import Finding
+from .finding_wire import detection_result
 from .text_judgement import judge_pieces, judge_text
 
 # the FMS detector API's path for each kind
@@ -40,7 +40,7 @@ async def judge_chat(
             body = {"messages": [m.wire() for m in messages], "tools": tools}
             return await _remote(d, body)
         pieces = [InputPiece(m.text(), message_index=i) for i, m in enumerate(messages)]
-        return [_spanned(f) for f in await judge_pieces(pieces, [d], chunkers)]
+        return [detection_result(f) for f in await judge_pieces(pieces, [d], chunkers)]
 
     return await _each(detectors, one)
 
@@ -65,7 +65,7 @@ async def judge_generated(
     async def one(d: RequestedDetector) -> list[DetectionResult]:
         if d.kind == "text_generation":
             return await _remote(d, {"prompt": prompt, "generated_text": generated_text})
-        return [_spanned(f) for f in await judge_text(generated_text, [d], chunkers)]
+        return [detection_result(f) for f in await judge_text(generated_text, [d], chunkers)]
 
     return await _each(detectors, one)
 
@@ -95,18 +95,3 @@ async def _remote(d: RequestedDetector, body: dict[str, Any]) -> list[DetectionR
         for r in replies
         if r.score >= d.threshold
     ]
-
-
-def _spanned(f: Finding) -> DetectionResult:
-    """A text detector's finding: its span (and message) in `metadata`."""
-    where: dict[str, Any] = {"start": f.start, "end": f.end, "text": f.text}
-    if f.message_index is not None:
-        where = {"message_index": f.message_index, **where}
-    return DetectionResult(
-        detection_type=f.detection_type,
-        detection=f.detection,
-        detector_id=f.detector_id,
-        score=f.score,
-        evidence=f.evidence or None,
-        metadata={**(f.metadata or {}), **where},
-    )

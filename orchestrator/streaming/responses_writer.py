@@ -26,10 +26,8 @@ from ..api.openai_responses import (
     AnnotationAddedEvent,
     ContentPartEvent,
     ErrorEvent,
-    GuardrailAnnotation,
     Guardrails,
     IncompleteInfo,
-    InputAnnotation,
     LifecycleEvent,
     OutputItemEvent,
     OutputMessage,
@@ -47,35 +45,11 @@ from ..api.openai_responses import (
     TextConfigOut,
 )
 from .events import Frame, Refusal, Rendered, Terminal
+from .finding_wire import annotation, input_annotation
 from .findings import Finding
 from .wire_json import dumps
 
 OUTPUT_INDEX = 0  # one output item: the assistant message
-
-
-def annotation(finding: Finding, *, withheld: bool = False) -> GuardrailAnnotation:
-    """A detection as this surface shows it. `withheld`: the span lies in text a blocking
-    detector stopped, which never leaves the service, so neither does its `text`."""
-    return GuardrailAnnotation(
-        start_index=finding.start,
-        end_index=finding.end,
-        text="" if withheld else finding.text,
-        detector_id=finding.detector_id,
-        detection=finding.detection,
-        detection_type=finding.detection_type,
-        score=finding.score,
-        redacted=True if finding.redacted else None,
-    )
-
-
-def input_annotation(finding: Finding) -> InputAnnotation:
-    """A detection on the request, with the piece it is relative to."""
-    note = annotation(finding)
-    return InputAnnotation(
-        **note.model_dump(exclude={"type"}),
-        field="instructions" if finding.field == "instructions" else "input",
-        message_index=finding.message_index,
-    )
 
 
 def redacted_piece(text: str, findings: list[Finding]) -> str:
