@@ -82,3 +82,10 @@ def test_the_orchestrator_layers_import_downwards_only(graph: grimp.ImportGraph)
         )
     )
     assert sorted((d.importer, d.imported) for d in illegal) == []
+
+
+def test_a_finding_knows_no_surface(graph: grimp.ImportGraph) -> None:
+    """A Finding is the pipeline's detection; what each surface shows of it is
+    `streaming.finding_wire`'s (issue 33), so the Finding itself imports no API model."""
+    imported = graph.find_modules_directly_imported_by("orchestrator.streaming.findings")
+    assert sorted(m for m in imported if m.startswith("orchestrator.api")) == []
