@@ -5,10 +5,13 @@ included, and every surface renders a detection's score the same way."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from orchestrator.api.fms_responses import ContentDetection, TokenClassificationResult
 from orchestrator.api.openai_completions import CompletionDetection
@@ -39,62 +42,61 @@ findings = st.builds(
 )
 
 
-def same(rendered: dict[str, Any], wire: dict[str, Any]) -> None:
+# each form's wire model, and DESIGN's mapping of its fields to a Finding's (`redacted` apart)
+TCR = {
+    "start": "start",
+    "end": "end",
+    "word": "text",
+    "entity": "detection",
+    "entity_group": "detection_type",
+    "detector_id": "detector_id",
+    "score": "score",
+}
+CONTENT = {
+    "start": "start",
+    "end": "end",
+    "text": "text",
+    "detection": "detection",
+    "detection_type": "detection_type",
+    "detector_id": "detector_id",
+    "score": "score",
+    "evidence": "evidence",
+    "metadata": "metadata",
+}
+FORMS: dict[str, tuple[Callable[[Finding], dict[str, Any]], type[BaseModel], dict[str, str]]] = {
+    "tcr": (finding_wire.tcr, TokenClassificationResult, TCR),
+    "content": (finding_wire.content, ContentDetection, CONTENT),
+    # the FMS orchestrator's order; no evidence or metadata
+    "completion_detection": (
+        finding_wire.completion_detection,
+        CompletionDetection,
+        {k: CONTENT[k] for k in ("start", "end", "text", "detector_id", "detection_type")}
+        | {"detection": "detection", "score": "score"},
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@settings(max_examples=60)
+@given(f=findings)
+def test_each_form_is_its_wire_model(form: str, f: Finding) -> None:
+    render, model, fields = FORMS[form]
+    values = {wire: getattr(f, attr) for wire, attr in fields.items()}
+    wire = model(**values, redacted=True if f.redacted else None).model_dump(
+        mode="json", exclude_none=True
+    )
+    rendered = render(f)
     assert rendered == wire
     assert list(rendered) == list(wire)  # the model's field order: the bytes follow it
     assert type(rendered["score"]) is float
 
 
-@settings(max_examples=60)
+@settings(max_examples=30)
 @given(findings)
-def test_tcr_is_the_token_classification_result(f: Finding) -> None:
-    wire = TokenClassificationResult(
-        start=f.start,
-        end=f.end,
-        word=f.text,
-        entity=f.detection,
-        entity_group=f.detection_type,
-        detector_id=f.detector_id,
-        score=f.score,
-        redacted=True if f.redacted else None,
-    ).dump()
-    same(finding_wire.tcr(f), wire)
-    assert finding_wire.tcr_model(f).dump() == wire
-
-
-@settings(max_examples=60)
-@given(findings)
-def test_content_is_the_content_detection(f: Finding) -> None:
-    wire = ContentDetection(
-        start=f.start,
-        end=f.end,
-        text=f.text,
-        detection=f.detection,
-        detection_type=f.detection_type,
-        detector_id=f.detector_id,
-        score=f.score,
-        evidence=f.evidence,
-        metadata=f.metadata,
-        redacted=True if f.redacted else None,
-    ).dump()
-    same(finding_wire.content(f), wire)
-    assert finding_wire.content_model(f).dump() == wire
-
-
-@settings(max_examples=60)
-@given(findings)
-def test_completion_detection_is_the_fms_detection(f: Finding) -> None:
-    wire = CompletionDetection(
-        start=f.start,
-        end=f.end,
-        text=f.text,
-        detector_id=f.detector_id,
-        detection_type=f.detection_type,
-        detection=f.detection,
-        score=f.score,
-        redacted=True if f.redacted else None,
-    ).model_dump(mode="json", exclude_none=True)
-    same(finding_wire.completion_detection(f), wire)
+def test_the_models_are_the_forms(f: Finding) -> None:
+    """Where a reply is assembled from the API's models, the model holds the same form."""
+    assert finding_wire.tcr_model(f).dump() == finding_wire.tcr(f)
+    assert finding_wire.content_model(f).dump() == finding_wire.content(f)
 
 
 def test_the_annotations_name_their_piece_and_withhold_blocked_text() -> None:

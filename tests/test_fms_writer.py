@@ -8,18 +8,7 @@ from hypothesis import strategies as st
 from orchestrator.streaming.events import Frame
 from orchestrator.streaming.findings import Finding
 from orchestrator.streaming.fms_writer import classified_frame, frame_dict
-
-findings = st.builds(
-    Finding,
-    start=st.integers(0, 100),
-    end=st.integers(0, 100),
-    text=st.text(max_size=5),
-    detection=st.text(max_size=5),
-    detection_type=st.text(max_size=5),
-    detector_id=st.text(min_size=1, max_size=5),
-    score=st.floats(0, 1),
-    redacted=st.booleans(),
-)
+from tests.test_finding_wire import findings
 
 
 @given(

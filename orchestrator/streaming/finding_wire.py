@@ -74,21 +74,23 @@ def content_model(f: Finding) -> ContentDetection:
     return ContentDetection.model_validate(content(f))
 
 
+# the FMS orchestrator's `Detection`: its field order, and no evidence or metadata there
+FMS_DETECTION_KEYS = (
+    "start",
+    "end",
+    "text",
+    "detector_id",
+    "detection_type",
+    "detection",
+    "score",
+    "redacted",
+)
+
+
 def completion_detection(f: Finding) -> dict[str, Any]:
-    """The FMS orchestrator's `Detection`, in its field order: `{start, end, text, detector_id,
-    detection_type, detection, score, redacted?}` (no evidence or metadata there)."""
-    out: dict[str, Any] = {
-        "start": f.start,
-        "end": f.end,
-        "text": f.text,
-        "detector_id": f.detector_id,
-        "detection_type": f.detection_type,
-        "detection": f.detection,
-        "score": float(f.score),
-    }
-    if f.redacted:
-        out["redacted"] = True
-    return out
+    """The content detection as the FMS orchestrator's completions-detection shows it."""
+    c = content(f)
+    return {k: c[k] for k in FMS_DETECTION_KEYS if k in c}
 
 
 def detection_result(f: Finding) -> DetectionResult:
