@@ -10,7 +10,8 @@ field's name, order, omission and type are decided once (issue 33).
   generated detection (the span goes into `metadata`).
 
 Every form: `score` is a float (the wire models' type: an integer score reads `1.0` on every
-surface), `redacted: true` only on a redacted finding (4.6a), nothing null is sent.
+surface), `redacted: true` only on a redacted finding (4.6a); the dict forms leave out what is
+None (an input annotation's `message_index: null` stays: the Responses shape sends it).
 
 The plain-dict forms are the definitions: their hot paths (a frame per token, tens of
 thousands of detections in one content reply) render them with no pydantic object each; where
