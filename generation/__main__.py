@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import signal
 import sys
-from collections.abc import Mapping
 
 from aiohttp.web import BaseRequest, StreamResponse
 from aiohttp.web_log import AccessLogger
+
+from servicekit.auth import ApiKeysError, api_keys_from_env
 
 LISTENING_PREFIX = "guardstream-engine listening on "
 
@@ -105,26 +105,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class ApiKeysError(ValueError):
-    """--api-keys-env names a variable that is unset or holds no key."""
-
-
-def api_keys_from_env(
-    name: str | None, environ: Mapping[str, str] = os.environ
-) -> list[str] | None:
-    """The accepted keys, or None without --api-keys-env. A named variable that is unset or
-    empty is an error: an engine must never start open by accident."""
-    if name is None:
-        return None
-    raw = environ.get(name)
-    if raw is None:
-        raise ApiKeysError(f"--api-keys-env: environment variable {name} is not set")
-    keys = [k.strip() for k in raw.split(",") if k.strip()]
-    if not keys:
-        raise ApiKeysError(f"--api-keys-env: environment variable {name} holds no key")
-    return keys
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -149,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} ready at {path}", flush=True)
         return 0
     try:
-        keys = api_keys_from_env(args.api_keys_env)
+        keys = api_keys_from_env(args.api_keys_env, "--api-keys-env")
     except ApiKeysError as exc:  # before loading the model: fail fast
         print(f"error: {exc}", file=sys.stderr)
         return 2

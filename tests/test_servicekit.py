@@ -1,6 +1,7 @@
-"""servicekit.auth: the one Bearer-key check the orchestrator, the engine and the detector
-service make (each renders the 401 in its own wire shape; their tests pin those bodies:
-test_orchestrator_security, test_engine_chat_limits_auth, test_detectors_hardening)."""
+"""servicekit.auth: the one Bearer-key check and the one key loader of the orchestrator, the
+engine and the detector service (each renders the 401 and the start-up error in its own shape;
+their tests pin those: test_orchestrator_security, test_engine_chat_limits_auth,
+test_detectors_hardening)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.auth import (
+    CHALLENGE,
+    UNAUTHORIZED_MESSAGE,
+    ApiKeysError,
+    BearerKeys,
+    api_keys_from_env,
+)
 
 KEYS = BearerKeys(["alpha-key", "beta-key"])
 # what a key can be: printable text without the whitespace the header parsing strips
@@ -51,6 +58,27 @@ def test_a_token_is_accepted_exactly_when_it_is_one_of_the_keys(
 def test_the_services_share_one_message_and_challenge() -> None:
     assert UNAUTHORIZED_MESSAGE == "missing or invalid API key"
     assert CHALLENGE == {"WWW-Authenticate": "Bearer"}
+
+
+def test_api_keys_come_comma_separated_from_the_named_variable() -> None:
+    assert api_keys_from_env(None, "--api-keys-env", {"K": "a"}) is None  # auth off
+    assert api_keys_from_env("K", "--api-keys-env", {"K": " key-one , ,second "}) == [
+        "key-one",
+        "second",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("environ", "state"),
+    [({}, "is not set"), ({"K": " , "}, "holds no key"), ({"K": ""}, "holds no key")],
+)
+def test_a_named_variable_without_keys_is_an_error_that_names_the_setting(
+    environ: dict[str, str], state: str
+) -> None:
+    """Never open by accident; the message starts with what named the variable."""
+    with pytest.raises(ApiKeysError) as info:
+        api_keys_from_env("K", "server.api_keys_env", environ)
+    assert str(info.value) == f"server.api_keys_env: environment variable K {state}"
 
 
 def test_console_spans_are_one_json_object_per_line(capsys: pytest.CaptureFixture[str]) -> None:
