@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import logging
 import signal
 import sys
+
+from servicekit.cli import add_service_flags, service_flags
 
 from .runtime import check_device
 from .service import (
@@ -39,14 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--no-warmup", action="store_true", help="load models on first use, not at start"
     )
-    s.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        metavar="URL",
-        help="send OpenTelemetry traces to this OTLP/HTTP collector (http://host:4318); "
-        "the standard OTEL_* variables turn tracing on too (README: Tracing)",
-    )
-    s.add_argument("--log-level", default="INFO")
+    add_service_flags(s)
     return parser
 
 
@@ -98,9 +92,14 @@ async def _serve(args: argparse.Namespace, config: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from .tracing import TRACING
+
+    with service_flags(args, TRACING):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`serve`, its flags applied (tracing on when asked)."""
     try:
         check_device(args.device)
     except ValueError as exc:
@@ -124,13 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {line}", file=sys.stderr)
         return 1
     _quiet_transformers()
-    from .tracing import TRACING
-
-    TRACING.configure(args.otlp_endpoint)  # off unless asked for
-    try:
-        asyncio.run(_serve(args, config))
-    finally:
-        TRACING.shutdown()  # exports the last spans
+    asyncio.run(_serve(args, config))
     return 0
 
 

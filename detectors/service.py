@@ -28,7 +28,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.exposition import generate_latest
 from pydantic import ValidationError
 
-from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.auth import (
+    CHALLENGE,
+    UNAUTHORIZED_MESSAGE,
+    ApiKeysError,
+    BearerKeys,
+    api_keys_from_env,
+)
 from servicekit.tracing import annotate
 
 from . import build
@@ -126,13 +132,10 @@ def api_keys_from_config(
         return None
     if not isinstance(env, str):
         raise ConfigError(["server.api_keys_env: must be the name of an environment variable"])
-    raw = environ.get(env)
-    if raw is None:
-        raise ConfigError([f"server.api_keys_env: environment variable {env} is not set"])
-    keys = [k.strip() for k in raw.split(",") if k.strip()]
-    if not keys:
-        raise ConfigError([f"server.api_keys_env: environment variable {env} holds no key"])
-    return keys
+    try:
+        return api_keys_from_env(env, "server.api_keys_env", environ)
+    except ApiKeysError as exc:
+        raise ConfigError([str(exc)]) from None
 
 
 def _auth_middleware(keys: Sequence[str]) -> Any:

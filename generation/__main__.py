@@ -7,13 +7,14 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import signal
 import sys
-from collections.abc import Mapping
 
 from aiohttp.web import BaseRequest, StreamResponse
 from aiohttp.web_log import AccessLogger
+
+from servicekit.auth import ApiKeysError, api_keys_from_env
+from servicekit.cli import add_service_flags, service_flags
 
 LISTENING_PREFIX = "guardstream-engine listening on "
 
@@ -91,38 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--enable-fault-injection", action="store_true", help="adds POST /admin/faults"
     )
-    serve.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        metavar="URL",
-        help="send OpenTelemetry traces to this OTLP/HTTP collector (http://host:4318); "
-        "the standard OTEL_* variables turn tracing on too (README: Tracing)",
-    )
-    serve.add_argument("--log-level", default="info")
+    add_service_flags(serve)
     prepare = sub.add_parser("prepare", help="build or convert a model into the cache, then exit")
     prepare.add_argument("model")
-    prepare.add_argument("--log-level", default="info")
+    add_service_flags(prepare, tracing=False)
     return parser
-
-
-class ApiKeysError(ValueError):
-    """--api-keys-env names a variable that is unset or holds no key."""
-
-
-def api_keys_from_env(
-    name: str | None, environ: Mapping[str, str] = os.environ
-) -> list[str] | None:
-    """The accepted keys, or None without --api-keys-env. A named variable that is unset or
-    empty is an error: an engine must never start open by accident."""
-    if name is None:
-        return None
-    raw = environ.get(name)
-    if raw is None:
-        raise ApiKeysError(f"--api-keys-env: environment variable {name} is not set")
-    keys = [k.strip() for k in raw.split(",") if k.strip()]
-    if not keys:
-        raise ApiKeysError(f"--api-keys-env: environment variable {name} holds no key")
-    return keys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,9 +109,14 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
         if not 0 < args.gpu_memory_fraction <= 1:
             parser.error(f"--gpu-memory-fraction must be in (0, 1], not {args.gpu_memory_fraction}")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from .tracing import TRACING
+
+    with service_flags(args, TRACING if args.command == "serve" else None):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command, its flags applied (tracing on for `serve` when asked)."""
     from .models import ModelSpecError, prepare
 
     if args.command == "prepare":
@@ -149,20 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} ready at {path}", flush=True)
         return 0
     try:
-        keys = api_keys_from_env(args.api_keys_env)
+        keys = api_keys_from_env(args.api_keys_env, "--api-keys-env")
     except ApiKeysError as exc:  # before loading the model: fail fast
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from .tracing import TRACING
-
-    TRACING.configure(args.otlp_endpoint)  # off unless asked for
     try:
         return asyncio.run(_serve(args, keys))
     except ModelSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        TRACING.shutdown()  # exports the last spans
 
 
 async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:

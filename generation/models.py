@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from .specs import BUILTIN_FOLDERS, spec_problem
+from servicekit.model_specs import BUILTIN_FOLDERS, spec_problem
 
 log = logging.getLogger("guardstream.engine")
 

@@ -42,7 +42,7 @@ Length (over ~800 lines, on purpose): `Engine` is the worker thread's loop toget
 state only that thread touches (rows, caches, the outbox); cut into modules, that single-owner
 rule would have to hold across files. Its parts live beside it: jobs.py (what goes in and comes
 out), kv_cache.py and decode_graphs.py (caches, the static step), sampling.py and
-device_sampling.py (selection), detokenizer.py (text).
+device_sampling.py (selection), detokenizer.py (text), servicekit/text_gate.py (stop sequences).
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from servicekit.text_gate import TextGate
+
 from .decode_graphs import (
     CPU_CAPACITY,
     MAX_ROWS,
@@ -71,7 +73,7 @@ from .decode_graphs import (
     row_buckets,
     width_buckets,
 )
-from .detokenizer import Detokenizer, TextGate, make_detokenizer
+from .detokenizer import Detokenizer, make_detokenizer
 from .device_sampling import DeviceSampler
 from .jobs import (
     EngineStats,

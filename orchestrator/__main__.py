@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -44,6 +45,14 @@ def _serve(args: argparse.Namespace) -> int:
     from .server import run_event_loop
     from .workers import run_server
 
+    # In-process model detectors load torch and tokenizers into this process (and into its
+    # workers, which inherit the environment), and these must be set before: OpenMP threads that
+    # sleep when idle, as in the engine (spinning ones take the cores the event loop needs on a
+    # small machine: generation/__init__.py), and no tokenizers thread pool to warn about when a
+    # managed engine or a worker is forked. Until the orchestrator stopped importing
+    # `generation` (DESIGN 1), that import set them by accident.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     configure_logging(args.log_format, args.log_level.upper())
     try:
         config = load_config(args.config)

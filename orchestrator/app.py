@@ -26,7 +26,13 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.auth import (
+    CHALLENGE,
+    UNAUTHORIZED_MESSAGE,
+    ApiKeysError,
+    BearerKeys,
+    api_keys_from_env,
+)
 
 from . import tracing as traces
 from .api.errors import ApiError, ErrorBody, ErrorType, Failure
@@ -407,16 +413,10 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 def api_keys(config: Config, environ: Mapping[str, str] = os.environ) -> list[str] | None:
     """The accepted API keys, or None when auth is off. A named variable that is unset or holds
     no key is a config error: starting without auth by accident must be impossible."""
-    env = config.server.api_keys_env
-    if not env:
-        return None
-    raw = environ.get(env)
-    if raw is None:
-        raise ConfigError([f"server.api_keys_env: environment variable {env} is not set"])
-    keys = [k.strip() for k in raw.split(",") if k.strip()]
-    if not keys:
-        raise ConfigError([f"server.api_keys_env: environment variable {env} holds no key"])
-    return keys
+    try:
+        return api_keys_from_env(config.server.api_keys_env or None, "server.api_keys_env", environ)
+    except ApiKeysError as exc:
+        raise ConfigError([str(exc)]) from None
 
 
 def create_app(

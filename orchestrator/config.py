@@ -24,7 +24,7 @@ from pydantic import (
 
 import chunkers
 import detectors
-from generation.specs import spec_problem
+from servicekit.model_specs import spec_problem
 
 from .suggestions import closest, did_you_mean, fields_at
 

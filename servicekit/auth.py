@@ -3,13 +3,16 @@
 A missing header, another scheme and a wrong key are the same failure, so a caller learns nothing
 about which part was wrong; each service answers it with its own 401 body (the orchestrator's and
 the engine's `{code, details, type}`, the detector service's `{code, message}`: DESIGN 4, 6, 7),
-with the same message and the same `WWW-Authenticate` challenge.
+with the same message and the same `WWW-Authenticate` challenge. The keys are read one way too
+(`api_keys_from_env`): comma-separated, from an environment variable the service is told the name
+of, never from a file or a flag that `ps` shows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from collections.abc import Iterable, Mapping
 
 UNAUTHORIZED_MESSAGE = "missing or invalid API key"
@@ -36,3 +39,27 @@ class BearerKeys:
         for digest in self._digests:
             ok |= hmac.compare_digest(given, digest)
         return ok and scheme.lower() == "bearer"
+
+
+class ApiKeysError(ValueError):
+    """A variable named as holding the keys is unset or holds none. Each service reports it as
+    its own start-up error (a config error, or the engine's exit 2)."""
+
+
+def api_keys_from_env(
+    name: str | None, setting: str, environ: Mapping[str, str] = os.environ
+) -> list[str] | None:
+    """The keys in the environment variable `name`, comma-separated (blanks around each and
+    empty entries dropped), or None when `name` is None: auth off. `setting` says what named the
+    variable (`server.api_keys_env`, `--api-keys-env`) and starts each error. A named variable
+    that is unset or holds no key is an ApiKeysError: a service must never start open by
+    accident."""
+    if name is None:
+        return None
+    raw = environ.get(name)
+    if raw is None:
+        raise ApiKeysError(f"{setting}: environment variable {name} is not set")
+    keys = [k.strip() for k in raw.split(",") if k.strip()]
+    if not keys:
+        raise ApiKeysError(f"{setting}: environment variable {name} holds no key")
+    return keys

@@ -26,7 +26,7 @@ from generation import models
 from generation.jobs import Job, StreamError, StreamItem
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
-from generation.specs import BUILTIN_FOLDERS
+from servicekit.model_specs import BUILTIN_FOLDERS
 from tests.wait_support import within
 
 TEST_DEVICE = os.environ.get("GUARDSTREAM_TEST_DEVICE", "cpu").strip() or "cpu"

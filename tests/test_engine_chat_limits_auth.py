@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from generation import models
-from generation.__main__ import ApiKeysError, api_keys_from_env, main
+from generation.__main__ import main
 from generation.server import create_app
 from tests.engine_support import generate
 
@@ -301,17 +301,6 @@ async def test_fault_route_of_a_test_engine_is_open(
 def test_create_app_refuses_an_empty_key_list(tiny_model: models.LoadedModel) -> None:
     with pytest.raises(ValueError, match="api_keys is empty"):
         create_app(tiny_model, api_keys=[])
-
-
-def test_api_keys_from_env() -> None:
-    assert api_keys_from_env(None, {}) is None
-    assert api_keys_from_env("K", {"K": " key-one , ,second "}) == ["key-one", "second"]
-    with pytest.raises(ApiKeysError) as unset:
-        api_keys_from_env("K", {})
-    assert str(unset.value) == "--api-keys-env: environment variable K is not set"
-    with pytest.raises(ApiKeysError) as empty:
-        api_keys_from_env("K", {"K": " , "})
-    assert str(empty.value) == "--api-keys-env: environment variable K holds no key"
 
 
 @pytest.mark.parametrize(

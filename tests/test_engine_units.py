@@ -20,7 +20,6 @@ from generation.detokenizer import (
     Detokenizer,
     IncrementalDetokenizer,
     StreamDetokenizer,
-    TextGate,
     make_decoder,
     make_detokenizer,
     skipped_ids,
@@ -28,6 +27,7 @@ from generation.detokenizer import (
 from generation.kv_cache import SlotCache
 from generation.sampling import uniform
 from generation.scheduler import PREFILL_PADDING, prefill_groups
+from servicekit.text_gate import TextGate
 
 TEXTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
 DETOKENIZERS = ["python", "stream"]

@@ -11,7 +11,7 @@ from typing import Any, NoReturn, Protocol
 import aiohttp
 import orjson
 
-from generation.detokenizer import TextGate
+from servicekit.text_gate import TextGate
 
 from .backend import Continuation, EngineItem, GenerationError, GenerationRequest, unavailable
 from .line_transport import FINAL_GRACE_S, HttpLineStream, error_message, int_list

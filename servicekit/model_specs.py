@@ -1,5 +1,7 @@
-"""Which model specs an engine accepts, without importing torch: the orchestrator's config check
-(`check-config`) uses it to reject a managed `model:` typo before any engine process starts."""
+"""Which model specs an engine accepts, without importing torch: the engine checks a spec with it
+before loading, and the orchestrator's config check (`check-config`) rejects a managed `model:`
+typo with the same words before any engine process starts (the orchestrator imports nothing from
+`generation`, DESIGN 1)."""
 
 from __future__ import annotations
 
