@@ -38,7 +38,7 @@ from . import tracing as traces
 from .api.errors import ApiError, ErrorBody, ErrorType, Failure
 from .api.openai_chat import OpenAIErrorBody
 from .clients.backends import build_model_backends
-from .clients.registry import ChunkerRegistry, DetectorRegistry
+from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
 from .config import Config, ConfigError, secret_env_names
 from .handlers import (
     content_detection,
@@ -461,6 +461,7 @@ def create_app(
         state.detectors = DetectorRegistry(
             config, state.session, device=device, on_call=state.metrics.record_detector_call
         )
+        state.enforced = EnforcedGuardrails.of_models(config, state.detectors)
         state.backends = build_model_backends(
             config.models,
             state.session,

@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from .clients.backend import ModelBackend
-from .clients.registry import ChunkerRegistry, DetectorRegistry
+from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
 from .config import Config
 from .metrics import OrchestratorMetrics
 from .streaming.loop_lag import LoopLag
@@ -25,6 +25,7 @@ class AppState:
     session: aiohttp.ClientSession | None = None
     detectors: DetectorRegistry | None = None
     backends: dict[str, ModelBackend] = field(default_factory=dict)
+    enforced: dict[str, EnforcedGuardrails] = field(default_factory=dict)  # by model id
     active_streams: int = 0
     # the taken stream slots (handlers/stream_slots.py), so a drain can end each pipeline with a
     # terminal event

@@ -181,6 +181,7 @@ async def chat_events(
     at = 0
     finish: str | None = None
     usage: dict[str, Any] = {}
+    migrations = 0  # guardstream's extension on the finish chunk
     async for _, chunk in sse_events(response, done_marker=True):
         if "error" in chunk:
             e = chunk["error"]
@@ -193,6 +194,7 @@ async def chat_events(
             return
         if chunk.get("usage"):
             usage = chunk["usage"]
+        migrations = chunk.get("migrations") or migrations
         detections = chunk.get("detections") or {}
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
@@ -216,6 +218,7 @@ async def chat_events(
         "generated_token_count": usage.get("completion_tokens", 0),
         "input_token_count": usage.get("prompt_tokens"),
         "processed_index": at,
+        "migrations": migrations,
     }
     if finish == "stop":
         yield "completed", counts

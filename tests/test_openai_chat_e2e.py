@@ -190,6 +190,9 @@ async def test_sigkill_of_the_serving_replica_mid_stream_is_seamless_for_the_sdk
     assert finishes(got) == finishes(expected) and len(finishes(got)) == 1
     # the finish chunk is the last choice chunk; only the usage chunk follows it
     assert got[-2].choices[0].finish_reason and got[-1].choices == []
+    # guardstream's extension on the finish chunk says the stream moved (absent without a move)
+    assert (got[-2].model_extra or {}).get("migrations") == 1
+    assert "migrations" not in (expected[-2].model_extra or {})
     assert got[-1].usage == expected[-1].usage
     assert len({c.id for c in got}) == 1
     assert await migrations(orch, MODEL) == before + 1

@@ -140,6 +140,29 @@ async def test_chat_api_renders_the_same_and_exits_the_same(
     assert terminal_line(out)[1]["incomplete_details"] == {"reason": "content_filter"}
 
 
+@pytest.mark.parametrize("api", ["fms", "chat"])
+async def test_a_migrated_stream_says_so_on_both_apis(engine: FakeEngine, api: str) -> None:
+    """The replica serving the stream breaks after 3 tokens; the other one continues it. The
+    terminal line reports one migration on the FMS API (its terminal event) and on chat (the
+    finish chunk's `migrations` extension), with the whole text."""
+    other = FakeEngine(script=list(SCRIPT))
+    await other.start()
+    try:
+        engine.inject(Fault("close", after_tokens=3))
+        cfg = native_config(engine.url)
+        cfg["models"][MODEL]["backends"].append({"type": "native", "url": other.url})
+        cfg["models"][MODEL]["migration"] = {"limit": 1, "quarantine_s": 30}
+        async with Orchestrator(cfg) as orch:
+            code, out, err = await cli("--url", orch.url, "--api", api, "Hi")
+    finally:
+        await other.close()
+    assert code == EXIT_COMPLETED, err
+    assert out.split("\n")[0] == TEXT
+    name, data = terminal_line(out)
+    assert (name, data["migrations"], data["processed_index"]) == ("completed", 1, len(TEXT))
+    assert len(engine.requests) == 1 and len(other.requests) == 1
+
+
 async def test_incomplete_refusal_and_input_detection_exit_2(
     engine: FakeEngine, dets: FakeDetectorServer
 ) -> None:

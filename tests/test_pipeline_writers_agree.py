@@ -352,9 +352,9 @@ def script(monkeypatch: pytest.MonkeyPatch, events: list[Event]) -> None:
         return ScriptedPipeline(events)
 
     for module, name in (
-        (fms_stream, "prepare_task"),
-        (fms_unary, "prepare_task"),
-        (openai_chat, "prepare_chat"),
+        (fms_stream, "prepare"),
+        (fms_unary, "prepare"),
+        (openai_chat, "prepare"),
         (openai_responses, "prepare_response"),
     ):
         monkeypatch.setattr(module, name, prepared)

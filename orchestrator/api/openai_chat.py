@@ -281,6 +281,9 @@ class ChatCompletionChunk(Wire):
     usage: Usage | None = None
     detections: ChatDetections | None = None
     warnings: list[ChatWarning] | None = None
+    # guardstream's extension on the finish chunk: the times the stream moved to another
+    # replica mid-generation (DESIGN 7; the FMS terminal event's `migrations`), when any
+    migrations: int | None = None
 
     def dump(self) -> dict[str, Any]:
         # finish_reason and logprobs stay as explicit nulls (OpenAI sends them); the rest omit
@@ -313,6 +316,7 @@ class ChatCompletion(Wire):
     usage: Usage
     detections: ChatDetections | None = None
     warnings: list[ChatWarning] | None = None
+    migrations: int | None = None  # as on the finish chunk, when any
 
     def dump(self) -> dict[str, Any]:
         data = self.model_dump(mode="json", exclude_none=True)

@@ -4,7 +4,7 @@ resolution of a request's `{detector_id: params}` map against them (404/422 befo
 from __future__ import annotations
 
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import aiohttp
@@ -13,13 +13,14 @@ import chunkers
 import detectors
 
 from ..api.errors import invalid, not_found
-from ..api.fms_requests import DetectorMap
+from ..api.fms_requests import DetectorMap, DetectorParams
 from ..config import (
     DEFAULT_REDACT_WITH,
     ORCHESTRATOR_PARAM_KEYS,
     WHOLE_DOC_CHUNKER,
     Config,
     DetectorConfig,
+    ModelConfig,
 )
 from .detectors import (
     CallRecorder,
@@ -178,3 +179,37 @@ class DetectorRegistry:
     async def close(self) -> None:
         for client in self._clients.values():
             await client.close()
+
+
+@dataclass(frozen=True)
+class EnforcedGuardrails:
+    """A model's enforced detectors (config `guardrails`), resolved once at start-up with the
+    model's backends: a request can add detectors; it can never remove or weaken these
+    (DESIGN 3)."""
+
+    input: tuple[RequestedDetector, ...] = ()
+    output: tuple[RequestedDetector, ...] = ()
+
+    @classmethod
+    def of_models(cls, config: Config, registry: DetectorRegistry) -> dict[str, EnforcedGuardrails]:
+        return {
+            model_id: cls(
+                input=_enforced(registry, model_id, model, "input"),
+                output=_enforced(registry, model_id, model, "output"),
+            )
+            for model_id, model in config.models.items()
+        }
+
+
+def _enforced(
+    registry: DetectorRegistry, model_id: str, model: ModelConfig, direction: str
+) -> tuple[RequestedDetector, ...]:
+    configured: dict[str, dict[str, object]] = getattr(model.guardrails, direction)
+    if not configured:
+        return ()
+    resolved = registry.resolve(
+        {k: DetectorParams.model_validate(v) for k, v in configured.items()},
+        direction,
+        f"models.{model_id}.guardrails.{direction}",
+    )
+    return tuple(replace(d, enforced=True) for d in resolved)

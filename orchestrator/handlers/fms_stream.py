@@ -9,12 +9,15 @@ from functools import partial
 from aiohttp import web
 
 from ..api.fms_requests import GuardrailsHttpRequest
+from ..state import STATE
 from ..streaming.fms_writer import FmsWriter
 from .body import read_model
-from .fms_task import prepare_task
+from .fms_task import task_ask
+from .prepare import prepare
 from .serving import serve
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, GuardrailsHttpRequest)
-    return await serve(request, partial(prepare_task, request, body, streaming=True), FmsWriter())
+    ask = task_ask(request, body, streaming=True)
+    return await serve(request, partial(prepare, request.app[STATE], ask), FmsWriter())

@@ -8,13 +8,15 @@ from functools import partial
 from aiohttp import web
 
 from ..api.fms_requests import GuardrailsHttpRequest
+from ..state import STATE
 from ..streaming.fms_writer import UnaryFold
 from .body import read_model
-from .fms_task import prepare_task
+from .fms_task import task_ask
+from .prepare import prepare
 from .serving import serve_unary
 
 
 async def handle(request: web.Request) -> web.Response:
     body = await read_model(request, GuardrailsHttpRequest)
-    prepare = partial(prepare_task, request, body, streaming=False)
-    return await serve_unary(request, prepare, UnaryFold())
+    ask = task_ask(request, body, streaming=False)
+    return await serve_unary(request, partial(prepare, request.app[STATE], ask), UnaryFold())

@@ -18,7 +18,8 @@ from ..streaming.fms_writer import UnaryFold
 from ..streaming.kind_judgement import judge_generated
 from .body import read_model
 from .fms_detection import GENERATED_KINDS, resolve_kinds, within_timeout
-from .fms_task import prepare_task
+from .fms_task import task_ask
+from .prepare import prepare
 from .serving import fold_unary
 
 
@@ -31,9 +32,8 @@ async def handle(request: web.Request) -> web.Response:
         inputs=body.prompt,
         text_gen_parameters=body.text_gen_parameters or TextGenParameters(),
     )
-    folded = await fold_unary(
-        request, partial(prepare_task, request, task, streaming=False), UnaryFold()
-    )
+    ask = task_ask(request, task, streaming=False)
+    folded = await fold_unary(request, partial(prepare, state, ask), UnaryFold())
     generated_text = folded.get("generated_text") or ""
     detections = []
     if generated_text:  # a refused prompt: nothing was generated, nothing to judge

@@ -10,66 +10,44 @@ from functools import partial
 from aiohttp import web
 
 from ..api.openai_completions import CompletionRequest
-from ..clients.backend import GenerationRequest
 from ..state import STATE
 from ..streaming.completions_writer import CompletionChunkWriter, CompletionFold
-from ..streaming.guarded_generation import GuardedGeneration
-from .admission import (
-    budget,
-    build_pipeline,
-    check_input_size,
-    find_model,
-    openai_params,
-    resolve_detectors,
-)
 from .body import read_model
+from .prepare import Decoding, GenerationAsk, prepare
 from .serving import serve, serve_unary
 
 
-async def prepare_completion(request: web.Request, body: CompletionRequest) -> GuardedGeneration:
-    state = request.app[STATE]
-    target = find_model(state, body.model)
-    check_input_size(target, len(body.prompt), "prompt")
-    max_new = budget(target, body.max_tokens, "max_tokens")
+def completion_ask(request: web.Request, body: CompletionRequest) -> GenerationAsk:
+    """The prompt as it is: no chat template."""
     detectors = body.detectors
-    input_dets = resolve_detectors(
-        state, target, "input", detectors.input if detectors else None, "detectors.input"
-    )
-    output_dets = resolve_detectors(
-        state, target, "output", detectors.output if detectors else None, "detectors.output"
-    )
-    gen_request = GenerationRequest(
+    return GenerationAsk(
+        model=body.model,
         prompt=body.prompt,
-        params=openai_params(
-            target,
-            max_new,
-            max_tokens=body.max_tokens,
+        chat=False,
+        inputs=body.prompt,
+        input_chars=len(body.prompt),
+        input_field="prompt",
+        max_tokens=body.max_tokens,
+        max_tokens_field="max_tokens",
+        decoding=Decoding(
             temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
             stop=tuple(body.stop_list()),
         ),
-        chat=False,
+        input_detectors=detectors.input if detectors else None,
+        output_detectors=detectors.output if detectors else None,
+        input_detectors_field="detectors.input",
+        output_detectors_field="detectors.output",
+        stream=body.stream,
         request_id=request.get("request_id", ""),
-    )
-    return await build_pipeline(
-        request,
-        target,
-        gen_request,
-        inputs=body.prompt,
-        masks=None,
-        input_detectors=input_dets,
-        output_detectors=output_dets,
-        keepalive=body.stream,
     )
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, CompletionRequest)
-    prepare = partial(prepare_completion, request, body)
+    run = partial(prepare, request.app[STATE], completion_ask(request, body))
     if not body.stream:
-        return await serve_unary(request, prepare, CompletionFold(body.model))
+        return await serve_unary(request, run, CompletionFold(body.model))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await serve(
-        request, prepare, CompletionChunkWriter(body.model, include_usage=include_usage)
-    )
+    return await serve(request, run, CompletionChunkWriter(body.model, include_usage=include_usage))

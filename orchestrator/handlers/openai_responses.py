@@ -12,10 +12,11 @@ from functools import partial
 from aiohttp import web
 
 from ..api.openai_responses import ResponsesRequest, check_stateless
+from ..state import STATE, AppState
 from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.responses_writer import ResponsesFold, ResponsesWriter
-from .admission import Conversation, prepare_conversation
 from .body import parse_json, read_body, require_json_content_type, validate
+from .prepare import Decoding, GenerationAsk, conversation, prepare
 from .serving import serve, serve_unary
 
 RESPONSES_PATH = "/v1/responses"
@@ -29,38 +30,45 @@ async def read_request(request: web.Request) -> ResponsesRequest:
     return validate(ResponsesRequest, data)
 
 
+def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk:
+    """`instructions` and every input item are judged, each on its own (DESIGN 4.9)."""
+    messages = body.conversation_messages()
+    prompt, chat = conversation(messages)
+    detectors = body.detectors
+    return GenerationAsk(
+        model=body.model,
+        prompt=prompt,
+        messages=chat,
+        inputs=body.input_pieces(),
+        input_chars=sum(len(text) for _, text in messages),
+        input_field="input",
+        max_tokens=body.max_output_tokens,
+        max_tokens_field="max_output_tokens",
+        decoding=Decoding(temperature=body.temperature, top_p=body.top_p),
+        input_detectors=detectors.input if detectors else None,
+        output_detectors=detectors.output if detectors else None,
+        input_detectors_field="detectors.input",
+        output_detectors_field="detectors.output",
+        stream=body.stream,
+        request_id=request.get("request_id", ""),
+    )
+
+
 async def prepare_response(
-    request: web.Request, body: ResponsesRequest, writer: ResponsesWriter
+    state: AppState, ask: GenerationAsk, writer: ResponsesWriter
 ) -> GuardedGeneration:
     """The pipeline; `writer` learns whether it redacts input (then `metadata`, which no
     guardrail judges, is not echoed)."""
-    detectors = body.detectors
-    pipeline = await prepare_conversation(
-        request,
-        Conversation(
-            model=body.model,
-            messages=body.conversation_messages(),
-            pieces=body.input_pieces(),
-            input_field="input",
-            max_tokens=body.max_output_tokens,
-            max_tokens_field="max_output_tokens",
-            temperature=body.temperature,
-            top_p=body.top_p,
-            input_detectors=detectors.input if detectors else None,
-            output_detectors=detectors.output if detectors else None,
-            stream=body.stream,
-        ),
-    )
+    pipeline = await prepare(state, ask)
     writer.withhold_metadata = pipeline.redacts_input
     return pipeline
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     body = await read_request(request)
+    state, ask = request.app[STATE], responses_ask(request, body)
     if not body.stream:
         fold = ResponsesFold(body)
-        return await serve_unary(
-            request, partial(prepare_response, request, body, fold.writer), fold
-        )
+        return await serve_unary(request, partial(prepare_response, state, ask, fold.writer), fold)
     writer = ResponsesWriter(body)
-    return await serve(request, partial(prepare_response, request, body, writer), writer)
+    return await serve(request, partial(prepare_response, state, ask, writer), writer)

@@ -121,6 +121,7 @@ class ChatChunkWriter:
         finish: str | None = None,
         detections: ChatDetections | None = None,
         warnings: list[ChatWarning] | None = None,
+        migrations: int | None = None,
     ) -> bytes:
         chunk = ChatCompletionChunk(
             id=self.id,
@@ -129,6 +130,7 @@ class ChatChunkWriter:
             choices=[ChunkChoice(delta=delta, finish_reason=finish)],  # type: ignore[arg-type]
             detections=detections,
             warnings=warnings,
+            migrations=migrations,
         )
         return b"data: " + dumps(chunk.dump()) + b"\n\n"
 
@@ -190,7 +192,9 @@ class ChatChunkWriter:
             return b"data: " + dumps(error) + b"\n\n" + DONE
         out = b""
         if not self._finished:
-            out += self._role() + self._chunk(Delta(), finish=finish_reason(terminal))
+            out += self._role() + self._chunk(
+                Delta(), finish=finish_reason(terminal), migrations=terminal.migrations or None
+            )
         if self._include_usage:
             chunk = ChatCompletionChunk(
                 id=self.id,
@@ -260,5 +264,6 @@ class ChatCompletionFold:
             usage=usage(terminal),
             detections=detections,
             warnings=warnings or None,
+            migrations=terminal.migrations or None,
         )
         return completion.dump()

@@ -1,0 +1,241 @@
+"""Preparing a generation request, the same for every surface (FMS task, Chat Completions,
+Responses, completions-detection): find the model once, check the request against its limits and
+its replicas' advertised bounds, add the request's detectors to the model's enforced guardrails
+(resolved once at start-up: `EnforcedGuardrails`), fill the decoding defaults in one place, and
+build the one guarded pipeline. Every 4xx of a generation request is raised here (DESIGN 4).
+
+Each surface only says what its request asks for (`GenerationAsk`); `prepare` runs inside the
+serving loop (handlers/serving.py), after the request took its stream slot: checking the
+advertised bounds may ask an engine, which a request refused with 429/503 must not cost.
+Admission control itself (the slots) is handlers/stream_slots.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..api.errors import invalid, not_found
+from ..api.fms_requests import DetectorMap
+from ..api.openai_chat import check_extra_honoured
+from ..clients.backend import ChatMessage, GenerationParams, GenerationRequest, ModelBackend
+from ..clients.registry import DetectorRegistry, EnforcedGuardrails, RequestedDetector
+from ..config import DecodingDefaults, ModelConfig, OpenAIBackend
+from ..state import AppState
+from ..streaming.guarded_generation import GuardedGeneration
+from ..streaming.text_judgement import InputPiece
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A request's decoding choices; None means the request left it unset (the model's
+    `decoding_defaults` apply, then ours: `decoding_params`)."""
+
+    # None: from the temperature (OpenAI's surfaces: 0 is greedy, anything else samples)
+    method: Literal["GREEDY", "SAMPLING"] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    top_k: int = 0
+    min_new_tokens: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    max_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationAsk:
+    """What a generation request asks for, whatever its surface: the surfaces differ on the
+    wire, not in what the pipeline needs. `*_field` name the request's own fields in errors."""
+
+    model: str
+    prompt: str  # what the engine generates from (the last user message on the OpenAI surfaces)
+    inputs: str | list[InputPiece]  # what the input detectors judge
+    input_chars: int  # checked against the model's max_input_chars
+    input_field: str
+    max_tokens: int | None
+    max_tokens_field: str
+    decoding: Decoding
+    input_detectors: DetectorMap | None
+    output_detectors: DetectorMap | None
+    input_detectors_field: str
+    output_detectors_field: str
+    stream: bool  # a stream gets keep-alives
+    request_id: str = ""
+    # the conversation (OpenAI surfaces; the chat template always applies); None: `prompt` alone
+    messages: tuple[ChatMessage, ...] | None = None
+    chat: bool | None = None  # the chat template on `prompt`; None: as the model's config says
+    masks: list[tuple[int, int]] | None = None  # FMS: input spans the request's detectors skip
+    masks_field: str = "masks"
+    min_tokens_field: str = "min_new_tokens"
+    # fields guardstream does not interpret (Chat Completions): refused unless every backend of
+    # the model forwards them untouched (an `openai` backend with `api: chat`)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelTarget:
+    model_id: str
+    config: ModelConfig
+    backend: ModelBackend
+    enforced: EnforcedGuardrails
+
+
+def find_model(state: AppState, model_id: str) -> ModelTarget:
+    model = state.config.models.get(model_id)
+    backend = state.backends.get(model_id)
+    if model is None or backend is None:
+        raise not_found(
+            f"model `{model_id}` not found "
+            f"(available: {', '.join(sorted(state.config.models)) or 'none'})"
+        )
+    # resolved with the backends at start-up: a missing entry is a bug, never "no guardrails"
+    return ModelTarget(model_id, model, backend, state.enforced[model_id])
+
+
+def budget(target: ModelTarget, requested: int | None, field: str) -> int:
+    """The token budget: the request's, else the model's default; never above its limit."""
+    limits = target.config.limits
+    max_new = requested or min(limits.default_max_new_tokens, limits.max_new_tokens)
+    if max_new > limits.max_new_tokens:
+        raise invalid(f"{field}: {max_new} exceeds this model's limit of {limits.max_new_tokens}")
+    return max_new
+
+
+def decoding_params(
+    defaults: DecodingDefaults, asked: Decoding, max_new: int, *, budget_is_default: bool
+) -> GenerationParams:
+    """The one place decoding defaults are filled in: the request's value, else the model's
+    `decoding_defaults`, else ours (temperature and top_p 1, no repetition penalty). A
+    temperature of 0 (OpenAI's surfaces) asks for greedy decoding. What the model's defaults
+    filled in is `defaulted` (a server that refuses one gets the request without it)."""
+
+    def chosen(name: str, asked_value: float | None) -> float:
+        if asked_value is not None:
+            return asked_value
+        default: float | None = getattr(defaults, name)
+        return 1.0 if default is None else default
+
+    temperature = chosen("temperature", asked.temperature)
+    method = asked.method or ("GREEDY" if temperature == 0 else "SAMPLING")
+    return GenerationParams(
+        max_new_tokens=max_new,
+        budget_is_default=budget_is_default,
+        min_new_tokens=asked.min_new_tokens,
+        decoding_method=method,
+        temperature=temperature if temperature > 0 else 1.0,
+        top_k=asked.top_k,
+        top_p=chosen("top_p", asked.top_p),
+        seed=asked.seed,
+        repetition_penalty=chosen("repetition_penalty", asked.repetition_penalty),
+        stop_sequences=asked.stop,
+        max_time=asked.max_time,
+        defaulted=frozenset(
+            name
+            for name in ("temperature", "top_p", "repetition_penalty")
+            if getattr(asked, name) is None and getattr(defaults, name) is not None
+        ),
+    )
+
+
+def with_enforced(
+    registry: DetectorRegistry,
+    enforced: tuple[RequestedDetector, ...],
+    direction: str,
+    requested: DetectorMap | None,
+    path: str,
+) -> list[RequestedDetector]:
+    """The model's enforced detectors for this direction plus the request's others. Naming an
+    enforced detector again changes nothing about it (its entry is still checked: 404s and 422s
+    stay errors)."""
+    if not requested:
+        return list(enforced)
+    resolved = registry.resolve(requested, direction, path)
+    enforced_ids = {d.detector_id for d in enforced}
+    extra = [d for d in resolved if d.detector_id not in enforced_ids]
+    return sorted([*enforced, *extra], key=lambda d: d.detector_id)
+
+
+async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
+    """The guarded pipeline of a generation request (any surface)."""
+    target = find_model(state, ask.model)
+    config = target.config
+    if ask.input_chars > config.limits.max_input_chars:
+        raise invalid(
+            f"{ask.input_field}: {ask.input_chars} characters exceed this model's limit of "
+            f"{config.limits.max_input_chars}"
+        )
+    max_new = budget(target, ask.max_tokens, ask.max_tokens_field)
+    if ask.decoding.min_new_tokens > max_new:
+        raise invalid(f"{ask.min_tokens_field}: must not exceed max_new_tokens")
+    if ask.extra and not all(
+        isinstance(b, OpenAIBackend) and b.api == "chat" for b in config.backends
+    ):
+        try:
+            check_extra_honoured(ask.extra, ask.model)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+    for start, end in ask.masks or []:
+        if end > len(ask.prompt):
+            raise invalid(
+                f"{ask.masks_field}: [{start}, {end}] lies beyond the "
+                f"{len(ask.prompt)} characters of {ask.input_field}"
+            )
+    assert state.detectors is not None
+    input_dets = with_enforced(
+        state.detectors,
+        target.enforced.input,
+        "input",
+        ask.input_detectors,
+        ask.input_detectors_field,
+    )
+    output_dets = with_enforced(
+        state.detectors,
+        target.enforced.output,
+        "output",
+        ask.output_detectors,
+        ask.output_detectors_field,
+    )
+    gen_request = GenerationRequest(
+        prompt=ask.prompt,
+        params=decoding_params(
+            config.decoding_defaults,
+            ask.decoding,
+            max_new,
+            budget_is_default=ask.max_tokens is None,
+        ),
+        chat=config.chat if ask.chat is None else ask.chat,
+        request_id=ask.request_id,
+        messages=ask.messages,
+        extra=ask.extra,
+    )
+    # the engine must never be the first to say no: its 4xx would come after the response
+    # started, so the replicas' advertised bounds are checked now
+    gen_request = await target.backend.validate(gen_request)
+    server = state.config.server
+    return GuardedGeneration(
+        backend=target.backend,
+        request=gen_request,
+        inputs=ask.inputs,
+        masks=ask.masks,
+        input_detectors=input_dets,
+        output_detectors=output_dets,
+        chunkers=state.chunkers,
+        timeout_s=server.request_timeout_s,
+        seed=gen_request.params.seed,
+        observer=state.metrics.observer(target.model_id),
+        keepalive_s=server.sse_keepalive_s if ask.stream else None,
+        read_coalesce_tokens=server.read_coalesce_tokens,
+        read_coalesce_when=state.loop_lag.busy,
+    )
+
+
+def conversation(
+    messages: list[tuple[str, str]],
+) -> tuple[str, tuple[ChatMessage, ...]]:
+    """The engine's prompt (the last user message) and the conversation of an OpenAI-surface
+    request. Chat templates know system, user and assistant; `developer` is OpenAI's newer name
+    for the system role."""
+    last_user = max(i for i, (role, _) in enumerate(messages) if role == "user")
+    return messages[last_user][1], tuple(
+        ChatMessage("system" if role == "developer" else role, text) for role, text in messages
+    )
