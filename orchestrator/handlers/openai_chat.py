@@ -14,7 +14,7 @@ from ..api.openai_chat import ChatCompletionRequest
 from ..state import STATE
 from ..streaming.chat_writer import ChatChunkWriter, ChatCompletionFold
 from .body import read_model
-from .prepare import Decoding, GenerationAsk, conversation, prepare
+from .prepare import Decoding, GenerationAsk, conversation, openai_ask, prepare
 from .serving import serve, serve_unary
 
 CHAT_PATH = "/v1/chat/completions"
@@ -25,9 +25,9 @@ def chat_ask(request: web.Request, body: ChatCompletionRequest) -> GenerationAsk
     """Input detectors judge every piece of the conversation, each on its own (DESIGN 4.8)."""
     messages = [(m.role, m.text()) for m in body.messages]
     prompt, chat = conversation(messages)
-    detectors = body.detectors
-    return GenerationAsk(
-        model=body.model,
+    return openai_ask(
+        request,
+        body,
         prompt=prompt,
         messages=chat,
         inputs=body.input_pieces(),
@@ -41,12 +41,6 @@ def chat_ask(request: web.Request, body: ChatCompletionRequest) -> GenerationAsk
             seed=body.seed,
             stop=tuple(body.stop_list()),
         ),
-        input_detectors=detectors.input if detectors else None,
-        output_detectors=detectors.output if detectors else None,
-        input_detectors_field="detectors.input",
-        output_detectors_field="detectors.output",
-        stream=body.stream,
-        request_id=request.get("request_id", ""),
         extra=body.forwarded(),
     )
 

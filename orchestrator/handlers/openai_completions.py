@@ -13,15 +13,15 @@ from ..api.openai_completions import CompletionRequest
 from ..state import STATE
 from ..streaming.completions_writer import CompletionChunkWriter, CompletionFold
 from .body import read_model
-from .prepare import Decoding, GenerationAsk, prepare
+from .prepare import Decoding, GenerationAsk, openai_ask, prepare
 from .serving import serve, serve_unary
 
 
 def completion_ask(request: web.Request, body: CompletionRequest) -> GenerationAsk:
     """The prompt as it is: no chat template."""
-    detectors = body.detectors
-    return GenerationAsk(
-        model=body.model,
+    return openai_ask(
+        request,
+        body,
         prompt=body.prompt,
         chat=False,
         inputs=body.prompt,
@@ -35,12 +35,6 @@ def completion_ask(request: web.Request, body: CompletionRequest) -> GenerationA
             seed=body.seed,
             stop=tuple(body.stop_list()),
         ),
-        input_detectors=detectors.input if detectors else None,
-        output_detectors=detectors.output if detectors else None,
-        input_detectors_field="detectors.input",
-        output_detectors_field="detectors.output",
-        stream=body.stream,
-        request_id=request.get("request_id", ""),
     )
 
 

@@ -16,7 +16,7 @@ from ..state import STATE, AppState
 from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.responses_writer import ResponsesFold, ResponsesWriter
 from .body import parse_json, read_body, require_json_content_type, validate
-from .prepare import Decoding, GenerationAsk, conversation, prepare
+from .prepare import Decoding, GenerationAsk, conversation, openai_ask, prepare
 from .serving import serve, serve_unary
 
 RESPONSES_PATH = "/v1/responses"
@@ -34,9 +34,9 @@ def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk
     """`instructions` and every input item are judged, each on its own (DESIGN 4.9)."""
     messages = body.conversation_messages()
     prompt, chat = conversation(messages)
-    detectors = body.detectors
-    return GenerationAsk(
-        model=body.model,
+    return openai_ask(
+        request,
+        body,
         prompt=prompt,
         messages=chat,
         inputs=body.input_pieces(),
@@ -45,12 +45,6 @@ def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk
         max_tokens=body.max_output_tokens,
         max_tokens_field="max_output_tokens",
         decoding=Decoding(temperature=body.temperature, top_p=body.top_p),
-        input_detectors=detectors.input if detectors else None,
-        output_detectors=detectors.output if detectors else None,
-        input_detectors_field="detectors.input",
-        output_detectors_field="detectors.output",
-        stream=body.stream,
-        request_id=request.get("request_id", ""),
     )
 
 

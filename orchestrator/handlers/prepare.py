@@ -12,11 +12,13 @@ Admission control itself (the slots) is handlers/stream_slots.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
+
+from aiohttp import web
 
 from ..api.errors import invalid, not_found
 from ..api.fms_requests import DetectorMap
-from ..api.openai_chat import check_extra_honoured
+from ..api.openai_chat import ChatDetectors, check_extra_honoured
 from ..clients.backend import ChatMessage, GenerationParams, GenerationRequest, ModelBackend
 from ..clients.registry import DetectorRegistry, EnforcedGuardrails, RequestedDetector
 from ..config import DecodingDefaults, ModelConfig, OpenAIBackend
@@ -238,4 +240,28 @@ def conversation(
     last_user = max(i for i, (role, _) in enumerate(messages) if role == "user")
     return messages[last_user][1], tuple(
         ChatMessage("system" if role == "developer" else role, text) for role, text in messages
+    )
+
+
+class OpenAISurfaceRequest(Protocol):
+    """What Chat Completions, Responses and completions-detection requests have alike."""
+
+    model: str
+    stream: bool
+    detectors: ChatDetectors | None
+
+
+def openai_ask(request: web.Request, body: OpenAISurfaceRequest, **asked: Any) -> GenerationAsk:
+    """An OpenAI-surface request's ask: the model, the `detectors` extension, `stream` and the
+    request id filled in the same way for every such surface; `asked` holds the rest."""
+    detectors = body.detectors
+    return GenerationAsk(
+        model=body.model,
+        input_detectors=detectors.input if detectors else None,
+        output_detectors=detectors.output if detectors else None,
+        input_detectors_field="detectors.input",
+        output_detectors_field="detectors.output",
+        stream=body.stream,
+        request_id=request.get("request_id", ""),
+        **asked,
     )
