@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 
 from aiohttp import web
 
@@ -77,8 +78,7 @@ def _parse_line(raw: bytes, first: bool) -> StreamContentLine:
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    server = state.config.server
+    server = request.app[STATE].config.server
     if request.content_type not in NDJSON_TYPES:
         raise ApiError(
             415,
@@ -88,23 +88,26 @@ async def handle(request: web.Request) -> web.StreamResponse:
     check_content_encoding(request)
     if (request.content_length or 0) > server.max_request_bytes:
         raise too_large(server.max_request_bytes)
+    return await serve(request, partial(prepare_content, request), NdjsonWriter())
 
-    async def prepare() -> ContentStream:
-        # after the slot was taken, before reading: a slow body holds a slot, not free memory
-        deadline = asyncio.get_running_loop().time() + server.request_timeout_s
-        body = BodyLines(request, server.max_request_bytes, deadline, server.body_idle_timeout_s)
-        first_raw = await body.next()
-        if first_raw is None:
-            raise invalid("the body holds no line")
-        first = _parse_line(first_raw, first=True)
-        assert state.detectors is not None and first.detectors
-        dets = state.detectors.resolve(first.detectors, "content", "detectors")
 
-        async def contents() -> AsyncIterator[str]:
-            while (raw := await body.next()) is not None:
-                yield _parse_line(raw, first=False).content
+async def prepare_content(request: web.Request) -> ContentStream:
+    """The pipeline of one request, built once the stream slot is taken: its body is read from
+    here on (a slow body holds a slot, not free memory), its first line parsed and validated."""
+    state = request.app[STATE]
+    server = state.config.server
+    deadline = asyncio.get_running_loop().time() + server.request_timeout_s
+    body = BodyLines(request, server.max_request_bytes, deadline, server.body_idle_timeout_s)
+    first_raw = await body.next()
+    if first_raw is None:
+        raise invalid("the body holds no line")
+    first = _parse_line(first_raw, first=True)
+    assert state.detectors is not None and first.detectors
+    dets = state.detectors.resolve(first.detectors, "content", "detectors")
 
-        remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        return ContentStream(dets, state.chunkers, first.content, contents(), timeout_s=remaining)
+    async def contents() -> AsyncIterator[str]:
+        while (raw := await body.next()) is not None:
+            yield _parse_line(raw, first=False).content
 
-    return await serve(request, prepare, NdjsonWriter())
+    remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
+    return ContentStream(dets, state.chunkers, first.content, contents(), timeout_s=remaining)
