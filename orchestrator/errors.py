@@ -1,4 +1,4 @@
-"""What a client is told when something fails (DESIGN section 4): the one error module.
+"""How a failure becomes what a client is told (DESIGN section 4).
 
 An error is a `Failure` (api/errors.py) from the moment it is known to the moment it is
 written. Here, once each:

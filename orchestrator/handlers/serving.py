@@ -38,7 +38,7 @@ from .stream_slots import stream_slot
 
 
 class Pipeline(Protocol):
-    """What the loop needs of a guarded generation (streaming.guarded_generation)."""
+    """What the loop needs of a pipeline (GuardedGeneration, ContentStream)."""
 
     def events(self) -> AsyncIterator[Event]: ...
 
