@@ -1,10 +1,10 @@
 """The aiohttp application: routes, middlewares, start-up and shutdown.
 
-Each route is one row of `ROUTES`: its path, its handler and its surface, which decides how an
-error before the first byte is rendered (the FMS `ErrorBody` or OpenAI's `{"error": ...}`, which
-the SDKs parse). The error middleware renders the `Failure` that `describe` made of the
-exception in the shape of the request's route; nothing is guessed from a list of paths kept
-elsewhere, and nothing converts one body into another."""
+Each route is one row of `ROUTES`: its path, its handler and its surface (errors.py), the shape
+of its HTTP error responses (the FMS `ErrorBody` or OpenAI's `{"error": ...}`, which the SDKs
+parse). The error middleware renders the `Failure` that `describe` made of the exception in the
+shape of the request's route; nothing is guessed from a list of paths kept elsewhere, and
+nothing converts one body into another."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from enum import Enum
 from types import SimpleNamespace
 
 import aiohttp
@@ -35,11 +34,11 @@ from servicekit.auth import (
 )
 
 from . import tracing as traces
-from .api.errors import ApiError, ErrorBody, ErrorType, Failure
-from .api.openai_chat import OpenAIErrorBody
+from .api.errors import ApiError, ErrorType, Failure
 from .clients.backends import build_model_backends
 from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
 from .config import Config, ConfigError, secret_env_names
+from .errors import Surface, describe, first_error, is_http_error, is_unexpected
 from .handlers import (
     content_detection,
     fms_detection,
@@ -61,7 +60,6 @@ from .http_protocol import SERVER_NAME
 from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
 from .state import STATE, AppState
-from .streaming.failures import describe, first_error
 from .streaming.loop_lag import LoopLag
 
 log = logging.getLogger("guardstream")
@@ -84,19 +82,6 @@ CHAT_PATH = openai_chat.CHAT_PATH
 CHAT_DETECTION_PATH = openai_chat.CHAT_DETECTION_PATH
 RESPONSES_PATH = openai_responses.RESPONSES_PATH
 MODELS_PATH = "/v1/models"
-
-
-class Surface(Enum):
-    """How a route's errors are rendered: the FMS `ErrorBody` (DESIGN section 4), or OpenAI's
-    `{"error": ...}`, which OpenAI SDKs parse (4.8, 4.9)."""
-
-    FMS = "fms"
-    OPENAI = "openai"
-
-    def error_body(self, failure: Failure) -> dict[str, object]:
-        if self is Surface.OPENAI:
-            return OpenAIErrorBody.for_request(failure).dump()
-        return ErrorBody.from_failure(failure).dump()
 
 
 @dataclass(frozen=True)
@@ -284,13 +269,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         raise
     except BaseException as exc:  # ExceptionGroups from task groups included
-        if request.writer is not None and request.writer.output_size > 0:
-            # the reply already started: an error response cannot follow it. aiohttp logs the
-            # exception and closes the connection, so the client sees a cut stream, not a
-            # hang and not a second status line inside the body
-            raise
         failure = describe(exc)
-        if failure.code >= 500 and failure.type == ErrorType.SERVER_ERROR:
+        sent = request.writer is not None and request.writer.output_size > 0
+        if not is_http_error(failure, sent=sent):
+            # the reply already started: an error response cannot follow it, and nothing is
+            # left to render it in-band. aiohttp logs the exception and closes the connection,
+            # so the client sees a cut stream, not a hang and not a second status line
+            raise
+        if is_unexpected(failure):
             log.error("request %s failed", request.get("request_id"), exc_info=exc)
         response = error_response(request, failure, _error_headers(first_error(exc), failure))
         if isinstance(first_error(exc), UnreadBody):

@@ -6,15 +6,18 @@ during the drain, and the process exits 0."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from orchestrator.app import STREAMING_PATH
+from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from tests.fakes.engine import FakeEngine, Fault, GatedEngine
 from tests.orchestrator_support import (
+    NDJSON,
     Served,
     SseEvent,
     assert_contiguous,
@@ -153,3 +156,43 @@ async def test_streams_cut_by_a_short_drain_end_with_server_shutdown(tmp_path: P
     messages = served.messages()
     assert f"ending {STREAMS} stream(s) with server_shutdown" in messages
     assert messages[-1] == "stopped"
+
+
+async def test_a_stream_content_reply_cut_by_the_drain_ends_with_server_shutdown(
+    tmp_path: Path,
+) -> None:
+    """stream-content is served by the same loop, on the same pipeline core: a drain that runs
+    out ends it with the error line, as it ends a generation with its terminal event (its slot
+    used to hold no pipeline, so the drain never reached it and shutdown cut the reply)."""
+    engine = FakeEngine()
+    await engine.start()
+    never = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        # no sentence ends: no frame is due before the drain
+        yield (json.dumps({"detectors": {"pii": {}}, "content": "Hi"}) + "\n").encode()
+        await never.wait()  # the client is still sending when the server is told to stop
+        yield b""
+
+    config = config_for(engine, drain_timeout_s=0.2)
+    config["detectors"] = {"pii": {"builtin": "regex", "chunker_id": "sentence"}}
+    try:
+        async with (
+            serve(tmp_path, config) as served,
+            aiohttp.ClientSession() as session,
+        ):
+            async with session.post(
+                served.url + STREAM_CONTENT_PATH, data=body(), headers={"Content-Type": NDJSON}
+            ) as r:
+                assert r.status == 200  # the pipeline is built and holds the stream slot
+                served.proc.send_signal(signal.SIGTERM)
+                reply = await finished(r.text(), 30, "r.text()")
+            never.set()
+            assert await finished(served.proc.wait(), 30, "served.proc.wait()") == 0
+    finally:
+        never.set()
+        await engine.close()
+    assert [json.loads(line) for line in reply.splitlines()] == [
+        {"code": 503, "details": "the server is shutting down", "type": "server_shutdown"}
+    ]
+    assert "ending 1 stream(s) with server_shutdown" in served.messages()

@@ -24,12 +24,30 @@ from typing import Any
 import pytest
 
 from orchestrator.api.errors import ErrorType, Failure
-from orchestrator.app import CHAT_PATH, RESPONSES_PATH, STREAMING_PATH, UNARY_PATH
-from orchestrator.handlers import fms_stream, fms_unary, openai_chat, openai_responses
-from orchestrator.streaming.events import KEEP_ALIVE, Event, Frame, Refusal, Terminal
+from orchestrator.app import (
+    CHAT_PATH,
+    RESPONSES_PATH,
+    STREAM_CONTENT_PATH,
+    STREAMING_PATH,
+    UNARY_PATH,
+)
+from orchestrator.handlers import (
+    fms_stream,
+    fms_unary,
+    openai_chat,
+    openai_responses,
+    stream_content,
+)
+from orchestrator.streaming.events import KEEP_ALIVE, Event, Frame, KeepAlive, Refusal, Terminal
 from orchestrator.streaming.findings import Finding
 from tests.fakes.engine import FakeEngine
-from tests.orchestrator_support import MODEL, Orchestrator, generation_body, native_config
+from tests.orchestrator_support import (
+    MODEL,
+    NDJSON,
+    Orchestrator,
+    generation_body,
+    native_config,
+)
 
 S1, S2 = "I am great.", " What about you?"
 GREAT = Finding(5, 10, "great", "positive", "sentiment", "mood", 0.9)
@@ -330,11 +348,16 @@ def responses_outcome(raw: str, status: int) -> Outcome:
 # -- the test ------------------------------------------------------------------------------------
 
 
-async def post(orch: Orchestrator, path: str, body: dict[str, Any]) -> tuple[int, list[str]]:
-    """The status and the reply's HTTP chunks (one per server write)."""
+async def post(orch: Orchestrator, path: str, body: dict[str, Any] | str) -> tuple[int, list[str]]:
+    """The status and the reply's HTTP chunks (one per server write); a str body is NDJSON."""
     assert orch.session is not None
     writes, buf = [], b""
-    async with orch.session.post(orch.url + path, json=body) as r:
+    sent: dict[str, Any] = (
+        {"json": body}
+        if isinstance(body, dict)
+        else {"data": body, "headers": {"Content-Type": NDJSON}}
+    )
+    async with orch.session.post(orch.url + path, **sent) as r:
         async for data, end_of_chunk in r.content.iter_chunks():
             buf += data
             if end_of_chunk:
@@ -356,6 +379,7 @@ def script(monkeypatch: pytest.MonkeyPatch, events: list[Event]) -> None:
         (fms_unary, "prepare"),
         (openai_chat, "prepare"),
         (openai_responses, "prepare_response"),
+        (stream_content, "prepare_content"),
     ):
         monkeypatch.setattr(module, name, prepared)
 
@@ -481,3 +505,69 @@ async def test_the_unary_surfaces_agree(
                 body["error"] if surface != "fms" else {"type": body["type"], "code": body["code"]}
             )
             assert (error["type"], error["code"]) == (case.outcome.error_type, status), surface
+
+
+# -- stream-content: the same loop, the NDJSON writer ---------------------------------------------
+
+# stream-content's pipeline judges text it is given: it never refuses and never goes silent
+# (no keep-alive), so it shares the cases without a refusal, keep-alives left out
+CONTENT_CASES = [c for c in CASES if not any(isinstance(e, Refusal) for e in c.events)]
+# the content form of GREAT (DESIGN 4.1: the content endpoints' detection)
+GREAT_CONTENT = {
+    "start": 5,
+    "end": 10,
+    "text": "great",
+    "detection": "positive",
+    "detection_type": "sentiment",
+    "detector_id": "mood",
+    "score": 0.9,
+}
+
+
+def ndjson(data: dict[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":")) + "\n"
+
+
+@pytest.mark.parametrize("case", CONTENT_CASES, ids=[c.id for c in CONTENT_CASES])
+async def test_stream_content_says_what_the_streams_say(
+    case: Case, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stream-content is served by the same loop with the NDJSON writer: one line per frame (a
+    burst in one write), the error body as the last line of a stream that broke, nothing after
+    a completed one; the reply started before the pipeline's first event (the first line was
+    validated), so every error is in-band, as on the FMS stream."""
+    events = [e for e in case.events if not isinstance(e, KeepAlive)]
+    script(monkeypatch, events)
+    line = ndjson({"detectors": {"mood": {}}, "content": "Hi"})
+    async with Orchestrator(native_config(engine.url)) as orch:
+        status, writes = await post(orch, STREAM_CONTENT_PATH, line)
+    assert status == 200
+    expected, pending = [], ""
+    for event in events:
+        if isinstance(event, Frame):
+            detections = [GREAT_CONTENT] if event.detections == [GREAT] else []
+            assert len(detections) == len(event.detections)
+            pending += ndjson(
+                {
+                    "detections": detections,
+                    "start_index": event.start,
+                    "processed_index": event.end,
+                }
+            )
+            if event.more:
+                continue
+        elif isinstance(event, Terminal) and event.error is not None:
+            error = event.error
+            pending += ndjson(
+                {"code": error.code, "details": error.message, "type": error.type.value}
+            )
+        if pending:
+            expected.append(pending)
+            pending = ""
+    assert writes == expected
+    lines = [json.loads(x) for x in "".join(writes).splitlines()]
+    results = [x for x in lines if "processed_index" in x]
+    pieces = [(x["start_index"], x["processed_index"]) for x in results]
+    assert pieces == [(start, end) for start, end, _ in case.outcome.pieces]
+    errors = [x["type"] for x in lines if "code" in x]
+    assert errors == ([case.outcome.error_type] if case.outcome.error_type else [])

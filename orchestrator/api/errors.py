@@ -1,7 +1,7 @@
 """The one error triple of the API (DESIGN section 4) and the exception that carries it.
 
 An error is a `Failure` (code, type, message) from the moment it is known to the moment it is
-written: `streaming.failures.describe` maps any exception to one, `ApiError` carries one, and
+written: `orchestrator.errors.describe` maps any exception to one, `ApiError` carries one, and
 each surface renders it in its own shape (`ErrorBody.from_failure` here for the FMS surface,
 `OpenAIErrorBody.from_failure` for the OpenAI ones, the writers for in-band errors). Nothing
 converts a rendered body back into a `Failure`: the triple is never re-derived, so the surfaces

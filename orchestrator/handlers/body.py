@@ -16,6 +16,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
 from ..api.errors import ApiError, ErrorType, invalid
+from ..errors import BODY_TIMED_OUT
 from ..state import STATE
 
 M = TypeVar("M", bound=BaseModel)
@@ -268,7 +269,7 @@ def body_stalled() -> BodyTimeout:
 
 
 def body_too_slow() -> BodyTimeout:
-    return BodyTimeout("the request body did not arrive within request_timeout_s")
+    return BodyTimeout(BODY_TIMED_OUT.message)
 
 
 def malformed_body() -> UnreadBody:

@@ -6,8 +6,9 @@ import asyncio
 
 from aiohttp import web
 
-from ..api.errors import ApiError, ErrorType
+from ..api.errors import ApiError
 from ..api.fms_requests import ContentDetectionRequest
+from ..errors import DETECTORS_TIMED_OUT
 from ..state import STATE
 from ..streaming import wire_json
 from ..streaming.finding_wire import content
@@ -27,9 +28,7 @@ async def handle(request: web.Request) -> web.Response:
                 body.content, dets, state.chunkers, whole=body.redact, annotating=True
             )
     except TimeoutError:
-        raise ApiError(
-            504, ErrorType.TIMEOUT, "the detectors did not answer within request_timeout_s"
-        ) from None
+        raise ApiError.of(DETECTORS_TIMED_OUT) from None
     state.metrics.observer().on_findings(findings)
     redacted: str | None = None
     if body.redact:

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..api.errors import ApiError, ErrorType
+from ..api.errors import ApiError
 from ..api.fms_detection import (
     ChatDetectionRequest,
     ContextDetectionRequest,
@@ -21,6 +21,7 @@ from ..api.fms_detection import (
 )
 from ..api.fms_requests import DetectorMap
 from ..clients.registry import RequestedDetector
+from ..errors import DETECTORS_TIMED_OUT
 from ..state import STATE, AppState
 from ..streaming.kind_judgement import judge_chat, judge_context, judge_generated
 from .body import read_model
@@ -45,9 +46,7 @@ async def within_timeout(state: AppState, judging: Awaitable[list[DetectionResul
         async with asyncio.timeout(state.config.server.request_timeout_s):
             return await judging
     except TimeoutError:
-        raise ApiError(
-            504, ErrorType.TIMEOUT, "the detectors did not answer within request_timeout_s"
-        ) from None
+        raise ApiError.of(DETECTORS_TIMED_OUT) from None
 
 
 def reply(detections: list[DetectionResult]) -> web.Response:

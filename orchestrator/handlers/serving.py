@@ -1,16 +1,21 @@
-"""The one serving loop of every generation surface (DESIGN section 1, "one pipeline, many
-writers"): FMS streaming, Chat Completions and Responses, streaming or unary.
+"""The serving loop of every pipeline surface (DESIGN section 1, "one pipeline, many writers"):
+FMS streaming and unary, Chat Completions, completions-detection and Responses (streaming or
+unary), generation-detection and stream-content. The detection endpoints that run no pipeline
+(content, chat, context, generated) answer in their own handlers.
 
 A handler parses its request and hands `serve` (or `serve_unary`) a way to build the pipeline
 and its surface's writer (or fold). Everything the surfaces share happens here, once:
 
 - the stream slot is taken FIRST, before the pipeline is built: building it may ask an engine
   (advertised limits, a token count), and a request refused with 429/503 must cost nothing;
-- the response starts at once (FMS), or at the first event, so that an error found before any
-  byte is a real HTTP error where the surface wants one (`Writer.refuses`);
+- the response starts at once (FMS, stream-content), or at the first event, so that an error
+  found before any byte can be a real HTTP error (`errors.is_http_error` decides);
 - a burst of frames (`Frame.more`: the pipeline already holds the next event) goes out in one
   write;
-- keep-alives (`KeepAlive`) are an SSE comment on every surface; the SSE headers are these.
+- keep-alives (`KeepAlive`) are an SSE comment (only SSE pipelines yield them); the headers are
+  the writer's;
+- a 408 (the client stopped sending its body) closes the connection after the reply: the rest
+  of that body is never read.
 
 A writer only renders events to bytes, so the surfaces cannot disagree on what was judged,
 blocked or cut off, and a new surface is a writer, not another loop.
@@ -18,27 +23,22 @@ blocked or cut off, and a new surface is a writer, not another loop.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from ..api.errors import ApiError, Failure
+from ..errors import is_http_error
 from ..state import STATE
 from ..streaming.events import Event, Frame, KeepAlive, Rendered, Terminal
 from ..streaming.wire_json import KEEPALIVE_COMMENT
 from .stream_slots import stream_slot
 
-SSE_HEADERS = {
-    "Content-Type": "text/event-stream",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
-}
-
 
 class Pipeline(Protocol):
-    """What the loop needs of a guarded generation (streaming.guarded_generation)."""
+    """What the loop needs of a pipeline (GuardedGeneration, ContentStream)."""
 
     def events(self) -> AsyncIterator[Event]: ...
 
@@ -52,13 +52,15 @@ Prepare = Callable[[], Awaitable[Pipeline]]
 class Writer(Protocol):
     """A streaming surface's wire format (streaming/*_writer.py)."""
 
-    # the response starts before the first event (FMS); else at the first event, so that an
-    # error before any byte can still be an HTTP error
+    # the response's headers (its content type: SSE, NDJSON)
+    headers: Mapping[str, str]
+    # the response starts before the first event (FMS, stream-content); else at the first
+    # event, so that an error before any byte can still be an HTTP error
     start_at_once: bool
 
-    def refuses(self, failure: Failure) -> bool:
-        """Whether a stream that fails before its first byte is answered with an HTTP error
-        (rendered by the error middleware) instead of an in-band one."""
+    def in_band(self, failure: Failure) -> bool:
+        """Whether the wire format says `failure` in-band while none of the reply was sent
+        (OpenResponses' `error` event); else it is an HTTP error (`errors.is_http_error`)."""
         ...
 
     def render(self, event: Rendered) -> bytes:
@@ -67,8 +69,13 @@ class Writer(Protocol):
 
 
 class Fold(Protocol):
-    """A unary surface's reply: every event folded into one JSON object. `add` raises ApiError
-    for an error the surface answers as an HTTP error."""
+    """A unary surface's reply: every event folded into one JSON object. A failure the reply
+    cannot hold is an HTTP error, decided by the loop (`errors.is_http_error`) before `add`."""
+
+    def in_band(self, failure: Failure) -> bool:
+        """Whether the object says `failure` itself (a Responses object that holds output
+        says `failed`)."""
+        ...
 
     def add(self, event: Rendered) -> None: ...
 
@@ -79,18 +86,18 @@ async def serve(request: web.Request, prepare: Prepare, writer: Writer) -> web.S
     """Streams the pipeline `prepare` builds through `writer`."""
     with stream_slot(request.app[STATE]) as slot:
         pipeline = slot.attach(await prepare())
-        response = await _start(request) if writer.start_at_once else None
+        response = await _start(request, writer) if writer.start_at_once else None
         pending = b""  # the frames of one burst: one write
+        body_unread = False
         async with aclosing(pipeline.events()) as events:
             async for event in events:
+                if isinstance(event, Terminal) and event.error is not None:
+                    failure = event.error
+                    if is_http_error(failure, sent=response is not None, in_band=writer.in_band):
+                        raise ApiError.of(failure)  # nothing was sent: a real HTTP error
+                    body_unread = failure.code == 408
                 if response is None:
-                    if (
-                        isinstance(event, Terminal)
-                        and event.error is not None
-                        and writer.refuses(event.error)
-                    ):
-                        raise ApiError.of(event.error)  # nothing was sent: a real HTTP error
-                    response = await _start(request)
+                    response = await _start(request, writer)
                 if isinstance(event, KeepAlive):
                     pending += KEEPALIVE_COMMENT
                 else:
@@ -102,6 +109,8 @@ async def serve(request: web.Request, prepare: Prepare, writer: Writer) -> web.S
                     pending = b""
         assert response is not None  # the pipeline always ends with a Terminal
         await response.write_eof()
+        if body_unread:  # the client stopped sending: nothing more is read from it
+            request.protocol.force_close()
         return response
 
 
@@ -117,12 +126,16 @@ async def fold_unary(request: web.Request, prepare: Prepare, fold: Fold) -> dict
         pipeline = slot.attach(await prepare())
         async with aclosing(pipeline.events()) as events:
             async for event in events:
-                if not isinstance(event, KeepAlive):
-                    fold.add(event)
+                if isinstance(event, KeepAlive):
+                    continue
+                if isinstance(event, Terminal) and event.error is not None:
+                    if is_http_error(event.error, sent=False, in_band=fold.in_band):
+                        raise ApiError.of(event.error)  # nothing was sent: a real HTTP error
+                fold.add(event)
     return fold.body()
 
 
-async def _start(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
+async def _start(request: web.Request, writer: Writer) -> web.StreamResponse:
+    response = web.StreamResponse(headers=writer.headers)
     await response.prepare(request)
     return response

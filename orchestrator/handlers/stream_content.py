@@ -4,31 +4,26 @@ judged chunk out (`{detections, start_index, processed_index}`).
 Hostile input is expected: anything but NDJSON is 415; a stream slot is taken before the body is
 read; the WHOLE body is bounded by `max_request_bytes` (a stream is no excuse for unbounded
 input) and the request by `request_timeout_s`. The first line names the detectors and is
-validated before any byte goes out; a bad later line, an oversized body or the deadline ends the
-reply with an in-band error line."""
+validated before any byte goes out (its errors are HTTP errors); a bad later line, an oversized
+body, a detector's failure or the deadline ends the reply with an in-band error line. Served by
+the serving loop (serving.py) with the NDJSON writer, like every pipeline surface."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
-from contextlib import aclosing, suppress
+from functools import partial
 
 from aiohttp import web
 
-from ..api.errors import ApiError, ErrorBody, ErrorType, Failure, invalid
+from ..api.errors import ApiError, ErrorType, invalid
 from ..api.fms_requests import StreamContentLine
-from ..api.fms_responses import StreamContentResult
 from ..state import STATE
 from ..streaming.content_stream import ContentStream
-from ..streaming.failures import describe, is_unexpected
-from ..streaming.finding_wire import content_model
-from ..streaming.stream_judgement import JudgedFrame
-from ..streaming.wire_json import dumps
+from ..streaming.ndjson_writer import NdjsonWriter
 from .body import check_content_encoding, parse_json, read_chunk, too_large, validate
-from .stream_slots import stream_slot
+from .serving import serve
 
-log = logging.getLogger("guardstream.stream_content")
 NDJSON_TYPES = frozenset({"application/x-ndjson", "application/ndjson", "application/jsonl"})
 
 
@@ -82,28 +77,8 @@ def _parse_line(raw: bytes, first: bool) -> StreamContentLine:
     return line
 
 
-def _result(frame: JudgedFrame) -> bytes:
-    # dumps, not model_dump_json: a detection can quote a lone surrogate the client sent, which
-    # pydantic's serializer refuses (an exception after the reply started would leave it hanging)
-    return (
-        dumps(
-            StreamContentResult(
-                detections=[content_model(f) for f in frame.detections],
-                start_index=frame.start,
-                processed_index=frame.end,
-            ).dump()
-        )
-        + b"\n"
-    )
-
-
-def _error_line(failure: Failure) -> bytes:
-    return dumps(ErrorBody.from_failure(failure).dump()) + b"\n"
-
-
 async def handle(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    server = state.config.server
+    server = request.app[STATE].config.server
     if request.content_type not in NDJSON_TYPES:
         raise ApiError(
             415,
@@ -113,43 +88,26 @@ async def handle(request: web.Request) -> web.StreamResponse:
     check_content_encoding(request)
     if (request.content_length or 0) > server.max_request_bytes:
         raise too_large(server.max_request_bytes)
-    with stream_slot(state):  # before reading: a slow body holds a slot, not free memory
-        deadline = asyncio.get_running_loop().time() + server.request_timeout_s
-        body = BodyLines(request, server.max_request_bytes, deadline, server.body_idle_timeout_s)
-        first_raw = await body.next()
-        if first_raw is None:
-            raise invalid("the body holds no line")
-        first = _parse_line(first_raw, first=True)
-        assert state.detectors is not None and first.detectors
-        dets = state.detectors.resolve(first.detectors, "content", "detectors")
+    return await serve(request, partial(prepare_content, request), NdjsonWriter())
 
-        async def contents() -> AsyncIterator[str]:
-            while (raw := await body.next()) is not None:
-                yield _parse_line(raw, first=False).content
 
-        remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        stream = ContentStream(dets, state.chunkers, first.content, contents(), timeout_s=remaining)
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
-        stalled = False
-        try:
-            async with aclosing(stream.results()) as results:
-                async for item in results:
-                    if isinstance(item, Failure):
-                        await response.write(_error_line(item))
-                        stalled = item.code == 408
-                        break
-                    await response.write(_result(item))
-            await response.write_eof()
-            if stalled:  # the client stopped sending: nothing more is read from it
-                request.protocol.force_close()
-        except ConnectionError:  # the client went away: nobody is left to tell
-            log.info("stream-content client disconnected")
-        except Exception as exc:  # the reply started: end it with an error line, never hang
-            failure = describe(exc)
-            if is_unexpected(failure):
-                log.error("stream-content failed after the reply started", exc_info=exc)
-            with suppress(ConnectionError):
-                await response.write(_error_line(failure))
-                await response.write_eof()
-    return response
+async def prepare_content(request: web.Request) -> ContentStream:
+    """The pipeline of one request, built once the stream slot is taken: its body is read from
+    here on (a slow body holds a slot, not free memory), its first line parsed and validated."""
+    state = request.app[STATE]
+    server = state.config.server
+    deadline = asyncio.get_running_loop().time() + server.request_timeout_s
+    body = BodyLines(request, server.max_request_bytes, deadline, server.body_idle_timeout_s)
+    first_raw = await body.next()
+    if first_raw is None:
+        raise invalid("the body holds no line")
+    first = _parse_line(first_raw, first=True)
+    assert state.detectors is not None and first.detectors
+    dets = state.detectors.resolve(first.detectors, "content", "detectors")
+
+    async def contents() -> AsyncIterator[str]:
+        while (raw := await body.next()) is not None:
+            yield _parse_line(raw, first=False).content
+
+    remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
+    return ContentStream(dets, state.chunkers, first.content, contents(), timeout_s=remaining)

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
 from ..api.errors import ApiError, ErrorType
+from ..errors import SHUTDOWN
 from ..state import AppState
 
 
@@ -53,7 +54,7 @@ def stream_slot(state: AppState) -> Iterator[StreamSlot]:
     limit = state.config.server.max_concurrent_streams
     if state.draining:
         state.metrics.rejected_streams.labels("draining").inc()
-        raise ApiError(503, ErrorType.SERVER_SHUTDOWN, "the server is shutting down")
+        raise ApiError.of(SHUTDOWN)
     if state.active_streams >= limit:
         state.metrics.rejected_streams.labels("overloaded").inc()
         raise TooManyStreams(limit)

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from ..api.errors import ApiError, Failure
+from ..api.errors import Failure
 from ..api.fms_responses import UNSUITABLE_INPUT, UNSUITABLE_OUTPUT
 from ..api.openai_chat import (
     AssistantMessage,
@@ -36,7 +36,7 @@ from ..api.openai_chat import (
 from .events import Frame, Refusal, Rendered, Terminal
 from .finding_wire import tcr, tcr_model
 from .findings import Finding, sort_findings
-from .wire_json import dumps
+from .wire_json import SSE_HEADERS, dumps
 
 DONE = b"data: [DONE]\n\n"
 INPUT_WARNING = ChatWarning(type="UNSUITABLE_INPUT", message=UNSUITABLE_INPUT.message)
@@ -95,6 +95,7 @@ class ChatChunkWriter:
     A frame's chunk is rendered from bytes prepared once per stream (no pydantic object per
     frame: without output detectors that is one per token), equal to what `_chunk` renders."""
 
+    headers = SSE_HEADERS
     start_at_once = False  # an error before the first chunk is a real HTTP error
 
     def __init__(self, model: str, *, include_usage: bool) -> None:
@@ -140,9 +141,9 @@ class ChatChunkWriter:
         self._role_sent = True
         return self._chunk(Delta(role="assistant", content=""))
 
-    def refuses(self, failure: Failure) -> bool:
+    def in_band(self, failure: Failure) -> bool:
         """Any error before the first byte is an HTTP error: OpenAI SDKs raise it as one."""
-        return True
+        return False
 
     def _frame(self, frame: Frame) -> bytes:
         """`_chunk(Delta(content=text), detections=..., warnings=...)` without pydantic."""
@@ -218,6 +219,9 @@ class ChatCompletionFold:
         self._refusal: str | None = None
         self._terminal: Terminal | None = None
 
+    def in_band(self, failure: Failure) -> bool:
+        return False
+
     def add(self, event: Rendered) -> None:
         if isinstance(event, Frame):
             self._texts.append(event.text)
@@ -231,8 +235,6 @@ class ChatCompletionFold:
             else:
                 self._output.extend(event.detections)
         elif isinstance(event, Terminal):
-            if event.error is not None:
-                raise ApiError.of(event.error)
             self._terminal = event
 
     def body(self) -> dict[str, Any]:

@@ -12,13 +12,13 @@ import time
 import uuid
 from typing import Any
 
-from ..api.errors import ApiError, ErrorBody, Failure
+from ..api.errors import ErrorBody, Failure
 from ..api.fms_responses import UNSUITABLE_OUTPUT
 from .chat_writer import finish_reason, usage
 from .events import Frame, Refusal, Rendered, Terminal
 from .finding_wire import completion_detection
 from .findings import Finding, sort_findings
-from .wire_json import dumps
+from .wire_json import SSE_HEADERS, dumps
 
 DONE = b"data: [DONE]\n\n"
 # the FMS orchestrator's text for this endpoint (its `UNSUITABLE_INPUT_MESSAGE`)
@@ -39,6 +39,7 @@ def _output(findings: list[Finding]) -> dict[str, Any]:
 
 
 class CompletionChunkWriter:
+    headers = SSE_HEADERS
     start_at_once = False  # an error before the first chunk is a real HTTP error
 
     def __init__(self, model: str, *, include_usage: bool) -> None:
@@ -49,8 +50,8 @@ class CompletionChunkWriter:
         self._finished = False
         self._input_refused = False  # its chunk carried the usage already
 
-    def refuses(self, failure: Failure) -> bool:
-        return True
+    def in_band(self, failure: Failure) -> bool:
+        return False
 
     def _chunk(
         self,
@@ -135,6 +136,9 @@ class CompletionFold:
         self._terminal: Terminal | None = None
         self._refused_tokens = 0
 
+    def in_band(self, failure: Failure) -> bool:
+        return False
+
     def add(self, event: Rendered) -> None:
         if isinstance(event, Frame):
             self._texts.append(event.text)
@@ -148,8 +152,6 @@ class CompletionFold:
             else:
                 self._output.extend(event.detections)
         elif isinstance(event, Terminal):
-            if event.error is not None:
-                raise ApiError.of(event.error)
             self._terminal = event
 
     def body(self) -> dict[str, Any]:

@@ -1,23 +1,28 @@
 """stream-content's pipeline (DESIGN 4.1): NDJSON lines of text in, judged chunks out, pulled by
-the handler like the generation pipeline. The body reader posts text to the inbox (bounded: a
-client that stops reading our reply stops our reading of its body) and the consumer loop feeds
-the detectors and yields what became releasable. `lines` raising ApiError (a bad line, an
-oversized body) ends the stream with that error."""
+the serving loop like the generation pipeline and built on the same core (`PipelineCore`: the
+inbox, the guarded tasks, the deadline, the drain's signal). The body reader posts text to the
+inbox (bounded: a client that stops reading our reply stops our reading of its body) and the
+consumer loop feeds the detectors and yields what became releasable, then one `Terminal`:
+`completed`, or `error`/`failed` with the `Failure` (a bad line or an oversized body raising
+ApiError in `lines`, a detector's failure, the deadline, a drain)."""
 
 from __future__ import annotations
 
-import asyncio
+import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
-from ..api.errors import ErrorType, Failure
+from ..api.errors import Failure
 from ..clients.registry import ChunkerRegistry, RequestedDetector
+from ..errors import BODY_TIMED_OUT, REQUEST_TIMED_OUT, SHUTDOWN, describe, is_unexpected
 from .aggregation import DetectorResult
-from .cancellation import cancel_and_wait
 from .detector_queue import DetectorFinished
-from .failures import describe
-from .inbox import Inbox
-from .stream_judgement import JudgedFrame, StreamJudge
+from .events import Frame, Terminal
+from .pipeline_core import DEADLINE, DRAIN, Crashed, PipelineCore
+from .stream_judgement import StreamJudge
+
+log = logging.getLogger("guardstream.stream_content")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,15 +35,7 @@ class _BodyEnded:
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class _Crashed:
-    exc: BaseException
-
-
-_TIMED_OUT = object()
-
-
-class ContentStream:
+class ContentStream(PipelineCore):
     def __init__(
         self,
         detectors: list[RequestedDetector],
@@ -49,74 +46,77 @@ class ContentStream:
         timeout_s: float,
         max_buffered_lines: int = 64,
     ) -> None:
-        self._inbox = Inbox(max_buffered_lines)
+        super().__init__(
+            max_buffered=max_buffered_lines, timeout_s=timeout_s, task_name="stream-content"
+        )
         self._detection = StreamJudge(detectors, chunkers, self._inbox)
         self._first = first
         self._lines = lines
-        self._timeout_s = timeout_s
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._frames_sent = 0
 
-    async def results(self) -> AsyncIterator[JudgedFrame | Failure]:
-        """Judged frames in stream order; a Failure is the last item when the stream broke."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.call_later(self._timeout_s, self._inbox.put, _TIMED_OUT)
+    async def events(self) -> AsyncIterator[Frame | Terminal]:
+        """Judged frames in stream order, then exactly one Terminal."""
+        self._start()
+        try:
+            if self._shutting_down:
+                yield self._failed(SHUTDOWN)
+                return
+            async with aclosing(self._run()) as run:
+                try:
+                    async for event in run:
+                        if isinstance(event, Frame):
+                            self._frames_sent += 1
+                        yield event
+                except Exception as exc:  # a bug must still end the stream with a terminal
+                    yield self._failed(self._describe(exc))
+        finally:
+            await self._stop_tasks()
+
+    async def _run(self) -> AsyncIterator[Frame | Terminal]:
         detection = self._detection
         detection.start(self._spawn)
         self._spawn(self._read())
         ended = False
-        try:
-            for frame in detection.feed(self._first):
-                yield frame
-            while True:
-                for message in await self._inbox.take_all():
-                    if isinstance(message, _Text):
-                        for frame in detection.feed(message.content):
+        for frame in detection.feed(self._first):
+            yield frame
+        while True:
+            for message in await self._inbox.take_all():
+                if isinstance(message, _Text):
+                    for frame in detection.feed(message.content):
+                        yield frame
+                elif isinstance(message, _BodyEnded):
+                    ended = True
+                    detection.end()
+                elif isinstance(message, DetectorResult | DetectorFinished):
+                    for frame in detection.accept(message).frames:
+                        yield frame
+                elif isinstance(message, Crashed):
+                    yield self._failed(self._describe(message.exc))
+                    return
+                elif message is DEADLINE:
+                    # a body still arriving is the client's slowness; a complete one waited
+                    # on the detectors
+                    yield self._failed(REQUEST_TIMED_OUT if ended else BODY_TIMED_OUT)
+                    return
+                elif message is DRAIN:
+                    yield self._failed(SHUTDOWN)
+                    return
+                if ended and detection.done:
+                    for frame in detection.final_frames():
+                        if frame.end > frame.start or frame.detections:
                             yield frame
-                    elif isinstance(message, _BodyEnded):
-                        ended = True
-                        detection.end()
-                    elif isinstance(message, DetectorResult | DetectorFinished):
-                        for frame in detection.accept(message).frames:
-                            yield frame
-                    elif isinstance(message, _Crashed):
-                        yield describe(message.exc)
-                        return
-                    elif message is _TIMED_OUT:
-                        # a body still arriving is the client's slowness; a complete one
-                        # waited on the detectors
-                        yield (
-                            Failure(
-                                504, ErrorType.TIMEOUT, "the request exceeded request_timeout_s"
-                            )
-                            if ended
-                            else Failure(
-                                408,
-                                ErrorType.TIMEOUT,
-                                "the request body did not arrive within request_timeout_s",
-                            )
-                        )
-                        return
-                    if ended and detection.done:
-                        for frame in detection.final_frames():
-                            if frame.end > frame.start or frame.detections:
-                                yield frame
-                        return
-        finally:
-            deadline.cancel()
-            await cancel_and_wait(list(self._tasks))
+                    yield Terminal("completed", processed_index=detection.released)
+                    return
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.create_task(self._guard(coro))  # type: ignore[arg-type]
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _describe(self, exc: BaseException) -> Failure:
+        failure = describe(exc)
+        if is_unexpected(failure):
+            log.error("stream-content failed", exc_info=exc)
+        return failure
 
-    async def _guard(self, coro: object) -> None:
-        try:
-            await coro  # type: ignore[misc]
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._inbox.put(_Crashed(exc))
+    def _failed(self, failure: Failure) -> Terminal:
+        kind = "failed" if self._frames_sent else "error"
+        return Terminal(kind, processed_index=self._detection.released, error=failure)
 
     async def _read(self) -> None:
         async for content in self._lines:

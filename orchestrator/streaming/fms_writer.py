@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..api.errors import ApiError, ErrorBody, Failure
+from ..api.errors import ErrorBody, Failure
 from ..api.fms_responses import (
     UNSUITABLE_INPUT,
     UNSUITABLE_OUTPUT,
@@ -26,7 +26,7 @@ from ..api.fms_responses import (
 )
 from .events import Frame, Refusal, Rendered, Terminal
 from .finding_wire import tcr, tcr_model
-from .wire_json import dumps
+from .wire_json import SSE_HEADERS, dumps
 
 
 def sse(name: str | None, data: dict[str, Any]) -> bytes:
@@ -140,10 +140,11 @@ class FmsWriter:
 
     # the 200 and the SSE headers go out at once, before the pipeline's first event: every
     # error after that is in-band, the `error` or `failed` terminal event (DESIGN 4.3)
+    headers = SSE_HEADERS
     start_at_once = True
 
-    def refuses(self, failure: Failure) -> bool:
-        return False  # never asked: the response has started
+    def in_band(self, failure: Failure) -> bool:
+        return True  # never asked: the response has started
 
     def render(self, event: Rendered) -> bytes:
         return sse_event(event)
@@ -151,7 +152,7 @@ class FmsWriter:
 
 class UnaryFold:
     """Folds the events of one stream into the unary result; an error ends it as a real HTTP
-    error (nothing was sent yet)."""
+    error (nothing was sent yet, and the result has no place for one)."""
 
     def __init__(self) -> None:
         self._texts: list[str] = []
@@ -160,6 +161,9 @@ class UnaryFold:
         self._outputs: list[TokenClassificationResult] = []
         self._warnings: dict[str, FrameWarning] = {}
         self.result = ClassifiedGeneratedTextResult()
+
+    def in_band(self, failure: Failure) -> bool:
+        return False
 
     def add(self, event: Rendered) -> None:
         r = self.result
@@ -184,8 +188,6 @@ class UnaryFold:
                     refusal=event.message, detections=[tcr_model(f) for f in event.detections]
                 )
         elif isinstance(event, Terminal):
-            if event.error is not None:
-                raise ApiError.of(event.error)
             r.finish_reason = event.finish_reason  # type: ignore[assignment]
             r.generated_token_count = event.generated_token_count
             r.input_token_count = event.input_token_count

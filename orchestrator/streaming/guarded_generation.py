@@ -1,5 +1,7 @@
 """One generation request, guarded: input detection, generation streamed through the output
-detectors, frames, and exactly one terminal event (DESIGN sections 1 and 4.3 to 4.7).
+detectors, frames, and exactly one terminal event (DESIGN sections 1 and 4.3 to 4.7). The inbox,
+the background tasks, the deadline and the drain's signal are `PipelineCore`'s, shared with
+stream-content's pipeline (content_stream.py).
 
 `GuardedGeneration.events()` is an async iterator of typed events (`Frame`, `Refusal`,
 `Terminal`, `KeepAlive`) that the handler pulls. Background tasks (the engine reader, one per
@@ -9,11 +11,11 @@ Nothing emits from callbacks, a block is a returned verdict, and because the han
 client that stops reading stops the consumer, which stops emptying the inbox, which stops the
 engine read. Closing the iterator (a disconnect) cancels every task of the request.
 
-Engine text takes one route: the engine reader (`_read_engine`) feeds every read to the
-detection stage (`StreamJudge`) itself, and posts to the inbox only what the stage released at
-once: nothing where detectors gate the frames (their verdicts release them), the frames where
-none does (without detectors: each engine chunk as its own frame). Chunking is synchronous and
-cheap, so a token that completes no chunk wakes the reader alone, not the consumer too: a paced
+Engine text takes one path: the engine reader (`_read_engine`) feeds every read to the
+detection stage (`StreamJudge`, which stream-content's body lines go through too) itself, and
+posts to the inbox only what the stage released at once: nothing where detectors gate the
+frames (their verdicts release them), the frames where none does (without detectors: each
+engine chunk as its own frame). Chunking is synchronous and cheap, so a token that completes no chunk wakes the reader alone, not the consumer too: a paced
 stream (10 ms a token) spent about a tenth of its CPU on that second wake-up per token. The
 reader waits in one place, `Inbox.wait_space`, for the consumer and for the detectors alike.
 
@@ -28,10 +30,9 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any
 
 from .. import tracing
 from ..api.errors import ApiError, ErrorType
@@ -39,8 +40,8 @@ from ..api.input_pieces import STOP_SEQUENCE_FIELD
 from ..clients.backend import GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
+from ..errors import SHUTDOWN, describe, is_unexpected
 from .aggregation import DetectorResult
-from .cancellation import cancel_and_wait
 from .detector_queue import DetectorFinished
 from .events import (
     KEEP_ALIVE,
@@ -52,9 +53,8 @@ from .events import (
     Refusal,
     Terminal,
 )
-from .failures import describe, is_unexpected
 from .findings import Finding, sort_findings
-from .inbox import Inbox
+from .pipeline_core import DEADLINE, DRAIN, Crashed, PipelineCore, Signal
 from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
 from .stream_judgement import StreamJudge
@@ -90,24 +90,10 @@ class _EngineEnded:
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class _Crashed:
-    """A background task raised: the request fails with what `describe` makes of it."""
-
-    exc: BaseException
+_KEEPALIVE_DUE = Signal("keep-alive due")
 
 
-class _Signal:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-_TIMED_OUT = _Signal("timed out")
-_SHUTDOWN = _Signal("shutdown")
-_KEEPALIVE_DUE = _Signal("keep-alive due")
-
-
-class GuardedGeneration:
+class GuardedGeneration(PipelineCore):
     def __init__(
         self,
         *,
@@ -132,6 +118,11 @@ class GuardedGeneration:
         `read_coalesce_tokens` paces the engine reads of a slow stream, while
         `read_coalesce_when()` says so (the orchestrator: while its loop is busy; see
         ReadPacer)."""
+        super().__init__(
+            max_buffered=max_buffered_chunks,
+            timeout_s=timeout_s,
+            task_name=f"stream-{request.request_id}",
+        )
         self._backend = backend
         self._request = request
         self._inputs = inputs
@@ -139,13 +130,11 @@ class GuardedGeneration:
         self._input_detectors = input_detectors
         self._output_detectors = output_detectors
         self._chunkers = chunkers
-        self._timeout_s = timeout_s
         self._seed = seed
         self._observer = observer or StreamObserver()
         self._keepalive_s = keepalive_s
         self._read_coalesce_tokens = read_coalesce_tokens
         self._read_coalesce_when = read_coalesce_when or (lambda: True)
-        self._inbox = Inbox(max_buffered_chunks)
         self._max_batch = max_buffered_chunks
         self._detection: StreamJudge | None = None
         self._judged = bool(output_detectors)  # frames went through detectors
@@ -157,9 +146,7 @@ class GuardedGeneration:
         # (generated characters, monotonic time they arrived), per read: the hold-back metric
         self._arrivals: deque[tuple[int, float]] = deque()
         self._engine_delivered = False  # the engine delivered a chunk
-        self._tasks: set[asyncio.Task[None]] = set()
         self._stream: MigratingStream | None = None
-        self._shutting_down = False
         self._last_event = 0.0
         self._keepalive: asyncio.TimerHandle | None = None
         self.terminal: Terminal | None = None
@@ -175,11 +162,6 @@ class GuardedGeneration:
         """Whether an input guardrail of this request redacts (DESIGN 4.6a)."""
         return any(d.redacting for d in self._input_detectors)
 
-    def shut_down(self) -> None:
-        """Ends the stream with `failed`/`error` of type server_shutdown (a drain ran out)."""
-        self._shutting_down = True
-        self._inbox.put(_SHUTDOWN)
-
     # -- the consumer loop ----------------------------------------------------------------------
 
     async def events(self) -> AsyncIterator[Event]:
@@ -187,7 +169,7 @@ class GuardedGeneration:
         follows at once (the same wake-up of the consumer) has `more` set: writers send a
         burst of frames in one write."""
         loop = asyncio.get_running_loop()
-        deadline = loop.call_later(self._timeout_s, self._inbox.put, _TIMED_OUT)
+        self._start()
         self._last_event = loop.time()
         self._arm_keepalive()
         try:
@@ -212,7 +194,6 @@ class GuardedGeneration:
                             event.more = True
                         yield event
         finally:
-            deadline.cancel()
             if self._keepalive is not None:
                 self._keepalive.cancel()
             await self._stop()
@@ -306,29 +287,16 @@ class GuardedGeneration:
         """Messages every phase handles the same way."""
         if message is _KEEPALIVE_DUE:
             return self._keepalive_due()
-        if message is _TIMED_OUT:
+        if message is DEADLINE:
             self._finish_reason = "TIME_LIMIT"
             return self._terminal("incomplete", "time_limit")
-        if message is _SHUTDOWN:
+        if message is DRAIN:
             return self._shutdown_terminal()
-        if isinstance(message, _Crashed):
+        if isinstance(message, Crashed):
             return self._failure(message.exc)
         return None  # a straggler of an earlier phase
 
     # -- background tasks -----------------------------------------------------------------------
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(self._guard(coro), name=f"stream-{self._request.request_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _guard(self, coro: Coroutine[Any, Any, None]) -> None:
-        try:
-            await coro
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self._inbox.put(_Crashed(exc))
 
     async def _judge_input(self) -> None:
         """The prompt's findings and its stop sequences' (DESIGN 4.6a: they reach the engine
@@ -416,7 +384,7 @@ class GuardedGeneration:
         inbox.put(_EngineEnded())
 
     async def _stop(self) -> None:
-        await cancel_and_wait(list(self._tasks))
+        await self._stop_tasks()
         if self._stream is not None:
             await self._stream.aclose()
 
@@ -566,8 +534,7 @@ class GuardedGeneration:
 
     def _shutdown_terminal(self) -> Terminal:
         self._finish_reason = "CANCELLED"
-        failure = Failure(503, ErrorType.SERVER_SHUTDOWN, "the server is shutting down")
-        return self._terminal("failed" if self._frames_sent else "error", error=failure)
+        return self._terminal("failed" if self._frames_sent else "error", error=SHUTDOWN)
 
     def _finish(self, terminal: Terminal) -> Terminal:
         self.terminal = terminal

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..api.errors import ApiError, Failure
+from ..api.errors import Failure
 from ..api.openai_responses import (
     AnnotationAddedEvent,
     ContentPartEvent,
@@ -47,7 +47,7 @@ from ..api.openai_responses import (
 from .events import Frame, Refusal, Rendered, Terminal
 from .finding_wire import annotation, input_annotation
 from .findings import Finding
-from .wire_json import dumps
+from .wire_json import SSE_HEADERS, dumps
 
 OUTPUT_INDEX = 0  # one output item: the assistant message
 
@@ -80,6 +80,7 @@ class ResponsesWriter:
     events it causes (and updates the object); `render()` is the same as SSE bytes;
     `response()` is the object as it stands."""
 
+    headers = SSE_HEADERS
     start_at_once = False  # a client mistake found before the first byte is an HTTP error
 
     def __init__(self, body: ResponsesRequest) -> None:
@@ -135,10 +136,10 @@ class ResponsesWriter:
 
     # -- rendering ------------------------------------------------------------------------------
 
-    def refuses(self, failure: Failure) -> bool:
+    def in_band(self, failure: Failure) -> bool:
         """Before the first byte, the client's own mistake is an HTTP error; a server-side one
         is the `error` event (OpenResponses: no response object was created)."""
-        return failure.code < 500
+        return failure.code >= 500
 
     def render(self, event: Rendered) -> bytes:
         return b"".join(sse(e) for e in self.events(event))
@@ -328,9 +329,11 @@ class ResponsesFold:
     def writer(self) -> ResponsesWriter:
         return self._writer
 
+    def in_band(self, failure: Failure) -> bool:
+        """An object that holds output says `failed`; before any, nothing to say it in."""
+        return self._writer.text_seen
+
     def add(self, event: Rendered) -> None:
-        if isinstance(event, Terminal) and event.error is not None and not self._writer.text_seen:
-            raise ApiError.of(event.error)
         self._writer.events(event)
 
     def body(self) -> dict[str, Any]:

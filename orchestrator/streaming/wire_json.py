@@ -11,6 +11,12 @@ import orjson
 
 # The SSE comment every streaming surface sends after sse_keepalive_s of silence (DESIGN 4.3)
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+# The headers of every SSE reply (the FMS task stream, Chat Completions, Responses)
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
+}
 
 
 def dumps(data: Any) -> bytes:
