@@ -130,10 +130,10 @@ async def test_stream_content_wants_ndjson(engine) -> None:
 def test_stream_content_results_serialise_a_lone_surrogate() -> None:
     """JSON allows "\ud800"; a detection quoting it back must serialise (pydantic's JSON
     serializer refuses it, and an exception after the reply started left it hanging)."""
+    from orchestrator.streaming.events import Frame
     from orchestrator.streaming.findings import Finding
     from orchestrator.streaming.ndjson_writer import NdjsonWriter
-    from orchestrator.streaming.stream_judgement import JudgedFrame
 
     finding = Finding(4, 5, "\ud800", "odd", "test", "odd", 0.9)
-    line = NdjsonWriter().render(JudgedFrame(0, 10, "bad \ud800 char", [finding]))
+    line = NdjsonWriter().render(Frame(0, 10, "bad \ud800 char", [finding]))
     assert json.loads(line)["detections"][0]["text"] == "\ud800"

@@ -24,7 +24,7 @@ from orchestrator.config import DetectorConfig
 from orchestrator.streaming.findings import Finding
 from orchestrator.streaming.inbox import Inbox
 from orchestrator.streaming.redaction import StreamRedactor, redact_text
-from orchestrator.streaming.stream_judgement import JudgedFrame, StreamJudge
+from orchestrator.streaming.stream_judgement import Release, StreamJudge
 
 REGEX = detectors.build("regex")
 ENTITIES = [
@@ -58,21 +58,21 @@ async def run_stream(
     dets: list[RequestedDetector],
     chunkers: ChunkerRegistry,
     blocked: list[list[Finding]] | None = None,
-) -> list[JudgedFrame]:
+) -> list[Release]:
     """The pipeline's consumer loop in miniature: feed each delta, take whatever verdicts
     arrived meanwhile, and at the end wait for every detector."""
     inbox = Inbox(10_000)
     detection = StreamJudge(dets, chunkers, inbox)
     tasks: list[asyncio.Task[None]] = []
     detection.start(lambda coro: tasks.append(asyncio.create_task(coro)))
-    frames: list[JudgedFrame] = []
+    frames: list[Release] = []
 
     def take(messages: list[Any]) -> None:
         for m in messages:
             if blocked:
                 return  # the pipeline stops at a block
             verdict = detection.accept(m)
-            frames.extend(verdict.frames)
+            frames.extend(verdict.releases)
             if verdict.blocked is not None:
                 assert blocked is not None, verdict.blocked
                 blocked.append(verdict.blocked)
@@ -87,7 +87,7 @@ async def run_stream(
         while not detection.done and not blocked:
             take(await inbox.take_all())
         if not blocked:
-            frames.extend(detection.final_frames())
+            frames.extend(detection.final_releases())
     finally:
         for t in tasks:
             t.cancel()
@@ -114,7 +114,7 @@ async def expected(text: str, redact_with: str = "[{entity}]") -> tuple[str, lis
     return redact_text(text, findings, {"pii": det})
 
 
-async def check(text: str, frames: list[JudgedFrame], redact_with: str = "[{entity}]") -> None:
+async def check(text: str, frames: list[Release], redact_with: str = "[{entity}]") -> None:
     want, want_findings = await expected(text, redact_with)
     released = "".join(f.text for f in frames)
     assert released == want

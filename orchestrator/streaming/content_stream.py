@@ -20,7 +20,7 @@ from .aggregation import DetectorResult
 from .detector_queue import DetectorFinished
 from .events import Frame, Terminal
 from .pipeline_core import DEADLINE, DRAIN, Crashed, PipelineCore
-from .stream_judgement import StreamJudge
+from .stream_judgement import Release, StreamJudge
 
 log = logging.getLogger("guardstream.stream_content")
 
@@ -77,19 +77,19 @@ class ContentStream(PipelineCore):
         detection.start(self._spawn)
         self._spawn(self._read())
         ended = False
-        for frame in detection.feed(self._first):
-            yield frame
+        for release in detection.feed(self._first):
+            yield _frame(release)
         while True:
             for message in await self._inbox.take_all():
                 if isinstance(message, _Text):
-                    for frame in detection.feed(message.content):
-                        yield frame
+                    for release in detection.feed(message.content):
+                        yield _frame(release)
                 elif isinstance(message, _BodyEnded):
                     ended = True
                     detection.end()
                 elif isinstance(message, DetectorResult | DetectorFinished):
-                    for frame in detection.accept(message).frames:
-                        yield frame
+                    for release in detection.accept(message).releases:
+                        yield _frame(release)
                 elif isinstance(message, Crashed):
                     yield self._failed(self._describe(message.exc))
                     return
@@ -102,9 +102,9 @@ class ContentStream(PipelineCore):
                     yield self._failed(SHUTDOWN)
                     return
                 if ended and detection.done:
-                    for frame in detection.final_frames():
-                        if frame.end > frame.start or frame.detections:
-                            yield frame
+                    for release in detection.final_releases():
+                        if release.end > release.start or release.detections:
+                            yield _frame(release)
                     yield Terminal("completed", processed_index=detection.released)
                     return
 
@@ -122,3 +122,8 @@ class ContentStream(PipelineCore):
         async for content in self._lines:
             await self._inbox.put_chunk(_Text(content))
         self._inbox.put(_BodyEnded())
+
+
+def _frame(release: Release) -> Frame:
+    """A content stream's frame: the judged text and its detections (no generation counters)."""
+    return Frame(release.start, release.end, release.text, release.detections, final=release.final)

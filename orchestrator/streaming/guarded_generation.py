@@ -57,7 +57,7 @@ from .findings import Finding, sort_findings
 from .pipeline_core import DEADLINE, DRAIN, Crashed, PipelineCore, Signal
 from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
-from .stream_judgement import StreamJudge
+from .stream_judgement import Release, StreamJudge
 from .text_judgement import InputPiece, judge_pieces, judge_text
 
 log = logging.getLogger("guardstream.stream")
@@ -165,9 +165,7 @@ class GuardedGeneration(PipelineCore):
     # -- the consumer loop ----------------------------------------------------------------------
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every event of the stream; the last one is a Terminal. A frame that another event
-        follows at once (the same wake-up of the consumer) has `more` set: writers send a
-        burst of frames in one write."""
+        """Every event of the stream; the last one is a Terminal."""
         loop = asyncio.get_running_loop()
         self._start()
         self._last_event = loop.time()
@@ -184,14 +182,11 @@ class GuardedGeneration(PipelineCore):
                         return
                     except Exception as exc:  # a bug must still end the stream with a terminal
                         batch = [self._failure(exc)]
-                    last = len(batch) - 1
-                    for i, event in enumerate(batch):
+                    for event in batch:
                         self._last_event = loop.time()
                         if isinstance(event, Terminal):
                             yield self._finish(event)
                             return
-                        if i < last and isinstance(event, Frame):
-                            event.more = True
                         yield event
         finally:
             if self._keepalive is not None:
@@ -237,19 +232,18 @@ class GuardedGeneration(PipelineCore):
             self._inbox.behind = lambda: stage.unjudged > MAX_UNJUDGED_CHARS
         self._spawn(self._read_engine(stream, stage))
         engine_ended = False
-        stage_frame = self._stage_frame
+        staged = self._staged
         while True:
             messages = await self._inbox.take_all()
-            out = []
+            out: list[Release | Event] = []
             blocked: list[Finding] | None = None
             try:
                 for message in messages:
-                    if type(message) is list:  # frames the stage released at an engine read
-                        for frame in message:
-                            out.append(stage_frame(frame))
+                    if type(message) is list:  # what the stage released at an engine read
+                        out.extend(map(staged, message))
                     elif isinstance(message, DetectorResult | DetectorFinished):
                         verdict = stage.accept(message)
-                        out.extend([self._stage_frame(frame) for frame in verdict.frames])
+                        out.extend(map(staged, verdict.releases))
                         if verdict.blocked is not None:
                             blocked = verdict.blocked
                             break
@@ -261,16 +255,16 @@ class GuardedGeneration(PipelineCore):
                         if event is not None:
                             out.append(event)
                             if isinstance(event, Terminal):
-                                yield out
+                                yield self._framed(out)
                                 return
                     if engine_ended and stage.done:
-                        out.extend([self._stage_frame(f) for f in stage.final_frames()])
+                        out.extend(map(staged, stage.final_releases()))
                         out.append(self._finish_terminal())
-                        yield out
+                        yield self._framed(out)
                         return
             except Exception as exc:  # a bug: what was released goes out before the terminal
                 out.append(self._failure(exc))
-                yield out
+                yield self._framed(out)
                 return
             if blocked is not None:
                 if not engine_ended:  # a model that had finished keeps its reason
@@ -278,10 +272,10 @@ class GuardedGeneration(PipelineCore):
                 await self._stop()  # generation and every detector call end now
                 out.append(self._output_refusal(blocked))
                 out.append(self._terminal("incomplete", "content_filter"))
-                yield out
+                yield self._framed(out)
                 return
             if out:
-                yield out
+                yield self._framed(out)
 
     def _control(self, message: object) -> Event | None:
         """Messages every phase handles the same way."""
@@ -453,24 +447,45 @@ class GuardedGeneration(PipelineCore):
             seed=self._seed,
         )
 
-    def _stage_frame(self, frame: Frame) -> Frame:
-        """A frame the detection stage released (indices in the released text), completed
-        with the stream's counters."""
-        if frame.detections:
-            self._observer.on_findings(frame.detections)
+    def _staged(self, release: Release) -> Release:
+        """What the detection stage released, counted at once: a terminal decided in the same
+        wake-up reports it (`processed_index`, `failed` rather than `error`)."""
+        if release.detections:
+            self._observer.on_findings(release.detections)
+        self._released = release.end
+        self._frames_sent += 1
+        return release
+
+    def _framed(self, out: list[Release | Event]) -> list[Event]:
+        """One wake-up's events, each release made its Frame, complete: the stream's counters,
+        and `more` where another event follows at once (writers send the burst in one write)."""
+        last = len(out) - 1
+        return [
+            self._frame(event, i < last) if type(event) is Release else event  # type: ignore[arg-type]
+            for i, event in enumerate(out)
+        ]
+
+    def _frame(self, release: Release, more: bool) -> Frame:
         stream = self._stream
         assert stream is not None
-        if frame.final:
-            frame.finish_reason = self._finish_reason or stream.finish_reason
-            frame.generated_token_count = stream.generated_token_count
-        frame.input_token_count = stream.input_token_count or 0  # (a chunk's: 0 until known)
-        frame.seed = self._seed
-        frame.judged = self._judged
-        end = self._released = frame.end
-        self._frames_sent += 1
-        if self._input_findings is not None:
-            frame.input_detections, self._input_findings = self._input_findings, None
-        hold_s = self._hold_time(end if frame.source_end is None else frame.source_end)
+        final = release.final
+        input_detections, self._input_findings = self._input_findings, None  # the first frame's
+        frame = Frame(
+            release.start,
+            release.end,
+            release.text,
+            release.detections,
+            final=final,
+            finish_reason=(self._finish_reason or stream.finish_reason) if final else None,
+            generated_token_count=stream.generated_token_count if final else None,
+            input_token_count=stream.input_token_count or 0,  # (a chunk's: 0 until known)
+            seed=self._seed,
+            judged=self._judged,
+            input_detections=input_detections,
+            more=more,
+            source_end=release.source_end,
+        )
+        hold_s = self._hold_time(release.end if release.source_end is None else release.source_end)
         self._observer.on_frame(frame, hold_s)
         if self._span is not None and self._judged:  # judged frames: per chunk
             tracing.frame_event(self._span, frame, hold_s)

@@ -1,4 +1,4 @@
-"""Text in, judged frames out: the per-request machinery shared by the generation pipeline and the
+"""Text in, judged releases out: the per-request machinery shared by the generation pipeline and the
 stream-content endpoint (chunk fan-out, one DetectorQueue per detector, the FrameAggregator).
 
 It is driven by its owner: `feed` (or `feed_deltas`) and `end` take text, the detector queues
@@ -6,8 +6,8 @@ post verdicts to the owner's inbox, and the owner hands each verdict back to `ac
 returns what became releasable. Nothing here emits on its own, and a block is a returned verdict.
 
 The generation pipeline sends all engine text through this stage, detectors or not: without a
-gating detector `feed_deltas` returns the frames at once, and without any detector it passes
-each engine chunk through as its own frame (the one that finishes the text is the final frame)
+gating detector `feed_deltas` returns the releases at once, and without any detector it passes
+each engine chunk through as its own release (the one that finishes the text is the final one)
 without buffering, chunking or copying anything.
 """
 
@@ -20,18 +20,26 @@ from typing import Any
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .aggregation import FrameAggregator
 from .detector_queue import DetectorFinished, DetectorQueue, Result
-from .events import Frame
 from .fanout import ChunkFanout
 from .findings import Finding, sort_findings
 from .inbox import Inbox
 from .redaction import StreamRedactor
 
-# Text every gating detector has judged, with its detections: the pipeline's own `Frame`, whose
-# stream counters (finish reason, token counts, seed) the generation pipeline fills in, so a
-# token costs one frame object, not two. Indices refer to the text the client receives
-# (redacted, when a detector redacts); `source_end` is the frame's end in the generated text;
-# `final` marks the last frame of the text (set by `final_frames`, or by the pass-through).
-JudgedFrame = Frame
+
+@dataclass(slots=True)
+class Release:
+    """Text every gating detector has judged, with its detections: what this stage lets go.
+    Indices refer to the text the client receives (redacted, when a detector redacts);
+    `source_end` is its end in the generated text (where a detector redacts); `final` marks the
+    last release of the text. Complete when it leaves the stage: its owner builds the event it
+    sends from it (the generation pipeline's `Frame` adds the stream's counters)."""
+
+    start: int
+    end: int
+    text: str
+    detections: list[Finding] = field(default_factory=list)
+    final: bool = False
+    source_end: int | None = None
 
 
 @dataclass(slots=True)
@@ -39,12 +47,12 @@ class Verdict:
     """What one detector message made releasable; `blocked` holds the detections of a blocking
     detector that flagged text (DESIGN 4.6): the owner must stop and refuse."""
 
-    frames: list[JudgedFrame] = field(default_factory=list)
+    releases: list[Release] = field(default_factory=list)
     blocked: list[Finding] | None = None
 
 
 class TextBuffer:
-    """The generated text not yet released; frames take from its head. Joining only the pending
+    """The generated text not yet released; releases take from its head. Joining only the pending
     part keeps the cost per frame proportional to that frame, not to the whole stream."""
 
     def __init__(self) -> None:
@@ -72,13 +80,13 @@ Spawn = Callable[[Coroutine[Any, Any, None]], None]
 class StreamJudge:
     """Runs a request's output detectors over a text that arrives in deltas.
 
-    Detectors on `whole_doc_chunker` that only annotate do not gate frames: they judge the whole
+    Detectors on `whole_doc_chunker` that only annotate do not gate releases: they judge the whole
     text once it is complete and their detections ride on the final frame. A blocking or
     redacting whole-doc detector does gate, so no text leaves before it has judged all of it.
 
-    Redacting detectors (DESIGN 4.6a): their spans are replaced as frames are released
+    Redacting detectors (DESIGN 4.6a): their spans are replaced as text is released
     (`StreamRedactor`), and every detection is moved onto the released text. Without one, the
-    frames are the generated text and nothing is mapped.
+    releases are the generated text and nothing is mapped.
     """
 
     def __init__(
@@ -100,7 +108,7 @@ class StreamJudge:
         self._text = TextBuffer()
         self._final: list[Finding] = []
         self._ended = False
-        self._held: list[JudgedFrame] = []
+        self._held: list[Release] = []
 
     def start(self, spawn: Spawn) -> None:
         """Starts one task per detector queue through the owner's `spawn`."""
@@ -109,7 +117,7 @@ class StreamJudge:
 
     @property
     def gated(self) -> bool:
-        """Some detector gates the frames: `feed` never returns one (only `accept` does)."""
+        """Some detector gates the releases: `feed` never returns one (only `accept` does)."""
         return self._aggregator is not None
 
     @property
@@ -133,7 +141,7 @@ class StreamJudge:
         """The text ended and every detector judged all of it."""
         return self._ended and not self._unfinished
 
-    def feed_deltas(self, deltas: list[str], finished: bool = False) -> list[JudgedFrame]:
+    def feed_deltas(self, deltas: list[str], finished: bool = False) -> list[Release]:
         """Deltas that arrived together (one engine read), chunked as one; `finished`: the
         last of them ends the text (the engine's finish). Without detectors each non-empty
         delta is its own frame, and the last one, when `finished`, is the final frame (an
@@ -141,23 +149,22 @@ class StreamJudge:
         if not self._passthrough:
             return self.feed("".join(deltas))
         text = self._text
-        frames: list[JudgedFrame] = []
-        for delta in deltas:
+        releases: list[Release] = []
+        last = len(deltas) - 1
+        for i, delta in enumerate(deltas):
             if delta:
                 start = text.released
                 end = text.released = text.length = start + len(delta)
-                frames.append(JudgedFrame(start, end, delta))
+                releases.append(Release(start, end, delta, final=finished and i == last))
         if finished:
-            if deltas and deltas[-1]:
-                frames[-1].final = True
-            else:
+            if not (deltas and deltas[-1]):  # the finishing delta is empty: its own release
                 end = text.released
-                frames.append(JudgedFrame(end, end, "", final=True))
+                releases.append(Release(end, end, "", final=True))
             self._final_sent = True
-        return frames
+        return releases
 
-    def feed(self, delta: str) -> list[JudgedFrame]:
-        """New text; frames only come back at once when no detector gates them."""
+    def feed(self, delta: str) -> list[Release]:
+        """New text; releases only come back at once when no detector gates them."""
         if not delta:
             return []
         self._text.append(delta)
@@ -193,27 +200,30 @@ class StreamJudge:
         self._final.extend(message.detections)
         return Verdict()
 
-    def final_frames(self) -> list[JudgedFrame]:
-        """Once `done`: the held frames, the last one final, with the whole-document detections
+    def final_releases(self) -> list[Release]:
+        """Once `done`: the held releases, the last one final, with the whole-document detections
         merged in; an empty frame at the end of the text when none was held (none at all when
         the pass-through released the final frame already)."""
         held, self._held = self._held, []
         if self._final_sent:
             return held
-        if not held:
-            end = self._text.released
+        if held:  # the last one held back is released as the final one
+            last = held.pop()
+            start, end, text, detections = last.start, last.end, last.text, last.detections
+            source_end = last.source_end
+        else:
+            start = end = self._text.released
             if self._redactor is not None:
-                end = self._redactor.out_released
-            held = [JudgedFrame(end, end, "", [])]
-        last = held[-1]
+                start = end = self._redactor.out_released
+            text, detections, source_end = "", [], None
         if self._final:
-            last.detections = sort_findings(last.detections + self._map(self._final))
-        last.final = True
+            detections = sort_findings(detections + self._map(self._final))
+        held.append(Release(start, end, text, detections, final=True, source_end=source_end))
         return held
 
-    def _drain(self) -> list[JudgedFrame]:
+    def _drain(self) -> list[Release]:
         assert self._aggregator is not None
-        out: list[JudgedFrame] = []
+        out: list[Release] = []
         for frame in self._aggregator.pop_ready():
             detections = [d for r in frame.results for d in r.detections]
             out.extend(self._release(frame.end, detections))
@@ -225,18 +235,18 @@ class StreamJudge:
             return findings
         return self._redactor.map_findings(findings, self._redactors)
 
-    def _release(self, end: int, detections: list[Finding]) -> list[JudgedFrame]:
+    def _release(self, end: int, detections: list[Finding]) -> list[Release]:
         start = self._text.released
         if end <= start and not detections:
             return []
         text = self._text.take(end)
         redactor = self._redactor
         if redactor is None:
-            frame = JudgedFrame(start, end, text, sort_findings(detections))
+            frame = Release(start, end, text, sort_findings(detections))
         else:
             out_start = redactor.out_released
             text = redactor.release(text, start, max(end, start))
-            frame = JudgedFrame(
+            frame = Release(
                 out_start,
                 out_start + len(text),
                 text,
