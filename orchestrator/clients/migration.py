@@ -439,14 +439,17 @@ class MigratingStream:
             if replay is not None:
                 if self.input_token_count is None and item.input_token_count is not None:
                     self.input_token_count = item.input_token_count
+                was_done = replay.done
                 rest = replay.take(item)
                 if not replay.done:
                     continue
-                # the prefix is regenerated: the count is the new replica's, as it would be
-                # without the failure (it also drops tokens counted for held-back text)
-                self._replay = None
-                self._generated = self.generated_token_count = replay.tokens
-                self._count_replay("matched")
+                if not was_done:
+                    # the prefix is regenerated: the count is the new replica's, as it would
+                    # be without the failure (it also drops tokens counted for held-back text)
+                    self._generated = self.generated_token_count = replay.tokens
+                    self._count_replay("matched")
+                if replay.finished:
+                    self._replay = None
                 if rest is None:
                     continue
                 item = rest

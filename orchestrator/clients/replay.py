@@ -11,6 +11,8 @@ Anything else is a mismatch: the stream cannot go on without contradicting what 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .backend import EngineItem, GenerationParams
 
 
@@ -32,10 +34,14 @@ def replayable(params: GenerationParams) -> bool:
 class Replay:
     """The delivered prefix one replay dispatch must regenerate before its text is new.
 
-    `take` gets the dispatch's items in order; `tokens` counts the tokens of the swallowed
-    items (what the prefix cost the new replica: the stream's count restarts from it)."""
+    `take` gets the dispatch's items in order. Until the delivered text is regenerated (`done`)
+    items are swallowed and `tokens` counts what they stood for: the stream's count restarts from
+    it, so that it ends as the new replica's own count. Token ids are compared where both sides
+    have them; delivered ids whose text was still held back (a stop sequence's possible start)
+    may come after the text is done: they are checked and taken off the items that carry them,
+    which still count in full (their tokens were not in `tokens`)."""
 
-    __slots__ = ("_at", "_ids", "_ids_at", "_text", "done", "tokens")
+    __slots__ = ("_at", "_ids", "_ids_at", "_no_ids", "_text", "done", "tokens")
 
     def __init__(self, text: str, token_ids: tuple[int, ...]) -> None:
         self._text = text
@@ -43,43 +49,48 @@ class Replay:
         self._at = 0  # characters of the prefix regenerated so far
         self._ids_at = 0  # token ids of the prefix regenerated so far (items with ids only)
         self.tokens = 0
-        self.done = not text and not token_ids
+        self.done = False
+        self._no_ids = False  # the replica sends text without ids: there are none to compare
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more to check: the text is regenerated and so are the delivered ids (or the
+        replica has none)."""
+        return self.done and (self._ids_at == len(self._ids) or self._no_ids)
 
     def take(self, item: EngineItem) -> EngineItem | None:
         """The part of `item` past the delivered prefix; None while it is all within it.
         Raises ReplayMismatch where the regenerated answer differs from the delivered one."""
+        ids = item.token_ids
+        if item.text and not ids:
+            self._no_ids = True
+        count = len(ids) if item.token_count is None else item.token_count
+        rest_ids = self._match_ids(ids) if ids and self._ids_at < len(self._ids) else ids
+        if item.finish_reason is not None and self._ids_at < len(self._ids) and not self._no_ids:
+            raise ReplayMismatch(
+                f"ended after {self._ids_at} of the {len(self._ids)} delivered tokens"
+            )
         if self.done:
-            return item
-        text, ids = item.text, item.token_ids
+            if len(rest_ids) == len(ids):
+                return item
+            return replace(item, token_ids=rest_ids, token_count=count)
+        text = item.text
         rest_text = self._match_text(text)
-        rest_ids = self._match_ids(ids) if ids and self._ids else ids
-        text_done = self._at == len(self._text)
-        # a replica without token ids cannot show them: the text is all there is to compare
-        ids_done = self._ids_at == len(self._ids) or not ids
-        if not (text_done and ids_done):
+        if self._at < len(self._text):
             if item.finish_reason is not None:
                 raise ReplayMismatch(
                     f"ended after {self._at} of the {len(self._text)} delivered characters"
                 )
-            self.tokens += len(ids) if item.token_count is None else item.token_count
+            self.tokens += count
             return None
         self.done = True
-        if rest_text == text and rest_ids == ids:
+        if len(rest_text) == len(text) and len(rest_ids) == len(ids):
             return item  # the prefix ended exactly before this item
         if not rest_text and not rest_ids and item.finish_reason is None:
-            # the item ends exactly at the prefix's end: it was delivered before
-            self.tokens += len(ids) if item.token_count is None else item.token_count
+            self.tokens += count  # the item ends exactly where the prefix does
             return None
-        return EngineItem(
-            token_ids=rest_ids,
-            text=rest_text,
-            finish_reason=item.finish_reason,
-            prompt_token_ids=item.prompt_token_ids,
-            input_token_count=item.input_token_count,
-            seed=item.seed,
-            # a token that straddles the prefix's end is a new one: it counts here
-            token_count=len(rest_ids) if item.token_count is None else item.token_count,
-        )
+        # a token that straddles the prefix's end is a new one: the item counts in full here
+        return replace(item, token_ids=rest_ids, text=rest_text, token_count=count)
 
     def _match_text(self, text: str) -> str:
         prefix, at = self._text, self._at
