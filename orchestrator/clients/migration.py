@@ -10,6 +10,14 @@ with greedy or seeded decoding). It never re-dispatches a request that finished 
 A backend without token ids (`openai` with `api: chat`) resumes from the delivered text alone: its
 items say how many tokens they stand for (`EngineItem.token_count`), and where the prompt's token
 count is not known yet, the max_seq_len check estimates it as a quarter of the prompt's characters.
+
+What the pipeline received decides how a request moves (it may have released none of it yet, but
+its detectors have seen it, so it can never be taken back): nothing yet, the request goes again as
+it came (a restart; tokens counted for text a replica held back are dropped with it); else the new
+replica continues it, or, where it cannot continue a partial answer (a chat server without
+`continue_final_message`), regenerates the answer and the delivered prefix is checked and skipped
+(a replay, clients/replay.py: greedy or seeded decoding only). A replay that differs, or sampling
+without a seed there, ends the stream with the original error and why (`_give_up`).
 """
 
 from __future__ import annotations

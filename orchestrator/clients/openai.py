@@ -13,8 +13,10 @@ the prompt text plus the delivered text (see `ServerTraits`).
 `chat`: `POST /v1/chat/completions` with `stream: true` and `stream_options.include_usage`. There
 are no token ids: a resume sends the conversation plus the delivered text as a final assistant
 message with `continue_final_message: true, add_generation_prompt: false` (vLLM and SGLang honour
-these). A server that refuses them cannot continue a partial answer: such a stream migrates only
-before its first token. See ChatStream for what is counted how.
+these). A server that refuses them (transformers serve) cannot continue a partial answer: the
+refusal is learnt (`CannotContinue`), and MigratingStream then replays a greedy or seeded answer
+there instead (regenerates it from the request as it came, checks the delivered prefix and
+skips it; clients/replay.py). See ChatStream for what is counted how.
 
 What a server can do is learnt, not assumed: a 400/422 that names a field guardstream sent
 (`{"detail": "Unexpected fields in the request: {'return_token_ids'}"}` from transformers serve,
