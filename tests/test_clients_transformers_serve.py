@@ -26,14 +26,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from chunkers.sentence import SentenceChunker
 from generation import models
@@ -616,6 +615,28 @@ class HoldingProxy:
             up_writer.transport.abort()
 
 
+@contextlib.asynccontextmanager
+async def proxied(
+    servers: list[Server], folder: Path, api: str, cut: Cut
+) -> AsyncIterator[tuple[list[HoldingProxy], list[dict[str, Any]]]]:
+    """A HoldingProxy sharing `cut` in front of each server, and backends that reach the servers
+    through them (whichever the orchestrator picks is the one held)."""
+    proxies = [HoldingProxy(s.url, cut) for s in servers]
+    for proxy in proxies:
+        await proxy.start()
+    try:
+        yield (
+            proxies,
+            [
+                {**backend(s, folder, api), "url": p.url}
+                for s, p in zip(servers, proxies, strict=True)
+            ],
+        )
+    finally:
+        for proxy in proxies:
+            await proxy.close()
+
+
 async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_timeout(
     pair: list[Server], folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -630,20 +651,13 @@ async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_tim
         pair[1].url, "/v1/completions", {**body, "prompt": PROMPT, "max_tokens": TOKENS}
     )
     delivered = "".join(pieces[: cut.after])
-    proxies = [HoldingProxy(s.url, cut) for s in pair[:2]]
-    for proxy in proxies:
-        await proxy.start()
-    backends = [
-        {**backend(s, folder, "completions"), "url": p.url}
-        for s, p in zip(pair[:2], proxies, strict=True)
-    ]
     reached = asyncio.Event()  # the client has every event the proxy let through
 
     def on_event(events: list[SseEvent]) -> None:
         if assert_contiguous(frames(events)) == delivered:
             reached.set()
 
-    try:
+    async with proxied(pair[:2], folder, "completions", cut) as (proxies, backends):
         async with Orchestrator(config(backends)) as orch:
             stream = asyncio.create_task(orch.stream(fms_body(), on_event=on_event))
             try:
@@ -664,9 +678,6 @@ async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_tim
             assert (end.data["migrations"], end.data["finish_reason"]) == (1, "MAX_TOKENS")
             assert end.data["generated_token_count"] == TOKENS
             assert text == "".join(pieces)  # exact: the delivered text has no U+FFFD
-    finally:
-        for proxy in proxies:
-            await proxy.close()
 
 
 async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Path) -> None:
@@ -689,14 +700,7 @@ async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Pa
         "/v1/completions",
         {**body, "prompt": PROMPT + delivered, "max_tokens": TOKENS - cut.after},
     )
-    proxies = [HoldingProxy(s.url, cut) for s in pair]
-    for proxy in proxies:
-        await proxy.start()
-    backends = [
-        {**backend(s, folder, "completions"), "url": p.url}
-        for s, p in zip(pair, proxies, strict=True)
-    ]
-    try:
+    async with proxied(pair, folder, "completions", cut) as (proxies, backends):
         async with Orchestrator(config(backends)) as orch:
 
             async def killer() -> None:
@@ -721,25 +725,9 @@ async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Pa
             assert end.data["generated_token_count"] == TOKENS
             assert text == delivered + rest
             assert "\ufffd" not in delivered and text == "".join(pieces)
-    finally:
-        for proxy in proxies:
-            await proxy.close()
 
 
 # -- migration over `api: chat`: transformers serve cannot continue a partial answer -------------
-
-
-async def metric(orch: Orchestrator, name: str, **labels: str) -> float:
-    """A sample of the orchestrator's /metrics (its registry is its own: no other test's)."""
-    assert orch.session is not None
-    async with orch.session.get(orch.url + "/metrics") as r:
-        page = await r.text()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(page)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 async def chat_pieces(url: str, folder: Path) -> list[str]:
@@ -765,15 +753,9 @@ async def test_api_chat_kill_before_the_first_released_byte_gives_one_clean_answ
     # one sentence: nothing of the answer is released before its end
     assert [(s.start, s.end) for s in SentenceChunker().chunk(expected)] == [(0, len(expected))]
     cut = Cut(after=3, marker=b'"content"')
-    proxies = [HoldingProxy(s.url, cut) for s in live]
-    for proxy in proxies:
-        await proxy.start()
-    backends = [
-        {**backend(s, folder, "chat"), "url": p.url} for s, p in zip(live, proxies, strict=True)
-    ]
     got: list[Any] = []
     released_at_kill: list[str] = []
-    try:
+    async with proxied(live, folder, "chat", cut) as (proxies, backends):
         async with Orchestrator(
             config(backends, detectors={"mark": regex("東京", "sentence")})
         ) as orch:
@@ -809,11 +791,8 @@ async def test_api_chat_kill_before_the_first_released_byte_gives_one_clean_answ
             assert got[-1].usage is not None
             assert (got[-1].usage.completion_tokens, got[-1].usage.prompt_tokens) == (TOKENS, 12)
             replays = "guardstream_migration_replays_total"
-            assert await metric(orch, replays, outcome="matched") == 1
-            assert await metric(orch, "guardstream_migrations_total", kind="mid_stream") == 1
-    finally:
-        for proxy in proxies:
-            await proxy.close()
+            assert await orch.metric(replays, outcome="matched") == 1
+            assert await orch.metric("guardstream_migrations_total", kind="mid_stream") == 1
 
 
 async def test_api_chat_kill_after_released_text_replays_the_greedy_answer(
@@ -827,19 +806,13 @@ async def test_api_chat_kill_after_released_text_replays_the_greedy_answer(
     pieces = await chat_pieces(live[1].url, folder)
     cut = Cut(after=3, marker=b'"content"')
     delivered = "".join(pieces[: cut.after])
-    proxies = [HoldingProxy(s.url, cut) for s in live]
-    for proxy in proxies:
-        await proxy.start()
-    backends = [
-        {**backend(s, folder, "chat"), "url": p.url} for s, p in zip(live, proxies, strict=True)
-    ]
     reached = asyncio.Event()  # the client has every event the proxy let through
 
     def on_event(events: list[SseEvent]) -> None:
         if assert_contiguous(frames(events)) == delivered:
             reached.set()
 
-    try:
+    async with proxied(live, folder, "chat", cut) as (proxies, backends):
         async with Orchestrator(config(backends)) as orch:
 
             async def killer() -> None:
@@ -861,7 +834,4 @@ async def test_api_chat_kill_after_released_text_replays_the_greedy_answer(
             assert end.data["generated_token_count"] == TOKENS
             assert end.data["input_token_count"] == 12
             replays = "guardstream_migration_replays_total"
-            assert await metric(orch, replays, outcome="matched") == 1
-    finally:
-        for proxy in proxies:
-            await proxy.close()
+            assert await orch.metric(replays, outcome="matched") == 1

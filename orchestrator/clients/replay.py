@@ -11,6 +11,7 @@ Anything else is a mismatch: the stream cannot go on without contradicting what 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from .backend import EngineItem, GenerationParams
@@ -93,23 +94,23 @@ class Replay:
         return replace(item, token_ids=rest_ids, text=rest_text, token_count=count)
 
     def _match_text(self, text: str) -> str:
-        prefix, at = self._text, self._at
-        n = min(len(text), len(prefix) - at)
-        if text[:n] != prefix[at : at + n]:
-            differs = next(i for i in range(n) if text[i] != prefix[at + i])
-            raise ReplayMismatch(
-                f"differs from the {len(prefix)} delivered characters at character {at + differs}"
-            )
-        self._at = at + n
+        n = _within(self._text, self._at, text, "character")
+        self._at += n
         return text[n:]
 
     def _match_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
-        prefix, at = self._ids, self._ids_at
-        n = min(len(ids), len(prefix) - at)
-        if ids[:n] != prefix[at : at + n]:
-            differs = next(i for i in range(n) if ids[i] != prefix[at + i])
-            raise ReplayMismatch(
-                f"differs from the {len(prefix)} delivered tokens at token {at + differs}"
-            )
-        self._ids_at = at + n
+        n = _within(self._ids, self._ids_at, ids, "token")
+        self._ids_at += n
         return ids[n:]
+
+
+def _within(prefix: Sequence[object], at: int, got: Sequence[object], unit: str) -> int:
+    """How many of `got` (from position `at` of the answer) fall within the delivered `prefix`;
+    ReplayMismatch where they differ from it."""
+    n = min(len(got), len(prefix) - at)
+    if got[:n] != prefix[at : at + n]:
+        differs = next(i for i in range(n) if got[i] != prefix[at + i])
+        raise ReplayMismatch(
+            f"differs from the {len(prefix)} delivered {unit}s at {unit} {at + differs}"
+        )
+    return n
