@@ -18,6 +18,7 @@ from typing import Any, Protocol, Self, TypeVar
 import aiohttp
 import psutil
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from orchestrator.config import parse_config
@@ -259,6 +260,19 @@ class Orchestrator:
             assert r.status == 200, f"{r.status}: {text}"
             assert r.headers["Content-Type"].startswith("text/event-stream")
         return sse_events(text)
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The sum of /metrics samples `name` with these labels (the service's registry is its
+        own: no other test's counts)."""
+        assert self.session is not None
+        async with self.session.get(self.url + "/metrics") as r:
+            page = await r.text()
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(page)
+            for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     async def info(self, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
         """GET /info: (status, body)."""

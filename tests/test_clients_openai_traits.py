@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from generation import models
 from orchestrator.clients.backend import (
     ChatMessage,
+    GenerationChunk,
     GenerationError,
     GenerationParams,
     GenerationRequest,
@@ -42,7 +43,11 @@ def request(prompt: str = "Hi", **params: Any) -> GenerationRequest:
 
 
 def backend(
-    session: aiohttp.ClientSession, urls: list[str], api: str = "completions", **extra: Any
+    session: aiohttp.ClientSession,
+    urls: list[str],
+    api: str = "completions",
+    registry: CollectorRegistry | None = None,
+    **extra: Any,
 ) -> ModelBackend:
     config = ModelConfig.model_validate(
         {
@@ -53,7 +58,8 @@ def backend(
             "migration": {"quarantine_s": 30},
         }
     )
-    return build_model_backends({"m": config}, session, registry=CollectorRegistry())["m"]
+    registry = registry if registry is not None else CollectorRegistry()
+    return build_model_backends({"m": config}, session, registry=registry)["m"]
 
 
 async def test_completions_learns_the_server_and_streams_text(
@@ -209,37 +215,146 @@ async def test_a_refused_model_default_is_dropped_not_the_clients_422(
     assert info.value.code == 422
 
 
-async def test_chat_server_without_continuation_migrates_only_before_the_first_token(
-    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, {"model_id": "m", **labels}) or 0.0
+
+
+async def read_all(stream: Any) -> tuple[list[GenerationChunk], GenerationError | None]:
+    """Every chunk the stream gave, and the error it ended with (None: it finished)."""
+    chunks: list[GenerationChunk] = []
+    try:
+        async for c in stream:
+            chunks.append(c)
+    except GenerationError as exc:
+        return chunks, exc
+    finally:
+        await stream.aclose()
+    return chunks, None
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"decoding_method": "SAMPLING", "temperature": 0.7, "seed": 7}],
+    ids=["greedy", "seeded"],
+)
+async def test_chat_server_without_continuation_replays_a_deterministic_answer(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream], params: dict[str, Any]
 ) -> None:
-    """`api: chat` resumes by continuing the partial assistant message; a server that refuses
-    `continue_final_message` would start a fresh answer, so the resume fails with a clear error
-    (the text already delivered stays; nothing repeated). Before the first token, a failed
-    replica's request simply goes to the other one."""
+    """`api: chat` on a server that refuses `continue_final_message` (transformers serve): after
+    text was delivered, a greedy or seeded answer is regenerated on the other replica from the
+    request as it came; the regenerated prefix is checked against the delivered text and
+    swallowed, and the stream goes on after it: the pipeline sees one seamless answer whose
+    counts are the server's own. The refusal is learnt once: a later resume replays at once."""
     a, b = await start(servers, 2)
     a.faults.append(OpenAIFault("close", after=2))
-    be = backend(session, [a.url, b.url], api="chat")
-    stream = be.stream(request(max_new_tokens=10))
-    got: list[str] = []
-    with pytest.raises(GenerationError) as info:
-        async for c in stream:
-            got.append(c.text)
-    await stream.aclose()
-    assert "".join(got) == "Once upon"
-    assert info.value.message == (
-        "replica openai-1 cannot continue a partial answer (its server refuses "
-        "`continue_final_message`): the stream could not be resumed"
-    )
-    assert b.requests[0]["continue_final_message"] is True
-
-    a.faults.append(OpenAIFault("close", after=0))
-    be2 = backend(session, [a.url, b.url], api="chat")
-    stream = be2.stream(request(max_new_tokens=10))
-    chunks = [c async for c in stream]
-    await stream.aclose()
-    assert "".join(c.text for c in chunks) == FULL and stream.migrations == 1
+    registry = CollectorRegistry()
+    be = backend(session, [a.url, b.url], api="chat", registry=registry)
+    stream = be.stream(request(max_new_tokens=10, **params))
+    chunks, error = await read_all(stream)
+    assert error is None
+    assert [c.text for c in chunks] == [*SCRIPT, ""]
+    assert [c.generated_token_count for c in chunks] == [1, 2, 3, 4, 5, 5]
     hi = count_tokens(templated([{"role": "user", "content": "Hi"}]))
-    assert chunks[-1].generated_token_count == 5 and chunks[-1].input_token_count == hi
+    assert chunks[-1].input_token_count == hi  # the plain prompt: nothing of it was resumed
+    assert stream.migrations == 1 and stream.finish_reason == "EOS_TOKEN"
+    assert b.requests[0]["continue_final_message"] is True  # refused: 422
+    assert b.requests[1] == a.requests[0]  # the request as it came, whole budget
+    assert sample(registry, "guardstream_migrations_total", kind="mid_stream") == 1
+    assert sample(registry, "guardstream_migration_replays_total", outcome="matched") == 1
+
+    a.faults.append(OpenAIFault("close", after=3))
+    be.replicas[0].quarantined_until = 0.0  # the next stream starts on `a` again
+    stream = be.stream(request(max_new_tokens=10, **params))
+    chunks, error = await read_all(stream)
+    assert error is None and "".join(c.text for c in chunks) == FULL
+    assert chunks[-1].generated_token_count == 5
+    assert len(b.requests) == 3 and b.requests[2] == a.requests[1]  # no second refusal
+    assert sample(registry, "guardstream_migration_replays_total", outcome="matched") == 2
+
+
+async def test_chat_server_without_continuation_restarts_when_nothing_was_delivered(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """Before the first token, and also when the replica's tokens were all held back (a stop
+    sequence's possible start): nothing reached the pipeline, so the request starts from scratch
+    on the other replica, and the tokens counted for the held text are discarded with it (the
+    count is the answer's, not the answer's plus the lost ones)."""
+    a, b = await start(servers, 2)
+    a.faults.append(OpenAIFault("close", after=2))  # after "Once", " upon": both held
+    registry = CollectorRegistry()
+    be = backend(session, [a.url, b.url], api="chat", registry=registry)
+    stream = be.stream(request(max_new_tokens=10, stop_sequences=("Once upon a tim!",)))
+    chunks, error = await read_all(stream)
+    assert error is None
+    assert "".join(c.text for c in chunks) == FULL
+    assert chunks[-1].generated_token_count == 5 and stream.generated_token_count == 5
+    assert stream.migrations == 1 and b.requests == [a.requests[0]]
+    assert sample(registry, "guardstream_migrations_total", kind="before_first_token") == 1
+    assert sample(registry, "guardstream_migration_replays_total", outcome="matched") == 0
+
+
+async def test_chat_replay_that_differs_ends_with_the_original_error(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """The regenerated answer differs from the delivered text (a replica that is not
+    deterministic): nothing of it reaches the pipeline, and the stream ends as a migration that
+    could not be made ends (DESIGN 7: the original error, and why it was not migrated)."""
+    (a,) = await start(servers)
+    (b,) = await start_fakes(
+        servers, script=["Once", " more", " a", " time", "."], flavour="transformers"
+    )
+    a.faults.append(OpenAIFault("close", after=2))
+    registry = CollectorRegistry()
+    be = backend(session, [a.url, b.url], api="chat", registry=registry)
+    chunks, error = await read_all(be.stream(request(max_new_tokens=10)))
+    assert [c.text for c in chunks] == ["Once", " upon"]
+    assert error is not None
+    assert (error.code, error.error_type, error.migratable) == (
+        503,
+        "generation_unavailable",
+        False,
+    )
+    assert error.message == (
+        "replica openai-0: connection failed: connection lost mid-stream (not migrated: the answer "
+        "regenerated on replica openai-1 differs from the 9 delivered characters at character 5)"
+    )
+    assert sample(registry, "guardstream_migration_replays_total", outcome="mismatched") == 1
+    assert sample(registry, "guardstream_generation_unmigratable_total", reason="replay_mismatch")
+    assert len(b.requests) == 2  # the refused resume, the replay
+
+
+async def test_chat_server_without_continuation_cannot_resume_unseeded_sampling(
+    session: aiohttp.ClientSession, servers: list[FakeUpstream]
+) -> None:
+    """Sampling without a seed cannot be regenerated: after text was delivered, a replica that
+    cannot continue a partial answer ends the stream with the original error (as a migration
+    that could not be made); once the refusal is known, without sending the resume at all."""
+    a, b = await start(servers, 2)
+    registry = CollectorRegistry()
+    be = backend(session, [a.url, b.url], api="chat", registry=registry)
+    why = (
+        "(not migrated: replica openai-1 cannot continue a partial answer (its server refuses "
+        "`continue_final_message`) and sampling without a seed cannot be regenerated)"
+    )
+    for sent in (1, 1):
+        a.faults.append(OpenAIFault("close", after=2))
+        req = request(max_new_tokens=10, decoding_method="SAMPLING", temperature=0.7)
+        chunks, error = await read_all(be.stream(req))
+        assert [c.text for c in chunks] == ["Once", " upon"]
+        assert error is not None and (error.code, error.error_type) == (
+            503,
+            "generation_unavailable",
+        )
+        assert (
+            error.message
+            == f"replica openai-0: connection failed: connection lost mid-stream {why}"
+        )
+        assert len(b.requests) == sent  # the resume refused once, never sent again
+        be.replicas[0].quarantined_until = 0.0  # the next stream starts on `a` again
+    assert sample(registry, "guardstream_generation_unmigratable_total", reason="cannot_continue")
+    # each stream decided to migrate (and counted it) before the new replica turned out unable
+    assert sample(registry, "guardstream_migrations_total", kind="mid_stream") == 2
+    assert sample(registry, "guardstream_migration_replays_total", outcome="matched") == 0
 
 
 async def test_chat_usage_in_the_finish_chunk_and_no_done(

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from chunkers.sentence import SentenceChunker
 from generation import models
 from orchestrator.app import STREAMING_PATH
 from tests.engine_processes import free_port
@@ -66,6 +67,7 @@ class Server:
     pid: int
     url: str
     log: Path
+    killed: bool = False
 
     def requests_received(self) -> int:
         """Generation requests the server logged (`[Request received]`, one per request)."""
@@ -73,6 +75,14 @@ class Server:
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
+        self.killed = True
+
+
+def alive(servers: list[Server]) -> list[Server]:
+    """The first two servers no test has killed (each kill test takes its own pair)."""
+    live = [s for s in servers if not s.killed]
+    assert len(live) >= 2, "fewer than two live servers: raise SERVERS"
+    return live[:2]
 
 
 def _lines(proc: subprocess.Popen[bytes], count: int, until: float) -> list[bytes]:
@@ -102,12 +112,17 @@ def folder() -> Path:
     return models.prepare("tiny-random")
 
 
+# Servers the module starts: the first two serve every test; each kill test takes two live ones
+# (`alive`), so three kills leave one.
+SERVERS = 4
+
+
 @pytest.fixture(scope="module")
 def pair(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
-    """Two servers forked from one launcher (tests/transformers_serve_pair.py: the CLI's
+    """SERVERS servers forked from one launcher (tests/transformers_serve_pair.py: the CLI's
     imports are paid once), each its own process on its own free port."""
     root = tmp_path_factory.mktemp("tfserve")
-    ports = [str(free_port()) for _ in range(2)]
+    ports = [str(free_port()) for _ in range(SERVERS)]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -526,6 +541,7 @@ class Cut:
     # the held stream's client side stays open even when the server's side closes: the replica
     # goes silent instead of failing (a proxy or a network that holds a dead connection)
     keep_open: bool = False
+    marker: bytes = b'"text"'  # what a text event carries: completions' `text`, chat's `content`
     held: asyncio.Event = field(default_factory=asyncio.Event)
     holder: HoldingProxy | None = None
 
@@ -577,7 +593,7 @@ class HoldingProxy:
                 if not self.cut.held.is_set():
                     seen, at = tail + data, 0
                     while (end := seen.find(b"\n\n", at)) != -1:
-                        if b'"text"' in seen[at:end]:
+                        if self.cut.marker in seen[at:end]:
                             events += 1
                             if events == self.cut.after:
                                 holding = True
@@ -599,6 +615,28 @@ class HoldingProxy:
             up_writer.transport.abort()
 
 
+@contextlib.asynccontextmanager
+async def proxied(
+    servers: list[Server], folder: Path, api: str, cut: Cut
+) -> AsyncIterator[tuple[list[HoldingProxy], list[dict[str, Any]]]]:
+    """A HoldingProxy sharing `cut` in front of each server, and backends that reach the servers
+    through them (whichever the orchestrator picks is the one held)."""
+    proxies = [HoldingProxy(s.url, cut) for s in servers]
+    for proxy in proxies:
+        await proxy.start()
+    try:
+        yield (
+            proxies,
+            [
+                {**backend(s, folder, api), "url": p.url}
+                for s, p in zip(servers, proxies, strict=True)
+            ],
+        )
+    finally:
+        for proxy in proxies:
+            await proxy.close()
+
+
 async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_timeout(
     pair: list[Server], folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -613,20 +651,13 @@ async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_tim
         pair[1].url, "/v1/completions", {**body, "prompt": PROMPT, "max_tokens": TOKENS}
     )
     delivered = "".join(pieces[: cut.after])
-    proxies = [HoldingProxy(s.url, cut) for s in pair]
-    for proxy in proxies:
-        await proxy.start()
-    backends = [
-        {**backend(s, folder, "completions"), "url": p.url}
-        for s, p in zip(pair, proxies, strict=True)
-    ]
     reached = asyncio.Event()  # the client has every event the proxy let through
 
     def on_event(events: list[SseEvent]) -> None:
         if assert_contiguous(frames(events)) == delivered:
             reached.set()
 
-    try:
+    async with proxied(pair[:2], folder, "completions", cut) as (proxies, backends):
         async with Orchestrator(config(backends)) as orch:
             stream = asyncio.create_task(orch.stream(fms_body(), on_event=on_event))
             try:
@@ -647,9 +678,6 @@ async def test_a_held_stream_whose_replica_goes_silent_migrates_on_the_stall_tim
             assert (end.data["migrations"], end.data["finish_reason"]) == (1, "MAX_TOKENS")
             assert end.data["generated_token_count"] == TOKENS
             assert text == "".join(pieces)  # exact: the delivered text has no U+FFFD
-    finally:
-        for proxy in proxies:
-            await proxy.close()
 
 
 async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Path) -> None:
@@ -661,6 +689,7 @@ async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Pa
     (exact while the delivered text has no U+FFFD, DESIGN section 7). Both servers sit behind
     proxies: whichever the orchestrator picks is the one killed."""
     cut = Cut(after=3)  # after '首', ' quick', '首': no U+FFFD yet, so the resume is also exact
+    pair = alive(pair)
     body = {"model": str(folder), "stream": True, "temperature": 0}
     pieces, _ = await server_pieces(
         pair[1].url, "/v1/completions", {**body, "prompt": PROMPT, "max_tokens": TOKENS}
@@ -671,14 +700,7 @@ async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Pa
         "/v1/completions",
         {**body, "prompt": PROMPT + delivered, "max_tokens": TOKENS - cut.after},
     )
-    proxies = [HoldingProxy(s.url, cut) for s in pair]
-    for proxy in proxies:
-        await proxy.start()
-    backends = [
-        {**backend(s, folder, "completions"), "url": p.url}
-        for s, p in zip(pair, proxies, strict=True)
-    ]
-    try:
+    async with proxied(pair, folder, "completions", cut) as (proxies, backends):
         async with Orchestrator(config(backends)) as orch:
 
             async def killer() -> None:
@@ -703,6 +725,113 @@ async def test_kill_9_mid_stream_migrates_by_text(pair: list[Server], folder: Pa
             assert end.data["generated_token_count"] == TOKENS
             assert text == delivered + rest
             assert "\ufffd" not in delivered and text == "".join(pieces)
-    finally:
-        for proxy in proxies:
-            await proxy.close()
+
+
+# -- migration over `api: chat`: transformers serve cannot continue a partial answer -------------
+
+
+async def chat_pieces(url: str, folder: Path) -> list[str]:
+    """The server's own greedy chat answer to USER, event by event."""
+    body = {"model": str(folder), "messages": USER, "stream": True, "max_tokens": TOKENS}
+    pieces, finish = await server_pieces(url, "/v1/chat/completions", {**body, "temperature": 0})
+    assert finish == "length"
+    return pieces
+
+
+async def test_api_chat_kill_before_the_first_released_byte_gives_one_clean_answer(
+    pair: list[Server], folder: Path
+) -> None:
+    """The reported failure (it was a 503 before any byte): `api: chat` on transformers serve,
+    which refuses `continue_final_message`; a sentence-chunked detector still holds the text the
+    pipeline received when the serving server gets SIGKILL (after 3 content events). The other
+    server regenerates the greedy answer, the 3 events the pipeline had are checked against it
+    and skipped, and the client gets one clean answer: the server's own text, one finish, the
+    server's usage."""
+    live = alive(pair)
+    pieces = await chat_pieces(live[1].url, folder)
+    expected = "".join(pieces)
+    # one sentence: nothing of the answer is released before its end
+    assert [(s.start, s.end) for s in SentenceChunker().chunk(expected)] == [(0, len(expected))]
+    cut = Cut(after=3, marker=b'"content"')
+    got: list[Any] = []
+    released_at_kill: list[str] = []
+    async with proxied(live, folder, "chat", cut) as (proxies, backends):
+        async with Orchestrator(
+            config(backends, detectors={"mark": regex("東京", "sentence")})
+        ) as orch:
+
+            async def killer() -> None:
+                await cut.held.wait()
+                released_at_kill.extend(c.choices[0].delta.content or "" for c in got if c.choices)
+                live[proxies.index(cut.holder)].kill()  # type: ignore[arg-type]
+
+            task = asyncio.create_task(killer())
+            try:
+                async with within(STREAM_DEADLINE_S, "the stream through guardstream"):
+                    stream = await sdk(orch).chat.completions.create(
+                        model=MODEL,
+                        messages=USER,  # type: ignore[arg-type]
+                        max_tokens=TOKENS,
+                        temperature=0,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                        extra_body={"detectors": {"output": {"mark": {}}}},
+                    )
+                    async for chunk in stream:
+                        got.append(chunk)
+                assert cut.held.is_set(), "no stream reached the cut: nothing was held or killed"
+                await task
+            finally:
+                task.cancel()
+            assert "".join(released_at_kill) == ""
+            text = "".join(c.choices[0].delta.content or "" for c in got if c.choices)
+            assert text == expected
+            finishes = [c.choices[0].finish_reason for c in got if c.choices]
+            assert [f for f in finishes if f] == ["length"]
+            assert got[-1].usage is not None
+            assert (got[-1].usage.completion_tokens, got[-1].usage.prompt_tokens) == (TOKENS, 12)
+            replays = "guardstream_migration_replays_total"
+            assert await orch.metric(replays, outcome="matched") == 1
+            assert await orch.metric("guardstream_migrations_total", kind="mid_stream") == 1
+
+
+async def test_api_chat_kill_after_released_text_replays_the_greedy_answer(
+    pair: list[Server], folder: Path
+) -> None:
+    """`api: chat` on transformers serve, greedy: the client has the first 3 events' text when
+    the serving server gets SIGKILL. The other server cannot continue the partial answer; it
+    regenerates it, the regenerated prefix is checked against the released text and skipped,
+    and the client's text is exactly the uninterrupted run's, with the server's counts."""
+    live = alive(pair)
+    pieces = await chat_pieces(live[1].url, folder)
+    cut = Cut(after=3, marker=b'"content"')
+    delivered = "".join(pieces[: cut.after])
+    reached = asyncio.Event()  # the client has every event the proxy let through
+
+    def on_event(events: list[SseEvent]) -> None:
+        if assert_contiguous(frames(events)) == delivered:
+            reached.set()
+
+    async with proxied(live, folder, "chat", cut) as (proxies, backends):
+        async with Orchestrator(config(backends)) as orch:
+
+            async def killer() -> None:
+                await reached.wait()
+                live[proxies.index(cut.holder)].kill()  # type: ignore[arg-type]
+
+            task = asyncio.create_task(killer())
+            try:
+                async with within(STREAM_DEADLINE_S, "the stream through guardstream"):
+                    events = await orch.stream(fms_body(), on_event=on_event)
+                assert reached.is_set(), "the client never had the text before the cut"
+                await task
+            finally:
+                task.cancel()
+            assert assert_contiguous(frames(events)) == "".join(pieces)
+            end = terminal(events)
+            assert end.data["migrations"] == 1
+            assert end.data["finish_reason"] == "MAX_TOKENS"
+            assert end.data["generated_token_count"] == TOKENS
+            assert end.data["input_token_count"] == 12
+            replays = "guardstream_migration_replays_total"
+            assert await orch.metric(replays, outcome="matched") == 1

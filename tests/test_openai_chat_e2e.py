@@ -17,7 +17,6 @@ from typing import Any
 import openai
 import pytest
 import pytest_asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
 from generation import models
 from orchestrator.app import CHAT_PATH, STREAMING_PATH, UNARY_PATH
@@ -97,15 +96,7 @@ async def engine_answer(orch: Orchestrator, model: str, body: dict[str, Any]) ->
 
 
 async def migrations(orch: Orchestrator, model: str) -> float:
-    assert orch.session is not None
-    async with orch.session.get(orch.url + "/metrics") as r:
-        page = await r.text()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(page)
-        for s in family.samples
-        if s.name == "guardstream_migrations_total" and s.labels.get("model_id") == model
-    )
+    return await orch.metric("guardstream_migrations_total", model_id=model)
 
 
 FINISH = {"EOS_TOKEN": "stop", "STOP_SEQUENCE": "stop", "MAX_TOKENS": "length"}

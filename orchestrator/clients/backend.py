@@ -111,6 +111,15 @@ class GenerationError(Exception):
         )
 
 
+class CannotContinue(GenerationError):
+    """A replica was asked to continue a partial answer and cannot (a chat server that refuses
+    `continue_final_message`). Not a failure of the replica: MigratingStream regenerates the
+    answer there instead where the decoding is deterministic (a replay), else gives up."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, error_type="generation_unavailable", code=503)
+
+
 class GenerationStream(Protocol):
     """What `ModelBackend.stream()` gives the pipeline (migration.MigratingStream is the one
     implementation): GenerationChunks, in bursts with `next_batch`, and the counters of the
@@ -254,6 +263,12 @@ class ReplicaClient(ABC):
 
     @abstractmethod
     async def health(self, timeout_s: float) -> bool: ...
+
+    def continuation_refused(self) -> str | None:
+        """Why this replica cannot go on from a Continuation, as far as its client knows (a
+        refusal is learnt on the first try, which raises `CannotContinue`); None where it can.
+        MigratingStream then sends the request as it came and replays the delivered prefix."""
+        return None
 
 
 def unavailable(message: str) -> GenerationError:

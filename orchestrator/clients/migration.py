@@ -10,6 +10,14 @@ with greedy or seeded decoding). It never re-dispatches a request that finished 
 A backend without token ids (`openai` with `api: chat`) resumes from the delivered text alone: its
 items say how many tokens they stand for (`EngineItem.token_count`), and where the prompt's token
 count is not known yet, the max_seq_len check estimates it as a quarter of the prompt's characters.
+
+What the pipeline received decides how a request moves (it may have released none of it yet, but
+its detectors have seen it, so it can never be taken back): nothing yet, the request goes again as
+it came (a restart; tokens counted for text a replica held back are dropped with it); else the new
+replica continues it, or, where it cannot continue a partial answer (a chat server without
+`continue_final_message`), regenerates the answer and the delivered prefix is checked and skipped
+(a replay, clients/replay.py: greedy or seeded decoding only). A replay that differs, or sampling
+without a seed there, ends the stream with the original error and why (`_give_up`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 from .. import tracing
 from ..config import MigrationConfig
 from .backend import (
+    CannotContinue,
     Continuation,
     EngineItem,
     EngineStream,
@@ -32,6 +41,7 @@ from .backend import (
     GenerationError,
     GenerationRequest,
 )
+from .replay import Replay, ReplayMismatch, replayable
 from .replicas import Replica, ReplicaPool
 
 log = logging.getLogger("guardstream.migration")
@@ -59,7 +69,15 @@ class MigrationMetrics:
         self.unmigratable = Counter(
             "guardstream_generation_unmigratable",
             "Generation failures that could not be migrated",
-            ["model_id", "reason"],  # engine_error | max_seq_len | no_prompt_ids
+            # engine_error | max_seq_len | no_prompt_ids | cannot_continue | replay_mismatch
+            ["model_id", "reason"],
+            registry=r,
+        )
+        self.replays = Counter(
+            "guardstream_migration_replays",
+            "Migrations to a replica that cannot continue a partial answer, whose regeneration "
+            "of the delivered text matched it or not",
+            ["model_id", "outcome"],  # matched | mismatched
             registry=r,
         )
         self.replica_failures = Counter(
@@ -74,6 +92,11 @@ class MigrationMetrics:
             ["model_id"],
             registry=r,
         )
+
+
+class _GaveUp(GenerationError):
+    """A failure migration decided not to absorb (limit, max_seq_len, a replay that cannot be
+    made): surfaced as it is, counted where it was decided."""
 
 
 # Items one reader wake-up takes from a replica's buffered stream at most (next_batch).
@@ -114,6 +137,7 @@ class MigratingStream:
         self._text: list[str] = []
         self._closed = False
         self._current: EngineStream | None = None
+        self._replay: Replay | None = None  # the prefix the current dispatch regenerates
         self._started = time.monotonic()
         self._gen: AsyncGenerator[list[GenerationChunk], None] = self._run()
         self._pending: deque[GenerationChunk] = deque()  # of a batch, for `__anext__`
@@ -193,7 +217,6 @@ class MigratingStream:
                 raise self._give_up(original, "no other healthy replica")
             attempt += 1
             self.replicas_used.append(replica.name)
-            continuation = self._continuation()
             if attempt > 1:
                 log.info(
                     "request %s: attempt %d on replica %s after %d delivered tokens",
@@ -204,25 +227,33 @@ class MigratingStream:
                 )
             # the attempt's span, named by the engine call's traceparent (None: tracing is off)
             traced = tracing.start_attempt(attempt, replica.name, self._generated)
-            stream = replica.client.generate(
-                self.request,
-                continuation,
-                stall_timeout_s=self._cfg.stall_timeout_s,
-                max_time=self._remaining_time(),
-            )
-            self._current = stream
-            next_batch = getattr(stream, "next_batch", None)
+            stream: EngineStream | None = None
             try:
+                stream = self._dispatch(replica, original)
                 while True:
                     try:
-                        items = (
-                            await next_batch(self._batch_items)
-                            if next_batch is not None
-                            else [await anext(stream)]
-                        )
+                        items = await self._read(stream)
                     except StopAsyncIteration:
                         break
-                    chunks = [c for c in map(self._accept, items) if c is not None]
+                    except CannotContinue:
+                        # the replica was just found to refuse a partial answer: replay there
+                        if (
+                            self._replay is not None
+                            or replica.client.continuation_refused() is None
+                        ):
+                            raise
+                        stream.close()
+                        stream = self._dispatch(replica, original)
+                        continue
+                    try:
+                        chunks = self._take(items)
+                    except ReplayMismatch as mismatch:
+                        self._count_replay("mismatched")
+                        self._count_unmigratable("replay_mismatch")
+                        raise self._give_up(
+                            original,
+                            f"the answer regenerated on replica {replica.name} {mismatch.why}",
+                        ) from None
                     if chunks:
                         yield chunks
                 if self.finish_reason is None:
@@ -241,6 +272,8 @@ class MigratingStream:
                     return  # aclose() dropped the connection under a running read
                 if traced is not None:
                     traced.failed(exc.message, exc.error_type, exc.migratable)
+                if isinstance(exc, _GaveUp):
+                    raise  # counted where it was decided
                 if exc.migratable:
                     self._pool.quarantine(replica, exc.message)
                     if self._metrics is not None:
@@ -274,7 +307,7 @@ class MigratingStream:
                     raise
                 original = original or exc
                 self._check_migratable(original, replica, attempt)
-                kind = "mid_stream" if self._generated or self._text else "before_first_token"
+                kind = "mid_stream" if self._ids or self._text else "before_first_token"
                 self.migrations += 1
                 if traced is not None:
                     traced.migrating(kind, self.migrations)
@@ -293,8 +326,10 @@ class MigratingStream:
                     self._cfg.limit,
                 )
             finally:
-                stream.close()
+                if stream is not None:
+                    stream.close()
                 self._current = None
+                self._replay = None
                 self._pool.release(replica)
                 if traced is not None:
                     traced.end(self._generated)
@@ -336,12 +371,18 @@ class MigratingStream:
         chars = sum(len(m.content) for m in r.messages) if r.messages is not None else len(r.prompt)
         return chars // 4
 
-    def _give_up(self, original: GenerationError, why: str) -> GenerationError:
-        return GenerationError(
-            f"{original.message} (not migrated: {why})",
-            error_type="generation_unavailable",
-            code=503,
+    def _give_up(self, original: GenerationError | None, why: str) -> GenerationError:
+        """The error a migration that cannot be made ends with: the original failure, and why
+        it was not migrated (DESIGN 7). `original` is None only before any failure, where no
+        migration is attempted."""
+        head = original.message if original is not None else "generation failed"
+        return _GaveUp(
+            f"{head} (not migrated: {why})", error_type="generation_unavailable", code=503
         )
+
+    def _count_replay(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.replays.labels(self.model_id, outcome).inc()
 
     def _count_exhausted(self) -> None:
         if self._metrics is not None:
@@ -350,6 +391,80 @@ class MigratingStream:
     def _count_unmigratable(self, reason: str) -> None:
         if self._metrics is not None:
             self._metrics.unmigratable.labels(self.model_id, reason).inc()
+
+    def _dispatch(self, replica: Replica, original: GenerationError | None) -> EngineStream:
+        """Start this attempt's stream: the request as it came when the pipeline received
+        nothing yet (a restart), else a continuation of what it received; on a replica that
+        cannot continue a partial answer, the request as it came again with the delivered
+        prefix to replay (`Replay`), where the decoding is deterministic."""
+        continuation = self._continuation()
+        self._replay = None
+        if continuation is None:
+            # tokens counted for text the pipeline never received (held back by a replica's
+            # stop-sequence gate) are generated again: the count restarts with the text
+            self._generated = self.generated_token_count = 0
+        else:
+            refused = replica.client.continuation_refused()
+            if refused is not None:
+                if not replayable(self.request.params):
+                    self._count_unmigratable("cannot_continue")
+                    raise self._give_up(
+                        original, f"{refused} and sampling without a seed cannot be regenerated"
+                    )
+                log.info(
+                    "request %s: replica %s cannot continue a partial answer: regenerating "
+                    "the %d delivered characters to check and skip them",
+                    self.request.request_id or "-",
+                    replica.name,
+                    len(continuation.text),
+                )
+                self._replay = Replay(continuation.text, continuation.token_ids)
+                continuation = None
+        stream = replica.client.generate(
+            self.request,
+            continuation,
+            stall_timeout_s=self._cfg.stall_timeout_s,
+            max_time=self._remaining_time(),
+        )
+        self._current = stream
+        return stream
+
+    async def _read(self, stream: EngineStream) -> list[EngineItem]:
+        """The stream's next items: a buffered burst where the stream can give one."""
+        next_batch = getattr(stream, "next_batch", None)
+        if next_batch is not None:
+            items: list[EngineItem] = await next_batch(self._batch_items)
+            return items
+        return [await anext(stream)]
+
+    def _take(self, items: list[EngineItem]) -> list[GenerationChunk]:
+        """The chunks of a read; during a replay, only what follows the delivered prefix."""
+        if self._replay is None:
+            return [c for c in map(self._accept, items) if c is not None]
+        chunks = []
+        for item in items:
+            replay = self._replay
+            if replay is not None:
+                if self.input_token_count is None and item.input_token_count is not None:
+                    self.input_token_count = item.input_token_count
+                was_done = replay.done
+                rest = replay.take(item)
+                if not replay.done:
+                    continue
+                if not was_done:
+                    # the prefix is regenerated: the count is the new replica's, as it would
+                    # be without the failure (it also drops tokens counted for held-back text)
+                    self._generated = self.generated_token_count = replay.tokens
+                    self._count_replay("matched")
+                if replay.finished:
+                    self._replay = None
+                if rest is None:
+                    continue
+                item = rest
+            chunk = self._accept(item)
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
 
     def _continuation(self) -> Continuation | None:
         """None before the first token: a failure then re-sends the request as it came. Without

@@ -13,8 +13,10 @@ the prompt text plus the delivered text (see `ServerTraits`).
 `chat`: `POST /v1/chat/completions` with `stream: true` and `stream_options.include_usage`. There
 are no token ids: a resume sends the conversation plus the delivered text as a final assistant
 message with `continue_final_message: true, add_generation_prompt: false` (vLLM and SGLang honour
-these). A server that refuses them cannot continue a partial answer: such a stream migrates only
-before its first token. See ChatStream for what is counted how.
+these). A server that refuses them (transformers serve) cannot continue a partial answer: the
+refusal is learnt (`CannotContinue`), and MigratingStream then replays a greedy or seeded answer
+there instead (regenerates it from the request as it came, checks the delivered prefix and
+skips it; clients/replay.py). See ChatStream for what is counted how.
 
 What a server can do is learnt, not assumed: a 400/422 that names a field guardstream sent
 (`{"detail": "Unexpected fields in the request: {'return_token_ids'}"}` from transformers serve,
@@ -46,7 +48,14 @@ from typing import Any, Literal
 
 import aiohttp
 
-from .backend import ChatMessage, Continuation, GenerationError, GenerationRequest, unavailable
+from .backend import (
+    CannotContinue,
+    ChatMessage,
+    Continuation,
+    GenerationError,
+    GenerationRequest,
+    unavailable,
+)
 from .chat_template import ChatTemplateError, LocalTokenizer
 from .line_transport import HttpReplicaClient, error_message, int_list
 from .openai_protocol import (
@@ -161,14 +170,20 @@ class OpenAIClient(HttpReplicaClient):
         refused = self.traits.refused & body.keys() - request.params.defaulted
         return [EXTENSION_FIELDS[f] for f in sorted(refused & EXTENSION_FIELDS.keys())]
 
-    def cannot_continue(self) -> GenerationError:
+    def continuation_refused(self) -> str | None:
+        """`api: chat` continues a partial assistant message unless the server refused the
+        resume fields; `api: completions` always can (by token ids or by text)."""
+        if self.api == "chat" and self.traits.refused & RESUME_FIELDS:
+            return self.cannot_continue().message
+        return None
+
+    def cannot_continue(self) -> CannotContinue:
         """A resume on a chat server that cannot continue a partial assistant message: a fresh
-        answer would repeat or contradict what the client has, so the stream ends here."""
-        return GenerationError(
+        answer would repeat or contradict what the client has, so this dispatch cannot go on
+        from the delivered text (MigratingStream replays a deterministic answer instead)."""
+        return CannotContinue(
             f"replica {self.name} cannot continue a partial answer (its server refuses "
-            "`continue_final_message`): the stream could not be resumed",
-            error_type="generation_unavailable",
-            code=503,
+            "`continue_final_message`)"
         )
 
     async def prompt_text(self, request: GenerationRequest) -> str:

@@ -21,7 +21,8 @@ log = logging.getLogger("guardstream.openai")
 _OWN_FIELDS = ("model", "messages", "stream")
 # protocol fields only some servers take: left out (and the dispatch retried) once a server
 # refuses them by name. The chat resume fields are not among them: without them a server would
-# start a fresh answer, so refusing them makes the resume itself fail (ChatStream).
+# start a fresh answer, so refusing them makes the resume itself fail (`CannotContinue`: the
+# answer is then replayed where it can be, clients/replay.py).
 OPTIONAL_FIELDS = frozenset({"return_token_ids", "stream_options", "generation_config"})
 # transformers serve samples only when the model's generation_config.json says `do_sample: true`
 # (it sets do_sample only to false, for temperature 0): without this, `temperature` > 0 would be

@@ -13,7 +13,14 @@ import orjson
 
 from servicekit.text_gate import TextGate
 
-from .backend import Continuation, EngineItem, GenerationError, GenerationRequest, unavailable
+from .backend import (
+    CannotContinue,
+    Continuation,
+    EngineItem,
+    GenerationError,
+    GenerationRequest,
+    unavailable,
+)
 from .line_transport import FINAL_GRACE_S, HttpLineStream, error_message, int_list
 from .openai_protocol import (
     RESUME_FIELDS,
@@ -39,7 +46,7 @@ class OpenAIServer(Protocol):
 
     def check_honoured(self, body: dict[str, Any], soft: frozenset[str] = ...) -> None: ...
     def learn(self, body: dict[str, Any], raw: bytes, soft: frozenset[str] = ...) -> bool: ...
-    def cannot_continue(self) -> GenerationError: ...
+    def cannot_continue(self) -> CannotContinue: ...
     async def prompt_text(self, request: GenerationRequest) -> str: ...
     async def tokenize_ids(
         self,
