@@ -63,6 +63,8 @@ class ReplicatedModelBackend(ModelBackend):
         self.model_id = model_id
         self.config = config
         self.metrics = metrics
+        if metrics is not None:
+            metrics.known_model(model_id)
         self.processes: list[EngineProcess] = []
         self.limits = AdvertisedLimits()
         replicas: list[Replica] = []

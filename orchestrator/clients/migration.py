@@ -47,6 +47,9 @@ from .replicas import Replica, ReplicaPool
 log = logging.getLogger("guardstream.migration")
 
 
+REPLAY_OUTCOMES = ("matched", "mismatched")
+
+
 class MigrationMetrics:
     """Counters of migrations and of the failures migration could not absorb."""
 
@@ -92,6 +95,12 @@ class MigrationMetrics:
             ["model_id"],
             registry=r,
         )
+
+    def known_model(self, model_id: str) -> None:
+        """The model's replay outcomes shown at 0 from the start (a series that appears only
+        at its first increase is invisible to rate() and increase() until then)."""
+        for outcome in REPLAY_OUTCOMES:
+            self.replays.labels(model_id, outcome)
 
 
 class _GaveUp(GenerationError):
