@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.clients.backend import (
     Continuation,
-    EngineItem,
+    EngineDelta,
     GenerationError,
     GenerationParams,
     GenerationRequest,
@@ -35,7 +35,7 @@ async def collect(
     cont: Continuation | None = None,
     stall: float = 5.0,
     max_time: float = 0.0,
-) -> list[EngineItem]:
+) -> list[EngineDelta]:
     items = []
     stream = client.generate(req, cont, stall_timeout_s=stall, max_time=max_time)
     try:
@@ -147,7 +147,7 @@ async def test_migratable_failures(
     e = await engine(fail=fault)
     try:
         client = NativeClient("r0", e.url, session)
-        items: list[EngineItem] = []
+        items: list[EngineDelta] = []
         stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=5, max_time=0)
         with pytest.raises(GenerationError) as info:
             async for item in stream:

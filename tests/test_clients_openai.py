@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from orchestrator.clients.backend import (
     Continuation,
-    EngineItem,
+    EngineDelta,
     GenerationError,
     GenerationParams,
     GenerationRequest,
@@ -50,7 +50,7 @@ def request(prompt: str = "Hi", chat: bool = False, **params: Any) -> Generation
 
 async def collect(
     client: OpenAIClient, req: GenerationRequest, cont: Continuation | None = None
-) -> list[EngineItem]:
+) -> list[EngineDelta]:
     stream = client.generate(req, cont, stall_timeout_s=30, max_time=0)
     try:
         return [item async for item in stream]
@@ -121,7 +121,7 @@ async def test_failures_are_migratable(
 ) -> None:
     (s,) = await start(servers, fail=fault)
     client = OpenAIClient("o0", s.url, "fake-model", session)
-    items: list[EngineItem] = []
+    items: list[EngineDelta] = []
     stream = client.generate(request(), None, stall_timeout_s=30, max_time=0)
     with pytest.raises(GenerationError) as info:
         async for item in stream:
@@ -138,7 +138,7 @@ async def test_stall(
     (s,) = await start(servers, fail=OpenAIFault("stall", after=1))
     client = OpenAIClient("o0", s.url, "fake-model", session)
     stream = client.generate(request(), None, stall_timeout_s=30, max_time=0)
-    items: list[EngineItem] = []
+    items: list[EngineDelta] = []
 
     async def read() -> None:
         async for item in stream:

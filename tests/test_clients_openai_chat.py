@@ -15,8 +15,7 @@ from prometheus_client import CollectorRegistry
 from orchestrator.clients.backend import (
     ChatMessage,
     Continuation,
-    EngineItem,
-    GenerationChunk,
+    EngineDelta,
     GenerationError,
     GenerationParams,
     GenerationRequest,
@@ -75,7 +74,7 @@ def client(session: aiohttp.ClientSession, s: Any, **kwargs: Any) -> OpenAIClien
 
 async def collect(
     c: OpenAIClient, req: GenerationRequest, cont: Continuation | None = None
-) -> list[EngineItem]:
+) -> list[EngineDelta]:
     stream = c.generate(req, cont, stall_timeout_s=5, max_time=0)
     try:
         return [item async for item in stream]
@@ -113,7 +112,7 @@ def backend(
     return b
 
 
-async def run(stream: MigratingStream) -> list[GenerationChunk]:
+async def run(stream: MigratingStream) -> list[EngineDelta]:
     async with stream:
         return [chunk async for chunk in stream]
 
@@ -295,7 +294,7 @@ async def test_failures_are_migratable(
     session: aiohttp.ClientSession, servers: list[Any], fault: OpenAIFault, message: str
 ) -> None:
     (s,) = await start(servers, fail=fault)
-    items: list[EngineItem] = []
+    items: list[EngineDelta] = []
     stream = client(session, s).generate(request(), None, stall_timeout_s=5, max_time=0)
     with pytest.raises(GenerationError) as info:
         async for item in stream:
@@ -398,7 +397,7 @@ async def test_failure_after_the_finish_chunk(
     stall_s = 5
     (s,) = await start(servers, fail=OpenAIFault(mode, after_finish=True))
     stream = client(session, s).generate(request(), None, stall_timeout_s=stall_s, max_time=0)
-    items: list[EngineItem] = []
+    items: list[EngineDelta] = []
     with pytest.raises(GenerationError) as info:
         async for item in stream:
             items.append(item)

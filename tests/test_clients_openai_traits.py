@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from generation import models
 from orchestrator.clients.backend import (
     ChatMessage,
-    GenerationChunk,
+    EngineDelta,
     GenerationError,
     GenerationParams,
     GenerationRequest,
@@ -219,9 +219,9 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, {"model_id": "m", **labels}) or 0.0
 
 
-async def read_all(stream: Any) -> tuple[list[GenerationChunk], GenerationError | None]:
+async def read_all(stream: Any) -> tuple[list[EngineDelta], GenerationError | None]:
     """Every chunk the stream gave, and the error it ended with (None: it finished)."""
-    chunks: list[GenerationChunk] = []
+    chunks: list[EngineDelta] = []
     try:
         async for c in stream:
             chunks.append(c)

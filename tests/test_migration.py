@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orchestrator.clients.backend import (
-    GenerationChunk,
+    EngineDelta,
     GenerationError,
     GenerationParams,
     GenerationRequest,
@@ -67,13 +67,13 @@ def req(prompt: str = "Hi", **params: Any) -> GenerationRequest:
     return GenerationRequest(prompt=prompt, params=GenerationParams(**params), request_id="r-1")
 
 
-async def run(stream: MigratingStream) -> list[GenerationChunk]:
-    chunks: list[GenerationChunk] = []
+async def run(stream: MigratingStream) -> list[EngineDelta]:
+    chunks: list[EngineDelta] = []
     await consume(stream, chunks)
     return chunks
 
 
-async def consume(stream: MigratingStream, chunks: list[GenerationChunk]) -> None:
+async def consume(stream: MigratingStream, chunks: list[EngineDelta]) -> None:
     """Reads the stream into `chunks` (which a test watches from another task)."""
     async with stream:
         async for chunk in stream:
@@ -148,7 +148,7 @@ async def test_stall_migrates(
     a.inject(Fault("stall", after_tokens=2))
     b = backend(session, engines)
     stream = b.stream(req())
-    chunks: list[GenerationChunk] = []
+    chunks: list[EngineDelta] = []
     task = asyncio.create_task(consume(stream, chunks))
     await until(lambda: len(chunks) == 2)  # all that replica 0 sends before going silent
     await expire_stalls(clock, lambda: stream.migrations == 1)
@@ -173,7 +173,7 @@ async def test_failure_after_finish_completes_without_redispatch(
     registry = CollectorRegistry()
     b = backend(session, engines, registry)
     stream = b.stream(req())
-    chunks: list[GenerationChunk] = []
+    chunks: list[EngineDelta] = []
     task = asyncio.create_task(consume(stream, chunks))
     if mode == "stall":  # the final item came and then nothing: the grace for the marker ends
         await until(lambda: len(chunks) == len(SCRIPT))

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.clients.backend import EngineItem, GenerationParams
+from orchestrator.clients.backend import EngineDelta, GenerationParams
 from orchestrator.clients.replay import Replay, ReplayMismatch, replayable
 
 PROPERTY = settings(max_examples=60, deadline=None, database=None)
@@ -19,15 +19,15 @@ PROPERTY = settings(max_examples=60, deadline=None, database=None)
 pieces = st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=12)
 
 
-def chat_items(parts: list[str]) -> list[EngineItem]:
+def chat_items(parts: list[str]) -> list[EngineDelta]:
     """A chat server's items: text, one token an event, no ids; the last one finishes."""
     return [
-        EngineItem((), p, "EOS_TOKEN" if i == len(parts) - 1 else None, token_count=1)
+        EngineDelta((), p, "EOS_TOKEN" if i == len(parts) - 1 else None, token_count=1)
         for i, p in enumerate(parts)
     ]
 
 
-def run(replay: Replay, items: list[EngineItem]) -> list[EngineItem]:
+def run(replay: Replay, items: list[EngineDelta]) -> list[EngineDelta]:
     out = []
     for item in items:
         rest = replay.take(item)
@@ -65,7 +65,7 @@ def test_a_difference_inside_the_delivered_text_lets_nothing_through(
     at = data.draw(st.integers(0, cut - 1), label="at")
     delivered = answer[:at] + chr(ord(answer[at]) ^ 1) + answer[at + 1 : cut]
     replay = Replay(delivered, ())
-    out: list[EngineItem] = []
+    out: list[EngineDelta] = []
     with pytest.raises(ReplayMismatch) as info:
         out.extend(run(replay, chat_items(parts)))
     assert out == []
@@ -91,7 +91,7 @@ def test_token_ids_are_checked_and_taken_off_once(ids: list[int], data: st.DataO
     counted once."""
     texts = [f"t{i}" for i in ids]
     items = [
-        EngineItem((i,), t, "EOS_TOKEN" if n == len(ids) - 1 else None)
+        EngineDelta((i,), t, "EOS_TOKEN" if n == len(ids) - 1 else None)
         for n, (i, t) in enumerate(zip(ids, texts, strict=True))
     ]
     held = data.draw(st.integers(0, len(ids)), label="delivered ids")
@@ -107,7 +107,7 @@ def test_token_ids_are_checked_and_taken_off_once(ids: list[int], data: st.DataO
 def test_a_different_token_id_is_a_mismatch() -> None:
     replay = Replay("ab", (1, 2))
     with pytest.raises(ReplayMismatch) as info:
-        run(replay, [EngineItem((1,), "a"), EngineItem((3,), "b")])
+        run(replay, [EngineDelta((1,), "a"), EngineDelta((3,), "b")])
     assert info.value.why == "differs from the 2 delivered tokens at token 1"
 
 

@@ -1,7 +1,7 @@
 """Types shared by the generation backends and the streaming pipeline (DESIGN section 7).
 
 The pipeline sees only these: a `ModelBackend` per model_id whose `stream()` yields
-`GenerationChunk`s and raises `GenerationError` when generation cannot go on. Which replica serves
+`EngineDelta`s and raises `GenerationError` when generation cannot go on. Which replica serves
 a request, and how many times it migrated, stays behind this interface.
 """
 
@@ -65,23 +65,6 @@ class GenerationRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# Per-token objects are plain slotted dataclasses, not frozen ones: a frozen __init__ sets each
-# field through object.__setattr__ (about 0.9 us against 0.26 us here), and the pipeline makes
-# two of them per token. Nothing mutates them.
-@dataclass(slots=True)
-class GenerationChunk:
-    """One engine item as the pipeline sees it: a text delta and cumulative counters.
-
-    `generated_token_count` counts every token delivered so far, across migrations; the `text`
-    deltas of a stream concatenate to the whole generated text."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    generated_token_count: int
-    input_token_count: int
-    finish_reason: str | None  # EOS_TOKEN | STOP_SEQUENCE | MAX_TOKENS | TIME_LIMIT | None
-
-
 class GenerationError(Exception):
     """Generation cannot go on; what reaches the client (`code`, `error_type`, message).
 
@@ -122,7 +105,7 @@ class CannotContinue(GenerationError):
 
 class GenerationStream(Protocol):
     """What `ModelBackend.stream()` gives the pipeline (migration.MigratingStream is the one
-    implementation): GenerationChunks, in bursts with `next_batch`, and the counters of the
+    implementation): EngineDeltas, in bursts with `next_batch`, and the counters of the
     whole generation across replicas. Declared here, where the pipeline looks, so that neither
     it nor this module depends on how migration works."""
 
@@ -138,8 +121,8 @@ class GenerationStream(Protocol):
     def seed(self) -> int | None: ...
 
     def __aiter__(self) -> GenerationStream: ...
-    async def __anext__(self) -> GenerationChunk: ...
-    async def next_batch(self, max_items: int = ...) -> list[GenerationChunk]:
+    async def __anext__(self) -> EngineDelta: ...
+    async def next_batch(self, max_items: int = ...) -> list[EngineDelta]:
         """The next chunk and every further one already buffered, up to `max_items`."""
         ...
 
@@ -163,7 +146,7 @@ class ModelBackend(ABC):
 
     @abstractmethod
     def stream(self, request: GenerationRequest) -> GenerationStream:
-        """An async iterator of GenerationChunk; call `aclose()` (or use `async with`) after."""
+        """An async iterator of EngineDelta; call `aclose()` (or use `async with`) after."""
 
     @abstractmethod
     async def tokenize(
@@ -209,19 +192,28 @@ class Continuation:
     generated_token_count: int = 0
 
 
-@dataclass(slots=True)  # per token: see GenerationChunk
-class EngineItem:
-    """One item of one replica's stream, before MigratingStream merges attempts."""
+# Per-token objects are plain slotted dataclasses, not frozen ones: a frozen __init__ sets each
+# field through object.__setattr__ (about 0.9 us against 0.26 us here), and each token makes two
+# of them (the replica's delta, the stream's). Nothing mutates them.
+@dataclass(slots=True)
+class EngineDelta:
+    """One step of generated text, the same word from the engine (generation/jobs.py's wire
+    item) through the clients to the pipeline: a replica's stream yields them as it parsed them,
+    and MigratingStream hands the pipeline its own, with the stream's counters across
+    migrations. The `text` deltas of a stream concatenate to the whole generated text."""
 
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # EOS_TOKEN | STOP_SEQUENCE | MAX_TOKENS | TIME_LIMIT
     prompt_token_ids: tuple[int, ...] | None = None
     input_token_count: int | None = None
     seed: int | None = None  # the engine's seed, reported on the first item of a sampling stream
-    # generated tokens this item stands for when the backend sends no token ids (`api: chat`);
+    # generated tokens this delta stands for when the backend sends no token ids (`api: chat`);
     # None: len(token_ids)
     token_count: int | None = None
+    # every token delivered so far, across migrations (MigratingStream's deltas; 0 on a
+    # replica's own)
+    generated_token_count: int = 0
 
 
 class EngineStream(ABC):
@@ -232,7 +224,7 @@ class EngineStream(ABC):
         return self
 
     @abstractmethod
-    async def __anext__(self) -> EngineItem: ...
+    async def __anext__(self) -> EngineDelta: ...
 
     @abstractmethod
     def close(self) -> None:

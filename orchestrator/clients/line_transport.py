@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import aiohttp
 
 from . import stall_timeout
-from .backend import EngineItem, EngineStream, GenerationError, ReplicaClient, unavailable
+from .backend import EngineDelta, EngineStream, GenerationError, ReplicaClient, unavailable
 from .peers import BodyTooLarge, log_error_body, read_bounded, read_error_body
 from .reasons import connection_failure
 
@@ -266,11 +266,11 @@ class HttpLineStream(EngineStream):
         """The path and JSON body of the request."""
         raise NotImplementedError
 
-    async def _next_item(self) -> EngineItem:
+    async def _next_item(self) -> EngineDelta:
         """The next item; raises StopAsyncIteration after the end marker."""
         raise NotImplementedError
 
-    async def __anext__(self) -> EngineItem:
+    async def __anext__(self) -> EngineDelta:
         if self._pending_error is not None:
             exc, self._pending_error = self._pending_error, None
             raise exc
@@ -300,7 +300,7 @@ class HttpLineStream(EngineStream):
             self.close()
             raise
 
-    async def next_batch(self, limit: int) -> list[EngineItem]:
+    async def next_batch(self, limit: int) -> list[EngineDelta]:
         """The next item (waiting for it as `__anext__` does), then every further item whose
         bytes are already buffered, up to `limit`: one wake-up of the reader takes what a burst
         delivered. Stops after the item that finishes the model, so the wait for the end marker
@@ -325,7 +325,7 @@ class HttpLineStream(EngineStream):
             reader.nowait = False
         return items
 
-    def _take_buffered(self, items: list[EngineItem], limit: int) -> int:
+    def _take_buffered(self, items: list[EngineDelta], limit: int) -> int:
         """A protocol's fast path for `next_batch`: appends the items of buffered events of its
         most common shape, parsed in one loop; how many. The general path reads the rest."""
         return 0

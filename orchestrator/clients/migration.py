@@ -8,7 +8,7 @@ concatenate to exactly what an uninterrupted run would have produced (exact for 
 with greedy or seeded decoding). It never re-dispatches a request that finished or was cancelled.
 
 A backend without token ids (`openai` with `api: chat`) resumes from the delivered text alone: its
-items say how many tokens they stand for (`EngineItem.token_count`), and where the prompt's token
+items say how many tokens they stand for (`EngineDelta.token_count`), and where the prompt's token
 count is not known yet, the max_seq_len check estimates it as a quarter of the prompt's characters.
 
 What the pipeline received decides how a request moves (it may have released none of it yet, but
@@ -35,9 +35,8 @@ from ..config import MigrationConfig
 from .backend import (
     CannotContinue,
     Continuation,
-    EngineItem,
+    EngineDelta,
     EngineStream,
-    GenerationChunk,
     GenerationError,
     GenerationRequest,
 )
@@ -113,7 +112,7 @@ BATCH_ITEMS = 256
 
 
 class MigratingStream:
-    """AsyncIterator[GenerationChunk] over one or more replica dispatches; `next_batch()` gives
+    """AsyncIterator[EngineDelta] over one or more replica dispatches; `next_batch()` gives
     the chunks of every item already buffered at once (the pipeline's reader uses it).
 
     Raises GenerationError when generation cannot go on; `aclose()` (or leaving `async with`)
@@ -148,8 +147,8 @@ class MigratingStream:
         self._current: EngineStream | None = None
         self._replay: Replay | None = None  # the prefix the current dispatch regenerates
         self._started = time.monotonic()
-        self._gen: AsyncGenerator[list[GenerationChunk], None] = self._run()
-        self._pending: deque[GenerationChunk] = deque()  # of a batch, for `__anext__`
+        self._gen: AsyncGenerator[list[EngineDelta], None] = self._run()
+        self._pending: deque[EngineDelta] = deque()  # of a batch, for `__anext__`
         self._batch_items = BATCH_ITEMS
 
     # -- public ---------------------------------------------------------------------------------
@@ -166,14 +165,14 @@ class MigratingStream:
     def __aiter__(self) -> MigratingStream:
         return self
 
-    async def __anext__(self) -> GenerationChunk:
+    async def __anext__(self) -> EngineDelta:
         if self._closed:
             raise StopAsyncIteration
         if not self._pending:
             self._pending.extend(await self._gen.__anext__())
         return self._pending.popleft()
 
-    async def next_batch(self, max_items: int = BATCH_ITEMS) -> list[GenerationChunk]:
+    async def next_batch(self, max_items: int = BATCH_ITEMS) -> list[EngineDelta]:
         """The next chunk and every further one whose item the replica had already sent, up to
         `max_items` (one wake-up of the reader for a burst, not one per token);
         StopAsyncIteration at the end."""
@@ -209,7 +208,7 @@ class MigratingStream:
 
     # -- the work -------------------------------------------------------------------------------
 
-    async def _run(self) -> AsyncGenerator[list[GenerationChunk], None]:
+    async def _run(self) -> AsyncGenerator[list[EngineDelta], None]:
         rid = self.request.request_id or "-"
         original: GenerationError | None = None
         attempt = 0
@@ -438,15 +437,15 @@ class MigratingStream:
         self._current = stream
         return stream
 
-    async def _read(self, stream: EngineStream) -> list[EngineItem]:
+    async def _read(self, stream: EngineStream) -> list[EngineDelta]:
         """The stream's next items: a buffered burst where the stream can give one."""
         next_batch = getattr(stream, "next_batch", None)
         if next_batch is not None:
-            items: list[EngineItem] = await next_batch(self._batch_items)
+            items: list[EngineDelta] = await next_batch(self._batch_items)
             return items
         return [await anext(stream)]
 
-    def _take(self, items: list[EngineItem]) -> list[GenerationChunk]:
+    def _take(self, items: list[EngineDelta]) -> list[EngineDelta]:
         """The chunks of a read; during a replay, only what follows the delivered prefix."""
         if self._replay is None:
             return [c for c in map(self._accept, items) if c is not None]
@@ -504,13 +503,13 @@ class MigratingStream:
             return True
         return p.max_time > 0 and time.monotonic() - self._started >= p.max_time
 
-    def _local_finish(self) -> GenerationChunk:
+    def _local_finish(self) -> EngineDelta:
         """The final chunk of a stream whose model finished but whose replica never said so."""
         p = self.request.params
         self.finish_reason = "MAX_TOKENS" if self._generated >= p.max_new_tokens else "TIME_LIMIT"
         return self._chunk((), "")
 
-    def _accept(self, item: EngineItem) -> GenerationChunk | None:
+    def _accept(self, item: EngineDelta) -> EngineDelta | None:
         if not self._ids and item.prompt_token_ids is not None:
             self._prompt_ids = item.prompt_token_ids
         if not self._ids and item.seed is not None and self.request.params.seed is None:
@@ -531,11 +530,11 @@ class MigratingStream:
             return None
         return self._chunk(item.token_ids, item.text)
 
-    def _chunk(self, token_ids: tuple[int, ...], text: str) -> GenerationChunk:
-        return GenerationChunk(
-            token_ids=token_ids,
-            text=text,
-            generated_token_count=self._generated,
+    def _chunk(self, token_ids: tuple[int, ...], text: str) -> EngineDelta:
+        return EngineDelta(
+            token_ids,
+            text,
+            self.finish_reason,
             input_token_count=self.input_token_count or 0,
-            finish_reason=self.finish_reason,
+            generated_token_count=self._generated,
         )

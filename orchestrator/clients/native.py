@@ -25,7 +25,7 @@ from .backend import (
     FINISH_REASONS,
     ChatMessage,
     Continuation,
-    EngineItem,
+    EngineDelta,
     GenerationError,
     GenerationRequest,
     unavailable,
@@ -87,7 +87,7 @@ def _loads(raw: bytes) -> Any:
         raise ValueError("nested too deeply") from None
 
 
-def parse_data(name: str, data: Any) -> EngineItem:
+def parse_data(name: str, data: Any) -> EngineDelta:
     """A `data` object of the native protocol; anything malformed fails the replica."""
     if not isinstance(data, dict):
         raise unavailable(f"replica {name} sent a malformed item: data is not an object")
@@ -112,7 +112,7 @@ def parse_data(name: str, data: Any) -> EngineItem:
     seed = data.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):
         seed = None
-    return EngineItem(
+    return EngineDelta(
         token_ids=token_ids,
         text=text,
         finish_reason=finish,
@@ -147,7 +147,7 @@ class NativeStream(HttpLineStream):
     async def _request(self) -> tuple[str, dict[str, Any]]:
         return "/v1/generate", self._body
 
-    async def _next_item(self) -> EngineItem:
+    async def _next_item(self) -> EngineDelta:
         assert self._reader is not None
         name = self._client.name
         grace = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
@@ -163,7 +163,7 @@ class NativeStream(HttpLineStream):
             self._finished = True
         return item
 
-    def _parse(self, line: bytes) -> EngineItem | None:
+    def _parse(self, line: bytes) -> EngineDelta | None:
         """An item, or None for the end marker."""
         name = self._client.name
         if not line.strip():

@@ -1,5 +1,5 @@
 """The streams of an OpenAI-compatible server (clients/openai.py): server-sent events read over
-the line transport, as EngineItems; `OpenAIStream` for `api: completions`, `ChatStream` for
+the line transport, as EngineDeltas; `OpenAIStream` for `api: completions`, `ChatStream` for
 `api: chat`. What they need of their client is `OpenAIServer` (the client implements it).
 """
 
@@ -16,7 +16,7 @@ from servicekit.text_gate import TextGate
 from .backend import (
     CannotContinue,
     Continuation,
-    EngineItem,
+    EngineDelta,
     GenerationError,
     GenerationRequest,
     unavailable,
@@ -199,9 +199,9 @@ class SseStream(HttpLineStream):
             raise unavailable(f"replica {name} reported an error")
         return obj
 
-    def _time_limit(self) -> EngineItem:
+    def _time_limit(self) -> EngineDelta:
         self.close()
-        return EngineItem(token_ids=(), text="", finish_reason="TIME_LIMIT", token_count=0)
+        return EngineDelta(token_ids=(), text="", finish_reason="TIME_LIMIT", token_count=0)
 
 
 class OpenAIStream(SseStream):
@@ -214,7 +214,7 @@ class OpenAIStream(SseStream):
     _with_ids: bool | None = None  # whether this stream's events carry token ids
     _counted = 0  # tokens the items of a stream without ids stood for so far
 
-    async def _next_item(self) -> EngineItem:
+    async def _next_item(self) -> EngineDelta:
         name = self._client.name
         while True:
             if self._deadline_passed():
@@ -267,7 +267,7 @@ class OpenAIStream(SseStream):
             c.model, request, prompt, delivered, traits.refused
         )
 
-    def _parse(self, payload: bytes) -> EngineItem | None:
+    def _parse(self, payload: bytes) -> EngineDelta | None:
         name = self._client.name
         obj = self._decode(payload)
         choices = obj.get("choices")
@@ -304,7 +304,7 @@ class OpenAIStream(SseStream):
             prompt_ids = int_list(choice["prompt_token_ids"])
             if prompt_ids is None:
                 raise unavailable(f"replica {name} sent malformed prompt_token_ids")
-        return EngineItem(
+        return EngineDelta(
             token_ids=token_ids,
             text=text,
             finish_reason=finish,
@@ -312,7 +312,7 @@ class OpenAIStream(SseStream):
             input_token_count=len(prompt_ids) if prompt_ids is not None else None,
         )
 
-    def _text_item(self, text: str, finish: str | None, usage: Any) -> EngineItem | None:
+    def _text_item(self, text: str, finish: str | None, usage: Any) -> EngineDelta | None:
         """An event of a stream without token ids: one token per text event; the final one takes
         the server's count where its event has the usage (transformers serve puts it there)."""
         out, stopped = self._gated(text, finish is not None)
@@ -338,7 +338,7 @@ class OpenAIStream(SseStream):
         if not out and not count and finish is None:
             return None
         self._counted += count
-        return EngineItem(
+        return EngineDelta(
             token_ids=(),
             text=out,
             finish_reason=finish,
@@ -383,7 +383,7 @@ class ChatStream(SseStream):
         body = chat_body(c.model, self._request_, self._continuation, c.traits.refused)
         return "/v1/chat/completions", body
 
-    async def _next_item(self) -> EngineItem:
+    async def _next_item(self) -> EngineDelta:
         if self._failure is not None:
             exc, self._failure = self._failure, None
             raise exc
@@ -397,7 +397,7 @@ class ChatStream(SseStream):
             self._failure = exc
             return self._release()
 
-    async def _read(self) -> EngineItem:
+    async def _read(self) -> EngineDelta:
         name = self._client.name
         while True:
             if self._deadline_passed():
@@ -485,7 +485,7 @@ class ChatStream(SseStream):
             stop_reason = choice.get("matched_stop")  # SGLang
         return text, None if finish is None else str(finish), stop_reason
 
-    def _release(self) -> EngineItem:
+    def _release(self) -> EngineDelta:
         """The held final item, with the server's counts where it sent them."""
         assert self._held is not None
         text, finish, had_text = self._held
@@ -495,7 +495,7 @@ class ChatStream(SseStream):
             own = max(own, self._completion_tokens - self._counted)
         return self._item(text, finish, own)
 
-    def _take_buffered(self, items: list[EngineItem], limit: int) -> int:
+    def _take_buffered(self, items: list[EngineDelta], limit: int) -> int:
         """Buffered events that are plain content deltas (one choice, `delta.content` text, no
         finish reason, no usage, no error) become items here; anything else stops the loop
         unconsumed, for `_read`."""
@@ -528,15 +528,15 @@ class ChatStream(SseStream):
             if obj.get("object") == "error":
                 break
             reader.consume(peeked[1])
-            if text:  # an EngineItem per token: built positionally (half the time of keywords)
-                items.append(EngineItem((), text, None, None, input_count, None, 1))
+            if text:  # an EngineDelta per token: built positionally (half the time of keywords)
+                items.append(EngineDelta((), text, None, None, input_count, None, 1))
                 self._counted += 1
                 taken += 1
         return taken
 
-    def _item(self, text: str, finish: str | None, count: int) -> EngineItem:
+    def _item(self, text: str, finish: str | None, count: int) -> EngineDelta:
         self._counted += count
-        return EngineItem(
+        return EngineDelta(
             token_ids=(),
             text=text,
             finish_reason=finish,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .backend import EngineItem, GenerationParams
+from .backend import EngineDelta, GenerationParams
 
 
 class ReplayMismatch(Exception):
@@ -59,7 +59,7 @@ class Replay:
         replica has none)."""
         return self.done and (self._ids_at == len(self._ids) or self._no_ids)
 
-    def take(self, item: EngineItem) -> EngineItem | None:
+    def take(self, item: EngineDelta) -> EngineDelta | None:
         """The part of `item` past the delivered prefix; None while it is all within it.
         Raises ReplayMismatch where the regenerated answer differs from the delivered one."""
         ids = item.token_ids
