@@ -33,6 +33,7 @@ from ..api.openai_chat import (
     OutputDetections,
     Usage,
 )
+from .event_fold import EventFold
 from .events import Frame, Refusal, Rendered, Terminal
 from .finding_wire import tcr, tcr_model
 from .findings import Finding, sort_findings
@@ -208,47 +209,25 @@ class ChatChunkWriter:
         return out + DONE
 
 
-class ChatCompletionFold:
+class ChatCompletionFold(EventFold):
     """The unary `chat.completion`; an error anywhere is a real HTTP error (nothing was sent)."""
 
     def __init__(self, model: str) -> None:
+        super().__init__()
         self._model = model
-        self._texts: list[str] = []
-        self._output: list[Finding] = []
-        self._input: list[Finding] = []
-        self._refusal: str | None = None
-        self._terminal: Terminal | None = None
-
-    def in_band(self, failure: Failure) -> bool:
-        return False
-
-    def add(self, event: Rendered) -> None:
-        if isinstance(event, Frame):
-            self._texts.append(event.text)
-            self._output.extend(event.detections)
-            if event.input_detections:
-                self._input.extend(event.input_detections)
-        elif isinstance(event, Refusal):
-            self._refusal = event.message
-            if event.direction == "input":
-                self._input.extend(event.detections)
-            else:
-                self._output.extend(event.detections)
-        elif isinstance(event, Terminal):
-            self._terminal = event
 
     def body(self) -> dict[str, Any]:
-        terminal = self._terminal
+        terminal = self.terminal
         assert terminal is not None
-        refused = self._refusal is not None
+        refusal = self.refusal.message if self.refusal is not None else None
         detections = None
-        if self._input or self._output:
+        if self.input or self.output:
             detections = ChatDetections(
-                input=_input(sort_findings(self._input)).input if self._input else None,
-                output=_output(self._output).output if self._output else None,
+                input=_input(sort_findings(self.input)).input if self.input else None,
+                output=_output(self.output).output if self.output else None,
             )
-        warnings = [INPUT_WARNING] if refused and self._input else []
-        if self._output:
+        warnings = [INPUT_WARNING] if refusal is not None and self.input else []
+        if self.output:
             warnings.append(OUTPUT_WARNING)
         completion = ChatCompletion(
             id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -257,8 +236,8 @@ class ChatCompletionFold:
             choices=[
                 Choice(
                     message=AssistantMessage(
-                        content=None if refused else "".join(self._texts),
-                        refusal=self._refusal,
+                        content=None if refusal is not None else "".join(self.texts),
+                        refusal=refusal,
                     ),
                     finish_reason=finish_reason(terminal),  # type: ignore[arg-type]
                 )

@@ -15,6 +15,7 @@ from typing import Any
 from ..api.errors import ErrorBody, Failure
 from ..api.fms_responses import UNSUITABLE_OUTPUT
 from .chat_writer import finish_reason, usage
+from .event_fold import EventFold
 from .events import Frame, Refusal, Rendered, Terminal
 from .finding_wire import completion_detection
 from .findings import Finding, sort_findings
@@ -124,51 +125,30 @@ class CompletionChunkWriter:
         return out + DONE
 
 
-class CompletionFold:
+class CompletionFold(EventFold):
     """The unary `text_completion`; an error anywhere is a real HTTP error."""
 
     def __init__(self, model: str) -> None:
+        super().__init__()
         self._model = model
-        self._texts: list[str] = []
-        self._output: list[Finding] = []
-        self._input: list[Finding] = []
-        self._input_refused = False
-        self._terminal: Terminal | None = None
-        self._refused_tokens = 0
-
-    def in_band(self, failure: Failure) -> bool:
-        return False
-
-    def add(self, event: Rendered) -> None:
-        if isinstance(event, Frame):
-            self._texts.append(event.text)
-            self._output.extend(event.detections)
-            self._input.extend(event.input_detections or ())
-        elif isinstance(event, Refusal):
-            if event.direction == "input":
-                self._input_refused = True
-                self._refused_tokens = event.input_token_count or 0
-                self._input.extend(event.detections)
-            else:
-                self._output.extend(event.detections)
-        elif isinstance(event, Terminal):
-            self._terminal = event
 
     def body(self) -> dict[str, Any]:
-        terminal = self._terminal
+        terminal = self.terminal
         assert terminal is not None
         detections: dict[str, Any] = {}
-        if self._input:
-            detections.update(_input(sort_findings(self._input)))
-        if self._output:
-            detections.update(_output(self._output))
-        warnings = [INPUT_WARNING] if self._input_refused else []
-        if self._output:
+        if self.input:
+            detections.update(_input(sort_findings(self.input)))
+        if self.output:
+            detections.update(_output(self.output))
+        refused = self.input_refused
+        warnings = [INPUT_WARNING] if refused else []
+        if self.output:
             warnings.append(OUTPUT_WARNING)
-        if self._input_refused:  # as the FMS orchestrator: no choices, the prompt's count
+        if refused:  # as the FMS orchestrator: no choices, the prompt's count
+            assert self.refusal is not None
             choices: list[dict[str, Any]] = []
             counts = {
-                "prompt_tokens": self._refused_tokens,
+                "prompt_tokens": self.refusal.input_token_count or 0,
                 "total_tokens": 0,
                 "completion_tokens": 0,
             }
@@ -176,7 +156,7 @@ class CompletionFold:
             choices = [
                 {
                     "index": 0,
-                    "text": "".join(self._texts),
+                    "text": "".join(self.texts),
                     "logprobs": None,
                     "finish_reason": finish_reason(terminal),
                 }
