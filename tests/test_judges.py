@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
 from orchestrator.app import CHAT_PATH, RESPONSES_PATH, STREAMING_PATH
 from orchestrator.clients.judges import JudgeDetectorClient
@@ -362,3 +364,14 @@ def test_config_errors_name_the_path_and_the_fix() -> None:
         "detectors.guard.template: only a detector of type openai_judge takes it",
         "detectors.guard.on_error: only a detector of type openai_judge takes it",
     ]
+
+
+def test_the_readme_judge_example_is_a_valid_config() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Judge detectors", 1)[1]
+    example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    example["chunkers"] = {"sentence": {"type": "sentence"}}
+    example["models"]["smollm2-135m"]["backends"] = [{"type": "native", "url": "http://e:1"}]
+    config = parse_config(example)
+    judge = config.detectors["llama-guard"]
+    assert (judge.type, judge.template, judge.on_error) == ("openai_judge", "llama_guard", "block")
