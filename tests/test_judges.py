@@ -375,3 +375,23 @@ def test_the_readme_judge_example_is_a_valid_config() -> None:
     config = parse_config(example)
     judge = config.detectors["llama-guard"]
     assert (judge.type, judge.template, judge.on_error) == ("openai_judge", "llama_guard", "block")
+
+
+async def test_an_annotating_input_judge_that_fails_lets_the_prompt_through_with_a_warning(
+    engine, judge
+) -> None:
+    """Before the fix this was a 500: the unjudged warning was taken for a
+    redaction of the prompt."""
+    judge.fault = "http"
+    async with Orchestrator(judged_config(engine, judge, "input", on_error="annotate")) as orch:
+        name, got, _ = fms_end(await raw(orch, "fms"))
+    assert name == "completed"
+    assert "".join(f.get("generated_text", "") for f in got) == "".join(SCRIPT)
+    [warning] = got[0]["token_classification_results"]["input"]
+    assert (warning["entity_group"], warning["entity"], warning["word"]) == (
+        "judge_error",
+        "unjudged",
+        PROMPT,
+    )
+    [request] = engine.requests
+    assert PROMPT in str(request)

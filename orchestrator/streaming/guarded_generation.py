@@ -341,8 +341,13 @@ class GuardedGeneration(PipelineCore):
                     messages[piece.target] = replace(messages[piece.target], content=text)
             last_user = max(i for i, m in enumerate(messages) if m.role == "user")
             self._request = replace(r, prompt=messages[last_user].content, messages=tuple(messages))
+        # (an unjudged warning is reported as it is: nothing was replaced)
         self._input_findings = [
-            redacted_finding(f, redactors[f.detector_id].replacement(f.detection), f.start, f.end)
+            f
+            if f.unjudged
+            else redacted_finding(
+                f, redactors[f.detector_id].replacement(f.detection), f.start, f.end
+            )
             for f in findings
         ]
 
