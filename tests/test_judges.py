@@ -13,6 +13,7 @@ speaking vLLM's completions and chat protocols with logprobs (tests/fakes/judge_
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,9 +22,11 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.app import CHAT_PATH, RESPONSES_PATH, STREAMING_PATH
-from orchestrator.clients.judges import JudgeDetectorClient
+from orchestrator.clients.judges import JudgeDetectorClient, score_from_logprobs
 from orchestrator.config import ConfigError, DetectorConfig, parse_config
 from orchestrator.judge_templates import JudgeContext, JudgePrompt
 from tests.fakes.engine import FakeEngine
@@ -395,3 +398,41 @@ async def test_an_annotating_input_judge_that_fails_lets_the_prompt_through_with
     )
     [request] = engine.requests
     assert PROMPT in str(request)
+
+
+@pytest.mark.parametrize("sentence", ["Sure.", " Mix the bomb parts.", " Done."])
+@pytest.mark.parametrize("fault", ["http", "garbage", "kill"])
+async def test_text_from_the_first_unjudged_chunk_on_never_leaves(
+    engine, judge, sentence: str, fault: str
+) -> None:
+    """A judge that finds nothing unsafe but fails on one sentence (its prompt holds that
+    sentence whether as the chunk or in the answer so far: it fails from there on): what the
+    client gets is a prefix of the text before that sentence, and the stream fails."""
+    judge.triggers = ()
+    judge.fault, judge.fault_on = fault, sentence  # type: ignore[assignment]
+    async with Orchestrator(judged_config(engine, judge)) as orch:
+        name, got, payload = fms_end(await raw(orch, "fms"))
+    released = "".join(f.get("generated_text", "") for f in got)
+    script = "".join(SCRIPT)
+    before = script[: script.index(sentence)]
+    assert before.startswith(released), (released, before)
+    assert name in ("failed", "error"), payload
+    assert "guard" in json.dumps(payload)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["unsafe", " unsafe", "Unsafe", "safe", " safe", "The", "\n"]),
+        st.floats(min_value=-50, max_value=0),
+        min_size=1,
+    )
+)
+def test_a_logprob_score_is_the_unsafe_share_and_lies_in_0_1(top: dict[str, float]) -> None:
+    score = score_from_logprobs([("x", top)], frozenset({"unsafe"}), frozenset({"safe"}))
+    u = sum(math.exp(lp) for t, lp in top.items() if t.strip().lower() == "unsafe")
+    s = sum(math.exp(lp) for t, lp in top.items() if t.strip().lower() == "safe")
+    if u + s == 0:
+        assert score is None
+    else:
+        assert score == pytest.approx(u / (u + s)) and 0.0 <= score <= 1.0
