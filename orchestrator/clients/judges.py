@@ -12,8 +12,8 @@ Fail-closed (`on_error: block`, the default): a judge that answers an HTTP error
 reached, misses `timeout_s`, or answers something that is neither safe nor unsafe fails the call
 like any detector (DetectorCallError): the text it did not judge never leaves (DESIGN 4.7).
 With `on_error: annotate` the call is still counted as an error in the detector-call metrics,
-and each content it did not judge gets an `unjudged` detection (detection_type `judge_error`)
-that never blocks, redacts or refuses: the text flows with that warning.
+and every content of the failed call gets an `unjudged` detection (detection_type
+`judge_error`) that never blocks, redacts or refuses: the text flows with that warning.
 """
 
 from __future__ import annotations
