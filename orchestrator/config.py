@@ -26,6 +26,7 @@ import chunkers
 import detectors
 from servicekit.model_specs import spec_problem
 
+from . import judge_templates
 from .suggestions import closest, did_you_mean, fields_at
 
 WHOLE_DOC_CHUNKER = "whole_doc_chunker"
@@ -33,7 +34,18 @@ NO_MODELS = "models: at least one model is required (clients name it as model_id
 DEFAULT_REDACT_WITH = "[{entity}]"
 MAX_REDACT_WITH = 256
 CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
-DETECTOR_TYPES = ("text_contents", "text_generation", "text_chat", "text_context_doc")
+JUDGE_TYPE = "openai_judge"
+JUDGE_FIELDS = (
+    "model",
+    "template",
+    "api",
+    "unsafe_tokens",
+    "safe_tokens",
+    "categories",
+    "on_error",
+)
+# the types that judge text (input and output guardrails, the content endpoints)
+TEXT_TYPES = ("text_contents", JUDGE_TYPE)
 
 
 class Strict(BaseModel):
@@ -296,13 +308,16 @@ class DetectorConfig(Strict):
     """A detector, keyed by the detector_id clients name: a built-in running in the orchestrator,
     or a remote service speaking the detector API (exactly one of `builtin` and `url`)."""
 
-    type: Literal["text_contents", "text_generation", "text_chat", "text_context_doc"] = (
-        "text_contents"
-    )
+    type: Literal[
+        "text_contents", "text_generation", "text_chat", "text_context_doc", "openai_judge"
+    ] = "text_contents"
     """The detector API it speaks: `text_contents` (input and output text, the content
     endpoints; every built-in), or a kind of the FMS detection endpoints, served by a remote
     detector: `text_chat` (/api/v2/text/detection/chat), `text_context_doc` (.../context),
-    `text_generation` (.../generated and /api/v2/text/generation-detection)."""
+    `text_generation` (.../generated and /api/v2/text/generation-detection); or `openai_judge`:
+    a safety model (Llama Guard, Granite Guardian, ShieldGemma, any instruct model zero-shot)
+    behind an OpenAI-compatible server at `url`, judging text like a `text_contents`
+    classifier (README "Judge detectors")."""
     builtin: str | None = None
     """An in-process built-in: `regex`, `profanity`, `prompt_injection`, `topic`,
     `hf_classifier` (its settings go in `params`)."""
@@ -334,6 +349,34 @@ class DetectorConfig(Strict):
     is taken for a span detector unless this says `chunks`."""
     tls: ClientTlsConfig | None = None
     """TLS options for an https:// detector service."""
+    model: str | None = None
+    """`openai_judge`: the model name the server knows (what it lists in /v1/models)."""
+    template: str | None = None
+    """`openai_judge`: the judge's prompt: a shipped template (`llama_guard`, `yes_no` for
+    Granite Guardian/ShieldGemma-style yes/no questions, `zero_shot` for any instruct model) or
+    an inline Jinja template (sandboxed; variables: `messages`, `role`, `prefix`, `chunk`,
+    `text`, `categories` and the keys of `params`)."""
+    api: Literal["completions", "chat"] | None = None
+    """`openai_judge`: `completions` (the rendered template is the prompt; default) or `chat`
+    (it is the one user message, for a server that only chats)."""
+    unsafe_tokens: list[StrictStr] | None = Field(None, min_length=1)
+    """`openai_judge`: the answer words that mean unsafe (default: the shipped template's;
+    required with an inline template). The score is their probability over the safe and unsafe
+    words at the answer's first token, from the server's logprobs, else 1.0 when the answer's
+    first word is one of them."""
+    safe_tokens: list[StrictStr] | None = Field(None, min_length=1)
+    """`openai_judge`: the answer words that mean safe (see unsafe_tokens)."""
+    categories: dict[str, StrictStr] | None = None
+    """`openai_judge`: category code -> name (`{S1: Violent Crimes}`): the codes on the
+    answer's second line (Llama Guard's `S1,S10`) become the detection's entity, the names
+    joined by commas; the `llama_guard` template lists them as its policy (default: Llama
+    Guard 3's fourteen)."""
+    on_error: Literal["block", "annotate"] | None = None
+    """`openai_judge`: what a judge that fails (an HTTP error, unreachable, a reply that is no
+    verdict, over timeout_s) does: `block` (default: the request fails as for any detector
+    error, and the text it did not judge never leaves) or `annotate` (the text flows, with an
+    `unjudged` detection of type `judge_error` on it). Either way it counts as an `error` in
+    guardstream_detector_calls."""
 
 
 class Config(Strict):
@@ -380,9 +423,17 @@ def cross_reference_errors(
     for detector_id, det in config.detectors.items():
         path = f"detectors.{detector_id}"
         errors.extend(_threshold_errors(f"{path}.params.threshold", det.params.get("threshold")))
-        if (det.builtin is None) == (det.url is None):
+        if det.type == JUDGE_TYPE:
+            errors.extend(judge_errors(path, det))
+        else:
+            errors.extend(
+                f"{path}.{name}: only a detector of type openai_judge takes it"
+                for name in JUDGE_FIELDS
+                if getattr(det, name) is not None
+            )
+        if det.type != JUDGE_TYPE and (det.builtin is None) == (det.url is None):
             errors.append(f"{path}: exactly one of 'builtin' and 'url' is required")
-        if det.builtin is not None and det.type != "text_contents":
+        if det.builtin is not None and det.type not in ("text_contents", JUDGE_TYPE):
             errors.append(
                 f"{path}.type: a built-in detector speaks text_contents (the other kinds are "
                 "remote detectors'; a built-in serves chat and generated detection as it is)"
@@ -418,7 +469,7 @@ def cross_reference_errors(
                             f"{path}: unknown detector '{detector_id}'"
                             + did_you_mean(detector_id, config.detectors)
                         )
-                elif det.type != "text_contents":
+                elif det.type not in TEXT_TYPES:
                     errors.append(f"{path}: detector type '{det.type}' cannot judge text")
                 if not isinstance(params, dict):
                     errors.append(f"{path}: must be a mapping of detector params")
@@ -448,6 +499,45 @@ def cross_reference_errors(
             url = getattr(backend, "url", None)
             if url is not None and not url.startswith(("http://", "https://")):
                 errors.append(f"{path}.url: must start with http:// or https://")
+    return errors
+
+
+def judge_errors(path: str, det: DetectorConfig) -> list[str]:
+    """What an `openai_judge` entry needs: a server, a model, a template that exists (or
+    compiles) and answer words for it, never a built-in."""
+    errors: list[str] = []
+    if det.builtin is not None:
+        errors.append(f"{path}.builtin: a judge is a model behind `url`, not a built-in")
+    if det.url is None:
+        errors.append(f"{path}.url: a judge needs the OpenAI-compatible server's base URL")
+    if det.model is None:
+        errors.append(f"{path}.model: a judge needs the model name its server knows")
+    if det.judges == "spans":
+        errors.append(f"{path}.judges: a judge judges chunks (its verdict is on the whole chunk)")
+    if det.template is None:
+        errors.append(
+            f"{path}.template: a judge needs a template: "
+            f"{', '.join(sorted(judge_templates.SHIPPED))} or an inline Jinja template"
+        )
+        return errors
+    problem = judge_templates.template_problem(det.template)
+    if problem is not None:
+        errors.append(f"{path}.template: {problem}")
+    elif judge_templates.is_inline(det.template):
+        for name in ("unsafe_tokens", "safe_tokens"):
+            if getattr(det, name) is None:
+                errors.append(f"{path}.{name}: required with an inline template")
+    shipped = judge_templates.SHIPPED.get(det.template)
+    unsafe = det.unsafe_tokens or (shipped.unsafe_tokens if shipped else ())
+    safe = det.safe_tokens or (shipped.safe_tokens if shipped else ())
+    for name, words in (("unsafe_tokens", unsafe), ("safe_tokens", safe)):
+        if any(not w.strip() for w in words):
+            errors.append(f"{path}.{name}: an answer word cannot be blank")
+    both = {w.strip().lower() for w in unsafe} & {w.strip().lower() for w in safe}
+    if both:
+        errors.append(
+            f"{path}.safe_tokens: {', '.join(sorted(both))} cannot mean both safe and unsafe"
+        )
     return errors
 
 

@@ -25,6 +25,7 @@ from detectors.api import ContentsRequest, Detection
 
 from .. import tracing
 from ..config import ConfigError, DetectorConfig
+from ..judge_templates import JudgeContext
 from .peers import BodyTooLarge, log_error_body, read_bounded, read_error_body
 from .reasons import connection_failure
 
@@ -84,12 +85,30 @@ class DetectorClient(ABC):
         """A classifier (its verdict is on the chunk it was given), not a span detector."""
         return self.config.judges == "chunks"
 
-    async def detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
+    @property
+    def reads_context(self) -> bool:
+        """A judge (clients/judges.py): on output it reads the conversation and the answer so
+        far beside each chunk (`detect`'s `context`), so its chunks are consecutive text."""
+        return False
+
+    async def detect(
+        self,
+        contents: list[str],
+        params: dict[str, Any],
+        context: JudgeContext | None = None,
+    ) -> list[list[Detection]]:
         """`params` are the request's detector_params (config params are merged under them).
-        Every call, in-process or remote, is reported to `on_call` with its outcome and time."""
+        `context`: output judging's conversation and answer so far, for a detector that
+        `reads_context` (the others judge the text alone). Every call, in-process or remote,
+        is reported to `on_call` with its outcome and time."""
         # the call's span, named by a remote call's traceparent (None: tracing is off)
         traced = tracing.start_detector_call(self.detector_id, contents)
-        return await self._recorded(self._detect(contents, params), traced)
+        return await self._recorded(self._detect_in_context(contents, params, context), traced)
+
+    async def _detect_in_context(
+        self, contents: list[str], params: dict[str, Any], context: JudgeContext | None
+    ) -> list[list[Detection]]:
+        return await self._detect(contents, params)
 
     async def _recorded(self, call: Awaitable[T], traced: Any = None) -> T:
         """`call`'s result, its outcome and time reported to `on_call` (and its span ended)."""

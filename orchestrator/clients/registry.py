@@ -16,6 +16,7 @@ from ..api.errors import invalid, not_found
 from ..api.fms_requests import DetectorMap, DetectorParams
 from ..config import (
     DEFAULT_REDACT_WITH,
+    JUDGE_TYPE,
     ORCHESTRATOR_PARAM_KEYS,
     WHOLE_DOC_CHUNKER,
     Config,
@@ -28,6 +29,7 @@ from .detectors import (
     HttpDetectorClient,
     InProcessDetectorClient,
 )
+from .judges import JudgeDetectorClient
 from .tls import client_ssl_context
 
 
@@ -109,7 +111,8 @@ class DetectorRegistry:
                 ctx: ssl.SSLContext | bool | None = client_ssl_context(
                     det.tls, where=f"detectors.{detector_id}.tls"
                 )
-                self._clients[detector_id] = HttpDetectorClient(
+                remote = JudgeDetectorClient if det.type == JUDGE_TYPE else HttpDetectorClient
+                self._clients[detector_id] = remote(
                     detector_id, det, session, ssl_context=ctx, **extra
                 )
 
@@ -136,7 +139,9 @@ class DetectorRegistry:
             if det is None:
                 hint = f" (available: {', '.join(sorted(self._configs)) or 'none'})"
                 raise not_found(f"detector `{detector_id}` not found{'' if fms_wording else hint}")
-            if det.type not in kinds:
+            # a judge judges text as a text_contents classifier does
+            kind = "text_contents" if det.type == JUDGE_TYPE else det.type
+            if kind not in kinds:
                 if fms_wording:
                     raise invalid(f"detector `{detector_id}` is not supported by this endpoint")
                 raise invalid(
@@ -149,6 +154,12 @@ class DetectorRegistry:
             forwarded = params.detector_params()
             for key in ORCHESTRATOR_PARAM_KEYS:
                 forwarded.pop(key, None)
+            if det.type == JUDGE_TYPE and forwarded:
+                # a judge's template and its variables come from the config, never a request
+                raise invalid(
+                    f"{path}.{detector_id}: a judge takes no detector params "
+                    f"(got {', '.join(sorted(forwarded))}; its prompt comes from the config)"
+                )
             if det.builtin is not None and forwarded:
                 # only what the built-in declares request-settable, checked before anything is
                 # merged: no path, no batching setting, no regex unless the config allows it
@@ -171,7 +182,7 @@ class DetectorRegistry:
                     if params.redact_with is not None
                     else str(det.params.get("redact_with", det.redact_with)),
                     judges_chunks=self._clients[detector_id].judges_chunks,
-                    kind=det.type,
+                    kind=kind,
                 )
             )
         return out

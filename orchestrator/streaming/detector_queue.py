@@ -15,6 +15,7 @@ from chunkers import Span
 from detectors.normalise import fold
 
 from ..clients.registry import RequestedDetector
+from ..judge_templates import JudgeContext
 from .aggregation import DetectorResult
 from .findings import Finding, kept_findings
 from .inbox import Inbox
@@ -119,7 +120,10 @@ class DetectorQueue:
         inbox: Inbox,
         *,
         max_batch: int = 32,
+        conversation: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        """`conversation`: the request's (role, content) messages, which a judge reads beside
+        each chunk with the answer before it (`reads_context`)."""
         self.detector = detector
         self._inbox = inbox
         self._max_batch = max_batch
@@ -134,7 +138,12 @@ class DetectorQueue:
         self._windowed = (
             detector.redacting and not detector.whole_doc and not detector.judges_chunks
         )
-        self._seamed = detector.blocking and not detector.whole_doc
+        # a judge reads the answer so far with each chunk: what straddles a boundary is in the
+        # context of the chunk after it, and a seam window would be judged out of context
+        self._in_context = detector.client.reads_context
+        self._seamed = detector.blocking and not detector.whole_doc and not self._in_context
+        self._conversation = conversation
+        self._answer = ""  # in context: the text judged so far (the chunks are consecutive)
         self._carry = ""  # windowed: text from `_carry_start` to the next chunk, not reported
         self._carry_start = 0
 
@@ -169,7 +178,13 @@ class DetectorQueue:
                 self._pending.popleft() for _ in range(min(self._max_batch, len(self._pending)))
             ]
             self.calls += 1
-            replies = await detector.client.detect([s.text for s in batch], detector.params)
+            texts = [s.text for s in batch]
+            if self._in_context:
+                context = JudgeContext(self._conversation, self._answer)
+                replies = await detector.client.detect(texts, detector.params, context)
+                self._answer += "".join(texts)
+            else:
+                replies = await detector.client.detect(texts, detector.params)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()  # a reader held while detectors are behind looks again
             ends = self._closed and not self._pending and (detector.redacting or detector.blocking)

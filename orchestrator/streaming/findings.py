@@ -10,6 +10,7 @@ from chunkers import Span
 from detectors.api import Detection
 
 from ..clients.detectors import DetectorCallError
+from ..clients.judges import UNJUDGED_TYPE
 from ..clients.registry import RequestedDetector
 
 
@@ -30,6 +31,9 @@ class Finding:
     field: str | None = None
     # the span was replaced (DESIGN 4.6a): `text` is the replacement, the span is where it is
     redacted: bool = False
+    # a warning, not a verdict: an `on_error: annotate` judge could not judge this text
+    # (clients/judges.py); it never blocks, redacts or refuses
+    unjudged: bool = False
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:
@@ -50,7 +54,9 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
 def kept_findings(
     detector: RequestedDetector, span: Span, detections: list[Detection]
 ) -> tuple[Finding, ...]:
-    """Detections with `score >= threshold`, shifted from chunk-relative to stream-relative."""
+    """Detections with `score >= threshold`, shifted from chunk-relative to stream-relative;
+    a judge's `unjudged` warning whatever its score (only a judge's: a remote detector cannot
+    turn a detection into a warning by its type)."""
     kept: list[Finding] = []
     size = len(span.text)
     for d in detections:
@@ -59,7 +65,8 @@ def kept_findings(
                 detector.detector_id,
                 f"detection span [{d.start}, {d.end}) lies outside its content of {size} characters",
             )
-        if d.score >= detector.threshold:
+        unjudged = d.detection_type == UNJUDGED_TYPE and detector.client.reads_context
+        if d.score >= detector.threshold or unjudged:
             kept.append(
                 Finding(
                     start=span.start + d.start,
@@ -71,6 +78,7 @@ def kept_findings(
                     score=d.score,
                     evidence=d.evidence,
                     metadata=d.metadata,
+                    unjudged=unjudged,
                 )
             )
     return tuple(kept)

@@ -213,7 +213,8 @@ class GuardedGeneration(PipelineCore):
                 if out:
                     yield out
             redactors = {d.detector_id: d for d in self._input_detectors if d.redacting}
-            if any(f.detector_id not in redactors for f in judged):  # block beats redact
+            # block beats redact; an unjudged warning refuses nothing (its judge annotates)
+            if any(f.detector_id not in redactors and not f.unjudged for f in judged):
                 yield await self._input_refused(judged)
                 return
             stops = [f for f in judged if f.field == STOP_SEQUENCE_FIELD]
@@ -225,7 +226,9 @@ class GuardedGeneration(PipelineCore):
                 self._redact_input(judged, redactors)
         stream = self._backend.stream(self._request)
         self._stream = stream
-        stage = StreamJudge(self._output_detectors, self._chunkers, self._inbox)
+        stage = StreamJudge(
+            self._output_detectors, self._chunkers, self._inbox, _conversation(self._request)
+        )
         stage.start(self._spawn)
         self._detection = stage
         if self._output_detectors:  # the reader stays within MAX_UNJUDGED_CHARS of them
@@ -338,8 +341,13 @@ class GuardedGeneration(PipelineCore):
                     messages[piece.target] = replace(messages[piece.target], content=text)
             last_user = max(i for i, m in enumerate(messages) if m.role == "user")
             self._request = replace(r, prompt=messages[last_user].content, messages=tuple(messages))
+        # (an unjudged warning is reported as it is: nothing was replaced)
         self._input_findings = [
-            redacted_finding(f, redactors[f.detector_id].replacement(f.detection), f.start, f.end)
+            f
+            if f.unjudged
+            else redacted_finding(
+                f, redactors[f.detector_id].replacement(f.detection), f.start, f.end
+            )
             for f in findings
         ]
 
@@ -571,3 +579,11 @@ def _stop_sequence_redacted(findings: list[Finding]) -> ApiError:
         f"`{first.detector_id}` redacts (a redacted stop sequence would change what the "
         "request asks for)",
     )
+
+
+def _conversation(request: GenerationRequest) -> tuple[tuple[str, str], ...]:
+    """What output judges read before the answer: the conversation the engine answers (after
+    input redaction), or an FMS prompt as the user's one message."""
+    if request.messages is not None:
+        return tuple((m.role, m.content) for m in request.messages)
+    return (("user", request.prompt),)

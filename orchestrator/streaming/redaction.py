@@ -63,7 +63,7 @@ class StreamRedactor:
         new = [
             (f.start, f.end, redactors[f.detector_id].replacement(f.detection))
             for f in findings
-            if f.detector_id in redactors and f.end > f.start
+            if f.detector_id in redactors and f.end > f.start and not f.unjudged
         ]
         if new:
             self._pending.extend(new)
@@ -152,7 +152,7 @@ class StreamRedactor:
         released: str | None = None
         for f in findings:
             start, end = self.map_start(f.start), self.map_end(f.end)
-            if f.detector_id in redactors:
+            if f.detector_id in redactors and not f.unjudged:
                 k = bisect.bisect_right(self._orig_starts, f.start) - 1
                 repl = self._applied[k][4] if k >= 0 else ""
                 out.append(redacted_finding(f, repl, start, end))

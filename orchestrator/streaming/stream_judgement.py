@@ -90,14 +90,19 @@ class StreamJudge:
     """
 
     def __init__(
-        self, detectors: list[RequestedDetector], chunkers: ChunkerRegistry, inbox: Inbox
+        self,
+        detectors: list[RequestedDetector],
+        chunkers: ChunkerRegistry,
+        inbox: Inbox,
+        conversation: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        """`conversation`: the request's (role, content) messages, for judges (DetectorQueue)."""
         gating = [d for d in detectors if not (d.whole_doc and d.on_detection == "annotate")]
         self._aggregator: FrameAggregator[Finding] | None = (
             FrameAggregator(d.detector_id for d in gating) if gating else None
         )
         self._gating = {d.detector_id for d in gating}
-        self.queues = [DetectorQueue(d, inbox) for d in detectors]
+        self.queues = [DetectorQueue(d, inbox, conversation=conversation) for d in detectors]
         self._passthrough = not detectors  # see `feed_deltas`
         self._final_sent = False  # pass-through: the final frame went out with its chunk
         self._blocking = {d.detector_id for d in detectors if d.blocking}
@@ -186,12 +191,13 @@ class StreamJudge:
                 self._aggregator.finish(message.detector_id)
                 return Verdict(self._drain())
             return Verdict()
-        if message.detections and message.detector_id in self._blocking:
+        flagged = [f for f in message.detections if not f.unjudged]
+        if flagged and message.detector_id in self._blocking:
             # text judged clean before the offending chunk still goes out, even when it was
             # held back for the end of the stream
             held, self._held = self._held, []
-            return Verdict(held, blocked=self._map(list(message.detections)))
-        if self._redactor is not None and message.detections:
+            return Verdict(held, blocked=self._map(flagged))
+        if self._redactor is not None and flagged:
             self._redactor.add(list(message.detections), self._redactors)
         if message.detector_id in self._gating:
             assert self._aggregator is not None

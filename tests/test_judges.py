@@ -1,0 +1,438 @@
+"""Judge detectors over an OpenAI-compatible server (`type: openai_judge`, issue 37 items 1, 3
+and 4): a safety model reads each chunk through a prompt template and answers safe or unsafe;
+the score comes from the answer tokens' logprobs where the server returns them, else from the
+answer's text; Llama Guard's category line names the detection. Input judges refuse before the
+engine is called; output judges read the conversation and the answer so far, and block mid-stream.
+
+Fail-closed: a judge that errors, is killed, answers garbage or misses `timeout_s` fails the
+request (on every surface), and the text it did not judge is never in the bytes a client gets;
+with `on_error: annotate` the text flows with an `unjudged` warning.
+
+Real sockets throughout: the orchestrator on 127.0.0.1, a fake native engine, and a fake judge
+speaking vLLM's completions and chat protocols with logprobs (tests/fakes/judge_server.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.app import CHAT_PATH, RESPONSES_PATH, STREAMING_PATH
+from orchestrator.clients.judges import JudgeDetectorClient, score_from_logprobs
+from orchestrator.config import ConfigError, DetectorConfig, parse_config
+from orchestrator.judge_templates import JudgeContext, JudgePrompt
+from tests.fakes.engine import FakeEngine
+from tests.fakes.judge_server import FakeJudge
+from tests.orchestrator_support import (
+    MODEL,
+    Orchestrator,
+    frames,
+    generation_body,
+    native_config,
+    sse_events,
+    terminal,
+)
+
+PROMPT = "Tell me a story."
+# three sentences; the judge flags the second, which names a bomb
+SCRIPT = ["Sure", ".", " Mix", " the", " bomb", " parts", ".", " Done", "."]
+CATEGORIES = {"S1": "Violent Crimes", "S9": "Indiscriminate Weapons"}
+UNSAFE_TOP = {"unsafe": -0.2, "safe": -1.9, "The": -3.0}
+SAFE_TOP = {"safe": -0.1, "unsafe": -2.5, " I": -4.0}
+SURFACES = ("fms", "chat", "responses")
+
+
+def share(top: dict[str, float]) -> float:
+    """The score the judge must give: P(unsafe) / (P(unsafe) + P(safe))."""
+    u, s = math.exp(top["unsafe"]), math.exp(top["safe"])
+    return u / (u + s)
+
+
+def judge_entry(url: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "type": "openai_judge",
+        "url": url,
+        "model": "guard-model",
+        "template": "llama_guard",
+        "chunker_id": "sentence",
+        **extra,
+    }
+
+
+@pytest.fixture
+async def judge() -> AsyncIterator[FakeJudge]:
+    fake = FakeJudge(logprobs={"unsafe": UNSAFE_TOP, "safe": SAFE_TOP})
+    await fake.start()
+    yield fake
+    await fake.close()
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine(script=list(SCRIPT))
+    await fake.start()
+    yield fake
+    await fake.close()
+
+
+def judged_config(
+    engine: FakeEngine, judge: FakeJudge, direction: str = "output", **entry: Any
+) -> dict[str, Any]:
+    """The judge as the model's enforced guardrail in `direction`, blocking by default."""
+    return native_config(
+        engine.url,
+        detectors={"guard": judge_entry(judge.url, **{"on_detection": "block", **entry})},
+        model={"guardrails": {direction: {"guard": {}}}},
+    )
+
+
+async def client_detect(
+    judge: FakeJudge, contents: list[str], context: JudgeContext | None = None, **entry: Any
+) -> list[list[Any]]:
+    config = DetectorConfig.model_validate(judge_entry(judge.url, **entry))
+    async with aiohttp.ClientSession() as session:
+        client = JudgeDetectorClient("guard", config, session)
+        return await client.detect(contents, {}, context)
+
+
+# -- scoring -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+@pytest.mark.parametrize("leading", ["", "\n\n"], ids=["plain", "blank-first"])
+async def test_score_is_the_unsafe_share_of_the_answer_tokens_logprobs(
+    judge: FakeJudge, api: str, leading: str
+) -> None:
+    judge.leading = leading
+    contents = ["Mix the bomb parts.", "Hello there."]
+    [[unsafe], [safe]] = await client_detect(judge, contents, api=api, categories=CATEGORIES)
+    assert unsafe.score == share(UNSAFE_TOP)
+    assert safe.score == share(SAFE_TOP)
+    assert (unsafe.start, unsafe.end, unsafe.text) == (0, len(contents[0]), contents[0])
+    assert unsafe.detection == "Violent Crimes,Indiscriminate Weapons"
+    assert unsafe.detection_type == "judge"
+    assert unsafe.metadata == {"categories": ["S1", "S9"]}
+    assert (safe.detection, safe.metadata) == ("unsafe", None)
+    sent = judge.requests[0]
+    if api == "chat":
+        assert sent["logprobs"] is True and sent["top_logprobs"] == 5
+        assert judge.url and sent["messages"][0]["role"] == "user"
+    else:
+        assert sent["logprobs"] == 5 and isinstance(sent["prompt"], str)
+    assert sent["model"] == "guard-model" and sent["temperature"] == 0
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+async def test_without_logprobs_the_answer_text_decides(judge: FakeJudge, api: str) -> None:
+    judge.send_logprobs = False
+    [[unsafe], [safe]] = await client_detect(judge, ["a bomb", "a cake"], api=api)
+    assert (unsafe.score, unsafe.detection) == (1.0, "unsafe")
+    assert unsafe.metadata == {"categories": ["S1", "S9"]}  # codes without a name map
+    assert safe.score == 0.0
+
+
+async def test_yes_no_template_reads_yes_and_no(judge: FakeJudge) -> None:
+    judge.unsafe_answer, judge.safe_answer = "Yes", "No"
+    judge.logprobs = {"Yes": {"Yes": -0.5, "No": -1.0}}
+    [[unsafe], [safe]] = await client_detect(
+        judge, ["a bomb", "a cake"], template="yes_no", params={"policy": "No weapons."}
+    )
+    u, s = math.exp(-0.5), math.exp(-1.0)
+    assert unsafe.score == u / (u + s)
+    assert safe.score == 0.0  # no logprobs for "No": its text decides
+    assert "Policy: No weapons." in judge.prompts[0]
+
+
+def test_llama_guard_prompt_reads_the_conversation_and_the_answer_so_far() -> None:
+    prompt = JudgePrompt("llama_guard", {"S1": "Violent Crimes"}, {})
+    context = JudgeContext((("system", "Be brief."), ("user", "Hi")), "Sure. ")
+    assert prompt.render(context, "Mix it.", output=True) == (
+        "<|start_header_id|>user<|end_header_id|>\n\n"
+        "Task: Check if there is unsafe content in 'Agent' messages in conversations according "
+        "our safety policy with the below categories.\n\n"
+        "<BEGIN UNSAFE CONTENT CATEGORIES>\nS1: Violent Crimes.\n<END UNSAFE CONTENT CATEGORIES>\n\n"
+        "<BEGIN CONVERSATION>\n\nUser: Be brief.\n\nUser: Hi\n\nAgent: Sure. Mix it.\n\n"
+        "<END CONVERSATION>\n\n"
+        "Provide your safety assessment for ONLY THE LAST Agent message in the above "
+        "conversation:\n - First line must read 'safe' or 'unsafe'.\n - If unsafe, a second line "
+        "must include a comma-separated list of violated categories.<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    # input: the message alone, as the user's
+    assert "\n\nUser: Mix it.\n\n<END CONVERSATION>" in prompt.render(
+        JudgeContext(), "Mix it.", output=False
+    )
+
+
+def test_a_template_cannot_reach_python_internals() -> None:
+    from jinja2.exceptions import SecurityError
+
+    prompt = JudgePrompt("{{ text.__class__.__mro__[1].__subclasses__() }}", None, {})
+    with pytest.raises(SecurityError):
+        prompt.render(JudgeContext(), "x", output=False)
+
+
+# -- the pipeline --------------------------------------------------------------------------------
+
+
+async def raw(
+    orch: Orchestrator, surface: str, prompt: str = PROMPT, *, status: tuple[int, ...] = (200,)
+) -> bytes:
+    """The whole body a client gets on `surface` (all three stream), its status one of
+    `status`."""
+    assert orch.session is not None
+    if surface == "fms":
+        path, body = STREAMING_PATH, generation_body(prompt)
+    elif surface == "chat":
+        messages = [{"role": "user", "content": prompt}]
+        path, body = CHAT_PATH, {"model": MODEL, "messages": messages, "stream": True}
+    else:
+        path, body = RESPONSES_PATH, {"model": MODEL, "input": prompt, "stream": True}
+    async with orch.session.post(orch.url + path, json=body) as r:
+        assert r.status in status, await r.text()
+        return await r.read()
+
+
+def fms_end(data: bytes) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    events = sse_events(data.decode())
+    end = terminal(events)
+    return end.name, frames(events), end.data
+
+
+async def test_input_judge_refuses_before_the_engine_is_called(engine, judge) -> None:
+    async with Orchestrator(judged_config(engine, judge, "input")) as orch:
+        name, [frame], data = fms_end(await raw(orch, "fms", "How do I build a bomb?"))
+        assert name == "incomplete" and data["incomplete_details"] == {"reason": "content_filter"}
+        [found] = frame["token_classification_results"]["input"]
+        assert found["detector_id"] == "guard" and found["score"] == share(UNSAFE_TOP)
+        assert (found["start"], found["end"]) == (0, len("How do I build a bomb?"))
+        assert engine.requests == []
+        # a clean prompt goes through, judged as the user's message with no answer in it
+        name, _, _ = fms_end(await raw(orch, "fms"))
+        assert name == "completed"
+        assert "User: Tell me a story.\n\n<END CONVERSATION>" in judge.prompts[-1]
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+async def test_output_judge_blocks_mid_stream_no_flagged_text_leaves(
+    engine, judge, surface: str
+) -> None:
+    async with Orchestrator(judged_config(engine, judge, categories=CATEGORIES)) as orch:
+        data = await raw(orch, surface)
+    assert b"Sure." in data
+    for leaked in (b"Mix", b"bomb", b"parts", b"Done"):
+        assert leaked not in data, (leaked, data)
+    if surface == "fms":
+        name, got, _ = fms_end(data)
+        assert name == "incomplete"
+        assert "".join(f.get("generated_text", "") for f in got) == "Sure."
+    else:
+        assert b"content_filter" in data
+    # each chunk was judged in the context of the conversation and of the answer before it
+    judged = [p for p in judge.prompts if "Agent: " in p]
+    assert any("User: Tell me a story.\n\nAgent: Sure. Mix the bomb parts." in p for p in judged)
+
+
+async def test_threshold_decides_whether_a_score_flags(engine, judge) -> None:
+    config = native_config(engine.url, detectors={"guard": judge_entry(judge.url)})
+    async with Orchestrator(config) as orch:
+        for threshold, flagged in ((share(UNSAFE_TOP), True), (share(UNSAFE_TOP) + 1e-9, False)):
+            body = generation_body(PROMPT, output={"guard": {"threshold": threshold}})
+            events = await orch.stream(body)
+            found = [d for f in frames(events) for d in f["token_classification_results"]["output"]]
+            assert terminal(events).name == "completed"
+            spans = [(d["start"], d["end"], d["score"]) for d in found]
+            # the third sentence is judged with the second before it: flagged in context
+            expected = [(5, 25, share(UNSAFE_TOP)), (25, 31, share(UNSAFE_TOP))]
+            assert spans == (expected if flagged else []), threshold
+
+
+FAULTS = ("http", "garbage", "hang", "kill", "unreachable")
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+@pytest.mark.parametrize("fault", FAULTS)
+async def test_a_failing_judge_fails_closed(engine, judge, fault: str, surface: str) -> None:
+    """The judge fails on every prompt that holds the second sentence: whatever was released
+    before, nothing from it on ever reaches the client, and the stream ends in the detector's
+    error."""
+    if fault == "unreachable":
+        await judge.close()
+    else:
+        judge.fault, judge.fault_on = fault, "Mix"  # type: ignore[assignment]
+    timeout = {"timeout_s": 0.5} if fault == "hang" else {}
+    async with Orchestrator(judged_config(engine, judge, **timeout)) as orch:
+        # (Chat Completions answers a failure before its first chunk with an HTTP error)
+        data = await raw(orch, surface, status=(200, 502))
+        errors = await orch.metric(
+            "guardstream_detector_calls_total", detector_id="guard", outcome="error"
+        )
+    for leaked in (b"Mix", b"bomb", b"parts", b"Done"):
+        assert leaked not in data, (leaked, data)
+    assert b"guard" in data  # the error names the detector
+    if surface == "fms":
+        name, _, payload = fms_end(data)
+        assert name in ("failed", "error"), (name, payload)
+    elif surface == "chat":
+        assert b'"detector_error"' in data and b"content_filter" not in data
+    else:
+        assert b"response.failed" in data or b'"type":"error"' in data
+    assert errors >= 1
+
+
+async def test_annotate_on_error_lets_the_text_flow_with_a_warning(engine, judge) -> None:
+    """`on_error: annotate` beside `on_detection: block`: the failure is a warning on the text
+    it did not judge, which neither blocks nor stops the stream; it counts as an error."""
+    judge.fault = "http"
+    config = judged_config(engine, judge, on_error="annotate")
+    async with Orchestrator(config) as orch:
+        for surface in SURFACES:
+            data = await raw(orch, surface)
+            assert b"Mix the bomb parts." in data and b"Done." in data, surface
+            assert b"judge_error" in data, surface
+        events = await orch.stream(generation_body(PROMPT))
+        errors = await orch.metric(
+            "guardstream_detector_calls_total", detector_id="guard", outcome="error"
+        )
+    assert terminal(events).name == "completed"
+    got = frames(events)
+    assert "".join(f.get("generated_text", "") for f in got) == "".join(SCRIPT)
+    warned = [d for f in got for d in f["token_classification_results"]["output"]]
+    assert warned and {(d["entity_group"], d["entity"]) for d in warned} == {
+        ("judge_error", "unjudged")
+    }
+    covered = sorted((d["start"], d["end"]) for d in warned)
+    assert covered[0][0] == 0 and covered[-1][1] == len("".join(SCRIPT))
+    assert errors >= 4
+
+
+async def test_a_request_cannot_set_a_judges_params(engine, judge) -> None:
+    config = native_config(engine.url, detectors={"guard": judge_entry(judge.url)})
+    async with Orchestrator(config) as orch:
+        body = generation_body(PROMPT, output={"guard": {"policy": "anything goes"}})
+        status, reply = await orch.post(STREAMING_PATH, body)
+    assert status == 422, reply
+    assert reply["details"] == (
+        "guardrail_config.output.models.guard: a judge takes no detector params (got policy; "
+        "its prompt comes from the config)"
+    )
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+def config_errors(**entry: Any) -> list[str]:
+    try:
+        parse_config(
+            {"chunkers": {"sentence": {"type": "sentence"}}, "detectors": {"guard": entry}}
+        )
+    except ConfigError as exc:
+        return exc.errors
+    return []
+
+
+def test_config_errors_name_the_path_and_the_fix() -> None:
+    base = judge_entry("http://judge:8000")
+    assert config_errors(**base) == []
+    assert config_errors(**{**base, "template": "lama_guard"}) == [
+        "detectors.guard.template: unknown template 'lama_guard' (did you mean 'llama_guard'?)"
+    ]
+    assert config_errors(**{**base, "on_error": "blok"}) == [
+        "detectors.guard.on_error: Input should be 'block' or 'annotate' (did you mean 'block'?)"
+    ]
+    assert config_errors(**{**base, "template": "{{ text }}"}) == [
+        "detectors.guard.unsafe_tokens: required with an inline template",
+        "detectors.guard.safe_tokens: required with an inline template",
+    ]
+    assert config_errors(**{**base, "template": "{{ text "}) == [
+        "detectors.guard.template: invalid Jinja template (line 1: unexpected end of template, "
+        "expected 'end of print statement'.)"
+    ]
+    assert config_errors(**{**base, "safe_tokens": ["Unsafe"]}) == [
+        "detectors.guard.safe_tokens: unsafe cannot mean both safe and unsafe"
+    ]
+    assert config_errors(type="openai_judge", template="zero_shot") == [
+        "detectors.guard.url: a judge needs the OpenAI-compatible server's base URL",
+        "detectors.guard.model: a judge needs the model name its server knows",
+    ]
+    assert config_errors(url="http://d:8080", on_error="block", template="zero_shot") == [
+        "detectors.guard.template: only a detector of type openai_judge takes it",
+        "detectors.guard.on_error: only a detector of type openai_judge takes it",
+    ]
+
+
+def test_the_readme_judge_example_is_a_valid_config() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Judge detectors", 1)[1]
+    example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    example["chunkers"] = {"sentence": {"type": "sentence"}}
+    example["models"]["smollm2-135m"]["backends"] = [{"type": "native", "url": "http://e:1"}]
+    config = parse_config(example)
+    judge = config.detectors["llama-guard"]
+    assert (judge.type, judge.template, judge.on_error) == ("openai_judge", "llama_guard", "block")
+
+
+async def test_an_annotating_input_judge_that_fails_lets_the_prompt_through_with_a_warning(
+    engine, judge
+) -> None:
+    """Before the fix this was a 500: the unjudged warning was taken for a
+    redaction of the prompt."""
+    judge.fault = "http"
+    async with Orchestrator(judged_config(engine, judge, "input", on_error="annotate")) as orch:
+        name, got, _ = fms_end(await raw(orch, "fms"))
+    assert name == "completed"
+    assert "".join(f.get("generated_text", "") for f in got) == "".join(SCRIPT)
+    [warning] = got[0]["token_classification_results"]["input"]
+    assert (warning["entity_group"], warning["entity"], warning["word"]) == (
+        "judge_error",
+        "unjudged",
+        PROMPT,
+    )
+    [request] = engine.requests
+    assert PROMPT in str(request)
+
+
+@pytest.mark.parametrize("sentence", ["Sure.", " Mix the bomb parts.", " Done."])
+@pytest.mark.parametrize("fault", ["http", "garbage", "kill"])
+async def test_text_from_the_first_unjudged_chunk_on_never_leaves(
+    engine, judge, sentence: str, fault: str
+) -> None:
+    """A judge that finds nothing unsafe but fails on one sentence (its prompt holds that
+    sentence whether as the chunk or in the answer so far: it fails from there on): what the
+    client gets is a prefix of the text before that sentence, and the stream fails."""
+    judge.triggers = ()
+    judge.fault, judge.fault_on = fault, sentence  # type: ignore[assignment]
+    async with Orchestrator(judged_config(engine, judge)) as orch:
+        name, got, payload = fms_end(await raw(orch, "fms"))
+    released = "".join(f.get("generated_text", "") for f in got)
+    script = "".join(SCRIPT)
+    before = script[: script.index(sentence)]
+    assert before.startswith(released), (released, before)
+    assert name in ("failed", "error"), payload
+    assert "guard" in json.dumps(payload)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["unsafe", " unsafe", "Unsafe", "safe", " safe", "The", "\n"]),
+        st.floats(min_value=-50, max_value=0),
+        min_size=1,
+    )
+)
+def test_a_logprob_score_is_the_unsafe_share_and_lies_in_0_1(top: dict[str, float]) -> None:
+    score = score_from_logprobs([("x", top)], frozenset({"unsafe"}), frozenset({"safe"}))
+    u = sum(math.exp(lp) for t, lp in top.items() if t.strip().lower() == "unsafe")
+    s = sum(math.exp(lp) for t, lp in top.items() if t.strip().lower() == "safe")
+    if u + s == 0:
+        assert score is None
+    else:
+        assert score == pytest.approx(u / (u + s)) and 0.0 <= score <= 1.0
