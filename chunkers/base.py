@@ -32,12 +32,42 @@ class Span:
     `safety_cut`: the chunk ends where the `max_chars` safety cut split a longer piece, not at a
     boundary of the chunker's own (a sentence or paragraph end): the only kind of boundary that
     can fall inside a phone number or a phrase, so the only one a whole text's annotation needs
-    to look across (orchestrator/streaming/text_judgement.py). Not part of equality."""
+    to look across (orchestrator/streaming/text_judgement.py). Not part of equality.
+
+    `natural_end`: the chunk ends at a natural cut (`natural_cut`): whitespace follows a sentence
+    end, or a line break follows. A span detector that declares none of its spans crosses one
+    (`Detector.crosses_natural_cuts`) needs no seam window there; every other cut (a safety cut
+    inside a run, a word-count cut, a cut with no whitespace after it, the end of the text) is
+    not natural. Not part of equality."""
 
     start: int
     end: int
     text: str
     safety_cut: bool = field(default=False, compare=False)
+    natural_end: bool = field(default=False, compare=False)
+
+
+#: What ends a sentence for `natural_cut`: NLTK Punkt's sentence-final punctuation, then any run of
+#: the closing quotes and brackets it moves into the sentence (`_realign_boundaries`).
+SENTENCE_FINAL = frozenset(".?!")
+CLOSERS = frozenset(")]}\"'")
+LINE_BREAKS = frozenset("\n\r")
+
+
+def natural_cut(text: str, i: int) -> bool:
+    """A cut before `text[i]` is natural: `text[i]` is whitespace and either a line break, or
+    what comes before it is sentence-final punctuation followed only by closers. Decided from
+    the text around the cut alone, whichever chunker made it (a safety cut or a word-count cut
+    can fall at a sentence end too), so batch and incremental chunking agree on it. A cut with
+    no `text[i]` (the end of the text so far) is not natural: what follows is not known."""
+    if i <= 0 or i >= len(text) or not text[i].isspace():
+        return False
+    if text[i] in LINE_BREAKS:
+        return True
+    j = i - 1
+    while j > 0 and text[j] in CLOSERS:
+        j -= 1
+    return text[j] in SENTENCE_FINAL
 
 
 class IncrementalChunker(Protocol):
@@ -165,7 +195,8 @@ class Emitter:
             if cuts:
                 b = cuts[0]
                 if b - a <= mx:
-                    out.append(Span(a, b, text[a - base : b - base]))
+                    natural = natural_cut(text, b - base)
+                    out.append(Span(a, b, text[a - base : b - base], natural_end=natural))
                     a = b
                     cuts.popleft()
                     continue
@@ -179,7 +210,8 @@ class Emitter:
             elif n <= a + mx or self._stage.frontier() <= a + mx:
                 break
             p = max_cut(text, base, a, mx)
-            out.append(Span(a, p, text[a - base : p - base], safety_cut=True))
+            natural = natural_cut(text, p - base)
+            out.append(Span(a, p, text[a - base : p - base], True, natural))
             a = p
         self.a = a
         # Only worth waking for a safety cut when the stage has caught up with the text (its

@@ -84,6 +84,11 @@ class DetectorClient(ABC):
         """A classifier (its verdict is on the chunk it was given), not a span detector."""
         return self.config.judges == "chunks"
 
+    def crosses_natural_cuts(self, params: dict[str, Any]) -> bool:
+        """Whether a span this detector finds may cross a natural cut (`chunkers.natural_cut`):
+        a remote detector's spans are unknown, so yes (seam windows at every boundary)."""
+        return True
+
     async def detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         """`params` are the request's detector_params (config params are merged under them).
         Every call, in-process or remote, is reported to `on_call` with its outcome and time."""
@@ -174,6 +179,9 @@ class InProcessDetectorClient(DetectorClient):
         if self.config.judges is not None:
             return self.config.judges == "chunks"
         return not type(self._detector).finds_spans
+
+    def crosses_natural_cuts(self, params: dict[str, Any]) -> bool:
+        return self._detector.crosses_natural_cuts(params)
 
     async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a call that
