@@ -197,18 +197,23 @@ def _findings(
     annotating: bool,
 ) -> list[tuple[Any, Finding]]:
     """(owner, finding) of every chunk's reply, then what each boundary window's reply found
-    straddling its boundary."""
+    straddling its boundary; an entity across several boundaries once (each of their windows
+    finds it)."""
     n = len(spans)
     out = [
         (owner, f)
         for owner, span, dets in zip(owners, spans, replies[:n], strict=True)
         for f in kept_findings(detector, span, dets)
     ]
+    seen: set[tuple[int, int, int, str]] = set()
     for (window, boundary, owner), dets in zip(seams, replies[n:], strict=True):
         for f in kept_findings(detector, window, dets):
             whole_window = f.start == window.start and f.end == window.end
             if f.start < boundary < f.end and not (annotating and whole_window):
-                out.append((owner, f))
+                key = (id(owner), f.start, f.end, f.detection)
+                if key not in seen:
+                    seen.add(key)
+                    out.append((owner, f))
     return out
 
 
