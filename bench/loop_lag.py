@@ -14,6 +14,10 @@ is read before and after each phase too. Phases:
   pii       --concurrent requests at once to /api/v2/text/detection/content, each --mb MB of
             PII-dense text ("Mail jo@example.com or call 555-123-4567 today. " repeated) with
             `pii`: /health latency p50/p99/max while they run, and their own times;
+  inputs    (with --inputs) the pii phase's text as the input of --concurrent unary
+            generation requests with `pii` on the input: judged as an input (refused, since
+            it holds PII), where a window across every sentence end doubled the work before
+            issue 33; their wall time and /health latency;
   fairness  one --mb MB request of "Hello there friend. " with `hap` (the attack of issue 20
             item 1: ~50,000 sentences), and while it runs, small requests one after another:
             /content with one rude sentence and `hap`, and a generation stream with `hap` on its
@@ -53,6 +57,7 @@ from bench.orchestrator import (  # noqa: E402 (after the sys.path fix)
 
 CONTENT = "/api/v2/text/detection/content"
 STREAM = "/api/v1/task/server-streaming-classification-with-text-generation"
+UNARY = "/api/v1/task/classification-with-text-generation"
 PII_SENTENCE = "Mail jo@example.com or call 555-123-4567 today. "
 HAP_SENTENCE = "Hello there friend. "
 RUDE = "You are a stupid fucking idiot."
@@ -179,6 +184,23 @@ async def content(session: aiohttp.ClientSession, url: str, text: str, det: str)
     return status, seconds, detail
 
 
+async def guarded_input(session: aiohttp.ClientSession, url: str, text: str) -> tuple:
+    """A unary generation request whose input `pii` judges; (status, seconds, detections)."""
+    body = {
+        "model_id": MODEL,
+        "inputs": text,
+        "guardrail_config": {"input": {"models": {"pii": {}}}},
+        "text_gen_parameters": {"max_new_tokens": 16},
+    }
+    started = time.perf_counter()
+    async with session.post(url + UNARY, json=body) as r:
+        parsed = json.loads(await r.read())
+        status = r.status
+    seconds = time.perf_counter() - started
+    found = (parsed.get("token_classification_results") or {}).get("input") or []
+    return status, seconds, len(found) if status == 200 else parsed.get("details", "")
+
+
 async def stream(session: aiohttp.ClientSession, url: str) -> tuple:
     body = {
         "model_id": MODEL,
@@ -235,23 +257,42 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 ],
             }
 
-            hap_text = (HAP_SENTENCE * (size // len(HAP_SENTENCE) + 1))[:size]
-            before = await lag_histogram(session, orch.url)
-            probe = Probe(orch.url, args.probe_ms)
-            big = asyncio.create_task(content(session, orch.url, hap_text, "hap"))
-            small_content: list[tuple] = []
-            small_stream: list[tuple] = []
-            while not big.done() and len(small_content) < args.small:
-                small_content.append(await content(session, orch.url, RUDE, "hap"))
-                small_stream.append(await stream(session, orch.url))
-            status, seconds, detail = await big
-            results["fairness"] = {
-                "health": percentiles(probe.stop()),
-                "server_loop_lag": over(before, await lag_histogram(session, orch.url), "0.05"),
-                "big": {"status": status, "seconds": round(seconds, 2), "detail": detail},
-                "small_content": summary(small_content),
-                "small_stream": summary(small_stream),
-            }
+            if args.inputs:
+                before = await lag_histogram(session, orch.url)
+                probe = Probe(orch.url, args.probe_ms)
+                started = time.perf_counter()
+                replies = await asyncio.gather(
+                    *(guarded_input(session, orch.url, pii_text) for _ in range(args.concurrent))
+                )
+                wall = time.perf_counter() - started
+                results["inputs"] = {
+                    "health": percentiles(probe.stop()),
+                    "server_loop_lag": over(before, await lag_histogram(session, orch.url), "0.05"),
+                    "wall_s": round(wall, 2),
+                    "requests": [
+                        {"status": s, "seconds": round(t, 2), "detections": d}
+                        for s, t, d in replies
+                    ],
+                }
+
+            if not args.no_fairness:
+                hap_text = (HAP_SENTENCE * (size // len(HAP_SENTENCE) + 1))[:size]
+                before = await lag_histogram(session, orch.url)
+                probe = Probe(orch.url, args.probe_ms)
+                big = asyncio.create_task(content(session, orch.url, hap_text, "hap"))
+                small_content: list[tuple] = []
+                small_stream: list[tuple] = []
+                while not big.done() and len(small_content) < args.small:
+                    small_content.append(await content(session, orch.url, RUDE, "hap"))
+                    small_stream.append(await stream(session, orch.url))
+                status, seconds, detail = await big
+                results["fairness"] = {
+                    "health": percentiles(probe.stop()),
+                    "server_loop_lag": over(before, await lag_histogram(session, orch.url), "0.05"),
+                    "big": {"status": status, "seconds": round(seconds, 2), "detail": detail},
+                    "small_content": summary(small_content),
+                    "small_stream": summary(small_stream),
+                }
     finally:
         orch.stop()
         upstream.stop()
@@ -278,6 +319,8 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=40, help="most small requests of each kind")
     parser.add_argument("--probe-ms", type=float, default=10, help="pause between /health probes")
     parser.add_argument("--idle-s", type=float, default=3, help="length of the idle phase")
+    parser.add_argument("--inputs", action="store_true", help="also the inputs phase")
+    parser.add_argument("--no-fairness", action="store_true", help="skip the fairness phase")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     results = asyncio.run(run(args))

@@ -219,8 +219,8 @@ def test_a_words_chunker_cut_inside_a_phone_number_is_looked_across_in_annotatio
 @pytest.mark.parametrize("on_detection", ["redact", "block"])
 def test_a_stream_of_sentences_is_judged_once(on_detection: str) -> None:
     """A redacting or blocking regex detector on a stream of sentences neither carries a tail
-    into the next call nor looks across a sentence end: each character is judged once (before,
-    c2003a7's redacting queue judged 3.1x and its blocking one 4.8x the text)."""
+    into the next call nor looks across a sentence end: each character is judged once
+    (c2003a7's redacting queue judged 3.1x and its blocking one 4.8x the text)."""
     text = SENTENCE.replace("jo@example.com", "nobody").replace("555-123-4567", "me") * 40
     counting = CountingRegex()
     client = InProcessDetectorClient("pii", DetectorConfig(builtin="regex"), counting)

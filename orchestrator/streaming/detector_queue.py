@@ -29,7 +29,10 @@ Result = DetectorResult[Finding]
 # (at most SEAM_RUN_CHARS back) and never inside a detection. What lies after it is judged again,
 # whole, by the next window. An entity up to SEAM_CHARS long (phone and card numbers with
 # spaces), or without whitespace up to SEAM_RUN_CHARS long (e-mails, URLs, keys), is therefore
-# always seen whole by one call before any of it is released, whatever the chunk size.
+# always seen whole by one call before any of it is released, whatever the chunk size. A window
+# that ends at a chunk end which is no seam for the detector (a natural cut its spans never
+# cross: `seam_ends`) is reported whole and carries nothing; a blocking detector likewise posts
+# such a chunk without waiting for the text after it.
 #
 # Both count characters of the detectors' normalised view (DESIGN 4.6b): invisible ones (zero-
 # width spaces, soft hyphens, bidi controls) do not count, so padding an e-mail with them does
