@@ -29,21 +29,15 @@ TRIM_MIN = 512
 class Span:
     """A chunk: code-point offsets `[start, end)` into the whole text, and that text.
 
-    `safety_cut`: the chunk ends where the `max_chars` safety cut split a longer piece, not at a
-    boundary of the chunker's own (a sentence or paragraph end): the only kind of boundary that
-    can fall inside a phone number or a phrase, so the only one a whole text's annotation needs
-    to look across (orchestrator/streaming/text_judgement.py). Not part of equality.
-
     `natural_end`: the chunk ends at a natural cut (`natural_cut`): whitespace follows a sentence
     end, or a line break follows. A span detector that declares none of its spans crosses one
-    (`Detector.crosses_natural_cuts`) needs no seam window there; every other cut (a safety cut
-    inside a run, a word-count cut, a cut with no whitespace after it, the end of the text) is
-    not natural. Not part of equality."""
+    (`Detector.crosses_natural_cuts`) needs no seam window there; every other cut (a `max_chars`
+    cut inside a run, a word-count cut, a cut with no whitespace after it, the end of the text)
+    is not natural, whichever chunker made it. Not part of equality."""
 
     start: int
     end: int
     text: str
-    safety_cut: bool = field(default=False, compare=False)
     natural_end: bool = field(default=False, compare=False)
 
 
@@ -223,7 +217,8 @@ class Emitter:
                 break
             p = max_cut(text, base, a, mx)
             piece = text[a - base : p - base]
-            out.append(Span(a, p, piece, True, self._natural(piece, text, a - base, p - base)))
+            natural = self._natural(piece, text, a - base, p - base)
+            out.append(Span(a, p, piece, natural_end=natural))
             a = p
         self.a = a
         # Only worth waking for a safety cut when the stage has caught up with the text (its

@@ -80,8 +80,8 @@ def trim_min(value: int) -> Iterator[None]:
 
 
 def with_cuts(spans: list[Span]) -> list[tuple[Span, bool, bool]]:
-    """Spans with their `safety_cut` and `natural_end` flags, which Span equality leaves out."""
-    return [(s, s.safety_cut, s.natural_end) for s in spans]
+    """Spans with their `natural_end` flag, which Span equality leaves out."""
+    return [(s, s.natural_end) for s in spans]
 
 
 def assert_covers(text: str, spans: list[Span]) -> None:
@@ -329,11 +329,13 @@ def test_paragraph_max_chars_examples() -> None:
     assert texts_of("abcdefghijklmnopqrstuvwxyz") == ["abcdefghij", "klmnopqrst", "uvwxyz"]
     # a paragraph of exactly max_chars is not cut
     assert texts_of("Abc defghi\n\nJ") == ["Abc defghi", "\n\nJ"]
-    # a chunk that ends at a safety cut says so; one that ends at a paragraph break does not
-    cuts_of = lambda t: [s.safety_cut for s in small.chunk(t)]  # noqa: E731
-    assert cuts_of("aaaa bbbb cccc dddd\n\nEe") == [True, False, False]
-    assert cuts_of("abcdefghijklmnopqrstuvwxyz") == [True, True, False]
-    assert cuts_of("Abc defghi\n\nJ") == [False, False]
+    # a chunk that ends at a paragraph break or a sentence end is cut naturally; a safety cut
+    # inside a run of words or letters is not
+    cuts_of = lambda t: [s.natural_end for s in small.chunk(t)]  # noqa: E731
+    assert cuts_of("aaaa bbbb cccc dddd\n\nEe") == [False, True, False]
+    assert cuts_of("abcdefghijklmnopqrstuvwxyz") == [False, False, False]
+    assert cuts_of("Abc defghi\n\nJ") == [True, False]
+    assert cuts_of("Abc. efghijk.") == [True, False]  # a safety cut at a sentence end
 
 
 def test_paragraph_max_chars_piece_emitted_before_the_paragraph_ends() -> None:

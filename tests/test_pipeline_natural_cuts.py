@@ -189,7 +189,7 @@ def test_seam_ends_by_kind_of_detector() -> None:
     """A classifier: no windows; a span detector: at the ends that are no natural cut, or at
     every end when its spans may cross one."""
     natural = chunkers.Span(0, 3, "Hi.", natural_end=True)
-    cut = chunkers.Span(0, 3, "Hi ", safety_cut=True)
+    cut = chunkers.Span(0, 3, "Hi ")
     classifier = RequestedDetector(
         "hap", regex_detector().client, "s", 0.5, "block", {}, judges_chunks=True
     )
