@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,24 @@ async def stream(session: aiohttp.ClientSession, url: str) -> tuple:
     return status, seconds, last
 
 
+async def concurrent_phase(
+    session: aiohttp.ClientSession, url: str, probe_ms: float, calls: list[Awaitable[tuple]]
+) -> dict[str, Any]:
+    """`calls` at once, with the /health probe running: its latency, the server's loop lag,
+    the wall time and each call's (status, seconds, detections)."""
+    before = await lag_histogram(session, url)
+    probe = Probe(url, probe_ms)
+    started = time.perf_counter()
+    replies = await asyncio.gather(*calls)
+    wall = time.perf_counter() - started
+    return {
+        "health": percentiles(probe.stop()),
+        "server_loop_lag": over(before, await lag_histogram(session, url), "0.05"),
+        "wall_s": round(wall, 2),
+        "requests": [{"status": s, "seconds": round(t, 2), "detections": d} for s, t, d in replies],
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="loop_lag_"))
     upstream = start_upstream(tmp, log=False)
@@ -241,39 +260,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
             size = int(args.mb * 1_000_000)
             pii_text = (PII_SENTENCE * (size // len(PII_SENTENCE) + 1))[:size]
-            before = await lag_histogram(session, orch.url)
-            probe = Probe(orch.url, args.probe_ms)
-            started = time.perf_counter()
-            replies = await asyncio.gather(
-                *(content(session, orch.url, pii_text, "pii") for _ in range(args.concurrent))
-            )
-            wall = time.perf_counter() - started
-            results["pii"] = {
-                "health": percentiles(probe.stop()),
-                "server_loop_lag": over(before, await lag_histogram(session, orch.url), "0.05"),
-                "wall_s": round(wall, 2),
-                "requests": [
-                    {"status": s, "seconds": round(t, 2), "detections": d} for s, t, d in replies
-                ],
-            }
-
+            calls = [content(session, orch.url, pii_text, "pii") for _ in range(args.concurrent)]
+            results["pii"] = await concurrent_phase(session, orch.url, args.probe_ms, calls)
             if args.inputs:
-                before = await lag_histogram(session, orch.url)
-                probe = Probe(orch.url, args.probe_ms)
-                started = time.perf_counter()
-                replies = await asyncio.gather(
-                    *(guarded_input(session, orch.url, pii_text) for _ in range(args.concurrent))
-                )
-                wall = time.perf_counter() - started
-                results["inputs"] = {
-                    "health": percentiles(probe.stop()),
-                    "server_loop_lag": over(before, await lag_histogram(session, orch.url), "0.05"),
-                    "wall_s": round(wall, 2),
-                    "requests": [
-                        {"status": s, "seconds": round(t, 2), "detections": d}
-                        for s, t, d in replies
-                    ],
-                }
+                calls = [guarded_input(session, orch.url, pii_text) for _ in range(args.concurrent)]
+                results["inputs"] = await concurrent_phase(session, orch.url, args.probe_ms, calls)
 
             if not args.no_fairness:
                 hap_text = (HAP_SENTENCE * (size // len(HAP_SENTENCE) + 1))[:size]
