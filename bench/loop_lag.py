@@ -76,7 +76,8 @@ def config(upstream: str) -> dict[str, Any]:
             MODEL: {
                 "backends": [{"type": "native", "url": upstream}],
                 "migration": {"limit": 0},
-                "limits": {"max_new_tokens": 64},
+                # an input as large as the content requests (the inputs phase)
+                "limits": {"max_new_tokens": 64, "max_input_chars": 16_000_000},
             }
         },
         "chunkers": {"sentence": {"type": "sentence"}},
