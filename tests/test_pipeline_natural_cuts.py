@@ -195,17 +195,19 @@ def test_seam_ends_by_kind_of_detector() -> None:
     assert custom is not None and (custom(natural), custom(cut)) == (True, True)
 
 
-def test_a_words_chunker_cut_inside_a_phone_number_is_looked_across_in_annotations() -> None:
-    """The content endpoint looked across `max_chars` safety cuts only, so a word-count cut
-    inside `+1 555 123 4567` hid it from the annotations (found on c2003a7: nothing)."""
+@pytest.mark.parametrize("annotating", [True, False], ids=["content", "input"])
+def test_a_words_chunker_cut_inside_a_phone_number_is_one_finding(annotating: bool) -> None:
+    """Word-count cuts put two boundaries inside `+1 555 123 4567`. The content endpoint looked
+    across `max_chars` safety cuts only, so its annotations missed it; an input had a window at
+    each boundary and reported it twice (both on c2003a7)."""
     text = "Call +1 555 123 4567 now."
-    det = regex_detector("annotate", "w")
+    det = regex_detector("annotate" if annotating else "block", "w")
     assert [c.text for c in registry(500).get("w").chunk(text)] == [
         "Call +1",
         " 555 123",
         " 4567 now.",
     ]
-    found = asyncio.run(judge_text(text, [det], registry(500), annotating=True))
+    found = asyncio.run(judge_text(text, [det], registry(500), annotating=annotating))
     assert [(f.start, f.end, f.text, f.detection) for f in found] == [
         (5, 20, "+1 555 123 4567", "phone")
     ]
