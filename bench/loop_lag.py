@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.orchestrator import (  # noqa: E402 (after the sys.path fix)
     MODEL,
+    cpu_seconds,
     prompt_for,
     start_orchestrator,
     start_upstream,
@@ -224,19 +225,27 @@ async def stream(session: aiohttp.ClientSession, url: str) -> tuple:
 
 
 async def concurrent_phase(
-    session: aiohttp.ClientSession, url: str, probe_ms: float, calls: list[Awaitable[tuple]]
+    session: aiohttp.ClientSession,
+    url: str,
+    pid: int,
+    probe_ms: float,
+    calls: list[Awaitable[tuple]],
 ) -> dict[str, Any]:
     """`calls` at once, with the /health probe running: its latency, the server's loop lag,
-    the wall time and each call's (status, seconds, detections)."""
+    the wall time, the server's CPU seconds (what other jobs on a shared machine move least)
+    and each call's (status, seconds, detections)."""
     before = await lag_histogram(session, url)
     probe = Probe(url, probe_ms)
+    cpu = cpu_seconds(pid)
     started = time.perf_counter()
     replies = await asyncio.gather(*calls)
     wall = time.perf_counter() - started
+    cpu = cpu_seconds(pid) - cpu
     return {
         "health": percentiles(probe.stop()),
         "server_loop_lag": over(before, await lag_histogram(session, url), "0.05"),
         "wall_s": round(wall, 2),
+        "server_cpu_s": round(cpu, 2),
         "requests": [{"status": s, "seconds": round(t, 2), "detections": d} for s, t, d in replies],
     }
 
@@ -262,10 +271,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             size = int(args.mb * 1_000_000)
             pii_text = (PII_SENTENCE * (size // len(PII_SENTENCE) + 1))[:size]
             calls = [content(session, orch.url, pii_text, "pii") for _ in range(args.concurrent)]
-            results["pii"] = await concurrent_phase(session, orch.url, args.probe_ms, calls)
+            results["pii"] = await concurrent_phase(
+                session, orch.url, orch.pid, args.probe_ms, calls
+            )
             if args.inputs:
                 calls = [guarded_input(session, orch.url, pii_text) for _ in range(args.concurrent)]
-                results["inputs"] = await concurrent_phase(session, orch.url, args.probe_ms, calls)
+                results["inputs"] = await concurrent_phase(
+                    session, orch.url, orch.pid, args.probe_ms, calls
+                )
 
             if not args.no_fairness:
                 hap_text = (HAP_SENTENCE * (size // len(HAP_SENTENCE) + 1))[:size]
