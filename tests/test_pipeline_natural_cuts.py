@@ -70,9 +70,8 @@ def test_no_builtin_match_crosses_a_natural_cut(text: str) -> None:
     """What lets the regex detector go without windows at natural cuts: none of its matches
     (logical or display order, through the view) holds a natural cut inside it."""
     [hits] = asyncio.run(REGEX.detect([text], {}))
-    cuts = [
-        i for i in range(1, len(text)) if chunkers.natural_cut(text, i)
-    ]  # (start 0: every chunk's)
+    # every natural cut any chunk could end at (a chunk from 0 walks back furthest)
+    cuts = [i for i in range(1, len(text)) if chunkers.natural_cut(text, i)]
     crossing = [(h.start, h.end, h.text) for h in hits for i in cuts if h.start < i < h.end]
     assert crossing == [], (text, cuts)
 
