@@ -14,6 +14,10 @@ is read before and after each phase too. Phases:
   pii       --concurrent requests at once to /api/v2/text/detection/content, each --mb MB of
             PII-dense text ("Mail jo@example.com or call 555-123-4567 today. " repeated) with
             `pii`: /health latency p50/p99/max while they run, and their own times;
+  inputs    (with --inputs) the pii phase's text as the input of --concurrent unary
+            generation requests with `pii` on the input: judged as an input (refused, since
+            it holds PII), where a window across every sentence end doubled the work before
+            issue 33; their wall time and /health latency;
   fairness  one --mb MB request of "Hello there friend. " with `hap` (the attack of issue 20
             item 1: ~50,000 sentences), and while it runs, small requests one after another:
             /content with one rude sentence and `hap`, and a generation stream with `hap` on its
@@ -32,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.orchestrator import (  # noqa: E402 (after the sys.path fix)
     MODEL,
+    cpu_seconds,
     prompt_for,
     start_orchestrator,
     start_upstream,
@@ -53,6 +59,7 @@ from bench.orchestrator import (  # noqa: E402 (after the sys.path fix)
 
 CONTENT = "/api/v2/text/detection/content"
 STREAM = "/api/v1/task/server-streaming-classification-with-text-generation"
+UNARY = "/api/v1/task/classification-with-text-generation"
 PII_SENTENCE = "Mail jo@example.com or call 555-123-4567 today. "
 HAP_SENTENCE = "Hello there friend. "
 RUDE = "You are a stupid fucking idiot."
@@ -70,7 +77,8 @@ def config(upstream: str) -> dict[str, Any]:
             MODEL: {
                 "backends": [{"type": "native", "url": upstream}],
                 "migration": {"limit": 0},
-                "limits": {"max_new_tokens": 64},
+                # an input as large as the content requests (the inputs phase)
+                "limits": {"max_new_tokens": 64, "max_input_chars": 16_000_000},
             }
         },
         "chunkers": {"sentence": {"type": "sentence"}},
@@ -179,6 +187,23 @@ async def content(session: aiohttp.ClientSession, url: str, text: str, det: str)
     return status, seconds, detail
 
 
+async def guarded_input(session: aiohttp.ClientSession, url: str, text: str) -> tuple:
+    """A unary generation request whose input `pii` judges; (status, seconds, detections)."""
+    body = {
+        "model_id": MODEL,
+        "inputs": text,
+        "guardrail_config": {"input": {"models": {"pii": {}}}},
+        "text_gen_parameters": {"max_new_tokens": 16},
+    }
+    started = time.perf_counter()
+    async with session.post(url + UNARY, json=body) as r:
+        parsed = json.loads(await r.read())
+        status = r.status
+    seconds = time.perf_counter() - started
+    found = (parsed.get("token_classification_results") or {}).get("input") or []
+    return status, seconds, len(found) if status == 200 else parsed.get("details", "")
+
+
 async def stream(session: aiohttp.ClientSession, url: str) -> tuple:
     body = {
         "model_id": MODEL,
@@ -197,6 +222,32 @@ async def stream(session: aiohttp.ClientSession, url: str) -> tuple:
         status = 599  # a failed stream after a 200
         last = events[-1]
     return status, seconds, last
+
+
+async def concurrent_phase(
+    session: aiohttp.ClientSession,
+    url: str,
+    pid: int,
+    probe_ms: float,
+    calls: list[Awaitable[tuple]],
+) -> dict[str, Any]:
+    """`calls` at once, with the /health probe running: its latency, the server's loop lag,
+    the wall time, the server's CPU seconds (what other jobs on a shared machine move least)
+    and each call's (status, seconds, detections)."""
+    before = await lag_histogram(session, url)
+    probe = Probe(url, probe_ms)
+    cpu = cpu_seconds(pid)
+    started = time.perf_counter()
+    replies = await asyncio.gather(*calls)
+    wall = time.perf_counter() - started
+    cpu = cpu_seconds(pid) - cpu
+    return {
+        "health": percentiles(probe.stop()),
+        "server_loop_lag": over(before, await lag_histogram(session, url), "0.05"),
+        "wall_s": round(wall, 2),
+        "server_cpu_s": round(cpu, 2),
+        "requests": [{"status": s, "seconds": round(t, 2), "detections": d} for s, t, d in replies],
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,39 +270,34 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
             size = int(args.mb * 1_000_000)
             pii_text = (PII_SENTENCE * (size // len(PII_SENTENCE) + 1))[:size]
-            before = await lag_histogram(session, orch.url)
-            probe = Probe(orch.url, args.probe_ms)
-            started = time.perf_counter()
-            replies = await asyncio.gather(
-                *(content(session, orch.url, pii_text, "pii") for _ in range(args.concurrent))
+            calls = [content(session, orch.url, pii_text, "pii") for _ in range(args.concurrent)]
+            results["pii"] = await concurrent_phase(
+                session, orch.url, orch.pid, args.probe_ms, calls
             )
-            wall = time.perf_counter() - started
-            results["pii"] = {
-                "health": percentiles(probe.stop()),
-                "server_loop_lag": over(before, await lag_histogram(session, orch.url), "0.05"),
-                "wall_s": round(wall, 2),
-                "requests": [
-                    {"status": s, "seconds": round(t, 2), "detections": d} for s, t, d in replies
-                ],
-            }
+            if args.inputs:
+                calls = [guarded_input(session, orch.url, pii_text) for _ in range(args.concurrent)]
+                results["inputs"] = await concurrent_phase(
+                    session, orch.url, orch.pid, args.probe_ms, calls
+                )
 
-            hap_text = (HAP_SENTENCE * (size // len(HAP_SENTENCE) + 1))[:size]
-            before = await lag_histogram(session, orch.url)
-            probe = Probe(orch.url, args.probe_ms)
-            big = asyncio.create_task(content(session, orch.url, hap_text, "hap"))
-            small_content: list[tuple] = []
-            small_stream: list[tuple] = []
-            while not big.done() and len(small_content) < args.small:
-                small_content.append(await content(session, orch.url, RUDE, "hap"))
-                small_stream.append(await stream(session, orch.url))
-            status, seconds, detail = await big
-            results["fairness"] = {
-                "health": percentiles(probe.stop()),
-                "server_loop_lag": over(before, await lag_histogram(session, orch.url), "0.05"),
-                "big": {"status": status, "seconds": round(seconds, 2), "detail": detail},
-                "small_content": summary(small_content),
-                "small_stream": summary(small_stream),
-            }
+            if not args.no_fairness:
+                hap_text = (HAP_SENTENCE * (size // len(HAP_SENTENCE) + 1))[:size]
+                before = await lag_histogram(session, orch.url)
+                probe = Probe(orch.url, args.probe_ms)
+                big = asyncio.create_task(content(session, orch.url, hap_text, "hap"))
+                small_content: list[tuple] = []
+                small_stream: list[tuple] = []
+                while not big.done() and len(small_content) < args.small:
+                    small_content.append(await content(session, orch.url, RUDE, "hap"))
+                    small_stream.append(await stream(session, orch.url))
+                status, seconds, detail = await big
+                results["fairness"] = {
+                    "health": percentiles(probe.stop()),
+                    "server_loop_lag": over(before, await lag_histogram(session, orch.url), "0.05"),
+                    "big": {"status": status, "seconds": round(seconds, 2), "detail": detail},
+                    "small_content": summary(small_content),
+                    "small_stream": summary(small_stream),
+                }
     finally:
         orch.stop()
         upstream.stop()
@@ -278,6 +324,8 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=40, help="most small requests of each kind")
     parser.add_argument("--probe-ms", type=float, default=10, help="pause between /health probes")
     parser.add_argument("--idle-s", type=float, default=3, help="length of the idle phase")
+    parser.add_argument("--inputs", action="store_true", help="also the inputs phase")
+    parser.add_argument("--no-fairness", action="store_true", help="skip the fairness phase")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     results = asyncio.run(run(args))

@@ -8,7 +8,7 @@ contiguous, and concatenate to the text; whitespace between chunks belongs to th
 and trailing whitespace to the last; empty text has no chunks, whitespace-only text one.
 """
 
-from .base import Chunker, IncrementalChunker, Span
+from .base import Chunker, IncrementalChunker, Span, natural_cut
 from .paragraph import ParagraphChunker
 from .sentence import SentenceChunker
 from .settings import TYPES, build, parse_settings
@@ -25,5 +25,6 @@ __all__ = [
     "WholeDocChunker",
     "WordsChunker",
     "build",
+    "natural_cut",
     "parse_settings",
 ]

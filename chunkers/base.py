@@ -29,15 +29,49 @@ TRIM_MIN = 512
 class Span:
     """A chunk: code-point offsets `[start, end)` into the whole text, and that text.
 
-    `safety_cut`: the chunk ends where the `max_chars` safety cut split a longer piece, not at a
-    boundary of the chunker's own (a sentence or paragraph end): the only kind of boundary that
-    can fall inside a phone number or a phrase, so the only one a whole text's annotation needs
-    to look across (orchestrator/streaming/text_judgement.py). Not part of equality."""
+    `natural_end`: the chunk ends at a natural cut (`natural_cut`): whitespace follows a sentence
+    end, or a line break follows. A span detector that declares none of its spans crosses one
+    (`Detector.crosses_natural_cuts`) needs no seam window there; every other cut (a `max_chars`
+    cut inside a run, a word-count cut, a cut with no whitespace after it, the end of the text)
+    is not natural, whichever chunker made it. Not part of equality."""
 
     start: int
     end: int
     text: str
-    safety_cut: bool = field(default=False, compare=False)
+    natural_end: bool = field(default=False, compare=False)
+
+
+#: What ends a sentence for `natural_cut`: NLTK Punkt's sentence-final punctuation, then any run of
+#: the closing quotes and brackets it moves into the sentence (`_realign_boundaries`).
+SENTENCE_FINAL = frozenset(".?!")
+CLOSERS = frozenset(")]}\"'")
+LINE_BREAKS = frozenset("\n\r")
+#: A right-to-left override: what follows it is read in the reverse order (the detectors judge
+#: that order too: detectors/normalise.py), where a sentence end may sit inside a value.
+RLO = "\u202e"
+
+
+def natural_cut(text: str, i: int, start: int = 0) -> bool:
+    """The end at `i` of the chunk `text[start:i]` is a natural cut: `text[i]` is whitespace
+    and either a line break, or the chunk ends with sentence-final punctuation followed only by
+    closers; and no right-to-left override comes before it (`jo@example.com\u202e. moc.x`
+    holds an address in the order a reader sees). Decided from the text up to the cut,
+    whichever chunker made it (a safety cut or a word-count cut can fall at a sentence end
+    too), so batch and incremental chunking agree on it. A cut with no `text[i]` (the end of
+    the text so far) is not natural: what follows is not known."""
+    if i >= len(text) or not text[i].isspace() or RLO in text[:i]:
+        return False
+    return _natural_here(text, i, start)
+
+
+def _natural_here(text: str, i: int, start: int) -> bool:
+    """`natural_cut` without the override test, `text[i]` being whitespace."""
+    if text[i] in LINE_BREAKS:
+        return True
+    j = i - 1
+    while j > start and text[j] in CLOSERS:
+        j -= 1
+    return j >= start and text[j] in SENTENCE_FINAL
 
 
 class IncrementalChunker(Protocol):
@@ -136,7 +170,7 @@ class Emitter:
     `(a, a + max_chars]` and the text extends past `a + max_chars`, which is exactly the batch
     condition, so the result does not depend on how the text was split into deltas."""
 
-    __slots__ = ("_buf", "_eager", "_max", "_stage", "a", "wake_len")
+    __slots__ = ("_buf", "_eager", "_max", "_rlo", "_stage", "a", "wake_len")
 
     def __init__(
         self, buf: TextBuffer, stage: CutStage, max_chars: int | None, *, eager: bool = False
@@ -148,6 +182,7 @@ class Emitter:
         self._eager = eager
         self._max = INF if max_chars is None else max_chars
         self.a = 0  # start of the next chunk to emit
+        self._rlo = False  # a right-to-left override in the text emitted so far (natural_cut)
         self.wake_len = INF  # stream length at which a safety cut could become possible
 
     def emit(self, final: bool) -> list[Span]:
@@ -165,7 +200,9 @@ class Emitter:
             if cuts:
                 b = cuts[0]
                 if b - a <= mx:
-                    out.append(Span(a, b, text[a - base : b - base]))
+                    piece = text[a - base : b - base]
+                    natural = self._natural(piece, text, a - base, b - base)
+                    out.append(Span(a, b, piece, natural_end=natural))
                     a = b
                     cuts.popleft()
                     continue
@@ -179,7 +216,9 @@ class Emitter:
             elif n <= a + mx or self._stage.frontier() <= a + mx:
                 break
             p = max_cut(text, base, a, mx)
-            out.append(Span(a, p, text[a - base : p - base], safety_cut=True))
+            piece = text[a - base : p - base]
+            natural = self._natural(piece, text, a - base, p - base)
+            out.append(Span(a, p, piece, natural_end=natural))
             a = p
         self.a = a
         # Only worth waking for a safety cut when the stage has caught up with the text (its
@@ -191,6 +230,14 @@ class Emitter:
             open_ended = not final and mx != INF and self._stage.frontier() >= n
         self.wake_len = a + mx + 1 if open_ended else INF
         return out
+
+    def _natural(self, piece: str, text: str, start: int, i: int) -> bool:
+        """`natural_cut` at the end of the chunk `piece` (`text[start:i]`): the chunks come in
+        order, so whether an override came before is remembered, not searched for."""
+        self._rlo = self._rlo or RLO in piece
+        if self._rlo or i >= len(text) or not text[i].isspace():
+            return False
+        return _natural_here(text, i, start)
 
 
 class Pipeline:

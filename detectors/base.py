@@ -192,6 +192,14 @@ class Detector(ABC):
             return self.params
         return self.check_request(params)
 
+    def crosses_natural_cuts(self, params: Mapping[str, Any] | None) -> bool:
+        """Whether a span this detector finds with a request's `params` may cross a natural cut
+        (`chunkers.base.natural_cut`: whitespace after a sentence end, or a line break). True
+        unless a detector proves otherwise: the orchestrator then judges a seam window across
+        every chunk boundary, not only across the cuts that are not natural (a name such as
+        "Dr. Smith" or an address with "St. " in it crosses a sentence end)."""
+        return True
+
     @abstractmethod
     async def detect(
         self, contents: list[str], params: dict[str, Any] | None = None

@@ -659,6 +659,15 @@ class RegexDetector(Detector):
             # anything else is not a {name: pattern} map: pydantic names the problem below
         return super().validate_request(config, request)
 
+    def crosses_natural_cuts(self, params: Mapping[str, Any] | None) -> bool:
+        """The built-in kinds cross no natural cut: no match holds a line break, and the only
+        whitespace in one is a single space after a digit or after the `)` that closes a group
+        of digits, never after `.`, `?`, `!` or a closer that follows one (the view folds every
+        whitespace character to whitespace, so no invisible trick changes that; the seam
+        properties and `test_no_builtin_match_crosses_a_natural_cut` hold it). A custom
+        pattern may match anything, so with one every cut is looked across."""
+        return bool(self.params.patterns) or bool(params and params.get("patterns"))
+
     async def detect(
         self, contents: list[str], params: dict[str, Any] | None = None
     ) -> list[list[Detection]]:

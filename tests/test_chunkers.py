@@ -79,9 +79,9 @@ def trim_min(value: int) -> Iterator[None]:
         base.TRIM_MIN = old
 
 
-def with_cuts(spans: list[Span]) -> list[tuple[Span, bool]]:
-    """Spans with their `safety_cut` flag, which Span equality leaves out."""
-    return [(s, s.safety_cut) for s in spans]
+def with_cuts(spans: list[Span]) -> list[tuple[Span, bool, bool]]:
+    """Spans with their `natural_end` flag, which Span equality leaves out."""
+    return [(s, s.natural_end) for s in spans]
 
 
 def assert_covers(text: str, spans: list[Span]) -> None:
@@ -102,6 +102,42 @@ def assert_covers(text: str, spans: list[Span]) -> None:
 @given(text=texts)
 def test_spans_are_contiguous_and_cover_the_text(config: dict[str, Any], text: str) -> None:
     assert_covers(text, chunkers.build(config).chunk(text))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@FAST
+@given(text=texts)
+def test_a_chunk_says_whether_it_ends_at_a_natural_cut(config: dict[str, Any], text: str) -> None:
+    """`natural_end` is `natural_cut` at the chunk's end, whichever stage cut there (a chunk
+    that starts after the sentence's final punctuation, a hard cut before its closers, does not
+    end one); the last chunk's end is the text's, which nothing follows."""
+    spans = chunkers.build(config).chunk(text)
+    want = [chunkers.natural_cut(text, s.end, s.start) for s in spans]
+    assert [s.natural_end for s in spans] == want
+    assert not spans or not spans[-1].natural_end
+
+
+@pytest.mark.parametrize(
+    ("text", "at", "cut"),
+    [
+        ("Call me. 555", 8, True),
+        ("Call me?\t555", 8, True),
+        ('He said "stop!") Then', 16, True),
+        ("one\ntwo", 3, True),
+        ("one\rtwo", 3, True),
+        ("one.\u3000two", 4, True),  # any whitespace (the view folds it to whitespace)
+        ("a\u202eb. c", 4, False),  # after a right-to-left override
+        ("a\u202eb\nc", 3, False),
+        ("Call (555) 123-4567", 10, False),  # `)` closes a group of digits, no sentence
+        ("Call me.\u200b 555", 9, False),  # what is between is no closer
+        ("Call me. 555", 7, False),  # no whitespace after the cut
+        ("jo.@example.com", 3, False),
+        ("word word", 4, False),
+        ("Call me.", 8, False),  # the end of the text: what follows is not known
+    ],
+)
+def test_natural_cut_examples(text: str, at: int, cut: bool) -> None:
+    assert chunkers.natural_cut(text, at) is cut
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
@@ -293,11 +329,13 @@ def test_paragraph_max_chars_examples() -> None:
     assert texts_of("abcdefghijklmnopqrstuvwxyz") == ["abcdefghij", "klmnopqrst", "uvwxyz"]
     # a paragraph of exactly max_chars is not cut
     assert texts_of("Abc defghi\n\nJ") == ["Abc defghi", "\n\nJ"]
-    # a chunk that ends at a safety cut says so; one that ends at a paragraph break does not
-    cuts_of = lambda t: [s.safety_cut for s in small.chunk(t)]  # noqa: E731
-    assert cuts_of("aaaa bbbb cccc dddd\n\nEe") == [True, False, False]
-    assert cuts_of("abcdefghijklmnopqrstuvwxyz") == [True, True, False]
-    assert cuts_of("Abc defghi\n\nJ") == [False, False]
+    # a chunk that ends at a paragraph break or a sentence end is cut naturally; a safety cut
+    # inside a run of words or letters is not
+    cuts_of = lambda t: [s.natural_end for s in small.chunk(t)]  # noqa: E731
+    assert cuts_of("aaaa bbbb cccc dddd\n\nEe") == [False, True, False]
+    assert cuts_of("abcdefghijklmnopqrstuvwxyz") == [False, False, False]
+    assert cuts_of("Abc defghi\n\nJ") == [True, False]
+    assert cuts_of("Abc. efghijk.") == [True, False]  # a safety cut at a sentence end
 
 
 def test_paragraph_max_chars_piece_emitted_before_the_paragraph_ends() -> None:

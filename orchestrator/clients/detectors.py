@@ -91,6 +91,11 @@ class DetectorClient(ABC):
         far beside each chunk (`detect`'s `context`), so its chunks are consecutive text."""
         return False
 
+    def crosses_natural_cuts(self, params: dict[str, Any]) -> bool:
+        """Whether a span this detector finds may cross a natural cut (`chunkers.natural_cut`):
+        a remote detector's spans are unknown, so yes (seam windows at every boundary)."""
+        return True
+
     async def detect(
         self,
         contents: list[str],
@@ -193,6 +198,9 @@ class InProcessDetectorClient(DetectorClient):
         if self.config.judges is not None:
             return self.config.judges == "chunks"
         return not type(self._detector).finds_spans
+
+    def crosses_natural_cuts(self, params: dict[str, Any]) -> bool:
+        return self._detector.crosses_natural_cuts(params)
 
     async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a call that

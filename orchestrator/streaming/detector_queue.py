@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkers import Span
@@ -29,7 +30,10 @@ Result = DetectorResult[Finding]
 # (at most SEAM_RUN_CHARS back) and never inside a detection. What lies after it is judged again,
 # whole, by the next window. An entity up to SEAM_CHARS long (phone and card numbers with
 # spaces), or without whitespace up to SEAM_RUN_CHARS long (e-mails, URLs, keys), is therefore
-# always seen whole by one call before any of it is released, whatever the chunk size.
+# always seen whole by one call before any of it is released, whatever the chunk size. A window
+# that ends at a chunk end which is no seam for the detector (a natural cut its spans never
+# cross: `seam_ends`) is reported whole and carries nothing; a blocking detector likewise posts
+# such a chunk without waiting for the text after it.
 #
 # Both count characters of the detectors' normalised view (DESIGN 4.6b): invisible ones (zero-
 # width spaces, soft hyphens, bidi controls) do not count, so padding an e-mail with them does
@@ -106,6 +110,29 @@ def _seam_end(text: str, boundary: int, hi: int) -> tuple[int, bool]:
     return end, counted and (end < hi or bounded)
 
 
+def _every(chunk: Span) -> bool:
+    return True
+
+
+def _not_natural(chunk: Span) -> bool:
+    return not chunk.natural_end
+
+
+def seam_ends(detector: RequestedDetector) -> Callable[[Span], bool] | None:
+    """Which chunk ends a seam window must look across for `detector`. None for a classifier:
+    its verdict is on the chunk it was given, judged alone (DESIGN 4.6a), so a window is no
+    part of it. For a span detector, every end that is not a natural cut (`Span.natural_end`:
+    a `max_chars` cut inside a run, a word-count cut, a cut with no whitespace after it), or
+    every end when its spans may cross a natural one (a remote detector, custom patterns:
+    `crosses_natural_cuts`). A sentence end of a 5,000-sentence input is no seam for the
+    built-in regex kinds, so it costs no second judgement."""
+    if detector.judges_chunks:
+        return None
+    if detector.client.crosses_natural_cuts(detector.params):
+        return _every
+    return _not_natural
+
+
 @dataclass(frozen=True, slots=True)
 class DetectorFinished:
     """This detector judged every chunk it will ever get."""
@@ -141,9 +168,16 @@ class DetectorQueue:
         # a judge reads the answer so far with each chunk: what straddles a boundary is in the
         # context of the chunk after it, and a seam window would be judged out of context
         self._in_context = detector.client.reads_context
-        self._seamed = detector.blocking and not detector.whole_doc and not self._in_context
         self._conversation = conversation
         self._answer = ""  # in context: the text judged so far (the chunks are consecutive)
+        # a redacting or blocking span detector looks across the chunk ends that are seams for it
+        self._seam_after = seam_ends(detector)
+        self._seamed = (
+            detector.blocking
+            and self._seam_after is not None
+            and not detector.whole_doc
+            and not self._in_context
+        )
         self._carry = ""  # windowed: text from `_carry_start` to the next chunk, not reported
         self._carry_start = 0
 
@@ -196,7 +230,8 @@ class DetectorQueue:
         self._inbox.put(DetectorFinished(detector.detector_id))
 
     async def _run_windowed(self) -> None:
-        """Every pending chunk in one window with the carried tail (see SEAM_CHARS)."""
+        """Every pending chunk in one window with the carried tail (see SEAM_CHARS); nothing is
+        carried past a chunk end that is no seam for the detector."""
         detector = self.detector
         while True:
             if not self._pending and not (self._closed and self._carry):
@@ -219,7 +254,10 @@ class DetectorQueue:
             final = final or (self._closed and not self._pending)
             if final:
                 found = open_tail(detector, text, start, found)
-            safe = end if final else safe_end(text, start, found)
+            # a window that ends at a chunk end that is no seam (`seam_ends`) carries nothing:
+            # no entity of this detector goes on across it
+            no_seam = bool(batch) and not self._seam_after(batch[-1])  # type: ignore[misc]
+            safe = end if final or no_seam else safe_end(text, start, found)
             self._carry = text[safe - start :]
             self._carry_start = safe
             reported = tuple(f for f in found if f.end <= safe)
@@ -227,21 +265,24 @@ class DetectorQueue:
         self._inbox.put(DetectorFinished(detector.detector_id))
 
     async def _run_seamed(self) -> None:
-        """A blocking detector judges each chunk alone (as any detector does) and also the
-        text across the chunk boundaries it has not released, keeping what straddles one of
-        them: an entity cut in two by a boundary blocks like any other. A clean chunk is posted
-        only once the text after its end reached past the boundary's window (SEAM_CHARS, and
-        the rest of the whitespace-free run there: `seam_bounds`), or the text ended, so no part
-        of an entity is released before it is seen whole. A flagged one is posted at once,
-        after the clean chunks held before it (judged with the text there was: only a
-        straddling entity's head could be among them).
+        """A blocking span detector judges each chunk alone (as any detector does) and also the
+        text across the chunk boundaries that are seams for it (`seam_ends`) and that it has
+        not released, keeping what straddles one of them: an entity cut in two by a boundary
+        blocks like any other. A clean chunk is posted once its end is no seam, or once the
+        text after its end reached past the boundary's window (SEAM_CHARS, and the rest of the
+        whitespace-free run there: `seam_bounds`), or the text ended, so no part of an entity
+        is released before it is seen whole. A flagged one is posted at once, after the clean
+        chunks held before it (judged with the text there was: only a straddling entity's head
+        could be among them).
 
-        The held chunks' boundaries are judged in one window, from the first one's window start
-        to the end of the text, not one window per boundary: the windows of neighbouring
+        The held chunks' seams are judged in one window, from the first one's window start to
+        the end of the text, not one window per boundary: the windows of neighbouring
         boundaries overlap, and with the run bounds (SEAM_RUN_CHARS) and a small `max_chars`
         that judged each held character hundreds of times a call. One window costs the held
         text once, and the held text is bounded by the windows' own bounds."""
         detector = self.detector
+        seam_after = self._seam_after
+        assert seam_after is not None
         held: list[tuple[Span, tuple[Finding, ...]]] = []
         while True:
             if not self._pending:
@@ -255,9 +296,12 @@ class DetectorQueue:
             chain = [span for span, _ in held] + batch
             text = "".join([s.text for s in chain])
             base = chain[0].start
+            # seams[i]: the end of chain[i] is a seam (chain[i + 1] follows it)
+            seams = [seam_after(span) for span in chain[:-1]]
             window: Span | None = None
-            if len(chain) > 1:
-                lo, _, _ = seam_bounds(text, 0, len(text), chain[1].start - base)
+            if any(seams):
+                first = seams.index(True)
+                lo, _, _ = seam_bounds(text, 0, len(text), chain[first + 1].start - base)
                 window = Span(base + lo, base + len(text), text[lo:])
             self.calls += 1
             contents = [s.text for s in batch] + ([window.text] if window is not None else [])
@@ -273,7 +317,8 @@ class DetectorQueue:
             # (a detection of the whole window counts too: it may be an entity that fills it,
             # and for a block any detection is reason enough)
             straddling = [
-                tuple(f for f in across if f.start < nxt.start < f.end) for nxt in chain[1:]
+                tuple(f for f in across if f.start < nxt.start < f.end) if seam else ()
+                for nxt, seam in zip(chain[1:], seams, strict=True)
             ]
             final = self._closed and not self._pending
             if final:
@@ -289,10 +334,13 @@ class DetectorQueue:
                     break
             else:
                 for i, (span, found) in enumerate(judged):
-                    # (once one boundary's window is incomplete, every later one's is too)
+                    # in order: a chunk waits for every chunk before it; the last one, for the
+                    # text after it, unless its end is no seam (decided when it was cut)
                     if not final and (
-                        i + 1 >= len(chain)
-                        or not _seam_end(text, chain[i + 1].start - base, len(text))[1]
+                        seam_after(span)
+                        if i + 1 >= len(chain)
+                        else seams[i]
+                        and not _seam_end(text, chain[i + 1].start - base, len(text))[1]
                     ):
                         break
                     self._post(span, found)

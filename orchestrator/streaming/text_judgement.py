@@ -2,19 +2,20 @@
 a conversation's input, and the detection/content endpoint. Each detector chunks the text with
 its own chunker and judges all chunks in one call; the detectors run concurrently.
 
-No seam leaks: besides its chunks, a detector judges a window across chunk boundaries
-(SEAM_CHARS each side, widened to whole whitespace-free runs) and keeps from it what straddles
-the boundary: an e-mail or a card number cut by a `max_chars` safety cut is found like any other,
-so a blocking input guardrail cannot be walked around by placing it there. Inputs, where any
-detection refuses, get a window at every boundary, and a detection covering a whole window
-counts (an entity or a phrase may fill it). The content endpoint (annotations of the client's
-own text, `annotating`) gets windows only at safety cuts (`Span.safety_cut`): a sentence or
-paragraph end falls at whitespace after punctuation, which no entity pattern crosses, and a
-window at every one of them doubled the detector work of a megabyte of text (issue 20's
-`bench/loop_lag.py`: 15 s -> 50 s for four 1 MB requests); there a detection covering a whole
-window is dropped as a classifier's verdict on the window rather than an entity in it. A
-redacting span detector judges each text whole instead (nothing to split); a redacting
-classifier judges each of its chunks alone, with no window (what it redacts is that chunk).
+No seam leaks: besides its chunks, a span detector judges a window across each chunk boundary
+that is a seam for it (`seam_ends`: SEAM_CHARS each side, widened to whole whitespace-free runs)
+and keeps from it what straddles the boundary: an e-mail or a card number cut by a `max_chars`
+safety cut is found like any other, so a blocking input guardrail cannot be walked around by
+placing it there. A boundary at a natural cut (whitespace after a sentence end, or a line break:
+`chunkers.natural_cut`) is no seam for a detector whose spans cross none (the built-in regex
+kinds): a window at every sentence end doubled the detector work of bulk text (a 5,000-sentence
+input was 9,999 detector items; issue 20's `bench/loop_lag.py`: 15 s -> 50 s for four 1 MB
+requests). A classifier judges its chunks alone, with no window (DESIGN 4.6a: its verdict is on
+the chunk it was given; `detectors/windows.py` keeps padding inside a chunk from diluting it).
+Inputs, where any detection refuses, keep a detection covering a whole window (an entity may
+fill it); the content endpoint (annotations of the client's own text, `annotating`) drops it as
+a verdict on the window rather than an entity in it. A redacting span detector judges each text
+whole instead (nothing to split).
 
 Nothing CPU-heavy on the event loop (DESIGN 4): chunking a megabyte of text takes about a second
 of CPU, and turning tens of thousands of detections into findings about as much; on the loop
@@ -42,7 +43,7 @@ from detectors.api import Detection
 from ..api.input_pieces import InputPiece
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from ..config import WHOLE_DOC_CHUNKER
-from .detector_queue import seam_bounds
+from .detector_queue import seam_bounds, seam_ends
 from .fanout import ChunkerFailure
 from .findings import Finding, kept_findings, sort_findings
 
@@ -102,7 +103,7 @@ async def judge_text(
     enforced one, which judges the whole text (DESIGN 1: a request cannot narrow what the
     operator's guardrails see); `whole`: every detector judges each
     slice in one piece (the text is to be redacted); `annotating`: the content endpoint's
-    annotations, with windows only at safety cuts (see the module's docstring)."""
+    annotations (a detection covering a whole window is dropped: see the module's docstring)."""
     everything = [(0, len(text))]
 
     async def one(detector: RequestedDetector) -> list[Finding]:
@@ -113,7 +114,6 @@ async def judge_text(
             _chunker_of(detector, whole),
             chunkers,
             annotating,
-            windows=not (detector.judges_chunks and (whole or detector.redacting)),
         )
         return [f for _, f in found]
 
@@ -138,7 +138,6 @@ async def judge_pieces(
             _chunker_of(detector, False),
             chunkers,
             False,
-            windows=not (detector.judges_chunks and detector.redacting),
         )
         return [
             replace(f, message_index=piece.message_index, field=piece.field) for piece, f in found
@@ -155,25 +154,26 @@ async def _judge(
     chunker_id: str,
     chunkers: ChunkerRegistry,
     annotating: bool,
-    *,
-    windows: bool = True,
 ) -> list[tuple[Any, Finding]]:
     """(owner, finding) over `[start, end)` of each `(text, start, end, owner)`, in one call:
-    the chunks, then (`windows`) one window per chunk boundary (per safety cut when `annotating`;
-    see the module's docstring). Past
-    BULK_CHARS, chunking and building findings run off the loop."""
+    the chunks, then one window per chunk boundary that is a seam for the detector
+    (`seam_ends`; see the module's docstring). Past BULK_CHARS, chunking and building findings
+    run off the loop."""
     bulk = sum(end - start for _, start, end, _ in regions) > BULK_CHARS
     spans: list[Span] = []
     owners: list[Any] = []
     seams: list[tuple[Span, int, Any]] = []  # (window, the boundary it spans, owner)
+    seam_after = seam_ends(detector)
 
     def chunk() -> None:
         for text, start, end, owner in regions:
             chunks = _chunk_regions(text, [(start, end)], chunker_id, chunkers)
             spans.extend(chunks)
             owners.extend([owner] * len(chunks))
-            for prev, nxt in itertools.pairwise(chunks if windows else ()):
-                if prev.safety_cut or not annotating:
+            if seam_after is None:
+                continue
+            for prev, nxt in itertools.pairwise(chunks):
+                if seam_after(prev):
                     seams.append((_seam(text, start, end, nxt.start), nxt.start, owner))
 
     await off_loop(chunk) if bulk else chunk()
@@ -197,18 +197,23 @@ def _findings(
     annotating: bool,
 ) -> list[tuple[Any, Finding]]:
     """(owner, finding) of every chunk's reply, then what each boundary window's reply found
-    straddling its boundary."""
+    straddling its boundary; an entity across several boundaries once (each of their windows
+    finds it)."""
     n = len(spans)
     out = [
         (owner, f)
         for owner, span, dets in zip(owners, spans, replies[:n], strict=True)
         for f in kept_findings(detector, span, dets)
     ]
+    seen: set[tuple[int, int, int, str]] = set()
     for (window, boundary, owner), dets in zip(seams, replies[n:], strict=True):
         for f in kept_findings(detector, window, dets):
             whole_window = f.start == window.start and f.end == window.end
             if f.start < boundary < f.end and not (annotating and whole_window):
-                out.append((owner, f))
+                key = (id(owner), f.start, f.end, f.detection)
+                if key not in seen:
+                    seen.add(key)
+                    out.append((owner, f))
     return out
 
 

@@ -1,0 +1,228 @@
+"""Seam windows only where a cut is not natural, and only for span detectors (issue 33 item 8).
+
+A chunk boundary is looked across (a seam window, DESIGN 4.6a) so that an entity cut in two by
+it is still found whole. A natural cut (whitespace after a sentence end, or a line break:
+`chunkers.natural_cut`) splits no built-in regex kind, so the regex detector needs no window
+there; every other cut (a `max_chars` cut inside a run, a word-count cut, a cut with no
+whitespace after it) keeps its window, and so does every cut for a detector whose spans may
+cross one (custom patterns, remote detectors). A classifier judges its chunks alone.
+
+The first property is the one everything rests on: no built-in match, in any text (hostile
+Unicode, right-to-left overrides and closers included), crosses a natural cut. The seam
+properties of tests/test_pipeline_redaction_seams.py and tests/test_pipeline_span_integrity.py
+hold unchanged on top of it (streams); the second property here is their whole-text form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import chunkers
+import detectors
+from detectors.service import create_app
+from orchestrator.clients.detectors import HttpDetectorClient, InProcessDetectorClient
+from orchestrator.clients.registry import RequestedDetector
+from orchestrator.config import DetectorConfig
+from orchestrator.streaming import text_judgement
+from orchestrator.streaming.detector_queue import seam_ends
+from orchestrator.streaming.text_judgement import judge_text
+from tests import test_pipeline_redaction_seams as seams
+from tests.test_pipeline_redaction_seams import CountingRegex, registry, run_stream
+
+REGEX = detectors.build("regex")
+
+ENTITIES = [
+    *seams.ENTITIES,
+    "555.123.4567",
+    "555 123 4567",
+    "+1 555 123 4567",
+    "1 (555) 123-4567",
+    "+44 (20) 7946 0958",
+    "+44 20 7946 0958",
+    "4111.1111.1111.1111",
+    "078 05 1120",
+    "2001:db8::1",
+]
+# what a sentence end, a closer, whitespace of other scripts, an override or a mark can add
+GLUE = [
+    ". ", "? ", "! ", ".) ", '." ', ".] ", "?' ", ".\n", "\n", "\n\n", "\r\n", " ", "  ",
+    "\t", "\u00a0", "\u2009", "\u3000", "\u2028", ".\u00a0", ".\u3000", "(", ")", ".", "-",
+    "+", "1", "55", "@", "a", "A", "x.", "\u200b", "\u00ad", "\u202e", "\u202c", "\u0301",
+    "\u3002", "\uff0e",
+]  # fmt: skip
+
+texts = st.lists(
+    st.one_of(st.sampled_from(ENTITIES), st.sampled_from(GLUE), st.text("5 .()-\n+@a", max_size=4)),
+    min_size=1,
+    max_size=16,
+).map("".join)
+
+
+@settings(max_examples=600, deadline=None)
+@given(text=texts)
+def test_no_builtin_match_crosses_a_natural_cut(text: str) -> None:
+    """What lets the regex detector go without windows at natural cuts: none of its matches
+    (logical or display order, through the view) holds a natural cut inside it."""
+    [hits] = asyncio.run(REGEX.detect([text], {}))
+    # every natural cut any chunk could end at (a chunk from 0 walks back furthest)
+    cuts = [i for i in range(1, len(text)) if chunkers.natural_cut(text, i)]
+    crossing = [(h.start, h.end, h.text) for h in hits for i in cuts if h.start < i < h.end]
+    assert crossing == [], (text, cuts)
+
+
+def regex_detector(on_detection: str = "block", chunker: str = "s", **params: Any) -> Any:
+    """The built-in regex detector as a request uses it (with custom `patterns` if given)."""
+    built = detectors.build("regex", params) if params else REGEX
+    client = InProcessDetectorClient("pii", DetectorConfig(builtin="regex"), built)
+    return RequestedDetector("pii", client, chunker, 0.5, on_detection, {})  # type: ignore[arg-type]
+
+
+def seam_recorder(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The boundaries text_judgement opens a seam window at."""
+    at: list[int] = []
+    real = text_judgement._seam
+
+    def seam(text: str, start: int, end: int, boundary: int) -> Any:
+        at.append(boundary)
+        return real(text, start, end, boundary)
+
+    monkeypatch.setattr(text_judgement, "_seam", seam)
+    return at
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    text=texts,
+    max_chars=st.sampled_from([1, 5, 9, 16, 40, 500]),
+    chunker=st.sampled_from(["s", "p", "w"]),
+    annotating=st.booleans(),
+)
+def test_every_match_of_the_whole_text_is_found_with_windows_only_at_unnatural_cuts(
+    monkeypatch: pytest.MonkeyPatch, text: str, max_chars: int, chunker: str, annotating: bool
+) -> None:
+    """An input (blocking) or the content endpoint's annotations, any chunker and `max_chars`:
+    the windows judged are exactly those at the chunk ends that are no natural cut, and on an
+    input each match the detector finds in the whole text is seen (a finding overlaps it: a
+    chunk of a run of glued values can parse it differently, as before), and no finding twice. (Annotations drop a detection that covers a whole window, a text no longer than an
+    entity and its window: left as it was.)"""
+    at = seam_recorder(monkeypatch)
+    at.clear()  # (hypothesis runs every example with the one fixture)
+    reg = registry(max_chars)
+    det = regex_detector("annotate" if annotating else "block", chunker)
+    found = asyncio.run(judge_text(text, [det], reg, annotating=annotating))
+    [whole] = asyncio.run(REGEX.detect([text], {}))
+    spans = [(f.start, f.end, f.detection) for f in found]
+    assert len(set(spans)) == len(spans)
+    if not annotating:  # no match of the whole text goes unseen
+        missed = [h for h in whole if not any(f.start < h.end and h.start < f.end for f in found)]
+        assert missed == [], (text, found)
+    chunks = reg.get(chunker).chunk(text)
+    assert at == [c.end for c in chunks[:-1] if not c.natural_end]
+
+
+SENTENCE = "Mail jo@example.com or call 555-123-4567 today. "
+
+
+def test_an_input_of_sentences_has_no_windows_for_the_regex_kinds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every sentence end here is a natural cut: the detector judges the 50 sentences and
+    nothing else (it judged 99 items before: a window at each boundary)."""
+    at = seam_recorder(monkeypatch)
+    found = asyncio.run(judge_text(SENTENCE * 50, [regex_detector()], registry(500)))
+    assert len(found) == 100 and at == []
+
+
+TICKET_TEXT = "See T-42. Then more. And the end."
+
+
+def test_a_custom_pattern_may_cross_a_sentence_end_so_every_cut_is_windowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A custom pattern may match across `. `: every boundary keeps its window, and the match
+    across the sentence end is found."""
+    at = seam_recorder(monkeypatch)
+    det = regex_detector(patterns={"ticket": r"T-[0-9]+\. [A-Z]"})
+    found = asyncio.run(judge_text(TICKET_TEXT, [det], registry(500)))
+    chunks = registry(500).get("s").chunk(TICKET_TEXT)
+    assert [c.natural_end for c in chunks] == [True, True, False]
+    assert at == [chunks[0].end, chunks[1].end]
+    assert [(f.start, f.end, f.text) for f in found] == [(4, 11, "T-42. T")]
+
+
+async def test_a_remote_span_detector_is_windowed_at_every_cut(
+    aiohttp_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The orchestrator does not know a remote detector's patterns (here the detector service
+    with the same custom pattern): every boundary keeps its window."""
+    ticket = detectors.build("regex", {"patterns": {"ticket": r"T-[0-9]+\. [A-Z]"}})
+    server = await aiohttp_server(create_app({"pii": ticket}, warmup=False))
+    at = seam_recorder(monkeypatch)
+    async with aiohttp.ClientSession() as session:
+        client = HttpDetectorClient(
+            "pii", DetectorConfig(url=f"http://127.0.0.1:{server.port}"), session
+        )
+        det = RequestedDetector("pii", client, "s", 0.5, "block", {})
+        found = await judge_text(TICKET_TEXT, [det], registry(500))
+    chunks = registry(500).get("s").chunk(TICKET_TEXT)
+    assert at == [chunks[0].end, chunks[1].end]
+    assert [(f.start, f.end, f.text) for f in found] == [(4, 11, "T-42. T")]
+
+
+def test_seam_ends_by_kind_of_detector() -> None:
+    """A classifier: no windows; a span detector: at the ends that are no natural cut, or at
+    every end when its spans may cross one."""
+    natural = chunkers.Span(0, 3, "Hi.", natural_end=True)
+    cut = chunkers.Span(0, 3, "Hi ")
+    classifier = RequestedDetector(
+        "hap", regex_detector().client, "s", 0.5, "block", {}, judges_chunks=True
+    )
+    assert seam_ends(classifier) is None
+    regex = seam_ends(regex_detector())
+    assert regex is not None and (regex(natural), regex(cut)) == (False, True)
+    custom = seam_ends(regex_detector(patterns={"x": "x"}))
+    assert custom is not None and (custom(natural), custom(cut)) == (True, True)
+
+
+@pytest.mark.parametrize("annotating", [True, False], ids=["content", "input"])
+def test_a_words_chunker_cut_inside_a_phone_number_is_one_finding(annotating: bool) -> None:
+    """Word-count cuts put two boundaries inside `+1 555 123 4567`. The content endpoint looked
+    across `max_chars` safety cuts only, so its annotations missed it; an input had a window at
+    each boundary and reported it twice (both on c2003a7)."""
+    text = "Call +1 555 123 4567 now."
+    det = regex_detector("annotate" if annotating else "block", "w")
+    assert [c.text for c in registry(500).get("w").chunk(text)] == [
+        "Call +1",
+        " 555 123",
+        " 4567 now.",
+    ]
+    found = asyncio.run(judge_text(text, [det], registry(500), annotating=annotating))
+    assert [(f.start, f.end, f.text, f.detection) for f in found] == [
+        (5, 20, "+1 555 123 4567", "phone")
+    ]
+
+
+@pytest.mark.parametrize("on_detection", ["redact", "block"])
+def test_a_stream_of_sentences_is_judged_once(on_detection: str) -> None:
+    """A redacting or blocking regex detector on a stream of sentences neither carries a tail
+    into the next call nor looks across a sentence end: each character is judged once
+    (c2003a7's redacting queue judged 3.1x and its blocking one 4.8x the text)."""
+    text = SENTENCE.replace("jo@example.com", "nobody").replace("555-123-4567", "me") * 40
+    counting = CountingRegex()
+    client = InProcessDetectorClient("pii", DetectorConfig(builtin="regex"), counting)
+    det = RequestedDetector("pii", client, "s", 0.5, on_detection, {})  # type: ignore[arg-type]
+    frames = asyncio.run(
+        run_stream([text[i : i + 7] for i in range(0, len(text), 7)], [det], registry(500))
+    )
+    assert "".join(f.text for f in frames) == text
+    assert counting.judged == len(text)
