@@ -127,3 +127,41 @@ async def test_windows_only_at_cuts_that_are_no_sentence_end(
     events = await orch.stream(generation_body(run_on, input={"pii": {}}))
     assert events[-1].name == "incomplete"
     assert windows == [499]
+
+
+async def test_a_refused_large_input_s_unary_reply_is_built_off_the_loop(
+    orch: Orchestrator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused 1 MB input's unary reply holds one detection per e-mail and phone: building
+    and encoding it took a second on the loop (found with bench/loop_lag.py --inputs). It is
+    built in a worker thread, with every detection in it."""
+    from orchestrator.app import UNARY_PATH
+    from orchestrator.streaming import fms_writer
+
+    built: list[int] = []
+    real_body = fms_writer.UnaryFold.body
+
+    def body(self: fms_writer.UnaryFold) -> dict[str, Any]:
+        built.append(threading.get_ident())
+        return real_body(self)
+
+    monkeypatch.setattr(fms_writer.UnaryFold, "body", body)
+    n = text_judgement.BULK_CHARS // len(SENTENCE) + 10
+    request = generation_body(SENTENCE * n, input={"pii": {}})
+    status, reply = await orch.post(UNARY_PATH, request)
+    assert status == 200
+    assert built and threading.get_ident() not in built
+    found = reply["token_classification_results"]["input"]
+    assert len(found) == 2 * n
+    assert (reply["status"], reply["incomplete_details"]) == (
+        "incomplete",
+        {"reason": "content_filter"},
+    )
+    assert "generated_text" not in reply  # the model was never called
+    tcr = {"entity_group": "pii", "detector_id": "pii", "score": 1.0}
+    at = (n - 1) * len(SENTENCE)
+    assert [found[0], found[1], found[-1]] == [
+        {"start": 5, "end": 19, "word": "jo@example.com", "entity": "email", **tcr},
+        {"start": 28, "end": 40, "word": "555-123-4567", "entity": "phone", **tcr},
+        {"start": at + 28, "end": at + 40, "word": "555-123-4567", "entity": "phone", **tcr},
+    ]

@@ -23,6 +23,7 @@ blocked or cut off, and a new surface is a writer, not another loop.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any, Protocol
@@ -33,6 +34,7 @@ from ..api.errors import ApiError, Failure
 from ..errors import is_http_error
 from ..state import STATE
 from ..streaming.events import Event, Frame, KeepAlive, Rendered, Terminal
+from ..streaming.text_judgement import off_loop
 from ..streaming.wire_json import KEEPALIVE_COMMENT
 from .stream_slots import stream_slot
 
@@ -116,12 +118,21 @@ async def serve(request: web.Request, prepare: Prepare, writer: Writer) -> web.S
 
 async def serve_unary(request: web.Request, prepare: Prepare, fold: Fold) -> web.Response:
     """Folds the pipeline `prepare` builds into one JSON reply."""
-    return web.json_response(await fold_unary(request, prepare, fold))
+    await _fold(request, prepare, fold)
+    text = await off_loop(lambda: json.dumps(fold.body()))
+    return web.Response(text=text, content_type="application/json")
 
 
 async def fold_unary(request: web.Request, prepare: Prepare, fold: Fold) -> dict[str, Any]:
-    """The folded reply, for a handler that adds to it (generation-detection); the stream slot
-    is held while the pipeline runs."""
+    """The folded reply, for a handler that adds to it (generation-detection)."""
+    await _fold(request, prepare, fold)
+    return await off_loop(fold.body)
+
+
+async def _fold(request: web.Request, prepare: Prepare, fold: Fold) -> None:
+    """Every event into `fold`; the stream slot is held while the pipeline runs. The reply
+    itself is built (and encoded) off the loop, by the callers: a refused 1 MB input holds tens
+    of thousands of detections, a second of work that would stall every other request."""
     with stream_slot(request.app[STATE]) as slot:
         pipeline = slot.attach(await prepare())
         async with aclosing(pipeline.events()) as events:
@@ -132,7 +143,6 @@ async def fold_unary(request: web.Request, prepare: Prepare, fold: Fold) -> dict
                     if is_http_error(event.error, sent=False, in_band=fold.in_band):
                         raise ApiError.of(event.error)  # nothing was sent: a real HTTP error
                 fold.add(event)
-    return fold.body()
 
 
 async def _start(request: web.Request, writer: Writer) -> web.StreamResponse:

@@ -20,12 +20,12 @@ from ..api.fms_responses import (
     RefusalDone,
     StreamError,
     TerminalSummary,
-    TokenClassificationResult,
     TokenClassificationResults,
     Wire,
 )
 from .events import Frame, Refusal, Rendered, Terminal
 from .finding_wire import tcr, tcr_model
+from .findings import Finding
 from .wire_json import SSE_HEADERS, dumps
 
 
@@ -155,10 +155,11 @@ class UnaryFold:
     error (nothing was sent yet, and the result has no place for one)."""
 
     def __init__(self) -> None:
+        # findings, made wire models in `body` (off the loop: serving.fold_unary)
         self._texts: list[str] = []
-        self._inputs: list[TokenClassificationResult] = []  # of a refused input
-        self._redacted_inputs: list[TokenClassificationResult] = []
-        self._outputs: list[TokenClassificationResult] = []
+        self._inputs: list[Finding] = []  # of a refused input
+        self._redacted_inputs: list[Finding] = []
+        self._outputs: list[Finding] = []
         self._warnings: dict[str, FrameWarning] = {}
         self.result = ClassifiedGeneratedTextResult()
 
@@ -169,17 +170,17 @@ class UnaryFold:
         r = self.result
         if isinstance(event, Frame):
             if event.input_detections:
-                self._redacted_inputs.extend(tcr_model(f) for f in event.input_detections)
+                self._redacted_inputs.extend(event.input_detections)
             if event.text:
                 self._texts.append(event.text)
-            self._outputs.extend(tcr_model(f) for f in event.detections)
+            self._outputs.extend(event.detections)
             if event.detections:
                 self._warnings.setdefault(UNSUITABLE_OUTPUT.id, UNSUITABLE_OUTPUT)
             r.input_token_count = event.input_token_count
             r.seed = event.seed
         elif isinstance(event, Refusal):
             if event.direction == "input":
-                self._inputs.extend(tcr_model(f) for f in event.detections)
+                self._inputs.extend(event.detections)
                 self._warnings.setdefault(UNSUITABLE_INPUT.id, UNSUITABLE_INPUT)
                 r.input_token_count = event.input_token_count
                 r.seed = event.seed
@@ -200,9 +201,10 @@ class UnaryFold:
     def body(self) -> dict[str, Any]:
         r = self.result
         r.generated_text = "".join(self._texts) if self._texts or not self._inputs else None
+        inputs = [tcr_model(f) for f in self._inputs + self._redacted_inputs]
         r.token_classification_results = TokenClassificationResults(
-            input=self._inputs + self._redacted_inputs or None,
-            output=self._outputs if self._outputs or self._texts else None,
+            input=inputs or None,
+            output=[tcr_model(f) for f in self._outputs] if self._outputs or self._texts else None,
         )
         r.warnings = list(self._warnings.values()) or None
         return r.dump()
