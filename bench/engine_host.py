@@ -207,8 +207,8 @@ class NullSampler(DeviceSampler):
 
 def use_null_sampler(loaded: models.LoadedModel) -> None:
     """Make the engine's static step build a `NullSampler` (the engine builds its sampler inside
-    its start-up, from the name `DeviceSampler` in generation.scheduler: a bench-only patch)."""
-    from generation import scheduler
+    its start-up, from the name `DeviceSampler` in generation.model_runner: a bench-only patch)."""
+    from generation import model_runner
 
     model = loaded.model
     assert isinstance(model, NullModel)
@@ -216,7 +216,7 @@ def use_null_sampler(loaded: models.LoadedModel) -> None:
     generator = torch.Generator().manual_seed(99)
     table = torch.multinomial(weights, 4096, replacement=True, generator=generator)
     peak = int(model.fixed.argmax())
-    scheduler.DeviceSampler = functools.partial(NullSampler, table=table, peak=peak)  # type: ignore[misc]
+    model_runner.DeviceSampler = functools.partial(NullSampler, table=table, peak=peak)  # type: ignore[misc]
 
 
 def make_engine(loaded: models.LoadedModel, rows: int, eager: bool) -> Engine:
