@@ -60,6 +60,7 @@ import functools
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -677,6 +678,14 @@ def summary(levels: list[Level], args: argparse.Namespace) -> str:
     )
 
 
+class Terminated(Exception):
+    """SIGTERM (a time limit) arrived: the levels so far are reported."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated(f"signal {signum}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,64,256")
@@ -733,6 +742,7 @@ def main() -> None:
     )
     levels: list[Level] = []
     failed = False
+    signal.signal(signal.SIGTERM, _terminated)  # `timeout` cuts a run: still print the summary
     try:
         run(args, levels)
     except Exception:  # the summary line still comes, from the levels that completed

@@ -23,8 +23,11 @@ only; padding columns are masked. Width buckets exist because attending over the
 costs attention compute proportional to the capacity at every step (8,192 columns for a
 100-token stream); a grid of power-of-two widths keeps that within 2x of what is needed for a
 few dozen graphs (a paged kernel, as vLLM and SGLang use, would avoid even that; it needs custom
-attention kernels). The host writes the step's tokens and positions into the static buffers with
-one host-to-device copy and reads the chosen tokens back with one device-to-host read.
+attention kernels). The host writes the step's positions into the static buffers with one
+host-to-device copy; the chosen tokens are written into `input_ids` on the device, as the next
+step's inputs (a joining row's first token is fed there, a leaving row's slot takes the moved
+row's), and the engine copies them to the host without blocking (model_runner.py: overlapped
+steps).
 
 On a CPU the same step runs eagerly (no capture), with exact rows and width by default: padding
 buys nothing there. Prefill stays eager (`DynamicCache`); its keys are copied into the static
