@@ -3,6 +3,7 @@
     python bench/engine_host.py [--rows 1,64,256] [--tokens 128] [--device cpu|cuda]
                                 [--device-ms 4] [--paths inproc,http] [--decoding greedy,sampling]
                                 [--clients 2] [--repeat 1] [--eager] [--json out.json]
+                                [--overlap on,off]
 
 The model is `NullModel`: one forward pass writes one tiny key per row into the KV cache it is
 given (so the engine's caches, joins and leaves are exercised) and returns fixed logits over
@@ -29,9 +30,15 @@ A step's time is measured from the streams' own token arrival times: from the fi
 first token to the last stream's last token, divided by the steps in between (a client that falls
 behind adds its lag: what a reader of the streams sees). Host microseconds per
 row per step = step time / rows with the null model (its forward costs microseconds). Then the
-same with a simulated device step of `--device-ms` (the null model sleeps, releasing the GIL as a
-GPU sync does; on CUDA it spins the GPU with `torch.cuda._sleep`): the host time still exposed is
-step - device; the share hidden = 1 - exposed / host time without the device step.
+same with a simulated device step of `--device-ms`, with overlapped steps on and off (`--overlap`,
+the engine's option): the host time still exposed is step - device; the share hidden = 1 - exposed
+/ host time without the device step. On CUDA the null model spins the GPU with
+`torch.cuda._sleep` inside the step (its graph). On a CPU a device clock stands in for the GPU:
+each forward pass takes `--device-ms` of it, one after another; a static decode step is only
+queued on it (the host goes on, as after a CUDA graph launch) and the step's tokens are ready
+when the clock has run it (`ClockEvent`, in place of the CUDA event the engine records; the wait
+sleeps, releasing the GIL as a GPU sync does); any other pass (prefill, an eager step) is waited
+for at once, as the host read of its result would.
 
 CPU time too (Linux /proc): the engine process's CPU seconds per row per step, all threads, and
 over http the worker thread's share; on a shared machine these are steadier than wall time, and
@@ -39,7 +46,8 @@ they say how much of the host's work is the worker's own (accept, detokenize, st
 and how much the server's delivery, which shares the worker's GIL in the same process.
 
 Last line, for scripts (http path, most rows): `host_us_per_row_256 greedy=X sampling=Y
-overlap_hidden=Z%` (Z the smaller of the two decodings' hidden shares).
+overlap_hidden=Z%` (Z the smaller of the two decodings' hidden shares, overlap on; the line
+before gives overlap off's). It is printed even when a level fails (its figures then `na`).
 
 The CPU may be shared (2 cores here): compare figures within one run.
 """
@@ -52,9 +60,11 @@ import functools
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +75,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from generation import models
+from generation import model_runner, models
+from generation.decode_graphs import StaticSlotCache
 from generation.device_sampling import DeviceSampler
 from generation.jobs import Job, StreamError
 from generation.sampling import SamplingParams
@@ -94,6 +105,7 @@ class NullModel(torch.nn.Module):
         self.device_ms = device_ms
         self.config = SimpleNamespace(_attn_implementation="sdpa")
         self._cycles = _cuda_cycles(device_ms) if device.type == "cuda" and device_ms else 0
+        self.busy_until = 0.0  # CPU: the simulated device's clock (time.monotonic)
 
     def forward(
         self,
@@ -119,10 +131,47 @@ class NullModel(torch.nn.Module):
         if self._cycles:
             torch.cuda._sleep(self._cycles)  # capturable: the "device step" inside the graph
         elif self.device_ms:
-            time.sleep(self.device_ms / 1000)  # releases the GIL, as waiting on a GPU does
+            self._device_pass(queued=isinstance(past_key_values, StaticSlotCache))
         # a copy, not an expanded view: the engine writes into logits (EOS suppression)
         logits = self.fixed.repeat(rows, kept, 1)
         return SimpleNamespace(logits=logits, past_key_values=past_key_values)
+
+    def _device_pass(self, queued: bool) -> None:
+        """One pass on the simulated device's clock, after those before it. A static decode
+        step is only queued (its tokens' `ClockEvent` waits for it); any other pass is waited
+        for now (sleeping releases the GIL, as waiting on a GPU does)."""
+        now = time.monotonic()
+        self.busy_until = max(now, self.busy_until) + self.device_ms / 1000
+        if not queued:
+            time.sleep(max(self.busy_until - now, 0.0))
+
+
+REAL_STEP_EVENT = model_runner.record_step_event
+
+
+class ClockEvent:
+    """The simulated device's event: complete when its clock reaches the step's end."""
+
+    __slots__ = ("until",)
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+
+    def synchronize(self) -> None:
+        delay = self.until - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def use_clock_events(loaded: models.LoadedModel) -> None:
+    """Make the engine's static steps record `ClockEvent`s of the null model's clock (a CPU
+    with a simulated device step; a bench-only patch of generation.model_runner)."""
+    model = loaded.model
+    assert isinstance(model, NullModel)
+    if loaded.device.type == "cpu" and model.device_ms:
+        model_runner.record_step_event = lambda device: ClockEvent(model.busy_until)
+    else:
+        model_runner.record_step_event = REAL_STEP_EVENT
 
 
 def _cuda_cycles(ms: float) -> int:
@@ -207,8 +256,8 @@ class NullSampler(DeviceSampler):
 
 def use_null_sampler(loaded: models.LoadedModel) -> None:
     """Make the engine's static step build a `NullSampler` (the engine builds its sampler inside
-    its start-up, from the name `DeviceSampler` in generation.scheduler: a bench-only patch)."""
-    from generation import scheduler
+    its start-up, from the name `DeviceSampler` in generation.model_runner: a bench-only patch)."""
+    from generation import model_runner
 
     model = loaded.model
     assert isinstance(model, NullModel)
@@ -216,13 +265,13 @@ def use_null_sampler(loaded: models.LoadedModel) -> None:
     generator = torch.Generator().manual_seed(99)
     table = torch.multinomial(weights, 4096, replacement=True, generator=generator)
     peak = int(model.fixed.argmax())
-    scheduler.DeviceSampler = functools.partial(NullSampler, table=table, peak=peak)  # type: ignore[misc]
+    model_runner.DeviceSampler = functools.partial(NullSampler, table=table, peak=peak)  # type: ignore[misc]
 
 
-def make_engine(loaded: models.LoadedModel, rows: int, eager: bool) -> Engine:
+def make_engine(loaded: models.LoadedModel, rows: int, eager: bool, overlap: bool) -> Engine:
     """The static step (CUDA's path, eager on a CPU) with the null sampler, or (`eager`) the
     CPU's default path with the real sampler over the fixed logits."""
-    return Engine(loaded, max_batch_size=max(rows, 1), static_decode=not eager)
+    return Engine(loaded, max_batch_size=max(rows, 1), static_decode=not eager, overlap=overlap)
 
 
 # ----- measurement ------------------------------------------------------------------------------
@@ -236,6 +285,7 @@ class Level:
     device_ms: float
     step_ms: float
     steps: float
+    overlap: bool = True
     cpu_s: float = 0.0  # CPU seconds the engine's process used (all threads) for the level
     worker_cpu_s: float = 0.0  # of which the worker thread (http path)
 
@@ -304,13 +354,13 @@ async def run_inproc(engine: Engine, rows: int, decoding: str, tokens: int) -> L
     arrivals = await asyncio.gather(*(read(job) for job in jobs))
     cpu = time.process_time() - cpu
     seconds, steps = step_time(arrivals)
-    return Level("inproc", decoding, rows, 0.0, seconds * 1000, steps, cpu)
+    return Level("inproc", decoding, rows, 0.0, seconds * 1000, steps, engine.overlap, cpu)
 
 
 # ----- the http path: a server subprocess and client subprocesses -------------------------------
 
 
-def serve(port: int, device: str, device_ms: float, rows: int, eager: bool) -> None:
+def serve(port: int, device: str, device_ms: float, rows: int, eager: bool, overlap: bool) -> None:
     """The server subprocess: the engine's own app over the null model, plus `POST /bench/hold`
     ({"rows": n}: hold the engine until n requests are queued, then let them join at once)."""
     from aiohttp import web
@@ -320,7 +370,10 @@ def serve(port: int, device: str, device_ms: float, rows: int, eager: bool) -> N
     loaded = load_null(device, device_ms)
     if not eager:
         use_null_sampler(loaded)
-    app = create_app(loaded, max_batch_size=rows, threads=1, static_decode=not eager)
+    use_clock_events(loaded)
+    app = create_app(
+        loaded, max_batch_size=rows, threads=1, static_decode=not eager, overlap=overlap
+    )
 
     releases: list[asyncio.Future[None]] = []
 
@@ -393,15 +446,17 @@ async def client(url: str, first: int, count: int, decoding: str, tokens: int) -
 class HttpBench:
     """One server subprocess per device-ms setting; client subprocesses per level."""
 
-    def __init__(self, args: argparse.Namespace, device_ms: float) -> None:
+    def __init__(self, args: argparse.Namespace, device_ms: float, overlap: bool) -> None:
         from tests.engine_processes import free_port
 
         self.args = args
         self.device_ms = device_ms
+        self.overlap = overlap
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, __file__, "--serve", str(self.port), "--device", args.device]
         command += ["--device-ms", str(device_ms), "--max-rows", str(max(args.rows))]
+        command += ["--overlap", "on" if overlap else "off"]
         if args.eager:
             command.append("--eager")
         self.process = subprocess.Popen(command, env=child_environment())
@@ -460,7 +515,9 @@ class HttpBench:
         cpu = _process_cpu(self.process.pid) - cpu
         worker = _worker_cpu(self.process.pid, self.worker_tid) - worker
         seconds, steps = step_time(arrivals)
-        return Level("http", decoding, rows, self.device_ms, seconds * 1000, steps, cpu, worker)
+        return Level(
+            "http", decoding, rows, self.device_ms, seconds * 1000, steps, self.overlap, cpu, worker
+        )
 
     def close(self) -> None:
         self.process.terminate()
@@ -487,18 +544,27 @@ def _worker_cpu(pid: int, tid: int | None) -> float:
 # ----- the report -------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> list[Level]:
-    levels: list[Level] = []
-    settings = [0.0] + ([args.device_ms] if args.device_ms else [])
+def settings_of(args: argparse.Namespace) -> list[tuple[float, bool]]:
+    """(device ms, overlap) per setting: the host alone (overlap on), then the device step with
+    each overlap setting asked for."""
+    out = [(0.0, True)]
+    if args.device_ms:
+        out += [(args.device_ms, overlap) for overlap in args.overlap]
+    return out
+
+
+def run(args: argparse.Namespace, levels: list[Level]) -> None:
+    """Every level, appended to `levels` as it completes (a failure leaves the earlier ones)."""
     if "inproc" in args.paths:
-        for device_ms in settings:
+        for device_ms, overlap in settings_of(args):
             loaded = load_null(args.device, device_ms)
             if not args.eager:
                 use_null_sampler(loaded)
+            use_clock_events(loaded)
             if loaded.device.type == "cpu":
                 torch.set_num_threads(1)
             for rows in args.rows:
-                engine = make_engine(loaded, rows, args.eager)
+                engine = make_engine(loaded, rows, args.eager, overlap)
                 engine.start()
                 try:
                     for decoding in args.decoding:
@@ -512,8 +578,8 @@ def run(args: argparse.Namespace) -> list[Level]:
                 finally:
                     engine.stop()
     if "http" in args.paths:
-        for device_ms in settings:
-            bench = HttpBench(args, device_ms)
+        for device_ms, overlap in settings_of(args):
+            bench = HttpBench(args, device_ms, overlap)
             try:
                 for rows in args.rows:
                     for decoding in args.decoding:
@@ -522,7 +588,6 @@ def run(args: argparse.Namespace) -> list[Level]:
                         report(level)
             finally:
                 bench.close()
-    return levels
 
 
 def best(runs: Iterable[Level]) -> Level:
@@ -538,6 +603,7 @@ def best(runs: Iterable[Level]) -> Level:
 def report(level: Level) -> None:
     print(
         f"{level.path:6} {level.decoding:8} rows {level.rows:4}  device {level.device_ms:4.1f} ms"
+        f" overlap {'on ' if level.overlap else 'off'}"
         f"  step {level.step_ms:8.3f} ms  host {level.host_us_per_row:8.2f} us/row/step"
         f"  cpu {level.cpu_us_per_row:7.2f} us/row/step"
         + (f" (worker {level.worker_us_per_row:.2f})" if level.worker_cpu_s else ""),
@@ -545,7 +611,9 @@ def report(level: Level) -> None:
     )
 
 
-def hidden_share(levels: list[Level], path: str, decoding: str, rows: int) -> float | None:
+def hidden_share(
+    levels: list[Level], path: str, decoding: str, rows: int, overlap: bool = True
+) -> float | None:
     """1 - host time exposed with the device step / host time without it."""
     base = [
         lv
@@ -555,7 +623,8 @@ def hidden_share(levels: list[Level], path: str, decoding: str, rows: int) -> fl
     loaded = [
         lv
         for lv in levels
-        if (lv.path, lv.decoding, lv.rows) == (path, decoding, rows) and lv.device_ms > 0
+        if (lv.path, lv.decoding, lv.rows, lv.overlap) == (path, decoding, rows, overlap)
+        and lv.device_ms > 0
     ]
     if not base or not loaded:
         return None
@@ -570,14 +639,16 @@ def summary(levels: list[Level], args: argparse.Namespace) -> str:
     for lv_path in dict.fromkeys(lv.path for lv in levels):
         for rows_ in args.rows:
             for decoding in args.decoding:
-                share = hidden_share(levels, lv_path, decoding, rows_)
-                if share is not None:
-                    print(
-                        f"{lv_path:6} {decoding:8} rows {rows_:4}  hidden behind a "
-                        f"{args.device_ms} ms device step: {share * 100:.0f}%"
-                    )
+                for overlap in (True, False):
+                    share = hidden_share(levels, lv_path, decoding, rows_, overlap)
+                    if share is not None:
+                        print(
+                            f"{lv_path:6} {decoding:8} rows {rows_:4}  hidden behind a "
+                            f"{args.device_ms} ms device step, overlap "
+                            f"{'on ' if overlap else 'off'}: {share * 100:.0f}%"
+                        )
     figures: dict[str, str] = {}
-    shares: list[float] = []
+    shares: dict[bool, list[float]] = {True: [], False: []}
     for decoding in ("greedy", "sampling"):
         base = [
             lv
@@ -585,10 +656,11 @@ def summary(levels: list[Level], args: argparse.Namespace) -> str:
             if (lv.path, lv.decoding, lv.rows, lv.device_ms) == (path, decoding, rows, 0.0)
         ]
         figures[decoding] = f"{base[0].host_us_per_row:.1f}" if base else "na"
-        share = hidden_share(levels, path, decoding, rows)
-        if share is not None:
-            shares.append(share)
-    hidden = f"{min(shares) * 100:.0f}" if shares else "na"
+        for overlap in (True, False):
+            share = hidden_share(levels, path, decoding, rows, overlap)
+            if share is not None:
+                shares[overlap].append(share)
+    hidden = {k: f"{min(v) * 100:.0f}" if v else "na" for k, v in shares.items()}
     cpu = {
         lv.decoding: f"{lv.cpu_us_per_row:.1f}"
         for lv in levels
@@ -599,10 +671,19 @@ def summary(levels: list[Level], args: argparse.Namespace) -> str:
         f"sampling={cpu.get('sampling', 'na')}  (the engine process's CPU time: on a shared "
         "machine steadier than wall time)"
     )
+    print(f"overlap_off_hidden_{rows}={hidden[False]}%  (the same device step, overlap off)")
     return (
         f"host_us_per_row_{rows} greedy={figures['greedy']} sampling={figures['sampling']} "
-        f"overlap_hidden={hidden}%"
+        f"overlap_hidden={hidden[True]}%"
     )
+
+
+class Terminated(Exception):
+    """SIGTERM (a time limit) arrived: the levels so far are reported."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated(f"signal {signum}")
 
 
 def main() -> None:
@@ -622,6 +703,12 @@ def main() -> None:
         "--eager", action="store_true", help="the CPU's eager step and real sampler instead"
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--overlap",
+        default="on,off",
+        help="overlapped steps for the device-step levels: on, off or both (the host-only "
+        "levels run with the engine's default, on)",
+    )
     # subprocess roles
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-rows", type=int, default=256, help=argparse.SUPPRESS)
@@ -630,7 +717,14 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.device, args.device_ms, args.max_rows, args.eager)
+        serve(
+            args.serve,
+            args.device,
+            args.device_ms,
+            args.max_rows,
+            args.eager,
+            args.overlap.split(",")[0] == "on",
+        )
         return
     if args.client is not None:
         asyncio.run(client(args.client, args.first, args.count, args.decoding, args.tokens))
@@ -640,16 +734,26 @@ def main() -> None:
     args.rows = [int(x) for x in args.rows.split(",")]
     args.paths = args.paths.split(",")
     args.decoding = args.decoding.split(",")
+    args.overlap = [choice == "on" for choice in args.overlap.split(",")]
     print(
         f"# engine_host: null model, {args.tokens} tokens, device {args.device}, "
         f"{os.cpu_count()} cpus, {platform.python_version()}, torch {torch.__version__}",
         flush=True,
     )
-    levels = run(args)
+    levels: list[Level] = []
+    failed = False
+    signal.signal(signal.SIGTERM, _terminated)  # `timeout` cuts a run: still print the summary
+    try:
+        run(args, levels)
+    except Exception:  # the summary line still comes, from the levels that completed
+        traceback.print_exc()
+        failed = True
     line = summary(levels, args)
     if args.json:
         Path(args.json).write_text(json.dumps([vars(lv) for lv in levels], indent=1))
     print(line, flush=True)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

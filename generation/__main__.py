@@ -70,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
         "from CUDA graphs; on a CPU they run eagerly and the slot cache is the default)",
     )
     serve.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each static decode step before the previous step's tokens are processed "
+        "(default: on; eager steps, a CPU's default, are always synchronous)",
+    )
+    serve.add_argument(
         "--prefill-chunk-tokens",
         type=int,
         default=None,
@@ -163,6 +170,7 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
         max_batch_size=args.max_batch_size,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         static_decode=args.static_decode,
+        overlap=args.overlap,
         gpu_memory_fraction=args.gpu_memory_fraction,
         threads=args.threads if args.threads is not None else loaded.threads,
         api_keys=api_keys,

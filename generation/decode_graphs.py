@@ -23,8 +23,11 @@ only; padding columns are masked. Width buckets exist because attending over the
 costs attention compute proportional to the capacity at every step (8,192 columns for a
 100-token stream); a grid of power-of-two widths keeps that within 2x of what is needed for a
 few dozen graphs (a paged kernel, as vLLM and SGLang use, would avoid even that; it needs custom
-attention kernels). The host writes the step's tokens and positions into the static buffers with
-one host-to-device copy and reads the chosen tokens back with one device-to-host read.
+attention kernels). The host writes the step's positions into the static buffers with one
+host-to-device copy; the chosen tokens are written into `input_ids` on the device, as the next
+step's inputs (a joining row's first token is fed there, a leaving row's slot takes the moved
+row's), and the engine copies them to the host without blocking (model_runner.py: overlapped
+steps).
 
 On a CPU the same step runs eagerly (no capture), with exact rows and width by default: padding
 buys nothing there. Prefill stays eager (`DynamicCache`); its keys are copied into the static
@@ -279,6 +282,8 @@ class StaticSlotCache(Cache):
                 layer.keys[hole, :, :width].copy_(layer.keys[mover, :, :width])
                 layer.values[hole, :, :width].copy_(layer.values[mover, :, :width])
                 self.copied_bytes += 2 * layer.keys[0, :, :width].nbytes
+            # the row's next input, kept on the device (a device copy: no host sync)
+            self.input_ids[hole].copy_(self.input_ids[mover])
         self.lengths = [self.lengths[i] for i in order]
         return order
 
@@ -335,25 +340,34 @@ class StaticDecoder:
         """Whether `step` returns chosen tokens (a `DeviceSampler` runs inside the step)."""
         return self.sampler is not None
 
-    def step(self, tokens: Sequence[int]) -> torch.Tensor:
-        """One decode step: row r of the cache takes `tokens[r]`; returns the real rows' next
-        tokens `[rows]` with a sampler (`samples`), else their logits `[rows, vocab]` (a view of
-        a static buffer, valid until the next step). `advance` then counts the fed tokens."""
+    def step(self, tokens: Sequence[int] | None = None) -> torch.Tensor:
+        """One decode step: row r of the cache takes `tokens[r]` (None: the tokens already in
+        the device's input buffer, i.e. the previous step's choices and the joiners' `feed`);
+        returns the real rows' next tokens `[rows]` with a sampler (`samples`), which also become
+        the next step's inputs on the device, else their logits `[rows, vocab]` (a view of a
+        static buffer, valid until the next step). `advance` then counts the fed tokens."""
         cache = self.cache
-        n = len(tokens)
-        assert n == cache.rows and n > 0
+        n = cache.rows
+        assert n > 0 and (tokens is None or len(tokens) == n)
         rows, width = self.shape(cache.lengths)
         pad = rows - n
         # One host-to-device copy of the step's inputs; padding rows: token 0 at position 0.
-        host = torch.tensor([list(tokens) + [0] * pad, cache.lengths + [0] * pad], dtype=torch.long)
+        fed = list(tokens) + [0] * pad if tokens is not None else [0] * rows
+        host = torch.tensor([fed, cache.lengths + [0] * pad], dtype=torch.long)
         if cache.device.type == "cuda":
-            staging = self._pinned(cache.slots)[:, :rows]
+            # two staging buffers, alternating: with overlapped steps the host writes the next
+            # step's inputs while the previous step's copy may not have run yet
+            staging = self._pinned(cache.slots)[self.steps % 2][:, :rows]
             staging.copy_(host)
-            cache.input_ids[:rows].copy_(staging[0], non_blocking=True)
+            if tokens is not None:
+                cache.input_ids[:rows].copy_(staging[0], non_blocking=True)
             cache.positions[:rows].copy_(staging[1], non_blocking=True)
         else:
-            cache.input_ids[:rows].copy_(host[0])
+            if tokens is not None:
+                cache.input_ids[:rows].copy_(host[0])
             cache.positions[:rows].copy_(host[1])
+        if tokens is None and pad:
+            cache.input_ids[n:rows].zero_()
         key = (rows, width)
         graph = self._graphs.get(key)
         if graph is not None:
@@ -363,7 +377,15 @@ class StaticDecoder:
         else:
             logits = self._forward(rows, width)
         self.steps += 1
+        if self.sampler is not None:  # the chosen tokens are the next step's inputs, on device
+            cache.input_ids[:n].copy_(logits[:n])
         return logits[:n]
+
+    def feed(self, first: int, tokens: Sequence[int]) -> None:
+        """The next input of rows `first..` (rows that just joined: their first token)."""
+        if tokens:
+            values = torch.tensor(list(tokens), dtype=torch.long)
+            self.cache.input_ids[first : first + len(tokens)].copy_(values)
 
     def advance(self) -> None:
         """Every row holds one more token (after a step's tokens were accepted)."""
@@ -398,7 +420,7 @@ class StaticDecoder:
 
     def _pinned(self, slots: int) -> torch.Tensor:
         if self._staging is None:
-            self._staging = torch.zeros((2, slots), dtype=torch.long).pin_memory()
+            self._staging = torch.zeros((2, 2, slots), dtype=torch.long).pin_memory()
         return self._staging
 
     # ----- CUDA graphs -------------------------------------------------------------------------

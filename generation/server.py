@@ -119,6 +119,7 @@ def create_app(
     static_decode: bool | None = None,
     static_buckets: bool | None = None,
     gpu_memory_fraction: float = GPU_MEMORY_FRACTION,
+    overlap: bool | None = None,
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
 ) -> web.Application:
@@ -146,6 +147,7 @@ def create_app(
             static_decode=static_decode,
             static_buckets=static_buckets,
             gpu_memory_fraction=gpu_memory_fraction,
+            overlap=overlap,
         ),
         faults=FaultInjector() if fault_injection else None,
     )

@@ -191,6 +191,9 @@ class ManagedBackend(Strict):
     prefill_chunk_tokens: int | None = Field(None, ge=1)
     """The engine's --prefill-chunk-tokens: a prompt longer than this is prefilled a chunk per
     pass between decode steps (unset: the engine's default, 256 on a CPU, 2048 on CUDA)."""
+    overlap: bool | None = None
+    """The engine's --overlap / --no-overlap: launch each static (CUDA) decode step before the
+    previous step's tokens are processed (unset: the engine's default, on)."""
     enable_fault_injection: bool = False
     """Let tests inject faults into the engines (never in production)."""
     start_timeout_s: float = Field(300, gt=0)

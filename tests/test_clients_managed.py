@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
+from generation import __main__ as generation_cli
 from orchestrator.clients import managed
 from orchestrator.clients.backend import GenerationParams, GenerationRequest
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
@@ -216,3 +217,9 @@ def test_engine_command_matches_the_cli() -> None:
         "--prefill-chunk-tokens",
         "256",
     ]
+    cmd = managed.engine_command("tiny-random", "cuda", overlap=False)(8123)
+    assert cmd[10:] == ["--no-overlap"]
+    assert generation_cli._parser().parse_args(cmd[3:]).overlap is False
+    cmd = managed.engine_command("tiny-random", "cuda", overlap=True)(8123)
+    assert cmd[10:] == ["--overlap"]
+    assert generation_cli._parser().parse_args(cmd[3:]).overlap is True

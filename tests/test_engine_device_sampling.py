@@ -1,11 +1,12 @@
 """The graph path's token selection (generation/device_sampling.py) equals the eager one.
 
-The reference is today's eager path written out step by step: `Engine._select` (scheduler.py:
+The reference is the eager path written out step by step: `ModelRunner.select` (model_runner.py:
 half-precision logits cast to float32, columns past the vocabulary -inf, EOS ids -inf while a row
 has fewer than min_new_tokens, `apply_repetition_penalties` over the ids the row has seen, prompt
-and generated) and then `sampling.select(..., candidates=None)`, with `_accept`'s bookkeeping
-(generated count + 1, the token joins the seen set). `DeviceSampler` keeps that bookkeeping in its
-own buffers, so every property runs several steps and compares every token.
+and generated) and then `sampling.select(..., candidates=None)`, with the bookkeeping of
+`OutputProcessor.accept` (generated count + 1, the token joins the seen set). `DeviceSampler`
+keeps that bookkeeping in its own buffers, so every property runs several steps and compares every
+token.
 
 Runs on the CPU (exact); GUARDSTREAM_TEST_DEVICE=cuda runs the sampler and the reference on a GPU.
 """

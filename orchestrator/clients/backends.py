@@ -44,6 +44,7 @@ def default_command(cfg: ManagedBackend) -> CommandFactory:
         dtype=cfg.dtype,
         batch_invariant=cfg.batch_invariant,
         prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+        overlap=cfg.overlap,
     )
 
 

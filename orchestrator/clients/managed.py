@@ -56,6 +56,7 @@ def engine_command(
     dtype: str = "auto",
     batch_invariant: bool = False,
     prefill_chunk_tokens: int | None = None,
+    overlap: bool | None = None,
 ) -> CommandFactory:
     """The engine CLI of DESIGN section 2, for a given port; with `api_keys_env`, the engine
     requires the key that EngineProcess puts in that variable."""
@@ -69,6 +70,8 @@ def engine_command(
             cmd.append("--batch-invariant")
         if prefill_chunk_tokens is not None:
             cmd += ["--prefill-chunk-tokens", str(prefill_chunk_tokens)]
+        if overlap is not None:
+            cmd.append("--overlap" if overlap else "--no-overlap")
         if api_keys_env:
             cmd += ["--api-keys-env", api_keys_env]
         if enable_fault_injection:

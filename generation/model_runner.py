@@ -1,0 +1,439 @@
+"""The engine's model runner: prefill, prefill chunks, and decode steps (eager over the slot cache,
+or the static step of decode_graphs.py, replayed from CUDA graphs on a GPU), with the caches the
+steps run over (vLLM's `GPUModelRunner`).
+
+One of the three parts of the worker thread (scheduler.py's `Engine` drives them). Joins copy
+prefilled rows' KV entries into free slots of the running batch's cache: `SlotCache`
+(kv_cache.py) for eager steps, `StaticSlotCache` for the static step; a decode step feeds every
+running row its last token in one forward pass, with per-row positions and a padding mask.
+Token selection is a few batched tensor ops on the model's device (sampling.py; the static step's
+`DeviceSampler` inside the step). A model whose cache layers are not plain `DynamicLayer`s
+(sliding-window or recurrent layers) runs one request at a time with its own cache.
+
+Overlapped steps (`Step`). The static step's chosen tokens stay on the device, where they are the
+next step's inputs (`StaticDecoder.step` writes them into its input buffer; joins write their
+first tokens there, leaves move them with the rows' cache), and their copy to the host is
+non-blocking: into one of two pinned buffers, followed by a CUDA event. So the worker can launch
+step N+1 before it reads step N's tokens, and the host accepts step N's tokens while the device
+runs step N+1. On a CPU the same logic runs with an event that is complete when recorded (the
+step itself ran synchronously). The eager step selects on the host's say (per-row seen ids,
+generated counts) and returns its tokens at once: it is never overlapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from .decode_graphs import (
+    CPU_CAPACITY,
+    StaticDecoder,
+    StaticSlotCache,
+    cache_bytes_per_token,
+    plan_cache,
+    row_buckets,
+    width_buckets,
+)
+from .device_sampling import DeviceSampler
+from .jobs import EngineStats
+from .kv_cache import SlotCache
+from .models import LoadedModel
+from .sampling import apply_repetition_penalties, default_candidates, select
+from .scheduling import Row
+
+log = logging.getLogger("guardstream.engine")
+
+
+class StepEvent(Protocol):
+    """Marks the end of a step's copy of its tokens to the host (`torch.cuda.Event` on CUDA)."""
+
+    def synchronize(self) -> None: ...
+
+
+class _Complete:
+    """A CPU step's event: its tokens were on the host when the step returned."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+COMPLETE = _Complete()
+
+
+def record_step_event(device: torch.device) -> StepEvent:
+    """An event recorded after the work queued so far on `device` (a benchmark simulating a
+    device replaces this function)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return COMPLETE
+
+
+class Step:
+    """A launched decode step: the rows it ran (in slot order at launch) and their tokens, on the
+    host once `tokens()` returns (it waits for the step's event when the copy is in flight)."""
+
+    __slots__ = ("_buffer", "_event", "_tokens", "rows")
+
+    def __init__(
+        self,
+        rows: list[Row],
+        tokens: list[int] | None = None,
+        buffer: torch.Tensor | None = None,
+        event: StepEvent | None = None,
+    ) -> None:
+        self.rows = rows
+        self._tokens = tokens
+        self._buffer = buffer
+        self._event = event
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether the tokens are still to be read (a static step): the step may be overlapped."""
+        return self._tokens is None
+
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            assert self._buffer is not None and self._event is not None
+            self._event.synchronize()
+            self._tokens = self._buffer[: len(self.rows)].tolist()
+            self._buffer = self._event = None
+        return self._tokens
+
+
+class ModelRunner:
+    """The model, the running batch's cache and the forward passes (worker thread only)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        stats: EngineStats,
+        max_batch_size: int,
+        *,
+        static_decode: bool,
+        static_buckets: bool,
+        static_capacity: int | None,
+        cuda_graphs: bool,
+        gpu_memory_fraction: float,
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.stats = stats
+        self.max_batch_size = max_batch_size
+        self.static_decode = static_decode
+        self.static_buckets = static_buckets
+        self.static_capacity = static_capacity
+        self.cuda_graphs = cuda_graphs
+        self.gpu_memory_fraction = gpu_memory_fraction
+        self._candidates = default_candidates(self.device)
+        self._eos = sorted(loaded.eos_token_ids)
+        self._eos_tensor = torch.tensor(self._eos, dtype=torch.long, device=self.device)
+        self.kv: SlotCache | None = None  # batchable models: the running batch's cache
+        self.static: StaticDecoder | None = None  # the static step's decoder and cache
+        self.solo: DynamicCache | None = None  # other models: the one running row's own cache
+        self.batchable: bool | None = None  # learnt from the first prefill's cache layout
+        self._host_tokens: list[torch.Tensor] = []  # static steps: two host buffers, alternating
+        self._parity = 0
+        # Prefill computes logits for the last position only when the model supports it.
+        self.logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    # ----- start-up ------------------------------------------------------------------------------
+
+    def set_up(self) -> None:
+        """Allocate the static decode step's buffers (and capture its graphs on CUDA): a
+        one-token prefill shows the cache's layout; on CUDA, rows and capacity come from the
+        memory free now (decode_graphs.plan_cache). Lowers `max_batch_size` and the context of
+        `loaded` to what the cache holds."""
+        if not self.static_decode:
+            return
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        template = self.model(input_ids=ids, use_cache=True).past_key_values
+        self.batchable = isinstance(template, DynamicCache) and all(
+            type(layer) is DynamicLayer for layer in template.layers
+        )
+        if not self.batchable:
+            log.warning("this model's KV cache cannot be merged; requests run one at a time")
+            self.static_decode = False
+            return
+        context = self.loaded.max_context
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            plan = plan_cache(
+                free_bytes=free,
+                fraction=self.gpu_memory_fraction,
+                bytes_per_token=cache_bytes_per_token(template),
+                max_context=context,
+                max_rows=self.max_batch_size,
+            )
+            slots, capacity = plan.rows, plan.capacity
+        else:
+            slots = self.max_batch_size
+            capacity = self.static_capacity or min(context, CPU_CAPACITY)
+        self.max_batch_size = slots
+        cache = StaticSlotCache(template, slots, capacity)
+        sampler = DeviceSampler(
+            slots,
+            vocab_size=self.loaded.vocab_size,
+            logits_width=self.loaded.model_vocab_size,
+            eos_ids=self._eos,
+            device=self.device,
+        )
+        self.static = StaticDecoder(
+            self.model,
+            cache,
+            rows=row_buckets(slots) if self.static_buckets else None,
+            widths=width_buckets(capacity) if self.static_buckets else None,
+            logits_to_keep=self.logits_to_keep,
+            sampler=sampler,
+        )
+        pinned = self.device.type == "cuda"
+        self._host_tokens = [
+            torch.zeros(slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)
+        ]
+        if capacity < context:  # the context this engine can hold, advertised by the server
+            self.loaded = dataclasses.replace(self.loaded, max_context=capacity)
+        log.info(
+            "static decode: %d rows x %d tokens, %.1f MiB of KV cache",
+            slots,
+            capacity,
+            cache.nbytes / 2**20,
+        )
+        if self.cuda_graphs:
+            self.static.capture()
+
+    def cache_info(self) -> dict[str, object]:
+        """The running batch's KV cache for /health and /metrics: `rows` x `capacity` it can
+        hold, what it uses now, the bytes it holds, and how decode steps run."""
+        static = self.static
+        if static is not None:
+            cache = static.cache
+            lengths = list(cache.lengths)
+            return {
+                "mode": "cuda_graphs" if static.graphs else "static",
+                "rows": cache.slots,
+                "capacity": cache.capacity,
+                "rows_used": len(lengths),
+                "tokens_used": sum(lengths),
+                "bytes": cache.nbytes,
+                "graphs": static.graphs,
+            }
+        kv = self.kv
+        lengths = list(kv.lengths) if kv is not None else []
+        return {
+            "mode": "eager",
+            "rows": self.max_batch_size,
+            "capacity": self.loaded.max_context,
+            "rows_used": len(lengths),
+            "tokens_used": sum(lengths),
+            "bytes": kv.nbytes if kv is not None else 0,
+            "graphs": 0,
+        }
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether decode steps keep their tokens on the device (the static step with its
+        sampler): only those can be launched before the previous step's tokens are read."""
+        return self.static is not None and self.static.samples
+
+    # ----- prefill -------------------------------------------------------------------------------
+
+    def prefill(self, rows: list[Row], lengths: list[int]) -> tuple[DynamicCache, list[int]]:
+        """One right-padded forward pass over the rows' contexts (`lengths[i]` tokens each);
+        their cache and first tokens."""
+        width = max(lengths)
+        ids = torch.tensor(
+            [
+                row.job.prompt_ids + row.generated + [row.job.prompt_ids[-1]] * (width - n)
+                for row, n in zip(rows, lengths, strict=True)
+            ],
+            dtype=torch.long,
+            device=self.device,
+        )
+        extra: dict[str, object] = {}
+        last_column: torch.Tensor | None = None
+        if any(n != width for n in lengths):
+            columns = torch.arange(width, device=self.device)
+            ends = torch.tensor(lengths, dtype=torch.long, device=self.device)
+            extra["attention_mask"] = (columns[None, :] < ends[:, None]).long()
+            # logits only at each row's last real position, not the whole rectangle's
+            keep = sorted(set(lengths))
+            extra["logits_to_keep"] = torch.tensor([n - 1 for n in keep], device=self.device)
+            last_column = torch.tensor(
+                [keep.index(n) for n in lengths], dtype=torch.long, device=self.device
+            )
+        elif self.logits_to_keep:
+            extra["logits_to_keep"] = 1
+        out = self.model(input_ids=ids, use_cache=True, **extra)
+        self.stats.forward_passes += 1
+        self.stats.prefill_passes += 1
+        cache = out.past_key_values
+        if self.batchable is None:
+            self.batchable = isinstance(cache, DynamicCache) and all(
+                type(layer) is DynamicLayer for layer in cache.layers
+            )
+            if not self.batchable:
+                log.warning("this model's KV cache cannot be merged; requests run one at a time")
+        if last_column is None:
+            logits = out.logits[:, -1, :]
+        else:
+            logits = out.logits[torch.arange(len(rows), device=self.device), last_column]
+        for row, n in zip(rows, lengths, strict=True):
+            row.kv_len = n
+        return cache, self.select(logits, rows)
+
+    def prefill_chunk(self, row: Row, start: int, end: int) -> list[int] | None:
+        """Tokens `start:end` of a long context into the row's own cache (`partial`); after its
+        last chunk, its first token (and its whole cache is `partial`)."""
+        context = row.context()
+        ids = torch.tensor([context[start:end]], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=ids, past_key_values=row.partial, use_cache=True, logits_to_keep=1
+        )
+        self.stats.forward_passes += 1
+        self.stats.prefill_chunks += 1
+        row.partial, row.prefilled = out.past_key_values, end
+        if end < len(context):
+            return None
+        self.stats.prefill_passes += 1
+        row.kv_len = len(context)
+        return self.select(out.logits[:, -1, :], [row])
+
+    # ----- the running batch ---------------------------------------------------------------------
+
+    def join(
+        self,
+        cache: DynamicCache,
+        rows: list[Row],
+        select: list[int],
+        lengths: list[int],
+        running: int,
+    ) -> None:
+        """Append prefilled rows (rows `select` of `cache`, `lengths` tokens each, their first
+        token in `next_input`) to the running batch's cache after its `running` rows."""
+        if self.static is not None:
+            first = self.static.cache.rows
+            self.static.cache.add_rows(cache, select, lengths)
+            self.static.feed(first, [row.next_input for row in rows])
+            sampler = self.static.sampler
+            if sampler is not None:  # the rows' settings, between steps (never in a graph)
+                for slot, row in enumerate(rows, start=first):
+                    sampler.set_row(
+                        slot,
+                        row.job.sampling,
+                        min_new_tokens=row.job.min_new_tokens,
+                        generated=len(row.generated),
+                        seen_ids=sorted(row.seen),
+                    )
+        elif self.batchable:
+            if self.kv is None:
+                self.kv = SlotCache(len(cache.layers), self.max_batch_size, self.loaded.max_context)
+            self.kv.add_rows(cache, select, lengths)
+        else:  # one row at a time: it keeps the cache its model made
+            assert running == 0 and len(rows) == 1
+            self.solo = cache
+        self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, running + len(rows))
+
+    def keep(self, keep: list[int]) -> list[int]:
+        """Drop rows not in `keep` (not empty) from the cache; the new row order as old row
+        indices (the cache moves the last rows into the freed slots)."""
+        if self.static is not None and self.static.cache.rows:
+            order = self.static.cache.keep(keep)
+            sampler = self.static.sampler
+            if sampler is not None:  # the moved rows' settings follow their cache
+                for slot, old in enumerate(order):
+                    if old != slot:
+                        sampler.move_row(old, slot)
+            return order
+        if self.kv is not None and self.kv.rows:
+            return self.kv.keep(keep)
+        return keep
+
+    def clear(self) -> None:
+        self.solo = None
+        if self.kv is not None:
+            self.kv.clear()
+        if self.static is not None:
+            self.static.cache.clear()
+
+    # ----- decoding ------------------------------------------------------------------------------
+
+    def launch(self, rows: list[Row]) -> Step:
+        """One decode step over the running batch. The static step returns with its tokens'
+        copy to the host in flight (`Step.tokens` waits for it); the eager step with them."""
+        static = self.static
+        if static is not None and static.cache.rows:
+            assert static.samples
+            chosen = static.step()  # inputs: the tokens already in its device buffer
+            static.advance()
+            buffer = self._host_tokens[self._parity]
+            self._parity ^= 1
+            buffer[: len(rows)].copy_(chosen, non_blocking=True)
+            step = Step(rows, buffer=buffer, event=record_step_event(self.device))
+        else:
+            step = Step(rows, tokens=self.select(self._eager_step(rows), rows))
+        self.stats.forward_passes += 1
+        self.stats.decode_steps += 1
+        size = len(rows)
+        self.stats.batch_sizes[size] = self.stats.batch_sizes.get(size, 0) + 1
+        return step
+
+    def _eager_step(self, rows: list[Row]) -> torch.Tensor:
+        """A decode step over the slot cache (or a solo row's own cache); the last logits."""
+        device = self.device
+        input_ids = torch.tensor(
+            [[row.next_input] for row in rows], dtype=torch.long, device=device
+        )
+        past: SlotCache | DynamicCache
+        if self.kv is not None and self.kv.rows:
+            positions = self.kv.begin_step()
+            mask = self.kv.attention_mask()
+            past = self.kv
+        else:
+            assert self.solo is not None and len(rows) == 1
+            positions = torch.tensor([rows[0].kv_len], dtype=torch.long, device=device)
+            mask = torch.ones((1, rows[0].kv_len + 1), dtype=torch.long, device=device)
+            past = self.solo
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions[:, None],
+            past_key_values=past,
+            use_cache=True,
+        )
+        if past is self.kv:
+            self.kv.end_step()
+        return out.logits[:, -1, :]
+
+    def select(self, logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
+        """Next token per row: one batched selection on the logits' device (sampling.py)."""
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        vocab = self.loaded.vocab_size
+        if logits.shape[-1] > vocab:  # padding rows of the output layer are not tokens
+            logits[:, vocab:] = float("-inf")
+        suppress = [i for i, row in enumerate(rows) if len(row.generated) < row.job.min_new_tokens]
+        if suppress and self._eos:
+            index = torch.tensor(suppress, dtype=torch.long, device=logits.device)
+            logits[index[:, None], self._eos_tensor[None, :]] = float("-inf")
+        penalised = [i for i, row in enumerate(rows) if row.job.sampling.repetition_penalty != 1.0]
+        if penalised:
+            apply_repetition_penalties(
+                logits,
+                penalised,
+                [rows[i].seen_ids(logits.device) for i in penalised],
+                [rows[i].job.sampling.repetition_penalty for i in penalised],
+            )
+        return select(
+            logits,
+            [row.job.sampling for row in rows],
+            [len(row.generated) for row in rows],
+            self._candidates,
+        )

@@ -1,0 +1,260 @@
+"""Output processing of the engine's worker: each row takes its chosen token (accept), the text it
+releases (detokenize, stop sequences), whether it is done (EOS, budget, context, deadline), and
+its stream events go out to their event loops (emit) (vLLM's `OutputProcessor`).
+
+One of the three parts of the worker thread (scheduler.py's `Engine` drives them). It runs on
+the host while (with overlapped steps) the device computes the next step, so what it costs per
+row per step is what the host adds to every step: the per-row loop is written for that
+(`accept_step`).
+
+Delivery: results go to each request's queue through a per-loop mailbox (`_Mailbox`): one
+`loop.call_soon_threadsafe` per step, none while the loop has not yet taken the previous steps'
+results (it then takes them all at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from .detokenizer import Detokenizer
+from .jobs import EngineStats, FinishReason, Job, StreamError, StreamItem, StreamQueue
+from .scheduling import Row
+
+log = logging.getLogger("guardstream.engine")
+
+Event = tuple[Job, StreamItem | StreamError]
+
+
+class OutputProcessor:
+    """Accepts tokens into rows and emits their stream events (worker thread only, but for the
+    mailboxes, which the event loops drain)."""
+
+    def __init__(
+        self,
+        detokenizer: Callable[[], Detokenizer],
+        eos: Iterable[int],
+        max_context: int,
+        stats: EngineStats,
+        retire: Callable[[Job], None],
+    ) -> None:
+        """`retire` is called once per request when its last event is emitted (the engine's
+        bookkeeping of active requests); `max_context` may be lowered later (a static cache
+        shorter than the model's context)."""
+        self._detokenizer = detokenizer
+        self._eos = frozenset(eos)
+        self.max_context = max_context
+        self._stats = stats
+        self._retire = retire
+        self._outbox: list[Event] = []
+        # per event loop: events posted, not yet delivered (weak: test loops come and go)
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def new_row(self, job: Job) -> Row:
+        return Row(job, self._detokenizer)
+
+    # ----- accepting tokens ------------------------------------------------------------------
+
+    def replay(self, row: Row) -> FinishReason | None:
+        """Feed a resumed request's delivered tokens through the same detokenizer and stop state
+        as before; say whether it is already done (then nothing is left to generate)."""
+        job = row.job
+        for token in job.resume_ids:
+            finish = self.accept(row, token, live=False)
+            if finish is not None:
+                return finish
+        if len(row.generated) >= job.max_new_tokens:
+            return FinishReason.MAX_TOKENS
+        if len(job.prompt_ids) + len(row.generated) >= self.max_context:
+            return FinishReason.MAX_TOKENS
+        return None
+
+    def accept(self, row: Row, token: int, live: bool) -> FinishReason | None:
+        """Append one token to a row (generated or replayed) and say whether the row is done."""
+        job = row.job
+        row.generated.append(token)
+        if token not in row.seen:
+            row.seen.add(token)
+            if row.seen_tensor is not None:
+                row.seen_new.append(token)
+        if live:
+            self._stats.tokens_generated += 1
+        row.gate.push(row.detok.push(token))
+        if row.gate.stop_at is not None:
+            return FinishReason.STOP_SEQUENCE
+        if token in self._eos:
+            return FinishReason.EOS_TOKEN
+        if len(row.generated) >= job.max_new_tokens:
+            return FinishReason.MAX_TOKENS
+        if len(job.prompt_ids) + len(row.generated) >= self.max_context:
+            return FinishReason.MAX_TOKENS
+        if live and job.deadline is not None and time.monotonic() >= job.deadline:
+            return FinishReason.TIME_LIMIT
+        return None
+
+    def start_rows(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[int]:
+        """Prefilled rows take their first tokens; return the indices of those not finished by
+        it (they join the running batch)."""
+        survivors: list[int] = []
+        for i, (row, token) in enumerate(zip(rows, tokens, strict=True)):
+            finish = self.accept(row, token, live=True)
+            if finish is None:
+                row.next_input = token
+                self.emit(row.job, StreamItem([token], row.gate.release(), len(row.generated)))
+                survivors.append(i)
+            else:
+                self.finish(row, [token], finish)
+        return survivors
+
+    def accept_step(self, rows: Sequence[Row], tokens: Sequence[int]) -> bool:
+        """Each row of a decode step takes its token; say whether any row finished (`done`).
+
+        A row already `done` (it finished at the previous step, or was cancelled, while this
+        step was already running: overlapped steps) gets nothing: its token is discarded.
+
+        `accept` and `emit` inlined, with what is per step hoisted out of the per-row loop
+        (the clock, the counters, the limits): this runs for every row of every step. Seen ids
+        are kept up to date only for rows with a repetition penalty, the only readers once a row
+        has joined (the device sampler keeps its own); the stop gate scans only for rows with
+        stop sequences (TextGate)."""
+        finished = False
+        eos = self._eos
+        max_context = self.max_context
+        outbox = self._outbox
+        now = time.monotonic()
+        accepted = 0
+        for row, token in zip(rows, tokens, strict=True):
+            if row.done:
+                continue
+            accepted += 1
+            row.kv_len += 1
+            job = row.job
+            generated = row.generated
+            generated.append(token)
+            if row.penalised and token not in row.seen:
+                row.seen.add(token)
+                if row.seen_tensor is not None:
+                    row.seen_new.append(token)
+            gate = row.gate
+            gate.push(row.detok.push(token))
+            count = len(generated)
+            if gate.stop_at is not None:
+                finish = FinishReason.STOP_SEQUENCE
+            elif token in eos:
+                finish = FinishReason.EOS_TOKEN
+            elif count >= job.max_new_tokens or row.prompt_length + count >= max_context:
+                finish = FinishReason.MAX_TOKENS
+            elif job.deadline is not None and now >= job.deadline:
+                finish = FinishReason.TIME_LIMIT
+            else:
+                row.next_input = token
+                outbox.append((job, StreamItem([token], gate.release(), count)))
+                continue
+            self.finish(row, [token], finish)
+            finished = True
+        self._stats.tokens_generated += accepted
+        return finished
+
+    def finish(self, row: Row, token_ids: list[int], reason: FinishReason) -> None:
+        """The row's last item (held-back text flushed, unless a stop sequence ended it)."""
+        if reason is not FinishReason.STOP_SEQUENCE:
+            row.gate.push(row.detok.flush())
+            if row.gate.stop_at is not None:  # the held-back tail completed a stop sequence
+                reason = FinishReason.STOP_SEQUENCE
+            row.gate.finish()
+        row.done = True
+        self.emit(row.job, StreamItem(token_ids, row.gate.release(), len(row.generated), reason))
+        self._retire(row.job)
+
+    def fail(self, rows: Iterable[Row], exc: BaseException) -> None:
+        """An error item for each row: `generation_unavailable` (another replica may succeed)
+        when the device ran out of memory, else `generation_error`."""
+        if is_oom(exc):
+            error = StreamError(503, "generation_unavailable", f"out of memory: {exc}"[:500])
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        else:
+            log.exception("forward pass failed", exc_info=exc)
+            error = StreamError(500, "generation_error", f"{type(exc).__name__}: {exc}"[:500])
+        for row in rows:
+            row.done = True
+            self.emit(row.job, error)
+            self._retire(row.job)
+
+    # ----- emitting ----------------------------------------------------------------------------
+
+    def emit(self, job: Job, event: StreamItem | StreamError) -> None:
+        self._outbox.append((job, event))
+
+    def flush(self) -> None:
+        """Hand the events emitted since the last flush to their loops: one wake-up per loop that
+        is not already due to run a delivery (a loop behind the worker gets several steps in one
+        go)."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[Event]] = {}
+        for job, event in self._outbox:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        self._outbox = []
+        for loop, events in by_loop.items():
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = _Mailbox()
+            if mailbox.post(events) and not loop.is_closed():
+                continue  # a wake-up is already on its way
+            try:
+                loop.call_soon_threadsafe(mailbox.deliver)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                for job, _ in mailbox.take():
+                    job.cancelled = True
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+class _Mailbox:
+    """Events from the worker to one event loop. The worker posts each step's events; the loop
+    delivers everything posted since its last delivery. Only a post into an empty mailbox needs
+    a wake-up (`call_soon_threadsafe`: a syscall and a GIL hand-off per step, which the worker
+    pays): while the loop is behind, later steps just join the pending delivery."""
+
+    __slots__ = ("_events", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[Event] = []
+
+    def post(self, events: list[Event]) -> bool:
+        """Add events (worker); True when a delivery is already pending (no wake-up needed)."""
+        with self._lock:
+            pending = bool(self._events)
+            self._events.extend(events)
+            return pending
+
+    def take(self) -> list[Event]:
+        with self._lock:
+            events, self._events = self._events, []
+            return events
+
+    def deliver(self) -> None:
+        """On the loop: every posted event into its job's queue, in order (a `StreamQueue`
+        takes each job's events in one call)."""
+        by_job: dict[Job, list[StreamItem | StreamError]] = {}
+        for job, event in self.take():
+            by_job.setdefault(job, []).append(event)
+        for job, events in by_job.items():
+            queue = job.queue
+            if isinstance(queue, StreamQueue):
+                queue.put_many(events)
+            else:
+                for event in events:
+                    queue.put_nowait(event)
