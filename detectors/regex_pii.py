@@ -41,6 +41,7 @@ import asyncio
 import functools
 import ipaddress
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -120,7 +121,15 @@ _EMAIL = _builtin(
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}",
     "",
 )
-_PHONE_INTL = _builtin(_AN, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", _AN)
+# A phone number's left neighbour: no letter or digit, as for every kind, except a letter of a
+# backslash escape (`\n`, `\r`, `\t` written out, as in JSON or a log line: `Phone:\n212 555
+# 0100` holds a number, which the escape's `n` would otherwise glue to a longer token). The
+# backslash is in the same whitespace-free run as the number, so a stream's window, which
+# starts at whitespace or at a detection (DESIGN 4.6a), never sees the `n` without it.
+_PHONE_BEFORE = rf"(?:^|[^{_AN}]|\\[nrt])"
+_PHONE_INTL = _builtin(
+    _PHONE_BEFORE, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", _AN
+)
 # North American numbers: 3-3-4 digits with one kind of separator (any area code: a model
 # writes `123-456-7890`, and a guardrail is permissive), or 10 contiguous digits with a real
 # area code (`2125550100`; 1xx/0xx contiguous runs are mostly other numbers), an optional
@@ -128,11 +137,36 @@ _PHONE_INTL = _builtin(_AN, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9
 # what the whole text finds (libphonenumber's matcher looks past its match, and streamed
 # windows and whole texts disagreed: the seam properties caught it).
 _PHONE_US = _builtin(
-    _AN,
+    _PHONE_BEFORE,
     r"(?:\+?1[ .-]?)?(?:\([0-9]{3}\)[ .-]?[0-9]{3}[ .-][0-9]{4}"
     r"|[0-9]{3}-[0-9]{3}-[0-9]{4}|[0-9]{3}\.[0-9]{3}\.[0-9]{4}|[0-9]{3} [0-9]{3} [0-9]{4}"
     r"|[2-9][0-9]{9})",
     _AN,
+)
+# National numbers of other countries, without `+CC` (`(85) 9334-4656`, `0421 96 07 27`,
+# `01.33.43.04.02`, `030/12345678`, `07700 900123`, `(07700)034176`, `555-123-4567x890`): a
+# group of 2-8 digits or an area code in brackets, then up to four more groups of 2-8 digits,
+# each after one space, dash or dot (a `/` only after a first group that starts with the trunk
+# `0`), an optional extension (`x123`, `ext. 123`); or a contiguous trunk number (`0` and 9-10
+# digits, the first not `0`: `07299949525`). Which shapes are phones is `_national_shape`'s
+# question (this only finds the candidates). The neighbours are checked as for an SSN: a `-`,
+# `.` or `/` beside a digit continues the run (`1-12-2023`, `192.168.1.1`).
+#
+# Why hand-written rather than libphonenumber's PhoneNumberMatcher: a stream's detector judges
+# windows that may start at any whitespace of the text or at a detection (DESIGN 4.6a), and the
+# seams are only safe when a verdict on a window that holds a whole number is the verdict on the
+# whole text. The matcher's is not: it judges a candidate by the text around it (the characters
+# before and after, the leniency's checks of the whole candidate run, which a window cuts at a
+# space), national formats only for one default region, and `VALID` leniency rejects most
+# numbers a model makes up (`123-456-7890`), which a guardrail must catch. Here a verdict is a
+# function of the candidate alone, with its neighbours only checked inside its own
+# whitespace-free run (which every window holds whole).
+_EXT = r"(?: ?(?:x|ext\.?) ?[0-9]{1,5})?"
+_PHONE_NATIONAL = _builtin(
+    rf"(?:^[.\-/]?|[^{_AN}.\-/]|[^\p{{N}}][.\-/]|\\[nrt])",
+    r"(?:0[1-9][0-9]{8,9}|(?:\([0-9]{1,5}\)[ -]?[0-9]{2,8}|0[0-9]{1,4}/[0-9]{2,8}|[0-9]{2,8})"
+    rf"(?:[ .-][0-9]{{2,8}}){{0,4}}){_EXT}",
+    rf"(?:$|[^{_AN}.\-/]|[.\-/](?:$|[^\p{{N}}]))",
 )
 # area: not 000, 666 or 9xx; group: not 00; serial: not 0000; both separators the same.
 # A `-` next to it continues it only with a digit on its other side (`1-123-45-6789`).
@@ -245,16 +279,15 @@ def _simple(rx: Any) -> Callable[[_Text], Iterator[Span]]:
 
 
 def _phones(t: _Text) -> Iterator[Span]:
-    """Phone numbers found by the two patterns (international `+CC ...` with 8-15 digits; North
-    American forms), overlapping finds merged into one span and an unmatched bracket left out.
-    National formats of other countries without `+CC` are `pii_ner`'s question, not this fast
-    path's (a context-free pattern for them found phones in card and e-mail fragments that a
-    stream's windows cut: see the seam properties)."""
+    """Phone numbers found by the three patterns (international `+CC ...` with 8-15 digits;
+    North American forms; national forms of other countries, see `_national_length`),
+    overlapping finds merged into one span and an unmatched bracket left out."""
     found: list[Span] = []
     for start, end in t.spans(_builtin_spans(_PHONE_INTL, t.data)):
         if 8 <= sum(ch.isdigit() for ch in t.text[start:end]) <= 15:
             found.append((start, end))
     found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
+    found.extend(t.spans(_national_spans(t.data)))
     found = [_unbracketed(t.text, start, end) for start, end in found]
     found.sort()
     merged: list[Span] = []
@@ -264,6 +297,88 @@ def _phones(t: _Text) -> Iterator[Span]:
         else:
             merged.append((start, end))
     yield from merged
+
+
+def _national_spans(data: bytes) -> Iterator[Span]:
+    """Byte spans of the `_PHONE_NATIONAL` candidates that `_national_length` takes (the whole
+    candidate, or its longest part that ends before a space and is a phone). A rejected
+    candidate is not skipped: the scan goes on from its first character, so every start is
+    judged, as a window of a stream that starts inside the candidate (at one of its spaces)
+    judges it: a finder that skipped `1234 5678 9012 3456` whole would find nothing there, and
+    a window starting at `9012` would judge `9012 3456` alone."""
+    pos = 0
+    while True:
+        m = _PHONE_NATIONAL.search(data, pos)
+        if m is None:
+            return
+        start, end = m.span(1)
+        n = _national_length(data[start:end].decode("ascii"))
+        if n:
+            yield start, start + n
+            pos = start + n
+        else:
+            pos = start + 1 if start <= pos else start
+
+
+# A candidate's extension (`x123`, ` ext. 123`)
+_EXTENSION = re.compile(r" ?(?:x|ext\.?) ?[0-9]{1,5}$")
+_GROUP = re.compile(r"[0-9]+")
+_DATED = re.compile(r"[0-9]+([-/.])[0-9]+\1[0-9]+ ")  # 2024-01-15 10, 15/01/2024 10
+
+
+def _national_length(body: str) -> int:
+    """How much of a `_PHONE_NATIONAL` candidate is a phone number: all of it, or its longest
+    part that ends before one of its spaces (`555-123-4567` of `555-123-4567 1234 5678 ...`);
+    0 for none."""
+    cut = len(body)
+    while cut > 0:
+        if _national_shape(body[:cut]):
+            return cut
+        cut = body.rfind(" ", 0, cut)
+    return 0
+
+
+def _national_shape(number: str) -> bool:
+    """Whether a number without `+CC` has a phone number's shape, judged on its characters
+    alone (never on the text around it: see `_PHONE_NATIONAL`). 8-12 digits (15 after the
+    international prefix `00`), in at least two groups or a contiguous trunk number, and none of
+    the other numbers that share the digits and separators:
+
+    - dates (`2024-01-15`, `15 01 2024`: groups of 4-2-2 or 2-2-4 digits; with a time after
+      them, `2024-01-15 10`, when written with dashes or slashes) and ZIP+4 (5-4);
+    - an SSN's 3-2-4 (`123-45-6789`: the `ssn` kind's, reported as an SSN);
+    - runs of 4-digit groups only (`4111 1111 1111`, `2020-2023`): pieces of card numbers and
+      ranges of years; 8-digit numbers written 4-4 (Nordic, Singapore) are lost for them;
+    - dotted numbers other than 3.3.4 and 2.2.2.2.2 (`555.123.4567`, `01.33.43.04.02`):
+      versions, IPv4 addresses (four groups) and decimals.
+
+    Plain runs of digits are phones only as a trunk number (`0` then 9-10 digits, the first not
+    `0`: `07299949525`) here, and as a 10-digit North American number (`_PHONE_US`); any other
+    run (an order, account or invoice number) is not, since whether a run is a phone is said by
+    the words around it (`phone:`, `call`), which a stream's window may not hold (it may start
+    right at the number). What is left ambiguous and found: space-grouped amounts (`12 345 678`,
+    `100 200 300`) and other grouped references of 8-12 digits (`2023-001234`): a guardrail
+    over-redacts them rather than let a phone number out."""
+    main = _EXTENSION.sub("", number)
+    if main.isdigit():
+        return len(main) in (10, 11) and main[0] == "0" and main[1] != "0"
+    groups = [len(g) for g in _GROUP.findall(main)]
+    digits = sum(groups)
+    if not 8 <= digits <= (15 if main.startswith("00") else 12) or len(groups) < 2:
+        return False
+    bracketed = main.startswith("(")
+    if "." in main:
+        return (
+            not bracketed
+            and "-" not in main
+            and " " not in main
+            and (groups in ([3, 3, 4], [2, 2, 2, 2, 2]))
+        )
+    if bracketed:
+        return True
+    if groups[:3] in ([4, 2, 2], [2, 2, 4]) and (len(groups) == 3 or _DATED.match(main)):
+        return False  # a date, or a date and its time (`2024-01-15 10:30`)
+    return groups not in ([3, 2, 4], [5, 4]) and any(n != 4 for n in groups)
 
 
 def _unbracketed(text: str, start: int, end: int) -> Span:
