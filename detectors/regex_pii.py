@@ -323,16 +323,18 @@ def _national_spans(data: bytes) -> Iterator[Span]:
 # A candidate's extension (`x123`, ` ext. 123`)
 _EXTENSION = re.compile(r" ?(?:x|ext\.?) ?[0-9]{1,5}$")
 _GROUP = re.compile(r"[0-9]+")
-_CARD_GROUPS = re.compile(r"(?:^|[^0-9])[0-9]{4}[ .-][0-9]{4}[ .-][0-9]{4}(?:[^0-9]|$)")
+_CARD_GROUPS = re.compile(r"(?:^|[^0-9])[0-9]{4}[ .-][0-9]{4}[ .-][0-9]")
 _DATED = re.compile(r"[0-9]+([-/.])[0-9]+\1[0-9]+ ")  # 2024-01-15 10, 15/01/2024 10
 
 
 def _national_length(body: str) -> int:
     """How much of a `_PHONE_NATIONAL` candidate is a phone number: all of it, or its longest
     part that ends before one of its spaces (`555-123-4567` of `555-123-4567 1234 5678 ...`);
-    0 for none. None when the candidate holds three 4-digit groups in a row: a card number
-    (`12 4111 1111 1111 1111` is a reference and a card, `4111 1111 1111 1112` a mistyped card),
-    whose first groups are no phone number."""
+    0 for none. None when the candidate holds two 4-digit groups and then another group: a card
+    number's (`12 4111 1111 1111 1111` is a reference and a card, `4111 1111 1111 1112` a
+    mistyped card), or the start of one that a stream has not finished (`4111 1111 1111 111`:
+    found as a phone there, from its second group, it blocked a stream after `4111 `, the start
+    of the card the finished text holds)."""
     if _CARD_GROUPS.search(body):
         return 0
     cut = len(body)
