@@ -121,12 +121,17 @@ _EMAIL = _builtin(
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}",
     "",
 )
-# A phone number's left neighbour: no letter or digit, as for every kind, except a letter of a
-# backslash escape (`\n`, `\r`, `\t` written out, as in JSON or a log line: `Phone:\n212 555
-# 0100` holds a number, which the escape's `n` would otherwise glue to a longer token). The
-# backslash is in the same whitespace-free run as the number, so a stream's window, which
-# starts at whitespace or at a detection (DESIGN 4.6a), never sees the `n` without it.
-_PHONE_BEFORE = rf"(?:^|[^{_AN}]|\\[nrt])"
+# A phone number's left neighbour, the same for the three phone patterns: no letter or digit, as
+# for every kind, nor a `-`, `.` or `/` after a digit (which continues a run of numbers, as for
+# an SSN: `1-12-2023`, `192.168.1.1`); but a letter of a backslash escape is none (`\n`, `\r`,
+# `\t` written out, as in JSON or a log line: `Phone:\n212 555 0100` holds a number, which the
+# escape's `n` would otherwise glue to a longer token). It only looks inside the number's own
+# whitespace-free run, which a stream's window holds whole (a window starts at whitespace or at
+# a detection: DESIGN 4.6a). One rule for all three, since a window that starts at a detection
+# of one pattern sees no neighbour at all there: had another pattern's rule rejected that start
+# in the whole text (`0/(260)154-4554 ext. 667`: the US form found, the national form with its
+# extension not), the window would have found the longer number and the whole text not.
+_PHONE_BEFORE = rf"(?:^[.\-/]?|[^{_AN}.\-/]|[^\p{{N}}][.\-/]|\\[nrt])"
 _PHONE_INTL = _builtin(
     _PHONE_BEFORE, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", _AN
 )
@@ -163,7 +168,7 @@ _PHONE_US = _builtin(
 # whitespace-free run (which every window holds whole).
 _EXT = r"(?: ?(?:x|ext\.?) ?[0-9]{1,5})?"
 _PHONE_NATIONAL = _builtin(
-    rf"(?:^[.\-/]?|[^{_AN}.\-/]|[^\p{{N}}][.\-/]|\\[nrt])",
+    _PHONE_BEFORE,
     r"(?:0[1-9][0-9]{8,9}|(?:\([0-9]{1,5}\)[ -]?[0-9]{2,8}|0[0-9]{1,4}/[0-9]{2,8}|[0-9]{2,8})"
     rf"(?:[ .-][0-9]{{2,8}}){{0,4}}){_EXT}",
     rf"(?:$|[^{_AN}.\-/]|[.\-/](?:$|[^\p{{N}}]))",
@@ -876,10 +881,13 @@ def _partial(kind: str) -> Any:
     return regex.compile(_PATTERNS[kind].pattern.decode())
 
 
-def _partial_start(rx: Any, view: str, pos: int) -> int | None:
+def _partial_start(rx: Any, view: str, pos: int, first: frozenset[str]) -> int | None:
     """The start of the leftmost match body of `rx` (one of the `_builtin` forms: a neighbour,
     the body, a neighbour) from `pos` that runs to the end of `view`, as a partial match (more
-    text could complete it) or a complete one; None when none does."""
+    text could complete it) or a complete one; None when none does. `first`: the characters a
+    body starts with (a partial match has no group spans to say where it starts; the leading
+    neighbour is one or two characters, none of them such a character: `\\n` before a phone
+    number is two, and its `n` starts no number)."""
     end = len(view)
     while pos <= end:
         m = rx.search(view, pos, partial=True)
@@ -889,13 +897,15 @@ def _partial_start(rx: Any, view: str, pos: int) -> int | None:
             pos = m.end(1)  # a complete match before the end: look after it
             continue
         start = m.start()
-        if start < end and view[start] not in _BODY_FIRST:
-            start += 1  # the leading neighbour was consumed (no body starts with one)
+        for _ in range(2):  # the leading neighbour was consumed (no body starts with one)
+            if start < end and view[start] not in first:
+                start += 1
         return start if start < end else None
     return None
 
 
-_BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+(")
+_NUMBER_FIRST = frozenset("0123456789+(")
+_BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz") | _NUMBER_FIRST
 
 
 # The most digits a match of each number kind holds: a longer run of digit groups can only still
@@ -1004,7 +1014,8 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
             pos = max(0, at - 66)  # the local part is at most 64, and a neighbour
         else:
             pos = number_at
-        start = _partial_start(_partial(kind), v, pos)
+        first = _BODY_FIRST if kind == "email" else _NUMBER_FIRST
+        start = _partial_start(_partial(kind), v, pos, first)
         if start is not None and kind != "email":
             start = _last_digits(v, start, _MOST_DIGITS[kind])
         if start is not None and kind == "credit_card":

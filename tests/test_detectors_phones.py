@@ -167,11 +167,31 @@ def test_a_window_holding_a_whole_number_finds_what_the_whole_text_finds(text: s
 
 
 def test_a_rejected_candidate_is_judged_again_from_each_later_start() -> None:
-    """`1234 5678 9012 345` is no phone number (three 4-digit groups: a card's), but a window
-    that starts at `5678` sees `5678 9012 345`, which is phone-shaped: the whole text must find
-    it too, or the seams disagree (a scan that resumed after the rejected candidate found
-    nothing here, and the window found the number). The price: the last groups of a long run
-    of digit groups are found as a phone number."""
-    text = "ref 1234 5678 9012 345 ok"
-    assert phones(text[9:]) == [(0, 13)]
-    assert phones(text) == [(9, 22)]
+    """`2024-01-15 555 123 456` is no phone number (a date first), but a window that starts at
+    `555` sees `555 123 456`, which is phone-shaped: the whole text must find it too, or the
+    seams disagree (a scan that resumed after the rejected candidate found nothing here, and
+    the window found the number). The price: the last groups of a long run of digit groups may
+    be found as a phone number."""
+    text = "on 2024-01-15 555 123 456 ok"
+    assert phones(text[14:]) == [(0, 11)]
+    assert phones(text) == [(14, 25)]
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("0/(260)154-4554 ext. 667", []),
+        ("tel:(260)154-4554 ext. 667", [(4, 26)]),
+        ("n\\n(260)154-4554 ext. 667", [(3, 25)]),
+    ],
+)
+def test_a_window_from_a_detection_of_one_pattern_agrees_with_the_others(
+    text: str, want: list[tuple[int, int]]
+) -> None:
+    """A window may start at a detection (DESIGN 4.6a) and so see no neighbour before it: every
+    phone pattern must judge the neighbour there alike. With a rule of its own for each, the
+    North American form was found after `0/` and the national one (with the extension) was not:
+    the window from that detection found the extension, the whole text did not."""
+    assert phones(text) == want
+    for s, _ in want:
+        assert phones(text[s:]) == [(a - s, b - s) for a, b in want if a >= s]
