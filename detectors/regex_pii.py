@@ -1,7 +1,9 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
-Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, and North American forms:
-`123-456-7890`, `(555) 123-4567`, `555.123.4567`, `+1 555 123 4567`, `2125550100`), `ssn` (US,
+Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits; North American forms:
+`123-456-7890`, `(555) 123-4567`, `555.123.4567`, `+1 555 123 4567`, `2125550100`; national
+forms of other countries, 8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`,
+`01.33.43.04.02`, `030/12345678`, `0421 96 07 27`, with an extension `x123`), `ssn` (US,
 `123-45-6789` or with spaces, excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
 3+ digits separated by spaces, dashes or dots, Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
@@ -739,7 +741,8 @@ def scan_executor() -> ThreadPoolExecutor:
 class RegexDetector(Detector):
     name = "regex"
     description = (
-        "PII by pattern: email, phone (international and US), US SSN, credit card (Luhn), "
+        "PII by pattern: email, phone (international, North American and other national "
+        "layouts), US SSN, credit card (Luhn), "
         "IPv4, IPv6, plus custom {name: regex} patterns (RE2 syntax, from the config; from "
         "requests only with allow_request_patterns). detection_type 'pii', detection = the "
         "kind or pattern name, exact spans, score 1.0."
