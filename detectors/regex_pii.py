@@ -231,18 +231,32 @@ class _Text:
             yield self.char(start), self.char(end)
 
 
-def _builtin_spans(rx: Any, data: bytes) -> Iterator[Span]:
+def _builtin_spans(
+    rx: Any, data: bytes, length: Callable[[bytes], int] | None = None
+) -> Iterator[Span]:
     """Byte spans of group 1, the scan resuming where each body ended (its trailing neighbour
     may be the leading neighbour of the next match; RE2 sees the text before `pos`, so a
     leading check still looks at it). A body with a leading check cannot start exactly where
     the previous one ended (its neighbour would be before `pos`), and needs not: every such
-    body ends with a character its own leading check rejects. An e-mail has no check."""
+    body ends with a character its own leading check rejects. An e-mail has no check.
+
+    `length`, when given, says how much of a body is a match (0: none). A rejected body is not
+    skipped: the scan goes on from its first character, so every later start is judged, as a
+    window of a stream that starts inside the body (at one of its spaces) judges it: a finder
+    that skipped `2024-01-15 555 123 456` whole found nothing there, and a window starting at
+    `555` found `555 123 456`."""
     pos = 0
     while True:
         m = rx.search(data, pos)
         if m is None:
             return
         start, end = m.span(1)
+        if length is not None:
+            n = length(data[start:end])
+            if not n:
+                pos = start + 1 if start <= pos else start
+                continue
+            end = start + n
         yield start, end
         pos = end
 
@@ -295,7 +309,7 @@ def _phones(t: _Text) -> Iterator[Span]:
         if 8 <= sum(ch.isdigit() for ch in t.text[start:end]) <= 15:
             found.append((start, end))
     found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
-    found.extend(t.spans(_national_spans(t.data)))
+    found.extend(t.spans(_builtin_spans(_PHONE_NATIONAL, t.data, _national_length)))
     found = [_unbracketed(t.text, start, end) for start, end in found]
     found.sort()
     merged: list[Span] = []
@@ -307,27 +321,6 @@ def _phones(t: _Text) -> Iterator[Span]:
     yield from merged
 
 
-def _national_spans(data: bytes) -> Iterator[Span]:
-    """Byte spans of the `_PHONE_NATIONAL` candidates that `_national_length` takes (the whole
-    candidate, or its longest part that ends before a space and is a phone). A rejected
-    candidate is not skipped: the scan goes on from its first character, so every start is
-    judged, as a window of a stream that starts inside the candidate (at one of its spaces)
-    judges it: a finder that skipped `1234 5678 9012 3456` whole would find nothing there, and
-    a window starting at `9012` would judge `9012 3456` alone."""
-    pos = 0
-    while True:
-        m = _PHONE_NATIONAL.search(data, pos)
-        if m is None:
-            return
-        start, end = m.span(1)
-        n = _national_length(data[start:end].decode("ascii"))
-        if n:
-            yield start, start + n
-            pos = start + n
-        else:
-            pos = start + 1 if start <= pos else start
-
-
 # A candidate's extension (`x123`, ` ext. 123`)
 _EXTENSION = re.compile(r" ?(?:x|ext\.?) ?[0-9]{1,5}$")
 _GROUP = re.compile(r"[0-9]+")
@@ -335,7 +328,7 @@ _CARD_GROUPS = re.compile(r"(?:^|[^0-9])[0-9]{4}[ .-][0-9]{4}[ .-][0-9]")
 _DATED = re.compile(r"[0-9]+([-/.])[0-9]+\1[0-9]+ ")  # 2024-01-15 10, 15/01/2024 10
 
 
-def _national_length(body: str) -> int:
+def _national_length(candidate: bytes) -> int:
     """How much of a `_PHONE_NATIONAL` candidate is a phone number: all of it, or its longest
     part that ends before one of its spaces (`555-123-4567` of `555-123-4567 1234 5678 ...`);
     0 for none. None when the candidate holds two 4-digit groups and then another group: a card
@@ -343,6 +336,7 @@ def _national_length(body: str) -> int:
     mistyped card), or the start of one that a stream has not finished (`4111 1111 1111 111`:
     found as a phone there, from its second group, it blocked a stream after `4111 `, the start
     of the card the finished text holds)."""
+    body = candidate.decode("ascii")  # (digits, separators, brackets, an extension)
     if _CARD_GROUPS.search(body):
         return 0
     cut = len(body)
