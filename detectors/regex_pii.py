@@ -1,7 +1,9 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
-Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, and North American forms:
-`123-456-7890`, `(555) 123-4567`, `555.123.4567`, `+1 555 123 4567`, `2125550100`), `ssn` (US,
+Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits; North American forms:
+`123-456-7890`, `(555) 123-4567`, `555.123.4567`, `+1 555 123 4567`, `2125550100`; national
+forms of other countries, 8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`,
+`01.33.43.04.02`, `030/12345678`, `0421 96 07 27`, with an extension `x123`), `ssn` (US,
 `123-45-6789` or with spaces, excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
 3+ digits separated by spaces, dashes or dots, Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
@@ -41,6 +43,7 @@ import asyncio
 import functools
 import ipaddress
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -120,7 +123,20 @@ _EMAIL = _builtin(
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}",
     "",
 )
-_PHONE_INTL = _builtin(_AN, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", _AN)
+# A phone number's left neighbour, the same for the three phone patterns: no letter or digit, as
+# for every kind, nor a `-`, `.` or `/` after a digit (which continues a run of numbers, as for
+# an SSN: `1-12-2023`, `192.168.1.1`); but a letter of a backslash escape is none (`\n`, `\r`,
+# `\t` written out, as in JSON or a log line: `Phone:\n212 555 0100` holds a number, which the
+# escape's `n` would otherwise glue to a longer token). It only looks inside the number's own
+# whitespace-free run, which a stream's window holds whole (a window starts at whitespace or at
+# a detection: DESIGN 4.6a). One rule for all three, since a window that starts at a detection
+# of one pattern sees no neighbour at all there: had another pattern's rule rejected that start
+# in the whole text (`0/(260)154-4554 ext. 667`: the US form found, the national form with its
+# extension not), the window would have found the longer number and the whole text not.
+_PHONE_BEFORE = rf"(?:^[.\-/]?|[^{_AN}.\-/]|[^\p{{N}}][.\-/]|\\[nrt])"
+_PHONE_INTL = _builtin(
+    _PHONE_BEFORE, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", _AN
+)
 # North American numbers: 3-3-4 digits with one kind of separator (any area code: a model
 # writes `123-456-7890`, and a guardrail is permissive), or 10 contiguous digits with a real
 # area code (`2125550100`; 1xx/0xx contiguous runs are mostly other numbers), an optional
@@ -128,11 +144,37 @@ _PHONE_INTL = _builtin(_AN, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9
 # what the whole text finds (libphonenumber's matcher looks past its match, and streamed
 # windows and whole texts disagreed: the seam properties caught it).
 _PHONE_US = _builtin(
-    _AN,
+    _PHONE_BEFORE,
     r"(?:\+?1[ .-]?)?(?:\([0-9]{3}\)[ .-]?[0-9]{3}[ .-][0-9]{4}"
     r"|[0-9]{3}-[0-9]{3}-[0-9]{4}|[0-9]{3}\.[0-9]{3}\.[0-9]{4}|[0-9]{3} [0-9]{3} [0-9]{4}"
     r"|[2-9][0-9]{9})",
     _AN,
+)
+# National numbers of other countries, without `+CC` (`(85) 9334-4656`, `0421 96 07 27`,
+# `01.33.43.04.02`, `030/12345678`, `07700 900123`, `(07700)034176`, `555-123-4567x890`): a
+# group of 2-8 digits or an area code in brackets, then up to four more groups of 2-8 digits,
+# each after one space, dash or dot (a `/` only after a first group that starts with the trunk
+# `0`), an optional extension (`x123`, `ext. 123`); or a contiguous trunk number (`0` and 9-10
+# digits, the first not `0`: `07299949525`). Which shapes are phones is `_national_shape`'s
+# question (this only finds the candidates). The neighbours are checked as for an SSN: a `-`,
+# `.` or `/` beside a digit continues the run (`1-12-2023`, `192.168.1.1`).
+#
+# Why hand-written rather than libphonenumber's PhoneNumberMatcher: a stream's detector judges
+# windows that may start at any whitespace of the text or at a detection (DESIGN 4.6a), and the
+# seams are only safe when a verdict on a window that holds a whole number is the verdict on the
+# whole text. The matcher's is not: it judges a candidate by the text around it (the characters
+# before and after, the leniency's checks of the whole candidate run, which a window cuts at a
+# space), national formats only for one default region, and `VALID` leniency rejects most
+# numbers a model makes up (`123-456-7890`), which a guardrail must catch. Here a verdict is a
+# function of the candidate alone, with its neighbours only checked inside its own
+# whitespace-free run (which every window holds whole).
+_EXT = r"(?: ?(?:x|ext\.?) ?[0-9]{1,5})?"
+_PHONE_NATIONAL = _builtin(
+    _PHONE_BEFORE,
+    r"(?:0[1-9][0-9]{8,9}"
+    r"|(?:\([0-9]{1,5}\)[ -]?[0-9]{2,8}|0[0-9]{1,4}/[0-9]{2,8})(?:[ .-][0-9]{2,8}){0,4}"
+    rf"|[0-9]{{2,8}}(?:[ .-][0-9]{{2,8}}){{1,4}}){_EXT}",
+    rf"(?:$|[^{_AN}.\-/]|[.\-/](?:$|[^\p{{N}}]))",
 )
 # area: not 000, 666 or 9xx; group: not 00; serial: not 0000; both separators the same.
 # A `-` next to it continues it only with a digit on its other side (`1-123-45-6789`).
@@ -189,18 +231,32 @@ class _Text:
             yield self.char(start), self.char(end)
 
 
-def _builtin_spans(rx: Any, data: bytes) -> Iterator[Span]:
+def _builtin_spans(
+    rx: Any, data: bytes, length: Callable[[bytes], int] | None = None
+) -> Iterator[Span]:
     """Byte spans of group 1, the scan resuming where each body ended (its trailing neighbour
     may be the leading neighbour of the next match; RE2 sees the text before `pos`, so a
     leading check still looks at it). A body with a leading check cannot start exactly where
     the previous one ended (its neighbour would be before `pos`), and needs not: every such
-    body ends with a character its own leading check rejects. An e-mail has no check."""
+    body ends with a character its own leading check rejects. An e-mail has no check.
+
+    `length`, when given, says how much of a body is a match (0: none). A rejected body is not
+    skipped: the scan goes on from its first character, so every later start is judged, as a
+    window of a stream that starts inside the body (at one of its spaces) judges it: a finder
+    that skipped `2024-01-15 555 123 456` whole found nothing there, and a window starting at
+    `555` found `555 123 456`."""
     pos = 0
     while True:
         m = rx.search(data, pos)
         if m is None:
             return
         start, end = m.span(1)
+        if length is not None:
+            n = length(data[start:end])
+            if not n:
+                pos = start + 1 if start <= pos else start
+                continue
+            end = start + n
         yield start, end
         pos = end
 
@@ -245,16 +301,15 @@ def _simple(rx: Any) -> Callable[[_Text], Iterator[Span]]:
 
 
 def _phones(t: _Text) -> Iterator[Span]:
-    """Phone numbers found by the two patterns (international `+CC ...` with 8-15 digits; North
-    American forms), overlapping finds merged into one span and an unmatched bracket left out.
-    National formats of other countries without `+CC` are `pii_ner`'s question, not this fast
-    path's (a context-free pattern for them found phones in card and e-mail fragments that a
-    stream's windows cut: see the seam properties)."""
+    """Phone numbers found by the three patterns (international `+CC ...` with 8-15 digits;
+    North American forms; national forms of other countries, see `_national_length`),
+    overlapping finds merged into one span and an unmatched bracket left out."""
     found: list[Span] = []
     for start, end in t.spans(_builtin_spans(_PHONE_INTL, t.data)):
         if 8 <= sum(ch.isdigit() for ch in t.text[start:end]) <= 15:
             found.append((start, end))
     found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
+    found.extend(t.spans(_builtin_spans(_PHONE_NATIONAL, t.data, _national_length)))
     found = [_unbracketed(t.text, start, end) for start, end in found]
     found.sort()
     merged: list[Span] = []
@@ -264,6 +319,75 @@ def _phones(t: _Text) -> Iterator[Span]:
         else:
             merged.append((start, end))
     yield from merged
+
+
+# A candidate's extension (`x123`, ` ext. 123`)
+_EXTENSION = re.compile(r" ?(?:x|ext\.?) ?[0-9]{1,5}$")
+_GROUP = re.compile(r"[0-9]+")
+_CARD_GROUPS = re.compile(r"(?:^|[^0-9])[0-9]{4}[ .-][0-9]{4}[ .-][0-9]")
+_DATED = re.compile(r"[0-9]+([-/.])[0-9]+\1[0-9]+ ")  # 2024-01-15 10, 15/01/2024 10
+
+
+def _national_length(candidate: bytes) -> int:
+    """How much of a `_PHONE_NATIONAL` candidate is a phone number: all of it, or its longest
+    part that ends before one of its spaces (`555-123-4567` of `555-123-4567 1234 5678 ...`);
+    0 for none. None when the candidate holds two 4-digit groups and then another group: a card
+    number's (`12 4111 1111 1111 1111` is a reference and a card, `4111 1111 1111 1112` a
+    mistyped card), or the start of one that a stream has not finished (`4111 1111 1111 111`:
+    found as a phone there, from its second group, it blocked a stream after `4111 `, the start
+    of the card the finished text holds)."""
+    body = candidate.decode("ascii")  # (digits, separators, brackets, an extension)
+    if _CARD_GROUPS.search(body):
+        return 0
+    cut = len(body)
+    while cut > 0:
+        if _national_shape(body[:cut]):
+            return cut
+        cut = body.rfind(" ", 0, cut)
+    return 0
+
+
+def _national_shape(number: str) -> bool:
+    """Whether a number without `+CC` has a phone number's shape, judged on its characters
+    alone (never on the text around it: see `_PHONE_NATIONAL`). 8-12 digits (15 after the
+    international prefix `00`), in at least two groups or a contiguous trunk number, and none of
+    the other numbers that share the digits and separators:
+
+    - dates (`2024-01-15`, `15 01 2024`: groups of 4-2-2 or 2-2-4 digits; with a time after
+      them, `2024-01-15 10`, when written with dashes or slashes) and ZIP+4 (5-4);
+    - an SSN's 3-2-4 (`123-45-6789`: the `ssn` kind's, reported as an SSN);
+    - runs of 4-digit groups only (`4111 1111 1111`, `2020-2023`): pieces of card numbers and
+      ranges of years; 8-digit numbers written 4-4 (Nordic, Singapore) are lost for them;
+    - dotted numbers other than 3.3.4 and 2.2.2.2.2 (`555.123.4567`, `01.33.43.04.02`):
+      versions, IPv4 addresses (four groups) and decimals.
+
+    Plain runs of digits are phones only as a trunk number (`0` then 9-10 digits, the first not
+    `0`: `07299949525`) here, and as a 10-digit North American number (`_PHONE_US`); any other
+    run (an order, account or invoice number) is not, since whether a run is a phone is said by
+    the words around it (`phone:`, `call`), which a stream's window may not hold (it may start
+    right at the number). What is left ambiguous and found: space-grouped amounts (`12 345 678`,
+    `100 200 300`) and other grouped references of 8-12 digits (`2023-001234`): a guardrail
+    over-redacts them rather than let a phone number out."""
+    main = _EXTENSION.sub("", number)
+    if main.isdigit():
+        return len(main) in (10, 11) and main[0] == "0" and main[1] != "0"
+    groups = [len(g) for g in _GROUP.findall(main)]
+    digits = sum(groups)
+    if not 8 <= digits <= (15 if main.startswith("00") else 12) or len(groups) < 2:
+        return False
+    bracketed = main.startswith("(")
+    if "." in main:
+        return (
+            not bracketed
+            and "-" not in main
+            and " " not in main
+            and (groups in ([3, 3, 4], [2, 2, 2, 2, 2]))
+        )
+    if bracketed:
+        return True
+    if groups[:3] in ([4, 2, 2], [2, 2, 4]) and (len(groups) == 3 or _DATED.match(main)):
+        return False  # a date, or a date and its time (`2024-01-15 10:30`)
+    return groups not in ([3, 2, 4], [5, 4]) and any(n != 4 for n in groups)
 
 
 def _unbracketed(text: str, start: int, end: int) -> Span:
@@ -612,7 +736,8 @@ def scan_executor() -> ThreadPoolExecutor:
 class RegexDetector(Detector):
     name = "regex"
     description = (
-        "PII by pattern: email, phone (international and US), US SSN, credit card (Luhn), "
+        "PII by pattern: email, phone (international, North American and other national "
+        "layouts), US SSN, credit card (Luhn), "
         "IPv4, IPv6, plus custom {name: regex} patterns (RE2 syntax, from the config; from "
         "requests only with allow_request_patterns). detection_type 'pii', detection = the "
         "kind or pattern name, exact spans, score 1.0."
@@ -763,10 +888,13 @@ def _partial(kind: str) -> Any:
     return regex.compile(_PATTERNS[kind].pattern.decode())
 
 
-def _partial_start(rx: Any, view: str, pos: int) -> int | None:
+def _partial_start(rx: Any, view: str, pos: int, first: frozenset[str]) -> int | None:
     """The start of the leftmost match body of `rx` (one of the `_builtin` forms: a neighbour,
     the body, a neighbour) from `pos` that runs to the end of `view`, as a partial match (more
-    text could complete it) or a complete one; None when none does."""
+    text could complete it) or a complete one; None when none does. `first`: the characters a
+    body starts with (a partial match has no group spans to say where it starts; the leading
+    neighbour is one or two characters, none of them such a character: `\\n` before a phone
+    number is two, and its `n` starts no number)."""
     end = len(view)
     while pos <= end:
         m = rx.search(view, pos, partial=True)
@@ -776,13 +904,15 @@ def _partial_start(rx: Any, view: str, pos: int) -> int | None:
             pos = m.end(1)  # a complete match before the end: look after it
             continue
         start = m.start()
-        if start < end and view[start] not in _BODY_FIRST:
-            start += 1  # the leading neighbour was consumed (no body starts with one)
+        for _ in range(2):  # the leading neighbour was consumed (no body starts with one)
+            if start < end and view[start] not in first:
+                start += 1
         return start if start < end else None
     return None
 
 
-_BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+(")
+_NUMBER_FIRST = frozenset("0123456789+(")
+_BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz") | _NUMBER_FIRST
 
 
 # The most digits a match of each number kind holds: a longer run of digit groups can only still
@@ -891,7 +1021,8 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
             pos = max(0, at - 66)  # the local part is at most 64, and a neighbour
         else:
             pos = number_at
-        start = _partial_start(_partial(kind), v, pos)
+        first = _BODY_FIRST if kind == "email" else _NUMBER_FIRST
+        start = _partial_start(_partial(kind), v, pos, first)
         if start is not None and kind != "email":
             start = _last_digits(v, start, _MOST_DIGITS[kind])
         if start is not None and kind == "credit_card":
