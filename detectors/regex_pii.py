@@ -154,7 +154,7 @@ _PHONE_US = _builtin(
 # `01.33.43.04.02`, `030/12345678`, `07700 900123`, `(07700)034176`, `555-123-4567x890`): a
 # group of 2-8 digits or an area code in brackets, then up to four more groups of 2-8 digits,
 # each after one space, dash or dot (a `/` only after a first group that starts with the trunk
-# `0`), an optional extension (`x123`, `ext. 123`); or a contiguous trunk number (`0` and 9-10
+# `0`), an optional extension (`x123`, `ext 123`, `ext.123`); or a contiguous trunk number (`0` and 9-10
 # digits, the first not `0`: `07299949525`). Which shapes are phones is `_national_shape`'s
 # question (this only finds the candidates). The neighbours are checked as for an SSN: a `-`,
 # `.` or `/` beside a digit continues the run (`1-12-2023`, `192.168.1.1`).
@@ -168,7 +168,9 @@ _PHONE_US = _builtin(
 # numbers a model makes up (`123-456-7890`), which a guardrail must catch. Here a verdict is a
 # function of the candidate alone, with its neighbours only checked inside its own
 # whitespace-free run (which every window holds whole).
-_EXT = r"(?: ?(?:x|ext\.?) ?[0-9]{1,5})?"
+# no space after `ext.`: `. ` is a natural cut (chunkers.natural_cut), which no built-in match
+# may cross (a chunk may end at `ext.`); `ext. 123` is the number without its extension
+_EXT = r"(?: ?(?:x ?|ext ?|ext\.)[0-9]{1,5})?"
 _PHONE_NATIONAL = _builtin(
     _PHONE_BEFORE,
     r"(?:0[1-9][0-9]{8,9}"

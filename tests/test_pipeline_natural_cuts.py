@@ -48,6 +48,8 @@ ENTITIES = [
     "4111.1111.1111.1111",
     "078 05 1120",
     "2001:db8::1",
+    "555-123-4567 ext. 123",  # `ext. ` is a natural cut: the number is found without it
+    "0421 96 07 23 ext 45",
 ]
 # what a sentence end, a closer, whitespace of other scripts, an override or a mark can add
 GLUE = [
