@@ -29,7 +29,6 @@ from typing import Any
 
 import aiohttp
 
-from .app import api_keys
 from .clients.backends import default_command
 from .clients.managed import EngineProcess, _die_with_parent
 from .clients.tls import server_ssl_context
@@ -41,6 +40,7 @@ from .server import (
     run_event_loop,
     serve_process,
 )
+from .tenants import tenant_keys
 from .tracing import engine_env
 
 log = logging.getLogger("guardstream")
@@ -189,7 +189,7 @@ class Supervisor:
     async def run(self) -> int:
         # what would stop every worker is reported once, here, before anything starts
         server_ssl_context(self.config.server.tls)
-        api_keys(self.config)
+        tenant_keys(self.config)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
 

@@ -46,6 +46,7 @@ from ..api.openai_chat import (
 )
 from ..api.openai_completions import Completion, CompletionRequest
 from ..state import STATE
+from ..tenants import CALLER
 from .health import AUTHENTICATED
 
 _REF = "#/components/schemas/{model}"
@@ -505,11 +506,12 @@ async def handle(request: web.Request) -> web.Response:
     /v1/models and /info): without one, the document is the generic API."""
     server = request.app[STATE].config.server
     config = request.app[STATE].config
-    auth = bool(server.api_keys_env)
+    auth = bool(server.api_keys_env or config.tenants)
     named = not auth or request.get(AUTHENTICATED, False)
+    caller = request.get(CALLER)
     document = build_openapi(
         auth,
-        tuple(config.models) if named else (),
+        tuple(m for m in config.models if caller is None or caller.tenant.sees(m)) if named else (),
         tuple(config.detectors) if named else (),
         server.public_metrics,
     )

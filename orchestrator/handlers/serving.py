@@ -34,6 +34,7 @@ from ..errors import is_http_error
 from ..state import STATE
 from ..streaming.events import Event, Frame, KeepAlive, Rendered, Terminal
 from ..streaming.wire_json import KEEPALIVE_COMMENT
+from ..tenants import CALLER
 from .stream_slots import stream_slot
 
 
@@ -84,7 +85,7 @@ class Fold(Protocol):
 
 async def serve(request: web.Request, prepare: Prepare, writer: Writer) -> web.StreamResponse:
     """Streams the pipeline `prepare` builds through `writer`."""
-    with stream_slot(request.app[STATE]) as slot:
+    with stream_slot(request.app[STATE], request.get(CALLER)) as slot:
         pipeline = slot.attach(await prepare())
         response = await _start(request, writer) if writer.start_at_once else None
         pending = b""  # the frames of one burst: one write
@@ -122,7 +123,7 @@ async def serve_unary(request: web.Request, prepare: Prepare, fold: Fold) -> web
 async def fold_unary(request: web.Request, prepare: Prepare, fold: Fold) -> dict[str, Any]:
     """The folded reply, for a handler that adds to it (generation-detection); the stream slot
     is held while the pipeline runs."""
-    with stream_slot(request.app[STATE]) as slot:
+    with stream_slot(request.app[STATE], request.get(CALLER)) as slot:
         pipeline = slot.attach(await prepare())
         async with aclosing(pipeline.events()) as events:
             async for event in events:
