@@ -18,16 +18,18 @@ Clock = Callable[[], float]  # monotonic seconds
 class TokenBucket:
     def __init__(self, per_minute: int, clock: Clock) -> None:
         self.capacity = float(per_minute)
-        self.rate_per_s = per_minute / 60.0
         self._clock = clock
         self._level = self.capacity
         self._at = clock()
 
     def level(self) -> float:
         now = self._clock()
-        self._level = min(self.capacity, self._level + (now - self._at) * self.rate_per_s)
+        self._level = min(self.capacity, self._level + (now - self._at) * self.capacity / 60)
         self._at = now
         return self._level
+
+    def _seconds(self, deficit: float) -> float:
+        return deficit * 60 / self.capacity  # not deficit / (capacity / 60): exact for 1 / 2
 
     def take(self, amount: float = 1.0) -> int | None:
         """Takes `amount` if the bucket holds it: None; else the whole seconds until it will."""
@@ -35,14 +37,15 @@ class TokenBucket:
         if level >= amount:
             self._level = level - amount
             return None
-        return max(1, math.ceil((amount - level) / self.rate_per_s))
+        return max(1, math.ceil(self._seconds(amount - level)))
 
     def positive(self) -> int | None:
-        """None while the bucket holds anything; else the whole seconds until it will."""
+        """None while the bucket holds anything; else the whole seconds until it will (the
+        first whole second at which the level is above zero)."""
         level = self.level()
         if level > 0:
             return None
-        return max(1, math.ceil(-level / self.rate_per_s + 1e-9))
+        return math.floor(self._seconds(-level)) + 1
 
     def charge(self, amount: float) -> None:
         """Takes `amount` after the fact: the level may go below zero (the next requests wait)."""

@@ -183,10 +183,7 @@ class Tenants:
                     )
                 own[model_id] = enforced
             tenants[tenant_id] = _tenant(tenant_id, tc.limits, own)
-        ring = None
-        if keys is not None:
-            ring = KeyRing(keys) if compare is None else KeyRing(keys, compare)
-        return cls(tenants, ring)
+        return cls(tenants, None if keys is None else KeyRing(keys, compare))
 
 
 def _tenant(tenant_id: str, limits: TenantLimits, enforced: Mapping[str, EnforcedGuardrails]):

@@ -35,7 +35,7 @@ class KeyRing(Generic[T]):
     timing does not tell which key, or which owner's key, came close. `compare` is injectable
     so a test can count the comparisons (a timing test would be flaky and prove little)."""
 
-    def __init__(self, keys: Iterable[tuple[str, T]], compare: Compare = hmac.compare_digest):
+    def __init__(self, keys: Iterable[tuple[str, T]], compare: Compare | None = None) -> None:
         self._entries = [(_digest(k.encode("utf-8")), owner) for k, owner in keys]
         self._compare = compare
 
@@ -47,8 +47,9 @@ class KeyRing(Generic[T]):
         scheme, _, token = headers.get("Authorization", "").partition(" ")
         given = _digest(token.strip().encode("utf-8", "surrogateescape"))
         found: T | None = None
+        compare = self._compare or hmac.compare_digest
         for digest, owner in self._entries:
-            if self._compare(given, digest):  # keys are unique: at most one matches
+            if compare(given, digest):  # keys are unique: at most one matches
                 found = owner
         return found if scheme.lower() == "bearer" else None
 
