@@ -25,7 +25,6 @@ from orchestrator.config import ConfigError, parse_config
 from orchestrator.server import start_server
 from orchestrator.state import STATE
 from orchestrator.tenants import tenant_keys
-from servicekit.auth import KeyRing
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
     MODEL,
@@ -33,7 +32,6 @@ from tests.orchestrator_support import (
     frames,
     generation_body,
     native_config,
-    sse_events,
     terminal,
 )
 from tests.test_orchestrator_metrics import parse, value
