@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE
+from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, KeyRing
 
 from . import tracing as traces
 from .api.errors import ApiError, ErrorType, Failure
@@ -33,6 +33,7 @@ from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardra
 from .config import Config, secret_env_names
 from .errors import Surface, describe, first_error, is_http_error, is_unexpected
 from .handlers import (
+    admin,
     content_detection,
     fms_detection,
     fms_stream,
@@ -54,7 +55,7 @@ from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
 from .state import STATE, AppState
 from .streaming.loop_lag import LoopLag
-from .tenants import CALLER, Tenants, tenant_ids, tenant_keys
+from .tenants import CALLER, Tenants, admin_keys, tenant_ids, tenant_keys
 
 log = logging.getLogger("guardstream")
 access_log = logging.getLogger("guardstream.access")
@@ -127,6 +128,7 @@ ROUTES = (
     Route("POST", RESPONSES_PATH, openai_responses.handle, Surface.OPENAI, "responses"),
     Route("GET", MODELS_PATH, models.handle, Surface.OPENAI, "models"),
     Route("GET", USAGE_PATH, usage.handle, Surface.OPENAI, "usage"),
+    Route("POST", admin.RELOAD_PATH, admin.reload, Surface.FMS, "admin_reload"),
     Route("GET", "/health", health.health, Surface.FMS),
     Route("GET", "/info", health.info, Surface.FMS),
     Route("GET", "/metrics", metrics.handle, Surface.FMS),
@@ -327,6 +329,8 @@ PROBE_PATHS = frozenset({"/health", "/info", "/openapi.json"})
 AUTHENTICATED = health.AUTHENTICATED
 
 
+# answered to an admin key only (server.admin_keys_env), which the handler checks
+ADMIN_PATHS = frozenset({admin.RELOAD_PATH})
 TENANT_HEADER = "x-guardstream-tenant"
 POLICY_HEADER = "x-guardstream-policy"
 
@@ -340,6 +344,8 @@ def auth_middleware(state: AppState, open_paths: frozenset[str] = PROBE_PATHS) -
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in ADMIN_PATHS:  # an admin key, not a tenant's: checked there
+            return await handler(request)
         tenants = state.tenants
         assert tenants is not None  # built at start-up, before the first request
         tenant = tenants.resolve(request.headers)
@@ -408,6 +414,7 @@ def create_app(
 ) -> web.Application:
     """`span_exporter` turns tracing on with that exporter (tests: an InMemorySpanExporter)."""
     keys = tenant_keys(config)  # an unset variable or a key in two tenants stops start-up
+    admins = admin_keys(config)
     middlewares: list[Middleware] = [
         request_id_middleware(forwardable(config.server.forward_headers)),
         metrics_middleware,
@@ -428,6 +435,7 @@ def create_app(
         ),
     )
     app[STATE] = state
+    state.admin_keys = KeyRing((k, True) for k in admins or [])
     open_paths = OPEN_PATHS if keys is None or config.server.public_metrics else PROBE_PATHS
     app.middlewares.append(auth_middleware(state, open_paths))
     series.add_tenants(tenant_ids(config, keys))

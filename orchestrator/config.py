@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictStr,
     ValidationError,
     field_validator,
@@ -110,6 +111,10 @@ class ServerConfig(Strict):
     body_idle_timeout_s: float = Field(30, gt=0)
     """A request body that sends nothing this long: 408 (in-band on stream-content, which then
     frees its stream slot), and the connection is closed."""
+    admin_keys_env: str | None = None
+    """Name of an environment variable holding comma-separated admin keys: the only keys
+    `POST /admin/reload` accepts (unset: it answers 401 to everyone; SIGHUP still reloads). An
+    admin key cannot also be a tenant's."""
     public_metrics: bool = False
     """With api_keys_env set, /metrics needs a key unless this is true (its series name replicas
     and detectors)."""
@@ -387,6 +392,11 @@ class DetectorConfig(Strict):
 
 class Config(Strict):
     """config.yaml."""
+
+    # the file it was read from (load_config): what SIGHUP and /admin/reload read again; and
+    # what that file said, where this config was derived from it (a worker's)
+    _source: str | None = PrivateAttr(default=None)
+    _as_read: Config | None = PrivateAttr(default=None)
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     """The HTTP service."""
@@ -723,7 +733,26 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
 
 def load_config(path: str | os.PathLike[str], require_models: bool = False) -> Config:
     """Reads and validates a config file; raises ConfigError (never a bare traceback)."""
-    return parse_config(read_yaml(path), require_models)
+    config = parse_config(read_yaml(path), require_models)
+    config._source = str(path)
+    return config
+
+
+def config_source(config: Config) -> str | None:
+    """The file `config` was read from (None: built in memory)."""
+    return config._source
+
+
+def as_read(config: Config) -> Config:
+    """The config as its file said (a worker's runs its managed engines as native backends)."""
+    return config._as_read or config
+
+
+def with_source(config: Config, source: str | None, read: Config | None = None) -> Config:
+    """`config`, derived from `read`, which came from the file `source` (a worker's)."""
+    config._source = source
+    config._as_read = read
+    return config
 
 
 def is_detector_service_config(data: Any) -> bool:
@@ -737,7 +766,7 @@ def secret_env_names(config: Config) -> frozenset[str]:
     """Every environment variable the config names as holding a key (the server's API keys,
     engines' and detector services' keys): what a child process (a managed engine) must not
     inherit, since it needs none of them and a compromised engine would get them all."""
-    names = {config.server.api_keys_env}
+    names = {config.server.api_keys_env, config.server.admin_keys_env}
     for model in config.models.values():
         names.update(getattr(backend, "api_key_env", None) for backend in model.backends)
     names.update(detector.api_key_env for detector in config.detectors.values())

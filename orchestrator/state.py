@@ -10,6 +10,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from servicekit.auth import KeyRing
+
 from .clients.backend import ModelBackend
 from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
 from .config import Config
@@ -41,6 +43,8 @@ class AppState:
     # each tenant's streams and buckets, by tenant id, kept across reloads
     gates: dict[str, TenantGate] = field(default_factory=dict)
     clock: Clock = time.monotonic  # the tenants' buckets (tests set it)
+    admin_keys: KeyRing[bool] | None = None  # POST /admin/reload's (server.admin_keys_env)
+    reloading: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reload at a time
 
     def caller(self, tenant: Tenant) -> Caller:
         """A request of `tenant`, with its gate (made on its first request, its limits as of

@@ -230,6 +230,7 @@ def tenant_keys(
     for tenant_id, tc in config.tenants.items():
         sources.append((tenant_id, tc.keys_env, f"tenants.{tenant_id}.keys_env"))
     if not sources:
+        admin_keys(config, environ)  # still checked: a named variable must hold keys
         return None
     errors: list[str] = []
     owner_of: dict[str, str] = {}
@@ -249,6 +250,27 @@ def tenant_keys(
                 )
             else:
                 pairs.append((key, tenant_id))
+    try:
+        admins = admin_keys(config, environ) or []
+    except ConfigError as exc:
+        errors.extend(exc.errors)
+        admins = []
+    for key in admins:
+        if key in owner_of:
+            errors.append(
+                f"server.admin_keys_env: a key in {config.server.admin_keys_env} is also a key "
+                f"of the tenant '{owner_of[key]}' (an admin key must be only that)"
+            )
     if errors:
         raise ConfigError(errors)
     return pairs
+
+
+def admin_keys(config: Config, environ: Mapping[str, str] = os.environ) -> list[str] | None:
+    """The keys of `server.admin_keys_env` (None: unset)."""
+    try:
+        return api_keys_from_env(
+            config.server.admin_keys_env or None, "server.admin_keys_env", environ
+        )
+    except ApiKeysError as exc:
+        raise ConfigError([str(exc)]) from None
