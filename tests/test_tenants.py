@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import math
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,6 +26,7 @@ from hypothesis import strategies as st
 from orchestrator.app import CHAT_PATH, MODELS_PATH, STREAMING_PATH, UNARY_PATH, USAGE_PATH
 from orchestrator.clients.registry import SEVERITY, EnforcedGuardrails, RequestedDetector
 from orchestrator.config import ConfigError, parse_config
+from orchestrator.handlers.admin import RELOAD_PATH
 from orchestrator.server import start_server
 from orchestrator.state import STATE
 from orchestrator.tenants import tenant_keys
@@ -32,6 +37,9 @@ from tests.orchestrator_support import (
     frames,
     generation_body,
     native_config,
+    read_sse,
+    serve,
+    sse_events,
     terminal,
 )
 from tests.test_orchestrator_metrics import parse, value
@@ -497,3 +505,157 @@ def test_a_tenants_guardrail_only_tightens_the_models(
     assert SEVERITY[merged.on_detection] == max(SEVERITY[model], SEVERITY[tenant])
     assert merged.threshold == min(thresholds)
     assert merged.redact_with == ("[tenant]" if SEVERITY[tenant] > SEVERITY[model] else "[model]")
+
+
+# -- reload ---------------------------------------------------------------------------------------
+
+ADMIN = {"Authorization": "Bearer the-admin-key"}
+
+
+def write(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+async def reload(orch: Orchestrator, headers: dict[str, str] = ADMIN) -> tuple[int, Any]:
+    return await orch.post(RELOAD_PATH, b"", headers=headers)
+
+
+@pytest.fixture
+def admin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADMIN_KEYS", "the-admin-key")
+
+
+def reloadable(engine_url: str) -> dict[str, Any]:
+    config = tenants_config(engine_url)
+    config["server"]["admin_keys_env"] = "ADMIN_KEYS"
+    del config["tenants"]["a"]["guardrails"]  # a starts with the model's guardrails only
+    return config
+
+
+async def test_a_reload_applies_to_new_requests_while_a_running_stream_finishes_unchanged(
+    engine, admin, tmp_path: Path
+) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        engine.hold_after = 1
+        tasks: list[asyncio.Task[None]] = []
+        seen: dict[str, Any] = {}
+
+        async def reload_then_ask() -> None:
+            config["tenants"]["a"]["guardrails"] = {
+                MODEL: {"output": {"pii": {"on_detection": "redact"}}}
+            }
+            write(path, config)
+            seen["reload"] = await reload(orch)
+            engine.hold_after = None
+            async with orch.session.post(
+                orch.url + STREAMING_PATH, json=generation_body(), headers=A
+            ) as r:
+                seen["policy"] = r.headers["x-guardstream-policy"]
+                seen["new"] = sse_events(await r.text())
+            engine.release.set()
+
+        def on_event(events: list[Any]) -> None:
+            if not tasks:
+                tasks.append(asyncio.create_task(reload_then_ask()))
+
+        assert orch.session is not None
+        async with orch.session.post(
+            orch.url + STREAMING_PATH, json=generation_body(), headers=A
+        ) as r:
+            old_policy = r.headers["x-guardstream-policy"]
+            running = await read_sse(r, on_event)
+        await tasks[0]
+    assert seen["reload"] == (200, {"reloaded": True, "tenants": ["a", "b"]})
+    # the running stream: judged by the policy it started with
+    assert "".join(f["generated_text"] for f in frames(running)) == "".join(SCRIPT)
+    # the next one: a's new guardrail
+    assert "".join(f["generated_text"] for f in frames(seen["new"])) == "Mail [email] now."
+    assert seen["policy"] != old_policy
+
+
+async def test_a_bad_file_changes_nothing_and_says_why(engine, admin, tmp_path: Path) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        _, _, before = await get(orch, MODELS_PATH, A)
+        broken = json.loads(json.dumps(config))
+        broken["tenants"]["a"]["guardrails"] = {MODEL: {"output": {"pi": {}}}}
+        broken["tenants"]["b"]["limits"] = {"tokens_per_minut": 5}
+        broken["detectors"]["pii"]["default_threshold"] = 0.9
+        broken["models"][MODEL]["limits"] = {"max_new_tokens": 5}
+        write(path, broken)
+        status, body = await reload(orch)
+        errors = [
+            "tenants.b.limits.tokens_per_minut: unknown key (did you mean 'tokens_per_minute'?)",
+            f"tenants.a.guardrails.{MODEL}.output.pi: unknown detector 'pi' (did you mean 'pii'?)",
+        ]
+        assert (status, body) == (
+            422,
+            {
+                "code": 422,
+                "details": f"config not reloaded: 2 error(s): {'; '.join(errors)}",
+                "type": "invalid_request",
+                "errors": errors,
+            },
+        )
+        # valid, but beyond what a reload applies
+        fixed = json.loads(json.dumps(broken))
+        fixed["tenants"]["a"]["guardrails"] = {}
+        fixed["tenants"]["b"]["limits"] = {}
+        write(path, fixed)
+        status, body = await reload(orch)
+        assert status == 422
+        reason = (
+            "changed (a reload applies only tenants, models.<id>.guardrails, "
+            "server.api_keys_env and server.admin_keys_env; restart for this)"
+        )
+        assert body["errors"] == [
+            f"detectors.pii.default_threshold: {reason}",
+            f"models.{MODEL}.limits: {reason}",
+        ]
+        _, _, after = await get(orch, MODELS_PATH, A)
+        assert after["x-guardstream-policy"] == before["x-guardstream-policy"]
+        assert terminal(await orch.stream(generation_body(), headers=B)).name == "completed"
+        # only an admin key reloads
+        assert (await reload(orch, A))[0] == 401
+        assert (await reload(orch, {}))[0] == 401
+
+
+async def test_a_rotated_key_is_refused_after_a_reload(
+    engine, admin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    monkeypatch.setenv("TENANT_A_KEYS_NEXT", "the-new-key-of-a")
+    async with Orchestrator(path) as orch:
+        assert (await get(orch, MODELS_PATH, A))[0] == 200
+        config["tenants"]["a"]["keys_env"] = "TENANT_A_KEYS_NEXT"
+        write(path, config)
+        assert (await reload(orch))[0] == 200
+        assert (await get(orch, MODELS_PATH, A))[0] == 401
+        status, _, headers = await get(
+            orch, MODELS_PATH, {"Authorization": "Bearer the-new-key-of-a"}
+        )
+        assert (status, headers["x-guardstream-tenant"]) == (200, "a")
+
+
+async def test_sighup_reloads_the_served_config(engine, admin, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TENANT_A_KEYS_NEXT", "the-new-key-of-a")
+    config = reloadable(engine.url)
+    async with serve(tmp_path, config) as served, aiohttp.ClientSession() as session:
+
+        async def status_of(key: str) -> int:
+            headers = {"Authorization": f"Bearer {key}"}
+            async with session.get(served.url + MODELS_PATH, headers=headers) as r:
+                return r.status
+
+        assert await status_of(A_KEY) == 200
+        config["tenants"]["a"]["keys_env"] = "TENANT_A_KEYS_NEXT"
+        write(tmp_path / "config.yaml", config)
+        served.proc.send_signal(signal.SIGHUP)
+        await served.wait_logged("config reloaded from")
+        assert await status_of(A_KEY) == 401
+        assert await status_of("the-new-key-of-a") == 200
