@@ -186,7 +186,9 @@ class Tenants:
         return cls(tenants, None if keys is None else KeyRing(keys, compare))
 
 
-def _tenant(tenant_id: str, limits: TenantLimits, enforced: Mapping[str, EnforcedGuardrails]):
+def _tenant(
+    tenant_id: str, limits: TenantLimits, enforced: Mapping[str, EnforcedGuardrails]
+) -> Tenant:
     policies = {m: policy_hash(e) for m, e in enforced.items()}
     overall = _short(json.dumps(sorted(policies.items())))
     return Tenant(tenant_id, limits, dict(enforced), policies, overall)
