@@ -27,6 +27,7 @@ from orchestrator.app import CHAT_PATH, MODELS_PATH, STREAMING_PATH, UNARY_PATH,
 from orchestrator.clients.registry import SEVERITY, EnforcedGuardrails, RequestedDetector
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.handlers.admin import RELOAD_PATH
+from orchestrator.rate_limits import TokenBucket
 from orchestrator.server import start_server
 from orchestrator.state import STATE
 from orchestrator.tenants import tenant_keys
@@ -283,6 +284,9 @@ async def test_per_tenant_metrics_and_usage_are_exact_and_each_tenants_own(engin
                 assert body == {"object": "usage", "tenant": who} | {
                     k: v for k, v in usage.items() if k != "requests"
                 }
+        # a header naming another tenant changes nothing: the key says who is calling
+        status, body, headers = await get(orch, USAGE_PATH, {**A, "x-guardstream-tenant": "b"})
+        assert (status, body["tenant"], headers["x-guardstream-tenant"]) == (200, "a", "a")
         status, body, _ = await get(orch, USAGE_PATH, {})
         assert status == 401
     lines = [r for r in caplog.records if r.name == "guardstream.access"]
@@ -659,3 +663,31 @@ async def test_sighup_reloads_the_served_config(engine, admin, tmp_path: Path, m
         await served.wait_logged("config reloaded from")
         assert await status_of(A_KEY) == 401
         assert await status_of("the-new-key-of-a") == 200
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    per_minute=st.integers(1, 10_000),
+    charges=st.lists(st.integers(0, 20_000), min_size=1, max_size=5),
+    waited=st.lists(st.floats(0, 120), min_size=1, max_size=5),
+)
+def test_a_bucket_refills_continuously_and_retry_after_is_exact(
+    per_minute: int, charges: list[int], waited: list[float]
+) -> None:
+    """The level never exceeds the minute's capacity, and a refusal's Retry-After is the first
+    whole second at which the same request is admitted: one second earlier it is not."""
+    now = [0.0]
+    bucket = TokenBucket(per_minute, lambda: now[0])
+    for charge, wait in zip(charges, waited, strict=False):
+        bucket.charge(charge)
+        now[0] += wait
+        assert bucket.level() <= per_minute
+    retry_after = bucket.positive()
+    if retry_after is None:
+        assert bucket.level() > 0
+        return
+    start = now[0]
+    now[0] = start + retry_after - 1
+    assert bucket.positive() is not None
+    now[0] = start + retry_after
+    assert bucket.positive() is None
