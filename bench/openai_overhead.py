@@ -286,10 +286,30 @@ PII_BUILTIN = ["regex"]
 SERVER_OVERRIDES: dict[str, Any] = {}
 
 
+def tenant_keys(tenants: int, keys: int) -> dict[str, str]:
+    """--tenants: the environment of `tenants` tenants with `keys` keys each (BENCH_TENANT_<i>)."""
+    return {
+        f"BENCH_TENANT_{i}_KEYS": ",".join(f"bench-key-{i}-{j}-{'x' * 24}" for j in range(keys))
+        for i in range(tenants)
+    }
+
+
+def bench_key(tenants: int, keys: int) -> str:
+    """The key the `@tenants` scenarios send: the last tenant's last key (every key is
+    compared whichever it is; the last one also makes an early exit, were there one, show)."""
+    return f"bench-key-{tenants - 1}-{keys - 1}-{'x' * 24}"
+
+
 def start_orchestrator(
-    tmp: Path, fake_url: str, workers: int, profile: str | None = None, root: Path = ROOT
+    tmp: Path,
+    fake_url: str,
+    workers: int,
+    profile: str | None = None,
+    root: Path = ROOT,
+    tenants: tuple[int, int] | None = None,
 ) -> Any:
-    """`python -m orchestrator serve` from the checkout at `root` (--before: another one)."""
+    """`python -m orchestrator serve` from the checkout at `root` (--before: another one);
+    `tenants`: with (tenants, keys each) configured (--tenants), every model for each."""
     import yaml
 
     # (a checkout given with --before may predate on_detection: redact)
@@ -299,7 +319,12 @@ def start_orchestrator(
     cfg["server"].update(SERVER_OVERRIDES)
     if workers == 1:
         cfg["server"].pop("workers")  # also runs against a tree without `server.workers`
-    tag = "" if root == ROOT else "-before"
+    if tenants is not None:
+        os.environ.update(tenant_keys(*tenants))  # the child inherits them
+        cfg["tenants"] = {
+            f"t{i}": {"keys_env": f"BENCH_TENANT_{i}_KEYS"} for i in range(tenants[0])
+        }
+    tag = ("" if root == ROOT else "-before") + ("-tenants" if tenants else "")
     path = tmp / f"config-{workers}{tag}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     prof = [str(SELF), "_profiled", profile] if profile else ["-m"]
@@ -384,11 +409,11 @@ async def raw_answer(session: aiohttp.ClientSession, url: str, body: dict[str, A
     return answer
 
 
-def sdk_client(url: str) -> Callable[[dict[str, Any]], Any]:
+def sdk_client(url: str, key: str | None = None) -> Callable[[dict[str, Any]], Any]:
     """The OpenAI SDK, for --sdk (its parsing costs the client far more CPU than raw SSE)."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    client = AsyncOpenAI(base_url=url + "/v1", api_key=key or "unused", max_retries=0)
 
     async def run(body: dict[str, Any]) -> Answer:
         body = dict(body)
@@ -458,12 +483,14 @@ async def run_level(
     sdk: bool,
     fake_url: str,
     step_clock: bool = False,
+    key: str | None = None,
 ) -> Level:
     body = request_body(model, words, itl_ms, step_clock)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        one = sdk_client(url) if sdk else (lambda b: raw_answer(session, url, b))
+    auth = {"Authorization": f"Bearer {key}"} if key else None
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=auth) as session:
+        one = sdk_client(url, key) if sdk else (lambda b: raw_answer(session, url, b))
         await one(body if itl_ms == 0 else request_body(model, words, 0))  # warm-up
         results: list[Answer] = []
         left = answers
@@ -605,7 +632,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ],
         tmp / "fake.log",
     )
-    orch = before = None
+    orch = before = tenanted = None
     levels: list[Level] = []
     workers: dict[int, float] = {}
     try:
@@ -619,6 +646,11 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             before = start_orchestrator(tmp, fake.url, 1, root=args.before)
             await wait_ready(before.url)
             scenarios += [f"{s}@before" for s in scenarios if s not in ("direct", "redact")]
+        if args.tenants:
+            # the same scenarios with N tenants of K keys each configured, interleaved
+            tenanted = start_orchestrator(tmp, fake.url, args.workers, tenants=args.tenants)
+            await wait_ready(tenanted.url)
+            scenarios += [f"{s}@tenants" for s in scenarios if "@" not in s and s != "direct"]
         print(
             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
             f"{args.words}-word answers, one word a chunk; client: "
@@ -638,7 +670,13 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 if scenario == "direct":
                     url, model, pid = fake.url, UPSTREAM_MODEL, None
                 else:
-                    server = before if scenario.endswith("@before") else orch
+                    server = (
+                        before
+                        if scenario.endswith("@before")
+                        else tenanted
+                        if scenario.endswith("@tenants")
+                        else orch
+                    )
                     assert server is not None
                     url, pid = server.url, server.pid
                     model = (
@@ -661,13 +699,14 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     sdk=args.sdk,
                     fake_url=fake.url,
                     step_clock=step_clock,
+                    key=bench_key(*args.tenants) if scenario.endswith("@tenants") else None,
                 )
                 levels.append(lv)
                 print_level(lv)
-        for server in (orch, before):
+        for server in (orch, before, tenanted):
             if server is not None:
                 server.stop()
-        orch = before = None
+        orch = before = tenanted = None
         if args.workers_compare:
             for w in (1, 2):
                 proc = start_orchestrator(tmp, fake.url, w)
@@ -694,7 +733,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 levels.append(lv)
                 print_level(lv)
     finally:
-        for server in (orch, before):
+        for server in (orch, before, tenanted):
             if server is not None:
                 server.stop()
         fake.stop()
@@ -826,6 +865,13 @@ def main() -> int:
         default="regex",
         help="the built-in behind the `pii` guardrail (e.g. pii_ner); --before's stays regex",
     )
+    parser.add_argument(
+        "--tenants",
+        default=None,
+        metavar="N:K",
+        help="also an orchestrator with N tenants of K keys each configured: the same levels, "
+        "interleaved, as `<scenario>@tenants` (requests carry the last tenant's last key)",
+    )
     parser.add_argument("--json", default=None)
     _orch_bench.add_server_option(parser)
     parser.add_argument("--profile", default=None, help="run the orchestrator under cProfile")
@@ -834,6 +880,9 @@ def main() -> int:
     PII_BUILTIN[0] = args.pii_builtin
     if args.before:
         args.before = Path(args.before).resolve()
+    if args.tenants:
+        n, k = (int(x) for x in args.tenants.split(":"))
+        args.tenants = (n, k)
     use_uvloop()
     with tempfile.TemporaryDirectory(prefix="bench-openai-") as tmp:
         out = asyncio.run(bench(args, Path(tmp)))

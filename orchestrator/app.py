@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import re
 import time
 import uuid
@@ -25,21 +24,16 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from servicekit.auth import (
-    CHALLENGE,
-    UNAUTHORIZED_MESSAGE,
-    ApiKeysError,
-    BearerKeys,
-    api_keys_from_env,
-)
+from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, KeyRing
 
 from . import tracing as traces
 from .api.errors import ApiError, ErrorType, Failure
 from .clients.backends import build_model_backends
 from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
-from .config import Config, ConfigError, secret_env_names
+from .config import Config, secret_env_names
 from .errors import Surface, describe, first_error, is_http_error, is_unexpected
 from .handlers import (
+    admin,
     content_detection,
     fms_detection,
     fms_stream,
@@ -53,14 +47,15 @@ from .handlers import (
     openai_responses,
     openapi,
     stream_content,
+    usage,
 )
 from .handlers.body import UnreadBody
-from .handlers.stream_slots import TooManyStreams
 from .http_protocol import SERVER_NAME
 from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
 from .state import STATE, AppState
 from .streaming.loop_lag import LoopLag
+from .tenants import CALLER, Tenants, admin_keys, tenant_ids, tenant_keys
 
 log = logging.getLogger("guardstream")
 access_log = logging.getLogger("guardstream.access")
@@ -82,6 +77,7 @@ CHAT_PATH = openai_chat.CHAT_PATH
 CHAT_DETECTION_PATH = openai_chat.CHAT_DETECTION_PATH
 RESPONSES_PATH = openai_responses.RESPONSES_PATH
 MODELS_PATH = "/v1/models"
+USAGE_PATH = usage.USAGE_PATH
 
 
 @dataclass(frozen=True)
@@ -131,6 +127,8 @@ ROUTES = (
     Route("POST", CHAT_DETECTION_PATH, openai_chat.handle, Surface.OPENAI, "chat_completions"),
     Route("POST", RESPONSES_PATH, openai_responses.handle, Surface.OPENAI, "responses"),
     Route("GET", MODELS_PATH, models.handle, Surface.OPENAI, "models"),
+    Route("GET", USAGE_PATH, usage.handle, Surface.OPENAI, "usage"),
+    Route("POST", admin.RELOAD_PATH, admin.reload, Surface.FMS, "admin_reload"),
     Route("GET", "/health", health.health, Surface.FMS),
     Route("GET", "/info", health.info, Surface.FMS),
     Route("GET", "/metrics", metrics.handle, Surface.FMS),
@@ -219,6 +217,7 @@ def request_id_middleware(forward: frozenset[str] = frozenset()) -> Middleware:
             # probes and scrapes come every few seconds: kept out of the access log unless
             # they fail or debug logging is on
             quiet = request.path in OPEN_PATHS and status < 400
+            caller = request.get(CALLER)
             access_log.log(
                 logging.DEBUG if quiet else logging.INFO,
                 "%s %s %d",
@@ -230,6 +229,7 @@ def request_id_middleware(forward: frozenset[str] = frozenset()) -> Middleware:
                     "path": request.path,
                     "status": status,
                     "duration_ms": round((time.monotonic() - started) * 1000, 1),
+                    "tenant": caller.tenant.id if caller is not None else None,
                 },
             )
             DOWNSTREAM_HEADERS.reset(hdr_token)
@@ -258,6 +258,10 @@ async def _add_request_id(request: web.Request, response: web.StreamResponse) ->
     response.headers["Server"] = SERVER_NAME  # aiohttp's default names its and Python's versions
     if "request_id" in request:
         response.headers["x-request-id"] = request["request_id"]
+    caller = request.get(CALLER)
+    if caller is not None:  # every request that named a tenant's key (all, with auth off)
+        response.headers[TENANT_HEADER] = caller.tenant.id
+        response.headers[POLICY_HEADER] = caller.policy
 
 
 @web.middleware
@@ -299,8 +303,9 @@ async def close_after(request: web.Request, response: web.StreamResponse) -> Non
 
 
 def _error_headers(exc: BaseException, failure: Failure) -> dict[str, str] | None:
-    if isinstance(exc, TooManyStreams):
-        return {"Retry-After": str(exc.retry_after_s)}
+    retry_after = getattr(exc, "retry_after_s", None)  # TooManyStreams, a tenant's RateLimited
+    if isinstance(retry_after, int):
+        return {"Retry-After": str(retry_after)}
     if failure.type == ErrorType.OVERLOADED:
         return {"Retry-After": "1"}
     if isinstance(exc, web.HTTPMethodNotAllowed):
@@ -324,29 +329,35 @@ PROBE_PATHS = frozenset({"/health", "/info", "/openapi.json"})
 AUTHENTICATED = health.AUTHENTICATED
 
 
-def key_checker(keys: list[str]) -> Callable[[web.BaseRequest], bool]:
-    """Whether a request carries one of `keys` as a Bearer token (servicekit.auth: the check
-    every service makes)."""
-    accepted = BearerKeys(keys)
-
-    def authorized(request: web.BaseRequest) -> bool:
-        return accepted.accepts(request.headers)
-
-    return authorized
+# answered to an admin key only (server.admin_keys_env), which the handler checks
+ADMIN_PATHS = frozenset({admin.RELOAD_PATH})
+TENANT_HEADER = "x-guardstream-tenant"
+POLICY_HEADER = "x-guardstream-policy"
 
 
-def auth_middleware(keys: list[str], open_paths: frozenset[str] = PROBE_PATHS) -> Middleware:
-    """Bearer API keys on every path but `open_paths`. A missing header, another scheme and a
-    wrong key all get the same 401, so a caller learns nothing about which part failed."""
-    authorized = key_checker(keys)
+def auth_middleware(state: AppState, open_paths: frozenset[str] = PROBE_PATHS) -> Middleware:
+    """Resolves the request's Bearer key to its tenant (every configured key is compared:
+    tenants.py) and puts the tenant on the request (`CALLER`); every path but `open_paths`
+    needs a key. A missing header, another scheme and a wrong key all get the same 401, so a
+    caller learns nothing about which part failed. With auth off every request is the tenant
+    `default`. A tenant's requests_per_minute is taken here, before any other work."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        ok = authorized(request)
+        if request.path in ADMIN_PATHS:  # an admin key, not a tenant's: checked there
+            return await handler(request)
+        tenants = state.tenants
+        assert tenants is not None  # built at start-up, before the first request
+        tenant = tenants.resolve(request.headers)
         # open paths answer anyway; /info shows its details only to a caller with a key
-        request[AUTHENTICATED] = ok
-        if request.path not in open_paths and not ok:
-            raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+        request[AUTHENTICATED] = tenant is not None
+        if tenant is None:
+            if request.path not in open_paths:
+                raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+            return await handler(request)
+        caller = request[CALLER] = state.caller(tenant)
+        if request.path not in OPEN_PATHS:  # probes and scrapes are not a tenant's usage
+            caller.gate.admit_request(tenant.id)
         return await handler(request)
 
     return check
@@ -393,23 +404,17 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     finally:
         route = request.match_info.route.resource
         endpoint = route.canonical if route is not None else "unmatched"
-        request.app[STATE].metrics.count_request(endpoint, status)
-
-
-def api_keys(config: Config, environ: Mapping[str, str] = os.environ) -> list[str] | None:
-    """The accepted API keys, or None when auth is off. A named variable that is unset or holds
-    no key is a config error: starting without auth by accident must be impossible."""
-    try:
-        return api_keys_from_env(config.server.api_keys_env or None, "server.api_keys_env", environ)
-    except ApiKeysError as exc:
-        raise ConfigError([str(exc)]) from None
+        caller = request.get(CALLER)
+        tenant = caller.tenant.id if caller is not None and request.path not in OPEN_PATHS else None
+        request.app[STATE].metrics.count_request(endpoint, status, tenant)
 
 
 def create_app(
     config: Config, *, device: str = "auto", span_exporter: traces.SpanExporter | None = None
 ) -> web.Application:
     """`span_exporter` turns tracing on with that exporter (tests: an InMemorySpanExporter)."""
-    keys = api_keys(config)
+    keys = tenant_keys(config)  # an unset variable or a key in two tenants stops start-up
+    admins = admin_keys(config)
     middlewares: list[Middleware] = [
         request_id_middleware(forwardable(config.server.forward_headers)),
         metrics_middleware,
@@ -418,9 +423,6 @@ def create_app(
     if traces.configure(config.server.tracing, exporter=span_exporter):
         # outermost: the access log line and every error response belong to the request span
         middlewares.insert(0, traces.middleware(SPAN_SURFACES, OPEN_PATHS))
-    if keys is not None:
-        open_paths = OPEN_PATHS if config.server.public_metrics else PROBE_PATHS
-        middlewares.append(auth_middleware(keys, open_paths))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_request_bytes)
     series = OrchestratorMetrics()
     state = AppState(
@@ -433,6 +435,10 @@ def create_app(
         ),
     )
     app[STATE] = state
+    state.admin_keys = KeyRing((k, True) for k in admins or [])
+    open_paths = OPEN_PATHS if keys is None or config.server.public_metrics else PROBE_PATHS
+    app.middlewares.append(auth_middleware(state, open_paths))
+    series.add_tenants(tenant_ids(config, keys))
     app[health.DETECTOR_HEALTH] = health.DetectorHealth(state)
     app.on_response_prepare.append(_add_request_id)
 
@@ -448,6 +454,7 @@ def create_app(
             config, state.session, device=device, on_call=state.metrics.record_detector_call
         )
         state.enforced = EnforcedGuardrails.of_models(config, state.detectors)
+        state.tenants = Tenants.build(config, state.detectors, state.enforced, keys)
         state.backends = build_model_backends(
             config.models,
             state.session,
@@ -482,9 +489,11 @@ def create_app(
             traces.shutdown()  # flushes the last spans
 
     app.cleanup_ctx.append(lifecycle)
-    expect = expect_handler(
-        config.server.max_request_bytes, key_checker(keys) if keys is not None else None
-    )
+
+    def authorized(request: web.BaseRequest) -> bool:
+        return state.tenants is not None and state.tenants.resolve(request.headers) is not None
+
+    expect = expect_handler(config.server.max_request_bytes, authorized if keys else None)
     for route in ROUTES:
         if route.method == "GET":  # and HEAD
             app.router.add_get(route.path, route.handle, expect_handler=expect)

@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictStr,
     ValidationError,
     field_validator,
@@ -108,8 +109,9 @@ class ServerConfig(Strict):
     port: int = Field(8033, ge=0, le=65535)
     """Port to listen on (`serve --port` overrides it; 0: any free port)."""
     api_keys_env: str | None = None
-    """Name of an environment variable holding comma-separated API keys; when set, Bearer auth is
-    required everywhere except /health, /info, /metrics (see public_metrics), /openapi.json."""
+    """Name of an environment variable holding comma-separated API keys (the tenant `default`);
+    when it or `tenants` is set, Bearer auth is required everywhere except /health, /info,
+    /metrics (see public_metrics), /openapi.json."""
     max_request_bytes: int = Field(1_048_576, ge=1024)
     """Largest request body, streaming bodies included (413 beyond)."""
     request_timeout_s: float = Field(600, gt=0)
@@ -121,6 +123,10 @@ class ServerConfig(Strict):
     body_idle_timeout_s: float = Field(30, gt=0)
     """A request body that sends nothing this long: 408 (in-band on stream-content, which then
     frees its stream slot), and the connection is closed."""
+    admin_keys_env: str | None = None
+    """Name of an environment variable holding comma-separated admin keys: the only keys
+    `POST /admin/reload` accepts (unset: it answers 401 to everyone; SIGHUP still reloads). An
+    admin key cannot also be a tenant's."""
     public_metrics: bool = False
     """With api_keys_env set, /metrics needs a key unless this is true (its series name replicas
     and detectors)."""
@@ -307,6 +313,54 @@ class ModelConfig(Strict):
     """Decoding settings for requests that leave them unset."""
 
 
+ALL_MODELS = "*"
+DEFAULT_TENANT = "default"
+
+
+class TenantLimits(Strict):
+    """A tenant's share of the service, on top of the server's and the models' bounds (unset:
+    none of its own). A request can never raise them; beyond them: 429 `overloaded` with
+    Retry-After before any byte (max_new_tokens: 422, like the model's limit)."""
+
+    max_concurrent_streams: int | None = Field(None, ge=1)
+    """This tenant's requests served at once (the server's max_concurrent_streams still bounds
+    all tenants together)."""
+    requests_per_minute: int | None = Field(None, ge=1)
+    """Requests per minute, a token bucket refilled continuously (a burst of up to this many)."""
+    tokens_per_minute: int | None = Field(None, ge=1)
+    """Prompt plus generated tokens per minute, a token bucket refilled continuously: a
+    generation request is admitted while the bucket is positive and is charged its tokens
+    when it ends."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Largest token budget a request may ask for (under the model's own limit)."""
+
+
+class TenantConfig(Strict):
+    """A caller of the service (a team, an application) and its API keys: the models it sees,
+    the guardrails it gets on top of each model's, and its limits. A key belongs to exactly one
+    tenant; the keys of `server.api_keys_env` are the tenant `default` (every model, the
+    models' guardrails, no limits of its own)."""
+
+    keys_env: str
+    """Name of an environment variable holding this tenant's comma-separated API keys."""
+    models: list[str] | Literal["*"] = ALL_MODELS
+    """The model ids it may use (`*`: every model); any other model is 404 for it, exactly
+    like a model that does not exist, and is not listed in /v1/models."""
+    guardrails: dict[str, ModelGuardrails] = Field(default_factory=dict)
+    """Detectors enforced on this tenant's requests, by model id (`*`: every model), added to
+    the model's own: they can tighten a model's guardrail (a stricter on_detection, a lower
+    threshold), never loosen it; a request can only add to both."""
+    limits: TenantLimits = Field(default_factory=TenantLimits)
+    """This tenant's limits."""
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models(cls, v: Any) -> Any:
+        if v == ALL_MODELS or (isinstance(v, list) and all(isinstance(m, str) for m in v)):
+            return v
+        raise ValueError('must be "*" (every model) or a list of model ids')
+
+
 class DetectorConfig(Strict):
     """A detector, keyed by the detector_id clients name: a built-in running in the orchestrator,
     or a remote service speaking the detector API (exactly one of `builtin` and `url`)."""
@@ -385,6 +439,11 @@ class DetectorConfig(Strict):
 class Config(Strict):
     """config.yaml."""
 
+    # the file it was read from (load_config): what SIGHUP and /admin/reload read again; and
+    # what that file said, where this config was derived from it (a worker's)
+    _source: str | None = PrivateAttr(default=None)
+    _as_read: Config | None = PrivateAttr(default=None)
+
     server: ServerConfig = Field(default_factory=ServerConfig)
     """The HTTP service."""
     models: dict[str, ModelConfig] = Field(default_factory=dict)
@@ -393,6 +452,9 @@ class Config(Strict):
     """Chunkers, keyed by chunker_id (`whole_doc_chunker` is reserved and built in)."""
     detectors: dict[str, DetectorConfig] = Field(default_factory=dict)
     """Detectors, keyed by the detector_id clients name."""
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    """Callers with their own keys, models, guardrails and limits, keyed by tenant id (the id
+    in metrics, logs and the x-guardstream-tenant header)."""
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
@@ -411,7 +473,10 @@ class ConfigError(ValueError):
 
 
 def cross_reference_errors(
-    config: Config, present_detectors: set[str] | None = None, require_models: bool = False
+    config: Config,
+    present_detectors: set[str] | None = None,
+    require_models: bool = False,
+    present_models: set[str] | None = None,
 ) -> list[str]:
     """Checks that the schema alone cannot express: references between sections, settings of
     chunkers and built-in detectors (validated by their own libraries, without loading models),
@@ -461,30 +526,11 @@ def cross_reference_errors(
                 + did_you_mean(det.chunker_id, [*config.chunkers, WHOLE_DOC_CHUNKER])
             )
     for model_id, model in config.models.items():
-        for direction in ("input", "output"):
-            enforced: dict[str, dict[str, Any]] = getattr(model.guardrails, direction)
-            for detector_id, params in enforced.items():
-                path = f"models.{model_id}.guardrails.{direction}.{detector_id}"
-                det = config.detectors.get(detector_id)
-                if det is None:
-                    if detector_id not in (present_detectors or set()):
-                        errors.append(
-                            f"{path}: unknown detector '{detector_id}'"
-                            + did_you_mean(detector_id, config.detectors)
-                        )
-                elif det.type not in TEXT_TYPES:
-                    errors.append(f"{path}: detector type '{det.type}' cannot judge text")
-                if not isinstance(params, dict):
-                    errors.append(f"{path}: must be a mapping of detector params")
-                    continue
-                action = params.get("on_detection")
-                if action not in (None, "annotate", "block", "redact"):
-                    errors.append(
-                        f"{path}.on_detection: must be annotate, block or redact"
-                        + closest(action, ("annotate", "block", "redact"))
-                    )
-                errors.extend(_redact_with_errors(params, path))
-                errors.extend(_threshold_errors(f"{path}.threshold", params.get("threshold")))
+        errors.extend(
+            _guardrail_errors(
+                config, f"models.{model_id}.guardrails", model.guardrails, present_detectors
+            )
+        )
         chat_api = [b for b in model.backends if isinstance(b, OpenAIBackend) and b.api == "chat"]
         if chat_api and any(isinstance(b, ManagedBackend | NativeBackend) for b in model.backends):
             # a chat replica delivers text without token ids: a native engine could not resume
@@ -502,6 +548,82 @@ def cross_reference_errors(
             url = getattr(backend, "url", None)
             if url is not None and not url.startswith(("http://", "https://")):
                 errors.append(f"{path}.url: must start with http:// or https://")
+    errors.extend(tenant_errors(config, present_models))
+    return errors
+
+
+def _guardrail_errors(
+    config: Config, where: str, guardrails: Any, present_detectors: set[str] | None
+) -> list[str]:
+    """A guardrails section (a model's, a tenant's): known text detectors, valid params."""
+    errors: list[str] = []
+    for direction in ("input", "output"):
+        enforced: dict[str, dict[str, Any]] = getattr(guardrails, direction)
+        for detector_id, params in enforced.items():
+            path = f"{where}.{direction}.{detector_id}"
+            det = config.detectors.get(detector_id)
+            if det is None:
+                if detector_id not in (present_detectors or set()):
+                    errors.append(
+                        f"{path}: unknown detector '{detector_id}'"
+                        + did_you_mean(detector_id, config.detectors)
+                    )
+            elif det.type not in TEXT_TYPES:
+                errors.append(f"{path}: detector type '{det.type}' cannot judge text")
+            if not isinstance(params, dict):
+                errors.append(f"{path}: must be a mapping of detector params")
+                continue
+            action = params.get("on_detection")
+            if action not in (None, "annotate", "block", "redact"):
+                errors.append(
+                    f"{path}.on_detection: must be annotate, block or redact"
+                    + closest(action, ("annotate", "block", "redact"))
+                )
+            errors.extend(_redact_with_errors(params, path))
+            errors.extend(_threshold_errors(f"{path}.threshold", params.get("threshold")))
+    return errors
+
+
+def tenant_errors(config: Config, present_models: set[str] | None = None) -> list[str]:
+    """References of the `tenants:` section: known models, one owner per key variable, and the
+    tenant `default` left to `server.api_keys_env`. `present_models`: models whose own entry
+    failed the schema (reported there)."""
+    errors: list[str] = []
+    known = set(config.models) | (present_models or set())
+    owners: dict[str, str] = {}
+    if config.server.api_keys_env:
+        owners[config.server.api_keys_env] = "server.api_keys_env"
+        if DEFAULT_TENANT in config.tenants:
+            errors.append(
+                f"tenants.{DEFAULT_TENANT}: reserved: the keys of server.api_keys_env are the "
+                f"tenant '{DEFAULT_TENANT}' (name this tenant otherwise, or drop api_keys_env)"
+            )
+    for tenant_id, tenant in config.tenants.items():
+        path = f"tenants.{tenant_id}"
+        if tenant.keys_env in owners:
+            errors.append(
+                f"{path}.keys_env: {tenant.keys_env} already holds the keys of "
+                f"{owners[tenant.keys_env]} (a key belongs to exactly one tenant)"
+            )
+        owners.setdefault(tenant.keys_env, path)
+        visible = known if tenant.models == ALL_MODELS else set(tenant.models)
+        if tenant.models != ALL_MODELS:
+            for i, model_id in enumerate(tenant.models):
+                if model_id not in known:
+                    errors.append(
+                        f"{path}.models.{i}: unknown model '{model_id}'"
+                        + did_you_mean(model_id, config.models)
+                    )
+        for model_id, guardrails in tenant.guardrails.items():
+            where = f"{path}.guardrails.{model_id}"
+            if model_id != ALL_MODELS and model_id not in known:
+                errors.append(
+                    f"{where}: unknown model '{model_id}'"
+                    + did_you_mean(model_id, [*config.models, ALL_MODELS])
+                )
+            elif model_id != ALL_MODELS and model_id not in visible:
+                errors.append(f"{where}: '{model_id}' is not among this tenant's models")
+            errors.extend(_guardrail_errors(config, where, guardrails, None))
     return errors
 
 
@@ -674,14 +796,19 @@ def _salvaged_errors(data: dict[str, Any], require_models: bool) -> list[str]:
 
     models = {k: m for k, v in section("models").items() if (m := valid(ModelConfig, v))}
     dets = {k: valid(DetectorConfig, v) for k, v in section("detectors").items()}
+    tenants = {k: t for k, v in section("tenants").items() if (t := valid(TenantConfig, v))}
+    server = valid(ServerConfig, data.get("server", {})) or ServerConfig.model_construct()
     salvaged = Config.model_construct(
-        server=ServerConfig.model_construct(),
+        server=server,
         models=models,
         chunkers=section("chunkers"),
         detectors={k: d for k, d in dets.items() if d is not None},
+        tenants=tenants,
     )
     # models that are there but failed the schema are reported by it, not as missing
-    return cross_reference_errors(salvaged, set(dets), require_models and not section("models"))
+    return cross_reference_errors(
+        salvaged, set(dets), require_models and not section("models"), set(section("models"))
+    )
 
 
 def read_yaml(path: str | os.PathLike[str]) -> Any:
@@ -699,7 +826,26 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
 
 def load_config(path: str | os.PathLike[str], require_models: bool = False) -> Config:
     """Reads and validates a config file; raises ConfigError (never a bare traceback)."""
-    return parse_config(read_yaml(path), require_models)
+    config = parse_config(read_yaml(path), require_models)
+    config._source = str(path)
+    return config
+
+
+def config_source(config: Config) -> str | None:
+    """The file `config` was read from (None: built in memory)."""
+    return config._source
+
+
+def as_read(config: Config) -> Config:
+    """The config as its file said (a worker's runs its managed engines as native backends)."""
+    return config._as_read or config
+
+
+def with_source(config: Config, source: str | None, read: Config | None = None) -> Config:
+    """`config`, derived from `read`, which came from the file `source` (a worker's)."""
+    config._source = source
+    config._as_read = read
+    return config
 
 
 def is_detector_service_config(data: Any) -> bool:
@@ -713,8 +859,9 @@ def secret_env_names(config: Config) -> frozenset[str]:
     """Every environment variable the config names as holding a key (the server's API keys,
     engines' and detector services' keys): what a child process (a managed engine) must not
     inherit, since it needs none of them and a compromised engine would get them all."""
-    names = {config.server.api_keys_env}
+    names = {config.server.api_keys_env, config.server.admin_keys_env}
     for model in config.models.values():
         names.update(getattr(backend, "api_key_env", None) for backend in model.backends)
     names.update(detector.api_key_env for detector in config.detectors.values())
+    names.update(tenant.keys_env for tenant in config.tenants.values())
     return frozenset(n for n in names if n)

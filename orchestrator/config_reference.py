@@ -35,6 +35,8 @@ from .config import (
     NativeBackend,
     OpenAIBackend,
     ServerConfig,
+    TenantConfig,
+    TenantLimits,
     TlsConfig,
     TracingConfig,
 )
@@ -77,6 +79,13 @@ SECTIONS: list[tuple[str, str, type[BaseModel]]] = [
     ("`chunkers.<chunker_id>` with `type: words`", "chunkers.<chunker_id>", WordsSettings),
     ("`chunkers.<chunker_id>` with `type: whole_doc`", "chunkers.<chunker_id>", WholeDocSettings),
     ("`detectors.<detector_id>`", "detectors.<detector_id>", DetectorConfig),
+    ("`tenants.<tenant_id>`", "tenants.<tenant_id>", TenantConfig),
+    (
+        "`tenants.<tenant_id>.guardrails.<model_id>`",
+        "tenants.<tenant_id>.guardrails.<model_id>",
+        ModelGuardrails,
+    ),
+    ("`tenants.<tenant_id>.limits`", "tenants.<tenant_id>.limits", TenantLimits),
 ]
 
 

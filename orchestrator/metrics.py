@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter as Tally
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -175,6 +175,46 @@ class OrchestratorMetrics:
             registry=r,
             buckets=STALL_BUCKETS,
         )
+        # per tenant: label values only from the config's tenant ids (add_tenants)
+        self.tenant_requests = Counter(
+            "guardstream_tenant_requests",
+            "HTTP requests by tenant (probes and scrapes of /health, /info, /metrics, /openapi.json not "
+            "included)",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "guardstream_tenant_prompt_tokens",
+            "Prompt tokens of a tenant's generation requests",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_generated_tokens = Counter(
+            "guardstream_tenant_generated_tokens",
+            "Tokens generated for a tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_detections = Counter(
+            "guardstream_tenant_detections",
+            "Detections returned to a tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_refusals = Counter(
+            "guardstream_tenant_refusals",
+            "A tenant's requests a guardrail refused (a block or an input hit: content_filter)",
+            ["tenant"],
+            registry=r,
+        )
+        # what GET /v1/usage reports, by its name there
+        self.tenant_series = {
+            "requests": self.tenant_requests,
+            "prompt_tokens": self.tenant_prompt_tokens,
+            "generated_tokens": self.tenant_generated_tokens,
+            "detections": self.tenant_detections,
+            "refusals": self.tenant_refusals,
+        }
         self.gc_pauses = Histogram(
             "guardstream_gc_pause_seconds",
             "Python's garbage collections by generation: each one stops the event loop, and so "
@@ -184,15 +224,42 @@ class OrchestratorMetrics:
             buckets=STALL_BUCKETS,
         )
 
-    def count_request(self, endpoint: str, status: int) -> None:
+    def add_tenants(self, tenant_ids: Iterable[str]) -> None:
+        """The per-tenant series, at 0 from the start, for the config's tenant ids: the only
+        label values they ever get (a key cannot name a tenant, so the set stays bounded)."""
+        for tenant_id in tenant_ids:
+            for series in self.tenant_series.values():
+                series.labels(tenant_id)
+
+    def count_request(self, endpoint: str, status: int, tenant: str | None = None) -> None:
         """One HTTP request ended (streams when they end)."""
         self.requests.labels(endpoint, str(status)).inc()
+        if tenant is not None:
+            self.tenant_requests.labels(tenant).inc()
         if self.worker_requests is not None:
             self.worker_requests.inc()
 
-    def observer(self, model: str | None = None) -> StreamObserver:
+    def usage(self, tenant: str) -> dict[str, int]:
+        """A tenant's counters, as /metrics says them (every worker's, under server.workers)."""
+        names = {f"guardstream_tenant_{key}_total": key for key in self.tenant_series}
+        out = dict.fromkeys(self.tenant_series, 0)
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                key = names.get(sample.name)
+                if key is not None and sample.labels.get("tenant") == tenant:
+                    out[key] += int(sample.value)
+        return out
+
+    def observer(
+        self,
+        model: str | None = None,
+        tenant: str | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> StreamObserver:
         """Hooks for one request's pipeline (which itself knows nothing of prometheus); with a
-        `model`, the generation series of that model, timed from now."""
+        `model`, the generation series of that model, timed from now; with a `tenant`, its
+        series too; `on_tokens` hears the prompt plus generated tokens when the stream ends (a
+        tenant's token budget)."""
         started = time.monotonic()
         first_frame = None if model is None else self.first_frame.labels(model)
 
@@ -211,9 +278,20 @@ class OrchestratorMetrics:
             # one inc per detector, not per finding: a 1 MB request can bring 40,000
             for detector_id, n in Tally(f.detector_id for f in findings).items():
                 self.detections.labels(detector_id).inc(n)
+            if tenant is not None and findings:
+                self.tenant_detections.labels(tenant).inc(len(findings))
 
         def on_terminal(terminal: Terminal) -> None:
             self.terminal_events.labels(terminal.kind).inc()
+            tokens = (terminal.input_token_count or 0) + terminal.generated_token_count
+            if tenant is not None:
+                if terminal.reason == "content_filter":
+                    self.tenant_refusals.labels(tenant).inc()
+                if model is not None:
+                    self.tenant_prompt_tokens.labels(tenant).inc(terminal.input_token_count or 0)
+                    self.tenant_generated_tokens.labels(tenant).inc(terminal.generated_token_count)
+            if on_tokens is not None:
+                on_tokens(tokens)
             if model is None:
                 return
             self.stream_duration.labels(model, terminal.kind).observe(time.monotonic() - started)

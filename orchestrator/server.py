@@ -25,6 +25,7 @@ from .clients.tls import server_ssl_context
 from .config import Config
 from .handlers.health import DETECTOR_HEALTH
 from .http_protocol import GuardedAppRunner
+from .reload import reload_config
 from .state import STATE, AppState
 
 log = logging.getLogger("guardstream")
@@ -204,6 +205,18 @@ async def serve_process(
     # once started", never a hard kill that leaves engine processes behind.
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    started: list[AppState] = []
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_hangup() -> None:
+        if not started:  # the default action would kill a process still starting
+            log.warning("SIGHUP during start-up: ignored (the config just read is in use)")
+            return
+        task = asyncio.ensure_future(_reload_logged(started[0]))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
     try:
         config = fit_to_process_limits(config)  # open files: see orchestrator/capacity.py
         runner, bound = await start_server(config, host, port, device=device, reuse_port=worker)
@@ -220,6 +233,7 @@ async def serve_process(
         if ready_hint is not None:
             warmed = runner.app[DETECTOR_HEALTH].warmed
             hint = asyncio.ensure_future(_print_when_warm(warmed, ready_hint(bound)))
+        started.append(runner.app[STATE])
         await stop.wait()
         refreeze.cancel()
         if hint is not None:
@@ -228,9 +242,18 @@ async def serve_process(
         await drain(runner, config.server.drain_timeout_s, force=force)
         log.info("stopped")
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     return 0
+
+
+async def _reload_logged(state: AppState) -> None:
+    """SIGHUP: the config reloaded (orchestrator/reload.py); every error is logged, and a bad
+    file changes nothing."""
+    log.info("SIGHUP: reloading the config")
+    errors = await reload_config(state)
+    for line in errors:
+        log.error("config not reloaded: %s", line)
 
 
 def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:

@@ -10,11 +10,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from servicekit.auth import KeyRing
+
 from .clients.backend import ModelBackend
 from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
 from .config import Config
 from .metrics import OrchestratorMetrics
+from .rate_limits import Clock
 from .streaming.loop_lag import LoopLag
+from .tenants import Caller, Tenant, TenantGate, Tenants
 
 
 @dataclass
@@ -34,6 +38,23 @@ class AppState:
     draining: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
     loop_lag: LoopLag = field(default_factory=LoopLag)  # read pacing applies while it is busy
+    # who may call, and what each tenant gets: a snapshot, swapped whole by a reload
+    tenants: Tenants | None = None
+    # each tenant's streams and buckets, by tenant id, kept across reloads
+    gates: dict[str, TenantGate] = field(default_factory=dict)
+    clock: Clock = time.monotonic  # the tenants' buckets (tests set it)
+    admin_keys: KeyRing[bool] | None = None  # POST /admin/reload's (server.admin_keys_env)
+    reloading: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reload at a time
+
+    def caller(self, tenant: Tenant) -> Caller:
+        """A request of `tenant`, with its gate (made on its first request, its limits as of
+        the snapshot the request resolved against)."""
+        gate = self.gates.get(tenant.id)
+        if gate is None:
+            gate = self.gates[tenant.id] = TenantGate(tenant.limits, lambda: self.clock())
+        elif gate.limits is not tenant.limits:
+            gate.apply(tenant.limits)
+        return Caller(tenant, gate)
 
 
 STATE = web.AppKey("state", AppState)

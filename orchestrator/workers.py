@@ -29,11 +29,17 @@ from typing import Any
 
 import aiohttp
 
-from .app import api_keys
 from .clients.backends import default_command
 from .clients.managed import EngineProcess, _die_with_parent
 from .clients.tls import server_ssl_context
-from .config import Config, ManagedBackend, parse_config, secret_env_names
+from .config import (
+    Config,
+    ManagedBackend,
+    config_source,
+    parse_config,
+    secret_env_names,
+    with_source,
+)
 from .server import (
     CLEANUP_GRACE_S,
     SHUTDOWN_GRACE_S,
@@ -41,6 +47,7 @@ from .server import (
     run_event_loop,
     serve_process,
 )
+from .tenants import tenant_keys
 from .tracing import engine_env
 
 log = logging.getLogger("guardstream")
@@ -142,7 +149,9 @@ def worker_main() -> int:
     from .logs import configure_logging
 
     configure_logging(spec["log_format"], spec["log_level"])
-    config = parse_config(spec["config"])
+    config = with_source(
+        parse_config(spec["config"]), spec.get("source"), parse_config(spec["as_read"])
+    )
     return run_event_loop(
         serve_process(config, spec["host"], spec["port"], device=spec["device"], worker=True)
     )
@@ -189,7 +198,7 @@ class Supervisor:
     async def run(self) -> int:
         # what would stop every worker is reported once, here, before anything starts
         server_ssl_context(self.config.server.tls)
-        api_keys(self.config)
+        tenant_keys(self.config)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
 
@@ -204,6 +213,15 @@ class Supervisor:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
+
+        def on_hangup() -> None:
+            # every worker reloads the file itself (orchestrator/reload.py)
+            log.info("SIGHUP: %d worker(s) reload the config", len(self.procs))
+            for proc in list(self.procs.values()):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGHUP)
+
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
         self._metrics_dir = tempfile.mkdtemp(prefix="guardstream-metrics-")
         session = aiohttp.ClientSession()
         reserved: socket.socket | None = None
@@ -231,7 +249,7 @@ class Supervisor:
             await asyncio.gather(*(e.stop() for e in self.engines))
             await session.close()
             shutil.rmtree(self._metrics_dir, ignore_errors=True)
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             log.info("stopped")
 
@@ -279,6 +297,9 @@ class Supervisor:
         config, env = worker_config(self.config, self._slots)
         self._spec = {
             "config": config,
+            # what SIGHUP reads again, and what it said at start-up
+            "source": config_source(self.config),
+            "as_read": self.config.model_dump(mode="json"),
             "host": self.host,
             "port": port,
             "device": self.device,

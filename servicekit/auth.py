@@ -13,32 +13,57 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 UNAUTHORIZED_MESSAGE = "missing or invalid API key"
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
+T = TypeVar("T")
 
 
 def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
+Compare = Callable[[bytes, bytes], bool]
+
+
+class KeyRing(Generic[T]):
+    """Keys and whom each belongs to (the orchestrator's tenants), as sha256 digests. Fixed-length
+    digests are compared: compare_digest on the raw keys would return early on a length mismatch
+    and tell a caller how long the keys are; and EVERY key is compared, with no early exit, so
+    timing does not tell which key, or which owner's key, came close. `compare` is injectable
+    so a test can count the comparisons (a timing test would be flaky and prove little)."""
+
+    def __init__(self, keys: Iterable[tuple[str, T]], compare: Compare | None = None) -> None:
+        self._entries = [(_digest(k.encode("utf-8")), owner) for k, owner in keys]
+        self._compare = compare
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def owner(self, headers: Mapping[str, str]) -> T | None:
+        """The owner of the key in `Authorization: Bearer <key>`, else None."""
+        scheme, _, token = headers.get("Authorization", "").partition(" ")
+        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
+        found: T | None = None
+        compare = self._compare or hmac.compare_digest
+        for digest, owner in self._entries:
+            if compare(given, digest):  # keys are unique: at most one matches
+                found = owner
+        return found if scheme.lower() == "bearer" else None
+
+
 class BearerKeys:
-    """The accepted keys, as sha256 digests. Fixed-length digests are compared: compare_digest on
-    the raw keys would return early on a length mismatch and tell a caller how long the keys are;
-    and every key is compared, so timing does not tell which one came close."""
+    """The accepted keys of a service with one set of callers (the engine, the detector
+    service): a `KeyRing` whose keys all belong to the same caller."""
 
     def __init__(self, keys: Iterable[str]) -> None:
-        self._digests = [_digest(k.encode("utf-8")) for k in keys]
+        self._ring = KeyRing((k, True) for k in keys)
 
     def accepts(self, headers: Mapping[str, str]) -> bool:
         """Whether `Authorization: Bearer <one of the keys>` is among these request headers."""
-        scheme, _, token = headers.get("Authorization", "").partition(" ")
-        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
-        ok = False
-        for digest in self._digests:
-            ok |= hmac.compare_digest(given, digest)
-        return ok and scheme.lower() == "bearer"
+        return self._ring.owner(headers) is not None
 
 
 class ApiKeysError(ValueError):

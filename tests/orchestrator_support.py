@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
-from orchestrator.config import parse_config
+from orchestrator.config import load_config, parse_config
 from orchestrator.server import start_server
 from tests.wait_support import finished, until
 
@@ -217,8 +217,9 @@ class ServedStack(BackgroundLoop):
 class Orchestrator:
     """The real service on a free port: `async with Orchestrator(cfg) as orch: orch.url`."""
 
-    def __init__(self, config: dict[str, Any], *, device: str = "cpu") -> None:
-        self.config = parse_config(config)
+    def __init__(self, config: dict[str, Any] | Path, *, device: str = "cpu") -> None:
+        """`config`: a dict, or a file (which SIGHUP and /admin/reload read again)."""
+        self.config = load_config(config) if isinstance(config, Path) else parse_config(config)
         self.device = device
         self.url = ""
         self.runner: web.AppRunner | None = None

@@ -64,7 +64,9 @@ def test_an_unknown_key_without_a_close_match_lists_the_valid_ones() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config({"server": {"zzzz": 1}})
     [line] = caught.value.errors
-    assert line.startswith("server.zzzz: unknown key (expected one of: api_keys_env, body_idle")
+    assert line.startswith(
+        "server.zzzz: unknown key (expected one of: admin_keys_env, api_keys_env, body_idle"
+    )
 
 
 def test_the_detector_service_file_is_checked_without_models(

@@ -46,8 +46,17 @@ def shipped_config(engine_url: str) -> dict[str, Any]:
     return data
 
 
+def keyed(argv: list[str]) -> bool:
+    """A command that sends an API key (the tenants section's)."""
+    return any(a.lower().startswith("authorization:") for a in argv)
+
+
+def tenants_section() -> str:
+    return README.split("\n## Tenants\n", 1)[1].split("\n## ", 1)[0]
+
+
 async def test_every_readme_curl_body_is_accepted_by_the_shipped_config() -> None:
-    curls = commands("curl")
+    curls = [c for c in commands("curl") if not keyed(c)]
     urls = [next(a for a in c if a.startswith("http://127.0.0.1:8033")) for c in curls]
     assert {u.removeprefix("http://127.0.0.1:8033") for u in urls} == {
         "/api/v1/task/server-streaming-classification-with-text-generation",
@@ -121,3 +130,44 @@ async def test_the_readme_terminal_client_command_runs_as_shown() -> None:
     assert lines[0] == "Cats purr."
     assert lines[1].startswith('[completed] {"finish_reason": "EOS_TOKEN"')
     assert engine.requests[0].body["max_new_tokens"] == 60
+
+
+async def test_the_readme_tenants_commands_answer_as_shown(monkeypatch) -> None:
+    """The tenants section's config added to the shipped one, its keys set as it says: each
+    curl is answered 200 with the headers and the body it shows."""
+    section = tenants_section()
+    [tenants_yaml] = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    shown = re.findall(r"\n\n```\n(.*?)\n```", section, flags=re.S)
+    for assignment in re.findall(r"(\w+_KEYS)=(\S+)", section):
+        monkeypatch.setenv(*assignment)
+    curls = [c for c in commands("curl") if keyed(c)]
+    assert len(curls) == 2
+    engine = FakeEngine(script=["Hello", "!"])
+    await engine.start()
+    try:
+        config = shipped_config(engine.url) | yaml.safe_load(tenants_yaml)
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            replies = []
+            for argv in curls:
+                url = next(a for a in argv if a.startswith("http://127.0.0.1:8033"))
+                headers = dict(
+                    h.split(": ", 1) for h in (argv[i + 1] for i, a in enumerate(argv) if a == "-H")
+                )
+                data = argv[argv.index("-d") + 1] if "-d" in argv else None
+                method = "POST" if data is not None else "GET"
+                path = url.removeprefix("http://127.0.0.1:8033")
+                async with orch.session.request(
+                    method, orch.url + path, data=data, headers=headers
+                ) as r:
+                    assert r.status == 200, await r.text()
+                    replies.append((r.headers, await r.text()))
+    finally:
+        await engine.close()
+    (chat_headers, _), (_, usage) = replies
+    status_line, *header_lines = shown[0].splitlines()
+    assert status_line == "HTTP/1.1 200 OK"
+    for line in header_lines:
+        name, value = line.split(": ", 1)
+        assert chat_headers[name] == value
+    assert json.loads(usage) == json.loads(shown[-1])

@@ -6,6 +6,7 @@ test_detectors_hardening); the engine's and the detector service's shared flags;
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import re
 import subprocess
@@ -20,6 +21,7 @@ from servicekit.auth import (
     UNAUTHORIZED_MESSAGE,
     ApiKeysError,
     BearerKeys,
+    KeyRing,
     api_keys_from_env,
 )
 from servicekit.cli import add_service_flags, service_flags
@@ -175,3 +177,28 @@ def test_the_log_level_flag_sets_the_level_and_the_one_line_format() -> None:
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stderr.splitlines()
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING svc: shown", line), line
+
+
+@given(
+    keys=st.lists(key_text, min_size=1, max_size=8, unique=True),
+    pick=st.integers(min_value=0, max_value=7),
+    known=st.booleans(),
+)
+def test_a_key_ring_names_the_owner_and_compares_every_key(
+    keys: list[str], pick: int, known: bool
+) -> None:
+    """Whose key it is, with every key compared whichever matched (or came close): the time a
+    check takes says nothing about which key, or whose, the token nearly was."""
+    calls: list[tuple[bytes, bytes]] = []
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return hmac.compare_digest(a, b)
+
+    ring = KeyRing([(k, f"owner-{i}") for i, k in enumerate(keys)], counting)
+    token = keys[pick % len(keys)] if known else keys[pick % len(keys)] + "x"
+    owner = ring.owner({"Authorization": f"Bearer {token}"})
+    assert owner == (f"owner-{keys.index(token)}" if token in keys else None)
+    assert len(calls) == len(keys)
+    assert len({b for _, b in calls}) == len(keys)  # each key once
+    assert ring.owner({"Authorization": f"Basic {keys[0]}"}) is None  # the scheme counts

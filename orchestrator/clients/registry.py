@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import aiohttp
 
@@ -21,7 +21,7 @@ from ..config import (
     WHOLE_DOC_CHUNKER,
     Config,
     DetectorConfig,
-    ModelConfig,
+    ModelGuardrails,
 )
 from .detectors import (
     CallRecorder,
@@ -192,11 +192,15 @@ class DetectorRegistry:
             await client.close()
 
 
+# how strict an action is: a tenant's guardrail may move a model's up this scale, never down
+SEVERITY = {"annotate": 0, "redact": 1, "block": 2}
+
+
 @dataclass(frozen=True)
 class EnforcedGuardrails:
     """A model's enforced detectors (config `guardrails`), resolved once at start-up with the
     model's backends: a request can add detectors; it can never remove or weaken these
-    (DESIGN 3)."""
+    (DESIGN 3). A tenant's are added the same way (`tightened_by`)."""
 
     input: tuple[RequestedDetector, ...] = ()
     output: tuple[RequestedDetector, ...] = ()
@@ -204,23 +208,52 @@ class EnforcedGuardrails:
     @classmethod
     def of_models(cls, config: Config, registry: DetectorRegistry) -> dict[str, EnforcedGuardrails]:
         return {
-            model_id: cls(
-                input=_enforced(registry, model_id, model, "input"),
-                output=_enforced(registry, model_id, model, "output"),
-            )
+            model_id: cls.of(registry, model.guardrails, f"models.{model_id}.guardrails")
             for model_id, model in config.models.items()
         }
 
+    @classmethod
+    def of(cls, registry: DetectorRegistry, guardrails: ModelGuardrails, path: str) -> Self:
+        """A guardrails section of the config (a model's, a tenant's), resolved."""
+        return cls(
+            input=_enforced(registry, guardrails.input, "input", f"{path}.input"),
+            output=_enforced(registry, guardrails.output, "output", f"{path}.output"),
+        )
+
+    def tightened_by(self, other: EnforcedGuardrails) -> EnforcedGuardrails:
+        """These guardrails plus `other`'s: a detector in both keeps the stricter action (block
+        over redact over annotate, with that action's replacement) and the lower threshold, so
+        `other` can only tighten (a tenant's guardrails on a model's)."""
+        return EnforcedGuardrails(
+            input=_tightened(self.input, other.input), output=_tightened(self.output, other.output)
+        )
+
+
+def _tightened(
+    base: tuple[RequestedDetector, ...], extra: tuple[RequestedDetector, ...]
+) -> tuple[RequestedDetector, ...]:
+    merged = {d.detector_id: d for d in base}
+    for d in extra:
+        have = merged.get(d.detector_id)
+        if have is None:
+            merged[d.detector_id] = d
+            continue
+        stricter = d if SEVERITY[d.on_detection] > SEVERITY[have.on_detection] else have
+        merged[d.detector_id] = replace(
+            have,
+            on_detection=stricter.on_detection,
+            redact_with=stricter.redact_with,
+            threshold=min(have.threshold, d.threshold),
+        )
+    return tuple(merged[k] for k in sorted(merged))
+
 
 def _enforced(
-    registry: DetectorRegistry, model_id: str, model: ModelConfig, direction: str
+    registry: DetectorRegistry, configured: dict[str, dict[str, object]], direction: str, path: str
 ) -> tuple[RequestedDetector, ...]:
-    configured: dict[str, dict[str, object]] = getattr(model.guardrails, direction)
     if not configured:
         return ()
     resolved = registry.resolve(
-        {k: DetectorParams.model_validate(v) for k, v in configured.items()},
-        direction,
-        f"models.{model_id}.guardrails.{direction}",
+        {k: DetectorParams.model_validate(v) for k, v in configured.items()}, direction, path
     )
     return tuple(replace(d, enforced=True) for d in resolved)

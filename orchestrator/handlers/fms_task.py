@@ -6,6 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..api.fms_requests import GuardrailsHttpRequest
+from ..tenants import CALLER
 from .prepare import Decoding, GenerationAsk
 
 
@@ -44,4 +45,5 @@ def task_ask(
         masks_field="guardrail_config.input.masks",
         stream=streaming,
         request_id=request.get("request_id", ""),
+        caller=request.get(CALLER),
     )

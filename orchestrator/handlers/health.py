@@ -16,6 +16,7 @@ from .. import __version__
 from ..api.fms_responses import ComponentStatus, HealthResponse, InfoResponse
 from ..clients.detectors import InProcessDetectorClient
 from ..state import STATE, AppState
+from ..tenants import CALLER
 
 log = logging.getLogger("guardstream.health")
 
@@ -104,7 +105,7 @@ async def info(request: web.Request) -> web.Response:
     pids and last errors map the deployment for an attacker."""
     state = request.app[STATE]
     checks = request.app[DETECTOR_HEALTH]
-    full = request.get(AUTHENTICATED, state.config.server.api_keys_env is None)
+    full = request.get(AUTHENTICATED, False)  # always set (True with auth off)
     models = {model_id: backend.info() for model_id, backend in state.backends.items()}
     cached = checks.status
     warmed = checks.warmed.is_set()
@@ -137,5 +138,7 @@ async def info(request: web.Request) -> web.Response:
     code = 503 if status == "UNHEALTHY" else 200
     if not full:
         return web.json_response(InfoResponse(status=status).dump(), status=code)
-    body = InfoResponse(status=status, models=models, detectors=detectors, chunkers=chunkers)
+    caller = request.get(CALLER)  # a tenant sees only its own models' replicas
+    shown = {m: r for m, r in models.items() if caller is None or caller.tenant.sees(m)}
+    body = InfoResponse(status=status, models=shown, detectors=detectors, chunkers=chunkers)
     return web.json_response(body.dump(), status=code)

@@ -46,6 +46,7 @@ from ..api.openai_chat import (
 )
 from ..api.openai_completions import Completion, CompletionRequest
 from ..state import STATE
+from ..tenants import CALLER
 from .health import AUTHENTICATED
 
 _REF = "#/components/schemas/{model}"
@@ -297,6 +298,52 @@ def _fms_detection_paths(errors: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_COUNT = {"type": "integer", "minimum": 0}
+USAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": [
+        "object",
+        "tenant",
+        "requests",
+        "prompt_tokens",
+        "generated_tokens",
+        "detections",
+        "refusals",
+    ],
+    "properties": {
+        "object": {"const": "usage"},
+        "tenant": {"type": "string"},
+        "requests": _COUNT,
+        "prompt_tokens": _COUNT,
+        "generated_tokens": _COUNT,
+        "detections": _COUNT,
+        "refusals": _COUNT,
+    },
+}
+RELOADED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["reloaded", "tenants"],
+    "properties": {
+        "reloaded": {"const": True},
+        "tenants": {"type": "array", "items": {"type": "string"}},
+    },
+}
+RELOAD_ERRORS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["code", "details", "type", "errors"],
+    "properties": {
+        "code": {"const": 422},
+        "details": {"type": "string"},
+        "type": {"const": "invalid_request"},
+        "errors": {"type": "array", "items": {"type": "string"}},
+    },
+}
+
+
+def _plain_json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
 @cache
 def build_openapi(
     auth: bool = False,
@@ -441,6 +488,31 @@ def build_openapi(
                 },
             }
         },
+        "/v1/usage": {
+            "get": {
+                "operationId": "usage",
+                "summary": "The calling tenant's own counters (its key says which tenant)",
+                "responses": {
+                    "200": {"description": "the counters", "content": _plain_json(USAGE_SCHEMA)},
+                    "401": {"description": "error", "content": _json(OpenAIErrorBody)},
+                },
+            }
+        },
+        "/admin/reload": {
+            "post": {
+                "operationId": "reloadConfig",
+                "summary": "Read the config file again and apply its tenants, keys, limits and "
+                "guardrails (an admin key: server.admin_keys_env)",
+                "responses": {
+                    "200": {"description": "applied", "content": _plain_json(RELOADED_SCHEMA)},
+                    "401": {"description": "error", "content": _json(ErrorBody)},
+                    "422": {
+                        "description": "not applied: every error of the file, nothing changed",
+                        "content": _plain_json(RELOAD_ERRORS_SCHEMA),
+                    },
+                },
+            }
+        },
         "/health": {
             "get": {
                 "operationId": "health",
@@ -505,11 +577,12 @@ async def handle(request: web.Request) -> web.Response:
     /v1/models and /info): without one, the document is the generic API."""
     server = request.app[STATE].config.server
     config = request.app[STATE].config
-    auth = bool(server.api_keys_env)
+    auth = bool(server.api_keys_env or config.tenants)
     named = not auth or request.get(AUTHENTICATED, False)
+    caller = request.get(CALLER)
     document = build_openapi(
         auth,
-        tuple(config.models) if named else (),
+        tuple(m for m in config.models if caller is None or caller.tenant.sees(m)) if named else (),
         tuple(config.detectors) if named else (),
         server.public_metrics,
     )

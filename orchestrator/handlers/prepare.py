@@ -25,6 +25,7 @@ from ..config import DecodingDefaults, ModelConfig, OpenAIBackend
 from ..state import AppState
 from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.text_judgement import InputPiece
+from ..tenants import CALLER, Caller, Tenant
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ class GenerationAsk:
     # fields guardstream does not interpret (Chat Completions): refused unless every backend of
     # the model forwards them untouched (an `openai` backend with `api: chat`)
     extra: dict[str, Any] = field(default_factory=dict)
+    # the tenant (tenants.py): the models it sees, its guardrails and limits; None: no tenant
+    # applies (the model's own guardrails and limits)
+    caller: Caller | None = None
 
 
 @dataclass(frozen=True)
@@ -82,24 +86,33 @@ class ModelTarget:
     enforced: EnforcedGuardrails
 
 
-def find_model(state: AppState, model_id: str) -> ModelTarget:
+def find_model(state: AppState, model_id: str, tenant: Tenant | None = None) -> ModelTarget:
+    """The model, with the guardrails that judge `tenant`'s requests to it. A model the tenant
+    cannot see is 404 with exactly the body of a model that does not exist, and the ids listed
+    are the tenant's: nothing tells it that another tenant's model exists."""
+    visible = sorted(m for m in state.config.models if tenant is None or tenant.sees(m))
     model = state.config.models.get(model_id)
     backend = state.backends.get(model_id)
-    if model is None or backend is None:
-        raise not_found(
-            f"model `{model_id}` not found "
-            f"(available: {', '.join(sorted(state.config.models)) or 'none'})"
-        )
-    # resolved with the backends at start-up: a missing entry is a bug, never "no guardrails"
-    return ModelTarget(model_id, model, backend, state.enforced[model_id])
+    if model is None or backend is None or model_id not in visible:
+        raise not_found(f"model `{model_id}` not found (available: {', '.join(visible) or 'none'})")
+    # resolved at start-up: a missing entry is a bug, never "no guardrails"
+    enforced = state.enforced[model_id] if tenant is None else tenant.enforced[model_id]
+    return ModelTarget(model_id, model, backend, enforced)
 
 
-def budget(target: ModelTarget, requested: int | None, field: str) -> int:
-    """The token budget: the request's, else the model's default; never above its limit."""
+def budget(
+    target: ModelTarget, requested: int | None, field: str, tenant: Tenant | None = None
+) -> int:
+    """The token budget: the request's, else the model's default; never above the model's
+    limit, nor the tenant's (a request cannot raise either)."""
     limits = target.config.limits
-    max_new = requested or min(limits.default_max_new_tokens, limits.max_new_tokens)
-    if max_new > limits.max_new_tokens:
-        raise invalid(f"{field}: {max_new} exceeds this model's limit of {limits.max_new_tokens}")
+    ceiling = limits.max_new_tokens
+    tenant_max = tenant.limits.max_new_tokens if tenant is not None else None
+    max_new = requested or min(limits.default_max_new_tokens, ceiling, tenant_max or ceiling)
+    if max_new > ceiling:
+        raise invalid(f"{field}: {max_new} exceeds this model's limit of {ceiling}")
+    if tenant_max is not None and max_new > tenant_max:
+        raise invalid(f"{field}: {max_new} exceeds this tenant's limit of {tenant_max}")
     return max_new
 
 
@@ -159,14 +172,19 @@ def with_enforced(
 
 async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
     """The guarded pipeline of a generation request (any surface)."""
-    target = find_model(state, ask.model)
+    caller = ask.caller
+    tenant = caller.tenant if caller is not None else None
+    target = find_model(state, ask.model, tenant)
+    if caller is not None:
+        caller.policy = caller.tenant.policies[target.model_id]  # x-guardstream-policy
+        caller.gate.admit_tokens(caller.tenant.id)
     config = target.config
     if ask.input_chars > config.limits.max_input_chars:
         raise invalid(
             f"{ask.input_field}: {ask.input_chars} characters exceed this model's limit of "
             f"{config.limits.max_input_chars}"
         )
-    max_new = budget(target, ask.max_tokens, ask.max_tokens_field)
+    max_new = budget(target, ask.max_tokens, ask.max_tokens_field, tenant)
     if ask.decoding.min_new_tokens > max_new:
         raise invalid(f"{ask.min_tokens_field}: must not exceed max_new_tokens")
     if ask.extra and not all(
@@ -224,7 +242,11 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         chunkers=state.chunkers,
         timeout_s=server.request_timeout_s,
         seed=gen_request.params.seed,
-        observer=state.metrics.observer(target.model_id),
+        observer=state.metrics.observer(
+            target.model_id,
+            tenant.id if tenant is not None else None,
+            caller.gate.charge_tokens if caller is not None else None,
+        ),
         keepalive_s=server.sse_keepalive_s if ask.stream else None,
         read_coalesce_tokens=server.read_coalesce_tokens,
         read_coalesce_when=state.loop_lag.busy,
@@ -263,5 +285,6 @@ def openai_ask(request: web.Request, body: OpenAISurfaceRequest, **asked: Any) -
         output_detectors_field="detectors.output",
         stream=body.stream,
         request_id=request.get("request_id", ""),
+        caller=request.get(CALLER),
         **asked,
     )

@@ -36,6 +36,7 @@ from ..state import STATE
 from ..streaming.events import Event, Frame, KeepAlive, Rendered, Terminal
 from ..streaming.text_judgement import off_loop
 from ..streaming.wire_json import KEEPALIVE_COMMENT
+from ..tenants import CALLER
 from .stream_slots import stream_slot
 
 
@@ -86,7 +87,7 @@ class Fold(Protocol):
 
 async def serve(request: web.Request, prepare: Prepare, writer: Writer) -> web.StreamResponse:
     """Streams the pipeline `prepare` builds through `writer`."""
-    with stream_slot(request.app[STATE]) as slot:
+    with stream_slot(request.app[STATE], request.get(CALLER)) as slot:
         pipeline = slot.attach(await prepare())
         response = await _start(request, writer) if writer.start_at_once else None
         pending = b""  # the frames of one burst: one write
@@ -133,7 +134,7 @@ async def _fold(request: web.Request, prepare: Prepare, fold: Fold) -> None:
     """Every event into `fold`; the stream slot is held while the pipeline runs. The reply
     itself is built (and encoded) off the loop, by the callers: a refused 1 MB input holds tens
     of thousands of detections, a second of work that would stall every other request."""
-    with stream_slot(request.app[STATE]) as slot:
+    with stream_slot(request.app[STATE], request.get(CALLER)) as slot:
         pipeline = slot.attach(await prepare())
         async with aclosing(pipeline.events()) as events:
             async for event in events:

@@ -14,6 +14,7 @@ from typing import Protocol, TypeVar
 from ..api.errors import ApiError, ErrorType
 from ..errors import SHUTDOWN
 from ..state import AppState
+from ..tenants import Caller
 
 
 class TooManyStreams(ApiError):
@@ -50,7 +51,8 @@ class StreamSlot:
 
 
 @contextmanager
-def stream_slot(state: AppState) -> Iterator[StreamSlot]:
+def stream_slot(state: AppState, caller: Caller | None = None) -> Iterator[StreamSlot]:
+    """A slot of the server's and, with a `caller`, of its tenant's max_concurrent_streams."""
     limit = state.config.server.max_concurrent_streams
     if state.draining:
         state.metrics.rejected_streams.labels("draining").inc()
@@ -58,6 +60,22 @@ def stream_slot(state: AppState) -> Iterator[StreamSlot]:
     if state.active_streams >= limit:
         state.metrics.rejected_streams.labels("overloaded").inc()
         raise TooManyStreams(limit)
+    if caller is not None:
+        try:
+            caller.gate.take_stream(caller.tenant.id)
+        except ApiError:
+            state.metrics.rejected_streams.labels("overloaded").inc()
+            raise
+    try:
+        with _server_slot(state) as slot:
+            yield slot
+    finally:
+        if caller is not None:
+            caller.gate.release_stream()
+
+
+@contextmanager
+def _server_slot(state: AppState) -> Iterator[StreamSlot]:
     slot = StreamSlot()
     state.active_streams += 1
     state.idle.clear()

@@ -478,6 +478,8 @@ class GuardedGeneration(PipelineCore):
         assert stream is not None
         final = release.final
         input_detections, self._input_findings = self._input_findings, None  # the first frame's
+        if input_detections:  # returned to the client: counted like every other detection
+            self._observer.on_findings(input_detections)
         frame = Frame(
             release.start,
             release.end,

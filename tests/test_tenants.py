@@ -1,0 +1,693 @@
+"""Tenants (issue 39, DESIGN 3a): each API key belongs to one tenant, which gets its own models,
+guardrails on top of the model's, limits and usage, and every response says which tenant and
+which policy judged it.
+
+The real orchestrator on 127.0.0.1 with two tenants on the same fake native engine (which records
+every prompt it receives), the in-process `regex` detector as tenant A's enforced `pii: redact`.
+The token buckets run on a clock the test sets (`AppState.clock`): nothing waits for time."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.app import CHAT_PATH, MODELS_PATH, STREAMING_PATH, UNARY_PATH, USAGE_PATH
+from orchestrator.clients.registry import SEVERITY, EnforcedGuardrails, RequestedDetector
+from orchestrator.config import ConfigError, parse_config
+from orchestrator.handlers.admin import RELOAD_PATH
+from orchestrator.rate_limits import TokenBucket
+from orchestrator.server import start_server
+from orchestrator.state import STATE
+from orchestrator.tenants import tenant_keys
+from tests.fakes.engine import FakeEngine, prompt_text
+from tests.orchestrator_support import (
+    MODEL,
+    Orchestrator,
+    frames,
+    generation_body,
+    native_config,
+    read_sse,
+    serve,
+    sse_events,
+    terminal,
+)
+from tests.test_orchestrator_metrics import parse, value
+
+PRIVATE = "private-model"
+A_KEY, B_KEY = "key-of-tenant-a", "key-of-tenant-b"
+A, B = {"Authorization": f"Bearer {A_KEY}"}, {"Authorization": f"Bearer {B_KEY}"}
+MAIL_PROMPT = "Write to jo@example.com please"
+REDACTED_PROMPT = "Write to [email] please"
+SCRIPT = ["Mail", " ann@example.org", " now", "."]
+TOKENS_PER_MINUTE = 60
+FROZEN_AT = 1000.0
+
+
+def tenants_config(engine_url: str, **limits_of_a: Any) -> dict[str, Any]:
+    """Tenant `a`: both models, `pii: redact` on input and output of the shared one, its
+    limits; tenant `b`: the shared model only, no guardrails of its own."""
+    config = native_config(
+        engine_url,
+        detectors={
+            "pii": {
+                "type": "text_contents",
+                "builtin": "regex",
+                "chunker_id": "sentence",
+                "on_detection": "annotate",
+            }
+        },
+    )
+    config["models"][PRIVATE] = dict(config["models"][MODEL])
+    config["tenants"] = {
+        "a": {
+            "keys_env": "TENANT_A_KEYS",
+            "models": [MODEL, PRIVATE],
+            "guardrails": {
+                MODEL: {
+                    "input": {"pii": {"on_detection": "redact"}},
+                    "output": {"pii": {"on_detection": "redact"}},
+                }
+            },
+            "limits": limits_of_a,
+        },
+        "b": {"keys_env": "TENANT_B_KEYS", "models": [MODEL]},
+    }
+    return config
+
+
+@pytest.fixture(autouse=True)
+def keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENANT_A_KEYS", f"{A_KEY}, another-key-of-a")
+    monkeypatch.setenv("TENANT_B_KEYS", B_KEY)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    engine = FakeEngine(script=SCRIPT)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+def frozen(orch: Orchestrator) -> list[float]:
+    """Sets the service's bucket clock to a value the test moves: [now]."""
+    assert orch.runner is not None
+    now = [FROZEN_AT]
+    orch.runner.app[STATE].clock = lambda: now[0]
+    return now
+
+
+async def get(orch: Orchestrator, path: str, headers: dict[str, str]) -> tuple[int, Any, Any]:
+    assert orch.session is not None
+    async with orch.session.get(orch.url + path, headers=headers) as r:
+        return r.status, await r.json(), r.headers
+
+
+async def test_a_tenants_guardrails_judge_only_that_tenants_requests(engine) -> None:
+    async with Orchestrator(tenants_config(engine.url)) as orch:
+        body = generation_body(MAIL_PROMPT)
+        # a request of `a` that names `pii` as annotate changes nothing about the enforced one
+        weakened = generation_body(MAIL_PROMPT, input={"pii": {"on_detection": "annotate"}})
+        a_events = await orch.stream(weakened, headers=A)
+        b_events = await orch.stream(body, headers=B)
+        assert [prompt_text(r.body) for r in engine.requests] == [REDACTED_PROMPT, MAIL_PROMPT]
+        a_text = "".join(f.get("generated_text", "") for f in frames(a_events))
+        b_text = "".join(f.get("generated_text", "") for f in frames(b_events))
+        assert a_text == "Mail [email] now."
+        assert b_text == "Mail ann@example.org now."
+        assert terminal(a_events).name == terminal(b_events).name == "completed"
+
+        # each response names its tenant and the policy that judged it: a's is not b's, and
+        # b's is the model's own (b has no guardrails of its own), the same on every surface
+        async with orch.session.post(orch.url + STREAMING_PATH, json=body, headers=A) as r:
+            a_policy = r.headers["x-guardstream-policy"]
+            assert r.headers["x-guardstream-tenant"] == "a"
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+        async with orch.session.post(orch.url + CHAT_PATH, json=chat, headers=B) as r:
+            assert r.status == 200
+            assert r.headers["x-guardstream-tenant"] == "b"
+            b_policy = r.headers["x-guardstream-policy"]
+        async with orch.session.post(orch.url + UNARY_PATH, json=body, headers=B) as r:
+            assert r.headers["x-guardstream-policy"] == b_policy
+        assert len(a_policy) == len(b_policy) == 12 and a_policy != b_policy
+        # a route that names no model: the tenant's policy over all its models
+        status, _, headers = await get(orch, MODELS_PATH, A)
+        assert status == 200
+        assert headers["x-guardstream-tenant"] == "a"
+        assert headers["x-guardstream-policy"] not in (a_policy, b_policy)
+
+
+async def test_a_tenant_cannot_see_another_tenants_model(engine) -> None:
+    async with Orchestrator(tenants_config(engine.url)) as orch:
+        # for b, the private model does not exist: exactly the body of a model that does not
+        status, private = await orch.post(
+            STREAMING_PATH, generation_body(model_id=PRIVATE), headers=B
+        )
+        missing_status, missing = await orch.post(
+            STREAMING_PATH, generation_body(model_id="no-such-model"), headers=B
+        )
+        assert status == missing_status == 404
+        assert private == {
+            "code": 404,
+            "details": f"model `{PRIVATE}` not found (available: {MODEL})",
+            "type": "not_found",
+        }
+        assert missing["details"] == private["details"].replace(PRIVATE, "no-such-model")
+        chat = {"model": PRIVATE, "messages": [{"role": "user", "content": "Hi"}]}
+        status, body = await orch.post(CHAT_PATH, chat, headers=B)
+        assert status == 404 and body["error"]["type"] == "not_found"
+        assert engine.requests == []
+
+        _, b_models, _ = await get(orch, MODELS_PATH, B)
+        _, a_models, _ = await get(orch, MODELS_PATH, A)
+        assert [m["id"] for m in b_models["data"]] == [MODEL]
+        assert [m["id"] for m in a_models["data"]] == [MODEL, PRIVATE]
+        _, info, _ = await get(orch, "/info", B)
+        assert list(info["models"]) == [MODEL]
+        # a's key streams from it
+        events = await orch.stream(generation_body(model_id=PRIVATE), headers=A)
+        assert terminal(events).name == "completed"
+
+
+async def test_a_token_budget_answers_429_while_another_tenant_streams(engine) -> None:
+    config = tenants_config(engine.url, tokens_per_minute=TOKENS_PER_MINUTE)
+    async with Orchestrator(config) as orch:
+        now = frozen(orch)
+        long_prompt = "x" * 100  # the fake engine counts a token per character
+        first = terminal(await orch.stream(generation_body(long_prompt), headers=A)).data
+        spent = first["input_token_count"] + first["generated_token_count"]
+        assert spent == 100 + len(SCRIPT)
+        # the bucket is at 60 - spent: positive again after (spent - 60) s at a token a second
+        retry_after = math.floor(spent - TOKENS_PER_MINUTE) + 1
+
+        engine.hold_after = 1  # b's stream stays open while a is refused
+        seen: list[tuple[int, Any, str]] = []
+
+        async def a_is_refused() -> None:
+            async with orch.session.post(
+                orch.url + STREAMING_PATH, json=generation_body(), headers=A
+            ) as r:
+                seen.append((r.status, await r.json(), r.headers["Retry-After"]))
+                assert r.headers["x-guardstream-tenant"] == "a"
+            engine.release.set()
+
+        tasks: list[asyncio.Task[None]] = []
+
+        def on_event(events: list[Any]) -> None:
+            if not tasks:  # b's first frame reached b: its stream is running
+                tasks.append(asyncio.create_task(a_is_refused()))
+
+        b_events = await orch.stream(generation_body(), headers=B, on_event=on_event)
+        await tasks[0]
+        assert terminal(b_events).name == "completed"
+        assert "".join(f.get("generated_text", "") for f in frames(b_events)) == "".join(SCRIPT)
+        assert seen == [
+            (
+                429,
+                {
+                    "code": 429,
+                    "details": f"tenant `a`: over its budget of {TOKENS_PER_MINUTE} tokens per "
+                    "minute",
+                    "type": "overloaded",
+                },
+                str(retry_after),
+            )
+        ]
+        assert len(engine.requests) == 2  # the refused request never reached the engine
+        # refilled continuously: one second short it is still refused, then admitted
+        now[0] += retry_after - 1
+        status, _ = await orch.post(STREAMING_PATH, generation_body(), headers=A)
+        assert status == 429
+        now[0] += 1
+        assert terminal(await orch.stream(generation_body(), headers=A)).name == "completed"
+
+
+async def test_per_tenant_metrics_and_usage_are_exact_and_each_tenants_own(engine, caplog) -> None:
+    async with Orchestrator(tenants_config(engine.url)) as orch:
+        caplog.set_level(logging.INFO, "guardstream.access")
+        a_done = terminal(await orch.stream(generation_body(MAIL_PROMPT), headers=A)).data
+        b_done = terminal(await orch.stream(generation_body(), headers=B)).data
+        # b asks for its own blocking `pii`: an input hit ends it before the model, a refusal
+        blocking = generation_body(MAIL_PROMPT, input={"pii": {"on_detection": "block"}})
+        refused = terminal(await orch.stream(blocking, headers=B)).data
+        assert refused["incomplete_details"] == {"reason": "content_filter"}
+        status, _ = await orch.post(STREAMING_PATH, generation_body(model_id=PRIVATE), headers=B)
+        assert status == 404
+        assert orch.session is not None
+        async with orch.session.get(orch.url + "/metrics", headers=A) as r:
+            samples = parse(await r.text())
+
+        def tenant(name: str, who: str) -> float:
+            return value(samples, f"guardstream_tenant_{name}_total", tenant=who)
+
+        a_usage = {
+            "requests": 1,
+            "prompt_tokens": a_done["input_token_count"],
+            "generated_tokens": a_done["generated_token_count"],
+            "detections": 2,  # the e-mail in a's prompt (input) and the one in the output
+            "refusals": 0,
+        }
+        b_usage = {
+            "requests": 3,  # the 404 counts
+            "prompt_tokens": b_done["input_token_count"] + (refused.get("input_token_count") or 0),
+            "generated_tokens": b_done["generated_token_count"],
+            "detections": 1,
+            "refusals": 1,
+        }
+        assert a_usage["generated_tokens"] == b_usage["generated_tokens"] == len(SCRIPT)
+        assert {k: tenant(k, "a") for k in a_usage} == a_usage
+        assert {k: tenant(k, "b") for k in b_usage} == b_usage
+        # only the config's tenant ids are label values
+        assert {dict(labels)["tenant"] for name, labels in samples if "tenant" in dict(labels)} == {
+            "a",
+            "b",
+        }
+        # each key reads its own usage, whatever it asks for
+        for headers, usage, who in ((A, a_usage, "a"), (B, b_usage, "b")):
+            for path in (USAGE_PATH, USAGE_PATH + "?tenant=a", USAGE_PATH + "?tenant=b"):
+                status, body, _ = await get(orch, path, headers)
+                assert status == 200
+                # the usage requests themselves count: those made before this one
+                assert body.pop("requests") >= usage["requests"]
+                assert body == {"object": "usage", "tenant": who} | {
+                    k: v for k, v in usage.items() if k != "requests"
+                }
+        # a header naming another tenant changes nothing: the key says who is calling
+        status, body, headers = await get(orch, USAGE_PATH, {**A, "x-guardstream-tenant": "b"})
+        assert (status, body["tenant"], headers["x-guardstream-tenant"]) == (200, "a", "a")
+        status, body, _ = await get(orch, USAGE_PATH, {})
+        assert status == 401
+    lines = [r for r in caplog.records if r.name == "guardstream.access"]
+    assert [(r.path, r.status, r.tenant) for r in lines][:4] == [
+        (STREAMING_PATH, 200, "a"),
+        (STREAMING_PATH, 200, "b"),
+        (STREAMING_PATH, 200, "b"),
+        (STREAMING_PATH, 404, "b"),
+    ]
+    assert lines[-1].tenant is None  # the 401: no tenant
+
+
+async def test_limits_cannot_be_raised_from_a_request(engine) -> None:
+    config = tenants_config(engine.url, max_new_tokens=3, max_concurrent_streams=1)
+    async with Orchestrator(config) as orch:
+        status, body = await orch.post(
+            STREAMING_PATH, generation_body(params={"max_new_tokens": 4}), headers=A
+        )
+        assert (status, body) == (
+            422,
+            {
+                "code": 422,
+                "details": "text_gen_parameters.max_new_tokens: 4 exceeds this tenant's limit of 3",
+                "type": "invalid_request",
+            },
+        )
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9}
+        status, body = await orch.post(CHAT_PATH, chat, headers=A)
+        assert status == 422
+        assert body["error"]["message"] == "max_tokens: 9 exceeds this tenant's limit of 3"
+        # a request without a budget gets the tenant's; b's is the model's default
+        await orch.stream(generation_body(), headers=A)
+        await orch.stream(generation_body(), headers=B)
+        assert [r.body["max_new_tokens"] for r in engine.requests] == [3, 256]
+
+        # one stream at a time for a; b is not counted against it
+        engine.hold_after = 1
+        engine.release.clear()
+        results: list[tuple[int, Any, str | None]] = []
+
+        async def second_of_a() -> None:
+            async with orch.session.post(
+                orch.url + STREAMING_PATH, json=generation_body(), headers=A
+            ) as r:
+                results.append((r.status, await r.json(), r.headers.get("Retry-After")))
+            engine.hold_after = None  # new streams run through; a's stays held
+            b_events = await orch.stream(generation_body(), headers=B)
+            assert terminal(b_events).name == "completed"  # while a's stream runs
+            engine.release.set()
+
+        tasks: list[asyncio.Task[None]] = []
+
+        def on_event(events: list[Any]) -> None:
+            if not tasks:
+                tasks.append(asyncio.create_task(second_of_a()))
+
+        # the private model: a's `pii` on the shared one would hold the first frame back
+        events = await orch.stream(generation_body(model_id=PRIVATE), headers=A, on_event=on_event)
+        await tasks[0]
+        ended = terminal(events)  # a's budget: 3 of the script's 4 tokens
+        assert (ended.name, ended.data["generated_token_count"]) == ("incomplete", 3)
+        assert results == [
+            (
+                429,
+                {
+                    "code": 429,
+                    "details": "tenant `a`: too many concurrent streams (limit 1)",
+                    "type": "overloaded",
+                },
+                "1",
+            )
+        ]
+
+
+async def test_requests_per_minute_refill_continuously(engine) -> None:
+    async with Orchestrator(tenants_config(engine.url, requests_per_minute=2)) as orch:
+        now = frozen(orch)
+        for _ in range(2):  # a burst of the whole minute
+            status, _, _ = await get(orch, MODELS_PATH, A)
+            assert status == 200
+        status, body, headers = await get(orch, MODELS_PATH, A)
+        assert (status, headers["Retry-After"]) == (429, "30")  # a request every 30 s
+        assert body == {
+            "error": {
+                "message": "tenant `a`: over its limit of 2 requests per minute",
+                "type": "overloaded",
+                "param": None,
+                "code": 429,
+            }
+        }
+        assert headers["x-guardstream-tenant"] == "a"
+        status, _ = await orch.post(STREAMING_PATH, generation_body(), headers=A)
+        assert status == 429
+        assert (await get(orch, MODELS_PATH, B))[0] == 200  # b has no limit
+        now[0] += 29
+        assert (await get(orch, MODELS_PATH, A))[0] == 429
+        now[0] += 1
+        assert (await get(orch, MODELS_PATH, A))[0] == 200
+        assert (await get(orch, "/health", A))[0] == 200  # probes are not a tenant's usage
+        assert engine.requests == []
+
+
+async def test_every_key_is_compared_whichever_tenant_it_belongs_to(
+    engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100 tenants with 10 keys each: a key of the first tenant, of the last, one that nearly
+    matches a key, and a wrong one each cost exactly 1,000 comparisons (no early exit)."""
+    config = native_config(engine.url)
+    config["tenants"] = {f"t{i}": {"keys_env": f"TENANT_{i}_KEYS"} for i in range(100)}
+    for i in range(100):
+        monkeypatch.setenv(f"TENANT_{i}_KEYS", ",".join(f"key-{i}-{j}" for j in range(10)))
+    calls = [0]
+    real = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls[0] += 1
+        return real(a, b)
+
+    async with Orchestrator(config) as orch:
+        monkeypatch.setattr(hmac, "compare_digest", counting)
+        for key, tenant in (("key-0-0", "t0"), ("key-99-9", "t99"), ("key-99-", None), ("x", None)):
+            calls[0] = 0
+            status, _, headers = await get(orch, MODELS_PATH, {"Authorization": f"Bearer {key}"})
+            assert calls[0] == 1000
+            assert status == (200 if tenant else 401)
+            assert headers.get("x-guardstream-tenant") == tenant
+
+
+def test_a_key_in_two_tenants_stops_start_up_without_printing_it() -> None:
+    config = parse_config(
+        {
+            "server": {"api_keys_env": "SERVER_KEYS"},
+            "tenants": {
+                "a": {"keys_env": "A_KEYS"},
+                "b": {"keys_env": "B_KEYS"},
+                "c": {"keys_env": "C_KEYS"},
+            },
+        }
+    )
+    environ = {"SERVER_KEYS": "shared-secret", "A_KEYS": "own, shared-secret", "B_KEYS": " , "}
+    with pytest.raises(ConfigError) as info:
+        tenant_keys(config, environ)
+    assert info.value.errors == [
+        "tenants.a.keys_env: a key in A_KEYS is also a key of the tenant 'default' (a key "
+        "belongs to exactly one tenant)",
+        "tenants.b.keys_env: environment variable B_KEYS holds no key",
+        "tenants.c.keys_env: environment variable C_KEYS is not set",
+    ]
+    assert "shared-secret" not in str(info.value)
+    assert tenant_keys(config, environ | {"A_KEYS": "own", "B_KEYS": "b", "C_KEYS": "c"}) == [
+        ("shared-secret", "default"),
+        ("own", "a"),
+        ("b", "b"),
+        ("c", "c"),
+    ]
+
+
+async def test_start_up_refuses_a_key_shared_by_two_tenants(engine, monkeypatch) -> None:
+    monkeypatch.setenv("TENANT_B_KEYS", f"{B_KEY},another-key-of-a")
+    with pytest.raises(ConfigError) as info:
+        await start_server(parse_config(tenants_config(engine.url)), "127.0.0.1", 0)
+    assert info.value.errors == [
+        "tenants.b.keys_env: a key in TENANT_B_KEYS is also a key of the tenant 'a' (a key "
+        "belongs to exactly one tenant)"
+    ]
+
+
+def test_tenant_mistakes_are_reported_in_one_pass_with_the_closest_choice() -> None:
+    backend = {"backends": [{"type": "native", "url": "http://127.0.0.1:9"}]}
+    with pytest.raises(ConfigError) as info:
+        parse_config(
+            {
+                "server": {"api_keys_env": "K"},
+                "models": {"m": backend, "priv": backend},
+                "detectors": {"pii": {"builtin": "regex"}},
+                "tenants": {
+                    "default": {"keys_env": "D"},
+                    "a": {
+                        "keys_env": "K",
+                        "models": ["m", "prv"],
+                        "guardrails": {"priv": {"output": {"pi": {}}}, "zz": {}},
+                        "limits": {"tokens_per_minut": 3},
+                    },
+                    "b": {"keys_env": "B", "models": "m*", "limits": {"max_new_tokens": 0}},
+                },
+            }
+        )
+    assert info.value.errors == [
+        "tenants.a.limits.tokens_per_minut: unknown key (did you mean 'tokens_per_minute'?)",
+        'tenants.b.models: must be "*" (every model) or a list of model ids',
+        "tenants.b.limits.max_new_tokens: Input should be greater than or equal to 1",
+        "tenants.default: reserved: the keys of server.api_keys_env are the tenant 'default' "
+        "(name this tenant otherwise, or drop api_keys_env)",
+        "tenants.a.keys_env: K already holds the keys of server.api_keys_env (a key belongs to "
+        "exactly one tenant)",
+        "tenants.a.models.1: unknown model 'prv' (did you mean 'priv'?)",
+        "tenants.a.guardrails.priv: 'priv' is not among this tenant's models",
+        "tenants.a.guardrails.priv.output.pi: unknown detector 'pi' (did you mean 'pii'?)",
+        "tenants.a.guardrails.zz: unknown model 'zz' (expected one of: *, m, priv)",
+    ]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    model=st.sampled_from(["annotate", "redact", "block"]),
+    tenant=st.sampled_from(["annotate", "redact", "block"]),
+    thresholds=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+)
+def test_a_tenants_guardrail_only_tightens_the_models(
+    model: str, tenant: str, thresholds: tuple[float, float]
+) -> None:
+    def det(action: str, threshold: float, replacement: str) -> RequestedDetector:
+        return RequestedDetector(
+            "pii", None, "sentence", threshold, action, {}, replacement, enforced=True
+        )  # type: ignore[arg-type]
+
+    base = EnforcedGuardrails(output=(det(model, thresholds[0], "[model]"),))
+    own = EnforcedGuardrails(output=(det(tenant, thresholds[1], "[tenant]"),))
+    (merged,) = base.tightened_by(own).output
+    assert SEVERITY[merged.on_detection] == max(SEVERITY[model], SEVERITY[tenant])
+    assert merged.threshold == min(thresholds)
+    assert merged.redact_with == ("[tenant]" if SEVERITY[tenant] > SEVERITY[model] else "[model]")
+
+
+# -- reload ---------------------------------------------------------------------------------------
+
+ADMIN = {"Authorization": "Bearer the-admin-key"}
+
+
+def write(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+async def reload(orch: Orchestrator, headers: dict[str, str] = ADMIN) -> tuple[int, Any]:
+    return await orch.post(RELOAD_PATH, b"", headers=headers)
+
+
+@pytest.fixture
+def admin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADMIN_KEYS", "the-admin-key")
+
+
+def reloadable(engine_url: str) -> dict[str, Any]:
+    config = tenants_config(engine_url)
+    config["server"]["admin_keys_env"] = "ADMIN_KEYS"
+    del config["tenants"]["a"]["guardrails"]  # a starts with the model's guardrails only
+    return config
+
+
+async def test_a_reload_applies_to_new_requests_while_a_running_stream_finishes_unchanged(
+    engine, admin, tmp_path: Path
+) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        engine.hold_after = 1
+        tasks: list[asyncio.Task[None]] = []
+        seen: dict[str, Any] = {}
+
+        async def reload_then_ask() -> None:
+            config["tenants"]["a"]["guardrails"] = {
+                MODEL: {"output": {"pii": {"on_detection": "redact"}}}
+            }
+            write(path, config)
+            seen["reload"] = await reload(orch)
+            engine.hold_after = None
+            async with orch.session.post(
+                orch.url + STREAMING_PATH, json=generation_body(), headers=A
+            ) as r:
+                seen["policy"] = r.headers["x-guardstream-policy"]
+                seen["new"] = sse_events(await r.text())
+            engine.release.set()
+
+        def on_event(events: list[Any]) -> None:
+            if not tasks:
+                tasks.append(asyncio.create_task(reload_then_ask()))
+
+        assert orch.session is not None
+        async with orch.session.post(
+            orch.url + STREAMING_PATH, json=generation_body(), headers=A
+        ) as r:
+            old_policy = r.headers["x-guardstream-policy"]
+            running = await read_sse(r, on_event)
+        await tasks[0]
+    assert seen["reload"] == (200, {"reloaded": True, "tenants": ["a", "b"]})
+    # the running stream: judged by the policy it started with
+    assert "".join(f["generated_text"] for f in frames(running)) == "".join(SCRIPT)
+    # the next one: a's new guardrail
+    assert "".join(f["generated_text"] for f in frames(seen["new"])) == "Mail [email] now."
+    assert seen["policy"] != old_policy
+
+
+async def test_a_bad_file_changes_nothing_and_says_why(engine, admin, tmp_path: Path) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        _, _, before = await get(orch, MODELS_PATH, A)
+        broken = json.loads(json.dumps(config))
+        broken["tenants"]["a"]["guardrails"] = {MODEL: {"output": {"pi": {}}}}
+        broken["tenants"]["b"]["limits"] = {"tokens_per_minut": 5}
+        broken["detectors"]["pii"]["default_threshold"] = 0.9
+        broken["models"][MODEL]["limits"] = {"max_new_tokens": 5}
+        write(path, broken)
+        status, body = await reload(orch)
+        errors = [
+            "tenants.b.limits.tokens_per_minut: unknown key (did you mean 'tokens_per_minute'?)",
+            f"tenants.a.guardrails.{MODEL}.output.pi: unknown detector 'pi' (did you mean 'pii'?)",
+        ]
+        assert (status, body) == (
+            422,
+            {
+                "code": 422,
+                "details": f"config not reloaded: 2 error(s): {'; '.join(errors)}",
+                "type": "invalid_request",
+                "errors": errors,
+            },
+        )
+        # valid, but beyond what a reload applies
+        fixed = json.loads(json.dumps(broken))
+        fixed["tenants"]["a"]["guardrails"] = {}
+        fixed["tenants"]["b"]["limits"] = {}
+        write(path, fixed)
+        status, body = await reload(orch)
+        assert status == 422
+        reason = (
+            "changed (a reload applies only tenants, models.<id>.guardrails, "
+            "server.api_keys_env and server.admin_keys_env; restart for this)"
+        )
+        assert body["errors"] == [
+            f"detectors.pii.default_threshold: {reason}",
+            f"models.{MODEL}.limits: {reason}",
+        ]
+        _, _, after = await get(orch, MODELS_PATH, A)
+        assert after["x-guardstream-policy"] == before["x-guardstream-policy"]
+        assert terminal(await orch.stream(generation_body(), headers=B)).name == "completed"
+        # only an admin key reloads
+        assert (await reload(orch, A))[0] == 401
+        assert (await reload(orch, {}))[0] == 401
+
+
+async def test_a_rotated_key_is_refused_after_a_reload(
+    engine, admin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    monkeypatch.setenv("TENANT_A_KEYS_NEXT", "the-new-key-of-a")
+    async with Orchestrator(path) as orch:
+        assert (await get(orch, MODELS_PATH, A))[0] == 200
+        config["tenants"]["a"]["keys_env"] = "TENANT_A_KEYS_NEXT"
+        write(path, config)
+        assert (await reload(orch))[0] == 200
+        assert (await get(orch, MODELS_PATH, A))[0] == 401
+        status, _, headers = await get(
+            orch, MODELS_PATH, {"Authorization": "Bearer the-new-key-of-a"}
+        )
+        assert (status, headers["x-guardstream-tenant"]) == (200, "a")
+
+
+async def test_sighup_reloads_the_served_config(engine, admin, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TENANT_A_KEYS_NEXT", "the-new-key-of-a")
+    config = reloadable(engine.url)
+    async with serve(tmp_path, config) as served, aiohttp.ClientSession() as session:
+
+        async def status_of(key: str) -> int:
+            headers = {"Authorization": f"Bearer {key}"}
+            async with session.get(served.url + MODELS_PATH, headers=headers) as r:
+                return r.status
+
+        assert await status_of(A_KEY) == 200
+        config["tenants"]["a"]["keys_env"] = "TENANT_A_KEYS_NEXT"
+        write(tmp_path / "config.yaml", config)
+        served.proc.send_signal(signal.SIGHUP)
+        await served.wait_logged("config reloaded from")
+        assert await status_of(A_KEY) == 401
+        assert await status_of("the-new-key-of-a") == 200
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    per_minute=st.integers(1, 10_000),
+    charges=st.lists(st.integers(0, 20_000), min_size=1, max_size=5),
+    waited=st.lists(st.floats(0, 120), min_size=1, max_size=5),
+)
+def test_a_bucket_refills_continuously_and_retry_after_is_exact(
+    per_minute: int, charges: list[int], waited: list[float]
+) -> None:
+    """The level never exceeds the minute's capacity, and a refusal's Retry-After is the first
+    whole second at which the same request is admitted: one second earlier it is not."""
+    now = [0.0]
+    bucket = TokenBucket(per_minute, lambda: now[0])
+    for charge, wait in zip(charges, waited, strict=False):
+        bucket.charge(charge)
+        now[0] += wait
+        assert bucket.level() <= per_minute
+    retry_after = bucket.positive()
+    if retry_after is None:
+        assert bucket.level() > 0
+        return
+    start = now[0]
+    now[0] = start + retry_after - 1
+    assert bucket.positive() is not None
+    now[0] = start + retry_after
+    assert bucket.positive() is None
