@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.anchors import bench_generate, bench_serve, bench_static_step
 from generation import models
 from generation.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_decoder
-from generation.jobs import Job, StreamItem
+from generation.jobs import EngineDelta, Job
 from generation.kv_cache import SlotCache
 from generation.sampling import SamplingParams, default_candidates, select, uniform
 from generation.scheduler import PREFILL_CHUNK_TOKENS, Engine
@@ -451,7 +451,7 @@ async def _long_prompt_joins(
     async def read(j: Job, times: list[float], fourth: asyncio.Event | None = None) -> None:
         while True:
             item = await j.queue.get()
-            assert isinstance(item, StreamItem), item
+            assert isinstance(item, EngineDelta), item
             times.append(time.perf_counter())
             if fourth is not None and len(times) == 4:
                 fourth.set()

@@ -1,4 +1,4 @@
-"""What goes into the engine and what comes out of it: a `Job` per request, the `StreamItem`s
+"""What goes into the engine and what comes out of it: a `Job` per request, the `EngineDelta`s
 and `StreamError`s its queue receives, the finish reasons, and the counters the server reports.
 The worker loop (scheduler.py) and the HTTP server (server.py) both speak these; neither owns
 them."""
@@ -22,8 +22,9 @@ class FinishReason(StrEnum):
 
 
 @dataclass
-class StreamItem:
-    """One NDJSON data item: the token generated in one step and the text released by it.
+class EngineDelta:
+    """One NDJSON data item: the token generated in one step and the text released by it (the
+    orchestrator parses it into its own `EngineDelta`, the same word from here to the pipeline).
 
     Token ids are reported as soon as they are generated; text may lag behind them: an incomplete
     UTF-8 character, or text that may be the start of a stop sequence, is held back until
@@ -59,14 +60,14 @@ class StreamQueue:
     __slots__ = ("_items", "_waiter")
 
     def __init__(self) -> None:
-        self._items: deque[StreamItem | StreamError] = deque()
+        self._items: deque[EngineDelta | StreamError] = deque()
         self._waiter: asyncio.Future[None] | None = None
 
-    def put_nowait(self, item: StreamItem | StreamError) -> None:
+    def put_nowait(self, item: EngineDelta | StreamError) -> None:
         self._items.append(item)
         self._wake()
 
-    def put_many(self, items: Iterable[StreamItem | StreamError]) -> None:
+    def put_many(self, items: Iterable[EngineDelta | StreamError]) -> None:
         self._items.extend(items)
         self._wake()
 
@@ -76,12 +77,12 @@ class StreamQueue:
     def qsize(self) -> int:
         return len(self._items)
 
-    def get_nowait(self) -> StreamItem | StreamError:
+    def get_nowait(self) -> EngineDelta | StreamError:
         if not self._items:
             raise asyncio.QueueEmpty
         return self._items.popleft()
 
-    def take_all(self) -> list[StreamItem | StreamError]:
+    def take_all(self) -> list[EngineDelta | StreamError]:
         items = list(self._items)
         self._items.clear()
         return items
@@ -100,7 +101,7 @@ class StreamQueue:
         """Wake the reader's `wait` without an item (its client left)."""
         self._wake()
 
-    async def get(self) -> StreamItem | StreamError:
+    async def get(self) -> EngineDelta | StreamError:
         while not self._items:
             await self.wait()
         return self._items.popleft()
@@ -124,7 +125,7 @@ class Job:
     max_new_tokens: int
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[StreamItem | StreamError] | StreamQueue  # the server uses StreamQueue
+    queue: asyncio.Queue[EngineDelta | StreamError] | StreamQueue  # the server uses StreamQueue
     resume_ids: list[int] = field(default_factory=list)
     resume_text_len: int = 0  # characters of the resumed tokens' text the client already has
     min_new_tokens: int = 0

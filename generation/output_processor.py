@@ -24,12 +24,12 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from .detokenizer import Detokenizer
-from .jobs import EngineStats, FinishReason, Job, StreamError, StreamItem, StreamQueue
+from .jobs import EngineDelta, EngineStats, FinishReason, Job, StreamError, StreamQueue
 from .scheduling import Row
 
 log = logging.getLogger("guardstream.engine")
 
-Event = tuple[Job, StreamItem | StreamError]
+Event = tuple[Job, EngineDelta | StreamError]
 
 
 class OutputProcessor:
@@ -108,7 +108,7 @@ class OutputProcessor:
             finish = self.accept(row, token, live=True)
             if finish is None:
                 row.next_input = token
-                self.emit(row.job, StreamItem([token], row.gate.release(), len(row.generated)))
+                self.emit(row.job, EngineDelta([token], row.gate.release(), len(row.generated)))
                 survivors.append(i)
             else:
                 self.finish(row, [token], finish)
@@ -156,7 +156,7 @@ class OutputProcessor:
                 finish = FinishReason.TIME_LIMIT
             else:
                 row.next_input = token
-                outbox.append((job, StreamItem([token], gate.release(), count)))
+                outbox.append((job, EngineDelta([token], gate.release(), count)))
                 continue
             self.finish(row, [token], finish)
             finished = True
@@ -171,7 +171,7 @@ class OutputProcessor:
                 reason = FinishReason.STOP_SEQUENCE
             row.gate.finish()
         row.done = True
-        self.emit(row.job, StreamItem(token_ids, row.gate.release(), len(row.generated), reason))
+        self.emit(row.job, EngineDelta(token_ids, row.gate.release(), len(row.generated), reason))
         self._retire(row.job)
 
     def fail(self, rows: Iterable[Row], exc: BaseException) -> None:
@@ -191,7 +191,7 @@ class OutputProcessor:
 
     # ----- emitting ----------------------------------------------------------------------------
 
-    def emit(self, job: Job, event: StreamItem | StreamError) -> None:
+    def emit(self, job: Job, event: EngineDelta | StreamError) -> None:
         self._outbox.append((job, event))
 
     def flush(self) -> None:
@@ -248,7 +248,7 @@ class _Mailbox:
     def deliver(self) -> None:
         """On the loop: every posted event into its job's queue, in order (a `StreamQueue`
         takes each job's events in one call)."""
-        by_job: dict[Job, list[StreamItem | StreamError]] = {}
+        by_job: dict[Job, list[EngineDelta | StreamError]] = {}
         for job, event in self.take():
             by_job.setdefault(job, []).append(event)
         for job, events in by_job.items():

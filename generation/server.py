@@ -41,7 +41,7 @@ from servicekit.tracing import annotate, event
 from . import models
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
-from .jobs import EngineUnavailable, Job, StreamError, StreamItem, StreamQueue
+from .jobs import EngineDelta, EngineUnavailable, Job, StreamError, StreamQueue
 from .metrics import EngineCollector
 from .models import LoadedModel
 from .protocol import (
@@ -531,7 +531,7 @@ class _Stream:
                 annotate(self.request, {"guardstream.generated_tokens": self.delivered})
             self.state.engine.cancel(self.job)  # no-op for a finished job
 
-    def _lines(self, events: list[StreamItem | StreamError], lines: list[bytes]) -> str | None:
+    def _lines(self, events: list[EngineDelta | StreamError], lines: list[bytes]) -> str | None:
         """Encode `events` into `lines`, in order; "end" when the stream is over (an error, or
         the final item and complete_final), "fault" when an armed fault cuts it here."""
         for item in events:
@@ -550,7 +550,7 @@ class _Stream:
                 return "end"
         return None
 
-    def _data(self, item: StreamItem) -> dict[str, Any]:
+    def _data(self, item: EngineDelta) -> dict[str, Any]:
         data: dict[str, Any] = {
             "token_ids": item.token_ids,
             "text": item.text,
@@ -570,7 +570,7 @@ class _Stream:
         transport = self.request.transport
         return transport is None or transport.is_closing()
 
-    async def _next_events(self) -> list[StreamItem | StreamError] | None:
+    async def _next_events(self) -> list[EngineDelta | StreamError] | None:
         """Every worker event queued for this stream (at least one), or None once the client
         has disconnected."""
         queue = self.job.queue

@@ -23,7 +23,7 @@ import torch
 from hypothesis import strategies as st
 
 from generation import models
-from generation.jobs import Job, StreamError, StreamItem
+from generation.jobs import EngineDelta, Job, StreamError
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
 from servicekit.model_specs import BUILTIN_FOLDERS
@@ -231,7 +231,7 @@ def batch_bodies() -> list[dict[str, Any]]:
 # -- the scheduler driven directly -------------------------------------------------------------
 
 CHUNK = 16  # prefill_chunk_tokens of the chunked engines
-Event = StreamItem | StreamError
+Event = EngineDelta | StreamError
 
 
 class RecordingQueue(asyncio.Queue[Event]):
@@ -276,7 +276,7 @@ async def tokens_of(queue: asyncio.Queue[Event]) -> list[int]:
     async with within(60):  # a guard, not a window
         while True:
             item = await queue.get()
-            assert isinstance(item, StreamItem), item
+            assert isinstance(item, EngineDelta), item
             out.extend(item.token_ids)
             if item.finish_reason is not None:
                 return out

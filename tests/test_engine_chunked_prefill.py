@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from generation.jobs import StreamItem
+from generation.jobs import EngineDelta
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
@@ -63,7 +63,7 @@ async def test_running_rows_decode_between_the_chunks_of_a_long_prompt(chunked: 
     a_before = sum(
         len(item.token_ids)
         for name, item in log[:first_b]
-        if name == "A" and isinstance(item, StreamItem)
+        if name == "A" and isinstance(item, EngineDelta)
     )
     chunks = math.ceil(200 / CHUNK)
     assert a_before == chunks  # A's prefill token, then one decode step per earlier chunk

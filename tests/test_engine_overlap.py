@@ -20,12 +20,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from generation.jobs import Job, StreamError, StreamItem
+from generation.jobs import EngineDelta, Job, StreamError
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
 
-Event = StreamItem | StreamError
+Event = EngineDelta | StreamError
 ROWS = 3  # few slots: joiners wait for leavers and take their slots
 CHUNK = 8  # prompts longer than this are prefilled a chunk per iteration
 CAPACITY = 128
@@ -153,7 +153,7 @@ def test_overlapped_steps_stream_exactly_what_synchronous_steps_do(
     got = asyncio.run(drive(overlapped, script))
     for r, want, have in zip(script, expected, got, strict=True):
         for events in (want, have):
-            assert all(isinstance(e, StreamItem) for e in events), events
+            assert all(isinstance(e, EngineDelta) for e in events), events
             finishes = [i for i, e in enumerate(events) if e.finish_reason is not None]
             assert finishes in ([], [len(events) - 1])
         if r.cancel is None:

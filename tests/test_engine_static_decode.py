@@ -33,7 +33,7 @@ from generation.decode_graphs import (
     width_buckets,
 )
 from generation.device_sampling import DeviceSampler
-from generation.jobs import Job, StreamError, StreamItem
+from generation.jobs import EngineDelta, Job, StreamError
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
@@ -54,7 +54,7 @@ from tests.engine_support import (
 )
 from tests.wait_support import until, within
 
-Event = StreamItem | StreamError
+Event = EngineDelta | StreamError
 GIB = 1 << 30
 SMOLLM2_TOKEN_BYTES = 30 * 2 * 3 * 64 * 2  # layers x (k, v) x kv heads x head dim x bf16
 SMOLLM2_1P7B_TOKEN_BYTES = 24 * 2 * 32 * 64 * 2
@@ -415,7 +415,7 @@ async def _tokens(queue: asyncio.Queue[Event]) -> list[int]:
     async with within(120):  # a guard, not a window
         while True:
             item = await queue.get()
-            assert isinstance(item, StreamItem), item
+            assert isinstance(item, EngineDelta), item
             out.extend(item.token_ids)
             if item.finish_reason is not None:
                 return out
@@ -450,7 +450,7 @@ async def _waves(engine: Engine) -> list[list[int]]:
         for job in jobs[:3]:
             engine.submit(job)
     first = await jobs[0].queue.get()  # the first wave runs
-    assert isinstance(first, StreamItem)
+    assert isinstance(first, EngineDelta)
     for job in jobs[3:]:
         engine.submit(job)
     rest = await asyncio.gather(*(_tokens(job.queue) for job in jobs))
