@@ -17,12 +17,19 @@ from typing import Any
 import openai
 import pytest
 import pytest_asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
 from generation import models
 from orchestrator.app import CHAT_PATH, STREAMING_PATH, UNARY_PATH
-from orchestrator.state import STATE
-from tests.e2e_support import MODEL, all_healthy, e2e_config, faults, replicas
+from tests.e2e_support import (
+    MODEL,
+    all_healthy,
+    e2e_config,
+    engine_answer,
+    engine_call,
+    faults,
+    migrations,
+    replicas,
+)
 from tests.engine_support import skip_without_smollm2
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
 from tests.openai_support import sdk
@@ -64,48 +71,8 @@ def pieces(chunks: list[Any]) -> list[str]:
     return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
 
 
-def engine_key(orch: Orchestrator, model: str, url: str) -> str:
-    """The generated Bearer key of the managed engine at `url` (it refuses calls without)."""
-    assert orch.runner is not None
-    backend: Any = orch.runner.app[STATE].backends[model]
-    return next(p.api_key for p in backend.processes if p.url == url)
-
-
-async def engine_call(orch: Orchestrator, model: str, path: str, body: dict[str, Any]) -> str:
-    """POSTs straight to the first managed replica of `model`, with its key; the reply text."""
-    assert orch.session is not None
-    url = (await replicas(orch, model))[0]["url"]
-    headers = {"Authorization": f"Bearer {engine_key(orch, model, url)}"}
-    async with orch.session.post(url + path, json=body, headers=headers) as r:
-        text = await r.text()
-        assert r.status == 200, text
-        return text
-
-
 async def token_count(orch: Orchestrator, model: str, body: dict[str, Any]) -> int:
     return json.loads(await engine_call(orch, model, "/v1/tokenize", body))["count"]
-
-
-async def engine_answer(orch: Orchestrator, model: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The engine's own greedy answer (`text`, `finish_reason`, `generated_token_count`),
-    without the orchestrator."""
-    text = await engine_call(orch, model, "/v1/generate", body)
-    lines = [json.loads(line) for line in text.splitlines() if line]
-    assert lines[-1] == {"complete_final": True}
-    data = [line["data"] for line in lines[:-1]]
-    return {**data[-1], "text": "".join(d["text"] for d in data)}
-
-
-async def migrations(orch: Orchestrator, model: str) -> float:
-    assert orch.session is not None
-    async with orch.session.get(orch.url + "/metrics") as r:
-        page = await r.text()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(page)
-        for s in family.samples
-        if s.name == "guardstream_migrations_total" and s.labels.get("model_id") == model
-    )
 
 
 FINISH = {"EOS_TOKEN": "stop", "STOP_SEQUENCE": "stop", "MAX_TOKENS": "length"}
