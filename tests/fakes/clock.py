@@ -57,6 +57,11 @@ class ManualClock:
     def armed(self) -> int:
         return sum(not t.cancelled for t in self._timers)
 
+    def armed_within(self, seconds: float) -> bool:
+        """A timer is due within `seconds` from now: a reader waits out a bound that short (the
+        grace after a finish event), not the stall timeout."""
+        return any(not t.cancelled and t.when() <= self.now + seconds for t in self._timers)
+
     def advance(self, seconds: float) -> None:
         """Move on by `seconds` and run the timers that are due, in order."""
         self.now += seconds
