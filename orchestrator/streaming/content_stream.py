@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..api.errors import ErrorType, Failure
 from ..clients.registry import ChunkerRegistry, RequestedDetector
+from . import request_deadline
 from .aggregation import DetectorResult
 from .cancellation import cancel_and_wait
 from .detector_queue import DetectorFinished
@@ -58,8 +59,9 @@ class ContentStream:
 
     async def results(self) -> AsyncIterator[JudgedFrame | Failure]:
         """Judged frames in stream order; a Failure is the last item when the stream broke."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.call_later(self._timeout_s, self._inbox.put, _TIMED_OUT)
+        deadline = request_deadline.deadline_clock.call_later(
+            self._timeout_s, self._inbox.put, _TIMED_OUT
+        )
         detection = self._detection
         detection.start(self._spawn)
         self._spawn(self._read())

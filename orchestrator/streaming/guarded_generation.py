@@ -39,6 +39,7 @@ from ..api.input_pieces import STOP_SEQUENCE_FIELD
 from ..clients.backend import GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
+from . import request_deadline
 from .aggregation import DetectorResult
 from .cancellation import cancel_and_wait
 from .detector_queue import DetectorFinished
@@ -187,7 +188,9 @@ class GuardedGeneration:
         follows at once (the same wake-up of the consumer) has `more` set: writers send a
         burst of frames in one write."""
         loop = asyncio.get_running_loop()
-        deadline = loop.call_later(self._timeout_s, self._inbox.put, _TIMED_OUT)
+        deadline = request_deadline.deadline_clock.call_later(
+            self._timeout_s, self._inbox.put, _TIMED_OUT
+        )
         self._last_event = loop.time()
         self._arm_keepalive()
         try:
