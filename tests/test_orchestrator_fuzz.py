@@ -43,8 +43,11 @@ from tests.orchestrator_support import (
     MODEL,
     Orchestrator,
     ServedStack,
+    assert_422_names_the_field,
     native_config,
+    openai_param,
     remote,
+    sent_json,
 )
 
 NDJSON = "application/x-ndjson"
@@ -142,11 +145,16 @@ def check_error_body(
         assert set(body) == {"error"}, body
         body = body["error"]
         assert set(body) == {"message", "type", "param", "code"}, body
+        param = body["param"]
         body = {"code": body["code"], "details": body["message"], "type": body["type"]}
     assert set(body) == {"code", "details", "type"}, body
     assert body["code"] == response.status_code
     assert isinstance(body["details"], str) and body["details"]
     assert body["type"] in ERROR_TYPES
+    if response.status_code == 422:
+        path = assert_422_names_the_field(body["details"], sent_json(response.request.body))
+        if openai:
+            assert param == openai_param(path), (param, body["details"])
 
 
 def check_stream(body: str) -> None:
