@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
+import requests
 from hypothesis import HealthCheck, settings
 
 from generation import models
@@ -43,6 +44,13 @@ def tiny_server(tiny_model: models.LoadedModel) -> Iterator[ThreadedServer]:
     """A real engine server on 127.0.0.1 for synchronous (hypothesis) tests."""
     with ThreadedServer(lambda: create_app(tiny_model)) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[requests.Session]:
+    """A synchronous HTTP client for the tests that run a served stack in a thread (fuzz)."""
+    with requests.Session() as session:
+        yield session
 
 
 @pytest.fixture

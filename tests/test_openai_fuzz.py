@@ -19,36 +19,31 @@ from typing import Any
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    negative_data_rejection,
-    response_schema_conformance,
-    status_code_conformance,
-)
 
 from orchestrator.app import CHAT_DETECTION_PATH, CHAT_PATH, MODELS_PATH
 from tests.engine_processes import ThreadedServer
+from tests.fuzz_support import (
+    CHECKS,
+    Reply,
+    assert_422_names_the_field,
+    content_type,
+    fuzz_settings,
+    json_values,
+    openai_param,
+    sent_json,
+)
 from tests.orchestrator_support import (
     ERROR_TYPES,
     MODEL,
     ServedStack,
-    assert_422_names_the_field,
     native_config,
-    openai_param,
-    sent_json,
 )
 
 DETECTOR_IDS = ("pii", "hap", "pii_block")
-FUZZ = settings(
-    max_examples=80,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
+FUZZ = fuzz_settings(80)
 
 
 def chat_stack(engine_url: str) -> ServedStack:
@@ -89,21 +84,7 @@ def stack(tiny_server: ThreadedServer) -> Iterator[ServedStack]:
         s.stop()
 
 
-@pytest.fixture(scope="module")
-def http() -> Iterator[requests.Session]:
-    with requests.Session() as session:
-        yield session
-
-
 # -- the properties ---------------------------------------------------------------------------
-
-
-Reply = requests.Response | schemathesis.Response
-
-
-def content_type(response: Reply) -> str:
-    value = response.headers.get("content-type") or response.headers.get("Content-Type") or ""
-    return value[0] if isinstance(value, list) else value
 
 
 def check_error(response: Reply) -> None:
@@ -193,13 +174,6 @@ def check_reply(response: Reply, body: Any) -> None:
 
 # -- schemathesis: the documented operations ---------------------------------------------------
 
-CHECKS = [
-    not_a_server_error,
-    status_code_conformance,
-    content_type_conformance,
-    response_schema_conformance,
-    negative_data_rejection,
-]
 OPERATIONS = {("POST", CHAT_PATH), ("POST", CHAT_DETECTION_PATH), ("GET", MODELS_PATH)}
 
 
@@ -259,13 +233,6 @@ def test_the_document_names_this_deployment(stack: ServedStack, http: requests.S
 
 # -- the bodies -------------------------------------------------------------------------------
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=12,
-)
 texts = st.sampled_from(
     [
         "Hello there. How are you?",

@@ -17,15 +17,11 @@ from typing import Any
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
     negative_data_rejection,
-    response_schema_conformance,
-    status_code_conformance,
 )
 
 from orchestrator.app import (
@@ -38,34 +34,28 @@ from orchestrator.app import (
 )
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
+from tests.fuzz_support import (
+    CHECKS,
+    assert_422_names_the_field,
+    content_type,
+    fuzz_settings,
+    json_values,
+    openai_param,
+    sent_json,
+)
 from tests.orchestrator_support import (
     ERROR_TYPES,
     MODEL,
     Orchestrator,
     ServedStack,
-    assert_422_names_the_field,
     native_config,
-    openai_param,
     remote,
-    sent_json,
 )
 
 NDJSON = "application/x-ndjson"
 POST_PATHS = (STREAMING_PATH, UNARY_PATH, CONTENT_PATH, STREAM_CONTENT_PATH)
 DETECTOR_IDS = ("you", "pii", "para", "whole", "blocker")
-CHECKS = [
-    not_a_server_error,
-    status_code_conformance,
-    content_type_conformance,
-    response_schema_conformance,
-    negative_data_rejection,
-]
-FUZZ = settings(
-    max_examples=30,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
+FUZZ = fuzz_settings(30)
 
 
 def _ndjson(ctx: Any, value: Any) -> bytes:
@@ -118,17 +108,6 @@ def stack() -> Iterator[ServedStack]:
         yield s
     finally:
         s.stop()
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[requests.Session]:
-    with requests.Session() as session:
-        yield session
-
-
-def content_type(response: requests.Response | schemathesis.Response) -> str:
-    value = response.headers.get("content-type") or response.headers.get("Content-Type") or ""
-    return value[0] if isinstance(value, list) else value
 
 
 def check_error_body(
@@ -221,13 +200,6 @@ def test_schemathesis_every_operation(
 
 # -- hypothesis: arbitrary bytes and JSON at every POST endpoint ------------------------------
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=12,
-)
 texts = st.sampled_from(["You are here.", "mail a@b.com now. You too", ""]) | st.text(max_size=60)
 
 # near-valid parts: mostly accepted, so the pipeline behind validation runs too
