@@ -77,11 +77,8 @@ def chat_stack(engine_url: str) -> ServedStack:
 
 @pytest.fixture(scope="module")
 def stack(tiny_server: ThreadedServer) -> Iterator[ServedStack]:
-    s = chat_stack(tiny_server.url).start()
-    try:
+    with chat_stack(tiny_server.url) as s:
         yield s
-    finally:
-        s.stop()
 
 
 # -- the properties ---------------------------------------------------------------------------

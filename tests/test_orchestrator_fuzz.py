@@ -103,11 +103,8 @@ def fuzz_stack() -> ServedStack:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[ServedStack]:
-    s = fuzz_stack().start()
-    try:
+    with fuzz_stack() as s:
         yield s
-    finally:
-        s.stop()
 
 
 def check_error_body(
