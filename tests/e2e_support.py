@@ -1,7 +1,11 @@
 """The deployment the end-to-end tests share: the orchestrator in front of two managed
 `tiny-random` engine processes with fault injection (model `tiny`), the built-in `regex` and
-`profanity` detectors in-process; and how to watch and steer its replicas over /info and the
-engines' `/admin/faults`."""
+`profanity` detectors in-process, started once per session (conftest's `e2e_orch`); and how to
+watch and steer its replicas over /info and the engines' `/admin/faults`.
+
+A test may SIGKILL a replica: its supervisor restarts it, and every test that uses the
+deployment first waits (`all_healthy`) for both replicas to serve and none to be quarantined.
+A test leaves no fault armed. What it counts (migrations) it compares before and after."""
 
 from __future__ import annotations
 
@@ -106,9 +110,9 @@ async def engine_answer(orch: Orchestrator, model: str, body: dict[str, Any]) ->
     return {**data[-1], "text": "".join(d["text"] for d in data)}
 
 
-async def migrations(orch: Orchestrator, model: str = MODEL) -> float:
-    """guardstream_migrations_total of `model`, all kinds: a test that shares the deployment
-    compares it before and after."""
+async def migrations(orch: Orchestrator, model: str = MODEL, kind: str | None = None) -> float:
+    """guardstream_migrations_total of `model` (of one `kind`, or all): the deployment is
+    shared by every end-to-end file, so a test compares it before and after."""
     assert orch.session is not None
     async with orch.session.get(orch.url + "/metrics") as r:
         page = await r.text()
@@ -116,5 +120,7 @@ async def migrations(orch: Orchestrator, model: str = MODEL) -> float:
         s.value
         for family in text_string_to_metric_families(page)
         for s in family.samples
-        if s.name == "guardstream_migrations_total" and s.labels.get("model_id") == model
+        if s.name == "guardstream_migrations_total"
+        and s.labels.get("model_id") == model
+        and kind in (None, s.labels.get("kind"))
     )

@@ -23,7 +23,6 @@ from orchestrator.app import CHAT_PATH, STREAMING_PATH, UNARY_PATH
 from tests.e2e_support import (
     MODEL,
     all_healthy,
-    e2e_config,
     engine_answer,
     engine_call,
     faults,
@@ -35,7 +34,7 @@ from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
 from tests.openai_support import sdk
 from tests.orchestrator_support import Orchestrator, generation_body
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -45,11 +44,10 @@ UPSTREAM = "upstream-chat"
 SMOLLM2 = "smollm2"
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def orch() -> AsyncIterator[Orchestrator]:
-    """Two managed `tiny-random` replicas with fault injection; built-in pii and hap."""
-    async with Orchestrator(e2e_config()) as o:
-        yield o
+@pytest.fixture
+def orch(e2e_orch: Orchestrator) -> Orchestrator:
+    """The session's end-to-end deployment (conftest)."""
+    return e2e_orch
 
 
 async def sdk_stream(orch: Orchestrator, on_chunk: Any = None, **kwargs: Any) -> list[Any]:
@@ -294,7 +292,7 @@ async def test_a_stop_sequence_longer_than_the_engines_limit_is_422(orch: Orches
 # -- c. an OpenAI-compatible upstream behind `type: openai, api: chat` ----------------------------
 
 
-@pytest_asyncio.fixture(loop_scope="module")
+@pytest_asyncio.fixture(loop_scope="session")
 async def upstreams() -> AsyncIterator[list[FakeOpenAI]]:
     made = [FakeOpenAI(model="fake-chat"), FakeOpenAI(model="fake-chat")]
     for s in made:

@@ -13,10 +13,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from orchestrator.app import STREAMING_PATH
-from tests.e2e_support import MODEL, all_healthy, e2e_config, engine_answer, faults, replicas
+from tests.e2e_support import MODEL, all_healthy, engine_answer, faults, replicas
 from tests.orchestrator_support import (
     Orchestrator,
     SseEvent,
@@ -27,7 +26,7 @@ from tests.orchestrator_support import (
     terminal,
 )
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 GREEDY = {"max_new_tokens": 40}
 SEEDED = {
@@ -39,10 +38,10 @@ SEEDED = {
 }
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def orch() -> AsyncIterator[Orchestrator]:
-    async with Orchestrator(e2e_config()) as o:
-        yield o
+@pytest.fixture
+def orch(e2e_orch: Orchestrator) -> Orchestrator:
+    """The session's end-to-end deployment (conftest)."""
+    return e2e_orch
 
 
 async def read_events(resp: aiohttp.ClientResponse) -> AsyncIterator[SseEvent]:
