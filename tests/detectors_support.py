@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from tests.engine_processes import child_environment
 from tests.wait_support import until_sync
 
 LABELS = ("safe", "sports", "finance")
@@ -155,6 +154,10 @@ def start_detector_service(
     """`python -m detectors serve --config PATH --host 127.0.0.1 --port 0 ARGS` started, and
     waited for (a generous deadline: classifiers load torch) until its "serving" line; fails
     with its stderr if it exits or never listens."""
+    # here, not at the top: the detector tests that import this module for the classifier
+    # need not import the engine package that engine_processes reads its prefix from
+    from tests.engine_processes import child_environment
+
     process = subprocess.Popen(
         [
             *(sys.executable, "-m", "detectors", "serve", "--config", str(config_path)),
