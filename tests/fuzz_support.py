@@ -114,6 +114,8 @@ def assert_422_names_the_field(message: str, sent: Any) -> str | None:
         return None
     if ENGINE_LIMIT.match(message):
         return None
+    if "" in sent and message.startswith("unknown field ("):
+        return None  # the field's name is empty: there is nothing to put before the colon
     path = field_path(message)
     assert path is not None, f"the 422 names no field: {message!r}"
     held = any(path == key or path.startswith(f"{key}.") for key in sent)
