@@ -10,6 +10,8 @@ A test leaves no fault armed. What it counts (migrations) it compares before and
 from __future__ import annotations
 
 import json
+import os
+import signal
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -124,3 +126,22 @@ async def migrations(orch: Orchestrator, model: str = MODEL, kind: str | None = 
         and s.labels.get("model_id") == model
         and kind in (None, s.labels.get("kind"))
     )
+
+
+async def stall_every_replica(orch: Orchestrator, after_tokens: int = 8) -> None:
+    """Every replica stalls (once) after `after_tokens`: a kill then lands mid-stream whichever
+    replica serves."""
+    for rep in await replicas(orch):
+        await faults(orch, rep, {"after_tokens": after_tokens, "mode": "stall", "times": 1})
+
+
+async def kill_the_serving_replica(orch: Orchestrator) -> int:
+    """SIGKILLs the replica serving the one open stream, after disarming the survivors' faults
+    (they must not stall too); its pid. The supervisor restarts it."""
+    reps = await replicas(orch)
+    serving = next(r for r in reps if r["active"] == 1)
+    for other in reps:
+        if other is not serving:
+            await faults(orch, other, None)
+    os.kill(serving["pid"], signal.SIGKILL)
+    return serving["pid"]

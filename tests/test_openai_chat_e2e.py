@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,9 +23,9 @@ from tests.e2e_support import (
     all_healthy,
     engine_answer,
     engine_call,
-    faults,
+    kill_the_serving_replica,
     migrations,
-    replicas,
+    stall_every_replica,
 )
 from tests.engine_support import skip_without_smollm2
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
@@ -134,20 +132,13 @@ async def test_sigkill_of_the_serving_replica_mid_stream_is_seamless_for_the_sdk
     before = await migrations(orch, MODEL)
 
     # every replica stalls after 8 tokens, so the kill lands mid-stream whichever serves
-    for rep in await replicas(orch):
-        await faults(orch, rep, {"after_tokens": 8, "mode": "stall", "times": 1})
+    await stall_every_replica(orch)
     killed: list[int] = []
 
     async def kill_after_three_pieces(chunks: list[Any]) -> None:
         if killed or len(pieces(chunks)) < 3:
             return
-        reps = await replicas(orch)
-        serving = next(r for r in reps if r["active"] == 1)
-        for other in reps:
-            if other is not serving:
-                await faults(orch, other, None)  # the survivor must not stall too
-        os.kill(serving["pid"], signal.SIGKILL)
-        killed.append(serving["pid"])
+        killed.append(await kill_the_serving_replica(orch))
 
     got = await sdk_stream(orch, kill_after_three_pieces, **request)
     assert killed

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +15,12 @@ import pytest
 from openai.types.responses import Response
 
 from tests.e2e_support import MODEL as TINY
-from tests.e2e_support import all_healthy, faults, migrations, replicas
+from tests.e2e_support import (
+    all_healthy,
+    kill_the_serving_replica,
+    migrations,
+    stall_every_replica,
+)
 from tests.engine_processes import free_port
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
@@ -655,8 +658,7 @@ async def test_sigkill_of_the_serving_replica_mid_stream_is_one_seamless_respons
     before = await migrations(orch, kind="mid_stream")
 
     # every replica stalls after 8 tokens, so the kill lands mid-stream whichever serves
-    for rep in await replicas(orch):
-        await faults(orch, rep, {"after_tokens": 8, "mode": "stall", "times": 1})
+    await stall_every_replica(orch)
     stream = await client.responses.create(
         model=TINY, input=prompt, temperature=0, max_output_tokens=40, stream=True
     )
@@ -666,12 +668,7 @@ async def test_sigkill_of_the_serving_replica_mid_stream_is_one_seamless_respons
         events.append(event)
         deltas = [e for e in events if e.type == "response.output_text.delta"]
         if not killed and len(deltas) >= 3:
-            reps = await replicas(orch)
-            serving = next(r for r in reps if r["active"] == 1)
-            for other in reps:
-                if other is not serving:
-                    await faults(orch, other, None)  # the survivor must not stall too
-            os.kill(serving["pid"], signal.SIGKILL)
+            await kill_the_serving_replica(orch)
             killed = True
     assert killed
     assert await migrations(orch, kind="mid_stream") == before + 1

@@ -6,8 +6,6 @@ client's frames must still concatenate to exactly the text of an uninterrupted r
 from __future__ import annotations
 
 import json
-import os
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +13,13 @@ import aiohttp
 import pytest
 
 from orchestrator.app import STREAMING_PATH
-from tests.e2e_support import MODEL, all_healthy, engine_answer, faults, replicas
+from tests.e2e_support import (
+    MODEL,
+    all_healthy,
+    engine_answer,
+    kill_the_serving_replica,
+    stall_every_replica,
+)
 from tests.orchestrator_support import (
     Orchestrator,
     SseEvent,
@@ -165,8 +169,7 @@ async def test_sigkill_of_the_serving_replica_mid_stream_is_seamless(
     assert end.data["generated_token_count"] >= 12  # long enough to cut in the middle
 
     # Every replica stalls after 8 tokens, so the kill lands mid-stream whichever serves.
-    for rep in await replicas(orch):
-        await faults(orch, rep, {"after_tokens": 8, "mode": "stall", "times": 1})
+    await stall_every_replica(orch)
     assert orch.session is not None
     body = generation_body("The quick brown fox", params=params, model_id=MODEL)
     got: list[SseEvent] = []
@@ -176,12 +179,7 @@ async def test_sigkill_of_the_serving_replica_mid_stream_is_seamless(
         async for event in read_events(resp):
             got.append(event)
             if not killed and len(frames(got)) >= 3:
-                reps = await replicas(orch)
-                serving = next(r for r in reps if r["active"] == 1)
-                for other in reps:
-                    if other is not serving:
-                        await faults(orch, other, None)  # the survivor must not stall too
-                os.kill(serving["pid"], signal.SIGKILL)
+                await kill_the_serving_replica(orch)
                 killed = True
     assert killed
     assert assert_contiguous(frames(got)) == expected
