@@ -6,15 +6,18 @@ from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import pytest
+import pytest_asyncio
+import requests
 from hypothesis import HealthCheck, settings
 
 from generation import models
 from generation.server import create_app
+from tests.e2e_support import e2e_config
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import SMOLLM2_DTYPE, load_test_model
 from tests.fakes.engine import FakeEngine
 from tests.fakes.upstream import FakeUpstream
-from tests.orchestrator_support import SCRIPT
+from tests.orchestrator_support import SCRIPT, Orchestrator
 
 # No property test may fail because a machine is slow: hypothesis' default 200 ms deadline per
 # example turns a loaded CI core into a flaky failure. Tests that set their own settings still
@@ -43,6 +46,22 @@ def tiny_server(tiny_model: models.LoadedModel) -> Iterator[ThreadedServer]:
     """A real engine server on 127.0.0.1 for synchronous (hypothesis) tests."""
     with ThreadedServer(lambda: create_app(tiny_model)) as server:
         yield server
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def e2e_orch() -> AsyncIterator[Orchestrator]:
+    """The end-to-end deployment (tests/e2e_support.py), one engine pair for every file that
+    uses it: each start of two engine processes loads torch twice. Its tests run on the session
+    loop (`pytest.mark.asyncio(loop_scope="session")`)."""
+    async with Orchestrator(e2e_config()) as orch:
+        yield orch
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[requests.Session]:
+    """A synchronous HTTP client for the tests that run a served stack in a thread (fuzz)."""
+    with requests.Session() as session:
+        yield session
 
 
 @pytest.fixture

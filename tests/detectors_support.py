@@ -10,9 +10,22 @@ anchors is exactly one anchor: window scores, and their character spans, are kno
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import json
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from tests.wait_support import until_sync
 
 LABELS = ("safe", "sports", "finance")
 ANCHORS = {
@@ -90,3 +103,135 @@ def shared_anchor_classifier() -> Path:
         atexit.register(shutil.rmtree, root, ignore_errors=True)
         _SHARED["anchor"] = build_anchor_classifier(root / "classifier")
     return _SHARED["anchor"]
+
+
+# -- the detector service as a real subprocess -----------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVING = re.compile(r"^detectors: serving (.*) on (http://127\.0\.0\.1:(\d+))$")
+
+
+@dataclass
+class DetectorService:
+    """A running `python -m detectors serve`: its URL, the ids its "serving" line named, and
+    its stderr so far (drained by a thread for its whole life, so a chatty child never blocks
+    on a full pipe)."""
+
+    process: subprocess.Popen[str]
+    url: str = ""
+    port: int = 0
+    ids: list[str] = field(default_factory=list)
+    stderr_lines: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=500)
+    )
+    drains: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.stderr_lines)
+
+    def stop(self, deadline_s: float = 30.0) -> int:
+        """SIGTERM (the service exports its last spans and exits 0); SIGKILL past the deadline,
+        which fails the caller's exit-status assertion."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(deadline_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        for drain in self.drains:  # the pipes are at EOF: all of stderr is in
+            drain.join(10)
+        return self.process.returncode
+
+
+def start_detector_service(
+    config_path: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    deadline_s: float = 120.0,
+) -> DetectorService:
+    """`python -m detectors serve --config PATH --host 127.0.0.1 --port 0 ARGS` started, and
+    waited for (a generous deadline: classifiers load torch) until its "serving" line; fails
+    with its stderr if it exits or never listens."""
+    # here, not at the top: the detector tests that import this module for the classifier
+    # need not import the engine package that engine_processes reads its prefix from
+    from tests.engine_processes import child_environment
+
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "detectors", "serve", "--config", str(config_path)),
+            *("--host", "127.0.0.1", "--port", "0", *args),
+        ],
+        cwd=ROOT,
+        env=child_environment({"PYTHONUNBUFFERED": "1", **(env or {})}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    service = DetectorService(process)
+    stdout: list[str] = []
+
+    def drain_stderr() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            service.stderr_lines.append(line.rstrip("\n"))
+
+    def drain_stdout() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            stdout.append(line.rstrip("\n"))
+
+    for drain in (drain_stderr, drain_stdout):
+        thread = threading.Thread(target=drain, name=f"detectors-{process.pid}", daemon=True)
+        thread.start()
+        service.drains.append(thread)
+
+    def listening() -> re.Match[str] | None:
+        if stdout:
+            return SERVING.match(stdout[0])
+        assert process.poll() is None, f"the detector service exited {process.returncode}"
+        return None
+
+    try:
+        match = until_sync(listening, deadline_s, "the detector service's serving line")
+    except AssertionError as exc:
+        service.stop(5)
+        raise AssertionError(f"{exc}\nstdout: {stdout}\nstderr:\n{service.stderr}") from None
+    service.ids = match.group(1).split(", ")
+    service.url = match.group(2)
+    service.port = int(match.group(3))
+    return service
+
+
+def write_config(tmp_path: Path, config: dict[str, Any]) -> Path:
+    path = tmp_path / "detectors.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+@contextmanager
+def detector_service(
+    tmp_path: Path, config: dict[str, Any], *args: str, env: dict[str, str] | None = None
+) -> Iterator[DetectorService]:
+    """The service serving `config` for the block; at its end stopped with SIGTERM, which
+    must exit 0 (a graceful stop is part of what every caller tests)."""
+    service = start_detector_service(write_config(tmp_path, config), *args, env=env)
+    try:
+        yield service
+    finally:
+        assert service.stop() == 0, service.stderr
+
+
+@asynccontextmanager
+async def detector_service_async(
+    tmp_path: Path, config: dict[str, Any], *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[DetectorService]:
+    """`detector_service` for async tests: start and stop run in a thread, so servers on the
+    test's loop (a trace collector the service exports to as it stops) keep serving."""
+    path = write_config(tmp_path, config)
+    service = await asyncio.to_thread(start_detector_service, path, *args, env=env)
+    try:
+        yield service
+    finally:
+        assert await asyncio.to_thread(service.stop) == 0, service.stderr

@@ -213,6 +213,12 @@ class ServedStack(BackgroundLoop):
         self.run(stop())
         self.stop_loop()
 
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 class Orchestrator:
     """The real service on a free port: `async with Orchestrator(cfg) as orch: orch.url`."""

@@ -21,10 +21,11 @@ from orchestrator.clients.backend import (
     GenerationRequest,
 )
 from orchestrator.clients.backends import ReplicatedModelBackend, build_model_backends
+from orchestrator.clients.line_transport import FINAL_GRACE_S
 from orchestrator.clients.migration import MigratingStream
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
-from tests.fakes.clock import expire_stalls, manual_stall_clock
+from tests.fakes.clock import ManualClock, expire_stalls, manual_stall_clock
 from tests.fakes.openai_server import (
     DEFAULT_SCRIPT,
     FakeOpenAI,
@@ -34,6 +35,7 @@ from tests.fakes.openai_server import (
     templated,
     token_ids,
 )
+from tests.wait_support import finished, until
 
 SCRIPT = DEFAULT_SCRIPT  # "The cat sat on the mat."
 FULL = "".join(SCRIPT)
@@ -68,6 +70,14 @@ def request(
     )
 
 
+@pytest.fixture(autouse=True)
+def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    """Every stream here times its stall (and its grace after the finish) on a manual clock: no
+    stall fires because a loaded machine was slow, and a test that wants one declares it
+    (`expire_stalls`). The stall timeouts below are only the lengths the messages name."""
+    return manual_stall_clock(monkeypatch)
+
+
 def client(session: aiohttp.ClientSession, s: Any, **kwargs: Any) -> OpenAIClient:
     return OpenAIClient("c0", s.url, "fake-chat", session, api="chat", **kwargs)
 
@@ -75,7 +85,7 @@ def client(session: aiohttp.ClientSession, s: Any, **kwargs: Any) -> OpenAIClien
 async def collect(
     c: OpenAIClient, req: GenerationRequest, cont: Continuation | None = None
 ) -> list[EngineDelta]:
-    stream = c.generate(req, cont, stall_timeout_s=5, max_time=0)
+    stream = c.generate(req, cont, stall_timeout_s=30, max_time=0)
     try:
         return [item async for item in stream]
     finally:
@@ -103,7 +113,7 @@ def backend(
                     servers, [api] * len(servers) if isinstance(api, str) else api, strict=True
                 )
             ],
-            "migration": {"stall_timeout_s": 5, "quarantine_s": 30, **migration},
+            "migration": {"stall_timeout_s": 30, "quarantine_s": 30, **migration},
         }
     )
     built = build_model_backends({"m": config}, session, registry=registry or CollectorRegistry())
@@ -295,7 +305,7 @@ async def test_failures_are_migratable(
 ) -> None:
     (s,) = await start(servers, fail=fault)
     items: list[EngineDelta] = []
-    stream = client(session, s).generate(request(), None, stall_timeout_s=5, max_time=0)
+    stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
     with pytest.raises(GenerationError) as info:
         async for item in stream:
             items.append(item)
@@ -332,10 +342,9 @@ async def test_content_filter_is_a_refusal_not_migrated(
 
 
 async def test_stall(
-    session: aiohttp.ClientSession, servers: list[Any], monkeypatch: pytest.MonkeyPatch
+    session: aiohttp.ClientSession, servers: list[Any], clock: ManualClock
 ) -> None:
     (s,) = await start(servers, fail=OpenAIFault("stall", after=1))
-    clock = manual_stall_clock(monkeypatch)
     stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
 
     async def drain() -> None:
@@ -349,12 +358,11 @@ async def test_stall(
 
 
 async def test_keepalives_do_not_hide_a_stall(
-    session: aiohttp.ClientSession, servers: list[Any], monkeypatch: pytest.MonkeyPatch
+    session: aiohttp.ClientSession, servers: list[Any], clock: ManualClock
 ) -> None:
     """A server that only sends keep-alive comments is stalled all the same: a keep-alive
     arrives before every step of the stall clock, and the stall is still declared."""
     (s,) = await start(servers, fail=OpenAIFault("stall_keepalive", after=1))
-    clock = manual_stall_clock(monkeypatch)
     stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
     texts = []
 
@@ -380,36 +388,51 @@ async def test_end_of_body_after_the_finish_chunk_is_a_normal_end(
     """transformers serve ends the body right after the finish chunk (its usage inside it),
     without `[DONE]`: a normal end, not a failure (nothing quarantined, nothing re-dispatched)."""
     (s,) = await start(servers, fail=OpenAIFault("eof", after_finish=True))
-    stream = client(session, s).generate(request(), None, stall_timeout_s=5, max_time=0)
+    stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
     items = [item async for item in stream]
     assert "".join(i.text for i in items) == FULL
     assert items[-1].finish_reason == "EOS_TOKEN" and items[-1].token_count == 0
 
 
+async def after_the_grace(clock: ManualClock, task: asyncio.Task[Any]) -> None:
+    """Until `task` ends; a replica silent after its finish event is waited for only the short
+    grace (FINAL_GRACE_S), so once the reader waits that out, the clock moves by the grace,
+    never by the stall timeout, and the stream must end."""
+    await until(lambda: task.done() or clock.armed_within(FINAL_GRACE_S), what="the grace")
+    if not task.done():
+        clock.advance(FINAL_GRACE_S)
+    await finished(asyncio.wait([task]), what="the stream's end after its grace")
+
+
 @pytest.mark.parametrize("mode", ["close", "error", "stall"])
 async def test_failure_after_the_finish_chunk(
-    session: aiohttp.ClientSession, servers: list[Any], mode: str
+    session: aiohttp.ClientSession, servers: list[Any], clock: ManualClock, mode: str
 ) -> None:
     """The finish event came, the usage and [DONE] did not: the final item still goes out (then
     the failure), and the request completes without re-dispatch."""
-    # after the finish event only the short final grace is waited out (FINAL_GRACE_S); the stall
-    # timeout itself stays generous so a loaded machine cannot fire it before the finish
-    stall_s = 5
     (s,) = await start(servers, fail=OpenAIFault(mode, after_finish=True))
-    stream = client(session, s).generate(request(), None, stall_timeout_s=stall_s, max_time=0)
+    stream = client(session, s).generate(request(), None, stall_timeout_s=30, max_time=0)
     items: list[EngineDelta] = []
-    with pytest.raises(GenerationError) as info:
+
+    async def drain() -> None:
         async for item in stream:
             items.append(item)
+
+    task = asyncio.create_task(drain())
+    await after_the_grace(clock, task)
+    with pytest.raises(GenerationError) as info:
+        await task
     assert info.value.migratable
     assert items[-1].finish_reason == "EOS_TOKEN" and items[-1].token_count == 0
     assert "".join(i.text for i in items) == FULL
 
     a, b = await start(servers, 2)
     a.faults.append(OpenAIFault(mode, after_finish=True))
-    be = backend(session, [a, b], stall_timeout_s=stall_s)
+    be = backend(session, [a, b])
     stream2 = be.stream(request())
-    chunks = await run(stream2)
+    got = asyncio.create_task(run(stream2))
+    await after_the_grace(clock, got)
+    chunks = await got
     assert "".join(c.text for c in chunks) == FULL
     assert stream2.finish_reason == "EOS_TOKEN" and stream2.migrations == 0
     assert chunks[-1].generated_token_count == 7 and b.requests == []
@@ -474,11 +497,10 @@ async def test_every_migratable_failure_resumes_seamlessly(
     session: aiohttp.ClientSession,
     servers: list[Any],
     fault: OpenAIFault,
-    monkeypatch: pytest.MonkeyPatch,
+    clock: ManualClock,
 ) -> None:
     a, b = await start(servers, 2, words_per_chunk=2)
     a.faults.append(fault)
-    clock = manual_stall_clock(monkeypatch)  # a stall happens when the test declares it
     be = backend(session, [a, b], stall_timeout_s=30)
     stream = be.stream(request())
     task = asyncio.create_task(run(stream))
@@ -566,7 +588,7 @@ async def test_completions_mode_tokenizes_messages(
     servers.append(v)
     c = OpenAIClient("v0", v.url, "fake-chat", session)
     req = request(messages=CONVERSATION, extra={"user": "not forwarded"})
-    stream = c.generate(req, None, stall_timeout_s=5, max_time=0)
+    stream = c.generate(req, None, stall_timeout_s=30, max_time=0)
     try:
         items = [item async for item in stream]
     finally:

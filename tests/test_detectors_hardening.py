@@ -11,8 +11,6 @@ import builtins
 import io
 import os
 import pathlib
-import re
-import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from detectors_support import shared_anchor_classifier
+from detectors_support import detector_service, shared_anchor_classifier
 
 import detectors
 from detectors import InvalidParams, regex_pii
@@ -470,33 +468,6 @@ async def test_the_service_refuses_request_regexes_and_paths_with_422(aiohttp_cl
         assert await resp.json() == {"code": 422, "message": message}
 
 
-@contextmanager
-def detector_service(tmp_path: Path, config: dict, env: dict[str, str]) -> Iterator[int]:
-    """`python -m detectors serve --config ... --port 0` as a subprocess; yields its port."""
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "detectors", "serve", "--config", str(path)),
-            *("--host", "127.0.0.1", "--port", "0", "--no-warmup"),
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
-        assert match, line + (proc.stderr.read() if proc.poll() is not None else "")
-        yield int(match.group(1))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
-
-
 SERVICE_CONFIG = {
     "server": {"api_keys_env": KEYS_ENV},
     "detectors": {
@@ -549,8 +520,9 @@ def test_the_service_requires_its_bearer_key_except_on_health_and_metrics(tmp_pa
                 out.append(("allowed redos", resp.status, await resp.json(), None))
         return out
 
-    with detector_service(tmp_path, SERVICE_CONFIG, {KEYS_ENV: f" {KEY}, other-key ,"}) as port:
-        results = {name: tuple(rest) for name, *rest in asyncio.run(calls(port))}
+    keys = {KEYS_ENV: f" {KEY}, other-key ,"}
+    with detector_service(tmp_path, SERVICE_CONFIG, "--no-warmup", env=keys) as service:
+        results = {name: tuple(rest) for name, *rest in asyncio.run(calls(service.port))}
     unauthorized = (401, {"code": 401, "message": "missing or invalid API key"}, "Bearer")
     assert results["health"] == (200, {"status": "ok"}, None)
     assert results["metrics"][0] == 200  # Prometheus scrapes without a key; counters only

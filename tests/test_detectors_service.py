@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import threading
@@ -17,8 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
-from detectors_support import ANCHORS, shared_anchor_classifier
+from detectors_support import ANCHORS, detector_service, shared_anchor_classifier
 
 import detectors
 from detectors import Detection, Detector, DetectorError, Overloaded
@@ -326,58 +323,30 @@ async def test_app_from_a_config_dict(aiohttp_client: Any) -> None:
 
 
 def test_cli_serves_the_config_on_a_free_port(tmp_path: Path) -> None:
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "server": {"port": 8033},
-                "chunkers": {"sentence": {"type": "sentence"}},
-                "detectors": {
-                    "pii": {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"},
-                    "hap": {"builtin": "profanity", "params": {"min_score": 0.5}},
-                    "remote": {"url": "http://127.0.0.1:1"},
-                },
-            }
-        )
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "detectors",
-            "serve",
-            "--config",
-            str(config),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(r"serving hap, pii on http://127\.0\.0\.1:(\d+)", line)
-        assert match, line + (proc.stderr.read() if proc.poll() is not None else "")
-        port = int(match.group(1))
-        assert port > 0
+    config = {
+        "server": {"port": 8033},
+        "chunkers": {"sentence": {"type": "sentence"}},
+        "detectors": {
+            "pii": {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"},
+            "hap": {"builtin": "profanity", "params": {"min_score": 0.5}},
+            "remote": {"url": "http://127.0.0.1:1"},
+        },
+    }
+    with detector_service(tmp_path, config) as service:
+        # the in-process detectors, sorted; `--port 0` wins over the config's port
+        assert service.ids == ["hap", "pii"]
+        assert service.port not in (0, 8033)
 
         async def call() -> tuple[int, Any]:
             async with aiohttp.ClientSession() as session:
                 async with session.post(
-                    f"http://127.0.0.1:{port}{URL}",
+                    service.url + URL,
                     json={"contents": ["a@b.com", "fuck off"]},
                     headers={"detector-id": "pii"},
                 ) as resp:
                     first = await resp.json()
                 async with session.post(
-                    f"http://127.0.0.1:{port}{URL}",
+                    service.url + URL,
                     json={"contents": ["fuck off"]},
                     headers={"detector-id": "hap"},
                 ) as resp:
@@ -399,11 +368,7 @@ def test_cli_serves_the_config_on_a_free_port(tmp_path: Path) -> None:
             [],
         ]
         assert hap[0][0]["detection"] == "profanity"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
-        assert proc.stderr is not None
-        assert "InconsistentVersionWarning" not in proc.stderr.read()
+    assert "InconsistentVersionWarning" not in service.stderr
 
 
 def test_cli_reports_config_errors_with_their_path(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ to it (greedy and seeded sampling), because the engine resumes exactly (DESIGN s
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
 import os
 import signal
@@ -26,13 +25,7 @@ from tests.fakes.clock import expire_stalls, manual_stall_clock
 from tests.migration_support import all_healthy, arm, collect, kill_serving, managed_backend
 from tests.wait_support import until
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("generation.__main__") is None,
-        reason="the generation engine is not available",
-    ),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PROMPT = "The quick brown fox"
 GREEDY = GenerationParams(max_new_tokens=48)

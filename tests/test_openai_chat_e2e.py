@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,14 +18,21 @@ import pytest_asyncio
 
 from generation import models
 from orchestrator.app import CHAT_PATH, STREAMING_PATH, UNARY_PATH
-from orchestrator.state import STATE
-from tests.e2e_support import MODEL, all_healthy, e2e_config, faults, replicas
+from tests.e2e_support import (
+    MODEL,
+    all_healthy,
+    engine_answer,
+    engine_call,
+    kill_the_serving_replica,
+    migrations,
+    stall_every_replica,
+)
 from tests.engine_support import skip_without_smollm2
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
 from tests.openai_support import sdk
 from tests.orchestrator_support import Orchestrator, generation_body
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -37,11 +42,10 @@ UPSTREAM = "upstream-chat"
 SMOLLM2 = "smollm2"
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def orch() -> AsyncIterator[Orchestrator]:
-    """Two managed `tiny-random` replicas with fault injection; built-in pii and hap."""
-    async with Orchestrator(e2e_config()) as o:
-        yield o
+@pytest.fixture
+def orch(e2e_orch: Orchestrator) -> Orchestrator:
+    """The session's end-to-end deployment (conftest)."""
+    return e2e_orch
 
 
 async def sdk_stream(orch: Orchestrator, on_chunk: Any = None, **kwargs: Any) -> list[Any]:
@@ -63,40 +67,8 @@ def pieces(chunks: list[Any]) -> list[str]:
     return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
 
 
-def engine_key(orch: Orchestrator, model: str, url: str) -> str:
-    """The generated Bearer key of the managed engine at `url` (it refuses calls without)."""
-    assert orch.runner is not None
-    backend: Any = orch.runner.app[STATE].backends[model]
-    return next(p.api_key for p in backend.processes if p.url == url)
-
-
-async def engine_call(orch: Orchestrator, model: str, path: str, body: dict[str, Any]) -> str:
-    """POSTs straight to the first managed replica of `model`, with its key; the reply text."""
-    assert orch.session is not None
-    url = (await replicas(orch, model))[0]["url"]
-    headers = {"Authorization": f"Bearer {engine_key(orch, model, url)}"}
-    async with orch.session.post(url + path, json=body, headers=headers) as r:
-        text = await r.text()
-        assert r.status == 200, text
-        return text
-
-
 async def token_count(orch: Orchestrator, model: str, body: dict[str, Any]) -> int:
     return json.loads(await engine_call(orch, model, "/v1/tokenize", body))["count"]
-
-
-async def engine_answer(orch: Orchestrator, model: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The engine's own greedy answer (`text`, `finish_reason`, `generated_token_count`),
-    without the orchestrator."""
-    text = await engine_call(orch, model, "/v1/generate", body)
-    lines = [json.loads(line) for line in text.splitlines() if line]
-    assert lines[-1] == {"complete_final": True}
-    data = [line["data"] for line in lines[:-1]]
-    return {**data[-1], "text": "".join(d["text"] for d in data)}
-
-
-async def migrations(orch: Orchestrator, model: str) -> float:
-    return await orch.metric("guardstream_migrations_total", model_id=model)
 
 
 FINISH = {"EOS_TOKEN": "stop", "STOP_SEQUENCE": "stop", "MAX_TOKENS": "length"}
@@ -160,20 +132,13 @@ async def test_sigkill_of_the_serving_replica_mid_stream_is_seamless_for_the_sdk
     before = await migrations(orch, MODEL)
 
     # every replica stalls after 8 tokens, so the kill lands mid-stream whichever serves
-    for rep in await replicas(orch):
-        await faults(orch, rep, {"after_tokens": 8, "mode": "stall", "times": 1})
+    await stall_every_replica(orch)
     killed: list[int] = []
 
     async def kill_after_three_pieces(chunks: list[Any]) -> None:
         if killed or len(pieces(chunks)) < 3:
             return
-        reps = await replicas(orch)
-        serving = next(r for r in reps if r["active"] == 1)
-        for other in reps:
-            if other is not serving:
-                await faults(orch, other, None)  # the survivor must not stall too
-        os.kill(serving["pid"], signal.SIGKILL)
-        killed.append(serving["pid"])
+        killed.append(await kill_the_serving_replica(orch))
 
     got = await sdk_stream(orch, kill_after_three_pieces, **request)
     assert killed
@@ -321,7 +286,7 @@ async def test_a_stop_sequence_longer_than_the_engines_limit_is_422(orch: Orches
 # -- c. an OpenAI-compatible upstream behind `type: openai, api: chat` ----------------------------
 
 
-@pytest_asyncio.fixture(loop_scope="module")
+@pytest_asyncio.fixture(loop_scope="session")
 async def upstreams() -> AsyncIterator[list[FakeOpenAI]]:
     made = [FakeOpenAI(model="fake-chat"), FakeOpenAI(model="fake-chat")]
     for s in made:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +15,12 @@ import pytest
 from openai.types.responses import Response
 
 from tests.e2e_support import MODEL as TINY
-from tests.e2e_support import all_healthy, e2e_config, faults, replicas
+from tests.e2e_support import (
+    all_healthy,
+    kill_the_serving_replica,
+    migrations,
+    stall_every_replica,
+)
 from tests.engine_processes import free_port
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
@@ -640,46 +643,35 @@ async def test_keepalive_comments_while_text_is_held_back(engine, dets) -> None:
 # -- migration with real engines -----------------------------------------------------------------
 
 
-async def test_sigkill_of_the_serving_replica_mid_stream_is_one_seamless_response() -> None:
-
+@pytest.mark.asyncio(loop_scope="session")
+async def test_sigkill_of_the_serving_replica_mid_stream_is_one_seamless_response(
+    e2e_orch: Orchestrator,
+) -> None:
+    orch = e2e_orch  # the session's deployment (conftest): counters compared before and after
     prompt = "The quick brown fox"
-    async with Orchestrator(e2e_config()) as orch:
-        await all_healthy(orch)
-        client = sdk(orch)
-        first = await client.responses.create(
-            model=TINY, input=prompt, temperature=0, max_output_tokens=40
-        )
-        assert first.usage is not None and first.usage.output_tokens >= 12
+    await all_healthy(orch)
+    client = sdk(orch)
+    first = await client.responses.create(
+        model=TINY, input=prompt, temperature=0, max_output_tokens=40
+    )
+    assert first.usage is not None and first.usage.output_tokens >= 12
+    before = await migrations(orch, kind="mid_stream")
 
-        # every replica stalls after 8 tokens, so the kill lands mid-stream whichever serves
-        for rep in await replicas(orch):
-            await faults(orch, rep, {"after_tokens": 8, "mode": "stall", "times": 1})
-        stream = await client.responses.create(
-            model=TINY, input=prompt, temperature=0, max_output_tokens=40, stream=True
-        )
-        events = []
-        killed = False
-        async for event in stream:
-            events.append(event)
-            deltas = [e for e in events if e.type == "response.output_text.delta"]
-            if not killed and len(deltas) >= 3:
-                reps = await replicas(orch)
-                serving = next(r for r in reps if r["active"] == 1)
-                for other in reps:
-                    if other is not serving:
-                        await faults(orch, other, None)  # the survivor must not stall too
-                os.kill(serving["pid"], signal.SIGKILL)
-                killed = True
-        assert orch.session is not None
-        async with orch.session.get(orch.url + "/metrics") as r:
-            metrics = await r.text()
+    # every replica stalls after 8 tokens, so the kill lands mid-stream whichever serves
+    await stall_every_replica(orch)
+    stream = await client.responses.create(
+        model=TINY, input=prompt, temperature=0, max_output_tokens=40, stream=True
+    )
+    events = []
+    killed = False
+    async for event in stream:
+        events.append(event)
+        deltas = [e for e in events if e.type == "response.output_text.delta"]
+        if not killed and len(deltas) >= 3:
+            await kill_the_serving_replica(orch)
+            killed = True
     assert killed
-    migrated = [
-        line
-        for line in metrics.splitlines()
-        if line.startswith("guardstream_migrations_total{") and 'kind="mid_stream"' in line
-    ]
-    assert [line.rsplit(" ", 1)[1] for line in migrated] == ["1.0"]
+    assert await migrations(orch, kind="mid_stream") == before + 1
     check_stream([e.to_dict() for e in events])
     final = events[-1].response  # type: ignore[union-attr]
     # one terminal event, the same as the uninterrupted run's, with the same text (greedy

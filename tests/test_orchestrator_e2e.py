@@ -6,17 +6,20 @@ client's frames must still concatenate to exactly the text of an uninterrupted r
 from __future__ import annotations
 
 import json
-import os
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from orchestrator.app import STREAMING_PATH
-from tests.e2e_support import MODEL, all_healthy, e2e_config, faults, replicas
+from tests.e2e_support import (
+    MODEL,
+    all_healthy,
+    engine_answer,
+    kill_the_serving_replica,
+    stall_every_replica,
+)
 from tests.orchestrator_support import (
     Orchestrator,
     SseEvent,
@@ -27,7 +30,7 @@ from tests.orchestrator_support import (
     terminal,
 )
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 GREEDY = {"max_new_tokens": 40}
 SEEDED = {
@@ -39,10 +42,10 @@ SEEDED = {
 }
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def orch() -> AsyncIterator[Orchestrator]:
-    async with Orchestrator(e2e_config()) as o:
-        yield o
+@pytest.fixture
+def orch(e2e_orch: Orchestrator) -> Orchestrator:
+    """The session's end-to-end deployment (conftest)."""
+    return e2e_orch
 
 
 async def read_events(resp: aiohttp.ClientResponse) -> AsyncIterator[SseEvent]:
@@ -60,43 +63,93 @@ def from_block(block: str) -> SseEvent:
 
 async def test_builtin_detectors_refuse_unsuitable_input(orch: Orchestrator) -> None:
     await all_healthy(orch)
-    events = await orch.stream(
-        generation_body(
-            "Mail jo@example.com, you stupid fucking idiot.",
-            input={"pii": {}, "hap": {}},
-            model_id=MODEL,
-        )
+    text = "Mail jo@example.com, you stupid fucking idiot."
+    events = await orch.stream(generation_body(text, input={"pii": {}, "hap": {}}, model_id=MODEL))
+    first, end = events
+    found = first.data["token_classification_results"]["input"]
+    # profanity's score is its classifier's probability: a float from sklearn, compared closely
+    assert found[0]["score"] == pytest.approx(0.9999990818906392, rel=1e-6)
+    assert first.data == {
+        "token_classification_results": {
+            "input": [
+                {
+                    "start": 0,
+                    "end": 46,
+                    "word": text,
+                    "entity": "profanity",
+                    "entity_group": "hap",
+                    "detector_id": "hap",
+                    "score": found[0]["score"],
+                },
+                {
+                    "start": 5,
+                    "end": 19,
+                    "word": "jo@example.com",
+                    "entity": "email",
+                    "entity_group": "pii",
+                    "detector_id": "pii",
+                    "score": 1.0,
+                },
+            ]
+        },
+        "start_index": 0,
+        "processed_index": 0,
+        "input_token_count": 26,
+        "warnings": [
+            {
+                "id": "UNSUITABLE_INPUT",
+                "message": "Unsuitable input detected. Please check the detected entities on "
+                "your input.",
+            }
+        ],
+    }
+    assert (end.name, end.data) == (
+        "incomplete",
+        {
+            "generated_token_count": 0,
+            "input_token_count": 26,
+            "processed_index": 0,
+            "migrations": 0,
+            "incomplete_details": {"reason": "content_filter"},
+        },
     )
-    found = events[0].data["token_classification_results"]["input"]
-    assert [(d["start"], d["end"], d["detector_id"], d["entity"]) for d in found] == [
-        (0, 46, "hap", "profanity"),
-        (5, 19, "pii", "email"),
-    ]
-    assert found[0]["score"] > 0.5
-    assert terminal(events).name == "incomplete"
 
 
 async def test_clean_input_streams_real_generation_through_real_detectors(
     orch: Orchestrator,
 ) -> None:
     await all_healthy(orch)
+    prompt = "Hello there. How are you?"
     events = await orch.stream(
         generation_body(
-            "Hello there. How are you?",
+            prompt,
             input={"pii": {}, "hap": {}},
             output={"pii": {}, "hap": {}},
             params=GREEDY,
             model_id=MODEL,
         )
     )
+    # the oracle: the engine's own greedy answer to the same prompt, without the orchestrator
+    engine = await engine_answer(orch, MODEL, {"prompt": prompt, **GREEDY})
+    # greedy tiny-random never samples EOS: it runs to its budget
+    assert (engine["finish_reason"], engine["generated_token_count"]) == ("MAX_TOKENS", 40)
     fs = frames(events)
-    text = assert_contiguous(fs)
-    assert text
-    assert all("output" in f["token_classification_results"] for f in fs)
+    assert assert_contiguous(fs) == engine["text"]
+    # random text: nothing for the detectors to find, and every frame says so
+    assert [f["token_classification_results"] for f in fs] == [{"output": []}] * len(fs)
+    assert fs[-1]["generated_token_count"] == engine["generated_token_count"]
     end = terminal(events)
-    assert end.name in ("completed", "incomplete")
-    assert end.data["processed_index"] == len(text)
-    assert end.data["generated_token_count"] == fs[-1]["generated_token_count"]
+    assert (end.name, end.data) == (
+        "incomplete",
+        {
+            "finish_reason": "MAX_TOKENS",
+            "generated_token_count": engine["generated_token_count"],
+            "input_token_count": engine["input_token_count"],
+            "processed_index": len(engine["text"]),
+            "migrations": 0,
+            "incomplete_details": {"reason": "max_output_tokens"},
+        },
+    )
 
 
 async def stream_text(orch: Orchestrator, params: dict[str, Any]) -> tuple[str, SseEvent]:
@@ -116,8 +169,7 @@ async def test_sigkill_of_the_serving_replica_mid_stream_is_seamless(
     assert end.data["generated_token_count"] >= 12  # long enough to cut in the middle
 
     # Every replica stalls after 8 tokens, so the kill lands mid-stream whichever serves.
-    for rep in await replicas(orch):
-        await faults(orch, rep, {"after_tokens": 8, "mode": "stall", "times": 1})
+    await stall_every_replica(orch)
     assert orch.session is not None
     body = generation_body("The quick brown fox", params=params, model_id=MODEL)
     got: list[SseEvent] = []
@@ -127,12 +179,7 @@ async def test_sigkill_of_the_serving_replica_mid_stream_is_seamless(
         async for event in read_events(resp):
             got.append(event)
             if not killed and len(frames(got)) >= 3:
-                reps = await replicas(orch)
-                serving = next(r for r in reps if r["active"] == 1)
-                for other in reps:
-                    if other is not serving:
-                        await faults(orch, other, None)  # the survivor must not stall too
-                os.kill(serving["pid"], signal.SIGKILL)
+                await kill_the_serving_replica(orch)
                 killed = True
     assert killed
     assert assert_contiguous(frames(got)) == expected

@@ -17,15 +17,11 @@ from typing import Any
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
     negative_data_rejection,
-    response_schema_conformance,
-    status_code_conformance,
 )
 
 from orchestrator.app import (
@@ -38,6 +34,15 @@ from orchestrator.app import (
 )
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
+from tests.fuzz_support import (
+    CHECKS,
+    assert_422_names_the_field,
+    content_type,
+    fuzz_settings,
+    json_values,
+    openai_param,
+    sent_json,
+)
 from tests.orchestrator_support import (
     ERROR_TYPES,
     MODEL,
@@ -50,19 +55,7 @@ from tests.orchestrator_support import (
 NDJSON = "application/x-ndjson"
 POST_PATHS = (STREAMING_PATH, UNARY_PATH, CONTENT_PATH, STREAM_CONTENT_PATH)
 DETECTOR_IDS = ("you", "pii", "para", "whole", "blocker")
-CHECKS = [
-    not_a_server_error,
-    status_code_conformance,
-    content_type_conformance,
-    response_schema_conformance,
-    negative_data_rejection,
-]
-FUZZ = settings(
-    max_examples=30,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
+FUZZ = fuzz_settings(30)
 
 
 def _ndjson(ctx: Any, value: Any) -> bytes:
@@ -110,22 +103,8 @@ def fuzz_stack() -> ServedStack:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[ServedStack]:
-    s = fuzz_stack().start()
-    try:
+    with fuzz_stack() as s:
         yield s
-    finally:
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[requests.Session]:
-    with requests.Session() as session:
-        yield session
-
-
-def content_type(response: requests.Response | schemathesis.Response) -> str:
-    value = response.headers.get("content-type") or response.headers.get("Content-Type") or ""
-    return value[0] if isinstance(value, list) else value
 
 
 def check_error_body(
@@ -142,11 +121,16 @@ def check_error_body(
         assert set(body) == {"error"}, body
         body = body["error"]
         assert set(body) == {"message", "type", "param", "code"}, body
+        param = body["param"]
         body = {"code": body["code"], "details": body["message"], "type": body["type"]}
     assert set(body) == {"code", "details", "type"}, body
     assert body["code"] == response.status_code
     assert isinstance(body["details"], str) and body["details"]
     assert body["type"] in ERROR_TYPES
+    if response.status_code == 422:
+        path = assert_422_names_the_field(body["details"], sent_json(response.request.body))
+        if openai:
+            assert param == openai_param(path), (param, body["details"])
 
 
 def check_stream(body: str) -> None:
@@ -215,13 +199,6 @@ def test_schemathesis_every_operation(
 
 # -- hypothesis: arbitrary bytes and JSON at every POST endpoint ------------------------------
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
-    max_leaves=12,
-)
 texts = st.sampled_from(["You are here.", "mail a@b.com now. You too", ""]) | st.text(max_size=60)
 
 # near-valid parts: mostly accepted, so the pipeline behind validation runs too

@@ -503,8 +503,15 @@ async def test_stream_content_newline_terminated_line_over_the_limit_is_413(engi
     )
     first = json.dumps({"detectors": {"great": {}}, "content": "y" * LIMIT}) + "\n"
     async with Orchestrator(config) as orch:
-        status, _ = await orch.post(STREAM_CONTENT_PATH, first)
-    assert status == 413
+        reply = await orch.post(STREAM_CONTENT_PATH, first)
+    assert reply == (
+        413,
+        {
+            "code": 413,
+            "details": f"request body too large (limit {LIMIT} bytes)",
+            "type": "invalid_request",
+        },
+    )
 
 
 @pytest.mark.parametrize("path", [STREAMING_PATH, UNARY_PATH])

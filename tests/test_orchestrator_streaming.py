@@ -12,11 +12,13 @@ import pytest
 
 from orchestrator.app import STREAMING_PATH
 from orchestrator.state import STATE
+from tests.fakes.clock import manual_deadline_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     SCRIPT,
     Orchestrator,
+    SseEvent,
     assert_contiguous,
     frames,
     generation_body,
@@ -302,13 +304,19 @@ async def test_bad_detector_reply_ends_the_stream_naming_the_detector(dets, dete
     assert detector in end.data["details"]
 
 
-async def test_request_timeout_ends_with_incomplete_time_limit(dets) -> None:
+async def test_request_timeout_ends_with_incomplete_time_limit(dets, monkeypatch) -> None:
     # the engine goes silent after two tokens (for longer than the stall timeout of 30 s): only
-    # the request timeout ends the stream; 5 s leave the two frames time on a slow machine
+    # the request timeout ends the stream, on a manual clock moved once both frames are out
+    clock = manual_deadline_clock(monkeypatch)
     engine = await start_engine(["word.", " more", " text"], fail=Fault("stall", after_tokens=2))
+
+    def on_event(events: list[SseEvent]) -> None:
+        if len(frames(events)) == 2 and clock.armed:
+            clock.advance(60)  # past request_timeout_s: the deadline fires now, not before
+
     try:
-        async with Orchestrator(cfg(engine, dets, server={"request_timeout_s": 5})) as orch:
-            events = await orch.stream(generation_body())
+        async with Orchestrator(cfg(engine, dets, server={"request_timeout_s": 60})) as orch:
+            events = await orch.stream(generation_body(), on_event=on_event)
             await engine.wait_disconnects(1)
     finally:
         await engine.close()

@@ -1,14 +1,17 @@
 """`request_timeout_s` bounds every endpoint and `stream-content` takes only NDJSON (DESIGN 4):
 a detector that never answers and a client that never finishes its body both end in a timeout
-error. Nothing here races the clock: the waits that time out never end on their own."""
+error. Nothing here races the clock: the waits that time out never end on their own, and the
+streamed requests run out of time on a manual clock (tests/fakes/clock.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from orchestrator.app import CONTENT_PATH, STREAM_CONTENT_PATH, UNARY_PATH
+from tests.fakes.clock import manual_deadline_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.orchestrator_support import (
     NDJSON,
@@ -18,6 +21,9 @@ from tests.orchestrator_support import (
     remote,
     terminal,
 )
+from tests.wait_support import finished, until
+
+T = TypeVar("T")
 
 
 async def stuck_detectors() -> FakeDetectorServer:
@@ -28,33 +34,21 @@ async def stuck_detectors() -> FakeDetectorServer:
     return server
 
 
-def timeout_config(engine_url: str, dets: FakeDetectorServer) -> dict:
+def timeout_config(engine_url: str, dets: FakeDetectorServer, timeout_s: float = 1) -> dict:
     return native_config(
         engine_url,
         detectors={"stuck": remote(dets.url), "clean": remote(dets.url)},
-        server={"request_timeout_s": 1},
+        server={"request_timeout_s": timeout_s},
     )
 
 
-async def test_every_endpoint_is_bounded_by_request_timeout_s(engine) -> None:
+async def test_the_content_endpoint_is_bounded_by_request_timeout_s(engine) -> None:
+    """A real second: the content endpoint's bound is `asyncio.timeout`, on the loop's clock.
+    Nothing races it: the stuck detector never answers."""
     dets = await stuck_detectors()
     try:
         async with Orchestrator(timeout_config(engine.url, dets)) as orch:
             content = await orch.post(CONTENT_PATH, {"content": "Hi.", "detectors": {"stuck": {}}})
-            streamed = await orch.stream(generation_body(output={"stuck": {}}))
-            unary = await orch.post(UNARY_PATH, generation_body(output={"stuck": {}}))
-            chat = await orch.post(
-                "/v1/chat/completions",
-                {
-                    "model": "fake-model",
-                    "messages": [{"role": "user", "content": "Hi"}],
-                    "detectors": {"output": {"stuck": {}}},
-                },
-            )
-            lines = await orch.post(
-                STREAM_CONTENT_PATH,
-                json.dumps({"detectors": {"stuck": {}}, "content": "Hi. There."}) + "\n",
-            )
     finally:
         await dets.close()
     assert content == (
@@ -65,18 +59,52 @@ async def test_every_endpoint_is_bounded_by_request_timeout_s(engine) -> None:
             "type": "timeout",
         },
     )
+
+
+async def test_every_streamed_endpoint_is_bounded_by_request_timeout_s(engine, monkeypatch) -> None:
+    """Each request's time runs out on a manual clock, moved once the stuck detector holds the
+    request's call: the timeout, and nothing else, ends it."""
+    clock = manual_deadline_clock(monkeypatch)
+    dets = await stuck_detectors()
+
+    async def timed_out(request: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(request)
+        await until(lambda: task.done() or (clock.armed and dets.in_flight), what="the call")
+        assert not task.done(), task.result()
+        clock.advance(3600)
+        return await finished(task, what="the request's end after its deadline")
+
+    try:
+        async with Orchestrator(timeout_config(engine.url, dets, timeout_s=3600)) as orch:
+            streamed = await timed_out(orch.stream(generation_body(output={"stuck": {}})))
+            unary = await timed_out(orch.post(UNARY_PATH, generation_body(output={"stuck": {}})))
+            chat = await timed_out(
+                orch.post(
+                    "/v1/chat/completions",
+                    {
+                        "model": "fake-model",
+                        "messages": [{"role": "user", "content": "Hi"}],
+                        "detectors": {"output": {"stuck": {}}},
+                    },
+                )
+            )
+            lines = await timed_out(
+                orch.post(
+                    STREAM_CONTENT_PATH,
+                    json.dumps({"detectors": {"stuck": {}}, "content": "Hi. There."}) + "\n",
+                )
+            )
+    finally:
+        await dets.close()
     end = terminal(streamed)
     assert end.name == "incomplete" and end.data["incomplete_details"] == {"reason": "time_limit"}
     assert unary[0] == 200 and unary[1]["incomplete_details"] == {"reason": "time_limit"}
     assert chat[0] == 200 and chat[1]["choices"][0]["finish_reason"] == "length"
-    status, reply = lines
-    assert status == 200
-    last = reply if isinstance(reply, dict) else json.loads(reply.splitlines()[-1])
-    assert last == {
-        "code": 504,
-        "details": "the request exceeded request_timeout_s",
-        "type": "timeout",
-    }
+    # one line, the error: the stuck detector judged nothing before the time ran out
+    assert lines == (
+        200,
+        {"code": 504, "details": "the request exceeded request_timeout_s", "type": "timeout"},
+    )
 
 
 async def test_stream_content_slow_body_times_out(engine) -> None:

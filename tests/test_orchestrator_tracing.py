@@ -11,13 +11,10 @@ explicitly (force_flush here, a graceful shutdown in the children) before anythi
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
 import os
-import signal
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -42,6 +39,7 @@ from orchestrator.app import STREAMING_PATH, create_app
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.logs import make_handler
 from servicekit.tracing import env_wants_tracing
+from tests.detectors_support import detector_service_async
 from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine
 from tests.fakes.upstream import start_site
@@ -55,7 +53,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
-from tests.wait_support import finished, until
+from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -156,49 +154,12 @@ def _no_inherited_otel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     tracing.shutdown()
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-@asynccontextmanager
-async def detector_service(tmp_path: Path, collector: str) -> AsyncIterator[str]:
-    """`python -m detectors serve` with `--otlp-endpoint`; stopped with SIGTERM, which exports
-    its last spans before it exits."""
-    config = tmp_path / "detectors.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "detectors": {
-                    "pii": {"builtin": "regex", "chunker_id": "sentence"},
-                    "hap": {"builtin": "profanity", "chunker_id": "sentence"},
-                }
-            }
-        )
-    )
-    stderr = tmp_path / "detectors.log"
-    with stderr.open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *("-m", "detectors", "serve", "--config", str(config), "--host", "127.0.0.1"),
-            *("--port", "0", "--otlp-endpoint", collector),
-            cwd=ROOT,
-            env=child_env(),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=err,
-        )
-    try:
-        assert proc.stdout is not None
-        line = (await finished(proc.stdout.readline(), 120, "proc.stdout.readline()")).decode()
-        assert "serving hap, pii on http://127.0.0.1:" in line, (line, stderr.read_text())
-        yield line.split()[-1]
-        proc.send_signal(signal.SIGTERM)
-        assert await finished(proc.wait(), 60, "proc.wait()") == 0, stderr.read_text()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+DETECTORS_CONFIG = {
+    "detectors": {
+        "pii": {"builtin": "regex", "chunker_id": "sentence"},
+        "hap": {"builtin": "profanity", "chunker_id": "sentence"},
+    }
+}
 
 
 @asynccontextmanager
@@ -252,7 +213,11 @@ async def test_one_trace_across_orchestrator_engines_and_detector_service(
     collector_url = await collector.start()
     exporter = InMemorySpanExporter()
     try:
-        async with detector_service(tmp_path, collector_url) as detectors_url:
+        # `--otlp-endpoint`; stopped with SIGTERM, it exports its last spans before it exits
+        async with detector_service_async(
+            tmp_path, DETECTORS_CONFIG, "--otlp-endpoint", collector_url
+        ) as service:
+            detectors_url = service.url
             config = {
                 "server": {
                     "host": "127.0.0.1",

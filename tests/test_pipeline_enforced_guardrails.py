@@ -227,11 +227,8 @@ class Stack(ServedStack):
 
 @pytest.fixture(scope="module")
 def background() -> Iterator[Stack]:
-    s = Stack().start()
-    try:
+    with Stack() as s:
         yield s
-    finally:
-        s.stop()
 
 
 PROMPTS = [PROMPT, "Write to jo@example.com please.", "Hello there. How are you?"]

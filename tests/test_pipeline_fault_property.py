@@ -79,11 +79,8 @@ class Stack(ServedStack):
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    s = Stack().start()
-    try:
+    with Stack() as s:
         yield s
-    finally:
-        s.stop()
 
 
 def outcome(stack: Stack, surface: str, detectors: list[str]) -> tuple[str, str, str | None]:

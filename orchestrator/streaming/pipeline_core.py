@@ -14,6 +14,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from . import request_deadline
 from .cancellation import cancel_and_wait
 from .inbox import Inbox
 
@@ -46,7 +47,7 @@ class PipelineCore:
         self._timeout_s = timeout_s
         self._task_name = task_name
         self._tasks: set[asyncio.Task[None]] = set()
-        self._deadline: asyncio.TimerHandle | None = None
+        self._deadline: request_deadline.Cancellable | None = None
         self._shutting_down = False
 
     def shut_down(self) -> None:
@@ -55,8 +56,10 @@ class PipelineCore:
         self._inbox.put(DRAIN)
 
     def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.call_later(self._timeout_s, self._inbox.put, DEADLINE)
+        # request_deadline's clock: a test moves it (tests never depend on the clock)
+        self._deadline = request_deadline.deadline_clock.call_later(
+            self._timeout_s, self._inbox.put, DEADLINE
+        )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(self._guard(coro), name=self._task_name)

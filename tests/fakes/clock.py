@@ -1,6 +1,7 @@
-"""A clock that moves only when a test moves it, for the two places where time is the subject of
-the orchestrator's client code: the replica pool's quarantine (`ReplicaPool.clock`) and the stall
-timeout of engine streams (`orchestrator.clients.stall_timeout.stall_clock`). With it a test declares a
+"""A clock that moves only when a test moves it, for the places where time is the subject of
+the orchestrator's code: the replica pool's quarantine (`ReplicaPool.clock`), the stall
+timeout of engine streams (`orchestrator.clients.stall_timeout.stall_clock`) and the
+`request_timeout_s` of streamed requests (`orchestrator.streaming.request_deadline`). With it a test declares a
 silent replica stalled, or a quarantine over, at the moment it chooses, and a slow machine can
 neither fire a stall early nor end a quarantine early.
 
@@ -12,10 +13,12 @@ neither fire a stall early nor end a quarantine early.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from orchestrator.clients import stall_timeout
+from orchestrator.streaming import request_deadline
 from tests.wait_support import until
 
 
@@ -53,9 +56,18 @@ class ManualClock:
         self._timers.append(timer)
         return timer
 
+    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> ManualTimer:
+        """The `deadline_clock` side: a request's deadline, `delay` from now."""
+        return self.call_at(self.now + delay, lambda: callback(*args))
+
     @property
     def armed(self) -> int:
         return sum(not t.cancelled for t in self._timers)
+
+    def armed_within(self, seconds: float) -> bool:
+        """A timer is due within `seconds` from now: a reader waits out a bound that short (the
+        grace after a finish event), not the stall timeout."""
+        return any(not t.cancelled and t.when() <= self.now + seconds for t in self._timers)
 
     def advance(self, seconds: float) -> None:
         """Move on by `seconds` and run the timers that are due, in order."""
@@ -73,6 +85,14 @@ def manual_stall_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     timeout on a manual clock: no stream stalls until the test says so."""
     clock = ManualClock()
     monkeypatch.setattr(stall_timeout, "stall_clock", clock)
+    return clock
+
+
+def manual_deadline_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    """Streamed requests started from now on (generation and stream-content) time their
+    `request_timeout_s` on a manual clock: none runs out of time until the test moves it."""
+    clock = ManualClock()
+    monkeypatch.setattr(request_deadline, "deadline_clock", clock)
     return clock
 
 

@@ -1,0 +1,27 @@
+"""The clock of `request_timeout_s` for the streamed pipelines (DESIGN 4): the event loop's.
+
+A module attribute, as `clients.stall_timeout.stall_clock` is for the stall timeout, so that a
+test can put a manual clock in `deadline_clock` and end a request's time at the moment it
+chooses (tests/fakes/clock.py) instead of waiting for a real window that a slow machine could
+miss. A stream keeps the clock it started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class DeadlineClock:
+    """Arms the deadline of one request on the running loop."""
+
+    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> Cancellable:
+        return asyncio.get_running_loop().call_later(delay, callback, *args)
+
+
+deadline_clock = DeadlineClock()
