@@ -257,8 +257,8 @@ def detector_api_key(
     return key
 
 
-class HttpDetectorClient(DetectorClient):
-    """A remote detector; one pooled session for all of them, a timeout per detector, and the
+class RemoteDetectorClient(DetectorClient):
+    """A detector behind a URL: one pooled session for all of them, the config's TLS, and the
     service's Bearer key (from the environment variable `api_key_env` names) on every call."""
 
     def __init__(
@@ -273,12 +273,27 @@ class HttpDetectorClient(DetectorClient):
         super().__init__(detector_id, config, on_call=on_call)
         assert config.url is not None
         self._base = config.url.rstrip("/")
-        self._url = self._base + "/api/v1/text/contents"
-        self._health_url = config.url.rstrip("/") + "/health"
         self._session = session
         self._ssl = ssl_context
         key = detector_api_key(detector_id, config)
         self._auth: dict[str, str] = {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class HttpDetectorClient(RemoteDetectorClient):
+    """A detector service speaking the detector API (DESIGN 6), with a timeout per detector."""
+
+    def __init__(
+        self,
+        detector_id: str,
+        config: DetectorConfig,
+        session: aiohttp.ClientSession,
+        *,
+        ssl_context: ssl.SSLContext | bool | None = None,
+        on_call: CallRecorder = _ignore_call,
+    ) -> None:
+        super().__init__(detector_id, config, session, ssl_context=ssl_context, on_call=on_call)
+        self._url = self._base + "/api/v1/text/contents"
+        self._health_url = self._base + "/health"
 
     async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         request = ContentsRequest(contents=contents, detector_params=self._merged(params))

@@ -35,9 +35,8 @@ from ..judge_templates import SHIPPED, JudgeContext, JudgePrompt, is_inline
 from .detectors import (
     CallRecorder,
     DetectorCallError,
-    DetectorClient,
+    RemoteDetectorClient,
     _ignore_call,
-    detector_api_key,
 )
 from .peers import BodyTooLarge, log_error_body, read_bounded, read_error_body
 from .reasons import connection_failure
@@ -184,7 +183,7 @@ def category_codes(answer: str) -> list[str]:
     return [code.strip() for code in lines[1].split(",") if code.strip()]
 
 
-class JudgeDetectorClient(DetectorClient):
+class JudgeDetectorClient(RemoteDetectorClient):
     """`type: openai_judge`: one completion per content, the contents of a call concurrently
     (a batching server such as vLLM batches them; its prefix cache makes the repeated
     conversation cheap), one shared pooled session for every judge."""
@@ -198,17 +197,11 @@ class JudgeDetectorClient(DetectorClient):
         ssl_context: ssl.SSLContext | bool | None = None,
         on_call: CallRecorder = _ignore_call,
     ) -> None:
-        super().__init__(detector_id, config, on_call=on_call)
-        assert config.url is not None and config.model is not None
-        assert config.template is not None
-        self._session = session
-        self._ssl = ssl_context
+        super().__init__(detector_id, config, session, ssl_context=ssl_context, on_call=on_call)
+        assert config.model is not None and config.template is not None
         self._chat = config.api == "chat"
-        base = config.url.rstrip("/")
-        self._url = base + ("/v1/chat/completions" if self._chat else "/v1/completions")
-        self._health_url = base + "/v1/models"
-        key = detector_api_key(detector_id, config)
-        self._auth: dict[str, str] = {"Authorization": f"Bearer {key}"} if key else {}
+        self._url = self._base + ("/v1/chat/completions" if self._chat else "/v1/completions")
+        self._health_url = self._base + "/v1/models"
         shipped = None if is_inline(config.template) else SHIPPED[config.template]
         unsafe = config.unsafe_tokens or (shipped.unsafe_tokens if shipped else ())
         safe = config.safe_tokens or (shipped.safe_tokens if shipped else ())
