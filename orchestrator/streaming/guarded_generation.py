@@ -480,20 +480,22 @@ class GuardedGeneration(PipelineCore):
         input_detections, self._input_findings = self._input_findings, None  # the first frame's
         if input_detections:  # returned to the client: counted like every other detection
             self._observer.on_findings(input_detections)
+        # positional, in Frame's field order: a frame per token without detectors, and keyword
+        # arguments cost twice as much (0.8 us more a frame, measured)
         frame = Frame(
             release.start,
             release.end,
             release.text,
             release.detections,
-            final=final,
-            finish_reason=(self._finish_reason or stream.finish_reason) if final else None,
-            generated_token_count=stream.generated_token_count if final else None,
-            input_token_count=stream.input_token_count or 0,  # (a chunk's: 0 until known)
-            seed=self._seed,
-            judged=self._judged,
-            input_detections=input_detections,
-            more=more,
-            source_end=release.source_end,
+            final,
+            (self._finish_reason or stream.finish_reason) if final else None,  # finish_reason
+            stream.generated_token_count if final else None,  # generated_token_count
+            stream.input_token_count or 0,  # input_token_count (a chunk's: 0 until known)
+            self._seed,
+            self._judged,
+            input_detections,
+            more,
+            release.source_end,
         )
         hold_s = self._hold_time(release.end if release.source_end is None else release.source_end)
         self._observer.on_frame(frame, hold_s)

@@ -160,7 +160,7 @@ class StreamJudge:
             if delta:
                 start = text.released
                 end = text.released = text.length = start + len(delta)
-                releases.append(Release(start, end, delta, final=finished and i == last))
+                releases.append(Release(start, end, delta, [], finished and i == last))
         if finished:
             if not (deltas and deltas[-1]):  # the finishing delta is empty: its own release
                 end = text.released
