@@ -39,6 +39,7 @@ from .backend import (
     EngineStream,
     GenerationError,
     GenerationRequest,
+    ToolCallDelta,
 )
 from .replay import Replay, ReplayMismatch, replayable
 from .replicas import Replica, ReplicaPool
@@ -71,7 +72,8 @@ class MigrationMetrics:
         self.unmigratable = Counter(
             "guardstream_generation_unmigratable",
             "Generation failures that could not be migrated",
-            # engine_error | max_seq_len | no_prompt_ids | cannot_continue | replay_mismatch
+            # engine_error | max_seq_len | no_prompt_ids | cannot_continue | replay_mismatch |
+            # tool_call (a tool call had begun: a continuation carries text only)
             ["model_id", "reason"],
             registry=r,
         )
@@ -143,6 +145,7 @@ class MigratingStream:
         self._ids: list[int] = []
         self._generated = 0  # len(self._ids), or the items' token_count where they carry no ids
         self._text: list[str] = []
+        self._tool_calls = False  # a tool-call fragment was delivered
         self._closed = False
         self._current: EngineStream | None = None
         self._replay: Replay | None = None  # the prefix the current dispatch regenerates
@@ -368,6 +371,10 @@ class MigratingStream:
                 f"{prompt_len} prompt + {self._generated} generated tokens exceed "
                 f"max_seq_len {self._cfg.max_seq_len}",
             )
+        if self._tool_calls:
+            # a continuation carries text only: another replica would not go on with the call
+            self._count_unmigratable("tool_call")
+            raise self._give_up(original, "a tool call had begun")
         if self._ids and self._prompt_ids is None:
             self._count_unmigratable("no_prompt_ids")
             raise self._give_up(original, "the replica never sent the prompt's token ids")
@@ -526,15 +533,21 @@ class MigratingStream:
         self.generated_token_count = self._generated
         if item.finish_reason is not None:
             self.finish_reason = item.finish_reason
-        if not item.token_ids and not item.text and item.finish_reason is None:
+        calls = item.tool_calls
+        if calls:
+            self._tool_calls = True
+        elif not item.token_ids and not item.text and item.finish_reason is None:
             return None
-        return self._chunk(item.token_ids, item.text)
+        return self._chunk(item.token_ids, item.text, calls)
 
-    def _chunk(self, token_ids: tuple[int, ...], text: str) -> EngineDelta:
+    def _chunk(
+        self, token_ids: tuple[int, ...], text: str, calls: tuple[ToolCallDelta, ...] = ()
+    ) -> EngineDelta:
         return EngineDelta(
             token_ids,
             text,
             self.finish_reason,
             input_token_count=self.input_token_count or 0,
             generated_token_count=self._generated,
+            tool_calls=calls,
         )

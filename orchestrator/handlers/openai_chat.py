@@ -6,6 +6,7 @@ too."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 from aiohttp import web
@@ -25,6 +26,10 @@ def chat_ask(request: web.Request, body: ChatCompletionRequest) -> GenerationAsk
     """Input detectors judge every piece of the conversation, each on its own (DESIGN 4.8)."""
     messages = [(m.role, m.text()) for m in body.messages]
     prompt, chat = conversation(messages)
+    chat = tuple(
+        replace(c, tool_call_id=m.tool_call_id, tool_calls=m.wire_tool_calls())
+        for c, m in zip(chat, body.messages, strict=True)
+    )
     return openai_ask(
         request,
         body,
