@@ -22,6 +22,8 @@ import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.clients.backend import GenerationError, ToolCallDelta
+from orchestrator.clients.openai_streams import tool_call_deltas
 from tests.fakes.engine import FakeEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, ScriptedToolCall
 from tests.openai_support import sdk
@@ -331,6 +333,71 @@ async def test_a_request_cannot_narrow_what_a_detector_applies_to(orch: Orchestr
         )
 
 
+@pytest.fixture
+def calls(upstream: FakeOpenAI) -> Iterator[list[ScriptedToolCall]]:
+    """The calls the upstream makes in this test (the module's CALL again after it)."""
+    made: list[ScriptedToolCall] = []
+    upstream.tool_calls = made
+    yield made
+    upstream.tool_calls = [CALL]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "redacted"),
+    [
+        # not JSON (a model that broke off): judged, and redacted, as the text it is
+        ("to jo@example.com, urgently", "to [email], urgently"),
+        # escapes before the value's e-mail (a surrogate pair is one character): the span
+        # still points at the e-mail's own bytes; the redacted value is re-encoded, valid JSON
+        (
+            '{"note": "\\ud83d\\ude00 \\"hi\\" jo@example.com"}',
+            '{"note": "\U0001f600 \\"hi\\" [email]"}',
+        ),
+        # a key is structure, not a value: only values are judged
+        ('{"jo@example.com": "jo@example.com"}', '{"jo@example.com": "[email]"}'),
+    ],
+    ids=["not-json", "escapes", "key"],
+)
+async def test_spans_point_into_the_arguments_whatever_they_hold(
+    orch: Orchestrator, calls: list[ScriptedToolCall], arguments: str, redacted: str
+) -> None:
+    calls.append(ScriptedToolCall("c0", "f", arguments))
+    annotated = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
+    )
+    [call] = reassembled(annotated)
+    assert call["arguments"] == arguments
+    [found] = all_results(annotated)
+    assert arguments[found["start"] : found["end"]] == EMAIL
+    assert found["start"] == arguments.rindex(EMAIL)
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii_redact": {}})
+    )
+    [call] = reassembled(chunks)
+    assert call["arguments"] == redacted
+    [found] = all_results(chunks)
+    assert redacted[found["start"] : found["end"]] == "[email]" == found["word"]
+
+
+async def test_parallel_calls_are_each_judged_and_named(
+    orch: Orchestrator, calls: list[ScriptedToolCall]
+) -> None:
+    calls += [
+        ScriptedToolCall("c0", "lookup", '{"q": "weather"}'),
+        ScriptedToolCall("c1", "send_email", ARGUMENTS),
+    ]
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
+    )
+    assert [(c["id"], c["arguments"]) for c in reassembled(chunks)] == [
+        ("c0", '{"q": "weather"}'),
+        ("c1", ARGUMENTS),
+    ]
+    [found] = all_results(chunks)
+    assert (found["tool_call_index"], found["tool_call_id"]) == (1, "c1")
+    assert finishes(chunks) == ["tool_calls"]
+
+
 # -- judging tool results ------------------------------------------------------------------------
 
 
@@ -474,3 +541,39 @@ def test_arguments_in_any_fragments_judge_and_release_as_whole(
         split()
     finally:
         client.close()
+
+
+# -- the upstream's fragments --------------------------------------------------------------------
+
+
+def test_fragments_are_read_as_the_upstream_sent_them() -> None:
+    raw = [
+        {"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": ""}},
+        {"index": 1, "function": {"arguments": '{"a'}},
+    ]
+    assert tool_call_deltas("r", raw) == (
+        ToolCallDelta(0, "c", "f", ""),
+        ToolCallDelta(1, None, None, '{"a'),
+    )
+    assert tool_call_deltas("r", None) == tool_call_deltas("r", []) == ()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"index": 0},
+        [1],
+        [{"index": "0"}],
+        [{"index": True}],
+        [{"index": -1}],
+        [{"index": 0, "function": "f"}],
+        [{"index": 0, "function": {"arguments": {"a": 1}}}],
+        [{"index": 0, "function": {"name": 3}}],
+        [{"index": 0, "id": 7}],
+    ],
+)
+def test_a_malformed_fragment_fails_the_replica(raw: Any) -> None:
+    with pytest.raises(GenerationError) as caught:
+        tool_call_deltas("r", raw)
+    assert caught.value.migratable
+    assert caught.value.message == "replica r sent a malformed delta.tool_calls"

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import re
 import time
@@ -507,7 +508,7 @@ class FakeOpenAI(FakeUpstream):
         else:
             cuts = list(range(self.fragment_chars, len(arguments), self.fragment_chars))
         bounds = [0, *cuts, len(arguments)]
-        return [arguments[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        return [arguments[a:b] for a, b in itertools.pairwise(bounds)]
 
     async def _tool_call_reply(
         self, request: web.Request, body: dict[str, Any], fault: OpenAIFault | None
