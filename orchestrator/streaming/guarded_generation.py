@@ -244,6 +244,7 @@ class GuardedGeneration(PipelineCore):
             self._inbox.behind = lambda: stage.unjudged > MAX_UNJUDGED_CHARS
         self._spawn(self._read_engine(stream, stage))
         engine_ended = False
+        calls: list[JudgedCall] = []  # the engine's tool calls, judged, once it ended
         staged = self._staged
         while True:
             messages = await self._inbox.take_all()
@@ -262,7 +263,8 @@ class GuardedGeneration(PipelineCore):
                     elif isinstance(message, _EngineEnded):
                         engine_ended = True
                         stage.end()
-                        blocked = self._tool_calls(message.tool_calls, out)
+                        calls = message.tool_calls
+                        blocked = [f for j in calls if j.blocked for f in j.blocked] or None
                         if blocked is not None:
                             break
                     else:
@@ -274,6 +276,7 @@ class GuardedGeneration(PipelineCore):
                                 return
                     if engine_ended and stage.done:
                         out.extend(map(staged, stage.final_releases()))
+                        self._release_calls(calls, out)  # after the text, as generated
                         out.append(self._finish_terminal())
                         yield self._framed(out)
                         return
@@ -477,20 +480,13 @@ class GuardedGeneration(PipelineCore):
         self._frames_sent += 1
         return [refusal, self._terminal("incomplete", "content_filter")]
 
-    def _tool_calls(
-        self, judged: list[JudgedCall], out: list[Release | Event]
-    ) -> list[Finding] | None:
-        """The judged tool calls of the ended stream, as events in `out`; the findings that
-        withhold them where a blocking detector flagged any (then none is released)."""
-        blocked = [f for j in judged if j.blocked for f in j.blocked]
-        if blocked:
-            return blocked
+    def _release_calls(self, judged: list[JudgedCall], out: list[Release | Event]) -> None:
+        """The judged tool calls of the ended stream, none of them blocked, as events."""
         for j in judged:
             if j.call.detections:
                 self._observer.on_findings(j.call.detections)
             self._frames_sent += 1
             out.append(j.call)
-        return None
 
     def _output_refusal(self, detections: list[Finding]) -> Refusal:
         self._observer.on_findings(detections)
