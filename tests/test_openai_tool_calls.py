@@ -26,7 +26,7 @@ from orchestrator.clients.backend import GenerationError, ToolCallDelta
 from orchestrator.clients.openai_streams import tool_call_deltas
 from tests.fakes.engine import FakeEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, ScriptedToolCall
-from tests.openai_support import sdk
+from tests.openai_support import raw_events, sdk, types
 from tests.orchestrator_support import MODEL, Orchestrator, ServedStack, native_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -577,3 +577,146 @@ def test_a_malformed_fragment_fails_the_replica(raw: Any) -> None:
         tool_call_deltas("r", raw)
     assert caught.value.migratable
     assert caught.value.message == "replica r sent a malformed delta.tool_calls"
+
+
+# -- Responses: function tools -------------------------------------------------------------------
+
+RESPONSE_TOOLS = [
+    {
+        "type": "function",
+        "name": "send_email",
+        "description": "Send an e-mail.",
+        "parameters": {"type": "object", "properties": {"to": {"type": "string"}}},
+    }
+]
+
+
+def function_calls(output: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    return [
+        (o["call_id"], o["name"], o["arguments"]) for o in output if o["type"] == "function_call"
+    ]
+
+
+async def test_a_responses_function_call_is_forwarded_and_streamed_as_its_events(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    events = await raw_events(
+        orch,
+        {
+            "model": MODEL,
+            "input": "Mail Jo.",
+            "tools": RESPONSE_TOOLS,
+            "tool_choice": {"type": "function", "name": "send_email"},
+        },
+    )
+    sent = upstream.requests[-1]
+    assert sent["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "send_email",
+                "description": "Send an e-mail.",
+                "parameters": RESPONSE_TOOLS[0]["parameters"],
+            },
+        }
+    ]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "send_email"}}
+    assert types(events) == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert "".join(e["delta"] for e in events if e["type"].endswith("arguments.delta")) == ARGUMENTS
+    final = events[-1]["response"]
+    assert function_calls(final["output"]) == [("call_1", "send_email", ARGUMENTS)]
+    assert [o["type"] for o in final["output"]] == ["function_call"]
+    assert final["tools"][0]["name"] == "send_email"
+
+
+async def test_the_sdk_responses_tool_loop_runs_unchanged(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    client = sdk(orch)
+    first = await client.responses.create(model=MODEL, input="Mail Jo.", tools=RESPONSE_TOOLS)
+    [call] = [o for o in first.output if o.type == "function_call"]
+    assert (call.call_id, call.name, call.arguments) == ("call_1", "send_email", ARGUMENTS)
+    stream = await client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "Mail Jo."},
+            call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sent."},
+        ],
+        tools=RESPONSE_TOOLS,
+        stream=True,
+    )
+    done = [e async for e in stream][-1]
+    assert done.type == "response.completed"
+    assert done.response.output_text == upstream.answer("Mail Jo.")
+    assert upstream.requests[-1]["messages"][1:] == [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "send_email", "arguments": ARGUMENTS},
+                }
+            ],
+        },
+        {"role": "tool", "content": "Sent.", "tool_call_id": "call_1"},
+    ]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_a_responses_function_call_is_redacted_or_withheld(
+    orch: Orchestrator, stream: bool
+) -> None:
+    body = {"model": MODEL, "input": "Mail Jo.", "tools": RESPONSE_TOOLS}
+    for detector in ("pii_redact", "pii_block"):
+        asked = {**body, **output({detector: {}})}
+        if stream:
+            response = (await raw_events(orch, asked))[-1]["response"]
+        else:
+            status, response = await orch.post("/v1/responses", asked)
+            assert status == 200, response
+        [found] = response["guardrails"]["output"]
+        assert (found["detector_id"], found["call_id"]) == (detector, "call_1")
+        if detector == "pii_redact":
+            expected = ARGUMENTS.replace(EMAIL, "[email]")
+            assert function_calls(response["output"]) == [("call_1", "send_email", expected)]
+            assert expected[found["start_index"] : found["end_index"]] == "[email]"
+            assert response["status"] == "completed"
+        else:
+            assert function_calls(response["output"]) == []
+            assert response["status"] == "incomplete"
+            assert response["incomplete_details"] == {"reason": "content_filter"}
+            assert found["text"] == ""  # withheld
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_an_injection_in_a_function_output_stops_the_response_before_the_model(
+    orch: Orchestrator, upstream: FakeOpenAI, stream: bool
+) -> None:
+    items = [
+        {"role": "user", "content": "Mail Jo."},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": ATTACK},
+    ]
+    body = {"model": GUARDED, "input": items, "tools": RESPONSE_TOOLS}
+    before = len(upstream.requests)
+    if stream:
+        response = (await raw_events(orch, body))[-1]["response"]
+    else:
+        status, response = await orch.post("/v1/responses", body)
+        assert status == 200, response
+    assert response["incomplete_details"] == {"reason": "content_filter"}
+    assert [(a["message_index"], a["text"]) for a in response["guardrails"]["input"]] == [
+        (2, ATTACK)
+    ]
+    assert len(upstream.requests) == before

@@ -128,6 +128,7 @@ def annotation(f: Finding, *, withheld: bool = False) -> GuardrailAnnotation:
         detection_type=f.detection_type,
         score=f.score,
         redacted=True if f.redacted else None,
+        call_id=f.tool_call_id if f.tool_call_index is not None else None,
     )
 
 
