@@ -472,7 +472,9 @@ async def test_a_backend_that_cannot_take_tools_says_why() -> None:
                 "/v1/chat/completions", {"model": MODEL, "messages": [*ASK, tool]}
             )
             assert (status, reply["error"]["param"]) == (422, "messages")
-            assert "message 1 is part of a tool call" in reply["error"]["message"]
+            assert (
+                "message 1 of the conversation is part of a tool call" in reply["error"]["message"]
+            )
     finally:
         await engine.close()
     assert engine.requests == []
@@ -720,3 +722,59 @@ async def test_an_injection_in_a_function_output_stops_the_response_before_the_m
         (2, ATTACK)
     ]
     assert len(upstream.requests) == before
+
+
+PREAMBLE = ["Sure,", " I will mail", " jo@example.com."]
+
+
+@pytest.fixture
+def preamble(upstream: FakeOpenAI) -> Iterator[None]:
+    upstream.tool_call_text = list(PREAMBLE)
+    yield
+    upstream.tool_call_text = []
+
+
+@pytest.mark.usefixtures("preamble")
+async def test_text_before_a_call_is_judged_as_text_and_released_first(
+    orch: Orchestrator,
+) -> None:
+    """The answer's text, then the call (as generated); each judged by the detectors that apply
+    to it, each detection relative to its own text."""
+    chunks = await streamed(
+        orch,
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        extra_body=output({"pii_redact": {}}),
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(PREAMBLE).replace(EMAIL, "[email]")
+    firsts = [i for i, c in enumerate(chunks) if c.choices and c.choices[0].delta.tool_calls]
+    last_text = max(i for i, c in enumerate(chunks) if c.choices and c.choices[0].delta.content)
+    assert last_text < firsts[0]
+    [call] = reassembled(chunks)
+    assert call["arguments"] == ARGUMENTS.replace(EMAIL, "[email]")
+    found = all_results(chunks)
+    assert [(r.get("tool_call_index"), r["start"]) for r in found] == [
+        (None, text.index("[email]")),
+        (0, call["arguments"].index("[email]")),
+    ]
+    assert finishes(chunks) == ["tool_calls"]
+
+
+@pytest.mark.usefixtures("preamble")
+async def test_a_responses_message_comes_before_its_function_call(orch: Orchestrator) -> None:
+    events = await raw_events(orch, {"model": MODEL, "input": "Mail Jo.", "tools": RESPONSE_TOOLS})
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "".join(PREAMBLE)
+    added = [
+        (e["output_index"], e["item"]["type"])
+        for e in events
+        if e["type"].endswith("added") and "item" in e
+    ]
+    assert added == [(0, "message"), (1, "function_call")]
+    done = [e["type"] for e in events]
+    assert done.index("response.output_item.done") < done.index(
+        "response.function_call_arguments.delta"
+    )

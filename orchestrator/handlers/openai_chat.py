@@ -25,6 +25,7 @@ CHAT_DETECTION_PATH = "/api/v2/chat/completions-detection"
 def chat_ask(request: web.Request, body: ChatCompletionRequest) -> GenerationAsk:
     """Input detectors judge every piece of the conversation, each on its own (DESIGN 4.8)."""
     messages = [(m.role, m.text()) for m in body.messages]
+    pieces = body.input_pieces()
     prompt, chat = conversation(messages)
     chat = tuple(
         replace(c, tool_call_id=m.tool_call_id, tool_calls=m.wire_tool_calls())
@@ -35,8 +36,8 @@ def chat_ask(request: web.Request, body: ChatCompletionRequest) -> GenerationAsk
         body,
         prompt=prompt,
         messages=chat,
-        inputs=body.input_pieces(),
-        input_chars=sum(len(text) for _, text in messages),
+        inputs=pieces,
+        input_chars=sum(len(p.text) for p in pieces if p.target is not None),
         input_field="messages",
         max_tokens=body.max_completion_tokens or body.max_tokens,
         max_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",

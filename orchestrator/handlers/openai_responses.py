@@ -34,6 +34,7 @@ async def read_request(request: web.Request) -> ResponsesRequest:
 def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk:
     """`instructions` and every input item are judged, each on its own (DESIGN 4.9)."""
     turns = body.chat()
+    pieces = body.input_pieces()
     messages = [(role, text) for role, text, _ in turns]
     prompt, chat = conversation(messages)
     chat = tuple(
@@ -49,8 +50,8 @@ def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk
         body,
         prompt=prompt,
         messages=chat,
-        inputs=body.input_pieces(),
-        input_chars=sum(len(text) for _, text in messages),
+        inputs=pieces,
+        input_chars=sum(len(p.text) for p in pieces if p.target is not None),
         input_field="input",
         max_tokens=body.max_output_tokens,
         max_tokens_field="max_output_tokens",

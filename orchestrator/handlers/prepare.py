@@ -179,8 +179,9 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         for i, m in enumerate(ask.messages or ()):
             if m.role == "tool" or m.tool_calls is not None:
                 raise invalid(
-                    f"messages: message {i} is part of a tool call, and {TOOLS_WHY} (model "
-                    f"`{ask.model}`; only an `openai` backend with `api: chat` forwards them)"
+                    f"{ask.input_field}: message {i} of the conversation is part of a tool "
+                    f"call, and {TOOLS_WHY} (model `{ask.model}`; only an `openai` backend "
+                    "with `api: chat` forwards them)"
                 )
     for start, end in ask.masks or []:
         if end > len(ask.prompt):

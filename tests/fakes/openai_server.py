@@ -44,7 +44,8 @@ after it (a resume by text).
 with a user message is answered with `tool_calls` (when set) as OpenAI streams them: the role
 chunk (`content: null`), per call a chunk with its `index`, `id`, `type` and function `name`
 (`arguments: ""`), then its arguments in fragments (`argument_splits[i]`: the cut offsets of call
-i, else `fragment_chars` characters each), each `{"index", "function": {"arguments"}}` only, then
+i, else `fragment_chars` characters each), each `{"index", "function": {"arguments"}}` only (after
+`tool_call_text`'s content chunks, when set: a model that says something first), then
 the finish chunk (`delta: {}`, `finish_reason: "tool_calls"`), usage and `[DONE]`; unary, one
 message with `content: null` and the calls. A conversation ending with a `tool` message gets the
 text answer. A fault's `after` counts the fragment chunks.
@@ -177,6 +178,7 @@ class FakeOpenAI(FakeUpstream):
     tool_calls: list[ScriptedToolCall] = field(default_factory=list)
     argument_splits: list[list[int]] | None = None
     fragment_chars: int = 5
+    tool_call_text: list[str] = field(default_factory=list)  # content chunks before the calls
 
     def __post_init__(self) -> None:
         self.faults: list[OpenAIFault] = (
@@ -517,7 +519,7 @@ class FakeOpenAI(FakeUpstream):
         created = int(time.time())
         prompt_tokens = count_tokens(templated(body["messages"]))
         fragments = [self._fragments(i, c.arguments) for i, c in enumerate(self.tool_calls)]
-        completion = sum(len(f) + 1 for f in fragments)
+        completion = sum(len(f) + 1 for f in fragments) + len(self.tool_call_text)
         usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
@@ -532,7 +534,8 @@ class FakeOpenAI(FakeUpstream):
                 }
                 for c in self.tool_calls
             ]
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            content = "".join(self.tool_call_text) or None
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
             choice = {"index": 0, "message": message, "finish_reason": "tool_calls"}
             return web.json_response(
                 {
@@ -558,6 +561,8 @@ class FakeOpenAI(FakeUpstream):
 
         async with self._sse(request) as (resp, send):
             await send(chunk({"role": "assistant", "content": None}))
+            for text in self.tool_call_text:
+                await send(chunk({"content": text}))
             sent = 0
             for i, (call, parts) in enumerate(zip(self.tool_calls, fragments, strict=True)):
                 head = {
