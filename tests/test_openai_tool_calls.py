@@ -51,6 +51,18 @@ TOOLS = [
     }
 ]
 ASK = [{"role": "user", "content": "Mail Jo."}]
+# CALL's turn as the upstream receives it back (Chat Completions and Responses alike)
+CALLED = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "send_email", "arguments": ARGUMENTS},
+        }
+    ],
+}
 DETECTORS = {
     "pii": {"builtin": "regex", "chunker_id": "sentence"},
     "pii_redact": {"builtin": "regex", "chunker_id": "sentence", "on_detection": "redact"},
@@ -187,22 +199,17 @@ async def test_the_sdk_tool_loop_runs_unchanged(orch: Orchestrator, upstream: Fa
     assert text == upstream.answer("Mail Jo.")
     assert finishes(chunks) == ["stop"]
     assert upstream.requests[-1]["messages"][1:] == [
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "send_email", "arguments": ARGUMENTS},
-                }
-            ],
-        },
+        CALLED,
         result,
     ]
 
 
 # -- judging the arguments -----------------------------------------------------------------------
+
+
+def asking(detector: str) -> dict[str, Any]:
+    """The SDK's arguments of a tool-offering request with `detector` on the output."""
+    return {"model": MODEL, "messages": ASK, "tools": TOOLS, "extra_body": output({detector: {}})}
 
 
 def email_span(arguments: str, word: str) -> dict[str, Any]:
@@ -214,12 +221,7 @@ def email_span(arguments: str, word: str) -> dict[str, Any]:
 async def test_an_email_in_an_argument_is_redacted_and_the_json_stays_valid(
     orch: Orchestrator, stream: bool
 ) -> None:
-    kwargs = {
-        "model": MODEL,
-        "messages": ASK,
-        "tools": TOOLS,
-        "extra_body": output({"pii_redact": {}}),
-    }
+    kwargs = asking("pii_redact")
     if stream:
         chunks = await streamed(orch, **kwargs)
         [call] = reassembled(chunks)
@@ -266,12 +268,7 @@ async def test_an_annotated_argument_keeps_its_bytes_and_its_span_points_into_th
 async def test_a_blocking_detector_withholds_the_whole_call(
     orch: Orchestrator, stream: bool
 ) -> None:
-    kwargs = {
-        "model": MODEL,
-        "messages": ASK,
-        "tools": TOOLS,
-        "extra_body": output({"pii_block": {}}),
-    }
+    kwargs = asking("pii_block")
     refusal = "The response was withheld: detector `pii_block` flagged a tool call."
     start = ARGUMENTS.index(EMAIL)
     withheld = {
@@ -660,17 +657,7 @@ async def test_the_sdk_responses_tool_loop_runs_unchanged(
     assert done.type == "response.completed"
     assert done.response.output_text == upstream.answer("Mail Jo.")
     assert upstream.requests[-1]["messages"][1:] == [
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "send_email", "arguments": ARGUMENTS},
-                }
-            ],
-        },
+        CALLED,
         {"role": "tool", "content": "Sent.", "tool_call_id": "call_1"},
     ]
 

@@ -287,14 +287,7 @@ class ResponsesWriter:
             status="in_progress",
         )
         where = {"item_id": item.id, "output_index": index}
-        out.append(
-            OutputItemEvent(
-                type="response.output_item.added",
-                sequence_number=self._next(),
-                output_index=index,
-                item=item.model_copy(),
-            )
-        )
+        out.append(self._item_event("response.output_item.added", index, item))
         self._calls.append(item)
         out.append(
             FunctionCallArgumentsDeltaEvent(
@@ -307,16 +300,17 @@ class ResponsesWriter:
             )
         )
         item.arguments, item.status = call.arguments, "completed"
-        out.append(
-            OutputItemEvent(
-                type="response.output_item.done",
-                sequence_number=self._next(),
-                output_index=index,
-                item=item.model_copy(),
-            )
-        )
+        out.append(self._item_event("response.output_item.done", index, item))
         self._guardrails.output.extend(
             annotation(f).model_copy(update={"call_id": item.call_id}) for f in call.detections
+        )
+
+    def _item_event(self, kind: str, index: int, item: FunctionCallOut) -> OutputItemEvent:
+        return OutputItemEvent(
+            type=kind,  # type: ignore[arg-type]
+            sequence_number=self._next(),
+            output_index=index,
+            item=item.model_copy(),
         )
 
     def _refusal(self, refusal: Refusal, out: list[BaseModel]) -> None:
