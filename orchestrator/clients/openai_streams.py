@@ -506,8 +506,10 @@ class ChatStream(SseStream):
 
     def _take_buffered(self, items: list[EngineDelta], limit: int) -> int:
         """Buffered events that are plain content deltas (one choice, `delta.content` text, no
-        finish reason, no usage, no error) become items here; anything else stops the loop
-        unconsumed, for `_read`."""
+        finish reason, no usage, no error), or plain argument fragments of a tool call (a
+        delta with only `tool_calls: [{"index", "function": {"arguments"}}]`: a call streams
+        as many of them as a text streams content deltas), become items here; anything else
+        stops the loop unconsumed, for `_read`."""
         reader = self._reader
         assert reader is not None
         if self._gate is not None:
@@ -532,17 +534,25 @@ class ChatStream(SseStream):
             if choice.get("finish_reason") is not None or type(delta) is not dict:
                 break
             text = delta.get("content")
-            if type(text) is not str or delta.get("refusal") is not None:
-                break
-            if delta.get("tool_calls") is not None:
+            calls = delta.get("tool_calls")
+            fragment = None
+            if calls is not None:
+                fragment = _plain_fragment(calls, delta)
+                if fragment is None:
+                    break
+            elif type(text) is not str or delta.get("refusal") is not None:
                 break
             if obj.get("object") == "error":
                 break
             reader.consume(peeked[1])
-            if text:  # an EngineDelta per token: built positionally (half the time of keywords)
+            if fragment is not None:
+                items.append(EngineDelta((), "", None, None, input_count, None, 1, 0, fragment))
+            elif text:  # an EngineDelta per token: built positionally (half the time of keywords)
                 items.append(EngineDelta((), text, None, None, input_count, None, 1))
-                self._counted += 1
-                taken += 1
+            else:
+                continue
+            self._counted += 1
+            taken += 1
         return taken
 
     def _item(
@@ -570,6 +580,23 @@ class ChatStream(SseStream):
         cont = self._continuation
         taken = cont.generated_token_count if cont is not None else 0
         return max(0, self._prompt_tokens - taken)
+
+
+def _plain_fragment(calls: Any, delta: dict[str, Any]) -> tuple[ToolCallDelta] | None:
+    """The fragment of a delta that holds only `[{"index": i, "function": {"arguments": s}}]`
+    (no content, id or name); None for anything else (`tool_call_deltas` reads it)."""
+    if type(calls) is not list or len(calls) != 1 or len(delta) != 1:
+        return None
+    call = calls[0]
+    if type(call) is not dict or len(call) != 2:
+        return None
+    index, function = call.get("index"), call.get("function")
+    if type(index) is not int or index < 0 or type(function) is not dict or len(function) != 1:
+        return None
+    arguments = function.get("arguments")
+    if type(arguments) is not str:
+        return None
+    return (ToolCallDelta(index, None, None, arguments),)
 
 
 def tool_call_deltas(name: str, raw: Any) -> tuple[ToolCallDelta, ...]:
