@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from orchestrator.clients.backend import GenerationError, ToolCallDelta
 from orchestrator.clients.openai_streams import tool_call_deltas
+from orchestrator.streaming.tool_calls import raw_offsets, string_values
 from tests.fakes.engine import FakeEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, ScriptedToolCall
 from tests.openai_support import raw_events, sdk, types
@@ -765,3 +766,32 @@ async def test_a_responses_message_comes_before_its_function_call(orch: Orchestr
     assert done.index("response.output_item.done") < done.index(
         "response.function_call_arguments.delta"
     )
+
+
+# -- property: every string value found, every offset where its character starts ---------------
+
+json_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    values=st.dictionaries(json_text, json_text, max_size=4),
+    ascii_only=st.booleans(),
+    indent=st.sampled_from([None, 1]),
+)
+def test_string_values_and_their_offsets_match_the_json(
+    values: dict[str, str], ascii_only: bool, indent: int | None
+) -> None:
+    """Whatever the encoder escaped (`\\uXXXX`, surrogate pairs, `\\"`), each value's decoded
+    characters map onto their own raw bytes: a span found in a value points at exactly its
+    text in the arguments."""
+    arguments = json.dumps({"args": values}, ensure_ascii=ascii_only, indent=indent)
+    found = string_values(arguments)
+    assert [v.text for v in found] == list(values.values())
+    for v in found:
+        raw = arguments[v.start : v.end]
+        offsets = raw_offsets(raw)
+        assert len(offsets) == len(v.text) + 1
+        for i in range(len(v.text)):
+            for j in range(i, len(v.text) + 1):
+                assert json.loads('"' + raw[offsets[i] : offsets[j]] + '"') == v.text[i:j]
