@@ -478,23 +478,55 @@ async def test_a_backend_that_cannot_take_tools_says_why() -> None:
     assert engine.requests == []
 
 
-async def test_a_stream_that_dies_mid_tool_call_fails_with_the_documented_error() -> None:
-    """A continuation carries text only: another replica would start the call over, or not
-    make it at all. Nothing was released (the call is judged whole), so the client gets a
-    real 503 naming why, and the other replica is never asked."""
+async def test_a_stream_that_dies_mid_tool_call_starts_again_on_another_replica() -> None:
+    """Nothing of a call leaves before it is whole and judged: a replica that dies during it
+    (and sent no text) delivered nothing, so the request goes again as it came, and the client
+    sees one clean call."""
     dying = FakeOpenAI(tool_calls=[CALL], fragment_chars=4, fail=OpenAIFault("close", after=2))
+    other = FakeOpenAI(tool_calls=[CALL], fragment_chars=4)
+    for s in (dying, other):
+        await s.start()
+    try:
+        async with Orchestrator(config(dying.url, other.url, limit=1)) as o:
+            chunks = await streamed(o, model=MODEL, messages=ASK, tools=TOOLS)
+    finally:
+        for s in (dying, other):
+            await s.close()
+    assert reassembled(chunks) == [{"id": "call_1", "name": "send_email", "arguments": ARGUMENTS}]
+    assert finishes(chunks) == ["tool_calls"]
+    assert (chunks[-1].model_extra or {})["migrations"] == 1
+    assert [r["messages"] for r in other.requests] == [dying.requests[0]["messages"]]
+
+
+async def test_a_stream_that_dies_mid_tool_call_after_text_fails_with_the_documented_error() -> (
+    None
+):
+    """After released text a continuation would have to carry the partial call, which no
+    chat server takes: the stream ends with the original error and why it could not move."""
+    dying = FakeOpenAI(
+        tool_calls=[CALL],
+        fragment_chars=4,
+        tool_call_text=["Sure."],
+        fail=OpenAIFault("close", after=2),
+    )
     other = FakeOpenAI(tool_calls=[CALL])
     for s in (dying, other):
         await s.start()
     try:
         async with Orchestrator(config(dying.url, other.url, limit=1)) as o:
-            with pytest.raises(openai.APIStatusError) as caught:
-                await streamed(o, model=MODEL, messages=ASK, tools=TOOLS)
+            got: list[Any] = []
+            with pytest.raises(openai.APIError) as caught:
+                stream = await sdk(o).chat.completions.create(
+                    model=MODEL, messages=ASK, tools=TOOLS, stream=True
+                )
+                async for chunk in stream:
+                    got.append(chunk)
     finally:
         for s in (dying, other):
             await s.close()
-    assert caught.value.status_code == 503
-    assert "not migrated: a tool call had begun" in caught.value.message
+    assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == "Sure."
+    assert reassembled(got) == []
+    assert "not migrated: a tool call had begun after delivered text" in caught.value.message
     assert other.requests == []
 
 
