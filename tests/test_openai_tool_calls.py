@@ -396,6 +396,24 @@ async def test_parallel_calls_are_each_judged_and_named(
     assert finishes(chunks) == ["tool_calls"]
 
 
+async def test_a_call_the_request_offered_no_tool_for_is_an_error_not_dropped(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    upstream.calls_unoffered = True
+    try:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await streamed(orch, model=MODEL, messages=ASK)
+    finally:
+        upstream.calls_unoffered = False
+    assert caught.value.status_code == 502
+    assert caught.value.body == {
+        "message": "the model called a tool, but the request offered it none",
+        "type": "generation_error",
+        "param": None,
+        "code": 502,
+    }
+
+
 # -- judging tool results ------------------------------------------------------------------------
 
 

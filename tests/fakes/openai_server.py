@@ -179,6 +179,7 @@ class FakeOpenAI(FakeUpstream):
     argument_splits: list[list[int]] | None = None
     fragment_chars: int = 5
     tool_call_text: list[str] = field(default_factory=list)  # content chunks before the calls
+    calls_unoffered: bool = False  # answer with the calls even when the request offers no tools
 
     def __post_init__(self) -> None:
         self.faults: list[OpenAIFault] = (
@@ -338,7 +339,8 @@ class FakeOpenAI(FakeUpstream):
         body, refused, fault = await self._admit(request, TRANSFORMERS_CHAT_FIELDS)
         if refused is not None:
             return refused
-        if self.tool_calls and body.get("tools") and body["messages"][-1]["role"] == "user":
+        offered = body.get("tools") or self.calls_unoffered
+        if self.tool_calls and offered and body["messages"][-1]["role"] == "user":
             return await self._tool_call_reply(request, body, fault)
         pieces = self._pieces(body)
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
