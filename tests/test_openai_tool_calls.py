@@ -377,6 +377,20 @@ async def test_spans_point_into_the_arguments_whatever_they_hold(
     assert redacted[found["start"] : found["end"]] == "[email]" == found["word"]
 
 
+async def test_long_arguments_are_judged_off_the_loop_alike(
+    orch: Orchestrator, calls: list[ScriptedToolCall]
+) -> None:
+    """Past BULK_CHARS the arguments are scanned and re-encoded in a bulk thread: the same."""
+    story = "Once upon a time. " * 400 + "Write to jo@example.com."
+    arguments = json.dumps({"story": story, "n": 1})
+    calls.append(ScriptedToolCall("c0", "tell", arguments))
+    chunks = await streamed(orch, **asking("pii_redact"))
+    [call] = reassembled(chunks)
+    assert json.loads(call["arguments"]) == {"story": story.replace(EMAIL, "[email]"), "n": 1}
+    [found] = all_results(chunks)
+    assert call["arguments"][found["start"] : found["end"]] == "[email]"
+
+
 async def test_parallel_calls_are_each_judged_and_named(
     orch: Orchestrator, calls: list[ScriptedToolCall]
 ) -> None:

@@ -27,7 +27,7 @@ from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .events import ToolCall
 from .findings import Finding, sort_findings
 from .redaction import redact_text
-from .text_judgement import judge_pieces
+from .text_judgement import BULK_CHARS, judge_pieces, off_loop
 
 # a JSON string token (the regex engine scans in C: arguments may be long); valid JSON only
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -143,7 +143,13 @@ async def judge_tool_calls(
     detector covers every value of every call."""
     if not detectors:
         return [JudgedCall(c) for c in calls]
-    values = [string_values(c.arguments) for c in calls]
+    # scanning and re-encoding arguments is CPU work: off the loop past BULK_CHARS, as text is
+    bulk = sum(len(c.arguments) for c in calls) > BULK_CHARS
+
+    def scan() -> list[list[StringValue]]:
+        return [string_values(c.arguments) for c in calls]
+
+    values = await off_loop(scan) if bulk else scan()
     pieces = [
         InputPiece(v.text, message_index=i, field=str(j))
         for i, vs in enumerate(values)
@@ -154,9 +160,11 @@ async def judge_tool_calls(
     mine: dict[int, list[Finding]] = {}
     for f in findings:
         mine.setdefault(f.message_index or 0, []).append(f)
-    return [
-        _apply(call, values[i], mine.get(i, []), by_id, judged=True) for i, call in enumerate(calls)
-    ]
+
+    def apply() -> list[JudgedCall]:
+        return [_apply(c, values[i], mine.get(i, []), by_id) for i, c in enumerate(calls)]
+
+    return await off_loop(apply) if bulk else apply()
 
 
 def _apply(
@@ -164,12 +172,10 @@ def _apply(
     values: list[StringValue],
     findings: list[Finding],
     detectors: dict[str, RequestedDetector],
-    *,
-    judged: bool,
 ) -> JudgedCall:
     """The call as released: a block withholds it; redactions replace inside the JSON; every
     finding's span is moved into the arguments string and names the call."""
-    call = replace(call, judged=judged)
+    call = replace(call, judged=True)
     blocking = [f for f in findings if detectors[f.detector_id].blocking and not f.unjudged]
     if blocking:
         withheld = []
