@@ -19,7 +19,10 @@ Three processes share this machine's cores:
 
 Scenarios: `direct` (the client talks to the fake), `sentence` (guardstream, model `guarded`),
 `redact` (the same detector with `on_detection: redact`: every e-mail is replaced in the answer,
-model `redacting`), `none` (guardstream, model `raw`). For each: answers/s and CPU per answer at ITL 0 with
+model `redacting`), `none` (guardstream, model `raw`), `tools` (model `guarded`, the request
+offers a tool and the fake answers with one tool call whose arguments, `{"story": "<the same
+answer>"}`, come one word a fragment: the same number of chunks as the text scenarios, judged
+by the same enforced guardrail; its chars are the arguments'). For each: answers/s and CPU per answer at ITL 0 with
 concurrency 1 and 8, and with --itl10 at 10 ms per token (concurrency 1 and 8: 20 s per round).
 At ITL 10 with 8 streams, each answer first keeps its own clock (token i due at its own t0 +
 (i + 1) * itl: arrivals staggered at random), then all share one step clock (t0 rounded up to a
@@ -178,6 +181,12 @@ class FakeChat:
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
         await resp.write(chunk({"role": "assistant", "content": ""}))
+        tools = bool(body.get("tools"))
+        if tools:  # one call: its arguments one piece a fragment (OpenAI's shape)
+            head = {"index": 0, "id": "call_0", "type": "function"}
+            head["function"] = {"name": "tell", "arguments": ""}
+            await resp.write(chunk({"tool_calls": [head]}))
+            pieces = tool_fragments(pieces)
         t0 = time.monotonic()
         if itl > 0 and step_clock:  # every answer's tokens fall due together, as in a batch
             t0 = math.ceil(t0 / itl) * itl
@@ -188,10 +197,14 @@ class FakeChat:
                     await asyncio.sleep(delay)
             elif self.yield_every and i % self.yield_every == self.yield_every - 1:
                 await asyncio.sleep(0)  # concurrent answers progress together, as in a batch
-            await resp.write(chunk({"content": piece}))
+            if tools:
+                fragment = {"index": 0, "function": {"arguments": piece}}
+                await resp.write(chunk({"tool_calls": [fragment]}))
+            else:
+                await resp.write(chunk({"content": piece}))
             if sent is not None:
                 sent.append(time.monotonic())
-        await resp.write(chunk({}, "stop"))
+        await resp.write(chunk({}, "tool_calls" if tools else "stop"))
         if usage_wanted:
             usage = {"prompt_tokens": 5, "completion_tokens": len(pieces)}
             usage["total_tokens"] = 5 + len(pieces)
@@ -201,6 +214,22 @@ class FakeChat:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def tool_fragments(pieces: list[str]) -> list[str]:
+    """The answer as the arguments `{"story": "<answer>"}`, one piece a fragment (JSON-escaped;
+    the first and last carry the structure)."""
+    out = [json.dumps(p)[1:-1] for p in pieces]
+    out[0] = '{"story": "' + out[0]
+    out[-1] += '"}'
+    return out
+
+
+# what the `tools` scenario offers (the fake answers any offer with its one call)
+BENCH_TOOL = {
+    "type": "function",
+    "function": {"name": "tell", "parameters": {"type": "object"}},
+}
 
 
 def serve_fake(argv: list[str]) -> int:
@@ -361,8 +390,10 @@ class Answer:
         return math.nan
 
 
-def request_body(model: str, words: int, itl_ms: float, step_clock: bool = False) -> dict[str, Any]:
-    return {
+def request_body(
+    model: str, words: int, itl_ms: float, step_clock: bool = False, tools: bool = False
+) -> dict[str, Any]:
+    body = {
         "model": model,
         "messages": [{"role": "user", "content": "Tell me a long story."}],
         "stream": True,
@@ -371,6 +402,9 @@ def request_body(model: str, words: int, itl_ms: float, step_clock: bool = False
         "bench_itl_ms": itl_ms,
         "bench_step_clock": step_clock,
     }
+    if tools:
+        body["tools"] = [BENCH_TOOL]
+    return body
 
 
 async def raw_answer(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Answer:
@@ -398,7 +432,10 @@ async def raw_answer(session: aiohttp.ClientSession, url: str, body: dict[str, A
                 if not choices:
                     continue
                 choice = choices[0]
-                text = (choice.get("delta") or {}).get("content") or ""
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or ""
+                for call in delta.get("tool_calls") or ():  # counted as the text is
+                    text += call["function"]["arguments"]
                 if text:
                     answer.chunks.append((now, len(text)))
                     answer.text_len += len(text)
@@ -428,7 +465,10 @@ def sdk_client(url: str, key: str | None = None) -> Callable[[dict[str, Any]], A
             now = time.monotonic()
             if not chunk.choices:
                 continue
-            text = chunk.choices[0].delta.content or ""
+            delta = chunk.choices[0].delta
+            text = delta.content or ""
+            for call in delta.tool_calls or ():  # counted as the text is
+                text += call.function.arguments if call.function else ""
             if text:
                 answer.chunks.append((now, len(text)))
                 answer.text_len += len(text)
@@ -485,13 +525,14 @@ async def run_level(
     step_clock: bool = False,
     key: str | None = None,
 ) -> Level:
-    body = request_body(model, words, itl_ms, step_clock)
+    tools = scenario.startswith("tools")
+    body = request_body(model, words, itl_ms, step_clock, tools)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     auth = {"Authorization": f"Bearer {key}"} if key else None
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=auth) as session:
         one = sdk_client(url, key) if sdk else (lambda b: raw_answer(session, url, b))
-        await one(body if itl_ms == 0 else request_body(model, words, 0))  # warm-up
+        await one(body if itl_ms == 0 else request_body(model, words, 0, tools=tools))  # warm-up
         results: list[Answer] = []
         left = answers
         drained_at = math.inf  # when the first slot found no answer left to ask for
@@ -528,7 +569,8 @@ async def run_level(
         results[0].text_len,
         step_clock=step_clock,
     )
-    bad = [a for a in results if a.finish != "stop" or a.text_len != level.chars]
+    finish = "tool_calls" if tools else "stop"
+    bad = [a for a in results if a.finish != finish or a.text_len != level.chars]
     if bad:
         raise RuntimeError(f"{scenario}: {len(bad)} answers ended wrong ({bad[0].finish})")
     # Burst figures over the answers that ended while all `concurrency` slots were busy: in the
@@ -645,7 +687,10 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             # these: a busy shared machine changes every cost over minutes, not within a level
             before = start_orchestrator(tmp, fake.url, 1, root=args.before)
             await wait_ready(before.url)
-            scenarios += [f"{s}@before" for s in scenarios if s not in ("direct", "redact")]
+            # (`tools`: a checkout from before tool calls refuses them)
+            scenarios += [
+                f"{s}@before" for s in scenarios if s not in ("direct", "redact", "tools")
+            ]
         if args.tenants:
             # the same scenarios with N tenants of K keys each configured, interleaved
             tenanted = start_orchestrator(tmp, fake.url, args.workers, tenants=args.tenants)
@@ -681,7 +726,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     url, pid = server.url, server.pid
                     model = (
                         GUARDED
-                        if scenario.startswith("sentence")
+                        if scenario.startswith(("sentence", "tools"))
                         else REDACTING
                         if scenario.startswith("redact")
                         else RAW

@@ -484,7 +484,10 @@ async def test_every_replica_unreachable_is_an_error_event_and_no_response(dets)
     [
         ({"previous_response_id": "resp_123"}, 400, "previous_response_id"),
         ({"store": True}, 400, "store"),
-        ({"tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
+        # function tools reach only an `openai` chat backend (tests/test_openai_tool_calls.py);
+        # a hosted tool runs where its results cannot be guarded
+        ({"tools": [{"type": "function", "name": "f"}]}, 422, "tools"),
+        ({"tools": [{"type": "web_search"}]}, 400, "tools"),
         ({"background": True}, 400, "background"),
         ({"conversation": "conv_1"}, 400, "conversation"),
         ({"model": "nope"}, 404, None),
@@ -493,7 +496,12 @@ async def test_every_replica_unreachable_is_an_error_event_and_no_response(dets)
         ({"input": []}, 422, "input"),
         ({"input": [{"role": "assistant", "content": "x"}]}, 422, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 422, None),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, 422, "input"),
+        (
+            {"input": [{"type": "function_call_output", "output": "x"}]},
+            422,
+            "input.messages.0.function_call_output.call_id",
+        ),
+        ({"input": [{"type": "computer_call_output", "output": "x"}]}, 422, "input"),
         ({"temperature": "hot"}, 422, "temperature"),
         ({"max_output_tokens": 0}, 422, "max_output_tokens"),
         ({"max_output_tokens": 1_000_000}, 422, "max_output_tokens"),

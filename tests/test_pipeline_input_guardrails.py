@@ -146,7 +146,9 @@ async def test_chat_attack_vectors_never_reach_the_engine(
 async def test_chat_tool_messages_are_refused_before_the_engine(
     engine: FakeEngine, orch: Orchestrator
 ) -> None:
-    """Tool results cannot be sent at all (tool calls are not supported): a 422, not a bypass."""
+    """A native engine takes no tool results (it renders no tools): a 422, not a bypass. Where
+    an `openai` chat backend takes them, they are judged like every message
+    (tests/test_openai_tool_calls.py)."""
     messages = [
         {"role": "user", "content": "ok"},
         {"role": "tool", "tool_call_id": "call_1", "content": ATTACK},

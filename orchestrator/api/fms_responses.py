@@ -27,6 +27,9 @@ class TokenClassificationResult(Wire):
     score: float
     # DESIGN 4.6a: the span was replaced; `word` is the replacement the client received
     redacted: bool | None = None
+    # DESIGN 4.8: a detection on a tool call's arguments (the span is relative to them)
+    tool_call_index: int | None = None
+    tool_call_id: str | None = None
 
 
 class TokenClassificationResults(Wire):

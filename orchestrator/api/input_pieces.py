@@ -25,3 +25,6 @@ class InputPiece:
     # the index of the message this text is in the generation request (None: it never reaches
     # the engine, like a `name`): where an input redaction goes
     target: int | None = None
+    # the arguments of that message's tool call at this index (an assistant turn's call sent
+    # back), not its content
+    tool_call: int | None = None

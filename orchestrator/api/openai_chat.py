@@ -3,7 +3,10 @@ extensions (`detectors` in requests; `detections` and `warnings` in responses).
 
 The request keeps unknown fields (`extra="allow"`): an `openai` chat backend receives them
 untouched, every other backend ignores them. Fields guardstream cannot honour while guarding the
-output (several choices, tool calls) are rejected with a clear 422 instead of being dropped.
+output (several choices, the legacy `functions`) are rejected with a clear 422 instead of being
+dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
+with `api: chat` (the tool calls it answers with are judged like text, DESIGN 4.8); any other
+backend refuses a request that asks for them (`check_extra_honoured`).
 """
 
 from __future__ import annotations
@@ -26,17 +29,19 @@ from .fms_responses import TokenClassificationResult, Wire
 from .input_pieces import InputPiece
 from .json_numbers import json_integer, json_number
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 _UNSUPPORTED = {
-    "tools": "tool calls are not supported: their arguments cannot be guarded",
-    "functions": "function calls are not supported: their arguments cannot be guarded",
-    "tool_choice": "tool calls are not supported: their arguments cannot be guarded",
-    "function_call": "function calls are not supported: their arguments cannot be guarded",
+    "functions": "the legacy function calls are not supported: use `tools`",
+    "function_call": "the legacy function calls are not supported: use `tool_choice`",
     "audio": "audio output is not supported: only text can be guarded",
     "prediction": "predicted outputs are not supported",
 }
 
 
+TOOLS_WHY = (
+    "tool calls are not supported by this model's backend (the native engine does not render "
+    "tools into its chat template nor parse tool calls out of its output)"
+)
 # Extra fields that only label or route a request: accepted whatever the backend.
 _LABELS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"})
 # Extra fields a backend that does not receive them cannot honour, at a value that asks for
@@ -52,6 +57,8 @@ _EXTRA_WHY = {
     "verbosity": "this model's backend has no verbosity setting",
     "web_search_options": "web search is not supported",
     "store": "completions are not stored (this service is stateless)",
+    "tools": TOOLS_WHY,
+    "tool_choice": TOOLS_WHY,
 }
 _INERT: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
@@ -62,6 +69,9 @@ _INERT: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0,),
     "store": (False,),
     "modalities": (["text"],),  # any other value is refused by the request model
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # without tools: nothing to call
+    "parallel_tool_calls": (True, False),  # without tools: nothing to call
 }
 
 
@@ -88,16 +98,48 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCallIn(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(Strict):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+def tool_call_field(j: int) -> str:
+    """The `field` of an assistant message's tool call's arguments among the judged pieces."""
+    return f"tool_calls.{j}.function.arguments"
+
+
 class ChatMessageIn(BaseModel):
     """A message of the conversation; content is text or text parts (images and audio cannot be
-    judged by text detectors, so they are refused rather than passed unguarded)."""
+    judged by text detectors, so they are refused rather than passed unguarded). A `tool`
+    message answers the call `tool_call_id` names; an assistant message may carry the calls
+    it made (`tool_calls`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
     refusal: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessageIn:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a `tool` message names the call it answers")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError("tool_call_id: only a `tool` message answers a tool call")
+        if self.role != "assistant" and self.tool_calls is not None:
+            raise ValueError("tool_calls: only an `assistant` message makes tool calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -125,13 +167,24 @@ class ChatMessageIn(BaseModel):
 
     def pieces(self, index: int) -> list[InputPiece]:
         """Every text of this message for the input detectors: the content (its parts joined,
-        as the engine receives them), and `name` and `refusal`, each on its own."""
+        as the engine receives them; a tool's result too: injection through a tool result is
+        the classic attack on an agent), `name` and `refusal`, and each tool call's arguments,
+        each on its own."""
         out = [InputPiece(self.text(), index, target=index)]
         if self.name:
             out.append(InputPiece(self.name, index, "name"))
         if self.refusal:
             out.append(InputPiece(self.refusal, index, "refusal"))
+        for j, call in enumerate(self.tool_calls or ()):
+            out.append(
+                InputPiece(call.function.arguments, index, tool_call_field(j), index, tool_call=j)
+            )
         return out
+
+    def wire_tool_calls(self) -> tuple[dict[str, Any], ...] | None:
+        if self.tool_calls is None:
+            return None
+        return tuple(c.model_dump(mode="json") for c in self.tool_calls)
 
 
 class StreamOptions(Strict):
@@ -241,10 +294,11 @@ class OutputDetections(Wire):
 
 class InputDetections(Wire):
     """Detections on one message's content (spans relative to its text parts joined), or, with
-    `field`, on its `name` or `refusal`."""
+    `field`, on its `name`, `refusal` or a tool call's arguments
+    (`tool_calls.<j>.function.arguments`)."""
 
     message_index: int
-    field: Literal["name", "refusal"] | None = None
+    field: str | None = None
     results: list[TokenClassificationResult]
 
 
@@ -253,17 +307,36 @@ class ChatDetections(Wire):
     output: list[OutputDetections] | None = None
 
 
+class FunctionCall(Wire):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallOut(Wire):
+    """A tool call the model made: whole in a chunk's `delta.tool_calls` (with its `index`), or
+    in a unary message's `tool_calls`."""
+
+    index: int | None = None
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Delta(Wire):
     role: Literal["assistant"] | None = None
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     logprobs: None = None
-    finish_reason: Literal["stop", "length", "content_filter"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class Usage(Wire):
@@ -298,13 +371,14 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: Literal["stop", "length", "content_filter"]
+    finish_reason: FinishReason
 
 
 class ChatCompletion(Wire):

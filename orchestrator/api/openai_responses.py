@@ -4,11 +4,14 @@ every streaming event, with guardstream's extensions (`detectors` in requests; t
 
 The service is stateless and guards text only. What cannot be honoured is refused with a clear
 message instead of being silently dropped: stored state (`previous_response_id`, `store: true`,
-`background`, `conversation`, stored `prompt` templates) and tools are 400
-(`check_stateless`, before schema validation); other features it cannot deliver (structured
-output formats, logprobs, reasoning effort, non-text input) are 422. Fields that only label or
+`background`, `conversation`, stored `prompt` templates) and hosted tools (anything but
+`function` tools) are 400 (`check_stateless`, before schema validation); other features it
+cannot deliver (structured output formats, logprobs, reasoning effort, non-text input) are 422.
+Function tools, `function_call` and `function_call_output` items go to an `openai` backend with
+`api: chat` as Chat Completions tools and messages (`chat_tools`, `ResponsesRequest.chat`);
+the calls the model makes are judged like text (DESIGN 4.8, 4.9). Fields that only label or
 route a request (`metadata`, `user`, `safety_identifier`, `prompt_cache_key`, `service_tier`,
-`parallel_tool_calls`, `truncation`, ...) are accepted; unknown fields are 422.
+`truncation`, ...) are accepted; unknown fields are 422.
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ _STATELESS: dict[str, str] = {
     "conversation in `input`",
     "prompt": "stored prompt templates are not supported; send the text in `instructions` and "
     "`input`",
-    "tools": "tools are not supported: tool calls and their arguments cannot be guarded",
 }
+HOSTED_TOOLS_WHY = (
+    "only `function` tools are supported: a hosted tool runs where its results cannot be guarded"
+)
 
 
 def check_stateless(data: Any) -> None:
@@ -67,6 +72,11 @@ def check_stateless(data: Any) -> None:
         if value is None or value is False or value == []:
             continue
         raise invalid(f"{name}: {why}", 400)
+    tools = data.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise invalid(f"tools: tool {i} has type `{kind}`: {HOSTED_TOOLS_WHY}", 400)
 
 
 class InputText(Strict):
@@ -144,6 +154,66 @@ class ReasoningConfig(Strict):
     generate_summary: None = None
 
 
+class FunctionCallItem(Strict):
+    """A call the model made in an earlier turn, sent back as conversation."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def chat_call(self) -> dict[str, Any]:
+        """The call as a Chat Completions assistant message holds it."""
+        return {
+            "id": self.call_id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+class FunctionCallOutputItem(Strict):
+    """A tool's result for `call_id`: judged by the input detectors like every message."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+def _item_kind(v: Any) -> str:
+    kind = v.get("type", "message") if isinstance(v, dict) else "message"
+    return kind if kind in ("function_call", "function_call_output") else "message"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    def chat_tool(self) -> dict[str, Any]:
+        """The tool as Chat Completions declares it."""
+        function = self.model_dump(exclude={"type"}, exclude_none=True)
+        return {"type": "function", "function": function}
+
+
+class FunctionChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
 def _input_kind(v: Any) -> str | None:
     if isinstance(v, str):
         return "text"
@@ -151,7 +221,7 @@ def _input_kind(v: Any) -> str | None:
 
 
 ConversationInput = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[InputMessage], Tag("messages")],
+    Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("messages")],
     Discriminator(
         _input_kind,
         custom_error_type="input_type",
@@ -181,7 +251,7 @@ class ResponsesRequest(Strict):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     parallel_tool_calls: StrictBool | None = None
     max_tool_calls: int | None = Field(None, ge=0)
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     truncation: Literal["auto", "disabled"] | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -193,7 +263,7 @@ class ResponsesRequest(Strict):
     previous_response_id: None = None
     conversation: None = None
     prompt: None = None
-    tools: list[Any] | None = Field(None, max_length=0)
+    tools: list[FunctionTool] | None = None
 
     @field_validator("max_output_tokens", "max_tool_calls", "top_logprobs", mode="before")
     @classmethod
@@ -211,43 +281,100 @@ class ResponsesRequest(Strict):
         if isinstance(v, list):
             for i, item in enumerate(v):
                 kind = item.get("type", "message") if isinstance(item, dict) else "message"
-                if kind != "message":
+                if kind not in ("message", "function_call", "function_call_output"):
                     raise ValueError(
                         f"item {i}: item type `{kind}` is not supported: only message items "
-                        "with text can be guarded"
+                        "with text and function calls and their outputs can be guarded"
                     )
         return v
 
     @model_validator(mode="after")
     def _has_user_message(self) -> ResponsesRequest:
-        if isinstance(self.input, list) and not any(m.role == "user" for m in self.input):
+        if isinstance(self.input, list) and not any(
+            isinstance(m, InputMessage) and m.role == "user" for m in self.input
+        ):
             raise ValueError("input: at least one message must have the role `user`")
         return self
 
+    def chat_tools(self) -> dict[str, Any]:
+        """`tools`, `tool_choice` and `parallel_tool_calls` as a Chat Completions request
+        says them (what an `openai` chat backend receives; any other backend refuses them)."""
+        out: dict[str, Any] = {}
+        if self.tools:
+            out["tools"] = [t.chat_tool() for t in self.tools]
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        elif choice is not None:
+            out["tool_choice"] = choice
+        if self.parallel_tool_calls is not None and self.tools:
+            out["parallel_tool_calls"] = self.parallel_tool_calls
+        return out
+
     def input_pieces(self) -> list[InputPiece]:
         """What input detectors judge: `instructions` and every input item, each on its own
-        (DESIGN 4.9); `message_index` is the item's index in `input` (0 for a string)."""
+        (DESIGN 4.9): a message's text, a function call's arguments, a function's output;
+        `message_index` is the item's index in `input` (0 for a string), `target` the message
+        of the conversation (`chat`) it is in."""
         out: list[InputPiece] = []
-        shift = 0  # `instructions` is the first message the engine receives
         if self.instructions:
             out.append(InputPiece(self.instructions, None, "instructions", target=0))
-            shift = 1
         if isinstance(self.input, str):
-            out.append(InputPiece(self.input, 0, target=shift))
-        else:
-            out.extend(InputPiece(m.text(), i, target=i + shift) for i, m in enumerate(self.input))
+            out.append(InputPiece(self.input, 0, target=len(out)))
+            return out
+        for i, (item, (target, call)) in enumerate(zip(self.input, self._places(), strict=True)):
+            if isinstance(item, FunctionCallItem):
+                out.append(InputPiece(item.arguments, i, "arguments", target, tool_call=call))
+            elif isinstance(item, FunctionCallOutputItem):
+                out.append(InputPiece(item.output, i, "output", target))
+            else:
+                out.append(InputPiece(item.text(), i, target=target))
+        return out
+
+    def _places(self) -> list[tuple[int, int | None]]:
+        """Where each input item is in the conversation (`chat`): the message, and for a
+        function call its index among that assistant message's calls (consecutive calls are
+        one assistant turn, as Chat Completions says them)."""
+        at = 0 if not self.instructions else 1
+        out: list[tuple[int, int | None]] = []
+        calls = 0  # of the assistant turn being gathered
+        assert isinstance(self.input, list)
+        for item in self.input:
+            if isinstance(item, FunctionCallItem):
+                if calls == 0:
+                    at += 1
+                out.append((at - 1, calls))
+                calls += 1
+                continue
+            calls = 0
+            out.append((at, None))
+            at += 1
+        return out
+
+    def chat(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """The whole conversation as Chat Completions messages: (role, text, tool fields);
+        `instructions` first, as a system message; consecutive function calls are one
+        assistant turn; a function's output is a `tool` message."""
+        out: list[tuple[str, str, dict[str, Any]]] = []
+        if self.instructions:
+            out.append(("system", self.instructions, {}))
+        if isinstance(self.input, str):
+            out.append(("user", self.input, {}))
+            return out
+        for item, (target, call) in zip(self.input, self._places(), strict=True):
+            if isinstance(item, FunctionCallItem):
+                if call == 0:
+                    out.append(("assistant", "", {"tool_calls": []}))
+                out[target][2]["tool_calls"].append(item.chat_call())
+            elif isinstance(item, FunctionCallOutputItem):
+                out.append(("tool", item.output, {"tool_call_id": item.call_id}))
+            else:
+                out.append((item.role, item.text(), {}))
         return out
 
     def conversation_messages(self) -> list[tuple[str, str]]:
         """(role, text) of the whole conversation: `instructions` first, as a system message."""
-        out: list[tuple[str, str]] = []
-        if self.instructions:
-            out.append(("system", self.instructions))
-        if isinstance(self.input, str):
-            out.append(("user", self.input))
-        else:
-            out.extend((m.role, m.text()) for m in self.input)
-        return out
+        return [(role, text) for role, text, _ in self.chat()]
 
 
 # -- the response object ------------------------------------------------------------------------
@@ -267,12 +394,16 @@ class GuardrailAnnotation(BaseModel):
     score: float
     # DESIGN 4.6a: the span was replaced and `text` is the replacement (omitted otherwise)
     redacted: bool | None = None
+    # a detection on a function call's arguments: the call (the span is relative to its
+    # `arguments`; omitted otherwise)
+    call_id: str | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unredacted(self, handler: Any) -> Any:
         data = handler(self)
-        if data.get("redacted") is None:
-            data.pop("redacted", None)
+        for key in ("redacted", "call_id"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -307,6 +438,20 @@ class OutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: ItemStatus
     content: list[OutputContent] = Field(default_factory=list)
+
+
+class FunctionCallOut(BaseModel):
+    """A call the model made: released whole, once judged (DESIGN 4.9)."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str = ""
+    status: ItemStatus
+
+
+OutputItem = Annotated[OutputMessage | FunctionCallOut, Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -371,7 +516,7 @@ class ResponseObject(BaseModel):
     completed_at: int | None = None
     status: ResponseStatus
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     error: ResponseErrorInfo | None = None
     incomplete_details: IncompleteInfo | None = None
     instructions: str | None = None
@@ -379,8 +524,8 @@ class ResponseObject(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     parallel_tool_calls: bool = False
-    tool_choice: Literal["none", "auto"] = "none"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice = "none"
+    tools: list[FunctionTool] = Field(default_factory=list)
     truncation: Literal["auto", "disabled"] = "disabled"
     text: TextConfigOut = Field(default_factory=TextConfigOut)
     metadata: dict[str, str] = Field(default_factory=dict)
@@ -416,7 +561,25 @@ class OutputItemEvent(BaseModel):
     type: Literal["response.output_item.added", "response.output_item.done"]
     sequence_number: int
     output_index: int
-    item: OutputMessage
+    item: OutputItem
+
+
+class FunctionCallArgumentsDeltaEvent(BaseModel):
+    type: Literal["response.function_call_arguments.delta"] = (
+        "response.function_call_arguments.delta"
+    )
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDoneEvent(BaseModel):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    arguments: str
 
 
 class ContentPartEvent(BaseModel):
@@ -501,6 +664,8 @@ StreamEvent = Annotated[
     | AnnotationAddedEvent
     | RefusalDeltaEvent
     | RefusalDoneEvent
+    | FunctionCallArgumentsDeltaEvent
+    | FunctionCallArgumentsDoneEvent
     | ErrorEvent,
     Field(discriminator="type"),
 ]
@@ -513,6 +678,8 @@ STREAM_EVENT_MODELS: tuple[type[BaseModel], ...] = (
     AnnotationAddedEvent,
     RefusalDeltaEvent,
     RefusalDoneEvent,
+    FunctionCallArgumentsDeltaEvent,
+    FunctionCallArgumentsDoneEvent,
     ErrorEvent,
 )
 # what /openapi.json documents for POST /v1/responses

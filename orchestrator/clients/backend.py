@@ -41,13 +41,24 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class ChatMessage:
-    """One message of a chat conversation (OpenAI surfaces); content is plain text."""
+    """One message of a chat conversation (OpenAI surfaces); content is plain text. A `tool`
+    message names the call it answers (`tool_call_id`); an assistant message may carry the
+    calls it made (`tool_calls`, OpenAI's wire objects, forwarded as the client sent them)."""
 
     role: str
     content: str
+    tool_call_id: str | None = None
+    tool_calls: tuple[dict[str, Any], ...] | None = None
 
-    def wire(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            out["tool_calls"] = list(self.tool_calls)
+            if not self.content:
+                out["content"] = None  # an assistant turn that only called tools
+        return out
 
 
 @dataclass(frozen=True)
@@ -214,6 +225,21 @@ class EngineDelta:
     # every token delivered so far, across migrations (MigratingStream's deltas; 0 on a
     # replica's own)
     generated_token_count: int = 0
+    # tool-call fragments of this step (`api: chat`), beside the text, never inside it
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A fragment of one tool call as an OpenAI chat stream sends it (`delta.tool_calls[]`): the
+    call's `index` in the answer, and what this fragment adds: the `id` and function `name`
+    (usually on the call's first fragment only) and a piece of the `arguments` JSON string.
+    The fragments of one index concatenate to the whole call."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 class EngineStream(ABC):

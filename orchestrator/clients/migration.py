@@ -18,6 +18,12 @@ replica continues it, or, where it cannot continue a partial answer (a chat serv
 `continue_final_message`), regenerates the answer and the delivered prefix is checked and skipped
 (a replay, clients/replay.py: greedy or seeded decoding only). A replay that differs, or sampling
 without a seed there, ends the stream with the original error and why (`_give_up`).
+
+Tool-call fragments (`api: chat`) are held here until the model finished and go to the pipeline
+on the final item: the pipeline releases a call only whole and judged, so holding them costs no
+latency, and a replica that dies during a call has delivered nothing of it. Where nothing else
+was delivered either, the request goes again as it came (a restart); after delivered text it
+cannot move (a continuation carries text only) and ends with the original error and why.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from .backend import (
     EngineStream,
     GenerationError,
     GenerationRequest,
+    ToolCallDelta,
 )
 from .replay import Replay, ReplayMismatch, replayable
 from .replicas import Replica, ReplicaPool
@@ -71,7 +78,8 @@ class MigrationMetrics:
         self.unmigratable = Counter(
             "guardstream_generation_unmigratable",
             "Generation failures that could not be migrated",
-            # engine_error | max_seq_len | no_prompt_ids | cannot_continue | replay_mismatch
+            # engine_error | max_seq_len | no_prompt_ids | cannot_continue | replay_mismatch |
+            # tool_call (a tool call had begun: a continuation carries text only)
             ["model_id", "reason"],
             registry=r,
         )
@@ -143,6 +151,7 @@ class MigratingStream:
         self._ids: list[int] = []
         self._generated = 0  # len(self._ids), or the items' token_count where they carry no ids
         self._text: list[str] = []
+        self._calls: list[ToolCallDelta] = []  # tool-call fragments, held until the finish
         self._closed = False
         self._current: EngineStream | None = None
         self._replay: Replay | None = None  # the prefix the current dispatch regenerates
@@ -368,6 +377,13 @@ class MigratingStream:
                 f"{prompt_len} prompt + {self._generated} generated tokens exceed "
                 f"max_seq_len {self._cfg.max_seq_len}",
             )
+        if self._calls and self._text:
+            # a continuation carries text only: another replica would not go on with the call
+            self._count_unmigratable("tool_call")
+            raise self._give_up(original, "a tool call had begun after delivered text")
+        if self._calls:  # only a call was under way, none of it delivered: a restart
+            self._calls = []
+            self._generated = self.generated_token_count = 0
         if self._ids and self._prompt_ids is None:
             self._count_unmigratable("no_prompt_ids")
             raise self._give_up(original, "the replica never sent the prompt's token ids")
@@ -507,7 +523,7 @@ class MigratingStream:
         """The final chunk of a stream whose model finished but whose replica never said so."""
         p = self.request.params
         self.finish_reason = "MAX_TOKENS" if self._generated >= p.max_new_tokens else "TIME_LIMIT"
-        return self._chunk((), "")
+        return self._chunk((), "", self._take_calls())
 
     def _accept(self, item: EngineDelta) -> EngineDelta | None:
         if not self._ids and item.prompt_token_ids is not None:
@@ -526,15 +542,27 @@ class MigratingStream:
         self.generated_token_count = self._generated
         if item.finish_reason is not None:
             self.finish_reason = item.finish_reason
-        if not item.token_ids and not item.text and item.finish_reason is None:
-            return None
-        return self._chunk(item.token_ids, item.text)
+        if item.tool_calls:
+            self._calls.extend(item.tool_calls)
+        if item.finish_reason is None:
+            if not item.token_ids and not item.text:
+                return None
+            return self._chunk(item.token_ids, item.text)
+        return self._chunk(item.token_ids, item.text, self._take_calls())
 
-    def _chunk(self, token_ids: tuple[int, ...], text: str) -> EngineDelta:
+    def _take_calls(self) -> tuple[ToolCallDelta, ...]:
+        """The held tool-call fragments, for the final item."""
+        calls, self._calls = tuple(self._calls), []
+        return calls
+
+    def _chunk(
+        self, token_ids: tuple[int, ...], text: str, calls: tuple[ToolCallDelta, ...] = ()
+    ) -> EngineDelta:
         return EngineDelta(
             token_ids,
             text,
             self.finish_reason,
             input_token_count=self.input_token_count or 0,
             generated_token_count=self._generated,
+            tool_calls=calls,
         )

@@ -88,7 +88,7 @@ def map_finish(name: str, finish: str, stop_reason: Any) -> str:
             code=502,
         )
     if finish in ("tool_calls", "function_call"):
-        return "EOS_TOKEN"  # the model ended its turn (with a call guardstream passes over)
+        return "EOS_TOKEN"  # the model ended its turn with calls (the writers say `tool_calls`)
     log.warning("replica %s: unknown finish_reason %r, treated as EOS_TOKEN", name, finish)
     return "EOS_TOKEN"
 

@@ -19,6 +19,7 @@ from .backend import (
     EngineDelta,
     GenerationError,
     GenerationRequest,
+    ToolCallDelta,
     unavailable,
 )
 from .line_transport import FINAL_GRACE_S, HttpLineStream, error_message, int_list
@@ -370,8 +371,9 @@ class ChatStream(SseStream):
     _counted = 0  # tokens this dispatch's items stood for so far
     _prompt_tokens: int | None = None
     _completion_tokens: int | None = None
-    # (released text, finish, whether the event had text) of the final event
-    _held: tuple[str, str, bool] | None = None
+    # (released text, finish, whether the event had text, its tool-call fragments) of the
+    # final event
+    _held: tuple[str, str, bool, tuple[ToolCallDelta, ...]] | None = None
     _failure: BaseException | None = None  # raised after the held item went out
     _after_done = False
 
@@ -421,9 +423,9 @@ class ChatStream(SseStream):
                 await self._end_of_sse()
             obj = self._decode(payload)
             has_usage = self._usage(obj.get("usage"))
-            text, finish, stop_reason = self._choice(obj)
+            text, finish, stop_reason, calls = self._choice(obj)
             if self._finished:
-                if text:
+                if text or calls:
                     raise unavailable(f"replica {name}: data after the final event")
                 if has_usage and self._held is not None:
                     return self._release()
@@ -431,9 +433,12 @@ class ChatStream(SseStream):
             if finish is not None:
                 out, stopped = self._gated(text, True)
                 mapped = "STOP_SEQUENCE" if stopped else map_finish(name, finish, stop_reason)
-                self._held = (out, mapped, bool(text))
+                self._held = (out, mapped, bool(text or calls), calls)
                 self._finished = True
                 continue
+            if calls:  # a tool call's fragment (with any text beside it): about a token
+                out, _ = self._gated(text, False)
+                return self._item(out, None, 1, calls)
             if text:
                 n = 1
                 if has_usage and self._completion_tokens is not None:
@@ -457,13 +462,16 @@ class ChatStream(SseStream):
         self._completion_tokens = completion
         return True
 
-    def _choice(self, obj: dict[str, Any]) -> tuple[str, str | None, Any]:
-        """Text, finish reason and stop reason of the event's first choice; an event with no
-        choices or without a delta (usage, Azure's filter annotations) has none of them."""
+    def _choice(
+        self, obj: dict[str, Any]
+    ) -> tuple[str, str | None, Any, tuple[ToolCallDelta, ...]]:
+        """Text, finish reason, stop reason and tool-call fragments of the event's first choice;
+        an event with no choices or without a delta (usage, Azure's filter annotations) has
+        none of them."""
         name = self._client.name
         choices = obj.get("choices")
         if choices is None or choices == []:
-            return "", None, None
+            return "", None, None, ()
         if not isinstance(choices, list) or not isinstance(choices[0], dict):
             raise unavailable(f"replica {name} sent malformed choices")
         choice = choices[0]
@@ -479,26 +487,29 @@ class ChatStream(SseStream):
                 text += part
         elif delta is not None:
             raise unavailable(f"replica {name} sent a malformed delta")
+        calls = tool_call_deltas(name, delta.get("tool_calls")) if isinstance(delta, dict) else ()
         finish = choice.get("finish_reason")
         stop_reason = choice.get("stop_reason")
         if stop_reason is None:
             stop_reason = choice.get("matched_stop")  # SGLang
-        return text, None if finish is None else str(finish), stop_reason
+        return text, None if finish is None else str(finish), stop_reason, calls
 
     def _release(self) -> EngineDelta:
         """The held final item, with the server's counts where it sent them."""
         assert self._held is not None
-        text, finish, had_text = self._held
+        text, finish, had_text, calls = self._held
         self._held = None
         own = 1 if had_text else 0
         if self._completion_tokens is not None:
             own = max(own, self._completion_tokens - self._counted)
-        return self._item(text, finish, own)
+        return self._item(text, finish, own, calls)
 
     def _take_buffered(self, items: list[EngineDelta], limit: int) -> int:
         """Buffered events that are plain content deltas (one choice, `delta.content` text, no
-        finish reason, no usage, no error) become items here; anything else stops the loop
-        unconsumed, for `_read`."""
+        finish reason, no usage, no error), or plain argument fragments of a tool call (a
+        delta with only `tool_calls: [{"index", "function": {"arguments"}}]`: a call streams
+        as many of them as a text streams content deltas), become items here; anything else
+        stops the loop unconsumed, for `_read`."""
         reader = self._reader
         assert reader is not None
         if self._gate is not None:
@@ -523,18 +534,34 @@ class ChatStream(SseStream):
             if choice.get("finish_reason") is not None or type(delta) is not dict:
                 break
             text = delta.get("content")
-            if type(text) is not str or delta.get("refusal") is not None:
+            calls = delta.get("tool_calls")
+            fragment = None
+            if calls is not None:
+                fragment = _plain_fragment(calls, delta)
+                if fragment is None:
+                    break
+            elif type(text) is not str or delta.get("refusal") is not None:
                 break
             if obj.get("object") == "error":
                 break
             reader.consume(peeked[1])
-            if text:  # an EngineDelta per token: built positionally (half the time of keywords)
+            if fragment is not None:
+                items.append(EngineDelta((), "", None, None, input_count, None, 1, 0, fragment))
+            elif text:  # an EngineDelta per token: built positionally (half the time of keywords)
                 items.append(EngineDelta((), text, None, None, input_count, None, 1))
-                self._counted += 1
-                taken += 1
+            else:
+                continue
+            self._counted += 1
+            taken += 1
         return taken
 
-    def _item(self, text: str, finish: str | None, count: int) -> EngineDelta:
+    def _item(
+        self,
+        text: str,
+        finish: str | None,
+        count: int,
+        calls: tuple[ToolCallDelta, ...] = (),
+    ) -> EngineDelta:
         self._counted += count
         return EngineDelta(
             token_ids=(),
@@ -542,6 +569,7 @@ class ChatStream(SseStream):
             finish_reason=finish,
             input_token_count=self._input_count(),
             token_count=count,
+            tool_calls=calls,
         )
 
     def _input_count(self) -> int | None:
@@ -552,3 +580,52 @@ class ChatStream(SseStream):
         cont = self._continuation
         taken = cont.generated_token_count if cont is not None else 0
         return max(0, self._prompt_tokens - taken)
+
+
+def _plain_fragment(calls: Any, delta: dict[str, Any]) -> tuple[ToolCallDelta] | None:
+    """The fragment of a delta that holds only `[{"index": i, "function": {"arguments": s}}]`
+    (no content, id or name); None for anything else (`tool_call_deltas` reads it)."""
+    if type(calls) is not list or len(calls) != 1 or len(delta) != 1:
+        return None
+    call = calls[0]
+    if type(call) is not dict or len(call) != 2:
+        return None
+    index, function = call.get("index"), call.get("function")
+    if type(index) is not int or index < 0 or type(function) is not dict or len(function) != 1:
+        return None
+    arguments = function.get("arguments")
+    if type(arguments) is not str:
+        return None
+    return (ToolCallDelta(index, None, None, arguments),)
+
+
+def tool_call_deltas(name: str, raw: Any) -> tuple[ToolCallDelta, ...]:
+    """`delta.tool_calls` as ToolCallDeltas; a malformed one fails the replica (as a malformed
+    `delta.content` does). `index` defaults to the fragment's position (a server that leaves
+    it out sends one call per event)."""
+    if raw is None or raw == []:
+        return ()
+    if not isinstance(raw, list):
+        raise unavailable(f"replica {name} sent a malformed delta.tool_calls")
+    out = []
+    for position, call in enumerate(raw):
+        if not isinstance(call, dict):
+            raise unavailable(f"replica {name} sent a malformed delta.tool_calls")
+        index = call.get("index", position)
+        function = call.get("function") or {}
+        call_id = call.get("id")
+        if (
+            not isinstance(index, int)
+            or isinstance(index, bool)
+            or index < 0
+            or not isinstance(function, dict)
+            or not (call_id is None or isinstance(call_id, str))
+        ):
+            raise unavailable(f"replica {name} sent a malformed delta.tool_calls")
+        fname, arguments = function.get("name"), function.get("arguments")
+        if not (fname is None or isinstance(fname, str)) or not (
+            arguments is None or isinstance(arguments, str)
+        ):
+            raise unavailable(f"replica {name} sent a malformed delta.tool_calls")
+        out.append(ToolCallDelta(index, call_id or None, fname or None, arguments or ""))
+    return tuple(out)

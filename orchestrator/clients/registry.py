@@ -52,6 +52,8 @@ class RequestedDetector:
     # the detector API it speaks (config `type`): text_contents, or a kind of the FMS
     # detection endpoints (text_chat, text_context_doc, text_generation)
     kind: str = "text_contents"
+    # what of the output it judges as an output detector (config `applies_to`)
+    applies_to: tuple[str, ...] = ("text", "tool_calls")
 
     @property
     def whole_doc(self) -> bool:
@@ -183,6 +185,7 @@ class DetectorRegistry:
                     else str(det.params.get("redact_with", det.redact_with)),
                     judges_chunks=self._clients[detector_id].judges_chunks,
                     kind=kind,
+                    applies_to=tuple(det.applies_to),
                 )
             )
         return out

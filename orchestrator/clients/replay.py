@@ -78,16 +78,17 @@ class Replay:
         text = item.text
         rest_text = self._match_text(text)
         if self._at < len(self._text):
-            if item.finish_reason is not None:
+            if item.finish_reason is not None or item.tool_calls:
+                what = "ended" if item.finish_reason is not None else "made a tool call"
                 raise ReplayMismatch(
-                    f"ended after {self._at} of the {len(self._text)} delivered characters"
+                    f"{what} after {self._at} of the {len(self._text)} delivered characters"
                 )
             self.tokens += count
             return None
         self.done = True
         if len(rest_text) == len(text) and len(rest_ids) == len(ids):
             return item  # the prefix ended exactly before this item
-        if not rest_text and not rest_ids and item.finish_reason is None:
+        if not rest_text and not rest_ids and item.finish_reason is None and not item.tool_calls:
             self.tokens += count  # the item ends exactly where the prefix does
             return None
         # a token that straddles the prefix's end is a new one: the item counts in full here

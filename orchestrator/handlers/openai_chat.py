@@ -6,6 +6,7 @@ too."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 from aiohttp import web
@@ -24,14 +25,19 @@ CHAT_DETECTION_PATH = "/api/v2/chat/completions-detection"
 def chat_ask(request: web.Request, body: ChatCompletionRequest) -> GenerationAsk:
     """Input detectors judge every piece of the conversation, each on its own (DESIGN 4.8)."""
     messages = [(m.role, m.text()) for m in body.messages]
+    pieces = body.input_pieces()
     prompt, chat = conversation(messages)
+    chat = tuple(
+        replace(c, tool_call_id=m.tool_call_id, tool_calls=m.wire_tool_calls())
+        for c, m in zip(chat, body.messages, strict=True)
+    )
     return openai_ask(
         request,
         body,
         prompt=prompt,
         messages=chat,
-        inputs=body.input_pieces(),
-        input_chars=sum(len(text) for _, text in messages),
+        inputs=pieces,
+        input_chars=sum(len(p.text) for p in pieces if p.target is not None),
         input_field="messages",
         max_tokens=body.max_completion_tokens or body.max_tokens,
         max_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",

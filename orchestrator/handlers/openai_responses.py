@@ -7,6 +7,7 @@ response object was created yet)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 from aiohttp import web
@@ -32,19 +33,30 @@ async def read_request(request: web.Request) -> ResponsesRequest:
 
 def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk:
     """`instructions` and every input item are judged, each on its own (DESIGN 4.9)."""
-    messages = body.conversation_messages()
+    turns = body.chat()
+    pieces = body.input_pieces()
+    messages = [(role, text) for role, text, _ in turns]
     prompt, chat = conversation(messages)
+    chat = tuple(
+        replace(
+            m,
+            tool_call_id=tools.get("tool_call_id"),
+            tool_calls=tuple(tools["tool_calls"]) if "tool_calls" in tools else None,
+        )
+        for m, (_, _, tools) in zip(chat, turns, strict=True)
+    )
     return openai_ask(
         request,
         body,
         prompt=prompt,
         messages=chat,
-        inputs=body.input_pieces(),
-        input_chars=sum(len(text) for _, text in messages),
+        inputs=pieces,
+        input_chars=sum(len(p.text) for p in pieces if p.target is not None),
         input_field="input",
         max_tokens=body.max_output_tokens,
         max_tokens_field="max_output_tokens",
         decoding=Decoding(temperature=body.temperature, top_p=body.top_p),
+        extra=body.chat_tools(),
     )
 
 

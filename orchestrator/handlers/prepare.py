@@ -18,7 +18,7 @@ from aiohttp import web
 
 from ..api.errors import invalid, not_found
 from ..api.fms_requests import DetectorMap
-from ..api.openai_chat import ChatDetectors, check_extra_honoured
+from ..api.openai_chat import TOOLS_WHY, ChatDetectors, check_extra_honoured
 from ..clients.backend import ChatMessage, GenerationParams, GenerationRequest, ModelBackend
 from ..clients.registry import DetectorRegistry, EnforcedGuardrails, RequestedDetector
 from ..config import DecodingDefaults, ModelConfig, OpenAIBackend
@@ -187,13 +187,20 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
     max_new = budget(target, ask.max_tokens, ask.max_tokens_field, tenant)
     if ask.decoding.min_new_tokens > max_new:
         raise invalid(f"{ask.min_tokens_field}: must not exceed max_new_tokens")
-    if ask.extra and not all(
-        isinstance(b, OpenAIBackend) and b.api == "chat" for b in config.backends
-    ):
+    forwards = all(isinstance(b, OpenAIBackend) and b.api == "chat" for b in config.backends)
+    if ask.extra and not forwards:
         try:
             check_extra_honoured(ask.extra, ask.model)
         except ValueError as exc:
             raise invalid(str(exc)) from None
+    if not forwards:
+        for i, m in enumerate(ask.messages or ()):
+            if m.role == "tool" or m.tool_calls is not None:
+                raise invalid(
+                    f"{ask.input_field}: message {i} of the conversation is part of a tool "
+                    f"call, and {TOOLS_WHY} (model `{ask.model}`; only an `openai` backend "
+                    "with `api: chat` forwards them)"
+                )
     for start, end in ask.masks or []:
         if end > len(ask.prompt):
             raise invalid(
@@ -250,6 +257,7 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         keepalive_s=server.sse_keepalive_s if ask.stream else None,
         read_coalesce_tokens=server.read_coalesce_tokens,
         read_coalesce_when=state.loop_lag.busy,
+        offers_tools=bool(ask.extra.get("tools")),
     )
 
 

@@ -28,13 +28,15 @@ from ..api.openai_chat import (
     Choice,
     ChunkChoice,
     Delta,
+    FunctionCall,
     InputDetections,
     OpenAIErrorBody,
     OutputDetections,
+    ToolCallOut,
     Usage,
 )
 from .event_fold import EventFold
-from .events import Frame, Refusal, Rendered, Terminal
+from .events import Frame, Refusal, Rendered, Terminal, ToolCall
 from .finding_wire import tcr, tcr_model
 from .findings import Finding, sort_findings
 from .wire_json import SSE_HEADERS, dumps
@@ -49,12 +51,22 @@ _FRAME_TAIL = b'},"finish_reason":null,"logprobs":null}]'
 _WARNINGS_TAIL = b',"warnings":[' + orjson.dumps(OUTPUT_WARNING.dump()) + b"]"
 
 
-def finish_reason(terminal: Terminal) -> str:
+def finish_reason(terminal: Terminal, *, tool_calls: bool = False) -> str:
+    """`tool_calls` where the model ended its turn with tool calls that were released."""
     if terminal.reason == "content_filter":
         return "content_filter"
     if terminal.kind == "incomplete":
         return "length"  # a token or time budget ran out
-    return "stop"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def tool_call_out(call: ToolCall, *, indexed: bool) -> ToolCallOut:
+    """A released call on the wire: whole, in one chunk (`indexed`) or in the unary message."""
+    return ToolCallOut(
+        index=call.index if indexed else None,
+        id=call.id,
+        function=FunctionCall(name=call.name, arguments=call.arguments),
+    )
 
 
 def usage(terminal: Terminal) -> Usage:
@@ -106,6 +118,7 @@ class ChatChunkWriter:
         self._include_usage = include_usage
         self._role_sent = False
         self._finished = False
+        self._tool_calls = False  # a tool call was released
         self._head = (
             b'data: {"id":'
             + dumps(self.id)
@@ -170,6 +183,13 @@ class ChatChunkWriter:
             if not event.text and not event.detections:
                 return b""
             return self._role() + self._frame(event)
+        if isinstance(event, ToolCall):
+            self._tool_calls = True
+            return self._role() + self._chunk(
+                Delta(tool_calls=[tool_call_out(event, indexed=True)]),
+                detections=_output(event.detections) if event.judged else None,
+                warnings=[OUTPUT_WARNING] if event.detections else None,
+            )
         if isinstance(event, Refusal):
             self._finished = True
             if event.direction == "input":
@@ -195,7 +215,9 @@ class ChatChunkWriter:
         out = b""
         if not self._finished:
             out += self._role() + self._chunk(
-                Delta(), finish=finish_reason(terminal), migrations=terminal.migrations or None
+                Delta(),
+                finish=finish_reason(terminal, tool_calls=self._tool_calls),
+                migrations=terminal.migrations or None,
             )
         if self._include_usage:
             chunk = ChatCompletionChunk(
@@ -226,6 +248,9 @@ class ChatCompletionFold(EventFold):
                 input=_input(sort_findings(self.input)).input if self.input else None,
                 output=_output(self.output).output if self.output else None,
             )
+        calls = self.tool_calls if refusal is None else []
+        text = "".join(self.texts)
+        only_calls = bool(calls) and not text  # OpenAI's `content: null` beside tool calls
         warnings = [INPUT_WARNING] if refusal is not None and self.input else []
         if self.output:
             warnings.append(OUTPUT_WARNING)
@@ -236,10 +261,11 @@ class ChatCompletionFold(EventFold):
             choices=[
                 Choice(
                     message=AssistantMessage(
-                        content=None if refusal is not None else "".join(self.texts),
+                        content=None if refusal is not None or only_calls else text,
                         refusal=refusal,
+                        tool_calls=[tool_call_out(c, indexed=False) for c in calls] or None,
                     ),
-                    finish_reason=finish_reason(terminal),  # type: ignore[arg-type]
+                    finish_reason=finish_reason(terminal, tool_calls=bool(calls)),  # type: ignore[arg-type]
                 )
             ],
             usage=usage(terminal),

@@ -5,7 +5,7 @@ refusal and the terminal. The folds differ only in the object they render (`body
 from __future__ import annotations
 
 from ..api.errors import Failure
-from .events import Frame, Refusal, Rendered, Terminal
+from .events import Frame, Refusal, Rendered, Terminal, ToolCall
 from .findings import Finding
 
 
@@ -17,6 +17,7 @@ class EventFold:
         self.texts: list[str] = []
         self.output: list[Finding] = []
         self.input: list[Finding] = []  # a refused input's, or a redacted input's
+        self.tool_calls: list[ToolCall] = []  # released, whole (a chat.completion's message)
         self.refusal: Refusal | None = None
         self.terminal: Terminal | None = None
 
@@ -28,6 +29,9 @@ class EventFold:
             self.texts.append(event.text)
             self.output.extend(event.detections)
             self.input.extend(event.input_detections or ())
+        elif isinstance(event, ToolCall):
+            self.tool_calls.append(event)
+            self.output.extend(event.detections)
         elif isinstance(event, Refusal):
             self.refusal = event
             (self.input if event.direction == "input" else self.output).extend(event.detections)

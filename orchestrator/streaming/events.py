@@ -47,6 +47,21 @@ class Frame:
 
 
 @dataclass(slots=True)
+class ToolCall:
+    """A tool call the model made (`api: chat` backends), whole: released once every output
+    detector that applies to tool calls judged its arguments (streaming/tool_calls.py), with
+    the arguments as the client receives them (redacted where a detector redacts) and the
+    detections on them (spans relative to `arguments`, naming the call)."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+    detections: list[Finding] = field(default_factory=list)
+    judged: bool = False  # output detectors applied to it
+
+
+@dataclass(slots=True)
 class Refusal:
     """A guardrail stopped the request. `direction` "input": input detectors flagged the prompt
     and the model was never called (spans relative to the judged input); "output": a blocking
@@ -80,9 +95,9 @@ class KeepAlive:
     proxies do not cut the stream; others ignore it."""
 
 
-Event = Frame | Refusal | Terminal | KeepAlive
+Event = Frame | ToolCall | Refusal | Terminal | KeepAlive
 # What a surface's writer renders: keep-alives are the serving loop's (handlers/serving.py)
-Rendered = Frame | Refusal | Terminal
+Rendered = Frame | ToolCall | Refusal | Terminal
 KEEP_ALIVE = KeepAlive()
 
 # finish_reason -> (terminal kind, incomplete reason)

@@ -30,8 +30,10 @@ from .findings import Finding
 
 
 def tcr(f: Finding) -> dict[str, Any]:
-    """`{start, end, word, entity, entity_group, detector_id, score, redacted?}`: `word`,
-    `entity`, `entity_group` are the detector's `text`, `detection`, `detection_type`."""
+    """`{start, end, word, entity, entity_group, detector_id, score, redacted?,
+    tool_call_index?, tool_call_id?}`: `word`, `entity`, `entity_group` are the detector's
+    `text`, `detection`, `detection_type`; a finding on a tool call's arguments names the call
+    (its span is relative to the call's arguments string)."""
     out: dict[str, Any] = {
         "start": f.start,
         "end": f.end,
@@ -43,6 +45,10 @@ def tcr(f: Finding) -> dict[str, Any]:
     }
     if f.redacted:
         out["redacted"] = True
+    if f.tool_call_index is not None:
+        out["tool_call_index"] = f.tool_call_index
+        if f.tool_call_id is not None:
+            out["tool_call_id"] = f.tool_call_id
     return out
 
 
@@ -122,6 +128,7 @@ def annotation(f: Finding, *, withheld: bool = False) -> GuardrailAnnotation:
         detection_type=f.detection_type,
         score=f.score,
         redacted=True if f.redacted else None,
+        call_id=f.tool_call_id if f.tool_call_index is not None else None,
     )
 
 

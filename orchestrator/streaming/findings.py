@@ -34,15 +34,20 @@ class Finding:
     # a warning, not a verdict: an `on_error: annotate` judge could not judge this text
     # (clients/judges.py); it never blocks, redacts or refuses
     unjudged: bool = False
+    # an output finding on a tool call's arguments (spans relative to its arguments string)
+    tool_call_index: int | None = None
+    tool_call_id: str | None = None
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:
     """The order clients see (DESIGN 4.3): by start, then detector id (input findings of a
-    conversation: by message first, `instructions` before every message)."""
+    conversation: by message first, `instructions` before every message; a tool call's: by
+    call first)."""
     return sorted(
         findings,
         key=lambda f: (
             -1 if f.message_index is None else f.message_index,
+            -1 if f.tool_call_index is None else f.tool_call_index,
             f.field or "",
             f.start,
             f.detector_id,

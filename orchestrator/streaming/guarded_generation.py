@@ -59,6 +59,7 @@ from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
 from .stream_judgement import Release, StreamJudge
 from .text_judgement import InputPiece, judge_pieces, judge_text
+from .tool_calls import JudgedCall, ToolCallAssembler, judge_tool_calls
 
 log = logging.getLogger("guardstream.stream")
 
@@ -87,7 +88,9 @@ class _InputJudged:
 
 @dataclass(frozen=True, slots=True)
 class _EngineEnded:
-    pass
+    """The engine's stream ended; its tool calls, judged (streaming/tool_calls.py)."""
+
+    tool_calls: list[JudgedCall]
 
 
 _KEEPALIVE_DUE = Signal("keep-alive due")
@@ -111,13 +114,16 @@ class GuardedGeneration(PipelineCore):
         max_buffered_chunks: int = 64,
         read_coalesce_tokens: float = 0.0,
         read_coalesce_when: Callable[[], bool] | None = None,
+        offers_tools: bool = False,
     ) -> None:
         """`inputs` is what input detectors judge: FMS `inputs` (with `masks`), or every piece
         of a conversation, each on its own;
         `keepalive_s` makes `events()` yield KeepAlive after that long without another event;
         `read_coalesce_tokens` paces the engine reads of a slow stream, while
         `read_coalesce_when()` says so (the orchestrator: while its loop is busy; see
-        ReadPacer)."""
+        ReadPacer); `offers_tools`: the request offered the model tools (Chat Completions
+        `tools`), so its surface renders tool calls; a call without is a failure, never
+        dropped."""
         super().__init__(
             max_buffered=max_buffered_chunks,
             timeout_s=timeout_s,
@@ -128,7 +134,9 @@ class GuardedGeneration(PipelineCore):
         self._inputs = inputs
         self._masks = masks
         self._input_detectors = input_detectors
-        self._output_detectors = output_detectors
+        # output detectors judge the answer's text, its tool calls' arguments, or both
+        self._output_detectors = [d for d in output_detectors if "text" in d.applies_to]
+        self._tool_call_detectors = [d for d in output_detectors if "tool_calls" in d.applies_to]
         self._chunkers = chunkers
         self._seed = seed
         self._observer = observer or StreamObserver()
@@ -136,8 +144,9 @@ class GuardedGeneration(PipelineCore):
         self._read_coalesce_tokens = read_coalesce_tokens
         self._read_coalesce_when = read_coalesce_when or (lambda: True)
         self._max_batch = max_buffered_chunks
+        self._offers_tools = offers_tools
         self._detection: StreamJudge | None = None
-        self._judged = bool(output_detectors)  # frames went through detectors
+        self._judged = bool(self._output_detectors)  # frames went through detectors
         # what the pipeline itself decided about the stream (the rest is `self._stream`'s)
         self._finish_reason: str | None = None  # CANCELLED, TIME_LIMIT, ERROR
         self._refused_input_tokens: int | None = None  # the input refusal's count
@@ -235,6 +244,7 @@ class GuardedGeneration(PipelineCore):
             self._inbox.behind = lambda: stage.unjudged > MAX_UNJUDGED_CHARS
         self._spawn(self._read_engine(stream, stage))
         engine_ended = False
+        calls: list[JudgedCall] = []  # the engine's tool calls, judged, once it ended
         staged = self._staged
         while True:
             messages = await self._inbox.take_all()
@@ -253,6 +263,10 @@ class GuardedGeneration(PipelineCore):
                     elif isinstance(message, _EngineEnded):
                         engine_ended = True
                         stage.end()
+                        calls = message.tool_calls
+                        blocked = [f for j in calls if j.blocked for f in j.blocked] or None
+                        if blocked is not None:
+                            break
                     else:
                         event = self._control(message)
                         if event is not None:
@@ -262,6 +276,7 @@ class GuardedGeneration(PipelineCore):
                                 return
                     if engine_ended and stage.done:
                         out.extend(map(staged, stage.final_releases()))
+                        self._release_calls(calls, out)  # after the text, as generated
                         out.append(self._finish_terminal())
                         yield self._framed(out)
                         return
@@ -338,7 +353,17 @@ class GuardedGeneration(PipelineCore):
                 ]
                 if mine:
                     text, _ = redact_text(piece.text, mine, redactors)
-                    messages[piece.target] = replace(messages[piece.target], content=text)
+                    message = messages[piece.target]
+                    if piece.tool_call is None:
+                        messages[piece.target] = replace(message, content=text)
+                    else:  # a tool call's arguments: the redaction stays inside the call
+                        calls = list(message.tool_calls or ())
+                        call = calls[piece.tool_call]
+                        calls[piece.tool_call] = {
+                            **call,
+                            "function": {**call["function"], "arguments": text},
+                        }
+                        messages[piece.target] = replace(message, tool_calls=tuple(calls))
             last_user = max(i for i, m in enumerate(messages) if m.role == "user")
             self._request = replace(r, prompt=messages[last_user].content, messages=tuple(messages))
         # (an unjudged warning is reported as it is: nothing was replaced)
@@ -363,6 +388,7 @@ class GuardedGeneration(PipelineCore):
         )
         generated = 0
         feed, monotonic = stage.feed_deltas, time.monotonic
+        calls = ToolCallAssembler()
         while True:
             if not inbox.has_space():
                 pacer.held_back()
@@ -372,6 +398,13 @@ class GuardedGeneration(PipelineCore):
             except StopAsyncIteration:
                 break
             deltas = [c.text for c in batch]
+            for c in batch:
+                if c.tool_calls:
+                    if not self._offers_tools:
+                        raise GenerationError(
+                            "the model called a tool, but the request offered it none"
+                        )
+                    calls.feed(c.tool_calls)
             chars = sum(map(len, deltas)) if len(deltas) > 1 else len(deltas[0])
             self._engine_delivered = True
             if chars:
@@ -383,7 +416,13 @@ class GuardedGeneration(PipelineCore):
             delay = pacer.after_read(len(batch))
             if delay:
                 await asyncio.sleep(delay)
-        inbox.put(_EngineEnded())
+        whole = calls.finish()
+        judged = (
+            await judge_tool_calls(whole, self._tool_call_detectors, self._chunkers)
+            if whole
+            else []
+        )
+        inbox.put(_EngineEnded(judged))
 
     async def _stop(self) -> None:
         await self._stop_tasks()
@@ -441,15 +480,28 @@ class GuardedGeneration(PipelineCore):
         self._frames_sent += 1
         return [refusal, self._terminal("incomplete", "content_filter")]
 
+    def _release_calls(self, judged: list[JudgedCall], out: list[Release | Event]) -> None:
+        """The judged tool calls of the ended stream, none of them blocked, as events."""
+        for j in judged:
+            if j.call.detections:
+                self._observer.on_findings(j.call.detections)
+            self._frames_sent += 1
+            out.append(j.call)
+
     def _output_refusal(self, detections: list[Finding]) -> Refusal:
         self._observer.on_findings(detections)
         ids = ", ".join(f"`{i}`" for i in sorted({d.detector_id for d in detections}))
+        what = (
+            "a tool call"
+            if all(d.tool_call_index is not None for d in detections)
+            else "the generated text"
+        )
         # the flagged text itself never leaves the service (DESIGN 4.6): the detections keep
         # their spans and labels, not the words (nor evidence that could quote them)
         withheld = [replace(d, text="", evidence=None, metadata=None) for d in detections]
         return Refusal(
             direction="output",
-            message=f"The response was withheld: detector {ids} flagged the generated text.",
+            message=f"The response was withheld: detector {ids} flagged {what}.",
             detections=sort_findings(withheld),
             input_token_count=self._input_token_count(),
             seed=self._seed,

@@ -9,6 +9,11 @@ block or an input hit adds a `refusal` part (text released before a block keeps 
 `output_text` part; flagged text is never in one). Every `*.added` has its `*.done` before the
 terminal event, so the object a client accumulates equals the one the terminal event carries.
 
+A tool call (`ToolCall`, after the answer's text) is a `function_call` output item of its own,
+after the message (which is done by then): `output_item.added`, its arguments in one
+`function_call_arguments.delta` (released whole, once judged) and `.done`, `output_item.done`;
+its detections are in `guardrails.output`, naming the call (`call_id`).
+
 `ResponsesWriter` is one of the three writers `handlers.serving.serve` drives: it renders events,
 and nothing else (the slot, the response, keep-alives and bursts are the serving loop's).
 """
@@ -26,6 +31,10 @@ from ..api.openai_responses import (
     AnnotationAddedEvent,
     ContentPartEvent,
     ErrorEvent,
+    FunctionCallArgumentsDeltaEvent,
+    FunctionCallArgumentsDoneEvent,
+    FunctionCallOut,
+    FunctionChoice,
     Guardrails,
     IncompleteInfo,
     LifecycleEvent,
@@ -44,7 +53,7 @@ from ..api.openai_responses import (
     ResponseUsage,
     TextConfigOut,
 )
-from .events import Frame, Refusal, Rendered, Terminal
+from .events import Frame, Refusal, Rendered, Terminal, ToolCall
 from .finding_wire import annotation, input_annotation
 from .findings import Finding
 from .wire_json import SSE_HEADERS, dumps
@@ -93,6 +102,8 @@ class ResponsesWriter:
         self._seq = 0
         self._status: ResponseStatus = "in_progress"
         self._item: OutputMessage | None = None
+        self._item_done = False  # the message's output_item.done was emitted
+        self._calls: list[FunctionCallOut] = []  # output items after the message
         self._text: OutputText | None = None  # the open output_text part
         self._guardrails = Guardrails()
         self._usage: ResponseUsage | None = None
@@ -116,7 +127,8 @@ class ResponsesWriter:
             completed_at=self._completed_at,
             status=self._status,
             model=b.model,
-            output=[] if self._item is None else [self._item.model_copy(deep=True)],
+            output=([] if self._item is None else [self._item.model_copy(deep=True)])
+            + [c.model_copy() for c in self._calls],
             error=self._error,
             incomplete_details=self._incomplete,
             instructions=self._instructions,
@@ -124,7 +136,8 @@ class ResponsesWriter:
             temperature=1.0 if b.temperature is None else b.temperature,
             top_p=1.0 if b.top_p is None else b.top_p,
             parallel_tool_calls=bool(b.parallel_tool_calls),
-            tool_choice=b.tool_choice or "none",
+            tool_choice=_tool_choice(b),
+            tools=list(b.tools or ()),
             truncation=b.truncation or "disabled",
             text=TextConfigOut(verbosity=(b.text.verbosity if b.text else None) or "medium"),
             metadata={} if self.withhold_metadata else b.metadata or {},
@@ -166,6 +179,8 @@ class ResponsesWriter:
                 )
         if isinstance(event, Frame):
             self._frame(event, out)
+        elif isinstance(event, ToolCall):
+            self._tool_call(event, out)
         elif isinstance(event, Refusal):
             self._refusal(event, out)
         else:
@@ -225,8 +240,9 @@ class ResponsesWriter:
 
     def _close_item(self, status: str, out: list[BaseModel]) -> None:
         self._close_text(out)
-        if self._item is None:
+        if self._item is None or self._item_done:
             return
+        self._item_done = True
         self._item.status = status  # type: ignore[assignment]
         out.append(
             OutputItemEvent(
@@ -258,6 +274,44 @@ class ResponsesWriter:
                     annotation=note.model_copy(),
                 )
             )
+
+    def _tool_call(self, call: ToolCall, out: list[BaseModel]) -> None:
+        """A whole, judged call: its own output item after the message (closed first)."""
+        self._close_item("completed", out)
+        self.text_seen = True
+        index = len(self._calls) + (0 if self._item is None else 1)
+        item = FunctionCallOut(
+            id=f"fc_{uuid.uuid4().hex}",
+            call_id=call.id or f"call_{uuid.uuid4().hex}",
+            name=call.name or "",
+            status="in_progress",
+        )
+        where = {"item_id": item.id, "output_index": index}
+        out.append(self._item_event("response.output_item.added", index, item))
+        self._calls.append(item)
+        out.append(
+            FunctionCallArgumentsDeltaEvent(
+                sequence_number=self._next(), **where, delta=call.arguments
+            )
+        )
+        out.append(
+            FunctionCallArgumentsDoneEvent(
+                sequence_number=self._next(), **where, arguments=call.arguments
+            )
+        )
+        item.arguments, item.status = call.arguments, "completed"
+        out.append(self._item_event("response.output_item.done", index, item))
+        self._guardrails.output.extend(
+            annotation(f).model_copy(update={"call_id": item.call_id}) for f in call.detections
+        )
+
+    def _item_event(self, kind: str, index: int, item: FunctionCallOut) -> OutputItemEvent:
+        return OutputItemEvent(
+            type=kind,  # type: ignore[arg-type]
+            sequence_number=self._next(),
+            output_index=index,
+            item=item.model_copy(),
+        )
 
     def _refusal(self, refusal: Refusal, out: list[BaseModel]) -> None:
         self.text_seen = True
@@ -299,7 +353,7 @@ class ResponsesWriter:
         elif terminal.kind == "completed":
             self._status = "completed"
             self._completed_at = int(time.time())
-            if self._item is None:  # an empty answer is still a message with one text part
+            if self._item is None and not self._calls:  # an empty answer is still a message
                 self._open_text(out)
             self._close_item("completed", out)
             kind = "response.completed"
@@ -309,13 +363,20 @@ class ResponsesWriter:
                 "content_filter" if terminal.reason == "content_filter" else "max_output_tokens"
             )
             self._incomplete = IncompleteInfo(reason=reason)
-            if self._item is None:
+            if self._item is None and not self._calls:
                 self._open_text(out)
             self._close_item("incomplete", out)
             kind = "response.incomplete"
         out.append(
             LifecycleEvent(type=kind, sequence_number=self._next(), response=self.response())
         )
+
+
+def _tool_choice(body: ResponsesRequest) -> str | FunctionChoice:
+    """The request's, else what it means: `auto` where tools were offered."""
+    if body.tool_choice is not None:
+        return body.tool_choice
+    return "auto" if body.tools else "none"
 
 
 class ResponsesFold:

@@ -40,6 +40,16 @@ and the body ends there without `[DONE]`; an in-band error is `{"error": "<messa
 the body. A completions text prompt that ends with a prefix of the script continues the script
 after it (a resume by text).
 
+**Tool calls** (vllm flavour, chat): a request that offers `tools` and whose conversation ends
+with a user message is answered with `tool_calls` (when set) as OpenAI streams them: the role
+chunk (`content: null`), per call a chunk with its `index`, `id`, `type` and function `name`
+(`arguments: ""`), then its arguments in fragments (`argument_splits[i]`: the cut offsets of call
+i, else `fragment_chars` characters each), each `{"index", "function": {"arguments"}}` only (after
+`tool_call_text`'s content chunks, when set: a model that says something first), then
+the finish chunk (`delta: {}`, `finish_reason: "tool_calls"`), usage and `[DONE]`; unary, one
+message with `content: null` and the calls. A conversation ending with a `tool` message gets the
+text answer. A fault's `after` counts the fragment chunks.
+
 Faults on cue (`OpenAIFault`): after N content chunks (chat) or tokens (completions), or right
 after the chat finish chunk; modes as in FAULT_MODES (the transformers flavour serves close,
 stall, error, eof and http; the others end its body like eof).
@@ -49,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import re
 import time
@@ -136,6 +147,15 @@ class OpenAIFault:
 Send = Callable[[dict[str, Any] | str], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class ScriptedToolCall:
+    """A tool call the fake model makes."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass
 class FakeOpenAI(FakeUpstream):
     script: list[str] = field(default_factory=lambda: list(DEFAULT_SCRIPT))
@@ -154,6 +174,12 @@ class FakeOpenAI(FakeUpstream):
     keepalive: bool = False
     finish_with_content: bool = False
     send_usage: bool = True  # False: ignore `stream_options.include_usage` (older servers)
+    # tool calls (vllm flavour, chat): see the module's docstring
+    tool_calls: list[ScriptedToolCall] = field(default_factory=list)
+    argument_splits: list[list[int]] | None = None
+    fragment_chars: int = 5
+    tool_call_text: list[str] = field(default_factory=list)  # content chunks before the calls
+    calls_unoffered: bool = False  # answer with the calls even when the request offers no tools
 
     def __post_init__(self) -> None:
         self.faults: list[OpenAIFault] = (
@@ -313,6 +339,9 @@ class FakeOpenAI(FakeUpstream):
         body, refused, fault = await self._admit(request, TRANSFORMERS_CHAT_FIELDS)
         if refused is not None:
             return refused
+        offered = body.get("tools") or self.calls_unoffered
+        if self.tool_calls and offered and body["messages"][-1]["role"] == "user":
+            return await self._tool_call_reply(request, body, fault)
         pieces = self._pieces(body)
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         stops = body.get("stop") or []
@@ -472,6 +501,91 @@ class FakeOpenAI(FakeUpstream):
                 return resp
             if include_usage:
                 await send(chunk([], usage=usage))
+            await send("[DONE]")
+            await resp.write_eof()
+            return resp
+
+    def _fragments(self, i: int, arguments: str) -> list[str]:
+        """Call i's arguments cut where `argument_splits` says, else every `fragment_chars`."""
+        if self.argument_splits is not None:
+            cuts = sorted({c for c in self.argument_splits[i] if 0 < c < len(arguments)})
+        else:
+            cuts = list(range(self.fragment_chars, len(arguments), self.fragment_chars))
+        bounds = [0, *cuts, len(arguments)]
+        return [arguments[a:b] for a, b in itertools.pairwise(bounds)]
+
+    async def _tool_call_reply(
+        self, request: web.Request, body: dict[str, Any], fault: OpenAIFault | None
+    ) -> web.StreamResponse:
+        rid = f"chatcmpl-{len(self.requests)}"
+        created = int(time.time())
+        prompt_tokens = count_tokens(templated(body["messages"]))
+        fragments = [self._fragments(i, c.arguments) for i, c in enumerate(self.tool_calls)]
+        completion = sum(len(f) + 1 for f in fragments) + len(self.tool_call_text)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+        if not body.get("stream"):
+            calls = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in self.tool_calls
+            ]
+            content = "".join(self.tool_call_text) or None
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            choice = {"index": 0, "message": message, "finish_reason": "tool_calls"}
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": self.model,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            }
+
+        async with self._sse(request) as (resp, send):
+            await send(chunk({"role": "assistant", "content": None}))
+            for text in self.tool_call_text:
+                await send(chunk({"content": text}))
+            sent = 0
+            for i, (call, parts) in enumerate(zip(self.tool_calls, fragments, strict=True)):
+                head = {
+                    "index": i,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+                await send(chunk({"tool_calls": [head]}))
+                for part in parts:
+                    if fault is not None and fault.after == sent:
+                        if await self._vllm_fault(request, resp, send, fault):
+                            return resp
+                    if self.token_delay_s:
+                        await asyncio.sleep(self.token_delay_s)
+                    fragment = {"index": i, "function": {"arguments": part}}
+                    await send(chunk({"tool_calls": [fragment]}))
+                    sent += 1
+            await send(chunk({}, "tool_calls"))
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await send({**chunk({}), "choices": [], "usage": usage})
             await send("[DONE]")
             await resp.write_eof()
             return resp

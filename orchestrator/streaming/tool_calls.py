@@ -1,0 +1,228 @@
+"""Tool calls through the output guardrails (DESIGN 4.8): the fragments of each call, assembled;
+its arguments judged as text; the call released whole, redacted, or withheld.
+
+A call's arguments are a JSON string the model writes fragment by fragment. What detectors judge
+is the text in it: every JSON string value (not the keys, numbers or structure), each as its own
+piece, with spans that point into the arguments string as the client receives it. Arguments that
+are not JSON (a model that broke off, or wrote something else) are judged whole, as text.
+
+A call is released once it is whole and every output detector that applies to tool calls
+(`applies_to`) judged it: `block` withholds it (the stream ends with a refusal), `redact`
+replaces the flagged part of the value inside the JSON, re-encoded so that the arguments stay
+valid JSON (the other values keep their bytes), `annotate` reports it. A call is whole at the end
+of the stream: a block must be able to withhold all of it, and an agent acts on a call only once
+the turn ended anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from ..api.input_pieces import InputPiece
+from ..clients.backend import ToolCallDelta
+from ..clients.registry import ChunkerRegistry, RequestedDetector
+from .events import ToolCall
+from .findings import Finding, sort_findings
+from .redaction import redact_text
+from .text_judgement import BULK_CHARS, judge_pieces, off_loop
+
+# a JSON string token (the regex engine scans in C: arguments may be long); valid JSON only
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_KEY_COLON = re.compile(r"\s*:")
+
+
+@dataclass(slots=True)
+class _Open:
+    index: int
+    id: str | None
+    name: str | None
+    parts: list[str]
+
+
+class ToolCallAssembler:
+    """The fragments of a stream's tool calls, gathered by call index; `finish()` gives the
+    whole calls in index order (the `id` and `name` are the first fragment's that had one)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, _Open] = {}
+
+    def feed(self, deltas: Iterable[ToolCallDelta]) -> None:
+        calls = self._calls
+        for d in deltas:
+            call = calls.get(d.index)
+            if call is None:
+                call = calls[d.index] = _Open(d.index, d.id, d.name, [])
+            else:
+                call.id = call.id or d.id
+                call.name = call.name or d.name
+            if d.arguments:
+                call.parts.append(d.arguments)
+
+    def finish(self) -> list[ToolCall]:
+        calls = sorted(self._calls.values(), key=lambda c: c.index)
+        self._calls = {}
+        return [ToolCall(c.index, c.id, c.name, "".join(c.parts)) for c in calls]
+
+
+@dataclass(frozen=True, slots=True)
+class StringValue:
+    """A JSON string value of the arguments: its raw text between the quotes, `[start, end)` in
+    the arguments string, and what it decodes to. `json` False: arguments that are not JSON,
+    one value that is all of them, judged and redacted as the text they are."""
+
+    start: int
+    end: int
+    text: str
+    json: bool = True
+
+    def encode(self, text: str) -> str:
+        """`text` as this value's raw form (JSON-escaped, without quotes)."""
+        return json.dumps(text, ensure_ascii=False)[1:-1] if self.json else text
+
+    def offsets(self, raw: str) -> list[int]:
+        return raw_offsets(raw) if self.json else list(range(len(raw) + 1))
+
+
+def string_values(arguments: str) -> list[StringValue]:
+    """Every string value of JSON `arguments`, in order; the whole string as one value when it is
+    not JSON (it is then judged as the text it is)."""
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError):
+        return [StringValue(0, len(arguments), arguments, json=False)]
+    out = []
+    for m in _STRING.finditer(arguments):
+        if _KEY_COLON.match(arguments, m.end()):
+            continue  # an object's key
+        out.append(StringValue(m.start() + 1, m.end() - 1, json.loads(m.group())))
+    return out
+
+
+def raw_offsets(raw: str) -> list[int]:
+    """Where each decoded character of a JSON string's raw text (without its quotes) starts in
+    it, and its end: `len(decoded) + 1` offsets. An escape is one character (a surrogate pair of
+    `\\u` escapes is one code point, as Python decodes it)."""
+    out = []
+    i, n = 0, len(raw)
+    while i < n:
+        out.append(i)
+        if raw[i] != "\\":
+            i += 1
+        elif raw[i + 1] != "u":
+            i += 2
+        else:
+            high = int(raw[i + 2 : i + 6], 16)
+            i += 6
+            if 0xD800 <= high < 0xDC00 and raw.startswith("\\u", i):
+                try:
+                    low = int(raw[i + 2 : i + 6], 16)
+                except ValueError:
+                    low = 0
+                if 0xDC00 <= low < 0xE000:
+                    i += 6
+    out.append(n)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class JudgedCall:
+    """A judged call: the call to release (arguments redacted, detections on it), or, when a
+    blocking detector flagged it, the detections that withhold it."""
+
+    call: ToolCall
+    blocked: list[Finding] | None = None
+
+
+async def judge_tool_calls(
+    calls: list[ToolCall], detectors: list[RequestedDetector], chunkers: ChunkerRegistry
+) -> list[JudgedCall]:
+    """Each call judged by `detectors` (those that apply to tool calls); one detector call per
+    detector covers every value of every call."""
+    if not detectors:
+        return [JudgedCall(c) for c in calls]
+    # scanning and re-encoding arguments is CPU work: off the loop past BULK_CHARS, as text is
+    bulk = sum(len(c.arguments) for c in calls) > BULK_CHARS
+
+    def scan() -> list[list[StringValue]]:
+        return [string_values(c.arguments) for c in calls]
+
+    values = await off_loop(scan) if bulk else scan()
+    pieces = [
+        InputPiece(v.text, message_index=i, field=str(j))
+        for i, vs in enumerate(values)
+        for j, v in enumerate(vs)
+    ]
+    findings = await judge_pieces(pieces, detectors, chunkers)
+    by_id = {d.detector_id: d for d in detectors}
+    mine: dict[int, list[Finding]] = {}
+    for f in findings:
+        mine.setdefault(f.message_index or 0, []).append(f)
+
+    def apply() -> list[JudgedCall]:
+        return [_apply(c, values[i], mine.get(i, []), by_id) for i, c in enumerate(calls)]
+
+    return await off_loop(apply) if bulk else apply()
+
+
+def _apply(
+    call: ToolCall,
+    values: list[StringValue],
+    findings: list[Finding],
+    detectors: dict[str, RequestedDetector],
+) -> JudgedCall:
+    """The call as released: a block withholds it; redactions replace inside the JSON; every
+    finding's span is moved into the arguments string and names the call."""
+    call = replace(call, judged=True)
+    blocking = [f for f in findings if detectors[f.detector_id].blocking and not f.unjudged]
+    if blocking:
+        withheld = []
+        for f in blocking:
+            value = values[int(f.field or 0)]
+            offsets = value.offsets(call.arguments[value.start : value.end])
+            withheld.append(
+                _on_call(call, f, value.start + offsets[f.start], value.start + offsets[f.end])
+            )
+        return JudgedCall(call, sort_findings(withheld))
+    if not findings:
+        return JudgedCall(call)
+    redactors = {k: d for k, d in detectors.items() if d.redacting}
+    by_value: dict[int, list[Finding]] = {}
+    for f in findings:
+        by_value.setdefault(int(f.field or 0), []).append(f)
+    pieces: list[str] = []
+    placed: list[Finding] = []
+    at = 0  # how far the original arguments are copied
+    shift = 0  # how much longer the released arguments are than the original, so far
+    for j, value in enumerate(values):
+        found = by_value.get(j)
+        if not found:
+            continue
+        raw = call.arguments[value.start : value.end]
+        if any(f.detector_id in redactors and not f.unjudged for f in found):
+            text, found = redact_text(value.text, found, redactors)
+            raw = value.encode(text)
+        offsets = value.offsets(raw)
+        pieces += (call.arguments[at : value.start], raw)
+        at = value.end
+        base = value.start + shift
+        placed += (_on_call(call, f, base + offsets[f.start], base + offsets[f.end]) for f in found)
+        shift += len(raw) - (value.end - value.start)
+    pieces.append(call.arguments[at:])
+    released = replace(call, arguments="".join(pieces), detections=sort_findings(placed))
+    return JudgedCall(released)
+
+
+def _on_call(call: ToolCall, f: Finding, start: int, end: int) -> Finding:
+    """A finding on a value, moved to `[start, end)` of the arguments string, naming the call."""
+    return replace(
+        f,
+        start=start,
+        end=end,
+        message_index=None,
+        field=None,
+        tool_call_index=call.index,
+        tool_call_id=call.id,
+    )
