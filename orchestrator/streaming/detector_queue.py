@@ -326,10 +326,26 @@ class DetectorQueue:
             posted = 0
             for i, (span, found) in enumerate(judged):
                 flags = found + (straddling[i] if i < len(straddling) else ())
-                if flags:  # the block: everything before it goes out first
-                    for span0, found0 in judged[posted:i]:
+                if flags:  # the block: the clean chunks before it go out first, but only up
+                    # to the run of number characters the flagged entity starts in, and judged
+                    # as a text that ended (a tail in them that could still have grown into an
+                    # entity blocks where it starts): a prefix of the stream can read a run of
+                    # digit groups as another entity than the whole text does (`555-123-4` and
+                    # a phone in `567555-12`, where the whole text held a card from `123-4`)
+                    limit = base + number_run_start(text, min(f.start for f in flags) - base)
+                    before = judged[posted:i]
+                    cut = next((k for k, (s0, _) in enumerate(before) if s0.end > limit), None)
+                    if cut is not None:
+                        before = before[:cut]
+                    for span0, found0 in self._flag_tail(before):
                         self._post(span0, found0)
-                    self._post(span, flags)
+                        if found0:
+                            break
+                    else:
+                        if cut is None:
+                            self._post(span, flags)
+                        else:  # the block starts on the chunk the run starts in
+                            self._post(judged[posted + cut][0], flags)
                     posted = len(judged)
                     break
             else:
@@ -377,6 +393,19 @@ class DetectorQueue:
 
     def _post(self, span: Span, found: tuple[Finding, ...]) -> None:
         self._inbox.put(DetectorResult(self.detector.detector_id, span.start, span.end, found))
+
+
+# what a run of numbers is made of (digit groups and their separators): a block withholds the
+# whole run its entity starts in (`_run_seamed`)
+_NUMBER_RUN = frozenset("0123456789 -./()+")
+
+
+def number_run_start(text: str, i: int) -> int:
+    """Where the run of number characters that `text[i]` starts or continues begins."""
+    i = max(0, min(i, len(text)))
+    while i > 0 and text[i - 1] in _NUMBER_RUN:
+        i -= 1
+    return i
 
 
 def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
