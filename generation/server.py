@@ -496,7 +496,8 @@ class _Stream:
         self._pending: list[EngineDelta | StreamError] = []  # items before the response started
         self._transport: asyncio.Transport | None = None  # set once the headers are out
         self._chunked = False  # HTTP/1.1: each write is one chunk; HTTP/1.0: raw, close ends it
-        self._outcome: str | BaseException | None = None  # "end", "fault", "gone" or a bug
+        # "end", "fault", "gone", "closed" (the handler returned) or a bug
+        self._outcome: str | BaseException | None = None
         self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def attach(self, job: Job) -> None:
@@ -534,6 +535,9 @@ class _Stream:
                 )
             return self.response
         finally:
+            if self._outcome is None:  # cancelled (the client left) or failed before the end
+                self._outcome = "closed"  # nothing more may reach a connection that moved on
+            self._pending = []
             self.state.streams.discard(self)
             if TRACING.tracer is not None:
                 annotate(self.request, {"guardstream.generated_tokens": self.delivered})
