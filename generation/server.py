@@ -469,8 +469,10 @@ class _Stream:
     sent), the stream encodes them (orjson) and writes them to its socket right there, in one
     write (several NDJSON lines in one chunk when the loop fell behind the worker). No future, no
     task wake-up and no timer per token: the handler's task waits once, for the stream's end.
-    A stream learns that its client left from its next write, and a quiet one (queued,
-    prefilling, held) from the app's one `_watch_disconnects` task.
+    A client that leaves cancels the handler (`python -m generation serve` runs aiohttp with
+    handler cancellation); without it (an app run by `web.run_app`'s defaults) a stream learns
+    it from its next write, or, while quiet (queued, prefilling, held), from the app's one
+    `_watch_disconnects` task.
 
     The socket's buffer takes what the client has not read yet (at most the stream's own output,
     as a queue would hold it)."""
