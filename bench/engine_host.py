@@ -43,7 +43,10 @@ for at once, as the host read of its result would.
 CPU time too (Linux /proc): the engine process's CPU seconds per row per step, all threads, and
 over http the worker thread's share; on a shared machine these are steadier than wall time, and
 they say how much of the host's work is the worker's own (accept, detokenize, stop checks, emit)
-and how much the server's delivery, which shares the worker's GIL in the same process.
+and how much the server's delivery, which shares the worker's GIL in the same process. The
+client processes report theirs (first token to last): on a machine with few cores the clients'
+reading competes with the engine, so the wall-clock step can be no shorter than (engine +
+clients) CPU / cores.
 
 Last line, for scripts (http path, most rows): `host_us_per_row_256 greedy=X sampling=Y
 overlap_hidden=Z%` (Z the smaller of the two decodings' hidden shares, overlap on; the line
@@ -288,6 +291,7 @@ class Level:
     overlap: bool = True
     cpu_s: float = 0.0  # CPU seconds the engine's process used (all threads) for the level
     worker_cpu_s: float = 0.0  # of which the worker thread (http path)
+    client_cpu_s: float = 0.0  # the client processes' CPU seconds, first token to last (http)
 
     @property
     def host_us_per_row(self) -> float:
@@ -303,6 +307,12 @@ class Level:
     @property
     def worker_us_per_row(self) -> float:
         return self.worker_cpu_s * 1e6 / (self.rows * max(self.steps + 1, 1))
+
+    @property
+    def client_us_per_row(self) -> float:
+        """The clients' CPU time per row per step: on a machine with few cores they compete
+        with the engine for it (what the wall-clock figure includes)."""
+        return self.client_cpu_s * 1e6 / (self.rows * max(self.steps, 1))
 
 
 def step_time(arrivals: list[list[tuple[float, int]]]) -> tuple[float, float]:
@@ -410,6 +420,7 @@ async def client(url: str, first: int, count: int, decoding: str, tokens: int) -
     import orjson
 
     all_prompts = prompts(first + count)
+    cpu_at_first_token: list[float] = []  # this process's CPU time when any stream's first came
 
     async def one(session: aiohttp.ClientSession, index: int) -> list[tuple[float, int]]:
         body: dict[str, Any] = {
@@ -431,6 +442,8 @@ async def client(url: str, first: int, count: int, decoding: str, tokens: int) -
                     break
                 if "error" in item:
                     raise RuntimeError(item["error"])
+                if not cpu_at_first_token:
+                    cpu_at_first_token.append(time.process_time())
                 seen.append((time.monotonic(), item["data"]["generated_token_count"]))
             if not complete:
                 raise RuntimeError("stream ended without complete_final")
@@ -440,7 +453,8 @@ async def client(url: str, first: int, count: int, decoding: str, tokens: int) -
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         result = await asyncio.gather(*(one(session, first + i) for i in range(count)))
-    sys.stdout.write(json.dumps(result) + "\n")
+    cpu = time.process_time() - cpu_at_first_token[0]
+    sys.stdout.write(json.dumps({"streams": result, "cpu_s": cpu}) + "\n")
 
 
 class HttpBench:
@@ -507,16 +521,28 @@ class HttpBench:
             )
             first += count
         arrivals: list[list[tuple[float, int]]] = []
+        client_cpu = 0.0
         for proc in procs:
             out, _ = proc.communicate(timeout=600)
             if proc.returncode != 0:
                 raise RuntimeError(f"a bench client exited with {proc.returncode}")
-            arrivals.extend([tuple(p) for p in stream] for stream in json.loads(out))  # type: ignore[misc]
+            reply = json.loads(out)
+            arrivals.extend([tuple(p) for p in stream] for stream in reply["streams"])  # type: ignore[misc]
+            client_cpu += reply["cpu_s"]
         cpu = _process_cpu(self.process.pid) - cpu
         worker = _worker_cpu(self.process.pid, self.worker_tid) - worker
         seconds, steps = step_time(arrivals)
         return Level(
-            "http", decoding, rows, self.device_ms, seconds * 1000, steps, self.overlap, cpu, worker
+            "http",
+            decoding,
+            rows,
+            self.device_ms,
+            seconds * 1000,
+            steps,
+            self.overlap,
+            cpu,
+            worker,
+            client_cpu,
         )
 
     def close(self) -> None:
@@ -597,6 +623,7 @@ def best(runs: Iterable[Level]) -> Level:
     fastest = min(levels, key=lambda lv: lv.step_ms)
     fastest.cpu_s = min(lv.cpu_s for lv in levels)
     fastest.worker_cpu_s = min(lv.worker_cpu_s for lv in levels)
+    fastest.client_cpu_s = min(lv.client_cpu_s for lv in levels)
     return fastest
 
 
@@ -606,7 +633,8 @@ def report(level: Level) -> None:
         f" overlap {'on ' if level.overlap else 'off'}"
         f"  step {level.step_ms:8.3f} ms  host {level.host_us_per_row:8.2f} us/row/step"
         f"  cpu {level.cpu_us_per_row:7.2f} us/row/step"
-        + (f" (worker {level.worker_us_per_row:.2f})" if level.worker_cpu_s else ""),
+        + (f" (worker {level.worker_us_per_row:.2f})" if level.worker_cpu_s else "")
+        + (f"  clients {level.client_us_per_row:.2f}" if level.client_cpu_s else ""),
         flush=True,
     )
 
@@ -666,11 +694,22 @@ def summary(levels: list[Level], args: argparse.Namespace) -> str:
         for lv in levels
         if (lv.path, lv.rows, lv.device_ms) == (path, rows, 0.0)
     }
+    clients = {
+        lv.decoding: f"{lv.client_us_per_row:.1f}"
+        for lv in levels
+        if (lv.path, lv.rows, lv.device_ms) == (path, rows, 0.0) and lv.client_cpu_s
+    }
     print(
         f"cpu_us_per_row_{rows} greedy={cpu.get('greedy', 'na')} "
         f"sampling={cpu.get('sampling', 'na')}  (the engine process's CPU time: on a shared "
         "machine steadier than wall time)"
     )
+    if clients:
+        print(
+            f"client_cpu_us_per_row_{rows} greedy={clients.get('greedy', 'na')} "
+            f"sampling={clients.get('sampling', 'na')}  (the client processes', first token to "
+            "last: with the engine's, what the machine's cores must run per step)"
+        )
     print(f"overlap_off_hidden_{rows}={hidden[False]}%  (the same device step, overlap off)")
     return (
         f"host_us_per_row_{rows} greedy={figures['greedy']} sampling={figures['sampling']} "

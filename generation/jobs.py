@@ -6,10 +6,9 @@ them."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 from .sampling import SamplingParams
 
@@ -51,65 +50,14 @@ class StreamError:
     message: str
 
 
-class StreamQueue:
-    """A stream's events on its event loop: what `asyncio.Queue` offers a single reader
-    (`put_nowait`, `get`, `get_nowait`, `empty`), plus `put_many` and `take_all`, so the worker's
-    events for a stream arrive with one call per delivery and leave with one per write, instead
-    of a put, a get and a wake-up per token (issue 35). Loop thread only; one reader."""
+class StreamSink(Protocol):
+    """A job's receiver on its event loop, in place of an `asyncio.Queue`: the worker's
+    delivery (output_processor.py, one hand-off per step) calls `put_many` on the loop with each
+    job's new events, in order, once per delivery. The engine server's stream is one: it writes
+    them to its socket right there, in one write (issue 35), instead of a queue put, a task
+    wake-up and a write per token. Never raises: a sink that fails ends its own stream."""
 
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[EngineDelta | StreamError] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: EngineDelta | StreamError) -> None:
-        self._items.append(item)
-        self._wake()
-
-    def put_many(self, items: Iterable[EngineDelta | StreamError]) -> None:
-        self._items.extend(items)
-        self._wake()
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-    def get_nowait(self) -> EngineDelta | StreamError:
-        if not self._items:
-            raise asyncio.QueueEmpty
-        return self._items.popleft()
-
-    def take_all(self) -> list[EngineDelta | StreamError]:
-        items = list(self._items)
-        self._items.clear()
-        return items
-
-    async def wait(self) -> None:
-        """Until the queue holds an item, or `interrupt` is called."""
-        if self._items:
-            return
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def interrupt(self) -> None:
-        """Wake the reader's `wait` without an item (its client left)."""
-        self._wake()
-
-    async def get(self) -> EngineDelta | StreamError:
-        while not self._items:
-            await self.wait()
-        return self._items.popleft()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def put_many(self, events: list[EngineDelta | StreamError]) -> None: ...
 
 
 class EngineUnavailable(RuntimeError):
@@ -125,7 +73,7 @@ class Job:
     max_new_tokens: int
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[EngineDelta | StreamError] | StreamQueue  # the server uses StreamQueue
+    queue: asyncio.Queue[EngineDelta | StreamError] | StreamSink  # the server's: a StreamSink
     resume_ids: list[int] = field(default_factory=list)
     resume_text_len: int = 0  # characters of the resumed tokens' text the client already has
     min_new_tokens: int = 0

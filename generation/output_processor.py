@@ -7,9 +7,9 @@ the host while (with overlapped steps) the device computes the next step, so wha
 row per step is what the host adds to every step: the per-row loop is written for that
 (`accept_step`).
 
-Delivery: results go to each request's queue through a per-loop mailbox (`_Mailbox`): one
-`loop.call_soon_threadsafe` per step, none while the loop has not yet taken the previous steps'
-results (it then takes them all at once).
+Delivery: results go to each request's sink (or queue) through a per-loop mailbox (`_Mailbox`):
+one list and one `loop.call_soon_threadsafe` per step, none while the loop has not yet taken the
+previous steps' results (it then takes them all at once); the loop fans them out.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from .detokenizer import Detokenizer
-from .jobs import EngineDelta, EngineStats, FinishReason, Job, StreamError, StreamQueue
+from .jobs import EngineDelta, EngineStats, FinishReason, Job, StreamError
 from .scheduling import Row
 
 log = logging.getLogger("guardstream.engine")
@@ -197,24 +197,33 @@ class OutputProcessor:
     def flush(self) -> None:
         """Hand the events emitted since the last flush to their loops: one wake-up per loop that
         is not already due to run a delivery (a loop behind the worker gets several steps in one
-        go)."""
-        if not self._outbox:
+        go). The worker's only per-step delivery work: the events go as one list per loop, and
+        the loop fans them out to the streams (`_Mailbox.deliver`)."""
+        outbox = self._outbox
+        if not outbox:
+            return
+        self._outbox = []
+        loop = outbox[0][0].loop
+        if all(job.loop is loop for job, _ in outbox):  # one loop (the server's): no grouping
+            self._post(loop, outbox)
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[Event]] = {}
-        for job, event in self._outbox:
+        for job, event in outbox:
             by_loop.setdefault(job.loop, []).append((job, event))
-        self._outbox = []
         for loop, events in by_loop.items():
-            mailbox = self._mailboxes.get(loop)
-            if mailbox is None:
-                mailbox = self._mailboxes[loop] = _Mailbox()
-            if mailbox.post(events) and not loop.is_closed():
-                continue  # a wake-up is already on its way
-            try:
-                loop.call_soon_threadsafe(mailbox.deliver)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                for job, _ in mailbox.take():
-                    job.cancelled = True
+            self._post(loop, events)
+
+    def _post(self, loop: asyncio.AbstractEventLoop, events: list[Event]) -> None:
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[loop] = _Mailbox()
+        if mailbox.post(events) and not loop.is_closed():
+            return  # a wake-up is already on its way
+        try:
+            loop.call_soon_threadsafe(mailbox.deliver)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            for job, _ in mailbox.take():
+                job.cancelled = True
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -236,9 +245,11 @@ class _Mailbox:
     def post(self, events: list[Event]) -> bool:
         """Add events (worker); True when a delivery is already pending (no wake-up needed)."""
         with self._lock:
-            pending = bool(self._events)
+            if not self._events:
+                self._events = events  # the worker hands the list over: no copy
+                return False
             self._events.extend(events)
-            return pending
+            return True
 
     def take(self) -> list[Event]:
         with self._lock:
@@ -246,15 +257,23 @@ class _Mailbox:
             return events
 
     def deliver(self) -> None:
-        """On the loop: every posted event into its job's queue, in order (a `StreamQueue`
-        takes each job's events in one call)."""
+        """On the loop: each job's posted events, in order, in one call to its sink (a
+        `StreamSink` writes them to its socket at once), or into its `asyncio.Queue`."""
         by_job: dict[Job, list[EngineDelta | StreamError]] = {}
         for job, event in self.take():
-            by_job.setdefault(job, []).append(event)
+            events = by_job.get(job)
+            if events is None:
+                by_job[job] = [event]
+            else:
+                events.append(event)
         for job, events in by_job.items():
             queue = job.queue
-            if isinstance(queue, StreamQueue):
-                queue.put_many(events)
-            else:
+            if isinstance(queue, asyncio.Queue):
                 for event in events:
                     queue.put_nowait(event)
+                continue
+            try:
+                queue.put_many(events)
+            except Exception:  # a sink must not raise; if one does, the others still get theirs
+                log.exception("stream sink failed")
+                job.cancelled = True

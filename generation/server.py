@@ -41,7 +41,7 @@ from servicekit.tracing import annotate, event
 from . import models
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
-from .jobs import EngineDelta, EngineUnavailable, Job, StreamError, StreamQueue
+from .jobs import EngineDelta, EngineUnavailable, Job, StreamError
 from .metrics import EngineCollector
 from .models import LoadedModel
 from .protocol import (
@@ -418,6 +418,11 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     decoding = req.decoding
     greedy = decoding.method == "greedy" or decoding.temperature == 0.0
     seed = decoding.seed if decoding.seed is not None else random_seed()
+    first_extra: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+    if not greedy:
+        first_extra["seed"] = seed
+    fault = state.faults.take() if state.faults is not None else None
+    stream = _Stream(request, state, fault, len(prompt_ids), first_extra)
     job = Job(
         prompt_ids=prompt_ids,
         max_new_tokens=req.max_new_tokens,
@@ -430,21 +435,18 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             repetition_penalty=decoding.repetition_penalty,
         ),
         loop=asyncio.get_running_loop(),
-        queue=StreamQueue(),
+        queue=stream,
         resume_ids=resume_ids,
         resume_text_len=len(resume_text),
         min_new_tokens=req.min_new_tokens,
         stop_sequences=list(req.stop_sequences),
         deadline=received + req.max_time if req.max_time > 0 else None,
     )
-    fault = state.faults.take() if state.faults is not None else None
+    stream.attach(job)
     try:
         state.engine.submit(job)
     except EngineUnavailable as exc:
         raise ClientError(503, str(exc), "generation_unavailable") from None
-    first_extra: dict[str, Any] = {"prompt_token_ids": prompt_ids}
-    if not greedy:
-        first_extra["seed"] = seed
     if TRACING.tracer is not None:
         annotate(
             request,
@@ -455,64 +457,73 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
                 "guardstream.decoding": "greedy" if greedy else "sampling",
             },
         )
-    stream = _Stream(request, state, job, fault, len(prompt_ids), first_extra)
     return await stream.run()
 
 
 class _Stream:
-    """One generate response: items from the worker to the socket, faults, disconnects.
+    """One generate response, and its job's sink (`StreamSink`): items from the worker to the
+    socket, faults, disconnects.
 
-    Cost per token (issue 35): the worker's items for a stream are drained together and leave in
-    one write (several NDJSON lines in one chunk when the client or this loop fell behind), and
-    encoded with orjson; waiting costs one queue future, with no timer: a quiet stream (queued,
-    prefilling, held) learns that its client left from the app's one `_watch_disconnects` task,
-    and a running one from its next write."""
+    Cost per token (issue 35): the worker hands the loop one list per step, and the loop calls
+    each stream's `put_many` with its items; from the moment the response has started (headers
+    sent), the stream encodes them (orjson) and writes them to its socket right there, in one
+    write (several NDJSON lines in one chunk when the loop fell behind the worker). No future, no
+    task wake-up and no timer per token: the handler's task waits once, for the stream's end.
+    A client that leaves cancels the handler (`python -m generation serve` runs aiohttp with
+    handler cancellation); without it (an app run by `web.run_app`'s defaults) a stream learns
+    it from its next write, or, while quiet (queued, prefilling, held), from the app's one
+    `_watch_disconnects` task.
+
+    The socket's buffer takes what the client has not read yet (at most the stream's own output,
+    as a queue would hold it)."""
 
     def __init__(
         self,
         request: web.Request,
         state: EngineState,
-        job: Job,
         fault: Fault | None,
         input_token_count: int,
         first_extra: dict[str, Any],
     ) -> None:
         self.request = request
         self.state = state
-        self.job = job
+        self.job: Job | None = None  # set by `attach`, before the job is submitted
         self.fault = fault
         self.input_token_count = input_token_count
         self.first_extra: dict[str, Any] | None = first_extra
         self.delivered = 0
-        self.waiting = False  # awaiting the queue: `_watch_disconnects` may wake it
-        self.gone = False  # `_watch_disconnects` saw the client leave
         self.response = web.StreamResponse(
             headers={"Content-Type": NDJSON, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
+        self._pending: list[EngineDelta | StreamError] = []  # items before the response started
+        self._transport: asyncio.Transport | None = None  # set once the headers are out
+        self._chunked = False  # HTTP/1.1: each write is one chunk; HTTP/1.0: raw, close ends it
+        # "end", "fault", "gone", "closed" (the handler returned) or a bug
+        self._outcome: str | BaseException | None = None
+        self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def attach(self, job: Job) -> None:
+        self.job = job
 
     async def run(self) -> web.StreamResponse:
         self.state.streams.add(self)
         try:
-            await self.response.prepare(self.request)
+            await self.response.prepare(self.request)  # sends the headers (StreamResponse does)
             if self.fault is not None and self.fault.after_tokens == 0:
                 await self._inject()
                 return self.response
-            while True:
-                events = await self._next_events()
-                if events is None:  # the client left
-                    return self.response
-                lines: list[bytes] = []
-                done = self._lines(events, lines)
-                if lines:
-                    await self.response.write(b"".join(lines))
-                if done is not None:
-                    if done == "fault":
-                        await self._inject()
-                    return self.response
+            self._start_direct()
+            await self._ended
+            outcome = self._outcome
+            if outcome == "fault":
+                await self._inject()
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            return self.response
         except ConnectionError:  # the client left while we wrote
             return self.response
         except Exception as exc:  # a bug: end the stream in-band rather than with a broken socket
-            log.exception("generate stream failed")
+            log.exception("generate stream failed", exc_info=exc)
             with contextlib.suppress(Exception):
                 await self._write(
                     {
@@ -526,10 +537,59 @@ class _Stream:
                 )
             return self.response
         finally:
+            if self._outcome is None:  # cancelled (the client left) or failed before the end
+                self._outcome = "closed"  # nothing more may reach a connection that moved on
+            self._pending = []
             self.state.streams.discard(self)
             if TRACING.tracer is not None:
                 annotate(self.request, {"guardstream.generated_tokens": self.delivered})
-            self.state.engine.cancel(self.job)  # no-op for a finished job
+            if self.job is not None:
+                self.state.engine.cancel(self.job)  # no-op for a finished job
+
+    def _start_direct(self) -> None:
+        """From now on items go to the socket as they come; those that came first go now."""
+        transport = self.request.transport
+        if self.response.compression:  # never set by this app: the direct path writes plain
+            raise RuntimeError("the generate stream cannot be compressed")
+        self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
+        self._transport = transport
+        pending, self._pending = self._pending, []
+        if transport is None or transport.is_closing():
+            self._end("gone")
+        elif pending:
+            self.put_many(pending)
+
+    def put_many(self, events: list[EngineDelta | StreamError]) -> None:
+        """On the loop (the worker's delivery): encode `events` and write them in one go."""
+        if self._outcome is not None:
+            return  # ended: what the worker emitted before the job's cancellation is dropped
+        transport = self._transport
+        if transport is None:  # the response has not started yet
+            self._pending.extend(events)
+            return
+        if transport.is_closing():
+            self._end("gone")
+            return
+        try:
+            lines: list[bytes] = []
+            done = self._lines(events, lines)
+            body = b"".join(lines)
+            if body:
+                transport.write(b"%x\r\n%b\r\n" % (len(body), body) if self._chunked else body)
+            if done is not None:
+                self._end(done)
+        except Exception as exc:  # a bug: the handler's task reports it in-band
+            self._end(exc)
+
+    def _end(self, outcome: str | BaseException) -> None:
+        self._outcome = outcome
+        if not self._ended.done():
+            self._ended.set_result(None)
+
+    def gone(self) -> None:
+        """The client left (`_watch_disconnects`): end the stream (its job is cancelled)."""
+        if self._outcome is None:
+            self._end("gone")
 
     def _lines(self, events: list[EngineDelta | StreamError], lines: list[bytes]) -> str | None:
         """Encode `events` into `lines`, in order; "end" when the stream is over (an error, or
@@ -546,7 +606,7 @@ class _Stream:
                 if TRACING.tracer is not None:
                     reason = item.finish_reason.value
                     annotate(self.request, {"guardstream.finish_reason": reason})
-                lines.append(_encode({"complete_final": True}))
+                lines.append(_COMPLETE_FINAL)
                 return "end"
         return None
 
@@ -570,23 +630,8 @@ class _Stream:
         transport = self.request.transport
         return transport is None or transport.is_closing()
 
-    async def _next_events(self) -> list[EngineDelta | StreamError] | None:
-        """Every worker event queued for this stream (at least one), or None once the client
-        has disconnected."""
-        queue = self.job.queue
-        assert isinstance(queue, StreamQueue)
-        while queue.empty():
-            self.waiting = True
-            try:
-                await queue.wait()
-            finally:
-                self.waiting = False
-            if self.gone:
-                return None
-        return queue.take_all()
-
     async def _inject(self) -> None:
-        assert self.fault is not None
+        assert self.fault is not None and self.job is not None
         mode = self.fault.mode
         log.warning("fault injection: %s after %d tokens", mode, self.delivered)
         if TRACING.tracer is not None:
@@ -614,6 +659,9 @@ class _Stream:
                         await self.state.closing.wait()
 
 
+_COMPLETE_FINAL = b'{"complete_final":true}\n'
+
+
 def _encode(obj: dict[str, Any]) -> bytes:
     """One NDJSON line: orjson (UTF-8, compact, like json.dumps(ensure_ascii=False) with
     compact separators), json for what orjson refuses (an integer past 64 bits)."""
@@ -624,16 +672,14 @@ def _encode(obj: dict[str, Any]) -> bytes:
 
 
 async def _watch_disconnects(state: EngineState) -> None:
-    """The one timer for every quiet stream: each DISCONNECT_POLL_S, a stream waiting for the
-    worker whose client has left is woken and marked gone (it then cancels its job)."""
+    """The one timer for every stream: each DISCONNECT_POLL_S, a stream whose client has left is
+    ended (it then cancels its job). A running stream also learns it from its next write; a
+    quiet one (queued, prefilling, held) only from here."""
     while True:
         await asyncio.sleep(DISCONNECT_POLL_S)
         for stream in list(state.streams):
-            if stream.waiting and stream.client_gone():
-                stream.gone = True
-                queue = stream.job.queue
-                assert isinstance(queue, StreamQueue)
-                queue.interrupt()
+            if stream.client_gone():
+                stream.gone()
 
 
 def _error_dict(error: StreamError) -> dict[str, Any]:

@@ -10,12 +10,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from safetensors.torch import load_file, save_file
 
 from generation import models
-from generation.server import create_app
+from generation.server import STATE, create_app
 from tests.engine_support import TORCH_DEVICE, generate, load_test_model, parse
-from tests.wait_support import until
+from tests.wait_support import until, until_sync
 
 TINY_VOCAB = 686  # pinned: the tiny-random build is deterministic
 
@@ -490,3 +491,66 @@ async def test_disconnect_aborts_request(
     health = await (await client.get("/health")).json()
     assert health["requests_cancelled"] == 1
     assert health["running_batch_size"] == 0
+
+
+@pytest.mark.parametrize("handler_cancellation", [True, False])
+async def test_a_queued_stream_whose_client_leaves_is_dropped_unstarted(
+    tiny_model: models.LoadedModel, handler_cancellation: bool
+) -> None:
+    """A client that leaves while its request is still queued (no write would tell) is noticed:
+    by aiohttp cancelling the handler (`python -m generation serve` runs it so), or else (an app
+    run by `web.run_app`'s defaults, the bench's) by the app's one disconnect watcher. Its job is
+    cancelled and never generates a token."""
+    app = create_app(tiny_model)
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    url = f"http://127.0.0.1:{port}"
+    state = app[STATE]
+    engine = state.engine
+    try:
+        async with aiohttp.ClientSession() as session:
+            with engine.hold():
+                body = {"prompt": "Hello", "max_new_tokens": 50}
+                resp = await session.post(f"{url}/v1/generate", json=body)
+                assert resp.status == 200
+                await until(lambda: engine.queued_requests == 1, what="the request queued")
+                resp.close()
+                await until(lambda: not state.streams, what="the stream ended")
+            await until(lambda: engine.active_requests == 0, what="active requests back to 0")
+            health = await (await session.get(f"{url}/health")).json()
+        assert (health["requests_cancelled"], health["tokens_generated"]) == (1, 0)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_stream_behind_the_worker_gets_its_items_in_one_chunk(client: Any) -> None:
+    """One write per stream per delivery, not per token (issue 35): the worker generates the
+    whole stream while the event loop is blocked, and the loop then writes every item, the final
+    one and complete_final in one HTTP chunk, in order."""
+    engine = client.server.app[STATE].engine
+    body = {"prompt": "Hello", "max_new_tokens": 12, "min_new_tokens": 12}
+    held = engine.hold()
+    held.__enter__()
+    try:
+        resp = await client.post("/v1/generate", json=body)
+        await until(lambda: engine.queued_requests == 1, what="the request queued")
+    finally:
+        held.__exit__(None, None, None)
+    # no await from here until the stream is generated: the loop delivers nothing meanwhile
+    until_sync(lambda: engine.active_requests == 0, what="the stream generated, loop blocked")
+    chunks: list[bytes] = []  # the HTTP chunks of the body, each read whole
+    current = b""
+    async for data, end_of_chunk in resp.content.iter_chunks():
+        current += data
+        if end_of_chunk and current:
+            chunks.append(current)
+            current = b""
+    assert current == b""
+    stream = parse(200, b"".join(chunks))
+    stream.check_framing()
+    assert stream.completed and stream.finish_reason == "MAX_TOKENS"
+    assert [item["generated_token_count"] for item in stream.items] == list(range(1, 13))
+    assert len(chunks) == 1

@@ -83,7 +83,7 @@ if [ -n "${CHECK_TESTS:-}" ]; then  # a rerun of some test files only: skip the 
 else
 # 2. the host's share of a step (null model on the GPU)
 run engine_host 150 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
-grep -E "^(inproc|http) |^host_us_per_row|^cpu_us_per_row|^overlap_off" "$out/engine_host.log" >> "$summary"
+grep -E "^(inproc|http) |^host_us_per_row|^cpu_us_per_row|^client_cpu_us_per_row|^overlap_off" "$out/engine_host.log" >> "$summary"
 
 # 3. and 4. the engine next to its anchors
 compile=""
