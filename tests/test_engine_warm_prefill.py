@@ -3,7 +3,8 @@ once at start, so the first request after start meets no shape the GPU's librari
 
 - Exact: the bucketed engine streams exactly what the exact one does (tiny-random, float64),
   over random prompt lengths, batch compositions, joins, cancels and stops, greedy, seeded and
-  penalised; on the eager step and on the static step with overlap.
+  penalised; on the eager step and on the static step with overlap; and in float32 under
+  `--batch-invariant`, whose logits padding does not change.
 - Warm: start-up runs the buckets of `warm_shapes` (and counts no prefill), and every prefill the
   scheduler can form from a queue within the prefill budget runs at one of those shapes.
 
@@ -27,6 +28,7 @@ from generation.model_runner import ModelRunner
 from generation.models import LoadedModel
 from generation.scheduler import Engine
 from generation.scheduling import Scheduler, prefill_groups
+from tests.engine_support import load_test_model
 from tests.test_engine_overlap import Request, drive, requests
 
 ROWS = 4
@@ -50,15 +52,22 @@ def new_engine(model: LoadedModel, *, buckets: bool, static: bool, warm: bool = 
     return engine
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["eager", "static-overlap"])
+@pytest.fixture(
+    scope="module",
+    params=["eager", "static-overlap", "batch-invariant"],
+)
 def engines(
     tiny_model: LoadedModel, request: pytest.FixtureRequest
 ) -> Iterator[tuple[Engine, Engine]]:
-    """(exact prefill, bucketed and warmed prefill), reused across examples."""
-    static = request.param
+    """(exact prefill, bucketed and warmed prefill), reused across examples. `batch-invariant`:
+    tiny-random in float32 under `--batch-invariant`, where padding changes no bit either."""
+    static = request.param == "static-overlap"
+    model = tiny_model
+    if request.param == "batch-invariant":
+        model = load_test_model("tiny-random", dtype="float32", batch_invariant=True)
     yield (
-        new_engine(tiny_model, buckets=False, static=static),
-        new_engine(tiny_model, buckets=True, static=static, warm=True),
+        new_engine(model, buckets=False, static=static),
+        new_engine(model, buckets=True, static=static, warm=True),
     )
 
 
