@@ -2,7 +2,7 @@
 Inductor streams exactly what the eager static step does (tiny-random, float64, on a CPU:
 Inductor's generated C++ there, Triton on CUDA), greedy, seeded and penalised.
 
-Compiling is slow on a CPU (tiny-random: ~10-60 s per shape on a busy 2-core machine, cached
+Compiling is slow on a CPU (tiny-random: ~30-45 s per graph on a busy 2-core machine, cached
 afterwards under torchinductor's cache directory), so this is one small test with one shape:
 one row (the requests run one after another) in one width bucket."""
 
