@@ -133,10 +133,11 @@ class ModelRunner:
         prefill_longest: int = 2048,
         compile_step: bool = False,
     ) -> None:
-        """`prefill_buckets`: pad each prefill's rows and width up to buckets (`PREFILL_WIDTHS`,
-        `row_buckets`), `warm_prefill`: run every bucket a prefill of at most `prefill_budget`
-        real tokens, none longer than `prefill_longest`, can take once at start (`warm_prefills`), `compile_step`: the static step
-        through torch.compile (decode_graphs.py)."""
+        """`prefill_buckets`: pad each prefill's rows and width up to buckets (`prefill_shape`);
+        `warm_prefill`: run once at start every bucket that a prefill of at most
+        `prefill_budget` real tokens, none longer than `prefill_longest`, can take
+        (`warm_prefills`); `compile_step`: the static step through torch.compile
+        (decode_graphs.compile_forward)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
