@@ -29,6 +29,9 @@ step's inputs (a joining row's first token is fed there, a leaving row's slot ta
 row's), and the engine copies them to the host without blocking (model_runner.py: overlapped
 steps).
 
+`--compile` (`compile_forward`) runs the step through torch.compile's Inductor before the
+graphs are captured: the same tokens (float64, tests/test_engine_compile.py), far fewer kernels.
+
 On a CPU the same step runs eagerly (no capture), with exact rows and width by default: padding
 buys nothing there. Prefill stays eager (`DynamicCache`); its keys are copied into the static
 cache when rows join.
