@@ -26,7 +26,8 @@ def new_engine(model: LoadedModel, compile_step: bool) -> Engine:
         max_batch_size=1,
         static_decode=True,
         static_buckets=True,
-        static_capacity=64,  # one width bucket
+        static_capacity=64,  # one width bucket (a CPU; CUDA: from memory, a few buckets)
+        gpu_memory_fraction=0.05,
         compile_step=compile_step,
     )
     with torch.inference_mode():
@@ -60,7 +61,9 @@ def test_compiled_step_streams_exactly_what_the_eager_step_does(tiny_model: Load
     compiled = asyncio.run(drive(compiled_engine, script))
     assert compiled_engine._runner.static is not None
     assert compiled_engine._runner.static.compiled
-    assert counters["stats"]["unique_graphs"] > graphs  # dynamo traced the step
+    # dynamo traced the step a few times (its shapes), not once per step: no guard on state
+    # that changes every step (CPU: one shape, 1-2 graphs; CUDA: up to 3 width buckets)
+    assert 1 <= counters["stats"]["unique_graphs"] - graphs <= 3
     assert compiled == eager
     assert sum(len(e.token_ids) for e in eager[0]) == 12  # min_new_tokens: 12 steps compared
     assert all(events and events[-1].finish_reason is not None for events in eager)

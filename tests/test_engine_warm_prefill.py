@@ -44,6 +44,7 @@ def new_engine(model: LoadedModel, *, buckets: bool, static: bool, warm: bool = 
         prefill_chunk_tokens=CHUNK,
         static_decode=static,
         static_capacity=128 if static else None,
+        gpu_memory_fraction=0.05,  # CUDA: the cache is sized from free memory; several engines
         prefill_buckets=buckets,
         warm_prefill=warm,
     )
@@ -125,7 +126,14 @@ def test_start_up_warms_every_prefill_bucket_and_counts_none(tiny_model: LoadedM
 def default_runner(tiny_model: LoadedModel) -> ModelRunner:
     """The CPU defaults (64 rows, prefill budget 4,096 tokens, 256-token passes; tiny-random's
     context is 512) with bucketed prefill, warmed (70 passes of tiny-random, a few seconds)."""
-    engine = Engine(tiny_model, prefill_buckets=True, warm_prefill=True)
+    engine = Engine(
+        tiny_model,
+        max_batch_size=64,
+        prefill_chunk_tokens=256,
+        static_decode=False,
+        prefill_buckets=True,
+        warm_prefill=True,
+    )
     with torch.inference_mode():
         engine._start_up()
     return engine._runner
