@@ -900,6 +900,9 @@ def _run_http(
             extra_args=(*args.extra_args.split(), *more_args),
         )
         url = engine.url
+        for line in list(engine.output):  # its start-up: graphs captured, prefill shapes warmed
+            if any(word in line for word in ("static decode", "captured", "warmed", "compil")):
+                print(f"engine log: {line.strip()}", flush=True)
     try:
         info = asyncio.run(_health(url))
         print(

@@ -45,6 +45,7 @@ shorter); a capacity below the model's context lowers the context the engine adv
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -467,6 +468,7 @@ class StaticDecoder:
             {(min(r, cache.slots), min(w, cache.capacity)) for r in rows_list for w in widths},
             reverse=True,
         )
+        started = time.perf_counter()
         cache.input_ids.zero_()
         cache.positions.zero_()
         side = torch.cuda.Stream()
@@ -483,4 +485,11 @@ class StaticDecoder:
                 self._outputs[key] = self._run(*key)
             self._graphs[key] = graph
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (rows %s x widths %s)", len(keys), rows_list, widths)
+        log.info(
+            "captured %d decode graphs (rows %s x widths %s) in %.1f s%s",
+            len(keys),
+            rows_list,
+            widths,
+            time.perf_counter() - started,
+            ", compiled first" if self.compiled else "",
+        )

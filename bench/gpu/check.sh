@@ -128,7 +128,7 @@ if wants ttft; then  # the first clients of a fresh engine: warm prefill on (def
     --extra-args="--no-prefill-buckets --no-warm-prefill"
   say "ttft, no prefill buckets, no warm-up:"
   grep -E "^ttft " "$out/ttft_cold.log" >> "$summary"
-  grep -hE "warmed [0-9]+ prefill shapes" "$out/ttft_warm.log" | tail -1 >> "$summary"
+  grep -hE "engine log: .*(warmed|captured)" "$out/ttft_warm.log" >> "$summary"
 fi
 if wants e135_compile; then
   if [ -n "$compile" ]; then
@@ -136,6 +136,7 @@ if wants e135_compile; then
       --tokens 128 --concurrency 1,64 --skip-micro --rounds 1 --anchors step --compile \
       --json "$out/e135_compile.json"
     side_by_side e135_compile
+    grep -hE "engine log: .*(captured|compil)" "$out/e135_compile.log" >> "$summary"
   else
     say "--- e135_compile: bench/engine.py has no --compile, skipped"
   fi
