@@ -6,6 +6,7 @@
                            [--skip-micro] [--skip-http] [--url http://HOST:PORT] [--json out.json]
                            [--batch-invariant] [--extra-args "--dtype bfloat16"]
                            [--anchors generate,step,serve|none] [--also-model PATH]
+                           [--compile] [--cold]
 
 1. Sampling cost per step for 1, 4, 16 (and 64 on a GPU) sampled rows, on real logits of the
    model (chat prompts' last positions): the batched `sampling.select` next to the previous
@@ -24,6 +25,10 @@
    `--device cuda` defaults to 1 and 64 streams. `--batch-invariant`: the same levels on an
    engine started with `--batch-invariant` right after the default one, and each level's
    throughput as a ratio of the default's (the mode's cost, generation/batch_invariant.py).
+   Each level also prints one `ttft DECODING N streams: p50 .. ms` line (for scripts).
+   `--compile`: the engine runs its decode step through torch.compile (`serve --compile`).
+   `--cold`: no warm-up stream first, so the first level's TTFT is a fresh engine's (its
+   first-use costs: what warm prefill, `serve --warm-prefill`, removes on CUDA).
 
 4. Side by side (after 3, for --model and each --also-model, e.g. the SmolLM2-1.7B shape from
    bench/random_models.py): the same model under transformers' `generate` at the same batch
@@ -574,14 +579,19 @@ async def bench_http(
     decodings: list[str],
     target: float | None,
     rounds: int,
+    cold: bool = False,
 ) -> list[dict[str, Any]]:
     """Every level once per round, rounds interleaved: each round's ratio compares runs made
     minutes apart at most, so a busy neighbour skews one round, not the comparison. Decodings
     alternate within a round and swap order every round: whichever runs first on a fresh engine
     pays its first-use costs (allocator growth, lazily loaded kernels), so with one order only a
-    greedy/sampling difference could be an order effect (issue 21's greedy/sampling gap)."""
-    async with aiohttp.ClientSession() as session:  # warm-up: first-call allocations, caches
-        await one_stream(session, url, "Hello!", 4, "greedy")
+    greedy/sampling difference could be an order effect (issue 21's greedy/sampling gap).
+
+    `cold`: no warm-up stream, so the first level's TTFT is what the first clients of a fresh
+    engine get (first-use costs included: what warm prefill is for)."""
+    if not cold:
+        async with aiohttp.ClientSession() as session:  # warm-up: first-call allocations, caches
+            await one_stream(session, url, "Hello!", 4, "greedy")
     out = []
     ratios: dict[str, list[float]] = {d: [] for d in decodings}
     for round_ in range(rounds):
@@ -596,6 +606,12 @@ async def bench_http(
                     f"aggregate, {r['per_stream_tokens_per_s']:6.1f} tok/s per stream, TTFT mean "
                     f"{r['ttft_mean_s'] * 1000:6.0f} ms (p50 {r['ttft_p50_s'] * 1000:.0f}, max "
                     f"{r['ttft_max_s'] * 1000:.0f}), wall {r['wall_s']:.1f} s (round {round_ + 1})",
+                    flush=True,
+                )
+                print(
+                    f"ttft {decoding} {level} streams: p50 {r['ttft_p50_s'] * 1000:.0f} ms, mean "
+                    f"{r['ttft_mean_s'] * 1000:.0f} ms, max {r['ttft_max_s'] * 1000:.0f} ms (round "
+                    f"{round_ + 1}{', cold engine' if cold and not out else ''})",
                     flush=True,
                 )
                 by_level[level] = r
@@ -686,7 +702,19 @@ def main() -> int:
         help="another model (e.g. the 1.7B shape, bench/random_models.py): the engine and the "
         "anchors again, after the first model's (repeatable)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="start the engine with --compile (its decode step through torch.compile)",
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="HTTP: no warm-up stream before the first level: its TTFT is a fresh engine's",
+    )
     args = parser.parse_args()
+    if args.compile:
+        args.extra_args = f"{args.extra_args} --compile"
     held = hold_freed_memory()
     device = models.resolve_device(args.device)
     if args.threads is not None:
@@ -872,6 +900,9 @@ def _run_http(
             extra_args=(*args.extra_args.split(), *more_args),
         )
         url = engine.url
+        for line in list(engine.output):  # its start-up: graphs captured, prefill shapes warmed
+            if any(word in line for word in ("static decode", "captured", "warmed", "compil")):
+                print(f"engine log: {line.strip()}", flush=True)
     try:
         info = asyncio.run(_health(url))
         print(
@@ -880,7 +911,9 @@ def _run_http(
             f"per stream, load average {os.getloadavg()[0]:.2f}",
             flush=True,
         )
-        results = asyncio.run(bench_http(url, levels, args.tokens, decodings, target, args.rounds))
+        results = asyncio.run(
+            bench_http(url, levels, args.tokens, decodings, target, args.rounds, args.cold)
+        )
         after = asyncio.run(_health(url))
         print(
             f"max batch size seen: {after['max_batch_size_seen']}, "

@@ -77,6 +77,27 @@ def _parser() -> argparse.ArgumentParser:
         "(default: on; eager steps, a CPU's default, are always synchronous)",
     )
     serve.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the static decode step through torch.compile (Inductor) before its CUDA "
+        "graphs are captured: fewer, fused kernels per step; implies --static-decode (on a CPU "
+        "too, with bucketed shapes); each bucket compiles at start (tens of seconds on a CPU)",
+    )
+    serve.add_argument(
+        "--prefill-buckets",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pad each prefill up to a bucket of rows and width (default: on for CUDA), so a "
+        "server sees few prefill shapes",
+    )
+    serve.add_argument(
+        "--warm-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every prefill bucket once at start, so the first requests pay no first-use "
+        "cost for their shapes (default: on for CUDA with --prefill-buckets)",
+    )
+    serve.add_argument(
         "--prefill-chunk-tokens",
         type=int,
         default=None,
@@ -171,6 +192,9 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         static_decode=args.static_decode,
         overlap=args.overlap,
+        compile_step=args.compile,
+        prefill_buckets=args.prefill_buckets,
+        warm_prefill=args.warm_prefill,
         gpu_memory_fraction=args.gpu_memory_fraction,
         threads=args.threads if args.threads is not None else loaded.threads,
         api_keys=api_keys,

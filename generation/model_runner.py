@@ -18,6 +18,14 @@ step N+1 before it reads step N's tokens, and the host accepts step N's tokens w
 runs step N+1. On a CPU the same logic runs with an event that is complete when recorded (the
 step itself ran synchronously). The eager step selects on the host's say (per-row seen ids,
 generated counts) and returns its tokens at once: it is never overlapped.
+
+Warm prefill (`prefill_buckets`, `warm_prefill`; on for CUDA). Prefill stays eager, and on a GPU
+each new shape costs its first use (cuBLAS/cuDNN kernel choice and plans: on an H200 the first 64
+clients of a fresh engine waited 824 ms for their first token, the next 64 136 ms). So a prefill
+is padded up to a bucket of rows (`row_buckets`) and width (doubling from PREFILL_MIN_WIDTH up to
+the prefill chunk), and every bucket a prefill can reach runs once at start. On a CPU both are
+off: padding costs compute there (smollm2-135m, 256 new streams on 2 busy cores: TTFT p50
+25-30 s exact, 48-51 s bucketed) and first uses cost little.
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -35,6 +44,7 @@ from .decode_graphs import (
     CPU_CAPACITY,
     StaticDecoder,
     StaticSlotCache,
+    bucket,
     cache_bytes_per_token,
     plan_cache,
     row_buckets,
@@ -45,7 +55,10 @@ from .jobs import EngineStats
 from .kv_cache import SlotCache
 from .models import LoadedModel
 from .sampling import apply_repetition_penalties, default_candidates, select
-from .scheduling import Row
+from .scheduling import PREFILL_PADDING, Row
+
+#: The narrowest prefill width bucket (`prefill_buckets`); the next ones double.
+PREFILL_MIN_WIDTH = 16
 
 log = logging.getLogger("guardstream.engine")
 
@@ -122,7 +135,17 @@ class ModelRunner:
         static_capacity: int | None,
         cuda_graphs: bool,
         gpu_memory_fraction: float,
+        prefill_buckets: bool = False,
+        warm_prefill: bool = False,
+        prefill_budget: int = 4096,
+        prefill_longest: int = 2048,
+        compile_step: bool = False,
     ) -> None:
+        """`prefill_buckets`: pad each prefill's rows and width up to buckets (`prefill_shape`);
+        `warm_prefill`: run once at start every bucket that a prefill of at most
+        `prefill_budget` real tokens, none longer than `prefill_longest`, can take
+        (`warm_prefills`); `compile_step`: the static step through torch.compile
+        (decode_graphs.compile_forward)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -133,6 +156,12 @@ class ModelRunner:
         self.static_capacity = static_capacity
         self.cuda_graphs = cuda_graphs
         self.gpu_memory_fraction = gpu_memory_fraction
+        self.prefill_buckets = prefill_buckets
+        self.warm_prefill = warm_prefill
+        self.prefill_budget = prefill_budget
+        self.prefill_longest = prefill_longest
+        self.compile_step = compile_step
+        self.warm_shapes: list[tuple[int, int]] = []  # the prefill shapes run at start
         self._candidates = default_candidates(self.device)
         self._eos = sorted(loaded.eos_token_ids)
         self._eos_tensor = torch.tensor(self._eos, dtype=torch.long, device=self.device)
@@ -152,7 +181,7 @@ class ModelRunner:
         one-token prefill shows the cache's layout; on CUDA, rows and capacity come from the
         memory free now (decode_graphs.plan_cache). Lowers `max_batch_size` and the context of
         `loaded` to what the cache holds."""
-        if not self.static_decode:
+        if not (self.static_decode or self.warm_prefill):
             return
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         template = self.model(input_ids=ids, use_cache=True).past_key_values
@@ -163,6 +192,13 @@ class ModelRunner:
             log.warning("this model's KV cache cannot be merged; requests run one at a time")
             self.static_decode = False
             return
+        if self.static_decode:
+            self._set_up_static(template)
+        if self.warm_prefill:  # after the static cache took its memory, as when serving
+            self.warm_prefills()
+
+    def _set_up_static(self, template: DynamicCache) -> None:
+        """The static step's cache, sampler and host buffers (and graphs on CUDA)."""
         context = self.loaded.max_context
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
@@ -193,6 +229,7 @@ class ModelRunner:
             widths=width_buckets(capacity) if self.static_buckets else None,
             logits_to_keep=self.logits_to_keep,
             sampler=sampler,
+            compile_step=self.compile_step,
         )
         pinned = self.device.type == "cuda"
         self._host_tokens = [
@@ -245,18 +282,59 @@ class ModelRunner:
 
     # ----- prefill -------------------------------------------------------------------------------
 
+    def prefill_shape(self, rows: int, width: int) -> tuple[int, int]:
+        """The (rows, width) a prefill of `rows` contexts, the longest `width` tokens, runs at:
+        bucketed with `prefill_buckets` (a cache whose rows can be merged only), else exact."""
+        if not (self.prefill_buckets and self.batchable and self.logits_to_keep):
+            return rows, width
+        # never wider than the model's context (learnt position embeddings end there)
+        most = max(width, self.loaded.max_context)
+        return bucket(rows, row_buckets(self.max_batch_size)), min(
+            bucket(width, self.prefill_widths), most
+        )
+
+    @property
+    def prefill_widths(self) -> tuple[int, ...]:
+        """Prefill width buckets: doubling from PREFILL_MIN_WIDTH up to the longest context
+        prefilled in one pass (`prefill_longest`; longer ones are chunked, unbucketed)."""
+        longest = min(self.prefill_longest, self.loaded.max_context)
+        return width_buckets(longest, min(PREFILL_MIN_WIDTH, longest))
+
     def prefill(self, rows: list[Row], lengths: list[int]) -> tuple[DynamicCache, list[int]]:
         """One right-padded forward pass over the rows' contexts (`lengths[i]` tokens each);
-        their cache and first tokens."""
-        width = max(lengths)
-        ids = torch.tensor(
-            [
-                row.job.prompt_ids + row.generated + [row.job.prompt_ids[-1]] * (width - n)
-                for row, n in zip(rows, lengths, strict=True)
-            ],
-            dtype=torch.long,
-            device=self.device,
+        their cache (row i: `rows[i]`; rows past them, if any, are bucket padding) and first
+        tokens. With `prefill_buckets` the pass is padded up to a bucket's rows and width (copies
+        of the last row, extra columns masked): under a causal mask a real token never attends
+        to padding, so a row's arithmetic differs from the exact pass only as a batched one does
+        (nothing in float64 or `--batch-invariant`), and the GPU sees only the shapes
+        `warm_prefills` ran at start."""
+        n = len(rows)
+        padded_rows, width = self.prefill_shape(n, max(lengths))
+        contexts = [row.job.prompt_ids + row.generated for row in rows]
+        lengths = list(lengths) + [lengths[-1]] * (padded_rows - n)
+        contexts += [contexts[-1]] * (padded_rows - n)
+        out = self._prefill_forward(
+            [c[:m] + [c[m - 1]] * (width - m) for c, m in zip(contexts, lengths, strict=True)],
+            lengths,
         )
+        self.stats.forward_passes += 1
+        self.stats.prefill_passes += 1
+        cache = out.past_key_values
+        if self.batchable is None:
+            self.batchable = isinstance(cache, DynamicCache) and all(
+                type(layer) is DynamicLayer for layer in cache.layers
+            )
+            if not self.batchable:
+                log.warning("this model's KV cache cannot be merged; requests run one at a time")
+        for row, m in zip(rows, lengths, strict=False):
+            row.kv_len = m
+        return cache, self.select(out.logits[:n], rows)
+
+    def _prefill_forward(self, ids: list[list[int]], lengths: list[int]) -> Any:
+        """The forward pass over right-padded `ids` (row i: `lengths[i]` real tokens); its
+        output, with `logits` `[rows, vocab]` at each row's last real position."""
+        width = len(ids[0])
+        tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
         extra: dict[str, object] = {}
         last_column: torch.Tensor | None = None
         if any(n != width for n in lengths):
@@ -271,23 +349,44 @@ class ModelRunner:
             )
         elif self.logits_to_keep:
             extra["logits_to_keep"] = 1
-        out = self.model(input_ids=ids, use_cache=True, **extra)
-        self.stats.forward_passes += 1
-        self.stats.prefill_passes += 1
-        cache = out.past_key_values
-        if self.batchable is None:
-            self.batchable = isinstance(cache, DynamicCache) and all(
-                type(layer) is DynamicLayer for layer in cache.layers
-            )
-            if not self.batchable:
-                log.warning("this model's KV cache cannot be merged; requests run one at a time")
+        out = self.model(input_ids=tensor, use_cache=True, **extra)
         if last_column is None:
-            logits = out.logits[:, -1, :]
+            out.logits = out.logits[:, -1, :]
         else:
-            logits = out.logits[torch.arange(len(rows), device=self.device), last_column]
-        for row, n in zip(rows, lengths, strict=True):
-            row.kv_len = n
-        return cache, self.select(logits, rows)
+            out.logits = out.logits[torch.arange(len(ids), device=self.device), last_column]
+        return out
+
+    def warm_prefills(self) -> None:
+        """Run every prefill bucket once (CUDA, at start: cuBLAS and cuDNN choose kernels and
+        build plans per new shape, which cost the first request after start ~0.7 s on an H200):
+        each (rows, width) bucket whose rectangle a prefill of `prefill_budget` real tokens can
+        reach, with padding (a masked pass) and without. Nothing is kept or counted."""
+        if not (self.prefill_buckets and self.batchable and self.logits_to_keep):
+            return
+        rows_list = row_buckets(self.max_batch_size)
+        # prefill_groups pads a group by at most PREFILL_PADDING, and buckets at most double
+        # rows and width: no group of `prefill_budget` real tokens exceeds this rectangle
+        most = int(4 * (1 + PREFILL_PADDING) * max(self.prefill_budget, self.prefill_longest))
+        shapes = [(r, w) for r in rows_list for w in self.prefill_widths if r * w <= most]
+        started = time.perf_counter()
+        for r, w in shapes:
+            try:
+                for short in (0, 1):  # no padding, then the last row one token short
+                    lengths = [w] * (r - 1) + [w - short if w > 1 else w]
+                    self._prefill_forward([[0] * w] * r, lengths)
+            except torch.OutOfMemoryError:  # a real prefill of this shape would fail too
+                log.warning("prefill warm-up: %d x %d tokens do not fit; stopped there", r, w)
+                break
+            self.warm_shapes.append((r, w))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info(
+            "warmed %d prefill shapes (rows %s x widths %s) in %.1f s",
+            len(self.warm_shapes),
+            rows_list,
+            self.prefill_widths,
+            time.perf_counter() - started,
+        )
 
     def prefill_chunk(self, row: Row, start: int, end: int) -> list[int] | None:
         """Tokens `start:end` of a long context into the row's own cache (`partial`); after its

@@ -100,6 +100,9 @@ class Engine:
         cuda_graphs: bool | None = None,
         gpu_memory_fraction: float = GPU_MEMORY_FRACTION,
         overlap: bool | None = None,
+        prefill_buckets: bool | None = None,
+        warm_prefill: bool | None = None,
+        compile_step: bool = False,
     ) -> None:
         """`prefill_chunk_tokens`: longer contexts are prefilled in chunks of this many tokens
         (None: PREFILL_CHUNK_TOKENS of the device). `max_batch_size` None: MAX_ROWS on CUDA
@@ -111,7 +114,10 @@ class Engine:
         CPU_CAPACITY), `cuda_graphs` captures and replays the steps (default: on for CUDA;
         never on a CPU), `gpu_memory_fraction` of free GPU memory at start sizes the cache.
         `overlap` (default OVERLAP): launch each static step before the previous one's tokens
-        are processed."""
+        are processed. `prefill_buckets` pads prefills up to (rows, width) buckets (default: on
+        for CUDA) and `warm_prefill` runs each bucket once at start (default: with buckets, on
+        CUDA; model_runner.py). `compile_step`: the static decode step through torch.compile
+        (Inductor) before graphs are captured; it implies the static step, with buckets."""
         self.threads = threads  # CPU intra-op threads to set at start (process-wide); None: leave
         on_cuda = loaded.device.type == "cuda"
         if max_batch_size is None:
@@ -121,6 +127,12 @@ class Engine:
         if prefill_chunk_tokens is None:
             prefill_chunk_tokens = PREFILL_CHUNK_TOKENS.get(loaded.device.type, 2048)
         self.overlap = OVERLAP if overlap is None else overlap
+        if compile_step:  # a compiled step needs the static buffers and few shapes
+            if static_decode is False:
+                raise ValueError("compile_step needs the static decode step")
+            static_decode = True
+            static_buckets = True if static_buckets is None else static_buckets
+        buckets = on_cuda if prefill_buckets is None else prefill_buckets
         self.stats = EngineStats()
         self._sched = Scheduler(max_batch_size, prefill_token_budget, prefill_chunk_tokens)
         self._runner = ModelRunner(
@@ -132,6 +144,11 @@ class Engine:
             static_capacity=static_capacity,
             cuda_graphs=on_cuda and (cuda_graphs is None or cuda_graphs),
             gpu_memory_fraction=gpu_memory_fraction,
+            prefill_buckets=buckets,
+            warm_prefill=buckets and on_cuda if warm_prefill is None else warm_prefill,
+            prefill_budget=self._sched.prefill_token_budget,
+            prefill_longest=self._sched.prefill_chunk_tokens,
+            compile_step=compile_step,
         )
         self._output = OutputProcessor(
             make_detokenizer(loaded.tokenizer),

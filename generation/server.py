@@ -120,6 +120,9 @@ def create_app(
     static_buckets: bool | None = None,
     gpu_memory_fraction: float = GPU_MEMORY_FRACTION,
     overlap: bool | None = None,
+    compile_step: bool = False,
+    prefill_buckets: bool | None = None,
+    warm_prefill: bool | None = None,
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
 ) -> web.Application:
@@ -148,6 +151,9 @@ def create_app(
             static_buckets=static_buckets,
             gpu_memory_fraction=gpu_memory_fraction,
             overlap=overlap,
+            compile_step=compile_step,
+            prefill_buckets=prefill_buckets,
+            warm_prefill=warm_prefill,
         ),
         faults=FaultInjector() if fault_injection else None,
     )

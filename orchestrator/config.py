@@ -200,6 +200,9 @@ class ManagedBackend(Strict):
     overlap: bool | None = None
     """The engine's --overlap / --no-overlap: launch each static (CUDA) decode step before the
     previous step's tokens are processed (unset: the engine's default, on)."""
+    compile: bool = False
+    """The engine's --compile: its static decode step through torch.compile (Inductor) before
+    the CUDA graphs are captured (fewer, fused kernels per step; compiling adds to the start)."""
     enable_fault_injection: bool = False
     """Let tests inject faults into the engines (never in production)."""
     start_timeout_s: float = Field(300, gt=0)

@@ -223,3 +223,7 @@ def test_engine_command_matches_the_cli() -> None:
     cmd = managed.engine_command("tiny-random", "cuda", overlap=True)(8123)
     assert cmd[10:] == ["--overlap"]
     assert generation_cli._parser().parse_args(cmd[3:]).overlap is True
+    cmd = managed.engine_command("tiny-random", "cuda", compile_step=True)(8123)
+    assert cmd[10:] == ["--compile"]
+    assert generation_cli._parser().parse_args(cmd[3:]).compile is True
+    assert generation_cli._parser().parse_args(cmd[3:-1]).compile is False

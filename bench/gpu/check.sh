@@ -1,23 +1,35 @@
 #!/bin/bash
-# One GPU check for the engine (issue 35), in under 9 minutes on one H100 or H200 from a fresh
-# machine, set-up included. From the project root:
-#   OUT=/some/dir bash bench/gpu/check.sh BUNDLE [MODELS_DIR]
+# One GPU check for the engine (issue 35), from the project root, in two calls of under 9 minutes
+# each on one H100 or H200 (set-up included; the second call on the same warm machine skips it):
+#   OUT=/some/dir CHECK_PART=bench bash bench/gpu/check.sh BUNDLE [MODELS_DIR]
+#   OUT=/some/dir CHECK_PART=tests bash bench/gpu/check.sh BUNDLE [MODELS_DIR]
 # BUNDLE: the folder bench/gpu/bundle.sh made (wheels/ and tok/); MODELS_DIR (default /root): where
 # setup.sh builds the random-weight models (m135r: smollm2-135m's shape, m1p7r: SmolLM2-1.7B's).
+# CHECK_PART=all runs both parts in one call: ~15 minutes, more than one device call may run.
+# CHECK_STEPS="e135 ttft ..." runs the named steps only; CHECK_TESTS="file:limit ..." some test
+# files only (the tests step).
 #
 # Steps, each under its own `timeout` so that one that hangs costs only its share:
-#   1. set-up (setup.sh; skipped when the models exist: a warm machine);
-#   2. bench/engine_host.py --device cuda (the host's share of a step, null model);
-#   3. bench/engine.py, 135M shape, 1/64/256 streams, next to its anchors (generate, a graph-
-#      replayed StaticCache step, transformers serve --continuous-batching --cb-use-cuda-graph);
-#      again with --compile when bench/engine.py has that flag;
-#   4. bench/engine.py, 1.7B shape, 64 streams (generate and step anchors), and with --compile;
-#   5. the CUDA engine and migration tests, file by file (-rf --tb=short: a cut keeps every
-#      finished file's summary) in three parallel lanes, until the overall deadline
-#      (CHECK_SECONDS after the start, default 520).
-# Everything lands in $OUT: one log per step and summary.txt (the lines that matter, read by a
-# person or a script). Expected on an H100/H200: set-up ~60 s, host ~40 s, 135M ~150 s, 1.7B ~50 s,
-# tests ~100 s in lanes (about 220 s one file after another, measured 2026-11-26).
+#   0. set-up (setup.sh; skipped when the models exist: a warm machine);
+#   part bench:
+#   e135     bench/engine.py, 135M shape, 1/64/256 streams, next to its anchors (generate, a graph-
+#            replayed StaticCache step, transformers serve --continuous-batching --cb-use-cuda-graph);
+#   e1p7     bench/engine.py, 1.7B shape, 64 streams (generate and step anchors);
+#   ttft     TTFT of a fresh engine's first 64 and 256 clients (bench/engine.py --cold, greedy),
+#            with warm prefill (the CUDA default) and without (--no-prefill-buckets
+#            --no-warm-prefill);
+#   e135_compile  the 135M shape with --compile, 1 and 64 streams, next to the graph-replayed step;
+#   part tests:
+#   engine_host   bench/engine_host.py --device cuda (the host's share of a step, null model);
+#   tests    the CUDA engine and migration tests, file by file (-rf --tb=short: a cut keeps every
+#            finished file's summary) in three parallel lanes, until the part's deadline
+#            (CHECK_SECONDS after the start, default 520);
+#   e1p7_compile  the 1.7B shape with --compile, 64 streams (last: what is left of the deadline).
+# The compile steps run only when bench/engine.py has --compile. Everything lands in $OUT: one log
+# per step and summary.txt (the lines that matter, read by a person or a script). Measured on an
+# H200 (2026-11-27, before the split): set-up 29 s, engine_host ~120 s, e135 ~200 s, e1p7 ~60 s,
+# tests ~150 s in lanes. Not measured yet: ttft (~60-90 s expected: two engine starts) and the
+# compile steps (Inductor compiles 3 graphs per model at start, then the graphs are captured).
 set -u
 bundle=${1:?usage: OUT=DIR bash bench/gpu/check.sh BUNDLE [MODELS_DIR]}
 models=${2:-/root}
@@ -26,7 +38,18 @@ mkdir -p "$out"
 summary=$out/summary.txt
 : > "$summary"
 t0=$(date +%s)
-deadline=$((t0 + ${CHECK_SECONDS:-540}))
+deadline=$((t0 + ${CHECK_SECONDS:-520}))
+part=${CHECK_PART:?CHECK_PART=bench or CHECK_PART=tests (each under 9 minutes), or all (~15 minutes)}
+case $part in
+  bench) steps="e135 e1p7 ttft e135_compile" ;;
+  tests) steps="engine_host tests e1p7_compile" ;;
+  all) steps="e135 e1p7 ttft e135_compile engine_host tests e1p7_compile"
+    deadline=$((t0 + ${CHECK_SECONDS:-1000})) ;;
+  *) echo "CHECK_PART must be bench, tests or all, not $part" >&2; exit 2 ;;
+esac
+[ -n "${CHECK_STEPS:-}" ] && steps=$CHECK_STEPS
+[ -n "${CHECK_TESTS:-}" ] && [ -z "${CHECK_STEPS:-}" ] && steps=tests
+wants() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 export PYTHONUNBUFFERED=1
 
 say() { echo "$*" | tee -a "$summary"; }
@@ -55,7 +78,7 @@ run() {
   return $rc
 }
 
-say "=== gpu check $(date -u +%FT%TZ) at $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+say "=== gpu check $(date -u +%FT%TZ) at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), part $part: $steps"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$summary"
 say "cpus $(nproc)"
 
@@ -78,48 +101,65 @@ else
 fi
 python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$summary"
 
-if [ -n "${CHECK_TESTS:-}" ]; then  # a rerun of some test files only: skip the benchmarks
-  say "--- benchmarks: skipped (CHECK_TESTS)"
-else
-# 2. the host's share of a step (null model on the GPU)
-run engine_host 150 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
-grep -E "^(inproc|http) |^host_us_per_row|^cpu_us_per_row|^client_cpu_us_per_row|^overlap_off" "$out/engine_host.log" >> "$summary"
-
-# 3. and 4. the engine next to its anchors
 compile=""
 grep -q -- '"--compile"' bench/engine.py && compile=yes
 side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph replay
-  grep -E "streams: +[0-9.]+ tok/s aggregate|side by side|engine +[0-9.]+ \|" "$out/$1.log" >> "$summary"
+  grep -E "streams: +[0-9.]+ tok/s aggregate|^ttft |side by side|engine +[0-9.]+ \|" "$out/$1.log" >> "$summary"
 }
-run e135 210 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
-  --concurrency 1,64,256 --skip-micro --rounds 1 --json "$out/e135.json"
-side_by_side e135
-run e1p7 80 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
-  --concurrency 64 --skip-micro --rounds 1 --anchors generate,step --json "$out/e1p7.json"
-side_by_side e1p7
-if [ -n "$compile" ]; then
-  run e135_compile 70 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
-    --concurrency 1,64,256 --skip-micro --rounds 1 --anchors step --compile \
-    --json "$out/e135_compile.json"
-  side_by_side e135_compile
-  run e1p7_compile 40 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
-    --concurrency 64 --skip-micro --rounds 1 --anchors none --compile --json "$out/e1p7_compile.json"
-  side_by_side e1p7_compile
-else
-  say "--- compile: bench/engine.py has no --compile yet, skipped"
-fi
-fi  # CHECK_TESTS
 
-# 5. the CUDA tests, file by file ("file:limit_s"), in three lanes at once (16 cores; after the
+# part bench: the engine next to its anchors, a fresh engine's TTFT, the compiled step
+if wants e135; then
+  run e135 210 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
+    --concurrency 1,64,256 --skip-micro --rounds 1 --json "$out/e135.json"
+  side_by_side e135
+fi
+if wants e1p7; then
+  run e1p7 80 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
+    --concurrency 64 --skip-micro --rounds 1 --anchors generate,step --json "$out/e1p7.json"
+  side_by_side e1p7
+fi
+if wants ttft; then  # the first clients of a fresh engine: warm prefill on (default), then off
+  run ttft_warm 60 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 16 \
+    --concurrency 64,256 --decoding greedy --skip-micro --rounds 1 --anchors none --cold
+  say "ttft, warm prefill (default):"
+  grep -E "^ttft " "$out/ttft_warm.log" >> "$summary"
+  run ttft_cold 60 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 16 \
+    --concurrency 64,256 --decoding greedy --skip-micro --rounds 1 --anchors none --cold \
+    --extra-args="--no-prefill-buckets --no-warm-prefill"
+  say "ttft, no prefill buckets, no warm-up:"
+  grep -E "^ttft " "$out/ttft_cold.log" >> "$summary"
+  grep -hE "engine log: .*(warmed|captured)" "$out/ttft_warm.log" >> "$summary"
+fi
+if wants e135_compile; then
+  if [ -n "$compile" ]; then
+    run e135_compile 170 python3 bench/engine.py --device cuda --model "$models/m135r" \
+      --tokens 128 --concurrency 1,64 --skip-micro --rounds 1 --anchors step --compile \
+      --json "$out/e135_compile.json"
+    side_by_side e135_compile
+    grep -hE "engine log: .*(captured|compil)" "$out/e135_compile.log" >> "$summary"
+  else
+    say "--- e135_compile: bench/engine.py has no --compile, skipped"
+  fi
+fi
+
+# part tests: the host's share of a step, the 1.7B shape compiled, the CUDA tests
+if wants engine_host; then
+  run engine_host 150 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
+  grep -E "^(inproc|http) |^host_us_per_row|^cpu_us_per_row|^client_cpu_us_per_row|^overlap_off" "$out/engine_host.log" >> "$summary"
+fi
+# the CUDA tests, file by file ("file:limit_s"), in three lanes at once (16 cores; after the
 # benchmarks, which they would disturb), each lane until the deadline. test_migration_engine
 # restarts killed replicas, each a fresh CUDA start: its lane has little else.
+if wants tests; then
 export GUARDSTREAM_TEST_DEVICE=cuda
 lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
   tests/test_engine_batching.py:90 tests/test_engine_batch_invariant.py:90
-  tests/test_engine_sampling.py:60)
+  tests/test_engine_sampling.py:60 tests/test_engine_warm_prefill.py:60
+  tests/test_engine_compile.py:90)
 lane2=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
   tests/test_engine_units.py:60 tests/test_engine_api.py:90
-  tests/test_engine_chat_limits_auth.py:60 tests/test_engine_smollm2.py:30)
+  tests/test_engine_chat_limits_auth.py:60 tests/test_engine_smollm2.py:30
+  tests/test_engine_overlap.py:60 tests/test_migration_replay.py:60)
 lane3=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:90
   tests/test_migration_batch_invariant.py:90 tests/test_migration.py:90)
 if [ -n "${CHECK_TESTS:-}" ]; then  # CHECK_TESTS="file:limit ...", dealt round-robin to the lanes
@@ -159,4 +199,17 @@ for file in tests/test_engine_*.py tests/test_migration*.py; do
     *) say "--- $file: not in check.sh's list, not run" ;;
   esac
 done
+fi  # tests
+
+# last in its part: it gets what the tests left of the deadline
+if wants e1p7_compile; then
+  if [ -n "$compile" ]; then
+    run e1p7_compile 130 python3 bench/engine.py --device cuda --model "$models/m1p7r" \
+      --tokens 128 --concurrency 64 --skip-micro --rounds 1 --anchors step --compile \
+      --json "$out/e1p7_compile.json"
+    side_by_side e1p7_compile
+  else
+    say "--- e1p7_compile: bench/engine.py has no --compile, skipped"
+  fi
+fi
 say "=== done in $(elapsed) s"

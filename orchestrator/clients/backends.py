@@ -45,6 +45,7 @@ def default_command(cfg: ManagedBackend) -> CommandFactory:
         batch_invariant=cfg.batch_invariant,
         prefill_chunk_tokens=cfg.prefill_chunk_tokens,
         overlap=cfg.overlap,
+        compile_step=cfg.compile,
     )
 
 

@@ -57,6 +57,7 @@ def engine_command(
     batch_invariant: bool = False,
     prefill_chunk_tokens: int | None = None,
     overlap: bool | None = None,
+    compile_step: bool = False,
 ) -> CommandFactory:
     """The engine CLI of DESIGN section 2, for a given port; with `api_keys_env`, the engine
     requires the key that EngineProcess puts in that variable."""
@@ -72,6 +73,8 @@ def engine_command(
             cmd += ["--prefill-chunk-tokens", str(prefill_chunk_tokens)]
         if overlap is not None:
             cmd.append("--overlap" if overlap else "--no-overlap")
+        if compile_step:
+            cmd.append("--compile")
         if api_keys_env:
             cmd += ["--api-keys-env", api_keys_env]
         if enable_fault_injection:
