@@ -2,7 +2,7 @@
 streams fail in `mode` once `after_tokens` tokens have been delivered in that stream. Mode
 `script` is not a failure: the next streams answer `token_ids` as if the model had generated
 them (tests of what parses the output, e.g. tool calls: a tiny random model writes no call),
-then generate on from there."""
+then generate on from there; with `after_tokens`, the stream is then cut (`close`) there."""
 
 from __future__ import annotations
 

@@ -454,7 +454,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     fault = state.faults.take() if state.faults is not None else None
     scripted: list[int] = []
     if fault is not None and fault.mode == "script":  # tests: the answer begins with these
-        scripted, fault = list(fault.token_ids), None
+        scripted = list(fault.token_ids)
+        fault = Fault(fault.after_tokens, "close") if fault.after_tokens else None
         resume_ids = resume_ids + scripted
     # with tools, the resumed tokens' whole text goes through the call parser again (the
     # client's part of it is dropped there): a call under way must be parsed from its start
