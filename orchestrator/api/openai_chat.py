@@ -97,6 +97,22 @@ def check_native_tools(extra: dict[str, Any], model: str) -> None:
     a call (`tool_choice` other than `auto` or `none`) nor keep the model to one
     (`parallel_tool_calls: false`). Whether the template takes tools at all is the engine's
     to say (`GET /v1/models`, checked before dispatch)."""
+    tools = extra.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list)
+        and all(
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        )
+    ):
+        raise ValueError(
+            'tools: a list of `{"type": "function", "function": {"name": ..., ...}}` objects'
+        )
+    if extra.get("parallel_tool_calls") not in (None, True, False):
+        raise ValueError("parallel_tool_calls: a boolean")
     choice = extra.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise ValueError(
