@@ -63,9 +63,11 @@ class ToolCall:
 def _held_prefix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (what may still
     become the tag with the next delta)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
+    i = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while i >= 0:  # only where the tag's first character is (most deltas have none)
+        if tag.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(tag[0], i + 1)
     return 0
 
 
@@ -99,19 +101,21 @@ class ToolCallParser:
         # different for the same call on a later turn of the conversation
         self._salt = hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=16).digest()
         self._skip = skip
-        self._pending = ""
+        self._pending = ""  # outside a call: a tail that may be the start of HERMES_START
         self._in_call = False
+        self._body: list[str] = []  # inside a call: its text so far, in pieces
+        self._tail = ""  # the body's last characters, where HERMES_END may have begun
         self._count = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The visible text and the completed calls this delta releases."""
-        if not text:
-            return "", []
-        s = self._pending + text
+        """The visible text and the completed calls this delta releases. A call's body is kept
+        in pieces and only its tail is searched again: a long call costs linear time."""
         out: list[str] = []
         calls: list[ToolCall] = []
-        while True:
+        s = text
+        while s:
             if not self._in_call:
+                s, self._pending = self._pending + s, ""
                 i = s.find(HERMES_START)
                 if i < 0:
                     keep = _held_prefix(s, HERMES_START)
@@ -120,14 +124,18 @@ class ToolCallParser:
                     break
                 out.append(s[:i])
                 s = s[i + len(HERMES_START) :]
-                self._in_call = True
+                self._in_call, self._body, self._tail = True, [], ""
             else:
-                j = s.find(HERMES_END)
+                probe = self._tail + s
+                j = probe.find(HERMES_END)
                 if j < 0:
-                    self._pending = s
+                    self._body.append(s)
+                    self._tail = probe[-(len(HERMES_END) - 1) :]
                     break
-                body, s = s[:j], s[j + len(HERMES_END) :]
-                self._in_call = False
+                whole = "".join(self._body) + s
+                cut = len(whole) - len(probe) + j
+                body, s = whole[:cut], whole[cut + len(HERMES_END) :]
+                self._in_call, self._body, self._tail = False, [], ""
                 call = self._call(body)
                 if call is None:
                     out.append(HERMES_START + body + HERMES_END)
@@ -137,8 +145,8 @@ class ToolCallParser:
 
     def finish(self) -> str:
         """What is still held when the stream ends: an unfinished call goes out as its text."""
-        held = (HERMES_START if self._in_call else "") + self._pending
-        self._pending, self._in_call = "", False
+        held = HERMES_START + "".join(self._body) if self._in_call else self._pending
+        self._pending, self._in_call, self._body, self._tail = "", False, [], ""
         return self._visible(held)
 
     def _visible(self, text: str) -> str:
