@@ -20,6 +20,14 @@ import requests
 
 from generation import models
 from generation.server import create_app
+from orchestrator.clients.backend import (
+    Continuation,
+    GenerationError,
+    GenerationParams,
+    GenerationRequest,
+    ToolCallDelta,
+)
+from orchestrator.clients.native import native_body, parse_data
 from tests.engine_processes import ThreadedServer
 from tests.openai_support import sdk
 from tests.orchestrator_support import MODEL, Orchestrator, native_config
@@ -309,3 +317,44 @@ async def test_a_replica_killed_after_a_call_resumes_exactly(
     assert text_of(chunks) == text_of(reference)
     assert text_of(chunks).startswith("Sure. ")
     assert finishes(chunks) == finishes(reference)
+
+
+# -- the wire -------------------------------------------------------------------------------------
+
+
+def test_the_native_client_reads_tool_calls_beside_the_text() -> None:
+    call = {"index": 0, "id": "call_1", "name": "send_email", "arguments": '{"to": "x"}'}
+    item = parse_data("r", {"token_ids": [1, 2], "text": "Sure. ", "tool_calls": [call]})
+    assert (item.text, item.tool_calls) == (
+        "Sure. ",
+        (ToolCallDelta(0, "call_1", "send_email", '{"to": "x"}'),),
+    )
+    assert parse_data("r", {"token_ids": [1], "text": "a"}).tool_calls == ()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"index": 0},
+        [{"index": -1, "id": "c", "name": "f", "arguments": "{}"}],
+        [{"index": True, "id": "c", "name": "f", "arguments": "{}"}],
+        [{"index": 0, "id": None, "name": "f", "arguments": "{}"}],
+        [{"index": 0, "id": "c", "name": "f", "arguments": {}}],
+        ["call"],
+    ],
+)
+def test_a_malformed_tool_call_fails_the_replica(raw: Any) -> None:
+    with pytest.raises(GenerationError) as caught:
+        parse_data("r", {"token_ids": [1], "text": "", "tool_calls": raw})
+    assert caught.value.migratable
+    assert caught.value.message == "replica r sent a malformed tool_calls"
+
+
+def test_the_engine_gets_the_tools_unless_tool_choice_is_none() -> None:
+    params = GenerationParams()
+    tools_only = GenerationRequest("", params, extra={"tools": TOOLS})
+    assert native_body(tools_only, None, 0)["tools"] == TOOLS
+    resumed = native_body(tools_only, Continuation((1,), (2,), "a"), 0)
+    assert (resumed["tools"], resumed["resume"]) == (TOOLS, {"token_ids": [2], "text": "a"})
+    declined = GenerationRequest("", params, extra={"tools": TOOLS, "tool_choice": "none"})
+    assert "tools" not in native_body(declined, None, 0)
