@@ -35,7 +35,8 @@ MAX_SEED = 2**63 - 1
 # A conversation's size is bounded by the body limit (server.CLIENT_MAX_SIZE); the count bound
 # keeps a body of thousands of empty messages from making the template loop long.
 MAX_MESSAGES = 1024
-ChatRole = Literal["system", "user", "assistant"]
+ChatRole = Literal["system", "user", "assistant", "tool"]
+MAX_TOOLS = 128
 
 
 class Decoding(BaseModel):
@@ -72,14 +73,55 @@ StopSequence = Annotated[
 ]
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+
+    name: Utf8Str
+    arguments: Utf8Str  # a JSON string, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (OpenAI's shape), rendered by the chat template."""
+
+    model_config = _STRICT
+
+    id: Utf8Str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
-    """One chat message. Plain-text content only; tool calls and content parts are not part of
-    the engine protocol (the orchestrator flattens what it accepts)."""
+    """One chat message. Plain-text content only (the orchestrator flattens content parts). A
+    `tool` message answers the call `tool_call_id` names; an assistant turn may carry the calls
+    it made (`tool_calls`, content then may be null). Both need a template with tool support."""
 
     model_config = _STRICT
 
     role: ChatRole
-    content: Utf8Str
+    content: Utf8Str | None = None
+    tool_call_id: Utf8Str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for an assistant turn of calls)")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id: a `tool` message, and only one, names its call")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries tool calls")
+        return self
+
+    def uses_tools(self) -> bool:
+        return self.role == "tool" or self.tool_calls is not None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (only the fields it has)."""
+        return self.model_dump(exclude_none=True) | {"content": self.content or ""}
+
+
+# A tool as OpenAI's Chat Completions describes it; its JSON schema goes to the template as sent.
+Tool = dict[str, Any]
 
 
 Messages = Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -97,6 +139,9 @@ class GenerateRequest(BaseModel):
     prompt: Utf8Str | None = None
     input_ids: list[StrictInt] | None = None
     messages: Messages | None = None
+    # rendered through the chat template (`messages` only) and the model's calls parsed out of
+    # its text into `data.tool_calls`: the template must take tools (GET /v1/models `tools`)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     chat: bool = False
     resume: Resume | None = None
     max_new_tokens: int = Field(128, ge=1, le=1_000_000)
@@ -114,6 +159,8 @@ class GenerateRequest(BaseModel):
             raise ValueError(
                 "chat applies the chat template to prompt; it cannot be used with input_ids"
             )
+        if self.tools is not None and self.prompt is not None:
+            raise ValueError("tools go through the chat template: send messages (or input_ids)")
         return self
 
 
@@ -125,12 +172,15 @@ class TokenizeRequest(BaseModel):
 
     prompt: Utf8Str | None = None
     messages: Messages | None = None
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     chat: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of prompt and messages is required")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go through the chat template: send messages")
         return self
 
 
@@ -140,8 +190,9 @@ class FaultRequest(BaseModel):
     model_config = _STRICT
 
     after_tokens: int = Field(0, ge=0)
-    mode: Literal["close", "stall", "error"]
+    mode: Literal["close", "stall", "error", "script"]
     times: int = Field(1, ge=1, le=1_000_000)
+    token_ids: list[StrictInt] = Field(default_factory=list)  # `script` only
 
 
 # ----- what GET /v1/models advertises, read off the schema above (one source of truth) ---------
@@ -199,6 +250,7 @@ def advertised_parameters() -> dict[str, dict[str, Any]]:
             "items": _stop_sequence_bounds(),
         },
         "messages": {**messages_bounds, "roles": list(get_args(ChatRole))},
+        "tools": _field_bounds(GenerateRequest, "tools"),
     }
 
 

@@ -55,6 +55,7 @@ from .protocol import (
 )
 from .sampling import SamplingParams, random_seed
 from .scheduler import GPU_MEMORY_FRACTION, Engine
+from .tool_calls import ToolCallParser, template_messages, tool_call_format, visible_prefix
 from .tracing import TRACING
 
 log = logging.getLogger("guardstream.engine")
@@ -90,6 +91,8 @@ class EngineState:
     loaded: LoadedModel
     engine: Engine
     faults: FaultInjector | None
+    # the chat template's tool-call format (tool_calls.py), None: no tool support
+    tool_format: str | None = None
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="guardstream-tokenizer")
     )
@@ -156,6 +159,7 @@ def create_app(
             warm_prefill=warm_prefill,
         ),
         faults=FaultInjector() if fault_injection else None,
+        tool_format=tool_call_format(getattr(loaded.frontend_tokenizer, "chat_template", None)),
     )
     state.registry.register(EngineCollector(lambda: state.engine))
     app[STATE] = state
@@ -262,21 +266,26 @@ async def _read_model(request: web.Request, schema: type[BaseModel]) -> Any:
 
 
 def _encode_prompt(
-    loaded: LoadedModel, prompt: str | None, chat: bool, messages: list[Message] | None = None
+    loaded: LoadedModel,
+    prompt: str | None,
+    chat: bool,
+    messages: list[Message] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a prompt, of a prompt as one user message (`chat`), or of `messages`, both
-    under the chat template with the generation prompt. Runs on the tokenizer thread."""
+    """Token ids of a prompt, of a prompt as one user message (`chat`), or of `messages` (with
+    `tools`), both under the chat template with the generation prompt. Runs on the tokenizer
+    thread."""
     tokenizer: Any = loaded.frontend_tokenizer
     if messages is not None or chat:
         field = "messages" if messages is not None else "chat"
         conversation = (
-            [m.model_dump() for m in messages]
+            template_messages([m.template_dict() for m in messages])
             if messages is not None
             else [{"role": "user", "content": prompt}]
         )
         try:
             text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
+                conversation, tools=tools, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # e.g. a template that insists on alternating roles
             raise ClientError(422, f"{field}: the model's chat template failed: {exc}") from None
@@ -289,6 +298,24 @@ def _check_template(loaded: LoadedModel, prompt: str | None, chat: bool, message
         raise ClientError(422, "messages: this model has no chat template")
     if chat and prompt is not None and not loaded.has_chat_template:
         raise ClientError(422, "chat: this model has no chat template")
+
+
+def _check_tools(
+    state: EngineState, tools: list[dict[str, Any]] | None, messages: list[Message] | None
+) -> None:
+    """422 for tools (or a conversation with tool calls) on a template without tool support:
+    they would be dropped or mis-rendered, and the model's calls never parsed."""
+    if state.tool_format is not None:
+        return
+    if tools is not None:
+        field = "tools"
+    elif messages is not None and any(m.uses_tools() for m in messages):
+        field = "messages"
+    else:
+        return
+    raise ClientError(
+        422, f"{field}: model {state.loaded.name}'s chat template has no tool support"
+    )
 
 
 def _check_vocab(name: str, ids: list[int], vocab: int) -> None:
@@ -306,8 +333,9 @@ async def handle_tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: TokenizeRequest = await _read_model(request, TokenizeRequest)
     _check_template(state.loaded, req.prompt, req.chat, req.messages)
+    _check_tools(state, req.tools, req.messages)
     ids = await state.run_tokenizer(
-        _encode_prompt, state.loaded, req.prompt, req.chat, req.messages
+        _encode_prompt, state.loaded, req.prompt, req.chat, req.messages, req.tools
     )
     return web.json_response({"token_ids": ids, "count": len(ids)})
 
@@ -316,7 +344,8 @@ async def handle_models(request: web.Request) -> web.Response:
     """The model, its context and the accepted parameter ranges (JSON-Schema keywords:
     `minimum`, `exclusiveMinimum`, `maximum`, `maxItems`, ...). `max_context` is the older
     name of `max_model_len` (vLLM's), kept for existing readers."""
-    loaded = request.app[STATE].loaded
+    state = request.app[STATE]
+    loaded = state.loaded
     return web.json_response(
         {
             "object": "list",
@@ -328,6 +357,9 @@ async def handle_models(request: web.Request) -> web.Response:
                     "max_model_len": loaded.max_context,
                     "max_context": loaded.max_context,
                     "chat_template": loaded.has_chat_template,
+                    # `tools` accepted (tool_calls.py); the format the calls are parsed in
+                    "tools": state.tool_format is not None,
+                    "tool_call_format": state.tool_format,
                     "dtype": str(loaded.dtype).removeprefix("torch."),
                     "batch_invariant": loaded.batch_invariant,
                     "parameters": advertised_parameters(),
@@ -373,7 +405,8 @@ async def handle_faults(request: web.Request) -> web.Response:
     faults = request.app[STATE].faults
     assert faults is not None
     req: FaultRequest = await _read_model(request, FaultRequest)
-    faults.arm(req.after_tokens, req.mode, req.times)
+    _check_vocab("token_ids", req.token_ids, request.app[STATE].loaded.vocab_size)
+    faults.arm(req.after_tokens, req.mode, req.times, tuple(req.token_ids))
     return web.json_response({"armed": faults.pending})
 
 
@@ -390,10 +423,11 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     loaded = state.loaded
     req: GenerateRequest = await _read_model(request, GenerateRequest)
     received = time.monotonic()
+    _check_tools(state, req.tools, req.messages)
     if req.prompt is not None or req.messages is not None:
         _check_template(loaded, req.prompt, req.chat, req.messages)
         prompt_ids = await state.run_tokenizer(
-            _encode_prompt, loaded, req.prompt, req.chat, req.messages
+            _encode_prompt, loaded, req.prompt, req.chat, req.messages, req.tools
         )
     else:
         prompt_ids = list(req.input_ids or [])
@@ -419,16 +453,27 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         )
     if resume_text:
         full = await state.run_tokenizer(make_decoder(loaded.frontend_tokenizer), resume_ids)
+        if req.tools is not None:  # the client has the text around the calls, not their tags
+            full = visible_prefix(full)
         if not full.startswith(resume_text):
             raise ClientError(422, "resume.text is not a prefix of the text of resume.token_ids")
+    fault = state.faults.take() if state.faults is not None else None
+    scripted: list[int] = []
+    if fault is not None and fault.mode == "script":  # tests: the answer begins with these
+        scripted = list(fault.token_ids)
+        fault = Fault(fault.after_tokens, "close") if fault.after_tokens else None
+        resume_ids = resume_ids + scripted
+    # with tools, the resumed tokens' whole text goes through the call parser again (the
+    # client's part of it is dropped there): a call under way must be parsed from its start
+    calls = ToolCallParser(prompt_ids, skip=len(resume_text)) if req.tools is not None else None
     decoding = req.decoding
     greedy = decoding.method == "greedy" or decoding.temperature == 0.0
     seed = decoding.seed if decoding.seed is not None else random_seed()
     first_extra: dict[str, Any] = {"prompt_token_ids": prompt_ids}
     if not greedy:
         first_extra["seed"] = seed
-    fault = state.faults.take() if state.faults is not None else None
-    stream = _Stream(request, state, fault, len(prompt_ids), first_extra)
+    stream = _Stream(request, state, fault, len(prompt_ids), first_extra, calls)
+    stream.scripted = scripted
     job = Job(
         prompt_ids=prompt_ids,
         max_new_tokens=req.max_new_tokens,
@@ -443,7 +488,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         loop=asyncio.get_running_loop(),
         queue=stream,
         resume_ids=resume_ids,
-        resume_text_len=len(resume_text),
+        resume_text_len=len(resume_text) if calls is None else 0,
         min_new_tokens=req.min_new_tokens,
         stop_sequences=list(req.stop_sequences),
         deadline=received + req.max_time if req.max_time > 0 else None,
@@ -490,6 +535,7 @@ class _Stream:
         fault: Fault | None,
         input_token_count: int,
         first_extra: dict[str, Any],
+        calls: ToolCallParser | None = None,
     ) -> None:
         self.request = request
         self.state = state
@@ -497,6 +543,8 @@ class _Stream:
         self.fault = fault
         self.input_token_count = input_token_count
         self.first_extra: dict[str, Any] | None = first_extra
+        self.calls = calls
+        self.scripted: list[int] = []  # a `script` fault's tokens: reported on the first item
         self.delivered = 0
         self.response = web.StreamResponse(
             headers={"Content-Type": NDJSON, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -627,7 +675,24 @@ class _Stream:
         if self.first_extra is not None:
             data.update(self.first_extra)
             self.first_extra = None
+        if self.scripted:
+            data["token_ids"] = self.scripted + item.token_ids
+            self.delivered += len(self.scripted)
+            self.scripted = []
+        if self.calls is not None:
+            self._take_calls(item, data)
         return data
+
+    def _take_calls(self, item: EngineDelta, data: dict[str, Any]) -> None:
+        """A request with tools: the text goes through the call parser (tool_calls.py); the
+        calls it completes go out as `tool_calls`, beside the text."""
+        assert self.calls is not None
+        text, calls = self.calls.feed(item.text)
+        if item.finish_reason is not None:
+            text += self.calls.finish()
+        data["text"] = text
+        if calls:
+            data["tool_calls"] = [c.wire() for c in calls]
 
     async def _write(self, obj: dict[str, Any]) -> None:
         await self.response.write(_encode(obj))

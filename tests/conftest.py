@@ -18,6 +18,7 @@ from tests.engine_support import SMOLLM2_DTYPE, load_test_model
 from tests.fakes.engine import FakeEngine
 from tests.fakes.upstream import FakeUpstream
 from tests.orchestrator_support import SCRIPT, Orchestrator
+from tests.tool_model_support import tool_model_folder
 
 # No property test may fail because a machine is slow: hypothesis' default 200 ms deadline per
 # example turns a loaded CI core into a flaky failure. Tests that set their own settings still
@@ -39,6 +40,12 @@ def smollm2_model() -> models.LoadedModel:
     """SmolLM2-135M-Instruct on the test device; the first run converts the GGUF into the cache
     (~20-45 s). Tests that use it skip, saying why, where the model cannot be had."""
     return load_test_model("smollm2-135m", dtype=SMOLLM2_DTYPE)
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> models.LoadedModel:
+    """tiny-random with a chat template that takes tools (tests/tool_model_support.py)."""
+    return load_test_model(str(tool_model_folder(tmp_path_factory.mktemp("tool-model"))))
 
 
 @pytest.fixture(scope="session")

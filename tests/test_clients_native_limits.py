@@ -94,9 +94,14 @@ def native(url: str, key_env: str | None = KEY_ENV) -> dict[str, Any]:
 
 
 def req(
-    prompt: str = "Hello", messages: tuple[ChatMessage, ...] | None = None, **params: Any
+    prompt: str = "Hello",
+    messages: tuple[ChatMessage, ...] | None = None,
+    extra: dict[str, Any] | None = None,
+    **params: Any,
 ) -> GenerationRequest:
-    return GenerationRequest(prompt, GenerationParams(**params), messages=messages)
+    return GenerationRequest(
+        prompt, GenerationParams(**params), messages=messages, extra=extra or {}
+    )
 
 
 async def invalid(b: ReplicatedModelBackend, request: GenerationRequest) -> str:
@@ -316,7 +321,9 @@ PARAM_ERRORS: list[tuple[str, GenerationRequest, str]] = [
     ("300-char stop", req(stop_sequences=("ok", "s" * 300)), "stop_sequences[1] is 300 characters long; at most 256 are accepted"),
     ("17 stops", req(stop_sequences=("s",) * 17), "stop_sequences has 17 entries; at most 16 are accepted"),
     ("empty stop", req(stop_sequences=("",)), "stop_sequences[0] must be at least 1 character long"),
-    ("tool role", req(messages=(ChatMessage("user", "hi"), ChatMessage("tool", "x"))), "messages[1].role `tool` is not accepted (use assistant, system, user)"),
+    ("tool role", req(messages=(ChatMessage("user", "hi"), ChatMessage("tool", "x", "c"))), "messages: model tiny-random's chat template has no tool support"),
+    ("tools", req(messages=(ChatMessage("user", "hi"),), extra={"tools": [{"type": "function"}]}), "tools: model tiny-random's chat template has no tool support"),
+    ("odd role", req(messages=(ChatMessage("user", "hi"), ChatMessage("critic", "x"))), "messages[1].role `critic` is not accepted (use assistant, system, tool, user)"),
     ("1025 messages", req(messages=(ChatMessage("user", "hi"),) * 1025), "messages has 1025 entries; at most 1024 are accepted"),
 ]  # fmt: skip
 

@@ -462,7 +462,9 @@ async def test_fault_stall_then_client_leaves(faulty: Any) -> None:
 async def test_fault_request_validation(faulty: Any) -> None:
     resp = await faulty.post("/admin/faults", json={"mode": "explode"})
     assert resp.status == 422
-    assert (await resp.json())["details"] == "mode: Input should be 'close', 'stall' or 'error'"
+    assert (await resp.json())["details"] == (
+        "mode: Input should be 'close', 'stall', 'error' or 'script'"
+    )
     resp = await faulty.delete("/admin/faults")
     assert await resp.json() == {"armed": 0}
 

@@ -93,12 +93,17 @@ async def test_messages_resume_like_any_prompt(client: Any) -> None:
 
 _MSG = {"role": "user", "content": "x"}
 BAD_MESSAGES: list[tuple[str, dict[str, Any], str]] = [
-    ("tool role", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role: Input should be 'system', 'user' or 'assistant'"),
-    ("developer role", {"messages": [{"role": "developer", "content": "x"}]}, "messages.0.role: Input should be 'system', 'user' or 'assistant'"),
+    ("tool role without its call", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0: tool_call_id: a `tool` message, and only one, names its call"),
+    ("tool_call_id on a user message", {"messages": [{**_MSG, "tool_call_id": "c"}]}, "messages.0: tool_call_id: a `tool` message, and only one, names its call"),
+    ("tool_calls on a user message", {"messages": [{**_MSG, "tool_calls": []}]}, "messages.0: tool_calls: only an assistant message carries tool calls"),
+    ("developer role", {"messages": [{"role": "developer", "content": "x"}]}, "messages.0.role: Input should be 'system', 'user', 'assistant' or 'tool'"),
     ("no messages", {"messages": []}, "messages: List should have at least 1 item after validation, not 0"),
     ("too many messages", {"messages": [_MSG] * 1025}, "messages: List should have at most 1024 items after validation, not 1025"),
     ("content parts", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, "messages.0.content: Input should be a valid string"),
-    ("no content", {"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
+    ("no content", {"messages": [{"role": "user"}]}, "messages.0: content is required (null only for an assistant turn of calls)"),
+    ("null content without calls", {"messages": [{"role": "assistant", "content": None}]}, "messages.0: content is required (null only for an assistant turn of calls)"),
+    ("tools with a prompt", {"prompt": "a", "tools": [{"type": "function"}]}, "body: tools go through the chat template: send messages (or input_ids)"),
+    ("no tools", {"messages": [_MSG], "tools": []}, "tools: List should have at least 1 item after validation, not 0"),
     ("extra message field", {"messages": [{**_MSG, "name": "bob"}]}, "messages.0.name: Extra inputs are not permitted"),
     ("not a list", {"messages": "hi"}, "messages: Input should be a valid list"),
     ("prompt and messages", {"prompt": "a", "messages": [_MSG]}, "body: exactly one of prompt, input_ids and messages is required"),
@@ -163,6 +168,8 @@ async def test_models_advertises_context_and_ranges(client: Any) -> None:
                 "max_model_len": 512,
                 "max_context": 512,
                 "chat_template": True,
+                "tools": False,
+                "tool_call_format": None,
                 "dtype": "float64",
                 "batch_invariant": False,
                 "parameters": {
@@ -179,8 +186,9 @@ async def test_models_advertises_context_and_ranges(client: Any) -> None:
                     "messages": {
                         "minItems": 1,
                         "maxItems": 1024,
-                        "roles": ["system", "user", "assistant"],
+                        "roles": ["system", "user", "assistant", "tool"],
                     },
+                    "tools": {"minItems": 1, "maxItems": 128},
                 },
             }
         ],

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 from orchestrator.clients.backend import GenerationError, ToolCallDelta
 from orchestrator.clients.openai_streams import tool_call_deltas
 from orchestrator.streaming.tool_calls import raw_offsets, string_values
-from tests.fakes.engine import FakeEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, ScriptedToolCall
 from tests.openai_support import raw_events, sdk, types
 from tests.orchestrator_support import MODEL, Orchestrator, ServedStack, native_config
@@ -487,27 +486,25 @@ async def test_a_tool_calls_arguments_sent_back_are_judged_as_input(
 # -- what cannot be done -------------------------------------------------------------------------
 
 
-async def test_a_backend_that_cannot_take_tools_says_why() -> None:
-    engine = FakeEngine()
-    await engine.start()
-    try:
-        async with Orchestrator(native_config(engine.url)) as o:
-            status, reply = await o.post(
-                "/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": TOOLS}
-            )
-            assert (status, reply["error"]["param"]) == (422, "tools")
-            assert "native engine does not render tools" in reply["error"]["message"]
-            tool = {"role": "tool", "tool_call_id": "c", "content": "ok"}
-            status, reply = await o.post(
-                "/v1/chat/completions", {"model": MODEL, "messages": [*ASK, tool]}
-            )
-            assert (status, reply["error"]["param"]) == (422, "messages")
-            assert (
-                "message 1 of the conversation is part of a tool call" in reply["error"]["message"]
-            )
-    finally:
-        await engine.close()
-    assert engine.requests == []
+async def test_a_backend_that_cannot_take_tools_says_why(upstream: FakeOpenAI) -> None:
+    """An `openai` backend with `api: completions` sends a prompt: tools are a 422 (the native
+    engine's own answer, by its chat template: tests/test_native_tool_calls.py)."""
+    seen = len(upstream.requests)
+    cfg = config(upstream.url)
+    cfg["models"][MODEL]["backends"][0]["api"] = "completions"
+    async with Orchestrator(cfg) as o:
+        status, reply = await o.post(
+            "/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": TOOLS}
+        )
+        assert (status, reply["error"]["param"]) == (422, "tools")
+        assert "`api: completions` sends a prompt, without tools" in reply["error"]["message"]
+        tool = {"role": "tool", "tool_call_id": "c", "content": "ok"}
+        status, reply = await o.post(
+            "/v1/chat/completions", {"model": MODEL, "messages": [*ASK, tool]}
+        )
+        assert (status, reply["error"]["param"]) == (422, "messages")
+        assert "message 1 of the conversation is part of a tool call" in reply["error"]["message"]
+    assert len(upstream.requests) == seen
 
 
 async def test_a_stream_that_dies_mid_tool_call_starts_again_on_another_replica() -> None:

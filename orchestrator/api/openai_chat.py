@@ -5,8 +5,9 @@ The request keeps unknown fields (`extra="allow"`): an `openai` chat backend rec
 untouched, every other backend ignores them. Fields guardstream cannot honour while guarding the
 output (several choices, the legacy `functions`) are rejected with a clear 422 instead of being
 dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
-with `api: chat` (the tool calls it answers with are judged like text, DESIGN 4.8); any other
-backend refuses a request that asks for them (`check_extra_honoured`).
+with `api: chat` (the tool calls it answers with are judged like text, DESIGN 4.8); the native
+engine takes `tools` where the model's chat template does (`check_native_tools`); an `openai`
+backend with `api: completions` refuses a request that asks for them (`check_extra_honoured`).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ _UNSUPPORTED = {
 
 
 TOOLS_WHY = (
-    "tool calls are not supported by this model's backend (the native engine does not render "
-    "tools into its chat template nor parse tool calls out of its output)"
+    "tool calls are not supported by this model's backend (an `openai` backend with "
+    "`api: completions` sends a prompt, without tools)"
 )
+TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 # Extra fields that only label or route a request: accepted whatever the backend.
 _LABELS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"})
 # Extra fields a backend that does not receive them cannot honour, at a value that asks for
@@ -86,6 +88,41 @@ def check_extra_honoured(extra: dict[str, Any], model: str) -> None:
         raise ValueError(
             f"{name}: {why} (model `{model}`; only an `openai` backend with `api: chat` "
             "receives fields guardstream does not interpret)"
+        )
+
+
+def check_native_tools(extra: dict[str, Any], model: str) -> None:
+    """422 for what the native engine cannot honour about tools: it renders them through the
+    model's chat template and parses the calls the model chooses to make, so it cannot force
+    a call (`tool_choice` other than `auto` or `none`) nor keep the model to one
+    (`parallel_tool_calls: false`). Whether the template takes tools at all is the engine's
+    to say (`GET /v1/models`, checked before dispatch)."""
+    tools = extra.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list)
+        and all(
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        )
+    ):
+        raise ValueError(
+            'tools: a list of `{"type": "function", "function": {"name": ..., ...}}` objects'
+        )
+    if extra.get("parallel_tool_calls") not in (None, True, False):
+        raise ValueError("parallel_tool_calls: a boolean")
+    choice = extra.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise ValueError(
+            f"tool_choice: the native engine cannot force a tool call (model `{model}`; "
+            "use `auto` or `none`)"
+        )
+    if extra.get("parallel_tool_calls") is False and extra.get("tools"):
+        raise ValueError(
+            "parallel_tool_calls: the native engine cannot keep the model to one call "
+            f"(model `{model}`)"
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -130,6 +131,9 @@ class EngineLimits:
     roles: frozenset[str] | None = None
     decoding_methods: frozenset[str] | None = None
     chat_template: bool | None = None
+    # the chat template takes tools and the engine parses the model's calls (None: an engine
+    # that does not say, one older than tool calls: it refuses `tools` at dispatch)
+    tools: bool | None = None
 
     NUMERIC = (
         "max_new_tokens",
@@ -160,6 +164,7 @@ class EngineLimits:
         methods = params.get("decoding_method")
         methods = methods.get("enum") if isinstance(methods, dict) else None
         template = entry.get("chat_template")
+        tools = entry.get("tools")
         return cls(
             model=str(entry.get("id", "")),
             max_model_len=length,
@@ -175,6 +180,7 @@ class EngineLimits:
             if isinstance(methods, list)
             else None,
             chat_template=template if isinstance(template, bool) else None,
+            tools=tools if isinstance(tools, bool) else None,
         )
 
 
@@ -196,6 +202,9 @@ def token_upper_bound(request: GenerationRequest) -> int:
     """More tokens than the request's prompt can have (see FIXED_SLACK_TOKENS)."""
     if request.messages is not None:
         texts = [t for m in request.messages for t in (m.role, m.content)]
+        texts += [json.dumps(c) for m in request.messages for c in m.tool_calls or ()]
+        if request.extra.get("tools"):  # rendered into the prompt as JSON, about as sent
+            texts.append(json.dumps(request.extra["tools"]))
         slack = FIXED_SLACK_TOKENS + MESSAGE_SLACK_TOKENS * len(request.messages)
     else:
         texts = [request.prompt]
@@ -219,6 +228,7 @@ def merge_limits(limits: list[EngineLimits]) -> EngineLimits:
         for name, r in other.ranges.items():
             ranges[name] = ranges[name].intersect(r) if name in ranges else r
         templates = (merged.chat_template, other.chat_template)
+        tools = (merged.tools, other.tools)
         merged = replace(
             merged,
             max_model_len=min(merged.max_model_len, other.max_model_len),
@@ -230,6 +240,7 @@ def merge_limits(limits: list[EngineLimits]) -> EngineLimits:
             roles=_common(merged.roles, other.roles),
             decoding_methods=_common(merged.decoding_methods, other.decoding_methods),
             chat_template=None if None in templates else all(templates),
+            tools=False if False in tools else None if None in tools else True,
         )
     return merged
 
@@ -282,6 +293,8 @@ def request_problem(limits: EngineLimits, request: GenerationRequest) -> str | N
     if request.messages is not None:
         if limits.chat_template is False:
             return "messages: the model has no chat template"
+        if limits.tools is not True and (why := _tools_problem(limits, request)) is not None:
+            return why
         if limits.max_messages is not None and len(request.messages) > limits.max_messages:
             return (
                 f"messages has {len(request.messages)} entries; at most {limits.max_messages} "
@@ -295,6 +308,22 @@ def request_problem(limits: EngineLimits, request: GenerationRequest) -> str | N
     elif request.chat and limits.chat_template is False:
         return "chat: the model has no chat template"
     return None
+
+
+def _tools_problem(limits: EngineLimits, request: GenerationRequest) -> str | None:
+    """Why a request that asks for tool calls (`tools`, or a conversation with calls in it)
+    cannot go to engines whose chat template has no tool support; None when it can, or when
+    the engines do not say (their own 422 then comes at dispatch)."""
+    if limits.tools is None:
+        return None
+    if request.extra.get("tools") and request.extra.get("tool_choice") != "none":
+        field = "tools"
+    elif any(m.role == "tool" or m.tool_calls is not None for m in request.messages or ()):
+        field = "messages"
+    else:
+        return None
+    name = limits.model or "the model"
+    return f"{field}: model {name}'s chat template has no tool support"
 
 
 def context_problem(limits: EngineLimits, prompt_tokens: int, max_new_tokens: int) -> str | None:

@@ -25,7 +25,7 @@ from .advertised_limits import (
 from .backend import ChatMessage, GenerationError, GenerationRequest, ModelBackend
 from .managed import ENGINE_API_KEYS_ENV, CommandFactory, EngineProcess, engine_command
 from .migration import MigratingStream, MigrationMetrics
-from .native import NativeClient
+from .native import NativeClient, native_tools
 from .openai import OpenAIClient
 from .replicas import HEALTHY, UNHEALTHY, Replica, ReplicaPool
 from .tls import client_ssl_context
@@ -222,7 +222,9 @@ class ReplicatedModelBackend(ModelBackend):
         ranked = [r.client for r in self.pool.candidates() if r.client in clients]
         for client in ranked:
             try:
-                return await client.tokenize(request.prompt, request.chat, request.messages)
+                return await client.tokenize(
+                    request.prompt, request.chat, request.messages, native_tools(request)
+                )
             except GenerationError as exc:
                 if exc.error_type == "invalid_request":  # e.g. the template refuses the roles
                     raise invalid(f"model `{self.model_id}`: {exc.message}") from None

@@ -19,11 +19,14 @@ replica continues it, or, where it cannot continue a partial answer (a chat serv
 (a replay, clients/replay.py: greedy or seeded decoding only). A replay that differs, or sampling
 without a seed there, ends the stream with the original error and why (`_give_up`).
 
-Tool-call fragments (`api: chat`) are held here until the model finished and go to the pipeline
-on the final item: the pipeline releases a call only whole and judged, so holding them costs no
-latency, and a replica that dies during a call has delivered nothing of it. Where nothing else
-was delivered either, the request goes again as it came (a restart); after delivered text it
-cannot move (a continuation carries text only) and ends with the original error and why.
+Tool-call fragments are held here until the model finished and go to the pipeline on the final
+item: the pipeline releases a call only whole and judged, so holding them costs no latency, and
+a replica that dies during a call has delivered nothing of it. The native engine's continuation
+carries the token ids, the calls' tokens included: the new replica parses them again and sends
+every call whole again, so the held ones are dropped and the stream goes on exactly. Without
+token ids (`api: chat`), where nothing else was delivered, the request goes again as it came (a
+restart); after delivered text it cannot move (a continuation carries text only) and ends with
+the original error and why.
 """
 
 from __future__ import annotations
@@ -377,11 +380,14 @@ class MigratingStream:
                 f"{prompt_len} prompt + {self._generated} generated tokens exceed "
                 f"max_seq_len {self._cfg.max_seq_len}",
             )
-        if self._calls and self._text:
+        if self._calls and self._ids:
+            # the native engine: the token ids carry the calls, which it sends again whole
+            self._calls = []
+        elif self._calls and self._text:
             # a continuation carries text only: another replica would not go on with the call
             self._count_unmigratable("tool_call")
             raise self._give_up(original, "a tool call had begun after delivered text")
-        if self._calls:  # only a call was under way, none of it delivered: a restart
+        elif self._calls:  # only a call was under way, none of it delivered: a restart
             self._calls = []
             self._generated = self.generated_token_count = 0
         if self._ids and self._prompt_ids is None:

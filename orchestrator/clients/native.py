@@ -28,6 +28,7 @@ from .backend import (
     EngineDelta,
     GenerationError,
     GenerationRequest,
+    ToolCallDelta,
     unavailable,
 )
 from .line_transport import (
@@ -65,6 +66,9 @@ def native_body(
     else:  # the prompt as the first replica tokenized it (template applied): same for messages
         body["input_ids"] = list(continuation.prompt_token_ids)
         body["resume"] = {"token_ids": list(continuation.token_ids), "text": continuation.text}
+    tools = native_tools(request)
+    if tools is not None:  # a resume too: the engine parses the resumed tokens' calls again
+        body["tools"] = tools
     body["max_new_tokens"] = p.max_new_tokens
     body["min_new_tokens"] = p.min_new_tokens
     body["decoding"] = decoding
@@ -72,6 +76,36 @@ def native_body(
     if max_time > 0:
         body["max_time"] = max_time
     return body
+
+
+def native_tools(request: GenerationRequest) -> list[Any] | None:
+    """The tools the engine renders and parses calls for: the request's, unless `tool_choice`
+    is `none` (the model is then told of no tool and its text is never parsed for calls)."""
+    tools = request.extra.get("tools")
+    if not tools or request.extra.get("tool_choice") == "none":
+        return None
+    return list(tools)
+
+
+def parse_tool_calls(name: str, raw: Any) -> tuple[ToolCallDelta, ...]:
+    """`data.tool_calls`: whole calls (`index`, `id`, `name`, `arguments`); a malformed one
+    fails the replica, as any malformed item does."""
+    if not isinstance(raw, list):
+        raise unavailable(f"replica {name} sent a malformed tool_calls")
+    calls = []
+    for call in raw:
+        if not isinstance(call, dict):
+            raise unavailable(f"replica {name} sent a malformed tool_calls")
+        index, cid, fname, args = (call.get(k) for k in ("index", "id", "name", "arguments"))
+        if (
+            not isinstance(index, int)
+            or isinstance(index, bool)
+            or index < 0
+            or not all(isinstance(v, str) for v in (cid, fname, args))
+        ):
+            raise unavailable(f"replica {name} sent a malformed tool_calls")
+        calls.append(ToolCallDelta(index, cid, fname, args))
+    return tuple(calls)
 
 
 def _loads(raw: bytes) -> Any:
@@ -112,7 +146,9 @@ def parse_data(name: str, data: Any) -> EngineDelta:
     seed = data.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):
         seed = None
+    raw_calls = data.get("tool_calls")
     return EngineDelta(
+        tool_calls=() if raw_calls is None else parse_tool_calls(name, raw_calls),
         token_ids=token_ids,
         text=text,
         finish_reason=finish,
@@ -213,13 +249,19 @@ class NativeClient(HttpReplicaClient):
         return NativeStream(self, native_body(request, continuation, max_time), stall_timeout_s)
 
     async def tokenize(
-        self, prompt: str, chat: bool, messages: tuple[ChatMessage, ...] | None = None
+        self,
+        prompt: str,
+        chat: bool,
+        messages: tuple[ChatMessage, ...] | None = None,
+        tools: list[Any] | None = None,
     ) -> int:
         body: dict[str, Any] = (
             {"messages": [m.wire() for m in messages]}
             if messages is not None
             else {"prompt": prompt, "chat": chat}
         )
+        if tools is not None:
+            body["tools"] = tools
         raw = await self.post_json("/v1/tokenize", body)
         try:
             data = json.loads(raw)

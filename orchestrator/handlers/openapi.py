@@ -128,7 +128,8 @@ def _responses_operation(errors: tuple[int, ...]) -> dict[str, Any]:
             "operationId": "createResponse",
             "summary": "OpenAI Responses API with guardrails and the OpenResponses events",
             "description": "Stateless: `previous_response_id`, `store: true`, `background`, "
-            "`conversation`, `prompt` and tools are 400. Errors found before the reply starts "
+            "`conversation`, `prompt` and hosted tools are 400; function tools go to an `openai` "
+            "chat backend or a native engine whose chat template takes them. Errors found before the reply starts "
             "are real HTTP errors. A stream ends with exactly one of `response.completed`, "
             "`response.incomplete`, `response.failed`, or `error` (no response was created).",
             "requestBody": {"required": True, "content": _json(r.ResponsesRequest)},
@@ -167,10 +168,11 @@ def _chat_operation(operation_id: str, errors: tuple[int, ...]) -> dict[str, Any
             "operationId": operation_id,
             "summary": "OpenAI Chat Completions with guardrails",
             "description": "`detectors: {input, output}` (through an SDK's `extra_body`) adds "
-            "detectors to the model's enforced guardrails; `n` must be 1; tools, functions and "
-            "audio are 422. Errors found before the reply starts are real HTTP errors. A stream "
+            "detectors to the model's enforced guardrails; `n` must be 1; `tools` go to an "
+            "`openai` chat backend or a native engine whose chat template takes them (else "
+            "422); the legacy functions and audio are 422. Errors found before the reply starts are real HTTP errors. A stream "
             "is `data:` lines of ChatCompletionChunk objects with exactly one `finish_reason` "
-            "(`stop`, `length`, `content_filter`) or one in-band OpenAIErrorBody, then "
+            "(`stop`, `length`, `content_filter`, `tool_calls`) or one in-band OpenAIErrorBody, then "
             "`data: [DONE]` last. A block or an input hit ends with a `refusal` and "
             "`content_filter`; detections ride in the `detections` extension.",
             "requestBody": {"required": True, "content": _json(ChatCompletionRequest)},

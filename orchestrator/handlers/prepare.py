@@ -18,10 +18,16 @@ from aiohttp import web
 
 from ..api.errors import invalid, not_found
 from ..api.fms_requests import DetectorMap
-from ..api.openai_chat import TOOLS_WHY, ChatDetectors, check_extra_honoured
+from ..api.openai_chat import (
+    TOOL_FIELDS,
+    TOOLS_WHY,
+    ChatDetectors,
+    check_extra_honoured,
+    check_native_tools,
+)
 from ..clients.backend import ChatMessage, GenerationParams, GenerationRequest, ModelBackend
 from ..clients.registry import DetectorRegistry, EnforcedGuardrails, RequestedDetector
-from ..config import DecodingDefaults, ModelConfig, OpenAIBackend
+from ..config import DecodingDefaults, ManagedBackend, ModelConfig, NativeBackend, OpenAIBackend
 from ..state import AppState
 from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.text_judgement import InputPiece
@@ -188,18 +194,29 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
     if ask.decoding.min_new_tokens > max_new:
         raise invalid(f"{ask.min_tokens_field}: must not exceed max_new_tokens")
     forwards = all(isinstance(b, OpenAIBackend) and b.api == "chat" for b in config.backends)
+    # native engines take tools where the model's template does (the replicas say so:
+    # `backend.validate` below); an `openai` chat backend forwards them
+    takes_tools = all(
+        isinstance(b, (NativeBackend, ManagedBackend))
+        or (isinstance(b, OpenAIBackend) and b.api == "chat")
+        for b in config.backends
+    )
     if ask.extra and not forwards:
+        extra = ask.extra
         try:
-            check_extra_honoured(ask.extra, ask.model)
+            if takes_tools:
+                check_native_tools(extra, ask.model)
+                extra = {k: v for k, v in extra.items() if k not in TOOL_FIELDS}
+            check_extra_honoured(extra, ask.model)
         except ValueError as exc:
             raise invalid(str(exc)) from None
-    if not forwards:
+    if not takes_tools:
         for i, m in enumerate(ask.messages or ()):
             if m.role == "tool" or m.tool_calls is not None:
                 raise invalid(
                     f"{ask.input_field}: message {i} of the conversation is part of a tool "
-                    f"call, and {TOOLS_WHY} (model `{ask.model}`; only an `openai` backend "
-                    "with `api: chat` forwards them)"
+                    f"call, and {TOOLS_WHY} (model `{ask.model}`; an `openai` backend with "
+                    "`api: chat` forwards them, the native engine renders them)"
                 )
     for start, end in ask.masks or []:
         if end > len(ask.prompt):

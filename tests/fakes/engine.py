@@ -169,6 +169,16 @@ class FakeEngine(FakeUpstream):
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if "tools" in body or any(
+            "tool_calls" in m or m.get("role") == "tool" for m in body.get("messages") or ()
+        ):
+            # as the real engine answers for a chat template without tool support (the fake
+            # advertises nothing, so the orchestrator learns it here, before any byte)
+            field = "tools" if "tools" in body else "messages"
+            details = f"{field}: model fake's chat template has no tool support"
+            return web.json_response(
+                {"code": 422, "details": details, "type": "invalid_request"}, status=422
+            )
         rec = Recorded(body=body, headers=dict(request.headers))
         self.requests.append(rec)
         fault = next_fault(self.faults)
