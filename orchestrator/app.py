@@ -410,9 +410,14 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 
 def create_app(
-    config: Config, *, device: str = "auto", span_exporter: traces.SpanExporter | None = None
+    config: Config,
+    *,
+    device: str = "auto",
+    span_exporter: traces.SpanExporter | None = None,
+    workers: int = 1,
 ) -> web.Application:
-    """`span_exporter` turns tracing on with that exporter (tests: an InMemorySpanExporter)."""
+    """`span_exporter` turns tracing on with that exporter (tests: an InMemorySpanExporter);
+    `workers`: how many workers serve together (each enforces its share of tenants' limits)."""
     keys = tenant_keys(config)  # an unset variable or a key in two tenants stops start-up
     admins = admin_keys(config)
     middlewares: list[Middleware] = [
@@ -433,6 +438,7 @@ def create_app(
             busy_lag_s=config.server.read_coalesce_min_lag_ms / 1000,
             on_probe=series.loop_lag.observe,
         ),
+        workers=workers,
     )
     app[STATE] = state
     state.admin_keys = KeyRing((k, True) for k in admins or [])

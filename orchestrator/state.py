@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,14 +46,22 @@ class AppState:
     clock: Clock = time.monotonic  # the tenants' buckets (tests set it)
     admin_keys: KeyRing[bool] | None = None  # POST /admin/reload's (server.admin_keys_env)
     reloading: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reload at a time
+    # server.workers of the supervisor this process serves under (1: it serves alone): each
+    # worker enforces its share of a tenant's limits (tenants.per_worker)
+    workers: int = 1
+    # a worker's: asks the supervisor to make every other worker reload (POST /admin/reload
+    # reached only this one); None when serving alone
+    reload_others: Callable[[], None] | None = None
 
     def caller(self, tenant: Tenant) -> Caller:
         """A request of `tenant`, with its gate (made on its first request, its limits as of
         the snapshot the request resolved against)."""
         gate = self.gates.get(tenant.id)
         if gate is None:
-            gate = self.gates[tenant.id] = TenantGate(tenant.limits, lambda: self.clock())
-        elif gate.limits is not tenant.limits:
+            gate = self.gates[tenant.id] = TenantGate(
+                tenant.limits, lambda: self.clock(), self.workers
+            )
+        elif gate.configured is not tenant.limits:
             gate.apply(tenant.limits)
         return Caller(tenant, gate)
 

@@ -153,7 +153,14 @@ def worker_main() -> int:
         parse_config(spec["config"]), spec.get("source"), parse_config(spec["as_read"])
     )
     return run_event_loop(
-        serve_process(config, spec["host"], spec["port"], device=spec["device"], worker=True)
+        serve_process(
+            config,
+            spec["host"],
+            spec["port"],
+            device=spec["device"],
+            worker=True,
+            workers=spec["workers"],
+        )
     )
 
 
@@ -186,7 +193,7 @@ class Supervisor:
         self._spec: dict[str, Any] = {}
         self._env: dict[str, str] = {}
         self._told: set[int] = set()  # pids of workers sent SIGTERM
-        self._readers: set[asyncio.Task[bytes]] = set()
+        self._readers: set[asyncio.Task[None]] = set()
         self.ready_hint: Callable[[int], str] | None = None
 
     def _terminate(self, proc: asyncio.subprocess.Process) -> None:
@@ -303,6 +310,7 @@ class Supervisor:
             "host": self.host,
             "port": port,
             "device": self.device,
+            "workers": self.workers,  # each enforces its share of tenants' limits
             "log_format": self.log_format,
             "log_level": self.log_level,
         }
@@ -346,7 +354,7 @@ class Supervisor:
                 f"worker {index} (pid {proc.pid}) did not start (exit {proc.returncode})"
             )
         # its stdout is read to the end so that a chatty library never blocks it
-        reader = asyncio.create_task(proc.stdout.read())
+        reader = asyncio.create_task(self._listen(proc.stdout))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
         log.info("worker %d started: pid %d", index, proc.pid)
@@ -361,6 +369,20 @@ class Supervisor:
                     return True
             sys.stderr.write(line.decode("utf-8", "replace"))
         return False
+
+    async def _listen(self, stdout: asyncio.StreamReader) -> None:
+        """A worker's stdout after "ready": `{"reload": pid}` (its POST /admin/reload applied
+        the file: every other worker reloads it too, on SIGHUP); anything else is dropped."""
+        while line := await stdout.readline():
+            if not line.startswith(b'{"reload"'):
+                continue
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                asked = int(json.loads(line)["reload"])
+                others = [p for p in self.procs.values() if p.pid != asked]
+                log.info("worker %d reloaded: %d other worker(s) reload", asked, len(others))
+                for proc in others:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGHUP)
 
     async def _start_workers(self, stop: asyncio.Event) -> bool:
         """All workers, listening; False when one failed (`run` stops the others)."""

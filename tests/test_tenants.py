@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 
 from orchestrator.app import CHAT_PATH, MODELS_PATH, STREAMING_PATH, UNARY_PATH, USAGE_PATH
 from orchestrator.clients.registry import SEVERITY, EnforcedGuardrails, RequestedDetector
-from orchestrator.config import ConfigError, parse_config
+from orchestrator.config import ConfigError, TenantLimits, parse_config
 from orchestrator.handlers.admin import RELOAD_PATH
 from orchestrator.rate_limits import TokenBucket
 from orchestrator.server import start_server
 from orchestrator.state import STATE
-from orchestrator.tenants import tenant_keys
+from orchestrator.tenants import RateLimited, TenantGate, per_worker, tenant_keys
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
     MODEL,
@@ -691,3 +691,51 @@ def test_a_bucket_refills_continuously_and_retry_after_is_exact(
     assert bucket.positive() is not None
     now[0] = start + retry_after
     assert bucket.positive() is None
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    limit=st.one_of(st.none(), st.integers(1, 100_000)),
+    workers=st.integers(1, 64),
+)
+def test_each_worker_enforces_its_share_of_a_tenants_limits(
+    limit: int | None, workers: int
+) -> None:
+    """server.workers > 1: each worker counts only what it serves, so each gets 1/N of the
+    rates and streams, rounded up and at least 1: together at least the limit, at most N - 1
+    over it (not N times it); max_new_tokens bounds one request and is not divided."""
+    limits = TenantLimits(
+        max_concurrent_streams=limit,
+        requests_per_minute=limit,
+        tokens_per_minute=limit,
+        max_new_tokens=limit,
+    )
+    share = per_worker(limits, workers)
+    assert share.max_new_tokens == limit
+    for got in (share.max_concurrent_streams, share.requests_per_minute, share.tokens_per_minute):
+        if limit is None:
+            assert got is None
+        else:
+            assert got == max(1, -(-limit // workers))
+            assert limit <= got * workers < limit + workers or got == 1
+    assert per_worker(limits, 1) is limits
+
+
+def test_a_workers_gate_refuses_beyond_its_share_and_says_so() -> None:
+    gate = TenantGate(
+        TenantLimits(max_concurrent_streams=3, requests_per_minute=5), lambda: FROZEN_AT, 2
+    )
+    for _ in range(3):
+        gate.admit_request("a")
+    with pytest.raises(RateLimited) as refused:
+        gate.admit_request("a")
+    assert refused.value.details == (
+        "tenant `a`: over its limit of 5 requests per minute, 3 on each of 2 workers"
+    )
+    gate.take_stream("a")
+    gate.take_stream("a")
+    with pytest.raises(RateLimited) as refused:
+        gate.take_stream("a")
+    assert refused.value.details == (
+        "tenant `a`: too many concurrent streams (limit 3, 2 on each of 2 workers)"
+    )

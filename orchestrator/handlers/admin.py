@@ -1,6 +1,8 @@
 """POST /admin/reload: the config file read again and applied (orchestrator/reload.py), for a
 caller with an admin key (`server.admin_keys_env`; a tenant's key is not one). A file with
-errors changes nothing: 422 with DESIGN's error body, plus `errors`, one line per problem."""
+errors changes nothing: 422 with DESIGN's error body, plus `errors`, one line per problem.
+With `server.workers` > 1 the request reaches one worker: once the file applied there, the
+supervisor has every other worker reload it (SIGHUP); the answer does not wait for them."""
 
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ async def reload(request: web.Request) -> web.Response:
             "errors": errors,
         }
         return web.json_response(body, status=422)
+    if state.reload_others is not None:  # a worker: the others reload the file too
+        state.reload_others()
     tenants = state.tenants
     assert tenants is not None
     return web.json_response({"reloaded": True, "tenants": sorted(tenants.tenants)})
