@@ -14,12 +14,32 @@ from aiohttp import web
 from servicekit.auth import KeyRing
 
 from .clients.backend import ModelBackend
+from .clients.migration import MigrationMetrics
 from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
 from .config import Config
 from .metrics import OrchestratorMetrics
 from .rate_limits import Clock
 from .streaming.loop_lag import LoopLag
 from .tenants import Caller, Tenant, TenantGate, Tenants
+
+
+class Admitted:
+    """The requests admitted under one config (from the auth middleware to their last byte):
+    what a reload replaced is closed only once every request that may use it has ended."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.ended = asyncio.Event()
+        self.ended.set()
+
+    def enter(self) -> None:
+        self.running += 1
+        self.ended.clear()
+
+    def leave(self) -> None:
+        self.running -= 1
+        if not self.running:
+            self.ended.set()
 
 
 @dataclass
@@ -52,6 +72,12 @@ class AppState:
     # a worker's: asks the supervisor to make every other worker reload (POST /admin/reload
     # reached only this one); None when serving alone
     reload_others: Callable[[], None] | None = None
+    device: str = "auto"  # where in-process detectors run (`serve --device`), a reload's too
+    migration_metrics: MigrationMetrics | None = None  # one set for every backend, reloads' too
+    # the requests admitted under the config in use; a reload starts a new count (reload.py)
+    admitted: Admitted = field(default_factory=Admitted)
+    # the last reload's closing of what it replaced, once the requests that may use it ended
+    retiring: asyncio.Task[None] | None = None
 
     def caller(self, tenant: Tenant) -> Caller:
         """A request of `tenant`, with its gate (made on its first request, its limits as of

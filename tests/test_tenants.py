@@ -609,17 +609,15 @@ async def test_a_bad_file_changes_nothing_and_says_why(engine, admin, tmp_path: 
         fixed = json.loads(json.dumps(broken))
         fixed["tenants"]["a"]["guardrails"] = {}
         fixed["tenants"]["b"]["limits"] = {}
+        fixed["server"].update(port=8033, workers=2)
         write(path, fixed)
         status, body = await reload(orch)
         assert status == 422
         reason = (
-            "changed (a reload applies only tenants, models.<id>.guardrails, "
+            "changed (a reload applies only tenants, models, detectors, chunkers, "
             "server.api_keys_env and server.admin_keys_env; restart for this)"
         )
-        assert body["errors"] == [
-            f"detectors.pii.default_threshold: {reason}",
-            f"models.{MODEL}.limits: {reason}",
-        ]
+        assert body["errors"] == [f"server.port: {reason}", f"server.workers: {reason}"]
         _, _, after = await get(orch, MODELS_PATH, A)
         assert after["x-guardstream-policy"] == before["x-guardstream-policy"]
         assert terminal(await orch.stream(generation_body(), headers=B)).name == "completed"
