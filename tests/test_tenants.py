@@ -44,6 +44,7 @@ from tests.orchestrator_support import (
     terminal,
 )
 from tests.test_orchestrator_metrics import parse, value
+from tests.wait_support import finished, until
 
 PRIVATE = "private-model"
 A_KEY, B_KEY = "key-of-tenant-a", "key-of-tenant-b"
@@ -737,3 +738,113 @@ def test_a_workers_gate_refuses_beyond_its_share_and_says_so() -> None:
     assert refused.value.details == (
         "tenant `a`: too many concurrent streams (limit 3, 2 on each of 2 workers)"
     )
+
+
+def with_detectors(engine_url: str) -> dict[str, Any]:
+    """`reloadable`, with the model's output judged by `pii` (redact) and a detector `keep`
+    that no reload changes."""
+    config = reloadable(engine_url)
+    config["detectors"]["keep"] = {"builtin": "regex", "chunker_id": "sentence"}
+    config["models"][MODEL]["guardrails"] = {"output": {"pii": {"on_detection": "redact"}}}
+    return config
+
+
+async def hold_one_stream_while(
+    orch: Orchestrator, engine: FakeEngine, body: dict[str, Any], step: Any
+) -> list[Any]:
+    """A stream that the engine holds after its first token while `step()` runs (its gate
+    opens once `step` has returned); the stream's events. (Held at the engine, not once a frame
+    reached the client: a redacting guardrail sends nothing before the sentence ends.)"""
+    engine.hold_after = 1
+    stream = asyncio.create_task(orch.stream(body, headers=A))
+    try:
+        await until(lambda: engine.holding == 1, 10, "the stream held at the engine")
+        await step()
+    finally:
+        engine.release.set()
+    return await finished(stream, 30, "the held stream")
+
+
+async def test_a_reload_rebuilds_changed_detectors_keeps_unchanged_ones_and_spares_running_streams(
+    engine, admin, tmp_path: Path
+) -> None:
+    config = with_detectors(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        state = orch.runner.app[STATE]
+        before = state.detectors.clients()
+        seen: dict[str, Any] = {}
+
+        async def reload_then_ask() -> None:
+            # pii's params change, `word` is new and enforced on the model's output
+            config["detectors"]["pii"]["params"] = {"patterns": {"mailword": "Mail"}}
+            config["detectors"]["word"] = {
+                "builtin": "regex",
+                "chunker_id": "sentence",
+                "params": {"kinds": ["ipv6"], "patterns": {"nowword": "now"}},
+            }
+            config["models"][MODEL]["guardrails"]["output"]["word"] = {"on_detection": "redact"}
+            write(path, config)
+            assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+            seen["retired while running"] = state.retiring.done()
+            engine.hold_after = None
+            seen["new"] = await orch.stream(generation_body(), headers=A)
+
+        running = await hold_one_stream_while(orch, engine, generation_body(), reload_then_ask)
+        await finished(state.retiring, 10, "the replaced clients closed")
+        after = state.detectors.clients()
+    # the running stream: the detectors and the policy it started with
+    assert "".join(f["generated_text"] for f in frames(running)) == "Mail [email] now."
+    # the next one: pii's new params and the new enforced detector
+    assert "".join(f["generated_text"] for f in frames(seen["new"])) == (
+        "[mailword] [email] [nowword]."
+    )
+    assert after["keep"] is before["keep"]  # unchanged: not rebuilt
+    assert after["pii"] is not before["pii"] and "word" in after
+    assert seen["retired while running"] is False  # pii's old client outlived the stream
+
+
+async def test_a_reload_adds_and_removes_models_while_a_running_stream_finishes(
+    engine, admin, tmp_path: Path
+) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    fresh = "fresh-model"
+    async with Orchestrator(path) as orch:
+        state = orch.runner.app[STATE]
+        kept = state.backends[MODEL]
+        seen: dict[str, Any] = {}
+
+        async def reload_then_ask() -> None:
+            config["models"][fresh] = config["models"].pop(PRIVATE)
+            config["tenants"]["a"]["models"] = [MODEL, fresh]
+            write(path, config)
+            assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+            seen["retired while running"] = state.retiring.done()
+            engine.hold_after = None
+            seen["models"] = (await get(orch, MODELS_PATH, A))[1]
+            seen["fresh"] = await orch.stream(generation_body(model_id=fresh), headers=A)
+            seen["removed"] = await orch.post(
+                STREAMING_PATH, generation_body(model_id=PRIVATE), headers=A
+            )
+
+        running = await hold_one_stream_while(
+            orch, engine, generation_body(model_id=PRIVATE), reload_then_ask
+        )
+        await finished(state.retiring, 10, "the removed model's backend closed")
+        assert state.backends[MODEL] is kept  # unchanged: the same backend
+    assert [m["id"] for m in seen["models"]["data"]] == [MODEL, fresh]
+    assert terminal(seen["fresh"]).name == "completed"
+    assert "".join(f["generated_text"] for f in frames(seen["fresh"])) == "".join(SCRIPT)
+    assert seen["removed"] == (
+        404,
+        {
+            "code": 404,
+            "details": f"model `{PRIVATE}` not found (available: {MODEL}, {fresh})",
+            "type": "not_found",
+        },
+    )
+    # the stream on the removed model finished on its backend, which closed after it
+    assert terminal(running).name == "completed"
+    assert "".join(f["generated_text"] for f in frames(running)) == "".join(SCRIPT)
+    assert seen["retired while running"] is False
