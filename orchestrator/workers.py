@@ -195,6 +195,9 @@ class Supervisor:
         self._told: set[int] = set()  # pids of workers sent SIGTERM
         self._readers: set[asyncio.Task[None]] = set()
         self.ready_hint: Callable[[int], str] | None = None
+        # the workers reloaded the file since they started: a restarted one reloads it too (it
+        # starts from the config read at start-up)
+        self._reloaded = False
 
     def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM: a worker drains on the first and cuts its drain short on a second."""
@@ -223,6 +226,7 @@ class Supervisor:
 
         def on_hangup() -> None:
             # every worker reloads the file itself (orchestrator/reload.py)
+            self._reloaded = True
             log.info("SIGHUP: %d worker(s) reload the config", len(self.procs))
             for proc in list(self.procs.values()):
                 with contextlib.suppress(ProcessLookupError):
@@ -378,6 +382,7 @@ class Supervisor:
                 continue
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 asked = int(json.loads(line)["reload"])
+                self._reloaded = True
                 others = [p for p in self.procs.values() if p.pid != asked]
                 log.info("worker %d reloaded: %d other worker(s) reload", asked, len(others))
                 for proc in others:
@@ -428,9 +433,13 @@ class Supervisor:
                     if stop.is_set():
                         return
                     try:
-                        await self._spawn(index)
+                        proc = await self._spawn(index)
                     except RuntimeError as exc:
                         log.error("%s", exc)
+                        continue
+                    if self._reloaded:  # it serves what the others reloaded, not the old file
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.send_signal(signal.SIGHUP)
         finally:
             stopped.cancel()
 

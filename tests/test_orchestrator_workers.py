@@ -278,7 +278,8 @@ async def test_a_reload_by_post_reaches_every_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """POST /admin/reload reaches the worker the kernel picked; every worker then serves the
-    new file: a guardrail added to the model redacts the answers of both."""
+    new file (a worker restarted later too): a guardrail added to the model redacts the
+    answers of both."""
     monkeypatch.setenv("ADMIN_KEYS", "the-admin-key")
     engine = FakeEngine(script=MAIL_SCRIPT)
     await engine.start()
@@ -303,6 +304,12 @@ async def test_a_reload_by_post_reaches_every_worker(
 
             # the other worker reloads on the supervisor's SIGHUP, after the answer
             await until(lambda: reloaded() == 2, 30, "both workers reloaded")
+            # a worker that dies is restarted from the config read at start-up: it reloads too
+            killed = min(workers)
+            os.kill(killed, signal.SIGKILL)
+            await until(lambda: reloaded() == 3, START_S, "the restarted worker reloaded")
+            workers = {w.pid for w in served.workers()}
+            assert len(workers) == 2 and killed not in workers
             # fresh connections until both workers served some (scrapes count themselves once
             # written: a worker's count grew by more than the scrapes it may have answered)
             base = by_pid(await scrape(served.url))
@@ -320,6 +327,6 @@ async def test_a_reload_by_post_reaches_every_worker(
                 scrapes += 1
             else:
                 pytest.fail(f"one worker served none of 100 streams: {base} -> {now}")
-            assert reloaded() == 2
+            assert reloaded() == 3
     finally:
         await engine.close()
