@@ -40,12 +40,14 @@ from .config import (
     ConfigError,
     ManagedBackend,
     ModelConfig,
+    ServerConfig,
     as_read,
     config_source,
     load_config,
     secret_env_names,
     with_source,
 )
+from .handlers.health import WARMUP_TEXT
 from .state import Admitted, AppState
 from .tenants import Tenants, admin_keys, tenant_ids, tenant_keys
 
@@ -55,8 +57,6 @@ RELOADABLE = (
     "tenants, models, detectors, chunkers, server.api_keys_env and server.admin_keys_env "
     "reload; anything else needs a restart"
 )
-# what an in-process detector judges once before a reload swaps it in (as at start-up)
-WARMUP_TEXT = "guardstream warm-up"
 
 
 @dataclass
@@ -197,15 +197,15 @@ async def _build(state: AppState, old: Config, new: Config) -> _Built | list[str
         )
     except ConfigError as exc:
         errors = exc.errors
-    # the new detectors load their models and the new backends their engines together; the
-    # running ones serve meanwhile
-    warm = [
-        _started(f"detectors.{d}", c.warm_up(WARMUP_TEXT))
-        for d, c in new_clients.items()
-        if isinstance(c, InProcessDetectorClient)
-    ]
-    starts = [_started(f"models.{m}.backends", b.start()) for m, b in new_backends.items()]
     if not errors:
+        # the new detectors load their models (as at start-up: in their worker threads) and
+        # the new backends start their engines, together; the running ones serve meanwhile
+        warm = [
+            _started(f"detectors.{d}", c.warm_up(WARMUP_TEXT))
+            for d, c in new_clients.items()
+            if isinstance(c, InProcessDetectorClient)
+        ]
+        starts = [_started(f"models.{m}.backends", b.start()) for m, b in new_backends.items()]
         errors = [e for e in await asyncio.gather(*warm, *starts) if e is not None]
     if errors:
         await built.discard()
@@ -223,7 +223,7 @@ async def _started(where: str, step: Awaitable[None]) -> str | None:
     return None
 
 
-def _server(state: AppState, new: Config) -> Any:
+def _server(state: AppState, new: Config) -> ServerConfig:
     """The running server settings (a worker's, fitted to the process limits), with the new
     key variables: nothing else of `server` reloads."""
     return state.config.server.model_copy(

@@ -848,3 +848,28 @@ async def test_a_reload_adds_and_removes_models_while_a_running_stream_finishes(
     assert terminal(running).name == "completed"
     assert "".join(f["generated_text"] for f in frames(running)) == "".join(SCRIPT)
     assert seen["retired while running"] is False
+
+
+async def test_a_reload_whose_new_parts_cannot_start_changes_nothing(
+    engine, admin, tmp_path: Path
+) -> None:
+    """Valid, but a new model's backend cannot be built (its key variable is unset): the error
+    names it, and nothing of the file applies (not the new detector built beside it)."""
+    config = with_detectors(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        state = orch.runner.app[STATE]
+        before = (state.config, state.detectors, dict(state.backends), state.tenants)
+        config["detectors"]["word"] = {"builtin": "regex", "chunker_id": "sentence"}
+        config["models"]["keyed"] = {
+            "backends": [{"type": "native", "url": engine.url, "api_key_env": "NO_SUCH_KEY"}]
+        }
+        write(path, config)
+        status, body = await reload(orch)
+        assert status == 422
+        assert body["errors"] == [
+            "models.keyed.backends.0.api_key_env: environment variable NO_SUCH_KEY is not set"
+        ]
+        assert (state.config, state.detectors, state.backends, state.tenants) == before
+        assert state.retiring is None
+        assert terminal(await orch.stream(generation_body(), headers=A)).name == "completed"
