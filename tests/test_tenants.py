@@ -873,3 +873,42 @@ async def test_a_reload_whose_new_parts_cannot_start_changes_nothing(
         assert (state.config, state.detectors, state.backends, state.tenants) == before
         assert state.retiring is None
         assert terminal(await orch.stream(generation_body(), headers=A)).name == "completed"
+
+
+async def test_a_changed_model_gets_a_new_backend_while_its_running_stream_finishes_on_the_old(
+    engine, admin, tmp_path: Path
+) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        state = orch.runner.app[STATE]
+        old = state.backends[MODEL]
+        seen: dict[str, Any] = {}
+
+        async def reload_then_ask() -> None:
+            config["models"][MODEL]["limits"] = {"max_new_tokens": 5}
+            write(path, config)
+            assert (await reload(orch))[0] == 200
+            seen["retired while running"] = state.retiring.done()
+            seen["new backend"] = state.backends[MODEL] is not old
+            engine.hold_after = None
+            seen["over"] = await orch.post(
+                STREAMING_PATH, generation_body(params={"max_new_tokens": 6}), headers=A
+            )
+
+        running = await hold_one_stream_while(orch, engine, generation_body(), reload_then_ask)
+        await finished(state.retiring, 10, "the old backend closed")
+    assert seen == {
+        "retired while running": False,
+        "new backend": True,
+        "over": (
+            422,
+            {
+                "code": 422,
+                "details": "text_gen_parameters.max_new_tokens: 6 exceeds this model's limit of 5",
+                "type": "invalid_request",
+            },
+        ),
+    }
+    assert terminal(running).name == "completed"
+    assert "".join(f["generated_text"] for f in frames(running)) == "".join(SCRIPT)
