@@ -119,7 +119,7 @@ async def reload_config(state: AppState, environ: Mapping[str, str] = os.environ
             await built.discard()
             raise
         replaced = _replaced(state, built)
-        # nothing awaited since the checks: the swap is one step for every request
+        # no await from here to the swap: it is one step for every request
         state.config, state.chunkers, state.detectors = running, built.chunkers, built.detectors
         state.backends, state.enforced, state.tenants = built.backends, enforced, tenants
         state.admin_keys = KeyRing((k, True) for k in admins or [])
