@@ -93,7 +93,7 @@ async def reload_config(state: AppState, environ: Mapping[str, str] = os.environ
         old = as_read(state.config)
         errors = fixed_settings_changed(old, new)
         if state.workers > 1:
-            errors += _managed_engines_changed(old, new)
+            errors += managed_engines_changed(old, new)
         keys = admins = None
         try:
             keys = tenant_keys(new, environ)
@@ -290,7 +290,7 @@ async def _close_all(closers: list[Callable[[], Awaitable[None]]]) -> None:
             log.exception("closing what a reload replaced")
 
 
-def _managed_engines_changed(old: Config, new: Config) -> list[str]:
+def managed_engines_changed(old: Config, new: Config) -> list[str]:
     """With `server.workers` > 1 the supervisor started the managed engines once for every
     worker: a worker cannot start or stop them, so a model with one cannot change."""
     errors = []

@@ -28,9 +28,11 @@ from orchestrator.clients.registry import SEVERITY, EnforcedGuardrails, Requeste
 from orchestrator.config import ConfigError, TenantLimits, parse_config
 from orchestrator.handlers.admin import RELOAD_PATH
 from orchestrator.rate_limits import TokenBucket
+from orchestrator.reload import managed_engines_changed
 from orchestrator.server import start_server
 from orchestrator.state import STATE
 from orchestrator.tenants import RateLimited, TenantGate, per_worker, tenant_keys
+from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
     MODEL,
@@ -912,3 +914,21 @@ async def test_a_changed_model_gets_a_new_backend_while_its_running_stream_finis
     }
     assert terminal(running).name == "completed"
     assert "".join(f["generated_text"] for f in frames(running)) == "".join(SCRIPT)
+
+
+def test_with_several_workers_a_model_with_managed_engines_cannot_change() -> None:
+    """The supervisor starts managed engines once for every worker: a worker's reload refuses
+    a change to such a model (its guardrails still reload), and to nothing else."""
+    config = tenants_config("http://127.0.0.1:9")
+    config["models"]["managed"] = managed_model(1)
+    old = parse_config(config)
+    config["models"]["managed"]["guardrails"] = {"output": {"pii": {}}}
+    config["models"][MODEL]["limits"] = {"max_new_tokens": 5}
+    assert managed_engines_changed(old, parse_config(config)) == []
+    config["models"]["managed"]["migration"] = {"limit": 1}
+    config["models"]["added"] = managed_model(1)
+    assert managed_engines_changed(old, parse_config(config)) == [
+        f"models.{m}: a model with a managed backend cannot change while server.workers > 1 "
+        "(the supervisor starts its engines once for every worker; restart for this)"
+        for m in ("added", "managed")
+    ]
