@@ -274,6 +274,7 @@ MAIL_SCRIPT = ["Mail", " ann@example.org", " now", "."]
 ADMIN = {"Authorization": "Bearer the-admin-key"}
 
 
+@pytest.mark.timeout(600)  # two worker starts and a restart, on a busy machine
 async def test_a_reload_by_post_reaches_every_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -292,7 +293,7 @@ async def test_a_reload_by_post_reaches_every_worker(
             assert len(workers) == 2
             config["models"][MODEL]["guardrails"] = {"output": {"pii": {"on_detection": "redact"}}}
             (tmp_path / "config.yaml").write_text(json.dumps(config))
-            async with aiohttp.ClientSession() as s:
+            async with within(60, "POST /admin/reload"), aiohttp.ClientSession() as s:
                 async with s.post(served.url + "/admin/reload", headers=ADMIN) as r:
                     assert (r.status, await r.json()) == (
                         200,
@@ -312,16 +313,15 @@ async def test_a_reload_by_post_reaches_every_worker(
             assert len(workers) == 2 and killed not in workers
             # fresh connections until both workers served some (scrapes count themselves once
             # written: a worker's count grew by more than the scrapes it may have answered)
-            base = by_pid(await scrape(served.url))
+            base = by_pid(await finished(scrape(served.url), 60, "a scrape"))
             scrapes = 1
             for _ in range(10):
                 body = generation_body()
-                for events in await asyncio.gather(
-                    *(one_stream(served.url, body) for _ in range(10))
-                ):
+                streams = asyncio.gather(*(one_stream(served.url, body) for _ in range(10)))
+                for events in await finished(streams, 60, "a round of 10 streams"):
                     assert terminal(events).name == "completed"
                     assert assert_contiguous(frames(events)) == "Mail [email] now."
-                now = by_pid(await scrape(served.url))
+                now = by_pid(await finished(scrape(served.url), 60, "a scrape"))
                 if set(now) == workers and all(now[p] - base[p] > scrapes for p in workers):
                     break
                 scrapes += 1
