@@ -198,6 +198,7 @@ class Supervisor:
         # the workers reloaded the file since they started: a restarted one reloads it too (it
         # starts from the config read at start-up)
         self._reloaded = False
+        self._listening: set[int] = set()  # pids of the workers that said they listen
 
     def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM: a worker drains on the first and cuts its drain short on a second."""
@@ -228,9 +229,7 @@ class Supervisor:
             # every worker reloads the file itself (orchestrator/reload.py)
             self._reloaded = True
             log.info("SIGHUP: %d worker(s) reload the config", len(self.procs))
-            for proc in list(self.procs.values()):
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGHUP)
+            self._reload_workers()
 
         loop.add_signal_handler(signal.SIGHUP, on_hangup)
         self._metrics_dir = tempfile.mkdtemp(prefix="guardstream-metrics-")
@@ -357,6 +356,10 @@ class Supervisor:
             raise RuntimeError(
                 f"worker {index} (pid {proc.pid}) did not start (exit {proc.returncode})"
             )
+        self._listening.add(proc.pid)
+        if self._reloaded:  # it serves what the others reloaded, not the file read at start
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGHUP)
         # its stdout is read to the end so that a chatty library never blocks it
         reader = asyncio.create_task(self._listen(proc.stdout))
         self._readers.add(reader)
@@ -377,17 +380,29 @@ class Supervisor:
     async def _listen(self, stdout: asyncio.StreamReader) -> None:
         """A worker's stdout after "ready": `{"reload": pid}` (its POST /admin/reload applied
         the file: every other worker reloads it too, on SIGHUP); anything else is dropped."""
-        while line := await stdout.readline():
+        while True:
+            try:
+                line = await stdout.readline()
+            except ValueError:  # a line over the reader's limit: dropped, the rest still read
+                continue
+            if not line:
+                return
             if not line.startswith(b'{"reload"'):
                 continue
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 asked = int(json.loads(line)["reload"])
                 self._reloaded = True
-                others = [p for p in self.procs.values() if p.pid != asked]
-                log.info("worker %d reloaded: %d other worker(s) reload", asked, len(others))
-                for proc in others:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.send_signal(signal.SIGHUP)
+                log.info("worker %d reloaded: the other workers reload", asked)
+                self._reload_workers(but=asked)
+
+    def _reload_workers(self, but: int | None = None) -> None:
+        """SIGHUP to every worker that listens (but the pid `but`). One still starting is
+        not sent one (before its handler is installed, SIGHUP would kill it): `_spawn` sends
+        it one once it listens, since `_reloaded` is set."""
+        for proc in list(self.procs.values()):
+            if proc.pid in self._listening and proc.pid != but:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGHUP)
 
     async def _start_workers(self, stop: asyncio.Event) -> bool:
         """All workers, listening; False when one failed (`run` stops the others)."""
@@ -433,13 +448,9 @@ class Supervisor:
                     if stop.is_set():
                         return
                     try:
-                        proc = await self._spawn(index)
+                        await self._spawn(index)
                     except RuntimeError as exc:
                         log.error("%s", exc)
-                        continue
-                    if self._reloaded:  # it serves what the others reloaded, not the old file
-                        with contextlib.suppress(ProcessLookupError):
-                            proc.send_signal(signal.SIGHUP)
         finally:
             stopped.cancel()
 
@@ -449,6 +460,7 @@ class Supervisor:
 
         if self.procs.get(index) is proc:
             del self.procs[index]
+        self._listening.discard(proc.pid)
         multiprocess.mark_process_dead(proc.pid, self._metrics_dir)
 
     async def _stop_workers(self) -> None:
