@@ -29,6 +29,7 @@ from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, KeyRing
 from . import tracing as traces
 from .api.errors import ApiError, ErrorType, Failure
 from .clients.backends import build_model_backends
+from .clients.migration import MigrationMetrics
 from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
 from .config import Config, secret_env_names
 from .errors import Surface, describe, first_error, is_http_error, is_unexpected
@@ -358,7 +359,14 @@ def auth_middleware(state: AppState, open_paths: frozenset[str] = PROBE_PATHS) -
         caller = request[CALLER] = state.caller(tenant)
         if request.path not in OPEN_PATHS:  # probes and scrapes are not a tenant's usage
             caller.gate.admit_request(tenant.id)
-        return await handler(request)
+        # counted under the config its tenant came from: a reload closes what it replaced
+        # once these have ended (reload.py)
+        admitted = state.admitted
+        admitted.enter()
+        try:
+            return await handler(request)
+        finally:
+            admitted.leave()
 
     return check
 
@@ -410,9 +418,14 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 
 def create_app(
-    config: Config, *, device: str = "auto", span_exporter: traces.SpanExporter | None = None
+    config: Config,
+    *,
+    device: str = "auto",
+    span_exporter: traces.SpanExporter | None = None,
+    workers: int = 1,
 ) -> web.Application:
-    """`span_exporter` turns tracing on with that exporter (tests: an InMemorySpanExporter)."""
+    """`span_exporter` turns tracing on with that exporter (tests: an InMemorySpanExporter);
+    `workers`: how many workers serve together (each enforces its share of tenants' limits)."""
     keys = tenant_keys(config)  # an unset variable or a key in two tenants stops start-up
     admins = admin_keys(config)
     middlewares: list[Middleware] = [
@@ -433,6 +446,8 @@ def create_app(
             busy_lag_s=config.server.read_coalesce_min_lag_ms / 1000,
             on_probe=series.loop_lag.observe,
         ),
+        workers=workers,
+        device=device,
     )
     app[STATE] = state
     state.admin_keys = KeyRing((k, True) for k in admins or [])
@@ -455,10 +470,11 @@ def create_app(
         )
         state.enforced = EnforcedGuardrails.of_models(config, state.detectors)
         state.tenants = Tenants.build(config, state.detectors, state.enforced, keys)
+        state.migration_metrics = MigrationMetrics(state.metrics.registry)
         state.backends = build_model_backends(
             config.models,
             state.session,
-            registry=state.metrics.registry,
+            metrics=state.migration_metrics,
             hidden_env=secret_env_names(config),
         )
         for backend in state.backends.values():
@@ -482,6 +498,10 @@ def create_app(
             poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
+            if state.retiring is not None:  # what a reload replaced: closed now
+                state.retiring.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await state.retiring
             for backend in state.backends.values():
                 await backend.close()
             await state.detectors.close()

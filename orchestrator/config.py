@@ -323,7 +323,11 @@ DEFAULT_TENANT = "default"
 class TenantLimits(Strict):
     """A tenant's share of the service, on top of the server's and the models' bounds (unset:
     none of its own). A request can never raise them; beyond them: 429 `overloaded` with
-    Retry-After before any byte (max_new_tokens: 422, like the model's limit)."""
+    Retry-After before any byte (max_new_tokens: 422, like the model's limit). With
+    `server.workers` > 1 each worker counts what it serves, and enforces 1/N of
+    max_concurrent_streams, requests_per_minute and tokens_per_minute (rounded up, at least 1):
+    together the workers admit the limit (at most N - 1 more, from rounding), and a tenant whose
+    requests land unevenly on the workers may meet one worker's share a little earlier."""
 
     max_concurrent_streams: int | None = Field(None, ge=1)
     """This tenant's requests served at once (the server's max_concurrent_streams still bounds

@@ -74,17 +74,23 @@ CLEANUP_GRACE_S = 2.0
 
 
 async def start_server(
-    config: Config, host: str, port: int, *, device: str = "auto", reuse_port: bool = False
+    config: Config,
+    host: str,
+    port: int,
+    *,
+    device: str = "auto",
+    reuse_port: bool = False,
+    workers: int = 1,
 ) -> tuple[web.AppRunner, int]:
     """Starts the service and returns its runner and bound port (port 0 picks a free one);
-    `reuse_port`: share the port with other workers (SO_REUSEPORT)."""
+    `reuse_port`: share the port with other workers (SO_REUSEPORT), `workers` of them."""
     ssl_context = server_ssl_context(config.server.tls)  # a bad certificate fails before startup
     # The port is bound before start-up, which starts managed engines (seconds to minutes): a
     # busy port fails at once, not after the engines have loaded. Workers share a port their
     # supervisor reserved, so they bind with SO_REUSEPORT as they listen.
     sock = None if reuse_port else bind_socket(host, port)
     try:
-        app = create_app(config, device=device)
+        app = create_app(config, device=device, workers=workers)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the
         # engine request and every detector call of that stream (DESIGN 4.7).
         # shutdown_timeout: runner.cleanup() runs after drain(), which already gave streams their
@@ -185,10 +191,11 @@ async def serve_process(
     *,
     device: str = "auto",
     worker: bool = False,
+    workers: int = 1,
     ready_hint: Callable[[int], str] | None = None,
 ) -> int:
-    """One process serving the app; a worker shares the port and tells its supervisor on
-    stdout when it listens."""
+    """One process serving the app; a worker (one of `workers`) shares the port and tells its
+    supervisor on stdout when it listens, and when the others must reload."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     force = asyncio.Event()
@@ -219,11 +226,14 @@ async def serve_process(
     loop.add_signal_handler(signal.SIGHUP, on_hangup)
     try:
         config = fit_to_process_limits(config)  # open files: see orchestrator/capacity.py
-        runner, bound = await start_server(config, host, port, device=device, reuse_port=worker)
+        runner, bound = await start_server(
+            config, host, port, device=device, reuse_port=worker, workers=workers
+        )
         log.info("start-up heap frozen: %d objects", freeze_startup_heap())
         refreeze = asyncio.ensure_future(freeze_after_warm_up(runner.app[DETECTOR_HEALTH].warmed))
         scheme = "https" if config.server.tls else "http"
         if worker:
+            runner.app[STATE].reload_others = ask_supervisor_to_reload
             log.info("worker %d listening on %s://%s:%d", os.getpid(), scheme, host, bound)
             print(json.dumps({"ready": os.getpid(), "port": bound}), flush=True)
         else:
@@ -245,6 +255,14 @@ async def serve_process(
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     return 0
+
+
+def ask_supervisor_to_reload() -> None:
+    """A worker's POST /admin/reload applied the file here: the supervisor (which reads this
+    worker's stdout, workers.py) sends SIGHUP to every other worker, so that all of them serve
+    the same config. A line on the pipe that already says "ready", not a signal to the parent:
+    it names the worker that needs none."""
+    print(json.dumps({"reload": os.getpid()}), flush=True)
 
 
 async def _reload_logged(state: AppState) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,12 +14,32 @@ from aiohttp import web
 from servicekit.auth import KeyRing
 
 from .clients.backend import ModelBackend
+from .clients.migration import MigrationMetrics
 from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
 from .config import Config
 from .metrics import OrchestratorMetrics
 from .rate_limits import Clock
 from .streaming.loop_lag import LoopLag
 from .tenants import Caller, Tenant, TenantGate, Tenants
+
+
+class Admitted:
+    """The requests admitted under one config (from the auth middleware to their last byte):
+    what a reload replaced is closed only once every request that may use it has ended."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.ended = asyncio.Event()
+        self.ended.set()
+
+    def enter(self) -> None:
+        self.running += 1
+        self.ended.clear()
+
+    def leave(self) -> None:
+        self.running -= 1
+        if not self.running:
+            self.ended.set()
 
 
 @dataclass
@@ -45,14 +66,28 @@ class AppState:
     clock: Clock = time.monotonic  # the tenants' buckets (tests set it)
     admin_keys: KeyRing[bool] | None = None  # POST /admin/reload's (server.admin_keys_env)
     reloading: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reload at a time
+    # server.workers of the supervisor this process serves under (1: it serves alone): each
+    # worker enforces its share of a tenant's limits (tenants.per_worker)
+    workers: int = 1
+    # a worker's: asks the supervisor to make every other worker reload (POST /admin/reload
+    # reached only this one); None when serving alone
+    reload_others: Callable[[], None] | None = None
+    device: str = "auto"  # where in-process detectors run (`serve --device`), a reload's too
+    migration_metrics: MigrationMetrics | None = None  # one set for every backend, reloads' too
+    # the requests admitted under the config in use; a reload starts a new count (reload.py)
+    admitted: Admitted = field(default_factory=Admitted)
+    # the last reload's closing of what it replaced, once the requests that may use it ended
+    retiring: asyncio.Task[None] | None = None
 
     def caller(self, tenant: Tenant) -> Caller:
         """A request of `tenant`, with its gate (made on its first request, its limits as of
         the snapshot the request resolved against)."""
         gate = self.gates.get(tenant.id)
         if gate is None:
-            gate = self.gates[tenant.id] = TenantGate(tenant.limits, lambda: self.clock())
-        elif gate.limits is not tenant.limits:
+            gate = self.gates[tenant.id] = TenantGate(
+                tenant.limits, lambda: self.clock(), self.workers
+            )
+        elif gate.configured is not tenant.limits:
             gate.apply(tenant.limits)
         return Caller(tenant, gate)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,20 +55,46 @@ class Tenant:
         return model_id in self.enforced
 
 
-class TenantGate:
-    """A tenant's counters of the moment: its streams and its buckets (limits as of the last
-    reload; a bucket whose rate changed starts from its old level, capped)."""
+def per_worker(limits: TenantLimits, workers: int) -> TenantLimits:
+    """A worker's share of a tenant's limits with `server.workers` > 1: each worker counts only
+    what it serves (its own process), so each gets 1/N of the streams and the per-minute rates,
+    rounded up and at least 1; together the workers admit the limit, at most N - 1 more
+    (rounding), rather than N times it. The kernel spreads connections evenly, not requests
+    exactly, so a tenant may meet one worker's share a little before the whole limit.
+    max_new_tokens bounds one request: not divided."""
+    if workers <= 1:
+        return limits
 
-    def __init__(self, limits: TenantLimits, clock: Clock) -> None:
+    def share(value: int | None) -> int | None:
+        return None if value is None else max(1, math.ceil(value / workers))
+
+    return limits.model_copy(
+        update={
+            "max_concurrent_streams": share(limits.max_concurrent_streams),
+            "requests_per_minute": share(limits.requests_per_minute),
+            "tokens_per_minute": share(limits.tokens_per_minute),
+        }
+    )
+
+
+class TenantGate:
+    """A tenant's counters of the moment in this process: its streams and its buckets (limits
+    as of the last reload, this worker's share of them: `per_worker`; a bucket whose rate
+    changed starts from its old level, capped)."""
+
+    def __init__(self, limits: TenantLimits, clock: Clock, workers: int = 1) -> None:
         self.streams = 0
         self._clock = clock
+        self._workers = workers
         self.requests: TokenBucket | None = None
         self.tokens: TokenBucket | None = None
-        self.limits = limits
+        self.configured = limits  # the tenant's, as configured (AppState.caller compares it)
+        self.limits = limits  # this worker's share
         self.apply(limits)
 
     def apply(self, limits: TenantLimits) -> None:
-        self.limits = limits
+        self.configured = limits
+        limits = self.limits = per_worker(limits, self._workers)
         self.requests = self._bucket(self.requests, limits.requests_per_minute)
         self.tokens = self._bucket(self.tokens, limits.tokens_per_minute)
 
@@ -87,7 +114,8 @@ class TenantGate:
             if wait is not None:
                 raise RateLimited(
                     f"tenant `{tenant_id}`: over its limit of "
-                    f"{self.limits.requests_per_minute} requests per minute",
+                    f"{self.configured.requests_per_minute} requests per minute"
+                    f"{self._share(self.limits.requests_per_minute)}",
                     wait,
                 )
 
@@ -97,7 +125,8 @@ class TenantGate:
             if wait is not None:
                 raise RateLimited(
                     f"tenant `{tenant_id}`: over its budget of "
-                    f"{self.limits.tokens_per_minute} tokens per minute",
+                    f"{self.configured.tokens_per_minute} tokens per minute"
+                    f"{self._share(self.limits.tokens_per_minute)}",
                     wait,
                 )
 
@@ -108,10 +137,17 @@ class TenantGate:
     def take_stream(self, tenant_id: str) -> None:
         limit = self.limits.max_concurrent_streams
         if limit is not None and self.streams >= limit:
+            configured = self.configured.max_concurrent_streams
             raise RateLimited(
-                f"tenant `{tenant_id}`: too many concurrent streams (limit {limit})", 1
+                f"tenant `{tenant_id}`: too many concurrent streams (limit {configured}"
+                f"{self._share(limit)})",
+                1,
             )
         self.streams += 1
+
+    def _share(self, value: int | None) -> str:
+        """What a refusal adds with `server.workers` > 1: the share this worker enforces."""
+        return f", {value} on each of {self._workers} workers" if self._workers > 1 else ""
 
     def release_stream(self) -> None:
         self.streams -= 1

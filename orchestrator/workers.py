@@ -153,7 +153,14 @@ def worker_main() -> int:
         parse_config(spec["config"]), spec.get("source"), parse_config(spec["as_read"])
     )
     return run_event_loop(
-        serve_process(config, spec["host"], spec["port"], device=spec["device"], worker=True)
+        serve_process(
+            config,
+            spec["host"],
+            spec["port"],
+            device=spec["device"],
+            worker=True,
+            workers=spec["workers"],
+        )
     )
 
 
@@ -186,8 +193,12 @@ class Supervisor:
         self._spec: dict[str, Any] = {}
         self._env: dict[str, str] = {}
         self._told: set[int] = set()  # pids of workers sent SIGTERM
-        self._readers: set[asyncio.Task[bytes]] = set()
+        self._readers: set[asyncio.Task[None]] = set()
         self.ready_hint: Callable[[int], str] | None = None
+        # the workers reloaded the file since they started: a restarted one reloads it too (it
+        # starts from the config read at start-up)
+        self._reloaded = False
+        self._listening: set[int] = set()  # pids of the workers that said they listen
 
     def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM: a worker drains on the first and cuts its drain short on a second."""
@@ -216,10 +227,9 @@ class Supervisor:
 
         def on_hangup() -> None:
             # every worker reloads the file itself (orchestrator/reload.py)
+            self._reloaded = True
             log.info("SIGHUP: %d worker(s) reload the config", len(self.procs))
-            for proc in list(self.procs.values()):
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGHUP)
+            self._reload_workers()
 
         loop.add_signal_handler(signal.SIGHUP, on_hangup)
         self._metrics_dir = tempfile.mkdtemp(prefix="guardstream-metrics-")
@@ -303,6 +313,7 @@ class Supervisor:
             "host": self.host,
             "port": port,
             "device": self.device,
+            "workers": self.workers,  # each enforces its share of tenants' limits
             "log_format": self.log_format,
             "log_level": self.log_level,
         }
@@ -345,8 +356,12 @@ class Supervisor:
             raise RuntimeError(
                 f"worker {index} (pid {proc.pid}) did not start (exit {proc.returncode})"
             )
+        self._listening.add(proc.pid)
+        if self._reloaded:  # it serves what the others reloaded, not the file read at start
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGHUP)
         # its stdout is read to the end so that a chatty library never blocks it
-        reader = asyncio.create_task(proc.stdout.read())
+        reader = asyncio.create_task(self._listen(proc.stdout))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
         log.info("worker %d started: pid %d", index, proc.pid)
@@ -361,6 +376,33 @@ class Supervisor:
                     return True
             sys.stderr.write(line.decode("utf-8", "replace"))
         return False
+
+    async def _listen(self, stdout: asyncio.StreamReader) -> None:
+        """A worker's stdout after "ready": `{"reload": pid}` (its POST /admin/reload applied
+        the file: every other worker reloads it too, on SIGHUP); anything else is dropped."""
+        while True:
+            try:
+                line = await stdout.readline()
+            except ValueError:  # a line over the reader's limit: dropped, the rest still read
+                continue
+            if not line:
+                return
+            if not line.startswith(b'{"reload"'):
+                continue
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                asked = int(json.loads(line)["reload"])
+                self._reloaded = True
+                log.info("worker %d reloaded: the other workers reload", asked)
+                self._reload_workers(but=asked)
+
+    def _reload_workers(self, but: int | None = None) -> None:
+        """SIGHUP to every worker that listens (but the pid `but`). One still starting is
+        not sent one (before its handler is installed, SIGHUP would kill it): `_spawn` sends
+        it one once it listens, since `_reloaded` is set."""
+        for proc in list(self.procs.values()):
+            if proc.pid in self._listening and proc.pid != but:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGHUP)
 
     async def _start_workers(self, stop: asyncio.Event) -> bool:
         """All workers, listening; False when one failed (`run` stops the others)."""
@@ -418,6 +460,7 @@ class Supervisor:
 
         if self.procs.get(index) is proc:
             del self.procs[index]
+        self._listening.discard(proc.pid)
         multiprocess.mark_process_dead(proc.pid, self._metrics_dir)
 
     async def _stop_workers(self) -> None:

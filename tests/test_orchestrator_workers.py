@@ -6,6 +6,7 @@ drains every worker: a running stream completes, then everything exits 0."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
@@ -266,4 +267,66 @@ async def test_workers_drain_and_exit_when_the_supervisor_is_killed(tmp_path: Pa
             await until(lambda: all(gone(pid) for pid in workers), 30)
     finally:
         engine.release.set()
+        await engine.close()
+
+
+MAIL_SCRIPT = ["Mail", " ann@example.org", " now", "."]
+ADMIN = {"Authorization": "Bearer the-admin-key"}
+
+
+@pytest.mark.timeout(600)  # two worker starts and a restart, on a busy machine
+async def test_a_reload_by_post_reaches_every_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """POST /admin/reload reaches the worker the kernel picked; every worker then serves the
+    new file (a worker restarted later too): a guardrail added to the model redacts the
+    answers of both."""
+    monkeypatch.setenv("ADMIN_KEYS", "the-admin-key")
+    engine = FakeEngine(script=MAIL_SCRIPT)
+    await engine.start()
+    config = native_config(
+        engine.url, detectors=PII, server={"workers": 2, "admin_keys_env": "ADMIN_KEYS"}
+    )
+    try:
+        async with serve(tmp_path, config, start_s=START_S) as served:
+            workers = {w.pid for w in served.workers()}
+            assert len(workers) == 2
+            config["models"][MODEL]["guardrails"] = {"output": {"pii": {"on_detection": "redact"}}}
+            (tmp_path / "config.yaml").write_text(json.dumps(config))
+            async with within(60, "POST /admin/reload"), aiohttp.ClientSession() as s:
+                async with s.post(served.url + "/admin/reload", headers=ADMIN) as r:
+                    assert (r.status, await r.json()) == (
+                        200,
+                        {"reloaded": True, "tenants": ["default"]},
+                    )
+
+            def reloaded() -> int:
+                return sum(m.startswith("config reloaded from") for m in served.messages())
+
+            # the other worker reloads on the supervisor's SIGHUP, after the answer
+            await until(lambda: reloaded() == 2, 30, "both workers reloaded")
+            # a worker that dies is restarted from the config read at start-up: it reloads too
+            killed = min(workers)
+            os.kill(killed, signal.SIGKILL)
+            await until(lambda: reloaded() == 3, START_S, "the restarted worker reloaded")
+            workers = {w.pid for w in served.workers()}
+            assert len(workers) == 2 and killed not in workers
+            # fresh connections until both workers served some (scrapes count themselves once
+            # written: a worker's count grew by more than the scrapes it may have answered)
+            base = by_pid(await finished(scrape(served.url), 60, "a scrape"))
+            scrapes = 1
+            for _ in range(10):
+                body = generation_body()
+                streams = asyncio.gather(*(one_stream(served.url, body) for _ in range(10)))
+                for events in await finished(streams, 60, "a round of 10 streams"):
+                    assert terminal(events).name == "completed"
+                    assert assert_contiguous(frames(events)) == "Mail [email] now."
+                now = by_pid(await finished(scrape(served.url), 60, "a scrape"))
+                if set(now) == workers and all(now[p] - base[p] > scrapes for p in workers):
+                    break
+                scrapes += 1
+            else:
+                pytest.fail(f"one worker served none of 100 streams: {base} -> {now}")
+            assert reloaded() == 3
+    finally:
         await engine.close()

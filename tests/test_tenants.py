@@ -25,12 +25,14 @@ from hypothesis import strategies as st
 
 from orchestrator.app import CHAT_PATH, MODELS_PATH, STREAMING_PATH, UNARY_PATH, USAGE_PATH
 from orchestrator.clients.registry import SEVERITY, EnforcedGuardrails, RequestedDetector
-from orchestrator.config import ConfigError, parse_config
+from orchestrator.config import ConfigError, TenantLimits, parse_config
 from orchestrator.handlers.admin import RELOAD_PATH
 from orchestrator.rate_limits import TokenBucket
+from orchestrator.reload import managed_engines_changed
 from orchestrator.server import start_server
 from orchestrator.state import STATE
-from orchestrator.tenants import tenant_keys
+from orchestrator.tenants import RateLimited, TenantGate, per_worker, tenant_keys
+from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
     MODEL,
@@ -44,6 +46,7 @@ from tests.orchestrator_support import (
     terminal,
 )
 from tests.test_orchestrator_metrics import parse, value
+from tests.wait_support import finished, until
 
 PRIVATE = "private-model"
 A_KEY, B_KEY = "key-of-tenant-a", "key-of-tenant-b"
@@ -609,17 +612,15 @@ async def test_a_bad_file_changes_nothing_and_says_why(engine, admin, tmp_path: 
         fixed = json.loads(json.dumps(broken))
         fixed["tenants"]["a"]["guardrails"] = {}
         fixed["tenants"]["b"]["limits"] = {}
+        fixed["server"].update(port=8033, workers=2)
         write(path, fixed)
         status, body = await reload(orch)
         assert status == 422
         reason = (
-            "changed (a reload applies only tenants, models.<id>.guardrails, "
+            "changed (a reload applies only tenants, models, detectors, chunkers, "
             "server.api_keys_env and server.admin_keys_env; restart for this)"
         )
-        assert body["errors"] == [
-            f"detectors.pii.default_threshold: {reason}",
-            f"models.{MODEL}.limits: {reason}",
-        ]
+        assert body["errors"] == [f"server.port: {reason}", f"server.workers: {reason}"]
         _, _, after = await get(orch, MODELS_PATH, A)
         assert after["x-guardstream-policy"] == before["x-guardstream-policy"]
         assert terminal(await orch.stream(generation_body(), headers=B)).name == "completed"
@@ -691,3 +692,243 @@ def test_a_bucket_refills_continuously_and_retry_after_is_exact(
     assert bucket.positive() is not None
     now[0] = start + retry_after
     assert bucket.positive() is None
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    limit=st.one_of(st.none(), st.integers(1, 100_000)),
+    workers=st.integers(1, 64),
+)
+def test_each_worker_enforces_its_share_of_a_tenants_limits(
+    limit: int | None, workers: int
+) -> None:
+    """server.workers > 1: each worker counts only what it serves, so each gets 1/N of the
+    rates and streams, rounded up and at least 1: together at least the limit, at most N - 1
+    over it (not N times it); max_new_tokens bounds one request and is not divided."""
+    limits = TenantLimits(
+        max_concurrent_streams=limit,
+        requests_per_minute=limit,
+        tokens_per_minute=limit,
+        max_new_tokens=limit,
+    )
+    share = per_worker(limits, workers)
+    assert share.max_new_tokens == limit
+    for got in (share.max_concurrent_streams, share.requests_per_minute, share.tokens_per_minute):
+        if limit is None:
+            assert got is None
+        else:
+            assert got == max(1, -(-limit // workers))
+            assert limit <= got * workers < limit + workers or got == 1
+    assert per_worker(limits, 1) is limits
+
+
+def test_a_workers_gate_refuses_beyond_its_share_and_says_so() -> None:
+    gate = TenantGate(
+        TenantLimits(max_concurrent_streams=3, requests_per_minute=5), lambda: FROZEN_AT, 2
+    )
+    for _ in range(3):
+        gate.admit_request("a")
+    with pytest.raises(RateLimited) as refused:
+        gate.admit_request("a")
+    assert refused.value.details == (
+        "tenant `a`: over its limit of 5 requests per minute, 3 on each of 2 workers"
+    )
+    gate.take_stream("a")
+    gate.take_stream("a")
+    with pytest.raises(RateLimited) as refused:
+        gate.take_stream("a")
+    assert refused.value.details == (
+        "tenant `a`: too many concurrent streams (limit 3, 2 on each of 2 workers)"
+    )
+
+
+def with_detectors(engine_url: str) -> dict[str, Any]:
+    """`reloadable`, with the model's output judged by `pii` (redact) and a detector `keep`
+    that no reload changes."""
+    config = reloadable(engine_url)
+    config["detectors"]["keep"] = {"builtin": "regex", "chunker_id": "sentence"}
+    config["models"][MODEL]["guardrails"] = {"output": {"pii": {"on_detection": "redact"}}}
+    return config
+
+
+async def hold_one_stream_while(
+    orch: Orchestrator, engine: FakeEngine, body: dict[str, Any], step: Any
+) -> list[Any]:
+    """A stream that the engine holds after its first token while `step()` runs (its gate
+    opens once `step` has returned); the stream's events. (Held at the engine, not once a frame
+    reached the client: a redacting guardrail sends nothing before the sentence ends.)"""
+    engine.hold_after = 1
+    stream = asyncio.create_task(orch.stream(body, headers=A))
+    try:
+        await until(lambda: engine.holding == 1, 10, "the stream held at the engine")
+        await step()
+    finally:
+        engine.release.set()
+    return await finished(stream, 30, "the held stream")
+
+
+async def test_a_reload_rebuilds_changed_detectors_keeps_unchanged_ones_and_spares_running_streams(
+    engine, admin, tmp_path: Path
+) -> None:
+    config = with_detectors(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        state = orch.runner.app[STATE]
+        before = state.detectors.clients()
+        seen: dict[str, Any] = {}
+
+        async def reload_then_ask() -> None:
+            # pii's params change, `word` is new and enforced on the model's output
+            config["detectors"]["pii"]["params"] = {"patterns": {"mailword": "Mail"}}
+            config["detectors"]["word"] = {
+                "builtin": "regex",
+                "chunker_id": "sentence",
+                "params": {"kinds": ["ipv6"], "patterns": {"nowword": "now"}},
+            }
+            config["models"][MODEL]["guardrails"]["output"]["word"] = {"on_detection": "redact"}
+            write(path, config)
+            assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+            seen["retired while running"] = state.retiring.done()
+            engine.hold_after = None
+            seen["new"] = await orch.stream(generation_body(), headers=A)
+
+        running = await hold_one_stream_while(orch, engine, generation_body(), reload_then_ask)
+        await finished(state.retiring, 10, "the replaced clients closed")
+        after = state.detectors.clients()
+    # the running stream: the detectors and the policy it started with
+    assert "".join(f["generated_text"] for f in frames(running)) == "Mail [email] now."
+    # the next one: pii's new params and the new enforced detector
+    assert "".join(f["generated_text"] for f in frames(seen["new"])) == (
+        "[mailword] [email] [nowword]."
+    )
+    assert after["keep"] is before["keep"]  # unchanged: not rebuilt
+    assert after["pii"] is not before["pii"] and "word" in after
+    assert seen["retired while running"] is False  # pii's old client outlived the stream
+
+
+async def test_a_reload_adds_and_removes_models_while_a_running_stream_finishes(
+    engine, admin, tmp_path: Path
+) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    fresh = "fresh-model"
+    async with Orchestrator(path) as orch:
+        state = orch.runner.app[STATE]
+        kept = state.backends[MODEL]
+        seen: dict[str, Any] = {}
+
+        async def reload_then_ask() -> None:
+            config["models"][fresh] = config["models"].pop(PRIVATE)
+            config["tenants"]["a"]["models"] = [MODEL, fresh]
+            write(path, config)
+            assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+            seen["retired while running"] = state.retiring.done()
+            engine.hold_after = None
+            seen["models"] = (await get(orch, MODELS_PATH, A))[1]
+            seen["fresh"] = await orch.stream(generation_body(model_id=fresh), headers=A)
+            seen["removed"] = await orch.post(
+                STREAMING_PATH, generation_body(model_id=PRIVATE), headers=A
+            )
+
+        running = await hold_one_stream_while(
+            orch, engine, generation_body(model_id=PRIVATE), reload_then_ask
+        )
+        await finished(state.retiring, 10, "the removed model's backend closed")
+        assert state.backends[MODEL] is kept  # unchanged: the same backend
+    assert [m["id"] for m in seen["models"]["data"]] == [MODEL, fresh]
+    assert terminal(seen["fresh"]).name == "completed"
+    assert "".join(f["generated_text"] for f in frames(seen["fresh"])) == "".join(SCRIPT)
+    assert seen["removed"] == (
+        404,
+        {
+            "code": 404,
+            "details": f"model `{PRIVATE}` not found (available: {MODEL}, {fresh})",
+            "type": "not_found",
+        },
+    )
+    # the stream on the removed model finished on its backend, which closed after it
+    assert terminal(running).name == "completed"
+    assert "".join(f["generated_text"] for f in frames(running)) == "".join(SCRIPT)
+    assert seen["retired while running"] is False
+
+
+async def test_a_reload_whose_new_parts_cannot_start_changes_nothing(
+    engine, admin, tmp_path: Path
+) -> None:
+    """Valid, but a new model's backend cannot be built (its key variable is unset): the error
+    names it, and nothing of the file applies (not the new detector built beside it)."""
+    config = with_detectors(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        state = orch.runner.app[STATE]
+        before = (state.config, state.detectors, dict(state.backends), state.tenants)
+        config["detectors"]["word"] = {"builtin": "regex", "chunker_id": "sentence"}
+        config["models"]["keyed"] = {
+            "backends": [{"type": "native", "url": engine.url, "api_key_env": "NO_SUCH_KEY"}]
+        }
+        write(path, config)
+        status, body = await reload(orch)
+        assert status == 422
+        assert body["errors"] == [
+            "models.keyed.backends.0.api_key_env: environment variable NO_SUCH_KEY is not set"
+        ]
+        assert (state.config, state.detectors, state.backends, state.tenants) == before
+        assert state.retiring is None
+        assert terminal(await orch.stream(generation_body(), headers=A)).name == "completed"
+
+
+async def test_a_changed_model_gets_a_new_backend_while_its_running_stream_finishes_on_the_old(
+    engine, admin, tmp_path: Path
+) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        state = orch.runner.app[STATE]
+        old = state.backends[MODEL]
+        seen: dict[str, Any] = {}
+
+        async def reload_then_ask() -> None:
+            config["models"][MODEL]["limits"] = {"max_new_tokens": 5}
+            write(path, config)
+            assert (await reload(orch))[0] == 200
+            seen["retired while running"] = state.retiring.done()
+            seen["new backend"] = state.backends[MODEL] is not old
+            engine.hold_after = None
+            seen["over"] = await orch.post(
+                STREAMING_PATH, generation_body(params={"max_new_tokens": 6}), headers=A
+            )
+
+        running = await hold_one_stream_while(orch, engine, generation_body(), reload_then_ask)
+        await finished(state.retiring, 10, "the old backend closed")
+    assert seen == {
+        "retired while running": False,
+        "new backend": True,
+        "over": (
+            422,
+            {
+                "code": 422,
+                "details": "text_gen_parameters.max_new_tokens: 6 exceeds this model's limit of 5",
+                "type": "invalid_request",
+            },
+        ),
+    }
+    assert terminal(running).name == "completed"
+    assert "".join(f["generated_text"] for f in frames(running)) == "".join(SCRIPT)
+
+
+def test_with_several_workers_a_model_with_managed_engines_cannot_change() -> None:
+    """The supervisor starts managed engines once for every worker: a worker's reload refuses
+    a change to such a model (its guardrails still reload), and to nothing else."""
+    config = tenants_config("http://127.0.0.1:9")
+    config["models"]["managed"] = managed_model(1)
+    old = parse_config(config)
+    config["models"]["managed"]["guardrails"] = {"output": {"pii": {}}}
+    config["models"][MODEL]["limits"] = {"max_new_tokens": 5}
+    assert managed_engines_changed(old, parse_config(config)) == []
+    config["models"]["managed"]["migration"] = {"limit": 1}
+    config["models"]["added"] = managed_model(1)
+    assert managed_engines_changed(old, parse_config(config)) == [
+        f"models.{m}: a model with a managed backend cannot change while server.workers > 1 "
+        "(the supervisor starts its engines once for every worker; restart for this)"
+        for m in ("added", "managed")
+    ]

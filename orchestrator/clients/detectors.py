@@ -231,7 +231,8 @@ class InProcessDetectorClient(DetectorClient):
             raise DetectorCallError(self.detector_id, str(exc), invalid_params=True) from None
 
     async def warm_up(self, text: str) -> None:
-        """Loads the model and judges `text` once, in its worker threads (start-up only)."""
+        """Loads the model and judges `text` once, in its worker threads (at start-up, and
+        before a reload swaps a new detector in)."""
         await self._detector.warmup()
         await self._detector.detect([text], None)
 

@@ -4,6 +4,7 @@ resolution of a request's `{detector_id: params}` map against them (404/422 befo
 from __future__ import annotations
 
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Self
 
@@ -74,10 +75,16 @@ class RequestedDetector:
 
 
 class ChunkerRegistry:
-    """Configured chunkers by id, plus the reserved `whole_doc_chunker`."""
+    """Configured chunkers by id, plus the reserved `whole_doc_chunker`. `keep`: chunkers
+    already built (a reload's unchanged ones), used as they are."""
 
-    def __init__(self, settings: dict[str, dict[str, Any]]) -> None:
-        self._chunkers: dict[str, Any] = {cid: chunkers.build(s) for cid, s in settings.items()}
+    def __init__(
+        self, settings: dict[str, dict[str, Any]], keep: Mapping[str, Any] | None = None
+    ) -> None:
+        keep = keep or {}
+        self._chunkers: dict[str, Any] = {
+            cid: keep[cid] if cid in keep else chunkers.build(s) for cid, s in settings.items()
+        }
         self._chunkers[WHOLE_DOC_CHUNKER] = chunkers.build({"type": "whole_doc"})
 
     def get(self, chunker_id: str) -> Any:
@@ -97,13 +104,17 @@ class DetectorRegistry:
         *,
         device: str = "auto",
         on_call: CallRecorder | None = None,
+        keep: Mapping[str, DetectorClient] | None = None,
     ) -> None:
-        """`on_call` hears of every detector call (the metrics)."""
+        """`on_call` hears of every detector call (the metrics); `keep`: clients already built
+        (a reload's unchanged detectors), used as they are: their models are not loaded again."""
         extra: dict[str, CallRecorder] = {"on_call": on_call} if on_call is not None else {}
         self._configs: dict[str, DetectorConfig] = dict(config.detectors)
         self._clients: dict[str, DetectorClient] = {}
         for detector_id, det in self._configs.items():
-            if det.builtin is not None:
+            if keep is not None and detector_id in keep:
+                self._clients[detector_id] = keep[detector_id]
+            elif det.builtin is not None:
                 params = {k: v for k, v in det.params.items() if k not in ORCHESTRATOR_PARAM_KEYS}
                 built = detectors.build(det.builtin, params, device=device)
                 self._clients[detector_id] = InProcessDetectorClient(

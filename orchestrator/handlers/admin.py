@@ -1,8 +1,12 @@
 """POST /admin/reload: the config file read again and applied (orchestrator/reload.py), for a
 caller with an admin key (`server.admin_keys_env`; a tenant's key is not one). A file with
-errors changes nothing: 422 with DESIGN's error body, plus `errors`, one line per problem."""
+errors changes nothing: 422 with DESIGN's error body, plus `errors`, one line per problem.
+With `server.workers` > 1 the request reaches one worker: once the file applied there, the
+supervisor has every other worker reload it (SIGHUP); the answer does not wait for them."""
 
 from __future__ import annotations
+
+import asyncio
 
 from aiohttp import web
 
@@ -10,16 +14,22 @@ from servicekit.auth import UNAUTHORIZED_MESSAGE
 
 from ..api.errors import ApiError, ErrorType
 from ..reload import reload_config
-from ..state import STATE
+from ..state import STATE, AppState
 
 RELOAD_PATH = "/admin/reload"
+_RELOADS: set[asyncio.Future[list[str]]] = set()  # running reloads: the loop holds tasks weakly
 
 
 async def reload(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.admin_keys is None or not state.admin_keys.owner(request.headers):
         raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
-    errors = await reload_config(state)
+    # a client that hangs up must not cancel a reload half-way (engines started, nothing
+    # swapped in, nothing closed): it runs to its end either way
+    reloading = asyncio.ensure_future(_reload_everywhere(state))
+    _RELOADS.add(reloading)
+    reloading.add_done_callback(_RELOADS.discard)
+    errors = await asyncio.shield(reloading)
     if errors:
         body = {
             "code": 422,
@@ -31,3 +41,11 @@ async def reload(request: web.Request) -> web.Response:
     tenants = state.tenants
     assert tenants is not None
     return web.json_response({"reloaded": True, "tenants": sorted(tenants.tenants)})
+
+
+async def _reload_everywhere(state: AppState) -> list[str]:
+    """This process's reload, then (a worker whose reload applied) every other worker's."""
+    errors = await reload_config(state)
+    if not errors and state.reload_others is not None:
+        state.reload_others()
+    return errors
