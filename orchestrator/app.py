@@ -444,7 +444,7 @@ def create_app(
         chunkers=ChunkerRegistry(config.chunkers),
         loop_lag=LoopLag(
             busy_lag_s=config.server.read_coalesce_min_lag_ms / 1000,
-            on_probe=series.loop_lag.observe,
+            on_probe=series.on_loop_probe,
         ),
         workers=workers,
         device=device,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter as Tally
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -60,6 +61,7 @@ class OrchestratorMetrics:
     """The orchestrator's series. `observer()` feeds the streaming pipeline's hooks into them."""
 
     def __init__(self) -> None:
+        self._gc_timer: GcPauseTimer | None = None  # gc_pause_timer's, flushed on the loop
         self.registry = metrics_registry()
         r = self.registry
         self.requests = Counter(
@@ -301,8 +303,20 @@ class OrchestratorMetrics:
         return StreamObserver(on_frame=on_frame, on_findings=on_findings, on_terminal=on_terminal)
 
     def gc_pause_timer(self) -> GcPauseTimer:
-        """A `gc.callbacks` entry that times each collection into `gc_pauses`."""
-        return GcPauseTimer(self.gc_pauses)
+        """A `gc.callbacks` entry that times each collection into `gc_pauses` (observed at the
+        next loop-lag probe or scrape: `on_loop_probe`, `flush_gc_pauses`)."""
+        self._gc_timer = GcPauseTimer(self.gc_pauses)
+        return self._gc_timer
+
+    def flush_gc_pauses(self) -> None:
+        if self._gc_timer is not None:
+            self._gc_timer.flush()
+
+    def on_loop_probe(self, lag_s: float) -> None:
+        """A loop-lag probe's measure; the collections timed since the last one are observed
+        here too, on the loop, outside any collection."""
+        self.loop_lag.observe(lag_s)
+        self.flush_gc_pauses()
 
     def record_detector_call(self, detector_id: str, outcome: str, seconds: float) -> None:
         """A detector call ended (`ok`, `error` or `cancelled`); a cancelled call's time says
@@ -320,9 +334,21 @@ class GcPauseTimer:
     def __init__(self, histogram: Histogram) -> None:
         self._by_generation = {g: histogram.labels(str(g)) for g in range(3)}
         self._started = 0.0
+        # timed here, observed in `flush`: a collection can start while a metric's lock is held
+        # (prometheus_client's multiprocess values share one lock that cannot be taken twice),
+        # and observing from the callback deadlocked a worker (py-spy: Histogram.labels ->
+        # json.dumps -> gc -> this -> observe). Bounded: a flush comes with every loop probe.
+        self._pending: deque[tuple[int, float]] = deque(maxlen=4096)
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
         else:
-            self._by_generation[info["generation"]].observe(time.perf_counter() - self._started)
+            self._pending.append((info["generation"], time.perf_counter() - self._started))
+
+    def flush(self) -> None:
+        """Observes the collections timed since the last flush (not from a gc callback)."""
+        pending = self._pending
+        while pending:
+            generation, seconds = pending.popleft()
+            self._by_generation[generation].observe(seconds)

@@ -379,3 +379,31 @@ async def test_detector_service_metrics_move_with_requests(aiohttp_client: Any) 
     # the model-backed detector micro-batches: one batch of both contents
     assert d("detector_batch_size_count", detector_id="hap") == 1
     assert d("detector_batch_size_sum", detector_id="hap") == 2
+
+
+def test_a_collection_is_observed_on_the_loop_never_in_the_gc_callback() -> None:
+    """prometheus_client's multiprocess values share one lock that cannot be taken twice; a
+    collection that starts while it is held (a `labels()` call allocating) and observed from the
+    gc callback deadlocked a worker. The callback only notes the time; `flush` observes."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from orchestrator.metrics import GcPauseTimer
+
+    histogram = Histogram("pauses", "pauses", ["generation"], registry=CollectorRegistry())
+    timer = GcPauseTimer(histogram)
+    observed: list[float] = []
+    series = histogram.labels("2")
+    real_observe = series.observe
+
+    def observe(amount: float) -> None:
+        observed.append(amount)
+        real_observe(amount)
+
+    series.observe = observe  # type: ignore[method-assign]
+    timer("start", {"generation": 2})
+    timer("stop", {"generation": 2})
+    assert observed == []
+    timer.flush()
+    assert len(observed) == 1 and observed[0] >= 0
+    timer.flush()
+    assert len(observed) == 1

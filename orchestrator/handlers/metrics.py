@@ -26,6 +26,7 @@ def listen_overflows(netstat: Path = Path("/proc/net/netstat")) -> int | None:
 
 async def handle(request: web.Request) -> web.Response:
     metrics = request.app[STATE].metrics
+    metrics.flush_gc_pauses()
     overflows = listen_overflows()
     if overflows is not None:
         metrics.listen_overflows.set(overflows)
