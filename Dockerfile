@@ -40,10 +40,11 @@ RUN set -eu; \
       if [ -n "$cuda" ]; then echo "ERROR: CUDA packages in a CPU image:" >&2; echo "$cuda" >&2; exit 1; fi; \
     fi; \
     echo "torch $installed ($TORCH_VARIANT)"
-# Never imported at run time: torch's C++ test binaries (84 MB) and headers (62 MB, for C++
-# extensions and torch.compile's C++ code generation, neither of which guardstream uses).
-RUN rm -rf /opt/venv/lib/python3.11/site-packages/torch/test \
-           /opt/venv/lib/python3.11/site-packages/torch/include
+# Never imported at run time: torch's C++ test binaries (84 MB). Its headers (62 MB) serve C++
+# extensions and torch.compile's C++ code: a CUDA image keeps them for the engine's `--compile`
+# (Inductor), a CPU image (no compiler in it, eager steps) leaves them out.
+RUN rm -rf /opt/venv/lib/python3.11/site-packages/torch/test; \
+    if [ "$TORCH_VARIANT" = "cpu" ]; then rm -rf /opt/venv/lib/python3.11/site-packages/torch/include; fi
 COPY pyproject.toml README.md ./
 COPY orchestrator ./orchestrator
 COPY chunkers ./chunkers

@@ -146,16 +146,22 @@ async def test_chat_attack_vectors_never_reach_the_engine(
 async def test_chat_tool_messages_are_refused_before_the_engine(
     engine: FakeEngine, orch: Orchestrator
 ) -> None:
-    """A native engine takes no tool results (it renders no tools): a 422, not a bypass. Where
-    an `openai` chat backend takes them, they are judged like every message
-    (tests/test_openai_tool_calls.py)."""
+    """An engine that does not say it takes tools gets no tool results: a 422 naming the
+    field, not a bypass. Where a backend takes them (an `openai` chat backend, the native
+    engine with a template that renders tools) they are judged like every message
+    (tests/test_openai_tool_calls.py, tests/test_native_tool_calls.py)."""
     messages = [
         {"role": "user", "content": "ok"},
         {"role": "tool", "tool_call_id": "call_1", "content": ATTACK},
     ]
     status, reply = await orch.post(CHAT, {"model": MODEL, "messages": messages})
     assert status == 422, reply
-    assert reply["error"]["type"] == "invalid_request"
+    assert reply["error"] == {
+        "message": f"model `{MODEL}`: messages: the model's engine does not say it takes tools",
+        "type": "invalid_request",
+        "param": None,
+        "code": 422,
+    }
     assert engine.requests == []
 
 

@@ -310,18 +310,26 @@ def request_problem(limits: EngineLimits, request: GenerationRequest) -> str | N
     return None
 
 
-def _tools_problem(limits: EngineLimits, request: GenerationRequest) -> str | None:
-    """Why a request that asks for tool calls (`tools`, or a conversation with calls in it)
-    cannot go to engines whose chat template has no tool support; None when it can, or when
-    the engines do not say (their own 422 then comes at dispatch)."""
-    if limits.tools is None:
+def tools_problem(limits: EngineLimits | None, request: GenerationRequest) -> str | None:
+    """`_tools_problem` for engines that advertised `limits`, or none at all (None)."""
+    if limits is not None and limits.tools is True:
         return None
+    return _tools_problem(limits, request)
+
+
+def _tools_problem(limits: EngineLimits | None, request: GenerationRequest) -> str | None:
+    """Why a request that asks for tool calls (`tools`, or a conversation with calls in it)
+    cannot go to engines whose chat template has no tool support, or that do not say (an
+    engine older than tool calls: its own 422 would come at dispatch, naming no field of the
+    request); None when it can."""
     if request.extra.get("tools") and request.extra.get("tool_choice") != "none":
         field = "tools"
     elif any(m.role == "tool" or m.tool_calls is not None for m in request.messages or ()):
         field = "messages"
     else:
         return None
+    if limits is None or limits.tools is None:
+        return f"{field}: the model's engine does not say it takes tools"
     name = limits.model or "the model"
     return f"{field}: model {name}'s chat template has no tool support"
 

@@ -21,6 +21,7 @@ from .advertised_limits import (
     merge_limits,
     request_problem,
     token_upper_bound,
+    tools_problem,
 )
 from .backend import ChatMessage, GenerationError, GenerationRequest, ModelBackend
 from .managed import ENGINE_API_KEYS_ENV, CommandFactory, EngineProcess, engine_command
@@ -198,6 +199,10 @@ class ReplicatedModelBackend(ModelBackend):
         ]
         advertised = await self.limits.gather(natives) if natives else []
         if not advertised:
+            # engines that said nothing of themselves may still be asked for tools: only one
+            # that says it takes them gets them (the others' 422 would name no request field)
+            if natives and (why := tools_problem(None, request)) is not None:
+                raise invalid(f"model `{self.model_id}`: {why}")
             return request
         limits = merge_limits([lim for _, lim in advertised])
         problem = request_problem(limits, request)
