@@ -186,7 +186,9 @@ class _AppendCache(Cache):
         self.rect_values: list[torch.Tensor] = []
         self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def _scatter_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _scatter_index(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._index is None:
             rows, columns, sources = [], [], []
             for i, (p, t) in enumerate(zip(self.starts, self.counts, strict=True)):
@@ -231,7 +233,9 @@ class _AppendCache(Cache):
             return
         for i, a in enumerate(self.batch):
             session, p, n = a.session, self.starts[i], len(a.ids)
-            session.reserve(p + n + len(session.tail), self.rect_keys[0][i : i + 1], self.num_layers)
+            session.reserve(
+                p + n + len(session.tail), self.rect_keys[0][i : i + 1], self.num_layers
+            )
             for layer in range(self.num_layers):
                 session.keys[layer][0, :, p : p + n] = self.rect_keys[layer][i, :, p : p + n]
                 session.values[layer][0, :, p : p + n] = self.rect_values[layer][i, :, p : p + n]
@@ -292,7 +296,9 @@ class JudgeSessions:
             session.last_used = time.monotonic()
             return session
 
-    def append(self, session: JudgeSession, ids: Sequence[int]) -> concurrent.futures.Future[Verdict]:
+    def append(
+        self, session: JudgeSession, ids: Sequence[int]
+    ) -> concurrent.futures.Future[Verdict]:
         """Queue `ids` for the session's prefix; the future gets the verdict after them."""
         future: concurrent.futures.Future[Verdict] = concurrent.futures.Future()
         with self.lock:
@@ -361,7 +367,9 @@ class JudgeSessions:
             tokens = 0
             for a in self.queue:
                 cost = len(a.ids) + len(a.session.tail)
-                fits = len(batch) < self.max_batch and (not batch or tokens + cost <= self.token_budget)
+                fits = len(batch) < self.max_batch and (
+                    not batch or tokens + cost <= self.token_budget
+                )
                 if id(a.session) in seen or not fits:
                     rest.append(a)
                     continue
@@ -374,7 +382,9 @@ class JudgeSessions:
     def run_pending(self) -> int:
         """One append pass over the queued appends (worker thread); returns the appends run."""
         batch = self.take_batch()
-        live = [a for a in batch if not a.session.closed and a.future.set_running_or_notify_cancel()]
+        live = [
+            a for a in batch if not a.session.closed and a.future.set_running_or_notify_cancel()
+        ]
         for a in batch:
             if a not in live and not a.future.done():
                 a.future.set_exception(

@@ -337,7 +337,8 @@ class Engine:
     def _wait_for_work(self) -> list[Job] | None:
         with self._cond:
             while not self._stopping and (
-                self._held or (not self._inbox and not self._sched.busy and not self.judges.has_work)
+                self._held
+                or (not self._inbox and not self._sched.busy and not self.judges.has_work)
             ):
                 self._cond.wait()
             if self._stopping:
