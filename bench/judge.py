@@ -3,6 +3,7 @@ whole prefix at every chunk (what NeMo Guardrails, LiteLLM and the vLLM-served g
 
     python bench/judge.py [--model smollm2-135m] [--device cpu] [--tokens 2000]
                           [--streams 1,16] [--threads N] [--json out.json]
+    python bench/judge.py --quality tests/data/judge_labelled.jsonl   # separation of a labelled set
 
 The answer is ~`--tokens` tokens of plain sentences, judged a sentence at a time with the
 zero-shot template (orchestrator/judge_templates.py) on the engine in this process (its worker
@@ -33,10 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from generation import models  # noqa: E402
-from generation.judge_sessions import JudgeSessions, answer_token_ids  # noqa: E402
-from generation.scheduler import Engine  # noqa: E402
-from orchestrator.judge_templates import JudgeContext, JudgePrompt  # noqa: E402
+from generation import models
+from generation.judge_sessions import JudgeSessions, answer_token_ids
+from generation.scheduler import Engine
+from orchestrator.judge_templates import SHIPPED, JudgeContext, JudgePrompt
 
 SENTENCES = [
     "The museum opens at nine in the morning and closes at six in the evening.",
@@ -70,15 +71,30 @@ def answer_chunks(tokenizer: Any, tokens: int) -> list[str]:
 class Judge:
     """The engine and one stream's template parts, tokenized once."""
 
-    def __init__(self, engine: Engine, loaded: models.LoadedModel) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        loaded: models.LoadedModel,
+        chat: bool = False,
+        template: str = "zero_shot",
+    ) -> None:
         self.engine = engine
         self.judges: JudgeSessions = engine.judges
         tok: Any = loaded.tokenizer
-        head, tail = JudgePrompt("zero_shot", None, {}).split(JudgeContext(), output=True)
+        head, tail = JudgePrompt(template, None, {}).split(JudgeContext(), output=True)
+        if chat:  # the prompt as one user turn under the model's chat template
+            mark = "\x00judged\x00"
+            wrapped = tok.apply_chat_template(
+                [{"role": "user", "content": head + mark + tail}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            head, tail = wrapped.split(mark)
         self.head = list(tok(head, add_special_tokens=True)["input_ids"])
         self.tail = list(tok(tail, add_special_tokens=False)["input_ids"])
-        self.unsafe = answer_token_ids(tok, ["unsafe"])
-        self.safe = answer_token_ids(tok, ["safe"])
+        shipped = SHIPPED[template]
+        self.unsafe = answer_token_ids(tok, shipped.unsafe_tokens)
+        self.safe = answer_token_ids(tok, shipped.safe_tokens)
         self.encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])
 
     def open(self) -> Any:
@@ -132,6 +148,27 @@ def rejudging(judge: Judge, chunk_ids: list[list[int]]) -> dict[str, Any]:
     }
 
 
+def separation(judge: Judge, path: Path) -> dict[str, Any]:
+    """Score each labelled sentence (one session each): AUROC (the chance that an unsafe sentence
+    scores above a safe one; ties count half), accuracy at 0.5, mean score per label."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    scores: dict[str, list[float]] = {"unsafe": [], "safe": []}
+    for row in rows:
+        session = judge.open()
+        scores[row["label"]] += judge.round([(session, judge.encode(row["text"]))])
+        judge.judges.close(session.id)
+    unsafe, safe = scores["unsafe"], scores["safe"]
+    wins = sum(1.0 if u > s else 0.5 if u == s else 0.0 for u in unsafe for s in safe)
+    correct = sum(u >= 0.5 for u in unsafe) + sum(s < 0.5 for s in safe)
+    return {
+        "auroc": wins / (len(unsafe) * len(safe)),
+        "accuracy_at_0.5": correct / len(rows),
+        "mean_unsafe": sum(unsafe) / len(unsafe),
+        "mean_safe": sum(safe) / len(safe),
+        "scores": scores,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -141,11 +178,31 @@ def main() -> None:
     parser.add_argument("--streams", default="1,16")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--quality",
+        type=Path,
+        default=None,
+        help="only measure separation on a labelled JSONL set (tests/data/judge_labelled.jsonl)",
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="the template as a user turn of the chat template"
+    )
+    parser.add_argument("--template", default="zero_shot", choices=sorted(SHIPPED))
     args = parser.parse_args()
     loaded = models.load(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded, threads=args.threads)
     engine.start()
-    judge = Judge(engine, loaded)
+    judge = Judge(engine, loaded, chat=args.chat, template=args.template)
+    if args.quality is not None:
+        found = separation(judge, args.quality)
+        engine.stop()
+        print(json.dumps(found["scores"]))
+        print(
+            f"{loaded.name} {args.template}{' (chat)' if args.chat else ''} on {args.quality.name}: AUROC={found['auroc']:.3f} "
+            f"accuracy@0.5={found['accuracy_at_0.5']:.3f} mean score unsafe="
+            f"{found['mean_unsafe']:.3f} safe={found['mean_safe']:.3f}"
+        )
+        return
     chunk_ids = [judge.encode(c) for c in answer_chunks(loaded.tokenizer, args.tokens)]
     answer_tokens = sum(len(c) for c in chunk_ids)
     print(
