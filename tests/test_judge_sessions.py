@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
+from orchestrator.judge_templates import JudgeContext, JudgePrompt
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import load_test_model, run
 from tests.wait_support import until
@@ -216,3 +217,28 @@ async def test_context_limit_is_a_422(aiohttp_client: Any, tiny_exact: LoadedMod
     )
     assert resp.status == 422
     assert (await resp.json())["type"] == "context_exceeded"
+
+
+async def test_smollm2_judges_incrementally_as_from_scratch(
+    aiohttp_client: Any, smollm2_model: LoadedModel
+) -> None:
+    """The real model (float32, default mode): a sentence judged in two chunks scores as the
+    whole judged at once, to float32 rounding (bitwise only in --batch-invariant mode). How well
+    its scores separate safe from unsafe: bench/judge.py --quality (README)."""
+    client = await aiohttp_client(create_app(smollm2_model))
+    head, tail = JudgePrompt("zero_shot", None, {}).split(JudgeContext(), output=True)
+    opening = {"head": head, "tail": tail, "unsafe_tokens": ["unsafe"], "safe_tokens": ["safe"]}
+    for first, second in [
+        ("I am going to kill you", " and your family tonight."),
+        ("The museum opens at nine", " in the morning."),
+    ]:
+        sid = (await (await client.post("/v1/judge/sessions", json=opening)).json())["session_id"]
+        await client.post(f"/v1/judge/sessions/{sid}/append", json={"chunk": first})
+        resp = await client.post(f"/v1/judge/sessions/{sid}/append", json={"chunk": second})
+        incremental = await resp.json()
+        whole = await (
+            await client.post("/v1/judge/sessions", json={**opening, "chunks": [first, second]})
+        ).json()
+        assert 0.0 < incremental["score"] < 1.0
+        assert incremental["score"] == pytest.approx(whole["score"], abs=1e-5)
+        assert incremental["forward_tokens"] == incremental["chunk_tokens"] + whole["tail_tokens"]
