@@ -17,21 +17,23 @@ each chunk's, then the tail's: the same whether the chunks came one by one or at
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from aiohttp import web
 from pydantic import BaseModel, Field
 
 from .jobs import EngineUnavailable
-from .judge_sessions import JudgeSessionError, Verdict, answer_token_ids
+from .judge_sessions import JudgeSession, JudgeSessionError, Verdict, answer_token_ids
 from .models import LoadedModel
 from .protocol import _STRICT, Utf8Str
-from .server import STATE, ClientError, _read_model
 
 SESSIONS_PATH = "/v1/judge/sessions"
 MAX_ANSWER_WORDS = 16
 AnswerWords = Annotated[
-    list[Annotated[Utf8Str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_ANSWER_WORDS)
+    list[Annotated[Utf8Str, Field(min_length=1)]],
+    Field(min_length=1, max_length=MAX_ANSWER_WORDS),
 ]
 
 
@@ -51,7 +53,21 @@ class AppendChunk(BaseModel):
     chunk: Utf8Str
 
 
-def add_routes(app: web.Application) -> None:
+@dataclass(frozen=True, slots=True)
+class Server:
+    """What the routes use of server.py, passed in (server.py imports this module): its state
+    key, its 4xx exception `client_error(status, details, type, headers=)` and body reader."""
+
+    state: web.AppKey[Any]
+    client_error: Callable[..., Exception]
+    read_model: Callable[[web.Request, type[BaseModel]], Awaitable[Any]]
+
+
+SERVER = web.AppKey("guardstream_judge_routes", Server)
+
+
+def add_routes(app: web.Application, server: Server) -> None:
+    app[SERVER] = server
     app.router.add_post(SESSIONS_PATH, handle_open)
     app.router.add_post(SESSIONS_PATH + "/{session_id}/append", handle_append)
     app.router.add_delete(SESSIONS_PATH + "/{session_id}", handle_close)
@@ -77,9 +93,9 @@ def _encode_chunk(loaded: LoadedModel, chunk: str) -> list[int]:
     return list(tokenizer(chunk, add_special_tokens=False)["input_ids"]) if chunk else []
 
 
-def _client_error(exc: JudgeSessionError) -> ClientError:
+def _client_error(server: Server, exc: JudgeSessionError) -> Exception:
     headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return ClientError(exc.status, exc.message, exc.type, headers=headers)
+    return server.client_error(exc.status, exc.message, exc.type, headers=headers)
 
 
 def _verdict(v: Verdict) -> dict[str, Any]:
@@ -92,29 +108,32 @@ def _verdict(v: Verdict) -> dict[str, Any]:
     }
 
 
-async def _judge(state: Any, session: Any, ids: list[int]) -> Verdict:
+async def _judge(server: Server, state: Any, session: JudgeSession, ids: list[int]) -> Verdict:
     try:
         if not state.engine.healthy:
             raise EngineUnavailable("the engine is not running")
         future = state.engine.judges.append(session, ids)
         return await asyncio.wrap_future(future)
     except JudgeSessionError as exc:
-        raise _client_error(exc) from None
+        raise _client_error(server, exc) from None
     except EngineUnavailable as exc:
-        raise ClientError(503, str(exc), "generation_unavailable") from None
+        raise server.client_error(503, str(exc), "generation_unavailable") from None
 
 
 async def handle_open(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    req: OpenSession = await _read_model(request, OpenSession)
+    server = request.app[SERVER]
+    state = request.app[server.state]
+    req: OpenSession = await server.read_model(request, OpenSession)
     parts = await state.run_tokenizer(_encode_open, state.loaded, req)
     if not parts["unsafe"] or not parts["safe"]:
-        raise ClientError(422, "unsafe_tokens and safe_tokens need a first token of their own each")
+        raise server.client_error(
+            422, "unsafe_tokens and safe_tokens need a first token of their own each"
+        )
     judges = state.engine.judges
     try:
         session = judges.open(parts["head"], parts["tail"], parts["unsafe"], parts["safe"])
     except JudgeSessionError as exc:
-        raise _client_error(exc) from None
+        raise _client_error(server, exc) from None
     body: dict[str, Any] = {
         "session_id": session.id,
         "head_tokens": len(parts["head"]),
@@ -125,7 +144,7 @@ async def handle_open(request: web.Request) -> web.Response:
     if req.chunks:
         ids = [t for chunk in parts["chunks"] for t in chunk]
         try:
-            body.update(_verdict(await _judge(state, session, ids)))
+            body.update(_verdict(await _judge(server, state, session, ids)))
         except BaseException:
             judges.close(session.id)
             raise
@@ -133,20 +152,22 @@ async def handle_open(request: web.Request) -> web.Response:
 
 
 async def handle_append(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    req: AppendChunk = await _read_model(request, AppendChunk)
+    server = request.app[SERVER]
+    state = request.app[server.state]
+    req: AppendChunk = await server.read_model(request, AppendChunk)
     try:
         session = state.engine.judges.get(request.match_info["session_id"])
     except JudgeSessionError as exc:
-        raise _client_error(exc) from None
+        raise _client_error(server, exc) from None
     ids = await state.run_tokenizer(_encode_chunk, state.loaded, req.chunk)
-    verdict = await _judge(state, session, ids)
+    verdict = await _judge(server, state, session, ids)
     return web.json_response({**_verdict(verdict), "chunk_tokens": len(ids)})
 
 
 async def handle_close(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+    server = request.app[SERVER]
+    state = request.app[server.state]
     session_id = request.match_info["session_id"]
     if not state.engine.judges.close(session_id):
-        raise ClientError(404, f"no judge session {session_id!r}", "not_found")
+        raise server.client_error(404, f"no judge session {session_id!r}", "not_found")
     return web.Response(status=204)

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
 from servicekit.tracing import annotate, event
 
-from . import models
+from . import judge_routes, models
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
 from .jobs import EngineDelta, EngineUnavailable, Job, StreamError, StreamQueue
@@ -165,9 +165,7 @@ def create_app(
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
-    from . import judge_routes  # imports this module's helpers: after they exist
-
-    judge_routes.add_routes(app)
+    judge_routes.add_routes(app, judge_routes.Server(STATE, ClientError, _read_model))
     if fault_injection:
         app.router.add_post(FAULTS_PATH, handle_faults)
         app.router.add_delete(FAULTS_PATH, handle_clear_faults)
