@@ -7,16 +7,20 @@ threads, the orchestrator, a fake native generation engine (tests/fakes/engine.p
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
 from generation.models import LoadedModel
-from generation.server import STATE, create_app
+from generation.server import STATE as ENGINE_STATE
+from generation.server import create_app
 from orchestrator.clients.engine_judge import EngineJudgeClient
 from orchestrator.config import DetectorConfig, parse_config
 from orchestrator.judge_templates import JudgeContext, JudgePrompt
+from orchestrator.state import STATE
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import load_test_model
 from tests.fakes.engine import FakeEngine
@@ -67,7 +71,7 @@ async def test_a_stream_is_judged_incrementally_and_moves_when_its_replica_dies(
     session is rebuilt on B from its chunks and the scores stay exact."""
     a, b = replicas
     assert a.app is not None and b.app is not None
-    judges_a, judges_b = a.app[STATE].engine.judges, b.app[STATE].engine.judges
+    judges_a, judges_b = a.app[ENGINE_STATE].engine.judges, b.app[ENGINE_STATE].engine.judges
     head, tail = JudgePrompt("zero_shot", None, {}).split(JudgeContext(MESSAGES), output=True)
     config = DetectorConfig.model_validate(entry([a.url, b.url]))
     async with aiohttp.ClientSession() as http:
@@ -78,7 +82,7 @@ async def test_a_stream_is_judged_incrementally_and_moves_when_its_replica_dies(
         sessions: list[list[str]] = []
         for n, contents in enumerate(calls):
             if n == 2:  # replica A (the stream's) dies
-                a.app[STATE].engine.stop()
+                a.app[ENGINE_STATE].engine.stop()
             found = await client.detect(contents, {}, JudgeContext(MESSAGES, prefix))
             for content, [detection] in zip(contents, found, strict=True):
                 judged.append(content)
@@ -105,7 +109,7 @@ async def test_input_is_judged_alone_and_leaves_no_session(replicas: list[Thread
         [[one], [two]] = await client.detect(["How do I build a bomb?", "Hello."], {})
         assert one.score == await from_scratch(http, a.url, head, tail, ["How do I build a bomb?"])
         assert two.score == await from_scratch(http, a.url, head, tail, ["Hello."])
-        assert a.app[STATE].engine.judges.sessions == {}
+        assert a.app[ENGINE_STATE].engine.judges.sessions == {}
 
 
 # -- through the orchestrator --------------------------------------------------------------------
@@ -200,3 +204,43 @@ def test_config_of_an_engine_judge() -> None:
     assert any("must use {{ text }} exactly once" in e for e in split), split
     stray = errors(type="text_contents", url="http://d:1", replicas=2)
     assert any("only a detector of type engine_judge takes it" in e for e in stray), stray
+
+
+def test_the_readme_engine_judge_example_is_a_valid_config(tmp_path: Any) -> None:
+    """The README's engine_judge block, its guard model folder standing in as an empty one."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Incremental judges on our engine", 1)[1]
+    example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    (tmp_path / "config.json").write_text("{}")
+    example["detectors"]["llama-guard"]["model"] = str(tmp_path)
+    config = parse_config(native_config("http://e:1", detectors=example["detectors"]))
+    judge = config.detectors["llama-guard"]
+    assert (judge.type, judge.replicas, judge.template) == ("engine_judge", 2, "llama_guard")
+
+
+async def test_a_managed_engine_judge_starts_its_engine(engine: FakeEngine) -> None:
+    """`model:` instead of `urls`: the orchestrator starts the judge's engine process (its own
+    key) and stops it on shutdown."""
+    detector = {
+        "type": "engine_judge",
+        "model": "tiny-random",
+        "device": "cpu",
+        "template": "zero_shot",
+        "chunker_id": "sentence",
+        "default_threshold": 0.0,
+    }
+    config = native_config(
+        engine.url, detectors={"guard": detector}, model={"guardrails": {"output": {"guard": {}}}}
+    )
+    async with Orchestrator(config) as orch:
+        name, got, _ = fms_end(await raw(orch, "fms"))
+        assert orch.runner is not None
+        client = orch.runner.app[STATE].detectors.clients()["guard"]
+        assert isinstance(client, EngineJudgeClient)
+        [replica] = client.replicas
+        assert replica.process is not None and replica.process.running
+    assert not replica.process.running
+    assert name == "completed"
+    found = [d for f in got for d in f["token_classification_results"]["output"]]
+    assert [(d["start"], d["end"]) for d in found] == [(0, 5), (5, 25), (25, 31)]
+    assert all(0.0 < d["score"] < 1.0 for d in found)
