@@ -382,14 +382,17 @@ class JudgeSessions:
     def run_pending(self) -> int:
         """One append pass over the queued appends (worker thread); returns the appends run."""
         batch = self.take_batch()
-        live = [
-            a for a in batch if not a.session.closed and a.future.set_running_or_notify_cancel()
-        ]
+        live: list[_Append] = []
         for a in batch:
-            if a not in live and not a.future.done():
-                a.future.set_exception(
-                    JudgeSessionError(404, f"no judge session {a.session.id!r}", "not_found")
-                )
+            if a.session.closed:
+                if a.future.set_running_or_notify_cancel():
+                    a.future.set_exception(
+                        JudgeSessionError(404, f"no judge session {a.session.id!r}", "not_found")
+                    )
+            elif a.future.set_running_or_notify_cancel():
+                live.append(a)
+            else:  # its caller gave up: the session would lack the chunk, so it is closed
+                self.close(a.session.id)
         if not live:
             return len(batch)
         try:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from generation.judge_sessions import JudgeSessions
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from orchestrator.judge_templates import JudgeContext, JudgePrompt
@@ -242,3 +243,15 @@ async def test_smollm2_judges_incrementally_as_from_scratch(
         assert 0.0 < incremental["score"] < 1.0
         assert incremental["score"] == pytest.approx(whole["score"], abs=1e-5)
         assert incremental["forward_tokens"] == incremental["chunk_tokens"] + whole["tail_tokens"]
+
+
+def test_an_append_given_up_before_it_ran_closes_its_session(tiny_exact: LoadedModel) -> None:
+    """The caller left while its append was queued: the session would lack that chunk, so it is
+    closed (a client rebuilds it), not left to judge a text with a hole in it."""
+    judges = JudgeSessions(tiny_exact)
+    kept, dropped = judges.open([1, 2], [3], [4], [5]), judges.open([1, 2], [3], [4], [5])
+    ok, gone = judges.append(kept, [6, 7]), judges.append(dropped, [6, 7])
+    assert gone.cancel()
+    assert judges.run_pending() == 2
+    assert 0.0 <= ok.result().score <= 1.0
+    assert list(judges.sessions) == [kept.id] and dropped.closed
