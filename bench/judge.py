@@ -208,24 +208,28 @@ def main() -> None:
     print(
         f"{loaded.name} on {loaded.device} ({loaded.dtype}), {platform.processor() or 'cpu'}; "
         f"answer {answer_tokens} tokens in {len(chunk_ids)} sentence chunks; "
-        f"template head {len(judge.head)} + tail {len(judge.tail)} tokens"
+        f"template head {len(judge.head)} + tail {len(judge.tail)} tokens",
+        flush=True,
     )
     incremental(judge, chunk_ids[:3], 1)  # warm-up (first-use costs)
     results = []
     levels = [int(s) for s in args.streams.split(",")]
-    inc1 = incremental(judge, chunk_ids, 1)
-    results.append(inc1)
-    rej = rejudging(judge, chunk_ids)
-    results.append(rej)
-    for streams in levels:
-        if streams != 1:
-            results.append(incremental(judge, chunk_ids, streams))
-    for r in results:
+
+    def report(r: dict[str, Any]) -> dict[str, Any]:
+        results.append(r)
         print(
             f"{r['mode']:>11} streams={r['streams']:>2} chunks={r['chunks']:>5} "
             f"judge_tokens={r['judge_tokens']:>8} wall={r['wall_s']:8.2f}s "
-            f"chunks/s={r['chunks_per_s']:8.2f}"
+            f"chunks/s={r['chunks_per_s']:8.2f}",
+            flush=True,
         )
+        return r
+
+    inc1 = report(incremental(judge, chunk_ids, 1))
+    rej = report(rejudging(judge, chunk_ids))
+    for streams in levels:
+        if streams != 1:
+            report(incremental(judge, chunk_ids, streams))
     for r in results[2:]:
         print(
             f"{r['streams']} streams: {r['chunks_per_s'] / inc1['chunks_per_s']:.2f}x the judged "
