@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         "KV cache sized by --gpu-memory-fraction holds fewer)",
     )
     serve.add_argument(
+        "--max-judge-sessions",
+        type=int,
+        default=None,
+        help="judge sessions held at once (default 256; more get 429)",
+    )
+    serve.add_argument(
         "--gpu-memory-fraction",
         type=float,
         default=0.8,
@@ -198,6 +204,7 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
         gpu_memory_fraction=args.gpu_memory_fraction,
         threads=args.threads if args.threads is not None else loaded.threads,
         api_keys=api_keys,
+        max_judge_sessions=args.max_judge_sessions,
     )
     # handler_cancellation: a client disconnect cancels its handler at once (and so its request).
     runner = web.AppRunner(

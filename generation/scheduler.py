@@ -52,6 +52,7 @@ import torch
 from .decode_graphs import MAX_ROWS
 from .detokenizer import make_detokenizer
 from .jobs import EngineStats, EngineUnavailable, Job, StreamError
+from .judge_sessions import JudgeSessions
 from .model_runner import ModelRunner, Step
 from .models import LoadedModel
 from .output_processor import OutputProcessor
@@ -166,6 +167,8 @@ class Engine:
         self._fatal: BaseException | None = None
         self._ready = threading.Event()  # the worker finished its start-up (static buffers)
         self._pending: Step | None = None  # an overlapped step whose tokens are not yet accepted
+        # judge sessions (judge_sessions.py): their appends run in the worker's iterations
+        self.judges = JudgeSessions(loaded, wake=self._cond)
 
     # ----- settings (the runner's; some are final only once the engine has started) ----------
 
@@ -337,17 +340,23 @@ class Engine:
         else:
             self._finish_pending()
         self._output.flush()
+        if self.judges.has_work:  # every queued judge append, batched, between decode steps
+            self.judges.run_pending()
 
     def _idle(self) -> bool:
         """Whether `_wait_for_work` would wait (held, or nothing to do)."""
         with self._cond:
             return not self._stopping and (
-                bool(self._held) or (not self._inbox and not self._sched.busy)
+                bool(self._held)
+                or (not self._inbox and not self._sched.busy and not self.judges.has_work)
             )
 
     def _wait_for_work(self) -> list[Job] | None:
         with self._cond:
-            while not self._stopping and (self._held or (not self._inbox and not self._sched.busy)):
+            while not self._stopping and (
+                self._held
+                or (not self._inbox and not self._sched.busy and not self.judges.has_work)
+            ):
                 self._cond.wait()
             if self._stopping:
                 return None
@@ -363,6 +372,7 @@ class Engine:
         self._pending = None
         self._clear_batch()
         self._sched.prefilling.clear()
+        self.judges.close_all(EngineUnavailable("the engine is shutting down"))
         for job in jobs:
             if not job.cancelled:
                 self._output.emit(job, error)

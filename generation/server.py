@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
 from servicekit.tracing import annotate, event
 
-from . import models
+from . import judge_routes, models
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
 from .jobs import EngineDelta, EngineUnavailable, Job, StreamError
@@ -128,6 +128,8 @@ def create_app(
     warm_prefill: bool | None = None,
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
+    max_judge_sessions: int | None = None,
+    judge_idle_timeout_s: float | None = None,
 ) -> web.Application:
     """The engine app. Pass a `LoadedModel` to share one model between apps (tests), or a spec.
     With `api_keys` (non-empty), every path but OPEN_PATHS (and the fault route of a test
@@ -161,6 +163,11 @@ def create_app(
         faults=FaultInjector() if fault_injection else None,
         tool_format=tool_call_format(getattr(loaded.frontend_tokenizer, "chat_template", None)),
     )
+    judges = state.engine.judges  # judge sessions (judge_routes.py)
+    if max_judge_sessions is not None:
+        judges.max_sessions = max_judge_sessions
+    if judge_idle_timeout_s is not None:
+        judges.idle_timeout_s = judge_idle_timeout_s
     state.registry.register(EngineCollector(lambda: state.engine))
     app[STATE] = state
     app.router.add_post("/v1/generate", handle_generate)
@@ -168,6 +175,7 @@ def create_app(
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
+    judge_routes.add_routes(app, judge_routes.Server(STATE, ClientError, _read_model))
     if fault_injection:
         app.router.add_post(FAULTS_PATH, handle_faults)
         app.router.add_delete(FAULTS_PATH, handle_clear_faults)

@@ -468,6 +468,7 @@ def create_app(
         state.detectors = DetectorRegistry(
             config, state.session, device=device, on_call=state.metrics.record_detector_call
         )
+        await state.detectors.start()  # an engine judge's managed engines
         state.enforced = EnforcedGuardrails.of_models(config, state.detectors)
         state.tenants = Tenants.build(config, state.detectors, state.enforced, keys)
         state.migration_metrics = MigrationMetrics(state.metrics.registry)

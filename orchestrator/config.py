@@ -36,6 +36,9 @@ DEFAULT_REDACT_WITH = "[{entity}]"
 MAX_REDACT_WITH = 256
 CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
 JUDGE_TYPE = "openai_judge"
+ENGINE_JUDGE_TYPE = "engine_judge"
+# the judge detectors: a safety model reading a template (DESIGN 6)
+JUDGE_TYPES = (JUDGE_TYPE, ENGINE_JUDGE_TYPE)
 JUDGE_FIELDS = (
     "model",
     "template",
@@ -45,8 +48,9 @@ JUDGE_FIELDS = (
     "categories",
     "on_error",
 )
+ENGINE_JUDGE_FIELDS = ("replicas", "device", "urls")
 # the types that judge text (input and output guardrails, the content endpoints)
-TEXT_TYPES = ("text_contents", JUDGE_TYPE)
+TEXT_TYPES = ("text_contents", *JUDGE_TYPES)
 
 
 class Strict(BaseModel):
@@ -373,7 +377,12 @@ class DetectorConfig(Strict):
     or a remote service speaking the detector API (exactly one of `builtin` and `url`)."""
 
     type: Literal[
-        "text_contents", "text_generation", "text_chat", "text_context_doc", "openai_judge"
+        "text_contents",
+        "text_generation",
+        "text_chat",
+        "text_context_doc",
+        "openai_judge",
+        "engine_judge",
     ] = "text_contents"
     """The detector API it speaks: `text_contents` (input and output text, the content
     endpoints; every built-in), or a kind of the FMS detection endpoints, served by a remote
@@ -381,7 +390,9 @@ class DetectorConfig(Strict):
     `text_generation` (.../generated and /api/v2/text/generation-detection); or `openai_judge`:
     a safety model (Llama Guard, Granite Guardian, ShieldGemma, any instruct model zero-shot)
     behind an OpenAI-compatible server at `url`, judging text like a `text_contents`
-    classifier (README "Judge detectors")."""
+    classifier (README "Judge detectors"); or `engine_judge`: the same on our own engine, judged
+    incrementally (a judge session per stream keeps the judged text in the engine's KV rows, so
+    a chunk costs its own tokens and the template's tail, not the whole answer again)."""
     builtin: str | None = None
     """An in-process built-in: `regex`, `profanity`, `prompt_injection`, `topic`,
     `hf_classifier` (its settings go in `params`)."""
@@ -448,6 +459,14 @@ class DetectorConfig(Strict):
     error, and the text it did not judge never leaves) or `annotate` (the text flows, with an
     `unjudged` detection of type `judge_error` on it). Either way it counts as an `error` in
     guardstream_detector_calls."""
+    replicas: int | None = Field(None, ge=1, le=64)
+    """`engine_judge` with `model`: engine processes the orchestrator starts for the judge
+    (default 1); a session whose engine dies is rebuilt on another from its text."""
+    device: Literal["auto", "cpu", "cuda"] | None = None
+    """`engine_judge` with `model`: where its engines run (default `auto`)."""
+    urls: list[StrictStr] | None = Field(None, min_length=1)
+    """`engine_judge`: engines already running (`python -m generation serve`), instead of a
+    `model` the orchestrator starts (their key: `api_key_env`)."""
 
 
 class Config(Strict):
@@ -505,17 +524,23 @@ def cross_reference_errors(
     for detector_id, det in config.detectors.items():
         path = f"detectors.{detector_id}"
         errors.extend(_threshold_errors(f"{path}.params.threshold", det.params.get("threshold")))
-        if det.type == JUDGE_TYPE:
+        if det.type in JUDGE_TYPES:
             errors.extend(judge_errors(path, det))
         else:
             errors.extend(
-                f"{path}.{name}: only a detector of type openai_judge takes it"
+                f"{path}.{name}: only a detector of type openai_judge or engine_judge takes it"
                 for name in JUDGE_FIELDS
                 if getattr(det, name) is not None
             )
-        if det.type != JUDGE_TYPE and (det.builtin is None) == (det.url is None):
+        if det.type != ENGINE_JUDGE_TYPE:
+            errors.extend(
+                f"{path}.{name}: only a detector of type engine_judge takes it"
+                for name in ENGINE_JUDGE_FIELDS
+                if getattr(det, name) is not None
+            )
+        if det.type not in JUDGE_TYPES and (det.builtin is None) == (det.url is None):
             errors.append(f"{path}: exactly one of 'builtin' and 'url' is required")
-        if det.builtin is not None and det.type not in ("text_contents", JUDGE_TYPE):
+        if det.builtin is not None and det.type not in ("text_contents", *JUDGE_TYPES):
             errors.append(
                 f"{path}.type: a built-in detector speaks text_contents (the other kinds are "
                 "remote detectors'; a built-in serves chat and generated detection as it is)"
@@ -645,12 +670,15 @@ def judge_errors(path: str, det: DetectorConfig) -> list[str]:
     """What an `openai_judge` entry needs: a server, a model, a template that exists (or
     compiles) and answer words for it, never a built-in."""
     errors: list[str] = []
-    if det.builtin is not None:
-        errors.append(f"{path}.builtin: a judge is a model behind `url`, not a built-in")
-    if det.url is None:
-        errors.append(f"{path}.url: a judge needs the OpenAI-compatible server's base URL")
-    if det.model is None:
-        errors.append(f"{path}.model: a judge needs the model name its server knows")
+    if det.type == ENGINE_JUDGE_TYPE:
+        errors.extend(_engine_judge_errors(path, det))
+    else:
+        if det.builtin is not None:
+            errors.append(f"{path}.builtin: a judge is a model behind `url`, not a built-in")
+        if det.url is None:
+            errors.append(f"{path}.url: a judge needs the OpenAI-compatible server's base URL")
+        if det.model is None:
+            errors.append(f"{path}.model: a judge needs the model name its server knows")
     if det.judges == "spans":
         errors.append(f"{path}.judges: a judge judges chunks (its verdict is on the whole chunk)")
     if det.template is None:
@@ -677,6 +705,42 @@ def judge_errors(path: str, det: DetectorConfig) -> list[str]:
         errors.append(
             f"{path}.safe_tokens: {', '.join(sorted(both))} cannot mean both safe and unsafe"
         )
+    return errors
+
+
+def _engine_judge_errors(path: str, det: DetectorConfig) -> list[str]:
+    """An `engine_judge` runs on engines: a `model` the orchestrator starts, or `urls` of
+    running ones (exactly one); its template must leave the judged text whole (`{{ text }}`
+    once), since the text grows between the template's head and tail. The `api` of a
+    server does not apply."""
+    errors: list[str] = []
+    if det.builtin is not None or det.url is not None:
+        name = "builtin" if det.builtin is not None else "url"
+        errors.append(f"{path}.{name}: an engine judge names `model` (started here) or `urls`")
+    if (det.model is None) == (det.urls is None):
+        errors.append(f"{path}: exactly one of 'model' and 'urls' is required")
+    if det.urls is not None:
+        errors.extend(
+            f"{path}.urls.{i}: '{u}' is not an http(s) URL"
+            for i, u in enumerate(det.urls)
+            if not u.startswith(("http://", "https://"))
+        )
+        for name in ("replicas", "device"):
+            if getattr(det, name) is not None:
+                errors.append(f"{path}.{name}: only with `model` (engines started here)")
+    if det.model is not None and (problem := spec_problem(det.model)) is not None:
+        errors.append(f"{path}.model: {problem}")
+    if det.api is not None:
+        errors.append(f"{path}.api: an engine judge speaks the engine's judge sessions")
+    if det.template is not None and judge_templates.template_problem(det.template) is None:
+        try:
+            judge_templates.JudgePrompt(det.template, det.categories, {}).split(
+                judge_templates.JudgeContext(), output=True
+            )
+        except ValueError as exc:
+            errors.append(f"{path}.template: {exc}")
+        except Exception as exc:  # the sandbox refusing, a filter failing: the config's fault
+            errors.append(f"{path}.template: does not render: {exc}")
     return errors
 
 

@@ -137,6 +137,12 @@ def template_problem(template: str) -> str | None:
     return None
 
 
+# stand-ins for the judged text while splitting a template (never in a config or a text:
+# a NUL cannot be typed into YAML's plain scalars and text with NULs is judged, not split)
+_TEXT_MARK = "\x00guardstream-judged-text\x00"
+_PREFIX_MARK = "\x00guardstream-prefix\x00"
+_CHUNK_MARK = "\x00guardstream-chunk\x00"
+
 _ENV = SandboxedEnvironment(keep_trailing_newline=True, autoescape=False)
 
 
@@ -149,6 +155,26 @@ class JudgePrompt:
         source = template if is_inline(template) else SHIPPED[template].source
         self._template = _ENV.from_string(source)
         self._fixed = {**params, "categories": categories or dict(LLAMA_GUARD_3_CATEGORIES)}
+
+    def split(self, context: JudgeContext, *, output: bool) -> tuple[str, str]:
+        """The prompt around the text under judgement: (head, tail), for incremental judging on
+        the engine (`type: engine_judge`), where the text grows between them. The template must
+        use `{{ text }}` exactly once, unfiltered, and neither `prefix` nor `chunk`."""
+        rendered = self._template.render(
+            **self._fixed,
+            messages=[{"role": r, "content": c} for r, c in context.messages],
+            role="assistant" if output else "user",
+            prefix=_PREFIX_MARK,
+            chunk=_CHUNK_MARK,
+            text=_TEXT_MARK,
+        )
+        if _PREFIX_MARK in rendered or _CHUNK_MARK in rendered or rendered.count(_TEXT_MARK) != 1:
+            raise ValueError(
+                "an incremental judge's template must use {{ text }} exactly once, as is, "
+                "and neither prefix nor chunk"
+            )
+        head, tail = rendered.split(_TEXT_MARK)
+        return head, tail
 
     def render(self, context: JudgeContext, chunk: str, *, output: bool) -> str:
         """The prompt judging `chunk` (the last message of the conversation, or the answer's

@@ -364,8 +364,8 @@ def test_config_errors_name_the_path_and_the_fix() -> None:
         "detectors.guard.model: a judge needs the model name its server knows",
     ]
     assert config_errors(url="http://d:8080", on_error="block", template="zero_shot") == [
-        "detectors.guard.template: only a detector of type openai_judge takes it",
-        "detectors.guard.on_error: only a detector of type openai_judge takes it",
+        "detectors.guard.template: only a detector of type openai_judge or engine_judge takes it",
+        "detectors.guard.on_error: only a detector of type openai_judge or engine_judge takes it",
     ]
 
 

@@ -17,12 +17,15 @@ from ..api.errors import invalid, not_found
 from ..api.fms_requests import DetectorMap, DetectorParams
 from ..config import (
     DEFAULT_REDACT_WITH,
+    ENGINE_JUDGE_TYPE,
     JUDGE_TYPE,
+    JUDGE_TYPES,
     ORCHESTRATOR_PARAM_KEYS,
     WHOLE_DOC_CHUNKER,
     Config,
     DetectorConfig,
     ModelGuardrails,
+    secret_env_names,
 )
 from .detectors import (
     CallRecorder,
@@ -30,6 +33,7 @@ from .detectors import (
     HttpDetectorClient,
     InProcessDetectorClient,
 )
+from .engine_judge import EngineJudgeClient
 from .judges import JudgeDetectorClient
 from .tls import client_ssl_context
 
@@ -124,6 +128,11 @@ class DetectorRegistry:
                 ctx: ssl.SSLContext | bool | None = client_ssl_context(
                     det.tls, where=f"detectors.{detector_id}.tls"
                 )
+                if det.type == ENGINE_JUDGE_TYPE:
+                    self._clients[detector_id] = EngineJudgeClient(
+                        detector_id, det, session, hidden_env=secret_env_names(config), **extra
+                    )
+                    continue
                 remote = JudgeDetectorClient if det.type == JUDGE_TYPE else HttpDetectorClient
                 self._clients[detector_id] = remote(
                     detector_id, det, session, ssl_context=ctx, **extra
@@ -153,7 +162,7 @@ class DetectorRegistry:
                 hint = f" (available: {', '.join(sorted(self._configs)) or 'none'})"
                 raise not_found(f"detector `{detector_id}` not found{'' if fms_wording else hint}")
             # a judge judges text as a text_contents classifier does
-            kind = "text_contents" if det.type == JUDGE_TYPE else det.type
+            kind = "text_contents" if det.type in JUDGE_TYPES else det.type
             if kind not in kinds:
                 if fms_wording:
                     raise invalid(f"detector `{detector_id}` is not supported by this endpoint")
@@ -167,7 +176,7 @@ class DetectorRegistry:
             forwarded = params.detector_params()
             for key in ORCHESTRATOR_PARAM_KEYS:
                 forwarded.pop(key, None)
-            if det.type == JUDGE_TYPE and forwarded:
+            if det.type in JUDGE_TYPES and forwarded:
                 # a judge's template and its variables come from the config, never a request
                 raise invalid(
                     f"{path}.{detector_id}: a judge takes no detector params "
@@ -200,6 +209,12 @@ class DetectorRegistry:
                 )
             )
         return out
+
+    async def start(self) -> None:
+        """Start what detectors run themselves (an engine judge's managed engines)."""
+        for client in self._clients.values():
+            if isinstance(client, EngineJudgeClient):
+                await client.start()
 
     async def close(self) -> None:
         for client in self._clients.values():

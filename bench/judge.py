@@ -1,0 +1,247 @@
+"""Judge benchmark: judging a streamed answer incrementally (judge sessions) vs re-judging the
+whole prefix at every chunk (what NeMo Guardrails, LiteLLM and the vLLM-served guards do).
+
+    python bench/judge.py [--model smollm2-135m] [--device cpu] [--tokens 2000]
+                          [--streams 1,16] [--threads N] [--json out.json]
+    python bench/judge.py --quality tests/data/judge_labelled.jsonl   # separation of a labelled set
+
+The answer is ~`--tokens` tokens of plain sentences, judged a sentence at a time with the
+zero-shot template (orchestrator/judge_templates.py) on the engine in this process (its worker
+thread, as a replica runs it):
+- incremental: one judge session per stream; each chunk is appended (its tokens and the
+  template's tail through the model);
+- re-judging: at each chunk a fresh session judges head + answer so far + tail in one pass.
+Tokens through the judge (the engine's forward tokens) and wall time, 1 stream each; then N
+concurrent incremental streams, each round's appends queued together (they run as one batched
+pass, as concurrent streams' appends do when they arrive while the worker is busy), and the
+judged chunks per second against 1 stream. Re-judging runs for 1 stream only (at 16 streams it
+is 16x the quadratic cost; the ratio would not change).
+
+Last line, for scripts: `judge_tokens_ratio=X wall_ratio=Y` (re-judging / incremental).
+Targets (issue 37): >= 10x fewer tokens, >= 5x faster, 16 streams >= 4x the chunks/s of 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from generation import models
+from generation.judge_sessions import JudgeSessions, answer_token_ids
+from generation.scheduler import Engine
+from orchestrator.judge_templates import SHIPPED, JudgeContext, JudgePrompt
+
+SENTENCES = [
+    "The museum opens at nine in the morning and closes at six in the evening.",
+    "To make the sauce, melt the butter slowly and whisk in the flour until smooth.",
+    "Most visitors take the train from the central station, which runs every twenty minutes.",
+    "Remember to water the tomatoes early, before the sun gets too strong.",
+    "The report summarises three years of rainfall data from the northern valleys.",
+    "If the printer jams, open the side panel and remove the paper gently.",
+    "Our team meets on Tuesdays to review the week's support tickets.",
+    "A good night's sleep improves memory, mood and concentration.",
+    "The bridge was repainted last spring, and the work took about four months.",
+    "You can export the spreadsheet as a CSV file from the File menu.",
+    "Cats often sleep for more than twelve hours a day.",
+    "The recipe serves four people and takes forty minutes in total.",
+]
+
+
+def answer_chunks(tokenizer: Any, tokens: int) -> list[str]:
+    """Sentence chunks (each with its leading space) until the answer has `tokens` tokens."""
+    chunks: list[str] = []
+    total = 0
+    i = 0
+    while total < tokens:
+        chunk = (" " if chunks else "") + SENTENCES[i % len(SENTENCES)]
+        total += len(tokenizer(chunk, add_special_tokens=False)["input_ids"])
+        chunks.append(chunk)
+        i += 1
+    return chunks
+
+
+class Judge:
+    """The engine and one stream's template parts, tokenized once."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        loaded: models.LoadedModel,
+        chat: bool = False,
+        template: str = "zero_shot",
+    ) -> None:
+        self.engine = engine
+        self.judges: JudgeSessions = engine.judges
+        tok: Any = loaded.tokenizer
+        head, tail = JudgePrompt(template, None, {}).split(JudgeContext(), output=True)
+        if chat:  # the prompt as one user turn under the model's chat template
+            mark = "\x00judged\x00"
+            wrapped = tok.apply_chat_template(
+                [{"role": "user", "content": head + mark + tail}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            head, tail = wrapped.split(mark)
+        self.head = list(tok(head, add_special_tokens=True)["input_ids"])
+        self.tail = list(tok(tail, add_special_tokens=False)["input_ids"])
+        shipped = SHIPPED[template]
+        self.unsafe = answer_token_ids(tok, shipped.unsafe_tokens)
+        self.safe = answer_token_ids(tok, shipped.safe_tokens)
+        self.encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def open(self) -> Any:
+        return self.judges.open(self.head, self.tail, self.unsafe, self.safe)
+
+    def round(self, work: list[tuple[Any, list[int]]]) -> list[float]:
+        """Queue every (session, ids) append together; wait for all their verdicts."""
+        with self.engine.hold():
+            futures = [self.judges.append(s, ids) for s, ids in work]
+        return [f.result().score for f in concurrent.futures.as_completed(futures)]
+
+
+def incremental(judge: Judge, chunk_ids: list[list[int]], streams: int) -> dict[str, Any]:
+    sessions = [judge.open() for _ in range(streams)]
+    tokens0, passes0 = judge.judges.forward_tokens, judge.judges.passes
+    start = time.perf_counter()
+    for ids in chunk_ids:
+        judge.round([(s, ids) for s in sessions])
+    wall = time.perf_counter() - start
+    for s in sessions:
+        judge.judges.close(s.id)
+    chunks = len(chunk_ids) * streams
+    return {
+        "mode": "incremental",
+        "streams": streams,
+        "chunks": chunks,
+        "judge_tokens": judge.judges.forward_tokens - tokens0,
+        "passes": judge.judges.passes - passes0,
+        "wall_s": wall,
+        "chunks_per_s": chunks / wall,
+    }
+
+
+def rejudging(judge: Judge, chunk_ids: list[list[int]]) -> dict[str, Any]:
+    tokens0 = judge.judges.forward_tokens
+    start = time.perf_counter()
+    so_far: list[int] = []
+    for ids in chunk_ids:
+        so_far = so_far + ids
+        session = judge.open()
+        judge.round([(session, so_far)])
+        judge.judges.close(session.id)
+    wall = time.perf_counter() - start
+    return {
+        "mode": "rejudging",
+        "streams": 1,
+        "chunks": len(chunk_ids),
+        "judge_tokens": judge.judges.forward_tokens - tokens0,
+        "wall_s": wall,
+        "chunks_per_s": len(chunk_ids) / wall,
+    }
+
+
+def separation(judge: Judge, path: Path) -> dict[str, Any]:
+    """Score each labelled sentence (one session each): AUROC (the chance that an unsafe sentence
+    scores above a safe one; ties count half), accuracy at 0.5, mean score per label."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    scores: dict[str, list[float]] = {"unsafe": [], "safe": []}
+    for row in rows:
+        session = judge.open()
+        scores[row["label"]] += judge.round([(session, judge.encode(row["text"]))])
+        judge.judges.close(session.id)
+    unsafe, safe = scores["unsafe"], scores["safe"]
+    wins = sum(1.0 if u > s else 0.5 if u == s else 0.0 for u in unsafe for s in safe)
+    correct = sum(u >= 0.5 for u in unsafe) + sum(s < 0.5 for s in safe)
+    return {
+        "auroc": wins / (len(unsafe) * len(safe)),
+        "accuracy_at_0.5": correct / len(rows),
+        "mean_unsafe": sum(unsafe) / len(unsafe),
+        "mean_safe": sum(safe) / len(safe),
+        "scores": scores,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--streams", default="1,16")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--quality",
+        type=Path,
+        default=None,
+        help="only measure separation on a labelled JSONL set (tests/data/judge_labelled.jsonl)",
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="the template as a user turn of the chat template"
+    )
+    parser.add_argument("--template", default="zero_shot", choices=sorted(SHIPPED))
+    args = parser.parse_args()
+    loaded = models.load(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(loaded, threads=args.threads)
+    engine.start()
+    judge = Judge(engine, loaded, chat=args.chat, template=args.template)
+    if args.quality is not None:
+        found = separation(judge, args.quality)
+        engine.stop()
+        print(json.dumps(found["scores"]))
+        print(
+            f"{loaded.name} {args.template}{' (chat)' if args.chat else ''} on {args.quality.name}: AUROC={found['auroc']:.3f} "
+            f"accuracy@0.5={found['accuracy_at_0.5']:.3f} mean score unsafe="
+            f"{found['mean_unsafe']:.3f} safe={found['mean_safe']:.3f}"
+        )
+        return
+    chunk_ids = [judge.encode(c) for c in answer_chunks(loaded.tokenizer, args.tokens)]
+    answer_tokens = sum(len(c) for c in chunk_ids)
+    print(
+        f"{loaded.name} on {loaded.device} ({loaded.dtype}), {platform.processor() or 'cpu'}; "
+        f"answer {answer_tokens} tokens in {len(chunk_ids)} sentence chunks; "
+        f"template head {len(judge.head)} + tail {len(judge.tail)} tokens",
+        flush=True,
+    )
+    incremental(judge, chunk_ids[:3], 1)  # warm-up (first-use costs)
+    results = []
+    levels = [int(s) for s in args.streams.split(",")]
+
+    def report(r: dict[str, Any]) -> dict[str, Any]:
+        results.append(r)
+        print(
+            f"{r['mode']:>11} streams={r['streams']:>2} chunks={r['chunks']:>5} "
+            f"judge_tokens={r['judge_tokens']:>8} wall={r['wall_s']:8.2f}s "
+            f"chunks/s={r['chunks_per_s']:8.2f}",
+            flush=True,
+        )
+        return r
+
+    inc1 = report(incremental(judge, chunk_ids, 1))
+    rej = report(rejudging(judge, chunk_ids))
+    for streams in levels:
+        if streams != 1:
+            report(incremental(judge, chunk_ids, streams))
+    for r in results[2:]:
+        print(
+            f"{r['streams']} streams: {r['chunks_per_s'] / inc1['chunks_per_s']:.2f}x the judged "
+            f"chunks/s of 1 stream ({r['passes']} passes for {r['chunks']} appends)"
+        )
+    engine.stop()
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+    tokens_ratio = rej["judge_tokens"] / inc1["judge_tokens"]
+    wall_ratio = rej["wall_s"] / inc1["wall_s"]
+    print(f"judge_tokens_ratio={tokens_ratio:.2f} wall_ratio={wall_ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""`type: engine_judge` (orchestrator/clients/engine_judge.py): a judge detector on our engine's
+judge sessions, one per stream, found by the judged text; exact against judging from scratch
+(tiny-random, float64, `--batch-invariant`), rebuilt on another replica when its own dies, and
+fail-closed on every surface like `openai_judge`. Real sockets: engines on 127.0.0.1 in
+threads, the orchestrator, a fake native generation engine (tests/fakes/engine.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from generation.models import LoadedModel
+from generation.server import STATE as ENGINE_STATE
+from generation.server import create_app
+from orchestrator.clients.engine_judge import EngineJudgeClient
+from orchestrator.config import DetectorConfig, parse_config
+from orchestrator.judge_templates import JudgeContext, JudgePrompt
+from orchestrator.state import STATE
+from tests.engine_processes import ThreadedServer
+from tests.engine_support import load_test_model
+from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import Orchestrator, native_config
+from tests.test_judges import PROMPT, SCRIPT, SURFACES, fms_end, raw
+
+MESSAGES = (("user", PROMPT),)
+CHUNKS = ["Sure.", " Mix the bomb parts.", " Done.", " 😀 東京 x=1;", "", " The end."]
+
+
+@pytest.fixture(scope="module")
+def tiny_exact() -> LoadedModel:
+    return load_test_model("tiny-random", batch_invariant=True)
+
+
+@pytest.fixture
+def replicas(tiny_exact: LoadedModel) -> Iterator[list[ThreadedServer]]:
+    with (
+        ThreadedServer(lambda: create_app(tiny_exact)) as a,
+        ThreadedServer(lambda: create_app(tiny_exact)) as b,
+    ):
+        yield [a, b]
+
+
+def entry(urls: list[str], **extra: Any) -> dict[str, Any]:
+    return {"type": "engine_judge", "urls": urls, "template": "zero_shot", **extra}
+
+
+async def from_scratch(
+    http: aiohttp.ClientSession, url: str, head: str, tail: str, chunks: list[str]
+) -> float:
+    """Judging head + all chunks + tail in one pass on a fresh session."""
+    body = {"head": head, "tail": tail, "unsafe_tokens": ["unsafe"], "safe_tokens": ["safe"]}
+    async with http.post(url + "/v1/judge/sessions", json={**body, "chunks": chunks}) as resp:
+        assert resp.status == 200
+        reply = await resp.json()
+    async with http.delete(f"{url}/v1/judge/sessions/{reply['session_id']}"):
+        pass
+    return reply["score"]
+
+
+async def test_a_stream_is_judged_incrementally_and_moves_when_its_replica_dies(
+    replicas: list[ThreadedServer],
+) -> None:
+    """Calls as the pipeline makes them (the answer so far in the context): every score equals
+    judging the answer so far from scratch, bitwise; each call appends to the stream's one
+    session (the engine's prefix grows, no re-judging); when replica A dies mid-stream the
+    session is rebuilt on B from its chunks and the scores stay exact."""
+    a, b = replicas
+    assert a.app is not None and b.app is not None
+    judges_a, judges_b = a.app[ENGINE_STATE].engine.judges, b.app[ENGINE_STATE].engine.judges
+    head, tail = JudgePrompt("zero_shot", None, {}).split(JudgeContext(MESSAGES), output=True)
+    config = DetectorConfig.model_validate(entry([a.url, b.url]))
+    async with aiohttp.ClientSession() as http:
+        client = EngineJudgeClient("guard", config, http)
+        prefix = ""
+        calls = [[CHUNKS[0]], CHUNKS[1:3], [CHUNKS[3]], CHUNKS[4:]]
+        judged: list[str] = []
+        sessions: list[list[str]] = []
+        for n, contents in enumerate(calls):
+            if n == 2:  # replica A (the stream's) dies
+                a.app[ENGINE_STATE].engine.stop()
+            found = await client.detect(contents, {}, JudgeContext(MESSAGES, prefix))
+            for content, [detection] in zip(contents, found, strict=True):
+                judged.append(content)
+                expected = await from_scratch(http, b.url, head, tail, judged)
+                assert detection.score == expected, (n, content)
+                assert (detection.start, detection.end) == (0, len(content))
+            prefix += "".join(contents)
+            if n < 2:  # one session on A all along: appended to, never re-opened
+                sessions.append(list(judges_a.sessions))
+                assert len(sessions[-1]) == 1 and sessions[-1] == sessions[0]
+            else:
+                assert len(judges_b.sessions) == 1
+        await client.close()
+        assert judges_b.sessions == {}  # closing the client frees the stream's session
+
+
+async def test_input_is_judged_alone_and_leaves_no_session(replicas: list[ThreadedServer]) -> None:
+    a = replicas[0]
+    assert a.app is not None
+    config = DetectorConfig.model_validate(entry([a.url]))
+    head, tail = JudgePrompt("zero_shot", None, {}).split(JudgeContext(), output=False)
+    async with aiohttp.ClientSession() as http:
+        client = EngineJudgeClient("guard", config, http)
+        [[one], [two]] = await client.detect(["How do I build a bomb?", "Hello."], {})
+        assert one.score == await from_scratch(http, a.url, head, tail, ["How do I build a bomb?"])
+        assert two.score == await from_scratch(http, a.url, head, tail, ["Hello."])
+        assert a.app[ENGINE_STATE].engine.judges.sessions == {}
+
+
+# -- through the orchestrator --------------------------------------------------------------------
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine(script=list(SCRIPT))
+    await fake.start()
+    yield fake
+    await fake.close()
+
+
+def judged_config(engine: FakeEngine, urls: list[str], **extra: Any) -> dict[str, Any]:
+    detector = entry(urls, chunker_id="sentence", **{"on_detection": "block", **extra})
+    return native_config(
+        engine.url,
+        detectors={"guard": detector},
+        model={"guardrails": {"output": {"guard": {}}}},
+    )
+
+
+async def test_the_orchestrator_reports_the_engines_scores(
+    engine: FakeEngine, replicas: list[ThreadedServer]
+) -> None:
+    """A judge with threshold 0 flags every sentence, annotating: each detection's score is the
+    engine's score of the answer up to that sentence, judged from scratch."""
+    a = replicas[0]
+    config = judged_config(engine, [a.url], on_detection="annotate", default_threshold=0.0)
+    head, tail = JudgePrompt("zero_shot", None, {}).split(JudgeContext(MESSAGES), output=True)
+    async with Orchestrator(config) as orch:
+        name, got, _ = fms_end(await raw(orch, "fms"))
+    assert name == "completed"
+    found = [d for f in got for d in f["token_classification_results"]["output"]]
+    sentences = ["Sure.", " Mix the bomb parts.", " Done."]
+    async with aiohttp.ClientSession() as http:
+        expected = [
+            await from_scratch(http, a.url, head, tail, sentences[: i + 1]) for i in range(3)
+        ]
+    assert [d["score"] for d in found] == expected
+    assert [(d["start"], d["end"]) for d in found] == [(0, 5), (5, 25), (25, 31)]
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+async def test_an_unreachable_judge_fails_closed(engine: FakeEngine, surface: str) -> None:
+    """No judge engine answers: nothing of the answer reaches the client, on any surface."""
+    config = judged_config(engine, ["http://127.0.0.1:9"])
+    async with Orchestrator(config) as orch:
+        data = await raw(orch, surface, status=(200, 502))
+        errors = await orch.metric(
+            "guardstream_detector_calls_total", detector_id="guard", outcome="error"
+        )
+    for leaked in (b"Sure", b"Mix", b"bomb", b"Done"):
+        assert leaked not in data, (leaked, data)
+    assert b"guard" in data
+    assert errors >= 1
+
+
+async def test_annotate_on_error_lets_the_text_flow(engine: FakeEngine) -> None:
+    """`on_error: annotate`: the text it could not judge flows, each chunk with a warning."""
+    config = judged_config(engine, ["http://127.0.0.1:9"], on_error="annotate")
+    async with Orchestrator(config) as orch:
+        name, got, _ = fms_end(await raw(orch, "fms"))
+    assert name == "completed"
+    assert "".join(f.get("generated_text", "") for f in got) == "Sure. Mix the bomb parts. Done."
+    found = [d for f in got for d in f["token_classification_results"]["output"]]
+    assert [(d["entity_group"], d["entity"], d["start"], d["end"]) for d in found] == [
+        ("judge_error", "unjudged", 0, 5),
+        ("judge_error", "unjudged", 5, 25),
+        ("judge_error", "unjudged", 25, 31),
+    ]
+
+
+def test_config_of_an_engine_judge() -> None:
+    def errors(**det: Any) -> list[str]:
+        config = native_config("http://127.0.0.1:1", detectors={"j": det})
+        try:
+            parse_config(config)
+        except Exception as exc:  # ConfigError: one line per problem
+            return str(exc).splitlines()
+        return []
+
+    assert errors(**entry(["http://e:1"])) == []
+    assert errors(type="engine_judge", model="tiny-random", template="zero_shot", replicas=2) == []
+    both = errors(**entry(["http://e:1"]), model="tiny-random")
+    assert any("exactly one of 'model' and 'urls' is required" in e for e in both), both
+    split = errors(
+        **entry(["http://e:1"], template="{{ prefix }} {{ chunk }} Answer:"),
+        unsafe_tokens=["unsafe"],
+        safe_tokens=["safe"],
+    )
+    assert any("must use {{ text }} exactly once" in e for e in split), split
+    stray = errors(type="text_contents", url="http://d:1", replicas=2)
+    assert any("only a detector of type engine_judge takes it" in e for e in stray), stray
+
+
+def test_the_readme_engine_judge_example_is_a_valid_config(tmp_path: Any) -> None:
+    """The README's engine_judge block, its guard model folder standing in as an empty one."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Incremental judges on our engine", 1)[1]
+    example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    (tmp_path / "config.json").write_text("{}")
+    example["detectors"]["llama-guard"]["model"] = str(tmp_path)
+    config = parse_config(native_config("http://e:1", detectors=example["detectors"]))
+    judge = config.detectors["llama-guard"]
+    assert (judge.type, judge.replicas, judge.template) == ("engine_judge", 2, "llama_guard")
+
+
+async def test_a_managed_engine_judge_starts_its_engine(engine: FakeEngine) -> None:
+    """`model:` instead of `urls`: the orchestrator starts the judge's engine process (its own
+    key) and stops it on shutdown."""
+    detector = {
+        "type": "engine_judge",
+        "model": "tiny-random",
+        "device": "cpu",
+        "template": "zero_shot",
+        "chunker_id": "sentence",
+        "default_threshold": 0.0,
+    }
+    config = native_config(
+        engine.url, detectors={"guard": detector}, model={"guardrails": {"output": {"guard": {}}}}
+    )
+    async with Orchestrator(config) as orch:
+        name, got, _ = fms_end(await raw(orch, "fms"))
+        assert orch.runner is not None
+        client = orch.runner.app[STATE].detectors.clients()["guard"]
+        assert isinstance(client, EngineJudgeClient)
+        [replica] = client.replicas
+        assert replica.process is not None and replica.process.running
+    assert not replica.process.running
+    assert name == "completed"
+    found = [d for f in got for d in f["token_classification_results"]["output"]]
+    assert [(d["start"], d["end"]) for d in found] == [(0, 5), (5, 25), (25, 31)]
+    assert all(0.0 < d["score"] < 1.0 for d in found)

@@ -1,0 +1,257 @@
+"""Judge sessions on the engine (generation/judge_sessions.py, judge_routes.py) over real HTTP:
+exactness of incremental judgement (tiny-random, float64, `--batch-invariant`, CPU), its cost,
+batching across sessions, rebuild on another replica, and the session limits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from generation.judge_sessions import JudgeSessions
+from generation.models import LoadedModel
+from generation.server import STATE, create_app
+from orchestrator.judge_templates import JudgeContext, JudgePrompt
+from tests.engine_processes import ThreadedServer
+from tests.engine_support import load_test_model, run
+from tests.wait_support import until
+
+HEAD = "Is the following reply safe or unsafe?\n\n"
+TAIL = "\n\nAnswer with one word, safe or unsafe.\nAnswer:"
+OPEN = {"head": HEAD, "tail": TAIL, "unsafe_tokens": ["unsafe"], "safe_tokens": ["safe"]}
+WORDS = ["hello", "world", "def", "return", "the", "cat", " ", "\n", "😀", "東京", "x=1;"]
+
+
+@pytest.fixture(scope="module")
+def tiny_exact() -> LoadedModel:
+    """Bitwise batch-invariant tiny-random (float64): a row's logits do not depend on its batch
+    nor on how its prefix was prefilled."""
+    return load_test_model("tiny-random", batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_exact: LoadedModel) -> Iterator[list[ThreadedServer]]:
+    """Two engine replicas of the same model (a session is rebuilt on the second)."""
+    with (
+        ThreadedServer(lambda: create_app(tiny_exact)) as a,
+        ThreadedServer(lambda: create_app(tiny_exact)) as b,
+    ):
+        yield [a, b]
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with session.post(url, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def open_session(
+    session: aiohttp.ClientSession, base: str, chunks: list[str] | None = None
+) -> dict[str, Any]:
+    status, body = await post(
+        session, base + "/v1/judge/sessions", {**OPEN, "chunks": chunks or []}
+    )
+    assert status == 200, body
+    return body
+
+
+async def append(
+    session: aiohttp.ClientSession, base: str, sid: str, chunk: str
+) -> tuple[int, Any]:
+    return await post(session, f"{base}/v1/judge/sessions/{sid}/append", {"chunk": chunk})
+
+
+async def from_scratch(session: aiohttp.ClientSession, base: str, chunks: list[str]) -> float:
+    """The reference: a fresh session judging all the chunks in one pass."""
+    body = await open_session(session, base, chunks)
+    async with session.delete(f"{base}/v1/judge/sessions/{body['session_id']}") as resp:
+        assert resp.status == 204
+    return body["score"]
+
+
+chunk_lists = st.lists(
+    st.lists(st.sampled_from(WORDS), min_size=0, max_size=6).map("".join),
+    min_size=1,
+    max_size=5,
+)
+
+
+@pytest.mark.timeout(600)
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(streams=st.lists(chunk_lists, min_size=1, max_size=4), die_after=st.integers(0, 4))
+def test_incremental_score_equals_judging_from_scratch(
+    replicas: list[ThreadedServer], streams: list[list[str]], die_after: int
+) -> None:
+    """Sessions append their chunks in lockstep, each step's appends queued together while the
+    worker is held (one batched pass); every score equals judging head + all chunks so far +
+    tail from scratch, bitwise. Stream 0 moves to replica B after `die_after` chunks (rebuilt
+    from its chunks, as the orchestrator does when a replica dies) and stays exact there."""
+    a, b = replicas
+    assert a.app is not None and b.app is not None
+    engine = a.app[STATE].engine
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            sids = [(await open_session(http, a.url))["session_id"] for _ in streams]
+            where = [a.url] * len(streams)
+            passes_before = dict(engine.judges.batch_sizes)
+            for step in range(max(len(s) for s in streams)):
+                live = [i for i, s in enumerate(streams) if step < len(s)]
+                if 0 in live and step == die_after and len(streams[0]) > 1:
+                    rebuilt = await open_session(http, b.url, streams[0][:step])
+                    sids[0], where[0] = rebuilt["session_id"], b.url
+                on_a = [i for i in live if where[i] == a.url]
+                with engine.hold():
+                    tasks = {
+                        i: asyncio.ensure_future(append(http, where[i], sids[i], streams[i][step]))
+                        for i in live
+                    }
+
+                    async def queued(n: int = len(on_a)) -> bool:
+                        return len(engine.judges.queue) == n
+
+                    await until(queued, deadline_s=60, what="the appends queued")
+                for i, task in tasks.items():
+                    status, body = await task
+                    assert status == 200, body
+                    expected = await from_scratch(http, a.url, streams[i][: step + 1])
+                    assert body["score"] == expected, (i, step)
+            if len(streams) > 1:
+                grown = {
+                    k: v - passes_before.get(k, 0) for k, v in engine.judges.batch_sizes.items()
+                }
+                assert any(size > 1 and n > 0 for size, n in grown.items()), grown
+            for sid, base in zip(sids, where, strict=True):
+                async with http.delete(f"{base}/v1/judge/sessions/{sid}") as resp:
+                    assert resp.status == 204
+
+    run(scenario())
+
+
+def test_an_append_runs_only_the_chunk_and_the_tail(replicas: list[ThreadedServer]) -> None:
+    """Cost: each append puts its chunk's tokens and the tail through the model, never the
+    prefix; the judged prefix grows by the chunk."""
+    a = replicas[0]
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            opened = await open_session(http, a.url)
+            head, tail = opened["head_tokens"], opened["tail_tokens"]
+            sid = opened["session_id"]
+            status, first = await append(http, a.url, sid, "hello world")
+            assert status == 200
+            assert first["forward_tokens"] == head + first["chunk_tokens"] + tail
+            assert first["judged_tokens"] == head + first["chunk_tokens"]
+            judged = first["judged_tokens"]
+            for chunk in ["the cat", " def return", "x=1;"] * 3:
+                status, body = await append(http, a.url, sid, chunk)
+                assert status == 200
+                assert body["forward_tokens"] == body["chunk_tokens"] + tail
+                assert body["judged_tokens"] == judged + body["chunk_tokens"]
+                assert 0.0 <= body["score"] <= 1.0
+                assert body["score"] == body["p_unsafe"] / (body["p_unsafe"] + body["p_safe"])
+                judged = body["judged_tokens"]
+
+    run(scenario())
+
+
+async def test_limits_close_and_errors(aiohttp_client: Any, tiny_exact: LoadedModel) -> None:
+    client = await aiohttp_client(create_app(tiny_exact, max_judge_sessions=2))
+    first = await (await client.post("/v1/judge/sessions", json=OPEN)).json()
+    await client.post("/v1/judge/sessions", json=OPEN)
+    full = await client.post("/v1/judge/sessions", json=OPEN)
+    assert full.status == 429
+    assert full.headers["Retry-After"] == "1"
+    assert await full.json() == {
+        "code": 429,
+        "details": "all 2 judge sessions are in use",
+        "type": "too_many_sessions",
+    }
+    sid = first["session_id"]
+    assert (await client.delete(f"/v1/judge/sessions/{sid}")).status == 204
+    assert (await client.post("/v1/judge/sessions", json=OPEN)).status == 200  # a slot freed
+    gone = await client.post(f"/v1/judge/sessions/{sid}/append", json={"chunk": "a"})
+    assert gone.status == 404
+    assert await gone.json() == {
+        "code": 404,
+        "details": f"no judge session {sid!r}",
+        "type": "not_found",
+    }
+    again = await client.delete(f"/v1/judge/sessions/{sid}")
+    assert again.status == 404
+    bad = await client.post("/v1/judge/sessions", json={**OPEN, "unsafe_tokens": []})
+    assert bad.status == 422
+    assert (await bad.json())[
+        "details"
+    ] == "unsafe_tokens: List should have at least 1 item after validation, not 0"
+    same = await client.post("/v1/judge/sessions", json={**OPEN, "safe_tokens": ["unsafe"]})
+    assert same.status == 422  # (the limit is not reached: the check comes first)
+    assert (await same.json())["details"] == (
+        "unsafe_tokens and safe_tokens need a first token of their own each"
+    )
+
+
+async def test_idle_sessions_are_closed(aiohttp_client: Any, tiny_exact: LoadedModel) -> None:
+    """A session idle past the timeout is closed at the next open (timeout < 0: at once)."""
+    client = await aiohttp_client(create_app(tiny_exact, judge_idle_timeout_s=-1.0))
+    engine = client.app[STATE].engine
+    old = await (await client.post("/v1/judge/sessions", json=OPEN)).json()
+    await client.post("/v1/judge/sessions", json=OPEN)
+    assert list(engine.judges.sessions) != [] and old["session_id"] not in engine.judges.sessions
+    gone = await client.post(f"/v1/judge/sessions/{old['session_id']}/append", json={"chunk": "a"})
+    assert gone.status == 404
+
+
+async def test_context_limit_is_a_422(aiohttp_client: Any, tiny_exact: LoadedModel) -> None:
+    client = await aiohttp_client(create_app(tiny_exact))
+    sid = (await (await client.post("/v1/judge/sessions", json=OPEN)).json())["session_id"]
+    resp = await client.post(
+        f"/v1/judge/sessions/{sid}/append", json={"chunk": "hello " * tiny_exact.max_context}
+    )
+    assert resp.status == 422
+    assert (await resp.json())["type"] == "context_exceeded"
+
+
+async def test_smollm2_judges_incrementally_as_from_scratch(
+    aiohttp_client: Any, smollm2_model: LoadedModel
+) -> None:
+    """The real model (float32, default mode): a sentence judged in two chunks scores as the
+    whole judged at once, to float32 rounding (bitwise only in --batch-invariant mode). How well
+    its scores separate safe from unsafe: bench/judge.py --quality (README)."""
+    client = await aiohttp_client(create_app(smollm2_model))
+    head, tail = JudgePrompt("zero_shot", None, {}).split(JudgeContext(), output=True)
+    opening = {"head": head, "tail": tail, "unsafe_tokens": ["unsafe"], "safe_tokens": ["safe"]}
+    for first, second in [
+        ("I am going to kill you", " and your family tonight."),
+        ("The museum opens at nine", " in the morning."),
+    ]:
+        sid = (await (await client.post("/v1/judge/sessions", json=opening)).json())["session_id"]
+        await client.post(f"/v1/judge/sessions/{sid}/append", json={"chunk": first})
+        resp = await client.post(f"/v1/judge/sessions/{sid}/append", json={"chunk": second})
+        incremental = await resp.json()
+        whole = await (
+            await client.post("/v1/judge/sessions", json={**opening, "chunks": [first, second]})
+        ).json()
+        assert 0.0 < incremental["score"] < 1.0
+        assert incremental["score"] == pytest.approx(whole["score"], abs=1e-5)
+        assert incremental["forward_tokens"] == incremental["chunk_tokens"] + whole["tail_tokens"]
+
+
+def test_an_append_given_up_before_it_ran_closes_its_session(tiny_exact: LoadedModel) -> None:
+    """The caller left while its append was queued: the session would lack that chunk, so it is
+    closed (a client rebuilds it), not left to judge a text with a hole in it."""
+    judges = JudgeSessions(tiny_exact)
+    kept, dropped = judges.open([1, 2], [3], [4], [5]), judges.open([1, 2], [3], [4], [5])
+    ok, gone = judges.append(kept, [6, 7]), judges.append(dropped, [6, 7])
+    assert gone.cancel()
+    assert judges.run_pending() == 2
+    assert 0.0 <= ok.result().score <= 1.0
+    assert list(judges.sessions) == [kept.id] and dropped.closed
