@@ -39,7 +39,13 @@ from detectors.api import Detection
 
 from ..config import DetectorConfig
 from ..judge_templates import SHIPPED, JudgeContext, JudgePrompt, is_inline
-from .detectors import CallRecorder, DetectorCallError, _ignore_call, detector_api_key
+from .detectors import (
+    CallRecorder,
+    DetectorCallError,
+    DetectorClient,
+    _ignore_call,
+    detector_api_key,
+)
 from .judges import JudgeDetectorClient
 from .managed import EngineProcess, engine_command
 from .peers import BodyTooLarge, log_error_body, read_bounded, read_error_body
@@ -98,8 +104,9 @@ class EngineJudgeClient(JudgeDetectorClient):
         on_call: CallRecorder = _ignore_call,
         hidden_env: frozenset[str] = frozenset(),
     ) -> None:
-        # JudgeDetectorClient's set-up is an OpenAI server's; only its verdict handling is shared
-        super(JudgeDetectorClient, self).__init__(detector_id, config, on_call=on_call)
+        # JudgeDetectorClient's set-up is an OpenAI server's (one URL); only its verdict
+        # handling is shared: the detector's own set-up, then this client's replicas
+        DetectorClient.__init__(self, detector_id, config, on_call=on_call)
         assert config.template is not None
         self._session = session
         self._ssl = ssl_context
