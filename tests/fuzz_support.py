@@ -68,6 +68,8 @@ FMS_NAMED = re.compile(
     r"`(?P<required>[^`]*)` (is required|must not be empty .*)|missing field `(?P<missing>[^`]*)`"
     r"|unknown field `(?P<unknown>.*)`, expected one of .*"
     r"|detector `(?P<detector>[^`]*)` is not supported by this endpoint"
+    # the FMS orchestrator's words for a detector's threshold (detectors.<id>.threshold)
+    r"|`threshold` parameter specified for model `(?P<threshold>[^`]*)` must be a number"
 )
 FMS_CHAT_MESSAGES = {"Message content cannot be empty", "Only content of type text is allowed"}
 # KNOWN DEFECT (reported with issue 33): an engine's advertised limit is refused in the engine's
