@@ -182,14 +182,22 @@ async def test_a_remote_span_detector_is_windowed_at_every_cut(
 
 
 def test_seam_ends_by_kind_of_detector() -> None:
-    """A classifier: no windows; a span detector: at the ends that are no natural cut, or at
-    every end when its spans may cross one."""
+    """A classifier: at the ends that are no natural cut (a phrase cut by `max_chars` or a word
+    count), none when it redacts (it redacts exactly its chunks); a span detector: at the ends
+    that are no natural cut, or at every end when its spans may cross one."""
     natural = chunkers.Span(0, 3, "Hi.", natural_end=True)
     cut = chunkers.Span(0, 3, "Hi ")
-    classifier = RequestedDetector(
-        "hap", regex_detector().client, "s", 0.5, "block", {}, judges_chunks=True
+    for action in ("block", "annotate"):
+        classifier = seam_ends(
+            RequestedDetector(
+                "hap", regex_detector().client, "s", 0.5, action, {}, judges_chunks=True
+            )
+        )
+        assert classifier is not None and (classifier(natural), classifier(cut)) == (False, True)
+    redacting = RequestedDetector(
+        "hap", regex_detector().client, "s", 0.5, "redact", {}, judges_chunks=True
     )
-    assert seam_ends(classifier) is None
+    assert seam_ends(redacting) is None
     regex = seam_ends(regex_detector())
     assert regex is not None and (regex(natural), regex(cut)) == (False, True)
     custom = seam_ends(regex_detector(patterns={"x": "x"}))
@@ -228,3 +236,40 @@ def test_a_stream_of_sentences_is_judged_once(on_detection: str) -> None:
     )
     assert "".join(f.text for f in frames) == text
     assert counting.judged == len(text)
+
+
+async def test_a_blocking_classifier_sees_a_phrase_a_word_count_cut_in_two() -> None:
+    """An injection cut in two by a chunker's word count (no sentence end there) reads benign
+    in each half; a blocking classifier judges across the cut too, on the input and on the
+    output: the prompt never reaches the engine, and no word of the phrase leaves."""
+    from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
+    from tests.fakes.engine import FakeEngine
+    from tests.orchestrator_support import Orchestrator, frames, generation_body, native_config
+
+    dets = FakeDetectorServer()
+    dets.add("cls", DetectorBehaviour(words={"go away": 0.9}, detection="injection"))
+    await dets.start()
+    engine = FakeEngine(script=["Please", " go", " away", " now"])
+    await engine.start()
+    cls = {
+        "type": "text_contents",
+        "url": dets.url,
+        "chunker_id": "two",
+        "judges": "chunks",
+        "on_detection": "block",
+    }
+    config = native_config(
+        engine.url, detectors={"cls": cls}, chunkers={"two": {"type": "words", "max_words": 2}}
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            refused = await orch.stream(generation_body("Please go away now", input={"cls": {}}))
+            assert engine.requests == []
+            assert refused[-1].data["incomplete_details"] == {"reason": "content_filter"}
+            blocked = await orch.stream(generation_body("Hi", output={"cls": {}}))
+    finally:
+        await engine.close()
+        await dets.close()
+    released = "".join(f.data["generated_text"] for f in frames(blocked))
+    assert "go" not in released and "away" not in released, released
+    assert blocked[-1].data["incomplete_details"] == {"reason": "content_filter"}

@@ -119,15 +119,19 @@ def _not_natural(chunk: Span) -> bool:
 
 
 def seam_ends(detector: RequestedDetector) -> Callable[[Span], bool] | None:
-    """Which chunk ends a seam window must look across for `detector`. None for a classifier:
-    its verdict is on the chunk it was given, judged alone (DESIGN 4.6a), so a window is no
-    part of it. For a span detector, every end that is not a natural cut (`Span.natural_end`:
+    """Which chunk ends a seam window must look across for `detector`. A classifier's unit is
+    the chunk its chunker gives it (a sentence), judged alone (DESIGN 4.6a): a natural cut is no
+    seam for it; but a cut its chunker had to make inside a sentence (`max_chars`, a word count)
+    could split a phrase it must see whole (an injection cut in two halves that each read
+    benign), so a classifier that blocks or annotates looks across those; one that redacts
+    redacts exactly its chunks and gets none (a window's verdict would redact a mixture).
+    For a span detector, every end that is not a natural cut (`Span.natural_end`:
     a `max_chars` cut inside a run, a word-count cut, a cut with no whitespace after it), or
     every end when its spans may cross a natural one (a remote detector, custom patterns:
     `crosses_natural_cuts`). A sentence end of a 5,000-sentence input is no seam for the
     built-in regex kinds, so it costs no second judgement."""
     if detector.judges_chunks:
-        return None
+        return None if detector.redacting else _not_natural
     if detector.client.crosses_natural_cuts(detector.params):
         return _every
     return _not_natural
