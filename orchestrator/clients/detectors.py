@@ -274,27 +274,26 @@ class RemoteDetectorClient(DetectorClient):
         super().__init__(detector_id, config, on_call=on_call)
         assert config.url is not None
         self._base = config.url.rstrip("/")
+        self._url = self._base + self._contents_path(config)
+        self._health_url = self._base + self.health_path
         self._session = session
         self._ssl = ssl_context
         key = detector_api_key(detector_id, config)
         self._auth: dict[str, str] = {"Authorization": f"Bearer {key}"} if key else {}
+        self._set_up(config)
+
+    health_path = "/health"
+
+    def _contents_path(self, config: DetectorConfig) -> str:
+        """Where a call goes (the detector API's contents endpoint)."""
+        return "/api/v1/text/contents"
+
+    def _set_up(self, config: DetectorConfig) -> None:
+        """What a kind of remote detector sets up beside the shared part (nothing here)."""
 
 
 class HttpDetectorClient(RemoteDetectorClient):
     """A detector service speaking the detector API (DESIGN 6), with a timeout per detector."""
-
-    def __init__(
-        self,
-        detector_id: str,
-        config: DetectorConfig,
-        session: aiohttp.ClientSession,
-        *,
-        ssl_context: ssl.SSLContext | bool | None = None,
-        on_call: CallRecorder = _ignore_call,
-    ) -> None:
-        super().__init__(detector_id, config, session, ssl_context=ssl_context, on_call=on_call)
-        self._url = self._base + "/api/v1/text/contents"
-        self._health_url = self._base + "/health"
 
     async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         request = ContentsRequest(contents=contents, detector_params=self._merged(params))

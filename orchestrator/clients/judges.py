@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import ssl
 from typing import Any
 
 import aiohttp
@@ -33,10 +32,8 @@ from detectors.api import Detection
 from ..config import DetectorConfig
 from ..judge_templates import SHIPPED, JudgeContext, JudgePrompt, is_inline
 from .detectors import (
-    CallRecorder,
     DetectorCallError,
     RemoteDetectorClient,
-    _ignore_call,
 )
 from .peers import BodyTooLarge, log_error_body, read_bounded, read_error_body
 from .reasons import connection_failure
@@ -188,20 +185,14 @@ class JudgeDetectorClient(RemoteDetectorClient):
     (a batching server such as vLLM batches them; its prefix cache makes the repeated
     conversation cheap), one shared pooled session for every judge."""
 
-    def __init__(
-        self,
-        detector_id: str,
-        config: DetectorConfig,
-        session: aiohttp.ClientSession,
-        *,
-        ssl_context: ssl.SSLContext | bool | None = None,
-        on_call: CallRecorder = _ignore_call,
-    ) -> None:
-        super().__init__(detector_id, config, session, ssl_context=ssl_context, on_call=on_call)
+    health_path = "/v1/models"
+
+    def _contents_path(self, config: DetectorConfig) -> str:
+        return "/v1/chat/completions" if config.api == "chat" else "/v1/completions"
+
+    def _set_up(self, config: DetectorConfig) -> None:
         assert config.model is not None and config.template is not None
         self._chat = config.api == "chat"
-        self._url = self._base + ("/v1/chat/completions" if self._chat else "/v1/completions")
-        self._health_url = self._base + "/v1/models"
         shipped = None if is_inline(config.template) else SHIPPED[config.template]
         unsafe = config.unsafe_tokens or (shipped.unsafe_tokens if shipped else ())
         safe = config.safe_tokens or (shipped.safe_tokens if shipped else ())

@@ -234,10 +234,6 @@ class ChatChunkWriter:
 class ChatCompletionFold(EventFold):
     """The unary `chat.completion`; an error anywhere is a real HTTP error (nothing was sent)."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__()
-        self._model = model
-
     def body(self) -> dict[str, Any]:
         terminal = self.terminal
         assert terminal is not None

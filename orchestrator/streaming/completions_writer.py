@@ -128,10 +128,6 @@ class CompletionChunkWriter:
 class CompletionFold(EventFold):
     """The unary `text_completion`; an error anywhere is a real HTTP error."""
 
-    def __init__(self, model: str) -> None:
-        super().__init__()
-        self._model = model
-
     def body(self) -> dict[str, Any]:
         terminal = self.terminal
         assert terminal is not None

@@ -13,7 +13,8 @@ class EventFold:
     """Collects a stream's events; a failure is never said in-band (nothing was sent: the
     serving loop answers it as an HTTP error)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str) -> None:
+        self._model = model  # the reply's `model`
         self.texts: list[str] = []
         self.output: list[Finding] = []
         self.input: list[Finding] = []  # a refused input's, or a redacted input's
