@@ -251,7 +251,7 @@ async def test_tool_choice_none_leaves_the_answer_as_text(
 
 
 def without_tools(model: str) -> str:
-    return f"model `{MODEL}`: {{}}: model {model}'s chat template has no tool support"
+    return f"{{}}: model `{MODEL}`: model {model}'s chat template has no tool support"
 
 
 @pytest.mark.parametrize("spec", ["tiny-random", "smollm2-135m"])

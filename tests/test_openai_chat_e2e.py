@@ -186,7 +186,10 @@ async def test_temperature_beyond_the_engines_range_is_422_on_fms(orch: Orchestr
     body = generation_body("Hello", params=params, model_id=MODEL)
     for path in (STREAMING_PATH, UNARY_PATH):
         details = fms_error(*await orch.post(path, body))
-        assert details == f"model `{MODEL}`: temperature is 150; it must be between 0 and 100"
+        assert details == (
+            f"text_gen_parameters.temperature: model `{MODEL}`: "
+            "text_gen_parameters.temperature is 150; it must be between 0 and 100"
+        )
 
 
 async def test_a_prompt_longer_than_the_context_is_422_on_every_surface(
@@ -197,8 +200,8 @@ async def test_a_prompt_longer_than_the_context_is_422_on_every_surface(
     assert count > 512
     body = generation_body(LONG, params={"max_new_tokens": 8}, model_id=MODEL)
     expected = (
-        f"model `{MODEL}`: the prompt has {count} tokens: it must be shorter than the model's "
-        "context of 512 tokens"
+        f"inputs: model `{MODEL}`: the prompt has {count} tokens: it must be shorter than the "
+        "model's context of 512 tokens"
     )
     for path in (STREAMING_PATH, UNARY_PATH):
         assert fms_error(*await orch.post(path, body)) == expected
@@ -206,9 +209,9 @@ async def test_a_prompt_longer_than_the_context_is_422_on_every_surface(
     templated = await token_count(orch, MODEL, {"messages": messages})
     for stream in (True, False):
         chat = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": stream}
-        assert chat_error(*await orch.post(CHAT_PATH, chat)) == (
-            f"model `{MODEL}`: the prompt has {templated} tokens: it must be shorter than the "
-            "model's context of 512 tokens"
+        assert chat_error(*await orch.post(CHAT_PATH, chat), "messages") == (
+            f"messages: model `{MODEL}`: the prompt has {templated} tokens: it must be shorter "
+            "than the model's context of 512 tokens"
         )
     with pytest.raises(openai.UnprocessableEntityError) as info:
         await sdk(orch).chat.completions.create(
@@ -225,6 +228,7 @@ async def test_a_prompt_longer_than_the_context_is_422_on_every_surface(
         status, reply = await orch.post("/v1/responses", responses)
         assert status == 422, reply
         assert reply["error"]["type"] == "invalid_request"
+        assert reply["error"]["param"] == "input", reply
         assert (
             "it must be shorter than the model's context of 512 tokens" in reply["error"]["message"]
         )
@@ -261,8 +265,8 @@ async def test_an_unset_budget_shrinks_to_what_the_context_leaves(orch: Orchestr
     ]
     assert "".join(pieces(chunks)) == completion.choices[0].message.content
     explicit = {"model": MODEL, "messages": messages, "max_tokens": 256, "temperature": 0}
-    assert chat_error(*await orch.post(CHAT_PATH, explicit)) == (
-        f"model `{MODEL}`: the prompt has {templated} tokens and max_new_tokens is 256: "
+    assert chat_error(*await orch.post(CHAT_PATH, explicit), "max_tokens") == (
+        f"max_tokens: model `{MODEL}`: the prompt has {templated} tokens and max_tokens is 256: "
         f"{templated + 256} tokens exceed the model's context of 512 tokens "
         f"(at most {512 - templated} new tokens fit)"
     )
@@ -271,16 +275,17 @@ async def test_an_unset_budget_shrinks_to_what_the_context_leaves(orch: Orchestr
 async def test_a_stop_sequence_longer_than_the_engines_limit_is_422(orch: Orchestrator) -> None:
     await all_healthy(orch)
     stop = "x" * 300
-    expected = (
-        f"model `{MODEL}`: stop_sequences[0] is 300 characters long; at most 256 are accepted"
-    )
+    why = "[0] is 300 characters long; at most 256 are accepted"
+    field = "text_gen_parameters.stop_sequences"
+    expected = f"{field}[0]: model `{MODEL}`: {field}{why}"
     body = generation_body("Hello", params={"stop_sequences": [stop], "max_new_tokens": 8})
     body["model_id"] = MODEL
     for path in (STREAMING_PATH, UNARY_PATH):
         assert fms_error(*await orch.post(path, body)) == expected
     for stream in (True, False):
         chat = {"model": MODEL, "messages": CONVERSATION, "stop": stop, "stream": stream}
-        assert chat_error(*await orch.post(CHAT_PATH, chat)) == expected
+        reply = chat_error(*await orch.post(CHAT_PATH, chat), "stop[0]")
+        assert reply == f"stop[0]: model `{MODEL}`: stop{why}"
 
 
 # -- c. an OpenAI-compatible upstream behind `type: openai, api: chat` ----------------------------

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
+from ..api.errors import ApiError, ErrorType
 from .backend import GenerationError, GenerationParams, GenerationRequest
 
 log = logging.getLogger("guardstream.native")
@@ -261,63 +262,99 @@ def _param_values(params: GenerationParams) -> dict[str, Number]:
     return values
 
 
-def request_problem(limits: EngineLimits, request: GenerationRequest) -> str | None:
+@dataclass(frozen=True)
+class LimitProblem:
+    """Why the engines would refuse a request: `field` is the engine's name of what is wrong
+    (`temperature`, `stop_sequences[1]`, `messages[2].role`), `text` says it in those names.
+    The surface that took the request restates it in the request's own field names
+    (`GenerationAsk.restate`): a Chat Completions client sent `stop`, not `stop_sequences`."""
+
+    field: str
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class EngineLimitError(ApiError):
+    """A request the replicas' advertised limits refuse (422), with the problem kept whole so
+    the surface can name its own request field."""
+
+    def __init__(self, model_id: str, problem: LimitProblem) -> None:
+        super().__init__(422, ErrorType.INVALID_REQUEST, f"model `{model_id}`: {problem}")
+        self.model_id = model_id
+        self.problem = problem
+
+
+def request_problem(limits: EngineLimits, request: GenerationRequest) -> LimitProblem | None:
     """Why the engines would reject this request's parameters, or None. Named by the engine's
     parameter names (`max_new_tokens`, `temperature`, `stop_sequences[1]`, ...)."""
     p = request.params
     for name, value in _param_values(p).items():
         if isinstance(value, float) and not math.isfinite(value):
-            return f"{name} is {value}; it must be a finite number"
+            return LimitProblem(name, f"{name} is {value}; it must be a finite number")
         allowed = limits.ranges.get(name)
         if allowed is not None and not allowed.contains(value):
-            return f"{name} is {_fmt(value)}; it must be {allowed.describe()}"
+            return LimitProblem(name, f"{name} is {_fmt(value)}; it must be {allowed.describe()}")
     method = p.decoding_method.lower()
     if limits.decoding_methods is not None and method not in limits.decoding_methods:
         known = ", ".join(sorted(limits.decoding_methods))
-        return f"decoding method {p.decoding_method} is not supported (supported: {known})"
+        return LimitProblem(
+            "decoding_method",
+            f"decoding method {p.decoding_method} is not supported (supported: {known})",
+        )
     stops = p.stop_sequences
     if limits.max_stop_sequences is not None and len(stops) > limits.max_stop_sequences:
-        return (
+        return LimitProblem(
+            "stop_sequences",
             f"stop_sequences has {len(stops)} entries; at most {limits.max_stop_sequences} "
-            "are accepted"
+            "are accepted",
         )
     for i, stop in enumerate(stops):
+        where = f"stop_sequences[{i}]"
         if limits.max_stop_length is not None and len(stop) > limits.max_stop_length:
-            return (
-                f"stop_sequences[{i}] is {len(stop)} characters long; at most "
-                f"{limits.max_stop_length} are accepted"
+            return LimitProblem(
+                where,
+                f"{where} is {len(stop)} characters long; at most "
+                f"{limits.max_stop_length} are accepted",
             )
         if limits.min_stop_length is not None and len(stop) < limits.min_stop_length:
             n = limits.min_stop_length
-            return f"stop_sequences[{i}] must be at least {n} character{'s' * (n != 1)} long"
+            return LimitProblem(
+                where, f"{where} must be at least {n} character{'s' * (n != 1)} long"
+            )
     if request.messages is not None:
         if limits.chat_template is False:
-            return "messages: the model has no chat template"
+            return LimitProblem("messages", "messages: the model has no chat template")
         if limits.tools is not True and (why := _tools_problem(limits, request)) is not None:
             return why
         if limits.max_messages is not None and len(request.messages) > limits.max_messages:
-            return (
+            return LimitProblem(
+                "messages",
                 f"messages has {len(request.messages)} entries; at most {limits.max_messages} "
-                "are accepted"
+                "are accepted",
             )
         if limits.roles is not None:
             for i, message in enumerate(request.messages):
                 if message.role not in limits.roles:
                     roles = ", ".join(sorted(limits.roles))
-                    return f"messages[{i}].role `{message.role}` is not accepted (use {roles})"
+                    where = f"messages[{i}].role"
+                    return LimitProblem(
+                        where, f"{where} `{message.role}` is not accepted (use {roles})"
+                    )
     elif request.chat and limits.chat_template is False:
-        return "chat: the model has no chat template"
+        return LimitProblem("chat", "chat: the model has no chat template")
     return None
 
 
-def tools_problem(limits: EngineLimits | None, request: GenerationRequest) -> str | None:
+def tools_problem(limits: EngineLimits | None, request: GenerationRequest) -> LimitProblem | None:
     """`_tools_problem` for engines that advertised `limits`, or none at all (None)."""
     if limits is not None and limits.tools is True:
         return None
     return _tools_problem(limits, request)
 
 
-def _tools_problem(limits: EngineLimits | None, request: GenerationRequest) -> str | None:
+def _tools_problem(limits: EngineLimits | None, request: GenerationRequest) -> LimitProblem | None:
     """Why a request that asks for tool calls (`tools`, or a conversation with calls in it)
     cannot go to engines whose chat template has no tool support, or that do not say (an
     engine older than tool calls: its own 422 would come at dispatch, naming no field of the
@@ -329,24 +366,29 @@ def _tools_problem(limits: EngineLimits | None, request: GenerationRequest) -> s
     else:
         return None
     if limits is None or limits.tools is None:
-        return f"{field}: the model's engine does not say it takes tools"
+        return LimitProblem(field, f"{field}: the model's engine does not say it takes tools")
     name = limits.model or "the model"
-    return f"{field}: model {name}'s chat template has no tool support"
+    return LimitProblem(field, f"{field}: model {name}'s chat template has no tool support")
 
 
-def context_problem(limits: EngineLimits, prompt_tokens: int, max_new_tokens: int) -> str | None:
-    """Why a prompt of `prompt_tokens` and this budget do not fit the context, or None."""
+def context_problem(
+    limits: EngineLimits, prompt_tokens: int, max_new_tokens: int
+) -> LimitProblem | None:
+    """Why a prompt of `prompt_tokens` and this budget do not fit the context, or None: the
+    prompt's fault (`prompt`) when it alone fills the context, else the budget's."""
     context = limits.max_model_len
     if prompt_tokens >= context:
-        return (
+        return LimitProblem(
+            "prompt",
             f"the prompt has {prompt_tokens} tokens: it must be shorter than the model's "
-            f"context of {context} tokens"
+            f"context of {context} tokens",
         )
     if prompt_tokens + max_new_tokens > context:
-        return (
+        return LimitProblem(
+            "max_new_tokens",
             f"the prompt has {prompt_tokens} tokens and max_new_tokens is {max_new_tokens}: "
             f"{prompt_tokens + max_new_tokens} tokens exceed the model's context of {context} "
-            f"tokens (at most {context - prompt_tokens} new tokens fit)"
+            f"tokens (at most {context - prompt_tokens} new tokens fit)",
         )
     return None
 

@@ -17,6 +17,7 @@ from ..api.errors import invalid
 from ..config import ConfigError, ManagedBackend, ModelConfig, NativeBackend, OpenAIBackend
 from .advertised_limits import (
     AdvertisedLimits,
+    EngineLimitError,
     context_problem,
     merge_limits,
     request_problem,
@@ -202,7 +203,7 @@ class ReplicatedModelBackend(ModelBackend):
             # engines that said nothing of themselves may still be asked for tools: only one
             # that says it takes them gets them (the others' 422 would name no request field)
             if natives and (why := tools_problem(None, request)) is not None:
-                raise invalid(f"model `{self.model_id}`: {why}")
+                raise EngineLimitError(self.model_id, why)
             return request
         limits = merge_limits([lim for _, lim in advertised])
         problem = request_problem(limits, request)
@@ -216,7 +217,7 @@ class ReplicatedModelBackend(ModelBackend):
                 if problem and params.budget_is_default and fits >= max(1, params.min_new_tokens):
                     return replace(request, params=replace(params, max_new_tokens=fits))
         if problem is not None:
-            raise invalid(f"model `{self.model_id}`: {problem}")
+            raise EngineLimitError(self.model_id, problem)
         return request
 
     async def _count_tokens(

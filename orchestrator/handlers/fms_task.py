@@ -9,6 +9,21 @@ from ..api.fms_requests import GuardrailsHttpRequest
 from ..tenants import CALLER
 from .prepare import Decoding, GenerationAsk
 
+# the engine's parameters are `text_gen_parameters`' own fields (DESIGN 4.2)
+FMS_PARAM_FIELDS = {
+    name: f"text_gen_parameters.{name}"
+    for name in (
+        "decoding_method",
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "seed",
+        "stop_sequences",
+        "max_time",
+    )
+}
+
 
 def task_ask(
     request: web.Request, body: GuardrailsHttpRequest, *, streaming: bool
@@ -46,4 +61,5 @@ def task_ask(
         stream=streaming,
         request_id=request.get("request_id", ""),
         caller=request.get(CALLER),
+        param_fields=FMS_PARAM_FIELDS,
     )

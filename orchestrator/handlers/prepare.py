@@ -11,12 +11,13 @@ Admission control itself (the slots) is handlers/stream_slots.py."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from aiohttp import web
 
-from ..api.errors import invalid, not_found
+from ..api.errors import ApiError, invalid, not_found
 from ..api.fms_requests import DetectorMap
 from ..api.openai_chat import (
     TOOL_FIELDS,
@@ -25,6 +26,7 @@ from ..api.openai_chat import (
     check_extra_honoured,
     check_native_tools,
 )
+from ..clients.advertised_limits import EngineLimitError
 from ..clients.backend import ChatMessage, GenerationParams, GenerationRequest, ModelBackend
 from ..clients.registry import DetectorRegistry, EnforcedGuardrails, RequestedDetector
 from ..config import DecodingDefaults, ManagedBackend, ModelConfig, NativeBackend, OpenAIBackend
@@ -82,6 +84,36 @@ class GenerationAsk:
     # the tenant (tenants.py): the models it sees, its guardrails and limits; None: no tenant
     # applies (the model's own guardrails and limits)
     caller: Caller | None = None
+    # the request's own name of an engine parameter where it differs (`stop_sequences` is
+    # `stop` on the OpenAI surfaces); max/min tokens and the prompt are named by the fields above
+    param_fields: Mapping[str, str] = field(default_factory=dict)
+
+    def request_field(self, engine_field: str) -> str:
+        """The request's name for an engine field path (`stop_sequences[2]` -> `stop[2]`,
+        `messages[1].role` stays where `messages` is the request's field)."""
+        base, bracket, rest = engine_field.partition("[")
+        suffix = bracket + rest
+        if base == "max_new_tokens":
+            return self.max_tokens_field
+        if base == "min_new_tokens":
+            return self.min_tokens_field
+        if base in ("prompt", "messages", "chat"):
+            # an index into the engine's messages is one into the request's only where the
+            # request's field is the same list (Chat Completions `messages`)
+            return self.input_field + (suffix if self.input_field == "messages" else "")
+        return self.param_fields.get(base, base) + suffix
+
+    def restate(self, exc: EngineLimitError) -> ApiError:
+        """An advertised-limit refusal in this request's words: `<field>: ...` names the
+        request's field first (OpenAI's `param`), then the engine's whole reason."""
+        problem = exc.problem
+        name = self.request_field(problem.field)
+        text = problem.text
+        if text.startswith(f"{problem.field}: "):  # `tools: ...`: named once
+            text = text[len(problem.field) + 2 :]
+        elif problem.field != "prompt":  # `stop_sequences has ...`: in the request's words
+            text = text.replace(problem.field, name, 1)
+        return invalid(f"{name}: model `{exc.model_id}`: {text}")
 
 
 @dataclass(frozen=True)
@@ -254,7 +286,10 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
     )
     # the engine must never be the first to say no: its 4xx would come after the response
     # started, so the replicas' advertised bounds are checked now
-    gen_request = await target.backend.validate(gen_request)
+    try:
+        gen_request = await target.backend.validate(gen_request)
+    except EngineLimitError as exc:
+        raise ask.restate(exc) from None
     server = state.config.server
     return GuardedGeneration(
         backend=target.backend,
@@ -298,6 +333,11 @@ class OpenAISurfaceRequest(Protocol):
     detectors: ChatDetectors | None
 
 
+# The engine's parameters by the OpenAI surfaces' names (the others are the same, or come from
+# the model's decoding_defaults, which no OpenAI request sets)
+OPENAI_PARAM_FIELDS = {"stop_sequences": "stop"}
+
+
 def openai_ask(request: web.Request, body: OpenAISurfaceRequest, **asked: Any) -> GenerationAsk:
     """An OpenAI-surface request's ask: the model, the `detectors` extension, `stream` and the
     request id filled in the same way for every such surface; `asked` holds the rest."""
@@ -311,5 +351,6 @@ def openai_ask(request: web.Request, body: OpenAISurfaceRequest, **asked: Any) -
         stream=body.stream,
         request_id=request.get("request_id", ""),
         caller=request.get(CALLER),
+        param_fields=OPENAI_PARAM_FIELDS,
         **asked,
     )
