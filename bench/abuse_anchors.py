@@ -12,6 +12,15 @@ pickled vectorizer and classifier are, and applied to the whole text as the pack
 - `toxicityclassifier==1.0.1` (MIT): its English TF-IDF + logistic regression over lower-cased,
   punctuation-free Snowball stems without stop words. Its stop-word list is nltk's, which needs
   a download; scikit-learn's English list stands in for it.
+- `tox-block==0.1.2` (MIT): a bidirectional LSTM over 20,000 words trained on Jigsaw's
+  Wikipedia comments, six heads (`toxic`, `insult`, ...); the only neural abuse model with its
+  weights in a PyPI wheel that we found. It needs TensorFlow with Keras 2 (`tf-keras`, which it
+  was saved with) and `keras-preprocessing` for its pickled tokenizer: far too heavy for the
+  project or bench/requirements-quality.txt, so it is measured only where they are installed:
+      pip install tensorflow-cpu==2.21.0 tf-keras==2.21.0 keras-preprocessing==1.1.2 pandas
+      pip install --no-deps tox-block==0.1.2
+  Its `toxic` head is the one a HAP detector would use; its `insult` head is shown too, as it
+  is what the insult set labels.
 
 Where a package is not installed its model is skipped (with a line saying so).
 """
@@ -76,11 +85,34 @@ def _toxicityclassifier(root: Path) -> Scorer:
     return score
 
 
+def _tox_block(head: str) -> Callable[[Path], Scorer]:
+    def load(root: Path) -> Scorer:
+        import os
+
+        os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # saved with Keras 2
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import pandas as pd
+        from tox_block.config import config
+        from tox_block.prediction import _encoder, _model  # loaded on import
+
+        col = config.LIST_CLASSES.index(head)
+
+        def score(texts: list[str]) -> list[float]:
+            rows = _encoder.transform(pd.DataFrame(texts, columns=["text"]))
+            return [float(p) for p in _model(rows, training=False).numpy()[:, col]]
+
+        return score
+
+    return load
+
+
 # name shown in the bench -> (import name of the package, loader)
 ANCHORS: dict[str, tuple[str, Callable[[Path], Scorer]]] = {
     "cuss-inspect 1.0.2b0": ("cuss_inspect", _cuss_inspect),
     "best-profanity 1.1.5 (en)": ("best_profanity", _best_profanity),
     "toxicityclassifier 1.0.1 (en)": ("toxicityclassifier", _toxicityclassifier),
+    "tox-block 0.1.2 (toxic)": ("tox_block", _tox_block("toxic")),
+    "tox-block 0.1.2 (insult)": ("tox_block", _tox_block("insult")),
 }
 
 
@@ -93,5 +125,8 @@ def load_anchors(package_dir: Callable[[str], Path | None]) -> dict[str, Scorer]
         if root is None:
             print(f"  {name}: not installed, skipped")
             continue
-        out[name] = loader(root)
+        try:
+            out[name] = loader(root)
+        except ImportError as e:  # tox-block without TensorFlow
+            print(f"  {name}: {e}, skipped")
     return out

