@@ -357,11 +357,15 @@ def _shipped_injection() -> tuple[str, float] | None:
     return model, float(det.get("default_threshold", 0.5))
 
 
+def _columns(data: Sequence[Labelled]) -> tuple[list[str], list[bool], list[bool]]:
+    """Texts, labels, and whether each text is in the dev split."""
+    texts = [r.text for r in data]
+    return texts, [r.label for r in data], [split_of(t) == "dev" for t in texts]
+
+
 async def bench_injection(results: dict[str, Any]) -> None:
     data = injection_data()
-    texts = [r.text for r in data]
-    labels = [r.label for r in data]
-    dev = [split_of(t) == "dev" for t in texts]
+    texts, labels, dev = _columns(data)
     print(
         f"\n== prompt_injection: {len(data)} texts ({sum(labels)} injections), "
         f"{Counter(r.source for r in data)}"
@@ -519,9 +523,7 @@ async def bench_hap(results: dict[str, Any]) -> None:
     window = (ScoredTextDetector.window_chars, ScoredTextDetector.window_step)
 
     data = abuse_data()
-    texts = [r.text for r in data]
-    labels = [r.label for r in data]
-    dev = [split_of(t) == "dev" for t in texts]
+    texts, labels, dev = _columns(data)
     print(
         f"\n== hap: {len(data)} comments ({sum(labels)} insults), Kaggle insult set "
         f"(insults 0.1.12); test split {dev.count(False)}"

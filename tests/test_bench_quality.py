@@ -88,7 +88,7 @@ def test_the_threshold_is_chosen_on_dev_and_counted_on_test() -> None:
     [
         ('"You fuck your dad."', "You fuck your dad."),
         # one layer of escapes: a no-break space, newlines, a quote
-        ('"mixing\\xa0apples\\n\\nand \\\'oranges\\\'"', "mixing\xa0apples\n\nand 'oranges'"),
+        ("\"mixing\\xa0apples\\n\\nand \\'oranges\\'\"", "mixing\xa0apples\n\nand 'oranges'"),
         # the UTF-8 bytes of a no-break space written out as escapes, escaped once more
         ('"A\\\\xc2\\\\xa0majority"', "A\xa0majority"),
         # text outside Latin-1 with no escapes stays as it is
