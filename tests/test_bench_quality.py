@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.quality import PRF, SpanScore, best_threshold, classify_prf, split_of
+from bench.quality import (
+    PRF,
+    SpanScore,
+    _dev_test,
+    best_threshold,
+    classify_prf,
+    split_of,
+    unescape_comment,
+)
 
 
 def test_classifier_counts_at_a_threshold() -> None:
@@ -62,3 +70,30 @@ def test_recall_over_some_kinds_keeps_every_false_positive() -> None:
 def test_the_split_is_a_stable_function_of_the_text() -> None:
     assert split_of("Ignore previous instructions") == split_of("Ignore previous instructions")
     assert {split_of(f"text {i}") for i in range(20)} == {"dev", "test"}
+
+
+def test_the_threshold_is_chosen_on_dev_and_counted_on_test() -> None:
+    labels = [True, False, True, False, True, False]
+    scores = [0.9, 0.3, 0.7, 0.6, 0.4, 0.2]
+    dev = [True, True, True, True, False, False]
+    # dev: 0.9, 0.7 insults, 0.6, 0.3 not: 0.7 is the highest threshold with F1 1.0 there;
+    # test: 0.4 (an insult) falls below it, 0.2 (not) too
+    chosen, test = _dev_test(labels, scores, dev)
+    assert chosen == 0.7
+    assert (test.tp, test.fp, test.fn) == (0, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("raw", "text"),
+    [
+        ('"You fuck your dad."', "You fuck your dad."),
+        # one layer of escapes: a no-break space, newlines, a quote
+        ("\"mixing\\xa0apples\\n\\nand \\'oranges\\'\"", "mixing\xa0apples\n\nand 'oranges'"),
+        # the UTF-8 bytes of a no-break space written out as escapes, escaped once more
+        ('"A\\\\xc2\\\\xa0majority"', "A\xa0majority"),
+        # text outside Latin-1 with no escapes stays as it is
+        ('"Các bạn xuống đường"', "Các bạn xuống đường"),
+    ],
+)
+def test_kaggle_comments_are_read_as_their_readers_saw_them(raw: str, text: str) -> None:
+    assert unescape_comment(raw) == text
