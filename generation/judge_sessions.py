@@ -39,9 +39,11 @@ import concurrent.futures
 import dataclasses
 import itertools
 import secrets
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -140,105 +142,146 @@ class _Append:
     future: concurrent.futures.Future[Verdict]
 
 
-class _RectLayer(CacheLayerMixin):
-    """One layer of an append pass: writes each row's new keys at its own columns, returns the
-    rectangle the rows attend over (a lone session's own buffer, or a copy of the prefixes)."""
+class _PackLayer(CacheLayerMixin):
+    """One layer of an append pass: writes each session's new keys into its own buffer."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, owner: _AppendCache, index: int) -> None:
+    def __init__(self, owner: _Pack, index: int) -> None:
         super().__init__()
         self._owner = owner
         self._index = index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("allocated by _AppendCache")
+        raise RuntimeError("the sessions' buffers are allocated by _Pack")
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._owner.write(self._index, key_states, value_states)
+        self._owner.write(self._index, key_states, value_states)
+        return key_states, value_states  # unused: `packed_attention` reads the sessions' buffers
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._owner.width, 0
+        return query_length, 0
 
     def get_seq_length(self) -> int:
-        return self._owner.width - self._owner.query_length
+        return 0
 
     def get_max_length(self) -> int:
         return -1
 
 
-class _AppendCache(Cache):
-    """The cache of one append pass over `batch` (worker thread only)."""
+class _Pack(Cache):
+    """One append pass over `batch` (worker thread only). The sessions' new tokens (each its
+    chunk, then the tail) are packed into one row, `[1, sum of counts]`, each at its own
+    positions: every linear layer runs once over all of them, with no padding. The attention
+    (`packed_attention`) runs per session on the session's own buffer, columns `0..P_i+t_i`: its
+    prefix is read where it lies, never copied into a shared rectangle, and no session attends
+    over another's width."""
 
-    def __init__(self, layers: int, batch: list[_Append]) -> None:
-        super().__init__(layers=[_RectLayer(self, i) for i in range(layers)])
+    def __init__(self, layers: int, batch: list[_Append], additive_mask: bool) -> None:
+        super().__init__(layers=[_PackLayer(self, i) for i in range(layers)])
         self.num_layers = layers
         self.batch = batch
+        self.additive_mask = additive_mask
         self.starts = [a.session.length for a in batch]
         self.counts = [len(a.ids) + len(a.session.tail) for a in batch]
-        self.query_length = max(self.counts)
-        self.width = max(p + t for p, t in zip(self.starts, self.counts, strict=True))
-        self.rect_keys: list[torch.Tensor] = []
-        self.rect_values: list[torch.Tensor] = []
-        self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.offsets = list(itertools.accumulate(self.counts, initial=0))[:-1]  # row starts
+        self.masks: list[torch.Tensor] = []
 
-    def _scatter_index(
-        self, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._index is None:
-            rows, columns, sources = [], [], []
-            for i, (p, t) in enumerate(zip(self.starts, self.counts, strict=True)):
-                rows += [i] * t
-                columns += range(p, p + t)
-                sources += range(t)
-            self._index = tuple(
-                torch.tensor(x, dtype=torch.long, device=device) for x in (rows, columns, sources)
-            )  # type: ignore[assignment]
-        assert self._index is not None
-        return self._index
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if layer == 0:
+            for a, p, t in zip(self.batch, self.starts, self.counts, strict=True):
+                a.session.reserve(p + t, keys[:, :, :1], self.num_layers)
+        for a, p, t, o in zip(self.batch, self.starts, self.counts, self.offsets, strict=True):
+            a.session.keys[layer][:, :, p : p + t] = keys[:, :, o : o + t]
+            a.session.values[layer][:, :, p : p + t] = values[:, :, o : o + t]
 
-    def write(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        width = self.width
-        if len(self.batch) == 1:  # the session's own buffer: no copy of its prefix
-            session = self.batch[0].session
-            session.reserve(width, keys, self.num_layers)
-            p, t = self.starts[0], self.counts[0]
-            session.keys[layer][:, :, p : p + t] = keys
-            session.values[layer][:, :, p : p + t] = values
-            return session.keys[layer][:, :, :width], session.values[layer][:, :, :width]
-        b, heads, _q, dim = keys.shape
-        rect_k = keys.new_zeros((b, heads, width, dim))
-        rect_v = values.new_zeros((b, heads, width, dim))
-        for i, a in enumerate(self.batch):
-            p = self.starts[i]
-            if p:
-                rect_k[i, :, :p] = a.session.keys[layer][0, :, :p]
-                rect_v[i, :, :p] = a.session.values[layer][0, :, :p]
-        rows, columns, sources = self._scatter_index(keys.device)
-        rect_k[rows, :, columns] = keys[rows, :, sources]
-        rect_v[rows, :, columns] = values[rows, :, sources]
-        self.rect_keys.append(rect_k)
-        self.rect_values.append(rect_v)
-        return rect_k, rect_v
+    def session_masks(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Per session `[1, 1, t, P + t]`: query j sees its prefix and its own new tokens up to
+        itself (boolean; additive for the eager attention). Built once per pass."""
+        if not self.masks:
+            for p, t in zip(self.starts, self.counts, strict=True):
+                columns = torch.arange(p + t, device=device)
+                rows = torch.arange(p, p + t, device=device)
+                mask = (columns[None, :] <= rows[:, None])[None, None]
+                if self.additive_mask:
+                    mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
+                        ~mask, torch.finfo(dtype).min
+                    )
+                self.masks.append(mask)
+        return self.masks
 
-    def write_back(self) -> None:
-        """A batched pass: each session's new prefix columns into its own buffers."""
-        if len(self.batch) == 1:
-            return
-        for i, a in enumerate(self.batch):
-            session, p, n = a.session, self.starts[i], len(a.ids)
-            session.reserve(
-                p + n + len(session.tail), self.rect_keys[0][i : i + 1], self.num_layers
-            )
-            for layer in range(self.num_layers):
-                session.keys[layer][0, :, p : p + n] = self.rect_keys[layer][i, :, p : p + n]
-                session.values[layer][0, :, p : p + n] = self.rect_values[layer][i, :, p : p + n]
+
+#: The pack of the append pass this thread is running (None: the model's ordinary forward).
+_ACTIVE = threading.local()
+
+
+def _attention_of(
+    module: torch.nn.Module, original: Callable[..., Any] | None
+) -> Callable[..., Any]:
+    """The model's own attention function: `original` (registered: sdpa, batch_invariant's,
+    flash) or, for "eager", the function of the module's modeling file."""
+    if original is not None:
+        return original
+    return sys.modules[type(module).__module__].eager_attention_forward  # type: ignore[no-any-return]
+
+
+def _dispatching(original: Callable[..., Any] | None) -> Callable[..., Any]:
+    """The attention function registered under the model's implementation name: the original
+    one, unless this thread runs an append pass (`packed_attention`)."""
+
+    def attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        pack: _Pack | None = getattr(_ACTIVE, "pack", None)
+        if pack is None:
+            return _attention_of(module, original)(module, *args, **kwargs)
+        return packed_attention(_attention_of(module, original), pack, module, *args, **kwargs)
+
+    attention._gs_judge_dispatch = True  # type: ignore[attr-defined]
+    return attention
+
+
+def _install(implementation: str) -> None:
+    """Route `implementation`'s attention through `_dispatching` (idempotent). Threads that run
+    no append pass get the original function, so generation is unchanged; it is global because
+    transformers looks attention functions up by name in one global registry."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    current = ALL_ATTENTION_FUNCTIONS.get(implementation)
+    if current is not None and getattr(current, "_gs_judge_dispatch", False):
+        return
+    AttentionInterface.register(implementation, _dispatching(current))
+
+
+def packed_attention(
+    base: Callable[..., Any],
+    pack: _Pack,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Each session's queries against its own buffer, with the model's own attention function
+    `base`: the same call, on the same shapes, as the session judged alone, whatever else is in
+    the pass. `query` `[1, H, N, d]` packed; returns `[1, N, H, d]`."""
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    masks = pack.session_masks(query.dtype, query.device)
+    outputs = []
+    for a, p, t, o, mask in zip(
+        pack.batch, pack.starts, pack.counts, pack.offsets, masks, strict=True
+    ):
+        keys = a.session.keys[layer][:, :, : p + t]
+        values = a.session.values[layer][:, :, : p + t]
+        q = query[:, :, o : o + t]
+        out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=dropout, **kwargs)
+        outputs.append(out)
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 class JudgeSessions:
@@ -264,11 +307,14 @@ class JudgeSessions:
         self.passes = 0  # forward passes run (for tests and metrics)
         self.batch_sizes: dict[int, int] = {}  # appends per pass -> passes
         self.forward_tokens = 0
+        self.pass_tokens = 0  # tokens the passes put through the model (no padding: the same)
         self._layers = int(getattr(loaded.model.config, "num_hidden_layers", 0)) or len(
             getattr(loaded.model.config, "layer_types", []) or []
         )
         self._eager_mask = getattr(loaded.model.config, "_attn_implementation", "") == "eager"
         self._ids = itertools.count()
+        self._attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
+        _install(self._attention)
 
     # ----- event-loop side (any thread; under the lock) ----------------------------------------
 
@@ -411,39 +457,31 @@ class JudgeSessions:
 
     @torch.inference_mode()
     def forward(self, batch: list[_Append]) -> list[Verdict]:
-        """One forward pass over the batch's new tokens and tails (module docstring)."""
+        """One forward pass over the batch's new tokens and tails, packed (`_Pack`)."""
         device = self.loaded.device
-        cache = _AppendCache(self._layers, batch)
-        width, q_len = cache.width, cache.query_length
-        inputs, positions = [], []
-        for a, p, t in zip(batch, cache.starts, cache.counts, strict=True):
-            row = a.ids + a.session.tail
-            inputs.append(row + [row[-1]] * (q_len - t))
-            positions.append(list(range(p, p + q_len)))
-        ids = torch.tensor(inputs, dtype=torch.long, device=device)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=device)
-        columns = torch.arange(width, device=device)
-        # query j of row i sees columns 0..P_i+j (its prefix, then its own new tokens causally)
-        mask = (columns[None, None, :] <= position_ids[:, :, None])[:, None]
-        attention_mask: torch.Tensor = mask
-        if self._eager_mask:
-            dtype = self.loaded.model.dtype
-            attention_mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
-                ~mask, torch.finfo(dtype).min
+        model = self.loaded.model
+        pack = _Pack(self._layers, batch, additive_mask=self._eager_mask)
+        ids, positions = [], []
+        for a, p, t in zip(batch, pack.starts, pack.counts, strict=True):
+            ids += a.ids + a.session.tail
+            positions += range(p, p + t)
+        ends = [o + t - 1 for o, t in zip(pack.offsets, pack.counts, strict=True)]  # answers
+        _install(self._attention)  # (again: a model loaded after us may have re-registered it)
+        _ACTIVE.pack = pack
+        try:
+            out = model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+                position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+                # a prepared 4D mask is taken as is: none is built (the sessions' are in `pack`)
+                attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
+                past_key_values=pack,
+                use_cache=True,
+                logits_to_keep=torch.tensor(ends, dtype=torch.long, device=device),
             )
-        ends = [t - 1 for t in cache.counts]
-        keep = sorted(set(ends))
-        out = self.loaded.model(
-            input_ids=ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-        )
-        cache.write_back()
-        pick = torch.tensor([keep.index(e) for e in ends], dtype=torch.long, device=device)
-        logits = out.logits[torch.arange(len(batch), device=device), pick].to(torch.float64)
+        finally:
+            _ACTIVE.pack = None
+        self.pass_tokens += len(ids)
+        logits = out.logits[0].to(torch.float64)
         vocab = self.loaded.vocab_size
         if logits.shape[-1] > vocab:  # padding rows of the output layer are not tokens
             logits = logits[:, :vocab]
@@ -451,7 +489,7 @@ class JudgeSessions:
         verdicts = []
         self.passes += 1
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
-        for i, (a, t) in enumerate(zip(batch, cache.counts, strict=True)):
+        for i, (a, t) in enumerate(zip(batch, pack.counts, strict=True)):
             session = a.session
             session.length += len(a.ids)
             self.forward_tokens += t
