@@ -79,6 +79,7 @@ class Verdict:
     p_safe: float
     judged_tokens: int  # the prefix in the session's KV rows after the append
     forward_tokens: int  # tokens through the model for this append (new prefix tokens + tail)
+    answer_ids: list[int] | None = None  # the answer generated after the tail, when asked
 
 
 class JudgeSession:
@@ -140,6 +141,8 @@ class _Append:
     session: JudgeSession
     ids: list[int]  # new prefix tokens (queued head and the chunk)
     future: concurrent.futures.Future[Verdict]
+    answer_tokens: int = 0  # generate up to this many answer tokens ...
+    answer_min_score: float = 0.5  # ... when the score reaches this
 
 
 class _PackLayer(CacheLayerMixin):
@@ -181,23 +184,30 @@ class _Pack(Cache):
     prefix is read where it lies, never copied into a shared rectangle, and no session attends
     over another's width."""
 
-    def __init__(self, layers: int, batch: list[_Append], additive_mask: bool) -> None:
+    def __init__(
+        self, layers: int, rows: list[tuple[JudgeSession, int, list[int]]], additive_mask: bool
+    ) -> None:
+        """`rows`: (session, first position, tokens): an append's chunk and tail at the end of
+        its prefix, or an answer's next token after its tail."""
         super().__init__(layers=[_PackLayer(self, i) for i in range(layers)])
         self.num_layers = layers
-        self.batch = batch
+        self.sessions = [session for session, _p, _ids in rows]
+        self.tokens = [t for _s, _p, ids in rows for t in ids]
+        self.positions = [q for _s, p, ids in rows for q in range(p, p + len(ids))]
         self.additive_mask = additive_mask
-        self.starts = [a.session.length for a in batch]
-        self.counts = [len(a.ids) + len(a.session.tail) for a in batch]
+        self.starts = [p for _s, p, _ids in rows]
+        self.counts = [len(ids) for _s, _p, ids in rows]
         self.offsets = list(itertools.accumulate(self.counts, initial=0))[:-1]  # row starts
         self.masks: list[torch.Tensor] = []
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if layer == 0:
-            for a, p, t in zip(self.batch, self.starts, self.counts, strict=True):
-                a.session.reserve(p + t, keys[:, :, :1], self.num_layers)
-        for a, p, t, o in zip(self.batch, self.starts, self.counts, self.offsets, strict=True):
-            a.session.keys[layer][:, :, p : p + t] = keys[:, :, o : o + t]
-            a.session.values[layer][:, :, p : p + t] = values[:, :, o : o + t]
+            for session, p, t in zip(self.sessions, self.starts, self.counts, strict=True):
+                session.reserve(p + t, keys[:, :, :1], self.num_layers)
+        rows = zip(self.sessions, self.starts, self.counts, self.offsets, strict=True)
+        for session, p, t, o in rows:
+            session.keys[layer][:, :, p : p + t] = keys[:, :, o : o + t]
+            session.values[layer][:, :, p : p + t] = values[:, :, o : o + t]
 
     def session_masks(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         """Per session `[1, 1, t, P + t]`: query j sees its prefix and its own new tokens up to
@@ -273,11 +283,11 @@ def packed_attention(
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     masks = pack.session_masks(query.dtype, query.device)
     outputs = []
-    for a, p, t, o, mask in zip(
-        pack.batch, pack.starts, pack.counts, pack.offsets, masks, strict=True
+    for session, p, t, o, mask in zip(
+        pack.sessions, pack.starts, pack.counts, pack.offsets, masks, strict=True
     ):
-        keys = a.session.keys[layer][:, :, : p + t]
-        values = a.session.values[layer][:, :, : p + t]
+        keys = session.keys[layer][:, :, : p + t]
+        values = session.values[layer][:, :, : p + t]
         q = query[:, :, o : o + t]
         out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=dropout, **kwargs)
         outputs.append(out)
@@ -343,14 +353,20 @@ class JudgeSessions:
             return session
 
     def append(
-        self, session: JudgeSession, ids: Sequence[int]
+        self,
+        session: JudgeSession,
+        ids: Sequence[int],
+        answer_tokens: int = 0,
+        answer_min_score: float = 0.5,
     ) -> concurrent.futures.Future[Verdict]:
-        """Queue `ids` for the session's prefix; the future gets the verdict after them."""
+        """Queue `ids` for the session's prefix; the future gets the verdict after them (with
+        the generated answer when `answer_tokens` > 0 and the score reaches
+        `answer_min_score`)."""
         future: concurrent.futures.Future[Verdict] = concurrent.futures.Future()
         with self.lock:
             if session.closed:
                 raise JudgeSessionError(404, f"no judge session {session.id!r}", "not_found")
-            total = session.tokens + len(ids) + len(session.tail)
+            total = session.tokens + len(ids) + len(session.tail) + answer_tokens
             limit = self.loaded.max_context
             if total > limit:
                 raise JudgeSessionError(
@@ -363,7 +379,7 @@ class JudgeSessions:
             if not new and not session.tail:
                 raise JudgeSessionError(422, "nothing to judge: no new text and no tail", "empty")
             session.pending = []  # counted as prefix from now on (the limit above)
-            self.queue.append(_Append(session, new, future))
+            self.queue.append(_Append(session, new, future, answer_tokens, answer_min_score))
             session.last_used = time.monotonic()
             self.lock.notify_all()
         return future
@@ -457,21 +473,65 @@ class JudgeSessions:
 
     @torch.inference_mode()
     def forward(self, batch: list[_Append]) -> list[Verdict]:
-        """One forward pass over the batch's new tokens and tails, packed (`_Pack`)."""
+        """One forward pass over the batch's new tokens and tails, packed (`_Pack`); then the
+        answers asked for, a token per pass for every session that wants one."""
+        rows = [(a.session, a.session.length, a.ids + a.session.tail) for a in batch]
+        probs = torch.softmax(self._run(rows), dim=-1)
+        verdicts = []
+        self.passes += 1
+        self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
+        for i, (a, (_s, _p, tokens)) in enumerate(zip(batch, rows, strict=True)):
+            session = a.session
+            session.length += len(a.ids)
+            self.forward_tokens += len(tokens)
+            p_unsafe = float(probs[i, session.unsafe].sum()) if session.unsafe else 0.0
+            p_safe = float(probs[i, session.safe].sum()) if session.safe else 0.0
+            total = p_unsafe + p_safe
+            score = p_unsafe / total if total > 0 else 0.5
+            verdicts.append(Verdict(score, p_unsafe, p_safe, session.length, len(tokens)))
+        answers = self._answers(batch, probs, verdicts)
+        for i, ids in answers.items():
+            verdicts[i] = dataclasses.replace(verdicts[i], answer_ids=ids)
+        return verdicts
+
+    def _answers(
+        self, batch: list[_Append], probs: torch.Tensor, verdicts: list[Verdict]
+    ) -> dict[int, list[int]]:
+        """The answer of each append that asks for one and whose score reaches its
+        `answer_min_score`: the verdict (its most probable unsafe token), then greedy tokens up
+        to `answer_tokens` or an end-of-sequence token (Llama Guard's category line follows the
+        verdict: "unsafe\nS1,S10"). They sit after the tail, in scratch columns the next append
+        overwrites."""
+        answers: dict[int, list[int]] = {}
+        at: dict[int, int] = {}
+        for i, (a, verdict) in enumerate(zip(batch, verdicts, strict=True)):
+            session = a.session
+            if a.answer_tokens and session.unsafe and verdict.score >= a.answer_min_score:
+                answers[i] = [max(session.unsafe, key=lambda t, i=i: float(probs[i, t]))]
+                at[i] = session.length + len(session.tail)
+        eos = self.loaded.eos_token_ids
+        while live := [
+            i
+            for i, ids in answers.items()
+            if len(ids) < batch[i].answer_tokens and ids[-1] not in eos
+        ]:
+            logits = self._run([(batch[i].session, at[i], answers[i][-1:]) for i in live])
+            for i, token in zip(live, logits.argmax(dim=-1).tolist(), strict=True):
+                answers[i].append(int(token))
+                at[i] += 1
+        return answers
+
+    def _run(self, rows: list[tuple[JudgeSession, int, list[int]]]) -> torch.Tensor:
+        """One packed forward pass over `rows`; the float64 logits at each row's last token."""
         device = self.loaded.device
-        model = self.loaded.model
-        pack = _Pack(self._layers, batch, additive_mask=self._eager_mask)
-        ids, positions = [], []
-        for a, p, t in zip(batch, pack.starts, pack.counts, strict=True):
-            ids += a.ids + a.session.tail
-            positions += range(p, p + t)
-        ends = [o + t - 1 for o, t in zip(pack.offsets, pack.counts, strict=True)]  # answers
+        pack = _Pack(self._layers, rows, additive_mask=self._eager_mask)
+        ends = [o + t - 1 for o, t in zip(pack.offsets, pack.counts, strict=True)]
         _install(self._attention)  # (again: a model loaded after us may have re-registered it)
         _ACTIVE.pack = pack
         try:
-            out = model(
-                input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-                position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+            out = self.loaded.model(
+                input_ids=torch.tensor([pack.tokens], dtype=torch.long, device=device),
+                position_ids=torch.tensor([pack.positions], dtype=torch.long, device=device),
                 # a prepared 4D mask is taken as is: none is built (the sessions' are in `pack`)
                 attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
                 past_key_values=pack,
@@ -480,25 +540,10 @@ class JudgeSessions:
             )
         finally:
             _ACTIVE.pack = None
-        self.pass_tokens += len(ids)
+        self.pass_tokens += len(pack.tokens)
         logits = out.logits[0].to(torch.float64)
         vocab = self.loaded.vocab_size
-        if logits.shape[-1] > vocab:  # padding rows of the output layer are not tokens
-            logits = logits[:, :vocab]
-        probs = torch.softmax(logits, dim=-1)
-        verdicts = []
-        self.passes += 1
-        self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
-        for i, (a, t) in enumerate(zip(batch, pack.counts, strict=True)):
-            session = a.session
-            session.length += len(a.ids)
-            self.forward_tokens += t
-            p_unsafe = float(probs[i, session.unsafe].sum()) if session.unsafe else 0.0
-            p_safe = float(probs[i, session.safe].sum()) if session.safe else 0.0
-            total = p_unsafe + p_safe
-            score = p_unsafe / total if total > 0 else 0.5
-            verdicts.append(Verdict(score, p_unsafe, p_safe, session.length, t))
-        return verdicts
+        return logits[:, :vocab] if logits.shape[-1] > vocab else logits  # (padding rows)
 
 
 def answer_token_ids(tokenizer: object, words: Sequence[str]) -> list[int]:

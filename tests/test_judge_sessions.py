@@ -18,7 +18,7 @@ from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from orchestrator.judge_templates import JudgeContext, JudgePrompt
 from tests.engine_processes import ThreadedServer
-from tests.engine_support import load_test_model, run
+from tests.engine_support import generate, load_test_model, run
 from tests.wait_support import until
 
 HEAD = "Is the following reply safe or unsafe?\n\n"
@@ -257,3 +257,81 @@ def test_an_append_given_up_before_it_ran_closes_its_session(tiny_exact: LoadedM
     assert judges.run_pending() == 2
     assert 0.0 <= ok.result().score <= 1.0
     assert list(judges.sessions) == [kept.id] and dropped.closed
+
+
+def test_answers_are_the_models_greedy_continuation_alone_or_batched(
+    replicas: list[ThreadedServer], tiny_exact: LoadedModel
+) -> None:
+    """`answer_tokens`: after the verdict token the engine generates the judge's answer (Llama
+    Guard's category line) in the session's scratch columns. Each answer equals the engine's own
+    greedy generation from head + chunks + tail + the verdict token (bitwise logits in
+    --batch-invariant mode, so the same tokens), for sessions whose appends (and answers) share
+    passes; an append that asks for none, or whose score is under `answer_min_score`, gets
+    none; the next append's score is still exact (the answer did not join the prefix)."""
+    a = replicas[0]
+    assert a.app is not None
+    engine = a.app[STATE].engine
+    tok: Any = tiny_exact.frontend_tokenizer
+    opening = {**OPEN, "unsafe_tokens": [" unsafe"], "safe_tokens": [" safe"]}  # one id each
+    texts = ["hello world", "the cat x=1;", "東京 def"]
+    asks = [
+        {"answer_tokens": 6, "answer_min_score": 0.0},
+        {"answer_tokens": 3, "answer_min_score": 0.0},
+        {},
+    ]
+
+    async def reference(verdict: int, chunks: list[str], tokens: int) -> str:
+        ids = tok(HEAD, add_special_tokens=True)["input_ids"]
+        for chunk in chunks:
+            ids += tok(chunk, add_special_tokens=False)["input_ids"]
+        ids += tok(TAIL, add_special_tokens=False)["input_ids"] + [verdict]
+        async with aiohttp.ClientSession() as http:
+            body = {"input_ids": ids, "max_new_tokens": tokens - 1}
+            stream = await generate(http, a.url, body)
+        generated = [t for item in stream.items for t in item["token_ids"]]
+        return str(tok.decode([verdict, *generated], skip_special_tokens=True))
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            opened = [await post(http, a.url + "/v1/judge/sessions", opening) for _ in texts]
+            sids = [body["session_id"] for _status, body in opened]
+            [verdict] = opened[0][1]["unsafe_token_ids"]
+            before = dict(engine.judges.batch_sizes)
+            with engine.hold():
+                tasks = [
+                    asyncio.ensure_future(
+                        post(
+                            http,
+                            f"{a.url}/v1/judge/sessions/{sid}/append",
+                            {"chunk": text, **ask},
+                        )
+                    )
+                    for sid, text, ask in zip(sids, texts, asks, strict=True)
+                ]
+
+                async def queued() -> bool:
+                    return len(engine.judges.queue) == len(texts)
+
+                await until(queued, deadline_s=60, what="the appends queued")
+            replies = [await task for task in tasks]
+            assert engine.judges.batch_sizes.get(3, 0) == before.get(3, 0) + 1
+            for (status, body), text, ask in zip(replies, texts, asks, strict=True):
+                assert status == 200, body
+                if ask:
+                    expected = await reference(verdict, [text], ask["answer_tokens"])
+                    assert body["answer"] == expected
+                else:
+                    assert "answer" not in body
+            status, none = await post(
+                http,
+                f"{a.url}/v1/judge/sessions/{sids[0]}/append",
+                {"chunk": " more", "answer_tokens": 6, "answer_min_score": 1.0},
+            )
+            assert status == 200 and "answer" not in none
+            scratch = {**opening, "chunks": [texts[0], " more"]}
+            assert (
+                none["score"]
+                == (await post(http, a.url + "/v1/judge/sessions", scratch))[1]["score"]
+            )
+
+    run(scenario())
