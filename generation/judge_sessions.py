@@ -16,12 +16,19 @@ answer's logits are read at the tail's last position; the score is P(unsafe toke
 (P(unsafe tokens) + P(safe tokens)) there, in float64.
 
 Batching. Every append queued when the worker gets to it (one per session; a second append to
-the same session waits for the next pass) runs in one forward pass per worker iteration: the
-sessions' prefixes are copied into a rectangle (row i's prefix at columns `0..P_i`, its new
-tokens right after, at its own positions `P_i..`), with an explicit 4D mask, and the new
-columns are copied back into the sessions' buffers afterwards. A lone append runs on its
-session's own buffer with no copy. The copies are memory traffic of the order of what the
-attention reads anyway; the FLOPs per append stay O(chunk + tail).
+the same session waits for the next pass) runs in one forward pass per worker iteration, packed
+(`_Pack`): the sessions' new tokens (chunk, then tail) are one row `[1, sum of counts]`, each
+token at its own session's position, so every linear layer (the FLOPs) runs once over all of
+them with no padding; the attention (`packed_attention`) runs per session, the model's own
+attention function on the session's own buffer (columns `0..P_i + t_i`): no prefix is copied and
+no session attends over another's length. (The first version copied every prefix into a padded
+rectangle per layer: memory traffic of 16 sessions x 2,000 columns x 30 layers per pass on
+smollm2, and every row padded to the longest chunk.)
+
+Answers. An append may ask for the judge's answer text (Llama Guard's category line after the
+verdict): when its score reaches `answer_min_score`, the verdict token and greedy tokens after
+it are generated in the scratch columns after the tail, a packed pass per token for every
+session that wants one (`_answers`).
 
 Exactness: in `--batch-invariant` mode (batch_invariant.py) a row's logits are bitwise
 independent of its batch and of how its prefix was prefilled, so a session's score after an
