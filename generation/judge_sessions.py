@@ -251,7 +251,10 @@ def _dispatching(original: Callable[..., Any] | None) -> Callable[..., Any]:
     one, unless this thread runs an append pass (`packed_attention`)."""
 
     def attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        pack: _Pack | None = getattr(_ACTIVE, "pack", None)
+        # (a compiled step is never an append pass: dynamo does not trace the thread-local)
+        pack: _Pack | None = (
+            None if torch.compiler.is_compiling() else getattr(_ACTIVE, "pack", None)
+        )
         if pack is None:
             return _attention_of(module, original)(module, *args, **kwargs)
         return packed_attention(_attention_of(module, original), pack, module, *args, **kwargs)

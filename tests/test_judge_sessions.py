@@ -335,3 +335,30 @@ def test_answers_are_the_models_greedy_continuation_alone_or_batched(
             )
 
     run(scenario())
+
+
+def test_a_batched_pass_runs_each_appends_tokens_once_without_padding(
+    tiny_exact: LoadedModel,
+) -> None:
+    """Appends of different lengths at different prefix lengths share one pass, packed: the
+    pass puts exactly each append's new tokens and tail through the model (no row padded to the
+    longest chunk), and each score is the bits of the same append run alone."""
+    tail = [3, 4]
+    heads, chunks = [[1, 2], [1, 2, *range(7, 40)]], [[13], list(range(50, 70))]
+
+    def judge(together: bool) -> list[float]:
+        judges = JudgeSessions(tiny_exact)
+        sessions = [judges.open(head, tail, [5], [6]) for head in heads]
+        futures = []
+        for session, chunk in zip(sessions, chunks, strict=True):
+            futures.append(judges.append(session, chunk))
+            if not together:
+                assert judges.run_pending() == 1
+        if together:
+            assert judges.run_pending() == 2
+        assert judges.batch_sizes == ({2: 1} if together else {1: 2})
+        pairs = zip(heads, chunks, strict=True)
+        assert judges.pass_tokens == sum(len(h) + len(c) + len(tail) for h, c in pairs)
+        return [f.result().score for f in futures]
+
+    assert judge(together=True) == judge(together=False)
