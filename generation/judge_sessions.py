@@ -125,7 +125,8 @@ class JudgeSession:
         return self.length + len(self.pending)
 
     def reserve(self, columns: int, like: torch.Tensor, layers: int) -> None:
-        """Room for `columns` columns per layer (doubling); `like` gives shape and dtype."""
+        """Room for `columns` columns per layer (doubling); `like` gives shape and dtype. Every
+        column is kept, the scratch ones too: an answer is generated after the tail's."""
         capacity = self.keys[0].shape[2] if self.keys else 0
         if columns <= capacity:
             return
@@ -139,7 +140,7 @@ class JudgeSession:
             for layer in range(layers):
                 buffer = like.new_zeros(shape)
                 if old:
-                    buffer[:, :, : self.length] = old[layer][:, :, : self.length]
+                    buffer[:, :, :capacity] = old[layer]
                 store.append(buffer)
 
 

@@ -273,11 +273,12 @@ def test_answers_are_the_models_greedy_continuation_alone_or_batched(
     engine = a.app[STATE].engine
     tok: Any = tiny_exact.frontend_tokenizer
     opening = {**OPEN, "unsafe_tokens": [" unsafe"], "safe_tokens": [" safe"]}  # one id each
-    texts = ["hello world", "the cat x=1;", "東京 def"]
+    texts = ["hello world", "the cat x=1;", "東京 def", "return"]
     asks = [
         {"answer_tokens": 6, "answer_min_score": 0.0},
         {"answer_tokens": 3, "answer_min_score": 0.0},
         {},
+        {"answer_tokens": 64, "answer_min_score": 0.0},  # its buffer grows mid-answer
     ]
 
     async def reference(verdict: int, chunks: list[str], tokens: int) -> str:
@@ -314,12 +315,12 @@ def test_answers_are_the_models_greedy_continuation_alone_or_batched(
 
                 await until(queued, deadline_s=60, what="the appends queued")
             replies = [await task for task in tasks]
-            assert engine.judges.batch_sizes.get(3, 0) == before.get(3, 0) + 1
+            assert engine.judges.batch_sizes.get(4, 0) == before.get(4, 0) + 1
             for (status, body), text, ask in zip(replies, texts, asks, strict=True):
                 assert status == 200, body
                 if ask:
                     expected = await reference(verdict, [text], ask["answer_tokens"])
-                    assert body["answer"] == expected
+                    assert body["answer"] == expected, text
                 else:
                     assert "answer" not in body
             status, none = await post(
