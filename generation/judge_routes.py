@@ -8,6 +8,10 @@
   429 `too_many_sessions` when the engine holds its maximum.
 - `POST /v1/judge/sessions/{id}/append` `{"chunk"}`: the chunk joins the judged prefix;
   200 `{"score", "p_unsafe", "p_safe", "judged_tokens", "forward_tokens", "chunk_tokens"}`.
+- Both take `answer_tokens` (0-64, default 0) and `answer_min_score` (default 0.5): when the
+  score reaches it, the judge's answer is generated after the tail (the verdict, its most
+  probable unsafe token, then greedy tokens to an end of sequence or `answer_tokens`) and
+  returned as `answer` (Llama Guard's "unsafe\nS1,S10": the orchestrator reads its categories).
 - `DELETE /v1/judge/sessions/{id}`: 204; its KV rows are freed. Unknown ids are 404.
 
 Each chunk is tokenized alone (no special tokens), so a session's tokens are the head's, then
@@ -31,15 +35,24 @@ from .protocol import _STRICT, Utf8Str
 
 SESSIONS_PATH = "/v1/judge/sessions"
 MAX_ANSWER_WORDS = 16
+MAX_ANSWER_TOKENS = 64
 AnswerWords = Annotated[
     list[Annotated[Utf8Str, Field(min_length=1)]],
     Field(min_length=1, max_length=MAX_ANSWER_WORDS),
 ]
 
 
-class OpenSession(BaseModel):
+class AnswerRequest(BaseModel):
+    """Ask for the judge's answer text after the verdict (Llama Guard's category line): up to
+    `answer_tokens` generated tokens when the score reaches `answer_min_score`."""
+
     model_config = _STRICT
 
+    answer_tokens: int = Field(0, ge=0, le=MAX_ANSWER_TOKENS)
+    answer_min_score: float = Field(0.5, ge=0.0, le=1.0)
+
+
+class OpenSession(AnswerRequest):
     head: Utf8Str
     tail: Utf8Str = ""
     unsafe_tokens: AnswerWords
@@ -47,9 +60,7 @@ class OpenSession(BaseModel):
     chunks: list[Utf8Str] = []
 
 
-class AppendChunk(BaseModel):
-    model_config = _STRICT
-
+class AppendChunk(AnswerRequest):
     chunk: Utf8Str
 
 
@@ -98,21 +109,33 @@ def _client_error(server: Server, exc: JudgeSessionError) -> Exception:
     return server.client_error(exc.status, exc.message, exc.type, headers=headers)
 
 
-def _verdict(v: Verdict) -> dict[str, Any]:
-    return {
+async def _verdict(state: Any, v: Verdict) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "score": v.score,
         "p_unsafe": v.p_unsafe,
         "p_safe": v.p_safe,
         "judged_tokens": v.judged_tokens,
         "forward_tokens": v.forward_tokens,
     }
+    if v.answer_ids is not None:
+        body["answer"] = await state.run_tokenizer(_decode, state.loaded, v.answer_ids)
+    return body
 
 
-async def _judge(server: Server, state: Any, session: JudgeSession, ids: list[int]) -> Verdict:
+def _decode(loaded: LoadedModel, ids: list[int]) -> str:
+    tokenizer: Any = loaded.frontend_tokenizer
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+async def _judge(
+    server: Server, state: Any, session: JudgeSession, ids: list[int], answer: AnswerRequest
+) -> Verdict:
     try:
         if not state.engine.healthy:
             raise EngineUnavailable("the engine is not running")
-        future = state.engine.judges.append(session, ids)
+        future = state.engine.judges.append(
+            session, ids, answer.answer_tokens, answer.answer_min_score
+        )
         return await asyncio.wrap_future(future)
     except JudgeSessionError as exc:
         raise _client_error(server, exc) from None
@@ -144,7 +167,7 @@ async def handle_open(request: web.Request) -> web.Response:
     if req.chunks:
         ids = [t for chunk in parts["chunks"] for t in chunk]
         try:
-            body.update(_verdict(await _judge(server, state, session, ids)))
+            body.update(await _verdict(state, await _judge(server, state, session, ids, req)))
         except BaseException:
             judges.close(session.id)
             raise
@@ -160,8 +183,8 @@ async def handle_append(request: web.Request) -> web.Response:
     except JudgeSessionError as exc:
         raise _client_error(server, exc) from None
     ids = await state.run_tokenizer(_encode_chunk, state.loaded, req.chunk)
-    verdict = await _judge(server, state, session, ids)
-    return web.json_response({**_verdict(verdict), "chunk_tokens": len(ids)})
+    verdict = await _judge(server, state, session, ids, req)
+    return web.json_response({**await _verdict(state, verdict), "chunk_tokens": len(ids)})
 
 
 async def handle_close(request: web.Request) -> web.Response:

@@ -16,12 +16,19 @@ answer's logits are read at the tail's last position; the score is P(unsafe toke
 (P(unsafe tokens) + P(safe tokens)) there, in float64.
 
 Batching. Every append queued when the worker gets to it (one per session; a second append to
-the same session waits for the next pass) runs in one forward pass per worker iteration: the
-sessions' prefixes are copied into a rectangle (row i's prefix at columns `0..P_i`, its new
-tokens right after, at its own positions `P_i..`), with an explicit 4D mask, and the new
-columns are copied back into the sessions' buffers afterwards. A lone append runs on its
-session's own buffer with no copy. The copies are memory traffic of the order of what the
-attention reads anyway; the FLOPs per append stay O(chunk + tail).
+the same session waits for the next pass) runs in one forward pass per worker iteration, packed
+(`_Pack`): the sessions' new tokens (chunk, then tail) are one row `[1, sum of counts]`, each
+token at its own session's position, so every linear layer (the FLOPs) runs once over all of
+them with no padding; the attention (`packed_attention`) runs per session, the model's own
+attention function on the session's own buffer (columns `0..P_i + t_i`): no prefix is copied and
+no session attends over another's length. (The first version copied every prefix into a padded
+rectangle per layer: memory traffic of 16 sessions x 2,000 columns x 30 layers per pass on
+smollm2, and every row padded to the longest chunk.)
+
+Answers. An append may ask for the judge's answer text (Llama Guard's category line after the
+verdict): when its score reaches `answer_min_score`, the verdict token and greedy tokens after
+it are generated in the scratch columns after the tail, a packed pass per token for every
+session that wants one (`_answers`).
 
 Exactness: in `--batch-invariant` mode (batch_invariant.py) a row's logits are bitwise
 independent of its batch and of how its prefix was prefilled, so a session's score after an
@@ -39,9 +46,11 @@ import concurrent.futures
 import dataclasses
 import itertools
 import secrets
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -77,6 +86,7 @@ class Verdict:
     p_safe: float
     judged_tokens: int  # the prefix in the session's KV rows after the append
     forward_tokens: int  # tokens through the model for this append (new prefix tokens + tail)
+    answer_ids: list[int] | None = None  # the answer generated after the tail, when asked
 
 
 class JudgeSession:
@@ -115,7 +125,8 @@ class JudgeSession:
         return self.length + len(self.pending)
 
     def reserve(self, columns: int, like: torch.Tensor, layers: int) -> None:
-        """Room for `columns` columns per layer (doubling); `like` gives shape and dtype."""
+        """Room for `columns` columns per layer (doubling); `like` gives shape and dtype. Every
+        column is kept, the scratch ones too: an answer is generated after the tail's."""
         capacity = self.keys[0].shape[2] if self.keys else 0
         if columns <= capacity:
             return
@@ -129,7 +140,7 @@ class JudgeSession:
             for layer in range(layers):
                 buffer = like.new_zeros(shape)
                 if old:
-                    buffer[:, :, : self.length] = old[layer][:, :, : self.length]
+                    buffer[:, :, :capacity] = old[layer]
                 store.append(buffer)
 
 
@@ -138,107 +149,160 @@ class _Append:
     session: JudgeSession
     ids: list[int]  # new prefix tokens (queued head and the chunk)
     future: concurrent.futures.Future[Verdict]
+    answer_tokens: int = 0  # generate up to this many answer tokens ...
+    answer_min_score: float = 0.5  # ... when the score reaches this
 
 
-class _RectLayer(CacheLayerMixin):
-    """One layer of an append pass: writes each row's new keys at its own columns, returns the
-    rectangle the rows attend over (a lone session's own buffer, or a copy of the prefixes)."""
+class _PackLayer(CacheLayerMixin):
+    """One layer of an append pass: writes each session's new keys into its own buffer."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, owner: _AppendCache, index: int) -> None:
+    def __init__(self, owner: _Pack, index: int) -> None:
         super().__init__()
         self._owner = owner
         self._index = index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("allocated by _AppendCache")
+        raise RuntimeError("the sessions' buffers are allocated by _Pack")
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._owner.write(self._index, key_states, value_states)
+        self._owner.write(self._index, key_states, value_states)
+        return key_states, value_states  # unused: `packed_attention` reads the sessions' buffers
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._owner.width, 0
+        return query_length, 0
 
     def get_seq_length(self) -> int:
-        return self._owner.width - self._owner.query_length
+        return 0
 
     def get_max_length(self) -> int:
         return -1
 
 
-class _AppendCache(Cache):
-    """The cache of one append pass over `batch` (worker thread only)."""
+class _Pack(Cache):
+    """One append pass over `batch` (worker thread only). The sessions' new tokens (each its
+    chunk, then the tail) are packed into one row, `[1, sum of counts]`, each at its own
+    positions: every linear layer runs once over all of them, with no padding. The attention
+    (`packed_attention`) runs per session on the session's own buffer, columns `0..P_i+t_i`: its
+    prefix is read where it lies, never copied into a shared rectangle, and no session attends
+    over another's width."""
 
-    def __init__(self, layers: int, batch: list[_Append]) -> None:
-        super().__init__(layers=[_RectLayer(self, i) for i in range(layers)])
+    def __init__(
+        self, layers: int, rows: list[tuple[JudgeSession, int, list[int]]], additive_mask: bool
+    ) -> None:
+        """`rows`: (session, first position, tokens): an append's chunk and tail at the end of
+        its prefix, or an answer's next token after its tail."""
+        super().__init__(layers=[_PackLayer(self, i) for i in range(layers)])
         self.num_layers = layers
-        self.batch = batch
-        self.starts = [a.session.length for a in batch]
-        self.counts = [len(a.ids) + len(a.session.tail) for a in batch]
-        self.query_length = max(self.counts)
-        self.width = max(p + t for p, t in zip(self.starts, self.counts, strict=True))
-        self.rect_keys: list[torch.Tensor] = []
-        self.rect_values: list[torch.Tensor] = []
-        self._index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.sessions = [session for session, _p, _ids in rows]
+        self.tokens = [t for _s, _p, ids in rows for t in ids]
+        self.positions = [q for _s, p, ids in rows for q in range(p, p + len(ids))]
+        self.additive_mask = additive_mask
+        self.starts = [p for _s, p, _ids in rows]
+        self.counts = [len(ids) for _s, _p, ids in rows]
+        self.offsets = list(itertools.accumulate(self.counts, initial=0))[:-1]  # row starts
+        self.masks: list[torch.Tensor] = []
 
-    def _scatter_index(
-        self, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._index is None:
-            rows, columns, sources = [], [], []
-            for i, (p, t) in enumerate(zip(self.starts, self.counts, strict=True)):
-                rows += [i] * t
-                columns += range(p, p + t)
-                sources += range(t)
-            self._index = tuple(
-                torch.tensor(x, dtype=torch.long, device=device) for x in (rows, columns, sources)
-            )  # type: ignore[assignment]
-        assert self._index is not None
-        return self._index
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if layer == 0:
+            for session, p, t in zip(self.sessions, self.starts, self.counts, strict=True):
+                session.reserve(p + t, keys[:, :, :1], self.num_layers)
+        rows = zip(self.sessions, self.starts, self.counts, self.offsets, strict=True)
+        for session, p, t, o in rows:
+            session.keys[layer][:, :, p : p + t] = keys[:, :, o : o + t]
+            session.values[layer][:, :, p : p + t] = values[:, :, o : o + t]
 
-    def write(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        width = self.width
-        if len(self.batch) == 1:  # the session's own buffer: no copy of its prefix
-            session = self.batch[0].session
-            session.reserve(width, keys, self.num_layers)
-            p, t = self.starts[0], self.counts[0]
-            session.keys[layer][:, :, p : p + t] = keys
-            session.values[layer][:, :, p : p + t] = values
-            return session.keys[layer][:, :, :width], session.values[layer][:, :, :width]
-        b, heads, _q, dim = keys.shape
-        rect_k = keys.new_zeros((b, heads, width, dim))
-        rect_v = values.new_zeros((b, heads, width, dim))
-        for i, a in enumerate(self.batch):
-            p = self.starts[i]
-            if p:
-                rect_k[i, :, :p] = a.session.keys[layer][0, :, :p]
-                rect_v[i, :, :p] = a.session.values[layer][0, :, :p]
-        rows, columns, sources = self._scatter_index(keys.device)
-        rect_k[rows, :, columns] = keys[rows, :, sources]
-        rect_v[rows, :, columns] = values[rows, :, sources]
-        self.rect_keys.append(rect_k)
-        self.rect_values.append(rect_v)
-        return rect_k, rect_v
+    def session_masks(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Per session `[1, 1, t, P + t]`: query j sees its prefix and its own new tokens up to
+        itself (boolean; additive for the eager attention). Built once per pass."""
+        if not self.masks:
+            for p, t in zip(self.starts, self.counts, strict=True):
+                columns = torch.arange(p + t, device=device)
+                rows = torch.arange(p, p + t, device=device)
+                mask = (columns[None, :] <= rows[:, None])[None, None]
+                if self.additive_mask:
+                    mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
+                        ~mask, torch.finfo(dtype).min
+                    )
+                self.masks.append(mask)
+        return self.masks
 
-    def write_back(self) -> None:
-        """A batched pass: each session's new prefix columns into its own buffers."""
-        if len(self.batch) == 1:
-            return
-        for i, a in enumerate(self.batch):
-            session, p, n = a.session, self.starts[i], len(a.ids)
-            session.reserve(
-                p + n + len(session.tail), self.rect_keys[0][i : i + 1], self.num_layers
-            )
-            for layer in range(self.num_layers):
-                session.keys[layer][0, :, p : p + n] = self.rect_keys[layer][i, :, p : p + n]
-                session.values[layer][0, :, p : p + n] = self.rect_values[layer][i, :, p : p + n]
+
+#: The pack of the append pass this thread is running (None: the model's ordinary forward).
+_ACTIVE = threading.local()
+
+
+def _attention_of(
+    module: torch.nn.Module, original: Callable[..., Any] | None
+) -> Callable[..., Any]:
+    """The model's own attention function: `original` (registered: sdpa, batch_invariant's,
+    flash) or, for "eager", the function of the module's modeling file."""
+    if original is not None:
+        return original
+    return sys.modules[type(module).__module__].eager_attention_forward  # type: ignore[no-any-return]
+
+
+def _dispatching(original: Callable[..., Any] | None) -> Callable[..., Any]:
+    """The attention function registered under the model's implementation name: the original
+    one, unless this thread runs an append pass (`packed_attention`)."""
+
+    def attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # (a compiled step is never an append pass: dynamo does not trace the thread-local)
+        pack: _Pack | None = (
+            None if torch.compiler.is_compiling() else getattr(_ACTIVE, "pack", None)
+        )
+        if pack is None:
+            return _attention_of(module, original)(module, *args, **kwargs)
+        return packed_attention(_attention_of(module, original), pack, module, *args, **kwargs)
+
+    attention._gs_judge_dispatch = True  # type: ignore[attr-defined]
+    return attention
+
+
+def _install(implementation: str) -> None:
+    """Route `implementation`'s attention through `_dispatching` (idempotent). Threads that run
+    no append pass get the original function, so generation is unchanged; it is global because
+    transformers looks attention functions up by name in one global registry."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    current = ALL_ATTENTION_FUNCTIONS.get(implementation)
+    if current is not None and getattr(current, "_gs_judge_dispatch", False):
+        return
+    AttentionInterface.register(implementation, _dispatching(current))
+
+
+def packed_attention(
+    base: Callable[..., Any],
+    pack: _Pack,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Each session's queries against its own buffer, with the model's own attention function
+    `base`: the same call, on the same shapes, as the session judged alone, whatever else is in
+    the pass. `query` `[1, H, N, d]` packed; returns `[1, N, H, d]`."""
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    masks = pack.session_masks(query.dtype, query.device)
+    outputs = []
+    for session, p, t, o, mask in zip(
+        pack.sessions, pack.starts, pack.counts, pack.offsets, masks, strict=True
+    ):
+        keys = session.keys[layer][:, :, : p + t]
+        values = session.values[layer][:, :, : p + t]
+        q = query[:, :, o : o + t]
+        out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=dropout, **kwargs)
+        outputs.append(out)
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 class JudgeSessions:
@@ -264,11 +328,14 @@ class JudgeSessions:
         self.passes = 0  # forward passes run (for tests and metrics)
         self.batch_sizes: dict[int, int] = {}  # appends per pass -> passes
         self.forward_tokens = 0
+        self.pass_tokens = 0  # tokens the passes put through the model (no padding: the same)
         self._layers = int(getattr(loaded.model.config, "num_hidden_layers", 0)) or len(
             getattr(loaded.model.config, "layer_types", []) or []
         )
         self._eager_mask = getattr(loaded.model.config, "_attn_implementation", "") == "eager"
         self._ids = itertools.count()
+        self._attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
+        _install(self._attention)
 
     # ----- event-loop side (any thread; under the lock) ----------------------------------------
 
@@ -297,14 +364,20 @@ class JudgeSessions:
             return session
 
     def append(
-        self, session: JudgeSession, ids: Sequence[int]
+        self,
+        session: JudgeSession,
+        ids: Sequence[int],
+        answer_tokens: int = 0,
+        answer_min_score: float = 0.5,
     ) -> concurrent.futures.Future[Verdict]:
-        """Queue `ids` for the session's prefix; the future gets the verdict after them."""
+        """Queue `ids` for the session's prefix; the future gets the verdict after them (with
+        the generated answer when `answer_tokens` > 0 and the score reaches
+        `answer_min_score`)."""
         future: concurrent.futures.Future[Verdict] = concurrent.futures.Future()
         with self.lock:
             if session.closed:
                 raise JudgeSessionError(404, f"no judge session {session.id!r}", "not_found")
-            total = session.tokens + len(ids) + len(session.tail)
+            total = session.tokens + len(ids) + len(session.tail) + answer_tokens
             limit = self.loaded.max_context
             if total > limit:
                 raise JudgeSessionError(
@@ -317,7 +390,7 @@ class JudgeSessions:
             if not new and not session.tail:
                 raise JudgeSessionError(422, "nothing to judge: no new text and no tail", "empty")
             session.pending = []  # counted as prefix from now on (the limit above)
-            self.queue.append(_Append(session, new, future))
+            self.queue.append(_Append(session, new, future, answer_tokens, answer_min_score))
             session.last_used = time.monotonic()
             self.lock.notify_all()
         return future
@@ -411,56 +484,77 @@ class JudgeSessions:
 
     @torch.inference_mode()
     def forward(self, batch: list[_Append]) -> list[Verdict]:
-        """One forward pass over the batch's new tokens and tails (module docstring)."""
-        device = self.loaded.device
-        cache = _AppendCache(self._layers, batch)
-        width, q_len = cache.width, cache.query_length
-        inputs, positions = [], []
-        for a, p, t in zip(batch, cache.starts, cache.counts, strict=True):
-            row = a.ids + a.session.tail
-            inputs.append(row + [row[-1]] * (q_len - t))
-            positions.append(list(range(p, p + q_len)))
-        ids = torch.tensor(inputs, dtype=torch.long, device=device)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=device)
-        columns = torch.arange(width, device=device)
-        # query j of row i sees columns 0..P_i+j (its prefix, then its own new tokens causally)
-        mask = (columns[None, None, :] <= position_ids[:, :, None])[:, None]
-        attention_mask: torch.Tensor = mask
-        if self._eager_mask:
-            dtype = self.loaded.model.dtype
-            attention_mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
-                ~mask, torch.finfo(dtype).min
-            )
-        ends = [t - 1 for t in cache.counts]
-        keep = sorted(set(ends))
-        out = self.loaded.model(
-            input_ids=ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-        )
-        cache.write_back()
-        pick = torch.tensor([keep.index(e) for e in ends], dtype=torch.long, device=device)
-        logits = out.logits[torch.arange(len(batch), device=device), pick].to(torch.float64)
-        vocab = self.loaded.vocab_size
-        if logits.shape[-1] > vocab:  # padding rows of the output layer are not tokens
-            logits = logits[:, :vocab]
-        probs = torch.softmax(logits, dim=-1)
+        """One forward pass over the batch's new tokens and tails, packed (`_Pack`); then the
+        answers asked for, a token per pass for every session that wants one."""
+        rows = [(a.session, a.session.length, a.ids + a.session.tail) for a in batch]
+        probs = torch.softmax(self._run(rows), dim=-1)
         verdicts = []
         self.passes += 1
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
-        for i, (a, t) in enumerate(zip(batch, cache.counts, strict=True)):
+        for i, (a, (_s, _p, tokens)) in enumerate(zip(batch, rows, strict=True)):
             session = a.session
             session.length += len(a.ids)
-            self.forward_tokens += t
+            self.forward_tokens += len(tokens)
             p_unsafe = float(probs[i, session.unsafe].sum()) if session.unsafe else 0.0
             p_safe = float(probs[i, session.safe].sum()) if session.safe else 0.0
             total = p_unsafe + p_safe
             score = p_unsafe / total if total > 0 else 0.5
-            verdicts.append(Verdict(score, p_unsafe, p_safe, session.length, t))
+            verdicts.append(Verdict(score, p_unsafe, p_safe, session.length, len(tokens)))
+        answers = self._answers(batch, probs, verdicts)
+        for i, ids in answers.items():
+            verdicts[i] = dataclasses.replace(verdicts[i], answer_ids=ids)
         return verdicts
+
+    def _answers(
+        self, batch: list[_Append], probs: torch.Tensor, verdicts: list[Verdict]
+    ) -> dict[int, list[int]]:
+        """The answer of each append that asks for one and whose score reaches its
+        `answer_min_score`: the verdict (its most probable unsafe token), then greedy tokens up
+        to `answer_tokens` or an end-of-sequence token (Llama Guard's category line follows the
+        verdict: "unsafe\nS1,S10"). They sit after the tail, in scratch columns the next append
+        overwrites."""
+        answers: dict[int, list[int]] = {}
+        at: dict[int, int] = {}
+        for i, (a, verdict) in enumerate(zip(batch, verdicts, strict=True)):
+            session = a.session
+            if a.answer_tokens and session.unsafe and verdict.score >= a.answer_min_score:
+                answers[i] = [max(session.unsafe, key=lambda t, i=i: float(probs[i, t]))]
+                at[i] = session.length + len(session.tail)
+        eos = self.loaded.eos_token_ids
+        while live := [
+            i
+            for i, ids in answers.items()
+            if len(ids) < batch[i].answer_tokens and ids[-1] not in eos
+        ]:
+            logits = self._run([(batch[i].session, at[i], answers[i][-1:]) for i in live])
+            for i, token in zip(live, logits.argmax(dim=-1).tolist(), strict=True):
+                answers[i].append(int(token))
+                at[i] += 1
+        return answers
+
+    def _run(self, rows: list[tuple[JudgeSession, int, list[int]]]) -> torch.Tensor:
+        """One packed forward pass over `rows`; the float64 logits at each row's last token."""
+        device = self.loaded.device
+        pack = _Pack(self._layers, rows, additive_mask=self._eager_mask)
+        ends = [o + t - 1 for o, t in zip(pack.offsets, pack.counts, strict=True)]
+        _install(self._attention)  # (again: a model loaded after us may have re-registered it)
+        _ACTIVE.pack = pack
+        try:
+            out = self.loaded.model(
+                input_ids=torch.tensor([pack.tokens], dtype=torch.long, device=device),
+                position_ids=torch.tensor([pack.positions], dtype=torch.long, device=device),
+                # a prepared 4D mask is taken as is: none is built (the sessions' are in `pack`)
+                attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
+                past_key_values=pack,
+                use_cache=True,
+                logits_to_keep=torch.tensor(ends, dtype=torch.long, device=device),
+            )
+        finally:
+            _ACTIVE.pack = None
+        self.pass_tokens += len(pack.tokens)
+        logits = out.logits[0].to(torch.float64)
+        vocab = self.loaded.vocab_size
+        return logits[:, :vocab] if logits.shape[-1] > vocab else logits  # (padding rows)
 
 
 def answer_token_ids(tokenizer: object, words: Sequence[str]) -> list[int]:

@@ -435,7 +435,8 @@ class DetectorConfig(Strict):
     """`openai_judge`: the model name the server knows (what it lists in /v1/models)."""
     template: str | None = None
     """`openai_judge`: the judge's prompt: a shipped template (`llama_guard`, `yes_no` for
-    Granite Guardian/ShieldGemma-style yes/no questions, `zero_shot` for any instruct model) or
+    Granite Guardian/ShieldGemma-style yes/no questions, `zero_shot` for any instruct model,
+    `classify` for a small model completing a "Label:") or
     an inline Jinja template (sandboxed; variables: `messages`, `role`, `prefix`, `chunk`,
     `text`, `categories` and the keys of `params`)."""
     api: Literal["completions", "chat"] | None = None

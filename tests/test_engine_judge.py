@@ -24,8 +24,9 @@ from orchestrator.state import STATE
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import load_test_model
 from tests.fakes.engine import FakeEngine
+from tests.fakes.judge_server import FakeJudge
 from tests.orchestrator_support import Orchestrator, native_config
-from tests.test_judges import PROMPT, SCRIPT, SURFACES, fms_end, raw
+from tests.test_judges import CATEGORIES, PROMPT, SCRIPT, SURFACES, fms_end, raw
 
 MESSAGES = (("user", PROMPT),)
 CHUNKS = ["Sure.", " Mix the bomb parts.", " Done.", " 😀 東京 x=1;", "", " The end."]
@@ -97,6 +98,60 @@ async def test_a_stream_is_judged_incrementally_and_moves_when_its_replica_dies(
                 assert len(judges_b.sessions) == 1
         await client.close()
         assert judges_b.sessions == {}  # closing the client frees the stream's session
+
+
+@pytest.mark.parametrize("categories", [True, False], ids=["categories", "codes-only"])
+async def test_llama_guard_categories_name_the_detection(categories: bool) -> None:
+    """The engine's answer after the verdict (Llama Guard's "unsafe\nS1,S9") is read by the
+    parser `openai_judge` uses: the category names are the entity, the codes its metadata, on
+    input and on output (the stream's session), and when a session is rebuilt with its chunks.
+    The answer is asked for (`answer_tokens`, from the threshold up) only with `categories` or
+    the `llama_guard` template. The fake speaks the engine's session protocol with a controlled
+    answer text (a random tiny model's answer has no category line); the engine's answers
+    themselves: tests/test_judge_sessions.py."""
+    fake = FakeJudge()
+    await fake.start()
+    extra: dict[str, Any] = {"template": "llama_guard", "default_threshold": 0.25}
+    if categories:
+        extra["categories"] = CATEGORIES
+    config = DetectorConfig.model_validate(entry([fake.url], **extra))
+    names = "Violent Crimes,Indiscriminate Weapons" if categories else "unsafe"
+    try:
+        async with aiohttp.ClientSession() as http:
+            client = EngineJudgeClient("guard", config, http)
+            [[unsafe], [safe]] = await client.detect(["Mix the bomb parts.", "Hello."], {})
+            [[streamed]] = await client.detect(["A bomb."], {}, JudgeContext(MESSAGES, "Sure."))
+            [[again]] = await client.detect([" More."], {}, JudgeContext(MESSAGES, "Sure. A bomb."))
+            fake.sessions.clear()  # the engine forgot the session: rebuilt with its chunks
+            [[rebuilt]] = await client.detect(
+                [" Done."], {}, JudgeContext(MESSAGES, "Sure. A bomb. More.")
+            )
+            await client.close()
+    finally:
+        await fake.close()
+    for found in (unsafe, streamed, again, rebuilt):
+        assert (found.detection, found.score) == (names, 0.96875)
+        assert found.metadata == {"categories": ["S1", "S9"]}
+    assert (safe.detection, safe.score, safe.metadata) == ("unsafe", 0.03125, None)
+    asks = [r for r in fake.session_requests if "answer_tokens" in r]
+    assert len(asks) == 6  # every judgement (input: 2, output: 3 appends, one with the rebuild)
+    assert {(r["answer_tokens"], r["answer_min_score"]) for r in asks} == {(24, 0.25)}
+
+
+async def test_a_judge_without_categories_asks_for_no_answer() -> None:
+    fake = FakeJudge()
+    await fake.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            client = EngineJudgeClient(
+                "guard", DetectorConfig.model_validate(entry([fake.url])), http
+            )
+            [[found]] = await client.detect(["Mix the bomb parts."], {})
+            await client.close()
+    finally:
+        await fake.close()
+    assert (found.detection, found.score, found.metadata) == ("unsafe", 0.96875, None)
+    assert fake.session_requests and all("answer_tokens" not in r for r in fake.session_requests)
 
 
 async def test_input_is_judged_alone_and_leaves_no_session(replicas: list[ThreadedServer]) -> None:

@@ -18,7 +18,7 @@ from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from orchestrator.judge_templates import JudgeContext, JudgePrompt
 from tests.engine_processes import ThreadedServer
-from tests.engine_support import load_test_model, run
+from tests.engine_support import generate, load_test_model, run
 from tests.wait_support import until
 
 HEAD = "Is the following reply safe or unsafe?\n\n"
@@ -103,12 +103,14 @@ def test_incremental_score_equals_judging_from_scratch(
             sids = [(await open_session(http, a.url))["session_id"] for _ in streams]
             where = [a.url] * len(streams)
             passes_before = dict(engine.judges.batch_sizes)
+            together = 0  # the most appends queued together on A in one step
             for step in range(max(len(s) for s in streams)):
                 live = [i for i, s in enumerate(streams) if step < len(s)]
                 if 0 in live and step == die_after and len(streams[0]) > 1:
                     rebuilt = await open_session(http, b.url, streams[0][:step])
                     sids[0], where[0] = rebuilt["session_id"], b.url
                 on_a = [i for i in live if where[i] == a.url]
+                together = max(together, len(on_a))
                 with engine.hold():
                     tasks = {
                         i: asyncio.ensure_future(append(http, where[i], sids[i], streams[i][step]))
@@ -124,7 +126,7 @@ def test_incremental_score_equals_judging_from_scratch(
                     assert status == 200, body
                     expected = await from_scratch(http, a.url, streams[i][: step + 1])
                     assert body["score"] == expected, (i, step)
-            if len(streams) > 1:
+            if together > 1:  # (not when the only other stream moved to B)
                 grown = {
                     k: v - passes_before.get(k, 0) for k, v in engine.judges.batch_sizes.items()
                 }
@@ -255,3 +257,109 @@ def test_an_append_given_up_before_it_ran_closes_its_session(tiny_exact: LoadedM
     assert judges.run_pending() == 2
     assert 0.0 <= ok.result().score <= 1.0
     assert list(judges.sessions) == [kept.id] and dropped.closed
+
+
+def test_answers_are_the_models_greedy_continuation_alone_or_batched(
+    replicas: list[ThreadedServer], tiny_exact: LoadedModel
+) -> None:
+    """`answer_tokens`: after the verdict token the engine generates the judge's answer (Llama
+    Guard's category line) in the session's scratch columns. Each answer equals the engine's own
+    greedy generation from head + chunks + tail + the verdict token (bitwise logits in
+    --batch-invariant mode, so the same tokens), for sessions whose appends (and answers) share
+    passes; an append that asks for none, or whose score is under `answer_min_score`, gets
+    none; the next append's score is still exact (the answer did not join the prefix)."""
+    a = replicas[0]
+    assert a.app is not None
+    engine = a.app[STATE].engine
+    tok: Any = tiny_exact.frontend_tokenizer
+    opening = {**OPEN, "unsafe_tokens": [" unsafe"], "safe_tokens": [" safe"]}  # one id each
+    texts = ["hello world", "the cat x=1;", "東京 def", "return"]
+    asks = [
+        {"answer_tokens": 6, "answer_min_score": 0.0},
+        {"answer_tokens": 3, "answer_min_score": 0.0},
+        {},
+        {"answer_tokens": 64, "answer_min_score": 0.0},  # its buffer grows mid-answer
+    ]
+
+    async def reference(verdict: int, chunks: list[str], tokens: int) -> str:
+        ids = tok(HEAD, add_special_tokens=True)["input_ids"]
+        for chunk in chunks:
+            ids += tok(chunk, add_special_tokens=False)["input_ids"]
+        ids += tok(TAIL, add_special_tokens=False)["input_ids"] + [verdict]
+        async with aiohttp.ClientSession() as http:
+            body = {"input_ids": ids, "max_new_tokens": tokens - 1}
+            stream = await generate(http, a.url, body)
+        generated = [t for item in stream.items for t in item["token_ids"]]
+        return str(tok.decode([verdict, *generated], skip_special_tokens=True))
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            opened = [await post(http, a.url + "/v1/judge/sessions", opening) for _ in texts]
+            sids = [body["session_id"] for _status, body in opened]
+            [verdict] = opened[0][1]["unsafe_token_ids"]
+            before = dict(engine.judges.batch_sizes)
+            with engine.hold():
+                tasks = [
+                    asyncio.ensure_future(
+                        post(
+                            http,
+                            f"{a.url}/v1/judge/sessions/{sid}/append",
+                            {"chunk": text, **ask},
+                        )
+                    )
+                    for sid, text, ask in zip(sids, texts, asks, strict=True)
+                ]
+
+                async def queued() -> bool:
+                    return len(engine.judges.queue) == len(texts)
+
+                await until(queued, deadline_s=60, what="the appends queued")
+            replies = [await task for task in tasks]
+            assert engine.judges.batch_sizes.get(4, 0) == before.get(4, 0) + 1
+            for (status, body), text, ask in zip(replies, texts, asks, strict=True):
+                assert status == 200, body
+                if ask:
+                    expected = await reference(verdict, [text], ask["answer_tokens"])
+                    assert body["answer"] == expected, text
+                else:
+                    assert "answer" not in body
+            status, none = await post(
+                http,
+                f"{a.url}/v1/judge/sessions/{sids[0]}/append",
+                {"chunk": " more", "answer_tokens": 6, "answer_min_score": 1.0},
+            )
+            assert status == 200 and "answer" not in none
+            scratch = {**opening, "chunks": [texts[0], " more"]}
+            assert (
+                none["score"]
+                == (await post(http, a.url + "/v1/judge/sessions", scratch))[1]["score"]
+            )
+
+    run(scenario())
+
+
+def test_a_batched_pass_runs_each_appends_tokens_once_without_padding(
+    tiny_exact: LoadedModel,
+) -> None:
+    """Appends of different lengths at different prefix lengths share one pass, packed: the
+    pass puts exactly each append's new tokens and tail through the model (no row padded to the
+    longest chunk), and each score is the bits of the same append run alone."""
+    tail = [3, 4]
+    heads, chunks = [[1, 2], [1, 2, *range(7, 40)]], [[13], list(range(50, 70))]
+
+    def judge(together: bool) -> list[float]:
+        judges = JudgeSessions(tiny_exact)
+        sessions = [judges.open(head, tail, [5], [6]) for head in heads]
+        futures = []
+        for session, chunk in zip(sessions, chunks, strict=True):
+            futures.append(judges.append(session, chunk))
+            if not together:
+                assert judges.run_pending() == 1
+        if together:
+            assert judges.run_pending() == 2
+        assert judges.batch_sizes == ({2: 1} if together else {1: 2})
+        pairs = zip(heads, chunks, strict=True)
+        assert judges.pass_tokens == sum(len(h) + len(c) + len(tail) for h, c in pairs)
+        return [f.result().score for f in futures]
+
+    assert judge(together=True) == judge(together=False)

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from orchestrator.app import CHAT_PATH, RESPONSES_PATH, STREAMING_PATH
 from orchestrator.clients.judges import JudgeDetectorClient, score_from_logprobs
 from orchestrator.config import ConfigError, DetectorConfig, parse_config
-from orchestrator.judge_templates import JudgeContext, JudgePrompt
+from orchestrator.judge_templates import SHIPPED, JudgeContext, JudgePrompt
 from tests.fakes.engine import FakeEngine
 from tests.fakes.judge_server import FakeJudge
 from tests.orchestrator_support import (
@@ -169,6 +169,24 @@ def test_llama_guard_prompt_reads_the_conversation_and_the_answer_so_far() -> No
     # input: the message alone, as the user's
     assert "\n\nUser: Mix it.\n\n<END CONVERSATION>" in prompt.render(
         JudgeContext(), "Mix it.", output=False
+    )
+
+
+def test_classify_template_is_a_label_completion_split_around_the_text() -> None:
+    """`classify` (the one smollm2-135m separates with, README): the answer so far and the
+    chunk are the text; on the engine the text grows between its head and tail."""
+    prompt = JudgePrompt("classify", None, {})
+    context = JudgeContext((("user", "Hi"),), "Sure. ")
+    assert prompt.render(context, "Mix it.", output=True) == (
+        "Classify the following text as safe or unsafe.\n\nText: Sure. Mix it.\nLabel:"
+    )
+    assert prompt.split(context, output=True) == (
+        "Classify the following text as safe or unsafe.\n\nText: ",
+        "\nLabel:",
+    )
+    assert (SHIPPED["classify"].unsafe_tokens, SHIPPED["classify"].safe_tokens) == (
+        ("unsafe",),
+        ("safe",),
     )
 
 

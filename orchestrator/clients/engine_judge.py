@@ -18,9 +18,10 @@ does the call fail, and a failed call is fail-closed (`on_error: block`, JudgeDe
 Input (no context) and the content endpoints: each content is judged alone, in a session opened
 with it and closed at once.
 
-The score is the engine's (P(unsafe tokens) over P(unsafe + safe) at the answer position); the
-engine does not generate an answer, so Llama Guard's category line is not read here (the
-detection's entity is `unsafe`; use `openai_judge` for categories).
+The score is the engine's (P(unsafe tokens) over P(unsafe + safe) at the answer position). With
+`categories` configured (or the `llama_guard` template), the engine also generates the answer
+after the verdict when the score reaches the detector's threshold (at most 0.5): Llama Guard's
+second line, read by the same parser as `openai_judge`'s (`JudgeDetectorClient._detection`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from .detectors import (
     _ignore_call,
     detector_api_key,
 )
-from .judges import JudgeDetectorClient
+from .judges import ANSWER_TOKENS, JudgeDetectorClient
 from .managed import EngineProcess, engine_command
 from .peers import BodyTooLarge, log_error_body, read_bounded, read_error_body
 from .reasons import connection_failure
@@ -122,6 +123,16 @@ class EngineJudgeClient(JudgeDetectorClient):
         }
         self._prompt = JudgePrompt(config.template, config.categories, params)
         self.on_error = config.on_error or "block"
+        # the answer's category line is generated only when someone reads it
+        wants_answer = bool(config.categories) or config.template == "llama_guard"
+        self._answer = (
+            {
+                "answer_tokens": ANSWER_TOKENS,
+                "answer_min_score": min(0.5, config.default_threshold),
+            }
+            if wants_answer
+            else {}
+        )
         self.replicas: list[Replica] = []
         if config.urls is not None:
             key = detector_api_key(detector_id, config)
@@ -175,19 +186,19 @@ class EngineJudgeClient(JudgeDetectorClient):
         try:
             async with asyncio.timeout(self.config.timeout_s):
                 if context is None:
-                    scores = [await self._judge_alone(content) for content in contents]
+                    verdicts = [await self._judge_alone(content) for content in contents]
                 else:
-                    scores = await self._judge_stream(contents, context)
+                    verdicts = await self._judge_stream(contents, context)
         except TimeoutError:
             raise DetectorCallError(
                 self.detector_id, f"timed out after {self.config.timeout_s:g} s"
             ) from None
         return [
-            [self._detection(content, score, "")]
-            for content, score in zip(contents, scores, strict=True)
+            [self._detection(content, score, answer)]
+            for content, (score, answer) in zip(contents, verdicts, strict=True)
         ]
 
-    async def _judge_alone(self, content: str) -> float:
+    async def _judge_alone(self, content: str) -> tuple[float, str]:
         head, tail = self._prompt.split(JudgeContext(), output=False)
         stream = _Stream(head, tail)
         try:
@@ -195,23 +206,25 @@ class EngineJudgeClient(JudgeDetectorClient):
         finally:
             await self._close_session(stream)
 
-    async def _judge_stream(self, contents: list[str], context: JudgeContext) -> list[float]:
+    async def _judge_stream(
+        self, contents: list[str], context: JudgeContext
+    ) -> list[tuple[float, str]]:
         key = (context.messages, context.prefix)
         stream = self._streams.pop(key, None)
         if stream is None:  # a new stream (or an evicted one): its answer so far is one chunk
             head, tail = self._prompt.split(JudgeContext(context.messages), output=True)
             stream = _Stream(head, tail, [context.prefix] if context.prefix else [])
-        scores: list[float] = []
+        verdicts: list[tuple[float, str]] = []
         try:
             for content in contents:
-                scores.append(await self._append(stream, content))
+                verdicts.append(await self._append(stream, content))
         except BaseException:
             # the session's state is unknown (an append may have run): it is not reused
             self._close_later(stream)
             raise
         judged = context.prefix + "".join(contents)
         self._keep((context.messages, judged), stream)
-        return scores
+        return verdicts
 
     def _keep(self, key: tuple[Any, ...], stream: _Stream) -> None:
         old = self._streams.pop(key, None)
@@ -222,11 +235,15 @@ class EngineJudgeClient(JudgeDetectorClient):
             _key, evicted = self._streams.popitem(last=False)
             self._close_later(evicted)
 
-    async def _append(self, stream: _Stream, chunk: str) -> float:
-        """The score after `chunk` joins the stream's judged text; the session is (re)built on
-        another replica when its own fails."""
+    async def _append(self, stream: _Stream, chunk: str) -> tuple[float, str]:
+        """The score after `chunk` joins the stream's judged text, and the judge's answer when
+        one was generated ("" otherwise); the session is (re)built on another replica when its
+        own fails."""
         failures: list[str] = []
-        for _attempt in range(len(self.replicas)):
+        attempts = len(self.replicas)
+        forgotten = False  # a live replica forgot the session once: rebuilt, there too
+        while attempts > 0:
+            attempts -= 1
             index = self._pick(stream)
             replica = self.replicas[index]
             try:
@@ -237,24 +254,32 @@ class EngineJudgeClient(JudgeDetectorClient):
                         "unsafe_tokens": self._unsafe_words,
                         "safe_tokens": self._safe_words,
                         "chunks": [*stream.chunks, chunk],
+                        **self._answer,
                     }
                     reply = await self._post(replica, SESSIONS_PATH, body)
                     stream.session_id, stream.replica = reply["session_id"], index
                 else:
                     path = f"{SESSIONS_PATH}/{stream.session_id}/append"
-                    reply = await self._post(replica, path, {"chunk": chunk})
+                    reply = await self._post(replica, path, {"chunk": chunk, **self._answer})
             except _ReplicaFailed as exc:
                 failures.append(f"{replica.url}: {exc}")
                 if exc.down:
                     self._down.add(index)
+                elif not forgotten:  # (expired or restarted there; a lone replica included)
+                    forgotten, attempts = True, attempts + 1
                 stream.session_id = stream.replica = None  # rebuilt from its chunks elsewhere
                 continue
             self._down.discard(index)
             stream.chunks.append(chunk)
             score = reply.get("score")
-            if not isinstance(score, float) or not 0.0 <= score <= 1.0:
+            answer = reply.get("answer", "")
+            if (
+                not isinstance(score, float)
+                or not 0.0 <= score <= 1.0
+                or not isinstance(answer, str)
+            ):
                 raise DetectorCallError(self.detector_id, "malformed reply")
-            return score
+            return score, answer
         log.warning("judge %s: every replica failed: %s", self.detector_id, "; ".join(failures))
         raise DetectorCallError(self.detector_id, "no judge engine could judge the text")
 

@@ -13,6 +13,13 @@ only on prompts that hold `fault_on`): `http` (500 with an error body), `garbage
 is neither safe nor unsafe), `hang` (no answer, ever: a judge past any timeout), `kill` (the
 connection is reset mid-request, as when the server process dies). Every prompt is recorded in
 `prompts`, and `arrived` is set when a request comes in.
+
+The same model also speaks our engine's judge sessions (DESIGN 7; generation/judge_routes.py):
+`POST /v1/judge/sessions`, `.../{id}/append`, `DELETE .../{id}`, `GET /health`. A session's
+text is its head, chunks and tail; the score is `session_scores` (unsafe, safe) by the same
+triggers, and `answer` (the verdict text above) is sent when the request asks for
+`answer_tokens` and the score reaches `answer_min_score`, as the engine does. Session requests
+are recorded in `session_requests`.
 """
 
 from __future__ import annotations
@@ -45,8 +52,11 @@ class FakeJudge(FakeUpstream):
     model: str = "guard-model"
     fault: Literal["http", "garbage", "hang", "kill"] | None = None
     fault_on: str | None = None
+    session_scores: tuple[float, float] = (0.96875, 0.03125)
 
     def __post_init__(self) -> None:
+        self.sessions: dict[str, list[str]] = {}
+        self.session_requests: list[dict[str, Any]] = []
         self.prompts: list[str] = []
         self.requests: list[dict[str, Any]] = []
         self.arrived = asyncio.Event()
@@ -59,8 +69,46 @@ class FakeJudge(FakeUpstream):
         app.router.add_get(
             "/v1/models", lambda r: web.json_response({"data": [{"id": self.model}]})
         )
+        app.router.add_post("/v1/judge/sessions", self._open_session)
+        app.router.add_post("/v1/judge/sessions/{sid}/append", self._append)
+        app.router.add_delete("/v1/judge/sessions/{sid}", self._close_session)
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
         await self._serve(app)
         return self.url
+
+    def _judged(self, parts: list[str], body: dict[str, Any]) -> dict[str, Any]:
+        text = "".join(parts)
+        self.prompts.append(text)
+        unsafe, safe = self.session_scores
+        score = unsafe if any(t in text for t in self.triggers) else safe
+        reply: dict[str, Any] = {"score": score, "p_unsafe": score, "p_safe": 1.0 - score}
+        if body.get("answer_tokens", 0) and score >= body.get("answer_min_score", 0.5):
+            reply["answer"] = self.verdict(text)
+        return reply
+
+    async def _open_session(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.session_requests.append(body)
+        sid = f"js-{len(self.session_requests)}"
+        self.sessions[sid] = [body["head"], *body.get("chunks", [])]
+        reply = {"session_id": sid}
+        if body.get("chunks"):
+            reply |= self._judged([*self.sessions[sid], body.get("tail", "")], body)
+        self.sessions[sid].append(body.get("tail", ""))  # the tail last, the chunks before it
+        return web.json_response(reply)
+
+    async def _append(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.session_requests.append(body)
+        parts = self.sessions.get(request.match_info["sid"])
+        if parts is None:
+            return web.json_response({"code": 404, "details": "no session"}, status=404)
+        parts.insert(len(parts) - 1, body["chunk"])
+        return web.json_response(self._judged(parts, body))
+
+    async def _close_session(self, request: web.Request) -> web.Response:
+        self.sessions.pop(request.match_info["sid"], None)
+        return web.Response(status=204)
 
     def verdict(self, prompt: str) -> str:
         flagged = any(t in prompt for t in self.triggers)
