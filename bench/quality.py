@@ -235,7 +235,16 @@ class PiiText:
 # presidio-evaluator's kinds -> the kinds `regex` claims (for the "regex kinds" recall)
 REGEX_GOLD = {"EMAIL_ADDRESS", "PHONE_NUMBER", "US_SSN", "CREDIT_CARD", "IP_ADDRESS"}
 # ...and the kinds pii_ner claims besides those
-NER_GOLD = {"PERSON", "STREET_ADDRESS", "GPE", "ORGANIZATION", "NRP", "DATE_TIME", "IBAN_CODE"}
+NER_GOLD = {
+    "PERSON",
+    "STREET_ADDRESS",
+    "GPE",
+    "ORGANIZATION",
+    "NRP",
+    "DATE_TIME",
+    "AGE",
+    "IBAN_CODE",
+}
 
 
 def pii_data(n: int, seed: int) -> list[PiiText]:
