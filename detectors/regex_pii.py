@@ -1,11 +1,13 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
-Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits; North American forms:
-`123-456-7890`, `(555) 123-4567`, `555.123.4567`, `+1 555 123 4567`, `2125550100`; national
-forms of other countries, 8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`,
-`01.33.43.04.02`, `030/12345678`, `0421 96 07 27`, with an extension `x123`), `ssn` (US,
-`123-45-6789` or with spaces, excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
-3+ digits separated by spaces, dashes or dots, Luhn-checked), `ipv4` and `ipv6` (checked with
+Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
+libphonenumber calls possible; North American forms: `123-456-7890`, `(555) 123-4567`,
+`555.123.4567`, `+1 555 123 4567`, `2125550100`, `555-1234`; national forms of other countries,
+8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`, `01.33.43.04.02`, `030/12345678`,
+`0421 96 07 27`, with an extension `x123`; local numbers of 6-8 digits: `795 2525`, `9357 8533`,
+`89 97 11`), `ssn` (US, `123-45-6789` or with spaces, excluding numbers the SSA never issues),
+`credit_card` (13-19 digits, contiguous or in groups of 3+ digits separated by spaces, dashes or
+dots, or 12 contiguous under a Maestro IIN; Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
 
 A built-in match inside another built-in match (an IPv4 inside an IPv4-mapped IPv6 address, a US
@@ -367,20 +369,22 @@ def _national_length(candidate: bytes) -> int:
 
 def _national_shape(number: str) -> bool:
     """Whether a number without `+CC` has a phone number's shape, judged on its characters
-    alone (never on the text around it: see `_PHONE_NATIONAL`). 8-12 digits (15 after the
-    international prefix `00`), in at least two groups or a contiguous trunk number, and none of
-    the other numbers that share the digits and separators:
+    alone (never on the text around it: see `_PHONE_NATIONAL`). A local number of 6-8 digits
+    (`_local_number`); or 8-12 digits (15 after the international prefix `00`), in at least two
+    groups or a contiguous trunk number, and none of the other numbers that share the digits and
+    separators:
 
     - dates (`2024-01-15`, `15 01 2024`: groups of 4-2-2 or 2-2-4 digits; with a time after
       them, `2024-01-15 10`, when written with dashes or slashes) and ZIP+4 (5-4);
     - an SSN's 3-2-4 (`123-45-6789`: the `ssn` kind's, reported as an SSN);
     - runs of 4-digit groups only (`4111 1111 1111`, `2020-2023`): pieces of card numbers and
-      ranges of years; 8-digit numbers written 4-4 (Nordic, Singapore) are lost for them;
+      ranges of years (but a 4-4 local number starting with 7-9, see `_local_number`);
     - dotted numbers other than 3.3.4 and 2.2.2.2.2 (`555.123.4567`, `01.33.43.04.02`):
       versions, IPv4 addresses (four groups) and decimals.
 
     Plain runs of digits are phones only as a trunk number (`0` then 9-10 digits, the first not
-    `0`: `07299949525`) here, and as a 10-digit North American number (`_PHONE_US`); any other
+    `0`: `07299949525`) or `00` and a possible international number (`_possible_international`)
+    here, and as a 10-digit North American number (`_PHONE_US`); any other
     run (an order, account or invoice number) is not, since whether a run is a phone is said by
     the words around it (`phone:`, `call`), which a stream's window may not hold (it may start
     right at the number). What is left ambiguous and found: space-grouped amounts (`12 345 678`,
@@ -466,9 +470,10 @@ def _unbracketed(text: str, start: int, end: int) -> Span:
 
 def _cards(t: _Text) -> Iterator[Span]:
     """Within each run of digit groups, the longest stretches of consecutive groups that make
-    13-19 digits (or one group of 12 under a Maestro IIN) and pass Luhn; groups shorter than 3 digits only stand alone (never part of a
-    grouped number), which keeps dates and phone fragments out, and a group that stands alone
-    after `digits.` is a decimal fraction (0.4111111111111111), not a card."""
+    13-19 digits (or one group of 12 under a Maestro IIN) and pass Luhn; groups shorter than 3
+    digits only stand alone (never part of a grouped number), which keeps dates and phone
+    fragments out, and a group that stands alone after `digits.` is a decimal fraction
+    (0.4111111111111111), not a card."""
     text = t.text
     for run_start, run_end in t.spans(_builtin_spans(_DIGIT_RUN, t.data)):
         groups: list[Span] = []
@@ -803,8 +808,8 @@ def scan_executor() -> ThreadPoolExecutor:
 class RegexDetector(Detector):
     name = "regex"
     description = (
-        "PII by pattern: email, phone (international, North American and other national "
-        "layouts), US SSN, credit card (Luhn), "
+        "PII by pattern: email, phone (international, North American, other national and "
+        "local layouts), US SSN, credit card (Luhn), "
         "IPv4, IPv6, plus custom {name: regex} patterns (RE2 syntax, from the config; from "
         "requests only with allow_request_patterns). detection_type 'pii', detection = the "
         "kind or pattern name, exact spans, score 1.0."
