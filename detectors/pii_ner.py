@@ -1,8 +1,8 @@
 """`pii_ner`: PII beyond patterns. Everything `regex` finds (its kinds, run first: the fast
 path), plus what a named-entity model finds: `person`, `location` (countries, cities, places),
 `organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
-(a year, a numeric date or a month with a number: dates of birth, not "last week", "8+ years" or a
-postcode), `age` (`the age of 35`), and `iban` (an IBAN whose ISO 7064 check digits hold,
+(with a digit, and not a duration, decade or ordinal: dates of birth, not "last week",
+"8+ years" or "the 60s"), `age` (`the age of 35`), and `iban` (an IBAN whose ISO 7064 check digits hold,
 checked by `python-stdnum`). Abbreviations and the names of PII kinds (`ASAP`, `SSN`, `IBAN`)
 are no organisation.
 
@@ -54,14 +54,21 @@ _LABELS = {
 # in groups of up to 4 separated by single spaces (as printed) or not at all. Bounded and
 # without nested quantifiers: linear in the text.
 _IBAN = re.compile(r"\b[A-Z]{2}[0-9]{2}(?: ?[A-Z0-9]){11,30}\b")
-# What makes a model's DATE a date that can identify someone (a date of birth, of an event):
-# a year (`1985`, `1990s`), a numeric date (`12/29/1944`, `2024-01-15`) or a month's name next
-# to a number (`May 5th`, `5 May`). The model also labels durations, ages and decades as DATE
-# (`8+ years`, `10th year`, `the 60s`, `three months`): no PII, and 8% of its dates on the
-# bench's dev split. Runs on the model's entities only (short), so Python's `re` is fine here.
+# What makes a model's DATE a date for sure: a year (`1985`, `1990s`), a numeric date
+# (`12/29/1944`, `2024-01-15`) or a month's name (`May 5th`). Without one, what proves it no date:
+# a duration, a decade or an ordinal (`8+ years`, `three months`, `the 60s`, `10th year`), which
+# the model also labels DATE (no PII: 8% of its dates on the bench's dev split). A bare number it
+# calls a date stays one (`48396`, `0681`: on the dev split every such find lay on gold PII, a
+# house number, a postcode, an age, part of a phone number: PII by the context the model read).
+# These run on the model's entities only (short), so Python's `re` is fine here.
 _DATED = re.compile(
     r"(?<![0-9])(?:1[0-9]|20)[0-9]{2}(?![0-9])|[0-9][/.-][0-9]"
     r"|\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\b",
+    re.IGNORECASE,
+)
+_UNDATED = re.compile(
+    r"\b(?:years?|yrs?|months?|weeks?|days?|hours?|minutes?|decades?|centur(?:y|ies))\b"
+    r"|[0-9]0'?s\b|[0-9](?:st|nd|rd|th)\b|[0-9]\+",
     re.IGNORECASE,
 )
 _AGED = re.compile(r"\b(?:age[ds]?|old)\b", re.IGNORECASE)
@@ -122,14 +129,16 @@ def _ibans(text: str) -> list[Span]:
 
 
 def _date_kind(text: str) -> str | None:
-    """What a model's DATE is: an `age` (`the age of 35`, `75 year old`), a `date` (see
-    `_DATED`), or None: a duration, a decade, a bare number (the model calls house numbers and
-    postcodes dates: `48396`, `0681`), a date without a digit (`last week`)."""
+    """What a model's DATE is: an `age` (`the age of 35`, `75 year old`), a `date`, or None: a
+    duration, a decade or an ordinal without a year, month or numeric date (see `_DATED`), a
+    date without a digit (`last week`)."""
     if not any(ch.isdigit() for ch in text):
         return None
     if _AGED.search(text):
         return "age"
-    return "date" if _DATED.search(text) else None
+    if _UNDATED.search(text) and not _DATED.search(text):
+        return None
+    return "date"
 
 
 def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
@@ -155,8 +164,8 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
     name = "pii_ner"
     description = (
         "PII by pattern and by a named-entity model: every `regex` kind, plus person, location, "
-        "organization, group (nationalities, religious and political groups), date (a year, "
-        "a numeric date, a month and a number), age from spaCy's small English model, and iban "
+        "organization, group (nationalities, religious and political groups), date (with a "
+        "digit; no durations or decades), age from spaCy's small English model, and iban "
         "(check digits verified). detection_type 'pii', detection = the kind, exact spans, "
         "score 1.0. English."
     )

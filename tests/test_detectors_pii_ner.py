@@ -134,15 +134,21 @@ def test_a_redacting_stream_leaks_no_name_at_any_split(max_chars: int) -> None:
     asyncio.run(all_splits())
 
 
-def test_a_date_needs_a_year_a_numeric_date_or_a_month_and_an_age_is_an_age() -> None:
-    """The model labels durations, decades and bare numbers (house numbers, postcodes) DATE:
-    no PII, and 8% of its dates on the bench's dev split. An age it labels DATE is an age."""
+def test_durations_and_decades_are_no_dates_and_an_age_is_an_age() -> None:
+    """The model labels durations and decades DATE: no PII, and 8% of its dates on the bench's
+    dev split. An age it labels DATE is an age; a number it labels DATE stays one (here a
+    house number: PII by the context the model read)."""
     text = (
         "A salesperson with 8+ years of experience, a fan of the 60s, at the age of 35, "
         "born on 5/26/1980, moved to 48396 Plattenstrasse in May 2013."
     )
     kinds = [(k, t) for k, _, _, t in found(text) if k in ("date", "age")]
-    assert kinds == [("age", "the age of 35"), ("date", "5/26/1980"), ("date", "May 2013")]
+    assert kinds == [
+        ("age", "the age of 35"),
+        ("date", "5/26/1980"),
+        ("date", "48396"),
+        ("date", "May 2013"),
+    ]
 
 
 @pytest.mark.parametrize(
