@@ -23,11 +23,14 @@ loop. English only.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
+
+from chunkers import natural_cuts
 
 from .api import Detection
 from .base import BatchingParams
@@ -182,17 +185,34 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
         return get_runtime(("spacy", SPACY_MODEL), _load)
 
     def _judge(self, items: list[str]) -> list[list[Span]]:
-        """The model reads the normalised view (computed here, off the loop); its spans are
-        mapped back to the content."""
-        views = [normalise(text) for text in items]
+        """The model reads each piece of a content between its natural cuts (sentence ends,
+        line breaks: `chunkers.natural_cuts`) alone, in its normalised view (computed here, off
+        the loop); its spans are mapped back to the content. Alone, so that a piece gets the
+        same verdict in a stream's window as in the whole text: a window starts at a natural
+        cut (nothing is carried across one, see `crosses_natural_cuts`), and without the cut
+        the model read the sentences around a name, which differ with how a stream's
+        sentences were batched (the same answer streamed twice was redacted differently)."""
+        pieces: list[tuple[int, int, int]] = []  # (item, start, end)
+        for i, text in enumerate(items):
+            bounds = [0, *natural_cuts(text), len(text)]
+            pieces.extend((i, a, b) for a, b in itertools.pairwise(bounds) if text[a:b].strip())
+        views = [normalise(items[i][a:b]) for i, a, b in pieces]
         found = self._forward([v.text for v in views])
-        return [
-            f if v.identity else [(*v.span(s, e), k) for s, e, k in f]
-            for v, f in zip(views, found, strict=True)
-        ]
+        out: list[list[Span]] = [[] for _ in items]
+        for (i, a, _), v, f in zip(pieces, views, found, strict=True):
+            spans = f if v.identity else [(*v.span(s, e), k) for s, e, k in f]
+            out[i].extend((a + s, a + e, k) for s, e, k in spans)
+        return out
 
     def _forward(self, items: list[str]) -> list[list[Span]]:
         return ner_spans(self._runtime.get(), items)
+
+    def crosses_natural_cuts(self, params: Mapping[str, Any] | None) -> bool:
+        """No span crosses a natural cut: the model reads the pieces between them alone
+        (`_judge`), and neither the `regex` kinds nor an IBAN hold a sentence end or a line
+        break. So a stream's sentence ends are no seams: a window starts at one, and holds
+        the same pieces as the whole text (tests/test_detectors_pii_ner.py)."""
+        return False
 
     def open_tail(self, text: str, params: dict[str, Any] | None = None) -> Detection | None:
         """The regex kinds' open tail (a name has none: a cut name is a name's prefix, and a
