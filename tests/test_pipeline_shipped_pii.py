@@ -79,3 +79,40 @@ async def test_the_shipped_pii_masks_names_places_and_numbers_on_every_surface(
     assert got == ANSWER
     prompts = [prompt_text(r.body) for r in engine.requests]
     assert prompts and all(MASKED_PROMPT in p and "Merkel" not in p for p in prompts), prompts
+
+
+@pytest.mark.parametrize("surface", ["fms", "chat-stream", "responses-stream"])
+async def test_as_a_blocking_guardrail_it_releases_nothing_of_a_name(surface: str) -> None:
+    """The shipped config with its output `pii` set to block (DESIGN 4.6): the sentence before
+    the name goes out, the one that holds it is not sent (nor the number after it), and the
+    stream ends for a content filter."""
+    script = ["Fine", ".", " Ask", " Angela", " Mer", "kel", ".", " Call", " 555-", "123-", "4567"]
+    engine = FakeEngine(script=script)
+    await engine.start()
+    config = shipped_config(engine.url)
+    config["models"][MODEL]["guardrails"]["output"]["pii"]["on_detection"] = "block"
+    try:
+        async with Orchestrator(config) as orch:
+            await orch.info_until(lambda status, _: status == 200)
+            if surface == "fms":
+                body = {"model_id": MODEL, "inputs": "Hi"}
+                events = await orch.stream(body)
+                got = "".join(e.data.get("generated_text", "") for e in events if e.name is None)
+                assert [e.name for e in events if e.name is not None][-1] == "incomplete"
+            elif surface == "chat-stream":
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+                chunks = await raw_chunks(orch, {**body, "stream": True}, "/v1/chat/completions")
+                choices = [
+                    c["choices"][0] for c in chunks if isinstance(c, dict) and c.get("choices")
+                ]
+                got = "".join(ch["delta"].get("content") or "" for ch in choices)
+                assert choices[-1]["finish_reason"] == "content_filter"
+            else:
+                events = await raw_events(orch, {"model": MODEL, "input": "Hi"})
+                got = "".join(
+                    e["delta"] for e in events if e["type"] == "response.output_text.delta"
+                )
+                assert events[-1]["type"] == "response.incomplete"
+    finally:
+        await engine.close()
+    assert got == "Fine."
