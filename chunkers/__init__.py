@@ -8,7 +8,7 @@ contiguous, and concatenate to the text; whitespace between chunks belongs to th
 and trailing whitespace to the last; empty text has no chunks, whitespace-only text one.
 """
 
-from .base import Chunker, IncrementalChunker, Span, natural_cut
+from .base import Chunker, IncrementalChunker, Span, natural_cut, natural_cuts
 from .paragraph import ParagraphChunker
 from .sentence import SentenceChunker
 from .settings import TYPES, build, parse_settings
@@ -26,5 +26,6 @@ __all__ = [
     "WordsChunker",
     "build",
     "natural_cut",
+    "natural_cuts",
     "parse_settings",
 ]

@@ -64,6 +64,27 @@ def natural_cut(text: str, i: int, start: int = 0) -> bool:
     return _natural_here(text, i, start)
 
 
+def natural_cuts(text: str) -> list[int]:
+    """Every natural cut of `text` in one pass: each `i` where `natural_cut(text, i, start)`
+    holds for the piece that starts at the cut before it (0 first). A detector that judges each
+    piece alone finds no span across a natural cut, and sees the same pieces in any window of
+    the text that starts at one (pii_ner: a model's verdicts then do not depend on how a
+    stream's sentences were batched)."""
+    limit = text.find(RLO)  # no cut after an override
+    out: list[int] = []
+    start = 0
+    for m in _CUT_CANDIDATE.finditer(text, 0, len(text) if limit < 0 else limit):
+        i = m.end() - 1  # the whitespace
+        if i > start and _natural_here(text, i, start):
+            out.append(i)
+            start = i
+    return out
+
+
+# whitespace that may make a natural cut: a line break, or whitespace after what ends a sentence
+_CUT_CANDIDATE = re.compile(r"[\n\r]|[.?!)\]}\"'][^\S\n\r]")
+
+
 def _natural_here(text: str, i: int, start: int) -> bool:
     """`natural_cut` without the override test, `text[i]` being whitespace."""
     if text[i] in LINE_BREAKS:

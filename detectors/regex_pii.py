@@ -1,11 +1,13 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
-Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits; North American forms:
-`123-456-7890`, `(555) 123-4567`, `555.123.4567`, `+1 555 123 4567`, `2125550100`; national
-forms of other countries, 8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`,
-`01.33.43.04.02`, `030/12345678`, `0421 96 07 27`, with an extension `x123`), `ssn` (US,
-`123-45-6789` or with spaces, excluding numbers the SSA never issues), `credit_card` (13-19 digits, contiguous or in groups of
-3+ digits separated by spaces, dashes or dots, Luhn-checked), `ipv4` and `ipv6` (checked with
+Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
+libphonenumber calls possible; North American forms: `123-456-7890`, `(555) 123-4567`,
+`555.123.4567`, `+1 555 123 4567`, `2125550100`, `555-1234`; national forms of other countries,
+8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`, `01.33.43.04.02`, `030/12345678`,
+`0421 96 07 27`, with an extension `x123`; local numbers of 6-8 digits: `795 2525`, `9357 8533`,
+`89 97 11`), `ssn` (US, `123-45-6789` or with spaces, excluding numbers the SSA never issues),
+`credit_card` (13-19 digits, contiguous or in groups of 3+ digits separated by spaces, dashes or
+dots, or 12 contiguous under a Maestro IIN; Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
 
 A built-in match inside another built-in match (an IPv4 inside an IPv4-mapped IPv6 address, a US
@@ -173,7 +175,7 @@ _PHONE_US = _builtin(
 _EXT = r"(?: ?(?:x ?|ext ?|ext\.)[0-9]{1,5})?"
 _PHONE_NATIONAL = _builtin(
     _PHONE_BEFORE,
-    r"(?:0[1-9][0-9]{8,9}"
+    r"(?:0[1-9][0-9]{8,9}|00[1-9][0-9]{6,12}"
     r"|(?:\([0-9]{1,5}\)[ -]?[0-9]{2,8}|0[0-9]{1,4}/[0-9]{2,8})(?:[ .-][0-9]{2,8}){0,4}"
     rf"|[0-9]{{2,8}}(?:[ .-][0-9]{{2,8}}){{1,4}}){_EXT}",
     rf"(?:$|[^{_AN}.\-/]|[.\-/](?:$|[^\p{{N}}]))",
@@ -188,10 +190,15 @@ _SSN = _builtin(
     rf"(?:$|[^{_AN}-]|-(?:$|[^\p{{N}}]))",
 )
 # Runs of digit groups joined by single spaces, dashes or dots ([0-9]+(?:[ .-][0-9]+)*); only
-# runs of 13 digits or more can hold a card number, so shorter ones are not even reported as
-# candidates (a sub-run of a run has fewer digits, so this finds the same runs). A `.` before
-# the run after a digit makes it a decimal fraction (`_cards` checks dots inside the run).
-_DIGIT_RUN = _builtin(rf"(?:^\.?|[^{_AN}.]|[^\p{{N}}]\.)", r"(?:[0-9][ .-]?){12,}[0-9]", _AN)
+# runs of 12 digits or more can hold a card number (13-19; Maestro's 12), so shorter ones are
+# not even reported as candidates (a sub-run of a run has fewer digits, so this finds the same
+# runs). A `.` before the run after a digit makes it a decimal fraction (`_cards` checks dots
+# inside the run).
+_DIGIT_RUN = _builtin(rf"(?:^\.?|[^{_AN}.]|[^\p{{N}}]\.)", r"(?:[0-9][ .-]?){11,}[0-9]", _AN)
+# Maestro's numbers are 12-19 digits under the IINs 50 and 56-69 (ISO/IEC 7812); a 12-digit
+# number is a card only as one contiguous group under them (and with its Luhn digit): other
+# 12-digit runs are references and phone numbers
+_MAESTRO_12 = re.compile(r"5[06-9][0-9]{10}|6[0-9]{11}")
 # not inside a longer dotted run of numbers on either side (1.2.3.4.5 is no address)
 _IPV4 = _builtin(
     rf"(?:^\.?|[^{_AN}.]|[^\p{{N}}]\.)",
@@ -311,7 +318,14 @@ def _phones(t: _Text) -> Iterator[Span]:
         if 8 <= sum(ch.isdigit() for ch in t.text[start:end]) <= 15:
             found.append((start, end))
     found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
-    found.extend(t.spans(_builtin_spans(_PHONE_NATIONAL, t.data, _national_length)))
+    for start, end in t.spans(_builtin_spans(_PHONE_NATIONAL, t.data, _national_length)):
+        # a local number right after `+` is the start of an international one, which
+        # `_PHONE_INTL` judges (`+44 20 79` is no `44 20 79`: a stream cut there holds an open
+        # tail, DESIGN 4.6a). Window-safe: a `+` is in the number's whitespace-free run, and
+        # the candidate has at most 7 digits, so no later start holds a local number.
+        if start and t.text[start - 1] == "+" and _digit_count(t.text[start:end]) < 8:
+            continue
+        found.append((start, end))
     found = [_unbracketed(t.text, start, end) for start, end in found]
     found.sort()
     merged: list[Span] = []
@@ -321,6 +335,10 @@ def _phones(t: _Text) -> Iterator[Span]:
         else:
             merged.append((start, end))
     yield from merged
+
+
+def _digit_count(text: str) -> int:
+    return sum(ch.isdigit() for ch in text)
 
 
 # A candidate's extension (`x123`, ` ext. 123`)
@@ -351,20 +369,22 @@ def _national_length(candidate: bytes) -> int:
 
 def _national_shape(number: str) -> bool:
     """Whether a number without `+CC` has a phone number's shape, judged on its characters
-    alone (never on the text around it: see `_PHONE_NATIONAL`). 8-12 digits (15 after the
-    international prefix `00`), in at least two groups or a contiguous trunk number, and none of
-    the other numbers that share the digits and separators:
+    alone (never on the text around it: see `_PHONE_NATIONAL`). A local number of 6-8 digits
+    (`_local_number`); or 8-12 digits (15 after the international prefix `00`), in at least two
+    groups or a contiguous trunk number, and none of the other numbers that share the digits and
+    separators:
 
     - dates (`2024-01-15`, `15 01 2024`: groups of 4-2-2 or 2-2-4 digits; with a time after
       them, `2024-01-15 10`, when written with dashes or slashes) and ZIP+4 (5-4);
     - an SSN's 3-2-4 (`123-45-6789`: the `ssn` kind's, reported as an SSN);
     - runs of 4-digit groups only (`4111 1111 1111`, `2020-2023`): pieces of card numbers and
-      ranges of years; 8-digit numbers written 4-4 (Nordic, Singapore) are lost for them;
+      ranges of years (but a 4-4 local number starting with 7-9, see `_local_number`);
     - dotted numbers other than 3.3.4 and 2.2.2.2.2 (`555.123.4567`, `01.33.43.04.02`):
       versions, IPv4 addresses (four groups) and decimals.
 
     Plain runs of digits are phones only as a trunk number (`0` then 9-10 digits, the first not
-    `0`: `07299949525`) here, and as a 10-digit North American number (`_PHONE_US`); any other
+    `0`: `07299949525`) or `00` and a possible international number (`_possible_international`)
+    here, and as a 10-digit North American number (`_PHONE_US`); any other
     run (an order, account or invoice number) is not, since whether a run is a phone is said by
     the words around it (`phone:`, `call`), which a stream's window may not hold (it may start
     right at the number). What is left ambiguous and found: space-grouped amounts (`12 345 678`,
@@ -372,9 +392,14 @@ def _national_shape(number: str) -> bool:
     over-redacts them rather than let a phone number out."""
     main = _EXTENSION.sub("", number)
     if main.isdigit():
+        if main.startswith("00"):
+            return _possible_international(main[2:])
         return len(main) in (10, 11) and main[0] == "0" and main[1] != "0"
-    groups = [len(g) for g in _GROUP.findall(main)]
+    values = _GROUP.findall(main)
+    groups = [len(g) for g in values]
     digits = sum(groups)
+    if digits <= 8 and _local_number(main, values):
+        return True
     if not 8 <= digits <= (15 if main.startswith("00") else 12) or len(groups) < 2:
         return False
     bracketed = main.startswith("(")
@@ -392,6 +417,48 @@ def _national_shape(number: str) -> bool:
     return groups not in ([3, 2, 4], [5, 4]) and any(n != 4 for n in groups)
 
 
+def _local_number(main: str, values: list[str]) -> bool:
+    """Whether a number of 6-8 digits without `+CC` or a trunk prefix is a local phone number:
+    3-4 digits (`555-1234`, `795 2525`) and 4-4 (`9357 8533`) with a space or a dash between
+    them, and 2-2-2 with spaces (`89 97 11`), the layouts of North American local numbers and
+    of the countries whose whole numbers have 6-8 digits (the Nordic countries, the Baltic
+    states, Greenland, Singapore...). Proven otherwise, on the number's own characters:
+
+    - 3-4 whose first digit is 0 or 1 (no local number starts with a trunk or service digit,
+      NANP's exchange codes start with 2-9): a range such as `100-1000`;
+    - 4-4 whose first digit is 0-6: years (`1999 2000`, `2020-2023`) and the first two groups
+      of a card number cut by a chunk (`4111 1111`: every payment card network's numbers start
+      with 2-6, ISO/IEC 7812), which a stream's chunk alone must not read as a phone;
+    - 2-2-2 whose groups read as a day and a month (`15 01 24`, `24 12 31`);
+    - dots (`314.1592` is a decimal) and brackets."""
+    seps = set(main) - set("0123456789")
+    if len(seps) != 1 or not seps <= {" ", "-"} or main.count(next(iter(seps))) != len(values) - 1:
+        return False
+    lengths = [len(v) for v in values]
+    if lengths == [3, 4]:
+        return main[0] in "23456789"
+    if lengths == [4, 4]:
+        return main[0] in "789"
+    if lengths == [2, 2, 2] and seps == {" "}:
+        a, b, c = (int(v) for v in values)
+        day, month = range(1, 32), range(1, 13)
+        dated = (a in day and b in month) or (a in month and b in day) or (b in month and c in day)
+        return not dated
+    return False
+
+
+def _possible_international(number: str) -> bool:
+    """Whether the digits after the international prefix `00` are a possible number with a
+    country code, as libphonenumber says (the country code exists and the number's length is
+    one that country's numbers have); a plain run of digits otherwise."""
+    import phonenumbers
+
+    try:
+        return phonenumbers.is_possible_number(phonenumbers.parse("+" + number))
+    except phonenumbers.NumberParseException:
+        return False
+
+
 def _unbracketed(text: str, start: int, end: int) -> Span:
     """A span without an unmatched bracket at either end (`(555-123-4567` of `(555-123-4567)`)."""
     if text.startswith("(", start) and ")" not in text[start:end]:
@@ -403,9 +470,10 @@ def _unbracketed(text: str, start: int, end: int) -> Span:
 
 def _cards(t: _Text) -> Iterator[Span]:
     """Within each run of digit groups, the longest stretches of consecutive groups that make
-    13-19 digits and pass Luhn; groups shorter than 3 digits only stand alone (never part of a
-    grouped number), which keeps dates and phone fragments out, and a group that stands alone
-    after `digits.` is a decimal fraction (0.4111111111111111), not a card."""
+    13-19 digits (or one group of 12 under a Maestro IIN) and pass Luhn; groups shorter than 3
+    digits only stand alone (never part of a grouped number), which keeps dates and phone
+    fragments out, and a group that stands alone after `digits.` is a decimal fraction
+    (0.4111111111111111), not a card."""
     text = t.text
     for run_start, run_end in t.spans(_builtin_spans(_DIGIT_RUN, t.data)):
         groups: list[Span] = []
@@ -425,7 +493,9 @@ def _cards(t: _Text) -> Iterator[Span]:
                 digits += text[start:end]
                 if len(digits) > 19:
                     break
-                if len(digits) >= 13 and luhn_ok(digits):
+                if (len(digits) >= 13 or (j == i and _MAESTRO_12.fullmatch(digits))) and luhn_ok(
+                    digits
+                ):
                     best = j
             if best == i and i > 0 and text[groups[i][0] - 1] == ".":
                 best = -1  # a decimal fraction
@@ -472,18 +542,18 @@ _DIGITS = b"0123456789"
 
 def could_match(kind: str, data: bytes, digits: int) -> bool:
     """Whether `data` (with `digits` ASCII digits) holds the characters that every match of
-    `kind`'s regexes needs: an email its `@`; a phone at least 7 digits (+ and 1 digit, then 6
-    more; a US number has 10); an SSN 9; a card 13 (its run of digit groups); an IPv4 address 4
+    `kind`'s regexes needs: an email its `@`; a phone at least 6 digits (a local 2-2-2 number;
+    + and 1 digit, then 6 more); an SSN 9; a card 12 (its run of digit groups); an IPv4 address 4
     digits and 3 dots; an IPv6 candidate 2 colons. Counted in C, it spares most sentences every
     scan: 7 RE2 searches, each with its Python wrapper and generators, were 23 us of prose."""
     if kind == "email":
         return b"@" in data
     if kind == "phone":
-        return digits >= 7
+        return digits >= 6
     if kind == "ssn":
         return digits >= 9
     if kind == "credit_card":
-        return digits >= 13
+        return digits >= 12
     if kind == "ipv4":
         return digits >= 4 and data.count(b".") >= 3
     return data.count(b":") >= 2  # ipv6
@@ -738,8 +808,8 @@ def scan_executor() -> ThreadPoolExecutor:
 class RegexDetector(Detector):
     name = "regex"
     description = (
-        "PII by pattern: email, phone (international, North American and other national "
-        "layouts), US SSN, credit card (Luhn), "
+        "PII by pattern: email, phone (international, North American, other national and "
+        "local layouts), US SSN, credit card (Luhn), "
         "IPv4, IPv6, plus custom {name: regex} patterns (RE2 syntax, from the config; from "
         "requests only with allow_request_patterns). detection_type 'pii', detection = the "
         "kind or pattern name, exact spans, score 1.0."

