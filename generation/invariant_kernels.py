@@ -44,8 +44,9 @@ import torch
 if not torch.cuda.is_available():  # no GPU to compile for: run the kernels in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402  (after the interpreter switch, read when kernels are defined)
-import triton.language as tl  # noqa: E402
+# (imported after the interpreter switch: triton reads it when each kernel is defined)
+import triton
+import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
