@@ -11,10 +11,12 @@ tiny launches). These kernels fix every reduction's order by construction instea
   split-K: each output element sums K in BLOCK_K steps from 0 to K, one `tl.dot` per step, in
   the same order whatever the number of rows or the row's place among them. Rows past M are
   masked loads (zeros) that no real row reads.
-- `rms_norm`, `layer_norm`: one program per row; the row (the hidden size) is reduced in one
-  fixed-shape `tl.sum`.
-- `attention`: one program per (batch row, query head, query position), over the keys in blocks
-  of `KEY_BLOCK` from key 0 upwards, online softmax in float32. A masked key weighs exactly 0 and
+- `rms_norm`, `layer_norm`: `NORM_ROWS` rows per program, each reduced along its own axis of one
+  fixed tile shape (the hidden size, padded to a power of two).
+- `attention`: one program per (batch row, query head, tile of `QUERY_BLOCK` positions), over
+  the keys in blocks of `KEY_BLOCK` from key 0 upwards, online softmax in float32; the tile has
+  the same shape in a decode step (one live query) as in a prefill, and a query's row of the
+  tile's products does not depend on the other rows (as in `matmul`). A masked key weighs exactly 0 and
   its key and value are never read, so a block past a query's last visible key changes nothing
   (its running max, sum and accumulator stay bit for bit): a query's result is the same whether
   the keys after it are padding, a longer prefill, the static cache's masked columns, or absent.
@@ -49,9 +51,26 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if not torch.cuda.is_available() and type(tl.standard._sum_combine).__name__ == "JITFunction":
+    # triton's own helpers (tl.sum's combine) were defined before the switch: `import torch`
+    # imports triton when it is installed, so the switch must precede torch's import
+    raise ImportError(
+        "no GPU: the Triton kernels need triton's interpreter, i.e. TRITON_INTERPRET=1 in the "
+        "environment before torch is imported"
+    )
+
+# Reductions are `tl.reduce` with `tl.sum`'s and `tl.max`'s own combine functions (the same
+# reduction when compiled) rather than `tl.sum`/`tl.max` and `tl.cdiv`, which are @jit helpers:
+# the interpreter re-patches triton.language on every call of one (~3 ms), but runs `tl.reduce`
+# with these combine functions as `np.sum`/`np.nanmax`. Hand-written for the interpreter's speed.
+_SUM = tl.standard._sum_combine
+_MAX = tl.standard._elementwise_max
 
 #: Keys per attention block: a query's keys are reduced block by block, in order, from key 0.
 KEY_BLOCK = 32
+#: Queries per attention program, decode (one live) and prefill alike: one tile shape, so one
+#: reduction structure per query whatever the call.
+QUERY_BLOCK = 16
 
 
 # ----- matrix products ---------------------------------------------------------------------------
@@ -60,6 +79,8 @@ KEY_BLOCK = 32
 def _tiles(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for `dtype`: fixed per dtype, never
     chosen by the problem's shape (an M-dependent choice would change a row's K order)."""
+    if _INTERPRET:  # NumPy: fewer, larger tiles (the interpreter's cost is per operation)
+        return 32, 128, 128, 4, 1
     if dtype in (torch.bfloat16, torch.float16):
         return 64, 64, 64, 4, 3
     return 32, 64, 32, 4, 2
@@ -89,14 +110,16 @@ def _matmul_kernel(
 ):
     # M tiles vary fastest: the programs that share a weight tile run side by side (L2 reuse)
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
     pid_m = pid % tiles_m
     pid_n = pid // tiles_m
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     inner = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, tl.cdiv(K, BLOCK_K)):  # K from 0 upwards, one tile at a time: no split
+    for step in range(
+        0, (K + BLOCK_K - 1) // BLOCK_K
+    ):  # K from 0 upwards, one tile at a time: no split
         ks = step * BLOCK_K + inner
         a = tl.load(
             x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk,
@@ -111,7 +134,7 @@ def _matmul_kernel(
         if INTERPRETED:  # NumPy: products, then a sum over K in index order (docstring)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+            acc += tl.reduce(a[:, :, None] * b[None, :, :], 1, _SUM)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
     if HAS_BIAS:
@@ -163,42 +186,57 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 # ----- per-row normalisation -------------------------------------------------------------------
 
+#: Rows per normalisation program: a fixed tile (each row reduced along its own axis of one
+#: `[NORM_ROWS, BLOCK]` shape), so a row's bits do not depend on which rows share its program.
+NORM_ROWS = 4
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, H, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, R, stride_x, stride_o, H, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
-    live = offs < H
-    x = tl.load(x_ptr + row * stride_x + offs, mask=live, other=0.0)
+    live = (rows[:, None] < R) & (offs[None, :] < H)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=live, other=0.0)
     h = x.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / H
-    y = (h * tl.math.rsqrt(variance + eps)).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=live, other=0.0)
+    variance = tl.reduce(h * h, 1, _SUM) / H
+    y = (h * tl.math.rsqrt(variance + eps)[:, None]).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=offs < H, other=0.0)
     # weight * y in the input dtype, as transformers' Llama RMSNorm (one rounding of the product)
-    out = w.to(tl.float32) * y.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=live)
+    out = w.to(tl.float32)[None, :] * y.to(tl.float32)
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + offs[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=live,
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm over the last dimension, one program per row (`x` any leading shape)."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
-    if flat.shape[0]:
-        hidden = flat.shape[1]
-        _rms_norm_kernel[(flat.shape[0],)](
+    """Llama's RMSNorm over the last dimension (`x` any leading shape), NORM_ROWS rows per
+    program; the result in the promoted dtype of `x` and `weight`, as transformers'."""
+    flat = _rows(x)
+    out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    rows, hidden = flat.shape
+    if rows:
+        _rms_norm_kernel[(triton.cdiv(rows, NORM_ROWS),)](
             flat,
             weight,
             out,
+            rows,
             flat.stride(0),
             out.stride(0),
             hidden,
             eps,
+            ROWS=NORM_ROWS,
             BLOCK=triton.next_power_of_2(hidden),
         )
-    return out.view(*x.shape[:-1], x.shape[-1])
+    return out.view(*x.shape[:-1], hidden)
 
 
 @triton.jit
@@ -207,50 +245,57 @@ def _layer_norm_kernel(
     w_ptr,
     b_ptr,
     out_ptr,
+    R,
     stride_x,
     stride_o,
     H,
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK)
-    live = offs < H
-    h = tl.load(x_ptr + row * stride_x + offs, mask=live, other=0.0).to(tl.float32)
-    mean = tl.sum(h, axis=0) / H
-    centred = tl.where(live, h - mean, 0.0)
-    variance = tl.sum(centred * centred, axis=0) / H
-    y = centred * tl.math.rsqrt(variance + eps)
+    live = (rows[:, None] < R) & (offs[None, :] < H)
+    h = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=live, other=0.0)
+    h = h.to(tl.float32)
+    mean = tl.reduce(h, 1, _SUM) / H
+    centred = tl.where(live, h - mean[:, None], 0.0)
+    variance = tl.reduce(centred * centred, 1, _SUM) / H
+    y = centred * tl.math.rsqrt(variance + eps)[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + offs, mask=live, other=0.0).to(tl.float32)
+        y = y * tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y = y + tl.load(b_ptr + offs, mask=live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=live)
+        y = y + tl.load(b_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rows[:, None] * stride_o + offs[None, :],
+        y.to(out_ptr.dtype.element_ty),
+        mask=live,
+    )
 
 
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
-    """LayerNorm over the last dimension (GPT-2's), one program per row."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    """LayerNorm over the last dimension (GPT-2's), NORM_ROWS rows per program."""
+    flat = _rows(x)
     out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
-    if flat.shape[0]:
-        hidden = flat.shape[1]
-        _layer_norm_kernel[(flat.shape[0],)](
+    rows, hidden = flat.shape
+    if rows:
+        _layer_norm_kernel[(triton.cdiv(rows, NORM_ROWS),)](
             flat,
             weight if weight is not None else flat,
             bias if bias is not None else flat,
             out,
+            rows,
             flat.stride(0),
             out.stride(0),
             hidden,
             eps,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
+            ROWS=NORM_ROWS,
             BLOCK=triton.next_power_of_2(hidden),
         )
     return out.view(x.shape)
@@ -288,59 +333,79 @@ def _attention_kernel(
     so_l,
     so_h,
     HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # (batch, head, query), query fastest
-    query = pid % Lq
-    head = (pid // Lq) % H
-    batch = pid // (Lq * H)
+    pid = tl.program_id(0)  # (batch, head, query tile), query tile fastest
+    tiles = (Lq + BLOCK_M - 1) // BLOCK_M
+    tile = pid % tiles
+    head = (pid // tiles) % H
+    batch = pid // (tiles * H)
     kv_head = head // GROUPS
+    queries = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    live_q = queries < Lq
     dims = tl.arange(0, BLOCK_D)
     live_d = dims < D
-    q = tl.load(q_ptr + batch * sq_b + head * sq_h + query * sq_l + dims, mask=live_d, other=0.0)
-    q = q.to(tl.float32)
-    # causal: the queries are the last Lq positions; keys past this one are never visible, so
-    # the loop may stop at its block (blocks after it would add exact zeros)
-    last = Lk - Lq + query
-    peak = tl.full([], -float("inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    q = tl.load(
+        q_ptr + batch * sq_b + head * sq_h + queries[:, None] * sq_l + dims[None, :],
+        mask=live_q[:, None] & live_d[None, :],
+        other=0.0,
+    )
+    # causal: the queries are the last Lq positions, query i sees keys up to Lk - Lq + i; the
+    # loop stops at the tile's last query's block (later blocks would add exact zeros)
+    last = Lk - Lq + queries
+    peak = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    for block in range(0, tl.cdiv(last + 1, BLOCK_N)):
+    end = Lk - Lq + tl.minimum(tile * BLOCK_M + BLOCK_M, Lq)  # keys any live query sees
+    for block in range(0, (end + BLOCK_N - 1) // BLOCK_N):
         keys = block * BLOCK_N + offs
-        visible = keys <= last
+        visible = (keys[None, :] <= last[:, None]) & live_q[:, None]  # [BLOCK_M, BLOCK_N]
         if HAS_MASK:
             allowed = tl.load(
-                mask_ptr + batch * sm_b + query * sm_l + keys * sm_k, mask=visible, other=0
+                mask_ptr + batch * sm_b + queries[:, None] * sm_l + keys[None, :] * sm_k,
+                mask=visible,
+                other=0,
             )
             visible = visible & (allowed != 0)
-        both = visible[:, None] & live_d[None, :]
+        present = (keys < Lk)[:, None] & live_d[None, :]
         k = tl.load(
             k_ptr + batch * sk_b + kv_head * sk_h + keys[:, None] * sk_l + dims[None, :],
-            mask=both,
+            mask=present,
             other=0.0,
         )
-        scores = tl.sum(q[None, :] * k.to(tl.float32), axis=1) * scale
-        scores = tl.where(visible, scores, -float("inf"))
-        new_peak = tl.maximum(peak, tl.max(scores, axis=0))
-        # a block with nothing visible yet (left padding) keeps everything at exact zero
-        base = tl.where(new_peak == -float("inf"), 0.0, new_peak)
-        rescale = tl.exp(peak - base)
-        weights = tl.where(visible, tl.exp(scores - base), 0.0)
         v = tl.load(
             v_ptr + batch * sv_b + kv_head * sv_h + keys[:, None] * sv_l + dims[None, :],
-            mask=both,
+            mask=present,
             other=0.0,
         )
-        total = total * rescale + tl.sum(weights, axis=0)
-        acc = acc * rescale + tl.sum(weights[:, None] * v.to(tl.float32), axis=0)
+        if INTERPRETED:  # products, then fixed-shape sums (NumPy's matmul: docstring)
+            qf = q.to(tl.float32)
+            scores = tl.reduce(qf[:, None, :] * k.to(tl.float32)[None, :, :], 2, _SUM)
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.where(visible, scores * scale, -float("inf"))
+        new_peak = tl.maximum(peak, tl.reduce(scores, 1, _MAX))
+        # a row with nothing visible yet (left padding, a dead row) stays at exact zeros
+        base = tl.where(new_peak == -float("inf"), 0.0, new_peak)
+        rescale = tl.exp(peak - base)
+        weights = tl.where(visible, tl.exp(scores - base[:, None]), 0.0)
+        total = total * rescale + tl.reduce(weights, 1, _SUM)
+        if INTERPRETED:
+            part = tl.reduce(weights[:, :, None] * v.to(tl.float32)[None, :, :], 1, _SUM)
+        else:
+            part = tl.dot(weights, v.to(tl.float32), input_precision=PRECISION)
+        acc = acc * rescale[:, None] + part
         peak = new_peak
-    out = acc / tl.where(total > 0, total, 1.0)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
-        out_ptr + batch * so_b + query * so_l + head * so_h + dims,
+        out_ptr + batch * so_b + queries[:, None] * so_l + head * so_h + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=live_d,
+        mask=live_q[:, None] & live_d[None, :],
     )
 
 
@@ -353,8 +418,9 @@ def attention(
 ) -> torch.Tensor:
     """Causal attention: `query` `[B, H, Lq, d]` (the last Lq positions), `key`/`value`
     `[B, Hkv, Lk, d]` (H a multiple of Hkv; any strides with unit stride on d), `mask` boolean
-    `[B or 1, 1, Lq or 1, Lk]` (True: attend) or None; returns `[B, Lq, H, d]` in `query`'s
-    dtype. Per query, keys reduce in KEY_BLOCK blocks from key 0 (module docstring)."""
+    or additive, broadcastable to `[B, 1, Lq, Lk]` (True / 0: attend) or None; returns
+    `[B, Lq, H, d]` in `query`'s dtype. Per query, keys reduce in KEY_BLOCK blocks from key 0,
+    QUERY_BLOCK queries per program whether decoding or prefilling (module docstring)."""
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[2]
     if query.stride(-1) != 1:
@@ -375,7 +441,8 @@ def attention(
     else:
         mask_strides = (0, 0, 0)
         mask_arg = out
-    _attention_kernel[(batch * heads * q_len,)](
+    tiles = triton.cdiv(q_len, QUERY_BLOCK)
+    _attention_kernel[(batch * heads * tiles,)](
         query,
         key,
         value,
@@ -401,7 +468,10 @@ def attention(
         out.stride(1),
         out.stride(2),
         HAS_MASK=mask is not None,
+        BLOCK_M=QUERY_BLOCK,
         BLOCK_N=KEY_BLOCK,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        INTERPRETED=_INTERPRET,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     return out
