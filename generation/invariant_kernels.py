@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if not torch.cuda.is_available() and type(tl.standard._sum_combine).__name__ == "JITFunction":
+if _INTERPRET and type(tl.standard._sum_combine).__name__ == "JITFunction":
     # triton's own helpers (tl.sum's combine) were defined before the switch: `import torch`
     # imports triton when it is installed, so the switch must precede torch's import
     raise ImportError(

@@ -15,7 +15,11 @@ where requests join and leave in any order. The interpreter is slow: shapes are 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -318,3 +322,22 @@ def test_engine_on_the_kernels_any_batch_equals_alone(
     between steps (padded to other row buckets), leave at other steps, resume by (chunked)
     prefill; every stream equals itself alone."""
     check_waves(triton_server, triton_alone, waves, gaps, TOKENS)
+
+
+@pytest.mark.skipif(TORCH_DEVICE.type == "cuda", reason="on a GPU every test above compiles them")
+def test_the_kernels_compile_for_hopper() -> None:
+    """The interpreter never compiles a kernel: bench/gpu/compile_kernels.py compiles each (bf16
+    and float32, the engine's constexprs) to an sm_90 cubin with triton's own ptxas, no GPU."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "compile_kernels.py"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--arch", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 10 and all(line.startswith("sm_90 ") for line in lines), lines
