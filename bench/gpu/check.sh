@@ -250,7 +250,7 @@ if wants binv; then
   run binv 240 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 64 \
     --concurrency 1,64,256 --skip-micro --rounds 1 --anchors none --batch-invariant \
     --extra-args="--dtype bfloat16" --json "$out/binv.json"
-  grep -E "streams: default .*batch-invariant|^ttft |engine log: .*(kernels|captured)" \
+  grep -E "streams: +[0-9.]+ tok/s aggregate|streams: default .*batch-invariant|engine log: .*(kernels|captured)" \
     "$out/binv.log" >> "$summary"
 fi
 say "=== done in $(elapsed) s"
