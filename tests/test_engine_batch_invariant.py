@@ -137,12 +137,17 @@ def solo_streams(url: str, prompts: int, tokens: int) -> dict[tuple[int, bool], 
     return run(solo())
 
 
-request_strategy = st.tuples(
-    st.integers(0, len(TINY_PROMPTS) - 1),  # prompt
-    st.booleans(),  # seeded
-    st.integers(1, TINY_TOKENS),  # max_new_tokens: rows leave at different steps
-    st.integers(0, TINY_TOKENS - 1),  # resume after this many tokens (0: a fresh request)
-)
+def wave_requests(prompts: int, tokens: int) -> st.SearchStrategy[tuple[int, bool, int, int]]:
+    """One request of a wave (`check_waves`): the first `prompts` TINY_PROMPTS, `tokens` at most."""
+    return st.tuples(
+        st.integers(0, prompts - 1),  # prompt
+        st.booleans(),  # seeded
+        st.integers(1, tokens),  # max_new_tokens: rows leave at different steps
+        st.integers(0, tokens - 1),  # resume after this many tokens (0: a fresh request)
+    )
+
+
+request_strategy = wave_requests(len(TINY_PROMPTS), TINY_TOKENS)
 
 
 @pytest.mark.timeout(600)

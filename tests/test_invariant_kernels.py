@@ -45,6 +45,7 @@ from tests.test_engine_batch_invariant import (
     _logits_checks,
     check_waves,
     solo_streams,
+    wave_requests,
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -294,12 +295,7 @@ def triton_alone(triton_server: ThreadedServer) -> dict[tuple[int, bool], Stream
     return solo_streams(triton_server.url, PROMPTS, TOKENS)
 
 
-kernel_request = st.tuples(
-    st.integers(0, PROMPTS - 1),  # prompt
-    st.booleans(),  # seeded
-    st.integers(1, TOKENS),  # max_new_tokens: rows leave at different steps
-    st.integers(0, TOKENS - 1),  # resume after this many tokens (0: a fresh request)
-)
+kernel_request = wave_requests(PROMPTS, TOKENS)
 
 
 @pytest.mark.timeout(600)
