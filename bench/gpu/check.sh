@@ -233,8 +233,9 @@ if wants binv_tests; then
     local entry file
     for entry in "$@"; do
       file=${entry%%:*}
-      GUARDSTREAM_TEST_DEVICE=cuda GUARDSTREAM_CACHE=$binv_cache run "binv_$(basename "$file" .py)" \
-        "${entry##*:}" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$file"
+      run "binv_$(basename "$file" .py)" "${entry##*:}" \
+        env GUARDSTREAM_TEST_DEVICE=cuda GUARDSTREAM_CACHE="$binv_cache" \
+        python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$file"
     done
   }
   binv_lane tests/test_invariant_kernels.py:90 tests/test_engine_batch_invariant.py:200 &
