@@ -16,12 +16,12 @@ tiny launches). These kernels fix every reduction's order by construction instea
 - `attention`: one program per (batch row, query head, tile of `QUERY_BLOCK` positions), over
   the keys in blocks of `KEY_BLOCK` from key 0 upwards, online softmax in float32; the tile has
   the same shape in a decode step (one live query) as in a prefill, and a query's row of the
-  tile's products does not depend on the other rows (as in `matmul`). A masked key weighs exactly 0 and
-  its key and value are never read, so a block past a query's last visible key changes nothing
-  (its running max, sum and accumulator stay bit for bit): a query's result is the same whether
-  the keys after it are padding, a longer prefill, the static cache's masked columns, or absent.
-  Decode (one query) and prefill (many) run the same loop per query, so a resumed row's prefill
-  equals its token-by-token decode.
+  tile's products does not depend on the other rows (as in `matmul`). A masked key's score is
+  -inf and its weight exactly 0 (its value, finite like every cache entry, adds 0 * v = 0), so
+  a block past a query's last visible key changes nothing (its running max, sum and
+  accumulator stay bit for bit): a query's result is the same whether the keys after it are
+  padding, a longer prefill, the static cache's masked columns, or absent. Decode and prefill
+  run the same loop per query, so a resumed row's prefill equals its token-by-token decode.
 
 Nothing is autotuned (autotuning keys on shapes, M included); each kernel is compiled once per
 (dtype, constexpr) and, on CUDA, compiled by the warm-up runs before the decode graphs are
@@ -31,10 +31,12 @@ Without CUDA (tests), the kernels run under Triton's interpreter (`TRITON_INTERP
 when no GPU is present): NumPy executes each program, slowly, with the same reduction structure.
 One interpreter difference: its `tl.dot` is NumPy's `matmul` (OpenBLAS), which multiplies
 bfloat16 operands as raw uint16 bits (triton 3.6-3.8) and whose float32 result for a row depends
-on the row's place in the tile (measured); so under the interpreter the matmul's tiles are
-widened to float32, multiplied elementwise and summed over K in index order (`INTERPRETED`). On a
-GPU `tl.dot` is the tensor cores' MMA (float32 tiles: "ieee", no TF32), whose result for an
-element does not depend on the other rows of the tile; that half is checked on CUDA only.
+on the row's place in the tile (measured); so under the interpreter the products of `matmul`
+and `attention` are widened to float32, multiplied elementwise and summed along the reduced
+axis of a fixed-shape tile (`INTERPRETED`). On a GPU `tl.dot` is the tensor cores' MMA (float32
+inputs: "ieee", no TF32; attention's softmax weights times values: TF32 for 16-bit models),
+whose result for an element does not depend on the other rows of the tile; that half is
+checked on CUDA only (bench/gpu/check.sh, part binv).
 """
 
 from __future__ import annotations
