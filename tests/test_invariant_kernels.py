@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -39,7 +39,7 @@ from generation.batch_invariant import (
     make_batch_invariant,
 )
 from generation.decode_graphs import ROW_BUCKETS
-from generation.server import create_app
+from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import TORCH_DEVICE, Stream, load_test_model
 from tests.test_engine_batch_invariant import (
@@ -281,8 +281,8 @@ def near_tie_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model folder: the tiny Llama with small weights and its own output layer (tied
     embeddings predict the input token whatever the noise), tiny-random's tokenizer and chat
     template. Its logits are close enough that in bf16 the default mode's batched arithmetic
-    flips tokens (measured: 2 of 3 fixed join/leave scenarios differ from the streams alone),
-    which tiny-random's peaked logits never do."""
+    flips tokens (FAILING_WITHOUT_THE_MODE: join/leave orders whose streams then differ from
+    the streams alone), which tiny-random's peaked logits never do."""
     from generation import models
 
     tokenizer = models.prepare("tiny-random")
@@ -296,8 +296,8 @@ def near_tie_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def triton_server(near_tie_llama: Path) -> Iterator[ThreadedServer]:
     """The near-tie Llama in bf16 with the Triton kernels, served as on CUDA: the static decode
-    step padded to row and width buckets, bucketed prefill, and contexts over 8 tokens
-    prefilled in chunks of 8 between decode steps."""
+    step padded to row and width buckets, bucketed prefill, and contexts over 4 tokens
+    prefilled in chunks of 4 between decode steps (prompt 1 has 5 tokens)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(KERNELS_ENV, "triton")
         loaded = load_test_model(str(near_tie_llama), dtype="bfloat16", batch_invariant=True)
@@ -307,7 +307,7 @@ def triton_server(near_tie_llama: Path) -> Iterator[ThreadedServer]:
         "static_decode": True,
         "static_buckets": True,
         "prefill_buckets": True,
-        "prefill_chunk_tokens": 8,
+        "prefill_chunk_tokens": 4,
     }
     with ThreadedServer(lambda: create_app(loaded, **app_args)) as server:
         yield server
@@ -321,9 +321,25 @@ def triton_alone(triton_server: ThreadedServer) -> dict[tuple[int, bool], Stream
 kernel_request = wave_requests(PROMPTS, TOKENS)
 
 
+#: Two join/leave orders the default mode fails on this model in bf16 (measured), always run.
+FAILING_WITHOUT_THE_MODE = [
+    (
+        [
+            [(0, False, 6, 0)],
+            [(1, False, 6, 0), (2, False, 6, 2)],
+            [(0, True, 6, 4), (2, True, 6, 0)],
+        ],
+        [1, 2, 1, 1],
+    ),
+    ([[(2, False, 6, 0), (2, True, 6, 0), (0, True, 6, 1), (1, False, 6, 5)]], [1, 1, 1, 1]),
+]
+
+
 @pytest.mark.timeout(600)
+@example(waves=FAILING_WITHOUT_THE_MODE[0][0], gaps=FAILING_WITHOUT_THE_MODE[0][1])
+@example(waves=FAILING_WITHOUT_THE_MODE[1][0], gaps=FAILING_WITHOUT_THE_MODE[1][1])
 @settings(
-    max_examples=3,
+    max_examples=2,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -341,6 +357,9 @@ def test_engine_on_the_kernels_any_batch_equals_alone(
     between steps (padded to other row buckets), leave at other steps, resume by (chunked)
     prefill; every stream equals itself alone."""
     check_waves(triton_server, triton_alone, waves, gaps, TOKENS)
+    assert triton_server.app is not None
+    stats = triton_server.app[STATE].engine.stats
+    assert stats.prefill_chunks > 0  # prompt 1's context (alone, resumed) went in chunks
 
 
 @pytest.mark.skipif(TORCH_DEVICE.type == "cuda", reason="on a GPU every test above compiles them")
