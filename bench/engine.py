@@ -901,7 +901,8 @@ def _run_http(
         )
         url = engine.url
         for line in list(engine.output):  # its start-up: graphs captured, prefill shapes warmed
-            if any(word in line for word in ("static decode", "captured", "warmed", "compil")):
+            words = ("static decode", "captured", "warmed", "compil", "kernels")
+            if any(word in line for word in words):
                 print(f"engine log: {line.strip()}", flush=True)
     try:
         info = asyncio.run(_health(url))

@@ -188,7 +188,7 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
         loaded.name,
         loaded.device,
         loaded.dtype,
-        ", batch-invariant" if loaded.batch_invariant else "",
+        f", batch-invariant ({loaded.invariant_kernels} kernels)" if loaded.batch_invariant else "",
         loaded.load_seconds,
     )
     app = create_app(

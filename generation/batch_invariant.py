@@ -32,7 +32,14 @@ How. The model is not rewritten; its modules are wrapped in place (`make_batch_i
   the same in vector and scalar code (exp and tanh through torch's vectorised math, + - * /).
 
 The rest of a decoder is elementwise (residuals, RoPE's cos/sin, embeddings), so the whole
-forward pass is per-row canonical, padded prefill and slot-cache decode included. Supported
+forward pass is per-row canonical, padded prefill and slot-cache decode included.
+
+On CUDA the same modules are wrapped with Triton kernels instead (invariant_kernels.py: a matmul
+with fixed tiles and no split-K, norms one row per program, attention over fixed key blocks),
+because the torch ops above are neither exact there (cuBLAS picks kernels by shape) nor cheap
+(the elementwise trees are hundreds of tiny launches: 95% of the throughput at 64 streams on an
+H200). `GUARDSTREAM_BATCH_INVARIANT_KERNELS=triton|torch` forces one set (tests run the Triton
+kernels on a CPU under Triton's interpreter with it). Supported
 architectures: Llama-family (smollm2) and GPT-2; another model loads, but a module type this file
 does not know may still depend on the batch (a warning names it).
 
@@ -42,6 +49,7 @@ Cost: the attention's elementwise reductions and the per-row products (see READM
 from __future__ import annotations
 
 import logging
+import os
 import types
 from typing import Any
 
@@ -52,6 +60,10 @@ from torch import nn
 log = logging.getLogger("guardstream.engine")
 
 ATTENTION = "guardstream_batch_invariant"
+#: The attention function of the Triton kernels (invariant_kernels.attention).
+TRITON_ATTENTION = "guardstream_batch_invariant_triton"
+#: Forces the kernel set: "triton" or "torch" (unset: Triton on CUDA, torch elsewhere).
+KERNELS_ENV = "GUARDSTREAM_BATCH_INVARIANT_KERNELS"
 #: Keys are summed in blocks of this many (a fixed tree), blocks sequentially.
 KEY_BLOCK = 32
 #: Attention computes at most this many float32 products at once (queries are chunked).
@@ -249,6 +261,24 @@ def attention(
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+def triton_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """`attention`'s contract with invariant_kernels.attention (one Triton launch)."""
+    from . import invariant_kernels
+
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return invariant_kernels.attention(query, key, value, attention_mask, scaling), None
+
+
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """A boolean 4D mask always (never the causal skip): `attention` reads padding from it."""
     from transformers.masking_utils import sdpa_mask
@@ -264,49 +294,106 @@ def register() -> None:
 
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, _mask)
+    AttentionInterface.register(TRITON_ATTENTION, triton_attention)
+    AttentionMaskInterface.register(TRITON_ATTENTION, _mask)
+
+
+# ----- the Triton kernels' forwards --------------------------------------------------------------
+
+
+def _triton_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from .invariant_kernels import matmul
+
+    out = matmul(x.reshape(-1, x.shape[-1]), self.weight.t(), self.bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _triton_conv1d_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from .invariant_kernels import matmul
+
+    out = matmul(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _triton_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from .invariant_kernels import rms_norm
+
+    return rms_norm(x, self.weight, self._gs_eps)
+
+
+def _triton_layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    from .invariant_kernels import layer_norm
+
+    return layer_norm(x, self.weight, self.bias, self.eps)
 
 
 # ----- wrapping a model ---------------------------------------------------------------------------
 
 
-def make_batch_invariant(model: nn.Module, tile: int = 1) -> None:
-    """Wrap `model`'s modules in place so that its forward pass is batch-invariant."""
+def choose_kernels(device: torch.device) -> str:
+    """ "triton" or "torch": `KERNELS_ENV` if set, else Triton on CUDA (invariant_kernels.py)."""
+    forced = os.environ.get(KERNELS_ENV, "").strip()
+    if forced:
+        if forced not in ("triton", "torch"):
+            raise ValueError(f"{KERNELS_ENV}={forced!r}: triton or torch")
+        return forced
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def make_batch_invariant(model: nn.Module, tile: int = 1, kernels: str | None = None) -> str:
+    """Wrap `model`'s modules in place so that its forward pass is batch-invariant; `kernels`
+    ("torch" or "triton", default `choose_kernels`) picks the implementation. Returns it."""
     from transformers.pytorch_utils import Conv1D
 
+    device = next(model.parameters()).device
+    kernels = kernels or choose_kernels(device)
+    triton = kernels == "triton"
+    if triton:
+        try:
+            from . import invariant_kernels  # noqa: F401  (fails here, not in the first step)
+        except ImportError as exc:
+            raise RuntimeError(f"--batch-invariant on {device.type} needs triton: {exc}") from exc
     register()
-    model.set_attn_implementation(ATTENTION)
+    model.set_attn_implementation(TRITON_ATTENTION if triton else ATTENTION)
     unknown: set[str] = set()
+    # CPUs round the scalar tail of torch's SiLU/GELU differently from the vector body; CUDA's
+    # elementwise kernels compute every element alike (the Triton set keeps the model's own)
+    canonical = device.type != "cuda" or not triton
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
-            if kind in _SILU:
+            if kind in _SILU and canonical:
                 setattr(parent, name, CanonicalSiLU())
-            elif kind in _TANH_GELU:
+            elif kind in _TANH_GELU and canonical:
                 setattr(parent, name, CanonicalTanhGELU())
     for module in model.modules():
         kind = type(module).__name__
         if isinstance(module, nn.Linear):
             module._gs_tile = tile
-            module.forward = types.MethodType(_linear_forward, module)
+            forward = _triton_linear_forward if triton else _linear_forward
+            module.forward = types.MethodType(forward, module)
         elif isinstance(module, Conv1D):
             module._gs_tile = tile
-            module.forward = types.MethodType(_conv1d_forward, module)
+            forward = _triton_conv1d_forward if triton else _conv1d_forward
+            module.forward = types.MethodType(forward, module)
         elif isinstance(module, nn.LayerNorm):
-            module.forward = types.MethodType(_layer_norm_forward, module)
+            forward = _triton_layer_norm_forward if triton else _layer_norm_forward
+            module.forward = types.MethodType(forward, module)
         elif kind.endswith("RMSNorm"):
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
             if eps is None or getattr(module, "weight", None) is None:
                 unknown.add(kind)
                 continue
             module._gs_eps = float(eps)
-            module.forward = types.MethodType(_rms_norm_forward, module)
+            forward = _triton_rms_norm_forward if triton else _rms_norm_forward
+            module.forward = types.MethodType(forward, module)
         elif not any(True for _ in module.children()) and kind not in _ELEMENTWISE_OK:
-            if kind not in ("CanonicalSiLU", "CanonicalTanhGELU") and not kind.endswith(
-                "RotaryEmbedding"
-            ):
+            known = ("CanonicalSiLU", "CanonicalTanhGELU", *_SILU, *_TANH_GELU)
+            if kind not in known and not kind.endswith("RotaryEmbedding"):
                 unknown.add(kind)
     if unknown:
         log.warning(
             "--batch-invariant: module types %s are not known to be batch-invariant",
             ", ".join(sorted(unknown)),
         )
+    return kernels

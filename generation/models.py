@@ -171,6 +171,8 @@ class LoadedModel:
     threads: int | None = None
     # `--batch-invariant` (batch_invariant.py): a row's logits do not depend on its batch.
     batch_invariant: bool = False
+    # its kernels: "torch" (CPU) or "triton" (CUDA: invariant_kernels.py); "" without the mode
+    invariant_kernels: str = ""
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -193,10 +195,11 @@ def load(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     model.to(torch_device)
     model.eval()
+    kernels = ""
     if batch_invariant:
         from .batch_invariant import make_batch_invariant
 
-        make_batch_invariant(model)
+        kernels = make_batch_invariant(model)
     config = model.config
     eos: set[int] = set()
     for source in (getattr(model.generation_config, "eos_token_id", None), config.eos_token_id):
@@ -224,6 +227,7 @@ def load(
         load_seconds=time.monotonic() - started,
         threads=1 if spec == "tiny-random" else None,
         batch_invariant=batch_invariant,
+        invariant_kernels=kernels,
     )
 
 

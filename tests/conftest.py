@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# On a CPU the Triton kernels of `--batch-invariant` (generation/invariant_kernels.py) run in
+# triton's interpreter, which triton reads when it is imported, and `import torch` imports triton
+# where it is installed: so the switch comes before every other import (subprocesses inherit it).
+if os.environ.get("GUARDSTREAM_TEST_DEVICE", "cpu").strip() in ("", "cpu"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp

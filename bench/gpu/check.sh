@@ -3,6 +3,7 @@
 # each on one H100 or H200 (set-up included; the second call on the same warm machine skips it):
 #   OUT=/some/dir CHECK_PART=bench bash bench/gpu/check.sh BUNDLE [MODELS_DIR]
 #   OUT=/some/dir CHECK_PART=tests bash bench/gpu/check.sh BUNDLE [MODELS_DIR]
+#   OUT=/some/dir CHECK_PART=binv bash bench/gpu/check.sh BUNDLE [MODELS_DIR]   (issue 36, ~7 min)
 # BUNDLE: the folder bench/gpu/bundle.sh made (wheels/ and tok/); MODELS_DIR (default /root): where
 # setup.sh builds the random-weight models (m135r: smollm2-135m's shape, m1p7r: SmolLM2-1.7B's).
 # CHECK_PART=all runs both parts in one call: ~15 minutes, more than one device call may run.
@@ -25,6 +26,15 @@
 #            finished file's summary) in three parallel lanes, until the part's deadline
 #            (CHECK_SECONDS after the start, default 520);
 #   e1p7_compile  the 1.7B shape with --compile, 64 streams (last: what is left of the deadline).
+#   part binv (--batch-invariant on the Triton kernels, generation/invariant_kernels.py):
+#   binv_tests  on CUDA, in two lanes: tests/test_invariant_kernels.py (the kernels compiled),
+#            tests/test_engine_batch_invariant.py, tests/test_migration_batch_invariant.py (two
+#            managed bf16 replicas, SIGKILL mid-stream), with smollm2-135m's shape from m135r
+#            (random weights, served as smollm2-135m from a private GUARDSTREAM_CACHE: the bundle
+#            has no smollm2 weights; greedy on random weights repeats a token, seeded does not);
+#   binv     bench/engine.py --batch-invariant, 135M shape, bf16, 64 tokens, 1/64/256 streams:
+#            the default engine, then the batch-invariant one, each level's throughput as a
+#            ratio of the default's in the same run (the mode's cost; target >= 0.75x).
 # The compile steps run only when bench/engine.py has --compile. Everything lands in $OUT: one log
 # per step and summary.txt (the lines that matter, read by a person or a script). Measured on an
 # H200 (2026-11-27, before the split): set-up 29 s, engine_host ~120 s, e135 ~200 s, e1p7 ~60 s,
@@ -39,13 +49,14 @@ summary=$out/summary.txt
 : > "$summary"
 t0=$(date +%s)
 deadline=$((t0 + ${CHECK_SECONDS:-520}))
-part=${CHECK_PART:?CHECK_PART=bench or CHECK_PART=tests (each under 9 minutes), or all (~15 minutes)}
+part=${CHECK_PART:?CHECK_PART=bench, tests or binv (each under 9 minutes), or all (~22 minutes)}
 case $part in
   bench) steps="e135 e1p7 ttft e135_compile" ;;
   tests) steps="engine_host tests e1p7_compile" ;;
-  all) steps="e135 e1p7 ttft e135_compile engine_host tests e1p7_compile"
-    deadline=$((t0 + ${CHECK_SECONDS:-1000})) ;;
-  *) echo "CHECK_PART must be bench, tests or all, not $part" >&2; exit 2 ;;
+  binv) steps="binv_tests binv" ;;
+  all) steps="e135 e1p7 ttft e135_compile engine_host tests e1p7_compile binv_tests binv"
+    deadline=$((t0 + ${CHECK_SECONDS:-1400})) ;;
+  *) echo "CHECK_PART must be bench, tests, binv or all, not $part" >&2; exit 2 ;;
 esac
 [ -n "${CHECK_STEPS:-}" ] && steps=$CHECK_STEPS
 [ -n "${CHECK_TESTS:-}" ] && [ -z "${CHECK_STEPS:-}" ] && steps=tests
@@ -154,6 +165,7 @@ if wants tests; then
 export GUARDSTREAM_TEST_DEVICE=cuda
 lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
   tests/test_engine_batching.py:90 tests/test_engine_batch_invariant.py:90
+  tests/test_invariant_kernels.py:60
   tests/test_engine_sampling.py:60 tests/test_engine_warm_prefill.py:60
   tests/test_engine_compile.py:90)
 lane2=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
@@ -211,5 +223,35 @@ if wants e1p7_compile; then
   else
     say "--- e1p7_compile: bench/engine.py has no --compile, skipped"
   fi
+fi
+# part binv: --batch-invariant on CUDA (the Triton kernels), its tests, then its cost
+if wants binv_tests; then
+  binv_cache=/root/gscache-binv  # smollm2-135m here is m135r: random weights, the same shape
+  mkdir -p "$binv_cache/models"
+  ln -sfn "$models/m135r" "$binv_cache/models/smollm2-135m-instruct-v1"
+  binv_lane() {
+    local entry file
+    for entry in "$@"; do
+      file=${entry%%:*}
+      run "binv_$(basename "$file" .py)" "${entry##*:}" \
+        env GUARDSTREAM_TEST_DEVICE=cuda GUARDSTREAM_CACHE="$binv_cache" \
+        python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$file"
+    done
+  }
+  binv_lane tests/test_invariant_kernels.py:90 tests/test_engine_batch_invariant.py:200 &
+  binv_lane tests/test_migration_batch_invariant.py:240 &
+  wait
+  for name in test_invariant_kernels test_engine_batch_invariant test_migration_batch_invariant; do
+    [ -f "$out/binv_$name.log" ] || continue
+    say "--- binv_$name:"
+    grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|error)" "$out/binv_$name.log" | tail -25 >> "$summary"
+  done
+fi
+if wants binv; then
+  run binv 240 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 64 \
+    --concurrency 1,64,256 --skip-micro --rounds 1 --anchors none --batch-invariant \
+    --extra-args="--dtype bfloat16" --json "$out/binv.json"
+  grep -E "streams: +[0-9.]+ tok/s aggregate|streams: default .*batch-invariant|engine log: .*(kernels|captured)" \
+    "$out/binv.log" >> "$summary"
 fi
 say "=== done in $(elapsed) s"
