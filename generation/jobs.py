@@ -20,7 +20,7 @@ class FinishReason(StrEnum):
     TIME_LIMIT = "TIME_LIMIT"
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineDelta:
     """One NDJSON data item: the token generated in one step and the text released by it (the
     orchestrator parses it into its own `EngineDelta`, the same word from here to the pipeline).

@@ -59,7 +59,7 @@ class OutputProcessor:
         )
 
     def new_row(self, job: Job) -> Row:
-        return Row(job, self._detokenizer)
+        return Row(job, self._detokenizer, self.max_context)
 
     # ----- accepting tokens ------------------------------------------------------------------
 
@@ -109,6 +109,7 @@ class OutputProcessor:
             if finish is None:
                 row.next_input = token
                 self.emit(row.job, EngineDelta([token], row.gate.release(), len(row.generated)))
+                row.gated = not row.gate.transparent  # resumed text all delivered, say
                 survivors.append(i)
             else:
                 self.finish(row, [token], finish)
@@ -123,11 +124,11 @@ class OutputProcessor:
         `accept` and `emit` inlined, with what is per step hoisted out of the per-row loop
         (the clock, the counters, the limits): this runs for every row of every step. Seen ids
         are kept up to date only for rows with a repetition penalty, the only readers once a row
-        has joined (the device sampler keeps its own); the stop gate scans only for rows with
-        stop sequences (TextGate)."""
+        has joined (the device sampler keeps its own); the stop gate runs only for rows with
+        stop sequences or text held back (`Row.gated`: for the others its push and release
+        would hand back the delta as is); budget and context are one comparison (`Row.limit`)."""
         finished = False
         eos = self._eos
-        max_context = self.max_context
         outbox = self._outbox
         now = time.monotonic()
         accepted = 0
@@ -136,28 +137,38 @@ class OutputProcessor:
                 continue
             accepted += 1
             row.kv_len += 1
-            job = row.job
             generated = row.generated
             generated.append(token)
             if row.penalised and token not in row.seen:
                 row.seen.add(token)
                 if row.seen_tensor is not None:
                     row.seen_new.append(token)
-            gate = row.gate
-            gate.push(row.detok.push(token))
+            text = row.detok.push(token)
             count = len(generated)
-            if gate.stop_at is not None:
-                finish = FinishReason.STOP_SEQUENCE
-            elif token in eos:
+            job = row.job
+            gated = row.gated
+            if gated:
+                gate = row.gate
+                gate.push(text)
+                if gate.stop_at is not None:
+                    self.finish(row, [token], FinishReason.STOP_SEQUENCE)
+                    finished = True
+                    continue
+            if token in eos:
                 finish = FinishReason.EOS_TOKEN
-            elif count >= job.max_new_tokens or row.prompt_length + count >= max_context:
+            elif count >= row.limit:
                 finish = FinishReason.MAX_TOKENS
             elif job.deadline is not None and now >= job.deadline:
                 finish = FinishReason.TIME_LIMIT
             else:
                 row.next_input = token
-                outbox.append((job, EngineDelta([token], gate.release(), count)))
+                if gated:
+                    text = gate.release()
+                    row.gated = not gate.transparent
+                outbox.append((job, EngineDelta([token], text, count)))
                 continue
+            if not gated:  # the gate is transparent: pushed there, the delta leaves as is
+                row.gate.push(text)
             self.finish(row, [token], finish)
             finished = True
         self._stats.tokens_generated += accepted

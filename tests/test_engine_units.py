@@ -299,6 +299,35 @@ def test_gate_with_already_delivered_text() -> None:
     assert released == "ef"
 
 
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    parts=st.lists(st.text(alphabet="abc", max_size=4), max_size=12),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=3), max_size=2),
+    delivered=st.integers(0, 10),
+)
+def test_a_transparent_gate_releases_each_delta_as_pushed(
+    parts: list[str], stops: list[str], delivered: int
+) -> None:
+    """`transparent` (no stop sequences, nothing held or owed): from then on each release is
+    exactly the delta pushed, so the engine's decode step may skip the gate (and push into it
+    later, at the row's end)."""
+    gate = TextGate(stops, already_delivered=delivered)
+    transparent_from: int | None = None
+    for i, part in enumerate(parts):
+        if transparent_from is None and gate.transparent:
+            transparent_from = i
+        gate.push(part)
+        out = gate.release()
+        if transparent_from is not None:
+            assert out == part and gate.transparent
+    if stops:
+        assert transparent_from is None and not gate.transparent
+    elif delivered == 0:
+        assert transparent_from == (0 if parts else None)
+    elif sum(map(len, parts)) < delivered:  # the client still has text these parts lack
+        assert transparent_from is None
+
+
 def test_uniform_is_a_pure_function_of_seed_and_position() -> None:
     assert uniform(42, 7) == uniform(42, 7)
     draws = [uniform(42, i) for i in range(20000)]
