@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,9 +21,11 @@ from generation.detokenizer import (
     Detokenizer,
     IncrementalDetokenizer,
     StreamDetokenizer,
+    WholeTokenDetokenizer,
     make_decoder,
     make_detokenizer,
     skipped_ids,
+    whole_tokens,
 )
 from generation.kv_cache import SlotCache
 from generation.sampling import uniform
@@ -30,15 +33,23 @@ from generation.scheduler import PREFILL_PADDING, prefill_groups
 from servicekit.text_gate import TextGate
 
 TEXTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
-DETOKENIZERS = ["python", "stream"]
+DETOKENIZERS = ["python", "stream", "whole"]
 
 
-def new_detokenizer(model: models.LoadedModel, kind: str) -> Detokenizer:
-    decode = make_decoder(model.tokenizer)
+def new_detokenizer(
+    model: models.LoadedModel, kind: str, decode: Callable[[list[int]], str] | None = None
+) -> Detokenizer:
+    """A detokenizer of `kind` over `model`'s tokenizer (`decode`: a spy in its place)."""
+    decode = decode or make_decoder(model.tokenizer)
     skipped = skipped_ids(model.tokenizer)  # what the engine's detokenizers leave out
+    backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
     if kind == "python":
         return IncrementalDetokenizer(decode, skipped)
-    return StreamDetokenizer(model.tokenizer.backend_tokenizer, decode, skipped)  # type: ignore[attr-defined]
+    if kind == "whole":
+        return WholeTokenDetokenizer(
+            whole_tokens(backend, skipped), lambda: StreamDetokenizer(backend, decode, skipped)
+        )
+    return StreamDetokenizer(backend, decode, skipped)
 
 
 def stream_text(
@@ -62,13 +73,13 @@ def test_detokenizers_match_full_decode_and_each_other_on_any_ids(
     DecodeStream detokenizer emits exactly the Python one's deltas, flush included, so a stream
     resumed on a replica with the other implementation continues identically."""
     python, stream = stream_text(tiny_model, ids, "python"), stream_text(tiny_model, ids, "stream")
-    assert python == stream
+    assert python == stream == stream_text(tiny_model, ids, "whole")
     assert stream[1] == reference(tiny_model, ids)
     # a flush in the middle (a stream that ends there) releases the same text too
-    a, b = new_detokenizer(tiny_model, "python"), new_detokenizer(tiny_model, "stream")
+    a, b, c = (new_detokenizer(tiny_model, kind) for kind in DETOKENIZERS)
     for token in ids[:cut]:
-        assert a.push(token) == b.push(token)
-    assert a.flush() == b.flush()
+        assert a.push(token) == b.push(token) == c.push(token)
+    assert a.flush() == b.flush() == c.flush()
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -90,13 +101,18 @@ def test_detokenizer_on_smollm2_tokenizer(smollm2_model: models.LoadedModel, tex
     ids = smollm2_model.tokenizer(text, add_special_tokens=False)["input_ids"] + [2]  # + EOS
     deltas, joined = stream_text(smollm2_model, ids)
     assert (deltas, joined) == stream_text(smollm2_model, ids, "python")
+    assert (deltas, joined) == stream_text(smollm2_model, ids, "whole")
     assert joined == reference(smollm2_model, ids)
     if joined == text and "\ufffd" not in text:  # (its GGUF vocabulary lacks a few rare bytes)
         assert all("\ufffd" not in d for d in deltas)
 
 
 def test_engine_uses_decode_stream_for_fast_tokenizers(tiny_model: models.LoadedModel) -> None:
-    assert isinstance(make_detokenizer(tiny_model.tokenizer)(), StreamDetokenizer)
+    """A byte-level tokenizer (tiny-random's, SmolLM2's): whole tokens from a table, the rest
+    through DecodeStream; a tokenizer without a Rust backend: Python."""
+    detok = make_detokenizer(tiny_model.tokenizer)()
+    assert isinstance(detok, WholeTokenDetokenizer)
+    assert isinstance(detok._stream(), StreamDetokenizer)
 
     class Slow:  # a tokenizer without a Rust backend
         def decode(self, ids: list[int], **_: object) -> str:
@@ -176,9 +192,8 @@ def test_a_run_of_lone_bytes_is_released_in_bounded_windows(
 
     lone = lone_byte_tokens(tiny_model)
     assert len(lone) > 60
-    backend = tiny_model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
     for token in (lone[0], lone[-1]):  # a lead byte and a continuation byte, say
-        detok = IncrementalDetokenizer(spy) if kind == "python" else StreamDetokenizer(backend, spy)
+        detok = new_detokenizer(tiny_model, kind, spy)
         sizes.clear()
         deltas = [detok.push(token) for _ in range(400)]
         released = "".join(deltas)
@@ -202,17 +217,13 @@ def test_a_run_of_special_tokens_is_decoded_in_bounded_windows(
         sizes.append(len(ids))
         return decode(ids)
 
-    backend = tiny_model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
     skipped = skipped_ids(tiny_model.tokenizer)
     specials = sorted(skipped)
     assert specials == [0, 1, 2]  # <|endoftext|>, <|im_start|>, <|im_end|>
     words = tiny_model.tokenizer(" the 😀")["input_ids"]
     for special in specials:
         ids = words + [special] * 400 + words
-        if kind == "python":
-            detok: Detokenizer = IncrementalDetokenizer(spy, skipped)
-        else:
-            detok = StreamDetokenizer(backend, spy, skipped)
+        detok = new_detokenizer(tiny_model, kind, spy)
         sizes.clear()
         text = "".join(detok.push(token) for token in ids) + detok.flush()
         assert text == reference(tiny_model, ids) == " the 😀 the 😀"
@@ -236,8 +247,31 @@ def test_settled_releases_match_full_decode_on_byte_runs(
     )
     ids = [token for token, count in runs for _ in range(count)]
     python, stream = stream_text(tiny_model, ids, "python"), stream_text(tiny_model, ids, "stream")
-    assert python == stream
+    assert python == stream == stream_text(tiny_model, ids, "whole")
     assert stream[1] == reference(tiny_model, ids)
+
+
+def test_whole_tokens_are_released_without_decoding(tiny_model: models.LoadedModel) -> None:
+    """Greedy decoding of a random model repeats one token (issue 35): a whole token (its bytes
+    whole characters) costs a table look-up, no decode, however long the run; a character split
+    over byte tokens still goes through a decoder, which is dropped once nothing is pending."""
+    calls: list[list[int]] = []
+    decode = make_decoder(tiny_model.tokenizer)
+
+    def spy(ids: list[int]) -> str:
+        calls.append(list(ids))
+        return decode(ids)
+
+    the = tiny_model.tokenizer(" the", add_special_tokens=False)["input_ids"]
+    emoji = tiny_model.tokenizer("😀", add_special_tokens=False)["input_ids"]
+    assert len(the) == 1 and len(emoji) == 3
+    detok = new_detokenizer(tiny_model, "whole", spy)
+    assert isinstance(detok, WholeTokenDetokenizer)
+    assert [detok.push(the[0]) for _ in range(500)] == [" the"] * 500
+    assert calls == [] and detok._slow is None
+    assert [detok.push(t) for t in emoji] == ["", "", "😀"]
+    assert detok._slow is None  # nothing pending: the next whole token is a look-up again
+    assert detok.push(the[0]) == " the" and detok.flush() == ""
 
 
 def _gate(text_parts: list[str], stops: list[str], delivered: int = 0) -> tuple[str, TextGate]:
