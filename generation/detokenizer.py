@@ -285,31 +285,35 @@ class StreamDetokenizer:
 
 class WholeTokenDetokenizer:
     """For a byte-level decoder (`byte_level`): a token whose text is whole (`whole_tokens`),
-    pushed while nothing is pending, releases that text at once; any other token goes through a
-    `StreamDetokenizer` started there, dropped again once it has nothing pending (module
-    docstring: why the deltas are those of one detokenizer over the whole stream)."""
+    pushed while nothing is pending, releases that text at once; any other token goes through
+    the row's `StreamDetokenizer` (made at its first such token), until that has nothing pending
+    again (module docstring: why the deltas are those of one detokenizer over the whole stream,
+    and why the tokens it skipped in between do not matter to it)."""
 
-    __slots__ = ("_slow", "_stream", "_whole")
+    __slots__ = ("_pending", "_slow", "_stream", "_whole")
 
     def __init__(self, whole: dict[int, str], stream: Callable[[], StreamDetokenizer]) -> None:
         self._whole = whole
         self._stream = stream
-        self._slow: StreamDetokenizer | None = None  # while tokens are pending
+        self._slow: StreamDetokenizer | None = None  # made at the first token not in `whole`
+        self._pending = False  # `_slow` holds tokens back
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that is now final (possibly "")."""
-        slow = self._slow
-        if slow is None:
+        if not self._pending:
             text = self._whole.get(token_id)
             if text is not None:
                 return text
+        slow = self._slow
+        if slow is None:  # once per stream at most: making one costs ~4 us
             slow = self._slow = self._stream()
         text = slow.push(token_id)
-        if not slow.pending:
-            self._slow = None
+        self._pending = slow.pending
         return text
 
     def flush(self) -> str:
         """End of stream: release held-back text, replacement characters included."""
-        slow, self._slow = self._slow, None
-        return slow.flush() if slow is not None else ""
+        if not self._pending or self._slow is None:
+            return ""
+        self._pending = False
+        return self._slow.flush()

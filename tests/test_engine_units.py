@@ -270,7 +270,7 @@ def test_whole_tokens_are_released_without_decoding(tiny_model: models.LoadedMod
     assert [detok.push(the[0]) for _ in range(500)] == [" the"] * 500
     assert calls == [] and detok._slow is None
     assert [detok.push(t) for t in emoji] == ["", "", "😀"]
-    assert detok._slow is None  # nothing pending: the next whole token is a look-up again
+    assert not detok._pending  # the next whole token is a look-up again
     assert detok.push(the[0]) == " the" and detok.flush() == ""
 
 
