@@ -247,15 +247,17 @@ class _Mailbox:
     a wake-up (`call_soon_threadsafe`: a syscall and a GIL hand-off per step, which the worker
     pays): while the loop is behind, later steps just join the pending delivery."""
 
-    __slots__ = ("_events", "_lock")
+    __slots__ = ("_events", "_lock", "_posts")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._events: list[Event] = []
+        self._posts = 0  # posts since the last delivery
 
     def post(self, events: list[Event]) -> bool:
         """Add events (worker); True when a delivery is already pending (no wake-up needed)."""
         with self._lock:
+            self._posts += 1
             if not self._events:
                 self._events = events  # the worker hands the list over: no copy
                 return False
@@ -263,28 +265,47 @@ class _Mailbox:
             return True
 
     def take(self) -> list[Event]:
+        return self._take()[0]
+
+    def _take(self) -> tuple[list[Event], int]:
         with self._lock:
             events, self._events = self._events, []
-            return events
+            posts, self._posts = self._posts, 0
+            return events, posts
 
     def deliver(self) -> None:
         """On the loop: each job's posted events, in order, in one call to its sink (a
-        `StreamSink` writes them to its socket at once), or into its `asyncio.Queue`."""
+        `StreamSink` writes them to its socket at once), or into its `asyncio.Queue`.
+
+        One post (the loop kept up: one step's events, one per row) goes out as it came, without
+        grouping; a job with two events in it (a step's token and an error, say) then gets two
+        calls, in order. Several posts (the loop fell behind) are grouped by job: one call, so
+        one write, per stream for all its steps."""
+        posted, posts = self._take()
+        if posts <= 1:
+            for job, event in posted:
+                _hand(job, [event])
+            return
         by_job: dict[Job, list[EngineDelta | StreamError]] = {}
-        for job, event in self.take():
+        for job, event in posted:
             events = by_job.get(job)
             if events is None:
                 by_job[job] = [event]
             else:
                 events.append(event)
         for job, events in by_job.items():
-            queue = job.queue
-            if isinstance(queue, asyncio.Queue):
-                for event in events:
-                    queue.put_nowait(event)
-                continue
-            try:
-                queue.put_many(events)
-            except Exception:  # a sink must not raise; if one does, the others still get theirs
-                log.exception("stream sink failed")
-                job.cancelled = True
+            _hand(job, events)
+
+
+def _hand(job: Job, events: list[EngineDelta | StreamError]) -> None:
+    """A job's events to its sink (or queue), on its loop."""
+    queue = job.queue
+    if isinstance(queue, asyncio.Queue):
+        for event in events:
+            queue.put_nowait(event)
+        return
+    try:
+        queue.put_many(events)
+    except Exception:  # a sink must not raise; if one does, the others still get theirs
+        log.exception("stream sink failed")
+        job.cancelled = True

@@ -4,6 +4,7 @@ batcher relies on, and the slot KV cache (sampling itself: test_engine_sampling.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 from collections.abc import Callable
@@ -27,8 +28,10 @@ from generation.detokenizer import (
     skipped_ids,
     whole_tokens,
 )
+from generation.jobs import EngineDelta, Job, StreamError
 from generation.kv_cache import SlotCache
-from generation.sampling import uniform
+from generation.output_processor import _Mailbox
+from generation.sampling import SamplingParams, uniform
 from generation.scheduler import PREFILL_PADDING, prefill_groups
 from servicekit.text_gate import TextGate
 
@@ -360,6 +363,39 @@ def test_a_transparent_gate_releases_each_delta_as_pushed(
         assert transparent_from == (0 if parts else None)
     elif sum(map(len, parts)) < delivered:  # the client still has text these parts lack
         assert transparent_from is None
+
+
+def test_mailbox_hands_a_step_as_it_came_and_groups_steps_a_loop_fell_behind_on() -> None:
+    """The worker's delivery to a loop (output_processor._Mailbox): one post (the loop kept up)
+    goes out event by event, in order, without grouping; posts that piled up while the loop was
+    busy reach each sink in one call (one socket write per stream for all its steps)."""
+    calls: list[tuple[str, list[str]]] = []
+
+    class Sink:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def put_many(self, events: list[EngineDelta | StreamError]) -> None:
+            calls.append((self.name, [e.text for e in events if isinstance(e, EngineDelta)]))
+
+    loop = asyncio.new_event_loop()
+    try:
+        a, b = (Job([1], 4, SamplingParams(greedy=True), loop, Sink(name)) for name in ("a", "b"))
+        box = _Mailbox()
+
+        def delta(text: str) -> EngineDelta:
+            return EngineDelta([5], text, 1)
+
+        assert box.post([(a, delta("a1")), (b, delta("b1")), (a, delta("a2"))]) is False
+        box.deliver()
+        assert calls == [("a", ["a1"]), ("b", ["b1"]), ("a", ["a2"])]
+        calls.clear()
+        assert box.post([(a, delta("a1")), (b, delta("b1"))]) is False
+        assert box.post([(b, delta("b2")), (a, delta("a2"))]) is True  # a wake-up is pending
+        box.deliver()
+        assert calls == [("a", ["a1", "a2"]), ("b", ["b1", "b2"])]
+    finally:
+        loop.close()
 
 
 def test_uniform_is_a_pure_function_of_seed_and_position() -> None:
