@@ -68,6 +68,7 @@ def make_detokenizer(tokenizer: object) -> Callable[[], Detokenizer]:
         if not byte_level(backend):
             return stream
         whole = whole_tokens(backend, skipped)
+        decode = byte_level_decoder(backend, decode)
 
         def whole_first() -> Detokenizer:
             return WholeTokenDetokenizer(whole, stream)
@@ -109,6 +110,44 @@ def whole_tokens(backend: object, skipped: Collection[int]) -> dict[int, str]:
     whole = {i: text for i, text in enumerate(texts) if text and REPLACEMENT not in text}
     whole.update(dict.fromkeys(skipped, ""))
     return whole
+
+
+def byte_level_decoder(
+    backend: object, fallback: Callable[[Sequence[int]], str]
+) -> Callable[[Sequence[int]], str]:
+    """`make_decoder`'s decode for a byte-level tokenizer (`byte_level`), in Python: the tokens'
+    bytes (GPT-2's byte alphabet; a token outside it, its own UTF-8) put end to end, decoded as
+    UTF-8 with U+FFFD for each maximal invalid part, as the Rust decoder's `from_utf8_lossy`
+    does (tested equal). Why by hand: a detokenizer window is a few tokens, and a call into the
+    Rust tokenizer costs 1-6 us for it (a random model repeating a byte token decodes 2-3
+    windows per token), this ~0.3 us. Ids it does not know go to `fallback`."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = {char: byte for byte, char in bytes_to_unicode().items()}
+    size = backend.get_vocab_size(with_added_tokens=True)  # type: ignore[attr-defined]
+    special = {
+        i
+        for i, token in backend.get_added_tokens_decoder().items()  # type: ignore[attr-defined]
+        if token.special
+    }
+    table: list[bytes] = []
+    for i in range(size):
+        token = backend.id_to_token(i)  # type: ignore[attr-defined]
+        if token is None or i in special:  # unknown, or skipped as decode skips it
+            table.append(b"")
+            continue
+        try:
+            table.append(bytes(alphabet[char] for char in token))
+        except KeyError:
+            table.append(token.encode())
+
+    def decode(ids: Sequence[int]) -> str:
+        try:
+            return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+        except IndexError:
+            return fallback(ids)
+
+    return decode
 
 
 def _has_decode_stream() -> bool:

@@ -23,6 +23,7 @@ from generation.detokenizer import (
     IncrementalDetokenizer,
     StreamDetokenizer,
     WholeTokenDetokenizer,
+    byte_level_decoder,
     make_decoder,
     make_detokenizer,
     skipped_ids,
@@ -43,16 +44,31 @@ def new_detokenizer(
     model: models.LoadedModel, kind: str, decode: Callable[[list[int]], str] | None = None
 ) -> Detokenizer:
     """A detokenizer of `kind` over `model`'s tokenizer (`decode`: a spy in its place)."""
-    decode = decode or make_decoder(model.tokenizer)
     skipped = skipped_ids(model.tokenizer)  # what the engine's detokenizers leave out
     backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    if kind == "whole":
+        whole, byte_decode = _whole_tables(model)
+        decode = decode or byte_decode  # as the engine makes it: the byte-level decode
+        return WholeTokenDetokenizer(whole, lambda: StreamDetokenizer(backend, decode, skipped))
+    decode = decode or make_decoder(model.tokenizer)
     if kind == "python":
         return IncrementalDetokenizer(decode, skipped)
-    if kind == "whole":
-        return WholeTokenDetokenizer(
-            whole_tokens(backend, skipped), lambda: StreamDetokenizer(backend, decode, skipped)
-        )
     return StreamDetokenizer(backend, decode, skipped)
+
+
+_WHOLE: dict[str, tuple[dict[int, str], Callable[[list[int]], str]]] = {}
+
+
+def _whole_tables(model: models.LoadedModel) -> tuple[dict[int, str], Callable[[list[int]], str]]:
+    """A model's whole-token table and byte-level decode (once per model: the engine makes them
+    once per engine)."""
+    if model.name not in _WHOLE:
+        backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+        _WHOLE[model.name] = (
+            whole_tokens(backend, skipped_ids(model.tokenizer)),
+            byte_level_decoder(backend, make_decoder(model.tokenizer)),
+        )
+    return _WHOLE[model.name]
 
 
 def stream_text(
@@ -172,10 +188,17 @@ def test_detokenizer_window_stays_small(tiny_model: models.LoadedModel) -> None:
     assert len(ids) > 300 and max(sizes) <= 8
 
 
+_LONE: dict[str, list[int]] = {}
+
+
 def lone_byte_tokens(model: models.LoadedModel) -> list[int]:
-    """Ids whose text alone is U+FFFD: single bytes of multi-byte characters."""
-    backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
-    return [i for i in range(model.vocab_size) if backend.decode([i]) == REPLACEMENT]
+    """Ids whose text alone is U+FFFD: single bytes of multi-byte characters (per model, once:
+    SmolLM2 has 49k ids)."""
+    if model.name not in _LONE:
+        backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+        texts = backend.decode_batch([[i] for i in range(model.vocab_size)])
+        _LONE[model.name] = [i for i, text in enumerate(texts) if text == REPLACEMENT]
+    return _LONE[model.name]
 
 
 @pytest.mark.parametrize("kind", DETOKENIZERS)
@@ -252,6 +275,27 @@ def test_settled_releases_match_full_decode_on_byte_runs(
     python, stream = stream_text(tiny_model, ids, "python"), stream_text(tiny_model, ids, "stream")
     assert python == stream == stream_text(tiny_model, ids, "whole")
     assert stream[1] == reference(tiny_model, ids)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_byte_level_decode_in_python_equals_the_tokenizers(
+    tiny_model: models.LoadedModel, smollm2_model: models.LoadedModel, data: st.DataObject
+) -> None:
+    """The byte-level decode the engine's detokenizers use (bytes put end to end, UTF-8 with
+    U+FFFD for what is not) equals the Rust tokenizer's on any ids: lone bytes of multi-byte
+    characters, special and added tokens, ids past the vocabulary."""
+    for model in (tiny_model, smollm2_model):
+        backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+        size = backend.get_vocab_size(with_added_tokens=True)
+        rust = make_decoder(model.tokenizer)
+        python = _whole_tables(model)[1]
+        byte_tokens = lone_byte_tokens(model)
+        pool = st.one_of(
+            st.integers(0, size + 2), st.sampled_from(byte_tokens), st.integers(0, 300)
+        )
+        ids = data.draw(st.lists(pool, max_size=16), label=model.name)
+        assert python(ids) == rust(ids)
 
 
 def test_whole_tokens_are_released_without_decoding(tiny_model: models.LoadedModel) -> None:
