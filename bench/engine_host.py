@@ -40,6 +40,9 @@ when the clock has run it (`ClockEvent`, in place of the CUDA event the engine r
 sleeps, releasing the GIL as a GPU sync does); any other pass (prefill, an eager step) is waited
 for at once, as the host read of its result would.
 
+Both paths freeze the start-up heap once the engine has started, as `python -m generation serve`
+does (`generation.server.freeze_startup_heap`): the engine is measured as it is served.
+
 CPU time too (Linux /proc): the engine process's CPU seconds per row per step, all threads, and
 over http the worker thread's share; on a shared machine these are steadier than wall time, and
 they say how much of the host's work is the worker's own (accept, detokenize, stop checks, emit)
@@ -84,6 +87,7 @@ from generation.device_sampling import DeviceSampler
 from generation.jobs import Job, StreamError
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
+from generation.server import freeze_startup_heap
 from tests.engine_processes import child_environment
 
 SAMPLING = {"method": "sampling", "seed": 7, "temperature": 0.8, "top_p": 0.95}
@@ -408,6 +412,10 @@ def serve(port: int, device: str, device_ms: float, rows: int, eager: bool, over
         thread = request.app[STATE].engine._thread  # the worker's OS thread id, for its CPU time
         return web.json_response({"tid": thread.native_id if thread is not None else None})
 
+    async def freeze(app: web.Application) -> None:
+        freeze_startup_heap()  # after the engine's start-up, as `python -m generation serve`
+
+    app.on_startup.append(freeze)  # after create_app's own (the engine's start)
     app.router.add_post("/bench/hold", hold)
     app.router.add_get("/bench/worker", worker)
     print(f"listening on {port}", flush=True)
@@ -592,6 +600,7 @@ def run(args: argparse.Namespace, levels: list[Level]) -> None:
             for rows in args.rows:
                 engine = make_engine(loaded, rows, args.eager, overlap)
                 engine.start()
+                freeze_startup_heap()  # as a serving process does after its start-up
                 try:
                     for decoding in args.decoding:
                         level = best(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import sys
@@ -177,7 +176,7 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
     from aiohttp import web
 
     from .models import load
-    from .server import create_app
+    from .server import create_app, freeze_startup_heap
 
     loop = asyncio.get_running_loop()
     loaded = await loop.run_in_executor(
@@ -223,12 +222,7 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
         return 2
     port = runner.addresses[0][1]
     host = f"[{args.host}]" if ":" in args.host else args.host
-    # torch, transformers and the model leave ~200k objects that live as long as the process;
-    # frozen, Python's full collections stop walking them (~90 ms each on a CPU core, with the
-    # GIL held: the decode thread and the token writes stall). Same as the orchestrator's
-    # `freeze_startup_heap`.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()  # after the engine's start-up (the model, its buffers)
     print(f"{LISTENING_PREFIX}http://{host}:{port}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

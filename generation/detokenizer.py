@@ -20,6 +20,15 @@ new context gives the same remainder), else the window stays held as before.
 tokenizers: the same deltas (tested), about 2.5x cheaper per token, because the window slicing and
 the two decodes per released token stay in Rust. `make_detokenizer` picks it when it can.
 
+`WholeTokenDetokenizer` skips even that for most tokens of a byte-level BPE tokenizer (GPT-2's
+decoder: SmolLM2, Llama 3, Qwen), whose decode is the UTF-8 decoding (lossy) of the tokens' bytes
+put end to end. After a release that left nothing pending, the window's bytes end with a whole
+character, so what comes next decodes on its own: a token whose bytes are whole characters by
+themselves releases exactly its own text (a table, built once), and the window restarts after it.
+Other tokens (a byte of a character, a skipped special token) go through a `StreamDetokenizer`
+started at that point, until it has nothing pending again. Same deltas (tested); at 256 rows the
+per-token `DecodeStream.step` was the largest share of the worker's per-row work (issue 35).
+
 Invariant (tested): the concatenated deltas plus `flush()` equal
 `tokenizer.decode(all ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`.
 Special tokens (EOS, chat markers) are skipped: a generated EOS is reported in `token_ids` but
@@ -40,15 +49,14 @@ SETTLE_TOKENS = 4  # tokens kept pending after a settled release (>= 4 bytes: a 
 class Detokenizer(Protocol):
     """Token ids in, text deltas out; `flush` at the end of the stream."""
 
-    ids: list[int]
-
     def push(self, token_id: int) -> str: ...
 
     def flush(self) -> str: ...
 
 
 def make_detokenizer(tokenizer: object) -> Callable[[], Detokenizer]:
-    """A factory of per-stream detokenizers: `DecodeStream` for a fast tokenizer, else Python."""
+    """A factory of per-stream detokenizers: whole tokens from a table for a byte-level BPE
+    tokenizer, `DecodeStream` for the rest of a fast tokenizer's, else Python."""
     decode = make_decoder(tokenizer)
     skipped = skipped_ids(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -57,7 +65,15 @@ def make_detokenizer(tokenizer: object) -> Callable[[], Detokenizer]:
         def stream() -> Detokenizer:
             return StreamDetokenizer(backend, decode, skipped)
 
-        return stream
+        if not byte_level(backend):
+            return stream
+        whole = whole_tokens(backend, skipped)
+        decode = byte_level_decoder(backend, decode)
+
+        def whole_first() -> Detokenizer:
+            return WholeTokenDetokenizer(whole, stream)
+
+        return whole_first
 
     def python() -> Detokenizer:
         return IncrementalDetokenizer(decode, skipped)
@@ -76,6 +92,62 @@ def skipped_ids(tokenizer: object) -> frozenset[int]:
     if backend is None or not hasattr(backend, "decode") or added is None:
         return frozenset()
     return frozenset(int(i) for i, token in added().items() if getattr(token, "special", False))
+
+
+def byte_level(backend: object) -> bool:
+    """Whether the Rust tokenizer decodes with GPT-2's byte-level decoder alone: the UTF-8
+    decoding of its tokens' bytes put end to end (`WholeTokenDetokenizer` relies on it)."""
+    from tokenizers.decoders import ByteLevel
+
+    return isinstance(getattr(backend, "decoder", None), ByteLevel)
+
+
+def whole_tokens(backend: object, skipped: Collection[int]) -> dict[int, str]:
+    """Each token whose bytes are whole characters (its text alone has no U+FFFD), with that
+    text; skipped ids map to "" (they add no text wherever they stand)."""
+    size = backend.get_vocab_size(with_added_tokens=True)  # type: ignore[attr-defined]
+    texts = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=True)  # type: ignore[attr-defined]
+    whole = {i: text for i, text in enumerate(texts) if text and REPLACEMENT not in text}
+    whole.update(dict.fromkeys(skipped, ""))
+    return whole
+
+
+def byte_level_decoder(
+    backend: object, fallback: Callable[[Sequence[int]], str]
+) -> Callable[[Sequence[int]], str]:
+    """`make_decoder`'s decode for a byte-level tokenizer (`byte_level`), in Python: the tokens'
+    bytes (GPT-2's byte alphabet; a token outside it, its own UTF-8) put end to end, decoded as
+    UTF-8 with U+FFFD for each maximal invalid part, as the Rust decoder's `from_utf8_lossy`
+    does (tested equal). Why by hand: a detokenizer window is a few tokens, and a call into the
+    Rust tokenizer costs 1-6 us for it (a random model repeating a byte token decodes 2-3
+    windows per token), this ~0.3 us. Ids it does not know go to `fallback`."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = {char: byte for byte, char in bytes_to_unicode().items()}
+    size = backend.get_vocab_size(with_added_tokens=True)  # type: ignore[attr-defined]
+    special = {
+        i
+        for i, token in backend.get_added_tokens_decoder().items()  # type: ignore[attr-defined]
+        if token.special
+    }
+    table: list[bytes] = []
+    for i in range(size):
+        token = backend.id_to_token(i)  # type: ignore[attr-defined]
+        if token is None or i in special:  # unknown, or skipped as decode skips it
+            table.append(b"")
+            continue
+        try:
+            table.append(bytes(alphabet[char] for char in token))
+        except KeyError:
+            table.append(token.encode())
+
+    def decode(ids: Sequence[int]) -> str:
+        try:
+            return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+        except IndexError:
+            return fallback(ids)
+
+    return decode
 
 
 def _has_decode_stream() -> bool:
@@ -155,6 +227,11 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset, self._prefix_text = self._read_offset, cut, context
         return delta
 
+    @property
+    def pending(self) -> bool:
+        """Whether tokens are held back (their text not released yet)."""
+        return self._read_offset < len(self.ids)
+
     def flush(self) -> str:
         """End of stream: release held-back text, replacement characters included."""
         new_text = self._decode(self.ids[self._prefix_offset :])
@@ -223,6 +300,13 @@ class StreamDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         return chunk
 
+    @property
+    def pending(self) -> bool:
+        """Whether tokens are held back (their text not released yet)."""
+        if self._fallback is not None:
+            return self._fallback.pending
+        return self._read_offset < len(self.ids)
+
     def flush(self) -> str:
         """End of stream: release held-back text, replacement characters included."""
         if self._fallback is None:
@@ -236,3 +320,39 @@ class StreamDetokenizer:
         python._read_offset = self._read_offset
         python._prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
         return python
+
+
+class WholeTokenDetokenizer:
+    """For a byte-level decoder (`byte_level`): a token whose text is whole (`whole_tokens`),
+    pushed while nothing is pending, releases that text at once; any other token goes through
+    the row's `StreamDetokenizer` (made at its first such token), until that has nothing pending
+    again (module docstring: why the deltas are those of one detokenizer over the whole stream,
+    and why the tokens it skipped in between do not matter to it)."""
+
+    __slots__ = ("_pending", "_slow", "_stream", "_whole")
+
+    def __init__(self, whole: dict[int, str], stream: Callable[[], StreamDetokenizer]) -> None:
+        self._whole = whole
+        self._stream = stream
+        self._slow: StreamDetokenizer | None = None  # made at the first token not in `whole`
+        self._pending = False  # `_slow` holds tokens back
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that is now final (possibly "")."""
+        if not self._pending:
+            text = self._whole.get(token_id)
+            if text is not None:
+                return text
+        slow = self._slow
+        if slow is None:  # once per stream at most: making one costs ~4 us
+            slow = self._slow = self._stream()
+        text = slow.push(token_id)
+        self._pending = slow.pending
+        return text
+
+    def flush(self) -> str:
+        """End of stream: release held-back text, replacement characters included."""
+        if not self._pending or self._slow is None:
+            return ""
+        self._pending = False
+        return self._slow.flush()

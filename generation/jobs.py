@@ -20,7 +20,7 @@ class FinishReason(StrEnum):
     TIME_LIMIT = "TIME_LIMIT"
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineDelta:
     """One NDJSON data item: the token generated in one step and the text released by it (the
     orchestrator parses it into its own `EngineDelta`, the same word from here to the pipeline).
@@ -53,9 +53,10 @@ class StreamError:
 class StreamSink(Protocol):
     """A job's receiver on its event loop, in place of an `asyncio.Queue`: the worker's
     delivery (output_processor.py, one hand-off per step) calls `put_many` on the loop with each
-    job's new events, in order, once per delivery. The engine server's stream is one: it writes
-    them to its socket right there, in one write (issue 35), instead of a queue put, a task
-    wake-up and a write per token. Never raises: a sink that fails ends its own stream."""
+    job's new events, in order: once per delivery (once per event of a job that had two in
+    one step). The engine server's stream is one: it writes them to its socket right there, in
+    one write (issue 35), instead of a queue put, a task wake-up and a write per token. Never
+    raises: a sink that fails ends its own stream."""
 
     def put_many(self, events: list[EngineDelta | StreamError]) -> None: ...
 

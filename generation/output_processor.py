@@ -59,7 +59,7 @@ class OutputProcessor:
         )
 
     def new_row(self, job: Job) -> Row:
-        return Row(job, self._detokenizer)
+        return Row(job, self._detokenizer, self.max_context)
 
     # ----- accepting tokens ------------------------------------------------------------------
 
@@ -109,6 +109,7 @@ class OutputProcessor:
             if finish is None:
                 row.next_input = token
                 self.emit(row.job, EngineDelta([token], row.gate.release(), len(row.generated)))
+                row.gated = not row.gate.transparent  # resumed text all delivered, say
                 survivors.append(i)
             else:
                 self.finish(row, [token], finish)
@@ -123,11 +124,11 @@ class OutputProcessor:
         `accept` and `emit` inlined, with what is per step hoisted out of the per-row loop
         (the clock, the counters, the limits): this runs for every row of every step. Seen ids
         are kept up to date only for rows with a repetition penalty, the only readers once a row
-        has joined (the device sampler keeps its own); the stop gate scans only for rows with
-        stop sequences (TextGate)."""
+        has joined (the device sampler keeps its own); the stop gate runs only for rows with
+        stop sequences or text held back (`Row.gated`: for the others its push and release
+        would hand back the delta as is); budget and context are one comparison (`Row.limit`)."""
         finished = False
         eos = self._eos
-        max_context = self.max_context
         outbox = self._outbox
         now = time.monotonic()
         accepted = 0
@@ -136,28 +137,38 @@ class OutputProcessor:
                 continue
             accepted += 1
             row.kv_len += 1
-            job = row.job
             generated = row.generated
             generated.append(token)
             if row.penalised and token not in row.seen:
                 row.seen.add(token)
                 if row.seen_tensor is not None:
                     row.seen_new.append(token)
-            gate = row.gate
-            gate.push(row.detok.push(token))
+            text = row.detok.push(token)
             count = len(generated)
-            if gate.stop_at is not None:
-                finish = FinishReason.STOP_SEQUENCE
-            elif token in eos:
+            job = row.job
+            gated = row.gated
+            if gated:
+                gate = row.gate
+                gate.push(text)
+                if gate.stop_at is not None:
+                    self.finish(row, [token], FinishReason.STOP_SEQUENCE)
+                    finished = True
+                    continue
+            if token in eos:
                 finish = FinishReason.EOS_TOKEN
-            elif count >= job.max_new_tokens or row.prompt_length + count >= max_context:
+            elif count >= row.limit:
                 finish = FinishReason.MAX_TOKENS
             elif job.deadline is not None and now >= job.deadline:
                 finish = FinishReason.TIME_LIMIT
             else:
                 row.next_input = token
-                outbox.append((job, EngineDelta([token], gate.release(), count)))
+                if gated:
+                    text = gate.release()
+                    row.gated = not gate.transparent
+                outbox.append((job, EngineDelta([token], text, count)))
                 continue
+            if not gated:  # the gate is transparent: pushed there, the delta leaves as is
+                row.gate.push(text)
             self.finish(row, [token], finish)
             finished = True
         self._stats.tokens_generated += accepted
@@ -236,15 +247,17 @@ class _Mailbox:
     a wake-up (`call_soon_threadsafe`: a syscall and a GIL hand-off per step, which the worker
     pays): while the loop is behind, later steps just join the pending delivery."""
 
-    __slots__ = ("_events", "_lock")
+    __slots__ = ("_events", "_lock", "_posts")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._events: list[Event] = []
+        self._posts = 0  # posts since the last delivery
 
     def post(self, events: list[Event]) -> bool:
         """Add events (worker); True when a delivery is already pending (no wake-up needed)."""
         with self._lock:
+            self._posts += 1
             if not self._events:
                 self._events = events  # the worker hands the list over: no copy
                 return False
@@ -252,28 +265,47 @@ class _Mailbox:
             return True
 
     def take(self) -> list[Event]:
+        return self._take()[0]
+
+    def _take(self) -> tuple[list[Event], int]:
         with self._lock:
             events, self._events = self._events, []
-            return events
+            posts, self._posts = self._posts, 0
+            return events, posts
 
     def deliver(self) -> None:
         """On the loop: each job's posted events, in order, in one call to its sink (a
-        `StreamSink` writes them to its socket at once), or into its `asyncio.Queue`."""
+        `StreamSink` writes them to its socket at once), or into its `asyncio.Queue`.
+
+        One post (the loop kept up: one step's events, one per row) goes out as it came, without
+        grouping; a job with two events in it (a step's token and an error, say) then gets two
+        calls, in order. Several posts (the loop fell behind) are grouped by job: one call, so
+        one write, per stream for all its steps."""
+        posted, posts = self._take()
+        if posts <= 1:
+            for job, event in posted:
+                _hand(job, [event])
+            return
         by_job: dict[Job, list[EngineDelta | StreamError]] = {}
-        for job, event in self.take():
+        for job, event in posted:
             events = by_job.get(job)
             if events is None:
                 by_job[job] = [event]
             else:
                 events.append(event)
         for job, events in by_job.items():
-            queue = job.queue
-            if isinstance(queue, asyncio.Queue):
-                for event in events:
-                    queue.put_nowait(event)
-                continue
-            try:
-                queue.put_many(events)
-            except Exception:  # a sink must not raise; if one does, the others still get theirs
-                log.exception("stream sink failed")
-                job.cancelled = True
+            _hand(job, events)
+
+
+def _hand(job: Job, events: list[EngineDelta | StreamError]) -> None:
+    """A job's events to its sink (or queue), on its loop."""
+    queue = job.queue
+    if isinstance(queue, asyncio.Queue):
+        for event in events:
+            queue.put_nowait(event)
+        return
+    try:
+        queue.put_many(events)
+    except Exception:  # a sink must not raise; if one does, the others still get theirs
+        log.exception("stream sink failed")
+        job.cancelled = True

@@ -74,9 +74,11 @@ class Row:
         "detok",
         "done",
         "gate",
+        "gated",
         "generated",
         "job",
         "kv_len",
+        "limit",
         "next_input",
         "partial",
         "penalised",
@@ -87,12 +89,18 @@ class Row:
         "seen_tensor",
     )
 
-    def __init__(self, job: Job, detokenizer: Callable[[], Detokenizer]) -> None:
+    def __init__(self, job: Job, detokenizer: Callable[[], Detokenizer], max_context: int) -> None:
+        """`max_context`: the engine's context (prompt and generated), for `limit`."""
         self.job = job
         self.done = False
         self.generated: list[int] = []
         self.detok = detokenizer()
         self.gate = TextGate(job.stop_sequences, already_delivered=job.resume_text_len)
+        # False while the gate is transparent (no stop sequences, nothing held): a decode step
+        # then emits the detokenizer's delta as is (OutputProcessor.accept_step)
+        self.gated = not self.gate.transparent
+        # generated tokens at which the row ends (its budget, or the context full)
+        self.limit = min(job.max_new_tokens, max_context - len(job.prompt_ids))
         self.seen: set[int] = set(job.prompt_ids)  # after joining: penalised rows only
         self.penalised = job.sampling.repetition_penalty != 1.0
         self.prompt_length = len(job.prompt_ids)

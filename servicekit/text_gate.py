@@ -43,6 +43,13 @@ class TextGate:
         self.stop_at: int | None = None  # where the first stop sequence starts, once found
 
     @property
+    def transparent(self) -> bool:
+        """No stop sequences and nothing held back or owed to `already_delivered`: every delta
+        pushed from now on is released as is (a caller may use the delta itself and skip
+        `push` and `release`: the gate's state stays valid for later pushes)."""
+        return not self._stops and self._emitted == self._length
+
+    @property
     def produced(self) -> int:
         """Characters produced so far."""
         return self._length

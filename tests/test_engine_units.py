@@ -4,8 +4,10 @@ batcher relies on, and the slot KV cache (sampling itself: test_engine_sampling.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,25 +22,53 @@ from generation.detokenizer import (
     Detokenizer,
     IncrementalDetokenizer,
     StreamDetokenizer,
+    WholeTokenDetokenizer,
+    byte_level_decoder,
     make_decoder,
     make_detokenizer,
     skipped_ids,
+    whole_tokens,
 )
+from generation.jobs import EngineDelta, Job, StreamError
 from generation.kv_cache import SlotCache
-from generation.sampling import uniform
+from generation.output_processor import _Mailbox
+from generation.sampling import SamplingParams, uniform
 from generation.scheduler import PREFILL_PADDING, prefill_groups
 from servicekit.text_gate import TextGate
 
 TEXTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
-DETOKENIZERS = ["python", "stream"]
+DETOKENIZERS = ["python", "stream", "whole"]
 
 
-def new_detokenizer(model: models.LoadedModel, kind: str) -> Detokenizer:
-    decode = make_decoder(model.tokenizer)
+def new_detokenizer(
+    model: models.LoadedModel, kind: str, decode: Callable[[list[int]], str] | None = None
+) -> Detokenizer:
+    """A detokenizer of `kind` over `model`'s tokenizer (`decode`: a spy in its place)."""
     skipped = skipped_ids(model.tokenizer)  # what the engine's detokenizers leave out
+    backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    if kind == "whole":
+        whole, byte_decode = _whole_tables(model)
+        decode = decode or byte_decode  # as the engine makes it: the byte-level decode
+        return WholeTokenDetokenizer(whole, lambda: StreamDetokenizer(backend, decode, skipped))
+    decode = decode or make_decoder(model.tokenizer)
     if kind == "python":
         return IncrementalDetokenizer(decode, skipped)
-    return StreamDetokenizer(model.tokenizer.backend_tokenizer, decode, skipped)  # type: ignore[attr-defined]
+    return StreamDetokenizer(backend, decode, skipped)
+
+
+_WHOLE: dict[str, tuple[dict[int, str], Callable[[list[int]], str]]] = {}
+
+
+def _whole_tables(model: models.LoadedModel) -> tuple[dict[int, str], Callable[[list[int]], str]]:
+    """A model's whole-token table and byte-level decode (once per model: the engine makes them
+    once per engine)."""
+    if model.name not in _WHOLE:
+        backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+        _WHOLE[model.name] = (
+            whole_tokens(backend, skipped_ids(model.tokenizer)),
+            byte_level_decoder(backend, make_decoder(model.tokenizer)),
+        )
+    return _WHOLE[model.name]
 
 
 def stream_text(
@@ -62,13 +92,13 @@ def test_detokenizers_match_full_decode_and_each_other_on_any_ids(
     DecodeStream detokenizer emits exactly the Python one's deltas, flush included, so a stream
     resumed on a replica with the other implementation continues identically."""
     python, stream = stream_text(tiny_model, ids, "python"), stream_text(tiny_model, ids, "stream")
-    assert python == stream
+    assert python == stream == stream_text(tiny_model, ids, "whole")
     assert stream[1] == reference(tiny_model, ids)
     # a flush in the middle (a stream that ends there) releases the same text too
-    a, b = new_detokenizer(tiny_model, "python"), new_detokenizer(tiny_model, "stream")
+    a, b, c = (new_detokenizer(tiny_model, kind) for kind in DETOKENIZERS)
     for token in ids[:cut]:
-        assert a.push(token) == b.push(token)
-    assert a.flush() == b.flush()
+        assert a.push(token) == b.push(token) == c.push(token)
+    assert a.flush() == b.flush() == c.flush()
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -90,13 +120,18 @@ def test_detokenizer_on_smollm2_tokenizer(smollm2_model: models.LoadedModel, tex
     ids = smollm2_model.tokenizer(text, add_special_tokens=False)["input_ids"] + [2]  # + EOS
     deltas, joined = stream_text(smollm2_model, ids)
     assert (deltas, joined) == stream_text(smollm2_model, ids, "python")
+    assert (deltas, joined) == stream_text(smollm2_model, ids, "whole")
     assert joined == reference(smollm2_model, ids)
     if joined == text and "\ufffd" not in text:  # (its GGUF vocabulary lacks a few rare bytes)
         assert all("\ufffd" not in d for d in deltas)
 
 
 def test_engine_uses_decode_stream_for_fast_tokenizers(tiny_model: models.LoadedModel) -> None:
-    assert isinstance(make_detokenizer(tiny_model.tokenizer)(), StreamDetokenizer)
+    """A byte-level tokenizer (tiny-random's, SmolLM2's): whole tokens from a table, the rest
+    through DecodeStream; a tokenizer without a Rust backend: Python."""
+    detok = make_detokenizer(tiny_model.tokenizer)()
+    assert isinstance(detok, WholeTokenDetokenizer)
+    assert isinstance(detok._stream(), StreamDetokenizer)
 
     class Slow:  # a tokenizer without a Rust backend
         def decode(self, ids: list[int], **_: object) -> str:
@@ -153,10 +188,17 @@ def test_detokenizer_window_stays_small(tiny_model: models.LoadedModel) -> None:
     assert len(ids) > 300 and max(sizes) <= 8
 
 
+_LONE: dict[str, list[int]] = {}
+
+
 def lone_byte_tokens(model: models.LoadedModel) -> list[int]:
-    """Ids whose text alone is U+FFFD: single bytes of multi-byte characters."""
-    backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
-    return [i for i in range(model.vocab_size) if backend.decode([i]) == REPLACEMENT]
+    """Ids whose text alone is U+FFFD: single bytes of multi-byte characters (per model, once:
+    SmolLM2 has 49k ids)."""
+    if model.name not in _LONE:
+        backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+        texts = backend.decode_batch([[i] for i in range(model.vocab_size)])
+        _LONE[model.name] = [i for i, text in enumerate(texts) if text == REPLACEMENT]
+    return _LONE[model.name]
 
 
 @pytest.mark.parametrize("kind", DETOKENIZERS)
@@ -176,9 +218,8 @@ def test_a_run_of_lone_bytes_is_released_in_bounded_windows(
 
     lone = lone_byte_tokens(tiny_model)
     assert len(lone) > 60
-    backend = tiny_model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
     for token in (lone[0], lone[-1]):  # a lead byte and a continuation byte, say
-        detok = IncrementalDetokenizer(spy) if kind == "python" else StreamDetokenizer(backend, spy)
+        detok = new_detokenizer(tiny_model, kind, spy)
         sizes.clear()
         deltas = [detok.push(token) for _ in range(400)]
         released = "".join(deltas)
@@ -202,17 +243,13 @@ def test_a_run_of_special_tokens_is_decoded_in_bounded_windows(
         sizes.append(len(ids))
         return decode(ids)
 
-    backend = tiny_model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
     skipped = skipped_ids(tiny_model.tokenizer)
     specials = sorted(skipped)
     assert specials == [0, 1, 2]  # <|endoftext|>, <|im_start|>, <|im_end|>
     words = tiny_model.tokenizer(" the 😀")["input_ids"]
     for special in specials:
         ids = words + [special] * 400 + words
-        if kind == "python":
-            detok: Detokenizer = IncrementalDetokenizer(spy, skipped)
-        else:
-            detok = StreamDetokenizer(backend, spy, skipped)
+        detok = new_detokenizer(tiny_model, kind, spy)
         sizes.clear()
         text = "".join(detok.push(token) for token in ids) + detok.flush()
         assert text == reference(tiny_model, ids) == " the 😀 the 😀"
@@ -236,8 +273,52 @@ def test_settled_releases_match_full_decode_on_byte_runs(
     )
     ids = [token for token, count in runs for _ in range(count)]
     python, stream = stream_text(tiny_model, ids, "python"), stream_text(tiny_model, ids, "stream")
-    assert python == stream
+    assert python == stream == stream_text(tiny_model, ids, "whole")
     assert stream[1] == reference(tiny_model, ids)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_byte_level_decode_in_python_equals_the_tokenizers(
+    tiny_model: models.LoadedModel, smollm2_model: models.LoadedModel, data: st.DataObject
+) -> None:
+    """The byte-level decode the engine's detokenizers use (bytes put end to end, UTF-8 with
+    U+FFFD for what is not) equals the Rust tokenizer's on any ids: lone bytes of multi-byte
+    characters, special and added tokens, ids past the vocabulary."""
+    for model in (tiny_model, smollm2_model):
+        backend = model.tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+        size = backend.get_vocab_size(with_added_tokens=True)
+        rust = make_decoder(model.tokenizer)
+        python = _whole_tables(model)[1]
+        byte_tokens = lone_byte_tokens(model)
+        pool = st.one_of(
+            st.integers(0, size + 2), st.sampled_from(byte_tokens), st.integers(0, 300)
+        )
+        ids = data.draw(st.lists(pool, max_size=16), label=model.name)
+        assert python(ids) == rust(ids)
+
+
+def test_whole_tokens_are_released_without_decoding(tiny_model: models.LoadedModel) -> None:
+    """Greedy decoding of a random model repeats one token (issue 35): a whole token (its bytes
+    whole characters) costs a table look-up, no decode, however long the run; a character split
+    over byte tokens still goes through a decoder, which is dropped once nothing is pending."""
+    calls: list[list[int]] = []
+    decode = make_decoder(tiny_model.tokenizer)
+
+    def spy(ids: list[int]) -> str:
+        calls.append(list(ids))
+        return decode(ids)
+
+    the = tiny_model.tokenizer(" the", add_special_tokens=False)["input_ids"]
+    emoji = tiny_model.tokenizer("😀", add_special_tokens=False)["input_ids"]
+    assert len(the) == 1 and len(emoji) == 3
+    detok = new_detokenizer(tiny_model, "whole", spy)
+    assert isinstance(detok, WholeTokenDetokenizer)
+    assert [detok.push(the[0]) for _ in range(500)] == [" the"] * 500
+    assert calls == [] and detok._slow is None
+    assert [detok.push(t) for t in emoji] == ["", "", "😀"]
+    assert not detok._pending  # the next whole token is a look-up again
+    assert detok.push(the[0]) == " the" and detok.flush() == ""
 
 
 def _gate(text_parts: list[str], stops: list[str], delivered: int = 0) -> tuple[str, TextGate]:
@@ -297,6 +378,68 @@ def test_gate_holds_a_possible_stop_prefix() -> None:
 def test_gate_with_already_delivered_text() -> None:
     released, _ = _gate(["abc", "def"], [], delivered=4)
     assert released == "ef"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    parts=st.lists(st.text(alphabet="abc", max_size=4), max_size=12),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=3), max_size=2),
+    delivered=st.integers(0, 10),
+)
+def test_a_transparent_gate_releases_each_delta_as_pushed(
+    parts: list[str], stops: list[str], delivered: int
+) -> None:
+    """`transparent` (no stop sequences, nothing held or owed): from then on each release is
+    exactly the delta pushed, so the engine's decode step may skip the gate (and push into it
+    later, at the row's end)."""
+    gate = TextGate(stops, already_delivered=delivered)
+    transparent_from: int | None = None
+    for i, part in enumerate(parts):
+        if transparent_from is None and gate.transparent:
+            transparent_from = i
+        gate.push(part)
+        out = gate.release()
+        if transparent_from is not None:
+            assert out == part and gate.transparent
+    if stops:
+        assert transparent_from is None and not gate.transparent
+    elif delivered == 0:
+        assert transparent_from == (0 if parts else None)
+    elif sum(map(len, parts)) < delivered:  # the client still has text these parts lack
+        assert transparent_from is None
+
+
+def test_mailbox_hands_a_step_as_it_came_and_groups_steps_a_loop_fell_behind_on() -> None:
+    """The worker's delivery to a loop (output_processor._Mailbox): one post (the loop kept up)
+    goes out event by event, in order, without grouping; posts that piled up while the loop was
+    busy reach each sink in one call (one socket write per stream for all its steps)."""
+    calls: list[tuple[str, list[str]]] = []
+
+    class Sink:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def put_many(self, events: list[EngineDelta | StreamError]) -> None:
+            calls.append((self.name, [e.text for e in events if isinstance(e, EngineDelta)]))
+
+    loop = asyncio.new_event_loop()
+    try:
+        a, b = (Job([1], 4, SamplingParams(greedy=True), loop, Sink(name)) for name in ("a", "b"))
+        box = _Mailbox()
+
+        def delta(text: str) -> EngineDelta:
+            return EngineDelta([5], text, 1)
+
+        assert box.post([(a, delta("a1")), (b, delta("b1")), (a, delta("a2"))]) is False
+        box.deliver()
+        assert calls == [("a", ["a1"]), ("b", ["b1"]), ("a", ["a2"])]
+        calls.clear()
+        assert box.post([(a, delta("a1")), (b, delta("b1"))]) is False
+        assert box.post([(b, delta("b2")), (a, delta("a2"))]) is True  # a wake-up is pending
+        box.deliver()
+        assert calls == [("a", ["a1", "a2"]), ("b", ["b1", "b2"])]
+    finally:
+        loop.close()
 
 
 def test_uniform_is_a_pure_function_of_seed_and_position() -> None:
