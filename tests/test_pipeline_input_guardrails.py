@@ -157,9 +157,9 @@ async def test_chat_tool_messages_are_refused_before_the_engine(
     status, reply = await orch.post(CHAT, {"model": MODEL, "messages": messages})
     assert status == 422, reply
     assert reply["error"] == {
-        "message": f"model `{MODEL}`: messages: the model's engine does not say it takes tools",
+        "message": f"messages: model `{MODEL}`: the model's engine does not say it takes tools",
         "type": "invalid_request",
-        "param": None,
+        "param": "messages",
         "code": 422,
     }
     assert engine.requests == []
