@@ -300,7 +300,17 @@ def _shipped_injection() -> tuple[str, float] | None:
     return model, float(det.get("default_threshold", 0.5))
 
 
-async def bench_injection(results: dict[str, Any]) -> None:
+INJECTION_MODELS = ("minilm", "minilm-lr", "jailguard", "guardify", "nanoguard")
+# combinations scored from the models' own scores (each judges every text: costs add up)
+INJECTION_COMBOS = {
+    "max(guardify, nanoguard)": ("guardify", "nanoguard"),
+    "max(minilm, nanoguard)": ("minilm", "nanoguard"),
+}
+
+
+async def bench_injection(
+    results: dict[str, Any], models: Sequence[str] = INJECTION_MODELS
+) -> None:
     data = injection_data()
     texts = [r.text for r in data]
     labels = [r.label for r in data]
@@ -311,7 +321,7 @@ async def bench_injection(results: dict[str, Any]) -> None:
     )
     scores: dict[str, list[float]] = {}
     costs: dict[str, dict[str, float]] = {}
-    for model in ("guardify", "nanoguard"):
+    for model in models:
         det = detectors.build(
             "prompt_injection", {"model": model, "min_score": 0.0, "batching": model != "nanoguard"}
         )
@@ -320,20 +330,19 @@ async def bench_injection(results: dict[str, Any]) -> None:
         tput = await throughput(det, texts[:96])
         costs[model] = {"cpu_ms_per_1k_chars": round(ms, 2), "texts_per_s_c32": round(tput, 1)}
         await det.close()
-    scores["max(guardify, nanoguard)"] = [
-        max(a, b) for a, b in zip(scores["guardify"], scores["nanoguard"], strict=True)
-    ]
-    g, n = costs["guardify"], costs["nanoguard"]  # both models judge every text
-    costs["max(guardify, nanoguard)"] = {
-        "cpu_ms_per_1k_chars": round(g["cpu_ms_per_1k_chars"] + n["cpu_ms_per_1k_chars"], 2),
-        "texts_per_s_c32": round(1 / (1 / g["texts_per_s_c32"] + 1 / n["texts_per_s_c32"]), 1),
-    }
+    for name, parts in INJECTION_COMBOS.items():
+        if not all(m in scores for m in parts):
+            continue
+        scores[name] = [max(xs) for xs in zip(*(scores[m] for m in parts), strict=True)]
+        costs[name] = {
+            "cpu_ms_per_1k_chars": round(sum(costs[m]["cpu_ms_per_1k_chars"] for m in parts), 2),
+            "texts_per_s_c32": round(1 / sum(1 / costs[m]["texts_per_s_c32"] for m in parts), 1),
+        }
     out_rows: dict[str, Any] = {}
     shipped = _shipped_injection()
-    if shipped is not None:  # what the shipped config.yaml's `injection` gives, as configured
-        model, threshold = shipped
-        name = model if model != "max" else "max(guardify, nanoguard)"
-        s = scores[name]
+    model, threshold = shipped or ("", 0.5)
+    s = scores.get(model if model != "max" else "max(guardify, nanoguard)")
+    if s is not None:  # what the shipped config.yaml's `injection` gives, as configured
         t_labels = [lb for lb, d in zip(labels, dev, strict=True) if not d]
         t_scores = [x for x, d in zip(s, dev, strict=True) if not d]
         at_cfg, test_cfg = (
@@ -443,6 +452,7 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pii-texts", type=int, default=500)
     ap.add_argument("--only", nargs="*", default=["injection", "pii", "hap"])
     ap.add_argument("--pii-detectors", nargs="*", default=["regex", "pii_ner"])
+    ap.add_argument("--injection-models", nargs="*", default=list(INJECTION_MODELS))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     print(
@@ -451,7 +461,7 @@ async def main(argv: list[str] | None = None) -> int:
     )
     results: dict[str, Any] = {}
     if "injection" in args.only:
-        await bench_injection(results)
+        await bench_injection(results, args.injection_models)
     if "pii" in args.only:
         await bench_pii(results, args.pii_texts, args.pii_detectors)
     if "hap" in args.only:

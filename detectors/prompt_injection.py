@@ -27,9 +27,14 @@ Batching pays on a GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import numpy as np
+
 from .base import ScoredParams
+from .hf import load_embedder, minilm_path
 from .model import ScoredTextDetector
 from .runtime import (
     ModelRuntime,
@@ -38,6 +43,15 @@ from .runtime import (
     resolve_device,
     torch_thread,
 )
+from .topic import _pool
+
+HEADS = {  # model -> the heads it averages
+    "minilm": ("injection_head.npz", "jailguard_mlp.npz"),
+    "minilm-lr": ("injection_head.npz",),
+    "jailguard": ("jailguard_mlp.npz",),
+}
+MINILM_DIM = 384
+MINILM_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length
 
 NANOGUARD_OVERLAP = 64  # tokens shared by consecutive nanoguard windows
 
@@ -45,7 +59,7 @@ NANOGUARD_OVERLAP = 64  # tokens shared by consecutive nanoguard windows
 class InjectionParams(ScoredParams):
     """`model` is config-only: it is chosen when the detector is built."""
 
-    model: Literal["guardify", "nanoguard", "max"] = "guardify"
+    model: Literal["minilm", "minilm-lr", "jailguard", "guardify", "nanoguard", "max"] = "minilm"
 
 
 def _load_guardify() -> tuple[Any, Any, int]:
@@ -56,6 +70,97 @@ def _load_guardify() -> tuple[Any, Any, int]:
     clf = guard._clf
     classes = list(getattr(clf, "classes_", [0, 1]))
     return guard._vectorizer, clf, classes.index(1) if 1 in classes else 1
+
+
+def head_path(name: str) -> Path:
+    """A head of `model: minilm`, shipped in detectors/data/ (bench/train_injection.py writes
+    both: `injection_head.npz`, ours, and `jailguard_mlp.npz`, converted from jailguard)."""
+    return Path(__file__).resolve().parent / "data" / name
+
+
+def load_head(path: Path) -> list[np.ndarray]:
+    """The layers [w0, b0, w1, b1, ...] of an MLP head on MiniLM embeddings: ReLU between
+    layers, one logit out (a logistic regression is one layer). ValueError when the file is
+    not such a head."""
+    with np.load(path, allow_pickle=False) as f:
+        n = sum(1 for k in f.files if k.startswith("w"))
+        layers = [f[f"{kind}{i}"].astype(np.float32) for i in range(n) for kind in "wb"]
+    width = MINILM_DIM
+    for w, b in zip(layers[::2], layers[1::2], strict=True):
+        if w.ndim != 2 or w.shape[1] != width or b.shape != (w.shape[0],):
+            raise ValueError(f"{path.name}: layer shapes do not chain from {MINILM_DIM} inputs")
+        if not (np.isfinite(w).all() and np.isfinite(b).all()):
+            raise ValueError(f"{path.name}: weights are not finite")
+        width = w.shape[0]
+    if not layers or width != 1:
+        raise ValueError(f"{path.name}: expected one output")
+    return layers
+
+
+def head_probabilities(layers: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """P(injection) of each row of `x` (windows x 384)."""
+    h = x
+    for i in range(0, len(layers), 2):
+        h = h @ layers[i].T + layers[i + 1]
+        if i + 2 < len(layers):
+            h = np.maximum(h, 0.0)
+    return 1.0 / (1.0 + np.exp(-h[:, 0]))
+
+
+@dataclass(frozen=True)
+class MiniLMHeads:
+    """MiniLM (all-MiniLM-L6-v2, shared with `topic`) and the heads on its L2-normalised
+    mean-pooled embeddings."""
+
+    tokenizer: Any
+    model: Any
+    heads: tuple[list[np.ndarray], ...]
+
+
+def minilm_embeddings(tokenizer: Any, model: Any, texts: list[str], rows: int) -> list[np.ndarray]:
+    """Per text, the embeddings (windows x 384) of its windows of MINILM_TOKENS tokens
+    overlapping by a quarter (a text longer than that is read whole, not truncated), embedded in
+    sub-batches of at most `rows` windows sorted by length (little padding). The training
+    script embeds its texts with this same function."""
+    enc = tokenizer(
+        texts,
+        truncation=True,
+        max_length=MINILM_TOKENS,
+        stride=MINILM_TOKENS // 4,
+        return_overflowing_tokens=True,
+    )
+    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+    owners = list(enc["overflow_to_sample_mapping"])
+    features = [{k: enc[k][w] for k in keys} for w in range(len(owners))]
+    order = sorted(range(len(features)), key=lambda w: len(features[w]["input_ids"]))
+    pooled: list[np.ndarray] = [np.empty(0)] * len(features)
+    for b in range(0, len(order), rows):
+        chunk = order[b : b + rows]
+        out = _pool(model, tokenizer.pad([features[w] for w in chunk], return_tensors="pt"))
+        for r, w in enumerate(chunk):
+            pooled[w] = out[r]
+    per: list[list[np.ndarray]] = [[] for _ in texts]
+    for w, i in enumerate(owners):
+        per[i].append(pooled[w])
+    return [np.stack(vs) for vs in per]
+
+
+def _minilm_scores(m: MiniLMHeads, texts: list[str], rows: int) -> list[float]:
+    """Per text: the best window's score, a window's score being the mean of the heads'
+    probabilities."""
+    out = []
+    for emb in minilm_embeddings(m.tokenizer, m.model, texts, rows):
+        probs = np.mean([head_probabilities(h, emb) for h in m.heads], axis=0)
+        out.append(float(probs.max()))
+    return out
+
+
+def _load_minilm(device: str, heads: tuple[str, ...]) -> MiniLMHeads:
+    path = minilm_path()
+    tokenizer, model = get_runtime(
+        ("embed", path, device), lambda: load_embedder(path, device), thread=torch_thread(device)
+    ).get()
+    return MiniLMHeads(tokenizer, model, tuple(load_head(head_path(h)) for h in heads))
 
 
 def _load_nanoguard(device: str) -> Any:
@@ -82,6 +187,13 @@ class PromptInjectionDetector(ScoredTextDetector):
         if self.params.model == "guardify":
             return _guardify_runtime()
         device = resolve_device(self.device)
+        heads = HEADS.get(self.params.model)
+        if heads is not None:
+            return get_runtime(
+                ("injection-minilm", heads, device),
+                lambda: _load_minilm(device, heads),
+                thread=torch_thread(device),
+            )
         if self.params.model == "nanoguard":
             return _nanoguard_runtime(device)
         # both models, loaded through their own runtimes (weights shared with other detectors),
@@ -102,6 +214,8 @@ class PromptInjectionDetector(ScoredTextDetector):
     def _forward(self, items: list[str]) -> list[float]:
         if self.params.model == "guardify":
             return _guardify_scores(self._runtime.get(), items)
+        if self.params.model in HEADS:
+            return _minilm_scores(self._runtime.get(), items, self.params.max_batch_size)
         if self.params.model == "nanoguard":
             return _nanoguard_scores(self._runtime.get(), items, self.params.max_batch_size)
         guardify, nanoguard = self._runtime.get()
