@@ -382,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"C={c}: neuralchemy test (trained without neuralchemy) @0.5 {prf(hy, predict(he, coef, b), 0.5)}"
             )
-    if args.loso:
+    if args.loso:  # our head trained without one source, judged on it; alone and as shipped
+        from detectors.prompt_injection import head_probabilities
+
+        jg = jailguard_layers()
         held = neuralchemy(("test",))
         held, _ = dedupe(held, bench_keys())
         extra = {"neuralchemy": ([r.text for r in held], np.array([r.label for r in held]))}
@@ -391,13 +394,21 @@ def main(argv: list[str] | None = None) -> int:
             coef, b = fit(x[keep], y[keep])
             if source in extra:
                 texts, hy = extra[source]
-                scores = predict(embed(texts, args.cache), coef, b)
+                held_embs = embed(texts, args.cache)
             else:
-                scores = predict(
-                    [e for e, s in zip(embs, src, strict=True) if s == source], coef, b
-                )
+                held_embs = [e for e, s in zip(embs, src, strict=True) if s == source]
                 hy = y[src == source]
-            print(f"without {source}: on {source} (held out) @0.5 {prf(hy, scores, 0.5)}")
+            lr = predict(held_embs, coef, b)
+            both = np.array(
+                [
+                    ((1 / (1 + np.exp(-(e @ coef + b)))) + head_probabilities(jg, e)).max() / 2
+                    for e in held_embs
+                ]
+            )
+            print(
+                f"without {source}: on {source} (held out): our head @0.5 {prf(hy, lr, 0.5)}; "
+                f"mean with jailguard's @0.4 (as shipped) {prf(hy, both, 0.4)}"
+            )
     coef, intercept = fit(x, y)
     save_head(args.out, [coef[None, :], np.array([intercept], np.float32)], sources=sorted(counts))
     print(f"wrote {args.out} (train @0.5: {prf(y, predict(embs, coef, intercept), 0.5)})")
