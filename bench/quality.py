@@ -35,7 +35,12 @@ test split; the split is by a hash of the text, so it is the same on every run.
 Costs: CPU ms per 1,000 characters (process CPU time, all threads, over the whole set, one
 text per call after a warm-up) and micro-batched throughput (texts/s with 32 concurrent
 one-text callers through the detector's MicroBatcher). Print the load average with the
-figures: CPU figures move with whatever else runs on the machine.
+figures: CPU figures move with whatever else runs on the machine. Run with OMP_NUM_THREADS=1:
+with two torch threads on 2 busy cores, OpenMP's spinning tripled the torch models' CPU time
+(MiniLM 230 ms per 1,000 characters became 3,450).
+
+`prompt_injection`'s models (--injection-models, all by default; nanoguard takes most of the
+time) are scored on every text, and combinations of them from those scores (INJECTION_COMBOS).
 """
 
 from __future__ import annotations
