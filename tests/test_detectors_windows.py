@@ -207,9 +207,27 @@ async def test_nanoguard_padding_does_not_dilute_an_injection() -> None:
 
 
 async def test_an_injection_hidden_by_invisible_characters_is_still_found_in_padding() -> None:
+    """The default model (`minilm` since issue 34; it scores INJECTION 0.987, guardify 0.999)
+    sees the injection's own characters: the same score as the plain injection alone."""
     det = detectors.build("prompt_injection", {"min_score": 0.0})
     hidden = INJECTION.replace("Ignore", "Ig\u200bnore").replace("prompt", "pro\u00admpt")
-    assert await score(det, PAD * 23 + hidden) > 0.99
+    alone = await score(det, INJECTION)
+    assert alone > 0.95
+    assert await score(det, PAD * 23 + hidden) == pytest.approx(alone, abs=1e-4)
+
+
+async def test_minilm_padding_does_not_dilute_an_injection() -> None:
+    """MiniLM mean-pools: read whole, 23 benign sentences before the injection take its score
+    from 0.987 down; judged by windows the padded text scores what the injection scores."""
+    det = detectors.build("prompt_injection", {"model": "minilm", "min_score": 0.0})
+    rows = spy_rows(det)
+    alone = await score(det, INJECTION)
+    assert alone > 0.95
+    for n in (3, 23):
+        assert await score(det, PAD * n + INJECTION) == pytest.approx(alone, abs=1e-4), n
+        assert await score(det, INJECTION + " " + PAD * n) == pytest.approx(alone, abs=1e-4), n
+    # the padding sentence, the injection, and the text (one 512-character span)
+    assert rows[1] == [PAD.strip(), INJECTION, PAD * 3 + INJECTION]
 
 
 async def test_a_short_sentence_costs_one_row_and_every_window_goes_in_one_call() -> None:
@@ -228,14 +246,16 @@ async def test_a_short_sentence_costs_one_row_and_every_window_goes_in_one_call(
     assert len(call) == 3 + 5 + 1
 
 
-@pytest.mark.parametrize("model", ["guardify", "nanoguard"])
+@pytest.mark.parametrize("model", ["minilm", "guardify", "nanoguard"])
 async def test_benign_paragraphs_stay_benign(model: str) -> None:
     """Windows give a classifier more chances to be wrong: benign multi-sentence prose, also
-    about prompts and models, still scores below 0.5 (guardify stays under 0.25)."""
+    about prompts and models, still scores below 0.5 (guardify stays under 0.25; minilm under
+    0.3, below the 0.4 of the shipped config's `injection`)."""
     det = detectors.build("prompt_injection", {"model": model, "min_score": 0.0})
     result = await det.detect(BENIGN)
     scores = [per[0].score if per else 0.0 for per in result]
-    assert max(scores) < (0.25 if model == "guardify" else 0.5), scores
+    bound = {"guardify": 0.25, "minilm": 0.3}.get(model, 0.5)
+    assert max(scores) < bound, scores
 
 
 async def test_hf_classifier_reads_each_sentence_of_a_padded_text() -> None:

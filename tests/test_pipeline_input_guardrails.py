@@ -4,7 +4,7 @@ every input item, each on its own, with its `message_index`. A guardrail that sa
 user message let a system message, a developer message, an earlier turn, an assistant turn, a
 `name` or `instructions` carry exactly what it refuses to the model.
 
-The real orchestrator on 127.0.0.1 with the built-in `prompt_injection` (guardify) and `regex`
+The real orchestrator on 127.0.0.1 with the built-in `prompt_injection` (its default model) and `regex`
 detectors enforced on the model, a fake native engine that records every request, and the
 official `openai` SDK (streaming and unary) or raw HTTP as the client."""
 
@@ -47,13 +47,17 @@ def enforced_config(engine: FakeEngine) -> dict[str, Any]:
 
 @pytest.fixture
 async def orch(engine: FakeEngine) -> AsyncIterator[Orchestrator]:
+    """Ready as a load balancer sees it (/info 200: the detectors warmed up). The default
+    `prompt_injection` model is MiniLM since issue 34: on 2 busy cores its first load (torch,
+    transformers) took more than the 15 s after which a stream sends a keep-alive comment."""
     async with Orchestrator(enforced_config(engine)) as o:
+        await o.info_until(lambda status, _: status == 200)
         yield o
 
 
 @pytest.fixture(scope="module")
 def injection_score() -> float:
-    """What the built-in detector scores ATTACK (deterministic: a fixed logistic regression)."""
+    """What the built-in detector scores ATTACK (deterministic: fixed weights)."""
     det = detectors.build("prompt_injection")
     [[hit]] = asyncio.run(det.detect([ATTACK], {}))
     return hit.score

