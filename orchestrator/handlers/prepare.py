@@ -334,8 +334,9 @@ class OpenAISurfaceRequest(Protocol):
 
 
 # The engine's parameters by the OpenAI surfaces' names (the others are the same, or come from
-# the model's decoding_defaults, which no OpenAI request sets)
-OPENAI_PARAM_FIELDS = {"stop_sequences": "stop"}
+# the model's decoding_defaults, which no OpenAI request sets); greedy or sampling is what the
+# request's temperature chose
+OPENAI_PARAM_FIELDS = {"stop_sequences": "stop", "decoding_method": "temperature"}
 
 
 def openai_ask(request: web.Request, body: OpenAISurfaceRequest, **asked: Any) -> GenerationAsk:
