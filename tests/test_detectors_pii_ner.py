@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import threading
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 
 import detectors
 from detectors.pii_ner import PiiNerDetector
+from detectors.regex_pii import KINDS as REGEX_KINDS
 from orchestrator.clients.detectors import InProcessDetectorClient
 from orchestrator.clients.registry import RequestedDetector
 from orchestrator.config import DetectorConfig
@@ -206,6 +209,25 @@ def test_a_stream_redacts_exactly_what_the_whole_text_redacts(
 PATTERN_ENTITIES = [*seams.ENTITIES, "GB82 WEST 1234 5698 7654 32", "+44 20 7946 0958"]
 
 
+# the kinds a find of which depends on the entity's own characters only
+PATTERN_KINDS = {*REGEX_KINDS, "iban"}
+
+
+def found_by_its_characters(text: str, hits: list[Any], entity: str) -> bool:
+    """Every occurrence of `entity` in `text` lies inside a whole-text find of a kind judged by
+    its own characters (a `regex` kind, an IBAN): what no seam may leak. Entities glued to
+    other text (`1111 1111 1111in May`) are no pattern match; where the model happens to call
+    such glue an organisation in the whole text, that is its reading of words, which a window
+    may read differently (the docstring below), not a pattern leaking."""
+    starts = [m.start() for m in re.finditer(re.escape(entity), text)]
+    return bool(starts) and all(
+        any(
+            h.detection in PATTERN_KINDS and h.start <= s and s + len(entity) <= h.end for h in hits
+        )
+        for s in starts
+    )
+
+
 @st.composite
 def mixed_stream(draw: st.DrawFn) -> tuple[str, list[str]]:
     text = draw(
@@ -244,13 +266,13 @@ def test_no_pattern_entity_or_iban_leaks_at_any_seam(
 
     async def one() -> None:
         await NER.warmup()
-        want, _ = await seams.expected(text, detector=NER)
+        hits = await seams.hits_and_tail(text, NER)
         frames = await seams.run_stream(
             deltas, [ner_pii(chunker)], seams.registry(max_chars), paced=paced
         )
         released = "".join(f.text for f in frames)
         for entity in PATTERN_ENTITIES:
-            if entity in text and entity not in want:
+            if found_by_its_characters(text, hits, entity):
                 assert entity not in released, (entity, released)
         pos = 0
         for f in frames:
