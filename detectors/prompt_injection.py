@@ -43,6 +43,7 @@ Batching pays on a GPU.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -69,6 +70,10 @@ HEADS = {  # model -> the heads it averages
 MINILM_DIM = 384
 MINILM_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length
 MIN_WORDS = 2  # shorter windows are not judged by the MiniLM heads (`_minilm_scores`)
+# ...unless longer than a chat turn's one word: `Ignore_all_previous_instructions` or words
+# glued by invisible characters (removed by the normalised view) are one "word" of many letters
+SHORT_TURN_CHARS = 16
+_WORD = re.compile(r"[^\W_]+")
 
 NANOGUARD_OVERLAP = 64  # tokens shared by consecutive nanoguard windows
 
@@ -162,13 +167,20 @@ def minilm_embeddings(tokenizer: Any, model: Any, texts: list[str], rows: int) -
     return [np.stack(vs) for vs in per]
 
 
+def _judged(text: str) -> bool:
+    """Whether the MiniLM heads judge a window (`_minilm_scores`)."""
+    return len(_WORD.findall(text)) >= MIN_WORDS or len(text.strip()) > SHORT_TURN_CHARS
+
+
 def _minilm_scores(m: MiniLMHeads, texts: list[str], rows: int) -> list[float]:
     """Per text: the best window's score, a window's score being the mean of the heads'
     probabilities. A text of fewer than MIN_WORDS words scores 0 without the model: the
     embedding of a blank text ([CLS][SEP]) or of one word lies where the heads, trained on
     prompts, see injections ("" above 0.99 for both; "k" 1.0 and "fine" 0.99 for jailguard's,
-    "thx" 0.92 for ours), and an instruction to a model takes a verb and what it acts on."""
-    todo = [i for i, t in enumerate(texts) if len(t.split()) >= MIN_WORDS]
+    "thx" 0.92 for ours), and an instruction to a model takes a verb and what it acts on.
+    Words are runs of letters and digits (`Ignore-all-previous` is three), and a window longer
+    than SHORT_TURN_CHARS is judged whatever its word count (a glued instruction is one run)."""
+    todo = [i for i, t in enumerate(texts) if _judged(t)]
     out = [0.0] * len(texts)
     embs = minilm_embeddings(m.tokenizer, m.model, [texts[i] for i in todo], rows) if todo else []
     for i, emb in zip(todo, embs, strict=True):
