@@ -142,3 +142,22 @@ async def raw_events(orch: Orchestrator, body: dict[str, Any]) -> list[dict[str,
 
 def types(events: list[Any]) -> list[str]:
     return [e["type"] if isinstance(e, dict) else e.type for e in events]
+
+
+def reassembled(chunks: list[Any]) -> list[dict[str, Any]]:
+    """The tool calls of a Chat Completions stream (SDK chunks), put together as the SDK's users
+    do: by `index`, the id and name from the fragment that has them, the arguments concatenated."""
+    calls: dict[int, dict[str, Any]] = {}
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            call = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = call["id"] or tc.id
+            if tc.function is not None:
+                call["name"] = call["name"] or tc.function.name
+                call["arguments"] += tc.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+def finishes(chunks: list[Any]) -> list[str]:
+    """The finish reasons a Chat Completions stream (SDK chunks) gave, in order."""
+    return [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

@@ -29,7 +29,7 @@ from orchestrator.clients.backend import (
 )
 from orchestrator.clients.native import native_body, parse_data
 from tests.engine_processes import ThreadedServer
-from tests.openai_support import sdk
+from tests.openai_support import finishes, reassembled, sdk
 from tests.orchestrator_support import MODEL, Orchestrator, native_config
 from tests.tool_model_support import scripted_ids
 
@@ -80,24 +80,8 @@ def script(server: ThreadedServer, ids: list[int], after_tokens: int = 0) -> Non
     requests.post(server.url + "/admin/faults", json=body, timeout=30).raise_for_status()
 
 
-def reassembled(chunks: list[Any]) -> list[dict[str, Any]]:
-    calls: dict[int, dict[str, Any]] = {}
-    for c in chunks:
-        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
-            call = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
-            call["id"] = call["id"] or tc.id
-            if tc.function is not None:
-                call["name"] = call["name"] or tc.function.name
-                call["arguments"] += tc.function.arguments or ""
-    return [calls[i] for i in sorted(calls)]
-
-
 def text_of(chunks: list[Any]) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-
-def finishes(chunks: list[Any]) -> list[str]:
-    return [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
 
 
 def answered(call_id: str, arguments: str) -> list[dict[str, Any]]:

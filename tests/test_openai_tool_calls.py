@@ -26,7 +26,7 @@ from orchestrator.clients.backend import GenerationError, ToolCallDelta
 from orchestrator.clients.openai_streams import tool_call_deltas
 from orchestrator.streaming.tool_calls import raw_offsets, string_values
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, ScriptedToolCall
-from tests.openai_support import raw_events, sdk, types
+from tests.openai_support import finishes, raw_events, reassembled, sdk, types
 from tests.orchestrator_support import MODEL, Orchestrator, ServedStack, native_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -117,24 +117,6 @@ def output(detectors: dict[str, Any]) -> dict[str, Any]:
 async def streamed(orch: Orchestrator, **kwargs: Any) -> list[Any]:
     stream = await sdk(orch).chat.completions.create(stream=True, **kwargs)
     return [chunk async for chunk in stream]
-
-
-def reassembled(chunks: list[Any]) -> list[dict[str, Any]]:
-    """The tool calls of a stream, put together as the SDK's users do: by `index`, the id and
-    name from the fragment that has them, the arguments concatenated."""
-    calls: dict[int, dict[str, Any]] = {}
-    for c in chunks:
-        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
-            call = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
-            call["id"] = call["id"] or tc.id
-            if tc.function is not None:
-                call["name"] = call["name"] or tc.function.name
-                call["arguments"] += tc.function.arguments or ""
-    return [calls[i] for i in sorted(calls)]
-
-
-def finishes(chunks: list[Any]) -> list[str]:
-    return [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
 
 
 def results(obj: Any) -> list[dict[str, Any]]:
