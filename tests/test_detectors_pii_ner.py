@@ -24,6 +24,7 @@ from orchestrator.clients.registry import RequestedDetector
 from orchestrator.config import DetectorConfig
 from orchestrator.streaming.findings import Finding
 from orchestrator.streaming.redaction import redact_text
+from tests import test_detectors_boundaries, test_detectors_normalise
 from tests import test_pipeline_redaction_seams as seams
 
 NER = detectors.build("pii_ner")
@@ -321,3 +322,17 @@ def test_the_same_answer_is_redacted_alike_however_its_sentences_were_batched() 
             assert "".join(f.text for f in frames) == want, paced
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [*test_detectors_normalise.ATTACKS, *test_detectors_boundaries.FOUND],
+)
+def test_the_shipped_pii_finds_what_hides_in_unicode_and_punctuation(
+    text: str, want: list[tuple[int, int, str]]
+) -> None:
+    """The shipped `pii` is `pii_ner` now: every pattern attack that `regex` catches (invisible
+    and look-alike characters, marks, bidi controls, punctuation beside the value) it catches
+    with the same span (the model may add finds of its own kinds around them)."""
+    got = {(s, e, kind) for kind, s, e, _ in found(text)}
+    assert set(want) <= got, (text, got)
