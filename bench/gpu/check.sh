@@ -25,6 +25,8 @@
 #   tests    the CUDA engine and migration tests, file by file (-rf --tb=short: a cut keeps every
 #            finished file's summary) in three parallel lanes, until the part's deadline
 #            (CHECK_SECONDS after the start, default 520);
+#   judge    bench/judge.py --device cuda (issue 37): incremental judge sessions at 1/16/64 streams
+#            against re-judging prefixes, 135M shape (random weights: the cost, not the verdicts);
 #   e1p7_compile  the 1.7B shape with --compile, 64 streams (last: what is left of the deadline).
 #   part binv (--batch-invariant on the Triton kernels, generation/invariant_kernels.py):
 #   binv_tests  on CUDA, in two lanes: tests/test_invariant_kernels.py (the kernels compiled),
@@ -52,9 +54,9 @@ deadline=$((t0 + ${CHECK_SECONDS:-520}))
 part=${CHECK_PART:?CHECK_PART=bench, tests or binv (each under 9 minutes), or all (~22 minutes)}
 case $part in
   bench) steps="e135 e1p7 ttft e135_compile" ;;
-  tests) steps="engine_host tests e1p7_compile" ;;
+  tests) steps="engine_host tests judge e1p7_compile" ;;
   binv) steps="binv_tests binv" ;;
-  all) steps="e135 e1p7 ttft e135_compile engine_host tests e1p7_compile binv_tests binv"
+  all) steps="e135 e1p7 ttft e135_compile engine_host tests judge e1p7_compile binv_tests binv"
     deadline=$((t0 + ${CHECK_SECONDS:-1400})) ;;
   *) echo "CHECK_PART must be bench, tests, binv or all, not $part" >&2; exit 2 ;;
 esac
@@ -213,6 +215,13 @@ for file in tests/test_engine_*.py tests/test_migration*.py; do
 done
 fi  # tests
 
+# issue 37: judge sessions on the GPU (135M shape, random weights: the cost, not the verdicts),
+# 1, 16 and 64 concurrent streams of incremental appends against re-judging prefixes
+if wants judge; then
+  run judge 120 python3 bench/judge.py --device cuda --dtype bfloat16 --model "$models/m135r" \
+    --streams 1,16,64 --json "$out/judge.json"
+  grep -E "^ *(incremental|rejudging|re-judging)|streams: .*the judged|^judge_tokens_ratio" "$out/judge.log" >> "$summary"
+fi
 # last in its part: it gets what the tests left of the deadline
 if wants e1p7_compile; then
   if [ -n "$compile" ]; then
