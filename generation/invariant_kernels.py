@@ -30,10 +30,12 @@ tiny launches). These kernels fix every reduction's order by construction instea
   keys permuted among the MMA instructions (`kWidth = 4`, the key order of the bf16 values
   before their widening) and the unmasked one without (`kWidth = 2`), so a query summed its
   keys in another grouping alone than in a padded batch (bf16 only: float32's "ieee" product
-  is FMAs, not MMAs). So the mask is always read (a broadcast True when there is none), and
-  no int or pointer is specialized: the decode step (one query), a prefill alone and a padded
-  batch, at any lengths, strides and offsets, all run one program (bench/gpu/compile_kernels.py
-  checks the launches' keys without a GPU).
+  is FMAs, not MMAs). So the mask is always read (a broadcast True when there is none), the
+  lengths, head counts and the mask's layout are not specialized, and the tensors' strides and
+  addresses are always multiples of 16 (a view that is not is copied: `_aligned`): the decode
+  step (one query), a prefill alone and a padded batch, at any lengths and offsets, all run
+  one program per dtype and head size (bench/gpu/compile_kernels.py checks the launches'
+  specializations without a GPU).
 
 Nothing is autotuned (autotuning keys on shapes, M included); each kernel is compiled once per
 (dtype, constexpr) and, on CUDA, compiled by the warm-up runs before the decode graphs are
@@ -318,17 +320,18 @@ def layer_norm(
 # ----- attention -------------------------------------------------------------------------------
 
 
-#: The attention kernel's arguments that Triton would specialize per launch (module docstring):
-#: none is, so every launch of a dtype and head size runs one binary.
-_ATTENTION_INTS = (
-    "H GROUPS Lq Lk D sq_b sq_h sq_l sk_b sk_h sk_l sv_b sv_h sv_l sm_b sm_l sm_k so_b so_l so_h"
-).split()
-_ATTENTION_POINTERS = ["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr"]
+#: What selects the attention's compilation is only the dtype and the head size (module
+#: docstring). Triton specializes an int on whether it is 1 or a multiple of 16 and a pointer on
+#: 16-byte alignment (vectorized loads need them): the lengths, head counts and the mask's
+#: strides and address are not specialized; the query's, keys', values' and output's strides
+#: and addresses always are multiples of 16 (`_aligned` copies a view that is not).
+_ATTENTION_UNSPECIALIZED = ["H", "GROUPS", "Lq", "Lk", "sm_b", "sm_l", "sm_k"]
+_ALIGN = 16
 #: The attention launch's warps and pipeline stages (Triton's defaults, fixed here).
 ATTENTION_WARPS, ATTENTION_STAGES = 4, 3
 
 
-@triton.jit(do_not_specialize=_ATTENTION_INTS, do_not_specialize_on_alignment=_ATTENTION_POINTERS)
+@triton.jit(do_not_specialize=_ATTENTION_UNSPECIALIZED, do_not_specialize_on_alignment=["mask_ptr"])
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -339,7 +342,7 @@ def _attention_kernel(
     GROUPS,
     Lq,
     Lk,
-    D,
+    D: tl.constexpr,
     scale,
     sq_b,
     sq_h,
@@ -447,7 +450,29 @@ def attention(
     grid, args, options, out = _attention_launch(query, key, value, mask, scale)
     if out.numel():
         _attention_kernel[grid](*args, **options)
-    return out
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` if its address (bytes) and strides (elements) are multiples of `_ALIGN` but the
+    last, unit stride; else a copy whose rows are padded to a multiple of `_ALIGN`."""
+    strides = t.stride()
+    if (
+        strides[-1] == 1
+        and t.data_ptr() % _ALIGN == 0
+        and all(s % _ALIGN == 0 for s in strides[:-1])
+    ):
+        return t
+    copy = _aligned_empty(tuple(t.shape), t)
+    copy.copy_(t)
+    return copy
+
+
+def _aligned_empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised `shape` in `like`'s dtype and device, rows padded to `_ALIGN`."""
+    width = -(-shape[-1] // _ALIGN) * _ALIGN
+    full = torch.empty((*shape[:-1], width), dtype=like.dtype, device=like.device)
+    return full[..., : shape[-1]]
 
 
 def _attention_launch(
@@ -462,13 +487,8 @@ def _attention_launch(
     selects a compilation (bench/gpu/compile_kernels.py checks it)."""
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[2]
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1:
-        value = value.contiguous()
-    out = torch.empty((batch, q_len, heads, head_dim), dtype=query.dtype, device=query.device)
+    query, key, value = _aligned(query), _aligned(key), _aligned(value)
+    out = _aligned_empty((batch, q_len, heads, head_dim), query)
     if mask is None:  # every key allowed (the kernel applies the causal limit): one True, read
         # through zero strides, so the same program runs with and without a mask
         mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=query.device)
