@@ -12,7 +12,8 @@ tiny launches). These kernels fix every reduction's order by construction instea
   the same order whatever the number of rows or the row's place among them. Rows past M are
   masked loads (zeros) that no real row reads.
 - `rms_norm`, `layer_norm`: `NORM_ROWS` rows per program, each reduced along its own axis of one
-  fixed tile shape (the hidden size, padded to a power of two).
+  fixed tile shape (the hidden size, padded to a power of two); the row count is not
+  specialized (Triton would compile one row apart: see `attention`), as `matmul`'s M.
 - `attention`: one program per (batch row, query head, tile of `QUERY_BLOCK` positions), over
   the keys in blocks of `KEY_BLOCK` from key 0 upwards, online softmax in float32; the tile has
   the same shape in a decode step (one live query) as in a prefill, and a query's row of the
@@ -207,7 +208,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 NORM_ROWS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # one binary whatever the row count (attention's docstring)
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, R, stride_x, stride_o, H, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -255,7 +256,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(*x.shape[:-1], hidden)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _layer_norm_kernel(
     x_ptr,
     w_ptr,
