@@ -12,7 +12,8 @@ tiny launches). These kernels fix every reduction's order by construction instea
   the same order whatever the number of rows or the row's place among them. Rows past M are
   masked loads (zeros) that no real row reads.
 - `rms_norm`, `layer_norm`: `NORM_ROWS` rows per program, each reduced along its own axis of one
-  fixed tile shape (the hidden size, padded to a power of two).
+  fixed tile shape (the hidden size, padded to a power of two); the row count is not
+  specialized (Triton would compile one row apart: see `attention`), as `matmul`'s M.
 - `attention`: one program per (batch row, query head, tile of `QUERY_BLOCK` positions), over
   the keys in blocks of `KEY_BLOCK` from key 0 upwards, online softmax in float32; the tile has
   the same shape in a decode step (one live query) as in a prefill, and a query's row of the
@@ -22,6 +23,20 @@ tiny launches). These kernels fix every reduction's order by construction instea
   accumulator stay bit for bit): a query's result is the same whether the keys after it are
   padding, a longer prefill, the static cache's masked columns, or absent. Decode and prefill
   run the same loop per query, so a resumed row's prefill equals its token-by-token decode.
+  And they run the same binary: every launch of a dtype and head size is one compilation
+  (`_attention_launch`). Triton compiles a kernel per specialization of its arguments (an int
+  equal to 1 becomes a constant, ints and pointers divisible by 16 are marked so, and each
+  constexpr such as a mask flag is its own variant), and the compiler lays out each variant on
+  its own: on sm_90 the masked variant multiplies the softmax weights by the values with the
+  keys permuted among the MMA instructions (`kWidth = 4`, the key order of the bf16 values
+  before their widening) and the unmasked one without (`kWidth = 2`), so a query summed its
+  keys in another grouping alone than in a padded batch (bf16 only: float32's "ieee" product
+  is FMAs, not MMAs). So the mask is always read (a broadcast True when there is none), the
+  lengths, head counts and the mask's layout are not specialized, and the tensors' strides and
+  addresses are always multiples of 16 (a view that is not is copied: `_aligned`): the decode
+  step (one query), a prefill alone and a padded batch, at any lengths and offsets, all run
+  one program per dtype and head size (bench/gpu/compile_kernels.py checks the launches'
+  specializations without a GPU).
 
 Nothing is autotuned (autotuning keys on shapes, M included); each kernel is compiled once per
 (dtype, constexpr) and, on CUDA, compiled by the warm-up runs before the decode graphs are
@@ -193,7 +208,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 NORM_ROWS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # one binary whatever the row count (attention's docstring)
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, R, stride_x, stride_o, H, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -241,7 +256,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(*x.shape[:-1], hidden)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _layer_norm_kernel(
     x_ptr,
     w_ptr,
@@ -306,7 +321,18 @@ def layer_norm(
 # ----- attention -------------------------------------------------------------------------------
 
 
-@triton.jit
+#: What selects the attention's compilation is only the dtype and the head size (module
+#: docstring). Triton specializes an int on whether it is 1 or a multiple of 16 and a pointer on
+#: 16-byte alignment (vectorized loads need them): the lengths, head counts and the mask's
+#: strides and address are not specialized; the query's, keys', values' and output's strides
+#: and addresses always are multiples of 16 (`_aligned` copies a view that is not).
+_ATTENTION_UNSPECIALIZED = ["H", "GROUPS", "Lq", "Lk", "sm_b", "sm_l", "sm_k"]
+_ALIGN = 16
+#: The attention launch's warps and pipeline stages (Triton's defaults, fixed here).
+ATTENTION_WARPS, ATTENTION_STAGES = 4, 3
+
+
+@triton.jit(do_not_specialize=_ATTENTION_UNSPECIALIZED, do_not_specialize_on_alignment=["mask_ptr"])
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -317,7 +343,7 @@ def _attention_kernel(
     GROUPS,
     Lq,
     Lk,
-    D,
+    D: tl.constexpr,
     scale,
     sq_b,
     sq_h,
@@ -334,7 +360,6 @@ def _attention_kernel(
     so_b,
     so_l,
     so_h,
-    HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -367,13 +392,12 @@ def _attention_kernel(
     for block in range(0, (end + BLOCK_N - 1) // BLOCK_N):
         keys = block * BLOCK_N + offs
         visible = (keys[None, :] <= last[:, None]) & live_q[:, None]  # [BLOCK_M, BLOCK_N]
-        if HAS_MASK:
-            allowed = tl.load(
-                mask_ptr + batch * sm_b + queries[:, None] * sm_l + keys[None, :] * sm_k,
-                mask=visible,
-                other=0,
-            )
-            visible = visible & (allowed != 0)
+        allowed = tl.load(  # always read: no masked/unmasked variants (module docstring)
+            mask_ptr + batch * sm_b + queries[:, None] * sm_l + keys[None, :] * sm_k,
+            mask=visible,
+            other=0,
+        )
+        visible = visible & (allowed != 0)
         present = (keys < Lk)[:, None] & live_d[None, :]
         k = tl.load(
             k_ptr + batch * sk_b + kv_head * sk_h + keys[:, None] * sk_l + dims[None, :],
@@ -422,33 +446,62 @@ def attention(
     `[B, Hkv, Lk, d]` (H a multiple of Hkv; any strides with unit stride on d), `mask` boolean
     or additive, broadcastable to `[B, 1, Lq, Lk]` (True / 0: attend) or None; returns
     `[B, Lq, H, d]` in `query`'s dtype. Per query, keys reduce in KEY_BLOCK blocks from key 0,
-    QUERY_BLOCK queries per program whether decoding or prefilling (module docstring)."""
+    QUERY_BLOCK queries per program whether decoding or prefilling, one binary for every
+    launch (module docstring)."""
+    grid, args, options, out = _attention_launch(query, key, value, mask, scale)
+    if out.numel():
+        _attention_kernel[grid](*args, **options)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` if its address (bytes) and strides (elements) are multiples of `_ALIGN` but the
+    last, unit stride; else a copy whose rows are padded to a multiple of `_ALIGN`."""
+    strides = t.stride()
+    if (
+        strides[-1] == 1
+        and t.data_ptr() % _ALIGN == 0
+        and all(s % _ALIGN == 0 for s in strides[:-1])
+    ):
+        return t
+    copy = _aligned_empty(tuple(t.shape), t)
+    copy.copy_(t)
+    return copy
+
+
+def _aligned_empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised `shape` in `like`'s dtype and device, rows padded to `_ALIGN`."""
+    width = -(-shape[-1] // _ALIGN) * _ALIGN
+    full = torch.empty((*shape[:-1], width), dtype=like.dtype, device=like.device)
+    return full[..., : shape[-1]]
+
+
+def _attention_launch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[tuple[int], list[object], dict[str, object], torch.Tensor]:
+    """`attention`'s launch of `_attention_kernel`: (grid, arguments, constexprs and options,
+    the output it writes). Apart from the tensors' dtype and the head size, nothing in it
+    selects a compilation (bench/gpu/compile_kernels.py checks it)."""
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[2]
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1:
-        value = value.contiguous()
-    out = torch.empty((batch, q_len, heads, head_dim), dtype=query.dtype, device=query.device)
-    if out.numel() == 0:
-        return out
-    if mask is not None:
-        if mask.dtype != torch.bool:  # an additive float mask: 0 keeps, -inf/min drops
-            mask = mask == 0
-        mask = mask.expand(batch, mask.shape[1], q_len, k_len)[:, 0]
-        mask_strides = mask.stride()
-        mask_arg: torch.Tensor = mask
-    else:
-        mask_strides = (0, 0, 0)
-        mask_arg = out
+    query, key, value = _aligned(query), _aligned(key), _aligned(value)
+    out = _aligned_empty((batch, q_len, heads, head_dim), query)
+    if mask is None:  # every key allowed (the kernel applies the causal limit): one True, read
+        # through zero strides, so the same program runs with and without a mask
+        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=query.device)
+    elif mask.dtype != torch.bool:  # an additive float mask: 0 keeps, -inf/min drops
+        mask = mask == 0
+    mask = mask.expand(batch, mask.shape[1], q_len, k_len)[:, 0]
     tiles = triton.cdiv(q_len, QUERY_BLOCK)
-    _attention_kernel[(batch * heads * tiles,)](
+    args: list[object] = [
         query,
         key,
         value,
-        mask_arg,
+        mask,
         out,
         heads,
         heads // key.shape[1],
@@ -465,15 +518,18 @@ def attention(
         value.stride(0),
         value.stride(1),
         value.stride(2),
-        *mask_strides,
+        *mask.stride(),
         out.stride(0),
         out.stride(1),
         out.stride(2),
-        HAS_MASK=mask is not None,
-        BLOCK_M=QUERY_BLOCK,
-        BLOCK_N=KEY_BLOCK,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        INTERPRETED=_INTERPRET,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-    )
-    return out
+    ]
+    options: dict[str, object] = {
+        "BLOCK_M": QUERY_BLOCK,
+        "BLOCK_N": KEY_BLOCK,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "INTERPRETED": _INTERPRET,
+        "PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
+        "num_warps": ATTENTION_WARPS,
+        "num_stages": ATTENTION_STAGES,
+    }
+    return (batch * heads * tiles,), args, options, out

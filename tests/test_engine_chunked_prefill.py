@@ -46,18 +46,46 @@ async def whole(tiny_model: LoadedModel) -> Engine:
     engine.stop()
 
 
-async def test_running_rows_decode_between_the_chunks_of_a_long_prompt(chunked: Engine) -> None:
+#: The decode paths the interleaving test runs on every device: the device's default engine (eager
+#: and synchronous on a CPU; the static step, overlapped, on CUDA), and the static step with and
+#: without overlap (CUDA graphs on a GPU, the same logic unreplayed on a CPU).
+DECODE_PATHS = {
+    "default": {},
+    "static-synchronous": {"static_decode": True, "overlap": False},
+    "static-overlapped": {"static_decode": True, "overlap": True},
+}
+
+
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
+async def test_running_rows_decode_between_the_chunks_of_a_long_prompt(
+    tiny_model: LoadedModel, path: str
+) -> None:
     """A (short) and B (200 tokens) arrive together. Each iteration runs one of B's 13 chunks,
-    then a decode step of A: A has exactly 13 tokens when B's first token comes."""
-    log: list[tuple[str, Event]] = []
-    a = make_job([11, 12, 13, 14, 15], 40, RecordingQueue("A", log))
-    b = make_job(long_prompt(200), 8, RecordingQueue("B", log))
-    chunks_before = chunked.stats.prefill_chunks
-    prefills_before = chunked.stats.prefill_passes
-    with chunked.hold():
-        chunked.submit(a)
-        chunked.submit(b)
-    a_tokens, b_tokens = await asyncio.gather(tokens_of(a.queue), tokens_of(b.queue))
+    then a decode step of A. B's first token is emitted by its last chunk, before that
+    iteration's step: by then A has run its prefill and 12 decode steps. Synchronously A has
+    received all 13 of those tokens; overlapped, the 12th step is still in flight (its tokens are
+    accepted after the next step's launch), so A has received 12."""
+    engine = Engine(
+        tiny_model, prefill_chunk_tokens=CHUNK, static_capacity=256, **DECODE_PATHS[path]
+    )
+    engine.start()
+    try:
+        await warm(engine)
+        overlapped = engine.overlap and engine._runner.overlappable
+        if path != "default":
+            assert engine.static_decode and overlapped == DECODE_PATHS[path]["overlap"]
+        log: list[tuple[str, Event]] = []
+        a = make_job([11, 12, 13, 14, 15], 40, RecordingQueue("A", log))
+        b = make_job(long_prompt(200), 8, RecordingQueue("B", log))
+        chunks_before = engine.stats.prefill_chunks
+        prefills_before = engine.stats.prefill_passes
+        steps_before = engine.stats.decode_steps
+        with engine.hold():
+            engine.submit(a)
+            engine.submit(b)
+        a_tokens, b_tokens = await asyncio.gather(tokens_of(a.queue), tokens_of(b.queue))
+    finally:
+        engine.stop()
     assert len(a_tokens) == 40 and len(b_tokens) == 8
     first_b = next(i for i, (name, _) in enumerate(log) if name == "B")
     a_before = sum(
@@ -66,9 +94,12 @@ async def test_running_rows_decode_between_the_chunks_of_a_long_prompt(chunked: 
         if name == "A" and isinstance(item, EngineDelta)
     )
     chunks = math.ceil(200 / CHUNK)
-    assert a_before == chunks  # A's prefill token, then one decode step per earlier chunk
-    assert chunked.stats.prefill_chunks - chunks_before == chunks
-    assert chunked.stats.prefill_passes - prefills_before == 2  # A whole, B's last chunk
+    # A's prefill token, then one decode step per earlier chunk, less the one in flight
+    assert a_before == chunks - overlapped
+    assert engine.stats.prefill_chunks - chunks_before == chunks
+    assert engine.stats.prefill_passes - prefills_before == 2  # A whole, B's last chunk
+    # A's 39 steps (B's 7 among them); overlapped, each stream's last step is discarded
+    assert engine.stats.decode_steps - steps_before == 39 + overlapped
 
 
 @pytest.mark.parametrize(

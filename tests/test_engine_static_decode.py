@@ -36,7 +36,7 @@ from generation.device_sampling import DeviceSampler
 from generation.jobs import EngineDelta, Job, StreamError
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
-from generation.scheduler import Engine
+from generation.scheduler import GPU_MEMORY_FRACTION, Engine
 from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import (
@@ -633,17 +633,31 @@ def test_health_and_metrics_report_the_kv_cache(
 
 
 def test_a_cache_shorter_than_the_context_lowers_the_advertised_context(
-    tiny_model: LoadedModel,
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A static cache of 128 columns (on CUDA: what free memory holds) makes the engine's
-    context 128: /v1/models says so, a longer request is a 422 before any byte, and a request
-    that fits runs to its budget."""
-    if tiny_model.device.type != "cpu":
-        pytest.skip("static_capacity sizes a CPU's cache; on CUDA free memory does")
+    """A static cache of 128 columns makes the engine's context 128: /v1/models says so, a
+    longer request is a 422 before any byte, and a request that fits runs to its budget. On a
+    CPU `static_capacity` sizes the cache; on CUDA free memory does: the device reports a GPU
+    nearly full (free memory for one row of 160 tokens: plan_cache gives 1 row of 128)."""
+    ids = torch.zeros((1, 1), dtype=torch.long, device=tiny_model.device)
+    with torch.inference_mode():
+        template = tiny_model.model(input_ids=ids, use_cache=True).past_key_values
+    per_token = cache_bytes_per_token(template)
+    free = int(160 * per_token / GPU_MEMORY_FRACTION)
+    plan = plan_cache(
+        free_bytes=free,
+        fraction=GPU_MEMORY_FRACTION,
+        bytes_per_token=per_token,
+        max_context=tiny_model.max_context,
+    )
+    assert (plan.rows, plan.capacity) == (1, 128)
+    if tiny_model.device.type == "cuda":
+        total = torch.cuda.mem_get_info(tiny_model.device)[1]
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
 
     def app() -> Any:
         application = create_app(tiny_model, static_decode=True)
-        application[STATE].engine.static_capacity = 128  # read when the engine starts
+        application[STATE].engine.static_capacity = 128  # read when the engine starts (a CPU)
         return application
 
     with ThreadedServer(app) as server:

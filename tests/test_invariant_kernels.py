@@ -169,6 +169,33 @@ def test_attention_decode_equals_prefill_alone_and_batched(dtype: torch.dtype) -
                 assert torch.equal(out[i, 0], prefills[i][lengths[i] - 1]), (width, n, i)
 
 
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_attention_of_a_misaligned_view_is_that_of_its_copy(head_dim: int) -> None:
+    """A view whose address is not 16-byte aligned, and a head size that is not a multiple of
+    16, run in buffers with padded rows (the one binary's layout): the same bits as the
+    contiguous tensors, close to SDPA, and the output a plain `[B, Lq, H, d]` tensor."""
+    shape = (2, HEADS, 20, head_dim)
+    numel = 2 * HEADS * 20 * head_dim
+
+    def misaligned(seed: int) -> torch.Tensor:
+        flat = _random(numel + 1, dtype=torch.bfloat16, seed=seed)
+        return flat[1:].view(shape)  # 2 bytes past an aligned address
+
+    q, k, v = misaligned(21), misaligned(22)[:, :KV_HEADS], misaligned(23)[:, :KV_HEADS]
+    assert q.data_ptr() % 16 != 0
+    scale = head_dim**-0.5
+    out = kernels.attention(q, k, v, None, scale)
+    assert out.shape == (2, 20, HEADS, head_dim) and out.is_contiguous()
+    assert torch.equal(out, kernels.attention(q.clone(), k.clone(), v.clone(), None, scale))
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.float(),
+        k.float().repeat_interleave(HEADS // KV_HEADS, 1),
+        v.float().repeat_interleave(HEADS // KV_HEADS, 1),
+        is_causal=True,
+    ).transpose(1, 2)
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=5e-2)
+
+
 # ----- whole models ------------------------------------------------------------------------------
 
 
@@ -365,7 +392,9 @@ def test_engine_on_the_kernels_any_batch_equals_alone(
 @pytest.mark.skipif(TORCH_DEVICE.type == "cuda", reason="on a GPU every test above compiles them")
 def test_the_kernels_compile_for_hopper() -> None:
     """The interpreter never compiles a kernel: bench/gpu/compile_kernels.py compiles each (bf16
-    and float32, the engine's constexprs) to an sm_90 cubin with triton's own ptxas, no GPU."""
+    and float32, the engine's constexprs) to an sm_90 cubin with triton's own ptxas, no GPU;
+    attention from its launches (decode steps, prefills alone, padded batches), which all select
+    one binary per dtype (what makes a query's result the same in each on a GPU)."""
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "compile_kernels.py"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run(
@@ -379,3 +408,5 @@ def test_the_kernels_compile_for_hopper() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert len(lines) == 10 and all(line.startswith("sm_90 ") for line in lines), lines
+    attention = [line for line in lines if " attention, head size " in line]
+    assert len(attention) == 4 and all(" one binary for 17 launches " in a for a in attention)

@@ -8,6 +8,12 @@ Python of each program and never compiles it; a kernel that the interpreter acce
 not compile (types of loop-carried values, `tl.dot` shapes, globals a kernel may not read). This
 compiles every kernel with the constexprs the engine launches it with, for bf16 and float32,
 and prints one line per kernel. It does not run anything: speed and bits need the GPU.
+
+Attention is compiled from its launches (`invariant_kernels._attention_launch` on CPU tensors:
+decode steps over a static cache, prefills alone, padded batches with boolean and additive masks,
+odd lengths and offsets), through Triton's own argument specialization for the target: they must
+all select one compilation, the one binary that makes a query's result the same in every launch
+(invariant_kernels.py's docstring); the script fails when they do not.
 """
 
 from __future__ import annotations
@@ -23,14 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 from generation import invariant_kernels as ik
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-ATTENTION_INTS = (
-    "H GROUPS Lq Lk D sq_b sq_h sq_l sk_b sk_h sk_l sv_b sv_h sv_l sm_b sm_l sm_k so_b so_l so_h"
-).split()
 
 
 def build(target: GPUTarget, fn: object, signature: dict[str, str], constexprs: dict, **options):
@@ -43,6 +47,80 @@ def build(target: GPUTarget, fn: object, signature: dict[str, str], constexprs: 
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
     )
     return triton.compile(source, target=target, options=options)
+
+
+#: Head sizes whose attention launches are checked: smollm2's (and GPT-2's), and one that is not
+#: a multiple of 16 (every tensor copied to padded rows).
+HEAD_SIZES = (64, 24)
+
+
+def attention_launches(dtype: torch.dtype, dim: int) -> list[tuple[str, list[object], dict]]:
+    """The attention launches of one dtype and head size that must share a binary: (what,
+    arguments, constexprs and options), as `invariant_kernels.attention` makes them."""
+    heads, kv_heads, longest = 9, 3, 40  # smollm2's heads
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape).to(dtype)
+
+    q, k, v = (
+        rand(8, heads, longest, dim),
+        rand(8, kv_heads, longest, dim),
+        rand(8, kv_heads, longest, dim),
+    )
+    cases: list[tuple[str, tuple]] = []
+    for n in (1, 17, 38):  # a prefill alone, no mask, lengths 1 and odd
+        cases.append(
+            (f"prefill alone, {n} tokens", (q[1:2, :, :n], k[1:2, :, :n], v[1:2, :, :n], None))
+        )
+    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+    for rows in (1, 7):  # a right-padded batch, boolean and additive masks
+        ends = torch.arange(rows)[:, None] + 30
+        mask = (torch.arange(longest)[None, :] < ends)[:, None, None, :] & causal
+        cases.append((f"padded prefill of {rows}", (q[:rows], k[:rows], v[:rows], mask)))
+        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+        cases.append(
+            (f"padded prefill of {rows}, additive mask", (q[:rows], k[:rows], v[:rows], additive))
+        )
+    for width in (64, 128, 48):  # decode steps over a static cache: one query, masked columns
+        cache_k, cache_v = rand(8, kv_heads, width, dim), rand(8, kv_heads, width, dim)
+        step = rand(8, heads, 1, dim)
+        for rows in (1, 3, 8):
+            mask = (torch.arange(width)[None, :] < torch.arange(rows)[:, None] + 20)[:, None, None]
+            cases.append(
+                (
+                    f"decode of {rows} over {width}",
+                    (step[:rows], cache_k[:rows], cache_v[:rows], mask),
+                )
+            )
+    cases.append(("an odd offset", (q[:, :, 3:], k[:, :, 3:], v[:, :, 3:], None)))
+    out = []
+    for what, (query, key, value, mask) in cases:
+        _grid, args, options, _out = ik._attention_launch(query, key, value, mask, dim**-0.5)
+        out.append((what, args, options))
+    return out
+
+
+def build_from_launches(target: GPUTarget, fn, launches: list[tuple[str, list[object], dict]]):
+    """Compile `fn` as Triton would for `target` at each launch (its own specialization of the
+    arguments); raises SystemExit naming the launches when they select more than one binary."""
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    keys: dict[str, list[str]] = {}
+    bound = specialization = options = None
+    for what, args, kwargs in launches:
+        constexprs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+        bound, specialization, _ = binder(*args, **constexprs)
+        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+        keys.setdefault(repr((specialization, sorted(options.items()))), []).append(what)
+    if len(keys) != 1:
+        raise SystemExit(
+            f"{fn.__name__}: {len(keys)} binaries for one dtype: {list(keys.values())}"
+        )
+    opts, signature, constexprs, attrs = fn._pack_args(
+        backend, options, bound, specialization, options
+    )
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=target, options=opts.__dict__), len(launches)
 
 
 def main() -> int:
@@ -98,31 +176,18 @@ def main() -> int:
                 {},
             ),
         ]
-        for has_mask in (True, False):
-            kernels.append(
-                (
-                    f"attention{'' if has_mask else ' (no mask)'}",
-                    ik._attention_kernel,
-                    {
-                        **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), pointer),
-                        "mask_ptr": "*i1",
-                        **dict.fromkeys(ATTENTION_INTS, "i32"),
-                        "scale": "fp32",
-                    },
-                    {
-                        "HAS_MASK": has_mask,
-                        "BLOCK_M": ik.QUERY_BLOCK,
-                        "BLOCK_N": ik.KEY_BLOCK,
-                        "BLOCK_D": 64,
-                        "INTERPRETED": False,
-                        "PRECISION": precision,
-                    },
-                    {},
-                )
-            )
         for label, fn, signature, constexprs, options in kernels:
             compiled = build(target, fn, signature, constexprs, **options)
             print(f"sm_{args.arch} {name} {label}: cubin {len(compiled.asm['cubin'])} bytes")
+        for dim in HEAD_SIZES:
+            compiled, launches = build_from_launches(
+                target, ik._attention_kernel, attention_launches(dtype, dim)
+            )
+            print(
+                f"sm_{args.arch} {name} attention, head size {dim}: cubin"
+                f" {len(compiled.asm['cubin'])} bytes, one binary for {launches} launches"
+                " (decode, prefill alone, padded batches)"
+            )
     return 0
 
 
