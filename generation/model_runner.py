@@ -248,7 +248,8 @@ class ModelRunner:
 
     def cache_info(self) -> dict[str, object]:
         """The running batch's KV cache for /health and /metrics: `rows` x `capacity` it can
-        hold, what it uses now, the bytes it holds, and how decode steps run."""
+        hold, what it uses now, the bytes it holds, and how decode steps run (`compiled`: the
+        step's forward through torch.compile; `compile_error`: why `--compile` was given up)."""
         static = self.static
         if static is not None:
             cache = static.cache
@@ -261,6 +262,8 @@ class ModelRunner:
                 "tokens_used": sum(lengths),
                 "bytes": cache.nbytes,
                 "graphs": static.graphs,
+                "compiled": static.compiled,
+                "compile_error": static.compile_error,
             }
         kv = self.kv
         lengths = list(kv.lengths) if kv is not None else []
@@ -272,6 +275,8 @@ class ModelRunner:
             "tokens_used": sum(lengths),
             "bytes": kv.nbytes if kv is not None else 0,
             "graphs": 0,
+            "compiled": False,
+            "compile_error": None,
         }
 
     @property
