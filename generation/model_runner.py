@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .attention_backends import changing_shapes
 from .decode_graphs import (
     CPU_CAPACITY,
     StaticDecoder,
@@ -398,9 +399,10 @@ class ModelRunner:
         last chunk, its first token (and its whole cache is `partial`)."""
         context = row.context()
         ids = torch.tensor([context[start:end]], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=ids, past_key_values=row.partial, use_cache=True, logits_to_keep=1
-        )
+        with changing_shapes(self.device):  # the chunk against every chunk before it
+            out = self.model(
+                input_ids=ids, past_key_values=row.partial, use_cache=True, logits_to_keep=1
+            )
         self.stats.forward_passes += 1
         self.stats.prefill_chunks += 1
         row.partial, row.prefilled = out.past_key_values, end
@@ -505,13 +507,14 @@ class ModelRunner:
             positions = torch.tensor([rows[0].kv_len], dtype=torch.long, device=device)
             mask = torch.ones((1, rows[0].kv_len + 1), dtype=torch.long, device=device)
             past = self.solo
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions[:, None],
-            past_key_values=past,
-            use_cache=True,
-        )
+        with changing_shapes(device):  # one column wider every step
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions[:, None],
+                past_key_values=past,
+                use_cache=True,
+            )
         if past is self.kv:
             self.kv.end_step()
         return out.logits[:, -1, :]
