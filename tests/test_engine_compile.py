@@ -134,7 +134,8 @@ def test_a_step_that_fails_to_compile_runs_uncompiled_and_says_so(
     assert health["status"] == "ok"
     assert health["kv_cache"]["compiled"] is False
     assert health["kv_cache"]["compile_error"] == error
-    assert {**health["kv_cache"], "compile_error": None} == eager_health["kv_cache"]
+    # the same kind of step (CUDA: graphs captured, uncompiled; a CPU: the static step eagerly)
+    assert health["kv_cache"]["mode"] == eager_health["kv_cache"]["mode"]
     lines = metrics.splitlines()
     assert "guardstream_engine_decode_compile_failed 1.0" in lines
     assert "guardstream_engine_decode_compiled 0.0" in lines
