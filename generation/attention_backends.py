@@ -1,8 +1,13 @@
 """Attention backends for forward passes whose shapes are new at almost every call.
 
 Why. torch on CUDA 13 with cuDNN > 9.15 puts cuDNN attention first among SDPA's backends on
-sm90 (H100, H200), and cuDNN builds an execution graph (a plan) for every new shape before it
-runs it; the second call of a shape hits its cache. Most of the engine's attention runs at
+sm90 (H100, H200): `check_prefer_cudnn_attention` in ATen's sdp_utils.cpp, in torch 2.10 already,
+active from 2.11, whose wheels bundle a cuDNN past the threshold (huggingface/transformers#48163
+traces it). cuDNN takes masked attention too (a boolean mask is converted to a bias:
+pytorch/pytorch#130482, #139450), and builds an execution graph (a plan) for every new shape
+before it runs it; the second call of a shape hits its cache. Others measured the build at up
+to ~400 ms and saw it redone whenever the sequence grows (sgl-project/sglang#4650,
+ml-explore/mlx#2743). Most of the engine's attention runs at
 shapes that repeat: decode steps replay CUDA graphs captured at bucketed shapes, prefill is
 padded to buckets warmed at start (model_runner.py). Three passes do not:
 - a judge session's append (judge_sessions.py): its chunk's queries against its whole prefix,
