@@ -378,6 +378,7 @@ class StaticDecoder:
         self.compiled = compile_step  # the model's forward runs compiled (False after a failure)
         self.compile_error: str | None = None  # why compiling failed, when it did
         self._compiled: Any = None
+        self._compiled_keys: set[tuple[int, int]] = set()  # graphs captured compiled
         if compile_step:
             self._compiled = compile_forward(
                 self._logits, len(self.row_buckets or (0,)) * len(self.width_buckets or (0,))
@@ -518,20 +519,26 @@ class StaticDecoder:
         initialisation, autotuning, allocator warm-up, and with `compiled` the compiles), then
         the capture. The captured steps write padding rows and masked columns only; the cache
         holds no rows yet (and the sampler's slots, advanced by these runs, are set afresh when
-        rows join). A compiled step that fails here (in a warm-up run: `_model_logits`; or in
-        the capture itself) is given up and the eager step is captured instead."""
+        rows join). A compiled step that fails here is given up and the eager step is captured
+        instead: in a warm-up run (`_model_logits` falls back, and every graph is captured
+        eagerly), or in the capture itself (then every graph is captured again, eagerly: no
+        mix of compiled and eager buckets)."""
+        compiled = self.compiled
         try:
             self._capture()
+            if self.compiled or not self._compiled_keys:
+                return
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # a compiled step that cannot be captured
-            if not self.compiled:
+            if not compiled:
                 raise
-            self._give_up_compiling(error)
-            self._graphs.clear()
-            self._outputs.clear()
-            torch.cuda.synchronize()
-            self._capture()
+            if self.compiled:
+                self._give_up_compiling(error)
+        self._graphs.clear()
+        self._outputs.clear()
+        torch.cuda.synchronize()
+        self._capture()
 
     def _capture(self) -> None:
         cache = self.cache
@@ -553,8 +560,11 @@ class StaticDecoder:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         self._pool = torch.cuda.graph_pool_handle()
+        self._compiled_keys.clear()
         for key in keys:
             graph = torch.cuda.CUDAGraph()
+            if self.compiled:
+                self._compiled_keys.add(key)
             with torch.cuda.graph(graph, pool=self._pool):
                 self._outputs[key] = self._forward(*key)
             self._graphs[key] = graph
