@@ -921,6 +921,11 @@ def _run_http(
             f"forward passes: {after['forward_passes']}",
             flush=True,
         )
+        cache = after.get("kv_cache", {})  # after the run: a CPU compiles at the first step
+        if cache.get("compile_error"):  # --compile was given up: these figures are uncompiled
+            print(f"engine log: decode step NOT compiled: {cache['compile_error']}", flush=True)
+        elif "--compile" in args.extra_args.split():
+            print(f"engine log: decode step compiled: {bool(cache.get('compiled'))}", flush=True)
         return {"engine": info, "results": results}
     finally:
         if engine is not None:

@@ -17,6 +17,14 @@ pass, as concurrent streams' appends do when they arrive while the worker is bus
 judged chunks per second against 1 stream. Re-judging runs for 1 stream only (at 16 streams it
 is 16x the quadratic cost; the ratio would not change).
 
+Every line gives the forward passes and the wall time per pass (`ms/pass`): on a GPU a pass's
+cost is mostly the host's (launching the eager forward's kernels, per-shape plans), whatever its
+tokens. On CUDA two more lines follow the 1-stream runs: the same incremental run with SDPA's
+default backend order (cuDNN attention allowed: generation/attention_backends.py leaves it out
+of judge passes because it builds a plan per new shape), and the `per pass` line: a plain
+forward of the model over one append's tokens (no session, no cache: the eager forward's own
+floor) next to the judge pass.
+
 Last line, for scripts: `judge_tokens_ratio=X wall_ratio=Y` (re-judging / incremental).
 Targets (issue 37): >= 10x fewer tokens, >= 5x faster, 16 streams >= 4x the chunks/s of 1.
 """
@@ -34,7 +42,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from generation import models
+import torch
+
+from generation import attention_backends, models
 from generation.judge_sessions import JudgeSessions, answer_token_ids
 from generation.scheduler import Engine
 from orchestrator.judge_templates import SHIPPED, JudgeContext, JudgePrompt
@@ -131,7 +141,7 @@ def incremental(judge: Judge, chunk_ids: list[list[int]], streams: int) -> dict[
 
 
 def rejudging(judge: Judge, chunk_ids: list[list[int]]) -> dict[str, Any]:
-    tokens0 = judge.judges.forward_tokens
+    tokens0, passes0 = judge.judges.forward_tokens, judge.judges.passes
     start, cpu = time.perf_counter(), time.process_time()
     so_far: list[int] = []
     for ids in chunk_ids:
@@ -145,11 +155,32 @@ def rejudging(judge: Judge, chunk_ids: list[list[int]]) -> dict[str, Any]:
         "streams": 1,
         "chunks": len(chunk_ids),
         "judge_tokens": judge.judges.forward_tokens - tokens0,
+        "passes": judge.judges.passes - passes0,
         "wall_s": wall,
         "cpu_s": cpu,
         "chunks_per_s": len(chunk_ids) / wall,
         "chunks_per_cpu_s": len(chunk_ids) / cpu,
     }
+
+
+def plain_forward_s(loaded: models.LoadedModel, tokens: int, repeats: int = 20) -> float:
+    """Seconds of one plain forward of the model over `tokens` tokens (no cache, logits at the
+    last position), the median of `repeats` after a warm-up: the eager forward's own cost, the
+    floor under a judge pass of as many tokens. Run while the engine's worker is idle."""
+    device = loaded.device
+    ids = torch.full((1, tokens), 100, dtype=torch.long, device=device)
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 def separation(judge: Judge, path: Path) -> dict[str, Any]:
@@ -219,19 +250,38 @@ def main() -> None:
     results = []
     levels = [int(s) for s in args.streams.split(",")]
 
-    def report(r: dict[str, Any]) -> dict[str, Any]:
-        results.append(r)
+    def report(r: dict[str, Any], note: str = "", keep: bool = True) -> dict[str, Any]:
+        if keep:
+            results.append(r)
         print(
             f"{r['mode']:>11} streams={r['streams']:>2} chunks={r['chunks']:>5} "
             f"judge_tokens={r['judge_tokens']:>8} wall={r['wall_s']:8.2f}s "
             f"cpu={r['cpu_s']:8.2f}s chunks/s={r['chunks_per_s']:8.2f} "
-            f"chunks/cpu-s={r['chunks_per_cpu_s']:8.2f}",
+            f"chunks/cpu-s={r['chunks_per_cpu_s']:8.2f} passes={r['passes']:>4} "
+            f"ms/pass={1e3 * r['wall_s'] / r['passes']:7.1f}{note}",
             flush=True,
         )
         return r
 
     inc1 = report(incremental(judge, chunk_ids, 1))
     rej = report(rejudging(judge, chunk_ids))
+    if loaded.device.type == "cuda":
+        restricted = attention_backends.CHANGING_SHAPE_BACKENDS
+        attention_backends.CHANGING_SHAPE_BACKENDS = None  # SDPA's default order, cuDNN first
+        try:
+            default = incremental(judge, chunk_ids, 1)
+        finally:
+            attention_backends.CHANGING_SHAPE_BACKENDS = restricted
+        default["sdpa"] = "default order"
+        report(default, " (SDPA default order: cuDNN attention allowed)", keep=False)
+        per_append = round(inc1["judge_tokens"] / inc1["passes"])
+        plain = plain_forward_s(loaded, per_append)
+        print(
+            f"per pass: judge {1e3 * inc1['wall_s'] / inc1['passes']:.1f} ms (1 stream, "
+            f"~{per_append} tokens), cuDNN allowed {1e3 * default['wall_s'] / default['passes']:.1f}"
+            f" ms, a plain forward of {per_append} tokens {1e3 * plain:.1f} ms",
+            flush=True,
+        )
     for streams in levels:
         if streams != 1:
             report(incremental(judge, chunk_ids, streams))

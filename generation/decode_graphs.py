@@ -29,8 +29,13 @@ step's inputs (a joining row's first token is fed there, a leaving row's slot ta
 row's), and the engine copies them to the host without blocking (model_runner.py: overlapped
 steps).
 
-`--compile` (`compile_forward`) runs the step through torch.compile's Inductor before the
-graphs are captured: the same tokens (float64, tests/test_engine_compile.py), far fewer kernels.
+`--compile` (`compile_forward`) runs the step's model forward through torch.compile's Inductor
+before the graphs are captured: the same tokens (float64, tests/test_engine_compile.py), far fewer
+kernels. The sampler stays eager, inside the same graph (`_forward`): its scans over the vocabulary
+are what Inductor failed on (pytorch/pytorch#180221, see `compile_forward`), and its float64
+arithmetic stays sampling.py's own. A step that cannot be compiled never stops the engine: the
+decoder warns, drops the compiled forward and runs (and captures) the eager one
+(`compile_error`, reported by /health and /metrics).
 
 On a CPU the same step runs eagerly (no capture), with exact rows and width by default: padding
 buys nothing there. Prefill stays eager (`DynamicCache`); its keys are copied into the static
@@ -297,19 +302,44 @@ class StaticSlotCache(Cache):
         self.lengths = []
 
 
+#: torch.compile's backend for `compile_forward` (a test swaps in one that raises).
+COMPILE_BACKEND: str | Callable[..., Any] = "inductor"
+
+
 def compile_forward(forward: Callable[[int, int], torch.Tensor], shapes: int) -> Any:
-    """`forward` (a step at a (rows, width) bucket) through torch.compile's Inductor: the ~1,000
-    kernels of an eager step fused into far fewer. Dynamic shapes: a few compiles cover every
-    bucket (tiny-random on a CPU: 3 graphs for 5 buckets, rows 1 specialised, then rows and
-    width symbolic), where static ones would compile each of the dozens of buckets (~10-40 s
-    each). The recompile limit is raised to the buckets' count so no bucket falls back to eager.
-    Not "reduce-overhead": the engine captures its own CUDA graphs around the compiled step."""
+    """`forward` (the model's part of a step at a (rows, width) bucket) through torch.compile's
+    Inductor: the ~1,000 kernels of an eager step fused into far fewer. Dynamic shapes: a few
+    compiles cover every bucket (tiny-random on a CPU: 3 graphs for 5 buckets, rows 1
+    specialised, then rows and width symbolic), where static ones would compile each of the
+    dozens of buckets (~10-40 s each). The recompile limit is raised to the buckets' count so no
+    bucket falls back to eager. Not "reduce-overhead": the engine captures its own CUDA graphs
+    around the compiled step.
+
+    The sampler is not compiled (StaticDecoder._forward). Its cumulative sums run over the whole
+    vocabulary of a few rows, which Inductor on CUDA turns into a split scan (TritonSplitScanKernel,
+    no x dimension in its blocks), and they read per-row values broadcast along the vocabulary
+    (the row's max logit, its temperature): torch 2.11's Triton codegen then fails with
+    `InductorError: TypeError: list indices must be integers or slices, not NoneType` in
+    `TritonSymbols.get_block_shape` (pytorch/pytorch#180221, fixed by pytorch/pytorch#180369;
+    seen on an H200 with smollm2-135m's 49,152-token vocabulary, not with tiny-random's). No
+    Inductor setting turns split scans off (block pointers, TMA, cooperative reductions and
+    nd-tiling are other paths), so the narrowest way round is to keep the scans out of the
+    graph Inductor compiles."""
     import torch._dynamo
 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, shapes + 8)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * shapes + 64)
-    return torch.compile(forward, dynamic=True)
+    return torch.compile(forward, dynamic=True, backend=COMPILE_BACKEND)
+
+
+def describe_error(error: BaseException, limit: int = 300) -> str:
+    """`Type: the message's first paragraph` on one line, at most `limit` characters (a log line,
+    /health): Inductor's errors name the failure there and add advice after a blank line."""
+    paragraph = str(error).strip().split("\n\n")[0]
+    message = " ".join(line.strip() for line in paragraph.splitlines() if line.strip())
+    text = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class StaticDecoder:
@@ -345,11 +375,13 @@ class StaticDecoder:
         self._staging: torch.Tensor | None = None
         self.steps = 0
         self.replays = 0
-        self.compiled = compile_step
-        self._run = self._forward
+        self.compiled = compile_step  # the model's forward runs compiled (False after a failure)
+        self.compile_error: str | None = None  # why compiling failed, when it did
+        self._compiled: Any = None
+        self._compiled_keys: set[tuple[int, int]] = set()  # graphs captured compiled
         if compile_step:
-            self._run = compile_forward(
-                self._forward, len(self.row_buckets or (0,)) * len(self.width_buckets or (0,))
+            self._compiled = compile_forward(
+                self._logits, len(self.row_buckets or (0,)) * len(self.width_buckets or (0,))
             )
 
     @property
@@ -402,7 +434,7 @@ class StaticDecoder:
             logits = self._outputs[key]
             self.replays += 1
         else:
-            logits = self._run(rows, width)
+            logits = self._forward(rows, width)
         self.steps += 1
         if self.sampler is not None:  # the chosen tokens are the next step's inputs, on device
             cache.input_ids[:n].copy_(logits[:n])
@@ -420,7 +452,37 @@ class StaticDecoder:
 
     def _forward(self, rows: int, width: int) -> torch.Tensor:
         """The step itself: device ops over the static buffers only (what a graph captures):
-        the forward pass, then (with a sampler) the selection of every row's next token."""
+        the forward pass (compiled with `compiled`), then (with a sampler, never compiled:
+        `compile_forward`) the selection of every row's next token."""
+        logits = self._model_logits(rows, width)
+        if self.sampler is not None:
+            return self.sampler.sample(logits)
+        return logits
+
+    def _model_logits(self, rows: int, width: int) -> torch.Tensor:
+        """The model's part of a step, compiled while compiling works. A compiled forward that
+        raises (Inductor failing on some kernel, at its first call for a shape) is given up for
+        good and the step runs eagerly: nothing of the failed call ran, or it wrote the same
+        cache columns the eager call rewrites. Running out of memory is not a compile failure
+        (the caller handles it as for the eager step)."""
+        compiled = self._compiled
+        if compiled is not None:
+            try:
+                return compiled(rows, width)  # type: ignore[no-any-return]
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # any compile failure: run uncompiled
+                self._give_up_compiling(error)
+        return self._logits(rows, width)
+
+    def _give_up_compiling(self, error: BaseException) -> None:
+        self._compiled = None
+        self.compiled = False
+        self.compile_error = describe_error(error)
+        log.warning("compiling the decode step failed, it runs uncompiled: %s", self.compile_error)
+
+    def _logits(self, rows: int, width: int) -> torch.Tensor:
+        """The forward pass of a step over the static buffers: each row's last logits."""
         cache = self.cache
         cache.step_rows, cache.step_width = rows, width
         positions = cache.positions[:rows]
@@ -440,10 +502,7 @@ class StaticDecoder:
             use_cache=True,
             **extra,
         )
-        logits = out.logits[:, -1, :]
-        if self.sampler is not None:
-            return self.sampler.sample(logits)
-        return logits
+        return out.logits[:, -1, :]
 
     def _pinned(self, slots: int) -> torch.Tensor:
         if self._staging is None:
@@ -457,9 +516,31 @@ class StaticDecoder:
         room for the smaller ones), all sharing one private memory pool. CUDA only.
 
         As PyTorch's CUDA-graph notes ask: a few eager runs on a side stream first (lazy
-        initialisation, autotuning, allocator warm-up), then the capture. The captured steps
-        write padding rows and masked columns only; the cache holds no rows yet (and the
-        sampler's slots, advanced by these runs, are set afresh when rows join)."""
+        initialisation, autotuning, allocator warm-up, and with `compiled` the compiles), then
+        the capture. The captured steps write padding rows and masked columns only; the cache
+        holds no rows yet (and the sampler's slots, advanced by these runs, are set afresh when
+        rows join). A compiled step that fails here is given up and the eager step is captured
+        instead: in a warm-up run (`_model_logits` falls back, and every graph is captured
+        eagerly), or in the capture itself (then every graph is captured again, eagerly: no
+        mix of compiled and eager buckets)."""
+        compiled = self.compiled
+        try:
+            self._capture()
+            if self.compiled or not self._compiled_keys:
+                return
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # a compiled step that cannot be captured
+            if not compiled:
+                raise
+            if self.compiled:
+                self._give_up_compiling(error)
+        self._graphs.clear()
+        self._outputs.clear()
+        torch.cuda.synchronize()
+        self._capture()
+
+    def _capture(self) -> None:
         cache = self.cache
         assert cache.device.type == "cuda" and cache.rows == 0
         rows_list = self.row_buckets or (cache.slots,)
@@ -475,14 +556,17 @@ class StaticDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # every shape once eagerly (kernel choice, workspaces)
             for key in [keys[0], *keys]:
-                self._run(*key)
+                self._forward(*key)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         self._pool = torch.cuda.graph_pool_handle()
+        self._compiled_keys.clear()
         for key in keys:
             graph = torch.cuda.CUDAGraph()
+            if self.compiled:
+                self._compiled_keys.add(key)
             with torch.cuda.graph(graph, pool=self._pool):
-                self._outputs[key] = self._run(*key)
+                self._outputs[key] = self._forward(*key)
             self._graphs[key] = graph
         torch.cuda.synchronize()
         log.info(
@@ -491,5 +575,9 @@ class StaticDecoder:
             rows_list,
             widths,
             time.perf_counter() - started,
-            ", compiled first" if self.compiled else "",
+            ", compiled first"
+            if self.compiled
+            else f", uncompiled ({self.compile_error})"
+            if self.compile_error
+            else "",
         )

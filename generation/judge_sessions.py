@@ -25,6 +25,13 @@ no session attends over another's length. (The first version copied every prefix
 rectangle per layer: memory traffic of 16 sessions x 2,000 columns x 30 layers per pass on
 smollm2, and every row padded to the longest chunk.)
 
+On CUDA a pass is eager (its shapes change with every append: no graph replays it), so its
+cost is mostly the host's: the forward's kernel launches, ~6 more per session and layer for the
+session's writes and attention, and whatever the attention backend does per new shape. cuDNN
+attention builds a plan per shape, so passes leave it out (attention_backends.py); the verdicts'
+probabilities reach the host in one copy per pass (`_answer_probabilities`). bench/judge.py
+prints the time per pass next to a plain forward of as many tokens.
+
 Answers. An append may ask for the judge's answer text (Llama Guard's category line after the
 verdict): when its score reaches `answer_min_score`, the verdict token and greedy tokens after
 it are generated in the scratch columns after the tail, a packed pass per token for every
@@ -55,6 +62,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attention_backends import changing_shapes
 from .models import LoadedModel
 
 #: Sessions held at once by default (each holds KV rows of its judged prefix).
@@ -488,25 +496,29 @@ class JudgeSessions:
         answers asked for, a token per pass for every session that wants one."""
         rows = [(a.session, a.session.length, a.ids + a.session.tail) for a in batch]
         probs = torch.softmax(self._run(rows), dim=-1)
+        answer_probs = _answer_probabilities(probs, [a.session for a in batch])
         verdicts = []
         self.passes += 1
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
-        for i, (a, (_s, _p, tokens)) in enumerate(zip(batch, rows, strict=True)):
+        for a, (_s, _p, tokens), (unsafe, safe) in zip(batch, rows, answer_probs, strict=True):
             session = a.session
             session.length += len(a.ids)
             self.forward_tokens += len(tokens)
-            p_unsafe = float(probs[i, session.unsafe].sum()) if session.unsafe else 0.0
-            p_safe = float(probs[i, session.safe].sum()) if session.safe else 0.0
+            p_unsafe = float(unsafe.sum()) if session.unsafe else 0.0
+            p_safe = float(safe.sum()) if session.safe else 0.0
             total = p_unsafe + p_safe
             score = p_unsafe / total if total > 0 else 0.5
             verdicts.append(Verdict(score, p_unsafe, p_safe, session.length, len(tokens)))
-        answers = self._answers(batch, probs, verdicts)
+        answers = self._answers(batch, answer_probs, verdicts)
         for i, ids in answers.items():
             verdicts[i] = dataclasses.replace(verdicts[i], answer_ids=ids)
         return verdicts
 
     def _answers(
-        self, batch: list[_Append], probs: torch.Tensor, verdicts: list[Verdict]
+        self,
+        batch: list[_Append],
+        answer_probs: list[tuple[torch.Tensor, torch.Tensor]],
+        verdicts: list[Verdict],
     ) -> dict[int, list[int]]:
         """The answer of each append that asks for one and whose score reaches its
         `answer_min_score`: the verdict (its most probable unsafe token), then greedy tokens up
@@ -518,7 +530,8 @@ class JudgeSessions:
         for i, (a, verdict) in enumerate(zip(batch, verdicts, strict=True)):
             session = a.session
             if a.answer_tokens and session.unsafe and verdict.score >= a.answer_min_score:
-                answers[i] = [max(session.unsafe, key=lambda t, i=i: float(probs[i, t]))]
+                unsafe = answer_probs[i][0].tolist()
+                answers[i] = [session.unsafe[max(range(len(unsafe)), key=unsafe.__getitem__)]]
                 at[i] = session.length + len(session.tail)
         eos = self.loaded.eos_token_ids
         while live := [
@@ -540,21 +553,42 @@ class JudgeSessions:
         _install(self._attention)  # (again: a model loaded after us may have re-registered it)
         _ACTIVE.pack = pack
         try:
-            out = self.loaded.model(
-                input_ids=torch.tensor([pack.tokens], dtype=torch.long, device=device),
-                position_ids=torch.tensor([pack.positions], dtype=torch.long, device=device),
-                # a prepared 4D mask is taken as is: none is built (the sessions' are in `pack`)
-                attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
-                past_key_values=pack,
-                use_cache=True,
-                logits_to_keep=torch.tensor(ends, dtype=torch.long, device=device),
-            )
+            # every pass attends at shapes of its own (a prefix that grows with every append):
+            # no cuDNN attention, which builds a plan per new shape on CUDA (attention_backends)
+            with changing_shapes(device):
+                out = self.loaded.model(
+                    input_ids=torch.tensor([pack.tokens], dtype=torch.long, device=device),
+                    position_ids=torch.tensor([pack.positions], dtype=torch.long, device=device),
+                    # a prepared 4D mask is taken as is: none is built (the sessions' are in `pack`)
+                    attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
+                    past_key_values=pack,
+                    use_cache=True,
+                    logits_to_keep=torch.tensor(ends, dtype=torch.long, device=device),
+                )
         finally:
             _ACTIVE.pack = None
         self.pass_tokens += len(pack.tokens)
         logits = out.logits[0].to(torch.float64)
         vocab = self.loaded.vocab_size
         return logits[:, :vocab] if logits.shape[-1] > vocab else logits  # (padding rows)
+
+
+def _answer_probabilities(
+    probs: torch.Tensor, sessions: list[JudgeSession]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each session's probabilities of its unsafe and of its safe tokens (row i of `probs` is
+    `sessions[i]`'s answer position), on the host, in the sessions' token order: one gather and
+    one copy for the whole pass (indexing each session's tokens on a GPU cost two host syncs
+    per append). The sums over them are the same as over the device's values, in the same
+    order."""
+    columns = sorted({t for s in sessions for t in (*s.unsafe, *s.safe)})
+    where = {t: j for j, t in enumerate(columns)}
+    index = torch.tensor(columns, dtype=torch.long, device=probs.device)
+    host = probs.index_select(1, index).cpu()
+    return [
+        (host[i, [where[t] for t in s.unsafe]], host[i, [where[t] for t in s.safe]])
+        for i, s in enumerate(sessions)
+    ]
 
 
 def answer_token_ids(tokenizer: object, words: Sequence[str]) -> list[int]:

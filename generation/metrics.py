@@ -59,6 +59,16 @@ class EngineCollector(Collector):
             ("decode_graphs", "graphs", "CUDA graphs captured for the decode step"),
         ):
             yield GaugeMetricFamily(f"guardstream_engine_{name}", help_text, value=cache[key])
+        yield GaugeMetricFamily(
+            "guardstream_engine_decode_compiled",
+            "1 when the decode step's forward runs through torch.compile (--compile)",
+            value=int(bool(cache["compiled"])),
+        )
+        yield GaugeMetricFamily(
+            "guardstream_engine_decode_compile_failed",
+            "1 when --compile was given up (compiling failed) and the step runs uncompiled",
+            value=int(cache["compile_error"] is not None),
+        )
         buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
         sizes = dict(stats.batch_sizes)
         cumulative = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in buckets]

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .attention_backends import changing_shapes
 from .decode_graphs import (
     CPU_CAPACITY,
     StaticDecoder,
@@ -248,7 +249,8 @@ class ModelRunner:
 
     def cache_info(self) -> dict[str, object]:
         """The running batch's KV cache for /health and /metrics: `rows` x `capacity` it can
-        hold, what it uses now, the bytes it holds, and how decode steps run."""
+        hold, what it uses now, the bytes it holds, and how decode steps run (`compiled`: the
+        step's forward through torch.compile; `compile_error`: why `--compile` was given up)."""
         static = self.static
         if static is not None:
             cache = static.cache
@@ -261,6 +263,8 @@ class ModelRunner:
                 "tokens_used": sum(lengths),
                 "bytes": cache.nbytes,
                 "graphs": static.graphs,
+                "compiled": static.compiled,
+                "compile_error": static.compile_error,
             }
         kv = self.kv
         lengths = list(kv.lengths) if kv is not None else []
@@ -272,6 +276,8 @@ class ModelRunner:
             "tokens_used": sum(lengths),
             "bytes": kv.nbytes if kv is not None else 0,
             "graphs": 0,
+            "compiled": False,
+            "compile_error": None,
         }
 
     @property
@@ -393,9 +399,10 @@ class ModelRunner:
         last chunk, its first token (and its whole cache is `partial`)."""
         context = row.context()
         ids = torch.tensor([context[start:end]], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=ids, past_key_values=row.partial, use_cache=True, logits_to_keep=1
-        )
+        with changing_shapes(self.device):  # the chunk against every chunk before it
+            out = self.model(
+                input_ids=ids, past_key_values=row.partial, use_cache=True, logits_to_keep=1
+            )
         self.stats.forward_passes += 1
         self.stats.prefill_chunks += 1
         row.partial, row.prefilled = out.past_key_values, end
@@ -500,13 +507,14 @@ class ModelRunner:
             positions = torch.tensor([rows[0].kv_len], dtype=torch.long, device=device)
             mask = torch.ones((1, rows[0].kv_len + 1), dtype=torch.long, device=device)
             past = self.solo
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions[:, None],
-            past_key_values=past,
-            use_cache=True,
-        )
+        with changing_shapes(device):  # one column wider every step
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions[:, None],
+                past_key_values=past,
+                use_cache=True,
+            )
         if past is self.kv:
             self.kv.end_step()
         return out.logits[:, -1, :]

@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from generation import models
+from generation import attention_backends, models
 from generation.jobs import EngineDelta, Job, StreamError
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
@@ -388,3 +388,21 @@ async def check_every_split(
 
 async def _gather(coros: list[Any]) -> list[Stream]:
     return list(await asyncio.gather(*coros))
+
+
+def spy_cudnn_attention(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether SDPA's cuDNN backend was enabled at each `scaled_dot_product_attention` call from
+    now on (transformers looks the function up at every call). The engine's passes at changing
+    shapes (generation/attention_backends.py) are treated as on CUDA on every test device, so
+    the restriction they set is seen on a CPU too (where it changes no kernel: a CPU has no
+    cuDNN attention)."""
+    seen: list[bool] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention_backends, "CUDNN_DEVICE_TYPES", ("cuda", "cpu"))
+    return seen

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from generation import attention_backends
 from generation.jobs import EngineDelta
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
@@ -23,6 +24,7 @@ from tests.engine_support import (
     long_prompt,
     make_job,
     run_alone,
+    spy_cudnn_attention,
     tokens_of,
     warm,
 )
@@ -148,3 +150,34 @@ async def test_a_request_cancelled_mid_prefill_leaves_without_a_token(
     assert b.empty()
     assert engine.stats.requests_cancelled == 1
     assert engine.stats.prefill_chunks == 3
+
+
+async def test_prefill_chunks_and_eager_steps_attend_without_cudnn_attention(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk of a long prompt attends over every chunk before it, and an eager decode step is
+    one column wider than the last: shapes new at every pass, for which cuDNN attention builds
+    a plan on CUDA. Both run with cuDNN attention off (generation/attention_backends.py), with
+    the tokens of passes where every backend is allowed."""
+    seen = spy_cudnn_attention(monkeypatch)
+    prompt = long_prompt(100)
+    chunks = math.ceil(len(prompt) / CHUNK)
+    layers = tiny_model.model.config.num_hidden_layers
+    backends = attention_backends.CHANGING_SHAPE_BACKENDS
+    tokens = []
+    for allowed in (None, backends):
+        monkeypatch.setattr(attention_backends, "CHANGING_SHAPE_BACKENDS", allowed)
+        engine = Engine(tiny_model, prefill_chunk_tokens=CHUNK, static_decode=False)
+        engine.start()
+        try:
+            await warm(engine)
+            seen.clear()
+            job = make_job(prompt, 8, asyncio.Queue())
+            engine.submit(job)
+            tokens.append(await tokens_of(job.queue))
+        finally:
+            engine.stop()
+        # the first token comes with the last chunk, then 7 eager steps
+        assert len(seen) == layers * (chunks + 7)
+        assert not any(seen) if allowed else all(seen)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8

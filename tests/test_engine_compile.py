@@ -1,6 +1,8 @@
 """`--compile` (decode_graphs.compile_forward): the static decode step through torch.compile's
 Inductor streams exactly what the eager static step does (tiny-random, float64, on a CPU:
-Inductor's generated C++ there, Triton on CUDA), greedy, seeded and penalised.
+Inductor's generated C++ there, Triton on CUDA), greedy, seeded and penalised; and a step that
+fails to compile (Inductor raising, as torch 2.11's did on an H200) never stops the engine: it
+serves the uncompiled step's exact tokens and says why in its log, /health and /metrics.
 
 Compiling is slow on a CPU (tiny-random: ~30-45 s per graph on a busy 2-core machine, cached
 afterwards under torchinductor's cache directory), so this is one small test with one shape:
@@ -9,14 +11,21 @@ one row (the requests run one after another) in one width bucket."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
+import aiohttp
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from generation import decode_graphs
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
+from generation.server import STATE, create_app
+from tests.engine_processes import ThreadedServer
+from tests.engine_support import generate, run
 from tests.test_engine_overlap import Request, drive
 
 
@@ -67,3 +76,68 @@ def test_compiled_step_streams_exactly_what_the_eager_step_does(tiny_model: Load
     assert compiled == eager
     assert sum(len(e.token_ids) for e in eager[0]) == 12  # min_new_tokens: 12 steps compared
     assert all(events and events[-1].finish_reason is not None for events in eager)
+
+
+def exploding_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """A torch.compile backend that fails the way Inductor failed on the H200 (at compile)."""
+    raise TypeError("list indices must be integers or slices, not NoneType (a test)")
+
+
+@pytest.mark.timeout(600)
+def test_a_step_that_fails_to_compile_runs_uncompiled_and_says_so(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--compile` whose compile raises (here: a backend that raises; on CUDA at start-up, in
+    the capture's warm-up runs; on a CPU at the first step): the engine starts, streams exactly
+    the tokens of the uncompiled static step (greedy and seeded sampling, over real HTTP),
+    warns once naming the error, and /health and /metrics report the fallback."""
+    monkeypatch.setattr(decode_graphs, "COMPILE_BACKEND", exploding_backend)
+    bodies = [
+        {"prompt": "Hello", "max_new_tokens": 12, "min_new_tokens": 12},
+        {
+            "prompt": "The capital of France is",
+            "max_new_tokens": 10,
+            "decoding": {"method": "sampling", "temperature": 0.8, "top_p": 0.9, "seed": 11},
+        },
+    ]
+
+    async def scenario(url: str) -> tuple[list[Any], dict[str, Any], str]:
+        async with aiohttp.ClientSession() as session:
+            streams = [await generate(session, url, body) for body in bodies]
+            async with session.get(url + "/health") as resp:
+                health = await resp.json()
+            async with session.get(url + "/metrics") as resp:
+                metrics = await resp.text()
+        return [(s.status, s.token_ids, s.text, s.finish_reason) for s in streams], health, metrics
+
+    with ThreadedServer(
+        lambda: create_app(tiny_model, static_decode=True, static_buckets=True)
+    ) as server:
+        eager, eager_health, _ = run(scenario(server.url))
+    with (
+        caplog.at_level(logging.WARNING, logger="guardstream.engine"),
+        ThreadedServer(lambda: create_app(tiny_model, compile_step=True)) as server,
+    ):
+        assert server.app is not None
+        fallen, health, metrics = run(scenario(server.url))
+        static = server.app[STATE].engine._runner.static
+        assert static is not None and not static.compiled
+
+    assert fallen == eager
+    assert [status for status, *_ in fallen] == [200, 200]
+    assert len(fallen[0][1]) == 12 and len(fallen[1][1]) > 0
+    assert eager_health["kv_cache"]["compile_error"] is None
+    error = (
+        "BackendCompilerFailed: backend='exploding_backend' raised: TypeError: list indices must "
+        "be integers or slices, not NoneType (a test)"
+    )
+    assert health["status"] == "ok"
+    assert health["kv_cache"]["compiled"] is False
+    assert health["kv_cache"]["compile_error"] == error
+    # the same kind of step (CUDA: graphs captured, uncompiled; a CPU: the static step eagerly)
+    assert health["kv_cache"]["mode"] == eager_health["kv_cache"]["mode"]
+    lines = metrics.splitlines()
+    assert "guardstream_engine_decode_compile_failed 1.0" in lines
+    assert "guardstream_engine_decode_compiled 0.0" in lines
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings.count(f"compiling the decode step failed, it runs uncompiled: {error}") == 1

@@ -607,6 +607,8 @@ def test_health_and_metrics_report_the_kv_cache(
         "tokens_used": 0,
         "bytes": nbytes,
         "graphs": graphs,
+        "compiled": False,
+        "compile_error": None,
     }
     values = {
         name: float(value)
@@ -621,6 +623,8 @@ def test_health_and_metrics_report_the_kv_cache(
             "kv_cache_tokens_used",
             "kv_cache_bytes",
             "decode_graphs",
+            "decode_compiled",
+            "decode_compile_failed",
         )
     } == {
         "kv_cache_rows": rows,
@@ -629,6 +633,8 @@ def test_health_and_metrics_report_the_kv_cache(
         "kv_cache_tokens_used": 0,
         "kv_cache_bytes": nbytes,
         "decode_graphs": graphs,
+        "decode_compiled": 0,
+        "decode_compile_failed": 0,
     }
 
 

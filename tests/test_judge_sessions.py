@@ -10,15 +10,18 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend
 
+from generation import attention_backends
 from generation.judge_sessions import JudgeSessions
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from orchestrator.judge_templates import JudgeContext, JudgePrompt
 from tests.engine_processes import ThreadedServer
-from tests.engine_support import generate, load_test_model, run
+from tests.engine_support import generate, load_test_model, run, spy_cudnn_attention
 from tests.wait_support import until
 
 HEAD = "Is the following reply safe or unsafe?\n\n"
@@ -363,3 +366,37 @@ def test_a_batched_pass_runs_each_appends_tokens_once_without_padding(
         return [f.result().score for f in futures]
 
     assert judge(together=True) == judge(together=False)
+
+
+def test_judge_passes_attend_without_cudnn_attention(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every judge pass attends at a shape of its own (a prefix that grows with each append),
+    and on CUDA cuDNN attention builds a plan per new shape (~60 ms a pass on an H200 whatever
+    its tokens): appends and answer tokens run with cuDNN attention off, the flags are restored
+    after each pass, and the verdicts are those of passes with every backend allowed."""
+    seen = spy_cudnn_attention(monkeypatch)
+    backends = attention_backends.CHANGING_SHAPE_BACKENDS
+    assert backends is not None and SDPBackend.CUDNN_ATTENTION not in backends
+
+    def judge(backends: Any) -> list[Any]:
+        monkeypatch.setattr(attention_backends, "CHANGING_SHAPE_BACKENDS", backends)
+        judges = JudgeSessions(tiny_model)
+        session = judges.open([11, 12, 13], [14, 15], [16, 17], [18])
+        verdicts = []
+        for chunk in ([20, 21, 22], [23], [24, 25]):
+            future = judges.append(session, chunk, answer_tokens=3, answer_min_score=0.0)
+            assert judges.run_pending() == 1
+            verdicts.append(future.result())
+            assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the pass
+        return verdicts
+
+    default = judge(None)
+    assert seen and all(seen)
+    seen.clear()
+    restricted = judge(backends)
+    answers = sum(len(v.answer_ids or []) for v in restricted)
+    layers = tiny_model.model.config.num_hidden_layers
+    assert answers == 9  # three answer tokens after each append: passes of their own
+    assert len(seen) == layers * (3 + 3 * 2) and not any(seen)
+    assert restricted == default
