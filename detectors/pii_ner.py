@@ -116,12 +116,17 @@ class PiiNerParams(BatchingParams):
     threshold: float | None = Field(None, ge=0, le=1)
 
 
+# What the model runs (issue 34, cost): `ner` alone. Its network has its own embedding and CNN
+# (config's components.ner.model.tok2vec); the pipeline's shared `tok2vec` component feeds
+# only the tagger's and parser's listeners, so running it was 40% of the cost for nothing
+# (tests/test_detectors_pii_ner.py: the same entities as the whole pipeline).
+_EXCLUDE = ["tok2vec", "parser", "tagger", "attribute_ruler", "lemmatizer", "senter"]
+
+
 def _load() -> Any:
     import spacy
 
-    return spacy.load(
-        SPACY_MODEL, exclude=["parser", "tagger", "attribute_ruler", "lemmatizer", "senter"]
-    )
+    return spacy.load(SPACY_MODEL, exclude=_EXCLUDE)
 
 
 def _ibans(text: str) -> list[Span]:

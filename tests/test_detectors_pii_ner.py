@@ -336,3 +336,23 @@ def test_the_shipped_pii_finds_what_hides_in_unicode_and_punctuation(
     with the same span (the model may add finds of its own kinds around them)."""
     got = {(s, e, kind) for kind, s, e, _ in found(text)}
     assert set(want) <= got, (text, got)
+
+
+def test_the_model_as_loaded_finds_what_the_whole_shipped_pipeline_finds() -> None:
+    """`pii_ner` runs spaCy's `ner` alone, for cost: not the pipeline's shared `tok2vec`, which
+    only the tagger's and parser's listeners read (the `ner` has an embedding and CNN of its
+    own). The entities of every piece are those of the whole pipeline as spaCy ships it."""
+    import spacy
+
+    from detectors.pii_ner import SPACY_MODEL, _load, ner_spans
+
+    texts = [
+        *STREAM_TEXTS,
+        *"".join(nato_answer(400)).split(". "),
+        *(text for text, _ in test_detectors_normalise.ATTACKS),
+        "Write to Angela Merkel in Berlin today. Or call 555-123-4567, please.",
+        "Helen Jones, 75 year old, was born in Quebec on May 5th 1949 and works for Acme Corp.",
+    ]
+    cheap = ner_spans(_load(), texts)
+    assert sum(map(len, cheap)) > 20  # names, places, dates: the comparison has something to say
+    assert cheap == ner_spans(spacy.load(SPACY_MODEL), texts)
