@@ -26,6 +26,7 @@ orchestrator's CPU per 2,000-word answer against 25-29 ms with `regex` (bench/op
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Mapping
@@ -124,9 +125,39 @@ _EXCLUDE = ["tok2vec", "parser", "tagger", "attribute_ruler", "lemmatizer", "sen
 
 
 def _load() -> Any:
+    """spaCy's pipeline, its `ner` only. Its layers multiply with numpy (OpenBLAS, on one
+    thread: `_one_blas_thread`) in place of thinc's default BLIS, which repacks each weight
+    matrix on every call: for a sentence's 10-60 tokens by 288, 2-3x faster, some 20% of the
+    orchestrator's CPU with this detector (README). Where the one thread cannot be had
+    (another thread of the process controls OpenBLAS's threads), BLIS: numpy on two threads,
+    one of them waiting for a busy core, is many times slower still."""
     import spacy
+    from thinc.api import use_ops
 
-    return spacy.load(SPACY_MODEL, exclude=_EXCLUDE)
+    with _one_blas_thread():
+        libs = _blas().info()
+        single = bool(libs) and all(lib["num_threads"] == 1 for lib in libs)
+    with use_ops("numpy", use_blis=not single):  # the layers take the current ops when built
+        return spacy.load(SPACY_MODEL, exclude=_EXCLUDE)
+
+
+def _one_blas_thread() -> Any:
+    """The context in which the model runs: numpy's BLAS on one thread. A sentence's product
+    split over two threads waits for a busy core (10-40x slower with the machine's other core
+    taken), and the worker thread shares the cores with the event loop anyway
+    (detectors/runtime.py). OpenBLAS's setting is process-wide: it holds while the model runs
+    (12 us to set and reset) and only this model's worker thread sets it, so that thread
+    controls it (threadpoolctl leaves OpenBLAS to the first live thread that limits it)."""
+    return _blas().limit(limits=1)
+
+
+@functools.cache
+def _blas() -> Any:
+    """The process's BLAS libraries, numpy's among them (found once, numpy loaded first)."""
+    import numpy  # noqa: F401  (its OpenBLAS is what the model's products use)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="blas")
 
 
 def _ibans(text: str) -> list[Span]:
@@ -155,7 +186,9 @@ def _date_kind(text: str) -> str | None:
 def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
     """The model's finds in each text (spans in that text), IBANs included, sorted by start."""
     out: list[list[Span]] = []
-    for text, doc in zip(texts, nlp.pipe(texts, batch_size=max(1, len(texts))), strict=True):
+    with _one_blas_thread():
+        docs = list(nlp.pipe(texts, batch_size=max(1, len(texts))))
+    for text, doc in zip(texts, docs, strict=True):
         found = _ibans(text)
         for ent in doc.ents:
             kind = _LABELS.get(ent.label_)
