@@ -49,6 +49,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 C = 4.0  # inverse regularisation; chosen on neuralchemy core-validation held out (--sweep)
+# `model: minilm` (the default): the mean of an MLP on the MiniLM embedding (three seeds, their
+# logits averaged: one 384-768-1 network) and a character n-gram logistic regression
+# (detectors/ngram_head.py). Chosen on bench/quality.py's dev split (F1, windows judged as the
+# detector judges them, decoded views included) among: our LR alone or with jailguard's MLP
+# (0.86-0.88), the MLP alone (alpha 1e-3/3e-3/1e-2, one seed or three: 0.89-0.92), n-gram LRs
+# (word 1-2-grams, char 2-5 and 3-5, C 4/16/64: 0.91-0.93 alone) and their means with the MLP,
+# with or without jailguard's (0.91-0.935); the best dev F1 (0.935, tied: the smaller model).
+MLP_HIDDEN = 256
+MLP_ALPHA = 3e-3
+MLP_SEEDS = (0, 1, 2)
+NGRAM_C = 64.0
 FAKER_LOCALES = {"de": "de_DE", "fr": "fr_FR", "es": "es_ES", "it": "it_IT"}  # pt: Latin only
 FAKER_PER_LOCALE = 200
 PRESIDIO_DRAWS = 800
@@ -326,6 +337,49 @@ def fit(x: np.ndarray, y: np.ndarray, c: float = C) -> tuple[np.ndarray, float]:
     return clf.coef_[0].astype(np.float32), float(clf.intercept_[0])
 
 
+def fit_mlp(x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """MLP_SEEDS networks (384-MLP_HIDDEN-1, ReLU; scikit-learn, early stopping on a tenth of
+    the rows) as one network: hidden layers side by side, output weights averaged, so its logit
+    is the mean of theirs (the detector's head format, `load_head`)."""
+    from sklearn.neural_network import MLPClassifier
+
+    nets = [
+        MLPClassifier(
+            hidden_layer_sizes=(MLP_HIDDEN,),
+            alpha=MLP_ALPHA,
+            early_stopping=True,
+            random_state=seed,
+            max_iter=300,
+        ).fit(x, y)
+        for seed in MLP_SEEDS
+    ]
+    w0 = np.vstack([n.coefs_[0].T for n in nets])
+    b0 = np.concatenate([n.intercepts_[0] for n in nets])
+    w1 = np.hstack([n.coefs_[1].T for n in nets]) / len(nets)
+    b1 = np.array([np.mean([n.intercepts_[1][0] for n in nets])])
+    return [a.astype(np.float32) for a in (w0, b0, w1, b1)]
+
+
+def fit_ngrams(texts: list[str], y: np.ndarray, path: Path) -> None:
+    """The n-gram head (detectors/ngram_head.py) on the texts' normalised views, written to
+    `path`; checks that the detector's arithmetic gives scikit-learn's probabilities."""
+    from sklearn.feature_extraction.text import TfidfTransformer
+    from sklearn.linear_model import LogisticRegression
+
+    from detectors.ngram_head import load_ngram_head, save_ngram_head, vectorizer
+
+    counts = vectorizer().transform(texts)
+    tfidf = TfidfTransformer(sublinear_tf=True).fit(counts)
+    x = tfidf.transform(counts)
+    clf = LogisticRegression(C=NGRAM_C, class_weight="balanced", max_iter=5000).fit(x, y)
+    seen = np.asarray(counts.sum(axis=0)).ravel() > 0
+    save_ngram_head(path, tfidf.idf_, clf.coef_[0], float(clf.intercept_[0]), len(texts), seen)
+    sample = texts[:: max(1, len(texts) // 500)]
+    ours = load_ngram_head(path).probabilities(sample)
+    theirs = clf.predict_proba(tfidf.transform(vectorizer().transform(sample)))[:, 1]
+    assert np.abs(ours - theirs).max() < 1e-3, np.abs(ours - theirs).max()
+
+
 def predict(embs: list[np.ndarray], coef: np.ndarray, intercept: float) -> np.ndarray:
     """The detector's score: the best window."""
     return np.array([1 / (1 + np.exp(-(e @ coef + intercept).max())) for e in embs])
@@ -412,6 +466,14 @@ def main(argv: list[str] | None = None) -> int:
     coef, intercept = fit(x, y)
     save_head(args.out, [coef[None, :], np.array([intercept], np.float32)], sources=sorted(counts))
     print(f"wrote {args.out} (train @0.5: {prf(y, predict(embs, coef, intercept), 0.5)})")
+    mlp = args.out.parent / "injection_mlp.npz"
+    save_head(mlp, fit_mlp(x, y), sources=sorted(counts))
+    print(f"wrote {mlp}")
+    from detectors.normalise import view_text
+
+    ngrams = args.out.parent / "injection_ngrams.npz"
+    fit_ngrams([view_text(r.text) for r in rows], y, ngrams)
+    print(f"wrote {ngrams}")
     jailguard = args.out.parent / "jailguard_mlp.npz"
     save_head(jailguard, jailguard_layers(), source="jailguard==0.1.2 (MIT OR Apache-2.0)")
     print(f"wrote {jailguard}")

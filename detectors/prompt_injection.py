@@ -51,8 +51,11 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from .base import ScoredParams
+from .decode import decoded_views
 from .hf import load_embedder, minilm_path
 from .model import ScoredTextDetector
+from .ngram_head import NgramHead, load_ngram_head
+from .normalise import view_text
 from .runtime import (
     ModelRuntime,
     get_runtime,
@@ -62,11 +65,12 @@ from .runtime import (
 )
 from .topic import pool_batch
 
-HEADS = {  # model -> the heads it averages
-    "minilm": ("injection_head.npz", "jailguard_mlp.npz"),
+HEADS = {  # model -> the MiniLM heads it averages
+    "minilm": ("injection_mlp.npz",),
     "minilm-lr": ("injection_head.npz",),
     "jailguard": ("jailguard_mlp.npz",),
 }
+NGRAM_HEADS = {"minilm": "injection_ngrams.npz"}  # model -> its n-gram head (detectors.ngram_head)
 MINILM_DIM = 384
 MINILM_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length
 MIN_WORDS = 2  # shorter windows are not judged by the MiniLM heads (`_minilm_scores`)
@@ -137,6 +141,7 @@ class MiniLMHeads:
     tokenizer: Any
     model: Any
     heads: tuple[list[np.ndarray], ...]
+    ngrams: NgramHead | None = None  # averaged with the MiniLM heads' mean, window by window
 
 
 def minilm_embeddings(tokenizer: Any, model: Any, texts: list[str], rows: int) -> list[np.ndarray]:
@@ -186,15 +191,20 @@ def _minilm_scores(m: MiniLMHeads, texts: list[str], rows: int) -> list[float]:
     for i, emb in zip(todo, embs, strict=True):
         probs = np.mean([head_probabilities(h, emb) for h in m.heads], axis=0)
         out[i] = float(probs.max())
+    if m.ngrams is not None and todo:
+        grams = m.ngrams.probabilities([texts[i] for i in todo])
+        for i, p in zip(todo, grams, strict=True):
+            out[i] = (out[i] + float(p)) / 2
     return out
 
 
-def _load_minilm(device: str, heads: tuple[str, ...]) -> MiniLMHeads:
+def _load_minilm(device: str, heads: tuple[str, ...], ngrams: str | None) -> MiniLMHeads:
     path = minilm_path()
     tokenizer, model = get_runtime(
         ("embed", path, device), lambda: load_embedder(path, device), thread=torch_thread(device)
     ).get()
-    return MiniLMHeads(tokenizer, model, tuple(load_head(head_path(h)) for h in heads))
+    grams = load_ngram_head(head_path(ngrams)) if ngrams else None
+    return MiniLMHeads(tokenizer, model, tuple(load_head(head_path(h)) for h in heads), grams)
 
 
 def _load_nanoguard(device: str) -> Any:
@@ -224,9 +234,10 @@ class PromptInjectionDetector(ScoredTextDetector):
         device = resolve_device(self.device)
         heads = HEADS.get(self.params.model)
         if heads is not None:
+            ngrams = NGRAM_HEADS.get(self.params.model)
             return get_runtime(
-                ("injection-minilm", heads, device),
-                lambda: _load_minilm(device, heads),
+                ("injection-minilm", heads, ngrams, device),
+                lambda: _load_minilm(device, heads, ngrams),
                 thread=torch_thread(device),
             )
         if self.params.model == "nanoguard":
@@ -245,6 +256,18 @@ class PromptInjectionDetector(ScoredTextDetector):
         if self.params.model == "nanoguard":
             return None, 0
         return super().span_window()
+
+    def _judge(self, items: list[str]) -> list[float]:
+        """Each content and the payloads decoded out of it (base64, hex, ROT13, tag characters
+        and the other encodings of `decoded_views`) are judged alike, in the one model call;
+        a content scores the maximum: an instruction a model is told to decode is found."""
+        views = [[item, *decoded_views(view_text(item), item)] for item in items]
+        scores = super()._judge([v for vs in views for v in vs])
+        out, at = [], 0
+        for vs in views:
+            out.append(max(scores[at : at + len(vs)]))
+            at += len(vs)
+        return out
 
     def _forward(self, items: list[str]) -> list[float]:
         if self.params.model == "guardify":
