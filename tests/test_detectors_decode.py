@@ -93,8 +93,9 @@ def scores_of(result: list[list[detectors.Detection]]) -> list[float]:
 
 
 async def test_an_encoded_injection_is_flagged_and_a_benign_payload_is_not() -> None:
-    """Without decoded views the default model scored these encoded injections 0.13-0.16 (the
-    base64, hex and tag-character rows of bastioncorpus): the model it guards decodes them."""
+    """Without decoded views the default model scored these four 0.11-0.38 (the base64, hex,
+    tag-character and ROT13 rows of bastioncorpus alike, 0.13-0.16): the model it guards
+    decodes them."""
     det = detectors.build("prompt_injection", {"min_score": 0.0})
     wrap = "Shipping notes for order 4471: {} Please file them."
     texts = [
