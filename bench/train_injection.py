@@ -3,7 +3,7 @@
 detectors/data/injection_head.npz (384 weights and an intercept, about 2 KB).
 
     pip install --no-deps -r bench/requirements-quality.txt
-    python bench/train_injection.py            # writes detectors/data/injection_head.npz
+    python bench/train_injection.py            # writes detectors/data/injection_{head,mlp,ngrams}.npz
     python bench/train_injection.py --loso     # also: leave-one-source-out figures
 
 Training data, read from installed packages (nothing vendored; all licences permit training and
@@ -27,6 +27,8 @@ shipping a model derived from them):
 - Faker (MIT; already a bench dependency): benign sentences in de/fr/es/it from its lorem
   providers, so that "not English" is not learnt as "injection" from yanismiraoui's attacks
   (the only non-English rows above).
+- Python's standard library (PSF licence): 1,500 sentences of its modules' docstrings
+  (STDLIB_MODULES): benign technical prose, much of it imperative.
 
 No text of bench/quality.py's injection data (dev or test split) is trained on: rows equal to
 one after normalisation (case, whitespace) are dropped, and counted in the output.
@@ -55,7 +57,12 @@ C = 4.0  # inverse regularisation; chosen on neuralchemy core-validation held ou
 # detector judges them, decoded views included) among: our LR alone or with jailguard's MLP
 # (0.86-0.88), the MLP alone (alpha 1e-3/3e-3/1e-2, one seed or three: 0.89-0.92), n-gram LRs
 # (word 1-2-grams, char 2-5 and 3-5, C 4/16/64: 0.91-0.93 alone) and their means with the MLP,
-# with or without jailguard's (0.91-0.935); the best dev F1 (0.935, tied: the smaller model).
+# with or without jailguard's (0.91-0.935): the best dev F1 (0.935, tied: the smaller model).
+# Then STDLIB_SENTENCES were added (benign technical prose scored 0.67:
+# tests/test_detectors_windows.py::test_benign_paragraphs_stay_benign); dev F1 0.92 with them,
+# for every n-gram C of 4/16/64, so C stayed. The shipped threshold (config.yaml, 0.45) is
+# bench/quality.py's `threshold_for` on the dev split: the best F1 where precision and recall
+# both reach 0.9.
 MLP_HIDDEN = 256
 MLP_ALPHA = 3e-3
 MLP_SEEDS = (0, 1, 2)
@@ -266,6 +273,45 @@ def short_benign(n_words: int = SHORT_FAKER) -> list[Row]:
     return rows
 
 
+# Python's standard library modules whose docstrings give STDLIB_SENTENCES (PSF licence): prose
+# about programs, data and what they do ("Return the value for key if key is in the
+# dictionary"), much of it imperative, none an instruction to a model. Without it the heads
+# took plain technical prose about text being checked for a request to a model ("It holds text
+# back until every requested detector has judged it." 0.67).
+STDLIB_MODULES = (
+    "argparse", "asyncio", "base64", "collections", "contextlib", "csv", "datetime", "decimal",
+    "difflib", "email.message", "enum", "fractions", "functools", "gzip", "hashlib", "heapq",
+    "http.client", "http.server", "imaplib", "inspect", "io", "ipaddress", "itertools", "json",
+    "logging", "mailbox", "os", "pathlib", "pickle", "queue", "random", "re", "sched", "shutil",
+    "smtplib", "socket", "sqlite3", "ssl", "statistics", "string", "subprocess", "tarfile",
+    "tempfile", "textwrap", "threading", "timeit", "typing", "unittest", "urllib.parse",
+    "urllib.request", "uuid", "wave", "xml.etree.ElementTree", "zipfile",
+)  # fmt: skip
+STDLIB_SENTENCES = 1500
+
+
+def stdlib_benign(n: int = STDLIB_SENTENCES) -> list[Row]:
+    """Sentences of 5-40 words from the docstrings of STDLIB_MODULES and their members, a
+    seeded sample of `n`."""
+    import importlib
+    import inspect
+    import random
+
+    from detectors.windows import sentences
+
+    found: dict[str, None] = {}
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        objs = [module, *(v for _, v in inspect.getmembers(module))]
+        for obj in objs:
+            doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
+            for sentence in sentences(" ".join((doc or "").split())):
+                if 5 <= len(sentence.split()) <= 40 and sentence[0].isupper():
+                    found.setdefault(sentence, None)
+    rng = random.Random(13)
+    return [Row(t, False, "stdlib docstrings") for t in rng.sample(sorted(found), n)]
+
+
 def bench_keys() -> set[str]:
     """Every text of bench/quality.py's injection data, dev and test."""
     from bench.quality import injection_data
@@ -394,6 +440,7 @@ def training_rows() -> tuple[list[Row], int]:
         + faker_benign()
         + presidio_benign()
         + short_benign()
+        + stdlib_benign()
     )
     return dedupe(rows, bench_keys())
 
