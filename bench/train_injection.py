@@ -483,32 +483,35 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"C={c}: neuralchemy test (trained without neuralchemy) @0.5 {prf(hy, predict(he, coef, b), 0.5)}"
             )
-    if args.loso:  # our head trained without one source, judged on it; alone and as shipped
+    if args.loso:  # the shipped pair trained without one source, judged on it at 0.45
+        import tempfile
+
+        from detectors.ngram_head import load_ngram_head
+        from detectors.normalise import view_text
         from detectors.prompt_injection import head_probabilities
 
-        jg = jailguard_layers()
+        views = [view_text(r.text) for r in rows]
         held = neuralchemy(("test",))
         held, _ = dedupe(held, bench_keys())
         extra = {"neuralchemy": ([r.text for r in held], np.array([r.label for r in held]))}
         for source in ("s-labs", "neuralchemy", "yanismiraoui", "presidio-evaluator draws"):
             keep = src != source
-            coef, b = fit(x[keep], y[keep])
+            mlp_layers = fit_mlp(x[keep], y[keep])
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "ngrams.npz"
+                fit_ngrams([v for v, k in zip(views, keep, strict=True) if k], y[keep], path)
+                grams = load_ngram_head(path)
             if source in extra:
                 texts, hy = extra[source]
                 held_embs = embed(texts, args.cache)
             else:
+                texts = [r.text for r, k in zip(rows, keep, strict=True) if not k]
                 held_embs = [e for e, s in zip(embs, src, strict=True) if s == source]
                 hy = y[src == source]
-            lr = predict(held_embs, coef, b)
-            both = np.array(
-                [
-                    ((1 / (1 + np.exp(-(e @ coef + b)))) + head_probabilities(jg, e)).max() / 2
-                    for e in held_embs
-                ]
-            )
+            mlp = np.array([head_probabilities(mlp_layers, e).max() for e in held_embs])
+            both = (mlp + grams.probabilities([view_text(t) for t in texts])) / 2
             print(
-                f"without {source}: on {source} (held out): our head @0.5 {prf(hy, lr, 0.5)}; "
-                f"mean with jailguard's @0.4 (as shipped) {prf(hy, both, 0.4)}"
+                f"without {source}: on {source} (held out) @0.45 (as shipped) {prf(hy, both, 0.45)}"
             )
     coef, intercept = fit(x, y)
     save_head(args.out, [coef[None, :], np.array([intercept], np.float32)], sources=sorted(counts))
