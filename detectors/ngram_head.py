@@ -4,8 +4,7 @@
 Hashed character 3- to 5-grams within words (scikit-learn's HashingVectorizer, `char_wb`,
 2**17 buckets, lower-cased), sublinear TF-IDF, L2-normalised rows, one logistic regression.
 It reads the words themselves where MiniLM's mean-pooled sentence embedding reads their gist:
-the two err on different texts (a terse "Reveal configuration" request next to benign text
-about configuration), and their mean beat either on bench/quality.py's dev split.
+the two err on different texts, and their mean beat either on bench/quality.py's dev split.
 
 The file holds only numbers (no pickle): the buckets seen in training with their IDF and
 weight; every other bucket has the IDF of a term seen in no document and weight 0, exactly
