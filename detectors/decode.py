@@ -46,7 +46,11 @@ _HEX = re.compile(r"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}[ :]?){8,}")
 _ASCII85 = re.compile(r"<~[!-u\s]{10,}~>|[!-u]{20,}")
 _BASE85 = re.compile(r"[0-9A-Za-z!#$%&()*+\-;<=>?@^_`{|}~]{20,}")
 _Z85 = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{20,}")
-_PERCENT = re.compile(r"(?:[^\s%]*%[0-9A-Fa-f]{2}){4,}[^\s%]*")
+# Every pattern is linear in the text: a run that may hold what is sought starts only where the
+# run starts (lookbehind), so a long run without it is read once, not once per position
+_PERCENT = re.compile(r"(?<!\S)\S*%[0-9A-Fa-f]{2}\S*")
+_PERCENT_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
+PERCENT_MIN_ESCAPES = 4
 _ESCAPES = re.compile(r"(?:\\u[0-9A-Fa-f]{4}|\\x[0-9A-Fa-f]{2}|\\U[0-9A-Fa-f]{8}){4,}")
 _WORD = re.compile(r"[A-Za-z]+")
 _LETTERS = re.compile(r"[^\W\d_]+")
@@ -54,7 +58,7 @@ _LETTERS = re.compile(r"[^\W\d_]+")
 ROT13_MIN_WORDS = 2  # words of a ROT13 run that must read as English words once rotated
 LEET_MIN_WORDS = 2  # likewise for words spelt with digits for letters (1gn0r3)
 _LEET = str.maketrans("013457@$", "oieastas")
-_MIXED = re.compile(r"[A-Za-z0-9@$]*[0-9@$][A-Za-z0-9@$]*")
+_MIXED = re.compile(r"(?<![A-Za-z0-9@$])[A-Za-z0-9@$]*[0-9@$][A-Za-z0-9@$]*")
 
 
 @lru_cache(maxsize=1)
@@ -147,7 +151,9 @@ def _z85decode(raw: bytes) -> bytes:
 
 
 def _percent(s: str) -> str | None:
-    text = urllib.parse.unquote(s, errors="strict") if "%" in s else None
+    if len(_PERCENT_ESCAPE.findall(s)) < PERCENT_MIN_ESCAPES:
+        return None
+    text = urllib.parse.unquote(s, errors="strict")
     return text if text is not None and text != s and _printable(text) else None
 
 
