@@ -128,6 +128,20 @@ def best_threshold(labels: Sequence[bool], scores: Sequence[float]) -> float:
     return max(candidates, key=lambda t: (classify_prf(labels, scores, t).f1, t))
 
 
+def threshold_for(
+    labels: Sequence[bool], scores: Sequence[float], precision: float = 0.9, recall: float = 0.9
+) -> float | None:
+    """Issue 34's bar as a rule: among the scores seen, the threshold with the best F1 (ties: the
+    higher) of those where both precision and recall reach the bar; None when none does."""
+    candidates = sorted({round(s, 4) for s in scores} | {0.5})
+    ok = [
+        t
+        for t in candidates
+        if (c := classify_prf(labels, scores, t)).precision >= precision and c.recall >= recall
+    ]
+    return max(ok, key=lambda t: (classify_prf(labels, scores, t).f1, t)) if ok else None
+
+
 Span = tuple[int, int, str]
 
 
@@ -443,6 +457,18 @@ async def bench_injection(
         chosen = best_threshold(d_labels, d_scores)
         at_half = classify_prf(labels, s, 0.5)
         test = classify_prf(t_labels, t_scores, chosen)
+        bar = threshold_for(d_labels, d_scores)
+        bar_row: dict[str, Any] = {"dev_threshold_p0.9_r0.9": bar}
+        if bar is not None:
+            bar_test = classify_prf(t_labels, t_scores, bar)
+            bar_row["test@that"] = bar_test.row()
+            per_source = {}
+            for src in sorted({r.source for r in data}):
+                idx = [i for i, r in enumerate(data) if r.source == src and not dev[i]]
+                per_source[src] = classify_prf(
+                    [labels[i] for i in idx], [s[i] for i in idx], bar
+                ).row()
+            bar_row["test per source@that"] = per_source
         langs, langs_dev = {}, {}
         for lang in sorted({r.lang for r in data}):
             idx = [i for i, r in enumerate(data) if r.lang == lang]
@@ -455,6 +481,7 @@ async def bench_injection(
             "test@dev_threshold": test.row(),
             "per_language@0.5": langs,
             "per_language@dev_threshold (all splits)": langs_dev,
+            **bar_row,
             **costs[name],
         }
         print(
@@ -462,6 +489,17 @@ async def bench_injection(
             f"F1 {at_half.f1:.3f} | dev threshold {chosen:.3f}: test P {test.precision:.3f} "
             f"R {test.recall:.3f} F1 {test.f1:.3f} | {costs[name]}"
         )
+        if bar is not None:
+            print(
+                f"  dev threshold for P and R >= 0.9: {bar:.3f}: test P "
+                f"{bar_test.precision:.3f} R {bar_test.recall:.3f} F1 {bar_test.f1:.3f}; "
+                "test per source (P/R): "
+                + ", ".join(
+                    f"{k} {v['precision']:.2f}/{v['recall']:.2f}" for k, v in per_source.items()
+                )
+            )
+        else:
+            print("  no dev threshold gives precision and recall >= 0.9")
         for at, rows in (("0.5", langs), (f"{chosen:.3f}", langs_dev)):
             print(
                 f"  per language @{at} (recall/precision, all splits): "

@@ -3,7 +3,7 @@
 detectors/data/injection_head.npz (384 weights and an intercept, about 2 KB).
 
     pip install --no-deps -r bench/requirements-quality.txt
-    python bench/train_injection.py            # writes detectors/data/injection_head.npz
+    python bench/train_injection.py            # writes detectors/data/injection_{head,mlp,ngrams}.npz
     python bench/train_injection.py --loso     # also: leave-one-source-out figures
 
 Training data, read from installed packages (nothing vendored; all licences permit training and
@@ -27,6 +27,8 @@ shipping a model derived from them):
 - Faker (MIT; already a bench dependency): benign sentences in de/fr/es/it from its lorem
   providers, so that "not English" is not learnt as "injection" from yanismiraoui's attacks
   (the only non-English rows above).
+- Python's standard library (PSF licence): 1,500 sentences of its modules' docstrings
+  (STDLIB_MODULES): benign technical prose, much of it imperative.
 
 No text of bench/quality.py's injection data (dev or test split) is trained on: rows equal to
 one after normalisation (case, whitespace) are dropped, and counted in the output.
@@ -49,6 +51,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 C = 4.0  # inverse regularisation; chosen on neuralchemy core-validation held out (--sweep)
+# `model: minilm` (the default): the mean of an MLP on the MiniLM embedding (three seeds, their
+# logits averaged: one 384-768-1 network) and a character n-gram logistic regression
+# (detectors/ngram_head.py). Chosen on bench/quality.py's dev split (F1, windows judged as the
+# detector judges them, decoded views included) among: our LR alone or with jailguard's MLP
+# (0.86-0.88), the MLP alone (alpha 1e-3/3e-3/1e-2, one seed or three: 0.89-0.92), n-gram LRs
+# (word 1-2-grams, char 2-5 and 3-5, C 4/16/64: 0.91-0.93 alone) and their means with the MLP,
+# with or without jailguard's (0.91-0.935): the best dev F1 (0.935, tied: the smaller model).
+# Then STDLIB_SENTENCES were added (benign technical prose scored 0.67:
+# tests/test_detectors_windows.py::test_benign_paragraphs_stay_benign); dev F1 0.92 with them,
+# for every n-gram C of 4/16/64, so C stayed. The shipped threshold (config.yaml, 0.45) is
+# bench/quality.py's `threshold_for` on the dev split: the best F1 where precision and recall
+# both reach 0.9.
+MLP_HIDDEN = 256
+MLP_ALPHA = 3e-3
+MLP_SEEDS = (0, 1, 2)
+NGRAM_C = 64.0
 FAKER_LOCALES = {"de": "de_DE", "fr": "fr_FR", "es": "es_ES", "it": "it_IT"}  # pt: Latin only
 FAKER_PER_LOCALE = 200
 PRESIDIO_DRAWS = 800
@@ -255,6 +273,45 @@ def short_benign(n_words: int = SHORT_FAKER) -> list[Row]:
     return rows
 
 
+# Python's standard library modules whose docstrings give STDLIB_SENTENCES (PSF licence): prose
+# about programs, data and what they do ("Return the value for key if key is in the
+# dictionary"), much of it imperative, none an instruction to a model. Without it the heads
+# took plain technical prose about text being checked for a request to a model ("It holds text
+# back until every requested detector has judged it." 0.67).
+STDLIB_MODULES = (
+    "argparse", "asyncio", "base64", "collections", "contextlib", "csv", "datetime", "decimal",
+    "difflib", "email.message", "enum", "fractions", "functools", "gzip", "hashlib", "heapq",
+    "http.client", "http.server", "imaplib", "inspect", "io", "ipaddress", "itertools", "json",
+    "logging", "mailbox", "os", "pathlib", "pickle", "queue", "random", "re", "sched", "shutil",
+    "smtplib", "socket", "sqlite3", "ssl", "statistics", "string", "subprocess", "tarfile",
+    "tempfile", "textwrap", "threading", "timeit", "typing", "unittest", "urllib.parse",
+    "urllib.request", "uuid", "wave", "xml.etree.ElementTree", "zipfile",
+)  # fmt: skip
+STDLIB_SENTENCES = 1500
+
+
+def stdlib_benign(n: int = STDLIB_SENTENCES) -> list[Row]:
+    """Sentences of 5-40 words from the docstrings of STDLIB_MODULES and their members, a
+    seeded sample of `n`."""
+    import importlib
+    import inspect
+    import random
+
+    from detectors.windows import sentences
+
+    found: dict[str, None] = {}
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        objs = [module, *(v for _, v in inspect.getmembers(module))]
+        for obj in objs:
+            doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
+            for sentence in sentences(" ".join((doc or "").split())):
+                if 5 <= len(sentence.split()) <= 40 and sentence[0].isupper():
+                    found.setdefault(sentence, None)
+    rng = random.Random(13)
+    return [Row(t, False, "stdlib docstrings") for t in rng.sample(sorted(found), n)]
+
+
 def bench_keys() -> set[str]:
     """Every text of bench/quality.py's injection data, dev and test."""
     from bench.quality import injection_data
@@ -326,6 +383,49 @@ def fit(x: np.ndarray, y: np.ndarray, c: float = C) -> tuple[np.ndarray, float]:
     return clf.coef_[0].astype(np.float32), float(clf.intercept_[0])
 
 
+def fit_mlp(x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """MLP_SEEDS networks (384-MLP_HIDDEN-1, ReLU; scikit-learn, early stopping on a tenth of
+    the rows) as one network: hidden layers side by side, output weights averaged, so its logit
+    is the mean of theirs (the detector's head format, `load_head`)."""
+    from sklearn.neural_network import MLPClassifier
+
+    nets = [
+        MLPClassifier(
+            hidden_layer_sizes=(MLP_HIDDEN,),
+            alpha=MLP_ALPHA,
+            early_stopping=True,
+            random_state=seed,
+            max_iter=300,
+        ).fit(x, y)
+        for seed in MLP_SEEDS
+    ]
+    w0 = np.vstack([n.coefs_[0].T for n in nets])
+    b0 = np.concatenate([n.intercepts_[0] for n in nets])
+    w1 = np.hstack([n.coefs_[1].T for n in nets]) / len(nets)
+    b1 = np.array([np.mean([n.intercepts_[1][0] for n in nets])])
+    return [a.astype(np.float32) for a in (w0, b0, w1, b1)]
+
+
+def fit_ngrams(texts: list[str], y: np.ndarray, path: Path) -> None:
+    """The n-gram head (detectors/ngram_head.py) on the texts' normalised views, written to
+    `path`; checks that the detector's arithmetic gives scikit-learn's probabilities."""
+    from sklearn.feature_extraction.text import TfidfTransformer
+    from sklearn.linear_model import LogisticRegression
+
+    from detectors.ngram_head import load_ngram_head, save_ngram_head, vectorizer
+
+    counts = vectorizer().transform(texts)
+    tfidf = TfidfTransformer(sublinear_tf=True).fit(counts)
+    x = tfidf.transform(counts)
+    clf = LogisticRegression(C=NGRAM_C, class_weight="balanced", max_iter=5000).fit(x, y)
+    seen = np.asarray(counts.sum(axis=0)).ravel() > 0
+    save_ngram_head(path, tfidf.idf_, clf.coef_[0], float(clf.intercept_[0]), len(texts), seen)
+    sample = texts[:: max(1, len(texts) // 500)]
+    ours = load_ngram_head(path).probabilities(sample)
+    theirs = clf.predict_proba(tfidf.transform(vectorizer().transform(sample)))[:, 1]
+    assert np.abs(ours - theirs).max() < 1e-3, np.abs(ours - theirs).max()
+
+
 def predict(embs: list[np.ndarray], coef: np.ndarray, intercept: float) -> np.ndarray:
     """The detector's score: the best window."""
     return np.array([1 / (1 + np.exp(-(e @ coef + intercept).max())) for e in embs])
@@ -340,6 +440,7 @@ def training_rows() -> tuple[list[Row], int]:
         + faker_benign()
         + presidio_benign()
         + short_benign()
+        + stdlib_benign()
     )
     return dedupe(rows, bench_keys())
 
@@ -382,36 +483,47 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"C={c}: neuralchemy test (trained without neuralchemy) @0.5 {prf(hy, predict(he, coef, b), 0.5)}"
             )
-    if args.loso:  # our head trained without one source, judged on it; alone and as shipped
+    if args.loso:  # the shipped pair trained without one source, judged on it at 0.45
+        import tempfile
+
+        from detectors.ngram_head import load_ngram_head
+        from detectors.normalise import view_text
         from detectors.prompt_injection import head_probabilities
 
-        jg = jailguard_layers()
+        views = [view_text(r.text) for r in rows]
         held = neuralchemy(("test",))
         held, _ = dedupe(held, bench_keys())
         extra = {"neuralchemy": ([r.text for r in held], np.array([r.label for r in held]))}
         for source in ("s-labs", "neuralchemy", "yanismiraoui", "presidio-evaluator draws"):
             keep = src != source
-            coef, b = fit(x[keep], y[keep])
+            mlp_layers = fit_mlp(x[keep], y[keep])
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "ngrams.npz"
+                fit_ngrams([v for v, k in zip(views, keep, strict=True) if k], y[keep], path)
+                grams = load_ngram_head(path)
             if source in extra:
                 texts, hy = extra[source]
                 held_embs = embed(texts, args.cache)
             else:
+                texts = [r.text for r, k in zip(rows, keep, strict=True) if not k]
                 held_embs = [e for e, s in zip(embs, src, strict=True) if s == source]
                 hy = y[src == source]
-            lr = predict(held_embs, coef, b)
-            both = np.array(
-                [
-                    ((1 / (1 + np.exp(-(e @ coef + b)))) + head_probabilities(jg, e)).max() / 2
-                    for e in held_embs
-                ]
-            )
+            mlp = np.array([head_probabilities(mlp_layers, e).max() for e in held_embs])
+            both = (mlp + grams.probabilities([view_text(t) for t in texts])) / 2
             print(
-                f"without {source}: on {source} (held out): our head @0.5 {prf(hy, lr, 0.5)}; "
-                f"mean with jailguard's @0.4 (as shipped) {prf(hy, both, 0.4)}"
+                f"without {source}: on {source} (held out) @0.45 (as shipped) {prf(hy, both, 0.45)}"
             )
     coef, intercept = fit(x, y)
     save_head(args.out, [coef[None, :], np.array([intercept], np.float32)], sources=sorted(counts))
     print(f"wrote {args.out} (train @0.5: {prf(y, predict(embs, coef, intercept), 0.5)})")
+    mlp = args.out.parent / "injection_mlp.npz"
+    save_head(mlp, fit_mlp(x, y), sources=sorted(counts))
+    print(f"wrote {mlp}")
+    from detectors.normalise import view_text
+
+    ngrams = args.out.parent / "injection_ngrams.npz"
+    fit_ngrams([view_text(r.text) for r in rows], y, ngrams)
+    print(f"wrote {ngrams}")
     jailguard = args.out.parent / "jailguard_mlp.npz"
     save_head(jailguard, jailguard_layers(), source="jailguard==0.1.2 (MIT OR Apache-2.0)")
     print(f"wrote {jailguard}")

