@@ -1,0 +1,186 @@
+"""The engine-core process of a replica split in two (`python -m generation serve`, issue 35).
+
+The API process (server.py's `create_api_app`) owns the clients' HTTP: parsing, validation,
+tokenization, every stream's encoding and socket writes. This process owns the worker (scheduler,
+model runner, output processing) and hands it the API's requests; what the worker emits in one
+step, for every row, goes back as ONE frame (ipc.py), so the worker's process holds no per-stream
+work between steps and the GIL the worker needs is not spent on clients' sockets.
+
+The routes that are not per token (`/health`, `/metrics`, judge sessions, `/v1/tokenize`,
+`/v1/models`, 404/405 answers) stay the engine's own app (server.py's `create_app`), served here
+on a private Unix socket the API process forwards them to: one implementation of each, exact
+with the in-process replica.
+
+Lifetime: the core dies with its API process (PR_SET_PDEATHSIG, and EOF on the socketpair where
+that is not available), so a SIGKILL of the replica's pid leaves no engine behind; a SIGTERM of
+the API process reaches here as a `stop`: the engine ends its unfinished streams in-band first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from . import ipc
+from .jobs import EngineDelta, EngineUnavailable, Job, StreamError
+from .sampling import SamplingParams
+from .scheduler import Engine
+from .server import STATE, freeze_startup_heap
+
+log = logging.getLogger("guardstream.engine.core")
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when the process that started it dies (the API process: the
+    replica's pid that a supervisor watches and may SIGKILL). Elsewhere EOF on the socket does
+    it, a little later."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the call: the signal will never come
+        os._exit(1)
+
+
+class _Sink:
+    """A job's `StreamSink` in the core: its events join the step's one frame."""
+
+    __slots__ = ("_core", "_rid")
+
+    def __init__(self, core: CoreSession, rid: int) -> None:
+        self._core = core
+        self._rid = rid
+
+    def put_many(self, events: list[EngineDelta | StreamError]) -> None:
+        self._core.post(self._rid, events)
+
+
+class CoreSession:
+    """The core's side of the socketpair: requests in, each delivery's events out as one frame.
+
+    The worker's delivery (output_processor.py) calls every job's sink in one loop callback; the
+    first call schedules `flush` right after it, so a step's events for all rows are encoded by
+    one orjson call (dataclasses natively) and written once."""
+
+    def __init__(
+        self, engine: Engine, writer: asyncio.StreamWriter, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.engine = engine
+        self.writer = writer
+        self.loop = loop
+        self.jobs: dict[int, Job] = {}
+        self._outbox: list[tuple[int, list[EngineDelta | StreamError]]] = []
+
+    def post(self, rid: int, events: list[EngineDelta | StreamError]) -> None:
+        if not self._outbox:
+            self.loop.call_soon(self.flush)
+        self._outbox.append((rid, events))
+        last = events[-1]
+        if isinstance(last, StreamError) or last.finish_reason is not None:
+            self.jobs.pop(rid, None)
+
+    def flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        if outbox and not self.writer.is_closing():
+            self.writer.write(ipc.encode(["step", outbox]))
+
+    def submit(self, rid: int, spec: dict[str, Any]) -> None:
+        job = Job(
+            prompt_ids=spec["prompt_ids"],
+            max_new_tokens=spec["max_new_tokens"],
+            sampling=SamplingParams(**spec["sampling"]),
+            loop=self.loop,
+            queue=_Sink(self, rid),
+            resume_ids=spec["resume_ids"],
+            resume_text_len=spec["resume_text_len"],
+            min_new_tokens=spec["min_new_tokens"],
+            stop_sequences=spec["stop_sequences"],
+            deadline=spec["deadline"],  # time.monotonic(): CLOCK_MONOTONIC, one per machine
+        )
+        self.jobs[rid] = job
+        try:
+            self.engine.submit(job)
+        except EngineUnavailable as exc:  # the API process checked first; a race with a stop
+            self.post(rid, [StreamError(503, "generation_unavailable", str(exc))])
+
+    def cancel(self, rid: int) -> None:
+        job = self.jobs.pop(rid, None)
+        if job is not None:
+            self.engine.cancel(job)
+
+    async def serve(self, reader: asyncio.StreamReader) -> None:
+        """Until the API process says `stop` or goes away."""
+        while True:
+            message = await ipc.read(reader)
+            if message is None:
+                log.warning("the API process went away: stopping")
+                return
+            kind = message[0]
+            if kind == "submit":
+                self.submit(message[1], message[2])
+            elif kind == "cancel":
+                self.cancel(message[1])
+            elif kind == "stop":
+                return
+
+
+def facts(app: web.Application) -> dict[str, Any]:
+    """What the API process needs to validate and tokenize requests as this engine would."""
+    state = app[STATE]
+    loaded = state.loaded
+    return {
+        "name": loaded.name,
+        "path": str(loaded.path),
+        "max_context": loaded.max_context,
+        "vocab_size": loaded.vocab_size,
+        "has_chat_template": loaded.has_chat_template,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "batch_invariant": loaded.batch_invariant,
+        "tool_format": state.tool_format,
+    }
+
+
+async def run_core(app: web.Application, fd: int, socket_path: str) -> int:
+    """Serve `app` (the engine's own, `create_app`) on `socket_path` for the API process's
+    forwarded routes, and its engine's streams over the socketpair end `fd`; return the exit
+    status once the API process has said `stop` (or died)."""
+    die_with_parent()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the API process stops us
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
+    # the API process logs its clients' requests: the forwarded copies would repeat them
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10.0, access_log=None)
+    await runner.setup()  # the app's start-up: the engine starts (graphs captured on CUDA)
+    await web.UnixSite(runner, socket_path).start()
+    freeze_startup_heap()
+    session = CoreSession(app[STATE].engine, writer, loop)
+    writer.write(ipc.encode(["hello", facts(app)]))
+    serving = loop.create_task(session.serve(reader))
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    serving.cancel()
+    stopped.cancel()
+    await runner.cleanup()  # the engine stops: unfinished streams get their in-band error
+    session.flush()
+    with contextlib.suppress(ConnectionError):
+        writer.write(ipc.encode(["bye"]))
+        await writer.drain()
+        writer.close()
+    return 0
