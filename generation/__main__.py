@@ -133,10 +133,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-process",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="serve HTTP from this process and run the engine (the worker) in a child process "
         "that sends each step's tokens for all streams in one message, so per-stream delivery "
-        "never holds the worker's GIL (default: off; the child dies with this process)",
+        "never holds the worker's GIL (default: on; the child dies with this process); "
+        "--no-api-process: one process, for debugging",
     )
     # the engine-core child of --api-process (engine_core.py): its socketpair end and the Unix
     # socket its own app listens on; --core-command (a JSON argv) replaces the child's command
