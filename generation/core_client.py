@@ -82,8 +82,9 @@ class CoreClient:
         self.socket_path = socket_path
         self.on_lost = on_lost
         self.process: asyncio.subprocess.Process | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
+        self._channel: ipc.FrameProtocol | None = None
+        self._hello: asyncio.Future[dict[str, Any]] | None = None
+        self._closed = asyncio.Event()  # the core closed its end (bye, or death)
         self._jobs: dict[int, Job] = {}
         self._rids: dict[Job, int] = {}
         self._ids = itertools.count(1)
@@ -92,6 +93,7 @@ class CoreClient:
 
     async def start(self) -> dict[str, Any]:
         """Spawn the core and wait until its engine serves; its facts (engine_core.facts)."""
+        self._hello = asyncio.get_running_loop().create_future()
         mine, theirs = socket.socketpair()
         try:
             self.process = await asyncio.create_subprocess_exec(
@@ -104,26 +106,27 @@ class CoreClient:
             )
         finally:
             theirs.close()
-        reader, self._writer = await asyncio.open_unix_connection(sock=mine)
-        hello = await ipc.read(reader)
-        if hello is None or hello[0] != "hello":
-            self._writer.close()
+        self._channel = await ipc.connect(mine, self._on_messages, self._lost)
+        closed = asyncio.ensure_future(self._closed.wait())
+        await asyncio.wait({self._hello, closed}, return_when=asyncio.FIRST_COMPLETED)
+        closed.cancel()
+        if not self._hello.done():
+            self._hello.cancel()
             raise CoreStartError(await self.process.wait())
         self._serving = True
-        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
-        return dict(hello[1])
+        return self._hello.result()
 
     @property
     def healthy(self) -> bool:
         return self._serving and not self._stopping
 
     def submit(self, job: Job) -> None:
-        if not self.healthy or self._writer is None:
+        if not self.healthy or self._channel is None:
             raise EngineUnavailable("the engine is shutting down")
         rid = next(self._ids)
         self._jobs[rid] = job
         self._rids[job] = rid
-        self._writer.write(ipc.encode(["submit", rid, _job_spec(job)]))
+        self._channel.send(["submit", rid, _job_spec(job)])
 
     def cancel(self, job: Job) -> None:
         """Abort a request (no-op for a finished one)."""
@@ -132,8 +135,8 @@ class CoreClient:
         if rid is None:
             return
         self._jobs.pop(rid, None)
-        if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(ipc.encode(["cancel", rid]))
+        if self._channel is not None:
+            self._channel.send(["cancel", rid])
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Ask the core to stop (its unfinished streams get their error first), then reap it."""
@@ -141,13 +144,11 @@ class CoreClient:
             return
         if not self._stopping:
             self._stopping = True
-            if self._writer is not None and not self._writer.is_closing():
-                with contextlib.suppress(ConnectionError):
-                    self._writer.write(ipc.encode(["stop"]))
+            if self._channel is not None:
+                self._channel.send(["stop"])
         try:
             async with asyncio.timeout(timeout_s):
-                if self._reader_task is not None:
-                    await asyncio.shield(self._reader_task)
+                await self._closed.wait()
                 await self.process.wait()
         except TimeoutError:
             log.warning("the engine core did not stop in %.0f s: killed", timeout_s)
@@ -155,14 +156,29 @@ class CoreClient:
                 self.process.kill()
             await self.process.wait()
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        while True:
-            message = await ipc.read(reader)
-            if message is None or message[0] == "bye":
-                break
-            if message[0] == "step":
-                self._deliver(message[1])
-        self._lost()
+    def _on_messages(self, messages: list[Any]) -> None:
+        """What one read of the socket brought: the steps go out together (a stream behind by
+        several steps gets their tokens in one write)."""
+        steps = []
+        for message in messages:
+            kind = message[0]
+            if kind == "step":
+                steps.append(message[1])
+            elif kind == "hello" and self._hello is not None and not self._hello.done():
+                self._hello.set_result(dict(message[1]))
+            elif kind == "bye" and self._channel is not None and self._channel.transport:
+                self._channel.transport.close()  # `_lost` follows
+        if len(steps) == 1:
+            self._deliver(steps[0])
+        elif steps:
+            merged: dict[Any, list[Any]] = {}
+            for step in steps:
+                for rid, events in step:
+                    if rid in merged:
+                        merged[rid].extend(events)
+                    else:
+                        merged[rid] = list(events)
+            self._deliver(list(merged.items()))
 
     def _deliver(self, batch: list[list[Any]]) -> None:
         """One worker delivery: each row's events to its stream, in order."""
@@ -185,14 +201,13 @@ class CoreClient:
     def _lost(self) -> None:
         """The core is gone (or said bye): streams still open fail as a dead replica's would."""
         self._serving = False
-        if self._writer is not None:
-            self._writer.close()
+        self._closed.set()
         jobs, self._jobs = self._jobs, {}
         self._rids = {}
         for job in jobs.values():
             with contextlib.suppress(Exception):
                 job.queue.put_many([StreamError(503, "generation_unavailable", LOST)])  # type: ignore[union-attr]
-        if not self._stopping:
+        if not self._stopping and self._hello is not None and self._hello.done():
             log.error("the engine core died: this replica stops")
             if self.on_lost is not None:
                 self.on_lost()

@@ -55,47 +55,39 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-class _Sink:
-    """A job's `StreamSink` in the core: its events join the step's one frame."""
-
-    __slots__ = ("_core", "_rid")
-
-    def __init__(self, core: CoreSession, rid: int) -> None:
-        self._core = core
-        self._rid = rid
-
-    def put_many(self, events: list[EngineDelta | StreamError]) -> None:
-        self._core.post(self._rid, events)
-
-
 class CoreSession:
     """The core's side of the socketpair: requests in, each delivery's events out as one frame.
 
-    The worker's delivery (output_processor.py) calls every job's sink in one loop callback; the
-    first call schedules `flush` right after it, so a step's events for all rows are encoded by
-    one orjson call (dataclasses natively) and written once."""
+    It is every core job's sink (a `StepSink`): the worker's delivery (output_processor.py)
+    hands it a step's events for all rows in one call on the loop, which become one frame
+    `[[rid, [event]], ...]` encoded by one orjson call (the events are dataclasses: orjson
+    encodes them in C) and one socket write. Per row, only a dict look-up and a finish check."""
 
-    def __init__(
-        self, engine: Engine, writer: asyncio.StreamWriter, loop: asyncio.AbstractEventLoop
-    ) -> None:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
-        self.writer = writer
         self.loop = loop
+        self.channel: ipc.FrameProtocol | None = None  # set once connected
+        self.done = asyncio.Event()  # the API process said `stop`, or went away
         self.jobs: dict[int, Job] = {}
-        self._outbox: list[tuple[int, list[EngineDelta | StreamError]]] = []
+        self.rids: dict[Job, int] = {}
 
-    def post(self, rid: int, events: list[EngineDelta | StreamError]) -> None:
-        if not self._outbox:
-            self.loop.call_soon(self.flush)
-        self._outbox.append((rid, events))
-        last = events[-1]
-        if isinstance(last, StreamError) or last.finish_reason is not None:
-            self.jobs.pop(rid, None)
+    def put_step(self, events: list[tuple[Job, EngineDelta | StreamError]]) -> None:
+        rids = self.rids
+        frame = []
+        append = frame.append
+        for job, event in events:
+            rid = rids.get(job)  # None: cancelled meanwhile (the API process drops it)
+            append((rid, (event,)))
+            if event.__class__ is StreamError or event.finish_reason is not None:  # type: ignore[union-attr]
+                self._forget(rid)
+        if self.channel is not None:
+            self.channel.send(["step", frame])
 
-    def flush(self) -> None:
-        outbox, self._outbox = self._outbox, []
-        if outbox and not self.writer.is_closing():
-            self.writer.write(ipc.encode(["step", outbox]))
+    def _forget(self, rid: int | None) -> Job | None:
+        job = self.jobs.pop(rid, None) if rid is not None else None
+        if job is not None:
+            del self.rids[job]
+        return job
 
     def submit(self, rid: int, spec: dict[str, Any]) -> None:
         job = Job(
@@ -103,7 +95,7 @@ class CoreSession:
             max_new_tokens=spec["max_new_tokens"],
             sampling=SamplingParams(**spec["sampling"]),
             loop=self.loop,
-            queue=_Sink(self, rid),
+            queue=self,
             resume_ids=spec["resume_ids"],
             resume_text_len=spec["resume_text_len"],
             min_new_tokens=spec["min_new_tokens"],
@@ -111,30 +103,31 @@ class CoreSession:
             deadline=spec["deadline"],  # time.monotonic(): CLOCK_MONOTONIC, one per machine
         )
         self.jobs[rid] = job
+        self.rids[job] = rid
         try:
             self.engine.submit(job)
         except EngineUnavailable as exc:  # the API process checked first; a race with a stop
-            self.post(rid, [StreamError(503, "generation_unavailable", str(exc))])
+            self.put_step([(job, StreamError(503, "generation_unavailable", str(exc)))])
 
     def cancel(self, rid: int) -> None:
-        job = self.jobs.pop(rid, None)
+        job = self._forget(rid)
         if job is not None:
             self.engine.cancel(job)
 
-    async def serve(self, reader: asyncio.StreamReader) -> None:
-        """Until the API process says `stop` or goes away."""
-        while True:
-            message = await ipc.read(reader)
-            if message is None:
-                log.warning("the API process went away: stopping")
-                return
+    def on_messages(self, messages: list[Any]) -> None:
+        for message in messages:
             kind = message[0]
             if kind == "submit":
                 self.submit(message[1], message[2])
             elif kind == "cancel":
                 self.cancel(message[1])
             elif kind == "stop":
-                return
+                self.done.set()
+
+    def on_lost(self) -> None:
+        if not self.done.is_set():
+            log.warning("the API process went away: stopping")
+            self.done.set()
 
 
 def facts(app: web.Application) -> dict[str, Any]:
@@ -164,23 +157,24 @@ async def run_core(app: web.Application, fd: int, socket_path: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the API process stops us
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-    reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
     # the API process logs its clients' requests: the forwarded copies would repeat them
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10.0, access_log=None)
     await runner.setup()  # the app's start-up: the engine starts (graphs captured on CUDA)
     await web.UnixSite(runner, socket_path).start()
     freeze_startup_heap()
-    session = CoreSession(app[STATE].engine, writer, loop)
-    writer.write(ipc.encode(["hello", facts(app)]))
-    serving = loop.create_task(session.serve(reader))
+    session = CoreSession(app[STATE].engine, loop)
+    channel = await ipc.connect(socket.socket(fileno=fd), session.on_messages, session.on_lost)
+    session.channel = channel
+    channel.send(["hello", facts(app)])
     stopped = loop.create_task(stop.wait())
-    await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    serving.cancel()
-    stopped.cancel()
+    await asyncio.wait(
+        {loop.create_task(session.done.wait()), stopped}, return_when=asyncio.FIRST_COMPLETED
+    )
     await runner.cleanup()  # the engine stops: unfinished streams get their in-band error
-    session.flush()
-    with contextlib.suppress(ConnectionError):
-        writer.write(ipc.encode(["bye"]))
-        await writer.drain()
-        writer.close()
+    channel.send(["bye"])
+    if channel.transport is not None:
+        channel.transport.close()  # what is buffered goes out first
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10.0):
+                await channel.closed.wait()
     return 0
