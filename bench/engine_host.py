@@ -854,26 +854,12 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    engine = (args.device, args.device_ms, args.max_rows, args.eager)
     if args.serve is not None:
-        serve(
-            args.serve,
-            args.device,
-            args.device_ms,
-            args.max_rows,
-            args.eager,
-            args.overlap.split(",")[0] == "on",
-        )
+        serve(args.serve, *engine, args.overlap.split(",")[0] == "on")
         return
     if args.serve_core:
-        serve_core(
-            args.core_fd,
-            args.core_socket,
-            args.device,
-            args.device_ms,
-            args.max_rows,
-            args.eager,
-            args.overlap.split(",")[0] == "on",
-        )
+        serve_core(args.core_fd, args.core_socket, *engine, args.overlap.split(",")[0] == "on")
         return
     if args.client is not None:
         asyncio.run(client(args.client, args.first, args.count, args.decoding, args.tokens))

@@ -141,15 +141,9 @@ def create_app(
     engine) needs one of them as a Bearer key."""
     if loaded is None:
         loaded = models.load(model, device=device, dtype=dtype, batch_invariant=batch_invariant)
-    middlewares: list[Any] = [_error_middleware]
-    if TRACING.tracer is not None:  # outermost: error answers belong to the span too
-        middlewares.insert(0, TRACING.middleware())
-    if api_keys is not None:
-        if not api_keys:
-            raise ValueError("api_keys is empty: no client could ever authenticate")
-        open_paths = OPEN_PATHS | ({FAULTS_PATH} if fault_injection else set())
-        middlewares.append(_auth_middleware(api_keys, open_paths))
-    app = web.Application(client_max_size=client_max_size, middlewares=middlewares)
+    app = web.Application(
+        client_max_size=client_max_size, middlewares=_middlewares(api_keys, fault_injection)
+    )
     state = EngineState(
         loaded=loaded,
         engine=Engine(
@@ -190,6 +184,20 @@ def create_app(
     return app
 
 
+def _middlewares(api_keys: Sequence[str] | None, fault_injection: bool) -> list[Any]:
+    """Errors in the engine's shape, then auth; tracing outermost (error answers belong to the
+    span too). The same for the one-process app and the API process's."""
+    middlewares: list[Any] = [_error_middleware]
+    if TRACING.tracer is not None:
+        middlewares.insert(0, TRACING.middleware())
+    if api_keys is not None:
+        if not api_keys:
+            raise ValueError("api_keys is empty: no client could ever authenticate")
+        open_paths = OPEN_PATHS | ({FAULTS_PATH} if fault_injection else set())
+        middlewares.append(_auth_middleware(api_keys, open_paths))
+    return middlewares
+
+
 def create_api_app(
     core: CoreClient,
     loaded: LoadedModel,
@@ -204,15 +212,9 @@ def create_api_app(
     by `core` (a started `CoreClient`); `loaded` holds the core's facts and a tokenizer, no
     weights. Faults are armed here, where the streams are. Every other route is forwarded to the
     core's own app over its Unix socket (`core.socket_path`): one implementation of each."""
-    middlewares: list[Any] = [_error_middleware]
-    if TRACING.tracer is not None:
-        middlewares.insert(0, TRACING.middleware())
-    if api_keys is not None:
-        if not api_keys:
-            raise ValueError("api_keys is empty: no client could ever authenticate")
-        open_paths = OPEN_PATHS | ({FAULTS_PATH} if fault_injection else set())
-        middlewares.append(_auth_middleware(api_keys, open_paths))
-    app = web.Application(client_max_size=client_max_size, middlewares=middlewares)
+    app = web.Application(
+        client_max_size=client_max_size, middlewares=_middlewares(api_keys, fault_injection)
+    )
     app[STATE] = EngineState(
         loaded=loaded,
         engine=core,
@@ -279,10 +281,7 @@ async def _on_api_shutdown(app: web.Application) -> None:
 
 async def _on_api_cleanup(app: web.Application) -> None:
     state = app[STATE]
-    if state.watcher is not None:
-        state.watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await state.watcher
+    await _stop_watcher(state)
     if state.core_http is not None:
         await state.core_http.close()
     core = state.engine
@@ -323,12 +322,16 @@ async def _on_shutdown(app: web.Application) -> None:
 
 async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE]
+    await _stop_watcher(state)
+    await asyncio.to_thread(state.engine.stop)
+    state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _stop_watcher(state: EngineState) -> None:
     if state.watcher is not None:
         state.watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await state.watcher
-    await asyncio.to_thread(state.engine.stop)
-    state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ----- errors and bodies ------------------------------------------------------------------------
