@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import socket
@@ -48,25 +49,15 @@ def _event(raw: dict[str, Any]) -> EngineDelta | StreamError:
     )
 
 
-def _job_spec(job: Job) -> dict[str, Any]:
-    s = job.sampling
-    return {
-        "prompt_ids": job.prompt_ids,
-        "max_new_tokens": job.max_new_tokens,
-        "sampling": {
-            "greedy": s.greedy,
-            "temperature": s.temperature,
-            "top_k": s.top_k,
-            "top_p": s.top_p,
-            "seed": s.seed,
-            "repetition_penalty": s.repetition_penalty,
-        },
-        "resume_ids": job.resume_ids,
-        "resume_text_len": job.resume_text_len,
-        "min_new_tokens": job.min_new_tokens,
-        "stop_sequences": job.stop_sequences,
-        "deadline": job.deadline,
-    }
+def job_spec(job: Job) -> dict[str, Any]:
+    """A `Job` as the core rebuilds it (engine_core.job_from_spec): every field but its loop,
+    its sink and `cancelled` (a cancel is its own message)."""
+    spec = {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name not in LOCAL}
+    spec["sampling"] = dataclasses.asdict(job.sampling)
+    return spec
+
+
+LOCAL = frozenset({"loop", "queue", "cancelled"})  # a Job's fields that stay in this process
 
 
 class CoreClient:
@@ -126,7 +117,7 @@ class CoreClient:
         rid = next(self._ids)
         self._jobs[rid] = job
         self._rids[job] = rid
-        self._channel.send(["submit", rid, _job_spec(job)])
+        self._channel.send(["submit", rid, job_spec(job)])
 
     def cancel(self, job: Job) -> None:
         """Abort a request (no-op for a finished one)."""

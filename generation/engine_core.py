@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from . import ipc
-from .jobs import EngineDelta, EngineUnavailable, Job, StreamError
+from .jobs import EngineDelta, EngineUnavailable, Job, StepSink, StreamError
 from .sampling import SamplingParams
 from .scheduler import Engine
 from .server import STATE, freeze_startup_heap
@@ -55,6 +55,15 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def job_from_spec(spec: dict[str, Any], loop: asyncio.AbstractEventLoop, sink: StepSink) -> Job:
+    """The `Job` the API process sent (core_client.job_spec): every field but its loop and
+    sink, which are this process's."""
+    fields = dict(spec)
+    fields["sampling"] = SamplingParams(**spec["sampling"])
+    # deadline: a time.monotonic() value of the API process; CLOCK_MONOTONIC is one per machine
+    return Job(**fields, loop=loop, queue=sink)
+
+
 class CoreSession:
     """The core's side of the socketpair: requests in, each delivery's events out as one frame.
 
@@ -76,32 +85,23 @@ class CoreSession:
         frame = []
         append = frame.append
         for job, event in events:
-            rid = rids.get(job)  # None: cancelled meanwhile (the API process drops it)
+            rid = rids.get(job)
+            if rid is None:  # cancelled meanwhile: the API process has dropped the stream
+                continue
             append((rid, (event,)))
             if event.__class__ is StreamError or event.finish_reason is not None:  # type: ignore[union-attr]
                 self._forget(rid)
         if self.channel is not None:
             self.channel.send(["step", frame])
 
-    def _forget(self, rid: int | None) -> Job | None:
-        job = self.jobs.pop(rid, None) if rid is not None else None
+    def _forget(self, rid: int) -> Job | None:
+        job = self.jobs.pop(rid, None)
         if job is not None:
             del self.rids[job]
         return job
 
     def submit(self, rid: int, spec: dict[str, Any]) -> None:
-        job = Job(
-            prompt_ids=spec["prompt_ids"],
-            max_new_tokens=spec["max_new_tokens"],
-            sampling=SamplingParams(**spec["sampling"]),
-            loop=self.loop,
-            queue=self,
-            resume_ids=spec["resume_ids"],
-            resume_text_len=spec["resume_text_len"],
-            min_new_tokens=spec["min_new_tokens"],
-            stop_sequences=spec["stop_sequences"],
-            deadline=spec["deadline"],  # time.monotonic(): CLOCK_MONOTONIC, one per machine
-        )
+        job = job_from_spec(spec, self.loop, self)
         self.jobs[rid] = job
         self.rids[job] = rid
         try:

@@ -1,10 +1,12 @@
 """The frames between a replica's API process and its engine core (generation/ipc.py): whatever
 way the socket cuts the byte stream, the reader gets every message, whole and in order, each
-read's complete frames in one batch; a corrupt length closes the connection."""
+read's complete frames in one batch; a corrupt length closes the connection; a job and the
+worker's events cross whole."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from typing import Any
 
@@ -12,7 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from generation import ipc
-from generation.jobs import EngineDelta, FinishReason, StreamError
+from generation.core_client import job_spec
+from generation.engine_core import job_from_spec
+from generation.jobs import EngineDelta, FinishReason, Job, StreamError
+from generation.sampling import SamplingParams
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=20),
@@ -107,3 +112,32 @@ def test_integers_past_64_bits_still_encode() -> None:
     protocol, batches, _ = _reader()
     protocol.data_received(ipc.encode(["x", 2**70]))
     assert batches == [[["x", 2**70]]]
+
+
+async def test_a_job_crosses_to_the_core_whole() -> None:
+    """Every field of a `Job` but its loop, its sink and `cancelled` reaches the core as sent
+    (through the frame's encoding): a field added to `Job` later cannot be dropped silently."""
+    loop = asyncio.get_running_loop()
+    job = Job(
+        prompt_ids=[1, 2, 3],
+        max_new_tokens=17,
+        sampling=SamplingParams(
+            greedy=False, temperature=0.7, top_k=5, top_p=0.9, seed=2**40, repetition_penalty=1.3
+        ),
+        loop=loop,
+        queue=asyncio.Queue(),
+        resume_ids=[4, 5],
+        resume_text_len=3,
+        min_new_tokens=2,
+        stop_sequences=["\n\n", "é"],
+        deadline=12345.5,
+    )
+    protocol, batches, _ = _reader()
+    protocol.data_received(ipc.encode(["submit", 1, job_spec(job)]))
+    [[[_, _, spec]]] = batches
+    sink = object()
+    rebuilt = job_from_spec(spec, loop, sink)  # type: ignore[arg-type]
+    assert rebuilt.loop is loop and rebuilt.queue is sink and not rebuilt.cancelled
+    for field in dataclasses.fields(Job):
+        if field.name not in ("loop", "queue"):
+            assert getattr(rebuilt, field.name) == getattr(job, field.name), field.name
