@@ -293,8 +293,9 @@ class Level:
     step_ms: float
     steps: float
     overlap: bool = True
-    cpu_s: float = 0.0  # CPU seconds the engine's process used (all threads) for the level
-    worker_cpu_s: float = 0.0  # of which the worker thread (http path)
+    cpu_s: float = 0.0  # CPU seconds the worker's process used (all threads) for the level
+    worker_cpu_s: float = 0.0  # of which the worker thread (http paths)
+    api_cpu_s: float = 0.0  # http-api: the API process's CPU seconds (the HTTP side)
     client_cpu_s: float = 0.0  # the client processes' CPU seconds, first token to last (http)
 
     @property
@@ -311,6 +312,15 @@ class Level:
     @property
     def worker_us_per_row(self) -> float:
         return self.worker_cpu_s * 1e6 / (self.rows * max(self.steps + 1, 1))
+
+    @property
+    def api_us_per_row(self) -> float:
+        return self.api_cpu_s * 1e6 / (self.rows * max(self.steps + 1, 1))
+
+    @property
+    def total_us_per_row(self) -> float:
+        """Both processes of the split server (the one process's figure otherwise)."""
+        return self.cpu_us_per_row + self.api_us_per_row
 
     @property
     def client_us_per_row(self) -> float:
@@ -374,9 +384,10 @@ async def run_inproc(engine: Engine, rows: int, decoding: str, tokens: int) -> L
 # ----- the http path: a server subprocess and client subprocesses -------------------------------
 
 
-def serve(port: int, device: str, device_ms: float, rows: int, eager: bool, overlap: bool) -> None:
-    """The server subprocess: the engine's own app over the null model, plus `POST /bench/hold`
-    ({"rows": n}: hold the engine until n requests are queued, then let them join at once)."""
+def bench_app(device: str, device_ms: float, rows: int, eager: bool, overlap: bool) -> Any:
+    """The engine's own app over the null model, plus `POST /bench/hold` ({"rows": n}: hold the
+    engine until n requests are queued, then let them join at once) and `GET /bench/worker`
+    (the worker's process and thread ids, for their CPU time)."""
     from aiohttp import web
 
     from generation.server import STATE, create_app
@@ -389,37 +400,63 @@ def serve(port: int, device: str, device_ms: float, rows: int, eager: bool, over
         loaded, max_batch_size=rows, threads=1, static_decode=not eager, overlap=overlap
     )
 
-    releases: list[asyncio.Future[None]] = []
+    engine = app[STATE].engine
+    submit = engine.submit
+    holding: list[Any] = []  # while held: [rows wanted, the hold's context manager]
+
+    def submit_and_release(job: Job) -> None:
+        """The engine's `submit`, releasing the hold at the wanted row count: no poll (its
+        wake-ups would count as the server's CPU time while the clients start)."""
+        submit(job)
+        if holding and engine.queued_requests >= holding[0]:
+            _, held = holding
+            holding.clear()
+            held.__exit__(None, None, None)
+
+    engine.submit = submit_and_release  # type: ignore[method-assign]
 
     async def hold(request: web.Request) -> web.Response:
         wanted = int((await request.json())["rows"])
-        engine = request.app[STATE].engine
         held = engine.hold()
         held.__enter__()
-
-        async def release() -> None:
-            try:
-                # the engine's inbox has nothing to await: a bench-only poll
-                while engine.queued_requests < wanted:  # noqa: ASYNC110
-                    await asyncio.sleep(0.005)
-            finally:
-                held.__exit__(None, None, None)
-
-        releases.append(asyncio.ensure_future(release()))  # keeps the task referenced
+        holding[:] = [wanted, held]
         return web.json_response({"held": wanted})
 
     async def worker(request: web.Request) -> web.Response:
         thread = request.app[STATE].engine._thread  # the worker's OS thread id, for its CPU time
-        return web.json_response({"tid": thread.native_id if thread is not None else None})
+        tid = thread.native_id if thread is not None else None
+        return web.json_response({"pid": os.getpid(), "tid": tid})
+
+    app.router.add_post("/bench/hold", hold)
+    app.router.add_get("/bench/worker", worker)
+    return app
+
+
+def serve(port: int, device: str, device_ms: float, rows: int, eager: bool, overlap: bool) -> None:
+    """The one-process server subprocess: `bench_app` on a TCP port."""
+    from aiohttp import web
+
+    app = bench_app(device, device_ms, rows, eager, overlap)
 
     async def freeze(app: web.Application) -> None:
         freeze_startup_heap()  # after the engine's start-up, as `python -m generation serve`
 
     app.on_startup.append(freeze)  # after create_app's own (the engine's start)
-    app.router.add_post("/bench/hold", hold)
-    app.router.add_get("/bench/worker", worker)
     print(f"listening on {port}", flush=True)
     web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+
+
+def serve_core(
+    fd: int, socket_path: str, device: str, device_ms: float, rows: int, eager: bool, overlap: bool
+) -> None:
+    """The engine-core child of `python -m generation serve --api-process --core-command ...`
+    (the split server): `bench_app` served by `generation.engine_core.run_core`."""
+    from generation.engine_core import run_core
+
+    async def main() -> int:
+        return await run_core(bench_app(device, device_ms, rows, eager, overlap), fd, socket_path)
+
+    sys.exit(asyncio.run(main()))
 
 
 async def client(url: str, first: int, count: int, decoding: str, tokens: int) -> None:
@@ -468,25 +505,39 @@ async def client(url: str, first: int, count: int, decoding: str, tokens: int) -
 class HttpBench:
     """One server subprocess per device-ms setting; client subprocesses per level."""
 
-    def __init__(self, args: argparse.Namespace, device_ms: float, overlap: bool) -> None:
+    def __init__(
+        self, args: argparse.Namespace, device_ms: float, overlap: bool, api: bool = False
+    ) -> None:
+        """`api`: the split server (`python -m generation serve --api-process`, its engine core
+        this script's `--serve-core`); otherwise one process (`--serve`)."""
         from tests.engine_processes import free_port
 
         self.args = args
         self.device_ms = device_ms
         self.overlap = overlap
+        self.api = api
+        self.path = "http-api" if api else "http"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, __file__, "--serve", str(self.port), "--device", args.device]
-        command += ["--device-ms", str(device_ms), "--max-rows", str(max(args.rows))]
-        command += ["--overlap", "on" if overlap else "off"]
+        engine = ["--device", args.device, "--device-ms", str(device_ms)]
+        engine += ["--max-rows", str(max(args.rows)), "--overlap", "on" if overlap else "off"]
         if args.eager:
-            command.append("--eager")
+            engine.append("--eager")
+        if api:
+            core = [sys.executable, __file__, "--serve-core", *engine]
+            command = [sys.executable, "-m", "generation", "serve", "--api-process"]
+            command += ["--log-level", "warning"]  # no access line per stream
+            command += ["--port", str(self.port), "--core-command", json.dumps(core)]
+        else:
+            command = [sys.executable, __file__, "--serve", str(self.port), *engine]
         self.process = subprocess.Popen(command, env=child_environment())
         self._wait_ready()
         import urllib.request
 
         with urllib.request.urlopen(f"{self.url}/bench/worker", timeout=10) as resp:
-            self.worker_tid: int | None = json.loads(resp.read())["tid"]
+            ids = json.loads(resp.read())
+        self.worker_pid: int = ids["pid"]  # the engine core's with `api`
+        self.worker_tid: int | None = ids["tid"]
 
     def _wait_ready(self) -> None:
         import urllib.request
@@ -512,8 +563,9 @@ class HttpBench:
             headers={"Content-Type": "application/json"},
         )
         urllib.request.urlopen(request, timeout=10).read()
-        cpu = _process_cpu(self.process.pid)
-        worker = _worker_cpu(self.process.pid, self.worker_tid)
+        cpu = _process_cpu(self.worker_pid)
+        api = _process_cpu(self.process.pid) if self.api else 0.0
+        worker = _worker_cpu(self.worker_pid, self.worker_tid)
         clients = max(1, min(self.args.clients, rows))
         share = [rows // clients + (1 if i < rows % clients else 0) for i in range(clients)]
         procs = []
@@ -537,11 +589,12 @@ class HttpBench:
             reply = json.loads(out)
             arrivals.extend([tuple(p) for p in stream] for stream in reply["streams"])  # type: ignore[misc]
             client_cpu += reply["cpu_s"]
-        cpu = _process_cpu(self.process.pid) - cpu
-        worker = _worker_cpu(self.process.pid, self.worker_tid) - worker
+        cpu = _process_cpu(self.worker_pid) - cpu
+        api = _process_cpu(self.process.pid) - api if self.api else 0.0
+        worker = _worker_cpu(self.worker_pid, self.worker_tid) - worker
         seconds, steps = step_time(arrivals)
         return Level(
-            "http",
+            self.path,
             decoding,
             rows,
             self.device_ms,
@@ -550,6 +603,7 @@ class HttpBench:
             self.overlap,
             cpu,
             worker,
+            api,
             client_cpu,
         )
 
@@ -612,17 +666,28 @@ def run(args: argparse.Namespace, levels: list[Level]) -> None:
                         report(level)
                 finally:
                     engine.stop()
-    if "http" in args.paths:
+    layouts = [api for path, api in (("http", False), ("http-api", True)) if path in args.paths]
+    if layouts:
+        # both layouts' servers at once, their runs interleaved (A, B, A, B...): on a shared,
+        # noisy machine a burst of load then falls on both, not on one layout's figures
         for device_ms, overlap in settings_of(args):
-            bench = HttpBench(args, device_ms, overlap)
+            benches: list[HttpBench] = []
             try:
+                for api in layouts:
+                    benches.append(HttpBench(args, device_ms, overlap, api))
                 for rows in args.rows:
                     for decoding in args.decoding:
-                        level = best(bench.level(rows, decoding) for _ in range(args.repeat))
-                        levels.append(level)
-                        report(level)
+                        runs: dict[str, list[Level]] = {b.path: [] for b in benches}
+                        for _ in range(args.repeat):
+                            for bench in benches:
+                                runs[bench.path].append(bench.level(rows, decoding))
+                        for path_runs in runs.values():
+                            level = best(path_runs)
+                            levels.append(level)
+                            report(level)
             finally:
-                bench.close()
+                for bench in benches:
+                    bench.close()
 
 
 def best(runs: Iterable[Level]) -> Level:
@@ -632,17 +697,23 @@ def best(runs: Iterable[Level]) -> Level:
     fastest = min(levels, key=lambda lv: lv.step_ms)
     fastest.cpu_s = min(lv.cpu_s for lv in levels)
     fastest.worker_cpu_s = min(lv.worker_cpu_s for lv in levels)
+    fastest.api_cpu_s = min(lv.api_cpu_s for lv in levels)
     fastest.client_cpu_s = min(lv.client_cpu_s for lv in levels)
     return fastest
 
 
 def report(level: Level) -> None:
     print(
-        f"{level.path:6} {level.decoding:8} rows {level.rows:4}  device {level.device_ms:4.1f} ms"
+        f"{level.path:8} {level.decoding:8} rows {level.rows:4}  device {level.device_ms:4.1f} ms"
         f" overlap {'on ' if level.overlap else 'off'}"
         f"  step {level.step_ms:8.3f} ms  host {level.host_us_per_row:8.2f} us/row/step"
         f"  cpu {level.cpu_us_per_row:7.2f} us/row/step"
         + (f" (worker {level.worker_us_per_row:.2f})" if level.worker_cpu_s else "")
+        + (
+            f"  api {level.api_us_per_row:.2f} total {level.total_us_per_row:.2f}"
+            if level.api_cpu_s
+            else ""
+        )
         + (f"  clients {level.client_us_per_row:.2f}" if level.client_cpu_s else ""),
         flush=True,
     )
@@ -672,8 +743,19 @@ def hidden_share(
 
 def summary(levels: list[Level], args: argparse.Namespace) -> str:
     rows = max(args.rows)
-    path = "http" if "http" in args.paths else "inproc"
-    for lv_path in dict.fromkeys(lv.path for lv in levels):
+    http = [p for p in ("http-api", "http") if p in args.paths]  # the served layout first
+    for other in http[1:]:
+        line = host_line(levels, other, rows, args)
+        print(f"{other} (one process, `serve --no-api-process`): {line}")
+    return host_line(levels, http[0] if http else "inproc", rows, args, full=True)
+
+
+def host_line(
+    levels: list[Level], path: str, rows: int, args: argparse.Namespace, full: bool = False
+) -> str:
+    """The `host_us_per_row_N` line of one path (with `full`: the hidden shares of every path
+    and the CPU lines before it)."""
+    for lv_path in dict.fromkeys(lv.path for lv in levels) if full else ():
         for rows_ in args.rows:
             for decoding in args.decoding:
                 for overlap in (True, False):
@@ -698,21 +780,29 @@ def summary(levels: list[Level], args: argparse.Namespace) -> str:
             if share is not None:
                 shares[overlap].append(share)
     hidden = {k: f"{min(v) * 100:.0f}" if v else "na" for k, v in shares.items()}
-    cpu = {
-        lv.decoding: f"{lv.cpu_us_per_row:.1f}"
-        for lv in levels
-        if (lv.path, lv.rows, lv.device_ms) == (path, rows, 0.0)
-    }
+    line = (
+        f"host_us_per_row_{rows} greedy={figures['greedy']} sampling={figures['sampling']} "
+        f"overlap_hidden={hidden[True]}%"
+    )
+    if not full:
+        return line
+    for lv_path in dict.fromkeys(lv.path for lv in levels):
+        at = [lv for lv in levels if (lv.path, lv.rows, lv.device_ms) == (lv_path, rows, 0.0)]
+        cpu = {lv.decoding: f"{lv.cpu_us_per_row:.1f}" for lv in at}
+        worker = {lv.decoding: f"{lv.worker_us_per_row:.1f}" for lv in at if lv.worker_cpu_s}
+        total = {lv.decoding: f"{lv.total_us_per_row:.1f}" for lv in at}
+        print(
+            f"{lv_path:8} cpu_us_per_row_{rows} greedy={cpu.get('greedy', 'na')} "
+            f"sampling={cpu.get('sampling', 'na')} (the worker's process; worker thread "
+            f"greedy={worker.get('greedy', 'na')} sampling={worker.get('sampling', 'na')}); "
+            f"all engine processes greedy={total.get('greedy', 'na')} "
+            f"sampling={total.get('sampling', 'na')}"
+        )
     clients = {
         lv.decoding: f"{lv.client_us_per_row:.1f}"
         for lv in levels
         if (lv.path, lv.rows, lv.device_ms) == (path, rows, 0.0) and lv.client_cpu_s
     }
-    print(
-        f"cpu_us_per_row_{rows} greedy={cpu.get('greedy', 'na')} "
-        f"sampling={cpu.get('sampling', 'na')}  (the engine process's CPU time: on a shared "
-        "machine steadier than wall time)"
-    )
     if clients:
         print(
             f"client_cpu_us_per_row_{rows} greedy={clients.get('greedy', 'na')} "
@@ -720,10 +810,7 @@ def summary(levels: list[Level], args: argparse.Namespace) -> str:
             "last: with the engine's, what the machine's cores must run per step)"
         )
     print(f"overlap_off_hidden_{rows}={hidden[False]}%  (the same device step, overlap off)")
-    return (
-        f"host_us_per_row_{rows} greedy={figures['greedy']} sampling={figures['sampling']} "
-        f"overlap_hidden={hidden[True]}%"
-    )
+    return line
 
 
 class Terminated(Exception):
@@ -740,7 +827,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--device-ms", type=float, default=4.0)
-    parser.add_argument("--paths", default="inproc,http")
+    parser.add_argument("--paths", default="inproc,http,http-api")
     parser.add_argument("--decoding", default="greedy,sampling")
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1, help="runs per level; the best counts")
@@ -759,20 +846,20 @@ def main() -> None:
     )
     # subprocess roles
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-core", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--core-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--core-socket", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-rows", type=int, default=256, help=argparse.SUPPRESS)
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    engine = (args.device, args.device_ms, args.max_rows, args.eager)
     if args.serve is not None:
-        serve(
-            args.serve,
-            args.device,
-            args.device_ms,
-            args.max_rows,
-            args.eager,
-            args.overlap.split(",")[0] == "on",
-        )
+        serve(args.serve, *engine, args.overlap.split(",")[0] == "on")
+        return
+    if args.serve_core:
+        serve_core(args.core_fd, args.core_socket, *engine, args.overlap.split(",")[0] == "on")
         return
     if args.client is not None:
         asyncio.run(client(args.client, args.first, args.count, args.decoding, args.tokens))

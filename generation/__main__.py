@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import signal
 import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp.web import BaseRequest, StreamResponse
 from aiohttp.web_log import AccessLogger
@@ -125,6 +130,20 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--enable-fault-injection", action="store_true", help="adds POST /admin/faults"
     )
+    serve.add_argument(
+        "--api-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve HTTP from this process and run the engine (the worker) in a child process "
+        "that sends each step's tokens for all streams in one message, so per-stream delivery "
+        "never holds the worker's GIL (default: on; the child dies with this process); "
+        "--no-api-process: one process, for debugging",
+    )
+    # the engine-core child of --api-process (engine_core.py): its socketpair end and the Unix
+    # socket its own app listens on; --core-command (a JSON argv) replaces the child's command
+    serve.add_argument("--core-fd", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--core-socket", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--core-command", default=None, help=argparse.SUPPRESS)
     add_service_flags(serve)
     prepare = sub.add_parser("prepare", help="build or convert a model into the cache, then exit")
     prepare.add_argument("model")
@@ -134,7 +153,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # the core child of --api-process runs with the same flags
     if args.command == "serve":
         for flag in ("max_batch_size", "prefill_chunk_tokens"):
             value = getattr(args, flag)
@@ -166,17 +187,20 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
+        if args.core_fd is not None:
+            return asyncio.run(_serve_core(args))
+        if args.api_process:
+            return asyncio.run(_serve_api(args, keys))
         return asyncio.run(_serve(args, keys))
     except ModelSpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
-    from aiohttp import web
-
+async def _load_app(args: argparse.Namespace, api_keys: list[str] | None) -> Any:
+    """The engine's own app (`create_app`) over the model of `args`."""
     from .models import load
-    from .server import create_app, freeze_startup_heap
+    from .server import create_app
 
     loop = asyncio.get_running_loop()
     loaded = await loop.run_in_executor(
@@ -205,6 +229,71 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
         api_keys=api_keys,
         max_judge_sessions=args.max_judge_sessions,
     )
+    return app
+
+
+async def _serve_core(args: argparse.Namespace) -> int:
+    """The engine-core child of `--api-process`: no keys (its socket is private to the API
+    process, which checks them), no faults (armed where the streams are)."""
+    from .engine_core import run_core
+
+    args.enable_fault_injection = False
+    app = await _load_app(args, None)
+    return await run_core(app, args.core_fd, args.core_socket)
+
+
+async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
+    from .server import freeze_startup_heap
+
+    app = await _load_app(args, api_keys)
+    return await _listen(args, app, freeze_startup_heap)
+
+
+async def _serve_api(args: argparse.Namespace, api_keys: list[str] | None) -> int:
+    """`--api-process`: start the engine core (a child running this command with the same
+    flags, or `--core-command`), then serve HTTP here. Exits 1 if the core dies."""
+    from .core_client import CoreClient, CoreStartError
+    from .models import load_frontend
+    from .server import create_api_app, freeze_startup_heap
+
+    command = (
+        json.loads(args.core_command)
+        if args.core_command
+        else [sys.executable, "-m", "generation", *args.argv]
+    )
+    lost = asyncio.Event()
+    with tempfile.TemporaryDirectory(prefix="guardstream-core-") as folder:  # mode 0700
+        core = CoreClient(command, os.path.join(folder, "core.sock"), on_lost=lost.set)
+        try:
+            facts = await core.start()
+        except CoreStartError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.returncode or 1
+        try:
+            loaded = await asyncio.to_thread(load_frontend, facts)
+            app = create_api_app(
+                core,
+                loaded,
+                facts["tool_format"],
+                fault_injection=args.enable_fault_injection,
+                api_keys=api_keys,
+            )
+            status = await _listen(args, app, freeze_startup_heap, lost)
+        finally:
+            await core.stop()
+    return 1 if lost.is_set() else status
+
+
+async def _listen(
+    args: argparse.Namespace,
+    app: Any,
+    freeze: Callable[[], int],
+    lost: asyncio.Event | None = None,
+) -> int:
+    """Serve `app` on --host/--port until SIGINT/SIGTERM (or `lost`: the engine core died)."""
+    from aiohttp import web
+
+    loop = asyncio.get_running_loop()
     # handler_cancellation: a client disconnect cancels its handler at once (and so its request).
     runner = web.AppRunner(
         app,
@@ -222,13 +311,18 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
         return 2
     port = runner.addresses[0][1]
     host = f"[{args.host}]" if ":" in args.host else args.host
-    freeze_startup_heap()  # after the engine's start-up (the model, its buffers)
+    freeze()  # after the engine's start-up (the model, its buffers)
     print(f"{LISTENING_PREFIX}http://{host}:{port}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [loop.create_task(stop.wait())]
+    if lost is not None:
+        waits.append(loop.create_task(lost.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
     await runner.cleanup()
     return 0
 

@@ -61,6 +61,15 @@ class StreamSink(Protocol):
     def put_many(self, events: list[EngineDelta | StreamError]) -> None: ...
 
 
+class StepSink(Protocol):
+    """One receiver for many jobs (the engine core's, engine_core.py): the delivery hands it all
+    of a step's events at once, `(job, event)` in order, in one call, instead of a call per job:
+    it forwards them to another process in one message, so the worker's process does no
+    per-stream work. Used when every job of a delivery has this same sink. Never raises."""
+
+    def put_step(self, events: list[tuple[Job, EngineDelta | StreamError]]) -> None: ...
+
+
 class EngineUnavailable(RuntimeError):
     """The engine is shutting down (or its worker died) and takes no new requests."""
 
@@ -74,7 +83,8 @@ class Job:
     max_new_tokens: int
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[EngineDelta | StreamError] | StreamSink  # the server's: a StreamSink
+    # the server's: a StreamSink; the engine core's: a StepSink
+    queue: asyncio.Queue[EngineDelta | StreamError] | StreamSink | StepSink
     resume_ids: list[int] = field(default_factory=list)
     resume_text_len: int = 0  # characters of the resumed tokens' text the client already has
     min_new_tokens: int = 0

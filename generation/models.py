@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from filelock import FileLock
@@ -228,6 +229,33 @@ def load(
         threads=1 if spec == "tiny-random" else None,
         batch_invariant=batch_invariant,
         invariant_kernels=kernels,
+    )
+
+
+def load_frontend(facts: dict[str, Any]) -> LoadedModel:
+    """The API process's view of the core's model (engine_core.facts): its tokenizer and
+    limits, no weights (`model` is an empty module), so validation and tokenization there are
+    exactly the core's."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    path = Path(facts["path"])
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(
+        name=facts["name"],
+        path=path,
+        model=torch.nn.Module(),
+        tokenizer=tokenizer,
+        frontend_tokenizer=tokenizer,
+        device=torch.device(facts["device"]),
+        dtype=getattr(torch, facts["dtype"]),
+        max_context=int(facts["max_context"]),
+        eos_token_ids=frozenset(),
+        vocab_size=int(facts["vocab_size"]),
+        model_vocab_size=int(facts["vocab_size"]),
+        has_chat_template=bool(facts["has_chat_template"]),
+        batch_invariant=bool(facts["batch_invariant"]),
     )
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from .detokenizer import Detokenizer
-from .jobs import EngineDelta, EngineStats, FinishReason, Job, StreamError
+from .jobs import EngineDelta, EngineStats, FinishReason, Job, StepSink, StreamError
 from .scheduling import Row
 
 log = logging.getLogger("guardstream.engine")
@@ -282,6 +282,13 @@ class _Mailbox:
         calls, in order. Several posts (the loop fell behind) are grouped by job: one call, so
         one write, per stream for all its steps."""
         posted, posts = self._take()
+        step = _step_sink(posted)
+        if step is not None:  # the engine core's: the whole delivery in one call
+            try:
+                step.put_step(posted)
+            except Exception:  # a sink must not raise
+                log.exception("step sink failed")
+            return
         if posts <= 1:
             for job, event in posted:
                 _hand(job, [event])
@@ -295,6 +302,19 @@ class _Mailbox:
                 events.append(event)
         for job, events in by_job.items():
             _hand(job, events)
+
+
+def _step_sink(posted: list[Event]) -> StepSink | None:
+    """The `StepSink` every job of a delivery shares, if they do."""
+    if not posted:
+        return None
+    sink = posted[0][0].queue
+    if not hasattr(sink, "put_step"):
+        return None
+    for job, _ in posted:
+        if job.queue is not sink:
+            return None
+    return sink  # type: ignore[return-value]
 
 
 def _hand(job: Job, events: list[EngineDelta | StreamError]) -> None:

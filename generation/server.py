@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -58,6 +58,9 @@ from .sampling import SamplingParams, random_seed
 from .scheduler import GPU_MEMORY_FRACTION, Engine
 from .tool_calls import ToolCallParser, template_messages, tool_call_format, visible_prefix
 from .tracing import TRACING
+
+if TYPE_CHECKING:
+    from .core_client import CoreClient
 
 log = logging.getLogger("guardstream.engine")
 
@@ -90,7 +93,7 @@ class EngineState:
     """Everything the handlers share, stored on the app."""
 
     loaded: LoadedModel
-    engine: Engine
+    engine: Engine | CoreClient  # CoreClient: the API process of a split replica
     faults: FaultInjector | None
     # the chat template's tool-call format (tool_calls.py), None: no tool support
     tool_format: str | None = None
@@ -101,6 +104,7 @@ class EngineState:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     streams: set[_Stream] = field(default_factory=set)  # open generate responses
     watcher: asyncio.Task[None] | None = None  # `_watch_disconnects`
+    core_http: Any = None  # API process: the aiohttp.ClientSession to the core's own app
 
     async def run_tokenizer(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
@@ -137,15 +141,9 @@ def create_app(
     engine) needs one of them as a Bearer key."""
     if loaded is None:
         loaded = models.load(model, device=device, dtype=dtype, batch_invariant=batch_invariant)
-    middlewares: list[Any] = [_error_middleware]
-    if TRACING.tracer is not None:  # outermost: error answers belong to the span too
-        middlewares.insert(0, TRACING.middleware())
-    if api_keys is not None:
-        if not api_keys:
-            raise ValueError("api_keys is empty: no client could ever authenticate")
-        open_paths = OPEN_PATHS | ({FAULTS_PATH} if fault_injection else set())
-        middlewares.append(_auth_middleware(api_keys, open_paths))
-    app = web.Application(client_max_size=client_max_size, middlewares=middlewares)
+    app = web.Application(
+        client_max_size=client_max_size, middlewares=_middlewares(api_keys, fault_injection)
+    )
     state = EngineState(
         loaded=loaded,
         engine=Engine(
@@ -186,6 +184,112 @@ def create_app(
     return app
 
 
+def _middlewares(api_keys: Sequence[str] | None, fault_injection: bool) -> list[Any]:
+    """Errors in the engine's shape, then auth; tracing outermost (error answers belong to the
+    span too). The same for the one-process app and the API process's."""
+    middlewares: list[Any] = [_error_middleware]
+    if TRACING.tracer is not None:
+        middlewares.insert(0, TRACING.middleware())
+    if api_keys is not None:
+        if not api_keys:
+            raise ValueError("api_keys is empty: no client could ever authenticate")
+        open_paths = OPEN_PATHS | ({FAULTS_PATH} if fault_injection else set())
+        middlewares.append(_auth_middleware(api_keys, open_paths))
+    return middlewares
+
+
+def create_api_app(
+    core: CoreClient,
+    loaded: LoadedModel,
+    tool_format: str | None,
+    *,
+    fault_injection: bool = False,
+    client_max_size: int = CLIENT_MAX_SIZE,
+    api_keys: Sequence[str] | None = None,
+) -> web.Application:
+    """The API process's app of a split replica (engine_core.py, issue 35): the same middlewares
+    (errors, auth, tracing) and generate handler as `create_app`, its jobs relayed to the core
+    by `core` (a started `CoreClient`); `loaded` holds the core's facts and a tokenizer, no
+    weights. Faults are armed here, where the streams are. Every other route is forwarded to the
+    core's own app over its Unix socket (`core.socket_path`): one implementation of each."""
+    app = web.Application(
+        client_max_size=client_max_size, middlewares=_middlewares(api_keys, fault_injection)
+    )
+    app[STATE] = EngineState(
+        loaded=loaded,
+        engine=core,
+        faults=FaultInjector() if fault_injection else None,
+        tool_format=tool_format,
+    )
+    app.router.add_post("/v1/generate", handle_generate)
+    if fault_injection:
+        app.router.add_post(FAULTS_PATH, handle_faults)
+        app.router.add_delete(FAULTS_PATH, handle_clear_faults)
+    app.router.add_route("*", "/{tail:.*}", _forward)
+    app.on_startup.append(_on_api_startup)
+    app.on_shutdown.append(_on_api_shutdown)
+    app.on_cleanup.append(_on_api_cleanup)
+    return app
+
+
+FORWARDED_REQUEST_HEADERS = ("Content-Type", "Accept")
+FORWARDED_RESPONSE_HEADERS = ("Content-Type", "Allow", "Retry-After", "WWW-Authenticate")
+
+
+async def _forward(request: web.Request) -> web.Response:
+    """A route of the core's own app (`/health`, `/metrics`, judge sessions, ...): relayed
+    whole (none of them streams). The core unreachable: 503, as a replica without an engine."""
+    import aiohttp
+
+    state = request.app[STATE]
+    body = await request.read()  # over client_max_size: 413, as the core's app would answer
+    headers = {k: v for k in FORWARDED_REQUEST_HEADERS if (v := request.headers.get(k))}
+    try:
+        async with state.core_http.request(
+            request.method,
+            f"http://core{request.path_qs}",
+            data=body,
+            headers=headers,
+            allow_redirects=False,
+        ) as resp:
+            data = await resp.read()
+            out = {k: v for k in FORWARDED_RESPONSE_HEADERS if (v := resp.headers.get(k))}
+            return web.Response(status=resp.status, body=data, headers=out)
+    except aiohttp.ClientError as exc:
+        details = f"the engine is not reachable: {exc}"
+        raise ClientError(503, details, "generation_unavailable") from None
+
+
+async def _on_api_startup(app: web.Application) -> None:
+    import aiohttp
+
+    state = app[STATE]
+    core = state.engine
+    assert not isinstance(core, Engine)
+    state.core_http = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=core.socket_path))
+    state.watcher = asyncio.get_running_loop().create_task(_watch_disconnects(state))
+
+
+async def _on_api_shutdown(app: web.Application) -> None:
+    """As `_on_shutdown`: the core stops its engine, unfinished streams get their error."""
+    state = app[STATE]
+    state.closing.set()
+    core = state.engine
+    assert not isinstance(core, Engine)
+    await core.stop()
+
+
+async def _on_api_cleanup(app: web.Application) -> None:
+    state = app[STATE]
+    await _stop_watcher(state)
+    if state.core_http is not None:
+        await state.core_http.close()
+    core = state.engine
+    assert not isinstance(core, Engine)
+    await core.stop()
+    state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
 def freeze_startup_heap() -> int:
     """Move every object alive after start-up out of the collector's reach; return how many.
 
@@ -218,12 +322,16 @@ async def _on_shutdown(app: web.Application) -> None:
 
 async def _on_cleanup(app: web.Application) -> None:
     state = app[STATE]
+    await _stop_watcher(state)
+    await asyncio.to_thread(state.engine.stop)
+    state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _stop_watcher(state: EngineState) -> None:
     if state.watcher is not None:
         state.watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await state.watcher
-    await asyncio.to_thread(state.engine.stop)
-    state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ----- errors and bodies ------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """`python -m generation` as a real process: port 0 and a chosen port, the listening line,
-disconnect handling in the production server setup, graceful SIGTERM, and `prepare`."""
+disconnect handling in the production server setup, graceful SIGTERM, `prepare`, and the
+replica's two processes (the API process and its engine core) living and dying as one."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -147,3 +150,82 @@ def test_build_is_locked_and_deterministic(tmp_path: Path) -> None:
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     leftovers = [p.name for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]
     assert leftovers == []
+
+
+def _children(pid: int) -> list[int]:
+    """The pids a process started (Linux /proc): a replica's engine core."""
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody reaps (its parent is dead)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True
+    return fields[0] in ("Z", "X")
+
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@linux_only
+async def test_sigkill_of_the_replica_kills_its_engine_core() -> None:
+    """`serve` runs its engine in a child (the engine core): a SIGKILL of the replica's pid, the
+    one a supervisor knows, leaves no engine behind."""
+    engine = start_engine_subprocess("tiny-random", device=TEST_DEVICE)
+    try:
+        (core,) = _children(engine.process.pid)
+        assert not _gone(core)
+        engine.kill()
+        await until(lambda: _gone(core), what="the engine core's death")
+    finally:
+        engine.stop()
+
+
+@linux_only
+async def test_a_dead_engine_core_fails_open_streams_and_the_replica_exits() -> None:
+    """The engine core dies under an open stream: the stream ends in-band with the migratable
+    `generation_unavailable` error (no complete_final), and the replica's process exits 1, so
+    its supervisor sees a dead replica, as if the one process had died."""
+    engine = start_engine_subprocess("tiny-random", device=TEST_DEVICE)
+    try:
+        (core,) = _children(engine.process.pid)
+        os.kill(core, signal.SIGSTOP)  # the request reaches the core, which never answers it
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(
+                engine.url + "/v1/generate", json={"prompt": "Hello", "max_new_tokens": 8}
+            )
+            assert resp.status == 200
+            os.kill(core, signal.SIGKILL)
+            lines = [json.loads(line) for line in (await resp.read()).splitlines()]
+        assert lines == [
+            {
+                "error": {
+                    "code": 503,
+                    "type": "generation_unavailable",
+                    "message": "the engine process stopped",
+                },
+                "complete_final": False,
+            }
+        ]
+        assert await asyncio.to_thread(engine.process.wait, 30) == 1
+    finally:
+        engine.stop()
+
+
+async def test_one_process_mode_serves() -> None:
+    """`--no-api-process` (debugging: the HTTP side and the worker in one process) serves the
+    same stream as the default layout, and starts no child."""
+    async with aiohttp.ClientSession() as session:
+        streams = []
+        for flags in ((), ("--no-api-process",)):
+            with start_engine_subprocess(
+                "tiny-random", device=TEST_DEVICE, extra_args=flags
+            ) as engine:
+                if sys.platform.startswith("linux"):
+                    assert len(_children(engine.process.pid)) == (0 if flags else 1)
+                body = {"prompt": "Hello 😀", "max_new_tokens": 12}
+                streams.append(await generate(session, engine.url, body))
+    assert streams[0].completed and len(streams[0].token_ids) == 12
+    assert streams[1].lines == streams[0].lines

@@ -157,8 +157,9 @@ fi
 
 # part tests: the host's share of a step, the 1.7B shape compiled, the CUDA tests
 if wants engine_host; then
-  run engine_host 150 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
-  grep -E "^(inproc|http) |^host_us_per_row|^cpu_us_per_row|^client_cpu_us_per_row|^overlap_off" "$out/engine_host.log" >> "$summary"
+  # three paths: in process, one-process HTTP, and the API process + engine core (the default)
+  run engine_host 200 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
+  grep -E "^(inproc|http|http-api) |^host_us_per_row|^client_cpu_us_per_row|^overlap_off" "$out/engine_host.log" >> "$summary"
 fi
 # the CUDA tests, file by file ("file:limit_s"), in three lanes at once (16 cores; after the
 # benchmarks, which they would disturb), each lane until the deadline. test_migration_engine

@@ -1,0 +1,180 @@
+"""The engine-core process of a replica split in two (`python -m generation serve`, issue 35).
+
+The API process (server.py's `create_api_app`) owns the clients' HTTP: parsing, validation,
+tokenization, every stream's encoding and socket writes. This process owns the worker (scheduler,
+model runner, output processing) and hands it the API's requests; what the worker emits in one
+step, for every row, goes back as ONE frame (ipc.py), so the worker's process holds no per-stream
+work between steps and the GIL the worker needs is not spent on clients' sockets.
+
+The routes that are not per token (`/health`, `/metrics`, judge sessions, `/v1/tokenize`,
+`/v1/models`, 404/405 answers) stay the engine's own app (server.py's `create_app`), served here
+on a private Unix socket the API process forwards them to: one implementation of each, exact
+with the in-process replica.
+
+Lifetime: the core dies with its API process (PR_SET_PDEATHSIG, and EOF on the socketpair where
+that is not available), so a SIGKILL of the replica's pid leaves no engine behind; a SIGTERM of
+the API process reaches here as a `stop`: the engine ends its unfinished streams in-band first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from . import ipc
+from .jobs import EngineDelta, EngineUnavailable, Job, StepSink, StreamError
+from .sampling import SamplingParams
+from .scheduler import Engine
+from .server import STATE, freeze_startup_heap
+
+log = logging.getLogger("guardstream.engine.core")
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when the process that started it dies (the API process: the
+    replica's pid that a supervisor watches and may SIGKILL). Elsewhere EOF on the socket does
+    it, a little later."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the call: the signal will never come
+        os._exit(1)
+
+
+def job_from_spec(spec: dict[str, Any], loop: asyncio.AbstractEventLoop, sink: StepSink) -> Job:
+    """The `Job` the API process sent (core_client.job_spec): every field but its loop and
+    sink, which are this process's."""
+    fields = dict(spec)
+    fields["sampling"] = SamplingParams(**spec["sampling"])
+    # deadline: a time.monotonic() value of the API process; CLOCK_MONOTONIC is one per machine
+    return Job(**fields, loop=loop, queue=sink)
+
+
+class CoreSession:
+    """The core's side of the socketpair: requests in, each delivery's events out as one frame.
+
+    It is every core job's sink (a `StepSink`): the worker's delivery (output_processor.py)
+    hands it a step's events for all rows in one call on the loop, which become one frame
+    `[[rid, [event]], ...]` encoded by one orjson call (the events are dataclasses: orjson
+    encodes them in C) and one socket write. Per row, only a dict look-up and a finish check."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.channel: ipc.FrameProtocol | None = None  # set once connected
+        self.done = asyncio.Event()  # the API process said `stop`, or went away
+        self.jobs: dict[int, Job] = {}
+        self.rids: dict[Job, int] = {}
+
+    def put_step(self, events: list[tuple[Job, EngineDelta | StreamError]]) -> None:
+        rids = self.rids
+        frame = []
+        append = frame.append
+        for job, event in events:
+            rid = rids.get(job)
+            if rid is None:  # cancelled meanwhile: the API process has dropped the stream
+                continue
+            append((rid, (event,)))
+            if event.__class__ is StreamError or event.finish_reason is not None:  # type: ignore[union-attr]
+                self._forget(rid)
+        if self.channel is not None:
+            self.channel.send(["step", frame])
+
+    def _forget(self, rid: int) -> Job | None:
+        job = self.jobs.pop(rid, None)
+        if job is not None:
+            del self.rids[job]
+        return job
+
+    def submit(self, rid: int, spec: dict[str, Any]) -> None:
+        job = job_from_spec(spec, self.loop, self)
+        self.jobs[rid] = job
+        self.rids[job] = rid
+        try:
+            self.engine.submit(job)
+        except EngineUnavailable as exc:  # the API process checked first; a race with a stop
+            self.put_step([(job, StreamError(503, "generation_unavailable", str(exc)))])
+
+    def cancel(self, rid: int) -> None:
+        job = self._forget(rid)
+        if job is not None:
+            self.engine.cancel(job)
+
+    def on_messages(self, messages: list[Any]) -> None:
+        for message in messages:
+            kind = message[0]
+            if kind == "submit":
+                self.submit(message[1], message[2])
+            elif kind == "cancel":
+                self.cancel(message[1])
+            elif kind == "stop":
+                self.done.set()
+
+    def on_lost(self) -> None:
+        if not self.done.is_set():
+            log.warning("the API process went away: stopping")
+            self.done.set()
+
+
+def facts(app: web.Application) -> dict[str, Any]:
+    """What the API process needs to validate and tokenize requests as this engine would."""
+    state = app[STATE]
+    loaded = state.loaded
+    return {
+        "name": loaded.name,
+        "path": str(loaded.path),
+        "max_context": loaded.max_context,
+        "vocab_size": loaded.vocab_size,
+        "has_chat_template": loaded.has_chat_template,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "batch_invariant": loaded.batch_invariant,
+        "tool_format": state.tool_format,
+    }
+
+
+async def run_core(app: web.Application, fd: int, socket_path: str) -> int:
+    """Serve `app` (the engine's own, `create_app`) on `socket_path` for the API process's
+    forwarded routes, and its engine's streams over the socketpair end `fd`; return the exit
+    status once the API process has said `stop` (or died)."""
+    die_with_parent()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the API process stops us
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # the API process logs its clients' requests: the forwarded copies would repeat them
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10.0, access_log=None)
+    await runner.setup()  # the app's start-up: the engine starts (graphs captured on CUDA)
+    await web.UnixSite(runner, socket_path).start()
+    freeze_startup_heap()
+    session = CoreSession(app[STATE].engine, loop)
+    channel = await ipc.connect(socket.socket(fileno=fd), session.on_messages, session.on_lost)
+    session.channel = channel
+    channel.send(["hello", facts(app)])
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait(
+        {loop.create_task(session.done.wait()), stopped}, return_when=asyncio.FIRST_COMPLETED
+    )
+    await runner.cleanup()  # the engine stops: unfinished streams get their in-band error
+    channel.send(["bye"])
+    if channel.transport is not None:
+        channel.transport.close()  # what is buffered goes out first
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10.0):
+                await channel.closed.wait()
+    return 0

@@ -1,0 +1,143 @@
+"""The frames between a replica's API process and its engine core (generation/ipc.py): whatever
+way the socket cuts the byte stream, the reader gets every message, whole and in order, each
+read's complete frames in one batch; a corrupt length closes the connection; a job and the
+worker's events cross whole."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from generation import ipc
+from generation.core_client import job_spec
+from generation.engine_core import job_from_spec
+from generation.jobs import EngineDelta, FinishReason, Job, StreamError
+from generation.sampling import SamplingParams
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner),
+    max_leaves=12,
+)
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _reader() -> tuple[ipc.FrameProtocol, list[list[Any]], _Transport]:
+    batches: list[list[Any]] = []
+    protocol = ipc.FrameProtocol(batches.append, lambda: None)
+    transport = _Transport()
+    protocol.connection_made(transport)
+    return protocol, batches, transport
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    messages=st.lists(st.lists(json_values, min_size=1, max_size=4), max_size=8),
+    cuts=st.lists(st.integers(0, 10_000), max_size=10),
+)
+def test_frames_survive_any_cut_of_the_byte_stream(
+    messages: list[list[Any]], cuts: list[int]
+) -> None:
+    data = b"".join(ipc.encode(m) for m in messages)
+    bounds = sorted({0, len(data), *(c % (len(data) + 1) for c in cuts)})
+    protocol, batches, transport = _reader()
+    for start, end in itertools.pairwise(bounds):
+        protocol.data_received(data[start:end])
+    assert [m for batch in batches for m in batch] == messages
+    assert all(batches)  # a read that completes no frame hands on nothing
+    assert not transport.closed
+
+
+def test_one_read_of_several_frames_is_one_batch() -> None:
+    """A reader behind the writer takes every step waiting in the socket at once."""
+    protocol, batches, _ = _reader()
+    protocol.data_received(ipc.encode(["step", 1]) + ipc.encode(["step", 2]) + b"\x00")
+    protocol.data_received(b"\x00\x00\x02[]")
+    assert batches == [[["step", 1], ["step", 2]], [[]]]
+
+
+def test_events_go_as_orjson_encodes_their_dataclasses() -> None:
+    """The core encodes the worker's events as they are (no per-row conversion); the API
+    process reads back exactly their fields."""
+    protocol, batches, _ = _reader()
+    delta = EngineDelta([5, 6], "hé", 2, FinishReason.STOP_SEQUENCE)
+    error = StreamError(503, "generation_unavailable", "gone")
+    protocol.data_received(ipc.encode(["step", [[7, (delta, error)]]]))
+    assert batches == [
+        [
+            [
+                "step",
+                [
+                    [
+                        7,
+                        [
+                            {
+                                "token_ids": [5, 6],
+                                "text": "hé",
+                                "generated_token_count": 2,
+                                "finish_reason": "STOP_SEQUENCE",
+                            },
+                            {"code": 503, "type": "generation_unavailable", "message": "gone"},
+                        ],
+                    ]
+                ],
+            ]
+        ]
+    ]
+
+
+def test_a_corrupt_length_closes_the_connection() -> None:
+    protocol, batches, transport = _reader()
+    protocol.data_received(b"\xff\xff\xff\xff{}")
+    assert transport.closed and batches == []
+
+
+def test_integers_past_64_bits_still_encode() -> None:
+    protocol, batches, _ = _reader()
+    protocol.data_received(ipc.encode(["x", 2**70]))
+    assert batches == [[["x", 2**70]]]
+
+
+async def test_a_job_crosses_to_the_core_whole() -> None:
+    """Every field of a `Job` but its loop, its sink and `cancelled` reaches the core as sent
+    (through the frame's encoding): a field added to `Job` later cannot be dropped silently."""
+    loop = asyncio.get_running_loop()
+    job = Job(
+        prompt_ids=[1, 2, 3],
+        max_new_tokens=17,
+        sampling=SamplingParams(
+            greedy=False, temperature=0.7, top_k=5, top_p=0.9, seed=2**40, repetition_penalty=1.3
+        ),
+        loop=loop,
+        queue=asyncio.Queue(),
+        resume_ids=[4, 5],
+        resume_text_len=3,
+        min_new_tokens=2,
+        stop_sequences=["\n\n", "é"],
+        deadline=12345.5,
+    )
+    protocol, batches, _ = _reader()
+    protocol.data_received(ipc.encode(["submit", 1, job_spec(job)]))
+    [[[_, _, spec]]] = batches
+    sink = object()
+    rebuilt = job_from_spec(spec, loop, sink)  # type: ignore[arg-type]
+    assert rebuilt.loop is loop and rebuilt.queue is sink and not rebuilt.cancelled
+    for field in dataclasses.fields(Job):
+        if field.name not in ("loop", "queue"):
+            assert getattr(rebuilt, field.name) == getattr(job, field.name), field.name
