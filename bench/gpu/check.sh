@@ -15,6 +15,8 @@
 #   part bench:
 #   e135     bench/engine.py, 135M shape, 1/64/256 streams, next to its anchors (generate, a graph-
 #            replayed StaticCache step, transformers serve --continuous-batching --cb-use-cuda-graph);
+#   e135_oneproc  the engine alone at 64 and 256 streams as one process (--no-api-process): the
+#            API-process split's effect, same machine (only when named in CHECK_STEPS or part all);
 #   e1p7     bench/engine.py, 1.7B shape, 64 streams (generate and step anchors);
 #   ttft     TTFT of a fresh engine's first 64 and 256 clients (bench/engine.py --cold, greedy),
 #            with warm prefill (the CUDA default) and without (--no-prefill-buckets
@@ -56,7 +58,7 @@ case $part in
   bench) steps="e135 e1p7 ttft e135_compile" ;;
   tests) steps="engine_host tests judge e1p7_compile" ;;
   binv) steps="binv_tests binv" ;;
-  all) steps="e135 e1p7 ttft e135_compile engine_host tests judge e1p7_compile binv_tests binv"
+  all) steps="e135 e135_oneproc e1p7 ttft e135_compile engine_host tests judge e1p7_compile binv_tests binv"
     deadline=$((t0 + ${CHECK_SECONDS:-1400})) ;;
   *) echo "CHECK_PART must be bench, tests, binv or all, not $part" >&2; exit 2 ;;
 esac
@@ -125,6 +127,13 @@ if wants e135; then
   run e135 210 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
     --concurrency 1,64,256 --skip-micro --rounds 1 --json "$out/e135.json"
   side_by_side e135
+fi
+if wants e135_oneproc; then  # the replica as one process (before the API-process split), same shape
+  run e135_oneproc 70 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
+    --concurrency 64,256 --skip-micro --rounds 1 --anchors none --extra-args="--no-api-process" \
+    --json "$out/e135_oneproc.json"
+  say "one process (--no-api-process):"
+  grep -E "streams: +[0-9.]+ tok/s aggregate" "$out/e135_oneproc.log" >> "$summary"
 fi
 if wants e1p7; then
   run e1p7 80 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
