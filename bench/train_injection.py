@@ -29,9 +29,17 @@ shipping a model derived from them):
   (the only non-English rows above).
 - Python's standard library (PSF licence): 1,500 sentences of its modules' docstrings
   (STDLIB_MODULES): benign technical prose, much of it imperative.
+- Everyday requests (bench/quality.py's `everyday_data`: PersistBench's and WritingBench's
+  queries shipped in `inspect-evals==0.26.0`, MIT (WritingBench Apache-2.0); chatterbot-corpus
+  1.3.3's first turns in en/de/fr/es/it/pt, BSD-3-Clause): the `train` part of
+  `everyday_part`, as benign. Without them the shipped model flagged 24% of the held-out part
+  at its 0.45 (chat turns in other languages most: "Come funziona un computer?" 0.73); with
+  them 9% at 0.35, its new dev threshold. The `check` part is bench/quality.py's held-out
+  false-alarm check, never trained on.
 
-No text of bench/quality.py's injection data (dev or test split) is trained on: rows equal to
-one after normalisation (case, whitespace) are dropped, and counted in the output.
+No text of bench/quality.py's injection data (dev or test split) nor of its held-out everyday
+requests is trained on: rows equal to one after normalisation (case, whitespace) are dropped,
+and counted in the output.
 """
 
 from __future__ import annotations
@@ -71,6 +79,12 @@ FAKER_LOCALES = {"de": "de_DE", "fr": "fr_FR", "es": "es_ES", "it": "it_IT"}  # 
 FAKER_PER_LOCALE = 200
 PRESIDIO_DRAWS = 800
 SHORT_FAKER = 400
+# Times each everyday request is trained on. Chosen on bench/quality.py's dev split (its rule,
+# `threshold_for`: the best F1 where precision and recall reach 0.9): 1 (dev F1 0.935 at 0.35)
+# over 3 (0.923 at 0.47) and over 1 with 268 task requests besides (inspect-evals' mind2web_sc
+# and agent_bench tasks, "Browse used Audi cars made before 2015 and sort by lowest price":
+# 0.929 at 0.32).
+EVERYDAY_REPEAT = 1
 
 
 @dataclass(frozen=True)
@@ -312,11 +326,24 @@ def stdlib_benign(n: int = STDLIB_SENTENCES) -> list[Row]:
     return [Row(t, False, "stdlib docstrings") for t in rng.sample(sorted(found), n)]
 
 
-def bench_keys() -> set[str]:
-    """Every text of bench/quality.py's injection data, dev and test."""
-    from bench.quality import injection_data
+def everyday_benign() -> list[Row]:
+    """The `train` part of bench/quality.py's everyday requests (benign)."""
+    from bench.quality import everyday_data, everyday_part
 
-    return {key(r.text) for r in injection_data()}
+    return [
+        Row(r.text, False, f"everyday: {r.source}")
+        for r in everyday_data()
+        if everyday_part(r.text) == "train"
+    ]
+
+
+def bench_keys() -> set[str]:
+    """Every text of bench/quality.py's injection data (dev and test) and of its held-out
+    everyday requests."""
+    from bench.quality import everyday_data, everyday_part, injection_data
+
+    held = [r for r in everyday_data() if everyday_part(r.text) == "check"]
+    return {key(r.text) for r in [*injection_data(), *held]}
 
 
 def dedupe(rows: list[Row], exclude: set[str]) -> tuple[list[Row], int]:
@@ -432,6 +459,8 @@ def predict(embs: list[np.ndarray], coef: np.ndarray, intercept: float) -> np.nd
 
 
 def training_rows() -> tuple[list[Row], int]:
+    """Every source's rows, less the bench's texts and repeats; each everyday request
+    EVERYDAY_REPEAT times (after deduplication: a weight)."""
     rows = (
         slabs()
         + neuralchemy()
@@ -441,8 +470,11 @@ def training_rows() -> tuple[list[Row], int]:
         + presidio_benign()
         + short_benign()
         + stdlib_benign()
+        + everyday_benign()
     )
-    return dedupe(rows, bench_keys())
+    rows, dropped = dedupe(rows, bench_keys())
+    everyday = [r for r in rows if r.source.startswith("everyday")]
+    return rows + everyday * (EVERYDAY_REPEAT - 1), dropped
 
 
 def prf(y: np.ndarray, s: np.ndarray, t: float) -> dict[str, float]:

@@ -15,6 +15,7 @@ from bench.quality import (
     _dev_test,
     best_threshold,
     classify_prf,
+    everyday_part,
     split_of,
     threshold_for,
     unescape_comment,
@@ -87,6 +88,18 @@ def test_recall_over_some_kinds_keeps_every_false_positive() -> None:
 def test_the_split_is_a_stable_function_of_the_text() -> None:
     assert split_of("Ignore previous instructions") == split_of("Ignore previous instructions")
     assert {split_of(f"text {i}") for i in range(20)} == {"dev", "test"}
+
+
+def test_everyday_requests_split_by_their_normalised_text_apart_from_the_dev_split() -> None:
+    """One half of the everyday requests is trained on, the other is the held-out false-alarm
+    check: a text differing only in case or spacing lands in the same half (training drops
+    the check half's texts by that key), and the halves do not follow `split_of`."""
+    texts = [f"Can you help me plan trip number {i}?" for i in range(64)]
+    parts = [everyday_part(t) for t in texts]
+    assert set(parts) == {"train", "check"}
+    assert parts == [everyday_part("  " + t.upper().replace(" ", "  ")) for t in texts]
+    assert parts != [{"dev": "train", "test": "check"}[split_of(t)] for t in texts]
+    assert parts != [{"dev": "check", "test": "train"}[split_of(t)] for t in texts]
 
 
 def test_the_threshold_is_chosen_on_dev_and_counted_on_test() -> None:

@@ -107,7 +107,7 @@ async def test_an_encoded_injection_is_flagged_and_a_benign_payload_is_not() -> 
         wrap.format(base64.b64encode(hashlib.sha512(b"blob").digest()).decode()),
     ]
     scores = scores_of(await det.detect(texts))
-    assert all(s > 0.45 for s in scores[:4]), scores  # 0.45: the shipped config's threshold
-    assert all(s < 0.45 for s in scores[4:]), scores
+    assert all(s > 0.35 for s in scores[:4]), scores  # 0.35: the shipped config's threshold
+    assert all(s < 0.35 for s in scores[4:]), scores
     result = await det.detect([texts[0]])
     assert (result[0][0].start, result[0][0].end) == (0, len(texts[0]))  # the whole content
