@@ -65,6 +65,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -319,13 +320,32 @@ NER_GOLD = {
 
 
 def pii_data(n: int, seed: int) -> list[PiiText]:
+    """`n` sentences of presidio-evaluator's generator, the same for a seed in every process on
+    every day. Its own seeding (`random_seed`) comes too late and leaves the clock in: it draws
+    the fake people's full names (a middle initial or not) with the unseeded `random` module
+    while loading them, before it seeds, so we seed first; and Faker draws dates (`year`,
+    `date_time`, `day_of_week`) between 1970 and now, so `PiiDates` ends them at PII_TODAY."""
     import contextlib
     import io
+    import random
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         from presidio_evaluator.data_generator import PresidioSentenceFaker
+        from presidio_evaluator.data_generator.presidio_sentence_faker import (
+            presidio_additional_entity_providers,
+        )
 
-        faker = PresidioSentenceFaker("en_US", lower_case_ratio=0.0, random_seed=seed)
+        random.seed(seed)
+        faker = PresidioSentenceFaker(
+            "en_US",
+            lower_case_ratio=0.0,
+            # HospitalProvider asks WikiData for its names when built; no template uses them
+            entity_providers=[
+                p for p in presidio_additional_entity_providers if p.__name__ != "HospitalProvider"
+            ],
+            random_seed=seed,
+        )
+        faker.add_provider(_pii_dates())
         samples = faker.generate_new_fake_sentences(n)
     return [
         PiiText(
@@ -334,6 +354,23 @@ def pii_data(n: int, seed: int) -> list[PiiText]:
         )
         for s in samples
     ]
+
+
+# the "today" of the PII draws (UTC): Faker's dates fall between 1970 and this
+PII_TODAY = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _pii_dates() -> type:
+    """Faker's en_US date provider with "now" pinned to PII_TODAY: every date it draws goes
+    through `unix_time`, whose end defaults to the clock."""
+    from faker.providers.date_time.en_US import Provider
+
+    class PiiDates(Provider):
+        def unix_time(self, end_datetime: Any = None, start_datetime: Any = None) -> float:
+            end = PII_TODAY if end_datetime is None else end_datetime
+            return super().unix_time(end_datetime=end, start_datetime=start_datetime)
+
+    return PiiDates
 
 
 # ---------------------------------------------------------------------------------------------
