@@ -42,7 +42,8 @@ text per call after a warm-up) and micro-batched throughput (texts/s with 32 con
 one-text callers through the detector's MicroBatcher). Print the load average with the
 figures: CPU figures move with whatever else runs on the machine. Run with OMP_NUM_THREADS=1:
 with two torch threads on 2 busy cores, OpenMP's spinning tripled the torch models' CPU time
-(MiniLM 230 ms per 1,000 characters became 3,450).
+(MiniLM 230 ms per 1,000 characters became 3,450). numpy's OpenBLAS is on one thread as in
+the services (`detectors.runtime.one_blas_thread_per_process`).
 
 `prompt_injection`'s models (--injection-models, all by default; nanoguard takes most of the
 time) are scored on every text, and combinations of them from those scores (INJECTION_COMBOS).
@@ -72,6 +73,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import detectors
+from detectors.runtime import one_blas_thread_per_process
 
 # ---------------------------------------------------------------------------------------------
 # metrics (unit-tested in tests/test_bench_quality.py)
@@ -728,6 +730,7 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--injection-models", nargs="*", default=list(INJECTION_MODELS))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    one_blas_thread_per_process()  # as the services run the models
     print(
         f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"load average {os.getloadavg()[0]:.2f}"
