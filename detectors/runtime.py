@@ -48,11 +48,11 @@ def one_blas_thread_per_process() -> None:
     768 x 384 weights) and run in many detector threads at once; OpenBLAS's own threads only
     oversubscribe the cores, and a product split over two threads waits for a core that is
     busy: on 2 cores with the other one taken, `prompt_injection`'s MLP on 4-64 windows and
-    `topic`'s similarities to 512 examples took 4-110x the one-thread time (bench/
-    blas_threads.py; the scikit-learn heads' sparse products use no BLAS). Scores change within float tolerance (the products sum
-    in another order), not bitwise. OpenBLAS reads the variable when it loads, which is after
-    this call in the services (numpy loads with the first model); a library loaded before is
-    set through threadpoolctl, from this thread."""
+    `topic`'s similarities to 512 examples took 4-110x the one-thread time
+    (bench/blas_threads.py; the scikit-learn heads' sparse products use no BLAS). Scores change
+    within float tolerance (the products sum in another order), not bitwise. OpenBLAS reads the
+    variable when it loads, which is after this call in the services (numpy loads with the
+    first model); a library loaded before is set through threadpoolctl, from this thread."""
     threads = os.environ.setdefault(BLAS_THREADS_ENV, "1")
     if "numpy" in sys.modules and threads.isdigit():
         from threadpoolctl import ThreadpoolController
