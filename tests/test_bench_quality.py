@@ -129,7 +129,11 @@ def test_the_pii_bench_measures_the_shipped_config_first() -> None:
 
 
 # one draw in a fresh interpreter: its texts and spans as one JSON line
-_DRAW = "import json; from bench import quality; print(json.dumps([[t.text, t.spans] for t in quality.pii_data(40, 2)]))"
+_DRAW = """
+import json
+from bench import quality
+print(json.dumps([[t.text, t.spans] for t in quality.pii_data(40, 2)]))
+"""
 
 
 def test_a_pii_draw_is_the_same_in_every_process_on_every_day() -> None:

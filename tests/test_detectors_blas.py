@@ -33,7 +33,8 @@ elif entry != "none":
     assert main(["serve", "--config", "/nonexistent/config.yaml"]) != 0
 import numpy
 from threadpoolctl import threadpool_info
-print(json.dumps([lib["num_threads"] for lib in threadpool_info() if lib["internal_api"] == "openblas"]))
+libs = [lib for lib in threadpool_info() if lib["internal_api"] == "openblas"]
+print(json.dumps([lib["num_threads"] for lib in libs]))
 """
 
 
