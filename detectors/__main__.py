@@ -13,7 +13,7 @@ import sys
 
 from servicekit.cli import add_service_flags, service_flags
 
-from .runtime import check_device
+from .runtime import check_device, one_blas_thread_per_process
 from .service import (
     ConfigError,
     Limits,
@@ -92,6 +92,7 @@ async def _serve(args: argparse.Namespace, config: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    one_blas_thread_per_process()  # before the models load numpy
     from .tracing import TRACING
 
     with service_flags(args, TRACING):

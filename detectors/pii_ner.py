@@ -148,7 +148,10 @@ def _one_blas_thread() -> Any:
     taken), and the worker thread shares the cores with the event loop anyway
     (detectors/runtime.py). OpenBLAS's setting is process-wide: it holds while the model runs
     (12 us to set and reset) and only this model's worker thread sets it, so that thread
-    controls it (threadpoolctl leaves OpenBLAS to the first live thread that limits it)."""
+    controls it (threadpoolctl leaves OpenBLAS to the first live thread that limits it). The
+    processes that serve detectors run OpenBLAS on one thread anyway
+    (`runtime.one_blas_thread_per_process`, for every model's products): this keeps the model
+    on one thread in a process that did not (a library user's, the tests')."""
     return _blas().limit(limits=1)
 
 

@@ -15,7 +15,9 @@ default executor that the rest of the process (regex on long texts) uses.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Hashable
@@ -34,6 +36,28 @@ def quiet_sklearn_unpickling() -> None:
     except ImportError:  # older scikit-learn: no such warning
         return
     warnings.filterwarnings("ignore", category=InconsistentVersionWarning)
+
+
+BLAS_THREADS_ENV = "OPENBLAS_NUM_THREADS"
+
+
+def one_blas_thread_per_process() -> None:
+    """numpy's and scipy's OpenBLAS on one thread in this process (and the processes it
+    starts), unless OPENBLAS_NUM_THREADS says otherwise: called first thing by each process that
+    serves detectors. Their models' products are small (a window's 384 numbers by a head's
+    768 x 384 weights) and run in many detector threads at once; OpenBLAS's own threads only
+    oversubscribe the cores, and a product split over two threads waits for a core that is
+    busy: on 2 cores with the other one taken, `prompt_injection`'s MLP on 4-64 windows and
+    `topic`'s similarities to 512 examples took 4-110x the one-thread time
+    (bench/blas_threads.py; the scikit-learn heads' sparse products use no BLAS). Scores change
+    within float tolerance (the products sum in another order), not bitwise. OpenBLAS reads the
+    variable when it loads, which is after this call in the services (numpy loads with the
+    first model); a library loaded before is set through threadpoolctl, from this thread."""
+    threads = os.environ.setdefault(BLAS_THREADS_ENV, "1")
+    if "numpy" in sys.modules and threads.isdigit():
+        from threadpoolctl import ThreadpoolController
+
+        ThreadpoolController().select(internal_api="openblas").limit(limits=int(threads))
 
 
 def check_device(device: str) -> str:

@@ -40,6 +40,8 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from detectors.runtime import one_blas_thread_per_process
+
     from .config import ConfigError, load_config
     from .logs import configure_logging
     from .server import run_event_loop
@@ -53,6 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
     # `generation` (DESIGN 1), that import set them by accident.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # the detectors' numpy products on one OpenBLAS thread: many detector threads run at once
+    one_blas_thread_per_process()
     configure_logging(args.log_format, args.log_level.upper())
     try:
         config = load_config(args.config)

@@ -3,6 +3,10 @@ counting is checked here on hand-computed cases (the labelled data is bench-only
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +139,38 @@ def test_the_pii_bench_measures_the_shipped_config_first() -> None:
         ("pii (pii_ner)", "pii_ner"),
         ("pii_regex (regex)", "regex"),
     ]
+
+
+# one draw in a fresh interpreter: its texts and spans as one JSON line
+_DRAW = """
+import json
+from bench import quality
+print(json.dumps([[t.text, t.spans] for t in quality.pii_data(40, 2)]))
+"""
+
+
+def test_a_pii_draw_is_the_same_in_every_process_on_every_day() -> None:
+    """The README's PII figures are of "seed 2": a seed must fix the sentences, whatever the
+    process (hash seed), its time zone and today's date (Faker draws dates up to "now"; two
+    zones 26 hours apart are two different todays)."""
+    pytest.importorskip("presidio_evaluator", reason="bench/requirements-quality.txt")
+    root = Path(__file__).resolve().parents[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _DRAW],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": seed, "TZ": tz},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed, tz in (("1", "Etc/GMT+12"), ("2", "Pacific/Kiritimati"))
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    first, second = (json.loads(out) for out, _ in outs)
+    assert len(first) == 40
+    assert first == second
 
 
 def test_training_drops_the_bench_texts_and_repeats() -> None:
