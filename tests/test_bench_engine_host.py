@@ -58,16 +58,17 @@ def level(overlap: bool, median_step_ms: float, idle_ms: list[float], repeat: in
 
 
 def test_hidden_shares_pair_each_repeats_overlapped_and_synchronous_runs() -> None:
-    levels = [
-        level(True, 4.1, [9.0, 0.1, 0.1], 0),  # the first step (after prefill) is left out
-        level(False, 5.0, [9.0, 1.0, 1.0], 0),
-        level(True, 4.0, [0.0, 0.0], 1),
-        level(False, 4.5, [0.0, 0.4, 0.6], 1),
+    levels = [  # each run's first step (after prefill and joins) is left out
+        level(True, 4.1, [9.0, 0.0, 0.0, 0.6], 0),
+        level(False, 5.0, [9.0, 1.0, 1.0, 1.0], 0),
+        level(True, 4.0, [0.0, 0.0, 0.0, 0.0], 1),
+        level(False, 4.5, [0.0, 0.4, 0.5, 0.6], 1),
         level(True, 4.2, [], 2),  # repeat 2's synchronous run is missing: no share
     ]
-    steps, device = hidden_shares(levels, "http-api", "greedy", 256, 4.0)
-    assert steps == pytest.approx([0.9, 1.0])
-    assert device == pytest.approx([0.9, 1.0])
+    shares = hidden_shares(levels, "http-api", "greedy", 256, 4.0)
+    assert shares["steps"] == pytest.approx([0.9, 1.0])  # (off - on) / (off - 4 ms)
+    assert shares["device"] == pytest.approx([1.0, 1.0])  # median idle: 0 of 1.0, 0 of 0.5
+    assert shares["device_mean"] == pytest.approx([0.8, 1.0])  # mean idle: 0.2 of 1.0, 0 of 0.5
 
 
 def test_the_simulated_device_queues_static_steps_and_counts_its_idle_time(
