@@ -118,6 +118,16 @@ WIDTHS = (64, 128)  # static-cache width buckets the decode step attends over
 CHECKED = (0, 1, 5, 6, 9, 31, 32, 62, 63)
 
 
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch's causal SDPA in float32 over the grouped heads, laid out as the kernel's output."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float(),
+        k.float().repeat_interleave(HEADS // KV_HEADS, 1),
+        v.float().repeat_interleave(HEADS // KV_HEADS, 1),
+        is_causal=True,
+    ).transpose(1, 2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_decode_equals_prefill_alone_and_batched(dtype: torch.dtype) -> None:
     """Row i's context is `lengths[i]` tokens. Its last query decoded over a static cache
@@ -136,12 +146,7 @@ def test_attention_decode_equals_prefill_alone_and_batched(dtype: torch.dtype) -
         q, k, v = queries[i : i + 1, :, :n], keys[i : i + 1, :, :n], values[i : i + 1, :, :n]
         prefill = kernels.attention(q, k, v, None, scale)  # [1, n, H, d]
         prefills[i] = prefill[0]
-        reference = torch.nn.functional.scaled_dot_product_attention(
-            q.float(),
-            k.float().repeat_interleave(HEADS // KV_HEADS, 1),
-            v.float().repeat_interleave(HEADS // KV_HEADS, 1),
-            is_causal=True,
-        ).transpose(1, 2)
+        reference = _causal_reference(q, k, v)
         torch.testing.assert_close(prefill.float(), reference, rtol=rtol, atol=atol)
     # a right-padded batched prefill (the engine's): among 7, a boolean mask
     positions = torch.arange(LONGEST, device=TORCH_DEVICE)
@@ -187,12 +192,7 @@ def test_attention_of_a_misaligned_view_is_that_of_its_copy(head_dim: int) -> No
     out = kernels.attention(q, k, v, None, scale)
     assert out.shape == (2, 20, HEADS, head_dim) and out.is_contiguous()
     assert torch.equal(out, kernels.attention(q.clone(), k.clone(), v.clone(), None, scale))
-    reference = torch.nn.functional.scaled_dot_product_attention(
-        q.float(),
-        k.float().repeat_interleave(HEADS // KV_HEADS, 1),
-        v.float().repeat_interleave(HEADS // KV_HEADS, 1),
-        is_causal=True,
-    ).transpose(1, 2)
+    reference = _causal_reference(q, k, v)
     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=5e-2)
 
 
