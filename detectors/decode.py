@@ -17,7 +17,9 @@ taken for one.
 Bounded work: the scans are linear regular expressions; at most MAX_PAYLOADS payloads per
 text, each at most MAX_ENCODED characters read and MAX_DECODED characters kept, decoded at most
 MAX_DEPTH times (base64 of hex), so a hostile text cannot make the detector do much more than
-judge it twice. A well-kept library does the decoding (the standard library's `base64`,
+judge it twice. A text holding more readable payloads than MAX_PAYLOADS is reported as
+`overflowed` (`payloads`): the detector fails closed on it, so decoys placed before an encoded
+instruction cannot push it past the cap. A well-kept library does the decoding (the standard library's `base64`,
 `binascii`, `urllib.parse`, `codecs`); the payload shapes are hand-written because no library
 finds encoded runs inside prose.
 """
@@ -235,17 +237,27 @@ def decoded_views(text: str, tagged: str | None = None) -> list[str]:
     """The decoded payloads of `text` (its normalised view), and of `tagged` (the original text,
     whose tag characters the view removed), deduplicated, at most MAX_PAYLOADS; [] for a text
     with none (the common case: a few regular-expression scans)."""
+    return payloads(text, tagged)[0]
+
+
+def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
+    """`decoded_views`, and whether the text held more readable payloads than MAX_PAYLOADS
+    (the search stops at the first one past the cap: the work stays bounded)."""
     found: dict[str, None] = {}
+    limit = MAX_PAYLOADS + 1
 
     def add(decoded: str | None) -> bool:
         if decoded is not None and decoded.strip() and decoded != text:
             found.setdefault(decoded.strip(), None)
-        return len(found) >= MAX_PAYLOADS
+        return len(found) >= limit
+
+    def result() -> tuple[list[str], bool]:
+        return list(found)[:MAX_PAYLOADS], len(found) > MAX_PAYLOADS
 
     if tagged is not None:
         for m in _TAGS.finditer(tagged):
             if add(_tags(m.group()[:MAX_ENCODED])):
-                return list(found)
+                return result()
     todo, depth = [text], 0
     while todo and depth < MAX_DEPTH:
         nxt = []
@@ -256,9 +268,9 @@ def decoded_views(text: str, tagged: str | None = None) -> list[str]:
                     if decoded is not None and decoded.strip() not in found:
                         nxt.append(decoded)
                     if add(decoded):
-                        return list(found)
+                        return result()
             for decoded in (*rot13_runs(t), leet_view(t)):
                 if add(decoded):
-                    return list(found)
+                    return result()
         todo, depth = nxt, depth + 1
-    return list(found)
+    return result()

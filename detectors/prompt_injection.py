@@ -56,7 +56,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from .base import ScoredParams
-from .decode import decoded_views
+from .decode import payloads
 from .hf import load_embedder, minilm_path
 from .model import ScoredTextDetector
 from .ngram_head import NgramHead, load_ngram_head
@@ -68,7 +68,7 @@ from .runtime import (
     resolve_device,
     torch_thread,
 )
-from .topic import pool_batch
+from .topic import pooled_per_owner
 
 HEADS = {  # model -> the MiniLM heads it averages
     "minilm": ("injection_mlp.npz",),
@@ -164,17 +164,7 @@ def minilm_embeddings(tokenizer: Any, model: Any, texts: list[str], rows: int) -
     keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
     owners = list(enc["overflow_to_sample_mapping"])
     features = [{k: enc[k][w] for k in keys} for w in range(len(owners))]
-    order = sorted(range(len(features)), key=lambda w: len(features[w]["input_ids"]))
-    pooled: list[np.ndarray] = [np.empty(0)] * len(features)
-    for b in range(0, len(order), rows):
-        chunk = order[b : b + rows]
-        out = pool_batch(model, tokenizer.pad([features[w] for w in chunk], return_tensors="pt"))
-        for r, w in enumerate(chunk):
-            pooled[w] = out[r]
-    per: list[list[np.ndarray]] = [[] for _ in texts]
-    for w, i in enumerate(owners):
-        per[i].append(pooled[w])
-    return [np.stack(vs) for vs in per]
+    return pooled_per_owner(tokenizer, model, features, owners, len(texts), rows)
 
 
 def _judged(text: str) -> bool:
@@ -267,12 +257,15 @@ class PromptInjectionDetector(ScoredTextDetector):
     def _judge(self, items: list[str]) -> list[float]:
         """Each content and the payloads decoded out of it (base64, hex, ROT13, tag characters
         and the other encodings of `decoded_views`) are judged alike, in the one model call;
-        a content scores the maximum: an instruction a model is told to decode is found."""
-        views = [[item, *decoded_views(view_text(item), item)] for item in items]
+        a content scores the maximum: an instruction a model is told to decode is found. A
+        content with more readable payloads than are judged scores 1.0 (fail closed: decoys
+        ahead of an encoded instruction must not push it past the cap)."""
+        found = [payloads(view_text(item), item) for item in items]
+        views = [[item, *decoded] for item, (decoded, _) in zip(items, found, strict=True)]
         scores = super()._judge([v for vs in views for v in vs])
         out, at = [], 0
-        for vs in views:
-            out.append(max(scores[at : at + len(vs)]))
+        for vs, (_, overflowed) in zip(views, found, strict=True):
+            out.append(1.0 if overflowed else max(scores[at : at + len(vs)]))
             at += len(vs)
         return out
 
