@@ -115,18 +115,30 @@ def window_embeddings(
                 seen.add(ids)
                 features.append({k: enc[k][w] for k in keys})
                 owners.append(i)
+    return pooled_per_owner(tokenizer, model, features, owners, len(items), rows)
+
+
+def pooled_per_owner(
+    tokenizer: Any,
+    model: Any,
+    features: list[dict[str, list[int]]],
+    owners: list[int],
+    count: int,
+    rows: int,
+) -> list[np.ndarray]:
+    """Embed tokenized windows (`features[w]` belongs to item `owners[w]`) in sub-batches of at
+    most `rows` sorted by length (little padding, bounded memory); per item in `range(count)`,
+    its windows' embeddings stacked (windows x dim). Shared by `topic` and `prompt_injection`."""
     order = sorted(range(len(features)), key=lambda w: len(features[w]["input_ids"]))
-    pooled: list[np.ndarray | None] = [None] * len(features)
+    pooled: list[np.ndarray] = [np.empty(0)] * len(features)
     for b in range(0, len(order), rows):
         chunk = order[b : b + rows]
         out = pool_batch(model, tokenizer.pad([features[w] for w in chunk], return_tensors="pt"))
         for r, w in enumerate(chunk):
             pooled[w] = out[r]
-    per: list[list[np.ndarray]] = [[] for _ in items]
+    per: list[list[np.ndarray]] = [[] for _ in range(count)]
     for w, i in enumerate(owners):
-        vec = pooled[w]
-        assert vec is not None
-        per[i].append(vec)
+        per[i].append(pooled[w])
     return [np.stack(vs) for vs in per]
 
 
