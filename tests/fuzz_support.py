@@ -69,7 +69,8 @@ FMS_NAMED = re.compile(
     r"|unknown field `(?P<unknown>.*)`, expected one of .*"
     r"|detector `(?P<detector>[^`]*)` is not supported by this endpoint"
     # the FMS orchestrator's words for a detector's threshold (detectors.<id>.threshold)
-    r"|`threshold` parameter specified for model `(?P<threshold>[^`]*)` must be a number"
+    r"|`threshold` parameter specified for model `(?P<threshold>[^`]*)` must be a number",
+    re.DOTALL,  # a field's name may hold a newline (schemathesis sent `{"\n": ...}`)
 )
 FMS_CHAT_MESSAGES = {"Message content cannot be empty", "Only content of type text is allowed"}
 
