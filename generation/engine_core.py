@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
-import os
 import signal
 import socket
-import sys
 from typing import Any
 
 from aiohttp import web
+
+from servicekit.parent_death import die_with_parent
 
 from . import ipc
 from .jobs import EngineDelta, EngineUnavailable, Job, StepSink, StreamError
@@ -37,22 +36,6 @@ from .scheduler import Engine
 from .server import STATE, freeze_startup_heap
 
 log = logging.getLogger("guardstream.engine.core")
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Linux: SIGKILL this process when the process that started it dies (the API process: the
-    replica's pid that a supervisor watches and may SIGKILL). Elsewhere EOF on the socket does
-    it, a little later."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the call: the signal will never come
-        os._exit(1)
 
 
 def job_from_spec(spec: dict[str, Any], loop: asyncio.AbstractEventLoop, sink: StepSink) -> Job:

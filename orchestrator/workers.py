@@ -29,8 +29,10 @@ from typing import Any
 
 import aiohttp
 
+from servicekit.parent_death import preexec_die_with_parent
+
 from .clients.backends import default_command
-from .clients.managed import EngineProcess, _die_with_parent
+from .clients.managed import EngineProcess
 from .clients.tls import server_ssl_context
 from .config import (
     Config,
@@ -336,7 +338,7 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             env=self._env,
             start_new_session=True,  # a Ctrl-C reaches the supervisor only, which drains them
-            preexec_fn=_die_with_parent(),
+            preexec_fn=preexec_die_with_parent(),
         )
         assert proc.stdin is not None and proc.stdout is not None
         self.procs[index] = proc

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import secrets
-import signal
 import socket
 import sys
 import time
@@ -27,6 +25,8 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 import aiohttp
+
+from servicekit.parent_death import preexec_die_with_parent
 
 log = logging.getLogger("guardstream.managed")
 engine_log = logging.getLogger("guardstream.engine")
@@ -92,21 +92,6 @@ def engine_environment(
     engine's own key is added by EngineProcess."""
     source = os.environ if base is None else base
     return {k: v for k, v in source.items() if k not in hidden}
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGTERM the child when the orchestrator dies (no orphans)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the child
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-    return preexec
 
 
 class EngineProcess:
@@ -265,7 +250,7 @@ class EngineProcess:
             stderr=asyncio.subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=preexec_die_with_parent(),
             limit=1 << 20,
         )
         self._proc = proc
