@@ -85,13 +85,16 @@ _STATE = rf"(?:{_US_CODE}|{_CA_CODE}|{_STATE_NAMES})"
 _POSTAL = rf"(?:{_ZIP}|{_CA_POSTAL}|{_UK_POSTCODE})"
 # after a street: a city, a state or province, a postal code (ending in one of the last two)
 _TAIL = rf"(?:,? (?:{_CITY},? )?(?:{_STATE}(?:,? {_POSTAL})?|{_POSTAL}))?"
-# A match's neighbours (consumed, as `regex`'s kinds do): no letter or number before, and none
-# after (a ZIP code is not followed by `-` and a digit either: a longer number)
+# A match's neighbours (consumed, as `regex`'s kinds do, and only inside the match's own
+# whitespace-free run, which a stream's window holds whole): no letter or number before, and
+# none after (a ZIP code is not followed by `-` and a digit either: a longer number)
 _BEFORE = rf"(?:^|[^{_AN}])"
+# a house number is not the end of a longer number (`3.11 Main Street`, `2-12 Main Street`)
+_NUMBER_BEFORE = rf"(?:^[.\-/]?|[^{_AN}.\-/]|[^\p{{N}}][.\-/])"
 _AFTER = rf"(?:$|[^{_AN}\-]|-(?:$|[^\p{{N}}]))"
 
 # a street and what follows it; a city with its state and code (a seam window may start there)
-_ADDRESS = _builtin(_BEFORE, rf"{_STREET}{_TAIL}", _AFTER)
+_ADDRESS = _builtin(_NUMBER_BEFORE, rf"{_STREET}{_TAIL}", _AFTER)
 _LOCALITY = _builtin(
     _BEFORE,
     rf"{_CITY}, (?:(?:{_US_CODE}|{_STATE_NAMES}) {_ZIP}|(?:{_CA_CODE}) {_CA_POSTAL})"
