@@ -75,6 +75,30 @@ _STREET = (
     r"(?:,? (?:Apt|Apartment|Suite|Ste|Unit|Flat|Floor|Fl|Room|Rm)\.?(?: #? ?| ?#)[0-9]{1,5}"
     r"[A-Za-z]?|,? #[0-9]{1,5}[A-Za-z]?)?"
 )
+# a unit on its own (a line of an address: `Suite 232`, `Apt 12B`; `Apt. 12` is cut by its
+# `. `, a natural cut); US military and post-office boxes (`Unit 6832 Box 3839`, `PSC 1234,
+# Box 5678`, `PO Box 75`)
+_UNIT = r"(?:Apt|Apartment|Suite|Ste)(?: #? ?| ?#|\.#? ?)[0-9]{1,5}[A-Za-z]?"
+_BOX = r"(?:(?:Unit|PSC|CMR) [0-9]{3,5},? Box [0-9]{1,5}|(?:PO|Post Office) Box [0-9]{1,6})"
+# Street names of continental Europe as they are written there (the name, then the house
+# number): a word ending in a street word (`Linzer Strasse 69`, `Kapelaniestraat 88`,
+# `Ladbyvej 84`), or a street word and the name (`Rue des Ecoles 119`, `Via Roma 12`)
+_EU_SUFFIX = (
+    "strasse|straße|gasse|weg|allee|platz|straat|laan|gracht|plein|vej|gata|gatan|vägen|"
+    "veien|katu|utca|ulica|ring|damm|ufer"
+)
+# the street words that are a word of their own too (`Linzer Strasse 69`; not `ring`)
+_EU_WORDS = "|".join(w.capitalize() for w in _EU_SUFFIX.split("|")[:18])
+_EU_PREFIX = (
+    "Rue|Via|Viale|Piazza|Calle|Carrer|Avenida|Rua|Praça|Praceta|Paseo|Plaza|Largo|"
+    "Travessa|Ulica|Boulevard|Avenue|Chemin|Route|Place|Quai|Allée"
+)
+_PARTICLE = r"(?:de|del|della|delle|des|du|la|le|las|los|da|do|dos|das|di|der|den|van|von)"
+_EU_STREET = (
+    rf"(?:(?:{_WORD} ){{0,2}}(?:\p{{Lu}}[\p{{L}}-]{{0,30}}(?i:{_EU_SUFFIX})|{_EU_WORDS})"
+    rf"|(?:{_EU_PREFIX}) (?:{_PARTICLE} )?{_WORD}(?: (?:{_PARTICLE} )?{_WORD}){{0,3}})"
+    r" [0-9]{1,4}[a-z]?"
+)
 _CITY = rf"{_WORD}(?: {_WORD}){{0,2}}"
 _ZIP = r"[0-9]{5}(?:-[0-9]{4})?"
 _CA_POSTAL = r"[ABCEGHJ-NPRSTVXY][0-9][ABCEGHJ-NPRSTV-Z] ?[0-9][ABCEGHJ-NPRSTV-Z][0-9]"
@@ -95,10 +119,11 @@ _AFTER = rf"(?:$|[^{_AN}\-]|-(?:$|[^\p{{N}}]))"
 
 # a street and what follows it; a city with its state and code (a seam window may start there)
 _ADDRESS = _builtin(_NUMBER_BEFORE, rf"{_STREET}{_TAIL}", _AFTER)
+_OTHER = _builtin(_BEFORE, rf"(?:{_EU_STREET}|{_BOX}|{_UNIT})(?:,? {_UNIT})?{_TAIL}", _AFTER)
 _LOCALITY = _builtin(
     _BEFORE,
     rf"{_CITY}, (?:(?:{_US_CODE}|{_STATE_NAMES}) {_ZIP}|(?:{_CA_CODE}) {_CA_POSTAL})"
-    rf"|{_CITY},? (?:{_UK_POSTCODE})",
+    rf"|{_CITY},? (?:{_UK_POSTCODE})|(?:APO|FPO|DPO) (?:AA|AE|AP) {_ZIP}",
     _AFTER,
 )
 # a code that a state or province before it, its own shape (a British postcode: an area's
@@ -135,6 +160,7 @@ def address_spans(text: str) -> list[Span]:
     found: list[Span] = []
     streets = _builtin_spans(_ADDRESS, t.data, _street_length)
     found.extend((s, e, "address") for s, e in t.spans(streets))
+    found.extend((s, e, "address") for s, e in t.spans(_builtin_spans(_OTHER, t.data)))
     found.extend((s, e, "address") for s, e in t.spans(_builtin_spans(_LOCALITY, t.data)))
     found.extend((s, e, "postal_code") for s, e in t.spans(_builtin_spans(_POSTAL_CODE, t.data)))
     return _outermost(found)
@@ -155,4 +181,4 @@ def _outermost(found: list[Span]) -> list[Span]:
 
 def compiled() -> list[Any]:
     """The compiled patterns (for tests of their cost)."""
-    return [_ADDRESS, _LOCALITY, _POSTAL_CODE]
+    return [_ADDRESS, _OTHER, _LOCALITY, _POSTAL_CODE]
