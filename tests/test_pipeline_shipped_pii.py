@@ -116,3 +116,47 @@ async def test_as_a_blocking_guardrail_it_releases_nothing_of_a_name(surface: st
     finally:
         await engine.close()
     assert got == "Fine."
+
+
+# an answer that streams two addresses token by token, cut inside the street, the city and
+# the codes
+ADDRESS_SCRIPT = [
+    "Ship",
+    " it",
+    " to",
+    " 1600",
+    " Pennsyl",
+    "vania",
+    " Avenue",
+    " NW,",
+    " Washing",
+    "ton,",
+    " DC",
+    " 205",
+    "00",
+    " or",
+    " 221",
+    "B",
+    " Baker",
+    " Street,",
+    " London",
+    " NW1",
+    " 6X",
+    "E",
+    ".",
+]
+
+
+@pytest.mark.parametrize("surface", ["fms", "chat-stream", "chat", "responses-stream"])
+async def test_the_shipped_pii_masks_a_street_address_as_one_span(surface: str) -> None:
+    """A street address with its city, state and ZIP code (or postcode) goes as one
+    `[address]`: no house number, ZIP code or postcode is left behind, whatever the tokens."""
+    engine = FakeEngine(script=ADDRESS_SCRIPT)
+    await engine.start()
+    try:
+        async with Orchestrator(shipped_config(engine.url)) as orch:
+            await orch.info_until(lambda status, _: status == 200)
+            got = await answer(orch, surface)
+    finally:
+        await engine.close()
+    assert got == "Ship it to [address] or [address]."
