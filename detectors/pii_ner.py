@@ -228,6 +228,26 @@ def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
     return out
 
 
+def _outside(content: str, start: int, end: int, pattern: list[tuple[int, int]]) -> tuple[int, int]:
+    """A model's find that runs into a pattern's find (an address, an IBAN), cut to its part
+    before that find, or else after it (a name on the line above an address, which the model
+    read as one entity with the house number): the name stays a name, the address one span.
+    (start, start) when nothing of it is left."""
+    for s, e in pattern:
+        if s < end and start < e:
+            if content[start:s].strip(_SPACE_AND_MARKS):
+                end = start + len(content[start:s].rstrip(_SPACE_AND_MARKS))
+            elif content[e:end].strip(_SPACE_AND_MARKS):
+                start = end - len(content[e:end].lstrip(_SPACE_AND_MARKS))
+            else:
+                return start, start
+    return start, end
+
+
+# what a cut model find loses at its new end
+_SPACE_AND_MARKS = " \t\r\n,;:."
+
+
 class PiiNerDetector(BatchedDetector[str, list[Span]]):
     name = "pii_ner"
     description = (
@@ -307,8 +327,15 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
             content = contents[i]
             # IBANs, addresses and postal codes first, then the model's finds (stable)
             spans = sorted(spans, key=lambda f: _PATTERN_FIRST.get(f[2], 3))
+            patterned = [(s, e) for s, e, k in spans if k in _PATTERN_FIRST and k in kinds]
             for start, end, kind in spans:
-                if kind not in kinds or any(s < end and start < e for s, e in taken):
+                if kind not in _PATTERN_FIRST:
+                    start, end = _outside(content, start, end, patterned)
+                if (
+                    kind not in kinds
+                    or start == end
+                    or any(s < end and start < e for s, e in taken)
+                ):
                     continue
                 taken.append((start, end))
                 out[i].append(
