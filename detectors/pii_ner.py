@@ -232,7 +232,8 @@ def _outside(content: str, start: int, end: int, pattern: list[tuple[int, int]])
     """A model's find that runs into a pattern's find (an address, an IBAN), cut to its part
     before that find, or else after it (a name on the line above an address, which the model
     read as one entity with the house number): the name stays a name, the address one span.
-    (start, start) when nothing of it is left."""
+    Likewise an address that runs into a `regex` find (a phone number before its house
+    number). (start, start) when nothing of it is left."""
     for s, e in pattern:
         if s < end and start < e:
             if content[start:s].strip(_SPACE_AND_MARKS):
@@ -328,9 +329,12 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
             # IBANs, addresses and postal codes first, then the model's finds (stable)
             spans = sorted(spans, key=lambda f: _PATTERN_FIRST.get(f[2], 3))
             patterned = [(s, e) for s, e, k in spans if k in _PATTERN_FIRST and k in kinds]
+            numbers = list(taken)  # the `regex` finds (an address keeps its part beside one)
             for start, end, kind in spans:
                 if kind not in _PATTERN_FIRST:
                     start, end = _outside(content, start, end, patterned)
+                elif kind != "iban":
+                    start, end = _outside(content, start, end, numbers)
                 if (
                     kind not in kinds
                     or start == end

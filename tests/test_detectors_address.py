@@ -130,3 +130,14 @@ def test_hostile_input_is_scanned_in_linear_time(text: str) -> None:
 
     threading.Thread(target=scan, daemon=True).start()
     assert done.wait(30), "address scan of 100,000 hostile characters still running after 30 s"
+
+
+def test_an_address_beside_a_phone_number_keeps_its_part_outside_the_number() -> None:
+    """Spans never overlap: where a `regex` number runs into an address's house number, the
+    number stays a phone and the rest of the address is still an address (it was dropped
+    whole, street and ZIP code released)."""
+    text = "Dial 907 62631 3782 Custer Street, Springfield, IL 62704 now."
+    assert [(k, t) for s, e, k in spans(text) for t in [text[s:e]]] == [
+        ("phone", "907 62631 3782"),
+        ("address", "Custer Street, Springfield, IL 62704"),
+    ]
