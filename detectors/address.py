@@ -7,9 +7,9 @@ number is no ZIP code.
 
 Why hand-written rather than a library: the one well-kept library that *finds* addresses in
 free text, `pyap2` (MIT, the maintained fork of `pyap`), matches with Python's backtracking
-`re`: measured on 2 busy cores, 140 us per character of `1 1 1 ...` (14 s for 100,000
-characters, US rules), quadratic on a run of digits with its British rules (1.2 s for 10,000,
-4.8 s for 20,000), and 17 us per character of plain prose with its British rules (17 ms per
+`re`: measured on 2 busy cores, 140 us per character of `1 1 1 ...` (1.4 s for 10,000
+characters, 2.8 s for 20,000, US rules), quadratic on a run of digits with its British rules
+(1.2 s for 10,000, 4.8 s for 20,000), and 17 us per character of plain prose with its British rules (17 ms per
 1,000 characters, more than the model); its offsets are those of a copy of the text with
 spaces and commas collapsed. `usaddress` and libpostal parse a string that *is* an address
 (they find none in prose), `commonregex` (2014) is a lookahead regex for US streets. So
@@ -17,7 +17,8 @@ these are RE2 patterns (linear time, like `regex`'s kinds), with pyap's shape: a
 capitalised street-name words and a street type, then optionally a unit, a city, a state or
 province and a postal code.
 
-Streaming: every match is self-sufficient (nothing before its first character decides it),
+Streaming: every match is self-sufficient (nothing before its first character decides it but
+the character before it, inside its own whitespace-free run, which a stream's window holds),
 lies within a piece between natural cuts (`pii_ner` judges each piece alone: a `St. ` or a
 line break ends a piece, and the part after it is judged on its own), and the parts that a
 window of a stream may start at (a city and its state and code, a state and its ZIP code, a
@@ -25,8 +26,6 @@ British postcode) are found on their own too, so an address that a seam window c
 covered whole. No open tail: a cut street name is a prefix of any capitalised words."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from .regex_pii import _AN, _builtin, _builtin_spans, _Text
 
@@ -177,8 +176,3 @@ def _outermost(found: list[Span]) -> list[Span]:
             continue
         kept.append(span)
     return kept
-
-
-def compiled() -> list[Any]:
-    """The compiled patterns (for tests of their cost)."""
-    return [_ADDRESS, _OTHER, _LOCALITY, _POSTAL_CODE]

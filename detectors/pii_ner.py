@@ -255,8 +255,8 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
         "PII by pattern and by a named-entity model: every `regex` kind, plus person, location, "
         "organization, group (nationalities, religious and political groups), date (with a "
         "digit; no durations or decades), age from spaCy's small English model, iban "
-        "(check digits verified), address (US, Canadian, British street addresses, one span "
-        "with their city, state and postal code) and postal_code (a ZIP code or postcode in an "
+        "(check digits verified), address (US, Canadian, British and continental street "
+        "addresses, one span with their city, state and postal code) and postal_code (a ZIP code or postcode in an "
         "address context) by pattern. detection_type 'pii', detection = the kind, exact "
         "spans, score 1.0. English."
     )
