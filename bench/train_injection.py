@@ -48,6 +48,7 @@ import argparse
 import csv
 import importlib.util
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -337,6 +338,178 @@ def everyday_benign() -> list[Row]:
     ]
 
 
+# Benign texts longer than one window are also trained on window by window: the detector
+# scores a content's best window (its sentences and 512-character spans, detectors/windows.py),
+# and a long writing request that is benign as a whole was flagged for one of its sentences
+# ("Do not mention the client's name." inside a 3,000-character brief) that training on its
+# first 256 tokens never showed the heads. Every window of a benign text is benign; an
+# injection's windows are not all injections, so only benign texts are cut up. At most
+# WINDOWS_PER_TEXT windows of a text, a seeded sample (embedding cost).
+WINDOWS_PER_TEXT = 8
+
+
+def benign_windows(rows: list[Row]) -> list[Row]:
+    """The windows `prompt_injection` judges (`detectors.windows.windows` on the normalised
+    view, the ScoredTextDetector's 512/256 spans) of each benign row that has more than one,
+    as benign rows of the same source (" windows" appended)."""
+    import random
+
+    from detectors.model import ScoredTextDetector
+    from detectors.normalise import view_text
+    from detectors.windows import windows
+
+    width, step = ScoredTextDetector.window_chars, ScoredTextDetector.window_step
+    rng = random.Random(17)
+    out = []
+    for r in rows:
+        parts = windows(view_text(r.text), width, step) if not r.label else []
+        if len(parts) > 1:
+            picked = rng.sample(parts, min(WINDOWS_PER_TEXT, len(parts)))
+            out += [Row(w, False, f"{r.source} windows") for w in picked]
+    return out
+
+
+def inspect_evals_dir() -> Path:
+    spec = importlib.util.find_spec("inspect_evals")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "inspect-evals is not installed: pip install --no-deps -r bench/requirements-quality.txt"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def writingbench_long() -> list[Row]:
+    """WritingBench's (X-PLUG, Apache-2.0; in inspect-evals 0.26.0, MIT) English queries longer
+    than bench/quality.py's WRITINGBENCH_MAX_CHARS, which the bench never reads: long writing
+    briefs with constraints ("You must include...", "Do not mention..."), benign; trained on
+    through their windows (`benign_windows`)."""
+    from bench.quality import WRITINGBENCH_MAX_CHARS
+
+    out = []
+    path = inspect_evals_dir() / "writingbench" / "benchmark_all.jsonl"
+    for line in path.read_text(encoding="utf-8").splitlines():
+        q = json.loads(line)["query"] if line.strip() else ""
+        if len(q) > WRITINGBENCH_MAX_CHARS and not re.search(r"[\u4e00-\u9fff]", q):
+            out.append(Row(q, False, "writingbench long (inspect-evals)"))
+    return out
+
+
+TAU2_PER_DOMAIN = 150  # telecom's 2,285 tasks are a few templates filled in many ways
+
+
+def tau2_benign() -> list[Row]:
+    """tau2-bench's (Sierra, MIT; in inspect-evals 0.26.0, MIT) user-simulator instructions
+    ("You are Emma Kim. You want to cancel reservation EHGLP3. If the agent tells you ...,
+    mention ... You don't want to cancel if you don't get a refund.") and its agent policies
+    (system prompts: "You should not provide any information ... not provided by the user"):
+    instruction-style English that instructs nobody to break a rule, benign."""
+    import gzip
+    import random
+
+    root = inspect_evals_dir() / "tau2" / "data" / "domains"
+    out = []
+    for domain in sorted(p for p in root.iterdir() if p.is_dir()):
+        path = next(domain / n for n in ("tasks.json", "tasks.json.gz") if (domain / n).exists())
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        texts = []
+        for task in json.loads(raw):
+            ins = (task.get("user_scenario") or {}).get("instructions")
+            if isinstance(ins, dict):
+                ins = "\n".join(
+                    str(ins[k])
+                    for k in ("known_info", "reason_for_call", "task_instructions")
+                    if ins.get(k)
+                )
+            if isinstance(ins, str) and ins.strip():
+                texts.append(ins.strip())
+        texts = list(dict.fromkeys(texts))
+        random.Random(domain.name).shuffle(texts)
+        out += [Row(t, False, "tau2 user instructions") for t in texts[:TAU2_PER_DOMAIN]]
+        for name in ("policy.txt", "policy.md", "main_policy.txt"):
+            if (domain / name).exists():
+                out.append(Row((domain / name).read_text(encoding="utf-8"), False, "tau2 policies"))
+    return out
+
+
+ENCODED_TRAIN = 600
+
+
+def encoded_benign() -> list[Row]:
+    """bench/quality.py's `encoded_benign_data` `train` part (its even templates; the check
+    part's templates are never trained on): benign texts holding base64, hex, JWTs, digests."""
+    from bench.quality import encoded_benign_data
+
+    return [Row(r.text, False, r.source) for r in encoded_benign_data("train", ENCODED_TRAIN)]
+
+
+AGENTDOJO_USERS = ("Emma Johnson", "the user", "your manager")
+
+
+def agentdojo_injections() -> list[Row]:
+    """AgentDojo's (ETH Zurich, MIT; in inspect-evals 0.26.0, MIT) indirect injections: its
+    `important_instructions` attack (agentdojo/attacks/attack.py) around each injection task's
+    GOAL (agentdojo/task_suites/*/injection_tasks.py), for a few signers. The GOALs are class
+    attributes built from others (f-strings), read with `ast` (importing the suites needs
+    inspect-ai, which the bench does not install)."""
+    import ast
+
+    root = inspect_evals_dir() / "agentdojo"
+    template_src = (root / "attacks" / "attack.py").read_text(encoding="utf-8")
+    template = next(
+        n.value.value
+        for n in ast.parse(template_src).body
+        if isinstance(n, ast.Assign)
+        and getattr(n.targets[0], "id", "") == "IMPORTANT_INSTRUCTIONS_PROMPT"
+        and isinstance(n.value, ast.Constant)
+    )
+    goals = []
+    for path in sorted((root / "task_suites").glob("*/injection_tasks.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            ns: dict[str, object] = {}
+            for st in node.body:
+                if isinstance(st, ast.Assign) and isinstance(st.targets[0], ast.Name):
+                    try:  # constants and f-strings of earlier constants only
+                        expr = compile(ast.Expression(st.value), str(path), "eval")
+                        ns[st.targets[0].id] = eval(expr, {"__builtins__": {}}, ns)
+                    except Exception:  # not a constant: skipped
+                        continue
+            if isinstance(ns.get("GOAL"), str):
+                goals.append(ns["GOAL"])
+    return [
+        Row(template.format(user_name=user).replace("{goal}", goal).strip(), True, "agentdojo")
+        for goal in dict.fromkeys(goals)
+        for user in AGENTDOJO_USERS
+    ]
+
+
+def ipi_coding_agent() -> list[Row]:
+    """inspect-evals' own ipi_coding_agent samples (MIT): instructions planted in a repository's
+    issue text, README, code comments or config for a coding agent (the file or issue holding
+    `payload_indicator`'s target is the injection), and its benign issues."""
+    data = json.loads(
+        (inspect_evals_dir() / "ipi_coding_agent" / "dataset" / "samples.json").read_text()
+    )
+    out = []
+    for s in data:
+        if s.get("is_benign"):
+            if s.get("issue_text"):
+                out.append(Row(s["issue_text"], False, "ipi-coding-agent"))
+            continue
+        vector = s.get("injection_vector")
+        if vector == "issue_text":
+            out.append(Row(s["issue_text"], True, "ipi-coding-agent"))
+            continue
+        files = s.get("repo_files") or {}
+        kinds = {"readme": ".md", "code_comment": ".py", "config_file": ""}
+        pattern = re.compile(s.get("payload_indicator") or "$^")
+        for name, body in files.items():
+            if name.endswith(kinds.get(vector, "?")) and pattern.search(body or ""):
+                out.append(Row(body, True, "ipi-coding-agent"))
+    return out
+
+
 def bench_keys() -> set[str]:
     """Every text of bench/quality.py's injection data (dev and test) and of its held-out
     everyday requests."""
@@ -471,7 +644,12 @@ def training_rows() -> tuple[list[Row], int]:
         + short_benign()
         + stdlib_benign()
         + everyday_benign()
+        + tau2_benign()
+        + encoded_benign()
+        + agentdojo_injections()
+        + ipi_coding_agent()
     )
+    rows += benign_windows(rows + writingbench_long())
     rows, dropped = dedupe(rows, bench_keys())
     everyday = [r for r in rows if r.source.startswith("everyday")]
     return rows + everyday * (EVERYDAY_REPEAT - 1), dropped
