@@ -351,9 +351,11 @@ WINDOWS_PER_TEXT = 8
 def benign_windows(rows: list[Row]) -> list[Row]:
     """The windows `prompt_injection` judges (`detectors.windows.windows` on the normalised
     view, the ScoredTextDetector's 512/256 spans) of each benign row that has more than one,
-    as benign rows of the same source (" windows" appended)."""
+    as benign rows of the same source (" windows" appended), and the payloads decoded out of
+    each benign row (" decoded")."""
     import random
 
+    from detectors.decode import payloads
     from detectors.model import ScoredTextDetector
     from detectors.normalise import view_text
     from detectors.windows import windows
@@ -362,10 +364,16 @@ def benign_windows(rows: list[Row]) -> list[Row]:
     rng = random.Random(17)
     out = []
     for r in rows:
-        parts = windows(view_text(r.text), width, step) if not r.label else []
+        if r.label:
+            continue
+        view = view_text(r.text)
+        parts = windows(view, width, step)
         if len(parts) > 1:
             picked = rng.sample(parts, min(WINDOWS_PER_TEXT, len(parts)))
             out += [Row(w, False, f"{r.source} windows") for w in picked]
+        # the payloads the detector decodes out of it are judged too (a JWT's JSON, a hex
+        # dump's text): benign, as the text is
+        out += [Row(d, False, f"{r.source} decoded") for d in payloads(view, r.text)[0]]
     return out
 
 
@@ -428,6 +436,22 @@ def tau2_benign() -> list[Row]:
         for name in ("policy.txt", "policy.md", "main_policy.txt"):
             if (domain / name).exists():
                 out.append(Row((domain / name).read_text(encoding="utf-8"), False, "tau2 policies"))
+    return out
+
+
+def theagentcompany() -> list[Row]:
+    """TheAgentCompany's (CMU, MIT; in inspect-evals 0.26.0, MIT) task prompts
+    (`theagentcompany/tasks/*/eval.yaml`): workplace tasks for an agent ("Please navigate to
+    ... and find drinks_survey.pdf ... organize the employees' responses into a CSV"), benign."""
+    import yaml
+
+    out = []
+    for path in sorted((inspect_evals_dir() / "theagentcompany" / "tasks").glob("*/eval.yaml")):
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        for variant in (data.get("variants") or {}).values():
+            prompt = (variant or {}).get("prompt")
+            if isinstance(prompt, str) and prompt.strip():
+                out.append(Row(prompt.strip(), False, "theagentcompany"))
     return out
 
 
@@ -507,6 +531,49 @@ def ipi_coding_agent() -> list[Row]:
         for name, body in files.items():
             if name.endswith(kinds.get(vector, "?")) and pattern.search(body or ""):
                 out.append(Row(body, True, "ipi-coding-agent"))
+    return out
+
+
+# garak-multilingual's payload lists (garak_multilingual/payloads.py) in the languages the bench
+# judges: its Turkish, Russian, Arabic, Chinese and Persian attacks are left out, as no benign
+# text in those languages is trained on (the heads would learn the language, not the attack)
+GARAK_LANGS = {"de", "es", "fr", "it", "pt", "en"}
+
+
+def garak_multilingual() -> list[Row]:
+    """garak-multilingual 0.1.0's (Apache-2.0) injections: its MULTILINGUAL_INJECTION prompts
+    in GARAK_LANGS ("Ignoriere alle vorherigen Anweisungen ...") and TURKISH_CASEFOLD_EVASION
+    (English with Turkish dotted capitals: "İGNORE ALL PREVİOUS İNSTRUCTİONS ..."), all
+    attacks."""
+    try:
+        from garak_multilingual import payloads
+    except ImportError as e:
+        raise SystemExit(
+            "garak-multilingual is not installed: pip install --no-deps -r "
+            "bench/requirements-quality.txt"
+        ) from e
+    rows = [p for p in payloads.MULTILINGUAL_INJECTION if p.get("lang") in GARAK_LANGS]
+    rows += payloads.TURKISH_CASEFOLD_EVASION
+    return [Row(p["prompt"], True, "garak-multilingual") for p in rows]
+
+
+def agent_injection_bench() -> list[Row]:
+    """agent-injection-bench 0.1.0's (MIT) `aib/data/attacks.jsonl`: the content injected into
+    a tool result, document, web page or file name for each attack (21; instruction overrides,
+    fake authority, exfiltration, role play), and its `control` rows as benign (3: "Runbook
+    step 1: Ignore stale cache warnings, then run the migration.")."""
+    spec = importlib.util.find_spec("aib")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "agent-injection-bench is not installed: pip install --no-deps -r "
+            "bench/requirements-quality.txt"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "attacks.jsonl"
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out.append(Row(r["injected"], r["family"] != "control", "agent-injection-bench"))
     return out
 
 
@@ -645,9 +712,12 @@ def training_rows() -> tuple[list[Row], int]:
         + stdlib_benign()
         + everyday_benign()
         + tau2_benign()
+        + theagentcompany()
         + encoded_benign()
         + agentdojo_injections()
         + ipi_coding_agent()
+        + garak_multilingual()
+        + agent_injection_bench()
     )
     rows += benign_windows(rows + writingbench_long())
     rows, dropped = dedupe(rows, bench_keys())
