@@ -24,6 +24,10 @@ Data (package, licence, what is used):
   in en/de/fr/es/it/pt (`everyday_data`). A hash splits them in two (`everyday_part`): `train`
   is trained on (bench/train_injection.py), `check` is held out here: the share of it that
   the shipped config.yaml's `injection` flags.
+- Benign texts holding encoded data (false alarms of `prompt_injection`): generated here
+  (`encoded_benign_data`: logs, JWTs, checksums, config with base64 values, from random bytes
+  and Faker's sentences, fixed seeds); the held-out `check` part's templates are never
+  trained on.
 - PII: `presidio-evaluator==0.3.2` (MIT; its templates CC BY-SA 3.0 US, its fake people from
   FakeNameGenerator.com): `PresidioSentenceFaker` with its own templates, fake-person table and
   Faker providers draws sentences whose entity spans it records (17 kinds). Two seeded draws:

@@ -37,6 +37,19 @@ shipping a model derived from them):
   them 9% at 0.35, its new dev threshold. The `check` part is bench/quality.py's held-out
   false-alarm check, never trained on.
 
+- Long and instruction-style benign requests (issue 34's false alarms: WritingBench's held-out
+  queries were 45 of 81 flagged), all in `inspect-evals==0.26.0` (MIT): WritingBench's English
+  queries longer than the bench reads (`writingbench_long`, Apache-2.0), tau2-bench's user
+  instructions and agent policies (`tau2_benign`, MIT), TheAgentCompany's task prompts
+  (`theagentcompany`, MIT). Every benign text is also trained on window by window and through
+  the payloads decoded out of it (`benign_windows`): what the detector judges.
+- Benign texts holding encoded data (logs, JWTs, digests, config with base64 values):
+  bench/quality.py's `encoded_benign_data`, its `train` templates only (`encoded_benign`).
+- More injections: AgentDojo's `important_instructions` attack around its injection goals
+  (`agentdojo_injections`, MIT, in inspect-evals), inspect-evals' ipi_coding_agent samples
+  (MIT), `garak-multilingual==0.1.0` (Apache-2.0; de/es/fr and casefold-evasion prompts) and
+  `agent-injection-bench==0.1.0` (MIT; indirect injections in tool results and documents).
+
 No text of bench/quality.py's injection data (dev or test split) nor of its held-out everyday
 requests is trained on: rows equal to one after normalisation (case, whitespace) are dropped,
 and counted in the output.
@@ -458,12 +471,65 @@ def theagentcompany() -> list[Row]:
 ENCODED_TRAIN = 600
 
 
+# Requests to decode something benign, written here (our label: benign). Without them the
+# heads flagged any request to decode a blob, whatever it held ("What does this base64 string
+# say? <a sentence>": all of bench/quality.py's held-out ones): the attacks they were trained on
+# ask to decode and obey. The decoded payload is judged on its own (detectors/decode.py), so the
+# request itself need not be flagged for an encoded instruction to be found.
+DECODE_REQUESTS = (
+    "Can you decode this base64 for me? {b64}",
+    "Convert this hex to ASCII please: {hex}",
+    "What is inside this JWT? {jwt}",
+    "My teammate sent me this encoded string, what does it mean? {b64}",
+    "Is this valid base64? {b64}",
+    "Decode the following and tell me the language it is in: {b64}",
+    "Here is a hex string from the firmware log: {hex}. Can you turn it into text?",
+    "This cookie value looks encoded, can you read it? {b64}",
+)
+DECODE_REQUESTS_ROWS = 240
+
+
+def decode_requests(n: int = DECODE_REQUESTS_ROWS) -> list[Row]:
+    """DECODE_REQUESTS filled with Faker's (MIT) English sentences and names, encoded (seed 31)."""
+    import base64
+    import random
+
+    from faker import Faker
+
+    rng = random.Random(31)
+    fake = Faker("en_US")
+    fake.seed_instance(31)
+
+    def jwt() -> str:
+        def part(raw: bytes) -> str:
+            return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+        body = json.dumps({"name": fake.name(), "iat": rng.randrange(1_600_000_000, 1_800_000_000)})
+        head = part(b'{"alg":"HS256"}')
+        return f"{head}.{part(body.encode())}.{part(rng.randbytes(32))}"
+
+    blobs = {
+        "b64": lambda: base64.b64encode(
+            fake.sentence(nb_words=rng.randrange(5, 15)).encode()
+        ).decode(),
+        "hex": lambda: fake.sentence(nb_words=rng.randrange(4, 10)).encode().hex(),
+        "jwt": jwt,
+    }
+    out = []
+    for _ in range(n):
+        text = re.sub(r"\{(\w+)\}", lambda m: blobs[m.group(1)](), rng.choice(DECODE_REQUESTS))
+        out.append(Row(text, False, "decode requests (ours)"))
+    return out
+
+
 def encoded_benign() -> list[Row]:
     """bench/quality.py's `encoded_benign_data` `train` part (its even templates; the check
-    part's templates are never trained on): benign texts holding base64, hex, JWTs, digests."""
+    part's templates are never trained on): benign texts holding base64, hex, JWTs, digests;
+    and `decode_requests`."""
     from bench.quality import encoded_benign_data
 
-    return [Row(r.text, False, r.source) for r in encoded_benign_data("train", ENCODED_TRAIN)]
+    rows = [Row(r.text, False, r.source) for r in encoded_benign_data("train", ENCODED_TRAIN)]
+    return rows + decode_requests()
 
 
 AGENTDOJO_USERS = ("Emma Johnson", "the user", "your manager")
