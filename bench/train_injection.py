@@ -37,6 +37,19 @@ shipping a model derived from them):
   them 9% at 0.35, its new dev threshold. The `check` part is bench/quality.py's held-out
   false-alarm check, never trained on.
 
+- Long and instruction-style benign requests (issue 34's false alarms: WritingBench's held-out
+  queries were 45 of 81 flagged), all in `inspect-evals==0.26.0` (MIT): WritingBench's English
+  queries longer than the bench reads (`writingbench_long`, Apache-2.0), tau2-bench's user
+  instructions and agent policies (`tau2_benign`, MIT), TheAgentCompany's task prompts
+  (`theagentcompany`, MIT). Every benign text is also trained on window by window and through
+  the payloads decoded out of it (`benign_windows`): what the detector judges.
+- Benign texts holding encoded data (logs, JWTs, digests, config with base64 values):
+  bench/quality.py's `encoded_benign_data`, its `train` templates only (`encoded_benign`).
+- More injections: AgentDojo's `important_instructions` attack around its injection goals
+  (`agentdojo_injections`, MIT, in inspect-evals), inspect-evals' ipi_coding_agent samples
+  (MIT), `garak-multilingual==0.1.0` (Apache-2.0; de/es/fr and casefold-evasion prompts) and
+  `agent-injection-bench==0.1.0` (MIT; indirect injections in tool results and documents).
+
 No text of bench/quality.py's injection data (dev or test split) nor of its held-out everyday
 requests is trained on: rows equal to one after normalisation (case, whitespace) are dropped,
 and counted in the output.
@@ -48,6 +61,7 @@ import argparse
 import csv
 import importlib.util
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -74,7 +88,10 @@ C = 4.0  # inverse regularisation; chosen on neuralchemy core-validation held ou
 MLP_HIDDEN = 256
 MLP_ALPHA = 3e-3
 MLP_SEEDS = (0, 1, 2)
-NGRAM_C = 64.0
+# 16 since the long requests, encoded texts and windows were added (issue 34's false alarms):
+# dev F1 0.953 at 0.29 with 16, 0.944 at 0.25 with 64 (the same rows; `threshold_for`); before
+# those, 64 (C 4/16/64 gave 0.92 alike)
+NGRAM_C = 16.0
 FAKER_LOCALES = {"de": "de_DE", "fr": "fr_FR", "es": "es_ES", "it": "it_IT"}  # pt: Latin only
 FAKER_PER_LOCALE = 200
 PRESIDIO_DRAWS = 800
@@ -337,6 +354,298 @@ def everyday_benign() -> list[Row]:
     ]
 
 
+# Benign texts longer than one window are also trained on window by window: the detector
+# scores a content's best window (its sentences and 512-character spans, detectors/windows.py),
+# and a long writing request that is benign as a whole was flagged for one of its sentences
+# ("Do not mention the client's name." inside a 3,000-character brief) that training on its
+# first 256 tokens never showed the heads. Every window of a benign text is benign; an
+# injection's windows are not all injections, so only benign texts are cut up. At most
+# WINDOWS_PER_TEXT windows of a text, a seeded sample (embedding cost).
+WINDOWS_PER_TEXT = 8
+
+
+def benign_windows(rows: list[Row]) -> list[Row]:
+    """The windows `prompt_injection` judges (`detectors.windows.windows` on the normalised
+    view, the ScoredTextDetector's 512/256 spans) of each benign row that has more than one,
+    as benign rows of the same source (" windows" appended), and the payloads decoded out of
+    each benign row (" decoded")."""
+    import random
+
+    from detectors.decode import payloads
+    from detectors.model import ScoredTextDetector
+    from detectors.normalise import view_text
+    from detectors.windows import windows
+
+    width, step = ScoredTextDetector.window_chars, ScoredTextDetector.window_step
+    rng = random.Random(17)
+    out = []
+    for r in rows:
+        if r.label:
+            continue
+        view = view_text(r.text)
+        parts = windows(view, width, step)
+        if len(parts) > 1:
+            picked = rng.sample(parts, min(WINDOWS_PER_TEXT, len(parts)))
+            out += [Row(w, False, f"{r.source} windows") for w in picked]
+        # the payloads the detector decodes out of it are judged too (a JWT's JSON, a hex
+        # dump's text): benign, as the text is
+        out += [Row(d, False, f"{r.source} decoded") for d in payloads(view, r.text)[0]]
+    return out
+
+
+def inspect_evals_dir() -> Path:
+    spec = importlib.util.find_spec("inspect_evals")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "inspect-evals is not installed: pip install --no-deps -r bench/requirements-quality.txt"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def writingbench_long() -> list[Row]:
+    """WritingBench's (X-PLUG, Apache-2.0; in inspect-evals 0.26.0, MIT) English queries longer
+    than bench/quality.py's WRITINGBENCH_MAX_CHARS, which the bench never reads: long writing
+    briefs with constraints ("You must include...", "Do not mention..."), benign; trained on
+    through their windows (`benign_windows`)."""
+    from bench.quality import WRITINGBENCH_MAX_CHARS
+
+    out = []
+    path = inspect_evals_dir() / "writingbench" / "benchmark_all.jsonl"
+    for line in path.read_text(encoding="utf-8").splitlines():
+        q = json.loads(line)["query"] if line.strip() else ""
+        if len(q) > WRITINGBENCH_MAX_CHARS and not re.search(r"[\u4e00-\u9fff]", q):
+            out.append(Row(q, False, "writingbench long (inspect-evals)"))
+    return out
+
+
+TAU2_PER_DOMAIN = 150  # telecom's 2,285 tasks are a few templates filled in many ways
+
+
+def tau2_benign() -> list[Row]:
+    """tau2-bench's (Sierra, MIT; in inspect-evals 0.26.0, MIT) user-simulator instructions
+    ("You are Emma Kim. You want to cancel reservation EHGLP3. If the agent tells you ...,
+    mention ... You don't want to cancel if you don't get a refund.") and its agent policies
+    (system prompts: "You should not provide any information ... not provided by the user"):
+    instruction-style English that instructs nobody to break a rule, benign."""
+    import gzip
+    import random
+
+    root = inspect_evals_dir() / "tau2" / "data" / "domains"
+    out = []
+    for domain in sorted(p for p in root.iterdir() if p.is_dir()):
+        path = next(domain / n for n in ("tasks.json", "tasks.json.gz") if (domain / n).exists())
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        texts = []
+        for task in json.loads(raw):
+            ins = (task.get("user_scenario") or {}).get("instructions")
+            if isinstance(ins, dict):
+                ins = "\n".join(
+                    str(ins[k])
+                    for k in ("known_info", "reason_for_call", "task_instructions")
+                    if ins.get(k)
+                )
+            if isinstance(ins, str) and ins.strip():
+                texts.append(ins.strip())
+        texts = list(dict.fromkeys(texts))
+        random.Random(domain.name).shuffle(texts)
+        out += [Row(t, False, "tau2 user instructions") for t in texts[:TAU2_PER_DOMAIN]]
+        for name in ("policy.txt", "policy.md", "main_policy.txt"):
+            if (domain / name).exists():
+                out.append(Row((domain / name).read_text(encoding="utf-8"), False, "tau2 policies"))
+    return out
+
+
+def theagentcompany() -> list[Row]:
+    """TheAgentCompany's (CMU, MIT; in inspect-evals 0.26.0, MIT) task prompts
+    (`theagentcompany/tasks/*/eval.yaml`): workplace tasks for an agent ("Please navigate to
+    ... and find drinks_survey.pdf ... organize the employees' responses into a CSV"), benign."""
+    import yaml
+
+    out = []
+    for path in sorted((inspect_evals_dir() / "theagentcompany" / "tasks").glob("*/eval.yaml")):
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        for variant in (data.get("variants") or {}).values():
+            prompt = (variant or {}).get("prompt")
+            if isinstance(prompt, str) and prompt.strip():
+                out.append(Row(prompt.strip(), False, "theagentcompany"))
+    return out
+
+
+ENCODED_TRAIN = 600
+
+
+# Requests to decode something benign, written here (our label: benign). Without them the
+# heads flagged any request to decode a blob, whatever it held ("What does this base64 string
+# say? <a sentence>": all of bench/quality.py's held-out ones): the attacks they were trained on
+# ask to decode and obey. The decoded payload is judged on its own (detectors/decode.py), so the
+# request itself need not be flagged for an encoded instruction to be found.
+DECODE_REQUESTS = (
+    "Can you decode this base64 for me? {b64}",
+    "Convert this hex to ASCII please: {hex}",
+    "What is inside this JWT? {jwt}",
+    "My teammate sent me this encoded string, what does it mean? {b64}",
+    "Is this valid base64? {b64}",
+    "Decode the following and tell me the language it is in: {b64}",
+    "Here is a hex string from the firmware log: {hex}. Can you turn it into text?",
+    "This cookie value looks encoded, can you read it? {b64}",
+)
+DECODE_REQUESTS_ROWS = 240
+
+
+def decode_requests(n: int = DECODE_REQUESTS_ROWS) -> list[Row]:
+    """DECODE_REQUESTS filled with Faker's (MIT) English sentences and names, encoded (seed 31)."""
+    import base64
+    import random
+
+    from faker import Faker
+
+    rng = random.Random(31)
+    fake = Faker("en_US")
+    fake.seed_instance(31)
+
+    def jwt() -> str:
+        def part(raw: bytes) -> str:
+            return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+        body = json.dumps({"name": fake.name(), "iat": rng.randrange(1_600_000_000, 1_800_000_000)})
+        head = part(b'{"alg":"HS256"}')
+        return f"{head}.{part(body.encode())}.{part(rng.randbytes(32))}"
+
+    blobs = {
+        "b64": lambda: base64.b64encode(
+            fake.sentence(nb_words=rng.randrange(5, 15)).encode()
+        ).decode(),
+        "hex": lambda: fake.sentence(nb_words=rng.randrange(4, 10)).encode().hex(),
+        "jwt": jwt,
+    }
+    out = []
+    for _ in range(n):
+        text = re.sub(r"\{(\w+)\}", lambda m: blobs[m.group(1)](), rng.choice(DECODE_REQUESTS))
+        out.append(Row(text, False, "decode requests (ours)"))
+    return out
+
+
+def encoded_benign() -> list[Row]:
+    """bench/quality.py's `encoded_benign_data` `train` part (its even templates; the check
+    part's templates are never trained on): benign texts holding base64, hex, JWTs, digests;
+    and `decode_requests`."""
+    from bench.quality import encoded_benign_data
+
+    rows = [Row(r.text, False, r.source) for r in encoded_benign_data("train", ENCODED_TRAIN)]
+    return rows + decode_requests()
+
+
+AGENTDOJO_USERS = ("Emma Johnson", "the user", "your manager")
+
+
+def agentdojo_injections() -> list[Row]:
+    """AgentDojo's (ETH Zurich, MIT; in inspect-evals 0.26.0, MIT) indirect injections: its
+    `important_instructions` attack (agentdojo/attacks/attack.py) around each injection task's
+    GOAL (agentdojo/task_suites/*/injection_tasks.py), for a few signers. The GOALs are class
+    attributes built from others (f-strings), read with `ast` (importing the suites needs
+    inspect-ai, which the bench does not install)."""
+    import ast
+
+    root = inspect_evals_dir() / "agentdojo"
+    template_src = (root / "attacks" / "attack.py").read_text(encoding="utf-8")
+    template = next(
+        n.value.value
+        for n in ast.parse(template_src).body
+        if isinstance(n, ast.Assign)
+        and getattr(n.targets[0], "id", "") == "IMPORTANT_INSTRUCTIONS_PROMPT"
+        and isinstance(n.value, ast.Constant)
+    )
+    goals = []
+    for path in sorted((root / "task_suites").glob("*/injection_tasks.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            ns: dict[str, object] = {}
+            for st in node.body:
+                if isinstance(st, ast.Assign) and isinstance(st.targets[0], ast.Name):
+                    try:  # constants and f-strings of earlier constants only
+                        expr = compile(ast.Expression(st.value), str(path), "eval")
+                        ns[st.targets[0].id] = eval(expr, {"__builtins__": {}}, ns)
+                    except Exception:  # not a constant: skipped
+                        continue
+            if isinstance(ns.get("GOAL"), str):
+                goals.append(ns["GOAL"])
+    return [
+        Row(template.format(user_name=user).replace("{goal}", goal).strip(), True, "agentdojo")
+        for goal in dict.fromkeys(goals)
+        for user in AGENTDOJO_USERS
+    ]
+
+
+def ipi_coding_agent() -> list[Row]:
+    """inspect-evals' own ipi_coding_agent samples (MIT): instructions planted in a repository's
+    issue text, README, code comments or config for a coding agent (the file or issue holding
+    `payload_indicator`'s target is the injection), and its benign issues."""
+    data = json.loads(
+        (inspect_evals_dir() / "ipi_coding_agent" / "dataset" / "samples.json").read_text()
+    )
+    out = []
+    for s in data:
+        if s.get("is_benign"):
+            if s.get("issue_text"):
+                out.append(Row(s["issue_text"], False, "ipi-coding-agent"))
+            continue
+        vector = s.get("injection_vector")
+        if vector == "issue_text":
+            out.append(Row(s["issue_text"], True, "ipi-coding-agent"))
+            continue
+        files = s.get("repo_files") or {}
+        kinds = {"readme": ".md", "code_comment": ".py", "config_file": ""}
+        pattern = re.compile(s.get("payload_indicator") or "$^")
+        for name, body in files.items():
+            if name.endswith(kinds.get(vector, "?")) and pattern.search(body or ""):
+                out.append(Row(body, True, "ipi-coding-agent"))
+    return out
+
+
+# garak-multilingual's payload lists (garak_multilingual/payloads.py) in the languages the bench
+# judges: its Turkish, Russian, Arabic, Chinese and Persian attacks are left out, as no benign
+# text in those languages is trained on (the heads would learn the language, not the attack)
+GARAK_LANGS = {"de", "es", "fr", "it", "pt", "en"}
+
+
+def garak_multilingual() -> list[Row]:
+    """garak-multilingual 0.1.0's (Apache-2.0) injections: its MULTILINGUAL_INJECTION prompts
+    in GARAK_LANGS ("Ignoriere alle vorherigen Anweisungen ...") and TURKISH_CASEFOLD_EVASION
+    (English with Turkish dotted capitals: "İGNORE ALL PREVİOUS İNSTRUCTİONS ..."), all
+    attacks."""
+    try:
+        from garak_multilingual import payloads
+    except ImportError as e:
+        raise SystemExit(
+            "garak-multilingual is not installed: pip install --no-deps -r "
+            "bench/requirements-quality.txt"
+        ) from e
+    rows = [p for p in payloads.MULTILINGUAL_INJECTION if p.get("lang") in GARAK_LANGS]
+    rows += payloads.TURKISH_CASEFOLD_EVASION
+    return [Row(p["prompt"], True, "garak-multilingual") for p in rows]
+
+
+def agent_injection_bench() -> list[Row]:
+    """agent-injection-bench 0.1.0's (MIT) `aib/data/attacks.jsonl`: the content injected into
+    a tool result, document, web page or file name for each attack (21; instruction overrides,
+    fake authority, exfiltration, role play), and its `control` rows as benign (3: "Runbook
+    step 1: Ignore stale cache warnings, then run the migration.")."""
+    spec = importlib.util.find_spec("aib")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "agent-injection-bench is not installed: pip install --no-deps -r "
+            "bench/requirements-quality.txt"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "attacks.jsonl"
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out.append(Row(r["injected"], r["family"] != "control", "agent-injection-bench"))
+    return out
+
+
 def bench_keys() -> set[str]:
     """Every text of bench/quality.py's injection data (dev and test) and of its held-out
     everyday requests."""
@@ -471,7 +780,15 @@ def training_rows() -> tuple[list[Row], int]:
         + short_benign()
         + stdlib_benign()
         + everyday_benign()
+        + tau2_benign()
+        + theagentcompany()
+        + encoded_benign()
+        + agentdojo_injections()
+        + ipi_coding_agent()
+        + garak_multilingual()
+        + agent_injection_bench()
     )
+    rows += benign_windows(rows + writingbench_long())
     rows, dropped = dedupe(rows, bench_keys())
     everyday = [r for r in rows if r.source.startswith("everyday")]
     return rows + everyday * (EVERYDAY_REPEAT - 1), dropped

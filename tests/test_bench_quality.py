@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,19 @@ def test_a_trained_head_is_what_the_detector_loads(tmp_path: Path) -> None:
     hidden = np.maximum(x @ layers[0].T + layers[1], 0)
     expected = 1 / (1 + np.exp(-(hidden @ layers[2].T + layers[3])[:, 0]))
     assert head_probabilities(load_head(path), x) == pytest.approx(expected, rel=1e-5)
+
+
+def test_encoded_benign_texts_are_fixed_and_the_check_wording_is_never_trained_on() -> None:
+    """The encoded-data false-alarm check (README): the same texts on every call, each holding
+    encoded data, and no template of the held-out `check` part in the `train` part."""
+    pytest.importorskip("faker", reason="bench/requirements-quality.txt")
+    train, check = quality.encoded_benign_data("train", 60), quality.encoded_benign_data("check")
+    assert [r.text for r in check] == [r.text for r in quality.encoded_benign_data("check")]
+    assert len(check) == 300 and not any(r.label for r in train + check)
+    # each template's longest fixed wording (placeholders removed) names it in a text
+    marks = [max(re.split(r"\{\w+\}", t), key=len) for t in quality.ENCODED_TEMPLATES]
+    for rows, own, other in ((train, marks[0::2], marks[1::2]), (check, marks[1::2], marks[0::2])):
+        for r in rows:
+            assert any(m in r.text for m in own), r.text[:80]
+            assert not any(m in r.text for m in other), r.text[:80]
+        assert all(re.search(r"[A-Za-z0-9+/=_-]{16,}", r.text) for r in rows)

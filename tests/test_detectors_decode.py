@@ -107,8 +107,8 @@ async def test_an_encoded_injection_is_flagged_and_a_benign_payload_is_not() -> 
         wrap.format(base64.b64encode(hashlib.sha512(b"blob").digest()).decode()),
     ]
     scores = scores_of(await det.detect(texts))
-    assert all(s > 0.35 for s in scores[:4]), scores  # 0.35: the shipped config's threshold
-    assert all(s < 0.35 for s in scores[4:]), scores
+    assert all(s > 0.35 for s in scores[:4]), scores  # above the shipped config's 0.29
+    assert all(s < 0.29 for s in scores[4:]), scores
     result = await det.detect([texts[0]])
     assert (result[0][0].start, result[0][0].end) == (0, len(texts[0]))  # the whole content
 
@@ -127,8 +127,8 @@ def test_past_the_cap_the_text_is_reported_overflowed() -> None:
 async def test_decoys_ahead_of_an_encoded_injection_do_not_hide_it() -> None:
     """MAX_PAYLOADS benign payloads first, the encoded instruction last: it is never decoded,
     so the content fails closed (1.0) instead of scoring its decoys; the decoys alone stay
-    scored as themselves (below the fail-closed 1.0; 0.64 with the shipped model: eight base64
-    blobs in one sentence look odd to it)."""
+    scored as themselves (below the fail-closed 1.0; 0.14 with the shipped model, 0.64 before
+    it was trained on benign texts holding encoded data)."""
     det = detectors.build("prompt_injection", {"min_score": 0.0})
     decoys = " ".join(
         base64.b64encode(f"{BENIGN} number {i}".encode()).decode() for i in range(MAX_PAYLOADS)

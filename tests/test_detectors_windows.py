@@ -250,12 +250,11 @@ async def test_a_short_sentence_costs_one_row_and_every_window_goes_in_one_call(
 async def test_benign_paragraphs_stay_benign(model: str) -> None:
     """Windows give a classifier more chances to be wrong: benign multi-sentence prose, also
     about prompts and models, still scores below 0.5 (guardify stays under 0.25; minilm under
-    the 0.35 of the shipped config's `injection`: the prose about the product is its closest
-    call, 0.31)."""
+    the 0.29 of the shipped config's `injection`)."""
     det = detectors.build("prompt_injection", {"model": model, "min_score": 0.0})
     result = await det.detect(BENIGN)
     scores = [per[0].score if per else 0.0 for per in result]
-    bound = {"guardify": 0.25, "minilm": 0.35}.get(model, 0.5)
+    bound = {"guardify": 0.25, "minilm": 0.29}.get(model, 0.5)
     assert max(scores) < bound, scores
 
 
