@@ -82,6 +82,12 @@ log = logging.getLogger("guardstream.engine")
 GPU_MEMORY_FRACTION = 0.8
 #: Overlapped decode steps by default (where the step keeps its tokens on the device).
 OVERLAP = True
+#: Admissions per iteration at most: requests that arrived while the previous admission's
+#: prefill ran are admitted before the decode step, up to this many prefill rounds (a burst of
+#: new streams reaches the engine over tens of milliseconds; each decode step between its
+#: groups' prefills added a step to their time to first token). Bounded: the running rows wait at
+#: most this many prefill passes of `prefill_token_budget` for their next token.
+ADMISSION_ROUNDS = 4
 
 
 class Engine:
@@ -331,8 +337,11 @@ class Engine:
         """One iteration of the worker: leaves, joins, a prefill chunk, a decode step (or the
         step in flight finished), then the iteration's events out."""
         self._drop_cancelled()
-        if joiners:
+        rounds = 0
+        while joiners and rounds < ADMISSION_ROUNDS:
             self._admit(joiners)
+            rounds += 1
+            joiners = self._arrived() if rounds < ADMISSION_ROUNDS else []
         if self._sched.prefilling:
             self._prefill_chunk()
         if self._sched.rows:
@@ -360,6 +369,14 @@ class Engine:
                 self._cond.wait()
             if self._stopping:
                 return None
+            return self._sched.choose_joiners(self._inbox, self._runner.batchable)
+
+    def _arrived(self) -> list[Job]:
+        """The requests that may join now without waiting (arrived during an admission's
+        prefill), none while held or stopping."""
+        with self._cond:
+            if self._stopping or self._held or not self._inbox:
+                return []
             return self._sched.choose_joiners(self._inbox, self._runner.batchable)
 
     def _fail_everything(self, error: StreamError) -> None:
