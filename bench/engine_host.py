@@ -111,6 +111,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from generation import model_runner, models
+from generation.__main__ import LISTEN_BACKLOG
 from generation.decode_graphs import StaticSlotCache
 from generation.device_sampling import DeviceSampler
 from generation.jobs import Job, StreamError
@@ -546,7 +547,14 @@ def serve(port: int, device: str, device_ms: float, rows: int, eager: bool, over
 
     app.on_startup.append(freeze)  # after create_app's own (the engine's start)
     print(f"listening on {port}", flush=True)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+    web.run_app(
+        app,
+        host="127.0.0.1",
+        port=port,
+        print=None,
+        handle_signals=True,
+        backlog=LISTEN_BACKLOG,  # as `python -m generation serve`: a burst's connections queue
+    )
 
 
 def serve_core(

@@ -5,9 +5,12 @@ replica's two processes (the API process and its engine core) living and dying a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -229,3 +232,46 @@ async def test_one_process_mode_serves() -> None:
                 streams.append(await generate(session, engine.url, body))
     assert streams[0].completed and len(streams[0].token_ids) == 12
     assert streams[1].lines == streams[0].lines
+
+
+@linux_only
+async def test_a_burst_of_connections_is_queued_while_the_replica_is_busy(
+    tiny_process: EngineProcess,
+) -> None:
+    """300 clients connect at once while the replica's event loop cannot accept (stopped here;
+    busy, in a burst of new streams): the kernel completes every handshake into the listening
+    socket's accept queue, none is dropped to retry a second later (aiohttp's default queue of
+    128 dropped the rest), and every connection is served once the replica runs again."""
+    count = 300
+    os.kill(tiny_process.process.pid, signal.SIGSTOP)
+    try:
+        sockets = []
+        for _ in range(count):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", tiny_process.port))
+            sockets.append(sock)
+
+        def connected() -> bool:
+            _, writable, _ = select.select([], sockets, [], 0)
+            return len(writable) == count and all(
+                s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for s in sockets
+            )
+
+        await until(connected, what=f"{count} handshakes completed while the replica is stopped")
+    finally:
+        os.kill(tiny_process.process.pid, signal.SIGCONT)
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    loop = asyncio.get_running_loop()
+
+    async def health(sock: socket.socket) -> bytes:
+        await loop.sock_sendall(sock, request)
+        return await loop.sock_recv(sock, 12)
+
+    try:
+        answers = await asyncio.gather(*(health(s) for s in sockets))
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert answers == [b"HTTP/1.1 200"] * count
