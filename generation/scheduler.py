@@ -16,8 +16,11 @@ and `OutputProcessor`, and drives them one iteration at a time (`Engine._run`):
 Everything they hold is the worker thread's alone; the event loops talk to the engine only
 through `submit`/`cancel`/`hold` (under `_cond`) and their mailboxes.
 
-Each iteration: admit queued requests (prefill, first tokens, join), run one chunk of a long
-prompt, then one decode step, then flush the iteration's events.
+Each iteration: admit queued requests (prefill, first tokens, join; again for those that arrived
+during that prefill, up to ADMISSION_ROUNDS admissions: a burst of new streams reaches the engine
+over tens of milliseconds, and a decode step between two of its groups delays the later group's
+first tokens by that step), run one chunk of a long prompt, then one decode step, then flush the
+iteration's events.
 
 Overlapped steps (`overlap`, the default; what vLLM calls async scheduling and SGLang the overlap
 scheduler). A decode step is launched before the host has processed the previous one: the static
