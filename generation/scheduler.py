@@ -283,7 +283,8 @@ class Engine:
     def hold(self) -> Iterator[None]:
         """While held, the worker starts no new step: requests queue up and then join together.
 
-        For tests and benchmarks that need a known batch composition, not for serving."""
+        For tests and benchmarks that need a known batch composition, and for the engine core's
+        flow control (engine_core.py: its API process fell behind)."""
         with self._cond:
             self._held += 1
         try:
