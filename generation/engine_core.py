@@ -190,6 +190,10 @@ async def run_core(app: web.Application, fd: int, socket_path: str) -> int:
     await asyncio.wait(
         {loop.create_task(session.done.wait()), stopped}, return_when=asyncio.FIRST_COMPLETED
     )
+    # the API process first (frames keep their order: it reads this before any stream's error),
+    # so the requests it gets from now on are refused with a 503 status, not a 200 whose only
+    # line is the error a submit racing the stop would get
+    channel.send(["stopping"])
     await runner.cleanup()  # the engine stops: unfinished streams get their in-band error
     channel.send(["bye"])
     if channel.transport is not None:

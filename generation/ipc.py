@@ -20,8 +20,9 @@ Messages (`kind` first):
 - API -> core: `["submit", rid, job]`, `["cancel", rid]`, `["stop"]`.
 - core -> API: `["hello", facts]` once the engine serves, `["step", [[rid, [event, ...]], ...]]`
   once per worker delivery (every row's events of the step in one frame; an event is an
-  `EngineDelta` or `StreamError` as orjson encodes a dataclass), `["bye"]` once the core has
-  stopped its engine (every unfinished stream got its error first).
+  `EngineDelta` or `StreamError` as orjson encodes a dataclass), `["stopping"]` before the core
+  stops its engine (the API process refuses new requests from then on), `["bye"]` once the core
+  has stopped its engine (every unfinished stream got its error first).
 """
 
 from __future__ import annotations

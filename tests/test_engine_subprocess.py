@@ -19,6 +19,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from generation.core_client import CoreClient
+from generation.jobs import EngineDelta, EngineUnavailable, Job, StreamError
+from generation.sampling import SamplingParams
 from tests.engine_processes import (
     EngineProcess,
     child_environment,
@@ -275,3 +278,58 @@ async def test_a_burst_of_connections_is_queued_while_the_replica_is_busy(
         for sock in sockets:
             sock.close()
     assert answers == [b"HTTP/1.1 200"] * count
+
+
+class _Sink:
+    """A stream's sink in the API process that notes, with each delivery, whether its
+    `CoreClient` still took new requests at that moment."""
+
+    def __init__(self, core: CoreClient) -> None:
+        self.core = core
+        self.deliveries: list[tuple[bool, list[EngineDelta | StreamError]]] = []
+        self.ended = asyncio.Event()
+
+    def put_many(self, events: list[EngineDelta | StreamError]) -> None:
+        self.deliveries.append((self.core.healthy, events))
+        if isinstance(events[-1], StreamError) or events[-1].finish_reason is not None:
+            self.ended.set()
+
+
+@linux_only
+async def test_an_engine_core_that_stops_on_its_own_says_so_before_any_stream_fails(
+    tmp_path: Path,
+) -> None:
+    """The engine core gets a SIGTERM of its own under an open stream: it tells its API process
+    before it stops its engine, so by the time the stream's in-band error (migratable) reaches
+    the API process, a new request is refused there, before any byte (server.py answers 503), not
+    sent to a core that would answer it with a 200 whose only line is that error."""
+    command = [sys.executable, "-m", "generation", "serve", "--model", "tiny-random"]
+    core = CoreClient([*command, "--device", TEST_DEVICE], str(tmp_path / "core.sock"))
+    await core.start()
+    try:
+        loop = asyncio.get_running_loop()
+        sink = _Sink(core)
+        job = Job(
+            prompt_ids=[5, 6, 7],
+            max_new_tokens=4000,
+            sampling=SamplingParams(),
+            loop=loop,
+            queue=sink,  # type: ignore[arg-type]
+        )
+        core.submit(job)
+        await until(lambda: sink.deliveries, what="the stream's first token")
+        assert core.process is not None
+        os.kill(core.process.pid, signal.SIGTERM)
+        await asyncio.wait_for(sink.ended.wait(), 30)  # a guard, not a window
+        healthy, events = sink.deliveries[-1]
+        assert events[-1] == StreamError(
+            503, "generation_unavailable", "the engine is shutting down"
+        )
+        assert not healthy  # the core's notice came first
+        late = Job(
+            prompt_ids=[5], max_new_tokens=2, sampling=SamplingParams(), loop=loop, queue=sink
+        )  # type: ignore[arg-type]
+        with pytest.raises(EngineUnavailable):
+            core.submit(late)
+    finally:
+        await core.stop()
