@@ -257,9 +257,7 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
 async def _serve_api(args: argparse.Namespace, api_keys: list[str] | None) -> int:
     """`--api-process`: start the engine core (a child running this command with the same
     flags, or `--core-command`), then serve HTTP here. Exits 1 if the core dies."""
-    from .core_client import CoreClient, CoreStartError
-    from .models import load_frontend
-    from .server import create_api_app, freeze_startup_heap
+    from .core_client import CoreClient, CoreStartError  # no torch: the core starts first
 
     command = (
         json.loads(args.core_command)
@@ -269,12 +267,20 @@ async def _serve_api(args: argparse.Namespace, api_keys: list[str] | None) -> in
     lost = asyncio.Event()
     with tempfile.TemporaryDirectory(prefix="guardstream-core-") as folder:  # mode 0700
         core = CoreClient(command, os.path.join(folder, "core.sock"), on_lost=lost.set)
+        # the core loads torch, the model and its engine while this process loads its own
+        # modules (torch and transformers too: ~2-3 s on a CPU), not after them
+        imported = asyncio.ensure_future(asyncio.to_thread(_import_api_modules))
         try:
             facts = await core.start()
         except CoreStartError as exc:
+            await imported
             print(f"error: {exc}", file=sys.stderr)
             return exc.returncode or 1
         try:
+            await imported
+            from .models import load_frontend
+            from .server import create_api_app, freeze_startup_heap
+
             loaded = await asyncio.to_thread(load_frontend, facts)
             app = create_api_app(
                 core,
@@ -287,6 +293,11 @@ async def _serve_api(args: argparse.Namespace, api_keys: list[str] | None) -> in
         finally:
             await core.stop()
     return 1 if lost.is_set() else status
+
+
+def _import_api_modules() -> None:
+    """What the API process serves with (server.py and what it imports), on a thread."""
+    from . import models, server  # noqa: F401
 
 
 async def _listen(

@@ -333,3 +333,23 @@ async def test_an_engine_core_that_stops_on_its_own_says_so_before_any_stream_fa
             core.submit(late)
     finally:
         await core.stop()
+
+
+def test_the_api_process_starts_its_core_before_importing_torch() -> None:
+    """What `serve` needs to start its engine core (the command line and `CoreClient`) imports
+    no torch, so the core (torch, the model, the engine) starts at once and the API process's
+    own imports (server.py: torch and transformers, seconds on a CPU) run while it loads."""
+    probe = (
+        "import sys, generation.__main__, generation.core_client;"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env=child_environment(),
+        timeout=120,
+    )
+    assert out.stdout.strip() == "[]"
