@@ -3,7 +3,7 @@
     python bench/engine_host.py [--rows 1,64,256] [--tokens 128] [--device cpu|cuda]
                                 [--device-ms 4] [--paths inproc,http] [--decoding greedy,sampling]
                                 [--clients 2] [--repeat 1] [--eager] [--json out.json]
-                                [--overlap on,off]
+                                [--overlap on,off] [--ttft 64,256] [--ttft-tokens 16]
 
     # the issue's figure at 256 rows, on 2 shared cores (about 4 minutes):
     python bench/engine_host.py --rows 256 --paths http-api --repeat 5
@@ -65,6 +65,15 @@ work is a fifth of it), and under a load average of 4-5 a woken worker now and t
 several milliseconds for a core, which no overlap hides: the steps' windows of 16 and the mean
 idle count those stalls, the median idle does not (with overlap on it was 0 in every run here;
 synchronous, 1-4.5 ms). Read the spread and the load average the summary prints.
+
+TTFT (http paths, `--ttft 64,256`, `--ttft-tokens 16`): bursts of that many new streams, not
+held: the clients connect (and warm) first, then send every request at once, and each stream's
+time to first token is from its request sent to its first NDJSON line read; the requests reach
+the engine as the server admits them, as a burst of real clients' do. Run on every server (host
+only, and with the device step, overlap on), before the step levels; printed per burst
+(`ttft ...`), per setting (`... ttft_ms_N p50= p90= max=`, the repeat with the lowest p50), and
+as the next-to-last line `ttft_ms_256 p50=.. p90=.. max=.. device=Xms (path, decoding)` (the
+served layout, the most streams, with the device step when there is one).
 
 Both paths freeze the start-up heap once the engine has started, as `python -m generation serve`
 does (`generation.server.freeze_startup_heap`): the engine is measured as it is served.
