@@ -66,13 +66,11 @@ class FrameProtocol(asyncio.Protocol):
         on_lost: Callable[[], None],
         on_pause: Callable[[], None] | None = None,
         on_resume: Callable[[], None] | None = None,
-        high_water: int = HIGH_WATER,
     ) -> None:
         self._on_messages = on_messages
         self._on_lost = on_lost
         self._on_pause = on_pause
         self._on_resume = on_resume
-        self._high_water = high_water
         self._buffer = bytearray()
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.Event()  # the connection is gone (after its last write went out)
@@ -81,10 +79,9 @@ class FrameProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        transport.set_write_buffer_limits(high=self._high_water, low=self._high_water // 4)
 
     def pause_writing(self) -> None:
-        """The transport holds `high_water` unsent bytes (asyncio calls this)."""
+        """The transport holds `high_water` unsent bytes (`connect`; asyncio calls this)."""
         self.paused = True
         if self._on_pause is not None:
             self._on_pause()
@@ -137,7 +134,8 @@ async def connect(
     """Frames over `sock` (one end of the socketpair) on the running loop; `on_pause` and
     `on_resume` as the peer falls `high_water` bytes behind and catches up."""
     loop = asyncio.get_running_loop()
-    _, protocol = await loop.create_unix_connection(
-        lambda: FrameProtocol(on_messages, on_lost, on_pause, on_resume, high_water), sock=sock
+    transport, protocol = await loop.create_unix_connection(
+        lambda: FrameProtocol(on_messages, on_lost, on_pause, on_resume), sock=sock
     )
+    transport.set_write_buffer_limits(high=high_water, low=high_water // 4)
     return protocol
