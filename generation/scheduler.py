@@ -89,7 +89,7 @@ OVERLAP = True
 #: prefill ran are admitted before the decode step, up to this many prefill rounds (a burst of
 #: new streams reaches the engine over tens of milliseconds; each decode step between its
 #: groups' prefills added a step to their time to first token). Bounded: the running rows wait at
-#: most this many prefill passes of `prefill_token_budget` for their next token.
+#: most this many admissions (each within `prefill_token_budget`) for their next token.
 ADMISSION_ROUNDS = 4
 
 
