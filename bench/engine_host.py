@@ -706,20 +706,7 @@ class HttpBench:
         cpu = _process_cpu(self.worker_pid)
         api = _process_cpu(self.process.pid) if self.api else 0.0
         worker = _worker_cpu(self.worker_pid, self.worker_tid)
-        clients = max(1, min(self.args.clients, rows))
-        share = [rows // clients + (1 if i < rows % clients else 0) for i in range(clients)]
-        procs = []
-        first = 0
-        for count in share:
-            command = [sys.executable, __file__, "--client", self.url, "--first", str(first)]
-            command += ["--count", str(count), "--decoding", decoding]
-            command += ["--tokens", str(self.args.tokens)]
-            procs.append(
-                subprocess.Popen(
-                    command, stdout=subprocess.PIPE, text=True, env=child_environment()
-                )
-            )
-            first += count
+        procs = self._clients(rows, decoding, self.args.tokens)
         arrivals: list[list[tuple[float, int]]] = []
         client_cpu = 0.0
         for proc in procs:
@@ -749,28 +736,35 @@ class HttpBench:
             self._take_idle(),
         )
 
-    def ttft(self, rows: int, decoding: str, tokens: int) -> TtftLevel:
-        """`rows` new streams sent at once (no hold: they reach the engine as they arrive, as a
-        burst of clients does), `tokens` each: every stream's time to first token, from its
-        request sent to its first token line read."""
+    def _clients(
+        self, rows: int, decoding: str, tokens: int, go: bool = False
+    ) -> list[subprocess.Popen[str]]:
+        """`--clients` client subprocesses sharing `rows` streams (`go`: each waits, connected,
+        for a line on its stdin before it sends its requests)."""
         clients = max(1, min(self.args.clients, rows))
         share = [rows // clients + (1 if i < rows % clients else 0) for i in range(clients)]
         procs = []
         first = 0
         for count in share:
             command = [sys.executable, __file__, "--client", self.url, "--first", str(first)]
-            command += ["--count", str(count), "--decoding", decoding, "--go"]
-            command += ["--tokens", str(tokens)]
+            command += ["--count", str(count), "--decoding", decoding, "--tokens", str(tokens)]
             procs.append(
                 subprocess.Popen(
-                    command,
-                    stdin=subprocess.PIPE,
+                    [*command, "--go"] if go else command,
+                    stdin=subprocess.PIPE if go else None,
                     stdout=subprocess.PIPE,
                     text=True,
                     env=child_environment(),
                 )
             )
             first += count
+        return procs
+
+    def ttft(self, rows: int, decoding: str, tokens: int) -> TtftLevel:
+        """`rows` new streams sent at once (no hold: they reach the engine as they arrive, as a
+        burst of clients does), `tokens` each: every stream's time to first token, from its
+        request sent to its first token line read."""
+        procs = self._clients(rows, decoding, tokens, go=True)
         for proc in procs:  # every client connected and warm
             assert proc.stdout is not None
             if proc.stdout.readline().strip() != "ready":
