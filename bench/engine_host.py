@@ -3,7 +3,7 @@
     python bench/engine_host.py [--rows 1,64,256] [--tokens 128] [--device cpu|cuda]
                                 [--device-ms 4] [--paths inproc,http] [--decoding greedy,sampling]
                                 [--clients 2] [--repeat 1] [--eager] [--json out.json]
-                                [--overlap on,off]
+                                [--overlap on,off] [--ttft 64,256] [--ttft-tokens 16]
 
     # the issue's figure at 256 rows, on 2 shared cores (about 4 minutes):
     python bench/engine_host.py --rows 256 --paths http-api --repeat 5
@@ -66,6 +66,15 @@ several milliseconds for a core, which no overlap hides: the steps' windows of 1
 idle count those stalls, the median idle does not (with overlap on it was 0 in every run here;
 synchronous, 1-4.5 ms). Read the spread and the load average the summary prints.
 
+TTFT (http paths, `--ttft 64,256`, `--ttft-tokens 16`): bursts of that many new streams, not
+held: the clients connect (and warm) first, then send every request at once, and each stream's
+time to first token is from its request sent to its first NDJSON line read; the requests reach
+the engine as the server admits them, as a burst of real clients' do. Run on every server (host
+only, and with the device step, overlap on), before the step levels; printed per burst
+(`ttft ...`), per setting (`... ttft_ms_N p50= p90= max=`, the repeat with the lowest p50), and
+as the next-to-last line `ttft_ms_256 p50=.. p90=.. max=.. device=Xms (path, decoding)` (the
+served layout, the most streams, with the device step when there is one).
+
 Both paths freeze the start-up heap once the engine has started, as `python -m generation serve`
 does (`generation.server.freeze_startup_heap`): the engine is measured as it is served.
 
@@ -111,6 +120,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from generation import model_runner, models
+from generation.__main__ import LISTEN_BACKLOG
 from generation.decode_graphs import StaticSlotCache
 from generation.device_sampling import DeviceSampler
 from generation.jobs import Job, StreamError
@@ -379,6 +389,28 @@ class Level:
         return self.client_cpu_s * 1e6 / (self.rows * max(self.steps, 1))
 
 
+@dataclass
+class TtftLevel:
+    """A burst of new streams over http: each stream's time to first token (ms, sorted)."""
+
+    path: str
+    decoding: str
+    rows: int
+    device_ms: float
+    overlap: bool
+    ttft_ms: list[float]
+    repeat: int = 0
+
+    def quantile(self, q: float) -> float:
+        ordered = self.ttft_ms
+        return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+    def describe(self) -> str:
+        return (
+            f"p50={self.quantile(0.5):.0f} p90={self.quantile(0.9):.0f} max={self.ttft_ms[-1]:.0f}"
+        )
+
+
 def step_time(arrivals: list[list[tuple[float, int]]]) -> tuple[float, float]:
     """(seconds per step, steps) from each stream's (arrival time, tokens so far): from the
     first stream's first token to the last stream's last token, over the steps in between.
@@ -524,7 +556,14 @@ def serve(port: int, device: str, device_ms: float, rows: int, eager: bool, over
 
     app.on_startup.append(freeze)  # after create_app's own (the engine's start)
     print(f"listening on {port}", flush=True)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True)
+    web.run_app(
+        app,
+        host="127.0.0.1",
+        port=port,
+        print=None,
+        handle_signals=True,
+        backlog=LISTEN_BACKLOG,  # as `python -m generation serve`: a burst's connections queue
+    )
 
 
 def serve_core(
@@ -540,13 +579,19 @@ def serve_core(
     sys.exit(asyncio.run(main()))
 
 
-async def client(url: str, first: int, count: int, decoding: str, tokens: int) -> None:
-    """A client subprocess: `count` concurrent streams; prints each stream's arrivals (JSON)."""
+async def client(
+    url: str, first: int, count: int, decoding: str, tokens: int, go: bool = False
+) -> None:
+    """A client subprocess: `count` concurrent streams; prints each stream's arrivals and the
+    time each request was sent (JSON). `go` (TTFT levels): connect first, print "ready", and
+    send every request at once when a line comes on stdin, so the clients' start-up is not in
+    the burst."""
     import aiohttp
     import orjson
 
     all_prompts = prompts(first + count)
     cpu_at_first_token: list[float] = []  # this process's CPU time when any stream's first came
+    sent: dict[int, float] = {}  # stream index -> time.monotonic() its request was sent
 
     async def one(session: aiohttp.ClientSession, index: int) -> list[tuple[float, int]]:
         body: dict[str, Any] = {
@@ -558,6 +603,7 @@ async def client(url: str, first: int, count: int, decoding: str, tokens: int) -
             else {**SAMPLING, "seed": 7 + index},
         }
         seen: list[tuple[float, int]] = []
+        sent[index] = time.monotonic()
         async with session.post(f"{url}/v1/generate", json=body) as resp:
             resp.raise_for_status()
             complete = False
@@ -578,9 +624,16 @@ async def client(url: str, first: int, count: int, decoding: str, tokens: int) -
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if go:
+            async with session.get(f"{url}/health") as resp:  # the client's own first-use costs
+                await resp.read()
+            sys.stdout.write("ready\n")
+            sys.stdout.flush()
+            await asyncio.to_thread(sys.stdin.readline)
         result = await asyncio.gather(*(one(session, first + i) for i in range(count)))
     cpu = time.process_time() - cpu_at_first_token[0]
-    sys.stdout.write(json.dumps({"streams": result, "cpu_s": cpu}) + "\n")
+    order = [sent[first + i] for i in range(count)]
+    sys.stdout.write(json.dumps({"streams": result, "cpu_s": cpu, "sent": order}) + "\n")
 
 
 class HttpBench:
@@ -601,7 +654,12 @@ class HttpBench:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         engine = ["--device", args.device, "--device-ms", str(device_ms)]
-        engine += ["--max-rows", str(max(args.rows)), "--overlap", "on" if overlap else "off"]
+        engine += [
+            "--max-rows",
+            str(max(args.rows + args.ttft)),
+            "--overlap",
+            "on" if overlap else "off",
+        ]
         if args.eager:
             engine.append("--eager")
         if api:
@@ -648,20 +706,7 @@ class HttpBench:
         cpu = _process_cpu(self.worker_pid)
         api = _process_cpu(self.process.pid) if self.api else 0.0
         worker = _worker_cpu(self.worker_pid, self.worker_tid)
-        clients = max(1, min(self.args.clients, rows))
-        share = [rows // clients + (1 if i < rows % clients else 0) for i in range(clients)]
-        procs = []
-        first = 0
-        for count in share:
-            command = [sys.executable, __file__, "--client", self.url, "--first", str(first)]
-            command += ["--count", str(count), "--decoding", decoding]
-            command += ["--tokens", str(self.args.tokens)]
-            procs.append(
-                subprocess.Popen(
-                    command, stdout=subprocess.PIPE, text=True, env=child_environment()
-                )
-            )
-            first += count
+        procs = self._clients(rows, decoding, self.args.tokens)
         arrivals: list[list[tuple[float, int]]] = []
         client_cpu = 0.0
         for proc in procs:
@@ -690,6 +735,54 @@ class HttpBench:
             median_step(arrivals) * 1000,
             self._take_idle(),
         )
+
+    def _clients(
+        self, rows: int, decoding: str, tokens: int, go: bool = False
+    ) -> list[subprocess.Popen[str]]:
+        """`--clients` client subprocesses sharing `rows` streams (`go`: each waits, connected,
+        for a line on its stdin before it sends its requests)."""
+        clients = max(1, min(self.args.clients, rows))
+        share = [rows // clients + (1 if i < rows % clients else 0) for i in range(clients)]
+        procs = []
+        first = 0
+        for count in share:
+            command = [sys.executable, __file__, "--client", self.url, "--first", str(first)]
+            command += ["--count", str(count), "--decoding", decoding, "--tokens", str(tokens)]
+            procs.append(
+                subprocess.Popen(
+                    [*command, "--go"] if go else command,
+                    stdin=subprocess.PIPE if go else None,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=child_environment(),
+                )
+            )
+            first += count
+        return procs
+
+    def ttft(self, rows: int, decoding: str, tokens: int) -> TtftLevel:
+        """`rows` new streams sent at once (no hold: they reach the engine as they arrive, as a
+        burst of clients does), `tokens` each: every stream's time to first token, from its
+        request sent to its first token line read."""
+        procs = self._clients(rows, decoding, tokens, go=True)
+        for proc in procs:  # every client connected and warm
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("a bench client did not start")
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        ttfts: list[float] = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a bench client exited with {proc.returncode}")
+            reply = json.loads(out)
+            for stream, sent in zip(reply["streams"], reply["sent"], strict=True):
+                ttfts.append((stream[0][0] - sent) * 1000)
+        self._take_idle()
+        return TtftLevel(self.path, decoding, rows, self.device_ms, self.overlap, sorted(ttfts))
 
     def _take_idle(self) -> list[float]:
         import urllib.request
@@ -731,9 +824,9 @@ def settings_of(args: argparse.Namespace) -> list[tuple[float, bool]]:
     return out
 
 
-def run(args: argparse.Namespace, levels: list[Level]) -> None:
-    """Every level, each of its `--repeat` runs appended to `levels` as it completes (a
-    failure leaves the earlier ones)."""
+def run(args: argparse.Namespace, levels: list[Level], ttfts: list[TtftLevel]) -> None:
+    """Every level, each of its `--repeat` runs appended to `levels` (the TTFT bursts of the
+    http paths to `ttfts`) as it completes (a failure leaves the earlier ones)."""
     if "inproc" in args.paths:
         for device_ms, overlap in settings_of(args):
             loaded = load_null(args.device, device_ms)
@@ -765,6 +858,20 @@ def run(args: argparse.Namespace, levels: list[Level]) -> None:
             for device_ms, overlap in settings_of(args):
                 for api in layouts:
                     benches.append(HttpBench(args, device_ms, overlap, api))
+            # TTFT first: bursts of new streams, interleaved as the step levels are
+            for rows in args.ttft:
+                for repeat in range(args.repeat):
+                    for bench in benches:
+                        if bench.device_ms and not bench.overlap:
+                            continue  # the default engine (overlap on) only
+                        burst = bench.ttft(rows, args.decoding[0], args.ttft_tokens)
+                        burst.repeat = repeat
+                        ttfts.append(burst)
+                        print(
+                            f"ttft     {burst.path:8} {burst.decoding:8} rows {rows:4}  device "
+                            f"{burst.device_ms:4.1f} ms  {burst.describe()} ms",
+                            flush=True,
+                        )
             for rows in args.rows:
                 for decoding in args.decoding:
                     for repeat in range(args.repeat):
@@ -886,6 +993,35 @@ def spread(shares: list[float]) -> str:
     return f"{statistics.median(shares) * 100:.0f}% ({low:.0f}-{high:.0f}%, {len(shares)} runs)"
 
 
+def ttft_line(ttfts: list[TtftLevel], path: str, rows: int, device_ms: float) -> str | None:
+    """`ttft_ms_N p50=.. p90=.. max=..` of one path and device setting: the repeat with the
+    lowest p50 (on a shared machine other processes only ever add time), None without runs."""
+    runs = [t for t in ttfts if (t.path, t.rows, t.device_ms) == (path, rows, device_ms)]
+    if not runs:
+        return None
+    fastest = min(runs, key=lambda t: t.quantile(0.5))
+    return f"ttft_ms_{rows} {fastest.describe()}"
+
+
+def ttft_summary(ttfts: list[TtftLevel], args: argparse.Namespace) -> str | None:
+    """The TTFT lines of every path and setting; returns the headline's (the served layout,
+    the most rows, with the simulated device step when there is one)."""
+    headline = None
+    for path in dict.fromkeys(t.path for t in ttfts):
+        for device_ms in dict.fromkeys(t.device_ms for t in ttfts):
+            for rows in args.ttft:
+                line = ttft_line(ttfts, path, rows, device_ms)
+                if line is not None:
+                    print(f"{path:8} device {device_ms:4.1f} ms {line}")
+    http = [p for p in ("http-api", "http") if p in args.paths]
+    if http and args.ttft:
+        for device_ms in (args.device_ms, 0.0):
+            headline = ttft_line(ttfts, http[0], max(args.ttft), device_ms)
+            if headline is not None:
+                return f"{headline} device={device_ms:g}ms ({http[0]}, {args.decoding[0]})"
+    return headline
+
+
 def summary(levels: list[Level], args: argparse.Namespace) -> str:
     rows = max(args.rows)
     http = [p for p in ("http-api", "http") if p in args.paths]  # the served layout first
@@ -986,6 +1122,14 @@ def main() -> None:
     parser.add_argument(
         "--eager", action="store_true", help="the CPU's eager step and real sampler instead"
     )
+    parser.add_argument(
+        "--ttft",
+        default="64,256",
+        help="http paths: bursts of this many new streams, each stream's time to first token "
+        "(empty: none)",
+    )
+    parser.add_argument("--ttft-tokens", type=int, default=16, help="tokens per TTFT stream")
+    parser.add_argument("--go", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--overlap",
@@ -1011,11 +1155,14 @@ def main() -> None:
         serve_core(args.core_fd, args.core_socket, *engine, args.overlap.split(",")[0] == "on")
         return
     if args.client is not None:
-        asyncio.run(client(args.client, args.first, args.count, args.decoding, args.tokens))
+        asyncio.run(
+            client(args.client, args.first, args.count, args.decoding, args.tokens, args.go)
+        )
         return
     if args.greedy_text is not None:  # read by this process and the server subprocess
         os.environ["GUARDSTREAM_BENCH_GREEDY_TEXT"] = args.greedy_text
     args.rows = [int(x) for x in args.rows.split(",")]
+    args.ttft = [int(x) for x in args.ttft.split(",") if x]
     args.paths = args.paths.split(",")
     args.decoding = args.decoding.split(",")
     args.overlap = [choice == "on" for choice in args.overlap.split(",")]
@@ -1025,14 +1172,18 @@ def main() -> None:
         flush=True,
     )
     levels: list[Level] = []
+    ttfts: list[TtftLevel] = []
     failed = False
     signal.signal(signal.SIGTERM, _terminated)  # `timeout` cuts a run: still print the summary
     try:
-        run(args, levels)
+        run(args, levels, ttfts)
     except Exception:  # the summary line still comes, from the levels that completed
         traceback.print_exc()
         failed = True
+    ttft = ttft_summary(ttfts, args)
     line = summary(levels, args)
+    if ttft is not None:  # the next-to-last line: the last stays `host_us_per_row_N ...`
+        print(ttft, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([vars(lv) for lv in levels], indent=1))
     print(line, flush=True)

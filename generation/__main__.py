@@ -21,6 +21,11 @@ from servicekit.auth import ApiKeysError, api_keys_from_env
 from servicekit.cli import add_service_flags, service_flags
 
 LISTENING_PREFIX = "guardstream-engine listening on "
+#: The listening socket's accept queue (the kernel caps it at net.core.somaxconn). aiohttp's
+#: default, 128, is less than a burst of new streams: 256 clients connecting at once while the
+#: event loop is busy overflowed it, the kernel dropped the extra SYNs, and those clients retried
+#: after 1 s (a 256-stream burst's TTFT max was ~1.05 s against a p90 of ~0.2 s, bench/engine_host.py).
+LISTEN_BACKLOG = 4096
 
 
 class ProbeQuietAccessLogger(AccessLogger):
@@ -252,9 +257,7 @@ async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:
 async def _serve_api(args: argparse.Namespace, api_keys: list[str] | None) -> int:
     """`--api-process`: start the engine core (a child running this command with the same
     flags, or `--core-command`), then serve HTTP here. Exits 1 if the core dies."""
-    from .core_client import CoreClient, CoreStartError
-    from .models import load_frontend
-    from .server import create_api_app, freeze_startup_heap
+    from .core_client import CoreClient, CoreStartError  # no torch: the core starts first
 
     command = (
         json.loads(args.core_command)
@@ -264,12 +267,20 @@ async def _serve_api(args: argparse.Namespace, api_keys: list[str] | None) -> in
     lost = asyncio.Event()
     with tempfile.TemporaryDirectory(prefix="guardstream-core-") as folder:  # mode 0700
         core = CoreClient(command, os.path.join(folder, "core.sock"), on_lost=lost.set)
+        # the core loads torch, the model and its engine while this process loads its own
+        # modules (torch and transformers too: ~2-3 s on a CPU), not after them
+        imported = asyncio.ensure_future(asyncio.to_thread(_import_api_modules))
         try:
             facts = await core.start()
         except CoreStartError as exc:
+            await imported
             print(f"error: {exc}", file=sys.stderr)
             return exc.returncode or 1
         try:
+            await imported
+            from .models import load_frontend
+            from .server import create_api_app, freeze_startup_heap
+
             loaded = await asyncio.to_thread(load_frontend, facts)
             app = create_api_app(
                 core,
@@ -282,6 +293,11 @@ async def _serve_api(args: argparse.Namespace, api_keys: list[str] | None) -> in
         finally:
             await core.stop()
     return 1 if lost.is_set() else status
+
+
+def _import_api_modules() -> None:
+    """What the API process serves with (server.py and what it imports), on a thread."""
+    from . import models, server  # noqa: F401
 
 
 async def _listen(
@@ -302,7 +318,7 @@ async def _listen(
         access_log_class=ProbeQuietAccessLogger,
     )
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.TCPSite(runner, args.host, args.port, backlog=LISTEN_BACKLOG)
     try:
         await site.start()
     except OSError as exc:

@@ -80,7 +80,8 @@ class CoreClient:
         self._rids: dict[Job, int] = {}
         self._ids = itertools.count(1)
         self._serving = False
-        self._stopping = False
+        self._stopping = False  # this process asked the core to stop
+        self._core_stopping = False  # the core said it is stopping (its own SIGTERM)
 
     async def start(self) -> dict[str, Any]:
         """Spawn the core and wait until its engine serves; its facts (engine_core.facts)."""
@@ -109,7 +110,7 @@ class CoreClient:
 
     @property
     def healthy(self) -> bool:
-        return self._serving and not self._stopping
+        return self._serving and not self._stopping and not self._core_stopping
 
     def submit(self, job: Job) -> None:
         if not self.healthy or self._channel is None:
@@ -155,6 +156,8 @@ class CoreClient:
             kind = message[0]
             if kind == "step":
                 steps.append(message[1])
+            elif kind == "stopping":  # new requests: 503 before any byte (server.py)
+                self._core_stopping = True
             elif kind == "hello" and self._hello is not None and not self._hello.done():
                 self._hello.set_result(dict(message[1]))
             elif kind == "bye" and self._channel is not None and self._channel.transport:

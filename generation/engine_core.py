@@ -62,6 +62,20 @@ class CoreSession:
         self.done = asyncio.Event()  # the API process said `stop`, or went away
         self.jobs: dict[int, Job] = {}
         self.rids: dict[Job, int] = {}
+        self._held: contextlib.AbstractContextManager[None] | None = None  # while paused
+
+    def pause(self) -> None:
+        """The API process is `ipc.HIGH_WATER` bytes behind (it stalled): the engine starts no
+        new step until it catches up (`resume`), so what waits for it stays bounded. The worker
+        is not blocked: it idles between steps, as when held; the loop never blocks either."""
+        if self._held is None:
+            self._held = self.engine.hold()
+            self._held.__enter__()
+
+    def resume(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.__exit__(None, None, None)
 
     def put_step(self, events: list[tuple[Job, EngineDelta | StreamError]]) -> None:
         rids = self.rids
@@ -146,13 +160,23 @@ async def run_core(app: web.Application, fd: int, socket_path: str) -> int:
     await web.UnixSite(runner, socket_path).start()
     freeze_startup_heap()
     session = CoreSession(app[STATE].engine, loop)
-    channel = await ipc.connect(socket.socket(fileno=fd), session.on_messages, session.on_lost)
+    channel = await ipc.connect(
+        socket.socket(fileno=fd),
+        session.on_messages,
+        session.on_lost,
+        on_pause=session.pause,
+        on_resume=session.resume,
+    )
     session.channel = channel
     channel.send(["hello", facts(app)])
     stopped = loop.create_task(stop.wait())
     await asyncio.wait(
         {loop.create_task(session.done.wait()), stopped}, return_when=asyncio.FIRST_COMPLETED
     )
+    # the API process first (frames keep their order: it reads this before any stream's error),
+    # so the requests it gets from now on are refused with a 503 status, not a 200 whose only
+    # line is the error a submit racing the stop would get
+    channel.send(["stopping"])
     await runner.cleanup()  # the engine stops: unfinished streams get their in-band error
     channel.send(["bye"])
     if channel.transport is not None:

@@ -4,7 +4,9 @@ One frame = a 4-byte big-endian length, then one orjson document (a JSON array w
 names the message). Both ends read and write them with an asyncio protocol (`FrameProtocol`:
 non-blocking, read by the loop's selector) over one Unix socketpair the API process creates
 before it starts the core, so neither event loop ever blocks on the other: a slow reader only
-fills the socket's buffer, and then takes every frame waiting there in one go.
+fills the socket's buffer, and then takes every frame waiting there in one go. A reader that
+falls `HIGH_WATER` bytes behind pauses its writer (asyncio's `pause_writing`, `on_pause`): the
+engine core then holds its engine between steps until the API process catches up.
 
 Why this and not zmq/msgpack (vLLM's choice) or `multiprocessing.Connection`: orjson is already
 the engine's encoder (dataclasses and enums natively, in C: the core's per-step cost is one call
@@ -18,8 +20,9 @@ Messages (`kind` first):
 - API -> core: `["submit", rid, job]`, `["cancel", rid]`, `["stop"]`.
 - core -> API: `["hello", facts]` once the engine serves, `["step", [[rid, [event, ...]], ...]]`
   once per worker delivery (every row's events of the step in one frame; an event is an
-  `EngineDelta` or `StreamError` as orjson encodes a dataclass), `["bye"]` once the core has
-  stopped its engine (every unfinished stream got its error first).
+  `EngineDelta` or `StreamError` as orjson encodes a dataclass), `["stopping"]` before the core
+  stops its engine (the API process refuses new requests from then on), `["bye"]` once the core
+  has stopped its engine (every unfinished stream got its error first).
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ import orjson
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 30  # a corrupt length, never a real frame: the peer is treated as gone
+#: Bytes a writer may leave unsent (in its transport's buffer, past what the socket holds) before
+#: it is paused (`on_pause`), and it resumes below a quarter of it (`on_resume`): asyncio's
+#: flow control, at ~25 steps of 256 rows' events, so a peer that stops reading (a stalled API
+#: process) stops the engine instead of growing the core's memory without bound.
+HIGH_WATER = 1 << 20
 
 
 def encode(message: Any) -> bytes:
@@ -53,17 +61,36 @@ class FrameProtocol(asyncio.Protocol):
     `on_lost` once the peer has closed (or died). Writes go straight to the transport."""
 
     def __init__(
-        self, on_messages: Callable[[list[Any]], None], on_lost: Callable[[], None]
+        self,
+        on_messages: Callable[[list[Any]], None],
+        on_lost: Callable[[], None],
+        on_pause: Callable[[], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
     ) -> None:
         self._on_messages = on_messages
         self._on_lost = on_lost
+        self._on_pause = on_pause
+        self._on_resume = on_resume
         self._buffer = bytearray()
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.Event()  # the connection is gone (after its last write went out)
+        self.paused = False  # the peer is `high_water` bytes behind: the writer should wait
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+
+    def pause_writing(self) -> None:
+        """The transport holds `high_water` unsent bytes (`connect`; asyncio calls this)."""
+        self.paused = True
+        if self._on_pause is not None:
+            self._on_pause()
+
+    def resume_writing(self) -> None:
+        """The transport's buffer drained below a quarter of `high_water`."""
+        self.paused = False
+        if self._on_resume is not None:
+            self._on_resume()
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -100,10 +127,15 @@ async def connect(
     sock: socket.socket,
     on_messages: Callable[[list[Any]], None],
     on_lost: Callable[[], None],
+    on_pause: Callable[[], None] | None = None,
+    on_resume: Callable[[], None] | None = None,
+    high_water: int = HIGH_WATER,
 ) -> FrameProtocol:
-    """Frames over `sock` (one end of the socketpair) on the running loop."""
+    """Frames over `sock` (one end of the socketpair) on the running loop; `on_pause` and
+    `on_resume` as the peer falls `high_water` bytes behind and catches up."""
     loop = asyncio.get_running_loop()
-    _, protocol = await loop.create_unix_connection(
-        lambda: FrameProtocol(on_messages, on_lost), sock=sock
+    transport, protocol = await loop.create_unix_connection(
+        lambda: FrameProtocol(on_messages, on_lost, on_pause, on_resume), sock=sock
     )
+    transport.set_write_buffer_limits(high=high_water, low=high_water // 4)
     return protocol

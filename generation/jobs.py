@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from .sampling import SamplingParams
+if TYPE_CHECKING:  # not at run time: the API process imports this before torch (sampling.py)
+    from .sampling import SamplingParams
 
 
 class FinishReason(StrEnum):

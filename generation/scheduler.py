@@ -16,8 +16,11 @@ and `OutputProcessor`, and drives them one iteration at a time (`Engine._run`):
 Everything they hold is the worker thread's alone; the event loops talk to the engine only
 through `submit`/`cancel`/`hold` (under `_cond`) and their mailboxes.
 
-Each iteration: admit queued requests (prefill, first tokens, join), run one chunk of a long
-prompt, then one decode step, then flush the iteration's events.
+Each iteration: admit queued requests (prefill, first tokens, join; again for those that arrived
+during that prefill, up to ADMISSION_ROUNDS admissions: a burst of new streams reaches the engine
+over tens of milliseconds, and a decode step between two of its groups delays the later group's
+first tokens by that step), run one chunk of a long prompt, then one decode step, then flush the
+iteration's events.
 
 Overlapped steps (`overlap`, the default; what vLLM calls async scheduling and SGLang the overlap
 scheduler). A decode step is launched before the host has processed the previous one: the static
@@ -82,6 +85,12 @@ log = logging.getLogger("guardstream.engine")
 GPU_MEMORY_FRACTION = 0.8
 #: Overlapped decode steps by default (where the step keeps its tokens on the device).
 OVERLAP = True
+#: Admissions per iteration at most: requests that arrived while the previous admission's
+#: prefill ran are admitted before the decode step, up to this many prefill rounds (a burst of
+#: new streams reaches the engine over tens of milliseconds; each decode step between its
+#: groups' prefills added a step to their time to first token). Bounded: the running rows wait at
+#: most this many admissions (each within `prefill_token_budget`) for their next token.
+ADMISSION_ROUNDS = 4
 
 
 class Engine:
@@ -274,7 +283,8 @@ class Engine:
     def hold(self) -> Iterator[None]:
         """While held, the worker starts no new step: requests queue up and then join together.
 
-        For tests and benchmarks that need a known batch composition, not for serving."""
+        For tests and benchmarks that need a known batch composition, and for the engine core's
+        flow control (engine_core.py: its API process fell behind)."""
         with self._cond:
             self._held += 1
         try:
@@ -331,8 +341,11 @@ class Engine:
         """One iteration of the worker: leaves, joins, a prefill chunk, a decode step (or the
         step in flight finished), then the iteration's events out."""
         self._drop_cancelled()
-        if joiners:
+        rounds = 0
+        while joiners and rounds < ADMISSION_ROUNDS:
             self._admit(joiners)
+            rounds += 1
+            joiners = self._arrived() if rounds < ADMISSION_ROUNDS else []
         if self._sched.prefilling:
             self._prefill_chunk()
         if self._sched.rows:
@@ -360,6 +373,14 @@ class Engine:
                 self._cond.wait()
             if self._stopping:
                 return None
+            return self._sched.choose_joiners(self._inbox, self._runner.batchable)
+
+    def _arrived(self) -> list[Job]:
+        """The requests that may join now without waiting (arrived during an admission's
+        prefill), none while held or stopping."""
+        with self._cond:
+            if self._stopping or self._held or not self._inbox:
+                return []
             return self._sched.choose_joiners(self._inbox, self._runner.batchable)
 
     def _fail_everything(self, error: StreamError) -> None:

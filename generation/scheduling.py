@@ -5,8 +5,9 @@ One of the three parts of the worker thread (scheduler.py's `Engine` drives them
 decides, model_runner.py runs the model, output_processor.py turns tokens into stream events.
 No tensors here and no model: decisions over the worker's rows, so the policy reads in one place.
 
-Policy. Each iteration admits queued requests up to `max_batch_size` rows and a prefill token
-budget; joiners are prefilled together in groups of similar length (`prefill_groups`: right-
+Policy. Each admission takes queued requests up to `max_batch_size` rows and a prefill token
+budget (an iteration admits again those that arrived meanwhile, up to scheduler.py's
+ADMISSION_ROUNDS, before its decode step); joiners are prefilled together in groups of similar length (`prefill_groups`: right-
 padded, the padding at most `PREFILL_PADDING` of the tokens; on a CPU, 16 chat prompts of 34-49
 tokens took 1.5 s in one pass against 2.5-2.9 s one by one, smollm2-135m: a short prefill is bound
 by reading weights). A context longer than `prefill_chunk_tokens` is prefilled a chunk per

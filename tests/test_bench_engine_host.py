@@ -14,9 +14,11 @@ from bench.engine_host import (
     ClockEvent,
     Level,
     NullModel,
+    TtftLevel,
     hidden_shares,
     median_step,
     step_time,
+    ttft_line,
 )
 
 
@@ -96,3 +98,17 @@ def test_the_simulated_device_queues_static_steps_and_counts_its_idle_time(
     assert clock.now == pytest.approx(100.009)
     assert model.take_idle() == pytest.approx([0.001, 0.0])
     assert model.take_idle() == []
+
+
+def test_ttft_line_reports_the_burst_with_the_lowest_median() -> None:
+    def burst(ttfts: list[float], repeat: int, device_ms: float = 4.0) -> TtftLevel:
+        return TtftLevel("http-api", "greedy", 4, device_ms, True, sorted(ttfts), repeat)
+
+    bursts = [
+        burst([30.0, 10.0, 20.0, 1050.0], 0),  # a dropped SYN's 1 s retry
+        burst([12.0, 14.0, 16.0, 18.0], 1),
+        burst([5.0, 5.0, 5.0, 5.0], 0, device_ms=0.0),  # another setting
+    ]
+    assert bursts[0].quantile(0.5) == 30.0 and bursts[0].quantile(0.9) == 1050.0
+    assert ttft_line(bursts, "http-api", 4, 4.0) == "ttft_ms_4 p50=16 p90=18 max=18"
+    assert ttft_line(bursts, "http", 4, 4.0) is None

@@ -14,16 +14,22 @@ import torch
 
 from generation import models
 from generation.models import LoadedModel
-from generation.scheduler import prefill_groups
+from generation.scheduler import Engine, prefill_groups
 from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import (
+    Event,
+    RecordingQueue,
     Stream,
     batch_bodies,
     generate,
     load_test_model,
+    make_job,
     parse,
     run,
+    run_alone,
+    tokens_of,
+    warm,
 )
 from tests.wait_support import until
 
@@ -224,3 +230,52 @@ def test_out_of_memory_growing_the_cache_fails_the_batch_migratably(
                 assert after.completed and after.token_ids
 
         run(scenario())
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param({}, id="default"),
+        pytest.param({"static_decode": True, "overlap": True}, id="static-overlapped"),
+    ],
+)
+async def test_a_request_arriving_during_a_prefill_joins_before_the_next_decode_step(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch, path: dict[str, Any]
+) -> None:
+    """A burst of new streams reaches the engine over tens of milliseconds. B, submitted while
+    A's prefill runs, is prefilled right after it, in the same iteration, before the decode step
+    (a decode step between the two prefills would add itself to B's time to first token). Both
+    still get exactly their solo tokens."""
+    engine = Engine(tiny_model, **path)
+    engine.start()
+    try:
+        await warm(engine)
+        a_prompt, b_prompt = [11, 12, 13, 14, 15], [21, 22, 23]
+        alone_a = await run_alone(engine, make_job(a_prompt, 6, asyncio.Queue()))
+        alone_b = await run_alone(engine, make_job(b_prompt, 6, asyncio.Queue()))
+        log: list[tuple[str, Event]] = []
+        a = make_job(a_prompt, 6, RecordingQueue("A", log))
+        b = make_job(b_prompt, 6, RecordingQueue("B", log))
+        runner = engine._runner
+        passes: list[str] = []
+        prefill, launch = runner.prefill, runner.launch
+
+        def prefill_and_submit(rows: list[Any], lengths: list[int]) -> Any:
+            passes.append(f"prefill {len(rows)}")
+            if len(passes) == 1:
+                engine.submit(b)  # arrives while A's prefill runs
+            return prefill(rows, lengths)
+
+        def counted_launch(rows: list[Any]) -> Any:
+            passes.append(f"decode {len(rows)}")
+            return launch(rows)
+
+        monkeypatch.setattr(runner, "prefill", prefill_and_submit)
+        monkeypatch.setattr(runner, "launch", counted_launch)
+        engine.submit(a)
+        together = await asyncio.gather(tokens_of(a.queue), tokens_of(b.queue))
+    finally:
+        engine.stop()
+    assert passes[:3] == ["prefill 1", "prefill 1", "decode 2"], passes
+    assert [name for name, _ in log[:2]] == ["A", "B"]  # both first tokens before any other
+    assert together == [alone_a, alone_b]

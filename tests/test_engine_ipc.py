@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import socket
 from typing import Any
 
 from hypothesis import given, settings
@@ -15,9 +16,13 @@ from hypothesis import strategies as st
 
 from generation import ipc
 from generation.core_client import job_spec
-from generation.engine_core import job_from_spec
+from generation.engine_core import CoreSession, job_from_spec
 from generation.jobs import EngineDelta, FinishReason, Job, StreamError
+from generation.models import LoadedModel
 from generation.sampling import SamplingParams
+from generation.scheduler import Engine
+from tests.engine_support import make_job, run_alone
+from tests.wait_support import until
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=20),
@@ -141,3 +146,65 @@ async def test_a_job_crosses_to_the_core_whole() -> None:
     for field in dataclasses.fields(Job):
         if field.name not in ("loop", "queue"):
             assert getattr(rebuilt, field.name) == getattr(job, field.name), field.name
+
+
+async def test_a_core_whose_api_process_stops_reading_holds_its_engine(
+    tiny_model: LoadedModel,
+) -> None:
+    """The API process stalls (stops reading the socketpair) under 8 streams of 300 tokens: the
+    core's unsent frames stop at the high-water mark, because its engine holds between steps
+    instead of running ahead and buffering every token of every stream; once the API process
+    reads again, every stream completes with exactly the tokens it gets alone."""
+    engine = Engine(tiny_model)
+    engine.start()
+    api_sock, core_sock = socket.socketpair()
+    for sock in (api_sock, core_sock):  # little kernel buffering: the transport's shows
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    high = 16 * 1024
+    try:
+        prompts = [[11 + i, 12, 13 + 2 * i] for i in range(8)]
+        alone = [await run_alone(engine, make_job(p, 300, asyncio.Queue())) for p in prompts]
+        received: list[Any] = []
+        api = await ipc.connect(api_sock, received.extend, lambda: None)
+        session = CoreSession(engine, asyncio.get_running_loop())
+        core = await ipc.connect(
+            core_sock,
+            session.on_messages,
+            session.on_lost,
+            on_pause=session.pause,
+            on_resume=session.resume,
+            high_water=high,
+        )
+        session.channel = core
+        assert api.transport is not None and core.transport is not None
+        api.transport.pause_reading()  # the API process stalls
+        for rid, prompt in enumerate(prompts, start=1):
+            api.send(["submit", rid, job_spec(make_job(prompt, 300, asyncio.Queue()))])
+        await until(lambda: engine.active_requests == 8, what="the 8 requests in the core")
+        await until(engine._idle, what="the engine held (or done)")
+        assert core.paused
+        assert core.transport.get_write_buffer_size() <= high + 8 * 1024
+        assert engine.active_requests == 8  # held mid-stream, not run to the end
+        api.transport.resume_reading()
+        tokens: dict[int, list[int]] = {rid: [] for rid in range(1, 9)}
+        finished: set[int] = set()
+
+        def complete() -> bool:
+            while received:
+                kind, *rest = received.pop(0)
+                assert kind == "step"
+                for rid, events in rest[0]:
+                    for event in events:
+                        tokens[rid].extend(event["token_ids"])
+                        if event["finish_reason"] is not None:
+                            finished.add(rid)
+            return len(finished) == 8
+
+        await until(complete, what="every stream's last token")
+    finally:
+        engine.stop()
+        api_sock.close()
+        core_sock.close()
+    assert [tokens[rid] for rid in range(1, 9)] == alone
+    assert not core.paused and engine._held == 0

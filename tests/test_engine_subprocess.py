@@ -5,9 +5,12 @@ replica's two processes (the API process and its engine core) living and dying a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +19,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from generation.core_client import CoreClient
+from generation.jobs import EngineDelta, EngineUnavailable, Job, StreamError
+from generation.sampling import SamplingParams
 from tests.engine_processes import (
     EngineProcess,
     child_environment,
@@ -229,3 +235,121 @@ async def test_one_process_mode_serves() -> None:
                 streams.append(await generate(session, engine.url, body))
     assert streams[0].completed and len(streams[0].token_ids) == 12
     assert streams[1].lines == streams[0].lines
+
+
+@linux_only
+async def test_a_burst_of_connections_is_queued_while_the_replica_is_busy(
+    tiny_process: EngineProcess,
+) -> None:
+    """300 clients connect at once while the replica's event loop cannot accept (stopped here;
+    busy, in a burst of new streams): the kernel completes every handshake into the listening
+    socket's accept queue, none is dropped to retry a second later (aiohttp's default queue of
+    128 dropped the rest), and every connection is served once the replica runs again."""
+    count = 300
+    os.kill(tiny_process.process.pid, signal.SIGSTOP)
+    try:
+        sockets = []
+        for _ in range(count):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", tiny_process.port))
+            sockets.append(sock)
+
+        def connected() -> bool:
+            _, writable, _ = select.select([], sockets, [], 0)
+            return len(writable) == count and all(
+                s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for s in sockets
+            )
+
+        await until(connected, what=f"{count} handshakes completed while the replica is stopped")
+    finally:
+        os.kill(tiny_process.process.pid, signal.SIGCONT)
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    loop = asyncio.get_running_loop()
+
+    async def health(sock: socket.socket) -> bytes:
+        await loop.sock_sendall(sock, request)
+        return await loop.sock_recv(sock, 12)
+
+    try:
+        answers = await asyncio.gather(*(health(s) for s in sockets))
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert answers == [b"HTTP/1.1 200"] * count
+
+
+class _Sink:
+    """A stream's sink in the API process that notes, with each delivery, whether its
+    `CoreClient` still took new requests at that moment."""
+
+    def __init__(self, core: CoreClient) -> None:
+        self.core = core
+        self.deliveries: list[tuple[bool, list[EngineDelta | StreamError]]] = []
+        self.ended = asyncio.Event()
+
+    def put_many(self, events: list[EngineDelta | StreamError]) -> None:
+        self.deliveries.append((self.core.healthy, events))
+        if isinstance(events[-1], StreamError) or events[-1].finish_reason is not None:
+            self.ended.set()
+
+
+@linux_only
+async def test_an_engine_core_that_stops_on_its_own_says_so_before_any_stream_fails(
+    tmp_path: Path,
+) -> None:
+    """The engine core gets a SIGTERM of its own under an open stream: it tells its API process
+    before it stops its engine, so by the time the stream's in-band error (migratable) reaches
+    the API process, a new request is refused there, before any byte (server.py answers 503), not
+    sent to a core that would answer it with a 200 whose only line is that error."""
+    command = [sys.executable, "-m", "generation", "serve", "--model", "tiny-random"]
+    core = CoreClient([*command, "--device", TEST_DEVICE], str(tmp_path / "core.sock"))
+    await core.start()
+    try:
+        loop = asyncio.get_running_loop()
+        sink = _Sink(core)
+        job = Job(
+            prompt_ids=[5, 6, 7],
+            max_new_tokens=4000,
+            sampling=SamplingParams(),
+            loop=loop,
+            queue=sink,  # type: ignore[arg-type]
+        )
+        core.submit(job)
+        await until(lambda: sink.deliveries, what="the stream's first token")
+        assert core.process is not None
+        os.kill(core.process.pid, signal.SIGTERM)
+        await asyncio.wait_for(sink.ended.wait(), 30)  # a guard, not a window
+        healthy, events = sink.deliveries[-1]
+        assert events[-1] == StreamError(
+            503, "generation_unavailable", "the engine is shutting down"
+        )
+        assert not healthy  # the core's notice came first
+        late = Job(
+            prompt_ids=[5], max_new_tokens=2, sampling=SamplingParams(), loop=loop, queue=sink
+        )  # type: ignore[arg-type]
+        with pytest.raises(EngineUnavailable):
+            core.submit(late)
+    finally:
+        await core.stop()
+
+
+def test_the_api_process_starts_its_core_before_importing_torch() -> None:
+    """What `serve` needs to start its engine core (the command line and `CoreClient`) imports
+    no torch, so the core (torch, the model, the engine) starts at once and the API process's
+    own imports (server.py: torch and transformers, seconds on a CPU) run while it loads."""
+    probe = (
+        "import sys, generation.__main__, generation.core_client;"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env=child_environment(),
+        timeout=120,
+    )
+    assert out.stdout.strip() == "[]"

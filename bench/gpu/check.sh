@@ -168,7 +168,7 @@ fi
 if wants engine_host; then
   # three paths: in process, one-process HTTP, and the API process + engine core (the default)
   run engine_host 200 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
-  grep -E "^(inproc|http|http-api) |^host_us_per_row|^client_cpu_us_per_row|^load average" "$out/engine_host.log" >> "$summary"
+  grep -E "^(inproc|http|http-api) |^ttft |^host_us_per_row|^ttft_ms_|^client_cpu_us_per_row|^load average" "$out/engine_host.log" >> "$summary"
 fi
 # the CUDA tests, file by file ("file:limit_s"), in three lanes at once (16 cores; after the
 # benchmarks, which they would disturb), each lane until the deadline. test_migration_engine
