@@ -599,15 +599,19 @@ class JudgeSessions:
         try:
             # every pass attends at shapes of its own (a prefix that grows with every append):
             # no cuDNN attention, which builds a plan per new shape on CUDA (attention_backends)
+            # the pass's ids, positions and answer rows reach the device in one copy
+            n = len(pack.tokens)
+            host = torch.tensor(pack.tokens + pack.positions + ends, dtype=torch.long)
+            inputs = host.to(device)
             with changing_shapes(device):
                 out = self.loaded.model(
-                    input_ids=torch.tensor([pack.tokens], dtype=torch.long, device=device),
-                    position_ids=torch.tensor([pack.positions], dtype=torch.long, device=device),
+                    input_ids=inputs[None, :n],
+                    position_ids=inputs[None, n : 2 * n],
                     # a prepared 4D mask is taken as is: none is built (the sessions' are in `pack`)
                     attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
                     past_key_values=pack,
                     use_cache=True,
-                    logits_to_keep=torch.tensor(ends, dtype=torch.long, device=device),
+                    logits_to_keep=inputs[2 * n :],
                 )
         finally:
             _ACTIVE.pack = None
