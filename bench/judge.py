@@ -2,7 +2,8 @@
 whole prefix at every chunk (what NeMo Guardrails, LiteLLM and the vLLM-served guards do).
 
     python bench/judge.py [--model smollm2-135m] [--device cpu] [--tokens 2000]
-                          [--streams 1,16] [--threads N] [--json out.json]
+                          [--streams 1,16] [--threads N] [--json out.json] [--profile]
+    python bench/judge.py --model tiny-random --tokens 300 --profile-only   # a pass's breakdown
     python bench/judge.py --quality tests/data/judge_labelled.jsonl   # separation of a labelled set
 
 The answer is ~`--tokens` tokens of plain sentences, judged a sentence at a time with the
@@ -24,6 +25,19 @@ default backend order (cuDNN attention allowed: generation/attention_backends.py
 of judge passes because it builds a plan per new shape), and the `per pass` line: a plain
 forward of the model over one append's tokens (no session, no cache: the eager forward's own
 floor) next to the judge pass.
+
+Every run's line also gives its `GFLOP/s`: the model's multiply-adds (`Flops`: the linear layers
+over the pass's tokens, the attention over each prefix, the output layer at each answer row) over
+the wall time. On a CPU a pass of a 135M model is compute-bound: 16 streams can only win the
+GEMMs' efficiency at 16x the rows and the per-pass overhead, up to the cores' peak.
+
+`--profile` first profiles one pass at each `--streams` level, the sessions halfway through the
+answer (lines starting "prof", kept by bench/gpu/check.sh's summary): the pass's wall time and
+GFLOP/s, a plain forward of as many tokens (no session: the eager forward's own floor), the
+profiler's counts (aten ops, kernel launches, host syncs, `.item()`), the host's time inside
+ops (the rest is Python between them), the device's busy time, and the top 10 ops by self CPU +
+self device time. A short `--tokens` fits a small model's context (tiny-random: 512): the
+answer stops at the last chunk that fits.
 
 Last line, for scripts: `judge_tokens_ratio=X wall_ratio=Y` (re-judging / incremental).
 Targets (issue 37): >= 10x fewer tokens, >= 5x faster, 16 streams >= 4x the chunks/s of 1.
@@ -259,12 +273,13 @@ def _pass_on_this_thread(judge: Judge, work: list[tuple[Any, list[int]]]) -> Non
 def profile_pass(
     judge: Judge, chunk_ids: list[list[int]], streams: int, top: int = 10
 ) -> list[str]:
-    """Where one pass's time goes: `streams` sessions judged up to the answer's middle, then one
-    pass timed without the profiler and the next one under torch.profiler. Lines (each starts
-    with "prof", for check.sh's summary): the pass's wall time, its tokens and FLOPs, a plain
-    forward of as many tokens (no sessions: the model's own floor), the profiler's op and
-    launch counts, host waits (device syncs, `.item()`), the device's busy time; then the
-    `top` ops by self device time (CUDA) or self CPU time (CPU)."""
+    """Where one pass's time goes: `streams` sessions judged up to the answer's middle (in one
+    append each), then one pass timed without the profiler and the next one under
+    torch.profiler. Lines (each starts with "prof", for check.sh's summary): the pass's wall
+    time, its tokens and FLOPs, a plain forward of as many tokens (no sessions: the model's own
+    floor), the profiler's op and launch counts, host waits (device syncs, `.item()`), the
+    host's time inside ops, the device's busy time; then the `top` ops by self CPU + self
+    device time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -272,9 +287,8 @@ def profile_pass(
     device = loaded.device
     middle = max(1, min(len(chunk_ids) - 2, len(chunk_ids) // 2))
     sessions = [judge.open() for _ in range(streams)]
-    try:
-        for ids in chunk_ids[:middle]:
-            judge.round([(s, ids) for s in sessions])
+    try:  # the first half of the answer as one append per session: a few passes, not ~70
+        judge.round([(s, [t for ids in chunk_ids[:middle] for t in ids]) for s in sessions])
         prefix = sessions[0].length
         timed = chunk_ids[middle]
         _sync(device)
@@ -315,6 +329,7 @@ def profile_pass(
     syncs = sum(e.count for e in host if any(k in e.key + " " for k in _SYNCS))
     scalars = sum(e.count for e in host if e.key == "aten::_local_scalar_dense")
     busy_ms = sum(device_us(e) for e in on_device) / 1e3
+    in_ops_ms = sum(float(e.self_cpu_time_total) for e in host) / 1e3
     kernels = sum(e.count for e in on_device)
     name = f"prof {streams:>2} stream{'s' if streams > 1 else ' '}"
     lines = [
@@ -323,12 +338,13 @@ def profile_pass(
         f"{1e3 * wall_profiled:.1f} ms profiled); a plain forward of {tokens} tokens "
         + (f"{1e3 * plain:.1f} ms" if plain is not None else "- (over the context)"),
         f"{name}: {sum(e.count for e in ops)} aten ops, {launches} kernel launches "
-        f"({kernels} kernels), {syncs} host syncs, {scalars} .item(); device busy "
-        + (f"{busy_ms:.1f} ms" if device.type == "cuda" else "- (cpu)"),
+        f"({kernels} kernels), {syncs} host syncs, {scalars} .item(); host in ops "
+        f"{in_ops_ms:.1f} ms of {1e3 * wall_profiled:.1f} (the rest: Python between them); "
+        "device busy " + (f"{busy_ms:.1f} ms" if device.type == "cuda" else "- (cpu)"),
         f"{name}: {'op':<40} {'calls':>6} {'self cpu ms':>11} {'self dev ms':>11}",
     ]
-    key = device_us if device.type == "cuda" else (lambda e: float(e.self_cpu_time_total))
-    for e in sorted(host, key=key, reverse=True)[:top]:
+    # by the host's and the device's time together: a host-bound pass shows its host ops
+    for e in sorted(host, key=lambda e: e.self_cpu_time_total + device_us(e), reverse=True)[:top]:
         lines.append(
             f"{name}: {e.key[:40]:<40} {e.count:>6} {e.self_cpu_time_total / 1e3:>11.2f} "
             f"{device_us(e) / 1e3:>11.2f}"
@@ -389,7 +405,7 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="after the runs, profile one pass at each --streams level (lines starting 'prof')",
+        help="first, profile one pass at each --streams level (lines starting 'prof')",
     )
     parser.add_argument(
         "--profile-only", action="store_true", help="only the --profile lines, no timed runs"
@@ -421,8 +437,9 @@ def main() -> None:
     incremental(judge, chunk_ids[:3], 1)  # warm-up (first-use costs)
     results = []
     levels = [int(s) for s in args.streams.split(",")]
-    if args.profile_only:
+    if args.profile or args.profile_only:  # first: a GPU check cut short keeps these lines
         print_profiles(judge, chunk_ids, levels)
+    if args.profile_only:
         engine.stop()
         return
 
@@ -468,8 +485,6 @@ def main() -> None:
             f"chunks/s of 1 stream, {r['chunks_per_cpu_s'] / inc1['chunks_per_cpu_s']:.2f}x its "
             f"chunks per CPU-second ({r['passes']} passes for {r['chunks']} appends)"
         )
-    if args.profile:
-        print_profiles(judge, chunk_ids, levels)
     engine.stop()
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

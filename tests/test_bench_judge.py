@@ -64,6 +64,7 @@ def test_a_pass_profile_on_a_cpu(judge: Judge) -> None:
     )
     assert counts is not None and int(counts[1]) > 0
     assert (counts[2], counts[3], counts[4]) == ("0", "0", "0")
+    assert re.search(r"host in ops [0-9.]+ ms of [0-9.]+ ", lines[1])
     assert lines[1].endswith("device busy - (cpu)")
     rows = [line.removeprefix("prof  3 streams: ").split() for line in lines[3:]]
     assert len(rows) == 5 and all(row[0].startswith("aten::") for row in rows)
