@@ -21,16 +21,21 @@ the same session waits for the next pass) runs in one forward pass per worker it
 token at its own session's position, so every linear layer (the FLOPs) runs once over all of
 them with no padding; the attention (`packed_attention`) runs per session, the model's own
 attention function on the session's own buffer (columns `0..P_i + t_i`): no prefix is copied and
-no session attends over another's length. (The first version copied every prefix into a padded
-rectangle per layer: memory traffic of 16 sessions x 2,000 columns x 30 layers per pass on
-smollm2, and every row padded to the longest chunk.)
+no session attends over another's length. With grouped-query attention each key/value head's
+query heads go in as one group of rows (`[1, kv_heads, groups * t, d]`): transformers' functions
+would repeat every key/value head per query head whenever a mask is given (`repeat_kv`), a copy
+of the session's whole prefix per layer and pass. (The first version copied every prefix into a
+padded rectangle per layer: memory traffic of 16 sessions x 2,000 columns x 30 layers per pass
+on smollm2, and every row padded to the longest chunk.)
 
 On CUDA a pass is eager (its shapes change with every append: no graph replays it), so its
-cost is mostly the host's: the forward's kernel launches, ~6 more per session and layer for the
-session's writes and attention, and whatever the attention backend does per new shape. cuDNN
+cost is mostly the host's: the forward's kernel launches, a few more per session and layer for
+the session's attention (the writes are one multi-tensor copy per layer), and whatever the
+attention backend does per new shape. cuDNN
 attention builds a plan per shape, so passes leave it out (attention_backends.py); the verdicts'
-probabilities reach the host in one copy per pass (`_answer_probabilities`). bench/judge.py
-prints the time per pass next to a plain forward of as many tokens.
+probabilities reach the host in one copy per pass (`_answer_probabilities`), and the pass's ids,
+positions and answer rows reach the device in one. bench/judge.py prints the time per pass next
+to a plain forward of as many tokens, and `--profile` where a pass's time goes.
 
 Answers. An append may ask for the judge's answer text (Llama Guard's category line after the
 verdict): when its score reaches `answer_min_score`, the verdict token and greedy tokens after
