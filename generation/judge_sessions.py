@@ -57,6 +57,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import math
 import secrets
 import sys
 import threading
@@ -206,7 +207,7 @@ class _Pack(Cache):
     over another's width."""
 
     def __init__(
-        self, layers: int, rows: list[tuple[JudgeSession, int, list[int]]], additive_mask: bool
+        self, layers: int, rows: list[tuple[JudgeSession, int, list[int]]], mask_kind: str
     ) -> None:
         """`rows`: (session, first position, tokens): an append's chunk and tail at the end of
         its prefix, or an answer's next token after its tail."""
@@ -215,7 +216,7 @@ class _Pack(Cache):
         self.sessions = [session for session, _p, _ids in rows]
         self.tokens = [t for _s, _p, ids in rows for t in ids]
         self.positions = [q for _s, p, ids in rows for q in range(p, p + len(ids))]
-        self.additive_mask = additive_mask
+        self.mask_kind = mask_kind  # see `mask_kind`
         self.starts = [p for _s, p, _ids in rows]
         self.counts = [len(ids) for _s, _p, ids in rows]
         self.offsets = list(itertools.accumulate(self.counts, initial=0))[:-1]  # row starts
@@ -240,8 +241,8 @@ class _Pack(Cache):
         self, dtype: torch.dtype, device: torch.device, groups: int
     ) -> list[torch.Tensor]:
         """Per session `[1, 1, groups * t, P + t]`: query j sees its prefix and its own new tokens
-        up to itself (boolean; additive for the eager attention), once per query head of a
-        key/value group (`packed_attention`). Built once per pass."""
+        up to itself, once per query head of a key/value group (`packed_attention`), as the
+        attention function takes it (`mask_kind`). Built once per pass, used by every layer."""
         if self.masks_groups != groups:
             self.masks, self.masks_groups = [], groups
             for p, t in zip(self.starts, self.counts, strict=True):
@@ -250,12 +251,22 @@ class _Pack(Cache):
                 mask = columns[None, :] <= rows[:, None]
                 if groups > 1:
                     mask = mask.repeat(groups, 1)
-                if self.additive_mask:
+                if self.mask_kind != "boolean":
+                    fill = torch.finfo(dtype).min if self.mask_kind == "eager" else -math.inf
                     mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
-                        ~mask, torch.finfo(dtype).min
+                        ~mask, fill
                     )
                 self.masks.append(mask[None, None])
         return self.masks
+
+
+def mask_kind(implementation: str) -> str:
+    """How a pass's masks are handed to the attention function: "eager" additive (the dtype's
+    minimum, as transformers builds them), "sdpa" additive with -inf: what SDPA makes of a
+    boolean mask at every call (a `where` per session and layer: on CUDA two more launches each),
+    made once per pass, the same values and so the same bits; "boolean" for the others (the
+    batch-invariant functions read a boolean mask as it is)."""
+    return implementation if implementation in ("eager", "sdpa") else "boolean"
 
 
 #: The pack of the append pass this thread is running (None: the model's ordinary forward).
@@ -389,7 +400,7 @@ class JudgeSessions:
         self._layers = int(getattr(loaded.model.config, "num_hidden_layers", 0)) or len(
             getattr(loaded.model.config, "layer_types", []) or []
         )
-        self._eager_mask = getattr(loaded.model.config, "_attn_implementation", "") == "eager"
+        self._mask_kind = mask_kind(getattr(loaded.model.config, "_attn_implementation", ""))
         self._ids = itertools.count()
         self._attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
         _install(self._attention)
@@ -597,7 +608,7 @@ class JudgeSessions:
     def _run(self, rows: list[tuple[JudgeSession, int, list[int]]]) -> torch.Tensor:
         """One packed forward pass over `rows`; the float64 logits at each row's last token."""
         device = self.loaded.device
-        pack = _Pack(self._layers, rows, additive_mask=self._eager_mask)
+        pack = _Pack(self._layers, rows, self._mask_kind)
         ends = [o + t - 1 for o, t in zip(pack.offsets, pack.counts, strict=True)]
         _install(self._attention)  # (again: a model loaded after us may have re-registered it)
         _ACTIVE.pack = pack

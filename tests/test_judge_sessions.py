@@ -497,3 +497,45 @@ def test_grouped_query_incremental_scores_are_bitwise_those_from_scratch(
         assert judges.run_pending() == 1
         judges.close(fresh.id)
         assert futures[0].result().score == reference.result().score
+
+
+def test_sdpa_gets_each_sessions_additive_mask_built_once_per_pass(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SDPA turns a boolean mask into an additive one at every call (a `where` per session and
+    layer; on CUDA more launches): a pass hands it each session's additive mask (0 / -inf in the
+    query's dtype), built once and shared by every layer, and the verdicts are the bits of
+    boolean masks."""
+    from generation import judge_sessions
+
+    assert tiny_model.model.config._attn_implementation == "sdpa"
+    masks: list[torch.Tensor] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        masks.append(kwargs["attn_mask"])
+        return sdpa(*args, **kwargs)
+
+    def verdicts() -> list[Any]:
+        judges = JudgeSessions(tiny_model)
+        sessions = [judges.open([1, 2, 3], [4, 5], [6], [7]) for _ in range(2)]
+        out = []
+        for chunks in ([[8, 9], [10]], [[11], [12, 13, 14]]):
+            futures = [judges.append(s, c) for s, c in zip(sessions, chunks, strict=True)]
+            assert judges.run_pending() == 2
+            out += [f.result() for f in futures]
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    additive = verdicts()
+    layers = tiny_model.model.config.num_hidden_layers
+    assert len(masks) == 2 * 2 * layers  # two passes of two sessions
+    assert all(m.dtype == tiny_model.dtype for m in masks)
+    assert {float(v) for m in masks for v in m.unique()} == {0.0, float("-inf")}
+    first_pass = masks[: 2 * layers]  # layer by layer: session 0's, then session 1's
+    assert len({m.data_ptr() for m in first_pass[0::2]}) == 1
+    assert len({m.data_ptr() for m in first_pass[1::2]}) == 1
+    masks.clear()
+    monkeypatch.setattr(judge_sessions, "mask_kind", lambda implementation: "boolean")
+    assert verdicts() == additive
+    assert all(m.dtype == torch.bool for m in masks)
