@@ -2,7 +2,8 @@
 whole prefix at every chunk (what NeMo Guardrails, LiteLLM and the vLLM-served guards do).
 
     python bench/judge.py [--model smollm2-135m] [--device cpu] [--tokens 2000]
-                          [--streams 1,16] [--threads N] [--json out.json]
+                          [--streams 1,16] [--threads N] [--json out.json] [--profile]
+    python bench/judge.py --model tiny-random --tokens 300 --profile-only   # a pass's breakdown
     python bench/judge.py --quality tests/data/judge_labelled.jsonl   # separation of a labelled set
 
 The answer is ~`--tokens` tokens of plain sentences, judged a sentence at a time with the
@@ -24,6 +25,19 @@ default backend order (cuDNN attention allowed: generation/attention_backends.py
 of judge passes because it builds a plan per new shape), and the `per pass` line: a plain
 forward of the model over one append's tokens (no session, no cache: the eager forward's own
 floor) next to the judge pass.
+
+Every run's line also gives its `GFLOP/s`: the model's multiply-adds (`Flops`: the linear layers
+over the pass's tokens, the attention over each prefix, the output layer at each answer row) over
+the wall time. On a CPU a pass of a 135M model is compute-bound: 16 streams can only win the
+GEMMs' efficiency at 16x the rows and the per-pass overhead, up to the cores' peak.
+
+`--profile` first profiles one pass at each `--streams` level, the sessions halfway through the
+answer (lines starting "prof", kept by bench/gpu/check.sh's summary): the pass's wall time and
+GFLOP/s, a plain forward of as many tokens (no session: the eager forward's own floor), the
+profiler's counts (aten ops, kernel launches, host syncs, `.item()`), the host's time inside
+ops (the rest is Python between them), the device's busy time, and the top 10 ops by self CPU +
+self device time. A short `--tokens` fits a small model's context (tiny-random: 512): the
+answer stops at the last chunk that fits.
 
 Last line, for scripts: `judge_tokens_ratio=X wall_ratio=Y` (re-judging / incremental).
 Targets (issue 37): >= 10x fewer tokens, >= 5x faster, 16 streams >= 4x the chunks/s of 1.
@@ -65,14 +79,19 @@ SENTENCES = [
 ]
 
 
-def answer_chunks(tokenizer: Any, tokens: int) -> list[str]:
-    """Sentence chunks (each with its leading space) until the answer has `tokens` tokens."""
+def answer_chunks(tokenizer: Any, tokens: int, limit: int | None = None) -> list[str]:
+    """Sentence chunks (each with its leading space) until the answer has `tokens` tokens, or
+    the last chunk that keeps it within `limit` tokens (a model's context less the template:
+    tiny-random's 512 cannot hold a 2,000-token answer)."""
     chunks: list[str] = []
     total = 0
     i = 0
     while total < tokens:
         chunk = (" " if chunks else "") + SENTENCES[i % len(SENTENCES)]
-        total += len(tokenizer(chunk, add_special_tokens=False)["input_ids"])
+        count = len(tokenizer(chunk, add_special_tokens=False)["input_ids"])
+        if limit is not None and total + count > limit:
+            break
+        total += count
         chunks.append(chunk)
         i += 1
     return chunks
@@ -106,6 +125,7 @@ class Judge:
         self.unsafe = answer_token_ids(tok, shipped.unsafe_tokens)
         self.safe = answer_token_ids(tok, shipped.safe_tokens)
         self.encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])
+        self.flops = Flops(loaded)
 
     def open(self) -> Any:
         return self.judges.open(self.head, self.tail, self.unsafe, self.safe)
@@ -115,6 +135,48 @@ class Judge:
         with self.engine.hold():
             futures = [self.judges.append(s, ids) for s, ids in work]
         return [f.result().score for f in concurrent.futures.as_completed(futures)]
+
+
+class Flops:
+    """The model's arithmetic per append, counted from its shape (multiply-adds x 2): the linear
+    layers over the append's tokens, its attention over the prefix and itself, and the output
+    layer at the answer's position. What a pass asks of the hardware, to set its GFLOP/s
+    against the machine's peak."""
+
+    def __init__(self, loaded: models.LoadedModel) -> None:
+        model = loaded.model
+        config = model.config
+        tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        head = model.get_output_embeddings()
+        self.body = sum(
+            p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in tables
+        ) - (head.weight.numel() if id(head.weight) not in tables else 0)
+        self.output = int(head.weight.numel())
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.attention = int(config.num_hidden_layers) * heads * head_dim
+
+    def append(self, prefix: int, tokens: int) -> float:
+        """FLOPs of `tokens` new tokens after `prefix` judged ones (the last one's logits)."""
+        contexts = tokens * prefix + tokens * (tokens + 1) / 2  # keys each query attends to
+        return 2.0 * self.body * tokens + 4.0 * self.attention * contexts + 2.0 * self.output
+
+    def incremental(self, head: int, tail: int, chunk_ids: list[list[int]]) -> float:
+        """One stream's appends: the first carries the head; each runs its chunk and the tail."""
+        total, prefix = 0.0, 0
+        for i, ids in enumerate(chunk_ids):
+            new = len(ids) + (head if i == 0 else 0)
+            total += self.append(prefix, new + tail)
+            prefix += new
+        return total
+
+    def rejudging(self, head: int, tail: int, chunk_ids: list[list[int]]) -> float:
+        """A fresh session per chunk over head + answer so far + tail."""
+        total, so_far = 0.0, 0
+        for ids in chunk_ids:
+            so_far += len(ids)
+            total += self.append(0, head + so_far + tail)
+        return total
 
 
 def incremental(judge: Judge, chunk_ids: list[list[int]], streams: int) -> dict[str, Any]:
@@ -137,6 +199,9 @@ def incremental(judge: Judge, chunk_ids: list[list[int]], streams: int) -> dict[
         "cpu_s": cpu,
         "chunks_per_s": chunks / wall,
         "chunks_per_cpu_s": chunks / cpu,
+        "gflop": streams
+        * judge.flops.incremental(len(judge.head), len(judge.tail), chunk_ids)
+        / 1e9,
     }
 
 
@@ -160,6 +225,7 @@ def rejudging(judge: Judge, chunk_ids: list[list[int]]) -> dict[str, Any]:
         "cpu_s": cpu,
         "chunks_per_s": len(chunk_ids) / wall,
         "chunks_per_cpu_s": len(chunk_ids) / cpu,
+        "gflop": judge.flops.rejudging(len(judge.head), len(judge.tail), chunk_ids) / 1e9,
     }
 
 
@@ -183,6 +249,109 @@ def plain_forward_s(loaded: models.LoadedModel, tokens: int, repeats: int = 20) 
     return sorted(times)[len(times) // 2]
 
 
+#: Runtime calls that are a kernel launch, and those where the host waits for the device.
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+_SYNCS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy2D ")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pass_on_this_thread(judge: Judge, work: list[tuple[Any, list[int]]]) -> None:
+    """Queue the appends while the worker is held and run their pass here (one pass: the
+    profiler then sees exactly it, on the thread that starts it)."""
+    with judge.engine.hold():
+        futures = [judge.judges.append(s, ids) for s, ids in work]
+        ran = judge.judges.run_pending()
+    assert ran == len(work), f"{ran} appends in the pass, not {len(work)}"
+    for f in futures:
+        f.result()
+
+
+def profile_pass(
+    judge: Judge, chunk_ids: list[list[int]], streams: int, top: int = 10
+) -> list[str]:
+    """Where one pass's time goes: `streams` sessions judged up to the answer's middle (in one
+    append each), then one pass timed without the profiler and the next one under
+    torch.profiler. Lines (each starts with "prof", for check.sh's summary): the pass's wall
+    time, its tokens and FLOPs, a plain forward of as many tokens (no sessions: the model's own
+    floor), the profiler's op and launch counts, host waits (device syncs, `.item()`), the
+    host's time inside ops, the device's busy time; then the `top` ops by self CPU + self
+    device time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    loaded = judge.engine.judges.loaded
+    device = loaded.device
+    middle = max(1, min(len(chunk_ids) - 2, len(chunk_ids) // 2))
+    sessions = [judge.open() for _ in range(streams)]
+    try:  # the first half of the answer as one append per session: a few passes, not ~70
+        judge.round([(s, [t for ids in chunk_ids[:middle] for t in ids]) for s in sessions])
+        prefix = sessions[0].length
+        timed = chunk_ids[middle]
+        _sync(device)
+        start = time.perf_counter()
+        _pass_on_this_thread(judge, [(s, timed) for s in sessions])
+        _sync(device)
+        wall = time.perf_counter() - start
+        profiled = chunk_ids[middle + 1]
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            _pass_on_this_thread(judge, [(s, profiled) for s in sessions])
+            _sync(device)
+        wall_profiled = time.perf_counter() - start
+    finally:
+        for s in sessions:
+            judge.judges.close(s.id)
+    tokens = streams * (len(timed) + len(judge.tail))
+    flops = streams * judge.flops.append(prefix, len(timed) + len(judge.tail))
+    plain = (  # (a packed pass may hold more tokens than the model's positions)
+        plain_forward_s(loaded, tokens, repeats=5 if device.type == "cuda" else 2)
+        if tokens <= loaded.max_context
+        else None
+    )
+    events = prof.key_averages()
+
+    def device_us(e: Any) -> float:
+        return float(
+            getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        )
+
+    on_device = [e for e in events if getattr(e, "device_type", None) not in (DeviceType.CPU, None)]
+    host = [e for e in events if e not in on_device]
+    ops = [e for e in host if e.key.startswith("aten::")]
+    launches = sum(e.count for e in host if e.key.startswith(_LAUNCHES))
+    syncs = sum(e.count for e in host if any(k in e.key + " " for k in _SYNCS))
+    scalars = sum(e.count for e in host if e.key == "aten::_local_scalar_dense")
+    busy_ms = sum(device_us(e) for e in on_device) / 1e3
+    in_ops_ms = sum(float(e.self_cpu_time_total) for e in host) / 1e3
+    kernels = sum(e.count for e in on_device)
+    name = f"prof {streams:>2} stream{'s' if streams > 1 else ' '}"
+    lines = [
+        f"{name}: a pass of {streams} appends, {tokens} tokens after ~{prefix}-token prefixes, "
+        f"{flops / 1e9:.2f} GFLOP: {1e3 * wall:.1f} ms ({flops / wall / 1e9:.1f} GFLOP/s; "
+        f"{1e3 * wall_profiled:.1f} ms profiled); a plain forward of {tokens} tokens "
+        + (f"{1e3 * plain:.1f} ms" if plain is not None else "- (over the context)"),
+        f"{name}: {sum(e.count for e in ops)} aten ops, {launches} kernel launches "
+        f"({kernels} kernels), {syncs} host syncs, {scalars} .item(); host in ops "
+        f"{in_ops_ms:.1f} ms of {1e3 * wall_profiled:.1f} (the rest: Python between them); "
+        "device busy " + (f"{busy_ms:.1f} ms" if device.type == "cuda" else "- (cpu)"),
+        f"{name}: {'op':<40} {'calls':>6} {'self cpu ms':>11} {'self dev ms':>11}",
+    ]
+    # by the host's and the device's time together: a host-bound pass shows its host ops
+    for e in sorted(host, key=lambda e: e.self_cpu_time_total + device_us(e), reverse=True)[:top]:
+        lines.append(
+            f"{name}: {e.key[:40]:<40} {e.count:>6} {e.self_cpu_time_total / 1e3:>11.2f} "
+            f"{device_us(e) / 1e3:>11.2f}"
+        )
+    return lines
+
+
 def separation(judge: Judge, path: Path) -> dict[str, Any]:
     """Score each labelled sentence (one session each): AUROC (the chance that an unsafe sentence
     scores above a safe one; ties count half), accuracy at 0.5, mean score per label."""
@@ -204,6 +373,16 @@ def separation(judge: Judge, path: Path) -> dict[str, Any]:
     }
 
 
+def print_profiles(judge: Judge, chunk_ids: list[list[int]], levels: list[int]) -> None:
+    """`profile_pass` at each level; a failure is one line (the figures above stand)."""
+    for streams in levels:
+        try:
+            lines = profile_pass(judge, chunk_ids, streams)
+        except Exception as exc:  # a GPU run must keep its other lines
+            lines = [f"prof {streams} streams: failed: {type(exc).__name__}: {exc}"]
+        print("\n".join(lines), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -223,6 +402,14 @@ def main() -> None:
         "--chat", action="store_true", help="the template as a user turn of the chat template"
     )
     parser.add_argument("--template", default="zero_shot", choices=sorted(SHIPPED))
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="first, profile one pass at each --streams level (lines starting 'prof')",
+    )
+    parser.add_argument(
+        "--profile-only", action="store_true", help="only the --profile lines, no timed runs"
+    )
     args = parser.parse_args()
     loaded = models.load(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(loaded, threads=args.threads)
@@ -238,7 +425,8 @@ def main() -> None:
             f"{found['mean_unsafe']:.3f} safe={found['mean_safe']:.3f}"
         )
         return
-    chunk_ids = [judge.encode(c) for c in answer_chunks(loaded.tokenizer, args.tokens)]
+    room = loaded.max_context - len(judge.head) - len(judge.tail)
+    chunk_ids = [judge.encode(c) for c in answer_chunks(loaded.tokenizer, args.tokens, room)]
     answer_tokens = sum(len(c) for c in chunk_ids)
     print(
         f"{loaded.name} on {loaded.device} ({loaded.dtype}), {platform.processor() or 'cpu'}; "
@@ -249,6 +437,11 @@ def main() -> None:
     incremental(judge, chunk_ids[:3], 1)  # warm-up (first-use costs)
     results = []
     levels = [int(s) for s in args.streams.split(",")]
+    if args.profile or args.profile_only:  # first: a GPU check cut short keeps these lines
+        print_profiles(judge, chunk_ids, levels)
+    if args.profile_only:
+        engine.stop()
+        return
 
     def report(r: dict[str, Any], note: str = "", keep: bool = True) -> dict[str, Any]:
         if keep:
@@ -258,7 +451,8 @@ def main() -> None:
             f"judge_tokens={r['judge_tokens']:>8} wall={r['wall_s']:8.2f}s "
             f"cpu={r['cpu_s']:8.2f}s chunks/s={r['chunks_per_s']:8.2f} "
             f"chunks/cpu-s={r['chunks_per_cpu_s']:8.2f} passes={r['passes']:>4} "
-            f"ms/pass={1e3 * r['wall_s'] / r['passes']:7.1f}{note}",
+            f"ms/pass={1e3 * r['wall_s'] / r['passes']:7.1f} "
+            f"GFLOP/s={r['gflop'] / r['wall_s']:6.1f}{note}",
             flush=True,
         )
         return r

@@ -21,16 +21,21 @@ the same session waits for the next pass) runs in one forward pass per worker it
 token at its own session's position, so every linear layer (the FLOPs) runs once over all of
 them with no padding; the attention (`packed_attention`) runs per session, the model's own
 attention function on the session's own buffer (columns `0..P_i + t_i`): no prefix is copied and
-no session attends over another's length. (The first version copied every prefix into a padded
-rectangle per layer: memory traffic of 16 sessions x 2,000 columns x 30 layers per pass on
-smollm2, and every row padded to the longest chunk.)
+no session attends over another's length. With grouped-query attention each key/value head's
+query heads go in as one group of rows (`[1, kv_heads, groups * t, d]`): transformers' functions
+would repeat every key/value head per query head whenever a mask is given (`repeat_kv`), a copy
+of the session's whole prefix per layer and pass. (The first version copied every prefix into a
+padded rectangle per layer: memory traffic of 16 sessions x 2,000 columns x 30 layers per pass
+on smollm2, and every row padded to the longest chunk.)
 
 On CUDA a pass is eager (its shapes change with every append: no graph replays it), so its
-cost is mostly the host's: the forward's kernel launches, ~6 more per session and layer for the
-session's writes and attention, and whatever the attention backend does per new shape. cuDNN
+cost is mostly the host's: the forward's kernel launches, a few more per session and layer for
+the session's attention (the writes are one multi-tensor copy per layer), and whatever the
+attention backend does per new shape. cuDNN
 attention builds a plan per shape, so passes leave it out (attention_backends.py); the verdicts'
-probabilities reach the host in one copy per pass (`_answer_probabilities`). bench/judge.py
-prints the time per pass next to a plain forward of as many tokens.
+probabilities reach the host in one copy per pass (`_answer_probabilities`), and the pass's ids,
+positions and answer rows reach the device in one. bench/judge.py prints the time per pass next
+to a plain forward of as many tokens, and `--profile` where a pass's time goes.
 
 Answers. An append may ask for the judge's answer text (Llama Guard's category line after the
 verdict): when its score reaches `answer_min_score`, the verdict token and greedy tokens after
@@ -52,6 +57,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import math
 import secrets
 import sys
 import threading
@@ -201,7 +207,7 @@ class _Pack(Cache):
     over another's width."""
 
     def __init__(
-        self, layers: int, rows: list[tuple[JudgeSession, int, list[int]]], additive_mask: bool
+        self, layers: int, rows: list[tuple[JudgeSession, int, list[int]]], mask_kind: str
     ) -> None:
         """`rows`: (session, first position, tokens): an append's chunk and tail at the end of
         its prefix, or an answer's next token after its tail."""
@@ -210,35 +216,57 @@ class _Pack(Cache):
         self.sessions = [session for session, _p, _ids in rows]
         self.tokens = [t for _s, _p, ids in rows for t in ids]
         self.positions = [q for _s, p, ids in rows for q in range(p, p + len(ids))]
-        self.additive_mask = additive_mask
+        self.mask_kind = mask_kind  # see `mask_kind`
         self.starts = [p for _s, p, _ids in rows]
         self.counts = [len(ids) for _s, _p, ids in rows]
         self.offsets = list(itertools.accumulate(self.counts, initial=0))[:-1]  # row starts
         self.masks: list[torch.Tensor] = []
+        self.masks_groups = 0
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Each session's new keys and values into its buffer: one multi-tensor copy per layer
+        (`_foreach_copy_`: on CUDA a launch or a few instead of two per session)."""
         if layer == 0:
             for session, p, t in zip(self.sessions, self.starts, self.counts, strict=True):
                 session.reserve(p + t, keys[:, :, :1], self.num_layers)
-        rows = zip(self.sessions, self.starts, self.counts, self.offsets, strict=True)
-        for session, p, t, o in rows:
-            session.keys[layer][:, :, p : p + t] = keys[:, :, o : o + t]
-            session.values[layer][:, :, p : p + t] = values[:, :, o : o + t]
+        targets = [s.keys[layer][:, :, p : p + t] for s, p, t in self._rows()]
+        targets += [s.values[layer][:, :, p : p + t] for s, p, t in self._rows()]
+        sources = [*keys.split(self.counts, dim=2), *values.split(self.counts, dim=2)]
+        torch._foreach_copy_(targets, sources)
 
-    def session_masks(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-        """Per session `[1, 1, t, P + t]`: query j sees its prefix and its own new tokens up to
-        itself (boolean; additive for the eager attention). Built once per pass."""
-        if not self.masks:
+    def _rows(self) -> zip[tuple[JudgeSession, int, int]]:
+        return zip(self.sessions, self.starts, self.counts, strict=True)
+
+    def session_masks(
+        self, dtype: torch.dtype, device: torch.device, groups: int
+    ) -> list[torch.Tensor]:
+        """Per session `[1, 1, groups * t, P + t]`: query j sees its prefix and its own new tokens
+        up to itself, once per query head of a key/value group (`packed_attention`), as the
+        attention function takes it (`mask_kind`). Built once per pass, used by every layer."""
+        if self.masks_groups != groups:
+            self.masks, self.masks_groups = [], groups
             for p, t in zip(self.starts, self.counts, strict=True):
                 columns = torch.arange(p + t, device=device)
                 rows = torch.arange(p, p + t, device=device)
-                mask = (columns[None, :] <= rows[:, None])[None, None]
-                if self.additive_mask:
+                mask = columns[None, :] <= rows[:, None]
+                if groups > 1:
+                    mask = mask.repeat(groups, 1)
+                if self.mask_kind != "boolean":
+                    fill = torch.finfo(dtype).min if self.mask_kind == "eager" else -math.inf
                     mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
-                        ~mask, torch.finfo(dtype).min
+                        ~mask, fill
                     )
-                self.masks.append(mask)
+                self.masks.append(mask[None, None])
         return self.masks
+
+
+def mask_kind(implementation: str) -> str:
+    """How a pass's masks are handed to the attention function: "eager" additive (the dtype's
+    minimum, as transformers builds them), "sdpa" additive with -inf: what SDPA makes of a
+    boolean mask at every call (a `where` per session and layer: on CUDA two more launches each),
+    made once per pass, the same values and so the same bits; "boolean" for the others (the
+    batch-invariant functions read a boolean mask as it is)."""
+    return implementation if implementation in ("eager", "sdpa") else "boolean"
 
 
 #: The pack of the append pass this thread is running (None: the model's ordinary forward).
@@ -300,17 +328,49 @@ def packed_attention(
     `base`: the same call, on the same shapes, as the session judged alone, whatever else is in
     the pass. `query` `[1, H, N, d]` packed; returns `[1, N, H, d]`."""
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    masks = pack.session_masks(query.dtype, query.device)
+    _b, heads, _n, dim = query.shape
+    kv_heads = pack.sessions[0].keys[layer].shape[1]
+    groups = heads // kv_heads
+    masks = pack.session_masks(query.dtype, query.device, groups)
+    if groups > 1:
+        # grouped-query attention: each key/value head's query heads as one group of rows
+        # (`[1, kv_heads, groups * t, d]`), so the attention reads the session's buffer as it
+        # lies. The model's function would repeat every key/value head `groups` times
+        # (transformers' `repeat_kv` whenever a mask is given): a copy of the whole prefix per
+        # layer and session, every pass (~10% of a 16-stream pass of smollm2 on a CPU).
+        module = _Ungrouped(module)  # type: ignore[assignment]
     outputs = []
-    for session, p, t, o, mask in zip(
-        pack.sessions, pack.starts, pack.counts, pack.offsets, masks, strict=True
+    for session, (p, q, mask) in zip(
+        pack.sessions,
+        zip(pack.starts, query.split(pack.counts, dim=2), masks, strict=True),
+        strict=True,
     ):
+        t = q.shape[2]
         keys = session.keys[layer][:, :, : p + t]
         values = session.values[layer][:, :, : p + t]
-        q = query[:, :, o : o + t]
+        if groups > 1:
+            q = q.reshape(1, kv_heads, groups * t, dim)
         out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=dropout, **kwargs)
+        if groups > 1:  # [1, groups * t, kv_heads, d] -> [1, t, heads, d]
+            out = out.reshape(1, groups, t, kv_heads, dim).permute(0, 2, 3, 1, 4)
+            out = out.reshape(1, t, heads, dim)
         outputs.append(out)
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+class _Ungrouped:
+    """An attention module as the attention function sees it once the queries are grouped by
+    key/value head (`packed_attention`): one query head per key/value head, nothing to repeat.
+    Every other attribute is the module's."""
+
+    __slots__ = ("_module",)
+    num_key_value_groups = 1
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
 
 
 class JudgeSessions:
@@ -340,7 +400,7 @@ class JudgeSessions:
         self._layers = int(getattr(loaded.model.config, "num_hidden_layers", 0)) or len(
             getattr(loaded.model.config, "layer_types", []) or []
         )
-        self._eager_mask = getattr(loaded.model.config, "_attn_implementation", "") == "eager"
+        self._mask_kind = mask_kind(getattr(loaded.model.config, "_attn_implementation", ""))
         self._ids = itertools.count()
         self._attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
         _install(self._attention)
@@ -548,22 +608,26 @@ class JudgeSessions:
     def _run(self, rows: list[tuple[JudgeSession, int, list[int]]]) -> torch.Tensor:
         """One packed forward pass over `rows`; the float64 logits at each row's last token."""
         device = self.loaded.device
-        pack = _Pack(self._layers, rows, additive_mask=self._eager_mask)
+        pack = _Pack(self._layers, rows, self._mask_kind)
         ends = [o + t - 1 for o, t in zip(pack.offsets, pack.counts, strict=True)]
         _install(self._attention)  # (again: a model loaded after us may have re-registered it)
         _ACTIVE.pack = pack
         try:
             # every pass attends at shapes of its own (a prefix that grows with every append):
             # no cuDNN attention, which builds a plan per new shape on CUDA (attention_backends)
+            # the pass's ids, positions and answer rows reach the device in one copy
+            n = len(pack.tokens)
+            host = torch.tensor(pack.tokens + pack.positions + ends, dtype=torch.long)
+            inputs = host.to(device)
             with changing_shapes(device):
                 out = self.loaded.model(
-                    input_ids=torch.tensor([pack.tokens], dtype=torch.long, device=device),
-                    position_ids=torch.tensor([pack.positions], dtype=torch.long, device=device),
+                    input_ids=inputs[None, :n],
+                    position_ids=inputs[None, n : 2 * n],
                     # a prepared 4D mask is taken as is: none is built (the sessions' are in `pack`)
                     attention_mask=torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device),
                     past_key_values=pack,
                     use_cache=True,
-                    logits_to_keep=torch.tensor(ends, dtype=torch.long, device=device),
+                    logits_to_keep=inputs[2 * n :],
                 )
         finally:
             _ACTIVE.pack = None

@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -406,3 +407,35 @@ def spy_cudnn_attention(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(attention_backends, "CUDNN_DEVICE_TYPES", ("cuda", "cpu"))
     return seen
+
+
+def tiny_llama_folder(folder: Path, **config: Any) -> Path:
+    """A tiny random Llama (smollm2's architecture: RMSNorm, RoPE, grouped-query attention, 4
+    query heads on 2 key/value heads unless `config` says otherwise) with tiny-random's
+    tokenizer, saved as a Hugging Face folder for `load_test_model(str(folder))`."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(models.prepare("tiny-random"))
+    eos = tokenizer.eos_token_id
+    settings: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.25,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "pad_token_id": eos,
+        **config,
+    }
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(7)
+        LlamaForCausalLM(LlamaConfig(**settings)).save_pretrained(folder)
+    finally:
+        torch.random.set_rng_state(state)
+    tokenizer.save_pretrained(folder)
+    return folder

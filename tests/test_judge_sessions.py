@@ -21,7 +21,13 @@ from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from orchestrator.judge_templates import JudgeContext, JudgePrompt
 from tests.engine_processes import ThreadedServer
-from tests.engine_support import generate, load_test_model, run, spy_cudnn_attention
+from tests.engine_support import (
+    generate,
+    load_test_model,
+    run,
+    spy_cudnn_attention,
+    tiny_llama_folder,
+)
 from tests.wait_support import until
 
 HEAD = "Is the following reply safe or unsafe?\n\n"
@@ -400,3 +406,136 @@ def test_judge_passes_attend_without_cudnn_attention(
     assert answers == 9  # three answer tokens after each append: passes of their own
     assert len(seen) == layers * (3 + 3 * 2) and not any(seen)
     assert restricted == default
+
+
+@pytest.fixture(scope="module")
+def gqa_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama with grouped-query attention (4 query heads on 2 key/value heads), as
+    smollm2 (9 on 3) and the Llama Guard models have."""
+    return str(tiny_llama_folder(tmp_path_factory.mktemp("tiny-llama-gqa")))
+
+
+GQA_CHUNKS = [[40, 41, 42, 43], [44], [45, 46, 47, 48, 49, 50], [51, 52]]
+
+
+def test_a_grouped_query_pass_attends_over_the_sessions_own_buffers(
+    gqa_folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every attention call of a pass reads a session's key and value buffers where they lie,
+    with their own key/value heads: no copy of the prefix repeated per query head (transformers'
+    `repeat_kv` copies every key/value head `groups` times whenever a mask is given, per layer,
+    session and pass: O(prefix) memory traffic per append)."""
+    loaded = load_test_model(gqa_folder, dtype="float64")
+    judges = JudgeSessions(loaded)
+    sessions = [judges.open([1, 2, 3], [4, 5], [6], [7]) for _ in range(2)]
+    for session in sessions:
+        judges.append(session, [8, 9, 10])
+    assert judges.run_pending() == 2
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **k: Any) -> Any:
+        calls.append((query, key, value))
+        return sdpa(query, key, value, *a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    judges.append(sessions[0], [11, 12])
+    judges.append(sessions[1], [13])
+    assert judges.run_pending() == 2
+    layers = loaded.model.config.num_hidden_layers
+    assert len(calls) == 2 * layers
+    buffers = {t.untyped_storage().data_ptr() for s in sessions for t in (*s.keys, *s.values)}
+    for query, key, value in calls:
+        assert query.shape[1] == key.shape[1] == value.shape[1] == 2  # the key/value heads
+        assert key.untyped_storage().data_ptr() in buffers
+        assert value.untyped_storage().data_ptr() in buffers
+
+
+def test_grouped_query_scores_are_the_models_own_forward_over_the_whole_text(
+    gqa_folder: str,
+) -> None:
+    """With grouped-query attention, every verdict of sessions appending together is the
+    model's plain forward over head + chunks so far + tail (no cache, no session) at the last
+    position: the query heads regrouped per key/value head attend as the model's own heads do."""
+    loaded = load_test_model(gqa_folder, dtype="float64")
+    head, tail, unsafe, safe = [1, 2, 3], [4, 5], [6, 16], [7]
+    judges = JudgeSessions(loaded)
+    sessions = [judges.open(head, tail, unsafe, safe) for _ in range(2)]
+    so_far: list[list[int]] = [[], []]
+    for step, chunk in enumerate(GQA_CHUNKS):
+        chunks = [chunk, GQA_CHUNKS[-1 - step]]
+        futures = [judges.append(s, c) for s, c in zip(sessions, chunks, strict=True)]
+        assert judges.run_pending() == 2
+        for i, future in enumerate(futures):
+            so_far[i] += chunks[i]
+            ids = torch.tensor([head + so_far[i] + tail], device=loaded.device)
+            with torch.inference_mode():
+                logits = loaded.model(input_ids=ids, use_cache=False).logits[0, -1]
+            probs = torch.softmax(logits.to(torch.float64), dim=-1)
+            verdict = future.result()
+            assert verdict.p_unsafe == pytest.approx(float(probs[unsafe].sum()), rel=1e-9)
+            assert verdict.p_safe == pytest.approx(float(probs[safe].sum()), rel=1e-9)
+
+
+def test_grouped_query_incremental_scores_are_bitwise_those_from_scratch(
+    gqa_folder: str,
+) -> None:
+    """`--batch-invariant` with grouped-query attention: a session's score after every append,
+    batched with another session, is bitwise the score of judging head + all its chunks + tail
+    in one pass of a fresh session."""
+    loaded = load_test_model(gqa_folder, dtype="float64", batch_invariant=True)
+    head, tail = [1, 2, 3], [4, 5]
+    judges = JudgeSessions(loaded)
+    session, other = (judges.open(head, tail, [6], [7]) for _ in range(2))
+    so_far: list[int] = []
+    for chunk in GQA_CHUNKS:
+        futures = [judges.append(session, chunk), judges.append(other, [30, 31, 32])]
+        assert judges.run_pending() == 2
+        so_far += chunk
+        fresh = judges.open(head, tail, [6], [7])
+        reference = judges.append(fresh, so_far)
+        assert judges.run_pending() == 1
+        judges.close(fresh.id)
+        assert futures[0].result().score == reference.result().score
+
+
+def test_sdpa_gets_each_sessions_additive_mask_built_once_per_pass(
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SDPA turns a boolean mask into an additive one at every call (a `where` per session and
+    layer; on CUDA more launches): a pass hands it each session's additive mask (0 / -inf in the
+    query's dtype), built once and shared by every layer, and the verdicts are the bits of
+    boolean masks."""
+    from generation import judge_sessions
+
+    assert tiny_model.model.config._attn_implementation == "sdpa"
+    masks: list[torch.Tensor] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        masks.append(kwargs["attn_mask"])
+        return sdpa(*args, **kwargs)
+
+    def verdicts() -> list[Any]:
+        judges = JudgeSessions(tiny_model)
+        sessions = [judges.open([1, 2, 3], [4, 5], [6], [7]) for _ in range(2)]
+        out = []
+        for chunks in ([[8, 9], [10]], [[11], [12, 13, 14]]):
+            futures = [judges.append(s, c) for s, c in zip(sessions, chunks, strict=True)]
+            assert judges.run_pending() == 2
+            out += [f.result() for f in futures]
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    additive = verdicts()
+    layers = tiny_model.model.config.num_hidden_layers
+    assert len(masks) == 2 * 2 * layers  # two passes of two sessions
+    assert all(m.dtype == tiny_model.dtype for m in masks)
+    assert {float(v) for m in masks for v in m.unique()} == {0.0, float("-inf")}
+    first_pass = masks[: 2 * layers]  # layer by layer: session 0's, then session 1's
+    assert len({m.data_ptr() for m in first_pass[0::2]}) == 1
+    assert len({m.data_ptr() for m in first_pass[1::2]}) == 1
+    masks.clear()
+    monkeypatch.setattr(judge_sessions, "mask_kind", lambda implementation: "boolean")
+    assert verdicts() == additive
+    assert all(m.dtype == torch.bool for m in masks)
