@@ -267,7 +267,9 @@ def test_padding_and_stale_slots_never_change_a_real_row(
         SamplingParams(greedy=False, temperature=1.3, top_k=20, seed=7),
         SamplingParams(greedy=False, temperature=0.9, top_p=0.8, seed=2**63 + 5),
     ]
-    tolerance = 1e-12 if model.dtype == torch.float64 else 1e-4
+    # float32: 1e-3, as in the join/leave test above; with one torch thread the padded 4-row,
+    # 32-column step differs from the exact one by up to 1.2e-4 (smollm2's logits reach ~20)
+    tolerance = 1e-12 if model.dtype == torch.float64 else 1e-3
     head = model.model.get_output_embeddings()
     results = []
     with torch.inference_mode():
