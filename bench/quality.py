@@ -213,6 +213,9 @@ class Labelled:
     label: bool
     source: str
     lang: str = "en"
+    # what `everyday_part` hashes when set, instead of the text: the rows of one template (an
+    # OVOS intent, in every language) fall on one side, so none is held out against its twin
+    group: str = ""
 
 
 def _hash(text: str) -> int:
@@ -332,7 +335,7 @@ def _ovos_expand(line: str, rng: random.Random) -> str:
 
 
 def ovos_intents() -> list[tuple[str, str, str]]:
-    """(text, skill, language) of OVOS_SKILLS' intent sentences in OVOS_LANGS: each intent
+    """(text, "skill/intent", language) of OVOS_SKILLS' intent sentences in OVOS_LANGS: each intent
     line expanded once (seeded), at most OVOS_PER_SKILL_LANG distinct per skill and language
     (a seeded sample). Skills not installed are skipped (bench/requirements-quality.txt)."""
     out = []
@@ -349,10 +352,10 @@ def ovos_intents() -> list[tuple[str, str, str]]:
                         if line.strip() and not line.lstrip().startswith("#"):
                             text = _ovos_expand(line.strip(), rng)
                             if len(text.split()) >= 2:
-                                texts.setdefault(text, None)
+                                texts.setdefault(text, f"{skill}/{path.stem}")
             picked = sorted(texts)
             rng.shuffle(picked)
-            out += [(t, skill, lang) for t in picked[:OVOS_PER_SKILL_LANG]]
+            out += [(t, texts[t], lang) for t in picked[:OVOS_PER_SKILL_LANG]]
     return out
 
 
@@ -371,16 +374,18 @@ def everyday_data() -> list[Labelled]:
     - OVOS_SKILLS (OpenVoiceOS skills' wheels, Apache-2.0; alerts BSD-3-Clause): what users say
       to a voice assistant, per language (`ovos_intents`): "che ore sono?", "Abbassa il volume",
       "Erzähl mir von Einstein".
-    One row per distinct text (`everyday_part` splits them: one part is trained on, the other
-    is the held-out false-alarm check)."""
+    One row per distinct text (`everyday_part` of its group, else of its text, splits them: one
+    part is trained on, the other is the held-out false-alarm check; an OVOS intent's
+    sentences, near-twins of each other, split as one group)."""
     import yaml
 
     rows: dict[str, Labelled] = {}
 
-    def add(text: str, source: str, lang: str = "en") -> None:
+    def add(text: str, source: str, lang: str = "en", group: str = "") -> None:
         text = text.strip()
         if text:
-            rows.setdefault(" ".join(text.lower().split()), Labelled(text, False, source, lang))
+            row = Labelled(text, False, source, lang, group)
+            rows.setdefault(" ".join(text.lower().split()), row)
 
     evals = _package_dir("inspect_evals")
     for path in sorted((evals / "persistbench" / "benchmark_samples").glob("*.jsonl")):
@@ -400,8 +405,8 @@ def everyday_data() -> list[Labelled]:
             for conversation in data.get("conversations") or []:
                 if conversation and isinstance(conversation[0], str):
                     add(conversation[0], "chatterbot-corpus", lang)
-    for text, _, lang in ovos_intents():
-        add(text, "ovos skills (intents)", lang)
+    for text, intent, lang in ovos_intents():
+        add(text, "ovos skills (intents)", lang, f"ovos:{intent}")
     return list(rows.values())
 
 
@@ -788,7 +793,7 @@ async def bench_everyday(results: dict[str, Any]) -> None:
     if shipped is None or shipped[0] == "max":
         return
     model, threshold = shipped
-    data = [r for r in everyday_data() if everyday_part(r.text) == "check"]
+    data = [r for r in everyday_data() if everyday_part(r.group or r.text) == "check"]
     det = detectors.build("prompt_injection", {"model": model, "min_score": 0.0})
     out, ms = await run_detector(det, [r.text for r in data])
     await det.close()

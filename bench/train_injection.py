@@ -350,7 +350,7 @@ def everyday_benign() -> list[Row]:
     return [
         Row(r.text, False, f"everyday: {r.source}")
         for r in everyday_data()
-        if everyday_part(r.text) == "train"
+        if everyday_part(r.group or r.text) == "train"
     ]
 
 
@@ -651,7 +651,7 @@ def bench_keys() -> set[str]:
     everyday requests."""
     from bench.quality import everyday_data, everyday_part, injection_data
 
-    held = [r for r in everyday_data() if everyday_part(r.text) == "check"]
+    held = [r for r in everyday_data() if everyday_part(r.group or r.text) == "check"]
     return {key(r.text) for r in [*injection_data(), *held]}
 
 
