@@ -241,17 +241,22 @@ def test_an_ovos_intent_line_expands_to_one_seeded_sentence() -> None:
     )
 
 
-def test_an_ovos_intent_is_held_out_or_trained_on_whole_in_every_language() -> None:
+def test_an_ovos_intent_is_held_out_or_trained_on_whole_in_every_language(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The OVOS everyday requests split by intent, not by sentence: the sentences of one
     intent are near-twins ("have i missed an alert" / "have i missed a alert"), so holding out
     one while training on its twin would flatter the held-out false-alarm figure. Every
-    intent lies in one part, in all its languages; both parts hold intents."""
+    intent lies in one part, in all its languages; both parts hold intents. The shipped heads
+    train on neither (TRAIN_OVOS)."""
     if quality._installed_dir("ovos_skill_weather") is None:  # its import needs OVOS itself
         pytest.skip("bench/requirements-quality.txt")
-    from bench.train_injection import everyday_benign
+    from bench import train_injection
 
     rows = [r for r in quality.everyday_data() if r.source == "ovos skills (intents)"]
-    trained = {key(r.text) for r in everyday_benign()}
+    assert not any(r.source.startswith("everyday: ovos") for r in train_injection.everyday_benign())
+    monkeypatch.setattr(train_injection, "TRAIN_OVOS", True)  # the shipped heads: off
+    trained = {key(r.text) for r in train_injection.everyday_benign()}
     sides: dict[str, set[bool]] = {}
     for r in rows:
         sides.setdefault(r.group, set()).add(key(r.text) in trained)
