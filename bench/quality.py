@@ -21,7 +21,9 @@ Data (package, licence, what is used):
   injection data above): `inspect-evals==0.26.0` (MIT) ships PersistBench's 500 user queries
   and WritingBench's (X-PLUG, Apache-2.0) writing requests; `chatterbot-corpus==1.3.3`
   (BSD-3-Clause) ships conversations in many languages, whose first turns (a user's) are read
-  in en/de/fr/es/it/pt (`everyday_data`). A hash splits them in two (`everyday_part`): `train`
+  in en/de/fr/es/it/pt; OpenVoiceOS skills' intent sentences (OVOS_SKILLS: 14 packages,
+  Apache-2.0, ovos-skill-alerts BSD-3-Clause), short spoken requests and questions in the same
+  six languages (`everyday_data`). A hash splits them in two (`everyday_part`): `train`
   is trained on (bench/train_injection.py), `check` is held out here: the share of it that
   the shipped config.yaml's `injection` flags.
 - Benign texts holding encoded data (false alarms of `prompt_injection`): generated here
@@ -72,6 +74,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import re
 import sys
 import time
@@ -210,6 +213,9 @@ class Labelled:
     label: bool
     source: str
     lang: str = "en"
+    # what `everyday_part` hashes when set, instead of the text: the rows of one template (an
+    # OVOS intent, in every language) fall on one side, so none is held out against its twin
+    group: str = ""
 
 
 def _hash(text: str) -> int:
@@ -285,6 +291,72 @@ CHATTERBOT_LANGS = {
     "portuguese": "pt",
 }
 WRITINGBENCH_MAX_CHARS = 3000  # longer queries carry pages of material: costly, and not requests
+# OpenVoiceOS skills (all Apache-2.0 but ovos-skill-alerts, BSD-3-Clause) ship, in their wheels,
+# the sentences a user says to a voice assistant, per language (`locale/<lang>/**/*.intent`):
+# short everyday requests and questions in en/de/fr/es/it/pt ("wie wird das Wetter morgen in
+# Berlin", "quanto fa caldo fuori", "define serendipity", "who made you"). Module names.
+OVOS_SKILLS = (
+    "ovos_skill_alerts",  # 0.1.28 (BSD-3-Clause)
+    "ovos_skill_date_time",  # 1.1.5
+    "ovos_skill_days_in_history",  # 0.3.11
+    "ovos_skill_ddg",  # 0.3.7
+    "ovos_skill_hello_world",  # 0.2.1
+    "ovos_skill_ip",  # 0.2.8
+    "ovos_skill_naptime",  # 0.3.15
+    "ovos_skill_parrot",  # 0.1.25
+    "ovos_skill_personal",  # 0.1.19
+    "ovos_skill_volume",  # 0.1.16
+    "ovos_skill_weather",  # 1.0.6
+    "ovos_skill_wikipedia",  # 0.8.13
+    "ovos_skill_wolfie",  # 0.5.8
+    "ovos_skill_wordnet",  # 0.2.6
+)
+OVOS_LANGS = ("en", "de", "fr", "es", "it", "pt")
+OVOS_PER_SKILL_LANG = 60  # a seeded sample: the weather skill alone writes thousands of variants
+# what fills an intent's {slot}: a city for places, a number for counts and offsets, a name else
+_OVOS_FILL = (("location", "Berlin"), ("ort", "Berlin"), ("num", "3"), ("offset", "3"))
+
+
+def _ovos_expand(line: str, rng: random.Random) -> str:
+    """One sentence of an intent line: each `(a|b|)` alternative and `[optional]` part resolved
+    by `rng` (innermost first), each `{slot}` filled (_OVOS_FILL, else a name)."""
+    while True:
+        m = re.search(r"\(([^()]*)\)", line) or re.search(r"\[([^\[\]]*)\]", line)
+        if m is None:
+            break
+        pick = rng.choice(m.group(1).split("|") if m.group(0)[0] == "(" else [m.group(1), ""])
+        line = line[: m.start()] + pick + line[m.end() :]
+
+    def fill(m: re.Match[str]) -> str:
+        slot = m.group(1).lower()
+        return next((v for k, v in _OVOS_FILL if k in slot), "Einstein")
+
+    return " ".join(re.sub(r"\{(\w+)\}", fill, line).split())
+
+
+def ovos_intents() -> list[tuple[str, str, str]]:
+    """(text, "skill/intent", language) of OVOS_SKILLS' intent sentences in OVOS_LANGS: each intent
+    line expanded once (seeded), at most OVOS_PER_SKILL_LANG distinct per skill and language
+    (a seeded sample). Skills not installed are skipped (bench/requirements-quality.txt)."""
+    out = []
+    for skill in OVOS_SKILLS:
+        folder = _installed_dir(skill)
+        if folder is None:
+            continue
+        for lang in OVOS_LANGS:
+            rng = random.Random(f"ovos:{skill}:{lang}")
+            texts: dict[str, None] = {}
+            for locale in sorted((folder / "locale").glob(f"{lang}*")):
+                for path in sorted(locale.rglob("*.intent")):
+                    for line in path.read_text(encoding="utf-8").splitlines():
+                        if line.strip() and not line.lstrip().startswith("#"):
+                            text = _ovos_expand(line.strip(), rng)
+                            if len(text.split()) >= 2:
+                                texts.setdefault(text, f"{skill}/{path.stem}")
+            picked = sorted(texts)
+            rng.shuffle(picked)
+            out += [(t, texts[t], lang) for t in picked[:OVOS_PER_SKILL_LANG]]
+    return out
 
 
 def everyday_data() -> list[Labelled]:
@@ -299,16 +371,21 @@ def everyday_data() -> list[Labelled]:
       outline for ...", editing and rewriting requests).
     - `chatterbot-corpus==1.3.3` (BSD-3-Clause): the first turn of each of its conversations
       (a user's line: greetings, questions to the bot, trivia, tech support) in CHATTERBOT_LANGS.
-    One row per distinct text (`everyday_part` splits them: one part is trained on, the other
-    is the held-out false-alarm check)."""
+    - OVOS_SKILLS (OpenVoiceOS skills' wheels, Apache-2.0; alerts BSD-3-Clause): what users say
+      to a voice assistant, per language (`ovos_intents`): "che ore sono?", "Abbassa il volume",
+      "Erzähl mir von Einstein".
+    One row per distinct text (`everyday_part` of its group, else of its text, splits them: one
+    part is trained on, the other is the held-out false-alarm check; an OVOS intent's
+    sentences, near-twins of each other, split as one group)."""
     import yaml
 
     rows: dict[str, Labelled] = {}
 
-    def add(text: str, source: str, lang: str = "en") -> None:
+    def add(text: str, source: str, lang: str = "en", group: str = "") -> None:
         text = text.strip()
         if text:
-            rows.setdefault(" ".join(text.lower().split()), Labelled(text, False, source, lang))
+            row = Labelled(text, False, source, lang, group)
+            rows.setdefault(" ".join(text.lower().split()), row)
 
     evals = _package_dir("inspect_evals")
     for path in sorted((evals / "persistbench" / "benchmark_samples").glob("*.jsonl")):
@@ -328,6 +405,8 @@ def everyday_data() -> list[Labelled]:
             for conversation in data.get("conversations") or []:
                 if conversation and isinstance(conversation[0], str):
                     add(conversation[0], "chatterbot-corpus", lang)
+    for text, intent, lang in ovos_intents():
+        add(text, "ovos skills (intents)", lang, f"ovos:{intent}")
     return list(rows.values())
 
 
@@ -714,7 +793,7 @@ async def bench_everyday(results: dict[str, Any]) -> None:
     if shipped is None or shipped[0] == "max":
         return
     model, threshold = shipped
-    data = [r for r in everyday_data() if everyday_part(r.text) == "check"]
+    data = [r for r in everyday_data() if everyday_part(r.group or r.text) == "check"]
     det = detectors.build("prompt_injection", {"model": model, "min_score": 0.0})
     out, ms = await run_detector(det, [r.text for r in data])
     await det.close()

@@ -214,3 +214,53 @@ def test_encoded_benign_texts_are_fixed_and_the_check_wording_is_never_trained_o
             assert any(m in r.text for m in own), r.text[:80]
             assert not any(m in r.text for m in other), r.text[:80]
         assert all(re.search(r"[A-Za-z0-9+/=_-]{16,}", r.text) for r in rows)
+
+
+def test_an_ovos_intent_line_expands_to_one_seeded_sentence() -> None:
+    """An OVOS intent line is a template: `(a|b|)` picks one alternative (innermost first),
+    `[x]` is optional, `{slot}` is filled (a city for places, a number for offsets, a name
+    else); the same seed gives the same sentence."""
+    import random
+
+    line = "(what's|what is) the weather (like|) [today] in {location} in {offset} days {query}"
+    got = {quality._ovos_expand(line, random.Random(i)) for i in range(40)}
+    assert got == {
+        f"{w} the weather{like}{today} in Berlin in 3 days Einstein"
+        for w in ("what's", "what is")
+        for like in (" like", "")
+        for today in (" today", "")
+    }
+    nested = "(ri|)cerca (su wolfram alpha {query}|{query} su wolfram alpha)"
+    assert {quality._ovos_expand(nested, random.Random(i)) for i in range(40)} == {
+        f"{p}cerca {q}"
+        for p in ("ri", "")
+        for q in ("su wolfram alpha Einstein", "Einstein su wolfram alpha")
+    }
+    assert quality._ovos_expand(line, random.Random(3)) == quality._ovos_expand(
+        line, random.Random(3)
+    )
+
+
+def test_an_ovos_intent_is_held_out_or_trained_on_whole_in_every_language(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The OVOS everyday requests split by intent, not by sentence: the sentences of one
+    intent are near-twins ("have i missed an alert" / "have i missed a alert"), so holding out
+    one while training on its twin would flatter the held-out false-alarm figure. Every
+    intent lies in one part, in all its languages; both parts hold intents. The shipped heads
+    train on neither (TRAIN_OVOS)."""
+    if quality._installed_dir("ovos_skill_weather") is None:  # its import needs OVOS itself
+        pytest.skip("bench/requirements-quality.txt")
+    from bench import train_injection
+
+    rows = [r for r in quality.everyday_data() if r.source == "ovos skills (intents)"]
+    assert not any(r.source.startswith("everyday: ovos") for r in train_injection.everyday_benign())
+    monkeypatch.setattr(train_injection, "TRAIN_OVOS", True)  # the shipped heads: off
+    trained = {key(r.text) for r in train_injection.everyday_benign()}
+    sides: dict[str, set[bool]] = {}
+    for r in rows:
+        sides.setdefault(r.group, set()).add(key(r.text) in trained)
+    assert len(rows) > 2000 and {r.lang for r in rows} == {"en", "de", "fr", "es", "it", "pt"}
+    assert all(len(s) == 1 for s in sides.values()), [g for g, s in sides.items() if len(s) > 1]
+    assert {next(iter(s)) for s in sides.values()} == {True, False}
+    assert all(r.group.startswith("ovos:ovos_skill_") for r in rows)
