@@ -27,7 +27,7 @@ covered whole. No open tail: a cut street name is a prefix of any capitalised wo
 
 from __future__ import annotations
 
-from .regex_pii import _AN, _builtin, _builtin_spans, _Text
+from .re2_scan import WORD_CHARS, Utf8Text, body_spans, bounded_pattern
 
 Span = tuple[int, int, str]
 
@@ -111,15 +111,15 @@ _TAIL = rf"(?:,? (?:{_CITY},? )?(?:{_STATE}(?:,? {_POSTAL})?|{_POSTAL}))?"
 # A match's neighbours (consumed, as `regex`'s kinds do, and only inside the match's own
 # whitespace-free run, which a stream's window holds whole): no letter or number before, and
 # none after (a ZIP code is not followed by `-` and a digit either: a longer number)
-_BEFORE = rf"(?:^|[^{_AN}])"
+_BEFORE = rf"(?:^|[^{WORD_CHARS}])"
 # a house number is not the end of a longer number (`3.11 Main Street`, `2-12 Main Street`)
-_NUMBER_BEFORE = rf"(?:^[.\-/]?|[^{_AN}.\-/]|[^\p{{N}}][.\-/])"
-_AFTER = rf"(?:$|[^{_AN}\-]|-(?:$|[^\p{{N}}]))"
+_NUMBER_BEFORE = rf"(?:^[.\-/]?|[^{WORD_CHARS}.\-/]|[^\p{{N}}][.\-/])"
+_AFTER = rf"(?:$|[^{WORD_CHARS}\-]|-(?:$|[^\p{{N}}]))"
 
 # a street and what follows it; a city with its state and code (a seam window may start there)
-_ADDRESS = _builtin(_NUMBER_BEFORE, rf"{_STREET}{_TAIL}", _AFTER)
-_OTHER = _builtin(_BEFORE, rf"(?:{_EU_STREET}|{_BOX}|{_UNIT})(?:,? {_UNIT})?{_TAIL}", _AFTER)
-_LOCALITY = _builtin(
+_ADDRESS = bounded_pattern(_NUMBER_BEFORE, rf"{_STREET}{_TAIL}", _AFTER)
+_OTHER = bounded_pattern(_BEFORE, rf"(?:{_EU_STREET}|{_BOX}|{_UNIT})(?:,? {_UNIT})?{_TAIL}", _AFTER)
+_LOCALITY = bounded_pattern(
     _BEFORE,
     rf"{_CITY}, (?:(?:{_US_CODE}|{_STATE_NAMES}) {_ZIP}|(?:{_CA_CODE}) {_CA_POSTAL})"
     rf"|{_CITY},? (?:{_UK_POSTCODE})|(?:APO|FPO|DPO) (?:AA|AE|AP) {_ZIP}",
@@ -129,7 +129,7 @@ _LOCALITY = _builtin(
 # letters, the space, a digit and two letters) or the words before it put in an address
 # context; the words are part of the span: nothing before a match decides it
 _UNAMBIGUOUS = "|".join(c for c in _US if c not in _AMBIGUOUS)
-_POSTAL_CODE = _builtin(
+_POSTAL_CODE = bounded_pattern(
     _BEFORE,
     rf"(?:{_UNAMBIGUOUS}) {_ZIP}|(?:{_CA_CODE}) {_CA_POSTAL}|{_UK_POSTCODE}"
     r"|(?i:zip(?: ?code)?|post(?:al)? ?code)(?: is| number is)?:? ?#? ?"
@@ -153,15 +153,15 @@ def address_spans(text: str) -> list[Span]:
     """Addresses and postal codes in `text` (one piece between natural cuts, normalised), as
     (start, end, kind), sorted, none inside another: an address covers the city, state and
     code that are also found on their own."""
-    t = _Text(text)
+    t = Utf8Text(text)
     if len(t.data.translate(None, b"0123456789")) == len(t.data):
         return []  # every match holds a digit: most sentences cost one pass in C
     found: list[Span] = []
-    streets = _builtin_spans(_ADDRESS, t.data, _street_length)
+    streets = body_spans(_ADDRESS, t.data, _street_length)
     found.extend((s, e, "address") for s, e in t.spans(streets))
-    found.extend((s, e, "address") for s, e in t.spans(_builtin_spans(_OTHER, t.data)))
-    found.extend((s, e, "address") for s, e in t.spans(_builtin_spans(_LOCALITY, t.data)))
-    found.extend((s, e, "postal_code") for s, e in t.spans(_builtin_spans(_POSTAL_CODE, t.data)))
+    found.extend((s, e, "address") for s, e in t.spans(body_spans(_OTHER, t.data)))
+    found.extend((s, e, "address") for s, e in t.spans(body_spans(_LOCALITY, t.data)))
+    found.extend((s, e, "postal_code") for s, e in t.spans(body_spans(_POSTAL_CODE, t.data)))
     return _outermost(found)
 
 

@@ -52,20 +52,27 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Literal
 
-import numpy as np
 import re2
 from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
 from .normalise import display_order, normalise
+from .re2_scan import (
+    CONFIG_MAX_MEM,
+    WORD_CHARS,
+    Span,
+    Utf8Text,
+    body_spans,
+    bounded_pattern,
+    re2_options,
+)
 
 Kind = Literal["email", "phone", "ssn", "credit_card", "ipv4", "ipv6"]
 KINDS: tuple[str, ...] = ("email", "phone", "ssn", "credit_card", "ipv4", "ipv6")
 MAX_PATTERNS = 32  # custom patterns in a config
 MAX_REQUEST_PATTERNS = 8  # custom patterns in one request (when the config allows them)
 MAX_PATTERN_CHARS = 512
-CONFIG_MAX_MEM = 8 << 20  # RE2's default memory budget per pattern (program + DFA cache)
 REQUEST_MAX_MEM = 1 << 20  # a pattern too big for this fails to compile in ~7 ms at worst
 # A content up to this many characters is scanned on the event loop, which yields to other tasks
 # after every this many characters; a longer one, and every content of a request that brings its
@@ -84,42 +91,12 @@ BULK_CHARS = 16 * 1024
 MAX_IPV6_CHARS = 45  # ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.:-")
 
-# What continues a token: Unicode letters and numbers. Everything else (spaces, punctuation,
-# symbols, the underscore) is a boundary: `jo@example.com--he`, `(555-123-4567)`,
-# `SSN 123-45-6789-`, `_4111111111111111_` hold their values. A digit kind adds its own
-# continuations (a digit run inside a longer run is not a different value): an SSN's `-` next
-# to a digit, an IPv4 address's `.` next to a digit (1.2.3.4.5 is no address).
-_AN = r"\p{L}\p{N}"
-
-
-def _options(max_mem: int) -> re2.Options:
-    options = re2.Options()
-    options.log_errors = False  # errors are reported to the caller, not printed on stderr
-    options.max_mem = max_mem
-    return options
-
-
-def _builtin(before: str, body: str, after: str) -> Any:
-    """`(?<![before])body(?!after)` in RE2: the neighbours are consumed (or the text's start and
-    end), the body is group 1. `before` and `after` are the contents of a negated class, or a
-    whole alternation when they start with `(`, or "" for no check on that side."""
-    if not before:
-        head = ""
-    else:
-        head = before if before.startswith("(") else rf"(?:^|[^{before}])"
-    if not after:
-        tail = ""
-    else:
-        tail = after if after.startswith("(") else rf"(?:[^{after}]|$)"
-    pattern = rf"{head}({body}){tail}"
-    return re2.compile(pattern.encode(), _options(CONFIG_MAX_MEM))
-
 
 # No neighbour checks: the local part starts at its first letter or digit (a leading `.`, `_`,
 # `+`, `-` is no part of what the pattern can match, so the search starts after it), and the
 # domain ends with the last letter of its top-level label, whatever follows (`--he`, `_`, a
 # digit): a guardrail finds the address in `xx.jo@example.com_1` rather than nothing.
-_EMAIL = _builtin(
+_EMAIL = bounded_pattern(
     "",
     r"[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}@"
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}",
@@ -135,9 +112,9 @@ _EMAIL = _builtin(
 # of one pattern sees no neighbour at all there: had another pattern's rule rejected that start
 # in the whole text (`0/(260)154-4554 ext. 667`: the US form found, the national form with its
 # extension not), the window would have found the longer number and the whole text not.
-_PHONE_BEFORE = rf"(?:^[.\-/]?|[^{_AN}.\-/]|[^\p{{N}}][.\-/]|\\[nrt])"
-_PHONE_INTL = _builtin(
-    _PHONE_BEFORE, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", _AN
+_PHONE_BEFORE = rf"(?:^[.\-/]?|[^{WORD_CHARS}.\-/]|[^\p{{N}}][.\-/]|\\[nrt])"
+_PHONE_INTL = bounded_pattern(
+    _PHONE_BEFORE, r"\+[0-9]{1,3}(?:[ .-]?\([0-9]{1,4}\))?(?:[ .-]?[0-9]){6,14}", WORD_CHARS
 )
 # North American numbers: 3-3-4 digits with one kind of separator (any area code: a model
 # writes `123-456-7890`, and a guardrail is permissive), or 10 contiguous digits with a real
@@ -145,12 +122,12 @@ _PHONE_INTL = _builtin(
 # `+1`/`1` before either. Context-free, like every pattern here: a window of a stream finds
 # what the whole text finds (libphonenumber's matcher looks past its match, and streamed
 # windows and whole texts disagreed: the seam properties caught it).
-_PHONE_US = _builtin(
+_PHONE_US = bounded_pattern(
     _PHONE_BEFORE,
     r"(?:\+?1[ .-]?)?(?:\([0-9]{3}\)[ .-]?[0-9]{3}[ .-][0-9]{4}"
     r"|[0-9]{3}-[0-9]{3}-[0-9]{4}|[0-9]{3}\.[0-9]{3}\.[0-9]{4}|[0-9]{3} [0-9]{3} [0-9]{4}"
     r"|[2-9][0-9]{9})",
-    _AN,
+    WORD_CHARS,
 )
 # National numbers of other countries, without `+CC` (`(85) 9334-4656`, `0421 96 07 27`,
 # `01.33.43.04.02`, `030/12345678`, `07700 900123`, `(07700)034176`, `555-123-4567x890`): a
@@ -173,101 +150,45 @@ _PHONE_US = _builtin(
 # no space after `ext.`: `. ` is a natural cut (chunkers.natural_cut), which no built-in match
 # may cross (a chunk may end at `ext.`); `ext. 123` is the number without its extension
 _EXT = r"(?: ?(?:x ?|ext ?|ext\.)[0-9]{1,5})?"
-_PHONE_NATIONAL = _builtin(
+_PHONE_NATIONAL = bounded_pattern(
     _PHONE_BEFORE,
     r"(?:0[1-9][0-9]{8,9}|00[1-9][0-9]{6,12}"
     r"|(?:\([0-9]{1,5}\)[ -]?[0-9]{2,8}|0[0-9]{1,4}/[0-9]{2,8})(?:[ .-][0-9]{2,8}){0,4}"
     rf"|[0-9]{{2,8}}(?:[ .-][0-9]{{2,8}}){{1,4}}){_EXT}",
-    rf"(?:$|[^{_AN}.\-/]|[.\-/](?:$|[^\p{{N}}]))",
+    rf"(?:$|[^{WORD_CHARS}.\-/]|[.\-/](?:$|[^\p{{N}}]))",
 )
 # area: not 000, 666 or 9xx; group: not 00; serial: not 0000; both separators the same.
 # A `-` next to it continues it only with a digit on its other side (`1-123-45-6789`).
-_SSN = _builtin(
-    rf"(?:^-?|[^{_AN}-]|[^\p{{N}}]-)",
+_SSN = bounded_pattern(
+    rf"(?:^-?|[^{WORD_CHARS}-]|[^\p{{N}}]-)",
     r"(?:00[1-9]|0[1-9][0-9]|[1-578][0-9]{2}|6[0-57-9][0-9]|66[0-57-9])"
     r"(?:-(?:0[1-9]|[1-9][0-9])-| (?:0[1-9]|[1-9][0-9]) )"
     r"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})",
-    rf"(?:$|[^{_AN}-]|-(?:$|[^\p{{N}}]))",
+    rf"(?:$|[^{WORD_CHARS}-]|-(?:$|[^\p{{N}}]))",
 )
 # Runs of digit groups joined by single spaces, dashes or dots ([0-9]+(?:[ .-][0-9]+)*); only
 # runs of 12 digits or more can hold a card number (13-19; Maestro's 12), so shorter ones are
 # not even reported as candidates (a sub-run of a run has fewer digits, so this finds the same
 # runs). A `.` before the run after a digit makes it a decimal fraction (`_cards` checks dots
 # inside the run).
-_DIGIT_RUN = _builtin(rf"(?:^\.?|[^{_AN}.]|[^\p{{N}}]\.)", r"(?:[0-9][ .-]?){11,}[0-9]", _AN)
+_DIGIT_RUN = bounded_pattern(
+    rf"(?:^\.?|[^{WORD_CHARS}.]|[^\p{{N}}]\.)", r"(?:[0-9][ .-]?){11,}[0-9]", WORD_CHARS
+)
 # Maestro's numbers are 12-19 digits under the IINs 50 and 56-69 (ISO/IEC 7812); a 12-digit
 # number is a card only as one contiguous group under them (and with its Luhn digit): other
 # 12-digit runs are references and phone numbers
 _MAESTRO_12 = re.compile(r"5[06-9][0-9]{10}|6[0-9]{11}")
 # not inside a longer dotted run of numbers on either side (1.2.3.4.5 is no address)
-_IPV4 = _builtin(
-    rf"(?:^\.?|[^{_AN}.]|[^\p{{N}}]\.)",
+_IPV4 = bounded_pattern(
+    rf"(?:^\.?|[^{WORD_CHARS}.]|[^\p{{N}}]\.)",
     r"(?:[0-9]{1,3}\.){3}[0-9]{1,3}",
-    rf"(?:$|[^{_AN}.]|\.(?:$|[^\p{{N}}]))",
+    rf"(?:$|[^{WORD_CHARS}.]|\.(?:$|[^\p{{N}}]))",
 )
 # A run of [0-9A-Fa-f:.] (not starting with a dot) with at least two colons: runs with fewer
 # are no address, and not reporting them as candidates keeps a text of bare numbers cheap.
-_IPV6 = _builtin(_AN + ":.", r"(?:[0-9A-Fa-f][0-9A-Fa-f.]*)?:[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*", _AN)
-
-Span = tuple[int, int]
-
-
-class _Text:
-    """A content as UTF-8 bytes for RE2, with byte offsets mapped back to code points.
-
-    Lone surrogates (JSON allows `\\ud800`) cannot be encoded; each becomes `?`, one byte for
-    one code point, so offsets still line up."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.data = text.encode("utf-8", "replace")
-        self._chars: np.ndarray | None = None
-
-    def char(self, offset: int) -> int:
-        if len(self.data) == len(self.text):  # ASCII
-            return offset
-        if self._chars is None:
-            raw = np.frombuffer(self.data, dtype=np.uint8)
-            chars = np.zeros(len(self.data) + 1, dtype=np.int64)
-            np.cumsum(
-                (raw & 0xC0) != 0x80, out=chars[1:]
-            )  # code points start at non-continuation bytes
-            self._chars = chars
-        return int(self._chars[offset])
-
-    def spans(self, byte_spans: Iterator[Span]) -> Iterator[Span]:
-        for start, end in byte_spans:
-            yield self.char(start), self.char(end)
-
-
-def _builtin_spans(
-    rx: Any, data: bytes, length: Callable[[bytes], int] | None = None
-) -> Iterator[Span]:
-    """Byte spans of group 1, the scan resuming where each body ended (its trailing neighbour
-    may be the leading neighbour of the next match; RE2 sees the text before `pos`, so a
-    leading check still looks at it). A body with a leading check cannot start exactly where
-    the previous one ended (its neighbour would be before `pos`), and needs not: every such
-    body ends with a character its own leading check rejects. An e-mail has no check.
-
-    `length`, when given, says how much of a body is a match (0: none). A rejected body is not
-    skipped: the scan goes on from its first character, so every later start is judged, as a
-    window of a stream that starts inside the body (at one of its spaces) judges it: a finder
-    that skipped `2024-01-15 555 123 456` whole found nothing there, and a window starting at
-    `555` found `555 123 456`."""
-    pos = 0
-    while True:
-        m = rx.search(data, pos)
-        if m is None:
-            return
-        start, end = m.span(1)
-        if length is not None:
-            n = length(data[start:end])
-            if not n:
-                pos = start + 1 if start <= pos else start
-                continue
-            end = start + n
-        yield start, end
-        pos = end
+_IPV6 = bounded_pattern(
+    WORD_CHARS + ":.", r"(?:[0-9A-Fa-f][0-9A-Fa-f.]*)?:[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*", WORD_CHARS
+)
 
 
 def _pattern_spans(rx: Any, data: bytes) -> Iterator[Span]:
@@ -302,23 +223,23 @@ def luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
-def _simple(rx: Any) -> Callable[[_Text], Iterator[Span]]:
-    def find(t: _Text) -> Iterator[Span]:
-        return t.spans(_builtin_spans(rx, t.data))
+def _simple(rx: Any) -> Callable[[Utf8Text], Iterator[Span]]:
+    def find(t: Utf8Text) -> Iterator[Span]:
+        return t.spans(body_spans(rx, t.data))
 
     return find
 
 
-def _phones(t: _Text) -> Iterator[Span]:
+def _phones(t: Utf8Text) -> Iterator[Span]:
     """Phone numbers found by the three patterns (international `+CC ...` with 8-15 digits;
     North American forms; national forms of other countries, see `_national_length`),
     overlapping finds merged into one span and an unmatched bracket left out."""
     found: list[Span] = []
-    for start, end in t.spans(_builtin_spans(_PHONE_INTL, t.data)):
+    for start, end in t.spans(body_spans(_PHONE_INTL, t.data)):
         if 8 <= sum(ch.isdigit() for ch in t.text[start:end]) <= 15:
             found.append((start, end))
-    found.extend(t.spans(_builtin_spans(_PHONE_US, t.data)))
-    for start, end in t.spans(_builtin_spans(_PHONE_NATIONAL, t.data, _national_length)):
+    found.extend(t.spans(body_spans(_PHONE_US, t.data)))
+    for start, end in t.spans(body_spans(_PHONE_NATIONAL, t.data, _national_length)):
         # a local number right after `+` is the start of an international one, which
         # `_PHONE_INTL` judges (`+44 20 79` is no `44 20 79`: a stream cut there holds an open
         # tail, DESIGN 4.6a). Window-safe: a `+` is in the number's whitespace-free run, and
@@ -468,14 +389,14 @@ def _unbracketed(text: str, start: int, end: int) -> Span:
     return start, end
 
 
-def _cards(t: _Text) -> Iterator[Span]:
+def _cards(t: Utf8Text) -> Iterator[Span]:
     """Within each run of digit groups, the longest stretches of consecutive groups that make
     13-19 digits (or one group of 12 under a Maestro IIN) and pass Luhn; groups shorter than 3
     digits only stand alone (never part of a grouped number), which keeps dates and phone
     fragments out, and a group that stands alone after `digits.` is a decimal fraction
     (0.4111111111111111), not a card."""
     text = t.text
-    for run_start, run_end in t.spans(_builtin_spans(_DIGIT_RUN, t.data)):
+    for run_start, run_end in t.spans(body_spans(_DIGIT_RUN, t.data)):
         groups: list[Span] = []
         pos = run_start
         # one separator each
@@ -506,8 +427,8 @@ def _cards(t: _Text) -> Iterator[Span]:
                 i += 1
 
 
-def _ipv4s(t: _Text) -> Iterator[Span]:
-    for start, end in t.spans(_builtin_spans(_IPV4, t.data)):
+def _ipv4s(t: Utf8Text) -> Iterator[Span]:
+    for start, end in t.spans(body_spans(_IPV4, t.data)):
         try:
             ipaddress.IPv4Address(t.text[start:end])
         except ValueError:
@@ -530,8 +451,8 @@ def _ipv6_length(candidate: str) -> int:
     return 0
 
 
-def _ipv6s(t: _Text) -> Iterator[Span]:
-    for start, end in t.spans(_builtin_spans(_IPV6, t.data)):
+def _ipv6s(t: Utf8Text) -> Iterator[Span]:
+    for start, end in t.spans(body_spans(_IPV6, t.data)):
         n = _ipv6_length(t.text[start:end])
         if n:
             yield start, start + n
@@ -559,7 +480,7 @@ def could_match(kind: str, data: bytes, digits: int) -> bool:
     return data.count(b":") >= 2  # ipv6
 
 
-_FINDERS: dict[str, Callable[[_Text], Iterator[Span]]] = {
+_FINDERS: dict[str, Callable[[Utf8Text], Iterator[Span]]] = {
     "email": _simple(_EMAIL),
     "phone": _phones,
     "ssn": _simple(_SSN),
@@ -572,7 +493,7 @@ _FINDERS: dict[str, Callable[[_Text], Iterator[Span]]] = {
 def _compile(pattern: str, max_mem: int) -> Any:
     """A custom pattern compiled by RE2 (as UTF-8); ValueError saying why it cannot be."""
     try:
-        return re2.compile(pattern.encode("utf-8"), _options(max_mem))
+        return re2.compile(pattern.encode("utf-8"), re2_options(max_mem))
     except re2.error as exc:
         reason = exc.args[0] if exc.args else exc
         if isinstance(reason, bytes):
@@ -692,9 +613,9 @@ def _scan(
     (and those between: an override is reversed in place, so a value inside it is a stretch of
     the text, and one that straddles its edge covers the text from the first to the last)."""
     if text.isascii():
-        return _detections(text, _find(_Text(text), kinds, patterns, cancelled))
+        return _detections(text, _find(Utf8Text(text), kinds, patterns, cancelled))
     view = normalise(text)
-    builtin, custom = _find(_Text(view.text), kinds, patterns, cancelled)
+    builtin, custom = _find(Utf8Text(view.text), kinds, patterns, cancelled)
     if not view.identity:
         builtin = [(*view.span(s, e), name) for s, e, name in builtin]
         custom = [(*view.span(s, e), name) for s, e, name in custom]
@@ -708,7 +629,7 @@ def _scan(
             drawn = order[s:e]  # never empty: every match is
             return min(drawn), max(drawn) + 1
 
-        more_builtin, more_custom = _find(_Text(shown_view.text), kinds, patterns, cancelled)
+        more_builtin, more_custom = _find(Utf8Text(shown_view.text), kinds, patterns, cancelled)
         # each order's values (the same value seen in both is reported once): a value in one
         # order is not hidden by a longer one in the other, which may be an artifact of the
         # reversal (`a@a\u202e.com thanks` shows a@a.sknaht moc.)
@@ -731,7 +652,7 @@ def _outermost(found: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
 
 
 def _find(
-    t: _Text,
+    t: Utf8Text,
     kinds: list[str],
     patterns: Mapping[str, Any],
     cancelled: threading.Event | None,
