@@ -54,8 +54,8 @@ from .tenants import Tenants, admin_keys, tenant_ids, tenant_keys
 log = logging.getLogger("guardstream")
 
 RELOADABLE = (
-    "tenants, models, detectors, chunkers, server.api_keys_env and server.admin_keys_env "
-    "reload; anything else needs a restart"
+    "tenants, models, detectors, chunkers, detection_cache, server.api_keys_env and "
+    "server.admin_keys_env reload; anything else needs a restart"
 )
 
 
