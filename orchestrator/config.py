@@ -489,7 +489,7 @@ class DetectionCacheConfig(Strict):
     max_entries_per_tenant: int = Field(10_000, ge=1)
     """Contents one tenant's partition holds, over all its detectors (a 20-turn conversation
     with 3 detectors is about 60 to a few hundred entries; an entry without detections is
-    about 200 bytes)."""
+    about 140 bytes, one with detections at most ~1.5 KB)."""
     max_entries: int = Field(100_000, ge=1)
     """Contents all partitions hold together; beyond it the largest partition gives up its
     least recently used entry (a busy tenant cannot push out a quiet one's conversations)."""
