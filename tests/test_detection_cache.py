@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.handlers.admin import RELOAD_PATH
 from orchestrator.state import STATE
-from orchestrator.streaming.verdict_cache import LruPartition, VerdictCache
+from orchestrator.streaming.verdict_cache import MAX_KEPT_DETECTIONS, LruPartition, VerdictCache
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
 from tests.fakes.judge_server import FakeJudge
@@ -44,7 +44,7 @@ async def dets() -> AsyncIterator[FakeDetectorServer]:
     """`words` redacts "secret"; `sentences` finds nothing (it judges sentences and seam
     windows); `uncached` is a remote detector left at the default."""
     server = FakeDetectorServer()
-    server.add("words", DetectorBehaviour(words={"secret": 0.9}, detection="secret"))
+    server.add("words", DetectorBehaviour(words={"secret": 0.9}, detection="codeword"))
     server.add("sentences", DetectorBehaviour())
     server.add("uncached", DetectorBehaviour())
     await server.start()
@@ -184,8 +184,8 @@ async def test_a_conversation_sent_again_judges_only_its_new_messages(
     # what the client got and what the engine was sent are exactly the cache-off run's
     assert cached == plain
     assert [r.body["messages"] for r in engine.requests] == plain_engine
-    assert plain_engine[2][-1] == {"role": "user", "content": "One last [secret]. Bye now."}
-    assert plain_engine[2][1] == {"role": "user", "content": "Hello there. My [secret] is 42."}
+    assert plain_engine[2][-1] == {"role": "user", "content": "One last [codeword]. Bye now."}
+    assert plain_engine[2][1] == {"role": "user", "content": "Hello there. My [codeword] is 42."}
     detections = [c for c in cached[2] if (c.get("detections") or {}).get("input")]
     assert [d["message_index"] for d in detections[0]["detections"]["input"]] == [0, 1, 5]
 
@@ -211,11 +211,14 @@ async def test_a_tenant_never_meets_another_tenants_verdicts(
     monkeypatch.setenv("CACHE_TENANT_B_KEYS", B_KEY)
     async with Orchestrator(tenants_config(engine, dets)) as orch:
 
-        async def turn(key: str) -> list[str]:
+        async def turn(key: str, messages: list[dict[str, str]] | None = None) -> list[str]:
             client = openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key=key, max_retries=0)
             orch.closers.append(client.close)
             before = len(dets.calls)
-            await client.chat.completions.create(model=MODEL, messages=conversation(0))  # type: ignore[arg-type]
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=messages or conversation(0),  # type: ignore[arg-type]
+            )
             return sent(dets, "words", before)
 
         assert await turn(A_KEY) == [SYSTEM, TURNS[0]]
@@ -226,6 +229,16 @@ async def test_a_tenant_never_meets_another_tenants_verdicts(
         assert verdicts is not None
         assert [len(verdicts.partition(t) or ()) for t in ("a", "b", "default")] == [2, 2, 0]
         assert len(verdicts) == 4
+        # what is kept holds no text: keys are hashes, a detection's text is its content's slice
+        kept = repr([verdicts.partition(t)._entries for t in ("a", "b")])  # type: ignore[union-attr]
+        assert "secret" not in kept and "Hello" not in kept
+        # a content with more detections than MAX_KEPT_DETECTIONS is judged every time
+        many = [{"role": "user", "content": " ".join(["secret"] * (MAX_KEPT_DETECTIONS + 1))}]
+        assert await turn(A_KEY, many) == [many[0]["content"]]
+        assert await turn(A_KEY, many) == [many[0]["content"]]
+        few = [{"role": "user", "content": " ".join(["secret"] * MAX_KEPT_DETECTIONS)}]
+        assert await turn(A_KEY, few) == [few[0]["content"]]
+        assert await turn(A_KEY, few) == []
 
 
 def reloadable(engine: FakeEngine, codename: str) -> dict[str, Any]:
