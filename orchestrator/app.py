@@ -450,6 +450,7 @@ def create_app(
         device=device,
     )
     app[STATE] = state
+    state.build_verdicts(config.detection_cache)
     state.admin_keys = KeyRing((k, True) for k in admins or [])
     open_paths = OPEN_PATHS if keys is None or config.server.public_metrics else PROBE_PATHS
     app.middlewares.append(auth_middleware(state, open_paths))

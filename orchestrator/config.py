@@ -431,6 +431,11 @@ class DetectorConfig(Strict):
     is taken for a span detector unless this says `chunks`."""
     tls: ClientTlsConfig | None = None
     """TLS options for an https:// detector service."""
+    cache: bool | None = None
+    """Whether `detection_cache` keeps this detector's input verdicts. Unset: yes for an
+    in-process built-in (its reply is a function of the text and params alone), no for a
+    remote service (it may change under us); `true` opts a remote one in, `false` a built-in
+    out. A judge never: its verdict reads the conversation around the text."""
     model: str | None = None
     """`openai_judge`: the model name the server knows (what it lists in /v1/models)."""
     template: str | None = None
@@ -470,6 +475,26 @@ class DetectorConfig(Strict):
     `model` the orchestrator starts (their key: `api_key_env`)."""
 
 
+class DetectionCacheConfig(Strict):
+    """Input verdicts kept per tenant (DESIGN 4.5): a chat client sends the whole conversation
+    again every turn, and input detectors judge every message, so each turn would judge the
+    earlier messages again, with the same result. A detector's reply to a content is kept under
+    the hash of the content (never the text), the detector and everything that can change its
+    reply (its config entry, the params sent); only the new contents reach the detector. Each
+    tenant has a partition of its own (another tenant's text never answers a lookup), least
+    recently used entries go first."""
+
+    enabled: bool = True
+    """Keep input verdicts (false: every input content is sent to its detectors)."""
+    max_entries_per_tenant: int = Field(10_000, ge=1)
+    """Contents one tenant's partition holds, over all its detectors (a 20-turn conversation
+    with 3 detectors is about 60 to a few hundred entries; an entry without detections is
+    about 140 bytes, one with detections at most ~1.5 KB)."""
+    max_entries: int = Field(100_000, ge=1)
+    """Contents all partitions hold together; beyond it the largest partition gives up its
+    least recently used entry (a busy tenant cannot push out a quiet one's conversations)."""
+
+
 class Config(Strict):
     """config.yaml."""
 
@@ -489,6 +514,8 @@ class Config(Strict):
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     """Callers with their own keys, models, guardrails and limits, keyed by tenant id (the id
     in metrics, logs and the x-guardstream-tenant header)."""
+    detection_cache: DetectionCacheConfig = Field(default_factory=DetectionCacheConfig)
+    """Input verdicts kept per tenant, so a conversation sent again judges only its new text."""
 
     @model_validator(mode="after")
     def _cross_references(self) -> Config:
@@ -538,6 +565,11 @@ def cross_reference_errors(
                 f"{path}.{name}: only a detector of type engine_judge takes it"
                 for name in ENGINE_JUDGE_FIELDS
                 if getattr(det, name) is not None
+            )
+        if det.cache and det.type in JUDGE_TYPES:
+            errors.append(
+                f"{path}.cache: a judge's verdicts are never cached (its verdict reads the "
+                "conversation around the text, not the text alone)"
             )
         if det.type not in JUDGE_TYPES and (det.builtin is None) == (det.url is None):
             errors.append(f"{path}: exactly one of 'builtin' and 'url' is required")

@@ -26,6 +26,7 @@ from .config import (
     ClientTlsConfig,
     Config,
     DecodingDefaults,
+    DetectionCacheConfig,
     DetectorConfig,
     ManagedBackend,
     MigrationConfig,
@@ -86,6 +87,7 @@ SECTIONS: list[tuple[str, str, type[BaseModel]]] = [
         ModelGuardrails,
     ),
     ("`tenants.<tenant_id>.limits`", "tenants.<tenant_id>.limits", TenantLimits),
+    ("`detection_cache`", "detection_cache", DetectionCacheConfig),
 ]
 
 

@@ -129,6 +129,24 @@ class OrchestratorMetrics:
             ["detector_id", "outcome"],
             registry=r,
         )
+        self.cache_hits = Counter(
+            "guardstream_detection_cache_hits",
+            "Input contents answered from the detection cache (detection_cache), by detector",
+            ["detector_id"],
+            registry=r,
+        )
+        self.cache_misses = Counter(
+            "guardstream_detection_cache_misses",
+            "Input contents of a cached detector that were sent to it (no kept verdict)",
+            ["detector_id"],
+            registry=r,
+        )
+        self.cache_evictions = Counter(
+            "guardstream_detection_cache_evictions",
+            "Kept input verdicts pushed out by the detection cache's bounds, by detector",
+            ["detector_id"],
+            registry=r,
+        )
         self.hold_back = Histogram(
             "guardstream_frame_hold_back_seconds",
             "Time from a frame's last character being generated to the frame being sent",
@@ -317,6 +335,16 @@ class OrchestratorMetrics:
         here too, on the loop, outside any collection."""
         self.loop_lag.observe(lag_s)
         self.flush_gc_pauses()
+
+    def record_cache_lookup(self, detector_id: str, hits: int, misses: int) -> None:
+        """One detector's lookups of one request in the detection cache."""
+        if hits:
+            self.cache_hits.labels(detector_id).inc(hits)
+        if misses:
+            self.cache_misses.labels(detector_id).inc(misses)
+
+    def record_cache_eviction(self, detector_id: str) -> None:
+        self.cache_evictions.labels(detector_id).inc()
 
     def record_detector_call(self, detector_id: str, outcome: str, seconds: float) -> None:
         """A detector call ended (`ok`, `error` or `cancelled`); a cancelled call's time says

@@ -54,8 +54,8 @@ from .tenants import Tenants, admin_keys, tenant_ids, tenant_keys
 log = logging.getLogger("guardstream")
 
 RELOADABLE = (
-    "tenants, models, detectors, chunkers, server.api_keys_env and server.admin_keys_env "
-    "reload; anything else needs a restart"
+    "tenants, models, detectors, chunkers, detection_cache, server.api_keys_env and "
+    "server.admin_keys_env reload; anything else needs a restart"
 )
 
 
@@ -124,6 +124,11 @@ async def reload_config(state: AppState, environ: Mapping[str, str] = os.environ
         state.backends, state.enforced, state.tenants = built.backends, enforced, tenants
         state.admin_keys = KeyRing((k, True) for k in admins or [])
         state.metrics.add_tenants(tenant_ids(running, keys))
+        # kept verdicts: keyed by detector client and config entry, so a changed detector's
+        # old verdicts are never met again; a removed tenant's partition goes now
+        state.build_verdicts(running.detection_cache)
+        if state.verdicts is not None:
+            state.verdicts.retain(tenant_ids(running, keys))
         before, state.admitted = state.admitted, Admitted()
         state.retiring = asyncio.create_task(_retire(state.retiring, before, replaced))
         log.info(

@@ -16,10 +16,11 @@ from servicekit.auth import KeyRing
 from .clients.backend import ModelBackend
 from .clients.migration import MigrationMetrics
 from .clients.registry import ChunkerRegistry, DetectorRegistry, EnforcedGuardrails
-from .config import Config
+from .config import DEFAULT_TENANT, Config, DetectionCacheConfig
 from .metrics import OrchestratorMetrics
 from .rate_limits import Clock
 from .streaming.loop_lag import LoopLag
+from .streaming.verdict_cache import TenantVerdicts, VerdictCache
 from .tenants import Caller, Tenant, TenantGate, Tenants
 
 
@@ -78,6 +79,34 @@ class AppState:
     admitted: Admitted = field(default_factory=Admitted)
     # the last reload's closing of what it replaced, once the requests that may use it ended
     retiring: asyncio.Task[None] | None = None
+    # kept input verdicts, per tenant (config detection_cache); None: disabled
+    verdicts: VerdictCache | None = None
+
+    def build_verdicts(self, settings: DetectionCacheConfig) -> None:
+        """The verdict cache `settings` ask for: a new one (empty) unless the running one was
+        built with the same settings (a reload keeps it: its entries are keyed by detector
+        client and config, so a rebuilt detector never meets an old verdict)."""
+        if not settings.enabled:
+            self.verdicts = None
+            return
+        if self.verdicts is not None and (
+            self.verdicts.max_entries_per_tenant,
+            self.verdicts.max_entries,
+        ) == (settings.max_entries_per_tenant, settings.max_entries):
+            return
+        self.verdicts = VerdictCache(
+            settings.max_entries_per_tenant,
+            settings.max_entries,
+            on_lookup=self.metrics.record_cache_lookup,
+            on_evict=self.metrics.record_cache_eviction,
+        )
+
+    def input_verdicts(self, caller: Caller | None) -> TenantVerdicts | None:
+        """The kept input verdicts a request of `caller` uses (its tenant's partition; the
+        tenant `default` without tenants)."""
+        if self.verdicts is None:
+            return None
+        return self.verdicts.tenant(caller.tenant.id if caller is not None else DEFAULT_TENANT)
 
     def caller(self, tenant: Tenant) -> Caller:
         """A request of `tenant`, with its gate (made on its first request, its limits as of

@@ -618,7 +618,7 @@ async def test_a_bad_file_changes_nothing_and_says_why(engine, admin, tmp_path: 
         assert status == 422
         reason = (
             "changed (a reload applies only tenants, models, detectors, chunkers, "
-            "server.api_keys_env and server.admin_keys_env; restart for this)"
+            "detection_cache, server.api_keys_env and server.admin_keys_env; restart for this)"
         )
         assert body["errors"] == [f"server.port: {reason}", f"server.workers: {reason}"]
         _, _, after = await get(orch, MODELS_PATH, A)

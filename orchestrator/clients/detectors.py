@@ -96,6 +96,13 @@ class DetectorClient(ABC):
         a remote detector's spans are unknown, so yes (seam windows at every boundary)."""
         return True
 
+    @property
+    def caches_verdicts(self) -> bool:
+        """Whether its input verdicts may be kept (`detection_cache`): only where its reply is
+        a function of the text and the params alone. A remote service may change under us, so
+        only when its config says `cache: true`."""
+        return self.config.cache is True
+
     async def detect(
         self,
         contents: list[str],
@@ -201,6 +208,12 @@ class InProcessDetectorClient(DetectorClient):
 
     def crosses_natural_cuts(self, params: dict[str, Any]) -> bool:
         return self._detector.crosses_natural_cuts(params)
+
+    @property
+    def caches_verdicts(self) -> bool:
+        """A built-in's reply is a function of the text and the params (its model is fixed
+        while this client lives): kept unless its config says `cache: false`."""
+        return self.config.cache is not False
 
     async def _detect(self, contents: list[str], params: dict[str, Any]) -> list[list[Detection]]:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a call that

@@ -214,6 +214,13 @@ class JudgeDetectorClient(RemoteDetectorClient):
     def reads_context(self) -> bool:
         return True
 
+    @property
+    def caches_verdicts(self) -> bool:
+        """Never: a judge judges in the conversation's context (its verdict depends on more
+        than the content), and an `on_error: annotate` judge's failure is an `unjudged`
+        reply that must not outlive the failure."""
+        return False
+
     async def detect(
         self,
         contents: list[str],

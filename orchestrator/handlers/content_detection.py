@@ -14,6 +14,7 @@ from ..streaming import wire_json
 from ..streaming.finding_wire import content
 from ..streaming.redaction import redact_text
 from ..streaming.text_judgement import judge_text, off_loop
+from ..tenants import CALLER
 from .body import read_model
 
 
@@ -25,7 +26,12 @@ async def handle(request: web.Request) -> web.Response:
     try:
         async with asyncio.timeout(state.config.server.request_timeout_s):
             findings = await judge_text(
-                body.content, dets, state.chunkers, whole=body.redact, annotating=True
+                body.content,
+                dets,
+                state.chunkers,
+                whole=body.redact,
+                annotating=True,
+                verdicts=state.input_verdicts(request.get(CALLER)),
             )
     except TimeoutError:
         raise ApiError.of(DETECTORS_TIMED_OUT) from None

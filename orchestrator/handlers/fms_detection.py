@@ -24,6 +24,7 @@ from ..clients.registry import RequestedDetector
 from ..errors import DETECTORS_TIMED_OUT
 from ..state import STATE, AppState
 from ..streaming.kind_judgement import judge_chat, judge_context, judge_generated
+from ..tenants import CALLER
 from .body import read_model
 
 # the kinds each endpoint takes: its own, and (chat, generated) every text_contents detector,
@@ -58,9 +59,10 @@ async def chat(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_model(request, ChatDetectionRequest)
     dets = resolve_kinds(state, body.detectors, CHAT_KINDS)
-    return reply(
-        await within_timeout(state, judge_chat(body.messages, body.tools, dets, state.chunkers))
-    )
+    # a conversation sent again: its earlier messages' verdicts are kept (verdict_cache.py)
+    verdicts = state.input_verdicts(request.get(CALLER))
+    judging = judge_chat(body.messages, body.tools, dets, state.chunkers, verdicts)
+    return reply(await within_timeout(state, judging))
 
 
 async def context(request: web.Request) -> web.Response:

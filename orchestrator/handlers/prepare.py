@@ -310,6 +310,7 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         read_coalesce_tokens=server.read_coalesce_tokens,
         read_coalesce_when=state.loop_lag.busy,
         offers_tools=bool(ask.extra.get("tools")),
+        input_verdicts=state.input_verdicts(caller),
     )
 
 

@@ -60,6 +60,7 @@ from .redaction import redact_text, redacted_finding
 from .stream_judgement import Release, StreamJudge
 from .text_judgement import InputPiece, judge_pieces, judge_text
 from .tool_calls import JudgedCall, ToolCallAssembler, judge_tool_calls
+from .verdict_cache import TenantVerdicts
 
 log = logging.getLogger("guardstream.stream")
 
@@ -115,9 +116,11 @@ class GuardedGeneration(PipelineCore):
         read_coalesce_tokens: float = 0.0,
         read_coalesce_when: Callable[[], bool] | None = None,
         offers_tools: bool = False,
+        input_verdicts: TenantVerdicts | None = None,
     ) -> None:
         """`inputs` is what input detectors judge: FMS `inputs` (with `masks`), or every piece
-        of a conversation, each on its own;
+        of a conversation, each on its own; `input_verdicts`: the tenant's kept input verdicts
+        (verdict_cache.py: a conversation sent again judges only its new text);
         `keepalive_s` makes `events()` yield KeepAlive after that long without another event;
         `read_coalesce_tokens` paces the engine reads of a slow stream, while
         `read_coalesce_when()` says so (the orchestrator: while its loop is busy; see
@@ -134,6 +137,7 @@ class GuardedGeneration(PipelineCore):
         self._inputs = inputs
         self._masks = masks
         self._input_detectors = input_detectors
+        self._input_verdicts = input_verdicts
         # output detectors judge the answer's text, its tool calls' arguments, or both
         self._output_detectors = [d for d in output_detectors if "text" in d.applies_to]
         self._tool_call_detectors = [d for d in output_detectors if "tool_calls" in d.applies_to]
@@ -320,13 +324,21 @@ class GuardedGeneration(PipelineCore):
         with tracing.input_detection(self._input_detectors) as span:
             if isinstance(self._inputs, str):
                 findings = await judge_text(
-                    self._inputs, self._input_detectors, self._chunkers, masks=self._masks
+                    self._inputs,
+                    self._input_detectors,
+                    self._chunkers,
+                    masks=self._masks,
+                    verdicts=self._input_verdicts,
                 )
                 if stops:
-                    findings += await judge_pieces(stops, self._input_detectors, self._chunkers)
+                    findings += await judge_pieces(
+                        stops, self._input_detectors, self._chunkers, self._input_verdicts
+                    )
             else:
                 pieces = [*self._inputs, *stops]
-                findings = await judge_pieces(pieces, self._input_detectors, self._chunkers)
+                findings = await judge_pieces(
+                    pieces, self._input_detectors, self._chunkers, self._input_verdicts
+                )
             if span is not None:
                 span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))

@@ -20,6 +20,7 @@ from ..api.input_pieces import InputPiece
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from .finding_wire import detection_result
 from .text_judgement import judge_pieces, judge_text
+from .verdict_cache import TenantVerdicts
 
 # the FMS detector API's path for each kind
 KIND_PATHS = {
@@ -34,13 +35,17 @@ async def judge_chat(
     tools: list[dict[str, Any]],
     detectors: list[RequestedDetector],
     chunkers: ChunkerRegistry,
+    verdicts: TenantVerdicts | None = None,
 ) -> list[DetectionResult]:
+    """`verdicts`: the tenant's kept verdicts for the text_contents detectors' messages."""
+
     async def one(d: RequestedDetector) -> list[DetectionResult]:
         if d.kind == "text_chat":
             body = {"messages": [m.wire() for m in messages], "tools": tools}
             return await _remote(d, body)
         pieces = [InputPiece(m.text(), message_index=i) for i, m in enumerate(messages)]
-        return [detection_result(f) for f in await judge_pieces(pieces, [d], chunkers)]
+        found = await judge_pieces(pieces, [d], chunkers, verdicts)
+        return [detection_result(f) for f in found]
 
     return await _each(detectors, one)
 

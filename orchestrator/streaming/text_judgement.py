@@ -46,6 +46,7 @@ from ..config import WHOLE_DOC_CHUNKER
 from .detector_queue import seam_bounds, seam_ends
 from .fanout import ChunkerFailure
 from .findings import Finding, kept_findings, sort_findings
+from .verdict_cache import TenantVerdicts
 
 # A text longer than this is chunked, and its findings built, off the event loop. Sentence
 # chunking cost ~3.5 us a character here (2 busy cores): 4 Ki characters is ~15 ms on the loop,
@@ -97,13 +98,15 @@ async def judge_text(
     *,
     whole: bool = False,
     annotating: bool = False,
+    verdicts: TenantVerdicts | None = None,
 ) -> list[Finding]:
     """Findings over `text` (spans relative to all of it), sorted; `masks` (the task's input
     masks) restrict the request's own detectors to those `[start, end)` slices, never an
     enforced one, which judges the whole text (DESIGN 1: a request cannot narrow what the
     operator's guardrails see); `whole`: every detector judges each
     slice in one piece (the text is to be redacted); `annotating`: the content endpoint's
-    annotations (a detection covering a whole window is dropped: see the module's docstring)."""
+    annotations (a detection covering a whole window is dropped: see the module's docstring);
+    `verdicts`: the tenant's kept input verdicts (verdict_cache.py), None for none."""
     everything = [(0, len(text))]
 
     async def one(detector: RequestedDetector) -> list[Finding]:
@@ -114,6 +117,7 @@ async def judge_text(
             _chunker_of(detector, whole),
             chunkers,
             annotating,
+            verdicts,
         )
         return [f for _, f in found]
 
@@ -123,10 +127,14 @@ async def judge_text(
 
 
 async def judge_pieces(
-    pieces: list[InputPiece], detectors: list[RequestedDetector], chunkers: ChunkerRegistry
+    pieces: list[InputPiece],
+    detectors: list[RequestedDetector],
+    chunkers: ChunkerRegistry,
+    verdicts: TenantVerdicts | None = None,
 ) -> list[Finding]:
     """Findings over every piece, each span relative to its own piece and tagged with it,
-    sorted. One detector call covers the chunks of all pieces."""
+    sorted. One detector call covers the chunks of all pieces (those `verdicts` has no reply
+    for)."""
     pieces = [p for p in pieces if p.text]
     if not pieces:
         return []
@@ -138,6 +146,7 @@ async def judge_pieces(
             _chunker_of(detector, False),
             chunkers,
             False,
+            verdicts,
         )
         return [
             replace(f, message_index=piece.message_index, field=piece.field) for piece, f in found
@@ -154,11 +163,12 @@ async def _judge(
     chunker_id: str,
     chunkers: ChunkerRegistry,
     annotating: bool,
+    verdicts: TenantVerdicts | None = None,
 ) -> list[tuple[Any, Finding]]:
     """(owner, finding) over `[start, end)` of each `(text, start, end, owner)`, in one call:
     the chunks, then one window per chunk boundary that is a seam for the detector
-    (`seam_ends`; see the module's docstring). Past BULK_CHARS, chunking and building findings
-    run off the loop."""
+    (`seam_ends`; see the module's docstring); with `verdicts`, only the contents it keeps no
+    reply for. Past BULK_CHARS, chunking, hashing and building findings run off the loop."""
     bulk = sum(end - start for _, start, end, _ in regions) > BULK_CHARS
     spans: list[Span] = []
     owners: list[Any] = []
@@ -180,12 +190,39 @@ async def _judge(
     if not spans:
         return []
     contents = [s.text for s in spans] + [w.text for w, _, _ in seams]
-    replies = await detector.client.detect(contents, detector.params)
+    replies = await _detect(detector, contents, verdicts, bulk)
 
     def build() -> list[tuple[Any, Finding]]:
         return _findings(detector, owners, spans, seams, replies, annotating)
 
     return await off_loop(build) if bulk else build()
+
+
+async def _detect(
+    detector: RequestedDetector,
+    contents: list[str],
+    verdicts: TenantVerdicts | None,
+    bulk: bool,
+) -> list[list[Detection]]:
+    """The detector's reply to each content: the kept ones from `verdicts`, the others from
+    one call with each distinct missing content once, in order; no call when all are kept."""
+    lookup = verdicts.lookup(detector) if verdicts is not None else None
+    if lookup is None:
+        return await detector.client.detect(contents, detector.params)
+    keys = await off_loop(lambda: lookup.keys(contents)) if bulk else lookup.keys(contents)
+    replies = lookup.get(keys, contents)
+    missing: dict[bytes, int] = {}  # key -> the index of its first content
+    for i, (key, reply) in enumerate(zip(keys, replies, strict=True)):
+        if reply is None:
+            missing.setdefault(key, i)
+    if not missing:
+        return [r for r in replies if r is not None]
+    firsts = list(missing.values())
+    fresh = await detector.client.detect([contents[i] for i in firsts], detector.params)
+    by_key = dict(zip(missing, fresh, strict=True))
+    for key, i in missing.items():
+        lookup.put(key, contents[i], by_key[key])
+    return [by_key[k] if r is None else r for k, r in zip(keys, replies, strict=True)]
 
 
 def _findings(
