@@ -276,7 +276,9 @@ fi
 # restarts killed replicas, each a fresh CUDA start: its lane has little else. Measured on an
 # H200 (2026-11-27, at 06fd7e6): lane1 237 s, lane2 193 s, lane3 136 s, the last without the
 # judge and tool-call files it now ends with (17 s together on 2 busy CPU cores; on CUDA their
-# engines capture graphs: the limits leave room), so lane1 still sets the lanes' time.
+# engines capture graphs: the limits leave room) and test_engine_ipc (the API process's frames,
+# one tiny-model engine; in no lane before the CPU rehearsal found it), so lane1 still sets the
+# lanes' time.
 if wants tests; then
 export GUARDSTREAM_TEST_DEVICE=cuda
 lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
@@ -290,7 +292,7 @@ lane2=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
   tests/test_engine_overlap.py:60 tests/test_migration_replay.py:60)
 lane3=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:90
   tests/test_migration_batch_invariant.py:90 tests/test_migration.py:90
-  tests/test_engine_judge.py:90 tests/test_engine_tool_calls.py:60)
+  tests/test_engine_judge.py:90 tests/test_engine_tool_calls.py:60 tests/test_engine_ipc.py:60)
 if [ -n "${CHECK_TESTS:-}" ]; then  # CHECK_TESTS="file:limit ...", dealt round-robin to the lanes
   lane1=() lane2=() lane3=()
   i=0
