@@ -64,7 +64,7 @@ rehearse_engine_host=${CHECK_REHEARSE_ENGINE_HOST:---rows 1,2 --tokens 8 --ttft 
 rehearse_judge=${CHECK_REHEARSE_JUDGE:---streams 1,2 --tokens 120}
 rehearse_optional=(  # alternatives a CPU rehearsal cannot print
   "^(FAILED|ERROR|SKIPPED) "      # pytest: only failures and skips
-  "[0-9]+ (passed|failed|error)"  # pytest's last line: the rehearsal only collects (rc says)
+  "[0-9]+ (passed|failed|skipped|error)"  # pytest's last line: the rehearsal only collects (rc says)
   "^per pass:"                    # bench/judge.py: on CUDA only
   "engine log: .*(warmed|captured)"  # the engine warms prefill and captures graphs on CUDA only
 )
@@ -317,11 +317,12 @@ test_lane "${lane1[@]}" &
 test_lane "${lane2[@]}" &
 test_lane "${lane3[@]}" &
 wait
-for entry in "${files[@]}"; do  # each file's summary line ("N passed, M failed") and failures
+for entry in "${files[@]}"; do  # each file's summary line ("N passed, M failed"; "N skipped" alone:
+  # a file whose tests all skip, which the 2026-11-27 summary lost) and failures
   name=tests_$(basename "${entry%%:*}" .py)
   [ -f "$out/$name.log" ] || continue
   say "--- $name:"
-  grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|error)" "$out/$name.log" | tail -25 >> "$summary"
+  grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|skipped|error)" "$out/$name.log" | tail -25 >> "$summary"
 done
 # every test file of the engine and migration suites, so none is forgotten by the list above
 for file in tests/test_engine_*.py tests/test_migration*.py; do
@@ -376,7 +377,7 @@ if wants binv_tests; then
   for name in test_invariant_kernels test_engine_batch_invariant test_migration_batch_invariant; do
     [ -f "$out/binv_$name.log" ] || continue
     say "--- binv_$name:"
-    grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|error)" "$out/binv_$name.log" | tail -25 >> "$summary"
+    grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|skipped|error)" "$out/binv_$name.log" | tail -25 >> "$summary"
   done
 fi
 if wants binv; then
