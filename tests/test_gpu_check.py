@@ -96,3 +96,32 @@ def test_a_step_whose_command_fails_fails_the_rehearsal_by_name(tmp_path: Path) 
     ]
     assert summary.splitlines()[-1] == "=== rehearsal FAILED: 6 REHEARSAL lines above"
     assert output.splitlines()[1:] == problems
+
+
+def test_the_rehearsal_hides_what_neither_the_image_nor_the_bundle_has(tmp_path: Path) -> None:
+    """rehearse_site/sitecustomize.py: the venv here has every package; a rehearsal sees only
+    the GPU image's (with what they require) and the bundle's wheels, as the lent machine will."""
+    (tmp_path / "image.txt").write_text("torch\n")
+    (tmp_path / "wheels.txt").write_text("confusable-homoglyphs==3.3.1\n")
+    script = (
+        "import importlib.util, torch, jinja2, confusable_homoglyphs\n"  # jinja2: torch needs it
+        "print(importlib.util.find_spec('orjson'))\n"  # a probe: absent, as on the GPU
+        "import orjson\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": f"{ROOT / 'bench/gpu/rehearse_site'}{os.pathsep}{ROOT}",
+            "GUARDSTREAM_REHEARSE_BUNDLE": str(tmp_path),
+        },
+    )
+    assert done.returncode == 1
+    assert done.stdout == "None\n"
+    assert done.stderr.splitlines()[-1] == (
+        f"ModuleNotFoundError: orjson (orjson) is neither in the GPU image nor among "
+        f"bench/gpu/bundle.sh's wheels ({tmp_path}): the lent machine would not have it"
+    )
