@@ -63,15 +63,15 @@ def test_a_rehearsal_of_the_judge_step_keeps_its_summary_lines(tmp_path: Path) -
     assert re.fullmatch(r"--- judge: rc=0, \d+ s", lines[5])
     kept = lines[6:-2]  # what the judge step's grep kept of its log
     # --profile: a line of figures, one of counts, a header and the top 10 ops per level
-    assert [line[:16] for line in kept[:26]] == ["prof  1 stream : "[:16]] * 13 + [
+    assert [line[:16] for line in kept[:26]] == ["prof  1 stream :"] * 13 + [
         "prof  2 streams:"
     ] * 13
-    assert [line.split()[0] for line in kept[26:]] == [
+    assert [line.split()[0].split("=")[0] for line in kept[26:]] == [
         "incremental",
         "rejudging",
         "incremental",
         "2",
-        "judge_tokens_ratio=3.68",
+        "judge_tokens_ratio",
     ]
     assert kept[29].startswith("2 streams: ") and "the judged chunks/s of 1 stream" in kept[29]
     assert lines[-1] == "=== rehearsal passed"
