@@ -67,6 +67,8 @@ rehearse_optional=(  # alternatives a CPU rehearsal cannot print
   "[0-9]+ (passed|failed|skipped|error)"  # pytest's last line: the rehearsal only collects (rc says)
   "^per pass:"                    # bench/judge.py: on CUDA only
   "engine log: .*(warmed|captured)"  # the engine warms prefill and captures graphs on CUDA only
+  "serve failed: "                # bench/engine.py's serve anchor, only when it fails (which
+                                  # rehearse_outcome reports)
 )
 if [ -n "$rehearse" ]; then
   # the project's venv, its GUARDSTREAM_CACHE (not /root's), nothing from /tmp/site
@@ -219,8 +221,9 @@ python3 -c "import sys, torch, transformers; print('python', sys.version.split()
 
 compile=""
 grep -q -- '"--compile"' bench/engine.py && compile=yes
-side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph replay
-  grep -E "streams: +[0-9.]+ tok/s aggregate|^ttft |side by side|engine +[0-9.]+ \|" "$out/$1.log" >> "$summary"
+side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph replay (and why
+  # an anchor server is missing from them: bench/engine.py goes on without it, rc=0)
+  grep -E "streams: +[0-9.]+ tok/s aggregate|^ttft |side by side|engine +[0-9.]+ \||serve failed: " "$out/$1.log" >> "$summary"
 }
 
 # part bench: the engine next to its anchors, a fresh engine's TTFT, the compiled step
