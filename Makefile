@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-stress lint format bench clean image
+.PHONY: install run test test-stress lint format bench clean image gpu-rehearsal
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -45,6 +45,11 @@ test-stress: $(STAMP)
 	trap 'kill $$hog 2>/dev/null; wait $$hog 2>/dev/null' EXIT INT TERM; \
 	$(PY) -m pytest $(PYTEST_ARGS); status=$$?; \
 	exit $$status
+
+# bench/gpu/check.sh rehearsed on this CPU before a lent GPU session (bench/gpu/README.md): every
+# part's steps on tiny models, the test lanes collected; fails on any "REHEARSAL: step" line.
+gpu-rehearsal: $(STAMP)
+	CHECK_PYTHON=$(abspath $(PY)) bash bench/gpu/rehearse.sh
 
 lint: $(STAMP)
 	$(PY) -m ruff format --check .

@@ -1,7 +1,7 @@
 """Random-weight models of real shapes, for benchmarks on machines where no weights can be had.
 
     python bench/random_models.py [--source DIR] [--out DIR] [--shapes m135r,m1p7r]
-                                  [--device auto|cpu|cuda] [--dtype bfloat16]
+                                  [--device auto|cpu|cuda] [--dtype bfloat16] [--tiny]
 
 SOURCE holds smollm2-135m's config.json, tokenizer files and chat template: by default the
 prepared model folder ($GUARDSTREAM_CACHE/models/smollm2-135m-instruct-v1, made by `python -m
@@ -37,6 +37,16 @@ SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 64,
     },
 }
+# --tiny (bench/gpu/check.sh's CPU rehearsal): the same folders and tokenizer at a size a busy
+# CPU runs in seconds: the rehearsal checks command lines and log lines, not speed.
+TINY: dict[str, int] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
@@ -53,12 +63,20 @@ def default_source() -> Path:
     return models.prepare("smollm2-135m")
 
 
-def build(source: Path, out: Path, shape: str, device: torch.device, dtype: torch.dtype) -> Path:
-    """Write OUT/shape: random weights (seed 0) of `shape`, with SOURCE's tokenizer."""
+def build(
+    source: Path,
+    out: Path,
+    shape: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    tiny: bool = False,
+) -> Path:
+    """Write OUT/shape: random weights (seed 0) of `shape` (or of TINY's size under its name),
+    with SOURCE's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = json.loads((source / "config.json").read_text())
-    cfg.update(SHAPES[shape])
+    cfg.update(TINY if tiny else SHAPES[shape])
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     conf = LlamaConfig(**{k: v for k, v in cfg.items() if not k.startswith("_")})
     torch.manual_seed(0)
@@ -87,6 +105,9 @@ def main() -> int:
     parser.add_argument("--device", default="auto", help="where weights are initialised")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--force", action="store_true", help="rebuild folders that exist")
+    parser.add_argument(
+        "--tiny", action="store_true", help="every shape at TINY's size (a CPU rehearsal)"
+    )
     args = parser.parse_args()
     source = Path(args.source) if args.source else default_source()
     device = torch.device(
@@ -100,7 +121,7 @@ def main() -> int:
         if (out / shape / "config.json").is_file() and not args.force:
             print(f"{shape}: {out / shape} exists (--force rebuilds it)", flush=True)
             continue
-        build(source, out, shape, device, dtype)
+        build(source, out, shape, device, dtype, args.tiny)
     return 0
 
 

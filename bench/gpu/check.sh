@@ -52,6 +52,34 @@ mkdir -p "$out"
 summary=$out/summary.txt
 : > "$summary"
 t0=$(date +%s)
+# CHECK_REHEARSE=1: this script rehearsed on a CPU (bench/gpu/rehearse.sh, `make gpu-rehearsal`)
+# before a lent session. Every step runs its own command line, which run() swaps to the CPU and
+# cuts to rehearsal sizes by appending options (argparse keeps an option's last value); the
+# test lanes only collect (no GUARDSTREAM_TEST_DEVICE); setup.sh builds tiny random models of
+# the same folders. Each grep that fills the summary must find each of its alternatives in its
+# step's log, every step must end rc=0: otherwise a "REHEARSAL: step X: ..." line, and exit 1.
+rehearse=${CHECK_REHEARSE:-}
+rehearse_engine=${CHECK_REHEARSE_ENGINE:---tokens 8 --concurrency 1,2}
+rehearse_engine_host=${CHECK_REHEARSE_ENGINE_HOST:---rows 1,2 --tokens 8 --ttft 2}
+rehearse_judge=${CHECK_REHEARSE_JUDGE:---streams 1,2 --tokens 120}
+rehearse_optional=(  # alternatives a CPU rehearsal cannot print
+  "^(FAILED|ERROR|SKIPPED) "      # pytest: only failures and skips
+  "[0-9]+ (passed|failed|skipped|error)"  # pytest's last line: the rehearsal only collects (rc says)
+  "^per pass:"                    # bench/judge.py: on CUDA only
+  "engine log: .*(warmed|captured)"  # the engine warms prefill and captures graphs on CUDA only
+  "serve failed: "                # bench/engine.py's serve anchor, only when it fails (which
+                                  # rehearse_outcome reports)
+)
+if [ -n "$rehearse" ]; then
+  # the project's venv, its GUARDSTREAM_CACHE (not /root's), nothing from /tmp/site
+  py=${CHECK_PYTHON:-$PWD/.venv/bin/python}
+  [ -x "$py" ] || { echo "CHECK_PYTHON: no python at $py" >&2; exit 2; }
+  export PATH=$(dirname "$py"):$PATH GUARDSTREAM_CACHE=${GUARDSTREAM_CACHE:-$HOME/.cache/guardstream}
+  case $models in /root | /root/*) echo "a rehearsal builds no models under /root" >&2; exit 2 ;; esac
+fi
+rehearsal_error() {  # STEP WHAT: a line the rehearsal fails on
+  echo "REHEARSAL: step $1: $2" | tee -a "$summary" >&2
+}
 deadline=$((t0 + ${CHECK_SECONDS:-520}))
 part=${CHECK_PART:?CHECK_PART=bench, tests or binv (each under 9 minutes), or all (~22 minutes)}
 case $part in
@@ -62,6 +90,7 @@ case $part in
     deadline=$((t0 + ${CHECK_SECONDS:-1400})) ;;
   *) echo "CHECK_PART must be bench, tests, binv or all, not $part" >&2; exit 2 ;;
 esac
+[ -n "$rehearse" ] && deadline=$((t0 + ${CHECK_SECONDS:-3600}))  # a busy CPU: no GPU deadline
 [ -n "${CHECK_STEPS:-}" ] && steps=$CHECK_STEPS
 [ -n "${CHECK_TESTS:-}" ] && [ -z "${CHECK_STEPS:-}" ] && steps=tests
 wants() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -82,23 +111,92 @@ run() {
     say "--- $name: skipped, no time left ($(elapsed) s)"
     return 1
   fi
+  [ -n "$rehearse" ] && { rehearse_command "$name" "$@"; set -- "${rehearsed[@]}"; limit=$((limit * 3 > 180 ? limit * 3 : 180)); }
   [ "$limit" -gt "$remaining" ] && limit=$remaining
   timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  # an anchor server outlives a cut bench (its own session) and holds the GPU's memory
-  pkill -9 -f "transformers serve" 2>/dev/null
+  # an anchor server outlives a cut bench (its own session) and holds the GPU's memory (not in a
+  # rehearsal: a shared CPU machine's other servers are not ours to kill)
+  [ -z "$rehearse" ] && pkill -9 -f "transformers serve" 2>/dev/null
   local how="rc=$rc"
   [ $rc -eq 124 ] || [ $rc -eq 137 ] && how="cut at ${limit} s"
   say "--- $name: $how, $(elapsed) s"
+  [ -n "$rehearse" ] && rehearse_outcome "$name" "$rc" "$@"
   return $rc
 }
 
+# rehearsal: STEP COMMAND... -> rehearsed=(the command on the CPU at rehearsal sizes)
+rehearse_command() {
+  local name=$1 word
+  shift
+  rehearsed=(env -u GUARDSTREAM_TEST_DEVICE)
+  for word in "$@"; do
+    [ "$word" = GUARDSTREAM_TEST_DEVICE=cuda ] || rehearsed+=("$word")
+  done
+  case " $* " in
+    *" bench/engine.py "*)  # with CUDA's default anchors (serve included) unless it names some
+      rehearsed+=(--device cpu $rehearse_engine)
+      case " $* " in *" --anchors "*) ;; *) rehearsed+=(--anchors generate,step,serve) ;; esac ;;
+    *" bench/engine_host.py "*) rehearsed+=(--device cpu $rehearse_engine_host) ;;
+    *" bench/judge.py "*) rehearsed+=(--device cpu $rehearse_judge) ;;
+    *" -m pytest "*) rehearsed+=(--collect-only) ;;
+    *) rehearsal_error "$name" "no rehearsal sizes for: $*" ;;
+  esac
+}
+# rehearsal: STEP RC COMMAND...: the step ended rc=0, wrote its --json, printed no failure
+rehearse_outcome() {
+  local name=$1 rc=$2 prev="" word
+  shift 2
+  [ "$rc" -eq 0 ] || rehearsal_error "$name" "rc=$rc (see $name.log)"
+  for word in "$@"; do
+    [ "$prev" = --json ] && [ ! -s "$word" ] && rehearsal_error "$name" "no --json file $word"
+    prev=$word
+  done
+  command grep -m 3 -E "failed: |^Traceback |NOT compiled" "$out/$name.log" |
+    while IFS= read -r word; do rehearsal_error "$name" "failure in its log: $word"; done
+}
+# rehearsal: an ERE's top-level alternatives, one a line (a|b(c|d) -> a, b(c|d))
+rehearse_alternatives() {
+  local pattern=$1 depth=0 i c alt=""
+  for ((i = 0; i < ${#pattern}; i++)); do
+    c=${pattern:i:1}
+    case $c in
+      \\) alt+=${pattern:i:2}; i=$((i + 1)); continue ;;
+      "(" | "[") depth=$((depth + 1)) ;;
+      ")" | "]") depth=$((depth - 1)) ;;
+      "|") [ $depth -eq 0 ] && { printf '%s\n' "$alt"; alt=""; continue; } ;;
+    esac
+    alt+=$c
+  done
+  printf '%s\n' "$alt"
+}
+if [ -n "$rehearse" ]; then
+  # Every `grep [OPTIONS] PATTERN $out/STEP.log` below (the summary's lines) is checked: each of
+  # PATTERN's alternatives must match a line of that log, unless rehearse_optional names it.
+  grep() {
+    command grep "$@"
+    local rc=$? file=${!#} n=$(($# - 1)) alt known
+    case $file in "$out"/*.log) ;; *) return $rc ;; esac
+    local pattern=${!n}
+    while IFS= read -r alt; do
+      for known in "${rehearse_optional[@]}"; do [ "$alt" = "$known" ] && continue 2; done
+      command grep -qE -- "$alt" "$file" 2>/dev/null ||
+        rehearsal_error "$(basename "$file" .log)" "no line matching '$alt'"
+    done < <(rehearse_alternatives "$pattern")
+    return $rc
+  }
+fi
+
 say "=== gpu check $(date -u +%FT%TZ) at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), part $part: $steps"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$summary"
+if [ -n "$rehearse" ]; then
+  say "REHEARSAL on the CPU: tiny models in $models, every step at rehearsal sizes, tests collected only"
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$summary"
+fi
 say "cpus $(nproc)"
 
 # 1. set-up: the wheels under /tmp/site, PYTHONPATH, the random-weight models
-if [ -f "$models/m135r/config.json" ] && [ -f "$models/m1p7r/config.json" ] && [ -d /tmp/site ]; then
+if [ -f "$models/m135r/config.json" ] && [ -f "$models/m1p7r/config.json" ] && { [ -d /tmp/site ] || [ -n "$rehearse" ]; }; then
   export PYTHONPATH=$PWD:/tmp/site GUARDSTREAM_CACHE=${GUARDSTREAM_CACHE:-/root/gscache}
   say "--- setup: models present, skipped"
 else
@@ -114,12 +212,18 @@ else
     exit 1
   fi
 fi
+if [ -n "$rehearse" ]; then  # the venv has the wheels; the guard hides what the GPU lacks
+  export PYTHONPATH=$PWD
+  [ -f "$bundle/wheels.txt" ] && export PYTHONPATH=$PWD/bench/gpu/rehearse_site:$PWD \
+    GUARDSTREAM_REHEARSE_BUNDLE=$bundle
+fi
 python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$summary"
 
 compile=""
 grep -q -- '"--compile"' bench/engine.py && compile=yes
-side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph replay
-  grep -E "streams: +[0-9.]+ tok/s aggregate|^ttft |side by side|engine +[0-9.]+ \|" "$out/$1.log" >> "$summary"
+side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph replay (and why
+  # an anchor server is missing from them: bench/engine.py goes on without it, rc=0)
+  grep -E "streams: +[0-9.]+ tok/s aggregate|^ttft |side by side|engine +[0-9.]+ \||serve failed: " "$out/$1.log" >> "$summary"
 }
 
 # part bench: the engine next to its anchors, a fresh engine's TTFT, the compiled step
@@ -175,7 +279,9 @@ fi
 # restarts killed replicas, each a fresh CUDA start: its lane has little else. Measured on an
 # H200 (2026-11-27, at 06fd7e6): lane1 237 s, lane2 193 s, lane3 136 s, the last without the
 # judge and tool-call files it now ends with (17 s together on 2 busy CPU cores; on CUDA their
-# engines capture graphs: the limits leave room), so lane1 still sets the lanes' time.
+# engines capture graphs: the limits leave room) and test_engine_ipc (the API process's frames,
+# one tiny-model engine; in no lane before the CPU rehearsal found it), so lane1 still sets the
+# lanes' time.
 if wants tests; then
 export GUARDSTREAM_TEST_DEVICE=cuda
 lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
@@ -189,7 +295,7 @@ lane2=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
   tests/test_engine_overlap.py:60 tests/test_migration_replay.py:60)
 lane3=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:90
   tests/test_migration_batch_invariant.py:90 tests/test_migration.py:90
-  tests/test_engine_judge.py:90 tests/test_engine_tool_calls.py:60)
+  tests/test_engine_judge.py:90 tests/test_engine_tool_calls.py:60 tests/test_engine_ipc.py:60)
 if [ -n "${CHECK_TESTS:-}" ]; then  # CHECK_TESTS="file:limit ...", dealt round-robin to the lanes
   lane1=() lane2=() lane3=()
   i=0
@@ -203,7 +309,7 @@ test_lane() {
   local entry file name
   for entry in "$@"; do
     file=${entry%%:*}
-    [ -f "$file" ] || continue
+    [ -f "$file" ] || { [ -n "$rehearse" ] && rehearsal_error tests "no file $file"; continue; }
     name=tests_$(basename "$file" .py)
     # no pytest-timeout override: a hanging test is cut by its file's limit (a cut file keeps
     # nothing of -rf, so hangs show as "cut at"; the log has the progress dots)
@@ -214,17 +320,19 @@ test_lane "${lane1[@]}" &
 test_lane "${lane2[@]}" &
 test_lane "${lane3[@]}" &
 wait
-for entry in "${files[@]}"; do  # each file's summary line ("N passed, M failed") and failures
+for entry in "${files[@]}"; do  # each file's summary line ("N passed, M failed"; "N skipped" alone:
+  # a file whose tests all skip, which the 2026-11-27 summary lost) and failures
   name=tests_$(basename "${entry%%:*}" .py)
   [ -f "$out/$name.log" ] || continue
   say "--- $name:"
-  grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|error)" "$out/$name.log" | tail -25 >> "$summary"
+  grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|skipped|error)" "$out/$name.log" | tail -25 >> "$summary"
 done
 # every test file of the engine and migration suites, so none is forgotten by the list above
 for file in tests/test_engine_*.py tests/test_migration*.py; do
   case " ${files[*]} " in
     *" $file:"*) ;;
-    *) say "--- $file: not in check.sh's list, not run" ;;
+    *) say "--- $file: not in check.sh's list, not run"
+      [ -n "$rehearse" ] && rehearsal_error tests "$file is in no lane" ;;
   esac
 done
 fi  # tests
@@ -254,7 +362,7 @@ if wants e1p7_compile; then
 fi
 # part binv: --batch-invariant on CUDA (the Triton kernels), its tests, then its cost
 if wants binv_tests; then
-  binv_cache=/root/gscache-binv  # smollm2-135m here is m135r: random weights, the same shape
+  binv_cache=$models/gscache-binv  # smollm2-135m here is m135r: random weights, the same shape
   mkdir -p "$binv_cache/models"
   ln -sfn "$models/m135r" "$binv_cache/models/smollm2-135m-instruct-v1"
   binv_lane() {
@@ -272,7 +380,7 @@ if wants binv_tests; then
   for name in test_invariant_kernels test_engine_batch_invariant test_migration_batch_invariant; do
     [ -f "$out/binv_$name.log" ] || continue
     say "--- binv_$name:"
-    grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|error)" "$out/binv_$name.log" | tail -25 >> "$summary"
+    grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|skipped|error)" "$out/binv_$name.log" | tail -25 >> "$summary"
   done
 fi
 if wants binv; then
@@ -283,3 +391,9 @@ if wants binv; then
     "$out/binv.log" >> "$summary"
 fi
 say "=== done in $(elapsed) s"
+if [ -n "$rehearse" ]; then
+  errors=$(command grep -c '^REHEARSAL: step ' "$summary")
+  [ "$errors" -eq 0 ] && { say "=== rehearsal passed"; exit 0; }
+  say "=== rehearsal FAILED: $errors REHEARSAL lines above"
+  exit 1
+fi
