@@ -64,7 +64,9 @@ async def orch() -> AsyncIterator[Orchestrator]:
     await engine.start()
     # a generous detector timeout: 5000 sentences take many seconds on a loaded machine, and
     # this test is about fairness, not deadlines (the default is 10 s)
-    hap = {"builtin": "profanity", "chunker_id": "sentence", "timeout_s": 300}
+    # no kept verdicts (detection_cache): the big request's 5,000 equal sentences would be one
+    # content, and the small requests' RUDE a hit, where this test needs them all in the model
+    hap = {"builtin": "profanity", "chunker_id": "sentence", "timeout_s": 300, "cache": False}
     detectors = {"hap": hap}
     # no keep-alive comment while the gate holds the big stream, however slow the machine
     server = {"sse_keepalive_s": 3600}
