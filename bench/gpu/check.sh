@@ -28,7 +28,8 @@
 #            finished file's summary) in three parallel lanes, until the part's deadline
 #            (CHECK_SECONDS after the start, default 520);
 #   judge    bench/judge.py --device cuda (issue 37): incremental judge sessions at 1 and 16 streams
-#            against re-judging prefixes, 135M shape (random weights: the cost, not the verdicts);
+#            against re-judging prefixes, 135M shape (random weights: the cost, not the verdicts),
+#            the static judge pass from CUDA graphs next to the packed eager one (1 stream);
 #   e1p7_compile  the 1.7B shape with --compile, 64 streams (last: what is left of the deadline).
 #   part binv (--batch-invariant on the Triton kernels, generation/invariant_kernels.py):
 #   binv_tests  on CUDA, in two lanes: tests/test_invariant_kernels.py (the kernels compiled),
@@ -235,11 +236,16 @@ fi  # tests
 # then (--profile) one 1-stream and one 16-stream pass under torch.profiler: wall, GFLOP/s,
 # kernel launches, host syncs, the device's busy time and the top 10 ops by self CUDA time
 # (the "prof" lines, ~13 per level). ~110 s on an H200 when a pass cost ~60 ms, before the
-# profile (~15 s more: 70 passes to build each level's prefixes, the profiler's start)
+# profile (~15 s more: 70 passes to build each level's prefixes, the profiler's start).
+# The judge pass is the CUDA default, static (generation/judge_graphs.py: graphs captured per
+# key at first use; the `warm-up:` lines give the captures), each line says which pass ran and
+# its graphs captured/replayed (`pass=... graphs=C/R`); the packed pass's incremental 1-stream
+# line follows on an engine of its own, and `judge passes:` sets the two side by side. The
+# bench's engines have no static decode step (no decode graphs to capture at their start).
 if wants judge; then
   run judge 170 python3 bench/judge.py --device cuda --dtype bfloat16 --model "$models/m135r" \
     --streams 1,16 --profile --json "$out/judge.json"
-  grep -E "^ *(incremental|rejudging|re-judging)|streams: .*the judged|^per pass:|^prof |^judge_tokens_ratio" "$out/judge.log" >> "$summary"
+  grep -E "^ *(incremental|rejudging|re-judging)|streams: .*the judged|^per pass:|^prof |^warm-up:|^judge passes:|^judge_tokens_ratio" "$out/judge.log" >> "$summary"
 fi
 # last in its part: it gets what the tests left of the deadline
 if wants e1p7_compile; then
