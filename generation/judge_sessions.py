@@ -348,7 +348,8 @@ class JudgeSessions:
         self.passes = 0  # forward passes run (for tests and metrics)
         self.batch_sizes: dict[int, int] = {}  # appends per pass -> passes
         self.forward_tokens = 0
-        self.pass_tokens = 0  # tokens the passes put through the model (no padding: the same)
+        self.pass_tokens = 0  # tokens the passes put through the model (static: with padding)
+        self.packed_passes = 0  # packed forward passes (appends' and answer tokens')
         self._layers = int(getattr(loaded.model.config, "num_hidden_layers", 0)) or len(
             getattr(loaded.model.config, "layer_types", []) or []
         )
@@ -427,7 +428,7 @@ class JudgeSessions:
                 "graphs": 0,
                 "captures": 0,
                 "replays": 0,
-                "eager_passes": self.passes,
+                "eager_passes": self.packed_passes,
                 "graph_error": None,
             }
         return {
@@ -706,6 +707,7 @@ class JudgeSessions:
         finally:
             active(None)
         self.pass_tokens += len(pack.tokens)
+        self.packed_passes += 1
         return out.logits[0]  # type: ignore[no-any-return]
 
 

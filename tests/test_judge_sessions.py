@@ -758,3 +758,35 @@ def test_static_judge_passes_replay_cuda_graphs(tiny_model: LoadedModel) -> None
     assert answer_passes > 0
     assert (replayed["captures"], replayed["replays"]) == (2, 4 + answer_passes)
     assert replayed["eager_passes"] == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_health_and_metrics_report_the_judge_pass(
+    aiohttp_client: Any, tiny_exact: LoadedModel, path: str
+) -> None:
+    """/health's `judge` and the /metrics series say how judge passes run: packed, or the
+    static pool's slots and capacity, its graphs (none on a CPU) and its eager passes (an
+    append's and each answer token's)."""
+    static = path == "static"
+    client = await aiohttp_client(create_app(tiny_exact, max_judge_sessions=3, static_judge=static))
+    sid = (await (await client.post("/v1/judge/sessions", json=OPEN)).json())["session_id"]
+    body = {"chunk": "hello world", "answer_tokens": 3, "answer_min_score": 0.0}
+    reply = await client.post(f"/v1/judge/sessions/{sid}/append", json=body)
+    assert reply.status == 200
+    health = await (await client.get("/health")).json()
+    assert health["judge"] == {
+        "mode": "static" if static else "packed",
+        "slots": 3 if static else 0,
+        "capacity": tiny_exact.max_context,
+        "graphs": 0,
+        "captures": 0,
+        "replays": 0,
+        "eager_passes": health["judge"]["eager_passes"],
+        "graph_error": None,
+    }
+    assert 2 <= health["judge"]["eager_passes"] <= 3  # the append's, 1 or 2 answer tokens'
+    metrics = await (await client.get("/metrics")).text()
+    assert f"guardstream_engine_judge_slots {3.0 if static else 0.0}" in metrics
+    assert "guardstream_engine_judge_graph_replays_total 0.0" in metrics
+    eager = health["judge"]["eager_passes"]
+    assert f"guardstream_engine_judge_eager_passes_total {float(eager)}" in metrics
