@@ -139,24 +139,14 @@ class JudgePool(Cache):
             layers.append(_PoolLayer(self, keys, values))  # type: ignore[arg-type]
         self._pool_layers = layers
         super().__init__(layers=list(layers))
-        device = layers[0].keys.device
+        self.slots = slots
+        self.nbytes = 2 * sum(layer.keys.nbytes for layer in layers)
+        self.device = device = layers[0].keys.device
         self.inputs = torch.zeros(3 * rows * queries + rows, dtype=torch.long, device=device)
         self.columns = torch.arange(capacity, dtype=torch.long, device=device)
         self.free = list(range(slots - 1, -1, -1))  # `take` pops the lowest first
         self.step_rows = self.step_width = 0  # the pass's (padded) shape, read by the layers
         self.pass_ids = self.pass_positions = self.pass_columns = self.pass_slots = self.inputs
-
-    @property
-    def slots(self) -> int:
-        return int(self._pool_layers[0].keys.shape[0])
-
-    @property
-    def device(self) -> torch.device:
-        return self._pool_layers[0].keys.device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self._pool_layers)
 
     def keys_of(self, layer: int) -> torch.Tensor:
         """A layer's keys, all slots (tests read a slot's columns)."""
@@ -203,9 +193,9 @@ class StaticJudge:
         self.model = model
         self.pool = pool
         self.mask_kind = mask_kind
-        self.row_buckets = tuple(rows) if rows else None
-        self.query_buckets = tuple(queries) if queries else None
-        self.width_buckets = tuple(widths) if widths else None
+        self.row_buckets, self.query_buckets, self.width_buckets = (
+            tuple(b) if b else None for b in (rows, queries, widths)
+        )
         self.cuda_graphs = cuda_graphs and pool.device.type == "cuda"
         self.max_graphs = max_graphs
         self.graph_error: str | None = None  # why graphs were given up, when they were
@@ -325,19 +315,14 @@ class StaticJudge:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float | None = None,
-        dropout: float = 0.0,
+        _mask: object,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         """The model's attention function `base` over the pass's window (`_PoolLayer.update`),
-        grouped-query without repeated keys (`grouped_attention`), with the pass's mask."""
-        groups = query.shape[1] // key.shape[1]
-        mask = self._mask(query.dtype, groups)
-        out = grouped_attention(
-            base, module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-        return out, None
+        grouped-query without repeated keys (`grouped_attention`), with the pass's mask instead
+        of the placeholder the model hands over (`scaling`, `dropout`: in `kwargs`)."""
+        mask = self._mask(query.dtype, query.shape[1] // key.shape[1])
+        return grouped_attention(base, module, query, key, value, mask, **kwargs), None
 
     def _mask(self, dtype: torch.dtype, groups: int) -> torch.Tensor:
         """`[rows, 1, groups * queries, width]`: query (r, j) sees the columns up to its
