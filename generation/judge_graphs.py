@@ -37,11 +37,13 @@ tests/test_judge_sessions.py checks these: the verdicts are the packed pass's an
 judging from scratch, bitwise in `--batch-invariant` mode, and a slot's real columns hold the
 packed session's keys after passes with padding.
 
-Query buckets: an append is a sentence chunk and the template's tail (bench/judge.py's chunks are
-15-25 tokens and the zero-shot tail ~30: 40-60 queries; the orchestrator's sentence chunker
-gives the same), its first one carries the template's head too (100-400 tokens), an answer token
-is 1: 1 / 16 / 32 / 64 / 128 / 256 keep the padding of a sentence append under 2x and the grid
-small. A longer append (a session rebuilt from its whole text) runs at its own width, eagerly.
+Query buckets: an append is a sentence chunk and the template's tail (bench/judge.py's and the
+orchestrator's sentence chunks are 15-25 tokens, the zero-shot tail 14 tokens with smollm2's
+tokenizer and 32 with GPT-2's: 30-60 queries), its first one carries the head too (27-82 tokens
+more), an answer token is 1 query, a short chunk ("Done.") a few plus the tail. Doubling buckets
+1 / 16 / 32 / 64 / 128 / 256 keep padding under 2x at every size; a bucket no pass uses costs
+nothing (graphs are captured at first use). A longer append (a session rebuilt from its whole
+text) runs at its own width, eagerly.
 
 CUDA: a key's graph is captured at its first use (warm-up on a side stream, then the capture into
 the judge's own memory pool, shared by its graphs, decode_graphs.warm_up/capture_graph), at most
