@@ -334,9 +334,10 @@ class JudgeSessions:
         """`static`: passes over the static pool (judge_graphs.py; default: on CUDA), replayed
         from CUDA graphs with `cuda_graphs` (default: on CUDA; never on a CPU). The pool is
         allocated by `set_up` (the engine's start): `max_sessions` slots at most (its slots are
-        the sessions held), `pool_slots` / `pool_capacity` fix its slots and columns (default:
-        on CUDA from `memory_fraction` of free memory, on a CPU CPU_POOL_SLOTS and the context
-        up to CPU_POOL_CAPACITY)."""
+        the sessions held) of the model's context up to `pool_capacity` columns (default:
+        POOL_CAPACITY on CUDA, CPU_POOL_CAPACITY on a CPU); `pool_slots` fixes the slots
+        (default: on CUDA as many as `memory_fraction` of free memory holds, on a CPU
+        CPU_POOL_SLOTS)."""
         self.loaded = loaded
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -382,20 +383,24 @@ class JudgeSessions:
             log.warning("this model's KV cache has no static judge pool; judge passes run packed")
             self.static = False
             return
-        context = loaded.max_context
-        if loaded.device.type == "cuda" and self.pool_slots is None:
+        on_cuda = loaded.device.type == "cuda"
+        context = min(
+            loaded.max_context,
+            self.pool_capacity or (POOL_CAPACITY if on_cuda else CPU_POOL_CAPACITY),
+        )
+        if on_cuda and self.pool_slots is None:
             free, _total = torch.cuda.mem_get_info(loaded.device)
             plan = plan_cache(
                 free_bytes=free,
                 fraction=self.memory_fraction,
                 bytes_per_token=cache_bytes_per_token(template),
-                max_context=min(context, self.pool_capacity or POOL_CAPACITY),
+                max_context=context,
                 max_rows=self.max_sessions,
             )
             slots, capacity = plan.rows, plan.capacity
         else:
             slots = min(self.max_sessions, self.pool_slots or CPU_POOL_SLOTS)
-            capacity = min(context, self.pool_capacity or CPU_POOL_CAPACITY)
+            capacity = context
         rows = row_buckets(self.max_batch)
         pool = JudgePool(template, slots, capacity, rows[-1], QUERY_BUCKETS[-1])
         self.static_judge = StaticJudge(
