@@ -28,18 +28,21 @@ of the session's whole prefix per layer and pass. (The first version copied ever
 padded rectangle per layer: memory traffic of 16 sessions x 2,000 columns x 30 layers per pass
 on smollm2, and every row padded to the longest chunk.)
 
-On CUDA a pass is eager (its shapes change with every append: no graph replays it), so its
-cost is mostly the host's: the forward's kernel launches, a few more per session and layer for
-the session's attention (the writes are one multi-tensor copy per layer), and whatever the
-attention backend does per new shape. cuDNN
-attention builds a plan per shape, so passes leave it out (attention_backends.py); the verdicts'
-probabilities reach the host in one copy per pass (`_answer_probabilities`), and the pass's ids,
-positions and answer rows reach the device in one. bench/judge.py prints the time per pass next
-to a plain forward of as many tokens, and `--profile` where a pass's time goes.
+The packed pass is eager, its shapes new at every append (a prefix that grows), so on a GPU
+its cost is mostly the host's: the forward's kernel launches (~7,000 aten ops for smollm2), a
+few more per session and layer for the session's attention (the writes are one multi-tensor copy
+per layer), and whatever the attention backend does per new shape. cuDNN attention builds a plan
+per shape, so passes leave it out (attention_backends.py); the verdicts' probabilities reach the
+host in one copy per pass (`_answer_probabilities`), and the pass's ids, positions and answer
+rows reach the device in one. On CUDA the static pass (judge_graphs.py) is therefore the
+default: the sessions in slots of a fixed pool, the pass padded to bucketed shapes and replayed
+from CUDA graphs; the packed pass stays the CPU's default, where a pass is bound by arithmetic
+and padding would cost real FLOPs. bench/judge.py prints the time per pass next to a plain
+forward of as many tokens, and `--profile` where a pass's time goes.
 
 Answers. An append may ask for the judge's answer text (Llama Guard's category line after the
 verdict): when its score reaches `answer_min_score`, the verdict token and greedy tokens after
-it are generated in the scratch columns after the tail, a packed pass per token for every
+it are generated in the scratch columns after the tail, a pass per token (Q = 1) for every
 session that wants one (`_answers`).
 
 Exactness: in `--batch-invariant` mode (batch_invariant.py) a row's logits are bitwise
@@ -457,17 +460,18 @@ class JudgeSessions:
             self.set_up()  # (an engine did at its start)
         with self.lock:
             self._expire()
+            full = len(self.sessions) >= self.max_sessions
             judge = self.static_judge
-            slot = judge.pool.take() if judge is not None else -1
-            if len(self.sessions) >= self.max_sessions or slot is None:
-                if judge is not None and slot is not None:
-                    judge.pool.give(slot)
+            slot: int | None = -1
+            if not full and judge is not None:  # the static pass: a slot of the pool
+                slot = judge.pool.take()
+            if full or slot is None:
                 raise JudgeSessionError(
                     429, f"all {self.max_sessions} judge sessions are in use", "too_many_sessions"
                 )
             session_id = f"js-{next(self._ids)}-{secrets.token_hex(6)}"
             session = JudgeSession(session_id, head, tail, unsafe, safe)
-            session.slot = slot  # type: ignore[assignment]  # (None raised above)
+            session.slot = slot
             self.sessions[session_id] = session
             return session
 
