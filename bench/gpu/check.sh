@@ -176,7 +176,9 @@ fi
 # restarts killed replicas, each a fresh CUDA start: its lane has little else. Measured on an
 # H200 (2026-11-27, at 06fd7e6): lane1 237 s, lane2 193 s, lane3 136 s, the last without the
 # judge and tool-call files it now ends with (17 s together on 2 busy CPU cores; on CUDA their
-# engines capture graphs: the limits leave room), so lane1 still sets the lanes' time.
+# engines capture graphs: the limits leave room), so lane1 still sets the lanes' time. Lane 2 ends
+# with the judge sessions' file (the static judge pass: its graphs captured and replayed against
+# the eager pass, exactness over both passes; ~20 s on 2 CPU cores, not measured on CUDA).
 if wants tests; then
 export GUARDSTREAM_TEST_DEVICE=cuda
 lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
@@ -187,7 +189,8 @@ lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.p
 lane2=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
   tests/test_engine_units.py:60 tests/test_engine_api.py:90
   tests/test_engine_chat_limits_auth.py:60 tests/test_engine_smollm2.py:30
-  tests/test_engine_overlap.py:60 tests/test_migration_replay.py:60)
+  tests/test_engine_overlap.py:60 tests/test_migration_replay.py:60
+  tests/test_judge_sessions.py:90)
 lane3=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:90
   tests/test_migration_batch_invariant.py:90 tests/test_migration.py:90
   tests/test_engine_judge.py:90 tests/test_engine_tool_calls.py:60)
