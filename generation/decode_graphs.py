@@ -152,6 +152,21 @@ def plan_cache(
     return CachePlan(rows, capacity, rows * capacity * bytes_per_token)
 
 
+def plan_free_memory(
+    template: DynamicCache, fraction: float, max_context: int, max_rows: int
+) -> CachePlan:
+    """`plan_cache` for a cache shaped as `template` (a prefill's) on its CUDA device, from the
+    memory free there now (the decode cache's and the judge pool's plans)."""
+    free, _total = torch.cuda.mem_get_info(template.layers[0].keys.device)
+    return plan_cache(
+        free_bytes=free,
+        fraction=fraction,
+        bytes_per_token=cache_bytes_per_token(template),
+        max_context=max_context,
+        max_rows=max_rows,
+    )
+
+
 def cache_bytes_per_token(template: DynamicCache) -> int:
     """Bytes one token takes in every layer's keys and values (from a prefill's cache)."""
     total = 0

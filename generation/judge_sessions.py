@@ -71,7 +71,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .attention_backends import changing_shapes
-from .decode_graphs import cache_bytes_per_token, plan_cache, row_buckets, width_buckets
+from .decode_graphs import plan_free_memory, row_buckets, width_buckets
 from .judge_attention import active, as_kind, grouped_attention, install, mask_kind
 from .judge_graphs import (
     CPU_POOL_CAPACITY,
@@ -392,14 +392,7 @@ class JudgeSessions:
             self.pool_capacity or (POOL_CAPACITY if on_cuda else CPU_POOL_CAPACITY),
         )
         if on_cuda and self.pool_slots is None:
-            free, _total = torch.cuda.mem_get_info(loaded.device)
-            plan = plan_cache(
-                free_bytes=free,
-                fraction=self.memory_fraction,
-                bytes_per_token=cache_bytes_per_token(template),
-                max_context=context,
-                max_rows=self.max_sessions,
-            )
+            plan = plan_free_memory(template, self.memory_fraction, context, self.max_sessions)
             slots, capacity = plan.rows, plan.capacity
         else:
             slots = min(self.max_sessions, self.pool_slots or CPU_POOL_SLOTS)
