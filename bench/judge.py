@@ -3,6 +3,7 @@ whole prefix at every chunk (what NeMo Guardrails, LiteLLM and the vLLM-served g
 
     python bench/judge.py [--model smollm2-135m] [--device cpu] [--tokens 2000]
                           [--streams 1,16] [--threads N] [--json out.json] [--profile]
+                          [--judge-pass packed|static]
     python bench/judge.py --model tiny-random --tokens 300 --profile-only   # a pass's breakdown
     python bench/judge.py --quality tests/data/judge_labelled.jsonl   # separation of a labelled set
 
@@ -18,9 +19,18 @@ pass, as concurrent streams' appends do when they arrive while the worker is bus
 judged chunks per second against 1 stream. Re-judging runs for 1 stream only (at 16 streams it
 is 16x the quadratic cost; the ratio would not change).
 
-Every line gives the forward passes and the wall time per pass (`ms/pass`): on a GPU a pass's
-cost is mostly the host's (launching the eager forward's kernels, per-shape plans), whatever its
-tokens. On CUDA two more lines follow the 1-stream runs: the same incremental run with SDPA's
+`--judge-pass`: the engine's judge pass, packed (judge_sessions.py: eager, no padding) or static
+(judge_graphs.py: a pool of session slots, bucketed shapes, replayed from CUDA graphs on CUDA);
+default: the engine's for the device (static on CUDA, packed on a CPU). Every line says which
+ran (`pass=packed|static|cuda_graphs`) and the graphs captured/replayed during it
+(`graphs=C/R`). With CUDA graphs the warm-up judges the whole answer at every `--streams` level
+first (its line gives the captures and their time), so the timed runs replay. On CUDA the other
+pass's incremental 1-stream run follows the first two lines, on an engine of its own, and a
+`judge passes:` line sets the two side by side.
+
+Every line gives the forward passes and the wall time per pass (`ms/pass`): on a GPU an eager
+pass's cost is mostly the host's (launching the eager forward's kernels, per-shape plans),
+whatever its tokens. On CUDA two more lines follow the 1-stream runs: the same incremental run with SDPA's
 default backend order (cuDNN attention allowed: generation/attention_backends.py leaves it out
 of judge passes because it builds a plan per new shape), and the `per pass` line: a plain
 forward of the model over one append's tokens (no session, no cache: the eager forward's own
@@ -59,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from generation import attention_backends, models
+from generation.judge_graphs import POOL_CAPACITY
 from generation.judge_sessions import JudgeSessions, answer_token_ids
 from generation.scheduler import Engine
 from orchestrator.judge_templates import SHIPPED, JudgeContext, JudgePrompt
@@ -126,6 +137,7 @@ class Judge:
         self.safe = answer_token_ids(tok, shipped.safe_tokens)
         self.encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])
         self.flops = Flops(loaded)
+        self.chunk_ids: list[list[int]] = []  # the answer's chunks (`start_judge`)
 
     def open(self) -> Any:
         return self.judges.open(self.head, self.tail, self.unsafe, self.safe)
@@ -179,9 +191,16 @@ class Flops:
         return total
 
 
+def graph_counts(judge: Judge) -> tuple[int, int]:
+    """The judge pass's CUDA graphs captured and replayed so far (0, 0 without graphs)."""
+    info = judge.judges.info()
+    return int(info["captures"]), int(info["replays"])  # type: ignore[call-overload]
+
+
 def incremental(judge: Judge, chunk_ids: list[list[int]], streams: int) -> dict[str, Any]:
     sessions = [judge.open() for _ in range(streams)]
     tokens0, passes0 = judge.judges.forward_tokens, judge.judges.passes
+    graphs0 = graph_counts(judge)
     start, cpu = time.perf_counter(), time.process_time()
     for ids in chunk_ids:
         judge.round([(s, ids) for s in sessions])
@@ -191,6 +210,7 @@ def incremental(judge: Judge, chunk_ids: list[list[int]], streams: int) -> dict[
     chunks = len(chunk_ids) * streams
     return {
         "mode": "incremental",
+        **pass_fields(judge, graphs0),
         "streams": streams,
         "chunks": chunks,
         "judge_tokens": judge.judges.forward_tokens - tokens0,
@@ -205,8 +225,20 @@ def incremental(judge: Judge, chunk_ids: list[list[int]], streams: int) -> dict[
     }
 
 
+def pass_fields(judge: Judge, graphs0: tuple[int, int]) -> dict[str, Any]:
+    """Which judge pass ran (packed, static, cuda_graphs) and the graphs captured and replayed
+    since `graphs0`."""
+    captures, replays = graph_counts(judge)
+    return {
+        "judge_pass": judge.judges.info()["mode"],
+        "captures": captures - graphs0[0],
+        "replays": replays - graphs0[1],
+    }
+
+
 def rejudging(judge: Judge, chunk_ids: list[list[int]]) -> dict[str, Any]:
     tokens0, passes0 = judge.judges.forward_tokens, judge.judges.passes
+    graphs0 = graph_counts(judge)
     start, cpu = time.perf_counter(), time.process_time()
     so_far: list[int] = []
     for ids in chunk_ids:
@@ -217,6 +249,7 @@ def rejudging(judge: Judge, chunk_ids: list[list[int]]) -> dict[str, Any]:
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {
         "mode": "rejudging",
+        **pass_fields(judge, graphs0),
         "streams": 1,
         "chunks": len(chunk_ids),
         "judge_tokens": judge.judges.forward_tokens - tokens0,
@@ -383,6 +416,53 @@ def print_profiles(judge: Judge, chunk_ids: list[list[int]], levels: list[int]) 
         print("\n".join(lines), flush=True)
 
 
+def start_judge(
+    loaded: models.LoadedModel, args: argparse.Namespace, path: str, levels: list[int]
+) -> tuple[Engine, Judge]:
+    """An engine whose judge sessions run `path`'s pass (no static decode step: the bench
+    decodes nothing, and its graphs would only lengthen the start), and the answer's chunks
+    (`Judge.chunk_ids`) within what a session can hold. On a CPU the static pool gets a slot
+    per stream (and one for re-judging) of the answer's length: sized for all 256 sessions it
+    would take gigabytes of the host's memory."""
+    static = path == "static"
+    engine = Engine(
+        loaded,
+        threads=args.threads,
+        static_decode=False,
+        warm_prefill=False,
+        static_judge=static,
+    )
+    judge = Judge(engine, loaded, chat=args.chat, template=args.template)
+    context = loaded.max_context
+    if static and loaded.device.type == "cuda":
+        context = min(context, POOL_CAPACITY)
+    room = context - len(judge.head) - len(judge.tail)
+    judge.chunk_ids = [judge.encode(c) for c in answer_chunks(loaded.tokenizer, args.tokens, room)]
+    if static and loaded.device.type != "cuda":
+        needed = len(judge.head) + sum(len(c) for c in judge.chunk_ids) + len(judge.tail)
+        engine.judges.pool_slots = max(levels) + 1
+        engine.judges.pool_capacity = max(needed, 64)
+    engine.start()
+    return engine, judge
+
+
+def warm_up(judge: Judge, chunk_ids: list[list[int]], levels: list[int]) -> None:
+    """First-use costs out of the timed runs: three appends; with CUDA graphs the whole answer
+    at each of `levels` (the timed runs then replay the graphs of every key they meet; a
+    capture costs about three eager passes)."""
+    if judge.judges.info()["mode"] != "cuda_graphs":
+        incremental(judge, chunk_ids[:3], 1)
+        return
+    for streams in levels:
+        started = time.perf_counter()
+        r = incremental(judge, chunk_ids, streams)
+        print(
+            f"warm-up: {streams} stream{'s' if streams > 1 else ''}, {r['captures']} judge "
+            f"graphs captured, {r['replays']} replays in {time.perf_counter() - started:.2f} s",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -410,11 +490,19 @@ def main() -> None:
     parser.add_argument(
         "--profile-only", action="store_true", help="only the --profile lines, no timed runs"
     )
+    parser.add_argument(
+        "--judge-pass",
+        choices=["packed", "static"],
+        default=None,
+        help="the engine's judge pass (default: the engine's for the device: static, replayed "
+        "from CUDA graphs, on CUDA; packed on a CPU); on CUDA the other one's incremental "
+        "1-stream line follows",
+    )
     args = parser.parse_args()
     loaded = models.load(args.model, device=args.device, dtype=args.dtype)
-    engine = Engine(loaded, threads=args.threads)
-    engine.start()
-    judge = Judge(engine, loaded, chat=args.chat, template=args.template)
+    levels = [int(s) for s in args.streams.split(",")]
+    path = args.judge_pass or ("static" if loaded.device.type == "cuda" else "packed")
+    engine, judge = start_judge(loaded, args, path, levels)
     if args.quality is not None:
         found = separation(judge, args.quality)
         engine.stop()
@@ -425,18 +513,20 @@ def main() -> None:
             f"{found['mean_unsafe']:.3f} safe={found['mean_safe']:.3f}"
         )
         return
-    room = loaded.max_context - len(judge.head) - len(judge.tail)
-    chunk_ids = [judge.encode(c) for c in answer_chunks(loaded.tokenizer, args.tokens, room)]
+    chunk_ids = judge.chunk_ids
     answer_tokens = sum(len(c) for c in chunk_ids)
+    info = engine.judges.info()
     print(
         f"{loaded.name} on {loaded.device} ({loaded.dtype}), {platform.processor() or 'cpu'}; "
         f"answer {answer_tokens} tokens in {len(chunk_ids)} sentence chunks; "
-        f"template head {len(judge.head)} + tail {len(judge.tail)} tokens",
+        f"template head {len(judge.head)} + tail {len(judge.tail)} tokens; judge pass {path} "
+        f"({info['mode']}"
+        + (f", {info['slots']} slots x {info['capacity']} tokens" if info["slots"] else "")
+        + ")",
         flush=True,
     )
-    incremental(judge, chunk_ids[:3], 1)  # warm-up (first-use costs)
+    warm_up(judge, chunk_ids, levels)
     results = []
-    levels = [int(s) for s in args.streams.split(",")]
     if args.profile or args.profile_only:  # first: a GPU check cut short keeps these lines
         print_profiles(judge, chunk_ids, levels)
     if args.profile_only:
@@ -452,13 +542,29 @@ def main() -> None:
             f"cpu={r['cpu_s']:8.2f}s chunks/s={r['chunks_per_s']:8.2f} "
             f"chunks/cpu-s={r['chunks_per_cpu_s']:8.2f} passes={r['passes']:>4} "
             f"ms/pass={1e3 * r['wall_s'] / r['passes']:7.1f} "
-            f"GFLOP/s={r['gflop'] / r['wall_s']:6.1f}{note}",
+            f"GFLOP/s={r['gflop'] / r['wall_s']:6.1f} pass={r['judge_pass']} "
+            f"graphs={r['captures']}/{r['replays']}{note}",
             flush=True,
         )
         return r
 
     inc1 = report(incremental(judge, chunk_ids, 1))
     rej = report(rejudging(judge, chunk_ids))
+    if loaded.device.type == "cuda":  # the other judge pass, side by side, on its own engine
+        other = "packed" if path == "static" else "static"
+        engine_b, judge_b = start_judge(loaded, args, other, [1])
+        try:
+            warm_up(judge_b, chunk_ids, [1])
+            side = incremental(judge_b, chunk_ids, 1)
+        finally:
+            engine_b.stop()
+        report(side, f" (judge pass {other}, side by side)", keep=False)
+        print(
+            f"judge passes: {path} {1e3 * inc1['wall_s'] / inc1['passes']:.1f} ms/pass, "
+            f"{other} {1e3 * side['wall_s'] / side['passes']:.1f} ms/pass (1 stream, "
+            f"incremental): {path} is {side['wall_s'] / inc1['wall_s']:.2f}x {other}'s speed",
+            flush=True,
+        )
     if loaded.device.type == "cuda":
         restricted = attention_backends.CHANGING_SHAPE_BACKENDS
         attention_backends.CHANGING_SHAPE_BACKENDS = None  # SDPA's default order, cuDNN first
@@ -479,7 +585,7 @@ def main() -> None:
     for streams in levels:
         if streams != 1:
             report(incremental(judge, chunk_ids, streams))
-    for r in results[2:]:
+    for r in results[2:]:  # (the side-by-side line is not kept)
         print(
             f"{r['streams']} streams: {r['chunks_per_s'] / inc1['chunks_per_s']:.2f}x the judged "
             f"chunks/s of 1 stream, {r['chunks_per_cpu_s'] / inc1['chunks_per_cpu_s']:.2f}x its "

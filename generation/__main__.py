@@ -71,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
         help="judge sessions held at once (default 256; more get 429)",
     )
     serve.add_argument(
+        "--static-judge",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="judge passes over a static pool of session slots, replayed from CUDA graphs "
+        "(default: on for CUDA; on a CPU judge passes run packed and eager); the pool's slots "
+        "are the judge sessions held at once",
+    )
+    serve.add_argument(
         "--gpu-memory-fraction",
         type=float,
         default=0.8,
@@ -233,6 +241,7 @@ async def _load_app(args: argparse.Namespace, api_keys: list[str] | None) -> Any
         threads=args.threads if args.threads is not None else loaded.threads,
         api_keys=api_keys,
         max_judge_sessions=args.max_judge_sessions,
+        static_judge=args.static_judge,
     )
     return app
 

@@ -152,6 +152,21 @@ def plan_cache(
     return CachePlan(rows, capacity, rows * capacity * bytes_per_token)
 
 
+def plan_free_memory(
+    template: DynamicCache, fraction: float, max_context: int, max_rows: int
+) -> CachePlan:
+    """`plan_cache` for a cache shaped as `template` (a prefill's) on its CUDA device, from the
+    memory free there now (the decode cache's and the judge pool's plans)."""
+    free, _total = torch.cuda.mem_get_info(template.layers[0].keys.device)
+    return plan_cache(
+        free_bytes=free,
+        fraction=fraction,
+        bytes_per_token=cache_bytes_per_token(template),
+        max_context=max_context,
+        max_rows=max_rows,
+    )
+
+
 def cache_bytes_per_token(template: DynamicCache) -> int:
     """Bytes one token takes in every layer's keys and values (from a prefill's cache)."""
     total = 0
@@ -340,6 +355,31 @@ def describe_error(error: BaseException, limit: int = 300) -> str:
     message = " ".join(line.strip() for line in paragraph.splitlines() if line.strip())
     text = f"{type(error).__name__}: {message}" if message else type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def warm_up(runs: Sequence[Callable[[], object]]) -> None:
+    """Each of `runs` once, eagerly, on a side stream, before they are captured, as PyTorch's
+    CUDA-graph notes ask: lazy initialisation, kernel choice and autotuning, workspaces and the
+    allocator's warm-up happen outside the capture. CUDA only."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for run in runs:
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def capture_graph(
+    run: Callable[[], torch.Tensor], pool: object
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run` captured into a CUDA graph that allocates from `pool` (shared by a decoder's or a
+    judge's graphs: they replay one at a time on one stream), and its output tensor, which every
+    replay rewrites. The capture runs nothing: replay it for a result (`warm_up` first)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
 
 
 class StaticDecoder:
@@ -552,22 +592,16 @@ class StaticDecoder:
         started = time.perf_counter()
         cache.input_ids.zero_()
         cache.positions.zero_()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # every shape once eagerly (kernel choice, workspaces)
-            for key in [keys[0], *keys]:
-                self._forward(*key)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        # every shape once eagerly (kernel choice, workspaces)
+        warm_up([lambda key=key: self._forward(*key) for key in [keys[0], *keys]])
         self._pool = torch.cuda.graph_pool_handle()
         self._compiled_keys.clear()
         for key in keys:
-            graph = torch.cuda.CUDAGraph()
             if self.compiled:
                 self._compiled_keys.add(key)
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._outputs[key] = self._forward(*key)
-            self._graphs[key] = graph
+            self._graphs[key], self._outputs[key] = capture_graph(
+                lambda key=key: self._forward(*key), self._pool
+            )
         torch.cuda.synchronize()
         log.info(
             "captured %d decode graphs (rows %s x widths %s) in %.1f s%s",

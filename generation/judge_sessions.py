@@ -28,18 +28,21 @@ of the session's whole prefix per layer and pass. (The first version copied ever
 padded rectangle per layer: memory traffic of 16 sessions x 2,000 columns x 30 layers per pass
 on smollm2, and every row padded to the longest chunk.)
 
-On CUDA a pass is eager (its shapes change with every append: no graph replays it), so its
-cost is mostly the host's: the forward's kernel launches, a few more per session and layer for
-the session's attention (the writes are one multi-tensor copy per layer), and whatever the
-attention backend does per new shape. cuDNN
-attention builds a plan per shape, so passes leave it out (attention_backends.py); the verdicts'
-probabilities reach the host in one copy per pass (`_answer_probabilities`), and the pass's ids,
-positions and answer rows reach the device in one. bench/judge.py prints the time per pass next
-to a plain forward of as many tokens, and `--profile` where a pass's time goes.
+The packed pass is eager, its shapes new at every append (a prefix that grows), so on a GPU
+its cost is mostly the host's: the forward's kernel launches (~7,000 aten ops for smollm2), a
+few more per session and layer for the session's attention (the writes are one multi-tensor copy
+per layer), and whatever the attention backend does per new shape. cuDNN attention builds a plan
+per shape, so passes leave it out (attention_backends.py); the verdicts' probabilities reach the
+host in one copy per pass (`_answer_probabilities`), and the pass's ids, positions and answer
+rows reach the device in one. On CUDA the static pass (judge_graphs.py) is therefore the
+default: the sessions in slots of a fixed pool, the pass padded to bucketed shapes and replayed
+from CUDA graphs; the packed pass stays the CPU's default, where a pass is bound by arithmetic
+and padding would cost real FLOPs. bench/judge.py prints the time per pass next to a plain
+forward of as many tokens, and `--profile` where a pass's time goes.
 
 Answers. An append may ask for the judge's answer text (Llama Guard's category line after the
 verdict): when its score reaches `answer_min_score`, the verdict token and greedy tokens after
-it are generated in the scratch columns after the tail, a packed pass per token for every
+it are generated in the scratch columns after the tail, a pass per token (Q = 1) for every
 session that wants one (`_answers`).
 
 Exactness: in `--batch-invariant` mode (batch_invariant.py) a row's logits are bitwise
@@ -57,19 +60,31 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-import math
+import logging
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .attention_backends import changing_shapes
+from .decode_graphs import plan_free_memory, row_buckets, width_buckets
+from .judge_attention import active, as_kind, grouped_attention, install, mask_kind
+from .judge_graphs import (
+    CPU_POOL_CAPACITY,
+    CPU_POOL_SLOTS,
+    JUDGE_MEMORY_FRACTION,
+    POOL_CAPACITY,
+    QUERY_BUCKETS,
+    JudgePool,
+    StaticJudge,
+)
 from .models import LoadedModel
+
+log = logging.getLogger("guardstream.engine")
 
 #: Sessions held at once by default (each holds KV rows of its judged prefix).
 MAX_SESSIONS = 256
@@ -114,6 +129,7 @@ class JudgeSession:
         "length",
         "pending",
         "safe",
+        "slot",
         "tail",
         "unsafe",
         "values",
@@ -132,6 +148,7 @@ class JudgeSession:
         self.values: list[torch.Tensor] = []
         self.closed = False
         self.last_used = time.monotonic()
+        self.slot = -1  # its slot of the static pass's pool (judge_graphs.py); -1: none
 
     @property
     def tokens(self) -> int:
@@ -251,65 +268,13 @@ class _Pack(Cache):
                 mask = columns[None, :] <= rows[:, None]
                 if groups > 1:
                     mask = mask.repeat(groups, 1)
-                if self.mask_kind != "boolean":
-                    fill = torch.finfo(dtype).min if self.mask_kind == "eager" else -math.inf
-                    mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
-                        ~mask, fill
-                    )
-                self.masks.append(mask[None, None])
+                self.masks.append(as_kind(mask, self.mask_kind, dtype)[None, None])
         return self.masks
 
-
-def mask_kind(implementation: str) -> str:
-    """How a pass's masks are handed to the attention function: "eager" additive (the dtype's
-    minimum, as transformers builds them), "sdpa" additive with -inf: what SDPA makes of a
-    boolean mask at every call (a `where` per session and layer: on CUDA two more launches each),
-    made once per pass, the same values and so the same bits; "boolean" for the others (the
-    batch-invariant functions read a boolean mask as it is)."""
-    return implementation if implementation in ("eager", "sdpa") else "boolean"
-
-
-#: The pack of the append pass this thread is running (None: the model's ordinary forward).
-_ACTIVE = threading.local()
-
-
-def _attention_of(
-    module: torch.nn.Module, original: Callable[..., Any] | None
-) -> Callable[..., Any]:
-    """The model's own attention function: `original` (registered: sdpa, batch_invariant's,
-    flash) or, for "eager", the function of the module's modeling file."""
-    if original is not None:
-        return original
-    return sys.modules[type(module).__module__].eager_attention_forward  # type: ignore[no-any-return]
-
-
-def _dispatching(original: Callable[..., Any] | None) -> Callable[..., Any]:
-    """The attention function registered under the model's implementation name: the original
-    one, unless this thread runs an append pass (`packed_attention`)."""
-
-    def attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # (a compiled step is never an append pass: dynamo does not trace the thread-local)
-        pack: _Pack | None = (
-            None if torch.compiler.is_compiling() else getattr(_ACTIVE, "pack", None)
-        )
-        if pack is None:
-            return _attention_of(module, original)(module, *args, **kwargs)
-        return packed_attention(_attention_of(module, original), pack, module, *args, **kwargs)
-
-    attention._gs_judge_dispatch = True  # type: ignore[attr-defined]
-    return attention
-
-
-def _install(implementation: str) -> None:
-    """Route `implementation`'s attention through `_dispatching` (idempotent). Threads that run
-    no append pass get the original function, so generation is unchanged; it is global because
-    transformers looks attention functions up by name in one global registry."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-
-    current = ALL_ATTENTION_FUNCTIONS.get(implementation)
-    if current is not None and getattr(current, "_gs_judge_dispatch", False):
-        return
-    AttentionInterface.register(implementation, _dispatching(current))
+    def attend(
+        self, base: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, None]:
+        return packed_attention(base, self, module, *args, **kwargs)
 
 
 def packed_attention(
@@ -326,19 +291,14 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """Each session's queries against its own buffer, with the model's own attention function
     `base`: the same call, on the same shapes, as the session judged alone, whatever else is in
-    the pass. `query` `[1, H, N, d]` packed; returns `[1, N, H, d]`."""
+    the pass. `query` `[1, H, N, d]` packed; returns `[1, N, H, d]`. With grouped-query
+    attention the queries go in grouped per key/value head (`grouped_attention`): the model's
+    function would repeat the session's whole prefix per query head (~10% of a 16-stream pass
+    of smollm2 on a CPU)."""
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    _b, heads, _n, dim = query.shape
-    kv_heads = pack.sessions[0].keys[layer].shape[1]
-    groups = heads // kv_heads
+    heads = query.shape[1]
+    groups = heads // pack.sessions[0].keys[layer].shape[1]
     masks = pack.session_masks(query.dtype, query.device, groups)
-    if groups > 1:
-        # grouped-query attention: each key/value head's query heads as one group of rows
-        # (`[1, kv_heads, groups * t, d]`), so the attention reads the session's buffer as it
-        # lies. The model's function would repeat every key/value head `groups` times
-        # (transformers' `repeat_kv` whenever a mask is given): a copy of the whole prefix per
-        # layer and session, every pass (~10% of a 16-stream pass of smollm2 on a CPU).
-        module = _Ungrouped(module)  # type: ignore[assignment]
     outputs = []
     for session, (p, q, mask) in zip(
         pack.sessions,
@@ -348,29 +308,12 @@ def packed_attention(
         t = q.shape[2]
         keys = session.keys[layer][:, :, : p + t]
         values = session.values[layer][:, :, : p + t]
-        if groups > 1:
-            q = q.reshape(1, kv_heads, groups * t, dim)
-        out, _ = base(module, q, keys, values, mask, scaling=scaling, dropout=dropout, **kwargs)
-        if groups > 1:  # [1, groups * t, kv_heads, d] -> [1, t, heads, d]
-            out = out.reshape(1, groups, t, kv_heads, dim).permute(0, 2, 3, 1, 4)
-            out = out.reshape(1, t, heads, dim)
-        outputs.append(out)
+        outputs.append(
+            grouped_attention(
+                base, module, q, keys, values, mask, scaling=scaling, dropout=dropout, **kwargs
+            )
+        )
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
-
-
-class _Ungrouped:
-    """An attention module as the attention function sees it once the queries are grouped by
-    key/value head (`packed_attention`): one query head per key/value head, nothing to repeat.
-    Every other attribute is the module's."""
-
-    __slots__ = ("_module",)
-    num_key_value_groups = 1
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self._module = module
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
 
 
 class JudgeSessions:
@@ -384,7 +327,20 @@ class JudgeSessions:
         max_batch: int = MAX_BATCH,
         token_budget: int = TOKEN_BUDGET,
         wake: threading.Condition | None = None,
+        *,
+        static: bool | None = None,
+        cuda_graphs: bool | None = None,
+        pool_slots: int | None = None,
+        pool_capacity: int | None = None,
+        memory_fraction: float = JUDGE_MEMORY_FRACTION,
     ) -> None:
+        """`static`: passes over the static pool (judge_graphs.py; default: on CUDA), replayed
+        from CUDA graphs with `cuda_graphs` (default: on CUDA; never on a CPU). The pool is
+        allocated by `set_up` (the engine's start): `max_sessions` slots at most (its slots are
+        the sessions held) of the model's context up to `pool_capacity` columns (default:
+        POOL_CAPACITY on CUDA, CPU_POOL_CAPACITY on a CPU); `pool_slots` fixes the slots
+        (default: on CUDA as many as `memory_fraction` of free memory holds, on a CPU
+        CPU_POOL_SLOTS)."""
         self.loaded = loaded
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -396,14 +352,96 @@ class JudgeSessions:
         self.passes = 0  # forward passes run (for tests and metrics)
         self.batch_sizes: dict[int, int] = {}  # appends per pass -> passes
         self.forward_tokens = 0
-        self.pass_tokens = 0  # tokens the passes put through the model (no padding: the same)
+        self.pass_tokens = 0  # tokens the passes put through the model (static: with padding)
+        self.packed_passes = 0  # packed forward passes (appends' and answer tokens')
         self._layers = int(getattr(loaded.model.config, "num_hidden_layers", 0)) or len(
             getattr(loaded.model.config, "layer_types", []) or []
         )
         self._mask_kind = mask_kind(getattr(loaded.model.config, "_attn_implementation", ""))
         self._ids = itertools.count()
         self._attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
-        _install(self._attention)
+        install(self._attention)
+        on_cuda = loaded.device.type == "cuda"
+        self.static = on_cuda if static is None else static
+        self.cuda_graphs = on_cuda and (cuda_graphs is None or cuda_graphs)
+        self.pool_slots = pool_slots
+        self.pool_capacity = pool_capacity
+        self.memory_fraction = memory_fraction
+        self.static_judge: StaticJudge | None = None  # `set_up` makes it (static passes)
+
+    def set_up(self) -> None:
+        """The static pass's pool (worker thread, at the engine's start: before the decode
+        cache's plan, which then sees its memory gone; a `JudgeSessions` on its own makes it at
+        its first open). A model whose cache is not plain per-layer keys and values (sliding
+        windows) keeps the packed pass."""
+        if not self.static or self.static_judge is not None:
+            return
+        loaded = self.loaded
+        with torch.inference_mode():
+            ids = torch.zeros((1, 1), dtype=torch.long, device=loaded.device)
+            template = loaded.model(input_ids=ids, use_cache=True).past_key_values
+        if not isinstance(template, DynamicCache) or any(
+            type(layer) is not DynamicLayer for layer in template.layers
+        ):
+            log.warning("this model's KV cache has no static judge pool; judge passes run packed")
+            self.static = False
+            return
+        on_cuda = loaded.device.type == "cuda"
+        context = min(
+            loaded.max_context,
+            self.pool_capacity or (POOL_CAPACITY if on_cuda else CPU_POOL_CAPACITY),
+        )
+        if on_cuda and self.pool_slots is None:
+            plan = plan_free_memory(template, self.memory_fraction, context, self.max_sessions)
+            slots, capacity = plan.rows, plan.capacity
+        else:
+            slots = min(self.max_sessions, self.pool_slots or CPU_POOL_SLOTS)
+            capacity = context
+        rows = row_buckets(self.max_batch)
+        pool = JudgePool(template, slots, capacity, rows[-1], QUERY_BUCKETS[-1])
+        self.static_judge = StaticJudge(
+            loaded.model,
+            pool,
+            mask_kind=self._mask_kind,
+            rows=rows,
+            queries=QUERY_BUCKETS,
+            widths=width_buckets(capacity),
+            cuda_graphs=self.cuda_graphs,
+        )
+        self.max_sessions = slots
+        log.info(
+            "judge sessions: static pool of %d slots x %d tokens, %.1f MiB%s",
+            slots,
+            capacity,
+            pool.nbytes / 2**20,
+            ", CUDA graphs" if self.cuda_graphs else "",
+        )
+
+    def info(self) -> dict[str, object]:
+        """How passes run, for /health, /metrics and the bench: `mode` packed, static or
+        cuda_graphs; the pool's slots and capacity, its graphs and their captures and replays."""
+        judge = self.static_judge
+        if judge is None:
+            return {
+                "mode": "packed",
+                "slots": 0,
+                "capacity": self.loaded.max_context,
+                "graphs": 0,
+                "captures": 0,
+                "replays": 0,
+                "eager_passes": self.packed_passes,
+                "graph_error": None,
+            }
+        return {
+            "mode": "cuda_graphs" if judge.cuda_graphs or judge.graphs else "static",
+            "slots": judge.pool.slots,
+            "capacity": judge.pool.capacity,
+            "graphs": judge.graphs,
+            "captures": judge.captures,
+            "replays": judge.replays,
+            "eager_passes": judge.eager_passes,
+            "graph_error": judge.graph_error,
+        }
 
     # ----- event-loop side (any thread; under the lock) ----------------------------------------
 
@@ -411,14 +449,22 @@ class JudgeSessions:
         self, head: list[int], tail: list[int], unsafe: list[int], safe: list[int]
     ) -> JudgeSession:
         """A new session (429 when `max_sessions` are held after closing idle ones)."""
+        if self.static and self.static_judge is None:
+            self.set_up()  # (an engine did at its start)
         with self.lock:
             self._expire()
-            if len(self.sessions) >= self.max_sessions:
+            full = len(self.sessions) >= self.max_sessions
+            judge = self.static_judge
+            slot: int | None = -1
+            if not full and judge is not None:  # the static pass: a slot of the pool
+                slot = judge.pool.take()
+            if full or slot is None:
                 raise JudgeSessionError(
                     429, f"all {self.max_sessions} judge sessions are in use", "too_many_sessions"
                 )
             session_id = f"js-{next(self._ids)}-{secrets.token_hex(6)}"
             session = JudgeSession(session_id, head, tail, unsafe, safe)
+            session.slot = slot
             self.sessions[session_id] = session
             return session
 
@@ -446,12 +492,14 @@ class JudgeSessions:
             if session.closed:
                 raise JudgeSessionError(404, f"no judge session {session.id!r}", "not_found")
             total = session.tokens + len(ids) + len(session.tail) + answer_tokens
-            limit = self.loaded.max_context
+            judge = self.static_judge
+            limit = self.loaded.max_context if judge is None else judge.pool.capacity
             if total > limit:
+                room = "model's context" if judge is None else "judge pool's capacity"
                 raise JudgeSessionError(
                     422,
                     f"the judged text would be {total} tokens with the template, over the "
-                    f"model's context of {limit}",
+                    f"{room} of {limit}",
                     "context_exceeded",
                 )
             new = session.pending + list(ids)
@@ -468,15 +516,23 @@ class JudgeSessions:
             session = self.sessions.pop(session_id, None)
             if session is None:
                 return False
-            session.closed = True
+            self._closed(session)
             return True
+
+    def _closed(self, session: JudgeSession) -> None:
+        """`session` (just removed from `sessions`) is closed and its slot free (under the
+        lock). A pass running it may still write the slot: a session that takes the slot next
+        writes its columns before it reads them, and its passes come after."""
+        session.closed = True
+        if session.slot >= 0 and self.static_judge is not None:
+            self.static_judge.pool.give(session.slot)
 
     def close_all(self, error: BaseException) -> None:
         """The engine stops: every queued append fails."""
         with self.lock:
             queued, self.queue = self.queue, []
             for session in self.sessions.values():
-                session.closed = True
+                self._closed(session)
             self.sessions.clear()
         for a in queued:
             if not a.future.done():
@@ -492,7 +548,7 @@ class JudgeSessions:
         for session_id in [
             s.id for s in self.sessions.values() if s.last_used < deadline and not self._queued(s)
         ]:
-            self.sessions.pop(session_id).closed = True
+            self._closed(self.sessions.pop(session_id))
 
     def _queued(self, session: JudgeSession) -> bool:
         return any(a.session is session for a in self.queue)
@@ -505,18 +561,25 @@ class JudgeSessions:
             batch: list[_Append] = []
             rest: list[_Append] = []
             seen: set[int] = set()
-            tokens = 0
+            tokens = longest = 0
+            judge = self.static_judge
             for a in self.queue:
                 cost = len(a.ids) + len(a.session.tail)
-                fits = len(batch) < self.max_batch and (
-                    not batch or tokens + cost <= self.token_budget
-                )
+                if judge is None:
+                    spent = tokens + cost
+                else:  # a static pass puts its padded rectangle through the model
+                    rows, queries, _width = judge.shape(
+                        [max(longest, cost)] * (len(batch) + 1), [1]
+                    )
+                    spent = rows * queries
+                fits = len(batch) < self.max_batch and (not batch or spent <= self.token_budget)
                 if id(a.session) in seen or not fits:
                     rest.append(a)
                     continue
                 seen.add(id(a.session))
                 batch.append(a)
                 tokens += cost
+                longest = max(longest, cost)
             self.queue = rest
             return batch
 
@@ -541,8 +604,8 @@ class JudgeSessions:
         except Exception as exc:  # the sessions' KV rows may be half-written: they are lost
             with self.lock:
                 for a in live:
-                    self.sessions.pop(a.session.id, None)
-                    a.session.closed = True
+                    if self.sessions.pop(a.session.id, None) is not None:
+                        self._closed(a.session)
             for a in live:
                 a.future.set_exception(exc)
             return len(batch)
@@ -606,12 +669,26 @@ class JudgeSessions:
         return answers
 
     def _run(self, rows: list[tuple[JudgeSession, int, list[int]]]) -> torch.Tensor:
-        """One packed forward pass over `rows`; the float64 logits at each row's last token."""
+        """One forward pass over `rows` (the static pass, or packed); the float64 logits at each
+        row's last token."""
+        install(self._attention)  # (again: a model loaded after us may have re-registered it)
+        judge = self.static_judge
+        if judge is not None:
+            before = judge.padded_tokens
+            logits = judge.run([(s.slot, p, ids) for s, p, ids in rows])
+            self.pass_tokens += judge.padded_tokens - before
+        else:
+            logits = self._packed(rows)
+        logits = logits.to(torch.float64)
+        vocab = self.loaded.vocab_size
+        return logits[:, :vocab] if logits.shape[-1] > vocab else logits  # (padding rows)
+
+    def _packed(self, rows: list[tuple[JudgeSession, int, list[int]]]) -> torch.Tensor:
+        """One packed forward pass over `rows` (`_Pack`); the logits at each row's last token."""
         device = self.loaded.device
         pack = _Pack(self._layers, rows, self._mask_kind)
         ends = [o + t - 1 for o, t in zip(pack.offsets, pack.counts, strict=True)]
-        _install(self._attention)  # (again: a model loaded after us may have re-registered it)
-        _ACTIVE.pack = pack
+        active(pack)
         try:
             # every pass attends at shapes of its own (a prefix that grows with every append):
             # no cuDNN attention, which builds a plan per new shape on CUDA (attention_backends)
@@ -630,11 +707,10 @@ class JudgeSessions:
                     logits_to_keep=inputs[2 * n :],
                 )
         finally:
-            _ACTIVE.pack = None
+            active(None)
         self.pass_tokens += len(pack.tokens)
-        logits = out.logits[0].to(torch.float64)
-        vocab = self.loaded.vocab_size
-        return logits[:, :vocab] if logits.shape[-1] > vocab else logits  # (padding rows)
+        self.packed_passes += 1
+        return out.logits[0]  # type: ignore[no-any-return]
 
 
 def _answer_probabilities(

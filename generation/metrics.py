@@ -69,6 +69,23 @@ class EngineCollector(Collector):
             "1 when --compile was given up (compiling failed) and the step runs uncompiled",
             value=int(cache["compile_error"] is not None),
         )
+        judge = engine.judges.info()
+        yield GaugeMetricFamily(
+            "guardstream_engine_judge_slots",
+            "Judge sessions the static judge pass's pool holds (0: packed passes)",
+            value=judge["slots"],
+        )
+        yield GaugeMetricFamily(
+            "guardstream_engine_judge_graphs",
+            "CUDA graphs held for judge passes",
+            value=judge["graphs"],
+        )
+        for name, key, help_text in (
+            ("judge_graph_captures", "captures", "Judge pass keys captured into CUDA graphs"),
+            ("judge_graph_replays", "replays", "Judge passes replayed from CUDA graphs"),
+            ("judge_eager_passes", "eager_passes", "Judge passes run eagerly"),
+        ):
+            yield CounterMetricFamily(f"guardstream_engine_{name}", help_text, value=judge[key])
         buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
         sizes = dict(stats.batch_sizes)
         cumulative = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in buckets]

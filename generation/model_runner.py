@@ -46,8 +46,7 @@ from .decode_graphs import (
     StaticDecoder,
     StaticSlotCache,
     bucket,
-    cache_bytes_per_token,
-    plan_cache,
+    plan_free_memory,
     row_buckets,
     width_buckets,
 )
@@ -202,13 +201,8 @@ class ModelRunner:
         """The static step's cache, sampler and host buffers (and graphs on CUDA)."""
         context = self.loaded.max_context
         if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            plan = plan_cache(
-                free_bytes=free,
-                fraction=self.gpu_memory_fraction,
-                bytes_per_token=cache_bytes_per_token(template),
-                max_context=context,
-                max_rows=self.max_batch_size,
+            plan = plan_free_memory(
+                template, self.gpu_memory_fraction, context, self.max_batch_size
             )
             slots, capacity = plan.rows, plan.capacity
         else:

@@ -113,6 +113,7 @@ class Engine:
         prefill_buckets: bool | None = None,
         warm_prefill: bool | None = None,
         compile_step: bool = False,
+        static_judge: bool | None = None,
     ) -> None:
         """`prefill_chunk_tokens`: longer contexts are prefilled in chunks of this many tokens
         (None: PREFILL_CHUNK_TOKENS of the device). `max_batch_size` None: MAX_ROWS on CUDA
@@ -127,7 +128,9 @@ class Engine:
         are processed. `prefill_buckets` pads prefills up to (rows, width) buckets (default: on
         for CUDA) and `warm_prefill` runs each bucket once at start (default: with buckets, on
         CUDA; model_runner.py). `compile_step`: the static decode step through torch.compile
-        (Inductor) before graphs are captured; it implies the static step, with buckets."""
+        (Inductor) before graphs are captured; it implies the static step, with buckets.
+        `static_judge`: judge passes over the static pool, replayed from CUDA graphs on CUDA
+        (judge_graphs.py; default: on for CUDA, packed passes on a CPU)."""
         self.threads = threads  # CPU intra-op threads to set at start (process-wide); None: leave
         on_cuda = loaded.device.type == "cuda"
         if max_batch_size is None:
@@ -177,7 +180,7 @@ class Engine:
         self._ready = threading.Event()  # the worker finished its start-up (static buffers)
         self._pending: Step | None = None  # an overlapped step whose tokens are not yet accepted
         # judge sessions (judge_sessions.py): their appends run in the worker's iterations
-        self.judges = JudgeSessions(loaded, wake=self._cond)
+        self.judges = JudgeSessions(loaded, wake=self._cond, static=static_judge)
 
     # ----- settings (the runner's; some are final only once the engine has started) ----------
 
@@ -332,7 +335,10 @@ class Engine:
             )
 
     def _start_up(self) -> None:
-        """The runner's buffers (static step), and the limits they set for the other parts."""
+        """The judge sessions' pool (static judge passes) and the runner's buffers (static
+        step), and the limits they set for the other parts. The pool first: the decode cache's
+        plan takes its share of the memory left."""
+        self.judges.set_up()
         self._runner.set_up()
         self._sched.max_batch_size = self._runner.max_batch_size
         self._output.max_context = self._runner.loaded.max_context

@@ -131,6 +131,7 @@ def create_app(
     compile_step: bool = False,
     prefill_buckets: bool | None = None,
     warm_prefill: bool | None = None,
+    static_judge: bool | None = None,
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
     max_judge_sessions: int | None = None,
@@ -158,6 +159,7 @@ def create_app(
             compile_step=compile_step,
             prefill_buckets=prefill_buckets,
             warm_prefill=warm_prefill,
+            static_judge=static_judge,
         ),
         faults=FaultInjector() if fault_injection else None,
         tool_format=tool_call_format(getattr(loaded.frontend_tokenizer, "chat_template", None)),
@@ -521,6 +523,9 @@ async def handle_health(request: web.Request) -> web.Response:
         # rows x capacity the KV cache holds, what it uses now, and how decode steps run
         # (cuda_graphs: replayed; static: the static step run eagerly; eager: the slot cache)
         "kv_cache": engine.cache_info(),
+        # how judge passes run (packed; static: the pool run eagerly; cuda_graphs: replayed),
+        # the pool's slots and capacity, its graphs, captures and replays (judge_graphs.py)
+        "judge": engine.judges.info(),
     }
     return web.json_response(body, status=200 if engine.healthy else 503)
 

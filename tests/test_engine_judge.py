@@ -38,9 +38,14 @@ def tiny_exact() -> LoadedModel:
 
 
 @pytest.fixture
-def replicas(tiny_exact: LoadedModel) -> Iterator[list[ThreadedServer]]:
+def replicas(
+    tiny_exact: LoadedModel, request: pytest.FixtureRequest
+) -> Iterator[list[ThreadedServer]]:
+    """Two engine replicas; with the parameter "static" (indirect) A runs the static judge
+    pass (generation/judge_graphs.py) and B the packed one."""
+    static = getattr(request, "param", "packed") == "static"
     with (
-        ThreadedServer(lambda: create_app(tiny_exact)) as a,
+        ThreadedServer(lambda: create_app(tiny_exact, static_judge=static)) as a,
         ThreadedServer(lambda: create_app(tiny_exact)) as b,
     ):
         yield [a, b]
@@ -63,13 +68,15 @@ async def from_scratch(
     return reply["score"]
 
 
+@pytest.mark.parametrize("replicas", ["packed", "static"], indirect=True)
 async def test_a_stream_is_judged_incrementally_and_moves_when_its_replica_dies(
     replicas: list[ThreadedServer],
 ) -> None:
     """Calls as the pipeline makes them (the answer so far in the context): every score equals
     judging the answer so far from scratch, bitwise; each call appends to the stream's one
     session (the engine's prefix grows, no re-judging); when replica A dies mid-stream the
-    session is rebuilt on B from its chunks and the scores stay exact."""
+    session is rebuilt on B from its chunks and the scores stay exact (with "static", A's
+    static passes and B's packed ones, from scratch on B, agree bitwise)."""
     a, b = replicas
     assert a.app is not None and b.app is not None
     judges_a, judges_b = a.app[ENGINE_STATE].engine.judges, b.app[ENGINE_STATE].engine.judges

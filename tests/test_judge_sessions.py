@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend
 
 from generation import attention_backends
-from generation.judge_sessions import JudgeSessions
+from generation.judge_sessions import JudgeSessionError, JudgeSessions
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from orchestrator.judge_templates import JudgeContext, JudgePrompt
@@ -43,11 +43,19 @@ def tiny_exact() -> LoadedModel:
     return load_test_model("tiny-random", batch_invariant=True)
 
 
-@pytest.fixture(scope="module")
-def replicas(tiny_exact: LoadedModel) -> Iterator[list[ThreadedServer]]:
-    """Two engine replicas of the same model (a session is rebuilt on the second)."""
+PATHS = ["packed", "static"]
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def replicas(
+    tiny_exact: LoadedModel, request: pytest.FixtureRequest
+) -> Iterator[list[ThreadedServer]]:
+    """Two engine replicas of the same model (a session is rebuilt on the second). "static": A
+    runs the static judge pass (judge_graphs.py, on a CPU eagerly, with its buckets: padding
+    rows, queries and columns), B the packed one, so a session moves between the two paths."""
+    static = request.param == "static"
     with (
-        ThreadedServer(lambda: create_app(tiny_exact)) as a,
+        ThreadedServer(lambda: create_app(tiny_exact, static_judge=static)) as a,
         ThreadedServer(lambda: create_app(tiny_exact)) as b,
     ):
         yield [a, b]
@@ -135,6 +143,9 @@ def test_incremental_score_equals_judging_from_scratch(
                     assert status == 200, body
                     expected = await from_scratch(http, a.url, streams[i][: step + 1])
                     assert body["score"] == expected, (i, step)
+                    if engine.judges.static:  # and the packed pass's (B's) from scratch
+                        packed = await from_scratch(http, b.url, streams[i][: step + 1])
+                        assert body["score"] == packed, (i, step)
             if together > 1:  # (not when the only other stream moved to B)
                 grown = {
                     k: v - passes_before.get(k, 0) for k, v in engine.judges.batch_sizes.items()
@@ -174,8 +185,14 @@ def test_an_append_runs_only_the_chunk_and_the_tail(replicas: list[ThreadedServe
     run(scenario())
 
 
-async def test_limits_close_and_errors(aiohttp_client: Any, tiny_exact: LoadedModel) -> None:
-    client = await aiohttp_client(create_app(tiny_exact, max_judge_sessions=2))
+@pytest.mark.parametrize("path", PATHS)
+async def test_limits_close_and_errors(
+    aiohttp_client: Any, tiny_exact: LoadedModel, path: str
+) -> None:
+    """429 past the sessions held (the static pool's slots: a closed session's slot is taken by
+    the next open), 404 for a closed one, 422 for bad token lists."""
+    app = create_app(tiny_exact, max_judge_sessions=2, static_judge=path == "static")
+    client = await aiohttp_client(app)
     first = await (await client.post("/v1/judge/sessions", json=OPEN)).json()
     await client.post("/v1/judge/sessions", json=OPEN)
     full = await client.post("/v1/judge/sessions", json=OPEN)
@@ -210,19 +227,33 @@ async def test_limits_close_and_errors(aiohttp_client: Any, tiny_exact: LoadedMo
     )
 
 
-async def test_idle_sessions_are_closed(aiohttp_client: Any, tiny_exact: LoadedModel) -> None:
-    """A session idle past the timeout is closed at the next open (timeout < 0: at once)."""
-    client = await aiohttp_client(create_app(tiny_exact, judge_idle_timeout_s=-1.0))
+@pytest.mark.parametrize("path", PATHS)
+async def test_idle_sessions_are_closed(
+    aiohttp_client: Any, tiny_exact: LoadedModel, path: str
+) -> None:
+    """A session idle past the timeout is closed at the next open (timeout < 0: at once), which
+    then takes its place (with one session held at most: the static pool's one slot)."""
+    app = create_app(
+        tiny_exact,
+        judge_idle_timeout_s=-1.0,
+        max_judge_sessions=1,
+        static_judge=path == "static",
+    )
+    client = await aiohttp_client(app)
     engine = client.app[STATE].engine
     old = await (await client.post("/v1/judge/sessions", json=OPEN)).json()
-    await client.post("/v1/judge/sessions", json=OPEN)
+    second = await client.post("/v1/judge/sessions", json=OPEN)
+    assert second.status == 200, await second.json()
     assert list(engine.judges.sessions) != [] and old["session_id"] not in engine.judges.sessions
     gone = await client.post(f"/v1/judge/sessions/{old['session_id']}/append", json={"chunk": "a"})
     assert gone.status == 404
 
 
-async def test_context_limit_is_a_422(aiohttp_client: Any, tiny_exact: LoadedModel) -> None:
-    client = await aiohttp_client(create_app(tiny_exact))
+@pytest.mark.parametrize("path", PATHS)
+async def test_context_limit_is_a_422(
+    aiohttp_client: Any, tiny_exact: LoadedModel, path: str
+) -> None:
+    client = await aiohttp_client(create_app(tiny_exact, static_judge=path == "static"))
     sid = (await (await client.post("/v1/judge/sessions", json=OPEN)).json())["session_id"]
     resp = await client.post(
         f"/v1/judge/sessions/{sid}/append", json={"chunk": "hello " * tiny_exact.max_context}
@@ -357,7 +388,7 @@ def test_a_batched_pass_runs_each_appends_tokens_once_without_padding(
     heads, chunks = [[1, 2], [1, 2, *range(7, 40)]], [[13], list(range(50, 70))]
 
     def judge(together: bool) -> list[float]:
-        judges = JudgeSessions(tiny_exact)
+        judges = JudgeSessions(tiny_exact, static=False)
         sessions = [judges.open(head, tail, [5], [6]) for head in heads]
         futures = []
         for session, chunk in zip(sessions, chunks, strict=True):
@@ -374,20 +405,25 @@ def test_a_batched_pass_runs_each_appends_tokens_once_without_padding(
     assert judge(together=True) == judge(together=False)
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_judge_passes_attend_without_cudnn_attention(
-    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    tiny_model: LoadedModel, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """Every judge pass attends at a shape of its own (a prefix that grows with each append),
     and on CUDA cuDNN attention builds a plan per new shape (~60 ms a pass on an H200 whatever
     its tokens): appends and answer tokens run with cuDNN attention off, the flags are restored
-    after each pass, and the verdicts are those of passes with every backend allowed."""
+    after each pass, and the verdicts are those of passes with every backend allowed. (The
+    static pass's eager passes likewise; its CUDA graphs are captured so: cuda_graphs=False
+    here, so every pass dispatches.)"""
     seen = spy_cudnn_attention(monkeypatch)
     backends = attention_backends.CHANGING_SHAPE_BACKENDS
     assert backends is not None and SDPBackend.CUDNN_ATTENTION not in backends
 
     def judge(backends: Any) -> list[Any]:
         monkeypatch.setattr(attention_backends, "CHANGING_SHAPE_BACKENDS", backends)
-        judges = JudgeSessions(tiny_model)
+        judges = JudgeSessions(tiny_model, static=path == "static", cuda_graphs=False)
+        judges.set_up()  # (the static pool's one-token forward is no judge pass)
+        seen.clear()
         session = judges.open([11, 12, 13], [14, 15], [16, 17], [18])
         verdicts = []
         for chunk in ([20, 21, 22], [23], [24, 25]):
@@ -418,15 +454,19 @@ def gqa_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 GQA_CHUNKS = [[40, 41, 42, 43], [44], [45, 46, 47, 48, 49, 50], [51, 52]]
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_a_grouped_query_pass_attends_over_the_sessions_own_buffers(
-    gqa_folder: str, monkeypatch: pytest.MonkeyPatch
+    gqa_folder: str, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    """Every attention call of a pass reads a session's key and value buffers where they lie,
-    with their own key/value heads: no copy of the prefix repeated per query head (transformers'
-    `repeat_kv` copies every key/value head `groups` times whenever a mask is given, per layer,
-    session and pass: O(prefix) memory traffic per append)."""
+    """Every attention call of a pass reads its keys and values with their own key/value heads:
+    no copy of the prefix repeated per query head (transformers' `repeat_kv` copies every
+    key/value head `groups` times whenever a mask is given, per layer, session and pass:
+    O(prefix) memory traffic per append). The packed pass reads each session's buffers where
+    they lie (a call per session and layer); the static pass one window of the sessions' slots
+    per layer (padded to its rows and width buckets)."""
     loaded = load_test_model(gqa_folder, dtype="float64")
-    judges = JudgeSessions(loaded)
+    static = path == "static"
+    judges = JudgeSessions(loaded, static=static, cuda_graphs=False)  # (every pass calls)
     sessions = [judges.open([1, 2, 3], [4, 5], [6], [7]) for _ in range(2)]
     for session in sessions:
         judges.append(session, [8, 9, 10])
@@ -443,23 +483,27 @@ def test_a_grouped_query_pass_attends_over_the_sessions_own_buffers(
     judges.append(sessions[1], [13])
     assert judges.run_pending() == 2
     layers = loaded.model.config.num_hidden_layers
-    assert len(calls) == 2 * layers
+    assert len(calls) == (1 if static else 2) * layers
     buffers = {t.untyped_storage().data_ptr() for s in sessions for t in (*s.keys, *s.values)}
     for query, key, value in calls:
         assert query.shape[1] == key.shape[1] == value.shape[1] == 2  # the key/value heads
-        assert key.untyped_storage().data_ptr() in buffers
-        assert value.untyped_storage().data_ptr() in buffers
+        if static:  # 2 rows, 16 queries (of 2 + 2 tokens) x 2 query heads per key/value head
+            assert query.shape[:3] == (2, 2, 2 * 16) and key.shape[:3] == (2, 2, 128)
+        else:
+            assert key.untyped_storage().data_ptr() in buffers
+            assert value.untyped_storage().data_ptr() in buffers
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_grouped_query_scores_are_the_models_own_forward_over_the_whole_text(
-    gqa_folder: str,
+    gqa_folder: str, path: str
 ) -> None:
     """With grouped-query attention, every verdict of sessions appending together is the
     model's plain forward over head + chunks so far + tail (no cache, no session) at the last
     position: the query heads regrouped per key/value head attend as the model's own heads do."""
     loaded = load_test_model(gqa_folder, dtype="float64")
     head, tail, unsafe, safe = [1, 2, 3], [4, 5], [6, 16], [7]
-    judges = JudgeSessions(loaded)
+    judges = JudgeSessions(loaded, static=path == "static")
     sessions = [judges.open(head, tail, unsafe, safe) for _ in range(2)]
     so_far: list[list[int]] = [[], []]
     for step, chunk in enumerate(GQA_CHUNKS):
@@ -477,15 +521,16 @@ def test_grouped_query_scores_are_the_models_own_forward_over_the_whole_text(
             assert verdict.p_safe == pytest.approx(float(probs[safe].sum()), rel=1e-9)
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_grouped_query_incremental_scores_are_bitwise_those_from_scratch(
-    gqa_folder: str,
+    gqa_folder: str, path: str
 ) -> None:
     """`--batch-invariant` with grouped-query attention: a session's score after every append,
     batched with another session, is bitwise the score of judging head + all its chunks + tail
     in one pass of a fresh session."""
     loaded = load_test_model(gqa_folder, dtype="float64", batch_invariant=True)
     head, tail = [1, 2, 3], [4, 5]
-    judges = JudgeSessions(loaded)
+    judges = JudgeSessions(loaded, static=path == "static")
     session, other = (judges.open(head, tail, [6], [7]) for _ in range(2))
     so_far: list[int] = []
     for chunk in GQA_CHUNKS:
@@ -517,7 +562,7 @@ def test_sdpa_gets_each_sessions_additive_mask_built_once_per_pass(
         return sdpa(*args, **kwargs)
 
     def verdicts() -> list[Any]:
-        judges = JudgeSessions(tiny_model)
+        judges = JudgeSessions(tiny_model, static=False)
         sessions = [judges.open([1, 2, 3], [4, 5], [6], [7]) for _ in range(2)]
         out = []
         for chunks in ([[8, 9], [10]], [[11], [12, 13, 14]]):
@@ -539,3 +584,216 @@ def test_sdpa_gets_each_sessions_additive_mask_built_once_per_pass(
     monkeypatch.setattr(judge_sessions, "mask_kind", lambda implementation: "boolean")
     assert verdicts() == additive
     assert all(m.dtype == torch.bool for m in masks)
+
+
+# -- the static judge pass's pool (generation/judge_graphs.py) -----------------------------------
+
+
+def judge_rounds(
+    judges: JudgeSessions, heads: list[list[int]], tail: list[int], rounds: list[list[list[int]]]
+) -> tuple[list[Any], list[float]]:
+    """Sessions of `heads` (one each), each round's chunks appended together (one pass); the
+    sessions and every verdict's score, round by round."""
+    sessions = [judges.open(head, tail, [6], [7]) for head in heads]
+    scores = []
+    for chunks in rounds:
+        futures = [judges.append(s, c) for s, c in zip(sessions, chunks, strict=True)]
+        assert judges.run_pending() == len(futures)
+        scores += [f.result().score for f in futures]
+    return sessions, scores
+
+
+def test_static_padding_writes_only_the_reserved_column(tiny_exact: LoadedModel) -> None:
+    """Padding never lands where a query can see it. Three sessions run in passes of 4 rows (a
+    padding row), their chunk and tail padded to 16 and 32 queries (padding queries), attending
+    over 128 columns (padding columns). Afterwards each session's slot holds, in its columns up
+    to its last tail, the bits of the packed pass's own buffer; the columns after them were
+    never written; the reserved column (`capacity`, beyond every window) was: by the padding
+    queries and rows; the fourth slot, no session's, was never touched. And every verdict is
+    the packed pass's, bitwise."""
+    tail = [4, 5]
+    heads = [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [9]]
+    rounds = [
+        [[10, 11], [12] * 9, [13, 14, 15]],
+        [[20] * 20, [21], [22, 23]],
+        [[30], [31, 32], [33] * 5],
+    ]
+    static = JudgeSessions(tiny_exact, static=True, pool_slots=4)
+    slots, static_scores = judge_rounds(static, heads, tail, rounds)
+    twins, packed_scores = judge_rounds(
+        JudgeSessions(tiny_exact, static=False), heads, tail, rounds
+    )
+    assert static_scores == packed_scores
+    judge = static.static_judge
+    assert judge is not None and judge.eager_passes + judge.replays == 3  # (CUDA: replays)
+    real = sum(len(h) for h in heads) + sum(len(c) + len(tail) for r in rounds for c in r)
+    assert static.pass_tokens == 4 * (32 + 32 + 16) and real < static.pass_tokens
+    pool = judge.pool
+    assert [s.slot for s in slots] == [0, 1, 2]
+    for layer in range(tiny_exact.model.config.num_hidden_layers):
+        keys = pool.keys_of(layer)
+        for session, twin in zip(slots, twins, strict=True):
+            end = session.length + len(tail)
+            assert torch.equal(keys[session.slot, :, :end], twin.keys[layer][0, :, :end])
+            assert not keys[session.slot, :, end : pool.capacity].any()
+            assert keys[session.slot, :, pool.capacity].any()
+        assert not keys[3].any()
+
+
+def test_a_freed_slot_is_reused_and_its_stale_columns_never_count(
+    tiny_exact: LoadedModel,
+) -> None:
+    """A long session's slot, once closed, goes to the next session: its columns beyond the new
+    session's prefix still hold the old keys, masked: the new session's verdicts, batched with
+    another session's, are bitwise the packed pass's and those of judging from scratch."""
+    tail = [4, 5]
+    judges = JudgeSessions(tiny_exact, static=True, pool_slots=2)
+    old = judges.open([1, 2, 3], tail, [6], [7])
+    judges.append(old, list(range(10, 200)))
+    assert judges.run_pending() == 1
+    assert judges.close(old.id)
+    rounds = [[[40, 41], [50]], [[42] * 7, [51, 52]], [[43], [53] * 12]]
+    sessions, scores = judge_rounds(judges, [[1, 2, 3], [8, 9]], tail, rounds)
+    assert sessions[0].slot == old.slot  # (the stale columns: 2 .. 195)
+    _twins, packed = judge_rounds(
+        JudgeSessions(tiny_exact, static=False), [[1, 2, 3], [8, 9]], tail, rounds
+    )
+    assert scores == packed
+    for s in sessions:
+        judges.close(s.id)
+    so_far: list[int] = []
+    for step, chunks in enumerate(rounds):
+        so_far += chunks[0]
+        fresh = judges.open([1, 2, 3], tail, [6], [7])
+        reference = judges.append(fresh, so_far)
+        assert judges.run_pending() == 1
+        judges.close(fresh.id)
+        assert reference.result().score == scores[2 * step]
+
+
+def test_static_pool_slots_are_held_until_close_expiry_or_failure(
+    tiny_exact: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool's slots are the sessions held: 429 when every slot is taken; a close, an
+    expiry, a failed pass and the engine's stop each free their sessions' slots for others."""
+    judges = JudgeSessions(tiny_exact, static=True, pool_slots=2)
+    a, b = (judges.open([1, 2], [3], [4], [5]) for _ in range(2))
+    assert judges.max_sessions == 2 and {a.slot, b.slot} == {0, 1}
+    with pytest.raises(JudgeSessionError) as full:
+        judges.open([1, 2], [3], [4], [5])
+    assert (full.value.status, full.value.type) == (429, "too_many_sessions")
+    assert full.value.message == "all 2 judge sessions are in use"
+    assert judges.close(a.id)
+    c = judges.open([1, 2], [3], [4], [5])
+    assert c.slot == a.slot
+    judges.idle_timeout_s = -1.0  # b and c expire at the next open
+    d = judges.open([1, 2], [3], [4], [5])
+    assert list(judges.sessions) == [d.id] and b.closed and c.closed
+    judges.idle_timeout_s = 300.0
+    e = judges.open([1, 2], [3], [4], [5])
+    assert {d.slot, e.slot} == {0, 1}
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("the device failed")
+
+    assert judges.static_judge is not None
+    monkeypatch.setattr(judges.static_judge, "run", broken)
+    failed = [judges.append(s, [6]) for s in (d, e)]
+    assert judges.run_pending() == 2
+    assert all(isinstance(f.exception(), RuntimeError) for f in failed)
+    assert judges.sessions == {} and sorted(judges.static_judge.pool.free) == [0, 1]
+    monkeypatch.undo()
+    f, _g = (judges.open([1, 2], [3], [4], [5]) for _ in range(2))
+    judges.close_all(RuntimeError("stopping"))
+    assert f.closed and sorted(judges.static_judge.pool.free) == [0, 1]
+
+
+def test_static_sessions_end_at_the_pools_capacity(tiny_exact: LoadedModel) -> None:
+    """A session may fill its slot's every column (head + chunks + tail = capacity; the
+    reserved column is beyond them) and scores as the packed pass does there; one token more is
+    a 422 naming the capacity."""
+    judges = JudgeSessions(tiny_exact, static=True, pool_slots=1, pool_capacity=64)
+    session = judges.open([1, 2, 3], [4, 5], [6], [7])
+    full = judges.append(session, list(range(10, 69)))  # 3 + 59 + 2 = 64
+    assert judges.run_pending() == 1
+    packed = JudgeSessions(tiny_exact, static=False)
+    twin = packed.open([1, 2, 3], [4, 5], [6], [7])
+    reference = packed.append(twin, list(range(10, 69)))
+    assert packed.run_pending() == 1
+    assert full.result().score == reference.result().score
+    with pytest.raises(JudgeSessionError) as over:
+        judges.append(session, [70])
+    assert (over.value.status, over.value.type) == (422, "context_exceeded")
+    assert over.value.message == (
+        "the judged text would be 65 tokens with the template, over the judge pool's capacity of 64"
+    )
+
+
+def test_static_judge_passes_replay_cuda_graphs(tiny_model: LoadedModel) -> None:
+    """On CUDA a static pass's (rows, queries, width) key is captured into a graph at its first
+    use and replayed after: appends of the same shape replay one graph, answer tokens another,
+    and every verdict and answer is the bits of the same passes run eagerly."""
+    if tiny_model.device.type != "cuda":
+        pytest.skip("CUDA graphs need GUARDSTREAM_TEST_DEVICE=cuda")
+
+    def run(graphs: bool) -> tuple[dict[str, object], list[Any]]:
+        judges = JudgeSessions(tiny_model, static=True, cuda_graphs=graphs, pool_slots=4)
+        sessions = [judges.open([1, 2, 3], [4, 5], [6], [7]) for _ in range(2)]
+        verdicts = []
+        for step in range(4):  # 2 rows x 16 queries x 128 columns each time
+            futures = [
+                judges.append(s, [10 + step] * (5 + i), answer_tokens=3, answer_min_score=0.0)
+                for i, s in enumerate(sessions)
+            ]
+            assert judges.run_pending() == 2
+            verdicts += [f.result() for f in futures]
+        return judges.info(), verdicts
+
+    replayed, graph_verdicts = run(True)
+    eager, eager_verdicts = run(False)
+    assert graph_verdicts == eager_verdicts
+    assert (eager["mode"], eager["captures"], eager["replays"]) == ("static", 0, 0)
+    assert replayed["mode"] == "cuda_graphs" and replayed["graph_error"] is None
+    # the append key and the answer tokens' key: every pass replayed, the 4 appends' and each
+    # step's answer tokens' (a pass per token after the verdict's, up to the longer answer)
+    answer_passes = sum(
+        max(len(v.answer_ids or []) - 1 for v in graph_verdicts[i : i + 2]) for i in (0, 2, 4, 6)
+    )
+    assert answer_passes > 0
+    assert (replayed["captures"], replayed["replays"]) == (2, 4 + answer_passes)
+    assert replayed["eager_passes"] == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_health_and_metrics_report_the_judge_pass(
+    aiohttp_client: Any, tiny_exact: LoadedModel, path: str
+) -> None:
+    """/health's `judge` and the /metrics series say how judge passes run: packed, or the
+    static pool's slots and capacity, its graphs (none on a CPU) and its eager passes (an
+    append's and each answer token's)."""
+    static = path == "static"
+    client = await aiohttp_client(create_app(tiny_exact, max_judge_sessions=3, static_judge=static))
+    sid = (await (await client.post("/v1/judge/sessions", json=OPEN)).json())["session_id"]
+    body = {"chunk": "hello world", "answer_tokens": 3, "answer_min_score": 0.0}
+    reply = await client.post(f"/v1/judge/sessions/{sid}/append", json=body)
+    assert reply.status == 200
+    judge = (await (await client.get("/health")).json())["judge"]
+    passes = judge["eager_passes"] + judge["replays"]
+    assert 2 <= passes <= 3  # the append's, 1 or 2 answer tokens'
+    graphs = static and tiny_exact.device.type == "cuda"  # (CUDA: its two keys replayed)
+    assert judge == {
+        "mode": ("cuda_graphs" if graphs else "static") if static else "packed",
+        "slots": 3 if static else 0,
+        "capacity": tiny_exact.max_context,
+        "graphs": 2 if graphs else 0,
+        "captures": 2 if graphs else 0,
+        "replays": passes if graphs else 0,
+        "eager_passes": 0 if graphs else passes,
+        "graph_error": None,
+    }
+    metrics = await (await client.get("/metrics")).text()
+    assert f"guardstream_engine_judge_slots {3.0 if static else 0.0}" in metrics
+    assert f"guardstream_engine_judge_graphs {2.0 if graphs else 0.0}" in metrics
+    assert f"guardstream_engine_judge_graph_replays_total {float(judge['replays'])}" in metrics
+    eager = float(judge["eager_passes"])
+    assert f"guardstream_engine_judge_eager_passes_total {eager}" in metrics

@@ -28,7 +28,8 @@
 #            finished file's summary) in three parallel lanes, until the part's deadline
 #            (CHECK_SECONDS after the start, default 520);
 #   judge    bench/judge.py --device cuda (issue 37): incremental judge sessions at 1 and 16 streams
-#            against re-judging prefixes, 135M shape (random weights: the cost, not the verdicts);
+#            against re-judging prefixes, 135M shape (random weights: the cost, not the verdicts),
+#            the static judge pass from CUDA graphs next to the packed eager one (1 stream);
 #   e1p7_compile  the 1.7B shape with --compile, 64 streams (last: what is left of the deadline).
 #   part binv (--batch-invariant on the Triton kernels, generation/invariant_kernels.py):
 #   binv_tests  on CUDA, in two lanes: tests/test_invariant_kernels.py (the kernels compiled),
@@ -281,7 +282,9 @@ fi
 # judge and tool-call files it now ends with (17 s together on 2 busy CPU cores; on CUDA their
 # engines capture graphs: the limits leave room) and test_engine_ipc (the API process's frames,
 # one tiny-model engine; in no lane before the CPU rehearsal found it), so lane1 still sets the
-# lanes' time.
+# lanes' time. Lane 2 ends with the judge sessions' file (the static judge pass: its graphs
+# captured and replayed against the eager pass, exactness over both passes; ~20 s on 2 CPU
+# cores, not measured on CUDA).
 if wants tests; then
 export GUARDSTREAM_TEST_DEVICE=cuda
 lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
@@ -292,7 +295,8 @@ lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.p
 lane2=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
   tests/test_engine_units.py:60 tests/test_engine_api.py:90
   tests/test_engine_chat_limits_auth.py:60 tests/test_engine_smollm2.py:30
-  tests/test_engine_overlap.py:60 tests/test_migration_replay.py:60)
+  tests/test_engine_overlap.py:60 tests/test_migration_replay.py:60
+  tests/test_judge_sessions.py:90)
 lane3=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:90
   tests/test_migration_batch_invariant.py:90 tests/test_migration.py:90
   tests/test_engine_judge.py:90 tests/test_engine_tool_calls.py:60 tests/test_engine_ipc.py:60)
@@ -343,11 +347,16 @@ fi  # tests
 # then (--profile) one 1-stream and one 16-stream pass under torch.profiler: wall, GFLOP/s,
 # kernel launches, host syncs, the device's busy time and the top 10 ops by self CUDA time
 # (the "prof" lines, ~13 per level). ~110 s on an H200 when a pass cost ~60 ms, before the
-# profile (~15 s more: 70 passes to build each level's prefixes, the profiler's start)
+# profile (~15 s more: 70 passes to build each level's prefixes, the profiler's start).
+# The judge pass is the CUDA default, static (generation/judge_graphs.py: graphs captured per
+# key at first use; the `warm-up:` lines give the captures), each line says which pass ran and
+# its graphs captured/replayed (`pass=... graphs=C/R`); the packed pass's incremental 1-stream
+# line follows on an engine of its own, and `judge passes:` sets the two side by side. The
+# bench's engines have no static decode step (no decode graphs to capture at their start).
 if wants judge; then
   run judge 170 python3 bench/judge.py --device cuda --dtype bfloat16 --model "$models/m135r" \
     --streams 1,16 --profile --json "$out/judge.json"
-  grep -E "^ *(incremental|rejudging|re-judging)|streams: .*the judged|^per pass:|^prof |^judge_tokens_ratio" "$out/judge.log" >> "$summary"
+  grep -E "^ *(incremental|rejudging|re-judging)|streams: .*the judged|^per pass:|^prof |^warm-up:|^judge passes:|^judge_tokens_ratio" "$out/judge.log" >> "$summary"
 fi
 # last in its part: it gets what the tests left of the deadline
 if wants e1p7_compile; then
