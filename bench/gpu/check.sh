@@ -67,6 +67,8 @@ rehearse_optional=(  # alternatives a CPU rehearsal cannot print
   "^(FAILED|ERROR|SKIPPED) "      # pytest: only failures and skips
   "[0-9]+ (passed|failed|skipped|error)"  # pytest's last line: the rehearsal only collects (rc says)
   "^per pass:"                    # bench/judge.py: on CUDA only
+  "^warm-up:"                     # bench/judge.py: with CUDA graphs only (the static judge pass)
+  "^judge passes:"                # bench/judge.py: the two passes side by side, on CUDA only
   "engine log: .*(warmed|captured)"  # the engine warms prefill and captures graphs on CUDA only
   "serve failed: "                # bench/engine.py's serve anchor, only when it fails (which
                                   # rehearse_outcome reports)
