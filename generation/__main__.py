@@ -75,8 +75,9 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="judge passes over a static pool of session slots, replayed from CUDA graphs "
-        "(default: on for CUDA; on a CPU judge passes run packed and eager); the pool's slots "
-        "are the judge sessions held at once",
+        "(default: on for CUDA, the pool built at the first session's open; on a CPU judge "
+        "passes run packed and eager); --static-judge builds the pool at start, before the "
+        "decode cache; the pool's slots are the judge sessions held at once",
     )
     serve.add_argument(
         "--gpu-memory-fraction",

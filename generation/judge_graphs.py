@@ -60,9 +60,11 @@ costs real FLOPs (and the slot gather a copy of each window per layer). The stat
 eagerly on a CPU when asked (tests, `bench/judge.py --judge-pass static`): the same buckets, so
 every line of it runs in the CPU suite.
 
-Memory (CUDA): the pool is sized at the engine's start, before the decode cache's plan
-(decode_graphs.plan_cache, which then sees the pool's memory gone): `JUDGE_MEMORY_FRACTION` of
-free memory, `max_sessions` slots of `POOL_CAPACITY` columns when they fit, fewer slots (not
+Memory (CUDA): the pool is built when the engine's first judge session opens (on the worker
+thread: JudgeSessions.ready), so a replica that only generates never gives its decode cache's
+memory to it; or, with `--static-judge` (Engine(judge_pool_at_start=)), at the engine's start,
+before the decode cache's plan (decode_graphs.plan_cache, which then sees the pool's memory
+gone). Either way `JUDGE_MEMORY_FRACTION` of the memory free then, `max_sessions` slots of `POOL_CAPACITY` columns when they fit, fewer slots (not
 fewer columns, down to the model's context if shorter) when not. `POOL_CAPACITY`: a judged
 prefix longer than ~4k tokens is rare (a 2,000-token answer, its conversation and the template
 fit) and every slot costs its whole capacity (smollm2-135m in bf16: 23 KB a token, 94 MB a slot).
@@ -99,7 +101,7 @@ CPU_POOL_CAPACITY = 2048
 CPU_POOL_SLOTS = 32
 #: Graphs held at most (keys past it run eagerly).
 MAX_GRAPHS = 64
-#: Share of the GPU memory free at the engine's start that the pool may take.
+#: Share of the GPU memory free when the pool is built that it may take.
 JUDGE_MEMORY_FRACTION = 0.25
 
 

@@ -153,6 +153,9 @@ async def handle_open(request: web.Request) -> web.Response:
             422, "unsafe_tokens and safe_tokens need a first token of their own each"
         )
     judges = state.engine.judges
+    pending = judges.ready()  # the static judge pool, built by the worker at the first open
+    if pending is not None:
+        await asyncio.wrap_future(pending)
     try:
         session = judges.open(parts["head"], parts["tail"], parts["unsafe"], parts["safe"])
     except JudgeSessionError as exc:

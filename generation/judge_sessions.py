@@ -71,7 +71,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from .attention_backends import changing_shapes
-from .decode_graphs import plan_free_memory, row_buckets, width_buckets
+from .decode_graphs import describe_error, plan_free_memory, row_buckets, width_buckets
 from .judge_attention import active, as_kind, grouped_attention, install, mask_kind
 from .judge_graphs import (
     CPU_POOL_CAPACITY,
@@ -368,12 +368,17 @@ class JudgeSessions:
         self.pool_capacity = pool_capacity
         self.memory_fraction = memory_fraction
         self.static_judge: StaticJudge | None = None  # `set_up` makes it (static passes)
+        # an engine's worker thread builds the pool when a session first needs it (`ready`);
+        # without one (a JudgeSessions on its own), the thread that opens the first session
+        self._worker = wake is not None
+        self._pool_wanted: concurrent.futures.Future[None] | None = None
 
     def set_up(self) -> None:
-        """The static pass's pool (worker thread, at the engine's start: before the decode
-        cache's plan, which then sees its memory gone; a `JudgeSessions` on its own makes it at
-        its first open). A model whose cache is not plain per-layer keys and values (sliding
-        windows) keeps the packed pass."""
+        """The static pass's pool (worker thread): at the engine's start when asked for
+        (`Engine(judge_pool_at_start=)`: before the decode cache's plan, which then sees its
+        memory gone), else when the first session opens (`ready`), from the memory free then,
+        so an engine that never judges holds no pool. A model whose cache is not plain
+        per-layer keys and values (sliding windows) keeps the packed pass."""
         if not self.static or self.static_judge is not None:
             return
         loaded = self.loaded
@@ -417,13 +422,47 @@ class JudgeSessions:
             ", CUDA graphs" if self.cuda_graphs else "",
         )
 
+    def ready(self) -> concurrent.futures.Future[None] | None:
+        """None when sessions can open now; else the future of the pool's building, which the
+        worker does at its next iteration (an open's route awaits it, off the event loop's
+        back: a pool takes a model call and a large allocation)."""
+        with self.lock:
+            if not self.static or self.static_judge is not None:
+                return None
+            if self._pool_wanted is None:
+                self._pool_wanted = concurrent.futures.Future()
+                self.lock.notify_all()
+            return self._pool_wanted
+
+    def _build_pool(self) -> None:
+        """`set_up` for the waiting `ready` future (worker thread, or the opening thread without
+        a worker). A pool that cannot be built (no memory left for it) leaves the packed pass,
+        with a warning: judging goes on, only without graphs."""
+        with self.lock:
+            wanted = self._pool_wanted
+        if wanted is None:
+            return
+        try:
+            self.set_up()
+        except Exception as exc:  # torch.OutOfMemoryError above all
+            log.warning("no static judge pool (%s): judge passes run packed", describe_error(exc))
+            self.static_judge = None
+            self.static = False
+            if self.loaded.device.type == "cuda":
+                torch.cuda.empty_cache()
+        finally:
+            with self.lock:
+                self._pool_wanted = None
+            wanted.set_result(None)
+
     def info(self) -> dict[str, object]:
         """How passes run, for /health, /metrics and the bench: `mode` packed, static or
         cuda_graphs; the pool's slots and capacity, its graphs and their captures and replays."""
         judge = self.static_judge
         if judge is None:
             return {
-                "mode": "packed",
+                # static: the pool is built when the first session opens (`ready`)
+                "mode": "static" if self.static else "packed",
                 "slots": 0,
                 "capacity": self.loaded.max_context,
                 "graphs": 0,
@@ -448,9 +487,15 @@ class JudgeSessions:
     def open(
         self, head: list[int], tail: list[int], unsafe: list[int], safe: list[int]
     ) -> JudgeSession:
-        """A new session (429 when `max_sessions` are held after closing idle ones)."""
-        if self.static and self.static_judge is None:
-            self.set_up()  # (an engine did at its start)
+        """A new session (429 when `max_sessions` are held after closing idle ones). The
+        static pass's pool is built first when it is not yet (`ready`: an engine's route awaits
+        that before it calls this, so this waits only for callers off the event loop)."""
+        pending = self.ready()
+        if pending is not None:
+            if self._worker:
+                pending.result()
+            else:
+                self._build_pool()
         with self.lock:
             self._expire()
             full = len(self.sessions) >= self.max_sessions
@@ -540,8 +585,9 @@ class JudgeSessions:
 
     @property
     def has_work(self) -> bool:
-        """Appends are queued (read under the lock by the worker's wait)."""
-        return bool(self.queue)
+        """Appends are queued, or the pool is wanted (read under the lock by the worker's
+        wait)."""
+        return bool(self.queue) or self._pool_wanted is not None
 
     def _expire(self) -> None:
         deadline = time.monotonic() - self.idle_timeout_s
@@ -584,7 +630,9 @@ class JudgeSessions:
             return batch
 
     def run_pending(self) -> int:
-        """One append pass over the queued appends (worker thread); returns the appends run."""
+        """One append pass over the queued appends (worker thread), after building the pool
+        when a session waits for it; returns the appends run."""
+        self._build_pool()
         batch = self.take_batch()
         live: list[_Append] = []
         for a in batch:

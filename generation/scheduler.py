@@ -114,6 +114,7 @@ class Engine:
         warm_prefill: bool | None = None,
         compile_step: bool = False,
         static_judge: bool | None = None,
+        judge_pool_at_start: bool | None = None,
     ) -> None:
         """`prefill_chunk_tokens`: longer contexts are prefilled in chunks of this many tokens
         (None: PREFILL_CHUNK_TOKENS of the device). `max_batch_size` None: MAX_ROWS on CUDA
@@ -130,7 +131,10 @@ class Engine:
         CUDA; model_runner.py). `compile_step`: the static decode step through torch.compile
         (Inductor) before graphs are captured; it implies the static step, with buckets.
         `static_judge`: judge passes over the static pool, replayed from CUDA graphs on CUDA
-        (judge_graphs.py; default: on for CUDA, packed passes on a CPU)."""
+        (judge_graphs.py; default: on for CUDA, packed passes on a CPU). `judge_pool_at_start`
+        builds that pool at start, before the decode cache takes its share of the memory
+        (default: when `static_judge` is True); else the first session's open builds it from
+        the memory left then, so a replica that only generates holds no pool."""
         self.threads = threads  # CPU intra-op threads to set at start (process-wide); None: leave
         on_cuda = loaded.device.type == "cuda"
         if max_batch_size is None:
@@ -181,6 +185,9 @@ class Engine:
         self._pending: Step | None = None  # an overlapped step whose tokens are not yet accepted
         # judge sessions (judge_sessions.py): their appends run in the worker's iterations
         self.judges = JudgeSessions(loaded, wake=self._cond, static=static_judge)
+        self.judge_pool_at_start = (
+            static_judge is True if judge_pool_at_start is None else judge_pool_at_start
+        )
 
     # ----- settings (the runner's; some are final only once the engine has started) ----------
 
@@ -335,10 +342,11 @@ class Engine:
             )
 
     def _start_up(self) -> None:
-        """The judge sessions' pool (static judge passes) and the runner's buffers (static
-        step), and the limits they set for the other parts. The pool first: the decode cache's
-        plan takes its share of the memory left."""
-        self.judges.set_up()
+        """The judge sessions' pool (static judge passes, when asked for at start) and the
+        runner's buffers (static step), and the limits they set for the other parts. The pool
+        first: the decode cache's plan takes its share of the memory left."""
+        if self.judge_pool_at_start:
+            self.judges.set_up()
         self._runner.set_up()
         self._sched.max_batch_size = self._runner.max_batch_size
         self._output.max_context = self._runner.loaded.max_context

@@ -5,6 +5,7 @@ batching across sessions, rebuild on another replica, and the session limits."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -797,3 +798,65 @@ async def test_health_and_metrics_report_the_judge_pass(
     assert f"guardstream_engine_judge_graph_replays_total {float(judge['replays'])}" in metrics
     eager = float(judge["eager_passes"])
     assert f"guardstream_engine_judge_eager_passes_total {eager}" in metrics
+
+
+async def test_the_static_pool_is_built_by_the_worker_when_the_first_session_opens(
+    aiohttp_client: Any, tiny_exact: LoadedModel
+) -> None:
+    """An engine whose static pool is not built at start (the CUDA default: a replica that only
+    generates never gives its decode cache's memory to judging) holds none until a session
+    opens; the open waits for the worker to build it, on the worker's thread (never the event
+    loop's: it is a model call and a large allocation), and the verdicts are the packed pass's.
+    A pool that cannot be built leaves the packed pass: judging goes on."""
+    app = create_app(tiny_exact, max_judge_sessions=3, static_judge=True, judge_pool_at_start=False)
+    client = await aiohttp_client(app)
+    judges = app[STATE].engine.judges
+    assert judges.static_judge is None
+    assert (await (await client.get("/health")).json())["judge"]["slots"] == 0
+    built_on: list[str] = []
+    gate = threading.Event()  # set by the event loop while the pool is being built
+    gate_opened: list[bool] = []
+    set_up = judges.set_up
+
+    def recording_set_up() -> None:
+        built_on.append(threading.current_thread().name)
+        gate_opened.append(gate.wait(30))
+        set_up()
+
+    judges.set_up = recording_set_up  # type: ignore[method-assign]
+    packed = await aiohttp_client(create_app(tiny_exact, static_judge=False))
+    scores = []
+    for c in (client, packed):
+        opening = asyncio.ensure_future(c.post("/v1/judge/sessions", json=OPEN))
+        if c is client:  # the loop runs on while the worker builds the pool
+            await until(lambda: bool(built_on), 30)
+            gate.set()
+        opened = await opening
+        assert opened.status == 200, await opened.text()
+        sid = (await opened.json())["session_id"]
+        reply = await c.post(f"/v1/judge/sessions/{sid}/append", json={"chunk": "hello world"})
+        assert reply.status == 200
+        scores.append((await reply.json())["score"])
+    assert built_on == [app[STATE].engine._thread.name]  # once, by the worker
+    assert gate_opened == [True]
+    assert judges.static_judge is not None and judges.static_judge.pool.slots == 3
+    assert (await (await client.get("/health")).json())["judge"]["slots"] == 3
+    assert scores[0] == scores[1]
+
+    # a pool that does not fit: the packed pass, sessions still open and judge
+    failing = create_app(tiny_exact, static_judge=True, judge_pool_at_start=False)
+    failing_client = await aiohttp_client(failing)
+    failing_judges = failing[STATE].engine.judges
+
+    def out_of_memory() -> None:
+        raise torch.OutOfMemoryError("no room for a judge pool")
+
+    failing_judges.set_up = out_of_memory  # type: ignore[method-assign]
+    opened = await failing_client.post("/v1/judge/sessions", json=OPEN)
+    assert opened.status == 200, await opened.text()
+    sid = (await opened.json())["session_id"]
+    reply = await failing_client.post(
+        f"/v1/judge/sessions/{sid}/append", json={"chunk": "hello world"}
+    )
+    assert reply.status == 200 and (await reply.json())["score"] == scores[1]
+    assert (await (await failing_client.get("/health")).json())["judge"]["mode"] == "packed"
