@@ -282,6 +282,10 @@ def orchestrator_config(engines: dict[str, list[FakeEngine]], detectors_url: str
             name: remote(detectors_url, api_key_env="TEST_DETECTORS_KEY") for name in ("pii", "hap")
         },
     )
+    # a remote detector whose input verdicts are kept, in a partition of one entry: the cache's
+    # hits, misses and evictions reach /metrics
+    cfg["detection_cache"] = {"max_entries_per_tenant": 1}
+    cfg["detectors"]["pii"]["cache"] = True
     for model, group in engines.items():
         cfg["models"][model] = {
             "backends": [
@@ -330,6 +334,10 @@ async def orchestrator_metrics(
             "unmigratable": ("error", "generation_error"),
             "finished": ("completed", None),
         }
+        # input judged by the cached pii: a miss, a miss that evicts it, a hit
+        for text in ("Say it.", "Say it again.", "Say it again."):
+            events = await orch.stream(generation_body(text, input={"pii": {}}), headers=auth)
+            assert terminal(events).name == "completed"
         pages = {"orchestrator": await scrape(orch.session, orch.url)}
         pages["detector service"] = await scrape(orch.session, detectors_url)
         # both require keys for everything else: /metrics is open, the services are not
