@@ -2,7 +2,9 @@
 path), plus what a named-entity model finds: `person`, `location` (countries, cities, places),
 `organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
 (with a digit, and not a duration, decade or ordinal: dates of birth, not "last week",
-"8+ years" or "the 60s"), `age` (`the age of 35`), `iban` (an IBAN whose ISO 7064 check
+"8+ years" or "the 60s"; and by pattern the numeric dates the model misses, `2/4/1958`),
+`age` (`the age of 35`; and by pattern, detectors/age_date.py, the forms the model misses:
+`just turned 73`, `43 y/o`, `aged 35`, `Age: 35`), `iban` (an IBAN whose ISO 7064 check
 digits hold, checked by `python-stdnum`), and by pattern (detectors/address.py: the model has
 no address label) `address` (US, Canadian and British street addresses with their city, state
 and postal code, as one span: `1600 Pennsylvania Avenue NW, Washington, DC 20500`) and
@@ -43,6 +45,7 @@ from pydantic import Field
 from chunkers import natural_cuts
 
 from .address import address_spans
+from .age_date import age_date_spans
 from .api import Detection
 from .base import BatchingParams
 from .model import BatchedDetector
@@ -223,9 +226,25 @@ def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
                 if kind is None:
                     continue
             found.append((ent.start_char, ent.end_char, kind))
+        found = _with_patterned(found, age_date_spans(text))
         found.sort()
         out.append(found)
     return out
+
+
+def _with_patterned(found: list[Span], patterned: list[Span]) -> list[Span]:
+    """The model's finds with the ages and numeric dates found by pattern (detectors/age_date.py:
+    the forms the model misses). A pattern's find joins a model's date or age that it overlaps,
+    as one span of the pattern's kind (the model's `43` date in `43 y/o` is an age, its
+    `the age of 48` keeps its `the`); one that overlaps any other find of the model (a name,
+    an address, an IBAN) is dropped: that find is what the text holds there."""
+    for ps, pe, pk in patterned:
+        over = [f for f in found if f[0] < pe and ps < f[1]]
+        if any(k not in ("date", "age") for _, _, k in over):
+            continue
+        found = [f for f in found if f not in over]
+        found.append((min([ps, *(s for s, _, _ in over)]), max([pe, *(e for _, e, _ in over)]), pk))
+    return found
 
 
 def _outside(content: str, start: int, end: int, pattern: list[tuple[int, int]]) -> tuple[int, int]:
@@ -254,7 +273,8 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
     description = (
         "PII by pattern and by a named-entity model: every `regex` kind, plus person, location, "
         "organization, group (nationalities, religious and political groups), date (with a "
-        "digit; no durations or decades), age from spaCy's small English model, iban "
+        "digit; no durations or decades), age from spaCy's small English model and by pattern "
+        "(`35 years old`, `aged 35`, `43 y/o`, `2/4/1958`), iban "
         "(check digits verified), address (US, Canadian, British and continental street "
         "addresses, one span with their city, state and postal code) and postal_code (a ZIP code or postcode in an "
         "address context) by pattern. detection_type 'pii', detection = the kind, exact "

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import detectors
+from detectors.age_date import age_date_spans
 from detectors.pii_ner import PiiNerDetector
 from detectors.regex_pii import KINDS as REGEX_KINDS
 from orchestrator.clients.detectors import InProcessDetectorClient
@@ -180,6 +181,85 @@ def test_durations_and_decades_are_no_dates_and_an_age_is_an_age() -> None:
         ("date", "48396"),
         ("date", "May 2013"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        # the model finds none of these, or not as an age (`aged 35`: the date `35`)
+        ("I just turned 73", [("age", "turned 73")]),
+        ("She turns 40 next week.", [("age", "turns 40")]),
+        ("I'm 43 y/o.", [("age", "43 y/o")]),
+        ("Patient aged 35 was seen.", [("age", "aged 35")]),
+        ("Age: 35", [("age", "Age: 35")]),
+        ("My father retired at the age of 48", [("age", "the age of 48")]),
+        ("Driving is allowed at age 17 here.", [("age", "at age 17")]),
+        ("She was born on 2/2/1972.", [("date", "2/2/1972")]),
+        ("Please tell me your date of birth. It's 2/4/1958", [("date", "2/4/1958")]),
+    ],
+)
+def test_ages_and_numeric_dates_the_model_misses_are_found_by_pattern(
+    text: str, want: list[tuple[str, str]]
+) -> None:
+    """detectors/age_date.py: an age's span is its phrase, as the model's `age` finds are (a
+    model's overlapping date or age joins it: `the age of 48`), a date's the date."""
+    hits = [(k, s, e) for k, s, e, _ in found(text) if k in ("age", "date")]
+    assert hits == [(k, *at(text, t)) for k, t in want]
+
+
+AGE_AND_DATE_FORMS = (
+    "He is 35 years old. A 35-year-old nurse, 35 years of age, 35yrs old, 5 y.o.; aged 35; "
+    "AGE = 35; age is 35; since age 5; turned 73. She turned 40 last year, turns 8!\n"
+    "1958-02-04, 04.02.1958, 2/4/1958, 31-12-1999, 2024/1/5"
+)
+
+
+def test_the_age_and_date_patterns_find_each_form_with_its_exact_span() -> None:
+    want = [
+        ("age", "35 years old"),
+        ("age", "35-year-old"),
+        ("age", "35 years of age"),
+        ("age", "35yrs old"),
+        ("age", "5 y.o."),
+        ("age", "aged 35"),
+        ("age", "AGE = 35"),
+        ("age", "age is 35"),
+        ("age", "since age 5"),
+        ("age", "turned 73"),
+        ("age", "turned 40"),
+        ("age", "turns 8"),
+        ("date", "1958-02-04"),
+        ("date", "04.02.1958"),
+        ("date", "2/4/1958"),
+        ("date", "31-12-1999"),
+        ("date", "2024/1/5"),
+    ]
+    text = AGE_AND_DATE_FORMS
+    got = [(k, text[s:e]) for s, e, k in age_date_spans(text)]
+    assert got == want
+    pos = 0
+    for s, e, _ in age_date_spans(text):  # each at its own place
+        assert s >= pos
+        pos = e
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "I have 35 years of experience.",  # a duration
+        "Sign the 35-year lease.",  # a term
+        "Upgrade to version 35, see page 35.",
+        "I love the age of empires.",  # no number
+        "Ice Age 3 is a film.",  # a title: `age N` needs `at`, `:`, `is`...
+        "The car turned 90 degrees, turned 3 times.",  # turning, no birthday
+        "Sizes 10/12/14, 13/13/2020, 1.2.3.2024, 1/2/3 cups, v1.2.2024, 12/29/1844.",
+        "The age is 200, aged 35.5, aged 0, age: 35/40.",  # no age in years
+    ],
+)
+def test_the_age_and_date_patterns_find_nothing_in_near_misses(text: str) -> None:
+    """(The model calls a bare number a date at times, `version 35`: its reading, kept.)"""
+    assert age_date_spans(text) == []
+    assert [t for k, _, _, t in found(text) if k == "age"] == []
 
 
 @pytest.mark.parametrize(
