@@ -49,7 +49,13 @@ def enforced_config(engine_url: str, detector_url: str) -> dict[str, Any]:
     return native_config(
         engine_url,
         detectors={
-            "injection": {**remote(detector_url, "whole_doc_chunker"), "on_detection": "block"},
+            # its input verdicts kept (detection_cache), as `pii`'s are by default: a request
+            # sent again is judged from the kept verdicts, and must be refused the same
+            "injection": {
+                **remote(detector_url, "whole_doc_chunker"),
+                "on_detection": "block",
+                "cache": True,
+            },
             "hap": {**words, "on_detection": "block"},
             "extra": words,
             "pii": {
@@ -82,6 +88,7 @@ async def stack() -> AsyncIterator[tuple[FakeEngine, Orchestrator]]:
     await dets.start()
     try:
         async with Orchestrator(enforced_config(engine.url, dets.url)) as orch:
+            orch.detectors = dets  # type: ignore[attr-defined]
             yield engine, orch
     finally:
         await dets.close()
@@ -104,11 +111,15 @@ async def test_masks_cannot_switch_off_an_enforced_input_guardrail(
     end = terminal(events)
     assert end.name == "incomplete"
     assert end.data["incomplete_details"] == {"reason": "content_filter"}
+    # the same request again: both enforced detectors answer from their kept verdicts (the
+    # injection detector is not called again), and the request is refused as before
+    calls = len(orch.detectors.calls)  # type: ignore[attr-defined]
     status, reply = await orch.post(UNARY_PATH, body)
     assert status == 200, reply
     assert [w["id"] for w in reply["warnings"]] == ["UNSUITABLE_INPUT"]
     assert reply.get("generated_text") in (None, "")
     assert engine.requests == []
+    assert [c for c in orch.detectors.calls[calls:] if c[0] == "injection"] == []  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("masks", [*MASKS[:3], [[20, 31]]], ids=lambda m: repr(m))
