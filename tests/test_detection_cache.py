@@ -21,10 +21,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from detectors.api import Detection
 from orchestrator.config import ConfigError, parse_config
 from orchestrator.handlers.admin import RELOAD_PATH
 from orchestrator.state import STATE
-from orchestrator.streaming.verdict_cache import MAX_KEPT_DETECTIONS, LruPartition, VerdictCache
+from orchestrator.streaming.verdict_cache import (
+    MAX_KEPT_DETECTIONS,
+    Lookup,
+    LruPartition,
+    VerdictCache,
+)
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
 from tests.fakes.judge_server import FakeJudge
@@ -347,6 +353,34 @@ async def test_a_builtin_opted_out_and_a_disabled_cache_judge_everything_again(
 
 def entry(detector_id: str = "d") -> tuple[str, tuple[()]]:
     return (detector_id, ())
+
+
+def test_every_hit_gets_evidence_and_metadata_of_its_own() -> None:
+    """A request that changes a kept detection's dicts (a writer adding a field) never changes
+    what the next request of the same content is given."""
+    cache = VerdictCache(4, 4)
+    lookup = Lookup(cache.tenant("t"), "d", b"fingerprint")
+    content = "call me at 555-0100"
+    found = Detection(
+        start=11,
+        end=19,
+        text="555-0100",
+        detection="PhoneNumber",
+        detection_type="pii",
+        score=1.0,
+        evidence=[{"name": "pattern", "value": "local"}],
+        metadata={"kind": "phone", "spans": [[11, 19]]},
+    )
+    [key] = lookup.keys([content])
+    lookup.put(key, content, [found.model_copy(deep=True)])
+    [[first]] = lookup.get([key], [content])
+    assert first == found
+    first.metadata["kind"] = "changed"  # type: ignore[index]
+    first.metadata["spans"].append([0, 4])  # type: ignore[index]
+    first.evidence.append({"name": "added"})  # type: ignore[union-attr]
+    [[second]] = lookup.get([key], [content])
+    assert second == found
+    assert second.metadata is not first.metadata and second.evidence is not first.evidence
 
 
 def test_a_partition_evicts_its_least_recently_used_entry() -> None:

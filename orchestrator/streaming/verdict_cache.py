@@ -51,8 +51,9 @@ MAX_KEPT_DETECTIONS = 8
 DIGEST_BYTES = 32
 
 # (start, end, text or None for content[start:end], detection, detection_type, score,
-# evidence, metadata)
-_Kept = tuple[int, int, str | None, str, str, float, Any, Any]
+# evidence, metadata: each JSON bytes or None, so every hit gets dicts of its own that no
+# request can change for the next one)
+_Kept = tuple[int, int, str | None, str, str, float, bytes | None, bytes | None]
 _Entry = tuple[str, tuple[_Kept, ...]]  # (detector_id, the reply)
 
 # (detector_id, hits, misses) of one lookup; (detector_id) of one eviction
@@ -223,7 +224,16 @@ class Lookup:
 
 def _kept(d: Detection, content: str) -> _Kept:
     text = None if d.text == content[d.start : d.end] else d.text
-    return (d.start, d.end, text, d.detection, d.detection_type, d.score, d.evidence, d.metadata)
+    return (
+        d.start,
+        d.end,
+        text,
+        d.detection,
+        d.detection_type,
+        d.score,
+        None if d.evidence is None else orjson.dumps(d.evidence),
+        None if d.metadata is None else orjson.dumps(d.metadata),
+    )
 
 
 def _restored(k: _Kept, content: str) -> Detection:
@@ -235,6 +245,6 @@ def _restored(k: _Kept, content: str) -> Detection:
         detection=detection,
         detection_type=detection_type,
         score=score,
-        evidence=evidence,
-        metadata=metadata,
+        evidence=None if evidence is None else orjson.loads(evidence),
+        metadata=None if metadata is None else orjson.loads(metadata),
     )
