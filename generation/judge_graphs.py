@@ -131,15 +131,32 @@ class JudgePool(Cache):
     under the sessions' lock)."""
 
     def __init__(
-        self, template: DynamicCache, slots: int, capacity: int, rows: int, queries: int
+        self,
+        template: DynamicCache | None,
+        slots: int,
+        capacity: int,
+        rows: int,
+        queries: int,
+        *,
+        buffers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
-        """`rows` x `queries`: the largest bucketed pass, whose inputs the flat buffer holds."""
+        """`rows` x `queries`: the largest bucketed pass, whose inputs the flat buffer holds.
+        `buffers`: every layer's (keys, values), `[slots, kv_heads, capacity + 1, head_dim]`,
+        to pass over instead of buffers of the pool's own (allocated shaped as `template`'s):
+        the decode cache's, for a static prefill (prefill_graphs.py)."""
         self.capacity = capacity
+        if buffers is None:
+            assert template is not None
+            buffers = [
+                (
+                    s.keys.new_zeros((slots, s.keys.shape[1], capacity + 1, s.keys.shape[3])),
+                    s.values.new_zeros((slots, s.values.shape[1], capacity + 1, s.values.shape[3])),
+                )
+                for s in template.layers
+            ]
         layers = []
-        for source in template.layers:
-            k, v = source.keys, source.values
-            keys = k.new_zeros((slots, k.shape[1], capacity + 1, k.shape[3]))
-            values = v.new_zeros((slots, v.shape[1], capacity + 1, v.shape[3]))
+        for keys, values in buffers:
+            assert keys.shape[0] == slots and keys.shape[2] == capacity + 1
             layers.append(_PoolLayer(self, keys, values))  # type: ignore[arg-type]
         self._pool_layers = layers
         super().__init__(layers=list(layers))

@@ -69,6 +69,18 @@ class EngineCollector(Collector):
             "1 when --compile was given up (compiling failed) and the step runs uncompiled",
             value=int(cache["compile_error"] is not None),
         )
+        prefill = engine.prefill_info()
+        yield GaugeMetricFamily(
+            "guardstream_engine_prefill_graphs",
+            "CUDA graphs held for prefill passes (the static prefill)",
+            value=prefill["graphs"],
+        )
+        for name, key, help_text in (
+            ("prefill_graph_captures", "captures", "Prefill pass keys captured into CUDA graphs"),
+            ("prefill_graph_replays", "replays", "Prefill passes replayed from CUDA graphs"),
+            ("prefill_eager_passes", "eager_passes", "Whole prefill passes run eagerly"),
+        ):
+            yield CounterMetricFamily(f"guardstream_engine_{name}", help_text, value=prefill[key])
         judge = engine.judges.info()
         yield GaugeMetricFamily(
             "guardstream_engine_judge_slots",

@@ -525,6 +525,10 @@ async def handle_health(request: web.Request) -> web.Response:
         # rows x capacity the KV cache holds, what it uses now, and how decode steps run
         # (cuda_graphs: replayed; static: the static step run eagerly; eager: the slot cache)
         "kv_cache": engine.cache_info(),
+        # how whole prefills run (eager: into a DynamicCache; static: the static pass into the
+        # decode slots, eagerly; cuda_graphs: replayed), its graphs, captures, replays and
+        # passes not replayed (prefill_graphs.py)
+        "prefill": engine.prefill_info(),
         # how judge passes run (packed; static: the pool run eagerly; cuda_graphs: replayed),
         # the pool's slots and capacity, its graphs, captures and replays (judge_graphs.py)
         "judge": engine.judges.info(),
