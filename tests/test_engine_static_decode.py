@@ -592,14 +592,18 @@ def test_health_and_metrics_report_the_kv_cache(
     health, metrics = run(scenario())
     rows, capacity, graphs = 64, 512, 0  # a CPU's default rows; tiny-random's whole context
     mode = "static"
+    assert static_server.app is not None
+    engine = static_server.app[STATE].engine
+    prefill_graphs = 0
     if tiny_model.device.type == "cuda":  # rows from free memory; a graph per bucket pair
-        assert static_server.app is not None
-        rows = static_server.app[STATE].engine.max_batch_size
+        rows = engine.max_batch_size
         graphs = len(row_buckets(rows)) * len(width_buckets(capacity))
         mode = "cuda_graphs"
+        prefill_graphs = len(engine._runner.warm_shapes)  # captured at start
     with torch.inference_mode():
         template = _prefill(tiny_model, [1]).past_key_values
-    nbytes = rows * capacity * cache_bytes_per_token(template)
+    # each slot's columns and the reserved one (a static prefill's padding writes)
+    nbytes = rows * (capacity + 1) * cache_bytes_per_token(template)
     assert health["max_batch_size"] == rows
     assert health["kv_cache"] == {
         "mode": mode,
@@ -638,6 +642,24 @@ def test_health_and_metrics_report_the_kv_cache(
         "decode_compiled": 0,
         "decode_compile_failed": 0,
     }
+    # prefill: the static pass into the decode slots (prefill_graphs.py); whatever ran before
+    prefill = health["prefill"]
+    assert prefill["mode"] == mode and prefill["graph_error"] is None
+    assert prefill["graphs"] == prefill["captures"] == prefill_graphs
+    assert {
+        name: values[f"guardstream_engine_{name}"]
+        for name in (
+            "prefill_graphs",
+            "prefill_graph_captures_total",
+            "prefill_graph_replays_total",
+        )
+    } == {
+        "prefill_graphs": prefill_graphs,
+        "prefill_graph_captures_total": prefill_graphs,
+        "prefill_graph_replays_total": prefill["replays"],
+    }
+    passes = values["guardstream_engine_prefill_eager_passes_total"]
+    assert passes == prefill["eager_passes"] == engine._runner.prefill_pass.runner.eager_passes
 
 
 def test_a_cache_shorter_than_the_context_lowers_the_advertised_context(
