@@ -210,7 +210,13 @@ class StaticJudge:
         widths: Sequence[int] | None,
         cuda_graphs: bool = False,
         max_graphs: int = MAX_GRAPHS,
+        name: str = "judge pass",
+        capture_log_level: int = logging.INFO,
     ) -> None:
+        """`name` / `capture_log_level`: what the logs call these passes (a static prefill runs
+        the same pass, prefill_graphs.py) and the level of a line per capture."""
+        self.name = name
+        self.capture_log_level = capture_log_level
         self.model = model
         self.pool = pool
         self.mask_kind = mask_kind
@@ -382,11 +388,19 @@ class StaticJudge:
         except Exception as error:  # any capture failure: passes run eagerly from now on
             self.cuda_graphs = False
             self.graph_error = describe_error(error)
-            log.warning("capturing a judge pass failed, passes run eagerly: %s", self.graph_error)
+            log.warning(
+                "capturing a %s failed, passes run eagerly: %s", self.name, self.graph_error
+            )
             torch.cuda.synchronize()
             return None
         self._graphs[key] = graph
         self._outputs[key] = output
         self.captures += 1
-        log.info("captured judge pass graph %s (%d held)", key, len(self._graphs))
+        log.log(
+            self.capture_log_level,
+            "captured %s graph %s (%d held)",
+            self.name,
+            key,
+            len(self._graphs),
+        )
         return graph

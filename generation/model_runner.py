@@ -462,12 +462,21 @@ class ModelRunner:
             self.warm_shapes.append((r, w))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        static = self.prefill_pass
         log.info(
-            "warmed %d prefill shapes (rows %s x widths %s) in %.1f s",
+            "warmed %d prefill shapes (rows %s x widths %s) in %.1f s%s",
             len(self.warm_shapes),
             rows_list,
             self.prefill_widths,
             time.perf_counter() - started,
+            ""
+            if static is None
+            else f", static prefill: {static.runner.graphs} captured into CUDA graphs"
+            + (
+                f" (graphs given up: {static.runner.graph_error})"
+                if static.runner.graph_error
+                else ""
+            ),
         )
 
     def _warm_static(self, shapes: list[tuple[int, int]]) -> None:

@@ -58,6 +58,7 @@ prefill.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -101,6 +102,8 @@ class StaticPrefill:
             widths=widths,
             cuda_graphs=cuda_graphs,
             max_graphs=max_graphs,
+            name="prefill pass",
+            capture_log_level=logging.DEBUG,  # warm_prefills logs the captures at start at once
         )
 
     def shape(self, lengths: Sequence[int]) -> tuple[int, int]:

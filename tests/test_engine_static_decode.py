@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -20,8 +19,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.engine import AtenOps
 from generation.decode_graphs import (
     CachePlan,
     StaticDecoder,
@@ -359,18 +358,6 @@ def test_graph_replay_equals_the_eager_step(tiny_model: LoadedModel) -> None:
     assert replayed.replays == 30 and eager.replays == 0 and replayed.graphs == 12
 
 
-class _Ops(TorchDispatchMode):
-    """Every aten op a region runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 #: Ops that read a device value on the host or size their output by data: a graph cannot hold
 #: them (capture fails, or bakes in one step's answer).
 HOST_READS = {
@@ -397,7 +384,7 @@ def test_the_captured_region_reads_nothing_back_to_the_host(
         decoder = _decoder(model, slots=4, capacity=64, buckets=True, sampler=True)
         decoder.cache.add_rows(_prefill(model, [5, 6, 7]).past_key_values, [0], [3])
         decoder.cache.positions[:1] = 3
-        recorder = _Ops()
+        recorder = AtenOps()
         with recorder:
             tokens = decoder._forward(2, 16)
     assert tokens.shape == (2,) and tokens.dtype == torch.long

@@ -19,7 +19,6 @@ test_engine_warm_prefill.py's waves)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +26,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from bench.engine import AtenOps, prefill_ops, stub_prefill_graph
 from generation.jobs import EngineDelta, Job
 from generation.model_runner import ModelRunner, StaticRows
 from generation.models import LoadedModel
@@ -35,7 +35,7 @@ from generation.scheduler import Engine
 from generation.scheduling import Row
 from tests.engine_support import load_test_model
 from tests.test_engine_overlap import Request, drive
-from tests.test_engine_static_decode import HOST_READS, _Ops
+from tests.test_engine_static_decode import HOST_READS
 from tests.test_engine_warm_prefill import BUDGET, CHUNK, ROWS, scripts
 
 
@@ -230,44 +230,11 @@ def test_the_captured_pass_reads_nothing_back_to_the_host(tiny_model: LoadedMode
         runner = static.runner
         host = torch.zeros(3 * 4 * 16 + 4, dtype=torch.long)
         flat = runner._inputs(host)
-        recorder = _Ops()
+        recorder = AtenOps()
         with recorder:
             logits = runner._forward((4, 16, 16), flat)
     assert logits.shape[0] == 4
     assert not HOST_READS & set(recorder.ops), recorder.ops
-
-
-class _Replay:
-    """A captured graph's stand-in on a CPU: replaying it dispatches nothing (as a CUDA graph's
-    one launch), its output the logits buffer a capture would leave."""
-
-    def replay(self) -> None:
-        return None
-
-
-def prefill_ops(engine: Engine, prompts: list[list[int]]) -> tuple[int, float]:
-    """aten ops dispatched by one prefill of `prompts` (inputs, pass, first tokens) and its host
-    milliseconds."""
-    runner = engine._runner
-    rows = [_row(engine, p) for p in prompts]
-    recorder = _Ops()
-    started = time.perf_counter()
-    with recorder:
-        runner.prefill(rows, [len(p) for p in prompts])
-    elapsed = 1e3 * (time.perf_counter() - started)
-    runner.clear()
-    return sum(recorder.ops.values()), elapsed
-
-
-def stub_graph(runner: ModelRunner, prompts: list[list[int]]) -> None:
-    """The static pass's key for `prompts` replayed by `_Replay` (as if captured)."""
-    static = runner.prefill_pass
-    assert static is not None
-    rows, width = static.shape([len(p) for p in prompts])
-    key = (rows, width, width)
-    vocab = runner.loaded.model_vocab_size
-    static.runner._graphs[key] = _Replay()  # type: ignore[assignment]
-    static.runner._outputs[key] = torch.zeros((rows, vocab), device=runner.device)
 
 
 def test_a_replayed_prefill_pass_dispatches_a_few_dozen_ops_not_thousands(
@@ -281,7 +248,7 @@ def test_a_replayed_prefill_pass_dispatches_a_few_dozen_ops_not_thousands(
     with torch.inference_mode():
         eager = new_engine(tiny_model, static_prefill=False, buckets=True, rows=16)
         static = new_engine(tiny_model, static_prefill=True, buckets=True, rows=16)
-        stub_graph(static._runner, prompts)
+        stub_prefill_graph(static, [len(p) for p in prompts])
         eager_ops, _ = prefill_ops(eager, prompts)
         static_ops, _ = prefill_ops(static, prompts)
     assert static.prefill_info()["replays"] == 1
