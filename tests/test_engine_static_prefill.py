@@ -256,3 +256,30 @@ def test_a_replayed_prefill_pass_dispatches_a_few_dozen_ops_not_thousands(
         static_ops,
         eager_ops,
     )
+
+
+def test_replayed_prefill_graphs_stream_what_the_eager_static_pass_does(
+    tiny_model: LoadedModel,
+) -> None:
+    """CUDA only: an engine whose prefills replay graphs captured at start (warm prefill) streams
+    what the same engine with graphs off does, and its prefills were replayed, none eager."""
+    if tiny_model.device.type != "cuda":
+        pytest.skip("CUDA graphs need GUARDSTREAM_TEST_DEVICE=cuda")
+    script = [
+        Request([9, 8, 7, 6], 10, 10, [], SamplingParams(), 0, None),
+        Request(list(range(3, 23)), 6, 0, [], SamplingParams(), 2, None),
+        Request([11, 12, 13, 14], 1, 0, [], SamplingParams(), 2, None),
+        Request([40, 41, 42], 5, 5, [], SamplingParams(greedy=False, seed=3), 3, None),
+    ]
+    results = []
+    for graphs in (False, True):
+        engine = new_engine(
+            tiny_model, static_prefill=True, buckets=True, cuda_graphs=graphs, warm_prefill=graphs
+        )
+        results.append(asyncio.run(drive(engine, script)))
+        info = engine.prefill_info()
+        if graphs:
+            assert info["mode"] == "cuda_graphs" and info["graph_error"] is None
+            assert info["graphs"] == len(engine._runner.warm_shapes) > 0
+            assert info["replays"] == engine.stats.prefill_passes and info["eager_passes"] == 0
+    assert results[0] == results[1]
