@@ -27,14 +27,14 @@ import torch
 from hypothesis import given, settings
 
 from bench.engine import AtenOps, prefill_ops, stub_prefill_graph
-from generation.jobs import EngineDelta, Job
+from generation.jobs import Job
 from generation.model_runner import ModelRunner, StaticRows
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
 from generation.scheduling import Row
 from tests.engine_support import load_test_model
-from tests.test_engine_overlap import Request, drive
+from tests.test_engine_overlap import Request, assert_same_streams, drive
 from tests.test_engine_static_decode import HOST_READS
 from tests.test_engine_warm_prefill import BUDGET, CHUNK, ROWS, scripts
 
@@ -85,16 +85,9 @@ def test_static_prefill_streams_exactly_what_eager_prefill_does(
 ) -> None:
     eager, static = engines
     before = static.prefill_info()
-    expected = asyncio.run(drive(eager, script))
-    got = asyncio.run(drive(static, script))
-    for r, want, have in zip(script, expected, got, strict=True):
-        assert all(isinstance(e, EngineDelta) for e in want + have)
-        if r.cancel is None:
-            assert have == want
-            assert want and want[-1].finish_reason is not None
-        else:  # a client that left: each engine delivered a prefix of the same stream
-            shorter, longer = sorted((want, have), key=len)
-            assert longer[: len(shorter)] == shorter
+    assert_same_streams(
+        script, asyncio.run(drive(eager, script)), asyncio.run(drive(static, script))
+    )
     after = static.prefill_info()
     assert after["mode"] == "static" and after["replays"] == 0 and after["captures"] == 0
     # every whole prefill ran the static pass (none into a DynamicCache), eagerly on a CPU
