@@ -55,6 +55,10 @@ that fails gives graphs up for good (`graph_error`, logged) and passes run eager
 (any device) leave cuDNN attention out (attention_backends.py); the graphs are captured the
 same way. Counters: `captures`, `replays`, `eager_passes`.
 
+The static prefill (prefill_graphs.py) is this same pass over the decode cache's own slots
+(`JudgePool(buffers=)`): a new row's context at columns `0..m-1` of the slot it will decode in,
+its bucketed keys captured at start.
+
 CPU: the packed pass stays the default: there a pass is bound by its arithmetic, and padding
 costs real FLOPs (and the slot gather a copy of each window per layer). The static pass runs
 eagerly on a CPU when asked (tests, `bench/judge.py --judge-pass static`): the same buckets, so
