@@ -12,6 +12,10 @@
    model (chat prompts' last positions): the batched `sampling.select` next to the previous
    per-row implementation (kept below, verbatim, as the baseline). Target: 16 rows cost within 2x
    of 1 row.
+   Then one `prefill pass:` line: the aten ops one prefill of 64 chat prompts dispatches from
+   Python (and its host time), eager (into a DynamicCache) against the static prefill replayed
+   from its graph (on a CPU the graph is stubbed: its replay dispatches nothing, as a CUDA
+   graph's single launch): the host cost a graph removes, measurable without a GPU.
 2. KV cache: joining one request to a running batch, one leaving, and one decode step, with the
    previous scheme (left-padded `DynamicCache`: `cat` on join, `index_select` on leave, `cat`
    every step) next to `SlotCache`; time and bytes copied. Then the detokenizers' cost per token
@@ -28,7 +32,9 @@
    Each level also prints one `ttft DECODING N streams: p50 .. ms` line (for scripts).
    `--compile`: the engine runs its decode step through torch.compile (`serve --compile`).
    `--cold`: no warm-up stream first, so the first level's TTFT is a fresh engine's (its
-   first-use costs: what warm prefill, `serve --warm-prefill`, removes on CUDA).
+   first-use costs: what warm prefill, `serve --warm-prefill`, removes on CUDA). Each `ttft`
+   line ends with the engine's prefill passes during that level: graphs captured / replayed /
+   passes run eagerly (`/health` `prefill`: the static prefill, generation/prefill_graphs.py).
 
 4. Side by side (after 3, for --model and each --also-model, e.g. the SmolLM2-1.7B shape from
    bench/random_models.py): the same model under transformers' `generate` at the same batch
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import itertools
 import json
@@ -66,6 +73,7 @@ from typing import Any
 import aiohttp
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -497,6 +505,110 @@ async def _long_prompt_joins(
         engine.stop()
 
 
+class AtenOps(TorchDispatchMode):
+    """Every aten op a region dispatches, by name (a host-bound pass pays for each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Replay:
+    """A captured graph's stand-in where there are no CUDA graphs: its replay dispatches
+    nothing (a CUDA graph's replay is one launch), its output the static logits buffer."""
+
+    def replay(self) -> None:
+        return None
+
+
+def stub_prefill_graph(engine: Engine, lengths: list[int]) -> None:
+    """The static prefill's key for contexts of `lengths` replayed by `_Replay`, as if captured
+    (a CPU: the host side of a replayed pass, without the forward)."""
+    static = engine._runner.prefill_pass
+    assert static is not None
+    rows, width = static.shape(lengths)
+    key = (rows, width, width)
+    vocab = engine._runner.loaded.model_vocab_size
+    static.runner._graphs[key] = _Replay()  # type: ignore[assignment]
+    static.runner._outputs[key] = torch.zeros((rows, vocab), device=engine.device)
+
+
+def prefill_ops(engine: Engine, prompts: list[list[int]]) -> tuple[int, float]:
+    """aten ops dispatched by one whole prefill of `prompts` (inputs, the pass, the first tokens'
+    selection) and its wall milliseconds; the rows are dropped after."""
+    runner = engine._runner
+    rows = [
+        engine._output.new_row(
+            Job(
+                prompt_ids=p,
+                max_new_tokens=1,
+                sampling=SamplingParams(),
+                loop=None,  # type: ignore[arg-type]  # rows prefilled by hand emit nothing
+                queue=None,  # type: ignore[arg-type]
+            )
+        )
+        for p in prompts
+    ]
+    recorder = AtenOps()
+    with torch.inference_mode():
+        _sync(engine.device)
+        started = time.perf_counter()
+        with recorder:
+            runner.prefill(rows, [len(p) for p in prompts])
+        _sync(engine.device)
+        elapsed = time.perf_counter() - started
+        runner.clear()
+    return sum(recorder.ops.values()), 1e3 * elapsed
+
+
+def bench_prefill_ops(loaded: models.LoadedModel, rows: int = 64) -> dict[str, Any]:
+    """One prefill of `rows` chat prompts: aten ops and host time, eager (a DynamicCache) against
+    the static prefill run eagerly and replayed from its graph (stubbed where there are no CUDA
+    graphs). Engines with the static decode step and bucketed prefill, as on CUDA."""
+    prompts = [chat_ids(loaded, QUESTIONS[i % len(QUESTIONS)]) for i in range(rows)]
+    lengths = [len(p) for p in prompts]
+    out: dict[str, Any] = {}
+    for name, static_prefill in (("eager", False), ("static", True)):
+        engine = Engine(
+            loaded,
+            max_batch_size=rows,
+            static_decode=True,
+            static_buckets=True,
+            static_capacity=256,
+            gpu_memory_fraction=0.05,
+            prefill_buckets=True,
+            warm_prefill=False,
+            static_prefill=static_prefill,
+        )
+        with torch.inference_mode():
+            engine._start_up()
+        out[name] = prefill_ops(engine, prompts)  # the first use of its shape (CUDA: a capture)
+        out[name] = prefill_ops(engine, prompts)
+        if static_prefill:
+            out["shape"] = engine._runner.prefill_pass.shape(lengths)  # type: ignore[union-attr]
+            stubbed = not engine._runner.prefill_pass.runner.graphs  # type: ignore[union-attr]
+            if stubbed:
+                stub_prefill_graph(engine, lengths)
+            out["replayed"] = prefill_ops(engine, prompts)
+            out["stubbed"] = stubbed
+        del engine
+        gc.collect()
+    (eager_ops, eager_ms), (static_ops, static_ms) = out["eager"], out["static"]
+    replayed_ops, replayed_ms = out["replayed"]
+    print(
+        f"prefill pass: {rows} chat prompts of {min(lengths)}-{max(lengths)} tokens as "
+        f"{out['shape'][0]} x {out['shape'][1]}: eager {eager_ops} aten ops {eager_ms:.1f} ms, "
+        f"static pass {static_ops} aten ops {static_ms:.1f} ms, replayed {replayed_ops} aten ops "
+        f"{replayed_ms:.2f} ms{' (graph stubbed: no CUDA graphs here)' if out['stubbed'] else ''}",
+        flush=True,
+    )
+    return out
+
+
 def bench_chunked_prefill(
     loaded: models.LoadedModel, running: int = 4, prompt_tokens: int = 2048, tokens: int = 48
 ) -> dict[str, Any]:
@@ -599,7 +711,13 @@ async def bench_http(
         for decoding in order:
             by_level = {}
             for level in levels:
+                before = await _prefill_counts(url)
                 r = await run_level(url, level, tokens, decoding)
+                after = await _prefill_counts(url)
+                r["prefill"] = {
+                    "mode": after["mode"],
+                    **{k: after[k] - before[k] for k in ("captures", "replays", "eager_passes")},
+                }
                 r["round"] = round_
                 print(
                     f"{decoding:>8} {level:>3} streams: {r['aggregate_tokens_per_s']:8.1f} tok/s "
@@ -608,10 +726,13 @@ async def bench_http(
                     f"{r['ttft_max_s'] * 1000:.0f}), wall {r['wall_s']:.1f} s (round {round_ + 1})",
                     flush=True,
                 )
+                p = r["prefill"]
                 print(
                     f"ttft {decoding} {level} streams: p50 {r['ttft_p50_s'] * 1000:.0f} ms, mean "
                     f"{r['ttft_mean_s'] * 1000:.0f} ms, max {r['ttft_max_s'] * 1000:.0f} ms (round "
-                    f"{round_ + 1}{', cold engine' if cold and not out else ''})",
+                    f"{round_ + 1}{', cold engine' if cold and not out else ''}); prefill "
+                    f"{p['mode']}: {p['captures']} graphs captured, {p['replays']} passes "
+                    f"replayed, {p['eager_passes']} eager",
                     flush=True,
                 )
                 by_level[level] = r
@@ -639,6 +760,15 @@ async def bench_http(
 async def _health(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session, session.get(url + "/health") as resp:
         return await resp.json()
+
+
+async def _prefill_counts(url: str) -> dict[str, Any]:
+    """The engine's prefill passes so far (`/health` `prefill`; an engine without it: none)."""
+    info = (await _health(url)).get("prefill") or {}
+    return {
+        "mode": info.get("mode", "eager"),
+        **{k: int(info.get(k, 0)) for k in ("captures", "replays", "eager_passes")},
+    }
 
 
 def hold_freed_memory() -> bool:
@@ -745,6 +875,7 @@ def main() -> int:
             result["detokenizer"] = bench_detokenizer(loaded)
             print("chunked prefill (in-process engine, greedy):", flush=True)
             result["chunked_prefill"] = bench_chunked_prefill(loaded)
+            result["prefill_ops"] = bench_prefill_ops(loaded)
             del loaded
             gc.collect()
             if gpu:

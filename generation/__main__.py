@@ -115,6 +115,13 @@ def _parser() -> argparse.ArgumentParser:
         "server sees few prefill shapes",
     )
     serve.add_argument(
+        "--static-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill new rows straight into the static decode cache's slots through a static "
+        "pass, replayed from CUDA graphs on CUDA (default: with the static decode step)",
+    )
+    serve.add_argument(
         "--warm-prefill",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -238,6 +245,7 @@ async def _load_app(args: argparse.Namespace, api_keys: list[str] | None) -> Any
         compile_step=args.compile,
         prefill_buckets=args.prefill_buckets,
         warm_prefill=args.warm_prefill,
+        static_prefill=args.static_prefill,
         gpu_memory_fraction=args.gpu_memory_fraction,
         threads=args.threads if args.threads is not None else loaded.threads,
         api_keys=api_keys,

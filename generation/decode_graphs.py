@@ -8,9 +8,10 @@ everything a step reads lives in buffers allocated once, at start:
 
 - `input_ids` and `positions` `[slots]` (long): each row's last token and its token count, which is
   also its position id and the cache column its new key is written to;
-- the KV cache, per layer `[slots, kv_heads, capacity, head_dim]` with a fixed capacity; row r lives
-  in slot r, right-padded (the same layout as kv_cache.SlotCache, so joins and leaves copy only
-  the rows that join or move);
+- the KV cache, per layer `[slots, kv_heads, capacity + 1, head_dim]` with a fixed capacity; row r
+  lives in slot r, right-padded (the same layout as kv_cache.SlotCache, so joins and leaves copy
+  only the rows that join or move); column `capacity` is reserved for the padding writes of a
+  static prefill (prefill_graphs.py) and never read (a step's width is at most `capacity`);
 - the attention mask is built on the device inside the step, from `positions`: row r attends to
   columns `0..positions[r]`; columns beyond are masked whatever they hold (stale keys of rows that
   left, zeros), so a row's result never depends on them;
@@ -38,8 +39,9 @@ decoder warns, drops the compiled forward and runs (and captures) the eager one
 (`compile_error`, reported by /health and /metrics).
 
 On a CPU the same step runs eagerly (no capture), with exact rows and width by default: padding
-buys nothing there. Prefill stays eager (`DynamicCache`); its keys are copied into the static
-cache when rows join.
+buys nothing there. A prefill writes its rows' keys straight into their slots through the static
+prefill pass (prefill_graphs.py; `take_rows`), or runs eagerly into a `DynamicCache` whose rows
+are copied into the static cache when they join (`add_rows`: chunked long prompts).
 
 Memory (CUDA): rows and capacity come from free GPU memory at start (`plan_cache`): the cache gets
 `gpu_memory_fraction` of what is free after loading the model, as many rows as fit up to
@@ -220,9 +222,10 @@ class StaticLayer(CacheLayerMixin):
 
 
 class StaticSlotCache(Cache):
-    """Fixed `[slots, kv_heads, capacity, head_dim]` buffers per layer plus the step's static
-    inputs (worker thread only). Same join/leave protocol as kv_cache.SlotCache: `add_rows`,
-    `keep`, `clear`; `lengths` is each row's token count, row r in slot r."""
+    """Fixed `[slots, kv_heads, capacity + 1, head_dim]` buffers per layer (the last column
+    reserved: `reserved`) plus the step's static inputs (worker thread only). Same join/leave
+    protocol as kv_cache.SlotCache: `add_rows` (or `take_rows`), `keep`, `clear`; `lengths` is
+    each row's token count, row r in slot r."""
 
     def __init__(self, template: DynamicCache, slots: int, capacity: int) -> None:
         self.max_slots = slots  # interface of SlotCache (benchmarks read it)
@@ -230,8 +233,8 @@ class StaticSlotCache(Cache):
         layers = []
         for source in template.layers:
             k, v = source.keys, source.values
-            keys = k.new_zeros((slots, k.shape[1], capacity, k.shape[3]))
-            values = v.new_zeros((slots, v.shape[1], capacity, v.shape[3]))
+            keys = k.new_zeros((slots, k.shape[1], capacity + 1, k.shape[3]))
+            values = v.new_zeros((slots, v.shape[1], capacity + 1, v.shape[3]))
             layers.append(StaticLayer(self, keys, values))
         self._static_layers = layers
         super().__init__(layers=list(layers))
@@ -256,7 +259,17 @@ class StaticSlotCache(Cache):
 
     @property
     def capacity(self) -> int:
-        return self._static_layers[0].keys.shape[2]
+        """Columns a row may use (the buffers have one more: `reserved`)."""
+        return self._static_layers[0].keys.shape[2] - 1
+
+    @property
+    def reserved(self) -> int:
+        """The column no step reads: a static prefill's padding queries and rows write there."""
+        return self.capacity
+
+    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (keys, values) buffers, whole (a static prefill writes into them)."""
+        return [(layer.keys, layer.values) for layer in self._static_layers]  # type: ignore[misc]
 
     @property
     def device(self) -> torch.device:
@@ -290,6 +303,26 @@ class StaticSlotCache(Cache):
             layer.keys[first : first + count, :, :width] = keys
             layer.values[first : first + count, :, :width] = values
             self.copied_bytes += keys.nbytes + values.nbytes
+        self.lengths.extend(lengths)
+
+    def take_rows(self, select: Sequence[int], lengths: Sequence[int]) -> None:
+        """Rows a static prefill wrote in place, row i in slot `rows + i`, join: those of
+        `select` (ascending; `lengths` tokens each), moved down into consecutive slots where
+        rows before them did not join (finished by their first token)."""
+        first = self.rows
+        if first + len(select) > self.slots or (lengths and max(lengths) >= self.capacity):
+            raise RuntimeError(
+                f"static KV cache full: {first + len(select)} rows of up to "
+                f"{max(lengths) + 1} tokens in {self.slots} x {self.capacity}"
+            )
+        for j, (i, width) in enumerate(zip(select, lengths, strict=True)):
+            if i == j:
+                continue
+            assert i > j  # ascending: a source slot is never one already overwritten
+            for layer in self._static_layers:
+                layer.keys[first + j, :, :width].copy_(layer.keys[first + i, :, :width])
+                layer.values[first + j, :, :width].copy_(layer.values[first + i, :, :width])
+                self.copied_bytes += 2 * layer.keys[0, :, :width].nbytes
         self.lengths.extend(lengths)
 
     def keep(self, keep: Sequence[int]) -> list[int]:

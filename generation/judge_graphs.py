@@ -55,6 +55,10 @@ that fails gives graphs up for good (`graph_error`, logged) and passes run eager
 (any device) leave cuDNN attention out (attention_backends.py); the graphs are captured the
 same way. Counters: `captures`, `replays`, `eager_passes`.
 
+The static prefill (prefill_graphs.py) is this same pass over the decode cache's own slots
+(`JudgePool(buffers=)`): a new row's context at columns `0..m-1` of the slot it will decode in,
+its bucketed keys captured at start.
+
 CPU: the packed pass stays the default: there a pass is bound by its arithmetic, and padding
 costs real FLOPs (and the slot gather a copy of each window per layer). The static pass runs
 eagerly on a CPU when asked (tests, `bench/judge.py --judge-pass static`): the same buckets, so
@@ -131,15 +135,32 @@ class JudgePool(Cache):
     under the sessions' lock)."""
 
     def __init__(
-        self, template: DynamicCache, slots: int, capacity: int, rows: int, queries: int
+        self,
+        template: DynamicCache | None,
+        slots: int,
+        capacity: int,
+        rows: int,
+        queries: int,
+        *,
+        buffers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
-        """`rows` x `queries`: the largest bucketed pass, whose inputs the flat buffer holds."""
+        """`rows` x `queries`: the largest bucketed pass, whose inputs the flat buffer holds.
+        `buffers`: every layer's (keys, values), `[slots, kv_heads, capacity + 1, head_dim]`,
+        to pass over instead of buffers of the pool's own (allocated shaped as `template`'s):
+        the decode cache's, for a static prefill (prefill_graphs.py)."""
         self.capacity = capacity
+        if buffers is None:
+            assert template is not None
+            buffers = [
+                (
+                    s.keys.new_zeros((slots, s.keys.shape[1], capacity + 1, s.keys.shape[3])),
+                    s.values.new_zeros((slots, s.values.shape[1], capacity + 1, s.values.shape[3])),
+                )
+                for s in template.layers
+            ]
         layers = []
-        for source in template.layers:
-            k, v = source.keys, source.values
-            keys = k.new_zeros((slots, k.shape[1], capacity + 1, k.shape[3]))
-            values = v.new_zeros((slots, v.shape[1], capacity + 1, v.shape[3]))
+        for keys, values in buffers:
+            assert keys.shape[0] == slots and keys.shape[2] == capacity + 1
             layers.append(_PoolLayer(self, keys, values))  # type: ignore[arg-type]
         self._pool_layers = layers
         super().__init__(layers=list(layers))
@@ -193,7 +214,13 @@ class StaticJudge:
         widths: Sequence[int] | None,
         cuda_graphs: bool = False,
         max_graphs: int = MAX_GRAPHS,
+        name: str = "judge pass",
+        capture_log_level: int = logging.INFO,
     ) -> None:
+        """`name` / `capture_log_level`: what the logs call these passes (a static prefill runs
+        the same pass, prefill_graphs.py) and the level of a line per capture."""
+        self.name = name
+        self.capture_log_level = capture_log_level
         self.model = model
         self.pool = pool
         self.mask_kind = mask_kind
@@ -365,11 +392,19 @@ class StaticJudge:
         except Exception as error:  # any capture failure: passes run eagerly from now on
             self.cuda_graphs = False
             self.graph_error = describe_error(error)
-            log.warning("capturing a judge pass failed, passes run eagerly: %s", self.graph_error)
+            log.warning(
+                "capturing a %s failed, passes run eagerly: %s", self.name, self.graph_error
+            )
             torch.cuda.synchronize()
             return None
         self._graphs[key] = graph
         self._outputs[key] = output
         self.captures += 1
-        log.info("captured judge pass graph %s (%d held)", key, len(self._graphs))
+        log.log(
+            self.capture_log_level,
+            "captured %s graph %s (%d held)",
+            self.name,
+            key,
+            len(self._graphs),
+        )
         return graph

@@ -69,23 +69,14 @@ class EngineCollector(Collector):
             "1 when --compile was given up (compiling failed) and the step runs uncompiled",
             value=int(cache["compile_error"] is not None),
         )
+        yield from _graph_passes("prefill", "prefill passes", engine.prefill_info())
         judge = engine.judges.info()
         yield GaugeMetricFamily(
             "guardstream_engine_judge_slots",
             "Judge sessions the static judge pass's pool holds (0: packed passes)",
             value=judge["slots"],
         )
-        yield GaugeMetricFamily(
-            "guardstream_engine_judge_graphs",
-            "CUDA graphs held for judge passes",
-            value=judge["graphs"],
-        )
-        for name, key, help_text in (
-            ("judge_graph_captures", "captures", "Judge pass keys captured into CUDA graphs"),
-            ("judge_graph_replays", "replays", "Judge passes replayed from CUDA graphs"),
-            ("judge_eager_passes", "eager_passes", "Judge passes run eagerly"),
-        ):
-            yield CounterMetricFamily(f"guardstream_engine_{name}", help_text, value=judge[key])
+        yield from _graph_passes("judge", "judge passes", judge)
         buckets = [1, 2, 4, 8, 16, 32, 64, 128, 256]
         sizes = dict(stats.batch_sizes)
         cumulative = [(str(b), sum(n for s, n in sizes.items() if s <= b)) for b in buckets]
@@ -96,3 +87,17 @@ class EngineCollector(Collector):
             buckets=cumulative,
             sum_value=sum(s * n for s, n in sizes.items()),
         )
+
+
+def _graph_passes(kind: str, what: str, info: dict[str, Any]) -> Any:
+    """A static pass's graphs held, captures, replays and eager passes (prefill, judge): the
+    `info` of model_runner.prefill_info / JudgeSessions.info."""
+    yield GaugeMetricFamily(
+        f"guardstream_engine_{kind}_graphs", f"CUDA graphs held for {what}", value=info["graphs"]
+    )
+    for name, key, help_text in (
+        ("graph_captures", "captures", f"Keys of {what} captured into CUDA graphs"),
+        ("graph_replays", "replays", f"{what.capitalize()} replayed from CUDA graphs"),
+        ("eager_passes", "eager_passes", f"{what.capitalize()} run eagerly"),
+    ):
+        yield CounterMetricFamily(f"guardstream_engine_{kind}_{name}", help_text, value=info[key])

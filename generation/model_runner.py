@@ -19,13 +19,20 @@ runs step N+1. On a CPU the same logic runs with an event that is complete when 
 step itself ran synchronously). The eager step selects on the host's say (per-row seen ids,
 generated counts) and returns its tokens at once: it is never overlapped.
 
-Warm prefill (`prefill_buckets`, `warm_prefill`; on for CUDA). Prefill stays eager, and on a GPU
-each new shape costs its first use (cuBLAS/cuDNN kernel choice and plans: on an H200 the first 64
+Static prefill (`static_prefill`; with the static step, so on for CUDA): a prefill writes its
+rows' keys straight into their decode slots through a static pass, replayed from CUDA graphs on a
+GPU (prefill_graphs.py): no `DynamicCache`, no copy at the join, and one launch instead of
+~7,000 host-dispatched ops a pass. Chunked long prompts, models whose cache cannot be merged, and
+the slot-cache step (a CPU's default) keep eager prefill into a `DynamicCache`.
+
+Warm prefill (`prefill_buckets`, `warm_prefill`; on for CUDA). On a GPU each new prefill shape
+costs its first use (cuBLAS/cuDNN kernel choice and plans: on an H200 the first 64
 clients of a fresh engine waited 824 ms for their first token, the next 64 136 ms). So a prefill
 is padded up to a bucket of rows (`row_buckets`) and width (doubling from PREFILL_MIN_WIDTH up to
-the prefill chunk), and every bucket a prefill can reach runs once at start. On a CPU both are
-off: padding costs compute there (smollm2-135m, 256 new streams on 2 busy cores: TTFT p50
-25-30 s exact, 48-51 s bucketed) and first uses cost little.
+the prefill chunk), and every bucket a prefill can reach runs once at start (the static
+prefill's: captured into its graph at start). On a CPU both are off: padding costs compute
+there (smollm2-135m, 256 new streams on 2 busy cores: TTFT p50 25-30 s exact, 48-51 s
+bucketed) and first uses cost little.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from .device_sampling import DeviceSampler
 from .jobs import EngineStats
 from .kv_cache import SlotCache
 from .models import LoadedModel
+from .prefill_graphs import StaticPrefill
 from .sampling import apply_repetition_penalties, default_candidates, select
 from .scheduling import PREFILL_PADDING, Row
 
@@ -87,6 +95,15 @@ def record_step_event(device: torch.device) -> StepEvent:
         event.record()
         return event
     return COMPLETE
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticRows:
+    """A static prefill's rows: written in place into the decode cache's next `count` free
+    slots (`join` takes them with `StaticSlotCache.take_rows`)."""
+
+    first: int
+    count: int
 
 
 class Step:
@@ -140,8 +157,10 @@ class ModelRunner:
         prefill_budget: int = 4096,
         prefill_longest: int = 2048,
         compile_step: bool = False,
+        static_prefill: bool | None = None,
     ) -> None:
-        """`prefill_buckets`: pad each prefill's rows and width up to buckets (`prefill_shape`);
+        """`static_prefill` (default: with `static_decode`): prefills write into the static
+        cache's slots through the static pass (prefill_graphs.py). `prefill_buckets`: pad each prefill's rows and width up to buckets (`prefill_shape`);
         `warm_prefill`: run once at start every bucket that a prefill of at most
         `prefill_budget` real tokens, none longer than `prefill_longest`, can take
         (`warm_prefills`); `compile_step`: the static step through torch.compile
@@ -161,6 +180,9 @@ class ModelRunner:
         self.prefill_budget = prefill_budget
         self.prefill_longest = prefill_longest
         self.compile_step = compile_step
+        self.static_prefill = static_decode if static_prefill is None else static_prefill
+        self.prefill_pass: StaticPrefill | None = None  # the static prefill (set_up makes it)
+        self.dynamic_prefills = 0  # whole prefills into a DynamicCache (the eager path)
         self.warm_shapes: list[tuple[int, int]] = []  # the prefill shapes run at start
         self._candidates = default_candidates(self.device)
         self._eos = sorted(loaded.eos_token_ids)
@@ -232,6 +254,14 @@ class ModelRunner:
         ]
         if capacity < context:  # the context this engine can hold, advertised by the server
             self.loaded = dataclasses.replace(self.loaded, max_context=capacity)
+        if self.static_prefill and self.logits_to_keep:
+            self.prefill_pass = StaticPrefill(
+                self.model,
+                cache,
+                rows=row_buckets(slots) if self.prefill_buckets else None,
+                widths=self.prefill_widths if self.prefill_buckets else None,
+                cuda_graphs=self.cuda_graphs,
+            )
         log.info(
             "static decode: %d rows x %d tokens, %.1f MiB of KV cache",
             slots,
@@ -274,6 +304,26 @@ class ModelRunner:
             "compile_error": None,
         }
 
+    def prefill_info(self) -> dict[str, object]:
+        """How whole prefills run, for /health (`prefill`) and /metrics: `mode` static (the
+        static pass, eagerly), cuda_graphs (replayed) or eager (into a DynamicCache); the
+        static pass's graphs held, captured and replayed; `eager_passes`: prefill passes not
+        replayed from a graph (the static pass's eager runs and the DynamicCache prefills;
+        chunks of long prompts are counted by `prefill_chunks`)."""
+        static = self.prefill_pass
+        if static is None:
+            return {
+                "mode": "eager",
+                "graphs": 0,
+                "captures": 0,
+                "replays": 0,
+                "eager_passes": self.dynamic_prefills,
+                "graph_error": None,
+            }
+        info = static.info()
+        info["eager_passes"] = static.runner.eager_passes + self.dynamic_prefills
+        return info
+
     @property
     def overlappable(self) -> bool:
         """Whether decode steps keep their tokens on the device (the static step with its
@@ -300,7 +350,34 @@ class ModelRunner:
         longest = min(self.prefill_longest, self.loaded.max_context)
         return width_buckets(longest, min(PREFILL_MIN_WIDTH, longest))
 
-    def prefill(self, rows: list[Row], lengths: list[int]) -> tuple[DynamicCache, list[int]]:
+    def prefill(
+        self, rows: list[Row], lengths: list[int]
+    ) -> tuple[DynamicCache | StaticRows, list[int]]:
+        """Rows' contexts (`lengths[i]` tokens each) prefilled in one pass; their cache (a
+        `DynamicCache`, or `StaticRows` when the static prefill wrote them into their decode
+        slots) and first tokens."""
+        if self.prefill_pass is not None:
+            return self._static_prefill(rows, lengths)
+        return self._dynamic_prefill(rows, lengths)
+
+    def _static_prefill(self, rows: list[Row], lengths: list[int]) -> tuple[StaticRows, list[int]]:
+        """The static pass (prefill_graphs.py) into the decode cache's next free slots."""
+        static = self.prefill_pass
+        assert static is not None
+        first = static.cache.rows
+        contexts = [
+            (row.job.prompt_ids + row.generated)[:m] for row, m in zip(rows, lengths, strict=True)
+        ]
+        logits = static.run(contexts)
+        self.stats.forward_passes += 1
+        self.stats.prefill_passes += 1
+        for row, m in zip(rows, lengths, strict=True):
+            row.kv_len = m
+        return StaticRows(first, len(rows)), self.select(logits, rows)
+
+    def _dynamic_prefill(
+        self, rows: list[Row], lengths: list[int]
+    ) -> tuple[DynamicCache, list[int]]:
         """One right-padded forward pass over the rows' contexts (`lengths[i]` tokens each);
         their cache (row i: `rows[i]`; rows past them, if any, are bucket padding) and first
         tokens. With `prefill_buckets` the pass is padded up to a bucket's rows and width (copies
@@ -319,6 +396,7 @@ class ModelRunner:
         )
         self.stats.forward_passes += 1
         self.stats.prefill_passes += 1
+        self.dynamic_prefills += 1
         cache = out.past_key_values
         if self.batchable is None:
             self.batchable = isinstance(cache, DynamicCache) and all(
@@ -360,7 +438,8 @@ class ModelRunner:
         """Run every prefill bucket once (CUDA, at start: cuBLAS and cuDNN choose kernels and
         build plans per new shape, which cost the first request after start ~0.7 s on an H200):
         each (rows, width) bucket whose rectangle a prefill of `prefill_budget` real tokens can
-        reach, with padding (a masked pass) and without. Nothing is kept or counted."""
+        reach, with padding (a masked pass) and without. Nothing is kept or counted. With the
+        static prefill, each is captured into its graph instead (`_warm_static`)."""
         if not (self.prefill_buckets and self.batchable and self.logits_to_keep):
             return
         rows_list = row_buckets(self.max_batch_size)
@@ -369,6 +448,9 @@ class ModelRunner:
         most = int(4 * (1 + PREFILL_PADDING) * max(self.prefill_budget, self.prefill_longest))
         shapes = [(r, w) for r in rows_list for w in self.prefill_widths if r * w <= most]
         started = time.perf_counter()
+        if self.prefill_pass is not None:
+            self._warm_static(shapes)
+            shapes = []
         for r, w in shapes:
             try:
                 for short in (0, 1):  # no padding, then the last row one token short
@@ -380,13 +462,41 @@ class ModelRunner:
             self.warm_shapes.append((r, w))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        static = self.prefill_pass
         log.info(
-            "warmed %d prefill shapes (rows %s x widths %s) in %.1f s",
+            "warmed %d prefill shapes (rows %s x widths %s) in %.1f s%s",
             len(self.warm_shapes),
             rows_list,
             self.prefill_widths,
             time.perf_counter() - started,
+            ""
+            if static is None
+            else f", static prefill: {static.runner.graphs} captured into CUDA graphs"
+            + (
+                f" (graphs given up: {static.runner.graph_error})"
+                if static.runner.graph_error
+                else ""
+            ),
         )
+
+    def _warm_static(self, shapes: list[tuple[int, int]]) -> None:
+        """Each (rows, width) of `shapes` through the static prefill once, largest first (the
+        graphs' shared pool then has room for the smaller ones), into the empty cache's slots:
+        on CUDA each is captured into its graph (prefill_graphs.py: up to MAX_GRAPHS). The
+        pass's replay and eager counters start from 0 afterwards (captures stay counted)."""
+        static = self.prefill_pass
+        assert static is not None and static.cache.rows == 0
+        longest = static.cache.capacity - 1  # a row's columns, and the one its next token takes
+        for r, w in sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True):
+            m = min(w, longest)
+            try:  # the last row one token short, as a real group's shorter rows are
+                static.run([[0] * m] * (r - 1) + [[0] * max(m - 1, 1)])
+            except torch.OutOfMemoryError:  # a real prefill of this shape would fail too
+                log.warning("prefill warm-up: %d x %d tokens do not fit; skipped", r, w)
+                continue
+            self.warm_shapes.append((r, w))
+        self.warm_shapes.sort()
+        static.runner.replays = static.runner.eager_passes = static.runner.padded_tokens = 0
 
     def prefill_chunk(self, row: Row, start: int, end: int) -> list[int] | None:
         """Tokens `start:end` of a long context into the row's own cache (`partial`); after its
@@ -410,17 +520,22 @@ class ModelRunner:
 
     def join(
         self,
-        cache: DynamicCache,
+        cache: DynamicCache | StaticRows,
         rows: list[Row],
         select: list[int],
         lengths: list[int],
         running: int,
     ) -> None:
         """Append prefilled rows (rows `select` of `cache`, `lengths` tokens each, their first
-        token in `next_input`) to the running batch's cache after its `running` rows."""
+        token in `next_input`) to the running batch's cache after its `running` rows (rows a
+        static prefill wrote into their slots already: `select` of them stay)."""
         if self.static is not None:
             first = self.static.cache.rows
-            self.static.cache.add_rows(cache, select, lengths)
+            if isinstance(cache, StaticRows):
+                assert cache.first == first, (cache, first)
+                self.static.cache.take_rows(select, lengths)
+            else:
+                self.static.cache.add_rows(cache, select, lengths)
             self.static.feed(first, [row.next_input for row in rows])
             sampler = self.static.sampler
             if sampler is not None:  # the rows' settings, between steps (never in a graph)
@@ -433,11 +548,12 @@ class ModelRunner:
                         seen_ids=sorted(row.seen),
                     )
         elif self.batchable:
+            assert isinstance(cache, DynamicCache)
             if self.kv is None:
                 self.kv = SlotCache(len(cache.layers), self.max_batch_size, self.loaded.max_context)
             self.kv.add_rows(cache, select, lengths)
         else:  # one row at a time: it keeps the cache its model made
-            assert running == 0 and len(rows) == 1
+            assert running == 0 and len(rows) == 1 and isinstance(cache, DynamicCache)
             self.solo = cache
         self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, running + len(rows))
 

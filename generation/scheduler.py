@@ -113,6 +113,7 @@ class Engine:
         prefill_buckets: bool | None = None,
         warm_prefill: bool | None = None,
         compile_step: bool = False,
+        static_prefill: bool | None = None,
         static_judge: bool | None = None,
         judge_pool_at_start: bool | None = None,
     ) -> None:
@@ -130,6 +131,9 @@ class Engine:
         for CUDA) and `warm_prefill` runs each bucket once at start (default: with buckets, on
         CUDA; model_runner.py). `compile_step`: the static decode step through torch.compile
         (Inductor) before graphs are captured; it implies the static step, with buckets.
+        `static_prefill` (default: with the static step): whole prefills write into the static
+        cache's slots through a static pass, replayed from CUDA graphs on CUDA
+        (prefill_graphs.py); else they run eagerly into a DynamicCache copied at the join.
         `static_judge`: judge passes over the static pool, replayed from CUDA graphs on CUDA
         (judge_graphs.py; default: on for CUDA, packed passes on a CPU). `judge_pool_at_start`
         builds that pool at start, before the decode cache takes its share of the memory
@@ -166,6 +170,7 @@ class Engine:
             prefill_budget=self._sched.prefill_token_budget,
             prefill_longest=self._sched.prefill_chunk_tokens,
             compile_step=compile_step,
+            static_prefill=static_prefill,
         )
         self._output = OutputProcessor(
             make_detokenizer(loaded.tokenizer),
@@ -227,6 +232,10 @@ class Engine:
     @property
     def prefill_chunk_tokens(self) -> int:
         return self._sched.prefill_chunk_tokens
+
+    def prefill_info(self) -> dict[str, object]:
+        """How whole prefills run (/health `prefill`, /metrics): model_runner.prefill_info."""
+        return self._runner.prefill_info()
 
     def cache_info(self) -> dict[str, object]:
         """The running batch's KV cache for /health and /metrics (ModelRunner.cache_info)."""

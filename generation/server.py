@@ -131,6 +131,7 @@ def create_app(
     compile_step: bool = False,
     prefill_buckets: bool | None = None,
     warm_prefill: bool | None = None,
+    static_prefill: bool | None = None,
     static_judge: bool | None = None,
     judge_pool_at_start: bool | None = None,
     client_max_size: int = CLIENT_MAX_SIZE,
@@ -160,6 +161,7 @@ def create_app(
             compile_step=compile_step,
             prefill_buckets=prefill_buckets,
             warm_prefill=warm_prefill,
+            static_prefill=static_prefill,
             static_judge=static_judge,
             judge_pool_at_start=judge_pool_at_start,
         ),
@@ -525,6 +527,10 @@ async def handle_health(request: web.Request) -> web.Response:
         # rows x capacity the KV cache holds, what it uses now, and how decode steps run
         # (cuda_graphs: replayed; static: the static step run eagerly; eager: the slot cache)
         "kv_cache": engine.cache_info(),
+        # how whole prefills run (eager: into a DynamicCache; static: the static pass into the
+        # decode slots, eagerly; cuda_graphs: replayed), its graphs, captures, replays and
+        # passes not replayed (prefill_graphs.py)
+        "prefill": engine.prefill_info(),
         # how judge passes run (packed; static: the pool run eagerly; cuda_graphs: replayed),
         # the pool's slots and capacity, its graphs, captures and replays (judge_graphs.py)
         "judge": engine.judges.info(),

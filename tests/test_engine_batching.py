@@ -198,15 +198,23 @@ def test_out_of_memory_growing_the_cache_fails_the_batch_migratably(
             real_reserve(self, rows, columns, template)  # type: ignore[arg-type]
 
         monkeypatch.setattr(SlotCache, "_reserve", reserve)
-    else:  # the static step (CUDA's): fixed buffers, the joiner's keys copied into them
-        real_add_rows = StaticSlotCache.add_rows
+    else:  # the static step (CUDA's): fixed buffers, the joiner's rows taken into them (its
+        # keys copied from an eager prefill's cache, or, with the static prefill, written in
+        # place and moved into consecutive slots)
+        real_add_rows, real_take_rows = StaticSlotCache.add_rows, StaticSlotCache.take_rows
 
         def add_rows(self: StaticSlotCache, prefill: Any, select: Any, lengths: Any) -> None:
             if self.rows + len(select) > 1:
                 raise torch.OutOfMemoryError(message)
             real_add_rows(self, prefill, select, lengths)
 
+        def take_rows(self: StaticSlotCache, select: Any, lengths: Any) -> None:
+            if self.rows + len(select) > 1:
+                raise torch.OutOfMemoryError(message)
+            real_take_rows(self, select, lengths)
+
         monkeypatch.setattr(StaticSlotCache, "add_rows", add_rows)
+        monkeypatch.setattr(StaticSlotCache, "take_rows", take_rows)
     with ThreadedServer(lambda: create_app(tiny_model, static_decode=static)) as server:
 
         async def scenario() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -20,8 +19,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.engine import AtenOps
 from generation.decode_graphs import (
     CachePlan,
     StaticDecoder,
@@ -359,18 +358,6 @@ def test_graph_replay_equals_the_eager_step(tiny_model: LoadedModel) -> None:
     assert replayed.replays == 30 and eager.replays == 0 and replayed.graphs == 12
 
 
-class _Ops(TorchDispatchMode):
-    """Every aten op a region runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 #: Ops that read a device value on the host or size their output by data: a graph cannot hold
 #: them (capture fails, or bakes in one step's answer).
 HOST_READS = {
@@ -397,7 +384,7 @@ def test_the_captured_region_reads_nothing_back_to_the_host(
         decoder = _decoder(model, slots=4, capacity=64, buckets=True, sampler=True)
         decoder.cache.add_rows(_prefill(model, [5, 6, 7]).past_key_values, [0], [3])
         decoder.cache.positions[:1] = 3
-        recorder = _Ops()
+        recorder = AtenOps()
         with recorder:
             tokens = decoder._forward(2, 16)
     assert tokens.shape == (2,) and tokens.dtype == torch.long
@@ -592,14 +579,18 @@ def test_health_and_metrics_report_the_kv_cache(
     health, metrics = run(scenario())
     rows, capacity, graphs = 64, 512, 0  # a CPU's default rows; tiny-random's whole context
     mode = "static"
+    assert static_server.app is not None
+    engine = static_server.app[STATE].engine
+    prefill_graphs = 0
     if tiny_model.device.type == "cuda":  # rows from free memory; a graph per bucket pair
-        assert static_server.app is not None
-        rows = static_server.app[STATE].engine.max_batch_size
+        rows = engine.max_batch_size
         graphs = len(row_buckets(rows)) * len(width_buckets(capacity))
         mode = "cuda_graphs"
+        prefill_graphs = len(engine._runner.warm_shapes)  # captured at start
     with torch.inference_mode():
         template = _prefill(tiny_model, [1]).past_key_values
-    nbytes = rows * capacity * cache_bytes_per_token(template)
+    # each slot's columns and the reserved one (a static prefill's padding writes)
+    nbytes = rows * (capacity + 1) * cache_bytes_per_token(template)
     assert health["max_batch_size"] == rows
     assert health["kv_cache"] == {
         "mode": mode,
@@ -638,6 +629,24 @@ def test_health_and_metrics_report_the_kv_cache(
         "decode_compiled": 0,
         "decode_compile_failed": 0,
     }
+    # prefill: the static pass into the decode slots (prefill_graphs.py); whatever ran before
+    prefill = health["prefill"]
+    assert prefill["mode"] == mode and prefill["graph_error"] is None
+    assert prefill["graphs"] == prefill["captures"] == prefill_graphs
+    assert {
+        name: values[f"guardstream_engine_{name}"]
+        for name in (
+            "prefill_graphs",
+            "prefill_graph_captures_total",
+            "prefill_graph_replays_total",
+        )
+    } == {
+        "prefill_graphs": prefill_graphs,
+        "prefill_graph_captures_total": prefill_graphs,
+        "prefill_graph_replays_total": prefill["replays"],
+    }
+    passes = values["guardstream_engine_prefill_eager_passes_total"]
+    assert passes == prefill["eager_passes"] == engine._runner.prefill_pass.runner.eager_passes
 
 
 def test_a_cache_shorter_than_the_context_lowers_the_advertised_context(

@@ -23,13 +23,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from generation.jobs import EngineDelta
 from generation.model_runner import ModelRunner
 from generation.models import LoadedModel
 from generation.scheduler import Engine
 from generation.scheduling import Scheduler, prefill_groups
 from tests.engine_support import load_test_model
-from tests.test_engine_overlap import Request, drive, requests
+from tests.test_engine_overlap import Request, assert_same_streams, drive, requests
 
 ROWS = 4
 CHUNK = 24  # prompts up to this are prefilled whole (bucketed); longer ones in chunks
@@ -96,16 +95,9 @@ def test_bucketed_prefill_streams_exactly_what_exact_prefill_does(
 ) -> None:
     exact, bucketed = engines
     passes = bucketed.stats.prefill_passes
-    expected = asyncio.run(drive(exact, script))
-    got = asyncio.run(drive(bucketed, script))
-    for r, want, have in zip(script, expected, got, strict=True):
-        assert all(isinstance(e, EngineDelta) for e in want + have)
-        if r.cancel is None:
-            assert have == want
-            assert want and want[-1].finish_reason is not None
-        else:  # a client that left: each engine delivered a prefix of the same stream
-            shorter, longer = sorted((want, have), key=len)
-            assert longer[: len(shorter)] == shorter
+    assert_same_streams(
+        script, asyncio.run(drive(exact, script)), asyncio.run(drive(bucketed, script))
+    )
     assert bucketed.stats.prefill_passes > passes or all(r.cancel is not None for r in script)
 
 
