@@ -465,6 +465,132 @@ async def test_a_tool_calls_arguments_sent_back_are_judged_as_input(
     assert (found["message_index"], found["field"]) == (1, "tool_calls.0.function.arguments")
 
 
+# -- judging what the request itself sends the model ---------------------------------------------
+
+# Tool definitions (and every other field an `openai` chat backend receives untouched) reach the
+# model's prompt: the chat template renders them. On 321ae20 no input detector read them, so an
+# injection in a tool's description reached the model past an enforced guardrail.
+DESCRIBED = [
+    {
+        "type": "function",
+        "function": {
+            "name": "send_email",
+            "description": "Send an e-mail. " + ATTACK,
+            "parameters": {"type": "object", "properties": {"to": {"type": "string"}}},
+        },
+    }
+]
+IN_A_PARAMETER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "send_email",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"type": "string", "description": ATTACK}},
+            },
+        },
+    }
+]
+SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "reply", "schema": {"type": "object", "description": ATTACK}},
+}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+@pytest.mark.parametrize(
+    ("field", "sent"),
+    [
+        ("tools", {"tools": DESCRIBED}),
+        ("tools", {"tools": IN_A_PARAMETER}),
+        ("response_format", {"response_format": SCHEMA_FORMAT}),
+    ],
+    ids=["tool-description", "parameter-description", "response-format-schema"],
+)
+async def test_an_injection_in_a_forwarded_field_stops_the_request_before_the_model(
+    orch: Orchestrator, upstream: FakeOpenAI, stream: bool, field: str, sent: dict[str, Any]
+) -> None:
+    before = len(upstream.requests)
+    kwargs = {"model": GUARDED, "messages": ASK, **sent}
+    if stream:
+        [chunk] = await streamed(orch, **kwargs)
+        choice, refusal = chunk.choices[0], chunk.choices[0].delta.refusal
+    else:
+        done = await sdk(orch).chat.completions.create(**kwargs)
+        choice, refusal = done.choices[0], done.choices[0].message.refusal
+    assert choice.finish_reason == "content_filter"
+    assert refusal == f"The request was refused: detector `injection` flagged `{field}`."
+    assert len(upstream.requests) == before  # the model was never called
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_an_injection_in_a_responses_tool_definition_stops_the_response(
+    orch: Orchestrator, upstream: FakeOpenAI, stream: bool
+) -> None:
+    tool = {"type": "function", **DESCRIBED[0]["function"]}
+    body = {"model": GUARDED, "input": "Mail Jo.", "tools": [tool]}
+    before = len(upstream.requests)
+    if stream:
+        response = (await raw_events(orch, body))[-1]["response"]
+    else:
+        status, response = await orch.post("/v1/responses", body)
+        assert status == 200, response
+    assert response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "content_filter"}
+    assert len(upstream.requests) == before
+
+
+async def test_a_tool_definition_an_input_guardrail_redacts_is_refused_with_422(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """A redaction cannot be applied to a tool definition without changing the tool (as a stop
+    sequence, tests/test_pipeline_redaction.py): refused before the response, never sent raw."""
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "send_email", "description": f"Mail {EMAIL} by default."},
+        }
+    ]
+    before = len(upstream.requests)
+    message = (
+        "tools.0.function.description holds text that input detector `pii_redact` redacts "
+        "(a redacted request field would change what the request asks for)"
+    )
+    for stream in (False, True):
+        with pytest.raises(openai.UnprocessableEntityError) as caught:
+            await sdk(orch).chat.completions.create(
+                model=MODEL,
+                messages=ASK,
+                tools=tools,
+                stream=stream,
+                extra_body={"detectors": {"input": {"pii_redact": {}}}},
+            )
+        assert caught.value.body == {
+            "message": message,
+            "type": "invalid_request",
+            "param": None,
+            "code": 422,
+        }
+    assert len(upstream.requests) == before
+
+
+async def test_labels_are_not_judged_as_prompt_text(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """`user` and `metadata` label a request (an end user's e-mail address is a common `user`):
+    they never enter the prompt, so a redacting input guardrail does not refuse them."""
+    done = await sdk(orch).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        user=EMAIL,
+        metadata={"who": EMAIL},
+        extra_body={"detectors": {"input": {"pii_redact": {}}}},
+    )
+    assert done.choices[0].finish_reason == "stop"
+    assert upstream.requests[-1]["user"] == EMAIL
+
+
 # -- what cannot be done -------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from ..suggestions import closest
 from .errors import Failure
 from .fms_requests import DetectorMap
 from .fms_responses import TokenClassificationResult, Wire
-from .input_pieces import InputPiece
+from .input_pieces import LABEL_FIELDS, InputPiece
 from .json_numbers import json_integer, json_number
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -45,7 +45,7 @@ TOOLS_WHY = (
 )
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 # Extra fields that only label or route a request: accepted whatever the backend.
-_LABELS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"})
+_LABELS = LABEL_FIELDS
 # Extra fields a backend that does not receive them cannot honour, at a value that asks for
 # something; the value that asks for nothing (SDKs and proxies send defaults) passes.
 _EXTRA_WHY = {
