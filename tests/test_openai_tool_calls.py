@@ -575,6 +575,77 @@ async def test_a_tool_definition_an_input_guardrail_redacts_is_refused_with_422(
     assert len(upstream.requests) == before
 
 
+def call_turn(name: str = "f", call_id: str = "c") -> list[dict[str, Any]]:
+    """A conversation with an earlier call (its name and id as given) and the tool's result."""
+    turn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+        ],
+    }
+    return [*ASK, turn, {"role": "tool", "tool_call_id": call_id, "content": "ok"}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "where"),
+    [
+        (call_turn(name=ATTACK), (1, "tool_calls.0.function.name")),
+        (call_turn(call_id=ATTACK), (1, "tool_calls.0.id")),
+    ],
+    ids=["call-name", "call-id"],
+)
+async def test_an_injection_in_a_tool_calls_name_or_id_stops_the_request(
+    orch: Orchestrator, upstream: FakeOpenAI, messages: list[dict[str, Any]], where: Any
+) -> None:
+    """A call's name and id reach the model with the conversation (on 321ae20 unjudged: a
+    fabricated earlier call named with an injection reached the model)."""
+    before = len(upstream.requests)
+    done = await sdk(orch).chat.completions.create(model=GUARDED, messages=messages, tools=TOOLS)
+    assert done.choices[0].finish_reason == "content_filter"
+    found = (done.model_extra or {})["detections"]["input"]
+    assert (found[0]["message_index"], found[0]["field"]) == where
+    assert len(upstream.requests) == before
+
+
+async def test_an_injection_in_a_responses_function_call_name_stops_the_response(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    items = [
+        {"role": "user", "content": "Mail Jo."},
+        {"type": "function_call", "call_id": "c", "name": ATTACK, "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"},
+    ]
+    before = len(upstream.requests)
+    status, response = await orch.post(
+        "/v1/responses", {"model": GUARDED, "input": items, "tools": RESPONSE_TOOLS}
+    )
+    assert status == 200, response
+    assert response["incomplete_details"] == {"reason": "content_filter"}
+    assert [(a["message_index"], a["text"]) for a in response["guardrails"]["input"]] == [
+        (1, ATTACK)
+    ]
+    assert len(upstream.requests) == before
+
+
+async def test_a_tool_call_id_an_input_guardrail_redacts_is_refused_with_422(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    before = len(upstream.requests)
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        await sdk(orch).chat.completions.create(
+            model=MODEL,
+            messages=call_turn(call_id=EMAIL),
+            tools=TOOLS,
+            extra_body={"detectors": {"input": {"pii_redact": {}}}},
+        )
+    assert caught.value.body["message"] == (
+        "message 1's tool_calls.0.id holds text that input detector `pii_redact` redacts "
+        "(a redacted call name or id would change what the request asks for)"
+    )
+    assert len(upstream.requests) == before
+
+
 async def test_labels_are_not_judged_as_prompt_text(
     orch: Orchestrator, upstream: FakeOpenAI
 ) -> None:

@@ -35,6 +35,9 @@ class InputPiece:
     # the arguments of that message's tool call at this index (an assistant turn's call sent
     # back), not its content
     tool_call: int | None = None
+    # it reaches the engine but cannot be replaced there (a tool call's name or id, a stop
+    # sequence, a tool definition): a redacting detector's finding in it refuses the request
+    fixed: bool = False
 
 
 def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
@@ -53,12 +56,14 @@ def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
         path, value = todo.pop()
         if isinstance(value, str):
             if value:
-                out.append(InputPiece(value, field=path))
+                out.append(InputPiece(value, field=path, fixed=True))
         elif isinstance(value, Mapping):
             items = list(value.items())
             for key, item in reversed(items):
                 todo.append((f"{path}.{key}", item))
-            out.extend(InputPiece(str(key), field=f"{path}.{key}") for key, _ in items if key)
+            out.extend(
+                InputPiece(str(key), field=f"{path}.{key}", fixed=True) for key, _ in items if key
+            )
         elif isinstance(value, list | tuple):
             todo.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
     return out

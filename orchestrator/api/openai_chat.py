@@ -216,6 +216,13 @@ class ChatMessageIn(BaseModel):
             out.append(
                 InputPiece(call.function.arguments, index, tool_call_field(j), index, tool_call=j)
             )
+            # the call's name and id reach the engine too (the chat template renders them)
+            out.append(
+                InputPiece(call.function.name, index, f"tool_calls.{j}.function.name", fixed=True)
+            )
+            out.append(InputPiece(call.id, index, f"tool_calls.{j}.id", fixed=True))
+        if self.tool_call_id:
+            out.append(InputPiece(self.tool_call_id, index, "tool_call_id", fixed=True))
         return out
 
     def wire_tool_calls(self) -> tuple[dict[str, Any], ...] | None:

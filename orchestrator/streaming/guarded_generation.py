@@ -165,8 +165,10 @@ class GuardedGeneration(PipelineCore):
         self.terminal: Terminal | None = None
         self._input_findings: list[Finding] | None = None  # redacted input, for the 1st frame
         # (message_index, field) of the judged pieces that are request fields, not conversation
-        # text (stop sequences, tool definitions): _judge_input's
+        # text (stop sequences, tool definitions), and of every piece that reaches the engine
+        # but cannot be replaced (those and a tool call's name or id): _judge_input's
         self._request_fields: frozenset[tuple[int | None, str | None]] = frozenset()
+        self._fixed: frozenset[tuple[int | None, str | None]] = frozenset()
         self._span = tracing.request_span(backend.model_id)  # None unless tracing is on
 
     @property
@@ -233,7 +235,7 @@ class GuardedGeneration(PipelineCore):
             if any(f.detector_id not in redactors and not f.unjudged for f in judged):
                 yield await self._input_refused(judged)
                 return
-            fixed = [f for f in judged if self._in_request_field(f)]
+            fixed = [f for f in judged if (f.message_index, f.field) in self._fixed]
             if fixed:
                 # a replaced stop sequence would stop generation somewhere else, a replaced
                 # tool definition would be another tool: refused
@@ -330,6 +332,10 @@ class GuardedGeneration(PipelineCore):
         ]
         stops += request_field_pieces(self._request.extra)
         self._request_fields = frozenset((p.message_index, p.field) for p in stops)
+        conversation = [] if isinstance(self._inputs, str) else self._inputs
+        self._fixed = self._request_fields | frozenset(
+            (p.message_index, p.field) for p in conversation if p.fixed
+        )
         with tracing.input_detection(self._input_detectors) as span:
             if isinstance(self._inputs, str):
                 findings = await judge_text(
@@ -665,8 +671,10 @@ def _request_field_redacted(findings: list[Finding]) -> ApiError:
     )
     if first.field == STOP_SEQUENCE_FIELD:
         where, kind = f"stop sequence {first.message_index}", "stop sequence"
-    else:
+    elif first.message_index is None:
         where, kind = f"{first.field}", "request field"
+    else:  # a tool call's name or id in the conversation
+        where, kind = f"message {first.message_index}'s {first.field}", "call name or id"
     return ApiError(
         422,
         ErrorType.INVALID_REQUEST,
