@@ -332,15 +332,13 @@ def calls(upstream: FakeOpenAI) -> Iterator[list[ScriptedToolCall]]:
             '{"note": "\\ud83d\\ude00 \\"hi\\" jo@example.com"}',
             '{"note": "\U0001f600 \\"hi\\" [email]"}',
         ),
-        # a key is structure, not a value: only values are judged
-        ('{"jo@example.com": "jo@example.com"}', '{"jo@example.com": "[email]"}'),
     ],
-    ids=["not-json", "escapes", "key"],
+    ids=["not-json", "escapes"],
 )
 async def test_spans_point_into_the_arguments_whatever_they_hold(
     orch: Orchestrator, calls: list[ScriptedToolCall], arguments: str, redacted: str
 ) -> None:
-    calls.append(ScriptedToolCall("c0", "f", arguments))
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
     annotated = await streamed(
         orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
     )
@@ -364,7 +362,7 @@ async def test_long_arguments_are_judged_off_the_loop_alike(
     """Past BULK_CHARS the arguments are scanned and re-encoded in a bulk thread: the same."""
     story = "Once upon a time. " * 400 + "Write to jo@example.com."
     arguments = json.dumps({"story": story, "n": 1})
-    calls.append(ScriptedToolCall("c0", "tell", arguments))
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
     chunks = await streamed(orch, **asking("pii_redact"))
     [call] = reassembled(chunks)
     assert json.loads(call["arguments"]) == {"story": story.replace(EMAIL, "[email]"), "n": 1}
@@ -379,8 +377,9 @@ async def test_parallel_calls_are_each_judged_and_named(
         ScriptedToolCall("c0", "lookup", '{"q": "weather"}'),
         ScriptedToolCall("c1", "send_email", ARGUMENTS),
     ]
+    lookup = {"type": "function", "function": {"name": "lookup"}}
     chunks = await streamed(
-        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
+        orch, model=MODEL, messages=ASK, tools=[*TOOLS, lookup], extra_body=output({"pii": {}})
     )
     assert [(c["id"], c["arguments"]) for c in reassembled(chunks)] == [
         ("c0", '{"q": "weather"}'),
@@ -644,6 +643,59 @@ async def test_a_tool_call_id_an_input_guardrail_redacts_is_refused_with_422(
         "(a redacted call name or id would change what the request asks for)"
     )
     assert len(upstream.requests) == before
+
+
+# -- what a call carries besides its argument values ----------------------------------------------
+
+
+async def raw_chat(orch: Orchestrator, body: dict[str, Any]) -> tuple[int, str]:
+    """The reply's raw bytes, decoded: nothing flagged may be anywhere in them."""
+    assert orch.session is not None
+    async with orch.session.post(orch.url + "/v1/chat/completions", json=body) as r:
+        return r.status, await r.text()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_an_e_mail_address_as_an_arguments_key_is_judged(
+    orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
+) -> None:
+    """A key is text the model wrote, as a value is: on 321ae20 only values were judged, so
+    `{"jo@example.com": 1}` reached the client past an enforced blocking guardrail."""
+    calls.append(ScriptedToolCall("c0", "send_email", '{"jo@example.com": 1}'))
+    body = {"model": GUARDED, "messages": ASK, "tools": TOOLS, "stream": stream}
+    status, text = await raw_chat(orch, body)
+    assert status == 200, text
+    assert EMAIL not in text
+    assert "content_filter" in text
+
+
+async def test_a_key_is_redacted_inside_the_json(
+    orch: Orchestrator, calls: list[ScriptedToolCall]
+) -> None:
+    arguments = '{"jo@example.com": "jo@example.com"}'
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii_redact": {}})
+    )
+    [call] = reassembled(chunks)
+    assert call["arguments"] == '{"[email]": "[email]"}'
+    found = all_results(chunks)
+    assert [call["arguments"][f["start"] : f["end"]] for f in found] == ["[email]"] * 2
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_a_call_to_a_tool_not_offered_is_a_failure_and_its_name_never_sent(
+    orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
+) -> None:
+    """A call's name is model-written text too; one of the offered tools' names is the client's
+    own (and was judged as input), any other is not a call the client can make: the stream
+    fails before the call is sent (on 321ae20 a name holding an e-mail address was sent)."""
+    calls.append(ScriptedToolCall("c0", EMAIL, "{}"))
+    body = {"model": GUARDED, "messages": ASK, "tools": TOOLS, "stream": stream}
+    status, text = await raw_chat(orch, body)
+    assert EMAIL not in text
+    assert "the model called a tool the request did not offer" in text
+    assert status == 502, text  # nothing was sent yet: a real HTTP error (DESIGN 4.8)
 
 
 async def test_labels_are_not_judged_as_prompt_text(
@@ -1008,7 +1060,7 @@ async def test_a_responses_message_comes_before_its_function_call(orch: Orchestr
     )
 
 
-# -- property: every string value found, every offset where its character starts ---------------
+# -- property: every string found (keys too), every offset where its character starts ---------
 
 json_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 
@@ -1022,12 +1074,12 @@ json_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), ma
 def test_string_values_and_their_offsets_match_the_json(
     values: dict[str, str], ascii_only: bool, indent: int | None
 ) -> None:
-    """Whatever the encoder escaped (`\\uXXXX`, surrogate pairs, `\\"`), each value's decoded
-    characters map onto their own raw bytes: a span found in a value points at exactly its
-    text in the arguments."""
+    """Whatever the encoder escaped (`\\uXXXX`, surrogate pairs, `\\"`), each string's decoded
+    characters map onto their own raw bytes: a span found in a key or a value points at
+    exactly its text in the arguments."""
     arguments = json.dumps({"args": values}, ensure_ascii=ascii_only, indent=indent)
     found = string_values(arguments)
-    assert [v.text for v in found] == list(values.values())
+    assert [v.text for v in found] == ["args", *(t for kv in values.items() for t in kv)]
     for v in found:
         raw = arguments[v.start : v.end]
         offsets = raw_offsets(raw)

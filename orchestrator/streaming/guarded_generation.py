@@ -59,7 +59,7 @@ from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
 from .stream_judgement import Release, StreamJudge
 from .text_judgement import InputPiece, judge_pieces, judge_text
-from .tool_calls import JudgedCall, ToolCallAssembler, judge_tool_calls
+from .tool_calls import JudgedCall, ToolCallAssembler, judge_tool_calls, offered_names
 from .verdict_cache import TenantVerdicts
 
 log = logging.getLogger("guardstream.stream")
@@ -444,6 +444,11 @@ class GuardedGeneration(PipelineCore):
             if delay:
                 await asyncio.sleep(delay)
         whole = calls.finish()
+        offered = offered_names(self._request.extra.get("tools")) if whole else frozenset()
+        if any(c.name not in offered for c in whole):
+            # its name is text the model wrote that no guardrail judged (an offered name is
+            # the client's own, judged as input): the call is never sent
+            raise GenerationError("the model called a tool the request did not offer")
         judged = (
             await judge_tool_calls(whole, self._tool_call_detectors, self._chunkers)
             if whole
