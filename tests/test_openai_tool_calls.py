@@ -698,6 +698,23 @@ async def test_a_call_to_a_tool_not_offered_is_a_failure_and_its_name_never_sent
     assert status == 502, text  # nothing was sent yet: a real HTTP error (DESIGN 4.8)
 
 
+async def test_a_refused_input_never_reaches_the_backend_not_even_to_be_counted(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """The model is never called for a refused input (DESIGN 4.5), and neither is the server
+    it runs on: on 321ae20 the refusal's token count sent the refused conversation to the
+    backend's /tokenize (a hosted backend saw what the guardrail refused)."""
+    before = (len(upstream.requests), len(upstream.tokenize_requests))
+    messages = [{"role": "user", "content": ATTACK}]
+    for stream in (False, True):
+        status, text = await raw_chat(
+            orch, {"model": GUARDED, "messages": messages, "stream": stream}
+        )
+        assert status == 200, text
+        assert "content_filter" in text
+    assert (len(upstream.requests), len(upstream.tokenize_requests)) == before
+
+
 async def test_labels_are_not_judged_as_prompt_text(
     orch: Orchestrator, upstream: FakeOpenAI
 ) -> None:

@@ -486,16 +486,14 @@ class GuardedGeneration(PipelineCore):
 
     async def _input_refused(self, findings: list[Finding]) -> list[Event]:
         self._observer.on_findings(findings)
-        count: int | None = None
-        try:
-            r = self._request
-            count = await (
-                self._backend.tokenize(r.prompt, r.chat)
-                if r.messages is None
-                else self._backend.tokenize(r.prompt, r.chat, r.messages)
-            )
-        except GenerationError:
-            pass
+        r = self._request
+        # counted where the refused input does not leave this deployment (an `openai` server
+        # never receives it, not even to count it)
+        count = await (
+            self._backend.count_privately(r.prompt, r.chat)
+            if r.messages is None
+            else self._backend.count_privately(r.prompt, r.chat, r.messages)
+        )
         self._refused_input_tokens = count
         ids = ", ".join(f"`{i}`" for i in sorted({f.detector_id for f in findings}))
         # a request field's finding (a stop sequence, a tool definition) is not listed: its
