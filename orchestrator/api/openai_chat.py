@@ -12,7 +12,7 @@ backend with `api: completions` refuses a request that asks for them (`check_ext
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,7 +25,7 @@ from pydantic import (
 
 from ..suggestions import closest
 from .errors import Failure
-from .fms_requests import DetectorMap
+from .fms_requests import MAX_STOP_SEQUENCES, DetectorMap, StopSequence
 from .fms_responses import TokenClassificationResult, Wire
 from .input_pieces import LABEL_FIELDS, InputPiece
 from .json_numbers import json_integer, json_number
@@ -240,9 +240,6 @@ class ChatDetectors(Strict):
     output: DetectorMap = Field(default_factory=dict)
 
 
-StopItem = Annotated[str, Field(min_length=1)]
-
-
 # the extension fields guardstream reads in an OpenAI body (everything else is OpenAI's)
 GUARDSTREAM_FIELDS = ("detectors",)
 
@@ -262,7 +259,8 @@ class OpenAIGenerationFields(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: StopItem | list[StopItem] | None = None
+    # one string or a list, as OpenAI takes it; a list from here on (`_one_or_list`)
+    stop: list[StopSequence] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     n: int | None = Field(None, ge=1)
     detectors: ChatDetectors | None = None
 
@@ -276,6 +274,11 @@ class OpenAIGenerationFields(BaseModel):
     def _numbers(cls, v: Any) -> Any:
         return json_number(v)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_or_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
     @model_validator(mode="after")
     def _one_guarded_choice(self) -> OpenAIGenerationFields:
         if self.n not in (None, 1):
@@ -287,9 +290,7 @@ class OpenAIGenerationFields(BaseModel):
         return self
 
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return list(self.stop or ())
 
 
 class ChatCompletionRequest(OpenAIGenerationFields):
