@@ -97,3 +97,30 @@ async def test_stop_sequences_at_the_bounds_are_served(
     done = await sdk(orch).chat.completions.create(model=MODEL, messages=ASK, stop=stop)
     assert done.choices[0].finish_reason == "stop"
     assert upstream.requests[-1]["stop"] == stop
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("logprobs", True), ("top_logprobs", 2)], ids=["logprobs", "top"]
+)
+async def test_log_probabilities_are_refused_even_where_fields_are_forwarded(
+    orch: Orchestrator, upstream: FakeOpenAI, field: str, value: Any
+) -> None:
+    """A token's log probability entry carries the token's text: text the output guardrails
+    may withhold or redact. On 321ae20 an `openai` chat backend received `logprobs: true` and
+    the answer came back without them, silently (DESIGN 4.8: never silently dropped); no backend
+    can return them through the guardrails, so they are refused like `n` > 1."""
+    before = len(upstream.requests)
+    for stream in (False, True):
+        with pytest.raises(openai.UnprocessableEntityError) as caught:
+            await sdk(orch).chat.completions.create(
+                model=MODEL, messages=ASK, stream=stream, **{field: value}
+            )
+        body: Any = caught.value.body
+        assert body["param"] == field, body
+        assert body["message"].startswith(f"{field}: log probabilities are not returned"), body
+    assert len(upstream.requests) == before
+    # the values that ask for nothing (SDKs and proxies send them) still pass
+    done = await sdk(orch).chat.completions.create(
+        model=MODEL, messages=ASK, logprobs=False, top_logprobs=0
+    )
+    assert done.choices[0].finish_reason == "stop"

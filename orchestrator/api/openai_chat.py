@@ -3,8 +3,8 @@ extensions (`detectors` in requests; `detections` and `warnings` in responses).
 
 The request keeps unknown fields (`extra="allow"`): an `openai` chat backend receives them
 untouched, every other backend ignores them. Fields guardstream cannot honour while guarding the
-output (several choices, the legacy `functions`) are rejected with a clear 422 instead of being
-dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
+output (several choices, log probabilities, the legacy `functions`) are rejected with a clear 422
+instead of being dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
 with `api: chat` (the tool calls it answers with are judged like text, DESIGN 4.8); the native
 engine takes `tools` where the model's chat template does (`check_native_tools`); an `openai`
 backend with `api: completions` refuses a request that asks for them (`check_extra_honoured`).
@@ -50,8 +50,6 @@ _LABELS = LABEL_FIELDS
 # something; the value that asks for nothing (SDKs and proxies send defaults) passes.
 _EXTRA_WHY = {
     "response_format": "structured output cannot be honoured by this model's backend",
-    "logprobs": "log probabilities are not returned by this model's backend",
-    "top_logprobs": "log probabilities are not returned by this model's backend",
     "logit_bias": "logit biases cannot be applied by this model's backend",
     "frequency_penalty": "frequency penalties cannot be applied by this model's backend",
     "presence_penalty": "presence penalties cannot be applied by this model's backend",
@@ -311,6 +309,16 @@ class ChatCompletionRequest(OpenAIGenerationFields):
             value = (self.model_extra or {}).get(name)
             if value not in (None, [], "none"):
                 raise ValueError(f"{name}: {why}")
+        for name in ("logprobs", "top_logprobs"):
+            value = (self.model_extra or {}).get(name)
+            if value not in (None, *_INERT[name]):
+                # whatever the backend: each entry carries its token's text, which the output
+                # guardrails may withhold or redact (a backend receiving the field would answer
+                # them, and they would be dropped: never silently, DESIGN 4.8)
+                raise ValueError(
+                    f"{name}: log probabilities are not returned: their tokens would carry text "
+                    "the output guardrails withhold or redact"
+                )
         if not any(m.role == "user" for m in self.messages):
             raise ValueError("messages: at least one message must have the role `user`")
         return self
