@@ -683,6 +683,41 @@ async def test_a_key_is_redacted_inside_the_json(
     assert [call["arguments"][f["start"] : f["end"]] for f in found] == ["[email]"] * 2
 
 
+CARD = "4111111111111111"  # a valid card number (Luhn), as the regex detector finds it
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_a_card_number_written_as_a_json_number_is_judged(
+    orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
+) -> None:
+    """A number is text the model wrote too: on 321ae20 only strings were judged, so
+    `{"card": 4111111111111111}` reached the client past an enforced blocking guardrail."""
+    calls.append(ScriptedToolCall("c0", "send_email", '{"card": ' + CARD + ', "n": 3}'))
+    body = {"model": GUARDED, "messages": ASK, "tools": TOOLS, "stream": stream}
+    status, text = await raw_chat(orch, body)
+    assert status == 200, text
+    assert CARD not in text
+    assert "content_filter" in text
+
+
+async def test_a_number_is_redacted_into_a_string_and_the_json_stays_valid(
+    orch: Orchestrator, calls: list[ScriptedToolCall]
+) -> None:
+    arguments = '{"card": ' + CARD + ', "n": 3, "to": "jo@example.com"}'
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii_redact": {}})
+    )
+    [call] = reassembled(chunks)
+    assert call["arguments"] == '{"card": "[credit_card]", "n": 3, "to": "[email]"}'
+    assert json.loads(call["arguments"])["n"] == 3
+    found = all_results(chunks)
+    assert [call["arguments"][f["start"] : f["end"]] for f in found] == [
+        "[credit_card]",
+        "[email]",
+    ]
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
 async def test_a_call_to_a_tool_not_offered_is_a_failure_and_its_name_never_sent(
     orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
@@ -1084,21 +1119,34 @@ json_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), ma
 
 @settings(max_examples=60, deadline=None, database=None)
 @given(
-    values=st.dictionaries(json_text, json_text, max_size=4),
+    values=st.dictionaries(
+        json_text,
+        st.one_of(json_text, st.integers(), st.floats(allow_nan=False, allow_infinity=False)),
+        max_size=4,
+    ),
     ascii_only=st.booleans(),
     indent=st.sampled_from([None, 1]),
 )
 def test_string_values_and_their_offsets_match_the_json(
-    values: dict[str, str], ascii_only: bool, indent: int | None
+    values: dict[str, str | int | float], ascii_only: bool, indent: int | None
 ) -> None:
     """Whatever the encoder escaped (`\\uXXXX`, surrogate pairs, `\\"`), each string's decoded
-    characters map onto their own raw bytes: a span found in a key or a value points at
-    exactly its text in the arguments."""
+    characters map onto their own raw bytes: a span found in a key, a value or a number points
+    at exactly its text in the arguments (a redacted number's, in the string it became)."""
     arguments = json.dumps({"args": values}, ensure_ascii=ascii_only, indent=indent)
     found = string_values(arguments)
-    assert [v.text for v in found] == ["args", *(t for kv in values.items() for t in kv)]
+    texts = (t if isinstance(t, str) else json.dumps(t) for kv in values.items() for t in kv)
+    assert [v.text for v in found] == ["args", *texts]
     for v in found:
         raw = arguments[v.start : v.end]
+        if v.number:  # a number's literal is its own text; redacted, a string in its place
+            assert raw == v.text
+            assert v.offsets(raw) == list(range(len(raw) + 1))
+            quoted = v.encode(v.text)
+            assert json.loads(quoted) == v.text
+            at = v.offsets(quoted)
+            assert [quoted[at[i] : at[i + 1]] for i in range(len(v.text))] == list(v.text)
+            continue
         offsets = raw_offsets(raw)
         assert len(offsets) == len(v.text) + 1
         for i in range(len(v.text)):

@@ -3,8 +3,9 @@ its arguments judged as text; the call released whole, redacted, or withheld.
 
 A call's arguments are a JSON string the model writes fragment by fragment. What detectors judge
 is the text in it: every JSON string, keys as well as values (a key is text the model wrote: `{"jo@
-example.com": 1}` holds an e-mail address), each as its own piece, with spans that point into the
-arguments string as the client receives it. Arguments that are not JSON (a model that broke off,
+example.com": 1}` holds an e-mail address), and every number (`{"card": 4111111111111111}` holds a
+card number), each as its own piece, with spans that point into the arguments string as the
+client receives it. A redacted number becomes a string (`"[credit_card]"`): still valid JSON. Arguments that are not JSON (a model that broke off,
 or wrote something else) are judged whole, as text. A call's name must be one the request offered
 (`offered_names`): the client's own text, judged as input; any other is a failure, never sent.
 
@@ -33,7 +34,9 @@ from .redaction import redact_text
 from .text_judgement import BULK_CHARS, judge_pieces, off_loop
 
 # a JSON string token (the regex engine scans in C: arguments may be long); valid JSON only
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# a JSON string or number token (the regex engine scans in C: arguments may be long); valid JSON
+# only. Strings first: a string's digits are part of it, never a number of their own
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?', re.DOTALL)
 
 
 @dataclass(slots=True)
@@ -71,33 +74,44 @@ class ToolCallAssembler:
 
 @dataclass(frozen=True, slots=True)
 class StringValue:
-    """A JSON string value of the arguments: its raw text between the quotes, `[start, end)` in
-    the arguments string, and what it decodes to. `json` False: arguments that are not JSON,
-    one value that is all of them, judged and redacted as the text they are."""
+    """A piece of text of the arguments: a JSON string's raw text between the quotes, or a
+    number's literal (`number`), `[start, end)` in the arguments string, and what it decodes
+    to. `json` False: arguments that are not JSON, one value that is all of them, judged and
+    redacted as the text they are."""
 
     start: int
     end: int
     text: str
     json: bool = True
+    number: bool = False
 
     def encode(self, text: str) -> str:
-        """`text` as this value's raw form (JSON-escaped, without quotes)."""
+        """`text` (redacted) as this value's raw form: JSON-escaped without quotes for a string,
+        a quoted JSON string in a number's place (a replacement is no number)."""
+        if self.number:
+            return json.dumps(text, ensure_ascii=False)
         return json.dumps(text, ensure_ascii=False)[1:-1] if self.json else text
 
     def offsets(self, raw: str) -> list[int]:
+        if self.number:  # the literal itself, or the string it was redacted into
+            if raw.startswith('"'):
+                return [1 + o for o in raw_offsets(raw[1:-1])]
+            return list(range(len(raw) + 1))
         return raw_offsets(raw) if self.json else list(range(len(raw) + 1))
 
 
 def string_values(arguments: str) -> list[StringValue]:
-    """Every string of JSON `arguments`, keys and values, in order; the whole string as one value
-    when it is not JSON (it is then judged as the text it is)."""
+    """Every string (keys and values) and number of JSON `arguments`, in order; the whole string
+    as one value when it is not JSON (it is then judged as the text it is)."""
     try:
         json.loads(arguments)
     except (ValueError, RecursionError):
         return [StringValue(0, len(arguments), arguments, json=False)]
     return [
         StringValue(m.start() + 1, m.end() - 1, json.loads(m.group()))
-        for m in _STRING.finditer(arguments)
+        if m.group().startswith('"')
+        else StringValue(m.start(), m.end(), m.group(), json=False, number=True)
+        for m in _TOKEN.finditer(arguments)
     ]
 
 
