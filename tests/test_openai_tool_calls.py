@@ -540,6 +540,28 @@ async def test_an_injection_in_a_responses_tool_definition_stops_the_response(
     assert len(upstream.requests) == before
 
 
+async def test_a_number_in_a_tool_definition_is_judged(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """Numbers reach the model's prompt as the template writes them (`tojson`): a card number
+    as a parameter's default is text like any other."""
+    schema = {"type": "object", "properties": {"card": {"type": "integer", "default": 1}}}
+    schema["properties"]["card"]["default"] = int(CARD)
+    tools = [{"type": "function", "function": {"name": "send_email", "parameters": schema}}]
+    before = len(upstream.requests)
+    done = await sdk(orch).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=tools,
+        extra_body={"detectors": {"input": {"pii_block": {}}}},
+    )
+    assert done.choices[0].finish_reason == "content_filter"
+    assert done.choices[0].message.refusal == (
+        "The request was refused: detector `pii_block` flagged `tools`."
+    )
+    assert len(upstream.requests) == before
+
+
 async def test_a_tool_definition_an_input_guardrail_redacts_is_refused_with_422(
     orch: Orchestrator, upstream: FakeOpenAI
 ) -> None:

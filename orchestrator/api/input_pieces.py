@@ -5,6 +5,7 @@ detectors (DESIGN 4.8, 4.9). The OpenAI request models say what their pieces are
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,9 @@ class InputPiece:
 
 
 def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
-    """Every string of the fields the engine receives beside the conversation (`tools`,
-    `tool_choice`, `response_format`, whatever an `openai` chat backend is forwarded), keys
-    too, each a piece named by its path (`tools.0.function.description`). A chat template
+    """Every string and number of the fields the engine receives beside the conversation
+    (`tools`, `tool_choice`, `response_format`, whatever an `openai` chat backend is forwarded),
+    keys too, each a piece named by its path (`tools.0.function.description`). A chat template
     renders tool definitions into the prompt, so text there is prompt text: an input guardrail
     that skipped it would let a tool's description carry what it refuses in a message.
     Iterative: the body's depth is the JSON parser's to bound, not the stack's."""
@@ -57,6 +58,9 @@ def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
         if isinstance(value, str):
             if value:
                 out.append(InputPiece(value, field=path, fixed=True))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            # as a template writes it (`tojson`): a card number as a default is text too
+            out.append(InputPiece(json.dumps(value), field=path, fixed=True))
         elif isinstance(value, Mapping):
             items = list(value.items())
             for key, item in reversed(items):
