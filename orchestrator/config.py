@@ -421,8 +421,8 @@ class DetectorConfig(Strict):
         default_factory=lambda: ["text", "tool_calls"], min_length=1
     )
     """What of the model's output it judges as an output detector: `text` (the answer's
-    content) and `tool_calls` (the string values of each tool call's arguments, DESIGN 4.8).
-    Config only: a request cannot narrow it, so an enforced guardrail judges tool calls
+    content) and `tool_calls` (the strings, keys and values, and the numbers of each tool
+    call's arguments, DESIGN 4.8). Config only: a request cannot narrow it, so an enforced guardrail judges tool calls
     whatever the request says. Input detection judges every message (tool results included)."""
     judges: Literal["spans", "chunks"] | None = None
     """What its detections are: `spans`, entities inside the content (redaction must see each

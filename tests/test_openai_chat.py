@@ -515,7 +515,8 @@ _TAIL = (
         (
             "logprobs",
             True,
-            "logprobs: log probabilities are not returned by this model's backend" + _TAIL,
+            "logprobs: log probabilities are not returned: their tokens would carry text the "
+            "output guardrails withhold or redact",
         ),
         (
             "logit_bias",

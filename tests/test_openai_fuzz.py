@@ -612,15 +612,15 @@ def test_unicode_tricks_are_never_a_server_error(
 def test_an_engine_limit_names_the_request_field(
     stack: ServedStack, http: requests.Session
 ) -> None:
+    # (stop sequences are bounded by the request model itself: tests/test_request_bounds.py)
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": "Hi"}],
-        "stop": [f"s{i}" for i in range(17)],  # the engine takes at most 16
+        "messages": [{"role": "user", "content": "H"}] * 1025,  # the engine takes 1024
     }
     response = post(http, stack.url + CHAT_PATH, encode(body))
     assert response.status_code == 422, response.text
     error = response.json()["error"]
-    assert error["param"] == "stop", error
+    assert error["param"] == "messages", error
     assert error["message"] == (
-        f"stop: model `{MODEL}`: stop has 17 entries; at most 16 are accepted"
+        f"messages: model `{MODEL}`: messages has 1025 entries; at most 1024 are accepted"
     ), error

@@ -332,15 +332,13 @@ def calls(upstream: FakeOpenAI) -> Iterator[list[ScriptedToolCall]]:
             '{"note": "\\ud83d\\ude00 \\"hi\\" jo@example.com"}',
             '{"note": "\U0001f600 \\"hi\\" [email]"}',
         ),
-        # a key is structure, not a value: only values are judged
-        ('{"jo@example.com": "jo@example.com"}', '{"jo@example.com": "[email]"}'),
     ],
-    ids=["not-json", "escapes", "key"],
+    ids=["not-json", "escapes"],
 )
 async def test_spans_point_into_the_arguments_whatever_they_hold(
     orch: Orchestrator, calls: list[ScriptedToolCall], arguments: str, redacted: str
 ) -> None:
-    calls.append(ScriptedToolCall("c0", "f", arguments))
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
     annotated = await streamed(
         orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
     )
@@ -364,7 +362,7 @@ async def test_long_arguments_are_judged_off_the_loop_alike(
     """Past BULK_CHARS the arguments are scanned and re-encoded in a bulk thread: the same."""
     story = "Once upon a time. " * 400 + "Write to jo@example.com."
     arguments = json.dumps({"story": story, "n": 1})
-    calls.append(ScriptedToolCall("c0", "tell", arguments))
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
     chunks = await streamed(orch, **asking("pii_redact"))
     [call] = reassembled(chunks)
     assert json.loads(call["arguments"]) == {"story": story.replace(EMAIL, "[email]"), "n": 1}
@@ -379,8 +377,9 @@ async def test_parallel_calls_are_each_judged_and_named(
         ScriptedToolCall("c0", "lookup", '{"q": "weather"}'),
         ScriptedToolCall("c1", "send_email", ARGUMENTS),
     ]
+    lookup = {"type": "function", "function": {"name": "lookup"}}
     chunks = await streamed(
-        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
+        orch, model=MODEL, messages=ASK, tools=[*TOOLS, lookup], extra_body=output({"pii": {}})
     )
     assert [(c["id"], c["arguments"]) for c in reassembled(chunks)] == [
         ("c0", '{"q": "weather"}'),
@@ -463,6 +462,330 @@ async def test_a_tool_calls_arguments_sent_back_are_judged_as_input(
     assert sent == ARGUMENTS.replace(EMAIL, "[email]")
     [found] = (done.model_extra or {})["detections"]["input"]
     assert (found["message_index"], found["field"]) == (1, "tool_calls.0.function.arguments")
+
+
+# -- judging what the request itself sends the model ---------------------------------------------
+
+# Tool definitions (and every other field an `openai` chat backend receives untouched) reach the
+# model's prompt: the chat template renders them. On 321ae20 no input detector read them, so an
+# injection in a tool's description reached the model past an enforced guardrail.
+DESCRIBED = [
+    {
+        "type": "function",
+        "function": {
+            "name": "send_email",
+            "description": "Send an e-mail. " + ATTACK,
+            "parameters": {"type": "object", "properties": {"to": {"type": "string"}}},
+        },
+    }
+]
+IN_A_PARAMETER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "send_email",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"type": "string", "description": ATTACK}},
+            },
+        },
+    }
+]
+SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "reply", "schema": {"type": "object", "description": ATTACK}},
+}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+@pytest.mark.parametrize(
+    ("field", "sent"),
+    [
+        ("tools", {"tools": DESCRIBED}),
+        ("tools", {"tools": IN_A_PARAMETER}),
+        ("response_format", {"response_format": SCHEMA_FORMAT}),
+    ],
+    ids=["tool-description", "parameter-description", "response-format-schema"],
+)
+async def test_an_injection_in_a_forwarded_field_stops_the_request_before_the_model(
+    orch: Orchestrator, upstream: FakeOpenAI, stream: bool, field: str, sent: dict[str, Any]
+) -> None:
+    before = len(upstream.requests)
+    kwargs = {"model": GUARDED, "messages": ASK, **sent}
+    if stream:
+        [chunk] = await streamed(orch, **kwargs)
+        choice, refusal = chunk.choices[0], chunk.choices[0].delta.refusal
+    else:
+        done = await sdk(orch).chat.completions.create(**kwargs)
+        choice, refusal = done.choices[0], done.choices[0].message.refusal
+    assert choice.finish_reason == "content_filter"
+    assert refusal == f"The request was refused: detector `injection` flagged `{field}`."
+    assert len(upstream.requests) == before  # the model was never called
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_an_injection_in_a_responses_tool_definition_stops_the_response(
+    orch: Orchestrator, upstream: FakeOpenAI, stream: bool
+) -> None:
+    tool = {"type": "function", **DESCRIBED[0]["function"]}
+    body = {"model": GUARDED, "input": "Mail Jo.", "tools": [tool]}
+    before = len(upstream.requests)
+    if stream:
+        response = (await raw_events(orch, body))[-1]["response"]
+    else:
+        status, response = await orch.post("/v1/responses", body)
+        assert status == 200, response
+    assert response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "content_filter"}
+    assert len(upstream.requests) == before
+
+
+async def test_a_number_in_a_tool_definition_is_judged(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """Numbers reach the model's prompt as the template writes them (`tojson`): a card number
+    as a parameter's default is text like any other."""
+    schema = {"type": "object", "properties": {"card": {"type": "integer", "default": 1}}}
+    schema["properties"]["card"]["default"] = int(CARD)
+    tools = [{"type": "function", "function": {"name": "send_email", "parameters": schema}}]
+    before = len(upstream.requests)
+    done = await sdk(orch).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=tools,
+        extra_body={"detectors": {"input": {"pii_block": {}}}},
+    )
+    assert done.choices[0].finish_reason == "content_filter"
+    assert done.choices[0].message.refusal == (
+        "The request was refused: detector `pii_block` flagged `tools`."
+    )
+    assert len(upstream.requests) == before
+
+
+async def test_a_tool_definition_an_input_guardrail_redacts_is_refused_with_422(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """A redaction cannot be applied to a tool definition without changing the tool (as a stop
+    sequence, tests/test_pipeline_redaction.py): refused before the response, never sent raw."""
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "send_email", "description": f"Mail {EMAIL} by default."},
+        }
+    ]
+    before = len(upstream.requests)
+    message = (
+        "tools.0.function.description holds text that input detector `pii_redact` redacts "
+        "(a redacted request field would change what the request asks for)"
+    )
+    for stream in (False, True):
+        with pytest.raises(openai.UnprocessableEntityError) as caught:
+            await sdk(orch).chat.completions.create(
+                model=MODEL,
+                messages=ASK,
+                tools=tools,
+                stream=stream,
+                extra_body={"detectors": {"input": {"pii_redact": {}}}},
+            )
+        assert caught.value.body == {
+            "message": message,
+            "type": "invalid_request",
+            "param": None,
+            "code": 422,
+        }
+    assert len(upstream.requests) == before
+
+
+def call_turn(name: str = "f", call_id: str = "c") -> list[dict[str, Any]]:
+    """A conversation with an earlier call (its name and id as given) and the tool's result."""
+    turn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+        ],
+    }
+    return [*ASK, turn, {"role": "tool", "tool_call_id": call_id, "content": "ok"}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "where"),
+    [
+        (call_turn(name=ATTACK), (1, "tool_calls.0.function.name")),
+        (call_turn(call_id=ATTACK), (1, "tool_calls.0.id")),
+    ],
+    ids=["call-name", "call-id"],
+)
+async def test_an_injection_in_a_tool_calls_name_or_id_stops_the_request(
+    orch: Orchestrator, upstream: FakeOpenAI, messages: list[dict[str, Any]], where: Any
+) -> None:
+    """A call's name and id reach the model with the conversation (on 321ae20 unjudged: a
+    fabricated earlier call named with an injection reached the model)."""
+    before = len(upstream.requests)
+    done = await sdk(orch).chat.completions.create(model=GUARDED, messages=messages, tools=TOOLS)
+    assert done.choices[0].finish_reason == "content_filter"
+    found = (done.model_extra or {})["detections"]["input"]
+    assert (found[0]["message_index"], found[0]["field"]) == where
+    assert len(upstream.requests) == before
+
+
+async def test_an_injection_in_a_responses_function_call_name_stops_the_response(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    items = [
+        {"role": "user", "content": "Mail Jo."},
+        {"type": "function_call", "call_id": "c", "name": ATTACK, "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"},
+    ]
+    before = len(upstream.requests)
+    status, response = await orch.post(
+        "/v1/responses", {"model": GUARDED, "input": items, "tools": RESPONSE_TOOLS}
+    )
+    assert status == 200, response
+    assert response["incomplete_details"] == {"reason": "content_filter"}
+    assert [(a["message_index"], a["text"]) for a in response["guardrails"]["input"]] == [
+        (1, ATTACK)
+    ]
+    assert len(upstream.requests) == before
+
+
+async def test_a_tool_call_id_an_input_guardrail_redacts_is_refused_with_422(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    before = len(upstream.requests)
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        await sdk(orch).chat.completions.create(
+            model=MODEL,
+            messages=call_turn(call_id=EMAIL),
+            tools=TOOLS,
+            extra_body={"detectors": {"input": {"pii_redact": {}}}},
+        )
+    assert caught.value.body["message"] == (
+        "message 1's tool_calls.0.id holds text that input detector `pii_redact` redacts "
+        "(a redacted call name or id would change what the request asks for)"
+    )
+    assert len(upstream.requests) == before
+
+
+# -- what a call carries besides its argument values ----------------------------------------------
+
+
+async def raw_chat(orch: Orchestrator, body: dict[str, Any]) -> tuple[int, str]:
+    """The reply's raw bytes, decoded: nothing flagged may be anywhere in them."""
+    assert orch.session is not None
+    async with orch.session.post(orch.url + "/v1/chat/completions", json=body) as r:
+        return r.status, await r.text()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_an_e_mail_address_as_an_arguments_key_is_judged(
+    orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
+) -> None:
+    """A key is text the model wrote, as a value is: on 321ae20 only values were judged, so
+    `{"jo@example.com": 1}` reached the client past an enforced blocking guardrail."""
+    calls.append(ScriptedToolCall("c0", "send_email", '{"jo@example.com": 1}'))
+    body = {"model": GUARDED, "messages": ASK, "tools": TOOLS, "stream": stream}
+    status, text = await raw_chat(orch, body)
+    assert status == 200, text
+    assert EMAIL not in text
+    assert "content_filter" in text
+
+
+async def test_a_key_is_redacted_inside_the_json(
+    orch: Orchestrator, calls: list[ScriptedToolCall]
+) -> None:
+    arguments = '{"jo@example.com": "jo@example.com"}'
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii_redact": {}})
+    )
+    [call] = reassembled(chunks)
+    assert call["arguments"] == '{"[email]": "[email]"}'
+    found = all_results(chunks)
+    assert [call["arguments"][f["start"] : f["end"]] for f in found] == ["[email]"] * 2
+
+
+CARD = "4111111111111111"  # a valid card number (Luhn), as the regex detector finds it
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_a_card_number_written_as_a_json_number_is_judged(
+    orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
+) -> None:
+    """A number is text the model wrote too: on 321ae20 only strings were judged, so
+    `{"card": 4111111111111111}` reached the client past an enforced blocking guardrail."""
+    calls.append(ScriptedToolCall("c0", "send_email", '{"card": ' + CARD + ', "n": 3}'))
+    body = {"model": GUARDED, "messages": ASK, "tools": TOOLS, "stream": stream}
+    status, text = await raw_chat(orch, body)
+    assert status == 200, text
+    assert CARD not in text
+    assert "content_filter" in text
+
+
+async def test_a_number_is_redacted_into_a_string_and_the_json_stays_valid(
+    orch: Orchestrator, calls: list[ScriptedToolCall]
+) -> None:
+    arguments = '{"card": ' + CARD + ', "n": 3, "to": "jo@example.com"}'
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii_redact": {}})
+    )
+    [call] = reassembled(chunks)
+    assert call["arguments"] == '{"card": "[credit_card]", "n": 3, "to": "[email]"}'
+    assert json.loads(call["arguments"])["n"] == 3
+    found = all_results(chunks)
+    assert [call["arguments"][f["start"] : f["end"]] for f in found] == [
+        "[credit_card]",
+        "[email]",
+    ]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_a_call_to_a_tool_not_offered_is_a_failure_and_its_name_never_sent(
+    orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
+) -> None:
+    """A call's name is model-written text too; one of the offered tools' names is the client's
+    own (and was judged as input), any other is not a call the client can make: the stream
+    fails before the call is sent (on 321ae20 a name holding an e-mail address was sent)."""
+    calls.append(ScriptedToolCall("c0", EMAIL, "{}"))
+    body = {"model": GUARDED, "messages": ASK, "tools": TOOLS, "stream": stream}
+    status, text = await raw_chat(orch, body)
+    assert EMAIL not in text
+    assert "the model called a tool the request did not offer" in text
+    assert status == 502, text  # nothing was sent yet: a real HTTP error (DESIGN 4.8)
+
+
+async def test_a_refused_input_never_reaches_the_backend_not_even_to_be_counted(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """The model is never called for a refused input (DESIGN 4.5), and neither is the server
+    it runs on: on 321ae20 the refusal's token count sent the refused conversation to the
+    backend's /tokenize (a hosted backend saw what the guardrail refused)."""
+    before = (len(upstream.requests), len(upstream.tokenize_requests))
+    messages = [{"role": "user", "content": ATTACK}]
+    for stream in (False, True):
+        status, text = await raw_chat(
+            orch, {"model": GUARDED, "messages": messages, "stream": stream}
+        )
+        assert status == 200, text
+        assert "content_filter" in text
+    assert (len(upstream.requests), len(upstream.tokenize_requests)) == before
+
+
+async def test_labels_are_not_judged_as_prompt_text(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """`user` and `metadata` label a request (an end user's e-mail address is a common `user`):
+    they never enter the prompt, so a redacting input guardrail does not refuse them."""
+    done = await sdk(orch).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        user=EMAIL,
+        metadata={"who": EMAIL},
+        extra_body={"detectors": {"input": {"pii_redact": {}}}},
+    )
+    assert done.choices[0].finish_reason == "stop"
+    assert upstream.requests[-1]["user"] == EMAIL
 
 
 # -- what cannot be done -------------------------------------------------------------------------
@@ -811,28 +1134,41 @@ async def test_a_responses_message_comes_before_its_function_call(orch: Orchestr
     )
 
 
-# -- property: every string value found, every offset where its character starts ---------------
+# -- property: every string found (keys too), every offset where its character starts ---------
 
 json_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 
 
 @settings(max_examples=60, deadline=None, database=None)
 @given(
-    values=st.dictionaries(json_text, json_text, max_size=4),
+    values=st.dictionaries(
+        json_text,
+        st.one_of(json_text, st.integers(), st.floats(allow_nan=False, allow_infinity=False)),
+        max_size=4,
+    ),
     ascii_only=st.booleans(),
     indent=st.sampled_from([None, 1]),
 )
 def test_string_values_and_their_offsets_match_the_json(
-    values: dict[str, str], ascii_only: bool, indent: int | None
+    values: dict[str, str | int | float], ascii_only: bool, indent: int | None
 ) -> None:
-    """Whatever the encoder escaped (`\\uXXXX`, surrogate pairs, `\\"`), each value's decoded
-    characters map onto their own raw bytes: a span found in a value points at exactly its
-    text in the arguments."""
+    """Whatever the encoder escaped (`\\uXXXX`, surrogate pairs, `\\"`), each string's decoded
+    characters map onto their own raw bytes: a span found in a key, a value or a number points
+    at exactly its text in the arguments (a redacted number's, in the string it became)."""
     arguments = json.dumps({"args": values}, ensure_ascii=ascii_only, indent=indent)
     found = string_values(arguments)
-    assert [v.text for v in found] == list(values.values())
+    texts = (t if isinstance(t, str) else json.dumps(t) for kv in values.items() for t in kv)
+    assert [v.text for v in found] == ["args", *texts]
     for v in found:
         raw = arguments[v.start : v.end]
+        if v.number:  # a number's literal is its own text; redacted, a string in its place
+            assert raw == v.text
+            assert v.offsets(raw) == list(range(len(raw) + 1))
+            quoted = v.encode(v.text)
+            assert json.loads(quoted) == v.text
+            at = v.offsets(quoted)
+            assert [quoted[at[i] : at[i + 1]] for i in range(len(v.text))] == list(v.text)
+            continue
         offsets = raw_offsets(raw)
         assert len(offsets) == len(v.text) + 1
         for i in range(len(v.text)):

@@ -18,7 +18,14 @@ from pydantic import (
 from .json_numbers import json_integer, json_number
 
 JsonInt = Annotated[int, BeforeValidator(json_integer)]
-StopSequence = Annotated[str, Field(min_length=1)]
+# A request's stop sequences, bounded as the engine bounds them (generation/protocol.py) on every
+# surface and for every backend: an `openai` backend's stream has them enforced by the
+# orchestrator itself (servicekit/text_gate.py), whose work per token grows with their number
+# times their length; unbounded, one request's 1,000 sequences of 1,000 characters held the event
+# loop 33 ms a token.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256
+StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 
 
 class Strict(BaseModel):
@@ -95,7 +102,7 @@ class TextGenParameters(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     repetition_penalty: float = Field(1.0, gt=0)
-    stop_sequences: list[StopSequence] = Field(default_factory=list, max_length=16)
+    stop_sequences: list[StopSequence] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
     max_time: float = Field(0.0, ge=0)
 
     # (validators on the fields rather than annotated types: those would hide the bounds from

@@ -5,11 +5,19 @@ detectors (DESIGN 4.8, 4.9). The OpenAI request models say what their pieces are
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # `field` of a stop sequence judged as input (DESIGN 4.6a), `message_index` its index: stop
 # sequences reach the engine, so the input guardrails judge them like the prompt
 STOP_SEQUENCE_FIELD = "stop"
+# OpenAI fields that only label or route a request: they never enter the model's prompt (an
+# end user's e-mail address is a common `user`), so the input detectors do not judge them
+LABEL_FIELDS = frozenset(
+    {"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +36,38 @@ class InputPiece:
     # the arguments of that message's tool call at this index (an assistant turn's call sent
     # back), not its content
     tool_call: int | None = None
+    # it reaches the engine but cannot be replaced there (a tool call's name or id, a stop
+    # sequence, a tool definition): a redacting detector's finding in it refuses the request
+    fixed: bool = False
+
+
+def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
+    """Every string and number of the fields the engine receives beside the conversation
+    (`tools`, `tool_choice`, `response_format`, whatever an `openai` chat backend is forwarded),
+    keys too, each a piece named by its path (`tools.0.function.description`). A chat template
+    renders tool definitions into the prompt, so text there is prompt text: an input guardrail
+    that skipped it would let a tool's description carry what it refuses in a message.
+    Iterative: the body's depth is the JSON parser's to bound, not the stack's."""
+    out: list[InputPiece] = []
+    todo: list[tuple[str, Any]] = [
+        (name, value) for name, value in extra.items() if name not in LABEL_FIELDS
+    ]
+    todo.reverse()
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if value:
+                out.append(InputPiece(value, field=path, fixed=True))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            # as a template writes it (`tojson`): a card number as a default is text too
+            out.append(InputPiece(json.dumps(value), field=path, fixed=True))
+        elif isinstance(value, Mapping):
+            items = list(value.items())
+            for key, item in reversed(items):
+                todo.append((f"{path}.{key}", item))
+            out.extend(
+                InputPiece(str(key), field=f"{path}.{key}", fixed=True) for key, _ in items if key
+            )
+        elif isinstance(value, list | tuple):
+            todo.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
+    return out

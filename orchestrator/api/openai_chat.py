@@ -3,8 +3,8 @@ extensions (`detectors` in requests; `detections` and `warnings` in responses).
 
 The request keeps unknown fields (`extra="allow"`): an `openai` chat backend receives them
 untouched, every other backend ignores them. Fields guardstream cannot honour while guarding the
-output (several choices, the legacy `functions`) are rejected with a clear 422 instead of being
-dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
+output (several choices, log probabilities, the legacy `functions`) are rejected with a clear 422
+instead of being dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
 with `api: chat` (the tool calls it answers with are judged like text, DESIGN 4.8); the native
 engine takes `tools` where the model's chat template does (`check_native_tools`); an `openai`
 backend with `api: completions` refuses a request that asks for them (`check_extra_honoured`).
@@ -12,7 +12,7 @@ backend with `api: completions` refuses a request that asks for them (`check_ext
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,9 +25,9 @@ from pydantic import (
 
 from ..suggestions import closest
 from .errors import Failure
-from .fms_requests import DetectorMap
+from .fms_requests import MAX_STOP_SEQUENCES, DetectorMap, StopSequence
 from .fms_responses import TokenClassificationResult, Wire
-from .input_pieces import InputPiece
+from .input_pieces import LABEL_FIELDS, InputPiece
 from .json_numbers import json_integer, json_number
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -45,13 +45,11 @@ TOOLS_WHY = (
 )
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 # Extra fields that only label or route a request: accepted whatever the backend.
-_LABELS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"})
+_LABELS = LABEL_FIELDS
 # Extra fields a backend that does not receive them cannot honour, at a value that asks for
 # something; the value that asks for nothing (SDKs and proxies send defaults) passes.
 _EXTRA_WHY = {
     "response_format": "structured output cannot be honoured by this model's backend",
-    "logprobs": "log probabilities are not returned by this model's backend",
-    "top_logprobs": "log probabilities are not returned by this model's backend",
     "logit_bias": "logit biases cannot be applied by this model's backend",
     "frequency_penalty": "frequency penalties cannot be applied by this model's backend",
     "presence_penalty": "presence penalties cannot be applied by this model's backend",
@@ -216,6 +214,13 @@ class ChatMessageIn(BaseModel):
             out.append(
                 InputPiece(call.function.arguments, index, tool_call_field(j), index, tool_call=j)
             )
+            # the call's name and id reach the engine too (the chat template renders them)
+            out.append(
+                InputPiece(call.function.name, index, f"tool_calls.{j}.function.name", fixed=True)
+            )
+            out.append(InputPiece(call.id, index, f"tool_calls.{j}.id", fixed=True))
+        if self.tool_call_id:
+            out.append(InputPiece(self.tool_call_id, index, "tool_call_id", fixed=True))
         return out
 
     def wire_tool_calls(self) -> tuple[dict[str, Any], ...] | None:
@@ -231,9 +236,6 @@ class StreamOptions(Strict):
 class ChatDetectors(Strict):
     input: DetectorMap = Field(default_factory=dict)
     output: DetectorMap = Field(default_factory=dict)
-
-
-StopItem = Annotated[str, Field(min_length=1)]
 
 
 # the extension fields guardstream reads in an OpenAI body (everything else is OpenAI's)
@@ -255,7 +257,8 @@ class OpenAIGenerationFields(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: StopItem | list[StopItem] | None = None
+    # one string or a list, as OpenAI takes it; a list from here on (`_one_or_list`)
+    stop: list[StopSequence] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     n: int | None = Field(None, ge=1)
     detectors: ChatDetectors | None = None
 
@@ -269,6 +272,11 @@ class OpenAIGenerationFields(BaseModel):
     def _numbers(cls, v: Any) -> Any:
         return json_number(v)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_or_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
     @model_validator(mode="after")
     def _one_guarded_choice(self) -> OpenAIGenerationFields:
         if self.n not in (None, 1):
@@ -280,9 +288,7 @@ class OpenAIGenerationFields(BaseModel):
         return self
 
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return list(self.stop or ())
 
 
 class ChatCompletionRequest(OpenAIGenerationFields):
@@ -303,6 +309,16 @@ class ChatCompletionRequest(OpenAIGenerationFields):
             value = (self.model_extra or {}).get(name)
             if value not in (None, [], "none"):
                 raise ValueError(f"{name}: {why}")
+        for name in ("logprobs", "top_logprobs"):
+            value = (self.model_extra or {}).get(name)
+            if value not in (None, *_INERT[name]):
+                # whatever the backend: each entry carries its token's text, which the output
+                # guardrails may withhold or redact (a backend receiving the field would answer
+                # them, and they would be dropped: never silently, DESIGN 4.8)
+                raise ValueError(
+                    f"{name}: log probabilities are not returned: their tokens would carry text "
+                    "the output guardrails withhold or redact"
+                )
         if not any(m.role == "user" for m in self.messages):
             raise ValueError("messages: at least one message must have the role `user`")
         return self

@@ -325,8 +325,12 @@ class ResponsesRequest(Strict):
         for i, (item, (target, call)) in enumerate(zip(self.input, self._places(), strict=True)):
             if isinstance(item, FunctionCallItem):
                 out.append(InputPiece(item.arguments, i, "arguments", target, tool_call=call))
+                # the name and id reach the engine too (the chat template renders them)
+                out.append(InputPiece(item.name, i, "name", fixed=True))
+                out.append(InputPiece(item.call_id, i, "call_id", fixed=True))
             elif isinstance(item, FunctionCallOutputItem):
                 out.append(InputPiece(item.output, i, "output", target))
+                out.append(InputPiece(item.call_id, i, "call_id", fixed=True))
             else:
                 out.append(InputPiece(item.text(), i, target=target))
         return out

@@ -166,6 +166,18 @@ class ModelBackend(ABC):
         """Token count of a prompt (or of `messages` under the chat template) on any healthy
         replica; GenerationError when none answers."""
 
+    async def count_privately(
+        self, prompt: str, chat: bool, messages: tuple[ChatMessage, ...] | None = None
+    ) -> int | None:
+        """The token count of a prompt the input guardrails refused, without sending it to a
+        server outside this deployment (DESIGN 4.5: the refused input never reaches the
+        model's server); None where nothing can count it so. The default counts with
+        `tokenize` (a backend whose replicas are all this deployment's own)."""
+        try:
+            return await self.tokenize(prompt, chat, messages)
+        except GenerationError:
+            return None
+
     async def validate(self, request: GenerationRequest) -> GenerationRequest:
         """Checks a request against what the replicas advertise (context length, parameter
         bounds) before any response byte; raises the API's 422. Returns the request to run (a

@@ -177,6 +177,25 @@ class ReplicatedModelBackend(ModelBackend):
             code=503,
         )
 
+    async def count_privately(
+        self, prompt: str, chat: bool, messages: tuple[ChatMessage, ...] | None = None
+    ) -> int | None:
+        """A refused prompt's count: by this deployment's own engines (native, managed), or
+        by an `openai` replica's local `tokenizer`; never by an `openai` server, which would
+        then have received what the input guardrails refused (DESIGN 4.5)."""
+        for replica in self.pool.candidates():
+            client = replica.client
+            try:
+                if isinstance(client, OpenAIClient):
+                    if client.local is None:
+                        continue
+                    chat_mode = chat or client.api == "chat" or messages is not None
+                    return await client.count_locally(prompt, chat_mode, messages)
+                return await client.tokenize(prompt, chat, messages)
+            except GenerationError:
+                continue
+        return None
+
     async def validate(self, request: GenerationRequest) -> GenerationRequest:
         """422 (`invalid_request`) for what the native replicas would reject: a parameter out
         of the range they advertise in `GET /v1/models`, or a prompt that with max_new_tokens

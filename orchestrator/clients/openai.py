@@ -255,6 +255,14 @@ class OpenAIClient(HttpReplicaClient):
                     raise
         if self.local is None:
             raise NoTokenize(f"replica {self.name} has no /tokenize")
+        return await self.count_locally(prompt, chat, messages)
+
+    async def count_locally(
+        self, prompt: str, chat: bool, messages: tuple[ChatMessage, ...] | None = None
+    ) -> int:
+        """The count with the backend's `tokenizer` folder: nothing is sent to the server (a
+        refused input must not reach it). `chat` as `tokenize` decides it."""
+        assert self.local is not None
         wire = (
             [m.wire() for m in messages]
             if messages is not None

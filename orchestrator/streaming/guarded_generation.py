@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from .. import tracing
 from ..api.errors import ApiError, ErrorType
-from ..api.input_pieces import STOP_SEQUENCE_FIELD
+from ..api.input_pieces import STOP_SEQUENCE_FIELD, request_field_pieces
 from ..clients.backend import GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
@@ -59,7 +59,7 @@ from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
 from .stream_judgement import Release, StreamJudge
 from .text_judgement import InputPiece, judge_pieces, judge_text
-from .tool_calls import JudgedCall, ToolCallAssembler, judge_tool_calls
+from .tool_calls import JudgedCall, ToolCallAssembler, judge_tool_calls, offered_names
 from .verdict_cache import TenantVerdicts
 
 log = logging.getLogger("guardstream.stream")
@@ -164,6 +164,11 @@ class GuardedGeneration(PipelineCore):
         self._keepalive: asyncio.TimerHandle | None = None
         self.terminal: Terminal | None = None
         self._input_findings: list[Finding] | None = None  # redacted input, for the 1st frame
+        # (message_index, field) of the judged pieces that are request fields, not conversation
+        # text (stop sequences, tool definitions), and of every piece that reaches the engine
+        # but cannot be replaced (those and a tool call's name or id): _judge_input's
+        self._request_fields: frozenset[tuple[int | None, str | None]] = frozenset()
+        self._fixed: frozenset[tuple[int | None, str | None]] = frozenset()
         self._span = tracing.request_span(backend.model_id)  # None unless tracing is on
 
     @property
@@ -230,10 +235,11 @@ class GuardedGeneration(PipelineCore):
             if any(f.detector_id not in redactors and not f.unjudged for f in judged):
                 yield await self._input_refused(judged)
                 return
-            stops = [f for f in judged if f.field == STOP_SEQUENCE_FIELD]
-            if stops:
-                # a replaced stop sequence would stop generation somewhere else: refused
-                yield [self._failure(_stop_sequence_redacted(stops))]
+            fixed = [f for f in judged if (f.message_index, f.field) in self._fixed]
+            if fixed:
+                # a replaced stop sequence would stop generation somewhere else, a replaced
+                # tool definition would be another tool: refused
+                yield [self._failure(_request_field_redacted(fixed))]
                 return
             if judged:
                 self._redact_input(judged, redactors)
@@ -315,12 +321,21 @@ class GuardedGeneration(PipelineCore):
     # -- background tasks -----------------------------------------------------------------------
 
     async def _judge_input(self) -> None:
-        """The prompt's findings and its stop sequences' (DESIGN 4.6a: they reach the engine
-        too), the latter tagged STOP_SEQUENCE_FIELD with the sequence's index."""
+        """The prompt's findings and those of the request fields that reach the engine too
+        (DESIGN 4.6a, 4.8): its stop sequences, tagged STOP_SEQUENCE_FIELD with the sequence's
+        index, and every string of the fields it forwards (tools, response_format, ...), one
+        shared place for every surface: whatever the engine receives, an input guardrail
+        judged."""
         stops = [
             InputPiece(text, message_index=i, field=STOP_SEQUENCE_FIELD)
             for i, text in enumerate(self._request.params.stop_sequences)
         ]
+        stops += request_field_pieces(self._request.extra)
+        self._request_fields = frozenset((p.message_index, p.field) for p in stops)
+        conversation = [] if isinstance(self._inputs, str) else self._inputs
+        self._fixed = self._request_fields | frozenset(
+            (p.message_index, p.field) for p in conversation if p.fixed
+        )
         with tracing.input_detection(self._input_detectors) as span:
             if isinstance(self._inputs, str):
                 findings = await judge_text(
@@ -429,6 +444,11 @@ class GuardedGeneration(PipelineCore):
             if delay:
                 await asyncio.sleep(delay)
         whole = calls.finish()
+        offered = offered_names(self._request.extra.get("tools")) if whole else frozenset()
+        if any(c.name not in offered for c in whole):
+            # its name is text the model wrote that no guardrail judged (an offered name is
+            # the client's own, judged as input): the call is never sent
+            raise GenerationError("the model called a tool the request did not offer")
         judged = (
             await judge_tool_calls(whole, self._tool_call_detectors, self._chunkers)
             if whole
@@ -466,22 +486,21 @@ class GuardedGeneration(PipelineCore):
 
     async def _input_refused(self, findings: list[Finding]) -> list[Event]:
         self._observer.on_findings(findings)
-        count: int | None = None
-        try:
-            r = self._request
-            count = await (
-                self._backend.tokenize(r.prompt, r.chat)
-                if r.messages is None
-                else self._backend.tokenize(r.prompt, r.chat, r.messages)
-            )
-        except GenerationError:
-            pass
+        r = self._request
+        # counted where the refused input does not leave this deployment (an `openai` server
+        # never receives it, not even to count it)
+        count = await (
+            self._backend.count_privately(r.prompt, r.chat)
+            if r.messages is None
+            else self._backend.count_privately(r.prompt, r.chat, r.messages)
+        )
         self._refused_input_tokens = count
         ids = ", ".join(f"`{i}`" for i in sorted({f.detector_id for f in findings}))
-        # a stop sequence's finding is not listed: its span is relative to no text the
-        # surfaces report input spans against (the prompt, a message)
-        shown = [f for f in findings if f.field != STOP_SEQUENCE_FIELD]
-        what = "the input" if shown else "a stop sequence"
+        # a request field's finding (a stop sequence, a tool definition) is not listed: its
+        # span is relative to no text the surfaces report input spans against (the prompt, a
+        # message)
+        shown = [f for f in findings if not self._in_request_field(f)]
+        what = "the input" if shown else _request_field_name(findings[0])
         refusal = Refusal(
             direction="input",
             message=f"The request was refused: detector {ids} flagged {what}.",
@@ -491,6 +510,9 @@ class GuardedGeneration(PipelineCore):
         )
         self._frames_sent += 1
         return [refusal, self._terminal("incomplete", "content_filter")]
+
+    def _in_request_field(self, f: Finding) -> bool:
+        return (f.message_index, f.field) in self._request_fields
 
     def _release_calls(self, judged: list[JudgedCall], out: list[Release | Event]) -> None:
         """The judged tool calls of the ended stream, none of them blocked, as events."""
@@ -635,17 +657,32 @@ class GuardedGeneration(PipelineCore):
         return terminal
 
 
-def _stop_sequence_redacted(findings: list[Finding]) -> ApiError:
-    """422 for a stop sequence a redacting input guardrail flagged (DESIGN 4.6a: the input
-    redaction must cover stop sequences, or they are refused; a replaced one would change what
-    the request asks for, so it is refused)."""
-    first = min(findings, key=lambda f: (f.message_index or 0, f.detector_id))
+def _request_field_name(f: Finding) -> str:
+    """A request field's name in a refusal: `a stop sequence`, or the top-level field."""
+    if f.field == STOP_SEQUENCE_FIELD:
+        return "a stop sequence"
+    return f"`{(f.field or '').split('.', 1)[0]}`"
+
+
+def _request_field_redacted(findings: list[Finding]) -> ApiError:
+    """422 for a request field a redacting input guardrail flagged: a stop sequence or a
+    forwarded field such as a tool definition (DESIGN 4.6a: the input redaction must cover
+    them, or they are refused; a replaced one would change what the request asks for)."""
+    first = min(
+        findings,
+        key=lambda f: (f.field != STOP_SEQUENCE_FIELD, f.message_index or 0, f.detector_id),
+    )
+    if first.field == STOP_SEQUENCE_FIELD:
+        where, kind = f"stop sequence {first.message_index}", "stop sequence"
+    elif first.message_index is None:
+        where, kind = f"{first.field}", "request field"
+    else:  # a tool call's name or id in the conversation
+        where, kind = f"message {first.message_index}'s {first.field}", "call name or id"
     return ApiError(
         422,
         ErrorType.INVALID_REQUEST,
-        f"stop sequence {first.message_index} holds text that input detector "
-        f"`{first.detector_id}` redacts (a redacted stop sequence would change what the "
-        "request asks for)",
+        f"{where} holds text that input detector `{first.detector_id}` redacts (a redacted "
+        f"{kind} would change what the request asks for)",
     )
 
 

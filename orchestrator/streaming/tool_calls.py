@@ -2,9 +2,12 @@
 its arguments judged as text; the call released whole, redacted, or withheld.
 
 A call's arguments are a JSON string the model writes fragment by fragment. What detectors judge
-is the text in it: every JSON string value (not the keys, numbers or structure), each as its own
-piece, with spans that point into the arguments string as the client receives it. Arguments that
-are not JSON (a model that broke off, or wrote something else) are judged whole, as text.
+is the text in it: every JSON string, keys as well as values (a key is text the model wrote: `{"jo@
+example.com": 1}` holds an e-mail address), and every number (`{"card": 4111111111111111}` holds a
+card number), each as its own piece, with spans that point into the arguments string as the
+client receives it. A redacted number becomes a string (`"[credit_card]"`): still valid JSON. Arguments that are not JSON (a model that broke off,
+or wrote something else) are judged whole, as text. A call's name must be one the request offered
+(`offered_names`): the client's own text, judged as input; any other is a failure, never sent.
 
 A call is released once it is whole and every output detector that applies to tool calls
 (`applies_to`) judged it: `block` withholds it (the stream ends with a refusal), `redact`
@@ -20,6 +23,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..api.input_pieces import InputPiece
 from ..clients.backend import ToolCallDelta
@@ -30,8 +34,9 @@ from .redaction import redact_text
 from .text_judgement import BULK_CHARS, judge_pieces, off_loop
 
 # a JSON string token (the regex engine scans in C: arguments may be long); valid JSON only
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_KEY_COLON = re.compile(r"\s*:")
+# a JSON string or number token (the regex engine scans in C: arguments may be long); valid JSON
+# only. Strings first: a string's digits are part of it, never a number of their own
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?', re.DOTALL)
 
 
 @dataclass(slots=True)
@@ -69,36 +74,58 @@ class ToolCallAssembler:
 
 @dataclass(frozen=True, slots=True)
 class StringValue:
-    """A JSON string value of the arguments: its raw text between the quotes, `[start, end)` in
-    the arguments string, and what it decodes to. `json` False: arguments that are not JSON,
-    one value that is all of them, judged and redacted as the text they are."""
+    """A piece of text of the arguments: a JSON string's raw text between the quotes, or a
+    number's literal (`number`), `[start, end)` in the arguments string, and what it decodes
+    to. `json` False: arguments that are not JSON, one value that is all of them, judged and
+    redacted as the text they are."""
 
     start: int
     end: int
     text: str
     json: bool = True
+    number: bool = False
 
     def encode(self, text: str) -> str:
-        """`text` as this value's raw form (JSON-escaped, without quotes)."""
+        """`text` (redacted) as this value's raw form: JSON-escaped without quotes for a string,
+        a quoted JSON string in a number's place (a replacement is no number)."""
+        if self.number:
+            return json.dumps(text, ensure_ascii=False)
         return json.dumps(text, ensure_ascii=False)[1:-1] if self.json else text
 
     def offsets(self, raw: str) -> list[int]:
+        if self.number:  # the literal itself, or the string it was redacted into
+            if raw.startswith('"'):
+                return [1 + o for o in raw_offsets(raw[1:-1])]
+            return list(range(len(raw) + 1))
         return raw_offsets(raw) if self.json else list(range(len(raw) + 1))
 
 
 def string_values(arguments: str) -> list[StringValue]:
-    """Every string value of JSON `arguments`, in order; the whole string as one value when it is
-    not JSON (it is then judged as the text it is)."""
+    """Every string (keys and values) and number of JSON `arguments`, in order; the whole string
+    as one value when it is not JSON (it is then judged as the text it is)."""
     try:
         json.loads(arguments)
     except (ValueError, RecursionError):
         return [StringValue(0, len(arguments), arguments, json=False)]
-    out = []
-    for m in _STRING.finditer(arguments):
-        if _KEY_COLON.match(arguments, m.end()):
-            continue  # an object's key
-        out.append(StringValue(m.start() + 1, m.end() - 1, json.loads(m.group())))
-    return out
+    return [
+        StringValue(m.start() + 1, m.end() - 1, json.loads(m.group()))
+        if m.group().startswith('"')
+        else StringValue(m.start(), m.end(), m.group(), json=False, number=True)
+        for m in _TOKEN.finditer(arguments)
+    ]
+
+
+def offered_names(tools: Any) -> frozenset[str]:
+    """The names of the tools a request offered (`{"type": T, T: {"name": ...}}`, as Chat
+    Completions declares a `function` tool and any other kind alike)."""
+    names = set()
+    for tool in tools if isinstance(tools, list) else ():
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        spec = tool.get(kind) if isinstance(kind, str) else None
+        name = spec.get("name") if isinstance(spec, dict) else None
+        if isinstance(name, str):
+            names.add(name)
+    return frozenset(names)
 
 
 def raw_offsets(raw: str) -> list[int]:

@@ -1,0 +1,126 @@
+"""What one request may ask for is bounded before any work starts (DESIGN 4: "No request can
+make the service run unbounded work"), on every surface alike.
+
+Stop sequences: an `openai` backend's stream is read as text and its stop sequences are enforced
+by the orchestrator itself (servicekit/text_gate.py), on its event loop. On 321ae20 the OpenAI
+surfaces took any number of stop sequences of any length (FMS: 16 of any length): a 1 MB body of
+1,000 stop sequences of 1,000 characters cost the gate 33 ms of loop time per token (measured,
+2 busy cores), so one request of 2,048 tokens froze every stream of the service for over a
+minute. The engine's own bounds (16 sequences of at most 256 characters) now hold on every
+surface, for every backend, before the first byte.
+
+The real orchestrator on 127.0.0.1 in front of the fake OpenAI server (`type: openai`, which
+advertises no bounds), driven by the official `openai` SDK and raw HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+import pytest_asyncio
+
+from orchestrator.app import COMPLETIONS_DETECTION_PATH, UNARY_PATH
+from tests.fakes.openai_server import FakeOpenAI
+from tests.openai_support import sdk
+from tests.orchestrator_support import MODEL, Orchestrator, native_config
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ASK = [{"role": "user", "content": "Hi"}]
+# the engine's bounds (generation/protocol.py), on every surface
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 256
+TOO_MANY = [f"stop{i}" for i in range(MAX_STOP_SEQUENCES + 1)]
+TOO_LONG = ["x" * (MAX_STOP_LENGTH + 1)]
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def upstream() -> AsyncIterator[FakeOpenAI]:
+    server = FakeOpenAI()
+    await server.start()
+    yield server
+    await server.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def orch(upstream: FakeOpenAI) -> AsyncIterator[Orchestrator]:
+    config = native_config(upstream.url)
+    config["models"][MODEL]["backends"] = [
+        {"type": "openai", "url": upstream.url, "model": "fake-model", "api": "chat"}
+    ]
+    async with Orchestrator(config) as o:
+        yield o
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+@pytest.mark.parametrize(
+    ("stop", "why"),
+    [
+        (TOO_MANY, f"List should have at most {MAX_STOP_SEQUENCES} items after validation"),
+        (TOO_LONG, f"String should have at most {MAX_STOP_LENGTH} characters"),
+    ],
+    ids=["too-many", "too-long"],
+)
+async def test_stop_sequences_beyond_the_bounds_are_422_before_any_work(
+    orch: Orchestrator, upstream: FakeOpenAI, stream: bool, stop: list[str], why: str
+) -> None:
+    before = len(upstream.requests)
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        await sdk(orch).chat.completions.create(model=MODEL, messages=ASK, stop=stop, stream=stream)
+    body: Any = caught.value.body
+    assert body["type"] == "invalid_request" and body["param"].startswith("stop"), body
+    assert why in body["message"]
+    status, reply = await orch.post(
+        COMPLETIONS_DETECTION_PATH, {"model": MODEL, "prompt": "Hi", "stop": stop, "stream": stream}
+    )
+    assert status == 422, reply
+    assert why in reply["details"]
+    assert len(upstream.requests) == before
+
+
+async def test_fms_stop_sequences_are_bounded_alike(orch: Orchestrator) -> None:
+    status, body = await orch.post(
+        UNARY_PATH,
+        {"model_id": MODEL, "inputs": "Hi", "text_gen_parameters": {"stop_sequences": TOO_LONG}},
+    )
+    assert status == 422, body
+    assert body["type"] == "invalid_request"
+    assert f"at most {MAX_STOP_LENGTH} characters" in body["details"]
+
+
+async def test_stop_sequences_at_the_bounds_are_served(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    stop = ["y" * MAX_STOP_LENGTH] * MAX_STOP_SEQUENCES
+    done = await sdk(orch).chat.completions.create(model=MODEL, messages=ASK, stop=stop)
+    assert done.choices[0].finish_reason == "stop"
+    assert upstream.requests[-1]["stop"] == stop
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("logprobs", True), ("top_logprobs", 2)], ids=["logprobs", "top"]
+)
+async def test_log_probabilities_are_refused_even_where_fields_are_forwarded(
+    orch: Orchestrator, upstream: FakeOpenAI, field: str, value: Any
+) -> None:
+    """A token's log probability entry carries the token's text: text the output guardrails
+    may withhold or redact. On 321ae20 an `openai` chat backend received `logprobs: true` and
+    the answer came back without them, silently (DESIGN 4.8: never silently dropped); no backend
+    can return them through the guardrails, so they are refused like `n` > 1."""
+    before = len(upstream.requests)
+    for stream in (False, True):
+        with pytest.raises(openai.UnprocessableEntityError) as caught:
+            await sdk(orch).chat.completions.create(
+                model=MODEL, messages=ASK, stream=stream, **{field: value}
+            )
+        body: Any = caught.value.body
+        assert body["param"] == field, body
+        assert body["message"].startswith(f"{field}: log probabilities are not returned"), body
+    assert len(upstream.requests) == before
+    # the values that ask for nothing (SDKs and proxies send them) still pass
+    done = await sdk(orch).chat.completions.create(
+        model=MODEL, messages=ASK, logprobs=False, top_logprobs=0
+    )
+    assert done.choices[0].finish_reason == "stop"
