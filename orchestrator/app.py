@@ -51,6 +51,7 @@ from .handlers import (
     usage,
 )
 from .handlers.body import UnreadBody
+from .handlers.metrics import METRICS_PATH
 from .http_protocol import SERVER_NAME
 from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
@@ -132,7 +133,7 @@ ROUTES = (
     Route("POST", admin.RELOAD_PATH, admin.reload, Surface.FMS, "admin_reload"),
     Route("GET", "/health", health.health, Surface.FMS),
     Route("GET", "/info", health.info, Surface.FMS),
-    Route("GET", "/metrics", metrics.handle, Surface.FMS),
+    Route("GET", METRICS_PATH, metrics.handle, Surface.FMS),
     Route("GET", "/openapi.json", openapi.handle, Surface.FMS),
 )
 _SURFACE_OF = {route.path: route.surface for route in ROUTES}
@@ -324,7 +325,7 @@ def _error_headers(exc: BaseException, failure: Failure) -> dict[str, str] | Non
 # /metrics names replicas and detectors: open only with `server.public_metrics`. Every other
 # path requires one (deny by default: the /api/ endpoints spend model time and see user text,
 # and a path that routes nowhere answers 401 rather than telling what exists).
-OPEN_PATHS = frozenset({"/health", "/info", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/info", METRICS_PATH, "/openapi.json"})
 PROBE_PATHS = frozenset({"/health", "/info", "/openapi.json"})
 # set by the auth middleware: the request carried a valid key (absent when auth is off)
 AUTHENTICATED = health.AUTHENTICATED
@@ -345,7 +346,9 @@ def auth_middleware(state: AppState, open_paths: frozenset[str] = PROBE_PATHS) -
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in ADMIN_PATHS:  # an admin key, not a tenant's: checked there
+        if request.path in ADMIN_PATHS or (
+            request.path == METRICS_PATH and metrics.admin_only(state)
+        ):  # an admin key, not a tenant's: checked there
             return await handler(request)
         tenants = state.tenants
         assert tenants is not None  # built at start-up, before the first request

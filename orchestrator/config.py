@@ -133,7 +133,8 @@ class ServerConfig(Strict):
     admin key cannot also be a tenant's."""
     public_metrics: bool = False
     """With api_keys_env set, /metrics needs a key unless this is true (its series name replicas
-    and detectors)."""
+    and detectors); with `tenants`, an admin key (server.admin_keys_env: its per-tenant series
+    hold every tenant's id and usage, which no tenant's key may read)."""
     max_concurrent_streams: int = Field(1024, ge=1)
     """Requests served at once; beyond it: 429 `overloaded` with Retry-After."""
     listen_backlog: int = Field(2048, ge=1, le=65535)

@@ -237,8 +237,13 @@ async def test_a_token_budget_answers_429_while_another_tenant_streams(engine) -
         assert terminal(await orch.stream(generation_body(), headers=A)).name == "completed"
 
 
-async def test_per_tenant_metrics_and_usage_are_exact_and_each_tenants_own(engine, caplog) -> None:
-    async with Orchestrator(tenants_config(engine.url)) as orch:
+async def test_per_tenant_metrics_and_usage_are_exact_and_each_tenants_own(
+    engine, caplog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("METRICS_ADMIN_KEYS", "the-scrapers-key")
+    config = tenants_config(engine.url)
+    config["server"]["admin_keys_env"] = "METRICS_ADMIN_KEYS"
+    async with Orchestrator(config) as orch:
         caplog.set_level(logging.INFO, "guardstream.access")
         a_done = terminal(await orch.stream(generation_body(MAIL_PROMPT), headers=A)).data
         b_done = terminal(await orch.stream(generation_body(), headers=B)).data
@@ -249,7 +254,13 @@ async def test_per_tenant_metrics_and_usage_are_exact_and_each_tenants_own(engin
         status, _ = await orch.post(STREAMING_PATH, generation_body(model_id=PRIVATE), headers=B)
         assert status == 404
         assert orch.session is not None
-        async with orch.session.get(orch.url + "/metrics", headers=A) as r:
+        # /metrics holds every tenant's usage: a tenant's key never reads it, an admin key does
+        for headers in (A, B, {}):
+            async with orch.session.get(orch.url + "/metrics", headers=headers) as r:
+                assert (r.status, (await r.json())["type"]) == (401, "unauthorized")
+        scraper = {"Authorization": "Bearer the-scrapers-key"}
+        async with orch.session.get(orch.url + "/metrics", headers=scraper) as r:
+            assert r.status == 200
             samples = parse(await r.text())
 
         def tenant(name: str, who: str) -> float:

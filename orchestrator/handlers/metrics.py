@@ -1,4 +1,9 @@
-"""GET /metrics in the Prometheus text format."""
+"""GET /metrics in the Prometheus text format.
+
+Its per-tenant series hold every tenant's id and usage: with `tenants` configured, a tenant's key
+must not read them (`GET /v1/usage` gives each tenant its own), so /metrics then answers to an
+admin key only (`server.admin_keys_env`: what the deployment's Prometheus scrapes with), unless
+`server.public_metrics` opens it to everyone."""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..state import STATE
+from servicekit.auth import UNAUTHORIZED_MESSAGE
+
+from ..api.errors import ApiError, ErrorType
+from ..state import STATE, AppState
 
 
 def listen_overflows(netstat: Path = Path("/proc/net/netstat")) -> int | None:
@@ -24,8 +32,22 @@ def listen_overflows(netstat: Path = Path("/proc/net/netstat")) -> int | None:
     return None
 
 
+METRICS_PATH = "/metrics"
+
+
+def admin_only(state: AppState) -> bool:
+    """Whether /metrics answers to an admin key only (the auth middleware then leaves the key
+    to `handle`, as for /admin/ paths)."""
+    return bool(state.config.tenants) and not state.config.server.public_metrics
+
+
 async def handle(request: web.Request) -> web.Response:
-    metrics = request.app[STATE].metrics
+    state = request.app[STATE]
+    if admin_only(state) and (
+        state.admin_keys is None or not state.admin_keys.owner(request.headers)
+    ):
+        raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+    metrics = state.metrics
     metrics.flush_gc_pauses()
     overflows = listen_overflows()
     if overflows is not None:
