@@ -250,6 +250,15 @@ class OpenAIBackend(Strict):
     """The served model's Hugging Face folder (tokenizer.json + chat template), for servers
     without /tokenize (transformers serve): `api: completions` templates chat requests with it,
     and prompts are counted with it."""
+    forward_fields: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]] = Field(
+        default_factory=list, max_length=64
+    )
+    """`api: chat`: the server's own request fields (not OpenAI's) that Chat Completions
+    clients may send through it, e.g. vLLM's `[top_k, min_p, repetition_penalty]`; any other
+    field that is not OpenAI's is refused with 422. A server's own fields can change what the
+    model reads past the input guardrails (vLLM's `chat_template`, `continue_final_message`)
+    or cost it unbounded work (`guided_regex`): list only those you have read. Every string
+    and number of a forwarded field is judged by the input detectors."""
 
 
 Backend = Annotated[ManagedBackend | NativeBackend | OpenAIBackend, Field(discriminator="type")]

@@ -48,7 +48,13 @@ async def upstream() -> AsyncIterator[FakeOpenAI]:
 async def orch(upstream: FakeOpenAI) -> AsyncIterator[Orchestrator]:
     config = native_config(upstream.url)
     config["models"][MODEL]["backends"] = [
-        {"type": "openai", "url": upstream.url, "model": "fake-model", "api": "chat"}
+        {
+            "type": "openai",
+            "url": upstream.url,
+            "model": "fake-model",
+            "api": "chat",
+            "forward_fields": ["top_k", "min_p"],
+        }
     ]
     async with Orchestrator(config) as o:
         yield o
@@ -124,3 +130,45 @@ async def test_log_probabilities_are_refused_even_where_fields_are_forwarded(
         model=MODEL, messages=ASK, logprobs=False, top_logprobs=0
     )
     assert done.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        # renders the judged messages any way it likes: reversed text past an input guardrail
+        ("chat_template", "{% for m in messages %}{{ m.content[::-1] }}{% endfor %}"),
+        ("continue_final_message", True),  # whose turn it is
+        ("guided_regex", "(a|aa)*b"),  # the server compiles a client's regex
+    ],
+    ids=["chat_template", "continue_final_message", "guided_regex"],
+)
+async def test_a_servers_own_field_is_refused_unless_its_backends_list_it(
+    orch: Orchestrator, upstream: FakeOpenAI, field: str, value: Any
+) -> None:
+    """On 321ae20 an `openai` chat backend received any field a client sent (vLLM's
+    `chat_template` among them); now only OpenAI's own fields and the server's fields the
+    backends list (`forward_fields`) are forwarded, anything else is 422 before any work."""
+    before = len(upstream.requests)
+    for stream in (False, True):
+        with pytest.raises(openai.UnprocessableEntityError) as caught:
+            await sdk(orch).chat.completions.create(
+                model=MODEL, messages=ASK, stream=stream, extra_body={field: value}
+            )
+        body: Any = caught.value.body
+        assert (body["type"], body["param"]) == ("invalid_request", field), body
+        assert body["message"].startswith(
+            f"{field}: not an OpenAI Chat Completions field, and model `{MODEL}`'s backends "
+            "do not forward it"
+        ), body
+    assert len(upstream.requests) == before
+
+
+async def test_openai_fields_and_the_listed_server_fields_reach_the_backend(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    done = await sdk(orch).chat.completions.create(
+        model=MODEL, messages=ASK, presence_penalty=0.5, extra_body={"top_k": 5, "min_p": 0.1}
+    )
+    assert done.choices[0].finish_reason == "stop"
+    sent = upstream.requests[-1]
+    assert (sent["presence_penalty"], sent["top_k"], sent["min_p"]) == (0.5, 5, 0.1)

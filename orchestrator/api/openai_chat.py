@@ -39,6 +39,54 @@ _UNSUPPORTED = {
 }
 
 
+# The OpenAI Chat Completions request fields guardstream does not interpret itself, which an
+# `openai` chat backend receives untouched (DESIGN 4.8: "other OpenAI fields are forwarded").
+# A field that is not OpenAI's is a server's own, and is forwarded only where the model's
+# backends list it (`backends[].forward_fields`): such fields can change what the model reads
+# past the input guardrails (vLLM's `chat_template` renders the judged messages any way it
+# likes, `continue_final_message` and `add_generation_prompt` change whose turn it is) or cost
+# the server unbounded work (`guided_regex`, `structured_outputs`).
+OPENAI_CHAT_FIELDS = frozenset(
+    {
+        "audio",
+        "frequency_penalty",
+        "function_call",
+        "functions",
+        "logit_bias",
+        "logprobs",
+        "metadata",
+        "modalities",
+        "parallel_tool_calls",
+        "prediction",
+        "presence_penalty",
+        "prompt_cache_key",
+        "reasoning_effort",
+        "response_format",
+        "safety_identifier",
+        "service_tier",
+        "store",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "user",
+        "verbosity",
+        "web_search_options",
+    }
+)
+
+
+def check_forwardable(extra: dict[str, Any], model: str, forward_fields: frozenset[str]) -> None:
+    """422 for a field an `openai` chat backend would receive that is neither OpenAI's nor one
+    of `forward_fields` (what every backend of the model lists)."""
+    for name in extra:
+        if name not in OPENAI_CHAT_FIELDS and name not in forward_fields:
+            raise ValueError(
+                f"{name}: not an OpenAI Chat Completions field, and model `{model}`'s backends "
+                "do not forward it (a server's own fields are forwarded only where "
+                "`backends[].forward_fields` lists them)"
+            )
+
+
 TOOLS_WHY = (
     "tool calls are not supported by this model's backend (an `openai` backend with "
     "`api: completions` sends a prompt, without tools)"

@@ -24,6 +24,7 @@ from ..api.openai_chat import (
     TOOLS_WHY,
     ChatDetectors,
     check_extra_honoured,
+    check_forwardable,
     check_native_tools,
 )
 from ..clients.advertised_limits import EngineLimitError
@@ -233,6 +234,12 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         or (isinstance(b, OpenAIBackend) and b.api == "chat")
         for b in config.backends
     )
+    if ask.extra and forwards:
+        own = frozenset.intersection(*(frozenset(b.forward_fields) for b in config.backends))
+        try:
+            check_forwardable(ask.extra, ask.model, own)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
     if ask.extra and not forwards:
         extra = ask.extra
         try:
