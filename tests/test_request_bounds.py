@@ -172,3 +172,31 @@ async def test_openai_fields_and_the_listed_server_fields_reach_the_backend(
     assert done.choices[0].finish_reason == "stop"
     sent = upstream.requests[-1]
     assert (sent["presence_penalty"], sent["top_k"], sent["min_p"]) == (0.5, 5, 0.1)
+
+
+async def test_a_detectors_request_params_are_bounded(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """A request's params for a detector are sent with each of the stream's calls to it (one
+    per chunk): 1 MB of them would be multiplied by the answer's chunks. Over 64 KiB they are a
+    422 on every surface, before any work."""
+    big = {"labels": ["x" * 1000] * 70}  # 70,000-odd bytes of JSON
+    before = len(upstream.requests)
+    status, body = await orch.post(
+        UNARY_PATH,
+        {
+            "model_id": MODEL,
+            "inputs": "Hi",
+            "guardrail_config": {"output": {"models": {"pii": big}}},
+        },
+    )
+    assert status == 422, body
+    assert body["type"] == "invalid_request"
+    assert "detector params of 70" in body["details"] and "exceed 65536" in body["details"]
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        await sdk(orch).chat.completions.create(
+            model=MODEL, messages=ASK, extra_body={"detectors": {"output": {"pii": big}}}
+        )
+    message = caught.value.body["message"]  # type: ignore[index]
+    assert "detector params of 70" in message and "exceed 65536" in message
+    assert len(upstream.requests) == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -36,6 +37,11 @@ OnDetection = Literal["annotate", "block", "redact"]
 # the longest replacement: a template is the operator's or the client's, and every flagged span
 # of a stream becomes one copy of it
 MAX_REDACT_WITH = 256
+# A request's params for one detector, as JSON: they are sent with every call the stream makes
+# to that detector (one per chunk), so a request body's worth of params would be multiplied by
+# the chunks of its answer. Real params (thresholds, labels, a few patterns or topics) are a few
+# hundred bytes.
+MAX_DETECTOR_PARAMS_BYTES = 65_536
 
 
 class DetectorParams(BaseModel):
@@ -63,6 +69,18 @@ class DetectorParams(BaseModel):
             # scores are in [0, 1]: 5 would silently turn the detector off, -1 flag everything
             raise ValueError(f"threshold must be between 0 and 1, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _bounded(self) -> DetectorParams:
+        if self.model_extra:
+            # json, not orjson: an integer past 64 bits is valid JSON (orjson refuses it)
+            size = len(json.dumps(self.model_extra, separators=(",", ":")).encode())
+            if size > MAX_DETECTOR_PARAMS_BYTES:
+                raise ValueError(
+                    f"detector params of {size} bytes exceed {MAX_DETECTOR_PARAMS_BYTES} (they "
+                    "are sent with every call to the detector)"
+                )
+        return self
 
     def detector_params(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
