@@ -34,7 +34,8 @@ as well (regex_pii scans both: the value leaks either way).
 
 Folding is per character (the normal form of each character on its own, which is what the
 patterns need: they are ASCII). It is cached per distinct character, and ASCII text, which
-cannot hold any of these characters, is its own view at the cost of one `str.isascii()`.
+cannot hold any of these characters, is its own view at the cost of one `str.isascii()` and
+one search for ASCII control characters (`is_plain`).
 """
 
 from __future__ import annotations
@@ -68,10 +69,33 @@ _IGNORABLE_RANGES = (
 )
 
 
+# Categories removed whole: format characters, control characters that are not whitespace (a
+# renderer draws NUL, BEL or ESC as nothing: `f\x07uck`), private-use characters (no standard
+# glyph: a font draws nothing or a box) and unassigned code points
+_REMOVED_CATEGORIES = frozenset(("Cf", "Cc", "Co", "Cn"))
+# The control characters that are whitespace, and the line and paragraph separators: each is
+# the whitespace a reader sees. A tab stays a tab: it separates table cells, which a space would
+# join (two numbers in adjacent columns are not one phone number, nor two names one organization)
+SPACES = {"\t": "\t", "\n": "\n", "\r": "\r", "\u2028": "\n", "\u2029": "\n"} | {
+    c: "\n" for c in "\x0b\x0c\x1c\x1d\x1e\x1f\x85"
+}
+# ASCII characters the view changes (controls): ASCII text without any is its own view
+ASCII_CHANGED = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def is_plain(text: str) -> bool:
+    """`text` is its own view: ASCII without control characters (tab, line feed and carriage
+    return aside). Two C scans."""
+    return text.isascii() and ASCII_CHANGED.search(text) is None
+
+
 def is_ignorable(ch: str) -> bool:
-    """Default-ignorable or a format character: removed from the view."""
+    """Default-ignorable, a format, control (whitespace aside), private-use or unassigned
+    character: removed from the view."""
+    if ch in SPACES:
+        return False
     cp = ord(ch)
-    if unicodedata.category(ch) == "Cf":
+    if unicodedata.category(ch) in _REMOVED_CATEGORIES:
         return True
     return any(lo <= cp <= hi for lo, hi in _IGNORABLE_RANGES)
 
@@ -113,6 +137,39 @@ DOTS = frozenset(
     "\u30fb"  # katakana middle dot (and U+FF65)
     "\ua4f8\ua60e"  # Lisu tone mya ti, Vai full stop
 )
+
+# Symbols drawn as a Latin letter or a digit that neither NFKC nor UTS #39 fold: negative
+# squared and circled letters, regional indicators (`\U0001f1eb\U0001f1fa\U0001f1e8\U0001f1f0`
+# shows F U C K), small capitals (`\ua730\u1d1c\u1d04\u1d0b`), double, negative and dingbat
+# circled digits (`\u278e`). Found by their Unicode names in the blocks that hold them; the
+# digits of scripts without positional numerals (Ethiopic, Brahmi, ...) are not folded.
+_LETTER_NAME = re.compile(
+    r"(?:(?:NEGATIVE )?(?:SQUARED|CIRCLED) LATIN CAPITAL LETTER"
+    r"|REGIONAL INDICATOR SYMBOL LETTER|LATIN LETTER SMALL CAPITAL) ([A-Z])"
+)
+_SYMBOL_BLOCKS = ((0x0250, 0x02AF), (0x1D00, 0x1D7F), (0x2460, 0x24FF), (0x2776, 0x2793))
+_SYMBOL_BLOCKS += ((0xA720, 0xA7FF), (0x1F100, 0x1F1FF))
+
+
+def _symbols() -> dict[str, str]:
+    table: dict[str, str] = {}
+    for lo, hi in _SYMBOL_BLOCKS:
+        for cp in range(lo, hi + 1):
+            ch = chr(cp)
+            if unicodedata.normalize("NFKC", ch).isascii() or ch in CONFUSABLES:
+                continue
+            name = unicodedata.name(ch, "")
+            letter = _LETTER_NAME.fullmatch(name)
+            if letter:
+                small = name.startswith("LATIN LETTER SMALL CAPITAL")
+                table[ch] = letter.group(1).lower() if small else letter.group(1)
+            elif "CIRCLED" in name and unicodedata.digit(ch, None) is not None:
+                table[ch] = str(unicodedata.digit(ch))
+    return table
+
+
+SYMBOLS: dict[str, str] = _symbols()
+
 # Combining marks: drawn on the character before them (Mc, spacing marks, take room of their
 # own and stay)
 _MARKS = frozenset(("Mn", "Me"))
@@ -122,8 +179,12 @@ _MARKS = frozenset(("Mn", "Me"))
 def fold(ch: str) -> str:
     """The view of one non-ASCII character: "" (removed), one character, or several (an NFKD
     expansion). Cached: a text repeats few distinct characters."""
+    if ch in SPACES:
+        return SPACES[ch]
     if is_ignorable(ch):
         return ""
+    if ch in SYMBOLS:
+        return SYMBOLS[ch]
     kept = [
         c
         for c in unicodedata.normalize("NFKD", ch)
@@ -137,7 +198,12 @@ def fold(ch: str) -> str:
             out.append(".")
         else:
             digit = unicodedata.decimal(c, None)
-            out.append(str(digit) if digit is not None else CONFUSABLES.get(c, c))
+            if digit is not None:
+                out.append(str(digit))
+            elif unicodedata.category(c) == "Pd":  # a dash the confusables leave alone (em
+                out.append(CONFUSABLES.get(c, "-"))  # dash, horizontal bar, wave dash)
+            else:
+                out.append(CONFUSABLES.get(c, c))
     return "".join(out)
 
 
@@ -208,17 +274,18 @@ class View:
         return self.position(start), last
 
 
-_ASCII = frozenset(map(chr, range(0x80)))
+_ASCII = frozenset(c for c in map(chr, range(0x80)) if not ASCII_CHANGED.match(c))
 
 
 def normalise(text: str) -> View:
-    """The view of `text` (DESIGN 4.6b). ASCII text is its own view (one C call); so is text
+    """The view of `text` (DESIGN 4.6b). ASCII text without controls is its own view (two C
+    calls); so is text
     whose distinct characters all fold to themselves (CJK, curly quotes, most emoji):
     `set(text)` is one C pass, and only its distinct non-ASCII characters are looked at in
     Python. Changed characters are replaced with C string calls (an accented letter becomes its
     base letter in place: no map); only removals (invisible characters, combining marks) and
     expansions cost a scan for their positions."""
-    if text.isascii():
+    if is_plain(text):
         return View(text, text)
     changed: dict[str, str] = {}
     for ch in set(text).difference(_ASCII):
@@ -331,7 +398,7 @@ def view_text(text: str) -> str:
     """Only the view's text (what a classifier judges: its detection is the whole content).
     Under a right-to-left override, the view in the order a reader sees follows it on a line
     of its own: `\u202ekcuf` is judged as what it shows, and as what a program reads."""
-    if text.isascii():
+    if is_plain(text):
         return text
     view = normalise(text).text
     shown = display_order(text)

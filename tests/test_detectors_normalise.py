@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import detectors
-from detectors.normalise import CONFUSABLES, fold, normalise, view_text
+from detectors.normalise import CONFUSABLES, SYMBOLS, fold, normalise, view_text
 from detectors.regex_pii import find_pii
 from orchestrator.app import CONTENT_PATH
 from tests.fakes.engine import FakeEngine
@@ -142,6 +142,43 @@ def test_precomposed_accents_fold_in_place() -> None:
         ("\u00b7", "."),  # middle dot
         ("\u06d4", "."),  # Arabic full stop
         ("\u4f60", "\u4f60"),
+        # control, private-use and unassigned characters are drawn as nothing (issue: redtext)
+        ("\x00", ""),
+        ("\x07", ""),
+        ("\x1b", ""),
+        ("\x7f", ""),
+        ("\x9b", ""),  # C1 control sequence introducer
+        ("\ue000", ""),  # private use
+        ("\U000f0000", ""),  # supplementary private use
+        ("\U000e0080", ""),  # unassigned (in the tags block)
+        # whitespace controls are the whitespace they show as; a tab stays a tab (table cells)
+        ("\t", "\t"),
+        ("\n", "\n"),
+        ("\x0b", "\n"),
+        ("\x0c", "\n"),
+        ("\x85", "\n"),
+        ("\u2028", "\n"),
+        ("\u2029", "\n"),
+        # dashes the confusables data leaves alone
+        ("\u2014", "-"),  # em dash
+        ("\u2015", "-"),  # horizontal bar
+        ("\u2e3a", "-"),  # two-em dash
+        ("\u301c", "-"),  # wave dash
+        ("\u058a", "-"),  # Armenian hyphen
+        ("\u1400", "="),  # Canadian syllabics hyphen: drawn as `=`, as UTS #39 says
+        # symbols drawn as Latin letters and digits
+        ("\U0001f175", "F"),  # negative squared latin capital letter f
+        ("\U0001f155", "F"),  # negative circled latin capital letter f
+        ("\U0001f1eb", "F"),  # regional indicator symbol letter f
+        ("\ua730", "f"),  # latin letter small capital f
+        ("\u1d1c", "u"),  # latin letter small capital u
+        ("\u0262", "g"),  # latin letter small capital g
+        ("\u278e", "5"),  # dingbat negative circled sans-serif digit five
+        ("\u2776", "1"),  # dingbat negative circled digit one
+        ("\u24f5", "1"),  # double circled digit one
+        # digits of scripts without positional numerals stay
+        ("\u136d", "\u136d"),  # Ethiopic digit five
+        ("\U00011056", "\U00011056"),  # Brahmi number five
     ],
 )
 def test_fold(char: str, folded: str) -> None:
@@ -219,9 +256,16 @@ IGNORABLES = [
     "\u034f",
     "\ufe0f",
     "\U000e0020",
+    "\x00",
+    "\x07",
+    "\x1b",
+    "\x7f",
+    "\x9b",
+    "\ue000",
+    "\U000f0000",
 ]
 # every non-ASCII form the view folds back to each ASCII character: full-width (NFKC), the
-# confusables data, other scripts' decimal digits
+# confusables data, other scripts' decimal digits, dashes, circled digits and small capitals
 LOOK_ALIKES: dict[str, list[str]] = {}
 for _source, _target in CONFUSABLES.items():
     if fold(_source) == _target:
@@ -232,6 +276,12 @@ for _cp in range(0x80, 0x10000):
     _digit = unicodedata.decimal(chr(_cp), None)
     if _digit is not None and fold(chr(_cp)) == str(_digit):
         LOOK_ALIKES.setdefault(str(_digit), []).append(chr(_cp))
+
+for _cp in range(0x80, 0x110000):  # dashes of every kind
+    if unicodedata.category(chr(_cp)) == "Pd" and fold(chr(_cp)) == "-":
+        LOOK_ALIKES["-"].append(chr(_cp))
+for _source, _target in SYMBOLS.items():  # circled digits, small capitals
+    LOOK_ALIKES.setdefault(_target, []).append(_source)
 
 VALUES = st.one_of(
     st.tuples(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkers import Span
-from detectors.normalise import fold
+from detectors.normalise import fold, is_plain
 
 from ..clients.registry import RequestedDetector
 from ..judge_templates import JudgeContext
@@ -49,8 +49,9 @@ SEAM_RAW_CHARS = 4096
 
 
 def _visible(ch: str) -> bool:
-    """The character is in the normalised view (ASCII always is)."""
-    return ch < "\x80" or fold(ch) != ""
+    """The character is in the normalised view (printable ASCII always is; ASCII controls
+    other than whitespace are not)."""
+    return " " <= ch < "\x7f" or fold(ch) != ""
 
 
 def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int, bool]:
@@ -60,7 +61,7 @@ def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int,
     floor). ASCII is walked with arithmetic where no whitespace matters."""
     if not run:
         j = max(floor, i - count)
-        if text[j:i].isascii():
+        if is_plain(text[j:i]):
             return j, i - count >= floor
     limit = max(floor, i - SEAM_RAW_CHARS)
     j, seen = i, 0
@@ -78,7 +79,7 @@ def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple
     """`_back` walking forward from `i` (not past `ceiling`)."""
     if not run:
         j = min(ceiling, i + count)
-        if text[i:j].isascii():
+        if is_plain(text[i:j]):
             return j, i + count <= ceiling
     limit = min(ceiling, i + SEAM_RAW_CHARS)
     j, seen = i, 0
