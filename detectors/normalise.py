@@ -41,6 +41,7 @@ one search for ASCII control characters (`is_plain`).
 from __future__ import annotations
 
 import bisect
+import html.entities
 import re
 import unicodedata
 from functools import lru_cache
@@ -85,8 +86,8 @@ ASCII_CHANGED = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 def is_plain(text: str) -> bool:
     """`text` is its own view: ASCII without control characters (tab, line feed and carriage
-    return aside). Two C scans."""
-    return text.isascii() and ASCII_CHANGED.search(text) is None
+    return aside) and without markup or escapes (`MARKUP`). Three C scans."""
+    return text.isascii() and ASCII_CHANGED.search(text) is None and MARKUP.search(text) is None
 
 
 def is_ignorable(ch: str) -> bool:
@@ -221,7 +222,7 @@ class View:
     expansion (one original character, several view characters) is a breakpoint per view
     character, all with that character's position. No breakpoints: positions are the same."""
 
-    __slots__ = ("_expanded", "_orig_at", "_view_at", "original", "text")
+    __slots__ = ("_ends", "_expanded", "_orig_at", "_view_at", "original", "text")
 
     def __init__(
         self,
@@ -230,12 +231,16 @@ class View:
         view_at: list[int] | None = None,
         orig_at: list[int] | None = None,
         expanded: set[int] | None = None,
+        ends: dict[int, int] | None = None,
     ) -> None:
         self.original = original
         self.text = text
         self._view_at = view_at or []
         self._orig_at = orig_at or []
         self._expanded = expanded or set()
+        # an escape (`&#64;`) is one view character from its first original character: the
+        # end of the escape, for a value that ends with it
+        self._ends = ends or {}
 
     @property
     def identity(self) -> bool:
@@ -265,7 +270,8 @@ class View:
                 return len(self.original), len(self.original)
             at = self.position(start)
             return at, at
-        last = self.position(end - 1) + 1
+        at = self.position(end - 1)
+        last = self._ends.get(at, at + 1)
         original, size, j = self.original, len(self.original), last
         while j < size and not original[j].isascii() and not fold(original[j]):
             j += 1
@@ -277,15 +283,14 @@ class View:
 _ASCII = frozenset(c for c in map(chr, range(0x80)) if not ASCII_CHANGED.match(c))
 
 
-def normalise(text: str) -> View:
-    """The view of `text` (DESIGN 4.6b). ASCII text without controls is its own view (two C
-    calls); so is text
-    whose distinct characters all fold to themselves (CJK, curly quotes, most emoji):
+def _folded(text: str) -> View:
+    """The character-by-character part of the view (`fold`). ASCII text without controls is
+    its own view (two C calls); so is text whose distinct characters all fold to themselves (CJK, curly quotes, most emoji):
     `set(text)` is one C pass, and only its distinct non-ASCII characters are looked at in
     Python. Changed characters are replaced with C string calls (an accented letter becomes its
     base letter in place: no map); only removals (invisible characters, combining marks) and
     expansions cost a scan for their positions."""
-    if is_plain(text):
+    if text.isascii() and ASCII_CHANGED.search(text) is None:
         return View(text, text)
     changed: dict[str, str] = {}
     for ch in set(text).difference(_ASCII):
@@ -324,6 +329,123 @@ def normalise(text: str) -> View:
         orig_at.append(i + 1)
         delta += size - 1
     return View(text, view, view_at, orig_at, expanded)
+
+
+# Markup and escapes a client renders or decodes as the characters they stand for (a chat
+# interface renders Markdown and HTML; a program decodes JSON and URLs): `jo&#64;example.com`,
+# `jo&commat;example.com`, `jo\\u0040example.com`, `jo%40example.com`, `jo\\@example.com`,
+# `5<b></b>55-123-4567`, `jo@ex**am**ple.com`, `f<!-- -->uck` show what they hide. Each is
+# one alternative that starts with its own literal (the regex engine skips to those characters
+# in C) and has a bounded length, so a scan is linear in the text. Decoded once, as a renderer
+# does: `&amp;#64;` shows `&#64;`.
+MARKUP = re.compile(
+    r"&(?:#([0-9]{1,7})|#[xX]([0-9a-fA-F]{1,6})|([A-Za-z][A-Za-z0-9]{1,31}));"
+    r"|\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|x([0-9a-fA-F]{2})|([!-/:-@\[-`{-~]))"
+    r"|%([2-7][0-9a-fA-F])"
+    r"|<(?:/?([A-Za-z][A-Za-z0-9]{0,15})(?:[ \t\n/][^<>]{0,256})?>|(!--)[^<>]{0,256}?-->)"
+    r"|(\*\*?\*?|~~|``?`?)"
+)
+# what joins the parts of a value (e-mail, phone, address), beside emphasis marks inside it
+_JOINERS = frozenset("@.-_+")
+# tags a renderer draws as a line break (the rest draw nothing)
+_BLOCK_TAGS = frozenset(
+    "br p div li ul ol tr td th table h1 h2 h3 h4 h5 h6 hr blockquote pre dt dd section".split()
+)
+
+
+def _decoded(m: re.Match[str]) -> str | None:
+    """What one MARKUP match shows: one character, "" (nothing) or None (left as it is: an
+    unknown entity, an out-of-range code point, emphasis marks at a word's edge)."""
+    g = m.lastindex
+    if g == 10:  # a comment
+        return ""
+    if g == 11:  # emphasis inside a word or value: `ex**am**ple`, `555-**123**-4567`; a
+        # whole run (`980******@qq.com` is masked), not between two digits (`140*60*75` is a
+        # product); emphasis around words (`**Title**:`) stays, as the words read the same
+        text, i, j = m.string, m.start(), m.end()
+        before = text[i - 1] if i else " "
+        after = text[j] if j < len(text) else " "
+        if text[i] in (before, after) or (before.isdigit() and after.isdigit()):
+            return None
+        inside = (before.isalnum() or before in _JOINERS) and (after.isalnum() or after in _JOINERS)
+        return "" if inside else None
+    value = m.group(g)
+    if g in (1, 2, 4, 5, 6, 8):
+        cp = int(value, 10 if g == 1 else 16)
+        if cp > 0x10FFFF or 0xD800 <= cp <= 0xDFFF:
+            return None
+        return chr(cp) if g != 8 or 0x20 <= cp < 0x7F else None
+    if g == 3:
+        decoded = html.entities.html5.get(value + ";")
+        return decoded if decoded is not None and len(decoded) == 1 else None
+    if g == 7:
+        return value
+    return "\n" if value.lower() in _BLOCK_TAGS else ""  # g == 9: a tag
+
+
+def _unmarked(text: str) -> View | None:
+    """The view with markup and escapes decoded (None: there are none), each match one view
+    character from its first original character (its end in `_ends`) or none."""
+    view_at: list[int] = []
+    orig_at: list[int] = []
+    ends: dict[int, int] = {}
+    pieces: list[str] = []
+    at = 0  # original text copied so far
+    delta = 0  # view position - original position, after `at`
+    for m in MARKUP.finditer(text):
+        shown = _decoded(m)
+        if shown is None:
+            continue
+        i, j = m.start(), m.end()
+        pieces += (text[at:i], shown)
+        at = j
+        vpos = i + delta + len(shown)  # from here on, one-to-one from `j`
+        if shown:
+            ends[i] = j
+        if view_at and view_at[-1] == vpos:  # removals back to back: the last one holds
+            view_at.pop()
+            orig_at.pop()
+        view_at.append(vpos)
+        orig_at.append(j)
+        delta += len(shown) - (j - i)
+    if not pieces:
+        return None
+    pieces.append(text[at:])
+    return View(text, "".join(pieces), view_at, orig_at, set(), ends)
+
+
+class _Composed(View):
+    """Markup decoded (`outer`), then folded character by character (`inner`, on the outer
+    view's text): positions and spans map through both."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, outer: View, inner: View) -> None:
+        super().__init__(outer.original, inner.text)
+        self._outer, self._inner = outer, inner
+
+    @property
+    def identity(self) -> bool:
+        return False
+
+    def position(self, v: int) -> int:
+        return self._outer.position(self._inner.position(v))
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        return self._outer.span(*self._inner.span(start, end))
+
+
+def normalise(text: str) -> View:
+    """The view of `text` (DESIGN 4.6b): markup and escapes decoded (`MARKUP`), then each
+    character folded (`fold`). ASCII text without controls or markup is its own view (three C
+    scans)."""
+    if is_plain(text):
+        return View(text, text)
+    outer = _unmarked(text)
+    if outer is None:
+        return _folded(text)
+    inner = _folded(outer.text)
+    return outer if inner.identity and inner.text == outer.text else _Composed(outer, inner)
 
 
 # Bidi controls (UAX #9): what opens an embedding, an override or an isolate, and what closes
@@ -394,12 +516,16 @@ def display_order(text: str) -> tuple[str, list[int]] | None:
     return "".join(text[i] for i in order), order
 
 
-def view_text(text: str) -> str:
+def view_text(text: str, *, markup: bool = True) -> str:
     """Only the view's text (what a classifier judges: its detection is the whole content).
     Under a right-to-left override, the view in the order a reader sees follows it on a line
-    of its own: `\u202ekcuf` is judged as what it shows, and as what a program reads."""
-    if is_plain(text):
-        return text
-    view = normalise(text).text
+    of its own: `\u202ekcuf` is judged as what it shows, and as what a program reads. With
+    `markup` False, markup and escapes are left as they are (what `decode` searches for
+    encoded payloads: Ascii85 and base85 are written with `&`, `%`, `*`, `<`, `\\`)."""
+    view_of = normalise if markup else _folded
+    if text.isascii() and ASCII_CHANGED.search(text) is None:
+        if not markup or MARKUP.search(text) is None:
+            return text
+    view = view_of(text).text
     shown = display_order(text)
-    return view if shown is None else f"{view}\n{normalise(shown[0]).text}"
+    return view if shown is None else f"{view}\n{view_of(shown[0]).text}"

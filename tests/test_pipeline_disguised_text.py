@@ -11,7 +11,9 @@ letter run of the word, in any field.
 On 321ae20 each of these got through: ASCII control characters and private-use characters
 inside a value (`5\\x0755-123-4567` released `5\\x07` beside the mask, `f\\x00uck` passed
 `hap`), em dashes and horizontal bars as a phone number's separators, dingbat circled digits,
-regional-indicator and small-capital letters."""
+regional-indicator and small-capital letters; and markup a chat interface renders or a program
+decodes: HTML tags and comments inside a value, character references (`&#64;`, `&commat;`),
+`\\u0040` and `%40` escapes, Markdown escapes and emphasis inside a value."""
 
 from __future__ import annotations
 
@@ -83,6 +85,32 @@ PHONES: dict[str, tuple[list[str], list[str]]] = {
         ["Call", " 555-", "123-", "4567", "."],
         ["Call", " 5\ue000", "55-123-4567", "."],
     ),
+    "html-tags-inside-digits": (
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " 5<b>", "</b>55", "-<i>123</i>", "-4567", "."],
+    ),
+    "character-references": (
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " &#53;55", "-12&#x33;", "&hyphen;4567", "."],
+    ),
+    "emphasis-inside-the-number": (
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " 555-**", "123**", "-4567", "."],
+    ),
+}
+EMAILS: dict[str, tuple[list[str], list[str]]] = {
+    "named-entity": (["Mail", " jo@example.com", "."], ["Mail", " jo&commat;", "example.com", "."]),
+    "json-escape": (["Mail", " jo@example.com", "."], ["Mail", " jo\\u0040", "example.com", "."]),
+    "percent-escape": (["Mail", " jo@example.com", "."], ["Mail", " jo%40", "example%2Ecom", "."]),
+    "markdown-escape": (["Mail", " jo@example.com", "."], ["Mail", " jo\\@", "example.com", "."]),
+    "html-comment": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@exa<!-- -->", "mple.com", "."],
+    ),
+    "last-character-escaped": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@example.co", "&#109;", "."],
+    ),
 }
 CURSES: dict[str, tuple[list[str], list[str]]] = {
     "nul-inside-word": (
@@ -97,10 +125,14 @@ CURSES: dict[str, tuple[list[str], list[str]]] = {
         ["What", " the", " fuck", " is", " this", "."],
         ["What", " the", " \ua730\u1d1c", "\u1d04\u1d0b", " is", " this", "."],
     ),
+    "html-tag-inside-word": (
+        ["What", " the", " fuck", " is", " this", "."],
+        ["What", " the", " f<b>", "</b>uck", " is", " this", "."],
+    ),
 }
 SCRIPTS = {
     f"{name} {form}": tokens
-    for name, pair in (PHONES | CURSES).items()
+    for name, pair in (PHONES | EMAILS | CURSES).items()
     for form, tokens in zip(("plain", "disguised"), pair, strict=True)
 }
 
@@ -160,6 +192,20 @@ async def test_a_disguised_phone_number_in_the_output_is_redacted_whole(
             assert digits not in sent, (form, digits, raw)
 
 
+@pytest.mark.parametrize("name", list(EMAILS))
+async def test_an_escaped_email_in_the_output_is_redacted_whole(
+    stack: tuple[FakeEngine, Orchestrator], name: str
+) -> None:
+    _, orch = stack
+    for form in ("plain", "disguised"):
+        raw, events = await raw_stream(orch, f"{name} {form}")
+        assert terminal(events).name == "completed", (form, raw)
+        assert released(events) == "Mail [email].", (form, raw)
+        sent = "".join(strings([e.data for e in events]))
+        for part in ("jo", "example", "com", "mple"):
+            assert part not in sent, (form, part, raw)
+
+
 @pytest.mark.parametrize("name", list(CURSES))
 async def test_a_disguised_curse_in_the_output_is_blocked(
     stack: tuple[FakeEngine, Orchestrator], name: str
@@ -187,6 +233,12 @@ PROMPTS = [
     ),
     ("Call 555-123-4567 please.", "Call 555\u2014123\u20144567 please.", "Call [phone] please."),
     ("SSN 123-45-6789 please.", "SSN 12\x003-45-6789 please.", "SSN [ssn] please."),
+    (
+        "Write to jo@example.com please.",
+        "Write to jo&#64;example.com please.",
+        "Write to [email] please.",
+    ),
+    ("Call 555-123-4567 please.", "Call 555-<b>123</b>-4567 please.", "Call [phone] please."),
 ]
 
 
