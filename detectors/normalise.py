@@ -45,6 +45,7 @@ import html.entities
 import re
 import unicodedata
 from functools import lru_cache
+from typing import Any
 
 # Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt, Unicode 15), as ranges;
 # the Cf characters among them are also caught by the category test, the others (soft hyphen
@@ -412,6 +413,47 @@ def _unmarked(text: str) -> View | None:
         return None
     pieces.append(text[at:])
     return View(text, "".join(pieces), view_at, orig_at, set(), ends)
+
+
+def markup_hidden(text: str, lo: int, hi: int) -> frozenset[int]:
+    """The positions in `text[lo:hi]` that markup keeps out of the view (each escape but its
+    first character, tags, comments, emphasis): what a count of view characters skips
+    (`orchestrator.streaming.detector_queue`'s seam windows), so `&#x00006a;` is one character
+    there as it is to the detectors. Linear in `hi - lo`."""
+    hidden: set[int] = set()
+    for m in MARKUP.finditer(text, lo, hi):
+        shown = _decoded(m)
+        if shown is not None:
+            hidden.update(range(m.start() + len(shown), m.end()))
+    return frozenset(hidden)
+
+
+# the longest markup match (a tag with its attributes, a comment); what `unfinished_markup` reads
+_MARKUP_MOST = 300
+
+
+@lru_cache(maxsize=1)
+def _partial_markup() -> Any:
+    import regex  # partial matching (the `re` module has none); nltk needs it too
+
+    return regex.compile(MARKUP.pattern)
+
+
+def unfinished_markup(text: str) -> int | None:
+    """Where an escape or tag begins that `text` ends inside of (`...co&#10`, `5<spa`): what a
+    stream cut there (a stop sequence, a token budget) would release raw, which could still
+    become any character; None when the text ends outside one. Reads the last _MARKUP_MOST
+    characters."""
+    rx = _partial_markup()
+    pos = max(0, len(text) - _MARKUP_MOST)
+    while pos < len(text):
+        m = rx.search(text, pos, partial=True)
+        if m is None or m.start() == len(text):  # (the end itself: nothing begun)
+            return None
+        if m.partial:
+            return m.start()
+        pos = max(m.end(), pos + 1)
+    return None
 
 
 class _Composed(View):

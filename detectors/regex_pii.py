@@ -57,7 +57,7 @@ from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
-from .normalise import display_order, is_plain, normalise
+from .normalise import display_order, is_plain, normalise, unfinished_markup
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -997,7 +997,10 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
         and any(d.end == len(closed) for d in find_pii(closed, list(kinds), {}))
     ):
         return None
-    view = normalise(source)
+    # an escape the text ends inside of (`jo@example.co&#10`) could still become any character:
+    # the tail is judged without it (and the detection runs to the end, over it)
+    unfinished = unfinished_markup(source)
+    view = normalise(source if unfinished is None else source[:unfinished])
     v = view.text
     best: tuple[int, str] | None = None
     candidates = [k for k in KINDS if k in kinds and k != "ipv6"]

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from orchestrator.app import STREAMING_PATH
+from orchestrator.streaming.detector_queue import seam_bounds
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
     MODEL,
@@ -269,3 +270,59 @@ async def test_a_disguised_curse_in_the_prompt_is_refused_before_the_engine(
         ] == ["hap"], prompt
         assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
     assert engine.requests == []
+
+
+# -- seams: an escaped value is as long as it shows ------------------------------------------
+
+LONG_EMAIL = "jo@" + "x1." * 40 + "com"  # 123 characters
+ESCAPED_EMAIL = "".join(f"&#x{ord(c):06x};" for c in LONG_EMAIL)  # 1,230, shows as LONG_EMAIL
+
+
+def test_a_seam_window_counts_an_escape_as_the_one_character_it_shows() -> None:
+    """On 2bf42a8 each character of an escape counted, so the 1,230-character run of an
+    e-mail of 123 characters written as references was past SEAM_RUN_CHARS (1,024): a window
+    around a cut inside it held part of it, and what fell outside was released raw."""
+    text = f"Sure. Mail {ESCAPED_EMAIL} now." + " Bye now." * 20
+    at = text.index(ESCAPED_EMAIL)
+    for boundary in (at + 10, at + len(ESCAPED_EMAIL) // 2, at + len(ESCAPED_EMAIL) - 10):
+        start, end, complete = seam_bounds(text, 0, len(text), boundary)
+        assert start <= at and end >= at + len(ESCAPED_EMAIL) and complete, boundary
+
+
+async def stream_answer(answer: str, max_chars: int, max_new_tokens: int) -> list[SseEvent]:
+    """`answer` streamed one character per token, cut after `max_new_tokens`, through the
+    enforced guardrails with the sentence chunker's `max_chars` set."""
+    engine = FakeEngine(script=list(answer))
+    await engine.start()
+    config = disguised_config(engine.url)
+    config["chunkers"]["sentence"]["max_chars"] = max_chars
+    body = {
+        "model_id": MODEL,
+        "inputs": "anything",
+        "text_gen_parameters": {"max_new_tokens": max_new_tokens},
+    }
+    try:
+        async with Orchestrator(config) as orch:
+            return await orch.stream(body)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("max_chars", [16, 500])
+async def test_an_escaped_email_longer_than_the_seam_run_is_redacted(max_chars: int) -> None:
+    answer = f"Sure. Mail {ESCAPED_EMAIL} now. Bye."
+    events = await stream_answer(answer, max_chars, len(answer))
+    assert released(events) == "Sure. Mail [email] now. Bye."
+    assert "&#x" not in "".join(strings([e.data for e in events]))
+
+
+@pytest.mark.parametrize("cut", [len(ESCAPED_EMAIL) // 2 + 3, len(ESCAPED_EMAIL) - 5])
+async def test_a_stream_cut_inside_an_escape_of_an_email_withholds_it(cut: int) -> None:
+    """DESIGN 4.6a: a tail that could still grow into a match is redacted. On 2bf42a8 a token
+    budget that ended inside an escape (`...x1.&#x00`) released the e-mail so far raw: its
+    view ended with `&#x00`, which is no part of an e-mail."""
+    answer = f"Sure. Mail {ESCAPED_EMAIL} now."
+    events = await stream_answer(answer, 500, len("Sure. Mail ") + cut)
+    assert cut % 10  # the cut is inside an escape (each is 10 characters)
+    assert released(events) == "Sure. Mail [email]"
+    assert "&#x" not in "".join(strings([e.data for e in events]))
