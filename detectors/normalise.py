@@ -76,11 +76,15 @@ _IGNORABLE_RANGES = (
 # glyph: a font draws nothing or a box) and unassigned code points
 _REMOVED_CATEGORIES = frozenset(("Cf", "Cc", "Co", "Cn"))
 # The control characters that are whitespace, and the line and paragraph separators: each is
-# the whitespace a reader sees. A tab stays a tab: it separates table cells, which a space would
+# the whitespace a reader sees (and the Braille blank, which is drawn as a space). A tab stays a tab: it separates table cells, which a space would
 # join (two numbers in adjacent columns are not one phone number, nor two names one organization)
-SPACES = {"\t": "\t", "\n": "\n", "\r": "\r", "\u2028": "\n", "\u2029": "\n"} | {
-    c: "\n" for c in "\x0b\x0c\x1c\x1d\x1e\x1f\x85"
-}
+SPACES = (
+    {"\t": "\t", "\n": "\n", "\r": "\r", "\u2028": "\n", "\u2029": "\n"}
+    | {
+        "\u2800": " ",  # Braille pattern blank: a symbol drawn as a space, used as one
+    }
+    | {c: "\n" for c in "\x0b\x0c\x1c\x1d\x1e\x1f\x85"}
+)
 # ASCII characters the view changes (controls): ASCII text without any is its own view
 ASCII_CHANGED = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 

@@ -161,6 +161,7 @@ def test_precomposed_accents_fold_in_place() -> None:
         ("\x85", "\n"),
         ("\u2028", "\n"),
         ("\u2029", "\n"),
+        ("\u2800", " "),  # Braille pattern blank
         # dashes the confusables data leaves alone
         ("\u2014", "-"),  # em dash
         ("\u2015", "-"),  # horizontal bar

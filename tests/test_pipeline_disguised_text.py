@@ -10,10 +10,12 @@ letter run of the word, in any field.
 
 On 321ae20 each of these got through: ASCII control characters and private-use characters
 inside a value (`5\\x0755-123-4567` released `5\\x07` beside the mask, `f\\x00uck` passed
-`hap`), em dashes and horizontal bars as a phone number's separators, dingbat circled digits,
-regional-indicator and small-capital letters; and markup a chat interface renders or a program
-decodes: HTML tags and comments inside a value, character references (`&#64;`, `&commat;`),
-`\\u0040` and `%40` escapes, Markdown escapes and emphasis inside a value."""
+`hap`), em dashes and horizontal bars as a phone number's separators, Braille blanks between
+its groups, dingbat circled digits, regional-indicator and small-capital letters; and markup a
+chat interface renders or a program decodes: HTML tags and comments inside a value, character
+references (`&#64;`, `&commat;`), `\\u0040` and `%40` escapes, Markdown escapes and emphasis
+inside a value; on aa553c0's parent, an e-mail of escapes longer than a seam window's run, and
+a stream cut inside one of its escapes."""
 
 from __future__ import annotations
 
@@ -85,6 +87,10 @@ PHONES: dict[str, tuple[list[str], list[str]]] = {
     "private-use-inside-digits": (
         ["Call", " 555-", "123-", "4567", "."],
         ["Call", " 5\ue000", "55-123-4567", "."],
+    ),
+    "braille-blanks-between-groups": (
+        ["Call", " 555", " 123", " 4567", "."],
+        ["Call", " 555\u2800", "123\u2800", "4567", "."],
     ),
     "html-tags-inside-digits": (
         ["Call", " 555", "-123", "-4567", "."],
