@@ -205,6 +205,8 @@ def test_fold(char: str, folded: str) -> None:
         ("jo@ex**am**ple.com", "jo@example.com"),  # emphasis inside a value
         ("555-**123**-4567", "555-123-4567"),
         ("jo@ex`am`ple.com", "jo@example.com"),
+        ("jo@[example](https://x.org/a_b).com", "jo@example.com"),  # a Markdown link
+        ("see [1] and [the docs](https://x.org)", "see [1] and the docs"),
         ("&#65313;", "A"),  # decoded, then folded (a full-width A)
         # decoded once, as a renderer does
         ("&amp;#64;", "&#64;"),
@@ -378,7 +380,7 @@ def escapes(ch: str) -> list[str]:
     return out
 
 
-MARKUP_NOTHING = ["<b></b>", "</i>", '<span class="x">', "<!-- -->", "<!--x-->", "<wbr>"]
+MARKUP_NOTHING = ["<b></b>", "</i>", '<span class="x">', "<!-- -->", "<!--x-->", "<wbr>", "[](x)"]
 
 
 @st.composite

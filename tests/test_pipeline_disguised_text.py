@@ -13,9 +13,9 @@ inside a value (`5\\x0755-123-4567` released `5\\x07` beside the mask, `f\\x00uc
 `hap`), em dashes and horizontal bars as a phone number's separators, Braille blanks between
 its groups, dingbat circled digits, regional-indicator and small-capital letters; and markup a
 chat interface renders or a program decodes: HTML tags and comments inside a value, character
-references (`&#64;`, `&commat;`), `\\u0040` and `%40` escapes, Markdown escapes and emphasis
-inside a value; on aa553c0's parent, an e-mail of escapes longer than a seam window's run, and
-a stream cut inside one of its escapes."""
+references (`&#64;`, `&commat;`), `\\u0040` and `%40` escapes, Markdown escapes, emphasis and
+links inside a value. Once markup was decoded (2bf42a8), an e-mail of escapes longer than a
+seam window's run, and a stream cut inside one of its escapes, still got through."""
 
 from __future__ import annotations
 
@@ -113,6 +113,10 @@ EMAILS: dict[str, tuple[list[str], list[str]]] = {
     "html-comment": (
         ["Mail", " jo@example.com", "."],
         ["Mail", " jo@exa<!-- -->", "mple.com", "."],
+    ),
+    "markdown-link": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@[exa", "mple](https://x.org)", ".com", "."],
     ),
     "last-character-escaped": (
         ["Mail", " jo@example.com", "."],
