@@ -344,7 +344,8 @@ def _folded(text: str) -> View:
 # in C) and has a bounded length, so a scan is linear in the text. Decoded once, as a renderer
 # does: `&amp;#64;` shows `&#64;`.
 MARKUP = re.compile(
-    r"&(?:#([0-9]{1,7})|#[xX]([0-9a-fA-F]{1,6})|([A-Za-z][A-Za-z0-9]{1,31}));"
+    # (a numeric reference without its `;` is decoded by browsers too: `jo&#64example.com`)
+    r"&(?:#([0-9]{1,7});?|#[xX]([0-9a-fA-F]{1,6});?|([A-Za-z][A-Za-z0-9]{1,31});)"
     r"|\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|x([0-9a-fA-F]{2})|([!-/:-@\[-`{-~]))"
     r"|%([2-7][0-9a-fA-F])"
     r"|<(?:/?([A-Za-z][A-Za-z0-9]{0,15})(?:[ \t\n/][^<>]{0,256})?>|!(--)[^<>]{0,256}?-->)"

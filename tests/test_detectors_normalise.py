@@ -193,6 +193,8 @@ def test_fold(char: str, folded: str) -> None:
     [
         ("jo&#64;example.com", "jo@example.com"),
         ("jo&#x40;example.com", "jo@example.com"),
+        ("jo&#64example.com", "jo@example.com"),  # browsers decode it without its `;` too
+        ("jo&#8203;@example.com", "jo@example.com"),  # a reference to an invisible character
         ("jo&commat;example&period;com", "jo@example.com"),
         ("jo\\u0040example.com", "jo@example.com"),
         ("jo\\x40example.com", "jo@example.com"),
