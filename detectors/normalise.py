@@ -34,15 +34,18 @@ as well (regex_pii scans both: the value leaks either way).
 
 Folding is per character (the normal form of each character on its own, which is what the
 patterns need: they are ASCII). It is cached per distinct character, and ASCII text, which
-cannot hold any of these characters, is its own view at the cost of one `str.isascii()`.
+cannot hold any of these characters, is its own view at the cost of one `str.isascii()` and
+one search for ASCII control characters (`is_plain`).
 """
 
 from __future__ import annotations
 
 import bisect
+import html.entities
 import re
 import unicodedata
 from functools import lru_cache
+from typing import Any
 
 # Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt, Unicode 15), as ranges;
 # the Cf characters among them are also caught by the category test, the others (soft hyphen
@@ -68,10 +71,37 @@ _IGNORABLE_RANGES = (
 )
 
 
+# Categories removed whole: format characters, control characters that are not whitespace (a
+# renderer draws NUL, BEL or ESC as nothing: `f\x07uck`), private-use characters (no standard
+# glyph: a font draws nothing or a box) and unassigned code points
+_REMOVED_CATEGORIES = frozenset(("Cf", "Cc", "Co", "Cn"))
+# The control characters that are whitespace, and the line and paragraph separators: each is
+# the whitespace a reader sees (and the Braille blank, which is drawn as a space). A tab stays a tab: it separates table cells, which a space would
+# join (two numbers in adjacent columns are not one phone number, nor two names one organization)
+SPACES = (
+    {"\t": "\t", "\n": "\n", "\r": "\r", "\u2028": "\n", "\u2029": "\n"}
+    | {
+        "\u2800": " ",  # Braille pattern blank: a symbol drawn as a space, used as one
+    }
+    | {c: "\n" for c in "\x0b\x0c\x1c\x1d\x1e\x1f\x85"}
+)
+# ASCII characters the view changes (controls): ASCII text without any is its own view
+ASCII_CHANGED = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def is_plain(text: str) -> bool:
+    """`text` is its own view: ASCII without control characters (tab, line feed and carriage
+    return aside) and without markup or escapes (`MARKUP`). Three C scans."""
+    return text.isascii() and ASCII_CHANGED.search(text) is None and MARKUP.search(text) is None
+
+
 def is_ignorable(ch: str) -> bool:
-    """Default-ignorable or a format character: removed from the view."""
+    """Default-ignorable, a format, control (whitespace aside), private-use or unassigned
+    character: removed from the view."""
+    if ch in SPACES:
+        return False
     cp = ord(ch)
-    if unicodedata.category(ch) == "Cf":
+    if unicodedata.category(ch) in _REMOVED_CATEGORIES:
         return True
     return any(lo <= cp <= hi for lo, hi in _IGNORABLE_RANGES)
 
@@ -113,6 +143,39 @@ DOTS = frozenset(
     "\u30fb"  # katakana middle dot (and U+FF65)
     "\ua4f8\ua60e"  # Lisu tone mya ti, Vai full stop
 )
+
+# Symbols drawn as a Latin letter or a digit that neither NFKC nor UTS #39 fold: negative
+# squared and circled letters, regional indicators (`\U0001f1eb\U0001f1fa\U0001f1e8\U0001f1f0`
+# shows F U C K), small capitals (`\ua730\u1d1c\u1d04\u1d0b`), double, negative and dingbat
+# circled digits (`\u278e`). Found by their Unicode names in the blocks that hold them; the
+# digits of scripts without positional numerals (Ethiopic, Brahmi, ...) are not folded.
+_LETTER_NAME = re.compile(
+    r"(?:(?:NEGATIVE )?(?:SQUARED|CIRCLED) LATIN CAPITAL LETTER"
+    r"|REGIONAL INDICATOR SYMBOL LETTER|LATIN LETTER SMALL CAPITAL) ([A-Z])"
+)
+_SYMBOL_BLOCKS = ((0x0250, 0x02AF), (0x1D00, 0x1D7F), (0x2460, 0x24FF), (0x2776, 0x2793))
+_SYMBOL_BLOCKS += ((0xA720, 0xA7FF), (0x1F100, 0x1F1FF))
+
+
+def _symbols() -> dict[str, str]:
+    table: dict[str, str] = {}
+    for lo, hi in _SYMBOL_BLOCKS:
+        for cp in range(lo, hi + 1):
+            ch = chr(cp)
+            if unicodedata.normalize("NFKC", ch).isascii() or ch in CONFUSABLES:
+                continue
+            name = unicodedata.name(ch, "")
+            letter = _LETTER_NAME.fullmatch(name)
+            if letter:
+                small = name.startswith("LATIN LETTER SMALL CAPITAL")
+                table[ch] = letter.group(1).lower() if small else letter.group(1)
+            elif "CIRCLED" in name and unicodedata.digit(ch, None) is not None:
+                table[ch] = str(unicodedata.digit(ch))
+    return table
+
+
+SYMBOLS: dict[str, str] = _symbols()
+
 # Combining marks: drawn on the character before them (Mc, spacing marks, take room of their
 # own and stay)
 _MARKS = frozenset(("Mn", "Me"))
@@ -122,8 +185,12 @@ _MARKS = frozenset(("Mn", "Me"))
 def fold(ch: str) -> str:
     """The view of one non-ASCII character: "" (removed), one character, or several (an NFKD
     expansion). Cached: a text repeats few distinct characters."""
+    if ch in SPACES:
+        return SPACES[ch]
     if is_ignorable(ch):
         return ""
+    if ch in SYMBOLS:
+        return SYMBOLS[ch]
     kept = [
         c
         for c in unicodedata.normalize("NFKD", ch)
@@ -137,7 +204,12 @@ def fold(ch: str) -> str:
             out.append(".")
         else:
             digit = unicodedata.decimal(c, None)
-            out.append(str(digit) if digit is not None else CONFUSABLES.get(c, c))
+            if digit is not None:
+                out.append(str(digit))
+            elif unicodedata.category(c) == "Pd":  # a dash the confusables leave alone (em
+                out.append(CONFUSABLES.get(c, "-"))  # dash, horizontal bar, wave dash)
+            else:
+                out.append(CONFUSABLES.get(c, c))
     return "".join(out)
 
 
@@ -155,7 +227,7 @@ class View:
     expansion (one original character, several view characters) is a breakpoint per view
     character, all with that character's position. No breakpoints: positions are the same."""
 
-    __slots__ = ("_expanded", "_orig_at", "_view_at", "original", "text")
+    __slots__ = ("_ends", "_expanded", "_orig_at", "_view_at", "original", "text")
 
     def __init__(
         self,
@@ -164,12 +236,16 @@ class View:
         view_at: list[int] | None = None,
         orig_at: list[int] | None = None,
         expanded: set[int] | None = None,
+        ends: dict[int, int] | None = None,
     ) -> None:
         self.original = original
         self.text = text
         self._view_at = view_at or []
         self._orig_at = orig_at or []
         self._expanded = expanded or set()
+        # an escape (`&#64;`) is one view character from its first original character: the
+        # end of the escape, for a value that ends with it
+        self._ends = ends or {}
 
     @property
     def identity(self) -> bool:
@@ -199,7 +275,8 @@ class View:
                 return len(self.original), len(self.original)
             at = self.position(start)
             return at, at
-        last = self.position(end - 1) + 1
+        at = self.position(end - 1)
+        last = self._ends.get(at, at + 1)
         original, size, j = self.original, len(self.original), last
         while j < size and not original[j].isascii() and not fold(original[j]):
             j += 1
@@ -208,17 +285,17 @@ class View:
         return self.position(start), last
 
 
-_ASCII = frozenset(map(chr, range(0x80)))
+_ASCII = frozenset(c for c in map(chr, range(0x80)) if not ASCII_CHANGED.match(c))
 
 
-def normalise(text: str) -> View:
-    """The view of `text` (DESIGN 4.6b). ASCII text is its own view (one C call); so is text
-    whose distinct characters all fold to themselves (CJK, curly quotes, most emoji):
+def _folded(text: str) -> View:
+    """The character-by-character part of the view (`fold`). ASCII text without controls is
+    its own view (two C calls); so is text whose distinct characters all fold to themselves (CJK, curly quotes, most emoji):
     `set(text)` is one C pass, and only its distinct non-ASCII characters are looked at in
     Python. Changed characters are replaced with C string calls (an accented letter becomes its
     base letter in place: no map); only removals (invisible characters, combining marks) and
     expansions cost a scan for their positions."""
-    if text.isascii():
+    if text.isascii() and ASCII_CHANGED.search(text) is None:
         return View(text, text)
     changed: dict[str, str] = {}
     for ch in set(text).difference(_ASCII):
@@ -257,6 +334,171 @@ def normalise(text: str) -> View:
         orig_at.append(i + 1)
         delta += size - 1
     return View(text, view, view_at, orig_at, expanded)
+
+
+# Markup and escapes a client renders or decodes as the characters they stand for (a chat
+# interface renders Markdown and HTML; a program decodes JSON and URLs): `jo&#64;example.com`,
+# `jo&commat;example.com`, `jo\\u0040example.com`, `jo%40example.com`, `jo\\@example.com`,
+# `5<b></b>55-123-4567`, `jo@ex**am**ple.com`, `f<!-- -->uck` show what they hide. Each is
+# one alternative that starts with its own literal (the regex engine skips to those characters
+# in C) and has a bounded length, so a scan is linear in the text. Decoded once, as a renderer
+# does: `&amp;#64;` shows `&#64;`.
+MARKUP = re.compile(
+    # (a numeric reference without its `;` is decoded by browsers too: `jo&#64example.com`)
+    r"&(?:#([0-9]{1,7});?|#[xX]([0-9a-fA-F]{1,6});?|([A-Za-z][A-Za-z0-9]{1,31});)"
+    r"|\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|x([0-9a-fA-F]{2})|([!-/:-@\[-`{-~]))"
+    r"|%([2-7][0-9a-fA-F])"
+    r"|<(?:/?([A-Za-z][A-Za-z0-9]{0,15})(?:[ \t\n/][^<>]{0,256})?>|!(--)[^<>]{0,256}?-->)"
+    # a Markdown link shows its text: `jo@[example](https://x).com`. The opener only when its
+    # text (no bracket: a scan from one `[` stops at the next) and the target follow.
+    r"|\[()(?=[^\[\]\n]{0,64}\]\([^()\s]{0,256}\))|\]()\([^()\s]{0,256}\)"
+    r"|\*\*?\*?|~~|``?`?"  # emphasis (no group: `lastindex` None)
+)
+# Every alternative starts with a literal character outside any group, so that the regex engine
+# skips to those characters in C (a group around one costs that: 4 -> 35 ms per MB of prose)
+
+# what joins the parts of a value (e-mail, phone, address), beside emphasis marks inside it
+_JOINERS = frozenset("@.-_+")
+# tags a renderer draws as a line break (the rest draw nothing)
+_BLOCK_TAGS = frozenset(
+    "br p div li ul ol tr td th table h1 h2 h3 h4 h5 h6 hr blockquote pre dt dd section".split()
+)
+
+
+def _decoded(m: re.Match[str]) -> str | None:
+    """What one MARKUP match shows: one character, "" (nothing) or None (left as it is: an
+    unknown entity, an out-of-range code point, emphasis marks at a word's edge)."""
+    g = m.lastindex
+    if g in (10, 11, 12):  # a comment, a Markdown link's opener and its target
+        return ""
+    if g is None:  # emphasis inside a word or value: `ex**am**ple`, `555-**123**-4567`; a
+        # whole run (`980******@qq.com` is masked), not between two digits (`140*60*75` is a
+        # product); emphasis around words (`**Title**:`) stays, as the words read the same
+        text, i, j = m.string, m.start(), m.end()
+        before = text[i - 1] if i else " "
+        after = text[j] if j < len(text) else " "
+        if text[i] in (before, after) or (before.isdigit() and after.isdigit()):
+            return None
+        inside = (before.isalnum() or before in _JOINERS) and (after.isalnum() or after in _JOINERS)
+        return "" if inside else None
+    value = m.group(g)
+    if g in (1, 2, 4, 5, 6, 8):
+        cp = int(value, 10 if g == 1 else 16)
+        if cp > 0x10FFFF or 0xD800 <= cp <= 0xDFFF:
+            return None
+        return chr(cp) if g != 8 or 0x20 <= cp < 0x7F else None
+    if g == 3:
+        decoded = html.entities.html5.get(value + ";")
+        return decoded if decoded is not None and len(decoded) == 1 else None
+    if g == 7:
+        return value
+    return "\n" if value.lower() in _BLOCK_TAGS else ""  # g == 9: a tag
+
+
+def _unmarked(text: str) -> View | None:
+    """The view with markup and escapes decoded (None: there are none), each match one view
+    character from its first original character (its end in `_ends`) or none."""
+    view_at: list[int] = []
+    orig_at: list[int] = []
+    ends: dict[int, int] = {}
+    pieces: list[str] = []
+    at = 0  # original text copied so far
+    delta = 0  # view position - original position, after `at`
+    for m in MARKUP.finditer(text):
+        shown = _decoded(m)
+        if shown is None:
+            continue
+        i, j = m.start(), m.end()
+        pieces += (text[at:i], shown)
+        at = j
+        vpos = i + delta + len(shown)  # from here on, one-to-one from `j`
+        if shown:
+            ends[i] = j
+        if view_at and view_at[-1] == vpos:  # removals back to back: the last one holds
+            view_at.pop()
+            orig_at.pop()
+        view_at.append(vpos)
+        orig_at.append(j)
+        delta += len(shown) - (j - i)
+    if not pieces:
+        return None
+    pieces.append(text[at:])
+    return View(text, "".join(pieces), view_at, orig_at, set(), ends)
+
+
+def markup_hidden(text: str, lo: int, hi: int) -> frozenset[int]:
+    """The positions in `text[lo:hi]` that markup keeps out of the view (each escape but its
+    first character, tags, comments, emphasis): what a count of view characters skips
+    (`orchestrator.streaming.detector_queue`'s seam windows), so `&#x00006a;` is one character
+    there as it is to the detectors. Linear in `hi - lo`."""
+    hidden: set[int] = set()
+    for m in MARKUP.finditer(text, lo, hi):
+        shown = _decoded(m)
+        if shown is not None:
+            hidden.update(range(m.start() + len(shown), m.end()))
+    return frozenset(hidden)
+
+
+# the longest markup match (a tag with its attributes, a comment); what `unfinished_markup` reads
+_MARKUP_MOST = 300
+
+
+@lru_cache(maxsize=1)
+def _partial_markup() -> Any:
+    import regex  # partial matching (the `re` module has none); nltk needs it too
+
+    return regex.compile(MARKUP.pattern)
+
+
+def unfinished_markup(text: str) -> int | None:
+    """Where an escape or tag begins that `text` ends inside of (`...co&#10`, `5<spa`): what a
+    stream cut there (a stop sequence, a token budget) would release raw, which could still
+    become any character; None when the text ends outside one. Reads the last _MARKUP_MOST
+    characters."""
+    rx = _partial_markup()
+    pos = max(0, len(text) - _MARKUP_MOST)
+    while pos < len(text):
+        m = rx.search(text, pos, partial=True)
+        if m is None or m.start() == len(text):  # (the end itself: nothing begun)
+            return None
+        if m.partial:
+            return m.start()
+        pos = max(m.end(), pos + 1)
+    return None
+
+
+class _Composed(View):
+    """Markup decoded (`outer`), then folded character by character (`inner`, on the outer
+    view's text): positions and spans map through both."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, outer: View, inner: View) -> None:
+        super().__init__(outer.original, inner.text)
+        self._outer, self._inner = outer, inner
+
+    @property
+    def identity(self) -> bool:
+        return False
+
+    def position(self, v: int) -> int:
+        return self._outer.position(self._inner.position(v))
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        return self._outer.span(*self._inner.span(start, end))
+
+
+def normalise(text: str) -> View:
+    """The view of `text` (DESIGN 4.6b): markup and escapes decoded (`MARKUP`), then each
+    character folded (`fold`). ASCII text without controls or markup is its own view (three C
+    scans)."""
+    if is_plain(text):
+        return View(text, text)
+    outer = _unmarked(text)
+    if outer is None:
+        return _folded(text)
+    inner = _folded(outer.text)
+    return outer if inner.identity and inner.text == outer.text else _Composed(outer, inner)
 
 
 # Bidi controls (UAX #9): what opens an embedding, an override or an isolate, and what closes
@@ -327,12 +569,16 @@ def display_order(text: str) -> tuple[str, list[int]] | None:
     return "".join(text[i] for i in order), order
 
 
-def view_text(text: str) -> str:
+def view_text(text: str, *, markup: bool = True) -> str:
     """Only the view's text (what a classifier judges: its detection is the whole content).
     Under a right-to-left override, the view in the order a reader sees follows it on a line
-    of its own: `\u202ekcuf` is judged as what it shows, and as what a program reads."""
-    if text.isascii():
-        return text
-    view = normalise(text).text
+    of its own: `\u202ekcuf` is judged as what it shows, and as what a program reads. With
+    `markup` False, markup and escapes are left as they are (what `decode` searches for
+    encoded payloads: Ascii85 and base85 are written with `&`, `%`, `*`, `<`, `\\`)."""
+    view_of = normalise if markup else _folded
+    if text.isascii() and ASCII_CHANGED.search(text) is None:
+        if not markup or MARKUP.search(text) is None:
+            return text
+    view = view_of(text).text
     shown = display_order(text)
-    return view if shown is None else f"{view}\n{normalise(shown[0]).text}"
+    return view if shown is None else f"{view}\n{view_of(shown[0]).text}"

@@ -262,7 +262,9 @@ class PromptInjectionDetector(ScoredTextDetector):
         a content scores the maximum: an instruction a model is told to decode is found. A
         content with more readable payloads than are judged scores 1.0 (fail closed: decoys
         ahead of an encoded instruction must not push it past the cap)."""
-        found = [payloads(view_text(item), item) for item in items]
+        # payloads are searched for before markup is decoded (an encoding's alphabet holds `&`,
+        # `%`, `*`, `\\`); the content itself is judged with it decoded (`%49gnore` reads Ignore)
+        found = [payloads(view_text(item, markup=False), item) for item in items]
         views = [[item, *decoded] for item, (decoded, _) in zip(items, found, strict=True)]
         scores = super()._judge([v for vs in views for v in vs])
         out, at = [], 0

@@ -57,7 +57,7 @@ from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
-from .normalise import display_order, normalise
+from .normalise import display_order, is_plain, normalise, unfinished_markup
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -612,7 +612,7 @@ def _scan(
     are judged, and a value seen in display order covers every character it was drawn from
     (and those between: an override is reversed in place, so a value inside it is a stretch of
     the text, and one that straddles its edge covers the text from the first to the last)."""
-    if text.isascii():
+    if is_plain(text):
         return _detections(text, _find(Utf8Text(text), kinds, patterns, cancelled))
     view = normalise(text)
     builtin, custom = _find(Utf8Text(view.text), kinds, patterns, cancelled)
@@ -997,7 +997,10 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
         and any(d.end == len(closed) for d in find_pii(closed, list(kinds), {}))
     ):
         return None
-    view = normalise(source)
+    # an escape the text ends inside of (`jo@example.co&#10`) could still become any character:
+    # the tail is judged without it (and the detection runs to the end, over it)
+    unfinished = unfinished_markup(source)
+    view = normalise(source if unfinished is None else source[:unfinished])
     v = view.text
     best: tuple[int, str] | None = None
     candidates = [k for k in KINDS if k in kinds and k != "ipv6"]

@@ -46,7 +46,7 @@ ENCODINGS = {
 
 
 def views(text: str) -> list[str]:
-    return decoded_views(view_text(text), text)
+    return decoded_views(view_text(text, markup=False), text)  # as prompt_injection does
 
 
 @pytest.mark.parametrize("encoding", sorted(ENCODINGS))
@@ -118,9 +118,9 @@ def test_past_the_cap_the_text_is_reported_overflowed() -> None:
         base64.b64encode(f"{BENIGN} number {i}".encode()).decode() for i in range(MAX_PAYLOADS)
     ]
     exactly = " ".join(decoys)
-    assert payloads(view_text(exactly), exactly) == (views(exactly), False)
+    assert payloads(view_text(exactly, markup=False), exactly) == (views(exactly), False)
     more = exactly + " " + ENCODINGS["base64"](ATTACK)  # scanned after the decoys
-    found, overflowed = payloads(view_text(more), more)
+    found, overflowed = payloads(view_text(more, markup=False), more)
     assert overflowed and len(found) == MAX_PAYLOADS and all(ATTACK not in v for v in found)
 
 

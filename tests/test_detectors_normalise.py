@@ -12,6 +12,8 @@ attack end to end: FMS input detection with a blocking `pii` refuses `jo\\u200b@
 from __future__ import annotations
 
 import asyncio
+import html.entities
+import string
 import unicodedata
 from typing import Any
 
@@ -21,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import detectors
-from detectors.normalise import CONFUSABLES, fold, normalise, view_text
+from detectors.normalise import CONFUSABLES, SYMBOLS, fold, normalise, view_text
 from detectors.regex_pii import find_pii
 from orchestrator.app import CONTENT_PATH
 from tests.fakes.engine import FakeEngine
@@ -142,10 +144,94 @@ def test_precomposed_accents_fold_in_place() -> None:
         ("\u00b7", "."),  # middle dot
         ("\u06d4", "."),  # Arabic full stop
         ("\u4f60", "\u4f60"),
+        # control, private-use and unassigned characters are drawn as nothing (issue: redtext)
+        ("\x00", ""),
+        ("\x07", ""),
+        ("\x1b", ""),
+        ("\x7f", ""),
+        ("\x9b", ""),  # C1 control sequence introducer
+        ("\ue000", ""),  # private use
+        ("\U000f0000", ""),  # supplementary private use
+        ("\U000e0080", ""),  # unassigned (in the tags block)
+        # whitespace controls are the whitespace they show as; a tab stays a tab (table cells)
+        ("\t", "\t"),
+        ("\n", "\n"),
+        ("\x0b", "\n"),
+        ("\x0c", "\n"),
+        ("\x85", "\n"),
+        ("\u2028", "\n"),
+        ("\u2029", "\n"),
+        ("\u2800", " "),  # Braille pattern blank
+        # dashes the confusables data leaves alone
+        ("\u2014", "-"),  # em dash
+        ("\u2015", "-"),  # horizontal bar
+        ("\u2e3a", "-"),  # two-em dash
+        ("\u301c", "-"),  # wave dash
+        ("\u058a", "-"),  # Armenian hyphen
+        ("\u1400", "="),  # Canadian syllabics hyphen: drawn as `=`, as UTS #39 says
+        # symbols drawn as Latin letters and digits
+        ("\U0001f175", "F"),  # negative squared latin capital letter f
+        ("\U0001f155", "F"),  # negative circled latin capital letter f
+        ("\U0001f1eb", "F"),  # regional indicator symbol letter f
+        ("\ua730", "f"),  # latin letter small capital f
+        ("\u1d1c", "u"),  # latin letter small capital u
+        ("\u0262", "g"),  # latin letter small capital g
+        ("\u278e", "5"),  # dingbat negative circled sans-serif digit five
+        ("\u2776", "1"),  # dingbat negative circled digit one
+        ("\u24f5", "1"),  # double circled digit one
+        # digits of scripts without positional numerals stay
+        ("\u136d", "\u136d"),  # Ethiopic digit five
+        ("\U00011056", "\U00011056"),  # Brahmi number five
     ],
 )
 def test_fold(char: str, folded: str) -> None:
     assert fold(char) == folded
+
+
+@pytest.mark.parametrize(
+    ("text", "view"),
+    [
+        ("jo&#64;example.com", "jo@example.com"),
+        ("jo&#x40;example.com", "jo@example.com"),
+        ("jo&#64example.com", "jo@example.com"),  # browsers decode it without its `;` too
+        ("jo&#8203;@example.com", "jo@example.com"),  # a reference to an invisible character
+        ("jo&commat;example&period;com", "jo@example.com"),
+        ("jo\\u0040example.com", "jo@example.com"),
+        ("jo\\x40example.com", "jo@example.com"),
+        ("jo%40example%2Ecom", "jo@example.com"),
+        ("jo\\@example\\.com", "jo@example.com"),  # Markdown escapes
+        ("5<b></b>55-<i>123</i>-4567", "555-123-4567"),
+        ('5<span class="x">55', "555"),
+        ("555<br>123<br/>4567", "555\n123\n4567"),  # a line break stays one
+        ("f<!-- -->uck", "fuck"),
+        ("jo@ex**am**ple.com", "jo@example.com"),  # emphasis inside a value
+        ("555-**123**-4567", "555-123-4567"),
+        ("jo@ex`am`ple.com", "jo@example.com"),
+        ("jo@[example](https://x.org/a_b).com", "jo@example.com"),  # a Markdown link
+        ("see [1] and [the docs](https://x.org)", "see [1] and the docs"),
+        ("&#65313;", "A"),  # decoded, then folded (a full-width A)
+        # decoded once, as a renderer does
+        ("&amp;#64;", "&#64;"),
+        # what stays: emphasis around words, between digits (a product) or in a masked value;
+        # unknown entities, out-of-range references, comparisons, a lone percent sign
+        ("**Title**: x", "**Title**: x"),
+        ("140*60*75 cm", "140*60*75 cm"),
+        ("980******@qq.com", "980******@qq.com"),
+        ("5 * 3 = 15", "5 * 3 = 15"),
+        ("&nope; &#99999999; &#xD800;", "&nope; &#99999999; &#xD800;"),
+        ("a < b and c > d", "a < b and c > d"),
+        ("50% off", "50% off"),
+    ],
+)
+def test_markup_and_escapes_show_what_they_stand_for(text: str, view: str) -> None:
+    assert normalise(text).text == view
+
+
+def test_a_value_ending_in_an_escape_covers_the_whole_escape() -> None:
+    """The escape is one view character from its first original one: a value that ends with
+    it covers it through its `;` (else `#109;` would be released beside the mask)."""
+    text = "Mail jo@example.co&#109; now"
+    assert pii(text) == [(5, 24, "email", "jo@example.co&#109;")]
 
 
 def test_removals_and_expansions_map_back_character_by_character() -> None:
@@ -219,9 +305,16 @@ IGNORABLES = [
     "\u034f",
     "\ufe0f",
     "\U000e0020",
+    "\x00",
+    "\x07",
+    "\x1b",
+    "\x7f",
+    "\x9b",
+    "\ue000",
+    "\U000f0000",
 ]
 # every non-ASCII form the view folds back to each ASCII character: full-width (NFKC), the
-# confusables data, other scripts' decimal digits
+# confusables data, other scripts' decimal digits, dashes, circled digits and small capitals
 LOOK_ALIKES: dict[str, list[str]] = {}
 for _source, _target in CONFUSABLES.items():
     if fold(_source) == _target:
@@ -232,6 +325,12 @@ for _cp in range(0x80, 0x10000):
     _digit = unicodedata.decimal(chr(_cp), None)
     if _digit is not None and fold(chr(_cp)) == str(_digit):
         LOOK_ALIKES.setdefault(str(_digit), []).append(chr(_cp))
+
+for _cp in range(0x80, 0x110000):  # dashes of every kind
+    if unicodedata.category(chr(_cp)) == "Pd" and fold(chr(_cp)) == "-":
+        LOOK_ALIKES["-"].append(chr(_cp))
+for _source, _target in SYMBOLS.items():  # circled digits, small capitals
+    LOOK_ALIKES.setdefault(_target, []).append(_source)
 
 VALUES = st.one_of(
     st.tuples(
@@ -263,6 +362,108 @@ def disguised(draw: Any) -> tuple[str, str, str]:
     for gap in sorted(gaps, reverse=True):
         chars.insert(gap, "".join(draw(st.lists(st.sampled_from(IGNORABLES), min_size=1))))
     return plain, "".join(chars), kind
+
+
+# markup a renderer or a program decodes (DESIGN 4.6b): each character written as an escape, and
+# markup that draws nothing between characters
+_ENTITIES: dict[str, list[str]] = {}
+for _name, _value in html.entities.html5.items():
+    if _name.endswith(";") and len(_value) == 1 and _value.isascii():
+        _ENTITIES.setdefault(_value, []).append(f"&{_name}")
+
+
+def escapes(ch: str) -> list[str]:
+    """Every escape the view decodes back to `ch`."""
+    cp = ord(ch)
+    out = [f"&#{cp};", f"&#x{cp:x};", f"&#X{cp:04X};", f"\\u{cp:04x}", f"\\x{cp:02x}"]
+    out += [f"%{cp:02X}", f"%{cp:02x}", *_ENTITIES.get(ch, [])]
+    if ch in string.punctuation:
+        out.append("\\" + ch)  # a Markdown escape
+    return out
+
+
+MARKUP_NOTHING = ["<b></b>", "</i>", '<span class="x">', "<!-- -->", "<!--x-->", "<wbr>", "[](x)"]
+
+
+@st.composite
+def marked_up(draw: Any) -> tuple[str, str, str]:
+    """(plain value, its disguise, kind): some characters escaped, and markup that draws
+    nothing inserted between characters."""
+    plain, kind = draw(VALUES)
+    chars = list(plain)
+    for i in draw(st.sets(st.integers(0, len(chars) - 1), max_size=len(chars))):
+        chars[i] = draw(st.sampled_from(escapes(chars[i])))
+    gaps = draw(st.lists(st.integers(1, len(chars) - 1), max_size=4))
+    for gap in sorted(gaps, reverse=True):
+        chars.insert(gap, draw(st.sampled_from(MARKUP_NOTHING)))
+    return plain, "".join(chars), kind
+
+
+@settings(max_examples=300, deadline=None)
+@given(marked_up(), st.sampled_from(["", "Contact: ", "\u00e9t\u00e9 <b>\u200b"]))
+def test_no_markup_hides_pii_and_the_span_is_exactly_the_value(
+    case: tuple[str, str, str], prefix: str
+) -> None:
+    plain, value, kind = case
+    text = f"{prefix}{value} thanks."
+    start = len(prefix)
+    want = (start, start + len(value), kind, value)
+    assert want in pii(text), (plain, value)
+    assert normalise(value).text == plain
+
+
+PIECES = [
+    "a",
+    "5",
+    "@",
+    ".",
+    " ",
+    "\n",
+    "\t",
+    "&#64;",
+    "&amp;",
+    "&nope;",
+    "&#99999999;",
+    "\\u0040",
+    "\\",
+    "%40",
+    "%",
+    "<b>",
+    "</b>",
+    "<br>",
+    "<",
+    ">",
+    "<!-- -->",
+    "**",
+    "*",
+    "~~",
+    "`",
+    "\u200b",
+    "\u0301",
+    "\u2122",
+    "\uff20",
+    "\x07",
+    "\u2014",
+    "\u278e",
+    "\U0001f1eb",
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=40))
+def test_every_view_span_maps_inside_the_text_in_order(pieces: list[str]) -> None:
+    """The map back stays exact whatever mix of markup, escapes and characters: every view
+    character comes from an original one, in order, and every span is inside the text."""
+    text = "".join(pieces)
+    view = normalise(text)
+    at = [view.position(v) for v in range(len(view.text))]
+    assert at == sorted(at) and all(0 <= a < len(text) for a in at)
+    for s in range(len(view.text) + 1):
+        for e in (s, min(len(view.text), s + 1), len(view.text)):
+            a, b = view.span(s, e)
+            assert 0 <= a <= b <= len(text), (text, s, e)
+            if e > s:
+                assert a == at[s] and b > at[e - 1]
 
 
 @settings(max_examples=300, deadline=None)

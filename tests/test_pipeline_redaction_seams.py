@@ -309,21 +309,31 @@ def test_redactor_merges_overlapping_spans_and_maps_indices() -> None:
 
 # -- issue 32 (a): no matchable entity leaves, whatever hides it or cuts it -------------------
 
-# invisible characters, and combining marks (the view drops them after NFKD: DESIGN 4.6b)
+# invisible characters, and combining marks (the view drops them after NFKD: DESIGN 4.6b);
+# control and private-use characters, which a renderer draws as nothing
 INVISIBLE = ["\u200b", "\u00ad", "\u2060", "\ufeff", "\u202e", "\u200d", "\u0301", "\u0332"]
+INVISIBLE += ["\x07", "\x00", "\x1b", "\x7f", "\ue000"]
+# markup a chat interface draws as nothing (DESIGN 4.6b)
+MARKUP = ["<b></b>", "<!-- -->", "<wbr>", '<span class="x">']
 
 
 @st.composite
 def hidden_entity(draw: st.DrawFn) -> str:
-    """An entity with invisible characters inside, or an e-mail longer than any max_chars."""
+    """An entity with invisible characters or markup inside and some of its characters
+    written as character references, or an e-mail longer than any max_chars."""
     if draw(st.booleans()):
         labels = draw(st.integers(20, 160))
         return "jo@" + "x1." * labels + "com"
     entity = draw(st.sampled_from(ENTITIES))
     chars = list(entity)
+    for at in draw(st.sets(st.integers(0, len(chars) - 1), max_size=3)):
+        chars[at] = f"&#{ord(chars[at])};"
     for _ in range(draw(st.integers(1, 3))):
         at = draw(st.integers(1, len(chars) - 1))
-        chars.insert(at, draw(st.sampled_from(INVISIBLE)) * draw(st.integers(1, 300)))
+        if draw(st.booleans()):
+            chars.insert(at, draw(st.sampled_from(INVISIBLE)) * draw(st.integers(1, 300)))
+        else:
+            chars.insert(at, draw(st.sampled_from(MARKUP)) * draw(st.integers(1, 40)))
     return "".join(chars)
 
 

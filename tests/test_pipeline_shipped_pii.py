@@ -158,3 +158,20 @@ async def test_the_shipped_pii_masks_a_street_address_as_one_span(surface: str) 
     `[address]`: no house number, ZIP code or postcode is left behind, whatever the tokens."""
     got = await shipped_answer(FakeEngine(script=ADDRESS_SCRIPT), surface)
     assert got == "Ship it to [address] or [address]."
+
+
+# the same answer plain and disguised (DESIGN 4.6b): a tag inside the name, em dashes as the
+# number's separators, a character reference for the `@`, a control character in the name
+DISGUISES = {
+    "plain": ["Call", " John", " Sm", "ith", " at", " 555-", "123-", "4567", " or", " jo@", "example.com", "."],
+    "disguised": ["Call", " J<b></b>o", "\x07hn", " Sm", "ith", " at", " 555\u2014", "123\u2014", "4567", " or", " jo&#64;", "example.com", "."],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("form", list(DISGUISES))
+@pytest.mark.parametrize("surface", ["fms", "chat-stream", "responses-stream"])
+async def test_the_shipped_pii_masks_disguised_values_like_plain_ones(
+    surface: str, form: str
+) -> None:
+    got = await shipped_answer(FakeEngine(script=DISGUISES[form]), surface)
+    assert got == "Call [person] at [phone] or [email]."

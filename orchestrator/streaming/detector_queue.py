@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkers import Span
-from detectors.normalise import fold
+from detectors.normalise import fold, is_plain, markup_hidden
 
 from ..clients.registry import RequestedDetector
 from ..judge_templates import JudgeContext
@@ -36,7 +36,8 @@ Result = DetectorResult[Finding]
 # such a chunk without waiting for the text after it.
 #
 # Both count characters of the detectors' normalised view (DESIGN 4.6b): invisible ones (zero-
-# width spaces, soft hyphens, bidi controls) do not count, so padding an e-mail with them does
+# width spaces, soft hyphens, bidi controls) and what markup keeps out of it (an escape is one
+# character, `&#x00006a;` a `j`; tags, comments) do not count, so padding an e-mail with them does
 # not push it past the window. SEAM_RUN_CHARS bounds what one entity may span: more than an
 # e-mail can (64 + 1 + 255) with room for the longer matches a pattern accepts (a 606-character
 # e-mail of many short labels). A walk steps over at most SEAM_RAW_CHARS original characters
@@ -49,8 +50,9 @@ SEAM_RAW_CHARS = 4096
 
 
 def _visible(ch: str) -> bool:
-    """The character is in the normalised view (ASCII always is)."""
-    return ch < "\x80" or fold(ch) != ""
+    """The character is in the normalised view (printable ASCII always is; ASCII controls
+    other than whitespace are not)."""
+    return " " <= ch < "\x7f" or fold(ch) != ""
 
 
 def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int, bool]:
@@ -60,16 +62,17 @@ def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int,
     floor). ASCII is walked with arithmetic where no whitespace matters."""
     if not run:
         j = max(floor, i - count)
-        if text[j:i].isascii():
+        if is_plain(text[j:i]):
             return j, i - count >= floor
     limit = max(floor, i - SEAM_RAW_CHARS)
+    hidden = markup_hidden(text, limit, i)
     j, seen = i, 0
     while j > limit and seen < count:
         ch = text[j - 1]
-        if run and ch.isspace():
+        if run and ch.isspace() and j - 1 not in hidden:
             return j, False
         j -= 1
-        if _visible(ch):
+        if _visible(ch) and j not in hidden:
             seen += 1
     return j, seen >= count or (j == limit and limit > floor)
 
@@ -78,17 +81,18 @@ def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple
     """`_back` walking forward from `i` (not past `ceiling`)."""
     if not run:
         j = min(ceiling, i + count)
-        if text[i:j].isascii():
+        if is_plain(text[i:j]):
             return j, i + count <= ceiling
     limit = min(ceiling, i + SEAM_RAW_CHARS)
+    hidden = markup_hidden(text, i, limit)
     j, seen = i, 0
     while j < limit and seen < count:
         ch = text[j]
-        if run and ch.isspace():
+        if run and ch.isspace() and j not in hidden:
             return j, False
-        j += 1
-        if _visible(ch):
+        if _visible(ch) and j not in hidden:
             seen += 1
+        j += 1
     return j, seen >= count or (j == limit and limit < ceiling)
 
 

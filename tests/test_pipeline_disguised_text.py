@@ -1,0 +1,338 @@
+"""Enforced guardrails see through text disguised by its characters (DESIGN 4.6b), in both
+directions, end to end: the real orchestrator on 127.0.0.1, a fake native engine that records
+the prompts it receives and answers each prompt with its own script, and the shipped built-ins
+in-process as the enforced guardrails (`pii`: regex, redact; `hap`: profanity, block).
+
+Each disguise is checked against its plain twin first (the same text without the trick is
+flagged by the same detector), so a failure is a bypass, not a detector's plain miss. Every
+string of every event the client gets is checked: no digit group of the phone number, no
+letter run of the word, in any field.
+
+On 321ae20 each of these got through: ASCII control characters and private-use characters
+inside a value (`5\\x0755-123-4567` released `5\\x07` beside the mask, `f\\x00uck` passed
+`hap`), em dashes and horizontal bars as a phone number's separators, Braille blanks between
+its groups, dingbat circled digits, regional-indicator and small-capital letters; and markup a
+chat interface renders or a program decodes: HTML tags and comments inside a value, character
+references (`&#64;`, `&commat;`), `\\u0040` and `%40` escapes, Markdown escapes, emphasis and
+links inside a value. Once markup was decoded (2bf42a8), an e-mail of escapes longer than a
+seam window's run, and a stream cut inside one of its escapes, still got through."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from orchestrator.app import STREAMING_PATH
+from orchestrator.streaming.detector_queue import seam_bounds
+from tests.fakes.engine import FakeEngine, prompt_text
+from tests.orchestrator_support import (
+    MODEL,
+    Orchestrator,
+    SseEvent,
+    frames,
+    native_config,
+    sse_events,
+    terminal,
+)
+
+
+def disguised_config(engine_url: str) -> dict[str, Any]:
+    """The shipped detectors' built-ins, enforced both ways: `pii` redacts, `hap` blocks."""
+    return native_config(
+        engine_url,
+        detectors={
+            "pii": {
+                "type": "text_contents",
+                "builtin": "regex",
+                "chunker_id": "sentence",
+                "on_detection": "redact",
+                "redact_with": "[{entity}]",
+            },
+            "hap": {
+                "type": "text_contents",
+                "builtin": "profanity",
+                "chunker_id": "sentence",
+                "on_detection": "block",
+            },
+        },
+        model={"guardrails": {"input": {"pii": {}, "hap": {}}, "output": {"pii": {}, "hap": {}}}},
+    )
+
+
+# (plain tokens, disguised tokens): the engine's answer to the prompt `name`, streamed token by
+# token so that the disguise straddles tokens as a model would write it
+PHONES: dict[str, tuple[list[str], list[str]]] = {
+    "bell-inside-digits": (
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " 5\x07", "55-", "123-", "4567", "."],
+    ),
+    "escape-and-delete": (
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " 55\x1b5", "-1\x7f23", "-4567", "."],
+    ),
+    "em-dashes": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u2014", "123\u2014", "4567", "."],
+    ),
+    "horizontal-bars": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u2015123\u20154567", "."],
+    ),
+    "dingbat-digits": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " \u278e\u278e\u278e-", "\u278a\u278b\u278c-", "\u278d\u278e\u278f\u2790", "."],
+    ),
+    "private-use-inside-digits": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 5\ue000", "55-123-4567", "."],
+    ),
+    "braille-blanks-between-groups": (
+        ["Call", " 555", " 123", " 4567", "."],
+        ["Call", " 555\u2800", "123\u2800", "4567", "."],
+    ),
+    "html-tags-inside-digits": (
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " 5<b>", "</b>55", "-<i>123</i>", "-4567", "."],
+    ),
+    "character-references": (
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " &#53;55", "-12&#x33;", "&hyphen;4567", "."],
+    ),
+    "emphasis-inside-the-number": (
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " 555-**", "123**", "-4567", "."],
+    ),
+}
+EMAILS: dict[str, tuple[list[str], list[str]]] = {
+    "named-entity": (["Mail", " jo@example.com", "."], ["Mail", " jo&commat;", "example.com", "."]),
+    "json-escape": (["Mail", " jo@example.com", "."], ["Mail", " jo\\u0040", "example.com", "."]),
+    "percent-escape": (["Mail", " jo@example.com", "."], ["Mail", " jo%40", "example%2Ecom", "."]),
+    "markdown-escape": (["Mail", " jo@example.com", "."], ["Mail", " jo\\@", "example.com", "."]),
+    "html-comment": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@exa<!-- -->", "mple.com", "."],
+    ),
+    "markdown-link": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@[exa", "mple](https://x.org)", ".com", "."],
+    ),
+    "last-character-escaped": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@example.co", "&#109;", "."],
+    ),
+}
+CURSES: dict[str, tuple[list[str], list[str]]] = {
+    "nul-inside-word": (
+        ["What", " the", " fuck", " is", " this", "."],
+        ["What", " the", " f\x00", "uck", " is", " this", "."],
+    ),
+    "regional-indicators": (
+        ["What", " the", " fuck", " is", " this", "."],
+        ["What", " the", " \U0001f1eb\U0001f1fa", "\U0001f1e8\U0001f1f0", " is", " this", "."],
+    ),
+    "small-capitals": (
+        ["What", " the", " fuck", " is", " this", "."],
+        ["What", " the", " \ua730\u1d1c", "\u1d04\u1d0b", " is", " this", "."],
+    ),
+    "html-tag-inside-word": (
+        ["What", " the", " fuck", " is", " this", "."],
+        ["What", " the", " f<b>", "</b>uck", " is", " this", "."],
+    ),
+}
+SCRIPTS = {
+    f"{name} {form}": tokens
+    for name, pair in (PHONES | EMAILS | CURSES).items()
+    for form, tokens in zip(("plain", "disguised"), pair, strict=True)
+}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[tuple[FakeEngine, Orchestrator]]:
+    engine = FakeEngine(script_for=lambda prompt: SCRIPTS.get(prompt, ["Fine", "."]))
+    await engine.start()
+    try:
+        async with Orchestrator(disguised_config(engine.url)) as orch:
+            yield engine, orch
+    finally:
+        await engine.close()
+
+
+async def raw_stream(orch: Orchestrator, inputs: str) -> tuple[str, list[SseEvent]]:
+    """The streaming endpoint's response body as it came off the socket, and its events."""
+    assert orch.session is not None
+    body = {"model_id": MODEL, "inputs": inputs}
+    async with orch.session.post(orch.url + STREAMING_PATH, json=body) as r:
+        raw = (await r.read()).decode()
+        assert r.status == 200, raw
+    return raw, sse_events(raw)
+
+
+def strings(value: Any) -> list[str]:
+    """Every string in a decoded JSON value, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (k, *strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in strings(v)]
+    return []
+
+
+def released(events: list[SseEvent]) -> str:
+    return "".join(f.get("generated_text") or "" for f in frames(events))
+
+
+@pytest.mark.parametrize("name", list(PHONES))
+async def test_a_disguised_phone_number_in_the_output_is_redacted_whole(
+    stack: tuple[FakeEngine, Orchestrator], name: str
+) -> None:
+    _, orch = stack
+    for form in ("plain", "disguised"):
+        raw, events = await raw_stream(orch, f"{name} {form}")
+        assert terminal(events).name == "completed", (form, raw)
+        assert released(events) == "Call [phone].", (form, raw)
+        sent = "".join(strings([e.data for e in events]))  # every field of every event
+        for digits in ("555", "123", "4567", "\u278e", "\u278a\u278b\u278c"):
+            assert digits not in sent, (form, digits, raw)
+
+
+@pytest.mark.parametrize("name", list(EMAILS))
+async def test_an_escaped_email_in_the_output_is_redacted_whole(
+    stack: tuple[FakeEngine, Orchestrator], name: str
+) -> None:
+    _, orch = stack
+    for form in ("plain", "disguised"):
+        raw, events = await raw_stream(orch, f"{name} {form}")
+        assert terminal(events).name == "completed", (form, raw)
+        assert released(events) == "Mail [email].", (form, raw)
+        sent = "".join(strings([e.data for e in events]))
+        for part in ("jo", "example", "com", "mple"):
+            assert part not in sent, (form, part, raw)
+
+
+@pytest.mark.parametrize("name", list(CURSES))
+async def test_a_disguised_curse_in_the_output_is_blocked(
+    stack: tuple[FakeEngine, Orchestrator], name: str
+) -> None:
+    _, orch = stack
+    for form, tokens in zip(("plain", "disguised"), CURSES[name], strict=True):
+        raw, events = await raw_stream(orch, f"{name} {form}")
+        end = terminal(events)
+        assert end.name == "incomplete", (form, raw)
+        assert end.data["incomplete_details"] == {"reason": "content_filter"}
+        assert [e.name for e in events if e.name.startswith("refusal")] == [
+            "refusal.delta",
+            "refusal.done",
+        ]
+        sent = "".join(strings([e.data for e in events]))
+        assert "uck" not in sent and tokens[3] not in sent, (form, raw)  # the word's tail token
+
+
+# (plain prompt, disguised prompt, what the engine must receive for both)
+PROMPTS = [
+    (
+        "Write to jo@example.com please.",
+        "Write to jo\x1b@example.com please.",
+        "Write to [email] please.",
+    ),
+    ("Call 555-123-4567 please.", "Call 555\u2014123\u20144567 please.", "Call [phone] please."),
+    ("SSN 123-45-6789 please.", "SSN 12\x003-45-6789 please.", "SSN [ssn] please."),
+    (
+        "Write to jo@example.com please.",
+        "Write to jo&#64;example.com please.",
+        "Write to [email] please.",
+    ),
+    ("Call 555-123-4567 please.", "Call 555-<b>123</b>-4567 please.", "Call [phone] please."),
+]
+
+
+@pytest.mark.parametrize(("plain", "disguised", "want"), PROMPTS)
+async def test_a_disguised_value_in_the_prompt_is_redacted_before_the_engine(
+    stack: tuple[FakeEngine, Orchestrator], plain: str, disguised: str, want: str
+) -> None:
+    engine, orch = stack
+    for prompt in (plain, disguised):
+        _, events = await raw_stream(orch, prompt)
+        assert terminal(events).name == "completed"
+        assert released(events) == "Fine."
+    assert [prompt_text(r.body) for r in engine.requests] == [want, want]
+
+
+async def test_a_disguised_curse_in_the_prompt_is_refused_before_the_engine(
+    stack: tuple[FakeEngine, Orchestrator],
+) -> None:
+    engine, orch = stack
+    for prompt in (
+        "What the fuck is this?",
+        "What the f\x00uck is this?",
+        "What the \ua730\u1d1c\u1d04\u1d0b is this?",
+    ):
+        _, events = await raw_stream(orch, prompt)
+        assert [
+            d["detector_id"] for d in frames(events)[0]["token_classification_results"]["input"]
+        ] == ["hap"], prompt
+        assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
+    assert engine.requests == []
+
+
+# -- seams: an escaped value is as long as it shows ------------------------------------------
+
+LONG_EMAIL = "jo@" + "x1." * 40 + "com"  # 123 characters
+ESCAPED_EMAIL = "".join(f"&#x{ord(c):06x};" for c in LONG_EMAIL)  # 1,230, shows as LONG_EMAIL
+
+
+def test_a_seam_window_counts_an_escape_as_the_one_character_it_shows() -> None:
+    """On 2bf42a8 each character of an escape counted, so the 1,230-character run of an
+    e-mail of 123 characters written as references was past SEAM_RUN_CHARS (1,024): a window
+    around a cut inside it held part of it, and what fell outside was released raw."""
+    text = f"Sure. Mail {ESCAPED_EMAIL} now." + " Bye now." * 20
+    at = text.index(ESCAPED_EMAIL)
+    for boundary in (at + 10, at + len(ESCAPED_EMAIL) // 2, at + len(ESCAPED_EMAIL) - 10):
+        start, end, complete = seam_bounds(text, 0, len(text), boundary)
+        assert start <= at and end >= at + len(ESCAPED_EMAIL) and complete, boundary
+
+
+async def stream_answer(answer: str, max_chars: int, max_new_tokens: int) -> list[SseEvent]:
+    """`answer` streamed one character per token, cut after `max_new_tokens`, through the
+    enforced guardrails with the sentence chunker's `max_chars` set."""
+    engine = FakeEngine(script=list(answer))
+    await engine.start()
+    config = disguised_config(engine.url)
+    config["chunkers"]["sentence"]["max_chars"] = max_chars
+    body = {
+        "model_id": MODEL,
+        "inputs": "anything",
+        "text_gen_parameters": {"max_new_tokens": max_new_tokens},
+    }
+    try:
+        async with Orchestrator(config) as orch:
+            return await orch.stream(body)
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("max_chars", [16, 500])
+async def test_an_escaped_email_longer_than_the_seam_run_is_redacted(max_chars: int) -> None:
+    answer = f"Sure. Mail {ESCAPED_EMAIL} now. Bye."
+    events = await stream_answer(answer, max_chars, len(answer))
+    assert released(events) == "Sure. Mail [email] now. Bye."
+    assert "&#x" not in "".join(strings([e.data for e in events]))
+
+
+@pytest.mark.parametrize("cut", [len(ESCAPED_EMAIL) // 2 + 3, len(ESCAPED_EMAIL) - 5])
+async def test_a_stream_cut_inside_an_escape_of_an_email_withholds_it(cut: int) -> None:
+    """DESIGN 4.6a: a tail that could still grow into a match is redacted. On 2bf42a8 a token
+    budget that ended inside an escape (`...x1.&#x00`) released the e-mail so far raw: its
+    view ended with `&#x00`, which is no part of an e-mail."""
+    answer = f"Sure. Mail {ESCAPED_EMAIL} now."
+    events = await stream_answer(answer, 500, len("Sure. Mail ") + cut)
+    assert cut % 10  # the cut is inside an escape (each is 10 characters)
+    assert released(events) == "Sure. Mail [email]"
+    assert "&#x" not in "".join(strings([e.data for e in events]))
