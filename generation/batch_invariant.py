@@ -279,6 +279,13 @@ def triton_attention(
     return invariant_kernels.attention(query, key, value, attention_mask, scaling), None
 
 
+# The kernel reads grouped keys as they lie (key head = query head // groups) and always applies
+# a causal limit that takes query row i for position Lk - Lq + i: judge_attention's regrouping
+# (each key head's query heads as one block of rows) would break that limit, so the judge and
+# prefill passes hand it the queries as they are (judge_attention.grouped_attention).
+triton_attention.takes_grouped_keys = True  # type: ignore[attr-defined]
+
+
 def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """A boolean 4D mask always (never the causal skip): `attention` reads padding from it."""
     from transformers.masking_utils import sdpa_mask

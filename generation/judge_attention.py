@@ -113,6 +113,10 @@ def grouped_attention(
     b, heads, t, dim = query.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
+    if getattr(base, "takes_grouped_keys", False):  # the Triton kernel: no regrouping (it
+        # limits each query row causally by its index), each query's mask row once
+        out, _ = base(module, query, keys, values, mask[:, :, :t], **kwargs)
+        return out  # type: ignore[no-any-return]
     if groups > 1:  # [b, heads, t, d] -> [b, kv_heads, groups * t, d]: no repeated keys
         module = _Ungrouped(module)  # type: ignore[assignment]
         query = query.reshape(b, kv_heads, groups * t, dim)

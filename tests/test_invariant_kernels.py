@@ -174,6 +174,38 @@ def test_attention_decode_equals_prefill_alone_and_batched(dtype: torch.dtype) -
                 assert torch.equal(out[i, 0], prefills[i][lengths[i] - 1]), (width, n, i)
 
 
+def test_a_static_pass_with_left_padded_grouped_queries_attends_as_the_prefill() -> None:
+    """The judge's and the static prefill's passes (judge_attention.grouped_attention) hand the
+    kernel left-padded queries (a row's real tokens last) and a mask from positions. The kernel
+    limits each query row causally by its index, so the queries go in as they are, never
+    regrouped per key head (on 4bc51b7 they were: every head of a group but the last lost keys
+    it must see): each real query equals the same query in its context's own prefill."""
+    from generation.batch_invariant import triton_attention
+    from generation.judge_attention import grouped_attention
+
+    real, width = 5, 16  # 5 real tokens at positions 0..4, left-padded to 16 queries
+    scale = HEAD_DIM**-0.5
+    q = _random(1, HEADS, real, HEAD_DIM, dtype=torch.float32, seed=31)
+    k = _random(1, KV_HEADS, real, HEAD_DIM, dtype=torch.float32, seed=32)
+    v = _random(1, KV_HEADS, real, HEAD_DIM, dtype=torch.float32, seed=33)
+    alone = kernels.attention(q, k, v, None, scale)[0]  # [real, H, d]
+    padded_q = torch.zeros(1, HEADS, width, HEAD_DIM, device=TORCH_DEVICE)
+    padded_q[:, :, width - real :] = q
+    keys = torch.zeros(1, KV_HEADS, width, HEAD_DIM, device=TORCH_DEVICE)
+    values = torch.zeros(1, KV_HEADS, width, HEAD_DIM, device=TORCH_DEVICE)
+    keys[:, :, :real], values[:, :, :real] = k, v
+    # query j sits at position max(0, j - (width - real)) (padding at the first real one's)
+    positions = (torch.arange(width, device=TORCH_DEVICE) - (width - real)).clamp(min=0)
+    visible = torch.arange(width, device=TORCH_DEVICE)[None, :] <= positions[:, None]
+    groups = HEADS // KV_HEADS
+    mask = visible.repeat(groups, 1)[None, None]  # [1, 1, groups * width, width]
+    module = torch.nn.Module()
+    module.num_key_value_groups = groups  # type: ignore[assignment]
+    out = grouped_attention(triton_attention, module, padded_q, keys, values, mask, scaling=scale)
+    assert out.shape == (1, width, HEADS, HEAD_DIM)
+    torch.testing.assert_close(out[0, width - real :], alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim", [16, 24])
 def test_attention_of_a_misaligned_view_is_that_of_its_copy(head_dim: int) -> None:
     """A view whose address is not 16-byte aligned, and a head size that is not a multiple of
