@@ -286,7 +286,8 @@ fi
 # one tiny-model engine; in no lane before the CPU rehearsal found it), so lane1 still sets the
 # lanes' time. Lane 2 ends with the judge sessions' file (the static judge pass: its graphs
 # captured and replayed against the eager pass, exactness over both passes; ~20 s on 2 CPU
-# cores, not measured on CUDA).
+# cores, not measured on CUDA); lane 3 with the static prefill's (its graphs replayed against
+# the eager static pass, and the static pass against eager prefill; not measured on CUDA).
 if wants tests; then
 export GUARDSTREAM_TEST_DEVICE=cuda
 lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
@@ -301,7 +302,8 @@ lane2=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
   tests/test_judge_sessions.py:90)
 lane3=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:90
   tests/test_migration_batch_invariant.py:90 tests/test_migration.py:90
-  tests/test_engine_judge.py:90 tests/test_engine_tool_calls.py:60 tests/test_engine_ipc.py:60)
+  tests/test_engine_judge.py:90 tests/test_engine_tool_calls.py:60 tests/test_engine_ipc.py:60
+  tests/test_engine_static_prefill.py:90)
 if [ -n "${CHECK_TESTS:-}" ]; then  # CHECK_TESTS="file:limit ...", dealt round-robin to the lanes
   lane1=() lane2=() lane3=()
   i=0
