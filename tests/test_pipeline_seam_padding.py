@@ -1,0 +1,163 @@
+"""A value padded past the seam walk's raw bound is never released raw (DESIGN 4.6a, 4.6b).
+
+A redacting span detector's windows carry the unreleased tail of a whitespace-free run forward,
+counting characters of the normalised view, but a walk steps over at most SEAM_RAW_CHARS
+original characters (each call judges the carry again: an unbounded one is quadratic). On
+4bc51b7 a value padded with more than about 8,192 characters of markup or invisible ones
+between its visible parts (`jo` + `<b></b>` x 1300 + `@example.com`, the output of a model told
+to write it so) had its head released before its tail arrived, and both went out raw: the
+client's renderer showed `jo@example.com`. A cut inside such a run (mostly hidden characters,
+no whitespace) now redacts the run (`obfuscated`) instead of releasing it as judged.
+
+End to end: the real orchestrator on 127.0.0.1, a fake native engine answering each prompt
+with its own script token by token, the shipped `regex` built-in as the enforced redacting
+`pii` guardrail; every string of every event the client gets is checked, on the FMS streaming
+endpoint and on Chat Completions. The property test drives the pipeline's own machinery
+(`run_stream`: chunker, DetectorQueue, aggregator, redactor) over padding kinds, amounts and
+token sizes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from detectors.normalise import view_text
+from orchestrator.streaming.detector_queue import SEAM_RAW_CHARS
+from tests.fakes.engine import FakeEngine
+from tests.openai_support import raw_chunks
+from tests.orchestrator_support import MODEL, Orchestrator, frames, terminal
+from tests.test_pipeline_disguised_text import disguised_config, strings
+from tests.test_pipeline_redaction_seams import pii, registry, run_stream
+
+# what hides between a value's visible characters: each shows nothing (DESIGN 4.6b)
+PADS = {"tags": "<b></b>", "zero-width": "\u200b", "soft-hyphen": "\u00ad", "comment": "<!---->"}
+RAW_PADDING = 2 * SEAM_RAW_CHARS + 1000  # past both walks' raw bounds (the head is released)
+
+# (head, tail, what the client may see in their place, text no event may hold)
+VALUES = {
+    "email": ("Mail jo", "@example.com now.", "email", ("jo", "example", "com")),
+    "phone": ("Call 555", "-123-4567 now.", "phone", ("555", "123", "4567")),
+}
+
+
+def padded(value: str, pad: str, raw: int = RAW_PADDING) -> str:
+    head, tail, _, _ = VALUES[value]
+    return head + pad * (raw // len(pad)) + tail
+
+
+def tokens(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+SCRIPTS = {
+    f"{value} {pad} {size}": tokens(padded(value, PADS[pad]), size)
+    for value in VALUES
+    for pad in PADS
+    for size in (1, 4, 7)
+}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def orch() -> AsyncIterator[Orchestrator]:
+    engine = FakeEngine(script_for=lambda prompt: SCRIPTS[prompt])
+    await engine.start()
+    config = disguised_config(engine.url)
+    config["models"][MODEL]["limits"] = {"max_new_tokens": 16_384}  # 1 character per token
+    try:
+        async with Orchestrator(config) as orch:
+            yield orch
+    finally:
+        await engine.close()
+
+
+def check_hidden(value: str, released: str, sent: str) -> None:
+    """The run is redacted as obfuscated, or the value as itself (a window that held all of
+    it), and no visible part of the value is in any field."""
+    head, tail, entity, parts = VALUES[value]
+    word = head.split()[0]
+    assert released in (f"{word} [obfuscated] now.", f"{word} [{entity}] now."), released[:200]
+    for part in parts:
+        assert part not in sent, (part, sent[:300])
+
+
+@pytest.mark.parametrize("size", [1, 4, 7])
+@pytest.mark.parametrize("pad", list(PADS))
+@pytest.mark.parametrize("value", list(VALUES))
+async def test_a_value_padded_past_the_raw_bound_is_not_released_raw(
+    orch: Orchestrator, value: str, pad: str, size: int
+) -> None:
+    prompt = f"{value} {pad} {size}"
+    budget = len(SCRIPTS[prompt])
+    events = await orch.stream(
+        {"model_id": MODEL, "inputs": prompt, "text_gen_parameters": {"max_new_tokens": budget}}
+    )
+    assert terminal(events).name == "completed"
+    released = "".join(f.get("generated_text") or "" for f in frames(events))
+    check_hidden(value, released, "".join(strings([e.data for e in events])))
+    found = [d for f in frames(events) for d in f["token_classification_results"].get("output", [])]
+    assert found and all(d["redacted"] and d["detector_id"] == "pii" for d in found)
+
+    chunks = await raw_chunks(
+        orch,
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": budget,
+            "stream": True,
+        },
+        path="/v1/chat/completions",
+    )
+    assert chunks[-1] == "[DONE]"
+    content = "".join(
+        c["choices"][0]["delta"].get("content") or ""
+        for c in chunks[:-1]
+        if isinstance(c, dict) and c.get("choices")
+    )
+    check_hidden(value, content, "".join(strings(chunks[:-1])))
+
+
+# -- the property, on the pipeline's own machinery ---------------------------------------------
+
+
+@st.composite
+def padded_stream(draw: st.DrawFn) -> tuple[str, str, list[str]]:
+    """A value with padding of any kind and amount (up to three times the raw bound) between
+    its visible characters, in a sentence, split into tokens of one size."""
+    value = draw(st.sampled_from(["jo@example.com", "555-123-4567"]))
+    pad = draw(st.sampled_from([*PADS.values(), "\u2060", '<span class="x">']))
+    chars = list(value)
+    for _ in range(draw(st.integers(1, 2))):
+        at = draw(st.integers(1, len(chars) - 1))
+        chars.insert(at, pad * (draw(st.integers(1, 3 * SEAM_RAW_CHARS)) // len(pad)))
+    text = "Say " + "".join(chars) + draw(st.sampled_from([" now.", ".", ""]))
+    size = draw(st.integers(1, 9))
+    return value, text, tokens(text, size)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(("jo@example.com", padded("email", "<b></b>")[5:], tokens(padded("email", "<b></b>")[5:], 4)))
+@given(case=padded_stream(), max_chars=st.sampled_from([16, 500]))
+def test_a_padded_value_is_redacted_or_its_run_is(
+    case: tuple[str, str, list[str]], max_chars: int
+) -> None:
+    """For any padding, amount and token size: what the client's renderer shows of the released
+    text never holds the value (the value is redacted, or the run it is in is)."""
+    value, text, deltas = case
+
+    async def one() -> None:
+        released = "".join(f.text for f in await run_stream(deltas, [pii()], registry(max_chars)))
+        shown = view_text(released)
+        assert value not in shown, shown[:200]
+        assert value.replace("-", "") not in shown.replace("-", "")
+
+    asyncio.run(one())
