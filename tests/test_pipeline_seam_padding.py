@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -40,7 +39,7 @@ RAW_PADDING = 2 * SEAM_RAW_CHARS + 1000  # past both walks' raw bounds (the head
 
 # (head, tail, what the client may see in their place, text no event may hold)
 VALUES = {
-    "email": ("Mail jo", "@example.com now.", "email", ("jo", "example", "com")),
+    "email": ("Mail jo", "@example.com now.", "email", ("jo", "example", "@")),
     "phone": ("Call 555", "-123-4567 now.", "phone", ("555", "123", "4567")),
 }
 
@@ -83,11 +82,12 @@ async def orch() -> AsyncIterator[Orchestrator]:
 def check_hidden(value: str, released: str, sent: str) -> None:
     """The run is redacted as obfuscated, or the value as itself (a window that held all of
     it), and no visible part of the value is in any field."""
-    head, tail, entity, parts = VALUES[value]
+    head, _, entity, parts = VALUES[value]
     word = head.split()[0]
     assert released in (f"{word} [obfuscated] now.", f"{word} [{entity}] now."), released[:200]
     for part in parts:
-        assert part not in sent, (part, sent[:300])
+        i = sent.find(part)
+        assert i < 0, (part, sent[max(0, i - 200) : i + 100])
 
 
 @pytest.mark.parametrize("size", [1, 4, 7])
@@ -123,10 +123,15 @@ async def test_a_value_padded_past_the_raw_bound_is_not_released_raw(
         for c in chunks[:-1]
         if isinstance(c, dict) and c.get("choices")
     )
-    check_hidden(value, content, "".join(strings(chunks[:-1])))
+    # (a chunk's random id and its timestamp may hold any digits)
+    fields = [{k: v for k, v in c.items() if k not in ("id", "created")} for c in chunks[:-1]]
+    check_hidden(value, content, "".join(strings(fields)))
 
 
 # -- the property, on the pipeline's own machinery ---------------------------------------------
+
+
+ATTACK = padded("email", "<b></b>")[5:]  # jo<b></b>...@example.com now.
 
 
 @st.composite
@@ -145,14 +150,14 @@ def padded_stream(draw: st.DrawFn) -> tuple[str, str, list[str]]:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(("jo@example.com", padded("email", "<b></b>")[5:], tokens(padded("email", "<b></b>")[5:], 4)))
+@example(case=("jo@example.com", ATTACK, tokens(ATTACK, 4)), max_chars=500)
 @given(case=padded_stream(), max_chars=st.sampled_from([16, 500]))
 def test_a_padded_value_is_redacted_or_its_run_is(
     case: tuple[str, str, list[str]], max_chars: int
 ) -> None:
     """For any padding, amount and token size: what the client's renderer shows of the released
     text never holds the value (the value is redacted, or the run it is in is)."""
-    value, text, deltas = case
+    value, _, deltas = case
 
     async def one() -> None:
         released = "".join(f.text for f in await run_stream(deltas, [pii()], registry(max_chars)))

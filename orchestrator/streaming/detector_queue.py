@@ -8,6 +8,7 @@ are posted to the pipeline's inbox: the queue never calls back into the pipeline
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,10 +44,20 @@ Result = DetectorResult[Finding]
 # e-mail of many short labels). A walk steps over at most SEAM_RAW_CHARS original characters
 # (invisible ones included), so the carried text stays bounded however it is padded (each call
 # judges it again: an unbounded carry would make a long run cost quadratic time); a run past
-# either bound is cut there and judged as it is.
+# either bound is cut there. Past SEAM_RUN_CHARS visible characters it is judged as it is: no
+# entity a detector matches is that long. Past SEAM_RAW_CHARS with fewer visible characters
+# than that (a whitespace-free run of mostly hidden ones: `jo` + `<b></b>` x 1300 +
+# `@example.com`, which shows `jo@example.com`; no e-mail, phone number or URL written plainly
+# is one, nor base64 or a URL of percent escapes) the cut would release a value's head before
+# its tail was seen: the run is redacted instead (`obfuscated`, DESIGN 4.6a), from its start,
+# and so is the rest of it in the windows that follow, up to the whitespace that ends it. This
+# fails closed at no extra cost: the work per character stays bounded (a run's start and end
+# are found once per window that cuts it, in linear time).
 SEAM_CHARS = 64
 SEAM_RUN_CHARS = 1024
 SEAM_RAW_CHARS = 4096
+# the detection (and `{entity}` of `redact_with`) of a run redacted at a raw bound
+OBFUSCATED = "obfuscated"
 
 
 def _visible(ch: str) -> bool:
@@ -55,26 +66,29 @@ def _visible(ch: str) -> bool:
     return " " <= ch < "\x7f" or fold(ch) != ""
 
 
-def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int, bool]:
+def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int, bool, bool]:
     """Walking back from `i` (not below `floor`): the position after `count` visible
     characters, or with `run`, also stopping after whitespace (the start of the whitespace-free
-    run); and whether a bound stopped it (the count or SEAM_RAW_CHARS, not whitespace or the
-    floor). ASCII is walked with arithmetic where no whitespace matters."""
+    run); whether a bound stopped it (the count or SEAM_RAW_CHARS, not whitespace or the
+    floor); and whether it was SEAM_RAW_CHARS with fewer than `count` visible characters in
+    them (a run of mostly hidden ones: see SEAM_RAW_CHARS). ASCII is walked with arithmetic
+    where no whitespace matters."""
     if not run:
         j = max(floor, i - count)
         if is_plain(text[j:i]):
-            return j, i - count >= floor
+            return j, i - count >= floor, False
     limit = max(floor, i - SEAM_RAW_CHARS)
     hidden = markup_hidden(text, limit, i)
     j, seen = i, 0
     while j > limit and seen < count:
         ch = text[j - 1]
         if run and ch.isspace() and j - 1 not in hidden:
-            return j, False
+            return j, False, False
         j -= 1
         if _visible(ch) and j not in hidden:
             seen += 1
-    return j, seen >= count or (j == limit and limit > floor)
+    raw = seen < count and j == limit and limit > floor
+    return j, seen >= count or raw, raw
 
 
 def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple[int, bool]:
@@ -101,8 +115,8 @@ def seam_bounds(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, b
     each side, widened to the ends of the whitespace-free runs there (at most SEAM_RUN_CHARS
     visible characters more); and whether the text after the boundary was long enough for all
     of it (more text could not change the window): a bound or whitespace, not `hi`, ended it."""
-    start, _ = _back(text, boundary, SEAM_CHARS, lo, run=False)
-    start, _ = _back(text, start, SEAM_RUN_CHARS, lo, run=True)
+    start, _, _ = _back(text, boundary, SEAM_CHARS, lo, run=False)
+    start, _, _ = _back(text, start, SEAM_RUN_CHARS, lo, run=True)
     end, complete = _seam_end(text, boundary, hi)
     return start, end, complete
 
@@ -188,6 +202,8 @@ class DetectorQueue:
         )
         self._carry = ""  # windowed: text from `_carry_start` to the next chunk, not reported
         self._carry_start = 0
+        # windowed: the carry starts inside a run of mostly hidden characters being redacted
+        self._in_hidden_run = False
 
     def put(self, span: Span) -> None:
         self._pending.append(span)
@@ -265,12 +281,31 @@ class DetectorQueue:
             # a window that ends at a chunk end that is no seam (`seam_ends`) carries nothing:
             # no entity of this detector goes on across it
             no_seam = bool(batch) and not self._seam_after(batch[-1])  # type: ignore[misc]
-            safe = end if final or no_seam else safe_end(text, start, found)
+            safe, hidden_from = (end, None) if final or no_seam else safe_end(text, start, found)
             self._carry = text[safe - start :]
             self._carry_start = safe
             reported = tuple(f for f in found if f.end <= safe)
+            reported += self._obscured(text, start, safe, hidden_from)
             self._inbox.put(DetectorResult(detector.detector_id, start, safe, reported))
         self._inbox.put(DetectorFinished(detector.detector_id))
+
+    def _obscured(
+        self, text: str, start: int, safe: int, hidden_from: int | None
+    ) -> tuple[Finding, ...]:
+        """The redaction of a run of mostly hidden characters that this window reports part of
+        (see SEAM_RAW_CHARS): from where the run starts (`hidden_from`, or the window's start
+        while the carry is inside one) to where it ends, as far as the window holds it. It may
+        reach past `safe`: the next window's part of the run overlaps it, and the redactor
+        merges the two into one replacement."""
+        lo = start if self._in_hidden_run else hidden_from
+        if lo is None or lo >= safe:
+            return ()  # nothing of the run is reported yet: the next window looks again
+        run_end = _run_end(text, lo - start)
+        stop = start + len(text) if run_end is None else start + run_end
+        self._in_hidden_run = stop > safe
+        if stop <= lo:
+            return ()
+        return (obscured_finding(self.detector, lo, stop),)
 
     async def _run_seamed(self) -> None:
         """A blocking span detector judges each chunk alone (as any detector does) and also the
@@ -416,12 +451,16 @@ def number_run_start(text: str, i: int) -> int:
     return i
 
 
-def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
-    """How far a window `[start, start + len(text))` may be reported (see SEAM_CHARS)."""
-    p, counted = _back(text, len(text), SEAM_CHARS, 0, run=False)
+def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> tuple[int, int | None]:
+    """How far a window `[start, start + len(text))` may be reported (see SEAM_CHARS); and
+    where the whitespace-free run that end falls in starts (a stream index before it) when the
+    walk back over that run stopped at SEAM_RAW_CHARS with few visible characters (see
+    SEAM_RAW_CHARS: the run is redacted, not released as judged), else None."""
+    p, counted, _ = _back(text, len(text), SEAM_CHARS, 0, run=False)
     if not counted or p <= 0:
-        return start
-    q, bounded = _back(text, p, SEAM_RUN_CHARS, 0, run=True)
+        return start, None
+    q, bounded, raw = _back(text, p, SEAM_RUN_CHARS, 0, run=True)
+    hidden_from = _run_start(text, q) + start if raw else None
     if bounded:
         q = p  # a whitespace-free run longer than the bounds: cut it where the count is
     q += start
@@ -432,7 +471,31 @@ def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
             if f.start < q < f.end:
                 q = f.start
                 moved = True
-    return max(q, start)
+    q = max(q, start)
+    return q, hidden_from if hidden_from is not None and hidden_from < q else None
+
+
+_SPACE = re.compile(r"\s")
+
+
+def _run_start(text: str, i: int) -> int:
+    """Where the whitespace-free run that `text[:i]` ends in starts (whitespace that markup
+    hides, inside a tag, is part of it). Linear in `i`; only for a run found hidden."""
+    hidden = markup_hidden(text, 0, i)
+    ends = [m.end() for m in _SPACE.finditer(text, 0, i) if m.start() not in hidden]
+    return ends[-1] if ends else 0
+
+
+def _run_end(text: str, i: int) -> int | None:
+    """Where the whitespace-free run that `text[i]` is in ends (None: not in `text`)."""
+    hidden = markup_hidden(text, 0, len(text))
+    return next((m.start() for m in _SPACE.finditer(text, i) if m.start() not in hidden), None)
+
+
+def obscured_finding(detector: RequestedDetector, start: int, end: int) -> Finding:
+    """A run of mostly hidden characters that a window had to cut (see SEAM_RAW_CHARS): redacted
+    by `detector` as `obfuscated`, since no call of it saw what the run shows whole."""
+    return Finding(start, end, "", OBFUSCATED, OBFUSCATED, detector.detector_id, 1.0)
 
 
 def open_tail(
