@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkers import Span
-from detectors.normalise import fold, is_plain, markup_hidden
+from detectors.normalise import MARKUP_MOST, fold, is_plain, markup_hidden
 
 from ..clients.registry import RequestedDetector
 from ..judge_templates import JudgeContext
@@ -204,6 +204,7 @@ class DetectorQueue:
         self._carry_start = 0
         # windowed: the carry starts inside a run of mostly hidden characters being redacted
         self._in_hidden_run = False
+        self._before = ""  # windowed: the text just before the carry (see `_obscured`)
 
     def put(self, span: Span) -> None:
         self._pending.append(span)
@@ -297,11 +298,15 @@ class DetectorQueue:
         while the carry is inside one) to where it ends, as far as the window holds it. It may
         reach past `safe`: the next window's part of the run overlaps it, and the redactor
         merges the two into one replacement."""
+        before = self._before
+        # (the text before the carry, up to the longest markup: a tag the carry starts in
+        # hides the spaces between its attributes, which are no end of the run)
+        self._before = (before + text[: safe - start])[-MARKUP_MOST:]
         lo = start if self._in_hidden_run else hidden_from
         if lo is None or lo >= safe:
             return ()  # nothing of the run is reported yet: the next window looks again
-        run_end = _run_end(text, lo - start)
-        stop = start + len(text) if run_end is None else start + run_end
+        run_end = _run_end(before + text, len(before) + lo - start)
+        stop = start + len(text) if run_end is None else start + run_end - len(before)
         self._in_hidden_run = stop > safe
         if stop <= lo:
             return ()
