@@ -22,6 +22,7 @@ import base64
 import json
 import random
 
+from detectors.normalise import MARKUP_MOST
 from orchestrator.streaming.detector_queue import _run_end, safe_end
 
 
@@ -34,7 +35,8 @@ def redacted_chars(text: str, token: int) -> int:
     until = -1  # the end of the run being redacted
     for end in range(token, len(text) + token, token):
         end = min(end, len(text))
-        safe, hidden_from = safe_end(text[start:end], start, ())
+        before = text[max(0, start - MARKUP_MOST) : start]
+        safe, hidden_from = safe_end(text[start:end], start, (), before)
         if hidden_from is not None and hidden_from >= until:
             stop = _run_end(text, safe)
             until = len(text) if stop is None else stop
