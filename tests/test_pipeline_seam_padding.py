@@ -19,7 +19,10 @@ token sizes."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import random
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -173,3 +176,37 @@ def test_a_padded_value_is_redacted_or_its_run_is(
         assert value.replace("-", "") not in shown.replace("-", "")
 
     asyncio.run(one())
+
+
+# -- what must not trip it: runs that show what they hold --------------------------------------
+
+_RNG = random.Random(7)
+PLAIN_RUNS = {
+    "base64": base64.b64encode(_RNG.randbytes(9_000)).decode(),
+    "percent-escaped URL": "https://example.com/q?" + "%41%2C%5A%7E" * 900,
+    "UTF-8 percent-escaped URL": "https://example.com/wiki/" + "caf%C3%A9_%E2%80%93_" * 500,
+    "emoji ZWJ sequences": "\U0001f468\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466" * 1500,
+    "CJK prose": "".join(chr(_RNG.randint(0x4E00, 0x9FFF)) for _ in range(5_000)),
+    # markup alone shows nothing, so hides no value's head
+    "minified SVG": '<svg viewBox="0 0 24 24">'
+    + "".join(f'<path d="M{i} {i}L{i + 3} {i + 5}z" fill="#{i:06x}"/>' for i in range(400)),
+    "minified HTML with words": "".join(
+        f'<div class="card"><h2>Item {i}</h2><p class="d">A nice thing.</p></div>'
+        for i in range(300)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAIN_RUNS))
+def test_a_long_run_that_shows_what_it_holds_is_released_as_it_is(name: str) -> None:
+    """base64, URLs of escapes, emoji, CJK prose, markup alone: a whitespace-free run past the
+    raw bound whose visible characters are not few, or which shows nothing, is no obfuscated
+    value; streamed 16 characters a token, it goes out unredacted."""
+    text = f"Here: {PLAIN_RUNS[name]} done."
+
+    async def one() -> list[Any]:
+        return await run_stream(tokens(text, 16), [pii()], registry(500), paced=True)
+
+    released = asyncio.run(one())
+    assert "".join(f.text for f in released) == text
+    assert not [d for f in released for d in f.detections]
