@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from detectors.normalise import view_text
-from orchestrator.streaming.detector_queue import SEAM_RAW_CHARS
+from orchestrator.streaming.detector_queue import OBFUSCATED, SEAM_RAW_CHARS
 from tests.fakes.engine import FakeEngine
 from tests.openai_support import raw_chunks
 from tests.orchestrator_support import MODEL, Orchestrator, frames, terminal
@@ -76,17 +76,31 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-async def orch() -> AsyncIterator[Orchestrator]:
+async def serve(on_detection: str) -> AsyncIterator[Orchestrator]:
     engine = FakeEngine(script_for=lambda prompt: SCRIPTS[prompt])
     await engine.start()
     config = disguised_config(engine.url)
+    config["detectors"]["pii"]["on_detection"] = on_detection
+    # `pii` alone on the output: a blocking `hap` would block the padded run as well
+    config["models"][MODEL]["guardrails"]["output"] = {"pii": {}}
     config["models"][MODEL]["limits"] = {"max_new_tokens": 16_384}  # 1 character per token
     try:
         async with Orchestrator(config) as orch:
             yield orch
     finally:
         await engine.close()
+
+
+@pytest.fixture
+async def orch() -> AsyncIterator[Orchestrator]:
+    async for orch in serve("redact"):
+        yield orch
+
+
+@pytest.fixture
+async def blocking() -> AsyncIterator[Orchestrator]:
+    async for orch in serve("block"):
+        yield orch
 
 
 def check_hidden(value: str, released: str, sent: str) -> None:
@@ -136,6 +150,31 @@ async def test_a_value_padded_past_the_raw_bound_is_not_released_raw(
     # (a chunk's random id and its timestamp may hold any digits)
     fields = [{k: v for k, v in c.items() if k not in ("id", "created")} for c in chunks[:-1]]
     check_hidden(value, content, "".join(strings(fields)))
+
+
+@pytest.mark.parametrize("size", [1, 7])
+@pytest.mark.parametrize("pad", ["tags", "zero-width", "attributes"])
+@pytest.mark.parametrize("value", list(VALUES))
+async def test_a_blocking_guardrail_blocks_a_value_padded_past_the_raw_bound(
+    blocking: Orchestrator, value: str, pad: str, size: int
+) -> None:
+    """A blocking detector posts a clean chunk once the text after it filled the boundary's
+    window; on 4bc51b7 the raw bound filled it inside the padding, and the value's head went
+    out before its tail was judged. A cut there now blocks (`obfuscated`)."""
+    prompt = f"{value} {pad} {size}"
+    budget = len(SCRIPTS[prompt])
+    events = await blocking.stream(
+        {"model_id": MODEL, "inputs": prompt, "text_gen_parameters": {"max_new_tokens": budget}}
+    )
+    end = terminal(events)
+    assert end.name == "incomplete" and end.data["incomplete_details"] == {
+        "reason": "content_filter"
+    }
+    sent = "".join(strings([e.data for e in events]))
+    for part in VALUES[value][3]:
+        assert part not in sent, part
+    [done] = [e.data for e in events if e.name == "refusal.done"]
+    assert OBFUSCATED in sent and done, done
 
 
 # -- the property, on the pipeline's own machinery ---------------------------------------------

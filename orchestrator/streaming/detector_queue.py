@@ -94,23 +94,24 @@ def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int,
     return j, seen >= count or raw, raw
 
 
-def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple[int, bool]:
+def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple[int, bool, bool]:
     """`_back` walking forward from `i` (not past `ceiling`)."""
     if not run:
         j = min(ceiling, i + count)
         if is_plain(text[i:j]):
-            return j, i + count <= ceiling
+            return j, i + count <= ceiling, False
     limit = min(ceiling, i + SEAM_RAW_CHARS)
     hidden = markup_hidden(text, i, limit)
     j, seen = i, 0
     while j < limit and seen < count:
         ch = text[j]
         if run and ch.isspace() and j not in hidden:
-            return j, False
+            return j, False, False
         if _visible(ch) and j not in hidden:
             seen += 1
         j += 1
-    return j, seen >= count or (j == limit and limit < ceiling)
+    raw = seen < count and j == limit and limit < ceiling
+    return j, seen >= count or raw, raw
 
 
 def seam_bounds(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, bool]:
@@ -120,15 +121,16 @@ def seam_bounds(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, b
     of it (more text could not change the window): a bound or whitespace, not `hi`, ended it."""
     start, _, _ = _back(text, boundary, SEAM_CHARS, lo, run=False)
     start, _, _ = _back(text, start, SEAM_RUN_CHARS, lo, run=True)
-    end, complete = _seam_end(text, boundary, hi)
+    end, complete, _ = _seam_end(text, boundary, hi)
     return start, end, complete
 
 
-def _seam_end(text: str, boundary: int, hi: int) -> tuple[int, bool]:
-    """The end of a boundary's window within `text[:hi]`, and whether it is complete."""
-    end, counted = _forward(text, boundary, SEAM_CHARS, hi, run=False)
-    end, bounded = _forward(text, end, SEAM_RUN_CHARS, hi, run=True)
-    return end, counted and (end < hi or bounded)
+def _seam_end(text: str, boundary: int, hi: int) -> tuple[int, bool, bool]:
+    """The end of a boundary's window within `text[:hi]`; whether it is complete; and whether
+    SEAM_RAW_CHARS ended it inside a whitespace-free run of mostly hidden characters."""
+    end, counted, _ = _forward(text, boundary, SEAM_CHARS, hi, run=False)
+    end, bounded, raw = _forward(text, end, SEAM_RUN_CHARS, hi, run=True)
+    return end, counted and (end < hi or bounded), raw
 
 
 def _every(chunk: Span) -> bool:
@@ -405,13 +407,27 @@ class DetectorQueue:
                 for i, (span, found) in enumerate(judged):
                     # in order: a chunk waits for every chunk before it; the last one, for the
                     # text after it, unless its end is no seam (decided when it was cut)
-                    if not final and (
-                        seam_after(span)
-                        if i + 1 >= len(chain)
-                        else seams[i]
-                        and not _seam_end(text, chain[i + 1].start - base, len(text))[1]
-                    ):
-                        break
+                    if final:
+                        self._post(span, found)
+                        posted = i + 1
+                        continue
+                    if i + 1 >= len(chain):
+                        if seam_after(span):
+                            break
+                    elif seams[i]:
+                        boundary = chain[i + 1].start - base
+                        _, complete, hidden = _seam_end(text, boundary, len(text))
+                        if not complete:
+                            break
+                        lo = _run_start(text, boundary) if hidden else boundary
+                        if hidden and _shows(text, lo, boundary):
+                            # a run of mostly hidden characters goes on past the window's raw
+                            # bound (see SEAM_RAW_CHARS): what it shows was never seen whole
+                            lo = max(base + lo, span.start)
+                            flag = obscured_finding(detector, lo, base + boundary)
+                            self._post(span, (*found, flag))
+                            posted = len(judged)
+                            break
                     self._post(span, found)
                     posted = i + 1
             held = judged[posted:]
