@@ -309,15 +309,21 @@ class DetectorQueue:
         # (the text before the carry, up to the longest markup: a tag the carry starts in
         # hides the spaces between its attributes, which are no end of the run)
         self._before = (before + text[: safe - start])[-MARKUP_MOST:]
-        lo = start if self._in_hidden_run else hidden_from
-        if lo is None or lo >= safe:
-            return ()  # nothing of the run is reported yet: the next window looks again
-        run_end = _run_end(before + text, len(before) + lo - start)
-        stop = start + len(text) if run_end is None else start + run_end - len(before)
-        self._in_hidden_run = stop > safe
-        if stop <= lo:
-            return ()
-        return (obscured_finding(self.detector, lo, stop),)
+        # the run the carry is in, and one the cut falls in (the same one, or a later one)
+        starts = [start] if self._in_hidden_run else []
+        starts += [] if hidden_from is None else [hidden_from]
+        inside = self._in_hidden_run and safe <= start  # nothing reported: the carry stays
+        out: list[Finding] = []
+        for lo in starts:
+            if lo >= safe or (out and lo < out[-1].end):
+                continue
+            run_end = _run_end(before + text, len(before) + lo - start)
+            stop = start + len(text) if run_end is None else start + run_end - len(before)
+            inside = inside or stop > safe
+            if stop > lo:
+                out.append(obscured_finding(self.detector, lo, stop))
+        self._in_hidden_run = inside
+        return tuple(out)
 
     async def _run_seamed(self) -> None:
         """A blocking span detector judges each chunk alone (as any detector does) and also the
