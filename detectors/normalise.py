@@ -426,21 +426,25 @@ def _unmarked(text: str) -> View | None:
     return View(text, "".join(pieces), view_at, orig_at, set(), ends)
 
 
+# the longest markup match (a tag with its attributes, a comment); what `unfinished_markup` and
+# `markup_hidden` read beyond their ends
+MARKUP_MOST = 300
+
+
 def markup_hidden(text: str, lo: int, hi: int) -> frozenset[int]:
     """The positions in `text[lo:hi]` that markup keeps out of the view (each escape but its
     first character, tags, comments, emphasis): what a count of view characters skips
     (`orchestrator.streaming.detector_queue`'s seam windows), so `&#x00006a;` is one character
-    there as it is to the detectors. Linear in `hi - lo`."""
+    there as it is to the detectors. Markup that starts before `lo` or ends after `hi` counts
+    too (the text around them is read, up to the longest markup): a tag cut by either end
+    hides its attributes' spaces, which read as whitespace ended a seam window's walk inside a
+    padded value (`jo` + `<span class="x">` x 300 + `@example.com`). Linear in `hi - lo`."""
     hidden: set[int] = set()
-    for m in MARKUP.finditer(text, lo, hi):
+    for m in MARKUP.finditer(text, max(0, lo - MARKUP_MOST), hi + MARKUP_MOST):
         shown = _decoded(m)
-        if shown is not None:
-            hidden.update(range(m.start() + len(shown), m.end()))
+        if shown is not None and m.end() > lo and m.start() < hi:
+            hidden.update(range(max(lo, m.start() + len(shown)), min(hi, m.end())))
     return frozenset(hidden)
-
-
-# the longest markup match (a tag with its attributes, a comment); what `unfinished_markup` reads
-_MARKUP_MOST = 300
 
 
 @lru_cache(maxsize=1)
@@ -453,10 +457,10 @@ def _partial_markup() -> Any:
 def unfinished_markup(text: str) -> int | None:
     """Where an escape or tag begins that `text` ends inside of (`...co&#10`, `5<spa`): what a
     stream cut there (a stop sequence, a token budget) would release raw, which could still
-    become any character; None when the text ends outside one. Reads the last _MARKUP_MOST
+    become any character; None when the text ends outside one. Reads the last MARKUP_MOST
     characters."""
     rx = _partial_markup()
-    pos = max(0, len(text) - _MARKUP_MOST)
+    pos = max(0, len(text) - MARKUP_MOST)
     while pos < len(text):
         m = rx.search(text, pos, partial=True)
         if m is None or m.start() == len(text):  # (the end itself: nothing begun)

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import detectors
-from detectors.normalise import CONFUSABLES, SYMBOLS, fold, normalise, view_text
+from detectors.normalise import CONFUSABLES, SYMBOLS, fold, markup_hidden, normalise, view_text
 from detectors.regex_pii import find_pii
 from orchestrator.app import CONTENT_PATH
 from tests.fakes.engine import FakeEngine
@@ -507,3 +507,17 @@ async def test_a_blocking_pii_refuses_a_disguised_email_and_reports_its_original
             ]
     finally:
         await engine.close()
+
+
+def test_markup_hidden_sees_a_tag_that_either_end_cuts() -> None:
+    """A seam window's walk reads `markup_hidden` from where its raw bound falls; on 4bc51b7 a
+    tag cut there was no markup, so the space between its attributes read as whitespace and
+    ended the walk inside a padded value (`jo` + `<span class="x">` x 700 + `@example.com`
+    went out raw)."""
+    text = 'jo<span class="x">@example.com'
+    tag = range(text.index("<"), text.index(">") + 1)
+    space = text.index(" ")
+    assert markup_hidden(text, 0, len(text)) == frozenset(tag)
+    assert markup_hidden(text, space - 2, len(text)) == frozenset(range(space - 2, tag.stop))
+    assert markup_hidden(text, 0, space + 2) == frozenset(range(tag.start, space + 2))
+    assert markup_hidden(text, space - 1, space + 1) == {space - 1, space}

@@ -8,12 +8,13 @@ are posted to the pipeline's inbox: the queue never calls back into the pipeline
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkers import Span
-from detectors.normalise import fold, is_plain, markup_hidden
+from detectors.normalise import MARKUP_MOST, fold, is_plain, markup_hidden
 
 from ..clients.registry import RequestedDetector
 from ..judge_templates import JudgeContext
@@ -43,10 +44,23 @@ Result = DetectorResult[Finding]
 # e-mail of many short labels). A walk steps over at most SEAM_RAW_CHARS original characters
 # (invisible ones included), so the carried text stays bounded however it is padded (each call
 # judges it again: an unbounded carry would make a long run cost quadratic time); a run past
-# either bound is cut there and judged as it is.
+# either bound is cut there. Past SEAM_RUN_CHARS visible characters it is judged as it is: no
+# entity a detector matches is that long. Past SEAM_RAW_CHARS with fewer visible characters
+# than that (a whitespace-free run of mostly hidden ones: `jo` + `<b></b>` x 1300 +
+# `@example.com`, which shows `jo@example.com`; no e-mail, phone number or URL written plainly
+# is one, nor base64 or a URL of percent escapes) the cut would release a value's head before
+# its tail was seen: the run is redacted instead (`obfuscated`, DESIGN 4.6a), from its start,
+# and so is the rest of it in the windows that follow, up to the whitespace that ends it
+# (unless what the cut releases of it shows nothing: markup alone hides no value's head). This
+# fails closed at no extra cost: the work per character stays bounded (a run's start and end
+# are found once per window that cuts it, in linear time). Ordinary text never trips it (none
+# of bench/quality.py's 4,765 everyday texts; bench/hidden_runs.py): only a run like that of
+# several KB does, such as JSON of escaped CJK prose or minified code-highlighting spans.
 SEAM_CHARS = 64
 SEAM_RUN_CHARS = 1024
 SEAM_RAW_CHARS = 4096
+# the detection (and `{entity}` of `redact_with`) of a run redacted at a raw bound
+OBFUSCATED = "obfuscated"
 
 
 def _visible(ch: str) -> bool:
@@ -55,45 +69,49 @@ def _visible(ch: str) -> bool:
     return " " <= ch < "\x7f" or fold(ch) != ""
 
 
-def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int, bool]:
+def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int, bool, bool]:
     """Walking back from `i` (not below `floor`): the position after `count` visible
     characters, or with `run`, also stopping after whitespace (the start of the whitespace-free
-    run); and whether a bound stopped it (the count or SEAM_RAW_CHARS, not whitespace or the
-    floor). ASCII is walked with arithmetic where no whitespace matters."""
+    run); whether a bound stopped it (the count or SEAM_RAW_CHARS, not whitespace or the
+    floor); and whether it was SEAM_RAW_CHARS with fewer than `count` visible characters in
+    them (a run of mostly hidden ones: see SEAM_RAW_CHARS). ASCII is walked with arithmetic
+    where no whitespace matters."""
     if not run:
         j = max(floor, i - count)
         if is_plain(text[j:i]):
-            return j, i - count >= floor
+            return j, i - count >= floor, False
     limit = max(floor, i - SEAM_RAW_CHARS)
     hidden = markup_hidden(text, limit, i)
     j, seen = i, 0
     while j > limit and seen < count:
         ch = text[j - 1]
         if run and ch.isspace() and j - 1 not in hidden:
-            return j, False
+            return j, False, False
         j -= 1
         if _visible(ch) and j not in hidden:
             seen += 1
-    return j, seen >= count or (j == limit and limit > floor)
+    raw = seen < count and j == limit and limit > floor
+    return j, seen >= count or raw, raw
 
 
-def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple[int, bool]:
+def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple[int, bool, bool]:
     """`_back` walking forward from `i` (not past `ceiling`)."""
     if not run:
         j = min(ceiling, i + count)
         if is_plain(text[i:j]):
-            return j, i + count <= ceiling
+            return j, i + count <= ceiling, False
     limit = min(ceiling, i + SEAM_RAW_CHARS)
     hidden = markup_hidden(text, i, limit)
     j, seen = i, 0
     while j < limit and seen < count:
         ch = text[j]
         if run and ch.isspace() and j not in hidden:
-            return j, False
+            return j, False, False
         if _visible(ch) and j not in hidden:
             seen += 1
         j += 1
-    return j, seen >= count or (j == limit and limit < ceiling)
+    raw = seen < count and j == limit and limit < ceiling
+    return j, seen >= count or raw, raw
 
 
 def seam_bounds(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, bool]:
@@ -101,17 +119,18 @@ def seam_bounds(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, b
     each side, widened to the ends of the whitespace-free runs there (at most SEAM_RUN_CHARS
     visible characters more); and whether the text after the boundary was long enough for all
     of it (more text could not change the window): a bound or whitespace, not `hi`, ended it."""
-    start, _ = _back(text, boundary, SEAM_CHARS, lo, run=False)
-    start, _ = _back(text, start, SEAM_RUN_CHARS, lo, run=True)
-    end, complete = _seam_end(text, boundary, hi)
+    start, _, _ = _back(text, boundary, SEAM_CHARS, lo, run=False)
+    start, _, _ = _back(text, start, SEAM_RUN_CHARS, lo, run=True)
+    end, complete, _ = _seam_end(text, boundary, hi)
     return start, end, complete
 
 
-def _seam_end(text: str, boundary: int, hi: int) -> tuple[int, bool]:
-    """The end of a boundary's window within `text[:hi]`, and whether it is complete."""
-    end, counted = _forward(text, boundary, SEAM_CHARS, hi, run=False)
-    end, bounded = _forward(text, end, SEAM_RUN_CHARS, hi, run=True)
-    return end, counted and (end < hi or bounded)
+def _seam_end(text: str, boundary: int, hi: int) -> tuple[int, bool, bool]:
+    """The end of a boundary's window within `text[:hi]`; whether it is complete; and whether
+    SEAM_RAW_CHARS ended it inside a whitespace-free run of mostly hidden characters."""
+    end, counted, _ = _forward(text, boundary, SEAM_CHARS, hi, run=False)
+    end, bounded, raw = _forward(text, end, SEAM_RUN_CHARS, hi, run=True)
+    return end, counted and (end < hi or bounded), raw
 
 
 def _every(chunk: Span) -> bool:
@@ -188,6 +207,9 @@ class DetectorQueue:
         )
         self._carry = ""  # windowed: text from `_carry_start` to the next chunk, not reported
         self._carry_start = 0
+        # windowed: the carry starts inside a run of mostly hidden characters being redacted
+        self._in_hidden_run = False
+        self._before = ""  # windowed: the text just before the carry (see `_obscured`)
 
     def put(self, span: Span) -> None:
         self._pending.append(span)
@@ -265,12 +287,43 @@ class DetectorQueue:
             # a window that ends at a chunk end that is no seam (`seam_ends`) carries nothing:
             # no entity of this detector goes on across it
             no_seam = bool(batch) and not self._seam_after(batch[-1])  # type: ignore[misc]
-            safe = end if final or no_seam else safe_end(text, start, found)
+            safe, hidden_from = (
+                (end, None) if final or no_seam else safe_end(text, start, found, self._before)
+            )
             self._carry = text[safe - start :]
             self._carry_start = safe
             reported = tuple(f for f in found if f.end <= safe)
+            reported += self._obscured(text, start, safe, hidden_from)
             self._inbox.put(DetectorResult(detector.detector_id, start, safe, reported))
         self._inbox.put(DetectorFinished(detector.detector_id))
+
+    def _obscured(
+        self, text: str, start: int, safe: int, hidden_from: int | None
+    ) -> tuple[Finding, ...]:
+        """The redaction of a run of mostly hidden characters that this window reports part of
+        (see SEAM_RAW_CHARS): from where the run starts (`hidden_from`, or the window's start
+        while the carry is inside one) to where it ends, as far as the window holds it. It may
+        reach past `safe`: the next window's part of the run overlaps it, and the redactor
+        merges the two into one replacement."""
+        before = self._before
+        # (the text before the carry, up to the longest markup: a tag the carry starts in
+        # hides the spaces between its attributes, which are no end of the run)
+        self._before = (before + text[: safe - start])[-MARKUP_MOST:]
+        # the run the carry is in, and one the cut falls in (the same one, or a later one)
+        starts = [start] if self._in_hidden_run else []
+        starts += [] if hidden_from is None else [hidden_from]
+        inside = self._in_hidden_run and safe <= start  # nothing reported: the carry stays
+        out: list[Finding] = []
+        for lo in starts:
+            if lo >= safe or (out and lo < out[-1].end):
+                continue
+            run_end = _run_end(before + text, len(before) + lo - start)
+            stop = start + len(text) if run_end is None else start + run_end - len(before)
+            inside = inside or stop > safe
+            if stop > lo:
+                out.append(obscured_finding(self.detector, lo, stop))
+        self._in_hidden_run = inside
+        return tuple(out)
 
     async def _run_seamed(self) -> None:
         """A blocking span detector judges each chunk alone (as any detector does) and also the
@@ -360,13 +413,27 @@ class DetectorQueue:
                 for i, (span, found) in enumerate(judged):
                     # in order: a chunk waits for every chunk before it; the last one, for the
                     # text after it, unless its end is no seam (decided when it was cut)
-                    if not final and (
-                        seam_after(span)
-                        if i + 1 >= len(chain)
-                        else seams[i]
-                        and not _seam_end(text, chain[i + 1].start - base, len(text))[1]
-                    ):
-                        break
+                    if final:
+                        self._post(span, found)
+                        posted = i + 1
+                        continue
+                    if i + 1 >= len(chain):
+                        if seam_after(span):
+                            break
+                    elif seams[i]:
+                        boundary = chain[i + 1].start - base
+                        _, complete, hidden = _seam_end(text, boundary, len(text))
+                        if not complete:
+                            break
+                        lo = _run_start(text, boundary) if hidden else boundary
+                        if hidden and _shows(text, lo, boundary):
+                            # a run of mostly hidden characters goes on past the window's raw
+                            # bound (see SEAM_RAW_CHARS): what it shows was never seen whole
+                            lo = max(base + lo, span.start)
+                            flag = obscured_finding(detector, lo, base + boundary)
+                            self._post(span, (*found, flag))
+                            posted = len(judged)
+                            break
                     self._post(span, found)
                     posted = i + 1
             held = judged[posted:]
@@ -416,12 +483,22 @@ def number_run_start(text: str, i: int) -> int:
     return i
 
 
-def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
-    """How far a window `[start, start + len(text))` may be reported (see SEAM_CHARS)."""
-    p, counted = _back(text, len(text), SEAM_CHARS, 0, run=False)
+def safe_end(
+    text: str, start: int, found: tuple[Finding, ...], before: str = ""
+) -> tuple[int, int | None]:
+    """How far a window `[start, start + len(text))` may be reported (see SEAM_CHARS); and
+    where the whitespace-free run that end falls in starts (a stream index before it) when the
+    walk back over that run stopped at SEAM_RAW_CHARS with few visible characters (see
+    SEAM_RAW_CHARS: the run is redacted, not released as judged), else None. `before`: the
+    text before the window (up to MARKUP_MOST characters), which a tag the window starts in
+    began in."""
+    p, counted, _ = _back(text, len(text), SEAM_CHARS, 0, run=False)
     if not counted or p <= 0:
-        return start
-    q, bounded = _back(text, p, SEAM_RUN_CHARS, 0, run=True)
+        return start, None
+    q, bounded, raw = _back(text, p, SEAM_RUN_CHARS, 0, run=True)
+    k = len(before)
+    whole = before + text if raw and k else text
+    hidden_from = max(_run_start(whole, q + k) - k, 0) + start if raw else None
     if bounded:
         q = p  # a whitespace-free run longer than the bounds: cut it where the count is
     q += start
@@ -432,7 +509,43 @@ def safe_end(text: str, start: int, found: tuple[Finding, ...]) -> int:
             if f.start < q < f.end:
                 q = f.start
                 moved = True
-    return max(q, start)
+    q = max(q, start)
+    if (
+        hidden_from is None
+        or hidden_from >= q
+        or not _shows(whole, hidden_from - start + k, q - start + k)
+    ):
+        return q, None  # (a run of markup alone, a minified SVG, shows nothing to hide)
+    return q, hidden_from
+
+
+def _shows(text: str, lo: int, hi: int) -> bool:
+    """`text[lo:hi]` holds a visible character (one that shows in the view)."""
+    hidden = markup_hidden(text, lo, hi)
+    return any(_visible(text[i]) and i not in hidden for i in range(lo, hi))
+
+
+_SPACE = re.compile(r"\s")
+
+
+def _run_start(text: str, i: int) -> int:
+    """Where the whitespace-free run that `text[:i]` ends in starts (whitespace that markup
+    hides, inside a tag, is part of it). Linear in `i`; only for a run found hidden."""
+    hidden = markup_hidden(text, 0, i)
+    ends = [m.end() for m in _SPACE.finditer(text, 0, i) if m.start() not in hidden]
+    return ends[-1] if ends else 0
+
+
+def _run_end(text: str, i: int) -> int | None:
+    """Where the whitespace-free run that `text[i]` is in ends (None: not in `text`)."""
+    hidden = markup_hidden(text, 0, len(text))
+    return next((m.start() for m in _SPACE.finditer(text, i) if m.start() not in hidden), None)
+
+
+def obscured_finding(detector: RequestedDetector, start: int, end: int) -> Finding:
+    """A run of mostly hidden characters that a window had to cut (see SEAM_RAW_CHARS): redacted
+    by `detector` as `obfuscated`, since no call of it saw what the run shows whole."""
+    return Finding(start, end, "", OBFUSCATED, OBFUSCATED, detector.detector_id, 1.0)
 
 
 def open_tail(
