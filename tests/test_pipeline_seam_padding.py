@@ -258,3 +258,33 @@ def test_a_long_run_that_shows_what_it_holds_is_released_as_it_is(name: str) -> 
     released = asyncio.run(one())
     assert "".join(f.text for f in released) == text
     assert not [d for f in released for d in f.detections]
+
+
+# -- inputs: the whole text is there, but a blocking detector still judges chunks and windows --
+
+
+@pytest.mark.parametrize("pad", ["tags", "zero-width", "attributes"])
+@pytest.mark.parametrize("value", list(VALUES))
+async def test_a_prompt_padded_past_the_raw_bound_is_refused_by_a_blocking_input_guardrail(
+    blocking: Orchestrator, value: str, pad: str
+) -> None:
+    """A blocking span detector judges an input's chunks and a window across each `max_chars`
+    cut; before this, a window cut at the raw bound inside the padding held neither the value's
+    head nor its tail whole, and the prompt reached the model. It is refused now, the run
+    reported `obfuscated`; the content endpoint reports it too."""
+    prompt = padded(value, PADS[pad], raw=5 * SEAM_RAW_CHARS)  # cut several times
+    events = await blocking.stream({"model_id": MODEL, "inputs": prompt})
+    end = terminal(events)
+    assert end.name == "incomplete" and end.data["incomplete_details"] == {
+        "reason": "content_filter"
+    }, end
+    assert not any(f.get("generated_text") for f in frames(events))  # the model never asked
+    [found] = [f["token_classification_results"]["input"] for f in frames(events)]
+    # each blocking input guardrail (`hap` looks across the cuts too: a curse hides alike)
+    got = sorted((d["detector_id"], d["entity"], d["start"], d["end"]) for d in found)
+    assert got == [(i, OBFUSCATED, 0, len(prompt)) for i in ("hap", "pii")], got
+    status, body = await blocking.post(
+        "/api/v2/text/detection/content", {"detectors": {"pii": {}}, "content": prompt}
+    )
+    assert status == 200, body
+    assert OBFUSCATED in {d["detection"] for d in body["detections"]}, body

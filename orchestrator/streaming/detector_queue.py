@@ -125,6 +125,16 @@ def seam_bounds(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, b
     return start, end, complete
 
 
+def seam_window(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, bool]:
+    """`seam_bounds` of a text that is whole (an input): the window, and whether SEAM_RAW_CHARS
+    cut it inside a whitespace-free run of mostly hidden characters on either side (the window
+    does not see what the run shows whole: the run is `obfuscated`, as a stream's is)."""
+    start, _, _ = _back(text, boundary, SEAM_CHARS, lo, run=False)
+    start, _, before = _back(text, start, SEAM_RUN_CHARS, lo, run=True)
+    end, _, after = _seam_end(text, boundary, hi)
+    return start, end, before or after
+
+
 def _seam_end(text: str, boundary: int, hi: int) -> tuple[int, bool, bool]:
     """The end of a boundary's window within `text[:hi]`; whether it is complete; and whether
     SEAM_RAW_CHARS ended it inside a whitespace-free run of mostly hidden characters."""

@@ -12,6 +12,10 @@ kinds): a window at every sentence end doubled the detector work of bulk text (a
 input was 9,999 detector items; issue 20's `bench/loop_lag.py`: 15 s -> 50 s for four 1 MB
 requests). A classifier judges its chunks alone, with no window (DESIGN 4.6a: its verdict is on
 the chunk it was given; `detectors/windows.py` keeps padding inside a chunk from diluting it).
+A window that the raw bound cuts inside a whitespace-free run of mostly hidden characters (a
+value padded with markup or invisible ones past SEAM_RAW_CHARS, detector_queue.py) sees no value
+whole: the run is an `obfuscated` finding (one per run), as a stream's is, so a blocking input
+guardrail refuses a prompt padded so rather than pass it to the model.
 Inputs, where any detection refuses, keep a detection covering a whole window (an entity may
 fill it); the content endpoint (annotations of the client's own text, `annotating`) drops it as
 a verdict on the window rather than an entity in it. A redacting span detector judges each text
@@ -43,7 +47,7 @@ from detectors.api import Detection
 from ..api.input_pieces import InputPiece
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from ..config import WHOLE_DOC_CHUNKER
-from .detector_queue import seam_bounds, seam_ends
+from .detector_queue import obscured_finding, seam_ends, seam_window
 from .fanout import ChunkerFailure
 from .findings import Finding, kept_findings, sort_findings
 from .verdict_cache import TenantVerdicts
@@ -173,6 +177,7 @@ async def _judge(
     spans: list[Span] = []
     owners: list[Any] = []
     seams: list[tuple[Span, int, Any]] = []  # (window, the boundary it spans, owner)
+    obscured: list[tuple[Any, Finding]] = []  # runs a window had to cut at the raw bound
     seam_after = seam_ends(detector)
 
     def chunk() -> None:
@@ -184,7 +189,18 @@ async def _judge(
                 continue
             for prev, nxt in itertools.pairwise(chunks):
                 if seam_after(prev):
-                    seams.append((_seam(text, start, end, nxt.start), nxt.start, owner))
+                    window, hidden = _seam(text, start, end, nxt.start)
+                    seams.append((window, nxt.start, owner))
+                    lo, hi = window.start, window.end
+                    if not hidden:
+                        continue
+                    # fails closed, as a stream's windows do (detector_queue.py): one finding
+                    # per run however many cuts it holds
+                    last = obscured[-1] if obscured else None
+                    if last is not None and last[0] is owner and lo <= last[1].end:
+                        lo = last[1].start
+                        obscured.pop()
+                    obscured.append((owner, obscured_finding(detector, lo, max(hi, lo))))
 
     await off_loop(chunk) if bulk else chunk()
     if not spans:
@@ -193,7 +209,7 @@ async def _judge(
     replies = await _detect(detector, contents, verdicts, bulk)
 
     def build() -> list[tuple[Any, Finding]]:
-        return _findings(detector, owners, spans, seams, replies, annotating)
+        return _findings(detector, owners, spans, seams, replies, annotating) + obscured
 
     return await off_loop(build) if bulk else build()
 
@@ -254,18 +270,19 @@ def _findings(
     return out
 
 
+def _seam(text: str, start: int, end: int, boundary: int) -> tuple[Span, bool]:
+    """The text around a chunk boundary within `[start, end)` (`seam_window`: SEAM_CHARS visible
+    characters each side, widened to the whitespace-free runs there), and whether the raw bound
+    cut it inside a run of mostly hidden characters."""
+    lo, hi, hidden = seam_window(text, start, end, boundary)
+    return Span(lo, hi, text[lo:hi]), hidden
+
+
 async def _sorted(found: list[Finding]) -> list[Finding]:
     """sort_findings, off the loop when there are many."""
     if len(found) > 1024:
         return await off_loop(lambda: sort_findings(found))
     return sort_findings(found)
-
-
-def _seam(text: str, start: int, end: int, boundary: int) -> Span:
-    """The text around a chunk boundary within `[start, end)` (`seam_bounds`: SEAM_CHARS visible
-    characters each side, widened to the whitespace-free runs there)."""
-    lo, hi, _ = seam_bounds(text, start, end, boundary)
-    return Span(lo, hi, text[lo:hi])
 
 
 def _chunk_regions(
