@@ -112,6 +112,10 @@ EVERYDAY_REPEAT = 1
 # then picks 0.266 and flags 164 of 2,517, 103 of 300) and the n-gram head's C 4 (dev F1 0.942)
 # or 64 (more false alarms) did not mend it: off, the shipped heads are trained without them.
 TRAIN_OVOS = False
+# Whether the strings of the `train` sources' tool definitions are trained on (benign;
+# `tool_definitions_benign`), and how many times (a weight)
+TRAIN_TOOLS = True
+TOOLS_REPEAT = 1
 
 
 @dataclass(frozen=True)
@@ -636,13 +640,43 @@ def agent_injection_bench() -> list[Row]:
     return out
 
 
+def tool_definitions_benign() -> list[Row]:
+    """Every string of the `train` sources' benign tool definitions (bench/tool_definitions.py:
+    LangChain's community tools, AgentHarm's benign tools, tau2-bench's tools) as the pipeline
+    judges them (`request_field_pieces` of a request's `tools`: descriptions, names, parameter
+    names and descriptions, enum values), each text once, benign. Without them the heads
+    flagged ordinary tool definitions ("Run a command using bash." 0.82, "The command to run"
+    0.94, `send_direct_message` 0.53): an agent request with ten tools was refused more often
+    than not. The held-out sources (HELD_OUT) and the attacks are never read here."""
+    from bench.tool_definitions import TRAIN_SOURCES, benign_tools
+    from orchestrator.api.input_pieces import request_field_pieces
+
+    out: dict[str, str] = {}
+    for t in benign_tools():
+        if t.source in TRAIN_SOURCES:
+            for p in request_field_pieces({"tools": [t.tool]}):
+                out.setdefault(p.text, t.source)
+    return [Row(text, False, f"tool definitions: {src}") for text, src in out.items()]
+
+
+def tool_definitions_held() -> set[str]:
+    """Every string of the held-out tool definitions and of the attacked ones (bench/quality.py's
+    `bench_tool_definitions`): never trained on."""
+    from bench.tool_definitions import HELD_OUT, benign_tools, tool_definition_attacks
+    from orchestrator.api.input_pieces import request_field_pieces
+
+    tools = [t for t in benign_tools() if t.source in HELD_OUT] + tool_definition_attacks()
+    return {key(p.text) for t in tools for p in request_field_pieces({"tools": [t.tool]})}
+
+
 def bench_keys() -> set[str]:
     """Every text of bench/quality.py's injection data (dev and test) and of its held-out
     everyday requests."""
     from bench.quality import everyday_data, everyday_part, injection_data
 
     held = [r for r in everyday_data() if everyday_part(r.group or r.text) == "check"]
-    return {key(r.text) for r in [*injection_data(), *held]}
+    keys = {key(r.text) for r in [*injection_data(), *held]}
+    return keys | (tool_definitions_held() if TRAIN_TOOLS else set())
 
 
 def dedupe(rows: list[Row], exclude: set[str]) -> tuple[list[Row], int]:
@@ -777,11 +811,13 @@ def training_rows() -> tuple[list[Row], int]:
         + ipi_coding_agent()
         + garak_multilingual()
         + agent_injection_bench()
+        + (tool_definitions_benign() if TRAIN_TOOLS else [])
     )
     rows += benign_windows(rows + writingbench_long())
     rows, dropped = dedupe(rows, bench_keys())
     everyday = [r for r in rows if r.source.startswith("everyday")]
-    return rows + everyday * (EVERYDAY_REPEAT - 1), dropped
+    tools = [r for r in rows if r.source.startswith("tool definitions")]
+    return rows + everyday * (EVERYDAY_REPEAT - 1) + tools * (TOOLS_REPEAT - 1), dropped
 
 
 def prf(y: np.ndarray, s: np.ndarray, t: float) -> dict[str, float]:
