@@ -103,13 +103,13 @@ def _schema(ann: ast.expr | None, enums: dict[str, list[str]]) -> dict[str, Any]
     return {"type": _JSON_TYPES.get(name, "object")}
 
 
-def _field_description(node: ast.expr | None) -> str | None:
+def _field_description(node: ast.expr | None, names: dict[str, str] | None = None) -> str | None:
     """`description=` of a pydantic Field(...) call in `node` (an Annotated or a default)."""
     for sub in ast.walk(node) if node is not None else ():
         if isinstance(sub, ast.Call) and getattr(sub.func, "id", "") == "Field":
             for kw in sub.keywords:
                 if kw.arg == "description":
-                    return _text(kw.value)
+                    return _text(kw.value, names)
     return None
 
 
@@ -349,7 +349,7 @@ def mcp_servers() -> list[ToolDef]:
                         (
                             a.arg,
                             _schema(a.annotation, enums),
-                            _field_description(a.annotation),
+                            _field_description(a.annotation, names),
                             d is None,
                         )
                         for a, d in _args(node)
