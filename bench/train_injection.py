@@ -640,6 +640,14 @@ def agent_injection_bench() -> list[Row]:
     return out
 
 
+# A tool's or parameter's name, an enum value: not trained on. Chosen on the dev split (its
+# rule, `threshold_for`): with them (1,201 tool strings, names and keys among them) dev picked
+# 0.266 (dev F1 0.947; test 0.938, held-out everyday false alarms 205 of 2,517); without them
+# 0.334 (dev 0.949; test 0.954, 181 of 2,517). Names alike are still flagged ("update_password"
+# 0.56): the detector judges them as any text, and a name can hold an instruction.
+IDENTIFIER = re.compile(r"[A-Za-z0-9_.$-]+")
+
+
 def tool_definitions_benign() -> list[Row]:
     """Every string of the `train` sources' benign tool definitions (bench/tool_definitions.py:
     LangChain's community tools, AgentHarm's benign tools, tau2-bench's tools) as the pipeline
@@ -655,7 +663,8 @@ def tool_definitions_benign() -> list[Row]:
     for t in benign_tools():
         if t.source in TRAIN_SOURCES:
             for p in request_field_pieces({"tools": [t.tool]}):
-                out.setdefault(p.text, t.source)
+                if not IDENTIFIER.fullmatch(p.text):
+                    out.setdefault(p.text, t.source)
     return [Row(text, False, f"tool definitions: {src}") for text, src in out.items()]
 
 
