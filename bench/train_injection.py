@@ -51,6 +51,14 @@ shipping a model derived from them):
   (MIT), `garak-multilingual==0.1.0` (Apache-2.0; de/es/fr and casefold-evasion prompts) and
   `agent-injection-bench==0.1.0` (MIT; indirect injections in tool results and documents).
 
+- Tool definitions (bench/tool_definitions.py, its `train` sources only: LangChain's community
+  tools in `langchain-community==0.4.2`, MIT; AgentHarm's benign tools and tau2-bench's tools
+  in inspect-evals, MIT): every string the pipeline judges of them (`request_field_pieces`)
+  but names and other identifiers (IDENTIFIER), benign (`tool_definitions_benign`); and
+  TOOL_ATTACKS, tool-poisoning instructions written here (`tool_attacks`). The held-out
+  toolsets (AgentDojo's, the MCP reference servers') and the bench's tool-definition attacks
+  are dropped like the bench's rows.
+
 No text of bench/quality.py's injection data (dev or test split) nor of its held-out everyday
 requests is trained on: rows equal to one after normalisation (case, whitespace) are dropped,
 and counted in the output.
