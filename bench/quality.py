@@ -874,6 +874,93 @@ async def bench_encoded(results: dict[str, Any]) -> None:
         print(f"  {scores[i]:.2f} {data[i].text[:100]!r}")
 
 
+def _piece_kind(path: str) -> str:
+    """What a piece of a tool definition is, from its path (`tools.0.function.description`)."""
+    parts = path.split(".")
+    if parts[-1] == "description":
+        return "description" if parts[-2] == "function" else "parameter description"
+    if len(parts) > 2 and parts[-2] == "properties":
+        return "parameter name (key)"
+    if parts[-1] == "name":
+        return "tool name"
+    return "structure (keywords, types, titles, enums, numbers)"
+
+
+async def bench_tool_definitions(results: dict[str, Any]) -> None:
+    """The shipped config.yaml's `injection`, as configured there, on tool definitions as the
+    pipeline judges them (`request_field_pieces` of a request's `tools`: each string and key
+    its own piece): the share of benign tools with a flagged piece, per source (bench/
+    tool_definitions.py; HELD_OUT sources are never trained on), which kind of piece was
+    flagged, and the share of attacked tools refused (attack recall)."""
+    from bench.tool_definitions import HELD_OUT, benign_tools, tool_definition_attacks
+    from orchestrator.api.input_pieces import request_field_pieces
+
+    shipped = _shipped_injection()
+    if shipped is None or shipped[0] == "max":
+        return
+    model, threshold = shipped
+    benign, attacks = benign_tools(), tool_definition_attacks()
+    pieces = {id(t): request_field_pieces({"tools": [t.tool]}) for t in [*benign, *attacks]}
+    texts = sorted({p.text for ps in pieces.values() for p in ps})
+    det = detectors.build("prompt_injection", {"model": model, "min_score": 0.0})
+    out, _ = await run_detector(det, texts)
+    await det.close()
+    score = dict(zip(texts, map(score_of, out), strict=True))
+
+    def flagged(t: Any) -> list[Any]:
+        return [p for p in pieces[id(t)] if score[p.text] >= threshold]
+
+    per_source: dict[str, Any] = {}
+    kinds: Counter[str] = Counter()
+    worst: list[tuple[float, str, str]] = []
+    for src in sorted({t.source for t in benign}, key=lambda s: (s not in HELD_OUT, s)):
+        tools = [t for t in benign if t.source == src]
+        hits = [t for t in tools if flagged(t)]
+        per_source[src] = {
+            "held_out": src in HELD_OUT,
+            "tools": len(tools),
+            "flagged": len(hits),
+            "false_alarm_rate": round(len(hits) / len(tools), 3),
+        }
+        if src in HELD_OUT:
+            for t in hits:
+                for p in flagged(t):
+                    kinds[_piece_kind(p.field or "")] += 1
+                    worst.append((score[p.text], src, p.text))
+    held = [t for t in benign if t.source in HELD_OUT]
+    held_hits = sum(bool(flagged(t)) for t in held)
+    caught = [t for t in attacks if flagged(t)]
+    missed = [t for t in attacks if not flagged(t)]
+    results["tool_definitions"] = {
+        "model": model,
+        "threshold": threshold,
+        "held_out_false_alarm_rate": round(held_hits / max(1, len(held)), 3),
+        "per_source": per_source,
+        "held_out_flagged_pieces_by_kind": dict(kinds),
+        "attacks": len(attacks),
+        "attack_recall": round(len(caught) / max(1, len(attacks)), 3),
+        "attacks_missed": [[t.source, max(score[p.text] for p in pieces[id(t)])] for t in missed],
+        "highest_held_out": [[round(s, 3), src, x[:100]] for s, src, x in sorted(worst)[::-1][:10]],
+    }
+    print(
+        f"\n== tool definitions, as input_pieces judges them (config.yaml injection, model "
+        f"{model}, threshold {threshold}): held-out benign tools flagged {held_hits}/{len(held)} "
+        f"({held_hits / max(1, len(held)):.1%}); attacks caught {len(caught)}/{len(attacks)}"
+    )
+    print(
+        "  per source (tools with a flagged piece): "
+        + ", ".join(
+            f"{k}{' (held out)' if v['held_out'] else ' (train)'} {v['flagged']}/{v['tools']}"
+            for k, v in per_source.items()
+        )
+    )
+    print(f"  held-out flagged pieces by kind: {dict(kinds)}")
+    for s, src, x in sorted(worst)[::-1][:10]:
+        print(f"  {s:.2f} {src}: {x[:100]!r}")
+    for t in missed:
+        print(f"  missed attack ({t.source}): {json.dumps(t.tool)[:160]}")
+
+
 PII_BUILTINS = ("regex", "pii_ner")
 
 
@@ -1093,6 +1180,9 @@ async def main(argv: list[str] | None = None) -> int:
         await bench_injection(results, args.injection_models)
         await bench_everyday(results)
         await bench_encoded(results)
+        await bench_tool_definitions(results)
+    if "tools" in args.only and "injection" not in args.only:
+        await bench_tool_definitions(results)
     if "pii" in args.only:
         await bench_pii(results, args.pii_texts, args.pii_detectors)
     if "hap" in args.only:

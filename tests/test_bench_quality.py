@@ -264,3 +264,22 @@ def test_an_ovos_intent_is_held_out_or_trained_on_whole_in_every_language(
     assert all(len(s) == 1 for s in sides.values()), [g for g, s in sides.items() if len(s) > 1]
     assert {next(iter(s)) for s in sides.values()} == {True, False}
     assert all(r.group.startswith("ovos:ovos_skill_") for r in rows)
+
+
+def test_tool_definitions_are_split_by_source_and_the_held_out_ones_never_trained_on() -> None:
+    """bench/quality.py's tool-definition false alarms are measured on whole toolsets the heads
+    never saw: every string of a held-out tool or of an attacked one is among the texts
+    train_injection drops from its rows (`bench_keys`), and the train sources give rows."""
+    for name in ("langchain_community", "mcp_server_git", "mcp_guard", "bastionsupply"):
+        if quality._installed_dir(name) is None:  # read, never imported (their runtimes)
+            pytest.skip(f"{name}: bench/requirements-quality.txt")
+    from bench.tool_definitions import HELD_OUT, TRAIN_SOURCES, benign_tools
+    from bench.train_injection import bench_keys, tool_definitions_benign, tool_definitions_held
+
+    assert {t.source for t in benign_tools()} == set(HELD_OUT) | set(TRAIN_SOURCES)
+    held = tool_definitions_held()
+    assert "Shows the working tree status".lower() in held  # mcp-server-git's
+    assert held <= bench_keys()
+    trained, _ = dedupe(tool_definitions_benign(), bench_keys())
+    assert len(trained) > 500
+    assert not {key(r.text) for r in trained} & held

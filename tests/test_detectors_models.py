@@ -254,7 +254,9 @@ async def test_minilm_does_not_flag_everyday_requests() -> None:
 # that the shipped heads flag at the shipped 0.29 (scores shipped -> heads trained besides on
 # the other half of OVOS's intents, not shipped): chatterbot-corpus 1.3.3's first turns (BSD-3-Clause) and OVOS
 # skills' intents (Apache-2.0; held out by intent, in every language). Questions to the
-# assistant about itself and "start X mode" commands read as role play and mode switches.
+# assistant about itself and "start X mode" commands read as role play and mode switches. The
+# heads shipped since (trained on tool definitions, threshold 0.334) flag them all still, the
+# first four a little higher (0.43-0.46), the others 0.64-0.90.
 SHORT_REQUESTS = [
     "Bist du ein Programmierer?",  # 0.36 -> 0.06
     "Qu'est ce qui te derange ?",  # 0.40 -> 0.07

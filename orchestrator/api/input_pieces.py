@@ -18,6 +18,31 @@ STOP_SEQUENCE_FIELD = "stop"
 LABEL_FIELDS = frozenset(
     {"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"}
 )
+# The words of a tool definition's and a response format's structure: JSON Schema's keywords,
+# type and format names, and the OpenAI fields' own (`function`, `json_schema`, `auto`). A
+# string (key or value) that is exactly one of these words is not judged: a fixed word of this
+# list carries no instruction, personal data or abuse whatever its place, and the injection
+# model judged such one-word texts as it judges "ok" (the embedding of a word lies near an
+# empty text's). Any other string is judged, tool and parameter names and enum values
+# included: those are text the model reads.
+SCHEMA_WORDS = frozenset(
+    {
+        # OpenAI tools, tool_choice, response_format
+        "type", "function", "name", "description", "parameters", "strict", "json_schema",
+        "json_object", "schema", "auto", "none", "required", "allowed_tools", "mode", "tools",
+        # JSON Schema keywords
+        "properties", "items", "enum", "const", "default", "title", "examples", "format",
+        "additionalProperties", "anyOf", "oneOf", "allOf", "not", "$ref", "$defs",
+        "definitions", "$schema", "$id", "minimum", "maximum", "exclusiveMinimum",
+        "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "minItems",
+        "maxItems", "uniqueItems", "minProperties", "maxProperties", "nullable",
+        "patternProperties", "prefixItems", "contains", "deprecated", "readOnly", "writeOnly",
+        # JSON Schema's types and OpenAPI's formats
+        "object", "string", "number", "integer", "boolean", "array", "null", "date-time",
+        "date", "time", "duration", "email", "uri", "uuid", "ipv4", "ipv6", "hostname",
+        "int32", "int64", "float", "double",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +69,8 @@ class InputPiece:
 def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
     """Every string and number of the fields the engine receives beside the conversation
     (`tools`, `tool_choice`, `response_format`, whatever an `openai` chat backend is forwarded),
-    keys too, each a piece named by its path (`tools.0.function.description`). A chat template
+    keys too, each a piece named by its path (`tools.0.function.description`), but for the
+    structure's own words (SCHEMA_WORDS: `type`, `object`, `string`...). A chat template
     renders tool definitions into the prompt, so text there is prompt text: an input guardrail
     that skipped it would let a tool's description carry what it refuses in a message.
     Iterative: the body's depth is the JSON parser's to bound, not the stack's."""
@@ -56,7 +82,7 @@ def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
     while todo:
         path, value = todo.pop()
         if isinstance(value, str):
-            if value:
+            if value and value not in SCHEMA_WORDS:
                 out.append(InputPiece(value, field=path, fixed=True))
         elif isinstance(value, int | float) and not isinstance(value, bool):
             # as a template writes it (`tojson`): a card number as a default is text too
@@ -66,7 +92,9 @@ def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
             for key, item in reversed(items):
                 todo.append((f"{path}.{key}", item))
             out.extend(
-                InputPiece(str(key), field=f"{path}.{key}", fixed=True) for key, _ in items if key
+                InputPiece(str(key), field=f"{path}.{key}", fixed=True)
+                for key, _ in items
+                if key and str(key) not in SCHEMA_WORDS
             )
         elif isinstance(value, list | tuple):
             todo.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
