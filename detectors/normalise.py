@@ -492,6 +492,16 @@ class _Composed(View):
         return self._outer.span(*self._inner.span(start, end))
 
 
+def unmarked_view(text: str) -> View | None:
+    """The view with markup and escapes left as they are (each character folded), where the
+    text holds any (None: `normalise`'s view is this one). A value written beside markup can
+    read as a value only so: `%555-123-4567` shows a phone number to a reader, while decoding
+    `%55` (a `U`) hides it; span detectors judge both views (regex_pii._scan)."""
+    if is_plain(text) or _unmarked(text) is None:
+        return None
+    return _folded(text)
+
+
 def normalise(text: str) -> View:
     """The view of `text` (DESIGN 4.6b): markup and escapes decoded (`MARKUP`), then each
     character folded (`fold`). ASCII text without controls or markup is its own view (three C

@@ -57,7 +57,7 @@ from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
-from .normalise import display_order, is_plain, normalise, unfinished_markup
+from .normalise import display_order, is_plain, normalise, unfinished_markup, unmarked_view
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -619,6 +619,15 @@ def _scan(
     if not view.identity:
         builtin = [(*view.span(s, e), name) for s, e, name in builtin]
         custom = [(*view.span(s, e), name) for s, e, name in custom]
+    plain = unmarked_view(text)
+    if plain is not None:
+        # markup decoded once, as a renderer does, can also hide what a reader of the raw text
+        # sees (`%555-123-4567`: `%55` is a `U`): the view with markup as it is is judged too,
+        # and a value found only there is kept (one inside a value found in the decoded view,
+        # which covers an escape whole, is that value)
+        more_builtin, more_custom = _find(Utf8Text(plain.text), kinds, patterns, cancelled)
+        builtin = _with_unmarked(builtin, [(*plain.span(s, e), n) for s, e, n in more_builtin])
+        custom = _with_unmarked(custom, [(*plain.span(s, e), n) for s, e, n in more_custom])
     shown = display_order(text)
     if shown is not None:
         shown_text, order = shown
@@ -636,6 +645,15 @@ def _scan(
         builtin = sorted(set(builtin + [(*back(s, e), name) for s, e, name in more_builtin]))
         custom = sorted(set(custom + [(*back(s, e), name) for s, e, name in more_custom]))
     return _detections(text, (builtin, custom))
+
+
+def _with_unmarked(
+    found: list[tuple[int, int, str]], more: list[tuple[int, int, str]]
+) -> list[tuple[int, int, str]]:
+    """`found` and the matches of `more` that lie inside none of them."""
+    return sorted(
+        set(found) | {m for m in more if not any(s <= m[0] and m[1] <= e for s, e, _ in found)}
+    )
 
 
 def _outermost(found: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:

@@ -37,6 +37,12 @@ MARKED_EMAIL = "".join(ch + "\u0332" for ch in "jo@example.com")  # a low line u
 
 # (text, [(start, end, kind)]): the strings of issue 32 and their relatives
 FOUND = [
+    # markup decoded once can hide what a reader of the raw text sees (on 1def789 `%55` read as
+    # a `U` and `&#555` as one character, and the phone numbers were not found): both views
+    ("Call %555-123-4567.", [(6, 18, "phone")]),
+    ("&#555-123-4567", [(2, 14, "phone")]),
+    ("\\(555) 123-4567", [(0, 15, "phone")]),  # a Markdown escape, covered whole
+    ("jo%40example.com", [(0, 16, "email")]),
     # item 5: punctuation next to PII
     ("jo@example.com--he", [(0, 14, "email")]),
     ("-jo@example.com", [(1, 15, "email")]),
@@ -245,7 +251,18 @@ def test_no_decoration_hides_pii_and_the_span_is_exactly_the_value(
     left, value, right, kind = case
     text = f"{prefix}{left}{value}{right}{suffix}"
     start = len(prefix) + len(left)
-    assert (start, start + len(value), kind, value) in pii(text), (left, value, right)
+    found = pii(text)
+    # a backslash before the value's first punctuation is a Markdown escape of it (`\(555) ...`
+    # shows `(555) ...`): the span covers the escape whole, as every escape's (DESIGN 4.6b)
+    trailing = len(left) - len(left.rstrip("\\"))  # an even run escapes itself
+    escaped = trailing % 2 == 1 and not value[0].isalnum()
+    first = start - 1 if escaped else start
+    assert (first, start + len(value), kind, text[first : start + len(value)]) in found, (
+        left,
+        value,
+        right,
+        found,
+    )
 
 
 # --- end to end ---------------------------------------------------------------------------------
