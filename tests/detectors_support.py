@@ -108,6 +108,18 @@ def shared_anchor_classifier() -> Path:
 # -- the detector service as a real subprocess -----------------------------------------------------
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def shipped_injection_threshold() -> float:
+    """config.yaml's `injection` threshold: what the shipped guardrail flags at."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    return float(config["detectors"]["injection"]["default_threshold"])
+
+
+#: the shipped `injection` threshold (0.334 since the heads learnt tool definitions; 0.29 before)
+SHIPPED_INJECTION = shipped_injection_threshold()
 SERVING = re.compile(r"^detectors: serving (.*) on (http://127\.0\.0\.1:(\d+))$")
 
 

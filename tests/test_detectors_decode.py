@@ -9,6 +9,7 @@ import hashlib
 import urllib.parse
 
 import pytest
+from detectors_support import SHIPPED_INJECTION
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -107,8 +108,8 @@ async def test_an_encoded_injection_is_flagged_and_a_benign_payload_is_not() -> 
         wrap.format(base64.b64encode(hashlib.sha512(b"blob").digest()).decode()),
     ]
     scores = scores_of(await det.detect(texts))
-    assert all(s > 0.35 for s in scores[:4]), scores  # above the shipped config's 0.29
-    assert all(s < 0.29 for s in scores[4:]), scores
+    assert all(s > 0.35 for s in scores[:4]), scores  # above the shipped threshold
+    assert all(s < SHIPPED_INJECTION for s in scores[4:]), scores
     result = await det.detect([texts[0]])
     assert (result[0][0].start, result[0][0].end) == (0, len(texts[0]))  # the whole content
 

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 import pytest
-from detectors_support import ANCHORS, expected_probs, shared_anchor_classifier
+from detectors_support import ANCHORS, SHIPPED_INJECTION, expected_probs, shared_anchor_classifier
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -250,11 +250,11 @@ async def test_a_short_sentence_costs_one_row_and_every_window_goes_in_one_call(
 async def test_benign_paragraphs_stay_benign(model: str) -> None:
     """Windows give a classifier more chances to be wrong: benign multi-sentence prose, also
     about prompts and models, still scores below 0.5 (guardify stays under 0.25; minilm under
-    the 0.29 of the shipped config's `injection`)."""
+    the shipped config's `injection` threshold)."""
     det = detectors.build("prompt_injection", {"model": model, "min_score": 0.0})
     result = await det.detect(BENIGN)
     scores = [per[0].score if per else 0.0 for per in result]
-    bound = {"guardify": 0.25, "minilm": 0.29}.get(model, 0.5)
+    bound = {"guardify": 0.25, "minilm": SHIPPED_INJECTION}.get(model, 0.5)
     assert max(scores) < bound, scores
 
 
