@@ -650,10 +650,19 @@ def _scan(
 def _with_unmarked(
     found: list[tuple[int, int, str]], more: list[tuple[int, int, str]]
 ) -> list[tuple[int, int, str]]:
-    """`found` and the matches of `more` that lie inside none of them."""
-    return sorted(
-        set(found) | {m for m in more if not any(s <= m[0] and m[1] <= e for s, e, _ in found)}
-    )
+    """`found` and the matches of `more` that lie inside none of them. One sweep over both in
+    order of start (a text of many values must not cost their product): `m` lies inside one of
+    `found` iff the furthest end of those starting at or before it reaches its end."""
+    found = sorted(found)
+    kept = set(found)
+    i, reach = 0, -1
+    for m in sorted(more):
+        while i < len(found) and found[i][0] <= m[0]:
+            reach = max(reach, found[i][1])
+            i += 1
+        if reach < m[1]:
+            kept.add(m)
+    return sorted(kept)
 
 
 def _outermost(found: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:

@@ -299,3 +299,21 @@ async def test_the_content_endpoint_redacts_decorated_values() -> None:
         ("email", "[email]"),
         ("ssn", "[ssn]"),
     ]
+
+
+SPANS = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(SPANS, SPANS)
+def test_the_unmarked_views_values_are_kept_unless_inside_a_decoded_ones(
+    decoded: list[tuple[int, int]], unmarked: list[tuple[int, int]]
+) -> None:
+    """regex_pii._with_unmarked (one sweep, linear after sorting) keeps exactly what the plain
+    rule says: every decoded-view value, and each unmarked-view value inside none of them."""
+    from detectors.regex_pii import _with_unmarked
+
+    found = [(s, s + n, "email") for s, n in decoded]
+    more = [(s, s + n, "phone") for s, n in unmarked]
+    inside = {m for m in more if any(s <= m[0] and m[1] <= e for s, e, _ in found)}
+    assert _with_unmarked(found, more) == sorted(set(found) | (set(more) - inside))

@@ -174,7 +174,12 @@ async def test_a_blocking_guardrail_blocks_a_value_padded_past_the_raw_bound(
     for part in VALUES[value][3]:
         assert part not in sent, part
     [done] = [e.data for e in events if e.name == "refusal.done"]
-    assert OBFUSCATED in sent and done, done
+    # the run at the raw bound, or the value itself where one window happened to hold it whole
+    # (how much text a window holds depends on how the tokens were batched: not the clock's to
+    # decide what this test asserts)
+    entity = VALUES[value][2]
+    flagged = {d["entity"] for d in done["detections"]}
+    assert flagged & {OBFUSCATED, entity}, done
 
 
 # -- the property, on the pipeline's own machinery ---------------------------------------------
