@@ -38,7 +38,8 @@ On CUDA the same modules are wrapped with Triton kernels instead (invariant_kern
 with fixed tiles and no split-K, norms one row per program, attention over fixed key blocks),
 because the torch ops above are neither exact there (cuBLAS picks kernels by shape) nor cheap
 (the elementwise trees are hundreds of tiny launches: 95% of the throughput at 64 streams on an
-H200). `GUARDSTREAM_BATCH_INVARIANT_KERNELS=triton|torch` forces one set (tests run the Triton
+H200). float64 keeps the torch set on CUDA (`choose_kernels`: the Triton kernels accumulate in
+float32). `GUARDSTREAM_BATCH_INVARIANT_KERNELS=triton|torch` forces one set (tests run the Triton
 kernels on a CPU under Triton's interpreter with it). Supported
 architectures: Llama-family (smollm2) and GPT-2; another model loads, but a module type this file
 does not know may still depend on the batch (a warning names it).
@@ -337,14 +338,24 @@ def _triton_layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Ten
 # ----- wrapping a model ---------------------------------------------------------------------------
 
 
-def choose_kernels(device: torch.device) -> str:
-    """ "triton" or "torch": `KERNELS_ENV` if set, else Triton on CUDA (invariant_kernels.py)."""
+#: The dtypes the Triton kernels compute (float32 accumulation): float64 is not one of them.
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def choose_kernels(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """ "triton" or "torch": `KERNELS_ENV` if set, else Triton on CUDA (invariant_kernels.py)
+    for the dtypes it computes. float64 takes the torch set on every device: the Triton kernels
+    accumulate in float32 (a float64 model would silently lose its precision, and Triton does not
+    compile their float32 accumulator against float64 tiles: the CUDA judge tests crashed at the
+    first forward on an H200), while the torch set keeps the model's float64 products and norms
+    and is canonical on CUDA too (per-row products of one shape, `_row_sum`, `_ordered_sum`): the
+    set every float64 test runs on a CPU."""
     forced = os.environ.get(KERNELS_ENV, "").strip()
     if forced:
         if forced not in ("triton", "torch"):
             raise ValueError(f"{KERNELS_ENV}={forced!r}: triton or torch")
         return forced
-    return "triton" if device.type == "cuda" else "torch"
+    return "triton" if device.type == "cuda" and dtype in TRITON_DTYPES else "torch"
 
 
 def make_batch_invariant(model: nn.Module, tile: int = 1, kernels: str | None = None) -> str:
@@ -352,9 +363,15 @@ def make_batch_invariant(model: nn.Module, tile: int = 1, kernels: str | None = 
     ("torch" or "triton", default `choose_kernels`) picks the implementation. Returns it."""
     from transformers.pytorch_utils import Conv1D
 
-    device = next(model.parameters()).device
-    kernels = kernels or choose_kernels(device)
+    first = next(model.parameters())
+    device = first.device
+    kernels = kernels or choose_kernels(device, first.dtype)
     triton = kernels == "triton"
+    if triton and first.dtype not in TRITON_DTYPES:
+        raise RuntimeError(
+            f"--batch-invariant: the Triton kernels compute float32, bfloat16 or float16, not "
+            f"{str(first.dtype).removeprefix('torch.')} (unset {KERNELS_ENV} for the torch set)"
+        )
     if triton:
         try:
             from . import invariant_kernels  # noqa: F401  (fails here, not in the first step)

@@ -23,7 +23,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from generation.batch_invariant import ATTENTION, TRITON_ATTENTION
+from generation.batch_invariant import (
+    ATTENTION,
+    TRITON_ATTENTION,
+    choose_kernels,
+    make_batch_invariant,
+)
 from generation.models import LoadedModel
 from generation.server import STATE, create_app
 from tests.engine_processes import ThreadedServer, start_engine_subprocess
@@ -78,6 +83,23 @@ def test_logits_are_bitwise_batch_and_prefill_invariant(dtype: str) -> None:
     assert wrapped.batch_invariant and wrapped.model.config._attn_implementation == attention
     assert wrapped.invariant_kernels == ("triton" if TORCH_DEVICE.type == "cuda" else "torch")
     assert _logits_checks(wrapped.model) == (True, True)
+
+
+def test_float64_takes_the_torch_set_on_every_device_and_triton_says_so() -> None:
+    """The Triton kernels accumulate in float32: a float64 model keeps the torch set on CUDA too
+    (on an H200 the float64 judge engines crashed at their first forward, Triton refusing a
+    float32 accumulator against float64 tiles), and forcing Triton on one is a clear error at
+    load, not a crash in the worker."""
+    loaded = load_test_model("tiny-random", dtype="float64", batch_invariant=True)
+    assert loaded.invariant_kernels == "torch"
+    assert loaded.model.config._attn_implementation == ATTENTION
+    assert _logits_checks(loaded.model) == (True, True)
+    assert choose_kernels(torch.device("cuda"), torch.float64) == "torch"
+    assert choose_kernels(torch.device("cuda"), torch.bfloat16) == "triton"
+    assert choose_kernels(torch.device("cpu"), torch.float32) == "torch"
+    plain = load_test_model("tiny-random", dtype="float64")
+    with pytest.raises(RuntimeError, match="Triton kernels compute float32, bfloat16 or float16"):
+        make_batch_invariant(plain.model, kernels="triton")
 
 
 # ----- tiny-random in float32: a property over batch compositions and join/leave orders --------

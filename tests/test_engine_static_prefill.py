@@ -43,7 +43,12 @@ def new_engine(
     model: LoadedModel, *, static_prefill: bool, buckets: bool, **options: Any
 ) -> Engine:
     """The static decode step on a CPU (as test_engine_warm_prefill's), prefill static or
-    eager; `buckets`: prefills and steps padded up to buckets, as on CUDA."""
+    eager; `buckets`: prefills and steps padded up to buckets, as on CUDA. On CUDA too the
+    passes run eagerly unless `cuda_graphs`/`warm_prefill` say otherwise: these tests compare
+    and count passes (an engine's CUDA default captures every shape at start, and then no
+    pass is eager; the graphs' own test asks for them)."""
+    options.setdefault("cuda_graphs", False)
+    options.setdefault("warm_prefill", False)
     engine = Engine(
         model,
         max_batch_size=options.pop("rows", ROWS),

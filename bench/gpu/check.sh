@@ -25,7 +25,7 @@
 #   part tests:
 #   engine_host   bench/engine_host.py --device cuda (the host's share of a step, null model);
 #   tests    the CUDA engine and migration tests, file by file (-rf --tb=short: a cut keeps every
-#            finished file's summary) in three parallel lanes, until the part's deadline
+#            finished file's summary) in four parallel lanes, until the part's deadline
 #            (CHECK_SECONDS after the start, default 520);
 #   judge    bench/judge.py --device cuda (issue 37): incremental judge sessions at 1 and 16 streams
 #            against re-judging prefixes, 135M shape (random weights: the cost, not the verdicts),
@@ -116,7 +116,9 @@ run() {
   fi
   [ -n "$rehearse" ] && { rehearse_command "$name" "$@"; set -- "${rehearsed[@]}"; limit=$((limit * 3 > 180 ? limit * 3 : 180)); }
   [ "$limit" -gt "$remaining" ] && limit=$remaining
-  timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
+  # cut_signal=INT (the test lanes): pytest stops as on Ctrl-C and still prints the failures so
+  # far and its -r summary, where a TERM loses them (2026-11-28: a cut file showed only "F")
+  timeout -s "${cut_signal:-TERM}" -k "${cut_grace:-5}" "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   # an anchor server outlives a cut bench (its own session) and holds the GPU's memory (not in a
   # rehearsal: a shared CPU machine's other servers are not ours to kill)
@@ -277,56 +279,59 @@ if wants engine_host; then
   run engine_host 200 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
   grep -E "^(inproc|http|http-api) |^ttft |^host_us_per_row|^ttft_ms_|^client_cpu_us_per_row|^load average" "$out/engine_host.log" >> "$summary"
 fi
-# the CUDA tests, file by file ("file:limit_s"), in three lanes at once (16 cores; after the
-# benchmarks, which they would disturb), each lane until the deadline. test_migration_engine
-# restarts killed replicas, each a fresh CUDA start: its lane has little else. Measured on an
-# H200 (2026-11-27, at 06fd7e6): lane1 237 s, lane2 193 s, lane3 136 s, the last without the
-# judge and tool-call files it now ends with (17 s together on 2 busy CPU cores; on CUDA their
-# engines capture graphs: the limits leave room) and test_engine_ipc (the API process's frames,
-# one tiny-model engine; in no lane before the CPU rehearsal found it), so lane1 still sets the
-# lanes' time. Lane 2 ends with the judge sessions' file (the static judge pass: its graphs
-# captured and replayed against the eager pass, exactness over both passes; ~20 s on 2 CPU
-# cores, not measured on CUDA); lane 3 with the static prefill's (its graphs replayed against
-# the eager static pass, and the static pass against eager prefill; not measured on CUDA).
+# the CUDA tests, file by file ("file:limit_s"), in four lanes at once (16 cores; after the
+# benchmarks, which they would disturb), each lane until the deadline. Measured on an H200
+# (2026-11-28, at f2f0c75, three lanes then): every file's time including pytest's start (~10 s)
+# and its engines' CUDA starts (a tiny-random engine now captures 63 decode and 57 prefill graphs
+# at start, ~15 s, so the files that start engine processes got slower: test_engine_subprocess
+# 42 s -> cut at 90 s, test_engine_sampling 44 s -> cut at 60 s); three lanes took 400 s and cut
+# test_engine_static_prefill, so a fourth lane, each ~250 s of files: lane 1 the files that
+# start and kill replicas (test_migration_engine ~125 s, test_engine_subprocess: ~7 engine
+# starts, 5 of its 11 tests in 90 s), lane 2 the step and sampler files,
+# lane 3 the API files, lane 4 the judge, tool-call, IPC and static-prefill files (the judge
+# files crashed on CUDA until float64 took the torch kernels: their times are estimates).
 if wants tests; then
 export GUARDSTREAM_TEST_DEVICE=cuda
-lane1=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
+lane1=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:180)
+lane2=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
   tests/test_engine_batching.py:90 tests/test_engine_batch_invariant.py:90
-  tests/test_invariant_kernels.py:60
-  tests/test_engine_sampling.py:60 tests/test_engine_warm_prefill.py:60
-  tests/test_engine_compile.py:90)
-lane2=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
-  tests/test_engine_units.py:60 tests/test_engine_api.py:90
-  tests/test_engine_chat_limits_auth.py:60 tests/test_engine_smollm2.py:30
+  tests/test_invariant_kernels.py:60 tests/test_engine_sampling.py:100
+  tests/test_engine_warm_prefill.py:60 tests/test_migration.py:60)
+lane3=(tests/test_engine_resume.py:90 tests/test_engine_chunked_prefill.py:60
+  tests/test_engine_units.py:60 tests/test_engine_api.py:100
+  tests/test_engine_chat_limits_auth.py:70 tests/test_engine_smollm2.py:30
   tests/test_engine_overlap.py:60 tests/test_migration_replay.py:60
-  tests/test_judge_sessions.py:90)
-lane3=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:90
-  tests/test_migration_batch_invariant.py:90 tests/test_migration.py:90
+  tests/test_migration_batch_invariant.py:90)
+lane4=(tests/test_engine_compile.py:90 tests/test_judge_sessions.py:120
   tests/test_engine_judge.py:90 tests/test_engine_tool_calls.py:60 tests/test_engine_ipc.py:60
   tests/test_engine_static_prefill.py:90)
 if [ -n "${CHECK_TESTS:-}" ]; then  # CHECK_TESTS="file:limit ...", dealt round-robin to the lanes
-  lane1=() lane2=() lane3=()
+  lane1=() lane2=() lane3=() lane4=()
   i=0
   for entry in $CHECK_TESTS; do
-    case $((i % 3)) in 0) lane1+=("$entry") ;; 1) lane2+=("$entry") ;; 2) lane3+=("$entry") ;; esac
+    case $((i % 4)) in
+      0) lane1+=("$entry") ;; 1) lane2+=("$entry") ;; 2) lane3+=("$entry") ;; 3) lane4+=("$entry") ;;
+    esac
     i=$((i + 1))
   done
 fi
-files=("${lane1[@]}" "${lane2[@]}" "${lane3[@]}")
+files=("${lane1[@]}" "${lane2[@]}" "${lane3[@]}" "${lane4[@]}")
 test_lane() {
   local entry file name
   for entry in "$@"; do
     file=${entry%%:*}
     [ -f "$file" ] || { [ -n "$rehearse" ] && rehearsal_error tests "no file $file"; continue; }
     name=tests_$(basename "$file" .py)
-    # no pytest-timeout override: a hanging test is cut by its file's limit (a cut file keeps
-    # nothing of -rf, so hangs show as "cut at"; the log has the progress dots)
-    run "$name" "${entry##*:}" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$file"
+    # no pytest-timeout override: a hanging test is cut by its file's limit, with SIGINT, so a
+    # cut file keeps its failures so far, its -r summary and where the test hung
+    cut_signal=INT cut_grace=20 run "$name" "${entry##*:}" \
+      python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$file"
   done
 }
 test_lane "${lane1[@]}" &
 test_lane "${lane2[@]}" &
 test_lane "${lane3[@]}" &
+test_lane "${lane4[@]}" &
 wait
 for entry in "${files[@]}"; do  # each file's summary line ("N passed, M failed"; "N skipped" alone:
   # a file whose tests all skip, which the 2026-11-27 summary lost) and failures
