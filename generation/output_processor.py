@@ -20,11 +20,20 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from time import perf_counter_ns
 
 import torch
 
 from .detokenizer import Detokenizer
-from .jobs import EngineDelta, EngineStats, FinishReason, Job, StepSink, StreamError
+from .jobs import (
+    EngineDelta,
+    EngineStats,
+    FinishReason,
+    Job,
+    StepSink,
+    StreamError,
+    WorkerTimes,
+)
 from .scheduling import Row
 
 log = logging.getLogger("guardstream.engine")
@@ -227,7 +236,7 @@ class OutputProcessor:
     def _post(self, loop: asyncio.AbstractEventLoop, events: list[Event]) -> None:
         mailbox = self._mailboxes.get(loop)
         if mailbox is None:
-            mailbox = self._mailboxes[loop] = _Mailbox()
+            mailbox = self._mailboxes[loop] = _Mailbox(self._stats.worker)
         if mailbox.post(events) and not loop.is_closed():
             return  # a wake-up is already on its way
         try:
@@ -247,9 +256,10 @@ class _Mailbox:
     a wake-up (`call_soon_threadsafe`: a syscall and a GIL hand-off per step, which the worker
     pays): while the loop is behind, later steps just join the pending delivery."""
 
-    __slots__ = ("_events", "_lock", "_posts")
+    __slots__ = ("_events", "_lock", "_posts", "_times")
 
-    def __init__(self) -> None:
+    def __init__(self, times: WorkerTimes) -> None:
+        self._times = times  # the loop's side of it: deliveries, the posts they carry, their time
         self._lock = threading.Lock()
         self._events: list[Event] = []
         self._posts = 0  # posts since the last delivery
@@ -281,7 +291,18 @@ class _Mailbox:
         grouping; a job with two events in it (a step's token and an error, say) then gets two
         calls, in order. Several posts (the loop fell behind) are grouped by job: one call, so
         one write, per stream for all its steps."""
+        start = perf_counter_ns()
         posted, posts = self._take()
+        try:
+            self._deliver(posted, posts)
+        finally:
+            times = self._times
+            times.deliveries += 1
+            times.delivered_posts += posts
+            times.delivery_ns += perf_counter_ns() - start
+
+    @staticmethod
+    def _deliver(posted: list[Event], posts: int) -> None:
         step = _step_sink(posted)
         if step is not None:  # the engine core's: the whole delivery in one call
             try:

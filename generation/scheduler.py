@@ -49,6 +49,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Iterator
+from time import perf_counter_ns
 
 import torch
 
@@ -337,7 +338,9 @@ class Engine:
                     if self._pending is not None and self._idle():
                         self._finish_pending()  # before waiting: its tokens are due now
                         self._output.flush()
+                    waited = perf_counter_ns()
                     joiners = self._wait_for_work()
+                    self.stats.worker.ns["idle"] += perf_counter_ns() - waited
                     if joiners is None:
                         break
                     self._iterate(joiners)
@@ -363,6 +366,8 @@ class Engine:
     def _iterate(self, joiners: list[Job]) -> None:
         """One iteration of the worker: leaves, joins, a prefill chunk, a decode step (or the
         step in flight finished), then the iteration's events out."""
+        times = self.stats.worker.ns
+        start = perf_counter_ns()
         self._drop_cancelled()
         rounds = 0
         while joiners and rounds < ADMISSION_ROUNDS:
@@ -371,13 +376,18 @@ class Engine:
             joiners = self._arrived() if rounds < ADMISSION_ROUNDS else []
         if self._sched.prefilling:
             self._prefill_chunk()
+        times["admit"] += perf_counter_ns() - start
         if self._sched.rows:
             self._decode_step(overlap=self.overlap)
         else:
             self._finish_pending()
+        start = perf_counter_ns()
         self._output.flush()
+        times["deliver"] += perf_counter_ns() - start
         if self.judges.has_work:  # every queued judge append, batched, between decode steps
+            start = perf_counter_ns()
             self.judges.run_pending()
+            times["judge"] += perf_counter_ns() - start
 
     def _idle(self) -> bool:
         """Whether `_wait_for_work` would wait (held, or nothing to do)."""
@@ -528,6 +538,8 @@ class Engine:
         """One decode step of the running batch. With `overlap` and a step whose tokens stay on
         the device, the step is left in flight (`_pending`) and the previous one's tokens are
         accepted meanwhile; else the step's tokens are accepted before this returns."""
+        worker = self.stats.worker
+        start = perf_counter_ns()
         try:
             step = self._runner.launch(list(self._sched.rows))
         except Exception as exc:
@@ -538,6 +550,9 @@ class Engine:
                 self._accept_step(previous, leave=False)
             self._fail_batch(exc)
             return
+        worker.ns["launch"] += perf_counter_ns() - start
+        worker.decode_steps += 1
+        worker.rows_stepped += len(step.rows)
         previous, self._pending = self._pending, None
         if previous is not None:
             self._accept_step(previous)
@@ -555,15 +570,20 @@ class Engine:
     def _accept_step(self, step: Step, leave: bool = True) -> None:
         """A step's rows take their tokens (rows done since its launch take none); finished
         rows leave the cache, unless `leave` is False (the batch is about to be dropped)."""
+        times = self.stats.worker.ns
+        start = perf_counter_ns()
         try:
             tokens = step.tokens()
         except Exception as exc:  # a device error surfaces where the host waits for the step
             self._fail_batch(exc)
             return
+        ready = perf_counter_ns()
+        times["device_wait"] += ready - start
         if self._output.accept_step(step.rows, tokens) and leave:
             keep = self._sched.leaving()
             if keep is not None:
                 self._keep_rows(keep)
+        times["accept"] += perf_counter_ns() - ready
 
     def _keep_rows(self, keep: list[int]) -> None:
         """Drop rows not in `keep`; the cache moves the last rows into the freed slots."""

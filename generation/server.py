@@ -534,6 +534,9 @@ async def handle_health(request: web.Request) -> web.Response:
         # how judge passes run (packed; static: the pool run eagerly; cuda_graphs: replayed),
         # the pool's slots and capacity, its graphs, captures and replays (judge_graphs.py)
         "judge": engine.judges.info(),
+        # where the worker thread's time went (admit, launch, device_wait, accept, deliver,
+        # judge, idle) and the event loop's deliveries (jobs.WorkerTimes)
+        "worker": engine.stats.worker.info(),
     }
     return web.json_response(body, status=200 if engine.healthy else 503)
 

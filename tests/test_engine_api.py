@@ -3,8 +3,10 @@ its exact status and body, the side endpoints, finish reasons, and fault injecti
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +226,29 @@ async def test_models_health_metrics(client: Any) -> None:
     assert "guardstream_engine_tokens_generated_total 3.0" in metrics
     assert "guardstream_engine_active_requests 0.0" in metrics
     assert "guardstream_engine_decode_batch_size_bucket" in metrics
+
+
+async def test_health_says_where_the_workers_time_went(client: Any) -> None:
+    """/health `worker` (jobs.WorkerTimes): four streams of 6 tokens (the first from the
+    prefill) are 4 x 5 rows stepped; the working parts' times are disjoint intervals of one
+    thread (together no more than the time the test waited around them; `idle` may count a wait
+    begun before), the steps were launched and accepted, and the loop delivered every post."""
+    started = time.monotonic()
+    before = (await (await client.get("/health")).json())["worker"]
+    bodies = [{"prompt": p, "max_new_tokens": 6, "min_new_tokens": 6} for p in "abcd"]
+    streams = await asyncio.gather(*(generate(client, "", b) for b in bodies))
+    assert [len(s.token_ids) for s in streams] == [6] * 4
+    after = (await (await client.get("/health")).json())["worker"]
+    elapsed = time.monotonic() - started
+    assert after["rows_stepped"] - before["rows_stepped"] == 4 * 5
+    assert after["decode_steps"] - before["decode_steps"] >= 5
+    spent = {k: after["seconds"][k] - before["seconds"][k] for k in after["seconds"]}
+    assert set(spent) == {"admit", "launch", "device_wait", "accept", "deliver", "judge", "idle"}
+    assert all(v >= 0 for v in spent.values()) and spent["judge"] == 0
+    assert spent["admit"] > 0 and spent["launch"] > 0 and spent["accept"] > 0
+    assert sum(v for k, v in spent.items() if k != "idle") <= elapsed
+    assert after["deliveries"] > before["deliveries"]
+    assert after["delivered_posts"] >= after["deliveries"] and after["delivery_seconds"] > 0
 
 
 async def test_unseeded_sampling_reports_its_seed(client: Any) -> None:

@@ -29,7 +29,7 @@ from generation.detokenizer import (
     skipped_ids,
     whole_tokens,
 )
-from generation.jobs import EngineDelta, Job, StreamError
+from generation.jobs import EngineDelta, Job, StreamError, WorkerTimes
 from generation.kv_cache import SlotCache
 from generation.output_processor import _Mailbox
 from generation.sampling import SamplingParams, uniform
@@ -425,7 +425,8 @@ def test_mailbox_hands_a_step_as_it_came_and_groups_steps_a_loop_fell_behind_on(
     loop = asyncio.new_event_loop()
     try:
         a, b = (Job([1], 4, SamplingParams(greedy=True), loop, Sink(name)) for name in ("a", "b"))
-        box = _Mailbox()
+        times = WorkerTimes()
+        box = _Mailbox(times)
 
         def delta(text: str) -> EngineDelta:
             return EngineDelta([5], text, 1)
@@ -438,6 +439,8 @@ def test_mailbox_hands_a_step_as_it_came_and_groups_steps_a_loop_fell_behind_on(
         assert box.post([(b, delta("b2")), (a, delta("a2"))]) is True  # a wake-up is pending
         box.deliver()
         assert calls == [("a", ["a1", "a2"]), ("b", ["b1", "b2"])]
+        # two deliveries, the second carrying two posts (the loop was behind), and their time
+        assert (times.deliveries, times.delivered_posts) == (2, 3) and times.delivery_ns > 0
     finally:
         loop.close()
 
