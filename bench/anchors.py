@@ -17,7 +17,6 @@ Each returns plain dicts (JSON-able) and prints one line per figure.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -31,9 +30,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import torch
 
+from bench.stream_clients import client_note, level_figures, read_streams
 from orchestrator.clients.managed import free_port
 
 SAMPLING_KWARGS = {"do_sample": True, "temperature": 0.8, "top_p": 0.95}
@@ -239,9 +238,11 @@ def serve_process(folder: Path, device: str, cuda_graph: bool, start_timeout_s: 
         os.unlink(log.name)
 
 
-async def _serve_stream(
-    session: aiohttp.ClientSession, url: str, model: str, question: str, tokens: int, decoding: str
-) -> dict[str, float]:
+def _serve_request(
+    model: str, question: str, tokens: int, decoding: str
+) -> tuple[str, dict[str, Any]]:
+    """One streamed chat completion of exactly `tokens` tokens (min = max through its
+    `generation_config`)."""
     config: dict[str, Any] = {"max_new_tokens": tokens, "min_new_tokens": tokens}
     config.update(SAMPLING_KWARGS if decoding == "sampling" else {"do_sample": False})
     body = {
@@ -251,60 +252,26 @@ async def _serve_stream(
         "max_tokens": tokens,
         "generation_config": json.dumps(config),
     }
-    start = time.perf_counter()
-    first: float | None = None
-    chunks = 0
-    usage: int | None = None
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"transformers serve: {resp.status} {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"].get("completion_tokens")
-            for choice in event.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    chunks += 1
-                    if first is None:
-                        first = time.perf_counter()
-    end = time.perf_counter()
-    return {
-        "start": start,
-        "first": first if first is not None else end,
-        "end": end,
-        "tokens": usage if usage is not None else chunks,
-    }
+    return "/v1/chat/completions", body
 
 
-async def _serve_level(
-    url: str, model: str, questions: list[str], level: int, tokens: int, decoding: str
+def _serve_level(
+    url: str,
+    model: str,
+    questions: list[str],
+    level: int,
+    tokens: int,
+    decoding: str,
+    clients: int | None = None,
 ) -> dict[str, Any]:
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(
-        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
-    ) as session:
-        await _serve_stream(session, url, model, "Hello!", 4, decoding)  # warm-up
-        t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(
-                _serve_stream(session, url, model, questions[i % len(questions)], tokens, decoding)
-                for i in range(level)
-            )
-        )
-        wall = time.perf_counter() - t0
-    total = sum(r["tokens"] for r in results)
-    ttfts = [r["first"] - r["start"] for r in results]
-    return {
-        "decoding": decoding,
-        "concurrency": level,
-        "tokens_total": total,
-        "wall_s": wall,
-        "aggregate_tokens_per_s": total / wall,
-        "ttft_p50_s": statistics.median(ttfts),
-    }
+    """One level, read by the same client processes as the engine's (bench/stream_clients.py)
+    and measured alike, after a warm-up stream."""
+    read_streams(url, [_serve_request(model, "Hello!", 4, decoding)], 1, protocol="sse")
+    requests = [
+        _serve_request(model, questions[i % len(questions)], tokens, decoding) for i in range(level)
+    ]
+    read = read_streams(url, requests, clients, protocol="sse")
+    return level_figures(read, decoding, level)
 
 
 def bench_serve(
@@ -314,20 +281,23 @@ def bench_serve(
     levels: list[int],
     tokens: int,
     decodings: list[str],
+    clients: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Aggregate tok/s of `transformers serve --continuous-batching` at each concurrency."""
+    """Aggregate tok/s of `transformers serve --continuous-batching` at each concurrency
+    (`clients`: client processes per level, as the engine's)."""
     cuda_graph = device.type == "cuda"
     out = []
     with serve_process(folder, str(device), cuda_graph) as url:
         for decoding in decodings:
             for level in levels:
-                r = asyncio.run(_serve_level(url, str(folder), questions, level, tokens, decoding))
+                r = _serve_level(url, str(folder), questions, level, tokens, decoding, clients)
                 r["cuda_graph"] = cuda_graph
                 print(
                     f"  transformers serve --continuous-batching"
                     f"{' --cb-use-cuda-graph' if cuda_graph else ''} {decoding:>8} {level:>3} "
                     f"streams: {r['aggregate_tokens_per_s']:8.1f} tok/s aggregate "
-                    f"({r['tokens_total']} tokens), TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms",
+                    f"({r['tokens_total']} tokens), TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms"
+                    f"{client_note(r)}",
                     flush=True,
                 )
                 out.append(r)

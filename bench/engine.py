@@ -6,7 +6,7 @@
                            [--skip-micro] [--skip-http] [--url http://HOST:PORT] [--json out.json]
                            [--batch-invariant] [--extra-args "--dtype bfloat16"]
                            [--anchors generate,step,serve|none] [--also-model PATH]
-                           [--compile] [--cold]
+                           [--compile] [--cold] [--clients K]
 
 1. Sampling cost per step for 1, 4, 16 (and 64 on a GPU) sampled rows, on real logits of the
    model (chat prompts' last positions): the batched `sampling.select` next to the previous
@@ -30,6 +30,11 @@
    engine started with `--batch-invariant` right after the default one, and each level's
    throughput as a ratio of the default's (the mode's cost, generation/batch_invariant.py).
    Each level also prints one `ttft DECODING N streams: p50 .. ms` line (for scripts).
+   The streams are read by `--clients` client processes (bench/stream_clients.py; default:
+   enough that each reads at most 64 streams, at most the CPUs less 2), started together: one
+   asyncio process reading 256 streams spends most of a core on them and its lag would be in
+   the figures. Each level's line ends with the clients' CPU share (their CPU seconds over
+   clients x wall): near 100%, the clients, not the engine, set the pace.
    `--compile`: the engine runs its decode step through torch.compile (`serve --compile`).
    `--cold`: no warm-up stream first, so the first level's TTFT is a fresh engine's (its
    first-use costs: what warm prefill, `serve --warm-prefill`, removes on CUDA). Each `ttft`
@@ -79,6 +84,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.anchors import bench_generate, bench_serve, bench_static_step
+from bench.stream_clients import client_note, level_figures, read_streams
 from generation import models
 from generation.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_decoder
 from generation.jobs import EngineDelta, Job
@@ -627,9 +633,8 @@ def bench_chunked_prefill(
     return out
 
 
-async def one_stream(
-    session: aiohttp.ClientSession, url: str, prompt: str, tokens: int, decoding: str
-) -> dict[str, float]:
+def generate_request(prompt: str, tokens: int, decoding: str) -> tuple[str, dict[str, Any]]:
+    """One stream as the orchestrator asks for it: a chat prompt, exactly `tokens` tokens."""
     body: dict[str, Any] = {
         "prompt": prompt,
         "chat": True,
@@ -638,50 +643,23 @@ async def one_stream(
     }
     if decoding == "sampling":
         body["decoding"] = SAMPLING
-    start = time.perf_counter()
-    first: float | None = None
-    generated = 0
-    async with session.post(url + "/v1/generate", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.content:
-            item = json.loads(line)
-            if "error" in item:
-                raise RuntimeError(item["error"])
-            if "data" in item:
-                generated += len(item["data"]["token_ids"])
-                if first is None:
-                    first = time.perf_counter()
-    end = time.perf_counter()
-    assert first is not None and generated == tokens, (generated, tokens)
-    return {"start": start, "first": first, "end": end, "tokens": generated}
+    return "/v1/generate", body
 
 
-async def run_level(url: str, concurrency: int, tokens: int, decoding: str) -> dict[str, Any]:
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(concurrency)]
-        t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(one_stream(session, url, p, tokens, decoding) for p in prompts)
-        )
-        wall = time.perf_counter() - t0
-    total = sum(r["tokens"] for r in results)
-    ttfts = [r["first"] - r["start"] for r in results]
-    per_stream = [
-        (r["tokens"] - 1) / (r["end"] - r["first"]) for r in results if r["end"] > r["first"]
+async def run_level(
+    url: str, concurrency: int, tokens: int, decoding: str, clients: int | None = None
+) -> dict[str, Any]:
+    """`concurrency` streams started together from `clients` client processes (default: the
+    `bench/stream_clients.py` rule), each exactly `tokens` tokens."""
+    requests = [
+        generate_request(QUESTIONS[i % len(QUESTIONS)], tokens, decoding)
+        for i in range(concurrency)
     ]
-    return {
-        "decoding": decoding,
-        "concurrency": concurrency,
-        "tokens_total": total,
-        "wall_s": wall,
-        "aggregate_tokens_per_s": total / wall,
-        "ttft_mean_s": statistics.fmean(ttfts),
-        "ttft_p50_s": statistics.median(ttfts),
-        "ttft_max_s": max(ttfts),
-        "per_stream_tokens_per_s": statistics.fmean(per_stream) if per_stream else 0.0,
-    }
+    read = await asyncio.to_thread(read_streams, url, requests, clients)
+    for stream in read.streams:
+        if stream["tokens"] != tokens:
+            raise RuntimeError(f"a stream generated {stream['tokens']} tokens, not {tokens}")
+    return level_figures(read, decoding, concurrency)
 
 
 async def bench_http(
@@ -692,6 +670,7 @@ async def bench_http(
     target: float | None,
     rounds: int,
     cold: bool = False,
+    clients: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every level once per round, rounds interleaved: each round's ratio compares runs made
     minutes apart at most, so a busy neighbour skews one round, not the comparison. Decodings
@@ -700,10 +679,10 @@ async def bench_http(
     greedy/sampling difference could be an order effect (issue 21's greedy/sampling gap).
 
     `cold`: no warm-up stream, so the first level's TTFT is what the first clients of a fresh
-    engine get (first-use costs included: what warm prefill is for)."""
-    if not cold:
-        async with aiohttp.ClientSession() as session:  # warm-up: first-call allocations, caches
-            await one_stream(session, url, "Hello!", 4, "greedy")
+    engine get (first-use costs included: what warm prefill is for). `clients`: client processes
+    per level (default: bench/stream_clients.py's rule, per level)."""
+    if not cold:  # warm-up: first-call allocations, caches
+        await asyncio.to_thread(read_streams, url, [generate_request("Hello!", 4, "greedy")], 1)
     out = []
     ratios: dict[str, list[float]] = {d: [] for d in decodings}
     for round_ in range(rounds):
@@ -712,7 +691,7 @@ async def bench_http(
             by_level = {}
             for level in levels:
                 before = await _prefill_counts(url)
-                r = await run_level(url, level, tokens, decoding)
+                r = await run_level(url, level, tokens, decoding, clients)
                 after = await _prefill_counts(url)
                 r["prefill"] = {
                     "mode": after["mode"],
@@ -723,7 +702,8 @@ async def bench_http(
                     f"{decoding:>8} {level:>3} streams: {r['aggregate_tokens_per_s']:8.1f} tok/s "
                     f"aggregate, {r['per_stream_tokens_per_s']:6.1f} tok/s per stream, TTFT mean "
                     f"{r['ttft_mean_s'] * 1000:6.0f} ms (p50 {r['ttft_p50_s'] * 1000:.0f}, max "
-                    f"{r['ttft_max_s'] * 1000:.0f}), wall {r['wall_s']:.1f} s (round {round_ + 1})",
+                    f"{r['ttft_max_s'] * 1000:.0f}), wall {r['wall_s']:.1f} s (round {round_ + 1})"
+                    f"{client_note(r)}",
                     flush=True,
                 )
                 p = r["prefill"]
@@ -836,6 +816,13 @@ def main() -> int:
         "--compile",
         action="store_true",
         help="start the engine with --compile (its decode step through torch.compile)",
+    )
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="HTTP: client processes per level, the engine's and the serve anchor's (default: "
+        "enough that each reads at most 64 streams, at most the CPUs less 2)",
     )
     parser.add_argument(
         "--cold",
@@ -955,7 +942,13 @@ def _side_by_side(
         print("transformers serve:", flush=True)
         try:
             entry["serve"] = bench_serve(
-                models.prepare(spec), device, QUESTIONS, levels, args.tokens, decodings
+                models.prepare(spec),
+                device,
+                QUESTIONS,
+                levels,
+                args.tokens,
+                decodings,
+                args.clients,
             )
         except (RuntimeError, OSError) as exc:  # e.g. no fastapi/uvicorn: the rest stands
             print(f"  transformers serve failed: {exc}", flush=True)
@@ -1044,7 +1037,9 @@ def _run_http(
             flush=True,
         )
         results = asyncio.run(
-            bench_http(url, levels, args.tokens, decodings, target, args.rounds, args.cold)
+            bench_http(
+                url, levels, args.tokens, decodings, target, args.rounds, args.cold, args.clients
+            )
         )
         after = asyncio.run(_health(url))
         print(

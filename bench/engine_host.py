@@ -24,7 +24,8 @@ sampler over the fixed logits; its sampling figure then includes that sampler's 
 Two paths, each at every row count and decoding:
 - inproc: the `Engine` in this process, its queues read by an asyncio loop here;
 - http: the engine's own server (`generation.server.create_app`) in a subprocess, driven by
-  `--clients` client processes (aiohttp, NDJSON read line by line), as the orchestrator would.
+  `--clients` client processes (bench/stream_clients.py: aiohttp, NDJSON read line by line,
+  the processes started together), as the orchestrator would.
 Both hold the engine until every stream is queued (`Engine.hold`, for the http path through a
 bench-only route of the server subprocess), so all rows prefill together and every step runs at
 the full row count.
@@ -119,6 +120,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.stream_clients import Streams, read_streams
 from generation import model_runner, models
 from generation.__main__ import LISTEN_BACKLOG
 from generation.decode_graphs import StaticSlotCache
@@ -579,63 +581,6 @@ def serve_core(
     sys.exit(asyncio.run(main()))
 
 
-async def client(
-    url: str, first: int, count: int, decoding: str, tokens: int, go: bool = False
-) -> None:
-    """A client subprocess: `count` concurrent streams; prints each stream's arrivals and the
-    time each request was sent (JSON). `go` (TTFT levels): connect first, print "ready", and
-    send every request at once when a line comes on stdin, so the clients' start-up is not in
-    the burst."""
-    import aiohttp
-    import orjson
-
-    all_prompts = prompts(first + count)
-    cpu_at_first_token: list[float] = []  # this process's CPU time when any stream's first came
-    sent: dict[int, float] = {}  # stream index -> time.monotonic() its request was sent
-
-    async def one(session: aiohttp.ClientSession, index: int) -> list[tuple[float, int]]:
-        body: dict[str, Any] = {
-            "input_ids": all_prompts[index],
-            "max_new_tokens": tokens,
-            "min_new_tokens": tokens,
-            "decoding": {"method": "greedy"}
-            if decoding == "greedy"
-            else {**SAMPLING, "seed": 7 + index},
-        }
-        seen: list[tuple[float, int]] = []
-        sent[index] = time.monotonic()
-        async with session.post(f"{url}/v1/generate", json=body) as resp:
-            resp.raise_for_status()
-            complete = False
-            async for raw in resp.content:  # line by line, as the orchestrator's clients read
-                item = orjson.loads(raw)
-                if item.get("complete_final"):
-                    complete = True
-                    break
-                if "error" in item:
-                    raise RuntimeError(item["error"])
-                if not cpu_at_first_token:
-                    cpu_at_first_token.append(time.process_time())
-                seen.append((time.monotonic(), item["data"]["generated_token_count"]))
-            if not complete:
-                raise RuntimeError("stream ended without complete_final")
-        return seen
-
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        if go:
-            async with session.get(f"{url}/health") as resp:  # the client's own first-use costs
-                await resp.read()
-            sys.stdout.write("ready\n")
-            sys.stdout.flush()
-            await asyncio.to_thread(sys.stdin.readline)
-        result = await asyncio.gather(*(one(session, first + i) for i in range(count)))
-    cpu = time.process_time() - cpu_at_first_token[0]
-    order = [sent[first + i] for i in range(count)]
-    sys.stdout.write(json.dumps({"streams": result, "cpu_s": cpu, "sent": order}) + "\n")
-
-
 class HttpBench:
     """One server subprocess per device-ms setting; client subprocesses per level."""
 
@@ -706,16 +651,9 @@ class HttpBench:
         cpu = _process_cpu(self.worker_pid)
         api = _process_cpu(self.process.pid) if self.api else 0.0
         worker = _worker_cpu(self.worker_pid, self.worker_tid)
-        procs = self._clients(rows, decoding, self.args.tokens)
-        arrivals: list[list[tuple[float, int]]] = []
-        client_cpu = 0.0
-        for proc in procs:
-            out, _ = proc.communicate(timeout=600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"a bench client exited with {proc.returncode}")
-            reply = json.loads(out)
-            arrivals.extend([tuple(p) for p in stream] for stream in reply["streams"])  # type: ignore[misc]
-            client_cpu += reply["cpu_s"]
+        read = self._read(rows, decoding, self.args.tokens)
+        arrivals = [[(at, count) for at, count in s["arrivals"]] for s in read.streams]
+        client_cpu = read.cpu_from_first_token_s
         cpu = _process_cpu(self.worker_pid) - cpu
         api = _process_cpu(self.process.pid) - api if self.api else 0.0
         worker = _worker_cpu(self.worker_pid, self.worker_tid) - worker
@@ -736,51 +674,31 @@ class HttpBench:
             self._take_idle(),
         )
 
-    def _clients(
-        self, rows: int, decoding: str, tokens: int, go: bool = False
-    ) -> list[subprocess.Popen[str]]:
-        """`--clients` client subprocesses sharing `rows` streams (`go`: each waits, connected,
-        for a line on its stdin before it sends its requests)."""
-        clients = max(1, min(self.args.clients, rows))
-        share = [rows // clients + (1 if i < rows % clients else 0) for i in range(clients)]
-        procs = []
-        first = 0
-        for count in share:
-            command = [sys.executable, __file__, "--client", self.url, "--first", str(first)]
-            command += ["--count", str(count), "--decoding", decoding, "--tokens", str(tokens)]
-            procs.append(
-                subprocess.Popen(
-                    [*command, "--go"] if go else command,
-                    stdin=subprocess.PIPE if go else None,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    env=child_environment(),
-                )
+    def _read(self, rows: int, decoding: str, tokens: int) -> Streams:
+        """`rows` streams of `tokens` tokens (a different prompt each) from `--clients` client
+        processes (bench/stream_clients.py), all sent at once."""
+        requests = [
+            (
+                "/v1/generate",
+                {
+                    "input_ids": ids,
+                    "max_new_tokens": tokens,
+                    "min_new_tokens": tokens,
+                    "decoding": {"method": "greedy"}
+                    if decoding == "greedy"
+                    else {**SAMPLING, "seed": 7 + index},
+                },
             )
-            first += count
-        return procs
+            for index, ids in enumerate(prompts(rows))
+        ]
+        return read_streams(self.url, requests, self.args.clients)
 
     def ttft(self, rows: int, decoding: str, tokens: int) -> TtftLevel:
         """`rows` new streams sent at once (no hold: they reach the engine as they arrive, as a
         burst of clients does), `tokens` each: every stream's time to first token, from its
         request sent to its first token line read."""
-        procs = self._clients(rows, decoding, tokens, go=True)
-        for proc in procs:  # every client connected and warm
-            assert proc.stdout is not None
-            if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError("a bench client did not start")
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        ttfts: list[float] = []
-        for proc in procs:
-            out, _ = proc.communicate(timeout=600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"a bench client exited with {proc.returncode}")
-            reply = json.loads(out)
-            for stream, sent in zip(reply["streams"], reply["sent"], strict=True):
-                ttfts.append((stream[0][0] - sent) * 1000)
+        read = self._read(rows, decoding, tokens)
+        ttfts = [(s["arrivals"][0][0] - s["sent"]) * 1000 for s in read.streams]
         self._take_idle()
         return TtftLevel(self.path, decoding, rows, self.device_ms, self.overlap, sorted(ttfts))
 
@@ -1129,7 +1047,6 @@ def main() -> None:
         "(empty: none)",
     )
     parser.add_argument("--ttft-tokens", type=int, default=16, help="tokens per TTFT stream")
-    parser.add_argument("--go", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--overlap",
@@ -1143,9 +1060,6 @@ def main() -> None:
     parser.add_argument("--core-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--core-socket", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-rows", type=int, default=256, help=argparse.SUPPRESS)
-    parser.add_argument("--client", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     engine = (args.device, args.device_ms, args.max_rows, args.eager)
     if args.serve is not None:
@@ -1153,11 +1067,6 @@ def main() -> None:
         return
     if args.serve_core:
         serve_core(args.core_fd, args.core_socket, *engine, args.overlap.split(",")[0] == "on")
-        return
-    if args.client is not None:
-        asyncio.run(
-            client(args.client, args.first, args.count, args.decoding, args.tokens, args.go)
-        )
         return
     if args.greedy_text is not None:  # read by this process and the server subprocess
         os.environ["GUARDSTREAM_BENCH_GREEDY_TEXT"] = args.greedy_text
