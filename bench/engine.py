@@ -690,9 +690,9 @@ async def bench_http(
         for decoding in order:
             by_level = {}
             for level in levels:
-                before = await _prefill_counts(url)
+                before, worker_before = await _prefill_counts(url), await _worker(url)
                 r = await run_level(url, level, tokens, decoding, clients)
-                after = await _prefill_counts(url)
+                after, worker_after = await _prefill_counts(url), await _worker(url)
                 r["prefill"] = {
                     "mode": after["mode"],
                     **{k: after[k] - before[k] for k in ("captures", "replays", "eager_passes")},
@@ -715,6 +715,9 @@ async def bench_http(
                     f"replayed, {p['eager_passes']} eager",
                     flush=True,
                 )
+                if worker_before and worker_after:
+                    r["worker"] = worker_split(worker_before, worker_after)
+                    print(worker_line(decoding, level, r["worker"]), flush=True)
                 by_level[level] = r
                 out.append(r)
             if 1 in by_level and max(by_level) > 1:
@@ -749,6 +752,46 @@ async def _prefill_counts(url: str) -> dict[str, Any]:
         "mode": info.get("mode", "eager"),
         **{k: int(info.get(k, 0)) for k in ("captures", "replays", "eager_passes")},
     }
+
+
+async def _worker(url: str) -> dict[str, Any]:
+    """The engine's `/health` `worker` (jobs.WorkerTimes; an engine without it: {})."""
+    return (await _health(url)).get("worker") or {}
+
+
+def worker_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the worker did between two `/health` `worker` reads: decode steps, rows per step,
+    milliseconds per step in each part, and the loop's deliveries (posts per delivery above 1:
+    the loop fell behind the worker)."""
+    steps = after["decode_steps"] - before["decode_steps"]
+    per_step = max(steps, 1)
+    deliveries = after["deliveries"] - before["deliveries"]
+    return {
+        "decode_steps": steps,
+        "rows_per_step": (after["rows_stepped"] - before["rows_stepped"]) / per_step,
+        "ms_per_step": {
+            part: 1e3 * (after["seconds"][part] - before["seconds"][part]) / per_step
+            for part in after["seconds"]
+        },
+        "deliveries": deliveries,
+        "posts_per_delivery": (after["delivered_posts"] - before["delivered_posts"])
+        / max(deliveries, 1),
+        "delivery_ms_per_step": 1e3
+        * (after["delivery_seconds"] - before["delivery_seconds"])
+        / per_step,
+    }
+
+
+def worker_line(decoding: str, level: int, split: dict[str, Any]) -> str:
+    """One line per level: where a decode step's time went in the worker thread (device_wait
+    near 0 on a GPU: host-bound) and the event loop's delivery per step, which shares the GIL."""
+    parts = " ".join(f"{k} {v:.2f}" for k, v in split["ms_per_step"].items())
+    return (
+        f"worker {decoding} {level} streams: {split['decode_steps']} steps of "
+        f"{split['rows_per_step']:.0f} rows, ms per step: {parts}; loop delivery "
+        f"{split['delivery_ms_per_step']:.2f} ms per step, {split['posts_per_delivery']:.2f} "
+        f"posts per delivery"
+    )
 
 
 def hold_freed_memory() -> bool:

@@ -228,7 +228,9 @@ compile=""
 grep -q -- '"--compile"' bench/engine.py && compile=yes
 side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph replay (and why
   # an anchor server is missing from them: bench/engine.py goes on without it, rc=0)
-  grep -E "streams: +[0-9.]+ tok/s aggregate|^ttft |side by side|engine +[0-9.]+ \||serve failed: " "$out/$1.log" >> "$summary"
+  # `worker` lines: a decode step's time in the engine's worker thread by part, per level (the
+  # host-bound share on a GPU: device_wait near 0) and the loop's delivery (/health `worker`)
+  grep -E "streams: +[0-9.]+ tok/s aggregate|^ttft |^worker |side by side|engine +[0-9.]+ \||serve failed: " "$out/$1.log" >> "$summary"
 }
 
 # part bench: the engine next to its anchors, a fresh engine's TTFT, the compiled step
@@ -242,7 +244,7 @@ if wants e135_oneproc; then  # the replica as one process (before the API-proces
     --concurrency 64,256 --skip-micro --rounds 1 --anchors none --extra-args="--no-api-process" \
     --json "$out/e135_oneproc.json"
   say "one process (--no-api-process):"
-  grep -E "streams: +[0-9.]+ tok/s aggregate" "$out/e135_oneproc.log" >> "$summary"
+  grep -E "streams: +[0-9.]+ tok/s aggregate|^worker " "$out/e135_oneproc.log" >> "$summary"
 fi
 if wants e1p7; then
   run e1p7 80 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
