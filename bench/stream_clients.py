@@ -174,12 +174,30 @@ def level_figures(read: Streams, decoding: str, concurrency: int) -> dict[str, A
         "clients": read.clients,
         "client_cpu_s": read.cpu_s,
         "client_cpu_share": read.cpu_share,
+        # > 1: the engine sent several tokens per line, i.e. its delivery found the stream
+        # behind (the API process or this client did not keep up with the steps)
+        "tokens_per_line": total / max(1, sum(len(s["arrivals"]) for s in read.streams)),
+        # random weights: greedy repeats one token (a host path that grows with repetition
+        # would show as greedy slower than sampling: issue 35)
+        "distinct_tokens_p50": statistics.median(
+            len(set(s["token_ids"])) for s in read.streams if s.get("token_ids") is not None
+        )
+        if any(s.get("token_ids") is not None for s in read.streams)
+        else None,
     }
 
 
 def client_note(r: dict[str, Any]) -> str:
-    """`, N clients at X% CPU` of a level's line (the clients' CPU share)."""
-    return f", {r['clients']} client{'s' if r['clients'] > 1 else ''} at {r['client_cpu_share']:.0%} CPU"
+    """`, N clients at X% CPU, T tokens per line[, D distinct tokens per stream]` of a level's
+    line: the clients' CPU share, how far behind the engine's delivery found the streams, and
+    (NDJSON) how repetitive the text was."""
+    note = (
+        f", {r['clients']} client{'s' if r['clients'] > 1 else ''} at "
+        f"{r['client_cpu_share']:.0%} CPU, {r['tokens_per_line']:.2f} tokens per line"
+    )
+    if r.get("distinct_tokens_p50") is not None:
+        note += f", {r['distinct_tokens_p50']:g} distinct tokens per stream"
+    return note
 
 
 # ----- the client process -----------------------------------------------------------------------

@@ -86,7 +86,9 @@ def test_a_stream_the_engine_refuses_fails_the_level(engine: EngineProcess) -> N
 
 def test_the_engine_level_keeps_its_figures_and_adds_the_clients(engine: EngineProcess) -> None:
     r = asyncio.run(run_level(engine.url, 3, TOKENS, "greedy", clients=2))
-    assert set(r) == FIGURES | {"clients", "client_cpu_s", "client_cpu_share"}
+    added = {"clients", "client_cpu_s", "client_cpu_share", "tokens_per_line"}
+    assert set(r) == FIGURES | added | {"distinct_tokens_p50"}
+    assert 1 <= r["tokens_per_line"] <= TOKENS and 1 <= r["distinct_tokens_p50"] <= TOKENS
     assert (r["decoding"], r["concurrency"], r["clients"]) == ("greedy", 3, 2)
     assert r["tokens_total"] == 3 * TOKENS
     assert r["wall_s"] > 0 and r["aggregate_tokens_per_s"] == r["tokens_total"] / r["wall_s"]
