@@ -7,8 +7,9 @@
 # BUNDLE: the folder bench/gpu/bundle.sh made (wheels/ and tok/); MODELS_DIR (default /root): where
 # setup.sh builds the random-weight models (m135r: smollm2-135m's shape, m1p7r: SmolLM2-1.7B's).
 # CHECK_PART=all runs both parts in one call: ~15 minutes, more than one device call may run.
-# CHECK_STEPS="e135 ttft ..." runs the named steps only; CHECK_TESTS="file:limit ..." some test
-# files only (the tests step).
+# CHECK_STEPS="e135 ttft ..." runs the named steps only, in the order named (2026-11-28: steps
+# ran in this file's order whatever the order asked, so `judge` came after a 170 s `e135_compile`
+# cut and was skipped); CHECK_TESTS="file:limit ..." some test files only (the tests step).
 #
 # Steps, each under its own `timeout` so that one that hangs costs only its share:
 #   0. set-up (setup.sh; skipped when the models exist: a warm machine);
@@ -96,6 +97,10 @@ esac
 [ -n "$rehearse" ] && deadline=$((t0 + ${CHECK_SECONDS:-3600}))  # a busy CPU: no GPU deadline
 [ -n "${CHECK_STEPS:-}" ] && steps=$CHECK_STEPS
 [ -n "${CHECK_TESTS:-}" ] && [ -z "${CHECK_STEPS:-}" ] && steps=tests
+known=" e135 e135_oneproc e1p7 ttft e135_compile engine_host tests judge e1p7_compile binv_tests binv "
+for step in $steps; do  # a mistyped step would cost a lent machine's call: refuse it here
+  case $known in *" $step "*) ;; *) echo "CHECK_STEPS: no step $step (one of:$known)" >&2; exit 2 ;; esac
+done
 wants() { case " $steps " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 export PYTHONUNBUFFERED=1
 
@@ -234,24 +239,24 @@ side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph 
 }
 
 # part bench: the engine next to its anchors, a fresh engine's TTFT, the compiled step
-if wants e135; then
+step_e135() {
   run e135 210 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
     --concurrency 1,64,256 --skip-micro --rounds 1 --json "$out/e135.json"
   side_by_side e135
-fi
-if wants e135_oneproc; then  # the replica as one process (before the API-process split), same shape
+}
+step_e135_oneproc() {  # the replica as one process (before the API-process split), same shape
   run e135_oneproc 70 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
     --concurrency 64,256 --skip-micro --rounds 1 --anchors none --extra-args="--no-api-process" \
     --json "$out/e135_oneproc.json"
   say "one process (--no-api-process):"
   grep -E "streams: +[0-9.]+ tok/s aggregate|^worker " "$out/e135_oneproc.log" >> "$summary"
-fi
-if wants e1p7; then
+}
+step_e1p7() {
   run e1p7 80 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
     --concurrency 64 --skip-micro --rounds 1 --anchors generate,step --json "$out/e1p7.json"
   side_by_side e1p7
-fi
-if wants ttft; then  # the first clients of a fresh engine: warm prefill on (default), then off
+}
+step_ttft() {  # the first clients of a fresh engine: warm prefill on (default), then off
   run ttft_warm 60 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 16 \
     --concurrency 64,256 --decoding greedy --skip-micro --rounds 1 --anchors none --cold
   say "ttft, warm prefill (default):"
@@ -262,8 +267,8 @@ if wants ttft; then  # the first clients of a fresh engine: warm prefill on (def
   say "ttft, no prefill buckets, no warm-up:"
   grep -E "^ttft " "$out/ttft_cold.log" >> "$summary"
   grep -hE "engine log: .*(warmed|captured)" "$out/ttft_warm.log" >> "$summary"
-fi
-if wants e135_compile; then
+}
+step_e135_compile() {
   if [ -n "$compile" ]; then
     run e135_compile 170 python3 bench/engine.py --device cuda --model "$models/m135r" \
       --tokens 128 --concurrency 1,64 --skip-micro --rounds 1 --anchors step --compile \
@@ -273,14 +278,14 @@ if wants e135_compile; then
   else
     say "--- e135_compile: bench/engine.py has no --compile, skipped"
   fi
-fi
+}
 
 # part tests: the host's share of a step, the 1.7B shape compiled, the CUDA tests
-if wants engine_host; then
+step_engine_host() {
   # three paths: in process, one-process HTTP, and the API process + engine core (the default)
   run engine_host 200 python3 bench/engine_host.py --device cuda --rows 1,64,256 --tokens 128
   grep -E "^(inproc|http|http-api) |^ttft |^host_us_per_row|^ttft_ms_|^client_cpu_us_per_row|^load average" "$out/engine_host.log" >> "$summary"
-fi
+}
 # the CUDA tests, file by file ("file:limit_s"), in four lanes at once (16 cores; after the
 # benchmarks, which they would disturb), each lane until the deadline. Measured on an H200
 # (2026-11-28, at f2f0c75, three lanes then): every file's time including pytest's start (~10 s)
@@ -292,7 +297,7 @@ fi
 # starts, 5 of its 11 tests in 90 s), lane 2 the step and sampler files,
 # lane 3 the API files, lane 4 the judge, tool-call, IPC and static-prefill files (the judge
 # files crashed on CUDA until float64 took the torch kernels: their times are estimates).
-if wants tests; then
+step_tests() {
 export GUARDSTREAM_TEST_DEVICE=cuda
 lane1=(tests/test_migration_engine.py:180 tests/test_engine_subprocess.py:180)
 lane2=(tests/test_engine_static_decode.py:60 tests/test_engine_device_sampling.py:60
@@ -350,7 +355,7 @@ for file in tests/test_engine_*.py tests/test_migration*.py; do
       [ -n "$rehearse" ] && rehearsal_error tests "$file is in no lane" ;;
   esac
 done
-fi  # tests
+}  # tests
 
 # issue 37: judge sessions on the GPU (135M shape, random weights: the cost, not the verdicts),
 # 1 and 16 concurrent streams of incremental appends against re-judging prefixes; per pass:
@@ -364,13 +369,13 @@ fi  # tests
 # its graphs captured/replayed (`pass=... graphs=C/R`); the packed pass's incremental 1-stream
 # line follows on an engine of its own, and `judge passes:` sets the two side by side. The
 # bench's engines have no static decode step (no decode graphs to capture at their start).
-if wants judge; then
+step_judge() {
   run judge 170 python3 bench/judge.py --device cuda --dtype bfloat16 --model "$models/m135r" \
     --streams 1,16 --profile --json "$out/judge.json"
   grep -E "^ *(incremental|rejudging|re-judging)|streams: .*the judged|^per pass:|^prof |^warm-up:|^judge passes:|^judge_tokens_ratio" "$out/judge.log" >> "$summary"
-fi
+}
 # last in its part: it gets what the tests left of the deadline
-if wants e1p7_compile; then
+step_e1p7_compile() {
   if [ -n "$compile" ]; then
     run e1p7_compile 130 python3 bench/engine.py --device cuda --model "$models/m1p7r" \
       --tokens 128 --concurrency 64 --skip-micro --rounds 1 --anchors step --compile \
@@ -379,9 +384,9 @@ if wants e1p7_compile; then
   else
     say "--- e1p7_compile: bench/engine.py has no --compile, skipped"
   fi
-fi
+}
 # part binv: --batch-invariant on CUDA (the Triton kernels), its tests, then its cost
-if wants binv_tests; then
+step_binv_tests() {
   binv_cache=$models/gscache-binv  # smollm2-135m here is m135r: random weights, the same shape
   mkdir -p "$binv_cache/models"
   ln -sfn "$models/m135r" "$binv_cache/models/smollm2-135m-instruct-v1"
@@ -402,14 +407,18 @@ if wants binv_tests; then
     say "--- binv_$name:"
     grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|skipped|error)" "$out/binv_$name.log" | tail -25 >> "$summary"
   done
-fi
-if wants binv; then
+}
+step_binv() {
   run binv 240 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 64 \
     --concurrency 1,64,256 --skip-micro --rounds 1 --anchors none --batch-invariant \
     --extra-args="--dtype bfloat16" --json "$out/binv.json"
   grep -E "streams: +[0-9.]+ tok/s aggregate|streams: default .*batch-invariant|engine log: .*(kernels|captured)" \
     "$out/binv.log" >> "$summary"
-fi
+}
+# the steps in the order asked for (a part's own order, or CHECK_STEPS'), each a function above
+for step in $steps; do
+  "step_$step"
+done
 say "=== done in $(elapsed) s"
 if [ -n "$rehearse" ]; then
   errors=$(command grep -c '^REHEARSAL: step ' "$summary")
