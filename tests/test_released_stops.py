@@ -5,6 +5,8 @@ nothing past the cut ever leaves, and every detection rides whole on the frame t
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,7 +118,7 @@ def test_any_frames_give_the_joined_text_cut_at_the_first_stop(
     spans: list[tuple[int, int]],
 ) -> None:
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)] or [""]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)] or [""]
     given_releases = releases(pieces, final=ends_here)
     # detections, each on the frame that holds it whole
     for start, size in spans:
