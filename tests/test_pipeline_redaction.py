@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from orchestrator.app import create_app
 from orchestrator.config import ConfigError, parse_config
+from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.fakes.upstream import start_site
 from tests.openai_support import raw_chunks, raw_events
@@ -31,6 +32,7 @@ from tests.orchestrator_support import (
     frames,
     generation_body,
     native_config,
+    remote,
     sse_events,
     terminal,
 )
@@ -913,3 +915,43 @@ async def test_a_stop_split_between_two_frames_matches_and_its_start_is_held() -
     assert got[-1]["finish_reason"] == "STOP_SEQUENCE"
     assert terminal(events).name == "completed"
     assert engine.requests[0].tokens_sent > held  # the rest came after the first frame
+
+
+@pytest.mark.parametrize("engine_ends", [False, True])
+async def test_a_whole_document_annotator_judges_the_text_before_a_stop(engine_ends) -> None:
+    """A stop matched here ends the answer where the client's text ends: an annotating
+    whole-document detector judges that text (its detections on the final frame), never text
+    past the cut. The engine either stalls after the stop (the cut ends it) or has ended."""
+    script = tokens(ANSWER)
+    # stalled where the detectors have released the sentence that holds the stop
+    sent = "Write to jo@example.com today. Or call 555-123-4567, please. Card 41"
+    stall = None if engine_ends else Fault("stall", after_tokens=len(tokens(sent)))
+    engine = FakeEngine(script=script, fail=stall)
+    dets = FakeDetectorServer()
+    dets.add("doc", DetectorBehaviour(words={"today": 1.0, "works": 1.0}))
+    await engine.start()
+    await dets.start()
+    cfg = config(engine)
+    cfg["detectors"]["doc"] = remote(dets.url, "whole_doc_chunker")
+    try:
+        async with Orchestrator(cfg) as orch:
+            body = generation_body(
+                output={**REDACT, "doc": {}}, params={"stop_sequences": [", please"]}
+            )
+            events = await orch.stream(body)
+    finally:
+        await engine.close()
+        await dets.close()
+    got = frames(events)
+    released = "Write to [email] today. Or call [phone]"
+    assert assert_contiguous(got) == released
+    assert got[-1]["finish_reason"] == "STOP_SEQUENCE"
+    assert terminal(events).name == "completed"
+    start = released.index("today")
+    found = [d for f in got for d in f["token_classification_results"].get("output", [])]
+    assert sorted(found, key=lambda d: d["start"]) == [
+        tcr(9, 16, "[email]", "email"),
+        {"start": start, "end": start + 5, "word": "today", "entity": "flagged",
+         "entity_group": "test", "detector_id": "doc", "score": 1.0},
+        tcr(32, 39, "[phone]", "phone"),
+    ]  # fmt: skip

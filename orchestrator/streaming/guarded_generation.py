@@ -161,6 +161,15 @@ class GuardedGeneration(PipelineCore):
             and any(d.redacting or d.blocking for d in output_detectors)
             else None
         )
+        # annotating whole-document detectors: after a stop matched here they judge the text the
+        # client received (the stage's ran on the raw text, past the cut); that text, kept
+        self._doc_annotators = [
+            d for d in self._output_detectors if d.whole_doc and d.on_detection == "annotate"
+        ]
+        self._sent_text: list[str] | None = (
+            [] if self._released_stops is not None and self._doc_annotators else None
+        )
+        self._cut: Release | None = None  # the release a stop sequence ended
         # what the pipeline itself decided about the stream (the rest is `self._stream`'s)
         self._finish_reason: str | None = None  # CANCELLED, TIME_LIMIT, ERROR
         self._refused_input_tokens: int | None = None  # the input refusal's count
@@ -303,6 +312,7 @@ class GuardedGeneration(PipelineCore):
                     if engine_ended and stage.done:
                         if let_out(stage.final_releases(), out):
                             self._finish_reason = "STOP_SEQUENCE"
+                            await self._annotate_cut()
                         self._release_calls(calls, out)  # after the text, as generated
                         out.append(self._finish_terminal())
                         yield self._framed(out)
@@ -314,7 +324,11 @@ class GuardedGeneration(PipelineCore):
             if stopped:  # as a backend stop: the text ends before it, generation ends now
                 self._finish_reason = "STOP_SEQUENCE"
                 await self._stop()
-                out.append(self._terminal("completed"))
+                try:
+                    await self._annotate_cut()
+                    out.append(self._terminal("completed"))
+                except Exception as exc:  # a detector's failure: after what was released
+                    out.append(self._failure(exc))
                 yield self._framed(out)
                 return
             if blocked is not None:
@@ -571,13 +585,32 @@ class GuardedGeneration(PipelineCore):
         if stops is None:
             out.extend(map(self._staged, releases))
             return False
+        sent = self._sent_text
         for release in releases:
             cut = stops.take(release)
             if cut is not None:
+                if stops.stopped and sent is not None:  # judged again, on the sent text
+                    ids = {d.detector_id for d in self._doc_annotators}
+                    cut.detections = [d for d in cut.detections if d.detector_id not in ids]
+                    self._cut = cut
                 out.append(self._staged(cut))
+                if sent is not None:
+                    sent.append(cut.text)
             if stops.stopped:
                 return True
         return False
+
+    async def _annotate_cut(self) -> None:
+        """After a stop sequence ended the text here: the annotating whole-document detectors'
+        detections on the text the client received, on the final frame (as after a backend's
+        stop, they judge the answer that ends before it; never text past the cut)."""
+        cut, sent = self._cut, self._sent_text
+        if cut is None or sent is None:
+            return
+        found = await judge_text("".join(sent), self._doc_annotators, self._chunkers)
+        if found:
+            self._observer.on_findings(found)
+            cut.detections = sort_findings(cut.detections + found)
 
     def _staged(self, release: Release) -> Release:
         """What the detection stage released, counted at once: a terminal decided in the same
