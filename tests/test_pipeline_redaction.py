@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from orchestrator.app import create_app
 from orchestrator.config import ConfigError, parse_config
+from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.fakes.upstream import start_site
 from tests.openai_support import raw_chunks, raw_events
@@ -31,6 +32,7 @@ from tests.orchestrator_support import (
     frames,
     generation_body,
     native_config,
+    remote,
     sse_events,
     terminal,
 )
@@ -740,3 +742,216 @@ async def test_migration_mid_entity_resumes_from_the_original_tokens() -> None:
     [resumed] = second.requests
     assert resumed.body["resume"]["text"] == "".join(script[:cut])  # the original text
     assert second.resume_mismatches == []
+
+
+# -- stop sequences where output guardrails redact or block (the stop-sequence oracle) -----------
+# A backend applies stop sequences to the raw text: with `stop: ["4111 1111"]` it stopped before
+# the redacted card number, so the released text's end and `finish_reason` told the client that
+# the number starts so. Where an output guardrail redacts or blocks, the stop sequences are
+# matched on the released text instead (streaming/released_stops.py) and never reach the engine.
+
+COMPLETIONS = "/api/v2/text/completions-detection"
+
+
+async def fms_outcome(orch: Orchestrator, output: Any, stops: list[str]) -> tuple[Any, ...]:
+    """What an FMS stream tells its client: frames' text and finish reason, the terminal."""
+    body = generation_body(output=output, params={"stop_sequences": stops, "max_new_tokens": 200})
+    events = await orch.stream(body)
+    got = frames(events)
+    end = terminal(events)
+    return (
+        assert_contiguous(got),
+        got[-1].get("finish_reason"),
+        end.name,
+        end.data["finish_reason"],
+        end.data["processed_index"],
+    )
+
+
+@pytest.mark.parametrize("guess", ["4111 1111", "555-123", "jo@ex"])
+async def test_a_stop_guessing_redacted_text_tells_the_fms_client_nothing(
+    pii_engine, guess
+) -> None:
+    """Repro of the oracle: the right guess ended the stream `STOP_SEQUENCE` right before the
+    redacted entity, a wrong one did not. Now both give the whole redacted answer."""
+    async with Orchestrator(config(pii_engine)) as orch:
+        right = await fms_outcome(orch, REDACT, [guess])
+        wrong = await fms_outcome(orch, REDACT, ["9999 9999"])
+        raw = await raw_post(
+            orch, STREAMING, generation_body(output=REDACT, params={"stop_sequences": [guess]})
+        )
+    assert right == wrong == (REDACTED, "EOS_TOKEN", "completed", "EOS_TOKEN", len(REDACTED))
+    no_entity(raw)
+    assert [r.body["stop_sequences"] for r in pii_engine.requests] == [[], [], []]
+
+
+async def test_a_stop_guessing_blocked_text_tells_the_fms_client_nothing(pii_engine) -> None:
+    """`block` leaks through stops too: a backend stop before the flagged e-mail ended the
+    stream `completed` where a wrong guess got the refusal. Now both get the refusal."""
+    block = {"pii": {"on_detection": "block"}}
+    async with Orchestrator(config(pii_engine)) as orch:
+        outcomes = []
+        for stops in (["jo@ex"], ["zz@ex"]):
+            body = generation_body(output=block, params={"stop_sequences": stops})
+            events = await orch.stream(body)
+            outcomes.append(
+                (
+                    "".join(f["generated_text"] for f in frames(events)),
+                    [e.name for e in events if e.name],
+                    terminal(events).data.get("incomplete_details"),
+                )
+            )
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][1][-3:] == ["refusal.delta", "refusal.done", "incomplete"]
+    assert outcomes[0][2] == {"reason": "content_filter"}
+
+
+async def test_a_stop_guessing_redacted_text_tells_chat_and_completions_clients_nothing(
+    pii_engine,
+) -> None:
+    """Chat Completions says `stop` for both ends: the oracle there is where the text ends."""
+    async with Orchestrator(config(pii_engine)) as orch:
+        client = openai.AsyncOpenAI(base_url=orch.url + "/v1", api_key="x", max_retries=0)
+        extra = {"detectors": {"output": REDACT}}
+        ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+        stream = await client.chat.completions.create(
+            **ask, stream=True, stop=["555-123"], extra_body=extra
+        )
+        chunks = [c async for c in stream]
+        unary = await client.chat.completions.create(**ask, stop="4111 1111", extra_body=extra)
+        completion = await raw_chunks(
+            orch,
+            {"model": MODEL, "prompt": "hi", "stream": True, "stop": ["jo@ex"], "max_tokens": 200,
+             "detectors": {"output": REDACT}},
+            path=COMPLETIONS,
+        )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == REDACTED
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert unary.choices[0].message.content == REDACTED
+    assert unary.choices[0].finish_reason == "stop"
+    text = "".join(c["choices"][0]["text"] for c in completion[:-1] if c.get("choices"))
+    assert text == REDACTED
+    assert [r.body.get("stop") or r.body.get("stop_sequences") for r in pii_engine.requests] == [
+        [],
+        [],
+        [],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stop", "released"),
+    [
+        ("call", "Write to [email] today. Or "),  # in text no guardrail changed
+        ("Card", "Write to [email] today. Or call [phone], please. "),
+    ],
+)
+async def test_a_stop_in_released_text_ends_the_stream_as_the_backend_stop_does(
+    pii_engine, stop, released
+) -> None:
+    """The same text, frames' finish reason and terminal as the engine's own stop without
+    guardrails (the entities replaced), and a truthful token count: what the engine generated."""
+    async with Orchestrator(config(pii_engine)) as orch:
+        plain_text, *plain = await fms_outcome(orch, None, [stop])
+        guarded_text, *guarded = await fms_outcome(orch, REDACT, [stop])
+        events = await orch.stream(
+            generation_body(output=REDACT, params={"stop_sequences": [stop]})
+        )
+    assert pii_engine.requests[0].body["stop_sequences"] == [stop]
+    assert pii_engine.requests[1].body["stop_sequences"] == []
+    assert plain_text.replace("jo@example.com", "[email]").replace("555-123-4567", "[phone]") == (
+        guarded_text
+    )
+    assert guarded_text == released
+    assert plain[:3] == guarded[:3] == ["STOP_SEQUENCE", "completed", "STOP_SEQUENCE"]
+    assert guarded[3] == len(released)
+    end = terminal(events)
+    assert len(tokens(released)) <= end.data["generated_token_count"] <= len(tokens(ANSWER))
+
+
+async def test_a_stop_in_a_replacement_matches_the_released_text() -> None:
+    """The client stops on what it receives: `[phone]` is in no text the engine wrote."""
+    engine = FakeEngine(script=tokens(ANSWER))
+    await engine.start()
+    try:
+        async with Orchestrator(config(engine)) as orch:
+            text, *rest = await fms_outcome(orch, REDACT, ["[phone]"])
+    finally:
+        await engine.close()
+    assert (text, *rest) == (
+        "Write to [email] today. Or call ",
+        "STOP_SEQUENCE",
+        "completed",
+        "STOP_SEQUENCE",
+        len("Write to [email] today. Or call "),
+    )
+
+
+async def test_a_stop_split_between_two_frames_matches_and_its_start_is_held() -> None:
+    """The engine holds after `today. Or call` until the client has the first frame (the
+    detectors release `Write to [email] today.`): the stop sequence `today. Or call [ph` starts
+    in that frame and ends in a later one. Its possible start (`today.`) is held back from the
+    first frame, and the answer ends right before it."""
+    script = tokens(ANSWER)
+    held = len(tokens("Write to jo@example.com today. Or call"))
+    engine = FakeEngine(script=script, hold_after=held)
+    await engine.start()
+    seen: list[str] = []
+
+    def on_event(events: list[Any]) -> None:
+        got = frames(events)
+        if got and not engine.release.is_set():
+            seen.extend(f["generated_text"] for f in got)
+            engine.release.set()
+
+    try:
+        async with Orchestrator(config(engine)) as orch:
+            body = generation_body(output=REDACT, params={"stop_sequences": ["today. Or call [ph"]})
+            events = await orch.stream(body, on_event=on_event)
+    finally:
+        await engine.close()
+    assert "".join(seen) == "Write to [email] "  # "today." held: it may start the stop
+    got = frames(events)
+    assert assert_contiguous(got) == "Write to [email] "
+    assert got[-1]["finish_reason"] == "STOP_SEQUENCE"
+    assert terminal(events).name == "completed"
+    assert engine.requests[0].tokens_sent > held  # the rest came after the first frame
+
+
+@pytest.mark.parametrize("engine_ends", [False, True])
+async def test_a_whole_document_annotator_judges_the_text_before_a_stop(engine_ends) -> None:
+    """A stop matched here ends the answer where the client's text ends: an annotating
+    whole-document detector judges that text (its detections on the final frame), never text
+    past the cut. The engine either stalls after the stop (the cut ends it) or has ended."""
+    script = tokens(ANSWER)
+    # stalled where the detectors have released the sentence that holds the stop
+    sent = "Write to jo@example.com today. Or call 555-123-4567, please. Card 41"
+    stall = None if engine_ends else Fault("stall", after_tokens=len(tokens(sent)))
+    engine = FakeEngine(script=script, fail=stall)
+    dets = FakeDetectorServer()
+    dets.add("doc", DetectorBehaviour(words={"today": 1.0, "works": 1.0}))
+    await engine.start()
+    await dets.start()
+    cfg = config(engine)
+    cfg["detectors"]["doc"] = remote(dets.url, "whole_doc_chunker")
+    try:
+        async with Orchestrator(cfg) as orch:
+            body = generation_body(
+                output={**REDACT, "doc": {}}, params={"stop_sequences": [", please"]}
+            )
+            events = await orch.stream(body)
+    finally:
+        await engine.close()
+        await dets.close()
+    got = frames(events)
+    released = "Write to [email] today. Or call [phone]"
+    assert assert_contiguous(got) == released
+    assert got[-1]["finish_reason"] == "STOP_SEQUENCE"
+    assert terminal(events).name == "completed"
+    start = released.index("today")
+    found = [d for f in got for d in f["token_classification_results"].get("output", [])]
+    assert sorted(found, key=lambda d: d["start"]) == [
+        tcr(9, 16, "[email]", "email"),
+        {"start": start, "end": start + 5, "word": "today", "entity": "flagged",
+         "entity_group": "test", "detector_id": "doc", "score": 1.0},
+        tcr(32, 39, "[phone]", "phone"),
+    ]  # fmt: skip

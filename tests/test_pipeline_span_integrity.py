@@ -6,9 +6,10 @@ holds one a blocking input guardrail should have refused.
 
 4. An entity longer than `max_chars` (or than the seam windows), counted in original characters
    (500 zero-width spaces inside an e-mail) or in visible ones (a 606-character e-mail).
-7. A stream that ends inside an entity (stop sequence, token budget): the tail that could still
-   grow into a match is redacted as that entity, or refused, never released raw; an ordinary
-   ending (`in 2023.`, `the end`) is not withheld.
+7. A stream that ends inside an entity (a token budget): the tail that could still grow into a
+   match is redacted as that entity, or refused, never released raw; an ordinary ending
+   (`in 2023.`, `the end`) is not withheld. A stop sequence inside an entity ends nothing: where
+   output guardrails redact or block, stop sequences are matched on the released text.
 """
 
 from __future__ import annotations
@@ -178,7 +179,9 @@ def chat_body(on_detection: str, **extra: Any) -> dict[str, Any]:
 
 
 CUTS = [
-    ({"stop": [".c"]}, "Contact [email]"),
+    # a stop sequence inside the entity: matched on the released text, where it is not (the
+    # backend would have matched the raw text and told the client what the e-mail holds)
+    ({"stop": [".c"]}, "Contact [email] today. Or call [phone] now."),
     ({"max_tokens": 20}, "Contact [email]"),  # Contact jo@example.c
     ({"max_tokens": 11}, "Contact [email]"),  # Contact jo@
     ({"max_tokens": len("Contact jo@example.com today. Or call 555-123-456")},

@@ -57,6 +57,7 @@ from .findings import Finding, sort_findings
 from .pipeline_core import DEADLINE, DRAIN, Crashed, PipelineCore, Signal
 from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
+from .released_stops import ReleasedStops
 from .stream_judgement import Release, StreamJudge
 from .text_judgement import InputPiece, judge_pieces, judge_text
 from .tool_calls import JudgedCall, ToolCallAssembler, judge_tool_calls, offered_names
@@ -151,6 +152,24 @@ class GuardedGeneration(PipelineCore):
         self._offers_tools = offers_tools
         self._detection: StreamJudge | None = None
         self._judged = bool(self._output_detectors)  # frames went through detectors
+        # DESIGN 4.6a: where an output guardrail changes or withholds released text, the stop
+        # sequences are matched here on that text, never by the backend on the raw text (whose
+        # stop or not would tell the client what the redacted or withheld text holds)
+        self._released_stops = (
+            ReleasedStops(request.params.stop_sequences)
+            if request.params.stop_sequences
+            and any(d.redacting or d.blocking for d in output_detectors)
+            else None
+        )
+        # annotating whole-document detectors: after a stop matched here they judge the text the
+        # client received (the stage's ran on the raw text, past the cut); that text, kept
+        self._doc_annotators = [
+            d for d in self._output_detectors if d.whole_doc and d.on_detection == "annotate"
+        ]
+        self._sent_text: list[str] | None = (
+            [] if self._released_stops is not None and self._doc_annotators else None
+        )
+        self._cut: Release | None = None  # the release a stop sequence ended
         # what the pipeline itself decided about the stream (the rest is `self._stream`'s)
         self._finish_reason: str | None = None  # CANCELLED, TIME_LIMIT, ERROR
         self._refused_input_tokens: int | None = None  # the input refusal's count
@@ -243,7 +262,10 @@ class GuardedGeneration(PipelineCore):
                 return
             if judged:
                 self._redact_input(judged, redactors)
-        stream = self._backend.stream(self._request)
+        request = self._request
+        if self._released_stops is not None:  # matched on the released text instead
+            request = replace(request, params=replace(request.params, stop_sequences=()))
+        stream = self._backend.stream(request)
         self._stream = stream
         stage = StreamJudge(
             self._output_detectors, self._chunkers, self._inbox, _conversation(self._request)
@@ -255,18 +277,21 @@ class GuardedGeneration(PipelineCore):
         self._spawn(self._read_engine(stream, stage))
         engine_ended = False
         calls: list[JudgedCall] = []  # the engine's tool calls, judged, once it ended
-        staged = self._staged
+        let_out = self._let_out
         while True:
             messages = await self._inbox.take_all()
             out: list[Release | Event] = []
             blocked: list[Finding] | None = None
+            stopped = False  # a stop sequence matched on the released text (ReleasedStops)
             try:
                 for message in messages:
                     if type(message) is list:  # what the stage released at an engine read
-                        out.extend(map(staged, message))
+                        if stopped := let_out(message, out):
+                            break
                     elif isinstance(message, DetectorResult | DetectorFinished):
                         verdict = stage.accept(message)
-                        out.extend(map(staged, verdict.releases))
+                        if stopped := let_out(verdict.releases, out):
+                            break  # the text ended before what a block flagged
                         if verdict.blocked is not None:
                             blocked = verdict.blocked
                             break
@@ -285,13 +310,25 @@ class GuardedGeneration(PipelineCore):
                                 yield self._framed(out)
                                 return
                     if engine_ended and stage.done:
-                        out.extend(map(staged, stage.final_releases()))
+                        if let_out(stage.final_releases(), out):
+                            self._finish_reason = "STOP_SEQUENCE"
+                            await self._annotate_cut()
                         self._release_calls(calls, out)  # after the text, as generated
                         out.append(self._finish_terminal())
                         yield self._framed(out)
                         return
             except Exception as exc:  # a bug: what was released goes out before the terminal
                 out.append(self._failure(exc))
+                yield self._framed(out)
+                return
+            if stopped:  # as a backend stop: the text ends before it, generation ends now
+                self._finish_reason = "STOP_SEQUENCE"
+                await self._stop()
+                try:
+                    await self._annotate_cut()
+                    out.append(self._terminal("completed"))
+                except Exception as exc:  # a detector's failure: after what was released
+                    out.append(self._failure(exc))
                 yield self._framed(out)
                 return
             if blocked is not None:
@@ -540,6 +577,40 @@ class GuardedGeneration(PipelineCore):
             input_token_count=self._input_token_count(),
             seed=self._seed,
         )
+
+    def _let_out(self, releases: list[Release], out: list[Release | Event]) -> bool:
+        """The stage's releases, counted, into `out`; with stop sequences matched here, cut at
+        the first one. True once a stop sequence ended the text."""
+        stops = self._released_stops
+        if stops is None:
+            out.extend(map(self._staged, releases))
+            return False
+        sent = self._sent_text
+        for release in releases:
+            cut = stops.take(release)
+            if cut is not None:
+                if stops.stopped and sent is not None:  # judged again, on the sent text
+                    ids = {d.detector_id for d in self._doc_annotators}
+                    cut.detections = [d for d in cut.detections if d.detector_id not in ids]
+                    self._cut = cut
+                out.append(self._staged(cut))
+                if sent is not None:
+                    sent.append(cut.text)
+            if stops.stopped:
+                return True
+        return False
+
+    async def _annotate_cut(self) -> None:
+        """After a stop sequence ended the text here: the annotating whole-document detectors'
+        detections on the text the client received, on the final frame (as after a backend's
+        stop, they judge the answer that ends before it; never text past the cut)."""
+        cut, sent = self._cut, self._sent_text
+        if cut is None or sent is None:
+            return
+        found = await judge_text("".join(sent), self._doc_annotators, self._chunkers)
+        if found:
+            self._observer.on_findings(found)
+            cut.detections = sort_findings(cut.detections + found)
 
     def _staged(self, release: Release) -> Release:
         """What the detection stage released, counted at once: a terminal decided in the same

@@ -36,6 +36,7 @@ if not __package__:  # run as a script (`python tests/fakes/engine.py`) by the m
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
+from servicekit.text_gate import TextGate
 from tests.fakes.upstream import FakeUpstream, next_fault
 from tests.wait_support import DEADLINE_S, until
 
@@ -237,8 +238,11 @@ class FakeEngine(FakeUpstream):
         else:
             self.resume_mismatches.append(f"resume text {r_text!r} is not a prefix of {full!r}")
         max_new = int(body.get("max_new_tokens", 20))
-        stops = body.get("stop_sequences") or []
-        generated = full
+        # stop sequences as the engine applies them (the stop sequence and what follows it are
+        # never sent; a possible start of one is held until ruled out)
+        gate = TextGate(body.get("stop_sequences") or [], already_delivered=len(r_text))
+        gate.push(full)
+        pending = gate.release() if full.startswith(r_text) else pending
         first = True
 
         async def send(obj: Any) -> None:
@@ -297,18 +301,20 @@ class FakeEngine(FakeUpstream):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             tok = script[pos]
-            text = pending + tok
-            pending = ""
-            generated += tok
             pos += 1
             sent += 1
             finish = None
-            if any(s and s in generated for s in stops):
+            gate.push(tok)
+            if gate.stop_at is not None:
                 finish = "STOP_SEQUENCE"
             elif pos >= len(script):
                 finish = self.finish_reason
             elif pos >= max_new:
                 finish = "MAX_TOKENS"
+            if finish is not None:
+                gate.finish()
+            text = pending + gate.release()
+            pending = ""
             if self.omit_finish_reason:
                 finish = None
             data: dict[str, Any] = {
