@@ -76,6 +76,9 @@ MIN_CAPACITY = 4096
 MAX_ROWS = 256
 #: Columns per row of a static cache on a CPU (tests and `--static-decode` there), at most.
 CPU_CAPACITY = 2048
+#: A start-up line every this many decode buckets warmed up or captured (CUDA: 63 buckets):
+#: a start-up cut by a time limit still shows how far it got.
+PROGRESS_EVERY = 16
 
 
 def bucket(n: int, buckets: Sequence[int] | None) -> int:
@@ -381,6 +384,21 @@ def compile_forward(forward: Callable[[int, int], torch.Tensor], shapes: int) ->
     return torch.compile(forward, dynamic=True, backend=COMPILE_BACKEND)
 
 
+def dynamo_graphs() -> int:
+    """Graphs torch.compile's dynamo has compiled in this process so far (every compile or
+    recompile of any function adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def log_progress(what: str, done: int, total: int, unit: str, started: float) -> None:
+    """A start-up line every `PROGRESS_EVERY` of `total` things done (not after the last: the
+    stage's own summary line says that), with the seconds since the stage `started`."""
+    if 0 < done < total and done % PROGRESS_EVERY == 0:
+        log.info("%s: %d of %d %s, %.1f s", what, done, total, unit, time.perf_counter() - started)
+
+
 def describe_error(error: BaseException, limit: int = 300) -> str:
     """`Type: the message's first paragraph` on one line, at most `limit` characters (a log line,
     /health): Inductor's errors name the failure there and add advice after a blank line."""
@@ -452,6 +470,9 @@ class StaticDecoder:
         self.compile_error: str | None = None  # why compiling failed, when it did
         self._compiled: Any = None
         self._compiled_keys: set[tuple[int, int]] = set()  # graphs captured compiled
+        self.compiles = 0  # graphs dynamo compiled for the step's forward (`_model_logits`)
+        self.compile_seconds = 0.0  # the calls that compiled them took this long
+        self._announced = False  # the first compiled call was logged
         if compile_step:
             self._compiled = compile_forward(
                 self._logits, len(self.row_buckets or (0,)) * len(self.width_buckets or (0,))
@@ -540,13 +561,44 @@ class StaticDecoder:
         (the caller handles it as for the eager step)."""
         compiled = self._compiled
         if compiled is not None:
+            graphs = dynamo_graphs()
+            started = time.perf_counter()
+            if not self._announced:  # before it: a start-up cut while compiling says so
+                self._announced = True
+                log.info(
+                    "compiling the decode step's forward (torch.compile, %s, dynamic shapes) "
+                    "at its first call: %d rows x %d columns",
+                    getattr(COMPILE_BACKEND, "__name__", COMPILE_BACKEND),
+                    rows,
+                    width,
+                )
             try:
-                return compiled(rows, width)  # type: ignore[no-any-return]
+                logits = compiled(rows, width)
             except torch.OutOfMemoryError:
                 raise
             except Exception as error:  # any compile failure: run uncompiled
                 self._give_up_compiling(error)
+            else:
+                self._count_compiles(dynamo_graphs() - graphs, rows, width, started)
+                return logits  # type: ignore[no-any-return]
         return self._logits(rows, width)
+
+    def _count_compiles(self, new: int, rows: int, width: int, started: float) -> None:
+        """Count and log the graphs a compiled call just compiled (none: a cached graph ran)."""
+        if new <= 0:
+            return
+        seconds = time.perf_counter() - started
+        self.compiles += new
+        self.compile_seconds += seconds
+        log.info(
+            "compiled the decode step's forward for %d rows x %d columns in %.1f s: "
+            "%d graphs so far (%.1f s compiling)",
+            rows,
+            width,
+            seconds,
+            self.compiles,
+            self.compile_seconds,
+        )
 
     def _give_up_compiling(self, error: BaseException) -> None:
         self._compiled = None
@@ -625,16 +677,29 @@ class StaticDecoder:
         started = time.perf_counter()
         cache.input_ids.zero_()
         cache.positions.zero_()
-        # every shape once eagerly (kernel choice, workspaces)
-        warm_up([lambda key=key: self._forward(*key) for key in [keys[0], *keys]])
+        # every shape once eagerly (kernel choice, workspaces; compiled: the compiles)
+        runs = [keys[0], *keys]
+        log.info(
+            "decode step warm-up: %d runs over %d buckets%s",
+            len(runs),
+            len(keys),
+            ", compiled (the first calls compile)" if self.compiled else "",
+        )
+
+        def run(done: int, key: tuple[int, int]) -> None:
+            self._forward(*key)
+            log_progress("decode step warm-up", done, len(runs), "runs", started)
+
+        warm_up([lambda done=done, key=key: run(done, key) for done, key in enumerate(runs, 1)])
         self._pool = torch.cuda.graph_pool_handle()
         self._compiled_keys.clear()
-        for key in keys:
+        for done, key in enumerate(keys, 1):
             if self.compiled:
                 self._compiled_keys.add(key)
             self._graphs[key], self._outputs[key] = capture_graph(
                 lambda key=key: self._forward(*key), self._pool
             )
+            log_progress("decode graph capture", done, len(keys), "buckets", started)
         torch.cuda.synchronize()
         log.info(
             "captured %d decode graphs (rows %s x widths %s) in %.1f s%s",
@@ -642,7 +707,7 @@ class StaticDecoder:
             rows_list,
             widths,
             time.perf_counter() - started,
-            ", compiled first"
+            f", compiled first ({self.compiles} graphs compiled in {self.compile_seconds:.1f} s)"
             if self.compiled
             else f", uncompiled ({self.compile_error})"
             if self.compile_error
