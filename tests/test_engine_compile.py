@@ -5,12 +5,14 @@ fails to compile (Inductor raising, as torch 2.11's did on an H200) never stops 
 serves the uncompiled step's exact tokens and says why in its log, /health and /metrics.
 
 Compiling is slow on a CPU (tiny-random: ~30-45 s per graph on a busy 2-core machine, cached
-afterwards under torchinductor's cache directory), so this is one small test with one shape:
-one row (the requests run one after another) in one width bucket."""
+afterwards under torchinductor's cache directory), so the engine's test has one shape: one row
+(the requests run one after another) in one width bucket; the compile count over a wide bucket
+grid is measured on the step itself."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from generation import decode_graphs
+from generation.decode_graphs import StaticDecoder, StaticSlotCache, row_buckets, width_buckets
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
@@ -76,6 +79,47 @@ def test_compiled_step_streams_exactly_what_the_eager_step_does(tiny_model: Load
     assert compiled == eager
     assert sum(len(e.token_ids) for e in eager[0]) == 12  # min_new_tokens: 12 steps compared
     assert all(events and events[-1].finish_reason is not None for events in eager)
+
+
+@pytest.mark.timeout(900)
+def test_a_few_compiles_cover_a_wide_bucket_grid(tiny_model: LoadedModel) -> None:
+    """On CUDA the engine runs every (rows, width) bucket through the compiled step at start and
+    captures it (63 buckets for smollm2-135m on an H200): dynamic shapes must cover them with a
+    few graphs, not one compile per bucket. Here 7 row buckets (1..64) x 4 widths (128..1024),
+    in the capture's order (largest first, the first one twice): 2 graphs (rows >= 2 symbolic,
+    then one row specialised; the full CUDA grid measured the same on this CPU), and every
+    bucket's logits, over random tokens at random positions in a cache of random keys, equal
+    the eager step's."""
+    slots, capacity = 64, 1024
+    model = tiny_model.model
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        ids = torch.zeros((1, 1), dtype=torch.long, device=tiny_model.device)
+        cache = StaticSlotCache(
+            model(input_ids=ids, use_cache=True).past_key_values, slots, capacity
+        )
+        for buffer in (b for pair in cache.buffers() for b in pair):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator, dtype=buffer.dtype))
+        rows, widths = row_buckets(slots), width_buckets(capacity)
+        keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        compiled = StaticDecoder(
+            model, cache, rows=rows, widths=widths, logits_to_keep=keep, compile_step=True
+        )
+        eager = StaticDecoder(model, cache, rows=rows, widths=widths, logits_to_keep=keep)
+        keys = sorted(((r, w) for r in rows for w in widths), reverse=True)
+        assert len(keys) == 28
+        graphs = counters["stats"]["unique_graphs"]
+        for r, w in [keys[0], *keys]:
+            tokens = torch.randint(3, tiny_model.vocab_size, (r,), generator=generator)
+            cache.input_ids[:r].copy_(tokens)
+            longest = min(w, tiny_model.max_context)  # tiny-random: 512 position embeddings
+            cache.positions[:r].copy_(torch.randint(0, longest, (r,), generator=generator))
+            got = compiled._model_logits(r, w).clone()
+            want = eager._model_logits(r, w)  # writes the same keys into the same columns
+            torch.testing.assert_close(got, want, msg=lambda m, r=r, w=w: f"{r} x {w}: {m}")
+    assert compiled.compiled and compiled.compile_error is None
+    assert compiled.compiles == counters["stats"]["unique_graphs"] - graphs
+    assert 1 <= compiled.compiles <= 2
 
 
 def exploding_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
