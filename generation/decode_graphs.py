@@ -32,7 +32,8 @@ steps).
 
 `--compile` (`compile_forward`) runs the step's model forward through torch.compile's Inductor
 before the graphs are captured: the same tokens (float64, tests/test_engine_compile.py), far fewer
-kernels. The sampler stays eager, inside the same graph (`_forward`): its scans over the vocabulary
+kernels, from one compile (a compiled step has no 1-row bucket: one row runs in the 2-row graph,
+`compile_forward`). The sampler stays eager, inside the same graph (`_forward`): its scans over the vocabulary
 are what Inductor failed on (pytorch/pytorch#180221, see `compile_forward`), and its float64
 arithmetic stays sampling.py's own. A step that cannot be compiled never stops the engine: the
 decoder warns, drops the compiled forward and runs (and captures) the eager one
@@ -361,14 +362,15 @@ def compile_forward(forward: Callable[[int, int], torch.Tensor], shapes: int) ->
     """`forward` (the model's part of a step at a (rows, width) bucket) through torch.compile's
     Inductor: the ~1,000 kernels of an eager step fused into far fewer. Dynamic shapes: a few
     compiles cover every bucket, where static ones would compile each of the dozens of buckets
-    (~10-40 s each). Measured on a CPU over the full CUDA grid (rows 1..256 x widths
-    128..8192, 63 buckets, in the capture's order), tiny-random and a 2-layer model of
-    smollm2's architecture: 2 graphs, rows and width symbolic (rows >= 2), then one row
-    specialised (dynamo specialises sizes of 0 and 1; `backed_size_oblivious`, which would
-    not, fails to compile this step: PendingUnbackedSymbolNotFound). `StaticDecoder.compiles`
-    counts them and the start-up log names each. The recompile limit is raised to the buckets'
-    count so no bucket falls back to eager. Not "reduce-overhead": the engine captures its own
-    CUDA graphs around the compiled step.
+    (each ~1-2 minutes for smollm2-135m's 30 layers on a CPU). Measured on a CPU over the full
+    CUDA grid (rows 1..256 x widths 128..8192, 63 buckets, in the capture's order), tiny-random
+    and a 2-layer model of smollm2's architecture: 2 graphs, rows and width symbolic (rows >=
+    2), then one row specialised (dynamo specialises sizes of 0 and 1; `backed_size_oblivious`,
+    which would not, fails to compile this step: PendingUnbackedSymbolNotFound). So a compiled
+    `StaticDecoder` with row buckets has no 1-row bucket: one graph covers every bucket.
+    `StaticDecoder.compiles` counts them and the start-up log names each. The recompile limit
+    is raised to the buckets' count so no bucket falls back to eager. Not "reduce-overhead":
+    the engine captures its own CUDA graphs around the compiled step.
 
     The sampler is not compiled (StaticDecoder._forward). Its cumulative sums run over the whole
     vocabulary of a few rows, which Inductor on CUDA turns into a split scan (TritonSplitScanKernel,
@@ -459,6 +461,14 @@ class StaticDecoder:
         self.cache = cache
         self.sampler = sampler
         self.row_buckets = tuple(rows) if rows else None
+        self._uncompiled_rows = self.row_buckets  # the buckets again if compiling is given up
+        if compile_step and self.row_buckets and self.row_buckets[:2] == (1, 2):
+            # A step of one row runs in the 2-row graph: dynamo specialises a size of 1, so a
+            # 1-row bucket costs a compile of its own (2 graphs for every bucket, against 1),
+            # the longest part of a compiled start: smollm2-135m's architecture on a CPU
+            # compiled 102 s (rows >= 2) + 59 s (1 row). A step's weights are read once for
+            # all its rows, so a GPU runs 2 rows in about the time of 1.
+            self.row_buckets = self.row_buckets[1:]
         self.width_buckets = tuple(widths) if widths else None
         self._logits_to_keep = logits_to_keep
         config = getattr(model, "config", None)
@@ -595,8 +605,8 @@ class StaticDecoder:
         self.compiles += new
         self.compile_seconds += seconds
         log.info(
-            "compiled the decode step's forward for %d rows x %d columns in %.1f s: "
-            "%d graphs so far (%.1f s compiling)",
+            "compiled the decode step's forward for %d rows x %d columns in %.1f s "
+            "(graphs so far: %d, %.1f s compiling)",
             rows,
             width,
             seconds,
@@ -607,6 +617,7 @@ class StaticDecoder:
     def _give_up_compiling(self, error: BaseException) -> None:
         self._compiled = None
         self.compiled = False
+        self.row_buckets = self._uncompiled_rows
         self.compile_error = describe_error(error)
         log.warning("compiling the decode step failed, it runs uncompiled: %s", self.compile_error)
 

@@ -82,14 +82,19 @@ def test_compiled_step_streams_exactly_what_the_eager_step_does(tiny_model: Load
 
 
 @pytest.mark.timeout(900)
-def test_a_few_compiles_cover_a_wide_bucket_grid(tiny_model: LoadedModel) -> None:
+def test_one_compile_covers_a_wide_bucket_grid(
+    tiny_model: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
     """On CUDA the engine runs every (rows, width) bucket through the compiled step at start and
-    captures it (63 buckets for smollm2-135m on an H200): dynamic shapes must cover them with a
-    few graphs, not one compile per bucket. Here 7 row buckets (1..64) x 4 widths (128..1024),
-    in the capture's order (largest first, the first one twice): 2 graphs (rows >= 2 symbolic,
-    then one row specialised; the full CUDA grid measured the same on this CPU), and every
-    bucket's logits, over random tokens at random positions in a cache of random keys, equal
-    the eager step's."""
+    captures it (63 buckets for smollm2-135m on an H200): dynamic shapes must cover them with
+    one graph, not a compile per bucket (each ~1-2 minutes for smollm2-135m's architecture on
+    a CPU). Here row buckets 2..64 (one row runs in the 2-row graph: a 1-row bucket would be a
+    second compile, dynamo specialising a size of 1) x widths 128..1024, in the capture's order
+    (largest first, the first one twice): one graph, and every bucket's logits, over random
+    tokens at random positions in a cache of random keys, equal the eager step's, as do one
+    row's in the 2-row graph. The log names the first compile before it starts and each compile
+    after it (a start-up cut by a time limit shows how far it got)."""
+    caplog.set_level(logging.INFO, logger="guardstream.engine")
     slots, capacity = 64, 1024
     model = tiny_model.model
     generator = torch.Generator().manual_seed(0)
@@ -106,20 +111,37 @@ def test_a_few_compiles_cover_a_wide_bucket_grid(tiny_model: LoadedModel) -> Non
             model, cache, rows=rows, widths=widths, logits_to_keep=keep, compile_step=True
         )
         eager = StaticDecoder(model, cache, rows=rows, widths=widths, logits_to_keep=keep)
-        keys = sorted(((r, w) for r in rows for w in widths), reverse=True)
-        assert len(keys) == 28
+        assert compiled.row_buckets == (2, 4, 8, 16, 32, 64) and eager.row_buckets == rows
+        assert compiled.shape([9]) == (2, 128) and eager.shape([9]) == (1, 128)
+        keys = sorted(((r, w) for r in compiled.row_buckets for w in widths), reverse=True)
+        assert len(keys) == 24
         graphs = counters["stats"]["unique_graphs"]
-        for r, w in [keys[0], *keys]:
+
+        def randomise(r: int, w: int) -> None:
             tokens = torch.randint(3, tiny_model.vocab_size, (r,), generator=generator)
             cache.input_ids[:r].copy_(tokens)
             longest = min(w, tiny_model.max_context)  # tiny-random: 512 position embeddings
             cache.positions[:r].copy_(torch.randint(0, longest, (r,), generator=generator))
+
+        for r, w in [keys[0], *keys]:
+            randomise(r, w)
             got = compiled._model_logits(r, w).clone()
             want = eager._model_logits(r, w)  # writes the same keys into the same columns
             torch.testing.assert_close(got, want, msg=lambda m, r=r, w=w: f"{r} x {w}: {m}")
+        for w in widths:  # one row, padded to two: the real row's logits are the 1-row step's
+            randomise(2, w)
+            got = compiled._model_logits(2, w)[:1].clone()
+            torch.testing.assert_close(got, eager._model_logits(1, w), msg=f"1 row, {w} wide")
     assert compiled.compiled and compiled.compile_error is None
-    assert compiled.compiles == counters["stats"]["unique_graphs"] - graphs
-    assert 1 <= compiled.compiles <= 2
+    assert compiled.compiles == counters["stats"]["unique_graphs"] - graphs == 1
+    lines = [r.getMessage() for r in caplog.records if "decode step's forward" in r.getMessage()]
+    assert lines[0] == (
+        "compiling the decode step's forward (torch.compile, inductor, dynamic shapes) at its "
+        "first call: 64 rows x 1024 columns"
+    )
+    assert len(lines) == 2
+    assert lines[1].startswith("compiled the decode step's forward for 64 rows x 1024 columns in ")
+    assert lines[1].endswith(f" s (graphs so far: 1, {compiled.compile_seconds:.1f} s compiling)")
 
 
 def exploding_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

@@ -44,7 +44,7 @@
 # per step and summary.txt (the lines that matter, read by a person or a script). Measured on an
 # H200 (2026-11-27, before the split): set-up 29 s, engine_host ~120 s, e135 ~200 s, e1p7 ~60 s,
 # tests ~150 s in lanes. Not measured yet: ttft (~60-90 s expected: two engine starts) and the
-# compile steps (Inductor compiles 2 graphs per model at start, then the graphs are captured;
+# compile steps (Inductor compiles 1 graph per model at start, then the graphs are captured;
 # the engine logs each compile and the capture's progress, echoed live as "engine log:" lines).
 set -u
 bundle=${1:?usage: OUT=DIR bash bench/gpu/check.sh BUNDLE [MODELS_DIR]}
