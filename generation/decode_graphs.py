@@ -32,10 +32,10 @@ steps).
 
 `--compile` (`compile_forward`) runs the step's model forward through torch.compile's Inductor
 before the graphs are captured: the same tokens (float64, tests/test_engine_compile.py), far fewer
-kernels, from one compile (a compiled step has no 1-row bucket: one row runs in the 2-row graph,
-`compile_forward`). The sampler stays eager, inside the same graph (`_forward`): its scans over the vocabulary
-are what Inductor failed on (pytorch/pytorch#180221, see `compile_forward`), and its float64
-arithmetic stays sampling.py's own. A step that cannot be compiled never stops the engine: the
+kernels, from one compile (a compiled step has no 1-row bucket: one row runs in the 2-row
+graph, see `compile_forward`). The sampler stays eager, inside the same graph (`_forward`): its
+scans over the vocabulary are what Inductor failed on (pytorch/pytorch#180221, see
+`compile_forward`), and its float64 arithmetic stays sampling.py's own. A step that cannot be compiled never stops the engine: the
 decoder warns, drops the compiled forward and runs (and captures) the eager one
 (`compile_error`, reported by /health and /metrics).
 
