@@ -385,6 +385,12 @@ def compile_forward(forward: Callable[[int, int], torch.Tensor], shapes: int) ->
     import torch._dynamo
 
     config = torch._dynamo.config
+    # Floats constant: with dynamic shapes dynamo makes every float attribute of the model (norm
+    # epsilons, attention scales, the embedding's norm_type) a graph input, fails to turn some
+    # into tensors (`scaled_dot_product_attention`'s scale, `F.embedding`'s norm_type), and
+    # traces the whole step again with them constant: a third of a compile thrown away
+    # (smollm2-135m's 30 layers on a CPU: 65 of 204 s). The engine compiles nothing else.
+    config.specialize_float = True
     config.recompile_limit = max(config.recompile_limit, shapes + 8)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * shapes + 64)
     return torch.compile(forward, dynamic=True, backend=COMPILE_BACKEND)
