@@ -1060,17 +1060,22 @@ def _run_http(
     engine = None
     url = args.url
     if url is None:
+        started = time.monotonic()
+
+        def echo(line: str) -> None:  # live: a start-up cut by a time limit shows how far it got
+            if line.strip():
+                print(
+                    f"engine log: {line.strip()} [+{time.monotonic() - started:.1f} s]", flush=True
+                )
+
         engine = start_engine_subprocess(
             model or args.model,
             port=0,
             device=device,
             extra_args=(*args.extra_args.split(), *more_args),
+            on_start_line=echo,
         )
         url = engine.url
-        for line in list(engine.output):  # its start-up: graphs captured, prefill shapes warmed
-            words = ("static decode", "captured", "warmed", "compil", "kernels")
-            if any(word in line for word in words):
-                print(f"engine log: {line.strip()}", flush=True)
     try:
         info = asyncio.run(_health(url))
         print(

@@ -32,9 +32,10 @@ steps).
 
 `--compile` (`compile_forward`) runs the step's model forward through torch.compile's Inductor
 before the graphs are captured: the same tokens (float64, tests/test_engine_compile.py), far fewer
-kernels. The sampler stays eager, inside the same graph (`_forward`): its scans over the vocabulary
-are what Inductor failed on (pytorch/pytorch#180221, see `compile_forward`), and its float64
-arithmetic stays sampling.py's own. A step that cannot be compiled never stops the engine: the
+kernels, from one compile (a compiled step has no 1-row bucket: one row runs in the 2-row
+graph, see `compile_forward`). The sampler stays eager, inside the same graph (`_forward`): its
+scans over the vocabulary are what Inductor failed on (pytorch/pytorch#180221, see
+`compile_forward`), and its float64 arithmetic stays sampling.py's own. A step that cannot be compiled never stops the engine: the
 decoder warns, drops the compiled forward and runs (and captures) the eager one
 (`compile_error`, reported by /health and /metrics).
 
@@ -76,6 +77,9 @@ MIN_CAPACITY = 4096
 MAX_ROWS = 256
 #: Columns per row of a static cache on a CPU (tests and `--static-decode` there), at most.
 CPU_CAPACITY = 2048
+#: A start-up line every this many decode buckets warmed up or captured (CUDA: 63 buckets):
+#: a start-up cut by a time limit still shows how far it got.
+PROGRESS_EVERY = 16
 
 
 def bucket(n: int, buckets: Sequence[int] | None) -> int:
@@ -357,11 +361,16 @@ COMPILE_BACKEND: str | Callable[..., Any] = "inductor"
 def compile_forward(forward: Callable[[int, int], torch.Tensor], shapes: int) -> Any:
     """`forward` (the model's part of a step at a (rows, width) bucket) through torch.compile's
     Inductor: the ~1,000 kernels of an eager step fused into far fewer. Dynamic shapes: a few
-    compiles cover every bucket (tiny-random on a CPU: 3 graphs for 5 buckets, rows 1
-    specialised, then rows and width symbolic), where static ones would compile each of the
-    dozens of buckets (~10-40 s each). The recompile limit is raised to the buckets' count so no
-    bucket falls back to eager. Not "reduce-overhead": the engine captures its own CUDA graphs
-    around the compiled step.
+    compiles cover every bucket, where static ones would compile each of the dozens of buckets
+    (each ~1-2 minutes for smollm2-135m's 30 layers on a CPU). Measured on a CPU over the full
+    CUDA grid (rows 1..256 x widths 128..8192, 63 buckets, in the capture's order), tiny-random
+    and a 2-layer model of smollm2's architecture: 2 graphs, rows and width symbolic (rows >=
+    2), then one row specialised (dynamo specialises sizes of 0 and 1; `backed_size_oblivious`,
+    which would not, fails to compile this step: PendingUnbackedSymbolNotFound). So a compiled
+    `StaticDecoder` with row buckets has no 1-row bucket: one graph covers every bucket.
+    `StaticDecoder.compiles` counts them and the start-up log names each. The recompile limit
+    is raised to the buckets' count so no bucket falls back to eager. Not "reduce-overhead":
+    the engine captures its own CUDA graphs around the compiled step.
 
     The sampler is not compiled (StaticDecoder._forward). Its cumulative sums run over the whole
     vocabulary of a few rows, which Inductor on CUDA turns into a split scan (TritonSplitScanKernel,
@@ -376,9 +385,30 @@ def compile_forward(forward: Callable[[int, int], torch.Tensor], shapes: int) ->
     import torch._dynamo
 
     config = torch._dynamo.config
+    # Floats constant: with dynamic shapes dynamo makes every float attribute of the model (norm
+    # epsilons, attention scales, the embedding's norm_type) a graph input, fails to turn some
+    # into tensors (`scaled_dot_product_attention`'s scale, `F.embedding`'s norm_type), and
+    # traces the whole step again with them constant: a third of a compile thrown away
+    # (smollm2-135m's 30 layers on a CPU: 65 of 204 s). The engine compiles nothing else.
+    config.specialize_float = True
     config.recompile_limit = max(config.recompile_limit, shapes + 8)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * shapes + 64)
     return torch.compile(forward, dynamic=True, backend=COMPILE_BACKEND)
+
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile's dynamo has compiled in this process so far (every compile or
+    recompile of any function adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def log_progress(what: str, done: int, total: int, unit: str, started: float) -> None:
+    """A start-up line every `PROGRESS_EVERY` of `total` things done (not after the last: the
+    stage's own summary line says that), with the seconds since the stage `started`."""
+    if 0 < done < total and done % PROGRESS_EVERY == 0:
+        log.info("%s: %d of %d %s, %.1f s", what, done, total, unit, time.perf_counter() - started)
 
 
 def describe_error(error: BaseException, limit: int = 300) -> str:
@@ -437,6 +467,14 @@ class StaticDecoder:
         self.cache = cache
         self.sampler = sampler
         self.row_buckets = tuple(rows) if rows else None
+        self._uncompiled_rows = self.row_buckets  # the buckets again if compiling is given up
+        if compile_step and self.row_buckets and self.row_buckets[:2] == (1, 2):
+            # A step of one row runs in the 2-row graph: dynamo specialises a size of 1, so a
+            # 1-row bucket costs a compile of its own (2 graphs for every bucket, against 1),
+            # the longest part of a compiled start: smollm2-135m's architecture on a CPU
+            # compiled 102 s (rows >= 2) + 59 s (1 row). A step's weights are read once for
+            # all its rows, so a GPU runs 2 rows in about the time of 1.
+            self.row_buckets = self.row_buckets[1:]
         self.width_buckets = tuple(widths) if widths else None
         self._logits_to_keep = logits_to_keep
         config = getattr(model, "config", None)
@@ -452,6 +490,9 @@ class StaticDecoder:
         self.compile_error: str | None = None  # why compiling failed, when it did
         self._compiled: Any = None
         self._compiled_keys: set[tuple[int, int]] = set()  # graphs captured compiled
+        self.compiles = 0  # graphs dynamo compiled for the step's forward (`_model_logits`)
+        self.compile_seconds = 0.0  # the calls that compiled them took this long
+        self._announced = False  # the first compiled call was logged
         if compile_step:
             self._compiled = compile_forward(
                 self._logits, len(self.row_buckets or (0,)) * len(self.width_buckets or (0,))
@@ -540,17 +581,49 @@ class StaticDecoder:
         (the caller handles it as for the eager step)."""
         compiled = self._compiled
         if compiled is not None:
+            graphs = dynamo_graphs()
+            started = time.perf_counter()
+            if not self._announced:  # before it: a start-up cut while compiling says so
+                self._announced = True
+                log.info(
+                    "compiling the decode step's forward (torch.compile, %s, dynamic shapes) "
+                    "at its first call: %d rows x %d columns",
+                    getattr(COMPILE_BACKEND, "__name__", COMPILE_BACKEND),
+                    rows,
+                    width,
+                )
             try:
-                return compiled(rows, width)  # type: ignore[no-any-return]
+                logits = compiled(rows, width)
             except torch.OutOfMemoryError:
                 raise
             except Exception as error:  # any compile failure: run uncompiled
                 self._give_up_compiling(error)
+            else:
+                self._count_compiles(dynamo_graphs() - graphs, rows, width, started)
+                return logits  # type: ignore[no-any-return]
         return self._logits(rows, width)
+
+    def _count_compiles(self, new: int, rows: int, width: int, started: float) -> None:
+        """Count and log the graphs a compiled call just compiled (none: a cached graph ran)."""
+        if new <= 0:
+            return
+        seconds = time.perf_counter() - started
+        self.compiles += new
+        self.compile_seconds += seconds
+        log.info(
+            "compiled the decode step's forward for %d rows x %d columns in %.1f s "
+            "(graphs so far: %d, %.1f s compiling)",
+            rows,
+            width,
+            seconds,
+            self.compiles,
+            self.compile_seconds,
+        )
 
     def _give_up_compiling(self, error: BaseException) -> None:
         self._compiled = None
         self.compiled = False
+        self.row_buckets = self._uncompiled_rows
         self.compile_error = describe_error(error)
         log.warning("compiling the decode step failed, it runs uncompiled: %s", self.compile_error)
 
@@ -625,16 +698,29 @@ class StaticDecoder:
         started = time.perf_counter()
         cache.input_ids.zero_()
         cache.positions.zero_()
-        # every shape once eagerly (kernel choice, workspaces)
-        warm_up([lambda key=key: self._forward(*key) for key in [keys[0], *keys]])
+        # every shape once eagerly (kernel choice, workspaces; compiled: the compiles)
+        runs = [keys[0], *keys]
+        log.info(
+            "decode step warm-up: %d runs over %d buckets%s",
+            len(runs),
+            len(keys),
+            ", compiled (the first calls compile)" if self.compiled else "",
+        )
+
+        def run(done: int, key: tuple[int, int]) -> None:
+            self._forward(*key)
+            log_progress("decode step warm-up", done, len(runs), "runs", started)
+
+        warm_up([lambda done=done, key=key: run(done, key) for done, key in enumerate(runs, 1)])
         self._pool = torch.cuda.graph_pool_handle()
         self._compiled_keys.clear()
-        for key in keys:
+        for done, key in enumerate(keys, 1):
             if self.compiled:
                 self._compiled_keys.add(key)
             self._graphs[key], self._outputs[key] = capture_graph(
                 lambda key=key: self._forward(*key), self._pool
             )
+            log_progress("decode graph capture", done, len(keys), "buckets", started)
         torch.cuda.synchronize()
         log.info(
             "captured %d decode graphs (rows %s x widths %s) in %.1f s%s",
@@ -642,7 +728,7 @@ class StaticDecoder:
             rows_list,
             widths,
             time.perf_counter() - started,
-            ", compiled first"
+            f", compiled first ({self.compiles} graphs compiled in {self.compile_seconds:.1f} s)"
             if self.compiled
             else f", uncompiled ({self.compile_error})"
             if self.compile_error

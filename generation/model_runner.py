@@ -53,6 +53,7 @@ from .decode_graphs import (
     StaticDecoder,
     StaticSlotCache,
     bucket,
+    log_progress,
     plan_free_memory,
     row_buckets,
     width_buckets,
@@ -448,10 +449,16 @@ class ModelRunner:
         most = int(4 * (1 + PREFILL_PADDING) * max(self.prefill_budget, self.prefill_longest))
         shapes = [(r, w) for r in rows_list for w in self.prefill_widths if r * w <= most]
         started = time.perf_counter()
+        log.info(
+            "prefill warm-up: %d shapes%s",
+            len(shapes),
+            "" if self.prefill_pass is None else ", through the static prefill",
+        )
         if self.prefill_pass is not None:
-            self._warm_static(shapes)
+            self._warm_static(shapes, started)
             shapes = []
-        for r, w in shapes:
+        for done, (r, w) in enumerate(shapes, 1):
+            log_progress("prefill warm-up", done - 1, len(shapes), "shapes", started)
             try:
                 for short in (0, 1):  # no padding, then the last row one token short
                     lengths = [w] * (r - 1) + [w - short if w > 1 else w]
@@ -479,7 +486,7 @@ class ModelRunner:
             ),
         )
 
-    def _warm_static(self, shapes: list[tuple[int, int]]) -> None:
+    def _warm_static(self, shapes: list[tuple[int, int]], started: float) -> None:
         """Each (rows, width) of `shapes` through the static prefill once, largest first (the
         graphs' shared pool then has room for the smaller ones), into the empty cache's slots:
         on CUDA each is captured into its graph (prefill_graphs.py: up to MAX_GRAPHS). The
@@ -487,7 +494,9 @@ class ModelRunner:
         static = self.prefill_pass
         assert static is not None and static.cache.rows == 0
         longest = static.cache.capacity - 1  # a row's columns, and the one its next token takes
-        for r, w in sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True):
+        ordered = sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True)
+        for done, (r, w) in enumerate(ordered):
+            log_progress("prefill warm-up", done, len(ordered), "shapes", started)
             m = min(w, longest)
             try:  # the last row one token short, as a real group's shorter rows are
                 static.run([[0] * m] * (r - 1) + [[0] * max(m - 1, 1)])

@@ -84,8 +84,13 @@ def start_engine_subprocess(
     extra_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     timeout: float = 180.0,
+    on_start_line: Callable[[str], None] | None = None,
 ) -> EngineProcess:
-    """Start a replica and wait until it listens. `port=0` lets it pick a free port."""
+    """Start a replica and wait until it listens. `port=0` lets it pick a free port.
+    `on_start_line`: called with each line the replica prints before it listens, as it prints
+    it (a benchmark echoes its start-up live: one cut by a time limit shows how far it got).
+    Interrupted while waiting (Ctrl-C, a SIGTERM turned into SystemExit), it kills the replica:
+    none outlives its caller holding a GPU."""
     command = [
         sys.executable,
         "-m",
@@ -120,17 +125,25 @@ def start_engine_subprocess(
         assert process.stdout is not None
         for line in process.stdout:
             output.append(line.rstrip("\n"))
-            if not ready.is_set() and line.startswith(LISTENING_PREFIX):
+            if ready.is_set():
+                continue
+            if line.startswith(LISTENING_PREFIX):
                 found.append(line[len(LISTENING_PREFIX) :].strip())
                 ready.set()
+            elif on_start_line is not None:
+                on_start_line(line.rstrip("\n"))
         ready.set()
 
     threading.Thread(target=pump, name=f"engine-log-{process.pid}", daemon=True).start()
     deadline = time.monotonic() + timeout
-    while not ready.wait(0.05):
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError("engine did not start in time:\n" + "\n".join(output))
+    try:
+        while not ready.wait(0.05):
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine did not start in time:\n" + "\n".join(output))
+    except BaseException:
+        process.kill()
+        process.wait(5)
+        raise
     if not found:
         process.wait(5)
         raise RuntimeError(

@@ -5,21 +5,24 @@ fails to compile (Inductor raising, as torch 2.11's did on an H200) never stops 
 serves the uncompiled step's exact tokens and says why in its log, /health and /metrics.
 
 Compiling is slow on a CPU (tiny-random: ~30-45 s per graph on a busy 2-core machine, cached
-afterwards under torchinductor's cache directory), so this is one small test with one shape:
-one row (the requests run one after another) in one width bucket."""
+afterwards under torchinductor's cache directory), so the engine's test has one shape: one row
+(the requests run one after another) in one width bucket; the compile count over a wide bucket
+grid is measured on the step itself."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import Any
 
 import aiohttp
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compilation_time_metrics, counters
 
 from generation import decode_graphs
+from generation.decode_graphs import StaticDecoder, StaticSlotCache, row_buckets, width_buckets
 from generation.models import LoadedModel
 from generation.sampling import SamplingParams
 from generation.scheduler import Engine
@@ -76,6 +79,73 @@ def test_compiled_step_streams_exactly_what_the_eager_step_does(tiny_model: Load
     assert compiled == eager
     assert sum(len(e.token_ids) for e in eager[0]) == 12  # min_new_tokens: 12 steps compared
     assert all(events and events[-1].finish_reason is not None for events in eager)
+
+
+@pytest.mark.timeout(900)
+def test_one_compile_covers_a_wide_bucket_grid(
+    tiny_model: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On CUDA the engine runs every (rows, width) bucket through the compiled step at start and
+    captures it (63 buckets for smollm2-135m on an H200): dynamic shapes must cover them with
+    one graph, not a compile per bucket (each ~1-2 minutes for smollm2-135m's architecture on
+    a CPU). Here row buckets 2..64 (one row runs in the 2-row graph: a 1-row bucket would be a
+    second compile, dynamo specialising a size of 1) x widths 128..1024, in the capture's order
+    (largest first, the first one twice): one graph, and every bucket's logits, over random
+    tokens at random positions in a cache of random keys, equal the eager step's, as do one
+    row's in the 2-row graph, from one trace (`specialize_float`). The log names the first compile before it starts and each compile
+    after it (a start-up cut by a time limit shows how far it got)."""
+    caplog.set_level(logging.INFO, logger="guardstream.engine")
+    slots, capacity = 64, 1024
+    model = tiny_model.model
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        ids = torch.zeros((1, 1), dtype=torch.long, device=tiny_model.device)
+        cache = StaticSlotCache(
+            model(input_ids=ids, use_cache=True).past_key_values, slots, capacity
+        )
+        for buffer in (b for pair in cache.buffers() for b in pair):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator, dtype=buffer.dtype))
+        rows, widths = row_buckets(slots), width_buckets(capacity)
+        keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        compiled = StaticDecoder(
+            model, cache, rows=rows, widths=widths, logits_to_keep=keep, compile_step=True
+        )
+        eager = StaticDecoder(model, cache, rows=rows, widths=widths, logits_to_keep=keep)
+        assert compiled.row_buckets == (2, 4, 8, 16, 32, 64) and eager.row_buckets == rows
+        assert compiled.shape([9]) == (2, 128) and eager.shape([9]) == (1, 128)
+        keys = sorted(((r, w) for r in compiled.row_buckets for w in widths), reverse=True)
+        assert len(keys) == 24
+        graphs = counters["stats"]["unique_graphs"]
+        restarts = len(compilation_time_metrics.get("compile_attempt_1", []))
+
+        def randomise(r: int, w: int) -> None:
+            tokens = torch.randint(3, tiny_model.vocab_size, (r,), generator=generator)
+            cache.input_ids[:r].copy_(tokens)
+            longest = min(w, tiny_model.max_context)  # tiny-random: 512 position embeddings
+            cache.positions[:r].copy_(torch.randint(0, longest, (r,), generator=generator))
+
+        for r, w in [keys[0], *keys]:
+            randomise(r, w)
+            got = compiled._model_logits(r, w).clone()
+            want = eager._model_logits(r, w)  # writes the same keys into the same columns
+            torch.testing.assert_close(got, want, msg=lambda m, r=r, w=w: f"{r} x {w}: {m}")
+        for w in widths:  # one row, padded to two: the real row's logits are the 1-row step's
+            randomise(2, w)
+            got = compiled._model_logits(2, w)[:1].clone()
+            torch.testing.assert_close(got, eager._model_logits(1, w), msg=f"1 row, {w} wide")
+    assert compiled.compiled and compiled.compile_error is None
+    assert compiled.compiles == counters["stats"]["unique_graphs"] - graphs == 1
+    # traced once: no second attempt after dynamo failed to make the model's float attributes
+    # (norm epsilons, attention scales) graph inputs (a third of a compile, smollm2's shape)
+    assert len(compilation_time_metrics.get("compile_attempt_1", [])) == restarts
+    lines = [r.getMessage() for r in caplog.records if "decode step's forward" in r.getMessage()]
+    assert lines[0] == (
+        "compiling the decode step's forward (torch.compile, inductor, dynamic shapes) at its "
+        "first call: 64 rows x 1024 columns"
+    )
+    assert len(lines) == 2
+    assert lines[1].startswith("compiled the decode step's forward for 64 rows x 1024 columns in ")
+    assert lines[1].endswith(f" s (graphs so far: 1, {compiled.compile_seconds:.1f} s compiling)")
 
 
 def exploding_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

@@ -11,6 +11,7 @@ reported by /health and /metrics. tiny-random in float64 and smollm2-135m."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from typing import Any
 
@@ -27,6 +28,7 @@ from generation.decode_graphs import (
     StaticSlotCache,
     bucket,
     cache_bytes_per_token,
+    log_progress,
     plan_cache,
     row_buckets,
     width_buckets,
@@ -73,6 +75,17 @@ def test_buckets() -> None:
     assert width_buckets(4096 + 64) == (128, 256, 512, 1024, 2048, 4096, 4160)
     assert width_buckets(100) == (100,)
     assert width_buckets(64, smallest=16) == (16, 32, 64)
+
+
+def test_start_up_progress_every_16_of_63_buckets(caplog: pytest.LogCaptureFixture) -> None:
+    """The capture's (and warm-ups') progress lines: after every 16 of CUDA's 63 buckets, none
+    before the first or after the last (the stage's own summary line says that)."""
+    caplog.set_level(logging.INFO, logger="guardstream.engine")
+    for done in range(64):
+        log_progress("decode graph capture", done, 63, "buckets", started=0.0)
+    lines = [r.getMessage().rsplit(", ", 1)[0] for r in caplog.records]
+    assert lines == [f"decode graph capture: {n} of 63 buckets" for n in (16, 32, 48)]
+    assert all(r.getMessage().endswith(" s") for r in caplog.records)
 
 
 def test_plan_gives_256_rows_of_the_whole_context_when_they_fit() -> None:

@@ -4,6 +4,7 @@ replica's two processes (the API process and its engine core) living and dying a
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import contextlib
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from generation.__main__ import LISTENING_PREFIX
 from generation.core_client import CoreClient
 from generation.jobs import EngineDelta, EngineUnavailable, Job, StreamError
 from generation.sampling import SamplingParams
@@ -32,14 +34,49 @@ from tests.engine_support import TEST_DEVICE, generate
 from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
+START_LINES: list[str] = []  # what `tiny_process`'s start passed to on_start_line
 
 
 @pytest.fixture(scope="module")
 def tiny_process() -> Iterator[EngineProcess]:
     with start_engine_subprocess(
-        "tiny-random", port=0, fault_injection=True, device=TEST_DEVICE
+        "tiny-random",
+        port=0,
+        fault_injection=True,
+        device=TEST_DEVICE,
+        on_start_line=START_LINES.append,
     ) as engine:
         yield engine
+
+
+def test_start_up_lines_reach_the_caller_before_it_listens(tiny_process: EngineProcess) -> None:
+    """`on_start_line` (bench/engine.py echoes the replica's start-up with it, live) got every
+    line the replica printed before its listening line, in order, and nothing after."""
+    output = list(tiny_process.output)
+    listening = next(i for i, line in enumerate(output) if line.startswith(LISTENING_PREFIX))
+    assert START_LINES == output[:listening]
+    assert any(f"loaded tiny-random on {TEST_DEVICE}" in line for line in START_LINES)
+
+
+def test_an_interrupted_start_kills_the_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or bench/engine.py's SIGTERM, turned into SystemExit) while waiting for the
+    replica to listen kills it: no replica outlives a benchmark cut by its time limit, holding
+    the GPU's memory for the next step."""
+    started: list[subprocess.Popen[str]] = []
+    popen = subprocess.Popen
+
+    def recording(*args: object, **kwargs: object) -> subprocess.Popen[str]:
+        process = popen(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(process)
+        return process  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(subprocess, "Popen", recording)
+    with pytest.raises(KeyboardInterrupt):  # at its first start-up line, long before it listens
+        start_engine_subprocess(
+            "tiny-random", device=TEST_DEVICE, on_start_line=lambda line: _thread.interrupt_main()
+        )
+    assert len(started) == 1
+    assert started[0].poll() is not None
 
 
 async def test_port_zero_serves_and_reports(tiny_process: EngineProcess) -> None:

@@ -45,7 +45,8 @@
 # per step and summary.txt (the lines that matter, read by a person or a script). Measured on an
 # H200 (2026-11-27, before the split): set-up 29 s, engine_host ~120 s, e135 ~200 s, e1p7 ~60 s,
 # tests ~150 s in lanes. Not measured yet: ttft (~60-90 s expected: two engine starts) and the
-# compile steps (Inductor compiles 3 graphs per model at start, then the graphs are captured).
+# compile steps (Inductor compiles 1 graph per model at start, then the graphs are captured;
+# the engine logs each compile and the capture's progress, echoed live as "engine log:" lines).
 set -u
 bundle=${1:?usage: OUT=DIR bash bench/gpu/check.sh BUNDLE [MODELS_DIR]}
 models=${2:-/root}
@@ -274,7 +275,8 @@ step_e135_compile() {
       --tokens 128 --concurrency 1,64 --skip-micro --rounds 1 --anchors step --compile \
       --json "$out/e135_compile.json"
     side_by_side e135_compile
-    grep -hE "engine log: .*(captured|compil)" "$out/e135_compile.log" >> "$summary"
+    # how far start-up got (a cut step too): compiles, warm-up and capture progress
+    grep -hE "engine log: .*(captured|compil|capture:|warm-up)" "$out/e135_compile.log" >> "$summary"
   else
     say "--- e135_compile: bench/engine.py has no --compile, skipped"
   fi
@@ -381,6 +383,7 @@ step_e1p7_compile() {
       --tokens 128 --concurrency 64 --skip-micro --rounds 1 --anchors step --compile \
       --json "$out/e1p7_compile.json"
     side_by_side e1p7_compile
+    grep -hE "engine log: .*(captured|compil|capture:|warm-up)" "$out/e1p7_compile.log" >> "$summary"
   else
     say "--- e1p7_compile: bench/engine.py has no --compile, skipped"
   fi
