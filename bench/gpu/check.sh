@@ -270,8 +270,10 @@ step_ttft() {  # the first clients of a fresh engine: warm prefill on (default),
   grep -hE "engine log: .*(warmed|captured)" "$out/ttft_warm.log" >> "$summary"
 }
 step_e135_compile() {
+  # 2026-11-28 (H200): not started within 170 s (two compiles of the 30-layer step, each traced
+  # twice); now one compile traced once (~100 s on a 2-core CPU), its progress in the log: 240 s
   if [ -n "$compile" ]; then
-    run e135_compile 170 python3 bench/engine.py --device cuda --model "$models/m135r" \
+    run e135_compile 240 python3 bench/engine.py --device cuda --model "$models/m135r" \
       --tokens 128 --concurrency 1,64 --skip-micro --rounds 1 --anchors step --compile \
       --json "$out/e135_compile.json"
     side_by_side e135_compile
