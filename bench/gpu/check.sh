@@ -253,7 +253,8 @@ step_e135_oneproc() {  # the replica as one process (before the API-process spli
   grep -E "streams: +[0-9.]+ tok/s aggregate|^worker " "$out/e135_oneproc.log" >> "$summary"
 }
 step_e1p7() {
-  run e1p7 80 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
+  # ~60 s on an H100 (2026-11-25) before the engine captured its prefill graphs at start: 120 s
+  run e1p7 120 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
     --concurrency 64 --skip-micro --rounds 1 --anchors generate,step --json "$out/e1p7.json"
   side_by_side e1p7
 }
