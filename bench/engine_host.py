@@ -569,14 +569,22 @@ def serve(port: int, device: str, device_ms: float, rows: int, eager: bool, over
 
 
 def serve_core(
-    fd: int, socket_path: str, device: str, device_ms: float, rows: int, eager: bool, overlap: bool
+    fd: int,
+    steps_fd: int,
+    socket_path: str,
+    device: str,
+    device_ms: float,
+    rows: int,
+    eager: bool,
+    overlap: bool,
 ) -> None:
     """The engine-core child of `python -m generation serve --api-process --core-command ...`
     (the split server): `bench_app` served by `generation.engine_core.run_core`."""
     from generation.engine_core import run_core
 
     async def main() -> int:
-        return await run_core(bench_app(device, device_ms, rows, eager, overlap), fd, socket_path)
+        app = bench_app(device, device_ms, rows, eager, overlap)
+        return await run_core(app, fd, socket_path, steps_fd)
 
     sys.exit(asyncio.run(main()))
 
@@ -1058,6 +1066,7 @@ def main() -> None:
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--serve-core", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--core-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--core-steps-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--core-socket", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-rows", type=int, default=256, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -1066,7 +1075,8 @@ def main() -> None:
         serve(args.serve, *engine, args.overlap.split(",")[0] == "on")
         return
     if args.serve_core:
-        serve_core(args.core_fd, args.core_socket, *engine, args.overlap.split(",")[0] == "on")
+        overlap = args.overlap.split(",")[0] == "on"
+        serve_core(args.core_fd, args.core_steps_fd, args.core_socket, *engine, overlap)
         return
     if args.greedy_text is not None:  # read by this process and the server subprocess
         os.environ["GUARDSTREAM_BENCH_GREEDY_TEXT"] = args.greedy_text

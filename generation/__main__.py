@@ -160,9 +160,10 @@ def _parser() -> argparse.ArgumentParser:
         "never holds the worker's GIL (default: on; the child dies with this process); "
         "--no-api-process: one process, for debugging",
     )
-    # the engine-core child of --api-process (engine_core.py): its socketpair end and the Unix
+    # the engine-core child of --api-process (engine_core.py): its socketpairs' ends and the Unix
     # socket its own app listens on; --core-command (a JSON argv) replaces the child's command
     serve.add_argument("--core-fd", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--core-steps-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--core-socket", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--core-command", default=None, help=argparse.SUPPRESS)
     add_service_flags(serve)
@@ -262,7 +263,7 @@ async def _serve_core(args: argparse.Namespace) -> int:
 
     args.enable_fault_injection = False
     app = await _load_app(args, None)
-    return await run_core(app, args.core_fd, args.core_socket)
+    return await run_core(app, args.core_fd, args.core_socket, args.core_steps_fd)
 
 
 async def _serve(args: argparse.Namespace, api_keys: list[str] | None) -> int:

@@ -61,7 +61,9 @@ LOCAL = frozenset({"loop", "queue", "cancelled"})  # a Job's fields that stay in
 
 
 class CoreClient:
-    """Starts the core (`command` plus `--core-fd N --core-socket PATH`), then relays jobs."""
+    """Starts the core (`command` plus `--core-fd N --core-steps-fd M --core-socket PATH`), then
+    relays jobs. The core reads requests from the first socketpair and writes everything (its
+    worker writes each step's frame itself) to the second; either one closing means it is gone."""
 
     def __init__(
         self,
@@ -73,7 +75,8 @@ class CoreClient:
         self.socket_path = socket_path
         self.on_lost = on_lost
         self.process: asyncio.subprocess.Process | None = None
-        self._channel: ipc.FrameProtocol | None = None
+        self._channel: ipc.FrameProtocol | None = None  # requests to the core
+        self._steps: ipc.FrameProtocol | None = None  # all the core sends (engine_core.run_core)
         self._hello: asyncio.Future[dict[str, Any]] | None = None
         self._closed = asyncio.Event()  # the core closed its end (bye, or death)
         self._jobs: dict[int, Job] = {}
@@ -86,19 +89,27 @@ class CoreClient:
     async def start(self) -> dict[str, Any]:
         """Spawn the core and wait until its engine serves; its facts (engine_core.facts)."""
         self._hello = asyncio.get_running_loop().create_future()
-        mine, theirs = socket.socketpair()
+        mine, theirs = socket.socketpair()  # requests to the core
+        steps_mine, steps_theirs = socket.socketpair()  # every frame from it (its worker's steps)
         try:
             self.process = await asyncio.create_subprocess_exec(
                 *self.command,
                 "--core-fd",
                 str(theirs.fileno()),
+                "--core-steps-fd",
+                str(steps_theirs.fileno()),
                 "--core-socket",
                 self.socket_path,
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(), steps_theirs.fileno()),
             )
         finally:
             theirs.close()
-        self._channel = await ipc.connect(mine, self._on_messages, self._lost)
+            steps_theirs.close()
+        # the core's end: EOF on the steps socket, which it closes last (after `bye`) and which
+        # its death closes too; the request socket's EOF can come first, with the last steps
+        # still unread, so it is not the signal
+        self._channel = await ipc.connect(mine, self._on_messages, lambda: None)
+        self._steps = await ipc.connect(steps_mine, self._on_messages, self._lost)
         closed = asyncio.ensure_future(self._closed.wait())
         await asyncio.wait({self._hello, closed}, return_when=asyncio.FIRST_COMPLETED)
         closed.cancel()
@@ -160,8 +171,10 @@ class CoreClient:
                 self._core_stopping = True
             elif kind == "hello" and self._hello is not None and not self._hello.done():
                 self._hello.set_result(dict(message[1]))
-            elif kind == "bye" and self._channel is not None and self._channel.transport:
-                self._channel.transport.close()  # `_lost` follows
+            elif kind == "bye":  # the last frame: `_lost` follows
+                for channel in (self._channel, self._steps):
+                    if channel is not None and channel.transport is not None:
+                        channel.transport.close()
         if len(steps) == 1:
             self._deliver(steps[0])
         elif steps:
@@ -194,6 +207,8 @@ class CoreClient:
 
     def _lost(self) -> None:
         """The core is gone (or said bye): streams still open fail as a dead replica's would."""
+        if self._channel is not None and self._channel.transport is not None:
+            self._channel.transport.close()
         self._serving = False
         self._closed.set()
         jobs, self._jobs = self._jobs, {}

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import signal
 import socket
+import threading
 from typing import Any
 
 from aiohttp import web
@@ -48,50 +49,54 @@ def job_from_spec(spec: dict[str, Any], loop: asyncio.AbstractEventLoop, sink: S
 
 
 class CoreSession:
-    """The core's side of the socketpair: requests in, each delivery's events out as one frame.
+    """The core's side of the socketpairs: requests in, each step's events out as one frame.
 
-    It is every core job's sink (a `StepSink`): the worker's delivery (output_processor.py)
-    hands it a step's events for all rows in one call on the loop, which become one frame
-    `[[rid, [event]], ...]` encoded by one orjson call (the events are dataclasses: orjson
-    encodes them in C) and one socket write. Per row, only a dict look-up and a finish check."""
+    It is every core job's sink (a `StepSink` marked `direct`): the worker's `flush`
+    (output_processor.py) hands it a step's events for all rows in one call ON THE WORKER
+    THREAD, which become one frame `[[rid, [event]], ...]` encoded by one orjson call (the
+    events are dataclasses: orjson encodes them in C) and written by a blocking send on the
+    steps socket (`ipc.StepWriter`): the core's loop is neither woken nor run per step, so the
+    worker never waits for the GIL while the loop delivers. Per row, only a dict look-up and a
+    finish check. The API process falling behind fills that socket and so blocks the worker
+    between steps (the backpressure; the engine runs no further ahead than the socket holds).
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    `jobs`/`rids` are shared by two threads: the loop adds (`submit`) and removes (`cancel`)
+    entries, the worker removes finished ones (`put_step`). Each side holds `_lock` for its
+    look-ups and changes (a few dict operations per step; never while sending), so a job
+    cancelled on the loop is either in the worker's frame or not, never half-forgotten."""
+
+    direct = True  # `put_step` is thread-safe: the worker calls it itself (no mailbox)
+
+    def __init__(
+        self, engine: Engine, loop: asyncio.AbstractEventLoop, steps: ipc.StepWriter
+    ) -> None:
         self.engine = engine
         self.loop = loop
-        self.channel: ipc.FrameProtocol | None = None  # set once connected
+        self.steps = steps  # every frame to the API process goes here, in order
         self.done = asyncio.Event()  # the API process said `stop`, or went away
         self.jobs: dict[int, Job] = {}
         self.rids: dict[Job, int] = {}
-        self._held: contextlib.AbstractContextManager[None] | None = None  # while paused
-
-    def pause(self) -> None:
-        """The API process is `ipc.HIGH_WATER` bytes behind (it stalled): the engine starts no
-        new step until it catches up (`resume`), so what waits for it stays bounded. The worker
-        is not blocked: it idles between steps, as when held; the loop never blocks either."""
-        if self._held is None:
-            self._held = self.engine.hold()
-            self._held.__enter__()
-
-    def resume(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            held.__exit__(None, None, None)
+        self._lock = threading.Lock()  # `jobs` and `rids` (see the class's docstring)
 
     def put_step(self, events: list[tuple[Job, EngineDelta | StreamError]]) -> None:
-        rids = self.rids
+        """On the worker thread (or the loop, for a refused submit). Never raises: the API
+        process gone, the send fails and `on_lost` ends the core."""
         frame = []
         append = frame.append
-        for job, event in events:
-            rid = rids.get(job)
-            if rid is None:  # cancelled meanwhile: the API process has dropped the stream
-                continue
-            append((rid, (event,)))
-            if event.__class__ is StreamError or event.finish_reason is not None:  # type: ignore[union-attr]
-                self._forget(rid)
-        if self.channel is not None:
-            self.channel.send(["step", frame])
+        with self._lock:
+            rids = self.rids
+            for job, event in events:
+                rid = rids.get(job)
+                if rid is None:  # cancelled meanwhile: the API process has dropped the stream
+                    continue
+                append((rid, (event,)))
+                if event.__class__ is StreamError or event.finish_reason is not None:  # type: ignore[union-attr]
+                    self._forget(rid)
+        if frame:
+            self.steps.send(["step", frame])
 
     def _forget(self, rid: int) -> Job | None:
+        """With `_lock` held."""
         job = self.jobs.pop(rid, None)
         if job is not None:
             del self.rids[job]
@@ -99,15 +104,17 @@ class CoreSession:
 
     def submit(self, rid: int, spec: dict[str, Any]) -> None:
         job = job_from_spec(spec, self.loop, self)
-        self.jobs[rid] = job
-        self.rids[job] = rid
+        with self._lock:
+            self.jobs[rid] = job
+            self.rids[job] = rid
         try:
             self.engine.submit(job)
         except EngineUnavailable as exc:  # the API process checked first; a race with a stop
             self.put_step([(job, StreamError(503, "generation_unavailable", str(exc)))])
 
     def cancel(self, rid: int) -> None:
-        job = self._forget(rid)
+        with self._lock:
+            job = self._forget(rid)
         if job is not None:
             self.engine.cancel(job)
 
@@ -144,10 +151,11 @@ def facts(app: web.Application) -> dict[str, Any]:
     }
 
 
-async def run_core(app: web.Application, fd: int, socket_path: str) -> int:
+async def run_core(app: web.Application, fd: int, socket_path: str, steps_fd: int) -> int:
     """Serve `app` (the engine's own, `create_app`) on `socket_path` for the API process's
-    forwarded routes, and its engine's streams over the socketpair end `fd`; return the exit
-    status once the API process has said `stop` (or died)."""
+    forwarded routes, and its engine's streams over the socketpair ends `fd` (requests in) and
+    `steps_fd` (every frame out); return the exit status once the API process has said `stop`
+    (or died)."""
     die_with_parent()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -159,16 +167,14 @@ async def run_core(app: web.Application, fd: int, socket_path: str) -> int:
     await runner.setup()  # the app's start-up: the engine starts (graphs captured on CUDA)
     await web.UnixSite(runner, socket_path).start()
     freeze_startup_heap()
-    session = CoreSession(app[STATE].engine, loop)
-    channel = await ipc.connect(
-        socket.socket(fileno=fd),
-        session.on_messages,
-        session.on_lost,
-        on_pause=session.pause,
-        on_resume=session.resume,
-    )
-    session.channel = channel
-    channel.send(["hello", facts(app)])
+    lost: list[CoreSession] = []  # the writer's `on_lost` needs the session it is built for
+    steps = ipc.StepWriter(socket.socket(fileno=steps_fd), loop, lambda: lost[0].on_lost())
+    session = CoreSession(app[STATE].engine, loop, steps)
+    lost.append(session)
+    channel = await ipc.connect(socket.socket(fileno=fd), session.on_messages, session.on_lost)
+    # the loop's frames go where the worker's do (the lock keeps them whole and in order); the
+    # loop blocks on a send only where the API process stopped reading, at start and stop
+    steps.send(["hello", facts(app)])
     stopped = loop.create_task(stop.wait())
     await asyncio.wait(
         {loop.create_task(session.done.wait()), stopped}, return_when=asyncio.FIRST_COMPLETED
@@ -176,11 +182,12 @@ async def run_core(app: web.Application, fd: int, socket_path: str) -> int:
     # the API process first (frames keep their order: it reads this before any stream's error),
     # so the requests it gets from now on are refused with a 503 status, not a 200 whose only
     # line is the error a submit racing the stop would get
-    channel.send(["stopping"])
+    steps.send(["stopping"])
     await runner.cleanup()  # the engine stops: unfinished streams get their in-band error
-    channel.send(["bye"])
+    steps.send(["bye"])
+    steps.close()  # what was sent stays readable, then EOF
     if channel.transport is not None:
-        channel.transport.close()  # what is buffered goes out first
+        channel.transport.close()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(10.0):
                 await channel.closed.wait()

@@ -18,6 +18,13 @@ requests' outputs in it.)
 
 Messages (`kind` first):
 - API -> core: `["submit", rid, job]`, `["cancel", rid]`, `["stop"]`.
+Two socketpairs: the API process's requests go over the first (`--core-fd`); everything the core
+sends goes over the second (`--core-steps-fd`), written with blocking sends by `StepWriter`: the
+worker thread writes each step's frame itself (no wake-up of the core's loop, no loop work per
+step), and the loop's few messages (`hello`, `stopping`, `bye`, a refused submit's error) go the
+same way, under the same lock, so they keep their order with the steps. A reader that stops
+reading fills that socket's buffer and so blocks the worker between steps (the backpressure).
+
 - core -> API: `["hello", facts]` once the engine serves, `["step", [[rid, [event, ...]], ...]]`
   once per worker delivery (every row's events of the step in one frame; an event is an
   `EngineDelta` or `StreamError` as orjson encodes a dataclass), `["stopping"]` before the core
@@ -31,6 +38,7 @@ import asyncio
 import json
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -139,3 +147,53 @@ async def connect(
     )
     transport.set_write_buffer_limits(high=high_water, low=high_water // 4)
     return protocol
+
+
+class StepWriter:
+    """Frames written with blocking `sendall` (the GIL is released while the kernel copies them),
+    from any thread: one lock around each frame's encoding and send, so frames never interleave
+    and go out in the order their writers took the lock. A full socket buffer (the reader fell
+    behind) blocks the writer: the worker then waits between steps until the reader catches up.
+
+    The reader gone (EPIPE, ECONNRESET, ...): `send` returns False, never raises, and `on_lost`
+    runs once, on `loop` (the session's, as `FrameProtocol.connection_lost` would)."""
+
+    def __init__(
+        self, sock: socket.socket, loop: asyncio.AbstractEventLoop, on_lost: Callable[[], None]
+    ) -> None:
+        sock.setblocking(True)
+        self._sock = sock
+        self._loop = loop
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self.broken = False  # the reader is gone (or `close` ran): nothing more is sent
+        self.sending = False  # a send is under way (the worker blocked in it, say)
+
+    def send(self, message: Any) -> bool:
+        """One frame; False once the reader is gone."""
+        with self._lock:
+            if self.broken:
+                return False
+            data = encode(message)
+            self.sending = True
+            try:
+                self._sock.sendall(data)
+            except OSError:
+                self.broken = True
+                self._lost()
+                return False
+            finally:
+                self.sending = False
+            return True
+
+    def _lost(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._on_lost)
+        except RuntimeError:  # the loop is closed: the session is over anyway
+            pass
+
+    def close(self) -> None:
+        """No more frames (what was sent stays readable by the peer, then EOF)."""
+        with self._lock:
+            self.broken = True
+            self._sock.close()

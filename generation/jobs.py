@@ -66,7 +66,10 @@ class StepSink(Protocol):
     """One receiver for many jobs (the engine core's, engine_core.py): the delivery hands it all
     of a step's events at once, `(job, event)` in order, in one call, instead of a call per job:
     it forwards them to another process in one message, so the worker's process does no
-    per-stream work. Used when every job of a delivery has this same sink. Never raises."""
+    per-stream work. Used when every job of a delivery has this same sink. Never raises.
+
+    One with `direct = True` is called on the worker thread itself, from its `flush` (so it
+    must be thread-safe); otherwise on the jobs' loop, through its mailbox."""
 
     def put_step(self, events: list[tuple[Job, EngineDelta | StreamError]]) -> None: ...
 

@@ -9,7 +9,8 @@ row per step is what the host adds to every step: the per-row loop is written fo
 
 Delivery: results go to each request's sink (or queue) through a per-loop mailbox (`_Mailbox`):
 one list and one `loop.call_soon_threadsafe` per step, none while the loop has not yet taken the
-previous steps' results (it then takes them all at once); the loop fans them out.
+previous steps' results (it then takes them all at once); the loop fans them out. A `StepSink`
+marked `direct` (the engine core's) is instead handed each step on this thread: no mailbox.
 """
 
 from __future__ import annotations
@@ -223,6 +224,15 @@ class OutputProcessor:
         if not outbox:
             return
         self._outbox = []
+        sink = _step_sink(outbox)
+        if sink is not None and getattr(sink, "direct", False):
+            # the engine core's (engine_core.CoreSession): it sends the step itself, from this
+            # thread, so its loop is neither woken nor run per step
+            try:
+                sink.put_step(outbox)
+            except Exception:  # a sink must not raise; the worker goes on regardless
+                log.exception("step sink failed")
+            return
         loop = outbox[0][0].loop
         if all(job.loop is loop for job, _ in outbox):  # one loop (the server's): no grouping
             self._post(loop, outbox)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import itertools
 import socket
+import termios
 from typing import Any
 
 from hypothesis import given, settings
@@ -148,46 +150,52 @@ async def test_a_job_crosses_to_the_core_whole() -> None:
             assert getattr(rebuilt, field.name) == getattr(job, field.name), field.name
 
 
-async def test_a_core_whose_api_process_stops_reading_holds_its_engine(
+def _core(engine: Engine, sndbuf: int | None = None) -> tuple[socket.socket, CoreSession]:
+    """A core session over a real socketpair (its steps end a blocking `StepWriter`, as
+    run_core builds it); the API process's end is returned, not yet read."""
+    api_sock, core_sock = socket.socketpair()
+    if sndbuf is not None:  # little kernel buffering: the backpressure shows early
+        for sock in (api_sock, core_sock):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sndbuf)
+    loop = asyncio.get_running_loop()
+    sessions: list[CoreSession] = []
+    steps = ipc.StepWriter(core_sock, loop, lambda: sessions[0].on_lost())
+    sessions.append(CoreSession(engine, loop, steps))
+    return api_sock, sessions[0]
+
+
+def _unread(sock: socket.socket) -> int:
+    return int.from_bytes(fcntl.ioctl(sock, termios.FIONREAD, b"\0\0\0\0"), "little")
+
+
+async def test_a_core_whose_api_process_stops_reading_blocks_its_worker(
     tiny_model: LoadedModel,
 ) -> None:
-    """The API process stalls (stops reading the socketpair) under 8 streams of 300 tokens: the
-    core's unsent frames stop at the high-water mark, because its engine holds between steps
-    instead of running ahead and buffering every token of every stream; once the API process
-    reads again, every stream completes with exactly the tokens it gets alone."""
+    """The API process stalls (stops reading the steps socket) under 8 streams of 300 tokens:
+    the worker, which writes each step's frame itself, blocks in its send once the socket's
+    buffer is full, so the engine stops mid-stream instead of running ahead and buffering every
+    token of every stream; once the API process reads again, every stream completes with
+    exactly the tokens it gets alone."""
     engine = Engine(tiny_model)
     engine.start()
-    api_sock, core_sock = socket.socketpair()
-    for sock in (api_sock, core_sock):  # little kernel buffering: the transport's shows
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    high = 16 * 1024
+    api_sock, session = _core(engine, sndbuf=4096)
     try:
         prompts = [[11 + i, 12, 13 + 2 * i] for i in range(8)]
         alone = [await run_alone(engine, make_job(p, 300, asyncio.Queue())) for p in prompts]
-        received: list[Any] = []
-        api = await ipc.connect(api_sock, received.extend, lambda: None)
-        session = CoreSession(engine, asyncio.get_running_loop())
-        core = await ipc.connect(
-            core_sock,
-            session.on_messages,
-            session.on_lost,
-            on_pause=session.pause,
-            on_resume=session.resume,
-            high_water=high,
+        generated = engine.stats.tokens_generated
+        deliveries = engine.stats.worker.deliveries
+        for rid, prompt in enumerate(prompts, start=1):  # the API process stalls: nobody reads
+            session.submit(rid, job_spec(make_job(prompt, 300, asyncio.Queue())))
+        await until(
+            lambda: session.steps.sending and _unread(api_sock) > 0,
+            what="the worker blocked in its send",
         )
-        session.channel = core
-        assert api.transport is not None and core.transport is not None
-        api.transport.pause_reading()  # the API process stalls
-        for rid, prompt in enumerate(prompts, start=1):
-            api.send(["submit", rid, job_spec(make_job(prompt, 300, asyncio.Queue()))])
-        await until(lambda: engine.active_requests == 8, what="the 8 requests in the core")
-        # the hold itself (Engine._idle is also true for an instant while the worker hands
-        # joiners from its inbox to the scheduler: waiting on it let this run on too early)
-        await until(lambda: core.paused and engine._held > 0, what="the engine held")
-        assert core.transport.get_write_buffer_size() <= high + 8 * 1024
-        assert engine.active_requests == 8  # held mid-stream, not run to the end
-        api.transport.resume_reading()
+        assert engine.active_requests == 8  # stopped mid-stream, not run to the end
+        assert engine.stats.tokens_generated - generated < 8 * 100  # what the socket holds
+        assert session.steps.sending  # still there: nobody read
+        received: list[Any] = []
+        api = await ipc.connect(api_sock, received.extend, lambda: None)  # reads again
         tokens: dict[int, list[int]] = {rid: [] for rid in range(1, 9)}
         finished: set[int] = set()
 
@@ -206,6 +214,36 @@ async def test_a_core_whose_api_process_stops_reading_holds_its_engine(
     finally:
         engine.stop()
         api_sock.close()
-        core_sock.close()
     assert [tokens[rid] for rid in range(1, 9)] == alone
-    assert not core.paused and engine._held == 0
+    assert session.jobs == {} and session.rids == {}
+    # the core's steps never went through its loop (no wake-up, no delivery there)
+    assert engine.stats.worker.deliveries == deliveries
+    assert api.transport is not None
+
+
+async def test_a_core_whose_api_process_dies_mid_stream_ends_and_its_worker_lives_on(
+    tiny_model: LoadedModel,
+) -> None:
+    """The API process dies while its streams run: the worker's next send fails (EPIPE), which
+    ends the session (`done`, as `on_lost`) instead of raising in the worker, which goes on
+    serving (the core then stops its engine in order)."""
+    engine = Engine(tiny_model)
+    engine.start()
+    api_sock, session = _core(engine, sndbuf=4096)
+    try:
+        for rid in (1, 2):
+            session.submit(rid, job_spec(make_job([11 + rid, 12], 400, asyncio.Queue())))
+        await until(
+            lambda: session.steps.sending and _unread(api_sock) > 0,
+            what="the worker blocked in its send, mid-stream",
+        )
+        assert engine.active_requests == 2
+        api_sock.close()  # the API process is gone
+        await asyncio.wait_for(session.done.wait(), 30)
+        assert session.steps.broken
+        assert engine.healthy  # the worker did not die of it
+        assert await run_alone(engine, make_job([5, 6, 7], 3, asyncio.Queue())) == (
+            await run_alone(engine, make_job([5, 6, 7], 3, asyncio.Queue()))
+        )
+    finally:
+        engine.stop()
