@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -30,7 +31,7 @@ from tests.engine_processes import (
     free_port,
     start_engine_subprocess,
 )
-from tests.engine_support import TEST_DEVICE, generate
+from tests.engine_support import TEST_DEVICE, batch_bodies, generate
 from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,9 +258,13 @@ async def test_a_dead_engine_core_fails_open_streams_and_the_replica_exits() -> 
         engine.stop()
 
 
-async def test_one_process_mode_serves() -> None:
+async def test_one_process_mode_serves_the_split_replicas_streams_exactly() -> None:
     """`--no-api-process` (debugging: the HTTP side and the worker in one process) serves the
-    same stream as the default layout, and starts no child."""
+    same 16 concurrent streams (greedy, seeded sampling, stop sequences; rows joining and
+    leaving at different steps) as the default layout, byte for byte, and starts no child.
+    The split replica's worker writes its steps to the API process itself: its core's loop
+    takes no delivery for them (/health `worker.deliveries` stays as it was)."""
+    bodies = batch_bodies()
     async with aiohttp.ClientSession() as session:
         streams = []
         for flags in ((), ("--no-api-process",)):
@@ -268,10 +273,24 @@ async def test_one_process_mode_serves() -> None:
             ) as engine:
                 if sys.platform.startswith("linux"):
                     assert len(_children(engine.process.pid)) == (0 if flags else 1)
-                body = {"prompt": "Hello 😀", "max_new_tokens": 12}
-                streams.append(await generate(session, engine.url, body))
-    assert streams[0].completed and len(streams[0].token_ids) == 12
-    assert streams[1].lines == streams[0].lines
+                before = await _worker(session, engine.url)
+                streams.append(
+                    await asyncio.gather(*(generate(session, engine.url, b) for b in bodies))
+                )
+                after = await _worker(session, engine.url)
+                if not flags:
+                    assert after["deliveries"] == before["deliveries"]
+                    assert after["delivered_posts"] == before["delivered_posts"]
+                else:  # the one process's loop delivers every step: the check above can fail
+                    assert after["deliveries"] > before["deliveries"]
+    split, one = streams
+    assert all(s.completed for s in split)
+    assert [s.raw for s in one] == [s.raw for s in split]
+
+
+async def _worker(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url + "/health") as resp:
+        return (await resp.json())["worker"]
 
 
 @linux_only
