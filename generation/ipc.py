@@ -1,12 +1,12 @@
 """Frames between the engine's API process and its engine-core process (issue 35).
 
 One frame = a 4-byte big-endian length, then one orjson document (a JSON array whose first item
-names the message). Both ends read and write them with an asyncio protocol (`FrameProtocol`:
-non-blocking, read by the loop's selector) over one Unix socketpair the API process creates
-before it starts the core, so neither event loop ever blocks on the other: a slow reader only
-fills the socket's buffer, and then takes every frame waiting there in one go. A reader that
-falls `HIGH_WATER` bytes behind pauses its writer (asyncio's `pause_writing`, `on_pause`): the
-engine core then holds its engine between steps until the API process catches up.
+names the message). The API process reads and writes them with an asyncio protocol
+(`FrameProtocol`: non-blocking, read by the loop's selector) over Unix socketpairs it creates
+before it starts the core, so its event loop never blocks on the core: a slow reader only fills
+the socket's buffer, and then takes every frame waiting there in one go. A reader that falls
+`HIGH_WATER` bytes behind pauses an asyncio writer (`pause_writing`, `on_pause`); the core's own
+frames go out through `StepWriter` instead (below), whose blocking sends are the backpressure.
 
 Why this and not zmq/msgpack (vLLM's choice) or `multiprocessing.Connection`: orjson is already
 the engine's encoder (dataclasses and enums natively, in C: the core's per-step cost is one call
@@ -16,8 +16,6 @@ for all rows), a socketpair needs no broker or extra dependency and gives EOF wh
 EngineCore sends msgpack over zmq sockets; the shape is the same: one message per step, all
 requests' outputs in it.)
 
-Messages (`kind` first):
-- API -> core: `["submit", rid, job]`, `["cancel", rid]`, `["stop"]`.
 Two socketpairs: the API process's requests go over the first (`--core-fd`); everything the core
 sends goes over the second (`--core-steps-fd`), written with blocking sends by `StepWriter`: the
 worker thread writes each step's frame itself (no wake-up of the core's loop, no loop work per
@@ -25,8 +23,10 @@ step), and the loop's few messages (`hello`, `stopping`, `bye`, a refused submit
 same way, under the same lock, so they keep their order with the steps. A reader that stops
 reading fills that socket's buffer and so blocks the worker between steps (the backpressure).
 
+Messages (`kind` first):
+- API -> core: `["submit", rid, job]`, `["cancel", rid]`, `["stop"]`.
 - core -> API: `["hello", facts]` once the engine serves, `["step", [[rid, [event, ...]], ...]]`
-  once per worker delivery (every row's events of the step in one frame; an event is an
+  once per worker step (every row's events of the step in one frame; an event is an
   `EngineDelta` or `StreamError` as orjson encodes a dataclass), `["stopping"]` before the core
   stops its engine (the API process refuses new requests from then on), `["bye"]` once the core
   has stopped its engine (every unfinished stream got its error first).
@@ -46,10 +46,9 @@ import orjson
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 1 << 30  # a corrupt length, never a real frame: the peer is treated as gone
-#: Bytes a writer may leave unsent (in its transport's buffer, past what the socket holds) before
-#: it is paused (`on_pause`), and it resumes below a quarter of it (`on_resume`): asyncio's
-#: flow control, at ~25 steps of 256 rows' events, so a peer that stops reading (a stalled API
-#: process) stops the engine instead of growing the core's memory without bound.
+#: Bytes an asyncio writer may leave unsent (in its transport's buffer, past what the socket
+#: holds) before it is paused (`on_pause`), and it resumes below a quarter of it (`on_resume`):
+#: asyncio's flow control. (The core's step frames do not go through a transport: `StepWriter`.)
 HIGH_WATER = 1 << 20
 
 
