@@ -786,11 +786,16 @@ def worker_line(decoding: str, level: int, split: dict[str, Any]) -> str:
     """One line per level: where a decode step's time went in the worker thread (device_wait
     near 0 on a GPU: host-bound) and the event loop's delivery per step, which shares the GIL."""
     parts = " ".join(f"{k} {v:.2f}" for k, v in split["ms_per_step"].items())
+    if split["deliveries"] == 0:  # a split replica's core: the worker sends its own frames
+        loop = "no loop delivery (the worker sends each step's frame: `deliver` is that)"
+    else:
+        loop = (
+            f"loop delivery {split['delivery_ms_per_step']:.2f} ms per step, "
+            f"{split['posts_per_delivery']:.2f} posts per delivery"
+        )
     return (
         f"worker {decoding} {level} streams: {split['decode_steps']} steps of "
-        f"{split['rows_per_step']:.0f} rows, ms per step: {parts}; loop delivery "
-        f"{split['delivery_ms_per_step']:.2f} ms per step, {split['posts_per_delivery']:.2f} "
-        f"posts per delivery"
+        f"{split['rows_per_step']:.0f} rows, ms per step: {parts}; {loop}"
     )
 
 
