@@ -110,7 +110,10 @@ class CoreSession:
         try:
             self.engine.submit(job)
         except EngineUnavailable as exc:  # the API process checked first; a race with a stop
-            self.put_step([(job, StreamError(503, "generation_unavailable", str(exc)))])
+            error = [(job, StreamError(503, "generation_unavailable", str(exc)))]
+            # in a thread: the send may wait for the worker's (the lock) or a full socket, and
+            # this runs on the loop, which must never block
+            self.loop.run_in_executor(None, self.put_step, error)
 
     def cancel(self, rid: int) -> None:
         with self._lock:
@@ -172,9 +175,9 @@ async def run_core(app: web.Application, fd: int, socket_path: str, steps_fd: in
     session = CoreSession(app[STATE].engine, loop, steps)
     lost.append(session)
     channel = await ipc.connect(socket.socket(fileno=fd), session.on_messages, session.on_lost)
-    # the loop's frames go where the worker's do (the lock keeps them whole and in order); the
-    # loop blocks on a send only where the API process stopped reading, at start and stop
-    steps.send(["hello", facts(app)])
+    # the loop's frames go where the worker's do (the lock keeps them whole and in order), each
+    # sent from a thread (`send_from_loop`): the loop never blocks on the socket
+    await steps.send_from_loop(["hello", facts(app)])
     stopped = loop.create_task(stop.wait())
     await asyncio.wait(
         {loop.create_task(session.done.wait()), stopped}, return_when=asyncio.FIRST_COMPLETED
@@ -182,9 +185,12 @@ async def run_core(app: web.Application, fd: int, socket_path: str, steps_fd: in
     # the API process first (frames keep their order: it reads this before any stream's error),
     # so the requests it gets from now on are refused with a 503 status, not a 200 whose only
     # line is the error a submit racing the stop would get
-    steps.send(["stopping"])
+    if not await steps.send_from_loop(["stopping"]):
+        # an API process alive but not reading (stopped, stuck): break the sends, the worker's
+        # included, so the engine can stop (its streams' errors then go nowhere)
+        steps.close()
     await runner.cleanup()  # the engine stops: unfinished streams get their in-band error
-    steps.send(["bye"])
+    await steps.send_from_loop(["bye"])
     steps.close()  # what was sent stays readable, then EOF
     if channel.transport is not None:
         channel.transport.close()

@@ -35,6 +35,7 @@ Messages (`kind` first):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import struct
@@ -50,6 +51,9 @@ MAX_FRAME = 1 << 30  # a corrupt length, never a real frame: the peer is treated
 #: holds) before it is paused (`on_pause`), and it resumes below a quarter of it (`on_resume`):
 #: asyncio's flow control. (The core's step frames do not go through a transport: `StepWriter`.)
 HIGH_WATER = 1 << 20
+#: How long the core's loop waits for one of its own frames (`hello`, `stopping`, `bye`) to go
+#: out before it goes on without it: an API process alive but not reading must not hold a stop.
+LOOP_SEND_TIMEOUT = 10.0
 
 
 def encode(message: Any) -> bytes:
@@ -185,6 +189,16 @@ class StepWriter:
                 self.sending = False
             return True
 
+    async def send_from_loop(self, message: Any, patience: float = LOOP_SEND_TIMEOUT) -> bool:
+        """`send` for the event loop: in a thread, so the loop never blocks on a reader that
+        stopped reading (or on the worker's send ahead of it, under the lock); False if the frame
+        did not go out within `patience` seconds (it may still go, or `close` breaks the send)."""
+        try:
+            async with asyncio.timeout(patience):
+                return await asyncio.to_thread(self.send, message)
+        except TimeoutError:
+            return False
+
     def _lost(self) -> None:
         try:
             self._loop.call_soon_threadsafe(self._on_lost)
@@ -192,7 +206,11 @@ class StepWriter:
             pass
 
     def close(self) -> None:
-        """No more frames (what was sent stays readable by the peer, then EOF)."""
+        """No more frames (what was sent stays readable by the peer, then EOF). Without the
+        lock: a send blocked on a reader that stopped reading holds it; shutting the socket
+        down ends that send (EPIPE, `send` returns False), then the socket is closed."""
+        self.broken = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
         with self._lock:
-            self.broken = True
             self._sock.close()

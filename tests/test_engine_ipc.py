@@ -229,6 +229,50 @@ async def test_a_core_whose_api_process_stops_reading_blocks_its_worker(
     assert api.transport is not None
 
 
+async def test_a_core_whose_api_process_stops_reading_still_stops_and_its_loop_never_blocks(
+    tiny_model: LoadedModel,
+) -> None:
+    """The API process alive but not reading (stopped, stuck) and the worker blocked in its
+    send: the loop's own frames (`stopping`) go from a thread and give up after their patience
+    while the loop runs on; closing the writer ends the worker's blocked send, so the engine
+    stops; a submit refused after that answers from a thread, not from the loop."""
+    engine = Engine(tiny_model)
+    engine.start()
+    api_sock, core_sock, session = _core(engine, sndbuf=4096)
+    stopped = False
+    try:
+        for rid in range(1, 9):
+            session.submit(rid, job_spec(make_job([11 + rid, 12], 300, asyncio.Queue())))
+        full = core_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
+        await until(
+            lambda: session.steps.sending and _queued(core_sock) >= full,
+            what="the worker blocked in its send",
+        )
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        assert await session.steps.send_from_loop(["stopping"], patience=1.0) is False
+        ticker.cancel()
+        assert ticks > 1  # the loop ran while the frame waited
+        session.steps.close()  # as run_core does when `stopping` could not go out
+        async with asyncio.timeout(30):
+            await asyncio.to_thread(engine.stop)  # the worker's send ended: it stops
+        stopped = True
+        assert session.steps.broken and not session.steps.sending
+        session.submit(99, job_spec(make_job([5, 6], 3, asyncio.Queue())))  # refused
+        await until(lambda: 99 not in session.jobs, what="the refusal, sent from a thread")
+    finally:
+        if not stopped:
+            engine.stop()
+        api_sock.close()
+
+
 async def test_a_core_whose_api_process_dies_mid_stream_ends_and_its_worker_lives_on(
     tiny_model: LoadedModel,
 ) -> None:
