@@ -85,3 +85,19 @@ def test_the_2026_11_28_h200_run_reads_as_its_note_says() -> None:
     assert got["135M 256 streams >= 30,000 tok/s"] == "short"
     assert got["CUDA engine and migration tests all pass"] == "short"
     assert got["judge: incremental >= 5x faster than re-judging"] == "unmeasured"
+
+
+def test_a_levels_ttft_over_rounds_is_the_median_of_its_rounds() -> None:
+    """`--rounds 2` prints a `ttft` line per round; the bar reads their median (as the
+    side-by-side throughput is), not whichever round came last."""
+    summary = """\
+--- e135: rc=0, 200 s
+ttft greedy 256 streams: p50 240 ms, mean 230 ms, max 260 ms (round 1); prefill cuda_graphs: 0
+ttft sampling 256 streams: p50 150 ms, mean 150 ms, max 170 ms (round 1)
+ttft sampling 256 streams: p50 170 ms, mean 160 ms, max 190 ms (round 2)
+ttft greedy 256 streams: p50 180 ms, mean 175 ms, max 200 ms (round 2)
+"""
+    figures = read([summary])
+    assert figures.ttft_p50["e135"] == {("greedy", 256): 210.0, ("sampling", 256): 160.0}
+    got = {name: (verdict, measured) for verdict, name, measured in verdicts(figures)}
+    assert got["135M 256 streams TTFT p50 <= 200 ms"] == ("short", "greedy 210, sampling 160")

@@ -7,13 +7,16 @@ bar each figure meets. Every bar is the issues' own wording (the numbers below);
 has a figure for is `unmeasured`, never met. Several summaries (a session's two calls) are read
 as one: a step's figures come from the summary that ran it. A figure is taken from the lines the
 summary keeps (`side by side`, `ttft`, the test files' results, `judge_tokens_ratio`), the step a
-line belongs to from the `--- STEP: rc=...` line before it. Exit status 0 whatever the verdicts:
+line belongs to from the `--- STEP: rc=...` line before it. With several rounds (`--rounds 2`),
+a level's TTFT p50 is the median of its rounds' p50s, as the side-by-side throughput is the
+median of its rounds. Exit status 0 whatever the verdicts:
 this reads, it does not gate.
 """
 
 from __future__ import annotations
 
 import re
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +58,7 @@ class Figures:
 
     levels: dict[str, dict[tuple[str, int], Level]] = field(default_factory=dict)
     ttft_p50: dict[str, dict[tuple[str, int], float]] = field(default_factory=dict)
+    ttft_rounds: dict[str, dict[tuple[str, int], list[float]]] = field(default_factory=dict)
     test_files: dict[str, str] = field(default_factory=dict)  # file step -> "rc=0", "cut", ...
     failed_tests: list[str] = field(default_factory=list)
     judge: dict[str, float] = field(default_factory=dict)
@@ -85,7 +89,9 @@ def read(texts: list[str]) -> Figures:
             ttft = _TTFT.match(line)
             if ttft:
                 key = (ttft.group(1), int(ttft.group(2)))
-                figures.ttft_p50.setdefault(step, {})[key] = float(ttft.group(3))
+                got = figures.ttft_rounds.setdefault(step, {}).setdefault(key, [])
+                got.append(float(ttft.group(3)))
+                figures.ttft_p50.setdefault(step, {})[key] = statistics.median(got)
                 continue
             failed = _TEST_RESULT.match(line)
             if failed:

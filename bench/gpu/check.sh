@@ -241,8 +241,11 @@ side_by_side() {  # the lines a reader compares: aggregate, TTFT, step vs graph 
 
 # part bench: the engine next to its anchors, a fresh engine's TTFT, the compiled step
 step_e135() {
-  run e135 210 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
-    --concurrency 1,64,256 --skip-micro --rounds 1 --json "$out/e135.json"
+  # --rounds 2: the decodings alternate (greedy first in round 1, sampling first in round 2), so
+  # the side-by-side medians pay a fresh level's first-use costs once each (2026-11-28, one
+  # round: greedy ran every level first and was 1.126x slower at 256); ~10 s more than one round
+  run e135 230 python3 bench/engine.py --device cuda --model "$models/m135r" --tokens 128 \
+    --concurrency 1,64,256 --skip-micro --rounds 2 --json "$out/e135.json"
   side_by_side e135
 }
 step_e135_oneproc() {  # the replica as one process (before the API-process split), same shape
@@ -255,7 +258,7 @@ step_e135_oneproc() {  # the replica as one process (before the API-process spli
 step_e1p7() {
   # ~60 s on an H100 (2026-11-25) before the engine captured its prefill graphs at start: 120 s
   run e1p7 120 python3 bench/engine.py --device cuda --model "$models/m1p7r" --tokens 128 \
-    --concurrency 64 --skip-micro --rounds 1 --anchors generate,step --json "$out/e1p7.json"
+    --concurrency 64 --skip-micro --rounds 2 --anchors generate,step --json "$out/e1p7.json"
   side_by_side e1p7
 }
 step_ttft() {  # the first clients of a fresh engine: warm prefill on (default), then off
