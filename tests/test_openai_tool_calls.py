@@ -13,6 +13,7 @@ cannot be weakened for tool calls; a backend that cannot take tools is a 422 tha
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -824,6 +825,90 @@ async def test_a_call_to_a_tool_not_offered_is_a_failure_and_its_name_never_sent
     assert EMAIL not in text
     assert "the model called a tool the request did not offer" in text
     assert status == 502, text  # nothing was sent yet: a real HTTP error (DESIGN 4.8)
+
+
+# a call id the way vLLM's Kimi-K2 parser takes it from the model's own text
+WRITTEN_ID = f"functions.send_email:{EMAIL}"
+MINTED_ID = re.compile(r"call_[0-9a-f]{24}")
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_a_call_id_a_guardrail_flags_is_never_sent(
+    orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
+) -> None:
+    """A call's id is text the upstream sent beside the call, and a model may write it: vLLM's
+    Kimi-K2 parser takes `functions.NAME:N` from the model's output. On 69e17fc it reached the
+    client unjudged, past an enforced blocking guardrail, in the call and in the refusal's
+    detections. A blocking detector that flags it withholds the call; the id never leaves."""
+    calls.append(ScriptedToolCall(WRITTEN_ID, "send_email", '{"to": "x"}'))
+    body = {"model": GUARDED, "messages": ASK, "tools": TOOLS, "stream": stream}
+    status, text = await raw_chat(orch, body)
+    assert status == 200, text
+    assert EMAIL not in text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
+        last = [c for c in chunks if c["choices"]][-1]["choices"][0]
+        found = [
+            r
+            for c in chunks
+            for d in c.get("detections", {}).get("output", [])
+            for r in d["results"]
+        ]
+        assert last["finish_reason"] == "content_filter"
+        assert all("tool_calls" not in c["choices"][0]["delta"] for c in chunks if c["choices"])
+    else:
+        done = json.loads(text)
+        assert done["choices"][0]["finish_reason"] == "content_filter"
+        assert done["choices"][0]["message"].get("tool_calls") is None
+        found = done["detections"]["output"][0]["results"]
+    [withheld] = found
+    assert MINTED_ID.fullmatch(withheld.pop("tool_call_id"))
+    assert withheld == {
+        "start": 0,  # the id is no part of the arguments: an empty span at their start
+        "end": 0,
+        "word": "",
+        "entity": "email",
+        "entity_group": "pii",
+        "detector_id": "pii_block",
+        "score": 1.0,
+        "tool_call_index": 0,
+    }
+
+
+@pytest.mark.parametrize("detector", ["pii", "pii_redact"])
+async def test_a_call_id_a_guardrail_flags_is_replaced_by_one_minted_here(
+    orch: Orchestrator, calls: list[ScriptedToolCall], detector: str
+) -> None:
+    """An id is a handle, not content: one that holds anything a detector flags is replaced
+    by an id the service mints (the arguments keep their bytes), on both OpenAI surfaces; an
+    id nothing flags is forwarded as it is (the tests above)."""
+    calls.append(ScriptedToolCall(WRITTEN_ID, "send_email", '{"to": "x"}'))
+    asked = {"model": MODEL, "messages": ASK, "tools": TOOLS, **output({detector: {}})}
+    status, text = await raw_chat(orch, {**asked, "stream": True})
+    assert status == 200, text
+    assert EMAIL not in text
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line[6:7] == "{"]
+    [delta] = [
+        c["choices"][0]["delta"]
+        for c in chunks
+        if c["choices"] and c["choices"][0]["delta"].get("tool_calls")
+    ]
+    [call] = delta["tool_calls"]
+    assert MINTED_ID.fullmatch(call["id"])
+    assert call["function"] == {"name": "send_email", "arguments": '{"to": "x"}'}
+    assert [
+        c for c in chunks if c.get("detections", {}).get("output", [{}])[0].get("results")
+    ] == []
+    body = {"model": MODEL, "input": "Mail Jo.", "tools": RESPONSE_TOOLS, **output({detector: {}})}
+    assert orch.session is not None
+    async with orch.session.post(orch.url + "/v1/responses", json=body) as r:
+        raw = await r.text()
+    assert r.status == 200, raw
+    assert EMAIL not in raw
+    response = json.loads(raw)
+    [(call_id, name, arguments)] = function_calls(response["output"])
+    assert MINTED_ID.fullmatch(call_id)
+    assert (name, arguments, response["status"]) == ("send_email", '{"to": "x"}', "completed")
 
 
 async def test_a_refused_input_never_reaches_the_backend_not_even_to_be_counted(

@@ -17,8 +17,16 @@ from typing import Any
 
 import pytest
 
+from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, prompt_text
-from tests.orchestrator_support import MODEL, Orchestrator, frames, native_config, terminal
+from tests.orchestrator_support import (
+    MODEL,
+    Orchestrator,
+    frames,
+    native_config,
+    remote,
+    terminal,
+)
 
 CONTENT = "/api/v2/text/detection/content"
 TEXT = (
@@ -151,3 +159,43 @@ async def test_output_redaction_replaces_exactly_the_flagged_sentence(
     )
     assert status == 200, reply
     assert reply["choices"][0]["message"]["content"] == expected
+
+
+async def test_a_remote_classifier_redacts_the_whole_chunk_it_flagged(engine: FakeEngine) -> None:
+    """A remote detector configured `judges: chunks` gives a verdict on the chunk; it redacts
+    that chunk (DESIGN 4.6a), whatever span its reply names. On 69e17fc a reply naming only the
+    flagged word (as a detection service may: its span is informative) redacted that word,
+    and the rest of the sentence the classifier flagged went out: " This is [toxic]"."""
+    server = FakeDetectorServer()
+    server.add("toxic", DetectorBehaviour(words={"shit": 0.9}, detection="toxic"))
+    await server.start()
+    try:
+        cfg = native_config(
+            engine.url,
+            detectors={
+                "toxic": {
+                    **remote(server.url),
+                    "judges": "chunks",
+                    "on_detection": "redact",
+                    "redact_with": "[{entity}]",
+                }
+            },
+            model={"guardrails": {"input": {"toxic": {}}, "output": {"toxic": {}}}},
+        )
+        async with Orchestrator(cfg) as orch:
+            events = await orch.stream({"model_id": MODEL, "inputs": "Tell me. This is shit."})
+            assert terminal(events).name == "completed"
+            released = frames(events)
+            assert (
+                "".join(f["generated_text"] for f in released)
+                == "The sky is blue. [toxic] I like cats."
+            )
+            [found] = [
+                d for f in released for d in f["token_classification_results"].get("output", [])
+            ]
+            assert (found["start"], found["end"], found["word"]) == (17, 24, "[toxic]")
+            [inp] = released[0]["token_classification_results"]["input"]
+            assert (inp["start"], inp["end"], inp["word"]) == (9, 22, "[toxic]")
+            assert [prompt_text(r.body) for r in engine.requests] == ["Tell me. [toxic]"]
+    finally:
+        await server.close()

@@ -8,6 +8,7 @@ from typing import Any
 
 from chunkers import Span
 from detectors.api import Detection
+from detectors.base import text_bounds
 
 from ..clients.detectors import DetectorCallError
 from ..clients.judges import UNJUDGED_TYPE
@@ -64,6 +65,9 @@ def kept_findings(
     turn a detection into a warning by its type)."""
     kept: list[Finding] = []
     size = len(span.text)
+    # a redacting classifier's verdict is on the chunk: it redacts the chunk (DESIGN 4.6a),
+    # whatever span its reply names (a remote service may name the word that decided it)
+    whole = text_bounds(span.text) if detector.redacting and detector.judges_chunks else None
     for d in detections:
         if not (0 <= d.start <= d.end <= size):
             raise DetectorCallError(
@@ -72,11 +76,15 @@ def kept_findings(
             )
         unjudged = d.detection_type == UNJUDGED_TYPE and detector.client.reads_context
         if d.score >= detector.threshold or unjudged:
+            start, end, text = d.start, d.end, d.text
+            if whole is not None and not unjudged:
+                start, end = whole
+                text = span.text[start:end]
             kept.append(
                 Finding(
-                    start=span.start + d.start,
-                    end=span.start + d.end,
-                    text=d.text,
+                    start=span.start + start,
+                    end=span.start + end,
+                    text=text,
                     detection=d.detection,
                     detection_type=d.detection_type,
                     detector_id=detector.detector_id,

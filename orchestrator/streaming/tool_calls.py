@@ -8,6 +8,10 @@ card number), each as its own piece, with spans that point into the arguments st
 client receives it. A redacted number becomes a string (`"[credit_card]"`): still valid JSON. Arguments that are not JSON (a model that broke off,
 or wrote something else) are judged whole, as text. A call's name must be one the request offered
 (`offered_names`): the client's own text, judged as input; any other is a failure, never sent.
+A call's id is text the upstream sends beside the call, and a model may write it (vLLM's Kimi-K2
+parser takes `functions.NAME:N` from the model's output): it is judged too, and an id a detector
+flags is replaced by one minted here (an id is a handle, not content; the client sends it back
+and the upstream sees it consistently); a blocking detector's finding on it withholds the call.
 
 A call is released once it is whole and every output detector that applies to tool calls
 (`applies_to`) judged it: `block` withholds it (the stream ends with a refusal), `redact`
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,6 +41,9 @@ from .text_judgement import BULK_CHARS, judge_pieces, off_loop
 # a JSON string token (the regex engine scans in C: arguments may be long); valid JSON only
 # a JSON string or number token (the regex engine scans in C: arguments may be long); valid JSON
 # only. Strings first: a string's digits are part of it, never a number of their own
+# the `field` of a call's id among the judged pieces (its values' are their indices)
+ID_FIELD = "id"
+
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?', re.DOTALL)
 
 
@@ -170,6 +178,7 @@ async def judge_tool_calls(
     detector covers every value of every call."""
     if not detectors:
         return [JudgedCall(c) for c in calls]
+    calls = list(calls)  # a flagged id is replaced below
     # scanning and re-encoding arguments is CPU work: off the loop past BULK_CHARS, as text is
     bulk = sum(len(c.arguments) for c in calls) > BULK_CHARS
 
@@ -182,11 +191,22 @@ async def judge_tool_calls(
         for i, vs in enumerate(values)
         for j, v in enumerate(vs)
     ]
+    pieces += [
+        InputPiece(c.id, message_index=i, field=ID_FIELD) for i, c in enumerate(calls) if c.id
+    ]
     findings = await judge_pieces(pieces, detectors, chunkers)
     by_id = {d.detector_id: d for d in detectors}
     mine: dict[int, list[Finding]] = {}
+    on_id: dict[int, list[Finding]] = {}
     for f in findings:
-        mine.setdefault(f.message_index or 0, []).append(f)
+        (on_id if f.field == ID_FIELD else mine).setdefault(f.message_index or 0, []).append(f)
+    for i, flagged in on_id.items():
+        if any(not f.unjudged for f in flagged):
+            # the id is a handle, not content: one a detector flags is replaced, never sent
+            calls[i] = replace(calls[i], id=f"call_{secrets.token_hex(12)}")
+            mine.setdefault(i, []).extend(
+                f for f in flagged if by_id[f.detector_id].blocking and not f.unjudged
+            )
 
     def apply() -> list[JudgedCall]:
         return [_apply(c, values[i], mine.get(i, []), by_id) for i, c in enumerate(calls)]
@@ -207,6 +227,9 @@ def _apply(
     if blocking:
         withheld = []
         for f in blocking:
+            if f.field == ID_FIELD:  # no part of the arguments: an empty span at their start
+                withheld.append(_on_call(call, f, 0, 0))
+                continue
             value = values[int(f.field or 0)]
             offsets = value.offsets(call.arguments[value.start : value.end])
             withheld.append(
