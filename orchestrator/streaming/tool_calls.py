@@ -38,12 +38,11 @@ from .findings import Finding, sort_findings
 from .redaction import redact_text
 from .text_judgement import BULK_CHARS, judge_pieces, off_loop
 
-# a JSON string token (the regex engine scans in C: arguments may be long); valid JSON only
-# a JSON string or number token (the regex engine scans in C: arguments may be long); valid JSON
-# only. Strings first: a string's digits are part of it, never a number of their own
 # the `field` of a call's id among the judged pieces (its values' are their indices)
 ID_FIELD = "id"
 
+# a JSON string or number token (the regex engine scans in C: arguments may be long); valid JSON
+# only. Strings first: a string's digits are part of it, never a number of their own
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?', re.DOTALL)
 
 
