@@ -5,6 +5,7 @@ spans outside the content, too many detections or too many bytes is a `detector_
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from tests.orchestrator_support import (
     MODEL,
     SCRIPT,
     Orchestrator,
+    frames,
     generation_body,
     native_config,
     remote,
@@ -149,6 +151,26 @@ async def test_an_out_of_range_detection_is_a_detector_error(engine, evil, found
         events = await orch.stream(generation_body(output={"evil": {}}))
     assert content == (502, detector_error("evil", message))
     assert terminal(events).name == "error"
+
+
+async def test_a_detections_text_is_its_spans_never_the_replys_own(engine, evil) -> None:
+    """A detection's `text` is the text its span covers (DESIGN 6). Repro: the reply's own
+    `text` was passed on, so a detector quoting something else there (another part of the
+    chunk, which a redaction may have withheld) had it sent to the client as the `word`."""
+    evil.add("evil", DetectorBehaviour(reply=[[detection(score=0.9, text=SECRET)]]))
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        status, body = await orch.post(
+            CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}}
+        )
+        events = await orch.stream(generation_body(output={"evil": {}}))
+    assert status == 200
+    assert [(d["start"], d["end"], d["text"]) for d in body["detections"]] == [(0, 5, "Hello")]
+    found = [d for f in frames(events) for d in f["token_classification_results"]["output"]]
+    assert [(d["start"], d["end"], d["word"]) for d in found] == [
+        (0, 5, "I am "),
+        (11, 16, " What"),
+    ]
+    assert SECRET not in json.dumps([e.data for e in events])
 
 
 async def test_too_many_detections_for_one_content_is_a_detector_error(engine, evil) -> None:

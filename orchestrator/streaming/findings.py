@@ -76,10 +76,11 @@ def kept_findings(
             )
         unjudged = d.detection_type == UNJUDGED_TYPE and detector.client.reads_context
         if d.score >= detector.threshold or unjudged:
-            start, end, text = d.start, d.end, d.text
-            if whole is not None and not unjudged:
-                start, end = whole
-                text = span.text[start:end]
+            start, end = (d.start, d.end) if whole is None or unjudged else whole
+            # the detection's text is its span's (DESIGN 6), never the reply's own `text`: a
+            # detector that quoted other text there (a redacted number elsewhere in the chunk)
+            # would send the client what a redaction withheld
+            text = span.text[start:end]
             kept.append(
                 Finding(
                     start=span.start + start,
