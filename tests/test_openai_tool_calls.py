@@ -27,9 +27,10 @@ from hypothesis import strategies as st
 from orchestrator.clients.backend import GenerationError, ToolCallDelta
 from orchestrator.clients.openai_streams import tool_call_deltas
 from orchestrator.streaming.tool_calls import raw_offsets, string_values
+from tests.fakes.detector import DetectorBehaviour
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, ScriptedToolCall
-from tests.openai_support import finishes, raw_events, reassembled, sdk, types
-from tests.orchestrator_support import MODEL, Orchestrator, ServedStack, native_config
+from tests.openai_support import fake_detectors, finishes, raw_events, reassembled, sdk, types
+from tests.orchestrator_support import MODEL, Orchestrator, ServedStack, native_config, remote
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -474,6 +475,86 @@ async def test_a_tool_calls_arguments_sent_back_are_judged_as_input(
     assert sent == ARGUMENTS.replace(EMAIL, "[email]")
     [found] = (done.model_extra or {})["detections"]["input"]
     assert (found["message_index"], found["field"]) == (1, "tool_calls.0.function.arguments")
+
+
+# An assistant turn's arguments reach the model decoded: the chat template renders them with
+# `tojson` of the parsed object (generation/tool_calls.py template_messages; vLLM does the same),
+# so `s\u0065cret` is `secret` there. On 8cb75df the input detectors judged the raw JSON string:
+# a remote blocking guardrail for `secret` (one that does not decode escapes itself) let it
+# reach the model.
+ESCAPED = '{"note": "s\\u0065cret"}'
+SECRETIVE = "secretive"
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def secretive(upstream: FakeOpenAI) -> AsyncIterator[Orchestrator]:
+    secret = DetectorBehaviour(words={"secret": 0.9})
+    detectors = await fake_detectors(("secret", secret), ("secret_redact", secret))
+    cfg = config(upstream.url)
+    cfg["detectors"] = {
+        **cfg["detectors"],
+        "secret": remote(detectors.url, on_detection="block"),
+        "secret_redact": remote(detectors.url, on_detection="redact"),
+    }
+    model = cfg["models"][MODEL]
+    cfg["models"][SECRETIVE] = {**model, "guardrails": {"input": {"secret": {}}}}
+    cfg["models"]["redacting"] = {**model, "guardrails": {"input": {"secret_redact": {}}}}
+    try:
+        async with Orchestrator(cfg) as o:
+            yield o
+    finally:
+        await detectors.close()
+
+
+async def test_an_escaped_argument_sent_back_is_judged_as_the_model_reads_it(
+    secretive: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    turn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": ESCAPED}}
+        ],
+    }
+    messages = [*ASK, turn, {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    before = len(upstream.requests)
+    body = {"model": SECRETIVE, "messages": messages, "tools": TOOLS}
+    status, done = await secretive.post("/v1/chat/completions", body)
+    assert status == 200, done
+    assert done["choices"][0]["finish_reason"] == "content_filter"
+    assert [
+        (d["message_index"], d["field"], [(r["start"], r["end"], r["word"]) for r in d["results"]])
+        for d in done["detections"]["input"]
+    ] == [(1, "tool_calls.0.function.arguments.note", [(0, 6, "secret")])]
+    items = [
+        {"role": "user", "content": "Mail Jo."},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": ESCAPED},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"},
+    ]
+    status, response = await secretive.post(
+        "/v1/responses", {"model": SECRETIVE, "input": items, "tools": RESPONSE_TOOLS}
+    )
+    assert status == 200, response
+    assert response["incomplete_details"] == {"reason": "content_filter"}
+    assert [(a["message_index"], a["text"]) for a in response["guardrails"]["input"]] == [
+        (1, "secret")
+    ]
+    # a redacting guardrail cannot replace the text inside the escapes: the request is refused
+    status, refused = await secretive.post("/v1/chat/completions", {**body, "model": "redacting"})
+    assert (status, refused) == (
+        422,
+        {
+            "error": {
+                "message": "message 1's tool_calls.0.function.arguments.note holds text that "
+                "input detector `secret_redact` redacts (a redacted call name or id would "
+                "change what the request asks for)",
+                "type": "invalid_request",
+                "param": None,
+                "code": 422,
+            }
+        },
+    )
+    assert len(upstream.requests) == before  # the model was never called
 
 
 # -- judging what the request itself sends the model ---------------------------------------------
