@@ -64,6 +64,28 @@ class InputPiece:
     # it reaches the engine but cannot be replaced there (a tool call's name or id, a stop
     # sequence, a tool definition): a redacting detector's finding in it refuses the request
     fixed: bool = False
+    # a decoded view of text another piece holds (an argument written with escapes): judged,
+    # not counted again against the model's `max_input_chars`
+    decoded: bool = False
+
+
+def input_chars(pieces: list[InputPiece]) -> int:
+    """The characters of a conversation checked against the model's `max_input_chars`: every
+    piece the input detectors judge and the engine receives, names and tool call ids included
+    (on 8cb75df only message contents counted, so a 300,000-character tool call id passed a
+    limit of 1,000 and was judged in full)."""
+    return sum(len(p.text) for p in pieces if not p.decoded)
+
+
+def request_field_chars(extra: Mapping[str, Any]) -> tuple[int, list[str]]:
+    """The characters of the fields the engine receives beside the conversation (what
+    `request_field_pieces` judges) and those fields' names, largest first: a tool definition is
+    prompt text, bounded by the model's `max_input_chars` like a message."""
+    sizes: dict[str, int] = {}
+    for p in request_field_pieces(extra):
+        name = (p.field or "").split(".", 1)[0]
+        sizes[name] = sizes.get(name, 0) + len(p.text)
+    return sum(sizes.values()), sorted(sizes, key=lambda n: (-sizes[n], n))
 
 
 def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
@@ -128,12 +150,14 @@ def arguments_pieces(
         if isinstance(value, dict):
             for key, item in reversed(list(value.items())):
                 if _escaped(key, arguments):
-                    out.append(InputPiece(key, message_index, f"{path}.{key}", fixed=True))
+                    out.append(
+                        InputPiece(key, message_index, f"{path}.{key}", fixed=True, decoded=True)
+                    )
                 todo.append((f"{path}.{key}", item))
         elif isinstance(value, list):
             todo.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
         elif isinstance(value, str) and _escaped(value, arguments):
-            out.append(InputPiece(value, message_index, path, fixed=True))
+            out.append(InputPiece(value, message_index, path, fixed=True, decoded=True))
     return out
 
 
