@@ -456,17 +456,18 @@ async def test_an_injection_in_a_tool_result_stops_the_request_before_the_model(
     assert len(upstream.requests) == before  # the model was never called
 
 
+def sent_back(arguments: str, call_id: str = "c") -> list[dict[str, Any]]:
+    """ASK, an assistant turn that called `f` with `arguments`, and the tool's result: a
+    conversation sending a call back."""
+    call = {"id": call_id, "type": "function", "function": {"name": "f", "arguments": arguments}}
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    return [*ASK, turn, {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+
+
 async def test_a_tool_calls_arguments_sent_back_are_judged_as_input(
     orch: Orchestrator, upstream: FakeOpenAI
 ) -> None:
-    turn = {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": ARGUMENTS}}
-        ],
-    }
-    messages = [*ASK, turn, {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    messages = sent_back(ARGUMENTS)
     done = await sdk(orch).chat.completions.create(
         model=MODEL,
         messages=messages,
@@ -511,14 +512,7 @@ async def secretive(upstream: FakeOpenAI) -> AsyncIterator[Orchestrator]:
 async def test_an_escaped_argument_sent_back_is_judged_as_the_model_reads_it(
     secretive: Orchestrator, upstream: FakeOpenAI
 ) -> None:
-    turn = {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": ESCAPED}}
-        ],
-    }
-    messages = [*ASK, turn, {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    messages = sent_back(ESCAPED)
     before = len(upstream.requests)
     body = {"model": SECRETIVE, "messages": messages, "tools": TOOLS}
     status, done = await secretive.post("/v1/chat/completions", body)
@@ -564,11 +558,6 @@ async def test_an_escaped_argument_sent_back_is_judged_as_the_model_reads_it(
 # id passed a limit of 100 (and were judged in full and sent to the model).
 LONG = "Mail it. " * 333  # 2,997 characters
 LONG_TOOL = [{"type": "function", "function": {"name": "f", "description": LONG}}]
-LONG_ID = {
-    "role": "assistant",
-    "content": None,
-    "tool_calls": [{"id": LONG, "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-}
 
 
 @pytest.mark.parametrize(
@@ -581,7 +570,7 @@ LONG_ID = {
         ),
         (
             "/v1/chat/completions",
-            {"messages": [*ASK, LONG_ID, {"role": "tool", "tool_call_id": "c", "content": "ok"}]},
+            {"messages": sent_back("{}", call_id=LONG)},
             "messages: 3011 characters exceed this model's limit of 100",
         ),
         (
