@@ -28,6 +28,7 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import BaseModel, Field
 
+from .control_tokens import encode_text
 from .jobs import EngineUnavailable
 from .judge_sessions import JudgeSession, JudgeSessionError, Verdict, answer_token_ids
 from .models import LoadedModel
@@ -100,8 +101,9 @@ def _encode_open(loaded: LoadedModel, req: OpenSession) -> dict[str, Any]:
 
 
 def _encode_chunk(loaded: LoadedModel, chunk: str) -> list[int]:
-    tokenizer: Any = loaded.frontend_tokenizer
-    return list(tokenizer(chunk, add_special_tokens=False)["input_ids"]) if chunk else []
+    # the judged text is a client's or the model's: its special tokens' text is text, or a
+    # chunk could close the judge's turn and write the verdict itself (control_tokens.py)
+    return encode_text(loaded.frontend_tokenizer, chunk)
 
 
 def _client_error(server: Server, exc: JudgeSessionError) -> Exception:

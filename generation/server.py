@@ -40,6 +40,7 @@ from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
 from servicekit.tracing import annotate, event
 
 from . import judge_routes, models
+from .control_tokens import encode_conversation
 from .detokenizer import make_decoder
 from .faults import Fault, FaultInjector
 from .jobs import EngineDelta, EngineUnavailable, Job, StreamError
@@ -421,12 +422,9 @@ def _encode_prompt(
             else [{"role": "user", "content": prompt}]
         )
         try:
-            text = tokenizer.apply_chat_template(
-                conversation, tools=tools, add_generation_prompt=True, tokenize=False
-            )
+            return encode_conversation(tokenizer, conversation, tools)
         except Exception as exc:  # e.g. a template that insists on alternating roles
             raise ClientError(422, f"{field}: the model's chat template failed: {exc}") from None
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 

@@ -64,6 +64,28 @@ class InputPiece:
     # it reaches the engine but cannot be replaced there (a tool call's name or id, a stop
     # sequence, a tool definition): a redacting detector's finding in it refuses the request
     fixed: bool = False
+    # a decoded view of text another piece holds (an argument written with escapes): judged,
+    # not counted again against the model's `max_input_chars`
+    decoded: bool = False
+
+
+def input_chars(pieces: list[InputPiece]) -> int:
+    """The characters of a conversation checked against the model's `max_input_chars`: every
+    piece the input detectors judge and the engine receives, names and tool call ids included
+    (on 8cb75df only message contents counted, so a 300,000-character tool call id passed a
+    limit of 1,000 and was judged in full)."""
+    return sum(len(p.text) for p in pieces if not p.decoded)
+
+
+def request_field_chars(extra: Mapping[str, Any]) -> tuple[int, list[str]]:
+    """The characters of the fields the engine receives beside the conversation (what
+    `request_field_pieces` judges) and those fields' names, largest first: a tool definition is
+    prompt text, bounded by the model's `max_input_chars` like a message."""
+    sizes: dict[str, int] = {}
+    for p in request_field_pieces(extra):
+        name = (p.field or "").split(".", 1)[0]
+        sizes[name] = sizes.get(name, 0) + len(p.text)
+    return sum(sizes.values()), sorted(sizes, key=lambda n: (-sizes[n], n))
 
 
 def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
@@ -99,3 +121,46 @@ def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
         elif isinstance(value, list | tuple):
             todo.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
     return out
+
+
+def arguments_pieces(
+    arguments: str,
+    message_index: int,
+    field: str,
+    target: int | None,
+    tool_call: int | None,
+) -> list[InputPiece]:
+    """The pieces of a tool call's arguments sent back in the conversation: the JSON string as
+    the client wrote it (where a redaction goes), and each string (key or value) that it wrote
+    with escapes, decoded, as its own `fixed` piece named by its path (`<field>.to`). The chat
+    template renders arguments decoded (`tojson` of the parsed object, in transformers and
+    vLLM alike), so `s\\u0065cret` reaches the model as `secret`: judged only as written, it
+    passed every detector that does not decode escapes itself. A string written plainly is in
+    the raw piece already and is not judged twice."""
+    out = [InputPiece(arguments, message_index, field, target, tool_call=tool_call)]
+    if "\\" not in arguments:
+        return out
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return out  # not JSON: rendered as the string it is
+    todo: list[tuple[str, Any]] = [(field, parsed)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                if _escaped(key, arguments):
+                    out.append(
+                        InputPiece(key, message_index, f"{path}.{key}", fixed=True, decoded=True)
+                    )
+                todo.append((f"{path}.{key}", item))
+        elif isinstance(value, list):
+            todo.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, str) and _escaped(value, arguments):
+            out.append(InputPiece(value, message_index, path, fixed=True, decoded=True))
+    return out
+
+
+def _escaped(text: str, raw: str) -> bool:
+    """Whether `text` is not in the raw JSON `raw` as itself (it was written with escapes)."""
+    return bool(text) and json.dumps(text, ensure_ascii=False)[1:-1] not in raw

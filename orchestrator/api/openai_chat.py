@@ -27,7 +27,7 @@ from ..suggestions import closest
 from .errors import Failure
 from .fms_requests import MAX_STOP_SEQUENCES, DetectorMap, StopSequence
 from .fms_responses import TokenClassificationResult, Wire
-from .input_pieces import LABEL_FIELDS, InputPiece
+from .input_pieces import LABEL_FIELDS, InputPiece, arguments_pieces
 from .json_numbers import json_integer, json_number
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -259,9 +259,7 @@ class ChatMessageIn(BaseModel):
         if self.refusal:
             out.append(InputPiece(self.refusal, index, "refusal"))
         for j, call in enumerate(self.tool_calls or ()):
-            out.append(
-                InputPiece(call.function.arguments, index, tool_call_field(j), index, tool_call=j)
-            )
+            out += arguments_pieces(call.function.arguments, index, tool_call_field(j), index, j)
             # the call's name and id reach the engine too (the chat template renders them)
             out.append(
                 InputPiece(call.function.name, index, f"tool_calls.{j}.function.name", fixed=True)

@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from .errors import Failure, invalid
-from .input_pieces import InputPiece
+from .input_pieces import InputPiece, arguments_pieces
 from .json_numbers import json_integer, json_number
 from .openai_chat import ChatDetectors, OpenAIErrorBody
 
@@ -324,7 +324,7 @@ class ResponsesRequest(Strict):
             return out
         for i, (item, (target, call)) in enumerate(zip(self.input, self._places(), strict=True)):
             if isinstance(item, FunctionCallItem):
-                out.append(InputPiece(item.arguments, i, "arguments", target, tool_call=call))
+                out += arguments_pieces(item.arguments, i, "arguments", target, call)
                 # the name and id reach the engine too (the chat template renders them)
                 out.append(InputPiece(item.name, i, "name", fixed=True))
                 out.append(InputPiece(item.call_id, i, "call_id", fixed=True))

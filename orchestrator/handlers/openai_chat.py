@@ -11,6 +11,7 @@ from functools import partial
 
 from aiohttp import web
 
+from ..api.input_pieces import input_chars
 from ..api.openai_chat import ChatCompletionRequest
 from ..state import STATE
 from ..streaming.chat_writer import ChatChunkWriter, ChatCompletionFold
@@ -37,7 +38,7 @@ def chat_ask(request: web.Request, body: ChatCompletionRequest) -> GenerationAsk
         prompt=prompt,
         messages=chat,
         inputs=pieces,
-        input_chars=sum(len(p.text) for p in pieces if p.target is not None),
+        input_chars=input_chars(pieces),
         input_field="messages",
         max_tokens=body.max_completion_tokens or body.max_tokens,
         max_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",

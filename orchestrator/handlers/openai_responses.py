@@ -12,6 +12,7 @@ from functools import partial
 
 from aiohttp import web
 
+from ..api.input_pieces import input_chars
 from ..api.openai_responses import ResponsesRequest, check_stateless
 from ..state import STATE, AppState
 from ..streaming.guarded_generation import GuardedGeneration
@@ -51,7 +52,7 @@ def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk
         prompt=prompt,
         messages=chat,
         inputs=pieces,
-        input_chars=sum(len(p.text) for p in pieces if p.target is not None),
+        input_chars=input_chars(pieces),
         input_field="input",
         max_tokens=body.max_output_tokens,
         max_tokens_field="max_output_tokens",

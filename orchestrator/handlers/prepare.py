@@ -19,6 +19,7 @@ from aiohttp import web
 
 from ..api.errors import ApiError, invalid, not_found
 from ..api.fms_requests import DetectorMap
+from ..api.input_pieces import request_field_chars
 from ..api.openai_chat import (
     TOOL_FIELDS,
     TOOLS_WHY,
@@ -218,11 +219,18 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         caller.policy = caller.tenant.policies[target.model_id]  # x-guardstream-policy
         caller.gate.admit_tokens(caller.tenant.id)
     config = target.config
-    if ask.input_chars > config.limits.max_input_chars:
+    limit = config.limits.max_input_chars
+    if ask.input_chars > limit:
         raise invalid(
-            f"{ask.input_field}: {ask.input_chars} characters exceed this model's limit of "
-            f"{config.limits.max_input_chars}"
+            f"{ask.input_field}: {ask.input_chars} characters exceed this model's limit of {limit}"
         )
+    if ask.extra:  # tool definitions and the like are prompt text too: they count
+        extra_chars, fields = request_field_chars(ask.extra)
+        if ask.input_chars + extra_chars > limit:
+            raise invalid(
+                f"{fields[0]}: {extra_chars} characters, with the {ask.input_chars} of "
+                f"{ask.input_field}, exceed this model's limit of {limit}"
+            )
     max_new = budget(target, ask.max_tokens, ask.max_tokens_field, tenant)
     if ask.decoding.min_new_tokens > max_new:
         raise invalid(f"{ask.min_tokens_field}: must not exceed max_new_tokens")
