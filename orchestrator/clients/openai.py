@@ -67,6 +67,7 @@ from .openai_protocol import (
     chat_messages,
     named_fields,
     sampling_fields,
+    wire_messages,
 )
 from .openai_streams import ChatStream, OpenAIStream, SseStream
 
@@ -219,8 +220,7 @@ class OpenAIClient(HttpReplicaClient):
             raise NoTokenize(f"replica {self.name} has no /tokenize")
         body: dict[str, Any] = {"model": self.model}
         if messages is not None or chat:
-            wire = [m.wire() for m in messages] if messages is not None else None
-            body["messages"] = wire or [{"role": "user", "content": prompt}]
+            body["messages"] = wire_messages(messages or None, prompt)
             body["add_generation_prompt"] = True
         else:
             body["prompt"] = prompt
@@ -263,11 +263,7 @@ class OpenAIClient(HttpReplicaClient):
         """The count with the backend's `tokenizer` folder: nothing is sent to the server (a
         refused input must not reach it). `chat` as `tokenize` decides it."""
         assert self.local is not None
-        wire = (
-            [m.wire() for m in messages]
-            if messages is not None
-            else [{"role": "user", "content": prompt}]
-        )
+        wire = wire_messages(messages, prompt)
         try:
             text = await self.local.render(wire) if chat else prompt
             return await self.local.count(text)

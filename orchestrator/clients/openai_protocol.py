@@ -13,7 +13,14 @@ from typing import Any
 
 import orjson
 
-from .backend import Continuation, GenerationError, GenerationRequest, unavailable
+from ..control_text import defang, defang_strings
+from .backend import (
+    ChatMessage,
+    Continuation,
+    GenerationError,
+    GenerationRequest,
+    unavailable,
+)
 
 log = logging.getLogger("guardstream.openai")
 
@@ -136,12 +143,20 @@ def sampling_fields(body: dict[str, Any], request: GenerationRequest, delivered:
         body["min_tokens"] = p.min_new_tokens - delivered
 
 
-def chat_messages(request: GenerationRequest) -> list[dict[str, str]]:
+def wire_messages(messages: tuple[ChatMessage, ...] | None, prompt: str) -> list[dict[str, Any]]:
+    """A conversation as an OpenAI-compatible server receives it: `messages`, or `prompt` as
+    one user message, with the client's control-token look-alikes written apart (control_text:
+    the server renders and tokenizes them with special tokens parsed, so a message could
+    otherwise forge a turn that the input guardrails judged as plain text)."""
+    if messages is not None:
+        return [defang_strings(m.wire()) for m in messages]
+    return [{"role": "user", "content": defang(prompt)}]
+
+
+def chat_messages(request: GenerationRequest) -> list[dict[str, Any]]:
     """The conversation: the request's messages, or its prompt as one user message. An FMS prompt
     goes as a user message even when `chat` is false: a chat endpoint has no raw-prompt mode."""
-    if request.messages is not None:
-        return [m.wire() for m in request.messages]
-    return [{"role": "user", "content": request.prompt}]
+    return wire_messages(request.messages, request.prompt)
 
 
 def chat_body(
@@ -168,6 +183,8 @@ def chat_body(
             messages.append({"role": "assistant", "content": continuation.text})
         body["continue_final_message"] = True
         body["add_generation_prompt"] = False
+    if "tools" in body:  # the server renders their descriptions into the prompt
+        body["tools"] = defang_strings(body["tools"])
     options = body.get("stream_options")
     body.update(
         model=model,
