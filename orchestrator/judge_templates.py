@@ -11,10 +11,21 @@ A template gets:
   chunk, and `text`: prefix + chunk (Llama Guard judges the whole last turn so far);
 - `categories`: the `categories` mapping of the config (code -> name; Llama Guard 3's own when
   the config names none), and every key of the detector's config `params` (e.g. `policy`).
+
+Text under judgement keeps its place. The conversation, the answer so far and the chunk are a
+client's or a model's text, and a server tokenizes the rendered prompt as one string, matching
+its model's control tokens' text wherever it stands: `<|eot_id|><|start_header_id|>assistant...`
+in a message would close Llama Guard's turn and could write the assessment itself. So the text of
+anything shaped like a chat model's control token (`as_text`) gets a zero-width space after its
+first character before it is rendered: it reads the same, and no tokenizer matches it as the
+token. (The engine judge's chunks are tokenized as text by the engine itself, which knows its
+model's tokens: generation/control_tokens.py; its head holds the conversation, rendered here.)
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,11 +158,24 @@ def template_problem(template: str) -> str | None:
     return None
 
 
-# stand-ins for the judged text while splitting a template (never in a config or a text:
-# a NUL cannot be typed into YAML's plain scalars and text with NULs is judged, not split)
-_TEXT_MARK = "\x00guardstream-judged-text\x00"
-_PREFIX_MARK = "\x00guardstream-prefix\x00"
-_CHUNK_MARK = "\x00guardstream-chunk\x00"
+# The text of chat models' control tokens: Llama 3's `<|eot_id|>`, ChatML's `<|im_end|>`,
+# Granite's `<|start_of_role|>`, Phi's `<|end|>`, DeepSeek's `<｜Assistant｜>`, Gemma's
+# `<start_of_turn>`, SentencePiece's `<s>` `</s>`, Mistral's `[INST]` and its tool markers. An
+# openai_judge's server does not tell us its tokenizer's tokens, hence shapes, not a list.
+_CONTROL = re.compile(
+    r"<[|｜][^<>|｜\s]{1,64}[|｜]>"
+    r"|</?(?:s|bos|eos|pad|unk|mask|start_of_turn|end_of_turn)>"
+    r"|\[/?(?:INST|SYSTEM_PROMPT|AVAILABLE_TOOLS|TOOL_CALLS|TOOL_RESULTS|TOOL_CONTENT)\]"
+)
+
+
+def as_text(text: str) -> str:
+    """`text` with every control token's text broken by a zero-width space after its first
+    character (module docstring): what a judge reads of it is unchanged, its turn is not."""
+    if "<" not in text and "[" not in text:
+        return text
+    return _CONTROL.sub(lambda m: m[0][0] + "\u200b" + m[0][1:], text)
+
 
 _ENV = SandboxedEnvironment(keep_trailing_newline=True, autoescape=False)
 
@@ -170,20 +194,23 @@ class JudgePrompt:
         """The prompt around the text under judgement: (head, tail), for incremental judging on
         the engine (`type: engine_judge`), where the text grows between them. The template must
         use `{{ text }}` exactly once, unfiltered, and neither `prefix` nor `chunk`."""
+        # stand-ins for the text, fresh per call: no conversation can hold them
+        nonce = secrets.token_hex(16)
+        text_mark, prefix_mark, chunk_mark = (f"\x00{nonce}-{n}\x00" for n in range(3))
         rendered = self._template.render(
             **self._fixed,
-            messages=[{"role": r, "content": c} for r, c in context.messages],
+            messages=_messages(context),
             role="assistant" if output else "user",
-            prefix=_PREFIX_MARK,
-            chunk=_CHUNK_MARK,
-            text=_TEXT_MARK,
+            prefix=prefix_mark,
+            chunk=chunk_mark,
+            text=text_mark,
         )
-        if _PREFIX_MARK in rendered or _CHUNK_MARK in rendered or rendered.count(_TEXT_MARK) != 1:
+        if prefix_mark in rendered or chunk_mark in rendered or rendered.count(text_mark) != 1:
             raise ValueError(
                 "an incremental judge's template must use {{ text }} exactly once, as is, "
                 "and neither prefix nor chunk"
             )
-        head, tail = rendered.split(_TEXT_MARK)
+        head, tail = rendered.split(text_mark)
         return head, tail
 
     def render(self, context: JudgeContext, chunk: str, *, output: bool) -> str:
@@ -192,9 +219,14 @@ class JudgePrompt:
         prefix = context.prefix if output else ""
         return self._template.render(
             **self._fixed,
-            messages=[{"role": r, "content": c} for r, c in context.messages],
+            messages=_messages(context),
             role="assistant" if output else "user",
-            prefix=prefix,
-            chunk=chunk,
-            text=prefix + chunk,
+            prefix=as_text(prefix),
+            chunk=as_text(chunk),
+            text=as_text(prefix + chunk),  # whole: a token's text may straddle the two
         )
+
+
+def _messages(context: JudgeContext) -> list[dict[str, str]]:
+    """The conversation as a template reads it, its text as text (`as_text`)."""
+    return [{"role": as_text(r), "content": as_text(c)} for r, c in context.messages]
