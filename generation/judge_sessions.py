@@ -128,6 +128,7 @@ class JudgeSession:
         "last_used",
         "length",
         "pending",
+        "queued",
         "safe",
         "slot",
         "tail",
@@ -143,6 +144,7 @@ class JudgeSession:
         self.unsafe = unsafe
         self.safe = safe
         self.pending: list[int] = list(head)  # prefix tokens not yet in the KV rows
+        self.queued = 0  # prefix tokens of its queued appends (joining the KV rows)
         self.length = 0  # prefix tokens in the KV rows
         self.keys: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
@@ -152,8 +154,9 @@ class JudgeSession:
 
     @property
     def tokens(self) -> int:
-        """The judged prefix, in the KV rows or queued: what the context limit counts."""
-        return self.length + len(self.pending)
+        """The judged prefix, in the KV rows or queued (appends not yet run included: a client
+        sending appends concurrently cannot pass the limit): what the context limit counts."""
+        return self.length + self.queued + len(self.pending)
 
     def reserve(self, columns: int, like: torch.Tensor, layers: int) -> None:
         """Room for `columns` columns per layer (doubling); `like` gives shape and dtype. Every
@@ -498,6 +501,8 @@ class JudgeSessions:
                 self._build_pool()
         with self.lock:
             self._expire()
+            # the head is checked here, not at the first append: a session is not held for it
+            self._check_room(len(head) + len(tail))
             full = len(self.sessions) >= self.max_sessions
             judge = self.static_judge
             slot: int | None = -1
@@ -536,25 +541,30 @@ class JudgeSessions:
         with self.lock:
             if session.closed:
                 raise JudgeSessionError(404, f"no judge session {session.id!r}", "not_found")
-            total = session.tokens + len(ids) + len(session.tail) + answer_tokens
-            judge = self.static_judge
-            limit = self.loaded.max_context if judge is None else judge.pool.capacity
-            if total > limit:
-                room = "model's context" if judge is None else "judge pool's capacity"
-                raise JudgeSessionError(
-                    422,
-                    f"the judged text would be {total} tokens with the template, over the "
-                    f"{room} of {limit}",
-                    "context_exceeded",
-                )
+            self._check_room(session.tokens + len(ids) + len(session.tail) + answer_tokens)
             new = session.pending + list(ids)
             if not new and not session.tail:
                 raise JudgeSessionError(422, "nothing to judge: no new text and no tail", "empty")
             session.pending = []  # counted as prefix from now on (the limit above)
+            session.queued += len(new)
             self.queue.append(_Append(session, new, future, answer_tokens, answer_min_score))
             session.last_used = time.monotonic()
             self.lock.notify_all()
         return future
+
+    def _check_room(self, total: int) -> None:
+        """422 when a session's tokens would pass the model's context (the static pool's
+        capacity), under the lock."""
+        judge = self.static_judge
+        limit = self.loaded.max_context if judge is None else judge.pool.capacity
+        if total > limit:
+            room = "model's context" if judge is None else "judge pool's capacity"
+            raise JudgeSessionError(
+                422,
+                f"the judged text would be {total} tokens with the template, over the "
+                f"{room} of {limit}",
+                "context_exceeded",
+            )
 
     def close(self, session_id: str) -> bool:
         with self.lock:
@@ -674,6 +684,7 @@ class JudgeSessions:
         for a, (_s, _p, tokens), (unsafe, safe) in zip(batch, rows, answer_probs, strict=True):
             session = a.session
             session.length += len(a.ids)
+            session.queued -= len(a.ids)  # (after: a limit read meanwhile counts them twice)
             self.forward_tokens += len(tokens)
             p_unsafe = float(unsafe.sum()) if session.unsafe else 0.0
             p_safe = float(safe.sum()) if session.safe else 0.0
