@@ -791,13 +791,16 @@ def _answer_probabilities(
 
 
 def answer_token_ids(tokenizer: object, words: Sequence[str]) -> list[int]:
-    """The token ids whose probability counts for `words`: each word's first token, alone and
-    after a space (a template ending in "Answer:" is followed by " safe"). Runs on the tokenizer
+    """The token ids whose probability counts for `words`: each word's first token that is not
+    blank, alone and after a space (a template ending in "Answer:" is followed by " safe"). A
+    blank token is no answer ("\nsafe" counted the newline's probability as safe's, and a
+    tokenizer that writes " safe" as a space and "safe" the space's). Runs on the tokenizer
     thread."""
     ids: list[int] = []
     for word in words:
         for variant in (word, " " + word.lstrip()):
             encoded = tokenizer(variant, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-            if encoded and encoded[0] not in ids:
-                ids.append(int(encoded[0]))
+            first = next((int(t) for t in encoded if tokenizer.decode([t]).strip()), None)  # type: ignore[attr-defined]
+            if first is not None and first not in ids:
+                ids.append(first)
     return ids

@@ -899,3 +899,17 @@ async def test_a_head_longer_than_the_context_is_a_422_before_a_session_is_held(
     assert body["type"] == "context_exceeded" and body["code"] == 422
     assert body["details"].endswith(f"over the model's context of {tiny_exact.max_context}")
     assert client.app[STATE].engine.judges.sessions == {}
+
+
+async def test_a_blank_token_never_counts_as_an_answer(
+    aiohttp_client: Any, tiny_exact: LoadedModel
+) -> None:
+    """An answer word's first token that is blank is skipped: "\\nsafe" counts `s` (85) and
+    " s" (293), not the newline (201), whose probability at the answer position is no answer."""
+    client = await aiohttp_client(create_app(tiny_exact))
+    resp = await client.post(
+        "/v1/judge/sessions",
+        json={**OPEN, "safe_tokens": ["\nsafe"]},
+    )
+    body = await resp.json()
+    assert (body["unsafe_token_ids"], body["safe_token_ids"]) == ([87, 340], [85, 293])
