@@ -274,7 +274,7 @@ async def test_threshold_decides_whether_a_score_flags(engine, judge) -> None:
             assert spans == (expected if flagged else []), threshold
 
 
-FAULTS = ("http", "garbage", "hang", "kill", "unreachable")
+FAULTS = ("http", "garbage", "malformed", "hang", "kill", "unreachable")
 
 
 @pytest.mark.parametrize("surface", SURFACES)
