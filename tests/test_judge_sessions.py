@@ -913,3 +913,36 @@ async def test_a_blank_token_never_counts_as_an_answer(
     )
     body = await resp.json()
     assert (body["unsafe_token_ids"], body["safe_token_ids"]) == ([87, 340], [85, 293])
+
+
+def test_the_packed_sessions_hold_at_most_the_engines_token_budget(tiny_exact: LoadedModel) -> None:
+    """The packed pass's sessions grow their own KV rows: together they stay within
+    `max_tokens` (by default a share of the host's available memory), 429 beyond, so sessions
+    filling their contexts cannot take the engine down for memory; a closed session's tokens
+    are free again."""
+    assert JudgeSessions(tiny_exact).max_tokens >= tiny_exact.max_context  # (a CPU engine)
+    judges = JudgeSessions(tiny_exact, max_tokens=100)
+    first, second = (judges.open([1, 2, 3], [4, 5], [6], [7]) for _ in range(2))
+    judges.append(first, list(range(10, 70)))  # 3 + 60 + 2 held, 5 of the second's head + tail
+    assert judges.run_pending() == 1
+    with pytest.raises(JudgeSessionError) as over:
+        judges.append(second, list(range(10, 40)))  # 70 + 30 + 2
+    assert (over.value.status, over.value.type) == (429, "too_many_tokens")
+    assert over.value.message == (
+        "the judge sessions hold 70 tokens: 32 more would pass this engine's 100"
+    )
+    judges.close(first.id)
+    judges.append(second, list(range(10, 40)))
+    assert judges.run_pending() == 1
+
+
+async def test_an_engine_past_its_judge_token_budget_answers_429(
+    aiohttp_client: Any, tiny_exact: LoadedModel
+) -> None:
+    client = await aiohttp_client(create_app(tiny_exact, max_judge_tokens=20))
+    resp = await client.post("/v1/judge/sessions", json={**OPEN, "chunks": ["hello " * 8]})
+    assert (resp.status, resp.headers["Retry-After"]) == (429, "1")
+    body = await resp.json()
+    assert (body["code"], body["type"]) == (429, "too_many_tokens")
+    assert body["details"].endswith("more would pass this engine's 20")
+    assert client.app[STATE].engine.judges.sessions == {}
