@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from .api import Detection
-from .base import SCORED_REQUEST_PARAMS, InvalidParams, ScoredParams, whole_content
+from .base import SCORED_REQUEST_PARAMS, InvalidParams, Overloaded, ScoredParams, whole_content
 from .hf import load_embedder, minilm_path
 from .model import BatchedDetector
 from .normalise import view_text
@@ -30,6 +30,14 @@ MAX_TOPICS = 64
 MAX_EXAMPLES = 64
 MAX_EXAMPLE_CHARS = 1000
 TOPIC_CACHE_SIZE = 64
+# A request's topics are embedded before its contents, on the model's one thread, which every
+# other request's batches wait behind: 64 topics of 64 phrases of 1,000 characters were ~7
+# minutes of it on a 2-core CPU (64 such phrases: 6.4 s). So a request's phrases are bounded
+# in total (a config's are not: the operator's own, embedded once and kept), and new request
+# sets waiting to be embedded at once are bounded too; past that a request is refused at once
+# (Overloaded: the service's 503 with Retry-After), as the micro-batch queue refuses contents.
+REQUEST_TOPIC_CHARS = 16_000
+REQUEST_TOPIC_SETS_IN_FLIGHT = 2
 
 
 class TopicParams(ScoredParams):
@@ -173,9 +181,26 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
     # settings are config-only
     REQUEST_PARAMS: ClassVar[frozenset[str]] = SCORED_REQUEST_PARAMS | {"topics"}
 
+    @classmethod
+    def validate_request(cls, config: Any, request: Any) -> Any:
+        """As any detector's, and a request's own topics hold at most REQUEST_TOPIC_CHARS
+        characters of example phrases."""
+        params = super().validate_request(config, request)
+        if isinstance(request, dict) and "topics" in request:
+            total = sum(len(e) for examples in params.topics.values() for e in examples)
+            if total > REQUEST_TOPIC_CHARS:
+                raise InvalidParams.at(
+                    "topics",
+                    f"at most {REQUEST_TOPIC_CHARS} characters of example phrases in a "
+                    f"request, got {total}",
+                )
+        return params
+
     def __init__(self, params: dict[str, Any] | None = None, *, device: str = "auto") -> None:
         super().__init__(params, device=device)
         self._topic_sets: OrderedDict[tuple[Any, ...], _TopicSet] = OrderedDict()
+        self._config_key = self._key(self.params)
+        self._config_set: _TopicSet | None = None  # the config's own: never evicted
         self._inflight: dict[tuple[Any, ...], tuple[asyncio.AbstractEventLoop, asyncio.Task]] = {}
 
     def _make_runtime(self) -> ModelRuntime:
@@ -207,7 +232,9 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
         """Cached per (topics, max_length); concurrent first requests share one computation.
         Computed in the model's thread directly, not through the batcher: it is not request
         traffic and must not count against the request queue."""
-        key = (p.max_length, tuple((n, tuple(ex)) for n, ex in p.topics.items()))
+        key = self._key(p)
+        if key == self._config_key and self._config_set is not None:
+            return self._config_set
         cached = self._topic_sets.get(key)
         if cached is not None:
             self._topic_sets.move_to_end(key)
@@ -215,6 +242,17 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
         loop = asyncio.get_running_loop()
         entry = self._inflight.get(key)
         if entry is None or entry[0] is not loop or entry[1].done():
+            if key != self._config_key:
+                waiting = sum(
+                    1
+                    for k, (_l, t) in self._inflight.items()
+                    if k != self._config_key and not t.done()
+                )
+                if waiting >= REQUEST_TOPIC_SETS_IN_FLIGHT:
+                    raise Overloaded(
+                        f"{self.name}: {waiting} request topic sets are being embedded "
+                        f"(at most {REQUEST_TOPIC_SETS_IN_FLIGHT} at once)"
+                    )
             names = list(p.topics)
             items = [(ex, p.max_length) for n in names for ex in p.topics[n]]
             starts = np.cumsum([0] + [len(p.topics[n]) for n in names[:-1]])
@@ -233,10 +271,17 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
         finally:
             if entry[1].done() and self._inflight.get(key) is entry:
                 del self._inflight[key]
+        if key == self._config_key:
+            self._config_set = topic_set
+            return topic_set
         self._topic_sets[key] = topic_set
         while len(self._topic_sets) > TOPIC_CACHE_SIZE:
             self._topic_sets.popitem(last=False)
         return topic_set
+
+    @staticmethod
+    def _key(p: TopicParams) -> tuple[Any, ...]:
+        return (p.max_length, tuple((n, tuple(ex)) for n, ex in p.topics.items()))
 
     async def detect(
         self, contents: list[str], params: dict[str, Any] | None = None

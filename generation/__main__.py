@@ -71,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
         help="judge sessions held at once (default 256; more get 429)",
     )
     serve.add_argument(
+        "--max-judge-tokens",
+        type=int,
+        default=None,
+        help="tokens the judge sessions' KV rows hold together with the packed pass (default on "
+        "a CPU: a quarter of the memory available at start; more get 429)",
+    )
+    serve.add_argument(
         "--static-judge",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -251,6 +258,7 @@ async def _load_app(args: argparse.Namespace, api_keys: list[str] | None) -> Any
         threads=args.threads if args.threads is not None else loaded.threads,
         api_keys=api_keys,
         max_judge_sessions=args.max_judge_sessions,
+        max_judge_tokens=args.max_judge_tokens,
         static_judge=args.static_judge,
     )
     return app

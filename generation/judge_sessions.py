@@ -67,6 +67,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import psutil
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
@@ -94,6 +95,12 @@ IDLE_TIMEOUT_S = 300.0
 MAX_BATCH = 32
 TOKEN_BUDGET = 4096
 _COLUMN_QUANTUM = 64
+#: The packed pass's sessions grow their own KV rows: together they hold at most this share of
+#: the host memory available when the engine starts (a session's buffer may be twice its
+#: tokens while it doubles). Without it 256 sessions of smollm2-135m (float32, 45 KB a token)
+#: at its 8,192-token context were 90 GiB: the engine killed for memory, every stream with it.
+#: The static pass's pool is sized once and bounded by its slots.
+PACKED_MEMORY_FRACTION = 0.25
 
 
 class JudgeSessionError(Exception):
@@ -128,6 +135,7 @@ class JudgeSession:
         "last_used",
         "length",
         "pending",
+        "queued",
         "safe",
         "slot",
         "tail",
@@ -143,6 +151,7 @@ class JudgeSession:
         self.unsafe = unsafe
         self.safe = safe
         self.pending: list[int] = list(head)  # prefix tokens not yet in the KV rows
+        self.queued = 0  # prefix tokens of its queued appends (joining the KV rows)
         self.length = 0  # prefix tokens in the KV rows
         self.keys: list[torch.Tensor] = []  # per layer [1, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
@@ -152,8 +161,9 @@ class JudgeSession:
 
     @property
     def tokens(self) -> int:
-        """The judged prefix, in the KV rows or queued: what the context limit counts."""
-        return self.length + len(self.pending)
+        """The judged prefix, in the KV rows or queued (appends not yet run included: a client
+        sending appends concurrently cannot pass the limit): what the context limit counts."""
+        return self.length + self.queued + len(self.pending)
 
     def reserve(self, columns: int, like: torch.Tensor, layers: int) -> None:
         """Room for `columns` columns per layer (doubling); `like` gives shape and dtype. Every
@@ -333,6 +343,7 @@ class JudgeSessions:
         pool_slots: int | None = None,
         pool_capacity: int | None = None,
         memory_fraction: float = JUDGE_MEMORY_FRACTION,
+        max_tokens: int | None = None,
     ) -> None:
         """`static`: passes over the static pool (judge_graphs.py; default: on CUDA), replayed
         from CUDA graphs with `cuda_graphs` (default: on CUDA; never on a CPU). The pool is
@@ -340,7 +351,9 @@ class JudgeSessions:
         the sessions held) of the model's context up to `pool_capacity` columns (default:
         POOL_CAPACITY on CUDA, CPU_POOL_CAPACITY on a CPU); `pool_slots` fixes the slots
         (default: on CUDA as many as `memory_fraction` of free memory holds, on a CPU
-        CPU_POOL_SLOTS)."""
+        CPU_POOL_SLOTS). `max_tokens`: the tokens the packed pass's sessions hold together
+        (default: PACKED_MEMORY_FRACTION of the host's available memory on a CPU; none on CUDA,
+        where the static pool is the default); 429 beyond."""
         self.loaded = loaded
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
@@ -367,6 +380,7 @@ class JudgeSessions:
         self.pool_slots = pool_slots
         self.pool_capacity = pool_capacity
         self.memory_fraction = memory_fraction
+        self.max_tokens = max_tokens if max_tokens is not None else _packed_budget(loaded)
         self.static_judge: StaticJudge | None = None  # `set_up` makes it (static passes)
         # an engine's worker thread builds the pool when a session first needs it (`ready`);
         # without one (a JudgeSessions on its own), the thread that opens the first session
@@ -498,6 +512,8 @@ class JudgeSessions:
                 self._build_pool()
         with self.lock:
             self._expire()
+            # the head is checked here, not at the first append: a session is not held for it
+            self._check_room(len(head) + len(tail))
             full = len(self.sessions) >= self.max_sessions
             judge = self.static_judge
             slot: int | None = -1
@@ -536,25 +552,45 @@ class JudgeSessions:
         with self.lock:
             if session.closed:
                 raise JudgeSessionError(404, f"no judge session {session.id!r}", "not_found")
-            total = session.tokens + len(ids) + len(session.tail) + answer_tokens
-            judge = self.static_judge
-            limit = self.loaded.max_context if judge is None else judge.pool.capacity
-            if total > limit:
-                room = "model's context" if judge is None else "judge pool's capacity"
-                raise JudgeSessionError(
-                    422,
-                    f"the judged text would be {total} tokens with the template, over the "
-                    f"{room} of {limit}",
-                    "context_exceeded",
-                )
+            self._check_room(session.tokens + len(ids) + len(session.tail) + answer_tokens)
+            self._check_budget(len(ids) + len(session.tail) + answer_tokens)
             new = session.pending + list(ids)
             if not new and not session.tail:
                 raise JudgeSessionError(422, "nothing to judge: no new text and no tail", "empty")
             session.pending = []  # counted as prefix from now on (the limit above)
+            session.queued += len(new)
             self.queue.append(_Append(session, new, future, answer_tokens, answer_min_score))
             session.last_used = time.monotonic()
             self.lock.notify_all()
         return future
+
+    def _check_room(self, total: int) -> None:
+        """422 when a session's tokens would pass the model's context (the static pool's
+        capacity), under the lock."""
+        judge = self.static_judge
+        limit = self.loaded.max_context if judge is None else judge.pool.capacity
+        if total > limit:
+            room = "model's context" if judge is None else "judge pool's capacity"
+            raise JudgeSessionError(
+                422,
+                f"the judged text would be {total} tokens with the template, over the "
+                f"{room} of {limit}",
+                "context_exceeded",
+            )
+
+    def _check_budget(self, more: int) -> None:
+        """429 when the packed pass's sessions would hold more than `max_tokens` with `more`
+        (an append's new tokens, its tail and answer), under the lock."""
+        if self.static_judge is not None or self.static or self.max_tokens is None:
+            return
+        held = sum(s.tokens + len(s.tail) for s in self.sessions.values())
+        if held + more > self.max_tokens:
+            raise JudgeSessionError(
+                429,
+                f"the judge sessions hold {held} tokens: {more} more would pass this engine's "
+                f"{self.max_tokens}",
+                "too_many_tokens",
+            )
 
     def close(self, session_id: str) -> bool:
         with self.lock:
@@ -674,6 +710,7 @@ class JudgeSessions:
         for a, (_s, _p, tokens), (unsafe, safe) in zip(batch, rows, answer_probs, strict=True):
             session = a.session
             session.length += len(a.ids)
+            session.queued -= len(a.ids)  # (after: a limit read meanwhile counts them twice)
             self.forward_tokens += len(tokens)
             p_unsafe = float(unsafe.sum()) if session.unsafe else 0.0
             p_safe = float(safe.sum()) if session.safe else 0.0
@@ -779,14 +816,32 @@ def _answer_probabilities(
     ]
 
 
+def _packed_budget(loaded: LoadedModel) -> int | None:
+    """PACKED_MEMORY_FRACTION of the host's available memory in KV tokens (a CPU engine), at
+    least one session of the whole context; None on an accelerator."""
+    if loaded.device.type != "cpu":
+        return None
+    config = loaded.model.config
+    layers = int(getattr(config, "num_hidden_layers", 0) or 1)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads)
+    per_token = layers * kv_heads * max(1, head_dim) * 2 * loaded.model.dtype.itemsize
+    budget = int(psutil.virtual_memory().available * PACKED_MEMORY_FRACTION) // per_token
+    return max(budget, loaded.max_context)
+
+
 def answer_token_ids(tokenizer: object, words: Sequence[str]) -> list[int]:
-    """The token ids whose probability counts for `words`: each word's first token, alone and
-    after a space (a template ending in "Answer:" is followed by " safe"). Runs on the tokenizer
+    """The token ids whose probability counts for `words`: each word's first token that is not
+    blank, alone and after a space (a template ending in "Answer:" is followed by " safe"). A
+    blank token is no answer ("\nsafe" counted the newline's probability as safe's, and a
+    tokenizer that writes " safe" as a space and "safe" the space's). Runs on the tokenizer
     thread."""
     ids: list[int] = []
     for word in words:
         for variant in (word, " " + word.lstrip()):
             encoded = tokenizer(variant, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-            if encoded and encoded[0] not in ids:
-                ids.append(int(encoded[0]))
+            first = next((int(t) for t in encoded if tokenizer.decode([t]).strip()), None)  # type: ignore[attr-defined]
+            if first is not None and first not in ids:
+                ids.append(first)
     return ids

@@ -138,6 +138,7 @@ def create_app(
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
     max_judge_sessions: int | None = None,
+    max_judge_tokens: int | None = None,
     judge_idle_timeout_s: float | None = None,
 ) -> web.Application:
     """The engine app. Pass a `LoadedModel` to share one model between apps (tests), or a spec.
@@ -172,6 +173,8 @@ def create_app(
     judges = state.engine.judges  # judge sessions (judge_routes.py)
     if max_judge_sessions is not None:
         judges.max_sessions = max_judge_sessions
+    if max_judge_tokens is not None:
+        judges.max_tokens = max_judge_tokens
     if judge_idle_timeout_s is not None:
         judges.idle_timeout_s = judge_idle_timeout_s
     state.registry.register(EngineCollector(lambda: state.engine))

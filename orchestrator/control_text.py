@@ -13,8 +13,8 @@ bracket: `< |im_end|>` is the same to a reader and no token to any tokenizer (a 
 every normaliser, where a zero-width one may not).
 
 The shapes: ChatML/Llama 3/Phi/Granite `<|...|>` (and DeepSeek's fullwidth `<｜...｜>`), Mistral
-and Llama 2 `[INST]`-style and `<<SYS>>`, Gemma's `<start_of_turn>`/`<end_of_turn>`, and
-`<s>`/`</s>`/`<bos>`/`<eos>`. Pattern-based: a template whose control tokens have another shape
+and Llama 2 `[INST]`-style (Mistral's tool markers too) and `<<SYS>>`, Gemma's
+`<start_of_turn>`/`<end_of_turn>`, and `<s>`/`</s>`/`<bos>`/`<eos>`/`<pad>`/`<unk>`/`<mask>`. Pattern-based: a template whose control tokens have another shape
 is not covered (the native engine is, exactly: it reads the tokenizer's own list).
 """
 
@@ -24,11 +24,10 @@ import re
 from typing import Any
 
 _CONTROL = re.compile(
-    r"<\|[^\s<>|]{0,64}\|>"
-    r"|<｜[^\s<>｜]{0,64}｜>"
+    r"<[|｜][^\s<>|｜]{0,64}[|｜]>"
     r"|\[/?[A-Z][A-Z_]{1,31}\]"
     r"|<</?SYS>>"
-    r"|</?(?:start_of_turn|end_of_turn|s|bos|eos)>"
+    r"|</?(?:s|bos|eos|pad|unk|mask|start_of_turn|end_of_turn)>"
 )
 
 

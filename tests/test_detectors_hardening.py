@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 import yaml
 from detectors_support import detector_service, shared_anchor_classifier
+from wait_support import until
 
 import detectors
 from detectors import InvalidParams, regex_pii
@@ -665,3 +666,63 @@ async def test_the_service_parses_and_encodes_bulk_off_its_loop(
     assert [len(r) for r in reply] == [100] * 30
     assert reply[29][99]["start"] == 99 * len(sentence) + 5
     assert seen[0] == loop_thread and seen[1] != loop_thread
+
+
+# -- a request's topics (the `topic` detector embeds its example phrases) --------------------------
+
+
+async def test_the_service_bounds_the_topic_phrases_a_request_may_send(aiohttp_client: Any) -> None:
+    """A request's `topics` are embedded before its contents: 64 topics of 64 phrases of 1,000
+    characters were ~7 minutes of the model's one thread on this CPU (64 phrases: 6.4 s),
+    which every other request waited behind. Past 16,000 characters of phrases it is a 422."""
+    client = await aiohttp_client(create_app({"topic": detectors.build("topic")}, warmup=False))
+    topics = {f"t{i}": ["x" * 1000, "y" * 1000] for i in range(8)}  # 16,000: the bound
+    over = {**topics, "t8": ["z"]}
+    for params, status in ((over, 422), (topics, None)):
+        resp = await client.post(
+            URL,
+            json={"contents": [" "], "detector_params": {"topics": params}},
+            headers={"detector-id": "topic"},
+        )
+        if status is None:
+            assert resp.status == 200, await resp.text()
+            continue
+        assert resp.status == 422
+        assert await resp.json() == {
+            "code": 422,
+            "message": "detector_params: topics: at most 16000 characters of example phrases "
+            "in a request, got 16001",
+        }
+
+
+async def test_request_topic_sets_embedded_at_once_are_bounded_the_configs_never() -> None:
+    """While the model's thread is busy, two request topic sets wait to be embedded; a third
+    new one is refused at once (Overloaded: 503 from the service) rather than queueing work
+    without bound; a request for a set already waiting shares it, and the config's own topics
+    are never refused."""
+    det = detectors.build("topic", {"topics": {"cfg": ["weather forecast"]}})
+    await det.warmup()
+    gate = threading.Event()
+    busy = det.runtime.executor.submit(gate.wait)
+    try:
+        waiting = [
+            asyncio.ensure_future(det.detect(["rain"], {"topics": {name: [name + " phrase"]}}))
+            for name in ("a", "b")
+        ]
+        await until(lambda: len(det._inflight) == 2, what="two topic sets waiting")
+        third = asyncio.ensure_future(det.detect(["rain"], {"topics": {"c": ["c phrase"]}}))
+        await until(third.done, what="the third set refused at once")
+        with pytest.raises(detectors.Overloaded) as refused:
+            await third
+        assert str(refused.value) == (
+            "topic: 2 request topic sets are being embedded (at most 2 at once)"
+        )
+        shared = asyncio.ensure_future(det.detect(["rain"], {"topics": {"a": ["a phrase"]}}))
+        config = asyncio.ensure_future(det.detect(["rain"]))
+        await until(lambda: len(det._inflight) == 3, what="the config's set waiting")
+    finally:
+        gate.set()
+    busy.result()
+    for task in (*waiting, shared, config):
+        await task
+    assert (await config)[0][0].detection == "cfg"

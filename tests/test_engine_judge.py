@@ -230,6 +230,32 @@ async def test_an_unreachable_judge_fails_closed(engine: FakeEngine, surface: st
     assert errors >= 1
 
 
+@pytest.mark.parametrize("surface", SURFACES)
+@pytest.mark.parametrize("refusal", ["sessions_full", "context_exceeded"])
+async def test_a_judge_engine_that_refuses_the_session_fails_closed(
+    engine: FakeEngine, tiny_exact: LoadedModel, surface: str, refusal: str
+) -> None:
+    """A real engine that answers 429 (every judge session held) or 422 (the template with the
+    conversation is past its context) judges nothing: no default verdict, nothing of the
+    answer reaches the client, on any surface."""
+    if refusal == "sessions_full":
+        make = lambda: create_app(tiny_exact, max_judge_sessions=0)  # noqa: E731
+        extra: dict[str, Any] = {}
+    else:
+        make = lambda: create_app(tiny_exact)  # noqa: E731
+        policy = "word " * tiny_exact.max_context
+        extra = {"template": "{{ policy }}\n{{ text }}\nAnswer:", "params": {"policy": policy}}
+        extra |= {"unsafe_tokens": ["unsafe"], "safe_tokens": ["safe"]}
+    with ThreadedServer(make) as judge_engine:
+        async with Orchestrator(judged_config(engine, [judge_engine.url], **extra)) as orch:
+            data = await raw(orch, surface, status=(200, 502))
+        assert judge_engine.app is not None
+        assert judge_engine.app[ENGINE_STATE].engine.judges.sessions == {}
+    for leaked in (b"Sure", b"Mix", b"bomb", b"Done"):
+        assert leaked not in data, (leaked, data)
+    assert b"guard" in data
+
+
 async def test_annotate_on_error_lets_the_text_flow(engine: FakeEngine) -> None:
     """`on_error: annotate`: the text it could not judge flows, each chunk with a warning."""
     config = judged_config(engine, ["http://127.0.0.1:9"], on_error="annotate")

@@ -5,6 +5,7 @@ batching across sessions, rebuild on another replica, and the session limits."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -880,3 +881,88 @@ async def test_the_static_pool_is_built_by_the_worker_when_the_first_session_ope
     )
     assert reply.status == 200 and (await reply.json())["score"] == scores[1]
     assert (await (await failing_client.get("/health")).json())["judge"]["mode"] == "packed"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_queued_appends_count_toward_the_context_limit(tiny_exact: LoadedModel, path: str) -> None:
+    """Two appends to one session queued before the worker runs either: the second counts the
+    first's tokens, so a client sending appends concurrently cannot grow a session past its
+    context (the static pass would write past its slot; the packed one hold KV without bound)."""
+    judges = JudgeSessions(tiny_exact, static=path == "static", pool_slots=1, pool_capacity=64)
+    session = judges.open([1, 2, 3], [4, 5], [6], [7])
+    first = judges.append(session, list(range(10, 40)))  # 3 + 30 + 2 = 35
+    limit = "judge pool's capacity of 64" if path == "static" else "model's context of 64"
+    if path == "packed":  # (the packed pass's limit is the model's context)
+        judges.loaded = dataclasses.replace(tiny_exact, max_context=64)
+    with pytest.raises(JudgeSessionError) as over:
+        judges.append(session, list(range(40, 70)))  # 3 + 30 + 30 + 2 = 65
+    assert (over.value.status, over.value.type) == (422, "context_exceeded")
+    assert (
+        over.value.message
+        == f"the judged text would be 65 tokens with the template, over the {limit}"
+    )
+    assert judges.run_pending() == 1 and 0.0 <= first.result().score <= 1.0
+    last = judges.append(session, list(range(40, 69)))  # 64: fits
+    assert judges.run_pending() == 1 and last.result().judged_tokens == 62
+
+
+async def test_a_head_longer_than_the_context_is_a_422_before_a_session_is_held(
+    aiohttp_client: Any, tiny_exact: LoadedModel
+) -> None:
+    """The head is tokenized at the open: past the context it is refused there, not held (256
+    sessions of 4 MiB heads held their token lists until a first append)."""
+    client = await aiohttp_client(create_app(tiny_exact))
+    head = "hello " * tiny_exact.max_context
+    resp = await client.post("/v1/judge/sessions", json={**OPEN, "head": head})
+    assert resp.status == 422
+    body = await resp.json()
+    assert body["type"] == "context_exceeded" and body["code"] == 422
+    assert body["details"].endswith(f"over the model's context of {tiny_exact.max_context}")
+    assert client.app[STATE].engine.judges.sessions == {}
+
+
+async def test_a_blank_token_never_counts_as_an_answer(
+    aiohttp_client: Any, tiny_exact: LoadedModel
+) -> None:
+    """An answer word's first token that is blank is skipped: "\\nsafe" counts `s` (85) and
+    " s" (293), not the newline (201), whose probability at the answer position is no answer."""
+    client = await aiohttp_client(create_app(tiny_exact))
+    resp = await client.post(
+        "/v1/judge/sessions",
+        json={**OPEN, "safe_tokens": ["\nsafe"]},
+    )
+    body = await resp.json()
+    assert (body["unsafe_token_ids"], body["safe_token_ids"]) == ([87, 340], [85, 293])
+
+
+def test_the_packed_sessions_hold_at_most_the_engines_token_budget(tiny_exact: LoadedModel) -> None:
+    """The packed pass's sessions grow their own KV rows: together they stay within
+    `max_tokens` (by default a share of the host's available memory), 429 beyond, so sessions
+    filling their contexts cannot take the engine down for memory; a closed session's tokens
+    are free again."""
+    assert JudgeSessions(tiny_exact).max_tokens >= tiny_exact.max_context  # (a CPU engine)
+    judges = JudgeSessions(tiny_exact, max_tokens=100)
+    first, second = (judges.open([1, 2, 3], [4, 5], [6], [7]) for _ in range(2))
+    judges.append(first, list(range(10, 70)))  # 3 + 60 + 2 held, 5 of the second's head + tail
+    assert judges.run_pending() == 1
+    with pytest.raises(JudgeSessionError) as over:
+        judges.append(second, list(range(10, 40)))  # 70 + 30 + 2
+    assert (over.value.status, over.value.type) == (429, "too_many_tokens")
+    assert over.value.message == (
+        "the judge sessions hold 70 tokens: 32 more would pass this engine's 100"
+    )
+    judges.close(first.id)
+    judges.append(second, list(range(10, 40)))
+    assert judges.run_pending() == 1
+
+
+async def test_an_engine_past_its_judge_token_budget_answers_429(
+    aiohttp_client: Any, tiny_exact: LoadedModel
+) -> None:
+    client = await aiohttp_client(create_app(tiny_exact, max_judge_tokens=20))
+    resp = await client.post("/v1/judge/sessions", json={**OPEN, "chunks": ["hello " * 8]})
+    assert (resp.status, resp.headers["Retry-After"]) == (429, "1")
+    body = await resp.json()
+    assert (body["code"], body["type"]) == (429, "too_many_tokens")
+    assert body["details"].endswith("more would pass this engine's 20")
+    assert client.app[STATE].engine.judges.sessions == {}

@@ -10,7 +10,7 @@ at the answer's first position by its first word (no entry, or `send_logprobs=Fa
 has `logprobs: null`, as servers that do not return them). `leading` opens every answer with
 blank tokens (Llama Guard 3 may start with a newline). Faults (`fault`, on every request, or
 only on prompts that hold `fault_on`): `http` (500 with an error body), `garbage` (an answer that
-is neither safe nor unsafe), `hang` (no answer, ever: a judge past any timeout), `kill` (the
+is neither safe nor unsafe), `malformed` (a 200 whose body is cut-off JSON), `hang` (no answer, ever: a judge past any timeout), `kill` (the
 connection is reset mid-request, as when the server process dies). Every prompt is recorded in
 `prompts`, and `arrived` is set when a request comes in.
 
@@ -50,7 +50,7 @@ class FakeJudge(FakeUpstream):
     send_logprobs: bool = True
     leading: str = ""
     model: str = "guard-model"
-    fault: Literal["http", "garbage", "hang", "kill"] | None = None
+    fault: Literal["http", "garbage", "malformed", "hang", "kill"] | None = None
     fault_on: str | None = None
     session_scores: tuple[float, float] = (0.96875, 0.03125)
 
@@ -132,6 +132,9 @@ class FakeJudge(FakeUpstream):
             return "", web.json_response({"error": error}, status=500)
         if fault == "garbage":
             return "I cannot help with that.", None
+        if fault == "malformed":
+            body = b'{"id": "cmpl-judge", "choices": [{"index": 0, "text": "saf'
+            return "", web.Response(body=body, content_type="application/json")
         return self.leading + self.verdict(prompt), None
 
     def _first(self, tokens: list[str]) -> tuple[int, dict[str, float]]:
