@@ -65,7 +65,8 @@ WHOLE_BODY = "Input should be a valid dictionary or instance of "
 # fms-guardrails-orchestrator's own texts, kept for parity (api/fms_detection.py): a field in
 # backticks, or a message of the chat-detection body
 FMS_NAMED = re.compile(
-    r"`(?P<required>[^`]*)` (is required|must not be empty .*)|missing field `(?P<missing>[^`]*)`"
+    r"`(?P<required>[^`]*)` (is required|must not be empty( .*)?)"
+    r"|missing field `(?P<missing>[^`]*)`"
     r"|unknown field `(?P<unknown>.*)`, expected one of .*"
     r"|detector `(?P<detector>[^`]*)` is not supported by this endpoint"
     # the FMS orchestrator's words for a detector's threshold (detectors.<id>.threshold)

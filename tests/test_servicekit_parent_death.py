@@ -22,13 +22,17 @@ pytestmark = pytest.mark.skipif(
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The parent prints its child's pid and then waits to be killed. The child traps `sig` into an
-# exit status it writes to a file, so the test sees which signal arrived.
+# exit status it writes to a file (whole, by a rename), so the test sees which signal arrived.
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
     status, mode = sys.argv[1], sys.argv[2]
     def got(sig, frame):
-        open(status, "w").write(signal.Signals(sig).name)
+        # written then renamed: the test reads the file as soon as it exists (a flake: it
+        # once read it between its creation and the write, "")
+        with open(status + ".tmp", "w") as f:
+            f.write(signal.Signals(sig).name)
+        os.replace(status + ".tmp", status)
         os._exit(0)
     signal.signal(signal.SIGTERM, got)
     if mode == "call":
