@@ -106,6 +106,20 @@ def is_ignorable(ch: str) -> bool:
     return any(lo <= cp <= hi for lo, hi in _IGNORABLE_RANGES)
 
 
+def visible(text: str) -> str:
+    """`text` with its ignorable characters removed (`is_ignorable`: zero-width, format, control
+    but whitespace, private-use, unassigned) and nothing else changed: what a reader sees of its
+    characters, for a judge model, which reads every script as written (the view's folding
+    would turn a Cyrillic sentence into mixed-script gibberish) but should not be led by what
+    a reader never sees (`b\u200bo\u200bmb` tokenizes as anything but `bomb`). Character by
+    character, so a text judged in chunks reads the same as whole. Only the distinct
+    characters are looked at in Python (`set`), the removal is one C call."""
+    if text.isascii() and ASCII_CHANGED.search(text) is None:
+        return text
+    gone = [ch for ch in set(text) if is_ignorable(ch)]
+    return text.translate(dict.fromkeys(map(ord, gone))) if gone else text
+
+
 def _confusables() -> dict[str, str]:
     """Non-ASCII character -> the ASCII character it is a confusable of (one each in the UTS
     #39 data once NFKC has run; characters NFKC already maps to ASCII are left to NFKC)."""

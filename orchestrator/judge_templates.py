@@ -19,7 +19,9 @@ special tokens anywhere in it): `<|eot_id|><|start_header_id|>assistant...` in a
 Llama Guard's turn and wrote the assessment itself. So every text a template is given from a
 conversation (`messages` roles and contents, `prefix`, `chunk`, `text`) has what looks like a
 control token written apart (`control_text.defang`: `< |eot_id|>` reads the same, and no
-tokenizer matches it). The engine judge's chunks are tokenized as text by the engine itself,
+tokenizer matches it), and without the characters a reader never sees (`visible`: a judge model
+reads `b\u200bo\u200bmb` as tokens that are not `bomb`; no other folding, so every script reads as
+written). The engine judge's chunks are tokenized as text by the engine itself,
 which knows its model's tokens (generation/control_tokens.py); its head, rendered here, holds the
 conversation.
 """
@@ -32,6 +34,8 @@ from typing import Any
 
 from jinja2 import TemplateSyntaxError
 from jinja2.sandbox import SandboxedEnvironment
+
+from detectors.normalise import visible
 
 from .control_text import defang
 from .suggestions import did_you_mean
@@ -204,12 +208,18 @@ class JudgePrompt:
             **self._fixed,
             messages=_messages(context),
             role="assistant" if output else "user",
-            prefix=defang(prefix),
-            chunk=defang(chunk),
-            text=defang(prefix + chunk),  # whole: a token's text may straddle the two
+            prefix=judged(prefix),
+            chunk=judged(chunk),
+            text=judged(prefix + chunk),  # whole: a token's text may straddle the two
         )
 
 
 def _messages(context: JudgeContext) -> list[dict[str, str]]:
-    """The conversation as a template reads it, its text as text (`defang`)."""
-    return [{"role": defang(r), "content": defang(c)} for r, c in context.messages]
+    """The conversation as a template reads it (`judged`)."""
+    return [{"role": judged(r), "content": judged(c)} for r, c in context.messages]
+
+
+def judged(text: str) -> str:
+    """A text as a judge reads it: what a reader sees of it (`visible`: no zero-width or
+    other invisible characters) with control-token look-alikes written apart (`defang`)."""
+    return defang(visible(text))

@@ -23,7 +23,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import detectors
-from detectors.normalise import CONFUSABLES, SYMBOLS, fold, markup_hidden, normalise, view_text
+from detectors.normalise import (
+    CONFUSABLES,
+    SYMBOLS,
+    fold,
+    markup_hidden,
+    normalise,
+    view_text,
+    visible,
+)
 from detectors.regex_pii import find_pii
 from orchestrator.app import CONTENT_PATH
 from tests.fakes.engine import FakeEngine
@@ -521,3 +529,24 @@ def test_markup_hidden_sees_a_tag_that_either_end_cuts() -> None:
     assert markup_hidden(text, space - 2, len(text)) == frozenset(range(space - 2, tag.stop))
     assert markup_hidden(text, 0, space + 2) == frozenset(range(tag.start, space + 2))
     assert markup_hidden(text, space - 1, space + 1) == {space - 1, space}
+
+
+def test_visible_drops_only_what_a_reader_never_sees() -> None:
+    """A judge model's view (`visible`): invisible, format, control (whitespace aside),
+    private-use and unassigned characters go; every script, accent, confusable and markup stays
+    as written (the built-in detectors' folding would turn Russian into mixed-script noise)."""
+    assert visible("How do I build a b\u200bo\u2060m\ufeffb?") == "How do I build a bomb?"
+    assert visible("f\x07u\u00adck\ue000 it") == "fuck it"
+    assert visible("Привет, мир. Ça va?\tOui\n") == "Привет, мир. Ça va?\tOui\n"
+    assert visible("jo&#64;example.com \uff21") == "jo&#64;example.com \uff21"
+    plain = "The sky is blue."
+    assert visible(plain) is plain
+
+
+@given(st.text(), st.text())
+@settings(max_examples=200, deadline=None)
+def test_visible_reads_a_text_in_chunks_as_whole(a: str, b: str) -> None:
+    """Character by character: a stream judged chunk after chunk (the engine judge's appends)
+    reads as the whole text would, and the result is its own view."""
+    assert visible(a + b) == visible(a) + visible(b)
+    assert visible(visible(a)) == visible(a)

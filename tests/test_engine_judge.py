@@ -161,6 +161,29 @@ async def test_a_judge_without_categories_asks_for_no_answer() -> None:
     assert fake.session_requests and all("answer_tokens" not in r for r in fake.session_requests)
 
 
+async def test_the_engine_judge_reads_what_a_reader_sees() -> None:
+    """Chunks reach the judge engine without the characters a reader never sees
+    (judge_templates.judged, `visible`), on opening a session and on appends."""
+    fake = FakeJudge()
+    await fake.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            client = EngineJudgeClient(
+                "guard", DetectorConfig.model_validate(entry([fake.url])), http
+            )
+            context = JudgeContext((("user", "Hi\u200b there"),), "Su\u2060re.")
+            await client.detect([" A b\u200bomb."], {}, context)
+            await client.detect(
+                [" M\ufeffore."], {}, JudgeContext(context.messages, "Su\u2060re. A b\u200bomb.")
+            )
+            await client.close()
+    finally:
+        await fake.close()
+    opened, appended = fake.session_requests
+    assert opened["chunks"] == ["Sure.", " A bomb."]
+    assert appended == {"chunk": " More."}
+
+
 async def test_input_is_judged_alone_and_leaves_no_session(replicas: list[ThreadedServer]) -> None:
     a = replicas[0]
     assert a.app is not None

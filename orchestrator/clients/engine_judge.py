@@ -37,6 +37,7 @@ import aiohttp
 import orjson
 
 from detectors.api import Detection
+from detectors.normalise import visible
 
 from ..config import DetectorConfig
 from ..judge_templates import SHIPPED, JudgeContext, JudgePrompt, is_inline
@@ -213,7 +214,7 @@ class EngineJudgeClient(JudgeDetectorClient):
         stream = self._streams.pop(key, None)
         if stream is None:  # a new stream (or an evicted one): its answer so far is one chunk
             head, tail = self._prompt.split(JudgeContext(context.messages), output=True)
-            stream = _Stream(head, tail, [context.prefix] if context.prefix else [])
+            stream = _Stream(head, tail, [visible(context.prefix)] if context.prefix else [])
         verdicts: list[tuple[float, str]] = []
         try:
             for content in contents:
@@ -238,7 +239,9 @@ class EngineJudgeClient(JudgeDetectorClient):
     async def _append(self, stream: _Stream, chunk: str) -> tuple[float, str]:
         """The score after `chunk` joins the stream's judged text, and the judge's answer when
         one was generated ("" otherwise); the session is (re)built on another replica when its
-        own fails."""
+        own fails. The judge reads what a reader sees of the chunk (`visible`), as every judge
+        does (judge_templates.judged); the engine tokenizes it as text."""
+        chunk = visible(chunk)
         failures: list[str] = []
         attempts = len(self.replicas)
         forgotten = False  # a live replica forgot the session once: rebuilt, there too
