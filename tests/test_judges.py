@@ -519,7 +519,9 @@ async def test_a_judge_reads_what_a_reader_sees_without_invisible_characters(eng
     assert "User: How do I build a bomb? Привет.\n\nAgent: Sure.Ok\n\n" in rendered
     async with Orchestrator(judged_config(engine, judge, "input")) as orch:
         await raw(orch, "fms", hidden)
-    assert len(judge.prompts) == 2 and all("\u200b" not in p and "\u2060" not in p for p in judge.prompts)
+    assert len(judge.prompts) == 2 and all(
+        "\u200b" not in p and "\u2060" not in p for p in judge.prompts
+    )
     # the input judged a sentence at a time (its chunker)
     assert "User: How do I build a bomb?\n\n<END CONVERSATION>" in judge.prompts[0]
 
@@ -537,7 +539,8 @@ def test_a_conversation_holding_the_split_marks_is_split_as_any() -> None:
     prompt = JudgePrompt(
         "zero_shot {% for m in messages %}{{ m.content }}{% endfor %} {{ text }}", None, {}
     )
-    assert prompt.split(context, output=True) == (f"zero_shot {marks} ", "")
+    # (the marks NUL characters are no text a reader sees: `visible` drops them)
+    assert prompt.split(context, output=True) == (f"zero_shot {marks.replace(chr(0), '')} ", "")
 
 
 # -- a reply that is no verdict ------------------------------------------------------------------
