@@ -943,3 +943,35 @@ def test_with_several_workers_a_model_with_managed_engines_cannot_change() -> No
         "(the supervisor starts its engines once for every worker; restart for this)"
         for m in ("added", "managed")
     ]
+
+
+async def test_a_stream_the_client_leaves_is_still_charged_to_its_tenant(engine) -> None:
+    """Repro: a tenant's tokens were charged only when its stream reached a terminal event. A
+    client that read the text it wanted and disconnected before the end (or retried instead of
+    waiting) was never charged: with a budget of 60 tokens per minute, 101-token streams left
+    after their first frame were admitted again and again, and /v1/usage counted none."""
+    config = tenants_config(engine.url, tokens_per_minute=TOKENS_PER_MINUTE)
+    async with Orchestrator(config) as orch:
+        frozen(orch)
+        assert orch.session is not None
+        engine.hold_after = 1  # the stream waits after its first token: the client leaves then
+        body = generation_body("x" * 100, model_id=PRIVATE)  # a token per character: 100
+        async with orch.session.post(orch.url + STREAMING_PATH, json=body, headers=A) as r:
+            assert r.status == 200
+            first = json.loads((await r.content.readuntil(b"\n\n")).decode()[len("data: ") :])
+            assert first["generated_text"] == SCRIPT[0]
+        await engine.wait_disconnects(1)  # the client's leaving ended the generation
+
+        async def charged() -> bool:
+            _, usage, _ = await get(orch, USAGE_PATH, A)
+            return usage["generated_tokens"] == 1
+
+        await until(charged, what="the left stream's tokens in a's usage")
+        _, usage, _ = await get(orch, USAGE_PATH, A)
+        assert (usage["prompt_tokens"], usage["generated_tokens"]) == (100, 1)
+        # 101 tokens of a budget of 60: the next request waits (42 s at a token a second)
+        status, refused = await orch.post(STREAMING_PATH, generation_body(), headers=A)
+        assert (status, refused["details"]) == (
+            429,
+            f"tenant `a`: over its budget of {TOKENS_PER_MINUTE} tokens per minute",
+        )
