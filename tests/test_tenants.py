@@ -23,7 +23,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.app import CHAT_PATH, MODELS_PATH, STREAMING_PATH, UNARY_PATH, USAGE_PATH
+from orchestrator.app import (
+    CHAT_DETECTION_ONLY_PATH,
+    CHAT_PATH,
+    CONTENT_PATH,
+    CONTEXT_DETECTION_PATH,
+    GENERATED_DETECTION_PATH,
+    MODELS_PATH,
+    STREAM_CONTENT_PATH,
+    STREAMING_PATH,
+    UNARY_PATH,
+    USAGE_PATH,
+)
 from orchestrator.clients.registry import SEVERITY, EnforcedGuardrails, RequestedDetector
 from orchestrator.config import ConfigError, TenantLimits, parse_config
 from orchestrator.handlers.admin import RELOAD_PATH
@@ -36,6 +47,7 @@ from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
     MODEL,
+    NDJSON,
     Orchestrator,
     frames,
     generation_body,
@@ -975,3 +987,64 @@ async def test_a_stream_the_client_leaves_is_still_charged_to_its_tenant(engine)
             429,
             f"tenant `a`: over its budget of {TOKENS_PER_MINUTE} tokens per minute",
         )
+
+
+async def test_detection_requests_count_against_a_tenants_concurrent_streams(engine) -> None:
+    """Repro: a tenant's max_concurrent_streams ("its requests served at once") bounded its
+    generations and stream-content, not its requests to the detection endpoints: a tenant held
+    to one stream ran any number of /content, /chat and /generated requests at once, each a
+    share of every detector's queue (fair per request), crowding out the other tenants."""
+    config = tenants_config(engine.url, max_concurrent_streams=1)
+    release = asyncio.Event()
+
+    async def held_body() -> AsyncIterator[bytes]:
+        yield json.dumps({"content": "Hello.", "detectors": {"pii": {}}}).encode() + b"\n"
+        await release.wait()
+
+    mail = "Mail jo@example.com."
+    requests = [
+        (CONTENT_PATH, {"content": mail, "detectors": {"pii": {}}}),
+        (
+            CHAT_DETECTION_ONLY_PATH,
+            {"messages": [{"role": "user", "content": mail}], "detectors": {"pii": {}}},
+        ),
+        (
+            CONTEXT_DETECTION_PATH,
+            {"content": mail, "context_type": "docs", "context": ["x"], "detectors": {"pii": {}}},
+        ),
+        (
+            GENERATED_DETECTION_PATH,
+            {"prompt": "Who?", "generated_text": mail, "detectors": {"pii": {}}},
+        ),
+    ]
+    over = {
+        "code": 429,
+        "details": "tenant `a`: too many concurrent streams (limit 1)",
+        "type": "overloaded",
+    }
+    async with Orchestrator(config) as orch:
+        assert orch.session is not None and orch.runner is not None
+        gate = orch.runner.app[STATE].gates
+        session = orch.session
+
+        async def hold() -> int:
+            async with session.post(
+                orch.url + STREAM_CONTENT_PATH,
+                data=held_body(),
+                headers={"Content-Type": NDJSON, **A},
+            ) as r:
+                await r.read()
+                return r.status
+
+        holder = asyncio.create_task(hold())
+        await until(lambda: "a" in gate and gate["a"].streams == 1, what="a's stream running")
+        for path, body in requests:
+            assert await orch.post(path, body, headers=A) == (429, over), path
+            status, _ = await orch.post(path, body, headers=B)  # b is not a's limit
+            assert status == (422 if path == CONTEXT_DETECTION_PATH else 200), path
+        release.set()
+        assert await finished(holder) == 200
+        assert gate["a"].streams == 0
+        status, reply = await orch.post(CONTENT_PATH, requests[0][1], headers=A)
+        assert (status, [d["text"] for d in reply["detections"]]) == (200, ["jo@example.com"])
+        assert gate["a"].streams == 0  # given back when the request ended
