@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import itertools
 import json
 import logging
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,6 +29,7 @@ from orchestrator.app import (
     STREAMING_PATH,
     UNARY_PATH,
 )
+from orchestrator.handlers import stream_content
 from orchestrator.handlers.body import MAX_JSON_DEPTH, json_depth
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
@@ -205,6 +208,75 @@ async def test_stalled_stream_content_bodies_end_their_streams_and_free_their_sl
             408, "the request body stalled for longer than body_idle_timeout_s", "timeout"
         )
     assert status == 200, body  # a slot was free again
+
+
+class _Dripping:
+    """A request body (aiohttp's `readany`) arriving `size` bytes at a time, as a client that
+    writes a few bytes per packet makes it arrive; it lets the loop run between packets."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self._data, self._size, self._at = data, size, 0
+
+    async def readany(self) -> bytes:
+        if self._at % (4096 * self._size) == 0:
+            await asyncio.sleep(0)  # the deadline can fire: the reader is not a busy loop
+        chunk = self._data[self._at : self._at + self._size]
+        self._at += len(chunk)
+        return chunk
+
+
+async def test_a_long_stream_content_line_dripping_in_costs_linear_work(monkeypatch) -> None:
+    """Repro: stream-content's body reader appended each piece to the unfinished line and split
+    the whole of it again (`buf += chunk; buf.split(b"\\n")`), so a 1 MiB line arriving a byte at
+    a time cost ~10^12 byte copies on the event loop (minutes of CPU; 1.4 s for 100-byte
+    pieces). Each piece is now scanned once. (read_chunk's per-read timeout is replaced by a
+    plain read: what is measured is the line assembly, not the idle bound.)"""
+
+    async def plain_read(content: _Dripping, timeout_s: float, *, idle: bool) -> bytes:
+        return await content.readany()
+
+    monkeypatch.setattr(stream_content, "read_chunk", plain_read)
+    line = json.dumps({"content": "a" * (1 << 20)}).encode()
+    body = line + b"\n\n  \n" + line[:100] + b"\n" + line  # the last one without its newline
+    request = SimpleNamespace(content=_Dripping(body, 1))
+    lines = stream_content.BodyLines(request, len(body), deadline=1e12, idle_s=1e9)  # type: ignore[arg-type]
+    got = []
+    async with within(DEADLINE_S * 3, "reading a 1 MiB line a byte at a time"):
+        while (raw := await lines.next()) is not None:
+            got.append(raw)
+    assert got == [line, line[:100], line]  # blank lines skipped, the unterminated one kept
+
+
+class _Pieces:
+    """A request body (`readany`) arriving in the given pieces."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self._pieces = pieces
+
+    async def readany(self) -> bytes:
+        return self._pieces.pop(0) if self._pieces else b""
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    body=st.lists(st.sampled_from([b"\n", b" ", b"a", b"{}", b"\r"]), max_size=40).map(b"".join),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_stream_content_lines_are_the_same_however_the_body_is_cut(body, cuts) -> None:
+    """The body's non-blank lines, the last one with or without its newline, whatever pieces
+    the body arrives in."""
+    at = sorted({min(c, len(body)) for c in cuts} | {0, len(body)})
+    pieces = [body[a:b] for a, b in itertools.pairwise(at) if b > a]
+    request = SimpleNamespace(content=_Pieces(pieces))
+
+    async def read() -> list[bytes]:
+        lines = stream_content.BodyLines(request, len(body), deadline=1e12, idle_s=1e9)  # type: ignore[arg-type]
+        out = []
+        while (raw := await lines.next()) is not None:
+            out.append(raw)
+        return out
+
+    assert asyncio.run(read()) == [line for line in body.split(b"\n") if line.strip()]
 
 
 def _dechunk(body: bytes) -> bytes:
