@@ -11,6 +11,7 @@ import gzip
 import itertools
 import json
 import logging
+import socket
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,10 +32,13 @@ from orchestrator.app import (
 )
 from orchestrator.handlers import stream_content
 from orchestrator.handlers.body import MAX_JSON_DEPTH, json_depth
+from orchestrator.handlers.serving import FLUSH_GRACE_S
+from orchestrator.state import STATE
+from tests.fakes.clock import manual_deadline_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import MODEL, NDJSON, Orchestrator, native_config, remote
-from tests.wait_support import within
+from tests.wait_support import until, within
 
 DEADLINE_S = 10.0  # generous: the bounds under test are well under a second
 DEEP = "[" * 1000 + "]" * 1000
@@ -208,6 +212,46 @@ async def test_stalled_stream_content_bodies_end_their_streams_and_free_their_sl
             408, "the request body stalled for longer than body_idle_timeout_s", "timeout"
         )
     assert status == 200, body  # a slot was free again
+
+
+async def test_a_stream_content_client_that_stops_reading_is_cut_off(engine, monkeypatch) -> None:
+    """Repro: a client that sent its body and never read the reply held its stream slot for as
+    long as it kept the connection open: the serving loop waited on a write the client never
+    took, so the pipeline's own deadline (request_timeout_s), an event it posts to the
+    consumer, was never seen (with request_timeout_s 2 the slot was still held 15 s later).
+    Past request_timeout_s and a short grace to take the rest, the connection is now closed,
+    and the slot, the pipeline and its detector calls end as when a client leaves."""
+    clock = manual_deadline_clock(monkeypatch)
+    detectors = {"pii": {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"}}
+    config = native_config(engine.url, detectors=detectors, server={"request_timeout_s": 5})
+    # ~0.9 MB of phone numbers: ~9 MB of detections, more than any socket buffers hold
+    lines = [json.dumps({"detectors": {"pii": {}}, "content": "Hi. "})]
+    lines += [json.dumps({"content": "555-123-4567 " * 1000}) for _ in range(70)]
+    body = ("\n".join(lines) + "\n").encode()
+    head = (
+        f"POST {STREAM_CONTENT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: {NDJSON}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    async with Orchestrator(config) as orch:
+        assert orch.runner is not None and orch.runner.server is not None
+        state = orch.runner.app[STATE]
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # it reads nothing anyway
+        client.connect(("127.0.0.1", port_of(orch)))
+        client.setblocking(False)
+        _, writer = await asyncio.open_connection(sock=client)
+        writer.write(head + body)  # never read from
+
+        def blocked() -> bool:  # the reply waits in our send buffer: the client takes nothing
+            return state.active_streams == 1 and any(
+                h.transport is not None and h.transport.get_write_buffer_size() > 0
+                for h in orch.runner.server.connections  # type: ignore[union-attr]
+            )
+
+        await until(blocked, what="the reply backed up behind a client that does not read")
+        clock.advance(5 + FLUSH_GRACE_S + 1)  # request_timeout_s and the grace run out
+        await until(lambda: state.active_streams == 0, what="the stream slot given back")
+        writer.close()
 
 
 class _Dripping:
