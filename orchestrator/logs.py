@@ -30,6 +30,14 @@ _RECORD_ATTRS = frozenset(
     | {"message", "asctime", "request_id", "taskName"}
 )
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s%(trace)s] %(message)s"
+# Characters that end a line for some reader of a log (a terminal, Python's str.splitlines, a
+# log shipper) or drive a terminal: C0 controls but tab, DEL, C1 controls, the Unicode line and
+# paragraph separators. A message can quote a client (the access line's URL-decoded path:
+# `/a%0A<forged line>`), so a text line shows them escaped, and a JSON line escapes the ones
+# JSON leaves raw (U+0085, U+2028, U+2029), so one record stays one line for every reader.
+_LINE_BREAKERS = [*range(0x00, 0x09), *range(0x0A, 0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]
+_TEXT_ESCAPES = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" for c in _LINE_BREAKERS}
+_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in (0x85, 0x2028, 0x2029)}
 
 
 class RequestIdFilter(logging.Filter):
@@ -69,7 +77,7 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             entry["stack"] = record.stack_info
         # default=str: an `extra` value that is not JSON must not lose the whole line
-        return json.dumps(entry, ensure_ascii=False, default=str)
+        return json.dumps(entry, ensure_ascii=False, default=str).translate(_JSON_ESCAPES)
 
 
 class _TextFormatter(logging.Formatter):
@@ -82,6 +90,11 @@ class _TextFormatter(logging.Formatter):
         trace_id = getattr(record, "trace_id", None)
         record.trace = f" trace={trace_id}" if trace_id else ""
         return super().format(record)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # the message escaped (a traceback, appended after it, keeps its own lines)
+        escaped = record.message.translate(_TEXT_ESCAPES)
+        return TEXT_FORMAT % {**record.__dict__, "message": escaped}
 
 
 def make_handler(fmt: LogFormat = "json", stream: TextIO | None = None) -> logging.Handler:

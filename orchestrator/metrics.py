@@ -318,7 +318,25 @@ class OrchestratorMetrics:
             self.prompt_tokens.labels(model).inc(terminal.input_token_count or 0)
             self.generated_tokens.labels(model).inc(terminal.generated_token_count)
 
-        return StreamObserver(on_frame=on_frame, on_findings=on_findings, on_terminal=on_terminal)
+        def on_abandoned(input_tokens: int, generated_tokens: int) -> None:
+            # a stream its client left has no terminal event (nor a duration: it did not end on
+            # its own), but its tokens were spent: counted and charged as any other's, or a
+            # tenant that leaves before the end would never pay for what it read
+            if tenant is not None and model is not None:
+                self.tenant_prompt_tokens.labels(tenant).inc(input_tokens)
+                self.tenant_generated_tokens.labels(tenant).inc(generated_tokens)
+            if on_tokens is not None:
+                on_tokens(input_tokens + generated_tokens)
+            if model is not None:
+                self.prompt_tokens.labels(model).inc(input_tokens)
+                self.generated_tokens.labels(model).inc(generated_tokens)
+
+        return StreamObserver(
+            on_frame=on_frame,
+            on_findings=on_findings,
+            on_terminal=on_terminal,
+            on_abandoned=on_abandoned,
+        )
 
     def gc_pause_timer(self) -> GcPauseTimer:
         """A `gc.callbacks` entry that times each collection into `gc_pauses` (observed at the

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import itertools
 import json
 import logging
+import socket
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,11 +30,15 @@ from orchestrator.app import (
     STREAMING_PATH,
     UNARY_PATH,
 )
+from orchestrator.handlers import stream_content
 from orchestrator.handlers.body import MAX_JSON_DEPTH, json_depth
+from orchestrator.handlers.serving import FLUSH_GRACE_S
+from orchestrator.state import STATE
+from tests.fakes.clock import manual_deadline_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import MODEL, NDJSON, Orchestrator, native_config, remote
-from tests.wait_support import within
+from tests.wait_support import until, within
 
 DEADLINE_S = 10.0  # generous: the bounds under test are well under a second
 DEEP = "[" * 1000 + "]" * 1000
@@ -205,6 +212,115 @@ async def test_stalled_stream_content_bodies_end_their_streams_and_free_their_sl
             408, "the request body stalled for longer than body_idle_timeout_s", "timeout"
         )
     assert status == 200, body  # a slot was free again
+
+
+async def test_a_stream_content_client_that_stops_reading_is_cut_off(engine, monkeypatch) -> None:
+    """Repro: a client that sent its body and never read the reply held its stream slot for as
+    long as it kept the connection open: the serving loop waited on a write the client never
+    took, so the pipeline's own deadline (request_timeout_s), an event it posts to the
+    consumer, was never seen (with request_timeout_s 2 the slot was still held 15 s later).
+    Past request_timeout_s and a short grace to take the rest, the connection is now closed,
+    and the slot, the pipeline and its detector calls end as when a client leaves."""
+    clock = manual_deadline_clock(monkeypatch)
+    detectors = {"pii": {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"}}
+    config = native_config(engine.url, detectors=detectors, server={"request_timeout_s": 5})
+    # ~0.9 MB of phone numbers: ~9 MB of detections, more than any socket buffers hold
+    lines = [json.dumps({"detectors": {"pii": {}}, "content": "Hi. "})]
+    lines += [json.dumps({"content": "555-123-4567 " * 1000}) for _ in range(70)]
+    body = ("\n".join(lines) + "\n").encode()
+    head = (
+        f"POST {STREAM_CONTENT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: {NDJSON}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    async with Orchestrator(config) as orch:
+        assert orch.runner is not None and orch.runner.server is not None
+        state = orch.runner.app[STATE]
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # it reads nothing anyway
+        client.connect(("127.0.0.1", port_of(orch)))
+        client.setblocking(False)
+        _, writer = await asyncio.open_connection(sock=client)
+        writer.write(head + body)  # never read from
+
+        def blocked() -> bool:  # the reply waits in our send buffer: the client takes nothing
+            return state.active_streams == 1 and any(
+                h.transport is not None and h.transport.get_write_buffer_size() > 0
+                for h in orch.runner.server.connections  # type: ignore[union-attr]
+            )
+
+        await until(blocked, what="the reply backed up behind a client that does not read")
+        clock.advance(5 + FLUSH_GRACE_S + 1)  # request_timeout_s and the grace run out
+        await until(lambda: state.active_streams == 0, what="the stream slot given back")
+        writer.close()
+
+
+class _Dripping:
+    """A request body (aiohttp's `readany`) arriving `size` bytes at a time, as a client that
+    writes a few bytes per packet makes it arrive; it lets the loop run between packets."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self._data, self._size, self._at = data, size, 0
+
+    async def readany(self) -> bytes:
+        if self._at % (4096 * self._size) == 0:
+            await asyncio.sleep(0)  # the deadline can fire: the reader is not a busy loop
+        chunk = self._data[self._at : self._at + self._size]
+        self._at += len(chunk)
+        return chunk
+
+
+async def test_a_long_stream_content_line_dripping_in_costs_linear_work(monkeypatch) -> None:
+    """Repro: stream-content's body reader appended each piece to the unfinished line and split
+    the whole of it again (`buf += chunk; buf.split(b"\\n")`), so a 1 MiB line arriving a byte at
+    a time cost ~10^12 byte copies on the event loop (minutes of CPU; 1.4 s for 100-byte
+    pieces). Each piece is now scanned once. (read_chunk's per-read timeout is replaced by a
+    plain read: what is measured is the line assembly, not the idle bound.)"""
+
+    async def plain_read(content: _Dripping, timeout_s: float, *, idle: bool) -> bytes:
+        return await content.readany()
+
+    monkeypatch.setattr(stream_content, "read_chunk", plain_read)
+    line = json.dumps({"content": "a" * (1 << 20)}).encode()
+    body = line + b"\n\n  \n" + line[:100] + b"\n" + line  # the last one without its newline
+    request = SimpleNamespace(content=_Dripping(body, 1))
+    lines = stream_content.BodyLines(request, len(body), deadline=1e12, idle_s=1e9)  # type: ignore[arg-type]
+    got = []
+    async with within(DEADLINE_S * 3, "reading a 1 MiB line a byte at a time"):
+        while (raw := await lines.next()) is not None:
+            got.append(raw)
+    assert got == [line, line[:100], line]  # blank lines skipped, the unterminated one kept
+
+
+class _Pieces:
+    """A request body (`readany`) arriving in the given pieces."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self._pieces = pieces
+
+    async def readany(self) -> bytes:
+        return self._pieces.pop(0) if self._pieces else b""
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    body=st.lists(st.sampled_from([b"\n", b" ", b"a", b"{}", b"\r"]), max_size=40).map(b"".join),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_stream_content_lines_are_the_same_however_the_body_is_cut(body, cuts) -> None:
+    """The body's non-blank lines, the last one with or without its newline, whatever pieces
+    the body arrives in."""
+    at = sorted({min(c, len(body)) for c in cuts} | {0, len(body)})
+    pieces = [body[a:b] for a, b in itertools.pairwise(at) if b > a]
+    request = SimpleNamespace(content=_Pieces(pieces))
+
+    async def read() -> list[bytes]:
+        lines = stream_content.BodyLines(request, len(body), deadline=1e12, idle_s=1e9)  # type: ignore[arg-type]
+        out = []
+        while (raw := await lines.next()) is not None:
+            out.append(raw)
+        return out
+
+    assert asyncio.run(read()) == [line for line in body.split(b"\n") if line.strip()]
 
 
 def _dechunk(body: bytes) -> bytes:

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from orchestrator import logs
 from orchestrator.app import STREAMING_PATH
@@ -152,6 +153,53 @@ async def test_lines_written_during_a_request_carry_its_id(captured, failing_eng
     quarantines = [e for e in entries if "quarantined" in e["message"]]
     assert [e["request_id"] for e in quarantines] == ["log-test-1", "log-test-2"]
     assert {e.get("request_id") for e in entries} <= {None, "log-test-1", "log-test-2"}
+
+
+# a path as a client can send it: percent-encoded line breaks, a terminal escape, U+2028
+FORGING_PATH = (
+    "/a%0D%0A2026-11-28 INFO guardstream.access [x] GET /v1/models 200%1B[2K%C2%85%E2%80%A8z"
+)
+FORGING_PATH_DECODED = (
+    "/a\r\n2026-11-28 INFO guardstream.access [x] GET /v1/models 200\x1b[2K\x85\u2028z"
+)
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+async def test_a_path_cannot_write_a_log_line(fmt: str) -> None:
+    """Repro: the access line quotes the URL-decoded path, so `GET /a%0A<a forged line>` wrote
+    that line into the text log, and in the JSON log U+2028 and U+0085 stayed raw (JSON allows
+    them), which readers that split lines on them (Python's str.splitlines, some terminals
+    and shippers) cut into two lines that are not JSON. A record is now one line for every
+    reader, with the path as it was sent."""
+    out = io.StringIO()
+    handler = make_handler(fmt, out)  # type: ignore[arg-type]
+    access = logging.getLogger("guardstream.access")
+    old_level = access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    engine = FakeEngine()
+    await engine.start()
+    try:
+        async with Orchestrator(native_config(engine.url)) as orch:
+            assert orch.session is not None
+            url = URL(orch.url + FORGING_PATH.replace(" ", "%20"), encoded=True)
+            async with orch.session.get(url, headers={"x-request-id": "forger"}) as r:
+                assert r.status == 404
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(old_level)
+        await engine.close()
+    written = out.getvalue()
+    assert written.endswith("\n") and len(written.splitlines()) == 1, written
+    if fmt == "json":
+        entry = json.loads(written)
+        assert (entry["path"], entry["status"]) == (FORGING_PATH_DECODED, 404)
+        assert entry["message"] == f"GET {FORGING_PATH_DECODED} 404"
+    else:
+        assert written.rstrip("\n").endswith(
+            "INFO guardstream.access [forger] GET /a\\x0d\\x0a2026-11-28 INFO "
+            "guardstream.access [x] GET /v1/models 200\\x1b[2K\\x85\\u2028z 404"
+        )
 
 
 async def test_serve_writes_json_lines(tmp_path: Path) -> None:

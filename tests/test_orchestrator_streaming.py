@@ -310,8 +310,11 @@ async def test_request_timeout_ends_with_incomplete_time_limit(dets, monkeypatch
     clock = manual_deadline_clock(monkeypatch)
     engine = await start_engine(["word.", " more", " text"], fail=Fault("stall", after_tokens=2))
 
+    moved: list[bool] = []
+
     def on_event(events: list[SseEvent]) -> None:
-        if len(frames(events)) == 2 and clock.armed:
+        if len(frames(events)) == 2 and clock.armed and not moved:
+            moved.append(True)  # once: the serving loop's cut-off (a grace later) stays armed
             clock.advance(60)  # past request_timeout_s: the deadline fires now, not before
 
     try:

@@ -23,7 +23,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.app import CHAT_PATH, MODELS_PATH, STREAMING_PATH, UNARY_PATH, USAGE_PATH
+from orchestrator.app import (
+    CHAT_DETECTION_ONLY_PATH,
+    CHAT_PATH,
+    CONTENT_PATH,
+    CONTEXT_DETECTION_PATH,
+    GENERATED_DETECTION_PATH,
+    MODELS_PATH,
+    STREAM_CONTENT_PATH,
+    STREAMING_PATH,
+    UNARY_PATH,
+    USAGE_PATH,
+)
 from orchestrator.clients.registry import SEVERITY, EnforcedGuardrails, RequestedDetector
 from orchestrator.config import ConfigError, TenantLimits, parse_config
 from orchestrator.handlers.admin import RELOAD_PATH
@@ -36,6 +47,7 @@ from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
     MODEL,
+    NDJSON,
     Orchestrator,
     frames,
     generation_body,
@@ -943,3 +955,96 @@ def test_with_several_workers_a_model_with_managed_engines_cannot_change() -> No
         "(the supervisor starts its engines once for every worker; restart for this)"
         for m in ("added", "managed")
     ]
+
+
+async def test_a_stream_the_client_leaves_is_still_charged_to_its_tenant(engine) -> None:
+    """Repro: a tenant's tokens were charged only when its stream reached a terminal event. A
+    client that read the text it wanted and disconnected before the end (or retried instead of
+    waiting) was never charged: with a budget of 60 tokens per minute, 101-token streams left
+    after their first frame were admitted again and again, and /v1/usage counted none."""
+    config = tenants_config(engine.url, tokens_per_minute=TOKENS_PER_MINUTE)
+    async with Orchestrator(config) as orch:
+        frozen(orch)
+        assert orch.session is not None
+        engine.hold_after = 1  # the stream waits after its first token: the client leaves then
+        body = generation_body("x" * 100, model_id=PRIVATE)  # a token per character: 100
+        async with orch.session.post(orch.url + STREAMING_PATH, json=body, headers=A) as r:
+            assert r.status == 200
+            first = json.loads((await r.content.readuntil(b"\n\n")).decode()[len("data: ") :])
+            assert first["generated_text"] == SCRIPT[0]
+        await engine.wait_disconnects(1)  # the client's leaving ended the generation
+
+        async def charged() -> bool:
+            _, usage, _ = await get(orch, USAGE_PATH, A)
+            return usage["generated_tokens"] == 1
+
+        await until(charged, what="the left stream's tokens in a's usage")
+        _, usage, _ = await get(orch, USAGE_PATH, A)
+        assert (usage["prompt_tokens"], usage["generated_tokens"]) == (100, 1)
+        # 101 tokens of a budget of 60: the next request waits (42 s at a token a second)
+        status, refused = await orch.post(STREAMING_PATH, generation_body(), headers=A)
+        assert (status, refused["details"]) == (
+            429,
+            f"tenant `a`: over its budget of {TOKENS_PER_MINUTE} tokens per minute",
+        )
+
+
+async def test_detection_requests_count_against_a_tenants_concurrent_streams(engine) -> None:
+    """Repro: a tenant's max_concurrent_streams ("its requests served at once") bounded its
+    generations and stream-content, not its requests to the detection endpoints: a tenant held
+    to one stream ran any number of /content, /chat and /generated requests at once, each a
+    share of every detector's queue (fair per request), crowding out the other tenants."""
+    config = tenants_config(engine.url, max_concurrent_streams=1)
+    release = asyncio.Event()
+
+    async def held_body() -> AsyncIterator[bytes]:
+        yield json.dumps({"content": "Hello.", "detectors": {"pii": {}}}).encode() + b"\n"
+        await release.wait()
+
+    mail = "Mail jo@example.com."
+    requests = [
+        (CONTENT_PATH, {"content": mail, "detectors": {"pii": {}}}),
+        (
+            CHAT_DETECTION_ONLY_PATH,
+            {"messages": [{"role": "user", "content": mail}], "detectors": {"pii": {}}},
+        ),
+        (
+            CONTEXT_DETECTION_PATH,
+            {"content": mail, "context_type": "docs", "context": ["x"], "detectors": {"pii": {}}},
+        ),
+        (
+            GENERATED_DETECTION_PATH,
+            {"prompt": "Who?", "generated_text": mail, "detectors": {"pii": {}}},
+        ),
+    ]
+    over = {
+        "code": 429,
+        "details": "tenant `a`: too many concurrent streams (limit 1)",
+        "type": "overloaded",
+    }
+    async with Orchestrator(config) as orch:
+        assert orch.session is not None and orch.runner is not None
+        gate = orch.runner.app[STATE].gates
+        session = orch.session
+
+        async def hold() -> int:
+            async with session.post(
+                orch.url + STREAM_CONTENT_PATH,
+                data=held_body(),
+                headers={"Content-Type": NDJSON, **A},
+            ) as r:
+                await r.read()
+                return r.status
+
+        holder = asyncio.create_task(hold())
+        await until(lambda: "a" in gate and gate["a"].streams == 1, what="a's stream running")
+        for path, body in requests:
+            assert await orch.post(path, body, headers=A) == (429, over), path
+            status, _ = await orch.post(path, body, headers=B)  # b is not a's limit
+            assert status == (422 if path == CONTEXT_DETECTION_PATH else 200), path
+        release.set()
+        assert await finished(holder) == 200
+        assert gate["a"].streams == 0
+        status, reply = await orch.post(CONTENT_PATH, requests[0][1], headers=A)
+        assert (status, [d["text"] for d in reply["detections"]]) == (200, ["jo@example.com"])
+        assert gate["a"].streams == 0  # given back when the request ended

@@ -16,9 +16,16 @@ from ..streaming.redaction import redact_text
 from ..streaming.text_judgement import judge_text, off_loop
 from ..tenants import CALLER
 from .body import read_model
+from .stream_slots import tenant_slot
 
 
 async def handle(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    with tenant_slot(state, request.get(CALLER)):  # taken first: a refusal costs nothing
+        return await _detect(request)
+
+
+async def _detect(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_model(request, ContentDetectionRequest)
     assert state.detectors is not None

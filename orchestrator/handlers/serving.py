@@ -24,6 +24,7 @@ blocked or cut off, and a new surface is a writer, not another loop.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any, Protocol
@@ -33,11 +34,18 @@ from aiohttp import web
 from ..api.errors import ApiError, Failure
 from ..errors import is_http_error
 from ..state import STATE
+from ..streaming import request_deadline
 from ..streaming.events import Event, Frame, KeepAlive, Rendered, Terminal
 from ..streaming.text_judgement import off_loop
 from ..streaming.wire_json import KEEPALIVE_COMMENT
 from ..tenants import CALLER
 from .stream_slots import stream_slot
+
+log = logging.getLogger("guardstream.serving")
+
+# After request_timeout_s a pipeline ends itself (an in-band timeout); the client then has this
+# long to take what is left of the reply before the connection is closed (serve).
+FLUSH_GRACE_S = 5.0
 
 
 class Pipeline(Protocol):
@@ -87,34 +95,57 @@ class Fold(Protocol):
 
 async def serve(request: web.Request, prepare: Prepare, writer: Writer) -> web.StreamResponse:
     """Streams the pipeline `prepare` builds through `writer`."""
-    with stream_slot(request.app[STATE], request.get(CALLER)) as slot:
+    state = request.app[STATE]
+    with stream_slot(state, request.get(CALLER)) as slot:
         pipeline = slot.attach(await prepare())
-        response = await _start(request, writer) if writer.start_at_once else None
-        pending = b""  # the frames of one burst: one write
-        body_unread = False
-        async with aclosing(pipeline.events()) as events:
-            async for event in events:
-                if isinstance(event, Terminal) and event.error is not None:
-                    failure = event.error
-                    if is_http_error(failure, sent=response is not None, in_band=writer.in_band):
-                        raise ApiError.of(failure)  # nothing was sent: a real HTTP error
-                    body_unread = failure.code == 408
-                if response is None:
-                    response = await _start(request, writer)
-                if isinstance(event, KeepAlive):
-                    pending += KEEPALIVE_COMMENT
-                else:
-                    pending += writer.render(event)
-                    if isinstance(event, Frame) and event.more:
-                        continue
-                if pending:
-                    await response.write(pending)
-                    pending = b""
-        assert response is not None  # the pipeline always ends with a Terminal
-        await response.write_eof()
-        if body_unread:  # the client stopped sending: nothing more is read from it
-            request.protocol.force_close()
-        return response
+        # the pipeline's deadline is an event its consumer (this loop) takes: a client that
+        # stops reading leaves this loop waiting on a write, and holding the slot, for as long
+        # as it keeps the connection. Past the deadline and a grace, the connection is closed:
+        # the handler is cancelled as when a client leaves (DESIGN 4: every endpoint is bounded)
+        cut = request_deadline.deadline_clock.call_later(
+            state.config.server.request_timeout_s + FLUSH_GRACE_S, _cut_off, request
+        )
+        try:
+            return await _serve(request, pipeline, writer)
+        finally:
+            cut.cancel()
+
+
+def _cut_off(request: web.Request) -> None:
+    log.info("request_timeout_s and its grace passed with the reply unsent: connection closed")
+    transport = request.transport
+    if transport is not None:
+        transport.abort()  # close() would wait for the client to take what is buffered
+
+
+async def _serve(request: web.Request, pipeline: Pipeline, writer: Writer) -> web.StreamResponse:
+    """The events of `pipeline` through `writer`, a burst of frames in one write."""
+    response = await _start(request, writer) if writer.start_at_once else None
+    pending = b""  # the frames of one burst: one write
+    body_unread = False
+    async with aclosing(pipeline.events()) as events:
+        async for event in events:
+            if isinstance(event, Terminal) and event.error is not None:
+                failure = event.error
+                if is_http_error(failure, sent=response is not None, in_band=writer.in_band):
+                    raise ApiError.of(failure)  # nothing was sent: a real HTTP error
+                body_unread = failure.code == 408
+            if response is None:
+                response = await _start(request, writer)
+            if isinstance(event, KeepAlive):
+                pending += KEEPALIVE_COMMENT
+            else:
+                pending += writer.render(event)
+                if isinstance(event, Frame) and event.more:
+                    continue
+            if pending:
+                await response.write(pending)
+                pending = b""
+    assert response is not None  # the pipeline always ends with a Terminal
+    await response.write_eof()
+    if body_unread:  # the client stopped sending: nothing more is read from it
+        request.protocol.force_close()
+    return response
 
 
 async def serve_unary(request: web.Request, prepare: Prepare, fold: Fold) -> web.Response:

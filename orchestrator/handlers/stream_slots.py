@@ -60,18 +60,28 @@ def stream_slot(state: AppState, caller: Caller | None = None) -> Iterator[Strea
     if state.active_streams >= limit:
         state.metrics.rejected_streams.labels("overloaded").inc()
         raise TooManyStreams(limit)
-    if caller is not None:
-        try:
-            caller.gate.take_stream(caller.tenant.id)
-        except ApiError:
-            state.metrics.rejected_streams.labels("overloaded").inc()
-            raise
+    with tenant_slot(state, caller), _server_slot(state) as slot:
+        yield slot
+
+
+@contextmanager
+def tenant_slot(state: AppState, caller: Caller | None) -> Iterator[None]:
+    """A slot of the caller's tenant's max_concurrent_streams alone ("its requests served at
+    once"): what a detection request that runs no pipeline (content, chat, context, generated)
+    holds while it is served, so a tenant held to N streams cannot run any number of those at
+    once, each a share of every detector's queue."""
+    if caller is None:
+        yield
+        return
     try:
-        with _server_slot(state) as slot:
-            yield slot
+        caller.gate.take_stream(caller.tenant.id)
+    except ApiError:
+        state.metrics.rejected_streams.labels("overloaded").inc()
+        raise
+    try:
+        yield
     finally:
-        if caller is not None:
-            caller.gate.release_stream()
+        caller.gate.release_stream()
 
 
 @contextmanager

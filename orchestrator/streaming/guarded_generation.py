@@ -78,6 +78,9 @@ class StreamObserver:
     on_frame: Callable[[Frame, float], None] = lambda frame, hold_s: None
     on_findings: Callable[[list[Finding]], None] = lambda findings: None
     on_terminal: Callable[[Terminal], None] = lambda terminal: None
+    # a stream that ended without a terminal (its client left, its handler was cancelled):
+    # (input tokens, generated tokens) spent so far, which a tenant's budget is still charged
+    on_abandoned: Callable[[int, int], None] = lambda input_tokens, generated_tokens: None
 
 
 # -- inbox messages -------------------------------------------------------------------------------
@@ -228,6 +231,12 @@ class GuardedGeneration(PipelineCore):
         finally:
             if self._keepalive is not None:
                 self._keepalive.cancel()
+            if self.terminal is None:  # the client left: what it cost is still counted
+                stream = self._stream
+                self._observer.on_abandoned(
+                    self._input_token_count() or 0,
+                    stream.generated_token_count if stream is not None else 0,
+                )
             await self._stop()
 
     async def _run(self) -> AsyncIterator[list[Event]]:
