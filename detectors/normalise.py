@@ -44,6 +44,7 @@ import bisect
 import html.entities
 import re
 import unicodedata
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -552,23 +553,48 @@ def reversed_runs(text: str) -> list[tuple[int, int]]:
             if i > start:
                 runs.append((start, i))
             start = -1
-        if ch in _PARAGRAPH:
-            stack.clear()
-        elif ch == _PDF:
-            if stack and stack[-1] not in _ISOLATES:
-                stack.pop()
-        elif ch == _PDI:
-            while stack and stack[-1] not in _ISOLATES:
-                stack.pop()
-            if stack:
-                stack.pop()
-        else:
-            stack.append(ch)
+        _bidi_step(stack, ch)
         if stack and stack[-1] == _RLO:
             start = i + 1
     if start >= 0 and start < len(text):
         runs.append((start, len(text)))
     return runs
+
+
+def _bidi_step(stack: list[str], ch: str) -> None:
+    """The stack of open explicit controls after `ch` (one of `_BIDI`'s characters)."""
+    if ch in _PARAGRAPH:
+        stack.clear()
+    elif ch == _PDF:
+        if stack and stack[-1] not in _ISOLATES:
+            stack.pop()
+    elif ch == _PDI:
+        while stack and stack[-1] not in _ISOLATES:
+            stack.pop()
+        if stack:
+            stack.pop()
+    else:
+        stack.append(ch)
+
+
+def open_overrides(text: str, positions: Sequence[int]) -> list[str]:
+    """For each of `positions` (ascending), the explicit controls still open there when one of
+    them is a right-to-left override (`reversed_runs`' stack), else "". A piece of `text` judged
+    alone (a chunk, a window) that starts inside an override is read with these put before it,
+    so that its characters are in the order a reader of the whole text sees them: an override
+    in an earlier sentence reverses a phone number in a later one. One scan of `text`."""
+    if _RLO not in text:
+        return [""] * len(positions)
+    out: list[str] = []
+    stack: list[str] = []
+    matches = _BIDI.finditer(text)
+    m = next(matches, None)
+    for pos in positions:
+        while m is not None and m.start() < pos:
+            _bidi_step(stack, m.group())
+            m = next(matches, None)
+        out.append("".join(stack) if _RLO in stack else "")
+    return out
 
 
 def display_order(text: str) -> tuple[str, list[int]] | None:

@@ -273,3 +273,42 @@ async def test_a_blocking_classifier_sees_a_phrase_a_word_count_cut_in_two() -> 
     released = "".join(f.data["generated_text"] for f in frames(blocked))
     assert "go" not in released and "away" not in released, released
     assert blocked[-1].data["incomplete_details"] == {"reason": "content_filter"}
+
+
+@pytest.mark.parametrize("chunker", ["s", "p", "w"])
+def test_an_override_in_an_earlier_piece_still_orders_a_later_one(
+    monkeypatch: pytest.MonkeyPatch, chunker: str
+) -> None:
+    """A right-to-left override reverses what follows it to the paragraph's end, across every
+    chunk after it: the whole text reads `32 70 69` (a phone) where the logical order has
+    `96 07 23` glued to `com0421`. Each chunk and window is read after the overrides open where
+    it starts (`open_overrides`); on 3e29c34 hypothesis found a blocking input's chunks and
+    windows missing that phone (a reader of the whole text saw it), at 96 of 234 settings."""
+    seam_recorder(monkeypatch)
+    email = "jo@example.com"
+    text = email * 2 + "\u202e(555) 123-4567" + email * 4 + "0421 96 07 23."
+    [whole] = asyncio.run(REGEX.detect([text], {}))
+    assert (104, 112, "96 07 23") in [(h.start, h.end, h.text) for h in whole]
+    for max_chars in (5, 40, 500):
+        found = asyncio.run(
+            judge_text(text, [regex_detector("block", chunker)], registry(max_chars))
+        )
+        assert any(f.start < 112 and 104 < f.end for f in found), (max_chars, found)
+
+
+def test_open_overrides_are_the_controls_a_reader_still_applies() -> None:
+    from detectors.normalise import open_overrides
+
+    rlo, lro, pdf, lri, pdi = "\u202e", "\u202d", "\u202c", "\u2066", "\u2069"
+    text = f"a{rlo}b{lro}c{pdf}d\ne{lri}{rlo}f{pdi}g"
+    #        0 1   2 3   4 5   6 7 8 9   10  11 12  13
+    assert open_overrides(text, [0, 2, 4, 6, 8, 11, 13]) == [
+        "",
+        rlo,
+        rlo + lro,
+        rlo,
+        "",
+        lri + rlo,
+        "",
+    ]
+    assert open_overrides("plain", [0, 3]) == ["", ""]

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 
 from chunkers import Span
 from detectors.api import Detection
+from detectors.normalise import open_overrides
 
 from ..api.input_pieces import InputPiece
 from ..clients.registry import ChunkerRegistry, RequestedDetector
@@ -178,40 +179,69 @@ async def _judge(
     owners: list[Any] = []
     seams: list[tuple[Span, int, Any]] = []  # (window, the boundary it spans, owner)
     obscured: list[tuple[Any, Finding]] = []  # runs a window had to cut at the raw bound
+    # what a chunk (by index) or window (by index) is read after: the bidi overrides the whole
+    # text has open where it starts (`open_overrides`), so a piece reads as a reader sees it
+    after: dict[int, str] = {}
+    window_after: dict[int, str] = {}
     seam_after = seam_ends(detector)
 
     def chunk() -> None:
         for text, start, end, owner in regions:
             chunks = _chunk_regions(text, [(start, end)], chunker_id, chunkers)
+            first_seam = len(seams)
             spans.extend(chunks)
             owners.extend([owner] * len(chunks))
-            if seam_after is None:
-                continue
-            for prev, nxt in itertools.pairwise(chunks):
-                if seam_after(prev):
-                    window, hidden = _seam(text, start, end, nxt.start)
-                    seams.append((window, nxt.start, owner))
-                    lo, hi = window.start, window.end
-                    if not hidden:
-                        continue
-                    # fails closed, as a stream's windows do (detector_queue.py): one finding
-                    # per run however many cuts it holds
-                    last = obscured[-1] if obscured else None
-                    if last is not None and last[0] is owner and lo <= last[1].end:
-                        lo = last[1].start
-                        obscured.pop()
-                    obscured.append((owner, obscured_finding(detector, lo, max(hi, lo))))
+            if seam_after is not None:
+                for prev, nxt in itertools.pairwise(chunks):
+                    if seam_after(prev):
+                        window, hidden = _seam(text, start, end, nxt.start)
+                        seams.append((window, nxt.start, owner))
+                        lo, hi = window.start, window.end
+                        if not hidden:
+                            continue
+                        # fails closed, as a stream's windows do (detector_queue.py): one finding
+                        # per run however many cuts it holds
+                        last = obscured[-1] if obscured else None
+                        if last is not None and last[0] is owner and lo <= last[1].end:
+                            lo = last[1].start
+                            obscured.pop()
+                        obscured.append((owner, obscured_finding(detector, lo, max(hi, lo))))
+            windows = [w for w, _, _ in seams[first_seam:]]
+            starts = sorted({s.start for s in (*chunks, *windows)})
+            opened = dict(zip(starts, open_overrides(text, starts), strict=True))
+            for i, c in enumerate(chunks, start=len(spans) - len(chunks)):
+                if opened[c.start]:
+                    after[i] = opened[c.start]
+            for i, w in enumerate(windows, start=first_seam):
+                if opened[w.start]:
+                    window_after[i] = opened[w.start]
 
     await off_loop(chunk) if bulk else chunk()
     if not spans:
         return []
-    contents = [s.text for s in spans] + [w.text for w, _, _ in seams]
+    contents = [after.get(i, "") + s.text for i, s in enumerate(spans)]
+    contents += [window_after.get(i, "") + w.text for i, (w, _, _) in enumerate(seams)]
     replies = await _detect(detector, contents, verdicts, bulk)
+    if after or window_after:  # back to positions in the pieces themselves
+        shifts = [len(after.get(i, "")) for i in range(len(spans))]
+        shifts += [len(window_after.get(i, "")) for i in range(len(seams))]
+        replies = [
+            _shifted(dets, by) if by else dets for dets, by in zip(replies, shifts, strict=True)
+        ]
 
     def build() -> list[tuple[Any, Finding]]:
         return _findings(detector, owners, spans, seams, replies, annotating) + obscured
 
     return await off_loop(build) if bulk else build()
+
+
+def _shifted(detections: list[Detection], by: int) -> list[Detection]:
+    """Detections in a content read after `by` characters of open bidi controls, in positions
+    of the piece itself (a span that began in the controls begins with the piece)."""
+    return [
+        d.model_copy(update={"start": max(d.start - by, 0), "end": max(d.end - by, 0)})
+        for d in detections
+    ]
 
 
 async def _detect(
