@@ -50,6 +50,7 @@ from .api import Detection
 from .base import BatchingParams
 from .model import BatchedDetector
 from .normalise import normalise
+from .person_names import first_names, person_spans, word_surnames
 from .regex_pii import KINDS as REGEX_KINDS
 from .regex_pii import RegexDetector
 from .runtime import ModelRuntime, get_runtime
@@ -161,6 +162,7 @@ def _load() -> Any:
     with _one_blas_thread():
         libs = _blas().info()
         single = bool(libs) and all(lib["num_threads"] == 1 for lib in libs)
+    first_names(), word_surnames()  # the gazetteer's sets, built here off the event loop too
     with use_ops("numpy", use_blis=not single):  # the layers take the current ops when built
         return spacy.load(SPACY_MODEL, exclude=_EXCLUDE)
 
@@ -210,8 +212,10 @@ def _date_kind(text: str) -> str | None:
     return "date"
 
 
-def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
-    """The model's finds in each text (spans in that text), IBANs included, sorted by start."""
+def ner_spans(nlp: Any, texts: list[str], *, gazetteer: bool = True) -> list[list[Span]]:
+    """The model's finds in each text (spans in that text), IBANs, addresses, ages and dates by
+    pattern included, and the gazetteer's persons (`gazetteer=False`: without them, what
+    bench/quality.py compares), sorted by start."""
     out: list[list[Span]] = []
     with _one_blas_thread():
         docs = list(nlp.pipe(texts, batch_size=max(1, len(texts))))
@@ -227,6 +231,8 @@ def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
                     continue
             found.append((ent.start_char, ent.end_char, kind))
         found = _with_patterned(found, age_date_spans(text))
+        if gazetteer:
+            found = _with_gazetteer(found, person_spans(text))
         found.sort()
         out.append(found)
     return out
@@ -245,6 +251,13 @@ def _with_patterned(found: list[Span], patterned: list[Span]) -> list[Span]:
         found = [f for f in found if f not in over]
         found.append((min([ps, *(s for s, _, _ in over)]), max([pe, *(e for _, e, _ in over)]), pk))
     return found
+
+
+def _with_gazetteer(found: list[Span], persons: list[Span]) -> list[Span]:
+    """The finds with the gazetteer's persons (detectors/person_names.py: the first names the
+    model misses) that overlap none of them: where they overlap, the model's span (or an
+    address's, an age's) is what the text holds there, so no find of theirs is split."""
+    return found + [p for p in persons if not any(s < p[1] and p[0] < e for s, e, _ in found)]
 
 
 def _outside(content: str, start: int, end: int, pattern: list[tuple[int, int]]) -> tuple[int, int]:
