@@ -6,7 +6,8 @@ persons, most of them a first name alone in a dialogue line, a list or a greetin
 
 What is no person: a first name that is also an ordinary word (`May`, `Will`, `Grant`, `Page`,
 `Rose`, `Bill`, `Mark`, `Drew`, `Summer`: a word that punkt's English news text, already
-shipped for the sentence chunker, shows lower-cased inside a sentence), a month or weekday and
+shipped for the sentence chunker, shows lower-cased inside a sentence; and common nouns that
+are names, `Ginger`, `Pearl`, `Holly`), a month or weekday and
 their abbreviations (`June`, `Jan`), rare census names (below FIRST_MIN_PERCENT of the people:
 `Princess`, `Royal`), a name after a determiner or possessive (`the Joy of`, `her first
 Oscar`), a name glued to code (`Ann1`, `@emily`, `emily.py`, `Emily(`), a word in capitals. A
@@ -27,12 +28,12 @@ from .address import _STREET_TYPES as STREET_TYPES
 Span = tuple[int, int, str]
 
 # A first name counts when at least this share (percent) of the census's people bear it: chosen
-# on the bench's dev split (README): 0.01 keeps 1,211 first names (Emily, Logan, Todd, Willie);
+# on the bench's dev split (README): 0.01 keeps 1,555 first names (Emily, Logan, Todd, Willie), 1,481 less the words below;
 # every name below it the dev split read as a person was one the model found already, and the
 # rarer ones it added there were no persons (`Princess Royal`).
 FIRST_MIN_PERCENT = 0.01
 # A surname that is an ordinary word too counts when this share of the people bear it (`Key`,
-# `West`: the census's 18,839 commonest surnames); others are any capitalised word after a name
+# `West`: 798 of the census's 18,839 commonest surnames); others are any capitalised word after a name
 LAST_MIN_PERCENT = 0.001
 # months, weekdays and their abbreviations: capitalised words that are no name (`June`, `Jan`)
 _CALENDAR = frozenset(
@@ -40,6 +41,13 @@ _CALENDAR = frozenset(
     "jan feb mar apr jun jul aug sep sept oct nov dec "
     "monday tuesday wednesday thursday friday saturday sunday mon tue tues wed thu thur thurs "
     "fri sat sun".split()
+)
+# first names that are common nouns, rarely lower-cased where they begin a sentence or a title
+# and so not among punkt's ordinary words: flowers, gems, materials, virtues (`Ginger flower`,
+# `a Pearl Earring`, `Holly and Ivy`, `T. Rex`)
+_NOUN_NAMES = frozenset(
+    "amber angel charity christian clay cliff daisy ebony ginger hazel heather holly iris ivy "
+    "jasmine joy laurel lily melody misty olive pearl penny reed rex ruby rusty sandy violet".split()
 )
 # the word before a name that makes it a thing's name (`the Joy of Snowflakes`, `a Pearl
 # Earring`, `her first Oscar`)
@@ -84,7 +92,7 @@ def first_names() -> frozenset[str]:
     words and the calendar's: loaded once (pii_ner's `_load`, in the model's worker thread)."""
     names = _census("dist.male.first", FIRST_MIN_PERCENT)
     names |= _census("dist.female.first", FIRST_MIN_PERCENT)
-    return frozenset(names - ordinary_words() - _CALENDAR)
+    return frozenset(names - ordinary_words() - _CALENDAR - _NOUN_NAMES)
 
 
 @functools.cache
