@@ -1,6 +1,7 @@
 """`pii_ner`: PII beyond patterns. Everything `regex` finds (its kinds, run first: the fast
-path), plus what a named-entity model finds: `person`, `location` (countries, cities, places),
-`organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
+path), plus what a named-entity model finds: `person` (and by a gazetteer of the 1990 US Census
+first names, detectors/person_names.py, those the model misses: `Emily is very reliable`),
+`location` (countries, cities, places), `organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
 (with a digit, and not a duration, decade or ordinal: dates of birth, not "last week",
 "8+ years" or "the 60s"; and by pattern the numeric dates the model misses, `2/4/1958`),
 `age` (`the age of 35`; and by pattern, detectors/age_date.py, the forms the model misses:
@@ -286,7 +287,9 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
     description = (
         "PII by pattern and by a named-entity model: every `regex` kind, plus person, location, "
         "organization, group (nationalities, religious and political groups), date (with a "
-        "digit; no durations or decades), age from spaCy's small English model and by pattern "
+        "digit; no durations or decades), age from spaCy's small English model; person also by "
+        "the 1990 US Census first names the model misses (`Emily is very reliable`), age and "
+        "date by pattern "
         "(`35 years old`, `aged 35`, `43 y/o`, `2/4/1958`), iban "
         "(check digits verified), address (US, Canadian, British and continental street "
         "addresses, one span with their city, state and postal code) and postal_code (a ZIP code or postcode in an "
