@@ -23,17 +23,16 @@ import functools
 import importlib.resources
 import re
 
-from .address import _STREET_TYPES as STREET_TYPES
-
 Span = tuple[int, int, str]
 
-# A first name counts when at least this share (percent) of the census's people bear it: chosen
-# on the bench's dev split (README): 0.01 keeps 1,555 first names (Emily, Logan, Todd, Willie), 1,481 less the words below;
-# every name below it the dev split read as a person was one the model found already, and the
-# rarer ones it added there were no persons (`Princess Royal`).
+# A first name counts when at least this share (percent) of the census's people bear it, chosen
+# on the bench's dev split (README): 0.01 keeps 1,555 first names (Emily, Logan, Todd, Willie),
+# 1,481 less the words below; 0.005 and below added 3 false persons there (`Princess Royal`) for
+# at most one more found, 0.02 found 6 fewer.
 FIRST_MIN_PERCENT = 0.01
 # A surname that is an ordinary word too counts when this share of the people bear it (`Key`,
-# `West`: 798 of the census's 18,839 commonest surnames); others are any capitalised word after a name
+# `West`: 810 of the census's 18,839 commonest surnames); any other capitalised word after a
+# first name is its surname (`Simonds`)
 LAST_MIN_PERCENT = 0.001
 # months, weekdays and their abbreviations: capitalised words that are no name (`June`, `Jan`)
 _CALENDAR = frozenset(
@@ -98,10 +97,11 @@ def first_names() -> frozenset[str]:
 @functools.cache
 def word_surnames() -> frozenset[str]:
     """The census's surnames at LAST_MIN_PERCENT or more that are ordinary words too (`Key`,
-    `West`, `Young`, `Page`): a surname after a known first name although a word (`Brad Key`);
-    any other capitalised word that is no ordinary word is one anyway (`Simonds`)."""
-    streets = {t.lower() for t in STREET_TYPES.split("|")}  # `Emily Street` is a street's name
-    return frozenset(_census("dist.all.last", LAST_MIN_PERCENT) & ordinary_words() - streets)
+    `West`, `Young`, `Green`, `King`): a surname after a known first name although a word
+    (`Brad Key`); any other capitalised word that is no ordinary word is one anyway (`Simonds`).
+    A street word too (`Emily Street`): a street named so is masked as a person then, where a
+    surname left out would be released."""
+    return frozenset(_census("dist.all.last", LAST_MIN_PERCENT) & ordinary_words())
 
 
 def _capitalised(word: str) -> bool:
@@ -154,7 +154,7 @@ def _initial(text: str, tokens: list[tuple[int, int, str]], j: int, prev_end: in
 def _surname(text: str, tokens: list[tuple[int, int, str]], j: int, prev_end: int) -> bool:
     """tokens[j] is the surname of the first name before it: one space (or an initial's `. `)
     apart, capitalised, letters, no ordinary word unless a common surname (`Brad Key`, not
-    `Emily Street`), not glued to code."""
+    `Emily Says`), not glued to code."""
     ordinary, surnames = ordinary_words(), word_surnames()
     s, e, w = tokens[j]
     return (
