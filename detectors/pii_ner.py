@@ -233,7 +233,7 @@ def ner_spans(nlp: Any, texts: list[str], *, gazetteer: bool = True) -> list[lis
             found.append((ent.start_char, ent.end_char, kind))
         found = _with_patterned(found, age_date_spans(text))
         if gazetteer:
-            found = _with_gazetteer(found, person_spans(text))
+            found = _with_gazetteer(found, person_spans(text), text)
         found.sort()
         out.append(found)
     return out
@@ -254,11 +254,19 @@ def _with_patterned(found: list[Span], patterned: list[Span]) -> list[Span]:
     return found
 
 
-def _with_gazetteer(found: list[Span], persons: list[Span]) -> list[Span]:
+def _with_gazetteer(found: list[Span], persons: list[Span], text: str) -> list[Span]:
     """The finds with the gazetteer's persons (detectors/person_names.py: the first names the
     model misses) that overlap none of them: where they overlap, the model's span (or an
-    address's, an age's) is what the text holds there, so no find of theirs is split."""
-    return found + [p for p in persons if not any(s < p[1] and p[0] < e for s, e, _ in found)]
+    address's, an age's) is what the text holds there, so no find of theirs is split. A
+    person whose surname runs into one keeps its first name (`Emily` of `Emily Street` where
+    `Street 5` is an address)."""
+    out = list(found)
+    for start, end, kind in persons:
+        for e in (end, text.find(" ", start, end)):
+            if e > start and not any(s < e and start < fe for s, fe, _ in found):
+                out.append((start, e, kind))
+                break
+    return out
 
 
 def _outside(content: str, start: int, end: int, pattern: list[tuple[int, int]]) -> tuple[int, int]:
