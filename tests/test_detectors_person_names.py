@@ -150,6 +150,7 @@ def test_finds_lie_within_the_text_and_never_split_a_models_span(
     [both] = pii_ner.ner_spans(nlp(), [text])
     assert set(model) <= set(both)  # every model find kept as it was
     for s, e, k in set(both) - set(model):
+        assert k == "person"
         # a gazetteer person, or its first name where its surname runs into a model's find
         assert any(s == a and (e == b or text[e] == " ") and e <= b for a, b, _ in alone)
         assert not any(ms < e and s < me for ms, me, _ in model)
