@@ -1019,6 +1019,7 @@ async def bench_pii(results: dict[str, Any], n: int, only: Sequence[str] | None)
         row["texts_per_s_c32"] = round(await throughput(det, [t.text for t in splits["test"]]), 1)
         if builtin == "pii_ner":
             row["benign_addresses"] = await benign_addresses(det)
+            row["gazetteer_persons"] = gazetteer_persons()
         await det.close()
         for split in splits:
             t = row[split]
@@ -1037,6 +1038,11 @@ async def bench_pii(results: dict[str, Any], n: int, only: Sequence[str] | None)
             print(
                 f"  addresses and postal codes in {b['texts']} everyday requests "
                 f"({b['chars']} characters, none holds one): {b['found']} {b['examples']}"
+            )
+        for name, g in row.get("gazetteer_persons", {}).items():
+            print(
+                f"  gazetteer persons added in {name}: {g['texts_with_one']} of {g['texts']} texts "
+                f"({g['share']:.2%}, {g['chars']} characters): {g['found']}"
             )
         out_rows[label] = row
     results["pii"] = out_rows
@@ -1058,6 +1064,52 @@ async def benign_addresses(det: detectors.Detector) -> dict[str, Any]:
         "found": len(found),
         "examples": found[:10],
     }
+
+
+def gazetteer_persons() -> dict[str, Any]:
+    """What the gazetteer (detectors/person_names.py) adds to the model's finds in text that is
+    no PII test: the everyday requests (`everyday_data`, all of them) and the docstrings of
+    Python's standard library (bench/train_injection.py's STDLIB_MODULES): per set, the share
+    of texts where it adds a person, and each person it adds (each is read by hand: some of
+    the everyday requests name people)."""
+    import importlib
+    import inspect
+    import itertools
+
+    from bench.train_injection import STDLIB_MODULES
+    from chunkers import natural_cuts
+    from detectors import pii_ner
+
+    docs: dict[str, None] = {}
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        for obj in [module, *(v for _, v in inspect.getmembers(module))]:
+            doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
+            if doc:
+                docs.setdefault(doc, None)
+    nlp = pii_ner._load()
+    out: dict[str, Any] = {}
+    for name, texts in (("everyday requests", [r.text for r in everyday_data()]),
+                        ("stdlib docstrings", list(docs))):  # fmt: skip
+        found: list[str] = []
+        with_one = 0
+        for text in texts:
+            bounds = [0, *natural_cuts(text), len(text)]
+            pieces = [text[a:b] for a, b in itertools.pairwise(bounds) if text[a:b].strip()]
+            model = pii_ner.ner_spans(nlp, pieces, gazetteer=False)
+            both = pii_ner.ner_spans(nlp, pieces)
+            added = [p[s:e] for p, m, b in zip(pieces, model, both, strict=True)
+                     for s, e, _ in sorted(set(b) - set(m))]  # fmt: skip
+            with_one += bool(added)
+            found.extend(added)
+        out[name] = {
+            "texts": len(texts),
+            "chars": sum(map(len, texts)),
+            "texts_with_one": with_one,
+            "share": round(with_one / max(1, len(texts)), 4),
+            "found": found,
+        }
+    return out
 
 
 def _dev_test(

@@ -1,6 +1,7 @@
 """`pii_ner`: PII beyond patterns. Everything `regex` finds (its kinds, run first: the fast
-path), plus what a named-entity model finds: `person`, `location` (countries, cities, places),
-`organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
+path), plus what a named-entity model finds: `person` (and by a gazetteer of the 1990 US Census
+first names, detectors/person_names.py, those the model misses: `Emily is very reliable`),
+`location` (countries, cities, places), `organization`, `group` (nationalities, religious and political groups: spaCy's NORP), `date`
 (with a digit, and not a duration, decade or ordinal: dates of birth, not "last week",
 "8+ years" or "the 60s"; and by pattern the numeric dates the model misses, `2/4/1958`),
 `age` (`the age of 35`; and by pattern, detectors/age_date.py, the forms the model misses:
@@ -50,6 +51,7 @@ from .api import Detection
 from .base import BatchingParams
 from .model import BatchedDetector
 from .normalise import normalise
+from .person_names import first_names, person_spans, word_surnames
 from .regex_pii import KINDS as REGEX_KINDS
 from .regex_pii import RegexDetector
 from .runtime import ModelRuntime, get_runtime
@@ -161,6 +163,7 @@ def _load() -> Any:
     with _one_blas_thread():
         libs = _blas().info()
         single = bool(libs) and all(lib["num_threads"] == 1 for lib in libs)
+    first_names(), word_surnames()  # the gazetteer's sets, built here off the event loop too
     with use_ops("numpy", use_blis=not single):  # the layers take the current ops when built
         return spacy.load(SPACY_MODEL, exclude=_EXCLUDE)
 
@@ -210,8 +213,10 @@ def _date_kind(text: str) -> str | None:
     return "date"
 
 
-def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
-    """The model's finds in each text (spans in that text), IBANs included, sorted by start."""
+def ner_spans(nlp: Any, texts: list[str], *, gazetteer: bool = True) -> list[list[Span]]:
+    """The model's finds in each text (spans in that text), IBANs, addresses, ages and dates by
+    pattern included, and the gazetteer's persons (`gazetteer=False`: without them, what
+    bench/quality.py compares), sorted by start."""
     out: list[list[Span]] = []
     with _one_blas_thread():
         docs = list(nlp.pipe(texts, batch_size=max(1, len(texts))))
@@ -227,6 +232,8 @@ def ner_spans(nlp: Any, texts: list[str]) -> list[list[Span]]:
                     continue
             found.append((ent.start_char, ent.end_char, kind))
         found = _with_patterned(found, age_date_spans(text))
+        if gazetteer:
+            found = _with_gazetteer(found, person_spans(text), text)
         found.sort()
         out.append(found)
     return out
@@ -245,6 +252,21 @@ def _with_patterned(found: list[Span], patterned: list[Span]) -> list[Span]:
         found = [f for f in found if f not in over]
         found.append((min([ps, *(s for s, _, _ in over)]), max([pe, *(e for _, e, _ in over)]), pk))
     return found
+
+
+def _with_gazetteer(found: list[Span], persons: list[Span], text: str) -> list[Span]:
+    """The finds with the gazetteer's persons (detectors/person_names.py: the first names the
+    model misses) that overlap none of them: where they overlap, the model's span (or an
+    address's, an age's) is what the text holds there, so no find of theirs is split. A
+    person whose surname runs into one keeps its first name (`Emily` of `Emily Street` where
+    `Street 5` is an address)."""
+    out = list(found)
+    for start, end, kind in persons:
+        for e in (end, text.find(" ", start, end)):
+            if e > start and not any(s < e and start < fe for s, fe, _ in found):
+                out.append((start, e, kind))
+                break
+    return out
 
 
 def _outside(content: str, start: int, end: int, pattern: list[tuple[int, int]]) -> tuple[int, int]:
@@ -273,7 +295,9 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
     description = (
         "PII by pattern and by a named-entity model: every `regex` kind, plus person, location, "
         "organization, group (nationalities, religious and political groups), date (with a "
-        "digit; no durations or decades), age from spaCy's small English model and by pattern "
+        "digit; no durations or decades), age from spaCy's small English model; person also by "
+        "the 1990 US Census first names the model misses (`Emily is very reliable`), age and "
+        "date by pattern "
         "(`35 years old`, `aged 35`, `43 y/o`, `2/4/1958`), iban "
         "(check digits verified), address (US, Canadian, British and continental street "
         "addresses, one span with their city, state and postal code) and postal_code (a ZIP code or postcode in an "

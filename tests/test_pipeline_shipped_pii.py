@@ -86,6 +86,18 @@ async def test_the_shipped_pii_masks_names_places_and_numbers_on_every_surface(
     assert prompts and all(MASKED_PROMPT in p and "Merkel" not in p for p in prompts), prompts
 
 
+# first names the model alone misses (tests/test_detectors_person_names.py), cut by tokens
+CENSUS_SCRIPT = ["Todd", " was", " here,", " ask", " Lo", "gan", "."]
+
+
+@pytest.mark.parametrize("surface", ["fms", "chat-stream"])
+async def test_the_shipped_pii_masks_a_census_first_name_the_model_misses(surface: str) -> None:
+    """The gazetteer beside the model (detectors/person_names.py): `Todd` and `Logan`, which
+    spaCy's small model reads as no entity, reach the client masked."""
+    got = await shipped_answer(FakeEngine(script=CENSUS_SCRIPT), surface)
+    assert got == "[person] was here, ask [person]."
+
+
 @pytest.mark.parametrize("surface", ["fms", "chat-stream", "responses-stream"])
 async def test_as_a_blocking_guardrail_it_releases_nothing_of_a_name(surface: str) -> None:
     """The shipped config with its output `pii` set to block (DESIGN 4.6): the sentence before
