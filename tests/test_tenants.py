@@ -606,6 +606,62 @@ async def test_a_reload_applies_to_new_requests_while_a_running_stream_finishes_
     assert seen["policy"] != old_policy
 
 
+async def test_a_request_whose_body_comes_after_a_reload_gets_the_new_guardrails(
+    engine, admin, tmp_path: Path
+) -> None:
+    """A client may open requests (headers only) before a reload that tightens a guardrail and
+    send their bodies after it: what judges a request is the policy in force when its pipeline
+    is built, never the one its headers met (else pre-opened requests would keep the old policy
+    for as long as the request timeout lets them wait)."""
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    body = json.dumps(generation_body()).encode()
+    body_gate = asyncio.Event()
+
+    async with Orchestrator(path) as orch:
+        state = orch.runner.app[STATE]
+        assert orch.session is not None
+
+        async def ask() -> tuple[str, list[Any]]:
+            # raw HTTP/1.0: the head and a first part of the body now, the rest at the gate
+            host, port = orch.url.rsplit("/", 1)[-1].rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            head = (
+                f"POST {STREAMING_PATH} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json"
+                f"\r\nAuthorization: Bearer {A_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            try:
+                writer.write(head.encode() + body[:10])
+                await body_gate.wait()
+                writer.write(body[10:])
+                raw = await reader.read()
+            finally:
+                writer.close()
+            head_bytes, _, reply = raw.partition(b"\r\n\r\n")
+            headers = dict(
+                line.lower().split(": ", 1) for line in head_bytes.decode().split("\r\n")[1:]
+            )
+            return headers["x-guardstream-policy"], sse_events(reply.decode())
+
+        early = asyncio.create_task(ask())
+        await until(lambda: state.admitted.running == 1, 10, "the request admitted")
+        config["tenants"]["a"]["guardrails"] = {
+            MODEL: {"output": {"pii": {"on_detection": "redact"}}}
+        }
+        write(path, config)
+        assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+        body_gate.set()
+        policy, events = await finished(early, 30, "the request sent after the reload")
+        async with orch.session.post(
+            orch.url + STREAMING_PATH, json=generation_body(), headers=A
+        ) as r:
+            new_policy = r.headers["x-guardstream-policy"]
+            await r.read()
+    assert "".join(f["generated_text"] for f in frames(events)) == "Mail [email] now."
+    assert terminal(events).name == "completed"
+    assert policy == new_policy
+
+
 async def test_a_bad_file_changes_nothing_and_says_why(engine, admin, tmp_path: Path) -> None:
     config = reloadable(engine.url)
     path = write(tmp_path / "config.yaml", config)
