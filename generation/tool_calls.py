@@ -72,17 +72,19 @@ def _held_prefix(text: str, tag: str) -> int:
 
 
 def _parse_call(body: str) -> tuple[str, str] | None:
-    """(name, arguments JSON string) of a call's JSON body; None when it is not a call."""
+    """(name, arguments JSON string) of a call's JSON body; None when it is not a call. A body
+    nested deeper than Python's json takes (RecursionError, the model's output decides) is not
+    a call either: it goes out as the text it is, never fails the stream."""
     try:
         obj = json.loads(body)
-    except ValueError:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # already a JSON string (some models write it so)
+            return obj["name"], args
+        return obj["name"], json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError):
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # already a JSON string (some models write it so)
-        return obj["name"], args
-    return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
 class ToolCallParser:
@@ -194,7 +196,7 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         args = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past what json takes: the client's string
         return call
     if not isinstance(args, dict):
         return call
