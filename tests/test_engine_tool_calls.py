@@ -40,6 +40,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "Let me check. " + CALL_TEXT
 DEEP = '<tool_call>{"name": "f", "arguments": ' + "[" * 5000 + "</tool_call>"
+SURROGATE = '<tool_call>{"name": "f", "arguments": {"city": "Par\\ud800is"}}</tool_call>'
 
 
 # -- the parser -----------------------------------------------------------------------------------
@@ -86,8 +87,20 @@ def test_ids_name_the_prompt_and_the_call() -> None:
         ("1 < 2 <tool> </tool_call>", "1 < 2 <tool> </tool_call>"),
         # nested past what Python's json parses (RecursionError): text, not a failed stream
         (DEEP, DEEP),
+        # strings that are no Unicode text (a lone surrogate's escape): no wire can carry them
+        (SURROGATE, SURROGATE),
+        (SURROGATE.replace('"f"', '"\\udfff"'), SURROGATE.replace('"f"', '"\\udfff"')),
     ],
-    ids=["not-json", "no-name", "never-closed", "a-tag-begun", "other-tags", "too-deep"],
+    ids=[
+        "not-json",
+        "no-name",
+        "never-closed",
+        "a-tag-begun",
+        "other-tags",
+        "too-deep",
+        "lone-surrogate-argument",
+        "lone-surrogate-name",
+    ],
 )
 def test_what_is_not_a_call_is_the_text_the_model_wrote(text: str, visible: str) -> None:
     assert parse_all(ToolCallParser([]), [text]) == (visible, [])
@@ -289,6 +302,18 @@ async def test_a_scripted_call_leaves_the_text_as_a_tool_call(
         '{"city": "Paris"}',
     )
     assert call["id"].startswith("call_")
+
+
+async def test_a_call_whose_arguments_are_no_unicode_text_is_the_text_the_model_wrote(
+    tools_client: Any, tool_model: models.LoadedModel
+) -> None:
+    """A model that writes a lone surrogate's escape in a call: the stream completes with that
+    text (it failed with an in-band 500: the call's arguments could not be encoded)."""
+    answer = "Let me check. " + SURROGATE
+    await script(tools_client, scripted_ids(tool_model, answer))
+    stream = await generate(tools_client, "", {"messages": ASK, "tools": TOOLS})
+    assert stream.completed and stream.finish_reason == "EOS_TOKEN"
+    assert (stream.text, stream.tool_calls) == (answer, [])
 
 
 async def test_without_tools_the_same_answer_is_text(
