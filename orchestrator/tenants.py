@@ -248,11 +248,20 @@ def _tenant(
 
 def policy_hash(enforced: EnforcedGuardrails) -> str:
     """A short, stable hash of the guardrails that judge a request: every setting that changes
-    a verdict (detector, action, threshold, replacement, params), so a client can tell which
-    policy judged it, and an operator can tell two policies apart, without seeing either."""
+    a verdict (detector, action, threshold, replacement, params, what it judges at once: its
+    chunker, and what of the output it applies to), so a client can tell which policy judged
+    it, and an operator can tell two policies apart, without seeing either."""
 
     def entry(d: RequestedDetector) -> list[object]:
-        return [d.detector_id, d.on_detection, d.threshold, d.redact_with, d.params]
+        return [
+            d.detector_id,
+            d.on_detection,
+            d.threshold,
+            d.redact_with,
+            d.params,
+            d.chunker_id,
+            list(d.applies_to),
+        ]
 
     doc = {
         "input": [entry(d) for d in enforced.input],

@@ -662,6 +662,27 @@ async def test_a_request_whose_body_comes_after_a_reload_gets_the_new_guardrails
     assert policy == new_policy
 
 
+@pytest.mark.parametrize(
+    "change",
+    [{"chunker_id": "whole_doc_chunker"}, {"applies_to": ["text"]}],
+    ids=["chunker", "applies_to"],
+)
+async def test_a_reload_that_changes_how_a_guardrail_judges_changes_the_policy_hash(
+    engine, admin, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    """What the enforced pii judges at once (a chunk, or the whole text) or what it applies to
+    (tool calls too) changes its verdicts: the policy a client is told must change with it."""
+    config = with_detectors(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        _, _, before = await get(orch, MODELS_PATH, A)
+        config["detectors"]["pii"].update(change)
+        write(path, config)
+        assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+        _, _, after = await get(orch, MODELS_PATH, A)
+    assert after["x-guardstream-policy"] != before["x-guardstream-policy"]
+
+
 async def test_a_bad_file_changes_nothing_and_says_why(engine, admin, tmp_path: Path) -> None:
     config = reloadable(engine.url)
     path = write(tmp_path / "config.yaml", config)
