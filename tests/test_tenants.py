@@ -43,6 +43,7 @@ from orchestrator.reload import managed_engines_changed
 from orchestrator.server import start_server
 from orchestrator.state import STATE
 from orchestrator.tenants import RateLimited, TenantGate, per_worker, tenant_keys
+from servicekit.auth import UNAUTHORIZED_MESSAGE
 from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
@@ -606,6 +607,44 @@ async def test_a_reload_applies_to_new_requests_while_a_running_stream_finishes_
     assert seen["policy"] != old_policy
 
 
+async def late_body(orch: Orchestrator, body: bytes, gate: asyncio.Event) -> tuple[int, str, bytes]:
+    """A request whose head (and a first part of the body) is sent now and the rest once `gate`
+    is set: raw HTTP/1.0, so the reply is read to the end of the connection. Its status, its
+    policy header (or "") and its body."""
+    host, port = orch.url.rsplit("/", 1)[-1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"POST {STREAMING_PATH} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nAuthorization: Bearer {A_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    try:
+        writer.write(head.encode() + body[:10])
+        await gate.wait()
+        writer.write(body[10:])
+        raw = await reader.read()
+    finally:
+        writer.close()
+    head_bytes, _, reply = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head_bytes.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines)
+    return int(status_line.split()[1]), headers.get("x-guardstream-policy", ""), reply
+
+
+async def reload_while_a_body_is_awaited(
+    orch: Orchestrator, path: Path, config: dict[str, Any]
+) -> tuple[int, str, bytes]:
+    """`late_body` of a generation request, admitted (its head read) before `config` is written
+    and reloaded, its body sent after."""
+    state = orch.runner.app[STATE]
+    gate = asyncio.Event()
+    early = asyncio.create_task(late_body(orch, json.dumps(generation_body()).encode(), gate))
+    await until(lambda: state.admitted.running == 1, 10, "the request admitted")
+    write(path, config)
+    assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+    gate.set()
+    return await finished(early, 30, "the request sent after the reload")
+
+
 async def test_a_request_whose_body_comes_after_a_reload_gets_the_new_guardrails(
     engine, admin, tmp_path: Path
 ) -> None:
@@ -615,51 +654,39 @@ async def test_a_request_whose_body_comes_after_a_reload_gets_the_new_guardrails
     for as long as the request timeout lets them wait)."""
     config = reloadable(engine.url)
     path = write(tmp_path / "config.yaml", config)
-    body = json.dumps(generation_body()).encode()
-    body_gate = asyncio.Event()
-
     async with Orchestrator(path) as orch:
-        state = orch.runner.app[STATE]
         assert orch.session is not None
-
-        async def ask() -> tuple[str, list[Any]]:
-            # raw HTTP/1.0: the head and a first part of the body now, the rest at the gate
-            host, port = orch.url.rsplit("/", 1)[-1].rsplit(":", 1)
-            reader, writer = await asyncio.open_connection(host, int(port))
-            head = (
-                f"POST {STREAMING_PATH} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json"
-                f"\r\nAuthorization: Bearer {A_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
-            )
-            try:
-                writer.write(head.encode() + body[:10])
-                await body_gate.wait()
-                writer.write(body[10:])
-                raw = await reader.read()
-            finally:
-                writer.close()
-            head_bytes, _, reply = raw.partition(b"\r\n\r\n")
-            headers = dict(
-                line.lower().split(": ", 1) for line in head_bytes.decode().split("\r\n")[1:]
-            )
-            return headers["x-guardstream-policy"], sse_events(reply.decode())
-
-        early = asyncio.create_task(ask())
-        await until(lambda: state.admitted.running == 1, 10, "the request admitted")
         config["tenants"]["a"]["guardrails"] = {
             MODEL: {"output": {"pii": {"on_detection": "redact"}}}
         }
-        write(path, config)
-        assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
-        body_gate.set()
-        policy, events = await finished(early, 30, "the request sent after the reload")
+        status, policy, reply = await reload_while_a_body_is_awaited(orch, path, config)
         async with orch.session.post(
             orch.url + STREAMING_PATH, json=generation_body(), headers=A
         ) as r:
             new_policy = r.headers["x-guardstream-policy"]
             await r.read()
+    events = sse_events(reply.decode())
+    assert status == 200
     assert "".join(f["generated_text"] for f in frames(events)) == "Mail [email] now."
     assert terminal(events).name == "completed"
     assert policy == new_policy
+    assert b"ann@" not in reply
+
+
+async def test_a_request_whose_key_a_reload_took_away_before_its_body_came_is_refused(
+    engine, admin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    monkeypatch.setenv("TENANT_A_KEYS_NEXT", "the-new-key-of-a")
+    async with Orchestrator(path) as orch:
+        config["tenants"]["a"]["keys_env"] = "TENANT_A_KEYS_NEXT"
+        status, _, reply = await reload_while_a_body_is_awaited(orch, path, config)
+    assert (status, json.loads(reply)) == (
+        401,
+        {"code": 401, "details": UNAUTHORIZED_MESSAGE, "type": "unauthorized"},
+    )
+    assert engine.requests == []  # the model was never called
 
 
 @pytest.mark.parametrize(
