@@ -237,12 +237,17 @@ def _apply(
     blocking = [f for f in findings if detectors[f.detector_id].blocking and not f.unjudged]
     if blocking:
         withheld = []
+        offsets_of: dict[int, list[int]] = {}  # by value: once each, not once per finding
         for f in blocking:
             if f.field == ID_FIELD:  # no part of the arguments: an empty span at their start
                 withheld.append(_on_call(call, f, 0, 0))
                 continue
-            value = values[int(f.field or 0)]
-            offsets = value.offsets(call.arguments[value.start : value.end])
+            j = int(f.field or 0)
+            value = values[j]
+            offsets = offsets_of.get(j)
+            if offsets is None:
+                raw = call.arguments[value.start : value.end]
+                offsets = offsets_of[j] = value.offsets(raw)
             withheld.append(
                 _on_call(call, f, value.start + offsets[f.start], value.start + offsets[f.end])
             )
