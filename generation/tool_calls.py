@@ -72,17 +72,22 @@ def _held_prefix(text: str, tag: str) -> int:
 
 
 def _parse_call(body: str) -> tuple[str, str] | None:
-    """(name, arguments JSON string) of a call's JSON body; None when it is not a call."""
+    """(name, arguments JSON string) of a call's JSON body; None when it is not a call. Nor is
+    a body nested deeper than Python's json takes (RecursionError), or one whose strings are no
+    Unicode text (the escape of a lone surrogate, which no UTF-8 wire carries): the model's
+    output decides both, and they go out as the text it wrote, never failing the stream."""
     try:
         obj = json.loads(body)
-    except ValueError:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if not isinstance(args, str):  # else already a JSON string (some models write it so)
+            args = json.dumps(args, ensure_ascii=False)
+        name: str = obj["name"]
+        name.encode(), args.encode()  # UnicodeEncodeError (a ValueError): a lone surrogate
+    except (ValueError, RecursionError):
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # already a JSON string (some models write it so)
-        return obj["name"], args
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    return name, args
 
 
 class ToolCallParser:
@@ -194,7 +199,7 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         args = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past what json takes: the client's string
         return call
     if not isinstance(args, dict):
         return call

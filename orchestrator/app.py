@@ -57,7 +57,7 @@ from .logs import REQUEST_ID
 from .metrics import OrchestratorMetrics
 from .state import STATE, AppState
 from .streaming.loop_lag import LoopLag
-from .tenants import CALLER, Tenants, admin_keys, tenant_ids, tenant_keys
+from .tenants import CALLER, Tenant, Tenants, admin_keys, tenant_ids, tenant_keys
 
 log = logging.getLogger("guardstream")
 access_log = logging.getLogger("guardstream.access")
@@ -360,6 +360,13 @@ def auth_middleware(state: AppState, open_paths: frozenset[str] = PROBE_PATHS) -
                 raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
             return await handler(request)
         caller = request[CALLER] = state.caller(tenant)
+
+        def resolve_again() -> Tenant | None:
+            # a reload before its pipeline is built: judged by the policy in force then
+            assert state.tenants is not None
+            return state.tenants.resolve(request.headers)
+
+        caller.resolve_again = resolve_again
         if request.path not in OPEN_PATHS:  # probes and scrapes are not a tenant's usage
             caller.gate.admit_request(tenant.id)
         # counted under the config its tenant came from: a reload closes what it replaced

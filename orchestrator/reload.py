@@ -14,9 +14,10 @@ or new one is built off the loop, and an in-process detector loads its model and
 not change keeps its backend, while a changed or new one gets a new backend, started (engines
 healthy) before it is swapped in. Every tenant's and model's enforced guardrails are resolved
 again. Then all of it is swapped in at once: new requests resolve their key, their model and
-their detectors against the new config, while a request already admitted keeps the tenant
-snapshot and the pipeline it started with (a running stream finishes under its policy, on its
-backend). What was replaced (a removed or changed detector's client, a removed or changed
+their detectors against the new config (so does a request admitted before the swap whose
+pipeline is built after it: its body came late, and its tenant is resolved again then), while a
+running pipeline keeps the snapshot it was built with (a running stream finishes under its
+policy, on its backend). What was replaced (a removed or changed detector's client, a removed or changed
 model's backend) is closed once every request admitted before the swap has ended. Each
 tenant's counters (streams running, token buckets) carry over by tenant id."""
 

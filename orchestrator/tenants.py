@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -155,15 +155,31 @@ class TenantGate:
 
 @dataclass
 class Caller:
-    """The tenant of one request (on the request as `CALLER`): the snapshot it started with,
-    its gate, and the policy that judged it (a generation request names its model's)."""
+    """The tenant of one request (on the request as `CALLER`): the snapshot it was admitted
+    with (a generation request's is renewed when its pipeline is built: `current`), its gate,
+    and the policy that judged it (a generation request names its model's)."""
 
     tenant: Tenant
     gate: TenantGate
     policy: str = field(default="")
+    # the tenant the request's key names in the config in force now (None: no longer any)
+    resolve_again: Callable[[], Tenant | None] | None = None
 
     def __post_init__(self) -> None:
         self.policy = self.policy or self.tenant.policy
+
+    def current(self) -> Tenant | None:
+        """The tenant as the config in force now has it: what a pipeline built now must judge
+        with. A request is admitted at its head and may send its body long after (up to the
+        request timeout): a reload in between must not leave it the policy it replaced. None
+        when the key no longer names this tenant (its gate counts this tenant's streams)."""
+        if self.resolve_again is None:
+            return self.tenant
+        tenant = self.resolve_again()
+        if tenant is None or tenant.id != self.tenant.id:
+            return None
+        self.tenant = tenant
+        return tenant
 
 
 CALLER = web.RequestKey("guardstream_caller", Caller)
@@ -232,11 +248,20 @@ def _tenant(
 
 def policy_hash(enforced: EnforcedGuardrails) -> str:
     """A short, stable hash of the guardrails that judge a request: every setting that changes
-    a verdict (detector, action, threshold, replacement, params), so a client can tell which
-    policy judged it, and an operator can tell two policies apart, without seeing either."""
+    a verdict (detector, action, threshold, replacement, params, what it judges at once: its
+    chunker, and what of the output it applies to), so a client can tell which policy judged
+    it, and an operator can tell two policies apart, without seeing either."""
 
     def entry(d: RequestedDetector) -> list[object]:
-        return [d.detector_id, d.on_detection, d.threshold, d.redact_with, d.params]
+        return [
+            d.detector_id,
+            d.on_detection,
+            d.threshold,
+            d.redact_with,
+            d.params,
+            d.chunker_id,
+            list(d.applies_to),
+        ]
 
     doc = {
         "input": [entry(d) for d in enforced.input],

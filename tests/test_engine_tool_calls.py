@@ -39,6 +39,8 @@ TOOLS = [
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "Let me check. " + CALL_TEXT
+DEEP = '<tool_call>{"name": "f", "arguments": ' + "[" * 5000 + "</tool_call>"
+SURROGATE = '<tool_call>{"name": "f", "arguments": {"city": "Par\\ud800is"}}</tool_call>'
 
 
 # -- the parser -----------------------------------------------------------------------------------
@@ -83,6 +85,21 @@ def test_ids_name_the_prompt_and_the_call() -> None:
         ('a <tool_call>{"name": "f"', 'a <tool_call>{"name": "f"'),  # never closed
         ("a <tool_ca", "a <tool_ca"),
         ("1 < 2 <tool> </tool_call>", "1 < 2 <tool> </tool_call>"),
+        # nested past what Python's json parses (RecursionError): text, not a failed stream
+        (DEEP, DEEP),
+        # strings that are no Unicode text (a lone surrogate's escape): no wire can carry them
+        (SURROGATE, SURROGATE),
+        (SURROGATE.replace('"f"', '"\\udfff"'), SURROGATE.replace('"f"', '"\\udfff"')),
+    ],
+    ids=[
+        "not-json",
+        "no-name",
+        "never-closed",
+        "a-tag-begun",
+        "other-tags",
+        "too-deep",
+        "lone-surrogate-argument",
+        "lone-surrogate-name",
     ],
 )
 def test_what_is_not_a_call_is_the_text_the_model_wrote(text: str, visible: str) -> None:
@@ -216,6 +233,33 @@ async def test_tools_and_calls_go_through_the_template(
         assert "<tool_response>\nsunny\n</tool_response>" in got
 
 
+async def test_arguments_sent_back_nested_too_deep_for_json_reach_the_template_as_a_string(
+    tools_client: Any, tool_model: models.LoadedModel
+) -> None:
+    """A client's earlier call whose arguments nest past what Python's json takes: rendered as
+    the string it is. It was an uncaught RecursionError, a 500 that the orchestrator takes for
+    a failed replica: one request could quarantine every replica of the model in turn."""
+    deep = "[" * 5000
+    turns = [{**m} for m in TOOL_TURNS]
+    turns[1] = {**turns[1], "tool_calls": [{**turns[1]["tool_calls"][0]}]}
+    turns[1]["tool_calls"][0]["function"] = {"name": "get_weather", "arguments": deep}
+    resp = await tools_client.post("/v1/tokenize", json={"messages": turns})
+    assert resp.status == 200, await resp.text()
+    reply = await resp.json()
+    assert json.dumps(deep) in tool_model.tokenizer.decode(reply["token_ids"])  # as tojson has it
+    # rendered, it is too long for the tiny model: the client's 422, never a replica's 500
+    resp = await tools_client.post("/v1/generate", json={"messages": turns, "max_new_tokens": 1})
+    assert (resp.status, await resp.json()) == (
+        422,
+        {
+            "code": 422,
+            "details": f"the prompt has {reply['count']} tokens (+0 resumed): it must be "
+            f"shorter than the model's context of {tool_model.max_context} tokens",
+            "type": "invalid_request",
+        },
+    )
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [
@@ -258,6 +302,18 @@ async def test_a_scripted_call_leaves_the_text_as_a_tool_call(
         '{"city": "Paris"}',
     )
     assert call["id"].startswith("call_")
+
+
+async def test_a_call_whose_arguments_are_no_unicode_text_is_the_text_the_model_wrote(
+    tools_client: Any, tool_model: models.LoadedModel
+) -> None:
+    """A model that writes a lone surrogate's escape in a call: the stream completes with that
+    text (it failed with an in-band 500: the call's arguments could not be encoded)."""
+    answer = "Let me check. " + SURROGATE
+    await script(tools_client, scripted_ids(tool_model, answer))
+    stream = await generate(tools_client, "", {"messages": ASK, "tools": TOOLS})
+    assert stream.completed and stream.finish_reason == "EOS_TOKEN"
+    assert (stream.text, stream.tool_calls) == (answer, [])
 
 
 async def test_without_tools_the_same_answer_is_text(

@@ -342,3 +342,24 @@ def test_the_engine_gets_the_tools_unless_tool_choice_is_none() -> None:
     assert (resumed["tools"], resumed["resume"]) == (TOOLS, {"token_ids": [2], "text": "a"})
     declined = GenerationRequest("", params, extra={"tools": TOOLS, "tool_choice": "none"})
     assert "tools" not in native_body(declined, None, 0)
+
+
+async def test_arguments_sent_back_nested_past_json_are_the_clients_422_not_a_failed_replica(
+    orch: Orchestrator, tool_engine: ThreadedServer, tool_model: models.LoadedModel
+) -> None:
+    """An earlier call's arguments nested past what Python's json takes: the engine renders
+    them as the string they are (too long for tiny-random here: the client's 422). Its
+    RecursionError was an engine 500, which the orchestrator takes for a failed replica: one
+    request quarantined every replica of the model in turn."""
+    assert orch.session is not None
+    body = {"model": MODEL, "messages": answered("c", "[" * 5000), "tools": TOOLS}
+    async with orch.session.post(orch.url + "/v1/chat/completions", json=body) as r:
+        status, reply = r.status, await r.json()
+    assert status == 422
+    assert reply["error"]["type"] == "invalid_request"
+    assert reply["error"]["message"].startswith("messages: model `fake-model`: the prompt has ")
+    assert "must be shorter than the model's context of 512 tokens" in reply["error"]["message"]
+    # the replica was not taken for a failed one: the next request is served at once
+    script(tool_engine, scripted_ids(tool_model, FINAL))
+    done = await sdk(orch).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    assert (done.choices[0].message.content, done.choices[0].finish_reason) == (FINAL, "stop")

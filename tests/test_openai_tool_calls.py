@@ -348,8 +348,10 @@ def calls(upstream: FakeOpenAI) -> Iterator[list[ScriptedToolCall]]:
             '{"note": "\\ud83d\\ude00 \\"hi\\" jo@example.com"}',
             '{"note": "\U0001f600 \\"hi\\" [email]"}',
         ),
+        # a lone surrogate's escape (no character of any text): it keeps its escape
+        ('{"note": "\\ud800 jo@example.com"}', '{"note": "\\ud800 [email]"}'),
     ],
-    ids=["not-json", "escapes"],
+    ids=["not-json", "escapes", "lone-surrogate"],
 )
 async def test_spans_point_into_the_arguments_whatever_they_hold(
     orch: Orchestrator, calls: list[ScriptedToolCall], arguments: str, redacted: str

@@ -364,3 +364,50 @@ async def test_200_concurrent_streams_never_mix(dets) -> None:
         assert assert_contiguous(fs) == prompt
         assert [f["generated_text"] for f in fs] == [prompt]  # one paragraph: one frame
     assert len(engine.requests) == 200
+
+
+async def test_a_phrase_split_by_a_replica_death_is_judged_whole_even_where_replicas_differ() -> (
+    None
+):
+    """Each replica resets its first stream after three tokens, one cut inside an e-mail
+    address: the request moves to the other replica, whose continuation is its own (a server
+    that is not deterministic: `mple.org` where the first would have said `mple.com`), then
+    back. What the detectors judge is the text the client gets, joined across both deaths:
+    the address is redacted whole, and no byte of it leaves."""
+    head = ["Write", " to", " jo@exa"]
+    tail = [" and", " more", " words", " now", "."]
+    engines = [
+        await start_engine([*head, domain, *tail], fail=Fault("close", after_tokens=3))
+        for domain in ("mple.com", "mple.org")
+    ]
+    try:
+        config = native_config(
+            engines[0].url,
+            detectors={"pii": {"builtin": "regex", "chunker_id": "sentence"}},
+            model={
+                "backends": [{"type": "native", "url": e.url} for e in engines],
+                "migration": {"limit": 3, "quarantine_s": 0},
+            },
+        )
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            body = generation_body(output={"pii": {"on_detection": "redact"}})
+            async with orch.session.post(orch.url + STREAMING_PATH, json=body) as r:
+                raw = await r.read()
+    finally:
+        for e in engines:
+            await e.close()
+    events = sse_events(raw.decode())
+    got = frames(events)
+    assert assert_contiguous(got) == "Write to [email] and more words now."
+    [found] = [d for f in got for d in f["token_classification_results"].get("output", [])]
+    assert (found["start"], found["end"], found["word"], found["redacted"]) == (
+        9,
+        16,
+        "[email]",
+        True,
+    )
+    end = terminal(events)
+    assert (end.name, end.data["migrations"], end.data["processed_index"]) == ("completed", 2, 36)
+    for leaked in (b"jo@", b"exa", b"mple."):
+        assert leaked not in raw

@@ -43,6 +43,7 @@ from orchestrator.reload import managed_engines_changed
 from orchestrator.server import start_server
 from orchestrator.state import STATE
 from orchestrator.tenants import RateLimited, TenantGate, per_worker, tenant_keys
+from servicekit.auth import UNAUTHORIZED_MESSAGE
 from tests.e2e_support import managed_model
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.orchestrator_support import (
@@ -606,6 +607,93 @@ async def test_a_reload_applies_to_new_requests_while_a_running_stream_finishes_
     assert seen["policy"] != old_policy
 
 
+async def late_body(orch: Orchestrator, body: bytes, gate: asyncio.Event) -> tuple[int, str, bytes]:
+    """A request whose head (and a first part of the body) is sent now and the rest once `gate`
+    is set: raw HTTP/1.0, so the reply is read to the end of the connection. Its status, its
+    policy header (or "") and its body."""
+    host, port = orch.url.rsplit("/", 1)[-1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"POST {STREAMING_PATH} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nAuthorization: Bearer {A_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    try:
+        writer.write(head.encode() + body[:10])
+        await gate.wait()
+        writer.write(body[10:])
+        raw = await reader.read()
+    finally:
+        writer.close()
+    head_bytes, _, reply = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head_bytes.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines)
+    return int(status_line.split()[1]), headers.get("x-guardstream-policy", ""), reply
+
+
+async def reload_while_a_body_is_awaited(
+    orch: Orchestrator, path: Path, config: dict[str, Any]
+) -> tuple[int, str, bytes]:
+    """`late_body` of a generation request, admitted (its head read) before `config` is written
+    and reloaded, its body sent after."""
+    state = orch.runner.app[STATE]
+    gate = asyncio.Event()
+    early = asyncio.create_task(late_body(orch, json.dumps(generation_body()).encode(), gate))
+    await until(lambda: state.admitted.running == 1, 10, "the request admitted")
+    write(path, config)
+    assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+    gate.set()
+    return await finished(early, 30, "the request sent after the reload")
+
+
+async def test_a_request_whose_body_comes_after_a_reload_gets_the_new_guardrails(
+    engine, admin, tmp_path: Path
+) -> None:
+    """A client may open requests (headers only) before a reload that tightens a guardrail and
+    send their bodies after it: what judges a request is the policy in force when its pipeline
+    is built, never the one its headers met (else pre-opened requests would keep the old policy
+    for as long as the request timeout lets them wait)."""
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        assert orch.session is not None
+        config["tenants"]["a"]["guardrails"] = {
+            MODEL: {"output": {"pii": {"on_detection": "redact"}}}
+        }
+        status, policy, reply = await reload_while_a_body_is_awaited(orch, path, config)
+        async with orch.session.post(
+            orch.url + STREAMING_PATH, json=generation_body(), headers=A
+        ) as r:
+            new_policy = r.headers["x-guardstream-policy"]
+            await r.read()
+    events = sse_events(reply.decode())
+    assert status == 200
+    assert "".join(f["generated_text"] for f in frames(events)) == "Mail [email] now."
+    assert terminal(events).name == "completed"
+    assert policy == new_policy
+    assert b"ann@" not in reply
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"chunker_id": "whole_doc_chunker"}, {"applies_to": ["text"]}],
+    ids=["chunker", "applies_to"],
+)
+async def test_a_reload_that_changes_how_a_guardrail_judges_changes_the_policy_hash(
+    engine, admin, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    """What the enforced pii judges at once (a chunk, or the whole text) or what it applies to
+    (tool calls too) changes its verdicts: the policy a client is told must change with it."""
+    config = with_detectors(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        _, _, before = await get(orch, MODELS_PATH, A)
+        config["detectors"]["pii"].update(change)
+        write(path, config)
+        assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+        _, _, after = await get(orch, MODELS_PATH, A)
+    assert after["x-guardstream-policy"] != before["x-guardstream-policy"]
+
+
 async def test_a_bad_file_changes_nothing_and_says_why(engine, admin, tmp_path: Path) -> None:
     config = reloadable(engine.url)
     path = write(tmp_path / "config.yaml", config)
@@ -661,13 +749,19 @@ async def test_a_rotated_key_is_refused_after_a_reload(
     async with Orchestrator(path) as orch:
         assert (await get(orch, MODELS_PATH, A))[0] == 200
         config["tenants"]["a"]["keys_env"] = "TENANT_A_KEYS_NEXT"
-        write(path, config)
-        assert (await reload(orch))[0] == 200
+        # a request admitted with the old key before the reload, whose body comes after it
+        late, _, reply = await reload_while_a_body_is_awaited(orch, path, config)
         assert (await get(orch, MODELS_PATH, A))[0] == 401
         status, _, headers = await get(
             orch, MODELS_PATH, {"Authorization": "Bearer the-new-key-of-a"}
         )
         assert (status, headers["x-guardstream-tenant"]) == (200, "a")
+    # refused as well, before the model was called
+    assert (late, json.loads(reply)) == (
+        401,
+        {"code": 401, "details": UNAUTHORIZED_MESSAGE, "type": "unauthorized"},
+    )
+    assert engine.requests == []
 
 
 async def test_sighup_reloads_the_served_config(engine, admin, tmp_path: Path, monkeypatch) -> None:

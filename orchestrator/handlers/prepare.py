@@ -17,7 +17,9 @@ from typing import Any, Literal, Protocol
 
 from aiohttp import web
 
-from ..api.errors import ApiError, invalid, not_found
+from servicekit.auth import UNAUTHORIZED_MESSAGE
+
+from ..api.errors import ApiError, ErrorType, invalid, not_found
 from ..api.fms_requests import DetectorMap
 from ..api.input_pieces import request_field_chars
 from ..api.openai_chat import (
@@ -213,7 +215,11 @@ def with_enforced(
 async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
     """The guarded pipeline of a generation request (any surface)."""
     caller = ask.caller
-    tenant = caller.tenant if caller is not None else None
+    tenant = caller.current() if caller is not None else None
+    if caller is not None and tenant is None:  # a reload took its key from this tenant
+        raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+    # one snapshot of the config for the whole pipeline (a reload may swap it at any await)
+    chunkers, server = state.chunkers, state.config.server
     target = find_model(state, ask.model, tenant)
     if caller is not None:
         caller.policy = caller.tenant.policies[target.model_id]  # x-guardstream-policy
@@ -305,7 +311,6 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         gen_request = await target.backend.validate(gen_request)
     except EngineLimitError as exc:
         raise ask.restate(exc) from None
-    server = state.config.server
     return GuardedGeneration(
         backend=target.backend,
         request=gen_request,
@@ -313,7 +318,7 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         masks=ask.masks,
         input_detectors=input_dets,
         output_detectors=output_dets,
-        chunkers=state.chunkers,
+        chunkers=chunkers,
         timeout_s=server.request_timeout_s,
         seed=gen_request.params.seed,
         observer=state.metrics.observer(

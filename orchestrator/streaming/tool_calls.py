@@ -46,6 +46,14 @@ ID_FIELD = "id"
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?', re.DOTALL)
 
 
+# a surrogate in a str is always a lone one (a pair decodes to one code point)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _escape_surrogates(encoded: str) -> str:
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", encoded)
+
+
 @dataclass(slots=True)
 class _Open:
     index: int
@@ -94,10 +102,14 @@ class StringValue:
 
     def encode(self, text: str) -> str:
         """`text` (redacted) as this value's raw form: JSON-escaped without quotes for a string,
-        a quoted JSON string in a number's place (a replacement is no number)."""
+        a quoted JSON string in a number's place (a replacement is no number). A lone surrogate
+        (only the arguments' own `\\udXXX` escape can make one) stays an escape: written raw, it
+        is no UTF-8 text, and a strict client cannot read the call."""
         if self.number:
-            return json.dumps(text, ensure_ascii=False)
-        return json.dumps(text, ensure_ascii=False)[1:-1] if self.json else text
+            return _escape_surrogates(json.dumps(text, ensure_ascii=False))
+        if not self.json:
+            return text
+        return _escape_surrogates(json.dumps(text, ensure_ascii=False)[1:-1])
 
     def offsets(self, raw: str) -> list[int]:
         if self.number:  # the literal itself, or the string it was redacted into
@@ -225,12 +237,17 @@ def _apply(
     blocking = [f for f in findings if detectors[f.detector_id].blocking and not f.unjudged]
     if blocking:
         withheld = []
+        offsets_of: dict[int, list[int]] = {}  # by value: once each, not once per finding
         for f in blocking:
             if f.field == ID_FIELD:  # no part of the arguments: an empty span at their start
                 withheld.append(_on_call(call, f, 0, 0))
                 continue
-            value = values[int(f.field or 0)]
-            offsets = value.offsets(call.arguments[value.start : value.end])
+            j = int(f.field or 0)
+            value = values[j]
+            offsets = offsets_of.get(j)
+            if offsets is None:
+                raw = call.arguments[value.start : value.end]
+                offsets = offsets_of[j] = value.offsets(raw)
             withheld.append(
                 _on_call(call, f, value.start + offsets[f.start], value.start + offsets[f.end])
             )
