@@ -230,6 +230,57 @@ async def test_http_503_before_first_token_migrates(
     assert stream.migrations == 1
 
 
+async def test_an_internal_error_moves_the_request_without_quarantining_its_replica(
+    session: aiohttp.ClientSession, engines: list[FakeEngine]
+) -> None:
+    """A replica that answers HTTP 500 is alive and its handler failed on this request: the
+    request goes to another replica (never the same one again) and the first stays in
+    service."""
+    a, b2, _ = await start_engines(engines, 3)
+    a.inject(Fault("http", status=500))
+    registry = CollectorRegistry()
+    b = backend(session, engines, registry)
+    stream = b.stream(req())
+    assert "".join(c.text for c in await run(stream)) == FULL
+    assert stream.migrations == 1 and (len(a.requests), len(b2.requests)) == (1, 1)
+    assert [r["quarantined"] for r in b.info()] == [False, False, False]
+    assert sample(
+        registry, "guardstream_replica_failures_total", model_id="m", replica="native-0"
+    ) in (0, None)
+
+
+async def test_a_request_two_replicas_answer_with_an_internal_error_is_given_up(
+    session: aiohttp.ClientSession, engines: list[FakeEngine]
+) -> None:
+    """The second HTTP 500 for one request makes it the request's fault: it ends (502, the
+    replicas' answer and why) and no replica is quarantined. Before, each 500 quarantined its
+    replica and migrated: one request that made every engine fail (a tool call's arguments
+    nested past what json parses, once) took every replica of the model out in turn."""
+    engines_ = await start_engines(engines, 3)
+    for e in engines_:
+        e.inject(Fault("http", status=500, times=-1))
+    registry = CollectorRegistry()
+    b = backend(session, engines, registry)
+    with pytest.raises(GenerationError) as info:
+        await run(b.stream(req()))
+    assert (info.value.error_type, info.value.code) == ("generation_error", 502)
+    assert info.value.message == (
+        "replica native-1 answered HTTP 500 (not migrated: 2 replicas answered this request "
+        "with an internal error)"
+    )
+    assert [len(e.requests) for e in engines_] == [1, 1, 0]
+    assert [r["quarantined"] for r in b.info()] == [False, False, False]
+    assert (
+        sample(
+            registry,
+            "guardstream_generation_unmigratable_total",
+            model_id="m",
+            reason="internal_error",
+        )
+        == 1
+    )
+
+
 async def test_limit_zero_surfaces_the_original_error(
     session: aiohttp.ClientSession, engines: list[FakeEngine]
 ) -> None:

@@ -80,7 +80,10 @@ class GenerationError(Exception):
     """Generation cannot go on; what reaches the client (`code`, `error_type`, message).
 
     `migratable` marks failures of one replica (another replica may continue the request); the
-    pipeline only ever sees errors that migration could not absorb."""
+    pipeline only ever sees errors that migration could not absorb. `replica_fault` False: the
+    replica was alive and answered an internal error (HTTP 500) for this request, which may be
+    the request's own doing: it is tried elsewhere without quarantining the replica
+    (migration.py)."""
 
     def __init__(
         self,
@@ -89,6 +92,7 @@ class GenerationError(Exception):
         error_type: str = "generation_error",
         code: int = 502,
         migratable: bool = False,
+        replica_fault: bool = True,
     ) -> None:
         super().__init__(message)
         if error_type not in ERROR_TYPES:
@@ -97,6 +101,7 @@ class GenerationError(Exception):
         self.error_type = error_type
         self.code = code
         self.migratable = migratable
+        self.replica_fault = replica_fault
 
     def __repr__(self) -> str:
         return (
@@ -301,6 +306,12 @@ class ReplicaClient(ABC):
         return None
 
 
-def unavailable(message: str) -> GenerationError:
+def unavailable(message: str, *, replica_fault: bool = True) -> GenerationError:
     """A replica-level failure another replica may absorb."""
-    return GenerationError(message, error_type="generation_unavailable", code=503, migratable=True)
+    return GenerationError(
+        message,
+        error_type="generation_unavailable",
+        code=503,
+        migratable=True,
+        replica_fault=replica_fault,
+    )

@@ -197,8 +197,11 @@ def http_error(name: str, status: int, raw: bytes) -> GenerationError:
     """A non-200 reply. A 4xx is about the request (another replica would say the same), so it
     is not migrated: 400/413/422 reach the client as its own mistake (invalid_request, 422);
     other 4xx and every 3xx (redirects are never followed) are the deployment's (a wrong key or
-    URL: generation_error, 502). 408/425/429 and 5xx are the replica's problem (migratable).
-    The body goes to the log; a client is told the status only (DESIGN 6)."""
+    URL: generation_error, 502). 408/425/429 and 5xx are the replica's problem (migratable); a
+    plain 500 (the replica alive, its handler failing on this request) is tried elsewhere without
+    quarantining the replica (`replica_fault`: one crafted request once quarantined every
+    replica of a model in turn). The body goes to the log; a client is told the status only
+    (DESIGN 6)."""
     log_error_body(f"replica {name}", status, raw)
     if status in INVALID_REQUEST_STATUSES:
         return GenerationError(
@@ -213,7 +216,7 @@ def http_error(name: str, status: int, raw: bytes) -> GenerationError:
             error_type="generation_error",
             code=502,
         )
-    return unavailable(f"replica {name} answered HTTP {status}")
+    return unavailable(f"replica {name} answered HTTP {status}", replica_fault=status != 500)
 
 
 def error_message(raw: bytes) -> str:

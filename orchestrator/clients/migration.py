@@ -55,6 +55,12 @@ from .replicas import Replica, ReplicaPool
 
 log = logging.getLogger("guardstream.migration")
 
+# Replicas that answer one request with an internal error (HTTP 500) before it is given up: the
+# first may be a replica's own fault (tried elsewhere, no quarantine), a second makes it the
+# request's (a replica that answered 500 is alive; quarantining each in turn let one request
+# take every replica of a model out)
+INTERNAL_ERRORS_PER_REQUEST = 2
+
 
 REPLAY_OUTCOMES = ("matched", "mismatched")
 
@@ -156,6 +162,8 @@ class MigratingStream:
         self._text: list[str] = []
         self._calls: list[ToolCallDelta] = []  # tool-call fragments, held until the finish
         self._closed = False
+        self._internal_errors = 0  # replicas that answered HTTP 500 (`replica_fault` False)
+        self._failed_alive: Replica | None = None  # the last of them: the next try goes elsewhere
         self._current: EngineStream | None = None
         self._replay: Replay | None = None  # the prefix the current dispatch regenerates
         self._started = time.monotonic()
@@ -225,7 +233,7 @@ class MigratingStream:
         original: GenerationError | None = None
         attempt = 0
         while True:
-            replica = self._pool.acquire()
+            replica = self._pool.acquire(avoid=self._failed_alive)
             if replica is None:
                 if original is None:
                     raise GenerationError(
@@ -294,10 +302,21 @@ class MigratingStream:
                     traced.failed(exc.message, exc.error_type, exc.migratable)
                 if isinstance(exc, _GaveUp):
                     raise  # counted where it was decided
-                if exc.migratable:
+                if exc.migratable and exc.replica_fault:
                     self._pool.quarantine(replica, exc.message)
                     if self._metrics is not None:
                         self._metrics.replica_failures.labels(self.model_id, replica.name).inc()
+                elif exc.migratable:  # an internal error answered for this request
+                    self._internal_errors += 1
+                    self._failed_alive = replica
+                    if self._internal_errors >= INTERNAL_ERRORS_PER_REQUEST:
+                        self._count_unmigratable("internal_error")
+                        raise GenerationError(
+                            f"{exc.message} (not migrated: {self._internal_errors} replicas "
+                            "answered this request with an internal error)",
+                            error_type="generation_error",
+                            code=502,
+                        ) from None
                 if self.finish_reason is not None or self._budget_spent():
                     # the model had finished: nothing to re-dispatch
                     log.warning(

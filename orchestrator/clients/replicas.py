@@ -95,12 +95,14 @@ class ReplicaPool:
         usable.sort(key=lambda ir: (ir[1].status != HEALTHY, ir[1].active, (ir[0] - self._rr) % n))
         return [r for _, r in usable]
 
-    def acquire(self) -> Replica | None:
-        """The replica for the next dispatch (its active count is raised), or None."""
+    def acquire(self, avoid: Replica | None = None) -> Replica | None:
+        """The replica for the next dispatch (its active count is raised), or None; not `avoid`
+        (one that just failed the request without being quarantined) while another is usable."""
         candidates = self.candidates()
         if not candidates:
             return None
-        chosen = candidates[0]
+        others = [r for r in candidates if r is not avoid]
+        chosen = others[0] if others else candidates[0]
         self._rr = (self.replicas.index(chosen) + 1) % len(self.replicas)
         chosen.active += 1
         return chosen
