@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from orchestrator.app import create_app
 from orchestrator.config import ConfigError, parse_config
+from orchestrator.streaming.guarded_generation import GuardedGeneration
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.fakes.upstream import start_site
@@ -377,6 +378,42 @@ async def test_chat_input_messages_are_redacted_before_the_engine(engine) -> Non
     assert (unary.model_extra or {})["detections"]["input"] == expected
     assert unary.choices[0].message.content  # generated, not refused
     assert "warnings" not in (unary.model_extra or {})
+
+
+class _Walked(list):  # type: ignore[type-arg]
+    """A list that counts the walks over it."""
+
+    walks = 0
+
+    def __iter__(self) -> Any:
+        self.walks += 1
+        return super().__iter__()
+
+
+async def test_many_redacted_messages_cost_linear_work(engine, monkeypatch) -> None:
+    """Repro: each message was redacted with the findings filtered out of all of them, so
+    20,000 messages of one address each (a 1 MiB body) cost 400 million comparisons on the
+    event loop (4 s here). Findings are grouped by message once: the findings are walked a
+    fixed number of times, not once per message."""
+    walked: list[_Walked] = []
+    redact_input = GuardedGeneration._redact_input
+
+    def counting(self: GuardedGeneration, findings: list[Any], redactors: Any) -> None:
+        walked.append(_Walked(findings))
+        redact_input(self, walked[-1], redactors)
+
+    monkeypatch.setattr(GuardedGeneration, "_redact_input", counting)
+    count = 20_000
+    messages = [{"role": "user", "content": f"a@b{i}.co"} for i in range(count)]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2, "detectors": {"input": REDACT}}
+    async with Orchestrator(config(engine, limits={"max_input_chars": 2_000_000})) as orch:
+        raw = await raw_post(orch, "/v1/chat/completions", body)
+    [sent] = engine.requests
+    assert sent.body["messages"] == [{"role": "user", "content": "[email]"}] * count
+    detections = json.loads(raw)["detections"]["input"]
+    assert [d["message_index"] for d in detections] == list(range(count))
+    [findings] = walked
+    assert len(findings) == count and findings.walks <= 3
 
 
 async def test_responses_instructions_and_items_are_redacted_before_the_engine(engine) -> None:
