@@ -332,10 +332,15 @@ def _folded(text: str) -> View:
     orig_at: list[int] = []
     expanded: set[int] = set()
     delta = 0  # view position - original position, before the current character
-    where = re.compile("[" + "".join(re.escape(ch) for ch in resized) + "]")
+    removed = "".join(re.escape(ch) for ch in resized if not changed[ch])
+    grown = "".join(re.escape(ch) for ch in resized if changed[ch])
+    # a run of removed characters is one step (10^6 zero-width spaces are one match, not
+    # 10^6 turns of this loop); an expansion, one per character
+    where = re.compile("|".join([f"[{removed}]+"] * bool(removed) + [f"[{grown}]"] * bool(grown)))
     for m in where.finditer(text):
         i = m.start()
         size = len(changed[text[i]])
+        run = m.end() - i  # removals: the run's length; an expansion: 1
         vpos = i + delta
         if view_at and view_at[-1] == vpos:  # consecutive removals: the last one holds
             view_at.pop()
@@ -346,8 +351,8 @@ def _folded(text: str) -> View:
             view_at.append(vpos + j)
             orig_at.append(i)
         view_at.append(vpos + size)  # then one-to-one again, from the next character
-        orig_at.append(i + 1)
-        delta += size - 1
+        orig_at.append(i + run)
+        delta += size - run
     return View(text, view, view_at, orig_at, expanded)
 
 
