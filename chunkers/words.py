@@ -11,6 +11,10 @@ from .punkt_stream import PunktCutter
 _RE_SPACE = re.compile(r"\s")
 _RE_NONSPACE = re.compile(r"\S")
 _RE_WORD = re.compile(r"\S+")
+# Characters per missing word up to which the remaining text is counted in one C call rather
+# than walked word by word: a failed count wastes at most this much scanning per word the walk
+# then consumes, so the whole scan stays linear.
+_COUNT_SPAN = 32
 
 
 class WordCutter:
@@ -103,8 +107,15 @@ class WordCutter:
                         lo = m.start()
                         in_word = False
                         count += 1
-                if not in_word and count < max_words and lo < hi:
-                    # Count in C first; walk word by word only where a window ends.
+                if (
+                    not in_word
+                    and count < max_words
+                    and 0 < hi - lo <= _COUNT_SPAN * (max_words - count)
+                ):
+                    # Count in C first; walk word by word only where a window ends. Only over
+                    # a stretch that could hold about the words still missing: counting the
+                    # whole rest of a long text for each window it holds was quadratic (a 1 MiB
+                    # text of short words without a sentence end: minutes of CPU).
                     touches = not t[hi - 1].isspace()  # the last word may go on
                     done = len(_RE_WORD.findall(t, lo, hi)) - touches
                     if count + done < max_words:

@@ -332,10 +332,15 @@ def _folded(text: str) -> View:
     orig_at: list[int] = []
     expanded: set[int] = set()
     delta = 0  # view position - original position, before the current character
-    where = re.compile("[" + "".join(re.escape(ch) for ch in resized) + "]")
+    removed = "".join(re.escape(ch) for ch in resized if not changed[ch])
+    grown = "".join(re.escape(ch) for ch in resized if changed[ch])
+    # a run of removed characters is one step (10^6 zero-width spaces are one match, not
+    # 10^6 turns of this loop); an expansion, one per character
+    where = re.compile("|".join([f"[{removed}]+"] * bool(removed) + [f"[{grown}]"] * bool(grown)))
     for m in where.finditer(text):
         i = m.start()
         size = len(changed[text[i]])
+        run = m.end() - i  # removals: the run's length; an expansion: 1
         vpos = i + delta
         if view_at and view_at[-1] == vpos:  # consecutive removals: the last one holds
             view_at.pop()
@@ -346,8 +351,8 @@ def _folded(text: str) -> View:
             view_at.append(vpos + j)
             orig_at.append(i)
         view_at.append(vpos + size)  # then one-to-one again, from the next character
-        orig_at.append(i + 1)
-        delta += size - 1
+        orig_at.append(i + run)
+        delta += size - run
     return View(text, view, view_at, orig_at, expanded)
 
 
@@ -545,7 +550,7 @@ def reversed_runs(text: str) -> list[tuple[int, int]]:
     an override changes the order of Latin letters and digits, which are what PII is made of
     (in right-to-left embeddings they keep their own order)."""
     runs: list[tuple[int, int]] = []
-    stack: list[str] = []
+    stack = _BidiStack()
     start = -1
     for m in _BIDI.finditer(text):
         i, ch = m.start(), m.group()
@@ -553,28 +558,60 @@ def reversed_runs(text: str) -> list[tuple[int, int]]:
             if i > start:
                 runs.append((start, i))
             start = -1
-        _bidi_step(stack, ch)
-        if stack and stack[-1] == _RLO:
+        stack.step(ch)
+        if stack.open and stack.open[-1] == _RLO:
             start = i + 1
     if start >= 0 and start < len(text):
         runs.append((start, len(text)))
     return runs
 
 
-def _bidi_step(stack: list[str], ch: str) -> None:
-    """The stack of open explicit controls after `ch` (one of `_BIDI`'s characters)."""
-    if ch in _PARAGRAPH:
-        stack.clear()
-    elif ch == _PDF:
-        if stack and stack[-1] not in _ISOLATES:
-            stack.pop()
-    elif ch == _PDI:
-        while stack and stack[-1] not in _ISOLATES:
-            stack.pop()
-        if stack:
-            stack.pop()
-    else:
-        stack.append(ch)
+# UAX #9's max_depth: a control that would nest deeper is ignored (and so is the control that
+# closes it). Also what keeps `open_overrides` bounded: 10^5 unclosed overrides would otherwise
+# be put before every piece of the text (a quadratic amount of text for the detectors).
+MAX_DEPTH = 125
+
+
+class _BidiStack:
+    """The explicit controls open after a run of bidi controls (UAX #9 X1-X8, without the
+    levels): `open` holds at most MAX_DEPTH of them; the overflow counts stand for the ignored
+    ones, which their closing controls cancel first, as the algorithm's counters do."""
+
+    __slots__ = ("embeddings_over", "isolates_over", "open")
+
+    def __init__(self) -> None:
+        self.open: list[str] = []
+        self.embeddings_over = 0
+        self.isolates_over = 0
+
+    def step(self, ch: str) -> None:
+        """After `ch` (one of `_BIDI`'s characters)."""
+        stack = self.open
+        if ch in _PARAGRAPH:
+            stack.clear()
+            self.embeddings_over = self.isolates_over = 0
+        elif ch == _PDF:
+            if self.isolates_over:
+                pass
+            elif self.embeddings_over:
+                self.embeddings_over -= 1
+            elif stack and stack[-1] not in _ISOLATES:
+                stack.pop()
+        elif ch == _PDI:
+            if self.isolates_over:
+                self.isolates_over -= 1
+            else:  # the innermost isolate and all opened in it (all, when none is open)
+                self.embeddings_over = 0
+                while stack and stack[-1] not in _ISOLATES:
+                    stack.pop()
+                if stack:
+                    stack.pop()
+        elif len(stack) < MAX_DEPTH and not self.isolates_over and not self.embeddings_over:
+            stack.append(ch)
+        elif ch in _ISOLATES:
+            self.isolates_over += 1
+        elif not self.isolates_over:
+            self.embeddings_over += 1
 
 
 def open_overrides(text: str, positions: Sequence[int]) -> list[str]:
@@ -586,14 +623,14 @@ def open_overrides(text: str, positions: Sequence[int]) -> list[str]:
     if _RLO not in text:
         return [""] * len(positions)
     out: list[str] = []
-    stack: list[str] = []
+    stack = _BidiStack()
     matches = _BIDI.finditer(text)
     m = next(matches, None)
     for pos in positions:
         while m is not None and m.start() < pos:
-            _bidi_step(stack, m.group())
+            stack.step(m.group())
             m = next(matches, None)
-        out.append("".join(stack) if _RLO in stack else "")
+        out.append("".join(stack.open) if _RLO in stack.open else "")
     return out
 
 

@@ -435,6 +435,44 @@ def test_words_window_emitted_when_the_next_word_starts() -> None:
     assert state.flush() == [Span(14, 20, " Four ")]
 
 
+class _CountingWords:
+    """Stands in for the words chunker's word regex and counts the characters its calls scan
+    (findall over a range scans all of it; finditer as far as it is consumed)."""
+
+    def __init__(self, rx: re.Pattern[str]) -> None:
+        self._rx = rx
+        self.scanned = 0
+
+    def findall(self, text: str, lo: int, hi: int) -> list[str]:
+        self.scanned += hi - lo
+        return self._rx.findall(text, lo, hi)
+
+    def finditer(self, text: str, lo: int, hi: int) -> Iterator[re.Match[str]]:
+        at = lo
+        for m in self._rx.finditer(text, lo, hi):
+            self.scanned += m.end() - at
+            at = m.end()
+            yield m
+
+
+@pytest.mark.parametrize("unit", ["1 ", "John ", "+1 ", "a\n \n"])
+def test_words_scan_of_a_long_text_without_sentence_ends_is_linear(monkeypatch, unit) -> None:
+    """Repro: each window counted the words of the whole rest of the text (one C call) before
+    walking to its end, so 1 MiB of short words with no sentence end cost ~n^2/100 character
+    scans (10.6 s of CPU for 256 KiB of "1 ", minutes for 1 MiB, on the bulk executor). The
+    count now covers only a stretch that could hold the missing words: each character is
+    scanned a bounded number of times."""
+    from chunkers import words
+
+    counting = _CountingWords(words._RE_WORD)
+    monkeypatch.setattr(words, "_RE_WORD", counting)
+    text = unit * (131072 // len(unit))
+    spans = chunkers.build({"type": "words", "max_words": 50}).chunk(text)
+    assert "".join(s.text for s in spans) == text
+    assert len(spans) == -(-text.count(unit) // 50)  # one window per 50 words
+    assert counting.scanned <= 40 * len(text)
+
+
 # -- whole_doc -----------------------------------------------------------------------------
 
 

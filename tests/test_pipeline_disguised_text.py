@@ -336,3 +336,30 @@ async def test_a_stream_cut_inside_an_escape_of_an_email_withholds_it(cut: int) 
     assert cut % 10  # the cut is inside an escape (each is 10 characters)
     assert released(events) == "Sure. Mail [email]"
     assert "&#x" not in "".join(strings([e.data for e in events]))
+
+
+def test_a_seam_window_steps_over_a_run_of_invisible_characters_at_once(monkeypatch) -> None:
+    """Repro: the walk out from a chunk boundary looked at each character of up to
+    SEAM_RAW_CHARS each side, so every boundary in a run of zero-width spaces cost 16,000
+    Python steps (15x the cost of judging ordinary text; a 1 MiB input took longer than the
+    detector timeout). A run of characters that are neither visible nor whitespace is one
+    step; counted here as the calls asking whether a character is visible."""
+    from orchestrator.streaming import detector_queue
+
+    calls = 0
+    visible = detector_queue._visible
+
+    def counting(ch: str) -> bool:
+        nonlocal calls
+        calls += 1
+        return visible(ch)
+
+    monkeypatch.setattr(detector_queue, "_visible", counting)
+    text = "jo" + "\u200b" * 20_000 + "@example.com"
+    boundary = 10_000
+    raw = detector_queue.SEAM_RAW_CHARS
+    # the count's walk and the run's walk each stop at the raw bound: a run of hidden ones
+    window = (boundary - 2 * raw, boundary + 2 * raw, True)
+    assert detector_queue.seam_window(text, 0, len(text), boundary) == window
+    assert seam_bounds(text, 0, len(text), boundary) == window
+    assert calls < 100

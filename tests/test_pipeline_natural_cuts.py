@@ -312,3 +312,34 @@ def test_open_overrides_are_the_controls_a_reader_still_applies() -> None:
         "",
     ]
     assert open_overrides("plain", [0, 3]) == ["", ""]
+
+
+def test_open_overrides_nest_no_deeper_than_uax9_allows() -> None:
+    """Repro: every unclosed override stayed open, and each piece of the text was read after
+    all of them, so 262,144 `\\u202ea` pairs (a 1 MiB body) in 500-character sentence chunks
+    gave the detectors 137 million characters of controls (0.27 s and 34 million for a quarter
+    of that: quadratic). UAX #9 ignores a control past depth 125 (and the control closing it):
+    so do these, and a piece is read after at most 125 of them."""
+    from detectors.normalise import MAX_DEPTH, open_overrides, reversed_runs
+
+    rlo, lre, pdf, lri, pdi = "\u202e", "\u202a", "\u202c", "\u2066", "\u2069"
+    text = (rlo + "a") * 262_144
+    starts = list(range(0, len(text), 500))
+    opened = open_overrides(text, starts)
+    assert MAX_DEPTH == 125
+    assert max(map(len, opened)) == 125 and opened[-1] == rlo * 125
+    # the 126th and later are ignored: as many closing controls cancel them first
+    deep = lre * 125 + rlo * 3 + "x" + pdf * 3 + "y" + pdf * 124 + "z" + pdf + "w"
+    at = [deep.index(c) for c in "xyzw"]
+    assert open_overrides(deep, at) == ["", "", "", ""]  # the override never opened
+    assert reversed_runs(deep) == []
+    shallow = lre * 124 + rlo + "x" + pdf + "y"
+    assert open_overrides(shallow, [shallow.index("x"), shallow.index("y")]) == [
+        lre * 124 + rlo,
+        "",
+    ]
+    # an isolate past the limit is ignored too, and its PDI with it
+    isolated = lre * 125 + lri + pdi + "x"
+    assert open_overrides(isolated + rlo, [len(isolated)]) == [""]
+    nested = rlo + lre * 124 + lri + pdi + "x"
+    assert open_overrides(nested, [nested.index("x")]) == [rlo + lre * 124]

@@ -6,6 +6,7 @@ detectors (DESIGN 4.8, 4.9). The OpenAI request models say what their pieces are
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,13 @@ SCHEMA_WORDS = frozenset(
         "int32", "int64", "float", "double",
     }
 )  # fmt: skip
+
+# A piece's path names each key on its way at most this long, and stops growing past
+# PATH_CHARS: the path is a label, the key is judged as a piece of its own. Whole paths made a
+# body's size squared (a 512 KiB key over 64 Ki small values: 34 billion characters of paths).
+PATH_KEY_CHARS = 64
+PATH_CHARS = 256
+_ELIDED = "\u2026"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +106,7 @@ def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
     Iterative: the body's depth is the JSON parser's to bound, not the stack's."""
     out: list[InputPiece] = []
     todo: list[tuple[str, Any]] = [
-        (name, value) for name, value in extra.items() if name not in LABEL_FIELDS
+        (_key(name), value) for name, value in extra.items() if name not in LABEL_FIELDS
     ]
     todo.reverse()
     while todo:
@@ -110,17 +118,31 @@ def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
             # as a template writes it (`tojson`): a card number as a default is text too
             out.append(InputPiece(json.dumps(value), field=path, fixed=True))
         elif isinstance(value, Mapping):
-            items = list(value.items())
-            for key, item in reversed(items):
-                todo.append((f"{path}.{key}", item))
+            items = [(child_path(path, key), key, item) for key, item in value.items()]
+            todo.extend((at, item) for at, _, item in reversed(items))
             out.extend(
-                InputPiece(str(key), field=f"{path}.{key}", fixed=True)
-                for key, _ in items
+                InputPiece(str(key), field=at, fixed=True)
+                for at, key, _ in items
                 if key and str(key) not in SCHEMA_WORDS
             )
         elif isinstance(value, list | tuple):
-            todo.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
+            todo.extend((child_path(path, i), item) for i, item in reversed(list(enumerate(value))))
     return out
+
+
+def _key(key: object) -> str:
+    key = str(key)
+    return key if len(key) <= PATH_KEY_CHARS else key[:PATH_KEY_CHARS] + _ELIDED
+
+
+def child_path(path: str, key: object) -> str:
+    """The path of `path`'s member `key` (`tools.0.function`): a long key shortened, and a path
+    that would pass PATH_CHARS ends in an ellipsis, so a piece's path costs O(1) whatever the
+    body holds (see PATH_CHARS)."""
+    if path.endswith("." + _ELIDED):  # cut off already: its members are named by it
+        return path
+    step = f"{path}.{_key(key)}"
+    return step if len(step) <= PATH_CHARS else f"{path}.{_ELIDED}"
 
 
 def arguments_pieces(
@@ -144,23 +166,38 @@ def arguments_pieces(
         parsed = json.loads(arguments)
     except (ValueError, RecursionError):
         return out  # not JSON: rendered as the string it is
-    todo: list[tuple[str, Any]] = [(field, parsed)]
+    plain = _plain_strings(arguments)
+    # (the parent's path, the key, the value): a path is made when its value is reached, so
+    # the values waiting hold their parents' paths, not one each
+    todo: list[tuple[str, Any, Any]] = [(field, None, parsed)]
     while todo:
-        path, value = todo.pop()
+        parent, name, value = todo.pop()
+        path = parent if name is None else child_path(parent, name)
         if isinstance(value, dict):
             for key, item in reversed(list(value.items())):
-                if _escaped(key, arguments):
-                    out.append(
-                        InputPiece(key, message_index, f"{path}.{key}", fixed=True, decoded=True)
-                    )
-                todo.append((f"{path}.{key}", item))
+                if _escaped(key, plain):
+                    at = child_path(path, key)
+                    out.append(InputPiece(key, message_index, at, fixed=True, decoded=True))
+                todo.append((path, key, item))
         elif isinstance(value, list):
-            todo.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
-        elif isinstance(value, str) and _escaped(value, arguments):
+            todo.extend((path, i, item) for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, str) and _escaped(value, plain):
             out.append(InputPiece(value, message_index, path, fixed=True, decoded=True))
     return out
 
 
-def _escaped(text: str, raw: str) -> bool:
-    """Whether `text` is not in the raw JSON `raw` as itself (it was written with escapes)."""
-    return bool(text) and json.dumps(text, ensure_ascii=False)[1:-1] not in raw
+# a JSON string token (the unrolled form: one way to match each token, linear)
+_STRING = re.compile(r'"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
+
+
+def _plain_strings(raw: str) -> frozenset[str]:
+    """The string tokens (keys and values) of the JSON text `raw` as written there, without
+    their quotes."""
+    return frozenset(m.group(1) for m in _STRING.finditer(raw))
+
+
+def _escaped(text: str, plain: frozenset[str]) -> bool:
+    """Whether the string `text` is written in the raw JSON with escapes: no string token there
+    is it as `json.dumps` writes it. A set lookup: searching the raw text for each string cost
+    its size times their number (80,000 escaped strings in 1 MiB of arguments: about a minute)."""
+    return bool(text) and json.dumps(text, ensure_ascii=False)[1:-1] not in plain

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from aiohttp import web
 
@@ -47,7 +48,10 @@ async def _detect(request: web.Request) -> web.Response:
     if body.redact:
         # DESIGN 4.6a: every detection replaced by its detector's `redact_with`; spans relative
         # to the redacted text the reply carries
-        redacted, findings = redact_text(body.content, findings, {d.detector_id: d for d in dets})
+        # (off the loop with many findings, like the reply: 80,000 phones in 1 MiB took 0.5 s)
+        redactors = {d.detector_id: d for d in dets}
+        redact = functools.partial(redact_text, body.content, findings, redactors)
+        redacted, findings = await off_loop(redact) if len(findings) > 256 else redact()
 
     def reply() -> bytes:
         # encoded a slice at a time: 40,000 dicts alive at once were as many objects for the
