@@ -821,12 +821,13 @@ def _packed_budget(loaded: LoadedModel) -> int | None:
     least one session of the whole context; None on an accelerator."""
     if loaded.device.type != "cpu":
         return None
-    config = loaded.model.config
+    config = getattr(loaded.model, "config", None)
     layers = int(getattr(config, "num_hidden_layers", 0) or 1)
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads)
-    per_token = layers * kv_heads * max(1, head_dim) * 2 * loaded.model.dtype.itemsize
+    # the loaded dtype (a module need not say its own: bench/engine_host.py's null model)
+    per_token = layers * kv_heads * max(1, head_dim) * 2 * loaded.dtype.itemsize
     budget = int(psutil.virtual_memory().available * PACKED_MEMORY_FRACTION) // per_token
     return max(budget, loaded.max_context)
 

@@ -112,3 +112,17 @@ def test_ttft_line_reports_the_burst_with_the_lowest_median() -> None:
     assert bursts[0].quantile(0.5) == 30.0 and bursts[0].quantile(0.9) == 1050.0
     assert ttft_line(bursts, "http-api", 4, 4.0) == "ttft_ms_4 p50=16 p90=18 max=18"
     assert ttft_line(bursts, "http", 4, 4.0) is None
+
+
+def test_an_engine_starts_on_the_null_model() -> None:
+    """The engine takes what it needs of a model from its `LoadedModel` (the null model says no
+    dtype of its own): an engine on it starts and stops. On 9302280 the judge sessions' memory
+    budget read `model.dtype` and the CPU rehearsal of `engine_host` failed at the engine's
+    construction."""
+    loaded = engine_host.load_null("cpu", 0.0)
+    engine = engine_host.make_engine(loaded, 2, eager=False, overlap=True)
+    engine.start()
+    try:
+        assert engine.healthy and engine.judges.max_tokens is not None
+    finally:
+        engine.stop()
