@@ -276,7 +276,8 @@ async def test_a_prompt_padded_past_the_raw_bound_is_refused_by_a_blocking_input
     """A blocking span detector judges an input's chunks and a window across each `max_chars`
     cut; before this, a window cut at the raw bound inside the padding held neither the value's
     head nor its tail whole, and the prompt reached the model. It is refused now, the run
-    reported `obfuscated`; the content endpoint reports it too."""
+    reported `obfuscated` (and the value found whole in the windows merged across its cuts:
+    text_judgement._merged); the content endpoint reports it too."""
     prompt = padded(value, PADS[pad], raw=5 * SEAM_RAW_CHARS)  # cut several times
     events = await blocking.stream({"model_id": MODEL, "inputs": prompt})
     end = terminal(events)
@@ -287,7 +288,11 @@ async def test_a_prompt_padded_past_the_raw_bound_is_refused_by_a_blocking_input
     [found] = [f["token_classification_results"]["input"] for f in frames(events)]
     # each blocking input guardrail (`hap` looks across the cuts too: a curse hides alike)
     got = sorted((d["detector_id"], d["entity"], d["start"], d["end"]) for d in found)
-    assert got == [(i, OBFUSCATED, 0, len(prompt)) for i in ("hap", "pii")], got
+    # and the value itself: the windows across its cuts overlap, and merged they read it whole
+    kind = VALUES[value][2]
+    whole = ("pii", kind, len("Call "), len(prompt) - len(" now."))
+    want = sorted([*((i, OBFUSCATED, 0, len(prompt)) for i in ("hap", "pii")), whole])
+    assert got == want, got
     status, body = await blocking.post(
         "/api/v2/text/detection/content", {"detectors": {"pii": {}}, "content": prompt}
     )
