@@ -40,7 +40,7 @@ import json
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -189,15 +189,29 @@ class StepWriter:
                 self.sending = False
             return True
 
-    async def send_from_loop(self, message: Any, patience: float = LOOP_SEND_TIMEOUT) -> bool:
+    async def send_from_loop(
+        self,
+        message: Any,
+        patience: float = LOOP_SEND_TIMEOUT,
+        *,
+        give_up: Awaitable[object] | None = None,
+    ) -> bool:
         """`send` for the event loop: in a thread, so the loop never blocks on a reader that
         stopped reading (or on the worker's send ahead of it, under the lock); False if the frame
-        did not go out within `patience` seconds (it may still go, or `close` breaks the send)."""
+        did not go out within `patience` seconds, or before `give_up` completes where one is
+        given (a test's gate, in place of the clock); the frame may still go, or `close` breaks
+        the send."""
+        sending = asyncio.ensure_future(asyncio.to_thread(self.send, message))
+        waiting = asyncio.ensure_future(give_up if give_up is not None else asyncio.sleep(patience))
         try:
-            async with asyncio.timeout(patience):
-                return await asyncio.to_thread(self.send, message)
-        except TimeoutError:
-            return False
+            await asyncio.wait((sending, waiting), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+            if not sending.done():
+                # the thread's send goes on (a thread cannot be cancelled): its outcome is the
+                # socket's, and nobody waits for it
+                sending.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return sending.result() if sending.done() else False
 
     def _lost(self) -> None:
         try:

@@ -248,18 +248,18 @@ async def test_a_core_whose_api_process_stops_reading_still_stops_and_its_loop_n
             lambda: session.steps.sending and _queued(core_sock) >= full,
             what="the worker blocked in its send",
         )
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0.01)
-
-        ticker = asyncio.create_task(tick())
-        assert await session.steps.send_from_loop(["stopping"], patience=1.0) is False
-        ticker.cancel()
-        assert ticks > 1  # the loop ran while the frame waited
+        # the frame cannot go out (the worker holds the lock in its blocked send): it waits in
+        # a thread while the loop runs on, and gives up when its patience ends (here a gate in
+        # place of the clock); a send on the loop itself would never hand control back here
+        patience_over = asyncio.Event()
+        sent = asyncio.create_task(
+            session.steps.send_from_loop(["stopping"], give_up=patience_over.wait())
+        )
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not sent.done()
+        patience_over.set()
+        assert await sent is False
         session.steps.close()  # as run_core does when `stopping` could not go out
         async with asyncio.timeout(30):
             await asyncio.to_thread(engine.stop)  # the worker's send ended: it stops

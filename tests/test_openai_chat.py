@@ -602,3 +602,37 @@ def test_a_misspelt_detectors_field_is_refused_whatever_the_backend() -> None:
     assert "detector: unknown field (did you mean `detectors`?)" in str(caught.value)
     # OpenAI's own fields still pass through
     ChatCompletionRequest.model_validate({"model": MODEL, "messages": USER, "user": "u-1"})
+
+
+@pytest.mark.parametrize("surface", ["chat", "responses"])
+async def test_a_large_request_is_turned_into_its_ask_off_the_event_loop(
+    engine: FakeEngine, dets: FakeDetectorServer, monkeypatch: pytest.MonkeyPatch, surface: str
+) -> None:
+    """A request's pieces (every message, every tool call's arguments decoded and walked) are
+    Python work proportional to the body: past the bulk size it runs in the bulk executor, a
+    small request's inline (a thread hop costs more than the work)."""
+    import threading
+
+    from orchestrator.handlers import openai_chat, openai_responses
+
+    module, name = (
+        (openai_chat, "chat_ask") if surface == "chat" else (openai_responses, "responses_ask")
+    )
+    real = getattr(module, name)
+    threads: list[threading.Thread] = []
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.current_thread())
+        return real(*args)
+
+    monkeypatch.setattr(module, name, recording)
+    path = "/v1/chat/completions" if surface == "chat" else "/v1/responses"
+    key = "messages" if surface == "chat" else "input"
+    async with Orchestrator(config(engine, dets)) as orch:
+        for text in ("Hi there " * 1000, "Hi there"):
+            status, reply = await orch.post(
+                path, {"model": MODEL, key: [{"role": "user", "content": text}]}
+            )
+            assert status == 200, reply
+    assert threads[0] is not threading.main_thread()  # 9,000 characters: off the loop
+    assert threads[1] is threading.main_thread()

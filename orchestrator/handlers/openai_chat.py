@@ -17,7 +17,7 @@ from ..state import STATE
 from ..streaming.chat_writer import ChatChunkWriter, ChatCompletionFold
 from .body import read_model
 from .prepare import Decoding, GenerationAsk, conversation, openai_ask, prepare
-from .serving import serve, serve_unary
+from .serving import bulk_ask, serve, serve_unary
 
 CHAT_PATH = "/v1/chat/completions"
 CHAT_DETECTION_PATH = "/api/v2/chat/completions-detection"
@@ -54,7 +54,7 @@ def chat_ask(request: web.Request, body: ChatCompletionRequest) -> GenerationAsk
 
 async def handle(request: web.Request) -> web.StreamResponse:
     body = await read_model(request, ChatCompletionRequest)
-    run = partial(prepare, request.app[STATE], chat_ask(request, body))
+    run = partial(prepare, request.app[STATE], await bulk_ask(request, chat_ask, body))
     if not body.stream:
         return await serve_unary(request, run, ChatCompletionFold(body.model))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -19,7 +19,7 @@ from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.responses_writer import ResponsesFold, ResponsesWriter
 from .body import parse_json, read_body, require_json_content_type, validate
 from .prepare import Decoding, GenerationAsk, conversation, openai_ask, prepare
-from .serving import serve, serve_unary
+from .serving import bulk_ask, serve, serve_unary
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -73,7 +73,7 @@ async def prepare_response(
 
 async def handle(request: web.Request) -> web.StreamResponse:
     body = await read_request(request)
-    state, ask = request.app[STATE], responses_ask(request, body)
+    state, ask = request.app[STATE], await bulk_ask(request, responses_ask, body)
     if not body.stream:
         fold = ResponsesFold(body)
         return await serve_unary(request, partial(prepare_response, state, ask, fold.writer), fold)

@@ -27,7 +27,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -36,12 +36,15 @@ from ..errors import is_http_error
 from ..state import STATE
 from ..streaming import request_deadline
 from ..streaming.events import Event, Frame, KeepAlive, Rendered, Terminal
-from ..streaming.text_judgement import off_loop
+from ..streaming.text_judgement import BULK_CHARS, off_loop
 from ..streaming.wire_json import KEEPALIVE_COMMENT
 from ..tenants import CALLER
 from .stream_slots import stream_slot
 
 log = logging.getLogger("guardstream.serving")
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 # After request_timeout_s a pipeline ends itself (an in-band timeout); the client then has this
 # long to take what is left of the reply before the connection is closed (serve).
@@ -91,6 +94,15 @@ class Fold(Protocol):
     def add(self, event: Rendered) -> None: ...
 
     def body(self) -> dict[str, Any]: ...
+
+
+async def bulk_ask(request: web.Request, ask: Callable[[web.Request, B], A], body: B) -> A:
+    """`ask(request, body)`: a surface's request turned into its ask (the pieces the input
+    detectors judge, every tool call's arguments decoded), off the loop for a body past
+    BULK_CHARS bytes (a megabyte of tool calls is a fraction of a second of Python)."""
+    if (request.content_length or 0) > BULK_CHARS:
+        return await off_loop(lambda: ask(request, body))
+    return ask(request, body)
 
 
 async def serve(request: web.Request, prepare: Prepare, writer: Writer) -> web.StreamResponse:
