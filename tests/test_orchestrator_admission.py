@@ -19,15 +19,29 @@ from aiohttp import web
 from generation import models
 from generation.server import create_app
 from orchestrator.app import (
+    CHAT_DETECTION_ONLY_PATH,
     CHAT_PATH,
+    CONTENT_PATH,
+    CONTEXT_DETECTION_PATH,
+    GENERATED_DETECTION_PATH,
+    GENERATION_DETECTION_PATH,
     RESPONSES_PATH,
     STREAM_CONTENT_PATH,
     STREAMING_PATH,
     UNARY_PATH,
 )
 from orchestrator.state import STATE
-from tests.orchestrator_support import MODEL, NDJSON, Orchestrator, generation_body, native_config
-from tests.wait_support import until
+from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
+from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import (
+    MODEL,
+    NDJSON,
+    Orchestrator,
+    generation_body,
+    native_config,
+    remote,
+)
+from tests.wait_support import finished, until
 
 # long enough that validating it against the engine's context needs the engine's token count
 PROMPT = "a " * 300
@@ -125,3 +139,88 @@ async def test_a_refused_request_costs_no_engine_round_trip(
     assert calls[("GET", "/v1/models")] == 1
     assert calls[("POST", "/v1/tokenize")] >= 1
     assert calls[("POST", "/v1/generate")] == 1
+
+
+async def test_detection_requests_hold_a_server_wide_slot(engine: FakeEngine) -> None:
+    """Repro: the detection endpoints (content, chat, context, generated, and the judging after
+    generation-detection's generation) held a slot of their tenant's max_concurrent_streams
+    only, not of the server's: a flood of them ran past the server's overload protection
+    (429 / 503), each a share of every detector's queue. Now each request that judges or
+    generates text holds a server slot while it is served; a remote detector the test gates
+    holds the only one."""
+    dets = FakeDetectorServer()
+    gate = asyncio.Event()
+    dets.add("held", DetectorBehaviour(words={"jo": 0.9}, gate=gate))
+    dets.add("fact", DetectorBehaviour(words={"jo": 0.8}))
+    await dets.start()
+    detectors = {
+        "held": remote(dets.url, "whole_doc_chunker"),
+        "fact": {**remote(dets.url, "whole_doc_chunker"), "type": "text_context_doc"},
+        "pii": {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"},
+    }
+    config = native_config(engine.url, server={"max_concurrent_streams": 1}, detectors=detectors)
+    mail = "Mail jo@example.com."
+    detections = [
+        (CONTENT_PATH, {"content": mail, "detectors": {"pii": {}}}),
+        (
+            CHAT_DETECTION_ONLY_PATH,
+            {"messages": [{"role": "user", "content": mail}], "detectors": {"pii": {}}},
+        ),
+        (
+            CONTEXT_DETECTION_PATH,
+            {"content": mail, "context_type": "docs", "context": ["x"], "detectors": {"fact": {}}},
+        ),
+        (
+            GENERATED_DETECTION_PATH,
+            {"prompt": "Who?", "generated_text": mail, "detectors": {"pii": {}}},
+        ),
+        (
+            GENERATION_DETECTION_PATH,
+            {"model_id": MODEL, "prompt": "Who?", "detectors": {"pii": {}}},
+        ),
+    ]
+    others = [(STREAMING_PATH, generation_body()), (STREAM_CONTENT_PATH, b'{"content": "Hi."}\n')]
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None and orch.runner is not None
+            state = orch.runner.app[STATE]
+            session = orch.session
+
+            async def refused(expected: dict[str, Any]) -> None:
+                for path, body in detections + others:
+                    headers = {"Content-Type": NDJSON} if isinstance(body, bytes) else {}
+                    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+                    async with session.post(orch.url + path, headers=headers, **kwargs) as r:
+                        reply = (r.status, await r.json(), r.headers.get("Retry-After"))
+                    assert reply == (expected["code"], expected, "1"), path
+
+            for held in (
+                (CONTENT_PATH, {"content": mail, "detectors": {"held": {}}}),
+                (
+                    GENERATION_DETECTION_PATH,
+                    {"model_id": MODEL, "prompt": "Who?", "detectors": {"held": {}}},
+                ),
+            ):
+                gate.clear()
+                calls = len(dets.calls)
+                holder = asyncio.create_task(orch.post(*held))
+                await until(
+                    lambda c=calls: dets.in_flight == 1 and len(dets.calls) > c, what="held"
+                )
+                await refused(FMS_OVERLOADED)
+                state.draining = True  # what a drain does first
+                await refused(FMS_DRAINING)
+                state.draining = False
+                gate.set()
+                status, reply = await finished(holder)
+                assert status == 200, reply
+                await until(lambda: state.active_streams == 0, what="the slot given back")
+                for path, body in detections:  # admitted now
+                    status, reply = await orch.post(path, body)
+                    assert status == 200, (path, reply)
+            assert await orch.metric(
+                "guardstream_rejected_streams_total", reason="overloaded"
+            ) == 2 * len(detections + others)
+    finally:
+        gate.set()  # a failed run leaves no request held
+        await dets.close()

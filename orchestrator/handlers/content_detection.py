@@ -17,12 +17,12 @@ from ..streaming.redaction import redact_text
 from ..streaming.text_judgement import judge_text, off_loop
 from ..tenants import CALLER
 from .body import read_model
-from .stream_slots import tenant_slot
+from .stream_slots import stream_slot
 
 
 async def handle(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    with tenant_slot(state, request.get(CALLER)):  # taken first: a refusal costs nothing
+    with stream_slot(state, request.get(CALLER)):  # taken first: a refusal costs nothing
         return await _detect(request)
 
 

@@ -26,7 +26,7 @@ from ..state import STATE, AppState
 from ..streaming.kind_judgement import judge_chat, judge_context, judge_generated
 from ..tenants import CALLER
 from .body import read_model
-from .stream_slots import tenant_slot
+from .stream_slots import stream_slot
 
 # the kinds each endpoint takes: its own, and (chat, generated) every text_contents detector,
 # which judges each message or the generated text on its own
@@ -58,7 +58,7 @@ def reply(detections: list[DetectionResult]) -> web.Response:
 
 async def chat(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    with tenant_slot(state, request.get(CALLER)):  # taken first: a refusal costs nothing
+    with stream_slot(state, request.get(CALLER)):  # taken first: a refusal costs nothing
         body = await read_model(request, ChatDetectionRequest)
         dets = resolve_kinds(state, body.detectors, CHAT_KINDS)
         # a conversation sent again: its earlier messages' verdicts are kept (verdict_cache.py)
@@ -69,7 +69,7 @@ async def chat(request: web.Request) -> web.Response:
 
 async def context(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    with tenant_slot(state, request.get(CALLER)):
+    with stream_slot(state, request.get(CALLER)):
         body = await read_model(request, ContextDetectionRequest)
         dets = resolve_kinds(state, body.detectors, CONTEXT_KINDS)
         judging = judge_context(body.content, body.context_type, body.context, dets)
@@ -78,7 +78,7 @@ async def context(request: web.Request) -> web.Response:
 
 async def generated(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    with tenant_slot(state, request.get(CALLER)):
+    with stream_slot(state, request.get(CALLER)):
         body = await read_model(request, GeneratedDetectionRequest)
         dets = resolve_kinds(state, body.detectors, GENERATED_KINDS)
         judging = judge_generated(body.prompt, body.generated_text, dets, state.chunkers)

@@ -39,7 +39,7 @@ from ..streaming.events import Event, Frame, KeepAlive, Rendered, Terminal
 from ..streaming.text_judgement import BULK_CHARS, off_loop
 from ..streaming.wire_json import KEEPALIVE_COMMENT
 from ..tenants import CALLER
-from .stream_slots import stream_slot
+from .stream_slots import StreamSlot, stream_slot
 
 log = logging.getLogger("guardstream.serving")
 
@@ -167,9 +167,10 @@ async def serve_unary(request: web.Request, prepare: Prepare, fold: Fold) -> web
     return web.Response(text=text, content_type="application/json")
 
 
-async def fold_unary(request: web.Request, prepare: Prepare, fold: Fold) -> dict[str, Any]:
-    """The folded reply, for a handler that adds to it (generation-detection)."""
-    await _fold(request, prepare, fold)
+async def fold_unary(prepare: Prepare, fold: Fold, slot: StreamSlot) -> dict[str, Any]:
+    """The folded reply, for a handler that adds to it (generation-detection judges the
+    generated text after) and so holds the stream slot itself, across both."""
+    await _fold_in(slot, prepare, fold)
     return await off_loop(fold.body)
 
 
@@ -178,15 +179,19 @@ async def _fold(request: web.Request, prepare: Prepare, fold: Fold) -> None:
     itself is built (and encoded) off the loop, by the callers: a refused 1 MB input holds tens
     of thousands of detections, a second of work that would stall every other request."""
     with stream_slot(request.app[STATE], request.get(CALLER)) as slot:
-        pipeline = slot.attach(await prepare())
-        async with aclosing(pipeline.events()) as events:
-            async for event in events:
-                if isinstance(event, KeepAlive):
-                    continue
-                if isinstance(event, Terminal) and event.error is not None:
-                    if is_http_error(event.error, sent=False, in_band=fold.in_band):
-                        raise ApiError.of(event.error)  # nothing was sent: a real HTTP error
-                fold.add(event)
+        await _fold_in(slot, prepare, fold)
+
+
+async def _fold_in(slot: StreamSlot, prepare: Prepare, fold: Fold) -> None:
+    pipeline = slot.attach(await prepare())
+    async with aclosing(pipeline.events()) as events:
+        async for event in events:
+            if isinstance(event, KeepAlive):
+                continue
+            if isinstance(event, Terminal) and event.error is not None:
+                if is_http_error(event.error, sent=False, in_band=fold.in_band):
+                    raise ApiError.of(event.error)  # nothing was sent: a real HTTP error
+            fold.add(event)
 
 
 async def _start(request: web.Request, writer: Writer) -> web.StreamResponse:

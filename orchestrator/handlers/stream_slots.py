@@ -1,8 +1,13 @@
 """The cap on concurrent streams: beyond it a request gets 429 with Retry-After instead of
 degrading every stream already running, and while draining it gets 503.
 
-A slot is taken before any work for the request (handlers/serving.py): a refused request costs
-no engine round trip and no detector call. The pipeline is attached to its slot once built, so a
+Every request that judges or generates text holds a slot while it is served: the streams and
+unary generations (handlers/serving.py), and the detection endpoints that run no pipeline
+(content, chat, context, generated; generation-detection across its generation and its
+judging). A detection request is a share of every detector's queue like a stream is: were it
+not counted, a flood of them would run past the server's overload protection. A slot is taken
+before any work for the request: a refused request costs no engine round trip and no detector
+call. The pipeline is attached to its slot once built, so a
 drain that ends every running stream (server.py) reaches one that was still being prepared."""
 
 from __future__ import annotations
@@ -67,9 +72,7 @@ def stream_slot(state: AppState, caller: Caller | None = None) -> Iterator[Strea
 @contextmanager
 def tenant_slot(state: AppState, caller: Caller | None) -> Iterator[None]:
     """A slot of the caller's tenant's max_concurrent_streams alone ("its requests served at
-    once"): what a detection request that runs no pipeline (content, chat, context, generated)
-    holds while it is served, so a tenant held to N streams cannot run any number of those at
-    once, each a share of every detector's queue."""
+    once"), taken with the server's by `stream_slot`."""
     if caller is None:
         yield
         return
