@@ -93,12 +93,15 @@ class MessageToolCall(BaseModel):
 class Message(BaseModel):
     """One chat message. Plain-text content only (the orchestrator flattens content parts). A
     `tool` message answers the call `tool_call_id` names; an assistant turn may carry the calls
-    it made (`tool_calls`, content then may be null). Both need a template with tool support."""
+    it made (`tool_calls`, content then may be null). Both need a template with tool support.
+    `name` is the speaker's (OpenAI's field): the template renders it where it uses names, and
+    ignores it otherwise; a special token's text in it is text (control_tokens.py)."""
 
     model_config = _STRICT
 
     role: ChatRole
     content: Utf8Str | None = None
+    name: Utf8Str | None = None
     tool_call_id: Utf8Str | None = None
     tool_calls: list[MessageToolCall] | None = None
 

@@ -104,7 +104,7 @@ BAD_MESSAGES: list[tuple[str, dict[str, Any], str]] = [
     ("null content without calls", {"messages": [{"role": "assistant", "content": None}]}, "messages.0: content is required (null only for an assistant turn of calls)"),
     ("tools with a prompt", {"prompt": "a", "tools": [{"type": "function"}]}, "body: tools go through the chat template: send messages (or input_ids)"),
     ("no tools", {"messages": [_MSG], "tools": []}, "tools: List should have at least 1 item after validation, not 0"),
-    ("extra message field", {"messages": [{**_MSG, "name": "bob"}]}, "messages.0.name: Extra inputs are not permitted"),
+    ("extra message field", {"messages": [{**_MSG, "weight": 1}]}, "messages.0.weight: Extra inputs are not permitted"),
     ("not a list", {"messages": "hi"}, "messages: Input should be a valid list"),
     ("prompt and messages", {"prompt": "a", "messages": [_MSG]}, "body: exactly one of prompt, input_ids and messages is required"),
     ("input_ids and messages", {"input_ids": [1], "messages": [_MSG]}, "body: exactly one of prompt, input_ids and messages is required"),

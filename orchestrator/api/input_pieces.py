@@ -14,6 +14,9 @@ from typing import Any
 # `field` of a stop sequence judged as input (DESIGN 4.6a), `message_index` its index: stop
 # sequences reach the engine, so the input guardrails judge them like the prompt
 STOP_SEQUENCE_FIELD = "stop"
+# `field` of a chat message's `name`: it reaches the model (the chat template renders it), so an
+# input redaction replaces it there like a content
+NAME_FIELD = "name"
 # OpenAI fields that only label or route a request: they never enter the model's prompt (an
 # end user's e-mail address is a common `user`), so the input detectors do not judge them
 LABEL_FIELDS = frozenset(
@@ -64,7 +67,7 @@ class InputPiece:
     message_index: int | None = None
     field: str | None = None
     # the index of the message this text is in the generation request (None: it never reaches
-    # the engine, like a `name`): where an input redaction goes
+    # the engine, like a `refusal`): where an input redaction goes
     target: int | None = None
     # the arguments of that message's tool call at this index (an assistant turn's call sent
     # back), not its content

@@ -27,7 +27,7 @@ from ..suggestions import closest
 from .errors import Failure
 from .fms_requests import MAX_STOP_SEQUENCES, DetectorMap, StopSequence
 from .fms_responses import TokenClassificationResult, Wire
-from .input_pieces import LABEL_FIELDS, InputPiece, arguments_pieces
+from .input_pieces import LABEL_FIELDS, NAME_FIELD, InputPiece, arguments_pieces
 from .json_numbers import json_integer, json_number
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -254,8 +254,8 @@ class ChatMessageIn(BaseModel):
         the classic attack on an agent), `name` and `refusal`, and each tool call's arguments,
         each on its own."""
         out = [InputPiece(self.text(), index, target=index)]
-        if self.name:
-            out.append(InputPiece(self.name, index, "name"))
+        if self.name:  # it reaches the model (the chat template's): redacted there like content
+            out.append(InputPiece(self.name, index, NAME_FIELD, target=index))
         if self.refusal:
             out.append(InputPiece(self.refusal, index, "refusal"))
         for j, call in enumerate(self.tool_calls or ()):

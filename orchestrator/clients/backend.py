@@ -43,15 +43,20 @@ class GenerationParams:
 class ChatMessage:
     """One message of a chat conversation (OpenAI surfaces); content is plain text. A `tool`
     message names the call it answers (`tool_call_id`); an assistant message may carry the
-    calls it made (`tool_calls`, OpenAI's wire objects, forwarded as the client sent them)."""
+    calls it made (`tool_calls`, OpenAI's wire objects, forwarded as the client sent them).
+    `name` is the speaker's, as the client sent it: the chat template renders it where it
+    uses names (a conversation of several parties)."""
 
     role: str
     content: str
     tool_call_id: str | None = None
     tool_calls: tuple[dict[str, Any], ...] | None = None
+    name: str | None = None
 
     def wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls is not None:

@@ -29,7 +29,7 @@ def chat_ask(request: web.Request, body: ChatCompletionRequest) -> GenerationAsk
     pieces = body.input_pieces()
     prompt, chat = conversation(messages)
     chat = tuple(
-        replace(c, tool_call_id=m.tool_call_id, tool_calls=m.wire_tool_calls())
+        replace(c, name=m.name, tool_call_id=m.tool_call_id, tool_calls=m.wire_tool_calls())
         for c, m in zip(chat, body.messages, strict=True)
     )
     return openai_ask(

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from .. import tracing
 from ..api.errors import ApiError, ErrorType
-from ..api.input_pieces import STOP_SEQUENCE_FIELD, request_field_pieces
+from ..api.input_pieces import NAME_FIELD, STOP_SEQUENCE_FIELD, request_field_pieces
 from ..clients.backend import GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
@@ -428,7 +428,9 @@ class GuardedGeneration(PipelineCore):
                 if mine:
                     text, _ = redact_text(piece.text, mine, redactors)
                     message = messages[piece.target]
-                    if piece.tool_call is None:
+                    if piece.field == NAME_FIELD:  # the speaker's name, rendered by the template
+                        messages[piece.target] = replace(message, name=text)
+                    elif piece.tool_call is None:
                         messages[piece.target] = replace(message, content=text)
                     else:  # a tool call's arguments: the redaction stays inside the call
                         calls = list(message.tool_calls or ())
