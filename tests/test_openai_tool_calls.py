@@ -12,6 +12,7 @@ cannot be weakened for tool calls; a backend that cannot take tools is a 422 tha
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 
 from orchestrator.clients.backend import GenerationError, ToolCallDelta
 from orchestrator.clients.openai_streams import tool_call_deltas
-from orchestrator.streaming.tool_calls import raw_offsets, string_values
+from orchestrator.streaming.tool_calls import joined_values, raw_offsets, string_values
 from tests.fakes.detector import DetectorBehaviour
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, ScriptedToolCall
 from tests.openai_support import fake_detectors, finishes, raw_events, reassembled, sdk, types
@@ -934,6 +935,87 @@ async def test_a_number_is_redacted_into_a_string_and_the_json_stays_valid(
     ]
 
 
+# an e-mail address written across two values: neither value holds one on its own
+SPLIT = '{"user": "jo.smith@", "domain": "example.com"}'
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+async def test_pii_split_over_two_values_is_withheld_by_an_enforced_blocking_guardrail(
+    orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
+) -> None:
+    """Repro: each value was judged on its own, so `{"user": "jo.smith@", "domain":
+    "example.com"}` (which a tool that joins them sends to jo.smith@example.com) passed an
+    enforced blocking pii guardrail. The values of a call are judged across their boundaries
+    too (orchestrator/streaming/tool_calls.py, `joined_values`)."""
+    calls.append(ScriptedToolCall("c0", "send_email", SPLIT))
+    body = {"model": GUARDED, "messages": ASK, "tools": TOOLS, "stream": stream}
+    status, text = await raw_chat(orch, body)
+    assert status == 200, text
+    assert "jo.smith@" not in text and "example.com" not in text
+    assert "content_filter" in text
+
+
+async def test_pii_split_over_values_is_reported_and_redacted_in_each_value(
+    orch: Orchestrator, calls: list[ScriptedToolCall]
+) -> None:
+    """The finding across two values is reported as its part in each (a span into the
+    arguments each, the JSON between them is no part of it), and redacted in each: the JSON
+    stays valid, the keys keep their bytes."""
+    calls.append(ScriptedToolCall("c0", "send_email", SPLIT))
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
+    )
+    [call] = reassembled(chunks)
+    assert call["arguments"] == SPLIT
+    found = all_results(chunks)
+    assert [(SPLIT[f["start"] : f["end"]], f["word"], f["entity"]) for f in found] == [
+        ("jo.smith@", "jo.smith@", "email"),
+        ("example.com", "example.com", "email"),
+    ]
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii_redact": {}})
+    )
+    [call] = reassembled(chunks)
+    assert call["arguments"] == '{"user": "[email]", "domain": "[email]"}'
+    found = all_results(chunks)
+    assert [call["arguments"][f["start"] : f["end"]] for f in found] == ["[email]"] * 2
+
+
+# unrelated values that, glued together without a separator, would read as PII (`12` and
+# `3-45-6789` as the SSN 123-45-6789), and a value glued to its neighbour's e-mail address by a
+# hyphen (`re-` | `jo@example.com`: the address is the value's own, not `re-jo@example.com`)
+UNRELATED = (
+    '{"count": "12", "code": "3-45-6789", "note": "(draft)", "tag": "re-", "to": "jo@example.com"}'
+)
+
+
+async def test_unrelated_values_make_no_finding_across_them(
+    orch: Orchestrator, calls: list[ScriptedToolCall]
+) -> None:
+    """Values are joined by a space (as a sentence listing them reads), and glued only where
+    the boundary is a character that sits inside a PII token (`@`, a hyphen, a domain's
+    dot): unrelated neighbours make no token that neither holds, and a value's own finding is
+    never stretched into its neighbour."""
+    from detectors.regex_pii import RegexDetector
+
+    [glued] = await RegexDetector().detect(["123-45-6789(draft)re-jo@example.com"])  # premise
+    assert [(d.text, d.detection) for d in glued] == [
+        ("123-45-6789", "ssn"),
+        ("re-jo@example.com", "email"),
+    ]
+    arguments = UNRELATED
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
+    )
+    [call] = reassembled(chunks)
+    assert call["arguments"] == arguments
+    found = all_results(chunks)
+    assert [(arguments[f["start"] : f["end"]], f["entity"]) for f in found] == [
+        ("jo@example.com", "email")
+    ]
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
 async def test_a_call_to_a_tool_not_offered_is_a_failure_and_its_name_never_sent(
     orch: Orchestrator, calls: list[ScriptedToolCall], stream: bool
@@ -1437,6 +1519,14 @@ def test_string_values_and_their_offsets_match_the_json(
     found = string_values(arguments)
     texts = (t if isinstance(t, str) else json.dumps(t) for kv in values.items() for t in kv)
     assert [v.text for v in found] == ["args", *texts]
+    # keys are told from values (whatever a key holds: `:`, `\"`), and the values' joined text
+    # holds each non-empty value at its place, a space or nothing between two
+    assert [v.key for v in found] == [True, *(k for _ in values for k in (True, False))]
+    text, placed = joined_values(found)
+    assert [j for j, _, _ in placed] == [j for j, v in enumerate(found) if not v.key and v.text]
+    assert all(text[a:b] == found[j].text for j, a, b in placed)
+    gaps = [text[b:a] for (_, _, b), (_, a, _) in itertools.pairwise(placed)]
+    assert set(gaps) <= {"", " "} and text[: placed[0][1] if placed else 0] == ""
     for v in found:
         raw = arguments[v.start : v.end]
         if v.number:  # a number's literal is its own text; redacted, a string in its place

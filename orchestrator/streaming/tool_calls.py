@@ -5,7 +5,9 @@ A call's arguments are a JSON string the model writes fragment by fragment. What
 is the text in it: every JSON string, keys as well as values (a key is text the model wrote: `{"jo@
 example.com": 1}` holds an e-mail address), and every number (`{"card": 4111111111111111}` holds a
 card number), each as its own piece, with spans that point into the arguments string as the
-client receives it. A redacted number becomes a string (`"[credit_card]"`): still valid JSON. Arguments that are not JSON (a model that broke off,
+client receives it. A span detector also judges a call's values across their boundaries
+(`joined_values`): an e-mail address the model wrote as `{"user": "jo.smith@", "domain":
+"example.com"}` is in no value, and the tool that joins them sends mail to it. A redacted number becomes a string (`"[credit_card]"`): still valid JSON. Arguments that are not JSON (a model that broke off,
 or wrote something else) are judged whole, as text. A call's name must be one the request offered
 (`offered_names`): the client's own text, judged as input; any other is a failure, never sent.
 A call's id is text the upstream sends beside the call, and a model may write it (vLLM's Kimi-K2
@@ -23,6 +25,9 @@ the turn ended anyway.
 
 from __future__ import annotations
 
+import asyncio
+import bisect
+import itertools
 import json
 import re
 import secrets
@@ -45,6 +50,9 @@ ID_FIELD = "id"
 # only. Strings first: a string's digits are part of it, never a number of their own
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?', re.DOTALL)
 
+
+# what follows a string token when it is an object's key
+_COLON = re.compile(r"\s*:")
 
 # a surrogate in a str is always a lone one (a pair decodes to one code point)
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -99,6 +107,7 @@ class StringValue:
     text: str
     json: bool = True
     number: bool = False
+    key: bool = False  # an object's key (a name the schema chose, judged on its own only)
 
     def encode(self, text: str) -> str:
         """`text` (redacted) as this value's raw form: JSON-escaped without quotes for a string,
@@ -127,10 +136,91 @@ def string_values(arguments: str) -> list[StringValue]:
     except (ValueError, RecursionError):
         return [StringValue(0, len(arguments), arguments, json=False)]
     return [
-        StringValue(m.start() + 1, m.end() - 1, json.loads(m.group()))
+        StringValue(
+            m.start() + 1,
+            m.end() - 1,
+            json.loads(m.group()),
+            key=_COLON.match(arguments, m.end()) is not None,
+        )
         if m.group().startswith('"')
         else StringValue(m.start(), m.end(), m.group(), json=False, number=True)
         for m in _TOKEN.finditer(arguments)
+    ]
+
+
+# The `field` of the text of a call's values judged across their boundaries
+JOINED_FIELD = "joined"
+# Where two values meet in that text, nothing between them when the first ends with one of
+# _GLUE_AFTER or the second starts with one of _GLUE_BEFORE, else a space.
+#
+# Why: a tool that takes PII in parts joins them itself, so a guardrail that judges each value
+# alone passes `{"user": "jo.smith@", "domain": "example.com"}`. Judging the values glued
+# together would find it, and would also make tokens that no value holds out of unrelated
+# neighbours (`{"count": "12", "code": "3-45-6789"}` as the SSN 123-45-6789, runs of digits as
+# card or phone numbers). A space between them reads like a sentence that lists the values,
+# the text the detectors are tuned for: what spans values there is what a sentence of those
+# words holds (a name in two parts, a phone number or a card in groups, an address over lines),
+# and no token is made. Glued are only the boundaries where a PII token is split inside itself
+# by a character that sits inside such tokens and never ends a word of prose: the `@` of an
+# address (`jo.smith@` | `example.com`, `jo.smith` | `@example.com`), a domain's dot at the
+# start of a value (`jo@example` | `.com`; a sentence's own dot ends a value, and is not glued)
+# and the hyphen of a phone number's or an SSN's groups (`555-` | `1234`, `123-45` | `-6789`).
+# Keys are left out: a key is the schema's name for the value after it, and between two parts
+# of one token it would break it. Not judging the raw arguments text instead: its quotes,
+# keys and commas separate every value (it finds nothing across them) and it holds the escapes,
+# not the text.
+_GLUE_AFTER = frozenset("@-")
+_GLUE_BEFORE = frozenset("@.-")
+
+
+def joined_values(values: list[StringValue]) -> tuple[str, list[tuple[int, int, int]]]:
+    """The text of a call's values (keys left out) in order, joined as the comment above says,
+    and where each is in it: (index in `values`, start, end)."""
+    parts: list[str] = []
+    placed: list[tuple[int, int, int]] = []
+    at = 0
+    previous = ""
+    for j, v in enumerate(values):
+        if v.key or not v.text:
+            continue
+        if parts and previous[-1] not in _GLUE_AFTER and v.text[0] not in _GLUE_BEFORE:
+            parts.append(" ")
+            at += 1
+        parts.append(v.text)
+        placed.append((j, at, at + len(v.text)))
+        at += len(v.text)
+        previous = v.text
+    return "".join(parts), placed
+
+
+def _across_values(
+    found: Finding,
+    placed: list[tuple[int, int, int]],
+    own: dict[tuple[int, str], list[tuple[int, int]]],
+    values: list[StringValue],
+) -> list[Finding]:
+    """A finding on a call's joined values as its part in each value it covers (spans in the
+    value, field its index): none when it lies in one value (that value's own judgement has
+    it), or when one of its parts overlaps what the same detector found in that value alone
+    (the value's own finding, stretched by a neighbour: `re-` and `jo@example.com`)."""
+    parts = []
+    # the values it covers, from the last that starts at or before it (a bisection: a call of
+    # many values with many findings must not cost their product)
+    k = max(0, bisect.bisect_right(placed, found.start, key=lambda p: p[1]) - 1)
+    for j, a, b in itertools.islice(placed, k, None):
+        if a >= found.end:
+            break
+        if max(found.start, a) < min(found.end, b):
+            parts.append((j, max(found.start, a) - a, min(found.end, b) - a))
+    if len(parts) < 2:
+        return []
+    for j, start, end in parts:
+        for s, e in own.get((j, found.detector_id), ()):
+            if s < end and start < e:
+                return []
+    return [
+        replace(found, start=start, end=end, text=values[j].text[start:end], field=str(j))
+        for j, start, end in parts
     ]
 
 
@@ -193,10 +283,11 @@ async def judge_tool_calls(
     # scanning and re-encoding arguments is CPU work: off the loop past BULK_CHARS, as text is
     bulk = sum(len(c.arguments) for c in calls) > BULK_CHARS
 
-    def scan() -> list[list[StringValue]]:
-        return [string_values(c.arguments) for c in calls]
+    def scan() -> tuple[list[list[StringValue]], list[tuple[str, list[tuple[int, int, int]]]]]:
+        values = [string_values(c.arguments) for c in calls]
+        return values, [joined_values(vs) for vs in values]
 
-    values = await off_loop(scan) if bulk else scan()
+    values, joined = await off_loop(scan) if bulk else scan()
     pieces = [
         InputPiece(v.text, message_index=i, field=str(j))
         for i, vs in enumerate(values)
@@ -205,12 +296,41 @@ async def judge_tool_calls(
     pieces += [
         InputPiece(c.id, message_index=i, field=ID_FIELD) for i, c in enumerate(calls) if c.id
     ]
-    findings = await judge_pieces(pieces, detectors, chunkers)
+    # span detectors judge each call's values across their boundaries too (`joined_values`),
+    # in the same detector call; a classifier does not: its verdict on a text of unrelated
+    # values glued together is on a text nobody wrote, and would fall on every value
+    across = [
+        InputPiece(text, message_index=i, field=JOINED_FIELD)
+        for i, (text, placed) in enumerate(joined)
+        if len(placed) > 1
+    ]
+    spans = [d for d in detectors if not d.judges_chunks]
+    classifiers = [d for d in detectors if d.judges_chunks]
+    async with asyncio.TaskGroup() as tg:
+        by_spans = tg.create_task(judge_pieces(pieces + across, spans, chunkers))
+        by_classifiers = tg.create_task(judge_pieces(pieces, classifiers, chunkers))
+    findings = by_spans.result() + by_classifiers.result()
     by_id = {d.detector_id: d for d in detectors}
     mine: dict[int, list[Finding]] = {}
     on_id: dict[int, list[Finding]] = {}
+    on_joined: list[Finding] = []
+    own: dict[int, dict[tuple[int, str], list[tuple[int, int]]]] = {}
     for f in findings:
-        (on_id if f.field == ID_FIELD else mine).setdefault(f.message_index or 0, []).append(f)
+        if f.field == JOINED_FIELD:
+            if not f.unjudged:  # a failure is the values' own warning already
+                on_joined.append(f)
+            continue
+        i = f.message_index or 0
+        (on_id if f.field == ID_FIELD else mine).setdefault(i, []).append(f)
+        if f.field != ID_FIELD:
+            own.setdefault(i, {}).setdefault((int(f.field or 0), f.detector_id), []).append(
+                (f.start, f.end)
+            )
+    for f in on_joined:
+        i = f.message_index or 0
+        parts = _across_values(f, joined[i][1], own.get(i, {}), values[i])
+        if parts:
+            mine.setdefault(i, []).extend(parts)
     for i, flagged in on_id.items():
         if any(not f.unjudged for f in flagged):
             # the id is a handle, not content: one a detector flags is replaced, never sent
