@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -26,6 +27,7 @@ from .config import Config
 from .handlers.health import DETECTOR_HEALTH
 from .http_protocol import GuardedAppRunner
 from .reload import reload_config
+from .reload_channel import SupervisorLink
 from .state import STATE, AppState
 
 log = logging.getLogger("guardstream")
@@ -192,10 +194,12 @@ async def serve_process(
     device: str = "auto",
     worker: bool = False,
     workers: int = 1,
+    control_fd: int | None = None,
     ready_hint: Callable[[int], str] | None = None,
 ) -> int:
     """One process serving the app; a worker (one of `workers`) shares the port and tells its
-    supervisor on stdout when it listens, and when the others must reload."""
+    supervisor on stdout when it listens; `control_fd` is its end of the reload channel
+    (reload_channel.py)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     force = asyncio.Event()
@@ -214,6 +218,8 @@ async def serve_process(
         loop.add_signal_handler(sig, on_signal, sig)
     started: list[AppState] = []
     reloads: set[asyncio.Task[None]] = set()
+    link: SupervisorLink | None = None
+    channel: asyncio.Task[None] | None = None
 
     def on_hangup() -> None:
         if not started:  # the default action would kill a process still starting
@@ -233,7 +239,11 @@ async def serve_process(
         refreeze = asyncio.ensure_future(freeze_after_warm_up(runner.app[DETECTOR_HEALTH].warmed))
         scheme = "https" if config.server.tls else "http"
         if worker:
-            runner.app[STATE].reload_others = ask_supervisor_to_reload
+            state = runner.app[STATE]
+            if control_fd is not None:
+                link = await SupervisorLink.open(control_fd)
+                state.reload_others = link.reload_others
+                channel = asyncio.ensure_future(link.serve(functools.partial(reload_config, state)))
             log.info("worker %d listening on %s://%s:%d", os.getpid(), scheme, host, bound)
             print(json.dumps({"ready": os.getpid(), "port": bound}), flush=True)
         else:
@@ -252,17 +262,13 @@ async def serve_process(
         await drain(runner, config.server.drain_timeout_s, force=force)
         log.info("stopped")
     finally:
+        if link is not None:
+            link.close()
+        if channel is not None:
+            channel.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     return 0
-
-
-def ask_supervisor_to_reload() -> None:
-    """A worker's POST /admin/reload applied the file here: the supervisor (which reads this
-    worker's stdout, workers.py) sends SIGHUP to every other worker, so that all of them serve
-    the same config. A line on the pipe that already says "ready", not a signal to the parent:
-    it names the worker that needs none."""
-    print(json.dumps({"reload": os.getpid()}), flush=True)
 
 
 async def _reload_logged(state: AppState) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,9 +70,10 @@ class AppState:
     # server.workers of the supervisor this process serves under (1: it serves alone): each
     # worker enforces its share of a tenant's limits (tenants.per_worker)
     workers: int = 1
-    # a worker's: asks the supervisor to make every other worker reload (POST /admin/reload
-    # reached only this one); None when serving alone
-    reload_others: Callable[[], None] | None = None
+    # a worker's: has the supervisor make every other worker reload (POST /admin/reload
+    # reached only this one), with a deadline per worker; their problems, [] when all applied
+    # the file (reload_channel.py). None when serving alone
+    reload_others: Callable[[float], Awaitable[list[str]]] | None = None
     device: str = "auto"  # where in-process detectors run (`serve --device`), a reload's too
     migration_metrics: MigrationMetrics | None = None  # one set for every backend, reloads' too
     # the requests admitted under the config in use; a reload starts a new count (reload.py)

@@ -8,7 +8,8 @@ metrics go to files in a directory the supervisor creates and removes (prometheu
 multiprocess mode), so any worker's `/metrics` shows the sum over all of them. SIGTERM or SIGINT
 to the supervisor drains every worker (a second signal cuts the drains short), then stops the
 engines. A worker that dies is restarted. Each worker (and a single process) serves with
-server.py.
+server.py. A reload (the supervisor's SIGHUP, a worker's POST /admin/reload) reaches every
+worker over its reload channel (reload_channel.py), and each one's result comes back.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .config import (
     secret_env_names,
     with_source,
 )
+from .reload_channel import WorkerLink, reload_all
 from .server import (
     CLEANUP_GRACE_S,
     SHUTDOWN_GRACE_S,
@@ -162,6 +164,7 @@ def worker_main() -> int:
             device=spec["device"],
             worker=True,
             workers=spec["workers"],
+            control_fd=spec.get("control_fd"),
         )
     )
 
@@ -195,12 +198,13 @@ class Supervisor:
         self._spec: dict[str, Any] = {}
         self._env: dict[str, str] = {}
         self._told: set[int] = set()  # pids of workers sent SIGTERM
-        self._readers: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # stdout readers, reload channels, orders
         self.ready_hint: Callable[[int], str] | None = None
         # the workers reloaded the file since they started: a restarted one reloads it too (it
         # starts from the config read at start-up)
         self._reloaded = False
         self._listening: set[int] = set()  # pids of the workers that said they listen
+        self._links: dict[int, WorkerLink] = {}  # each worker's reload channel, by pid
 
     def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM: a worker drains on the first and cuts its drain short on a second."""
@@ -231,7 +235,7 @@ class Supervisor:
             # every worker reloads the file itself (orchestrator/reload.py)
             self._reloaded = True
             log.info("SIGHUP: %d worker(s) reload the config", len(self.procs))
-            self._reload_workers()
+            self._spawn_task(self._reload_logged(self._listening_links()))
 
         loop.add_signal_handler(signal.SIGHUP, on_hangup)
         self._metrics_dir = tempfile.mkdtemp(prefix="guardstream-metrics-")
@@ -330,19 +334,31 @@ class Supervisor:
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         """Worker `index`, once it listens; RuntimeError when it exits or hangs first."""
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            _WORKER_CODE,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env=self._env,
-            start_new_session=True,  # a Ctrl-C reaches the supervisor only, which drains them
-            preexec_fn=preexec_die_with_parent(),
-        )
+        ours, theirs = socket.socketpair()  # its reload channel (reload_channel.py)
+        fd = theirs.fileno()  # the same number in the worker (pass_fds)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                _WORKER_CODE,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env=self._env,
+                start_new_session=True,  # a Ctrl-C reaches the supervisor only, which drains them
+                preexec_fn=preexec_die_with_parent(),
+                pass_fds=(fd,),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         assert proc.stdin is not None and proc.stdout is not None
         self.procs[index] = proc
-        proc.stdin.write(json.dumps(self._spec).encode())
+        link = self._links[proc.pid] = await WorkerLink.open(ours, proc.pid)
+        self._spawn_task(link.serve(self._reload_others))
+        spec = {**self._spec, "control_fd": fd}
+        proc.stdin.write(json.dumps(spec).encode())
         with contextlib.suppress(ConnectionError):  # it died at once: reported below
             await proc.stdin.drain()
         proc.stdin.close()
@@ -360,14 +376,16 @@ class Supervisor:
             )
         self._listening.add(proc.pid)
         if self._reloaded:  # it serves what the others reloaded, not the file read at start
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGHUP)
+            self._spawn_task(self._reload_logged([link]))
         # its stdout is read to the end so that a chatty library never blocks it
-        reader = asyncio.create_task(self._listen(proc.stdout))
-        self._readers.add(reader)
-        reader.add_done_callback(self._readers.discard)
+        self._spawn_task(self._drain(proc.stdout))
         log.info("worker %d started: pid %d", index, proc.pid)
         return proc
+
+    def _spawn_task(self, step: Any) -> None:
+        task = asyncio.ensure_future(step)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     async def _wait_ready(stdout: asyncio.StreamReader) -> bool:
@@ -379,9 +397,9 @@ class Supervisor:
             sys.stderr.write(line.decode("utf-8", "replace"))
         return False
 
-    async def _listen(self, stdout: asyncio.StreamReader) -> None:
-        """A worker's stdout after "ready": `{"reload": pid}` (its POST /admin/reload applied
-        the file: every other worker reloads it too, on SIGHUP); anything else is dropped."""
+    @staticmethod
+    async def _drain(stdout: asyncio.StreamReader) -> None:
+        """A worker's stdout after "ready", dropped (a chatty library must never block it)."""
         while True:
             try:
                 line = await stdout.readline()
@@ -389,22 +407,32 @@ class Supervisor:
                 continue
             if not line:
                 return
-            if not line.startswith(b'{"reload"'):
-                continue
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                asked = int(json.loads(line)["reload"])
-                self._reloaded = True
-                log.info("worker %d reloaded: the other workers reload", asked)
-                self._reload_workers(but=asked)
 
-    def _reload_workers(self, but: int | None = None) -> None:
-        """SIGHUP to every worker that listens (but the pid `but`). One still starting is
-        not sent one (before its handler is installed, SIGHUP would kill it): `_spawn` sends
-        it one once it listens, since `_reloaded` is set."""
-        for proc in list(self.procs.values()):
-            if proc.pid in self._listening and proc.pid != but:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGHUP)
+    def _listening_links(self, but: int | None = None) -> list[WorkerLink]:
+        """The channels of the workers that listen (but the pid `but`). One still starting
+        gets no order: `_spawn` sends it one once it listens, since `_reloaded` is set."""
+        return [link for pid, link in self._links.items() if pid in self._listening and pid != but]
+
+    async def _reload_others(self, asked: int) -> list[str]:
+        """Worker `asked`'s POST /admin/reload applied the file there: every other worker
+        applies it; their problems, a line each naming the worker ([]: all did)."""
+        self._reloaded = True
+        links = self._listening_links(but=asked)
+        log.info("worker %d reloaded: %d other worker(s) reload", asked, len(links))
+        errors = await reload_all(links, self.config.server.request_timeout_s)
+        for line in errors:
+            log.error("config not reloaded by every worker: %s", line)
+        return errors
+
+    async def _reload_logged(self, links: list[WorkerLink]) -> None:
+        """An order nobody answers (SIGHUP, a restarted worker's catching up): logged."""
+        timeout_s = self.config.server.request_timeout_s
+        results = await asyncio.gather(*(link.reload(timeout_s) for link in links))
+        for link, errors in zip(links, results, strict=True):
+            if not errors:
+                log.info("worker %d reloaded the config", link.pid)
+            for line in errors:
+                log.error("config not reloaded: %s", line)
 
     async def _start_workers(self, stop: asyncio.Event) -> bool:
         """All workers, listening; False when one failed (`run` stops the others)."""
@@ -463,6 +491,9 @@ class Supervisor:
         if self.procs.get(index) is proc:
             del self.procs[index]
         self._listening.discard(proc.pid)
+        link = self._links.pop(proc.pid, None)
+        if link is not None:
+            link.close()
         multiprocess.mark_process_dead(proc.pid, self._metrics_dir)
 
     async def _stop_workers(self) -> None:

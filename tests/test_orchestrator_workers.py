@@ -278,15 +278,37 @@ ADMIN = {"Authorization": "Bearer the-admin-key"}
 async def test_a_reload_by_post_reaches_every_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """POST /admin/reload reaches the worker the kernel picked; every worker then serves the
-    new file (a worker restarted later too): a guardrail added to the model redacts the
-    answers of both."""
+    """POST /admin/reload reaches the worker the kernel picked, and answers once every worker
+    applied the new file (on 9a3c3dc the answer came once its own worker had, the others
+    reloading on SIGHUP after it, and a failure there was a log line only): right after the
+    answer both workers serve it (a guardrail added to the model redacts the answers of both),
+    and a worker restarted later applies it too; so does every worker on the supervisor's
+    SIGHUP, each one's result logged."""
     monkeypatch.setenv("ADMIN_KEYS", "the-admin-key")
     engine = FakeEngine(script=MAIL_SCRIPT)
     await engine.start()
     config = native_config(
         engine.url, detectors=PII, server={"workers": 2, "admin_keys_env": "ADMIN_KEYS"}
     )
+
+    async def both_serve_the_new_file(workers: set[int]) -> None:
+        """Streams on fresh connections until both workers served some (scrapes count
+        themselves once written: a worker's count grew by more than the scrapes it may have
+        answered), every one of them redacted."""
+        base = by_pid(await finished(scrape(served.url), 60, "a scrape"))
+        scrapes = 1
+        for _ in range(10):
+            body = generation_body()
+            streams = asyncio.gather(*(one_stream(served.url, body) for _ in range(10)))
+            for events in await finished(streams, 60, "a round of 10 streams"):
+                assert terminal(events).name == "completed"
+                assert assert_contiguous(frames(events)) == "Mail [email] now."
+            now = by_pid(await finished(scrape(served.url), 60, "a scrape"))
+            if set(now) == workers and all(now[p] - base[p] > scrapes for p in workers):
+                return
+            scrapes += 1
+        pytest.fail(f"one worker served none of 100 streams: {base} -> {now}")
+
     try:
         async with serve(tmp_path, config, start_s=START_S) as served:
             workers = {w.pid for w in served.workers()}
@@ -303,30 +325,21 @@ async def test_a_reload_by_post_reaches_every_worker(
             def reloaded() -> int:
                 return sum(m.startswith("config reloaded from") for m in served.messages())
 
-            # the other worker reloads on the supervisor's SIGHUP, after the answer
-            await until(lambda: reloaded() == 2, 30, "both workers reloaded")
+            # both applied it before the answer (each logs it before it says so)
+            assert reloaded() == 2
+            await both_serve_the_new_file(workers)
             # a worker that dies is restarted from the config read at start-up: it reloads too
             killed = min(workers)
             os.kill(killed, signal.SIGKILL)
             await until(lambda: reloaded() == 3, START_S, "the restarted worker reloaded")
             workers = {w.pid for w in served.workers()}
             assert len(workers) == 2 and killed not in workers
-            # fresh connections until both workers served some (scrapes count themselves once
-            # written: a worker's count grew by more than the scrapes it may have answered)
-            base = by_pid(await finished(scrape(served.url), 60, "a scrape"))
-            scrapes = 1
-            for _ in range(10):
-                body = generation_body()
-                streams = asyncio.gather(*(one_stream(served.url, body) for _ in range(10)))
-                for events in await finished(streams, 60, "a round of 10 streams"):
-                    assert terminal(events).name == "completed"
-                    assert assert_contiguous(frames(events)) == "Mail [email] now."
-                now = by_pid(await finished(scrape(served.url), 60, "a scrape"))
-                if set(now) == workers and all(now[p] - base[p] > scrapes for p in workers):
-                    break
-                scrapes += 1
-            else:
-                pytest.fail(f"one worker served none of 100 streams: {base} -> {now}")
+            await both_serve_the_new_file(workers)
             assert reloaded() == 3
+            # the supervisor's SIGHUP: an order to every worker, each one's result logged
+            served.proc.send_signal(signal.SIGHUP)
+            await until(lambda: reloaded() == 5, 60, "both workers reloaded on SIGHUP")
+            logged = {f"worker {pid} reloaded the config" for pid in workers}
+            await until(lambda: logged <= set(served.messages()), 30, "the supervisor's log")
     finally:
         await engine.close()

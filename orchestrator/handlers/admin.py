@@ -2,7 +2,11 @@
 caller with an admin key (`server.admin_keys_env`; a tenant's key is not one). A file with
 errors changes nothing: 422 with DESIGN's error body, plus `errors`, one line per problem.
 With `server.workers` > 1 the request reaches one worker: once the file applied there, the
-supervisor has every other worker reload it (SIGHUP); the answer does not wait for them."""
+supervisor has every other worker apply it (reload_channel.py), and the answer waits for each
+one's result (a deadline of request_timeout_s each): a worker that did not apply it makes the
+answer a 500 `server_error` whose `errors` name each such worker and why. The file was good
+(this worker applied it), so it is no client mistake; the workers then run different configs
+until a reload applies everywhere, which an operator must hear of, not read as "reloaded"."""
 
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from ..reload import reload_config
 from ..state import STATE, AppState
 
 RELOAD_PATH = "/admin/reload"
-_RELOADS: set[asyncio.Future[list[str]]] = set()  # running reloads: the loop holds tasks weakly
+_RELOADS: set[asyncio.Future[tuple[list[str], list[str]]]] = (
+    set()
+)  # running reloads: the loop holds tasks weakly
 
 
 async def reload(request: web.Request) -> web.Response:
@@ -29,7 +35,16 @@ async def reload(request: web.Request) -> web.Response:
     reloading = asyncio.ensure_future(_reload_everywhere(state))
     _RELOADS.add(reloading)
     reloading.add_done_callback(_RELOADS.discard)
-    errors = await asyncio.shield(reloading)
+    errors, others = await asyncio.shield(reloading)
+    if others:
+        body = {
+            "code": 500,
+            "details": f"config reloaded by this worker, not by every other: {len(others)} "
+            "error(s): " + "; ".join(others),
+            "type": ErrorType.SERVER_ERROR.value,
+            "errors": others,
+        }
+        return web.json_response(body, status=500)
     if errors:
         body = {
             "code": 422,
@@ -43,9 +58,10 @@ async def reload(request: web.Request) -> web.Response:
     return web.json_response({"reloaded": True, "tenants": sorted(tenants.tenants)})
 
 
-async def _reload_everywhere(state: AppState) -> list[str]:
-    """This process's reload, then (a worker whose reload applied) every other worker's."""
+async def _reload_everywhere(state: AppState) -> tuple[list[str], list[str]]:
+    """This process's reload's errors, then (a worker whose reload applied) every other
+    worker's problems applying the file."""
     errors = await reload_config(state)
-    if not errors and state.reload_others is not None:
-        state.reload_others()
-    return errors
+    if errors or state.reload_others is None:
+        return errors, []
+    return [], await state.reload_others(state.config.server.request_timeout_s)

@@ -340,6 +340,16 @@ RELOAD_ERRORS_SCHEMA: dict[str, Any] = {
         "errors": {"type": "array", "items": {"type": "string"}},
     },
 }
+RELOAD_PARTIAL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["code", "details", "type", "errors"],
+    "properties": {
+        "code": {"const": 500},
+        "details": {"type": "string"},
+        "type": {"const": "server_error"},
+        "errors": {"type": "array", "items": {"type": "string"}},
+    },
+}
 
 
 def _plain_json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -511,6 +521,11 @@ def build_openapi(
                     "422": {
                         "description": "not applied: every error of the file, nothing changed",
                         "content": _plain_json(RELOAD_ERRORS_SCHEMA),
+                    },
+                    "500": {
+                        "description": "server.workers > 1: applied by the worker that answers, "
+                        "not by every other (`errors`: each such worker and why)",
+                        "content": _plain_json(RELOAD_PARTIAL_SCHEMA),
                     },
                 },
             }
