@@ -935,6 +935,19 @@ async def test_a_number_is_redacted_into_a_string_and_the_json_stays_valid(
     ]
 
 
+async def annotated(
+    orch: Orchestrator, calls: list[ScriptedToolCall], arguments: str
+) -> list[dict[str, Any]]:
+    """The `pii` detections on a call with `arguments`, which reach the client unchanged."""
+    calls.append(ScriptedToolCall("c0", "send_email", arguments))
+    chunks = await streamed(
+        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
+    )
+    [call] = reassembled(chunks)
+    assert call["arguments"] == arguments
+    return all_results(chunks)
+
+
 # an e-mail address written across two values: neither value holds one on its own
 SPLIT = '{"user": "jo.smith@", "domain": "example.com"}'
 
@@ -961,13 +974,7 @@ async def test_pii_split_over_values_is_reported_and_redacted_in_each_value(
     """The finding across two values is reported as its part in each (a span into the
     arguments each, the JSON between them is no part of it), and redacted in each: the JSON
     stays valid, the keys keep their bytes."""
-    calls.append(ScriptedToolCall("c0", "send_email", SPLIT))
-    chunks = await streamed(
-        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
-    )
-    [call] = reassembled(chunks)
-    assert call["arguments"] == SPLIT
-    found = all_results(chunks)
+    found = await annotated(orch, calls, SPLIT)
     assert [(SPLIT[f["start"] : f["end"]], f["word"], f["entity"]) for f in found] == [
         ("jo.smith@", "jo.smith@", "email"),
         ("example.com", "example.com", "email"),
@@ -1003,15 +1010,8 @@ async def test_unrelated_values_make_no_finding_across_them(
         ("123-45-6789", "ssn"),
         ("re-jo@example.com", "email"),
     ]
-    arguments = UNRELATED
-    calls.append(ScriptedToolCall("c0", "send_email", arguments))
-    chunks = await streamed(
-        orch, model=MODEL, messages=ASK, tools=TOOLS, extra_body=output({"pii": {}})
-    )
-    [call] = reassembled(chunks)
-    assert call["arguments"] == arguments
-    found = all_results(chunks)
-    assert [(arguments[f["start"] : f["end"]], f["entity"]) for f in found] == [
+    found = await annotated(orch, calls, UNRELATED)
+    assert [(UNRELATED[f["start"] : f["end"]], f["entity"]) for f in found] == [
         ("jo@example.com", "email")
     ]
 
