@@ -140,10 +140,14 @@ SHIPPED: dict[str, ShippedTemplate] = {
 @dataclass(frozen=True, slots=True)
 class JudgeContext:
     """What a judge reads beside the text under judgement: the conversation so far and, on
-    output, the answer before the first content of the call (contents are consecutive chunks)."""
+    output, the answer before the first content of the call (contents are consecutive chunks),
+    and whose judgement it is: `stream`, one stream's token (its detector queue's), so state a
+    judge keeps for a stream (an engine judge's session) is never another stream's, of the same
+    tenant or another; None: the text alone says whose."""
 
     messages: tuple[tuple[str, str], ...] = ()  # (role, content)
     prefix: str = ""
+    stream: object | None = None
 
 
 def is_inline(template: str) -> bool:

@@ -227,6 +227,7 @@ class DetectorQueue:
         self._in_context = detector.client.reads_context
         self._conversation = conversation
         self._answer = ""  # in context: the text judged so far (the chunks are consecutive)
+        self._stream = object()  # in context: this stream's token (JudgeContext.stream)
         # a redacting or blocking span detector looks across the chunk ends that are seams for it
         self._seam_after = seam_ends(detector)
         self._seamed = (
@@ -260,6 +261,18 @@ class DetectorQueue:
         if self._seamed:
             await self._run_seamed()
             return
+        try:
+            await self._run_chunks()
+        finally:
+            if self._in_context and self.calls:
+                # the stream is over, however it ended: a judge's session for it is freed now,
+                # not when a table of finished streams overflows (an engine's session slots
+                # held by ended streams refuse the streams that are running)
+                context = JudgeContext(self._conversation, self._answer, self._stream)
+                self.detector.client.release(context)
+
+    async def _run_chunks(self) -> None:
+        """Each pending chunk judged alone (or with the answer before it, in context)."""
         detector = self.detector
         while True:
             if not self._pending:
@@ -274,7 +287,7 @@ class DetectorQueue:
             self.calls += 1
             texts = [s.text for s in batch]
             if self._in_context:
-                context = JudgeContext(self._conversation, self._answer)
+                context = JudgeContext(self._conversation, self._answer, self._stream)
                 replies = await detector.client.detect(texts, detector.params, context)
                 self._answer += "".join(texts)
             else:
