@@ -12,6 +12,7 @@ import signal
 import sys
 
 from servicekit.cli import add_service_flags, service_flags
+from servicekit.connections import add_connection_flags
 
 from .runtime import check_device, one_blas_thread_per_process
 from .service import (
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--no-warmup", action="store_true", help="load models on first use, not at start"
     )
+    add_connection_flags(s)
     add_service_flags(s)
     return parser
 
@@ -77,6 +79,8 @@ async def _serve(args: argparse.Namespace, config: dict) -> None:
         max_content_chars=args.max_content_chars,
         max_total_chars=args.max_total_chars,
         max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
     )
     await serve(
         config,

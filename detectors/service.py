@@ -6,8 +6,9 @@
 then: probes and Prometheus carry no key, and metrics hold counters, never text), 404 unknown or
 missing detector id, 422 malformed body or bad detector_params (including any param a request
 may not set: paths, batching, patterns unless the config allows them), 413 too many or too long
-contents, 503 when the detector's micro-batch queue is full, 500 only for a failure of the
-service itself.
+contents, 408 when a request body does not arrive within `body_timeout_s` (and a connection
+whose request head is not complete within `header_timeout_s` is closed: servicekit.connections),
+503 when the detector's micro-batch queue is full, 500 only for a failure of the service itself.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ from servicekit.auth import (
     BearerKeys,
     api_keys_from_env,
 )
+from servicekit.connections import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    BodyTimeout,
+    close_after,
+    read_body,
+    runner_options,
+)
 from servicekit.tracing import annotate
 
 from . import build
@@ -54,12 +63,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Limits:
-    """Request bounds; past them the service answers 413 instead of doing unbounded work."""
+    """Request bounds; past them the service answers 413 (408 for a body that does not arrive
+    in time) instead of doing unbounded work, or holding a connection for ever."""
 
     max_contents: int = 1024
     max_content_chars: int = 200_000
     max_total_chars: int = 1_000_000
     max_body_bytes: int = 4 * 1024 * 1024
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
 
 
 class ConfigError(ValueError):
@@ -391,11 +403,13 @@ async def _contents(request: web.Request) -> web.Response:
         if det is None:
             raise ApiError(404, f"detector `{detector_id}` not found")
         try:
-            raw = await request.read()
+            raw = await read_body(request, state.limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(
                 413, f"request body larger than {state.limits.max_body_bytes} bytes"
             ) from None
+        except BodyTimeout as exc:
+            raise ApiError(408, str(exc)) from None
         body = await _off_loop_if(len(raw) > BULK_BODY_BYTES, lambda: _parse_contents(raw))
         params = body.detector_params or None
         if params:
@@ -441,7 +455,10 @@ async def _contents(request: web.Request) -> web.Response:
     except ApiError as exc:
         status = exc.status
         headers = {"Retry-After": "1"} if exc.status == 503 else {}
-        return error_response(exc.status, exc.message, **headers)
+        response = error_response(exc.status, exc.message, **headers)
+        if exc.status == 408:  # the body's rest is never read: nothing more on this connection
+            await close_after(request, response)
+        return response
     finally:
         state.metrics.requests.labels(label, str(status)).inc()
         state.metrics.latency.labels(label).observe(time.perf_counter() - t0)
@@ -460,8 +477,11 @@ async def serve(
 ) -> None:
     """Runs the service until `stop` is set (or forever); `ready(host, port, ids)` once bound
     (port 0 binds a free port, reported here)."""
+    limits = limits or Limits()
     app = create_app(config, limits=limits, device=device, warmup=warmup)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, **runner_options(limits.header_timeout_s)
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
