@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-total-chars", type=int, default=defaults.max_total_chars)
     s.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     s.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=defaults.max_concurrent_requests,
+        help="contents requests in progress at once; beyond, 503 with Retry-After",
+    )
+    s.add_argument(
         "--no-warmup", action="store_true", help="load models on first use, not at start"
     )
     add_connection_flags(s)
@@ -81,6 +87,7 @@ async def _serve(args: argparse.Namespace, config: dict) -> None:
         max_body_bytes=args.max_body_bytes,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
     await serve(
         config,

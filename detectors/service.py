@@ -8,7 +8,8 @@ missing detector id, 422 malformed body or bad detector_params (including any pa
 may not set: paths, batching, patterns unless the config allows them), 413 too many or too long
 contents, 408 when a request body does not arrive within `body_timeout_s` (and a connection
 whose request head is not complete within `header_timeout_s` is closed: servicekit.connections),
-503 when the detector's micro-batch queue is full, 500 only for a failure of the service itself.
+503 (with Retry-After) when the detector's micro-batch queue is full or `max_concurrent_requests`
+requests are in progress, 500 only for a failure of the service itself.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class Limits:
     max_body_bytes: int = 4 * 1024 * 1024
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    # contents requests in progress at once; past it 503 with Retry-After, the body unread: each
+    # holds its body and parsed contents while it waits for a scan thread or a model, so without
+    # a bound memory grew with the clients' connections (a detector's own queue bounds its
+    # model's work, not the requests waiting to reach it, and the regex scans have none)
+    max_concurrent_requests: int = 256
 
 
 class ConfigError(ValueError):
@@ -222,6 +228,7 @@ class _State:
     limits: Limits
     metrics: _Metrics
     warmup: bool
+    in_progress: int = 0  # contents requests admitted and not answered yet
 
 
 STATE = web.AppKey("detector_service_state", _State)
@@ -397,11 +404,20 @@ async def _contents(request: web.Request) -> web.Response:
     label = detector_id if det is not None else "_unknown"
     t0 = time.perf_counter()
     status = 500
+    admitted = False  # counted in `in_progress` (and its body read)
     try:
         if not detector_id:
             raise ApiError(404, "missing detector-id header")
         if det is None:
             raise ApiError(404, f"detector `{detector_id}` not found")
+        if state.in_progress >= state.limits.max_concurrent_requests:
+            raise ApiError(
+                503,
+                f"{state.in_progress} requests in progress (at most max_concurrent_requests = "
+                f"{state.limits.max_concurrent_requests}): retry later",
+            )
+        state.in_progress += 1
+        admitted = True
         try:
             raw = await read_body(request, state.limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
@@ -456,10 +472,16 @@ async def _contents(request: web.Request) -> web.Response:
         status = exc.status
         headers = {"Retry-After": "1"} if exc.status == 503 else {}
         response = error_response(exc.status, exc.message, **headers)
-        if exc.status == 408:  # the body's rest is never read: nothing more on this connection
+        if exc.status == 408:  # the body stalled: nothing more on this connection
             await close_after(request, response)
+        elif exc.status == 503 and not admitted:
+            # its body unread: aiohttp reads and drops it (at most its 10 s lingering time),
+            # then closes; closing at once could reset the connection under the reply
+            response.force_close()
         return response
     finally:
+        if admitted:
+            state.in_progress -= 1
         state.metrics.requests.labels(label, str(status)).inc()
         state.metrics.latency.labels(label).observe(time.perf_counter() - t0)
 

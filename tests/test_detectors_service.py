@@ -26,6 +26,7 @@ import detectors
 from detectors import Detection, Detector, DetectorError, Overloaded
 from detectors.service import ConfigError, Limits, create_app, detectors_from_config
 from tests.http_support import Reply, exchange_at, post_head
+from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
 URL = "/api/v1/text/contents"
@@ -433,3 +434,49 @@ async def test_a_stalled_body_is_408_and_the_connection_closes(tmp_path: Path) -
         "code": 408,
         "message": "the request body did not arrive within 0.3 s",
     }
+
+
+class Gated(Detector):
+    """A detector whose calls wait for `release`: requests held in progress, in the test's
+    hands."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def detect(
+        self, contents: list[str], params: dict[str, Any] | None = None
+    ) -> list[list[Detection]]:
+        self.calls += 1
+        await self.release.wait()
+        return [[] for _ in contents]
+
+
+async def test_requests_past_max_concurrent_requests_are_503_before_their_body_is_read(
+    aiohttp_client: Any,
+) -> None:
+    """Repro: the service admitted any number of requests at once, each holding its body (up to
+    max_body_bytes, 4 MiB, and its parsed contents) while it waited for a scan thread or a
+    model: memory grew with the clients' connections. Past `max_concurrent_requests` a request
+    is refused at once, 503 with Retry-After, its body unread; the ones admitted finish, and
+    room is made again when they do."""
+    gated = Gated()
+    limits = Limits(max_concurrent_requests=2)
+    client = await aiohttp_client(create_app({"gated": gated}, limits=limits))
+    held = [
+        asyncio.ensure_future(post(client, {"contents": [f"held {i}"]}, "gated")) for i in range(2)
+    ]
+    await until(lambda: gated.calls == 2, what="two requests in progress")
+    resp = await client.post(URL, json={"contents": ["one more"]}, headers={"detector-id": "gated"})
+    assert (resp.status, resp.headers["Retry-After"]) == (503, "1")
+    assert await resp.json() == {
+        "code": 503,
+        "message": "2 requests in progress (at most max_concurrent_requests = 2): retry later",
+    }
+    assert gated.calls == 2
+    gated.release.set()
+    assert [await h for h in held] == [(200, [[]]), (200, [[]])]
+    assert await post(client, {"contents": ["now"]}, "gated") == (200, [[]])
