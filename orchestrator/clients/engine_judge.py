@@ -224,7 +224,7 @@ class EngineJudgeClient(JudgeDetectorClient):
     ) -> list[tuple[float, str]]:
         stream = self._streams.pop(_key(context), None)
         if stream is None:  # a new stream (or an evicted one): its answer so far is one chunk
-            head, tail = self._prompt.split(JudgeContext(context.messages), output=True)
+            head, tail = self._prompt.split(replace(context, prefix=""), output=True)
             stream = _Stream(head, tail, [visible(context.prefix)] if context.prefix else [])
         verdicts: list[tuple[float, str]] = []
         try:

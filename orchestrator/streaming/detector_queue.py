@@ -205,9 +205,11 @@ class DetectorQueue:
         *,
         max_batch: int = 32,
         conversation: tuple[tuple[str, str], ...] = (),
+        ready: tuple[tuple[str, str], ...] | None = None,
     ) -> None:
         """`conversation`: the request's (role, content) messages, which a judge reads beside
-        each chunk with the answer before it (`reads_context`)."""
+        each chunk with the answer before it (`reads_context`); `ready`: them made judge-ready
+        once for the stream (JudgeContext.ready)."""
         self.detector = detector
         self._inbox = inbox
         self._max_batch = max_batch
@@ -226,6 +228,7 @@ class DetectorQueue:
         # context of the chunk after it, and a seam window would be judged out of context
         self._in_context = detector.client.reads_context
         self._conversation = conversation
+        self._ready = ready
         self._answer = ""  # in context: the text judged so far (the chunks are consecutive)
         self._stream = object()  # in context: this stream's token (JudgeContext.stream)
         # a redacting or blocking span detector looks across the chunk ends that are seams for it
@@ -268,7 +271,7 @@ class DetectorQueue:
                 # the stream is over, however it ended: a judge's session for it is freed now,
                 # not when a table of finished streams overflows (an engine's session slots
                 # held by ended streams refuse the streams that are running)
-                context = JudgeContext(self._conversation, self._answer, self._stream)
+                context = JudgeContext(self._conversation, self._answer, self._stream, self._ready)
                 self.detector.client.release(context)
 
     async def _run_chunks(self) -> None:
@@ -287,7 +290,7 @@ class DetectorQueue:
             self.calls += 1
             texts = [s.text for s in batch]
             if self._in_context:
-                context = JudgeContext(self._conversation, self._answer, self._stream)
+                context = JudgeContext(self._conversation, self._answer, self._stream, self._ready)
                 replies = await detector.client.detect(texts, detector.params, context)
                 self._answer += "".join(texts)
             else:
