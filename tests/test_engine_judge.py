@@ -297,14 +297,31 @@ async def test_a_judge_engine_that_refuses_the_session_fails_closed(
         policy = "word " * tiny_exact.max_context
         extra = {"template": "{{ policy }}\n{{ text }}\nAnswer:", "params": {"policy": policy}}
         extra |= {"unsafe_tokens": ["unsafe"], "safe_tokens": ["safe"]}
+    # a full engine is the service at capacity (429 overloaded), a refused text a failed judge
+    status = (200, 429) if refusal == "sessions_full" else (200, 502)
     with ThreadedServer(make) as judge_engine:
         async with Orchestrator(judged_config(engine, [judge_engine.url], **extra)) as orch:
-            data = await raw(orch, surface, status=(200, 502))
+            data = await raw(orch, surface, status=status)
         assert judge_engine.app is not None
         assert judge_engine.app[ENGINE_STATE].engine.judges.sessions == {}
     for leaked in (b"Sure", b"Mix", b"bomb", b"Done"):
         assert leaked not in data, (leaked, data)
     assert b"guard" in data
+
+
+async def test_a_full_judge_engine_is_overloaded_not_a_broken_detector(
+    engine: FakeEngine, tiny_exact: LoadedModel
+) -> None:
+    """Every judge replica answering 429 (all its sessions held by running streams) is the
+    service at capacity, as a remote detector's 429 or 503 is: the stream ends with `overloaded`
+    (429, retry), not `detector_error` (502, a broken dependency), and still nothing of the
+    answer leaves. Repro: 502 detector_error "no judge engine could judge the text"."""
+    with ThreadedServer(lambda: create_app(tiny_exact, max_judge_sessions=0)) as judge_engine:
+        async with Orchestrator(judged_config(engine, [judge_engine.url])) as orch:
+            name, got, data = fms_end(await raw(orch, "fms"))
+    assert (name, got) == ("error", [])
+    assert (data["code"], data["type"]) == (429, "overloaded")
+    assert "guard" in data["details"]
 
 
 async def test_annotate_on_error_lets_the_text_flow(engine: FakeEngine) -> None:

@@ -77,9 +77,10 @@ class _ReplicaFailed(Exception):
     """This replica cannot serve the session: try another (the session is rebuilt there).
     `down`: the replica itself failed (not just the session, e.g. expired there)."""
 
-    def __init__(self, reason: str, down: bool = True) -> None:
+    def __init__(self, reason: str, down: bool = True, full: bool = False) -> None:
         super().__init__(reason)
         self.down = down
+        self.full = full  # it answered 429: every session (or its token budget) is in use
 
 
 @dataclass(slots=True)
@@ -260,6 +261,7 @@ class EngineJudgeClient(JudgeDetectorClient):
         does (judge_templates.judged); the engine tokenizes it as text."""
         chunk = visible(chunk)
         failures: list[str] = []
+        full = True  # every replica that was asked answered 429 (at capacity, not broken)
         attempts = len(self.replicas)
         forgotten = False  # a live replica forgot the session once: rebuilt, there too
         while attempts > 0:
@@ -283,6 +285,7 @@ class EngineJudgeClient(JudgeDetectorClient):
                     reply = await self._post(replica, path, {"chunk": chunk, **self._answer})
             except _ReplicaFailed as exc:
                 failures.append(f"{replica.url}: {exc}")
+                full = full and exc.full
                 if exc.down:
                     self._down.add(index)
                 elif not forgotten:  # (expired or restarted there; a lone replica included)
@@ -301,6 +304,10 @@ class EngineJudgeClient(JudgeDetectorClient):
                 raise DetectorCallError(self.detector_id, "malformed reply")
             return score, answer
         log.warning("judge %s: every replica failed: %s", self.detector_id, "; ".join(failures))
+        if full:  # at capacity, as a remote detector's 429: the client may retry (overloaded)
+            raise DetectorCallError(
+                self.detector_id, "every judge engine is at capacity", overloaded=True
+            )
         raise DetectorCallError(self.detector_id, "no judge engine could judge the text")
 
     def _pick(self, stream: _Stream) -> int:
@@ -330,7 +337,11 @@ class EngineJudgeClient(JudgeDetectorClient):
                         f"judge {self.detector_id}", resp.status, await read_error_body(resp)
                     )
                     if resp.status in (404, 429) or resp.status >= 500:
-                        raise _ReplicaFailed(f"HTTP {resp.status}", down=resp.status != 404)
+                        raise _ReplicaFailed(
+                            f"HTTP {resp.status}",
+                            down=resp.status != 404,
+                            full=resp.status == 429,
+                        )
                     raise DetectorCallError(self.detector_id, f"HTTP {resp.status}")
                 reply = orjson.loads(await read_bounded(resp, REPLY_BYTES))
         except aiohttp.ClientError as exc:
