@@ -12,6 +12,7 @@ import signal
 import sys
 
 from servicekit.cli import add_service_flags, service_flags
+from servicekit.connections import add_connection_flags
 
 from .runtime import check_device, one_blas_thread_per_process
 from .service import (
@@ -38,8 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-total-chars", type=int, default=defaults.max_total_chars)
     s.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     s.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=defaults.max_concurrent_requests,
+        help="contents requests in progress at once; beyond, 503 with Retry-After",
+    )
+    s.add_argument(
         "--no-warmup", action="store_true", help="load models on first use, not at start"
     )
+    add_connection_flags(s)
     add_service_flags(s)
     return parser
 
@@ -77,6 +85,9 @@ async def _serve(args: argparse.Namespace, config: dict) -> None:
         max_content_chars=args.max_content_chars,
         max_total_chars=args.max_total_chars,
         max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
     await serve(
         config,

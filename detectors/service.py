@@ -6,8 +6,10 @@
 then: probes and Prometheus carry no key, and metrics hold counters, never text), 404 unknown or
 missing detector id, 422 malformed body or bad detector_params (including any param a request
 may not set: paths, batching, patterns unless the config allows them), 413 too many or too long
-contents, 503 when the detector's micro-batch queue is full, 500 only for a failure of the
-service itself.
+contents, 408 when a request body does not arrive within `body_timeout_s` (and a connection
+whose request head is not complete within `header_timeout_s` is closed: servicekit.connections),
+503 (with Retry-After) when the detector's micro-batch queue is full or `max_concurrent_requests`
+requests are in progress, 500 only for a failure of the service itself.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ from servicekit.auth import (
     BearerKeys,
     api_keys_from_env,
 )
+from servicekit.connections import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    BodyTimeout,
+    close_after,
+    read_body,
+    runner_options,
+)
 from servicekit.tracing import annotate
 
 from . import build
@@ -54,12 +64,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Limits:
-    """Request bounds; past them the service answers 413 instead of doing unbounded work."""
+    """Request bounds; past them the service answers 413 (408 for a body that does not arrive
+    in time) instead of doing unbounded work, or holding a connection for ever."""
 
     max_contents: int = 1024
     max_content_chars: int = 200_000
     max_total_chars: int = 1_000_000
     max_body_bytes: int = 4 * 1024 * 1024
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    # contents requests in progress at once; past it 503 with Retry-After, the body unread: each
+    # holds its body and parsed contents while it waits for a scan thread or a model, so without
+    # a bound memory grew with the clients' connections (a detector's own queue bounds its
+    # model's work, not the requests waiting to reach it, and the regex scans have none)
+    max_concurrent_requests: int = 256
 
 
 class ConfigError(ValueError):
@@ -210,6 +228,7 @@ class _State:
     limits: Limits
     metrics: _Metrics
     warmup: bool
+    in_progress: int = 0  # contents requests admitted and not answered yet
 
 
 STATE = web.AppKey("detector_service_state", _State)
@@ -385,17 +404,28 @@ async def _contents(request: web.Request) -> web.Response:
     label = detector_id if det is not None else "_unknown"
     t0 = time.perf_counter()
     status = 500
+    admitted = False  # counted in `in_progress` (and its body read)
     try:
         if not detector_id:
             raise ApiError(404, "missing detector-id header")
         if det is None:
             raise ApiError(404, f"detector `{detector_id}` not found")
+        if state.in_progress >= state.limits.max_concurrent_requests:
+            raise ApiError(
+                503,
+                f"{state.in_progress} requests in progress (at most max_concurrent_requests = "
+                f"{state.limits.max_concurrent_requests}): retry later",
+            )
+        state.in_progress += 1
+        admitted = True
         try:
-            raw = await request.read()
+            raw = await read_body(request, state.limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(
                 413, f"request body larger than {state.limits.max_body_bytes} bytes"
             ) from None
+        except BodyTimeout as exc:
+            raise ApiError(408, str(exc)) from None
         body = await _off_loop_if(len(raw) > BULK_BODY_BYTES, lambda: _parse_contents(raw))
         params = body.detector_params or None
         if params:
@@ -441,8 +471,17 @@ async def _contents(request: web.Request) -> web.Response:
     except ApiError as exc:
         status = exc.status
         headers = {"Retry-After": "1"} if exc.status == 503 else {}
-        return error_response(exc.status, exc.message, **headers)
+        response = error_response(exc.status, exc.message, **headers)
+        if exc.status == 408:  # the body stalled: nothing more on this connection
+            await close_after(request, response)
+        elif exc.status == 503 and not admitted:
+            # its body unread: aiohttp reads and drops it (at most its 10 s lingering time),
+            # then closes; closing at once could reset the connection under the reply
+            response.force_close()
+        return response
     finally:
+        if admitted:
+            state.in_progress -= 1
         state.metrics.requests.labels(label, str(status)).inc()
         state.metrics.latency.labels(label).observe(time.perf_counter() - t0)
 
@@ -460,8 +499,11 @@ async def serve(
 ) -> None:
     """Runs the service until `stop` is set (or forever); `ready(host, port, ids)` once bound
     (port 0 binds a free port, reported here)."""
+    limits = limits or Limits()
     app = create_app(config, limits=limits, device=device, warmup=warmup)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, **runner_options(limits.header_timeout_s)
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

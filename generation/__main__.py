@@ -19,6 +19,7 @@ from aiohttp.web_log import AccessLogger
 
 from servicekit.auth import ApiKeysError, api_keys_from_env
 from servicekit.cli import add_service_flags, service_flags
+from servicekit.connections import add_connection_flags, runner_options
 
 LISTENING_PREFIX = "guardstream-engine listening on "
 #: The listening socket's accept queue (the kernel caps it at net.core.somaxconn). aiohttp's
@@ -173,6 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--core-steps-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--core-socket", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--core-command", default=None, help=argparse.SUPPRESS)
+    add_connection_flags(serve)
     add_service_flags(serve)
     prepare = sub.add_parser("prepare", help="build or convert a model into the cache, then exit")
     prepare.add_argument("model")
@@ -260,6 +262,7 @@ async def _load_app(args: argparse.Namespace, api_keys: list[str] | None) -> Any
         max_judge_sessions=args.max_judge_sessions,
         max_judge_tokens=args.max_judge_tokens,
         static_judge=args.static_judge,
+        body_timeout_s=args.body_timeout_s,
     )
     return app
 
@@ -315,6 +318,7 @@ async def _serve_api(args: argparse.Namespace, api_keys: list[str] | None) -> in
                 facts["tool_format"],
                 fault_injection=args.enable_fault_injection,
                 api_keys=api_keys,
+                body_timeout_s=args.body_timeout_s,
             )
             status = await _listen(args, app, freeze_startup_heap, lost)
         finally:
@@ -343,6 +347,8 @@ async def _listen(
         handler_cancellation=True,
         shutdown_timeout=10.0,
         access_log_class=ProbeQuietAccessLogger,
+        # a connection that never completes its request head is closed (servicekit.connections)
+        **runner_options(args.header_timeout_s),
     )
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, backlog=LISTEN_BACKLOG)

@@ -10,6 +10,10 @@ whose tokens plus `max_new_tokens` exceed the context, are rejected with 422 bef
 vLLM rejects them (it answers 400); the budget is never silently clamped, so a client learns that
 it asked for more than the model can give.
 
+Connections (servicekit.connections): a body that has not arrived within `body_timeout_s`
+(`--body-timeout-s`) is a 408 that closes the connection; `python -m generation serve` closes a
+connection whose request head is not complete within `--header-timeout-s`.
+
 Auth (`api_keys`, from `--api-keys-env`): every path needs `Authorization: Bearer <key>` except
 `/health` (liveness probes, the orchestrator's supervisor) and `/metrics` (Prometheus scrapers;
 counters only, never text), the same open set as the orchestrator's. An unknown path without a
@@ -37,6 +41,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, BearerKeys
+from servicekit.connections import BODY_TIMEOUT_S, BodyTimeout, close_after, read_body
 from servicekit.tracing import annotate, event
 
 from . import judge_routes, models
@@ -106,6 +111,7 @@ class EngineState:
     streams: set[_Stream] = field(default_factory=set)  # open generate responses
     watcher: asyncio.Task[None] | None = None  # `_watch_disconnects`
     core_http: Any = None  # API process: the aiohttp.ClientSession to the core's own app
+    body_timeout_s: float = BODY_TIMEOUT_S  # a request body must arrive within this
 
     async def run_tokenizer(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
@@ -140,6 +146,7 @@ def create_app(
     max_judge_sessions: int | None = None,
     max_judge_tokens: int | None = None,
     judge_idle_timeout_s: float | None = None,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> web.Application:
     """The engine app. Pass a `LoadedModel` to share one model between apps (tests), or a spec.
     With `api_keys` (non-empty), every path but OPEN_PATHS (and the fault route of a test
@@ -169,6 +176,7 @@ def create_app(
         ),
         faults=FaultInjector() if fault_injection else None,
         tool_format=tool_call_format(getattr(loaded.frontend_tokenizer, "chat_template", None)),
+        body_timeout_s=body_timeout_s,
     )
     judges = state.engine.judges  # judge sessions (judge_routes.py)
     if max_judge_sessions is not None:
@@ -216,6 +224,7 @@ def create_api_app(
     fault_injection: bool = False,
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> web.Application:
     """The API process's app of a split replica (engine_core.py, issue 35): the same middlewares
     (errors, auth, tracing) and generate handler as `create_app`, its jobs relayed to the core
@@ -230,6 +239,7 @@ def create_api_app(
         engine=core,
         faults=FaultInjector() if fault_injection else None,
         tool_format=tool_format,
+        body_timeout_s=body_timeout_s,
     )
     app.router.add_post("/v1/generate", handle_generate)
     if fault_injection:
@@ -252,7 +262,8 @@ async def _forward(request: web.Request) -> web.Response:
     import aiohttp
 
     state = request.app[STATE]
-    body = await request.read()  # over client_max_size: 413, as the core's app would answer
+    # over client_max_size: 413, as the core's app would answer
+    body = await _read_body(request)
     headers = {k: v for k in FORWARDED_REQUEST_HEADERS if (v := request.headers.get(k))}
     try:
         async with state.core_http.request(
@@ -352,9 +363,12 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     try:
         return await handler(request)
     except ClientError as exc:
-        return web.json_response(
+        response = web.json_response(
             error_body(exc.status, exc.details, exc.type), status=exc.status, headers=exc.headers
         )
+        if exc.status == 408:  # a body not read to its end: nothing more on this connection
+            await close_after(request, response)
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -387,13 +401,21 @@ def _auth_middleware(keys: Sequence[str], open_paths: frozenset[str]) -> Any:
     return check
 
 
+async def _read_body(request: web.Request) -> bytes:
+    """The body within the app's `body_timeout_s`, else a 408 (that closes the connection)."""
+    try:
+        return await read_body(request, request.app[STATE].body_timeout_s)
+    except BodyTimeout as exc:
+        raise ClientError(408, str(exc), "timeout") from None
+
+
 async def _read_model(request: web.Request, schema: type[BaseModel]) -> Any:
     content_type = request.headers.get("Content-Type")
     if content_type is not None:
         mime = request.content_type.lower()
         if not (mime == "application/json" or mime.endswith("+json")):
             raise ClientError(415, f"Content-Type must be application/json, not {mime!r}")
-    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
+    raw = await _read_body(request)  # over client_max_size: HTTPRequestEntityTooLarge → 413
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -25,6 +25,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from servicekit.auth import CHALLENGE, UNAUTHORIZED_MESSAGE, KeyRing
+from servicekit.connections import close_after
 
 from . import tracing as traces
 from .api.errors import ApiError, ErrorType, Failure
@@ -291,17 +292,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             # the body is not read: the connection cannot carry another request after it
             response.force_close()
         return response
-
-
-async def close_after(request: web.Request, response: web.StreamResponse) -> None:
-    """Sends `response` and closes the connection at once: the body was refused unread (too
-    large, stalled, not in its encoding), so aiohttp's lingering read of the rest (up to 10 s)
-    would only hold the connection open for bytes that are thrown away."""
-    response.force_close()
-    if not response.prepared:
-        await response.prepare(request)
-    await response.write_eof()
-    request.protocol.force_close()  # the transport flushes the reply before it closes
 
 
 def _error_headers(exc: BaseException, failure: Failure) -> dict[str, str] | None:

@@ -29,7 +29,7 @@ conversation.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateSyntaxError
@@ -140,10 +140,18 @@ SHIPPED: dict[str, ShippedTemplate] = {
 @dataclass(frozen=True, slots=True)
 class JudgeContext:
     """What a judge reads beside the text under judgement: the conversation so far and, on
-    output, the answer before the first content of the call (contents are consecutive chunks)."""
+    output, the answer before the first content of the call (contents are consecutive chunks),
+    and whose judgement it is: `stream`, one stream's token (its detector queue's), so state a
+    judge keeps for a stream (an engine judge's session) is never another stream's, of the same
+    tenant or another; None: the text alone says whose."""
 
     messages: tuple[tuple[str, str], ...] = ()  # (role, content)
     prefix: str = ""
+    stream: object | None = None
+    # `messages` made judge-ready (`judged_messages`) beforehand: the same for every call of a
+    # stream, so made once (off the event loop when long) rather than per chunk, on the loop
+    # (~20 ms a chunk for a 1 MB conversation); None: made when rendered
+    ready: tuple[tuple[str, str], ...] | None = field(default=None, compare=False)
 
 
 def is_inline(template: str) -> bool:
@@ -214,9 +222,17 @@ class JudgePrompt:
         )
 
 
+def judged_messages(messages: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """(role, content) pairs as a template reads them (`judged`): CPU work that grows with the
+    conversation (JudgeContext.ready)."""
+    return tuple((judged(r), judged(c)) for r, c in messages)
+
+
 def _messages(context: JudgeContext) -> list[dict[str, str]]:
-    """The conversation as a template reads it (`judged`)."""
-    return [{"role": judged(r), "content": judged(c)} for r, c in context.messages]
+    """The conversation as a template reads it (`judged`), as fresh dicts (a template may
+    change what it is given)."""
+    pairs = context.ready if context.ready is not None else judged_messages(context.messages)
+    return [{"role": r, "content": c} for r, c in pairs]
 
 
 def judged(text: str) -> str:

@@ -15,11 +15,18 @@ from typing import Any
 
 import aiohttp
 import pytest
-from detectors_support import ANCHORS, detector_service, shared_anchor_classifier
+from detectors_support import (
+    ANCHORS,
+    detector_service,
+    detector_service_async,
+    shared_anchor_classifier,
+)
 
 import detectors
 from detectors import Detection, Detector, DetectorError, Overloaded
 from detectors.service import ConfigError, Limits, create_app, detectors_from_config
+from tests.http_support import Reply, exchange_at, post_head
+from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
 URL = "/api/v1/text/contents"
@@ -384,3 +391,92 @@ def test_cli_reports_config_errors_with_their_path(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert "error: detectors.pii.params.kinds.0: Input should be" in proc.stderr
+
+
+# -- connections: every phase before a handler is bounded (servicekit.connections) --------------
+# The 0.3 s bounds are the service's settings under test, not windows the test measures: the
+# client has sent everything it will ever send, so only the bound can end the exchange, and the
+# test waits for that with a generous deadline (http_support.DEADLINE_S).
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"",  # connects and says nothing
+        b"POST /api/v1/te",  # half a request line
+        b"POST /api/v1/text/contents HTTP/1.1\r\nHost: x\r\n",  # headers never finished
+    ],
+    ids=["idle", "half-request-line", "unfinished-headers"],
+)
+async def test_a_connection_without_a_complete_request_head_is_closed(
+    tmp_path: Path, sent: bytes
+) -> None:
+    """Repro: held open for aiohttp's keep-alive timeout, 3630 s (still open after 15 s with
+    the service's defaults); the service is deployed on 0.0.0.0, and this comes before any key
+    is checked. Closed after --header-timeout-s, with nothing sent."""
+    config = {"detectors": {"pii": {"builtin": "regex"}}}
+    async with detector_service_async(tmp_path, config, "--header-timeout-s", "0.3") as service:
+        assert await exchange_at(service.port, sent) == b""
+
+
+async def test_a_stalled_body_is_408_and_the_connection_closes(tmp_path: Path) -> None:
+    """Repro: a body that stopped after its first byte held the connection and the handler
+    for as long as the client liked."""
+    config = {"detectors": {"pii": {"builtin": "regex"}}}
+    async with detector_service_async(tmp_path, config, "--body-timeout-s", "0.3") as service:
+        raw = await exchange_at(
+            service.port, post_head(URL, 200, extra="detector-id: pii\r\n") + b"{"
+        )
+    reply = Reply(raw)
+    assert reply.status == 408
+    assert reply.headers["connection"] == "close"
+    assert reply.json() == {
+        "code": 408,
+        "message": "the request body did not arrive within 0.3 s",
+    }
+
+
+class Gated(Detector):
+    """A detector whose calls wait for `release`: requests held in progress, in the test's
+    hands."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def detect(
+        self, contents: list[str], params: dict[str, Any] | None = None
+    ) -> list[list[Detection]]:
+        self.calls += 1
+        await self.release.wait()
+        return [[] for _ in contents]
+
+
+async def test_requests_past_max_concurrent_requests_are_503_before_their_body_is_read(
+    aiohttp_client: Any,
+) -> None:
+    """Repro: the service admitted any number of requests at once, each holding its body (up to
+    max_body_bytes, 4 MiB, and its parsed contents) while it waited for a scan thread or a
+    model: memory grew with the clients' connections. Past `max_concurrent_requests` a request
+    is refused at once, 503 with Retry-After, its body unread; the ones admitted finish, and
+    room is made again when they do."""
+    gated = Gated()
+    limits = Limits(max_concurrent_requests=2)
+    client = await aiohttp_client(create_app({"gated": gated}, limits=limits))
+    held = [
+        asyncio.ensure_future(post(client, {"contents": [f"held {i}"]}, "gated")) for i in range(2)
+    ]
+    await until(lambda: gated.calls == 2, what="two requests in progress")
+    resp = await client.post(URL, json={"contents": ["one more"]}, headers={"detector-id": "gated"})
+    assert (resp.status, resp.headers["Retry-After"]) == (503, "1")
+    assert await resp.json() == {
+        "code": 503,
+        "message": "2 requests in progress (at most max_concurrent_requests = 2): retry later",
+    }
+    assert gated.calls == 2
+    gated.release.set()
+    assert [await h for h in held] == [(200, [[]]), (200, [[]])]
+    assert await post(client, {"contents": ["now"]}, "gated") == (200, [[]])

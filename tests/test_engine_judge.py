@@ -27,6 +27,7 @@ from tests.fakes.engine import FakeEngine
 from tests.fakes.judge_server import FakeJudge
 from tests.orchestrator_support import Orchestrator, native_config
 from tests.test_judges import CATEGORIES, PROMPT, SCRIPT, SURFACES, fms_end, raw
+from tests.wait_support import until
 
 MESSAGES = (("user", PROMPT),)
 CHUNKS = ["Sure.", " Mix the bomb parts.", " Done.", " 😀 東京 x=1;", "", " The end."]
@@ -184,6 +185,33 @@ async def test_the_engine_judge_reads_what_a_reader_sees() -> None:
     assert appended == {"chunk": " More."}
 
 
+async def test_two_streams_never_share_a_session() -> None:
+    """Two streams with the same conversation and the same answer so far (two tenants asking
+    the same): the second opens a session of its own, it does not append to the first's (a
+    hit would tell it, by its timing, what the other stream was sent and answered). A stream's
+    `release` closes its own session and leaves the other's."""
+    fake = FakeJudge()
+    await fake.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            client = EngineJudgeClient(
+                "guard", DetectorConfig.model_validate(entry([fake.url])), http
+            )
+            one, two = object(), object()
+            await client.detect(["Sure."], {}, JudgeContext(MESSAGES, "", one))
+            await client.detect([" More."], {}, JudgeContext(MESSAGES, "Sure.", two))
+            opened = [r for r in fake.session_requests if "head" in r]
+            assert [r["chunks"] for r in opened] == [["Sure."], ["Sure.", " More."]]
+            assert len(fake.sessions) == 2
+            client.release(JudgeContext(MESSAGES, "Sure.", one))
+            await until(lambda: len(fake.sessions) == 1, what="the first stream's session closed")
+            await client.detect([" Done."], {}, JudgeContext(MESSAGES, "Sure. More.", two))
+            assert [r for r in fake.session_requests if "head" in r] == opened  # appended
+            await client.close()
+    finally:
+        await fake.close()
+
+
 async def test_input_is_judged_alone_and_leaves_no_session(replicas: list[ThreadedServer]) -> None:
     a = replicas[0]
     assert a.app is not None
@@ -269,14 +297,31 @@ async def test_a_judge_engine_that_refuses_the_session_fails_closed(
         policy = "word " * tiny_exact.max_context
         extra = {"template": "{{ policy }}\n{{ text }}\nAnswer:", "params": {"policy": policy}}
         extra |= {"unsafe_tokens": ["unsafe"], "safe_tokens": ["safe"]}
+    # a full engine is the service at capacity (429 overloaded), a refused text a failed judge
+    status = (200, 429) if refusal == "sessions_full" else (200, 502)
     with ThreadedServer(make) as judge_engine:
         async with Orchestrator(judged_config(engine, [judge_engine.url], **extra)) as orch:
-            data = await raw(orch, surface, status=(200, 502))
+            data = await raw(orch, surface, status=status)
         assert judge_engine.app is not None
         assert judge_engine.app[ENGINE_STATE].engine.judges.sessions == {}
     for leaked in (b"Sure", b"Mix", b"bomb", b"Done"):
         assert leaked not in data, (leaked, data)
     assert b"guard" in data
+
+
+async def test_a_full_judge_engine_is_overloaded_not_a_broken_detector(
+    engine: FakeEngine, tiny_exact: LoadedModel
+) -> None:
+    """Every judge replica answering 429 (all its sessions held by running streams) is the
+    service at capacity, as a remote detector's 429 or 503 is: the stream ends with `overloaded`
+    (429, retry), not `detector_error` (502, a broken dependency), and still nothing of the
+    answer leaves. Repro: 502 detector_error "no judge engine could judge the text"."""
+    with ThreadedServer(lambda: create_app(tiny_exact, max_judge_sessions=0)) as judge_engine:
+        async with Orchestrator(judged_config(engine, [judge_engine.url])) as orch:
+            name, got, data = fms_end(await raw(orch, "fms"))
+    assert (name, got) == ("error", [])
+    assert (data["code"], data["type"]) == (429, "overloaded")
+    assert "guard" in data["details"]
 
 
 async def test_annotate_on_error_lets_the_text_flow(engine: FakeEngine) -> None:
@@ -355,3 +400,32 @@ async def test_a_managed_engine_judge_starts_its_engine(engine: FakeEngine) -> N
     found = [d for f in got for d in f["token_classification_results"]["output"]]
     assert [(d["start"], d["end"]) for d in found] == [(0, 5), (5, 25), (25, 31)]
     assert all(0.0 < d["score"] < 1.0 for d in found)
+
+
+async def test_a_finished_stream_frees_its_judge_session(
+    engine: FakeEngine, tiny_exact: LoadedModel
+) -> None:
+    """A stream that has ended holds no judge session: the engine's session slots are for
+    streams being judged, not for the last 1,024 that were. A judge engine with 2 slots
+    judges 4 streams one after the other (each ends `completed`, judged to its end), and once
+    each has ended the engine holds no session and the orchestrator keeps none for it.
+    (Kept, they filled the slots: the third stream got 429 and failed closed, and so would every
+    stream of every tenant until the engine's idle timeout, 5 minutes, closed one.)"""
+    with ThreadedServer(lambda: create_app(tiny_exact, max_judge_sessions=2)) as judge_engine:
+        assert judge_engine.app is not None
+        judges = judge_engine.app[ENGINE_STATE].engine.judges
+        config = judged_config(
+            engine, [judge_engine.url], on_detection="annotate", default_threshold=0.0
+        )
+        async with Orchestrator(config) as orch:
+            assert orch.runner is not None
+            client = orch.runner.app[STATE].detectors.clients()["guard"]
+            assert isinstance(client, EngineJudgeClient)
+            for n in range(4):
+                # distinct conversations (the same one again would find its session)
+                name, got, _ = fms_end(await raw(orch, "fms", f"Tell me story {n}."))
+                assert name == "completed", (n, got)
+                found = [d for f in got for d in f["token_classification_results"]["output"]]
+                assert [(d["start"], d["end"]) for d in found] == [(0, 5), (5, 25), (25, 31)]
+            await until(lambda: not judges.sessions, what="the streams' sessions closed")
+            assert len(client._streams) == 0

@@ -32,6 +32,7 @@ from tests.engine_processes import (
     start_engine_subprocess,
 )
 from tests.engine_support import TEST_DEVICE, batch_bodies, generate
+from tests.http_support import Reply, exchange_at, post_head
 from tests.wait_support import until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -409,3 +410,29 @@ def test_the_api_process_starts_its_core_before_importing_torch() -> None:
         timeout=120,
     )
     assert out.stdout.strip() == "[]"
+
+
+async def test_unfinished_request_heads_and_stalled_bodies_do_not_hold_connections() -> None:
+    """Repro: `python -m generation serve` (deployed on 0.0.0.0) held a connection whose request
+    head never completed for aiohttp's keep-alive timeout (3630 s), before any key was checked,
+    and a body that stalled after its first byte for ever. With --header-timeout-s and
+    --body-timeout-s at 0.3 s (the settings under test, not windows the test measures: each
+    client has sent all it ever will): the first are closed with nothing sent; the second get
+    408 with the engine's error body and the connection closes, on the API process's own
+    route (/v1/generate) and on a route it forwards to its core (/v1/tokenize)."""
+    flags = ("--header-timeout-s", "0.3", "--body-timeout-s", "0.3")
+    with start_engine_subprocess("tiny-random", device=TEST_DEVICE, extra_args=flags) as engine:
+        heads = [b"", b"POST /v1/gen", b"POST /v1/generate HTTP/1.1\r\nHost: x\r\n"]
+        bodies = [post_head(path, 200) + b"{" for path in ("/v1/generate", "/v1/tokenize")]
+        replies = await asyncio.gather(
+            *(exchange_at(engine.port, sent) for sent in [*heads, *bodies])
+        )
+    assert replies[: len(heads)] == [b""] * len(heads)
+    for raw in replies[len(heads) :]:
+        reply = Reply(raw)
+        assert (reply.status, reply.headers["connection"]) == (408, "close"), raw
+        assert reply.json() == {
+            "code": 408,
+            "details": "the request body did not arrive within 0.3 s",
+            "type": "timeout",
+        }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator import judge_templates
 from orchestrator.app import CHAT_PATH, RESPONSES_PATH, STREAMING_PATH
 from orchestrator.clients.detectors import DetectorCallError
 from orchestrator.clients.judges import JudgeDetectorClient, score_from_logprobs
@@ -258,6 +260,40 @@ async def test_output_judge_blocks_mid_stream_no_flagged_text_leaves(
     # each chunk was judged in the context of the conversation and of the answer before it
     judged = [p for p in judge.prompts if "Agent: " in p]
     assert any("User: Tell me a story.\n\nAgent: Sure. Mix the bomb parts." in p for p in judged)
+
+
+async def test_a_long_conversation_is_prepared_for_the_judge_once_per_stream_off_the_loop(
+    engine, judge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversation an output judge reads beside each chunk is the same for the whole
+    stream: it is made judge-ready (`judged`: what a reader sees, control text defanged) once,
+    off the event loop when it is long, not again for every chunk on the loop. Repro: ~20 ms of
+    loop time per chunk for a 1 MB conversation (each chunk stalled every stream), so a stream of
+    a few hundred sentences took seconds of the loop. Checked by which thread judged the
+    system message and how often, never by the clock."""
+    system = "Be kind and brief. " * 400  # past BULK_CHARS
+    calls: list[int] = []
+    real = judge_templates.judged
+
+    def spy(text: str) -> str:
+        if text == system:
+            calls.append(threading.get_ident())
+        return real(text)
+
+    monkeypatch.setattr(judge_templates, "judged", spy)
+    config = judged_config(engine, judge, on_detection="annotate")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": PROMPT}]
+    body = {"model": MODEL, "messages": messages, "stream": True}
+    async with Orchestrator(config) as orch:
+        assert orch.session is not None
+        async with orch.session.post(orch.url + CHAT_PATH, json=body) as r:
+            assert r.status == 200
+            data = await r.read()
+    assert b"content_filter" not in data and data.endswith(b"data: [DONE]\n\n")
+    # three sentences, each judged with the conversation before it
+    outputs = [p for p in judge.prompts if "Agent: " in p]
+    assert len(outputs) == 3 and all(system.strip() in p for p in outputs)
+    assert len(calls) == 1 and calls[0] != threading.get_ident()
 
 
 async def test_threshold_decides_whether_a_score_flags(engine, judge) -> None:

@@ -37,10 +37,10 @@ from orchestrator.state import STATE
 from tests.fakes.clock import manual_deadline_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine
+from tests.http_support import DEADLINE_S, Reply, exchange_at, post_head
 from tests.orchestrator_support import MODEL, NDJSON, Orchestrator, native_config, remote
 from tests.wait_support import until, within
 
-DEADLINE_S = 10.0  # generous: the bounds under test are well under a second
 DEEP = "[" * 1000 + "]" * 1000
 
 
@@ -74,36 +74,9 @@ def port_of(orch: Orchestrator) -> int:
     return int(orch.url.rsplit(":", 1)[1])
 
 
-class Reply:
-    """A raw HTTP reply: status line, headers (lower-cased names), body."""
-
-    def __init__(self, raw: bytes) -> None:
-        head, _, self.body = raw.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        self.status_line = lines[0]
-        self.status = int(lines[0].split()[1])
-        self.headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
 async def exchange(orch: Orchestrator, data: bytes) -> bytes:
     """Sends `data` and reads until the server closes the connection (within DEADLINE_S)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(orch))
-    try:
-        writer.write(data)
-        async with within(DEADLINE_S):
-            return await reader.read()  # to EOF: the server must close
-    finally:
-        writer.close()
-
-
-def post_head(path: str, length: int, ctype: str = "application/json", extra: str = "") -> bytes:
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
-        f"Content-Length: {length}\r\n{extra}\r\n"
-    ).encode()
+    return await exchange_at(port_of(orch), data)
 
 
 def error(code: int, details: str, etype: str = "invalid_request") -> dict[str, Any]:

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import signal
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,44 @@ async def test_a_token_budget_answers_429_while_another_tenant_streams(engine) -
         assert status == 429
         now[0] += 1
         assert terminal(await orch.stream(generation_body(), headers=A)).name == "completed"
+
+
+async def test_usage_and_metrics_are_read_off_the_event_loop(
+    engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /v1/usage (any tenant's key) and GET /metrics read the series off the event loop.
+    Repro: both collected the registry on the loop: 5 ms (usage) and 14 ms (/metrics) a call
+    with one process, 77 and 95 ms under `server.workers` 16 (every worker's file read and
+    merged), each call stalling every stream of the worker; a tenant polling its usage ~13
+    times a second held a worker's loop all the time. Checked by where the reads run (thread
+    identities), never by the clock. With one process the usage is read from the tenant
+    series alone, not the whole registry."""
+    monkeypatch.setenv("METRICS_ADMIN_KEYS", "the-scrapers-key")
+    config = tenants_config(engine.url)
+    config["server"]["admin_keys_env"] = "METRICS_ADMIN_KEYS"
+    async with Orchestrator(config) as orch:
+        assert orch.runner is not None and orch.session is not None
+        metrics = orch.runner.app[STATE].metrics
+        reads: list[tuple[str, int]] = []
+        for name, collector in [("registry", metrics.registry), *metrics.tenant_series.items()]:
+
+            def spy(real: Any = collector.collect, name: str = name) -> Any:
+                reads.append((name, threading.get_ident()))
+                return real()
+
+            monkeypatch.setattr(collector, "collect", spy)
+        terminal(await orch.stream(generation_body(), headers=A))
+        async with orch.session.get(orch.url + USAGE_PATH, headers=A) as r:
+            assert r.status == 200
+            assert (await r.json())["requests"] == 1
+        assert reads and {name for name, _ in reads} == set(metrics.tenant_series)
+        scraper = {"Authorization": "Bearer the-scrapers-key"}
+        async with orch.session.get(orch.url + "/metrics", headers=scraper) as r:
+            assert r.status == 200
+            assert 'guardstream_tenant_requests_total{tenant="a"} 2.0' in await r.text()
+        assert "registry" in {name for name, _ in reads}
+    loop_thread = threading.get_ident()
+    assert loop_thread not in {ident for _, ident in reads}
 
 
 async def test_per_tenant_metrics_and_usage_are_exact_and_each_tenants_own(

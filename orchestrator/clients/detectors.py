@@ -122,6 +122,12 @@ class DetectorClient(ABC):
     ) -> list[list[Detection]]:
         return await self._detect(contents, params)
 
+    def release(self, context: JudgeContext) -> None:
+        """The stream that judged up to `context` has ended (finished, failed or its client
+        left): what this client keeps for it can go. Synchronous, so a cancelled stream's
+        `finally` can call it. Nothing is kept by default."""
+        return None
+
     async def _recorded(self, call: Awaitable[T], traced: Any = None) -> T:
         """`call`'s result, its outcome and time reported to `on_call` (and its span ended)."""
         started = time.perf_counter()

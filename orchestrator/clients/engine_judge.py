@@ -2,12 +2,17 @@
 streamed answer incrementally through the engine's judge sessions (DESIGN 7).
 
 One session per stream and direction. The detector API is stateless (each call brings its
-contents and, on output, the conversation and the answer before them: `JudgeContext`), so a
-stream's session is found by what it has judged: the conversation and the answer so far. A call
-whose context names a judged text takes that session (out of the table while it works, so two
-calls never append to one session), appends each content (the engine prefills only its tokens
-and the template's tail) and puts it back under the longer text. A miss (a new stream, or one
-whose session was evicted) opens a session prefilled with the answer so far.
+contents and, on output, the conversation, the answer before them and the stream's token:
+`JudgeContext`), so a stream's session is found by its stream and what it has judged: the
+conversation and the answer so far. A call whose context names a judged text takes that session
+(out of the table while it works, so two calls never append to one session), appends each
+content (the engine prefills only its tokens and the template's tail) and puts it back under the
+longer text. A miss (a new stream, or one whose session was evicted) opens a session prefilled
+with the answer so far. Two streams never share a session, even with the same text: a hit on
+another stream's (another tenant's) would tell, by its timing, what that stream was sent and
+answered. When a stream ends, however it ends, its session is closed at once (`release`): the
+engine's session slots are for streams being judged (held by ended ones, up to MAX_STREAMS of
+them, they refused every new stream with 429, failed closed, until the engine's idle timeout).
 
 Replicas. Each session lives on one engine replica. When the replica fails (cannot connect, a
 5xx, the session unknown there: the engine restarted or expired it), the session is rebuilt on
@@ -30,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -55,19 +60,27 @@ from .reasons import connection_failure
 
 log = logging.getLogger("guardstream.judges")
 
-#: Streams whose sessions are kept between calls (least recently used closed beyond it).
+#: Streams whose sessions are kept between calls (least recently used closed beyond it): a
+#: bound on top of `release`, which closes a stream's session when it ends.
 MAX_STREAMS = 1024
 REPLY_BYTES = 1 << 16
 SESSIONS_PATH = "/v1/judge/sessions"
+
+
+def _key(context: JudgeContext) -> tuple[Any, ...]:
+    """Where a stream's session is kept: its stream (one stream's sessions are never another's,
+    whatever the text) and what it has judged."""
+    return (context.stream, context.messages, context.prefix)
 
 
 class _ReplicaFailed(Exception):
     """This replica cannot serve the session: try another (the session is rebuilt there).
     `down`: the replica itself failed (not just the session, e.g. expired there)."""
 
-    def __init__(self, reason: str, down: bool = True) -> None:
+    def __init__(self, reason: str, down: bool = True, full: bool = False) -> None:
         super().__init__(reason)
         self.down = down
+        self.full = full  # it answered 429: every session (or its token budget) is in use
 
 
 @dataclass(slots=True)
@@ -210,10 +223,9 @@ class EngineJudgeClient(JudgeDetectorClient):
     async def _judge_stream(
         self, contents: list[str], context: JudgeContext
     ) -> list[tuple[float, str]]:
-        key = (context.messages, context.prefix)
-        stream = self._streams.pop(key, None)
+        stream = self._streams.pop(_key(context), None)
         if stream is None:  # a new stream (or an evicted one): its answer so far is one chunk
-            head, tail = self._prompt.split(JudgeContext(context.messages), output=True)
+            head, tail = self._prompt.split(replace(context, prefix=""), output=True)
             stream = _Stream(head, tail, [visible(context.prefix)] if context.prefix else [])
         verdicts: list[tuple[float, str]] = []
         try:
@@ -224,8 +236,14 @@ class EngineJudgeClient(JudgeDetectorClient):
             self._close_later(stream)
             raise
         judged = context.prefix + "".join(contents)
-        self._keep((context.messages, judged), stream)
+        self._keep(_key(replace(context, prefix=judged)), stream)
         return verdicts
+
+    def release(self, context: JudgeContext) -> None:
+        """The stream judged up to `context` ended: its session is closed now."""
+        stream = self._streams.pop(_key(context), None)
+        if stream is not None:
+            self._close_later(stream)
 
     def _keep(self, key: tuple[Any, ...], stream: _Stream) -> None:
         old = self._streams.pop(key, None)
@@ -243,6 +261,7 @@ class EngineJudgeClient(JudgeDetectorClient):
         does (judge_templates.judged); the engine tokenizes it as text."""
         chunk = visible(chunk)
         failures: list[str] = []
+        full = True  # every replica that was asked answered 429 (at capacity, not broken)
         attempts = len(self.replicas)
         forgotten = False  # a live replica forgot the session once: rebuilt, there too
         while attempts > 0:
@@ -266,6 +285,7 @@ class EngineJudgeClient(JudgeDetectorClient):
                     reply = await self._post(replica, path, {"chunk": chunk, **self._answer})
             except _ReplicaFailed as exc:
                 failures.append(f"{replica.url}: {exc}")
+                full = full and exc.full
                 if exc.down:
                     self._down.add(index)
                 elif not forgotten:  # (expired or restarted there; a lone replica included)
@@ -284,6 +304,10 @@ class EngineJudgeClient(JudgeDetectorClient):
                 raise DetectorCallError(self.detector_id, "malformed reply")
             return score, answer
         log.warning("judge %s: every replica failed: %s", self.detector_id, "; ".join(failures))
+        if full:  # at capacity, as a remote detector's 429: the client may retry (overloaded)
+            raise DetectorCallError(
+                self.detector_id, "every judge engine is at capacity", overloaded=True
+            )
         raise DetectorCallError(self.detector_id, "no judge engine could judge the text")
 
     def _pick(self, stream: _Stream) -> int:
@@ -313,7 +337,11 @@ class EngineJudgeClient(JudgeDetectorClient):
                         f"judge {self.detector_id}", resp.status, await read_error_body(resp)
                     )
                     if resp.status in (404, 429) or resp.status >= 500:
-                        raise _ReplicaFailed(f"HTTP {resp.status}", down=resp.status != 404)
+                        raise _ReplicaFailed(
+                            f"HTTP {resp.status}",
+                            down=resp.status != 404,
+                            full=resp.status == 429,
+                        )
                     raise DetectorCallError(self.detector_id, f"HTTP {resp.status}")
                 reply = orjson.loads(await read_bounded(resp, REPLY_BYTES))
         except aiohttp.ClientError as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -259,7 +260,7 @@ class JudgeDetectorClient(RemoteDetectorClient):
         prompts: list[str] = []
         prefix = ctx.prefix
         for content in contents:
-            here = JudgeContext(ctx.messages, prefix)
+            here = replace(ctx, prefix=prefix)  # (its judge-ready conversation kept)
             prompts.append(self._prompt.render(here, content, output=output))
             if output:
                 prefix += content

@@ -14,5 +14,5 @@ USAGE_PATH = "/v1/usage"
 
 async def handle(request: web.Request) -> web.Response:
     caller = request[CALLER]  # every path but the open ones has one (auth middleware)
-    usage = request.app[STATE].metrics.usage(caller.tenant.id)
+    usage = await request.app[STATE].metrics.read_usage(caller.tenant.id)  # off the loop
     return web.json_response({"object": "usage", "tenant": caller.tenant.id, **usage})

@@ -205,9 +205,11 @@ class DetectorQueue:
         *,
         max_batch: int = 32,
         conversation: tuple[tuple[str, str], ...] = (),
+        ready: tuple[tuple[str, str], ...] | None = None,
     ) -> None:
         """`conversation`: the request's (role, content) messages, which a judge reads beside
-        each chunk with the answer before it (`reads_context`)."""
+        each chunk with the answer before it (`reads_context`); `ready`: them made judge-ready
+        once for the stream (JudgeContext.ready)."""
         self.detector = detector
         self._inbox = inbox
         self._max_batch = max_batch
@@ -226,7 +228,9 @@ class DetectorQueue:
         # context of the chunk after it, and a seam window would be judged out of context
         self._in_context = detector.client.reads_context
         self._conversation = conversation
+        self._ready = ready
         self._answer = ""  # in context: the text judged so far (the chunks are consecutive)
+        self._stream = object()  # in context: this stream's token (JudgeContext.stream)
         # a redacting or blocking span detector looks across the chunk ends that are seams for it
         self._seam_after = seam_ends(detector)
         self._seamed = (
@@ -260,6 +264,18 @@ class DetectorQueue:
         if self._seamed:
             await self._run_seamed()
             return
+        try:
+            await self._run_chunks()
+        finally:
+            if self._in_context and self.calls:
+                # the stream is over, however it ended: a judge's session for it is freed now,
+                # not when a table of finished streams overflows (an engine's session slots
+                # held by ended streams refuse the streams that are running)
+                context = JudgeContext(self._conversation, self._answer, self._stream, self._ready)
+                self.detector.client.release(context)
+
+    async def _run_chunks(self) -> None:
+        """Each pending chunk judged alone (or with the answer before it, in context)."""
         detector = self.detector
         while True:
             if not self._pending:
@@ -274,7 +290,7 @@ class DetectorQueue:
             self.calls += 1
             texts = [s.text for s in batch]
             if self._in_context:
-                context = JudgeContext(self._conversation, self._answer)
+                context = JudgeContext(self._conversation, self._answer, self._stream, self._ready)
                 replies = await detector.client.detect(texts, detector.params, context)
                 self._answer += "".join(texts)
             else:

@@ -41,6 +41,7 @@ from ..clients.backend import GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
 from ..errors import SHUTDOWN, describe, is_unexpected
+from ..judge_templates import judged_messages
 from .aggregation import DetectorResult
 from .detector_queue import DetectorFinished
 from .events import (
@@ -59,7 +60,7 @@ from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
 from .released_stops import ReleasedStops
 from .stream_judgement import Release, StreamJudge
-from .text_judgement import InputPiece, judge_pieces, judge_text
+from .text_judgement import BULK_CHARS, InputPiece, judge_pieces, judge_text, off_loop
 from .tool_calls import JudgedCall, ToolCallAssembler, judge_tool_calls, offered_names
 from .verdict_cache import TenantVerdicts
 
@@ -276,8 +277,14 @@ class GuardedGeneration(PipelineCore):
             request = replace(request, params=replace(request.params, stop_sequences=()))
         stream = self._backend.stream(request)
         self._stream = stream
+        conversation = _conversation(self._request)
+        ready = None
+        if any(d.client.reads_context for d in self._output_detectors):
+            # the judges read it beside every chunk: made judge-ready once, off the loop past
+            # BULK_CHARS (a 1 MB conversation is ~20 ms of CPU)
+            ready = await _judge_ready(conversation)
         stage = StreamJudge(
-            self._output_detectors, self._chunkers, self._inbox, _conversation(self._request)
+            self._output_detectors, self._chunkers, self._inbox, conversation, ready
         )
         stage.start(self._spawn)
         self._detection = stage
@@ -767,6 +774,15 @@ def _request_field_redacted(findings: list[Finding]) -> ApiError:
         f"{where} holds text that input detector `{first.detector_id}` redacts (a redacted "
         f"{kind} would change what the request asks for)",
     )
+
+
+async def _judge_ready(
+    conversation: tuple[tuple[str, str], ...],
+) -> tuple[tuple[str, str], ...]:
+    """`judged_messages(conversation)`, in a bulk thread when it is long."""
+    if sum(len(content) for _, content in conversation) > BULK_CHARS:
+        return await off_loop(lambda: judged_messages(conversation))
+    return judged_messages(conversation)
 
 
 def _conversation(request: GenerationRequest) -> tuple[tuple[str, str], ...]:

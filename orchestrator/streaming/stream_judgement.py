@@ -95,14 +95,18 @@ class StreamJudge:
         chunkers: ChunkerRegistry,
         inbox: Inbox,
         conversation: tuple[tuple[str, str], ...] = (),
+        ready: tuple[tuple[str, str], ...] | None = None,
     ) -> None:
-        """`conversation`: the request's (role, content) messages, for judges (DetectorQueue)."""
+        """`conversation`: the request's (role, content) messages, for judges (DetectorQueue),
+        and `ready`, them made judge-ready once (JudgeContext.ready)."""
         gating = [d for d in detectors if not (d.whole_doc and d.on_detection == "annotate")]
         self._aggregator: FrameAggregator[Finding] | None = (
             FrameAggregator(d.detector_id for d in gating) if gating else None
         )
         self._gating = {d.detector_id for d in gating}
-        self.queues = [DetectorQueue(d, inbox, conversation=conversation) for d in detectors]
+        self.queues = [
+            DetectorQueue(d, inbox, conversation=conversation, ready=ready) for d in detectors
+        ]
         self._passthrough = not detectors  # see `feed_deltas`
         self._final_sent = False  # pass-through: the final frame went out with its chunk
         self._blocking = {d.detector_id for d in detectors if d.blocking}
