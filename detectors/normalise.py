@@ -550,7 +550,7 @@ def reversed_runs(text: str) -> list[tuple[int, int]]:
     an override changes the order of Latin letters and digits, which are what PII is made of
     (in right-to-left embeddings they keep their own order)."""
     runs: list[tuple[int, int]] = []
-    stack = _BidiStack()
+    stack = BidiStack()
     start = -1
     for m in _BIDI.finditer(text):
         i, ch = m.start(), m.group()
@@ -572,10 +572,14 @@ def reversed_runs(text: str) -> list[tuple[int, int]]:
 MAX_DEPTH = 125
 
 
-class _BidiStack:
-    """The explicit controls open after a run of bidi controls (UAX #9 X1-X8, without the
+class BidiStack:
+    """The explicit controls open after the text read so far (UAX #9 X1-X8, without the
     levels): `open` holds at most MAX_DEPTH of them; the overflow counts stand for the ignored
-    ones, which their closing controls cancel first, as the algorithm's counters do."""
+    ones, which their closing controls cancel first, as the algorithm's counters do.
+
+    One state machine for every reader of a text in pieces: a whole text's pieces
+    (`open_overrides`) and a stream's chunks and windows (`read`, one piece after another, each
+    character once: linear in the stream, and `opened` is bounded by MAX_DEPTH)."""
 
     __slots__ = ("embeddings_over", "isolates_over", "open")
 
@@ -583,6 +587,33 @@ class _BidiStack:
         self.open: list[str] = []
         self.embeddings_over = 0
         self.isolates_over = 0
+
+    def copy(self) -> BidiStack:
+        out = BidiStack()
+        out.open = self.open.copy()
+        out.embeddings_over, out.isolates_over = self.embeddings_over, self.isolates_over
+        return out
+
+    @property
+    def opened(self) -> str:
+        """What a piece read from here is read after: the open controls when one of them is a
+        right-to-left override (the only control that changes the order of what a detector
+        matches), else ""."""
+        return "".join(self.open) if _RLO in self.open else ""
+
+    def read(self, text: str, lo: int = 0, hi: int | None = None) -> None:
+        """After `text[lo:hi]`. With nothing open, up to its first opening control nothing
+        changes (closing controls and paragraph ends do nothing then): one C search skips it,
+        so plain text (and its line breaks) costs no Python turn per control."""
+        hi = len(text) if hi is None else hi
+        if not self.open:  # (nothing open: no overflow either, it needs a full stack)
+            first = _OPENING.search(text, lo, hi)
+            if first is None:
+                return
+            lo = first.start()
+        step = self.step
+        for m in _BIDI.finditer(text, lo, hi):
+            step(m.group())
 
     def step(self, ch: str) -> None:
         """After `ch` (one of `_BIDI`'s characters)."""
@@ -614,23 +645,24 @@ class _BidiStack:
             self.embeddings_over += 1
 
 
+_OPENING = re.compile("[" + _RLO + _LRO + _LRE + _RLE + _ISOLATES + "]")
+
+
 def open_overrides(text: str, positions: Sequence[int]) -> list[str]:
     """For each of `positions` (ascending), the explicit controls still open there when one of
-    them is a right-to-left override (`reversed_runs`' stack), else "". A piece of `text` judged
+    them is a right-to-left override (`BidiStack.opened`), else "". A piece of `text` judged
     alone (a chunk, a window) that starts inside an override is read with these put before it,
     so that its characters are in the order a reader of the whole text sees them: an override
     in an earlier sentence reverses a phone number in a later one. One scan of `text`."""
     if _RLO not in text:
         return [""] * len(positions)
     out: list[str] = []
-    stack = _BidiStack()
-    matches = _BIDI.finditer(text)
-    m = next(matches, None)
+    stack = BidiStack()
+    at = 0
     for pos in positions:
-        while m is not None and m.start() < pos:
-            stack.step(m.group())
-            m = next(matches, None)
-        out.append("".join(stack.open) if _RLO in stack.open else "")
+        stack.read(text, at, max(at, pos))
+        at = max(at, pos)
+        out.append(stack.opened)
     return out
 
 

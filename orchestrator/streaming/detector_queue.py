@@ -14,13 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkers import Span
-from detectors.normalise import MARKUP_MOST, fold, is_plain, markup_hidden
+from detectors.normalise import MARKUP_MOST, BidiStack, fold, is_plain, markup_hidden
 
 from ..clients.registry import RequestedDetector
 from ..judge_templates import JudgeContext
 from .aggregation import DetectorResult
 from .findings import Finding, kept_findings
 from .inbox import Inbox
+from .read_after import read_back, shifted
 
 Result = DetectorResult[Finding]
 
@@ -240,6 +241,17 @@ class DetectorQueue:
         # windowed: the carry starts inside a run of mostly hidden characters being redacted
         self._in_hidden_run = False
         self._before = ""  # windowed: the text just before the carry (see `_obscured`)
+        # the bidi controls open where the next chunk to be judged starts (windowed: where the
+        # carry starts): each chunk and window is read after those open where it starts
+        # (read_after.py), as a reader of the whole stream sees it. Read once per character,
+        # as the chunks are judged. A judge reads the answer before each chunk as it is.
+        self._overrides = BidiStack()
+
+    def _read(self, text: str) -> str:
+        """What the next chunk, `text`, is read after (read_after.py); the state moves past it."""
+        opened = self._overrides.opened
+        self._overrides.read(text)
+        return opened
 
     def put(self, span: Span) -> None:
         self._pending.append(span)
@@ -278,7 +290,9 @@ class DetectorQueue:
                 replies = await detector.client.detect(texts, detector.params, context)
                 self._answer += "".join(texts)
             else:
-                replies = await detector.client.detect(texts, detector.params)
+                opened = [self._read(s.text) for s in batch]
+                contents = [o + t for o, t in zip(opened, texts, strict=True)]
+                replies = read_back(await detector.client.detect(contents, detector.params), opened)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()  # a reader held while detectors are behind looks again
             ends = self._closed and not self._pending and (detector.redacting or detector.blocking)
@@ -307,7 +321,9 @@ class DetectorQueue:
             end = start + len(text)
             final = self._closed and not self._pending
             self.calls += 1
-            [detections] = await detector.client.detect([text], detector.params)
+            opened = self._overrides.opened
+            [detections] = await detector.client.detect([opened + text], detector.params)
+            detections = shifted(detections, len(opened))
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
             found = kept_findings(detector, Span(start, end, text), detections)
@@ -320,6 +336,7 @@ class DetectorQueue:
             safe, hidden_from = (
                 (end, None) if final or no_seam else safe_end(text, start, found, self._before)
             )
+            self._overrides.read(text, 0, safe - start)  # (the next window starts at `safe`)
             self._carry = text[safe - start :]
             self._carry_start = safe
             reported = tuple(f for f in found if f.end <= safe)
@@ -370,11 +387,17 @@ class DetectorQueue:
         the end of the text, not one window per boundary: the windows of neighbouring
         boundaries overlap, and with the run bounds (SEAM_RUN_CHARS) and a small `max_chars`
         that judged each held character hundreds of times a call. One window costs the held
-        text once, and the held text is bounded by the windows' own bounds."""
+        text once, and the held text is bounded by the windows' own bounds.
+
+        Each chunk and the window is read after the bidi controls open where it starts: a
+        held chunk's state is kept (`held_at`, only where something is open), and the window's
+        is that of the chunk it starts in, read on to its start (one chunk, not the held text).
+        """
         detector = self.detector
         seam_after = self._seam_after
         assert seam_after is not None
         held: list[tuple[Span, tuple[Finding, ...]]] = []
+        held_at: dict[int, BidiStack] = {}  # chunk start -> the controls open there, if any
         while True:
             if not self._pending:
                 if self._closed:
@@ -384,6 +407,11 @@ class DetectorQueue:
                 continue
             batch = list(self._pending)
             self._pending.clear()
+            opened: list[str] = []
+            for span in batch:
+                if self._overrides.open:
+                    held_at[span.start] = self._overrides.copy()
+                opened.append(self._read(span.text))
             chain = [span for span, _ in held] + batch
             text = "".join([s.text for s in chain])
             base = chain[0].start
@@ -394,9 +422,11 @@ class DetectorQueue:
                 first = seams.index(True)
                 lo, _, _ = seam_bounds(text, 0, len(text), chain[first + 1].start - base)
                 window = Span(base + lo, base + len(text), text[lo:])
+                opened.append(_opened_at(chain, held_at, text, lo))
             self.calls += 1
             contents = [s.text for s in batch] + ([window.text] if window is not None else [])
-            replies = await detector.client.detect(contents, detector.params)
+            contents = [o + c for o, c in zip(opened, contents, strict=True)]
+            replies = read_back(await detector.client.detect(contents, detector.params), opened)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
             own = [
@@ -467,6 +497,7 @@ class DetectorQueue:
                     self._post(span, found)
                     posted = i + 1
             held = judged[posted:]
+            held_at = {s.start: held_at[s.start] for s, _ in held if s.start in held_at}
         # the text ended: nothing follows the held chunks (but the text may end inside an entity)
         for span, found in self._flag_tail(held):
             self._post(span, found)
@@ -498,6 +529,17 @@ class DetectorQueue:
 
     def _post(self, span: Span, found: tuple[Finding, ...]) -> None:
         self._inbox.put(DetectorResult(self.detector.detector_id, span.start, span.end, found))
+
+
+def _opened_at(chain: list[Span], at: dict[int, BidiStack], text: str, lo: int) -> str:
+    """What a window from `text[lo]` is read after, where `text` is `chain`'s chunks joined and
+    `at` the controls open where each of them starts (none: nothing open): the state where the
+    chunk holding `lo` starts, read on to `lo`."""
+    base = chain[0].start
+    span = next(c for c in reversed(chain) if c.start - base <= lo)
+    state = at[span.start].copy() if span.start in at else BidiStack()
+    state.read(text, span.start - base, lo)
+    return state.opened
 
 
 # what a run of numbers is made of (digit groups and their separators): a block withholds the
