@@ -16,10 +16,21 @@ call of its own (two chunks in one call read as one text, whatever the code does
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
+from chunkers import Span
+from detectors.api import Detection
+from detectors.normalise import open_overrides, reversed_runs
+from orchestrator.clients.detectors import InProcessDetectorClient
+from orchestrator.clients.registry import RequestedDetector
+from orchestrator.config import DetectorConfig
+from orchestrator.streaming import detector_queue
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import (
     Orchestrator,
@@ -30,6 +41,7 @@ from tests.orchestrator_support import (
     terminal,
 )
 from tests.test_orchestrator_fms import release_after_first_frame
+from tests.test_pipeline_redaction_seams import REGEX, registry, run_stream
 
 RLO = "\u202e"
 # a reader sees `jo@example.com` (and `jo@first.last.mail.example.com`); in logical order
@@ -110,3 +122,86 @@ async def test_a_value_reversed_by_an_earlier_chunks_override_is_redacted(
     ]
     at = answer("").index(" now")
     assert found == [(at, at + len("[email]"), "[email]", True)]
+
+
+# -- property: every piece a stream's detector judges reads as it does inside the whole text ----
+
+CONTROLS = [
+    "\u202e",
+    "\u202d",
+    "\u202a",
+    "\u202b",
+    "\u202c",
+    "\u2066",
+    "\u2067",
+    "\u2068",
+    "\u2069",
+]
+PIECES = [*CONTROLS, "\n", " ", ". ", "ab", "jo@example.com", SHORT, "555-123-4567", "4 1"]
+DAY = "It is a fine day, and the sun is out over the hills. "
+PIECES.append(DAY)  # windows that start mid-stream
+
+
+class Echo(type(REGEX)):  # type: ignore[misc]
+    """The regex detector (its seams and tails), answering each content with one detection of
+    all of it below any threshold: nothing is flagged, and `kept_findings` gets the content
+    with the stream span it was judged for."""
+
+    async def detect(self, contents: list[str], params: dict[str, Any] | None = None) -> Any:
+        return [
+            [
+                Detection(
+                    start=0, end=len(c), text=c, detection="echo", detection_type="echo", score=0.0
+                )
+            ]
+            for c in contents
+        ]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(["ab ", RLO, DAY, DAY, DAY], list(range(0, 170, 5)), 16, "s", "block")  # seam windows
+@example(["ab ", RLO, DAY, DAY, DAY], list(range(0, 170, 5)), 16, "s", "redact")  # carried ones
+@given(
+    parts=st.lists(st.sampled_from(PIECES), min_size=1, max_size=14),
+    cuts=st.lists(st.integers(0, 200), max_size=12),
+    max_chars=st.sampled_from([5, 16, 500]),
+    chunker=st.sampled_from(["s", "w"]),
+    on_detection=st.sampled_from(["annotate", "redact", "block"]),
+)
+def test_each_piece_is_read_after_the_controls_open_in_the_whole_stream(
+    parts: list[str],
+    cuts: list[int],
+    max_chars: int,
+    chunker: str,
+    on_detection: str,
+) -> None:
+    """Whatever the tokens, chunker and path (a chunk alone, a blocking detector's seam window,
+    a redacting detector's carried window): the content judged for stream span `[s, e)` is
+    `open_overrides(text, [s])` (what an input's piece at `s` is read after) then `text[s:e]`,
+    and it shows the characters of `[s, e)` that the whole text shows reversed, reversed."""
+    text = "".join(parts)
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    deltas = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    seen: list[tuple[int, int, str]] = []
+    real = detector_queue.kept_findings
+
+    def spy(detector: Any, span: Span, detections: list[Detection]) -> Any:
+        seen.extend((span.start, span.end, d.text) for d in detections if d.detection == "echo")
+        return real(detector, span, detections)
+
+    client = InProcessDetectorClient("pii", DetectorConfig(builtin="regex"), Echo())
+    det = RequestedDetector("pii", client, chunker, 0.5, on_detection, {})  # type: ignore[arg-type]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(detector_queue, "kept_findings", spy)
+        asyncio.run(run_stream(deltas, [det], registry(max_chars), []))
+    assert seen
+    whole = {i for a, b in reversed_runs(text) for i in range(a, b)}
+    for start, end, content in seen:
+        opened, piece = (
+            content[: len(content) - (end - start)],
+            content[len(content) - (end - start) :],
+        )
+        assert piece == text[start:end]
+        assert opened == open_overrides(text, [start])[0], (text, start, content)
+        shown = {start + i - len(opened) for a, b in reversed_runs(content) for i in range(a, b)}
+        assert shown - set(range(start)) == {i for i in whole if start <= i < end}, (text, start)
