@@ -44,7 +44,8 @@ import bisect
 import html.entities
 import re
 import unicodedata
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -458,13 +459,180 @@ def markup_hidden(text: str, lo: int, hi: int) -> frozenset[int]:
     there as it is to the detectors. Markup that starts before `lo` or ends after `hi` counts
     too (the text around them is read, up to the longest markup): a tag cut by either end
     hides its attributes' spaces, which read as whitespace ended a seam window's walk inside a
-    padded value (`jo` + `<span class="x">` x 300 + `@example.com`). Linear in `hi - lo`."""
-    hidden: set[int] = set()
-    for m in MARKUP.finditer(text, max(0, lo - MARKUP_MOST), hi + MARKUP_MOST):
-        shown = _decoded(m)
-        if shown is not None and m.end() > lo and m.start() < hi:
-            hidden.update(range(max(lo, m.start() + len(shown)), min(hi, m.end())))
-    return frozenset(hidden)
+    padded value (`jo` + `<span class="x">` x 300 + `@example.com`). Linear in `hi - lo`.
+    The positions of `markup_hidden_runs`."""
+    return frozenset(i for a, b in markup_hidden_runs(text, lo, hi) for i in range(a, b))
+
+
+# One tag or comment exactly as MARKUP's alternative for them matches it at its `<` (the same
+# pattern without its groups), and a run of them back to back: nothing follows the repeat, so
+# each tag in a run is matched as a scan from its `<` matches it alone (a repeat never gives
+# back a tag's characters to make the run longer). Inside a tag no `<` can occur: every `<` of
+# a run begins one of its tags.
+_TAG_RUN = re.compile(
+    r"(?:<(?:/?[A-Za-z][A-Za-z0-9]{0,15}(?:[ \t\n/][^<>]{0,256})?>|!--[^<>]{0,256}?-->))+"
+)
+# a tag of a run that draws a line break (`_decoded`: its first character is shown): its name
+# whole (the name is every letter and digit up to what ends it)
+_BLOCK_TAG = re.compile(
+    r"</?(?:" + "|".join(sorted(_BLOCK_TAGS)) + r")(?=[ \t\n/>])", re.IGNORECASE | re.ASCII
+)
+
+
+def markup_hidden_runs(text: str, lo: int, hi: int) -> list[tuple[int, int]]:
+    """`markup_hidden` as sorted, disjoint, non-adjacent `[start, end)` runs (a walk steps over
+    each at once). A run of tags back to back (`<b>` x 10^5, minified markup) is taken a piece
+    at a time in C (`_units`), and a long text's markup is scanned once (`_MarkupIndex`):
+    scanned a tag at a time by each seam window's walk, a 1 MiB input of `<b>` cost 16 s of
+    CPU."""
+    out: list[tuple[int, int]] = []
+
+    def hide(a: int, b: int) -> None:
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            return
+        if out and out[-1][1] >= a:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+
+    pos, stop = max(0, lo - MARKUP_MOST), hi + MARKUP_MOST
+    index = _index(text) if len(text) >= _INDEXED_CHARS else None
+    units = _units(text, pos, stop, hi)
+    while index is not None and not index.synced(text, pos):  # (see `_MarkupIndex`)
+        unit = next(units, None)
+        if unit is None:
+            return out
+        for a, b in unit[2]:
+            hide(a, b)
+        pos = unit[1]
+    if index is not None:
+        pos, found = index.hidden(pos, stop, max(pos, lo), hi)
+        if found:
+            hide(*found[0])  # (it may join the last run before it; those after it cannot)
+            out.extend(found[1:])
+        units = _units(text, pos, stop, hi)
+    for _, _, parts in units:
+        for a, b in parts:
+            hide(a, b)
+    return out
+
+
+# the most characters of a run of tags taken in one match (`_units`)
+_RUN_PIECE = 512
+
+
+def _units(
+    text: str, pos: int, stop: int, hi: int
+) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+    """The MARKUP matches of a scan of `text[pos:stop]` that start before `hi`, in order, as
+    `(start, end, [what they hide])`; tags back to back (`_TAG_RUN`) are one, up to about
+    _RUN_PIECE characters of them (the rest of the run is the next one), and the scan goes on
+    after them, as it would have gone on after their last tag."""
+    at: int | None = pos
+    while at is not None:
+        pos, at = at, None
+        for m in MARKUP.finditer(text, pos, stop):
+            start = m.start()
+            if start >= hi:
+                return
+            if m.lastindex in (9, 10):  # a tag or a comment: maybe the first of a run
+                # (an end cuts a run between two tags: see `_TAG_RUN`)
+                run = _TAG_RUN.match(text, start, min(stop, max(start + _RUN_PIECE, m.end())))
+                assert run is not None  # (it matches this tag at least)
+                if run.end() > m.end():
+                    parts = []
+                    for block in _BLOCK_TAG.finditer(text, start, run.end()):
+                        parts.append((start, block.start()))  # a line break shows its `<`
+                        start = block.start() + 1
+                    parts.append((start, run.end()))
+                    yield m.start(), run.end(), parts
+                    at = run.end()
+                    break
+            shown = _decoded(m)
+            yield start, m.end(), [] if shown is None else [(start + len(shown), m.end())]
+
+
+# Texts at least this long have their markup scanned once (`_MarkupIndex`): the walks of a
+# long input's seam windows read SEAM_RAW_CHARS each, both sides of each `max_chars` cut, each
+# character about 40 times over
+_INDEXED_CHARS = 1 << 15
+# How far a MARKUP match reads from its start (a Markdown link's opener looks ahead over its
+# text and target): one that starts this far before a scan's end is matched as without it
+_MARKUP_READS = 1 + 64 + 2 + 256 + 1
+
+
+class _MarkupIndex:
+    """A whole text's markup, scanned once (`_units` from 0): each unit's `starts`/`ends`,
+    whether it is tags back to back (`tags`), and what they hide as merged runs
+    `hidden_starts`/`hidden_ends`.
+
+    A scan of a stretch (`markup_hidden_runs`: from `lo - MARKUP_MOST` to `hi + MARKUP_MOST`)
+    finds what the whole text's scan finds from where it looks for a match at a position the
+    whole scan looked at too (`synced`: both look for the leftmost match from there, and where a
+    match starts does not depend on where a scan started; every `<` among tags back to back
+    begins a tag), up to where its end cuts a match's reading short, after which it scans on
+    its own. So the stretch's runs are exactly those it would have scanned, at the cost of a
+    look-up and the few matches at its ends."""
+
+    __slots__ = ("ends", "hidden_ends", "hidden_starts", "starts", "tags")
+
+    def __init__(self, text: str) -> None:
+        self.starts, self.ends = array("q"), array("q")
+        self.tags = bytearray()
+        self.hidden_starts, self.hidden_ends = array("q"), array("q")
+        hs, he = self.hidden_starts, self.hidden_ends
+        for start, end, parts in _units(text, 0, len(text), len(text)):
+            self.starts.append(start)
+            self.ends.append(end)
+            self.tags.append(text[start] == "<" and "<" in text[start + 1 : end])
+            for a, b in parts:
+                if a >= b:
+                    continue
+                if he and he[-1] >= a:
+                    he[-1] = max(he[-1], b)
+                else:
+                    hs.append(a)
+                    he.append(b)
+
+    def _inside(self, pos: int) -> int:
+        """The unit that holds `pos` after its start, or -1."""
+        k = bisect.bisect_right(self.starts, pos) - 1
+        return k if k >= 0 and self.starts[k] < pos < self.ends[k] else -1
+
+    def synced(self, text: str, pos: int) -> bool:
+        """The whole text's scan looked for a match at `pos` too: no unit holds it after its
+        start, or it is a `<` among tags back to back."""
+        k = self._inside(pos)
+        return k < 0 or (self.tags[k] == 1 and text[pos] == "<")
+
+    def hidden(self, pos: int, stop: int, lo: int, hi: int) -> tuple[int, list[tuple[int, int]]]:
+        """Where a scan looking from `pos` (`synced`) to `stop` goes on looking after the units
+        that it finds as the whole text's scan does (those that start early enough that `stop`
+        does not cut their reading short, and a run of tags it starts in: a cut between its
+        tags only ends it sooner); and what they hide in `[lo, hi)` (`lo >= pos`), as runs
+        (sliced out in C: a text of `<br>` hides three characters of four)."""
+        inside = self._inside(pos)
+        first = bisect.bisect_left(self.starts, pos) if inside < 0 else inside
+        last = bisect.bisect_left(self.starts, stop - _MARKUP_READS)
+        if last <= first:
+            return pos, []
+        end = self.ends[last - 1]
+        hi = min(hi, end)
+        hs, he = self.hidden_starts, self.hidden_ends
+        a, b = bisect.bisect_right(he, lo), bisect.bisect_left(hs, hi)
+        found = list(zip(hs[a:b], he[a:b], strict=True))
+        if found:
+            found[0] = (max(found[0][0], lo), found[0][1])
+            found[-1] = (found[-1][0], min(found[-1][1], hi))
+        return end, found
+
+
+@lru_cache(maxsize=4)
+def _index(text: str) -> _MarkupIndex:
+    """The index of a long text (the walks of one text's seam windows share it; a few texts
+    judged at once each keep theirs)."""
+    return _MarkupIndex(text)
 
 
 @lru_cache(maxsize=1)

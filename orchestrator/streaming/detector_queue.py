@@ -14,7 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkers import Span
-from detectors.normalise import MARKUP_MOST, BidiStack, fold, is_plain, markup_hidden
+from detectors.normalise import (
+    MARKUP_MOST,
+    BidiStack,
+    fold,
+    is_plain,
+    markup_hidden,
+    markup_hidden_runs,
+)
 
 from ..clients.registry import RequestedDetector
 from ..judge_templates import JudgeContext
@@ -87,25 +94,32 @@ def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int,
     run); whether a bound stopped it (the count or SEAM_RAW_CHARS, not whitespace or the
     floor); and whether it was SEAM_RAW_CHARS with fewer than `count` visible characters in
     them (a run of mostly hidden ones: see SEAM_RAW_CHARS). ASCII is walked with arithmetic
-    where no whitespace matters."""
+    where no whitespace matters. What markup hides neither counts nor ends a run: a walk steps
+    over each of its runs at once (`markup_hidden_runs`)."""
     if not run:
         j = max(floor, i - count)
         if is_plain(text[j:i]):
             return j, i - count >= floor, False
     limit = max(floor, i - SEAM_RAW_CHARS)
-    hidden = markup_hidden(text, limit, i)
+    hidden = markup_hidden_runs(text, limit, i)
+    k = len(hidden) - 1  # the last hidden run that starts before `j`
     skip = _invisible_run(text, limit, i)
     back = text[limit:i][::-1] if skip is not None else ""  # back[k] is text[i - 1 - k]
     j, seen = i, 0
     while j > limit and seen < count:
+        while k >= 0 and hidden[k][0] >= j:
+            k -= 1
+        if k >= 0 and hidden[k][1] >= j:  # `text[j - 1]` is hidden: so is its run
+            j = hidden[k][0]
+            continue
         if skip is not None and (m := skip.match(back, i - j)) is not None:
             j -= m.end() - m.start()  # none visible, none whitespace
             continue
         ch = text[j - 1]
-        if run and ch.isspace() and j - 1 not in hidden:
+        if run and ch.isspace():
             return j, False, False
         j -= 1
-        if _visible(ch) and j not in hidden:
+        if _visible(ch):
             seen += 1
     raw = seen < count and j == limit and limit > floor
     return j, seen >= count or raw, raw
@@ -118,17 +132,23 @@ def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple
         if is_plain(text[i:j]):
             return j, i + count <= ceiling, False
     limit = min(ceiling, i + SEAM_RAW_CHARS)
-    hidden = markup_hidden(text, i, limit)
+    hidden = markup_hidden_runs(text, i, limit)
+    k = 0  # the first hidden run that ends after `j`
     skip = _invisible_run(text, i, limit)
     j, seen = i, 0
     while j < limit and seen < count:
+        while k < len(hidden) and hidden[k][1] <= j:
+            k += 1
+        if k < len(hidden) and hidden[k][0] <= j:  # `text[j]` is hidden: so is its run
+            j = hidden[k][1]
+            continue
         if skip is not None and (m := skip.match(text, j, limit)) is not None:
             j = m.end()  # none visible, none whitespace
             continue
         ch = text[j]
-        if run and ch.isspace() and j not in hidden:
+        if run and ch.isspace():
             return j, False, False
-        if _visible(ch) and j not in hidden:
+        if _visible(ch):
             seen += 1
         j += 1
     raw = seen < count and j == limit and limit < ceiling
