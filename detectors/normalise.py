@@ -418,18 +418,15 @@ def _decoded(m: re.Match[str]) -> str | None:
 
 def _unmarked(text: str) -> View | None:
     """The view with markup and escapes decoded (None: there are none), each match one view
-    character from its first original character (its end in `_ends`) or none."""
+    character from its first original character (its end in `_ends`) or none. Tags back to
+    back that show nothing are one removal (`_units`): removals back to back map as one."""
     view_at: list[int] = []
     orig_at: list[int] = []
     ends: dict[int, int] = {}
     pieces: list[str] = []
     at = 0  # original text copied so far
     delta = 0  # view position - original position, after `at`
-    for m in MARKUP.finditer(text):
-        shown = _decoded(m)
-        if shown is None:
-            continue
-        i, j = m.start(), m.end()
+    for i, j, shown in (d for _, _, unit in _units(text, 0, len(text), len(text)) for d in unit):
         pieces += (text[at:i], shown)
         at = j
         vpos = i + delta + len(shown)  # from here on, one-to-one from `j`
@@ -503,8 +500,8 @@ def markup_hidden_runs(text: str, lo: int, hi: int) -> list[tuple[int, int]]:
         unit = next(units, None)
         if unit is None:
             return out
-        for a, b in unit[2]:
-            hide(a, b)
+        for i, j, shown in unit[2]:
+            hide(i + len(shown), j)
         pos = unit[1]
     if index is not None:
         pos, found = index.hidden(pos, stop, max(pos, lo), hi)
@@ -512,9 +509,9 @@ def markup_hidden_runs(text: str, lo: int, hi: int) -> list[tuple[int, int]]:
             hide(*found[0])  # (it may join the last run before it; those after it cannot)
             out.extend(found[1:])
         units = _units(text, pos, stop, hi)
-    for _, _, parts in units:
-        for a, b in parts:
-            hide(a, b)
+    for _, _, decoded in units:
+        for i, j, shown in decoded:
+            hide(i + len(shown), j)
     return out
 
 
@@ -524,11 +521,12 @@ _RUN_PIECE = 512
 
 def _units(
     text: str, pos: int, stop: int, hi: int
-) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+) -> Iterator[tuple[int, int, list[tuple[int, int, str]]]]:
     """The MARKUP matches of a scan of `text[pos:stop]` that start before `hi`, in order, as
-    `(start, end, [what they hide])`; tags back to back (`_TAG_RUN`) are one, up to about
-    _RUN_PIECE characters of them (the rest of the run is the next one), and the scan goes on
-    after them, as it would have gone on after their last tag."""
+    `(start, end, [(start, end, what it shows) of each that shows something else])`; tags back
+    to back (`_TAG_RUN`) are one, up to about _RUN_PIECE characters of them (the rest of the
+    run is the next one), each stretch between their block tags one match that shows nothing,
+    and the scan goes on after them, as it would have gone on after their last tag."""
     at: int | None = pos
     while at is not None:
         pos, at = at, None
@@ -543,14 +541,17 @@ def _units(
                 if run.end() > m.end():
                     parts = []
                     for block in _BLOCK_TAG.finditer(text, start, run.end()):
-                        parts.append((start, block.start()))  # a line break shows its `<`
-                        start = block.start() + 1
-                    parts.append((start, run.end()))
+                        if block.start() > start:
+                            parts.append((start, block.start(), ""))
+                        start = text.index(">", block.end()) + 1  # (no `>` inside a tag)
+                        parts.append((block.start(), start, "\n"))  # a line break
+                    if run.end() > start:
+                        parts.append((start, run.end(), ""))
                     yield m.start(), run.end(), parts
                     at = run.end()
                     break
             shown = _decoded(m)
-            yield start, m.end(), [] if shown is None else [(start + len(shown), m.end())]
+            yield start, m.end(), [] if shown is None else [(start, m.end(), shown)]
 
 
 # Texts at least this long have their markup scanned once (`_MarkupIndex`): the walks of a
@@ -582,11 +583,12 @@ class _MarkupIndex:
         self.tags = bytearray()
         self.hidden_starts, self.hidden_ends = array("q"), array("q")
         hs, he = self.hidden_starts, self.hidden_ends
-        for start, end, parts in _units(text, 0, len(text), len(text)):
+        for start, end, decoded in _units(text, 0, len(text), len(text)):
             self.starts.append(start)
             self.ends.append(end)
             self.tags.append(text[start] == "<" and "<" in text[start + 1 : end])
-            for a, b in parts:
+            for i, b, shown in decoded:
+                a = i + len(shown)
                 if a >= b:
                     continue
                 if he and he[-1] >= a:

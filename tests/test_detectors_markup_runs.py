@@ -108,6 +108,7 @@ PIECES = [
     *("`", "[x](y)", "](z<b>)", "[", "]", "(", ")", "<", ">", "-", "@", "a", "5", " ", "\n"),
     *("\t", "\u200b", "\u00ad", "\u0301", "x" * 40),
     *("[" + "a" * 60, "](" + "b" * 250 + ")", "<i " + "c" * 250 + ">", "<!--" + "d" * 250 + "-->"),
+    "](" + "<b>" * 80 + ")",  # tags inside a Markdown link's target: one match, not a run
 ]
 markup = st.lists(
     st.one_of(st.sampled_from(PIECES), st.sampled_from(["<b>", "<br>", "a"]).map(lambda p: p * 50)),
@@ -201,3 +202,75 @@ def test_a_walk_over_a_long_run_of_tags_decodes_no_tag_alone() -> None:
     # (a run of hidden characters a window had to cut is refused: it fails closed, as before)
     assert {f.detection for f in found} == {detector_queue.OBFUSCATED}
     assert decoded < 1000, decoded
+
+
+def reference_unmarked(text: str) -> normalise.View | None:
+    """7c96083's `_unmarked`: every match decoded alone."""
+    view_at: list[int] = []
+    orig_at: list[int] = []
+    ends: dict[int, int] = {}
+    pieces: list[str] = []
+    at = delta = 0
+    for m in MARKUP.finditer(text):
+        shown = _decoded(m)
+        if shown is None:
+            continue
+        i, j = m.start(), m.end()
+        pieces += (text[at:i], shown)
+        at = j
+        vpos = i + delta + len(shown)
+        if shown:
+            ends[i] = j
+        if view_at and view_at[-1] == vpos:
+            view_at.pop()
+            orig_at.pop()
+        view_at.append(vpos)
+        orig_at.append(j)
+        delta += len(shown) - (j - i)
+    if not pieces:
+        return None
+    pieces.append(text[at:])
+    return normalise.View(text, "".join(pieces), view_at, orig_at, set(), ends)
+
+
+def the_map(view: normalise.View | None) -> Any:
+    if view is None:
+        return None
+    return (view.text, view._view_at, view._orig_at, view._ends)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=markup, piece=st.sampled_from([8, 40, 512]), spans=st.lists(st.floats(0, 1), max_size=6)
+)
+def test_the_view_is_the_per_match_view(text: str, piece: int, spans: list[float]) -> None:
+    """The markup view (what every built-in detector judges, and its map back to the source,
+    where detections are redacted or blocked): the same text, breakpoints and spans."""
+    with scales(False, piece):
+        got = normalise._unmarked(text)
+    want = reference_unmarked(text)
+    assert the_map(got) == the_map(want)
+    if got is not None and want is not None:
+        cuts = sorted(int(f * len(got.text)) for f in spans)
+        for a, b in itertools.pairwise(cuts):
+            assert got.span(a, b) == want.span(a, b)
+
+
+@pytest.mark.parametrize("piece", [8, 512])
+def test_a_stretch_that_starts_inside_a_match_scans_on_its_own_until_in_step(piece: int) -> None:
+    """Known cases for the index (`_MarkupIndex.synced`): stretches whose scan starts inside a
+    match of the whole text's scan, which a scan from there reads otherwise (the tags inside a
+    Markdown link's target, entities inside a tag's attributes, the middle of a run of `*`);
+    every start, against the per-match scan. (No case found makes the two scans differ at or
+    after `lo`: every match is shorter than MARKUP_MOST, so the scan that starts that far
+    before `lo` is back in step by then; `synced` does not rely on that.)"""
+    texts = [
+        "x" * 400 + "](" + "<b>" * 80 + ")" + "y" * 400,
+        "x" * 400 + '<span title="' + "&#97;" * 40 + '">' + "<b>" * 100 + "y" * 400,
+        "x" * 400 + "a" + "*" * 301 + "b" + "<b>" * 100,
+    ]
+    for text in texts:
+        with scales(True, piece):
+            for lo in range(0, len(text), 3):
+                for hi in (lo + 5, lo + 100, len(text)):
+                    assert markup_hidden(text, lo, hi) == reference_hidden(text, lo, hi), (lo, hi)

@@ -102,15 +102,15 @@ def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int,
             return j, i - count >= floor, False
     limit = max(floor, i - SEAM_RAW_CHARS)
     hidden = markup_hidden_runs(text, limit, i)
-    k = len(hidden) - 1  # the last hidden run that starts before `j`
+    h = len(hidden) - 1  # the last hidden run that starts before `j`
     skip = _invisible_run(text, limit, i)
     back = text[limit:i][::-1] if skip is not None else ""  # back[k] is text[i - 1 - k]
     j, seen = i, 0
     while j > limit and seen < count:
-        while k >= 0 and hidden[k][0] >= j:
-            k -= 1
-        if k >= 0 and hidden[k][1] >= j:  # `text[j - 1]` is hidden: so is its run
-            j = hidden[k][0]
+        while h >= 0 and hidden[h][0] >= j:
+            h -= 1
+        if h >= 0 and hidden[h][1] >= j:  # `text[j - 1]` is hidden: so is its run
+            j = hidden[h][0]
             continue
         if skip is not None and (m := skip.match(back, i - j)) is not None:
             j -= m.end() - m.start()  # none visible, none whitespace
@@ -133,14 +133,14 @@ def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple
             return j, i + count <= ceiling, False
     limit = min(ceiling, i + SEAM_RAW_CHARS)
     hidden = markup_hidden_runs(text, i, limit)
-    k = 0  # the first hidden run that ends after `j`
+    h = 0  # the first hidden run that ends after `j`
     skip = _invisible_run(text, i, limit)
     j, seen = i, 0
     while j < limit and seen < count:
-        while k < len(hidden) and hidden[k][1] <= j:
-            k += 1
-        if k < len(hidden) and hidden[k][0] <= j:  # `text[j]` is hidden: so is its run
-            j = hidden[k][1]
+        while h < len(hidden) and hidden[h][1] <= j:
+            h += 1
+        if h < len(hidden) and hidden[h][0] <= j:  # `text[j]` is hidden: so is its run
+            j = hidden[h][1]
             continue
         if skip is not None and (m := skip.match(text, j, limit)) is not None:
             j = m.end()  # none visible, none whitespace
