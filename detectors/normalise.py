@@ -44,7 +44,8 @@ import bisect
 import html.entities
 import re
 import unicodedata
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -417,18 +418,41 @@ def _decoded(m: re.Match[str]) -> str | None:
 
 def _unmarked(text: str) -> View | None:
     """The view with markup and escapes decoded (None: there are none), each match one view
-    character from its first original character (its end in `_ends`) or none."""
+    character from its first original character (its end in `_ends`) or none. Tags back to
+    back are taken a run at a time (`_tag_run`); those that show nothing are one removal
+    (removals back to back map as one)."""
     view_at: list[int] = []
     orig_at: list[int] = []
     ends: dict[int, int] = {}
     pieces: list[str] = []
     at = 0  # original text copied so far
     delta = 0  # view position - original position, after `at`
+    taken = 0  # the end of the last run of tags taken whole: its tags are skipped
     for m in MARKUP.finditer(text):
-        shown = _decoded(m)
-        if shown is None:
-            continue
         i, j = m.start(), m.end()
+        if i < taken:
+            continue
+        if m.lastindex in (9, 10) and text.startswith("<", j):
+            run = _tag_run(text, m, len(text))
+            if run is not None:  # (a scan from its end finds what this one finds after it)
+                taken, parts = run
+                *parts, (i, j, shown) = parts
+                for i0, j0, shown0 in parts:  # as below (a loop over 1-tuples costs 20 %)
+                    pieces += (text[at:i0], shown0)
+                    at = j0
+                    vpos = i0 + delta + len(shown0)
+                    if shown0:
+                        ends[i0] = j0
+                    if view_at and view_at[-1] == vpos:
+                        view_at.pop()
+                        orig_at.pop()
+                    view_at.append(vpos)
+                    orig_at.append(j0)
+                    delta += len(shown0) - (j0 - i0)
+            elif (shown := _decoded(m)) is None:
+                continue
+        elif (shown := _decoded(m)) is None:
+            continue
         pieces += (text[at:i], shown)
         at = j
         vpos = i + delta + len(shown)  # from here on, one-to-one from `j`
@@ -458,13 +482,197 @@ def markup_hidden(text: str, lo: int, hi: int) -> frozenset[int]:
     there as it is to the detectors. Markup that starts before `lo` or ends after `hi` counts
     too (the text around them is read, up to the longest markup): a tag cut by either end
     hides its attributes' spaces, which read as whitespace ended a seam window's walk inside a
-    padded value (`jo` + `<span class="x">` x 300 + `@example.com`). Linear in `hi - lo`."""
-    hidden: set[int] = set()
-    for m in MARKUP.finditer(text, max(0, lo - MARKUP_MOST), hi + MARKUP_MOST):
-        shown = _decoded(m)
-        if shown is not None and m.end() > lo and m.start() < hi:
-            hidden.update(range(max(lo, m.start() + len(shown)), min(hi, m.end())))
-    return frozenset(hidden)
+    padded value (`jo` + `<span class="x">` x 300 + `@example.com`). Linear in `hi - lo`.
+    The positions of `markup_hidden_runs`."""
+    return frozenset(i for a, b in markup_hidden_runs(text, lo, hi) for i in range(a, b))
+
+
+# One tag or comment exactly as MARKUP's alternative for them matches it at its `<` (the same
+# pattern without its groups), and a run of them back to back: nothing follows the repeat, so
+# each tag in a run is matched as a scan from its `<` matches it alone (a repeat never gives
+# back a tag's characters to make the run longer). Inside a tag no `<` can occur: every `<` of
+# a run begins one of its tags.
+_TAG_RUN = re.compile(
+    r"(?:<(?:/?[A-Za-z][A-Za-z0-9]{0,15}(?:[ \t\n/][^<>]{0,256})?>|!--[^<>]{0,256}?-->))+"
+)
+# a tag of a run that draws a line break (`_decoded`: its first character is shown): its name
+# whole (the name is every letter and digit up to what ends it)
+_BLOCK_TAG = re.compile(
+    r"</?(?:" + "|".join(sorted(_BLOCK_TAGS)) + r")(?=[ \t\n/>])", re.IGNORECASE | re.ASCII
+)
+
+
+def markup_hidden_runs(text: str, lo: int, hi: int) -> list[tuple[int, int]]:
+    """`markup_hidden` as sorted, disjoint, non-adjacent `[start, end)` runs (a walk steps over
+    each at once). A run of tags back to back (`<b>` x 10^5, minified markup) is taken a piece
+    at a time in C (`_units`), and a long text's markup is scanned once (`_MarkupIndex`):
+    scanned a tag at a time by each seam window's walk, a 1 MiB input of `<b>` cost 16 s of
+    CPU."""
+    out: list[tuple[int, int]] = []
+
+    def hide(a: int, b: int) -> None:
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            return
+        if out and out[-1][1] >= a:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+
+    pos, stop = max(0, lo - MARKUP_MOST), hi + MARKUP_MOST
+    index = _index(text) if len(text) >= _INDEXED_CHARS else None
+    units = _units(text, pos, stop, hi)
+    while index is not None and not index.synced(text, pos):  # (see `_MarkupIndex`)
+        unit = next(units, None)
+        if unit is None:
+            return out
+        for i, j, shown in unit[2]:
+            hide(i + len(shown), j)
+        pos = unit[1]
+    if index is not None:
+        pos, found = index.hidden(pos, stop, max(pos, lo), hi)
+        if found:
+            hide(*found[0])  # (it may join the last run before it; those after it cannot)
+            out.extend(found[1:])
+        units = _units(text, pos, stop, hi)
+    for _, _, decoded in units:
+        for i, j, shown in decoded:
+            hide(i + len(shown), j)
+    return out
+
+
+# the most characters of a run of tags taken in one match (`_units`)
+_RUN_PIECE = 512
+
+
+def _units(
+    text: str, pos: int, stop: int, hi: int
+) -> Iterator[tuple[int, int, list[tuple[int, int, str]]]]:
+    """The MARKUP matches of a scan of `text[pos:stop]` that start before `hi`, in order, as
+    `(start, end, [(start, end, what it shows) of each that shows something else])`; tags back
+    to back (`_TAG_RUN`) are one, up to about _RUN_PIECE characters of them (the rest of the
+    run is the next one), each stretch between their block tags one match that shows nothing,
+    and the scan goes on after them, as it would have gone on after their last tag."""
+    at: int | None = pos
+    while at is not None:
+        pos, at = at, None
+        for m in MARKUP.finditer(text, pos, stop):
+            start = m.start()
+            if start >= hi:
+                return
+            if m.lastindex in (9, 10) and text.startswith("<", m.end(), stop):
+                run = _tag_run(text, m, stop)
+                if run is not None:
+                    yield start, run[0], run[1]
+                    at = run[0]
+                    break
+            shown = _decoded(m)
+            yield start, m.end(), [] if shown is None else [(start, m.end(), shown)]
+
+
+def _tag_run(text: str, m: re.Match[str], stop: int) -> tuple[int, list[Any]] | None:
+    """Where the run of tags back to back that MARKUP's tag match `m` begins ends (at most
+    about _RUN_PIECE characters of it, and not past `stop`: an end cuts a run between two tags,
+    see `_TAG_RUN`), and its matches that show something else, `(start, end, shown)`: each
+    stretch between its block tags one that shows nothing, each block tag a line break; None
+    when `m` is alone."""
+    start = m.start()
+    run = _TAG_RUN.match(text, start, min(stop, max(start + _RUN_PIECE, m.end())))
+    if run is None or run.end() <= m.end():  # (it matches `m` at least)
+        return None
+    end = run.end()
+    parts: list[tuple[int, int, str]] = []
+    for block in _BLOCK_TAG.finditer(text, start, end):
+        if block.start() > start:
+            parts.append((start, block.start(), ""))
+        start = text.index(">", block.end()) + 1  # (no `>` inside a tag)
+        parts.append((block.start(), start, "\n"))
+    if end > start:
+        parts.append((start, end, ""))
+    return end, parts
+
+
+# Texts at least this long have their markup scanned once (`_MarkupIndex`): the walks of a
+# long input's seam windows read SEAM_RAW_CHARS each, both sides of each `max_chars` cut, each
+# character about 40 times over
+_INDEXED_CHARS = 1 << 15
+# How far a MARKUP match reads from its start (a Markdown link's opener looks ahead over its
+# text and target): one that starts this far before a scan's end is matched as without it
+_MARKUP_READS = 1 + 64 + 2 + 256 + 1
+
+
+class _MarkupIndex:
+    """A whole text's markup, scanned once (`_units` from 0): each unit's `starts`/`ends`,
+    whether it is tags back to back (`tags`), and what they hide as merged runs
+    `hidden_starts`/`hidden_ends`.
+
+    A scan of a stretch (`markup_hidden_runs`: from `lo - MARKUP_MOST` to `hi + MARKUP_MOST`)
+    finds what the whole text's scan finds from where it looks for a match at a position the
+    whole scan looked at too (`synced`: both look for the leftmost match from there, and where a
+    match starts does not depend on where a scan started; every `<` among tags back to back
+    begins a tag), up to where its end cuts a match's reading short, after which it scans on
+    its own. So the stretch's runs are exactly those it would have scanned, at the cost of a
+    look-up and the few matches at its ends."""
+
+    __slots__ = ("ends", "hidden_ends", "hidden_starts", "starts", "tags")
+
+    def __init__(self, text: str) -> None:
+        self.starts, self.ends = array("q"), array("q")
+        self.tags = bytearray()
+        self.hidden_starts, self.hidden_ends = array("q"), array("q")
+        hs, he = self.hidden_starts, self.hidden_ends
+        for start, end, decoded in _units(text, 0, len(text), len(text)):
+            self.starts.append(start)
+            self.ends.append(end)
+            self.tags.append(text[start] == "<" and "<" in text[start + 1 : end])
+            for i, b, shown in decoded:
+                a = i + len(shown)
+                if a >= b:
+                    continue
+                if he and he[-1] >= a:
+                    he[-1] = max(he[-1], b)
+                else:
+                    hs.append(a)
+                    he.append(b)
+
+    def _inside(self, pos: int) -> int:
+        """The unit that holds `pos` after its start, or -1."""
+        k = bisect.bisect_right(self.starts, pos) - 1
+        return k if k >= 0 and self.starts[k] < pos < self.ends[k] else -1
+
+    def synced(self, text: str, pos: int) -> bool:
+        """The whole text's scan looked for a match at `pos` too: no unit holds it after its
+        start, or it is a `<` among tags back to back."""
+        k = self._inside(pos)
+        return k < 0 or (self.tags[k] == 1 and text[pos] == "<")
+
+    def hidden(self, pos: int, stop: int, lo: int, hi: int) -> tuple[int, list[tuple[int, int]]]:
+        """Where a scan looking from `pos` (`synced`) to `stop` goes on looking after the units
+        that it finds as the whole text's scan does (those that start early enough that `stop`
+        does not cut their reading short, and a run of tags it starts in: a cut between its
+        tags only ends it sooner); and what they hide in `[lo, hi)` (`lo >= pos`), as runs
+        (sliced out in C: a text of `<br>` hides three characters of four)."""
+        inside = self._inside(pos)
+        first = bisect.bisect_left(self.starts, pos) if inside < 0 else inside
+        last = bisect.bisect_left(self.starts, stop - _MARKUP_READS)
+        if last <= first:
+            return pos, []
+        end = self.ends[last - 1]
+        hi = min(hi, end)
+        hs, he = self.hidden_starts, self.hidden_ends
+        a, b = bisect.bisect_right(he, lo), bisect.bisect_left(hs, hi)
+        found = list(zip(hs[a:b], he[a:b], strict=True))
+        if found:
+            found[0] = (max(found[0][0], lo), found[0][1])
+            found[-1] = (found[-1][0], min(found[-1][1], hi))
+        return end, found
+
+
+@lru_cache(maxsize=4)
+def _index(text: str) -> _MarkupIndex:
+    """The index of a long text (the walks of one text's seam windows share it; a few texts
+    judged at once each keep theirs)."""
+    return _MarkupIndex(text)
 
 
 @lru_cache(maxsize=1)
@@ -550,7 +758,7 @@ def reversed_runs(text: str) -> list[tuple[int, int]]:
     an override changes the order of Latin letters and digits, which are what PII is made of
     (in right-to-left embeddings they keep their own order)."""
     runs: list[tuple[int, int]] = []
-    stack = _BidiStack()
+    stack = BidiStack()
     start = -1
     for m in _BIDI.finditer(text):
         i, ch = m.start(), m.group()
@@ -572,10 +780,14 @@ def reversed_runs(text: str) -> list[tuple[int, int]]:
 MAX_DEPTH = 125
 
 
-class _BidiStack:
-    """The explicit controls open after a run of bidi controls (UAX #9 X1-X8, without the
+class BidiStack:
+    """The explicit controls open after the text read so far (UAX #9 X1-X8, without the
     levels): `open` holds at most MAX_DEPTH of them; the overflow counts stand for the ignored
-    ones, which their closing controls cancel first, as the algorithm's counters do."""
+    ones, which their closing controls cancel first, as the algorithm's counters do.
+
+    One state machine for every reader of a text in pieces: a whole text's pieces
+    (`open_overrides`) and a stream's chunks and windows (`read`, one piece after another, each
+    character once: linear in the stream, and `opened` is bounded by MAX_DEPTH)."""
 
     __slots__ = ("embeddings_over", "isolates_over", "open")
 
@@ -583,6 +795,33 @@ class _BidiStack:
         self.open: list[str] = []
         self.embeddings_over = 0
         self.isolates_over = 0
+
+    def copy(self) -> BidiStack:
+        out = BidiStack()
+        out.open = self.open.copy()
+        out.embeddings_over, out.isolates_over = self.embeddings_over, self.isolates_over
+        return out
+
+    @property
+    def opened(self) -> str:
+        """What a piece read from here is read after: the open controls when one of them is a
+        right-to-left override (the only control that changes the order of what a detector
+        matches), else ""."""
+        return "".join(self.open) if _RLO in self.open else ""
+
+    def read(self, text: str, lo: int = 0, hi: int | None = None) -> None:
+        """After `text[lo:hi]`. With nothing open, up to its first opening control nothing
+        changes (closing controls and paragraph ends do nothing then): one C search skips it,
+        so plain text (and its line breaks) costs no Python turn per control."""
+        hi = len(text) if hi is None else hi
+        if not self.open:  # (nothing open: no overflow either, it needs a full stack)
+            first = _OPENING.search(text, lo, hi)
+            if first is None:
+                return
+            lo = first.start()
+        step = self.step
+        for m in _BIDI.finditer(text, lo, hi):
+            step(m.group())
 
     def step(self, ch: str) -> None:
         """After `ch` (one of `_BIDI`'s characters)."""
@@ -614,23 +853,24 @@ class _BidiStack:
             self.embeddings_over += 1
 
 
+_OPENING = re.compile("[" + _RLO + _LRO + _LRE + _RLE + _ISOLATES + "]")
+
+
 def open_overrides(text: str, positions: Sequence[int]) -> list[str]:
     """For each of `positions` (ascending), the explicit controls still open there when one of
-    them is a right-to-left override (`reversed_runs`' stack), else "". A piece of `text` judged
+    them is a right-to-left override (`BidiStack.opened`), else "". A piece of `text` judged
     alone (a chunk, a window) that starts inside an override is read with these put before it,
     so that its characters are in the order a reader of the whole text sees them: an override
     in an earlier sentence reverses a phone number in a later one. One scan of `text`."""
     if _RLO not in text:
         return [""] * len(positions)
     out: list[str] = []
-    stack = _BidiStack()
-    matches = _BIDI.finditer(text)
-    m = next(matches, None)
+    stack = BidiStack()
+    at = 0
     for pos in positions:
-        while m is not None and m.start() < pos:
-            stack.step(m.group())
-            m = next(matches, None)
-        out.append("".join(stack.open) if _RLO in stack.open else "")
+        stack.read(text, at, max(at, pos))
+        at = max(at, pos)
+        out.append(stack.opened)
     return out
 
 

@@ -14,13 +14,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkers import Span
-from detectors.normalise import MARKUP_MOST, fold, is_plain, markup_hidden
+from detectors.normalise import (
+    MARKUP_MOST,
+    BidiStack,
+    fold,
+    is_plain,
+    markup_hidden,
+    markup_hidden_runs,
+)
 
 from ..clients.registry import RequestedDetector
 from ..judge_templates import JudgeContext
 from .aggregation import DetectorResult
 from .findings import Finding, kept_findings
 from .inbox import Inbox
+from .read_after import read_back, shifted
 
 Result = DetectorResult[Finding]
 
@@ -86,25 +94,32 @@ def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int,
     run); whether a bound stopped it (the count or SEAM_RAW_CHARS, not whitespace or the
     floor); and whether it was SEAM_RAW_CHARS with fewer than `count` visible characters in
     them (a run of mostly hidden ones: see SEAM_RAW_CHARS). ASCII is walked with arithmetic
-    where no whitespace matters."""
+    where no whitespace matters. What markup hides neither counts nor ends a run: a walk steps
+    over each of its runs at once (`markup_hidden_runs`)."""
     if not run:
         j = max(floor, i - count)
         if is_plain(text[j:i]):
             return j, i - count >= floor, False
     limit = max(floor, i - SEAM_RAW_CHARS)
-    hidden = markup_hidden(text, limit, i)
+    hidden = markup_hidden_runs(text, limit, i)
+    h = len(hidden) - 1  # the last hidden run that starts before `j`
     skip = _invisible_run(text, limit, i)
     back = text[limit:i][::-1] if skip is not None else ""  # back[k] is text[i - 1 - k]
     j, seen = i, 0
     while j > limit and seen < count:
+        while h >= 0 and hidden[h][0] >= j:
+            h -= 1
+        if h >= 0 and hidden[h][1] >= j:  # `text[j - 1]` is hidden: so is its run
+            j = hidden[h][0]
+            continue
         if skip is not None and (m := skip.match(back, i - j)) is not None:
             j -= m.end() - m.start()  # none visible, none whitespace
             continue
         ch = text[j - 1]
-        if run and ch.isspace() and j - 1 not in hidden:
+        if run and ch.isspace():
             return j, False, False
         j -= 1
-        if _visible(ch) and j not in hidden:
+        if _visible(ch):
             seen += 1
     raw = seen < count and j == limit and limit > floor
     return j, seen >= count or raw, raw
@@ -117,17 +132,23 @@ def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple
         if is_plain(text[i:j]):
             return j, i + count <= ceiling, False
     limit = min(ceiling, i + SEAM_RAW_CHARS)
-    hidden = markup_hidden(text, i, limit)
+    hidden = markup_hidden_runs(text, i, limit)
+    h = 0  # the first hidden run that ends after `j`
     skip = _invisible_run(text, i, limit)
     j, seen = i, 0
     while j < limit and seen < count:
+        while h < len(hidden) and hidden[h][1] <= j:
+            h += 1
+        if h < len(hidden) and hidden[h][0] <= j:  # `text[j]` is hidden: so is its run
+            j = hidden[h][1]
+            continue
         if skip is not None and (m := skip.match(text, j, limit)) is not None:
             j = m.end()  # none visible, none whitespace
             continue
         ch = text[j]
-        if run and ch.isspace() and j not in hidden:
+        if run and ch.isspace():
             return j, False, False
-        if _visible(ch) and j not in hidden:
+        if _visible(ch):
             seen += 1
         j += 1
     raw = seen < count and j == limit and limit < ceiling
@@ -244,6 +265,17 @@ class DetectorQueue:
         # windowed: the carry starts inside a run of mostly hidden characters being redacted
         self._in_hidden_run = False
         self._before = ""  # windowed: the text just before the carry (see `_obscured`)
+        # the bidi controls open where the next chunk to be judged starts (windowed: where the
+        # carry starts): each chunk and window is read after those open where it starts
+        # (read_after.py), as a reader of the whole stream sees it. Read once per character,
+        # as the chunks are judged. A judge reads the answer before each chunk as it is.
+        self._overrides = BidiStack()
+
+    def _read(self, text: str) -> str:
+        """What the next chunk, `text`, is read after (read_after.py); the state moves past it."""
+        opened = self._overrides.opened
+        self._overrides.read(text)
+        return opened
 
     def put(self, span: Span) -> None:
         self._pending.append(span)
@@ -294,7 +326,9 @@ class DetectorQueue:
                 replies = await detector.client.detect(texts, detector.params, context)
                 self._answer += "".join(texts)
             else:
-                replies = await detector.client.detect(texts, detector.params)
+                opened = [self._read(s.text) for s in batch]
+                contents = [o + t for o, t in zip(opened, texts, strict=True)]
+                replies = read_back(await detector.client.detect(contents, detector.params), opened)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()  # a reader held while detectors are behind looks again
             ends = self._closed and not self._pending and (detector.redacting or detector.blocking)
@@ -323,7 +357,9 @@ class DetectorQueue:
             end = start + len(text)
             final = self._closed and not self._pending
             self.calls += 1
-            [detections] = await detector.client.detect([text], detector.params)
+            opened = self._overrides.opened
+            [detections] = await detector.client.detect([opened + text], detector.params)
+            detections = shifted(detections, len(opened))
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
             found = kept_findings(detector, Span(start, end, text), detections)
@@ -336,6 +372,7 @@ class DetectorQueue:
             safe, hidden_from = (
                 (end, None) if final or no_seam else safe_end(text, start, found, self._before)
             )
+            self._overrides.read(text, 0, safe - start)  # (the next window starts at `safe`)
             self._carry = text[safe - start :]
             self._carry_start = safe
             reported = tuple(f for f in found if f.end <= safe)
@@ -386,11 +423,17 @@ class DetectorQueue:
         the end of the text, not one window per boundary: the windows of neighbouring
         boundaries overlap, and with the run bounds (SEAM_RUN_CHARS) and a small `max_chars`
         that judged each held character hundreds of times a call. One window costs the held
-        text once, and the held text is bounded by the windows' own bounds."""
+        text once, and the held text is bounded by the windows' own bounds.
+
+        Each chunk and the window is read after the bidi controls open where it starts: a
+        held chunk's state is kept (`held_at`, only where something is open), and the window's
+        is that of the chunk it starts in, read on to its start (one chunk, not the held text).
+        """
         detector = self.detector
         seam_after = self._seam_after
         assert seam_after is not None
         held: list[tuple[Span, tuple[Finding, ...]]] = []
+        held_at: dict[int, BidiStack] = {}  # chunk start -> the controls open there, if any
         while True:
             if not self._pending:
                 if self._closed:
@@ -400,6 +443,11 @@ class DetectorQueue:
                 continue
             batch = list(self._pending)
             self._pending.clear()
+            opened: list[str] = []
+            for span in batch:
+                if self._overrides.open:
+                    held_at[span.start] = self._overrides.copy()
+                opened.append(self._read(span.text))
             chain = [span for span, _ in held] + batch
             text = "".join([s.text for s in chain])
             base = chain[0].start
@@ -410,9 +458,11 @@ class DetectorQueue:
                 first = seams.index(True)
                 lo, _, _ = seam_bounds(text, 0, len(text), chain[first + 1].start - base)
                 window = Span(base + lo, base + len(text), text[lo:])
+                opened.append(_opened_at(chain, held_at, text, lo))
             self.calls += 1
             contents = [s.text for s in batch] + ([window.text] if window is not None else [])
-            replies = await detector.client.detect(contents, detector.params)
+            contents = [o + c for o, c in zip(opened, contents, strict=True)]
+            replies = read_back(await detector.client.detect(contents, detector.params), opened)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
             own = [
@@ -483,6 +533,7 @@ class DetectorQueue:
                     self._post(span, found)
                     posted = i + 1
             held = judged[posted:]
+            held_at = {s.start: held_at[s.start] for s, _ in held if s.start in held_at}
         # the text ended: nothing follows the held chunks (but the text may end inside an entity)
         for span, found in self._flag_tail(held):
             self._post(span, found)
@@ -514,6 +565,17 @@ class DetectorQueue:
 
     def _post(self, span: Span, found: tuple[Finding, ...]) -> None:
         self._inbox.put(DetectorResult(self.detector.detector_id, span.start, span.end, found))
+
+
+def _opened_at(chain: list[Span], at: dict[int, BidiStack], text: str, lo: int) -> str:
+    """What a window from `text[lo]` is read after, where `text` is `chain`'s chunks joined and
+    `at` the controls open where each of them starts (none: nothing open): the state where the
+    chunk holding `lo` starts, read on to `lo`."""
+    base = chain[0].start
+    span = next(c for c in reversed(chain) if c.start - base <= lo)
+    state = at[span.start].copy() if span.start in at else BidiStack()
+    state.read(text, span.start - base, lo)
+    return state.opened
 
 
 # what a run of numbers is made of (digit groups and their separators): a block withholds the

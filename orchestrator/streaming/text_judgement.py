@@ -51,6 +51,7 @@ from ..config import WHOLE_DOC_CHUNKER
 from .detector_queue import obscured_finding, seam_ends, seam_window
 from .fanout import ChunkerFailure
 from .findings import Finding, kept_findings, sort_findings
+from .read_after import read_back
 from .verdict_cache import TenantVerdicts
 
 # A text longer than this is chunked, and its findings built, off the event loop. Sentence
@@ -226,11 +227,9 @@ async def _judge(
     contents += [window_after.get(i, "") + w.text for i, (w, _, _) in enumerate(seams)]
     replies = await _detect(detector, contents, verdicts, bulk)
     if after or window_after:  # back to positions in the pieces themselves
-        shifts = [len(after.get(i, "")) for i in range(len(spans))]
-        shifts += [len(window_after.get(i, "")) for i in range(len(seams))]
-        replies = [
-            _shifted(dets, by) if by else dets for dets, by in zip(replies, shifts, strict=True)
-        ]
+        opened = [after.get(i, "") for i in range(len(spans))]
+        opened += [window_after.get(i, "") for i in range(len(seams))]
+        replies = read_back(replies, opened)
 
     def build() -> list[tuple[Any, Finding]]:
         return _findings(detector, owners, spans, seams, replies, annotating) + obscured
@@ -256,15 +255,6 @@ def _merged(
         else:
             out.append((window, boundaries, owner))
     return out
-
-
-def _shifted(detections: list[Detection], by: int) -> list[Detection]:
-    """Detections in a content read after `by` characters of open bidi controls, in positions
-    of the piece itself (a span that began in the controls begins with the piece)."""
-    return [
-        d.model_copy(update={"start": max(d.start - by, 0), "end": max(d.end - by, 0)})
-        for d in detections
-    ]
 
 
 async def _detect(
