@@ -1024,3 +1024,51 @@ async def test_content_endpoint_redacts_many_findings_off_the_event_loop(
     assert small["redacted_content"] == "Call [phone] now."
     assert threads[0] is not threading.main_thread()  # 300 findings: off the loop
     assert threads[1] is threading.main_thread()  # one: not worth a thread hop
+
+
+async def test_redacted_input_is_reported_and_echoed_redacted_when_output_is_blocked_first(
+    pii_engine,
+) -> None:
+    """Repro: the input's redactions rode on the first frame only, so when the first sentence
+    of the answer was blocked (a refusal, no frame before it) the Responses object echoed the
+    raw `instructions` (and `user`) in `response.created` and every later event, and no surface
+    said the input was redacted. They are said on the refusal instead, and echoed redacted."""
+    both = {"input": REDACT, "output": {"pii": {"on_detection": "block"}}}
+    request = {
+        "model": MODEL,
+        "instructions": "Reply to jo@example.com.",
+        "input": "Hi",
+        "user": "jo@example.com",
+        "detectors": both,
+    }
+    chat = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Reply to jo@example.com."},
+            {"role": "user", "content": "Hi"},
+        ],
+        "detectors": both,
+    }
+    async with Orchestrator(config(pii_engine)) as orch:
+        events = await raw_events(orch, request)
+        unary = await raw_post(orch, "/v1/responses", request)
+        chunks = await raw_chunks(orch, {**chat, "stream": True}, path="/v1/chat/completions")
+        chat_unary = await raw_post(orch, "/v1/chat/completions", chat)
+    no_entity(json.dumps(events))
+    no_entity(unary)
+    note = {**annotation(9, 23, "[email]", "email"), "field": "instructions", "message_index": None}
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    for obj in [e["response"] for e in events if "response" in e] + [json.loads(unary)]:
+        assert obj["instructions"] == "Reply to [email]."
+        assert obj["user"] is None
+    assert final["response"]["guardrails"]["input"] == [note]
+    assert json.loads(unary)["guardrails"]["input"] == [note]
+    expected_input = [{"message_index": 0, "results": [tcr(9, 23, "[email]", "email")]}]
+    said = [c["detections"]["input"] for c in chunks[:-1] if "input" in c.get("detections", {})]
+    assert said == [expected_input]  # once, on the chunk before the refusal
+    assert chunks[-2]["choices"][0]["finish_reason"] == "content_filter"
+    completion = json.loads(chat_unary)
+    assert completion["detections"]["input"] == expected_input
+    # the input was redacted, not refused: only the output's warning
+    assert [w["type"] for w in completion["warnings"]] == ["UNSUITABLE_OUTPUT"]

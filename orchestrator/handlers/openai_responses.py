@@ -64,10 +64,10 @@ def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk
 async def prepare_response(
     state: AppState, ask: GenerationAsk, writer: ResponsesWriter
 ) -> GuardedGeneration:
-    """The pipeline; `writer` learns whether it redacts input (then `metadata`, which no
-    guardrail judges, is not echoed)."""
+    """The pipeline; `writer` learns whether it redacts input (then the labels, `metadata`,
+    `user` and `safety_identifier`, which no guardrail judges, are not echoed)."""
     pipeline = await prepare(state, ask)
-    writer.withhold_metadata = pipeline.redacts_input
+    writer.withhold_labels = pipeline.redacts_input
     return pipeline
 
 

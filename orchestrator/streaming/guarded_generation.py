@@ -50,6 +50,7 @@ from .events import (
     Failure,
     Frame,
     IncompleteReason,
+    KeepAlive,
     Refusal,
     Terminal,
 )
@@ -634,11 +635,29 @@ class GuardedGeneration(PipelineCore):
     def _framed(self, out: list[Release | Event]) -> list[Event]:
         """One wake-up's events, each release made its Frame, complete: the stream's counters,
         and `more` where another event follows at once (writers send the burst in one write)."""
+        if self._input_findings is not None:
+            self._say_redacted_input(out)
         last = len(out) - 1
         return [
             self._frame(event, i < last) if type(event) is Release else event  # type: ignore[arg-type]
             for i, event in enumerate(out)
         ]
+
+    def _say_redacted_input(self, out: list[Release | Event]) -> None:
+        """The redacted input's findings ride on the first frame; where a refusal, a tool call
+        or a terminal comes before any frame (the answer's first sentence blocked), an empty
+        frame carries them first: without it no surface said the input was redacted, and the
+        Responses object echoed the raw `instructions`. An error terminal needs none (no
+        response exists to echo anything)."""
+        for i, event in enumerate(out):
+            if type(event) is Release:
+                return
+            if isinstance(event, KeepAlive):
+                continue
+            if isinstance(event, Terminal) and event.error is not None:
+                return
+            out.insert(i, Release(self._released, self._released, "", []))
+            return
 
     def _frame(self, release: Release, more: bool) -> Frame:
         stream = self._stream
