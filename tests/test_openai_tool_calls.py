@@ -1066,6 +1066,42 @@ async def test_labels_are_not_judged_as_prompt_text(
     assert upstream.requests[-1]["user"] == EMAIL
 
 
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", '"frequency_penalty": 1e999', "frequency_penalty"),
+        ("/v1/chat/completions", '"logit_bias": {"42": -1e999}', "logit_bias.42"),
+        (
+            "/v1/chat/completions",
+            '"response_format": {"type": "json_schema", "json_schema": {"name": "n", '
+            '"schema": {"type": "number", "maximum": 1e999}}}',
+            "response_format.json_schema.schema.maximum",
+        ),
+        (
+            "/v1/responses",
+            '"tools": [{"type": "function", "name": "f", "parameters": {"maximum": 1e999}}]',
+            "tools.0.parameters.maximum",
+        ),
+    ],
+)
+async def test_a_number_beyond_a_float_in_a_forwarded_field_is_422(
+    orch: Orchestrator, upstream: FakeOpenAI, path: str, fields: str, param: str
+) -> None:
+    """Repro: `1e999` is valid JSON that Python's parser reads as infinity; a field guardstream
+    forwards untouched went to the upstream as `Infinity`, which is not JSON (a strict server
+    refuses the body, a lenient one reads a number the client never wrote)."""
+    seen = len(upstream.requests)
+    conversation = '"messages": [{"role": "user", "content": "Hi"}]'
+    if path == "/v1/responses":
+        conversation = '"input": "Hi"'
+    raw = f'{{"model": "{MODEL}", {conversation}, {fields}}}'
+    status, reply = await orch.post(path, raw, headers={"Content-Type": "application/json"})
+    assert status == 422, reply
+    assert reply["error"]["param"] == param
+    assert reply["error"]["message"] == f"{param}: must be a finite number"
+    assert len(upstream.requests) == seen
+
+
 # -- what cannot be done -------------------------------------------------------------------------
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import difflib
 import json
+import math
 import re
 import typing
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -30,6 +32,8 @@ MAX_JSON_DEPTH = 64
 # of a surrogate, which Python's JSON decoder lets through (it decodes with "surrogatepass").
 # (Two patterns, each with a literal prefix that the regex engine scans for quickly.)
 _SURROGATE_HINTS = (re.compile(rb"\\u[dD][89a-fA-F]"), re.compile(rb"\xed[\xa0-\xbf]"))
+# A number literal that may lie beyond a float's range (`check_finite`).
+_BIG_NUMBER_HINT = re.compile(rb"[eE][-+]?[0-9]{3}|[0-9]{309}")
 _QUOTE, _BACKSLASH, _LIST, _LIST_END, _OBJECT, _OBJECT_END = (ord(c) for c in '"\\[]{}')
 
 
@@ -139,32 +143,68 @@ def json_depth(text: bytes) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
-def _lone_surrogate_at(data: Any) -> str | None:
-    """The path (`messages.0.content`) of the first string or key holding a lone surrogate,
-    "" for the top level, None when there is none."""
+def _walk(data: Any) -> Iterator[tuple[str, Any]]:
+    """Every leaf and key of `data` with its path (`messages.0.content`; "" for the top level;
+    a key has its object's path, "(key)" at the top level), in document order. Iterative: the
+    body's depth is the parser's to bound, not the stack's."""
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:
         path, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    return path
-        elif isinstance(value, dict):
+        if isinstance(value, dict):
             for key, item in reversed(list(value.items())):
-                sub = f"{path}.{key}" if path else str(key)
-                if not key.isascii():
-                    try:
-                        key.encode("utf-8")
-                    except UnicodeEncodeError:
-                        return path or "(key)"
-                stack.append((sub, item))
+                stack.append((f"{path}.{key}" if path else str(key), item))
+                stack.append((path or "(key)", _Key(key)))
         elif isinstance(value, list):
             stack.extend(
                 (f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(value)))
             )
+        else:
+            yield path, value.key if isinstance(value, _Key) else value
+
+
+class _Key:
+    """A key on `_walk`'s stack (yielded as the string it is)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _lone_surrogate_at(data: Any) -> str | None:
+    """The path (`messages.0.content`) of the first string or key holding a lone surrogate,
+    "" for the top level, None when there is none."""
+    for path, value in _walk(data):
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
     return None
+
+
+def _non_finite_at(data: Any) -> str | None:
+    """The path of the first number that is not finite, None when there is none."""
+    for path, value in _walk(data):
+        if isinstance(value, float) and not math.isfinite(value):
+            return path
+    return None
+
+
+def check_finite(text: bytes, data: Any) -> None:
+    """Numbers must be finite: `1e999` is valid JSON, which Python's parser reads as infinity,
+    and a field forwarded untouched (an upstream's `frequency_penalty`, a tool's JSON schema)
+    then went out as `Infinity`, which is not JSON. A 422 naming the field (a typed field would
+    say the same), before the first byte, for every endpoint. Only bodies with a number literal
+    that could overflow (a 3-digit exponent, or 309 digits) are checked (`text`: UTF-8)."""
+    if _BIG_NUMBER_HINT.search(text) is None:
+        return
+    try:
+        json.dumps(data, allow_nan=False)  # C speed; the walk only on failure
+    except ValueError:
+        path = _non_finite_at(data)
+        message = f"{path}: must be a finite number" if path else "must be a finite number"
+        raise invalid(message) from None
 
 
 def check_unicode(raw: bytes, data: Any, encoding: str) -> None:
@@ -206,6 +246,7 @@ def parse_json(raw: bytes) -> Any:
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(400, ErrorType.INVALID_REQUEST, f"invalid JSON body: {exc}") from None
     check_unicode(raw, data, encoding)
+    check_finite(text, data)
     return data
 
 
