@@ -1105,6 +1105,23 @@ async def test_a_number_beyond_a_float_in_a_forwarded_field_is_422(
 # -- what cannot be done -------------------------------------------------------------------------
 
 
+async def test_web_search_is_refused_even_where_the_backend_would_run_it(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """Repro: `web_search_options` was forwarded to an `openai` chat backend, whose model would
+    then read web pages no input guardrail judged (Responses refuses hosted tools, web search
+    among them, for that reason: DESIGN 4.9)."""
+    seen = len(upstream.requests)
+    for value in ({}, {"search_context_size": "low"}):
+        status, reply = await orch.post(
+            "/v1/chat/completions", {"model": MODEL, "messages": ASK, "web_search_options": value}
+        )
+        assert status == 422, reply
+        assert reply["error"]["param"] == "web_search_options"
+        assert "its results cannot be guarded" in reply["error"]["message"]
+    assert len(upstream.requests) == seen
+
+
 async def test_a_backend_that_cannot_take_tools_says_why(upstream: FakeOpenAI) -> None:
     """An `openai` backend with `api: completions` sends a prompt: tools are a 422 (the native
     engine's own answer, by its chat template: tests/test_native_tool_calls.py)."""

@@ -3,7 +3,7 @@ extensions (`detectors` in requests; `detections` and `warnings` in responses).
 
 The request keeps unknown fields (`extra="allow"`): an `openai` chat backend receives them
 untouched, every other backend ignores them. Fields guardstream cannot honour while guarding the
-output (several choices, log probabilities, the legacy `functions`) are rejected with a clear 422
+output (several choices, log probabilities, the legacy `functions`, web search) are rejected with a clear 422
 instead of being dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
 with `api: chat` (the tool calls it answers with are judged like text, DESIGN 4.8); the native
 engine takes `tools` where the model's chat template does (`check_native_tools`); an `openai`
@@ -36,6 +36,9 @@ _UNSUPPORTED = {
     "function_call": "the legacy function calls are not supported: use `tool_choice`",
     "audio": "audio output is not supported: only text can be guarded",
     "prediction": "predicted outputs are not supported",
+    # the one hosted tool of Chat Completions (Responses refuses them all: HOSTED_TOOLS_WHY)
+    "web_search_options": "web search is not supported: it runs where its results cannot be "
+    "guarded (the model would read pages no input guardrail judged)",
 }
 
 
@@ -103,7 +106,6 @@ _EXTRA_WHY = {
     "presence_penalty": "presence penalties cannot be applied by this model's backend",
     "reasoning_effort": "this model's backend does not reason",
     "verbosity": "this model's backend has no verbosity setting",
-    "web_search_options": "web search is not supported",
     "store": "completions are not stored (this service is stateless)",
     "tools": TOOLS_WHY,
     "tool_choice": TOOLS_WHY,
