@@ -12,7 +12,7 @@ backend with `api: completions` refuses a request that asks for them (`check_ext
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,7 +25,7 @@ from pydantic import (
 
 from ..suggestions import closest
 from .errors import Failure
-from .fms_requests import MAX_STOP_SEQUENCES, DetectorMap, StopSequence
+from .fms_requests import FAIL_FAST, MAX_STOP_SEQUENCES, DetectorMap, StopSequence
 from .fms_responses import TokenClassificationResult, Wire
 from .input_pieces import LABEL_FIELDS, InputPiece, arguments_pieces
 from .json_numbers import json_integer, json_number
@@ -210,11 +210,11 @@ class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], FAIL_FAST] | None = None
     name: str | None = Field(None, max_length=256)
     refusal: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
+    tool_calls: Annotated[list[ToolCallIn], FAIL_FAST] | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessageIn:
@@ -306,7 +306,9 @@ class OpenAIGenerationFields(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     # one string or a list, as OpenAI takes it; a list from here on (`_one_or_list`)
-    stop: list[StopSequence] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    stop: Annotated[list[StopSequence], FAIL_FAST] | None = Field(
+        None, max_length=MAX_STOP_SEQUENCES
+    )
     n: int | None = Field(None, ge=1)
     detectors: ChatDetectors | None = None
 
@@ -340,7 +342,7 @@ class OpenAIGenerationFields(BaseModel):
 
 
 class ChatCompletionRequest(OpenAIGenerationFields):
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: Annotated[list[ChatMessageIn], FAIL_FAST] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
     @field_validator("max_completion_tokens", mode="before")

@@ -39,7 +39,8 @@ _QUOTE, _BACKSLASH, _LIST, _LIST_END, _OBJECT, _OBJECT_END = (ord(c) for c in '"
 
 def describe_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
     parts = []
-    for err in exc.errors()[:10]:
+    # (without urls, inputs and contexts: a body of many unknown keys is one error per key)
+    for err in exc.errors(include_url=False, include_context=False, include_input=False)[:10]:
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
