@@ -23,9 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.app import (
+    CHAT_DETECTION_ONLY_PATH,
     CHAT_PATH,
     COMPLETIONS_DETECTION_PATH,
     CONTENT_PATH,
+    CONTEXT_DETECTION_PATH,
     RESPONSES_PATH,
     STREAM_CONTENT_PATH,
     STREAMING_PATH,
@@ -498,6 +500,21 @@ USER = [{"role": "user", "content": "Hi"}]
                 "text_gen_parameters": {"stop_sequences": [1] * MANY},
             },
             "text_gen_parameters.stop_sequences.0",
+        ),
+        (
+            CHAT_DETECTION_ONLY_PATH,
+            {"detectors": {"words": {}}, "messages": [1] * MANY},
+            "messages.0",
+        ),
+        (
+            CONTEXT_DETECTION_PATH,
+            {
+                "detectors": {"words": {}},
+                "content": "Hi",
+                "context_type": "docs",
+                "context": [1] * MANY,
+            },
+            "context.0",
         ),
     ],
 )
