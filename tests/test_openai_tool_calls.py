@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.api import input_pieces
 from orchestrator.clients.backend import GenerationError, ToolCallDelta
 from orchestrator.clients.openai_streams import tool_call_deltas
+from orchestrator.handlers import prepare as prepare_module
+from orchestrator.streaming import guarded_generation
 from orchestrator.streaming.tool_calls import raw_offsets, string_values
 from tests.fakes.detector import DetectorBehaviour
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, ScriptedToolCall
@@ -1103,6 +1107,33 @@ async def test_a_number_beyond_a_float_in_a_forwarded_field_is_422(
 
 
 # -- what cannot be done -------------------------------------------------------------------------
+
+
+async def test_a_large_forwarded_field_is_walked_once_off_the_event_loop(
+    orch: Orchestrator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repro: the forwarded fields' pieces (every key and value of `tools`, `logit_bias`,
+    `response_format`...) were walked twice on the event loop, once to count them against
+    `max_input_chars` and once to judge them: 0.7 s each for 1 MiB of `logit_bias`. They are
+    made once, with the request's other pieces (in the bulk executor past BULK_CHARS)."""
+    threads: list[threading.Thread] = []
+    real = input_pieces.request_field_pieces
+
+    def recording(extra: Any) -> Any:
+        threads.append(threading.current_thread())
+        return real(extra)
+
+    for module in (input_pieces, guarded_generation, prepare_module):
+        monkeypatch.setattr(module, "request_field_pieces", recording, raising=False)
+    bias = {str(i): -1 for i in range(2_000)}  # 20 KB
+    done = await sdk(orch).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        logit_bias=bias,
+        extra_body={"detectors": {"input": {"pii": {}}}},
+    )
+    assert done.choices[0].finish_reason == "stop"
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()
 
 
 async def test_web_search_is_refused_even_where_the_backend_would_run_it(
