@@ -542,6 +542,28 @@ async def test_a_body_of_many_invalid_items_is_one_error(
     assert engine.requests == []
 
 
+@pytest.mark.parametrize(
+    ("raw", "status", "message"),
+    [
+        ('"top_p": 0.5, "x": [1, -1e999]}', 422, "x.1: must be a finite number"),
+        (
+            '"x": 1e999, "y": ',
+            400,
+            "invalid JSON body: Expecting value: line 1 column 91 (char 90)",
+        ),
+    ],
+)
+async def test_a_number_beyond_a_float_is_a_client_error(engine, raw, status, message) -> None:
+    """Infinity is not a JSON value: a literal beyond a float's range is refused naming where it
+    is (the request would otherwise forward `Infinity`), and a body that breaks after one is
+    the 400 of any broken body, never a 500."""
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hi"}}], {raw}'
+    async with service(engine) as orch:
+        got, reply = await orch.post(CHAT_PATH, body, headers={"Content-Type": "application/json"})
+    assert (got, reply["error"]["message"]) == (status, message)
+    assert engine.requests == []
+
+
 # -- 7. lone surrogates -------------------------------------------------------------------------
 
 SURROGATE = "text must be valid Unicode (it contains a lone surrogate)"
