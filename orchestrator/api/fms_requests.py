@@ -20,9 +20,6 @@ from pydantic import (
 from .json_numbers import json_integer, json_number
 
 JsonInt = Annotated[int, BeforeValidator(json_integer)]
-# Every collection of a request stops validating at its first invalid item: pydantic otherwise
-# collects one error per item, and a 1 MiB body of invalid items (`messages: [1, 1, ...]`) held
-# the event loop for seconds and took gigabytes to describe. The 422 names the first one.
 
 
 class _FailFast(FailFast):
@@ -32,7 +29,11 @@ class _FailFast(FailFast):
         return hash(FailFast)
 
 
+# Every collection of a request stops validating at its first invalid item: pydantic otherwise
+# collects one error per item, and a 1 MiB body of invalid items (`messages: [1, 1, ...]`) held
+# the event loop for seconds and took gigabytes to describe. The 422 names the first one.
 FAIL_FAST = _FailFast()
+
 # A request's stop sequences, bounded as the engine bounds them (generation/protocol.py) on every
 # surface and for every backend: an `openai` backend's stream has them enforced by the
 # orchestrator itself (servicekit/text_gate.py), whose work per token grows with their number

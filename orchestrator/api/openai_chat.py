@@ -3,8 +3,8 @@ extensions (`detectors` in requests; `detections` and `warnings` in responses).
 
 The request keeps unknown fields (`extra="allow"`): an `openai` chat backend receives them
 untouched, every other backend ignores them. Fields guardstream cannot honour while guarding the
-output (several choices, log probabilities, the legacy `functions`, web search) are rejected with a clear 422
-instead of being dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
+output (several choices, log probabilities, the legacy `functions`, web search) are rejected
+with a clear 422 instead of being dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
 with `api: chat` (the tool calls it answers with are judged like text, DESIGN 4.8); the native
 engine takes `tools` where the model's chat template does (`check_native_tools`); an `openai`
 backend with `api: completions` refuses a request that asks for them (`check_extra_honoured`).
