@@ -22,8 +22,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from orchestrator.app import create_app
 from orchestrator.config import ConfigError, parse_config
+from orchestrator.streaming.chat_writer import ChatChunkWriter
 from orchestrator.streaming.guarded_generation import GuardedGeneration
 from orchestrator.streaming.redaction import redact_text
+from orchestrator.streaming.responses_writer import ResponsesFold, ResponsesWriter
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.fakes.upstream import start_site
@@ -1072,3 +1074,66 @@ async def test_redacted_input_is_reported_and_echoed_redacted_when_output_is_blo
     assert completion["detections"]["input"] == expected_input
     # the input was redacted, not refused: only the output's warning
     assert [w["type"] for w in completion["warnings"]] == ["UNSUITABLE_OUTPUT"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+async def test_a_refusal_of_many_detections_is_rendered_off_the_event_loop(
+    engine, monkeypatch, path
+) -> None:
+    """Repro: an input refusal's events were rendered on the event loop whatever they held: at
+    the default max_input_chars (100,000) a prompt of e-mail addresses is 14,000 detections,
+    0.25 s of the loop on Chat Completions and 0.7 s on Responses (its refusal's annotations,
+    then its terminal object listing them again). Past 256 findings in a stream, an event
+    that carries findings and the terminal are rendered in the bulk executor."""
+    threads: list[tuple[str, bool]] = []
+    for writer in (ChatChunkWriter, ResponsesWriter):
+        real = writer.render
+
+        def recording(self: Any, event: Any, real: Any = real) -> bytes:
+            on_loop = threading.current_thread() is threading.main_thread()
+            threads.append((type(event).__name__, on_loop))
+            return real(self, event)
+
+        monkeypatch.setattr(writer, "render", recording)
+    block = {"input": {"pii": {"on_detection": "block"}}}
+    many = " ".join(f"a{i}@example.com" for i in range(300))
+    key = "messages" if path == "/v1/chat/completions" else "input"
+    async with Orchestrator(config(engine)) as orch:
+        for text in (many, "Mail jo@example.com"):
+            body = {"model": MODEL, key: [{"role": "user", "content": text}], "detectors": block}
+            await raw_post(orch, path, {**body, "stream": True})
+    assert engine.requests == []
+    assert threads == [
+        ("Refusal", False),
+        ("Terminal", False),
+        ("Refusal", True),
+        ("Terminal", True),
+    ]
+
+
+async def test_a_unary_refusal_of_many_detections_is_folded_off_the_event_loop(
+    engine, monkeypatch
+) -> None:
+    """The unary Responses object builds the same events as the stream (ResponsesFold): past
+    256 findings they are folded in the bulk executor too."""
+    threads: list[tuple[str, bool]] = []
+    real = ResponsesFold.add
+
+    def recording(self: Any, event: Any) -> None:
+        threads.append(
+            (type(event).__name__, threading.current_thread() is threading.main_thread())
+        )
+        real(self, event)
+
+    monkeypatch.setattr(ResponsesFold, "add", recording)
+    many = " ".join(f"a{i}@example.com" for i in range(300))
+    block = {"input": {"pii": {"on_detection": "block"}}}
+    async with Orchestrator(config(engine)) as orch:
+        reply = json.loads(
+            await raw_post(
+                orch, "/v1/responses", {"model": MODEL, "input": many, "detectors": block}
+            )
+        )
+    assert reply["incomplete_details"] == {"reason": "content_filter"}
+    assert len(reply["guardrails"]["input"]) > 256
+    assert threads == [("Refusal", False), ("Terminal", False)]
