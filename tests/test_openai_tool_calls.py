@@ -1365,6 +1365,35 @@ async def test_a_responses_function_call_is_forwarded_and_streamed_as_its_events
     assert final["tools"][0]["name"] == "send_email"
 
 
+async def test_redacted_instructions_are_echoed_redacted_when_the_answer_is_only_a_call(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """The input's redactions ride on the first frame (here the empty final one, before the
+    call): every response object echoes the redacted `instructions`, and `guardrails.input`
+    says what was redacted (the output-block case of tests/test_pipeline_redaction.py had no
+    frame at all)."""
+    events = await raw_events(
+        orch,
+        {
+            "model": MODEL,
+            "instructions": f"Sign as {EMAIL}.",
+            "input": "Mail Jo.",
+            "tools": RESPONSE_TOOLS,
+            "detectors": {"input": {"pii_redact": {}}},
+        },
+    )
+    assert upstream.requests[-1]["messages"][0] == {"role": "system", "content": "Sign as [email]."}
+    assert f"Sign as {EMAIL}" not in json.dumps(events)  # (the call's own arguments hold it)
+    objects = [e["response"] for e in events if "response" in e]
+    assert [o["instructions"] for o in objects] == ["Sign as [email]."] * 3
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    assert [o["type"] for o in final["response"]["output"]] == ["function_call"]
+    assert [(a["field"], a["text"]) for a in final["response"]["guardrails"]["input"]] == [
+        ("instructions", "[email]")
+    ]
+
+
 async def test_the_sdk_responses_tool_loop_runs_unchanged(
     orch: Orchestrator, upstream: FakeOpenAI
 ) -> None:
