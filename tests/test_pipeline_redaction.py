@@ -7,6 +7,7 @@ the engine receives a redacted prompt."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -26,6 +27,7 @@ from orchestrator.streaming.chat_writer import ChatChunkWriter
 from orchestrator.streaming.guarded_generation import GuardedGeneration
 from orchestrator.streaming.redaction import redact_text
 from orchestrator.streaming.responses_writer import ResponsesFold, ResponsesWriter
+from tests.fakes.clock import manual_deadline_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.fakes.upstream import start_site
@@ -41,7 +43,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
-from tests.wait_support import finished
+from tests.wait_support import finished, until
 
 ENTITIES = ["jo@example.com", "555-123-4567", "4111 1111 1111 1111"]
 ANSWER = (
@@ -1031,10 +1033,11 @@ async def test_content_endpoint_redacts_many_findings_off_the_event_loop(
 async def test_redacted_input_is_reported_and_echoed_redacted_when_output_is_blocked_first(
     pii_engine,
 ) -> None:
-    """Repro: the input's redactions rode on the first frame only, so when the first sentence
-    of the answer was blocked (a refusal, no frame before it) the Responses object echoed the
-    raw `instructions` (and `user`) in `response.created` and every later event, and no surface
-    said the input was redacted. They are said on the refusal instead, and echoed redacted."""
+    """Repro: while an input guardrail redacted, the Responses object echoed `user` (an end
+    user's e-mail address is a common one) raw in every event: like `metadata`, it is never
+    judged, so it is not echoed then (nor `safety_identifier`). And with the first sentence
+    of the answer blocked, the input's redactions are still said (on an empty frame before
+    the refusal) and the echoed `instructions` are the redacted ones."""
     both = {"input": REDACT, "output": {"pii": {"on_detection": "block"}}}
     request = {
         "model": MODEL,
@@ -1137,3 +1140,46 @@ async def test_a_unary_refusal_of_many_detections_is_folded_off_the_event_loop(
     assert reply["incomplete_details"] == {"reason": "content_filter"}
     assert len(reply["guardrails"]["input"]) > 256
     assert threads == [("Refusal", False), ("Terminal", False)]
+
+
+async def test_redacted_input_is_reported_when_time_runs_out_before_any_frame(
+    engine, monkeypatch
+) -> None:
+    """Repro: the input's redactions rode on the first frame only; when request_timeout_s ran
+    out while an output detector still held the first sentence (no frame yet), the Responses
+    object of `response.incomplete` echoed the raw `instructions` and `guardrails.input` was
+    empty. An empty frame carries them before the terminal."""
+    clock = manual_deadline_clock(monkeypatch)
+    gate = asyncio.Event()  # never set: the output detector holds every sentence
+    dets = FakeDetectorServer()
+    dets.add("held", DetectorBehaviour(gate=gate))
+    await dets.start()
+    cfg = config(engine)
+    cfg["server"]["request_timeout_s"] = 60
+    cfg["detectors"]["held"] = remote(dets.url)
+    request = {
+        "model": MODEL,
+        "instructions": "Reply to jo@example.com.",
+        "input": "Hi",
+        "detectors": {"input": REDACT, "output": {"held": {}}},
+    }
+    try:
+        async with Orchestrator(cfg) as orch:
+            reply = asyncio.create_task(
+                raw_post(orch, "/v1/responses", {**request, "stream": True})
+            )
+            await until(lambda: dets.calls and clock.armed, what="the first sentence held")
+            clock.advance(61)  # past request_timeout_s
+            raw = await reply
+    finally:
+        gate.set()
+        await dets.close()
+    no_entity(raw)
+    final = sse_events(raw)[-1]
+    assert final.name == "response.incomplete"
+    obj = final.data["response"]
+    assert obj["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert obj["instructions"] == "Reply to [email]."
+    assert obj["guardrails"]["input"] == [
+        {**annotation(9, 23, "[email]", "email"), "field": "instructions", "message_index": None}
+    ]
