@@ -636,3 +636,34 @@ async def test_a_large_request_is_turned_into_its_ask_off_the_event_loop(
             assert status == 200, reply
     assert threads[0] is not threading.main_thread()  # 9,000 characters: off the loop
     assert threads[1] is threading.main_thread()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+async def test_a_large_body_is_validated_off_the_event_loop(
+    engine: FakeEngine, dets: FakeDetectorServer, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Repro: validation ran on the event loop whatever the body, and the request models' own
+    validators are Python work per item (a misspelt-field hint per unknown key: 0.9 s for a
+    1 MiB body of them). Past the bulk size a body is parsed and validated in the bulk
+    executor; a small one inline."""
+    import threading
+
+    from orchestrator.handlers import body as body_module
+
+    real = body_module.validate
+    threads: list[threading.Thread] = []
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.current_thread())
+        return real(*args)
+
+    monkeypatch.setattr(body_module, "validate", recording)
+    key = "messages" if path == "/v1/chat/completions" else "input"
+    async with Orchestrator(config(engine, dets)) as orch:
+        for text in ("Hi there " * 1000, "Hi there"):
+            status, reply = await orch.post(
+                path, {"model": MODEL, key: [{"role": "user", "content": text}]}
+            )
+            assert status == 200, reply
+    assert threads[0] is not threading.main_thread()  # 9,000 characters: off the loop
+    assert threads[1] is threading.main_thread()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from orchestrator.api import input_pieces
 from orchestrator.clients.backend import GenerationError, ToolCallDelta
 from orchestrator.clients.openai_streams import tool_call_deltas
+from orchestrator.handlers import prepare as prepare_module
+from orchestrator.streaming import guarded_generation
 from orchestrator.streaming.tool_calls import joined_values, raw_offsets, string_values
 from tests.fakes.detector import DetectorBehaviour
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault, ScriptedToolCall
@@ -1148,7 +1152,87 @@ async def test_labels_are_not_judged_as_prompt_text(
     assert upstream.requests[-1]["user"] == EMAIL
 
 
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", '"frequency_penalty": 1e999', "frequency_penalty"),
+        ("/v1/chat/completions", '"logit_bias": {"42": -1e999}', "logit_bias.42"),
+        (
+            "/v1/chat/completions",
+            '"response_format": {"type": "json_schema", "json_schema": {"name": "n", '
+            '"schema": {"type": "number", "maximum": 1e999}}}',
+            "response_format.json_schema.schema.maximum",
+        ),
+        (
+            "/v1/responses",
+            '"tools": [{"type": "function", "name": "f", "parameters": {"maximum": 1e999}}]',
+            "tools.0.parameters.maximum",
+        ),
+    ],
+)
+async def test_a_number_beyond_a_float_in_a_forwarded_field_is_422(
+    orch: Orchestrator, upstream: FakeOpenAI, path: str, fields: str, param: str
+) -> None:
+    """Repro: `1e999` is valid JSON that Python's parser reads as infinity; a field guardstream
+    forwards untouched went to the upstream as `Infinity`, which is not JSON (a strict server
+    refuses the body, a lenient one reads a number the client never wrote)."""
+    seen = len(upstream.requests)
+    conversation = '"messages": [{"role": "user", "content": "Hi"}]'
+    if path == "/v1/responses":
+        conversation = '"input": "Hi"'
+    raw = f'{{"model": "{MODEL}", {conversation}, {fields}}}'
+    status, reply = await orch.post(path, raw, headers={"Content-Type": "application/json"})
+    assert status == 422, reply
+    assert reply["error"]["param"] == param
+    assert reply["error"]["message"] == f"{param}: must be a finite number"
+    assert len(upstream.requests) == seen
+
+
 # -- what cannot be done -------------------------------------------------------------------------
+
+
+async def test_a_large_forwarded_field_is_walked_once_off_the_event_loop(
+    orch: Orchestrator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repro: the forwarded fields' pieces (every key and value of `tools`, `logit_bias`,
+    `response_format`...) were walked twice on the event loop, once to count them against
+    `max_input_chars` and once to judge them: 0.7 s each for 1 MiB of `logit_bias`. They are
+    made once, with the request's other pieces (in the bulk executor past BULK_CHARS)."""
+    threads: list[threading.Thread] = []
+    real = input_pieces.request_field_pieces
+
+    def recording(extra: Any) -> Any:
+        threads.append(threading.current_thread())
+        return real(extra)
+
+    for module in (input_pieces, guarded_generation, prepare_module):
+        monkeypatch.setattr(module, "request_field_pieces", recording, raising=False)
+    bias = {str(i): -1 for i in range(2_000)}  # 20 KB
+    done = await sdk(orch).chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        logit_bias=bias,
+        extra_body={"detectors": {"input": {"pii": {}}}},
+    )
+    assert done.choices[0].finish_reason == "stop"
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()
+
+
+async def test_web_search_is_refused_even_where_the_backend_would_run_it(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """Repro: `web_search_options` was forwarded to an `openai` chat backend, whose model would
+    then read web pages no input guardrail judged (Responses refuses hosted tools, web search
+    among them, for that reason: DESIGN 4.9)."""
+    seen = len(upstream.requests)
+    for value in ({}, {"search_context_size": "low"}):
+        status, reply = await orch.post(
+            "/v1/chat/completions", {"model": MODEL, "messages": ASK, "web_search_options": value}
+        )
+        assert status == 422, reply
+        assert reply["error"]["param"] == "web_search_options"
+        assert "its results cannot be guarded" in reply["error"]["message"]
+    assert len(upstream.requests) == seen
 
 
 async def test_a_backend_that_cannot_take_tools_says_why(upstream: FakeOpenAI) -> None:
@@ -1361,6 +1445,35 @@ async def test_a_responses_function_call_is_forwarded_and_streamed_as_its_events
     assert function_calls(final["output"]) == [("call_1", "send_email", ARGUMENTS)]
     assert [o["type"] for o in final["output"]] == ["function_call"]
     assert final["tools"][0]["name"] == "send_email"
+
+
+async def test_redacted_instructions_are_echoed_redacted_when_the_answer_is_only_a_call(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """The input's redactions ride on the first frame (here the empty final one, before the
+    call): every response object echoes the redacted `instructions`, and `guardrails.input`
+    says what was redacted (the output-block case of tests/test_pipeline_redaction.py had no
+    frame at all)."""
+    events = await raw_events(
+        orch,
+        {
+            "model": MODEL,
+            "instructions": f"Sign as {EMAIL}.",
+            "input": "Mail Jo.",
+            "tools": RESPONSE_TOOLS,
+            "detectors": {"input": {"pii_redact": {}}},
+        },
+    )
+    assert upstream.requests[-1]["messages"][0] == {"role": "system", "content": "Sign as [email]."}
+    assert f"Sign as {EMAIL}" not in json.dumps(events)  # (the call's own arguments hold it)
+    objects = [e["response"] for e in events if "response" in e]
+    assert [o["instructions"] for o in objects] == ["Sign as [email]."] * 3
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    assert [o["type"] for o in final["response"]["output"]] == ["function_call"]
+    assert [(a["field"], a["text"]) for a in final["response"]["guardrails"]["input"]] == [
+        ("instructions", "[email]")
+    ]
 
 
 async def test_the_sdk_responses_tool_loop_runs_unchanged(

@@ -23,13 +23,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.app import (
+    CHAT_DETECTION_ONLY_PATH,
     CHAT_PATH,
+    COMPLETIONS_DETECTION_PATH,
     CONTENT_PATH,
+    CONTEXT_DETECTION_PATH,
     RESPONSES_PATH,
     STREAM_CONTENT_PATH,
     STREAMING_PATH,
     UNARY_PATH,
 )
+from orchestrator.handlers import body as body_module
 from orchestrator.handlers import stream_content
 from orchestrator.handlers.body import MAX_JSON_DEPTH, json_depth
 from orchestrator.handlers.serving import FLUSH_GRACE_S
@@ -398,6 +402,139 @@ def test_json_depth_measures_nesting_whatever_the_strings_hold(value, wrap, asci
         assert measured == 0 and expected <= MAX_JSON_DEPTH
     else:
         assert measured == expected
+
+
+# -- validation errors are bounded ---------------------------------------------------------------
+
+MANY = 100_000  # invalid items: 200 KB of `1,`, well within max_request_bytes
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        (CHAT_PATH, {"model": MODEL, "messages": [1] * MANY}, "messages.0"),
+        (
+            CHAT_PATH,
+            {"model": MODEL, "messages": [{"role": "user", "content": [1] * MANY}]},
+            "messages.0.content",
+        ),
+        (
+            CHAT_PATH,
+            {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [1] * MANY}, *USER]},
+            "messages.0.tool_calls.0",
+        ),
+        (CHAT_PATH, {"model": MODEL, "messages": USER, "stop": [1] * MANY}, "stop.0"),
+        (
+            CHAT_PATH,
+            {
+                "model": MODEL,
+                "messages": USER,
+                "detectors": {"input": dict.fromkeys(map(str, range(MANY // 2)), 1)},
+            },
+            "detectors.input.0",
+        ),
+        (RESPONSES_PATH, {"model": MODEL, "input": [1] * MANY}, "input.messages.0.message"),
+        (
+            RESPONSES_PATH,
+            {"model": MODEL, "input": [{"role": "user", "content": [1] * MANY}]},
+            "input.messages.0.message.content",
+        ),
+        (RESPONSES_PATH, {"model": MODEL, "input": "Hi", "tools": [1] * MANY}, "tools.0"),
+        (RESPONSES_PATH, {"model": MODEL, "input": "Hi", "include": [1] * MANY}, "include"),
+        (
+            RESPONSES_PATH,
+            {
+                "model": MODEL,
+                "input": "Hi",
+                "metadata": dict.fromkeys(map(str, range(MANY // 2)), 1),
+            },
+            "metadata.0",
+        ),
+        (
+            COMPLETIONS_DETECTION_PATH,
+            {"model": MODEL, "prompt": "Hi", "stop": [1] * MANY},
+            "stop.0",
+        ),
+        (
+            UNARY_PATH,
+            {
+                "model_id": MODEL,
+                "inputs": "Hi",
+                "guardrail_config": {"input": {"masks": [1] * MANY}},
+            },
+            "guardrail_config.input.masks.0",
+        ),
+        (
+            UNARY_PATH,
+            {
+                "model_id": MODEL,
+                "inputs": "Hi",
+                "text_gen_parameters": {"stop_sequences": [1] * MANY},
+            },
+            "text_gen_parameters.stop_sequences.0",
+        ),
+        (
+            CHAT_DETECTION_ONLY_PATH,
+            {"detectors": {"words": {}}, "messages": [1] * MANY},
+            "messages.0",
+        ),
+        (
+            CONTEXT_DETECTION_PATH,
+            {
+                "detectors": {"words": {}},
+                "content": "Hi",
+                "context_type": "docs",
+                "context": [1] * MANY,
+            },
+            "context.0",
+        ),
+    ],
+)
+async def test_a_body_of_many_invalid_items_is_one_error(
+    engine, monkeypatch, path, body, field
+) -> None:
+    """Repro: pydantic collected one error per invalid item and the 422 was described from all
+    of them, on the event loop: `messages: [1, 1, ...]` in 1 MiB held the loop 7 s (0.9 GB), a
+    Responses message of 500,000 invalid parts 18 s (2.5 GB). A collection stops at its first
+    invalid item (pydantic's FailFast): the 422 names it, and the work is that of one item."""
+    counts: list[int] = []
+    describe = body_module.describe_validation_error
+
+    def counting(exc: Any, model: Any = None) -> str:
+        counts.append(exc.error_count())
+        return describe(exc, model)
+
+    monkeypatch.setattr(body_module, "describe_validation_error", counting)
+    async with service(engine) as orch:
+        status, reply = await orch.post(path, body)
+    assert status == 422, reply
+    message = reply["error"]["message"] if "error" in reply else reply["details"]
+    assert message.startswith(field), message
+    assert counts and max(counts) <= 4, counts
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "message"),
+    [
+        ('"top_p": 0.5, "x": [1, -1e999]}', 422, "x.1: must be a finite number"),
+        (
+            '"x": 1e999, "y": ',
+            400,
+            "invalid JSON body: Expecting value: line 1 column 91 (char 90)",
+        ),
+    ],
+)
+async def test_a_number_beyond_a_float_is_a_client_error(engine, raw, status, message) -> None:
+    """Infinity is not a JSON value: a literal beyond a float's range is refused naming where it
+    is (the request would otherwise forward `Infinity`), and a body that breaks after one is
+    the 400 of any broken body, never a 500."""
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hi"}}], {raw}'
+    async with service(engine) as orch:
+        got, reply = await orch.post(CHAT_PATH, body, headers={"Content-Type": "application/json"})
+    assert (got, reply["error"]["message"]) == (status, message)
+    assert engine.requests == []
 
 
 # -- 7. lone surrogates -------------------------------------------------------------------------

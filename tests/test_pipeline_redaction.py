@@ -7,6 +7,7 @@ the engine receives a redacted prompt."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -22,8 +23,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from orchestrator.app import create_app
 from orchestrator.config import ConfigError, parse_config
+from orchestrator.streaming.chat_writer import ChatChunkWriter
 from orchestrator.streaming.guarded_generation import GuardedGeneration
 from orchestrator.streaming.redaction import redact_text
+from orchestrator.streaming.responses_writer import ResponsesFold, ResponsesWriter
+from tests.fakes.clock import manual_deadline_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault
 from tests.fakes.upstream import start_site
@@ -39,7 +43,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
-from tests.wait_support import finished
+from tests.wait_support import finished, until
 
 ENTITIES = ["jo@example.com", "555-123-4567", "4111 1111 1111 1111"]
 ANSWER = (
@@ -1024,3 +1028,158 @@ async def test_content_endpoint_redacts_many_findings_off_the_event_loop(
     assert small["redacted_content"] == "Call [phone] now."
     assert threads[0] is not threading.main_thread()  # 300 findings: off the loop
     assert threads[1] is threading.main_thread()  # one: not worth a thread hop
+
+
+async def test_redacted_input_is_reported_and_echoed_redacted_when_output_is_blocked_first(
+    pii_engine,
+) -> None:
+    """Repro: while an input guardrail redacted, the Responses object echoed `user` (an end
+    user's e-mail address is a common one) raw in every event: like `metadata`, it is never
+    judged, so it is not echoed then (nor `safety_identifier`). And with the first sentence
+    of the answer blocked, the input's redactions are still said (on an empty frame before
+    the refusal) and the echoed `instructions` are the redacted ones."""
+    both = {"input": REDACT, "output": {"pii": {"on_detection": "block"}}}
+    request = {
+        "model": MODEL,
+        "instructions": "Reply to jo@example.com.",
+        "input": "Hi",
+        "user": "jo@example.com",
+        "detectors": both,
+    }
+    chat = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Reply to jo@example.com."},
+            {"role": "user", "content": "Hi"},
+        ],
+        "detectors": both,
+    }
+    async with Orchestrator(config(pii_engine)) as orch:
+        events = await raw_events(orch, request)
+        unary = await raw_post(orch, "/v1/responses", request)
+        chunks = await raw_chunks(orch, {**chat, "stream": True}, path="/v1/chat/completions")
+        chat_unary = await raw_post(orch, "/v1/chat/completions", chat)
+    no_entity(json.dumps(events))
+    no_entity(unary)
+    note = {**annotation(9, 23, "[email]", "email"), "field": "instructions", "message_index": None}
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    for obj in [e["response"] for e in events if "response" in e] + [json.loads(unary)]:
+        assert obj["instructions"] == "Reply to [email]."
+        assert obj["user"] is None
+    assert final["response"]["guardrails"]["input"] == [note]
+    assert json.loads(unary)["guardrails"]["input"] == [note]
+    expected_input = [{"message_index": 0, "results": [tcr(9, 23, "[email]", "email")]}]
+    said = [c["detections"]["input"] for c in chunks[:-1] if "input" in c.get("detections", {})]
+    assert said == [expected_input]  # once, on the chunk before the refusal
+    assert chunks[-2]["choices"][0]["finish_reason"] == "content_filter"
+    completion = json.loads(chat_unary)
+    assert completion["detections"]["input"] == expected_input
+    # the input was redacted, not refused: only the output's warning
+    assert [w["type"] for w in completion["warnings"]] == ["UNSUITABLE_OUTPUT"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+async def test_a_refusal_of_many_detections_is_rendered_off_the_event_loop(
+    engine, monkeypatch, path
+) -> None:
+    """Repro: an input refusal's events were rendered on the event loop whatever they held: at
+    the default max_input_chars (100,000) a prompt of e-mail addresses is 14,000 detections,
+    0.25 s of the loop on Chat Completions and 0.7 s on Responses (its refusal's annotations,
+    then its terminal object listing them again). Past 256 findings in a stream, an event
+    that carries findings and the terminal are rendered in the bulk executor."""
+    threads: list[tuple[str, bool]] = []
+    for writer in (ChatChunkWriter, ResponsesWriter):
+        real = writer.render
+
+        def recording(self: Any, event: Any, real: Any = real) -> bytes:
+            on_loop = threading.current_thread() is threading.main_thread()
+            threads.append((type(event).__name__, on_loop))
+            return real(self, event)
+
+        monkeypatch.setattr(writer, "render", recording)
+    block = {"input": {"pii": {"on_detection": "block"}}}
+    many = " ".join(f"a{i}@example.com" for i in range(300))
+    key = "messages" if path == "/v1/chat/completions" else "input"
+    async with Orchestrator(config(engine)) as orch:
+        for text in (many, "Mail jo@example.com"):
+            body = {"model": MODEL, key: [{"role": "user", "content": text}], "detectors": block}
+            await raw_post(orch, path, {**body, "stream": True})
+    assert engine.requests == []
+    assert threads == [
+        ("Refusal", False),
+        ("Terminal", False),
+        ("Refusal", True),
+        ("Terminal", True),
+    ]
+
+
+async def test_a_unary_refusal_of_many_detections_is_folded_off_the_event_loop(
+    engine, monkeypatch
+) -> None:
+    """The unary Responses object builds the same events as the stream (ResponsesFold): past
+    256 findings they are folded in the bulk executor too."""
+    threads: list[tuple[str, bool]] = []
+    real = ResponsesFold.add
+
+    def recording(self: Any, event: Any) -> None:
+        threads.append(
+            (type(event).__name__, threading.current_thread() is threading.main_thread())
+        )
+        real(self, event)
+
+    monkeypatch.setattr(ResponsesFold, "add", recording)
+    many = " ".join(f"a{i}@example.com" for i in range(300))
+    block = {"input": {"pii": {"on_detection": "block"}}}
+    async with Orchestrator(config(engine)) as orch:
+        reply = json.loads(
+            await raw_post(
+                orch, "/v1/responses", {"model": MODEL, "input": many, "detectors": block}
+            )
+        )
+    assert reply["incomplete_details"] == {"reason": "content_filter"}
+    assert len(reply["guardrails"]["input"]) > 256
+    assert threads == [("Refusal", False), ("Terminal", False)]
+
+
+async def test_redacted_input_is_reported_when_time_runs_out_before_any_frame(
+    engine, monkeypatch
+) -> None:
+    """Repro: the input's redactions rode on the first frame only; when request_timeout_s ran
+    out while an output detector still held the first sentence (no frame yet), the Responses
+    object of `response.incomplete` echoed the raw `instructions` and `guardrails.input` was
+    empty. An empty frame carries them before the terminal."""
+    clock = manual_deadline_clock(monkeypatch)
+    gate = asyncio.Event()  # never set: the output detector holds every sentence
+    dets = FakeDetectorServer()
+    dets.add("held", DetectorBehaviour(gate=gate))
+    await dets.start()
+    cfg = config(engine)
+    cfg["server"]["request_timeout_s"] = 60
+    cfg["detectors"]["held"] = remote(dets.url)
+    request = {
+        "model": MODEL,
+        "instructions": "Reply to jo@example.com.",
+        "input": "Hi",
+        "detectors": {"input": REDACT, "output": {"held": {}}},
+    }
+    try:
+        async with Orchestrator(cfg) as orch:
+            reply = asyncio.create_task(
+                raw_post(orch, "/v1/responses", {**request, "stream": True})
+            )
+            await until(lambda: dets.calls and clock.armed, what="the first sentence held")
+            clock.advance(61)  # past request_timeout_s
+            raw = await reply
+    finally:
+        gate.set()
+        await dets.close()
+    no_entity(raw)
+    final = sse_events(raw)[-1]
+    assert final.name == "response.incomplete"
+    obj = final.data["response"]
+    assert obj["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert obj["instructions"] == "Reply to [email]."
+    assert obj["guardrails"]["input"] == [
+        {**annotation(9, 23, "[email]", "email"), "field": "instructions", "message_index": None}
+    ]

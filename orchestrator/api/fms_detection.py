@@ -12,11 +12,11 @@ detector_id, score, evidence?, metadata?}`."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .fms_requests import DetectorMap, TextGenParameters
+from .fms_requests import FAIL_FAST, DetectorMap, TextGenParameters
 
 
 class FmsBody(BaseModel):
@@ -84,7 +84,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["user", "developer", "assistant", "system", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], FAIL_FAST] | None = None
     name: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -108,7 +108,7 @@ class ChatDetectionRequest(FmsBody):
     REQUIRED: ClassVar[tuple[str, ...]] = ("detectors", "messages")
 
     detectors: DetectorMap
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], FAIL_FAST]
     tools: list[dict[str, Any]] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -129,7 +129,7 @@ class ContextDetectionRequest(FmsBody):
     detectors: DetectorMap
     content: str
     context_type: Literal["docs", "url"]
-    context: list[str]
+    context: Annotated[list[str], FAIL_FAST]
 
 
 class GeneratedDetectionRequest(FmsBody):

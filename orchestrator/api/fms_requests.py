@@ -9,6 +9,7 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    FailFast,
     Field,
     StrictBool,
     StrictStr,
@@ -19,6 +20,20 @@ from pydantic import (
 from .json_numbers import json_integer, json_number
 
 JsonInt = Annotated[int, BeforeValidator(json_integer)]
+
+
+class _FailFast(FailFast):
+    """pydantic's FailFast, hashable: `X | Annotated[list[Y], ...]` hashes the metadata."""
+
+    def __hash__(self) -> int:
+        return hash(FailFast)
+
+
+# Every collection of a request stops validating at its first invalid item: pydantic otherwise
+# collects one error per item, and a 1 MiB body of invalid items (`messages: [1, 1, ...]`) held
+# the event loop for seconds and took gigabytes to describe. The 422 names the first one.
+FAIL_FAST = _FailFast()
+
 # A request's stop sequences, bounded as the engine bounds them (generation/protocol.py) on every
 # surface and for every backend: an `openai` backend's stream has them enforced by the
 # orchestrator itself (servicekit/text_gate.py), whose work per token grows with their number
@@ -86,12 +101,12 @@ class DetectorParams(BaseModel):
         return dict(self.model_extra or {})
 
 
-DetectorMap = dict[str, DetectorParams]
+DetectorMap = Annotated[dict[str, DetectorParams], FAIL_FAST]
 
 
 class InputGuardrail(Strict):
     models: DetectorMap = Field(default_factory=dict)
-    masks: list[tuple[JsonInt, JsonInt]] | None = None
+    masks: Annotated[list[tuple[JsonInt, JsonInt]], FAIL_FAST] | None = None
 
     @field_validator("masks")
     @classmethod
@@ -120,7 +135,9 @@ class TextGenParameters(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     repetition_penalty: float = Field(1.0, gt=0)
-    stop_sequences: list[StopSequence] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
+    stop_sequences: Annotated[list[StopSequence], FAIL_FAST] = Field(
+        default_factory=list, max_length=MAX_STOP_SEQUENCES
+    )
     max_time: float = Field(0.0, ge=0)
 
     # (validators on the fields rather than annotated types: those would hide the bounds from

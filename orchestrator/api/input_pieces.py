@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,12 +88,12 @@ def input_chars(pieces: list[InputPiece]) -> int:
     return sum(len(p.text) for p in pieces if not p.decoded)
 
 
-def request_field_chars(extra: Mapping[str, Any]) -> tuple[int, list[str]]:
-    """The characters of the fields the engine receives beside the conversation (what
-    `request_field_pieces` judges) and those fields' names, largest first: a tool definition is
+def request_field_chars(pieces: Iterable[InputPiece]) -> tuple[int, list[str]]:
+    """The characters of the fields the engine receives beside the conversation (their pieces:
+    `request_field_pieces`) and those fields' names, largest first: a tool definition is
     prompt text, bounded by the model's `max_input_chars` like a message."""
     sizes: dict[str, int] = {}
-    for p in request_field_pieces(extra):
+    for p in pieces:
         name = (p.field or "").split(".", 1)[0]
         sizes[name] = sizes.get(name, 0) + len(p.text)
     return sum(sizes.values()), sorted(sizes, key=lambda n: (-sizes[n], n))

@@ -3,8 +3,8 @@ extensions (`detectors` in requests; `detections` and `warnings` in responses).
 
 The request keeps unknown fields (`extra="allow"`): an `openai` chat backend receives them
 untouched, every other backend ignores them. Fields guardstream cannot honour while guarding the
-output (several choices, log probabilities, the legacy `functions`) are rejected with a clear 422
-instead of being dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
+output (several choices, log probabilities, the legacy `functions`, web search) are rejected
+with a clear 422 instead of being dropped. `tools`, `tool_choice` and `parallel_tool_calls` are forwarded to an `openai` backend
 with `api: chat` (the tool calls it answers with are judged like text, DESIGN 4.8); the native
 engine takes `tools` where the model's chat template does (`check_native_tools`); an `openai`
 backend with `api: completions` refuses a request that asks for them (`check_extra_honoured`).
@@ -12,7 +12,7 @@ backend with `api: completions` refuses a request that asks for them (`check_ext
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,7 +25,7 @@ from pydantic import (
 
 from ..suggestions import closest
 from .errors import Failure
-from .fms_requests import MAX_STOP_SEQUENCES, DetectorMap, StopSequence
+from .fms_requests import FAIL_FAST, MAX_STOP_SEQUENCES, DetectorMap, StopSequence
 from .fms_responses import TokenClassificationResult, Wire
 from .input_pieces import LABEL_FIELDS, NAME_FIELD, InputPiece, arguments_pieces
 from .json_numbers import json_integer, json_number
@@ -36,6 +36,9 @@ _UNSUPPORTED = {
     "function_call": "the legacy function calls are not supported: use `tool_choice`",
     "audio": "audio output is not supported: only text can be guarded",
     "prediction": "predicted outputs are not supported",
+    # the one hosted tool of Chat Completions (Responses refuses them all: HOSTED_TOOLS_WHY)
+    "web_search_options": "web search is not supported: it runs where its results cannot be "
+    "guarded (the model would read pages no input guardrail judged)",
 }
 
 
@@ -103,7 +106,6 @@ _EXTRA_WHY = {
     "presence_penalty": "presence penalties cannot be applied by this model's backend",
     "reasoning_effort": "this model's backend does not reason",
     "verbosity": "this model's backend has no verbosity setting",
-    "web_search_options": "web search is not supported",
     "store": "completions are not stored (this service is stateless)",
     "tools": TOOLS_WHY,
     "tool_choice": TOOLS_WHY,
@@ -208,11 +210,11 @@ class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], FAIL_FAST] | None = None
     name: str | None = Field(None, max_length=256)
     refusal: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
+    tool_calls: Annotated[list[ToolCallIn], FAIL_FAST] | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessageIn:
@@ -304,7 +306,9 @@ class OpenAIGenerationFields(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     # one string or a list, as OpenAI takes it; a list from here on (`_one_or_list`)
-    stop: list[StopSequence] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    stop: Annotated[list[StopSequence], FAIL_FAST] | None = Field(
+        None, max_length=MAX_STOP_SEQUENCES
+    )
     n: int | None = Field(None, ge=1)
     detectors: ChatDetectors | None = None
 
@@ -338,7 +342,7 @@ class OpenAIGenerationFields(BaseModel):
 
 
 class ChatCompletionRequest(OpenAIGenerationFields):
-    messages: list[ChatMessageIn] = Field(min_length=1)
+    messages: Annotated[list[ChatMessageIn], FAIL_FAST] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
     @field_validator("max_completion_tokens", mode="before")

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from .errors import Failure, invalid
+from .fms_requests import FAIL_FAST
 from .input_pieces import InputPiece, arguments_pieces
 from .json_numbers import json_integer, json_number
 from .openai_chat import ChatDetectors, OpenAIErrorBody
@@ -108,7 +109,7 @@ class InputMessage(Strict):
 
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: str | Annotated[list[ContentPart], FAIL_FAST]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     phase: Literal["commentary", "final_answer"] | None = None
@@ -221,7 +222,7 @@ def _input_kind(v: Any) -> str | None:
 
 
 ConversationInput = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("messages")],
+    Annotated[str, Tag("text")] | Annotated[list[InputItem], FAIL_FAST, Tag("messages")],
     Discriminator(
         _input_kind,
         custom_error_type="input_type",
@@ -243,7 +244,7 @@ class ResponsesRequest(Strict):
     stream_options: ResponsesStreamOptions | None = None
     detectors: ChatDetectors | None = None
     # accepted and echoed; they label or route a request and change nothing in generation
-    metadata: dict[MetaKey, MetaValue] | None = Field(None, max_length=16)
+    metadata: Annotated[dict[MetaKey, MetaValue], FAIL_FAST] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
@@ -255,7 +256,7 @@ class ResponsesRequest(Strict):
     truncation: Literal["auto", "disabled"] | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    include: list[str] | None = Field(None, max_length=0)
+    include: Annotated[list[str], FAIL_FAST] | None = Field(None, max_length=0)
     top_logprobs: int | None = Field(None, ge=0, le=0)
     # checked by check_stateless first (400); here only their harmless values remain
     store: Literal[False] | None = None
@@ -263,7 +264,7 @@ class ResponsesRequest(Strict):
     previous_response_id: None = None
     conversation: None = None
     prompt: None = None
-    tools: list[FunctionTool] | None = None
+    tools: Annotated[list[FunctionTool], FAIL_FAST] | None = None
 
     @field_validator("max_output_tokens", "max_tool_calls", "top_logprobs", mode="before")
     @classmethod

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import difflib
 import json
+import math
 import re
 import typing
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from ..api.errors import ApiError, ErrorType, invalid
 from ..errors import BODY_TIMED_OUT
 from ..state import STATE
+from ..streaming.text_judgement import BULK_CHARS, off_loop
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -35,7 +38,8 @@ _QUOTE, _BACKSLASH, _LIST, _LIST_END, _OBJECT, _OBJECT_END = (ord(c) for c in '"
 
 def describe_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
     parts = []
-    for err in exc.errors()[:10]:
+    # (without urls, inputs and contexts: a body of many unknown keys is one error per key)
+    for err in exc.errors(include_url=False, include_context=False, include_input=False)[:10]:
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
@@ -139,32 +143,79 @@ def json_depth(text: bytes) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
-def _lone_surrogate_at(data: Any) -> str | None:
-    """The path (`messages.0.content`) of the first string or key holding a lone surrogate,
-    "" for the top level, None when there is none."""
+def _walk(data: Any) -> Iterator[tuple[str, Any]]:
+    """Every leaf and key of `data` with its path (`messages.0.content`; "" for the top level;
+    a key has its object's path, "(key)" at the top level), in document order. Iterative: the
+    body's depth is the parser's to bound, not the stack's."""
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:
         path, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    return path
-        elif isinstance(value, dict):
+        if isinstance(value, dict):
             for key, item in reversed(list(value.items())):
-                sub = f"{path}.{key}" if path else str(key)
-                if not key.isascii():
-                    try:
-                        key.encode("utf-8")
-                    except UnicodeEncodeError:
-                        return path or "(key)"
-                stack.append((sub, item))
+                stack.append((f"{path}.{key}" if path else str(key), item))
+                stack.append((path or "(key)", _Key(key)))
         elif isinstance(value, list):
             stack.extend(
                 (f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(value)))
             )
+        else:
+            yield path, value.key if isinstance(value, _Key) else value
+
+
+class _Key:
+    """A key on `_walk`'s stack (yielded as the string it is)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _lone_surrogate_at(data: Any) -> str | None:
+    """The path (`messages.0.content`) of the first string or key holding a lone surrogate,
+    "" for the top level, None when there is none."""
+    for path, value in _walk(data):
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
     return None
+
+
+def _non_finite_at(data: Any) -> str | None:
+    """The path of the first number that is not finite, None when there is none."""
+    for path, value in _walk(data):
+        if isinstance(value, float) and not math.isfinite(value):
+            return path
+    return None
+
+
+class _Overflow(Exception):
+    """A number literal beyond a float's range (`_finite_float`)."""
+
+
+def _finite_float(literal: str) -> float:
+    """A JSON number as Python's parser reads it, but never infinity: `1e999` is valid JSON
+    that it reads as `inf`, and a field forwarded untouched (an upstream's `frequency_penalty`,
+    a tool's JSON schema) then went out as `Infinity`, which is not JSON. (A hook per float
+    literal: a body of text costs nothing, 1 MiB of floats ~30 ms; a regex scan for long
+    exponents cost ~50 ms on every MiB, and quadratic time on runs of digits.)"""
+    value = float(literal)
+    if math.isinf(value):
+        raise _Overflow
+    return value
+
+
+def not_finite(raw: bytes) -> ApiError:
+    """422 naming the first number of `raw` beyond a float's range (a typed field would say
+    the same); 400 where the JSON breaks after it (the first parse stopped at the number)."""
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except ValueError as exc:
+        return ApiError(400, ErrorType.INVALID_REQUEST, f"invalid JSON body: {exc}")
+    path = _non_finite_at(data)
+    return invalid(f"{path}: must be a finite number" if path else "must be a finite number")
 
 
 def check_unicode(raw: bytes, data: Any, encoding: str) -> None:
@@ -184,7 +235,8 @@ def check_unicode(raw: bytes, data: Any, encoding: str) -> None:
 
 
 def parse_json(raw: bytes) -> Any:
-    """A JSON value, nested at most MAX_JSON_DEPTH deep, whose strings are valid Unicode.
+    """A JSON value, nested at most MAX_JSON_DEPTH deep, whose strings are valid Unicode and
+    whose numbers are finite.
 
     Depth is measured on the bytes BEFORE parsing: Python's parser recurses once per level, and
     near the recursion limit whatever runs meanwhile (a finalizer the garbage collector calls
@@ -200,7 +252,9 @@ def parse_json(raw: bytes) -> Any:
         raise too_deep()
     try:
         # NaN and Infinity are not JSON; Python's parser accepts them unless told not to
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except _Overflow:
+        raise not_finite(raw) from None
     except RecursionError:  # not reachable past the scan; kept so it can never be a 500
         raise too_deep() from None
     except (UnicodeDecodeError, ValueError) as exc:
@@ -326,4 +380,21 @@ async def read_body(request: web.Request) -> bytes:
 
 async def read_model(request: web.Request, model: type[M]) -> M:
     require_json_content_type(request)
-    return validate(model, parse_json(await read_body(request)))
+    return await decode_body(await read_body(request), model)
+
+
+async def decode_body(raw: bytes, model: type[M], check: Callable[[Any], None] | None = None) -> M:
+    """`raw` parsed (`parse_json`), `check`ed and validated as `model`: past BULK_CHARS bytes in
+    the bulk executor, not on the event loop. The request models' validators are Python work
+    per item (a misspelt-field hint per unknown key held the loop 0.9 s for 1 MiB of them);
+    a small body stays inline (a thread hop costs more than the work)."""
+
+    def decode() -> M:
+        data = parse_json(raw)
+        if check is not None:
+            check(data)
+        return validate(model, data)
+
+    if len(raw) > BULK_CHARS:
+        return await off_loop(decode)
+    return decode()

@@ -17,7 +17,7 @@ from ..api.openai_responses import ResponsesRequest, check_stateless
 from ..state import STATE, AppState
 from ..streaming.guarded_generation import GuardedGeneration
 from ..streaming.responses_writer import ResponsesFold, ResponsesWriter
-from .body import parse_json, read_body, require_json_content_type, validate
+from .body import decode_body, read_body, require_json_content_type
 from .prepare import Decoding, GenerationAsk, conversation, openai_ask, prepare
 from .serving import bulk_ask, serve, serve_unary
 
@@ -27,9 +27,7 @@ RESPONSES_PATH = "/v1/responses"
 async def read_request(request: web.Request) -> ResponsesRequest:
     """The body, with stored-state and tool requests refused (400) before schema errors (422)."""
     require_json_content_type(request)
-    data = parse_json(await read_body(request))
-    check_stateless(data)
-    return validate(ResponsesRequest, data)
+    return await decode_body(await read_body(request), ResponsesRequest, check_stateless)
 
 
 def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk:
@@ -64,10 +62,10 @@ def responses_ask(request: web.Request, body: ResponsesRequest) -> GenerationAsk
 async def prepare_response(
     state: AppState, ask: GenerationAsk, writer: ResponsesWriter
 ) -> GuardedGeneration:
-    """The pipeline; `writer` learns whether it redacts input (then `metadata`, which no
-    guardrail judges, is not echoed)."""
+    """The pipeline; `writer` learns whether it redacts input (then the labels, `metadata`,
+    `user` and `safety_identifier`, which no guardrail judges, are not echoed)."""
     pipeline = await prepare(state, ask)
-    writer.withhold_metadata = pipeline.redacts_input
+    writer.withhold_labels = pipeline.redacts_input
     return pipeline
 
 

@@ -247,7 +247,8 @@ class ChatCompletionFold(EventFold):
         calls = self.tool_calls if refusal is None else []
         text = "".join(self.texts)
         only_calls = bool(calls) and not text  # OpenAI's `content: null` beside tool calls
-        warnings = [INPUT_WARNING] if refusal is not None and self.input else []
+        # an input refusal's warning (a redacted input that an output block followed is none)
+        warnings = [INPUT_WARNING] if self.input_refused and self.input else []
         if self.output:
             warnings.append(OUTPUT_WARNING)
         completion = ChatCompletion(

@@ -51,6 +51,7 @@ from .events import (
     Failure,
     Frame,
     IncompleteReason,
+    KeepAlive,
     Refusal,
     Terminal,
 )
@@ -122,6 +123,7 @@ class GuardedGeneration(PipelineCore):
         read_coalesce_when: Callable[[], bool] | None = None,
         offers_tools: bool = False,
         input_verdicts: TenantVerdicts | None = None,
+        request_pieces: list[InputPiece] | None = None,
     ) -> None:
         """`inputs` is what input detectors judge: FMS `inputs` (with `masks`), or every piece
         of a conversation, each on its own; `input_verdicts`: the tenant's kept input verdicts
@@ -131,7 +133,8 @@ class GuardedGeneration(PipelineCore):
         `read_coalesce_when()` says so (the orchestrator: while its loop is busy; see
         ReadPacer); `offers_tools`: the request offered the model tools (Chat Completions
         `tools`), so its surface renders tool calls; a call without is a failure, never
-        dropped."""
+        dropped; `request_pieces`: the pieces of `request.extra` (`request_field_pieces`), where
+        the caller made them already (off the loop)."""
         super().__init__(
             max_buffered=max_buffered_chunks,
             timeout_s=timeout_s,
@@ -143,6 +146,7 @@ class GuardedGeneration(PipelineCore):
         self._masks = masks
         self._input_detectors = input_detectors
         self._input_verdicts = input_verdicts
+        self._request_pieces = request_pieces
         # output detectors judge the answer's text, its tool calls' arguments, or both
         self._output_detectors = [d for d in output_detectors if "text" in d.applies_to]
         self._tool_call_detectors = [d for d in output_detectors if "tool_calls" in d.applies_to]
@@ -383,7 +387,8 @@ class GuardedGeneration(PipelineCore):
             InputPiece(text, message_index=i, field=STOP_SEQUENCE_FIELD)
             for i, text in enumerate(self._request.params.stop_sequences)
         ]
-        stops += request_field_pieces(self._request.extra)
+        pieces = self._request_pieces
+        stops += request_field_pieces(self._request.extra) if pieces is None else pieces
         self._request_fields = frozenset((p.message_index, p.field) for p in stops)
         conversation = [] if isinstance(self._inputs, str) else self._inputs
         self._fixed = self._request_fields | frozenset(
@@ -643,11 +648,29 @@ class GuardedGeneration(PipelineCore):
     def _framed(self, out: list[Release | Event]) -> list[Event]:
         """One wake-up's events, each release made its Frame, complete: the stream's counters,
         and `more` where another event follows at once (writers send the burst in one write)."""
+        if self._input_findings is not None:
+            self._say_redacted_input(out)
         last = len(out) - 1
         return [
             self._frame(event, i < last) if type(event) is Release else event  # type: ignore[arg-type]
             for i, event in enumerate(out)
         ]
+
+    def _say_redacted_input(self, out: list[Release | Event]) -> None:
+        """The redacted input's findings ride on the first frame; where a refusal, a tool call
+        or a terminal comes before any frame (the answer's first sentence blocked), an empty
+        frame carries them first: without it no surface said the input was redacted, and the
+        Responses object echoed the raw `instructions`. An error terminal needs none (no
+        response exists to echo anything)."""
+        for i, event in enumerate(out):
+            if type(event) is Release:
+                return
+            if isinstance(event, KeepAlive):
+                continue
+            if isinstance(event, Terminal) and event.error is not None:
+                return
+            out.insert(i, Release(self._released, self._released, "", []))
+            return
 
     def _frame(self, release: Release, more: bool) -> Frame:
         stream = self._stream

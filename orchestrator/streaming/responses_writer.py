@@ -112,10 +112,11 @@ class ResponsesWriter:
         self._completed_at: int | None = None
         self.text_seen = False  # some output text or a refusal exists
         # what the object echoes of the request: `instructions` as the engine got them
-        # (redacted, DESIGN 4.6a), and `metadata` unless an input guardrail redacts (it is
-        # never judged: it does not reach the engine)
+        # (redacted, DESIGN 4.6a), and the labels (`metadata`, `user`, `safety_identifier`)
+        # unless an input guardrail redacts: they are never judged (they do not reach the
+        # engine), and an end user's e-mail address is a common `user`
         self._instructions = body.instructions
-        self.withhold_metadata = False
+        self.withhold_labels = False
 
     # -- the object -----------------------------------------------------------------------------
 
@@ -140,9 +141,9 @@ class ResponsesWriter:
             tools=list(b.tools or ()),
             truncation=b.truncation or "disabled",
             text=TextConfigOut(verbosity=(b.text.verbosity if b.text else None) or "medium"),
-            metadata={} if self.withhold_metadata else b.metadata or {},
-            user=b.user,
-            safety_identifier=b.safety_identifier,
+            metadata={} if self.withhold_labels else b.metadata or {},
+            user=None if self.withhold_labels else b.user,
+            safety_identifier=None if self.withhold_labels else b.safety_identifier,
             usage=self._usage,
             guardrails=self._guardrails.model_copy(deep=True),
         )
