@@ -597,6 +597,22 @@ async def test_an_entity_cut_by_max_chars_still_trips_a_blocking_input_guardrail
     assert engine.requests == []
 
 
+async def test_an_entity_cut_by_max_chars_is_reported_once_whole(engine) -> None:
+    """A chunk cut inside an e-mail (max_chars 16) finds its part (`a299@example.co`), the
+    window across the cut the whole: only the whole is said, on the content endpoint and as an
+    input guardrail's detections."""
+    content = "x a299@example.com and b300@example.com."
+    whole = [(2, 18, "a299@example.com"), (23, 39, "b300@example.com")]
+    async with Orchestrator(config(engine)) as orch:
+        status, body = await orch.post(CONTENT, {"content": content, "detectors": {"pii": {}}})
+        events = await orch.stream(generation_body(content, input={"pii": {}}))
+    assert status == 200, body
+    assert [(d["start"], d["end"], d["text"]) for d in body["detections"]] == whole
+    [frame] = frames(events)
+    found = frame["token_classification_results"]["input"]
+    assert [(d["start"], d["end"], d["word"]) for d in found] == whole
+
+
 # -- the content endpoint ---------------------------------------------------------------------
 
 

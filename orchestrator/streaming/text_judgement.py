@@ -33,6 +33,7 @@ than the work.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import os
 import threading
@@ -296,12 +297,13 @@ def _findings(
     straddling its boundary; an entity across several boundaries once (each of their windows
     finds it)."""
     n = len(spans)
-    out = [
+    chunked = [
         (owner, f)
         for owner, span, dets in zip(owners, spans, replies[:n], strict=True)
         for f in kept_findings(detector, span, dets)
     ]
     seen: set[tuple[int, int, int, str]] = set()
+    across: list[tuple[Any, Finding]] = []
     for (window, boundaries, owner), dets in zip(seams, replies[n:], strict=True):
         for f in kept_findings(detector, window, dets):
             whole_window = f.start == window.start and f.end == window.end
@@ -310,8 +312,34 @@ def _findings(
                 key = (id(owner), f.start, f.end, f.detection)
                 if key not in seen:
                     seen.add(key)
-                    out.append((owner, f))
-    return out
+                    across.append((owner, f))
+    return _without_cut_parts(chunked, across) + across
+
+
+def _without_cut_parts(
+    chunked: list[tuple[Any, Finding]], across: list[tuple[Any, Finding]]
+) -> list[tuple[Any, Finding]]:
+    """The chunks' findings less those a window's finding of the same kind covers: a chunk cut
+    inside an entity (`max_chars`) finds its part (`jo@example.co` of `jo@example.com`), the
+    window across the cut the whole; the part said beside it is the same entity twice.
+    O((chunks' + windows' findings) log) by a running maximum of the windows' ends."""
+    if not across or not chunked:
+        return chunked
+    by_kind: dict[tuple[int, str], tuple[list[int], list[int]]] = {}
+    for owner, f in sorted(across, key=lambda of: of[1].start):
+        starts, reach = by_kind.setdefault((id(owner), f.detection), ([], []))
+        starts.append(f.start)
+        reach.append(max(f.end, reach[-1]) if reach else f.end)
+
+    def covered(owner: Any, f: Finding) -> bool:
+        kind = by_kind.get((id(owner), f.detection))
+        if kind is None:
+            return False
+        starts, reach = kind
+        i = bisect.bisect_right(starts, f.start) - 1
+        return i >= 0 and reach[i] >= f.end
+
+    return [(owner, f) for owner, f in chunked if not covered(owner, f)]
 
 
 def _seam(text: str, start: int, end: int, boundary: int) -> tuple[Span, bool]:
