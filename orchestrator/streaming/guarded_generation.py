@@ -66,6 +66,9 @@ from .verdict_cache import TenantVerdicts
 
 log = logging.getLogger("guardstream.stream")
 
+# the field of a request detector's replacement among the judged input pieces (its suffix)
+REDACT_WITH = "redact_with"
+
 # The engine is read no further ahead of the slowest output detector than this many characters
 # of chunked text it has not answered yet: under a burst (a fast engine, a resumed stream) the
 # pipeline alternates reading, judging and releasing instead of reading everything first.
@@ -122,6 +125,7 @@ class GuardedGeneration(PipelineCore):
         read_coalesce_when: Callable[[], bool] | None = None,
         offers_tools: bool = False,
         input_verdicts: TenantVerdicts | None = None,
+        input_detectors_field: str = "detectors.input",
     ) -> None:
         """`inputs` is what input detectors judge: FMS `inputs` (with `masks`), or every piece
         of a conversation, each on its own; `input_verdicts`: the tenant's kept input verdicts
@@ -131,7 +135,8 @@ class GuardedGeneration(PipelineCore):
         `read_coalesce_when()` says so (the orchestrator: while its loop is busy; see
         ReadPacer); `offers_tools`: the request offered the model tools (Chat Completions
         `tools`), so its surface renders tool calls; a call without is a failure, never
-        dropped."""
+        dropped; `input_detectors_field`: the request's name of its input detector map (a
+        refusal of a request detector's replacement names it)."""
         super().__init__(
             max_buffered=max_buffered_chunks,
             timeout_s=timeout_s,
@@ -143,6 +148,7 @@ class GuardedGeneration(PipelineCore):
         self._masks = masks
         self._input_detectors = input_detectors
         self._input_verdicts = input_verdicts
+        self._input_detectors_field = input_detectors_field
         # output detectors judge the answer's text, its tool calls' arguments, or both
         self._output_detectors = [d for d in output_detectors if "text" in d.applies_to]
         self._tool_call_detectors = [d for d in output_detectors if "tool_calls" in d.applies_to]
@@ -271,6 +277,13 @@ class GuardedGeneration(PipelineCore):
                 yield [self._failure(_request_field_redacted(fixed))]
                 return
             if judged:
+                swapped = await self._judge_replacements(judged, redactors)
+                if any(f.detector_id not in redactors for f in swapped):
+                    yield await self._input_refused(swapped)
+                    return
+                if swapped:  # a redactor flags a replacement: redacting it again is no answer
+                    yield [self._failure(_request_field_redacted(swapped))]
+                    return
                 self._redact_input(judged, redactors)
         request = self._request
         if self._released_stops is not None:  # matched on the released text instead
@@ -410,6 +423,33 @@ class GuardedGeneration(PipelineCore):
             if span is not None:
                 span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))
+
+    async def _judge_replacements(
+        self, findings: list[Finding], redactors: dict[str, RequestedDetector]
+    ) -> list[Finding]:
+        """The findings of every input detector in the replacements the request's own
+        redacting detectors are about to put into the prompt (DESIGN 4.6a): the engine reads
+        them, and their text is the request's (its `redact_with`, or an entity named by its own
+        patterns), never judged with the prompt. Unjudged, a request that added a detector
+        flagging `Sure` with `redact_with` = an injection had the engine read the injection past
+        the enforced input guardrails. An enforced redactor's replacement is the operator's."""
+        used: dict[tuple[str, str], None] = {}
+        for f in findings:
+            detector = redactors.get(f.detector_id)
+            if detector is not None and not detector.enforced and not f.unjudged:
+                used.setdefault((f.detector_id, detector.replacement(f.detection)))
+        pieces = [
+            InputPiece(text, field=f"{self._input_detectors_field}.{detector_id}.{REDACT_WITH}")
+            for detector_id, text in used
+        ]
+        if not pieces:
+            return []
+        self._request_fields |= frozenset((None, p.field) for p in pieces)
+        found = await judge_pieces(
+            pieces, self._input_detectors, self._chunkers, self._input_verdicts
+        )
+        # (an unjudged warning on a replacement is reported on no text the client sent)
+        return [f for f in found if not f.unjudged]
 
     def _redact_input(
         self, findings: list[Finding], redactors: dict[str, RequestedDetector]
@@ -751,6 +791,8 @@ def _request_field_name(f: Finding) -> str:
     """A request field's name in a refusal: `a stop sequence`, or the top-level field."""
     if f.field == STOP_SEQUENCE_FIELD:
         return "a stop sequence"
+    if f.field is not None and f.field.endswith(f".{REDACT_WITH}"):
+        return f"the replacement `{f.field}`"
     return f"`{(f.field or '').split('.', 1)[0]}`"
 
 
