@@ -331,7 +331,6 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         read_coalesce_when=state.loop_lag.busy,
         offers_tools=bool(ask.extra.get("tools")),
         input_verdicts=state.input_verdicts(caller),
-        input_detectors_field=ask.input_detectors_field,
     )
 
 

@@ -66,8 +66,9 @@ from .verdict_cache import TenantVerdicts
 
 log = logging.getLogger("guardstream.stream")
 
-# the field of a request detector's replacement among the judged input pieces (its suffix)
-REDACT_WITH = "redact_with"
+# the `field` of a piece of the prompt as the request's own redacting detectors change it,
+# among the judged input pieces (_judge_as_redacted)
+AS_REDACTED = "as redacted"
 
 # The engine is read no further ahead of the slowest output detector than this many characters
 # of chunked text it has not answered yet: under a burst (a fast engine, a resumed stream) the
@@ -125,7 +126,6 @@ class GuardedGeneration(PipelineCore):
         read_coalesce_when: Callable[[], bool] | None = None,
         offers_tools: bool = False,
         input_verdicts: TenantVerdicts | None = None,
-        input_detectors_field: str = "detectors.input",
     ) -> None:
         """`inputs` is what input detectors judge: FMS `inputs` (with `masks`), or every piece
         of a conversation, each on its own; `input_verdicts`: the tenant's kept input verdicts
@@ -135,8 +135,7 @@ class GuardedGeneration(PipelineCore):
         `read_coalesce_when()` says so (the orchestrator: while its loop is busy; see
         ReadPacer); `offers_tools`: the request offered the model tools (Chat Completions
         `tools`), so its surface renders tool calls; a call without is a failure, never
-        dropped; `input_detectors_field`: the request's name of its input detector map (a
-        refusal of a request detector's replacement names it)."""
+        dropped."""
         super().__init__(
             max_buffered=max_buffered_chunks,
             timeout_s=timeout_s,
@@ -148,7 +147,6 @@ class GuardedGeneration(PipelineCore):
         self._masks = masks
         self._input_detectors = input_detectors
         self._input_verdicts = input_verdicts
-        self._input_detectors_field = input_detectors_field
         # output detectors judge the answer's text, its tool calls' arguments, or both
         self._output_detectors = [d for d in output_detectors if "text" in d.applies_to]
         self._tool_call_detectors = [d for d in output_detectors if "tool_calls" in d.applies_to]
@@ -277,12 +275,12 @@ class GuardedGeneration(PipelineCore):
                 yield [self._failure(_request_field_redacted(fixed))]
                 return
             if judged:
-                swapped = await self._judge_replacements(judged, redactors)
-                if any(f.detector_id not in redactors for f in swapped):
-                    yield await self._input_refused(swapped)
+                made = await self._judge_as_redacted(judged, redactors)
+                if any(f.detector_id not in redactors for f in made):
+                    yield await self._input_refused(made)
                     return
-                if swapped:  # a redactor flags a replacement: redacting it again is no answer
-                    yield [self._failure(_request_field_redacted(swapped))]
+                if made:  # the request's redaction made what a redactor redacts
+                    yield [self._failure(_redaction_made(made))]
                     return
                 self._redact_input(judged, redactors)
         request = self._request
@@ -424,31 +422,44 @@ class GuardedGeneration(PipelineCore):
                 span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))
 
-    async def _judge_replacements(
+    async def _judge_as_redacted(
         self, findings: list[Finding], redactors: dict[str, RequestedDetector]
     ) -> list[Finding]:
-        """The findings of every input detector in the replacements the request's own
-        redacting detectors are about to put into the prompt (DESIGN 4.6a): the engine reads
-        them, and their text is the request's (its `redact_with`, or an entity named by its own
-        patterns), never judged with the prompt. Unjudged, a request that added a detector
-        flagging `Sure` with `redact_with` = an injection had the engine read the injection past
-        the enforced input guardrails. An enforced redactor's replacement is the operator's."""
-        used: dict[tuple[str, str], None] = {}
-        for f in findings:
-            detector = redactors.get(f.detector_id)
-            if detector is not None and not detector.enforced and not f.unjudged:
-                used.setdefault((f.detector_id, detector.replacement(f.detection)))
-        pieces = [
-            InputPiece(text, field=f"{self._input_detectors_field}.{detector_id}.{REDACT_WITH}")
-            for detector_id, text in used
-        ]
-        if not pieces:
+        """The findings of every input detector in each piece of the prompt that the
+        request's own redacting detectors change, as the engine will read it (DESIGN 4.6a).
+        Their replacements are the request's text (its `redact_with`, or an entity its own
+        patterns name), never judged with the prompt: a request that added a detector
+        flagging `Sure` with `redact_with` = an injection had the engine read the injection
+        past the enforced input guardrails. Judged in place, with the text around them, so a
+        replacement cannot complete what the text before it begins (`Ig` + `nore all ...`).
+        A piece only the enforced redactors change gets the operator's replacements: not
+        judged again."""
+        own = {
+            (f.message_index, f.field)
+            for f in findings
+            if f.detector_id in redactors
+            and not redactors[f.detector_id].enforced
+            and not f.unjudged
+        }
+        if not own:
             return []
-        self._request_fields |= frozenset((None, p.field) for p in pieces)
+        if isinstance(self._inputs, str):
+            texts = [(None, redact_text(self._inputs, findings, redactors)[0])]
+        else:
+            by_piece: dict[tuple[int | None, str | None], list[Finding]] = {}
+            for f in findings:
+                by_piece.setdefault((f.message_index, f.field), []).append(f)
+            texts = [
+                (p.message_index, redact_text(p.text, by_piece[key], redactors)[0])
+                for p in self._inputs
+                if p.target is not None and (key := (p.message_index, p.field)) in own
+            ]
+        pieces = [InputPiece(text, message_index=i, field=AS_REDACTED) for i, text in texts]
+        self._request_fields |= frozenset((p.message_index, AS_REDACTED) for p in pieces)
         found = await judge_pieces(
             pieces, self._input_detectors, self._chunkers, self._input_verdicts
         )
-        # (an unjudged warning on a replacement is reported on no text the client sent)
+        # (an unjudged warning on it is reported on no text the client sent)
         return [f for f in found if not f.unjudged]
 
     def _redact_input(
@@ -791,8 +802,8 @@ def _request_field_name(f: Finding) -> str:
     """A request field's name in a refusal: `a stop sequence`, or the top-level field."""
     if f.field == STOP_SEQUENCE_FIELD:
         return "a stop sequence"
-    if f.field is not None and f.field.endswith(f".{REDACT_WITH}"):
-        return f"the replacement `{f.field}`"
+    if f.field == AS_REDACTED:
+        return "the input as the request's own detectors redact it"
     return f"`{(f.field or '').split('.', 1)[0]}`"
 
 
@@ -815,6 +826,19 @@ def _request_field_redacted(findings: list[Finding]) -> ApiError:
         ErrorType.INVALID_REQUEST,
         f"{where} holds text that input detector `{first.detector_id}` redacts (a redacted "
         f"{kind} would change what the request asks for)",
+    )
+
+
+def _redaction_made(findings: list[Finding]) -> ApiError:
+    """422 for a request whose own redaction puts into the prompt what a redacting input
+    guardrail redacts (an e-mail in its `redact_with`): redacting a replacement again is no
+    answer, and the request is the client's to fix."""
+    ids = ", ".join(f"`{i}`" for i in sorted({f.detector_id for f in findings}))
+    return ApiError(
+        422,
+        ErrorType.INVALID_REQUEST,
+        f"the input as the request's own detectors redact it holds text that input detector "
+        f"{ids} redacts (a replacement must not make what a guardrail replaces)",
     )
 
 
