@@ -6,6 +6,7 @@ all errors are collected at once, so an operator fixes a config in one pass.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -370,7 +371,9 @@ class TenantConfig(Strict):
     guardrails: dict[str, ModelGuardrails] = Field(default_factory=dict)
     """Detectors enforced on this tenant's requests, by model id (`*`: every model), added to
     the model's own: they can tighten a model's guardrail (a stricter on_detection, a lower
-    threshold), never loosen it; a request can only add to both."""
+    threshold), never loosen it; a request can only add to both. An entry for a detector the
+    model (or the tenant's `*` entry) already enforces gives no detector params of its own, or
+    the same ones: one detector judges with one set of params."""
     limits: TenantLimits = Field(default_factory=TenantLimits)
     """This tenant's limits."""
 
@@ -706,6 +709,50 @@ def tenant_errors(config: Config, present_models: set[str] | None = None) -> lis
             elif model_id != ALL_MODELS and model_id not in visible:
                 errors.append(f"{where}: '{model_id}' is not among this tenant's models")
             errors.extend(_guardrail_errors(config, where, guardrails, None))
+        errors.extend(_merged_params_errors(config, tenant_id, visible))
+    return errors
+
+
+def _detector_params(params: Any) -> dict[str, Any]:
+    """A guardrail entry's detector params: what is forwarded to the detector."""
+    if not isinstance(params, dict):
+        return {}
+    return {k: v for k, v in params.items() if k not in ORCHESTRATOR_PARAM_KEYS}
+
+
+def _merged_params_errors(config: Config, tenant_id: str, visible: set[str]) -> list[str]:
+    """A tenant's entry for a detector that already judges the same requests (the model's
+    guardrail, or the tenant's own `*` entry) merges into it (tenants.py, `tightened_by`): the
+    threshold, action and replacement tighten, and one set of detector params judges. Params of
+    its own that differ would be dropped in silence (a tenant's `pii` for phone numbers judged
+    with the model's e-mails only), so they are an error."""
+    tenant = config.tenants[tenant_id]
+    path = f"tenants.{tenant_id}.guardrails"
+    errors: list[str] = []
+    seen: set[str] = set()
+    for model_id in sorted(visible & set(config.models)):
+        layers = [(f"models.{model_id}.guardrails", config.models[model_id].guardrails)]
+        for key in (ALL_MODELS, model_id):
+            if key in tenant.guardrails:
+                layers.append((f"{path}.{key}", tenant.guardrails[key]))
+        for direction in ("input", "output"):
+            first: dict[str, tuple[str, dict[str, Any]]] = {}
+            for where, guardrails in layers:
+                for detector_id, entry in getattr(guardrails, direction).items():
+                    params = _detector_params(entry)
+                    at = f"{where}.{direction}.{detector_id}"
+                    have = first.setdefault(detector_id, (at, params))
+                    if have[0] == at or not params or params == have[1]:
+                        continue
+                    line = (
+                        f"{at}: detector params {json.dumps(params)} differ from "
+                        f"{json.dumps(have[1])} of {have[0]}, which judges the same requests "
+                        "(one detector judges with one set of params: give them once, or only "
+                        "threshold, on_detection and redact_with here)"
+                    )
+                    if line not in seen:
+                        seen.add(line)
+                        errors.append(line)
     return errors
 
 

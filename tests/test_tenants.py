@@ -555,6 +555,52 @@ def test_tenant_mistakes_are_reported_in_one_pass_with_the_closest_choice() -> N
     ]
 
 
+def test_a_tenants_detector_params_on_a_detector_the_model_enforces_are_a_config_error() -> None:
+    """A detector has one set of params per request: where a tenant's entry names a detector
+    the model (or the tenant's `*` entry) already enforces, only the tightening settings
+    (threshold, on_detection, redact_with) can merge. Its own detector params were dropped in
+    silence: a tenant whose `pii` was to find phone numbers too got the model's e-mails only,
+    and a phone number passed its enforced guardrail."""
+    backend = {"backends": [{"type": "native", "url": "http://127.0.0.1:9"}]}
+    with pytest.raises(ConfigError) as info:
+        parse_config(
+            {
+                "models": {
+                    "m": {**backend, "guardrails": {"input": {"pii": {"kinds": ["email"]}}}},
+                    "n": backend,
+                },
+                "detectors": {"pii": {"builtin": "regex"}},
+                "tenants": {
+                    "a": {
+                        "keys_env": "A",
+                        "guardrails": {
+                            "*": {"output": {"pii": {"kinds": ["phone"]}}},
+                            "m": {
+                                # a stricter action alone merges with the model's params
+                                "input": {"pii": {"on_detection": "block"}},
+                                "output": {"pii": {"kinds": ["phone", "email"]}},
+                            },
+                        },
+                    },
+                    "b": {
+                        "keys_env": "B",
+                        "guardrails": {"m": {"input": {"pii": {"kinds": ["email", "phone"]}}}},
+                    },
+                },
+            }
+        )
+    assert info.value.errors == [
+        'tenants.a.guardrails.m.output.pii: detector params {"kinds": ["phone", '
+        '"email"]} differ from {"kinds": ["phone"]} of tenants.a.guardrails.*.output'
+        ".pii, which judges the same requests (one detector judges with one set of params: "
+        "give them once, or only threshold, on_detection and redact_with here)",
+        'tenants.b.guardrails.m.input.pii: detector params {"kinds": ["email", '
+        '"phone"]} differ from {"kinds": ["email"]} of models.m.guardrails.input.pii, '
+        "which judges the same requests (one detector judges with one set of params: give them "
+        "once, or only threshold, on_detection and redact_with here)",
+    ]
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     model=st.sampled_from(["annotate", "redact", "block"]),

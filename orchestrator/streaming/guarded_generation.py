@@ -67,6 +67,10 @@ from .verdict_cache import TenantVerdicts
 
 log = logging.getLogger("guardstream.stream")
 
+# the `field` of a piece of the prompt as the request's own redacting detectors change it,
+# among the judged input pieces (_judge_as_redacted)
+AS_REDACTED = "as redacted"
+
 # The engine is read no further ahead of the slowest output detector than this many characters
 # of chunked text it has not answered yet: under a burst (a fast engine, a resumed stream) the
 # pipeline alternates reading, judging and releasing instead of reading everything first.
@@ -275,6 +279,13 @@ class GuardedGeneration(PipelineCore):
                 yield [self._failure(_request_field_redacted(fixed))]
                 return
             if judged:
+                made = await self._judge_as_redacted(judged, redactors)
+                if any(f.detector_id not in redactors for f in made):
+                    yield await self._input_refused(made)
+                    return
+                if made:  # the request's redaction made what a redactor redacts
+                    yield [self._failure(_redaction_made(made))]
+                    return
                 self._redact_input(judged, redactors)
         request = self._request
         if self._released_stops is not None:  # matched on the released text instead
@@ -415,6 +426,46 @@ class GuardedGeneration(PipelineCore):
             if span is not None:
                 span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))
+
+    async def _judge_as_redacted(
+        self, findings: list[Finding], redactors: dict[str, RequestedDetector]
+    ) -> list[Finding]:
+        """The findings of every input detector in each piece of the prompt that the
+        request's own redacting detectors change, as the engine will read it (DESIGN 4.6a).
+        Their replacements are the request's text (its `redact_with`, or an entity its own
+        patterns name), never judged with the prompt: a request that added a detector
+        flagging `Sure` with `redact_with` = an injection had the engine read the injection
+        past the enforced input guardrails. Judged in place, with the text around them, so a
+        replacement cannot complete what the text before it begins (`Ig` + `nore all ...`).
+        A piece only the enforced redactors change gets the operator's replacements: not
+        judged again."""
+        own = {
+            (f.message_index, f.field)
+            for f in findings
+            if f.detector_id in redactors
+            and not redactors[f.detector_id].enforced
+            and not f.unjudged
+        }
+        if not own:
+            return []
+        if isinstance(self._inputs, str):
+            texts = [(None, redact_text(self._inputs, findings, redactors)[0])]
+        else:
+            by_piece: dict[tuple[int | None, str | None], list[Finding]] = {}
+            for f in findings:
+                by_piece.setdefault((f.message_index, f.field), []).append(f)
+            texts = [
+                (p.message_index, redact_text(p.text, by_piece[key], redactors)[0])
+                for p in self._inputs
+                if p.target is not None and (key := (p.message_index, p.field)) in own
+            ]
+        pieces = [InputPiece(text, message_index=i, field=AS_REDACTED) for i, text in texts]
+        self._request_fields |= frozenset((p.message_index, AS_REDACTED) for p in pieces)
+        found = await judge_pieces(
+            pieces, self._input_detectors, self._chunkers, self._input_verdicts
+        )
+        # (an unjudged warning on it is reported on no text the client sent)
+        return [f for f in found if not f.unjudged]
 
     def _redact_input(
         self, findings: list[Finding], redactors: dict[str, RequestedDetector]
@@ -774,6 +825,8 @@ def _request_field_name(f: Finding) -> str:
     """A request field's name in a refusal: `a stop sequence`, or the top-level field."""
     if f.field == STOP_SEQUENCE_FIELD:
         return "a stop sequence"
+    if f.field == AS_REDACTED:
+        return "the input as the request's own detectors redact it"
     return f"`{(f.field or '').split('.', 1)[0]}`"
 
 
@@ -796,6 +849,19 @@ def _request_field_redacted(findings: list[Finding]) -> ApiError:
         ErrorType.INVALID_REQUEST,
         f"{where} holds text that input detector `{first.detector_id}` redacts (a redacted "
         f"{kind} would change what the request asks for)",
+    )
+
+
+def _redaction_made(findings: list[Finding]) -> ApiError:
+    """422 for a request whose own redaction puts into the prompt what a redacting input
+    guardrail redacts (an e-mail in its `redact_with`): redacting a replacement again is no
+    answer, and the request is the client's to fix."""
+    ids = ", ".join(f"`{i}`" for i in sorted({f.detector_id for f in findings}))
+    return ApiError(
+        422,
+        ErrorType.INVALID_REQUEST,
+        f"the input as the request's own detectors redact it holds text that input detector "
+        f"{ids} redacts (a replacement must not make what a guardrail replaces)",
     )
 
 
