@@ -170,6 +170,14 @@ _LETTER_NAME = re.compile(
 )
 _SYMBOL_BLOCKS = ((0x0250, 0x02AF), (0x1D00, 0x1D7F), (0x2460, 0x24FF), (0x2776, 0x2793))
 _SYMBOL_BLOCKS += ((0xA720, 0xA7FF), (0x1F100, 0x1F1FF))
+# One symbol drawn as a digit, number or letter with a bracket or a stop around it, which NFKD
+# spells out (`\u2478` -> `(5)`, `\u248c` -> `5.`, `\u24a5` -> `(j)`, `\U0001f106` -> `5,`):
+# `\u2478\u2478\u2478-\u2474\u2475\u2476-...` reads as a phone number, `\u24a5\u24aa@...` as an
+# e-mail address, while their NFKD is neither. The symbol is the one character it draws.
+_ENCLOSED_NAME = re.compile(
+    r"PARENTHESIZED (?:DIGIT|NUMBER) [A-Z]+|(?:DIGIT|NUMBER) [A-Z]+ (?:FULL STOP|COMMA)"
+    r"|PARENTHESIZED LATIN (?:SMALL|CAPITAL) LETTER ([A-Z])"
+)
 
 
 def _symbols() -> dict[str, str]:
@@ -177,16 +185,27 @@ def _symbols() -> dict[str, str]:
     for lo, hi in _SYMBOL_BLOCKS:
         for cp in range(lo, hi + 1):
             ch = chr(cp)
+            name = unicodedata.name(ch, "")
+            enclosed = _ENCLOSED_NAME.fullmatch(name)
+            if enclosed:
+                letter = enclosed.group(1)
+                small = letter is not None and "SMALL" in name
+                table[ch] = (letter.lower() if small else letter) if letter else _number(ch)
+                continue
             if unicodedata.normalize("NFKC", ch).isascii() or ch in CONFUSABLES:
                 continue
-            name = unicodedata.name(ch, "")
             letter = _LETTER_NAME.fullmatch(name)
             if letter:
                 small = name.startswith("LATIN LETTER SMALL CAPITAL")
                 table[ch] = letter.group(1).lower() if small else letter.group(1)
-            elif "CIRCLED" in name and unicodedata.digit(ch, None) is not None:
-                table[ch] = str(unicodedata.digit(ch))
+            elif "CIRCLED" in name and float(unicodedata.numeric(ch, 0.5)).is_integer():
+                table[ch] = _number(ch)  # a digit, or a number (`\u24eb` negative circled 11)
     return table
+
+
+def _number(ch: str) -> str:
+    """The digits of a symbol's whole number (`\u247d` PARENTHESIZED NUMBER TEN: `10`)."""
+    return str(int(unicodedata.numeric(ch)))
 
 
 SYMBOLS: dict[str, str] = _symbols()

@@ -170,6 +170,14 @@ def test_precomposed_accents_fold_in_place() -> None:
         ("\u2028", "\n"),
         ("\u2029", "\n"),
         ("\u2800", " "),  # Braille pattern blank
+        # a bracketed or stopped digit, number or letter is what it draws, not its NFKD
+        ("\u2478", "5"),  # parenthesized digit five: (5)
+        ("\u247d", "10"),  # parenthesized number ten: (10)
+        ("\u248c", "5"),  # digit five full stop: 5.
+        ("\U0001f106", "5"),  # digit five comma: 5,
+        ("\u24a5", "j"),  # parenthesized latin small letter j: (j)
+        ("\U0001f119", "J"),  # parenthesized latin capital letter j: (J)
+        ("\u24eb", "11"),  # negative circled number eleven
         # dashes the confusables data leaves alone
         ("\u2014", "-"),  # em dash
         ("\u2015", "-"),  # horizontal bar

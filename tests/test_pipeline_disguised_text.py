@@ -104,6 +104,14 @@ PHONES: dict[str, tuple[list[str], list[str]]] = {
         ["Call", " 555", "-123", "-4567", "."],
         ["Call", " 555-**", "123**", "-4567", "."],
     ),
+    "parenthesized-digits": (  # NFKD: (5)(5)(5)-(1)(2)(3)-...
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " \u2478\u2478\u2478", "-\u2474\u2475\u2476", "-\u2477\u2478\u2479\u247a", "."],
+    ),
+    "digits-with-full-stops": (  # NFKD: 5.5.5.-1.2.3.-...
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " \u248c\u248c\u248c-", "\u2488\u2489\u248a-", "\u248b\u248c\u248d\u248e", "."],
+    ),
 }
 EMAILS: dict[str, tuple[list[str], list[str]]] = {
     "named-entity": (["Mail", " jo@example.com", "."], ["Mail", " jo&commat;", "example.com", "."]),
@@ -117,6 +125,15 @@ EMAILS: dict[str, tuple[list[str], list[str]]] = {
     "markdown-link": (
         ["Mail", " jo@example.com", "."],
         ["Mail", " jo@[exa", "mple](https://x.org)", ".com", "."],
+    ),
+    "parenthesized-letters": (  # NFKD: (j)(o)@(e)(x)...
+        ["Mail", " jo@example.com", "."],
+        [
+            "Mail",
+            " \u24a5\u24aa@",
+            "\u24a0\u24b3\u249c\u24a8\u24ab\u24a7\u24a0.\u249e\u24aa\u24a8",
+            ".",
+        ],
     ),
     "last-character-escaped": (
         ["Mail", " jo@example.com", "."],
