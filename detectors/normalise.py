@@ -16,7 +16,8 @@ Hostile text hides PII from an ASCII pattern without changing what a reader sees
   characters; decimal digits of any script become ASCII digits;
 - what is still non-ASCII and is a confusable of an ASCII character in Unicode's confusables
   data (UTS #39, as shipped by the `confusable-homoglyphs` package: Cyrillic and Greek
-  homoglyphs, dashes and hyphens, ...) becomes that ASCII character, and so do the full stops
+  homoglyphs, dashes and hyphens, ...) becomes that ASCII character (one confusable with a
+  small capital, Cyrillic `\u043c` or `\u0442`, that capital's letter), and so do the full stops
   and middle dots of other scripts that UTS #39 does not map to `.` (`\u3002`, `\u00b7`, ...).
 
 Each view character comes from exactly one original character (an NFKD expansion such as
@@ -209,6 +210,33 @@ def _number(ch: str) -> str:
 
 
 SYMBOLS: dict[str, str] = _symbols()
+
+
+def _drawn_as_symbols() -> dict[str, str]:
+    """Letters UTS #39 calls confusable with a symbol of SYMBOLS rather than with an ASCII
+    letter (directly, or through one more such letter): Cyrillic `\u043c` (em, as `\u028d`,
+    as small capital M), `\u0442` (te, small capital T), `\u043d`, `\u0432`, `\u043a`, Greek
+    `\u03c4`, Cherokee small letters. In `jo@exa\u043cple.co\u043c` a reader sees an e-mail
+    address; the letter is the symbol's letter."""
+    from confusable_homoglyphs.confusables import confusables_data
+
+    known = CONFUSABLES | SYMBOLS
+    table: dict[str, str] = {}
+    for _ in range(2):  # chains of two: `\u043a` -> `\u0138` (kra) -> small capital K
+        for source, entries in confusables_data.items():
+            if len(source) != 1 or source in known or source in table:
+                continue
+            if unicodedata.normalize("NFKC", source).isascii():
+                continue
+            for entry in entries:
+                target = table.get(entry["c"]) or SYMBOLS.get(entry["c"])
+                if target is not None and target.isalpha():
+                    table[source] = target
+                    break
+    return table
+
+
+CONFUSABLES.update(_drawn_as_symbols())
 
 # Combining marks: drawn on the character before them (Mc, spacing marks, take room of their
 # own and stay)

@@ -139,6 +139,11 @@ def test_precomposed_accents_fold_in_place() -> None:
         ("\u0440", "p"),
         ("\u0455", "s"),
         ("\u03bf", "o"),  # Greek omicron
+        # confusable with a small capital (UTS #39), directly or through another letter
+        ("\u043c", "m"),  # Cyrillic em: turned w, small capital M
+        ("\u0442", "t"),  # Cyrillic te: small capital T
+        ("\u043a", "k"),  # Cyrillic ka: kra, small capital K
+        ("\u03c4", "t"),  # Greek tau
         ("\u00a0", " "),
         ("\u2122", "TM"),
         ("\u00e9", "e"),  # e and a combining acute after NFKD: the mark is dropped

@@ -135,6 +135,14 @@ EMAILS: dict[str, tuple[list[str], list[str]]] = {
             ".",
         ],
     ),
+    "cyrillic-letters-drawn-as-small-capitals": (  # Cyrillic em and te, as exaᴍple.coᴍ
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@exa", "\u043cple.co\u043c", "."],
+    ),
+    "cyrillic-em-ending-the-domain": (  # the rest Cyrillic look-alikes UTS #39 maps
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " j\u043e@\u0435\u0445\u0430mple.\u0441\u043e", "\u043c", "."],
+    ),
     "last-character-escaped": (
         ["Mail", " jo@example.com", "."],
         ["Mail", " jo@example.co", "&#109;", "."],
