@@ -45,7 +45,7 @@ import bisect
 import html.entities
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -350,7 +350,7 @@ class View:
 _ASCII = frozenset(c for c in map(chr, range(0x80)) if not ASCII_CHANGED.match(c))
 
 
-def _folded(text: str) -> View:
+def _folded(text: str, fold: Callable[[str], str] = fold) -> View:
     """The character-by-character part of the view (`fold`). ASCII text without controls is
     its own view (two C calls); so is text whose distinct characters all fold to themselves (CJK, curly quotes, most emoji):
     `set(text)` is one C pass, and only its distinct non-ASCII characters are looked at in
@@ -573,13 +573,38 @@ def normalise(text: str) -> View:
     """The view of `text` (DESIGN 4.6b): markup and escapes decoded (`MARKUP`), then each
     character folded (`fold`). ASCII text without controls or markup is its own view (three C
     scans)."""
+    return _view(text, fold)
+
+
+def _view(text: str, fold_one: Callable[[str], str]) -> View:
     if is_plain(text):
         return View(text, text)
     outer = _unmarked(text)
     if outer is None:
-        return _folded(text)
-    inner = _folded(outer.text)
+        return _folded(text, fold_one)
+    inner = _folded(outer.text, fold_one)
     return outer if inner.identity and inner.text == outer.text else _Composed(outer, inner)
+
+
+@lru_cache(maxsize=65536)
+def compatible(ch: str) -> str:
+    """One character of `script_view`: removed when invisible (as in `fold`), whitespace as
+    in `fold`, else its NFKC (full-width and mathematical forms, ligatures), its script,
+    case and accents as they are."""
+    if ch in SPACES:
+        return SPACES[ch]
+    if is_ignorable(ch):
+        return ""
+    return unicodedata.normalize("NFKC", ch)
+
+
+def script_view(text: str) -> View:
+    """The view a pattern written in the text's own script matches (`regex`'s custom
+    patterns, which an operator writes as the phrase is spelt: `(?i)бомба`, `café`):
+    markup decoded and invisible characters removed as in `normalise`, compatibility forms
+    made plain, but letters kept in their script (the confusables folding turns Cyrillic
+    о and а into Latin letters) and with their accents."""
+    return _view(text, compatible)
 
 
 # Bidi controls (UAX #9): what opens an embedding, an override or an isolate, and what closes

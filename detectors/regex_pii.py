@@ -36,7 +36,9 @@ their plain forms, and so do letters and digits under combining marks (`4111\\u0
 and dots of other scripts (`jo@example\\u3002com`); each span is mapped back to the characters
 the client sent (the invisible ones inside a match and the marks on its last character
 included), so block and redact cover them. Text under a right-to-left override is scanned in the
-order a reader sees too (`\\u202emoc.elpmaxe@oj`). Pure ASCII skips the view.
+order a reader sees too (`\\u202emoc.elpmaxe@oj`). Custom patterns also run on the script view
+(normalise.script_view: no confusables folded, accents kept), so `(?i)бомба` or `café` find
+their phrase, which the view spells `бoмбa` and `cafe`. Pure ASCII skips the views.
 """
 
 from __future__ import annotations
@@ -57,7 +59,14 @@ from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
-from .normalise import display_order, is_plain, normalise, unfinished_markup, unmarked_view
+from .normalise import (
+    display_order,
+    is_plain,
+    normalise,
+    script_view,
+    unfinished_markup,
+    unmarked_view,
+)
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -619,6 +628,13 @@ def _scan(
     if not view.identity:
         builtin = [(*view.span(s, e), name) for s, e, name in builtin]
         custom = [(*view.span(s, e), name) for s, e, name in custom]
+    if patterns and not text.isascii():
+        # a custom pattern is written in its phrase's script (`бомба`, `café`), which the
+        # view folds to ASCII look-alikes (`бoмбa`, `cafe`): judged in the script view too
+        script = script_view(text)
+        if script.text != view.text:
+            more_custom = _find(Utf8Text(script.text), [], patterns, cancelled)[1]
+            custom = sorted(set(custom + [(*script.span(s, e), n) for s, e, n in more_custom]))
     plain = unmarked_view(text)
     if plain is not None:
         # markup decoded once, as a renderer does, can also hide what a reader of the raw text

@@ -49,6 +49,8 @@ def disguised_config(engine_url: str) -> dict[str, Any]:
                 "chunker_id": "sentence",
                 "on_detection": "redact",
                 "redact_with": "[{entity}]",
+                # an operator's phrases in scripts the view folds (see BLOCKED_PHRASES)
+                "params": {"patterns": {"codeword": "(?i)бомба|café noir|Ωμέγα"}},
             },
             "hap": {
                 "type": "text_contents",
@@ -166,9 +168,17 @@ CURSES: dict[str, tuple[list[str], list[str]]] = {
         ["What", " the", " f<b>", "</b>uck", " is", " this", "."],
     ),
 }
+# A custom pattern written in the script of the phrase it blocks: on 7c96083 it ran on the
+# folded view only, where Cyrillic о and а, Greek Ο and accents are folded to ASCII, so
+# `бомба` was `бoмбa` there and matched nothing, not even the plain word.
+BLOCKED_PHRASES: dict[str, tuple[list[str], list[str]]] = {
+    "cyrillic-phrase": (["Say", " бомба", "."], ["Say", " Б\u200bОМ", "БА", "."]),
+    "accented-phrase": (["Say", " café noir", "."], ["Say", " CAFÉ", " NOIR", "."]),
+    "greek-phrase": (["Say", " Ωμέγα", "."], ["Say", " ΩΜ", "ΈΓΑ", "."]),
+}
 SCRIPTS = {
     f"{name} {form}": tokens
-    for name, pair in (PHONES | EMAILS | CURSES).items()
+    for name, pair in (PHONES | EMAILS | CURSES | BLOCKED_PHRASES).items()
     for form, tokens in zip(("plain", "disguised"), pair, strict=True)
 }
 
@@ -258,6 +268,22 @@ async def test_a_disguised_curse_in_the_output_is_blocked(
         ]
         sent = "".join(strings([e.data for e in events]))
         assert "uck" not in sent and tokens[3] not in sent, (form, raw)  # the word's tail token
+
+
+@pytest.mark.parametrize("name", list(BLOCKED_PHRASES))
+async def test_a_custom_pattern_in_a_script_the_view_folds_is_found(
+    stack: tuple[FakeEngine, Orchestrator], name: str
+) -> None:
+    engine, orch = stack
+    for form, tokens in zip(("plain", "disguised"), BLOCKED_PHRASES[name], strict=True):
+        raw, events = await raw_stream(orch, f"{name} {form}")
+        assert terminal(events).name == "completed", (form, raw)
+        assert released(events) == "Say [codeword].", (form, raw)
+        prompt = "Write" + "".join(tokens[1:]) + " please"
+        _, events = await raw_stream(orch, prompt)
+        assert released(events) == "Fine."
+    prompts = [prompt_text(r.body) for r in engine.requests]
+    assert prompts[1::2] == ["Write [codeword]. please"] * 2
 
 
 # (plain prompt, disguised prompt, what the engine must receive for both)
