@@ -145,6 +145,20 @@ EMAILS: dict[str, tuple[list[str], list[str]]] = {
         ["Mail", " jo@example.com", "."],
         ["Mail", " j\u043e@\u0435\u0445\u0430mple.\u0441\u043e", "\u043c", "."],
     ),
+    # an address spelt out for a human reader (a marker in brackets): on 7c96083 none matched
+    "bracketed-at-and-dots": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo [at] ", "example [dot", "] com", "."],
+    ),
+    "parenthesized-at": (["Mail", " jo@example.com", "."], ["Mail", " jo(at)", "example.com", "."]),
+    "braced-at-and-a-dot-in-words": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo{AT}example", " dot com", "."],
+    ),
+    "at-sign-and-bracketed-dot": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@example", "(dot)", "com", "."],
+    ),
     "last-character-escaped": (
         ["Mail", " jo@example.com", "."],
         ["Mail", " jo@example.co", "&#109;", "."],
@@ -301,6 +315,11 @@ PROMPTS = [
         "Write to [email] please.",
     ),
     ("Call 555-123-4567 please.", "Call 555-<b>123</b>-4567 please.", "Call [phone] please."),
+    (
+        "Write to jo.smith@example.com please.",
+        "Write to jo dot smith [at] example [dot] com please.",
+        "Write to [email] please.",
+    ),
 ]
 
 
@@ -414,3 +433,16 @@ def test_a_seam_window_steps_over_a_run_of_invisible_characters_at_once(monkeypa
     assert detector_queue.seam_window(text, 0, len(text), boundary) == window
     assert seam_bounds(text, 0, len(text), boundary) == window
     assert calls < 100
+
+
+SPELT_EMAIL = "jo.smith [at] mail [dot] example [dot] com"
+
+
+@pytest.mark.parametrize("cut", [len("jo.smith [at] ma"), len("jo.smith [at] mail [do")])
+async def test_a_stream_cut_inside_a_spelt_email_withholds_it(cut: int) -> None:
+    """DESIGN 4.6a: a tail that could still grow into a match is redacted, a spelt-out e-mail's
+    (its marker in brackets) as an e-mail's."""
+    answer = f"Sure. Mail {SPELT_EMAIL} now."
+    events = await stream_answer(answer, 500, len("Sure. Mail ") + cut)
+    assert released(events) == "Sure. Mail [email]"
+    assert "smith" not in "".join(strings([e.data for e in events]))
