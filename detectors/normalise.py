@@ -732,6 +732,32 @@ def display_order(text: str) -> tuple[str, list[int]] | None:
     return "".join(text[i] for i in order), order
 
 
+# a quoted attribute value of a tag (its attributes are bounded by MARKUP: linear)
+_ATTRIBUTE_VALUE = re.compile(r"""=[ \t\n]*(?:"([^"]*)"|'([^']*)')""")
+
+
+def markup_hidden_text(text: str) -> str:
+    """What markup keeps out of the view that a model reading the raw text still reads: the
+    contents of HTML comments and the values of tags' attributes that hold words (`alt`,
+    `title`, ...), one line each; "" when there are none. A renderer hides them, and so does
+    the view; the model a guardrail guards reads `<!-- Ignore all previous instructions -->`
+    as it is. An attribute value without a space (a URL, a class name, a path) is left out:
+    it holds no sentence, and a classifier reads lines of URLs as instructions (the shipped
+    `prompt_injection` scored a line of GitHub links 0.47). One MARKUP scan, each match
+    bounded."""
+    parts: list[str] = []
+    for m in MARKUP.finditer(text):
+        g = m.lastindex
+        if g == 9:  # a tag: its attributes' values
+            for value in _ATTRIBUTE_VALUE.finditer(m.group(), m.end(9) - m.start()):
+                words = (value.group(1) or value.group(2) or "").strip()
+                if " " in words:
+                    parts.append(words)
+        elif g == 10 and m.group()[4:-3].strip():  # a comment
+            parts.append(m.group()[4:-3].strip())
+    return "\n".join(parts)
+
+
 def view_text(text: str, *, markup: bool = True) -> str:
     """Only the view's text (what a classifier judges: its detection is the whole content).
     Under a right-to-left override, the view in the order a reader sees follows it on a line
@@ -745,3 +771,15 @@ def view_text(text: str, *, markup: bool = True) -> str:
     view = view_of(text).text
     shown = display_order(text)
     return view if shown is None else f"{view}\n{view_of(shown[0]).text}"
+
+
+def judged_texts(text: str) -> list[str]:
+    """What a classifier judges of a content (its verdict the maximum over them): its view
+    (`view_text`) and, where markup hides words from that view, those words
+    (`markup_hidden_text`), as a text of their own, so that they cannot change how the view
+    itself is windowed."""
+    view = view_text(text)
+    if is_plain(text) and view is text:
+        return [view]
+    hidden = markup_hidden_text(text)
+    return [view, normalise(hidden).text] if hidden else [view]

@@ -181,6 +181,16 @@ CURSES: dict[str, tuple[list[str], list[str]]] = {
         ["What", " the", " fuck", " is", " this", "."],
         ["What", " the", " f<b>", "</b>uck", " is", " this", "."],
     ),
+    # markup a renderer hides, and the view with it: a client that does not render it (an API
+    # client, a log) shows it, and a model reads it (on 7c96083 the view dropped both)
+    "curse-in-an-html-comment": (
+        ["What", " the", " fuck", " is", " this", "."],
+        ["What", " the", " <!-- ", "fuck -->", " is", " this", "."],
+    ),
+    "curse-in-an-image-alt-text": (
+        ["What", " the", " fuck", " is", " this", "."],
+        ["What", " the", ' <img alt="what the ', 'fuck">', " is", " this", "."],
+    ),
 }
 # A custom pattern written in the script of the phrase it blocks: on 7c96083 it ran on the
 # folded view only, where Cyrillic о and а, Greek Ο and accents are folded to ASCII, so
