@@ -237,6 +237,10 @@ def _drawn_as_symbols() -> dict[str, str]:
 
 
 CONFUSABLES.update(_drawn_as_symbols())
+# Greek (and IPA) small letters UTS #39 maps to no ASCII letter (epsilon to a Latin open e,
+# chi to a Latin chi, ...) that a reader takes for the Latin letter in a word of Latin ones:
+# `jo@\u03b5\u03c7ample.com` reads as an e-mail address
+CONFUSABLES.update({"\u03b5": "e", "\u025b": "e", "\u03c7": "x", "\u03c9": "w", "\u03b7": "n"})
 
 # Combining marks: drawn on the character before them (Mc, spacing marks, take room of their
 # own and stay)
@@ -581,9 +585,21 @@ def _view(text: str, fold_one: Callable[[str], str]) -> View:
         return View(text, text)
     outer = _unmarked(text)
     if outer is None:
-        return _folded(text, fold_one)
-    inner = _folded(outer.text, fold_one)
-    return outer if inner.identity and inner.text == outer.text else _Composed(outer, inner)
+        view = _folded(text, fold_one)
+    else:
+        inner = _folded(outer.text, fold_one)
+        view = outer if inner.identity and inner.text == outer.text else _Composed(outer, inner)
+    if fold_one is fold and _DASH_LIKE.search(view.text):
+        view.text = _DIGIT_DASH.sub("-", view.text)  # one character for one: the map holds
+    return view
+
+
+# Between two digits, what East Asian keyboards give for a dash (the katakana long vowel mark,
+# the ideograph one, the Hangul vowel eu after NFKD) and box-drawing lines: `555\u30fc123\u30fc4567`
+# and `010\u31611234\u31615678` are phone numbers. Only between digits: elsewhere they are letters
+# of words (`\u30b3\u30fc\u30d2\u30fc`) the classifiers read.
+_DASH_LIKE = re.compile("[\u30fc\u4e00\u1173\u2500\u2501\u23af]")
+_DIGIT_DASH = re.compile("(?<=[0-9])[\u30fc\u4e00\u1173\u2500\u2501\u23af](?=[0-9])")
 
 
 @lru_cache(maxsize=65536)

@@ -106,6 +106,15 @@ def test_text_that_folds_to_itself_is_its_own_view() -> None:
     assert view.text == text and view.identity
 
 
+def test_east_asian_dashes_are_dashes_between_digits_only() -> None:
+    """A katakana long vowel mark, the ideograph one, the Hangul vowel eu and box-drawing
+    lines between digits are a phone number's dashes; in a word they stay letters."""
+    text = "\u30b3\u30fc\u30d2\u30fc 03\u30fc1234\u30fc5678 010\u31611234\u31615678 5\u25005"
+    view = normalise(text)
+    assert view.text == "\u30b3\u30fc\u30d2\u30fc 03-1234-5678 010-1234-5678 5-5"
+    assert view.span(5, 17) == (5, 17)
+
+
 def test_precomposed_accents_fold_in_place() -> None:
     """An accented letter is its base letter plus a mark after NFKD (issue 32, item 6): one
     character for one, so positions stay the same."""
@@ -144,6 +153,8 @@ def test_precomposed_accents_fold_in_place() -> None:
         ("\u0442", "t"),  # Cyrillic te: small capital T
         ("\u043a", "k"),  # Cyrillic ka: kra, small capital K
         ("\u03c4", "t"),  # Greek tau
+        ("\u03b5", "e"),  # Greek epsilon (UTS #39: a Latin open e, itself no ASCII letter)
+        ("\u03c7", "x"),  # Greek chi
         ("\u00a0", " "),
         ("\u2122", "TM"),
         ("\u00e9", "e"),  # e and a combining acute after NFKD: the mark is dropped

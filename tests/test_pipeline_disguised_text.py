@@ -106,6 +106,23 @@ PHONES: dict[str, tuple[list[str], list[str]]] = {
         ["Call", " 555", "-123", "-4567", "."],
         ["Call", " 555-**", "123**", "-4567", "."],
     ),
+    # what East Asian keyboards give for a dash between digits (on 7c96083: no phone number)
+    "katakana-long-vowel-marks": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u30fc", "123\uff70", "4567", "."],
+    ),
+    "hangul-eu-as-dashes": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u3161", "123\u3161", "4567", "."],
+    ),
+    "ideograph-one-as-dashes": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u4e00", "123\u4e00", "4567", "."],
+    ),
+    "box-drawing-lines-as-dashes": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u2500", "123\u2501", "4567", "."],
+    ),
     "parenthesized-digits": (  # NFKD: (5)(5)(5)-(1)(2)(3)-...
         ["Call", " 555", "-123", "-4567", "."],
         ["Call", " \u2478\u2478\u2478", "-\u2474\u2475\u2476", "-\u2477\u2478\u2479\u247a", "."],
@@ -158,6 +175,12 @@ EMAILS: dict[str, tuple[list[str], list[str]]] = {
     "at-sign-and-bracketed-dot": (
         ["Mail", " jo@example.com", "."],
         ["Mail", " jo@example", "(dot)", "com", "."],
+    ),
+    # Greek letters UTS #39 maps to no ASCII letter, which a reader takes for Latin ones in an
+    # address (on 7c96083: no e-mail)
+    "greek-epsilon-and-chi": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@\u03b5", "\u03c7ample.com", "."],
     ),
     "last-character-escaped": (
         ["Mail", " jo@example.com", "."],
