@@ -651,9 +651,35 @@ def find_pii(text: str, kinds: list[str], patterns: Mapping[str, Any]) -> list[D
     return _scan(text, kinds, patterns, None)
 
 
+# Unicode tag characters (U+E0020-U+E007E): each an invisible copy of an ASCII character, which
+# a program or a model reading the text decodes (`decode.tag_payloads`). An answer can carry an
+# address in them past a reader; they are also read as the ASCII they copy, one for one (so
+# spans are the same), and what that reading holds is reported too.
+_TAG = re.compile("[\U000e0020-\U000e007e]")
+_TAG_TO_ASCII = {cp: cp - 0xE0000 for cp in range(0xE0020, 0xE007F)}
+
+
 def _scan(
     text: str, kinds: list[str], patterns: Mapping[str, Any], cancelled: threading.Event | None
 ) -> list[Detection]:
+    """`_scan_view`'s detections, and where the text holds tag characters, those of the text
+    with them read as the ASCII they copy (one character for one: the same spans)."""
+    found = _scan_view(text, kinds, patterns, cancelled)
+    if text.isascii() or _TAG.search(text) is None:
+        return _detections(text, found)
+    builtin, custom = _scan_view(text.translate(_TAG_TO_ASCII), kinds, patterns, cancelled)
+    return _detections(
+        text,
+        (
+            _with_unmarked(found[0], builtin),  # (what the text itself holds comes first)
+            sorted(set(found[1] + custom)),
+        ),
+    )
+
+
+def _scan_view(
+    text: str, kinds: list[str], patterns: Mapping[str, Any], cancelled: threading.Event | None
+) -> tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]:
     """Matches in the normalised view of `text`, mapped back to `text`. Pure ASCII cannot hold
     an invisible or look-alike character: it is scanned as it is, with no view and no map.
     Text under a right-to-left override is scanned a second time in the order a reader sees
@@ -662,7 +688,7 @@ def _scan(
     (and those between: an override is reversed in place, so a value inside it is a stretch of
     the text, and one that straddles its edge covers the text from the first to the last)."""
     if is_plain(text):
-        return _detections(text, _find(Utf8Text(text), kinds, patterns, cancelled))
+        return _find(Utf8Text(text), kinds, patterns, cancelled)
     view = normalise(text)
     builtin, custom = _find(Utf8Text(view.text), kinds, patterns, cancelled)
     if not view.identity:
@@ -700,7 +726,7 @@ def _scan(
         # reversal (`a@a\u202e.com thanks` shows a@a.sknaht moc.)
         builtin = sorted(set(builtin + [(*back(s, e), name) for s, e, name in more_builtin]))
         custom = sorted(set(custom + [(*back(s, e), name) for s, e, name in more_custom]))
-    return _detections(text, (builtin, custom))
+    return builtin, custom
 
 
 def _with_unmarked(

@@ -63,6 +63,10 @@ def disguised_config(engine_url: str) -> dict[str, Any]:
     )
 
 
+def _tags(text: str) -> str:
+    return "".join(chr(0xE0000 + ord(c)) for c in text)
+
+
 # (plain tokens, disguised tokens): the engine's answer to the prompt `name`, streamed token by
 # token so that the disguise straddles tokens as a model would write it
 PHONES: dict[str, tuple[list[str], list[str]]] = {
@@ -181,6 +185,12 @@ EMAILS: dict[str, tuple[list[str], list[str]]] = {
     "greek-epsilon-and-chi": (
         ["Mail", " jo@example.com", "."],
         ["Mail", " jo@\u03b5", "\u03c7ample.com", "."],
+    ),
+    # an address in tag characters: invisible, but a program or a model reading the answer
+    # decodes it (on 7c96083 the view removed them and the address left whole)
+    "tag-characters": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " " + _tags("jo@exa"), _tags("mple.com"), "."],
     ),
     "last-character-escaped": (
         ["Mail", " jo@example.com", "."],
