@@ -36,6 +36,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.test_detectors_decode import _tags
 
 
 def disguised_config(engine_url: str) -> dict[str, Any]:
@@ -61,10 +62,6 @@ def disguised_config(engine_url: str) -> dict[str, Any]:
         },
         model={"guardrails": {"input": {"pii": {}, "hap": {}}, "output": {"pii": {}, "hap": {}}}},
     )
-
-
-def _tags(text: str) -> str:
-    return "".join(chr(0xE0000 + ord(c)) for c in text)
 
 
 # (plain tokens, disguised tokens): the engine's answer to the prompt `name`, streamed token by
