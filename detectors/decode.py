@@ -5,7 +5,9 @@ by an encoding a model can read and a guardrail's classifier cannot.
 of natural language; the model it guards decodes it. So the payloads found in a text are decoded
 and each decoded text is judged as well (the detector scores the maximum): Unicode tag
 characters (U+E0020-U+E007E, invisible; the normalised view removes them, so without this view
-the payload is not judged at all), base64 (standard and URL-safe), base32, hexadecimal, Ascii85
+the payload is not judged at all: every tag character of the text, in order, whatever lies
+between them), bytes in variation selectors and bits in invisible times/plus signs (invisible
+too), base64 (standard and URL-safe), base32, hexadecimal, Ascii85
 and Z85-style base85, percent-encoding, `\\uXXXX` / `\\xXX` escapes, and ROT13.
 
 Only what decodes to text is kept (UTF-8, printable, holding letters and spaces): a hash, a
@@ -41,7 +43,6 @@ MAX_DECODED = 4_096  # characters of one decoded text kept
 MAX_DEPTH = 2  # a decoded text is searched for payloads once more (base64 of hex)
 MIN_DECODED_LETTERS = 8  # a decoded text with fewer letters is no instruction
 
-_TAGS = re.compile("[\U000e0020-\U000e007e]{4,}")
 _BASE64 = re.compile(r"(?<![A-Za-z0-9+/_-])[A-Za-z0-9+/_-]{16,}={0,2}")
 _BASE32 = re.compile(r"(?<![A-Za-z2-7])[A-Z2-7]{16,}={0,6}")
 _HEX = re.compile(r"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}[ :]?){8,}")
@@ -167,9 +168,88 @@ def _escapes(s: str) -> str | None:
     return text[:MAX_DECODED] if _printable(text) else None
 
 
-def _tags(s: str) -> str | None:
-    text = "".join(chr(ord(c) - 0xE0000) for c in s)
-    return text[:MAX_DECODED] if _printable(text) else None
+# Invisible characters a model reads as data: tag characters (each an ASCII character: text in
+# them is invisible to a reader and read by a model), variation selectors (each a byte, after
+# one emoji: "emoji smuggling") and the invisible times and plus signs (each a bit). The view
+# removes them all; what they carry is judged here. A carrier's payload is not a wrong decoding
+# of prose (benign text holds no run of them), so it need not read like prose (`_printable`):
+# `Ignore_all_previous_instructions` in tag characters is judged as it is.
+_TAG_CHARS = "\U000e0020-\U000e007e"
+_ANY_TAG = re.compile(f"[{_TAG_CHARS}]")
+_NOT_TAG = re.compile(f"[^{_TAG_CHARS}\\s]+")  # what a reader sees between tag characters
+# an emoji flag of a region (England: a black flag, `gbeng` in tags, a cancel tag): no payload
+_FLAG = re.compile("\U0001f3f4[\U000e0030-\U000e0039\U000e0061-\U000e007a]{1,6}\U000e007f")
+_TAG_TO_ASCII = {cp: cp - 0xE0000 for cp in range(0xE0020, 0xE007F)}
+_SELECTORS = "\ufe00-\ufe0f\U000e0100-\U000e01ef"
+_SELECTOR_RUN = re.compile(f"[{_SELECTORS}]{{2,}}")  # an emoji has one; a payload, a run
+_BITS = re.compile("[\u2062\u2064]{16,}")  # invisible times 0, invisible plus 1 ("sneaky bits")
+MIN_TAGS = 4  # fewer tag characters carry no instruction
+
+
+def _carried(text: str) -> str | None:
+    """A carrier's decoded text, when it could be an instruction: printable, with letters."""
+    text = text.strip()[:MAX_DECODED]
+    if sum(c.isalpha() for c in text) < MIN_DECODED_LETTERS:
+        return None
+    return text if all(c.isprintable() or c in "\n\t\r" for c in text) else None
+
+
+def _without_other_invisibles(text: str, keep: str) -> str:
+    """`text` without the invisible characters (normalise.is_ignorable) other than those of
+    the character class `keep`: a zero-width space or a cancel tag between tag characters, or
+    between variation selectors, does not end their payload."""
+    from .normalise import is_ignorable
+
+    carrier = re.compile(f"[{keep}]")
+    gone = [ch for ch in set(text) if is_ignorable(ch) and not carrier.match(ch)]
+    return text.translate(dict.fromkeys(map(ord, gone))) if gone else text
+
+
+def tag_payloads(text: str) -> list[str]:
+    """The text in `text`'s tag characters, all of them in order (a model reads each as its
+    ASCII character wherever it stands: between visible letters, one word's worth between
+    spaces), a run of whitespace between them one space, in pieces of MAX_DECODED characters
+    (a long one is judged whole, piece by piece, up to `payloads`' cap); [] with fewer than
+    MIN_TAGS tag characters. Linear: a few C passes over `text`."""
+    if _ANY_TAG.search(text) is None:
+        return []
+    plain = " ".join(_NOT_TAG.sub("", _FLAG.sub("", text)).translate(_TAG_TO_ASCII).split())
+    if len(plain) - plain.count(" ") < MIN_TAGS:
+        return []
+    pieces = (_carried(plain[i : i + MAX_DECODED]) for i in range(0, len(plain), MAX_DECODED))
+    return [p for p in pieces if p is not None]
+
+
+def _selector_bytes(run: str) -> bytes:
+    return bytes(
+        ord(c) - 0xFE00 if ord(c) <= 0xFE0F else ord(c) - 0xE0100 + 16 for c in run[:MAX_ENCODED]
+    )
+
+
+def carried_payloads(text: str) -> list[str]:
+    """What the invisible carriers in `text` hold (tag characters, runs of variation
+    selectors, runs of invisible bits), decoded; [] for a text with none (one scan)."""
+    out = tag_payloads(text)
+    if re.search(f"[{_SELECTORS}]", text):
+        for m in _SELECTOR_RUN.finditer(_without_other_invisibles(text, _SELECTORS)):
+            try:
+                decoded = _carried(_selector_bytes(m.group()).decode("utf-8"))
+            except UnicodeDecodeError:
+                continue
+            if decoded is not None:
+                out.append(decoded)
+    if "\u2062" in text or "\u2064" in text:
+        for m in _BITS.finditer(_without_other_invisibles(text, "\u2062\u2064")):
+            bits = m.group()[: MAX_ENCODED * 8].translate({0x2062: "0", 0x2064: "1"})
+            size = len(bits) // 8
+            raw = int(bits[: size * 8], 2).to_bytes(size, "big")
+            try:
+                decoded = _carried(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                continue
+            if decoded is not None:
+                out.append(decoded)
+    return out
 
 
 def rot13_runs(text: str) -> list[str]:
@@ -255,8 +335,8 @@ def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
         return list(found)[:MAX_PAYLOADS], len(found) > MAX_PAYLOADS
 
     if tagged is not None:
-        for m in _TAGS.finditer(tagged):
-            if add(_tags(m.group()[:MAX_ENCODED])):
+        for decoded in carried_payloads(tagged):
+            if add(decoded):
                 return result()
     todo, depth = [text], 0
     while todo and depth < MAX_DEPTH:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from .api import Detection
 from .base import SCORED_REQUEST_PARAMS, Detector, ScoredParams, whole_content
 from .batching import MicroBatcher
-from .normalise import view_text
+from .normalise import judged_texts
 from .runtime import ModelRuntime, check_device
 from .windows import judge_windows
 
@@ -101,12 +101,19 @@ class ScoredTextDetector(BatchedDetector[str, float]):
 
     def _judge(self, items: list[str]) -> list[float]:
         """The model scores the normalised view (invisible characters removed, look-alikes
-        folded), so `f\u200buck` or a Cyrillic homoglyph does not lower the score; every
-        window of every item goes into one `_forward` call, each distinct window once."""
+        folded), so `f\u200buck` or a Cyrillic homoglyph does not lower the score, and the
+        words markup hid from it (an instruction in an HTML comment, which the guarded model
+        reads: `judged_texts`); every window of every item goes into one `_forward` call, each
+        distinct window once."""
         width, step = self.span_window()
-        rows, owned = judge_windows([view_text(text) for text in items], width, step)
+        texts = [judged_texts(text) for text in items]
+        rows, owned = judge_windows([t for ts in texts for t in ts], width, step)
         scores = self._forward(rows)
-        return [max(scores[r] for r in own) for own in owned]
+        out, at = [], 0
+        for ts in texts:  # an item's view, and what markup hid from it (`judged_texts`)
+            out.append(max(scores[r] for own in owned[at : at + len(ts)] for r in own))
+            at += len(ts)
+        return out
 
     async def detect(
         self, contents: list[str], params: dict[str, Any] | None = None

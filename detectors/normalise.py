@@ -16,7 +16,8 @@ Hostile text hides PII from an ASCII pattern without changing what a reader sees
   characters; decimal digits of any script become ASCII digits;
 - what is still non-ASCII and is a confusable of an ASCII character in Unicode's confusables
   data (UTS #39, as shipped by the `confusable-homoglyphs` package: Cyrillic and Greek
-  homoglyphs, dashes and hyphens, ...) becomes that ASCII character, and so do the full stops
+  homoglyphs, dashes and hyphens, ...) becomes that ASCII character (one confusable with a
+  small capital, Cyrillic `\u043c` or `\u0442`, that capital's letter), and so do the full stops
   and middle dots of other scripts that UTS #39 does not map to `.` (`\u3002`, `\u00b7`, ...).
 
 Each view character comes from exactly one original character (an NFKD expansion such as
@@ -45,7 +46,7 @@ import html.entities
 import re
 import unicodedata
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -171,6 +172,14 @@ _LETTER_NAME = re.compile(
 )
 _SYMBOL_BLOCKS = ((0x0250, 0x02AF), (0x1D00, 0x1D7F), (0x2460, 0x24FF), (0x2776, 0x2793))
 _SYMBOL_BLOCKS += ((0xA720, 0xA7FF), (0x1F100, 0x1F1FF))
+# One symbol drawn as a digit, number or letter with a bracket or a stop around it, which NFKD
+# spells out (`\u2478` -> `(5)`, `\u248c` -> `5.`, `\u24a5` -> `(j)`, `\U0001f106` -> `5,`):
+# `\u2478\u2478\u2478-\u2474\u2475\u2476-...` reads as a phone number, `\u24a5\u24aa@...` as an
+# e-mail address, while their NFKD is neither. The symbol is the one character it draws.
+_ENCLOSED_NAME = re.compile(
+    r"PARENTHESIZED (?:DIGIT|NUMBER) [A-Z]+|(?:DIGIT|NUMBER) [A-Z]+ (?:FULL STOP|COMMA)"
+    r"|PARENTHESIZED LATIN (?:SMALL|CAPITAL) LETTER ([A-Z])"
+)
 
 
 def _symbols() -> dict[str, str]:
@@ -178,19 +187,61 @@ def _symbols() -> dict[str, str]:
     for lo, hi in _SYMBOL_BLOCKS:
         for cp in range(lo, hi + 1):
             ch = chr(cp)
+            name = unicodedata.name(ch, "")
+            enclosed = _ENCLOSED_NAME.fullmatch(name)
+            if enclosed:
+                letter = enclosed.group(1)
+                small = letter is not None and "SMALL" in name
+                table[ch] = (letter.lower() if small else letter) if letter else _number(ch)
+                continue
             if unicodedata.normalize("NFKC", ch).isascii() or ch in CONFUSABLES:
                 continue
-            name = unicodedata.name(ch, "")
             letter = _LETTER_NAME.fullmatch(name)
             if letter:
                 small = name.startswith("LATIN LETTER SMALL CAPITAL")
                 table[ch] = letter.group(1).lower() if small else letter.group(1)
-            elif "CIRCLED" in name and unicodedata.digit(ch, None) is not None:
-                table[ch] = str(unicodedata.digit(ch))
+            elif "CIRCLED" in name and float(unicodedata.numeric(ch, 0.5)).is_integer():
+                table[ch] = _number(ch)  # a digit, or a number (`\u24eb` negative circled 11)
     return table
 
 
+def _number(ch: str) -> str:
+    """The digits of a symbol's whole number (`\u247d` PARENTHESIZED NUMBER TEN: `10`)."""
+    return str(int(unicodedata.numeric(ch)))
+
+
 SYMBOLS: dict[str, str] = _symbols()
+
+
+def _drawn_as_symbols() -> dict[str, str]:
+    """Letters UTS #39 calls confusable with a symbol of SYMBOLS rather than with an ASCII
+    letter (directly, or through one more such letter): Cyrillic `\u043c` (em, as `\u028d`,
+    as small capital M), `\u0442` (te, small capital T), `\u043d`, `\u0432`, `\u043a`, Greek
+    `\u03c4`, Cherokee small letters. In `jo@exa\u043cple.co\u043c` a reader sees an e-mail
+    address; the letter is the symbol's letter."""
+    from confusable_homoglyphs.confusables import confusables_data
+
+    known = CONFUSABLES | SYMBOLS
+    table: dict[str, str] = {}
+    for _ in range(2):  # chains of two: `\u043a` -> `\u0138` (kra) -> small capital K
+        for source, entries in confusables_data.items():
+            if len(source) != 1 or source in known or source in table:
+                continue
+            if unicodedata.normalize("NFKC", source).isascii():
+                continue
+            for entry in entries:
+                target = table.get(entry["c"]) or SYMBOLS.get(entry["c"])
+                if target is not None and target.isalpha():
+                    table[source] = target
+                    break
+    return table
+
+
+CONFUSABLES.update(_drawn_as_symbols())
+# Greek (and IPA) small letters UTS #39 maps to no ASCII letter (epsilon to a Latin open e,
+# chi to a Latin chi, ...) that a reader takes for the Latin letter in a word of Latin ones:
+# `jo@\u03b5\u03c7ample.com` reads as an e-mail address
+CONFUSABLES.update({"\u03b5": "e", "\u025b": "e", "\u03c7": "x", "\u03c9": "w", "\u03b7": "n"})
 
 # Combining marks: drawn on the character before them (Mc, spacing marks, take room of their
 # own and stay)
@@ -304,7 +355,7 @@ class View:
 _ASCII = frozenset(c for c in map(chr, range(0x80)) if not ASCII_CHANGED.match(c))
 
 
-def _folded(text: str) -> View:
+def _folded(text: str, fold: Callable[[str], str] = fold) -> View:
     """The character-by-character part of the view (`fold`). ASCII text without controls is
     its own view (two C calls); so is text whose distinct characters all fold to themselves (CJK, curly quotes, most emoji):
     `set(text)` is one C pass, and only its distinct non-ASCII characters are looked at in
@@ -734,13 +785,50 @@ def normalise(text: str) -> View:
     """The view of `text` (DESIGN 4.6b): markup and escapes decoded (`MARKUP`), then each
     character folded (`fold`). ASCII text without controls or markup is its own view (three C
     scans)."""
+    return _view(text, fold)
+
+
+def _view(text: str, fold_one: Callable[[str], str]) -> View:
     if is_plain(text):
         return View(text, text)
     outer = _unmarked(text)
     if outer is None:
-        return _folded(text)
-    inner = _folded(outer.text)
-    return outer if inner.identity and inner.text == outer.text else _Composed(outer, inner)
+        view = _folded(text, fold_one)
+    else:
+        inner = _folded(outer.text, fold_one)
+        view = outer if inner.identity and inner.text == outer.text else _Composed(outer, inner)
+    if fold_one is fold and _DASH_LIKE.search(view.text):
+        view.text = _DIGIT_DASH.sub("-", view.text)  # one character for one: the map holds
+    return view
+
+
+# Between two digits, what East Asian keyboards give for a dash (the katakana long vowel mark,
+# the ideograph one, the Hangul vowel eu after NFKD) and box-drawing lines: `555\u30fc123\u30fc4567`
+# and `010\u31611234\u31615678` are phone numbers. Only between digits: elsewhere they are letters
+# of words (`\u30b3\u30fc\u30d2\u30fc`) the classifiers read.
+_DASH_LIKE = re.compile("[\u30fc\u4e00\u1173\u2500\u2501\u23af]")
+_DIGIT_DASH = re.compile("(?<=[0-9])[\u30fc\u4e00\u1173\u2500\u2501\u23af](?=[0-9])")
+
+
+@lru_cache(maxsize=65536)
+def compatible(ch: str) -> str:
+    """One character of `script_view`: removed when invisible (as in `fold`), whitespace as
+    in `fold`, else its NFKC (full-width and mathematical forms, ligatures), its script,
+    case and accents as they are."""
+    if ch in SPACES:
+        return SPACES[ch]
+    if is_ignorable(ch):
+        return ""
+    return unicodedata.normalize("NFKC", ch)
+
+
+def script_view(text: str) -> View:
+    """The view a pattern written in the text's own script matches (`regex`'s custom
+    patterns, which an operator writes as the phrase is spelt: `(?i)бомба`, `café`):
+    markup decoded and invisible characters removed as in `normalise`, compatibility forms
+    made plain, but letters kept in their script (the confusables folding turns Cyrillic
+    о and а into Latin letters) and with their accents."""
+    return _view(text, compatible)
 
 
 # Bidi controls (UAX #9): what opens an embedding, an override or an isolate, and what closes
@@ -900,6 +988,32 @@ def display_order(text: str) -> tuple[str, list[int]] | None:
     return "".join(text[i] for i in order), order
 
 
+# a quoted attribute value of a tag (its attributes are bounded by MARKUP: linear)
+_ATTRIBUTE_VALUE = re.compile(r"""=[ \t\n]*(?:"([^"]*)"|'([^']*)')""")
+
+
+def markup_hidden_text(text: str) -> str:
+    """What markup keeps out of the view that a model reading the raw text still reads: the
+    contents of HTML comments and the values of tags' attributes that hold words (`alt`,
+    `title`, ...), one line each; "" when there are none. A renderer hides them, and so does
+    the view; the model a guardrail guards reads `<!-- Ignore all previous instructions -->`
+    as it is. An attribute value without a space (a URL, a class name, a path) is left out:
+    it holds no sentence, and a classifier reads lines of URLs as instructions (the shipped
+    `prompt_injection` scored a line of GitHub links 0.47). One MARKUP scan, each match
+    bounded."""
+    parts: list[str] = []
+    for m in MARKUP.finditer(text):
+        g = m.lastindex
+        if g == 9:  # a tag: its attributes' values
+            for value in _ATTRIBUTE_VALUE.finditer(m.group(), m.end(9) - m.start()):
+                words = (value.group(1) or value.group(2) or "").strip()
+                if " " in words:
+                    parts.append(words)
+        elif g == 10 and m.group()[4:-3].strip():  # a comment
+            parts.append(m.group()[4:-3].strip())
+    return "\n".join(parts)
+
+
 def view_text(text: str, *, markup: bool = True) -> str:
     """Only the view's text (what a classifier judges: its detection is the whole content).
     Under a right-to-left override, the view in the order a reader sees follows it on a line
@@ -913,3 +1027,15 @@ def view_text(text: str, *, markup: bool = True) -> str:
     view = view_of(text).text
     shown = display_order(text)
     return view if shown is None else f"{view}\n{view_of(shown[0]).text}"
+
+
+def judged_texts(text: str) -> list[str]:
+    """What a classifier judges of a content (its verdict the maximum over them): its view
+    (`view_text`) and, where markup hides words from that view, those words
+    (`markup_hidden_text`), as a text of their own, so that they cannot change how the view
+    itself is windowed."""
+    view = view_text(text)
+    if is_plain(text) and view is text:
+        return [view]
+    hidden = markup_hidden_text(text)
+    return [view, normalise(hidden).text] if hidden else [view]

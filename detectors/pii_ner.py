@@ -6,7 +6,8 @@ first names, detectors/person_names.py, those the model misses: `Emily is very r
 "8+ years" or "the 60s"; and by pattern the numeric dates the model misses, `2/4/1958`),
 `age` (`the age of 35`; and by pattern, detectors/age_date.py, the forms the model misses:
 `just turned 73`, `43 y/o`, `aged 35`, `Age: 35`), `iban` (an IBAN whose ISO 7064 check
-digits hold, checked by `python-stdnum`), and by pattern (detectors/address.py: the model has
+digits hold, checked by `python-stdnum`; in groups of four by spaces or dashes, or not grouped,
+in either case), and by pattern (detectors/address.py: the model has
 no address label) `address` (US, Canadian and British street addresses with their city, state
 and postal code, as one span: `1600 Pennsylvania Avenue NW, Washington, DC 20500`) and
 `postal_code` (a ZIP code or postcode in an address context: `IL 62704`, `NW1 6XE`,
@@ -38,7 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
@@ -84,9 +85,16 @@ _LABELS = {
     "DATE": "date",
 }
 # Candidates for stdnum's IBAN check: country code, check digits, then 11-30 letters or digits,
-# in groups of up to 4 separated by single spaces (as printed) or not at all. Bounded and
-# without nested quantifiers: linear in the text.
-_IBAN = re.compile(r"\b[A-Z]{2}[0-9]{2}(?: ?[A-Z0-9]){11,30}\b")
+# in groups of 4 (the last 1-4) separated by single spaces or dashes (as printed), or with
+# single spaces anywhere or none; either case (stdnum reads `de89...` as `DE89...`). Bounded and
+# without nested unbounded quantifiers: linear in the text. A grouped candidate that fails the
+# check is tried without its last group or two (`_iban_at`): a word of capitals after the number
+# (`DE89 3704 0044 0532 0130 00 TODAY`) is read as one more group.
+_IBAN = re.compile(
+    r"\b[A-Za-z]{2}[0-9]{2}"
+    r"(?:((?:[ -][A-Za-z0-9]{4}){2,7}(?:[ -][A-Za-z0-9]{1,4})?)|(?: ?[A-Za-z0-9]){11,30})\b"
+)
+_GROUP_SEPARATOR = re.compile("[ -]")
 # What makes a model's DATE a date for sure: a year (`1985`, `1990s`), a numeric date
 # (`12/29/1944`, `2024-01-15`) or a month's name (`May 5th`). Without one, what proves it no date:
 # a duration, a decade or an ordinal (`8+ years`, `three months`, `the 60s`, `10th year`), which
@@ -194,10 +202,29 @@ def _ibans(text: str) -> list[Span]:
     from stdnum import iban
 
     found: list[Span] = []
-    for m in _IBAN.finditer(text):
-        if iban.is_valid(m.group()):
-            found.append((m.start(), m.end(), "iban"))
+    pos = 0
+    while (m := _IBAN.search(text, pos)) is not None:
+        end = _iban_end(m, iban.is_valid)
+        if end:
+            found.append((m.start(), end, "iban"))
+            pos = end
+        else:
+            pos = m.end() if m.group(1) is None else m.start() + 1
     return found
+
+
+def _iban_end(m: re.Match[str], is_valid: Callable[[str], bool]) -> int:
+    """Where the IBAN a candidate holds ends (0: none): the whole candidate, or for a grouped one
+    without its last group or last two (at most three checks)."""
+    if is_valid(m.group()):
+        return m.end()
+    if m.group(1) is None:
+        return 0
+    cuts = [g.start() for g in _GROUP_SEPARATOR.finditer(m.group(), 4)][-2:]
+    for cut in reversed(cuts):
+        if cut >= 15 and is_valid(m.group()[:cut]):
+            return m.start() + cut
+    return 0
 
 
 def _date_kind(text: str) -> str | None:

@@ -1,6 +1,7 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
-Kinds: `email`, `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
+Kinds: `email` (also spelt out for a reader with a marker in brackets: `jo [at] example [dot]
+com`, `jo(at)example.com`, `jo@example(dot)com`; not `jo at example dot com`), `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
 libphonenumber calls possible; North American forms: `123-456-7890`, `(555) 123-4567`,
 `555.123.4567`, `+1 555 123 4567`, `2125550100`, `555-1234`; national forms of other countries,
 8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`, `01.33.43.04.02`, `030/12345678`,
@@ -36,7 +37,9 @@ their plain forms, and so do letters and digits under combining marks (`4111\\u0
 and dots of other scripts (`jo@example\\u3002com`); each span is mapped back to the characters
 the client sent (the invisible ones inside a match and the marks on its last character
 included), so block and redact cover them. Text under a right-to-left override is scanned in the
-order a reader sees too (`\\u202emoc.elpmaxe@oj`). Pure ASCII skips the view.
+order a reader sees too (`\\u202emoc.elpmaxe@oj`). Custom patterns also run on the script view
+(normalise.script_view: no confusables folded, accents kept), so `(?i)бомба` or `café` find
+their phrase, which the view spells `бoмбa` and `cafe`. Pure ASCII skips the views.
 """
 
 from __future__ import annotations
@@ -57,7 +60,14 @@ from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
-from .normalise import display_order, is_plain, normalise, unfinished_markup, unmarked_view
+from .normalise import (
+    display_order,
+    is_plain,
+    normalise,
+    script_view,
+    unfinished_markup,
+    unmarked_view,
+)
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -102,6 +112,45 @@ _EMAIL = bounded_pattern(
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}",
     "",
 )
+# An e-mail address spelt out for a human reader, a marker in brackets for its `@` or a dot:
+# `jo [at] example [dot] com`, `jo(at)example.com`, `jo{AT}example dot com`,
+# `jo.smith@example(dot)com`, `jo dot smith [at] example.com`. Such a spelling is only ever an
+# address (what it is written for is that a person reads one), so it is found whenever its
+# `@` is bracketed or written `@`; a bare ` at ` with bare ` dot `s (`user at example dot com`)
+# is not: prose says "looked at this dot com bubble". A dot may be a bracketed `dot` or ` dot `
+# once the `@` is there. Spaces and tabs only (a natural cut, `. ` or a line break, is crossed
+# by no built-in match), at most two at each side of a marker, at most 4 spelt dots in the
+# local part and 8 labels in the domain: a match stays shorter than a seam window's reach.
+_SPACING = r"[ \t]{0,2}"
+_SPELT_AT = rf"{_SPACING}[\[({{<]{_SPACING}(?i:at){_SPACING}[\])}}>]{_SPACING}"
+_SPELT_DOT = (
+    rf"(?:{_SPACING}[\[({{<]{_SPACING}(?i:dot){_SPACING}[\])}}>]{_SPACING}|[ \t](?i:dot)[ \t])"
+)
+_EMAIL_SPELT = bounded_pattern(
+    "",
+    rf"[A-Za-z0-9][A-Za-z0-9._%+-]{{0,63}}(?:{_SPELT_DOT}[A-Za-z0-9_%+-][A-Za-z0-9._%+-]{{0,63}}){{0,4}}"
+    rf"(?:{_SPELT_AT}|@)(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{1,8}}"
+    r"[A-Za-z]{2,63}",
+    "",
+)
+# what a spelt address needs: a bracketed `at` or `dot`, or ` dot ` (any other text has no
+# spelt address: one C search, before the scan)
+_SPELT_MARK = re2.compile(
+    rf"[\[({{<]{_SPACING}(?i:at|dot){_SPACING}[\])}}>]|[ \t](?i:dot)[ \t]".encode(),
+    re2_options(CONFIG_MAX_MEM),
+)
+_SPELT_FIRST = (b"[", b"(", b"{", b"<", b"dot", b"DOT", b"Dot")
+
+
+def _emails(t: Utf8Text) -> Iterator[Span]:
+    """E-mail addresses as written, then as spelt out (`_EMAIL_SPELT`) where the text holds a
+    marker of one (an address found both ways is reported once: `_outermost`)."""
+    yield from t.spans(body_spans(_EMAIL, t.data))
+    data = t.data
+    if any(first in data for first in _SPELT_FIRST) and _SPELT_MARK.search(data):
+        yield from t.spans(body_spans(_EMAIL_SPELT, data))
+
+
 # A phone number's left neighbour, the same for the three phone patterns: no letter or digit, as
 # for every kind, nor a `-`, `.` or `/` after a digit (which continues a run of numbers, as for
 # an SSN: `1-12-2023`, `192.168.1.1`); but a letter of a backslash escape is none (`\n`, `\r`,
@@ -468,7 +517,7 @@ def could_match(kind: str, data: bytes, digits: int) -> bool:
     digits and 3 dots; an IPv6 candidate 2 colons. Counted in C, it spares most sentences every
     scan: 7 RE2 searches, each with its Python wrapper and generators, were 23 us of prose."""
     if kind == "email":
-        return b"@" in data
+        return b"@" in data or any(first in data for first in _SPELT_FIRST)
     if kind == "phone":
         return digits >= 6
     if kind == "ssn":
@@ -481,7 +530,7 @@ def could_match(kind: str, data: bytes, digits: int) -> bool:
 
 
 _FINDERS: dict[str, Callable[[Utf8Text], Iterator[Span]]] = {
-    "email": _simple(_EMAIL),
+    "email": _emails,
     "phone": _phones,
     "ssn": _simple(_SSN),
     "credit_card": _cards,
@@ -602,9 +651,35 @@ def find_pii(text: str, kinds: list[str], patterns: Mapping[str, Any]) -> list[D
     return _scan(text, kinds, patterns, None)
 
 
+# Unicode tag characters (U+E0020-U+E007E): each an invisible copy of an ASCII character, which
+# a program or a model reading the text decodes (`decode.tag_payloads`). An answer can carry an
+# address in them past a reader; they are also read as the ASCII they copy, one for one (so
+# spans are the same), and what that reading holds is reported too.
+_TAG = re.compile("[\U000e0020-\U000e007e]")
+_TAG_TO_ASCII = {cp: cp - 0xE0000 for cp in range(0xE0020, 0xE007F)}
+
+
 def _scan(
     text: str, kinds: list[str], patterns: Mapping[str, Any], cancelled: threading.Event | None
 ) -> list[Detection]:
+    """`_scan_view`'s detections, and where the text holds tag characters, those of the text
+    with them read as the ASCII they copy (one character for one: the same spans)."""
+    found = _scan_view(text, kinds, patterns, cancelled)
+    if text.isascii() or _TAG.search(text) is None:
+        return _detections(text, found)
+    builtin, custom = _scan_view(text.translate(_TAG_TO_ASCII), kinds, patterns, cancelled)
+    return _detections(
+        text,
+        (
+            _with_unmarked(found[0], builtin),  # (what the text itself holds comes first)
+            sorted(set(found[1] + custom)),
+        ),
+    )
+
+
+def _scan_view(
+    text: str, kinds: list[str], patterns: Mapping[str, Any], cancelled: threading.Event | None
+) -> tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]:
     """Matches in the normalised view of `text`, mapped back to `text`. Pure ASCII cannot hold
     an invisible or look-alike character: it is scanned as it is, with no view and no map.
     Text under a right-to-left override is scanned a second time in the order a reader sees
@@ -613,12 +688,19 @@ def _scan(
     (and those between: an override is reversed in place, so a value inside it is a stretch of
     the text, and one that straddles its edge covers the text from the first to the last)."""
     if is_plain(text):
-        return _detections(text, _find(Utf8Text(text), kinds, patterns, cancelled))
+        return _find(Utf8Text(text), kinds, patterns, cancelled)
     view = normalise(text)
     builtin, custom = _find(Utf8Text(view.text), kinds, patterns, cancelled)
     if not view.identity:
         builtin = [(*view.span(s, e), name) for s, e, name in builtin]
         custom = [(*view.span(s, e), name) for s, e, name in custom]
+    if patterns and not text.isascii():
+        # a custom pattern is written in its phrase's script (`бомба`, `café`), which the
+        # view folds to ASCII look-alikes (`бoмбa`, `cafe`): judged in the script view too
+        script = script_view(text)
+        if script.text != view.text:
+            more_custom = _find(Utf8Text(script.text), [], patterns, cancelled)[1]
+            custom = sorted(set(custom + [(*script.span(s, e), n) for s, e, n in more_custom]))
     plain = unmarked_view(text)
     if plain is not None:
         # markup decoded once, as a renderer does, can also hide what a reader of the raw text
@@ -644,7 +726,7 @@ def _scan(
         # reversal (`a@a\u202e.com thanks` shows a@a.sknaht moc.)
         builtin = sorted(set(builtin + [(*back(s, e), name) for s, e, name in more_builtin]))
         custom = sorted(set(custom + [(*back(s, e), name) for s, e, name in more_custom]))
-    return _detections(text, (builtin, custom))
+    return builtin, custom
 
 
 def _with_unmarked(
@@ -893,6 +975,7 @@ NUMBER_TAIL_VIEW_CHARS = 48
 # bounded tail (the NUMBER_TAIL_VIEW_CHARS or OPEN_TAIL_VIEW_CHARS above), never on a whole text.
 _PATTERNS = {
     "email": _EMAIL,
+    "email_spelt": _EMAIL_SPELT,
     "phone": _PHONE_INTL,
     "phone_us": _PHONE_US,
     "ssn": _SSN,
@@ -931,6 +1014,10 @@ def _partial_start(rx: Any, view: str, pos: int, first: frozenset[str]) -> int |
     return None
 
 
+# where a spelt address's `@` begins (`_EMAIL_SPELT`), and how far before it its local part
+# reaches
+SPELT_LOCAL_MOST = 64 + 4 * (64 + 9)
+_SPELT_AT_BEGUN = re.compile(r"[\[({<][ \t]{0,2}(?i:at)|@")
 _NUMBER_FIRST = frozenset("0123456789+(")
 _BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz") | _NUMBER_FIRST
 
@@ -985,6 +1072,8 @@ def _evidence(kind: str, tail: str) -> bool:
     digits = sum(ch.isdigit() for ch in tail)
     if kind == "email":
         return "@" in tail
+    if kind == "email_spelt":  # its `@`, spelt (`[at`, its bracket to come, will do)
+        return _SPELT_AT_BEGUN.search(tail) is not None
     if kind == "ssn":
         return digits >= 6
     if kind in ("phone", "phone_us"):
@@ -996,6 +1085,7 @@ def _evidence(kind: str, tail: str) -> bool:
     return tail.count(".") >= 2 and digits >= 7  # ipv4 (not a version: 3.11.4, 10.15.7.)
 
 
+_EMAIL_KINDS = ("email", "email_spelt")
 # what may follow a value at the end of a sentence
 _CLOSING = ".,;:!?)]}\"'\u2019\u201d "
 
@@ -1033,26 +1123,33 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
     candidates = [k for k in KINDS if k in kinds and k != "ipv6"]
     if "phone" in candidates:  # (a tie goes to the first: a phone before a card)
         candidates.insert(candidates.index("phone") + 1, "phone_us")
+    if "email" in candidates:
+        candidates.insert(candidates.index("email") + 1, "email_spelt")
     number_at = max(0, len(v) - NUMBER_TAIL_VIEW_CHARS)
     if sum(ch.isdigit() for ch in v[number_at:]) < 3:  # no number has less evidence (ipv4)
-        candidates = [k for k in candidates if k == "email"]
+        candidates = [k for k in candidates if k in _EMAIL_KINDS]
     for kind in candidates:
         if kind == "email":
             at = v.rfind("@", max(0, len(v) - OPEN_TAIL_VIEW_CHARS))
             if at < 0:
                 continue
             pos = max(0, at - 66)  # the local part is at most 64, and a neighbour
+        elif kind == "email_spelt":
+            ats = list(_SPELT_AT_BEGUN.finditer(v, max(0, len(v) - OPEN_TAIL_VIEW_CHARS)))
+            if not ats:
+                continue
+            pos = max(0, ats[-1].start() - SPELT_LOCAL_MOST)
         else:
             pos = number_at
-        first = _BODY_FIRST if kind == "email" else _NUMBER_FIRST
+        first = _BODY_FIRST if kind in _EMAIL_KINDS else _NUMBER_FIRST
         start = _partial_start(_partial(kind), v, pos, first)
-        if start is not None and kind != "email":
+        if start is not None and kind not in _EMAIL_KINDS:
             start = _last_digits(v, start, _MOST_DIGITS[kind])
         if start is not None and kind == "credit_card":
             start = _card_groups(v, start)
         if start is None or not _evidence(kind, v[start:]):
             continue
-        name = "phone" if kind == "phone_us" else kind
+        name = {"phone_us": "phone", "email_spelt": "email"}.get(kind, kind)
         if best is None or start < best[0]:
             best = (start, name)
     if best is None:

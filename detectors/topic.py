@@ -22,7 +22,7 @@ from .api import Detection
 from .base import SCORED_REQUEST_PARAMS, InvalidParams, Overloaded, ScoredParams, whole_content
 from .hf import load_embedder, minilm_path
 from .model import BatchedDetector
-from .normalise import view_text
+from .normalise import judged_texts
 from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
 from .windows import sentences
 
@@ -217,9 +217,18 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
         return window_embeddings(tokenizer, model, items, self.params.max_batch_size)
 
     def _judge(self, items: list[tuple[str, int]]) -> list[np.ndarray]:
-        """Contents are embedded as their normalised view (DESIGN 4.6b), in the worker thread;
+        """Contents are embedded as their normalised view (DESIGN 4.6b) and the words markup
+        hid from it (`judged_texts`: their windows join the content's), in the worker thread;
         the topics' example phrases come from the config or the request and stay as given."""
-        return self._forward([(view_text(text), limit) for text, limit in items])
+        texts = [judged_texts(text) for text, _ in items]
+        flat = [(t, limit) for ts, (_, limit) in zip(texts, items, strict=True) for t in ts]
+        embeddings = self._forward(flat)
+        out, at = [], 0
+        for ts in texts:
+            parts = embeddings[at : at + len(ts)]
+            out.append(parts[0] if len(parts) == 1 else np.vstack(parts))
+            at += len(ts)
+        return out
 
     def _embed_examples(self, items: list[tuple[str, int]], rows: int) -> np.ndarray:
         tokenizer, model = self._runtime.get()

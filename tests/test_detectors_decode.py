@@ -42,6 +42,15 @@ ENCODINGS = {
     "percent": lambda t: urllib.parse.quote(t),
     "escapes": lambda t: "".join(f"\\u{ord(c):04x}" for c in t),
     "tags": _tags,
+    "tags-between-zero-width-spaces": lambda t: "\u200b".join(_tags(t)),
+    "tags-word-by-word": lambda t: " ".join(_tags(w) for w in t.split()),
+    "variation-selectors": lambda t: (
+        "\U0001f600"
+        + "".join(chr(0xFE00 + b) if b < 16 else chr(0xE0100 + b - 16) for b in t.encode())
+    ),
+    "invisible-bits": lambda t: "".join(
+        "\u2064" if bit == "1" else "\u2062" for b in t.encode() for bit in f"{b:08b}"
+    ),
     "rot13": lambda t: codecs.encode(t, "rot13"),
 }
 
@@ -67,6 +76,10 @@ def test_each_encoding_is_decoded_out_of_prose(encoding: str) -> None:
         "Call me at 4471 8823 1190, order ABCDEFGHIJKLMNOP.",
         "The quick brown fox jumps over the lazy dog.",
         "My name is Viva Ujváry but everyone calls me Viva.",
+        # emoji: flags of regions (tag characters), presentation selectors, a keycap
+        "Go \U0001f3f4\U000e0067\U000e0062\U000e0073\U000e0063\U000e0074\U000e007f and "
+        "\U0001f3f4\U000e0067\U000e0062\U000e0077\U000e006c\U000e0073\U000e007f! "
+        "\u2764\ufe0f\u2764\ufe0f\ufe0f \u263a\ufe0f 5\ufe0f\u20e3 x\u2062y",
     ],
 )
 def test_binary_blobs_and_plain_text_give_no_view(text: str) -> None:

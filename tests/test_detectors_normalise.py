@@ -106,6 +106,15 @@ def test_text_that_folds_to_itself_is_its_own_view() -> None:
     assert view.text == text and view.identity
 
 
+def test_east_asian_dashes_are_dashes_between_digits_only() -> None:
+    """A katakana long vowel mark, the ideograph one, the Hangul vowel eu and box-drawing
+    lines between digits are a phone number's dashes; in a word they stay letters."""
+    text = "\u30b3\u30fc\u30d2\u30fc 03\u30fc1234\u30fc5678 010\u31611234\u31615678 5\u25005"
+    view = normalise(text)
+    assert view.text == "\u30b3\u30fc\u30d2\u30fc 03-1234-5678 010-1234-5678 5-5"
+    assert view.span(5, 17) == (5, 17)
+
+
 def test_precomposed_accents_fold_in_place() -> None:
     """An accented letter is its base letter plus a mark after NFKD (issue 32, item 6): one
     character for one, so positions stay the same."""
@@ -139,6 +148,13 @@ def test_precomposed_accents_fold_in_place() -> None:
         ("\u0440", "p"),
         ("\u0455", "s"),
         ("\u03bf", "o"),  # Greek omicron
+        # confusable with a small capital (UTS #39), directly or through another letter
+        ("\u043c", "m"),  # Cyrillic em: turned w, small capital M
+        ("\u0442", "t"),  # Cyrillic te: small capital T
+        ("\u043a", "k"),  # Cyrillic ka: kra, small capital K
+        ("\u03c4", "t"),  # Greek tau
+        ("\u03b5", "e"),  # Greek epsilon (UTS #39: a Latin open e, itself no ASCII letter)
+        ("\u03c7", "x"),  # Greek chi
         ("\u00a0", " "),
         ("\u2122", "TM"),
         ("\u00e9", "e"),  # e and a combining acute after NFKD: the mark is dropped
@@ -170,6 +186,14 @@ def test_precomposed_accents_fold_in_place() -> None:
         ("\u2028", "\n"),
         ("\u2029", "\n"),
         ("\u2800", " "),  # Braille pattern blank
+        # a bracketed or stopped digit, number or letter is what it draws, not its NFKD
+        ("\u2478", "5"),  # parenthesized digit five: (5)
+        ("\u247d", "10"),  # parenthesized number ten: (10)
+        ("\u248c", "5"),  # digit five full stop: 5.
+        ("\U0001f106", "5"),  # digit five comma: 5,
+        ("\u24a5", "j"),  # parenthesized latin small letter j: (j)
+        ("\U0001f119", "J"),  # parenthesized latin capital letter j: (J)
+        ("\u24eb", "11"),  # negative circled number eleven
         # dashes the confusables data leaves alone
         ("\u2014", "-"),  # em dash
         ("\u2015", "-"),  # horizontal bar

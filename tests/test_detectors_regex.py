@@ -96,6 +96,8 @@ def test_north_american_and_international_phone_numbers_are_found_whole(value: s
         "short 12345 and 12 345",  # too short for a phone number
         "card 4111 1111 1111 and 4111 1111",  # pieces of a card cut by a chunk: no phones
         "user at example dot com",
+        "I looked at this dot com bubble (at least) at noon",  # no address spelt
+        "meet (at) the office. Then {dot} matrix at home dot org",
         "the ratio is 3.14159265358979323846",
         "",
     ],
@@ -282,3 +284,21 @@ def test_the_character_gates_skip_prose() -> None:
     data = text.encode()
     digits = sum(ch.isdigit() for ch in text)
     assert [k for k in regex_pii.KINDS if regex_pii.could_match(k, data, digits)] == []
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "jo [at] example [dot] com",
+        "jo(at)example.com",
+        "jo{AT}example dot com",
+        "jo@example(dot)com",
+        "jo dot smith [at] mail.example.co.uk",
+        "jo.smith < at > example [ DOT ] org",
+    ],
+)
+def test_an_email_spelt_out_for_a_reader_is_an_email(value: str) -> None:
+    """An address spelt with a bracketed marker is written to be read as one (the bare
+    `user at example dot com` is a near miss above: prose reads so)."""
+    text = f"Write to {value}, thanks"
+    assert spans(text) == [("email", *at(text, value), value)]

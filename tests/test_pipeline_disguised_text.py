@@ -36,6 +36,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.test_detectors_decode import _tags
 
 
 def disguised_config(engine_url: str) -> dict[str, Any]:
@@ -49,6 +50,8 @@ def disguised_config(engine_url: str) -> dict[str, Any]:
                 "chunker_id": "sentence",
                 "on_detection": "redact",
                 "redact_with": "[{entity}]",
+                # an operator's phrases in scripts the view folds (see BLOCKED_PHRASES)
+                "params": {"patterns": {"codeword": "(?i)бомба|café noir|Ωμέγα"}},
             },
             "hap": {
                 "type": "text_contents",
@@ -104,6 +107,31 @@ PHONES: dict[str, tuple[list[str], list[str]]] = {
         ["Call", " 555", "-123", "-4567", "."],
         ["Call", " 555-**", "123**", "-4567", "."],
     ),
+    # what East Asian keyboards give for a dash between digits (on 7c96083: no phone number)
+    "katakana-long-vowel-marks": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u30fc", "123\uff70", "4567", "."],
+    ),
+    "hangul-eu-as-dashes": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u3161", "123\u3161", "4567", "."],
+    ),
+    "ideograph-one-as-dashes": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u4e00", "123\u4e00", "4567", "."],
+    ),
+    "box-drawing-lines-as-dashes": (
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " 555\u2500", "123\u2501", "4567", "."],
+    ),
+    "parenthesized-digits": (  # NFKD: (5)(5)(5)-(1)(2)(3)-...
+        ["Call", " 555", "-123", "-4567", "."],
+        ["Call", " \u2478\u2478\u2478", "-\u2474\u2475\u2476", "-\u2477\u2478\u2479\u247a", "."],
+    ),
+    "digits-with-full-stops": (  # NFKD: 5.5.5.-1.2.3.-...
+        ["Call", " 555-", "123-", "4567", "."],
+        ["Call", " \u248c\u248c\u248c-", "\u2488\u2489\u248a-", "\u248b\u248c\u248d\u248e", "."],
+    ),
 }
 EMAILS: dict[str, tuple[list[str], list[str]]] = {
     "named-entity": (["Mail", " jo@example.com", "."], ["Mail", " jo&commat;", "example.com", "."]),
@@ -117,6 +145,49 @@ EMAILS: dict[str, tuple[list[str], list[str]]] = {
     "markdown-link": (
         ["Mail", " jo@example.com", "."],
         ["Mail", " jo@[exa", "mple](https://x.org)", ".com", "."],
+    ),
+    "parenthesized-letters": (  # NFKD: (j)(o)@(e)(x)...
+        ["Mail", " jo@example.com", "."],
+        [
+            "Mail",
+            " \u24a5\u24aa@",
+            "\u24a0\u24b3\u249c\u24a8\u24ab\u24a7\u24a0.\u249e\u24aa\u24a8",
+            ".",
+        ],
+    ),
+    "cyrillic-letters-drawn-as-small-capitals": (  # Cyrillic em and te, as exaᴍple.coᴍ
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@exa", "\u043cple.co\u043c", "."],
+    ),
+    "cyrillic-em-ending-the-domain": (  # the rest Cyrillic look-alikes UTS #39 maps
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " j\u043e@\u0435\u0445\u0430mple.\u0441\u043e", "\u043c", "."],
+    ),
+    # an address spelt out for a human reader (a marker in brackets): on 7c96083 none matched
+    "bracketed-at-and-dots": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo [at] ", "example [dot", "] com", "."],
+    ),
+    "parenthesized-at": (["Mail", " jo@example.com", "."], ["Mail", " jo(at)", "example.com", "."]),
+    "braced-at-and-a-dot-in-words": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo{AT}example", " dot com", "."],
+    ),
+    "at-sign-and-bracketed-dot": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@example", "(dot)", "com", "."],
+    ),
+    # Greek letters UTS #39 maps to no ASCII letter, which a reader takes for Latin ones in an
+    # address (on 7c96083: no e-mail)
+    "greek-epsilon-and-chi": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " jo@\u03b5", "\u03c7ample.com", "."],
+    ),
+    # an address in tag characters: invisible, but a program or a model reading the answer
+    # decodes it (on 7c96083 the view removed them and the address left whole)
+    "tag-characters": (
+        ["Mail", " jo@example.com", "."],
+        ["Mail", " " + _tags("jo@exa"), _tags("mple.com"), "."],
     ),
     "last-character-escaped": (
         ["Mail", " jo@example.com", "."],
@@ -140,10 +211,28 @@ CURSES: dict[str, tuple[list[str], list[str]]] = {
         ["What", " the", " fuck", " is", " this", "."],
         ["What", " the", " f<b>", "</b>uck", " is", " this", "."],
     ),
+    # markup a renderer hides, and the view with it: a client that does not render it (an API
+    # client, a log) shows it, and a model reads it (on 7c96083 the view dropped both)
+    "curse-in-an-html-comment": (
+        ["What", " the", " fuck", " is", " this", "."],
+        ["What", " the", " <!-- ", "fuck -->", " is", " this", "."],
+    ),
+    "curse-in-an-image-alt-text": (
+        ["What", " the", " fuck", " is", " this", "."],
+        ["What", " the", ' <img alt="what the ', 'fuck">', " is", " this", "."],
+    ),
+}
+# A custom pattern written in the script of the phrase it blocks: on 7c96083 it ran on the
+# folded view only, where Cyrillic о and а, Greek Ο and accents are folded to ASCII, so
+# `бомба` was `бoмбa` there and matched nothing, not even the plain word.
+BLOCKED_PHRASES: dict[str, tuple[list[str], list[str]]] = {
+    "cyrillic-phrase": (["Say", " бомба", "."], ["Say", " Б\u200bОМ", "БА", "."]),
+    "accented-phrase": (["Say", " café noir", "."], ["Say", " CAFÉ", " NOIR", "."]),
+    "greek-phrase": (["Say", " Ωμέγα", "."], ["Say", " ΩΜ", "ΈΓΑ", "."]),
 }
 SCRIPTS = {
     f"{name} {form}": tokens
-    for name, pair in (PHONES | EMAILS | CURSES).items()
+    for name, pair in (PHONES | EMAILS | CURSES | BLOCKED_PHRASES).items()
     for form, tokens in zip(("plain", "disguised"), pair, strict=True)
 }
 
@@ -235,6 +324,22 @@ async def test_a_disguised_curse_in_the_output_is_blocked(
         assert "uck" not in sent and tokens[3] not in sent, (form, raw)  # the word's tail token
 
 
+@pytest.mark.parametrize("name", list(BLOCKED_PHRASES))
+async def test_a_custom_pattern_in_a_script_the_view_folds_is_found(
+    stack: tuple[FakeEngine, Orchestrator], name: str
+) -> None:
+    engine, orch = stack
+    for form, tokens in zip(("plain", "disguised"), BLOCKED_PHRASES[name], strict=True):
+        raw, events = await raw_stream(orch, f"{name} {form}")
+        assert terminal(events).name == "completed", (form, raw)
+        assert released(events) == "Say [codeword].", (form, raw)
+        prompt = "Write" + "".join(tokens[1:]) + " please"
+        _, events = await raw_stream(orch, prompt)
+        assert released(events) == "Fine."
+    prompts = [prompt_text(r.body) for r in engine.requests]
+    assert prompts[1::2] == ["Write [codeword]. please"] * 2
+
+
 # (plain prompt, disguised prompt, what the engine must receive for both)
 PROMPTS = [
     (
@@ -250,6 +355,11 @@ PROMPTS = [
         "Write to [email] please.",
     ),
     ("Call 555-123-4567 please.", "Call 555-<b>123</b>-4567 please.", "Call [phone] please."),
+    (
+        "Write to jo.smith@example.com please.",
+        "Write to jo dot smith [at] example [dot] com please.",
+        "Write to [email] please.",
+    ),
 ]
 
 
@@ -363,3 +473,16 @@ def test_a_seam_window_steps_over_a_run_of_invisible_characters_at_once(monkeypa
     assert detector_queue.seam_window(text, 0, len(text), boundary) == window
     assert seam_bounds(text, 0, len(text), boundary) == window
     assert calls < 100
+
+
+SPELT_EMAIL = "jo.smith [at] mail [dot] example [dot] com"
+
+
+@pytest.mark.parametrize("cut", [len("jo.smith [at] ma"), len("jo.smith [at] mail [do")])
+async def test_a_stream_cut_inside_a_spelt_email_withholds_it(cut: int) -> None:
+    """DESIGN 4.6a: a tail that could still grow into a match is redacted, a spelt-out e-mail's
+    (its marker in brackets) as an e-mail's."""
+    answer = f"Sure. Mail {SPELT_EMAIL} now."
+    events = await stream_answer(answer, 500, len("Sure. Mail ") + cut)
+    assert released(events) == "Sure. Mail [email]"
+    assert "smith" not in "".join(strings([e.data for e in events]))

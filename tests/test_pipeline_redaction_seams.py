@@ -399,6 +399,33 @@ def test_no_matchable_entity_is_released(
     asyncio.run(one())
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "4<b></b>111 1111 1111 11",  # hypothesis' find in test_no_matchable_entity_is_released
+        "Card 4<i>1</i>11 1111 1111 1111.",
+        "Card 4\u200b\u200b\u200b\u200b\u200b\u200b111 1111 1111 1111.",
+    ],
+)
+@pytest.mark.parametrize("chunker", ["s", "w"])
+def test_a_block_withholds_the_digits_markup_or_invisible_characters_join_to_its_run(
+    text: str, chunker: str
+) -> None:
+    """A prefix of the stream held `111 1111 1111`, a phone in the markup-as-it-is view, where
+    the whole text holds a card from the `4` before the tag: the block withheld the run of
+    number characters the phone starts in, which a tag (or invisible characters) ended, so
+    the chunk `4<b></b` went out with the card's first digit (on 7c96083)."""
+
+    async def one() -> str:
+        blocked: list[list[Finding]] = []
+        frames = await run_stream([text], [pii("block", chunker)], registry(7), blocked)
+        assert blocked
+        return "".join(f.text for f in frames)
+
+    released = asyncio.run(one())
+    assert not any(ch.isdigit() for ch in released), released
+
+
 class CountingRegex(type(REGEX)):  # type: ignore[misc]
     """The regex detector, counting the characters it is asked to judge."""
 

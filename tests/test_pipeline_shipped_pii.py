@@ -187,3 +187,19 @@ async def test_the_shipped_pii_masks_disguised_values_like_plain_ones(
 ) -> None:
     got = await shipped_answer(FakeEngine(script=DISGUISES[form]), surface)
     assert got == "Call [person] at [phone] or [email]."
+
+
+# IBANs as a model writes them that the shipped guardrail let through on 7c96083: followed by
+# a word in capitals (the candidate ran on into it and failed its check), in lower case, or
+# grouped with dashes
+IBAN_SCRIPTS = {
+    "capitals-after": ["Pay", " DE89", " 3704 0044", " 0532 0130 00", " TODAY", "."],
+    "lower-case": ["Pay", " de89 3704", " 0044 0532 0130 00", " today", "."],
+    "dashes": ["Pay", " DE89-3704-0044", "-0532-0130-00", " today", "."],
+}
+
+
+@pytest.mark.parametrize("name", list(IBAN_SCRIPTS))
+async def test_the_shipped_pii_masks_an_iban_as_a_model_writes_it(name: str) -> None:
+    got = await shipped_answer(FakeEngine(script=IBAN_SCRIPTS[name]), "fms")
+    assert got == "Pay [iban] " + IBAN_SCRIPTS[name][-2].strip() + "."

@@ -584,10 +584,26 @@ _NUMBER_RUN = frozenset("0123456789 -./()+")
 
 
 def number_run_start(text: str, i: int) -> int:
-    """Where the run of number characters that `text[i]` starts or continues begins."""
+    """Where the run of number characters that `text[i]` starts or continues begins, as the
+    view reads it: markup it hides (`4<b></b>111`), characters it drops and digits it folds
+    (`\uff14`) continue the run, as an escape of one does (`&#52;`). Reads at most
+    SEAM_RAW_CHARS back."""
     i = max(0, min(i, len(text)))
-    while i > 0 and text[i - 1] in _NUMBER_RUN:
-        i -= 1
+    floor = max(0, i - SEAM_RAW_CHARS)
+    hidden: frozenset[int] | None = None
+    while i > floor:
+        ch = text[i - 1]
+        if ch in _NUMBER_RUN:
+            i -= 1
+            continue
+        if hidden is None:  # (only past markup or a character that is not ASCII)
+            hidden = markup_hidden(text, floor, i)
+        if i - 1 in hidden or (ch in "&\\%" and i in hidden) or not _visible(ch):
+            i -= 1  # inside markup, the start of an escape, or a dropped character
+        elif not ch.isascii() and fold(ch) and all(c in _NUMBER_RUN for c in fold(ch)):
+            i -= 1
+        else:
+            break
     return i
 
 
