@@ -142,6 +142,62 @@ def test_the_pii_bench_measures_the_shipped_config_first() -> None:
     ]
 
 
+# the international draw (bench/pii_intl.py) in a fresh interpreter
+_INTL_DRAW = """
+import json
+from bench import pii_intl
+print(json.dumps([[t.locale, t.text, t.spans] for t in pii_intl.intl_data(30)]))
+"""
+
+
+def test_an_international_pii_draw_is_the_same_in_every_process() -> None:
+    """The `pii-intl` figures hold for a seed: Faker's it_IT cities are a list made from a
+    set, in the hash's order (two processes drew different cities until they were sorted).
+    Every gold span holds its value: no empty span, none past the text."""
+    pytest.importorskip("faker", reason="bench/requirements-quality.txt")
+    root = Path(__file__).resolve().parents[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _INTL_DRAW],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": seed},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in ("1", "2")
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    first, second = (json.loads(out) for out, _ in outs)
+    assert first == second
+    assert {loc for loc, _, _ in first} == set(quality_locales())
+    for _, text, spans in first:
+        for start, end, kind in spans:
+            assert 0 <= start < end <= len(text) and text[start:end].strip() == text[start:end]
+            assert kind in {
+                "PERSON", "PHONE_NUMBER", "EMAIL_ADDRESS", "STREET_ADDRESS", "ZIP_CODE", "GPE",
+                "IBAN_CODE",
+            }  # fmt: skip
+
+
+def quality_locales() -> tuple[str, ...]:
+    from bench.pii_intl import LOCALES
+
+    return LOCALES
+
+
+def test_a_gold_span_is_masked_whole_only_when_each_letter_and_digit_is_covered() -> None:
+    """The `pii-intl` whole-span rate: an address whose city a redaction leaves out is found
+    (overlap) but not masked whole; spaces and punctuation left between two finds are."""
+    text = "at Musterstraße 12, 10115 Berlin."
+    gold = (3, 32)
+    assert quality.masked_whole(text, *gold, [(3, 32, "address")])
+    assert quality.masked_whole(text, *gold, [(0, 18, "x"), (20, 40, "y")])  # `, ` left
+    assert not quality.masked_whole(text, *gold, [(3, 25, "address")])  # `Berlin` left
+    assert not quality.masked_whole(text, *gold, [])
+
+
 # one draw in a fresh interpreter: its texts and spans as one JSON line
 _DRAW = """
 import json
