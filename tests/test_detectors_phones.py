@@ -40,6 +40,11 @@ PHONES = [
     "07700 900123",
     "(07700)034176",
     "07299949525",  # a contiguous trunk number
+    "018310480",  # Italy: a trunk number of 9 digits, valid there (libphonenumber)
+    "096375283",
+    "+49 (0)30 1234-5678",  # Germany, with the trunk `(0)` and a dash
+    "06 12 34 56 78",  # France, mobile
+    "(020) 7946 0958",  # UK, the area code in brackets
     "030/12345678",  # Germany
     "030 12345678",
     "01.33.43.04.02",  # France
@@ -111,6 +116,8 @@ def test_a_phone_number_before_more_digit_groups_is_found_up_to_them() -> None:
         ("Order 123456789", []),  # order numbers: plain runs are no phones
         ("order #20231234", []),
         ("order 0001234567", []),
+        ("ref 088706524", []),  # 9 digits from the trunk `0`, valid in none of IT/BE/AT/DE
+        ("id 012345", []),  # too short for a trunk number
         ("version 3.11.4 and 1.2.3.4.5", []),
         ("ZIP 12345-6789", []),
         ("ISBN 978-3-16-148410-0", []),
