@@ -1,9 +1,15 @@
-"""Street addresses, and the postal codes in them, found by pattern (US, Canadian and British
-forms): `address` (`1600 Pennsylvania Avenue NW, Washington, DC 20500`, `221B Baker Street,
-London NW1 6XE`, `290 Bremner Blvd, Toronto, ON M5V 3L9`, `Springfield, IL 62704`) and
-`postal_code` (a code that a state or province, a postcode area or the words `ZIP code` /
-`postcode` put in an address context: `IL 62704`, `NW1 6XE`, `zip code is 02134`). A bare
-number is no ZIP code.
+"""Street addresses, and the postal codes in them, found by pattern (US, Canadian, British and
+continental European forms): `address` (`1600 Pennsylvania Avenue NW, Washington, DC 20500`,
+`221B Baker Street, London NW1 6XE`, `290 Bremner Blvd, Toronto, ON M5V 3L9`, `Springfield, IL
+62704`, `Flat 8, Jane Ramp, Shawtown, LU74 8GA`; `Musterstraße 12, 10115 Berlin`, `12 rue de la
+Paix, 75002 Paris`, `Damrak 1, 1012 LG Amsterdam`, `Via Roma 1, 00184 Roma`, `Calle Mayor 5,
+28013 Madrid`, `Rua Augusta, 1500, 01304-001 São Paulo`) and `postal_code` (a code that a state
+or province, a postcode area or the words `ZIP code` / `postcode` put in an address context:
+`IL 62704`, `NW1 6XE`, `zip code is 02134`). A bare number is no ZIP code; a continental
+postal code is part of an address only after a street (one without a street word, `Damrak 1`,
+only with a code no year can be, 5 digits or `1012 LG`, and a city that is no ordinary English
+word: `Windows 10, 20000 Users` is none), never alone (`80000 Mitarbeiter`), but for a Dutch
+one with its city (`1012 LG Amsterdam`).
 
 Why hand-written rather than a library: the one well-kept library that *finds* addresses in
 free text, `pyap2` (MIT, the maintained fork of `pyap`), matches with Python's backtracking
@@ -17,7 +23,9 @@ these are RE2 patterns (linear time, like `regex`'s kinds), with pyap's shape: a
 capitalised street-name words and a street type, then optionally a unit, a city, a state or
 province and a postal code.
 
-Streaming: every match is self-sufficient (nothing before its first character decides it but
+Streaming (continental addresses: a window holds one of up to SEAM_CHARS, 64 characters, whole;
+the parts of a longer one are not all found alone, so one cut there may release its code and
+city): every match is self-sufficient (nothing before its first character decides it but
 the character before it, inside its own whitespace-free run, which a stream's window holds),
 lies within a piece between natural cuts (`pii_ner` judges each piece alone: a `St. ` or a
 line break ends a piece, and the part after it is judged on its own), and the parts that a
