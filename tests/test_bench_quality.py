@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -196,6 +197,21 @@ def test_a_gold_span_is_masked_whole_only_when_each_letter_and_digit_is_covered(
     assert quality.masked_whole(text, *gold, [(0, 18, "x"), (20, 40, "y")])  # `, ` left
     assert not quality.masked_whole(text, *gold, [(3, 25, "address")])  # `Berlin` left
     assert not quality.masked_whole(text, *gold, [])
+
+
+def test_an_international_row_counts_recall_over_gold_spans_and_its_false_finds() -> None:
+    """One find over a whole address and three fragments of it are the same recall (the gold
+    span is found either way), and each find on no gold span is a false find of its kind."""
+    gold = [(3, 32, "STREET_ADDRESS"), (40, 45, "PERSON")]
+    one, fragments = SpanScore(), SpanScore()
+    one.add(gold, [(3, 32, "address"), (50, 53, "person")])
+    fragments.add(gold, [(3, 15, "address"), (16, 24, "date"), (26, 32, "location")])
+    whole = Counter({"STREET_ADDRESS": 1})
+    row = quality._intl_row(one, whole)
+    assert row["recall"] == 0.5 == quality._intl_row(fragments, Counter())["recall"]
+    assert row["false_finds"] == 1 and row["false_finds_per_kind"] == {"person": 1}
+    assert row["whole_per_gold_kind"] == {"PERSON": 0.0, "STREET_ADDRESS": 1.0}
+    assert row["precision"] == 0.5
 
 
 # one draw in a fresh interpreter: its texts and spans as one JSON line
