@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -143,6 +144,26 @@ def test_the_pii_bench_measures_the_shipped_config_first() -> None:
     ]
 
 
+def draws_in_two_processes(code: str) -> list[Any]:
+    """The JSON that `code` prints, in two fresh interpreters whose hash seeds differ and whose
+    time zones are 26 hours apart (two different todays)."""
+    root = Path(__file__).resolve().parents[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": seed, "TZ": tz},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed, tz in (("1", "Etc/GMT+12"), ("2", "Pacific/Kiritimati"))
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    return [json.loads(out) for out, _ in outs]
+
+
 # the international draw (bench/pii_intl.py) in a fresh interpreter
 _INTL_DRAW = """
 import json
@@ -156,21 +177,7 @@ def test_an_international_pii_draw_is_the_same_in_every_process() -> None:
     set, in the hash's order (two processes drew different cities until they were sorted).
     Every gold span holds its value: no empty span, none past the text."""
     pytest.importorskip("faker", reason="bench/requirements-quality.txt")
-    root = Path(__file__).resolve().parents[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _INTL_DRAW],
-            cwd=root,
-            env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": seed},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for seed in ("1", "2")
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
-    first, second = (json.loads(out) for out, _ in outs)
+    first, second = draws_in_two_processes(_INTL_DRAW)
     assert first == second
     assert {loc for loc, _, _ in first} == set(quality_locales())
     for _, text, spans in first:
@@ -227,21 +234,7 @@ def test_a_pii_draw_is_the_same_in_every_process_on_every_day() -> None:
     process (hash seed), its time zone and today's date (Faker draws dates up to "now"; two
     zones 26 hours apart are two different todays)."""
     pytest.importorskip("presidio_evaluator", reason="bench/requirements-quality.txt")
-    root = Path(__file__).resolve().parents[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _DRAW],
-            cwd=root,
-            env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": seed, "TZ": tz},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for seed, tz in (("1", "Etc/GMT+12"), ("2", "Pacific/Kiritimati"))
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
-    first, second = (json.loads(out) for out, _ in outs)
+    first, second = draws_in_two_processes(_DRAW)
     assert len(first) == 40
     assert first == second
 
