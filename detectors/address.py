@@ -126,13 +126,13 @@ _EU_STREET = (
     rf",? {_EU_HOUSE}"
 )
 # French and Belgian streets, the number first and the street word lower-cased (`12 rue de la
-# Paix`, `36, boulevard Bruneau`, `5 bis avenue d'Italie`)
-_FR_WORDS = (
-    "rue|avenue|boulevard|bd|chemin|allée|impasse|place|quai|route|cours|passage|square|"
-    "voie|rond-point|faubourg|sentier|esplanade|parvis|promenade"
-)
+# Paix`, `36, boulevard Bruneau`, `5 bis avenue d'Italie`); capitalised too where the word is
+# no English one (`12 Rue de la Paix`, not `3 Square Feet`, `10 Place Names`)
+_FR_ONLY_WORDS = "rue|bd|chemin|allée|impasse|quai|voie|rond-point|faubourg|sentier|parvis"
+_FR_ENGLISH_WORDS = "avenue|boulevard|place|route|cours|passage|square|esplanade|promenade"
+_FR_WORDS = rf"(?:(?i:{_FR_ONLY_WORDS})|{_FR_ENGLISH_WORDS})"
 _FR_NAME = (
-    rf"(?i:{_FR_WORDS}) (?:(?:de la|de l'|d'|des|du|de|la|le) ?)?"
+    rf"{_FR_WORDS} (?:(?:de la|de l'|d'|des|du|de|la|le) ?)?"
     rf"{_WORD}(?: (?:{_PARTICLE} )?{_WORD}){{0,3}}"
 )
 _FR_STREET = rf"{_NUMBER}(?: bis| ter)?,? {_FR_NAME}"
@@ -203,7 +203,7 @@ _EU_CODE_GATE = re2.compile(
     rb"[0-9]{4}(?:[0-9]|-[0-9]{3}| ?[A-Z]{2})?,? \p{Lu}|, [0-9]{4}", re2_options(CONFIG_MAX_MEM)
 )
 _UK_GATE = re2.compile(_UK_POSTCODE.encode(), re2_options(CONFIG_MAX_MEM))
-_FR_GATE = re2.compile(rf"(?i:{_FR_WORDS}) ".encode(), re2_options(CONFIG_MAX_MEM))
+_FR_GATE = re2.compile(rf"{_FR_WORDS} ".encode(), re2_options(CONFIG_MAX_MEM))
 _FRENCH = bounded_pattern(_NUMBER_BEFORE, rf"{_FR_STREET}(?:{_EU_TAIL}|{_TAIL})", _AFTER)
 _LOCALITY = bounded_pattern(
     _BEFORE,

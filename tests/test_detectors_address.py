@@ -141,12 +141,16 @@ def test_a_continental_or_british_address_is_one_exact_span(text: str, address: 
         "Bestellnummer 12345678, Betrag 1.234,56 €.",
         "Il lotto 382061 scade il 22.09.2012.",
         "Rechnung Nr. 2026-36166 vom 2011-09-03.",
+        "It is 3 Square Feet wide.",
+        "Top 10 Place Names in Europe",
+        "The 4 Route Options are listed.",
     ],
 )
 def test_counts_references_and_years_beside_words_are_no_continental_address(text: str) -> None:
     """A street without a street word is an address only with an unambiguous postal code
     after a comma and a city that is no ordinary English word; a bare number and a noun are
-    none (`20000 Users`, `80000 Mitarbeiter`, `2024 EU Summit`)."""
+    none (`20000 Users`, `80000 Mitarbeiter`, `2024 EU Summit`); a French street word that is
+    an English one too is one only lower-cased (`3 Square Feet` is none)."""
     assert address_spans(text) == []
 
 
