@@ -1,9 +1,15 @@
-"""Street addresses, and the postal codes in them, found by pattern (US, Canadian and British
-forms): `address` (`1600 Pennsylvania Avenue NW, Washington, DC 20500`, `221B Baker Street,
-London NW1 6XE`, `290 Bremner Blvd, Toronto, ON M5V 3L9`, `Springfield, IL 62704`) and
-`postal_code` (a code that a state or province, a postcode area or the words `ZIP code` /
-`postcode` put in an address context: `IL 62704`, `NW1 6XE`, `zip code is 02134`). A bare
-number is no ZIP code.
+"""Street addresses, and the postal codes in them, found by pattern (US, Canadian, British and
+continental European forms): `address` (`1600 Pennsylvania Avenue NW, Washington, DC 20500`,
+`221B Baker Street, London NW1 6XE`, `290 Bremner Blvd, Toronto, ON M5V 3L9`, `Springfield, IL
+62704`, `Flat 8, Jane Ramp, Shawtown, LU74 8GA`; `Musterstraße 12, 10115 Berlin`, `12 rue de la
+Paix, 75002 Paris`, `Damrak 1, 1012 LG Amsterdam`, `Via Roma 1, 00184 Roma`, `Calle Mayor 5,
+28013 Madrid`, `Rua Augusta, 1500, 01304-001 São Paulo`) and `postal_code` (a code that a state
+or province, a postcode area or the words `ZIP code` / `postcode` put in an address context:
+`IL 62704`, `NW1 6XE`, `zip code is 02134`). A bare number is no ZIP code; a continental
+postal code is part of an address only after a street (one without a street word, `Damrak 1`,
+only with a code no year can be, 5 digits or `1012 LG`, and a city that is no ordinary English
+word: `Windows 10, 20000 Users` is none), never alone (`80000 Mitarbeiter`), but for a Dutch
+one with its city (`1012 LG Amsterdam`).
 
 Why hand-written rather than a library: the one well-kept library that *finds* addresses in
 free text, `pyap2` (MIT, the maintained fork of `pyap`), matches with Python's backtracking
@@ -17,7 +23,9 @@ these are RE2 patterns (linear time, like `regex`'s kinds), with pyap's shape: a
 capitalised street-name words and a street type, then optionally a unit, a city, a state or
 province and a postal code.
 
-Streaming: every match is self-sufficient (nothing before its first character decides it but
+Streaming (continental addresses: a window holds one of up to SEAM_CHARS, 64 characters, whole;
+the parts of a longer one are not all found alone, so one cut there may release its code and
+city): every match is self-sufficient (nothing before its first character decides it but
 the character before it, inside its own whitespace-free run, which a stream's window holds),
 lies within a piece between natural cuts (`pii_ner` judges each piece alone: a `St. ` or a
 line break ends a piece, and the part after it is judged on its own), and the parts that a
@@ -27,7 +35,12 @@ covered whole. No open tail: a cut street name is a prefix of any capitalised wo
 
 from __future__ import annotations
 
-from .re2_scan import WORD_CHARS, Utf8Text, body_spans, bounded_pattern
+import re
+
+import re2
+
+from .person_names import ordinary_words
+from .re2_scan import CONFIG_MAX_MEM, WORD_CHARS, Utf8Text, body_spans, bounded_pattern, re2_options
 
 Span = tuple[int, int, str]
 
@@ -84,20 +97,70 @@ _BOX = r"(?:(?:Unit|PSC|CMR) [0-9]{3,5},? Box [0-9]{1,5}|(?:PO|Post Office) Box 
 # `Ladbyvej 84`), or a street word and the name (`Rue des Ecoles 119`, `Via Roma 12`)
 _EU_SUFFIX = (
     "strasse|straße|gasse|weg|allee|platz|straat|laan|gracht|plein|vej|gata|gatan|vägen|"
-    "veien|katu|utca|ulica|ring|damm|ufer"
+    "veien|katu|utca|ulica|ring|damm|ufer|kade|singel|dijk|steeg"
 )
 # the street words that are a word of their own too (`Linzer Strasse 69`; not `ring`)
 _EU_WORDS = "|".join(w.capitalize() for w in _EU_SUFFIX.split("|")[:18])
+# the street words that come before the name in French, Italian, Spanish, Portuguese, Catalan
+# and Polish (the odonyms of everyday addresses, not a generator's list)
 _EU_PREFIX = (
-    "Rue|Via|Viale|Piazza|Calle|Carrer|Avenida|Rua|Praça|Praceta|Paseo|Plaza|Largo|"
-    "Travessa|Ulica|Boulevard|Avenue|Chemin|Route|Place|Quai|Allée"
+    "Rue|Via|Viale|Piazza|Piazzale|Corso|Vicolo|Strada|Contrada|Borgo|Lungomare|Calle|Carrer|"
+    "Avenida|Rua|Praça|Praceta|Paseo|Passeig|Plaza|Largo|Travessa|Travesía|Camino|Carretera|"
+    "Ronda|Glorieta|Pasaje|Rambla|Alameda|Estrada|Ulica|Boulevard|Avenue|Chemin|Route|Place|"
+    "Quai|Allée|Impasse|Cours|Passage|Urbanización|Cuesta|Callejón|Avinguda|Vía"
 )
 _PARTICLE = r"(?:de|del|della|delle|des|du|la|le|las|los|da|do|dos|das|di|der|den|van|von)"
+# a house number of continental Europe: `12`, `12a`, `12 bis`, a range or a building and a
+# flat (`3-6`, `72/12`)
+_EU_HOUSE = r"[0-9]{1,4}[a-zA-Z]?(?:[-/][0-9]{1,4}[a-zA-Z]?| bis| ter)?"
+# a floor, door or staircase after the house number (`Calle Mayor 5 Piso 3`, `Via Roma 1
+# Piano 2`)
+_EU_FLOOR = (
+    r"(?:,? (?:Piso|Planta|Puerta|Escalera|Piano|Scala|Interno|Appartamento|Andar|Apto|Bloco"
+    r"|Étage|Etage"
+    r"|Stock|Bus) [0-9A-Z]{1,3})"
+)
 _EU_STREET = (
     rf"(?:(?:{_WORD} ){{0,2}}(?:\p{{Lu}}[\p{{L}}-]{{0,30}}(?i:{_EU_SUFFIX})|{_EU_WORDS})"
     rf"|(?:{_EU_PREFIX}) (?:{_PARTICLE} )?{_WORD}(?: (?:{_PARTICLE} )?{_WORD}){{0,3}})"
-    r" [0-9]{1,4}[a-z]?"
+    rf",? {_EU_HOUSE}"
 )
+# French and Belgian streets, the number first and the street word lower-cased (`12 rue de la
+# Paix`, `36, boulevard Bruneau`, `5 bis avenue d'Italie`); capitalised too where the word is
+# no English one (`12 Rue de la Paix`, not `3 Square Feet`, `10 Place Names`)
+_FR_ONLY_WORDS = "rue|bd|chemin|allée|impasse|quai|voie|rond-point|faubourg|sentier|parvis"
+_FR_ENGLISH_WORDS = "avenue|boulevard|place|route|cours|passage|square|esplanade|promenade"
+_FR_WORDS = rf"(?:(?i:{_FR_ONLY_WORDS})|{_FR_ENGLISH_WORDS})"
+_FR_NAME = (
+    rf"{_FR_WORDS} (?:(?:de la|de l'|d'|des|du|de|la|le) ?)?"
+    rf"{_WORD}(?: (?:{_PARTICLE} )?{_WORD}){{0,3}}"
+)
+_FR_STREET = rf"{_NUMBER}(?: bis| ter)?,? {_FR_NAME}"
+# Postal codes of continental Europe and Brazil after a street: 4 or 5 digits (Germany,
+# France, Italy, Spain; Austria, Switzerland, Belgium, Denmark), the Dutch `1012 LG`, the
+# Portuguese `1100-148` and the Brazilian `01304-001`. Only after a street (or in `_EU_BARE`,
+# the unambiguous ones): a bare 4- or 5-digit number is a year, an amount, an order.
+_EU_CODE_STRICT = r"(?:[0-9]{5}(?:-[0-9]{3})?|[1-9][0-9]{3} ?[A-Z]{2}|[0-9]{4}-[0-9]{3})"
+_EU_CODE = rf"(?:{_EU_CODE_STRICT}|[0-9]{{4}})"
+# a city's name: capitalised words, with the particles of place names between them (`Capelle
+# aan den IJssel`, `Santa Cruz de Tenerife`, `Saint-Denis`), and an Italian province after it
+# (`Padova (PD)`)
+_CITY_PARTICLE = rf"(?:{_PARTICLE}|aan|am|an|im|ob|sur|sous|en|lès)"
+_EU_CITY = rf"{_WORD}(?: (?:{_CITY_PARTICLE} ){{0,2}}{_WORD}){{0,3}}(?: \([A-Z]{{2}}\))?"
+# after a continental street: its postal code and city (either order, a comma or not)
+_EU_TAIL = rf"(?:,? (?:{_EU_CODE},? {_EU_CITY}|{_EU_CITY},? {_EU_CODE}))"
+# a street without a street word (`Damrak 1`, `Canale Tomasini, 612`), or a French one without
+# its number (`rue Mathieu, 58213 Sainte Marc`): an address only with an unambiguous postal
+# code and a city after a comma, either way round (`Damrak 1, 1012 LG Amsterdam`, `Acceso Nidia
+# Hernández 10, Córdoba, 08650`)
+_EU_STRICT_TAIL = rf", (?:{_EU_CODE_STRICT},? {_EU_CITY}|{_EU_CITY},? {_EU_CODE_STRICT})"
+_EU_BARE = (
+    rf"(?:{_WORD}(?: (?:{_PARTICLE} )?{_WORD}){{0,2}},? {_EU_HOUSE}{_EU_FLOOR}?|{_FR_NAME})"
+    rf"{_EU_STRICT_TAIL}"
+)
+# a Dutch postcode and its city alone (`1012 LG Amsterdam`: four digits, a space, two
+# capitals and a capitalised word), a stretch a stream's window may start at
+_NL_LOCALITY = rf"[1-9][0-9]{{3}} ?[A-Z]{{2}},? {_EU_CITY}"
 _CITY = rf"{_WORD}(?: {_WORD}){{0,2}}"
 _ZIP = r"[0-9]{5}(?:-[0-9]{4})?"
 _CA_POSTAL = r"[ABCEGHJ-NPRSTVXY][0-9][ABCEGHJ-NPRSTV-Z] ?[0-9][ABCEGHJ-NPRSTV-Z][0-9]"
@@ -111,14 +174,37 @@ _TAIL = rf"(?:,? (?:{_CITY},? )?(?:{_STATE}(?:,? {_POSTAL})?|{_POSTAL}))?"
 # A match's neighbours (consumed, as `regex`'s kinds do, and only inside the match's own
 # whitespace-free run, which a stream's window holds whole): no letter or number before, and
 # none after (a ZIP code is not followed by `-` and a digit either: a longer number)
-_BEFORE = rf"(?:^|[^{WORD_CHARS}])"
+_BEFORE = rf"(?:^|[^{WORD_CHARS}]|\\[nrt])"
 # a house number is not the end of a longer number (`3.11 Main Street`, `2-12 Main Street`)
-_NUMBER_BEFORE = rf"(?:^[.\-/]?|[^{WORD_CHARS}.\-/]|[^\p{{N}}][.\-/])"
+_NUMBER_BEFORE = rf"(?:^[.\-/]?|[^{WORD_CHARS}.\-/]|[^\p{{N}}][.\-/]|\\[nrt])"
 _AFTER = rf"(?:$|[^{WORD_CHARS}\-]|-(?:$|[^\p{{N}}]))"
 
 # a street and what follows it; a city with its state and code (a seam window may start there)
 _ADDRESS = bounded_pattern(_NUMBER_BEFORE, rf"{_STREET}{_TAIL}", _AFTER)
 _OTHER = bounded_pattern(_BEFORE, rf"(?:{_EU_STREET}|{_BOX}|{_UNIT})(?:,? {_UNIT})?{_TAIL}", _AFTER)
+# a continental street with its postal code and city; one without a street word but with an
+# unambiguous code; a French street (each its own pattern: together they outgrow RE2's budget)
+_EU_ADDRESS = bounded_pattern(_BEFORE, rf"{_EU_STREET}{_EU_FLOOR}?{_EU_TAIL}", _AFTER)
+_EU_BARE_ADDRESS = bounded_pattern(_BEFORE, _EU_BARE, _AFTER)
+_NL_ADDRESS = bounded_pattern(_BEFORE, _NL_LOCALITY, _AFTER)
+# a British street whatever its street word (`Flat 8, Jane Ramp, Shawtown, LU74 8GA`, `2 Acacia
+# Vista, Leeds, LS6 2AB`): a flat or a house number, capitalised words, a town and the
+# postcode, which makes it an address
+_UK_BARE = (
+    rf"(?:(?:Flat|Studio|Apartment|Unit) [0-9]{{1,4}}[A-Za-z]?, (?:{_NUMBER} )?|{_NUMBER} )"
+    rf"{_WORD}(?: {_WORD}){{0,2}}, {_CITY},? (?:{_UK_POSTCODE})"
+)
+_UK_ADDRESS = bounded_pattern(_NUMBER_BEFORE, _UK_BARE, _AFTER)
+# What each of the patterns above cannot match without, found in one cheap pass (a literal or a
+# short run of digits) so that most texts skip the pattern's own pass (on the bench's texts
+# with a digit they cost 0.08-0.16 ms per 1,000 characters each): a continental postal code
+# before a city or after a comma; a British postcode; a French street word
+_EU_CODE_GATE = re2.compile(
+    rb"[0-9]{4}(?:[0-9]|-[0-9]{3}| ?[A-Z]{2})?,? \p{Lu}|, [0-9]{4}", re2_options(CONFIG_MAX_MEM)
+)
+_UK_GATE = re2.compile(_UK_POSTCODE.encode(), re2_options(CONFIG_MAX_MEM))
+_FR_GATE = re2.compile(rf"{_FR_WORDS} ".encode(), re2_options(CONFIG_MAX_MEM))
+_FRENCH = bounded_pattern(_NUMBER_BEFORE, rf"{_FR_STREET}(?:{_EU_TAIL}|{_TAIL})", _AFTER)
 _LOCALITY = bounded_pattern(
     _BEFORE,
     rf"{_CITY}, (?:(?:{_US_CODE}|{_STATE_NAMES}) {_ZIP}|(?:{_CA_CODE}) {_CA_POSTAL})"
@@ -149,6 +235,32 @@ def _street_length(body: bytes) -> int:
     return 0 if name.decode("utf-8", "replace") in _NOT_STREET_NAMES else len(body)
 
 
+_CODE_IN_BARE = re.compile(r"[0-9]{4,5}(?: ?[A-Z]{2}\b|-[0-9]{3})?")
+_LETTER_WORD = re.compile(r"[^\W\d_]+")
+
+
+def _bare_length(body: bytes) -> int:
+    """A street without a street word (`_EU_BARE`) or a Dutch postcode alone (`_NL_LOCALITY`)
+    is none when its city's name, or every word of its street, is an ordinary English word
+    (`Windows 10, 20000 Users`, `Table 2, 10000 Samples`, `2024 EU Summit`): without a street
+    word, the shape alone is a reference, a count and a noun as often as a street and a city.
+    The postal code is the body's last number of 4-5 digits; the city the word after it, or
+    (`Benavente 648, Ourense, 19638`) the word before it."""
+    ordinary = ordinary_words()
+    text = body.decode("utf-8", "replace")
+    codes = list(_CODE_IN_BARE.finditer(text))
+    if not codes:  # (the patterns put one there)
+        return 0
+    code = codes[-1]
+    after = _LETTER_WORD.findall(text[code.end() :])
+    city = after[0] if after else (_LETTER_WORD.findall(text[: code.start()]) or [""])[-1]
+    first_digit = next(i for i, ch in enumerate(text) if ch.isdigit())
+    street = _LETTER_WORD.findall(text[:first_digit])
+    if city.lower() in ordinary or (street and all(w.lower() in ordinary for w in street)):
+        return 0
+    return len(body)
+
+
 def address_spans(text: str) -> list[Span]:
     """Addresses and postal codes in `text` (one piece between natural cuts, normalised), as
     (start, end, kind), sorted, none inside another: an address covers the city, state and
@@ -160,6 +272,15 @@ def address_spans(text: str) -> list[Span]:
     streets = body_spans(_ADDRESS, t.data, _street_length)
     found.extend((s, e, "address") for s, e in t.spans(streets))
     found.extend((s, e, "address") for s, e in t.spans(body_spans(_OTHER, t.data)))
+    for gate, rx, length in (
+        (_EU_CODE_GATE, _EU_ADDRESS, None),
+        (_EU_CODE_GATE, _EU_BARE_ADDRESS, _bare_length),
+        (_EU_CODE_GATE, _NL_ADDRESS, _bare_length),
+        (_UK_GATE, _UK_ADDRESS, None),
+        (_FR_GATE, _FRENCH, None),
+    ):
+        if gate.search(t.data):
+            found.extend((s, e, "address") for s, e in t.spans(body_spans(rx, t.data, length)))
     found.extend((s, e, "address") for s, e in t.spans(body_spans(_LOCALITY, t.data)))
     found.extend((s, e, "postal_code") for s, e in t.spans(body_spans(_POSTAL_CODE, t.data)))
     return _outermost(found)

@@ -7,9 +7,10 @@ first names, detectors/person_names.py, those the model misses: `Emily is very r
 `age` (`the age of 35`; and by pattern, detectors/age_date.py, the forms the model misses:
 `just turned 73`, `43 y/o`, `aged 35`, `Age: 35`), `iban` (an IBAN whose ISO 7064 check
 digits hold, checked by `python-stdnum`; in groups of four by spaces or dashes, or not grouped,
-in either case), and by pattern (detectors/address.py: the model has
-no address label) `address` (US, Canadian and British street addresses with their city, state
-and postal code, as one span: `1600 Pennsylvania Avenue NW, Washington, DC 20500`) and
+in either case), and by pattern (detectors/address.py: the model has no address label)
+`address` (US, Canadian, British and continental European street addresses with their city,
+state and postal code, as one span: `1600 Pennsylvania Avenue NW, Washington, DC 20500`,
+`Musterstraße 12, 10115 Berlin`, `12 rue de la Paix, 75002 Paris`) and
 `postal_code` (a ZIP code or postcode in an address context: `IL 62704`, `NW1 6XE`,
 `zip code is 02134`). Abbreviations and the names of PII kinds (`ASAP`,
 `SSN`, `IBAN`) are no organisation.

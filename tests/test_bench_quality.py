@@ -8,7 +8,9 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -142,6 +144,83 @@ def test_the_pii_bench_measures_the_shipped_config_first() -> None:
     ]
 
 
+def draws_in_two_processes(code: str) -> list[Any]:
+    """The JSON that `code` prints, in two fresh interpreters whose hash seeds differ and whose
+    time zones are 26 hours apart (two different todays)."""
+    root = Path(__file__).resolve().parents[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": seed, "TZ": tz},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed, tz in (("1", "Etc/GMT+12"), ("2", "Pacific/Kiritimati"))
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    return [json.loads(out) for out, _ in outs]
+
+
+# the international draw (bench/pii_intl.py) in a fresh interpreter
+_INTL_DRAW = """
+import json
+from bench import pii_intl
+print(json.dumps([[t.locale, t.text, t.spans] for t in pii_intl.intl_data(30)]))
+"""
+
+
+def test_an_international_pii_draw_is_the_same_in_every_process() -> None:
+    """The `pii-intl` figures hold for a seed: Faker's it_IT cities are a list made from a
+    set, in the hash's order (two processes drew different cities until they were sorted).
+    Every gold span holds its value: no empty span, none past the text."""
+    pytest.importorskip("faker", reason="bench/requirements-quality.txt")
+    first, second = draws_in_two_processes(_INTL_DRAW)
+    assert first == second
+    assert {loc for loc, _, _ in first} == set(quality_locales())
+    for _, text, spans in first:
+        for start, end, kind in spans:
+            assert 0 <= start < end <= len(text) and text[start:end].strip() == text[start:end]
+            assert kind in {
+                "PERSON", "PHONE_NUMBER", "EMAIL_ADDRESS", "STREET_ADDRESS", "ZIP_CODE", "GPE",
+                "IBAN_CODE",
+            }  # fmt: skip
+
+
+def quality_locales() -> tuple[str, ...]:
+    from bench.pii_intl import LOCALES
+
+    return LOCALES
+
+
+def test_a_gold_span_is_masked_whole_only_when_each_letter_and_digit_is_covered() -> None:
+    """The `pii-intl` whole-span rate: an address whose city a redaction leaves out is found
+    (overlap) but not masked whole; spaces and punctuation left between two finds are."""
+    text = "at Musterstraße 12, 10115 Berlin."
+    gold = (3, 32)
+    assert quality.masked_whole(text, *gold, [(3, 32, "address")])
+    assert quality.masked_whole(text, *gold, [(0, 18, "x"), (20, 40, "y")])  # `, ` left
+    assert not quality.masked_whole(text, *gold, [(3, 25, "address")])  # `Berlin` left
+    assert not quality.masked_whole(text, *gold, [])
+
+
+def test_an_international_row_counts_recall_over_gold_spans_and_its_false_finds() -> None:
+    """One find over a whole address and three fragments of it are the same recall (the gold
+    span is found either way), and each find on no gold span is a false find of its kind."""
+    gold = [(3, 32, "STREET_ADDRESS"), (40, 45, "PERSON")]
+    one, fragments = SpanScore(), SpanScore()
+    one.add(gold, [(3, 32, "address"), (50, 53, "person")])
+    fragments.add(gold, [(3, 15, "address"), (16, 24, "date"), (26, 32, "location")])
+    whole = Counter({"STREET_ADDRESS": 1})
+    row = quality._intl_row(one, whole)
+    assert row["recall"] == 0.5 == quality._intl_row(fragments, Counter())["recall"]
+    assert row["false_finds"] == 1 and row["false_finds_per_kind"] == {"person": 1}
+    assert row["whole_per_gold_kind"] == {"PERSON": 0.0, "STREET_ADDRESS": 1.0}
+    assert row["precision"] == 0.5
+
+
 # one draw in a fresh interpreter: its texts and spans as one JSON line
 _DRAW = """
 import json
@@ -155,21 +234,7 @@ def test_a_pii_draw_is_the_same_in_every_process_on_every_day() -> None:
     process (hash seed), its time zone and today's date (Faker draws dates up to "now"; two
     zones 26 hours apart are two different todays)."""
     pytest.importorskip("presidio_evaluator", reason="bench/requirements-quality.txt")
-    root = Path(__file__).resolve().parents[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _DRAW],
-            cwd=root,
-            env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": seed, "TZ": tz},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for seed, tz in (("1", "Etc/GMT+12"), ("2", "Pacific/Kiritimati"))
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
-    first, second = (json.loads(out) for out, _ in outs)
+    first, second = draws_in_two_processes(_DRAW)
     assert len(first) == 40
     assert first == second
 

@@ -6,8 +6,11 @@ time (RE2)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import detectors
 from detectors.address import address_spans
@@ -68,6 +71,90 @@ def test_an_address_in_a_sentence_is_one_exact_span(text: str, address: str) -> 
 
 
 @pytest.mark.parametrize(
+    ("text", "address"),
+    [
+        (
+            "Meine neue Adresse lautet Musterstraße 12, 10115 Berlin.",
+            "Musterstraße 12, 10115 Berlin",
+        ),
+        (
+            "Die Rechnung geht an Anne-Katrin-Trubin-Straße 72/12, 40957 Schrobenhausen bitte.",
+            "Anne-Katrin-Trubin-Straße 72/12, 40957 Schrobenhausen",
+        ),
+        ("Lieferanschrift: Häringgasse 3-6, 39819 Cuxhaven", "Häringgasse 3-6, 39819 Cuxhaven"),
+        ("Adresse : 12 rue de la Paix, 75002 Paris, merci.", "12 rue de la Paix, 75002 Paris"),
+        (
+            "Livrez au 36, boulevard Bruneau, 57342 Delannoy-sur-Boulanger demain.",
+            "36, boulevard Bruneau, 57342 Delannoy-sur-Boulanger",
+        ),
+        ("Envoyez-le rue Mathieu, 58213 Sainte Marc.", "rue Mathieu, 58213 Sainte Marc"),
+        ("Mijn adres is Damrak 1, 1012 LG Amsterdam.", "Damrak 1, 1012 LG Amsterdam"),
+        ("Afleveradres: Jornstraat 62, 4668LP, Maurik", "Jornstraat 62, 4668LP, Maurik"),
+        ("Ik woon in 9908 AD Lottum.", "9908 AD Lottum"),
+        ("Il mio indirizzo è Via Roma 1, 00184 Roma.", "Via Roma 1, 00184 Roma"),
+        (
+            "Consegna: Via Mario, 281 Appartamento 1, 23032, Bormio (SO) entro lunedì",
+            "Via Mario, 281 Appartamento 1, 23032, Bormio (SO)",
+        ),
+        ("Mi dirección es Calle Mayor 5, 28013 Madrid.", "Calle Mayor 5, 28013 Madrid"),
+        (
+            "Envíelo a Camino Alba Aguirre 85 Puerta 0, Almería, 43790 por favor",
+            "Camino Alba Aguirre 85 Puerta 0, Almería, 43790",
+        ),
+        (
+            "Moro na Rua Augusta, 1500, 01304-001 São Paulo.",
+            "Rua Augusta, 1500, 01304-001 São Paulo",
+        ),
+        ("Bahnhofstrasse 1, 8001 Zürich", "Bahnhofstrasse 1, 8001 Zürich"),
+        (
+            "Deliver to Flat 8, Jane Ramp, Shawtown, LU74 8GA today.",
+            "Flat 8, Jane Ramp, Shawtown, LU74 8GA",
+        ),
+        (
+            "As promised, here's her address:\\n\\nHenschelring 8218, 60374 Kitzingen",
+            "Henschelring 8218, 60374 Kitzingen",
+        ),
+    ],
+)
+def test_a_continental_or_british_address_is_one_exact_span(text: str, address: str) -> None:
+    """Continental Europe's layouts (the street's name, then its number; a French number
+    first; Dutch, Portuguese and Brazilian postcodes; an Italian province) and British streets
+    whatever their street word: one span over street, number, postal code and city, which
+    before held the street alone (`Musterstraße 12, 10115`: the city was released) or
+    nothing (`12 rue de la Paix`, `Damrak 1`); after a literal `\\n` too."""
+    start = text.index(address)
+    assert address_spans(text) == [(start, start + len(address), "address")]
+    assert found(text) == [("address", address)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Windows 10, 20000 Users upgraded.",
+        "Table 2, 10000 Samples were drawn.",
+        "Figure 3, 50000 Iterations later",
+        "Windows 10, Seattle, 98052",
+        "In 2024 EU Summit talks resumed.",
+        "Paragraph 5 10115 Berlin",
+        "Die Firma hat 80000 Mitarbeiter in 12 Ländern.",
+        "Python 3, 2020 Update",
+        "Bestellnummer 12345678, Betrag 1.234,56 €.",
+        "Il lotto 382061 scade il 22.09.2012.",
+        "Rechnung Nr. 2026-36166 vom 2011-09-03.",
+        "It is 3 Square Feet wide.",
+        "Top 10 Place Names in Europe",
+        "The 4 Route Options are listed.",
+    ],
+)
+def test_counts_references_and_years_beside_words_are_no_continental_address(text: str) -> None:
+    """A street without a street word is an address only with an unambiguous postal code
+    after a comma and a city that is no ordinary English word; a bare number and a noun are
+    none (`20000 Users`, `80000 Mitarbeiter`, `2024 EU Summit`); a French street word that is
+    an English one too is one only lower-cased (`3 Square Feet` is none)."""
+    assert address_spans(text) == []
+
+
+@pytest.mark.parametrize(
     ("text", "code"),
     [
         ("Send it to Boise, ID 83702 by Friday.", ("address", "Boise, ID 83702")),
@@ -113,6 +200,12 @@ HOSTILE = [
     "zip code is 1" * 7_692,
     "AB1 2CD " * 12_500,
     "Lorem Ipsum Dolor " * 5_555,
+    "Damrak 1, " * 10_000,
+    "Via Roma 1, 00184 " * 5_555,
+    "12 rue de la " * 8_333,
+    "Flat 1, Jane Ramp, " * 5_263,
+    "1012 LG Amsterdam " * 5_555,
+    "Musterstraße 12, 10115 Berlin Mitte " * 2_777,
 ]
 
 
@@ -123,6 +216,41 @@ async def test_hostile_input_is_scanned_in_linear_time(text: str) -> None:
     took seconds to minutes). A generous deadline only, never a timing assertion."""
     async with within(30, "an address scan of 100,000 hostile characters"):
         await asyncio.to_thread(address_spans, text)
+
+
+# digits, separators, street words, postcodes' letters and city names: what the patterns are
+# made of, in any order
+_PIECES = st.sampled_from(
+    [
+        *"0123456789",
+        " ", ", ", "-", "/", ".", "(", ")", "\\n",
+        "12", "1012", "10115", "01304-001", "LG", "AB", "(RM)",
+        "Via", "rue", "de la", "Calle", "Flat", "Musterstraße", "Damrak", "Roma", "Berlin",
+        "Sainte Marc", "NW1 6XE", "Users",
+    ]
+)  # fmt: skip
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(_PIECES, max_size=40).map("".join))
+def test_random_numbers_and_street_words_scan_safely_and_each_find_stands_alone(
+    text: str,
+) -> None:
+    """Whatever the mix: the finds lie inside the text, sorted and apart; each one, scanned
+    alone (as a stream's window that holds it whole sees it), is found whole; and the text
+    repeated to some 20,000 characters scans in linear time (a generous deadline only)."""
+    found_spans = address_spans(text)
+    for (s, e, _), nxt in itertools.zip_longest(found_spans, found_spans[1:]):
+        assert 0 <= s < e <= len(text)
+        assert nxt is None or e <= nxt[0]
+    for s, e, kind in found_spans:
+        assert address_spans(text[s:e]) == [(0, e - s, kind)], text[s:e]
+
+    async def scan_long() -> None:
+        async with within(30, "an address scan of 20,000 random characters"):
+            await asyncio.to_thread(address_spans, text * (20_000 // max(1, len(text))))
+
+    asyncio.run(scan_long())
 
 
 def test_an_address_beside_a_phone_number_keeps_its_part_outside_the_number() -> None:

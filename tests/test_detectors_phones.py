@@ -6,11 +6,14 @@ whitespace or at a detection, and holds a whole number, finds what the whole tex
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detectors.regex_pii import KINDS, find_pii
+from tests.wait_support import within
 
 
 def found(text: str, kinds: list[str] | None = None) -> list[tuple[str, int, int, str]]:
@@ -40,6 +43,11 @@ PHONES = [
     "07700 900123",
     "(07700)034176",
     "07299949525",  # a contiguous trunk number
+    "018310480",  # Italy: a trunk number of 9 digits, valid there (libphonenumber)
+    "096375283",
+    "+49 (0)30 1234-5678",  # Germany, with the trunk `(0)` and a dash
+    "06 12 34 56 78",  # France, mobile
+    "(020) 7946 0958",  # UK, the area code in brackets
     "030/12345678",  # Germany
     "030 12345678",
     "01.33.43.04.02",  # France
@@ -111,6 +119,8 @@ def test_a_phone_number_before_more_digit_groups_is_found_up_to_them() -> None:
         ("Order 123456789", []),  # order numbers: plain runs are no phones
         ("order #20231234", []),
         ("order 0001234567", []),
+        ("ref 088706524", []),  # 9 digits from the trunk `0`, valid in none of IT/BE/AT/DE
+        ("id 012345", []),  # too short for a trunk number
         ("version 3.11.4 and 1.2.3.4.5", []),
         ("ZIP 12345-6789", []),
         ("ISBN 978-3-16-148410-0", []),
@@ -210,3 +220,22 @@ def test_a_window_from_a_detection_of_one_pattern_agrees_with_the_others(
     assert phones(text) == want
     for s, _ in want:
         assert phones(text[s:]) == [(a - s, b - s) for a, b in want if a >= s]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="0123456789 .-()/+x", min_size=1, max_size=40))
+def test_random_digits_and_separators_scan_in_linear_time_without_a_crash(text: str) -> None:
+    """Every phone pattern, and the libphonenumber checks behind them (`00` runs, 9-digit trunk
+    numbers), on a random run of digits and separators repeated to some 40,000 characters:
+    spans in order inside the text, none overlapping, each holding a digit; and a generous
+    deadline only (RE2 is linear; a check per candidate is bounded)."""
+    long_text = text * (40_000 // len(text))
+
+    async def scan() -> list[tuple[int, int]]:
+        async with within(30, "a phone scan of 40,000 random digits and separators"):
+            return await asyncio.to_thread(phones, long_text)
+
+    found = asyncio.run(scan())
+    for i, (s, e) in enumerate(found):
+        assert 0 <= s < e <= len(long_text) and any(ch.isdigit() for ch in long_text[s:e])
+        assert i + 1 == len(found) or e <= found[i + 1][0]

@@ -318,6 +318,10 @@ ADDRESSES = [
     "1600 Pennsylvania Avenue NW, Washington, DC 20500",
     "221B Baker Street, London NW1 6XE",
     "290 Bremner Blvd, Toronto, ON M5V 3L9",
+    # continental layouts, within a seam window's margin: a window holds each whole
+    "Musterstraße 12, 10115 Berlin",
+    "12 rue de la Paix, 75002 Paris",
+    "Damrak 1, 1012 LG Amsterdam",
     # longer than a seam window's margin (SEAM_CHARS): its parts are found on their own
     "4567 North Lincolnwood Boulevard, Apt 12, Springfield, IL 62704-1234",
 ]
@@ -339,6 +343,10 @@ ADDRESS_PARTS = [
     "Lincolnwood",
     "Apt 12",
     "IL 62704-1234",
+    "10115 Berlin",
+    "Musterstraße 12",
+    "75002 Paris",
+    "1012 LG",
 ]
 
 
