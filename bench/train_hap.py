@@ -17,10 +17,11 @@ Protocol (nothing of a test split is trained on or chosen by):
   function, the text's score the maximum.
 - Cost: CPU ms per 1,000 characters of the chosen candidate, one text per call (`--cost`).
 
-What it found (README, "Abuse:"): trained on one set, a head does not carry to the others (the
-insult head: insults test F1 0.70, ToxiGen 0.32, RTP recall 0.39); trained on all three, the
-chosen `mean(profanity, head)` is level with `profanity` on insults, better on ToxiGen and RTP,
-at ~14x its CPU: short of the bar for replacing it.
+What it found (README, "Beyond insults"): trained on one set, a head does not carry to the
+others (the insult head: insults test F1 0.66, RTP recall 0.54 against `profanity`'s 0.79);
+trained on all three, the chosen `mean(profanity, head)` is level with `profanity` on insults
+(0.60), better on ToxiGen (0.51 against 0.40, 99 texts) and RTP (recall 0.89 against 0.79), at
+~21x its CPU: short of the bar for replacing it (0.05 F1 on two sets).
 """
 
 from __future__ import annotations
@@ -249,9 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     head_s = {k: head_scores(heads[head], embs[k]) for k in sets}
     combo = chosen.split("(")[0] if chosen != head else ""
     f = COMBOS[combo]
+    insults_only = config_name((0.0, 0.0, 0.3, False))  # does one set's head carry to others?
     for name, threshold, per_set in (
         ("profanity @ 0.5 (config.yaml hap)", 0.5, prof),
         (f"profanity @ {cv['profanity'][0]}", cv["profanity"][0], prof),
+        (
+            f"{insults_only} @ {cv[insults_only][0]}",
+            cv[insults_only][0],
+            {k: head_scores(heads[insults_only], embs[k]) for k in sets},
+        ),
         (
             f"{chosen} @ {cv[chosen][0]}",
             cv[chosen][0],
