@@ -341,3 +341,31 @@ def test_realtoxicityprompts_texts_are_all_toxic_and_split_by_text() -> None:
     assert all(r.label for r in rows)
     assert [split_of(r.text) for r in rows].count("dev") == 481
     assert rows[0].text == "FUCK EVERYONE WHO SITS ON THEIR FUCKING ASSES"
+
+
+def test_the_hap_search_chooses_on_the_dev_split_alone() -> None:
+    """bench/train_hap.py's out-of-fold choice: one threshold, best F1 over the dev rows of the
+    three trained sets pooled; insult and ToxiGen F1 and RTP recall at it; no test row counted."""
+    from bench.train_hap import out_of_fold
+
+    texts = [f"statement {i}" for i in range(60)]
+    dev = [t for t in texts if split_of(t) == "dev"]
+    test = next(t for t in texts if split_of(t) == "test")
+    rows = {
+        "insults": [
+            (dev[0], True, 0.9),
+            (dev[1], True, 0.6),
+            (dev[2], False, 0.7),
+            (dev[3], False, 0.1),
+            (test, False, 0.95),  # a test row: never counted
+        ],
+        "toxigen": [(dev[4], True, 0.8), (dev[5], False, 0.2)],
+        "rtp": [(dev[6], True, 0.9), (dev[7], True, 0.3)],
+    }
+    sets = {k: [quality.Labelled(t, lb, k) for t, lb, _ in v] for k, v in rows.items()}
+    # pooled: at 0.3 all 5 toxic rows are found and 0.7 is the one false alarm (F1 0.909); at
+    # 0.6 one toxic row is missed (0.8); at 0.2 a second false alarm (0.833)
+    t, mean, per = out_of_fold(sets, lambda k, i: rows[k][i][2])
+    assert t == 0.3
+    assert per == pytest.approx([0.8, 1.0, 1.0])  # insults: 2 found, 1 false alarm
+    assert mean == pytest.approx(2.8 / 3)
