@@ -1088,6 +1088,26 @@ async def test_pii_split_over_values_sent_back_is_redacted_in_each_value(
         (1, field, "jo.smith@", "email"),
         (1, field, "example.com", "email"),
     ]
+    items = [
+        {"role": "user", "content": "Mail Jo."},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": SPLIT},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"},
+    ]
+    body = {
+        "model": MODEL,
+        "input": items,
+        "tools": RESPONSE_TOOLS,
+        "detectors": {"input": {"pii_redact": {}}},
+    }
+    status, response = await orch.post("/v1/responses", body)
+    assert status == 200, response
+    sent = upstream.requests[-1]["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert sent == '{"user": "[email]", "domain": "[email]"}'
+    # (a redacted finding names its replacement: the text was never sent on)
+    assert [(a["message_index"], a["text"]) for a in response["guardrails"]["input"]] == [
+        (1, "[email]"),
+        (1, "[email]"),
+    ]
 
 
 async def test_unrelated_values_sent_back_make_no_finding_across_them(
