@@ -474,6 +474,15 @@ def sent_back(arguments: str, call_id: str = "c") -> list[dict[str, Any]]:
     return [*ASK, turn, {"role": "tool", "tool_call_id": "c", "content": "ok"}]
 
 
+def items_sent_back(arguments: str) -> list[dict[str, Any]]:
+    """`sent_back`'s conversation as Responses input items."""
+    return [
+        {"role": "user", "content": "Mail Jo."},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"},
+    ]
+
+
 async def test_a_tool_calls_arguments_sent_back_are_judged_as_input(
     orch: Orchestrator, upstream: FakeOpenAI
 ) -> None:
@@ -532,11 +541,7 @@ async def test_an_escaped_argument_sent_back_is_judged_as_the_model_reads_it(
         (d["message_index"], d["field"], [(r["start"], r["end"], r["word"]) for r in d["results"]])
         for d in done["detections"]["input"]
     ] == [(1, "tool_calls.0.function.arguments.note", [(0, 6, "secret")])]
-    items = [
-        {"role": "user", "content": "Mail Jo."},
-        {"type": "function_call", "call_id": "c", "name": "f", "arguments": ESCAPED},
-        {"type": "function_call_output", "call_id": "c", "output": "ok"},
-    ]
+    items = items_sent_back(ESCAPED)
     status, response = await secretive.post(
         "/v1/responses", {"model": SECRETIVE, "input": items, "tools": RESPONSE_TOOLS}
     )
@@ -1050,11 +1055,7 @@ async def test_pii_split_over_two_values_sent_back_is_refused_by_an_enforced_inp
         (1, field, "jo.smith@", "email"),
         (1, field, "example.com", "email"),
     ]
-    items = [
-        {"role": "user", "content": "Mail Jo."},
-        {"type": "function_call", "call_id": "c", "name": "f", "arguments": SPLIT},
-        {"type": "function_call_output", "call_id": "c", "output": "ok"},
-    ]
+    items = items_sent_back(SPLIT)
     status, response = await orch.post(
         "/v1/responses", {"model": PII_INPUT, "input": items, "tools": RESPONSE_TOOLS}
     )
@@ -1088,11 +1089,7 @@ async def test_pii_split_over_values_sent_back_is_redacted_in_each_value(
         (1, field, "jo.smith@", "email"),
         (1, field, "example.com", "email"),
     ]
-    items = [
-        {"role": "user", "content": "Mail Jo."},
-        {"type": "function_call", "call_id": "c", "name": "f", "arguments": SPLIT},
-        {"type": "function_call_output", "call_id": "c", "output": "ok"},
-    ]
+    items = items_sent_back(SPLIT)
     body = {
         "model": MODEL,
         "input": items,
