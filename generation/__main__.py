@@ -21,6 +21,8 @@ from servicekit.auth import ApiKeysError, api_keys_from_env
 from servicekit.cli import add_service_flags, service_flags
 from servicekit.connections import add_connection_flags, runner_options
 
+from .protocol import MAX_TOKENIZER_CHARS, MAX_WAITING_REQUESTS
+
 LISTENING_PREFIX = "guardstream-engine listening on "
 #: The listening socket's accept queue (the kernel caps it at net.core.somaxconn). aiohttp's
 #: default, 128, is less than a burst of new streams: 256 clients connecting at once while the
@@ -64,6 +66,21 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="rows of the running batch (default: 64 on a CPU; on CUDA 256, or fewer when the "
         "KV cache sized by --gpu-memory-fraction holds fewer)",
+    )
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=MAX_WAITING_REQUESTS,
+        help=f"generate requests held past the engine's slots (--max-batch-size) "
+        f"(default {MAX_WAITING_REQUESTS}; more get 429 with Retry-After, before any token)",
+    )
+    serve.add_argument(
+        "--max-tokenizer-chars",
+        type=int,
+        default=MAX_TOKENIZER_CHARS,
+        help=f"characters (request body bytes) queued for the tokenizer thread's chat templates "
+        f"and tokenization (default {MAX_TOKENIZER_CHARS}; more get 429 with Retry-After; one "
+        "request on an idle tokenizer is always taken)",
     )
     serve.add_argument(
         "--max-judge-sessions",
@@ -263,6 +280,8 @@ async def _load_app(args: argparse.Namespace, api_keys: list[str] | None) -> Any
         max_judge_tokens=args.max_judge_tokens,
         static_judge=args.static_judge,
         body_timeout_s=args.body_timeout_s,
+        max_waiting_requests=args.max_waiting_requests,
+        max_tokenizer_chars=args.max_tokenizer_chars,
     )
     return app
 
@@ -319,6 +338,8 @@ async def _serve_api(args: argparse.Namespace, api_keys: list[str] | None) -> in
                 fault_injection=args.enable_fault_injection,
                 api_keys=api_keys,
                 body_timeout_s=args.body_timeout_s,
+                max_waiting_requests=args.max_waiting_requests,
+                max_tokenizer_chars=args.max_tokenizer_chars,
             )
             status = await _listen(args, app, freeze_startup_heap, lost)
         finally:

@@ -83,6 +83,7 @@ class CoreClient:
         self._rids: dict[Job, int] = {}
         self._ids = itertools.count(1)
         self._serving = False
+        self.max_batch_size = 0  # the core's slots (its facts), known once it serves
         self._stopping = False  # this process asked the core to stop
         self._core_stopping = False  # the core said it is stopping (its own SIGTERM)
 
@@ -117,7 +118,9 @@ class CoreClient:
             self._hello.cancel()
             raise CoreStartError(await self.process.wait())
         self._serving = True
-        return self._hello.result()
+        facts = self._hello.result()
+        self.max_batch_size = int(facts["max_batch_size"])
+        return facts
 
     @property
     def healthy(self) -> bool:

@@ -145,6 +145,7 @@ def facts(app: web.Application) -> dict[str, Any]:
         "name": loaded.name,
         "path": str(loaded.path),
         "max_context": loaded.max_context,
+        "max_batch_size": state.engine.max_batch_size,  # its slots: the API process's bound
         "vocab_size": loaded.vocab_size,
         "has_chat_template": loaded.has_chat_template,
         "device": str(loaded.device),

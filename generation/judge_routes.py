@@ -68,11 +68,13 @@ class AppendChunk(AnswerRequest):
 @dataclass(frozen=True, slots=True)
 class Server:
     """What the routes use of server.py, passed in (server.py imports this module): its state
-    key, its 4xx exception `client_error(status, details, type, headers=)` and body reader."""
+    key, its 4xx exception `client_error(status, details, type, headers=)`, body reader and
+    the size a request's text counts toward the tokenizer's queue (`text_size`)."""
 
     state: web.AppKey[Any]
     client_error: Callable[..., Exception]
     read_model: Callable[[web.Request, type[BaseModel]], Awaitable[Any]]
+    text_size: Callable[[web.Request], int]
 
 
 SERVER = web.AppKey("guardstream_judge_routes", Server)
@@ -149,7 +151,9 @@ async def handle_open(request: web.Request) -> web.Response:
     server = request.app[SERVER]
     state = request.app[server.state]
     req: OpenSession = await server.read_model(request, OpenSession)
-    parts = await state.run_tokenizer(_encode_open, state.loaded, req)
+    parts = await state.run_tokenizer(
+        _encode_open, state.loaded, req, chars=server.text_size(request)
+    )
     if not parts["unsafe"] or not parts["safe"]:
         raise server.client_error(
             422, "unsafe_tokens and safe_tokens need a first token of their own each"
@@ -187,7 +191,9 @@ async def handle_append(request: web.Request) -> web.Response:
         session = state.engine.judges.get(request.match_info["session_id"])
     except JudgeSessionError as exc:
         raise _client_error(server, exc) from None
-    ids = await state.run_tokenizer(_encode_chunk, state.loaded, req.chunk)
+    ids = await state.run_tokenizer(
+        _encode_chunk, state.loaded, req.chunk, chars=server.text_size(request)
+    )
     verdict = await _judge(server, state, session, ids, req)
     return web.json_response({**await _verdict(state, verdict), "chunk_tokens": len(ids)})
 

@@ -257,6 +257,14 @@ def advertised_parameters() -> dict[str, dict[str, Any]]:
     }
 
 
+# The engine's bounds on waiting work (server.py; `python -m generation serve` flags): generate
+# requests held past its slots, and characters (request body bytes) queued for its tokenizer
+# thread. Far above an orchestrator's use: it holds at most `server.max_concurrent_streams`
+# (1024) streams per worker.
+MAX_WAITING_REQUESTS = 4096
+MAX_TOKENIZER_CHARS = 64 * 1024 * 1024
+
+
 def error_body(status: int, details: str, type_: str = "invalid_request") -> dict[str, Any]:
     """The HTTP error shape shared with the orchestrator (DESIGN section 4)."""
     return {"code": status, "details": details, "type": type_}

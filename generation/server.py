@@ -14,6 +14,16 @@ Connections (servicekit.connections): a body that has not arrived within `body_t
 (`--body-timeout-s`) is a 408 that closes the connection; `python -m generation serve` closes a
 connection whose request head is not complete within `--header-timeout-s`.
 
+Bounds on waiting work (a keyed caller, or an orchestrator gone wrong, must not queue without
+end): a generate request is refused with 429 `too_many_requests` and `Retry-After`, before any
+byte, when the engine already holds its slots (`max_batch_size`) plus `max_waiting_requests`
+(`--max-waiting-requests`) generate requests; and any request whose text would take the
+tokenizer thread's queue past `max_tokenizer_chars` characters (`--max-tokenizer-chars`; chat
+templates and tokenization of big prompts are its work). One request on an idle tokenizer is
+always taken (the body size bounds it). The defaults are far above what an orchestrator sends:
+it holds at most `server.max_concurrent_streams` (1024) streams per worker, and treats a 429 as
+a busy replica (tried elsewhere, never quarantined).
+
 Auth (`api_keys`, from `--api-keys-env`): every path needs `Authorization: Bearer <key>` except
 `/health` (liveness probes, the orchestrator's supervisor) and `/metrics` (Prometheus scrapers;
 counters only, never text), the same open set as the orchestrator's. An unknown path without a
@@ -30,7 +40,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,6 +62,8 @@ from .jobs import EngineDelta, EngineUnavailable, Job, StreamError
 from .metrics import EngineCollector
 from .models import LoadedModel
 from .protocol import (
+    MAX_TOKENIZER_CHARS,
+    MAX_WAITING_REQUESTS,
     FaultRequest,
     GenerateRequest,
     Message,
@@ -73,6 +85,7 @@ log = logging.getLogger("guardstream.engine")
 NDJSON = "application/x-ndjson"
 CLIENT_MAX_SIZE = 4 * 1024 * 1024
 DISCONNECT_POLL_S = 0.1  # how often the app checks whether quiet streams' clients left
+RETRY_AFTER = {"Retry-After": "1"}
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without a key (see the docstring)
 FAULTS_PATH = "/admin/faults"
 
@@ -112,9 +125,52 @@ class EngineState:
     watcher: asyncio.Task[None] | None = None  # `_watch_disconnects`
     core_http: Any = None  # API process: the aiohttp.ClientSession to the core's own app
     body_timeout_s: float = BODY_TIMEOUT_S  # a request body must arrive within this
+    max_waiting_requests: int = MAX_WAITING_REQUESTS
+    max_tokenizer_chars: int = MAX_TOKENIZER_CHARS
+    generating: int = 0  # generate requests held, from admission to the stream's end
+    tokenizer_chars: int = 0  # characters of the texts queued or being tokenized
 
-    async def run_tokenizer(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+    async def run_tokenizer(self, fn: Any, *args: Any, chars: int = 0) -> Any:
+        """`fn(*args)` on the tokenizer thread; `chars` (the text it renders and tokenizes)
+        count toward `max_tokenizer_chars` until it is done: past it, 429 before queueing."""
+        if (
+            chars
+            and self.tokenizer_chars
+            and self.tokenizer_chars + chars > self.max_tokenizer_chars
+        ):
+            raise ClientError(
+                429,
+                f"the tokenizer has {self.tokenizer_chars} characters queued: {chars} more "
+                f"would pass its {self.max_tokenizer_chars} (--max-tokenizer-chars): retry later",
+                "too_many_requests",
+                headers=dict(RETRY_AFTER),
+            )
+        self.tokenizer_chars += chars
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.tokenizer_pool, fn, *args)
+        finally:
+            self.tokenizer_chars -= chars
+
+    @contextlib.contextmanager
+    def generate_place(self) -> Iterator[None]:
+        """Hold one of the engine's generate places (its slots plus `max_waiting_requests`)
+        for the block: 429 when none is free."""
+        slots = self.engine.max_batch_size
+        if self.generating >= slots + self.max_waiting_requests:
+            raise ClientError(
+                429,
+                f"the engine holds {self.generating} generate requests, its {slots} slots and "
+                f"{self.max_waiting_requests} waiting places (--max-waiting-requests): "
+                "retry later",
+                "too_many_requests",
+                headers=dict(RETRY_AFTER),
+            )
+        self.generating += 1
+        try:
+            yield
+        finally:
+            self.generating -= 1
 
 
 STATE = web.AppKey("guardstream_engine_state", EngineState)
@@ -147,6 +203,8 @@ def create_app(
     max_judge_tokens: int | None = None,
     judge_idle_timeout_s: float | None = None,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    max_waiting_requests: int = MAX_WAITING_REQUESTS,
+    max_tokenizer_chars: int = MAX_TOKENIZER_CHARS,
 ) -> web.Application:
     """The engine app. Pass a `LoadedModel` to share one model between apps (tests), or a spec.
     With `api_keys` (non-empty), every path but OPEN_PATHS (and the fault route of a test
@@ -177,6 +235,8 @@ def create_app(
         faults=FaultInjector() if fault_injection else None,
         tool_format=tool_call_format(getattr(loaded.frontend_tokenizer, "chat_template", None)),
         body_timeout_s=body_timeout_s,
+        max_waiting_requests=max_waiting_requests,
+        max_tokenizer_chars=max_tokenizer_chars,
     )
     judges = state.engine.judges  # judge sessions (judge_routes.py)
     if max_judge_sessions is not None:
@@ -192,7 +252,7 @@ def create_app(
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
-    judge_routes.add_routes(app, judge_routes.Server(STATE, ClientError, _read_model))
+    judge_routes.add_routes(app, judge_routes.Server(STATE, ClientError, _read_model, text_size))
     if fault_injection:
         app.router.add_post(FAULTS_PATH, handle_faults)
         app.router.add_delete(FAULTS_PATH, handle_clear_faults)
@@ -225,6 +285,8 @@ def create_api_app(
     client_max_size: int = CLIENT_MAX_SIZE,
     api_keys: Sequence[str] | None = None,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    max_waiting_requests: int = MAX_WAITING_REQUESTS,
+    max_tokenizer_chars: int = MAX_TOKENIZER_CHARS,
 ) -> web.Application:
     """The API process's app of a split replica (engine_core.py, issue 35): the same middlewares
     (errors, auth, tracing) and generate handler as `create_app`, its jobs relayed to the core
@@ -240,6 +302,8 @@ def create_api_app(
         faults=FaultInjector() if fault_injection else None,
         tool_format=tool_format,
         body_timeout_s=body_timeout_s,
+        max_waiting_requests=max_waiting_requests,
+        max_tokenizer_chars=max_tokenizer_chars,
     )
     app.router.add_post("/v1/generate", handle_generate)
     if fault_injection:
@@ -401,12 +465,25 @@ def _auth_middleware(keys: Sequence[str], open_paths: frozenset[str]) -> Any:
     return check
 
 
+BODY_SIZE = "guardstream_body_size"  # the request's body, in bytes (`text_size`)
+
+
 async def _read_body(request: web.Request) -> bytes:
     """The body within the app's `body_timeout_s`, else a 408 (that closes the connection)."""
     try:
-        return await read_body(request, request.app[STATE].body_timeout_s)
+        body = await read_body(request, request.app[STATE].body_timeout_s)
     except BodyTimeout as exc:
         raise ClientError(408, str(exc), "timeout") from None
+    request[BODY_SIZE] = len(body)
+    return body
+
+
+def text_size(request: web.Request) -> int:
+    """What a request gives the tokenizer thread, as `max_tokenizer_chars` counts it: its
+    body's size, which holds every text it renders and tokenizes (prompt, messages, tools,
+    template), at least one byte for each of their characters, known without a walk of the
+    parsed body on the event loop."""
+    return int(request.get(BODY_SIZE, 0))
 
 
 async def _read_model(request: web.Request, schema: type[BaseModel]) -> Any:
@@ -495,7 +572,13 @@ async def handle_tokenize(request: web.Request) -> web.Response:
     _check_template(state.loaded, req.prompt, req.chat, req.messages)
     _check_tools(state, req.tools, req.messages)
     ids = await state.run_tokenizer(
-        _encode_prompt, state.loaded, req.prompt, req.chat, req.messages, req.tools
+        _encode_prompt,
+        state.loaded,
+        req.prompt,
+        req.chat,
+        req.messages,
+        req.tools,
+        chars=text_size(request),
     )
     return web.json_response({"token_ids": ids, "count": len(ids)})
 
@@ -590,14 +673,28 @@ async def handle_clear_faults(request: web.Request) -> web.Response:
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     """Validate (4xx before any byte), then stream NDJSON items ending with complete_final."""
     state = request.app[STATE]
-    loaded = state.loaded
     req: GenerateRequest = await _read_model(request, GenerateRequest)
     received = time.monotonic()
+    with state.generate_place():
+        return await _generate(request, state, req, received)
+
+
+async def _generate(
+    request: web.Request, state: EngineState, req: GenerateRequest, received: float
+) -> web.StreamResponse:
+    """`handle_generate` holding one of the engine's generate places."""
+    loaded = state.loaded
     _check_tools(state, req.tools, req.messages)
     if req.prompt is not None or req.messages is not None:
         _check_template(loaded, req.prompt, req.chat, req.messages)
         prompt_ids = await state.run_tokenizer(
-            _encode_prompt, loaded, req.prompt, req.chat, req.messages, req.tools
+            _encode_prompt,
+            loaded,
+            req.prompt,
+            req.chat,
+            req.messages,
+            req.tools,
+            chars=text_size(request),
         )
     else:
         prompt_ids = list(req.input_ids or [])

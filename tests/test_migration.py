@@ -537,3 +537,44 @@ async def test_migration_log_names_request_replica_attempt_tokens(
 def test_migration_config_defaults() -> None:
     cfg = MigrationConfig()
     assert (cfg.limit, cfg.max_seq_len, cfg.stall_timeout_s, cfg.quarantine_s) == (3, 8192, 30, 5)
+
+
+async def test_a_busy_replica_moves_the_request_without_quarantining_it(
+    session: aiohttp.ClientSession, engines: list[FakeEngine]
+) -> None:
+    """An engine at its bound answers 429 (generation/server.py: too many waiting requests, or
+    its tokenizer's queue full): it is alive and busy, so the request goes to another replica
+    and the busy one stays in service, no failure counted against it. Before, a 429
+    quarantined it: an orchestrator's own burst took a healthy model out for quarantine_s."""
+    a, b2, _ = await start_engines(engines, 3)
+    a.inject(Fault("http", status=429, error_type="too_many_requests"))
+    registry = CollectorRegistry()
+    b = backend(session, engines, registry)
+    stream = b.stream(req())
+    assert "".join(c.text for c in await run(stream)) == FULL
+    assert stream.migrations == 1 and (len(a.requests), len(b2.requests)) == (1, 1)
+    assert [r["quarantined"] for r in b.info()] == [False, False, False]
+    assert sample(
+        registry, "guardstream_replica_failures_total", model_id="m", replica="native-0"
+    ) in (0, None)
+
+
+async def test_a_request_every_replica_is_too_busy_for_ends_unavailable(
+    session: aiohttp.ClientSession, engines: list[FakeEngine]
+) -> None:
+    """Every replica answering 429: each is asked once (never the same busy one again, however
+    high the migration limit), the request ends with 503 generation_unavailable saying so,
+    and no replica is quarantined (nor counted as an internal error's)."""
+    engines_ = await start_engines(engines, 3)
+    for e in engines_:
+        e.inject(Fault("http", status=429, error_type="too_many_requests", times=-1))
+    b = backend(session, engines, limit=10)
+    with pytest.raises(GenerationError) as info:
+        await run(b.stream(req()))
+    assert (info.value.error_type, info.value.code) == ("generation_unavailable", 503)
+    assert info.value.message == (
+        "replica native-0 answered HTTP 429 (not migrated: every other replica is busy or "
+        "unavailable)"
+    )
+    assert [len(e.requests) for e in engines_] == [1, 1, 1]
+    assert [r["quarantined"] for r in b.info()] == [False, False, False]

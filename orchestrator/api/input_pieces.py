@@ -78,6 +78,9 @@ class InputPiece:
     # a decoded view of text another piece holds (an argument written with escapes): judged,
     # not counted again against the model's `max_input_chars`
     decoded: bool = False
+    # a tool call's arguments (a JSON string) as the client wrote them: its values are judged
+    # across their boundaries too (streaming/tool_calls.py `judge_sent_back_calls`)
+    arguments: bool = False
 
 
 def input_chars(pieces: list[InputPiece]) -> int:
@@ -162,7 +165,7 @@ def arguments_pieces(
     vLLM alike), so `s\\u0065cret` reaches the model as `secret`: judged only as written, it
     passed every detector that does not decode escapes itself. A string written plainly is in
     the raw piece already and is not judged twice."""
-    out = [InputPiece(arguments, message_index, field, target, tool_call=tool_call)]
+    out = [InputPiece(arguments, message_index, field, target, tool_call=tool_call, arguments=True)]
     if "\\" not in arguments:
         return out
     try:

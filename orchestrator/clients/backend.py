@@ -88,7 +88,8 @@ class GenerationError(Exception):
     pipeline only ever sees errors that migration could not absorb. `replica_fault` False: the
     replica was alive and answered an internal error (HTTP 500) for this request, which may be
     the request's own doing: it is tried elsewhere without quarantining the replica
-    (migration.py)."""
+    (migration.py). `busy`: the replica is alive and at its bound (HTTP 429): the request goes
+    elsewhere, never to it again, and it is neither quarantined nor counted as failing."""
 
     def __init__(
         self,
@@ -98,6 +99,7 @@ class GenerationError(Exception):
         code: int = 502,
         migratable: bool = False,
         replica_fault: bool = True,
+        busy: bool = False,
     ) -> None:
         super().__init__(message)
         if error_type not in ERROR_TYPES:
@@ -107,6 +109,7 @@ class GenerationError(Exception):
         self.code = code
         self.migratable = migratable
         self.replica_fault = replica_fault
+        self.busy = busy
 
     def __repr__(self) -> str:
         return (
@@ -311,12 +314,13 @@ class ReplicaClient(ABC):
         return None
 
 
-def unavailable(message: str, *, replica_fault: bool = True) -> GenerationError:
+def unavailable(message: str, *, replica_fault: bool = True, busy: bool = False) -> GenerationError:
     """A replica-level failure another replica may absorb."""
     return GenerationError(
         message,
         error_type="generation_unavailable",
         code=503,
         migratable=True,
-        replica_fault=replica_fault,
+        replica_fault=replica_fault and not busy,
+        busy=busy,
     )

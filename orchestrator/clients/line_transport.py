@@ -200,8 +200,9 @@ def http_error(name: str, status: int, raw: bytes) -> GenerationError:
     URL: generation_error, 502). 408/425/429 and 5xx are the replica's problem (migratable); a
     plain 500 (the replica alive, its handler failing on this request) is tried elsewhere without
     quarantining the replica (`replica_fault`: one crafted request once quarantined every
-    replica of a model in turn). The body goes to the log; a client is told the status only
-    (DESIGN 6)."""
+    replica of a model in turn); a 429 (an engine at its bound on waiting work) is a busy
+    replica (`busy`): tried elsewhere, never quarantined. The body goes to the log; a client is
+    told the status only (DESIGN 6)."""
     log_error_body(f"replica {name}", status, raw)
     if status in INVALID_REQUEST_STATUSES:
         return GenerationError(
@@ -216,7 +217,9 @@ def http_error(name: str, status: int, raw: bytes) -> GenerationError:
             error_type="generation_error",
             code=502,
         )
-    return unavailable(f"replica {name} answered HTTP {status}", replica_fault=status != 500)
+    return unavailable(
+        f"replica {name} answered HTTP {status}", replica_fault=status != 500, busy=status == 429
+    )
 
 
 def error_message(raw: bytes) -> str:

@@ -164,6 +164,7 @@ class MigratingStream:
         self._closed = False
         self._internal_errors = 0  # replicas that answered HTTP 500 (`replica_fault` False)
         self._failed_alive: Replica | None = None  # the last of them: the next try goes elsewhere
+        self._busy: list[Replica] = []  # replicas that answered 429: never tried again
         self._current: EngineStream | None = None
         self._replay: Replay | None = None  # the prefix the current dispatch regenerates
         self._started = time.monotonic()
@@ -233,7 +234,7 @@ class MigratingStream:
         original: GenerationError | None = None
         attempt = 0
         while True:
-            replica = self._pool.acquire(avoid=self._failed_alive)
+            replica = self._pool.acquire(avoid=self._failed_alive, exclude=self._busy)
             if replica is None:
                 if original is None:
                     raise GenerationError(
@@ -242,7 +243,8 @@ class MigratingStream:
                         code=503,
                     )
                 self._count_exhausted()
-                raise self._give_up(original, "no other healthy replica")
+                why = "every other replica is busy or unavailable" if self._busy else ""
+                raise self._give_up(original, why or "no other healthy replica")
             attempt += 1
             self.replicas_used.append(replica.name)
             if attempt > 1:
@@ -302,7 +304,9 @@ class MigratingStream:
                     traced.failed(exc.message, exc.error_type, exc.migratable)
                 if isinstance(exc, _GaveUp):
                     raise  # counted where it was decided
-                if exc.migratable and exc.replica_fault:
+                if exc.migratable and exc.busy:  # alive, at its bound: elsewhere, not again
+                    self._busy.append(replica)
+                elif exc.migratable and exc.replica_fault:
                     self._pool.quarantine(replica, exc.message)
                     if self._metrics is not None:
                         self._metrics.replica_failures.labels(self.model_id, replica.name).inc()

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,10 +95,13 @@ class ReplicaPool:
         usable.sort(key=lambda ir: (ir[1].status != HEALTHY, ir[1].active, (ir[0] - self._rr) % n))
         return [r for _, r in usable]
 
-    def acquire(self, avoid: Replica | None = None) -> Replica | None:
+    def acquire(
+        self, avoid: Replica | None = None, exclude: Collection[Replica] = ()
+    ) -> Replica | None:
         """The replica for the next dispatch (its active count is raised), or None; not `avoid`
-        (one that just failed the request without being quarantined) while another is usable."""
-        candidates = self.candidates()
+        (one that just failed the request without being quarantined) while another is usable,
+        never one of `exclude` (busy with others' requests: they answered this one 429)."""
+        candidates = [r for r in self.candidates() if r not in exclude]
         if not candidates:
             return None
         others = [r for r in candidates if r is not avoid]

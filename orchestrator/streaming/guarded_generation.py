@@ -62,7 +62,13 @@ from .redaction import redact_text, redacted_finding
 from .released_stops import ReleasedStops
 from .stream_judgement import Release, StreamJudge
 from .text_judgement import BULK_CHARS, InputPiece, judge_pieces, judge_text, off_loop
-from .tool_calls import JudgedCall, ToolCallAssembler, judge_tool_calls, offered_names
+from .tool_calls import (
+    JudgedCall,
+    ToolCallAssembler,
+    judge_sent_back_calls,
+    judge_tool_calls,
+    offered_names,
+)
 from .verdict_cache import TenantVerdicts
 
 log = logging.getLogger("guardstream.stream")
@@ -422,6 +428,14 @@ class GuardedGeneration(PipelineCore):
                 pieces = [*self._inputs, *stops]
                 findings = await judge_pieces(
                     pieces, self._input_detectors, self._chunkers, self._input_verdicts
+                )
+                # the calls sent back, their values across their boundaries (`joined_values`)
+                findings += await judge_sent_back_calls(
+                    self._inputs,
+                    findings,
+                    self._input_detectors,
+                    self._chunkers,
+                    self._input_verdicts,
                 )
             if span is not None:
                 span.set_attribute("guardstream.detections", len(findings))

@@ -224,6 +224,86 @@ def _across_values(
     ]
 
 
+def _sent_back(
+    pieces: list[InputPiece],
+) -> list[tuple[InputPiece, list[StringValue], str, list[tuple[int, int, int]]]]:
+    """The arguments pieces of a conversation with more than one value: each with its values
+    and their joined text (`joined_values`)."""
+    out = []
+    for p in pieces:
+        if p.arguments:
+            values = string_values(p.text)
+            text, placed = joined_values(values)
+            if len(placed) > 1:
+                out.append((p, values, text, placed))
+    return out
+
+
+async def judge_sent_back_calls(
+    pieces: list[InputPiece],
+    findings: list[Finding],
+    detectors: list[RequestedDetector],
+    chunkers: ChunkerRegistry,
+    verdicts: Any = None,
+) -> list[Finding]:
+    """The input side of `joined_values` (DESIGN 4.8, 4.9): the calls a conversation sends
+    back (an assistant turn's `tool_calls`, a Responses `function_call`) reach the model
+    whole, so a span detector judges each call's values across their boundaries too, as on
+    output; `findings` are the pieces' own. A finding that crosses a boundary is its part in
+    each value: on the arguments piece, spans into the JSON the client wrote (a redaction
+    there stays inside the value's string); in a value written with escapes, on that value's
+    decoded piece (its path: a redaction there is refused, as the value's own finding is).
+    None where the part overlaps the same detector's own finding there (stretched)."""
+    spans = [d for d in detectors if not d.judges_chunks]
+    if not spans:
+        return []
+    bulk = sum(len(p.text) for p in pieces if p.arguments) > BULK_CHARS
+    calls = await off_loop(lambda: _sent_back(pieces)) if bulk else _sent_back(pieces)
+    if not calls:
+        return []
+    joined = [
+        InputPiece(text, message_index=k, field=JOINED_FIELD)
+        for k, (_, _, text, _) in enumerate(calls)
+    ]
+    found = await judge_pieces(joined, spans, chunkers, verdicts)
+    own: dict[tuple[int | None, str | None, str], list[tuple[int, int]]] = {}
+    for f in findings:
+        own.setdefault((f.message_index, f.field, f.detector_id), []).append((f.start, f.end))
+    decoded = {(p.message_index, p.text): p.field for p in pieces if p.decoded}
+    out: list[Finding] = []
+    for f in found:
+        if f.unjudged:  # a failure is the pieces' own warning already
+            continue
+        piece, values, _, placed = calls[f.message_index or 0]
+        mapped = []
+        for part in _across_values(f, placed, {}, values):
+            value = values[int(part.field or 0)]
+            raw = piece.text[value.start : value.end]
+            field = decoded.get((piece.message_index, value.text)) if "\\" in raw else None
+            if field is not None:  # written with escapes: the decoded value's piece
+                mapped.append(replace(part, message_index=piece.message_index, field=field))
+                continue
+            offsets = value.offsets(raw)
+            start, end = value.start + offsets[part.start], value.start + offsets[part.end]
+            mapped.append(
+                replace(
+                    part,
+                    start=start,
+                    end=end,
+                    text=piece.text[start:end],
+                    message_index=piece.message_index,
+                    field=piece.field,
+                )
+            )
+        if not any(
+            s < m.end and m.start < e
+            for m in mapped
+            for s, e in own.get((m.message_index, m.field, m.detector_id), ())
+        ):
+            out += mapped
+    return out
+
+
 def offered_names(tools: Any) -> frozenset[str]:
     """The names of the tools a request offered (`{"type": T, T: {"name": ...}}`, as Chat
     Completions declares a `function` tool and any other kind alike)."""
