@@ -52,6 +52,8 @@ from .age_date import age_date_spans
 from .api import Detection
 from .base import BatchingParams
 from .model import BatchedDetector
+from .foreign_words import load as load_foreign_words
+from .foreign_words import name_part, piece_language
 from .normalise import normalise
 from .person_names import first_names, person_spans, word_surnames
 from .regex_pii import KINDS as REGEX_KINDS
@@ -138,6 +140,9 @@ _NOT_NAMES = frozenset(
         "ZIP",
     }
 )
+# the model's kinds that are names: in a German, French... sentence, its function words and
+# nouns are cut off them (detectors/foreign_words.py)
+_NAMES = frozenset({"person", "organization", "location", "group"})
 Span = tuple[int, int, str]
 
 
@@ -173,6 +178,7 @@ def _load() -> Any:
         libs = _blas().info()
         single = bool(libs) and all(lib["num_threads"] == 1 for lib in libs)
     first_names(), word_surnames()  # the gazetteer's sets, built here off the event loop too
+    load_foreign_words()  # and the language identifier's model and the stop words
     with use_ops("numpy", use_blis=not single):  # the layers take the current ops when built
         return spacy.load(SPACY_MODEL, exclude=_EXCLUDE)
 
@@ -241,14 +247,24 @@ def _date_kind(text: str) -> str | None:
     return "date"
 
 
-def ner_spans(nlp: Any, texts: list[str], *, gazetteer: bool = True) -> list[list[Span]]:
+def ner_spans(
+    nlp: Any,
+    texts: list[str],
+    *,
+    gazetteer: bool = True,
+    languages: list[str | None] | None = None,
+) -> list[list[Span]]:
     """The model's finds in each text (spans in that text), IBANs, addresses, ages and dates by
     pattern included, and the gazetteer's persons (`gazetteer=False`: without them, what
-    bench/quality.py compares), sorted by start."""
+    bench/quality.py compares), sorted by start. `languages`: each text's language where it is
+    one the English model misreads (detectors/foreign_words.py), read from the text before its
+    normalisation (accents are a language's best evidence); by default read from `texts`."""
     out: list[list[Span]] = []
     with _one_blas_thread():
         docs = list(nlp.pipe(texts, batch_size=max(1, len(texts))))
-    for text, doc in zip(texts, docs, strict=True):
+    if languages is None:
+        languages = [piece_language(t) for t in texts]
+    for text, doc, lang in zip(texts, docs, languages, strict=True):
         found = _ibans(text) + address_spans(text)
         for ent in doc.ents:
             kind = _LABELS.get(ent.label_)
@@ -258,7 +274,14 @@ def ner_spans(nlp: Any, texts: list[str], *, gazetteer: bool = True) -> list[lis
                 kind = _date_kind(ent.text)
                 if kind is None:
                     continue
-            found.append((ent.start_char, ent.end_char, kind))
+            start, end = ent.start_char, ent.end_char
+            if lang is not None and kind in _NAMES:
+                # a German, French... sentence: its nouns and function words are no names
+                part = name_part(text, start, end, lang)
+                if part is None:
+                    continue
+                start, end = part
+            found.append((start, end, kind))
         found = _with_patterned(found, age_date_spans(text))
         if gazetteer:
             found = _with_gazetteer(found, person_spans(text), text)
@@ -357,7 +380,8 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
             bounds = [0, *natural_cuts(text), len(text)]
             pieces.extend((i, a, b) for a, b in itertools.pairwise(bounds) if text[a:b].strip())
         views = [normalise(items[i][a:b]) for i, a, b in pieces]
-        found = self._forward([v.text for v in views])
+        languages = [piece_language(items[i][a:b]) for i, a, b in pieces]
+        found = ner_spans(self._runtime.get(), [v.text for v in views], languages=languages)
         out: list[list[Span]] = [[] for _ in items]
         for (i, a, _), v, f in zip(pieces, views, found, strict=True):
             spans = f if v.identity else [(*v.span(s, e), k) for s, e, k in f]
