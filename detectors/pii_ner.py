@@ -51,9 +51,9 @@ from .address import address_spans
 from .age_date import age_date_spans
 from .api import Detection
 from .base import BatchingParams
-from .model import BatchedDetector
 from .foreign_words import load as load_foreign_words
 from .foreign_words import name_part, piece_language
+from .model import BatchedDetector
 from .normalise import normalise
 from .person_names import first_names, person_spans, word_surnames
 from .regex_pii import KINDS as REGEX_KINDS
