@@ -32,7 +32,11 @@ PII-dense texts (58 before `_load` ran the `ner` alone with numpy's products), s
 `regex`'s; as the output guardrail, 195-215 ms of the orchestrator's CPU per 2,000-word answer
 against 17-18 ms with `regex` (bench/openai_overhead.py --pii-builtin pii_ner; 310-370 ms
 before). The model runs in its runtime's worker thread, micro-batched (`nlp.pipe` over a batch),
-never on the event loop. English only.
+never on the event loop. The model is English: in German, French, Italian, Spanish, Dutch and
+Portuguese sentences (the piece's language by py3langid, detectors/foreign_words.py) its
+persons, places, organisations and groups are cut to their name-like words, or dropped where
+they have none (`Der Vertrag`, `Le contrat`, `Sie` of `Sie Juri Kade`); English pieces are
+judged as before.
 """
 
 from __future__ import annotations
@@ -353,7 +357,8 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
         "(check digits verified), address (US, Canadian, British and continental street "
         "addresses, one span with their city, state and postal code) and postal_code (a ZIP code or postcode in an "
         "address context) by pattern. detection_type 'pii', detection = the kind, exact "
-        "spans, score 1.0. English."
+        "spans, score 1.0. English; in German, French, Italian, Spanish, Dutch and Portuguese "
+        "sentences the model's names are cut to their name-like words (no `Der Vertrag`)."
     )
     Params: ClassVar[type[PiiNerParams]] = PiiNerParams
     finds_spans: ClassVar[bool] = True  # entities: redaction must see each whole
