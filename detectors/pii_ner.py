@@ -256,20 +256,20 @@ def ner_spans(
     texts: list[str],
     *,
     gazetteer: bool = True,
-    languages: list[str | None] | None = None,
+    originals: list[str] | None = None,
 ) -> list[list[Span]]:
     """The model's finds in each text (spans in that text), IBANs, addresses, ages and dates by
     pattern included, and the gazetteer's persons (`gazetteer=False`: without them, what
-    bench/quality.py compares), sorted by start. `languages`: each text's language where it is
-    one the English model misreads (detectors/foreign_words.py), read from the text before its
-    normalisation (accents are a language's best evidence); by default read from `texts`."""
+    bench/quality.py compares), sorted by start. `originals`: the texts before their
+    normalisation (default: `texts`), whence a text's language is read where the model found a
+    name in it (detectors/foreign_words.py; accents are a language's best evidence)."""
     out: list[list[Span]] = []
     with _one_blas_thread():
         docs = list(nlp.pipe(texts, batch_size=max(1, len(texts))))
-    if languages is None:
-        languages = [piece_language(t) for t in texts]
-    for text, doc, lang in zip(texts, docs, languages, strict=True):
+    for text, doc, original in zip(texts, docs, originals or texts, strict=True):
         found = _ibans(text) + address_spans(text)
+        named = any(_LABELS.get(ent.label_) in _NAMES for ent in doc.ents)
+        lang = piece_language(original) if named else None  # 0.03 ms a sentence: only if needed
         for ent in doc.ents:
             kind = _LABELS.get(ent.label_)
             if kind is None or ent.text.upper() in _NOT_NAMES:
@@ -385,8 +385,8 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
             bounds = [0, *natural_cuts(text), len(text)]
             pieces.extend((i, a, b) for a, b in itertools.pairwise(bounds) if text[a:b].strip())
         views = [normalise(items[i][a:b]) for i, a, b in pieces]
-        languages = [piece_language(items[i][a:b]) for i, a, b in pieces]
-        found = ner_spans(self._runtime.get(), [v.text for v in views], languages=languages)
+        originals = [items[i][a:b] for i, a, b in pieces]
+        found = ner_spans(self._runtime.get(), [v.text for v in views], originals=originals)
         out: list[list[Span]] = [[] for _ in items]
         for (i, a, _), v, f in zip(pieces, views, found, strict=True):
             spans = f if v.identity else [(*v.span(s, e), k) for s, e, k in f]
