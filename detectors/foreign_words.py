@@ -61,6 +61,11 @@ _ARTICLES = {
     "pt": "o a os as um uma uns umas meu minha meus minhas teu tua teus tuas seu sua seus "
     "suas nosso nossa este esta esse essa",
 }
+# lower-case particles of surnames in these languages (`van der Heiden`, `da Costa`, `de la
+# Marques`, `von Weizsäcker`, `dos Santos`, `ter Horst`)
+_PARTICLES = frozenset(
+    "van von der den de da di del della dei degli do dos das du des la le lo ten ter zu y e".split()
+)
 # a word: letters, with inner apostrophes or hyphens (`m'envoyer`, `Mude-Bolander`)
 _WORD = re.compile(r"[^\W\d_]+(?:['\u2019\-][^\W\d_]+)*")
 
@@ -115,11 +120,15 @@ def name_part(text: str, start: int, end: int, lang: str) -> tuple[int, int] | N
     first = _WORD.search(text)
     lower = [
         # a capitalised stop word inside a sentence is a name's word (`Stati Uniti`, `Via
-        # Lattea`, `São Jorge`), but in German, which capitalises nouns and its polite `Sie`
-        w.group().lower() if lang == "de" or not _inner_capital(w, first) else ""
+        # Lattea`, `São Jorge`), but in German, which capitalises nouns and its polite `Sie`;
+        # so is a capital alone, an initial (`B.A.`, `A. Weber`)
+        ""
+        if (lang != "de" and _inner_capital(w, first))
+        or (len(w.group()) == 1 and w.group().isupper())
+        else w.group().lower()
         for w in words
     ]
-    kept: list[tuple[int, int]] = []
+    kept: list[tuple[int, int]] = []  # runs kept, as indices of their first and last words
     i = 0
     while i < len(words):
         if lower[i] in stop:
@@ -128,25 +137,33 @@ def name_part(text: str, start: int, end: int, lang: str) -> tuple[int, int] | N
         j = i
         while j < len(words) and lower[j] not in stop:
             j += 1
-        run = words[i:j]
         # the find starts with an article and this run follows it (`Der Vertrag`); an article
         # inside a find is a name's particle as often (`Meneer de Haas`, `de la Marques`)
         after_article = i == 1 and lower[0] in articles
-        named = any(w.group()[0].isupper() and w.group().lower() in names for w in run)
-        if after_article and not named:
-            run = run[1:]  # the noun the article determines; a name may follow it (`Il signor
-            # Mazzocchi`, `la señora Polo`)
-        capitals = [w for w in run if w.group()[0].isupper()]
+        named = any(words[k].group()[0].isupper() and lower[k] in names for k in range(i, j))
+        # after an article, the run's first word is the noun it determines; a name may follow
+        # (`Il signor Mazzocchi`, `la señora Polo`)
+        capitals = [
+            k for k in range(i + (after_article and not named), j) if words[k].group()[0].isupper()
+        ]
         if capitals:  # from its first capitalised word to its last: a name's words are
             # capitalised, its lower-case particles (`van`, `de`) are stop words, between runs
-            kept.append((capitals[0].start(), capitals[-1].end()))
+            kept.append((capitals[0], capitals[-1]))
         i = j
     if not kept:
-        return None
+        # particles alone: the model cut a name after them (`van den` + `Eijssel`)
+        return (start, end) if all(w.group() in _PARTICLES for w in words) else None
+    first_kept, last_kept = kept[0][0], kept[-1][1]
+    # lower-case particles between the kept words and the find's edge stay: the model cut the
+    # name there (`Sara van der` + `Heiden`, `da Costa de Novaes`)
+    if all(words[k].group() in _PARTICLES for k in range(first_kept)):
+        first_kept = 0
+    if all(words[k].group() in _PARTICLES for k in range(last_kept + 1, len(words))):
+        last_kept = len(words) - 1
     # what the model's find holds past its first or last word stays (`John F.`, `Dr.`)
     return (
-        start if kept[0][0] == words[0].start() else kept[0][0],
-        end if kept[-1][1] == words[-1].end() else kept[-1][1],
+        start if first_kept == 0 else words[first_kept].start(),
+        end if last_kept == len(words) - 1 else words[last_kept].end(),
     )
 
 

@@ -386,15 +386,16 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
             pieces.extend((i, a, b) for a, b in itertools.pairwise(bounds) if text[a:b].strip())
         views = [normalise(items[i][a:b]) for i, a, b in pieces]
         originals = [items[i][a:b] for i, a, b in pieces]
-        found = ner_spans(self._runtime.get(), [v.text for v in views], originals=originals)
+        found = self._forward([v.text for v in views], originals)
         out: list[list[Span]] = [[] for _ in items]
         for (i, a, _), v, f in zip(pieces, views, found, strict=True):
             spans = f if v.identity else [(*v.span(s, e), k) for s, e, k in f]
             out[i].extend((a + s, a + e, k) for s, e, k in spans)
         return out
 
-    def _forward(self, items: list[str]) -> list[list[Span]]:
-        return ner_spans(self._runtime.get(), items)
+    def _forward(self, items: list[str], originals: list[str] | None = None) -> list[list[Span]]:
+        """`originals`: the items before their normalisation (`ner_spans`)."""
+        return ner_spans(self._runtime.get(), items, originals=originals)
 
     def crosses_natural_cuts(self, params: Mapping[str, Any] | None) -> bool:
         """No span crosses a natural cut: the model reads the pieces between them alone
