@@ -111,8 +111,8 @@ def piece_language(piece: str) -> str | None:
 
 def name_part(text: str, start: int, end: int, lang: str) -> tuple[int, int] | None:
     """The part of the find `text[start:end]` (of a piece or its normalised view) in a `lang`
-    sentence from its first to its last
-    name-like run of words (see the module's docstring), or None when it has none."""
+    sentence from its first to its last name-like run of words (see the module's docstring),
+    or None when it has none."""
     words = [m for m in _WORD.finditer(text, start, end) if m.end() <= end]
     if not words:
         return start, end  # no letters (a number the model read as a name): not ours to judge
@@ -140,11 +140,13 @@ def name_part(text: str, start: int, end: int, lang: str) -> tuple[int, int] | N
         # the find starts with an article and this run follows it (`Der Vertrag`); an article
         # inside a find is a name's particle as often (`Meneer de Haas`, `de la Marques`)
         after_article = i == 1 and lower[0] in articles
-        named = any(words[k].group()[0].isupper() and lower[k] in names for k in range(i, j))
+        named = any(
+            _capitalised(words[k]) and words[k].group().lower() in names for k in range(i, j)
+        )
         # after an article, the run's first word is the noun it determines; a name may follow
         # (`Il signor Mazzocchi`, `la señora Polo`)
         capitals = [
-            k for k in range(i + (after_article and not named), j) if words[k].group()[0].isupper()
+            k for k in range(i + (after_article and not named), j) if _capitalised(words[k])
         ]
         if capitals:  # from its first capitalised word to its last: a name's words are
             # capitalised, its lower-case particles (`van`, `de`) are stop words, between runs
@@ -167,6 +169,10 @@ def name_part(text: str, start: int, end: int, lang: str) -> tuple[int, int] | N
     )
 
 
+def _capitalised(word: re.Match[str]) -> bool:
+    return word.group()[0].isupper()
+
+
 def _inner_capital(word: re.Match[str], first: re.Match[str] | None) -> bool:
     """Whether a word is capitalised and not its sentence's first word."""
-    return word.group()[0].isupper() and (first is None or word.start() != first.start())
+    return _capitalised(word) and (first is None or word.start() != first.start())
