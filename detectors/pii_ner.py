@@ -32,7 +32,11 @@ PII-dense texts (58 before `_load` ran the `ner` alone with numpy's products), s
 `regex`'s; as the output guardrail, 195-215 ms of the orchestrator's CPU per 2,000-word answer
 against 17-18 ms with `regex` (bench/openai_overhead.py --pii-builtin pii_ner; 310-370 ms
 before). The model runs in its runtime's worker thread, micro-batched (`nlp.pipe` over a batch),
-never on the event loop. English only.
+never on the event loop. The model is English: in German, French, Italian, Spanish, Dutch and
+Portuguese sentences (the piece's language by py3langid, detectors/foreign_words.py) its
+persons, places, organisations and groups are cut to their name-like words, or dropped where
+they have none (`Der Vertrag`, `Le contrat`, `Sie` of `Sie Juri Kade`); English pieces are
+judged as before.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from .address import address_spans
 from .age_date import age_date_spans
 from .api import Detection
 from .base import BatchingParams
+from .foreign_words import load as load_foreign_words
+from .foreign_words import name_part, piece_language
 from .model import BatchedDetector
 from .normalise import normalise
 from .person_names import first_names, person_spans, word_surnames
@@ -138,6 +144,9 @@ _NOT_NAMES = frozenset(
         "ZIP",
     }
 )
+# the model's kinds that are names: in a German, French... sentence, its function words and
+# nouns are cut off them (detectors/foreign_words.py)
+_NAMES = frozenset({"person", "organization", "location", "group"})
 Span = tuple[int, int, str]
 
 
@@ -173,6 +182,7 @@ def _load() -> Any:
         libs = _blas().info()
         single = bool(libs) and all(lib["num_threads"] == 1 for lib in libs)
     first_names(), word_surnames()  # the gazetteer's sets, built here off the event loop too
+    load_foreign_words()  # and the language identifier's model and the stop words
     with use_ops("numpy", use_blis=not single):  # the layers take the current ops when built
         return spacy.load(SPACY_MODEL, exclude=_EXCLUDE)
 
@@ -241,15 +251,25 @@ def _date_kind(text: str) -> str | None:
     return "date"
 
 
-def ner_spans(nlp: Any, texts: list[str], *, gazetteer: bool = True) -> list[list[Span]]:
+def ner_spans(
+    nlp: Any,
+    texts: list[str],
+    *,
+    gazetteer: bool = True,
+    originals: list[str] | None = None,
+) -> list[list[Span]]:
     """The model's finds in each text (spans in that text), IBANs, addresses, ages and dates by
     pattern included, and the gazetteer's persons (`gazetteer=False`: without them, what
-    bench/quality.py compares), sorted by start."""
+    bench/quality.py compares), sorted by start. `originals`: the texts before their
+    normalisation (default: `texts`), whence a text's language is read where the model found a
+    name in it (detectors/foreign_words.py; accents are a language's best evidence)."""
     out: list[list[Span]] = []
     with _one_blas_thread():
         docs = list(nlp.pipe(texts, batch_size=max(1, len(texts))))
-    for text, doc in zip(texts, docs, strict=True):
+    for text, doc, original in zip(texts, docs, originals or texts, strict=True):
         found = _ibans(text) + address_spans(text)
+        named = any(_LABELS.get(ent.label_) in _NAMES for ent in doc.ents)
+        lang = piece_language(original) if named else None  # 0.03 ms a sentence: only if needed
         for ent in doc.ents:
             kind = _LABELS.get(ent.label_)
             if kind is None or ent.text.upper() in _NOT_NAMES:
@@ -258,7 +278,14 @@ def ner_spans(nlp: Any, texts: list[str], *, gazetteer: bool = True) -> list[lis
                 kind = _date_kind(ent.text)
                 if kind is None:
                     continue
-            found.append((ent.start_char, ent.end_char, kind))
+            start, end = ent.start_char, ent.end_char
+            if lang is not None and kind in _NAMES:
+                # a German, French... sentence: its nouns and function words are no names
+                part = name_part(text, start, end, lang)
+                if part is None:
+                    continue
+                start, end = part
+            found.append((start, end, kind))
         found = _with_patterned(found, age_date_spans(text))
         if gazetteer:
             found = _with_gazetteer(found, person_spans(text), text)
@@ -330,7 +357,8 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
         "(check digits verified), address (US, Canadian, British and continental street "
         "addresses, one span with their city, state and postal code) and postal_code (a ZIP code or postcode in an "
         "address context) by pattern. detection_type 'pii', detection = the kind, exact "
-        "spans, score 1.0. English."
+        "spans, score 1.0. English; in German, French, Italian, Spanish, Dutch and Portuguese "
+        "sentences the model's names are cut to their name-like words (no `Der Vertrag`)."
     )
     Params: ClassVar[type[PiiNerParams]] = PiiNerParams
     finds_spans: ClassVar[bool] = True  # entities: redaction must see each whole
@@ -357,15 +385,17 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
             bounds = [0, *natural_cuts(text), len(text)]
             pieces.extend((i, a, b) for a, b in itertools.pairwise(bounds) if text[a:b].strip())
         views = [normalise(items[i][a:b]) for i, a, b in pieces]
-        found = self._forward([v.text for v in views])
+        originals = [items[i][a:b] for i, a, b in pieces]
+        found = self._forward([v.text for v in views], originals)
         out: list[list[Span]] = [[] for _ in items]
         for (i, a, _), v, f in zip(pieces, views, found, strict=True):
             spans = f if v.identity else [(*v.span(s, e), k) for s, e, k in f]
             out[i].extend((a + s, a + e, k) for s, e, k in spans)
         return out
 
-    def _forward(self, items: list[str]) -> list[list[Span]]:
-        return ner_spans(self._runtime.get(), items)
+    def _forward(self, items: list[str], originals: list[str] | None = None) -> list[list[Span]]:
+        """`originals`: the items before their normalisation (`ner_spans`)."""
+        return ner_spans(self._runtime.get(), items, originals=originals)
 
     def crosses_natural_cuts(self, params: Mapping[str, Any] | None) -> bool:
         """No span crosses a natural cut: the model reads the pieces between them alone

@@ -87,9 +87,9 @@ def test_the_model_runs_in_its_worker_thread_never_on_the_loop() -> None:
     threads: list[str] = []
     forward = PiiNerDetector._forward
 
-    def spy(self: PiiNerDetector, items: list[str]):  # type: ignore[no-untyped-def]
+    def spy(self: PiiNerDetector, items: list[str], *rest: Any):  # type: ignore[no-untyped-def]
         threads.append(threading.current_thread().name)
-        return forward(self, items)
+        return forward(self, items, *rest)
 
     async def run() -> None:
         PiiNerDetector._forward = spy  # type: ignore[method-assign]
