@@ -3,9 +3,12 @@ end-of-stream contract it enforces (DESIGN section 7)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
+from orchestrator.clients import line_transport
 from orchestrator.clients.backend import (
     Continuation,
     EngineDelta,
@@ -15,6 +18,7 @@ from orchestrator.clients.backend import (
 )
 from orchestrator.clients.native import NativeClient
 from tests.fakes.engine import TOKEN_BASE, FakeEngine, Fault, prompt_ids
+from tests.wait_support import DEADLINE_S
 
 SCRIPT = ["Hello", ",", " wor", "ld", "!"]
 
@@ -254,6 +258,30 @@ async def test_connection_refused(session: aiohttp.ClientSession) -> None:
     with pytest.raises(GenerationError, match="connection failed") as info:
         await collect(client, request())
     assert info.value.migratable
+
+
+async def test_an_endless_line_is_cut_at_its_bound(
+    session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repro: a line that never ended was buffered whole until the stall timeout (a fast peer
+    pushes gigabytes in that time). Past `MAX_LINE_BYTES` (lowered here, so the fake sends
+    4 MiB, not 64) the replica failed, migratably, and its connection is dropped at once."""
+    monkeypatch.setattr(line_transport, "MAX_LINE_BYTES", 1 << 20)
+    e = await engine(fail=Fault("endless_line", after_tokens=2))
+    try:
+        client = NativeClient("r0", e.url, session)
+        items: list[EngineDelta] = []
+        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=600, max_time=0)
+        with pytest.raises(GenerationError) as info:
+            async with asyncio.timeout(DEADLINE_S):  # the stall timeout is far off
+                async for item in stream:
+                    items.append(item)
+        assert info.value.message == "replica r0 sent a line longer than 1048576 bytes"
+        assert info.value.migratable and info.value.replica_fault
+        assert "".join(i.text for i in items) == "Hello,"
+        await e.wait_disconnects(1)
+    finally:
+        await e.close()
 
 
 async def test_close_drops_the_connection(session: aiohttp.ClientSession) -> None:

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
+from orchestrator.clients import line_transport
 from orchestrator.clients.backend import (
     Continuation,
     EngineDelta,
@@ -32,7 +33,7 @@ from tests.fakes.openai_server import (
     token_ids,
 )
 from tests.fakes.upstream import FakeUpstream
-from tests.wait_support import until
+from tests.wait_support import DEADLINE_S, until
 
 SCRIPT = ["Once", " upon", " a", " time", "."]
 HI = {"role": "user", "content": "Hi"}
@@ -150,6 +151,35 @@ async def test_stall(
     with pytest.raises(GenerationError, match="no event for 30 s \\(stalled\\)") as info:
         await task
     assert info.value.migratable and [i.text for i in items] == ["Once"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "what"), [("endless_line", "a line"), ("endless_event", "an event")]
+)
+async def test_an_endless_event_is_cut_at_its_bound(
+    session: aiohttp.ClientSession,
+    servers: list[FakeOpenAI],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    what: str,
+) -> None:
+    """Repro: a `data:` line that never ended, or `data:` lines that never ended their event,
+    were buffered whole until the stall timeout (a fast peer pushes gigabytes in that time).
+    Past `MAX_LINE_BYTES` (lowered here, so the fake sends 4 MiB, not 64) the replica failed,
+    migratably, and its connection is dropped at once."""
+    monkeypatch.setattr(line_transport, "MAX_LINE_BYTES", 1 << 20)
+    (s,) = await start(servers, fail=OpenAIFault(mode, after=2))
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    stream = client.generate(request(), None, stall_timeout_s=600, max_time=0)
+    items: list[EngineDelta] = []
+    with pytest.raises(GenerationError) as info:
+        async with asyncio.timeout(DEADLINE_S):  # the stall timeout is far off
+            async for item in stream:
+                items.append(item)
+    assert info.value.message == f"replica o0 sent {what} longer than 1048576 bytes"
+    assert info.value.migratable and info.value.replica_fault
+    assert "".join(i.text for i in items) == "Once upon"
+    await until(lambda: s.disconnects == 1, what="the replica's connection dropped")
 
 
 async def test_http_400_is_not_migratable(

@@ -37,6 +37,18 @@ INVALID_REQUEST_STATUSES = frozenset({400, 413, 422})
 # the most a short call's reply (tokenize, models) may take: a tokenized prompt of the largest
 # context any model has, with room to spare
 CALL_REPLY_BYTES = 64 << 20
+# the longest line (an NDJSON item, an SSE line, an SSE event's data) a stream may send: a
+# native stream's first item carries the prompt's token ids, as large as a short call's reply.
+# Past it the replica failed (a line that never ends held the whole body in memory until the
+# stall timeout: gigabytes from a fast peer)
+MAX_LINE_BYTES = CALL_REPLY_BYTES
+
+
+class LineTooLong(Exception):
+    """A streamed line or SSE event passed `max_line_bytes` without ending."""
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(f"{what} longer than {limit} bytes")
 
 
 class WouldBlock(Exception):
@@ -46,8 +58,9 @@ class WouldBlock(Exception):
 class LineReader:
     """Lines of a streamed HTTP body, with a deadline per line (the stall timeout).
 
-    aiohttp's own readline() caps the line length; an engine's first item carries the prompt's
-    token ids and may be long, so lines are assembled here without a cap.
+    aiohttp's own readline() caps the line length at its read buffer's size; an engine's first
+    item carries the prompt's token ids and may be far longer, so lines are assembled here, up
+    to `max_line_bytes` (LineTooLong past it).
 
     The deadline is enforced by one lazily re-armed timer per stream rather than an
     `asyncio.timeout` per line: with hundreds of streams at tens of tokens per second, creating
@@ -69,6 +82,7 @@ class LineReader:
         self._waiting: asyncio.Task[Any] | None = None
         self._expired = False
         self.nowait = False
+        self.max_line_bytes = MAX_LINE_BYTES
 
     async def readline(self, timeout_s: float) -> bytes | None:
         """The next line without its end of line; None at the end of the body. Raises
@@ -82,6 +96,8 @@ class LineReader:
                 self._scanned = 0
                 return line[:-1] if line.endswith(b"\r") else line
             self._scanned = len(self._buf)
+            if self._scanned > self.max_line_bytes:
+                raise LineTooLong("a line", self.max_line_bytes)
             if self._eof:
                 if not self._buf:
                     return None
@@ -105,6 +121,9 @@ class LineReader:
         chunk = await self._read_chunk(self._clock.time() + timeout_s)
         if chunk:
             self._buf += chunk
+            # (called only while the buffer holds one unfinished event: see awaits_sse_data)
+            if len(self._buf) > self.max_line_bytes:
+                raise LineTooLong("a line", self.max_line_bytes)
             return True
         self._eof = True
         return False
@@ -289,6 +308,9 @@ class HttpLineStream(EngineStream):
         except GenerationError:
             self.close()
             raise
+        except LineTooLong as exc:
+            self.close()
+            raise unavailable(f"replica {name} sent {exc}") from None
         except TimeoutError:
             self.close()
             raise unavailable(

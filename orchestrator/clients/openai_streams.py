@@ -22,7 +22,13 @@ from .backend import (
     ToolCallDelta,
     unavailable,
 )
-from .line_transport import FINAL_GRACE_S, HttpLineStream, error_message, int_list
+from .line_transport import (
+    FINAL_GRACE_S,
+    HttpLineStream,
+    LineTooLong,
+    error_message,
+    int_list,
+)
 from .openai_protocol import (
     RESUME_FIELDS,
     NoTokenize,
@@ -79,6 +85,7 @@ class SseStream(HttpLineStream):
         self._continuation = continuation
         self._deadline = time.monotonic() + max_time if max_time > 0 else None
         self._data: list[bytes] = []  # data lines of the SSE event being read
+        self._data_bytes = 0  # their length, bounded like one line (LineReader.max_line_bytes)
         self._gate: TextGate | None = None  # stop sequences enforced here (text-only streams)
 
     def _check_body(self, body: dict[str, Any]) -> None:
@@ -161,6 +168,7 @@ class SseStream(HttpLineStream):
                 if self._data:
                     data = b"\n".join(self._data)
                     self._data = []
+                    self._data_bytes = 0
                     return data
                 continue
             if line.startswith(b":"):
@@ -168,6 +176,9 @@ class SseStream(HttpLineStream):
             field, _, value = line.partition(b":")
             if field == b"data":
                 self._data.append(value[1:] if value.startswith(b" ") else value)
+                self._data_bytes += len(line) + 1  # as received
+                if self._data_bytes > reader.max_line_bytes:  # data lines that never end an event
+                    raise LineTooLong("an event", reader.max_line_bytes)
 
     async def _end_of_sse(self) -> NoReturn:
         """After [DONE]: the body must end; blank lines and comments (a keep-alive that raced
@@ -393,7 +404,7 @@ class ChatStream(SseStream):
             await self._end_of_sse()
         try:
             return await self._read()
-        except (GenerationError, TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except (GenerationError, LineTooLong, TimeoutError, aiohttp.ClientError, OSError) as exc:
             if self._held is None:
                 raise
             self._failure = exc

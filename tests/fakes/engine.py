@@ -56,6 +56,7 @@ FAULT_MODES = (
     "http",  # answer with HTTP `status` instead of a stream
     "hang",  # never answer (no headers)
     "redirect",  # answer `302 Location: location` instead of a stream
+    "endless_line",  # after `after_tokens` tokens, `size` bytes of one item that never ends; stall
 )
 
 
@@ -68,6 +69,7 @@ class Fault:
     status: int = 503
     message: str = "injected fault"
     location: str = "/health"  # where a `redirect` points
+    size: int = 4 << 20  # the bytes an `endless_line` sends before it stalls
 
     def __post_init__(self) -> None:
         if self.mode not in FAULT_MODES:
@@ -277,6 +279,14 @@ class FakeEngine(FakeUpstream):
                 await resp.write(b"[" * 100_000 + b"]" * 100_000 + b"\n")
             elif fault.mode == "no_data":
                 await send({"complete_final": False})
+            elif fault.mode == "endless_line":
+                # a bounded size, then a stall: a client that buffers it all costs the test
+                # machine `size` bytes, not all its memory
+                await resp.write(b'{"data": {"text": "')
+                block = b"x" * (64 << 10)
+                for _ in range(fault.size // len(block)):
+                    await resp.write(block)
+                await asyncio.Event().wait()
             return False
 
         sent = 0

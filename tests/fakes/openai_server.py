@@ -88,6 +88,8 @@ FAULT_MODES = (
     "content_filter",  # `finish_reason: "content_filter"` (Azure), then usage and [DONE]
     "http",  # answer HTTP `status` with an OpenAI error body (`message`) instead of a stream
     "redirect",  # answer `302 Location: /health` instead of a stream
+    "endless_line",  # `size` bytes of one `data:` line that never ends, then a stall
+    "endless_event",  # `size` bytes of short `data:` lines with no blank line ending the event
 )
 
 # what transformers serve takes: OpenAI's request params + its own
@@ -138,6 +140,7 @@ class OpenAIFault:
     times: int = 1  # requests it applies to; -1: all
     status: int = 503
     message: str = "injected"  # the message of an `http` fault's error body
+    size: int = 4 << 20  # the bytes an `endless_line` or `endless_event` sends before it stalls
 
     def __post_init__(self) -> None:
         if self.mode not in FAULT_MODES:
@@ -601,6 +604,14 @@ class FakeOpenAI(FakeUpstream):
             request.transport.abort()
             return True
         if m == "stall":
+            await asyncio.Event().wait()
+        if m in ("endless_line", "endless_event"):
+            # a bounded size, then a stall: a client that buffers it all costs the test machine
+            # `size` bytes, not all its memory
+            line = b"data: x\n" * 8192 if m == "endless_event" else b"x" * (64 << 10)
+            await resp.write(b'data: {"choices": [{"text": "' if m == "endless_line" else b"")
+            for _ in range(f.size // len(line)):
+                await resp.write(line)
             await asyncio.Event().wait()
         if m == "stall_keepalive":
             while True:
