@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -202,6 +203,41 @@ async def test_an_endless_reply_is_cut_at_its_bound(engine, evil) -> None:
         await until(lambda: evil.cancelled == 1, what="the detector's reply abandoned")
     limit = reply_limit([CONTENT])
     assert content == (502, detector_error("evil", f"reply larger than {limit} bytes"))
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_compressed_reply_is_bounded_as_inflated(engine, evil, encoding) -> None:
+    """A decompression bomb (1 MiB on the wire, 1 GiB inflated) is cut at the reply bound
+    counted in inflated bytes, and the rest is never inflated: aiohttp (pinned at >= 3.13.3)
+    inflates a body only as fast as it is read, so the orchestrator's peak memory stays far
+    below the bomb's size."""
+    evil.add("evil", DetectorBehaviour(bomb=encoding))
+    tracemalloc.start()
+    try:
+        async with Orchestrator(one_detector(engine, evil, timeout_s=600)) as orch:
+            content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+            await until(lambda: evil.cancelled == 1, what="the detector's reply abandoned")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    limit = reply_limit([CONTENT])
+    assert content == (502, detector_error("evil", f"reply larger than {limit} bytes"))
+    assert peak < 128 << 20, peak
+
+
+@pytest.mark.parametrize(
+    "behaviour",
+    [DetectorBehaviour(bomb="br"), DetectorBehaviour(huge_header=True)],
+    ids=["br", "huge-header"],
+)
+async def test_an_unreadable_reply_is_a_detector_error(engine, evil, behaviour) -> None:
+    """A reply aiohttp cannot read (`br` without a brotli decoder, which none is installed; a
+    header past aiohttp's 8 KiB bound) is the detector failing, told as such. Repro: it was
+    `request failed: HTTP 400`, a status the detector never sent (aiohttp's parse error)."""
+    evil.add("evil", behaviour)
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+    assert content == (502, detector_error("evil", "request failed: unreadable HTTP reply"))
 
 
 def test_the_reply_bound_grows_with_the_contents() -> None:
