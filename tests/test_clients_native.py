@@ -284,6 +284,26 @@ async def test_an_endless_line_is_cut_at_its_bound(
         await e.close()
 
 
+async def test_empty_items_do_not_hide_a_stall(session: aiohttp.ClientSession) -> None:
+    """Repro: every line reset the stall timer, so a replica sending items with no token and no
+    text held the request for ever (until request_timeout_s) instead of being declared stalled
+    after `stall_timeout_s` without a token."""
+    e = await engine(fail=Fault("empty_items", after_tokens=2))
+    try:
+        client = NativeClient("r0", e.url, session)
+        items: list[EngineDelta] = []
+        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=0.5, max_time=0)
+        with pytest.raises(GenerationError, match="stalled") as info:
+            async with asyncio.timeout(DEADLINE_S):
+                async for item in stream:
+                    items.append(item)
+        assert info.value.migratable
+        assert "".join(i.text for i in items) == "Hello,"
+        await e.wait_disconnects(1)
+    finally:
+        await e.close()
+
+
 async def test_close_drops_the_connection(session: aiohttp.ClientSession) -> None:
     e = await engine(fail=Fault("stall", after_tokens=1))  # still running when it is closed
     try:

@@ -182,6 +182,25 @@ async def test_an_endless_event_is_cut_at_its_bound(
     await until(lambda: s.disconnects == 1, what="the replica's connection dropped")
 
 
+async def test_empty_events_do_not_hide_a_stall(
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI]
+) -> None:
+    """Repro: every event reset the stall timer, so a replica sending `choices: []` events (as
+    a keep-alive, or broken) held the request for ever (until request_timeout_s) instead of
+    being declared stalled after `stall_timeout_s` without a token."""
+    (s,) = await start(servers, fail=OpenAIFault("empty_events", after=2))
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    stream = client.generate(request(), None, stall_timeout_s=0.5, max_time=0)
+    items: list[EngineDelta] = []
+    with pytest.raises(GenerationError, match=r"no event for 0.5 s \(stalled\)") as info:
+        async with asyncio.timeout(DEADLINE_S):
+            async for item in stream:
+                items.append(item)
+    assert info.value.migratable
+    assert "".join(i.text for i in items) == "Once upon"
+    await until(lambda: s.disconnects == 1, what="the replica's connection dropped")
+
+
 async def test_http_400_is_not_migratable(
     session: aiohttp.ClientSession, servers: list[FakeOpenAI]
 ) -> None:

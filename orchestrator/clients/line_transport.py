@@ -149,6 +149,11 @@ class LineReader:
         return peeked[0]
 
     @property
+    def clock(self) -> stall_timeout.StallClock:
+        """The stall clock this reader times its reads on."""
+        return self._clock
+
+    @property
     def buffered(self) -> bool:
         """Bytes are waiting here (what the body delivered is moved here whole by each read)."""
         return bool(self._buf) or self._eof
@@ -283,6 +288,9 @@ class HttpLineStream(EngineStream):
         self._finished = False  # a finish_reason was seen
         self._done = False
         self._pending_error: Exception | None = None  # met by next_batch after some items
+        # (stall clock) when the stall timeout runs out: re-armed by every item that says
+        # something, not by every line (see `_stall_wait`)
+        self._stall_at: float | None = None
 
     async def _request(self) -> tuple[str, dict[str, Any]]:
         """The path and JSON body of the request."""
@@ -291,6 +299,27 @@ class HttpLineStream(EngineStream):
     async def _next_item(self) -> EngineDelta:
         """The next item; raises StopAsyncIteration after the end marker."""
         raise NotImplementedError
+
+    def _stall_wait(self, wait: float) -> float:
+        """How long the next read may wait: `wait`, and never past the stall timeout counted
+        from the last item that said something (a token, text, a tool call, a finish). Lines
+        and events that say nothing (an empty item, `choices: []`, a keep-alive) do not keep a
+        replica alive: one sending only those held a request until request_timeout_s. Raises
+        TimeoutError once that time is up, even with such lines still buffered."""
+        assert self._reader is not None
+        now = self._reader.clock.time()
+        if self._stall_at is None:
+            self._stall_at = now + self._stall
+        left = self._stall_at - now
+        if left <= 0:
+            raise TimeoutError
+        return min(wait, left)
+
+    def _progressed(self, item: EngineDelta) -> EngineDelta:
+        """`item`, after re-arming the stall timeout if it says something."""
+        if item.text or item.token_ids or item.tool_calls or item.finish_reason or item.token_count:
+            self._stall_at = None
+        return item
 
     async def __anext__(self) -> EngineDelta:
         if self._pending_error is not None:
@@ -302,7 +331,7 @@ class HttpLineStream(EngineStream):
         try:
             if self._reader is None:
                 await self._connect()
-            return await self._next_item()
+            return self._progressed(await self._next_item())
         except (StopAsyncIteration, WouldBlock):
             raise
         except GenerationError:
@@ -340,6 +369,7 @@ class HttpLineStream(EngineStream):
                 if not reader.buffered:
                     break  # the usual end of a batch, without raising WouldBlock through it
                 if self._take_buffered(items, limit):
+                    self._stall_at = None  # (it takes only items with text or a call)
                     continue
                 items.append(await self.__anext__())
         except (WouldBlock, StopAsyncIteration):

@@ -187,7 +187,7 @@ class NativeStream(HttpLineStream):
         assert self._reader is not None
         name = self._client.name
         grace = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
-        line = await self._reader.readline(grace)
+        line = await self._reader.readline(self._stall_wait(grace))
         if line is None:
             raise unavailable(f"replica {name}: stream ended without complete_final")
         item = self._parse(line)

@@ -133,21 +133,22 @@ class SseStream(HttpLineStream):
         )
 
     async def _next_event(self) -> bytes | None:
-        """The data of the next SSE event; None at the end of the body. The stall timer runs per
-        event: comment lines (keep-alives) do not reset it."""
+        """The data of the next SSE event; None at the end of the body. The stall timer runs
+        from the last item that said something (`_stall_wait`): comment lines (keep-alives)
+        and events without a choice do not reset it."""
         reader = self._reader
         assert reader is not None
+        wait = self._stall_wait(min(self._stall, FINAL_GRACE_S) if self._finished else self._stall)
         if not self._data:  # the usual `data: {...}\n\n`, without splitting it into lines
             payload = reader.take_sse_data()
             if payload is not None:
                 return payload
-        wait = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
-        stall_at = time.monotonic() + wait
+        clock = reader.clock
+        stall_at = clock.time() + wait
         while True:
-            now = time.monotonic()
-            timeout = stall_at - now
+            timeout = stall_at - clock.time()
             if self._deadline is not None and not self._finished:
-                timeout = min(timeout, self._deadline - now)
+                timeout = min(timeout, self._deadline - time.monotonic())
             try:
                 if not self._data and reader.awaits_sse_data():
                     # the next event is still on its way: wait for it whole, then take it

@@ -57,6 +57,7 @@ FAULT_MODES = (
     "hang",  # never answer (no headers)
     "redirect",  # answer `302 Location: location` instead of a stream
     "endless_line",  # after `after_tokens` tokens, `size` bytes of one item that never ends; stall
+    "empty_items",  # after `after_tokens` tokens, items with no token and no text, for ever
 )
 
 
@@ -279,6 +280,12 @@ class FakeEngine(FakeUpstream):
                 await resp.write(b"[" * 100_000 + b"]" * 100_000 + b"\n")
             elif fault.mode == "no_data":
                 await send({"complete_final": False})
+            elif fault.mode == "empty_items":
+                # a replica that looks alive and says nothing (a yield between items: the test's
+                # client shares this event loop)
+                while True:
+                    await send({"data": {"token_ids": [], "text": ""}, "complete_final": False})
+                    await asyncio.sleep(0.01)
             elif fault.mode == "endless_line":
                 # a bounded size, then a stall: a client that buffers it all costs the test
                 # machine `size` bytes, not all its memory

@@ -90,6 +90,7 @@ FAULT_MODES = (
     "redirect",  # answer `302 Location: /health` instead of a stream
     "endless_line",  # `size` bytes of one `data:` line that never ends, then a stall
     "endless_event",  # `size` bytes of short `data:` lines with no blank line ending the event
+    "empty_events",  # events without a choice (`choices: []`), for ever
 )
 
 # what transformers serve takes: OpenAI's request params + its own
@@ -605,6 +606,12 @@ class FakeOpenAI(FakeUpstream):
             return True
         if m == "stall":
             await asyncio.Event().wait()
+        if m == "empty_events":
+            # a replica that looks alive and says nothing (a yield between events: the test's
+            # client shares this event loop)
+            while True:
+                await send({"choices": []})
+                await asyncio.sleep(0.01)
         if m in ("endless_line", "endless_event"):
             # a bounded size, then a stall: a client that buffers it all costs the test machine
             # `size` bytes, not all its memory
