@@ -344,6 +344,38 @@ async def test_an_openai_engines_error_is_named_never_quoted(fault, code, detail
         assert SECRET in warnings_of(caplog)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_an_upstreams_token_count_is_capped_at_what_was_asked(stream) -> None:
+    """Repro: a server claiming `completion_tokens: 10**12` for a 10-token request had it
+    reported to the client, counted in the metrics and charged to the tenant's token budget
+    (rate limits: one lying upstream emptied every tenant's budget). No replica generates more
+    than the budget it was asked for: the count is capped there."""
+    server = FakeOpenAI(usage_override={"completion_tokens": 10**12})
+    await server.start()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 10,
+        "stream": stream,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        async with Orchestrator(openai_config(server.url)) as orch:
+            assert orch.session is not None
+            async with orch.session.post(orch.url + CHAT_PATH, json=body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+            metrics = await (await orch.session.get(orch.url + "/metrics")).text()
+    finally:
+        await server.close()
+    if stream:
+        usage = json.loads(raw.split(b"data: ")[-2])["usage"]
+    else:
+        usage = json.loads(raw)["usage"]
+    assert usage["completion_tokens"] == 10
+    assert f'guardstream_generated_tokens_total{{model="{MODEL}"}} 10.0' in metrics
+
+
 # -- every 429 says when to retry (issue 32, extra e) --------------------------------------------
 
 OPENAI_SURFACES = [

@@ -561,7 +561,11 @@ class MigratingStream:
             elif item.prompt_token_ids is not None:
                 self.input_token_count = len(item.prompt_token_ids)
         self._ids.extend(item.token_ids)
-        self._generated += len(item.token_ids) if item.token_count is None else item.token_count
+        n = len(item.token_ids) if item.token_count is None else item.token_count
+        # no replica generates more than the budget it was asked for: a count past it (a server's
+        # usage claiming 10**12 tokens) is not believed. It was reported to the client, counted
+        # in the metrics and charged to the tenant's token budget.
+        self._generated = min(self._generated + n, self.request.params.max_new_tokens)
         if item.text:
             self._text.append(item.text)
         self.generated_token_count = self._generated

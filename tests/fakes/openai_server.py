@@ -178,6 +178,7 @@ class FakeOpenAI(FakeUpstream):
     keepalive: bool = False
     finish_with_content: bool = False
     send_usage: bool = True  # False: ignore `stream_options.include_usage` (older servers)
+    usage_override: dict[str, Any] = field(default_factory=dict)  # chat: merged into each usage
     # tool calls (vllm flavour, chat): see the module's docstring
     tool_calls: list[ScriptedToolCall] = field(default_factory=list)
     argument_splits: list[list[int]] | None = None
@@ -376,6 +377,7 @@ class FakeOpenAI(FakeUpstream):
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(out),
             "total_tokens": prompt_tokens + len(out),
+            **self.usage_override,
         }
         rid = f"chatcmpl-{len(self.requests)}"
         if self.transformers and body.get("stream"):
