@@ -16,6 +16,7 @@ import pytest
 
 from orchestrator.app import CONTENT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.clients.detectors import MAX_DETECTIONS_PER_CONTENT, reply_limit
+from orchestrator.clients.migration import MAX_CHARS_PER_TOKEN, TEXT_ALLOWANCE_CHARS
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault, GatedEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
@@ -374,6 +375,30 @@ async def test_an_upstreams_token_count_is_capped_at_what_was_asked(stream) -> N
         usage = json.loads(raw)["usage"]
     assert usage["completion_tokens"] == 10
     assert f'guardstream_generated_tokens_total{{model="{MODEL}"}} 10.0' in metrics
+
+
+async def test_more_text_than_a_budget_can_carry_fails_the_replica() -> None:
+    """Repro: text per token was unbounded (only each line was), so a replica sending 60 MiB
+    with every token filled the orchestrator's memory within any token budget. Past
+    MAX_CHARS_PER_TOKEN for every token of the budget (plus an allowance) the replica failed:
+    the client gets no byte of that text and an error naming the replica."""
+    budget = 5
+    flood = "x" * (TEXT_ALLOWANCE_CHARS + MAX_CHARS_PER_TOKEN * budget)
+    engine = FakeEngine(script=["Hi.", " There.", flood, " Bye."])
+    await engine.start()
+    try:
+        async with Orchestrator(native_config(engine.url)) as orch:
+            events = await orch.stream(generation_body(params={"max_new_tokens": budget}))
+    finally:
+        await engine.close()
+    limit = TEXT_ALLOWANCE_CHARS + MAX_CHARS_PER_TOKEN * budget
+    assert "".join(f["generated_text"] for f in frames(events)) == "Hi. There."
+    assert terminal(events).data["error"] == {
+        "code": 503,
+        "type": "generation_unavailable",
+        "message": f"replica native-0 sent more than {limit} characters for a budget of "
+        f"{budget} tokens (not migrated: migration limit 0 reached)",
+    }
 
 
 # -- every 429 says when to retry (issue 32, extra e) --------------------------------------------
