@@ -201,6 +201,21 @@ async def test_empty_events_do_not_hide_a_stall(
     await until(lambda: s.disconnects == 1, what="the replica's connection dropped")
 
 
+async def test_reasoning_keeps_a_replica_alive(
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI]
+) -> None:
+    """A reasoning model streams `delta.reasoning_content` (never passed on) before its answer,
+    for longer than the stall timeout (half a second apart, for 4 s; the stall timeout is 3 s):
+    it is generating, not stalled. Events without a choice and keep-alives do not reset the
+    stall timer; reasoning does."""
+    (s,) = await start(servers, reasoning=["Hmm"] * 8, reasoning_delay_s=0.5)
+    client = OpenAIClient("o0", s.url, "fake-model", session, api="chat")
+    stream = client.generate(request(chat=True), None, stall_timeout_s=3, max_time=0)
+    items = [item async for item in stream]
+    assert "".join(i.text for i in items) == FULL
+    assert items[-1].finish_reason == "EOS_TOKEN"
+
+
 async def test_http_400_is_not_migratable(
     session: aiohttp.ClientSession, servers: list[FakeOpenAI]
 ) -> None:

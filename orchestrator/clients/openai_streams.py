@@ -436,6 +436,8 @@ class ChatStream(SseStream):
             obj = self._decode(payload)
             has_usage = self._usage(obj.get("usage"))
             text, finish, stop_reason, calls = self._choice(obj)
+            if not (text or calls or finish) and _reasons(obj):
+                self._stall_at = None  # the model is thinking: generating, not stalled
             if self._finished:
                 if text or calls:
                     raise unavailable(f"replica {name}: data after the final event")
@@ -592,6 +594,20 @@ class ChatStream(SseStream):
         cont = self._continuation
         taken = cont.generated_token_count if cont is not None else 0
         return max(0, self._prompt_tokens - taken)
+
+
+# where servers put a reasoning model's thinking (vLLM: `reasoning_content`, newer `reasoning`)
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def _reasons(obj: dict[str, Any]) -> bool:
+    """The event's first choice carries reasoning text: never passed on, but the replica is
+    generating (its stall timer restarts, as for text)."""
+    choices = obj.get("choices")
+    delta = choices[0].get("delta") if choices else None
+    return isinstance(delta, dict) and any(
+        isinstance(delta.get(f), str) and delta[f] for f in REASONING_FIELDS
+    )
 
 
 def _plain_fragment(calls: Any, delta: dict[str, Any]) -> tuple[ToolCallDelta] | None:

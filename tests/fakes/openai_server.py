@@ -185,6 +185,10 @@ class FakeOpenAI(FakeUpstream):
     fragment_chars: int = 5
     tool_call_text: list[str] = field(default_factory=list)  # content chunks before the calls
     calls_unoffered: bool = False  # answer with the calls even when the request offers no tools
+    # chat (vllm flavour): `delta.reasoning_content` chunks before the answer (a reasoning
+    # model under vLLM's reasoning parser), `reasoning_delay_s` apart
+    reasoning: list[str] = field(default_factory=list)
+    reasoning_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.faults: list[OpenAIFault] = (
@@ -478,6 +482,9 @@ class FakeOpenAI(FakeUpstream):
                 "content": None if self.null_content else "",
             }
             await send(chunk([choice(role)]))
+            for thought in self.reasoning:
+                await asyncio.sleep(self.reasoning_delay_s)
+                await send(chunk([choice({"reasoning_content": thought})]))
             n = self.words_per_chunk
             groups = ["".join(out[i : i + n]) for i in range(0, len(out), n)]
             last = groups.pop() if self.finish_with_content and groups else ""
