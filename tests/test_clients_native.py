@@ -16,7 +16,7 @@ from orchestrator.clients.backend import (
     GenerationParams,
     GenerationRequest,
 )
-from orchestrator.clients.native import NativeClient
+from orchestrator.clients.native import MODELS_REPLY_BYTES, NativeClient
 from tests.fakes.engine import TOKEN_BASE, FakeEngine, Fault, prompt_ids
 from tests.wait_support import DEADLINE_S
 
@@ -316,6 +316,19 @@ async def test_close_drops_the_connection(session: aiohttp.ClientSession) -> Non
             await stream.__anext__()
     finally:
         await e.close()
+
+
+async def test_an_oversized_models_reply_is_refused(session: aiohttp.ClientSession) -> None:
+    """`GET /v1/models` is a few hundred bytes; it was read up to 64 MiB and parsed on the
+    event loop (a second of every client's time, at every fetch, from a hostile replica)."""
+    e = await engine(models_padding=MODELS_REPLY_BYTES)
+    try:
+        client = NativeClient("r0", e.url, session)
+        with pytest.raises(GenerationError) as info:
+            await client.advertised(10.0)
+    finally:
+        await e.close()
+    assert info.value.message == f"replica r0: reply larger than {MODELS_REPLY_BYTES} bytes"
 
 
 async def test_tokenize_and_health(session: aiohttp.ClientSession) -> None:

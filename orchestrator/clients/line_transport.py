@@ -464,10 +464,16 @@ class HttpReplicaClient(ReplicaClient):
         return await self.call("POST", path, body, timeout_s)
 
     async def call(
-        self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        timeout_s: float,
+        limit: int = CALL_REPLY_BYTES,
     ) -> bytes:
-        """The raw 200 reply of a short call (`body` as JSON, if any); a non-200 reply or a
-        transport failure is a GenerationError like any other failure of the replica."""
+        """The raw 200 reply of a short call (`body` as JSON, if any), up to `limit` bytes; a
+        non-200 reply, a longer one or a transport failure is a GenerationError like any other
+        failure of the replica."""
         try:
             async with self.session.request(
                 method,
@@ -480,7 +486,7 @@ class HttpReplicaClient(ReplicaClient):
             ) as resp:
                 if resp.status != 200:
                     raise http_error(self.name, resp.status, await read_error_body(resp))
-                return await read_bounded(resp, CALL_REPLY_BYTES)
+                return await read_bounded(resp, limit)
         except BodyTooLarge as exc:
             raise unavailable(f"replica {self.name}: reply {exc}") from None
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:

@@ -115,6 +115,7 @@ class FakeEngine(FakeUpstream):
     # Fresh streams wait after this many tokens until `release` is set; resumes never wait, so a
     # replica taking over a held stream finishes it.
     hold_after: int | None = None
+    models_padding: int = 0  # characters of junk in `GET /v1/models` (a hostile replica's reply)
 
     def __post_init__(self) -> None:
         self.faults: list[Fault] = (
@@ -134,7 +135,7 @@ class FakeEngine(FakeUpstream):
         app.router.add_post("/v1/generate", self._generate)
         app.router.add_post("/v1/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "fake"}]}))
+        app.router.add_get("/v1/models", self._models)
         self.port = await self._serve(app, self.port)
         return self.url
 
@@ -165,6 +166,12 @@ class FakeEngine(FakeUpstream):
         if not self.healthy:
             return web.json_response({"status": "unhealthy"}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        reply: dict[str, Any] = {"data": [{"id": "fake"}]}
+        if self.models_padding:
+            reply["padding"] = "x" * self.models_padding
+        return web.json_response(reply)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
