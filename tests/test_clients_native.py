@@ -17,6 +17,7 @@ from orchestrator.clients.backend import (
     GenerationRequest,
 )
 from orchestrator.clients.native import MODELS_REPLY_BYTES, NativeClient
+from tests.fakes.clock import manual_stall_clock
 from tests.fakes.engine import TOKEN_BASE, FakeEngine, Fault, prompt_ids
 from tests.wait_support import DEADLINE_S
 
@@ -300,6 +301,29 @@ async def test_empty_items_do_not_hide_a_stall(session: aiohttp.ClientSession) -
         assert info.value.migratable
         assert "".join(i.text for i in items) == "Hello,"
         await e.wait_disconnects(1)
+    finally:
+        await e.close()
+
+
+async def test_the_time_a_consumer_takes_is_not_a_stall(
+    session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stall timer runs from the last item that said something, but only while the stream
+    waits for its replica: the time the pipeline takes between two reads (a slow client) is
+    not the replica's. An hour between reads, then an item already buffered: no stall."""
+    clock = manual_stall_clock(monkeypatch)
+    e = await engine(fail=Fault("empty_items", after_tokens=2))
+    try:
+        client = NativeClient("r0", e.url, session)
+        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=30, max_time=0)
+        try:
+            items = [await stream.__anext__() for _ in range(3)]
+            assert [(i.text, i.token_ids) for i in items][2] == ("", ())  # an empty item
+            clock.advance(3600)  # between two reads: the consumer's time
+            item = await stream.__anext__()
+            assert (item.text, item.token_ids) == ("", ())
+        finally:
+            stream.close()
     finally:
         await e.close()
 

@@ -291,6 +291,9 @@ class HttpLineStream(EngineStream):
         # (stall clock) when the stall timeout runs out: re-armed by every item that says
         # something, not by every line (see `_stall_wait`)
         self._stall_at: float | None = None
+        # (stall clock) when an item that said nothing was handed out: the time until the next
+        # read is the consumer's, not the replica's, and moves `_stall_at` on
+        self._handed_at: float | None = None
 
     async def _request(self) -> tuple[str, dict[str, Any]]:
         """The path and JSON body of the request."""
@@ -310,6 +313,9 @@ class HttpLineStream(EngineStream):
         now = self._reader.clock.time()
         if self._stall_at is None:
             self._stall_at = now + self._stall
+        elif self._handed_at is not None:  # the consumer's time since, not the replica's
+            self._stall_at += now - self._handed_at
+        self._handed_at = None
         left = self._stall_at - now
         if left <= 0:
             raise TimeoutError
@@ -319,6 +325,8 @@ class HttpLineStream(EngineStream):
         """`item`, after re-arming the stall timeout if it says something."""
         if item.text or item.token_ids or item.tool_calls or item.finish_reason or item.token_count:
             self._stall_at = None
+        elif self._reader is not None:
+            self._handed_at = self._reader.clock.time()
         return item
 
     async def __anext__(self) -> EngineDelta:
