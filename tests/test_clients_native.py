@@ -3,9 +3,12 @@ end-of-stream contract it enforces (DESIGN section 7)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
+from orchestrator.clients import line_transport
 from orchestrator.clients.backend import (
     Continuation,
     EngineDelta,
@@ -13,8 +16,10 @@ from orchestrator.clients.backend import (
     GenerationParams,
     GenerationRequest,
 )
-from orchestrator.clients.native import NativeClient
+from orchestrator.clients.native import MODELS_REPLY_BYTES, NativeClient
+from tests.fakes.clock import manual_stall_clock
 from tests.fakes.engine import TOKEN_BASE, FakeEngine, Fault, prompt_ids
+from tests.wait_support import DEADLINE_S
 
 SCRIPT = ["Hello", ",", " wor", "ld", "!"]
 
@@ -256,6 +261,73 @@ async def test_connection_refused(session: aiohttp.ClientSession) -> None:
     assert info.value.migratable
 
 
+async def test_an_endless_line_is_cut_at_its_bound(
+    session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repro: a line that never ended was buffered whole until the stall timeout (a fast peer
+    pushes gigabytes in that time). Past `MAX_LINE_BYTES` (lowered here, so the fake sends
+    4 MiB, not 64) the replica failed, migratably, and its connection is dropped at once."""
+    monkeypatch.setattr(line_transport, "MAX_LINE_BYTES", 1 << 20)
+    e = await engine(fail=Fault("endless_line", after_tokens=2))
+    try:
+        client = NativeClient("r0", e.url, session)
+        items: list[EngineDelta] = []
+        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=600, max_time=0)
+        with pytest.raises(GenerationError) as info:
+            async with asyncio.timeout(DEADLINE_S):  # the stall timeout is far off
+                async for item in stream:
+                    items.append(item)
+        assert info.value.message == "replica r0 sent a line longer than 1048576 bytes"
+        assert info.value.migratable and info.value.replica_fault
+        assert "".join(i.text for i in items) == "Hello,"
+        await e.wait_disconnects(1)
+    finally:
+        await e.close()
+
+
+async def test_empty_items_do_not_hide_a_stall(session: aiohttp.ClientSession) -> None:
+    """Repro: every line reset the stall timer, so a replica sending items with no token and no
+    text held the request for ever (until request_timeout_s) instead of being declared stalled
+    after `stall_timeout_s` without a token."""
+    e = await engine(fail=Fault("empty_items", after_tokens=2))
+    try:
+        client = NativeClient("r0", e.url, session)
+        items: list[EngineDelta] = []
+        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=0.5, max_time=0)
+        with pytest.raises(GenerationError, match="stalled") as info:
+            async with asyncio.timeout(DEADLINE_S):
+                async for item in stream:
+                    items.append(item)
+        assert info.value.migratable
+        assert "".join(i.text for i in items) == "Hello,"
+        await e.wait_disconnects(1)
+    finally:
+        await e.close()
+
+
+async def test_the_time_a_consumer_takes_is_not_a_stall(
+    session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stall timer runs from the last item that said something, but only while the stream
+    waits for its replica: the time the pipeline takes between two reads (a slow client) is
+    not the replica's. An hour between reads, then an item already buffered: no stall."""
+    clock = manual_stall_clock(monkeypatch)
+    e = await engine(fail=Fault("empty_items", after_tokens=2))
+    try:
+        client = NativeClient("r0", e.url, session)
+        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=30, max_time=0)
+        try:
+            items = [await stream.__anext__() for _ in range(3)]
+            assert [(i.text, i.token_ids) for i in items][2] == ("", ())  # an empty item
+            clock.advance(3600)  # between two reads: the consumer's time
+            item = await stream.__anext__()
+            assert (item.text, item.token_ids) == ("", ())
+        finally:
+            stream.close()
+    finally:
+        await e.close()
+
+
 async def test_close_drops_the_connection(session: aiohttp.ClientSession) -> None:
     e = await engine(fail=Fault("stall", after_tokens=1))  # still running when it is closed
     try:
@@ -268,6 +340,19 @@ async def test_close_drops_the_connection(session: aiohttp.ClientSession) -> Non
             await stream.__anext__()
     finally:
         await e.close()
+
+
+async def test_an_oversized_models_reply_is_refused(session: aiohttp.ClientSession) -> None:
+    """`GET /v1/models` is a few hundred bytes; it was read up to 64 MiB and parsed on the
+    event loop (a second of every client's time, at every fetch, from a hostile replica)."""
+    e = await engine(models_padding=MODELS_REPLY_BYTES)
+    try:
+        client = NativeClient("r0", e.url, session)
+        with pytest.raises(GenerationError) as info:
+            await client.advertised(10.0)
+    finally:
+        await e.close()
+    assert info.value.message == f"replica r0: reply larger than {MODELS_REPLY_BYTES} bytes"
 
 
 async def test_tokenize_and_health(session: aiohttp.ClientSession) -> None:

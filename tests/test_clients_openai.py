@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
+from orchestrator.clients import line_transport
 from orchestrator.clients.backend import (
     Continuation,
     EngineDelta,
@@ -32,7 +33,7 @@ from tests.fakes.openai_server import (
     token_ids,
 )
 from tests.fakes.upstream import FakeUpstream
-from tests.wait_support import until
+from tests.wait_support import DEADLINE_S, until
 
 SCRIPT = ["Once", " upon", " a", " time", "."]
 HI = {"role": "user", "content": "Hi"}
@@ -150,6 +151,69 @@ async def test_stall(
     with pytest.raises(GenerationError, match="no event for 30 s \\(stalled\\)") as info:
         await task
     assert info.value.migratable and [i.text for i in items] == ["Once"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "what"), [("endless_line", "a line"), ("endless_event", "an event")]
+)
+async def test_an_endless_event_is_cut_at_its_bound(
+    session: aiohttp.ClientSession,
+    servers: list[FakeOpenAI],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    what: str,
+) -> None:
+    """Repro: a `data:` line that never ended, or `data:` lines that never ended their event,
+    were buffered whole until the stall timeout (a fast peer pushes gigabytes in that time).
+    Past `MAX_LINE_BYTES` (lowered here, so the fake sends 4 MiB, not 64) the replica failed,
+    migratably, and its connection is dropped at once."""
+    monkeypatch.setattr(line_transport, "MAX_LINE_BYTES", 1 << 20)
+    (s,) = await start(servers, fail=OpenAIFault(mode, after=2))
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    stream = client.generate(request(), None, stall_timeout_s=600, max_time=0)
+    items: list[EngineDelta] = []
+    with pytest.raises(GenerationError) as info:
+        async with asyncio.timeout(DEADLINE_S):  # the stall timeout is far off
+            async for item in stream:
+                items.append(item)
+    assert info.value.message == f"replica o0 sent {what} longer than 1048576 bytes"
+    assert info.value.migratable and info.value.replica_fault
+    assert "".join(i.text for i in items) == "Once upon"
+    await until(lambda: s.disconnects == 1, what="the replica's connection dropped")
+
+
+async def test_empty_events_do_not_hide_a_stall(
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI]
+) -> None:
+    """Repro: every event reset the stall timer, so a replica sending `choices: []` events (as
+    a keep-alive, or broken) held the request for ever (until request_timeout_s) instead of
+    being declared stalled after `stall_timeout_s` without a token."""
+    (s,) = await start(servers, fail=OpenAIFault("empty_events", after=2))
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    stream = client.generate(request(), None, stall_timeout_s=0.5, max_time=0)
+    items: list[EngineDelta] = []
+    with pytest.raises(GenerationError, match=r"no event for 0.5 s \(stalled\)") as info:
+        async with asyncio.timeout(DEADLINE_S):
+            async for item in stream:
+                items.append(item)
+    assert info.value.migratable
+    assert "".join(i.text for i in items) == "Once upon"
+    await until(lambda: s.disconnects == 1, what="the replica's connection dropped")
+
+
+async def test_reasoning_keeps_a_replica_alive(
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI]
+) -> None:
+    """A reasoning model streams `delta.reasoning_content` (never passed on) before its answer,
+    for longer than the stall timeout (half a second apart, for 4 s; the stall timeout is 3 s):
+    it is generating, not stalled. Events without a choice and keep-alives do not reset the
+    stall timer; reasoning does."""
+    (s,) = await start(servers, reasoning=["Hmm"] * 8, reasoning_delay_s=0.5)
+    client = OpenAIClient("o0", s.url, "fake-model", session, api="chat")
+    stream = client.generate(request(chat=True), None, stall_timeout_s=3, max_time=0)
+    items = [item async for item in stream]
+    assert "".join(i.text for i in items) == FULL
+    assert items[-1].finish_reason == "EOS_TOKEN"
 
 
 async def test_http_400_is_not_migratable(

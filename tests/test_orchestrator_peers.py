@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from orchestrator.app import CONTENT_PATH, STREAMING_PATH, UNARY_PATH
 from orchestrator.clients.detectors import MAX_DETECTIONS_PER_CONTENT, reply_limit
+from orchestrator.clients.migration import MAX_CHARS_PER_TOKEN, TEXT_ALLOWANCE_CHARS
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault, GatedEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
@@ -204,6 +206,41 @@ async def test_an_endless_reply_is_cut_at_its_bound(engine, evil) -> None:
     assert content == (502, detector_error("evil", f"reply larger than {limit} bytes"))
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_compressed_reply_is_bounded_as_inflated(engine, evil, encoding) -> None:
+    """A decompression bomb (1 MiB on the wire, 1 GiB inflated) is cut at the reply bound
+    counted in inflated bytes, and the rest is never inflated: aiohttp (pinned at >= 3.13.3)
+    inflates a body only as fast as it is read, so the orchestrator's peak memory stays far
+    below the bomb's size."""
+    evil.add("evil", DetectorBehaviour(bomb=encoding))
+    tracemalloc.start()
+    try:
+        async with Orchestrator(one_detector(engine, evil, timeout_s=600)) as orch:
+            content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+            await until(lambda: evil.cancelled == 1, what="the detector's reply abandoned")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    limit = reply_limit([CONTENT])
+    assert content == (502, detector_error("evil", f"reply larger than {limit} bytes"))
+    assert peak < 128 << 20, peak
+
+
+@pytest.mark.parametrize(
+    "behaviour",
+    [DetectorBehaviour(bomb="br"), DetectorBehaviour(huge_header=True)],
+    ids=["br", "huge-header"],
+)
+async def test_an_unreadable_reply_is_a_detector_error(engine, evil, behaviour) -> None:
+    """A reply aiohttp cannot read (`br` without a brotli decoder, which none is installed; a
+    header past aiohttp's 8 KiB bound) is the detector failing, told as such. Repro: it was
+    `request failed: HTTP 400`, a status the detector never sent (aiohttp's parse error)."""
+    evil.add("evil", behaviour)
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+    assert content == (502, detector_error("evil", "request failed: unreadable HTTP reply"))
+
+
 def test_the_reply_bound_grows_with_the_contents() -> None:
     one = reply_limit(["x"])
     assert reply_limit(["x", "y"]) > one
@@ -306,6 +343,62 @@ async def test_an_openai_engines_error_is_named_never_quoted(fault, code, detail
     assert body["error"]["message"] == f"replica openai-0 {details}"
     if fault.mode != "redirect":
         assert SECRET in warnings_of(caplog)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_an_upstreams_token_count_is_capped_at_what_was_asked(stream) -> None:
+    """Repro: a server claiming `completion_tokens: 10**12` for a 10-token request had it
+    reported to the client, counted in the metrics and charged to the tenant's token budget
+    (rate limits: one lying upstream emptied every tenant's budget). No replica generates more
+    than the budget it was asked for: the count is capped there."""
+    server = FakeOpenAI(usage_override={"completion_tokens": 10**12})
+    await server.start()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 10,
+        "stream": stream,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        async with Orchestrator(openai_config(server.url)) as orch:
+            assert orch.session is not None
+            async with orch.session.post(orch.url + CHAT_PATH, json=body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+            metrics = await (await orch.session.get(orch.url + "/metrics")).text()
+    finally:
+        await server.close()
+    if stream:
+        usage = json.loads(raw.split(b"data: ")[-2])["usage"]
+    else:
+        usage = json.loads(raw)["usage"]
+    assert usage["completion_tokens"] == 10
+    assert f'guardstream_generated_tokens_total{{model="{MODEL}"}} 10.0' in metrics
+
+
+async def test_more_text_than_a_budget_can_carry_fails_the_replica() -> None:
+    """Repro: text per token was unbounded (only each line was), so a replica sending 60 MiB
+    with every token filled the orchestrator's memory within any token budget. Past
+    MAX_CHARS_PER_TOKEN for every token of the budget (plus an allowance) the replica failed:
+    the client gets no byte of that text and an error naming the replica."""
+    budget = 5
+    flood = "x" * (TEXT_ALLOWANCE_CHARS + MAX_CHARS_PER_TOKEN * budget)
+    engine = FakeEngine(script=["Hi.", " There.", flood, " Bye."])
+    await engine.start()
+    try:
+        async with Orchestrator(native_config(engine.url)) as orch:
+            events = await orch.stream(generation_body(params={"max_new_tokens": budget}))
+    finally:
+        await engine.close()
+    limit = TEXT_ALLOWANCE_CHARS + MAX_CHARS_PER_TOKEN * budget
+    assert "".join(f["generated_text"] for f in frames(events)) == "Hi. There."
+    assert terminal(events).data["error"] == {
+        "code": 503,
+        "type": "generation_unavailable",
+        "message": f"replica native-0 sent more than {limit} characters for a budget of "
+        f"{budget} tokens (not migrated: migration limit 0 reached)",
+    }
 
 
 # -- every 429 says when to retry (issue 32, extra e) --------------------------------------------

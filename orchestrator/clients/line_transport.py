@@ -37,6 +37,18 @@ INVALID_REQUEST_STATUSES = frozenset({400, 413, 422})
 # the most a short call's reply (tokenize, models) may take: a tokenized prompt of the largest
 # context any model has, with room to spare
 CALL_REPLY_BYTES = 64 << 20
+# the longest line (an NDJSON item, an SSE line, an SSE event's data) a stream may send: a
+# native stream's first item carries the prompt's token ids, as large as a short call's reply.
+# Past it the replica failed (a line that never ends held the whole body in memory until the
+# stall timeout: gigabytes from a fast peer)
+MAX_LINE_BYTES = CALL_REPLY_BYTES
+
+
+class LineTooLong(Exception):
+    """A streamed line or SSE event passed `max_line_bytes` without ending."""
+
+    def __init__(self, what: str, limit: int) -> None:
+        super().__init__(f"{what} longer than {limit} bytes")
 
 
 class WouldBlock(Exception):
@@ -46,8 +58,9 @@ class WouldBlock(Exception):
 class LineReader:
     """Lines of a streamed HTTP body, with a deadline per line (the stall timeout).
 
-    aiohttp's own readline() caps the line length; an engine's first item carries the prompt's
-    token ids and may be long, so lines are assembled here without a cap.
+    aiohttp's own readline() caps the line length at its read buffer's size; an engine's first
+    item carries the prompt's token ids and may be far longer, so lines are assembled here, up
+    to `max_line_bytes` (LineTooLong past it).
 
     The deadline is enforced by one lazily re-armed timer per stream rather than an
     `asyncio.timeout` per line: with hundreds of streams at tens of tokens per second, creating
@@ -69,6 +82,7 @@ class LineReader:
         self._waiting: asyncio.Task[Any] | None = None
         self._expired = False
         self.nowait = False
+        self.max_line_bytes = MAX_LINE_BYTES
 
     async def readline(self, timeout_s: float) -> bytes | None:
         """The next line without its end of line; None at the end of the body. Raises
@@ -82,6 +96,8 @@ class LineReader:
                 self._scanned = 0
                 return line[:-1] if line.endswith(b"\r") else line
             self._scanned = len(self._buf)
+            if self._scanned > self.max_line_bytes:
+                raise LineTooLong("a line", self.max_line_bytes)
             if self._eof:
                 if not self._buf:
                     return None
@@ -105,6 +121,9 @@ class LineReader:
         chunk = await self._read_chunk(self._clock.time() + timeout_s)
         if chunk:
             self._buf += chunk
+            # (called only while the buffer holds one unfinished event: see awaits_sse_data)
+            if len(self._buf) > self.max_line_bytes:
+                raise LineTooLong("a line", self.max_line_bytes)
             return True
         self._eof = True
         return False
@@ -128,6 +147,11 @@ class LineReader:
             return None
         self.consume(peeked[1])
         return peeked[0]
+
+    @property
+    def clock(self) -> stall_timeout.StallClock:
+        """The stall clock this reader times its reads on."""
+        return self._clock
 
     @property
     def buffered(self) -> bool:
@@ -267,6 +291,12 @@ class HttpLineStream(EngineStream):
         self._finished = False  # a finish_reason was seen
         self._done = False
         self._pending_error: Exception | None = None  # met by next_batch after some items
+        # (stall clock) when the stall timeout runs out: re-armed by every item that says
+        # something, not by every line (see `_stall_wait`)
+        self._stall_at: float | None = None
+        # (stall clock) when an item that said nothing was handed out: the time until the next
+        # read is the consumer's, not the replica's, and moves `_stall_at` on
+        self._handed_at: float | None = None
 
     async def _request(self) -> tuple[str, dict[str, Any]]:
         """The path and JSON body of the request."""
@@ -275,6 +305,32 @@ class HttpLineStream(EngineStream):
     async def _next_item(self) -> EngineDelta:
         """The next item; raises StopAsyncIteration after the end marker."""
         raise NotImplementedError
+
+    def _stall_wait(self, wait: float) -> float:
+        """How long the next read may wait: `wait`, and never past the stall timeout counted
+        from the last item that said something (a token, text, a tool call, a finish). Lines
+        and events that say nothing (an empty item, `choices: []`, a keep-alive) do not keep a
+        replica alive: one sending only those held a request until request_timeout_s. Raises
+        TimeoutError once that time is up, even with such lines still buffered."""
+        assert self._reader is not None
+        now = self._reader.clock.time()
+        if self._stall_at is None:
+            self._stall_at = now + self._stall
+        elif self._handed_at is not None:  # the consumer's time since, not the replica's
+            self._stall_at += now - self._handed_at
+        self._handed_at = None
+        left = self._stall_at - now
+        if left <= 0:
+            raise TimeoutError
+        return min(wait, left)
+
+    def _progressed(self, item: EngineDelta) -> EngineDelta:
+        """`item`, after re-arming the stall timeout if it says something."""
+        if item.text or item.token_ids or item.tool_calls or item.finish_reason or item.token_count:
+            self._stall_at = None
+        elif self._reader is not None:
+            self._handed_at = self._reader.clock.time()
+        return item
 
     async def __anext__(self) -> EngineDelta:
         if self._pending_error is not None:
@@ -286,12 +342,15 @@ class HttpLineStream(EngineStream):
         try:
             if self._reader is None:
                 await self._connect()
-            return await self._next_item()
+            return self._progressed(await self._next_item())
         except (StopAsyncIteration, WouldBlock):
             raise
         except GenerationError:
             self.close()
             raise
+        except LineTooLong as exc:
+            self.close()
+            raise unavailable(f"replica {name} sent {exc}") from None
         except TimeoutError:
             self.close()
             raise unavailable(
@@ -321,6 +380,7 @@ class HttpLineStream(EngineStream):
                 if not reader.buffered:
                     break  # the usual end of a batch, without raising WouldBlock through it
                 if self._take_buffered(items, limit):
+                    self._stall_at = None  # (it takes only items with text or a call)
                     continue
                 items.append(await self.__anext__())
         except (WouldBlock, StopAsyncIteration):
@@ -415,10 +475,16 @@ class HttpReplicaClient(ReplicaClient):
         return await self.call("POST", path, body, timeout_s)
 
     async def call(
-        self, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        timeout_s: float,
+        limit: int = CALL_REPLY_BYTES,
     ) -> bytes:
-        """The raw 200 reply of a short call (`body` as JSON, if any); a non-200 reply or a
-        transport failure is a GenerationError like any other failure of the replica."""
+        """The raw 200 reply of a short call (`body` as JSON, if any), up to `limit` bytes; a
+        non-200 reply, a longer one or a transport failure is a GenerationError like any other
+        failure of the replica."""
         try:
             async with self.session.request(
                 method,
@@ -431,7 +497,7 @@ class HttpReplicaClient(ReplicaClient):
             ) as resp:
                 if resp.status != 200:
                     raise http_error(self.name, resp.status, await read_error_body(resp))
-                return await read_bounded(resp, CALL_REPLY_BYTES)
+                return await read_bounded(resp, limit)
         except BodyTooLarge as exc:
             raise unavailable(f"replica {self.name}: reply {exc}") from None
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:

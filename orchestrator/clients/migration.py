@@ -49,9 +49,19 @@ from .backend import (
     GenerationError,
     GenerationRequest,
     ToolCallDelta,
+    unavailable,
 )
 from .replay import Replay, ReplayMismatch, replayable
 from .replicas import Replica, ReplicaPool
+
+# The most text a stream may carry: MAX_CHARS_PER_TOKEN for every token of its budget, past a
+# fixed allowance (resumed text, a detokenizer's flush). A token is a few characters (the
+# longest of common vocabularies are runs of some hundred spaces); a replica sending more is
+# broken or lying, and passing its text on let it fill the orchestrator's memory within any
+# token budget (each line is bounded, line_transport.MAX_LINE_BYTES, but not their number: a
+# chat server's usage can count its events as no tokens at all).
+MAX_CHARS_PER_TOKEN = 1024
+TEXT_ALLOWANCE_CHARS = 1 << 16
 
 log = logging.getLogger("guardstream.migration")
 
@@ -160,6 +170,7 @@ class MigratingStream:
         self._ids: list[int] = []
         self._generated = 0  # len(self._ids), or the items' token_count where they carry no ids
         self._text: list[str] = []
+        self._chars = 0  # the text the replicas sent, checked by `_check_text`
         self._calls: list[ToolCallDelta] = []  # tool-call fragments, held until the finish
         self._closed = False
         self._internal_errors = 0  # replicas that answered HTTP 500 (`replica_fault` False)
@@ -275,6 +286,7 @@ class MigratingStream:
                         stream.close()
                         stream = self._dispatch(replica, original)
                         continue
+                    items, too_much = self._within_text_bound(items, replica)
                     try:
                         chunks = self._take(items)
                     except ReplayMismatch as mismatch:
@@ -286,6 +298,8 @@ class MigratingStream:
                         ) from None
                     if chunks:
                         yield chunks
+                    if too_much is not None:
+                        raise too_much
                 if self.finish_reason is None:
                     if self._budget_spent():
                         yield [self._local_finish()]
@@ -490,6 +504,23 @@ class MigratingStream:
             return items
         return [await anext(stream)]
 
+    def _within_text_bound(
+        self, items: list[EngineDelta], replica: Replica
+    ) -> tuple[list[EngineDelta], GenerationError | None]:
+        """`items` up to the one that takes the stream's text past what its budget can carry
+        (MAX_CHARS_PER_TOKEN), and then the replica's failure: what came before it is
+        delivered (a migration resumes after it), nothing of it or after it."""
+        limit = TEXT_ALLOWANCE_CHARS + MAX_CHARS_PER_TOKEN * self.request.params.max_new_tokens
+        for k, item in enumerate(items):
+            self._chars += len(item.text)
+            if self._chars > limit:
+                budget = self.request.params.max_new_tokens
+                return items[:k], unavailable(
+                    f"replica {replica.name} sent more than {limit} characters for a budget "
+                    f"of {budget} tokens"
+                )
+        return items, None
+
     def _take(self, items: list[EngineDelta]) -> list[EngineDelta]:
         """The chunks of a read; during a replay, only what follows the delivered prefix."""
         if self._replay is None:
@@ -565,7 +596,11 @@ class MigratingStream:
             elif item.prompt_token_ids is not None:
                 self.input_token_count = len(item.prompt_token_ids)
         self._ids.extend(item.token_ids)
-        self._generated += len(item.token_ids) if item.token_count is None else item.token_count
+        n = len(item.token_ids) if item.token_count is None else item.token_count
+        # no replica generates more than the budget it was asked for: a count past it (a server's
+        # usage claiming 10**12 tokens) is not believed. It was reported to the client, counted
+        # in the metrics and charged to the tenant's token budget.
+        self._generated = min(self._generated + n, self.request.params.max_new_tokens)
         if item.text:
             self._text.append(item.text)
         self.generated_token_count = self._generated

@@ -39,6 +39,10 @@ from .line_transport import (
 )
 from .peers import log_inband_error
 
+# `GET /v1/models` is a few hundred bytes: a reply past this is refused unread (it was read up
+# to CALL_REPLY_BYTES and parsed on the event loop, a hostile replica's way to stall every client)
+MODELS_REPLY_BYTES = 1 << 20
+
 
 def native_body(
     request: GenerationRequest, continuation: Continuation | None, max_time: float
@@ -187,7 +191,7 @@ class NativeStream(HttpLineStream):
         assert self._reader is not None
         name = self._client.name
         grace = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
-        line = await self._reader.readline(grace)
+        line = await self._reader.readline(self._stall_wait(grace))
         if line is None:
             raise unavailable(f"replica {name}: stream ended without complete_final")
         item = self._parse(line)
@@ -275,7 +279,7 @@ class NativeClient(HttpReplicaClient):
     async def advertised(self, timeout_s: float) -> EngineLimits | None:
         """`GET /v1/models` parsed; None when the engine advertises no context. A transport
         failure or a non-200 reply is a GenerationError (as for any other call)."""
-        raw = await self.call("GET", "/v1/models", None, timeout_s)
+        raw = await self.call("GET", "/v1/models", None, timeout_s, MODELS_REPLY_BYTES)
         try:
             return EngineLimits.parse(json.loads(raw))
         except ValueError:

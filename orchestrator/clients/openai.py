@@ -28,7 +28,8 @@ In both modes an in-band error event (`{"error": ...}` or `{"object": "error", .
 `finish_reason: "abort"`, `[DONE]` without a finish reason, or the end of the body before a
 finish reason is a migratable failure; the end of the body right after the finish reason is a
 normal end (transformers serve sends no `[DONE]`); events without choices or without a delta, and
-SSE comments (keep-alives), are skipped. Keep-alives do not reset the stall timer: only events do.
+SSE comments (keep-alives), are skipped. Neither resets the stall timer: only an event with
+text, a tool call, a finish reason or reasoning does (line_transport.HttpLineStream._stall_wait).
 Where guardstream reads text without token ids, it also enforces the stop sequences itself
 (transformers serve stops after a stop string but sends it; OpenAI's contract is to leave it out).
 

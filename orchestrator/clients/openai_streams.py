@@ -22,7 +22,13 @@ from .backend import (
     ToolCallDelta,
     unavailable,
 )
-from .line_transport import FINAL_GRACE_S, HttpLineStream, error_message, int_list
+from .line_transport import (
+    FINAL_GRACE_S,
+    HttpLineStream,
+    LineTooLong,
+    error_message,
+    int_list,
+)
 from .openai_protocol import (
     RESUME_FIELDS,
     NoTokenize,
@@ -79,6 +85,7 @@ class SseStream(HttpLineStream):
         self._continuation = continuation
         self._deadline = time.monotonic() + max_time if max_time > 0 else None
         self._data: list[bytes] = []  # data lines of the SSE event being read
+        self._data_bytes = 0  # their length, bounded like one line (LineReader.max_line_bytes)
         self._gate: TextGate | None = None  # stop sequences enforced here (text-only streams)
 
     def _check_body(self, body: dict[str, Any]) -> None:
@@ -126,21 +133,22 @@ class SseStream(HttpLineStream):
         )
 
     async def _next_event(self) -> bytes | None:
-        """The data of the next SSE event; None at the end of the body. The stall timer runs per
-        event: comment lines (keep-alives) do not reset it."""
+        """The data of the next SSE event; None at the end of the body. The stall timer runs
+        from the last item that said something (`_stall_wait`): comment lines (keep-alives)
+        and events without a choice do not reset it."""
         reader = self._reader
         assert reader is not None
+        wait = self._stall_wait(min(self._stall, FINAL_GRACE_S) if self._finished else self._stall)
         if not self._data:  # the usual `data: {...}\n\n`, without splitting it into lines
             payload = reader.take_sse_data()
             if payload is not None:
                 return payload
-        wait = min(self._stall, FINAL_GRACE_S) if self._finished else self._stall
-        stall_at = time.monotonic() + wait
+        clock = reader.clock
+        stall_at = clock.time() + wait
         while True:
-            now = time.monotonic()
-            timeout = stall_at - now
+            timeout = stall_at - clock.time()
             if self._deadline is not None and not self._finished:
-                timeout = min(timeout, self._deadline - now)
+                timeout = min(timeout, self._deadline - time.monotonic())
             try:
                 if not self._data and reader.awaits_sse_data():
                     # the next event is still on its way: wait for it whole, then take it
@@ -161,6 +169,7 @@ class SseStream(HttpLineStream):
                 if self._data:
                     data = b"\n".join(self._data)
                     self._data = []
+                    self._data_bytes = 0
                     return data
                 continue
             if line.startswith(b":"):
@@ -168,6 +177,9 @@ class SseStream(HttpLineStream):
             field, _, value = line.partition(b":")
             if field == b"data":
                 self._data.append(value[1:] if value.startswith(b" ") else value)
+                self._data_bytes += len(line) + 1  # as received
+                if self._data_bytes > reader.max_line_bytes:  # data lines that never end an event
+                    raise LineTooLong("an event", reader.max_line_bytes)
 
     async def _end_of_sse(self) -> NoReturn:
         """After [DONE]: the body must end; blank lines and comments (a keep-alive that raced
@@ -393,7 +405,7 @@ class ChatStream(SseStream):
             await self._end_of_sse()
         try:
             return await self._read()
-        except (GenerationError, TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except (GenerationError, LineTooLong, TimeoutError, aiohttp.ClientError, OSError) as exc:
             if self._held is None:
                 raise
             self._failure = exc
@@ -424,6 +436,8 @@ class ChatStream(SseStream):
             obj = self._decode(payload)
             has_usage = self._usage(obj.get("usage"))
             text, finish, stop_reason, calls = self._choice(obj)
+            if not (text or calls or finish) and _reasons(obj):
+                self._stall_at = None  # the model is thinking: generating, not stalled
             if self._finished:
                 if text or calls:
                     raise unavailable(f"replica {name}: data after the final event")
@@ -580,6 +594,20 @@ class ChatStream(SseStream):
         cont = self._continuation
         taken = cont.generated_token_count if cont is not None else 0
         return max(0, self._prompt_tokens - taken)
+
+
+# where servers put a reasoning model's thinking (vLLM: `reasoning_content`, newer `reasoning`)
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def _reasons(obj: dict[str, Any]) -> bool:
+    """The event's first choice carries reasoning text: never passed on, but the replica is
+    generating (its stall timer restarts, as for text)."""
+    choices = obj.get("choices")
+    delta = choices[0].get("delta") if choices else None
+    return isinstance(delta, dict) and any(
+        isinstance(delta.get(f), str) and delta[f] for f in REASONING_FIELDS
+    )
 
 
 def _plain_fragment(calls: Any, delta: dict[str, Any]) -> tuple[ToolCallDelta] | None:

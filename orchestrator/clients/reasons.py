@@ -30,7 +30,9 @@ def connection_failure(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "server disconnected"
     if isinstance(exc, aiohttp.ClientResponseError):
-        return f"HTTP {exc.status}"
+        # our calls never raise_for_status: this is aiohttp failing to parse the peer's reply
+        # (a header past its bound, an encoding it cannot decode), its `status` (400) its own
+        return "unreadable HTTP reply"
     if isinstance(exc, ConnectionResetError):
         return "connection reset"
     if isinstance(exc, TimeoutError):

@@ -1,5 +1,7 @@
 """The stall timeout (config `models.*.migration.stall_timeout_s`, DESIGN section 7): a replica
-that sends no item for this long is treated as dead, and the request migrates.
+that sends nothing that says something (a token, text, a tool call, a finish reason, a reasoning
+model's thinking) for this long is treated as dead, and the request migrates: keep-alives, empty
+items and events without a choice do not count.
 
 It is enforced by the line reader every HTTP engine stream reads through
 (`line_transport.LineReader`, one lazily re-armed timer per stream); this module holds the clock

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,10 @@ class DetectorBehaviour:
     redirect_to: str | None = None  # answer every call with `302 Location: redirect_to`
     reply: Any = None  # a 200 reply of this JSON value (NaN/Infinity allowed) instead of detections
     endless: bool = False  # a 200 reply that never ends: 64 MiB of detections, then it stalls
+    # a 200 reply in this Content-Encoding ("gzip", "deflate", "br") that inflates to 1 GiB of
+    # spaces from 1 MiB on the wire (a decompression bomb)
+    bomb: str | None = None
+    huge_header: bool = False  # a 200 reply with a 1 MiB header (no client reads that)
 
 
 class FakeDetectorServer:
@@ -109,6 +114,10 @@ class FakeDetectorServer:
             return web.Response(text=json.dumps(behaviour.reply), content_type="application/json")
         if behaviour.endless:
             return await self._endless(request)
+        if behaviour.huge_header:
+            return web.json_response([[] for _ in contents], headers={"x-padding": "a" * (1 << 20)})
+        if behaviour.bomb is not None:
+            return await self._bomb(request, behaviour.bomb)
         reply = [self._detect(behaviour, c) for c in contents]
         if behaviour.drop_one:
             reply = reply[:-1]
@@ -165,6 +174,28 @@ class FakeDetectorServer:
         except (ConnectionError, asyncio.CancelledError):
             self.cancelled += 1
             raise
+
+    async def _bomb(self, request: web.Request, encoding: str) -> web.StreamResponse:
+        """A body of `encoding` that inflates to 1 GiB: 1024 copies of one compressed MiB of
+        spaces (after a full flush a compressor starts afresh, so the copies chain into one
+        valid stream), written whole. `br` is sent as gzip bytes: a client without brotli must
+        refuse it as it would any br."""
+        wbits = {"gzip": 31, "deflate": 15, "br": 31}[encoding]
+        compressor = zlib.compressobj(9, zlib.DEFLATED, wbits)
+        block = b" " * (1 << 20)
+        first = compressor.compress(block) + compressor.flush(zlib.Z_FULL_FLUSH)
+        again = compressor.compress(block) + compressor.flush(zlib.Z_FULL_FLUSH)
+        resp = web.StreamResponse(
+            headers={"content-type": "application/json", "content-encoding": encoding}
+        )
+        await resp.prepare(request)
+        try:
+            await resp.write(first + again * 1023)
+            await asyncio.Event().wait()
+        except (ConnectionError, asyncio.CancelledError):
+            self.cancelled += 1
+            raise
+        return resp
 
     @staticmethod
     def _detect(behaviour: DetectorBehaviour, content: str) -> list[dict[str, Any]]:

@@ -56,6 +56,8 @@ FAULT_MODES = (
     "http",  # answer with HTTP `status` instead of a stream
     "hang",  # never answer (no headers)
     "redirect",  # answer `302 Location: location` instead of a stream
+    "endless_line",  # after `after_tokens` tokens, `size` bytes of one item that never ends; stall
+    "empty_items",  # after `after_tokens` tokens, items with no token and no text, for ever
 )
 
 
@@ -68,6 +70,7 @@ class Fault:
     status: int = 503
     message: str = "injected fault"
     location: str = "/health"  # where a `redirect` points
+    size: int = 4 << 20  # the bytes an `endless_line` sends before it stalls
 
     def __post_init__(self) -> None:
         if self.mode not in FAULT_MODES:
@@ -112,6 +115,7 @@ class FakeEngine(FakeUpstream):
     # Fresh streams wait after this many tokens until `release` is set; resumes never wait, so a
     # replica taking over a held stream finishes it.
     hold_after: int | None = None
+    models_padding: int = 0  # characters of junk in `GET /v1/models` (a hostile replica's reply)
 
     def __post_init__(self) -> None:
         self.faults: list[Fault] = (
@@ -131,7 +135,7 @@ class FakeEngine(FakeUpstream):
         app.router.add_post("/v1/generate", self._generate)
         app.router.add_post("/v1/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "fake"}]}))
+        app.router.add_get("/v1/models", self._models)
         self.port = await self._serve(app, self.port)
         return self.url
 
@@ -162,6 +166,12 @@ class FakeEngine(FakeUpstream):
         if not self.healthy:
             return web.json_response({"status": "unhealthy"}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        reply: dict[str, Any] = {"data": [{"id": "fake"}]}
+        if self.models_padding:
+            reply["padding"] = "x" * self.models_padding
+        return web.json_response(reply)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -277,6 +287,20 @@ class FakeEngine(FakeUpstream):
                 await resp.write(b"[" * 100_000 + b"]" * 100_000 + b"\n")
             elif fault.mode == "no_data":
                 await send({"complete_final": False})
+            elif fault.mode == "empty_items":
+                # a replica that looks alive and says nothing (a yield between items: the test's
+                # client shares this event loop)
+                while True:
+                    await send({"data": {"token_ids": [], "text": ""}, "complete_final": False})
+                    await asyncio.sleep(0.01)
+            elif fault.mode == "endless_line":
+                # a bounded size, then a stall: a client that buffers it all costs the test
+                # machine `size` bytes, not all its memory
+                await resp.write(b'{"data": {"text": "')
+                block = b"x" * (64 << 10)
+                for _ in range(fault.size // len(block)):
+                    await resp.write(block)
+                await asyncio.Event().wait()
             return False
 
         sent = 0

@@ -88,6 +88,9 @@ FAULT_MODES = (
     "content_filter",  # `finish_reason: "content_filter"` (Azure), then usage and [DONE]
     "http",  # answer HTTP `status` with an OpenAI error body (`message`) instead of a stream
     "redirect",  # answer `302 Location: /health` instead of a stream
+    "endless_line",  # `size` bytes of one `data:` line that never ends, then a stall
+    "endless_event",  # `size` bytes of short `data:` lines with no blank line ending the event
+    "empty_events",  # events without a choice (`choices: []`), for ever
 )
 
 # what transformers serve takes: OpenAI's request params + its own
@@ -138,6 +141,7 @@ class OpenAIFault:
     times: int = 1  # requests it applies to; -1: all
     status: int = 503
     message: str = "injected"  # the message of an `http` fault's error body
+    size: int = 4 << 20  # the bytes an `endless_line` or `endless_event` sends before it stalls
 
     def __post_init__(self) -> None:
         if self.mode not in FAULT_MODES:
@@ -174,12 +178,17 @@ class FakeOpenAI(FakeUpstream):
     keepalive: bool = False
     finish_with_content: bool = False
     send_usage: bool = True  # False: ignore `stream_options.include_usage` (older servers)
+    usage_override: dict[str, Any] = field(default_factory=dict)  # chat: merged into each usage
     # tool calls (vllm flavour, chat): see the module's docstring
     tool_calls: list[ScriptedToolCall] = field(default_factory=list)
     argument_splits: list[list[int]] | None = None
     fragment_chars: int = 5
     tool_call_text: list[str] = field(default_factory=list)  # content chunks before the calls
     calls_unoffered: bool = False  # answer with the calls even when the request offers no tools
+    # chat (vllm flavour): `delta.reasoning_content` chunks before the answer (a reasoning
+    # model under vLLM's reasoning parser), `reasoning_delay_s` apart
+    reasoning: list[str] = field(default_factory=list)
+    reasoning_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.faults: list[OpenAIFault] = (
@@ -372,6 +381,7 @@ class FakeOpenAI(FakeUpstream):
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(out),
             "total_tokens": prompt_tokens + len(out),
+            **self.usage_override,
         }
         rid = f"chatcmpl-{len(self.requests)}"
         if self.transformers and body.get("stream"):
@@ -472,6 +482,9 @@ class FakeOpenAI(FakeUpstream):
                 "content": None if self.null_content else "",
             }
             await send(chunk([choice(role)]))
+            for thought in self.reasoning:
+                await asyncio.sleep(self.reasoning_delay_s)
+                await send(chunk([choice({"reasoning_content": thought})]))
             n = self.words_per_chunk
             groups = ["".join(out[i : i + n]) for i in range(0, len(out), n)]
             last = groups.pop() if self.finish_with_content and groups else ""
@@ -601,6 +614,20 @@ class FakeOpenAI(FakeUpstream):
             request.transport.abort()
             return True
         if m == "stall":
+            await asyncio.Event().wait()
+        if m == "empty_events":
+            # a replica that looks alive and says nothing (a yield between events: the test's
+            # client shares this event loop)
+            while True:
+                await send({"choices": []})
+                await asyncio.sleep(0.01)
+        if m in ("endless_line", "endless_event"):
+            # a bounded size, then a stall: a client that buffers it all costs the test machine
+            # `size` bytes, not all its memory
+            line = b"data: x\n" * 8192 if m == "endless_event" else b"x" * (64 << 10)
+            await resp.write(b'data: {"choices": [{"text": "' if m == "endless_line" else b"")
+            for _ in range(f.size // len(line)):
+                await resp.write(line)
             await asyncio.Event().wait()
         if m == "stall_keepalive":
             while True:
