@@ -205,12 +205,12 @@ async def test_reasoning_keeps_a_replica_alive(
     session: aiohttp.ClientSession, servers: list[FakeOpenAI]
 ) -> None:
     """A reasoning model streams `delta.reasoning_content` (never passed on) before its answer,
-    for longer than the stall timeout (half a second apart, for 4 s; the stall timeout is 3 s):
-    it is generating, not stalled. Events without a choice and keep-alives do not reset the
-    stall timer; reasoning does."""
-    (s,) = await start(servers, reasoning=["Hmm"] * 8, reasoning_delay_s=0.5)
+    for longer than the stall timeout (a quarter of a second apart, for 6 s; the stall timeout
+    is a generous 5 s, twenty times a gap): it is generating, not stalled. Events without a
+    choice and keep-alives do not reset the stall timer; reasoning does."""
+    (s,) = await start(servers, reasoning=["Hmm"] * 24, reasoning_delay_s=0.25)
     client = OpenAIClient("o0", s.url, "fake-model", session, api="chat")
-    stream = client.generate(request(chat=True), None, stall_timeout_s=3, max_time=0)
+    stream = client.generate(request(chat=True), None, stall_timeout_s=5, max_time=0)
     items = [item async for item in stream]
     assert "".join(i.text for i in items) == FULL
     assert items[-1].finish_reason == "EOS_TOKEN"
