@@ -64,8 +64,9 @@ shipping a model derived from them):
   and reStructuredText docs their wheels ship, and of model cards, each under its package's
   licence (MIT, BSD, Apache-2.0, PSF and the like: `docs_licences`; packages about attacks on
   models excluded, sections that talk about injections dropped), trained on whole and window by
-  window. Without them the heads flagged 82% of such documents (install steps, code, API
-  tables: bench/quality.py's `bench_documents`). The `check` packages' documents and the
+  window: only with TRAIN_DOCS, off (see there): the shipped heads are trained without them.
+  The shipped heads flag 58% of the held-out packages' documents (bench/quality.py's
+  `bench_documents`: install steps and code most). The `check` packages' documents and the
   instructions planted in them (`planted_injections`) are never trained on.
 
 No text of bench/quality.py's injection data (dev or test split) nor of its held-out everyday
@@ -134,8 +135,14 @@ TRAIN_OVOS = False
 TRAIN_TOOLS = True
 TOOLS_REPEAT = 1
 # Whether benign technical documents of the `train` packages are trained on (`documents_benign`),
-# and how many sections of each document (bench/quality.py's check reads 3 of the others')
-TRAIN_DOCS = True
+# and how many sections of each document (bench/quality.py's check reads 3 of the others').
+# Tried once with the shipped settings (5,609 more texts embedded; 2 shared cores): the
+# logistic regression head alone (`model: minilm-lr`) flagged 95 of the 224 held-out document
+# sections at its 0.42 (156 before) but found 18 of the 24 planted instructions (23 before);
+# the MLP and n-gram heads were not measured in the time given (README). Off until they are:
+# the shipped heads are trained without them. Packages whose METADATA states no licence or a
+# GPL one (insults, python-stdnum) should be left out of training when this is turned on.
+TRAIN_DOCS = False
 DOCS_PER_FILE_TRAIN = 6
 
 
@@ -769,15 +776,15 @@ def tool_definitions_held() -> set[str]:
 
 def bench_keys() -> set[str]:
     """Every text of bench/quality.py's injection data (dev and test), of its held-out
-    everyday requests and (TRAIN_DOCS) of its held-out documents and planted injections."""
+    everyday requests, documents and the instructions planted in them."""
     from bench.quality import everyday_data, everyday_part, injection_data
 
     held = [r for r in everyday_data() if everyday_part(r.group or r.text) == "check"]
     keys = {key(r.text) for r in [*injection_data(), *held]}
-    if TRAIN_DOCS:  # the held-out documents and the instructions planted in them
-        from bench.quality import docs_data, planted_injections
+    # the held-out documents and the instructions planted in them
+    from bench.quality import docs_data, planted_injections
 
-        keys |= {key(r.text) for r in [*docs_data("check"), *planted_injections()]}
+    keys |= {key(r.text) for r in [*docs_data("check"), *planted_injections()]}
     return keys | (tool_definitions_held() if TRAIN_TOOLS else set())
 
 
