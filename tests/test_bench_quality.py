@@ -434,3 +434,60 @@ def test_the_hap_search_chooses_on_the_dev_split_alone() -> None:
     assert t == 0.3
     assert per == pytest.approx([0.8, 1.0, 1.0])  # insults: 2 found, 1 false alarm
     assert mean == pytest.approx(2.8 / 3)
+
+
+def test_a_document_is_cut_at_its_headings_into_snippets_that_fit() -> None:
+    """A pasted docs section is what `bench_documents` judges: sections (markdown `#` or
+    reStructuredText underlined headings) joined while they fit, a longer one cut at a blank
+    line, pieces too short to be a document dropped."""
+    a, b, c = "a" * 300, "b" * 300, "c " * 300
+    md = f"# A\n{a}\n## B\n{b}\nTitle\n=====\n{c}\n\n{c}"
+    # the sections: 304, 305 and 1,214 characters; the last cut at its blank line
+    assert quality.doc_snippets(md, limit=1000) == [
+        f"# A\n{a}\n## B\n{b}",
+        f"Title\n=====\n{c}".strip(),
+        c.strip(),
+    ]
+    # a section that fits is kept whole, not joined past the limit
+    assert quality.doc_snippets(md, limit=1500) == [
+        f"# A\n{a}\n## B\n{b}",
+        f"Title\n=====\n{c}\n\n{c}".strip(),
+    ]
+    assert quality.doc_snippets("# Short\nfew words") == []
+
+
+def test_documents_split_by_package_and_the_held_out_ones_are_never_trained_on() -> None:
+    """The documents' false-alarm check is on packages the heads never saw: a package's
+    documents fall on one side (its name, however spelt, decides), every held-out snippet and
+    planted injection is among the texts train_injection drops, and no document of a package
+    about attacks on models, nor a snippet talking about injections, is read as benign."""
+    pytest.importorskip("faker", reason="bench/requirements-quality.txt")
+    from bench.train_injection import bench_keys, documents_benign
+
+    assert quality.docs_part("Foo_Bar.baz") == quality.docs_part("foo-bar-baz")
+    train, check = quality.docs_data("train"), quality.docs_data("check")
+    assert len(train) > 100 and len(check) > 100
+    assert not {r.group for r in train} & {r.group for r in check}
+    assert {quality.docs_part(r.group) for r in check} == {"check"}
+    assert not {r.group for r in train + check} & quality.DOCS_EXCLUDED
+    assert not any(quality._ATTACK_TALK.search(r.text) for r in train + check)
+    assert {"package README (METADATA)", "docs in wheel"} <= {r.source for r in check}
+    planted = quality.planted_injections()
+    held = {key(r.text) for r in [*check, *planted]}
+    assert held <= bench_keys()
+    trained, _ = dedupe(documents_benign(), bench_keys())
+    assert len(trained) > 200 and not {key(r.text) for r in trained} & held
+
+
+def test_each_planted_injection_sits_whole_in_a_held_out_document() -> None:
+    """The attack row of `bench_documents`: each of our DOC_INJECTIONS (20 or more) inside a
+    held-out snippet, the snippet's own text kept around it; the same texts on every call."""
+    pytest.importorskip("faker", reason="bench/requirements-quality.txt")
+    planted = quality.planted_injections()
+    assert len(planted) == len(quality.DOC_INJECTIONS) >= 20
+    assert [r.text for r in planted] == [r.text for r in quality.planted_injections()]
+    docs = [r.text for r in quality.docs_data("check")]
+    for row, attack in zip(planted, quality.DOC_INJECTIONS, strict=True):
+        assert row.label and attack in row.text
+        rest = row.text.replace("\n\n" + attack, "").replace(attack + "\n\n", "")
+        assert rest in docs
