@@ -225,13 +225,16 @@ def _ibans(text: str) -> list[Span]:
 
 
 def _iban_end(m: re.Match[str], is_valid: Callable[[str], bool]) -> int:
-    """Where the IBAN a candidate holds ends (0: none): the whole candidate, or for a grouped one
-    without its last group or last two (at most three checks)."""
+    """Where the IBAN a candidate holds ends (0: none): the whole candidate, or the candidate
+    cut at a separator, from the last: a grouped one without its last group or last two (a word
+    of capitals read as a group), an ungrouped one without the words its single spaces let it
+    run on into (`DE89370400440532013000 merci`: either case, so any word). At most one check
+    per separator, and a candidate holds at most 30 characters after its check digits."""
     if is_valid(m.group()):
         return m.end()
-    if m.group(1) is None:
-        return 0
-    cuts = [g.start() for g in _GROUP_SEPARATOR.finditer(m.group(), 4)][-2:]
+    cuts = [g.start() for g in _GROUP_SEPARATOR.finditer(m.group(), 4)]
+    if m.group(1) is not None:
+        cuts = cuts[-2:]
     for cut in reversed(cuts):
         if cut >= 15 and is_valid(m.group()[:cut]):
             return m.start() + cut

@@ -65,6 +65,24 @@ def test_an_iban_is_reported_whole_not_as_the_phone_its_digits_look_like() -> No
     assert [k for k, *_ in found(bad) if k == "iban"] == []
 
 
+@pytest.mark.parametrize(
+    ("text", "iban"),
+    [
+        ("Mon IBAN est DE89370400440532013000 merci.", "DE89370400440532013000"),
+        ("IBAN FR1420041010050500013M02606 a b c d e f", "FR1420041010050500013M02606"),
+        ("pay de89370400440532013000 today", "de89370400440532013000"),
+        ("IBAN GB82WEST12345698765432 please", "GB82WEST12345698765432"),
+    ],
+)
+def test_an_iban_run_together_before_a_word_is_found_whole(text: str, iban: str) -> None:
+    """An IBAN printed without groups, then a word: the candidate (single spaces allowed
+    anywhere, either case) runs on into the word and fails its check; it is tried without its
+    words, from the last (on 43aafe9: no IBAN in `Mon IBAN est DE89... merci.`)."""
+    from detectors.pii_ner import _ibans
+
+    assert _ibans(text) == [(*at(text, iban), "iban")]
+
+
 def test_an_invisible_character_inside_a_name_is_inside_its_span() -> None:
     text = "Angela Mer\u200bkel visited Berlin."
     assert found(text) == [
