@@ -293,7 +293,8 @@ async def test_empty_items_do_not_hide_a_stall(session: aiohttp.ClientSession) -
     try:
         client = NativeClient("r0", e.url, session)
         items: list[EngineDelta] = []
-        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=0.5, max_time=0)
+        # a real stall timeout, long enough that the first tokens never miss it on a loaded machine
+        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=2, max_time=0)
         with pytest.raises(GenerationError, match="stalled") as info:
             async with asyncio.timeout(DEADLINE_S):
                 async for item in stream:

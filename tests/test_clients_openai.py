@@ -190,9 +190,10 @@ async def test_empty_events_do_not_hide_a_stall(
     being declared stalled after `stall_timeout_s` without a token."""
     (s,) = await start(servers, fail=OpenAIFault("empty_events", after=2))
     client = OpenAIClient("o0", s.url, "fake-model", session)
-    stream = client.generate(request(), None, stall_timeout_s=0.5, max_time=0)
+    # a real stall timeout, long enough that the first tokens never miss it on a loaded machine
+    stream = client.generate(request(), None, stall_timeout_s=2, max_time=0)
     items: list[EngineDelta] = []
-    with pytest.raises(GenerationError, match=r"no event for 0.5 s \(stalled\)") as info:
+    with pytest.raises(GenerationError, match=r"no event for 2 s \(stalled\)") as info:
         async with asyncio.timeout(DEADLINE_S):
             async for item in stream:
                 items.append(item)
