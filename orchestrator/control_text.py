@@ -14,7 +14,9 @@ every normaliser, where a zero-width one may not).
 
 The shapes: ChatML/Llama 3/Phi/Granite `<|...|>` (and DeepSeek's fullwidth `<｜...｜>`), Mistral
 and Llama 2 `[INST]`-style (Mistral's tool markers too) and `<<SYS>>`, Gemma's
-`<start_of_turn>`/`<end_of_turn>`, and `<s>`/`</s>`/`<bos>`/`<eos>`/`<pad>`/`<unk>`/`<mask>`. Pattern-based: a template whose control tokens have another shape
+`<start_of_turn>`/`<end_of_turn>`, the Hermes/Qwen tool and reasoning markers (`<tool_call>`,
+`<tool_response>`, `<tools>`, `<think>` and their closings: Qwen ships them as added tokens its
+tokenizer matches in any text), and `<s>`/`</s>`/`<bos>`/`<eos>`/`<pad>`/`<unk>`/`<mask>`. Pattern-based: a template whose control tokens have another shape
 is not covered (the native engine is, exactly: it reads the tokenizer's own list).
 """
 
@@ -27,7 +29,7 @@ _CONTROL = re.compile(
     r"<[|｜][^\s<>|｜]{0,64}[|｜]>"
     r"|\[/?[A-Z][A-Z_]{1,31}\]"
     r"|<</?SYS>>"
-    r"|</?(?:s|bos|eos|pad|unk|mask|start_of_turn|end_of_turn)>"
+    r"|</?(?:s|bos|eos|pad|unk|mask|start_of_turn|end_of_turn|tool_call|tool_response|tools|think)>"
 )
 
 
