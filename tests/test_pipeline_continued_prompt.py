@@ -21,6 +21,8 @@ import pytest
 
 from orchestrator.app import COMPLETIONS_DETECTION_PATH, STREAMING_PATH, UNARY_PATH
 from tests.fakes.engine import FakeEngine, prompt_text
+from tests.fakes.openai_server import FakeOpenAI
+from tests.openai_support import sdk
 from tests.orchestrator_support import MODEL, Orchestrator, native_config, sse_events
 
 EMAIL_PROMPT = "The e-mail of John Smith is john.smith@"
@@ -159,3 +161,62 @@ async def test_an_entity_wholly_in_the_prompt_changes_nothing_in_the_answer(
         reply, text = await released(orch, surface, CLEAN_PROMPT)
     assert text == " and ask nicely."
     assert '"pii"' not in reply and "content_filter" not in reply
+
+
+# -- a final assistant message the server continues (an operator forwards the field) ----------
+
+CONTINUED = "Sure, his e-mail is john.smith@"
+
+
+@pytest.fixture
+async def continuing() -> AsyncIterator[tuple[FakeOpenAI, Orchestrator]]:
+    """An `openai` chat backend (vLLM's traits) whose operator forwards `continue_final_message`,
+    with `pii` enforced as redact on the answer."""
+    server = FakeOpenAI(scripts={"Mail?": [CONTINUED, *"example.com", " then", "."]})
+    await server.start()
+    cfg = config(server.url, "redact")
+    cfg["models"][MODEL]["backends"] = [
+        {
+            "type": "openai",
+            "url": server.url,
+            "model": MODEL,
+            "api": "chat",
+            "forward_fields": ["continue_final_message", "add_generation_prompt"],
+        }
+    ]
+    try:
+        async with Orchestrator(cfg) as orch:
+            yield server, orch
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+async def test_a_continued_assistant_message_is_judged_with_the_answer(
+    continuing: tuple[FakeOpenAI, Orchestrator], stream: bool
+) -> None:
+    server, orch = continuing
+    messages: Any = [
+        {"role": "user", "content": "Mail?"},
+        {"role": "assistant", "content": CONTINUED},
+    ]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    client = sdk(orch)
+    if stream:
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model=MODEL, messages=messages, stream=True, extra_body=extra
+            )
+        ]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        raw = json.dumps([c.model_dump() for c in chunks])
+    else:
+        reply = await client.chat.completions.create(
+            model=MODEL, messages=messages, extra_body=extra
+        )
+        text = reply.choices[0].message.content or ""
+        raw = reply.model_dump_json()
+    assert server.requests[-1]["continue_final_message"] is True  # the server continued it
+    assert text == "[email] then."
+    assert "example" not in raw
