@@ -13,17 +13,28 @@ enforced output guardrail; raw bytes are checked for the model's part of the ent
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from orchestrator.app import COMPLETIONS_DETECTION_PATH, STREAMING_PATH, UNARY_PATH
+from orchestrator.clients.backend import GenerationParams, GenerationRequest
+from orchestrator.streaming.findings import Finding
+from orchestrator.streaming.guarded_generation import continued_tail
+from orchestrator.streaming.inbox import Inbox
+from orchestrator.streaming.redaction import redact_text
+from orchestrator.streaming.stream_judgement import Release, StreamJudge
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.fakes.openai_server import FakeOpenAI
 from tests.openai_support import sdk
 from tests.orchestrator_support import MODEL, Orchestrator, native_config, sse_events
+from tests.test_pipeline_redaction_seams import hits_and_tail, hostile, pii, registry
 
 EMAIL_PROMPT = "The e-mail of John Smith is john.smith@"
 CARD_PROMPT = "Charge card 4111 1111 1111"
@@ -220,3 +231,87 @@ async def test_a_continued_assistant_message_is_judged_with_the_answer(
     assert server.requests[-1]["continue_final_message"] is True  # the server continued it
     assert text == "[email] then."
     assert "example" not in raw
+
+
+# -- property: the stage with a lead releases the answer's part of the whole text's redaction ---
+
+
+def run_with_lead(
+    prompt: str, deltas: list[str], on_detection: str, max_chars: int
+) -> tuple[list[Release], list[list[Finding]]]:
+    """StreamJudge with the lead the pipeline takes from `prompt` (`continued_tail`), driven as
+    tests/test_pipeline_redaction_seams.py drives it; the releases and any block."""
+
+    async def one() -> tuple[list[Release], list[list[Finding]]]:
+        inbox = Inbox(10_000)
+        lead = continued_tail(GenerationRequest(prompt=prompt, params=GenerationParams()))
+        stage = StreamJudge([pii(on_detection)], registry(max_chars), inbox, lead=lead)
+        tasks: list[asyncio.Task[None]] = []
+        stage.start(lambda coro: tasks.append(asyncio.create_task(coro)))
+        frames: list[Release] = []
+        blocked: list[list[Finding]] = []
+
+        def take(messages: list[Any]) -> None:
+            for m in messages:
+                if blocked:
+                    return
+                verdict = stage.accept(m)
+                frames.extend(verdict.releases)
+                if verdict.blocked is not None:
+                    blocked.append(verdict.blocked)
+
+        try:
+            for delta in deltas:
+                frames.extend(stage.feed(delta))
+                await asyncio.sleep(0)
+                if inbox._items:
+                    take(await inbox.take_all())
+            stage.end()
+            while not stage.done and not blocked:
+                take(await inbox.take_all())
+            if not blocked:
+                frames.extend(stage.final_releases())
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return frames, blocked
+
+    return asyncio.run(one())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=hostile,
+    data=st.data(),
+    max_chars=st.sampled_from([7, 16, 500]),
+    on_detection=st.sampled_from(["redact", "block"]),
+)
+def test_the_answer_after_a_prompt_is_judged_as_the_whole_text_is(
+    text: str, data: st.DataObject, max_chars: int, on_detection: str
+) -> None:
+    """Any text, cut anywhere into a prompt and an answer (itself split into any tokens): what
+    the enforced `regex` detector finds in the whole text (its matches and the tail that could
+    still grow into one), cut to the answer, is what is redacted in the answer, or blocks it
+    before any of it leaves; matches wholly in the prompt change nothing."""
+    k = data.draw(st.integers(0, len(text)), label="cut")
+    prompt, answer = text[:k], text[k:]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(answer)), max_size=12), label="tokens"))
+    bounds = [0, *cuts, len(answer)]
+    deltas = [answer[a:b] for a, b in itertools.pairwise(bounds)]
+    frames, blocked = run_with_lead(prompt, deltas, on_detection, max_chars)
+    hits = [h for h in asyncio.run(hits_and_tail(text)) if h.end > k]
+    released = "".join(f.text for f in frames)
+    if on_detection == "block":
+        assert bool(blocked) == bool(hits), (prompt, answer, hits)
+        assert answer.startswith(released)
+        if hits:
+            assert len(released) <= max(0, min(h.start for h in hits) - k)
+        return
+    det = pii()
+    findings = [
+        Finding(max(h.start, k) - k, h.end - k, "", h.detection, h.detection_type, "pii", 1.0)
+        for h in hits
+    ]
+    want, _ = redact_text(answer, findings, {"pii": det})
+    assert released == want, (prompt, answer)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from chunkers import Span
+from detectors.api import Detection
 from detectors.normalise import (
     MARKUP_MOST,
     BidiStack,
@@ -346,7 +347,7 @@ class DetectorQueue:
             self._inbox.answered()  # a reader held while detectors are behind looks again
             ends = self._closed and not self._pending and (detector.redacting or detector.blocking)
             for i, (span, detections) in enumerate(zip(batch, replies, strict=True)):
-                found = kept_findings(detector, span, detections)
+                found = self._kept(span, detections)
                 if ends and i == len(batch) - 1:  # (a whole-doc detector: its only chunk)
                     found = open_tail(detector, span.text, span.start, found)
                 self._post(span, found)
@@ -375,7 +376,7 @@ class DetectorQueue:
             detections = shifted(detections, len(opened))
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
-            found = kept_findings(detector, Span(start, end, text), detections)
+            found = self._kept(Span(start, end, text), detections)
             final = final or (self._closed and not self._pending)
             if final:
                 found = open_tail(detector, text, start, found)
@@ -478,12 +479,9 @@ class DetectorQueue:
             replies = read_back(await detector.client.detect(contents, detector.params), opened)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
-            own = [
-                kept_findings(detector, span, dets)
-                for span, dets in zip(batch, replies, strict=False)
-            ]
+            own = [self._kept(span, dets) for span, dets in zip(batch, replies, strict=False)]
             judged = held + list(zip(batch, own, strict=True))
-            across = () if window is None else kept_findings(detector, window, replies[-1])
+            across = () if window is None else self._kept(window, replies[-1])
             # (a detection of the whole window counts too: it may be an entity that fills it,
             # and for a block any detection is reason enough)
             straddling = [
@@ -575,6 +573,15 @@ class DetectorQueue:
                 out[i] = (span, (*found, flag))
                 break
         return out
+
+    def _kept(self, span: Span, detections: list[Detection]) -> tuple[Finding, ...]:
+        """`kept_findings`, less those wholly in the lead: the client's own text, which must
+        neither be reported nor decide anything (a flagged chunk is posted at once, and one
+        posted so would be released before its window across the answer was judged)."""
+        found = kept_findings(self.detector, span, detections)
+        if self._led and span.start < 0:
+            return tuple(f for f in found if f.end > 0)
+        return found
 
     def _post(self, span: Span, found: tuple[Finding, ...]) -> None:
         """The verdict on `[span.start, span.end)`; after a lead, on the answer's part of it
