@@ -899,7 +899,9 @@ def continued_tail(request: GenerationRequest) -> str:
     continue (`continue_final_message`, where an operator forwards it). An entity it starts and
     the answer finishes is one entity (DESIGN 4.6a): `... is john.smith@` + `example.com`. As
     much of it as a seam window takes (`seam_bounds`: SEAM_CHARS, and the whitespace-free run
-    there), so any entity the windows see whole is seen whole across this seam too."""
+    there), so any entity the windows see whole is seen whole across this seam too. (An `openai`
+    chat backend gets a raw prompt as a user message, a new turn: its answer is judged after the
+    prompt all the same, which can only add findings that straddle the two.)"""
     messages = request.messages
     if messages is None:
         text = "" if request.chat else request.prompt
