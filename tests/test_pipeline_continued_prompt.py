@@ -1,6 +1,6 @@
 """An answer that continues the prompt's text is judged with the prompt's tail before it (DESIGN
-4.6a): a raw prompt (the FMS task endpoints without the chat template, completions-detection)
-is text the model goes on writing, so an entity the prompt starts and the model finishes is one
+4.6a): a raw prompt (the FMS task endpoints and generation-detection without the chat template,
+completions-detection) is text the model goes on writing, so an entity the prompt starts and the model finishes is one
 entity. On 82d0c00 an enforced output `pii` guardrail judged the answer alone: the prompt
 `... is john.smith@` got `example.com is the address.` back, raw, whether the guardrail
 redacted or blocked (the domain alone is no e-mail), and `Charge card 4111 1111 1111` got the
@@ -23,7 +23,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.app import COMPLETIONS_DETECTION_PATH, STREAMING_PATH, UNARY_PATH
+from orchestrator.app import (
+    COMPLETIONS_DETECTION_PATH,
+    GENERATION_DETECTION_PATH,
+    STREAMING_PATH,
+    UNARY_PATH,
+)
 from orchestrator.clients.backend import GenerationParams, GenerationRequest
 from orchestrator.streaming.findings import Finding
 from orchestrator.streaming.guarded_generation import continued_tail
@@ -84,6 +89,10 @@ async def raw(orch: Orchestrator, path: str, body: dict[str, Any]) -> str:
 
 async def released(orch: Orchestrator, surface: str, prompt: str, **params: Any) -> tuple[str, str]:
     """The raw reply and the answer text it released, on one surface."""
+    if surface == "generation-detection":
+        detect: dict[str, Any] = {"model_id": MODEL, "prompt": prompt, "detectors": {"pii": {}}}
+        reply = await raw(orch, GENERATION_DETECTION_PATH, detect)
+        return reply, json.loads(reply).get("generated_text") or ""
     if surface.startswith("fms"):
         body: dict[str, Any] = {"model_id": MODEL, "inputs": prompt}
         if params:
@@ -109,7 +118,13 @@ async def released(orch: Orchestrator, surface: str, prompt: str, **params: Any)
     return reply, json.loads(reply)["choices"][0]["text"]
 
 
-SURFACES = ["fms-stream", "fms-unary", "completions-stream", "completions-unary"]
+SURFACES = [
+    "fms-stream",
+    "fms-unary",
+    "generation-detection",
+    "completions-stream",
+    "completions-unary",
+]
 
 
 @pytest.mark.parametrize("surface", SURFACES)
