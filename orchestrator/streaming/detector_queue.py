@@ -11,9 +11,10 @@ import asyncio
 import re
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from chunkers import Span
+from detectors.api import Detection
 from detectors.normalise import (
     MARKUP_MOST,
     BidiStack,
@@ -227,10 +228,13 @@ class DetectorQueue:
         max_batch: int = 32,
         conversation: tuple[tuple[str, str], ...] = (),
         ready: tuple[tuple[str, str], ...] | None = None,
+        lead: str = "",
     ) -> None:
         """`conversation`: the request's (role, content) messages, which a judge reads beside
         each chunk with the answer before it (`reads_context`); `ready`: them made judge-ready
-        once for the stream (JudgeContext.ready)."""
+        once for the stream (JudgeContext.ready); `lead`: the text the answer continues (see
+        `leads_into`), judged before the answer's first chunk by a span detector that redacts
+        or blocks."""
         self.detector = detector
         self._inbox = inbox
         self._max_batch = max_batch
@@ -270,6 +274,13 @@ class DetectorQueue:
         # (read_after.py), as a reader of the whole stream sees it. Read once per character,
         # as the chunks are judged. A judge reads the answer before each chunk as it is.
         self._overrides = BidiStack()
+        # the text the answer continues, at stream indices [-len(lead), 0): joined to the
+        # first chunk (`put`), so that an entity it starts and the answer finishes is seen
+        # whole; only the answer's part of a finding is reported (`_post`)
+        self._lead = lead if leads_into(detector) else ""
+        self._led = bool(self._lead)
+        if self._windowed:
+            self._carry_start = -len(self._lead)
 
     def _read(self, text: str) -> str:
         """What the next chunk, `text`, is read after (read_after.py); the state moves past it."""
@@ -278,6 +289,9 @@ class DetectorQueue:
         return opened
 
     def put(self, span: Span) -> None:
+        if self._lead:  # the answer's first chunk: judged after the text it continues
+            lead, self._lead = self._lead, ""
+            span = Span(span.start - len(lead), span.end, lead + span.text, span.natural_end)
         self._pending.append(span)
         self.unjudged += len(span.text)
         self._wakeup.set()
@@ -333,10 +347,10 @@ class DetectorQueue:
             self._inbox.answered()  # a reader held while detectors are behind looks again
             ends = self._closed and not self._pending and (detector.redacting or detector.blocking)
             for i, (span, detections) in enumerate(zip(batch, replies, strict=True)):
-                found = kept_findings(detector, span, detections)
+                found = self._kept(span, detections)
                 if ends and i == len(batch) - 1:  # (a whole-doc detector: its only chunk)
                     found = open_tail(detector, span.text, span.start, found)
-                self._inbox.put(DetectorResult(detector.detector_id, span.start, span.end, found))
+                self._post(span, found)
         self._inbox.put(DetectorFinished(detector.detector_id))
 
     async def _run_windowed(self) -> None:
@@ -362,7 +376,7 @@ class DetectorQueue:
             detections = shifted(detections, len(opened))
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
-            found = kept_findings(detector, Span(start, end, text), detections)
+            found = self._kept(Span(start, end, text), detections)
             final = final or (self._closed and not self._pending)
             if final:
                 found = open_tail(detector, text, start, found)
@@ -377,7 +391,7 @@ class DetectorQueue:
             self._carry_start = safe
             reported = tuple(f for f in found if f.end <= safe)
             reported += self._obscured(text, start, safe, hidden_from)
-            self._inbox.put(DetectorResult(detector.detector_id, start, safe, reported))
+            self._post(Span(start, safe, ""), reported)
         self._inbox.put(DetectorFinished(detector.detector_id))
 
     def _obscured(
@@ -465,12 +479,9 @@ class DetectorQueue:
             replies = read_back(await detector.client.detect(contents, detector.params), opened)
             self.unjudged -= sum(len(s.text) for s in batch)
             self._inbox.answered()
-            own = [
-                kept_findings(detector, span, dets)
-                for span, dets in zip(batch, replies, strict=False)
-            ]
+            own = [self._kept(span, dets) for span, dets in zip(batch, replies, strict=False)]
             judged = held + list(zip(batch, own, strict=True))
-            across = () if window is None else kept_findings(detector, window, replies[-1])
+            across = () if window is None else self._kept(window, replies[-1])
             # (a detection of the whole window counts too: it may be an entity that fills it,
             # and for a block any detection is reason enough)
             straddling = [
@@ -563,8 +574,45 @@ class DetectorQueue:
                 break
         return out
 
+    def _kept(self, span: Span, detections: list[Detection]) -> tuple[Finding, ...]:
+        """`kept_findings`, less those wholly in the lead: the client's own text, which must
+        neither be reported nor decide anything (a flagged chunk is posted at once, and one
+        posted so would be released before its window across the answer was judged)."""
+        found = kept_findings(self.detector, span, detections)
+        if self._led and span.start < 0:
+            return tuple(f for f in found if f.end > 0)
+        return found
+
     def _post(self, span: Span, found: tuple[Finding, ...]) -> None:
-        self._inbox.put(DetectorResult(self.detector.detector_id, span.start, span.end, found))
+        """The verdict on `[span.start, span.end)`; after a lead, on the answer's part of it
+        alone (what lies wholly in the lead is the client's own text: never reported)."""
+        start, end = span.start, span.end
+        if self._led and (start < 0 or any(f.start < 0 for f in found)):
+            found = tuple(_answer_part(f) for f in found if f.end > 0)
+            if end <= 0 and not found:
+                return
+            start, end = max(start, 0), max(end, 0)
+        self._inbox.put(DetectorResult(self.detector.detector_id, start, end, found))
+
+
+def leads_into(detector: RequestedDetector) -> bool:
+    """`detector` judges the answer after the text it continues (DESIGN 4.6a): a span detector
+    that redacts or blocks, for which an entity the prompt starts and the answer finishes is
+    one entity. A classifier judges its chunks alone and a judge reads the conversation
+    already: the prompt's text in their chunk would make the answer carry the prompt's
+    verdict."""
+    return (
+        (detector.redacting or detector.blocking)
+        and not detector.judges_chunks
+        and not detector.client.reads_context
+    )
+
+
+def _answer_part(f: Finding) -> Finding:
+    """A finding that starts in the lead, cut to the answer's part of it (stream index 0 on)."""
+    if f.start >= 0:
+        return f
+    return replace(f, start=0, text=f.text[-f.start :])
 
 
 def _opened_at(chain: list[Span], at: dict[int, BidiStack], text: str, lo: int) -> str:

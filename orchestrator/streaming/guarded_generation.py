@@ -43,7 +43,7 @@ from ..clients.registry import ChunkerRegistry, RequestedDetector
 from ..errors import SHUTDOWN, describe, is_unexpected
 from ..judge_templates import judged_messages
 from .aggregation import DetectorResult
-from .detector_queue import DetectorFinished
+from .detector_queue import DetectorFinished, seam_bounds
 from .events import (
     KEEP_ALIVE,
     TERMINAL_BY_FINISH,
@@ -305,7 +305,12 @@ class GuardedGeneration(PipelineCore):
             # BULK_CHARS (a 1 MB conversation is ~20 ms of CPU)
             ready = await _judge_ready(conversation)
         stage = StreamJudge(
-            self._output_detectors, self._chunkers, self._inbox, conversation, ready
+            self._output_detectors,
+            self._chunkers,
+            self._inbox,
+            conversation,
+            ready,
+            lead=continued_tail(self._request),
         )
         stage.start(self._spawn)
         self._detection = stage
@@ -886,6 +891,26 @@ async def _judge_ready(
     if sum(len(content) for _, content in conversation) > BULK_CHARS:
         return await off_loop(lambda: judged_messages(conversation))
     return judged_messages(conversation)
+
+
+def continued_tail(request: GenerationRequest) -> str:
+    """The end of the text the answer continues, as the engine reads it (after input redaction):
+    a raw prompt (no chat template), or a final assistant message the server is asked to
+    continue (`continue_final_message`, where an operator forwards it). An entity it starts and
+    the answer finishes is one entity (DESIGN 4.6a): `... is john.smith@` + `example.com`. As
+    much of it as a seam window takes (`seam_bounds`: SEAM_CHARS, and the whitespace-free run
+    there), so any entity the windows see whole is seen whole across this seam too. (An `openai`
+    chat backend gets a raw prompt as a user message, a new turn: its answer is judged after the
+    prompt all the same, which can only add findings that straddle the two.)"""
+    messages = request.messages
+    if messages is None:
+        text = "" if request.chat else request.prompt
+    elif request.extra.get("continue_final_message") is True and messages[-1].role == "assistant":
+        text = messages[-1].content
+    else:  # a new turn: the answer starts its own text
+        return ""
+    start, _, _ = seam_bounds(text, 0, len(text), len(text))
+    return text[start:]
 
 
 def _conversation(request: GenerationRequest) -> tuple[tuple[str, str], ...]:

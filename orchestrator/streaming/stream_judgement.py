@@ -96,16 +96,20 @@ class StreamJudge:
         inbox: Inbox,
         conversation: tuple[tuple[str, str], ...] = (),
         ready: tuple[tuple[str, str], ...] | None = None,
+        lead: str = "",
     ) -> None:
         """`conversation`: the request's (role, content) messages, for judges (DetectorQueue),
-        and `ready`, them made judge-ready once (JudgeContext.ready)."""
+        and `ready`, them made judge-ready once (JudgeContext.ready); `lead`: the text the
+        answer continues (the tail of a raw prompt), which the span detectors that redact or
+        block judge the answer's start with (DetectorQueue)."""
         gating = [d for d in detectors if not (d.whole_doc and d.on_detection == "annotate")]
         self._aggregator: FrameAggregator[Finding] | None = (
             FrameAggregator(d.detector_id for d in gating) if gating else None
         )
         self._gating = {d.detector_id for d in gating}
         self.queues = [
-            DetectorQueue(d, inbox, conversation=conversation, ready=ready) for d in detectors
+            DetectorQueue(d, inbox, conversation=conversation, ready=ready, lead=lead)
+            for d in detectors
         ]
         self._passthrough = not detectors  # see `feed_deltas`
         self._final_sent = False  # pass-through: the final frame went out with its chunk
