@@ -17,7 +17,7 @@ from orchestrator.clients.backend import (
     GenerationRequest,
 )
 from orchestrator.clients.native import MODELS_REPLY_BYTES, NativeClient
-from tests.fakes.clock import manual_stall_clock
+from tests.fakes.clock import manual_stall_clock, ticking_stall_clock
 from tests.fakes.engine import TOKEN_BASE, FakeEngine, Fault, prompt_ids
 from tests.wait_support import DEADLINE_S
 
@@ -285,17 +285,20 @@ async def test_an_endless_line_is_cut_at_its_bound(
         await e.close()
 
 
-async def test_empty_items_do_not_hide_a_stall(session: aiohttp.ClientSession) -> None:
+async def test_empty_items_do_not_hide_a_stall(
+    session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Repro: every line reset the stall timer, so a replica sending items with no token and no
     text held the request for ever (until request_timeout_s) instead of being declared stalled
-    after `stall_timeout_s` without a token."""
+    after `stall_timeout_s` without a token. Each look at the stall clock is 5 s later, so a
+    few of the fake's 1,000 empty items outlast the 30 s stall timeout."""
+    ticking_stall_clock(monkeypatch, tick_s=5)
     e = await engine(fail=Fault("empty_items", after_tokens=2))
     try:
         client = NativeClient("r0", e.url, session)
         items: list[EngineDelta] = []
-        # a real stall timeout, long enough that the first tokens never miss it on a loaded machine
-        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=2, max_time=0)
-        with pytest.raises(GenerationError, match="stalled") as info:
+        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=30, max_time=0)
+        with pytest.raises(GenerationError, match=r"no item for 30 s \(stalled\)") as info:
             async with asyncio.timeout(DEADLINE_S):
                 async for item in stream:
                     items.append(item)
