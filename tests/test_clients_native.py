@@ -4,11 +4,12 @@ end-of-stream contract it enforces (DESIGN section 7)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import aiohttp
 import pytest
 
-from orchestrator.clients import line_transport
+from orchestrator.clients import line_transport, native
 from orchestrator.clients.backend import (
     Continuation,
     EngineDelta,
@@ -357,6 +358,32 @@ async def test_an_oversized_models_reply_is_refused(session: aiohttp.ClientSessi
     finally:
         await e.close()
     assert info.value.message == f"replica r0: reply larger than {MODELS_REPLY_BYTES} bytes"
+
+
+async def test_a_large_tokenize_reply_is_parsed_off_the_loop(
+    session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repro: `/v1/tokenize`'s reply (every token id of the prompt: about 1.5 MB for a 1 MB
+    prompt) was parsed on the event loop, tens of milliseconds of every stream's time per
+    count. Past LARGE_REPLY_BYTES it is parsed in a thread; a short one stays inline."""
+    threads: list[int] = []
+    real = native.tokenize_count
+
+    def recording(raw: bytes) -> int:
+        threads.append(threading.get_ident())
+        return real(raw)
+
+    monkeypatch.setattr(native, "tokenize_count", recording)
+    e = await engine()
+    try:
+        client = NativeClient("r0", e.url, session)
+        long = "x" * (line_transport.LARGE_REPLY_BYTES // 4)  # ids of 3-4 digits and a comma
+        assert await client.tokenize(long, False) == len(long)
+        assert await client.tokenize("Hello", False) == 5
+    finally:
+        await e.close()
+    assert threads[0] != threading.get_ident()  # off the loop
+    assert threads[1] == threading.get_ident()
 
 
 async def test_tokenize_and_health(session: aiohttp.ClientSession) -> None:

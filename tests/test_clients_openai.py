@@ -4,6 +4,7 @@ real socket, and migration between two such servers."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orchestrator.clients import line_transport
+from orchestrator.clients import openai as openai_client
 from orchestrator.clients.backend import (
     Continuation,
     EngineDelta,
@@ -241,6 +243,28 @@ async def test_chat_prompt_goes_through_tokenize(
     assert s.requests[0]["prompt"] == token_ids(templated([HI]))
     assert await client.tokenize("Hi", True) == count_tokens(templated([HI]))
     assert await client.tokenize("Hi", False) == count_tokens("Hi")
+
+
+async def test_a_large_tokenize_reply_is_parsed_off_the_loop(
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repro: `/tokenize`'s reply (every token id of the prompt) was parsed and checked on the
+    event loop. Past LARGE_REPLY_BYTES it is parsed in a thread; a short one stays inline."""
+    threads: list[int] = []
+    real = openai_client.token_list
+
+    def recording(raw: bytes) -> tuple[int, ...] | None:
+        threads.append(threading.get_ident())
+        return real(raw)
+
+    monkeypatch.setattr(openai_client, "token_list", recording)
+    (s,) = await start(servers)
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    long = "word " * (line_transport.LARGE_REPLY_BYTES // 4)  # ids of 3 digits and a comma
+    assert await client.tokenize(long, False) == count_tokens(long)
+    assert await client.tokenize("Hi", False) == count_tokens("Hi")
+    assert threads[0] != threading.get_ident()  # off the loop
+    assert threads[1] == threading.get_ident()
 
 
 async def test_migration_between_two_servers(
