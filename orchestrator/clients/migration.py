@@ -249,11 +249,20 @@ class MigratingStream:
 
     async def _run(self) -> AsyncGenerator[list[EngineDelta], None]:
         rid = self.request.request_id or "-"
-        original: GenerationError | None = None
+        original: GenerationError | None = None  # the first failure that was not a 429
+        busy: GenerationError | None = None  # the first 429 (a replica at its bound)
         attempt = 0
         while True:
             replica = self._pool.acquire(avoid=self._failed_alive, exclude=self._busy)
             if replica is None:
+                if original is None and busy is not None:
+                    # turned away by every replica at its bound, and by nothing else: the
+                    # fleet is overloaded, not broken (clients retry a 429 after Retry-After)
+                    raise GenerationError(
+                        f"every replica of model `{self.model_id}` is at capacity ({busy.message})",
+                        error_type="overloaded",
+                        code=429,
+                    )
                 if original is None:
                     raise GenerationError(
                         f"no healthy replica of model `{self.model_id}` is available",
@@ -325,9 +334,20 @@ class MigratingStream:
                     traced.failed(exc.message, exc.error_type, exc.migratable)
                 if isinstance(exc, _GaveUp):
                     raise  # counted where it was decided
-                if exc.migratable and exc.busy:  # alive, at its bound: elsewhere, not again
+                if exc.migratable and exc.busy:
+                    # alive, at its bound, and nothing of this dispatch was delivered: elsewhere
+                    # and not again, which is load balancing, not a migration (no count, no
+                    # limit: the replicas bound it)
                     self._busy.append(replica)
-                elif exc.migratable and exc.replica_fault:
+                    busy = busy or exc
+                    log.info(
+                        "request %s: replica %s is busy (attempt %d); trying another",
+                        rid,
+                        replica.name,
+                        attempt,
+                    )
+                    continue
+                if exc.migratable and exc.replica_fault:
                     self._pool.quarantine(replica, exc.message)
                     if self._metrics is not None:
                         self._metrics.replica_failures.labels(self.model_id, replica.name).inc()
