@@ -32,6 +32,10 @@ def _check_config(args: argparse.Namespace) -> int:
         builtins = sum(1 for d in config.detectors.values() if d.builtin is not None)
         print(f"{args.path}: OK (detector service config: {builtins} built-in detector(s))")
         return 0
+    from .capacity import judge_session_warnings
+
+    for warning in judge_session_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
     print(
         f"{args.path}: OK ({len(config.models)} model(s), {len(config.detectors)} detector(s), "
         f"{len(config.chunkers)} chunker(s))"
@@ -42,6 +46,7 @@ def _check_config(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from detectors.runtime import one_blas_thread_per_process
 
+    from .capacity import judge_session_warnings
     from .config import ConfigError, load_config
     from .logs import configure_logging
     from .server import run_event_loop
@@ -68,6 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("guardstream").warning(
             "no models configured: only the detection endpoints will serve"
         )
+    for warning in judge_session_warnings(config):
+        logging.getLogger("guardstream").warning("%s", warning)
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
     try:

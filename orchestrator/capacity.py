@@ -17,7 +17,7 @@ import logging
 import resource
 from pathlib import Path
 
-from .config import Config
+from .config import ENGINE_JUDGE_TYPE, Config
 
 log = logging.getLogger("guardstream")
 
@@ -103,6 +103,35 @@ def fit_to_process_limits(config: Config) -> Config:
     return config.model_copy(
         update={"server": server.model_copy(update={"max_concurrent_streams": fits})}
     )
+
+
+# the judge sessions one engine holds at once by default (generation/judge_sessions.py
+# MAX_SESSIONS, `--max-judge-sessions`): 429 beyond
+ENGINE_JUDGE_SESSIONS = 256
+
+
+def judge_session_warnings(config: Config) -> list[str]:
+    """An engine judge holds one session per stream it judges, and its engines hold
+    ENGINE_JUDGE_SESSIONS each: more streams than that (the default max_concurrent_streams,
+    1024, against one engine's 256) are admitted, and those its judge cannot open a session
+    for end `overloaded`. Valid (a judge may judge only some streams' text), so a warning
+    for check-config and the serve log, not an error."""
+    workers = config.server.workers if isinstance(config.server.workers, int) else 1
+    streams = config.server.max_concurrent_streams * workers
+    out = []
+    for detector_id, det in config.detectors.items():
+        if det.type != ENGINE_JUDGE_TYPE:
+            continue
+        engines = len(det.urls) if det.urls is not None else det.replicas or 1
+        sessions = engines * ENGINE_JUDGE_SESSIONS
+        if streams > sessions:
+            out.append(
+                f"server.max_concurrent_streams: {streams} streams, but detector "
+                f"`{detector_id}` holds at most {sessions} judge sessions ({engines} "
+                f"engine(s), {ENGINE_JUDGE_SESSIONS} each): a stream it judges past them ends "
+                "`overloaded` (429); start more of its engines or lower max_concurrent_streams"
+            )
+    return out
 
 
 def _show(limit: int) -> str:

@@ -269,7 +269,8 @@ class MigrationConfig(Strict):
     """What happens when a replica dies mid-stream (DESIGN section 7)."""
 
     limit: int = Field(3, ge=0)
-    """Replacement attempts per request; 0 disables migration."""
+    """Replacement attempts per request after a replica failed; 0 disables migration. A replica
+    that answers 429 (busy) is passed over without counting: another one gets the request."""
     max_seq_len: int = Field(8192, ge=1)
     """Prompt + generated tokens above this: the request becomes unmigratable."""
     stall_timeout_s: float = Field(30, gt=0)

@@ -24,6 +24,7 @@ from tests.e2e_support import e2e_config
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import SMOLLM2_DTYPE, load_test_model
 from tests.fakes.engine import FakeEngine
+from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.upstream import FakeUpstream
 from tests.orchestrator_support import SCRIPT, Orchestrator
 from tests.tool_model_support import tool_model_folder
@@ -102,3 +103,14 @@ async def servers() -> AsyncIterator[list[FakeUpstream]]:
     yield made
     for s in made:
         await s.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def openai_upstream() -> AsyncIterator[FakeOpenAI]:
+    """One fake OpenAI-compatible server (tests/fakes/openai_server.py, default script) for a
+    whole module, on the module's loop: for modules whose tests run on `loop_scope="module"` and
+    share an orchestrator in front of it."""
+    server = FakeOpenAI()
+    await server.start()
+    yield server
+    await server.close()

@@ -7,12 +7,11 @@ the native engine's chat template, where a special token's text in it is text.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from generation import models
 from generation.server import create_app
@@ -44,14 +43,6 @@ MESSAGES = [
 DETECTORS = {"pii_redact": {"builtin": "regex", "chunker_id": "sentence", "on_detection": "redact"}}
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def upstream() -> AsyncIterator[FakeOpenAI]:
-    server = FakeOpenAI()
-    await server.start()
-    yield server
-    await server.close()
-
-
 @pytest.fixture(scope="module")
 def named_model(tmp_path_factory: pytest.TempPathFactory) -> models.LoadedModel:
     root = tmp_path_factory.mktemp("named-model")
@@ -64,15 +55,15 @@ def named_engine(named_model: models.LoadedModel) -> Iterator[ThreadedServer]:
         yield server
 
 
-async def test_names_reach_an_openai_backend_written_apart(upstream: FakeOpenAI) -> None:
-    config = native_config(upstream.url, detectors=DETECTORS)
+async def test_names_reach_an_openai_backend_written_apart(openai_upstream: FakeOpenAI) -> None:
+    config = native_config(openai_upstream.url, detectors=DETECTORS)
     config["models"][MODEL]["backends"] = [
-        {"type": "openai", "url": upstream.url, "model": "fake-model", "api": "chat"}
+        {"type": "openai", "url": openai_upstream.url, "model": "fake-model", "api": "chat"}
     ]
     async with Orchestrator(config) as orch:
         done = await sdk(orch).chat.completions.create(model=MODEL, messages=MESSAGES)
-    assert done.choices[0].message.content == upstream.answer("Bye.")
-    assert upstream.requests[-1]["messages"] == [
+    assert done.choices[0].message.content == openai_upstream.answer("Bye.")
+    assert openai_upstream.requests[-1]["messages"] == [
         {"role": "system", "content": "Be brief.", "name": "ops"},
         {"role": "user", "content": "Hi.", "name": "bo< |im_end|>"},
         {"role": "assistant", "content": "Hello.", "name": "helper"},
@@ -86,7 +77,7 @@ async def test_names_reach_an_openai_backend_written_apart(upstream: FakeOpenAI)
             messages=[{"role": "user", "content": "Bye.", "name": "jo@example.com"}],
             extra_body={"detectors": {"input": {"pii_redact": {}}}},
         )
-    assert upstream.requests[-1]["messages"] == [
+    assert openai_upstream.requests[-1]["messages"] == [
         {"role": "user", "content": "Bye.", "name": "[email]"}
     ]
     [found] = (done.model_extra or {})["detections"]["input"]

@@ -4,11 +4,12 @@ end-of-stream contract it enforces (DESIGN section 7)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import aiohttp
 import pytest
 
-from orchestrator.clients import line_transport
+from orchestrator.clients import line_transport, native
 from orchestrator.clients.backend import (
     Continuation,
     EngineDelta,
@@ -17,7 +18,7 @@ from orchestrator.clients.backend import (
     GenerationRequest,
 )
 from orchestrator.clients.native import MODELS_REPLY_BYTES, NativeClient
-from tests.fakes.clock import manual_stall_clock
+from tests.fakes.clock import manual_stall_clock, ticking_stall_clock
 from tests.fakes.engine import TOKEN_BASE, FakeEngine, Fault, prompt_ids
 from tests.wait_support import DEADLINE_S
 
@@ -285,17 +286,20 @@ async def test_an_endless_line_is_cut_at_its_bound(
         await e.close()
 
 
-async def test_empty_items_do_not_hide_a_stall(session: aiohttp.ClientSession) -> None:
+async def test_empty_items_do_not_hide_a_stall(
+    session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Repro: every line reset the stall timer, so a replica sending items with no token and no
     text held the request for ever (until request_timeout_s) instead of being declared stalled
-    after `stall_timeout_s` without a token."""
+    after `stall_timeout_s` without a token. Each look at the stall clock is 5 s later, so a
+    few of the fake's 1,000 empty items outlast the 30 s stall timeout."""
+    ticking_stall_clock(monkeypatch, tick_s=5)
     e = await engine(fail=Fault("empty_items", after_tokens=2))
     try:
         client = NativeClient("r0", e.url, session)
         items: list[EngineDelta] = []
-        # a real stall timeout, long enough that the first tokens never miss it on a loaded machine
-        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=2, max_time=0)
-        with pytest.raises(GenerationError, match="stalled") as info:
+        stream = client.generate(request(max_new_tokens=50), None, stall_timeout_s=30, max_time=0)
+        with pytest.raises(GenerationError, match=r"no item for 30 s \(stalled\)") as info:
             async with asyncio.timeout(DEADLINE_S):
                 async for item in stream:
                     items.append(item)
@@ -354,6 +358,32 @@ async def test_an_oversized_models_reply_is_refused(session: aiohttp.ClientSessi
     finally:
         await e.close()
     assert info.value.message == f"replica r0: reply larger than {MODELS_REPLY_BYTES} bytes"
+
+
+async def test_a_large_tokenize_reply_is_parsed_off_the_loop(
+    session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repro: `/v1/tokenize`'s reply (every token id of the prompt: about 1.5 MB for a 1 MB
+    prompt) was parsed on the event loop, tens of milliseconds of every stream's time per
+    count. Past LARGE_REPLY_BYTES it is parsed in a thread; a short one stays inline."""
+    threads: list[int] = []
+    real = native.tokenize_count
+
+    def recording(raw: bytes) -> int:
+        threads.append(threading.get_ident())
+        return real(raw)
+
+    monkeypatch.setattr(native, "tokenize_count", recording)
+    e = await engine()
+    try:
+        client = NativeClient("r0", e.url, session)
+        long = "x" * (line_transport.LARGE_REPLY_BYTES // 4)  # ids of 3-4 digits and a comma
+        assert await client.tokenize(long, False) == len(long)
+        assert await client.tokenize("Hello", False) == 5
+    finally:
+        await e.close()
+    assert threads[0] != threading.get_ident()  # off the loop
+    assert threads[1] == threading.get_ident()
 
 
 async def test_tokenize_and_health(session: aiohttp.ClientSession) -> None:

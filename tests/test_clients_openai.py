@@ -4,6 +4,7 @@ real socket, and migration between two such servers."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from orchestrator.clients import line_transport
+from orchestrator.clients import openai as openai_client
 from orchestrator.clients.backend import (
     Continuation,
     EngineDelta,
@@ -22,7 +24,7 @@ from orchestrator.clients.backend import (
 from orchestrator.clients.backends import build_model_backends
 from orchestrator.clients.openai import OpenAIClient
 from orchestrator.config import ModelConfig
-from tests.fakes.clock import expire_stalls, manual_stall_clock
+from tests.fakes.clock import expire_stalls, manual_stall_clock, ticking_stall_clock
 from tests.fakes.openai_server import (
     TOKEN_BASE,
     FakeOpenAI,
@@ -183,17 +185,18 @@ async def test_an_endless_event_is_cut_at_its_bound(
 
 
 async def test_empty_events_do_not_hide_a_stall(
-    session: aiohttp.ClientSession, servers: list[FakeOpenAI]
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Repro: every event reset the stall timer, so a replica sending `choices: []` events (as
     a keep-alive, or broken) held the request for ever (until request_timeout_s) instead of
-    being declared stalled after `stall_timeout_s` without a token."""
+    being declared stalled after `stall_timeout_s` without a token. Each look at the stall clock
+    is 5 s later, so a few of the fake's 1,000 empty events outlast the 30 s stall timeout."""
+    ticking_stall_clock(monkeypatch, tick_s=5)
     (s,) = await start(servers, fail=OpenAIFault("empty_events", after=2))
     client = OpenAIClient("o0", s.url, "fake-model", session)
-    # a real stall timeout, long enough that the first tokens never miss it on a loaded machine
-    stream = client.generate(request(), None, stall_timeout_s=2, max_time=0)
+    stream = client.generate(request(), None, stall_timeout_s=30, max_time=0)
     items: list[EngineDelta] = []
-    with pytest.raises(GenerationError, match=r"no event for 2 s \(stalled\)") as info:
+    with pytest.raises(GenerationError, match=r"no event for 30 s \(stalled\)") as info:
         async with asyncio.timeout(DEADLINE_S):
             async for item in stream:
                 items.append(item)
@@ -203,18 +206,20 @@ async def test_empty_events_do_not_hide_a_stall(
 
 
 async def test_reasoning_keeps_a_replica_alive(
-    session: aiohttp.ClientSession, servers: list[FakeOpenAI]
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reasoning model streams `delta.reasoning_content` (never passed on) before its answer,
-    for longer than the stall timeout (a quarter of a second apart, for 6 s; the stall timeout
-    is a generous 5 s, twenty times a gap): it is generating, not stalled. Events without a
-    choice and keep-alives do not reset the stall timer; reasoning does."""
-    (s,) = await start(servers, reasoning=["Hmm"] * 24, reasoning_delay_s=0.25)
+    for longer than the stall timeout (24 thoughts; each look at the stall clock is 5 s later,
+    so they span minutes of a 30 s stall timeout): it is generating, not stalled. Events
+    without a choice and keep-alives do not reset the stall timer; reasoning does."""
+    clock = ticking_stall_clock(monkeypatch, tick_s=5)
+    (s,) = await start(servers, reasoning=["Hmm"] * 24)
     client = OpenAIClient("o0", s.url, "fake-model", session, api="chat")
-    stream = client.generate(request(chat=True), None, stall_timeout_s=5, max_time=0)
+    stream = client.generate(request(chat=True), None, stall_timeout_s=30, max_time=0)
     items = [item async for item in stream]
     assert "".join(i.text for i in items) == FULL
     assert items[-1].finish_reason == "EOS_TOKEN"
+    assert clock.now - 1000.0 > 24 * 5  # the thoughts took longer than the stall timeout
 
 
 async def test_http_400_is_not_migratable(
@@ -238,6 +243,28 @@ async def test_chat_prompt_goes_through_tokenize(
     assert s.requests[0]["prompt"] == token_ids(templated([HI]))
     assert await client.tokenize("Hi", True) == count_tokens(templated([HI]))
     assert await client.tokenize("Hi", False) == count_tokens("Hi")
+
+
+async def test_a_large_tokenize_reply_is_parsed_off_the_loop(
+    session: aiohttp.ClientSession, servers: list[FakeOpenAI], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repro: `/tokenize`'s reply (every token id of the prompt) was parsed and checked on the
+    event loop. Past LARGE_REPLY_BYTES it is parsed in a thread; a short one stays inline."""
+    threads: list[int] = []
+    real = openai_client.token_list
+
+    def recording(raw: bytes) -> tuple[int, ...] | None:
+        threads.append(threading.get_ident())
+        return real(raw)
+
+    monkeypatch.setattr(openai_client, "token_list", recording)
+    (s,) = await start(servers)
+    client = OpenAIClient("o0", s.url, "fake-model", session)
+    long = "word " * (line_transport.LARGE_REPLY_BYTES // 4)  # ids of 3 digits and a comma
+    assert await client.tokenize(long, False) == count_tokens(long)
+    assert await client.tokenize("Hi", False) == count_tokens("Hi")
+    assert threads[0] != threading.get_ident()  # off the loop
+    assert threads[1] == threading.get_ident()
 
 
 async def test_migration_between_two_servers(

@@ -155,3 +155,43 @@ def test_a_builtin_speaks_text_contents_only() -> None:
         parse_config({"detectors": {"pii": {"builtin": "regex", "type": "text_chat"}}})
     [line] = caught.value.errors
     assert line.startswith("detectors.pii.type: a built-in detector speaks text_contents")
+
+
+JUDGED = """\
+server: {max_concurrent_streams: %d}
+models:
+  m:
+    backends: [{type: native, url: "http://127.0.0.1:9"}]
+    guardrails: {output: {judge: {}}}
+chunkers:
+  sentence: {type: sentence}
+detectors:
+  judge:
+    type: engine_judge
+    urls: ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    template: zero_shot
+    chunker_id: sentence
+"""
+
+
+@pytest.mark.parametrize("streams", [1024, 512])
+def test_streams_past_an_engine_judges_sessions_are_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], streams: int
+) -> None:
+    """An engine judge holds one session per stream it judges, and an engine at most 256
+    (`--max-judge-sessions`), 429 beyond: the default max_concurrent_streams (1024) admits
+    streams whose judge then ends them `overloaded`. The config is valid (a judge may judge
+    only some streams), so check-config says so as a warning, and so does serve's log."""
+    path = tmp_path / "config.yaml"
+    path.write_text(JUDGED % streams)
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr()
+    warnings = [line for line in out.err.splitlines() if line.startswith("warning: ")]
+    if streams == 512:  # two engines of 256: every stream can hold a session
+        assert warnings == []
+        return
+    assert warnings == [
+        "warning: server.max_concurrent_streams: 1024 streams, but detector `judge` holds at "
+        "most 512 judge sessions (2 engine(s), 256 each): a stream it judges past them ends "
+        "`overloaded` (429); start more of its engines or lower max_concurrent_streams"
+    ]

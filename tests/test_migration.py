@@ -552,29 +552,70 @@ async def test_a_busy_replica_moves_the_request_without_quarantining_it(
     b = backend(session, engines, registry)
     stream = b.stream(req())
     assert "".join(c.text for c in await run(stream)) == FULL
-    assert stream.migrations == 1 and (len(a.requests), len(b2.requests)) == (1, 1)
+    # a busy answer is not a migration (nothing was delivered, no stream died)
+    assert stream.migrations == 0 and (len(a.requests), len(b2.requests)) == (1, 1)
     assert [r["quarantined"] for r in b.info()] == [False, False, False]
     assert sample(
         registry, "guardstream_replica_failures_total", model_id="m", replica="native-0"
     ) in (0, None)
 
 
-async def test_a_request_every_replica_is_too_busy_for_ends_unavailable(
+async def test_a_request_every_replica_is_too_busy_for_is_overloaded(
     session: aiohttp.ClientSession, engines: list[FakeEngine]
 ) -> None:
-    """Every replica answering 429: each is asked once (never the same busy one again, however
-    high the migration limit), the request ends with 503 generation_unavailable saying so,
-    and no replica is quarantined (nor counted as an internal error's)."""
+    """Every replica answering 429: each is asked once (never the same busy one again), no
+    replica is quarantined (nor counted as an internal error's), and the request ends as what
+    it is, a fleet at capacity: 429 `overloaded` (with Retry-After, on every surface), which
+    clients' retry logic expects. Before, it ended 503 generation_unavailable ("broken"). A
+    busy answer is not a migration: none is counted, whatever the migration limit."""
     engines_ = await start_engines(engines, 3)
     for e in engines_:
         e.inject(Fault("http", status=429, error_type="too_many_requests", times=-1))
-    b = backend(session, engines, limit=10)
+    registry = CollectorRegistry()
+    b = backend(session, engines, registry, limit=1)
+    stream = b.stream(req())
     with pytest.raises(GenerationError) as info:
-        await run(b.stream(req()))
-    assert (info.value.error_type, info.value.code) == ("generation_unavailable", 503)
+        await run(stream)
+    assert (info.value.error_type, info.value.code) == ("overloaded", 429)
     assert info.value.message == (
-        "replica native-0 answered HTTP 429 (not migrated: every other replica is busy or "
-        "unavailable)"
+        "every replica of model `m` is at capacity (replica native-0 answered HTTP 429)"
     )
     assert [len(e.requests) for e in engines_] == [1, 1, 1]
     assert [r["quarantined"] for r in b.info()] == [False, False, False]
+    assert stream.migrations == 0
+    for kind in ("before_first_token", "mid_stream"):
+        assert sample(registry, "guardstream_migrations_total", model_id="m", kind=kind) == 0
+
+
+async def test_a_busy_replica_is_passed_over_with_migration_off(
+    session: aiohttp.ClientSession, engines: list[FakeEngine]
+) -> None:
+    """`migration.limit: 0` disables migration, not load balancing: a replica that answered
+    429 before any token gets the request elsewhere, and no migration is counted. Before, the
+    busy answer was a migration past the limit: 503 with another replica idle."""
+    a, b2 = await start_engines(engines, 2)
+    a.inject(Fault("http", status=429, error_type="too_many_requests"))
+    b = backend(session, engines, limit=0)
+    stream = b.stream(req())
+    assert "".join(c.text for c in await run(stream)) == FULL
+    assert stream.migrations == 0 and (len(a.requests), len(b2.requests)) == (1, 1)
+
+
+async def test_a_stream_that_died_with_the_rest_busy_ends_unavailable(
+    session: aiohttp.ClientSession, engines: list[FakeEngine]
+) -> None:
+    """A replica that died mid-stream, and every other one busy: the stream is broken, not
+    refused for load (the client already has text): 503 generation_unavailable with the
+    original failure, one migration counted (the dying replica's), none for the busy one."""
+    a, b2 = await start_engines(engines, 2)
+    a.inject(Fault("close", after_tokens=2))
+    b2.inject(Fault("http", status=429, error_type="too_many_requests", times=-1))
+    b = backend(session, engines, limit=3)
+    stream = b.stream(req())
+    chunks: list[EngineDelta] = []
+    with pytest.raises(GenerationError) as info:
+        await consume(stream, chunks)
+    assert (info.value.error_type, info.value.code) == ("generation_unavailable", 503)
+    assert "(not migrated: every other replica is busy or unavailable)" in info.value.message
+    assert "".join(c.text for c in chunks) == "".join(SCRIPT[:2])
+    assert stream.migrations == 1 and (len(a.requests), len(b2.requests)) == (1, 1)

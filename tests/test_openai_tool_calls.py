@@ -1107,6 +1107,48 @@ async def test_pii_split_over_values_sent_back_is_redacted_in_each_value(
     ]
 
 
+# numbers a tool takes (a phone, a card) written as JSON numbers, and a string beside them
+NUMBERS = '{"n": 5551234567, "cards": [4111111111111111], "to": "jo@example.com"}'
+
+
+async def test_pii_in_a_number_sent_back_is_redacted_into_a_string(
+    orch: Orchestrator, upstream: FakeOpenAI
+) -> None:
+    """Repro: an input redaction inside a JSON number replaced the digits in place
+    (`{"n": [phone]}`), so the model received arguments that are not JSON. The number becomes
+    a string holding its redacted text, as on output: the arguments stay valid JSON, the keys
+    and the other values keep their bytes. Chat Completions and Responses alike; the findings
+    are reported on the arguments the client sent."""
+    want = '{"n": "[phone]", "cards": ["[credit_card]"], "to": "[email]"}'
+    body = {
+        "model": MODEL,
+        "messages": sent_back(NUMBERS),
+        "tools": TOOLS,
+        "detectors": {"input": {"pii_redact": {}}},
+    }
+    status, done = await orch.post("/v1/chat/completions", body)
+    assert status == 200, done
+    sent = upstream.requests[-1]["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert sent == want
+    assert json.loads(sent) == {"n": "[phone]", "cards": ["[credit_card]"], "to": "[email]"}
+    field = "tool_calls.0.function.arguments"
+    assert parts_found(done, NUMBERS) == [
+        (1, field, "5551234567", "phone"),
+        (1, field, "4111111111111111", "credit_card"),
+        (1, field, "jo@example.com", "email"),
+    ]
+    body = {
+        "model": MODEL,
+        "input": items_sent_back(NUMBERS),
+        "tools": RESPONSE_TOOLS,
+        "detectors": {"input": {"pii_redact": {}}},
+    }
+    status, response = await orch.post("/v1/responses", body)
+    assert status == 200, response
+    sent = upstream.requests[-1]["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert sent == want
+
+
 async def test_unrelated_values_sent_back_make_no_finding_across_them(
     orch: Orchestrator, upstream: FakeOpenAI
 ) -> None:

@@ -32,7 +32,7 @@ from orchestrator.app import (
 )
 from orchestrator.state import STATE
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
-from tests.fakes.engine import FakeEngine
+from tests.fakes.engine import FakeEngine, Fault
 from tests.orchestrator_support import (
     MODEL,
     NDJSON,
@@ -40,6 +40,7 @@ from tests.orchestrator_support import (
     generation_body,
     native_config,
     remote,
+    sse_events,
 )
 from tests.wait_support import finished, until
 
@@ -224,3 +225,39 @@ async def test_detection_requests_hold_a_server_wide_slot(engine: FakeEngine) ->
     finally:
         gate.set()  # a failed run leaves no request held
         await dets.close()
+
+
+async def test_a_fleet_too_busy_for_a_request_is_overloaded_on_every_surface() -> None:
+    """Every replica answering 429 (each at its bound on waiting work): the service is at
+    capacity, and says so as it says a full stream cap, 429 `overloaded` with Retry-After
+    before any byte (in-band `error` with code 429 where the response had started: the FMS
+    event stream), so clients' retry logic backs off and retries. Before, 503
+    generation_unavailable: "broken", which a client's retry logic treats otherwise."""
+    engines = [FakeEngine(script=["Hi", "."]) for _ in range(2)]
+    for e in engines:
+        await e.start()
+        e.inject(Fault("http", status=429, error_type="too_many_requests", times=-1))
+    config = native_config(
+        engines[0].url, model={"backends": [{"type": "native", "url": e.url} for e in engines]}
+    )
+    details = (
+        f"every replica of model `{MODEL}` is at capacity (replica native-0 answered HTTP 429)"
+    )
+    overloaded = {"code": 429, "details": details, "type": "overloaded"}
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            for path, body, is_openai in requests():
+                async with orch.session.post(orch.url + path, json=body) as r:
+                    if path == STREAMING_PATH:  # the FMS event stream starts at once
+                        assert r.status == 200
+                        events = sse_events(await r.text())
+                        assert [(e.name, e.data) for e in events] == [("error", overloaded)]
+                        continue
+                    assert r.status == 429, (path, await r.text())
+                    assert r.headers["Retry-After"] == "1"
+                    assert await r.json() == (openai(overloaded) if is_openai else overloaded)
+    finally:
+        for e in engines:
+            await e.close()
+    assert [len(e.requests) for e in engines] == [6, 6]  # each asked once per request

@@ -15,8 +15,13 @@ from typing import Any
 import pytest
 
 from orchestrator.app import CONTENT_PATH, STREAMING_PATH, UNARY_PATH
+from orchestrator.clients.advertised_limits import FIXED_SLACK_TOKENS, MESSAGE_SLACK_TOKENS
 from orchestrator.clients.detectors import MAX_DETECTIONS_PER_CONTENT, reply_limit
-from orchestrator.clients.migration import MAX_CHARS_PER_TOKEN, TEXT_ALLOWANCE_CHARS
+from orchestrator.clients.migration import (
+    MAX_CHARS_PER_TOKEN,
+    TEMPLATE_ALLOWANCE_TOKENS,
+    TEXT_ALLOWANCE_CHARS,
+)
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault, GatedEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
@@ -375,6 +380,38 @@ async def test_an_upstreams_token_count_is_capped_at_what_was_asked(stream) -> N
         usage = json.loads(raw)["usage"]
     assert usage["completion_tokens"] == 10
     assert f'guardstream_generated_tokens_total{{model="{MODEL}"}} 10.0' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_an_upstreams_prompt_count_is_capped_at_what_the_prompt_can_hold(stream) -> None:
+    """Repro: a server claiming `prompt_tokens: 10**12` for a two-character message had it
+    reported to the client, counted in the metrics and charged to the tenant's token budget,
+    as completion_tokens was before it was capped. No prompt has more tokens than its UTF-8
+    bytes plus what a chat template adds (advertised_limits.token_upper_bound, with room for
+    a template's own text): the count is capped there."""
+    server = FakeOpenAI(usage_override={"prompt_tokens": 10**12})
+    await server.start()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 10,
+        "stream": stream,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        async with Orchestrator(openai_config(server.url)) as orch:
+            assert orch.session is not None
+            async with orch.session.post(orch.url + CHAT_PATH, json=body) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+            metrics = await (await orch.session.get(orch.url + "/metrics")).text()
+    finally:
+        await server.close()
+    usage = json.loads(raw.split(b"data: ")[-2] if stream else raw)["usage"]
+    bound = FIXED_SLACK_TOKENS + MESSAGE_SLACK_TOKENS + len(b"userHi") + TEMPLATE_ALLOWANCE_TOKENS
+    assert usage["prompt_tokens"] == bound
+    assert usage["total_tokens"] == bound + usage["completion_tokens"]
+    assert f'guardstream_prompt_tokens_total{{model="{MODEL}"}} {bound}.0' in metrics
 
 
 async def test_more_text_than_a_budget_can_carry_fails_the_replica() -> None:

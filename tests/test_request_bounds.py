@@ -37,20 +37,12 @@ TOO_LONG = ["x" * (MAX_STOP_LENGTH + 1)]
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def upstream() -> AsyncIterator[FakeOpenAI]:
-    server = FakeOpenAI()
-    await server.start()
-    yield server
-    await server.close()
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def orch(upstream: FakeOpenAI) -> AsyncIterator[Orchestrator]:
-    config = native_config(upstream.url)
+async def orch(openai_upstream: FakeOpenAI) -> AsyncIterator[Orchestrator]:
+    config = native_config(openai_upstream.url)
     config["models"][MODEL]["backends"] = [
         {
             "type": "openai",
-            "url": upstream.url,
+            "url": openai_upstream.url,
             "model": "fake-model",
             "api": "chat",
             "forward_fields": ["top_k", "min_p"],
@@ -70,9 +62,9 @@ async def orch(upstream: FakeOpenAI) -> AsyncIterator[Orchestrator]:
     ids=["too-many", "too-long"],
 )
 async def test_stop_sequences_beyond_the_bounds_are_422_before_any_work(
-    orch: Orchestrator, upstream: FakeOpenAI, stream: bool, stop: list[str], why: str
+    orch: Orchestrator, openai_upstream: FakeOpenAI, stream: bool, stop: list[str], why: str
 ) -> None:
-    before = len(upstream.requests)
+    before = len(openai_upstream.requests)
     with pytest.raises(openai.UnprocessableEntityError) as caught:
         await sdk(orch).chat.completions.create(model=MODEL, messages=ASK, stop=stop, stream=stream)
     body: Any = caught.value.body
@@ -83,7 +75,7 @@ async def test_stop_sequences_beyond_the_bounds_are_422_before_any_work(
     )
     assert status == 422, reply
     assert why in reply["details"]
-    assert len(upstream.requests) == before
+    assert len(openai_upstream.requests) == before
 
 
 async def test_fms_stop_sequences_are_bounded_alike(orch: Orchestrator) -> None:
@@ -97,25 +89,25 @@ async def test_fms_stop_sequences_are_bounded_alike(orch: Orchestrator) -> None:
 
 
 async def test_stop_sequences_at_the_bounds_are_served(
-    orch: Orchestrator, upstream: FakeOpenAI
+    orch: Orchestrator, openai_upstream: FakeOpenAI
 ) -> None:
     stop = ["y" * MAX_STOP_LENGTH] * MAX_STOP_SEQUENCES
     done = await sdk(orch).chat.completions.create(model=MODEL, messages=ASK, stop=stop)
     assert done.choices[0].finish_reason == "stop"
-    assert upstream.requests[-1]["stop"] == stop
+    assert openai_upstream.requests[-1]["stop"] == stop
 
 
 @pytest.mark.parametrize(
     ("field", "value"), [("logprobs", True), ("top_logprobs", 2)], ids=["logprobs", "top"]
 )
 async def test_log_probabilities_are_refused_even_where_fields_are_forwarded(
-    orch: Orchestrator, upstream: FakeOpenAI, field: str, value: Any
+    orch: Orchestrator, openai_upstream: FakeOpenAI, field: str, value: Any
 ) -> None:
     """A token's log probability entry carries the token's text: text the output guardrails
     may withhold or redact. On 321ae20 an `openai` chat backend received `logprobs: true` and
     the answer came back without them, silently (DESIGN 4.8: never silently dropped); no backend
     can return them through the guardrails, so they are refused like `n` > 1."""
-    before = len(upstream.requests)
+    before = len(openai_upstream.requests)
     for stream in (False, True):
         with pytest.raises(openai.UnprocessableEntityError) as caught:
             await sdk(orch).chat.completions.create(
@@ -124,7 +116,7 @@ async def test_log_probabilities_are_refused_even_where_fields_are_forwarded(
         body: Any = caught.value.body
         assert body["param"] == field, body
         assert body["message"].startswith(f"{field}: log probabilities are not returned"), body
-    assert len(upstream.requests) == before
+    assert len(openai_upstream.requests) == before
     # the values that ask for nothing (SDKs and proxies send them) still pass
     done = await sdk(orch).chat.completions.create(
         model=MODEL, messages=ASK, logprobs=False, top_logprobs=0
@@ -143,12 +135,12 @@ async def test_log_probabilities_are_refused_even_where_fields_are_forwarded(
     ids=["chat_template", "continue_final_message", "guided_regex"],
 )
 async def test_a_servers_own_field_is_refused_unless_its_backends_list_it(
-    orch: Orchestrator, upstream: FakeOpenAI, field: str, value: Any
+    orch: Orchestrator, openai_upstream: FakeOpenAI, field: str, value: Any
 ) -> None:
     """On 321ae20 an `openai` chat backend received any field a client sent (vLLM's
     `chat_template` among them); now only OpenAI's own fields and the server's fields the
     backends list (`forward_fields`) are forwarded, anything else is 422 before any work."""
-    before = len(upstream.requests)
+    before = len(openai_upstream.requests)
     for stream in (False, True):
         with pytest.raises(openai.UnprocessableEntityError) as caught:
             await sdk(orch).chat.completions.create(
@@ -160,28 +152,28 @@ async def test_a_servers_own_field_is_refused_unless_its_backends_list_it(
             f"{field}: not an OpenAI Chat Completions field, and model `{MODEL}`'s backends "
             "do not forward it"
         ), body
-    assert len(upstream.requests) == before
+    assert len(openai_upstream.requests) == before
 
 
 async def test_openai_fields_and_the_listed_server_fields_reach_the_backend(
-    orch: Orchestrator, upstream: FakeOpenAI
+    orch: Orchestrator, openai_upstream: FakeOpenAI
 ) -> None:
     done = await sdk(orch).chat.completions.create(
         model=MODEL, messages=ASK, presence_penalty=0.5, extra_body={"top_k": 5, "min_p": 0.1}
     )
     assert done.choices[0].finish_reason == "stop"
-    sent = upstream.requests[-1]
+    sent = openai_upstream.requests[-1]
     assert (sent["presence_penalty"], sent["top_k"], sent["min_p"]) == (0.5, 5, 0.1)
 
 
 async def test_a_detectors_request_params_are_bounded(
-    orch: Orchestrator, upstream: FakeOpenAI
+    orch: Orchestrator, openai_upstream: FakeOpenAI
 ) -> None:
     """A request's params for a detector are sent with each of the stream's calls to it (one
     per chunk): 1 MB of them would be multiplied by the answer's chunks. Over 64 KiB they are a
     422 on every surface, before any work."""
     big = {"labels": ["x" * 1000] * 70}  # 70,000-odd bytes of JSON
-    before = len(upstream.requests)
+    before = len(openai_upstream.requests)
     status, body = await orch.post(
         UNARY_PATH,
         {
@@ -199,4 +191,4 @@ async def test_a_detectors_request_params_are_bounded(
         )
     message = caught.value.body["message"]  # type: ignore[index]
     assert "detector params of 70" in message and "exceed 65536" in message
-    assert len(upstream.requests) == before
+    assert len(openai_upstream.requests) == before

@@ -202,7 +202,7 @@ MESSAGE_SLACK_TOKENS = 16
 def token_upper_bound(request: GenerationRequest) -> int:
     """More tokens than the request's prompt can have (see FIXED_SLACK_TOKENS)."""
     if request.messages is not None:
-        texts = [t for m in request.messages for t in (m.role, m.content)]
+        texts = [t for m in request.messages for t in (m.role, m.content, m.name or "")]
         texts += [json.dumps(c) for m in request.messages for c in m.tool_calls or ()]
         if request.extra.get("tools"):  # rendered into the prompt as JSON, about as sent
             texts.append(json.dumps(request.extra["tools"]))

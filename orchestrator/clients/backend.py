@@ -14,7 +14,13 @@ from typing import Any, Literal, Protocol
 
 FINISH_REASONS = ("EOS_TOKEN", "STOP_SEQUENCE", "MAX_TOKENS", "TIME_LIMIT")
 # invalid_request: an engine's 400/413/422, the client's mistake (422, never migrated)
-ERROR_TYPES = ("generation_error", "generation_unavailable", "timeout", "invalid_request")
+ERROR_TYPES = (
+    "generation_error",
+    "generation_unavailable",
+    "timeout",
+    "invalid_request",
+    "overloaded",  # every replica answered 429: the client retries after Retry-After
+)
 
 
 @dataclass(frozen=True)

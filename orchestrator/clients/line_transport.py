@@ -15,7 +15,8 @@ import asyncio
 import json
 import logging
 import ssl
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import aiohttp
 
@@ -37,6 +38,10 @@ INVALID_REQUEST_STATUSES = frozenset({400, 413, 422})
 # the most a short call's reply (tokenize, models) may take: a tokenized prompt of the largest
 # context any model has, with room to spare
 CALL_REPLY_BYTES = 64 << 20
+# a short call's reply up to this size is parsed on the event loop (a prompt of some thousand
+# tokens); a larger one in a thread (a 1 MB prompt's tokenize reply, about 1.5 MB of token ids,
+# is tens of milliseconds of json.loads)
+LARGE_REPLY_BYTES = 64 << 10
 # the longest line (an NDJSON item, an SSE line, an SSE event's data) a stream may send: a
 # native stream's first item carries the prompt's token ids, as large as a short call's reply.
 # Past it the replica failed (a line that never ends held the whole body in memory until the
@@ -208,6 +213,16 @@ class LineReader:
             self._waiting.cancel()
         else:
             self._timer = self._clock.call_at(self._deadline, self._on_timer)
+
+
+T = TypeVar("T")
+
+
+async def parse_reply(raw: bytes, parse: Callable[[bytes], T]) -> T:
+    """`parse(raw)`, in a thread past LARGE_REPLY_BYTES: nothing CPU-heavy on the event loop."""
+    if len(raw) > LARGE_REPLY_BYTES:
+        return await asyncio.to_thread(parse, raw)
+    return parse(raw)
 
 
 def transport_error(name: str, exc: BaseException) -> GenerationError:

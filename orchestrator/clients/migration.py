@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from .. import tracing
 from ..config import MigrationConfig
+from .advertised_limits import token_upper_bound
 from .backend import (
     CannotContinue,
     Continuation,
@@ -53,6 +54,11 @@ from .backend import (
 )
 from .replay import Replay, ReplayMismatch, replayable
 from .replicas import Replica, ReplicaPool
+
+# What a replica's count of a prompt's tokens may pass advertised_limits.token_upper_bound by: a
+# chat template's own text (a long default system prompt, tool-use instructions) is in no
+# request, and a genuine count is not cut; a count beyond it is a lie, and is not charged.
+TEMPLATE_ALLOWANCE_TOKENS = 4096
 
 # The most text a stream may carry: MAX_CHARS_PER_TOKEN for every token of its budget, past a
 # fixed allowance (resumed text, a detokenizer's flush). A token is a few characters (the
@@ -167,6 +173,7 @@ class MigratingStream:
         self._cfg = migration
         self._metrics = metrics
         self._prompt_ids: tuple[int, ...] | None = None
+        self._prompt_bound: int | None = None  # token_upper_bound of the request, once needed
         self._ids: list[int] = []
         self._generated = 0  # len(self._ids), or the items' token_count where they carry no ids
         self._text: list[str] = []
@@ -242,11 +249,20 @@ class MigratingStream:
 
     async def _run(self) -> AsyncGenerator[list[EngineDelta], None]:
         rid = self.request.request_id or "-"
-        original: GenerationError | None = None
+        original: GenerationError | None = None  # the first failure that was not a 429
+        busy: GenerationError | None = None  # the first 429 (a replica at its bound)
         attempt = 0
         while True:
             replica = self._pool.acquire(avoid=self._failed_alive, exclude=self._busy)
             if replica is None:
+                if original is None and busy is not None:
+                    # turned away by every replica at its bound, and by nothing else: the
+                    # fleet is overloaded, not broken (clients retry a 429 after Retry-After)
+                    raise GenerationError(
+                        f"every replica of model `{self.model_id}` is at capacity ({busy.message})",
+                        error_type="overloaded",
+                        code=429,
+                    )
                 if original is None:
                     raise GenerationError(
                         f"no healthy replica of model `{self.model_id}` is available",
@@ -318,9 +334,20 @@ class MigratingStream:
                     traced.failed(exc.message, exc.error_type, exc.migratable)
                 if isinstance(exc, _GaveUp):
                     raise  # counted where it was decided
-                if exc.migratable and exc.busy:  # alive, at its bound: elsewhere, not again
+                if exc.migratable and exc.busy:
+                    # alive, at its bound, and nothing of this dispatch was delivered: elsewhere
+                    # and not again, which is load balancing, not a migration (no count, no
+                    # limit: the replicas bound it)
                     self._busy.append(replica)
-                elif exc.migratable and exc.replica_fault:
+                    busy = busy or exc
+                    log.info(
+                        "request %s: replica %s is busy (attempt %d); trying another",
+                        rid,
+                        replica.name,
+                        attempt,
+                    )
+                    continue
+                if exc.migratable and exc.replica_fault:
                     self._pool.quarantine(replica, exc.message)
                     if self._metrics is not None:
                         self._metrics.replica_failures.labels(self.model_id, replica.name).inc()
@@ -530,7 +557,7 @@ class MigratingStream:
             replay = self._replay
             if replay is not None:
                 if self.input_token_count is None and item.input_token_count is not None:
-                    self.input_token_count = item.input_token_count
+                    self.input_token_count = self._believed_input_count(item.input_token_count)
                 was_done = replay.done
                 rest = replay.take(item)
                 if not replay.done:
@@ -592,9 +619,9 @@ class MigratingStream:
             self.seed = item.seed
         if self.input_token_count is None:
             if item.input_token_count is not None:
-                self.input_token_count = item.input_token_count
+                self.input_token_count = self._believed_input_count(item.input_token_count)
             elif item.prompt_token_ids is not None:
-                self.input_token_count = len(item.prompt_token_ids)
+                self.input_token_count = self._believed_input_count(len(item.prompt_token_ids))
         self._ids.extend(item.token_ids)
         n = len(item.token_ids) if item.token_count is None else item.token_count
         # no replica generates more than the budget it was asked for: a count past it (a server's
@@ -613,6 +640,14 @@ class MigratingStream:
                 return None
             return self._chunk(item.token_ids, item.text)
         return self._chunk(item.token_ids, item.text, self._take_calls())
+
+    def _believed_input_count(self, count: int) -> int:
+        """A replica's count of the prompt's tokens, at most what the prompt can hold: a count
+        past it (a server's usage claiming 10**12 prompt tokens) is not believed. It was
+        reported to the client, counted in the metrics and charged to the tenant's budget."""
+        if self._prompt_bound is None:
+            self._prompt_bound = token_upper_bound(self.request) + TEMPLATE_ALLOWANCE_TOKENS
+        return min(count, self._prompt_bound)
 
     def _take_calls(self) -> tuple[ToolCallDelta, ...]:
         """The held tool-call fragments, for the final item."""

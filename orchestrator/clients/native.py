@@ -36,6 +36,7 @@ from .line_transport import (
     HttpLineStream,
     HttpReplicaClient,
     int_list,
+    parse_reply,
 )
 from .peers import log_inband_error
 
@@ -225,6 +226,19 @@ class NativeStream(HttpLineStream):
         return parse_data(name, obj["data"])
 
 
+def tokenize_count(raw: bytes) -> int | None:
+    """The count of a `/v1/tokenize` reply (`count`, else the length of `token_ids`); None for
+    a malformed one."""
+    try:
+        data = json.loads(raw)
+        count = data.get("count")
+        if count is None:
+            count = len(data["token_ids"])
+        return int(count)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 class NativeClient(HttpReplicaClient):
     """One engine replica speaking the native protocol; `api_key` (the engine's
     `--api-keys-env` key) goes along as a Bearer token on every call."""
@@ -267,14 +281,10 @@ class NativeClient(HttpReplicaClient):
         if tools is not None:
             body["tools"] = tools
         raw = await self.post_json("/v1/tokenize", body)
-        try:
-            data = json.loads(raw)
-            count = data.get("count")
-            if count is None:
-                count = len(data["token_ids"])
-            return int(count)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise unavailable(f"replica {self.name}: malformed tokenize reply") from None
+        count = await parse_reply(raw, tokenize_count)
+        if count is None:
+            raise unavailable(f"replica {self.name}: malformed tokenize reply")
+        return count
 
     async def advertised(self, timeout_s: float) -> EngineLimits | None:
         """`GET /v1/models` parsed; None when the engine advertises no context. A transport

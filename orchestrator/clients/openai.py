@@ -58,7 +58,7 @@ from .backend import (
     unavailable,
 )
 from .chat_template import ChatTemplateError, LocalTokenizer
-from .line_transport import HttpReplicaClient, error_message, int_list
+from .line_transport import HttpReplicaClient, error_message, int_list, parse_reply
 from .openai_protocol import (
     EXTENSION_FIELDS,
     OPTIONAL_FIELDS,
@@ -73,6 +73,14 @@ from .openai_protocol import (
 from .openai_streams import ChatStream, OpenAIStream, SseStream
 
 log = logging.getLogger("guardstream.openai")
+
+
+def token_list(raw: bytes) -> tuple[int, ...] | None:
+    """The token ids of a `/tokenize` reply (`tokens`); None for a malformed one."""
+    try:
+        return int_list(json.loads(raw)["tokens"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class OpenAIClient(HttpReplicaClient):
@@ -234,10 +242,7 @@ class OpenAIClient(HttpReplicaClient):
                 raise
             self.traits.tokenize = False
             raise NoTokenize(f"replica {self.name} has no /tokenize") from None
-        try:
-            tokens = int_list(json.loads(raw)["tokens"])
-        except (ValueError, KeyError, TypeError):
-            tokens = None
+        tokens = await parse_reply(raw, token_list)
         if tokens is None:
             raise unavailable(f"replica {self.name}: malformed tokenize reply")
         return list(tokens)

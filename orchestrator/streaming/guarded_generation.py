@@ -68,6 +68,7 @@ from .tool_calls import (
     judge_sent_back_calls,
     judge_tool_calls,
     offered_names,
+    redact_arguments,
 )
 from .verdict_cache import TenantVerdicts
 
@@ -474,7 +475,7 @@ class GuardedGeneration(PipelineCore):
             for f in findings:
                 by_piece.setdefault((f.message_index, f.field), []).append(f)
             texts = [
-                (p.message_index, redact_text(p.text, by_piece[key], redactors)[0])
+                (p.message_index, _redacted_piece(p, by_piece[key], redactors))
                 for p in self._inputs
                 if p.target is not None and (key := (p.message_index, p.field)) in own
             ]
@@ -508,7 +509,7 @@ class GuardedGeneration(PipelineCore):
                     continue
                 mine = by_piece.get((piece.message_index, piece.field))
                 if mine:
-                    text, _ = redact_text(piece.text, mine, redactors)
+                    text = _redacted_piece(piece, mine, redactors)
                     message = messages[piece.target]
                     if piece.field == NAME_FIELD:  # the speaker's name, rendered by the template
                         messages[piece.target] = replace(message, name=text)
@@ -919,3 +920,13 @@ def _conversation(request: GenerationRequest) -> tuple[tuple[str, str], ...]:
     if request.messages is not None:
         return tuple((m.role, m.content) for m in request.messages)
     return (("user", request.prompt),)
+
+
+def _redacted_piece(
+    piece: InputPiece, findings: list[Finding], redactors: dict[str, RequestedDetector]
+) -> str:
+    """A piece of the prompt as the engine will read it: a tool call's arguments redacted
+    inside their JSON values (they stay JSON), any other text in place."""
+    if piece.arguments:
+        return redact_arguments(piece.text, findings, redactors)
+    return redact_text(piece.text, findings, redactors)[0]

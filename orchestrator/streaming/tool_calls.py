@@ -304,6 +304,51 @@ async def judge_sent_back_calls(
     return out
 
 
+def redact_arguments(
+    arguments: str, findings: list[Finding], redactors: dict[str, RequestedDetector]
+) -> str:
+    """Input redaction of a tool call's arguments sent back (DESIGN 4.6a), `findings` spans
+    into the JSON as the client wrote it: each value's part of a span is redacted inside that
+    value and re-encoded, as on output, so the arguments the model receives stay valid JSON. A
+    number becomes a string (`5551234567` as `"[phone]"`; in place, `{"n": [phone]}` was no
+    JSON), a replacement is escaped inside a string, and the JSON's own quotes, colons and
+    brackets are never replaced. Arguments that are not JSON are redacted as the text they
+    are."""
+    values = string_values(arguments)
+    if len(values) == 1 and not values[0].json and not values[0].number:
+        return redact_text(arguments, findings, redactors)[0]
+    spans = [
+        f for f in findings if f.detector_id in redactors and f.end > f.start and not f.unjudged
+    ]
+    starts = [v.start for v in values]
+    by_value: dict[int, list[Finding]] = {}
+    for f in spans:  # the values each span covers, from the last that starts at or before it
+        for j in range(max(0, bisect.bisect_right(starts, f.start) - 1), len(values)):
+            if values[j].start >= f.end:
+                break
+            if values[j].end > f.start:
+                by_value.setdefault(j, []).append(f)
+    pieces: list[str] = []
+    at = 0
+    for j in sorted(by_value):
+        value = values[j]
+        raw = arguments[value.start : value.end]
+        offsets = value.offsets(raw)  # where each character of the value is written in `raw`
+        parts = []
+        for f in by_value[j]:
+            start = max(f.start, value.start) - value.start
+            end = min(f.end, value.end) - value.start
+            # the characters whose writing the part touches (an escape's whole)
+            first = max(0, bisect.bisect_right(offsets, start) - 1)
+            parts.append(replace(f, start=first, end=bisect.bisect_left(offsets, end)))
+        text, _ = redact_text(value.text, parts, redactors)
+        if text != value.text:
+            pieces += (arguments[at : value.start], value.encode(text))
+            at = value.end
+    pieces.append(arguments[at:])
+    return "".join(pieces)
+
+
 def offered_names(tools: Any) -> frozenset[str]:
     """The names of the tools a request offered (`{"type": T, T: {"name": ...}}`, as Chat
     Completions declares a `function` tool and any other kind alike)."""

@@ -80,6 +80,29 @@ class ManualClock:
                 timer.callback()
 
 
+class TickingClock(ManualClock):
+    """A manual clock that moves on by `tick_s` each time it is read: time passes only as fast
+    as a stream looks at it, so a test counts in reads what it would otherwise wait out in
+    seconds. A replica that sends an event per read is stalled after a few reads unless its
+    events re-arm the stall timeout, however fast or slow the machine runs the test."""
+
+    def __init__(self, tick_s: float) -> None:
+        super().__init__()
+        self.tick_s = tick_s
+
+    def time(self) -> float:
+        self.now += self.tick_s
+        return self.now
+
+
+def ticking_stall_clock(monkeypatch: pytest.MonkeyPatch, tick_s: float) -> TickingClock:
+    """Engine streams opened from now on time their stall timeout on a clock that moves `tick_s`
+    at every read of it (TickingClock); its timers fire only in `advance()`."""
+    clock = TickingClock(tick_s)
+    monkeypatch.setattr(stall_timeout, "stall_clock", clock)
+    return clock
+
+
 def manual_stall_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     """Engine streams opened from now on (native and OpenAI protocol alike) time their stall
     timeout on a manual clock: no stream stalls until the test says so."""

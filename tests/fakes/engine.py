@@ -57,8 +57,10 @@ FAULT_MODES = (
     "hang",  # never answer (no headers)
     "redirect",  # answer `302 Location: location` instead of a stream
     "endless_line",  # after `after_tokens` tokens, `size` bytes of one item that never ends; stall
-    "empty_items",  # after `after_tokens` tokens, items with no token and no text, for ever
+    "empty_items",  # after `after_tokens` tokens, EMPTY_ITEMS items with no token and no text,
+    # then a stall
 )
+EMPTY_ITEMS = 1000
 
 
 @dataclass
@@ -288,11 +290,11 @@ class FakeEngine(FakeUpstream):
             elif fault.mode == "no_data":
                 await send({"complete_final": False})
             elif fault.mode == "empty_items":
-                # a replica that looks alive and says nothing (a yield between items: the test's
-                # client shares this event loop)
-                while True:
+                # a replica that looks alive and says nothing (bounded: the test's client
+                # shares this event loop and reads them while the fake waits), then falls silent
+                for _ in range(EMPTY_ITEMS):
                     await send({"data": {"token_ids": [], "text": ""}, "complete_final": False})
-                    await asyncio.sleep(0.01)
+                await asyncio.Event().wait()
             elif fault.mode == "endless_line":
                 # a bounded size, then a stall: a client that buffers it all costs the test
                 # machine `size` bytes, not all its memory

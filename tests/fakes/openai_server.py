@@ -90,8 +90,9 @@ FAULT_MODES = (
     "redirect",  # answer `302 Location: /health` instead of a stream
     "endless_line",  # `size` bytes of one `data:` line that never ends, then a stall
     "endless_event",  # `size` bytes of short `data:` lines with no blank line ending the event
-    "empty_events",  # events without a choice (`choices: []`), for ever
+    "empty_events",  # EMPTY_EVENTS events without a choice (`choices: []`), then a stall
 )
+EMPTY_EVENTS = 1000
 
 # what transformers serve takes: OpenAI's request params + its own
 TRANSFORMERS_CHAT_FIELDS = frozenset(
@@ -186,9 +187,8 @@ class FakeOpenAI(FakeUpstream):
     tool_call_text: list[str] = field(default_factory=list)  # content chunks before the calls
     calls_unoffered: bool = False  # answer with the calls even when the request offers no tools
     # chat (vllm flavour): `delta.reasoning_content` chunks before the answer (a reasoning
-    # model under vLLM's reasoning parser), `reasoning_delay_s` apart
+    # model under vLLM's reasoning parser)
     reasoning: list[str] = field(default_factory=list)
-    reasoning_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.faults: list[OpenAIFault] = (
@@ -483,7 +483,6 @@ class FakeOpenAI(FakeUpstream):
             }
             await send(chunk([choice(role)]))
             for thought in self.reasoning:
-                await asyncio.sleep(self.reasoning_delay_s)
                 await send(chunk([choice({"reasoning_content": thought})]))
             n = self.words_per_chunk
             groups = ["".join(out[i : i + n]) for i in range(0, len(out), n)]
@@ -616,11 +615,11 @@ class FakeOpenAI(FakeUpstream):
         if m == "stall":
             await asyncio.Event().wait()
         if m == "empty_events":
-            # a replica that looks alive and says nothing (a yield between events: the test's
-            # client shares this event loop)
-            while True:
+            # a replica that looks alive and says nothing (bounded: the test's client shares
+            # this event loop and reads them while the fake waits), then falls silent
+            for _ in range(EMPTY_EVENTS):
                 await send({"choices": []})
-                await asyncio.sleep(0.01)
+            await asyncio.Event().wait()
         if m in ("endless_line", "endless_event"):
             # a bounded size, then a stall: a client that buffers it all costs the test machine
             # `size` bytes, not all its memory
