@@ -29,6 +29,7 @@ from tests.orchestrator_support import (
     generation_body,
     native_config,
     remote,
+    sse_events,
     terminal,
 )
 from tests.wait_support import until
@@ -239,6 +240,55 @@ async def test_an_unreadable_reply_is_a_detector_error(engine, evil, behaviour) 
     async with Orchestrator(one_detector(engine, evil)) as orch:
         content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
     assert content == (502, detector_error("evil", "request failed: unreadable HTTP reply"))
+
+
+# -- detectors: spans in another unit ------------------------------------------------------------
+
+# astral (two UTF-16 units, four UTF-8 bytes) and accented (two UTF-8 bytes) characters before
+# the entity: a span counted in either unit lands past it in code points
+UNITS_SCRIPT = [
+    "Caf\u00e9",
+    " \U0001f600\U0001f600",
+    " mail",
+    " secretname@example.com",
+    " now",
+    " please",
+    " write",
+    ".",
+]
+
+
+@pytest.mark.parametrize("units", ["utf-16", "utf-8"])
+async def test_a_span_counted_in_another_unit_still_redacts_the_entity(units) -> None:
+    """DESIGN 6: spans count code points. A service that counts UTF-16 code units (JavaScript,
+    Java) or UTF-8 bytes (Rust, Go) names a span past its entity in any text with such
+    characters before it. Repro: an enforced redacting guardrail replaced the shifted span and
+    released the entity's head (`se` of `secretname@example.com` in UTF-16, `secret` in
+    bytes). A span whose own `text` the reply holds only when it is read in one of those units
+    is read in that unit."""
+    engine = FakeEngine(script=list(UNITS_SCRIPT))
+    dets = FakeDetectorServer()
+    email = DetectorBehaviour(words={"secretname@example.com": 0.9}, detection="email", units=units)
+    dets.add("pii", email)
+    await engine.start()
+    await dets.start()
+    pii = {**remote(dets.url), "on_detection": "redact", "redact_with": "[{entity}]"}
+    config = native_config(
+        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
+                raw = await r.read()
+    finally:
+        await dets.close()
+        await engine.close()
+    assert b"secretname" not in raw and b"example.com" not in raw and b"name@" not in raw
+    events = sse_events(raw.decode())
+    assert terminal(events).name == "completed"
+    text = "".join(f["generated_text"] for f in frames(events))
+    assert text == "Caf\u00e9 \U0001f600\U0001f600 mail [email] now please write."
 
 
 def test_the_reply_bound_grows_with_the_contents() -> None:

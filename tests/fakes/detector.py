@@ -37,6 +37,9 @@ class DetectorBehaviour:
     # spaces from 1 MiB on the wire (a decompression bomb)
     bomb: str | None = None
     huge_header: bool = False  # a 200 reply with a 1 MiB header (no client reads that)
+    # the unit its spans count in: code points (the detector API's), or the UTF-16 code units
+    # (a JavaScript or Java service) or UTF-8 bytes (a Rust or Go one) some services count in
+    units: str = "code_points"
 
 
 class FakeDetectorServer:
@@ -118,7 +121,7 @@ class FakeDetectorServer:
             return web.json_response([[] for _ in contents], headers={"x-padding": "a" * (1 << 20)})
         if behaviour.bomb is not None:
             return await self._bomb(request, behaviour.bomb)
-        reply = [self._detect(behaviour, c) for c in contents]
+        reply = [_in_units(self._detect(behaviour, c), c, behaviour.units) for c in contents]
         if behaviour.drop_one:
             reply = reply[:-1]
         return web.Response(text=json.dumps(reply), content_type="application/json")
@@ -215,3 +218,16 @@ class FakeDetectorServer:
                 )
                 start = content.find(word, start + 1)
         return sorted(found, key=lambda d: d["start"])
+
+
+def _in_units(found: list[dict[str, Any]], content: str, units: str) -> list[dict[str, Any]]:
+    """`found`'s code-point spans counted in `units` instead ("utf-16", "utf-8")."""
+    if units == "code_points":
+        return found
+    codec = {"utf-16": "utf-16-le", "utf-8": "utf-8"}[units]
+    width = 2 if units == "utf-16" else 1
+
+    def at(i: int) -> int:
+        return len(content[:i].encode(codec)) // width
+
+    return [{**d, "start": at(d["start"]), "end": at(d["end"])} for d in found]
