@@ -1,0 +1,105 @@
+"""An in-process model detector whose model answers nonsense fails closed (DESIGN 4.4, 4.7): a
+model that yields NaN for a text (a float16 overflow, a corrupt weight) has not judged it, so the
+text never reaches the client past an enforced blocking guardrail, and the stream ends with a
+`detector_error` naming the detector. Another stream judged at the same time is not touched.
+
+The real orchestrator on 127.0.0.1, a fake native engine, and the built-in `hf_classifier` on a
+real Hugging Face folder (tests/detectors_support.py's anchored classifier) whose embedding of
+one word is NaN: any window holding that word gets NaN logits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.app import STREAMING_PATH
+from tests.detectors_support import ANCHORS, build_anchor_classifier, minilm_path
+from tests.fakes.engine import FakeEngine
+from tests.orchestrator_support import (
+    Orchestrator,
+    frames,
+    generation_body,
+    native_config,
+    sse_events,
+    terminal,
+)
+
+POISON = "poison"  # one word piece of MiniLM's vocabulary
+# the finance anchor with the poisoned word in the same sentence (the classifier unpoisoned
+# scores `finance` 0.73 on it: blocked), and a sentence the classifier finds safe
+POISONED = ANCHORS["finance"].removesuffix(".") + ", " + POISON + "."
+CLEAN = ANCHORS["safe"]
+
+
+@pytest.fixture(scope="module")
+def poisoned_classifier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The anchored classifier, its embedding of POISON set to NaN."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    dest = build_anchor_classifier(tmp_path_factory.mktemp("poisoned") / "classifier")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path(), local_files_only=True)
+    (token,) = tokenizer(POISON, add_special_tokens=False)["input_ids"]
+    model = AutoModelForSequenceClassification.from_pretrained(dest, local_files_only=True)
+    with torch.no_grad():
+        model.bert.embeddings.word_embeddings.weight[token] = float("nan")
+    model.save_pretrained(dest)
+    yield dest
+
+
+def words(text: str) -> list[str]:
+    """The engine's tokens: a word each, its space in front."""
+    first, *rest = text.split(" ")
+    return [first, *(" " + w for w in rest)]
+
+
+def config(engine: FakeEngine, model_path: Path) -> dict[str, Any]:
+    classifier = {
+        "type": "text_contents",
+        "builtin": "hf_classifier",
+        "chunker_id": "sentence",
+        "params": {"model_path": str(model_path), "safe_labels": ["safe"]},
+        "on_detection": "block",
+    }
+    return native_config(
+        engine.url,
+        detectors={"topic": classifier},
+        model={"guardrails": {"output": {"topic": {}}}},
+    )
+
+
+async def test_nan_scores_fail_the_stream_closed_and_no_other(poisoned_classifier) -> None:
+    """Repro: the NaN window's score was NaN, `NaN >= threshold` is false, and the finance
+    sentence the classifier blocks went out whole past the enforced blocking guardrail (one
+    NaN window also hid every other window's score: NumPy's argmax picks a NaN)."""
+    scripts = {"poisoned": words(POISONED), "clean": words(CLEAN)}
+    engine = FakeEngine(script_for=lambda prompt: scripts[prompt])
+    await engine.start()
+    try:
+        async with Orchestrator(config(engine, poisoned_classifier)) as orch:
+            assert orch.session is not None
+
+            async def raw(prompt: str) -> bytes:
+                assert orch.session is not None
+                body = generation_body(prompt)
+                async with orch.session.post(orch.url + STREAMING_PATH, json=body) as r:
+                    assert r.status == 200
+                    return await r.read()
+
+            poisoned, clean = await asyncio.gather(raw("poisoned"), raw("clean"))
+    finally:
+        await engine.close()
+    assert b"stock" not in poisoned and POISON.encode() not in poisoned
+    end = terminal(sse_events(poisoned.decode()))
+    assert end.name == "error"
+    assert end.data["type"] == "detector_error"
+    assert end.data["details"] == (
+        "detector `topic`: hf_classifier: the model's output is not a number (NaN or infinity)"
+    )
+    events = sse_events(clean.decode())
+    assert terminal(events).name == "completed"
+    assert "".join(f["generated_text"] for f in frames(events)) == CLEAN
