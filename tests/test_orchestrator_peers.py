@@ -156,6 +156,28 @@ async def test_an_out_of_range_detection_is_a_detector_error(engine, evil, found
     assert terminal(events).name == "error"
 
 
+@pytest.mark.parametrize(
+    ("found", "message"),
+    [
+        (detection(score="0.9"), "0.0.score: Input should be a valid number"),
+        (detection(score=True), "0.0.score: Input should be a valid number"),
+        (detection(start="0"), "0.0.start: Input should be a valid integer"),
+        (detection(start=True), "0.0.start: Input should be a valid integer"),
+        (detection(end=5.0), "0.0.end: Input should be a valid integer"),
+    ],
+    ids=["score-string", "score-bool", "start-string", "start-bool", "end-float"],
+)
+async def test_a_reply_of_the_wrong_types_is_a_detector_error(engine, evil, found, message) -> None:
+    """The detector API's types are JSON's own (DESIGN 6; the FMS orchestrator's serde refuses
+    anything else): a number in a string, or a boolean for a number, is a malformed reply, not
+    a value to guess at. Repro: `"score": "0.9"`, `"score": true` (1.0) and `"start": true`
+    (1) were taken as numbers."""
+    evil.add("evil", DetectorBehaviour(reply=[[found]]))
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+    assert content == (502, detector_error("evil", f"malformed reply ({message})"))
+
+
 async def test_a_detections_text_is_its_spans_never_the_replys_own(engine, evil) -> None:
     """A detection's `text` is the text its span covers (DESIGN 6). Repro: the reply's own
     `text` was passed on, so a detector quoting something else there (another part of the
@@ -242,8 +264,6 @@ async def test_an_unreadable_reply_is_a_detector_error(engine, evil, behaviour) 
     assert content == (502, detector_error("evil", "request failed: unreadable HTTP reply"))
 
 
-# -- detectors: spans in another unit ------------------------------------------------------------
-
 # astral (two UTF-16 units, four UTF-8 bytes) and accented (two UTF-8 bytes) characters before
 # the entity: a span counted in either unit lands past it in code points
 UNITS_SCRIPT = [
@@ -256,6 +276,58 @@ UNITS_SCRIPT = [
     " write",
     ".",
 ]
+
+
+# -- detectors: replies that are no reply --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "message"),
+    [
+        (
+            DetectorBehaviour(html=True),
+            "malformed reply (reply: Invalid JSON: expected value at line 1 column 1)",
+        ),
+        (DetectorBehaviour(cut_body=True), "request failed: connection lost mid-stream"),
+        (DetectorBehaviour(trickle=True), "timed out after 1 s"),
+    ],
+    ids=["html", "cut-body", "trickle"],
+)
+async def test_a_reply_that_is_no_reply_fails_an_enforced_redaction_closed(
+    behaviour, message
+) -> None:
+    """A 200 that is an HTML page, a body cut mid-write, a body that trickles for ever (each
+    byte in time for any idle timeout; the detector's timeout_s bounds the whole call): the
+    detector has not judged the text, so an enforced redacting guardrail releases none of it
+    and the client is told which detector failed, and how, in the stream's terminal event."""
+    engine = FakeEngine(script=list(UNITS_SCRIPT))
+    dets = FakeDetectorServer()
+    dets.add("pii", behaviour)
+    await engine.start()
+    await dets.start()
+    pii = {**remote(dets.url), "on_detection": "redact", "timeout_s": 1}
+    config = native_config(
+        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
+                status, raw = r.status, await r.read()
+        if behaviour.trickle:  # the call was dropped, not left trickling
+            await until(lambda: dets.cancelled == 1, what="the trickling reply abandoned")
+    finally:
+        await dets.close()
+        await engine.close()
+    assert status == 200
+    assert b"secretname" not in raw and b"mail" not in raw
+    events = sse_events(raw.decode())
+    assert frames(events) == []
+    assert terminal(events).name == "error"
+    assert terminal(events).data == detector_error("pii", message)
+
+
+# -- detectors: spans in another unit ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("units", ["utf-16", "utf-8"])

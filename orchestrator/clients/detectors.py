@@ -437,7 +437,7 @@ _KIND_REPLY = TypeAdapter(list[KindDetection])
 def _parse_kind_reply(raw: bytes) -> list[KindDetection] | str:
     """A kind's reply checked like a contents reply (DESIGN 6): bounded, scores in [0, 1]."""
     try:
-        reply = _KIND_REPLY.validate_json(raw)
+        reply = _KIND_REPLY.validate_json(raw, strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "reply"
@@ -455,7 +455,9 @@ def _parse_reply(raw: bytes, contents: list[str]) -> list[list[Detection]] | str
     saying what is wrong with it when it is not a sane reply. Parsing and checking a large
     reply runs in a thread: this is the whole of that work."""
     try:
-        reply = _REPLY.validate_json(raw)
+        # strict: JSON's own types, as the FMS orchestrator's serde reads them (a number in a
+        # string, or true for 1, is a malformed reply, not a value to guess at)
+        reply = _REPLY.validate_json(raw, strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "reply"

@@ -37,6 +37,11 @@ class DetectorBehaviour:
     # spaces from 1 MiB on the wire (a decompression bomb)
     bomb: str | None = None
     huge_header: bool = False  # a 200 reply with a 1 MiB header (no client reads that)
+    html: bool = False  # a 200 reply of an HTML page (a proxy's or a login page)
+    # a 200 reply whose Content-Length promises the whole reply, cut after half of it (the
+    # service died mid-write)
+    cut_body: bool = False
+    trickle: bool = False  # a 200 reply that sends a byte every 50 ms for ever
     # the unit its spans count in: code points (the detector API's), or the UTF-16 code units
     # (a JavaScript or Java service) or UTF-8 bytes (a Rust or Go one) some services count in
     units: str = "code_points"
@@ -117,6 +122,12 @@ class FakeDetectorServer:
             return web.Response(text=json.dumps(behaviour.reply), content_type="application/json")
         if behaviour.endless:
             return await self._endless(request)
+        if behaviour.html:
+            return web.Response(text="<html><body>Sign in</body></html>", content_type="text/html")
+        if behaviour.cut_body:
+            return await self._cut(request, [self._detect(behaviour, c) for c in contents])
+        if behaviour.trickle:
+            return await self._trickle(request)
         if behaviour.huge_header:
             return web.json_response([[] for _ in contents], headers={"x-padding": "a" * (1 << 20)})
         if behaviour.bomb is not None:
@@ -174,6 +185,31 @@ class FakeDetectorServer:
             for _ in range((64 << 20) // len(block)):
                 await resp.write(block)
             await asyncio.Event().wait()
+        except (ConnectionError, asyncio.CancelledError):
+            self.cancelled += 1
+            raise
+
+    async def _cut(self, request: web.Request, reply: Any) -> web.StreamResponse:
+        """`reply`'s headers and first half, then the connection closed."""
+        body = json.dumps(reply).encode()
+        resp = web.StreamResponse(
+            headers={"content-type": "application/json", "content-length": str(len(body))}
+        )
+        await resp.prepare(request)
+        await resp.write(body[: len(body) // 2])
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    async def _trickle(self, request: web.Request) -> web.StreamResponse:
+        """`[` and then a space every 50 ms, until the client goes away."""
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b"[")
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+                await resp.write(b" ")
         except (ConnectionError, asyncio.CancelledError):
             self.cancelled += 1
             raise
