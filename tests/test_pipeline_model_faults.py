@@ -103,3 +103,43 @@ async def test_nan_scores_fail_the_stream_closed_and_no_other(poisoned_classifie
     events = sse_events(clean.decode())
     assert terminal(events).name == "completed"
     assert "".join(f["generated_text"] for f in frames(events)) == CLEAN
+
+
+async def test_a_builtin_that_raises_is_a_detector_error_naming_it(monkeypatch) -> None:
+    """DESIGN 4.7: a detector's failure ends the request naming the detector. Repro: a
+    built-in raising anything but a DetectorError (a bug: here a KeyError quoting the text it
+    judged) ended the stream as an anonymous `server_error` 500 `internal error`; the text it
+    did not judge was withheld either way, and what it raised still is (the log has it)."""
+    import detectors.regex_pii
+
+    async def broken(self: Any, contents: list[str], params: Any = None) -> Any:
+        raise KeyError(contents[0])
+
+    monkeypatch.setattr(detectors.regex_pii.RegexDetector, "detect", broken)
+    engine = FakeEngine(script=words("Mail jo@example.com now."))
+    await engine.start()
+    pii = {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"}
+    config = native_config(
+        engine.url,
+        detectors={"pii": {**pii, "on_detection": "redact"}},
+        model={"guardrails": {"output": {"pii": {}}}},
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            async with orch.session.post(
+                orch.url + STREAMING_PATH, json=generation_body("hi")
+            ) as r:
+                assert r.status == 200
+                raw = await r.read()
+    finally:
+        await engine.close()
+    assert b"example" not in raw and b"Mail" not in raw
+    events = sse_events(raw.decode())
+    assert frames(events) == []
+    assert terminal(events).name == "error"
+    assert terminal(events).data == {
+        "code": 502,
+        "details": "detector `pii`: failed (KeyError)",
+        "type": "detector_error",
+    }
