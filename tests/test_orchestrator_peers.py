@@ -178,6 +178,22 @@ async def test_a_reply_of_the_wrong_types_is_a_detector_error(engine, evil, foun
     assert content == (502, detector_error("evil", f"malformed reply ({message})"))
 
 
+async def test_a_reply_for_contents_never_sent_is_a_detector_error(engine, evil) -> None:
+    """Detections for a content index that was not sent (a reply longer than the contents):
+    the reply is not matched to the contents by guessing, it is refused (DESIGN 4.7); the
+    shorter reply is tests/test_orchestrator_streaming.py's `miscount`."""
+    evil.add("evil", DetectorBehaviour(reply=[[], [detection()], []]))
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+        events = await orch.stream(generation_body(output={"evil": {}}))
+    assert content == (502, detector_error("evil", "returned 3 results for 1 contents"))
+    # (the stream's first call holds one chunk or, on a loaded machine, both sentences)
+    assert terminal(events).data["details"] in [
+        f"detector `evil`: returned 3 results for {n} contents" for n in (1, 2)
+    ]
+    assert frames(events) == []
+
+
 async def test_a_detections_text_is_its_spans_never_the_replys_own(engine, evil) -> None:
     """A detection's `text` is the text its span covers (DESIGN 6). Repro: the reply's own
     `text` was passed on, so a detector quoting something else there (another part of the
