@@ -343,6 +343,36 @@ async def test_a_reply_that_is_no_reply_fails_an_enforced_redaction_closed(
     assert terminal(events).data == detector_error("pii", message)
 
 
+async def test_an_empty_span_a_redactor_flags_fails_closed() -> None:
+    """A redacting detector's passing detection of no characters (`[0, 0)`: a remote
+    classifier that gives its verdict without a place) cannot be redacted. Repro: the whole
+    sentence went out raw past the enforced redacting guardrail, with a warning and the
+    detection beside it. It is a detector_error: what the detector flagged is not released."""
+    engine = FakeEngine(script=list(UNITS_SCRIPT))
+    dets = FakeDetectorServer()
+    flag = detection(start=0, end=0, text="", detection="toxic", score=0.99)
+    dets.add("pii", DetectorBehaviour(reply=[[flag]]))
+    await engine.start()
+    await dets.start()
+    pii = {**remote(dets.url), "on_detection": "redact"}
+    config = native_config(
+        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
+                raw = await r.read()
+    finally:
+        await dets.close()
+        await engine.close()
+    assert b"secretname" not in raw and b"mail" not in raw
+    events = sse_events(raw.decode())
+    assert frames(events) == []
+    message = "detection span [0, 0) covers no text: a redacting detector cannot redact it"
+    assert terminal(events).data == detector_error("pii", message)
+
+
 # -- detectors: spans in another unit ------------------------------------------------------------
 
 
