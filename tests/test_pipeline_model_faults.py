@@ -143,3 +143,27 @@ async def test_a_builtin_that_raises_is_a_detector_error_naming_it(monkeypatch) 
         "details": "detector `pii`: failed (KeyError)",
         "type": "detector_error",
     }
+
+
+async def test_a_nan_window_cannot_hide_behind_a_maximum(monkeypatch) -> None:
+    """A scored detector (profanity, prompt_injection) takes the maximum over a content's
+    windows, and `max(nan, 0.99)` is NaN: a content whose first window the model could not
+    score was dropped whole, however profane its other windows. The real profanity model, its
+    output made NaN for every window holding POISON."""
+    import detectors
+    from detectors.errors import DetectorError
+    from detectors.profanity import ProfanityDetector
+
+    real = ProfanityDetector._forward
+
+    def poisoned(self: Any, items: list[str]) -> list[float]:
+        scores = real(self, items)
+        return [float("nan") if POISON in t else s for t, s in zip(items, scores, strict=True)]
+
+    hap = detectors.build("profanity", {})
+    text = f"You stupid fucking idiot. {POISON}"
+    assert (await hap.detect([text]))[0][0].score > 0.99  # the model alone flags it
+    monkeypatch.setattr(ProfanityDetector, "_forward", poisoned)
+    with pytest.raises(DetectorError, match="profanity: the model's output is not a number"):
+        await hap.detect([text])
+    await hap.close()
