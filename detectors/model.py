@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
+import numpy as np
+
 from .api import Detection
 from .base import SCORED_REQUEST_PARAMS, Detector, ScoredParams, whole_content
 from .batching import MicroBatcher
+from .errors import DetectorError
 from .normalise import judged_texts
 from .runtime import ModelRuntime, check_device
 from .windows import judge_windows
@@ -19,6 +24,31 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def require_finite(name: str, results: list[R]) -> list[R]:
+    """`results`, or DetectorError when a number in them is NaN or infinite. A model that
+    yields NaN (a float16 overflow, a corrupt weight) has not judged that text, and NaN passes
+    no threshold (`NaN >= t` is false) and hides in a maximum: taken as a score, it released
+    what the model would have flagged. Failing the call fails closed; the micro-batcher then
+    judges each caller's items alone, so only the streams whose text did it fail."""
+    if _non_finite(results):
+        raise DetectorError(f"{name}: the model's output is not a number (NaN or infinity)")
+    return results
+
+
+def _non_finite(value: object) -> bool:
+    """Whether a NaN or an infinity lies anywhere in `value`: floats, NumPy arrays, and the
+    lists, tuples and dataclasses holding them (a batch's results)."""
+    if isinstance(value, float | np.floating):
+        return not math.isfinite(value)
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "fc" and not bool(np.isfinite(value).all())
+    if isinstance(value, list | tuple):
+        return any(_non_finite(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_non_finite(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
 
 
 class BatchedDetector(Detector, Generic[T, R]):
@@ -39,7 +69,7 @@ class BatchedDetector(Detector, Generic[T, R]):
             )
         self._runtime = self._make_runtime()
         self._batcher: MicroBatcher[T, R] = MicroBatcher(
-            self._judge,
+            self._judged,
             max_batch_size=p.max_batch_size,
             max_queue=p.max_queue,
             enabled=p.batching,
@@ -56,9 +86,14 @@ class BatchedDetector(Detector, Generic[T, R]):
         """One batched model call; runs in the runtime's worker thread."""
 
     def _judge(self, items: list[T]) -> list[R]:
-        """What the batcher calls, in the worker thread: `_forward` on what the model should
-        see (subclasses hand it the normalised view of DESIGN 4.6b, computed off the loop)."""
+        """`_forward` on what the model should see (subclasses hand it the normalised view of
+        DESIGN 4.6b, computed off the loop)."""
         return self._forward(items)
+
+    def _judged(self, items: list[T]) -> list[R]:
+        """What the batcher calls, in the worker thread: `_judge`, refused when the model's
+        output holds a NaN or an infinity (`require_finite`)."""
+        return require_finite(self.name, self._judge(items))
 
     @property
     def runtime(self) -> ModelRuntime:
@@ -108,7 +143,9 @@ class ScoredTextDetector(BatchedDetector[str, float]):
         width, step = self.span_window()
         texts = [judged_texts(text) for text in items]
         rows, owned = judge_windows([t for ts in texts for t in ts], width, step)
-        scores = self._forward(rows)
+        # checked before the maximum: max() skips a NaN after a number, so a window the model
+        # could not score would pass as the best of the others
+        scores = require_finite(self.name, self._forward(rows))
         out, at = [], 0
         for ts in texts:  # an item's view, and what markup hid from it (`judged_texts`)
             out.append(max(scores[r] for own in owned[at : at + len(ts)] for r in own))

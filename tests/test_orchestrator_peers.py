@@ -34,6 +34,7 @@ from tests.orchestrator_support import (
     generation_body,
     native_config,
     remote,
+    sse_events,
     terminal,
 )
 from tests.wait_support import until
@@ -160,6 +161,44 @@ async def test_an_out_of_range_detection_is_a_detector_error(engine, evil, found
     assert terminal(events).name == "error"
 
 
+@pytest.mark.parametrize(
+    ("found", "message"),
+    [
+        (detection(score="0.9"), "0.0.score: Input should be a valid number"),
+        (detection(score=True), "0.0.score: Input should be a valid number"),
+        (detection(start="0"), "0.0.start: Input should be a valid integer"),
+        (detection(start=True), "0.0.start: Input should be a valid integer"),
+        (detection(end=5.0), "0.0.end: Input should be a valid integer"),
+    ],
+    ids=["score-string", "score-bool", "start-string", "start-bool", "end-float"],
+)
+async def test_a_reply_of_the_wrong_types_is_a_detector_error(engine, evil, found, message) -> None:
+    """The detector API's types are JSON's own (DESIGN 6; the FMS orchestrator's serde refuses
+    anything else): a number in a string, or a boolean for a number, is a malformed reply, not
+    a value to guess at. Repro: `"score": "0.9"`, `"score": true` (1.0) and `"start": true`
+    (1) were taken as numbers."""
+    evil.add("evil", DetectorBehaviour(reply=[[found]]))
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+    assert content == (502, detector_error("evil", f"malformed reply ({message})"))
+
+
+async def test_a_reply_for_contents_never_sent_is_a_detector_error(engine, evil) -> None:
+    """Detections for a content index that was not sent (a reply longer than the contents):
+    the reply is not matched to the contents by guessing, it is refused (DESIGN 4.7); the
+    shorter reply is tests/test_orchestrator_streaming.py's `miscount`."""
+    evil.add("evil", DetectorBehaviour(reply=[[], [detection()], []]))
+    async with Orchestrator(one_detector(engine, evil)) as orch:
+        content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
+        events = await orch.stream(generation_body(output={"evil": {}}))
+    assert content == (502, detector_error("evil", "returned 3 results for 1 contents"))
+    # (the stream's first call holds one chunk or, on a loaded machine, both sentences)
+    assert terminal(events).data["details"] in [
+        f"detector `evil`: returned 3 results for {n} contents" for n in (1, 2)
+    ]
+    assert frames(events) == []
+
+
 async def test_a_detections_text_is_its_spans_never_the_replys_own(engine, evil) -> None:
     """A detection's `text` is the text its span covers (DESIGN 6). Repro: the reply's own
     `text` was passed on, so a detector quoting something else there (another part of the
@@ -244,6 +283,135 @@ async def test_an_unreadable_reply_is_a_detector_error(engine, evil, behaviour) 
     async with Orchestrator(one_detector(engine, evil)) as orch:
         content = await orch.post(CONTENT_PATH, {"content": CONTENT, "detectors": {"evil": {}}})
     assert content == (502, detector_error("evil", "request failed: unreadable HTTP reply"))
+
+
+# astral (two UTF-16 units, four UTF-8 bytes) and accented (two UTF-8 bytes) characters before
+# the entity: a span counted in either unit lands past it in code points
+UNITS_SCRIPT = [
+    "Caf\u00e9",
+    " \U0001f600\U0001f600",
+    " mail",
+    " secretname@example.com",
+    " now",
+    " please",
+    " write",
+    ".",
+]
+
+
+# -- detectors: replies that are no reply --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "message"),
+    [
+        (
+            DetectorBehaviour(html=True),
+            "malformed reply (reply: Invalid JSON: expected value at line 1 column 1)",
+        ),
+        (DetectorBehaviour(cut_body=True), "request failed: connection lost mid-stream"),
+        (DetectorBehaviour(trickle=True), "timed out after 1 s"),
+    ],
+    ids=["html", "cut-body", "trickle"],
+)
+async def test_a_reply_that_is_no_reply_fails_an_enforced_redaction_closed(
+    behaviour, message
+) -> None:
+    """A 200 that is an HTML page, a body cut mid-write, a body that trickles for ever (each
+    byte in time for any idle timeout; the detector's timeout_s bounds the whole call): the
+    detector has not judged the text, so an enforced redacting guardrail releases none of it
+    and the client is told which detector failed, and how, in the stream's terminal event."""
+    engine = FakeEngine(script=list(UNITS_SCRIPT))
+    dets = FakeDetectorServer()
+    dets.add("pii", behaviour)
+    await engine.start()
+    await dets.start()
+    pii = {**remote(dets.url), "on_detection": "redact", "timeout_s": 1}
+    config = native_config(
+        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
+                status, raw = r.status, await r.read()
+        if behaviour.trickle:  # the call was dropped, not left trickling
+            await until(lambda: dets.cancelled == 1, what="the trickling reply abandoned")
+    finally:
+        await dets.close()
+        await engine.close()
+    assert status == 200
+    assert b"secretname" not in raw and b"mail" not in raw
+    events = sse_events(raw.decode())
+    assert frames(events) == []
+    assert terminal(events).name == "error"
+    assert terminal(events).data == detector_error("pii", message)
+
+
+async def test_an_empty_span_a_redactor_flags_fails_closed() -> None:
+    """A redacting detector's passing detection of no characters (`[0, 0)`: a remote
+    classifier that gives its verdict without a place) cannot be redacted. Repro: the whole
+    sentence went out raw past the enforced redacting guardrail, with a warning and the
+    detection beside it. It is a detector_error: what the detector flagged is not released."""
+    engine = FakeEngine(script=list(UNITS_SCRIPT))
+    dets = FakeDetectorServer()
+    flag = detection(start=0, end=0, text="", detection="toxic", score=0.99)
+    dets.add("pii", DetectorBehaviour(reply=[[flag]]))
+    await engine.start()
+    await dets.start()
+    pii = {**remote(dets.url), "on_detection": "redact"}
+    config = native_config(
+        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
+                raw = await r.read()
+    finally:
+        await dets.close()
+        await engine.close()
+    assert b"secretname" not in raw and b"mail" not in raw
+    events = sse_events(raw.decode())
+    assert frames(events) == []
+    message = "detection span [0, 0) covers no text: a redacting detector cannot redact it"
+    assert terminal(events).data == detector_error("pii", message)
+
+
+# -- detectors: spans in another unit ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("units", ["utf-16", "utf-8"])
+async def test_a_span_counted_in_another_unit_still_redacts_the_entity(units) -> None:
+    """DESIGN 6: spans count code points. A service that counts UTF-16 code units (JavaScript,
+    Java) or UTF-8 bytes (Rust, Go) names a span past its entity in any text with such
+    characters before it. Repro: an enforced redacting guardrail replaced the shifted span and
+    released the entity's head (`se` of `secretname@example.com` in UTF-16, `secret` in
+    bytes). A span whose own `text` the reply holds only when it is read in one of those units
+    is read in that unit."""
+    engine = FakeEngine(script=list(UNITS_SCRIPT))
+    dets = FakeDetectorServer()
+    email = DetectorBehaviour(words={"secretname@example.com": 0.9}, detection="email", units=units)
+    dets.add("pii", email)
+    await engine.start()
+    await dets.start()
+    pii = {**remote(dets.url), "on_detection": "redact", "redact_with": "[{entity}]"}
+    config = native_config(
+        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
+                raw = await r.read()
+    finally:
+        await dets.close()
+        await engine.close()
+    assert b"secretname" not in raw and b"example.com" not in raw and b"name@" not in raw
+    events = sse_events(raw.decode())
+    assert terminal(events).name == "completed"
+    text = "".join(f["generated_text"] for f in frames(events))
+    assert text == "Caf\u00e9 \U0001f600\U0001f600 mail [email] now please write."
 
 
 def test_the_reply_bound_grows_with_the_contents() -> None:

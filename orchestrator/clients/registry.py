@@ -27,6 +27,7 @@ from ..config import (
     ModelGuardrails,
     secret_env_names,
 )
+from .chunk_coverage import CheckedChunker
 from .detectors import (
     CallRecorder,
     DetectorClient,
@@ -92,7 +93,8 @@ class ChunkerRegistry:
         self._chunkers[WHOLE_DOC_CHUNKER] = chunkers.build({"type": "whole_doc"})
 
     def get(self, chunker_id: str) -> Any:
-        return self._chunkers[chunker_id]
+        """The chunker, its chunks checked to tile the text (`CheckedChunker`)."""
+        return CheckedChunker(self._chunkers[chunker_id])
 
     def ids(self) -> list[str]:
         return list(self._chunkers)

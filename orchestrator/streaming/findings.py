@@ -77,6 +77,14 @@ def kept_findings(
         unjudged = d.detection_type == UNJUDGED_TYPE and detector.client.reads_context
         if d.score >= detector.threshold or unjudged:
             start, end = (d.start, d.end) if whole is None or unjudged else whole
+            if start == end and detector.redacting and whole is None and not unjudged:
+                # a verdict without a place (a remote classifier taken for a span detector):
+                # redacting no characters would release what it flagged
+                raise DetectorCallError(
+                    detector.detector_id,
+                    f"detection span [{d.start}, {d.end}) covers no text: a redacting detector "
+                    "cannot redact it",
+                )
             # the detection's text is its span's (DESIGN 6), never the reply's own `text`: a
             # detector that quoted other text there (a redacted number elsewhere in the chunk)
             # would send the client what a redaction withheld

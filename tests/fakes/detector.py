@@ -37,6 +37,14 @@ class DetectorBehaviour:
     # spaces from 1 MiB on the wire (a decompression bomb)
     bomb: str | None = None
     huge_header: bool = False  # a 200 reply with a 1 MiB header (no client reads that)
+    html: bool = False  # a 200 reply of an HTML page (a proxy's or a login page)
+    # a 200 reply whose Content-Length promises the whole reply, cut after half of it (the
+    # service died mid-write)
+    cut_body: bool = False
+    trickle: bool = False  # a 200 reply that sends a byte every 50 ms for ever
+    # the unit its spans count in: code points (the detector API's), or the UTF-16 code units
+    # (a JavaScript or Java service) or UTF-8 bytes (a Rust or Go one) some services count in
+    units: str = "code_points"
 
 
 class FakeDetectorServer:
@@ -114,11 +122,17 @@ class FakeDetectorServer:
             return web.Response(text=json.dumps(behaviour.reply), content_type="application/json")
         if behaviour.endless:
             return await self._endless(request)
+        if behaviour.html:
+            return web.Response(text="<html><body>Sign in</body></html>", content_type="text/html")
+        if behaviour.cut_body:
+            return await self._cut(request, [self._detect(behaviour, c) for c in contents])
+        if behaviour.trickle:
+            return await self._trickle(request)
         if behaviour.huge_header:
             return web.json_response([[] for _ in contents], headers={"x-padding": "a" * (1 << 20)})
         if behaviour.bomb is not None:
             return await self._bomb(request, behaviour.bomb)
-        reply = [self._detect(behaviour, c) for c in contents]
+        reply = [_in_units(self._detect(behaviour, c), c, behaviour.units) for c in contents]
         if behaviour.drop_one:
             reply = reply[:-1]
         return web.Response(text=json.dumps(reply), content_type="application/json")
@@ -175,6 +189,31 @@ class FakeDetectorServer:
             self.cancelled += 1
             raise
 
+    async def _cut(self, request: web.Request, reply: Any) -> web.StreamResponse:
+        """`reply`'s headers and first half, then the connection closed."""
+        body = json.dumps(reply).encode()
+        resp = web.StreamResponse(
+            headers={"content-type": "application/json", "content-length": str(len(body))}
+        )
+        await resp.prepare(request)
+        await resp.write(body[: len(body) // 2])
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    async def _trickle(self, request: web.Request) -> web.StreamResponse:
+        """`[` and then a space every 50 ms, until the client goes away."""
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b"[")
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+                await resp.write(b" ")
+        except (ConnectionError, asyncio.CancelledError):
+            self.cancelled += 1
+            raise
+
     async def _bomb(self, request: web.Request, encoding: str) -> web.StreamResponse:
         """A body of `encoding` that inflates to 1 GiB: 1024 copies of one compressed MiB of
         spaces (after a full flush a compressor starts afresh, so the copies chain into one
@@ -215,3 +254,16 @@ class FakeDetectorServer:
                 )
                 start = content.find(word, start + 1)
         return sorted(found, key=lambda d: d["start"])
+
+
+def _in_units(found: list[dict[str, Any]], content: str, units: str) -> list[dict[str, Any]]:
+    """`found`'s code-point spans counted in `units` instead ("utf-16", "utf-8")."""
+    if units == "code_points":
+        return found
+    codec = {"utf-16": "utf-16-le", "utf-8": "utf-8"}[units]
+    width = 2 if units == "utf-16" else 1
+
+    def at(i: int) -> int:
+        return len(content[:i].encode(codec)) // width
+
+    return [{**d, "start": at(d["start"]), "end": at(d["end"])} for d in found]
