@@ -642,7 +642,8 @@ async def test_keepalive_comments_while_text_is_held_back(engine, dets) -> None:
                 gate.set()
                 rest = (await r.content.read()).decode()
     assert lines == []  # nothing judged yet, not even response.created
-    blocks = [b for b in rest.split("\n\n") if b and not b.startswith(":")]
+    # `rest` starts after the first comment's line: its blank line, then maybe more comments
+    blocks = [b for b in map(str.strip, rest.split("\n\n")) if b and not b.startswith(":")]
     events = [json.loads(b.split("\ndata: ", 1)[1]) for b in blocks]
     check_stream(events)
     assert events[0]["type"] == "response.created"
