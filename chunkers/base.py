@@ -86,13 +86,26 @@ _CUT_CANDIDATE = re.compile(r"[\n\r]|[.?!)\]}\"'][^\S\n\r]")
 
 
 def _natural_here(text: str, i: int, start: int) -> bool:
-    """`natural_cut` without the override test, `text[i]` being whitespace."""
+    """`natural_cut` without the override test, `text[i]` being whitespace. Two line ends are
+    none: one right after a lone digit or a number word (`5\n5\n5...`, `five five five\none
+    two three...`: a number written a digit a line goes on across it, and the regex detector
+    reads it so, detectors/number_spellings.py), and a `.` after a space (`jo . smith @
+    example . com`: no sentence ends so)."""
     if text[i] in LINE_BREAKS:
-        return True
+        return _NUMBER_TOKEN_END.search(text[max(start, i - 16) : i]) is None
     j = i - 1
     while j > start and text[j] in CLOSERS:
         j -= 1
+    if j > start and text[j] == "." and text[j - 1] in " \t":
+        return False
     return j >= start and text[j] in SENTENCE_FINAL
+
+
+# a lone digit or a number word (with spaces or tabs after it) ending the text searched:
+# detectors/number_spellings.py's tokens (not `oh`/`o`, which end lines of prose)
+_NUMBER_TOKEN_END = re.compile(
+    r"(?i)(?<![A-Za-z0-9.,])(?:[0-9]|zero|one|two|three|four|five|six|seven|eight|nine)[ \t]*\Z"
+)
 
 
 class IncrementalChunker(Protocol):

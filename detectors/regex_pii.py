@@ -60,6 +60,7 @@ from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
+from .number_spellings import number_view, open_run, run_across
 from .normalise import (
     display_order,
     is_plain,
@@ -123,23 +124,46 @@ _EMAIL = bounded_pattern(
 # local part and 8 labels in the domain: a match stays shorter than a seam window's reach.
 _SPACING = r"[ \t]{0,2}"
 _SPELT_AT = rf"{_SPACING}[\[({{<]{_SPACING}(?i:at){_SPACING}[\])}}>]{_SPACING}"
+# `@` with spaces around it (`jo @ example.com`), and a dot with spaces on both sides
+# (`jo . smith @ example . com`): a sentence never ends with a dot after a space, so such a
+# dot is no natural cut (chunkers.natural_cut)
+_SPACED_AT = r"[ \t]{0,2}@[ \t]{0,2}"
+_SPACED_DOT = r"[ \t]{1,2}\.[ \t]{1,2}"
 _SPELT_DOT = (
-    rf"(?:{_SPACING}[\[({{<]{_SPACING}(?i:dot){_SPACING}[\])}}>]{_SPACING}|[ \t](?i:dot)[ \t])"
+    rf"(?:{_SPACING}[\[({{<]{_SPACING}(?i:dot){_SPACING}[\])}}>]{_SPACING}|[ \t](?i:dot)[ \t]"
+    rf"|{_SPACED_DOT})"
 )
 _EMAIL_SPELT = bounded_pattern(
     "",
     rf"[A-Za-z0-9][A-Za-z0-9._%+-]{{0,63}}(?:{_SPELT_DOT}[A-Za-z0-9_%+-][A-Za-z0-9._%+-]{{0,63}}){{0,4}}"
-    rf"(?:{_SPELT_AT}|@)(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{1,8}}"
+    rf"(?:{_SPELT_AT}|{_SPACED_AT})(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{1,8}}"
     r"[A-Za-z]{2,63}",
     "",
 )
-# what a spelt address needs: a bracketed `at` or `dot`, or ` dot ` (any other text has no
-# spelt address: one C search, before the scan)
+# An address in words alone, `jo at example dot com`, `jo dot smith at mail dot example dot
+# org`: a bare ` at ` only with a bare ` dot ` before a common top-level domain ending the
+# domain (`available at docs.python.org` is prose; `at example dot com` is written for a reader
+# to turn into an address). Prose with ` at `, ` dot ` and `com` in that order is rare
+# (`looked at this dot com bubble` is one, and is reported).
+EMAIL_WORD_TLDS = (
+    "com|org|net|edu|gov|mil|int|io|ai|co|me|us|uk|de|fr|es|it|nl|be|ch|at|se|no|dk|fi|pl|pt|ie"
+    "|ca|au|nz|in|jp|cn|br|mx|ru|info|biz|dev|app"
+)
+_EMAIL_WORDS = bounded_pattern(
+    "",
+    rf"[A-Za-z0-9][A-Za-z0-9._%+-]{{0,63}}(?:{_SPELT_DOT}[A-Za-z0-9_%+-][A-Za-z0-9._%+-]{{0,63}}){{0,4}}"
+    rf"[ \t]{{1,2}}(?i:at)[ \t]{{1,2}}(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{0,7}}"
+    rf"[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?[ \t](?i:dot)[ \t](?i:{EMAIL_WORD_TLDS})",
+    r"\p{L}\p{N}",
+)
+# what a spelt address needs: a bracketed `at` or `dot`, ` dot `, ` . `, or an `@` with a
+# space beside it (any other text has no spelt address: one C search, before the scan)
 _SPELT_MARK = re2.compile(
-    rf"[\[({{<]{_SPACING}(?i:at|dot){_SPACING}[\])}}>]|[ \t](?i:dot)[ \t]".encode(),
+    rf"[\[({{<]{_SPACING}(?i:at|dot){_SPACING}[\])}}>]|[ \t](?i:dot)[ \t]|[ \t]\.[ \t]|[ \t]@|@[ \t]".encode(),
     re2_options(CONFIG_MAX_MEM),
 )
-_SPELT_FIRST = (b"[", b"(", b"{", b"<", b"dot", b"DOT", b"Dot")
+_SPELT_FIRST = (b"[", b"(", b"{", b"<", b"dot", b"DOT", b"Dot", b" .", b"\t.", b" @", b"\t@", b"@ ", b"@\t")
+_WORDS_FIRST = (b"dot", b"DOT", b"Dot")
 
 
 def _emails(t: Utf8Text) -> Iterator[Span]:
@@ -147,8 +171,17 @@ def _emails(t: Utf8Text) -> Iterator[Span]:
     marker of one (an address found both ways is reported once: `_outermost`)."""
     yield from t.spans(body_spans(_EMAIL, t.data))
     data = t.data
+    if b"@" in data:
+        # written backwards (`moc.elpmaxe@oj`, no override to show it the right way round): a
+        # reader, or a model asked to, reverses it
+        size = len(t.text)
+        backwards = Utf8Text(t.text[::-1])
+        for start, end in backwards.spans(body_spans(_EMAIL, backwards.data)):
+            yield size - end, size - start
     if any(first in data for first in _SPELT_FIRST) and _SPELT_MARK.search(data):
         yield from t.spans(body_spans(_EMAIL_SPELT, data))
+    if any(first in data for first in _WORDS_FIRST):
+        yield from t.spans(body_spans(_EMAIL_WORDS, data))
 
 
 # A phone number's left neighbour, the same for the three phone patterns: no letter or digit, as
@@ -722,9 +755,14 @@ def _scan_view(
     (and those between: an override is reversed in place, so a value inside it is a stretch of
     the text, and one that straddles its edge covers the text from the first to the last)."""
     if is_plain(text):
-        return _find(Utf8Text(text), kinds, patterns, cancelled)
+        builtin, custom = _find(Utf8Text(text), kinds, patterns, cancelled)
+        spelt = _spelt_numbers(text, kinds, cancelled)
+        return (_with_unmarked(builtin, spelt) if spelt else builtin), custom
     view = normalise(text)
     builtin, custom = _find(Utf8Text(view.text), kinds, patterns, cancelled)
+    spelt = _spelt_numbers(view.text, kinds, cancelled)
+    if spelt:
+        builtin = _with_unmarked(builtin, spelt)
     if not view.identity:
         builtin = [(*view.span(s, e), name) for s, e, name in builtin]
         custom = [(*view.span(s, e), name) for s, e, name in custom]
@@ -761,6 +799,28 @@ def _scan_view(
         builtin = sorted(set(builtin + [(*back(s, e), name) for s, e, name in more_builtin]))
         custom = sorted(set(custom + [(*back(s, e), name) for s, e, name in more_custom]))
     return builtin, custom
+
+
+NUMBER_KINDS = ("phone", "ssn", "credit_card")
+
+
+def _spelt_numbers(
+    text: str, kinds: list[str], cancelled: threading.Event | None
+) -> list[tuple[int, int, str]]:
+    """Phone, SSN and card numbers in `text` (a normalised view) spelt as words, written one
+    digit at a time or with look-alike letters among their digits (number_spellings), spans in
+    `text`: only the finds that hold a rewritten run (the rest are the plain scan's)."""
+    wanted = [k for k in kinds if k in NUMBER_KINDS]
+    numbers = number_view(text) if wanted else None
+    if numbers is None:
+        return []
+    view, rewritten = numbers
+    found, _ = _find(Utf8Text(view.text), wanted, {}, cancelled)
+    return [
+        (*view.span(s, e), kind)
+        for s, e, kind in found
+        if any(s < b and a < e for a, b in rewritten)
+    ]
 
 
 def _with_unmarked(
@@ -995,6 +1055,31 @@ class RegexDetector(Detector):
         )
 
 
+    def held_from(self, text: str, at: int, params: dict[str, Any] | None = None) -> int | None:
+        """The start of a number spelt as words or a digit at a time that goes on across `at`
+        (number_spellings.run_across, on the view): spelt, a card is longer than a seam
+        window's SEAM_CHARS (`four three seven eight ...` is 92 characters), and a window cut
+        inside it released its first words before the rest arrived."""
+        if not any(k in self.effective_params(params).kinds for k in NUMBER_KINDS):
+            return None
+        lo = max(0, at - OPEN_TAIL_SOURCE_CHARS)
+        part = text[lo : at + OPEN_TAIL_SOURCE_CHARS]
+        if is_plain(part):
+            start = run_across(part, at - lo)
+            return None if start is None else lo + start
+        view = normalise(part)
+        # the view position of the first character at or after `at`
+        v, hi = 0, len(view.text)  # (positions grow with the view: a binary search)
+        while v < hi:
+            mid = (v + hi) // 2
+            if view.position(mid) < at - lo:
+                v = mid + 1
+            else:
+                hi = mid
+        start = run_across(view.text, v)
+        return None if start is None else lo + view.span(start, start + 1)[0]
+
+
 # -- tails: a stream that ends inside an entity (DESIGN 4.6a) ----------------------------------
 
 # Original characters of a text's end that `open_tail` looks at (invisible ones count here: a
@@ -1186,6 +1271,10 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
         name = {"phone_us": "phone", "email_spelt": "email"}.get(kind, kind)
         if best is None or start < best[0]:
             best = (start, name)
+    spelt = open_run(v) if any(k in kinds for k in NUMBER_KINDS) else None
+    if spelt is not None and (best is None or spelt < best[0]):
+        # a number spelt as words or a digit at a time, cut short (number_spellings)
+        best = (spelt, next(k for k in NUMBER_KINDS if k in kinds))
     if best is None:
         return None
     start = source_at + view.span(best[0], len(v))[0]

@@ -372,6 +372,12 @@ class DetectorQueue:
             safe, hidden_from = (
                 (end, None) if final or no_seam else safe_end(text, start, found, self._before)
             )
+            if safe < end:
+                # a run the detector says may still be the head of a longer entity (a number
+                # spelt as words, longer than SEAM_CHARS) is carried too
+                held = detector.client.held_from(text, safe - start, detector.params)
+                if held is not None:
+                    safe = max(start, start + held)
             self._overrides.read(text, 0, safe - start)  # (the next window starts at `safe`)
             self._carry = text[safe - start :]
             self._carry_start = safe
