@@ -133,9 +133,15 @@ _SPELT_DOT = (
     rf"(?:{_SPACING}[\[({{<]{_SPACING}(?i:dot){_SPACING}[\])}}>]{_SPACING}|[ \t](?i:dot)[ \t]"
     rf"|{_SPACED_DOT})"
 )
+# the local part's pieces end in no `.` (a spaced dot after one would cross a sentence end:
+# `jo@example.com. . x`)
+_LOCAL_SPELT = (
+    rf"[A-Za-z0-9](?:[A-Za-z0-9._%+-]{{0,62}}[A-Za-z0-9_%+-])?"
+    rf"(?:{_SPELT_DOT}[A-Za-z0-9_%+-](?:[A-Za-z0-9._%+-]{{0,62}}[A-Za-z0-9_%+-])?){{0,4}}"
+)
 _EMAIL_SPELT = bounded_pattern(
     "",
-    rf"[A-Za-z0-9][A-Za-z0-9._%+-]{{0,63}}(?:{_SPELT_DOT}[A-Za-z0-9_%+-][A-Za-z0-9._%+-]{{0,63}}){{0,4}}"
+    _LOCAL_SPELT +
     rf"(?:{_SPELT_AT}|{_SPACED_AT})(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{1,8}}"
     r"[A-Za-z]{2,63}",
     "",
@@ -143,19 +149,37 @@ _EMAIL_SPELT = bounded_pattern(
 # An address in words alone, `jo at example dot com`, `jo dot smith at mail dot example dot
 # org`: a bare ` at ` only with a bare ` dot ` before a common top-level domain ending the
 # domain (`available at docs.python.org` is prose; `at example dot com` is written for a reader
-# to turn into an address). Prose with ` at `, ` dot ` and `com` in that order is rare
-# (`looked at this dot com bubble` is one, and is reported).
+# to turn into an address). Prose with ` at `, ` dot ` and `com` in that order is rare, and a
+# domain label that is a word of prose (`looked at this dot com bubble`) makes none.
 EMAIL_WORD_TLDS = (
     "com|org|net|edu|gov|mil|int|io|ai|co|me|us|uk|de|fr|es|it|nl|be|ch|at|se|no|dk|fi|pl|pt|ie"
     "|ca|au|nz|in|jp|cn|br|mx|ru|info|biz|dev|app"
 )
 _EMAIL_WORDS = bounded_pattern(
     "",
-    rf"[A-Za-z0-9][A-Za-z0-9._%+-]{{0,63}}(?:{_SPELT_DOT}[A-Za-z0-9_%+-][A-Za-z0-9._%+-]{{0,63}}){{0,4}}"
-    rf"[ \t]{{1,2}}(?i:at)[ \t]{{1,2}}(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{0,7}}"
+    _LOCAL_SPELT + rf"[ \t]{{1,2}}(?i:at)[ \t]{{1,2}}(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{0,7}}"
     rf"[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?[ \t](?i:dot)[ \t](?i:{EMAIL_WORD_TLDS})",
     r"\p{L}\p{N}",
 )
+# Words of prose that stand where a domain's label would (`looked at this dot com bubble`,
+# `matrix at home dot org`): a label in words is none of them
+_PROSE_LABELS = frozenset(
+    "this that these those the a an my your our his her their its home work school least last"
+    " first once all any some no one each every".split()
+)
+_WORDS_AT = re.compile(r"[ \t]+(?i:at)[ \t]+")
+_WORDS_LABEL = re.compile(r"[A-Za-z0-9-]+")
+
+
+def _words_length(candidate: bytes) -> int:
+    """All of an `_EMAIL_WORDS` candidate, unless a label of its domain is a word of prose
+    (`_PROSE_LABELS`): 0."""
+    text = candidate.decode("ascii")
+    domain = _WORDS_AT.split(text)[-1]
+    labels = {m.group().lower() for m in _WORDS_LABEL.finditer(domain)}
+    return 0 if labels & _PROSE_LABELS else len(candidate)
+
+
 # what a spelt address needs: a bracketed `at` or `dot`, ` dot `, ` . `, or an `@` with a
 # space beside it (any other text has no spelt address: one C search, before the scan)
 _SPELT_MARK = re2.compile(
@@ -181,7 +205,7 @@ def _emails(t: Utf8Text) -> Iterator[Span]:
     if any(first in data for first in _SPELT_FIRST) and _SPELT_MARK.search(data):
         yield from t.spans(body_spans(_EMAIL_SPELT, data))
     if any(first in data for first in _WORDS_FIRST):
-        yield from t.spans(body_spans(_EMAIL_WORDS, data))
+        yield from t.spans(body_spans(_EMAIL_WORDS, data, _words_length))
 
 
 # A phone number's left neighbour, the same for the three phone patterns: no letter or digit, as
