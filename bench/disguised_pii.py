@@ -46,10 +46,24 @@ def values(n: int, seed: int = 7) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
     for _ in range(n):
         out.append(
-            ("phone", [str(rng.randint(201, 989)), str(rng.randint(200, 999)), f"{rng.randint(0, 9999):04d}"])
+            (
+                "phone",
+                [
+                    str(rng.randint(201, 989)),
+                    str(rng.randint(200, 999)),
+                    f"{rng.randint(0, 9999):04d}",
+                ],
+            )
         )
         out.append(
-            ("ssn", [f"{rng.randint(1, 665):03d}", f"{rng.randint(1, 99):02d}", f"{rng.randint(1, 9999):04d}"])
+            (
+                "ssn",
+                [
+                    f"{rng.randint(1, 665):03d}",
+                    f"{rng.randint(1, 99):02d}",
+                    f"{rng.randint(1, 9999):04d}",
+                ],
+            )
         )
         card = _luhn_complete("4" + "".join(str(rng.randint(0, 9)) for _ in range(14)))
         out.append(("credit_card", [card[i : i + 4] for i in range(0, 16, 4)]))
@@ -152,11 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--values", type=int, default=200)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    import detectors
     from bench.pii_intl import number_data
     from bench.quality import everyday_data
     from detectors.regex_pii import find_pii
-
-    import detectors
 
     print(f"detectors from {Path(detectors.__file__).parent}; load {os.getloadavg()[0]:.2f}")
     out: dict[str, Any] = {"recall": recall(find_pii, args.values)}

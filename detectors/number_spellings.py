@@ -44,14 +44,16 @@ the tokens of the runs found, each at most MAX_RUN_CHARS long.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import re2
 
 from .normalise import View
-from .re2_scan import CONFIG_MAX_MEM, Utf8Text, re2_options
+from .re2_scan import CONFIG_MAX_MEM, Span, Utf8Text, re2_options
 
 DIGIT_WORDS = {
     "zero": "0",
@@ -174,7 +176,7 @@ _CELL_LAYOUTS = frozenset(
 _CELL_DIGITS = re.compile(r"[0-9]+")
 
 
-def _cell_spans(data: bytes):  # type: ignore[no-untyped-def]
+def _cell_spans(data: bytes) -> Iterator[Span]:
     if b"|" not in data:
         return
     pos = 0
@@ -205,7 +207,7 @@ def _cells(text: str, start: int, end: int) -> tuple[int, int, str, list[int], l
     return first, last, "".join(new), origins, [o + 1 for o in origins]
 
 
-def _run_spans(data: bytes):  # type: ignore[no-untyped-def]
+def _run_spans(data: bytes) -> Iterator[Span]:
     pos = 0
     while True:
         m = _RUN.search(data, pos)
@@ -215,7 +217,7 @@ def _run_spans(data: bytes):  # type: ignore[no-untyped-def]
         pos = m.end()
 
 
-def _leet_spans(data: bytes):  # type: ignore[no-untyped-def]
+def _leet_spans(data: bytes) -> Iterator[Span]:
     pos = 0
     while True:
         m = _LEET_CANDIDATE.search(data, pos)
@@ -244,12 +246,23 @@ def _runs(text: str, lo: int, hi: int) -> list[tuple[int, int, str, list[int], l
 def _token(text: str, m: re.Match[str]) -> _Token | None:
     word = m.group().lower()
     if word.isdigit():
-        if (m.start() and text[m.start() - 1] in _NUMBER_GLUE and text[m.start() - 2 : m.start() - 1].isdigit()) or (
-            text[m.end() : m.end() + 1] in _NUMBER_GLUE and text[m.end() + 1 : m.end() + 2].isdigit()
+        if (
+            m.start()
+            and text[m.start() - 1] in _NUMBER_GLUE
+            and text[m.start() - 2 : m.start() - 1].isdigit()
+        ) or (
+            text[m.end() : m.end() + 1] in _NUMBER_GLUE
+            and text[m.end() + 1 : m.end() + 2].isdigit()
         ):
             return None  # part of a decimal or a grouped number (`1.5`, `3,2`)
         return _Token(m.start(), m.end(), word, word=False)
-    first, _, rest = word.partition(" ") if " " in word else word.partition("-") if "-" in word else (word, "", "")
+    first, _, rest = (
+        word.partition(" ")
+        if " " in word
+        else word.partition("-")
+        if "-" in word
+        else (word, "", "")
+    )
     if rest:
         rest = rest.strip(" \t-")
         return _Token(m.start(), m.end(), DIGIT_WORDS[rest] * _REPEATS[first], word=True)
@@ -284,8 +297,8 @@ def _laid_out(text: str, run: list[_Token]) -> tuple[int, int, str, list[int], l
     digits = "".join(t.digits for t in run)
     if len(run) < MIN_TOKENS or len(digits) < MIN_DIGITS or len(set(digits)) == 1:
         return None
-    seps = [text[a.end : b.start] for a, b in zip(run, run[1:])]
-    steps = {(int(b) - int(a)) % 10 for a, b in zip(digits, digits[1:])}
+    seps = [text[a.end : b.start] for a, b in itertools.pairwise(run)]
+    steps = {(int(b) - int(a)) % 10 for a, b in itertools.pairwise(digits)}
     if len(set(seps)) == 1 and steps in ({1}, {9}):
         return None  # a count (grouped, `one two three, four five, ...` is a number)
     common = Counter(seps).most_common(1)[0][0]
@@ -326,7 +339,9 @@ def _laid_out(text: str, run: list[_Token]) -> tuple[int, int, str, list[int], l
     return run[0].start, run[-1].end, "".join(new), origins, token_ends
 
 
-def _lookalikes(text: str, start: int, end: int) -> tuple[int, int, str, list[int], list[int]] | None:
+def _lookalikes(
+    text: str, start: int, end: int
+) -> tuple[int, int, str, list[int], list[int]] | None:
     """A token of digits and look-alike letters (two digits at least: `_LEET_CANDIDATE`) read
     as digits, when every group of it that holds a letter is at most 8 characters long (a
     phone's, an SSN's or a grouped card's; `1Z5433965777440500` is a parcel's tracking number)

@@ -1,7 +1,9 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
 Kinds: `email` (also spelt out for a reader with a marker in brackets: `jo [at] example [dot]
-com`, `jo(at)example.com`, `jo@example(dot)com`; not `jo at example dot com`), `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
+com`, `jo(at)example.com`, `jo@example(dot)com`; in words, `jo at example dot com`, unless a
+domain label is a word of prose; spaced out, `jo . smith @ example . com`; written backwards,
+`moc.elpmaxe@oj`), `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
 libphonenumber calls possible; North American forms: `123-456-7890`, `(555) 123-4567`,
 `555.123.4567`, `+1 555 123 4567`, `2125550100`, `555-1234`; national forms of other countries,
 8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`, `01.33.43.04.02`, `030/12345678`,
@@ -10,6 +12,9 @@ libphonenumber calls possible; North American forms: `123-456-7890`, `(555) 123-
 `credit_card` (13-19 digits, contiguous or in groups of 3+ digits separated by spaces, dashes or
 dots, or 12 contiguous under a Maestro IIN; Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
+Phone, SSN and card numbers are also found spelt as words (`five five five, one two three,
+...`), a digit per space or line, with look-alike letters among their digits (`555-l23-4S67`)
+or over a table row's cells: number_spellings.py's view, judged by the same patterns.
 
 A built-in match inside another built-in match (an IPv4 inside an IPv4-mapped IPv6 address, a US
 number inside an international one) is reported once, as the longer. Custom patterns are always
@@ -60,7 +65,6 @@ from pydantic import Field, field_validator
 
 from .api import Detection
 from .base import Detector, DetectorError, DetectorParams, InvalidParams, parse_params
-from .number_spellings import number_view, open_run, run_across
 from .normalise import (
     display_order,
     is_plain,
@@ -69,6 +73,7 @@ from .normalise import (
     unfinished_markup,
     unmarked_view,
 )
+from .number_spellings import number_view, open_run, run_across
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -141,8 +146,8 @@ _LOCAL_SPELT = (
 )
 _EMAIL_SPELT = bounded_pattern(
     "",
-    _LOCAL_SPELT +
-    rf"(?:{_SPELT_AT}|{_SPACED_AT})(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{1,8}}"
+    _LOCAL_SPELT
+    + rf"(?:{_SPELT_AT}|{_SPACED_AT})(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{1,8}}"
     r"[A-Za-z]{2,63}",
     "",
 )
@@ -157,7 +162,8 @@ EMAIL_WORD_TLDS = (
 )
 _EMAIL_WORDS = bounded_pattern(
     "",
-    _LOCAL_SPELT + rf"[ \t]{{1,2}}(?i:at)[ \t]{{1,2}}(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{0,7}}"
+    _LOCAL_SPELT
+    + rf"[ \t]{{1,2}}(?i:at)[ \t]{{1,2}}(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{0,7}}"
     rf"[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?[ \t](?i:dot)[ \t](?i:{EMAIL_WORD_TLDS})",
     r"\p{L}\p{N}",
 )
@@ -186,7 +192,21 @@ _SPELT_MARK = re2.compile(
     rf"[\[({{<]{_SPACING}(?i:at|dot){_SPACING}[\])}}>]|[ \t](?i:dot)[ \t]|[ \t]\.[ \t]|[ \t]@|@[ \t]".encode(),
     re2_options(CONFIG_MAX_MEM),
 )
-_SPELT_FIRST = (b"[", b"(", b"{", b"<", b"dot", b"DOT", b"Dot", b" .", b"\t.", b" @", b"\t@", b"@ ", b"@\t")
+_SPELT_FIRST = (
+    b"[",
+    b"(",
+    b"{",
+    b"<",
+    b"dot",
+    b"DOT",
+    b"Dot",
+    b" .",
+    b"\t.",
+    b" @",
+    b"\t@",
+    b"@ ",
+    b"@\t",
+)
 _WORDS_FIRST = (b"dot", b"DOT", b"Dot")
 
 
@@ -1005,9 +1025,10 @@ class RegexDetector(Detector):
         return super().validate_request(config, request)
 
     def crosses_natural_cuts(self, params: Mapping[str, Any] | None) -> bool:
-        """The built-in kinds cross no natural cut: no match holds a line break, and the only
-        whitespace in one is a single space after a digit or after the `)` that closes a group
-        of digits, never after `.`, `?`, `!` or a closer that follows one (the view folds every
+        """The built-in kinds cross no natural cut: a match holds a line break only after a
+        lone digit or a number word (a number written a digit a line, number_spellings.py),
+        which is no natural cut, and whitespace after a `.` only in a spaced e-mail's ` . `,
+        which is none either; never after `?`, `!` or a closer (the view folds every
         whitespace character to whitespace, so no invisible trick changes that; the seam
         properties and `test_no_builtin_match_crosses_a_natural_cut` hold it). A custom
         pattern may match anything, so with one every cut is looked across."""
@@ -1077,7 +1098,6 @@ class RegexDetector(Detector):
             detection_type="pii",
             score=1.0,
         )
-
 
     def held_from(self, text: str, at: int, params: dict[str, Any] | None = None) -> int | None:
         """The start of a number spelt as words or a digit at a time that goes on across `at`

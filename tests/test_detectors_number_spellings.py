@@ -48,7 +48,10 @@ def test_a_spelt_number_is_found_over_its_whole_spelling(value: str, kind: str) 
 
 def test_a_number_over_table_cells_is_found() -> None:
     text = "| Name | Phone |\n|---|---|\n| 555 | 123 | 4567 |\n| 4111 | 1111 | 1111 | 1111 |\n"
-    assert finds(text) == [("phone", "555 | 123 | 4567"), ("credit_card", "4111 | 1111 | 1111 | 1111")]
+    assert finds(text) == [
+        ("phone", "555 | 123 | 4567"),
+        ("credit_card", "4111 | 1111 | 1111 | 1111"),
+    ]
 
 
 def test_an_email_written_backwards_is_found() -> None:
