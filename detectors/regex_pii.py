@@ -50,6 +50,8 @@ their phrase, which the view spells `бoмбa` and `cafe`. Pure ASCII skips the 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import ipaddress
 import os
@@ -800,11 +802,12 @@ def _scan_view(
     the text, and one that straddles its edge covers the text from the first to the last)."""
     if is_plain(text):
         builtin, custom = _find(Utf8Text(text), kinds, patterns, cancelled)
-        spelt = _spelt_numbers(text, kinds, cancelled)
+        spelt = _spelt_numbers(text, kinds, cancelled) + _encoded_values(text, kinds, cancelled)
         return (_with_unmarked(builtin, spelt) if spelt else builtin), custom
     view = normalise(text)
     builtin, custom = _find(Utf8Text(view.text), kinds, patterns, cancelled)
     spelt = _spelt_numbers(view.text, kinds, cancelled)
+    spelt += _encoded_values(view.text, kinds, cancelled)
     if spelt:
         builtin = _with_unmarked(builtin, spelt)
     if not view.identity:
@@ -846,6 +849,52 @@ def _scan_view(
 
 
 NUMBER_KINDS = ("phone", "ssn", "credit_card")
+# A value in base64 (`am9AZXhhbXBsZS5jb20=` is jo@example.com: a model asked to encode one
+# writes it so, and a reader decodes it at once): a whitespace-free run of the alphabet
+# (standard or URL-safe), 12-1,000 characters (RE2's most repetitions), decoded; when the decoded text is printable and
+# holds a value of a kind, the whole run is that kind. Longer runs are no value; at most
+# MAX_ENCODED_RUNS runs of a text are decoded (bounded work).
+_BASE64_RUN = bounded_pattern(
+    r"A-Za-z0-9+/_\-=", r"[A-Za-z0-9+/_-]{12,1000}={0,2}", r"A-Za-z0-9+/_\-="
+)
+MAX_ENCODED_RUNS = 64
+
+
+def _base64_text(run: str) -> str | None:
+    """`run` decoded from base64 (either alphabet, padding optional) when that gives printable
+    text; None otherwise (a hash, a key, a word)."""
+    body = run.rstrip("=")
+    if len(body) % 4 == 1:
+        return None
+    try:
+        raw = base64.b64decode(
+            body + "=" * (-len(body) % 4),
+            altchars=b"-_" if "-" in body or "_" in body else None,
+            validate=True,
+        )
+        text = raw.decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+    return text if text.isprintable() else None
+
+
+def _encoded_values(
+    text: str, kinds: list[str], cancelled: threading.Event | None
+) -> list[tuple[int, int, str]]:
+    """Base64 runs of `text` whose decoded text holds a value of `kinds`, each as a whole run
+    of that kind (`_BASE64_RUN`)."""
+    t = Utf8Text(text)
+    out: list[tuple[int, int, str]] = []
+    for n, (start, end) in enumerate(t.spans(body_spans(_BASE64_RUN, t.data))):
+        if n >= MAX_ENCODED_RUNS:
+            break
+        decoded = _base64_text(text[start:end])
+        if decoded is None:
+            continue
+        found, _ = _find(Utf8Text(decoded), kinds, {}, cancelled)
+        if found:
+            out.append((start, end, found[0][2]))
+    return out
 
 
 def _spelt_numbers(

@@ -6,6 +6,8 @@ cut inside one withholds it (`open_tail`) and a window cut inside one carries it
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 import detectors
@@ -57,6 +59,26 @@ def test_a_number_over_table_cells_is_found() -> None:
 def test_an_email_written_backwards_is_found() -> None:
     text = "Mail moc.elpmaxe@nhoj today."
     assert finds(text) == [("email", "moc.elpmaxe@nhoj")]
+
+
+@pytest.mark.parametrize(
+    ("plain", "kind"),
+    [("john.smith@example.com", "email"), ("call 555-123-4567", "phone"), ("SSN 532-19-8765", "ssn")],
+)
+def test_a_value_in_base64_is_found_over_the_whole_run(plain: str, kind: str) -> None:
+    encoded = base64.b64encode(plain.encode()).decode()
+    text = f"Here it is: {encoded} (decode it)."
+    assert finds(text) == [(kind, encoded)]
+    url_safe = base64.urlsafe_b64encode(plain.encode()).decode().rstrip("=")
+    assert finds(f"Here: {url_safe}.") == [(kind, url_safe)]
+
+
+def test_base64_without_a_value_is_none() -> None:
+    text = (
+        "d41d8cd98f00b204e9800998ecf8427e 123e4567-e89b-12d3-a456-426614174000 "
+        "internationalization " + base64.b64encode(b"hello world, how are you").decode()
+    )
+    assert finds(text) == []
 
 
 def test_invisible_characters_inside_a_spelt_number_are_covered() -> None:

@@ -111,6 +111,11 @@ ANSWERS: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
         "Mail [email] now.",
         ("john", "smith", "example"),
     ),
+    "email-in-base64": (
+        ["Mail", " am9obi5zbWl0", "aEBleGFtcGxl", "LmNvbQ==", " now."],
+        "Mail [email] now.",
+        ("am9obi5zbWl0", "aEBleGFtcGxl", "LmNvbQ"),
+    ),
     "email-backwards": (
         ["Mail", " moc.", "elpm", "axe@", "nhoj", " now."],
         "Mail [email] now.",
