@@ -80,7 +80,7 @@ def forms(groups: list[str]) -> dict[str, str]:
         "digits one per space": " ".join(digits),
         "digits one per line": "\n".join(digits),
         "look-alike letters": "-".join(groups).translate(LEET),
-        "table cells": "| " + " | ".join(groups) + " |",
+        "table cells": "\n| " + " | ".join(groups) + " |\n",
     }
 
 

@@ -83,6 +83,9 @@ _SEPARATOR = r"(?:[ \t]{1,3}|[ \t]{0,3}[,;/|\n-][ \t]{0,3})"
 _RUN = re2.compile(
     rf"(?i)(?:{_TOKEN})(?:{_SEPARATOR}(?:{_TOKEN})){{2,}}".encode(), re2_options(CONFIG_MAX_MEM)
 )
+# what the number words hold (`oh` and `o` only inside a run, which holds another word too;
+# `double` and `triple` only before one)
+_WORD_STEMS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 # Python's `re`, on one run at a time (at most MAX_RUN_CHARS): its tokens
 _TOKENS = re.compile(rf"(?i){_TOKEN}")
 # the leading neighbour that makes an ASCII digit part of a longer number (`1.5`, `3,2`, `-1`
@@ -102,6 +105,7 @@ _LEET_CANDIDATE = re2.compile(
     ).encode(),
     re2_options(CONFIG_MAX_MEM),
 )
+_LEET_HINT = re.compile(r"[0-9][.()\-]?[lIOoSsBZz]|[lIOoSsBZz][.()\-]?[0-9]")
 _LEET_GROUP = re.compile(r"[0-9lIOoSsBZz]+")
 _LEET_LETTERS = re.compile(r"[lIOoSsBZz]")
 
@@ -120,20 +124,33 @@ def number_view(text: str) -> tuple[View, list[tuple[int, int]]] | None:
     was rewritten (a find that overlaps none of them is the plain text's, found without this
     view); None when nothing is rewritten (most texts: one RE2 search each)."""
     pieces: list[tuple[int, int, str, list[int], list[int]]] = []  # start, end, new, origins, ends
+    runs: list[Span] = []
+    # (each RE2 search costs its Python wrapper more than the C search: counts of what a run,
+    # a row or a look-alike token needs, in C, spare most texts all of them)
+    digits = sum(map(text.count, "0123456789"))
+    lower = text.lower()
+    spelt = digits + sum(map(lower.count, _WORD_STEMS)) >= MIN_TOKENS
+    cells = "|" in text and digits >= MIN_DIGITS
+    leet = digits >= 2 and _LEET_HINT.search(text) is not None
+    if not (spelt or cells or leet):
+        return None
     data = Utf8Text(text)
-    runs = list(data.spans(_run_spans(data.data)))
+    if spelt:
+        runs = list(data.spans(_run_spans(data.data)))
     for start, end in runs:
         pieces.extend(_runs(text, start, end))
-    for start, end in data.spans(_cell_spans(data.data)):
-        piece = _cells(text, start, end)
-        if piece is not None:
-            pieces.append(piece)
-            runs.append((start, end))
-    for start, end in data.spans(_leet_spans(data.data)):
-        if not any(s < end and start < e for s, e in runs):
-            piece = _lookalikes(text, start, end)
+    if cells:
+        for start, end in data.spans(_cell_spans(data.data)):
+            piece = _cells(text, start, end)
             if piece is not None:
                 pieces.append(piece)
+                runs.append((start, end))
+    if leet:
+        for start, end in data.spans(_leet_spans(data.data)):
+            if not any(s < end and start < e for s, e in runs):
+                piece = _lookalikes(text, start, end)
+                if piece is not None:
+                    pieces.append(piece)
     pieces.sort()
     pieces = [p for i, p in enumerate(pieces) if not i or pieces[i - 1][1] <= p[0]]
     if not pieces:

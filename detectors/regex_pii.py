@@ -858,6 +858,10 @@ _BASE64_RUN = bounded_pattern(
     r"A-Za-z0-9+/_\-=", r"[A-Za-z0-9+/_-]{12,1000}={0,2}", r"A-Za-z0-9+/_\-="
 )
 MAX_ENCODED_RUNS = 64
+# twelve characters of the alphabet in a row (fixed length: linear in `re`), and somewhere a
+# digit or a `+`, `/` or `=` (base64 of a value has them: its `@`, `.` and digits encode so)
+_BASE64_HINT = re.compile(r"[A-Za-z0-9+/_-]{12}")
+_BASE64_MARKS = re.compile(r"[0-9+/=]")
 
 
 def _base64_text(run: str) -> str | None:
@@ -883,6 +887,8 @@ def _encoded_values(
 ) -> list[tuple[int, int, str]]:
     """Base64 runs of `text` whose decoded text holds a value of `kinds`, each as a whole run
     of that kind (`_BASE64_RUN`)."""
+    if _BASE64_MARKS.search(text) is None or _BASE64_HINT.search(text) is None:
+        return []  # (a `re` look spares most texts the RE2 search's Python wrapper)
     t = Utf8Text(text)
     out: list[tuple[int, int, str]] = []
     for n, (start, end) in enumerate(t.spans(body_spans(_BASE64_RUN, t.data))):
