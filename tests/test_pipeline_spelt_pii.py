@@ -304,3 +304,31 @@ def test_a_spelt_card_streamed_a_character_at_a_time_is_never_released_in_part(
             await check(text, frames)
 
     asyncio.run(one())
+
+
+@pytest.mark.parametrize("max_chars", [16, 30])
+def test_a_blocking_guardrail_holds_a_chunk_a_spelt_card_goes_on_across(max_chars: int) -> None:
+    """Block, five words a token, each judged as it comes: a chunk was posted once SEAM_CHARS of
+    text followed its end, and the 92-character card had not ended there, so `Card four three`
+    went out before the card was whole (and then it never was, in any window)."""
+    import asyncio
+    import re
+
+    from tests.test_pipeline_redaction_seams import pii, registry, run_stream
+
+    text = f"Sure. Card {LONG_CARD} thanks. Bye now."
+    words = re.findall(r"\S+\s*", text)
+    # five words a token: no window sees a prefix of the card that is a phone or an SSN spelt
+    # (7, 9 or 10 digits), so only the whole card is found (with other token sizes a prefix
+    # read as a phone blocked the stream in time)
+    deltas = ["".join(words[:2])] + ["".join(words[i : i + 5]) for i in range(2, len(words), 5)]
+
+    async def one() -> None:
+        blocked: list[Any] = []
+        frames = await run_stream(
+            deltas, [pii("block", "s")], registry(max_chars), blocked, paced=True
+        )
+        released_text = "".join(f.text for f in frames)
+        assert blocked and len(released_text) <= text.index(LONG_CARD), released_text
+
+    asyncio.run(one())
