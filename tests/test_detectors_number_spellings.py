@@ -63,7 +63,11 @@ def test_an_email_written_backwards_is_found() -> None:
 
 @pytest.mark.parametrize(
     ("plain", "kind"),
-    [("john.smith@example.com", "email"), ("call 555-123-4567", "phone"), ("SSN 532-19-8765", "ssn")],
+    [
+        ("john.smith@example.com", "email"),
+        ("call 555-123-4567", "phone"),
+        ("SSN 532-19-8765", "ssn"),
+    ],
 )
 def test_a_value_in_base64_is_found_over_the_whole_run(plain: str, kind: str) -> None:
     encoded = base64.b64encode(plain.encode()).decode()
