@@ -118,6 +118,13 @@ class _Token:
     word: bool  # a number word (not a single ASCII digit)
 
 
+def may_hold_a_run(text: str) -> bool:
+    """Whether `text` holds enough digits and number words for a run (C counts only)."""
+    digits = sum(map(text.count, "0123456789"))
+    lower = text.lower()
+    return digits + sum(map(lower.count, _WORD_STEMS)) >= MIN_TOKENS
+
+
 def number_view(text: str) -> tuple[View, list[tuple[int, int]]] | None:
     """The view of `text` (itself a normalised view) with each spelt or spaced number written as
     digit groups and look-alike letters among digits read as digits, and the view spans of what
@@ -128,8 +135,7 @@ def number_view(text: str) -> tuple[View, list[tuple[int, int]]] | None:
     # (each RE2 search costs its Python wrapper more than the C search: counts of what a run,
     # a row or a look-alike token needs, in C, spare most texts all of them)
     digits = sum(map(text.count, "0123456789"))
-    lower = text.lower()
-    spelt = digits + sum(map(lower.count, _WORD_STEMS)) >= MIN_TOKENS
+    spelt = may_hold_a_run(text)
     cells = "|" in text and digits >= MIN_DIGITS
     leet = digits >= 2 and _LEET_HINT.search(text) is not None
     if not (spelt or cells or leet):

@@ -75,7 +75,7 @@ from .normalise import (
     unfinished_markup,
     unmarked_view,
 )
-from .number_spellings import number_view, open_run, run_across
+from .number_spellings import may_hold_a_run, number_view, open_run, run_across
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -1161,8 +1161,10 @@ class RegexDetector(Detector):
         inside it released its first words before the rest arrived."""
         if not any(k in self.effective_params(params).kinds for k in NUMBER_KINDS):
             return None
-        lo = max(0, at - OPEN_TAIL_SOURCE_CHARS)
-        part = text[lo : at + OPEN_TAIL_SOURCE_CHARS]
+        lo = max(0, at - HELD_SOURCE_CHARS)
+        part = text[lo : at + HELD_SOURCE_CHARS]
+        if not may_hold_a_run(part):
+            return None  # (asked at every boundary a stream's window cuts: C counts first)
         if is_plain(part):
             start = run_across(part, at - lo)
             return None if start is None else lo + start
@@ -1177,6 +1179,11 @@ class RegexDetector(Detector):
                 hi = mid
         start = run_across(view.text, v)
         return None if start is None else lo + view.span(start, start + 1)[0]
+
+
+# Original characters each side of a window's cut that `held_from` reads: four times a run's
+# reach (number_spellings.MAX_RUN_CHARS), room for invisible characters inside one
+HELD_SOURCE_CHARS = 1024
 
 
 # -- tails: a stream that ends inside an entity (DESIGN 4.6a) ----------------------------------
