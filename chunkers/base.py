@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
+import unicodedata
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -86,13 +87,36 @@ _CUT_CANDIDATE = re.compile(r"[\n\r]|[.?!)\]}\"'][^\S\n\r]")
 
 
 def _natural_here(text: str, i: int, start: int) -> bool:
-    """`natural_cut` without the override test, `text[i]` being whitespace."""
+    """`natural_cut` without the override test, `text[i]` being whitespace. Two line ends are
+    none: one right after a lone digit or a number word (`5\n5\n5...`, `five five five\none
+    two three...`: a number written a digit a line goes on across it, and the regex detector
+    reads it so, detectors/number_spellings.py), and a `.` after a space (`jo . smith @
+    example . com`: no sentence ends so)."""
     if text[i] in LINE_BREAKS:
-        return True
+        j = i  # (what the detectors' view removes before the line break does not count)
+        while j > start and i - j < 64 and unicodedata.category(text[j - 1]) in _UNSEEN:
+            j -= 1
+        return _NUMBER_TOKEN_END.search(text[max(start, j - 16) : j]) is None
     j = i - 1
     while j > start and text[j] in CLOSERS:
         j -= 1
+    if j >= start and text[j] == ".":
+        k = j  # (what the view removes between the space and the dot does not count)
+        while k > start and j - k < 64 and unicodedata.category(text[k - 1]) in _UNSEEN:
+            k -= 1
+        if k > start and text[k - 1].isspace():
+            return False
     return j >= start and text[j] in SENTENCE_FINAL
+
+
+# categories of the characters the detectors' view removes or draws on the one before
+# (detectors/normalise.py): format, private-use, unassigned, combining marks
+_UNSEEN = frozenset(("Cf", "Co", "Cn", "Mn", "Me"))
+# a lone digit (of any script: the view folds them) or a number word, with spaces or tabs
+# after it, ending the text searched:
+_NUMBER_TOKEN_END = re.compile(
+    r"(?i)(?<![^\W_]|[.,])(?:\d|zero|oh|o|one|two|three|four|five|six|seven|eight|nine)[ \t]*\Z"
+)
 
 
 class IncrementalChunker(Protocol):

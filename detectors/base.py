@@ -213,6 +213,14 @@ class Detector(ABC):
         so callers may ask on the event loop. Classifiers judge what they got: None."""
         return None
 
+    def held_from(self, text: str, at: int, params: dict[str, Any] | None = None) -> int | None:
+        """Where an entity that may go on across `at` starts, when a stream's window of `text`
+        is cut there: what lies from it on must not be released yet (DESIGN 4.6a), though a
+        seam window's reach (SEAM_CHARS) ends before the entity would; None for none. Cheap
+        (a bounded stretch, no model). Most detectors: None (a window's reach covers their
+        entities)."""
+        return None
+
     async def warmup(self) -> None:
         """Loads models now rather than on the first request (the service calls it at start)."""
         return None

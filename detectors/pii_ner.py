@@ -413,6 +413,11 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
         kinds = self.effective_params(params).regex_kinds
         return self._regex.open_tail(text, {"kinds": list(kinds)})
 
+    def held_from(self, text: str, at: int, params: dict[str, Any] | None = None) -> int | None:
+        """The regex kinds' (a spelt number's head, see RegexDetector.held_from)."""
+        kinds = self.effective_params(params).regex_kinds
+        return self._regex.held_from(text, at, {"kinds": list(kinds)})
+
     async def detect(
         self, contents: list[str], params: Mapping[str, Any] | None = None
     ) -> list[list[Detection]]:

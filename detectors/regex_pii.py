@@ -1,7 +1,9 @@
 """`regex`: PII found by pattern, with exact spans and score 1.0 (a match is a decision).
 
 Kinds: `email` (also spelt out for a reader with a marker in brackets: `jo [at] example [dot]
-com`, `jo(at)example.com`, `jo@example(dot)com`; not `jo at example dot com`), `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
+com`, `jo(at)example.com`, `jo@example(dot)com`; in words, `jo at example dot com`, unless a
+domain label is a word of prose; spaced out, `jo . smith @ example . com`; written backwards,
+`moc.elpmaxe@oj`), `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
 libphonenumber calls possible; North American forms: `123-456-7890`, `(555) 123-4567`,
 `555.123.4567`, `+1 555 123 4567`, `2125550100`, `555-1234`; national forms of other countries,
 8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`, `01.33.43.04.02`, `030/12345678`,
@@ -10,6 +12,9 @@ libphonenumber calls possible; North American forms: `123-456-7890`, `(555) 123-
 `credit_card` (13-19 digits, contiguous or in groups of 3+ digits separated by spaces, dashes or
 dots, or 12 contiguous under a Maestro IIN; Luhn-checked), `ipv4` and `ipv6` (checked with
 `ipaddress`). `kinds` selects which run (default all); `patterns` adds custom `{name: regex}`.
+Phone, SSN and card numbers are also found spelt as words (`five five five, one two three,
+...`), a digit per space or line, with look-alike letters among their digits (`555-l23-4S67`)
+or over a table row's cells: number_spellings.py's view, judged by the same patterns.
 
 A built-in match inside another built-in match (an IPv4 inside an IPv4-mapped IPv6 address, a US
 number inside an international one) is reported once, as the longer. Custom patterns are always
@@ -45,6 +50,8 @@ their phrase, which the view spells `бoмбa` and `cafe`. Pure ASCII skips the 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import ipaddress
 import os
@@ -68,6 +75,7 @@ from .normalise import (
     unfinished_markup,
     unmarked_view,
 )
+from .number_spellings import may_hold_a_run, number_view, open_run, run_across
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -123,23 +131,85 @@ _EMAIL = bounded_pattern(
 # local part and 8 labels in the domain: a match stays shorter than a seam window's reach.
 _SPACING = r"[ \t]{0,2}"
 _SPELT_AT = rf"{_SPACING}[\[({{<]{_SPACING}(?i:at){_SPACING}[\])}}>]{_SPACING}"
+# `@` with spaces around it (`jo @ example.com`), and a dot with spaces on both sides
+# (`jo . smith @ example . com`): a sentence never ends with a dot after a space, so such a
+# dot is no natural cut (chunkers.natural_cut)
+_SPACED_AT = r"[ \t]{0,2}@[ \t]{0,2}"
+_SPACED_DOT = r"[ \t]{1,2}\.[ \t]{1,2}"
 _SPELT_DOT = (
-    rf"(?:{_SPACING}[\[({{<]{_SPACING}(?i:dot){_SPACING}[\])}}>]{_SPACING}|[ \t](?i:dot)[ \t])"
+    rf"(?:{_SPACING}[\[({{<]{_SPACING}(?i:dot){_SPACING}[\])}}>]{_SPACING}|[ \t](?i:dot)[ \t]"
+    rf"|{_SPACED_DOT})"
+)
+# the local part's pieces end in no `.` (a spaced dot after one would cross a sentence end:
+# `jo@example.com. . x`)
+_LOCAL_SPELT = (
+    rf"[A-Za-z0-9](?:[A-Za-z0-9._%+-]{{0,62}}[A-Za-z0-9_%+-])?"
+    rf"(?:{_SPELT_DOT}[A-Za-z0-9_%+-](?:[A-Za-z0-9._%+-]{{0,62}}[A-Za-z0-9_%+-])?){{0,4}}"
 )
 _EMAIL_SPELT = bounded_pattern(
     "",
-    rf"[A-Za-z0-9][A-Za-z0-9._%+-]{{0,63}}(?:{_SPELT_DOT}[A-Za-z0-9_%+-][A-Za-z0-9._%+-]{{0,63}}){{0,4}}"
-    rf"(?:{_SPELT_AT}|@)(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{1,8}}"
+    _LOCAL_SPELT
+    + rf"(?:{_SPELT_AT}|{_SPACED_AT})(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{1,8}}"
     r"[A-Za-z]{2,63}",
     "",
 )
-# what a spelt address needs: a bracketed `at` or `dot`, or ` dot ` (any other text has no
-# spelt address: one C search, before the scan)
+# An address in words alone, `jo at example dot com`, `jo dot smith at mail dot example dot
+# org`: a bare ` at ` only with a bare ` dot ` before a common top-level domain ending the
+# domain (`available at docs.python.org` is prose; `at example dot com` is written for a reader
+# to turn into an address). Prose with ` at `, ` dot ` and `com` in that order is rare, and a
+# domain label that is a word of prose (`looked at this dot com bubble`) makes none.
+EMAIL_WORD_TLDS = (
+    "com|org|net|edu|gov|mil|int|io|ai|co|me|us|uk|de|fr|es|it|nl|be|ch|at|se|no|dk|fi|pl|pt|ie"
+    "|ca|au|nz|in|jp|cn|br|mx|ru|info|biz|dev|app"
+)
+_EMAIL_WORDS = bounded_pattern(
+    "",
+    _LOCAL_SPELT
+    + rf"[ \t]{{1,2}}(?i:at)[ \t]{{1,2}}(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?(?:{_SPELT_DOT}|\.)){{0,7}}"
+    rf"[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?[ \t](?i:dot)[ \t](?i:{EMAIL_WORD_TLDS})",
+    r"\p{L}\p{N}",
+)
+# Words of prose that stand where a domain's label would (`looked at this dot com bubble`,
+# `matrix at home dot org`): a label in words is none of them
+_PROSE_LABELS = frozenset(
+    "this that these those the a an my your our his her their its home work school least last"
+    " first once all any some no one each every".split()
+)
+_WORDS_AT = re.compile(r"[ \t]+(?i:at)[ \t]+")
+_WORDS_LABEL = re.compile(r"[A-Za-z0-9-]+")
+
+
+def _words_length(candidate: bytes) -> int:
+    """All of an `_EMAIL_WORDS` candidate, unless a label of its domain is a word of prose
+    (`_PROSE_LABELS`): 0."""
+    text = candidate.decode("ascii")
+    domain = _WORDS_AT.split(text)[-1]
+    labels = {m.group().lower() for m in _WORDS_LABEL.finditer(domain)}
+    return 0 if labels & _PROSE_LABELS else len(candidate)
+
+
+# what a spelt address needs: a bracketed `at` or `dot`, ` dot `, ` . `, or an `@` with a
+# space beside it (any other text has no spelt address: one C search, before the scan)
 _SPELT_MARK = re2.compile(
-    rf"[\[({{<]{_SPACING}(?i:at|dot){_SPACING}[\])}}>]|[ \t](?i:dot)[ \t]".encode(),
+    rf"[\[({{<]{_SPACING}(?i:at|dot){_SPACING}[\])}}>]|[ \t](?i:dot)[ \t]|[ \t]\.[ \t]|[ \t]@|@[ \t]".encode(),
     re2_options(CONFIG_MAX_MEM),
 )
-_SPELT_FIRST = (b"[", b"(", b"{", b"<", b"dot", b"DOT", b"Dot")
+_SPELT_FIRST = (
+    b"[",
+    b"(",
+    b"{",
+    b"<",
+    b"dot",
+    b"DOT",
+    b"Dot",
+    b" .",
+    b"\t.",
+    b" @",
+    b"\t@",
+    b"@ ",
+    b"@\t",
+)
+_WORDS_FIRST = (b"dot", b"DOT", b"Dot")
 
 
 def _emails(t: Utf8Text) -> Iterator[Span]:
@@ -147,8 +217,17 @@ def _emails(t: Utf8Text) -> Iterator[Span]:
     marker of one (an address found both ways is reported once: `_outermost`)."""
     yield from t.spans(body_spans(_EMAIL, t.data))
     data = t.data
+    if b"@" in data:
+        # written backwards (`moc.elpmaxe@oj`, no override to show it the right way round): a
+        # reader, or a model asked to, reverses it
+        size = len(t.text)
+        backwards = Utf8Text(t.text[::-1])
+        for start, end in backwards.spans(body_spans(_EMAIL, backwards.data)):
+            yield size - end, size - start
     if any(first in data for first in _SPELT_FIRST) and _SPELT_MARK.search(data):
         yield from t.spans(body_spans(_EMAIL_SPELT, data))
+    if any(first in data for first in _WORDS_FIRST):
+        yield from t.spans(body_spans(_EMAIL_WORDS, data, _words_length))
 
 
 # A phone number's left neighbour, the same for the three phone patterns: no letter or digit, as
@@ -722,9 +801,15 @@ def _scan_view(
     (and those between: an override is reversed in place, so a value inside it is a stretch of
     the text, and one that straddles its edge covers the text from the first to the last)."""
     if is_plain(text):
-        return _find(Utf8Text(text), kinds, patterns, cancelled)
+        builtin, custom = _find(Utf8Text(text), kinds, patterns, cancelled)
+        spelt = _spelt_numbers(text, kinds, cancelled) + _encoded_values(text, kinds, cancelled)
+        return (_with_unmarked(builtin, spelt) if spelt else builtin), custom
     view = normalise(text)
     builtin, custom = _find(Utf8Text(view.text), kinds, patterns, cancelled)
+    spelt = _spelt_numbers(view.text, kinds, cancelled)
+    spelt += _encoded_values(view.text, kinds, cancelled)
+    if spelt:
+        builtin = _with_unmarked(builtin, spelt)
     if not view.identity:
         builtin = [(*view.span(s, e), name) for s, e, name in builtin]
         custom = [(*view.span(s, e), name) for s, e, name in custom]
@@ -761,6 +846,80 @@ def _scan_view(
         builtin = sorted(set(builtin + [(*back(s, e), name) for s, e, name in more_builtin]))
         custom = sorted(set(custom + [(*back(s, e), name) for s, e, name in more_custom]))
     return builtin, custom
+
+
+NUMBER_KINDS = ("phone", "ssn", "credit_card")
+# A value in base64 (`am9AZXhhbXBsZS5jb20=` is jo@example.com: a model asked to encode one
+# writes it so, and a reader decodes it at once): a whitespace-free run of the alphabet
+# (standard or URL-safe), 12-1,000 characters (RE2's most repetitions), decoded; when the decoded text is printable and
+# holds a value of a kind, the whole run is that kind. Longer runs are no value; at most
+# MAX_ENCODED_RUNS runs of a text are decoded (bounded work).
+_BASE64_RUN = bounded_pattern(
+    r"A-Za-z0-9+/_\-=", r"[A-Za-z0-9+/_-]{12,1000}={0,2}", r"A-Za-z0-9+/_\-="
+)
+MAX_ENCODED_RUNS = 64
+# twelve characters of the alphabet in a row (fixed length: linear in `re`), and somewhere a
+# digit or a `+`, `/` or `=` (base64 of a value has them: its `@`, `.` and digits encode so)
+_BASE64_HINT = re.compile(r"[A-Za-z0-9+/_-]{12}")
+_BASE64_MARKS = re.compile(r"[0-9+/=]")
+
+
+def _base64_text(run: str) -> str | None:
+    """`run` decoded from base64 (either alphabet, padding optional) when that gives printable
+    text; None otherwise (a hash, a key, a word)."""
+    body = run.rstrip("=")
+    if len(body) % 4 == 1:
+        return None
+    try:
+        raw = base64.b64decode(
+            body + "=" * (-len(body) % 4),
+            altchars=b"-_" if "-" in body or "_" in body else None,
+            validate=True,
+        )
+        text = raw.decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+    return text if text.isprintable() else None
+
+
+def _encoded_values(
+    text: str, kinds: list[str], cancelled: threading.Event | None
+) -> list[tuple[int, int, str]]:
+    """Base64 runs of `text` whose decoded text holds a value of `kinds`, each as a whole run
+    of that kind (`_BASE64_RUN`)."""
+    if _BASE64_MARKS.search(text) is None or _BASE64_HINT.search(text) is None:
+        return []  # (a `re` look spares most texts the RE2 search's Python wrapper)
+    t = Utf8Text(text)
+    out: list[tuple[int, int, str]] = []
+    for n, (start, end) in enumerate(t.spans(body_spans(_BASE64_RUN, t.data))):
+        if n >= MAX_ENCODED_RUNS:
+            break
+        decoded = _base64_text(text[start:end])
+        if decoded is None:
+            continue
+        found, _ = _find(Utf8Text(decoded), kinds, {}, cancelled)
+        if found:
+            out.append((start, end, found[0][2]))
+    return out
+
+
+def _spelt_numbers(
+    text: str, kinds: list[str], cancelled: threading.Event | None
+) -> list[tuple[int, int, str]]:
+    """Phone, SSN and card numbers in `text` (a normalised view) spelt as words, written one
+    digit at a time or with look-alike letters among their digits (number_spellings), spans in
+    `text`: only the finds that hold a rewritten run (the rest are the plain scan's)."""
+    wanted = [k for k in kinds if k in NUMBER_KINDS]
+    numbers = number_view(text) if wanted else None
+    if numbers is None:
+        return []
+    view, rewritten = numbers
+    found, _ = _find(Utf8Text(view.text), wanted, {}, cancelled)
+    return [
+        (*view.span(s, e), kind)
+        for s, e, kind in found
+        if any(s < b and a < e for a, b in rewritten)
+    ]
 
 
 def _with_unmarked(
@@ -921,9 +1080,10 @@ class RegexDetector(Detector):
         return super().validate_request(config, request)
 
     def crosses_natural_cuts(self, params: Mapping[str, Any] | None) -> bool:
-        """The built-in kinds cross no natural cut: no match holds a line break, and the only
-        whitespace in one is a single space after a digit or after the `)` that closes a group
-        of digits, never after `.`, `?`, `!` or a closer that follows one (the view folds every
+        """The built-in kinds cross no natural cut: a match holds a line break only after a
+        lone digit or a number word (a number written a digit a line, number_spellings.py),
+        which is no natural cut, and whitespace after a `.` only in a spaced e-mail's ` . `,
+        which is none either; never after `?`, `!` or a closer (the view folds every
         whitespace character to whitespace, so no invisible trick changes that; the seam
         properties and `test_no_builtin_match_crosses_a_natural_cut` hold it). A custom
         pattern may match anything, so with one every cut is looked across."""
@@ -993,6 +1153,37 @@ class RegexDetector(Detector):
             detection_type="pii",
             score=1.0,
         )
+
+    def held_from(self, text: str, at: int, params: dict[str, Any] | None = None) -> int | None:
+        """The start of a number spelt as words or a digit at a time that goes on across `at`
+        (number_spellings.run_across, on the view): spelt, a card is longer than a seam
+        window's SEAM_CHARS (`four three seven eight ...` is 92 characters), and a window cut
+        inside it released its first words before the rest arrived."""
+        if not any(k in self.effective_params(params).kinds for k in NUMBER_KINDS):
+            return None
+        lo = max(0, at - HELD_SOURCE_CHARS)
+        part = text[lo : at + HELD_SOURCE_CHARS]
+        if not may_hold_a_run(part):
+            return None  # (asked at every boundary a stream's window cuts: C counts first)
+        if is_plain(part):
+            start = run_across(part, at - lo)
+            return None if start is None else lo + start
+        view = normalise(part)
+        # the view position of the first character at or after `at`
+        v, hi = 0, len(view.text)  # (positions grow with the view: a binary search)
+        while v < hi:
+            mid = (v + hi) // 2
+            if view.position(mid) < at - lo:
+                v = mid + 1
+            else:
+                hi = mid
+        start = run_across(view.text, v)
+        return None if start is None else lo + view.span(start, start + 1)[0]
+
+
+# Original characters each side of a window's cut that `held_from` reads: four times a run's
+# reach (number_spellings.MAX_RUN_CHARS), room for invisible characters inside one
+HELD_SOURCE_CHARS = 1024
 
 
 # -- tails: a stream that ends inside an entity (DESIGN 4.6a) ----------------------------------
@@ -1186,6 +1377,10 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
         name = {"phone_us": "phone", "email_spelt": "email"}.get(kind, kind)
         if best is None or start < best[0]:
             best = (start, name)
+    spelt = open_run(v) if any(k in kinds for k in NUMBER_KINDS) else None
+    if spelt is not None and (best is None or spelt < best[0]):
+        # a number spelt as words or a digit at a time, cut short (number_spellings)
+        best = (spelt, next(k for k in NUMBER_KINDS if k in kinds))
     if best is None:
         return None
     start = source_at + view.span(best[0], len(v))[0]

@@ -95,7 +95,6 @@ def test_north_american_and_international_phone_numbers_are_found_whole(value: s
         "SSN 000-12-3456 or 666-12-3456 or 123-00-4567",  # never issued
         "short 12345 and 12 345",  # too short for a phone number
         "card 4111 1111 1111 and 4111 1111",  # pieces of a card cut by a chunk: no phones
-        "user at example dot com",
         "I looked at this dot com bubble (at least) at noon",  # no address spelt
         "meet (at) the office. Then {dot} matrix at home dot org",
         "the ratio is 3.14159265358979323846",
@@ -295,10 +294,16 @@ def test_the_character_gates_skip_prose() -> None:
         "jo@example(dot)com",
         "jo dot smith [at] mail.example.co.uk",
         "jo.smith < at > example [ DOT ] org",
+        # in words, spaced out (on 82d0c00 none of these was found)
+        "user at example dot com",
+        "jo dot smith at mail dot example dot org",
+        "jo . smith @ example . com",
+        "jo @ example.com",
     ],
 )
 def test_an_email_spelt_out_for_a_reader_is_an_email(value: str) -> None:
-    """An address spelt with a bracketed marker is written to be read as one (the bare
-    `user at example dot com` is a near miss above: prose reads so)."""
+    """An address spelt with a bracketed marker, in words or spaced out is written to be read
+    as one (`looked at this dot com bubble` is a near miss above: its label is a word of
+    prose)."""
     text = f"Write to {value}, thanks"
     assert spans(text) == [("email", *at(text, value), value)]

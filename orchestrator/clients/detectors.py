@@ -179,6 +179,11 @@ class DetectorClient(ABC):
         a cut text included, it judges as it is)."""
         return None
 
+    def held_from(self, text: str, at: int, params: dict[str, Any]) -> int | None:
+        """Where an entity that goes on across a window's cut at `at` starts (a spelt number's
+        head: `Detector.held_from`); a remote detector is not asked: None."""
+        return None
+
     async def health(self) -> bool:
         return True
 
@@ -253,6 +258,13 @@ class InProcessDetectorClient(DetectorClient):
         try:
             return self._detector.open_tail(text, params or None)
         except detectors.InvalidParams as exc:  # (the queue's detect call already checked them)
+            raise DetectorCallError(self.detector_id, str(exc), invalid_params=True) from None
+
+    def held_from(self, text: str, at: int, params: dict[str, Any]) -> int | None:
+        """The built-in's own answer (`Detector.held_from`). Synchronous: a bounded stretch."""
+        try:
+            return self._detector.held_from(text, at, params or None)
+        except detectors.InvalidParams as exc:
             raise DetectorCallError(self.detector_id, str(exc), invalid_params=True) from None
 
     async def warm_up(self, text: str) -> None:

@@ -68,6 +68,10 @@ Result = DetectorResult[Finding]
 SEAM_CHARS = 64
 SEAM_RUN_CHARS = 1024
 SEAM_RAW_CHARS = 4096
+# How far past a chunk boundary a blocking span detector's held chunk waits while the detector
+# says an entity goes on across it (`held_from`: a number spelt as words, longer than
+# SEAM_CHARS; detectors/number_spellings.py's MAX_RUN_CHARS): then it is posted as judged
+HELD_REACH = 256
 # the detection (and `{entity}` of `redact_with`) of a run redacted at a raw bound
 OBFUSCATED = "obfuscated"
 
@@ -386,6 +390,12 @@ class DetectorQueue:
             safe, hidden_from = (
                 (end, None) if final or no_seam else safe_end(text, start, found, self._before)
             )
+            if safe < end:
+                # a run the detector says may still be the head of a longer entity (a number
+                # spelt as words, longer than SEAM_CHARS) is carried too
+                held = detector.client.held_from(text, safe - start, detector.params)
+                if held is not None:
+                    safe = max(start, start + held)
             self._overrides.read(text, 0, safe - start)  # (the next window starts at `safe`)
             self._carry = text[safe - start :]
             self._carry_start = safe
@@ -532,6 +542,10 @@ class DetectorQueue:
                         _, complete, hidden = _seam_end(text, boundary, len(text))
                         if not complete:
                             break
+                        if len(text) - boundary < HELD_REACH and (
+                            detector.client.held_from(text, boundary, detector.params) is not None
+                        ):
+                            break  # a spelt number may go on across it (`held_from`)
                         lo = _run_start(text, boundary) if hidden else boundary
                         if hidden and _shows(text, lo, boundary):
                             # a run of mostly hidden characters goes on past the window's raw
