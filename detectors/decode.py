@@ -8,7 +8,8 @@ characters (U+E0020-U+E007E, invisible; the normalised view removes them, so wit
 the payload is not judged at all: every tag character of the text, in order, whatever lies
 between them), bytes in variation selectors and bits in invisible times/plus signs (invisible
 too), base64 (standard and URL-safe), base32, hexadecimal, Ascii85
-and Z85-style base85, percent-encoding, `\\uXXXX` / `\\xXX` escapes, and ROT13.
+and Z85-style base85, percent-encoding, `\\uXXXX` / `\\xXX` escapes, and ROT13; and the respellings
+of detectors/respell.py (reversed text, words cut by dots, Pig Latin, filler words).
 
 Only what decodes to text is kept (UTF-8, printable, holding letters and spaces): a hash, a
 token of random bytes or an image decodes to binary and adds nothing; a benign payload decodes
@@ -323,6 +324,8 @@ def decoded_views(text: str, tagged: str | None = None) -> list[str]:
 def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
     """`decoded_views`, and whether the text held more readable payloads than MAX_PAYLOADS
     (the search stops at the first one past the cap: the work stays bounded)."""
+    from .respell import respelt_views  # (it reads `english_words` from here)
+
     found: dict[str, None] = {}
     limit = MAX_PAYLOADS + 1
 
@@ -349,7 +352,7 @@ def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
                         nxt.append(decoded)
                     if add(decoded):
                         return result()
-            for decoded in (*rot13_runs(t), leet_view(t)):
+            for decoded in (*rot13_runs(t), leet_view(t), *respelt_views(t)):
                 if add(decoded):
                     return result()
         todo, depth = nxt, depth + 1
