@@ -110,11 +110,16 @@ def split_in_two(text: str) -> Messages:
     ]
 
 
+def one_word_per_message(text: str) -> Messages:
+    """Each word a user message of its own (the model reads the turns one after another)."""
+    return [{"role": "user", "content": word} for word in text.split()]
+
+
 def in_assistant_turn(text: str) -> Messages:
     return [
-        {"role": "user", "content": "Continue from where you left off."},
+        {"role": "user", "content": "Hello"},
         {"role": "assistant", "content": text},
-        {"role": "user", "content": "ok"},
+        {"role": "user", "content": "Thanks"},
     ]
 
 
@@ -154,6 +159,7 @@ EVASIONS: dict[str, Callable[[str], Messages]] = {
     "code fence": lambda t: user(f"```\n{t}\n```"),
     "markdown quote": lambda t: user("> " + t.replace("\n", "\n> ")),
     "two user messages": split_in_two,
+    "one word per message": one_word_per_message,
     "assistant turn": in_assistant_turn,
     "tool result": in_tool_result,
     "json value": lambda t: user(in_json(t)),

@@ -1203,14 +1203,18 @@ EVASION_BENIGN = 200  # everyday requests transformed alike (a seeded sample: 2 
 
 
 def _request_pieces(messages: list[dict[str, Any]]) -> list[str]:
-    """The texts the input guardrails judge of a chat request (its pipeline pieces)."""
+    """The texts the input guardrails' classifiers judge of a chat request: its pieces, and
+    its user turns across their boundaries (streaming/joined_turns.py)."""
     from orchestrator.api.openai_chat import ChatCompletionRequest
+    from orchestrator.streaming.joined_turns import turn_windows
 
-    request = ChatCompletionRequest(model="m", messages=messages)  # type: ignore[arg-type]
-    return [p.text for p in request.input_pieces() if p.text.strip()]
+    pieces = ChatCompletionRequest(model="m", messages=messages).input_pieces()  # type: ignore[arg-type]
+    return [p.text for p in pieces if p.text.strip()] + [w for w, _ in turn_windows(pieces)]
 
 
-async def bench_evasion(results: dict[str, Any], benign_n: int = EVASION_BENIGN) -> None:
+async def bench_evasion(
+    results: dict[str, Any], benign_n: int = EVASION_BENIGN, only: Sequence[str] | None = None
+) -> None:
     """Recall of the shipped config.yaml's `injection`, as configured there, on the test
     split's injections it catches as written, once each is transformed (bench/evasions.py:
     spaced letters, leetspeak, encodings, a split over two messages...), each request judged
@@ -1251,6 +1255,8 @@ async def bench_evasion(results: dict[str, Any], benign_n: int = EVASION_BENIGN)
         f"transformed; {len(benign)} held-out everyday requests (test split) alike"
     )
     for name, make in EVASIONS.items():
+        if only and name not in only:
+            continue
         hits, alarms = await flagged(caught, make), await flagged(benign, make)
         rows[name] = {
             "recall": round(sum(hits) / max(1, len(caught)), 3),
@@ -1262,6 +1268,7 @@ async def bench_evasion(results: dict[str, Any], benign_n: int = EVASION_BENIGN)
             f"false alarms {sum(alarms):3d}/{len(benign)}"
         )
     await det.close()
+    views_ms = _views_cost(everyday)
     results["evasion"] = {
         "model": model,
         "threshold": threshold,
@@ -1269,8 +1276,29 @@ async def bench_evasion(results: dict[str, Any], benign_n: int = EVASION_BENIGN)
         "benign": len(benign),
         "per_transformation": rows,
         "cpu_ms_per_1k_chars_everyday": round(ms, 2),
+        "views_cpu_ms_per_1k_chars_everyday": round(views_ms, 3),
     }
-    print(f"  CPU ms/1k chars on the everyday requests as written: {ms:.1f}")
+    print(
+        f"  CPU ms/1k chars on the everyday requests as written: {ms:.1f} (the model's "
+        f"included); of it, the decoded and respelt views' search: {views_ms:.3f} "
+        f"({len(everyday)} texts)"
+    )
+
+
+def _views_cost(texts: list[str], rounds: int = 3) -> float:
+    """CPU ms per 1,000 characters of what `prompt_injection` does before its model runs:
+    the payloads decoded and respelt out of each text (the fastest of `rounds` passes)."""
+    from detectors.decode import payloads
+    from detectors.normalise import view_text
+
+    payloads(view_text(texts[0], markup=False), texts[0])  # (the vocabulary, loaded once)
+    best = float("inf")
+    for _ in range(rounds):
+        cpu0 = time.process_time()
+        for t in texts:
+            payloads(view_text(t, markup=False), t)
+        best = min(best, time.process_time() - cpu0)
+    return best * 1000 / max(1, sum(map(len, texts))) * 1000
 
 
 def _piece_kind(path: str) -> str:
@@ -1809,6 +1837,7 @@ async def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--injection-models", nargs="*", default=list(INJECTION_MODELS))
     ap.add_argument("--evasion-benign", type=int, default=EVASION_BENIGN)
+    ap.add_argument("--evasions", nargs="*", help="transformations to run (default: all)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     one_blas_thread_per_process()  # as the services run the models
@@ -1828,7 +1857,7 @@ async def main(argv: list[str] | None = None) -> int:
     if "tools" in args.only and "injection" not in args.only:
         await bench_tool_definitions(results)
     if "evasion" in args.only:
-        await bench_evasion(results, args.evasion_benign)
+        await bench_evasion(results, args.evasion_benign, args.evasions)
     if "pii" in args.only:
         await bench_pii(results, args.pii_texts, args.pii_detectors)
     if "pii-intl" in args.only:

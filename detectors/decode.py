@@ -9,7 +9,8 @@ the payload is not judged at all: every tag character of the text, in order, wha
 between them), bytes in variation selectors and bits in invisible times/plus signs (invisible
 too), base64 (standard and URL-safe), base32, hexadecimal, Ascii85
 and Z85-style base85, percent-encoding, `\\uXXXX` / `\\xXX` escapes, and ROT13; and the respellings
-of detectors/respell.py (reversed text, words cut by dots, Pig Latin, filler words).
+of detectors/respell.py (reversed text, words cut by dots, Pig Latin, filler words); and the
+string values of a text that is JSON (`json_strings`).
 
 Only what decodes to text is kept (UTF-8, printable, holding letters and spaces): a hash, a
 token of random bytes or an image decodes to binary and adds nothing; a benign payload decodes
@@ -32,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import json
 import re
 import urllib.parse
 from collections.abc import Callable
@@ -302,6 +304,34 @@ def leet_view(text: str) -> str | None:
     return out if hits >= LEET_MIN_WORDS else None
 
 
+def json_strings(text: str) -> list[str]:
+    """The string values of a text that is a JSON object or array, one per line, decoded (its
+    escapes read: `\\u00e9`, `\\"`, `\\n`), in pieces of MAX_DECODED characters: an
+    instruction in a value is judged without the keys and quotes around it, which diluted it
+    (bench/quality.py `--only evasion`: 86% of the test split's injections were found as a
+    JSON value). [] for any other text (one look at its first and last character)."""
+    body = text.strip()
+    if not body or (body[0], body[-1]) not in (("{", "}"), ("[", "]")):
+        return []
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    values: list[str] = []
+    todo = [parsed]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            if item.strip():
+                values.append(item.strip())
+        elif isinstance(item, dict):
+            todo.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            todo.extend(reversed(item))
+    plain = "\n".join(values)
+    return [plain[i : i + MAX_DECODED] for i in range(0, len(plain), MAX_DECODED)]
+
+
 _DECODERS: tuple[tuple[re.Pattern[str], Callable[[str], str | None]], ...] = (
     (_ESCAPES, _escapes),
     (_PERCENT, _percent),
@@ -345,6 +375,10 @@ def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
     while todo and depth < MAX_DEPTH:
         nxt = []
         for t in todo:
+            for decoded in json_strings(t) if depth == 0 else ():
+                nxt.append(decoded)
+                if add(decoded):
+                    return result()
             for pattern, decode in _DECODERS:
                 for m in pattern.finditer(t):
                     decoded = decode(m.group()[:MAX_ENCODED])
