@@ -22,19 +22,23 @@ import re
 from .decode import english_words
 
 MIN_HITS = 2  # words that must become English words once spelt back
+# ...backwards: words of four letters or more (short words and other languages' words are
+# often English backwards: `tem` met, `mais` siam, `god` dog)
+REVERSED_MIN_HITS = 3
 _WORD = re.compile(r"[A-Za-z]+")
 # a word cut by single dots, hyphens or underscores (`ig.nore`, `pre-vi-ous`)
 _CUT = re.compile(r"(?<![A-Za-z.\-_])[A-Za-z]+(?:[.\-_][A-Za-z]+)+(?![A-Za-z\-_])")
 _CUT_MARKS = re.compile(r"[.\-_]")
 _PIG = re.compile(r"\b[A-Za-z]{3,}ay\b")
 _CONSONANTS = frozenset("bcdfghjklmnpqrstvwxz")
-FILLER_MIN = 4  # a word after this many words in a row is a filler (`a banana b banana ...`)
+_VOWELS = frozenset("aeiou")
+FILLER_MIN = 6  # a word after this many words in a row is a filler (`a banana b banana ...`)
 
 
 def reversed_view(text: str) -> str | None:
     """The text with each run of words written backwards read forwards (in place): a run of
-    words that are English words backwards, at least MIN_HITS of them not English as they
-    stand (a word shorter than three letters does not end it), so a reversed instruction inside benign
+    words that are English words backwards, at least REVERSED_MIN_HITS of them of four letters
+    or more and not English as they stand (a word shorter than three letters does not end it), so a reversed instruction inside benign
     text is found as well as a text reversed whole."""
     words = english_words()
     runs: list[tuple[int, int]] = []
@@ -46,12 +50,12 @@ def reversed_view(text: str) -> str | None:
         if w[::-1] in words:  # (a word both ways, `dna`, `saw`, goes on a run, counts not)
             if end <= start:
                 start = m.start()
-            end, hits = m.end(), hits + (w not in words)
+            end, hits = m.end(), hits + (len(w) >= 4 and w not in words)
             continue
-        if hits >= MIN_HITS:
+        if hits >= REVERSED_MIN_HITS:
             runs.append((start, end))
         start, end, hits = m.end(), m.end(), 0
-    if hits >= MIN_HITS:
+    if hits >= REVERSED_MIN_HITS:
         runs.append((start, end))
     if not runs:
         return None
@@ -65,27 +69,26 @@ def reversed_view(text: str) -> str | None:
 def rejoined_view(text: str) -> str | None:
     """The text with words cut by dots, hyphens or underscores joined again, where the joined
     word is an English word and its pieces are not all words (`e-mail`, `state-of-the-art`
-    and `example.com` are left as they are): at least MIN_HITS such words."""
+    and `example.com` are left as they are): at least MIN_HITS such words (distinct)."""
     words = english_words()
-    hits = 0
+    hits: set[str] = set()
 
     def join(m: re.Match[str]) -> str:
-        nonlocal hits
         cut = m.group()
         parts = _CUT_MARKS.split(cut)
         joined = "".join(parts)
         if joined.lower() in words and not all(p.lower() in words for p in parts):
-            hits += 1
+            hits.add(joined.lower())
             return joined
         return cut
 
     out = _CUT.sub(join, text)
-    return out if hits >= MIN_HITS else None
+    return out if len(hits) >= MIN_HITS else None
 
 
 def _unpig(word: str, words: frozenset[str]) -> str | None:
     low = word.lower()
-    if low.endswith("way") and low[:-3] in words:
+    if low.endswith("way") and low[0] in _VOWELS and low[:-3] in words:  # (not `railway`)
         return word[:-3]
     stem = low[:-2]
     for k in (3, 2, 1):  # the longest cluster first (`ethay`: the, not het)
@@ -98,22 +101,21 @@ def _unpig(word: str, words: frozenset[str]) -> str | None:
 
 def pig_latin_view(text: str) -> str | None:
     """The text with its Pig Latin words spelt back (`eviouspray` -> `previous`), when at
-    least MIN_HITS of them become English words."""
+    least MIN_HITS of them become English words (distinct)."""
     if "ay" not in text:
         return None
     words = english_words()
-    hits = 0
+    hits: set[str] = set()
 
     def back(m: re.Match[str]) -> str:
-        nonlocal hits
         plain = _unpig(m.group(), words)
         if plain is None:
             return m.group()
-        hits += 1
+        hits.add(plain.lower())
         return plain
 
     out = _PIG.sub(back, text)
-    return out if hits >= MIN_HITS else None
+    return out if len(hits) >= MIN_HITS else None
 
 
 def unfilled_view(text: str) -> str | None:
@@ -125,7 +127,12 @@ def unfilled_view(text: str) -> str | None:
     i = 0
     while i + 2 < len(keys):
         j = i
-        while j + 2 < len(keys) and keys[j + 2] == keys[i] and keys[j + 1] != keys[i]:
+        while (
+            keys[i].isalpha()  # a word (markdown's `|` and `-` between cells and items are none)
+            and j + 2 < len(keys)
+            and keys[j + 2] == keys[i]
+            and keys[j + 1] != keys[i]
+        ):
             j += 2
         if (j - i) // 2 + 1 >= FILLER_MIN:
             drop.update(range(i, j + 1, 2))
