@@ -305,7 +305,8 @@ def leet_view(text: str) -> str | None:
 
 
 def json_strings(text: str) -> list[str]:
-    """The string values of a text that is a JSON object or array, one per line, decoded (its
+    """The string values of a text that is a JSON object or array that hold a space (a
+    sentence, not a word or an id), one per line, decoded (its
     escapes read: `\\u00e9`, `\\"`, `\\n`), in pieces of MAX_DECODED characters: an
     instruction in a value is judged without the keys and quotes around it, which diluted it
     (bench/quality.py `--only evasion`: 86% of the test split's injections were found as a
@@ -322,7 +323,7 @@ def json_strings(text: str) -> list[str]:
     while todo:
         item = todo.pop()
         if isinstance(item, str):
-            if item.strip():
+            if " " in item.strip():  # (a word, an id, a URL: no sentence, as markup_hidden_text)
                 values.append(item.strip())
         elif isinstance(item, dict):
             todo.extend(reversed(list(item.values())))

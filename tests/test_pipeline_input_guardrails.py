@@ -524,7 +524,7 @@ async def _refused_on_every_surface(orch: Orchestrator, content: str) -> None:
 
 # On 82d0c00 each one-word turn scored 0 (the MiniLM heads judge no text of fewer than two words)
 # and the conversation reached the engine, which reads the turns one after another; the turns
-# joined scored 0.9996. streaming/joined_turns.py judges them across their boundaries.
+# joined scored 0.99. streaming/joined_turns.py judges them across their boundaries.
 CUT_INTO_TURNS = ATTACK.split()
 
 
@@ -532,7 +532,7 @@ CUT_INTO_TURNS = ATTACK.split()
 def joined_score() -> float:
     """What the built-in detector scores the turns' joined text (one window: it is short)."""
     det = detectors.build("prompt_injection")
-    [[hit]] = asyncio.run(det.detect(["\n".join(CUT_INTO_TURNS)], {}))
+    [[hit]] = asyncio.run(det.detect([" ".join(CUT_INTO_TURNS)], {}))
     return hit.score
 
 

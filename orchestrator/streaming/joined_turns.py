@@ -2,7 +2,9 @@
 4.8): each message is judged on its own, and an instruction cut into turns is not in any of
 them. One word per user message passed the shipped `injection` whole (a text of fewer than two
 words is not judged by its MiniLM heads, and no one word is an instruction), while the model
-reads the turns one after another. So the user turns' texts, joined by line breaks, are judged
+reads the turns one after another. So the user turns' texts, joined by spaces (as one text:
+an instruction cut in two reads as it was written; line breaks between the halves made the
+classifier read ordinary requests cut in two as injections more often), are judged
 in windows that hold a boundary between turns: any instruction of up to TURN_WINDOW_STEP
 characters lies whole in one of them, whatever the turns it is cut into.
 
@@ -36,7 +38,7 @@ def turn_windows(pieces: list[InputPiece]) -> list[tuple[str, list[InputPiece]]]
     turns = [p for p in pieces if p.user_turn and p.text.strip()]
     if len(turns) < 2:
         return []
-    joined = "\n".join(p.text for p in turns)
+    joined = " ".join(p.text for p in turns)
     placed: list[tuple[int, int]] = []  # each turn's [start, end) in `joined`
     at = 0
     for p in turns:
