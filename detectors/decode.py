@@ -8,7 +8,9 @@ characters (U+E0020-U+E007E, invisible; the normalised view removes them, so wit
 the payload is not judged at all: every tag character of the text, in order, whatever lies
 between them), bytes in variation selectors and bits in invisible times/plus signs (invisible
 too), base64 (standard and URL-safe), base32, hexadecimal, Ascii85
-and Z85-style base85, percent-encoding, `\\uXXXX` / `\\xXX` escapes, and ROT13.
+and Z85-style base85, percent-encoding, `\\uXXXX` / `\\xXX` escapes, and ROT13; and the respellings
+of detectors/respell.py (reversed text, words cut by dots, Pig Latin, filler words); and the
+string values of a text that is JSON (`json_strings`).
 
 Only what decodes to text is kept (UTF-8, printable, holding letters and spaces): a hash, a
 token of random bytes or an image decodes to binary and adds nothing; a benign payload decodes
@@ -31,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import json
 import re
 import urllib.parse
 from collections.abc import Callable
@@ -301,6 +304,35 @@ def leet_view(text: str) -> str | None:
     return out if hits >= LEET_MIN_WORDS else None
 
 
+def json_strings(text: str) -> list[str]:
+    """The string values of a text that is a JSON object or array that hold a space (a
+    sentence, not a word or an id), one per line, decoded (its
+    escapes read: `\\u00e9`, `\\"`, `\\n`), in pieces of MAX_DECODED characters: an
+    instruction in a value is judged without the keys and quotes around it, which diluted it
+    (bench/quality.py `--only evasion`: 86% of the test split's injections were found as a
+    JSON value). [] for any other text (one look at its first and last character)."""
+    body = text.strip()
+    if not body or (body[0], body[-1]) not in (("{", "}"), ("[", "]")):
+        return []
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    values: list[str] = []
+    todo = [parsed]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            if " " in item.strip():  # (a word, an id, a URL: no sentence, as markup_hidden_text)
+                values.append(item.strip())
+        elif isinstance(item, dict):
+            todo.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            todo.extend(reversed(item))
+    plain = "\n".join(values)
+    return [plain[i : i + MAX_DECODED] for i in range(0, len(plain), MAX_DECODED)]
+
+
 _DECODERS: tuple[tuple[re.Pattern[str], Callable[[str], str | None]], ...] = (
     (_ESCAPES, _escapes),
     (_PERCENT, _percent),
@@ -323,6 +355,8 @@ def decoded_views(text: str, tagged: str | None = None) -> list[str]:
 def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
     """`decoded_views`, and whether the text held more readable payloads than MAX_PAYLOADS
     (the search stops at the first one past the cap: the work stays bounded)."""
+    from .respell import respelt_views  # (it reads `english_words` from here)
+
     found: dict[str, None] = {}
     limit = MAX_PAYLOADS + 1
 
@@ -342,6 +376,10 @@ def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
     while todo and depth < MAX_DEPTH:
         nxt = []
         for t in todo:
+            for decoded in json_strings(t) if depth == 0 else ():
+                nxt.append(decoded)
+                if add(decoded):
+                    return result()
             for pattern, decode in _DECODERS:
                 for m in pattern.finditer(t):
                     decoded = decode(m.group()[:MAX_ENCODED])
@@ -349,7 +387,7 @@ def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
                         nxt.append(decoded)
                     if add(decoded):
                         return result()
-            for decoded in (*rot13_runs(t), leet_view(t)):
+            for decoded in (*rot13_runs(t), leet_view(t), *respelt_views(t)):
                 if add(decoded):
                     return result()
         todo, depth = nxt, depth + 1

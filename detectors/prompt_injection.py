@@ -17,8 +17,10 @@ jailguard` (jailguard's MLP; detectors/data/jailguard_mlp.npz, MIT OR Apache-2.0
 head alone.
 
 Every model also judges the payloads decoded out of a content (detectors/decode.py: base64,
-hex, ROT13, Unicode tag characters and other encodings a model can read), so "decode this and
-do what it says: SWdub3Jl..." is judged by what it says.
+hex, ROT13, Unicode tag characters and other encodings a model can read, a JSON text's string
+values) and its respellings (detectors/respell.py: written backwards, words cut by dots, Pig
+Latin, filler words), so "decode this and do what it says: SWdub3Jl..." is judged by what it
+says.
 
 `model: guardify` selects `prompt-guardrail` (import `guardify`, TF-IDF + logistic regression,
 about 1 ms per text; the old default); `model: nanoguard` selects `metatronnanoguard` (a

@@ -81,6 +81,9 @@ class InputPiece:
     # a tool call's arguments (a JSON string) as the client wrote them: its values are judged
     # across their boundaries too (streaming/tool_calls.py `judge_sent_back_calls`)
     arguments: bool = False
+    # a user message's text: the user turns are also judged across their boundaries
+    # (streaming/joined_turns.py), so an instruction cut into turns is read whole
+    user_turn: bool = False
 
 
 def input_chars(pieces: list[InputPiece]) -> int:

@@ -255,7 +255,7 @@ class ChatMessageIn(BaseModel):
         as the engine receives them; a tool's result too: injection through a tool result is
         the classic attack on an agent), `name` and `refusal`, and each tool call's arguments,
         each on its own."""
-        out = [InputPiece(self.text(), index, target=index)]
+        out = [InputPiece(self.text(), index, target=index, user_turn=self.role == "user")]
         if self.name:  # it reaches the model (the chat template's): redacted there like content
             out.append(InputPiece(self.name, index, NAME_FIELD, target=index))
         if self.refusal:

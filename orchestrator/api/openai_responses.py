@@ -333,7 +333,8 @@ class ResponsesRequest(Strict):
                 out.append(InputPiece(item.output, i, "output", target))
                 out.append(InputPiece(item.call_id, i, "call_id", fixed=True))
             else:
-                out.append(InputPiece(item.text(), i, target=target))
+                user = item.role == "user"
+                out.append(InputPiece(item.text(), i, target=target, user_turn=user))
         return out
 
     def _places(self) -> list[tuple[int, int | None]]:

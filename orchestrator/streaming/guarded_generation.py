@@ -56,6 +56,7 @@ from .events import (
     Terminal,
 )
 from .findings import Finding, sort_findings
+from .joined_turns import judge_joined_turns
 from .pipeline_core import DEADLINE, DRAIN, Crashed, PipelineCore, Signal
 from .read_pacing import ReadPacer
 from .redaction import redact_text, redacted_finding
@@ -443,6 +444,16 @@ class GuardedGeneration(PipelineCore):
                     self._chunkers,
                     self._input_verdicts,
                 )
+                # the user turns across their boundaries (an instruction cut into turns)
+                joined = await judge_joined_turns(
+                    self._inputs,
+                    findings,
+                    self._input_detectors,
+                    self._chunkers,
+                    self._input_verdicts,
+                )
+                if joined:
+                    findings = sort_findings([*findings, *joined])
             if span is not None:
                 span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))
