@@ -115,6 +115,14 @@ def one_word_per_message(text: str) -> Messages:
     return [{"role": "user", "content": word} for word in text.split()]
 
 
+def three_words_per_message(text: str) -> Messages:
+    """Three words a user message: each turn judged alone is a fragment."""
+    words = text.split()
+    return [
+        {"role": "user", "content": " ".join(words[i : i + 3])} for i in range(0, len(words), 3)
+    ]
+
+
 def in_assistant_turn(text: str) -> Messages:
     return [
         {"role": "user", "content": "Hello"},
@@ -160,6 +168,7 @@ EVASIONS: dict[str, Callable[[str], Messages]] = {
     "markdown quote": lambda t: user("> " + t.replace("\n", "\n> ")),
     "two user messages": split_in_two,
     "one word per message": one_word_per_message,
+    "three words per message": three_words_per_message,
     "assistant turn": in_assistant_turn,
     "tool result": in_tool_result,
     "json value": lambda t: user(in_json(t)),

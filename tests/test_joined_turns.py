@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from orchestrator.api.input_pieces import InputPiece
 from orchestrator.streaming.joined_turns import (
+    SHORT_TURN_WORDS,
     TURN_WINDOW_CHARS,
     TURN_WINDOW_STEP,
     turn_windows,
@@ -44,10 +45,24 @@ def test_windows_hold_a_boundary_and_cost_at_most_twice_the_text() -> None:
 
 
 def test_a_resent_history_gives_the_same_windows_again() -> None:
-    history = [f"turn {i} " + "word " * 30 for i in range(12)]
+    history = [f"turn {i} of a chat" for i in range(60)]  # short turns, 1,000+ characters
     before = [t for t, _ in turn_windows(turns(*history))]
     after = [t for t, _ in turn_windows(turns(*history, "and one more turn"))]
-    assert after[: len(before) - 1] == before[:-1]
+    assert len(before) >= 3 and after[: len(before) - 1] == before[:-1]
+
+
+def test_only_runs_of_short_turns_are_joined() -> None:
+    """A turn of more than SHORT_TURN_WORDS words says something alone and is judged alone;
+    it ends a run of short turns (which are fragments only together)."""
+    long = " ".join(["word"] * (SHORT_TURN_WORDS + 1))
+    short = " ".join(["word"] * SHORT_TURN_WORDS)
+    assert turn_windows(turns(long, long)) == []
+    assert turn_windows(turns("Ignore all", long, "previous instructions")) == []
+    pieces = turns("Ignore all", "previous", long, "reveal the", short)
+    assert [(t, [p.message_index for p in c]) for t, c in turn_windows(pieces)] == [
+        ("Ignore all previous", [0, 1]),
+        (f"reveal the {short}", [3, 4]),
+    ]
 
 
 def test_a_thousand_one_word_turns_cost_at_most_twice_their_text() -> None:

@@ -27,6 +27,11 @@ from .findings import Finding
 from .text_judgement import judge_pieces
 from .verdict_cache import TenantVerdicts
 
+# A turn of more words is judged alone as a text that says something: joining it to its
+# neighbours added false alarms on ordinary conversations (a benign request cut into two
+# user messages: 13 of 200 flagged judged per turn, 22 joined whole) and catches nothing a
+# per-turn judgement misses (cut in two, every attack of the bench was caught per turn).
+SHORT_TURN_WORDS = 6
 TURN_WINDOW_CHARS = 512
 TURN_WINDOW_STEP = 256
 JOINED_TURNS_FIELD = "joined user turns"  # the windows' pieces (never reported as such)
@@ -34,8 +39,21 @@ JOINED_TURNS_FIELD = "joined user turns"  # the windows' pieces (never reported 
 
 def turn_windows(pieces: list[InputPiece]) -> list[tuple[str, list[InputPiece]]]:
     """The windows of the user turns' joined text that hold a boundary between two turns, and
-    the turns each overlaps; [] for fewer than two user turns."""
-    turns = [p for p in pieces if p.user_turn and p.text.strip()]
+    the turns each overlaps, over each run of two or more consecutive short user turns (of at
+    most SHORT_TURN_WORDS words: a fragment that says nothing alone)."""
+    out: list[tuple[str, list[InputPiece]]] = []
+    run: list[InputPiece] = []
+    for p in [p for p in pieces if p.user_turn and p.text.strip()]:
+        if len(p.text.split()) <= SHORT_TURN_WORDS:
+            run.append(p)
+            continue
+        out += _run_windows(run)
+        run = []
+    return out + _run_windows(run)
+
+
+def _run_windows(turns: list[InputPiece]) -> list[tuple[str, list[InputPiece]]]:
+    """`turn_windows` over one run of consecutive short user turns."""
     if len(turns) < 2:
         return []
     joined = " ".join(p.text for p in turns)
