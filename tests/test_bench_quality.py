@@ -491,3 +491,31 @@ def test_each_planted_injection_sits_whole_in_a_held_out_document() -> None:
         assert row.label and attack in row.text
         rest = row.text.replace("\n\n" + attack, "").replace(attack + "\n\n", "")
         assert rest in docs
+
+
+def test_hatesonar_is_applied_from_its_onnx_graph_as_onnxruntime_applies_it() -> None:
+    """bench/abuse_anchors.py reads hatesonar's ONNX graph (onnxruntime will not load it without
+    the en_US.UTF-8 locale) and applies its steps with numpy: the probabilities onnxruntime 1.32
+    gives for these texts (the graph's locale set to C.UTF-8), to 1e-6; the hate score is the
+    hate-speech class, the HAP score 1 - P(neither)."""
+    if quality._installed_dir("hatesonar") is None:
+        pytest.skip("hatesonar: measured where installed (bench/abuse_anchors.py)")
+    pytest.importorskip("onnx", reason="bench/abuse_anchors.py: hatesonar's measurement")
+    from bench.abuse_anchors import _hatesonar
+
+    root = quality._installed_dir("hatesonar")
+    assert root is not None
+    texts = [
+        "At least I'm not a nigger",
+        "What a lovely day in the park!",
+        "You are a FUCKING idiot",
+    ]
+    # onnxruntime's (hate speech, offensive language, neither) for each text
+    ort = [
+        (0.689226925, 0.310506046, 0.000267101626),
+        (0.0390867889, 0.230802894, 0.730110288),
+        (0.266931713, 0.732580483, 0.000487805315),
+    ]
+    assert _hatesonar("hate")(root)(texts) == pytest.approx([p[0] for p in ort], abs=1e-6)
+    hap = _hatesonar("hate or offensive")(root)(texts)
+    assert hap == pytest.approx([1 - p[2] for p in ort], abs=1e-6)
