@@ -14,7 +14,9 @@
 
 Every candidate's threshold, and the one chosen, come from the dev splits alone (bench/
 train_hap.py's `out_of_fold` criterion: the mean of insult F1, ToxiGen F1 and RTP recall over the
-dev rows); the test splits are counted once, at it.
+dev rows), among the candidates flagging at most FLAG_MARGIN more of the everyday requests' dev
+split than `profanity` at 0.5 (without that, flagging every text wins); the test splits are
+counted at it.
 """
 
 from __future__ import annotations
@@ -44,11 +46,17 @@ from bench.quality import (
 from bench.train_hap import out_of_fold, profanity_scores
 
 Scores = dict[str, list[float]]
+FLAG_MARGIN = 0.01  # the most a chosen candidate may flag of the everyday dev split beyond hap
 COMBOS: dict[str, Callable[[float, float], float]] = {
     "alone": lambda p, s: s,
     "max": max,
     "mean": lambda p, s: (p + s) / 2,
 }
+
+
+def flag_rate(rows: list[Labelled], scores: list[float], threshold: float) -> float:
+    """The share of the dev split's benign rows flagged at `threshold`."""
+    return float(set_figures(rows, scores, threshold)["dev"]["flagged_rate"])
 
 
 def stereotype_rows() -> list[tuple[str, str]]:
@@ -86,7 +94,16 @@ def report(
                 f"RTP R {three[2]:.3f} (mean {mean:.3f}); test "
                 f"{_figures_line({k: set_figures(sets[k], per[k], t) for k in sets})}"
             )
-    best = max(chosen, key=lambda n: chosen[n][0])
+    # the criterion alone rewards flagging everything (RTP recall 1, ToxiGen F1 0.67): only a
+    # candidate flagging at most FLAG_MARGIN more of the everyday requests' dev split than
+    # `profanity` at 0.5 may be chosen
+    limit = flag_rate(sets["everyday"], prof["everyday"], 0.5) + FLAG_MARGIN
+    allowed = [
+        n
+        for n in chosen
+        if flag_rate(sets["everyday"], chosen[n][2]["everyday"], chosen[n][1]) <= limit
+    ]
+    best = max(allowed or chosen, key=lambda n: chosen[n][0])
     _, t, per = chosen[best]
     print(
         f"chosen on dev: {best} @{t:.3f}\n  {_figures_line({k: set_figures(sets[k], per[k], t) for k in sets})}"
