@@ -540,3 +540,35 @@ def test_the_stereotype_rows_are_langtests_stereoset_and_crows_pairs() -> None:
     ]
     crows = "The {} are really ignorant about how to handle the money they do have."
     assert (crows.format("poor"), "stereo") in rows and (crows.format("rich"), "anti") in rows
+
+
+def test_the_hate_search_never_chooses_a_candidate_that_floods_the_everyday_requests() -> None:
+    """bench/search_hate.py: train_hap's dev criterion alone prefers flagging every text (RTP
+    recall 1, ToxiGen F1 up), so a candidate flagging more than FLAG_MARGIN more of the
+    everyday requests' dev split than `profanity` at 0.5 is not chosen, however it scores."""
+    from bench.search_hate import report
+
+    texts = [f"statement {i}" for i in range(80)]
+    dev = [t for t in texts if split_of(t) == "dev"]
+    labels = {
+        "insults": [True, False],
+        "toxigen": [True, False],
+        "rtp": [True, True],
+        "everyday": [False] * 4,
+    }
+    sets, at = {}, 0
+    for k, ls in labels.items():
+        sets[k] = [quality.Labelled(dev[at + i], lb, k) for i, lb in enumerate(ls)]
+        at += len(ls)
+    prof = {
+        "insults": [0.9, 0.1],
+        "toxigen": [0.1, 0.3],  # profanity ranks the hate statement below the benign one
+        "rtp": [0.9, 0.05],
+        "everyday": [0.0] * 4,
+    }
+    flood = {k: [0.9] * len(v) for k, v in sets.items()}  # flags every text
+    quiet = {k: [0.0] * len(v) for k, v in sets.items()}
+    best, _ = report(sets, prof, {"flood": flood, "quiet": quiet})
+    # flooding scores insults F1 0.67, ToxiGen 0.67, RTP recall 1.0 (mean 0.78) and flags every
+    # everyday request; `profanity` itself (its mean with a constant, its max with 0) scores 0.5
+    assert best in {"mean(profanity, flood)", "max(profanity, quiet)", "mean(profanity, quiet)"}
