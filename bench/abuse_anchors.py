@@ -12,6 +12,17 @@ pickled vectorizer and classifier are, and applied to the whole text as the pack
 - `toxicityclassifier==1.0.1` (MIT): its English TF-IDF + logistic regression over lower-cased,
   punctuation-free Snowball stems without stop words. Its stop-word list is nltk's, which needs
   a download; scikit-learn's English list stands in for it.
+- `hatesonar==0.1.0` (MIT): TF-IDF + L1 logistic regression over three classes (hate speech,
+  offensive language, neither) trained on Davidson et al. 2017's tweets, shipped as an ONNX
+  graph. onnxruntime 1.32 will not load it where the locale en_US.UTF-8 is missing (its
+  StringNormalizer names that locale), so its steps are applied here with numpy from the graph's
+  own weights, read with `onnx` (lower-case, `[a-zA-Z0-9_]+` tokens, term counts times idf, L2
+  norm, linear, softmax; the same probabilities as onnxruntime's, to 1e-7, where it loads).
+  Two scores: `hate` (its hate-speech class, the one a hate detector would use) and
+  `hate or offensive` (1 - P(neither), a HAP score). Measured where installed:
+      pip install --no-deps hatesonar==0.1.0 onnx==1.23.2 ml-dtypes==0.6.0
+- `valx==0.2.6` ("MIT License (Modified)"): a decision tree over word counts with Davidson's
+  three classes; its leaves are pure, so its score is 0 or 1 (hate speech or offensive).
 - `tox-block==0.1.2` (MIT): a bidirectional LSTM over 20,000 words trained on Jigsaw's
   Wikipedia comments, six heads (`toxic`, `insult`, ...); the only neural abuse model with its
   weights in a PyPI wheel that we found. It needs TensorFlow with Keras 2 (`tf-keras`, which it
@@ -85,6 +96,59 @@ def _toxicityclassifier(root: Path) -> Scorer:
     return score
 
 
+def _hatesonar(score_class: str) -> Callable[[Path], Scorer]:
+    def load(root: Path) -> Scorer:
+        import re
+
+        import numpy as np
+        import onnx
+        from onnx import numpy_helper
+
+        graph = onnx.load(str(root / "model" / "model.onnx")).graph
+        attrs = {
+            n.op_type: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            for n in graph.node
+        }
+        tfidf, linear = attrs["TfIdfVectorizer"], attrs["LinearClassifier"]
+        token = re.compile(attrs["Tokenizer"]["tokenexp"].decode())
+        vocab = {
+            w.decode(): int(i)
+            for w, i in zip(tfidf["pool_strings"], tfidf["ngram_indexes"], strict=True)
+        }
+        (idf,) = (numpy_helper.to_array(i) for i in graph.initializer if i.name == "idfcst")
+        coef = np.array(linear["coefficients"], np.float32).reshape(3, -1)
+        intercept = np.array(linear["intercepts"], np.float32)
+
+        def score(texts: list[str]) -> list[float]:
+            out = []
+            for text in texts:
+                v = np.zeros(len(idf), np.float32)
+                for w in token.findall(text.lower()):
+                    if (j := vocab.get(w)) is not None:
+                        v[j] += 1
+                v *= idf
+                v /= max(float(np.linalg.norm(v)), 1e-12)
+                logits = coef @ v + intercept
+                p = np.exp(logits - logits.max())
+                p /= p.sum()  # classes: 0 hate speech, 1 offensive language, 2 neither
+                out.append(float(p[0] if score_class == "hate" else 1.0 - p[2]))
+            return out
+
+        return score
+
+    return load
+
+
+def _valx(root: Path) -> Scorer:
+    tree = _load_pickle(root / "models" / "classifier_upgraded.pkl")
+    counts = _load_pickle(root / "models" / "count_vectorizer.sav")
+    neither = list(tree.classes_).index("No Hate and Offensive Speech")
+    return lambda texts: [
+        float(label != tree.classes_[neither])
+        for label in tree.predict(counts.transform(texts).toarray())
+    ]
+
+
 def _tox_block(head: str) -> Callable[[Path], Scorer]:
     def load(root: Path) -> Scorer:
         import os
@@ -111,6 +175,9 @@ ANCHORS: dict[str, tuple[str, Callable[[Path], Scorer]]] = {
     "cuss-inspect 1.0.2b0": ("cuss_inspect", _cuss_inspect),
     "best-profanity 1.1.5 (en)": ("best_profanity", _best_profanity),
     "toxicityclassifier 1.0.1 (en)": ("toxicityclassifier", _toxicityclassifier),
+    "hatesonar 0.1.0 (hate)": ("hatesonar", _hatesonar("hate")),
+    "hatesonar 0.1.0 (hate or offensive)": ("hatesonar", _hatesonar("hate or offensive")),
+    "valx 0.2.6": ("valx", _valx),
     "tox-block 0.1.2 (toxic)": ("tox_block", _tox_block("toxic")),
     "tox-block 0.1.2 (insult)": ("tox_block", _tox_block("insult")),
 }

