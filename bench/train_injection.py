@@ -148,6 +148,14 @@ TOOLS_REPEAT = 1
 # left out of training if this is turned on.
 TRAIN_DOCS = False
 DOCS_PER_FILE_TRAIN = 6
+# Whether document-shaped injections are trained on (`planted_documents_rows`; only with
+# TRAIN_DOCS): PLANTED_OURS instructions of bench/planted_documents.py's generator and
+# PLANTED_MALICIOUS injection rows of the training sets (S-Labs, neuralchemy), each planted in
+# a `train` document's section, trained on as the windows the detector judges of it.
+TRAIN_PLANTED = False
+PLANTED_OURS = 600
+PLANTED_MALICIOUS = 400
+PLANTED_SEED = 7
 
 
 @dataclass(frozen=True)
@@ -742,12 +750,47 @@ def documents_benign() -> list[Row]:
     docs shipped in wheels, model cards), DOCS_PER_FILE_TRAIN of each document, benign: install
     steps, code, API tables and configuration prose, which read like instructions and are
     none to a model."""
+    from bench.planted_documents import docs_dev_package
     from bench.quality import docs_data
 
     return [
         Row(r.text, False, f"documents: {r.source}")
         for r in docs_data("train", DOCS_PER_FILE_TRAIN)
+        if not docs_dev_package(r.group)  # the documents' dev split (bench/injection_candidates.py)
     ]
+
+
+def planted_documents_rows(hosts: list[Row], malicious: list[Row]) -> list[Row]:
+    """Document-shaped injections (bench/planted_documents.py): PLANTED_OURS of our generated
+    instructions (none of the documents' dev split's) and PLANTED_MALICIOUS of `malicious`
+    (30-400 characters), each planted in one of `hosts` (benign `documents_benign` sections),
+    as the windows the detector judges of it: those holding the instruction are injections,
+    those holding none of it benign."""
+    import random
+
+    from bench.injection_candidates import DEV_PLANTED_SEED, dev_instructions
+    from bench.planted_documents import generated_instructions, labelled_windows, plant
+    from detectors.model import ScoredTextDetector
+
+    assert PLANTED_SEED != DEV_PLANTED_SEED
+    dev = set(dev_instructions())
+    ours = [
+        i for i in generated_instructions(PLANTED_OURS + len(dev), PLANTED_SEED) if i not in dev
+    ]
+    rng = random.Random(PLANTED_SEED)
+    pool = [r.text for r in malicious if r.label and 30 <= len(r.text) <= 400]
+    theirs = rng.sample(pool, min(PLANTED_MALICIOUS, len(pool)))
+    ours = ours[:PLANTED_OURS]
+    planted = plant([(r.source, r.text) for r in hosts], ours + theirs, seed=PLANTED_SEED)
+    sources = ["ours"] * len(ours) + ["training injections"] * len(theirs)
+    width, step = ScoredTextDetector.window_chars, ScoredTextDetector.window_step
+    out = []
+    for p, source in zip(planted, sources, strict=True):
+        out += [
+            Row(w, label, f"documents planted ({source})")
+            for w, label in labelled_windows(p, width, step)
+        ]
+    return out
 
 
 def tool_attacks() -> list[Row]:
@@ -927,6 +970,12 @@ def training_rows() -> tuple[list[Row], int]:
         + (tool_definitions_benign() + tool_attacks() if TRAIN_TOOLS else [])
         + (documents_benign() if TRAIN_DOCS else [])
     )
+    if TRAIN_DOCS and TRAIN_PLANTED:
+        held = bench_keys()
+        hosts = [r for r in rows if r.source.startswith("documents")]
+        malicious = [r for r in rows if r.source in ("s-labs", "neuralchemy") and r.label]
+        malicious = [r for r in malicious if key(r.text) not in held]
+        rows += planted_documents_rows(hosts, malicious)
     rows += benign_windows(rows + writingbench_long())
     rows, dropped = dedupe(rows, bench_keys())
     everyday = [r for r in rows if r.source.startswith("everyday")]
@@ -951,7 +1000,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=None, help="embedding cache folder")
     ap.add_argument("--loso", action="store_true", help="leave-one-source-out figures")
     ap.add_argument("--sweep", action="store_true", help="C on neuralchemy core-validation")
+    ap.add_argument("--docs", action="store_true", help="TRAIN_DOCS on (a candidate)")
+    ap.add_argument("--planted", action="store_true", help="TRAIN_PLANTED on too (a candidate)")
     args = ap.parse_args(argv)
+    global TRAIN_DOCS, TRAIN_PLANTED
+    TRAIN_DOCS, TRAIN_PLANTED = TRAIN_DOCS or args.docs, TRAIN_PLANTED or args.planted
     rows, dropped = training_rows()
     counts: dict[str, list[int]] = {}
     for r in rows:
