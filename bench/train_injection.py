@@ -67,7 +67,14 @@ shipping a model derived from them):
   window: only with TRAIN_DOCS, off (see there): the shipped heads are trained without them.
   The shipped heads flag 58% of the held-out packages' documents (bench/quality.py's
   `bench_documents`: install steps and code most). The `check` packages' documents and the
-  instructions planted in them (`planted_injections`) are never trained on.
+  instructions planted in them (`planted_injections`) are never trained on, nor are the
+  documents' dev split's (a quarter of the `train` packages, bench/planted_documents.py's
+  `docs_dev_package`: what bench/injection_candidates.py chooses on).
+- Document-shaped injections (`planted_documents_rows`, TRAIN_PLANTED, off): instructions of
+  ours (bench/planted_documents.py's generator, none of DOC_INJECTIONS' phrasings) and the
+  training sets' injections planted in `train` document sections, as the windows the detector
+  judges of them, so that documents trained on as benign do not teach that a paragraph
+  addressed to its reader is benign.
 
 No text of bench/quality.py's injection data (dev or test split) nor of its held-out everyday
 requests is trained on: rows equal to one after normalisation (case, whitespace) are dropped,
@@ -1002,6 +1009,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="C on neuralchemy core-validation")
     ap.add_argument("--docs", action="store_true", help="TRAIN_DOCS on (a candidate)")
     ap.add_argument("--planted", action="store_true", help="TRAIN_PLANTED on too (a candidate)")
+    ap.add_argument(
+        "--minilm-only", action="store_true", help="only `model: minilm`'s heads (a candidate)"
+    )
     args = ap.parse_args(argv)
     global TRAIN_DOCS, TRAIN_PLANTED
     TRAIN_DOCS, TRAIN_PLANTED = TRAIN_DOCS or args.docs, TRAIN_PLANTED or args.planted
@@ -1055,9 +1065,12 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"without {source}: on {source} (held out) @0.45 (as shipped) {prf(hy, both, 0.45)}"
             )
-    coef, intercept = fit(x, y)
-    save_head(args.out, [coef[None, :], np.array([intercept], np.float32)], sources=sorted(counts))
-    print(f"wrote {args.out} (train @0.5: {prf(y, predict(embs, coef, intercept), 0.5)})")
+    if not args.minilm_only:
+        coef, intercept = fit(x, y)
+        save_head(
+            args.out, [coef[None, :], np.array([intercept], np.float32)], sources=sorted(counts)
+        )
+        print(f"wrote {args.out} (train @0.5: {prf(y, predict(embs, coef, intercept), 0.5)})")
     mlp = args.out.parent / "injection_mlp.npz"
     save_head(mlp, fit_mlp(x, y), sources=sorted(counts))
     print(f"wrote {mlp}")
@@ -1066,6 +1079,8 @@ def main(argv: list[str] | None = None) -> int:
     ngrams = args.out.parent / "injection_ngrams.npz"
     fit_ngrams([view_text(r.text) for r in rows], y, ngrams)
     print(f"wrote {ngrams}")
+    if args.minilm_only:
+        return 0
     jailguard = args.out.parent / "jailguard_mlp.npz"
     save_head(jailguard, jailguard_layers(), source="jailguard==0.1.2 (MIT OR Apache-2.0)")
     print(f"wrote {jailguard}")
