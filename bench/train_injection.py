@@ -856,9 +856,27 @@ def dedupe(rows: list[Row], exclude: set[str]) -> tuple[list[Row], int]:
     return out, dropped
 
 
+CACHE_SAVE_S = 120.0  # an embedding cache is written at least this often while it grows
+
+
+def _save_cache(path: Path, known: dict[str, np.ndarray]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = list(known)
+    tmp = path.with_name(path.stem + ".partial.npz")  # np.savez adds .npz to other names
+    np.savez(
+        tmp,
+        texts=np.array(keys),
+        flat=np.concatenate([known[k] for k in keys]),
+        counts=np.array([len(known[k]) for k in keys]),
+    )
+    tmp.replace(path)
+
+
 def embed(texts: list[str], cache: Path | None = None, rows: int = 64) -> list[np.ndarray]:
     """The detector's own embeddings (normalised view, token windows) of each text; with a
-    cache folder, texts embedded before (by any run) are read back, not embedded again."""
+    cache folder, texts embedded before (by any run) are read back, not embedded again, and
+    what is embedded is written back every CACHE_SAVE_S seconds (a run stopped on a busy
+    machine resumes where it was, not from the start)."""
     from detectors.hf import load_embedder, minilm_path
     from detectors.normalise import view_text
     from detectors.prompt_injection import minilm_embeddings
@@ -872,7 +890,7 @@ def embed(texts: list[str], cache: Path | None = None, rows: int = 64) -> list[n
     todo = list(dict.fromkeys(t for t in texts if t not in known))
     if todo:
         tokenizer, model = load_embedder(minilm_path(), "cpu")
-        t0 = time.perf_counter()
+        t0 = saved = time.perf_counter()
         for b in range(0, len(todo), 512):
             batch = todo[b : b + 512]
             embs = minilm_embeddings(tokenizer, model, [view_text(t) for t in batch], rows)
@@ -881,15 +899,11 @@ def embed(texts: list[str], cache: Path | None = None, rows: int = 64) -> list[n
                 f"  embedded {b + len(batch)}/{len(todo)} ({time.perf_counter() - t0:.0f} s)",
                 file=sys.stderr,
             )
+            if path is not None and time.perf_counter() - saved > CACHE_SAVE_S:
+                _save_cache(path, known)
+                saved = time.perf_counter()
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            keys = list(known)
-            np.savez(
-                path,
-                texts=np.array(keys),
-                flat=np.concatenate([known[k] for k in keys]),
-                counts=np.array([len(known[k]) for k in keys]),
-            )
+            _save_cache(path, known)
     return [known[t] for t in texts]
 
 

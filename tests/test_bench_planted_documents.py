@@ -4,6 +4,7 @@ ours, labelled by what each judged window holds, and never the held-out ones."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,39 @@ def test_the_documents_dev_split_is_never_trained_on() -> None:
     check = quality.docs_data("check")
     assert len(dev) > 30
     assert not trained & {r.text for r in dev + check}
+
+
+def test_an_embedding_run_stopped_midway_resumes_from_its_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training embeds tens of thousands of texts, an hour on two busy cores: a run stopped
+    after its first batch leaves that batch in the cache, and the next run embeds only the
+    rest (the model faked: the cache's bookkeeping is what is tested)."""
+    import numpy as np
+
+    import bench.train_injection as ti
+    import detectors.hf
+    import detectors.prompt_injection
+
+    asked: list[list[str]] = []
+
+    def fake(tokenizer: object, model: object, texts: list[str], rows: int) -> list[np.ndarray]:
+        asked.append(list(texts))
+        if len(asked) == 2 and fail:
+            raise KeyboardInterrupt  # the run stopped by hand
+        return [np.full((1, 384), float(len(t)), np.float32) for t in texts]
+
+    monkeypatch.setattr(detectors.hf, "load_embedder", lambda path, device: (None, None))
+    monkeypatch.setattr(detectors.prompt_injection, "minilm_embeddings", fake)
+    monkeypatch.setattr(ti, "CACHE_SAVE_S", 0.0)
+    texts = [f"text number {i}" for i in range(600)]
+    fail = True
+    with pytest.raises(KeyboardInterrupt):
+        ti.embed(texts, tmp_path)
+    assert (tmp_path / "embeddings.npz").exists()
+    asked.clear()
+    fail = False
+    embs = ti.embed(texts, tmp_path)
+    assert [len(a) for a in asked] == [88]  # the 512 of the first batch read back
+    assert [float(e[0, 0]) for e in embs] == [float(len(t)) for t in texts]
+    assert sorted(np.load(tmp_path / "embeddings.npz")["texts"].tolist()) == sorted(texts)
