@@ -158,7 +158,11 @@ DOCS_PER_FILE_TRAIN = 6
 # Whether document-shaped injections are trained on (`planted_documents_rows`; only with
 # TRAIN_DOCS): PLANTED_OURS instructions of bench/planted_documents.py's generator and
 # PLANTED_MALICIOUS injection rows of the training sets (S-Labs, neuralchemy), each planted in
-# a `train` document's section, trained on as the windows the detector judges of it.
+# a `train` document's section, trained on as the windows the detector judges of it. Not
+# trained in full yet (embedding the rows did not finish on two shared cores); the n-gram head
+# alone on the dev splits (README, "Technical documents"): dev F1 0.937 at 0.249, 19 of the
+# documents' 33 dev sections flagged, 115 of 120 planted found (shipped: 0.933 at 0.34, 17,
+# 109; documents alone: 0.927 at 0.339, 6, 90). Off until the MLP is trained and judged.
 TRAIN_PLANTED = False
 PLANTED_OURS = 600
 PLANTED_MALICIOUS = 400
