@@ -476,7 +476,8 @@ def test_documents_split_by_package_and_the_held_out_ones_are_never_trained_on()
     held = {key(r.text) for r in [*check, *planted]}
     assert held <= bench_keys()
     trained, _ = dedupe(documents_benign(), bench_keys())
-    assert len(trained) > 200 and not {key(r.text) for r in trained} & held
+    # the pinned packages only, less the documents' dev split (a quarter of the train packages)
+    assert len(trained) > 150 and not {key(r.text) for r in trained} & held
 
 
 def test_each_planted_injection_sits_whole_in_a_held_out_document() -> None:
