@@ -100,6 +100,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import detectors
 from detectors.runtime import one_blas_thread_per_process
 
+ROOT = Path(__file__).resolve().parents[1]
+
 # ---------------------------------------------------------------------------------------------
 # metrics (unit-tested in tests/test_bench_quality.py)
 
@@ -522,11 +524,35 @@ DOC_FILES_PER_PACKAGE = 4  # documents shipped in one wheel (inspect-evals ships
 _HEADING = re.compile(r"\n(?=#{1,6} |\S[^\n]*\n[=\-~^\"]{3,}\n)")
 
 
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*==\s*([^\s;#]+)")
+
+
+def normalised_name(name: str) -> str:
+    """A distribution's name as pip compares names (PEP 503): lower case, runs of -_. as -."""
+    return re.sub(r"[-_.]+", "-", name.lower())
+
+
+def pinned_requirements(root: Path = ROOT) -> dict[str, str]:
+    """Name -> version of every `name==version` line of the requirements files the project
+    installs from (requirements*.txt and bench/requirements-quality.txt): what a fresh machine
+    installs, so what `installed_documents` may read."""
+    pins: dict[str, str] = {}
+    files = [*sorted(root.glob("requirements*.txt")), root / "bench" / "requirements-quality.txt"]
+    for path in files:
+        if not path.is_file():
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            m = _PIN.match(line.strip())
+            if m:
+                pins[normalised_name(m.group(1))] = m.group(2)
+    return pins
+
+
 def docs_part(package: str) -> str:
     """`train` or `check` (held out) for every document of a package, by a hash of its
     normalised name, salted apart from the other splits: a package's documents never fall on
     both sides (one README's sections are near-twins)."""
-    norm = re.sub(r"[-_.]+", "-", package.lower())
+    norm = normalised_name(package)
     return "train" if hashlib.sha256(b"docs:" + norm.encode()).digest()[0] % 2 else "check"
 
 
@@ -567,15 +593,20 @@ def installed_documents() -> list[tuple[str, str, str, str]]:
     """(package, licence, kind, text) of every document read: the long description in each
     installed distribution's METADATA (its README: markdown, reStructuredText or text), the
     markdown and reStructuredText files its wheel ships (at most DOC_FILES_PER_PACKAGE, a
-    seeded sample), and model cards (a README.md next to a model's weights). DOCS_EXCLUDED
+    seeded sample), and model cards (a README.md next to a model's weights). Only the
+    distributions the requirements files pin, at their pinned version (`pinned_requirements`;
+    a local label such as +cpu aside),
+    are read, so another package installed beside them changes nothing; DOCS_EXCLUDED
     packages are skipped."""
     import importlib.metadata
 
+    pins = pinned_requirements()
     out = []
     for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"]):
         meta = dist.metadata
-        name = re.sub(r"[-_.]+", "-", meta["Name"].lower())
-        if name in DOCS_EXCLUDED:
+        name = normalised_name(meta["Name"])
+        # a local label is no part of the pin (PEP 440: torch==2.13.0 is 2.13.0+cpu)
+        if name in DOCS_EXCLUDED or pins.get(name) != meta["Version"].split("+")[0]:
             continue
         licence = _licence(meta)
         body = meta.get_payload() or meta.get("Description") or ""

