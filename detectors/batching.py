@@ -213,8 +213,10 @@ class MicroBatcher(Generic[T, R]):
         except DetectorError:
             raise
         except Exception as exc:
+            # what a model raised can quote the text it was given (a tokenizer error): the
+            # log has it whole, the message that reaches clients names its type only
             log.exception("%s: batched call on %d items failed", self.name, len(items))
-            raise DetectorError(f"{self.name}: model call failed: {exc}") from exc
+            raise DetectorError(f"{self.name}: model call failed ({type(exc).__name__})") from exc
         if len(results) != len(items):
             raise DetectorError(
                 f"{self.name}: model returned {len(results)} results for {len(items)} items"

@@ -480,3 +480,28 @@ async def test_requests_past_max_concurrent_requests_are_503_before_their_body_i
     gated.release.set()
     assert [await h for h in held] == [(200, [[]]), (200, [[]])]
     assert await post(client, {"contents": ["now"]}, "gated") == (200, [[]])
+
+
+async def test_a_model_error_quoting_the_text_stays_out_of_the_reply(
+    aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Repro: the micro-batcher's `model call failed: {exc}` went into the 500 body, and an
+    exception's text can quote the text judged (a tokenizer error). The body names the
+    detector and the exception's type; the log has the exception whole."""
+    from detectors.profanity import ProfanityDetector
+
+    def raising(self: Any, items: list[str]) -> list[float]:
+        raise ValueError(f"cannot tokenize {items!r}")
+
+    monkeypatch.setattr(ProfanityDetector, "_forward", raising)
+    client = await aiohttp_client(create_app({"hap": detectors.build("profanity")}, limits=LIMITS))
+    resp = await client.post(
+        URL, json={"contents": ["the launch code is swordfish"]}, headers={"detector-id": "hap"}
+    )
+    raw = await resp.read()
+    assert resp.status == 500 and b"swordfish" not in raw
+    assert json.loads(raw) == {
+        "code": 500,
+        "message": "detector `hap` failed: profanity: model call failed (ValueError)",
+    }
+    assert "swordfish" in caplog.text

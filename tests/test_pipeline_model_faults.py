@@ -167,3 +167,46 @@ async def test_a_nan_window_cannot_hide_behind_a_maximum(monkeypatch) -> None:
     with pytest.raises(DetectorError, match="profanity: the model's output is not a number"):
         await hap.detect([text])
     await hap.close()
+
+
+async def test_a_model_error_quoting_the_text_never_reaches_the_client(monkeypatch, caplog) -> None:
+    """A model-backed detector's failure reaches the client as the micro-batcher's message.
+    Repro: that message was `model call failed: {exc}`, and an exception's text can quote the
+    text it was given (a tokenizer error): the judged sentence, withheld from the stream, went
+    out in the `detector_error` details. Now the client sees the detector and the exception's
+    type only; the log has the exception whole."""
+    from detectors.profanity import ProfanityDetector
+
+    secret = "swordfish"
+
+    def raising(self: Any, items: list[str]) -> list[float]:
+        raise ValueError(f"cannot tokenize {items!r}")
+
+    monkeypatch.setattr(ProfanityDetector, "_forward", raising)
+    engine = FakeEngine(script=words(f"The launch code is {secret}."))
+    await engine.start()
+    hap = {"type": "text_contents", "builtin": "profanity", "chunker_id": "sentence"}
+    config = native_config(
+        engine.url,
+        detectors={"hap": {**hap, "on_detection": "block"}},
+        model={"guardrails": {"output": {"hap": {}}}},
+    )
+    try:
+        async with Orchestrator(config) as orch:
+            assert orch.session is not None
+            async with orch.session.post(
+                orch.url + STREAMING_PATH, json=generation_body("hi")
+            ) as r:
+                assert r.status == 200
+                raw = await r.read()
+    finally:
+        await engine.close()
+    assert secret.encode() not in raw and b"launch" not in raw
+    events = sse_events(raw.decode())
+    assert frames(events) == []
+    assert terminal(events).data == {
+        "code": 502,
+        "details": "detector `hap`: profanity: model call failed (ValueError)",
+        "type": "detector_error",
+    }
+    assert secret in caplog.text  # the traceback, for whoever reads the log
