@@ -62,7 +62,7 @@ import numpy as np
 from .base import ScoredParams
 from .decode import payloads
 from .hf import load_embedder, minilm_path
-from .model import ScoredTextDetector
+from .model import ScoredTextDetector, require_finite
 from .ngram_head import NgramHead, load_ngram_head
 from .normalise import view_text
 from .runtime import (
@@ -339,6 +339,9 @@ def _nanoguard_scores(ng: Any, texts: list[str], max_rows: int) -> list[float]:
             else:
                 logits = ng.model(ids_t, mask_t)
         probs = F.softmax(logits.float(), dim=-1)[:, 1].cpu().tolist()
+        # checked before the maximum below: `max(0.0, nan)` is 0.0, so a window the model could
+        # not score would pass as the best of the others (`require_finite`)
+        require_finite(PromptInjectionDetector.name, probs)
         for r, prob in enumerate(probs):
             i = owner[b + r]
             scores[i] = max(scores[i], float(prob))
