@@ -48,7 +48,7 @@ from servicekit.connections import (
 from servicekit.tracing import annotate
 
 from . import build
-from .api import ContentsRequest, dump_reply
+from .api import ContentsRequest, Detection, dump_reply
 from .base import (
     ORCHESTRATOR_PARAM_KEYS,
     Detector,
@@ -397,6 +397,20 @@ def _parse_contents(raw: bytes) -> ContentsRequest:
         raise ApiError(422, _first_error(exc)) from None
 
 
+def _reply_json(detector_id: str, reply: list[list[Detection]]) -> str:
+    """The reply as JSON proper. `json.dumps` writes NaN and infinities as bare `NaN` and
+    `Infinity` (not JSON: a strict client cannot read the reply); the model detectors fail a
+    call whose output is not finite (`require_finite`), and anything that still slips through
+    (a score or metadata computed after the model) is this detector failing: a 500."""
+    try:
+        return json.dumps(dump_reply(reply), allow_nan=False)
+    except ValueError:
+        log.error("detector %s: its reply holds a NaN or an infinity", detector_id)
+        raise ApiError(
+            500, f"detector `{detector_id}` failed: its reply holds a number that is not finite"
+        ) from None
+
+
 async def _contents(request: web.Request) -> web.Response:
     state = request.app[STATE]
     detector_id = request.headers.get("detector-id", "").strip()
@@ -466,7 +480,7 @@ async def _contents(request: web.Request) -> web.Response:
             detections = sum(len(r) for r in reply)
             annotate(request, {"guardstream.detector.detections": detections})
         big = sum(len(r) for r in reply) > BULK_DETECTIONS
-        text = await _off_loop_if(big, lambda: json.dumps(dump_reply(reply)))
+        text = await _off_loop_if(big, lambda: _reply_json(detector_id, reply))
         return web.Response(text=text, content_type="application/json")
     except ApiError as exc:
         status = exc.status

@@ -505,3 +505,59 @@ async def test_a_model_error_quoting_the_text_stays_out_of_the_reply(
         "message": "detector `hap` failed: profanity: model call failed (ValueError)",
     }
     assert "swordfish" in caplog.text
+
+
+class NonFinite(Detector):
+    """A detector whose reply holds a number JSON cannot carry (a score, or metadata)."""
+
+    name = "non_finite"
+
+    def __init__(self, score: float, metadata: dict[str, Any] | None = None) -> None:
+        super().__init__({})
+        self.score = score
+        self.metadata = metadata
+
+    async def detect(
+        self, contents: list[str], params: dict[str, Any] | None = None
+    ) -> list[list[Detection]]:
+        found = Detection(
+            start=0,
+            end=1,
+            text=contents[0][:1],
+            detection="x",
+            detection_type="x",
+            score=self.score,
+            metadata=self.metadata,
+        )
+        return [[found] for _ in contents]
+
+
+def strict_json(raw: bytes) -> Any:
+    """`raw` parsed as JSON proper: `NaN`, `Infinity` and `-Infinity` are not JSON."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(raw, parse_constant=refuse)
+
+
+@pytest.mark.parametrize(
+    "detector",
+    [NonFinite(float("nan")), NonFinite(float("inf")), NonFinite(0.5, {"p": float("-inf")})],
+    ids=["nan-score", "inf-score", "inf-metadata"],
+)
+async def test_a_non_finite_number_is_a_500_never_invalid_json(
+    aiohttp_client: Any, detector: Detector
+) -> None:
+    """Repro: the reply was written by `json.dumps` as it is, NaN as a bare `NaN` (Python's
+    extension, not JSON: a strict client cannot read the reply). The model detectors fail a
+    call whose model output is not finite (`require_finite`); anything that still slips through
+    is a 500 naming the detector, in JSON proper."""
+    client = await aiohttp_client(create_app({"odd": detector}, limits=LIMITS))
+    resp = await client.post(URL, json={"contents": ["a"]}, headers={"detector-id": "odd"})
+    raw = await resp.read()
+    assert resp.status == 500
+    assert strict_json(raw) == {
+        "code": 500,
+        "message": "detector `odd` failed: its reply holds a number that is not finite",
+    }
