@@ -21,7 +21,7 @@ from pydantic import Field, field_validator
 from .api import Detection
 from .base import SCORED_REQUEST_PARAMS, InvalidParams, Overloaded, ScoredParams, whole_content
 from .hf import load_embedder, minilm_path
-from .model import BatchedDetector
+from .model import BatchedDetector, require_finite
 from .normalise import judged_texts
 from .runtime import ModelRuntime, get_runtime, resolve_device, torch_thread
 from .windows import sentences
@@ -235,7 +235,9 @@ class TopicDetector(BatchedDetector[tuple[str, int], np.ndarray]):
         out: list[np.ndarray] = []
         for b in range(0, len(items), rows):
             out.extend(mean_pooled(tokenizer, model, items[b : b + rows]))
-        return np.stack(out)
+        # not through the micro-batcher (`_judged`), so checked here: a NaN example's topic
+        # scores NaN, which np.argmax takes as the best topic and max(0.0, nan) as 0.0
+        return require_finite(self.name, [np.stack(out)])[0]
 
     async def _topic_set(self, p: TopicParams) -> _TopicSet:
         """Cached per (topics, max_length); concurrent first requests share one computation.
