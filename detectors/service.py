@@ -318,8 +318,10 @@ async def _errors(
     except asyncio.CancelledError:
         raise
     except Exception as exc:
+        # what a detector raised can quote the text it judged: the log has it, the client the
+        # exception's type only
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(500, f"internal error ({type(exc).__name__})")
 
 
 async def _health(request: web.Request) -> web.Response:
