@@ -1243,6 +1243,9 @@ def _partial_start(rx: Any, view: str, pos: int, first: frozenset[str]) -> int |
 # reaches
 SPELT_LOCAL_MOST = 64 + 4 * (64 + 9)
 _SPELT_AT_BEGUN = re.compile(r"[\[({<][ \t]{0,2}(?i:at)|@")
+_SPELT_DOT_AFTER = re.compile(
+    r"[A-Za-z0-9](?:[ \t]{0,2}\.|[ \t]{0,2}[\[({<][ \t]{0,2}(?i:dot)|[ \t](?i:dot)[ \t])"
+)
 _NUMBER_FIRST = frozenset("0123456789+(")
 _BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz") | _NUMBER_FIRST
 
@@ -1298,7 +1301,13 @@ def _evidence(kind: str, tail: str) -> bool:
     if kind == "email":
         return "@" in tail
     if kind == "email_spelt":  # its `@`, spelt (`[at`, its bracket to come, will do)
-        return _SPELT_AT_BEGUN.search(tail) is not None
+        ats = list(_SPELT_AT_BEGUN.finditer(tail))
+        if not ats:
+            return False
+        # a bare `@` with a space beside it is prose as often (`Mail me @ home`, `meet @ 5`):
+        # only a domain's dot after it (`jo @ example . c`) makes it an address's head
+        at = ats[-1]
+        return at.group() != "@" or _SPELT_DOT_AFTER.search(tail, at.end()) is not None
     if kind == "ssn":
         return digits >= 6
     if kind in ("phone", "phone_us"):

@@ -235,6 +235,16 @@ def test_released_text_equals_the_redacted_whole(
 # clean chunk before it went out whole though its tail (`123-4`) was the head of a card the
 # whole text would have held
 @example(case=("555-123-4567555-123-4567", ["555-123-4567555-123-4567"]), max_chars=9, chunker="w")
+# and this one: a phone in the first delta (`a.555-123-45`) blocked after `a` went out, the
+# head of the whole text's e-mail `a.555-123-4567jo@example.com`
+@example(
+    case=(
+        "555-123-4567word a.555-123-4567jo@example.com",
+        ["555-123-4567word a.555-123-456", "7jo@example.com"],
+    ),
+    max_chars=1,
+    chunker="s",
+)
 def test_a_blocking_detector_blocks_entities_split_across_chunks(
     case: tuple[str, list[str]], max_chars: int, chunker: str
 ) -> None:

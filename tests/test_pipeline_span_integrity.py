@@ -256,6 +256,8 @@ async def test_an_ordinary_ending_is_not_withheld(answer: str) -> None:
     [
         ("Contact jo@example.c", (8, "email")),
         ("Contact jo@", (8, "email")),
+        ("Contact jo @ example . c", (8, "email")),  # spaced: a domain's dot makes it one
+        ("Contact jo @ example.c", (8, "email")),
         ("Contact jo" + ZWSP * 500 + "@exa", (8, "email")),  # on the view
         ("Call 555-123-4", (5, "phone")),
         ("Call 1 555-123-4", (5, "phone")),
@@ -286,6 +288,7 @@ async def test_an_ordinary_ending_is_not_withheld(answer: str) -> None:
         ("Upgrade to Python 3.11.4.", None),
         ("Count: 1 2 3 4 5 6 7 8 9 10", None),
         ("Mail me @ home", None),
+        ("Meet @ 5 pm or mail jo @ exa", None),  # a spaced `@` without a dot after it is prose
         ("from 2020-2023", None),
         ("population 8336817", None),
         ("", None),

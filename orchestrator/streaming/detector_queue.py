@@ -509,8 +509,13 @@ class DetectorQueue:
                     # as a text that ended (a tail in them that could still have grown into an
                     # entity blocks where it starts): a prefix of the stream can read a run of
                     # digit groups as another entity than the whole text does (`555-123-4` and
-                    # a phone in `567555-12`, where the whole text held a card from `123-4`)
-                    limit = base + number_run_start(text, min(f.start for f in flags) - base)
+                    # a phone in `567555-12`, where the whole text held a card from `123-4`),
+                    # nor any of the whitespace-free run it starts in: more text can make that
+                    # run one longer entity (a phone in `a.555-123-45` was the local part of
+                    # `a.555-123-4567jo@example.com` once its `@` came)
+                    first_flag = min(f.start for f in flags) - base
+                    run_from, _, _ = _back(text, first_flag, SEAM_RUN_CHARS, 0, run=True)
+                    limit = base + min(number_run_start(text, first_flag), run_from)
                     before = judged[posted:i]
                     cut = next((k for k, (s0, _) in enumerate(before) if s0.end > limit), None)
                     if cut is not None:
