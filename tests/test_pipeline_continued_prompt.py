@@ -318,10 +318,14 @@ def test_the_answer_after_a_prompt_is_judged_as_the_whole_text_is(
     hits = [h for h in asyncio.run(hits_and_tail(text)) if h.end > k]
     released = "".join(f.text for f in frames)
     if on_detection == "block":
-        assert bool(blocked) == bool(hits), (prompt, answer, hits)
         assert answer.startswith(released)
         if hits:
+            assert blocked, (prompt, answer, hits)
             assert len(released) <= max(0, min(h.start for h in hits) - k)
+        elif not blocked:  # (a chunk can cut an entity loose from what hid it in the whole:
+            # `555-123-4567123-45-6789` holds none, its chunk `123-45-6789` an SSN; a block
+            # there fails closed, as tests/test_pipeline_redaction_seams.py allows)
+            assert released == answer, (prompt, answer)
         return
     det = pii()
     findings = [
