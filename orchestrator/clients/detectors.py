@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import aiohttp
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 import detectors
@@ -499,11 +498,13 @@ def _parse_reply(raw: bytes, contents: list[str]) -> list[list[Detection]] | str
 
 
 # the units some services count spans in instead of code points (DESIGN 6): UTF-16 code units
-# (JavaScript, Java, .NET) and UTF-8 bytes (Rust, Go); (codec, bytes per unit, the mask and value
-# of a unit that continues a character rather than starting one)
+# (JavaScript, Java, .NET) and UTF-8 bytes (Rust, Go); (codec, numpy dtype of a unit, the mask
+# and value of a unit that continues a character rather than starting one). numpy is imported
+# only when a span needs it: the orchestrator's workers load no numpy at rest
+# (tests/test_orchestrator_capacity.py)
 _OTHER_UNITS = (
-    ("utf-16-le", np.dtype("<u2"), 0xFC00, 0xDC00),
-    ("utf-8", np.dtype("u1"), 0xC0, 0x80),
+    ("utf-16-le", "<u2", 0xFC00, 0xDC00),
+    ("utf-8", "u1", 0xC0, 0x80),
 )
 
 
@@ -515,7 +516,7 @@ def _code_point_spans(found: list[Detection], content: str) -> list[Detection]:
     entity's head). A span that holds its text, or that no other unit explains (a detector
     that reports normalised text), stands as it is. Each unit's reading of the content is
     made once, in C, and only when some span needs it."""
-    starts: dict[str, np.ndarray] = {}
+    starts: dict[str, Any] = {}  # codec -> numpy array of character starts
     out: list[Detection] = []
     for d in found:
         span = None
@@ -526,13 +527,15 @@ def _code_point_spans(found: list[Detection], content: str) -> list[Detection]:
 
 
 def _read_in_other_units(
-    d: Detection, content: str, starts: dict[str, np.ndarray]
+    d: Detection, content: str, starts: dict[str, Any]
 ) -> tuple[int, int] | None:
     """The code-point span of `d` read in the first other unit whose reading holds `d.text`;
     None when none does."""
+    import numpy as np
+
     for codec, dtype, mask, continuation in _OTHER_UNITS:
         if codec not in starts:
-            units = np.frombuffer(content.encode(codec, "surrogatepass"), dtype=dtype)
+            units = np.frombuffer(content.encode(codec, "surrogatepass"), dtype=np.dtype(dtype))
             # the unit offset where each character starts, and the end
             first = np.flatnonzero((units & mask) != continuation)
             starts[codec] = np.append(first, len(units))
