@@ -518,13 +518,10 @@ async def test_an_openai_engines_error_is_named_never_quoted(fault, code, detail
         assert SECRET in warnings_of(caplog)
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-async def test_an_upstreams_token_count_is_capped_at_what_was_asked(stream) -> None:
-    """Repro: a server claiming `completion_tokens: 10**12` for a 10-token request had it
-    reported to the client, counted in the metrics and charged to the tenant's token budget
-    (rate limits: one lying upstream emptied every tenant's budget). No replica generates more
-    than the budget it was asked for: the count is capped there."""
-    server = FakeOpenAI(usage_override={"completion_tokens": 10**12})
+async def _usage_told_by_a_lying_upstream(field: str, stream: bool) -> tuple[dict, str]:
+    """The usage a client gets, and the metrics, when the upstream claims 10**12 `field`
+    tokens for a two-character message and a budget of 10."""
+    server = FakeOpenAI(usage_override={field: 10**12})
     await server.start()
     body = {
         "model": MODEL,
@@ -542,10 +539,16 @@ async def test_an_upstreams_token_count_is_capped_at_what_was_asked(stream) -> N
             metrics = await (await orch.session.get(orch.url + "/metrics")).text()
     finally:
         await server.close()
-    if stream:
-        usage = json.loads(raw.split(b"data: ")[-2])["usage"]
-    else:
-        usage = json.loads(raw)["usage"]
+    return json.loads(raw.split(b"data: ")[-2] if stream else raw)["usage"], metrics
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_an_upstreams_token_count_is_capped_at_what_was_asked(stream) -> None:
+    """Repro: a server claiming `completion_tokens: 10**12` for a 10-token request had it
+    reported to the client, counted in the metrics and charged to the tenant's token budget
+    (rate limits: one lying upstream emptied every tenant's budget). No replica generates more
+    than the budget it was asked for: the count is capped there."""
+    usage, metrics = await _usage_told_by_a_lying_upstream("completion_tokens", stream)
     assert usage["completion_tokens"] == 10
     assert f'guardstream_generated_tokens_total{{model="{MODEL}"}} 10.0' in metrics
 
@@ -557,25 +560,7 @@ async def test_an_upstreams_prompt_count_is_capped_at_what_the_prompt_can_hold(s
     as completion_tokens was before it was capped. No prompt has more tokens than its UTF-8
     bytes plus what a chat template adds (advertised_limits.token_upper_bound, with room for
     a template's own text): the count is capped there."""
-    server = FakeOpenAI(usage_override={"prompt_tokens": 10**12})
-    await server.start()
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Hi"}],
-        "max_tokens": 10,
-        "stream": stream,
-        "stream_options": {"include_usage": True},
-    }
-    try:
-        async with Orchestrator(openai_config(server.url)) as orch:
-            assert orch.session is not None
-            async with orch.session.post(orch.url + CHAT_PATH, json=body) as resp:
-                assert resp.status == 200
-                raw = await resp.read()
-            metrics = await (await orch.session.get(orch.url + "/metrics")).text()
-    finally:
-        await server.close()
-    usage = json.loads(raw.split(b"data: ")[-2] if stream else raw)["usage"]
+    usage, metrics = await _usage_told_by_a_lying_upstream("prompt_tokens", stream)
     bound = FIXED_SLACK_TOKENS + MESSAGE_SLACK_TOKENS + len(b"userHi") + TEMPLATE_ALLOWANCE_TOKENS
     assert usage["prompt_tokens"] == bound
     assert usage["total_tokens"] == bound + usage["completion_tokens"]
