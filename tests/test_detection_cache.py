@@ -186,7 +186,8 @@ async def test_a_conversation_sent_again_judges_only_its_new_messages(
         assert calls[turn]["uncached"] == uncached_calls[turn]["uncached"]
         assert calls[turn]["guard"] == uncached_calls[turn]["guard"]
     assert len(calls[2]["uncached"]) > len(calls[0]["uncached"])
-    assert len(calls[2]["guard"]) == len(conversation(2))
+    # every message, and the three short user turns joined (orchestrator/streaming/joined_turns.py)
+    assert len(calls[2]["guard"]) == len(conversation(2)) + 1
     # what the client got and what the engine was sent are exactly the cache-off run's
     assert cached == plain
     assert [r.body["messages"] for r in engine.requests] == plain_engine
