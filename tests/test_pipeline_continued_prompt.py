@@ -334,3 +334,13 @@ def test_the_answer_after_a_prompt_is_judged_as_the_whole_text_is(
     ]
     want, _ = redact_text(answer, findings, {"pii": det})
     assert released == want, (prompt, answer)
+
+
+def test_a_span_two_labels_cover_takes_the_same_label_whatever_came_first() -> None:
+    """`0@` then `555-123-4567`: the answer is a phone number and, after the prompt's tail, an
+    e-mail that could still grow; both cover the whole answer, found in different orders by the
+    stream and by the whole text, and the replacement must not depend on that order (hypothesis
+    found `[phone]` streamed against `[email]` whole)."""
+    frames, blocked = run_with_lead("0@", ["555-123-4567"], "redact", 7)
+    assert not blocked
+    assert "".join(f.text for f in frames) == "[email]"

@@ -69,7 +69,10 @@ class StreamRedactor:
         ]
         if new:
             self._pending.extend(new)
-            self._pending = deque(sorted(self._pending, key=lambda s: (s[0], -s[1])))
+            # spans that tie take the replacement that sorts first, not the one found first: the
+            # released text must not depend on the order detections arrived in (a chunk's match
+            # and the whole stream's open tail can cover the same span under two labels)
+            self._pending = deque(sorted(self._pending, key=lambda s: (s[0], -s[1], s[2])))
 
     def release(self, text: str, start: int, end: int) -> str:
         """The released form of original text `[start, end)` (the next piece in order)."""
