@@ -1313,7 +1313,8 @@ async def test_labels_are_not_judged_as_prompt_text(
     orch: Orchestrator, upstream: FakeOpenAI
 ) -> None:
     """`user` and `metadata` label a request (an end user's e-mail address is a common `user`):
-    they never enter the prompt, so a redacting input guardrail does not refuse them."""
+    they never enter the prompt, so a redacting input guardrail does not refuse them; it
+    withholds them from the upstream, which would log them (tests/test_chat_label_fields.py)."""
     done = await sdk(orch).chat.completions.create(
         model=MODEL,
         messages=ASK,
@@ -1322,7 +1323,7 @@ async def test_labels_are_not_judged_as_prompt_text(
         extra_body={"detectors": {"input": {"pii_redact": {}}}},
     )
     assert done.choices[0].finish_reason == "stop"
-    assert upstream.requests[-1]["user"] == EMAIL
+    assert "user" not in upstream.requests[-1] and "metadata" not in upstream.requests[-1]
 
 
 @pytest.mark.parametrize(
@@ -1374,9 +1375,9 @@ async def test_a_large_forwarded_field_is_walked_once_off_the_event_loop(
     threads: list[threading.Thread] = []
     real = input_pieces.request_field_pieces
 
-    def recording(extra: Any) -> Any:
+    def recording(extra: Any, **options: Any) -> Any:
         threads.append(threading.current_thread())
-        return real(extra)
+        return real(extra, **options)
 
     for module in (input_pieces, guarded_generation, prepare_module):
         monkeypatch.setattr(module, "request_field_pieces", recording, raising=False)
