@@ -1409,6 +1409,33 @@ async def test_web_search_is_refused_even_where_the_backend_would_run_it(
     assert len(upstream.requests) == seen
 
 
+@pytest.mark.parametrize(
+    "tool",
+    [
+        {"type": "custom", "custom": {"name": "shell", "description": "Runs a command."}},
+        {"type": "function"},  # no `function` at all
+        "send_email",
+    ],
+)
+async def test_a_tool_other_than_a_function_is_refused_before_the_upstream(
+    orch: Orchestrator, upstream: FakeOpenAI, tool: Any
+) -> None:
+    """Repro: `tools` went to an `openai` chat backend whatever they held. A custom tool's call
+    comes back as `{"type": "custom", "custom": {"name", "input"}}`, whose free-text `input` no
+    output guardrail reads (they judge a function call's `arguments`; the client reads such a
+    call as one without a name, which fails the request: a client's mistake as a 5xx, after the
+    upstream generated). It is a 422 naming `tools`, before any upstream request, as the native
+    engine's check and the Responses surface's (hosted tools) already say."""
+    seen = len(upstream.requests)
+    status, reply = await orch.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": [*TOOLS, tool]}
+    )
+    assert status == 422, reply
+    assert reply["error"]["param"] == "tools"
+    assert "tool 1" in reply["error"]["message"]
+    assert len(upstream.requests) == seen
+
+
 async def test_a_backend_that_cannot_take_tools_says_why(upstream: FakeOpenAI) -> None:
     """An `openai` backend with `api: completions` sends a prompt: tools are a 422 (the native
     engine's own answer, by its chat template: tests/test_native_tool_calls.py)."""
