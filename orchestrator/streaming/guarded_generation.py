@@ -422,7 +422,7 @@ class GuardedGeneration(PipelineCore):
             (p.message_index, p.field): label for p in stops if (label := label_of(p)) is not None
         }
         conversation = [] if isinstance(self._inputs, str) else self._inputs
-        self._fixed = (self._request_fields - self._labels.keys()) | frozenset(
+        self._fixed = self._request_fields.difference(self._labels) | frozenset(
             (p.message_index, p.field) for p in conversation if p.fixed
         )
         with tracing.input_detection(self._input_detectors) as span:
