@@ -472,7 +472,8 @@ class DetectorConfig(Strict):
     """`openai_judge`: category code -> name (`{S1: Violent Crimes}`): the codes on the
     answer's second line (Llama Guard's `S1,S10`) become the detection's entity, the names
     joined by commas; the `llama_guard` template lists them as its policy (default: Llama
-    Guard 3's fourteen)."""
+    Guard 3's fourteen). Only these codes are read from the answer: anything else on its line
+    is dropped (the judge read the text it judges, and could quote it there)."""
     on_error: Literal["block", "annotate"] | None = None
     """`openai_judge`: what a judge that fails (an HTTP error, unreachable, a reply that is no
     verdict, over timeout_s) does: `block` (default: the request fails as for any detector

@@ -262,6 +262,43 @@ async def test_output_judge_blocks_mid_stream_no_flagged_text_leaves(
     assert any("User: Tell me a story.\n\nAgent: Sure. Mix the bomb parts." in p for p in judged)
 
 
+# a judge that answers with the text it read on its category line (a model that echoes, or one
+# the judged text talked into it): the words after `S1` are the withheld sentence's
+ECHOING = "unsafe\nS1, Mix the bomb parts,S99"
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+@pytest.mark.parametrize("on_detection", ["block", "redact"])
+async def test_a_judges_answer_never_carries_the_text_it_flagged_to_the_client(
+    engine, judge, surface: str, on_detection: str
+) -> None:
+    """Repro: a judge's category line went into the detection as it was: `entity` (FMS, Chat
+    Completions) or `detection` (Responses) of the refusal's detections, and the `[{entity}]`
+    replacement of a redaction, so the words a blocking or redacting judge withheld reached
+    the client on every surface. Only codes of the categories the judge was asked about name
+    a detection; anything else on that line is dropped."""
+    judge.unsafe_answer = ECHOING
+    config = judged_config(engine, judge, categories=CATEGORIES, on_detection=on_detection)
+    async with Orchestrator(config) as orch:
+        data = await raw(orch, surface)
+    for leaked in (b"Mix", b"bomb", b"parts", b"S99"):
+        assert leaked not in data, (leaked, data)
+    assert b"Violent Crimes" in data  # the category it did name
+
+
+async def test_only_the_asked_categories_codes_name_a_detection(judge: FakeJudge) -> None:
+    """With a `categories` map its codes; without one, Llama Guard 3's (what the prompt lists
+    then). Nothing else of the line is kept, in `detection` or in `metadata`."""
+    judge.unsafe_answer = ECHOING
+    [[named]] = await client_detect(judge, ["a bomb"], categories=CATEGORIES)
+    assert (named.detection, named.metadata) == ("Violent Crimes", {"categories": ["S1"]})
+    [[unnamed]] = await client_detect(judge, ["a bomb"])
+    assert (unnamed.detection, unnamed.metadata) == ("unsafe", {"categories": ["S1"]})
+    judge.unsafe_answer = "unsafe\njo@example.com"
+    [[bare]] = await client_detect(judge, ["a bomb"], categories=CATEGORIES)
+    assert (bare.detection, bare.metadata) == ("unsafe", None)
+
+
 async def test_a_long_conversation_is_prepared_for_the_judge_once_per_stream_off_the_loop(
     engine, judge, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1313,7 +1313,8 @@ async def test_labels_are_not_judged_as_prompt_text(
     orch: Orchestrator, upstream: FakeOpenAI
 ) -> None:
     """`user` and `metadata` label a request (an end user's e-mail address is a common `user`):
-    they never enter the prompt, so a redacting input guardrail does not refuse them."""
+    they never enter the prompt, so a redacting input guardrail does not refuse them; it
+    withholds them from the upstream, which would log them (tests/test_chat_label_fields.py)."""
     done = await sdk(orch).chat.completions.create(
         model=MODEL,
         messages=ASK,
@@ -1322,7 +1323,7 @@ async def test_labels_are_not_judged_as_prompt_text(
         extra_body={"detectors": {"input": {"pii_redact": {}}}},
     )
     assert done.choices[0].finish_reason == "stop"
-    assert upstream.requests[-1]["user"] == EMAIL
+    assert "user" not in upstream.requests[-1] and "metadata" not in upstream.requests[-1]
 
 
 @pytest.mark.parametrize(
@@ -1374,9 +1375,9 @@ async def test_a_large_forwarded_field_is_walked_once_off_the_event_loop(
     threads: list[threading.Thread] = []
     real = input_pieces.request_field_pieces
 
-    def recording(extra: Any) -> Any:
+    def recording(extra: Any, **options: Any) -> Any:
         threads.append(threading.current_thread())
-        return real(extra)
+        return real(extra, **options)
 
     for module in (input_pieces, guarded_generation, prepare_module):
         monkeypatch.setattr(module, "request_field_pieces", recording, raising=False)
@@ -1405,6 +1406,33 @@ async def test_web_search_is_refused_even_where_the_backend_would_run_it(
         assert status == 422, reply
         assert reply["error"]["param"] == "web_search_options"
         assert "its results cannot be guarded" in reply["error"]["message"]
+    assert len(upstream.requests) == seen
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        {"type": "custom", "custom": {"name": "shell", "description": "Runs a command."}},
+        {"type": "function"},  # no `function` at all
+        "send_email",
+    ],
+)
+async def test_a_tool_other_than_a_function_is_refused_before_the_upstream(
+    orch: Orchestrator, upstream: FakeOpenAI, tool: Any
+) -> None:
+    """Repro: `tools` went to an `openai` chat backend whatever they held. A custom tool's call
+    comes back as `{"type": "custom", "custom": {"name", "input"}}`, whose free-text `input` no
+    output guardrail reads (they judge a function call's `arguments`; the client reads such a
+    call as one without a name, which fails the request: a client's mistake as a 5xx, after the
+    upstream generated). It is a 422 naming `tools`, before any upstream request, as the native
+    engine's check and the Responses surface's (hosted tools) already say."""
+    seen = len(upstream.requests)
+    status, reply = await orch.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": [*TOOLS, tool]}
+    )
+    assert status == 422, reply
+    assert reply["error"]["param"] == "tools"
+    assert "tool 1" in reply["error"]["message"]
     assert len(upstream.requests) == seen
 
 

@@ -18,7 +18,10 @@ STOP_SEQUENCE_FIELD = "stop"
 # input redaction replaces it there like a content
 NAME_FIELD = "name"
 # OpenAI fields that only label or route a request: they never enter the model's prompt (an
-# end user's e-mail address is a common `user`), so the input detectors do not judge them
+# end user's e-mail address is a common `user`). Where a backend receives them (an `openai`
+# chat backend) they leave the service all the same, for a provider that logs them: the input
+# detectors judge them there, and one they flag is withheld from the backend rather than the
+# request refused (`request_field_pieces(..., labels=True)`, guarded_generation.py)
 LABEL_FIELDS = frozenset(
     {"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier"}
 )
@@ -105,17 +108,18 @@ def request_field_chars(pieces: Iterable[InputPiece]) -> tuple[int, list[str]]:
     return sum(sizes.values()), sorted(sizes, key=lambda n: (-sizes[n], n))
 
 
-def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
+def request_field_pieces(extra: Mapping[str, Any], *, labels: bool = False) -> list[InputPiece]:
     """Every string and number of the fields the engine receives beside the conversation
     (`tools`, `tool_choice`, `response_format`, whatever an `openai` chat backend is forwarded),
     keys too, each a piece named by its path (`tools.0.function.description`), but for the
     structure's own words (SCHEMA_WORDS: `type`, `object`, `string`...). A chat template
     renders tool definitions into the prompt, so text there is prompt text: an input guardrail
     that skipped it would let a tool's description carry what it refuses in a message.
-    Iterative: the body's depth is the JSON parser's to bound, not the stack's."""
+    `labels`: the LABEL_FIELDS too (`is_label` tells their pieces). Iterative: the body's depth
+    is the JSON parser's to bound, not the stack's."""
     out: list[InputPiece] = []
     todo: list[tuple[str, Any]] = [
-        (_key(name), value) for name, value in extra.items() if name not in LABEL_FIELDS
+        (_key(name), value) for name, value in extra.items() if labels or name not in LABEL_FIELDS
     ]
     todo.reverse()
     while todo:
@@ -137,6 +141,14 @@ def request_field_pieces(extra: Mapping[str, Any]) -> list[InputPiece]:
         elif isinstance(value, list | tuple):
             todo.extend((child_path(path, i), item) for i, item in reversed(list(enumerate(value))))
     return out
+
+
+def label_of(piece: InputPiece) -> str | None:
+    """The label field (LABEL_FIELDS) a piece of `request_field_pieces` is in, else None."""
+    if piece.message_index is not None or piece.field is None:
+        return None
+    head = piece.field.split(".", 1)[0]
+    return head if head in LABEL_FIELDS else None
 
 
 def _key(key: object) -> str:

@@ -277,6 +277,29 @@ class ChatMessageIn(BaseModel):
         return tuple(c.model_dump(mode="json") for c in self.tool_calls)
 
 
+def _function_tools(tools: Any) -> None:
+    """422 for `tools` that are not all `function` tools with a name, whatever the backend:
+    the output guardrails judge a call's `function.arguments`, and a custom tool's call carries
+    free text (`custom.input`) that nothing would judge (the Responses surface refuses every
+    other kind too: HOSTED_TOOLS_WHY)."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ValueError("tools: a list of function tools")
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if kind != "function" or not (
+            isinstance(function, dict) and isinstance(function.get("name"), str)
+        ):
+            shown = f"type `{kind}`" if isinstance(kind, str) else "no type"
+            raise ValueError(
+                f'tools: tool {i} has {shown}: only `{{"type": "function", "function": '
+                '{"name": ...}}` tools are supported (the output guardrails judge a function '
+                "call's arguments, and no other kind of call)"
+            )
+
+
 class StreamOptions(Strict):
     include_usage: StrictBool = False  # as the schema says: "yes" or 1 is a 422
 
@@ -369,6 +392,7 @@ class ChatCompletionRequest(OpenAIGenerationFields):
                     f"{name}: log probabilities are not returned: their tokens would carry text "
                     "the output guardrails withhold or redact"
                 )
+        _function_tools((self.model_extra or {}).get("tools"))
         if not any(m.role == "user" for m in self.messages):
             raise ValueError("messages: at least one message must have the role `user`")
         return self

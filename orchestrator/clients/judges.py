@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -31,7 +32,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from detectors.api import Detection
 
 from ..config import DetectorConfig
-from ..judge_templates import SHIPPED, JudgeContext, JudgePrompt, is_inline
+from ..judge_templates import (
+    LLAMA_GUARD_3_CATEGORIES,
+    SHIPPED,
+    JudgeContext,
+    JudgePrompt,
+    is_inline,
+)
 from .detectors import (
     DetectorCallError,
     RemoteDetectorClient,
@@ -178,12 +185,16 @@ def score_from_text(answer: str, unsafe: frozenset[str], safe: frozenset[str]) -
     return None
 
 
-def category_codes(answer: str) -> list[str]:
-    """Llama Guard's second line, `S1,S10`, as codes (none when there is no second line)."""
+def category_codes(answer: str, known: Collection[str]) -> list[str]:
+    """Llama Guard's second line, `S1,S10`, as codes: only those of `known` (the categories
+    the judge was asked about; none when there is no second line). The line is the judge
+    model's text, which read the text it judges: anything else there could quote what a
+    blocking or redacting judge withholds (`Mix the bomb parts`), and a detection's name
+    reaches the client (a refusal's detections, a `[{entity}]` replacement)."""
     lines = [line.strip() for line in answer.strip().splitlines()]
     if len(lines) < 2:
         return []
-    return [code.strip() for code in lines[1].split(",") if code.strip()]
+    return [code for c in lines[1].split(",") if (code := c.strip()) in known]
 
 
 class JudgeDetectorClient(RemoteDetectorClient):
@@ -280,8 +291,9 @@ class JudgeDetectorClient(RemoteDetectorClient):
         ]
 
     def _detection(self, content: str, score: float, answer: str) -> Detection:
-        codes = category_codes(answer) if score > 0 else []
         names = self.config.categories or {}
+        # the codes the prompt listed: the config's, else Llama Guard 3's (judge_templates)
+        codes = category_codes(answer, names or LLAMA_GUARD_3_CATEGORIES) if score > 0 else []
         entity = ",".join(names.get(c, c) for c in codes) if codes and names else "unsafe"
         return Detection(
             start=0,

@@ -21,7 +21,7 @@ from servicekit.auth import UNAUTHORIZED_MESSAGE
 
 from ..api.errors import ApiError, ErrorType, invalid, not_found
 from ..api.fms_requests import DetectorMap
-from ..api.input_pieces import request_field_chars, request_field_pieces
+from ..api.input_pieces import label_of, request_field_chars, request_field_pieces
 from ..api.openai_chat import (
     TOOL_FIELDS,
     TOOLS_WHY,
@@ -85,9 +85,10 @@ class GenerationAsk:
     # fields guardstream does not interpret (Chat Completions): refused unless every backend of
     # the model forwards them untouched (an `openai` backend with `api: chat`)
     extra: dict[str, Any] = field(default_factory=dict)
-    # their pieces (`request_field_pieces`: counted against max_input_chars, judged by the input
-    # detectors), made once with the rest of the ask: off the event loop for a large body
-    # (serving.bulk_ask); they were walked twice on it, 0.7 s each for 1 MiB of `logit_bias`
+    # their pieces (`request_field_pieces`, labels included: counted against max_input_chars,
+    # judged by the input detectors where a backend receives them), made once with the rest of
+    # the ask: off the event loop for a large body (serving.bulk_ask); they were walked twice on
+    # it, 0.7 s each for 1 MiB of `logit_bias`
     extra_pieces: tuple[InputPiece, ...] = ()
     # the tenant (tenants.py): the models it sees, its guardrails and limits; None: no tenant
     # applies (the model's own guardrails and limits)
@@ -234,8 +235,12 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         raise invalid(
             f"{ask.input_field}: {ask.input_chars} characters exceed this model's limit of {limit}"
         )
+    # an `openai` chat backend receives the labels (`user`, `metadata`, ...) beside the prompt:
+    # judged there; any other backend drops them, and nothing judges what nothing receives
+    receives_labels = any(isinstance(b, OpenAIBackend) and b.api == "chat" for b in config.backends)
+    extra_pieces = [p for p in ask.extra_pieces if receives_labels or label_of(p) is None]
     if ask.extra:  # tool definitions and the like are prompt text too: they count
-        extra_chars, fields = request_field_chars(ask.extra_pieces)
+        extra_chars, fields = request_field_chars(extra_pieces)
         if ask.input_chars + extra_chars > limit:
             raise invalid(
                 f"{fields[0]}: {extra_chars} characters, with the {ask.input_chars} of "
@@ -334,7 +339,7 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         read_coalesce_tokens=server.read_coalesce_tokens,
         read_coalesce_when=state.loop_lag.busy,
         offers_tools=bool(ask.extra.get("tools")),
-        request_pieces=list(ask.extra_pieces),
+        request_pieces=extra_pieces,
         input_verdicts=state.input_verdicts(caller),
     )
 
@@ -380,6 +385,6 @@ def openai_ask(request: web.Request, body: OpenAISurfaceRequest, **asked: Any) -
         request_id=request.get("request_id", ""),
         caller=request.get(CALLER),
         param_fields=OPENAI_PARAM_FIELDS,
-        extra_pieces=tuple(request_field_pieces(extra)) if extra else (),
+        extra_pieces=tuple(request_field_pieces(extra, labels=True)) if extra else (),
         **asked,
     )

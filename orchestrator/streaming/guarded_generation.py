@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from .. import tracing
 from ..api.errors import ApiError, ErrorType
-from ..api.input_pieces import NAME_FIELD, STOP_SEQUENCE_FIELD, request_field_pieces
+from ..api.input_pieces import NAME_FIELD, STOP_SEQUENCE_FIELD, label_of, request_field_pieces
 from ..clients.backend import GenerationError, GenerationRequest, ModelBackend
 from ..clients.migration import MigratingStream
 from ..clients.registry import ChunkerRegistry, RequestedDetector
@@ -208,6 +208,9 @@ class GuardedGeneration(PipelineCore):
         # but cannot be replaced (those and a tool call's name or id): _judge_input's
         self._request_fields: frozenset[tuple[int | None, str | None]] = frozenset()
         self._fixed: frozenset[tuple[int | None, str | None]] = frozenset()
+        # (message_index, field) of the judged pieces of labels (`user`, `metadata`, ...), by
+        # the label they are in: a finding there withholds the label (`_withhold_labels`)
+        self._labels: dict[tuple[int | None, str | None], str] = {}
         self._span = tracing.request_span(backend.model_id)  # None unless tracing is on
 
     @property
@@ -275,6 +278,7 @@ class GuardedGeneration(PipelineCore):
                             return
                 if out:
                     yield out
+            judged = self._withhold_labels(judged)
             redactors = {d.detector_id: d for d in self._input_detectors if d.redacting}
             # block beats redact; an unjudged warning refuses nothing (its judge annotates)
             if any(f.detector_id not in redactors and not f.unjudged for f in judged):
@@ -414,8 +418,11 @@ class GuardedGeneration(PipelineCore):
         pieces = self._request_pieces
         stops += request_field_pieces(self._request.extra) if pieces is None else pieces
         self._request_fields = frozenset((p.message_index, p.field) for p in stops)
+        self._labels = {
+            (p.message_index, p.field): label for p in stops if (label := label_of(p)) is not None
+        }
         conversation = [] if isinstance(self._inputs, str) else self._inputs
-        self._fixed = self._request_fields | frozenset(
+        self._fixed = self._request_fields.difference(self._labels) | frozenset(
             (p.message_index, p.field) for p in conversation if p.fixed
         )
         with tracing.input_detection(self._input_detectors) as span:
@@ -457,6 +464,24 @@ class GuardedGeneration(PipelineCore):
             if span is not None:
                 span.set_attribute("guardstream.detections", len(findings))
         self._inbox.put(_InputJudged(findings))
+
+    def _withhold_labels(self, findings: list[Finding]) -> list[Finding]:
+        """The findings without those in labels (`user`, `metadata`, ...), each of which
+        withholds its label from the backend instead: a label never reaches the model's prompt,
+        so refusing the request for one would refuse what the model never reads, and sending it
+        would hand the upstream what an input guardrail flagged (its provider logs them). Any
+        finding withholds, whatever the detector does with the prompt (an `unjudged` warning
+        too: fail closed)."""
+        if not self._labels:
+            return findings
+        flagged = {
+            self._labels[k] for f in findings if (k := (f.message_index, f.field)) in self._labels
+        }
+        if not flagged:
+            return findings
+        extra = {k: v for k, v in self._request.extra.items() if k not in flagged}
+        self._request = replace(self._request, extra=extra)
+        return [f for f in findings if (f.message_index, f.field) not in self._labels]
 
     async def _judge_as_redacted(
         self, findings: list[Finding], redactors: dict[str, RequestedDetector]
