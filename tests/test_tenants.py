@@ -1227,3 +1227,63 @@ async def test_detection_requests_count_against_a_tenants_concurrent_streams(eng
         status, reply = await orch.post(CONTENT_PATH, requests[0][1], headers=A)
         assert (status, [d["text"] for d in reply["detections"]]) == (200, ["jo@example.com"])
         assert gate["a"].streams == 0  # given back when the request ended
+
+
+async def test_a_token_budget_bounds_a_tenants_streams_running_at_once(engine) -> None:
+    """Repro: a tenant's tokens were charged only when a stream ended, and a request was
+    admitted while the bucket was positive: streams started together were all admitted. With a
+    budget of 60 tokens per minute (and no limit on its streams), a tenant held one 100-token
+    stream open and started as many more as it liked, each admitted against the untouched 60,
+    the whole engine spent on its behalf while the other tenants waited. Now a request holds
+    its token budget plus a quarter of its prompt's characters from admission until it ends
+    (then it is charged what it spent): the second stream is refused while the first runs,
+    the other tenant is not, and once the first ends the bucket is what it spent left."""
+    config = tenants_config(engine.url, tokens_per_minute=TOKENS_PER_MINUTE)
+    async with Orchestrator(config) as orch:
+        frozen(orch)
+        assert orch.session is not None and orch.runner is not None
+        gate = orch.runner.app[STATE].gates
+        # a request refused after its hold was taken (its masks lie past its text) gives it back
+        beyond = generation_body("Hi", model_id=PRIVATE)
+        beyond["guardrail_config"] = {"input": {"masks": [[0, 5]]}}
+        assert (await orch.post(STREAMING_PATH, beyond, headers=A))[0] == 422
+        assert gate["a"].tokens is not None and gate["a"].tokens.level() == TOKENS_PER_MINUTE
+        engine.hold_after = 1  # every stream waits after its first token until released
+        long_prompt = "x" * 100  # the fake engine counts a token per character
+        # the private model: a has no output guardrail there to hold the first token back
+        held = generation_body(long_prompt, params={"max_new_tokens": 8}, model_id=PRIVATE)
+        async with orch.session.post(orch.url + STREAMING_PATH, json=held, headers=A) as first:
+            assert first.status == 200
+            frame = json.loads((await first.content.readuntil(b"\n\n")).decode()[len("data: ") :])
+            assert frame["generated_text"] == SCRIPT[0]
+            # 8 + 100 // 4 = 33 of 60 held: a's bucket holds 27, and a's next request of the
+            # same size is admitted against it; the one after is refused, before any byte
+            second = asyncio.create_task(orch.stream(held, headers=A))
+            await engine.wait_requests(2)
+            async with orch.session.post(orch.url + STREAMING_PATH, json=held, headers=A) as r:
+                assert r.status == 429  # before reading: an admitted stream is held open
+                refused = (r.status, await r.json(), r.headers["Retry-After"])
+            # 60 - 2 * 33 = -6: positive again after 7 s at a token a second
+            assert refused == (
+                429,
+                {
+                    "code": 429,
+                    "details": f"tenant `a`: over its budget of {TOKENS_PER_MINUTE} tokens per "
+                    "minute",
+                    "type": "overloaded",
+                },
+                "7",
+            )
+            assert len(engine.requests) == 2  # the refused request never reached the engine
+            # b's own budget is untouched (it has none): served while a's streams run
+            b_done = asyncio.create_task(orch.stream(generation_body(), headers=B))
+            await engine.wait_requests(3)
+            engine.release.set()
+            rest = await first.read()
+        assert terminal(sse_events(rest.decode())).name == "completed"
+        assert terminal(await finished(second)).name == "completed"
+        assert terminal(await finished(b_done)).name == "completed"
+        # each stream charged what it spent (100 + 4 tokens), its hold given back: 60 - 208
+        assert gate["a"].tokens.level() == TOKENS_PER_MINUTE - 2 * 104
+        status, _ = await orch.post(STREAMING_PATH, generation_body(), headers=A)
+        assert status == 429
