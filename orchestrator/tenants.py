@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from servicekit.auth import ApiKeysError, Compare, KeyRing, api_keys_from_env
+from servicekit.auth import UNAUTHORIZED_MESSAGE, ApiKeysError, Compare, KeyRing, api_keys_from_env
 
 from .api.errors import ApiError, ErrorType
 from .clients.registry import DetectorRegistry, EnforcedGuardrails, RequestedDetector
@@ -252,6 +252,19 @@ class Caller:
 
 
 CALLER = web.RequestKey("guardstream_caller", Caller)
+
+
+def confirm_caller(request: web.Request) -> Tenant | None:
+    """The request's tenant as the config in force now has it, once its body has come (a
+    reload may have happened while it was on its way): 401 when its key no longer names that
+    tenant, on every endpoint alike. None where the request has no tenant (an open path)."""
+    caller = request.get(CALLER)
+    if caller is None:
+        return None
+    tenant = caller.current()
+    if tenant is None:
+        raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+    return tenant
 
 
 @dataclass(frozen=True)

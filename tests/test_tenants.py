@@ -692,14 +692,20 @@ async def test_a_reload_applies_to_new_requests_while_a_running_stream_finishes_
     assert seen["policy"] != old_policy
 
 
-async def late_body(orch: Orchestrator, body: bytes, gate: asyncio.Event) -> tuple[int, str, bytes]:
+async def late_body(
+    orch: Orchestrator,
+    body: bytes,
+    gate: asyncio.Event,
+    path: str = STREAMING_PATH,
+    content_type: str = "application/json",
+) -> tuple[int, str, bytes]:
     """A request whose head (and a first part of the body) is sent now and the rest once `gate`
     is set: raw HTTP/1.0, so the reply is read to the end of the connection. Its status, its
     policy header (or "") and its body."""
     host, port = orch.url.rsplit("/", 1)[-1].rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     head = (
-        f"POST {STREAMING_PATH} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json"
+        f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Type: {content_type}"
         f"\r\nAuthorization: Bearer {A_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     try:
@@ -716,13 +722,22 @@ async def late_body(orch: Orchestrator, body: bytes, gate: asyncio.Event) -> tup
 
 
 async def reload_while_a_body_is_awaited(
-    orch: Orchestrator, path: Path, config: dict[str, Any]
+    orch: Orchestrator,
+    path: Path,
+    config: dict[str, Any],
+    request: tuple[str, bytes, str] | None = None,
 ) -> tuple[int, str, bytes]:
-    """`late_body` of a generation request, admitted (its head read) before `config` is written
-    and reloaded, its body sent after."""
+    """`late_body` of a request (a generation request, else `request`: its path, body and
+    content type), admitted (its head read) before `config` is written and reloaded, its body
+    sent after."""
     state = orch.runner.app[STATE]
     gate = asyncio.Event()
-    early = asyncio.create_task(late_body(orch, json.dumps(generation_body()).encode(), gate))
+    path_to, body, content_type = request or (
+        STREAMING_PATH,
+        json.dumps(generation_body()).encode(),
+        "application/json",
+    )
+    early = asyncio.create_task(late_body(orch, body, gate, path_to, content_type))
     await until(lambda: state.admitted.running == 1, 10, "the request admitted")
     write(path, config)
     assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
@@ -847,6 +862,52 @@ async def test_a_rotated_key_is_refused_after_a_reload(
         {"code": 401, "details": UNAUTHORIZED_MESSAGE, "type": "unauthorized"},
     )
     assert engine.requests == []
+
+
+MAIL = "Mail jo@example.com."
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        (CONTENT_PATH, {"content": MAIL, "detectors": {"pii": {}}}),
+        (
+            CHAT_DETECTION_ONLY_PATH,
+            {"messages": [{"role": "user", "content": MAIL}], "detectors": {"pii": {}}},
+        ),
+        (
+            GENERATED_DETECTION_PATH,
+            {"prompt": "Who?", "generated_text": MAIL, "detectors": {"pii": {}}},
+        ),
+        (STREAM_CONTENT_PATH, {"content": MAIL, "detectors": {"pii": {}}}),
+    ],
+    ids=["content", "chat", "generated", "stream-content"],
+)
+async def test_a_key_a_reload_took_away_is_refused_on_every_endpoint_once_the_body_comes(
+    engine, admin, tmp_path: Path, request_: tuple[str, dict[str, Any]]
+) -> None:
+    """Repro: only the generation endpoints resolved a request's key again once its body had
+    come (README "Tenants": "a key the reload took away is a 401"). A client that opened
+    detection requests (headers only) with a key, which the operator then rotated away, sent
+    their bodies afterwards and was served on /content, /chat, /generated and stream-content,
+    for as long as the request timeout let it wait: 200 with the detections."""
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    url_path, body = request_
+    ndjson = url_path == STREAM_CONTENT_PATH
+    raw = json.dumps(body).encode() + (b"\n" if ndjson else b"")
+    content_type = NDJSON if ndjson else "application/json"
+    async with Orchestrator(path) as orch:
+        config["tenants"]["a"]["keys_env"] = "TENANT_A_KEYS_NEXT"
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("TENANT_A_KEYS_NEXT", "the-new-key-of-a")
+            status, _, reply = await reload_while_a_body_is_awaited(
+                orch, path, config, (url_path, raw, content_type)
+            )
+    assert (status, json.loads(reply)) == (
+        401,
+        {"code": 401, "details": UNAUTHORIZED_MESSAGE, "type": "unauthorized"},
+    )
 
 
 async def test_sighup_reloads_the_served_config(engine, admin, tmp_path: Path, monkeypatch) -> None:
