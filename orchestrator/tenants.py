@@ -240,14 +240,18 @@ class Caller:
     def current(self) -> Tenant | None:
         """The tenant as the config in force now has it: what a pipeline built now must judge
         with. A request is admitted at its head and may send its body long after (up to the
-        request timeout): a reload in between must not leave it the policy it replaced. None
-        when the key no longer names this tenant (its gate counts this tenant's streams)."""
+        request timeout): a reload in between must not leave it the policy it replaced, nor
+        the limits (its gate takes the new ones now, not at the tenant's next request head: a
+        tenant that sent no new request had its pre-opened ones counted by the old limits).
+        None when the key no longer names this tenant (its gate counts this tenant's streams)."""
         if self.resolve_again is None:
             return self.tenant
         tenant = self.resolve_again()
         if tenant is None or tenant.id != self.tenant.id:
             return None
         self.tenant = tenant
+        if self.gate.configured is not tenant.limits:
+            self.gate.apply(tenant.limits)
         return tenant
 
 

@@ -910,6 +910,46 @@ async def test_a_key_a_reload_took_away_is_refused_on_every_endpoint_once_the_bo
     )
 
 
+async def test_a_request_whose_body_comes_after_a_reload_gets_the_new_limits(
+    engine, admin, tmp_path: Path
+) -> None:
+    """Repro: a request whose body came after a reload was judged by the new guardrails, but
+    counted against the limits its tenant had before: the gate took the new limits only at the
+    tenant's next request head. A tenant that opened requests (headers only) before the operator
+    held it to one stream at a time sent their bodies after the reload, and as long as it sent
+    no new request, every one of them streamed at once. Now the limits are resolved again with
+    the tenant: the second is refused, before any byte."""
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        assert orch.runner is not None
+        state = orch.runner.app[STATE]
+        engine.hold_after = 1  # the first stream stays open after its first token
+        raw = json.dumps(generation_body(model_id=PRIVATE)).encode()
+        gates = [asyncio.Event(), asyncio.Event()]
+        early = [asyncio.create_task(late_body(orch, raw, gate)) for gate in gates]
+        await until(lambda: state.admitted.running == 2, 10, "both requests admitted")
+        config["tenants"]["a"]["limits"] = {"max_concurrent_streams": 1}
+        write(path, config)
+        assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+        gates[0].set()
+        await engine.wait_requests(1)
+        gates[1].set()
+        status, _, reply = await finished(early[1], 30, "the second request")
+        assert (status, json.loads(reply)) == (
+            429,
+            {
+                "code": 429,
+                "details": "tenant `a`: too many concurrent streams (limit 1)",
+                "type": "overloaded",
+            },
+        )
+        engine.release.set()
+        status, _, reply = await finished(early[0], 30, "the first request")
+    assert status == 200 and terminal(sse_events(reply.decode())).name == "completed"
+    assert len(engine.requests) == 1
+
+
 async def test_sighup_reloads_the_served_config(engine, admin, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TENANT_A_KEYS_NEXT", "the-new-key-of-a")
     config = reloadable(engine.url)
