@@ -366,6 +366,7 @@ def auth_middleware(state: AppState, open_paths: frozenset[str] = PROBE_PATHS) -
         try:
             return await handler(request)
         finally:
+            caller.release_tokens()  # a hold its stream did not settle (refused, never run)
             admitted.leave()
 
     return check

@@ -352,8 +352,9 @@ class TenantLimits(Strict):
     """Requests per minute, a token bucket refilled continuously (a burst of up to this many)."""
     tokens_per_minute: int | None = Field(None, ge=1)
     """Prompt plus generated tokens per minute, a token bucket refilled continuously: a
-    generation request is admitted while the bucket is positive and is charged its tokens
-    when it ends."""
+    generation request is admitted while the bucket is positive, holds its max_new_tokens plus
+    a quarter of its prompt's characters from then on (so requests started together each see
+    the others'), and is charged the tokens it spent when it ends."""
     max_new_tokens: int | None = Field(None, ge=1)
     """Largest token budget a request may ask for (under the model's own limit)."""
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from servicekit.auth import ApiKeysError, Compare, KeyRing, api_keys_from_env
+from servicekit.auth import UNAUTHORIZED_MESSAGE, ApiKeysError, Compare, KeyRing, api_keys_from_env
 
 from .api.errors import ApiError, ErrorType
 from .clients.registry import DetectorRegistry, EnforcedGuardrails, RequestedDetector
@@ -32,6 +32,10 @@ from .config import ALL_MODELS, DEFAULT_TENANT, Config, ConfigError, TenantLimit
 from .rate_limits import Clock, TokenBucket
 
 POLICY_HASH_CHARS = 12
+# A prompt's tokens as a request's hold estimates them before any engine has counted them:
+# about four characters a token, what English text averages under BPE tokenizers (the request is
+# charged the engine's count when it ends)
+PROMPT_CHARS_PER_TOKEN = 4
 
 
 class RateLimited(ApiError):
@@ -134,6 +138,14 @@ class TenantGate:
         if self.tokens is not None and tokens > 0:
             self.tokens.charge(tokens)
 
+    def hold_tokens(self, amount: int) -> TokenHold | None:
+        """Takes `amount` from the token bucket now, for a request just admitted (None without
+        a token budget): `TokenHold` settles it when the request ends."""
+        if self.tokens is None or amount <= 0:
+            return None
+        self.tokens.charge(amount)
+        return TokenHold(self, amount)
+
     def take_stream(self, tenant_id: str) -> None:
         limit = self.limits.max_concurrent_streams
         if limit is not None and self.streams >= limit:
@@ -153,6 +165,40 @@ class TenantGate:
         self.streams -= 1
 
 
+class TokenHold:
+    """What a running request holds of its tenant's token budget: its max_new_tokens and an
+    estimate of its prompt (`PROMPT_CHARS_PER_TOKEN`), taken when it is admitted. Charging only
+    what a stream spent when it ended let every stream started together pass a bucket none of
+    them had touched yet: a tenant's budget bounded its streams one after another, not at once.
+    The request then pays what it spent (`settle`), or, ended before generating anything,
+    gives the hold back (`release`); either order, once each."""
+
+    def __init__(self, gate: TenantGate, amount: int) -> None:
+        self._gate = gate
+        self.amount = amount
+        self._settled = False
+        self._released = False
+
+    def settle(self, spent: int) -> None:
+        """The request's tokens, counted when its stream ended (or its client left)."""
+        if self._settled:
+            return
+        self._settled = True
+        held = 0 if self._released else self.amount
+        self._released = True
+        if self._gate.tokens is not None:  # the bucket of now: a reload may have replaced it
+            self._gate.tokens.charge(spent - held)
+
+    def release(self) -> None:
+        """The request has ended: a hold it did not settle (refused, or no stream ran) goes
+        back."""
+        if self._released:
+            return
+        self._released = True
+        if self._gate.tokens is not None:
+            self._gate.tokens.charge(-self.amount)
+
+
 @dataclass
 class Caller:
     """The tenant of one request (on the request as `CALLER`): the snapshot it was admitted
@@ -164,25 +210,65 @@ class Caller:
     policy: str = field(default="")
     # the tenant the request's key names in the config in force now (None: no longer any)
     resolve_again: Callable[[], Tenant | None] | None = None
+    # what its generation holds of the tenant's token budget until it ends (`hold_tokens`)
+    held: TokenHold | None = None
 
     def __post_init__(self) -> None:
         self.policy = self.policy or self.tenant.policy
 
+    def hold_tokens(self, max_new_tokens: int, prompt_chars: int) -> None:
+        """Admits the generation against its tenant's token budget (429 while the bucket is
+        not positive) and holds its worst case in the bucket until it ends: `max_new_tokens`
+        and its prompt's characters over PROMPT_CHARS_PER_TOKEN."""
+        self.gate.admit_tokens(self.tenant.id)
+        if self.held is None:
+            estimate = max_new_tokens + prompt_chars // PROMPT_CHARS_PER_TOKEN
+            self.held = self.gate.hold_tokens(estimate)
+
+    def settle_tokens(self, spent: int) -> None:
+        """The tokens its stream spent (its hold given back), or just charged without one."""
+        if self.held is not None:
+            self.held.settle(spent)
+        else:
+            self.gate.charge_tokens(spent)
+
+    def release_tokens(self) -> None:
+        """The request has ended: a hold its stream did not settle goes back."""
+        if self.held is not None:
+            self.held.release()
+
     def current(self) -> Tenant | None:
         """The tenant as the config in force now has it: what a pipeline built now must judge
         with. A request is admitted at its head and may send its body long after (up to the
-        request timeout): a reload in between must not leave it the policy it replaced. None
-        when the key no longer names this tenant (its gate counts this tenant's streams)."""
+        request timeout): a reload in between must not leave it the policy it replaced, nor
+        the limits (its gate takes the new ones now, not at the tenant's next request head: a
+        tenant that sent no new request had its pre-opened ones counted by the old limits).
+        None when the key no longer names this tenant (its gate counts this tenant's streams)."""
         if self.resolve_again is None:
             return self.tenant
         tenant = self.resolve_again()
         if tenant is None or tenant.id != self.tenant.id:
             return None
         self.tenant = tenant
+        if self.gate.configured is not tenant.limits:
+            self.gate.apply(tenant.limits)
         return tenant
 
 
 CALLER = web.RequestKey("guardstream_caller", Caller)
+
+
+def confirm_caller(request: web.Request) -> Tenant | None:
+    """The request's tenant as the config in force now has it, once its body has come (a
+    reload may have happened while it was on its way): 401 when its key no longer names that
+    tenant, on every endpoint alike. None where the request has no tenant (an open path)."""
+    caller = request.get(CALLER)
+    if caller is None:
+        return None
+    tenant = caller.current()
+    if tenant is None:
+        raise ApiError(401, ErrorType.UNAUTHORIZED, UNAUTHORIZED_MESSAGE)
+    return tenant
 
 
 @dataclass(frozen=True)

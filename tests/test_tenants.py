@@ -692,14 +692,20 @@ async def test_a_reload_applies_to_new_requests_while_a_running_stream_finishes_
     assert seen["policy"] != old_policy
 
 
-async def late_body(orch: Orchestrator, body: bytes, gate: asyncio.Event) -> tuple[int, str, bytes]:
+async def late_body(
+    orch: Orchestrator,
+    body: bytes,
+    gate: asyncio.Event,
+    path: str = STREAMING_PATH,
+    content_type: str = "application/json",
+) -> tuple[int, str, bytes]:
     """A request whose head (and a first part of the body) is sent now and the rest once `gate`
     is set: raw HTTP/1.0, so the reply is read to the end of the connection. Its status, its
     policy header (or "") and its body."""
     host, port = orch.url.rsplit("/", 1)[-1].rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     head = (
-        f"POST {STREAMING_PATH} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json"
+        f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Type: {content_type}"
         f"\r\nAuthorization: Bearer {A_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     try:
@@ -716,13 +722,22 @@ async def late_body(orch: Orchestrator, body: bytes, gate: asyncio.Event) -> tup
 
 
 async def reload_while_a_body_is_awaited(
-    orch: Orchestrator, path: Path, config: dict[str, Any]
+    orch: Orchestrator,
+    path: Path,
+    config: dict[str, Any],
+    request: tuple[str, bytes, str] | None = None,
 ) -> tuple[int, str, bytes]:
-    """`late_body` of a generation request, admitted (its head read) before `config` is written
-    and reloaded, its body sent after."""
+    """`late_body` of a request (a generation request, else `request`: its path, body and
+    content type), admitted (its head read) before `config` is written and reloaded, its body
+    sent after."""
     state = orch.runner.app[STATE]
     gate = asyncio.Event()
-    early = asyncio.create_task(late_body(orch, json.dumps(generation_body()).encode(), gate))
+    path_to, body, content_type = request or (
+        STREAMING_PATH,
+        json.dumps(generation_body()).encode(),
+        "application/json",
+    )
+    early = asyncio.create_task(late_body(orch, body, gate, path_to, content_type))
     await until(lambda: state.admitted.running == 1, 10, "the request admitted")
     write(path, config)
     assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
@@ -847,6 +862,92 @@ async def test_a_rotated_key_is_refused_after_a_reload(
         {"code": 401, "details": UNAUTHORIZED_MESSAGE, "type": "unauthorized"},
     )
     assert engine.requests == []
+
+
+MAIL = "Mail jo@example.com."
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        (CONTENT_PATH, {"content": MAIL, "detectors": {"pii": {}}}),
+        (
+            CHAT_DETECTION_ONLY_PATH,
+            {"messages": [{"role": "user", "content": MAIL}], "detectors": {"pii": {}}},
+        ),
+        (
+            GENERATED_DETECTION_PATH,
+            {"prompt": "Who?", "generated_text": MAIL, "detectors": {"pii": {}}},
+        ),
+        (STREAM_CONTENT_PATH, {"content": MAIL, "detectors": {"pii": {}}}),
+    ],
+    ids=["content", "chat", "generated", "stream-content"],
+)
+async def test_a_key_a_reload_took_away_is_refused_on_every_endpoint_once_the_body_comes(
+    engine, admin, tmp_path: Path, request_: tuple[str, dict[str, Any]]
+) -> None:
+    """Repro: only the generation endpoints resolved a request's key again once its body had
+    come (README "Tenants": "a key the reload took away is a 401"). A client that opened
+    detection requests (headers only) with a key, which the operator then rotated away, sent
+    their bodies afterwards and was served on /content, /chat, /generated and stream-content,
+    for as long as the request timeout let it wait: 200 with the detections."""
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    url_path, body = request_
+    ndjson = url_path == STREAM_CONTENT_PATH
+    raw = json.dumps(body).encode() + (b"\n" if ndjson else b"")
+    content_type = NDJSON if ndjson else "application/json"
+    async with Orchestrator(path) as orch:
+        config["tenants"]["a"]["keys_env"] = "TENANT_A_KEYS_NEXT"
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("TENANT_A_KEYS_NEXT", "the-new-key-of-a")
+            status, _, reply = await reload_while_a_body_is_awaited(
+                orch, path, config, (url_path, raw, content_type)
+            )
+    assert (status, json.loads(reply)) == (
+        401,
+        {"code": 401, "details": UNAUTHORIZED_MESSAGE, "type": "unauthorized"},
+    )
+
+
+async def test_a_request_whose_body_comes_after_a_reload_gets_the_new_limits(
+    engine, admin, tmp_path: Path
+) -> None:
+    """Repro: a request whose body came after a reload was judged by the new guardrails, but
+    counted against the limits its tenant had before: the gate took the new limits only at the
+    tenant's next request head. A tenant that opened requests (headers only) before the operator
+    held it to one stream at a time sent their bodies after the reload, and as long as it sent
+    no new request, every one of them streamed at once. Now the limits are resolved again with
+    the tenant: the second is refused, before any byte."""
+    config = reloadable(engine.url)
+    path = write(tmp_path / "config.yaml", config)
+    async with Orchestrator(path) as orch:
+        assert orch.runner is not None
+        state = orch.runner.app[STATE]
+        engine.hold_after = 1  # the first stream stays open after its first token
+        raw = json.dumps(generation_body(model_id=PRIVATE)).encode()
+        gates = [asyncio.Event(), asyncio.Event()]
+        early = [asyncio.create_task(late_body(orch, raw, gate)) for gate in gates]
+        await until(lambda: state.admitted.running == 2, 10, "both requests admitted")
+        config["tenants"]["a"]["limits"] = {"max_concurrent_streams": 1}
+        write(path, config)
+        assert await reload(orch) == (200, {"reloaded": True, "tenants": ["a", "b"]})
+        gates[0].set()
+        await engine.wait_requests(1)
+        gates[1].set()
+        status, _, reply = await finished(early[1], 30, "the second request")
+        assert (status, json.loads(reply)) == (
+            429,
+            {
+                "code": 429,
+                "details": "tenant `a`: too many concurrent streams (limit 1)",
+                "type": "overloaded",
+            },
+        )
+        engine.release.set()
+        status, _, reply = await finished(early[0], 30, "the first request")
+    assert status == 200 and terminal(sse_events(reply.decode())).name == "completed"
+    assert len(engine.requests) == 1
 
 
 async def test_sighup_reloads_the_served_config(engine, admin, tmp_path: Path, monkeypatch) -> None:
@@ -1227,3 +1328,63 @@ async def test_detection_requests_count_against_a_tenants_concurrent_streams(eng
         status, reply = await orch.post(CONTENT_PATH, requests[0][1], headers=A)
         assert (status, [d["text"] for d in reply["detections"]]) == (200, ["jo@example.com"])
         assert gate["a"].streams == 0  # given back when the request ended
+
+
+async def test_a_token_budget_bounds_a_tenants_streams_running_at_once(engine) -> None:
+    """Repro: a tenant's tokens were charged only when a stream ended, and a request was
+    admitted while the bucket was positive: streams started together were all admitted. With a
+    budget of 60 tokens per minute (and no limit on its streams), a tenant held one 100-token
+    stream open and started as many more as it liked, each admitted against the untouched 60,
+    the whole engine spent on its behalf while the other tenants waited. Now a request holds
+    its token budget plus a quarter of its prompt's characters from admission until it ends
+    (then it is charged what it spent): the second stream is refused while the first runs,
+    the other tenant is not, and once the first ends the bucket is what it spent left."""
+    config = tenants_config(engine.url, tokens_per_minute=TOKENS_PER_MINUTE)
+    async with Orchestrator(config) as orch:
+        frozen(orch)
+        assert orch.session is not None and orch.runner is not None
+        gate = orch.runner.app[STATE].gates
+        # a request refused after its hold was taken (its masks lie past its text) gives it back
+        beyond = generation_body("Hi", model_id=PRIVATE)
+        beyond["guardrail_config"] = {"input": {"masks": [[0, 5]]}}
+        assert (await orch.post(STREAMING_PATH, beyond, headers=A))[0] == 422
+        assert gate["a"].tokens is not None and gate["a"].tokens.level() == TOKENS_PER_MINUTE
+        engine.hold_after = 1  # every stream waits after its first token until released
+        long_prompt = "x" * 100  # the fake engine counts a token per character
+        # the private model: a has no output guardrail there to hold the first token back
+        held = generation_body(long_prompt, params={"max_new_tokens": 8}, model_id=PRIVATE)
+        async with orch.session.post(orch.url + STREAMING_PATH, json=held, headers=A) as first:
+            assert first.status == 200
+            frame = json.loads((await first.content.readuntil(b"\n\n")).decode()[len("data: ") :])
+            assert frame["generated_text"] == SCRIPT[0]
+            # 8 + 100 // 4 = 33 of 60 held: a's bucket holds 27, and a's next request of the
+            # same size is admitted against it; the one after is refused, before any byte
+            second = asyncio.create_task(orch.stream(held, headers=A))
+            await engine.wait_requests(2)
+            async with orch.session.post(orch.url + STREAMING_PATH, json=held, headers=A) as r:
+                assert r.status == 429  # before reading: an admitted stream is held open
+                refused = (r.status, await r.json(), r.headers["Retry-After"])
+            # 60 - 2 * 33 = -6: positive again after 7 s at a token a second
+            assert refused == (
+                429,
+                {
+                    "code": 429,
+                    "details": f"tenant `a`: over its budget of {TOKENS_PER_MINUTE} tokens per "
+                    "minute",
+                    "type": "overloaded",
+                },
+                "7",
+            )
+            assert len(engine.requests) == 2  # the refused request never reached the engine
+            # b's own budget is untouched (it has none): served while a's streams run
+            b_done = asyncio.create_task(orch.stream(generation_body(), headers=B))
+            await engine.wait_requests(3)
+            engine.release.set()
+            rest = await first.read()
+        assert terminal(sse_events(rest.decode())).name == "completed"
+        assert terminal(await finished(second)).name == "completed"
+        assert terminal(await finished(b_done)).name == "completed"
+        # each stream charged what it spent (100 + 4 tokens), its hold given back: 60 - 208
+        assert gate["a"].tokens.level() == TOKENS_PER_MINUTE - 2 * 104
+        status, _ = await orch.post(STREAMING_PATH, generation_body(), headers=A)
+        assert status == 429

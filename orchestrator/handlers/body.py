@@ -21,6 +21,7 @@ from ..api.errors import ApiError, ErrorType, invalid
 from ..errors import BODY_TIMED_OUT
 from ..state import STATE
 from ..streaming.text_judgement import BULK_CHARS, off_loop
+from ..tenants import confirm_caller
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -371,6 +372,7 @@ async def read_body(request: web.Request) -> bytes:
             request.content, min(server.body_idle_timeout_s, remaining), idle=idle
         )
         if not chunk:
+            confirm_caller(request)  # a reload while it came may have taken its key away
             return b"".join(parts)
         size += len(chunk)
         if size > limit:

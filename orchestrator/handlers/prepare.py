@@ -228,7 +228,6 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
     target = find_model(state, ask.model, tenant)
     if caller is not None:
         caller.policy = caller.tenant.policies[target.model_id]  # x-guardstream-policy
-        caller.gate.admit_tokens(caller.tenant.id)
     config = target.config
     limit = config.limits.max_input_chars
     if ask.input_chars > limit:
@@ -247,6 +246,10 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
                 f"{ask.input_field}, exceed this model's limit of {limit}"
             )
     max_new = budget(target, ask.max_tokens, ask.max_tokens_field, tenant)
+    if caller is not None:
+        # admitted and held in one step (no await since `current`): requests started together
+        # each see the others' holds
+        caller.hold_tokens(max_new, ask.input_chars)
     if ask.decoding.min_new_tokens > max_new:
         raise invalid(f"{ask.min_tokens_field}: must not exceed max_new_tokens")
     forwards = all(isinstance(b, OpenAIBackend) and b.api == "chat" for b in config.backends)
@@ -333,7 +336,7 @@ async def prepare(state: AppState, ask: GenerationAsk) -> GuardedGeneration:
         observer=state.metrics.observer(
             target.model_id,
             tenant.id if tenant is not None else None,
-            caller.gate.charge_tokens if caller is not None else None,
+            caller.settle_tokens if caller is not None else None,
         ),
         keepalive_s=server.sse_keepalive_s if ask.stream else None,
         read_coalesce_tokens=server.read_coalesce_tokens,

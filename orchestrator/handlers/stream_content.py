@@ -22,6 +22,7 @@ from ..api.fms_requests import StreamContentLine
 from ..state import STATE
 from ..streaming.content_stream import ContentStream
 from ..streaming.ndjson_writer import NdjsonWriter
+from ..tenants import confirm_caller
 from .body import check_content_encoding, parse_json, read_chunk, too_large, validate
 from .serving import serve
 
@@ -113,6 +114,8 @@ async def prepare_content(request: web.Request) -> ContentStream:
     first_raw = await body.next()
     if first_raw is None:
         raise invalid("the body holds no line")
+    # the stream starts with its first line: a key a reload took away before it is refused
+    confirm_caller(request)
     first = _parse_line(first_raw, first=True)
     assert state.detectors is not None and first.detectors
     dets = state.detectors.resolve(first.detectors, "content", "detectors")
