@@ -5,6 +5,7 @@ spans outside the content, too many detections or too many bytes is a `detector_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from orchestrator.clients.migration import (
     TEMPLATE_ALLOWANCE_TOKENS,
     TEXT_ALLOWANCE_CHARS,
 )
+from tests.fakes.clock import manual_detector_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault, GatedEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
@@ -315,12 +317,15 @@ UNITS_SCRIPT = [
     ids=["html", "cut-body", "trickle"],
 )
 async def test_a_reply_that_is_no_reply_fails_an_enforced_redaction_closed(
-    behaviour, message
+    behaviour, message, monkeypatch
 ) -> None:
     """A 200 that is an HTML page, a body cut mid-write, a body that trickles for ever (each
     byte in time for any idle timeout; the detector's timeout_s bounds the whole call): the
     detector has not judged the text, so an enforced redacting guardrail releases none of it
-    and the client is told which detector failed, and how, in the stream's terminal event."""
+    and the client is told which detector failed, and how, in the stream's terminal event.
+    The timeout runs on a manual clock: it ends the trickle when the test moves it past 1 s
+    (and not at half of it), whatever the machine's speed."""
+    clock = manual_detector_clock(monkeypatch)
     engine = FakeEngine(script=list(UNITS_SCRIPT))
     dets = FakeDetectorServer()
     dets.add("pii", behaviour)
@@ -330,13 +335,28 @@ async def test_a_reply_that_is_no_reply_fails_an_enforced_redaction_closed(
     config = native_config(
         engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
     )
+
+    async def generate(orch: Orchestrator) -> tuple[int, bytes]:
+        assert orch.session is not None
+        async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
+            return r.status, await r.read()
+
     try:
         async with Orchestrator(config) as orch:
-            assert orch.session is not None
-            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
-                status, raw = r.status, await r.read()
+            reading = asyncio.create_task(generate(orch))
+            if behaviour.trickle:
+                await until(
+                    lambda: dets.trickling >= 1 and clock.armed >= 1,
+                    what="the detector trickling its reply",
+                )
+                armed = clock.armed
+                clock.advance(0.5)
+                assert clock.armed == armed and dets.cancelled == 0  # within timeout_s
+                clock.advance(0.5)
+                assert clock.armed < armed  # timeout_s is up: the call's bound fires
+            status, raw = await reading
         if behaviour.trickle:  # the call was dropped, not left trickling
-            await until(lambda: dets.cancelled == 1, what="the trickling reply abandoned")
+            await until(lambda: dets.cancelled >= 1, what="the trickling reply abandoned")
     finally:
         await dets.close()
         await engine.close()

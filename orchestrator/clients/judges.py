@@ -32,6 +32,7 @@ from detectors.api import Detection
 
 from ..config import DetectorConfig
 from ..judge_templates import SHIPPED, JudgeContext, JudgePrompt, is_inline
+from .detector_timeout import detector_timeout
 from .detectors import (
     DetectorCallError,
     RemoteDetectorClient,
@@ -265,7 +266,7 @@ class JudgeDetectorClient(RemoteDetectorClient):
             if output:
                 prefix += content
         try:
-            async with asyncio.timeout(self.config.timeout_s):
+            async with detector_timeout(self.config.timeout_s):
                 async with asyncio.TaskGroup() as tg:
                     calls = [tg.create_task(self._judge_one(p)) for p in prompts]
         except* DetectorCallError as group:
