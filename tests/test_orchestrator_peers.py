@@ -34,9 +34,11 @@ from tests.orchestrator_support import (
     Orchestrator,
     frames,
     generation_body,
+    guarded_config,
     native_config,
     remote,
     sse_events,
+    stream_through,
     terminal,
 )
 from tests.wait_support import until
@@ -332,18 +334,10 @@ async def test_a_reply_that_is_no_reply_fails_an_enforced_redaction_closed(
     await engine.start()
     await dets.start()
     pii = {**remote(dets.url), "on_detection": "redact", "timeout_s": 1}
-    config = native_config(
-        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
-    )
-
-    async def generate(orch: Orchestrator) -> tuple[int, bytes]:
-        assert orch.session is not None
-        async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
-            return r.status, await r.read()
-
+    config = guarded_config(engine.url, {"pii": pii})
     try:
         async with Orchestrator(config) as orch:
-            reading = asyncio.create_task(generate(orch))
+            reading = asyncio.create_task(orch.raw(STREAMING_PATH, generation_body()))
             if behaviour.trickle:
                 await until(
                     lambda: dets.trickling >= 1 and clock.armed >= 1,
@@ -373,24 +367,17 @@ async def test_an_empty_span_a_redactor_flags_fails_closed() -> None:
     classifier that gives its verdict without a place) cannot be redacted. Repro: the whole
     sentence went out raw past the enforced redacting guardrail, with a warning and the
     detection beside it. It is a detector_error: what the detector flagged is not released."""
-    engine = FakeEngine(script=list(UNITS_SCRIPT))
     dets = FakeDetectorServer()
     flag = detection(start=0, end=0, text="", detection="toxic", score=0.99)
     dets.add("pii", DetectorBehaviour(reply=[[flag]]))
-    await engine.start()
     await dets.start()
     pii = {**remote(dets.url), "on_detection": "redact"}
-    config = native_config(
-        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
-    )
     try:
-        async with Orchestrator(config) as orch:
-            assert orch.session is not None
-            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
-                raw = await r.read()
+        _, raw = await stream_through(
+            list(UNITS_SCRIPT), lambda url: guarded_config(url, {"pii": pii}), generation_body()
+        )
     finally:
         await dets.close()
-        await engine.close()
     assert b"secretname" not in raw and b"mail" not in raw
     events = sse_events(raw.decode())
     assert frames(events) == []
@@ -409,24 +396,17 @@ async def test_a_span_counted_in_another_unit_still_redacts_the_entity(units) ->
     released the entity's head (`se` of `secretname@example.com` in UTF-16, `secret` in
     bytes). A span whose own `text` the reply holds only when it is read in one of those units
     is read in that unit."""
-    engine = FakeEngine(script=list(UNITS_SCRIPT))
     dets = FakeDetectorServer()
     email = DetectorBehaviour(words={"secretname@example.com": 0.9}, detection="email", units=units)
     dets.add("pii", email)
-    await engine.start()
     await dets.start()
     pii = {**remote(dets.url), "on_detection": "redact", "redact_with": "[{entity}]"}
-    config = native_config(
-        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
-    )
     try:
-        async with Orchestrator(config) as orch:
-            assert orch.session is not None
-            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
-                raw = await r.read()
+        _, raw = await stream_through(
+            list(UNITS_SCRIPT), lambda url: guarded_config(url, {"pii": pii}), generation_body()
+        )
     finally:
         await dets.close()
-        await engine.close()
     assert b"secretname" not in raw and b"example.com" not in raw and b"name@" not in raw
     events = sse_events(raw.decode())
     assert terminal(events).name == "completed"
