@@ -10,23 +10,12 @@ could stretch, or a fast one reach before the call under test is even in flight.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
 
+from .loop_clock import LoopClock
 
-class Cancellable(Protocol):
-    def cancel(self) -> None: ...
-
-
-class DetectorClock:
-    """Arms the timeout of one detector call on the running loop."""
-
-    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> Cancellable:
-        return asyncio.get_running_loop().call_later(delay, callback, *args)
-
-
-detector_clock = DetectorClock()
+detector_clock = LoopClock()
 
 
 @asynccontextmanager
