@@ -23,6 +23,7 @@ from generation.server import create_app
 from tests.e2e_support import e2e_config
 from tests.engine_processes import ThreadedServer
 from tests.engine_support import SMOLLM2_DTYPE, load_test_model
+from tests.fakes.clock import manual_detector_clock
 from tests.fakes.engine import FakeEngine
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.upstream import FakeUpstream
@@ -78,6 +79,16 @@ def http() -> Iterator[requests.Session]:
     """A synchronous HTTP client for the tests that run a served stack in a thread (fuzz)."""
     with requests.Session() as session:
         yield session
+
+
+@pytest.fixture(autouse=True)
+def detector_calls_time_out_only_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No detector or judge call in this process times out on the clock: its `timeout_s` runs
+    on a manual clock (tests/fakes/clock.py) that only a test moves. Seen: the shipped
+    profanity model's first call past its 10 s on 2 loaded cores, a `detector_error` in a test
+    of redaction (test_pipeline_disguised_text). A test of the timeout itself takes the clock
+    with `manual_detector_clock` and runs it out when the call is under way."""
+    manual_detector_clock(monkeypatch)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchestrator.app import STREAM_CONTENT_PATH, STREAMING_PATH
 from orchestrator.config import load_config, parse_config
 from orchestrator.server import start_server
+from tests.fakes.engine import FakeEngine
 from tests.wait_support import finished, until
 
 T = TypeVar("T")
@@ -130,6 +131,57 @@ def native_config(
 
 def remote(url: str, chunker: str = "sentence", **extra: Any) -> dict[str, Any]:
     return {"type": "text_contents", "url": url, "chunker_id": chunker, **extra}
+
+
+def regex_pii(**extra: Any) -> dict[str, Any]:
+    """The built-in regex PII detector on the sentence chunker, with `extra` settings."""
+    return {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence", **extra}
+
+
+def guarded_config(
+    engine_url: str,
+    detectors: dict[str, dict[str, Any]],
+    directions: Sequence[str] = ("output",),
+) -> dict[str, Any]:
+    """`native_config` with every one of `detectors` a guardrail of the model (enforced) in
+    each of `directions`."""
+    guardrails = {direction: {d: {} for d in detectors} for direction in directions}
+    return native_config(engine_url, detectors=detectors, model={"guardrails": guardrails})
+
+
+async def stream_through(
+    script: list[str], config_for: Callable[[str], dict[str, Any]], body: dict[str, Any]
+) -> tuple[int, bytes]:
+    """A FakeEngine answering `script` behind an orchestrator of `config_for(engine_url)`:
+    the status and raw body of one streamed generation of `body` (for leak checks)."""
+    engine = FakeEngine(script=script)
+    await engine.start()
+    try:
+        async with Orchestrator(config_for(engine.url)) as orch:
+            return await orch.raw(STREAMING_PATH, body)
+    finally:
+        await engine.close()
+
+
+async def stream_cut_answer(
+    answer: str, config_for: Callable[[str], dict[str, Any]], max_chars: int, max_new_tokens: int
+) -> list[SseEvent]:
+    """`answer` streamed one character per token, cut after `max_new_tokens`, through an
+    orchestrator of `config_for(engine_url)` with the sentence chunker's `max_chars` set."""
+    engine = FakeEngine(script=list(answer))
+    await engine.start()
+    config = config_for(engine.url)
+    config["chunkers"]["sentence"]["max_chars"] = max_chars
+    body = {
+        "model_id": MODEL,
+        "inputs": "anything",
+        "text_gen_parameters": {"max_new_tokens": max_new_tokens},
+    }
+    try:
+        async with Orchestrator(config) as orch:
+            return await orch.stream(body)
+    finally:
+        await engine.close()
 
 
 def generation_body(
@@ -269,6 +321,13 @@ class Orchestrator:
             assert r.status == 200, f"{r.status}: {text}"
             assert r.headers["Content-Type"].startswith("text/event-stream")
         return sse_events(text)
+
+    async def raw(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        """POSTs JSON; the status and the body as it came off the socket (a leak check reads
+        the bytes, not a parse of them)."""
+        assert self.session is not None
+        async with self.session.post(self.url + path, json=body) as r:
+            return r.status, await r.read()
 
     async def metric(self, name: str, **labels: str) -> float:
         """The sum of /metrics samples `name` with these labels (the service's registry is its

@@ -11,6 +11,7 @@ import fcntl
 import itertools
 import socket
 import termios
+import threading
 from typing import Any
 
 from hypothesis import given, settings
@@ -167,14 +168,66 @@ def _core(
     return api_sock, core_sock, sessions[0]
 
 
-def _unread(sock: socket.socket) -> int:
-    """Bytes waiting in `sock` to be read."""
-    return int.from_bytes(fcntl.ioctl(sock, termios.FIONREAD, b"\0\0\0\0"), "little")
-
-
 def _queued(sock: socket.socket) -> int:
     """Bytes `sock` sent that its peer has not read (the kernel's count, for its buffer)."""
     return int.from_bytes(fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0\0\0\0"), "little")
+
+
+def _blocked(steps: ipc.StepWriter, sock: socket.socket) -> bool:
+    """A writer's send is blocked until its peer reads: it holds the lock in a send, and the
+    kernel takes nothing more from `sock` (an AF_UNIX send waits while what the peer has not
+    read, TIOCOUTQ, is at least SO_SNDBUF). Half the buffer is no proof: a worker seen with
+    `sending` set may be past its kernel copy, only waiting for the GIL to return, with room
+    left for the next frame (a loaded machine leaves it there long enough to see)."""
+    return steps.sending and _queued(sock) >= sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+
+
+class _PausedAfterCopy:
+    """A socket whose `sendall` returns only once `resume` is set, after the kernel took the
+    frame: a writer descheduled between its copy and the end of its send."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.copied = threading.Event()
+        self.resume = threading.Event()
+        self.resume.set()
+
+    def sendall(self, data: bytes) -> None:
+        self._sock.sendall(data)
+        self.copied.set()
+        self.resume.wait()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+async def test_a_writer_past_its_copy_with_room_left_is_not_blocked() -> None:
+    """Repro of the blocked-send tests' flake under load: they took `sending` and half the
+    socket buffer queued for a worker blocked in its send. A writer paused after its copy looks
+    the same while the buffer still has room, and the loop's `stopping` frame then went out
+    (`send_from_loop` True, where the test expected it to give up)."""
+    api_sock, core_sock = socket.socketpair()
+    core_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    paused = _PausedAfterCopy(core_sock)
+    steps = ipc.StepWriter(paused, asyncio.get_running_loop(), lambda: None)  # type: ignore[arg-type]
+    sndbuf = core_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    frame = ["step", [[1, [{"token_ids": [5, 6], "text": "ab", "finish_reason": None}]]]]
+    try:
+        while _queued(core_sock) < sndbuf // 2:
+            assert steps.send(frame)
+        paused.resume.clear()
+        paused.copied.clear()
+        worker = asyncio.create_task(asyncio.to_thread(steps.send, frame))
+        await until(paused.copied.is_set, what="the writer's copy")
+        assert steps.sending and sndbuf // 2 <= _queued(core_sock) < sndbuf
+        assert not _blocked(steps, core_sock)
+        paused.resume.set()
+        assert await worker
+        assert await steps.send_from_loop(["stopping"], give_up=asyncio.Event().wait())
+    finally:
+        paused.resume.set()
+        steps.close()
+        api_sock.close()
 
 
 async def test_a_core_whose_api_process_stops_reading_blocks_its_worker(
@@ -195,10 +248,8 @@ async def test_a_core_whose_api_process_stops_reading_blocks_its_worker(
         deliveries = engine.stats.worker.deliveries
         for rid, prompt in enumerate(prompts, start=1):  # the API process stalls: nobody reads
             session.submit(rid, job_spec(make_job(prompt, 300, asyncio.Queue())))
-        full = core_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
-        await until(  # in a send, the socket's buffer (mostly) full: blocked until a read
-            lambda: session.steps.sending and _queued(core_sock) >= full,
-            what="the worker blocked in its send",
+        await until(  # in a send, the socket's buffer full: blocked until a read
+            lambda: _blocked(session.steps, core_sock), what="the worker blocked in its send"
         )
         assert engine.active_requests == 8  # stopped mid-stream, not run to the end
         assert engine.stats.tokens_generated - generated < 8 * 100  # what the socket holds
@@ -243,10 +294,8 @@ async def test_a_core_whose_api_process_stops_reading_still_stops_and_its_loop_n
     try:
         for rid in range(1, 9):
             session.submit(rid, job_spec(make_job([11 + rid, 12], 300, asyncio.Queue())))
-        full = core_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
         await until(
-            lambda: session.steps.sending and _queued(core_sock) >= full,
-            what="the worker blocked in its send",
+            lambda: _blocked(session.steps, core_sock), what="the worker blocked in its send"
         )
         # the frame cannot go out (the worker holds the lock in its blocked send): it waits in
         # a thread while the loop runs on, and gives up when its patience ends (here a gate in
@@ -281,12 +330,12 @@ async def test_a_core_whose_api_process_dies_mid_stream_ends_and_its_worker_live
     serving (the core then stops its engine in order)."""
     engine = Engine(tiny_model)
     engine.start()
-    api_sock, _, session = _core(engine, sndbuf=4096)
+    api_sock, core_sock, session = _core(engine, sndbuf=4096)
     try:
         for rid in (1, 2):
             session.submit(rid, job_spec(make_job([11 + rid, 12], 400, asyncio.Queue())))
         await until(
-            lambda: session.steps.sending and _unread(api_sock) > 0,
+            lambda: _blocked(session.steps, core_sock),
             what="the worker blocked in its send, mid-stream",
         )
         assert engine.active_requests == 2

@@ -13,6 +13,7 @@ speaking vLLM's completions and chat protocols with logprobs (tests/fakes/judge_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
@@ -32,6 +33,7 @@ from orchestrator.clients.detectors import DetectorCallError
 from orchestrator.clients.judges import JudgeDetectorClient, score_from_logprobs
 from orchestrator.config import ConfigError, DetectorConfig, parse_config
 from orchestrator.judge_templates import SHIPPED, JudgeContext, JudgePrompt
+from tests.fakes.clock import manual_detector_clock, run_out
 from tests.fakes.engine import FakeEngine
 from tests.fakes.judge_server import FakeJudge
 from tests.orchestrator_support import (
@@ -43,6 +45,7 @@ from tests.orchestrator_support import (
     sse_events,
     terminal,
 )
+from tests.wait_support import until
 
 PROMPT = "Tell me a story."
 # three sentences; the judge flags the second, which names a bomb
@@ -352,18 +355,26 @@ FAULTS = ("http", "garbage", "malformed", "hang", "kill", "unreachable")
 
 @pytest.mark.parametrize("surface", SURFACES)
 @pytest.mark.parametrize("fault", FAULTS)
-async def test_a_failing_judge_fails_closed(engine, judge, fault: str, surface: str) -> None:
+async def test_a_failing_judge_fails_closed(
+    engine, judge, fault: str, surface: str, monkeypatch
+) -> None:
     """The judge fails on every prompt that holds the second sentence: whatever was released
     before, nothing from it on ever reaches the client, and the stream ends in the detector's
-    error."""
+    error. A hanging judge's call times out when the test runs its timeout out on a manual
+    clock, once the hang has begun (not a real half second that a loaded machine could spend
+    on the judge calls before it)."""
+    clock = manual_detector_clock(monkeypatch)
     if fault == "unreachable":
         await judge.close()
     else:
         judge.fault, judge.fault_on = fault, "Mix"  # type: ignore[assignment]
-    timeout = {"timeout_s": 0.5} if fault == "hang" else {}
-    async with Orchestrator(judged_config(engine, judge, **timeout)) as orch:
+    async with Orchestrator(judged_config(engine, judge)) as orch:
         # (Chat Completions answers a failure before its first chunk with an HTTP error)
-        data = await raw(orch, surface, status=(200, 502))
+        reading = asyncio.create_task(raw(orch, surface, status=(200, 502)))
+        if fault == "hang":
+            await until(lambda: judge.hanging >= 1, what="the judge hanging on a call")
+            await run_out(clock, reading.done, "the hanging call's timeout")
+        data = await reading
         errors = await orch.metric(
             "guardstream_detector_calls_total", detector_id="guard", outcome="error"
         )

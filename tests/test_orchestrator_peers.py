@@ -5,6 +5,7 @@ spans outside the content, too many detections or too many bytes is a `detector_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from orchestrator.clients.migration import (
     TEMPLATE_ALLOWANCE_TOKENS,
     TEXT_ALLOWANCE_CHARS,
 )
+from tests.fakes.clock import manual_detector_clock
 from tests.fakes.detector import DetectorBehaviour, FakeDetectorServer
 from tests.fakes.engine import FakeEngine, Fault, GatedEngine
 from tests.fakes.openai_server import FakeOpenAI, OpenAIFault
@@ -32,9 +34,11 @@ from tests.orchestrator_support import (
     Orchestrator,
     frames,
     generation_body,
+    guarded_config,
     native_config,
     remote,
     sse_events,
+    stream_through,
     terminal,
 )
 from tests.wait_support import until
@@ -315,28 +319,38 @@ UNITS_SCRIPT = [
     ids=["html", "cut-body", "trickle"],
 )
 async def test_a_reply_that_is_no_reply_fails_an_enforced_redaction_closed(
-    behaviour, message
+    behaviour, message, monkeypatch
 ) -> None:
     """A 200 that is an HTML page, a body cut mid-write, a body that trickles for ever (each
     byte in time for any idle timeout; the detector's timeout_s bounds the whole call): the
     detector has not judged the text, so an enforced redacting guardrail releases none of it
-    and the client is told which detector failed, and how, in the stream's terminal event."""
+    and the client is told which detector failed, and how, in the stream's terminal event.
+    The timeout runs on a manual clock: it ends the trickle when the test moves it past 1 s
+    (and not at half of it), whatever the machine's speed."""
+    clock = manual_detector_clock(monkeypatch)
     engine = FakeEngine(script=list(UNITS_SCRIPT))
     dets = FakeDetectorServer()
     dets.add("pii", behaviour)
     await engine.start()
     await dets.start()
     pii = {**remote(dets.url), "on_detection": "redact", "timeout_s": 1}
-    config = native_config(
-        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
-    )
+    config = guarded_config(engine.url, {"pii": pii})
     try:
         async with Orchestrator(config) as orch:
-            assert orch.session is not None
-            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
-                status, raw = r.status, await r.read()
+            reading = asyncio.create_task(orch.raw(STREAMING_PATH, generation_body()))
+            if behaviour.trickle:
+                await until(
+                    lambda: dets.trickling >= 1 and clock.armed >= 1,
+                    what="the detector trickling its reply",
+                )
+                armed = clock.armed
+                clock.advance(0.5)
+                assert clock.armed == armed and dets.cancelled == 0  # within timeout_s
+                clock.advance(0.5)
+                assert clock.armed < armed  # timeout_s is up: the call's bound fires
+            status, raw = await reading
         if behaviour.trickle:  # the call was dropped, not left trickling
-            await until(lambda: dets.cancelled == 1, what="the trickling reply abandoned")
+            await until(lambda: dets.cancelled >= 1, what="the trickling reply abandoned")
     finally:
         await dets.close()
         await engine.close()
@@ -353,24 +367,17 @@ async def test_an_empty_span_a_redactor_flags_fails_closed() -> None:
     classifier that gives its verdict without a place) cannot be redacted. Repro: the whole
     sentence went out raw past the enforced redacting guardrail, with a warning and the
     detection beside it. It is a detector_error: what the detector flagged is not released."""
-    engine = FakeEngine(script=list(UNITS_SCRIPT))
     dets = FakeDetectorServer()
     flag = detection(start=0, end=0, text="", detection="toxic", score=0.99)
     dets.add("pii", DetectorBehaviour(reply=[[flag]]))
-    await engine.start()
     await dets.start()
     pii = {**remote(dets.url), "on_detection": "redact"}
-    config = native_config(
-        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
-    )
     try:
-        async with Orchestrator(config) as orch:
-            assert orch.session is not None
-            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
-                raw = await r.read()
+        _, raw = await stream_through(
+            list(UNITS_SCRIPT), lambda url: guarded_config(url, {"pii": pii}), generation_body()
+        )
     finally:
         await dets.close()
-        await engine.close()
     assert b"secretname" not in raw and b"mail" not in raw
     events = sse_events(raw.decode())
     assert frames(events) == []
@@ -389,24 +396,17 @@ async def test_a_span_counted_in_another_unit_still_redacts_the_entity(units) ->
     released the entity's head (`se` of `secretname@example.com` in UTF-16, `secret` in
     bytes). A span whose own `text` the reply holds only when it is read in one of those units
     is read in that unit."""
-    engine = FakeEngine(script=list(UNITS_SCRIPT))
     dets = FakeDetectorServer()
     email = DetectorBehaviour(words={"secretname@example.com": 0.9}, detection="email", units=units)
     dets.add("pii", email)
-    await engine.start()
     await dets.start()
     pii = {**remote(dets.url), "on_detection": "redact", "redact_with": "[{entity}]"}
-    config = native_config(
-        engine.url, detectors={"pii": pii}, model={"guardrails": {"output": {"pii": {}}}}
-    )
     try:
-        async with Orchestrator(config) as orch:
-            assert orch.session is not None
-            async with orch.session.post(orch.url + STREAMING_PATH, json=generation_body()) as r:
-                raw = await r.read()
+        _, raw = await stream_through(
+            list(UNITS_SCRIPT), lambda url: guarded_config(url, {"pii": pii}), generation_body()
+        )
     finally:
         await dets.close()
-        await engine.close()
     assert b"secretname" not in raw and b"example.com" not in raw and b"name@" not in raw
     events = sse_events(raw.decode())
     assert terminal(events).name == "completed"

@@ -38,7 +38,13 @@ from orchestrator.streaming.stream_judgement import Release, StreamJudge
 from tests.fakes.engine import FakeEngine, prompt_text
 from tests.fakes.openai_server import FakeOpenAI
 from tests.openai_support import sdk
-from tests.orchestrator_support import MODEL, Orchestrator, native_config, sse_events
+from tests.orchestrator_support import (
+    MODEL,
+    Orchestrator,
+    guarded_config,
+    regex_pii,
+    sse_events,
+)
 from tests.test_pipeline_redaction_seams import hits_and_tail, hostile, pii, registry
 
 EMAIL_PROMPT = "The e-mail of John Smith is john.smith@"
@@ -57,18 +63,7 @@ CASES = [
 
 
 def config(engine_url: str, on_detection: str) -> dict[str, Any]:
-    return native_config(
-        engine_url,
-        detectors={
-            "pii": {
-                "type": "text_contents",
-                "builtin": "regex",
-                "chunker_id": "sentence",
-                "on_detection": on_detection,
-            }
-        },
-        model={"guardrails": {"output": {"pii": {}}}},
-    )
+    return guarded_config(engine_url, {"pii": regex_pii(on_detection=on_detection)})
 
 
 @pytest.fixture

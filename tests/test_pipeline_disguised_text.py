@@ -32,8 +32,10 @@ from tests.orchestrator_support import (
     Orchestrator,
     SseEvent,
     frames,
-    native_config,
+    guarded_config,
+    regex_pii,
     sse_events,
+    stream_cut_answer,
     terminal,
 )
 from tests.test_detectors_decode import _tags
@@ -41,18 +43,15 @@ from tests.test_detectors_decode import _tags
 
 def disguised_config(engine_url: str) -> dict[str, Any]:
     """The shipped detectors' built-ins, enforced both ways: `pii` redacts, `hap` blocks."""
-    return native_config(
+    return guarded_config(
         engine_url,
-        detectors={
-            "pii": {
-                "type": "text_contents",
-                "builtin": "regex",
-                "chunker_id": "sentence",
-                "on_detection": "redact",
-                "redact_with": "[{entity}]",
+        {
+            "pii": regex_pii(
+                on_detection="redact",
+                redact_with="[{entity}]",
                 # an operator's phrases in scripts the view folds (see BLOCKED_PHRASES)
-                "params": {"patterns": {"codeword": "(?i)бомба|café noir|Ωμέγα"}},
-            },
+                params={"patterns": {"codeword": "(?i)бомба|café noir|Ωμέγα"}},
+            ),
             "hap": {
                 "type": "text_contents",
                 "builtin": "profanity",
@@ -60,7 +59,7 @@ def disguised_config(engine_url: str) -> dict[str, Any]:
                 "on_detection": "block",
             },
         },
-        model={"guardrails": {"input": {"pii": {}, "hap": {}}, "output": {"pii": {}, "hap": {}}}},
+        ("input", "output"),
     )
 
 
@@ -412,20 +411,7 @@ def test_a_seam_window_counts_an_escape_as_the_one_character_it_shows() -> None:
 async def stream_answer(answer: str, max_chars: int, max_new_tokens: int) -> list[SseEvent]:
     """`answer` streamed one character per token, cut after `max_new_tokens`, through the
     enforced guardrails with the sentence chunker's `max_chars` set."""
-    engine = FakeEngine(script=list(answer))
-    await engine.start()
-    config = disguised_config(engine.url)
-    config["chunkers"]["sentence"]["max_chars"] = max_chars
-    body = {
-        "model_id": MODEL,
-        "inputs": "anything",
-        "text_gen_parameters": {"max_new_tokens": max_new_tokens},
-    }
-    try:
-        async with Orchestrator(config) as orch:
-            return await orch.stream(body)
-    finally:
-        await engine.close()
+    return await stream_cut_answer(answer, disguised_config, max_chars, max_new_tokens)
 
 
 @pytest.mark.parametrize("max_chars", [16, 500])

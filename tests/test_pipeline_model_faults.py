@@ -23,8 +23,11 @@ from tests.orchestrator_support import (
     Orchestrator,
     frames,
     generation_body,
+    guarded_config,
     native_config,
+    regex_pii,
     sse_events,
+    stream_through,
     terminal,
 )
 
@@ -116,24 +119,12 @@ async def test_a_builtin_that_raises_is_a_detector_error_naming_it(monkeypatch) 
         raise KeyError(contents[0])
 
     monkeypatch.setattr(detectors.regex_pii.RegexDetector, "detect", broken)
-    engine = FakeEngine(script=words("Mail jo@example.com now."))
-    await engine.start()
-    pii = {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"}
-    config = native_config(
-        engine.url,
-        detectors={"pii": {**pii, "on_detection": "redact"}},
-        model={"guardrails": {"output": {"pii": {}}}},
+    status, raw = await stream_through(
+        words("Mail jo@example.com now."),
+        lambda url: guarded_config(url, {"pii": regex_pii(on_detection="redact")}),
+        generation_body("hi"),
     )
-    try:
-        async with Orchestrator(config) as orch:
-            assert orch.session is not None
-            async with orch.session.post(
-                orch.url + STREAMING_PATH, json=generation_body("hi")
-            ) as r:
-                assert r.status == 200
-                raw = await r.read()
-    finally:
-        await engine.close()
+    assert status == 200
     assert b"example" not in raw and b"Mail" not in raw
     events = sse_events(raw.decode())
     assert frames(events) == []
@@ -183,24 +174,13 @@ async def test_a_model_error_quoting_the_text_never_reaches_the_client(monkeypat
         raise ValueError(f"cannot tokenize {items!r}")
 
     monkeypatch.setattr(ProfanityDetector, "_forward", raising)
-    engine = FakeEngine(script=words(f"The launch code is {secret}."))
-    await engine.start()
     hap = {"type": "text_contents", "builtin": "profanity", "chunker_id": "sentence"}
-    config = native_config(
-        engine.url,
-        detectors={"hap": {**hap, "on_detection": "block"}},
-        model={"guardrails": {"output": {"hap": {}}}},
+    status, raw = await stream_through(
+        words(f"The launch code is {secret}."),
+        lambda url: guarded_config(url, {"hap": {**hap, "on_detection": "block"}}),
+        generation_body("hi"),
     )
-    try:
-        async with Orchestrator(config) as orch:
-            assert orch.session is not None
-            async with orch.session.post(
-                orch.url + STREAMING_PATH, json=generation_body("hi")
-            ) as r:
-                assert r.status == 200
-                raw = await r.read()
-    finally:
-        await engine.close()
+    assert status == 200
     assert secret.encode() not in raw and b"launch" not in raw
     events = sse_events(raw.decode())
     assert frames(events) == []

@@ -11,12 +11,19 @@ found none of them), and a prompt with a spelt SSN reached the engine as it was.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import pytest
 
 from tests.fakes.engine import FakeEngine, prompt_text
-from tests.orchestrator_support import MODEL, Orchestrator, native_config, terminal
+from tests.orchestrator_support import (
+    Orchestrator,
+    guarded_config,
+    regex_pii,
+    stream_cut_answer,
+    terminal,
+)
 from tests.test_pipeline_disguised_text import raw_stream, released, strings
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -125,19 +132,8 @@ ANSWERS: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
 
 
 def spelt_config(engine_url: str, on_detection: str) -> dict[str, Any]:
-    return native_config(
-        engine_url,
-        detectors={
-            "pii": {
-                "type": "text_contents",
-                "builtin": "regex",
-                "chunker_id": "sentence",
-                "on_detection": on_detection,
-                "redact_with": "[{entity}]",
-            }
-        },
-        model={"guardrails": {"input": {"pii": {}}, "output": {"pii": {}}}},
-    )
+    pii = regex_pii(on_detection=on_detection, redact_with="[{entity}]")
+    return guarded_config(engine_url, {"pii": pii}, ("input", "output"))
 
 
 @pytest.fixture(scope="module")
@@ -230,20 +226,8 @@ LONG_CARD = " ".join(NUMBER_WORDS[int(d)] for d in "4378378737873782")  # 92 cha
 
 async def _stream_answer(answer: str, on_detection: str, max_chars: int, max_new_tokens: int):  # type: ignore[no-untyped-def]
     """`answer` one character per token, cut after `max_new_tokens`, through `pii`."""
-    engine = FakeEngine(script=list(answer))
-    await engine.start()
-    config = spelt_config(engine.url, on_detection)
-    config["chunkers"]["sentence"]["max_chars"] = max_chars
-    body = {
-        "model_id": MODEL,
-        "inputs": "anything",
-        "text_gen_parameters": {"max_new_tokens": max_new_tokens},
-    }
-    try:
-        async with Orchestrator(config) as orch:
-            return await orch.stream(body)
-    finally:
-        await engine.close()
+    config_for = partial(spelt_config, on_detection=on_detection)
+    return await stream_cut_answer(answer, config_for, max_chars, max_new_tokens)
 
 
 @pytest.mark.parametrize("on_detection", ["redact", "block"])

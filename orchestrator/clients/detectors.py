@@ -26,10 +26,12 @@ from detectors.api import ContentsRequest, Detection
 from .. import tracing
 from ..config import ConfigError, DetectorConfig
 from ..judge_templates import JudgeContext
+from .detector_timeout import detector_timeout
 from .peers import BodyTooLarge, log_error_body, read_bounded, read_error_body
 from .reasons import connection_failure
 
 _REPLY = TypeAdapter(list[list[Detection]])
+_NO_AIOHTTP_TIMEOUT = aiohttp.ClientTimeout()  # detector_timeout bounds a call instead
 # bodies and replies past this many characters/bytes are encoded and parsed off the event loop
 _LARGE_CHARS = 256 * 1024
 # A remote detector's reply is bounded (DESIGN 6): more detections than this for one content is
@@ -231,7 +233,7 @@ class InProcessDetectorClient(DetectorClient):
         # finished just as the caller was cancelled, and so swallows the cancellation (a
         # synchronous regex detector made a cancelled DetectorQueue wait for ever; bpo-42130)
         try:
-            async with asyncio.timeout(self.config.timeout_s):
+            async with detector_timeout(self.config.timeout_s):
                 reply = await self._detector.detect(contents, params or None)
         except TimeoutError:
             raise DetectorCallError(
@@ -367,17 +369,21 @@ class HttpDetectorClient(RemoteDetectorClient):
             "content-type": "application/json",
             **self._auth,
         }
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         try:
-            async with self._session.post(
-                url,
-                json=body,
-                data=data,
-                headers=hdrs,
-                timeout=timeout,
-                ssl=self._ssl,
-                allow_redirects=False,  # a peer we do not trust (DESIGN 6): see peers.py
-            ) as resp:
+            # the detector's timeout bounds the whole call (connection, reply, its last byte);
+            # aiohttp's own timeouts are off, so only timeout_s ends it
+            async with (
+                detector_timeout(self.config.timeout_s),
+                self._session.post(
+                    url,
+                    json=body,
+                    data=data,
+                    headers=hdrs,
+                    timeout=_NO_AIOHTTP_TIMEOUT,
+                    ssl=self._ssl,
+                    allow_redirects=False,  # a peer we do not trust (DESIGN 6): see peers.py
+                ) as resp,
+            ):
                 if resp.status != 200:
                     raise self._http_error(resp, await read_error_body(resp))
                 return await read_bounded(resp, limit)

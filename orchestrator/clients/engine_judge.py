@@ -46,6 +46,7 @@ from detectors.normalise import visible
 
 from ..config import DetectorConfig
 from ..judge_templates import SHIPPED, JudgeContext, JudgePrompt, is_inline
+from .detector_timeout import detector_timeout
 from .detectors import (
     CallRecorder,
     DetectorCallError,
@@ -198,7 +199,7 @@ class EngineJudgeClient(JudgeDetectorClient):
         self, contents: list[str], params: dict[str, Any], context: JudgeContext | None
     ) -> list[list[Detection]]:
         try:
-            async with asyncio.timeout(self.config.timeout_s):
+            async with detector_timeout(self.config.timeout_s):
                 if context is None:
                     verdicts = [await self._judge_alone(content) for content in contents]
                 else:

@@ -39,6 +39,7 @@ from ..judge_templates import (
     JudgePrompt,
     is_inline,
 )
+from .detector_timeout import detector_timeout
 from .detectors import (
     DetectorCallError,
     RemoteDetectorClient,
@@ -276,7 +277,7 @@ class JudgeDetectorClient(RemoteDetectorClient):
             if output:
                 prefix += content
         try:
-            async with asyncio.timeout(self.config.timeout_s):
+            async with detector_timeout(self.config.timeout_s):
                 async with asyncio.TaskGroup() as tg:
                     calls = [tg.create_task(self._judge_one(p)) for p in prompts]
         except* DetectorCallError as group:

@@ -8,20 +8,8 @@ miss. A stream keeps the clock it started with.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-from typing import Any, Protocol
+from ..clients.loop_clock import Cancellable, LoopClock
 
+__all__ = ["Cancellable", "deadline_clock"]
 
-class Cancellable(Protocol):
-    def cancel(self) -> None: ...
-
-
-class DeadlineClock:
-    """Arms the deadline of one request on the running loop."""
-
-    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> Cancellable:
-        return asyncio.get_running_loop().call_later(delay, callback, *args)
-
-
-deadline_clock = DeadlineClock()
+deadline_clock = LoopClock()

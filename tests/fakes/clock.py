@@ -1,7 +1,8 @@
 """A clock that moves only when a test moves it, for the places where time is the subject of
 the orchestrator's code: the replica pool's quarantine (`ReplicaPool.clock`), the stall
-timeout of engine streams (`orchestrator.clients.stall_timeout.stall_clock`) and the
-`request_timeout_s` of streamed requests (`orchestrator.streaming.request_deadline`). With it a test declares a
+timeout of engine streams (`orchestrator.clients.stall_timeout.stall_clock`), the
+`request_timeout_s` of streamed requests (`orchestrator.streaming.request_deadline`) and the
+`timeout_s` of detector and judge calls (`orchestrator.clients.detector_timeout`). With it a test declares a
 silent replica stalled, or a quarantine over, at the moment it chooses, and a slow machine can
 neither fire a stall early nor end a quarantine early.
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.clients import stall_timeout
+from orchestrator.clients import detector_timeout, stall_timeout
 from orchestrator.streaming import request_deadline
 from tests.wait_support import until
 
@@ -119,6 +120,14 @@ def manual_deadline_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     return clock
 
 
+def manual_detector_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    """Detector and judge calls made from now on time their `timeout_s` on a manual clock: none
+    times out until the test moves it (each call arms one timer, cancelled when it ends)."""
+    clock = ManualClock()
+    monkeypatch.setattr(detector_timeout, "detector_clock", clock)
+    return clock
+
+
 async def expire_stalls(
     clock: ManualClock, done: Callable[[], bool], *, deadline_s: float = 30.0
 ) -> None:
@@ -128,6 +137,14 @@ async def expire_stalls(
     depends on (the faulty one went silent, the others have not been dispatched to): a stall is
     declared whatever the replica is doing. `done()` is checked right before each step, so a
     condition such as "the stream migrated" stops it before the next replica's stream exists."""
+    await run_out(clock, done, "a stall ending the wait", deadline_s=deadline_s)
+
+
+async def run_out(
+    clock: ManualClock, done: Callable[[], bool], what: str, *, deadline_s: float = 30.0
+) -> None:
+    """Move `clock` an hour on, again and again, until `done()`: every timer armed on it runs
+    out (a stall, a detector call's timeout), whatever it was waiting for."""
 
     def step() -> bool:
         if done():
@@ -135,4 +152,4 @@ async def expire_stalls(
         clock.advance(3600.0)
         return False
 
-    await until(step, deadline_s, "a stall ending the wait")
+    await until(step, deadline_s, what)

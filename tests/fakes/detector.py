@@ -56,6 +56,7 @@ class FakeDetectorServer:
         self.kind_calls: list[tuple[str, dict[str, str], dict[str, Any]]] = []
         self.cancelled = 0
         self.in_flight = 0
+        self.trickling = 0  # trickling replies under way (their first byte sent)
         self.health_redirect: str | None = None  # `GET /health` answers 302 to this
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -206,6 +207,7 @@ class FakeDetectorServer:
         resp = web.StreamResponse(headers={"content-type": "application/json"})
         await resp.prepare(request)
         await resp.write(b"[")
+        self.trickling += 1
         try:
             while True:
                 await asyncio.sleep(0.05)
@@ -213,6 +215,8 @@ class FakeDetectorServer:
         except (ConnectionError, asyncio.CancelledError):
             self.cancelled += 1
             raise
+        finally:
+            self.trickling -= 1
 
     async def _bomb(self, request: web.Request, encoding: str) -> web.StreamResponse:
         """A body of `encoding` that inflates to 1 GiB: 1024 copies of one compressed MiB of

@@ -60,6 +60,7 @@ class FakeJudge(FakeUpstream):
         self.prompts: list[str] = []
         self.requests: list[dict[str, Any]] = []
         self.arrived = asyncio.Event()
+        self.hanging = 0  # calls held by the `hang` fault now
         self._init_upstream()
 
     async def start(self) -> str:
@@ -122,7 +123,11 @@ class FakeJudge(FakeUpstream):
         self.arrived.set()
         fault = self.fault if self.fault_on is None or self.fault_on in prompt else None
         if fault == "hang":
-            await asyncio.Event().wait()  # until the server closes
+            self.hanging += 1
+            try:
+                await asyncio.Event().wait()  # until the server closes or the client goes
+            finally:
+                self.hanging -= 1
         if fault == "kill":
             assert request.transport is not None
             request.transport.abort()  # the handler is cancelled with the connection
