@@ -35,7 +35,8 @@ from orchestrator.clients.registry import RequestedDetector
 from orchestrator.streaming.findings import Finding
 from orchestrator.streaming.redaction import redact_text
 from tests.fakes.engine import FakeEngine
-from tests.orchestrator_support import MODEL, ServedStack, native_config, sse_events
+from tests.openai_support import sdk
+from tests.orchestrator_support import MODEL, Orchestrator, ServedStack, native_config, sse_events
 
 EMAIL, PHONE, SSN, CARD = (
     "jo.smith@example.com",
@@ -177,13 +178,13 @@ class Recording(httpx.BaseTransport):
 
 def client(stack: ServedStack) -> tuple[openai.OpenAI, Recording]:
     recording = Recording()
-    sdk = openai.OpenAI(
+    client_ = openai.OpenAI(
         base_url=stack.url + "/v1",
         api_key="unused",
         max_retries=0,
         http_client=httpx.Client(transport=recording),
     )
-    return sdk, recording
+    return client_, recording
 
 
 def fms(stack: ServedStack, model: str, n: int) -> tuple[str, str, str]:
@@ -307,13 +308,26 @@ def test_an_answer_cut_after_its_entities_is_the_redacted_answer(
         # more of the same: two digit groups, a group and a dash, a bracketed area code
         ("call 555 1", (5, "phone")),
         ("call 555.123", (5, "phone")),
-        ("call (555", (5, "phone")),
+        ("it took 117.98", None),  # (a decimal)
+        ("from 1841-", None),
+        ("call (555)", (5, "phone")),
+        ("call (555", None),  # (a bracketed number: a head)
+        ("1-2 cups, or 10-15", None),
+        ("on 2025-01", None),
+        ("from 2009-2011", None),
+        ("card 4111-1111", (5, "credit_card")),
         ("call +44 20", (5, "phone")),
         ("call 1 555", (5, "phone")),
         ("SSN 123-", (4, "phone")),  # (a phone and an SSN begin alike: the first kind names it)
         ("host 192.168", (5, "phone")),  # (a phone's dotted layout begins alike: the first kind)
-        ("host 10.0.0", (5, "ipv4")),
-        ("Mail jo_smith", (5, "email")),
+        ("host 192.168.1", (5, "phone")),
+        ("host 10.0.0", None),  # (what a head may show of an IPv4 address: its first groups)
+        ("on 22.09.20", None),
+        ("Mail jo+tag", (5, "email")),
+        ("call promql_parser", None),
+        ("see www.example.com", None),
+        ("the U.S.", None),
+        ("call `client.chat", None),
         ("Mail j.doe", (5, "email")),
         ("call five five five one", (5, "phone")),
         # the open-stream evidence is still reported
@@ -345,6 +359,9 @@ def test_open_tail_of_a_cut_answer(text: str, tail: tuple[int, str] | None) -> N
 def test_a_kind_the_request_does_not_enable_is_not_withheld() -> None:
     assert open_tail("Mail jo.smith", ["phone"], cut=True) is None
     assert open_tail("call 555-", ["email"], cut=True) is None
+    # a phone's first group has three digits at most (`1841-3` could only begin a card)
+    assert open_tail("from 1841-3", ["phone"], cut=True) is None
+    assert open_tail("from 1841-3", cut=True) == (5, "credit_card")
 
 
 def test_the_detectors_answer_for_a_cut_answer() -> None:
@@ -354,3 +371,43 @@ def test_the_detectors_answer_for_a_cut_answer() -> None:
     tail = regex.open_tail("Mail jo.smith", cut=True)
     assert tail is not None and (tail.start, tail.end, tail.detection) == (5, 13, "email")
     assert regex.open_tail("Mail jo.smith") is None  # an open stream, or an answer at EOS
+
+
+@given(st.text(alphabet="0123456789 -.()+@_:/jo.smitexamplcSN\n", max_size=40))
+def test_a_cut_answer_never_releases_what_an_open_stream_withholds(text: str) -> None:
+    """The cut rule only adds: where the open-stream evidence withholds a tail, a cut answer
+    withholds it too, from there or earlier."""
+    held = open_tail(text)
+    if held is not None:
+        cut = open_tail(text, cut=True)
+        assert cut is not None and cut[0] <= held[0]
+
+
+# -- who ended the answer: the model (EOS) or not ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "want", "finish"),
+    [
+        ("EOS_TOKEN", "Mail jo.smith", "stop"),  # the model's answer, as it wrote it
+        ("MAX_TOKENS", "Mail [email]", "length"),
+        ("TIME_LIMIT", "Mail [email]", "length"),
+        ("STOP_SEQUENCE", "Mail [email]", "stop"),  # (an engine's own stop: a cut too)
+    ],
+)
+async def test_only_an_answer_the_model_ended_releases_its_tail(
+    finish_reason: str, want: str, finish: str
+) -> None:
+    engine = FakeEngine(script=list("Mail jo.smith"), finish_reason=finish_reason)
+    await engine.start()
+    try:
+        async with Orchestrator(stack_config(engine.url)) as orch:
+            client = sdk(orch)
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            chunks = [c async for c in stream]
+    finally:
+        await engine.close()
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
