@@ -1220,19 +1220,25 @@ def _partial(kind: str) -> Any:
     return regex.compile(_PATTERNS[kind].pattern.decode())
 
 
-def _partial_start(rx: Any, view: str, pos: int, first: frozenset[str]) -> int | None:
+def _partial_start(
+    rx: Any, view: str, pos: int, first: frozenset[str], *, separated: bool = False
+) -> int | None:
     """The start of the leftmost match body of `rx` (one of the `_builtin` forms: a neighbour,
     the body, a neighbour) from `pos` that runs to the end of `view`, as a partial match (more
     text could complete it) or a complete one; None when none does. `first`: the characters a
     body starts with (a partial match has no group spans to say where it starts; the leading
     neighbour is one or two characters, none of them such a character: `\\n` before a phone
-    number is two, and its `n` starts no number)."""
+    number is two, and its `n` starts no number). `separated`: a complete match that one
+    separator of digit groups ends the view after runs to the end too (`4111 1111 1111 `: a
+    run of twelve digits, no card yet, may go on after its space)."""
     end = len(view)
     while pos <= end:
         m = rx.search(view, pos, partial=True)
         if m is None:
             return None
-        if not m.partial and m.end(1) < end:
+        if separated and not m.partial and m.end(1) == end - 1 and view[-1] in " .-":
+            pass  # (the body runs to the end but for its separator)
+        elif not m.partial and m.end(1) < end:
             pos = m.end(1)  # a complete match before the end: look after it
             continue
         start = m.start()
@@ -1450,7 +1456,9 @@ def open_tail(
         else:
             pos = number_at
         first = _BODY_FIRST if kind in _EMAIL_KINDS else _NUMBER_FIRST
-        start = _partial_start(_partial(kind), v, pos, first)
+        start = _partial_start(
+            _partial(kind), v, pos, first, separated=cut and kind not in _EMAIL_KINDS
+        )
         if start is not None and kind not in _EMAIL_KINDS:
             start = _last_digits(v, start, _MOST_DIGITS[kind])
         if start is not None and kind == "credit_card":
