@@ -34,7 +34,7 @@ from detectors.regex_pii import open_tail
 from orchestrator.clients.registry import RequestedDetector
 from orchestrator.streaming.findings import Finding
 from orchestrator.streaming.redaction import redact_text
-from tests.fakes.engine import FakeEngine
+from tests.fakes.engine import FakeEngine, Fault
 from tests.openai_support import sdk
 from tests.orchestrator_support import MODEL, Orchestrator, ServedStack, native_config, sse_events
 
@@ -376,10 +376,11 @@ def test_a_kind_the_request_does_not_enable_is_not_withheld() -> None:
 def test_the_detectors_answer_for_a_cut_answer() -> None:
     """`Detector.open_tail(..., cut=True)`: the regex detector's, and the `pii` detector's for
     its regex kinds (one rule for both)."""
-    regex = detectors.build("regex")
-    tail = regex.open_tail("Mail jo.smith", cut=True)
-    assert tail is not None and (tail.start, tail.end, tail.detection) == (5, 13, "email")
-    assert regex.open_tail("Mail jo.smith") is None  # an open stream, or an answer at EOS
+    for builtin in ("regex", "pii_ner"):  # (pii_ner's model is not loaded for it)
+        detector = detectors.build(builtin)
+        tail = detector.open_tail("Mail jo.smith", cut=True)
+        assert tail is not None and (tail.start, tail.end, tail.detection) == (5, 13, "email")
+        assert detector.open_tail("Mail jo.smith") is None  # an open stream, or an EOS
 
 
 @given(st.text(alphabet="0123456789 -.()+@_:/jo.smitexamplcSN\n", max_size=40))
@@ -420,3 +421,25 @@ async def test_only_an_answer_the_model_ended_releases_its_tail(
         await engine.close()
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+
+
+@pytest.mark.parametrize("mode", ["close", "error"])
+async def test_a_stream_that_fails_inside_an_entity_releases_none_of_its_tail(mode: str) -> None:
+    """A replica that dies inside the e-mail, and a migration that gives up (limit 0): the held
+    tail is never released, whatever it holds (the failure ends the stream; only what was
+    judged with text after it had left)."""
+    head = "Hello there. All is fine so far, as you can see. Mail jo.smith"
+    answer = head + "@example.com today."
+    engine = FakeEngine(script=list(answer), fail=Fault(mode, after_tokens=len(head)))
+    await engine.start()
+    try:
+        async with Orchestrator(stack_config(engine.url)) as orch:
+            assert orch.session is not None
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            async with orch.session.post(orch.url + "/v1/chat/completions", json=body) as r:
+                raw = await r.text()
+    finally:
+        await engine.close()
+    # (an error before the first frame is a 503 body, after it an in-band one: either way)
+    assert '"generation_unavailable"' in raw
+    assert "jo." not in raw and "smith" not in raw
