@@ -1333,13 +1333,13 @@ def _evidence(kind: str, tail: str) -> bool:
 # `cut`): the beginning of a number past its first group, which an ended number, a decimal or a
 # small range is not (`in 2024`, `2024.`, `3.11`, `117.98`, `4111 `, `1841-`, `(555`, `1-2`).
 # A phone's or an SSN's: a group of three digits and a dash or bracket (`555-`, `123-45-`,
-# `(555)`), a `+` and two digits, or two groups of four digits or more that start with a group
-# of three at most (`555 1`, `1 555`; `1841-3` is none), a dot only between groups of three
-# (`555.123`). A card's: two groups of five digits or more
-# (`4111 1111`; `4111-` is a head like `4111 `), but for a year and a dash (`2025-01`,
-# `(2009-2011`: a date or a range; no card's number starts with 19 or 20). An IPv4 address's:
-# groups of three digits around a dot (`192.168`; `10.0.0` and `22.09.20` are released).
-# Chosen on the dev halves of bench/cut_tails.py's texts.
+# `(555)`), a `+` and two digits, or two groups holding four digits or more, the first of three
+# at most (`555 1`, `1 555`; `1841-3` is none), a dot only between groups of three (`555.123`).
+# A card's: two groups holding five digits or more (`4111 1111`; `4111-` is a head like
+# `4111 `), but for a year and a dash (`2025-01`, `(2009-2011`: a date or a range; no card's
+# number starts with 19 or 20). An IPv4 address's: groups of three digits around a dot
+# (`192.168`; `10.0.0` and `22.09.20` are released). Chosen on the dev halves of
+# bench/cut_tails.py's texts.
 _CUT_NUMBER = re.compile(r"(?<![0-9])[0-9]{3}[-)]|\+[0-9]{2}")
 _CUT_GROUPS = re.compile(r"[0-9][ )-]+[0-9]|(?<![0-9])[0-9]{3}\.[0-9]{3}")
 _CUT_CARD = re.compile(r"[0-9][ -]+[0-9]|[0-9]{3}\.[0-9]{3}")

@@ -175,9 +175,9 @@ class DetectorClient(ABC):
         self, text: str, params: dict[str, Any], *, cut: bool = False
     ) -> Detection | None:
         """The tail of a text that ended early which could still grow into a match (DESIGN
-        4.6a), as a detection; None for none (`cut`: see `Detector.open_tail`). A remote detector has no such question in the
-        detector API, so its verdict on what it was sent stands (what it cannot match whole,
-        a cut text included, it judges as it is)."""
+        4.6a), as a detection; None for none (`cut`: see `Detector.open_tail`). A remote
+        detector has no such question in the detector API, so its verdict on what it was sent
+        stands (what it cannot match whole, a cut text included, it judges as it is)."""
         return None
 
     def held_from(self, text: str, at: int, params: dict[str, Any]) -> int | None:
