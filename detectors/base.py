@@ -206,10 +206,14 @@ class Detector(ABC):
     ) -> list[list[Detection]]:
         """One list of detections per content, in order ([] for none)."""
 
-    def open_tail(self, text: str, params: dict[str, Any] | None = None) -> Detection | None:
+    def open_tail(
+        self, text: str, params: dict[str, Any] | None = None, *, cut: bool = False
+    ) -> Detection | None:
         """A span detector's verdict on a text that ended early (a stream cut by a stop
         sequence or a token budget, DESIGN 4.6a): the tail that could still grow into a match,
-        as a detection of what it would be; None for none. Cheap (a bounded tail, no model),
+        as a detection of what it would be; None for none. `cut`: the model did not end the
+        answer (a budget, a stop sequence): any beginning of an entity past its first group
+        counts, not only one with an open stream's evidence. Cheap (a bounded tail, no model),
         so callers may ask on the event loop. Classifiers judge what they got: None."""
         return None
 

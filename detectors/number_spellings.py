@@ -74,6 +74,10 @@ _REPEATS = {"double": 2, "triple": 3}
 # a run is cut after this many characters (a spelt card of 19 digits is ~120)
 MAX_RUN_CHARS = 256
 MIN_DIGITS = 6
+# the digits a run at the end of an answer cut short holds before `open_run` withholds it: more
+# than a number's first group (`five five five` may end a sentence; `five five five one` is a
+# phone number's beginning)
+CUT_DIGITS = 4
 MIN_TOKENS = 3
 
 _WORD = "(?:zero|oh|o|one|two|three|four|five|six|seven|eight|nine)"
@@ -385,11 +389,12 @@ def _lookalikes(
     return start, end, new, positions, [p + 1 for p in positions]
 
 
-def open_run(text: str) -> int | None:
+def open_run(text: str, least: int = MIN_DIGITS) -> int | None:
     """Where a run of number tokens that reaches the end of `text` (but for one separator after
-    it) starts, when it holds MIN_DIGITS digits or more: a stream that ends there (a token
+    it) starts, when it holds `least` digits or more: a stream that ends there (a token
     budget, a stop sequence) may have cut a spelt number short, which must not be released
-    raw (DESIGN 4.6a). None otherwise. Looks at the last MAX_RUN_CHARS characters."""
+    raw (DESIGN 4.6a). None otherwise. Looks at the last MAX_RUN_CHARS characters. A stream
+    cut short asks with CUT_DIGITS: more digits than a number's first group."""
     lo = max(0, len(text) - MAX_RUN_CHARS)
     tokens = [t for t in (_token(text, m) for m in _TOKENS.finditer(text, lo)) if t is not None]
     if not tokens:
@@ -400,7 +405,7 @@ def open_run(text: str) -> int | None:
         return None
     while run and run[0].word and text[run[0].start : run[0].end].lower() in _ZERO_WORDS:
         run = run[1:]
-    if sum(len(t.digits) for t in run) < MIN_DIGITS:
+    if sum(len(t.digits) for t in run) < least:
         return None
     return run[0].start
 

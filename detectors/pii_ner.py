@@ -407,11 +407,13 @@ class PiiNerDetector(BatchedDetector[str, list[Span]]):
         the same pieces as the whole text (tests/test_detectors_pii_ner.py)."""
         return False
 
-    def open_tail(self, text: str, params: dict[str, Any] | None = None) -> Detection | None:
-        """The regex kinds' open tail (a name has none: a cut name is a name's prefix, and a
-        prefix of any word could be one)."""
+    def open_tail(
+        self, text: str, params: dict[str, Any] | None = None, *, cut: bool = False
+    ) -> Detection | None:
+        """The regex kinds' open tail, by the same rule (a name has none: a cut name is a
+        name's prefix, and a prefix of any word could be one)."""
         kinds = self.effective_params(params).regex_kinds
-        return self._regex.open_tail(text, {"kinds": list(kinds)})
+        return self._regex.open_tail(text, {"kinds": list(kinds)}, cut=cut)
 
     def held_from(self, text: str, at: int, params: dict[str, Any] | None = None) -> int | None:
         """The regex kinds' (a spelt number's head, see RegexDetector.held_from)."""

@@ -56,6 +56,7 @@ import functools
 import ipaddress
 import os
 import re
+import string
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -75,7 +76,7 @@ from .normalise import (
     unfinished_markup,
     unmarked_view,
 )
-from .number_spellings import may_hold_a_run, number_view, open_run, run_across
+from .number_spellings import CUT_DIGITS, may_hold_a_run, number_view, open_run, run_across
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -1135,12 +1136,15 @@ class RegexDetector(Detector):
             raise
         return found
 
-    def open_tail(self, text: str, params: dict[str, Any] | None = None) -> Detection | None:
+    def open_tail(
+        self, text: str, params: dict[str, Any] | None = None, *, cut: bool = False
+    ) -> Detection | None:
         """The tail of `text` that could still grow into a match of one of the built-in kinds
-        this request enables (see `open_tail`), as a detection of that kind; custom patterns
-        have no such test (RE2 cannot say whether a text is a prefix of a match)."""
+        this request enables (see `open_tail`, and its `cut`), as a detection of that kind;
+        custom patterns have no such test (RE2 cannot say whether a text is a prefix of a
+        match)."""
         p: RegexParams = self.effective_params(params)
-        tail = open_tail(text, p.kinds)
+        tail = open_tail(text, p.kinds, cut=cut)
         if tail is None:
             return None
         start, kind = tail
@@ -1216,19 +1220,25 @@ def _partial(kind: str) -> Any:
     return regex.compile(_PATTERNS[kind].pattern.decode())
 
 
-def _partial_start(rx: Any, view: str, pos: int, first: frozenset[str]) -> int | None:
+def _partial_start(
+    rx: Any, view: str, pos: int, first: frozenset[str], *, separated: bool = False
+) -> int | None:
     """The start of the leftmost match body of `rx` (one of the `_builtin` forms: a neighbour,
     the body, a neighbour) from `pos` that runs to the end of `view`, as a partial match (more
     text could complete it) or a complete one; None when none does. `first`: the characters a
     body starts with (a partial match has no group spans to say where it starts; the leading
     neighbour is one or two characters, none of them such a character: `\\n` before a phone
-    number is two, and its `n` starts no number)."""
+    number is two, and its `n` starts no number). `separated`: a complete match that one
+    separator of digit groups ends the view after runs to the end too (`4111 1111 1111 `: a
+    run of twelve digits, no card yet, may go on after its space)."""
     end = len(view)
     while pos <= end:
         m = rx.search(view, pos, partial=True)
         if m is None:
             return None
-        if not m.partial and m.end(1) < end:
+        if separated and not m.partial and m.end(1) == end - 1 and view[-1] in " .-":
+            pass  # (the body runs to the end but for its separator)
+        elif not m.partial and m.end(1) < end:
             pos = m.end(1)  # a complete match before the end: look after it
             continue
         start = m.start()
@@ -1319,16 +1329,86 @@ def _evidence(kind: str, tail: str) -> bool:
     return tail.count(".") >= 2 and digits >= 7  # ipv4 (not a version: 3.11.4, 10.15.7.)
 
 
+# An answer cut short (a token or time budget, a stop the model did not choose: `open_tail`'s
+# `cut`): the beginning of a number past its first group, which an ended number, a decimal or a
+# small range is not (`in 2024`, `2024.`, `3.11`, `117.98`, `4111 `, `1841-`, `(555`, `1-2`).
+# A phone's or an SSN's: a group of three digits and a dash or bracket (`555-`, `123-45-`,
+# `(555)`), a `+` and two digits, or two groups holding four digits or more, the first of three
+# at most (`555 1`, `1 555`; `1841-3` is none), a dot only between groups of three (`555.123`).
+# A card's: two groups holding five digits or more (`4111 1111`; `4111-` is a head like
+# `4111 `), but for a year and a dash (`2025-01`, `(2009-2011`: a date or a range; no card's
+# number starts with 19 or 20). An IPv4 address's: groups of three digits around a dot
+# (`192.168`; `10.0.0` and `22.09.20` are released). Chosen on the dev halves of
+# bench/cut_tails.py's texts.
+_CUT_NUMBER = re.compile(r"(?<![0-9])[0-9]{3}[-)]|\+[0-9]{2}")
+_CUT_GROUPS = re.compile(r"[0-9][ )-]+[0-9]|(?<![0-9])[0-9]{3}\.[0-9]{3}")
+_CUT_CARD = re.compile(r"[0-9][ -]+[0-9]|[0-9]{3}\.[0-9]{3}")
+_FIRST_GROUP = re.compile(r"[0-9]+")
+_YEAR_DASH = re.compile(r"\(?(?:19|20)[0-9]{2}-")
+_CUT_IPV4 = re.compile(r"(?<![0-9])[0-9]{3}\.[0-9]{3}")
+# ... and an e-mail's local part at the very end: a run of its characters with one dot, or a
+# `+`, between a letter and what follows (`jo.smith`, `jo+news`; not `jo.`, `well-known`,
+# `v3.11`, `U.S.`, `www.example.com`, nor the `snake_case` names of technical text), not inside
+# a URL or code (after `/`, `` ` ``), nor after an `@` (a domain: the `@` rule's)
+_CUT_LOCAL_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._%+-]{0,63}\Z")
+_CUT_LOCAL_SEPARATED = re.compile(r"[A-Za-z][.+][A-Za-z0-9]")
+_NOT_BEFORE_LOCAL_PART = frozenset("/@:=&?#`._%+-") | frozenset(
+    string.ascii_letters + string.digits
+)
+
+
+def _cut_evidence(kind: str, tail: str) -> bool:
+    """Enough of an entity to withhold the tail of an answer cut short (see _CUT_NUMBER): less
+    than `_evidence` asks of an open stream. An e-mail's own test is `_cut_local_part`."""
+    if kind in _EMAIL_KINDS:
+        return False
+    if kind == "ipv4":
+        return _CUT_IPV4.search(tail) is not None
+    digits = sum(ch.isdigit() for ch in tail)
+    if kind == "credit_card":
+        return digits >= 5 and _CUT_CARD.search(tail) is not None and not _YEAR_DASH.match(tail)
+    first = _FIRST_GROUP.search(tail)
+    return _CUT_NUMBER.search(tail) is not None or (
+        digits >= 4
+        and first is not None
+        and len(first.group()) <= 3
+        and _CUT_GROUPS.search(tail) is not None
+    )
+
+
+def _cut_local_part(view: str) -> int | None:
+    """Where an e-mail's local part that ends `view` starts (see _CUT_LOCAL_PART); None for
+    none."""
+    m = _CUT_LOCAL_PART.search(view, max(0, len(view) - 65))
+    if m is None:
+        return None
+    start = m.start()
+    if start > 0 and view[start - 1] in _NOT_BEFORE_LOCAL_PART:
+        return None  # a longer run (past 64 characters), a URL's path, a domain
+    if view.count(".", start) > 1 or _CUT_LOCAL_SEPARATED.search(view, start) is None:
+        return None
+    return start
+
+
 _EMAIL_KINDS = ("email", "email_spelt")
 # what may follow a value at the end of a sentence
 _CLOSING = ".,;:!?)]}\"'\u2019\u201d "
 
 
-def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[int, str] | None:
+def open_tail(
+    text: str, kinds: list[str] | tuple[str, ...] = KINDS, *, cut: bool = False
+) -> tuple[int, str] | None:
     """(start, kind) of the longest suffix of `text` that could still grow into a match of one
     of `kinds` and holds enough evidence of one (`_evidence`), judged on the normalised view
     (DESIGN 4.6b); None when there is none, or when the suffix already is a match (a scan finds
     it). A stream that ends there (stop sequence, token budget) must not release it raw.
+
+    `cut`: the answer was cut short, not ended by the model (a token or time budget, a stop
+    sequence): the same request with a smaller budget cuts it anywhere, so a tail that is a
+    beginning of an entity past its first group is withheld (`_cut_evidence`: `555-`,
+    `4111 1111`, `123-45-`; an e-mail's local part, `jo.smith`; a spelt run of CUT_DIGITS),
+    where an open stream's evidence would release it (a tail oracle). A number or word that
+    ended is still released (`in 2024`, `version 3.11`, `jo.`).
 
     The rule: the end of the view is the beginning of a match of the kind's own pattern (the
     `regex` package's partial matching, on at most the last OPEN_TAIL_VIEW_CHARS view
@@ -1376,17 +1456,25 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
         else:
             pos = number_at
         first = _BODY_FIRST if kind in _EMAIL_KINDS else _NUMBER_FIRST
-        start = _partial_start(_partial(kind), v, pos, first)
+        start = _partial_start(
+            _partial(kind), v, pos, first, separated=cut and kind not in _EMAIL_KINDS
+        )
         if start is not None and kind not in _EMAIL_KINDS:
             start = _last_digits(v, start, _MOST_DIGITS[kind])
         if start is not None and kind == "credit_card":
             start = _card_groups(v, start)
-        if start is None or not _evidence(kind, v[start:]):
+        if start is None or not (
+            _evidence(kind, v[start:]) or (cut and _cut_evidence(kind, v[start:]))
+        ):
             continue
         name = {"phone_us": "phone", "email_spelt": "email"}.get(kind, kind)
         if best is None or start < best[0]:
             best = (start, name)
-    spelt = open_run(v) if any(k in kinds for k in NUMBER_KINDS) else None
+    if cut and "email" in kinds and (local := _cut_local_part(v)) is not None:
+        if best is None or local < best[0]:
+            best = (local, "email")
+    numbers = any(k in kinds for k in NUMBER_KINDS)
+    spelt = None if not numbers else open_run(v, CUT_DIGITS) if cut else open_run(v)
     if spelt is not None and (best is None or spelt < best[0]):
         # a number spelt as words or a digit at a time, cut short (number_spellings)
         best = (spelt, next(k for k in NUMBER_KINDS if k in kinds))

@@ -186,24 +186,23 @@ CUTS = [
     ({"max_tokens": 11}, "Contact [email]"),  # Contact jo@
     ({"max_tokens": len("Contact jo@example.com today. Or call 555-123-456")},
      "Contact [email] today. Or call [phone]"),
+    # the model did not end the answer: the beginning of a number past its first group is
+    # withheld, though an open stream would need more evidence of one (a tail oracle: the same
+    # request with max_tokens 1, 2, ... showed `555-` and `555 1`; tests/test_pipeline_cut_tails.py)
     ({"max_tokens": len("Contact jo@example.com today. Or call 555 1")},
-     None),  # two digits are no evidence of a phone number
+     "Contact [email] today. Or call [phone]"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("limit", "want"), CUTS)
-async def test_a_cut_inside_an_entity_is_redacted(limit: dict[str, Any], want: str | None) -> None:
-    answer = ANSWER.replace("555-", "555 ") if want is None else ANSWER
-    engine = await start(list(answer))
+async def test_a_cut_inside_an_entity_is_redacted(limit: dict[str, Any], want: str) -> None:
+    engine = await start(list(ANSWER))
     try:
         async with Orchestrator(config(engine, 500)) as orch:
             raw = await raw_post(orch, CHAT, chat_body("redact", **limit))
     finally:
         await engine.close()
     content, finish = chat_stream(raw)
-    if want is None:  # released as is
-        assert content == "Contact [email] today. Or call 555 1"
-        return
     assert content == want
     assert finish in ("stop", "length")
     for piece in ("jo@", "@example", "555-123", "jo\\u"):

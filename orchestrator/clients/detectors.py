@@ -173,11 +173,13 @@ class DetectorClient(ABC):
             merged.pop(key, None)
         return merged
 
-    def open_tail(self, text: str, params: dict[str, Any]) -> Detection | None:
+    def open_tail(
+        self, text: str, params: dict[str, Any], *, cut: bool = False
+    ) -> Detection | None:
         """The tail of a text that ended early which could still grow into a match (DESIGN
-        4.6a), as a detection; None for none. A remote detector has no such question in the
-        detector API, so its verdict on what it was sent stands (what it cannot match whole,
-        a cut text included, it judges as it is)."""
+        4.6a), as a detection; None for none (`cut`: see `Detector.open_tail`). A remote
+        detector has no such question in the detector API, so its verdict on what it was sent
+        stands (what it cannot match whole, a cut text included, it judges as it is)."""
         return None
 
     def held_from(self, text: str, at: int, params: dict[str, Any]) -> int | None:
@@ -253,11 +255,13 @@ class InProcessDetectorClient(DetectorClient):
         self._check_count(contents, reply)
         return reply
 
-    def open_tail(self, text: str, params: dict[str, Any]) -> Detection | None:
+    def open_tail(
+        self, text: str, params: dict[str, Any], *, cut: bool = False
+    ) -> Detection | None:
         """The built-in's own answer (the regex detector's; None from classifiers). Synchronous:
         it looks at a bounded tail only."""
         try:
-            return self._detector.open_tail(text, params or None)
+            return self._detector.open_tail(text, params or None, cut=cut)
         except detectors.InvalidParams as exc:  # (the queue's detect call already checked them)
             raise DetectorCallError(self.detector_id, str(exc), invalid_params=True) from None
 

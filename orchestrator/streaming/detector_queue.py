@@ -244,6 +244,7 @@ class DetectorQueue:
         self._max_batch = max_batch
         self._pending: deque[Span] = deque()
         self._closed = False
+        self._cut = False  # the text was cut short, not ended by the model (see `close`)
         self._wakeup = asyncio.Event()
         self.calls = 0
         # characters put and not answered yet: the pipeline reads the engine no further ahead
@@ -300,9 +301,12 @@ class DetectorQueue:
         self.unjudged += len(span.text)
         self._wakeup.set()
 
-    def close(self) -> None:
-        """No more chunks will come; the queue finishes once the pending ones are judged."""
+    def close(self, *, cut: bool = False) -> None:
+        """No more chunks will come; the queue finishes once the pending ones are judged.
+        `cut`: the model did not end the text (a token or time budget, a stop sequence), so
+        its tail is judged as a cut one (`Detector.open_tail`'s `cut`)."""
         self._closed = True
+        self._cut = cut
         self._wakeup.set()
 
     async def run(self) -> None:
@@ -353,7 +357,7 @@ class DetectorQueue:
             for i, (span, detections) in enumerate(zip(batch, replies, strict=True)):
                 found = self._kept(span, detections)
                 if ends and i == len(batch) - 1:  # (a whole-doc detector: its only chunk)
-                    found = open_tail(detector, span.text, span.start, found)
+                    found = open_tail(detector, span.text, span.start, found, cut=self._cut)
                 self._post(span, found)
         self._inbox.put(DetectorFinished(detector.detector_id))
 
@@ -383,7 +387,7 @@ class DetectorQueue:
             found = self._kept(Span(start, end, text), detections)
             final = final or (self._closed and not self._pending)
             if final:
-                found = open_tail(detector, text, start, found)
+                found = open_tail(detector, text, start, found, cut=self._cut)
             # a window that ends at a chunk end that is no seam (`seam_ends`) carries nothing:
             # no entity of this detector goes on across it
             no_seam = bool(batch) and not self._seam_after(batch[-1])  # type: ignore[misc]
@@ -582,7 +586,7 @@ class DetectorQueue:
             return judged
         base = judged[0][0].start
         text = "".join([span.text for span, _ in judged])
-        tail = open_tail(self.detector, text, base, ())
+        tail = open_tail(self.detector, text, base, (), cut=self._cut)
         if not tail:
             return judged
         [flag] = tail
@@ -740,13 +744,19 @@ def obscured_finding(detector: RequestedDetector, start: int, end: int) -> Findi
 
 
 def open_tail(
-    detector: RequestedDetector, text: str, start: int, found: tuple[Finding, ...]
+    detector: RequestedDetector,
+    text: str,
+    start: int,
+    found: tuple[Finding, ...],
+    *,
+    cut: bool = False,
 ) -> tuple[Finding, ...]:
     """What a redacting or blocking detector flags at the end of a text that ended (DESIGN
     4.6a): beside `found` (its findings in `text`, which starts at stream index `start`), the
     tail that could still grow into a match (the in-process regex detector knows; a remote one
-    says nothing), unless a finding already covers it."""
-    tail = detector.client.open_tail(text, detector.params)
+    says nothing), unless a finding already covers it; with `cut` (the model did not end the
+    text), any beginning of an entity past its first group (`Detector.open_tail`)."""
+    tail = detector.client.open_tail(text, detector.params, cut=cut)
     if tail is None:
         return found
     end = start + len(text)

@@ -107,3 +107,12 @@ TERMINAL_BY_FINISH: dict[str | None, tuple[TerminalKind, IncompleteReason | None
     "MAX_TOKENS": ("incomplete", "max_output_tokens"),
     "TIME_LIMIT": ("incomplete", "time_limit"),
 }
+
+
+def cut_short(finish_reason: str | None) -> bool:
+    """The model did not end the text itself: any reason but its EOS (a token or time budget,
+    a stop sequence, one the pipeline imposed, none). The same request with a smaller budget
+    or another stop cuts it anywhere, so its tail is judged as the beginning of an entity
+    wherever it could be one (DESIGN 4.6a: no tail oracle); an answer the model ended is what
+    it wrote, released as judged."""
+    return finish_reason != "EOS_TOKEN"

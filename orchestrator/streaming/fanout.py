@@ -33,12 +33,13 @@ class ChunkFanout:
         for cid, state, queues in self._groups:
             self._dispatch(cid, queues, lambda s=state: s.feed(delta))
 
-    def flush(self) -> None:
-        """End of text: the last chunks go out and every queue is closed."""
+    def flush(self, *, cut: bool = False) -> None:
+        """End of text: the last chunks go out and every queue is closed (`cut`: the model did
+        not end the text: DetectorQueue.close)."""
         for cid, state, queues in self._groups:
             self._dispatch(cid, queues, state.flush)
             for q in queues:
-                q.close()
+                q.close(cut=cut)
 
     @staticmethod
     def _dispatch(cid: str, queues: list[DetectorQueue], step: Any) -> None:

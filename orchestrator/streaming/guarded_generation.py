@@ -54,6 +54,7 @@ from .events import (
     KeepAlive,
     Refusal,
     Terminal,
+    cut_short,
 )
 from .findings import Finding, sort_findings
 from .joined_turns import judge_joined_turns
@@ -345,7 +346,7 @@ class GuardedGeneration(PipelineCore):
                             break
                     elif isinstance(message, _EngineEnded):
                         engine_ended = True
-                        stage.end()
+                        stage.end(cut=cut_short(self._finish_reason_now()))
                         calls = message.tool_calls
                         blocked = [f for j in calls if j.blocked for f in j.blocked] or None
                         if blocked is not None:

@@ -186,11 +186,13 @@ class StreamJudge:
             return self._release(self._text.length, [])
         return []
 
-    def end(self) -> None:
+    def end(self, *, cut: bool = False) -> None:
         """The text is complete. Frames released from now on are held back so that the last one
-        can carry what only the end knows (finish reason, whole-document detections)."""
+        can carry what only the end knows (finish reason, whole-document detections). `cut`:
+        the model did not end it (a token or time budget, a stop sequence; `cut_short`): a
+        tail that could be the beginning of an entity is judged as one (DESIGN 4.6a)."""
         self._ended = True
-        self._fanout.flush()
+        self._fanout.flush(cut=cut)
 
     def accept(self, message: Result | DetectorFinished) -> Verdict:
         if isinstance(message, DetectorFinished):
