@@ -1855,10 +1855,11 @@ def _figures_line(figs: dict[str, dict[str, dict[str, float | int]]]) -> str:
     return " | ".join(parts)
 
 
-async def bench_hap(results: dict[str, Any]) -> None:
+async def bench_hap(results: dict[str, Any], anchors: Sequence[str] | None = None) -> None:
     """`profanity` (as the shipped config.yaml's `hap` runs it) and the other abuse models
-    shipped on PyPI (bench/abuse_anchors.py) on the HAP sets (`hap_sets`): the threshold of
-    each is chosen on the insult set's dev split, and every set is counted at it."""
+    shipped on PyPI (bench/abuse_anchors.py; `anchors` names the ones scored, all when None)
+    on the HAP sets (`hap_sets`): the threshold of each is chosen on the insult set's dev
+    split, and every set is counted at it."""
     from bench.abuse_anchors import load_anchors
     from detectors.model import ScoredTextDetector
     from detectors.normalise import view_text
@@ -1892,7 +1893,7 @@ async def bench_hap(results: dict[str, Any]) -> None:
     # chunks come), on the first `cost_texts` texts (tox-block's TensorFlow call costs tens of
     # milliseconds however small the batch)
     cost_texts = texts[:300]
-    for name, scorer in load_anchors(_installed_dir).items():
+    for name, scorer in load_anchors(_installed_dir, anchors).items():
         scores[name] = {}
         for set_name, rows in sets.items():
             wins, owned = judge_windows([view_text(r.text) for r in rows], *window)
@@ -1961,6 +1962,9 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--evasion-benign", type=int, default=EVASION_BENIGN)
     ap.add_argument("--evasions", nargs="*", help="transformations to run (default: all)")
     ap.add_argument("--split", choices=("dev", "test"), default="test", help="hap-evasion's texts")
+    ap.add_argument(
+        "--hap-anchors", nargs="*", help="abuse models scored beside profanity (default: all)"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     one_blas_thread_per_process()  # as the services run the models
@@ -1988,7 +1992,7 @@ async def main(argv: list[str] | None = None) -> int:
     if "pii-intl" in args.only:
         await bench_pii_intl(results, args.pii_intl_texts, args.pii_detectors)
     if "hap" in args.only:
-        await bench_hap(results)
+        await bench_hap(results, args.hap_anchors)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -51,10 +51,13 @@ _CHARS = "A-Za-z0-9*#$@!|"
 _CENSORED = re.compile(rf"(?<![{_CHARS}])(?:[$@!|0-9][{_CHARS}]*|[A-Za-z]+[*#$@!|0-9][{_CHARS}]*)")
 _LETTERS = re.compile(r"[A-Za-z]")
 
-# a letter standing alone (no letter, digit or mark beside it: `a r*t*rd` has none), and what
-# may part the letters of a spaced word (the same throughout a run): `f u c k`, `f.u.c.k`
-_SINGLE = re.compile(rf"(?<![{_CHARS}])[A-Za-z](?![{_CHARS}])")
+# a letter (or a digit or mark drawn for one) standing alone (no letter, digit or mark beside
+# it: `a r*t*rd` has none; `!` after it may be punctuation, `'s` is a word's end), and what may
+# part the letters of a spaced word (the same throughout a run): `f u c k`, `f.u.c.k`, `i d i 0 t`
+_SINGLE = re.compile(rf"(?<![{_CHARS}'\u2019])[{_CHARS}](?![A-Za-z0-9*#$@|]|!+[A-Za-z0-9*#$@|])")
 SEPARATORS = frozenset((" ", ".", "-", "_", "/", ",", "+", "~", ":", "\n", "\r\n"))
+_GAPS = frozenset("".join(SEPARATORS))
+ONE_LETTER_WORDS = frozenset("aiuyr")  # `a`, `I`, and `u`, `y`, `r` for you, why, are
 SEGMENT_CHARS = 60  # letters of a run segmented into words at a time
 
 _RUNS = re.compile(r"([a-z])\1+")
@@ -70,11 +73,12 @@ _SOUNDED = re.compile(r"ph|y|z|k|v")
 class Readings:
     """What a disguised token may be read as: `words` (a model's vocabulary, lower case) with
     the score of each alone, highest first within each (length, first letter) bucket; `known`:
-    the words a token may be as it stands (never read as another word) and what spaced letters
-    are segmented into."""
+    the words a token may be as it stands (never read as another word); spaced letters are
+    segmented into those, `words` and `vocabulary` (the model's other words)."""
 
     words: Mapping[str, float]
     known: frozenset[str]
+    vocabulary: frozenset[str] = frozenset()
     by_shape: Mapping[tuple[int, str], tuple[str, ...]] = field(init=False)
     by_length: Mapping[int, tuple[str, ...]] = field(init=False)
 
@@ -147,16 +151,20 @@ def sounded(word: str, readings: Readings) -> str | None:
 
 
 def segmented(letters: str, readings: Readings) -> str:
-    """`afuckingidiot` -> `a fucking idiot`: the fewest words of `readings.known` (or of its
-    scored words), a word of one or two letters counting double, an unknown letter five times;
-    SEGMENT_CHARS letters at a time."""
+    """`afuckingidiot` -> `a fucking idiot`: the fewest words of `readings` (`known`, `words`,
+    `vocabulary`), a word of one or two letters counting double, SEGMENT_CHARS letters at a
+    time; `letters` as they are where a piece is no word (`fuuk`, `idi0t`: one token, which
+    the token readings then read)."""
     out = []
     for lo in range(0, len(letters), SEGMENT_CHARS):
-        out.append(_segment(letters[lo : lo + SEGMENT_CHARS], readings))
+        piece = _segment(letters[lo : lo + SEGMENT_CHARS], readings)
+        if piece is None:
+            return letters
+        out.append(piece)
     return " ".join(out)
 
 
-def _segment(s: str, readings: Readings) -> str:
+def _segment(s: str, readings: Readings) -> str | None:
     n = len(s)
     cost = [0.0] + [float("inf")] * n
     back = [0] * (n + 1)
@@ -164,8 +172,8 @@ def _segment(s: str, readings: Readings) -> str:
         for start in range(max(0, end - 24), end):
             piece = s[start:end]
             if end - start == 1:
-                step = 2.0 if piece in "ai" else 5.0
-            elif piece in readings.known or piece in readings.words:
+                step = 2.0 if piece in ONE_LETTER_WORDS else 5.0
+            elif piece in readings.known or piece in readings.words or piece in readings.vocabulary:
                 step = 1.0 if end - start >= 3 else 2.0
             else:
                 continue
@@ -175,13 +183,15 @@ def _segment(s: str, readings: Readings) -> str:
     while at > 0:
         words.append(s[back[at] : at])
         at = back[at]
+    if any(len(w) == 1 and w not in ONE_LETTER_WORDS for w in words):
+        return None
     return " ".join(reversed(words))
 
 
 def letter_runs(text: str) -> list[tuple[int, int]]:
-    """[start, end) of each run of two or more letters standing alone, one separator apart
-    (the same one throughout the run: SEPARATORS); where two runs share a letter (`a s.h.i.t`:
-    `a s` and `s.h.i.t`), the longer is the word. One look at each lone letter."""
+    """[start, end) of each run of lone characters (`_SINGLE`), two or more of them letters, one
+    separator apart (the same one throughout the run: SEPARATORS); where two runs share a
+    character (`a s.h.i.t`: `a s` and `s.h.i.t`), the longer is the word. One look at each."""
     letters = [m.start() for m in _SINGLE.finditer(text)]
     runs: list[list[int]] = []  # letter positions of each run, in order
     sep: str | None = None
@@ -198,7 +208,7 @@ def letter_runs(text: str) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for run in sorted(runs, key=len, reverse=True):
         run = [at for at in run if at not in claimed]  # (only an end can be claimed)
-        if len(run) >= 2:
+        if sum(text[at].isalpha() for at in run) >= 2:
             claimed.update(run)
             out.append((run[0], run[-1] + 1))
     return sorted(out)
@@ -212,7 +222,7 @@ def _joined(text: str, readings: Readings) -> str:
         return text
     out, at = [], 0
     for a, b in runs:
-        letters = "".join(_LETTERS.findall(text[a:b])).lower()
+        letters = "".join(c for c in text[a:b] if c not in _GAPS).lower()
         word = letters if letters in readings.known else segmented(letters, readings)
         out += [text[at:a], word]
         at = b

@@ -69,7 +69,7 @@ def vocabulary_readings(vectorizer: Any, model: Any, col: int) -> Readings:
     vocab = sorted(w for w in vectorizer.vocabulary_ if w.isalpha() and w.isascii())
     probs = model.predict_proba(vectorizer.transform(vocab))[:, col]
     words = {w: float(p) for w, p in zip(vocab, probs, strict=True) if p >= READ_AS and len(w) >= 3}
-    return Readings(words, english_words())
+    return Readings(words, english_words(), frozenset(vocab))
 
 
 class ProfanityDetector(ScoredTextDetector):

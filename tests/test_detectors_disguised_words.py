@@ -40,6 +40,13 @@ WORDS = Readings(
         ("f-u-c-k you", "fuck you"),
         ("f\nu\nc\nk\nyou", "fuck\nyou"),
         ("f u c k y o u", "fuck you"),
+        ("f u u u c k", "fuck"),
+        ("i d i 0 t", "idiot"),
+        ("a r*t*rd", None),  # (`r` is no lone letter: no run)
+        ("a s.h.i.t", "a shit"),
+        ("an I D I O T!!!", "an idiot!!!"),  # (the marks after it are punctuation)
+        ("you'r e", None),  # (`'r` ends a word: no lone letter)
+        ("1 2 3 go", None),
         ("a f u c k i n g idiot", "a fucking idiot"),
         ("fuuuuuck you", "fuck you"),
         ("shiiiiit", "shit"),
@@ -82,7 +89,7 @@ def test_a_word_as_it_stands_is_never_read_as_another() -> None:
 
 def test_spaced_letters_are_segmented_into_the_fewest_words() -> None:
     assert segmented("whatthefuck", WORDS) == "what the fuck"
-    assert segmented("xq", WORDS) == "x q"  # no word: the letters as they are
+    assert segmented("fuuk", WORDS) == "fuuk"  # a piece is no word: one token, read as such
 
 
 def test_reading_a_hostile_text_is_linear() -> None:
