@@ -5,7 +5,9 @@
   `sh!t`, `a$$hole`, `b1tch`, `@ss` (a token that holds a letter and one of CENSOR_MARKS);
 - letters one apart: `f u c k`, `f.u.c.k`, `f-u-c-k`, one letter per line (`LETTER_RUN`);
 - a letter written many times: `fuuuuck`, `shiiiit`, `fukk` (a run read once or twice);
-- spelt as it sounds: `phuck`, `shyt`, `azzhole`, `kunt`, `fvck` (SOUNDS).
+- spelt as it sounds: `phuck`, `shyt`, `azzhole`, `kunt`, `fvck` (SOUNDS);
+- cut by a dot, a hyphen or an underscore: `fu.ck`, `sh-it` (`_CUT`);
+- written backwards: `kcuf` (a word of four letters or more).
 
 A tokenizer of words drops single letters and cuts at symbols, so `f*ck` reads as `ck` and `f u
 c k` as nothing. `reading` writes each such token as the word it can stand for, the word with
@@ -66,6 +68,10 @@ MAX_RUNS = 4  # stretched runs of one word tried both ways (2**4 readings at mos
 # spellings by sound, each tried on or off (`phuck`: ph as f)
 SOUNDS = (("ph", "f"), ("y", "i"), ("zz", "ss"), ("z", "s"), ("k", "c"), ("v", "u"))
 _WORD = re.compile(r"(?<![A-Za-z])[A-Za-z]{3,}(?![A-Za-z])")
+# a word cut by single dots, hyphens or underscores (`fu.ck`, `sh-it`; as detectors/respell.py)
+_CUT = re.compile(r"(?<![A-Za-z.\-_])[A-Za-z]+(?:[.\-_][A-Za-z]+)+(?![A-Za-z\-_])")
+_CUT_MARKS = re.compile(r"[.\-_]")
+BACKWARDS_MIN = 4  # letters of a word read backwards (`kcuf`; `god` is `dog`)
 _SOUNDED = re.compile(r"ph|y|z|k|v")
 
 
@@ -230,8 +236,9 @@ def _joined(text: str, readings: Readings) -> str:
 
 
 def reading(text: str, readings: Readings) -> str | None:
-    """`text` with every disguised word read back (spaced letters joined into words, then
-    censored, stretched and sounded tokens read as `readings`' words); None when nothing is."""
+    """`text` with every disguised word read back (spaced letters joined into words, then cut,
+    censored, stretched, sounded and backwards tokens read as `readings`' words); None when
+    nothing is."""
 
     def censored(m: re.Match[str]) -> str:
         nonlocal changed
@@ -244,6 +251,15 @@ def reading(text: str, readings: Readings) -> str | None:
         changed = True
         return word
 
+    def rejoined(m: re.Match[str]) -> str:
+        nonlocal changed
+        parts = _CUT_MARKS.split(m.group().lower())
+        word = "".join(parts)
+        if word not in readings.words or all(p in readings.known for p in parts):
+            return m.group()
+        changed = True
+        return word
+
     def respelt(m: re.Match[str]) -> str:
         nonlocal changed
         word = m.group().lower()
@@ -252,6 +268,8 @@ def reading(text: str, readings: Readings) -> str | None:
         found = unstretched(word, readings) if _RUNS.search(word) else None
         if found is None and _SOUNDED.search(word):
             found = sounded(word, readings)
+        if found is None and len(word) >= BACKWARDS_MIN and word[::-1] in readings.words:
+            found = word[::-1]
         if found is None:
             return m.group()
         changed = True
@@ -259,6 +277,7 @@ def reading(text: str, readings: Readings) -> str | None:
 
     out = _joined(text, readings)
     changed = out is not text
+    out = _CUT.sub(rejoined, out)
     out = _CENSORED.sub(censored, out)
     out = _WORD.sub(respelt, out)
     return out if changed else None

@@ -19,9 +19,9 @@ from detectors.disguised_words import Readings, reading, segmented
 
 WORDS = Readings(
     {"fuck": 1.0, "fucking": 1.0, "shit": 1.0, "bitch": 1.0, "asshole": 1.0, "ass": 0.99,
-     "cunt": 1.0, "idiot": 0.99, "fork": 0.2},
+     "cunt": 1.0, "idiot": 0.99, "fork": 0.2, "dumbass": 0.99},
     frozenset({"you", "are", "what", "the", "fork", "and", "this", "fucking", "hello", "philosophy",
-               "good", "fuck", "idiot", "ass", "bold", "cost", "is"}),
+               "good", "fuck", "idiot", "ass", "bold", "cost", "is", "dumb"}),
 )  # fmt: skip
 
 
@@ -55,6 +55,11 @@ WORDS = Readings(
         ("shyt", "shit"),
         ("kunt", "cunt"),
         ("fvck", "fuck"),
+        ("fu.ck you", "fuck you"),
+        ("sh-it", "shit"),
+        ("dumb-ass", None),  # (both parts are words as they stand)
+        ("kcuf you", "fuck you"),
+        ("gnikcuf", "fucking"),
     ],
 )
 def test_a_disguised_word_reads_as_the_worst_word_it_can_stand_for(
