@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import pickle
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -183,11 +183,15 @@ ANCHORS: dict[str, tuple[str, Callable[[Path], Scorer]]] = {
 }
 
 
-def load_anchors(package_dir: Callable[[str], Path | None]) -> dict[str, Scorer]:
-    """The anchors whose packages are installed; `package_dir` finds a package's folder (None
-    when it is not installed)."""
+def load_anchors(
+    package_dir: Callable[[str], Path | None], names: Collection[str] | None = None
+) -> dict[str, Scorer]:
+    """The anchors whose packages are installed (of `names`, when given); `package_dir` finds a
+    package's folder (None when it is not installed)."""
     out: dict[str, Scorer] = {}
     for name, (package, loader) in ANCHORS.items():
+        if names is not None and name not in names:
+            continue
         root = package_dir(package)
         if root is None:
             print(f"  {name}: not installed, skipped")

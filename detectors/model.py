@@ -134,7 +134,25 @@ class ScoredTextDetector(BatchedDetector[str, float]):
         texts itself (to its own length), so the whole text is one of its windows."""
         return self.window_chars, self.window_step
 
+    def views(self, text: str) -> tuple[list[str], bool]:
+        """Other readings of `text` judged beside it (its score is the maximum: payloads decoded
+        out of it, disguised words read back), and whether it held more of them than are
+        judged (it then scores 1.0: fail closed). None here."""
+        return [], False
+
     def _judge(self, items: list[str]) -> list[float]:
+        """Each item and its `views` are judged alike, in the one model call (`_window_scores`);
+        an item scores the maximum, or 1.0 when its views overflowed."""
+        found = [self.views(item) for item in items]
+        texts = [[item, *views] for item, (views, _) in zip(items, found, strict=True)]
+        scores = self._window_scores([t for ts in texts for t in ts])
+        out, at = [], 0
+        for ts, (_, overflowed) in zip(texts, found, strict=True):
+            out.append(1.0 if overflowed else max(scores[at : at + len(ts)]))
+            at += len(ts)
+        return out
+
+    def _window_scores(self, items: list[str]) -> list[float]:
         """The model scores the normalised view (invisible characters removed, look-alikes
         folded), so `f\u200buck` or a Cyrillic homoglyph does not lower the score, and the
         words markup hid from it (an instruction in an HTML comment, which the guarded model

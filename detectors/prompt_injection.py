@@ -258,22 +258,15 @@ class PromptInjectionDetector(ScoredTextDetector):
             return None, 0
         return super().span_window()
 
-    def _judge(self, items: list[str]) -> list[float]:
-        """Each content and the payloads decoded out of it (base64, hex, ROT13, tag characters
-        and the other encodings of `decoded_views`) are judged alike, in the one model call;
-        a content scores the maximum: an instruction a model is told to decode is found. A
-        content with more readable payloads than are judged scores 1.0 (fail closed: decoys
-        ahead of an encoded instruction must not push it past the cap)."""
+    def views(self, text: str) -> tuple[list[str], bool]:
+        """The payloads decoded out of a content (base64, hex, ROT13, tag characters and the
+        other encodings of `decoded_views`) and its respellings, judged beside it: an
+        instruction a model is told to decode is found. More readable payloads than are judged:
+        overflowed (fail closed: decoys ahead of an encoded instruction must not push it past
+        the cap)."""
         # payloads are searched for before markup is decoded (an encoding's alphabet holds `&`,
         # `%`, `*`, `\\`); the content itself is judged with it decoded (`%49gnore` reads Ignore)
-        found = [payloads(view_text(item, markup=False), item) for item in items]
-        views = [[item, *decoded] for item, (decoded, _) in zip(items, found, strict=True)]
-        scores = super()._judge([v for vs in views for v in vs])
-        out, at = [], 0
-        for vs, (_, overflowed) in zip(views, found, strict=True):
-            out.append(1.0 if overflowed else max(scores[at : at + len(vs)]))
-            at += len(vs)
-        return out
+        return payloads(view_text(text, markup=False), text)
 
     def _forward(self, items: list[str]) -> list[float]:
         if self.params.model == "guardify":

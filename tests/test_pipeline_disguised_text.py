@@ -19,6 +19,7 @@ seam window's run, and a stream cut inside one of its escapes, still got through
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -221,6 +222,38 @@ CURSES: dict[str, tuple[list[str], list[str]]] = {
         ["What", " the", ' <img alt="what the ', 'fuck">', " is", " this", "."],
     ),
 }
+# The censored spellings people use to get a swear word past a filter, each streamed so that
+# the disguise straddles tokens (a word cut between two chunks of the stream): on 6a2408a
+# `profanity` scored every one under 0.5 (its tokenizer drops single letters and cuts at
+# symbols: `f**k` was nothing to it, `sh!t` the word `sh`) and the blocking `hap` released it.
+# (plain tokens, disguised tokens, the disguised word as a reader sees it)
+CENSORED: dict[str, tuple[list[str], list[str], str]] = {
+    "starred-vowel": (["What", " the", " fuck", "."], ["What", " the", " f*", "ck", "."], "f*ck"),
+    "starred-inside": (["What", " the", " fuck", "."], ["What", " the", " f*", "*k", "."], "f**k"),
+    "starred-tail": (["What", " the", " fuck", "."], ["What", " the", " f*", "**", "."], "f***"),
+    "symbols": (["This", " is", " shit", "."], ["This", " is", " sh", "!t", "."], "sh!t"),
+    "dollars": (["You", " asshole", "."], ["You", " a$", "$hole", "."], "a$$hole"),
+    "digit": (["Shut", " up", " bitch", "."], ["Shut", " up", " b1", "tch", "."], "b1tch"),
+    "spaced-letters": (["fuck", " off", "."], ["f", " u", " c", " k", " off", "."], "f u c k"),
+    "dotted-letters": (["fuck", " off", "."], ["f.", "u.", "c.", "k", " off", "."], "f.u.c.k"),
+    "a-letter-per-line": (["fuck", " off", "."], ["f\n", "u\n", "c\n", "k", " off", "."], "f\nu\nc\nk"),
+    "stretched": (["What", " the", " fuck", "."], ["What", " the", " fuu", "uuuck", "."], "fuuuuuck"),
+    "phonetic": (["fuck", " off", "."], ["ph", "uck", " off", "."], "phuck"),
+    "fullwidth": (["fuck", " off", "."], ["\uff46\uff55", "\uff43\uff4b", " off", "."], "\uff46\uff55\uff43\uff4b"),
+    "zero-width-joiners": (["fuck", " off", "."], ["f\u200du", "\u200dc\u200dk", " off", "."], "f\u200du\u200dc\u200dk"),
+    "combining-marks": (["fuck", " off", "."], ["f\u0336u\u0336", "c\u0336k\u0336", " off", "."], "f\u0336u\u0336c\u0336k\u0336"),
+    "cyrillic-es": (["fuck", " off", "."], ["fu", "\u0441k", " off", "."], "fu\u0441k"),
+    "base64": (
+        ["You", " are", " a", " stupid", " fucking", " idiot", "."],
+        ["WW91IGFyZSBh", "IHN0dXBpZCBmdWNr", "aW5nIGlkaW90"],
+        "WW91IGFyZSBhIHN0dXBpZCBmdWNraW5nIGlkaW90",
+    ),
+    "reversed": (
+        ["You", " are", " a", " stupid", " fucking", " idiot", "."],
+        ["toidi", " gnikcuf", " diputs", " a", " era", " uoY"],
+        "toidi gnikcuf diputs a era uoY",
+    ),
+}  # fmt: skip
 # A custom pattern written in the script of the phrase it blocks: on 7c96083 it ran on the
 # folded view only, where Cyrillic о and а, Greek Ο and accents are folded to ASCII, so
 # `бомба` was `бoмбa` there and matched nothing, not even the plain word.
@@ -233,6 +266,10 @@ SCRIPTS = {
     f"{name} {form}": tokens
     for name, pair in (PHONES | EMAILS | CURSES | BLOCKED_PHRASES).items()
     for form, tokens in zip(("plain", "disguised"), pair, strict=True)
+} | {
+    f"{name} {form}": tokens
+    for name, (plain, disguised, _) in CENSORED.items()
+    for form, tokens in (("plain", plain), ("disguised", disguised))
 }
 
 
@@ -323,6 +360,32 @@ async def test_a_disguised_curse_in_the_output_is_blocked(
         assert "uck" not in sent and tokens[3] not in sent, (form, raw)  # the word's tail token
 
 
+@pytest.mark.parametrize("name", list(CENSORED))
+async def test_a_censored_swear_word_in_the_output_is_blocked(
+    stack: tuple[FakeEngine, Orchestrator], name: str
+) -> None:
+    """DESIGN 4.6: the frame holding the flagged text is not sent; nothing of the disguised word
+    leaves the service, in any field or in the raw bytes (JSON escapes included)."""
+    _, orch = stack
+    _, disguised, word = CENSORED[name]
+    for form in ("plain", "disguised"):
+        raw, events = await raw_stream(orch, f"{name} {form}")
+        end = terminal(events)
+        assert end.name == "incomplete", (form, raw)
+        assert end.data["incomplete_details"] == {"reason": "content_filter"}
+        assert [e.name for e in events if e.name.startswith("refusal")] == [
+            "refusal.delta",
+            "refusal.done",
+        ]
+        assert released(events) == "", (form, raw)
+    # the disguised word, and each token of it of four characters or more
+    sent = "".join(strings([e.data for e in events]))
+    pieces = [t.strip() for t in disguised if len(t.strip()) >= 4 and t.strip() in word]
+    for piece in ("".join(disguised), word, *pieces):
+        assert piece not in sent, (piece, raw)
+        assert piece not in raw and json.dumps(piece)[1:-1] not in raw, (piece, raw)
+
+
 @pytest.mark.parametrize("name", list(BLOCKED_PHRASES))
 async def test_a_custom_pattern_in_a_script_the_view_folds_is_found(
     stack: tuple[FakeEngine, Orchestrator], name: str
@@ -388,6 +451,21 @@ async def test_a_disguised_curse_in_the_prompt_is_refused_before_the_engine(
             d["detector_id"] for d in frames(events)[0]["token_classification_results"]["input"]
         ] == ["hap"], prompt
         assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("name", list(CENSORED))
+async def test_a_censored_swear_word_in_the_prompt_is_refused_before_the_engine(
+    stack: tuple[FakeEngine, Orchestrator], name: str
+) -> None:
+    """DESIGN 4.5: the input detection frame names `hap`, the stream ends `content_filter`,
+    and the engine is never called."""
+    engine, orch = stack
+    prompt = "".join(CENSORED[name][1])
+    raw, events = await raw_stream(orch, prompt)
+    results = frames(events)[0]["token_classification_results"]["input"]
+    assert [d["detector_id"] for d in results] == ["hap"], raw
+    assert terminal(events).data["incomplete_details"] == {"reason": "content_filter"}
     assert engine.requests == []
 
 
