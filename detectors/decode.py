@@ -20,10 +20,13 @@ taken for one.
 
 Bounded work: the scans are linear regular expressions; at most MAX_PAYLOADS payloads per
 text, each at most MAX_ENCODED characters read and MAX_DECODED characters kept, decoded at most
-MAX_DEPTH times (base64 of hex), so a hostile text cannot make the detector do much more than
-judge it twice. A text holding more readable payloads than MAX_PAYLOADS is reported as
-`overflowed` (`payloads`): the detector fails closed on it, so decoys placed before an encoded
-instruction cannot push it past the cap. A well-kept library does the decoding (the standard library's `base64`,
+MAX_DEPTH times (base64 of hex); a respelt view, digits for letters or a ROT13 run is a copy
+of the text with changes, up to its whole length, so all payloads together hold at most
+max(MAX_PAYLOAD_CHARS, the text's length) characters: a hostile text cannot make the detector
+judge much more than twice its length (one whose every view differs was judged about four
+times over: bench/input_cost.py). A text holding more readable payloads than MAX_PAYLOADS, or
+more characters of them, is reported as `overflowed` (`payloads`): the detector fails closed
+on it, so decoys placed before an encoded instruction cannot push it past the cap. A well-kept library does the decoding (the standard library's `base64`,
 `binascii`, `urllib.parse`, `codecs`); the payload shapes are hand-written because no library
 finds encoded runs inside prose.
 """
@@ -43,6 +46,7 @@ from .english_words import english_words
 MAX_PAYLOADS = 8  # per text (all encodings together)
 MAX_ENCODED = 16_384  # characters of one payload read (a longer run is cut there)
 MAX_DECODED = 4_096  # characters of one decoded text kept
+MAX_PAYLOAD_CHARS = MAX_PAYLOADS * MAX_DECODED  # all payloads together (or the text's length)
 MAX_DEPTH = 2  # a decoded text is searched for payloads once more (base64 of hex)
 MIN_DECODED_LETTERS = 8  # a decoded text with fewer letters is no instruction
 
@@ -342,20 +346,35 @@ def decoded_views(text: str, tagged: str | None = None) -> list[str]:
 
 
 def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
-    """`decoded_views`, and whether the text held more readable payloads than MAX_PAYLOADS
-    (the search stops at the first one past the cap: the work stays bounded)."""
+    """`decoded_views`, and whether the text held more readable payloads than MAX_PAYLOADS, or
+    more characters of them than max(MAX_PAYLOAD_CHARS, len(text)) (the search stops at the
+    first one past a cap: the work stays bounded)."""
     from .respell import respelt_views
 
     found: dict[str, None] = {}
-    limit = MAX_PAYLOADS + 1
+    # the respelt views, digits for letters and ROT13 runs are copies of the whole text, not
+    # MAX_DECODED pieces: their characters are counted too, so the model reads at most twice
+    # the text (or MAX_PAYLOAD_CHARS) whatever the text makes of its views
+    budget = max(MAX_PAYLOAD_CHARS, len(text))
+    spent = 0
+    over = False
 
     def add(decoded: str | None) -> bool:
-        if decoded is not None and decoded.strip() and decoded != text:
-            found.setdefault(decoded.strip(), None)
-        return len(found) >= limit
+        nonlocal spent, over
+        if decoded is None or decoded == text:
+            return False
+        kept = decoded.strip()
+        if not kept or kept in found:
+            return False
+        if len(found) >= MAX_PAYLOADS or spent + len(kept) > budget:
+            over = True
+            return True
+        found[kept] = None
+        spent += len(kept)
+        return False
 
     def result() -> tuple[list[str], bool]:
-        return list(found)[:MAX_PAYLOADS], len(found) > MAX_PAYLOADS
+        return list(found), over
 
     if tagged is not None:
         for decoded in carried_payloads(tagged):

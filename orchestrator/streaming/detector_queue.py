@@ -93,6 +93,14 @@ def _invisible_run(text: str, lo: int, hi: int) -> re.Pattern[str] | None:
     return re.compile("[" + "".join(map(re.escape, sorted(unseen))) + "]+")
 
 
+# The stretches a walk prepares (the markup hidden there, the invisible characters it steps
+# over), shortest first: a walk that ends inside one (at whitespace, or with its count reached)
+# needs no more. Preparing SEAM_RAW_CHARS each way at once made every seam of `a . a . ...` (a
+# `.` after a space is no natural cut: a seam every four characters) read 16 KiB: 1 MiB of it
+# took about a minute of CPU to judge (bench/input_cost.py, tests/test_request_cost.py).
+WALK_STAGES = (64, 512, SEAM_RAW_CHARS)
+
+
 def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int, bool, bool]:
     """Walking back from `i` (not below `floor`): the position after `count` visible
     characters, or with `run`, also stopping after whitespace (the start of the whitespace-free
@@ -100,12 +108,29 @@ def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int,
     floor); and whether it was SEAM_RAW_CHARS with fewer than `count` visible characters in
     them (a run of mostly hidden ones: see SEAM_RAW_CHARS). ASCII is walked with arithmetic
     where no whitespace matters. What markup hides neither counts nor ends a run: a walk steps
-    over each of its runs at once (`markup_hidden_runs`)."""
+    over each of its runs at once (`markup_hidden_runs`). The walk prepares WALK_STAGES'
+    stretches in turn, so its work is what it walks, not SEAM_RAW_CHARS each time."""
     if not run:
         j = max(floor, i - count)
         if is_plain(text[j:i]):
             return j, i - count >= floor, False
-    limit = max(floor, i - SEAM_RAW_CHARS)
+    bound = max(floor, i - SEAM_RAW_CHARS)
+    for reach in WALK_STAGES:
+        limit = max(bound, i - reach)
+        j, seen, spaced = _walk_back(text, i, count, limit, run)
+        if spaced:
+            return j, False, False
+        if j > limit or limit == bound:
+            break
+    raw = seen < count and j == bound and bound > floor
+    return j, seen >= count or raw, raw
+
+
+def _walk_back(text: str, i: int, count: int, limit: int, run: bool) -> tuple[int, int, bool]:
+    """`_back`'s walk within `text[limit:i]`: where it stopped, the visible characters seen,
+    and whether whitespace stopped it (with `run`). Where it stops inside the stretch, a
+    longer stretch's walk stops there too (`markup_hidden_runs` finds the stretch's runs as
+    the whole text's scan does; `_invisible_run` only speeds the walk up)."""
     hidden = markup_hidden_runs(text, limit, i)
     h = len(hidden) - 1  # the last hidden run that starts before `j`
     skip = _invisible_run(text, limit, i)
@@ -122,12 +147,11 @@ def _back(text: str, i: int, count: int, floor: int, *, run: bool) -> tuple[int,
             continue
         ch = text[j - 1]
         if run and ch.isspace():
-            return j, False, False
+            return j, seen, True
         j -= 1
         if _visible(ch):
             seen += 1
-    raw = seen < count and j == limit and limit > floor
-    return j, seen >= count or raw, raw
+    return j, seen, False
 
 
 def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple[int, bool, bool]:
@@ -136,7 +160,20 @@ def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple
         j = min(ceiling, i + count)
         if is_plain(text[i:j]):
             return j, i + count <= ceiling, False
-    limit = min(ceiling, i + SEAM_RAW_CHARS)
+    bound = min(ceiling, i + SEAM_RAW_CHARS)
+    for reach in WALK_STAGES:
+        limit = min(bound, i + reach)
+        j, seen, spaced = _walk_forward(text, i, count, limit, run)
+        if spaced:
+            return j, False, False
+        if j < limit or limit == bound:
+            break
+    raw = seen < count and j == bound and bound < ceiling
+    return j, seen >= count or raw, raw
+
+
+def _walk_forward(text: str, i: int, count: int, limit: int, run: bool) -> tuple[int, int, bool]:
+    """`_walk_back` walking forward from `i` within `text[i:limit]`."""
     hidden = markup_hidden_runs(text, i, limit)
     h = 0  # the first hidden run that ends after `j`
     skip = _invisible_run(text, i, limit)
@@ -152,12 +189,11 @@ def _forward(text: str, i: int, count: int, ceiling: int, *, run: bool) -> tuple
             continue
         ch = text[j]
         if run and ch.isspace():
-            return j, False, False
+            return j, seen, True
         if _visible(ch):
             seen += 1
         j += 1
-    raw = seen < count and j == limit and limit < ceiling
-    return j, seen >= count or raw, raw
+    return j, seen, False
 
 
 def seam_bounds(text: str, lo: int, hi: int, boundary: int) -> tuple[int, int, bool]:

@@ -246,16 +246,19 @@ def _merged(
     straddles any). Windows reach SEAM_RAW_CHARS raw characters each side inside hidden runs:
     with `max_chars` 500 a text of `<b>` was judged 16-32 times over, one window per cut (30 s
     of CPU at 1 MiB); merged, the windows hold each character once. Not for a classifier: its
-    verdict is on the whole text it reads, which a merged window would dilute."""
-    out: list[tuple[Span, tuple[int, ...], Any]] = []
+    verdict is on the whole text it reads, which a merged window would dilute. Each union is
+    sliced once, when it is complete: sliced at each merge, a seam every few characters (`a .
+    a . ...`) made the merging quadratic (tests/test_request_cost.py)."""
+    # (start, end, boundaries, owner) of each union so far
+    groups: list[tuple[int, int, list[int], Any]] = []
     for window, boundaries, owner in seams:
-        if out and out[-1][2] is owner and window.start < out[-1][0].end:
-            last, joined, _ = out[-1]
-            lo, hi = min(last.start, window.start), max(last.end, window.end)
-            out[-1] = (Span(lo, hi, text[lo:hi]), joined + boundaries, owner)
+        if groups and groups[-1][3] is owner and window.start < groups[-1][1]:
+            lo, hi, joined, _ = groups[-1]
+            joined.extend(boundaries)
+            groups[-1] = (min(lo, window.start), max(hi, window.end), joined, owner)
         else:
-            out.append((window, boundaries, owner))
-    return out
+            groups.append((window.start, window.end, list(boundaries), owner))
+    return [(Span(lo, hi, text[lo:hi]), tuple(joined), owner) for lo, hi, joined, owner in groups]
 
 
 async def _detect(
