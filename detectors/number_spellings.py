@@ -69,6 +69,24 @@ DIGIT_WORDS = {
     "eight": "8",
     "nine": "9",
 }
+# The digits' words in German, French, Spanish, Italian and Portuguese, as the normalised view
+# spells them (accents dropped: `f\u00fcnf` is `funf`, `tr\u00eas` `tres`, `z\u00e9ro` `zero`;
+# German's `ue` for `\u00fc` and `zwo` for 2 as said on the phone). A model asked for a number
+# "in German" writes `f\u00fcnf f\u00fcnf f\u00fcnf, eins zwei drei, ...`. No word means another
+# digit in another of these languages (or in English), so one table serves them all.
+FOREIGN_DIGIT_WORDS = {
+    "0": ("null", "cero"),  # (`zero` and `z\u00e9ro`: English's)
+    "1": ("eins", "un", "une", "uno", "una", "um", "uma"),
+    "2": ("zwei", "zwo", "deux", "dos", "due", "dois", "duas"),
+    "3": ("drei", "trois", "tres", "tre"),
+    "4": ("vier", "quatre", "cuatro", "quatro", "quattro"),
+    "5": ("funf", "fuenf", "cinq", "cinco", "cinque"),
+    "6": ("sechs", "seis", "sei", "meia"),  # (`six`: English's; `meia` is 6 on a Brazilian phone)
+    "7": ("sieben", "sept", "siete", "sette", "sete"),
+    "8": ("acht", "huit", "ocho", "otto", "oito"),
+    "9": ("neun", "neuf", "nueve", "nove"),
+}
+DIGIT_WORDS |= {word: digit for digit, words in FOREIGN_DIGIT_WORDS.items() for word in words}
 _ZERO_WORDS = frozenset(("oh", "o"))
 _REPEATS = {"double": 2, "triple": 3}
 # a run is cut after this many characters (a spelt card of 19 digits is ~120)
@@ -76,7 +94,8 @@ MAX_RUN_CHARS = 256
 MIN_DIGITS = 6
 MIN_TOKENS = 3
 
-_WORD = "(?:zero|oh|o|one|two|three|four|five|six|seven|eight|nine)"
+# (longest first: an alternation tries its words in order)
+_WORD = "(?:" + "|".join(sorted(DIGIT_WORDS, key=lambda w: (-len(w), w))) + ")"
 _TOKEN = rf"\b(?:(?:double|triple)[ \t-]{{1,2}})?{_WORD}\b|\b[0-9]\b"
 _SEPARATOR = r"(?:[ \t]{1,3}|[ \t]{0,3}[,;/|\n-][ \t]{0,3})"
 # RE2: a run of 3 or more tokens (ASCII `\b`: a digit next to a letter is inside a word)
@@ -85,7 +104,15 @@ _RUN = re2.compile(
 )
 # what the number words hold (`oh` and `o` only inside a run, which holds another word too;
 # `double` and `triple` only before one)
-_WORD_STEMS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+# (a word that holds another is counted by it: `une` by `un`, `seis` by `sei`; `oh` and `o`
+# are never a run's first word and need two more beside them)
+_WORD_STEMS = tuple(
+    sorted(
+        w
+        for w in DIGIT_WORDS
+        if w not in _ZERO_WORDS and not any(o != w and o in w for o in DIGIT_WORDS if o != "o")
+    )
+)
 # Python's `re`, on one run at a time (at most MAX_RUN_CHARS): its tokens
 _TOKENS = re.compile(rf"(?i){_TOKEN}")
 # the leading neighbour that makes an ASCII digit part of a longer number (`1.5`, `3,2`, `-1`

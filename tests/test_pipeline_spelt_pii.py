@@ -20,6 +20,19 @@ from tests.orchestrator_support import MODEL, Orchestrator, native_config, termi
 from tests.test_pipeline_disguised_text import raw_stream, released, strings
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+GERMAN_WORDS = (
+    "null",
+    "eins",
+    "zwei",
+    "drei",
+    "vier",
+    "f\u00fcnf",
+    "sechs",
+    "sieben",
+    "acht",
+    "neun",
+)
+FRENCH_WORDS = ("z\u00e9ro", "un", "deux", "trois", "quatre", "cinq", "six", "sept", "huit", "neuf")
 
 # name -> (answer tokens, what the client reads, pieces that must not reach it)
 ANSWERS: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
@@ -75,6 +88,48 @@ ANSWERS: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
         ],
         "SSN [ssn].",
         NUMBER_WORDS,
+    ),
+    # a model asked for the number "in German" or "in French" (bench/disguised_pii.py: none of
+    # 3,000 such spellings in five languages was found before the words were known)
+    "phone-in-german-words": (
+        [
+            "Ruf",
+            " f\u00fcnf",
+            " f\u00fcnf",
+            " f\u00fcnf,",
+            " eins",
+            " zwei",
+            " drei,",
+            " vier",
+            " f\u00fcnf",
+            " sechs",
+            " sieben",
+            ".",
+        ],
+        "Ruf [phone].",
+        GERMAN_WORDS,
+    ),
+    "phone-in-german-words-a-word-per-line": (
+        ["Ruf:\n", *[f"{GERMAN_WORDS[int(d)]}\n" for d in "5552184697"], "Danke."],
+        "Ruf:\n[phone]\nDanke.",
+        GERMAN_WORDS,
+    ),
+    "ssn-in-french-words": (
+        [
+            "NSS",
+            " cinq",
+            " trois",
+            " deux,",
+            " un",
+            " neuf,",
+            " huit",
+            " sept",
+            " six",
+            " cinq",
+            ".",
+        ],
+        "NSS [ssn].",
+        FRENCH_WORDS,
     ),
     "phone-a-digit-per-space": (
         ["Call", " 5", " 5", " 5", " 2", " 1", " 8", " 4", " 6", " 9", " 7", "."],
@@ -211,6 +266,14 @@ PROMPTS = [
     ("Call me on 5 5 5 2 1 8 4 6 9 7 please.", "Call me on [phone] please."),
     ("Write to john dot smith at example dot com please.", "Write to [email] please."),
     ("Call 555-l23-4S67 please.", "Call [phone] please."),
+    (
+        "Meu cart\u00e3o: quatro um um um, um um um um, um um um um, um um um um.",
+        "Meu cart\u00e3o: [credit_card].",
+    ),
+    (
+        "Mi tel\u00e9fono es cinco cinco cinco, uno dos tres, cuatro cinco seis siete.",
+        "Mi tel\u00e9fono es [phone].",
+    ),
 ]
 
 
