@@ -137,6 +137,34 @@ _LEET_GROUP = re.compile(r"[0-9lIOoSsBZz]+")
 _LEET_LETTERS = re.compile(r"[lIOoSsBZz]")
 
 
+# Chinese and Japanese numerals, read a digit each as a phone number is read out (`\u4e94\u4e94\u4e94-
+# \u4e00\u4e8c\u4e09-\u56db\u4e94\u516d\u4e03` is 555-123-4567; `\u5e7a` is how a 1 is said in a
+# Chinese phone number): Unicode gives them no decimal digit value, so the view keeps them. A
+# run of MIN_DIGITS of them or more, with at most two separators between two (what the view
+# makes of `\uff0d`, `\u30fb`, `\u3001`, ideographic spaces), each read as its digit: one character
+# for one, the spans are the run's. Prose holds no such run (numbers of quantity are written
+# with `\u5341`, `\u767e`, `\u5343`, which end one; a year is four).
+CJK_DIGITS = {
+    "\u3007": "0",
+    "\u96f6": "0",
+    "\u4e00": "1",
+    "\u5e7a": "1",
+    "\u4e8c": "2",
+    "\u4e09": "3",
+    "\u56db": "4",
+    "\u4e94": "5",
+    "\u516d": "6",
+    "\u4e03": "7",
+    "\u516b": "8",
+    "\u4e5d": "9",
+}
+_CJK = "[" + "".join(CJK_DIGITS) + "]"
+_CJK_RUN = re.compile(rf"{_CJK}(?:[ \t\-.,/\u3001]{{0,2}}{_CJK}){{{MIN_DIGITS - 1},}}")
+_CJK_TO_ASCII = str.maketrans(CJK_DIGITS)
+# a run of them ending a text (a stream cut inside a number: `open_tail`), three at least
+_CJK_TAIL = re.compile(rf"{_CJK}(?:[ \t\-.,/\u3001]{{0,2}}{_CJK}){{2,}}[ \t\-.,/\u3001]{{0,2}}\Z")
+
+
 @dataclass(frozen=True, slots=True)
 class _Token:
     start: int
@@ -165,7 +193,8 @@ def number_view(text: str) -> tuple[View, list[tuple[int, int]]] | None:
     spelt = may_hold_a_run(text)
     cells = "|" in text and digits >= MIN_DIGITS
     leet = digits >= 2 and _LEET_HINT.search(text) is not None
-    if not (spelt or cells or leet):
+    cjk = [] if text.isascii() else [m.span() for m in _CJK_RUN.finditer(text)]
+    if not (spelt or cells or leet or cjk):
         return None
     data = Utf8Text(text)
     if spelt:
@@ -178,6 +207,10 @@ def number_view(text: str) -> tuple[View, list[tuple[int, int]]] | None:
             if piece is not None:
                 pieces.append(piece)
                 runs.append((start, end))
+    for start, end in cjk:
+        piece = _cjk_numerals(text, start, end)
+        if piece is not None:
+            pieces.append(piece)
     if leet:
         for start, end in data.spans(_leet_spans(data.data)):
             if not any(s < end and start < e for s, e in runs):
@@ -410,6 +443,29 @@ def _lookalikes(
     new = token.translate(_LOOKALIKES)
     positions = list(range(start, end))
     return start, end, new, positions, [p + 1 for p in positions]
+
+
+def _cjk_numerals(
+    text: str, start: int, end: int
+) -> tuple[int, int, str, list[int], list[int]] | None:
+    """A run of Chinese or Japanese numerals (`_CJK_RUN`) read as digits, one for one, unless
+    its digits are one digit repeated or a count (`\u4e00\u3001\u4e8c\u3001\u4e09...`)."""
+    run = text[start:end]
+    digits = [CJK_DIGITS[c] for c in run if c in CJK_DIGITS]
+    steps = {(int(b) - int(a)) % 10 for a, b in itertools.pairwise(digits)}
+    if len(set(digits)) == 1 or steps in ({1}, {9}):
+        return None
+    positions = list(range(start, end))
+    return start, end, run.translate(_CJK_TO_ASCII), positions, [p + 1 for p in positions]
+
+
+def cjk_tail_as_digits(text: str) -> str:
+    """`text` with a run of Chinese or Japanese numerals that ends it read as digits (one
+    character for one), for the question whether a stream cut there is inside a number."""
+    if text.isascii():
+        return text
+    m = _CJK_TAIL.search(text, max(0, len(text) - MAX_RUN_CHARS))
+    return text if m is None else text[: m.start()] + m.group().translate(_CJK_TO_ASCII)
 
 
 def open_run(text: str) -> int | None:

@@ -75,7 +75,13 @@ from .normalise import (
     unfinished_markup,
     unmarked_view,
 )
-from .number_spellings import may_hold_a_run, number_view, open_run, run_across
+from .number_spellings import (
+    cjk_tail_as_digits,
+    may_hold_a_run,
+    number_view,
+    open_run,
+    run_across,
+)
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -953,6 +959,29 @@ def _outermost(found: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
     return kept
 
 
+# Letters of the scripts written without a space between words (Chinese, Japanese, Thai, Lao,
+# Khmer, Myanmar) and Korean syllables (whose particles are written onto the word before:
+# `010-1234-5678\ub85c`): beside a value they are the next word, not part of a longer token as
+# a Latin letter is (`id4111111111111111`). `\u7535\u8bdd555-123-4567\u3002` and
+# `\u96fb\u8a71\u306f555-123-4567\u3067\u3059` hold a phone number, which the kinds' neighbour
+# checks missed (any letter glued it). The built-in kinds judge the text with each such letter
+# read as an ideographic space (`unspaced_as_spaces`: one character for one, so spans are the
+# same; the view holds no U+3000, NFKD makes it a space). Digits of these scripts are not in
+# the ranges (the view made them ASCII); custom patterns judge the text as it is.
+_UNSPACED = re.compile(
+    "[\u0e01-\u0e4f\u0e81-\u0ecf\u1000-\u103f\u1100-\u11ff\u1780-\u17d3\u3041-\u30ff"
+    "\u3131-\u318e\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\U00020000-\U0003134f]"
+)
+
+
+def unspaced_as_spaces(text: str) -> str:
+    """`text` with the letters of scripts written without spaces read as spaces (`_UNSPACED`),
+    one character for one; `text` itself when it holds none (one C scan)."""
+    if text.isascii() or _UNSPACED.search(text) is None:
+        return text
+    return _UNSPACED.sub("\u3000", text)
+
+
 def _find(
     t: Utf8Text,
     kinds: list[str],
@@ -961,12 +990,14 @@ def _find(
 ) -> tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]:
     """The built-in matches (one per value: see `_outermost`) and the custom ones in `t`."""
     builtin: list[tuple[int, int, str]] = []
-    data = t.data
+    spaced = unspaced_as_spaces(t.text) if kinds else t.text
+    bt = t if spaced is t.text else Utf8Text(spaced)
+    data = bt.data
     digits = len(data) - len(data.translate(None, _DIGITS))
     for kind in KINDS:
         if kind in kinds and could_match(kind, data, digits):
             _check_cancelled(cancelled)
-            builtin.extend((s, e, kind) for s, e in _FINDERS[kind](t))
+            builtin.extend((s, e, kind) for s, e in _FINDERS[kind](bt))
     custom: list[tuple[int, int, str]] = []
     for name, rx in patterns.items():
         _check_cancelled(cancelled)
@@ -1320,8 +1351,12 @@ def _evidence(kind: str, tail: str) -> bool:
 
 
 _EMAIL_KINDS = ("email", "email_spelt")
-# what may follow a value at the end of a sentence
-_CLOSING = ".,;:!?)]}\"'\u2019\u201d "
+# what may follow a value at the end of a sentence (and the full-width and ideographic forms
+# of it that Chinese and Japanese are written with: `\u7535\u8bdd555-123-4567\u3002`)
+_CLOSING = (
+    ".,;:!?)]}\"'\u2019\u201d \u3002\u3001\uff0e\uff0c\uff1b\uff1a\uff01\uff1f\uff09"
+    "\u300d\u300f\u3011\u3000"
+)
 
 
 def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[int, str] | None:
@@ -1352,7 +1387,9 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
     # the tail is judged without it (and the detection runs to the end, over it)
     unfinished = unfinished_markup(source)
     view = normalise(source if unfinished is None else source[:unfinished])
-    v = view.text
+    # (as the scan reads it: letters of unspaced scripts as spaces, `\u7535\u8bdd555-123-45`; Chinese
+    # numerals at the end as digits, `\u4e94\u4e94\u4e94-\u4e00\u4e8c`: one character for one)
+    v = unspaced_as_spaces(cjk_tail_as_digits(view.text))
     best: tuple[int, str] | None = None
     candidates = [k for k in KINDS if k in kinds and k != "ipv6"]
     if "phone" in candidates:  # (a tie goes to the first: a phone before a card)

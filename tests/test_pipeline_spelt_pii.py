@@ -131,6 +131,42 @@ ANSWERS: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
         "NSS [ssn].",
         FRENCH_WORDS,
     ),
+    # Chinese numerals, a digit each (Unicode gives them no digit value: the view kept them)
+    "phone-in-chinese-numerals": (
+        [
+            "\u7535\u8bdd",
+            "\u4e94\u4e94\u4e94-",
+            "\u4e00\u4e8c\u4e09-",
+            "\u56db\u4e94",
+            "\u516d\u4e03",
+            "\u3002",
+        ],
+        "\u7535\u8bdd[phone]\u3002",
+        ("\u4e94\u4e94\u4e94", "\u4e00\u4e8c\u4e09", "\u56db\u4e94", "\u516d\u4e03"),
+    ),
+    # digits written onto the words around them, as Chinese, Japanese and Thai are written (no
+    # spaces between words) and Korean particles are: a letter beside a value glued it to a
+    # longer token, so none of these was found
+    "phone-glued-to-chinese": (
+        ["\u8bf7\u62e8\u6253", "555-", "123-", "4567", "\u3002"],
+        "\u8bf7\u62e8\u6253[phone]\u3002",
+        ("555", "123", "4567"),
+    ),
+    "phone-glued-to-japanese": (
+        ["\u96fb\u8a71\u306f", "555-", "123-", "4567", "\u3067\u3059\u3002"],
+        "\u96fb\u8a71\u306f[phone]\u3067\u3059\u3002",
+        ("555", "123", "4567"),
+    ),
+    "phone-glued-to-a-korean-particle": (
+        ["\uc804\ud654 ", "010-", "1234-", "5678", "\ub85c", " \uc5f0\ub77d\uc8fc\uc138\uc694."],
+        "\uc804\ud654 [phone]\ub85c \uc5f0\ub77d\uc8fc\uc138\uc694.",
+        ("010", "1234", "5678"),
+    ),
+    "card-glued-to-thai": (
+        ["\u0e1a\u0e31\u0e15\u0e23", "4111 ", "1111 ", "1111 ", "1111", "\u0e04\u0e48\u0e30"],
+        "\u0e1a\u0e31\u0e15\u0e23[credit_card]\u0e04\u0e48\u0e30",
+        ("4111", "1111"),
+    ),
     "phone-a-digit-per-space": (
         ["Call", " 5", " 5", " 5", " 2", " 1", " 8", " 4", " 6", " 9", " 7", "."],
         "Call [phone].",
@@ -333,6 +369,39 @@ async def test_a_stream_cut_inside_a_spelt_number_withholds_it(on_detection: str
     assert _leaked(sent, NUMBER_WORDS) == [], sent
     if on_detection == "redact":
         assert released(events) == "Sure. Call [phone]"
+
+
+@pytest.mark.parametrize("on_detection", ["redact", "block"])
+@pytest.mark.parametrize(
+    "number",
+    ["555-123-4567", "\u4e94\u4e94\u4e94-\u4e00\u4e8c\u4e09-\u56db\u4e94\u516d\u4e03"],
+)
+async def test_a_stream_cut_inside_a_number_glued_to_chinese_withholds_it(
+    on_detection: str, number: str
+) -> None:
+    """As above, for a number written onto the Chinese word before it (in either digits), cut
+    after its eighth character."""
+    answer = f"\u597d\u7684\u3002\u7535\u8bdd{number}\u3002"
+    cut = answer.index(number) + 9
+    events = await _stream_answer(answer, on_detection, 500, cut)
+    sent = " ".join(strings([e.data for e in events]))
+    assert number[:3] not in sent and number[4:7] not in sent, sent
+    if on_detection == "redact":
+        assert released(events) == "\u597d\u7684\u3002\u7535\u8bdd[phone]"
+
+
+@pytest.mark.parametrize("on_detection", ["redact", "block"])
+async def test_a_stream_cut_inside_a_number_in_chinese_numerals_withholds_it(
+    on_detection: str,
+) -> None:
+    """As above, for `\u4e94\u4e94\u4e94-\u4e00\u4e8c\u4e09-\u56db\u4e94\u516d\u4e03` cut after its `\u56db`."""
+    answer = "\u597d\u7684\u3002\u7535\u8bdd\u4e94\u4e94\u4e94-\u4e00\u4e8c\u4e09-\u56db\u4e94\u516d\u4e03\u3002"
+    cut = answer.index("\u4e94\u516d")
+    events = await _stream_answer(answer, on_detection, 500, cut)
+    sent = " ".join(strings([e.data for e in events]))
+    assert not any(p in sent for p in ("\u4e94\u4e94", "\u4e00\u4e8c", "\u56db")), sent
+    if on_detection == "redact":
+        assert released(events) == "\u597d\u7684\u3002\u7535\u8bdd[phone]"
 
 
 @pytest.mark.parametrize("max_chars", [7, 12, 30, 500])
