@@ -119,6 +119,10 @@ def _tags(text: str) -> str:
     return "".join(chr(0xE0000 + ord(c)) for c in text)
 
 
+# a form whose value is written onto the words around it, as Chinese is written (no spaces)
+GLUED = "glued to "
+
+
 def script_forms(groups: list[str]) -> dict[str, str]:
     """One number in other writing systems' digits, other languages' words and invisible or
     reordering characters."""
@@ -134,6 +138,9 @@ def script_forms(groups: list[str]) -> dict[str, str]:
     for name, words in NUMBER_WORDS.items():
         spelt = words.split()
         out[name] = ", ".join(" ".join(spelt[int(d)] for d in g) for g in groups)
+    cjk = "\u3007\u4e00\u4e8c\u4e09\u56db\u4e94\u516d\u4e03\u516b\u4e5d"
+    out["Chinese numerals"] = dashed.translate(str.maketrans("0123456789", cjk))
+    out[GLUED + "Chinese words"] = dashed
     out["keycap digits"] = "".join(c + "\ufe0f\u20e3" if c.isdigit() else c for c in dashed)
     out["variation selectors"] = "\ufe0e".join(dashed)
     out["right-to-left override"] = "\u202e" + dashed[::-1] + "\u202c"
@@ -208,7 +215,10 @@ def recall(find_pii: Any, n: int) -> dict[str, dict[str, int]]:
     found: dict[str, Counter[str]] = {}
 
     def judge(form: str, value: str) -> None:
-        text = f"Sure, here it is: {value}. Anything else?"
+        if form.startswith(GLUED):
+            text = f"\u8bf7\u62e8\u6253{value}\u3002\u8c22\u8c22"
+        else:
+            text = f"Sure, here it is: {value}. Anything else?"
         at = text.index(value)
         covered = [False] * len(value)
         for d in find_pii(text, KINDS, {}):
@@ -237,6 +247,41 @@ def stdlib_docstrings() -> list[str]:
             if doc:
                 docs.setdefault(doc, None)
     return list(docs)
+
+
+UNSPACED_LANGUAGES = ("chinese", "traditionalchinese", "japanese", "korean", "thai")
+
+
+def unspaced_conversations() -> list[str]:
+    """chatterbot-corpus's conversations in languages written without spaces between words (and
+    Korean, whose particles are written onto the word before): every statement, deduplicated.
+    What `regex_pii._UNSPACED` changes the reading of."""
+    import yaml
+    from chatterbot_corpus import corpus
+
+    root = Path(corpus.DATA_DIRECTORY)
+    texts: dict[str, None] = {}
+    for language in UNSPACED_LANGUAGES:
+        for path in sorted((root / language).glob("*.yml")):
+            for turns in yaml.safe_load(path.read_text(encoding="utf-8")).get("conversations", []):
+                for turn in turns:
+                    if isinstance(turn, str) and turn.strip():
+                        texts.setdefault(turn, None)
+    return list(texts)
+
+
+def unspaced_addresses(n: int = 200, seed: int = 5) -> list[str]:
+    """Faker's postal addresses and dates in zh_CN, zh_TW, ja_JP, ko_KR and th_TH (no PII of
+    the `regex` kinds: house numbers, postcodes and dates written onto the words around them,
+    the numbers a Chinese or Japanese text holds most)."""
+    from faker import Faker
+
+    out = []
+    for locale in ("zh_CN", "zh_TW", "ja_JP", "ko_KR", "th_TH"):
+        fake = Faker(locale)
+        fake.seed_instance(seed)
+        out.extend(f"{fake.address()}\n{fake.date()}" for _ in range(n))
+    return out
 
 
 def false_finds(find_pii: Any, texts: list[str]) -> dict[str, Any]:
@@ -276,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "everyday requests": [r.text for r in everyday_data()],
         "stdlib docstrings": stdlib_docstrings(),
         "non-phone numbers": number_data(400),
+        "zh/ja/ko/th conversations": unspaced_conversations(),
+        "zh/ja/ko/th addresses": unspaced_addresses(),
     }
     out["false_finds"] = {}
     for name, texts in sets.items():

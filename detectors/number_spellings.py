@@ -158,6 +158,8 @@ CJK_DIGITS = {
     "\u516b": "8",
     "\u4e5d": "9",
 }
+# (the view spells `\u3007` as the Latin `O` it is confusable with: a zero in a run of numerals)
+CJK_DIGITS["O"] = "0"
 _CJK = "[" + "".join(CJK_DIGITS) + "]"
 _CJK_RUN = re.compile(rf"{_CJK}(?:[ \t\-.,/\u3001]{{0,2}}{_CJK}){{{MIN_DIGITS - 1},}}")
 _CJK_TO_ASCII = str.maketrans(CJK_DIGITS)
@@ -452,6 +454,8 @@ def _cjk_numerals(
     its digits are one digit repeated or a count (`\u4e00\u3001\u4e8c\u3001\u4e09...`)."""
     run = text[start:end]
     digits = [CJK_DIGITS[c] for c in run if c in CJK_DIGITS]
+    if run.count("O") == len(digits):
+        return None  # (Latin letters: no numeral)
     steps = {(int(b) - int(a)) % 10 for a, b in itertools.pairwise(digits)}
     if len(set(digits)) == 1 or steps in ({1}, {9}):
         return None
@@ -465,7 +469,9 @@ def cjk_tail_as_digits(text: str) -> str:
     if text.isascii():
         return text
     m = _CJK_TAIL.search(text, max(0, len(text) - MAX_RUN_CHARS))
-    return text if m is None else text[: m.start()] + m.group().translate(_CJK_TO_ASCII)
+    if m is None or m.group().count("O") == sum(c in CJK_DIGITS for c in m.group()):
+        return text  # (none, or Latin `O`s only)
+    return text[: m.start()] + m.group().translate(_CJK_TO_ASCII)
 
 
 def open_run(text: str) -> int | None:
