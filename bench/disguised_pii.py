@@ -178,6 +178,18 @@ def emails(n: int, seed: int = 9) -> list[tuple[str, dict[str, str]]]:
 _IDN = {"example": "ex\u00e4mple", "mailhost": "m\u00e4ilhost", "acme": "\u00e1cme"}
 
 
+# Latin letters spelt in Cyrillic and Greek (a transliteration: what a name in those scripts
+# is made of, not look-alikes)
+_CYRILLIC = str.maketrans(
+    "abdegijklmnoprstuvyz",
+    "\u0430\u0431\u0434\u0435\u0433\u0438\u0439\u043a\u043b\u043c\u043d\u043e\u043f\u0440\u0441\u0442\u0443\u0432\u044b\u0437",
+)
+_GREEK = str.maketrans(
+    "abdegiklmnoprstuxyz",
+    "\u03b1\u03b2\u03b4\u03b5\u03b3\u03b9\u03ba\u03bb\u03bc\u03bd\u03bf\u03c0\u03c1\u03c3\u03c4\u03c5\u03be\u03c5\u03b6",
+)
+
+
 def email_forms(user: str, host: str, tld: str) -> dict[str, str]:
     """One e-mail address with its `@` and `.` in other characters or words, in other
     alphabets, in tag characters or reordered."""
@@ -199,6 +211,10 @@ def email_forms(user: str, host: str, tld: str) -> dict[str, str]:
         "e-mail punycode domain": f"{user}@{idn.encode('idna').decode()}.{tld}",
         "e-mail Unicode local part": user.replace("o", "\u00f6") + f"@{host}.{tld}",
         "e-mail CJK local part": f"\u5c71\u7530{user[-2:]}@{host}.{tld}",
+        "e-mail Cyrillic": user.translate(_CYRILLIC)
+        + "@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444",
+        "e-mail Greek local part": user.translate(_GREEK) + f"@{host}.{tld}",
+        "e-mail Japanese domain": f"{user}@\u4f8b\u3048.jp",
         "e-mail right-to-left override": "\u202e" + address[::-1] + "\u202c",
         "e-mail tag characters": _tags(address),
     }

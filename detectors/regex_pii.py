@@ -819,6 +819,11 @@ def _scan_view(
     if not view.identity:
         builtin = [(*view.span(s, e), name) for s, e, name in builtin]
         custom = [(*view.span(s, e), name) for s, e, name in custom]
+    if "email" in kinds and "@" in view.text:
+        script = script_view(text)
+        intl = [(*script.span(s, e), "email") for s, e in _intl_emails(script.text)]
+        if intl:
+            builtin = _outermost(builtin + intl)
     if patterns and not text.isascii():
         # a custom pattern is written in its phrase's script (`бомба`, `café`), which the
         # view folds to ASCII look-alikes (`бoмбa`, `cafe`): judged in the script view too
@@ -980,6 +985,39 @@ def unspaced_as_spaces(text: str) -> str:
     if text.isascii() or _UNSPACED.search(text) is None:
         return text
     return _UNSPACED.sub("\u3000", text)
+
+
+# An internationalized address (RFC 6531: a local part and a domain in any script, `\u0438\u0432\u0430\u043d@
+# \u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444`, `\u5c71\u7530@\u4f8b\u3048.jp`, `\u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2@example.gr`), found in the script
+# view (letters in their script: the view spells a Cyrillic local part half in Latin look-alikes,
+# `\u0438bah`, which the ASCII pattern found from its `b`). A top-level label in ASCII ends at its
+# last ASCII letter (`jo@\u4f8b\u3048.jp\u307e\u3067`: the next word is glued on in Japanese).
+_EMAIL_INTL = bounded_pattern(
+    "",
+    r"[\p{L}\p{N}][\p{L}\p{N}\p{M}._%+-]{0,63}@"
+    r"(?:[\p{L}\p{N}](?:[\p{L}\p{N}\p{M}-]{0,61}[\p{L}\p{N}\p{M}])?\.)+"
+    r"(?:[A-Za-z]{2,63}|[\p{L}\p{M}]{2,63})",
+    "",
+)
+# a local part's ASCII tail after a letter of a script written without spaces (`_UNSPACED`): a
+# word of prose glued on (`\u30e1\u30fc\u30eb\u306fjo@example.com`), not part of the address
+_GLUED_LOCAL = re.compile(_UNSPACED.pattern + r"[A-Za-z0-9._%+-]*[A-Za-z][A-Za-z0-9._%+-]*\Z")
+
+
+def _intl_emails(text: str) -> Iterator[Span]:
+    """`_EMAIL_INTL`'s matches in `text` (a script view) that hold a character outside ASCII
+    (the others are `_EMAIL`'s), without a glued-on word before an ASCII local part."""
+    t = Utf8Text(text)
+    for start, end in t.spans(body_spans(_EMAIL_INTL, t.data)):
+        if text[start:end].isascii():
+            continue
+        at = text.index("@", start)
+        glued = _GLUED_LOCAL.search(text, start, at)
+        if glued is not None:
+            start = glued.start() + 1
+            if text[start:end].isascii():
+                continue
+        yield start, end
 
 
 def _find(
@@ -1232,6 +1270,7 @@ NUMBER_TAIL_VIEW_CHARS = 48
 _PATTERNS = {
     "email": _EMAIL,
     "email_spelt": _EMAIL_SPELT,
+    "email_intl": _EMAIL_INTL,
     "phone": _PHONE_INTL,
     "phone_us": _PHONE_US,
     "ssn": _SSN,
@@ -1279,6 +1318,17 @@ _SPELT_DOT_AFTER = re.compile(
 )
 _NUMBER_FIRST = frozenset("0123456789+(")
 _BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz") | _NUMBER_FIRST
+
+
+class _Alphanumeric:
+    """What an internationalized address starts with: a letter or digit of any script (no
+    neighbour is consumed before `_EMAIL_INTL`'s body)."""
+
+    def __contains__(self, ch: object) -> bool:
+        return isinstance(ch, str) and ch.isalnum()
+
+
+_ANY_FIRST: Any = _Alphanumeric()
 
 
 # The most digits a match of each number kind holds: a longer run of digit groups can only still
@@ -1329,7 +1379,7 @@ def _evidence(kind: str, tail: str) -> bool:
     of an IPv4 address. A year (`in 2023`), a range (`2020-2023`), a version (`3.11.4.`), a
     bare number (`8336817`) or `555 1` are not."""
     digits = sum(ch.isdigit() for ch in tail)
-    if kind == "email":
+    if kind in ("email", "email_intl"):
         return "@" in tail
     if kind == "email_spelt":  # its `@`, spelt (`[at`, its bracket to come, will do)
         ats = list(_SPELT_AT_BEGUN.finditer(tail))
@@ -1350,7 +1400,7 @@ def _evidence(kind: str, tail: str) -> bool:
     return tail.count(".") >= 2 and digits >= 7  # ipv4 (not a version: 3.11.4, 10.15.7.)
 
 
-_EMAIL_KINDS = ("email", "email_spelt")
+_EMAIL_KINDS = ("email", "email_spelt", "email_intl")
 # what may follow a value at the end of a sentence (and the full-width and ideographic forms
 # of it that Chinese and Japanese are written with: `\u7535\u8bdd555-123-4567\u3002`)
 _CLOSING = (
@@ -1389,18 +1439,23 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
     view = normalise(source if unfinished is None else source[:unfinished])
     # (as the scan reads it: letters of unspaced scripts as spaces, `\u7535\u8bdd555-123-45`; Chinese
     # numerals at the end as digits, `\u4e94\u4e94\u4e94-\u4e00\u4e8c`: one character for one)
-    v = unspaced_as_spaces(cjk_tail_as_digits(view.text))
+    written = cjk_tail_as_digits(view.text)
+    v = unspaced_as_spaces(written)
     best: tuple[int, str] | None = None
     candidates = [k for k in KINDS if k in kinds and k != "ipv6"]
     if "phone" in candidates:  # (a tie goes to the first: a phone before a card)
         candidates.insert(candidates.index("phone") + 1, "phone_us")
     if "email" in candidates:
         candidates.insert(candidates.index("email") + 1, "email_spelt")
+        if (
+            not v.isascii()
+        ):  # (an address in another script: `\u0438\u0432\u0430\u043d@\u043f\u0440\u0438`)
+            candidates.insert(candidates.index("email") + 2, "email_intl")
     number_at = max(0, len(v) - NUMBER_TAIL_VIEW_CHARS)
     if sum(ch.isdigit() for ch in v[number_at:]) < 3:  # no number has less evidence (ipv4)
         candidates = [k for k in candidates if k in _EMAIL_KINDS]
     for kind in candidates:
-        if kind == "email":
+        if kind in ("email", "email_intl"):
             at = v.rfind("@", max(0, len(v) - OPEN_TAIL_VIEW_CHARS))
             if at < 0:
                 continue
@@ -1412,15 +1467,26 @@ def open_tail(text: str, kinds: list[str] | tuple[str, ...] = KINDS) -> tuple[in
             pos = max(0, ats[-1].start() - SPELT_LOCAL_MOST)
         else:
             pos = number_at
-        first = _BODY_FIRST if kind in _EMAIL_KINDS else _NUMBER_FIRST
-        start = _partial_start(_partial(kind), v, pos, first)
+        first = (
+            _ANY_FIRST
+            if kind == "email_intl"
+            else _BODY_FIRST
+            if kind in _EMAIL_KINDS
+            else _NUMBER_FIRST
+        )
+        # (an internationalized address is read with its letters: `\u5c71\u7530@\u4f8b\u3048`)
+        start = _partial_start(_partial(kind), written if kind == "email_intl" else v, pos, first)
+        if start is not None and kind == "email_intl":
+            at = written.find("@", start)
+            glued = _GLUED_LOCAL.search(written, start, at) if at >= 0 else None
+            start = start if glued is None else glued.start() + 1
         if start is not None and kind not in _EMAIL_KINDS:
             start = _last_digits(v, start, _MOST_DIGITS[kind])
         if start is not None and kind == "credit_card":
             start = _card_groups(v, start)
         if start is None or not _evidence(kind, v[start:]):
             continue
-        name = {"phone_us": "phone", "email_spelt": "email"}.get(kind, kind)
+        name = {"phone_us": "phone", "email_spelt": "email", "email_intl": "email"}.get(kind, kind)
         if best is None or start < best[0]:
             best = (start, name)
     spelt = open_run(v) if any(k in kinds for k in NUMBER_KINDS) else None

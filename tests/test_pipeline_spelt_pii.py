@@ -192,6 +192,34 @@ ANSWERS: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
         "| Name | Phone |\n| [phone] |\nBye.",
         ("555", "123", "4567"),
     ),
+    # internationalized addresses (RFC 6531): a local part and a domain in another script; the
+    # ASCII pattern found none, or only `bah@example.com` of a Cyrillic `\u0438\u0432\u0430\u043d` (its look-alikes)
+    "email-in-cyrillic": (
+        [
+            "\u041f\u0438\u0448\u0438\u0442\u0435",
+            " \u0438\u0432\u0430\u043d@",
+            "\u043f\u0440\u0438\u043c\u0435\u0440",
+            ".\u0440\u0444",
+            ".",
+        ],
+        "\u041f\u0438\u0448\u0438\u0442\u0435 [email].",
+        ("\u0438\u0432\u0430\u043d", "\u043f\u0440\u0438\u043c\u0435\u0440"),
+    ),
+    "email-with-a-cyrillic-local-part": (
+        ["Mail", " \u0438\u0432\u0430\u043d", "@example", ".com", " now."],
+        "Mail [email] now.",
+        ("\u0438\u0432\u0430\u043d", "example"),
+    ),
+    "email-with-a-greek-local-part": (
+        ["Mail", " \u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2", "@example", ".gr", " now."],
+        "Mail [email] now.",
+        ("\u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2", "example"),
+    ),
+    "email-in-japanese": (
+        ["\u30e1\u30fc\u30eb\uff1a", "\u5c71\u7530@", "\u4f8b\u3048", ".jp", " \u307e\u3067\u3002"],
+        "\u30e1\u30fc\u30eb\uff1a[email] \u307e\u3067\u3002",
+        ("\u5c71\u7530", "\u4f8b\u3048"),
+    ),
     "email-spaced": (
         ["Mail", " john", " .", " smith", " @", " example", " .", " com", " now."],
         "Mail [email] now.",
@@ -310,6 +338,14 @@ PROMPTS = [
         "Mi tel\u00e9fono es cinco cinco cinco, uno dos tres, cuatro cinco seis siete.",
         "Mi tel\u00e9fono es [phone].",
     ),
+    (
+        "\u6211\u7684\u7535\u8bdd\u662f555-123-4567\u3002",
+        "\u6211\u7684\u7535\u8bdd\u662f[phone]\u3002",
+    ),
+    (
+        "Write to \u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444 please.",
+        "Write to [email] please.",
+    ),
 ]
 
 
@@ -388,6 +424,20 @@ async def test_a_stream_cut_inside_a_number_glued_to_chinese_withholds_it(
     assert number[:3] not in sent and number[4:7] not in sent, sent
     if on_detection == "redact":
         assert released(events) == "\u597d\u7684\u3002\u7535\u8bdd[phone]"
+
+
+@pytest.mark.parametrize("on_detection", ["redact", "block"])
+async def test_a_stream_cut_inside_an_internationalized_address_withholds_it(
+    on_detection: str,
+) -> None:
+    """As above, for `\u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444` cut inside its domain."""
+    answer = "\u041f\u0438\u0448\u0438\u0442\u0435: \u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444 \u0441\u0435\u0433\u043e\u0434\u043d\u044f."
+    cut = answer.index("\u043c\u0435\u0440")
+    events = await _stream_answer(answer, on_detection, 500, cut)
+    sent = " ".join(strings([e.data for e in events]))
+    assert "\u0438\u0432\u0430\u043d" not in sent and "\u043f\u0440\u0438" not in sent, sent
+    if on_detection == "redact":
+        assert released(events) == "\u041f\u0438\u0448\u0438\u0442\u0435: [email]"
 
 
 @pytest.mark.parametrize("on_detection", ["redact", "block"])
