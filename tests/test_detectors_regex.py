@@ -351,3 +351,48 @@ def test_a_number_in_any_script_s_digits_is_found_as_its_ascii_form_is(
     got = [(d.detection, d.start, d.end) for d in find_pii(text, KINDS_LIST, {})]
     shift = len(before) - 5
     assert got == [(k, s + shift, e + shift) for k, s, e in want], (text, got)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        # internationalized addresses (RFC 6531), whole, in their scripts
+        (
+            "Write to \u0438\u0432\u0430\u043d@example.com today",
+            "\u0438\u0432\u0430\u043d@example.com",
+        ),
+        (
+            "\u041f\u0438\u0448\u0438\u0442\u0435: \u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444",
+            "\u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444",
+        ),
+        (
+            "mail \u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2@example.gr ok",
+            "\u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2@example.gr",
+        ),
+        (
+            "\u30e1\u30fc\u30eb\uff1a\u5c71\u7530@\u4f8b\u3048.jp \u307e\u3067",
+            "\u5c71\u7530@\u4f8b\u3048.jp",
+        ),
+        (
+            "mail \u0930\u093e\u092e@\u0909\u0926\u093e\u0939\u0930\u0923.\u092d\u093e\u0930\u0924 ok",
+            "\u0930\u093e\u092e@\u0909\u0926\u093e\u0939\u0930\u0923.\u092d\u093e\u0930\u0924",
+        ),
+        # a word of Japanese glued on before and after an ASCII address is not part of it
+        ("\u30e1\u30fc\u30eb\u306fjo@example.com\u307e\u3067", "jo@example.com"),
+        ("\u30e1\u30fc\u30eb\u306fjo@\u4f8b\u3048.jp\u307e\u3067", "jo@\u4f8b\u3048.jp"),
+    ],
+)
+def test_an_internationalized_address_is_found_whole(text: str, want: str) -> None:
+    assert [(d.detection, d.text) for d in find_pii(text, KINDS_LIST, {})] == [("email", want)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\u0426\u0435\u043d\u0430 @ 5 \u0440\u0443\u0431.",
+        "@\u7528\u6237 \u4f60\u597d",
+        "\u0432\u0441\u0442\u0440\u0435\u0447\u0430 @\u0434\u043e\u043c\u0430",
+    ],
+)
+def test_an_at_sign_in_prose_of_another_script_is_no_address(text: str) -> None:
+    assert find_pii(text, KINDS_LIST, {}) == []
