@@ -11,7 +11,8 @@ spelling.
 
 What makes a run (chosen so that ordinary text holds none: see README's PII section):
 
-- tokens: the number words `zero`..`nine` (any case; `oh` and `o` for zero inside a run, never
+- tokens: the number words `zero`..`nine` and those of German, French, Spanish, Italian and
+  Portuguese (`FOREIGN_DIGIT_WORDS`; any case; `oh` and `o` for zero inside a run, never
   first), `double`/`triple` before one (`double five` is 55), and single ASCII digits that stand
   alone (not part of a longer number, a decimal or a word);
 - between two tokens at most one separator: up to three spaces or tabs, or one of `,;/|-` or a
@@ -37,6 +38,9 @@ A number split over the cells of a Markdown table row (`| 555 | 123 | 4567 |`) i
 groups joined by dashes when the row holds nothing else and its cells lay out a North American
 phone number (3-3-4, or 1-3-3-4), an SSN (3-2-4) or a card (groups of 4; 4-6-5): a row of
 round amounts (every cell ending in 0: `| 250 | 500 | 1000 |`) is none.
+
+Chinese and Japanese numerals written a digit each (`五五五-一二三-四五六七`) are read as
+digits in a run of MIN_DIGITS or more (`CJK_DIGITS`), one character for one.
 
 Bounded work: the runs are found by one RE2 search (linear in the text); Python looks only at
 the tokens of the runs found, each at most MAX_RUN_CHARS long.

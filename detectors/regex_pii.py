@@ -30,7 +30,9 @@ patterns come from the config; a request may send them only to a detector whose 
 `allow_request_patterns: true`, and then fewer and with a smaller RE2 memory budget (so
 compiling one stays cheap). Digits in the built-in kinds are ASCII `0-9`. Punctuation is a
 boundary (DESIGN 4.6b): only Unicode letters and numbers next to a value make it part of a
-longer token (`id4111111111111111`), and for the numeric kinds the separator that continues a
+longer token (`id4111111111111111`), but not the letters of scripts written without spaces
+between words (Chinese, Japanese, Thai, ...) nor Korean syllables: `电话555-123-4567` holds a
+phone number (`_UNSPACED`), and for the numeric kinds the separator that continues a
 run of numbers (an SSN's `-`, an address's `.`, with a digit beyond it: 1.2.3.4.5 is no IPv4
 address, 0.4111111111111111 no card); so `jo@example.com--he`, `(555-123-4567)`,
 `SSN 123-45-6789-` and `_4111111111111111_` hold their values, which a guardrail must find.
@@ -44,7 +46,8 @@ the client sent (the invisible ones inside a match and the marks on its last cha
 included), so block and redact cover them. Text under a right-to-left override is scanned in the
 order a reader sees too (`\\u202emoc.elpmaxe@oj`). Custom patterns also run on the script view
 (normalise.script_view: no confusables folded, accents kept), so `(?i)бомба` or `café` find
-their phrase, which the view spells `бoмбa` and `cafe`. Pure ASCII skips the views.
+their phrase, which the view spells `бoмбa` and `cafe`; internationalized e-mail addresses
+(`иван@пример.рф`, `山田@例え.jp`) are found there too. Pure ASCII skips the views.
 """
 
 from __future__ import annotations
