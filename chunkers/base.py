@@ -96,7 +96,7 @@ def _natural_here(text: str, i: int, start: int) -> bool:
         j = i  # (what the detectors' view removes before the line break does not count)
         while j > start and i - j < 64 and unicodedata.category(text[j - 1]) in _UNSEEN:
             j -= 1
-        return _NUMBER_TOKEN_END.search(text[max(start, j - 16) : j]) is None
+        return _NUMBER_TOKEN_END.search(_unaccented(text[max(start, j - 16) : j])) is None
     j = i - 1
     while j > start and text[j] in CLOSERS:
         j -= 1
@@ -112,11 +112,26 @@ def _natural_here(text: str, i: int, start: int) -> bool:
 # categories of the characters the detectors' view removes or draws on the one before
 # (detectors/normalise.py): format, private-use, unassigned, combining marks
 _UNSEEN = frozenset(("Cf", "Co", "Cn", "Mn", "Me"))
-# a lone digit (of any script: the view folds them) or a number word, with spaces or tabs
-# after it, ending the text searched:
-_NUMBER_TOKEN_END = re.compile(
-    r"(?i)(?<![^\W_]|[.,])(?:\d|zero|oh|o|one|two|three|four|five|six|seven|eight|nine)[ \t]*\Z"
+# a lone digit (of any script: the view folds them) or a number word (English, German, French,
+# Spanish, Italian or Portuguese, as the view spells it: accents dropped; the words of
+# detectors/number_spellings.DIGIT_WORDS, which tests/test_chunkers.py holds this to), with
+# spaces or tabs after it, ending the text searched:
+_NUMBER_WORDS = (
+    "zero|oh|o|one|two|three|four|five|six|seven|eight|nine"
+    "|null|eins|zwei|zwo|drei|vier|funf|fuenf|sechs|sieben|acht|neun"
+    "|un|une|deux|trois|quatre|cinq|sept|huit|neuf"
+    "|cero|uno|una|dos|tres|cuatro|cinco|seis|siete|ocho|nueve"
+    "|due|tre|quattro|cinque|sei|sette|otto|nove"
+    "|um|uma|dois|duas|quatro|meia|sete|oito"
 )
+_NUMBER_TOKEN_END = re.compile(rf"(?i)(?<![^\W_]|[.,])(?:\d|{_NUMBER_WORDS})[ \t]*\Z")
+
+
+def _unaccented(text: str) -> str:
+    """`text` without its accents (`f\u00fcnf` -> `funf`), as the detectors' view reads it."""
+    if text.isascii():
+        return text
+    return "".join(c for c in unicodedata.normalize("NFKD", text) if not unicodedata.combining(c))
 
 
 class IncrementalChunker(Protocol):

@@ -376,11 +376,15 @@ def payloads(text: str, tagged: str | None = None) -> tuple[list[str], bool]:
     def result() -> tuple[list[str], bool]:
         return list(found), over
 
+    todo = [text]
     if tagged is not None:
         for decoded in carried_payloads(tagged):
+            # (an invisible carrier's text is searched for payloads as the text is: base32
+            # in tag characters is two encodings, which a model undoes one after the other)
+            todo.append(decoded)
             if add(decoded):
                 return result()
-    todo, depth = [text], 0
+    depth = 0
     while todo and depth < MAX_DEPTH:
         nxt = []
         for t in todo:

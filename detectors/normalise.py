@@ -1031,11 +1031,20 @@ def view_text(text: str, *, markup: bool = True) -> str:
 
 def judged_texts(text: str) -> list[str]:
     """What a classifier judges of a content (its verdict the maximum over them): its view
-    (`view_text`) and, where markup hides words from that view, those words
+    (`view_text`: under a right-to-left override, the view in the order a reader sees it on a
+    second line) and, under an override, that display-order view alone as well: joined to the
+    reversed line, a short instruction was half a window of gibberish (`\u202e` and the
+    reversed words of one scored 0.30 where the words scored 0.76), while the reversed line
+    alone reads as gibberish to the classifier in benign text too (88 of 200 everyday requests
+    flagged, against 48 joined); and, where markup hides words from the view, those words
     (`markup_hidden_text`), as a text of their own, so that they cannot change how the view
     itself is windowed."""
     view = view_text(text)
     if is_plain(text) and view is text:
         return [view]
+    texts = [view]
+    shown = display_order(text)
+    if shown is not None:
+        texts.append(normalise(shown[0]).text)
     hidden = markup_hidden_text(text)
-    return [view, normalise(hidden).text] if hidden else [view]
+    return [*texts, normalise(hidden).text] if hidden else texts

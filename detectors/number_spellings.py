@@ -11,7 +11,8 @@ spelling.
 
 What makes a run (chosen so that ordinary text holds none: see README's PII section):
 
-- tokens: the number words `zero`..`nine` (any case; `oh` and `o` for zero inside a run, never
+- tokens: the number words `zero`..`nine` and those of German, French, Spanish, Italian and
+  Portuguese (`FOREIGN_DIGIT_WORDS`; any case; `oh` and `o` for zero inside a run, never
   first), `double`/`triple` before one (`double five` is 55), and single ASCII digits that stand
   alone (not part of a longer number, a decimal or a word);
 - between two tokens at most one separator: up to three spaces or tabs, or one of `,;/|-` or a
@@ -37,6 +38,9 @@ A number split over the cells of a Markdown table row (`| 555 | 123 | 4567 |`) i
 groups joined by dashes when the row holds nothing else and its cells lay out a North American
 phone number (3-3-4, or 1-3-3-4), an SSN (3-2-4) or a card (groups of 4; 4-6-5): a row of
 round amounts (every cell ending in 0: `| 250 | 500 | 1000 |`) is none.
+
+Chinese and Japanese numerals written a digit each (`五五五-一二三-四五六七`) are read as
+digits in a run of MIN_DIGITS or more (`CJK_DIGITS`), one character for one.
 
 Bounded work: the runs are found by one RE2 search (linear in the text); Python looks only at
 the tokens of the runs found, each at most MAX_RUN_CHARS long.
@@ -69,6 +73,24 @@ DIGIT_WORDS = {
     "eight": "8",
     "nine": "9",
 }
+# The digits' words in German, French, Spanish, Italian and Portuguese, as the normalised view
+# spells them (accents dropped: `f\u00fcnf` is `funf`, `tr\u00eas` `tres`, `z\u00e9ro` `zero`;
+# German's `ue` for `\u00fc` and `zwo` for 2 as said on the phone). A model asked for a number
+# "in German" writes `f\u00fcnf f\u00fcnf f\u00fcnf, eins zwei drei, ...`. No word means another
+# digit in another of these languages (or in English), so one table serves them all.
+FOREIGN_DIGIT_WORDS = {
+    "0": ("null", "cero"),  # (`zero` and `z\u00e9ro`: English's)
+    "1": ("eins", "un", "une", "uno", "una", "um", "uma"),
+    "2": ("zwei", "zwo", "deux", "dos", "due", "dois", "duas"),
+    "3": ("drei", "trois", "tres", "tre"),
+    "4": ("vier", "quatre", "cuatro", "quatro", "quattro"),
+    "5": ("funf", "fuenf", "cinq", "cinco", "cinque"),
+    "6": ("sechs", "seis", "sei", "meia"),  # (`six`: English's; `meia` is 6 on a Brazilian phone)
+    "7": ("sieben", "sept", "siete", "sette", "sete"),
+    "8": ("acht", "huit", "ocho", "otto", "oito"),
+    "9": ("neun", "neuf", "nueve", "nove"),
+}
+DIGIT_WORDS |= {word: digit for digit, words in FOREIGN_DIGIT_WORDS.items() for word in words}
 _ZERO_WORDS = frozenset(("oh", "o"))
 _REPEATS = {"double": 2, "triple": 3}
 # a run is cut after this many characters (a spelt card of 19 digits is ~120)
@@ -80,7 +102,8 @@ MIN_DIGITS = 6
 CUT_DIGITS = 4
 MIN_TOKENS = 3
 
-_WORD = "(?:zero|oh|o|one|two|three|four|five|six|seven|eight|nine)"
+# (longest first: an alternation tries its words in order)
+_WORD = "(?:" + "|".join(sorted(DIGIT_WORDS, key=lambda w: (-len(w), w))) + ")"
 _TOKEN = rf"\b(?:(?:double|triple)[ \t-]{{1,2}})?{_WORD}\b|\b[0-9]\b"
 _SEPARATOR = r"(?:[ \t]{1,3}|[ \t]{0,3}[,;/|\n-][ \t]{0,3})"
 # RE2: a run of 3 or more tokens (ASCII `\b`: a digit next to a letter is inside a word)
@@ -89,7 +112,15 @@ _RUN = re2.compile(
 )
 # what the number words hold (`oh` and `o` only inside a run, which holds another word too;
 # `double` and `triple` only before one)
-_WORD_STEMS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+# (a word that holds another is counted by it: `une` by `un`, `seis` by `sei`; `oh` and `o`
+# are never a run's first word and need two more beside them)
+_WORD_STEMS = tuple(
+    sorted(
+        w
+        for w in DIGIT_WORDS
+        if w not in _ZERO_WORDS and not any(o != w and o in w for o in DIGIT_WORDS if o != "o")
+    )
+)
 # Python's `re`, on one run at a time (at most MAX_RUN_CHARS): its tokens
 _TOKENS = re.compile(rf"(?i){_TOKEN}")
 # the leading neighbour that makes an ASCII digit part of a longer number (`1.5`, `3,2`, `-1`
@@ -112,6 +143,36 @@ _LEET_CANDIDATE = re2.compile(
 _LEET_HINT = re.compile(r"[0-9][.()\-]?[lIOoSsBZz]|[lIOoSsBZz][.()\-]?[0-9]")
 _LEET_GROUP = re.compile(r"[0-9lIOoSsBZz]+")
 _LEET_LETTERS = re.compile(r"[lIOoSsBZz]")
+
+
+# Chinese and Japanese numerals, read a digit each as a phone number is read out (`\u4e94\u4e94\u4e94-
+# \u4e00\u4e8c\u4e09-\u56db\u4e94\u516d\u4e03` is 555-123-4567; `\u5e7a` is how a 1 is said in a
+# Chinese phone number): Unicode gives them no decimal digit value, so the view keeps them. A
+# run of MIN_DIGITS of them or more, with at most two separators between two (what the view
+# makes of `\uff0d`, `\u30fb`, `\u3001`, ideographic spaces), each read as its digit: one character
+# for one, the spans are the run's. Prose holds no such run (numbers of quantity are written
+# with `\u5341`, `\u767e`, `\u5343`, which end one; a year is four).
+CJK_DIGITS = {
+    "\u3007": "0",
+    "\u96f6": "0",
+    "\u4e00": "1",
+    "\u5e7a": "1",
+    "\u4e8c": "2",
+    "\u4e09": "3",
+    "\u56db": "4",
+    "\u4e94": "5",
+    "\u516d": "6",
+    "\u4e03": "7",
+    "\u516b": "8",
+    "\u4e5d": "9",
+}
+# (the view spells `\u3007` as the Latin `O` it is confusable with: a zero in a run of numerals)
+CJK_DIGITS["O"] = "0"
+_CJK = "[" + "".join(CJK_DIGITS) + "]"
+_CJK_RUN = re.compile(rf"{_CJK}(?:[ \t\-.,/\u3001]{{0,2}}{_CJK}){{{MIN_DIGITS - 1},}}")
+_CJK_TO_ASCII = str.maketrans(CJK_DIGITS)
+# a run of them ending a text (a stream cut inside a number: `open_tail`), three at least
+_CJK_TAIL = re.compile(rf"{_CJK}(?:[ \t\-.,/\u3001]{{0,2}}{_CJK}){{2,}}[ \t\-.,/\u3001]{{0,2}}\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +203,8 @@ def number_view(text: str) -> tuple[View, list[tuple[int, int]]] | None:
     spelt = may_hold_a_run(text)
     cells = "|" in text and digits >= MIN_DIGITS
     leet = digits >= 2 and _LEET_HINT.search(text) is not None
-    if not (spelt or cells or leet):
+    cjk = [] if text.isascii() else [m.span() for m in _CJK_RUN.finditer(text)]
+    if not (spelt or cells or leet or cjk):
         return None
     data = Utf8Text(text)
     if spelt:
@@ -155,6 +217,10 @@ def number_view(text: str) -> tuple[View, list[tuple[int, int]]] | None:
             if piece is not None:
                 pieces.append(piece)
                 runs.append((start, end))
+    for start, end in cjk:
+        piece = _cjk_numerals(text, start, end)
+        if piece is not None:
+            pieces.append(piece)
     if leet:
         for start, end in data.spans(_leet_spans(data.data)):
             if not any(s < end and start < e for s, e in runs):
@@ -387,6 +453,33 @@ def _lookalikes(
     new = token.translate(_LOOKALIKES)
     positions = list(range(start, end))
     return start, end, new, positions, [p + 1 for p in positions]
+
+
+def _cjk_numerals(
+    text: str, start: int, end: int
+) -> tuple[int, int, str, list[int], list[int]] | None:
+    """A run of Chinese or Japanese numerals (`_CJK_RUN`) read as digits, one for one, unless
+    its digits are one digit repeated or a count (`\u4e00\u3001\u4e8c\u3001\u4e09...`)."""
+    run = text[start:end]
+    digits = [CJK_DIGITS[c] for c in run if c in CJK_DIGITS]
+    if run.count("O") == len(digits):
+        return None  # (Latin letters: no numeral)
+    steps = {(int(b) - int(a)) % 10 for a, b in itertools.pairwise(digits)}
+    if len(set(digits)) == 1 or steps in ({1}, {9}):
+        return None
+    positions = list(range(start, end))
+    return start, end, run.translate(_CJK_TO_ASCII), positions, [p + 1 for p in positions]
+
+
+def cjk_tail_as_digits(text: str) -> str:
+    """`text` with a run of Chinese or Japanese numerals that ends it read as digits (one
+    character for one), for the question whether a stream cut there is inside a number."""
+    if text.isascii():
+        return text
+    m = _CJK_TAIL.search(text, max(0, len(text) - MAX_RUN_CHARS))
+    if m is None or m.group().count("O") == sum(c in CJK_DIGITS for c in m.group()):
+        return text  # (none, or Latin `O`s only)
+    return text[: m.start()] + m.group().translate(_CJK_TO_ASCII)
 
 
 def open_run(text: str, least: int = MIN_DIGITS) -> int | None:

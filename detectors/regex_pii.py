@@ -30,7 +30,9 @@ patterns come from the config; a request may send them only to a detector whose 
 `allow_request_patterns: true`, and then fewer and with a smaller RE2 memory budget (so
 compiling one stays cheap). Digits in the built-in kinds are ASCII `0-9`. Punctuation is a
 boundary (DESIGN 4.6b): only Unicode letters and numbers next to a value make it part of a
-longer token (`id4111111111111111`), and for the numeric kinds the separator that continues a
+longer token (`id4111111111111111`), but not the letters of scripts written without spaces
+between words (Chinese, Japanese, Thai, ...) nor Korean syllables: `电话555-123-4567` holds a
+phone number (`_UNSPACED`), and for the numeric kinds the separator that continues a
 run of numbers (an SSN's `-`, an address's `.`, with a digit beyond it: 1.2.3.4.5 is no IPv4
 address, 0.4111111111111111 no card); so `jo@example.com--he`, `(555-123-4567)`,
 `SSN 123-45-6789-` and `_4111111111111111_` hold their values, which a guardrail must find.
@@ -44,7 +46,8 @@ the client sent (the invisible ones inside a match and the marks on its last cha
 included), so block and redact cover them. Text under a right-to-left override is scanned in the
 order a reader sees too (`\\u202emoc.elpmaxe@oj`). Custom patterns also run on the script view
 (normalise.script_view: no confusables folded, accents kept), so `(?i)бомба` or `café` find
-their phrase, which the view spells `бoмбa` and `cafe`. Pure ASCII skips the views.
+their phrase, which the view spells `бoмбa` and `cafe`; internationalized e-mail addresses
+(`иван@пример.рф`, `山田@例え.jp`) are found there too. Pure ASCII skips the views.
 """
 
 from __future__ import annotations
@@ -76,7 +79,14 @@ from .normalise import (
     unfinished_markup,
     unmarked_view,
 )
-from .number_spellings import CUT_DIGITS, may_hold_a_run, number_view, open_run, run_across
+from .number_spellings import (
+    CUT_DIGITS,
+    cjk_tail_as_digits,
+    may_hold_a_run,
+    number_view,
+    open_run,
+    run_across,
+)
 from .re2_scan import (
     CONFIG_MAX_MEM,
     WORD_CHARS,
@@ -814,6 +824,11 @@ def _scan_view(
     if not view.identity:
         builtin = [(*view.span(s, e), name) for s, e, name in builtin]
         custom = [(*view.span(s, e), name) for s, e, name in custom]
+    if "email" in kinds and "@" in view.text:
+        script = script_view(text)
+        intl = [(*script.span(s, e), "email") for s, e in _intl_emails(script.text)]
+        if intl:
+            builtin = _outermost(builtin + intl)
     if patterns and not text.isascii():
         # a custom pattern is written in its phrase's script (`бомба`, `café`), which the
         # view folds to ASCII look-alikes (`бoмбa`, `cafe`): judged in the script view too
@@ -954,6 +969,62 @@ def _outermost(found: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
     return kept
 
 
+# Letters of the scripts written without a space between words (Chinese, Japanese, Thai, Lao,
+# Khmer, Myanmar) and Korean syllables (whose particles are written onto the word before:
+# `010-1234-5678\ub85c`): beside a value they are the next word, not part of a longer token as
+# a Latin letter is (`id4111111111111111`). `\u7535\u8bdd555-123-4567\u3002` and
+# `\u96fb\u8a71\u306f555-123-4567\u3067\u3059` hold a phone number, which the kinds' neighbour
+# checks missed (any letter glued it). The built-in kinds judge the text with each such letter
+# read as an ideographic space (`unspaced_as_spaces`: one character for one, so spans are the
+# same; the view holds no U+3000, NFKD makes it a space). Digits of these scripts are not in
+# the ranges (the view made them ASCII); custom patterns judge the text as it is.
+_UNSPACED = re.compile(
+    "[\u0e01-\u0e4f\u0e81-\u0ecf\u1000-\u103f\u1100-\u11ff\u1780-\u17d3\u3041-\u30ff"
+    "\u3131-\u318e\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\U00020000-\U0003134f]"
+)
+
+
+def unspaced_as_spaces(text: str) -> str:
+    """`text` with the letters of scripts written without spaces read as spaces (`_UNSPACED`),
+    one character for one; `text` itself when it holds none (one C scan)."""
+    if text.isascii() or _UNSPACED.search(text) is None:
+        return text
+    return _UNSPACED.sub("\u3000", text)
+
+
+# An internationalized address (RFC 6531: a local part and a domain in any script, `\u0438\u0432\u0430\u043d@
+# \u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444`, `\u5c71\u7530@\u4f8b\u3048.jp`, `\u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2@example.gr`), found in the script
+# view (letters in their script: the view spells a Cyrillic local part half in Latin look-alikes,
+# `\u0438bah`, which the ASCII pattern found from its `b`). A top-level label in ASCII ends at its
+# last ASCII letter (`jo@\u4f8b\u3048.jp\u307e\u3067`: the next word is glued on in Japanese).
+_EMAIL_INTL = bounded_pattern(
+    "",
+    r"[\p{L}\p{N}][\p{L}\p{N}\p{M}._%+-]{0,63}@"
+    r"(?:[\p{L}\p{N}](?:[\p{L}\p{N}\p{M}-]{0,61}[\p{L}\p{N}\p{M}])?\.)+"
+    r"(?:[A-Za-z]{2,63}|[\p{L}\p{M}]{2,63})",
+    "",
+)
+# a local part's ASCII tail after a letter of a script written without spaces (`_UNSPACED`): a
+# word of prose glued on (`\u30e1\u30fc\u30eb\u306fjo@example.com`), not part of the address
+_GLUED_LOCAL = re.compile(_UNSPACED.pattern + r"[A-Za-z0-9._%+-]*[A-Za-z][A-Za-z0-9._%+-]*\Z")
+
+
+def _intl_emails(text: str) -> Iterator[Span]:
+    """`_EMAIL_INTL`'s matches in `text` (a script view) that hold a character outside ASCII
+    (the others are `_EMAIL`'s), without a glued-on word before an ASCII local part."""
+    t = Utf8Text(text)
+    for start, end in t.spans(body_spans(_EMAIL_INTL, t.data)):
+        if text[start:end].isascii():
+            continue
+        at = text.index("@", start)
+        glued = _GLUED_LOCAL.search(text, start, at)
+        if glued is not None:
+            start = glued.start() + 1
+            if text[start:end].isascii():
+                continue
+        yield start, end
+
+
 def _find(
     t: Utf8Text,
     kinds: list[str],
@@ -962,12 +1033,14 @@ def _find(
 ) -> tuple[list[tuple[int, int, str]], list[tuple[int, int, str]]]:
     """The built-in matches (one per value: see `_outermost`) and the custom ones in `t`."""
     builtin: list[tuple[int, int, str]] = []
-    data = t.data
+    spaced = unspaced_as_spaces(t.text) if kinds else t.text
+    bt = t if spaced is t.text else Utf8Text(spaced)
+    data = bt.data
     digits = len(data) - len(data.translate(None, _DIGITS))
     for kind in KINDS:
         if kind in kinds and could_match(kind, data, digits):
             _check_cancelled(cancelled)
-            builtin.extend((s, e, kind) for s, e in _FINDERS[kind](t))
+            builtin.extend((s, e, kind) for s, e in _FINDERS[kind](bt))
     custom: list[tuple[int, int, str]] = []
     for name, rx in patterns.items():
         _check_cancelled(cancelled)
@@ -1205,6 +1278,7 @@ NUMBER_TAIL_VIEW_CHARS = 48
 _PATTERNS = {
     "email": _EMAIL,
     "email_spelt": _EMAIL_SPELT,
+    "email_intl": _EMAIL_INTL,
     "phone": _PHONE_INTL,
     "phone_us": _PHONE_US,
     "ssn": _SSN,
@@ -1260,6 +1334,17 @@ _NUMBER_FIRST = frozenset("0123456789+(")
 _BODY_FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz") | _NUMBER_FIRST
 
 
+class _Alphanumeric:
+    """What an internationalized address starts with: a letter or digit of any script (no
+    neighbour is consumed before `_EMAIL_INTL`'s body)."""
+
+    def __contains__(self, ch: object) -> bool:
+        return isinstance(ch, str) and ch.isalnum()
+
+
+_ANY_FIRST: Any = _Alphanumeric()
+
+
 # The most digits a match of each number kind holds: a longer run of digit groups can only still
 # grow into one in its last groups (a card is found within a run of groups, see `_cards`).
 _MOST_DIGITS = {"phone": 15, "phone_us": 11, "ssn": 9, "credit_card": 19, "ipv4": 12}
@@ -1308,7 +1393,7 @@ def _evidence(kind: str, tail: str) -> bool:
     of an IPv4 address. A year (`in 2023`), a range (`2020-2023`), a version (`3.11.4.`), a
     bare number (`8336817`) or `555 1` are not."""
     digits = sum(ch.isdigit() for ch in tail)
-    if kind == "email":
+    if kind in ("email", "email_intl"):
         return "@" in tail
     if kind == "email_spelt":  # its `@`, spelt (`[at`, its bracket to come, will do)
         ats = list(_SPELT_AT_BEGUN.finditer(tail))
@@ -1390,9 +1475,13 @@ def _cut_local_part(view: str) -> int | None:
     return start
 
 
-_EMAIL_KINDS = ("email", "email_spelt")
-# what may follow a value at the end of a sentence
-_CLOSING = ".,;:!?)]}\"'\u2019\u201d "
+_EMAIL_KINDS = ("email", "email_spelt", "email_intl")
+# what may follow a value at the end of a sentence (and the full-width and ideographic forms
+# of it that Chinese and Japanese are written with: `\u7535\u8bdd555-123-4567\u3002`)
+_CLOSING = (
+    ".,;:!?)]}\"'\u2019\u201d \u3002\u3001\uff0e\uff0c\uff1b\uff1a\uff01\uff1f\uff09"
+    "\u300d\u300f\u3011\u3000"
+)
 
 
 def open_tail(
@@ -1432,18 +1521,25 @@ def open_tail(
     # the tail is judged without it (and the detection runs to the end, over it)
     unfinished = unfinished_markup(source)
     view = normalise(source if unfinished is None else source[:unfinished])
-    v = view.text
+    # (as the scan reads it: letters of unspaced scripts as spaces, `\u7535\u8bdd555-123-45`; Chinese
+    # numerals at the end as digits, `\u4e94\u4e94\u4e94-\u4e00\u4e8c`: one character for one)
+    written = cjk_tail_as_digits(view.text)
+    v = unspaced_as_spaces(written)
     best: tuple[int, str] | None = None
     candidates = [k for k in KINDS if k in kinds and k != "ipv6"]
     if "phone" in candidates:  # (a tie goes to the first: a phone before a card)
         candidates.insert(candidates.index("phone") + 1, "phone_us")
     if "email" in candidates:
         candidates.insert(candidates.index("email") + 1, "email_spelt")
+        if (
+            not v.isascii()
+        ):  # (an address in another script: `\u0438\u0432\u0430\u043d@\u043f\u0440\u0438`)
+            candidates.insert(candidates.index("email") + 2, "email_intl")
     number_at = max(0, len(v) - NUMBER_TAIL_VIEW_CHARS)
     if sum(ch.isdigit() for ch in v[number_at:]) < 3:  # no number has less evidence (ipv4)
         candidates = [k for k in candidates if k in _EMAIL_KINDS]
     for kind in candidates:
-        if kind == "email":
+        if kind in ("email", "email_intl"):
             at = v.rfind("@", max(0, len(v) - OPEN_TAIL_VIEW_CHARS))
             if at < 0:
                 continue
@@ -1455,10 +1551,25 @@ def open_tail(
             pos = max(0, ats[-1].start() - SPELT_LOCAL_MOST)
         else:
             pos = number_at
-        first = _BODY_FIRST if kind in _EMAIL_KINDS else _NUMBER_FIRST
-        start = _partial_start(
-            _partial(kind), v, pos, first, separated=cut and kind not in _EMAIL_KINDS
+        first = (
+            _ANY_FIRST
+            if kind == "email_intl"
+            else _BODY_FIRST
+            if kind in _EMAIL_KINDS
+            else _NUMBER_FIRST
         )
+        # (an internationalized address is read with its letters: `\u5c71\u7530@\u4f8b\u3048`)
+        start = _partial_start(
+            _partial(kind),
+            written if kind == "email_intl" else v,
+            pos,
+            first,
+            separated=cut and kind not in _EMAIL_KINDS,
+        )
+        if start is not None and kind == "email_intl":
+            at = written.find("@", start)
+            glued = _GLUED_LOCAL.search(written, start, at) if at >= 0 else None
+            start = start if glued is None else glued.start() + 1
         if start is not None and kind not in _EMAIL_KINDS:
             start = _last_digits(v, start, _MOST_DIGITS[kind])
         if start is not None and kind == "credit_card":
@@ -1467,7 +1578,7 @@ def open_tail(
             _evidence(kind, v[start:]) or (cut and _cut_evidence(kind, v[start:]))
         ):
             continue
-        name = {"phone_us": "phone", "email_spelt": "email"}.get(kind, kind)
+        name = {"phone_us": "phone", "email_spelt": "email", "email_intl": "email"}.get(kind, kind)
         if best is None or start < best[0]:
             best = (start, name)
     if cut and "email" in kinds and (local := _cut_local_part(v)) is not None:

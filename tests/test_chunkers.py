@@ -129,6 +129,14 @@ def test_a_chunk_says_whether_it_ends_at_a_natural_cut(config: dict[str, Any], t
         # goes on across it (detectors/number_spellings.py), as may a spaced e-mail's ` . `
         ("one\ntwo", 3, False),
         ("Call:\n5\n5", 7, False),
+        # ... or a number word of German, French, Spanish, Italian or Portuguese, accents and
+        # all (detectors/number_spellings.py FOREIGN_DIGIT_WORDS)
+        ("f\u00fcnf\nsechs", 4, False),
+        ("fu\u0308nf\nsechs", 5, False),
+        ("z\u00e9ro\nun", 4, False),
+        ("tr\u00eas\nquatro", 4, False),
+        ("Cinque\nsei", 6, False),
+        ("fun\nnext", 3, True),
         ("Step 12\nnext", 7, True),
         ("version 1.5\nnext", 11, True),
         ("jo . smith", 4, False),
@@ -145,6 +153,15 @@ def test_a_chunk_says_whether_it_ends_at_a_natural_cut(config: dict[str, Any], t
 )
 def test_natural_cut_examples(text: str, at: int, cut: bool) -> None:
     assert chunkers.natural_cut(text, at) is cut
+
+
+def test_every_number_word_of_the_detectors_makes_no_natural_cut_before_a_line_break() -> None:
+    """The chunkers keep their own list (they import no detector); it must hold every word the
+    number view reads, or a number written a word a line is cut into lines judged apart."""
+    from detectors.number_spellings import DIGIT_WORDS
+
+    cut = [w for w in DIGIT_WORDS if chunkers.natural_cut(f"x {w}\nnext", len(w) + 2)]
+    assert cut == []
 
 
 @FAST

@@ -20,7 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import detectors
-from detectors.normalise import display_order, normalise, reversed_runs, view_text
+from detectors.normalise import (
+    display_order,
+    judged_texts,
+    normalise,
+    reversed_runs,
+    view_text,
+)
 from detectors.regex_pii import find_pii
 from tests.fakes.engine import FakeEngine
 from tests.orchestrator_support import SCRIPT, Orchestrator, native_config
@@ -187,6 +193,9 @@ async def test_classifiers_judge_overridden_text_as_shown_too() -> None:
     """`\u202etihs` shows "shit": the classifiers' text holds the view in both orders."""
     assert view_text("\u202etihs\u202c!") == "tihs!\nshit!"
     assert view_text("caf\u00e9") == "cafe"
+    # and the order shown alone, which no reversed line beside it dilutes
+    assert judged_texts("\u202etihs\u202c!") == ["tihs!\nshit!", "shit!"]
+    assert judged_texts("caf\u00e9") == ["cafe"]
     det = detectors.build("profanity", {"min_score": 0.0})
     plain, shown = await det.detect(["shit!", "\u202etihs\u202c!"])
     assert plain[0].score > 0.5

@@ -41,6 +41,17 @@ def finds(text: str) -> list[tuple[str, str]]:
         ("SSS-lZ3-4S67", "phone"),
         ("4111-llll-llll-llll", "credit_card"),
         ("five 5 5, two one 8, four 6 nine 7", "phone"),
+        # the digits' words of German, French, Spanish, Italian and Portuguese, accents and all
+        ("f\u00fcnf f\u00fcnf f\u00fcnf, eins zwei drei, vier f\u00fcnf sechs sieben", "phone"),
+        ("null eins f\u00fcnf, zwo drei acht, neun neun null eins", "phone"),
+        ("cinq trois deux, un neuf, huit sept six cinq", "ssn"),
+        ("cinco cinco cinco, uno dos tres, cuatro cinco seis siete", "phone"),
+        ("quattro uno uno uno, uno uno uno uno, uno uno uno uno, uno uno uno uno", "credit_card"),
+        ("nove um sete, meia dois tr\u00eas, oito oito zero um", "phone"),
+        # Chinese numerals, a digit each (`\u5e7a` for 1, `\u3007` and `\u96f6` for 0)
+        ("\u4e94\u4e94\u4e94-\u4e00\u4e8c\u4e09-\u56db\u4e94\u516d\u4e03", "phone"),
+        ("\u4e94\u4e09\u4e8c-\u4e00\u4e5d-\u516b\u4e03\u516d\u4e94", "ssn"),
+        ("\u5e7a\u4e09\u516b \u3007\u4e00\u4e8c\u4e09 \u96f6\u4e94\u516d\u4e03", "phone"),
     ],
 )
 def test_a_spelt_number_is_found_over_its_whole_spelling(value: str, kind: str) -> None:
@@ -112,6 +123,14 @@ def test_invisible_characters_inside_a_spelt_number_are_covered() -> None:
         "scores 1.5 2.5 3.5 4.5 5.5 6.5 7.5",
         "five o'clock, one o'clock, two o'clock",
         "oh one two",  # `oh` starts no run
+        "un deux trois quatre cinq six sept",  # counts in other languages
+        "uno, due, tre, quattro, cinque, sei, sette",
+        "Ich habe eins oder zwei, drei Katzen und vier Hunde.",
+        "Tenho um c\u00e3o, dois gatos e tr\u00eas peixes.",
+        "\u4e00\u3001\u4e8c\u3001\u4e09\u3001\u56db\u3001\u4e94\u3001\u516d",  # a Chinese list's numbering
+        "\u4e8c\u3007\u4e8c\u56db\u5e74\u4e00\u6708",  # a year and a month
+        "\u4e09\u4e09\u4e09\u4e09\u4e09\u4e09",  # one digit repeated
+        "HELLO WOOOOOORLD",
     ],
 )
 def test_near_misses_are_no_number(text: str) -> None:

@@ -4,6 +4,8 @@ selection, custom patterns, and a custom pattern that does not compile (InvalidP
 
 from __future__ import annotations
 
+import unicodedata
+from typing import Any
 from unittest.mock import patch
 
 import pytest
@@ -307,3 +309,90 @@ def test_an_email_spelt_out_for_a_reader_is_an_email(value: str) -> None:
     prose)."""
     text = f"Write to {value}, thanks"
     assert spans(text) == [("email", *at(text, value), value)]
+
+
+# Every decimal digit of every script Unicode has (category Nd: Arabic-Indic, Devanagari,
+# Bengali, Thai, full-width, mathematical bold and monospace, ...), by its script's zero, and
+# the digit-like symbols the view reads as digits (circled, superscript, subscript, with a stop)
+_DIGIT_ZEROS = [
+    cp for cp in range(0x110000) if unicodedata.decimal(chr(cp), None) == 0 and cp != 0x30
+]
+_DIGIT_SETS = [
+    "".join(chr(z + d) for d in range(10))
+    for z in _DIGIT_ZEROS
+    if all(unicodedata.decimal(chr(z + d), None) == d for d in range(10))
+] + [
+    "\u24ea\u2460\u2461\u2462\u2463\u2464\u2465\u2466\u2467\u2468",  # circled
+    "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079",  # superscript
+    "".join(chr(0x2080 + d) for d in range(10)),  # subscript
+    "\U0001f100" + "".join(chr(0x2488 + d) for d in range(9)),  # with a full stop
+]
+KINDS_LIST = list(regex_pii.KINDS)
+_NUMBERS = ["555-123-4567", "(212) 555-0100", "532-19-8765", "4111 1111 1111 1111", "030/12345678"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(_NUMBERS),
+    st.lists(st.sampled_from(_DIGIT_SETS), min_size=1, max_size=3),
+    st.randoms(use_true_random=False),
+    st.sampled_from(["Call ", "\u7535\u8bdd", "\u96fb\u8a71\u306f", "\u0e42\u0e17\u0e23"]),
+)
+def test_a_number_in_any_script_s_digits_is_found_as_its_ascii_form_is(
+    number: str, scripts: list[str], rnd: Any, before: str
+) -> None:
+    """For any digit script (one, or several mixed within the number), and written onto the
+    words of a script without spaces (Chinese, Japanese, Thai) as well as after a Latin word:
+    the number is found with the span and kind its ASCII form has."""
+    written = "".join(rnd.choice(scripts)[int(c)] if c.isdigit() else c for c in number)
+    want = [(d.detection, d.start, d.end) for d in find_pii(f"Call {number}.", KINDS_LIST, {})]
+    assert want and want[0][1:] == (5, 5 + len(number))
+    text = f"{before}{written}\u3002"
+    got = [(d.detection, d.start, d.end) for d in find_pii(text, KINDS_LIST, {})]
+    shift = len(before) - 5
+    assert got == [(k, s + shift, e + shift) for k, s, e in want], (text, got)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        # internationalized addresses (RFC 6531), whole, in their scripts
+        (
+            "Write to \u0438\u0432\u0430\u043d@example.com today",
+            "\u0438\u0432\u0430\u043d@example.com",
+        ),
+        (
+            "\u041f\u0438\u0448\u0438\u0442\u0435: \u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444",
+            "\u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444",
+        ),
+        (
+            "mail \u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2@example.gr ok",
+            "\u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2@example.gr",
+        ),
+        (
+            "\u30e1\u30fc\u30eb\uff1a\u5c71\u7530@\u4f8b\u3048.jp \u307e\u3067",
+            "\u5c71\u7530@\u4f8b\u3048.jp",
+        ),
+        (
+            "mail \u0930\u093e\u092e@\u0909\u0926\u093e\u0939\u0930\u0923.\u092d\u093e\u0930\u0924 ok",
+            "\u0930\u093e\u092e@\u0909\u0926\u093e\u0939\u0930\u0923.\u092d\u093e\u0930\u0924",
+        ),
+        # a word of Japanese glued on before and after an ASCII address is not part of it
+        ("\u30e1\u30fc\u30eb\u306fjo@example.com\u307e\u3067", "jo@example.com"),
+        ("\u30e1\u30fc\u30eb\u306fjo@\u4f8b\u3048.jp\u307e\u3067", "jo@\u4f8b\u3048.jp"),
+    ],
+)
+def test_an_internationalized_address_is_found_whole(text: str, want: str) -> None:
+    assert [(d.detection, d.text) for d in find_pii(text, KINDS_LIST, {})] == [("email", want)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\u0426\u0435\u043d\u0430 @ 5 \u0440\u0443\u0431.",
+        "@\u7528\u6237 \u4f60\u597d",
+        "\u0432\u0441\u0442\u0440\u0435\u0447\u0430 @\u0434\u043e\u043c\u0430",
+    ],
+)
+def test_an_at_sign_in_prose_of_another_script_is_no_address(text: str) -> None:
+    assert find_pii(text, KINDS_LIST, {}) == []

@@ -27,6 +27,19 @@ from tests.orchestrator_support import (
 from tests.test_pipeline_disguised_text import raw_stream, released, strings
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+GERMAN_WORDS = (
+    "null",
+    "eins",
+    "zwei",
+    "drei",
+    "vier",
+    "f\u00fcnf",
+    "sechs",
+    "sieben",
+    "acht",
+    "neun",
+)
+FRENCH_WORDS = ("z\u00e9ro", "un", "deux", "trois", "quatre", "cinq", "six", "sept", "huit", "neuf")
 
 # name -> (answer tokens, what the client reads, pieces that must not reach it)
 ANSWERS: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
@@ -83,6 +96,84 @@ ANSWERS: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
         "SSN [ssn].",
         NUMBER_WORDS,
     ),
+    # a model asked for the number "in German" or "in French" (bench/disguised_pii.py: none of
+    # 3,000 such spellings in five languages was found before the words were known)
+    "phone-in-german-words": (
+        [
+            "Ruf",
+            " f\u00fcnf",
+            " f\u00fcnf",
+            " f\u00fcnf,",
+            " eins",
+            " zwei",
+            " drei,",
+            " vier",
+            " f\u00fcnf",
+            " sechs",
+            " sieben",
+            ".",
+        ],
+        "Ruf [phone].",
+        GERMAN_WORDS,
+    ),
+    "phone-in-german-words-a-word-per-line": (
+        ["Ruf:\n", *[f"{GERMAN_WORDS[int(d)]}\n" for d in "5552184697"], "Danke."],
+        "Ruf:\n[phone]\nDanke.",
+        GERMAN_WORDS,
+    ),
+    "ssn-in-french-words": (
+        [
+            "NSS",
+            " cinq",
+            " trois",
+            " deux,",
+            " un",
+            " neuf,",
+            " huit",
+            " sept",
+            " six",
+            " cinq",
+            ".",
+        ],
+        "NSS [ssn].",
+        FRENCH_WORDS,
+    ),
+    # Chinese numerals, a digit each (Unicode gives them no digit value: the view kept them)
+    "phone-in-chinese-numerals": (
+        [
+            "\u7535\u8bdd",
+            "\u4e94\u4e94\u4e94-",
+            "\u4e00\u4e8c\u4e09-",
+            "\u56db\u4e94",
+            "\u516d\u4e03",
+            "\u3002",
+        ],
+        "\u7535\u8bdd[phone]\u3002",
+        ("\u4e94\u4e94\u4e94", "\u4e00\u4e8c\u4e09", "\u56db\u4e94", "\u516d\u4e03"),
+    ),
+    # digits written onto the words around them, as Chinese, Japanese and Thai are written (no
+    # spaces between words) and Korean particles are: a letter beside a value glued it to a
+    # longer token, so none of these was found
+    "phone-glued-to-chinese": (
+        ["\u8bf7\u62e8\u6253", "555-", "123-", "4567", "\u3002"],
+        "\u8bf7\u62e8\u6253[phone]\u3002",
+        ("555", "123", "4567"),
+    ),
+    "phone-glued-to-japanese": (
+        ["\u96fb\u8a71\u306f", "555-", "123-", "4567", "\u3067\u3059\u3002"],
+        "\u96fb\u8a71\u306f[phone]\u3067\u3059\u3002",
+        ("555", "123", "4567"),
+    ),
+    "phone-glued-to-a-korean-particle": (
+        ["\uc804\ud654 ", "010-", "1234-", "5678", "\ub85c", " \uc5f0\ub77d\uc8fc\uc138\uc694."],
+        "\uc804\ud654 [phone]\ub85c \uc5f0\ub77d\uc8fc\uc138\uc694.",
+        ("010", "1234", "5678"),
+    ),
+    "card-glued-to-thai": (
+        ["\u0e1a\u0e31\u0e15\u0e23", "4111 ", "1111 ", "1111 ", "1111", "\u0e04\u0e48\u0e30"],
+        "\u0e1a\u0e31\u0e15\u0e23[credit_card]\u0e04\u0e48\u0e30",
+        ("4111", "1111"),
+    ),
     "phone-a-digit-per-space": (
         ["Call", " 5", " 5", " 5", " 2", " 1", " 8", " 4", " 6", " 9", " 7", "."],
         "Call [phone].",
@@ -107,6 +198,34 @@ ANSWERS: dict[str, tuple[list[str], str, tuple[str, ...]]] = {
         ["| Name | Phone |\n", "| 555", " | 123", " | 4567", " |\n", "Bye."],
         "| Name | Phone |\n| [phone] |\nBye.",
         ("555", "123", "4567"),
+    ),
+    # internationalized addresses (RFC 6531): a local part and a domain in another script; the
+    # ASCII pattern found none, or only `bah@example.com` of a Cyrillic `\u0438\u0432\u0430\u043d` (its look-alikes)
+    "email-in-cyrillic": (
+        [
+            "\u041f\u0438\u0448\u0438\u0442\u0435",
+            " \u0438\u0432\u0430\u043d@",
+            "\u043f\u0440\u0438\u043c\u0435\u0440",
+            ".\u0440\u0444",
+            ".",
+        ],
+        "\u041f\u0438\u0448\u0438\u0442\u0435 [email].",
+        ("\u0438\u0432\u0430\u043d", "\u043f\u0440\u0438\u043c\u0435\u0440"),
+    ),
+    "email-with-a-cyrillic-local-part": (
+        ["Mail", " \u0438\u0432\u0430\u043d", "@example", ".com", " now."],
+        "Mail [email] now.",
+        ("\u0438\u0432\u0430\u043d", "example"),
+    ),
+    "email-with-a-greek-local-part": (
+        ["Mail", " \u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2", "@example", ".gr", " now."],
+        "Mail [email] now.",
+        ("\u03b4\u03b7\u03bc\u03ae\u03c4\u03c1\u03b7\u03c2", "example"),
+    ),
+    "email-in-japanese": (
+        ["\u30e1\u30fc\u30eb\uff1a", "\u5c71\u7530@", "\u4f8b\u3048", ".jp", " \u307e\u3067\u3002"],
+        "\u30e1\u30fc\u30eb\uff1a[email] \u307e\u3067\u3002",
+        ("\u5c71\u7530", "\u4f8b\u3048"),
     ),
     "email-spaced": (
         ["Mail", " john", " .", " smith", " @", " example", " .", " com", " now."],
@@ -207,6 +326,22 @@ PROMPTS = [
     ("Call me on 5 5 5 2 1 8 4 6 9 7 please.", "Call me on [phone] please."),
     ("Write to john dot smith at example dot com please.", "Write to [email] please."),
     ("Call 555-l23-4S67 please.", "Call [phone] please."),
+    (
+        "Meu cart\u00e3o: quatro um um um, um um um um, um um um um, um um um um.",
+        "Meu cart\u00e3o: [credit_card].",
+    ),
+    (
+        "Mi tel\u00e9fono es cinco cinco cinco, uno dos tres, cuatro cinco seis siete.",
+        "Mi tel\u00e9fono es [phone].",
+    ),
+    (
+        "\u6211\u7684\u7535\u8bdd\u662f555-123-4567\u3002",
+        "\u6211\u7684\u7535\u8bdd\u662f[phone]\u3002",
+    ),
+    (
+        "Write to \u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444 please.",
+        "Write to [email] please.",
+    ),
 ]
 
 
@@ -254,6 +389,53 @@ async def test_a_stream_cut_inside_a_spelt_number_withholds_it(on_detection: str
     assert _leaked(sent, NUMBER_WORDS) == [], sent
     if on_detection == "redact":
         assert released(events) == "Sure. Call [phone]"
+
+
+@pytest.mark.parametrize("on_detection", ["redact", "block"])
+@pytest.mark.parametrize(
+    "number",
+    ["555-123-4567", "\u4e94\u4e94\u4e94-\u4e00\u4e8c\u4e09-\u56db\u4e94\u516d\u4e03"],
+)
+async def test_a_stream_cut_inside_a_number_glued_to_chinese_withholds_it(
+    on_detection: str, number: str
+) -> None:
+    """As above, for a number written onto the Chinese word before it (in either digits), cut
+    after its eighth character."""
+    answer = f"\u597d\u7684\u3002\u7535\u8bdd{number}\u3002"
+    cut = answer.index(number) + 9
+    events = await _stream_answer(answer, on_detection, 500, cut)
+    sent = " ".join(strings([e.data for e in events]))
+    assert number[:3] not in sent and number[4:7] not in sent, sent
+    if on_detection == "redact":
+        assert released(events) == "\u597d\u7684\u3002\u7535\u8bdd[phone]"
+
+
+@pytest.mark.parametrize("on_detection", ["redact", "block"])
+async def test_a_stream_cut_inside_an_internationalized_address_withholds_it(
+    on_detection: str,
+) -> None:
+    """As above, for `\u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444` cut inside its domain."""
+    answer = "\u041f\u0438\u0448\u0438\u0442\u0435: \u0438\u0432\u0430\u043d@\u043f\u0440\u0438\u043c\u0435\u0440.\u0440\u0444 \u0441\u0435\u0433\u043e\u0434\u043d\u044f."
+    cut = answer.index("\u043c\u0435\u0440")
+    events = await _stream_answer(answer, on_detection, 500, cut)
+    sent = " ".join(strings([e.data for e in events]))
+    assert "\u0438\u0432\u0430\u043d" not in sent and "\u043f\u0440\u0438" not in sent, sent
+    if on_detection == "redact":
+        assert released(events) == "\u041f\u0438\u0448\u0438\u0442\u0435: [email]"
+
+
+@pytest.mark.parametrize("on_detection", ["redact", "block"])
+async def test_a_stream_cut_inside_a_number_in_chinese_numerals_withholds_it(
+    on_detection: str,
+) -> None:
+    """As above, for `\u4e94\u4e94\u4e94-\u4e00\u4e8c\u4e09-\u56db\u4e94\u516d\u4e03` cut after its `\u56db`."""
+    answer = "\u597d\u7684\u3002\u7535\u8bdd\u4e94\u4e94\u4e94-\u4e00\u4e8c\u4e09-\u56db\u4e94\u516d\u4e03\u3002"
+    cut = answer.index("\u4e94\u516d")
+    events = await _stream_answer(answer, on_detection, 500, cut)
+    sent = " ".join(strings([e.data for e in events]))
+    assert not any(p in sent for p in ("\u4e94\u4e94", "\u4e00\u4e8c", "\u56db")), sent
+    if on_detection == "redact":
+        assert released(events) == "\u597d\u7684\u3002\u7535\u8bdd[phone]"
 
 
 @pytest.mark.parametrize("max_chars", [7, 12, 30, 500])
