@@ -268,14 +268,6 @@ QUESTIONS = [
     "What is the capital of Italy?",
     "Give me a tip for sleeping well.",
     "Explain recursion briefly.",
-    "What makes a good friend?",
-    "Describe a busy market.",
-    "How many legs does a spider have?",
-    "What is a prime number?",
-    "Tell me a fun fact about cats.",
-    "Why do leaves change colour?",
-    "What is the boiling point of water?",
-    "Suggest a name for a dog.",
 ]
 OTHERS = [
     "Tell me about the history of Rome, from its founding to the fall of the western empire.",
@@ -319,12 +311,13 @@ async def _together(
 
 @pytest.mark.timeout(900)  # bf16 on a CPU without bf16 units: ~2,000 token passes in all
 def test_smollm2_bf16_alone_together_among_64_and_resumed(smollm2_bf16: LoadedModel) -> None:
-    # 16 chat prompts, the odd ones sampled with a seed
+    # 8 chat prompts, the odd ones sampled with a seed (each is also run alone and resumed: 16
+    # made this one test 2.3 minutes of the CI's suite)
     bodies = [chat(q, 1000 + i if i % 2 else None) for i, q in enumerate(QUESTIONS)]
-    # 48 more streams: short plain prompts of other lengths and budgets (greedy and seeded), so
+    # 56 more streams: short plain prompts of other lengths and budgets (greedy and seeded), so
     # rows join padded and leave at other steps; cheap, the 64-row batch is what matters
     others: list[dict[str, Any]] = []
-    for i in range(48):
+    for i in range(64 - len(bodies)):
         budget = 2 + i % (TOKENS - 1)  # >= 2 tokens: every row joins the decode batch
         other: dict[str, Any] = {
             "prompt": " ".join(OTHERS[i % len(OTHERS)].split()[: 1 + i % 7]),
@@ -356,10 +349,11 @@ def test_smollm2_bf16_alone_together_among_64_and_resumed(smollm2_bf16: LoadedMo
                     together = await _together(session, url, engine, bodies)
                     assert [s.token_ids for s in together] == [s.token_ids for s in alone]
                     assert [s.text for s in together] == [s.text for s in alone]
-                    assert engine.stats.max_batch_size_seen == 16
+                    assert engine.stats.max_batch_size_seen == len(bodies)
                     mixed = others[:24] + bodies + others[24:]
                     among = await _together(session, url, engine, mixed)
-                    assert [s.token_ids for s in among[24:40]] == [s.token_ids for s in alone]
+                    mine = among[24 : 24 + len(bodies)]
+                    assert [s.token_ids for s in mine] == [s.token_ids for s in alone]
                     assert engine.stats.max_batch_size_seen == 64
                     process = await second
                     health = await (await session.get(process.url + "/health")).json()
