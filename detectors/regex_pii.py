@@ -120,6 +120,46 @@ _EMAIL = bounded_pattern(
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}",
     "",
 )
+# RFC 5321's bound on a domain: an address's match ends at most this many characters after its
+# `@`, so a stream's window, which carries a bounded run (orchestrator/streaming/
+# detector_queue.py, SEAM_RUN_CHARS), holds all of any match before any of it leaves. Without it
+# a match had no end (`jo@` and 10,000 characters of labels before `.com`): the whole text found
+# it and the stream, which cannot hold what has no end, released it raw.
+DOMAIN_MOST = 255
+# An `@` after a local part whose domain's characters run on past DOMAIN_MOST (`jo@` + `1.` x 200
+# + `example.com`): no domain, but padding is no way to get an address's local part out raw. Its
+# first DOMAIN_MOST characters are found (whether a top-level label ends the run somewhere past
+# them or never does), and a reader gets only the labels after them: a domain, no address. The
+# body is its local part, `@` and DOMAIN_MOST domain characters; one more must follow.
+_EMAIL_PADDED = bounded_pattern(
+    "",
+    rf"[A-Za-z0-9][A-Za-z0-9._%+-]{{0,63}}@[A-Za-z0-9.-]{{{DOMAIN_MOST}}}",
+    "([A-Za-z0-9.-])",
+)
+# what a domain starts with: a label and its dot
+_DOMAIN_HEAD = re.compile(rb"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.")
+
+
+def _within_domain_most(candidate: bytes) -> int:
+    """An `_EMAIL` body up to DOMAIN_MOST characters after its `@`."""
+    return min(len(candidate), candidate.index(b"@") + 1 + DOMAIN_MOST)
+
+
+def _padded_length(candidate: bytes) -> int:
+    """All of an `_EMAIL_PADDED` body whose domain starts as a domain does (a label and its
+    dot); else 0."""
+    at = candidate.index(b"@")
+    return len(candidate) if _DOMAIN_HEAD.match(candidate, at + 1) else 0
+
+
+def _addresses(data: bytes) -> Iterator[tuple[int, int]]:
+    """Byte spans of the addresses as written in `data`, none past DOMAIN_MOST after its `@`
+    (an address its own way and padded may overlap: the two are one redaction)."""
+    yield from body_spans(_EMAIL, data, _within_domain_most)
+    if len(data) > DOMAIN_MOST:
+        yield from body_spans(_EMAIL_PADDED, data, _padded_length)
+
+
 # An e-mail address spelt out for a human reader, a marker in brackets for its `@` or a dot:
 # `jo [at] example [dot] com`, `jo(at)example.com`, `jo{AT}example dot com`,
 # `jo.smith@example(dot)com`, `jo dot smith [at] example.com`. Such a spelling is only ever an
@@ -215,14 +255,14 @@ _WORDS_FIRST = (b"dot", b"DOT", b"Dot")
 def _emails(t: Utf8Text) -> Iterator[Span]:
     """E-mail addresses as written, then as spelt out (`_EMAIL_SPELT`) where the text holds a
     marker of one (an address found both ways is reported once: `_outermost`)."""
-    yield from t.spans(body_spans(_EMAIL, t.data))
+    yield from t.spans(_addresses(t.data))
     data = t.data
     if b"@" in data:
         # written backwards (`moc.elpmaxe@oj`, no override to show it the right way round): a
         # reader, or a model asked to, reverses it
         size = len(t.text)
         backwards = Utf8Text(t.text[::-1])
-        for start, end in backwards.spans(body_spans(_EMAIL, backwards.data)):
+        for start, end in backwards.spans(_addresses(backwards.data)):
             yield size - end, size - start
     if any(first in data for first in _SPELT_FIRST) and _SPELT_MARK.search(data):
         yield from t.spans(body_spans(_EMAIL_SPELT, data))
