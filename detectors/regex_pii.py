@@ -145,11 +145,20 @@ def _within_domain_most(candidate: bytes) -> int:
     return min(len(candidate), candidate.index(b"@") + 1 + DOMAIN_MOST)
 
 
-def _padded_length(candidate: bytes) -> int:
-    """All of an `_EMAIL_PADDED` body whose domain starts as a domain does (a label and its
-    dot); else 0."""
-    at = candidate.index(b"@")
-    return len(candidate) if _DOMAIN_HEAD.match(candidate, at + 1) else 0
+def _padded(data: bytes) -> Iterator[tuple[int, int]]:
+    """Byte spans of the `_EMAIL_PADDED` bodies whose domain starts as a domain does (a label
+    and its dot). A rejected one's `@` rejects every start before it (they share its domain):
+    the scan goes on after it, not one character on (64 tries of 320 characters each made
+    `a` x 64 + `@` + `-` x 256 cost 60 times a plain scan)."""
+    pos = 0
+    while (m := _EMAIL_PADDED.search(data, pos)) is not None:
+        start, end = m.span(1)
+        at = data.index(b"@", start)
+        if _DOMAIN_HEAD.match(data, at + 1):
+            yield start, end
+            pos = end
+        else:
+            pos = at + 1
 
 
 def _addresses(data: bytes) -> Iterator[tuple[int, int]]:
@@ -157,7 +166,7 @@ def _addresses(data: bytes) -> Iterator[tuple[int, int]]:
     (an address its own way and padded may overlap: the two are one redaction)."""
     yield from body_spans(_EMAIL, data, _within_domain_most)
     if len(data) > DOMAIN_MOST:
-        yield from body_spans(_EMAIL_PADDED, data, _padded_length)
+        yield from _padded(data)
 
 
 # An e-mail address spelt out for a human reader, a marker in brackets for its `@` or a dot:

@@ -327,6 +327,9 @@ def test_a_domain_longer_than_255_characters_is_redacted_to_its_first_255() -> N
     assert spans("jo@" + "x1." * 160 + "com") == [(0, 3 + 255)]
     assert spans("jo@" + "1." * 600 + "example.com and") == [(0, 3 + 255)]
     assert spans("jo@" + "x1." * 60 + "com") == [(0, 186)]  # within the bound: all of it
+    # a run that starts no domain (no label and its dot first) is no padded address
+    assert spans("a" * 64 + "@" + "-" * 300) == []
+    assert spans("build@" + "0123456789abcdef" * 20 + ".tar") == []
     # the padded second address (its local part `x1. ... comjo`, the 64 before its `@`), and the
     # third read backwards (`moc.1x ... @oj.moc.1x ...`, padded too): one redaction to 864
     assert spans(GLUED) == [(0, 122), (58, 378), (353, 673), (544, 864)]
