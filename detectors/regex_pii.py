@@ -3,7 +3,8 @@
 Kinds: `email` (also spelt out for a reader with a marker in brackets: `jo [at] example [dot]
 com`, `jo(at)example.com`, `jo@example(dot)com`; in words, `jo at example dot com`, unless a
 domain label is a word of prose; spaced out, `jo . smith @ example . com`; written backwards,
-`moc.elpmaxe@oj`), `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
+`moc.elpmaxe@oj`; at most 255 characters after its `@`, RFC 5321's domain bound, padded past
+it or not: `DOMAIN_MOST`), `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
 libphonenumber calls possible; North American forms: `123-456-7890`, `(555) 123-4567`,
 `555.123.4567`, `+1 555 123 4567`, `2125550100`, `555-1234`; national forms of other countries,
 8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`, `01.33.43.04.02`, `030/12345678`,
