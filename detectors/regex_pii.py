@@ -3,7 +3,8 @@
 Kinds: `email` (also spelt out for a reader with a marker in brackets: `jo [at] example [dot]
 com`, `jo(at)example.com`, `jo@example(dot)com`; in words, `jo at example dot com`, unless a
 domain label is a word of prose; spaced out, `jo . smith @ example . com`; written backwards,
-`moc.elpmaxe@oj`), `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
+`moc.elpmaxe@oj`; at most 255 characters after its `@`, RFC 5321's domain bound, padded past
+it or not: `DOMAIN_MOST`), `phone` (international `+CC ...` with 8-15 digits, or `00` and a number
 libphonenumber calls possible; North American forms: `123-456-7890`, `(555) 123-4567`,
 `555.123.4567`, `+1 555 123 4567`, `2125550100`, `555-1234`; national forms of other countries,
 8-12 digits in groups: `020 7946 0958`, `(02) 4075 2559`, `01.33.43.04.02`, `030/12345678`,
@@ -131,6 +132,55 @@ _EMAIL = bounded_pattern(
     r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,63}",
     "",
 )
+# RFC 5321's bound on a domain: an address's match ends at most this many characters after its
+# `@`, so a stream's window, which carries a bounded run (orchestrator/streaming/
+# detector_queue.py, SEAM_RUN_CHARS), holds all of any match before any of it leaves. Without it
+# a match had no end (`jo@` and 10,000 characters of labels before `.com`): the whole text found
+# it and the stream, which cannot hold what has no end, released it raw.
+DOMAIN_MOST = 255
+# An `@` after a local part whose domain's characters run on past DOMAIN_MOST (`jo@` + `1.` x 200
+# + `example.com`): no domain, but padding is no way to get an address's local part out raw. Its
+# first DOMAIN_MOST characters are found (whether a top-level label ends the run somewhere past
+# them or never does), and a reader gets only the labels after them: a domain, no address. The
+# body is its local part, `@` and DOMAIN_MOST domain characters; one more must follow.
+_EMAIL_PADDED = bounded_pattern(
+    "",
+    rf"[A-Za-z0-9][A-Za-z0-9._%+-]{{0,63}}@[A-Za-z0-9.-]{{{DOMAIN_MOST}}}",
+    "([A-Za-z0-9.-])",
+)
+# what a domain starts with: a label and its dot
+_DOMAIN_HEAD = re.compile(rb"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.")
+
+
+def _within_domain_most(candidate: bytes) -> int:
+    """An `_EMAIL` body up to DOMAIN_MOST characters after its `@`."""
+    return min(len(candidate), candidate.index(b"@") + 1 + DOMAIN_MOST)
+
+
+def _padded(data: bytes) -> Iterator[tuple[int, int]]:
+    """Byte spans of the `_EMAIL_PADDED` bodies whose domain starts as a domain does (a label
+    and its dot). A rejected one's `@` rejects every start before it (they share its domain):
+    the scan goes on after it, not one character on (64 tries of 320 characters each made
+    `a` x 64 + `@` + `-` x 256 cost 60 times a plain scan)."""
+    pos = 0
+    while (m := _EMAIL_PADDED.search(data, pos)) is not None:
+        start, end = m.span(1)
+        at = data.index(b"@", start)
+        if _DOMAIN_HEAD.match(data, at + 1):
+            yield start, end
+            pos = end
+        else:
+            pos = at + 1
+
+
+def _addresses(data: bytes) -> Iterator[tuple[int, int]]:
+    """Byte spans of the addresses as written in `data`, none past DOMAIN_MOST after its `@`
+    (an address its own way and padded may overlap: the two are one redaction)."""
+    yield from body_spans(_EMAIL, data, _within_domain_most)
+    if len(data) > DOMAIN_MOST:
+        yield from _padded(data)
+
+
 # An e-mail address spelt out for a human reader, a marker in brackets for its `@` or a dot:
 # `jo [at] example [dot] com`, `jo(at)example.com`, `jo{AT}example dot com`,
 # `jo.smith@example(dot)com`, `jo dot smith [at] example.com`. Such a spelling is only ever an
@@ -226,14 +276,14 @@ _WORDS_FIRST = (b"dot", b"DOT", b"Dot")
 def _emails(t: Utf8Text) -> Iterator[Span]:
     """E-mail addresses as written, then as spelt out (`_EMAIL_SPELT`) where the text holds a
     marker of one (an address found both ways is reported once: `_outermost`)."""
-    yield from t.spans(body_spans(_EMAIL, t.data))
+    yield from t.spans(_addresses(t.data))
     data = t.data
     if b"@" in data:
         # written backwards (`moc.elpmaxe@oj`, no override to show it the right way round): a
         # reader, or a model asked to, reverses it
         size = len(t.text)
         backwards = Utf8Text(t.text[::-1])
-        for start, end in backwards.spans(body_spans(_EMAIL, backwards.data)):
+        for start, end in backwards.spans(_addresses(backwards.data)):
             yield size - end, size - start
     if any(first in data for first in _SPELT_FIRST) and _SPELT_MARK.search(data):
         yield from t.spans(body_spans(_EMAIL_SPELT, data))

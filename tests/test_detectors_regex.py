@@ -396,3 +396,29 @@ def test_an_internationalized_address_is_found_whole(text: str, want: str) -> No
 )
 def test_an_at_sign_in_prose_of_another_script_is_no_address(text: str) -> None:
     assert find_pii(text, KINDS_LIST, {}) == []
+
+
+# -- an address's domain is at most 255 characters (RFC 5321): the stream sees it whole ---------
+
+# three addresses glued together (hypothesis, tests/test_pipeline_continued_prompt.py): the
+# first one's top-level label takes the second's `jo`, and the third's 64-character local part
+# `x1. ... comjo` runs into a 483-character domain
+GLUED = "".join("jo@" + "x1." * n + "com" for n in (38, 160, 160))
+
+
+def test_a_domain_longer_than_255_characters_is_redacted_to_its_first_255() -> None:
+    """A pattern match longer than RFC 5321 allows ends 255 characters after its `@`, and so
+    does an `@` address padded past that with labels no top-level one ends yet: a window of a
+    stream holds 64 + 1 + 255 characters of it, never all of an unbounded domain (DESIGN
+    4.6a), and the whole text is judged as that window is."""
+    spans = lambda text: [(d.start, d.end) for d in find_pii(text, ["email"], {})]  # noqa: E731
+    assert spans("jo@" + "ab." * 160 + "com") == [(0, 3 + 255)]
+    assert spans("jo@" + "x1." * 160 + "com") == [(0, 3 + 255)]
+    assert spans("jo@" + "1." * 600 + "example.com and") == [(0, 3 + 255)]
+    assert spans("jo@" + "x1." * 60 + "com") == [(0, 186)]  # within the bound: all of it
+    # a run that starts no domain (no label and its dot first) is no padded address
+    assert spans("a" * 64 + "@" + "-" * 300) == []
+    assert spans("build@" + "0123456789abcdef" * 20 + ".tar") == []
+    # the padded second address (its local part `x1. ... comjo`, the 64 before its `@`), and the
+    # third read backwards (`moc.1x ... @oj.moc.1x ...`, padded too): one redaction to 864
+    assert spans(GLUED) == [(0, 122), (58, 378), (353, 673), (544, 864)]

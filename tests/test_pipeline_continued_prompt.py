@@ -45,6 +45,7 @@ from tests.orchestrator_support import (
     regex_pii,
     sse_events,
 )
+from tests.test_detectors_regex import GLUED
 from tests.test_pipeline_redaction_seams import hits_and_tail, hostile, pii, registry
 
 EMAIL_PROMPT = "The e-mail of John Smith is john.smith@"
@@ -339,3 +340,50 @@ def test_a_span_two_labels_cover_takes_the_same_label_whatever_came_first() -> N
     frames, blocked = run_with_lead("0@", ["555-123-4567"], "redact", 7)
     assert not blocked
     assert "".join(f.text for f in frames) == "[email]"
+
+
+# an e-mail in a whitespace-free run longer than a window's run bound (SEAM_RUN_CHARS): a
+# 64-character local part `y_y_ ... jo` and a 183-character domain whose top-level label comes last
+LONG_RUN = "y_" * 500 + "jo@" + "x1." * 60 + "com is it"
+
+
+@pytest.mark.parametrize("token", [5, 40])
+def test_an_email_a_long_run_cuts_is_redacted_whole(token: int) -> None:
+    """On a38d58c a window of a run past its bound was cut 64 characters before its end,
+    inside the e-mail, whose top-level label had not come yet: all of it left raw."""
+    deltas = [LONG_RUN[i : i + token] for i in range(0, len(LONG_RUN), token)]
+    frames, blocked = run_with_lead("", deltas, "redact", 16)
+    assert not blocked
+    assert "".join(f.text for f in frames) == LONG_RUN[:938] + "[email] is it"
+
+
+def test_glued_addresses_past_the_domain_bound_are_redacted_as_the_whole_text_is() -> None:
+    """Hypothesis's case: three addresses glued together, one delta, max_chars 16. On a38d58c
+    the stream released everything after the first one raw, the whole text's third address
+    (544, 1092) included."""
+    frames, blocked = run_with_lead("", [GLUED], "redact", 16)
+    assert not blocked
+    assert "".join(f.text for f in frames) == "[email]" + GLUED[864:]
+
+
+@pytest.mark.parametrize("surface", ["fms-stream", "completions-stream", "completions-unary"])
+async def test_glued_addresses_never_leave_the_server_raw(
+    glued_engine: FakeEngine, surface: str
+) -> None:
+    async with Orchestrator(config(glued_engine.url, "redact")) as orch:
+        reply, text = await released(orch, surface, GLUED_PROMPT)
+    assert text == " [email]" + GLUED[864:]
+    assert "@" not in reply and "comjo" not in reply and "jo" not in text
+
+
+GLUED_PROMPT = "The list:"
+
+
+@pytest.fixture
+async def glued_engine() -> AsyncIterator[FakeEngine]:
+    """The glued addresses in 7-character tokens after a space."""
+    tokens = [" ", *(GLUED[i : i + 7] for i in range(0, len(GLUED), 7))]
+    fake = FakeEngine(script_for=lambda prompt: list(tokens))
+    await fake.start()
+    yield fake
+    await fake.close()

@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 import detectors
 from detectors import regex_pii
+from detectors.regex_pii import find_pii
 from orchestrator.clients.detectors import InProcessDetectorClient
 from orchestrator.clients.registry import ChunkerRegistry, RequestedDetector
 from orchestrator.config import DetectorConfig
+from orchestrator.streaming.detector_queue import safe_end
 from orchestrator.streaming.findings import Finding
 from orchestrator.streaming.inbox import Inbox
 from orchestrator.streaming.redaction import StreamRedactor, redact_text
@@ -470,3 +472,22 @@ def test_a_long_run_costs_a_bounded_multiple_of_its_length(on_detection: str, fi
     # scanned inline (deterministic): invisible filler 252x, visible 36x (redact) and 65x
     # (block); de9ac67's one window per held boundary judged it 410x and more
     assert counting.judged <= 300 * len(text), counting.judged / len(text)
+
+
+def test_a_window_of_a_long_run_is_never_reported_inside_an_email_it_cuts() -> None:
+    """Every window of a whitespace-free run longer than SEAM_RUN_CHARS, from its start to each
+    end a stream can reach: what it reports (`safe_end`) ends before the e-mail the whole text
+    holds (938, 1186) or after it. On a38d58c a window past the run bound was cut 64 characters
+    before its end, inside the e-mail, whose top-level label had not come yet, and the stream
+    released it raw (the windows a stream forms depend on how fast its detector answers)."""
+    text = "y_" * 500 + "jo@" + "x1." * 60 + "com is it"
+    [(start, end)] = [(d.start, d.end) for d in find_pii(text, ["email"], {})]
+    assert (start, end) == (938, 1186)
+    for n in range(len(text) + 1):
+        window = text[:n]
+        found = tuple(
+            Finding(d.start, d.end, d.text, d.detection, d.detection_type, "pii", 1.0)
+            for d in find_pii(window, ["email"], {})
+        )
+        safe, _ = safe_end(window, 0, found)
+        assert safe <= start or safe >= end, n

@@ -5,7 +5,8 @@ hold an entity (nor a prefix of one that a cut left at the end); the prompt the 
 holds one a blocking input guardrail should have refused.
 
 4. An entity longer than `max_chars` (or than the seam windows), counted in original characters
-   (500 zero-width spaces inside an e-mail) or in visible ones (a 606-character e-mail).
+   (500 zero-width spaces inside an e-mail) or in visible ones (a 258-character e-mail; one
+   padded past RFC 5321's 255-character domain is redacted up to that bound).
 7. A stream that ends inside an entity (a token budget): the tail that could still grow into a
    match is redacted as that entity, or refused, never released raw; an ordinary ending
    (`in 2023.`, `the end`) is not withheld. A stop sequence inside an entity ends nothing: where
@@ -36,8 +37,10 @@ STREAMING = "/api/v1/task/server-streaming-classification-with-text-generation"
 CHAT = "/v1/chat/completions"
 ZWSP = "\u200b"
 HIDDEN = "jo" + ZWSP * 500 + "@example.com"  # shows as jo@example.com
-LONG = "jo@" + "x1." * 200 + "com"  # 606 visible characters, one e-mail
-assert len(LONG) == 606
+LONG = "jo@" + "x1." * 84 + "com"  # 258 visible characters: the longest domain, 255
+# 606 visible characters: an e-mail's domain ends 255 characters after its `@` (RFC 5321), so
+# this is an e-mail to its 258th character, and the labels after it a domain alone
+PADDED = "jo@" + "x1." * 200 + "com"
 
 
 def config(engine: FakeEngine, max_chars: int) -> dict[str, Any]:
@@ -107,7 +110,31 @@ async def test_an_entity_longer_than_max_chars_is_redacted(entity: str, max_char
     assert terminal(events).name == "completed"
 
 
-@pytest.mark.parametrize("entity", [HIDDEN, LONG], ids=["zero-width", "visible"])
+@pytest.mark.parametrize("max_chars", [16, 500])
+async def test_an_address_padded_past_the_domain_bound_is_redacted_to_it(max_chars: int) -> None:
+    """A 606-character address: its first 3 + 255 characters are redacted (the stream's windows
+    hold 64 + 1 + 255 of any run), the labels after them leave as a domain alone."""
+    answer = f"Sure. Mail {PADDED} now. Bye."
+    engine = await start(list(answer))
+    try:
+        async with Orchestrator(config(engine, max_chars)) as orch:
+            raw = await raw_post(
+                orch,
+                STREAMING,
+                generation_body(
+                    output={"pii": {"on_detection": "redact"}},
+                    params={"max_new_tokens": len(answer)},
+                ),
+            )
+    finally:
+        await engine.close()
+    assert "jo@" not in raw
+    events = sse_events(raw)
+    assert assert_contiguous(frames(events)) == f"Sure. Mail [email]{PADDED[258:]} now. Bye."
+    assert terminal(events).name == "completed"
+
+
+@pytest.mark.parametrize("entity", [HIDDEN, LONG, PADDED], ids=["zero-width", "visible", "padded"])
 @pytest.mark.parametrize("max_chars", [16, 500])
 async def test_an_entity_longer_than_max_chars_is_blocked(entity: str, max_chars: int) -> None:
     answer = f"Sure. Mail {entity} now. Bye."
@@ -138,7 +165,7 @@ async def test_an_entity_longer_than_max_chars_is_blocked(entity: str, max_chars
         no_part_of(entity, f["generated_text"])
 
 
-@pytest.mark.parametrize("entity", [HIDDEN, LONG], ids=["zero-width", "visible"])
+@pytest.mark.parametrize("entity", [HIDDEN, LONG, PADDED], ids=["zero-width", "visible", "padded"])
 @pytest.mark.parametrize("max_chars", [16, 500])
 async def test_an_entity_longer_than_max_chars_trips_a_blocking_input_guardrail(
     entity: str, max_chars: int, engine: FakeEngine

@@ -49,14 +49,15 @@ Result = DetectorResult[Finding]
 # width spaces, soft hyphens, bidi controls) and what markup keeps out of it (an escape is one
 # character, `&#x00006a;` a `j`; tags, comments) do not count, so padding an e-mail with them does
 # not push it past the window. SEAM_RUN_CHARS bounds what one entity may span: more than an
-# e-mail can (64 + 1 + 255) with room for the longer matches a pattern accepts (a 606-character
-# e-mail of many short labels). A walk steps over at most SEAM_RAW_CHARS original characters
-# (invisible ones included), so the carried text stays bounded however it is padded (each call
-# judges it again: an unbounded carry would make a long run cost quadratic time); a run past
-# either bound is cut there. Past SEAM_RUN_CHARS visible characters it is judged as it is: no
-# entity a detector matches is that long. Past SEAM_RAW_CHARS with fewer visible characters
-# than that (a whitespace-free run of mostly hidden ones: `jo` + `<b></b>` x 1300 +
-# `@example.com`, which shows `jo@example.com`; no e-mail, phone number or URL written plainly
+# e-mail can (64 + 1 + 255: `regex` ends a longer domain 255 characters after its `@`). A walk
+# steps over at most SEAM_RAW_CHARS original characters (invisible ones included), so the
+# carried text stays bounded however it is padded (each call judges it again: an unbounded
+# carry would make a long run cost quadratic time). A run longer than SEAM_RUN_CHARS visible
+# characters is cut SEAM_RUN_CHARS before the count: the next window carries every entity the
+# cut crosses whole (cut at the count, a 320-character e-mail in a 1,200-character run was
+# cut before its top-level label came, and released raw). Past SEAM_RAW_CHARS with fewer
+# visible characters than that (a whitespace-free run of mostly hidden ones: `jo` +
+# `<b></b>` x 1300 + `@example.com`, which shows `jo@example.com`; no e-mail, phone number or URL written plainly
 # is one, nor base64 or a URL of percent escapes) the cut would release a value's head before
 # its tail was seen: the run is redacted instead (`obfuscated`, DESIGN 4.6a), from its start,
 # and so is the rest of it in the windows that follow, up to the whitespace that ends it
@@ -726,12 +727,15 @@ def safe_end(
     p, counted, _ = _back(text, len(text), SEAM_CHARS, 0, run=False)
     if not counted or p <= 0:
         return start, None
-    q, bounded, raw = _back(text, p, SEAM_RUN_CHARS, 0, run=True)
+    q, _, raw = _back(text, p, SEAM_RUN_CHARS, 0, run=True)
     k = len(before)
     whole = before + text if raw and k else text
     hidden_from = max(_run_start(whole, q + k) - k, 0) + start if raw else None
-    if bounded:
-        q = p  # a whitespace-free run longer than the bounds: cut it where the count is
+    if raw:
+        q = p  # a run of mostly hidden characters past SEAM_RAW_CHARS: cut where the count is
+    # (a run of SEAM_RUN_CHARS visible ones is cut that far before the count: an entity
+    # without whitespace that the cut crosses, and the window's end, is seen whole by the next
+    # window; cut at the count, an e-mail's head left raw before its top-level label came)
     q += start
     moved = True
     while moved:  # never inside a detection: it is reported whole, now or by the next window
