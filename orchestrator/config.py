@@ -119,6 +119,14 @@ class ServerConfig(Strict):
     /metrics (see public_metrics), /openapi.json."""
     max_request_bytes: int = Field(1_048_576, ge=1024)
     """Largest request body, streaming bodies included (413 beyond)."""
+    max_detection_chars: int = Field(100_000, ge=1)
+    """Most characters one detection request may ask to be judged (422 naming the field beyond,
+    before any detector runs): `content`'s; chat's messages and tools (every string, keys of
+    their objects included); context's content and context documents; generated's prompt and
+    generated text; stream-content's lines so far (past it the stream ends with an in-band 422
+    error line, the line that passed it unjudged). A detector model reads a text several times
+    at a cost per character (`injection` ~270 ms of CPU per 1,000): the body limit alone let
+    one request hold a CPU for minutes. A tenant's `limits.max_detection_chars` lowers it."""
     request_timeout_s: float = Field(600, gt=0)
     """Overall bound for one request on every endpoint, streaming included."""
     header_timeout_s: float = Field(75, gt=0)
@@ -339,7 +347,8 @@ DEFAULT_TENANT = "default"
 class TenantLimits(Strict):
     """A tenant's share of the service, on top of the server's and the models' bounds (unset:
     none of its own). A request can never raise them; beyond them: 429 `overloaded` with
-    Retry-After before any byte (max_new_tokens: 422, like the model's limit). With
+    Retry-After before any byte (max_new_tokens and max_detection_chars: 422, like the
+    model's and the server's limits). With
     `server.workers` > 1 each worker counts what it serves, and enforces 1/N of
     max_concurrent_streams, requests_per_minute and tokens_per_minute (rounded up, at least 1):
     together the workers admit the limit (at most N - 1 more, from rounding), and a tenant whose
@@ -357,6 +366,9 @@ class TenantLimits(Strict):
     the others'), and is charged the tokens it spent when it ends."""
     max_new_tokens: int | None = Field(None, ge=1)
     """Largest token budget a request may ask for (under the model's own limit)."""
+    max_detection_chars: int | None = Field(None, ge=1)
+    """Most characters one detection request may ask to be judged (under the server's
+    max_detection_chars; 422 beyond, like it)."""
 
 
 class TenantConfig(Strict):

@@ -65,7 +65,7 @@ def per_worker(limits: TenantLimits, workers: int) -> TenantLimits:
     rounded up and at least 1; together the workers admit the limit, at most N - 1 more
     (rounding), rather than N times it. The kernel spreads connections evenly, not requests
     exactly, so a tenant may meet one worker's share a little before the whole limit.
-    max_new_tokens bounds one request: not divided."""
+    max_new_tokens and max_detection_chars bound one request: not divided."""
     if workers <= 1:
         return limits
 

@@ -17,6 +17,7 @@ from ..streaming.redaction import redact_text
 from ..streaming.text_judgement import judge_text, off_loop
 from ..tenants import CALLER
 from .body import read_model
+from .detection_chars import check_detection_chars, detection_char_limit
 from .stream_slots import stream_slot
 
 
@@ -31,6 +32,7 @@ async def _detect(request: web.Request) -> web.Response:
     body = await read_model(request, ContentDetectionRequest)
     assert state.detectors is not None
     dets = state.detectors.resolve(body.detectors, "content", "detectors")
+    check_detection_chars({"content": len(body.content)}, detection_char_limit(state, request))
     try:
         async with asyncio.timeout(state.config.server.request_timeout_s):
             findings = await judge_text(

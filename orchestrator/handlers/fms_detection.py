@@ -26,6 +26,12 @@ from ..state import STATE, AppState
 from ..streaming.kind_judgement import judge_chat, judge_context, judge_generated
 from ..tenants import CALLER
 from .body import read_model
+from .detection_chars import (
+    check_detection_chars,
+    detection_char_limit,
+    message_chars,
+    text_chars,
+)
 from .stream_slots import stream_slot
 
 # the kinds each endpoint takes: its own, and (chat, generated) every text_contents detector,
@@ -61,6 +67,9 @@ async def chat(request: web.Request) -> web.Response:
     with stream_slot(state, request.get(CALLER)):  # taken first: a refusal costs nothing
         body = await read_model(request, ChatDetectionRequest)
         dets = resolve_kinds(state, body.detectors, CHAT_KINDS)
+        messages = sum(map(message_chars, body.messages))
+        sizes = {"messages": messages, "tools": text_chars(body.tools)}
+        check_detection_chars(sizes, detection_char_limit(state, request))
         # a conversation sent again: its earlier messages' verdicts are kept (verdict_cache.py)
         verdicts = state.input_verdicts(request.get(CALLER))
         judging = judge_chat(body.messages, body.tools, dets, state.chunkers, verdicts)
@@ -72,6 +81,8 @@ async def context(request: web.Request) -> web.Response:
     with stream_slot(state, request.get(CALLER)):
         body = await read_model(request, ContextDetectionRequest)
         dets = resolve_kinds(state, body.detectors, CONTEXT_KINDS)
+        sizes = {"content": len(body.content), "context": sum(map(len, body.context))}
+        check_detection_chars(sizes, detection_char_limit(state, request))
         judging = judge_context(body.content, body.context_type, body.context, dets)
         return reply(await within_timeout(state, judging))
 
@@ -81,5 +92,7 @@ async def generated(request: web.Request) -> web.Response:
     with stream_slot(state, request.get(CALLER)):
         body = await read_model(request, GeneratedDetectionRequest)
         dets = resolve_kinds(state, body.detectors, GENERATED_KINDS)
+        sizes = {"prompt": len(body.prompt), "generated_text": len(body.generated_text)}
+        check_detection_chars(sizes, detection_char_limit(state, request))
         judging = judge_generated(body.prompt, body.generated_text, dets, state.chunkers)
         return reply(await within_timeout(state, judging))

@@ -5,7 +5,7 @@ Hostile input is expected: anything but NDJSON is 415; a stream slot is taken be
 read; the WHOLE body is bounded by `max_request_bytes` (a stream is no excuse for unbounded
 input) and the request by `request_timeout_s`. The first line names the detectors and is
 validated before any byte goes out (its errors are HTTP errors); a bad later line, an oversized
-body, a detector's failure or the deadline ends the reply with an in-band error line. Served by
+body, lines past `max_detection_chars`, a detector's failure or the deadline ends the reply with an in-band error line. Served by
 the serving loop (serving.py) with the NDJSON writer, like every pipeline surface."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..streaming.content_stream import ContentStream
 from ..streaming.ndjson_writer import NdjsonWriter
 from ..tenants import confirm_caller
 from .body import check_content_encoding, parse_json, read_chunk, too_large, validate
+from .detection_chars import check_detection_chars, detection_char_limit
 from .serving import serve
 
 NDJSON_TYPES = frozenset({"application/x-ndjson", "application/ndjson", "application/jsonl"})
@@ -119,10 +120,19 @@ async def prepare_content(request: web.Request) -> ContentStream:
     first = _parse_line(first_raw, first=True)
     assert state.detectors is not None and first.detectors
     dets = state.detectors.resolve(first.detectors, "content", "detectors")
+    # the characters streamed so far, bounded like a content's: a line that passes the limit
+    # ends the stream (in-band) unjudged, and nothing after it is read
+    limit = detection_char_limit(state, request)
+    streamed = len(first.content)
+    check_detection_chars({"content": streamed}, limit)
 
     async def contents() -> AsyncIterator[str]:
+        nonlocal streamed
         while (raw := await body.next()) is not None:
-            yield _parse_line(raw, first=False).content
+            content = _parse_line(raw, first=False).content
+            streamed += len(content)
+            check_detection_chars({"content": streamed}, limit)
+            yield content
 
     remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
     return ContentStream(dets, state.chunkers, first.content, contents(), timeout_s=remaining)
