@@ -200,8 +200,10 @@ async def test_a_stream_content_client_that_stops_reading_is_cut_off(engine, mon
     and the slot, the pipeline and its detector calls end as when a client leaves."""
     clock = manual_deadline_clock(monkeypatch)
     detectors = {"pii": {"type": "text_contents", "builtin": "regex", "chunker_id": "sentence"}}
-    config = native_config(engine.url, detectors=detectors, server={"request_timeout_s": 5})
-    # ~0.9 MB of phone numbers: ~9 MB of detections, more than any socket buffers hold
+    # ~0.9 MB of phone numbers: ~9 MB of detections, more than any socket buffers hold (past
+    # the default max_detection_chars, 100,000: raised for them)
+    server = {"request_timeout_s": 5, "max_detection_chars": 1_000_000}
+    config = native_config(engine.url, detectors=detectors, server=server)
     lines = [json.dumps({"detectors": {"pii": {}}, "content": "Hi. "})]
     lines += [json.dumps({"content": "555-123-4567 " * 1000}) for _ in range(70)]
     body = ("\n".join(lines) + "\n").encode()
