@@ -71,6 +71,8 @@ def config(upstream: str) -> dict[str, Any]:
             "host": "127.0.0.1",
             "port": 0,
             "max_request_bytes": 16 << 20,
+            # the content requests are --mb MB of text: past the default (100,000 characters)
+            "max_detection_chars": 16 << 20,
             "request_timeout_s": 600,
         },
         "models": {
