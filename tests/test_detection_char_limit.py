@@ -231,3 +231,20 @@ async def test_a_tenant_lowers_the_limit(
         body["content"] = "x" * 10
         assert await orch.post(CONTENT_PATH, body, headers=headers) == (200, {"detections": []})
     assert calls(dets) == 1
+
+
+async def test_chat_of_many_messages_is_counted_off_the_loop_the_same(
+    engine: FakeEngine, dets: FakeDetectorServer
+) -> None:
+    """Past 1,024 messages the count runs in the bulk executor: the same count."""
+
+    def body(count: int) -> dict[str, Any]:
+        return {"detectors": {"chat": {}}, "messages": [{"role": "user", "content": "m"}] * count}
+
+    async with Orchestrator(config(engine, dets, max_detection_chars=2000)) as orch:
+        assert await orch.post(CHAT, body(2001)) == refused(
+            "messages: 2001 characters exceed the detection limit of 2000"
+        )
+        assert calls(dets) == 0
+        assert await orch.post(CHAT, body(2000)) == (200, {"detections": []})
+    assert calls(dets) == 1

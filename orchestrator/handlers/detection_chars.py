@@ -60,13 +60,17 @@ def text_chars(value: Any) -> int:
 
 def message_chars(message: ChatMessage) -> int:
     """What a detector receives of a chat message: its content's text, and every other string it
-    carries (a part's other fields, its name, tool calls with their keys, ...) but its role and
-    its parts' types."""
-    wire = message.wire()
-    wire.pop("role")
-    content = wire.pop("content", None)
-    total = len(message.text()) + text_chars(list(wire.values()))
-    if isinstance(content, list):
-        for part in content:
-            total += text_chars([v for k, v in part.items() if k not in ("type", "text")])
+    carries (its name, refusal, tool calls with their keys, a part's other fields...) but its
+    role and its parts' types. Read off the model, not `wire()`: a 1 MiB body holds ~35,000
+    messages, counted on the event loop."""
+    m = message
+    total = len(m.text()) + text_chars([m.name, m.refusal, m.tool_call_id, m.reasoning_content])
+    total += text_chars(m.tool_calls)
+    if isinstance(m.content, list):
+        total += sum(len(p.refusal or "") + text_chars(p.image_url) for p in m.content)
     return total
+
+
+def chat_chars(messages: list[ChatMessage], tools: list[dict[str, Any]]) -> dict[str, int]:
+    """The characters of a chat detection request, by field."""
+    return {"messages": sum(map(message_chars, messages)), "tools": text_chars(tools)}
