@@ -482,6 +482,19 @@ USER = [{"role": "user", "content": "Hi"}]
             "messages.0",
         ),
         (
+            CHAT_DETECTION_ONLY_PATH,
+            {"detectors": {"words": {}}, "messages": USER, "tools": [1] * MANY},
+            "tools.0",
+        ),
+        (
+            CHAT_DETECTION_ONLY_PATH,
+            {
+                "detectors": {"words": {}},
+                "messages": [{"role": "assistant", "tool_calls": [1] * MANY}],
+            },
+            "messages.0.tool_calls.0",
+        ),
+        (
             CONTEXT_DETECTION_PATH,
             {
                 "detectors": {"words": {}},

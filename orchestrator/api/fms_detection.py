@@ -87,7 +87,7 @@ class ChatMessage(BaseModel):
     content: str | Annotated[list[ContentPart], FAIL_FAST] | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[dict[str, Any]], FAIL_FAST] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
@@ -109,7 +109,7 @@ class ChatDetectionRequest(FmsBody):
 
     detectors: DetectorMap
     messages: Annotated[list[ChatMessage], FAIL_FAST]
-    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tools: Annotated[list[dict[str, Any]], FAIL_FAST] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _messages(self) -> ChatDetectionRequest:
