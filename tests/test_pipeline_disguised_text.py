@@ -342,6 +342,18 @@ async def test_an_escaped_email_in_the_output_is_redacted_whole(
             assert part not in sent, (form, part, raw)
 
 
+def assert_filtered(events: list[Any], form: str, raw: str) -> None:
+    """A Responses stream the output guardrail ended: incomplete for content_filter, with a
+    refusal in place of the withheld text."""
+    end = terminal(events)
+    assert end.name == "incomplete", (form, raw)
+    assert end.data["incomplete_details"] == {"reason": "content_filter"}
+    assert [e.name for e in events if e.name.startswith("refusal")] == [
+        "refusal.delta",
+        "refusal.done",
+    ]
+
+
 @pytest.mark.parametrize("name", list(CURSES))
 async def test_a_disguised_curse_in_the_output_is_blocked(
     stack: tuple[FakeEngine, Orchestrator], name: str
@@ -349,13 +361,7 @@ async def test_a_disguised_curse_in_the_output_is_blocked(
     _, orch = stack
     for form, tokens in zip(("plain", "disguised"), CURSES[name], strict=True):
         raw, events = await raw_stream(orch, f"{name} {form}")
-        end = terminal(events)
-        assert end.name == "incomplete", (form, raw)
-        assert end.data["incomplete_details"] == {"reason": "content_filter"}
-        assert [e.name for e in events if e.name.startswith("refusal")] == [
-            "refusal.delta",
-            "refusal.done",
-        ]
+        assert_filtered(events, form, raw)
         sent = "".join(strings([e.data for e in events]))
         assert "uck" not in sent and tokens[3] not in sent, (form, raw)  # the word's tail token
 
@@ -370,13 +376,7 @@ async def test_a_censored_swear_word_in_the_output_is_blocked(
     _, disguised, word = CENSORED[name]
     for form in ("plain", "disguised"):
         raw, events = await raw_stream(orch, f"{name} {form}")
-        end = terminal(events)
-        assert end.name == "incomplete", (form, raw)
-        assert end.data["incomplete_details"] == {"reason": "content_filter"}
-        assert [e.name for e in events if e.name.startswith("refusal")] == [
-            "refusal.delta",
-            "refusal.done",
-        ]
+        assert_filtered(events, form, raw)
         assert released(events) == "", (form, raw)
     # the disguised word, and each token of it of four characters or more
     sent = "".join(strings([e.data for e in events]))

@@ -87,14 +87,12 @@ def no_part_of(entity: str, raw: str) -> None:
 # -- 4: an entity longer than max_chars ------------------------------------------------------
 
 
-@pytest.mark.parametrize("entity", [HIDDEN, LONG], ids=["zero-width", "visible"])
-@pytest.mark.parametrize("max_chars", [16, 500])
-async def test_an_entity_longer_than_max_chars_is_redacted(entity: str, max_chars: int) -> None:
-    answer = f"Sure. Mail {entity} now. Bye."
+async def redacted_stream(answer: str, max_chars: int) -> str:
+    """The raw bytes of `answer` streamed one character a token under a redacting `pii`."""
     engine = await start(list(answer))
     try:
         async with Orchestrator(config(engine, max_chars)) as orch:
-            raw = await raw_post(
+            return await raw_post(
                 orch,
                 STREAMING,
                 generation_body(
@@ -104,6 +102,13 @@ async def test_an_entity_longer_than_max_chars_is_redacted(entity: str, max_char
             )
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize("entity", [HIDDEN, LONG], ids=["zero-width", "visible"])
+@pytest.mark.parametrize("max_chars", [16, 500])
+async def test_an_entity_longer_than_max_chars_is_redacted(entity: str, max_chars: int) -> None:
+    answer = f"Sure. Mail {entity} now. Bye."
+    raw = await redacted_stream(answer, max_chars)
     no_part_of(entity, raw)
     events = sse_events(raw)
     assert assert_contiguous(frames(events)) == "Sure. Mail [email] now. Bye."
@@ -115,19 +120,7 @@ async def test_an_address_padded_past_the_domain_bound_is_redacted_to_it(max_cha
     """A 606-character address: its first 3 + 255 characters are redacted (the stream's windows
     hold 64 + 1 + 255 of any run), the labels after them leave as a domain alone."""
     answer = f"Sure. Mail {PADDED} now. Bye."
-    engine = await start(list(answer))
-    try:
-        async with Orchestrator(config(engine, max_chars)) as orch:
-            raw = await raw_post(
-                orch,
-                STREAMING,
-                generation_body(
-                    output={"pii": {"on_detection": "redact"}},
-                    params={"max_new_tokens": len(answer)},
-                ),
-            )
-    finally:
-        await engine.close()
+    raw = await redacted_stream(answer, max_chars)
     assert "jo@" not in raw
     events = sse_events(raw)
     assert assert_contiguous(frames(events)) == f"Sure. Mail [email]{PADDED[258:]} now. Bye."
